@@ -1,0 +1,26 @@
+"""pagedexperts: run MoE models with K of E routed experts per layer resident on the device.
+
+Quick start::
+
+    from pagedexperts import load_model
+    model, tokenizer = load_model(num_resident=16)          # bundled tiny model, 16 of 64
+    out = model.generate(**tokenizer("ROMEO:", return_tensors="pt"), max_new_tokens=20)
+    print(model.paging_stats().as_dict()["hit_rate"])
+
+Heavy modules (torch, transformers) are imported lazily so that ``sizing``, ``residency``
+and ``stats`` stay usable with the standard library alone.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["load_model", "bundled_model_path", "__version__"]
+
+
+def __getattr__(name):
+    if name in ("load_model", "bundled_model_path"):
+        from pagedexperts import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'pagedexperts' has no attribute {name!r}")
