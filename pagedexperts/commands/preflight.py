@@ -1,0 +1,205 @@
+"""``pagedexperts preflight``: what a choice of K costs, before loading anything.
+
+Owns: the flags, their validation, the composition of ``sizing`` functions into one report,
+and its human-readable and JSON rendering. Reads config.json and safetensors headers only
+(``--model-path``) or takes explicit numbers. Does not measure anything (``linkbench``) or
+replay routing (``simulate``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from pagedexperts import sizing
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "preflight",
+        help="size K, slots, KV and miss-rate bounds from a model directory or explicit numbers",
+        description="Arithmetic before a run: slot bytes, KV tokens per slot, single-wave batch cap, "
+        "uniform miss rate, the miss rate a measured speed allows, prefill page-in time, auto K. "
+        "Units: MB = 1e6 B, GB = 1e9 B, GB/s = 1e9 B/s.",
+    )
+    model = p.add_argument_group("model (a directory, or explicit numbers)")
+    model.add_argument("--model-path", help="checkpoint directory: config.json + safetensors (headers only)")
+    model.add_argument("--layers", type=int, help="MoE layers L (explicit mode)")
+    model.add_argument("--experts", type=int, help="routed experts per layer E (explicit mode)")
+    model.add_argument("--top-k", type=int, help="experts per token k (explicit mode)")
+    model.add_argument("--expert-mb", type=float, help="MB of one expert in one layer (explicit mode)")
+    model.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token, all layers (explicit mode)")
+    model.add_argument("--non-expert-gb", type=float, default=0.0,
+                       help="GB of non-expert weights for auto K (explicit mode; default 0)")
+    run = p.add_argument_group("run")
+    run.add_argument("--num-resident", type=int,
+                     help="K resident experts per layer; omitted: auto K from --device-memory-gb")
+    run.add_argument("--link-gbps", type=float, help="host-to-device GB/s (see `pagedexperts linkbench`)")
+    run.add_argument("--tok-s", type=float, help="measured decode tokens/s, to bound the miss rate")
+    run.add_argument("--device-memory-gb", type=float, help="device memory budget in GB, for auto K")
+    run.add_argument("--context-length", type=int, default=4096, help="tokens per request for the KV reserve (default 4096)")
+    run.add_argument("--max-running-requests", type=int, default=1, help="concurrent requests for the KV reserve (default 1)")
+    run.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8"], default="auto",
+                     help="KV cache dtype; auto = the config's dtype (default auto)")
+    run.add_argument("--runtime-reserve-gb", type=float, default=1.0,
+                     help="GB kept for activations, CUDA context, allocator slack (default 1.0)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run_preflight)
+
+
+def run_preflight(args) -> int:
+    report = build_report(**_model_inputs(args), **_run_inputs(args))
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _model_inputs(args) -> dict:
+    """Model shape from --model-path or from the explicit flags; validated."""
+    if args.model_path:
+        config = sizing.read_config(args.model_path)
+        shape = sizing.moe_shape(config=config)
+        sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts)
+        return dict(
+            model=os.path.basename(os.path.normpath(args.model_path)),
+            moe_layers=len(shape.moe_layers),
+            num_experts=shape.num_experts,
+            top_k=shape.top_k,
+            expert_bytes=sizes.expert_bytes,
+            kv_bytes_per_token=sizing.kv_bytes_per_token(config=config, kv_dtype=args.kv_dtype),
+            non_expert_bytes=sizes.non_expert_bytes,
+        )
+    missing = [f for f in ("layers", "experts", "top_k", "expert_mb", "kv_bytes_per_token") if getattr(args, f) is None]
+    if missing:
+        flags = ", ".join("--" + f.replace("_", "-") for f in missing)
+        raise ValueError(f"pass --model-path DIR, or all explicit model flags (missing: {flags})")
+    _positive(args.layers, "--layers")
+    _positive(args.experts, "--experts")
+    _positive(args.expert_mb, "--expert-mb")
+    _positive(args.kv_bytes_per_token, "--kv-bytes-per-token")
+    if not 1 <= args.top_k <= args.experts:
+        raise ValueError(f"--top-k {args.top_k} must be in [1, E={args.experts}] (--top-k)")
+    kv = args.kv_bytes_per_token
+    if args.kv_dtype == "fp8":
+        kv //= 2  # explicit numbers are taken as bf16 KV; fp8 halves them
+    return dict(
+        model="explicit",
+        moe_layers=args.layers,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        expert_bytes=round(args.expert_mb * sizing.MB),
+        kv_bytes_per_token=kv,
+        non_expert_bytes=round(args.non_expert_gb * sizing.GB),
+    )
+
+
+def _run_inputs(args) -> dict:
+    for flag, value in (("--link-gbps", args.link_gbps), ("--tok-s", args.tok_s),
+                        ("--device-memory-gb", args.device_memory_gb),
+                        ("--context-length", args.context_length),
+                        ("--max-running-requests", args.max_running_requests)):
+        if value is not None:
+            _positive(value, flag)
+    if args.runtime_reserve_gb < 0:
+        raise ValueError(f"--runtime-reserve-gb {args.runtime_reserve_gb} must be >= 0")
+    if args.num_resident is None and args.device_memory_gb is None:
+        raise ValueError("pass --num-resident K, or --device-memory-gb to compute K automatically")
+    return dict(
+        num_resident=args.num_resident,
+        link_gbps=args.link_gbps,
+        tok_s=args.tok_s,
+        device_memory_gb=args.device_memory_gb,
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
+        runtime_reserve_gb=args.runtime_reserve_gb,
+    )
+
+
+def _positive(value, flag: str) -> None:
+    if not value > 0:
+        raise ValueError(f"{flag} {value} must be > 0")
+
+
+def build_report(
+    *, model, moe_layers, num_experts, top_k, expert_bytes, kv_bytes_per_token, non_expert_bytes,
+    num_resident, link_gbps, tok_s, device_memory_gb, context_length, max_running_requests,
+    runtime_reserve_gb,
+) -> dict:
+    """Compose the sizing functions into one flat report (bytes, fractions, seconds).
+
+    Raises:
+        ValueError: K outside [1, E] (names --num-resident).
+    """
+    slot = sizing.slot_bytes(expert_bytes=expert_bytes, moe_layers=moe_layers)
+    kv_reserve = sizing.kv_reserve_bytes(context_length=context_length, max_running_requests=max_running_requests,
+                                         kv_bytes_per_token=kv_bytes_per_token)
+    mem = dict(non_expert_bytes=non_expert_bytes, runtime_reserve_gb=runtime_reserve_gb, slot_bytes=slot)
+    k_source = "given"
+    if num_resident is None:
+        num_resident = sizing.auto_num_resident(device_memory_gb=device_memory_gb, kv_reserve_bytes=kv_reserve,
+                                                top_k=top_k, num_experts=num_experts, **mem)
+        k_source = "auto"
+    if not 1 <= num_resident <= num_experts:
+        raise ValueError(f"--num-resident {num_resident} must be in [1, E={num_experts}] (--num-resident)")
+    all_miss = sizing.all_miss_bytes_per_token(moe_layers=moe_layers, top_k=top_k, expert_bytes=expert_bytes)
+    uniform = sizing.uniform_miss_rate(num_resident=num_resident, num_experts=num_experts)
+    r = dict(
+        model=model, moe_layers=moe_layers, num_experts=num_experts, top_k=top_k,
+        expert_bytes=expert_bytes, slot_bytes=slot,
+        host_bytes=sizing.host_bytes(slot_bytes=slot, num_experts=num_experts),
+        kv_bytes_per_token=kv_bytes_per_token,
+        kv_tokens_per_slot=sizing.kv_tokens_per_slot(slot_bytes=slot, kv_bytes_per_token=kv_bytes_per_token),
+        num_resident=num_resident, num_resident_source=k_source,
+        device_slot_bytes=num_resident * slot,
+        single_wave_batch_cap=sizing.single_wave_batch_cap(num_resident=num_resident, top_k=top_k),
+        all_miss_bytes_per_token=all_miss, uniform_miss_rate=uniform,
+        prefill_page_in_bytes=sizing.prefill_page_in_bytes(num_experts=num_experts, num_resident=num_resident,
+                                                           slot_bytes=slot),
+        link_gbps=link_gbps, tok_s=tok_s, non_expert_bytes=non_expert_bytes,
+    )
+    if link_gbps:
+        r["prefill_page_in_s"] = sizing.transfer_seconds(num_bytes=r["prefill_page_in_bytes"], link_gbps=link_gbps)
+    if link_gbps and tok_s:
+        allowed = sizing.max_miss_rate_allowed(link_gbps=link_gbps, tok_s=tok_s, all_miss_bytes_per_token=all_miss)
+        r["max_miss_rate_allowed"] = allowed
+        r["verdict"] = sizing.reuse_verdict(max_miss_rate=allowed, uniform_miss_rate=uniform)
+    if device_memory_gb:
+        needed = sizing.memory_needed_bytes(kv_reserve_bytes=kv_reserve, num_resident=num_resident, **mem)
+        r.update(
+            device_memory_gb=device_memory_gb, kv_reserve_bytes=kv_reserve, runtime_reserve_gb=runtime_reserve_gb,
+            memory_needed_bytes=needed, fits=needed <= device_memory_gb * sizing.GB,
+            kv_tokens_allowed=sizing.context_tokens_allowed(device_memory_gb=device_memory_gb,
+                                                            kv_bytes_per_token=kv_bytes_per_token,
+                                                            num_resident=num_resident, **mem),
+            max_running_requests=max_running_requests, context_length=context_length,
+        )
+    return r
+
+
+def format_report(r: dict) -> str:
+    """Human-readable lines of a ``build_report`` dict (MB/GB as 1e6/1e9 bytes, % rounded)."""
+    mb, gb = sizing.MB, sizing.GB
+    lines = [
+        f"model                 {r['model']}: L={r['moe_layers']} MoE layers, E={r['num_experts']}, top_k={r['top_k']}",
+        f"expert                {r['expert_bytes'] / mb:.2f} MB",
+        f"slot (expert x L)     {r['slot_bytes'] / mb:.0f} MB (~{r['kv_tokens_per_slot']:,.0f} KV tokens at "
+        f"{r['kv_bytes_per_token']:,} B/token)",
+        f"host store (slot x E) {r['host_bytes'] / gb:.2f} GB",
+        f"resident K            {r['num_resident']} of {r['num_experts']} ({r['num_resident_source']}), "
+        f"{r['device_slot_bytes'] / gb:.2f} GB on the device",
+        f"batch cap             {r['single_wave_batch_cap']} (K // top_k requests always fit one wave; "
+        "overlapping routing can allow more: `pagedexperts simulate` measures it)",
+        f"all-miss per token    {r['all_miss_bytes_per_token'] / mb:.0f} MB (L x top_k x expert)",
+        f"uniform miss rate     {r['uniform_miss_rate']:.0%} (1 - K/E)",
+        f"prefill page-in       {r['prefill_page_in_bytes'] / gb:.2f} GB ((E - K) x slot)"
+        + (f", {r['prefill_page_in_s']:.3f} s at {r['link_gbps']:g} GB/s (TTFT floor)" if "prefill_page_in_s" in r else ""),
+    ]
+    if "verdict" in r:
+        lines.append(f"max miss allowed      {r['max_miss_rate_allowed']:.0%} at {r['tok_s']:g} tok/s and "
+                     f"{r['link_gbps']:g} GB/s: {r['verdict']}")
+    if "fits" in r:
+        lines.append(f"device memory         needs {r['memory_needed_bytes'] / gb:.2f} of {r['device_memory_gb']:g} GB "
+                     f"({'fits' if r['fits'] else 'DOES NOT FIT: lower --context-length or --max-running-requests'})")
+        per_req = r["kv_tokens_allowed"] // r["max_running_requests"]
+        lines.append(f"context allowed       {r['kv_tokens_allowed']:,} KV tokens at K={r['num_resident']} "
+                     f"({per_req:,} per request x {r['max_running_requests']})")
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""Integration with transformers' experts registry: one stateless dispatcher, registered once.
+
+transformers 5.x calls ``fn(experts_module, hidden_states [T, H], top_k_index [T, k],
+top_k_weights [T, k])`` for every MoE layer whose config names ``fn``'s registry key as its
+experts implementation (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``). The registry
+is process-global, so the function registered here holds no state: it forwards to the
+``ExpertPager`` attached to the experts module it is called with. Two models with different K
+therefore live side by side in one process. Owns: the registry key and the attachment
+attribute. Does not: build pagers (``loader``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IMPLEMENTATION_NAME = "pagedexperts"
+PAGER_ATTR = "_pagedexperts_pager"
+
+
+def paged_experts_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Experts step of a paged layer: [T, H], [T, k], [T, k] -> [T, H].
+
+    Raises:
+        RuntimeError: the module has no pager attached (the model was not loaded through
+            ``pagedexperts.load_model`` / ``attach_pagers``).
+    """
+    pager = getattr(module, PAGER_ATTR, None)
+    if pager is None:
+        raise RuntimeError(
+            f"{type(module).__name__} has no pager attached but its model selects the "
+            f"{IMPLEMENTATION_NAME!r} experts implementation; load it with pagedexperts.load_model"
+        )
+    return pager(module, hidden_states, top_k_index, top_k_weights)
+
+
+def register() -> None:
+    """Register the dispatcher under IMPLEMENTATION_NAME (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if ALL_EXPERTS_FUNCTIONS.get(IMPLEMENTATION_NAME) is not paged_experts_forward:
+        ExpertsInterface.register(IMPLEMENTATION_NAME, paged_experts_forward)
+
+
+def set_implementation(model: torch.nn.Module, name: str) -> None:
+    """Select experts implementation ``name`` on ``model`` and all its sub-configs."""
+    if name == IMPLEMENTATION_NAME:
+        register()
+    model.set_experts_implementation(name)

@@ -1,0 +1,401 @@
+"""Load a Hugging Face MoE checkpoint with paged experts: the library's entry point.
+
+Owns: reading a model directory (config.json, safetensors single file or shards with an
+index, tokenizer), building the model with its parameters on the meta device, streaming
+each expert tensor straight from the checkpoint into the host store (never the device), the
+rest onto the device, and attaching one ``ExpertPager`` per MoE layer. Both checkpoint
+layouts are read: stacked experts (``mlp.experts.gate_up_proj`` [E, ...]) and one tensor per
+expert (``mlp.experts.{j}.gate_proj.weight``, what hub checkpoints and ``save_pretrained``
+write), mapped with transformers' own conversion table. Does not: page (``pager``), decide
+residency (``residency``), or generate text (``generate``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from pagedexperts import integration
+from pagedexperts.models import ExpertsSite, check_supported, find_experts_sites
+from pagedexperts.pager import INNER_IMPLEMENTATIONS, ExpertPager
+from pagedexperts.residency import make_policy
+from pagedexperts.stats import ModelStats
+from pagedexperts.store import HostExpertStore, check_host_memory
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_MODEL = "tiny-qwen3-moe"
+DEFAULT_RESIDENT_FRACTION = 0.25  # default K = E / 4 (at least top_k)
+
+
+def bundled_model_path() -> Path:
+    """Directory of the tiny Qwen3-MoE model shipped inside the package."""
+    return Path(str(resources.files("pagedexperts") / "data" / BUNDLED_MODEL))
+
+
+@dataclass(frozen=True)
+class PagingConfig:
+    """How a model is paged. ``num_resident`` None means DEFAULT_RESIDENT_FRACTION x E."""
+
+    num_resident: int | None = None
+    device: str = "cpu"
+    dtype: str | None = None  # "float32", "bfloat16", "float16"; None = checkpoint's dtype
+    experts_implementation: str = "grouped_mm"
+    policy: str = "lru"
+
+
+@dataclass
+class PagingRuntime:
+    """The paging state of one model: its pagers (one per MoE layer) and its config.
+
+    Attached to the model as ``model.pagedexperts``; every bit of state lives here, on the
+    model, never in module globals, so several paged models can share a process.
+    """
+
+    config: PagingConfig
+    num_experts: int
+    top_k: int
+    num_resident: int
+    pagers: dict[int, ExpertPager] = field(default_factory=dict)
+
+    def stats(self) -> ModelStats:
+        """Current counters of every MoE layer (CUDA copy times folded in first)."""
+        for p in self.pagers.values():
+            p.collect_copy_time()
+        fallbacks = sorted({p.store.fallback for p in self.pagers.values() if p.store.fallback})
+        return ModelStats.collect(((i, p.stats) for i, p in self.pagers.items()), fallbacks)
+
+    def reset_stats(self) -> None:
+        from pagedexperts.stats import LayerStats
+
+        for p in self.pagers.values():
+            p.collect_copy_time()
+            p.stats = LayerStats()
+
+    @property
+    def expert_bytes(self) -> int:
+        return next(iter(self.pagers.values())).store.expert_bytes
+
+
+def resolve_dtype(name: str | None, config) -> torch.dtype:
+    """Torch dtype from a name (None: the checkpoint's ``dtype`` in config.json, else float32).
+
+    Raises:
+        ValueError: unknown name (lists the valid --dtype choices).
+    """
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name is None or name == "auto":
+        name = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
+    if name not in choices:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(choices)} (--dtype)")
+    return choices[name]
+
+
+def checkpoint_files(model_path: Path) -> list[Path]:
+    """The safetensors files of a model directory (single file, or shards named by the index).
+
+    Raises:
+        FileNotFoundError: no safetensors in the directory, or a shard named by the index is
+            missing.
+    """
+    index = model_path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_path / s for s in shards]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"checkpoint shards named in {index} are missing: {missing}")
+        return files
+    single = model_path / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(model_path.glob("*.safetensors"))
+    if found:
+        return found
+    raise FileNotFoundError(f"no safetensors checkpoint in {model_path} (want model.safetensors or an index)")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Create every nn.Parameter on the meta device (buffers stay real: rotary tables etc.)."""
+    original = torch.nn.Module.register_parameter
+
+    def register_parameter(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    torch.nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+class KeyMap:
+    """Maps checkpoint keys onto the model: an expert row of a store, or a plain tensor.
+
+    Uses transformers' checkpoint conversion table for the model type (renamings, and the
+    per-expert -> stacked converters: MergeModulelist(dim=0) then Concatenate(dim=1)).
+    """
+
+    def __init__(self, model_type: str, sites: dict[str, ExpertsSite]) -> None:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        self.sites = sites
+        self.renames: list[tuple[re.Pattern, str]] = []
+        self.converters: list[tuple[list[re.Pattern], str]] = []
+        for t in get_checkpoint_conversion_mapping(model_type) or []:
+            kind = type(t).__name__
+            if kind == "WeightRenaming":
+                for src, dst in zip(t.source_patterns, t.target_patterns):
+                    self.renames.append((re.compile(src), dst))
+            elif kind == "WeightConverter":
+                ops = [(type(o).__name__, getattr(o, "dim", None)) for o in t.operations]
+                if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+                    raise ValueError(f"checkpoint conversion {ops} for {model_type!r} is not supported yet")
+                pats = [re.compile(re.escape(p).replace(r"\*", r"(\d+)")) for p in t.source_patterns]
+                self.converters.append((pats, t.target_patterns[0]))
+
+    def rename(self, key: str) -> str:
+        for pat, dst in self.renames:
+            key = pat.sub(dst, key)
+        return key
+
+    def expert_target(self, key: str) -> tuple[ExpertsSite, str, int | None, int, int] | None:
+        """(site, tensor name, expert j or None if stacked, source index, number of sources)."""
+        for pats, target in self.converters:
+            for i, pat in enumerate(pats):
+                m = pat.search(key)
+                if m is None:
+                    continue
+                full = key[: m.start()] + target
+                site_name, _, tname = full.rpartition(".")
+                site_name = site_name.lstrip(".")
+                if site_name in self.sites:
+                    return self.sites[site_name], tname, int(m.group(1)), i, len(pats)
+        site_name, _, tname = key.rpartition(".")
+        if site_name in self.sites:
+            return self.sites[site_name], tname, None, 0, 1
+        return None
+
+
+def load_model(
+    model_path: str | Path | None = None,
+    *,
+    num_resident: int | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    experts_implementation: str = "grouped_mm",
+    policy: str = "lru",
+):
+    """Load a Hugging Face MoE model directory with K of E experts per layer resident.
+
+    Args:
+        model_path: model directory (config.json, safetensors, tokenizer); None = bundled.
+        num_resident: K slots per MoE layer, top_k <= K <= E; None = max(top_k, E // 4).
+        device: "cpu" or "cuda[:n]": where slots, attention and everything else live.
+        dtype: "float32", "bfloat16", "float16"; None = the checkpoint's dtype.
+        experts_implementation: the transformers experts kernel run over the slots
+            (grouped_mm, batched_mm, eager); the paged output equals the unpaged model's
+            with the same implementation.
+        policy: eviction policy name (residency.POLICIES).
+
+    Returns:
+        (model, tokenizer): a transformers causal LM usable with ``generate()``, with
+        ``model.pagedexperts`` (a PagingRuntime: ``.stats()``), and its tokenizer (None if the
+        directory has none).
+
+    Raises:
+        FileNotFoundError: path, config.json or a shard missing.
+        ValueError: not an MoE model / unsupported architecture (lists supported ones), K out
+            of [top_k, E] (names --num-resident), unknown dtype / implementation / policy,
+            truncated shard, expert shapes that do not match the config.
+        MemoryError: host memory too small for the store (before anything is loaded).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(model_path) if model_path is not None else bundled_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (--model-path)")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model directory? (--model-path)")
+    config = AutoConfig.from_pretrained(path)
+    check_supported(config)
+    files = checkpoint_files(path)
+    if experts_implementation not in INNER_IMPLEMENTATIONS:
+        raise ValueError(
+            f"experts implementation {experts_implementation!r} is not supported under paging; "
+            f"choose one of {list(INNER_IMPLEMENTATIONS)} (--experts-implementation)"
+        )
+    make_policy(policy, 1)  # validate the name before any work
+    torch_dtype = resolve_dtype(dtype, config)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch_dtype, experts_implementation=experts_implementation
+        )
+    sites = find_experts_sites(model)
+    num_experts = sites[0].num_experts
+    top_k = int(config.num_experts_per_tok)
+    k_slots = _check_num_resident(num_resident, num_experts, top_k)
+    expert_bytes = sum(s.row_bytes for s in sites[0].specs)
+    check_host_memory(expert_bytes * num_experts * len(sites), what="the host expert store")
+
+    runtime = PagingRuntime(
+        config=PagingConfig(k_slots, str(dev), dtype, experts_implementation, policy),
+        num_experts=num_experts,
+        top_k=top_k,
+        num_resident=k_slots,
+    )
+    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    stores = {}
+    for site in sites:
+        store = HostExpertStore(list(site.specs), site.num_experts, pin=dev.type == "cuda")
+        stores[site.name] = store
+        for spec in site.specs:  # the module keeps no [E, ...] tensor: only the pager's slots
+            site.module._parameters.pop(spec.name, None)
+            site.module._buffers.pop(spec.name, None)
+        runtime.pagers[site.layer] = ExpertPager(
+            layer=site.layer,
+            store=store,
+            num_slots=k_slots,
+            device=dev,
+            inner=experts_implementation,
+            policy=make_policy(policy, k_slots),
+            copy_stream=copy_stream,
+        )
+        setattr(site.module, integration.PAGER_ATTR, runtime.pagers[site.layer])
+
+    _stream_checkpoint(model, config.model_type, files, {s.name: s for s in sites}, stores, dev)
+    model.to(dev)
+    model.eval()
+    model.pagedexperts = runtime
+    integration.set_implementation(model, integration.IMPLEMENTATION_NAME)
+    tokenizer = _load_tokenizer(path)
+    return model, tokenizer
+
+
+def _check_num_resident(num_resident: int | None, num_experts: int, top_k: int) -> int:
+    if num_resident is None:
+        return max(top_k, int(num_experts * DEFAULT_RESIDENT_FRACTION))
+    if num_resident < top_k:
+        raise ValueError(
+            f"--num-resident K={num_resident} is below top_k={top_k}: one token routes to "
+            f"{top_k} experts, so at least {top_k} slots are needed; raise --num-resident"
+        )
+    if num_resident > num_experts:
+        raise ValueError(
+            f"--num-resident K={num_resident} exceeds the E={num_experts} routed experts per "
+            f"layer; use --num-resident {num_experts} (all resident) or less"
+        )
+    return num_resident
+
+
+def _stream_checkpoint(model, model_type, files, sites, stores, device) -> None:
+    """Copy every checkpoint tensor to its place: expert rows into stores, the rest to device."""
+    from safetensors import safe_open
+
+    keymap = KeyMap(model_type, sites)
+    # site name -> {(tensor name, expert): source indices seen}; n_src per tensor name
+    seen_rows: dict[str, dict] = {name: {} for name in sites}
+    unexpected = []
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as exc:  # safetensors raises its own error type for truncated files
+            raise ValueError(f"cannot read checkpoint shard {file}: {exc} (truncated or corrupt?)") from exc
+        with handle as f:
+            for raw_key in f.keys():
+                key = keymap.rename(raw_key)
+                target = keymap.expert_target(key)
+                if target is not None:
+                    _load_expert_tensor(f, raw_key, target, stores, seen_rows)
+                elif not _load_plain_tensor(model, key, f.get_tensor(raw_key), device):
+                    unexpected.append(raw_key)
+    if unexpected:
+        logger.warning("checkpoint keys not used by the model: %d (first: %s)", len(unexpected), unexpected[:3])
+    for name, site in sites.items():
+        lacking = [
+            (spec.name, e)
+            for spec in site.specs
+            for e in range(site.num_experts)
+            if len(seen_rows[name].get((spec.name, e), ((), 1))[0]) != seen_rows[name].get((spec.name, e), ((), 1))[1]
+        ]
+        if lacking:
+            raise ValueError(
+                f"checkpoint lacks expert tensors of {name}: {len(lacking)} (tensor, expert) rows, "
+                f"e.g. {lacking[:4]}"
+            )
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} model tensors, e.g. {missing[:4]}")
+
+
+def _load_expert_tensor(f, raw_key, target, stores, seen_rows) -> None:
+    site, tname, expert, src_index, n_src = target
+    store = stores[site.name]
+    if tname not in store.tensors:
+        raise ValueError(f"checkpoint tensor {raw_key!r} maps to unknown expert tensor {tname!r} of {site.name}")
+    if expert is None:  # stacked [E, ...]: copy one expert at a time to bound memory
+        sl = f.get_slice(raw_key)
+        shape = sl.get_shape()
+        if shape[0] != site.num_experts:
+            raise ValueError(
+                f"expert tensor {raw_key!r} has {shape[0]} experts, config says E={site.num_experts}"
+            )
+        for e in range(site.num_experts):
+            store.write_row(tname, e, sl[e])
+            seen_rows[site.name][(tname, e)] = ({0}, 1)
+        return
+    value = f.get_tensor(raw_key)
+    rows = None
+    if n_src > 1:
+        size = value.shape[0]
+        rows = slice(src_index * size, (src_index + 1) * size)
+    store.write_row(tname, expert, value, rows=rows)
+    seen_rows[site.name].setdefault((tname, expert), (set(), n_src))[0].add(src_index)
+
+
+def _load_plain_tensor(model, key: str, value: torch.Tensor, device) -> bool:
+    """Put a non-expert tensor in its place on the device. False if the model has no such key."""
+    module_name, _, attr = key.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return False
+    current = module._parameters.get(attr)
+    if current is None and attr not in module._buffers:
+        return False
+    ref = current if current is not None else module._buffers[attr]
+    if tuple(ref.shape) != tuple(value.shape):
+        raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}, the config implies {tuple(ref.shape)}")
+    dtype = ref.dtype if value.is_floating_point() else value.dtype
+    tensor = value.to(device=device, dtype=dtype)
+    if current is not None:
+        module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[attr] = tensor
+    return True
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,111 @@
+"""Architecture adapters: where a family's routed experts live and how to page them.
+
+Owns: the list of supported architectures, the discovery of experts modules and of their
+per-expert tensors (every parameter or buffer whose leading dim is E, found from the layer,
+never from a hand list). Does not: read checkpoints (``loader``) or page (``pager``).
+Routing, shared experts and dense layers stay the model's own code: only the modules that
+transformers dispatches through its experts registry are paged, so a shared expert (a plain
+MLP beside them) is never in the store, never in K and never in the stats.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pagedexperts.store import TensorSpec
+
+# model_type (config.json) -> family name. Each entry is covered by an exactness test.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "qwen3_moe": "Qwen3-MoE",
+}
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ExpertsSite:
+    """One routed-experts module of a model: its decoder layer index and per-expert tensors."""
+
+    layer: int
+    name: str  # dotted module name, e.g. "model.layers.3.mlp.experts"
+    module: torch.nn.Module
+    num_experts: int
+    specs: tuple[TensorSpec, ...]
+
+
+def check_supported(config) -> str:
+    """Return the family name of ``config``'s architecture.
+
+    Raises:
+        ValueError: not an MoE model, or an architecture not yet supported (lists them).
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        is_moe = any(
+            getattr(config, a, None)
+            for a in ("num_experts", "num_local_experts", "n_routed_experts")
+        )
+        what = "an MoE architecture not yet supported" if is_moe else "not an MoE model"
+        raise ValueError(
+            f"model_type {model_type!r} is {what}; supported: "
+            + ", ".join(f"{k} ({v})" for k, v in sorted(SUPPORTED_ARCHITECTURES.items()))
+        )
+    return SUPPORTED_ARCHITECTURES[model_type]
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """True for modules dispatched through transformers' experts registry."""
+    return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
+
+
+def find_experts_sites(model: torch.nn.Module) -> list[ExpertsSite]:
+    """All routed-experts modules of ``model``, in layer order, with their per-expert tensors.
+
+    Raises:
+        ValueError: an experts module whose layout is not understood (a tensor without the
+            leading E, no per-expert tensor, or no layer index in its name).
+    """
+    sites = []
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        match = _LAYER_RE.search(name + ".")
+        if match is None:
+            raise ValueError(f"experts module {name!r} has no 'layers.N.' in its name")
+        sites.append(
+            ExpertsSite(
+                layer=int(match.group(1)),
+                name=name,
+                module=module,
+                num_experts=int(module.num_experts),
+                specs=per_expert_specs(module, name),
+            )
+        )
+    if not sites:
+        raise ValueError(f"{type(model).__name__} has no routed-experts module to page")
+    return sorted(sites, key=lambda s: s.layer)
+
+
+def per_expert_specs(module: torch.nn.Module, name: str = "") -> tuple[TensorSpec, ...]:
+    """Every direct parameter or buffer of ``module`` with leading dim E, as TensorSpecs.
+
+    Raises:
+        ValueError: a direct tensor without leading dim E (layout not understood), or none.
+    """
+    num_experts = int(module.num_experts)
+    specs = []
+    tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+    for tname, t in tensors:
+        if t.dim() == 0 or t.shape[0] != num_experts:
+            raise ValueError(
+                f"experts module {name or type(module).__name__}: tensor {tname!r} of shape "
+                f"{tuple(t.shape)} has no leading dim E={num_experts}; this layout is not "
+                "understood, so it cannot be paged"
+            )
+        specs.append(TensorSpec(name=tname, shape=tuple(t.shape[1:]), dtype=t.dtype))
+    if not specs:
+        raise ValueError(f"experts module {name!r} has no per-expert tensor")
+    return tuple(specs)

@@ -1,0 +1,218 @@
+"""The per-layer paging runtime: K device slots, the residency, the host store, the waves.
+
+Owns: the [K, ...] slot tensors of one MoE layer on the device, its ``Residency`` (policy and
+slot map), its ``HostExpertStore``, its ``LayerStats``, and the experts step of DESIGN.md
+(steps 2-6): read the top-k ids to the host, plan waves, page in the misses, compute each wave
+with the model's own experts implementation over the slot tensors, and merge.
+Does not: route (the model's router runs unchanged), load checkpoints (``loader``), or know
+the architecture (``models``).
+
+Exactness. The reference ("inner") implementation is called once per wave on the wave's
+(token, k) entries as if each entry were a token with top_k = 1, so every entry's weighted
+output is computed by the same kernel from the same rows as in the unpaged model; the entries
+are then combined exactly as the inner implementation combines them: ``grouped_mm`` and
+``batched_mm`` sum the k entries of a token in one ``sum(dim=1)``; ``eager`` adds them one by
+one in ascending expert id (its ``index_add_`` loop). Every entry is computed once and summed
+once, so paged output is bit-identical to the unpaged model with the same implementation.
+
+Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T * k entries.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from pagedexperts.residency import EvictionPolicy, Residency, StepPlan, Wave
+from pagedexperts.stats import LayerStats
+from pagedexperts.store import HostExpertStore
+
+# Inner implementations whose combine rule the pager knows (see module docstring).
+SUM_COMBINE = ("grouped_mm", "batched_mm")
+SEQUENTIAL_COMBINE = ("eager",)
+INNER_IMPLEMENTATIONS = SUM_COMBINE + SEQUENTIAL_COMBINE
+
+
+class SlotView:
+    """Stand-in for an experts module during one wave: the module's own attributes and methods,
+    except that the per-expert tensors are the [K, ...] slot tensors and ``num_experts`` is K.
+    """
+
+    def __init__(self, module: torch.nn.Module, slots: dict[str, torch.Tensor]) -> None:
+        self.__dict__.update(slots)
+        self.num_experts = next(iter(slots.values())).shape[0]
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def resolve_inner(module: torch.nn.Module, name: str) -> Callable:
+    """The experts function ``name`` of transformers' registry (``eager``: the class's own loop).
+
+    Raises:
+        ValueError: ``name`` not in INNER_IMPLEMENTATIONS (lists them).
+    """
+    if name not in INNER_IMPLEMENTATIONS:
+        raise ValueError(
+            f"experts implementation {name!r} is not supported under paging; choose one of "
+            f"{list(INNER_IMPLEMENTATIONS)} (--experts-implementation)"
+        )
+    if name == "eager":
+        return type(module).forward.__wrapped__
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    return ALL_EXPERTS_FUNCTIONS[name]
+
+
+class ExpertPager:
+    """Paged experts of one MoE layer.
+
+    Args:
+        layer: index of the decoder layer (for stats and traces).
+        store: the layer's host store ([E, ...] tensors).
+        num_slots: K, 1 <= K <= E (checked by ``Residency``).
+        device: where the slot tensors live and the experts are computed.
+        inner: name of the experts implementation used on the slots (INNER_IMPLEMENTATIONS).
+        policy: eviction policy over K slots (default LRU).
+        copy_stream: CUDA stream for page-ins (None on CPU).
+    """
+
+    def __init__(
+        self,
+        *,
+        layer: int,
+        store: HostExpertStore,
+        num_slots: int,
+        device: torch.device,
+        inner: str,
+        policy: EvictionPolicy | None = None,
+        copy_stream: "torch.cuda.Stream | None" = None,
+    ) -> None:
+        self.layer = layer
+        self.store = store
+        self.residency = Residency(store.num_experts, num_slots, policy)
+        self.device = torch.device(device)
+        self.inner = inner
+        self.copy_stream = copy_stream
+        self.stats = LayerStats()
+        self.slots = {
+            spec.name: torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=self.device)
+            for spec in store.specs
+        }
+        self._compute_done: "torch.cuda.Event | None" = None
+        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.trace_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        self.padding_mask: torch.Tensor | None = None  # [T] bool, set by callers that pad
+
+    @property
+    def num_slots(self) -> int:
+        return self.residency.num_slots
+
+    @property
+    def num_experts(self) -> int:
+        return self.store.num_experts
+
+    def __call__(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """The experts step: hidden_states [T, H], top_k_index [T, k] (expert ids, int64),
+        top_k_weights [T, k] -> output [T, H] in hidden_states.dtype, equal to the unpaged
+        model's output with the same inner implementation.
+        """
+        t0 = time.perf_counter()
+        ids_host = top_k_index.detach().to("cpu")
+        t1 = time.perf_counter()
+        if self.trace_hook is not None:
+            self.trace_hook(self.layer, ids_host, top_k_weights.detach().to("cpu"))
+        plan = self.residency.plan(torch.unique(ids_host).tolist())
+        t2 = time.perf_counter()
+        out = self._run_waves(module, plan, hidden_states, top_k_index, top_k_weights)
+        self.stats.record_step(
+            hits=plan.hits,
+            misses=plan.misses,
+            waves=len(plan.waves),
+            tokens=int(hidden_states.shape[0]),
+            expert_bytes=self.store.expert_bytes,
+            page_in_s=self._page_in_s,
+            plan_s=t2 - t1,
+            sync_s=t1 - t0,
+        )
+        return out
+
+    def _page_in(self, wave: Wave) -> torch.Tensor:
+        """Copy the wave's loads into their slots; return the wave's slot map [E] (int64, on
+        the device): expert id -> slot id for the wave's experts, -1 elsewhere."""
+        t0 = time.perf_counter()
+        stream = self.copy_stream
+        if stream is None:
+            for load in wave.loads:
+                self.store.copy_to_slot(load.expert, load.slot, self.slots)
+        else:
+            if self._compute_done is not None:
+                stream.wait_event(self._compute_done)  # a slot is overwritten only after its reader
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                for load in wave.loads:
+                    self.store.copy_to_slot(load.expert, load.slot, self.slots)
+                end.record(stream)
+            torch.cuda.current_stream(self.device).wait_event(end)
+            self._copy_events.append((start, end))
+        if stream is None:
+            self._page_in_s += time.perf_counter() - t0
+        slot_map = torch.full((self.num_experts,), -1, dtype=torch.long)
+        slot_map[list(wave.experts)] = torch.tensor(wave.slots, dtype=torch.long)
+        return slot_map.to(self.device, non_blocking=True)
+
+    def _run_waves(self, module, plan: StepPlan, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        num_tokens, top_k = top_k_index.shape
+        inner = resolve_inner(module, self.inner)
+        self._page_in_s = 0.0
+        # Each (token, k) entry as its own row with top_k = 1: [S, H], [S, 1], [S, 1].
+        entry_hidden = hidden.repeat_interleave(top_k, dim=0)
+        entry_ids = top_k_index.reshape(-1, 1)
+        entry_weights = top_k_weights.reshape(-1, 1)
+        view = SlotView(module, self.slots)
+        if len(plan.waves) == 1:
+            slot_map = self._page_in(plan.waves[0])
+            entry_out = inner(view, entry_hidden, slot_map[entry_ids], entry_weights)
+        else:
+            entry_out = None
+            for wave in plan.waves:
+                slot_map = self._page_in(wave)
+                rows = (slot_map[entry_ids[:, 0]] >= 0).nonzero().squeeze(1)
+                out_w = inner(view, entry_hidden[rows], slot_map[entry_ids[rows]], entry_weights[rows])
+                if entry_out is None:
+                    entry_out = torch.empty(
+                        (entry_ids.shape[0], out_w.shape[1]), dtype=out_w.dtype, device=out_w.device
+                    )
+                entry_out[rows] = out_w
+                self._mark_compute_done()
+        self._mark_compute_done()
+        return self._combine(entry_out.view(num_tokens, top_k, -1), top_k_index, hidden.dtype)
+
+    def _mark_compute_done(self) -> None:
+        if self.copy_stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._compute_done = ev
+
+    def _combine(self, entries: torch.Tensor, top_k_index: torch.Tensor, dtype) -> torch.Tensor:
+        """entries [T, k, H] -> [T, H], in the inner implementation's own summation order."""
+        if self.inner in SUM_COMBINE:
+            return entries.sum(dim=1).to(dtype)
+        order = torch.argsort(top_k_index, dim=1, stable=True)  # ascending expert id per token
+        ordered = torch.gather(entries, 1, order.unsqueeze(-1).expand_as(entries))
+        out = torch.zeros(entries.shape[0], entries.shape[2], dtype=dtype, device=entries.device)
+        for j in range(entries.shape[1]):
+            out = out + ordered[:, j].to(dtype)
+        return out
+
+    def collect_copy_time(self) -> None:
+        """On CUDA, fold the finished page-in events' elapsed times into ``stats.page_in_s``."""
+        if not self._copy_events:
+            return
+        torch.cuda.synchronize(self.device)
+        self.stats.page_in_s += sum(s.elapsed_time(e) for s, e in self._copy_events) / 1e3
+        self._copy_events.clear()
