@@ -1,0 +1,98 @@
+"""``pagedexperts preflight`` through ``cli.main``: printed digits, JSON, model dirs, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from pagedexperts.cli import main
+
+QWEN3 = ["preflight", "--layers", "48", "--experts", "128", "--top-k", "8", "--kv-bytes-per-token", "98304"]
+
+
+def _run(capsys, argv):
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "expert_mb,k,link,tok_s,expected",
+    [
+        ("2.43", "92", "50", "205.6", ["117 MB (~1,187 KV tokens", "batch cap             11 ", "uniform miss rate     28%",
+                                       "max miss allowed      26%", "inconclusive"]),
+        ("4.72", "40", "50", "87.7", ["227 MB (~2,305 KV tokens", "batch cap             5 ", "uniform miss rate     69%",
+                                      "max miss allowed      31%", "reuse implied"]),
+        ("2.43", "26", "15.75", "32.6", ["batch cap             3 ", "uniform miss rate     80%",
+                                         "max miss allowed      52%", "reuse implied"]),
+    ],
+)
+def test_published_analysis_prints_exact_digits(capsys, expert_mb, k, link, tok_s, expected):
+    rc, out, _ = _run(capsys, QWEN3 + ["--expert-mb", expert_mb, "--num-resident", k, "--link-gbps", link,
+                                       "--tok-s", tok_s])
+    assert rc == 0
+    for text in expected:
+        assert text in out, f"{text!r} not in:\n{out}"
+
+
+def test_json_output(capsys):
+    rc, out, _ = _run(capsys, QWEN3 + ["--expert-mb", "2.43", "--num-resident", "92", "--link-gbps", "50",
+                                       "--tok-s", "205.6", "--json"])
+    r = json.loads(out)
+    assert rc == 0
+    assert r["slot_bytes"] == 116_640_000 and r["single_wave_batch_cap"] == 11
+    assert r["verdict"] == "inconclusive"
+    assert r["prefill_page_in_bytes"] == 36 * 116_640_000
+
+
+def test_auto_k_from_device_memory(capsys):
+    rc, out, _ = _run(capsys, QWEN3 + ["--expert-mb", "2.43", "--device-memory-gb", "16", "--non-expert-gb", "3",
+                                       "--runtime-reserve-gb", "1", "--context-length", "4096", "--json"])
+    r = json.loads(out)
+    # (16e9 - 3e9 - 4096 x 98304 - 1e9) / 116.64e6 = 99.4 -> 99
+    assert rc == 0 and r["num_resident"] == 99 and r["num_resident_source"] == "auto" and r["fits"]
+
+
+def test_fp8_kv_halves_explicit_kv(capsys):
+    _, out, _ = _run(capsys, QWEN3 + ["--expert-mb", "2.43", "--num-resident", "92", "--kv-dtype", "fp8", "--json"])
+    assert json.loads(out)["kv_bytes_per_token"] == 49_152
+
+
+def test_model_path(tmp_path, capsys):
+    cfg = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, num_attention_heads=2,
+               num_key_value_heads=1, hidden_size=8, torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    t = {f"model.layers.{ly}.mlp.experts.{j}.w": np.zeros((5, 8), np.float16) for ly in range(2) for j in range(4)}
+    t["lm_head.weight"] = np.zeros((3, 8), np.float32)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    rc, out, _ = _run(capsys, ["preflight", "--model-path", str(tmp_path), "--num-resident", "2", "--json"])
+    r = json.loads(out)
+    assert rc == 0
+    assert (r["expert_bytes"], r["moe_layers"], r["num_experts"], r["top_k"]) == (80, 2, 4, 2)
+    assert r["non_expert_bytes"] == 96 and r["kv_bytes_per_token"] == 2 * 2 * 1 * 4 * 2
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--expert-mb", "2.43", "--num-resident", "200"], "--num-resident 200 must be in [1, E=128]"),
+        (["--expert-mb", "2.43", "--num-resident", "0"], "--num-resident 0 must be in [1, E=128]"),
+        (["--expert-mb", "-1", "--num-resident", "8"], "--expert-mb -1.0 must be > 0"),
+        (["--expert-mb", "2.43", "--num-resident", "8", "--link-gbps", "0"], "--link-gbps 0.0 must be > 0"),
+        (["--expert-mb", "2.43"], "--device-memory-gb"),
+    ],
+)
+def test_bad_input_names_value_limit_and_flag(capsys, extra, message):
+    rc, _, err = _run(capsys, QWEN3 + extra)
+    assert rc == 2 and message in err
+
+
+def test_missing_model_flags_and_dir_without_safetensors(tmp_path, capsys):
+    rc, _, err = _run(capsys, ["preflight", "--layers", "48", "--num-resident", "8"])
+    assert rc == 2 and "--experts" in err and "--model-path" in err
+    (tmp_path / "config.json").write_text(json.dumps(dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)))
+    rc, _, err = _run(capsys, ["preflight", "--model-path", str(tmp_path), "--num-resident", "2"])
+    assert rc == 2 and "no *.safetensors" in err
