@@ -96,3 +96,39 @@ def test_missing_model_flags_and_dir_without_safetensors(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)))
     rc, _, err = _run(capsys, ["preflight", "--model-path", str(tmp_path), "--num-resident", "2"])
     assert rc == 2 and "no *.safetensors" in err
+
+
+# ---- linkbench ----------------------------------------------------------------------------
+
+
+def test_linkbench_without_accelerator_says_so_and_exits_0(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, out, _ = _run(capsys, ["linkbench", "--sizes-mb", "1"])
+    assert rc == 0 and "no accelerator" in out and "GB/s" not in out
+    rc, out, _ = _run(capsys, ["linkbench", "--json"])
+    assert rc == 0 and json.loads(out) == {"accelerator": None, "results": []}
+
+
+def test_linkbench_bad_repeats(capsys):
+    rc, _, err = _run(capsys, ["linkbench", "--repeats", "0"])
+    assert rc == 2 and "--repeats 0 must be >= 1" in err
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU")
+class TestLinkbenchCuda:
+    def test_measures_pinned_and_pageable(self, capsys):
+        rc, out, _ = _run(capsys, ["linkbench", "--sizes-mb", "1,8", "--repeats", "3", "--json"])
+        r = json.loads(out)
+        assert rc == 0 and r["accelerator"]
+        assert {(x["label"], x["memory"]) for x in r["results"]} == {
+            ("1 MB", "pinned"), ("1 MB", "pageable"), ("8 MB", "pinned"), ("8 MB", "pageable")}
+        assert all(x["gbps"] > 0 for x in r["results"])
