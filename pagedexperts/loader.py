@@ -24,6 +24,7 @@ import torch
 
 from pagedexperts import integration
 from pagedexperts.models import ExpertsSite, check_supported, find_experts_sites
+from pagedexperts.recording import install_padding_hook
 from pagedexperts.pager import INNER_IMPLEMENTATIONS, ExpertPager
 from pagedexperts.residency import make_policy
 from pagedexperts.stats import ModelStats
@@ -283,6 +284,7 @@ def load_model(
     model.to(dev)
     model.eval()
     model.pagedexperts = runtime
+    install_padding_hook(model)
     integration.set_implementation(model, integration.IMPLEMENTATION_NAME)
     tokenizer = _load_tokenizer(path)
     return model, tokenizer

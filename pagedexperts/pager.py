@@ -105,7 +105,7 @@ class ExpertPager:
         self._compute_done: "torch.cuda.Event | None" = None
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.trace_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        self.padding_mask: torch.Tensor | None = None  # [T] bool, set by callers that pad
+        self.padding_rows = 0  # rows of the current step that are padding (recording hook)
 
     @property
     def num_slots(self) -> int:
@@ -132,7 +132,8 @@ class ExpertPager:
             hits=plan.hits,
             misses=plan.misses,
             waves=len(plan.waves),
-            tokens=int(hidden_states.shape[0]),
+            tokens=int(hidden_states.shape[0]) - self.padding_rows,
+            padding_tokens=self.padding_rows,
             expert_bytes=self.store.expert_bytes,
             page_in_s=self._page_in_s,
             plan_s=t2 - t1,

@@ -138,6 +138,7 @@ class ModelStats:
         tokens = self.tokens
         return {
             "tokens": tokens,
+            "layer_steps": tot.steps,
             "hits": tot.hits,
             "misses": tot.misses,
             "hit_rate": tot.hit_rate,

@@ -1,0 +1,39 @@
+"""Flags shared by the commands that load a model (generate, check, serve, bench)."""
+
+from __future__ import annotations
+
+
+def add_model_arguments(parser) -> None:
+    """--model-path, --num-resident, --device, --dtype, --experts-implementation, --policy."""
+    g = parser.add_argument_group("model and paging")
+    g.add_argument("--model-path", default=None, help="Hugging Face model directory (default: the bundled tiny Qwen3-MoE)")
+    g.add_argument(
+        "--num-resident",
+        type=int,
+        default=None,
+        metavar="K",
+        help="resident expert slots per MoE layer, top_k <= K <= E (default: E/4, at least top_k)",
+    )
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's dtype")
+    g.add_argument(
+        "--experts-implementation",
+        default="grouped_mm",
+        choices=["grouped_mm", "batched_mm", "eager"],
+        help="transformers experts kernel run over the slots (default grouped_mm)",
+    )
+    g.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+
+
+def load_from_args(args):
+    """(model, tokenizer) from the flags of add_model_arguments."""
+    from pagedexperts.loader import load_model
+
+    return load_model(
+        args.model_path,
+        num_resident=args.num_resident,
+        device=args.device,
+        dtype=args.dtype,
+        experts_implementation=args.experts_implementation,
+        policy=args.policy,
+    )

@@ -1,0 +1,71 @@
+"""``pagedexperts generate``: stream text from a paged model, then print the paging report."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from pagedexperts.commands.common import add_model_arguments, load_from_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a prompt with paged experts (the main job)",
+        description="Generate text with K of E experts per MoE layer resident; streams the text, "
+        "then prints a paging report (hit rate, misses and bytes per token, waves, TTFT, tok/s).",
+    )
+    add_model_arguments(p)
+    g = p.add_argument_group("prompt and sampling")
+    g.add_argument("--prompt", help="prompt text (default: read stdin)")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    o = p.add_argument_group("output")
+    o.add_argument("--stats-json", metavar="PATH", help="write the paging report as JSON here")
+    o.add_argument("--record-trace", metavar="PATH", help="record the routing trace (.npz) here")
+    o.add_argument("--quiet", action="store_true", help="print only the generated text")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from dataclasses import asdict
+
+    from pagedexperts.generate import SamplingConfig, format_report, generate_text
+
+    sampling = SamplingConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    sampling.validate()
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("empty prompt; give --prompt TEXT or text on stdin")
+    model, tokenizer = load_from_args(args)
+    recorder = None
+    if args.record_trace:
+        from pagedexperts.recording import TraceRecorder
+
+        recorder = TraceRecorder.attach(model)
+    print(prompt, end="", flush=True)
+    result = generate_text(
+        model, tokenizer, prompt, sampling, chat=args.chat, on_text=lambda t: print(t, end="", flush=True)
+    )
+    print(flush=True)
+    rt = model.pagedexperts
+    if recorder is not None:
+        recorder.save(args.record_trace)
+    if not args.quiet:
+        print(format_report(result, num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k), file=sys.stderr)
+    if args.stats_json:
+        report = asdict(result)
+        report.update(num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k)
+        with open(args.stats_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0

@@ -1,0 +1,199 @@
+"""Text generation on a paged model, with timing and the paging report.
+
+Owns: one prompt -> streamed text through transformers' ``generate`` (sampling, stop
+strings and streaming are transformers'), the TTFT / decode tok/s measurement, the split of
+paging counters into prefill and decode, and the human-readable report. Does not: load
+models (``loader``), batch requests (``server``), or page (``pager``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pagedexperts.stats import ModelStats
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding options. temperature 0 = greedy; top_p in (0, 1]; stop strings end the text."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the flag for out-of-range values."""
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"--max-new-tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationResult:
+    """One generation: text, token counts, timings (seconds, tok/s) and paging counters.
+
+    ``paging`` holds ModelStats.as_dict() of the whole call; ``prefill`` and ``decode`` the
+    totals of each phase (prefill = the forward over the prompt, decode = the rest).
+    """
+
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    ttft_s: float
+    decode_tok_s: float
+    total_s: float
+    paging: dict = field(default_factory=dict)
+    prefill: dict = field(default_factory=dict)
+    decode: dict = field(default_factory=dict)
+
+
+class _TimingStreamer:
+    """A transformers streamer that timestamps tokens, snapshots paging stats after prefill,
+    and forwards finished text pieces to ``on_text``."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None] | None, snapshot: Callable[[], dict]):
+        from transformers import TextStreamer
+
+        class _Text(TextStreamer):
+            def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+                if on_text is not None and text:
+                    on_text(text)
+
+        self._text = _Text(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self._snapshot = snapshot
+        self.token_times: list[float] = []
+        self.after_prefill: dict | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._text.next_tokens_are_prompt:
+            self._text.put(value)
+            return
+        self.token_times.append(time.perf_counter())
+        if self.after_prefill is None:
+            self.after_prefill = self._snapshot()
+        self._text.put(value)
+
+    def end(self) -> None:
+        self._text.end()
+
+
+def _totals(stats: ModelStats) -> dict:
+    d = stats.as_dict()
+    d.pop("layers")
+    return d
+
+
+def _difference(after: dict, before: dict) -> dict:
+    keys = ("tokens", "hits", "misses", "bytes_paged", "waves", "multi_wave_steps", "page_in_s", "plan_s", "sync_s")
+    out = {k: after[k] - before[k] for k in keys}
+    total = out["hits"] + out["misses"]
+    out["hit_rate"] = out["hits"] / total if total else 0.0
+    out["misses_per_token"] = out["misses"] / out["tokens"] if out["tokens"] else 0.0
+    out["bytes_per_token"] = out["bytes_paged"] / out["tokens"] if out["tokens"] else 0.0
+    return out
+
+
+def build_prompt(tokenizer, prompt: str, *, chat: bool) -> str:
+    """The prompt text, through the tokenizer's chat template when ``chat`` is set.
+
+    Raises:
+        ValueError: ``chat`` but the tokenizer has no chat template (drop --chat).
+    """
+    if not chat:
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; drop --chat")
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def generate_text(
+    model,
+    tokenizer,
+    prompt: str,
+    sampling: SamplingConfig,
+    *,
+    chat: bool = False,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate from ``prompt`` on a model from ``load_model``; stream text to ``on_text``.
+
+    Timing: TTFT = from the call to the first new token (seconds); decode tok/s = (new
+    tokens - 1) / time from the first to the last new token.
+
+    Raises:
+        ValueError: bad sampling options, empty prompt, or --chat without a chat template.
+    """
+    sampling.validate()
+    if not prompt:
+        raise ValueError("empty prompt; give --prompt TEXT or text on stdin")
+    if tokenizer is None:
+        raise ValueError("the model directory has no tokenizer (tokenizer.json / tokenizer_config.json); add one")
+    runtime = model.pagedexperts
+    text = build_prompt(tokenizer, prompt, chat=chat)
+    inputs = tokenizer(text, return_tensors="pt").to(model.device)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    runtime.reset_stats()
+    streamer = _TimingStreamer(tokenizer, on_text, lambda: _totals(runtime.stats()))
+    kwargs = dict(max_new_tokens=sampling.max_new_tokens, streamer=streamer, pad_token_id=tokenizer.pad_token_id)
+    if sampling.temperature > 0:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if sampling.stop:
+        kwargs.update(stop_strings=list(sampling.stop), tokenizer=tokenizer)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**inputs, **kwargs)
+    end = time.perf_counter()
+    new = out[0, inputs["input_ids"].shape[1]:]
+    times = streamer.token_times
+    total = _totals(runtime.stats())
+    before = streamer.after_prefill or total
+    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    return GenerationResult(
+        text=tokenizer.decode(new, skip_special_tokens=True),
+        prompt_tokens=int(inputs["input_ids"].shape[1]),
+        new_tokens=int(new.shape[0]),
+        ttft_s=(times[0] - start) if times else end - start,
+        decode_tok_s=(len(times) - 1) / decode_s if decode_s > 0 else 0.0,
+        total_s=end - start,
+        paging=runtime.stats().as_dict(),
+        prefill=before,
+        decode=_difference(total, before),
+    )
+
+
+def format_report(result: GenerationResult, *, num_resident: int, num_experts: int, top_k: int) -> str:
+    """A short human-readable paging report of one generation."""
+    p, d = result.paging, result.decode
+    layers = len(p["layers"])
+    lines = [
+        f"paging: K={num_resident} of E={num_experts} experts resident per layer, top_k={top_k}, "
+        f"{layers} MoE layers",
+        f"  tokens: prompt {result.prompt_tokens}, new {result.new_tokens}",
+        f"  hit rate {p['hit_rate']:.1%} overall, {d['hit_rate']:.1%} in decode",
+        f"  misses/token {p['misses_per_token']:.2f} overall, {d['misses_per_token']:.2f} in decode"
+        f" (all layers; all-miss bound {layers * top_k})",
+        f"  bytes paged/token {p['bytes_per_token'] / 1e6:.3f} MB overall, "
+        f"{d['bytes_per_token'] / 1e6:.3f} MB in decode",
+        f"  waves {p['waves']} ({p['multi_wave_steps']} layer-steps needed more than one), "
+        f"union size mean {p['union_mean']:.1f} max {p['union_max']}",
+        f"  host planning {1e6 * p['plan_s'] / max(1, p['layer_steps']):.0f} us per layer-step, "
+        f"top-k read-back {1e6 * p['sync_s'] / max(1, p['layer_steps']):.0f} us",
+        f"  TTFT {result.ttft_s * 1e3:.0f} ms, decode {result.decode_tok_s:.1f} tok/s",
+    ]
+    if p.get("fallbacks"):
+        lines.append("  WARNING fallbacks: " + "; ".join(p["fallbacks"]))
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""Per-step hooks on a paged model: padding rows for the stats, and routing-trace recording.
+
+Owns: a forward pre-hook that tells every pager, before each model step, how many of the
+step's rows are padding (from the attention mask) and, when a trace is being recorded, opens
+the step in the ``TraceWriter`` (phase and per-row request ids). Does not: define the trace
+format (``trace``) or count anything itself (``stats``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def step_rows(kwargs: dict, args: tuple) -> tuple[int, int, torch.Tensor | None]:
+    """(B, T, row_is_real [B*T] bool or None) of a model call's input_ids / attention_mask."""
+    ids = kwargs.get("input_ids")
+    if ids is None and args:
+        ids = args[0]
+    if ids is None:
+        ids = kwargs["inputs_embeds"][..., 0]
+    batch, seq = ids.shape[0], ids.shape[1]
+    mask = kwargs.get("attention_mask")
+    real = None
+    if mask is not None and mask.dim() == 2:
+        real = mask[:, -seq:].reshape(-1).to("cpu").bool()
+    return batch, seq, real
+
+
+def is_prefill(kwargs: dict) -> bool:
+    cache = kwargs.get("past_key_values")
+    return cache is None or cache.get_seq_length() == 0
+
+
+def install_padding_hook(model) -> None:
+    """Before each forward, set ``padding_rows`` on every pager from the attention mask."""
+    pagers = list(model.pagedexperts.pagers.values())
+
+    def hook(module, args, kwargs):
+        _, _, real = step_rows(kwargs, args)
+        padding = 0 if real is None else int((~real).sum())
+        for p in pagers:
+            p.padding_rows = padding
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+class TraceRecorder:
+    """Records a paged model's routing into a ``trace.TraceWriter`` as it runs.
+
+    ``request_ids``: one id per batch row of the next calls (default 0..B-1); padding rows
+    are recorded with request id -1.
+    """
+
+    def __init__(self, model, writer) -> None:
+        self.model = model
+        self.writer = writer
+        self.request_ids: list[int] | None = None
+
+    @classmethod
+    def attach(cls, model, *, model_id: str = "") -> "TraceRecorder":
+        from pagedexperts.trace import TraceWriter
+
+        rt = model.pagedexperts
+        writer = TraceWriter(
+            num_experts=rt.num_experts, top_k=rt.top_k, layers=sorted(rt.pagers), model_id=model_id
+        )
+        rec = cls(model, writer)
+        model.register_forward_pre_hook(rec._begin_step, with_kwargs=True)
+        for pager in rt.pagers.values():
+            pager.trace_hook = rec._add
+        return rec
+
+    def _begin_step(self, module, args, kwargs) -> None:
+        batch, seq, real = step_rows(kwargs, args)
+        ids = self.request_ids or list(range(batch))
+        rows = torch.tensor(ids, dtype=torch.long).repeat_interleave(seq)
+        if real is not None:
+            rows[~real] = -1
+        self.writer.begin_step(phase="prefill" if is_prefill(kwargs) else "decode", request_ids=rows.tolist())
+
+    def _add(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        self.writer.add(layer=layer, topk_ids=topk_ids.numpy(), topk_weights=topk_weights.float().numpy())
+
+    def save(self, path) -> None:
+        self.writer.save(path)
