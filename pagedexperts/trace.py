@@ -12,7 +12,7 @@ Format version 1 (``.npz``, keys):
                               layers (MoE layer indices), extras (names), notes
   step_phase      int8 [S]    0 prefill, 1 decode
   step_offsets    int64 [S+1] rows of step s are request_ids[step_offsets[s]:step_offsets[s+1]]
-  request_ids     int64 [sum T]  one per row in row order; -1 = unknown
+  request_ids     int64 [sum T]  one per row in row order; -1 padding, -2 unknown
   rec_step, rec_layer  int32 [R]  record r = (step, MoE layer)
   rec_offsets     int64 [R+1] rows of record r are topk_ids[rec_offsets[r]:rec_offsets[r+1]]
   topk_ids        int16 [sum, k] (int32 if E > 32767);  topk_weights float16 [sum, k]
@@ -30,7 +30,8 @@ import numpy as np
 
 FORMAT_VERSION = 1
 PHASES = ("prefill", "decode")
-UNKNOWN_REQUEST = -1
+PADDING_REQUEST = -1  # a padding row: routed and planned like the runtime does, not a token
+UNKNOWN_REQUEST = -2  # a real token whose request is not known (JSON-lines prefill rows)
 DUMMY_MIN_ROWS = 1024  # README: a profiling pass repeats one routing on >= 1,024 leading rows
 # Models whose JSON-lines meta omits num_experts (routed experts; shared experts not counted).
 _KNOWN_NUM_EXPERTS = {"Qwen/Qwen1.5-MoE-A2.7B-Chat": 60, "Qwen/Qwen1.5-MoE-A2.7B": 60}
@@ -53,7 +54,8 @@ class TraceMeta:
 class Step:
     """One engine step: T rows (tokens) routed through every recorded MoE layer.
 
-    ``request_ids`` [T] int64 (-1 unknown); ``topk_ids[layer]`` [T, k] int;
+    ``request_ids`` [T] int64 (-1 padding row, -2 real token of an unknown request);
+    ``topk_ids[layer]`` [T, k] int;
     ``topk_weights[layer]`` [T, k] float; ``extras[(layer, name)]`` 1-D values.
     """
 
@@ -65,7 +67,12 @@ class Step:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.request_ids)
+        """Rows that are tokens (not padding)."""
+        return int((self.request_ids != PADDING_REQUEST).sum())
+
+    @property
+    def num_padding(self) -> int:
+        return int((self.request_ids == PADDING_REQUEST).sum())
 
 
 @dataclass
@@ -97,14 +104,15 @@ class Trace:
     def streams(self) -> dict[int, dict[int, np.ndarray]]:
         """Per-request decode streams: request id -> layer -> topk ids [n, k], in token order.
 
-        Rows of decode steps with a known request id (>= 0), concatenated in step order.
+        Rows of decode steps with a known request id (>= 0; not padding, not unknown),
+        concatenated in step order.
         """
         rows: dict[int, dict[int, list[np.ndarray]]] = {}
         for step in self.steps:
             if step.phase != "decode":
                 continue
             for i, rid in enumerate(step.request_ids.tolist()):
-                if rid == UNKNOWN_REQUEST:
+                if rid < 0:
                     continue
                 per_layer = rows.setdefault(rid, {})
                 for layer, ids in step.topk_ids.items():
@@ -130,7 +138,10 @@ class TraceWriter:
         self._layers_done: set[int] = set()
 
     def begin_step(self, *, phase: str, request_ids: list[int]) -> None:
-        """Start a step of ``len(request_ids)`` rows; ``phase`` is "prefill" or "decode"."""
+        """Start a step of ``len(request_ids)`` rows; ``phase`` is "prefill" or "decode".
+
+        ``request_ids``: one per row in row order; ``PADDING_REQUEST`` (-1) marks padding rows.
+        """
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} must be one of {PHASES}")
         self._phases.append(PHASES.index(phase))

@@ -104,7 +104,7 @@ def test_jsonl_warmup_dropped_and_steps_recovered(tmp_path):
                                                       "num_experts": 8}] + rows))
     tr = load_trace(path)
     assert [(s.phase, s.num_tokens) for s in tr] == [("prefill", 3), ("decode", 2), ("decode", 2), ("decode", 1)]
-    assert [s.request_ids.tolist() for s in tr] == [[-1, -1, -1], [0, 1], [0, 1], [-1]]
+    assert [s.request_ids.tolist() for s in tr] == [[-2, -2, -2], [0, 1], [0, 1], [-2]]
     assert {r: v[0].tolist() for r, v in tr.streams().items()} == {0: [[1, 2], [5, 6]], 1: [[3, 4], [0, 7]]}
 
 
@@ -134,3 +134,12 @@ def test_real_olmoe_trace_structure():
     assert (tr.meta.num_experts, tr.meta.top_k) == (64, 8)
     assert tr.num_tokens == 4471 and len(tr) == 4471
     assert not np.all(tr.steps[0].topk_weights[0] == 0.125)
+
+
+def test_padding_rows_are_not_tokens(tmp_path):
+    w = TraceWriter(num_experts=4, top_k=1, layers=[0])
+    w.begin_step(phase="prefill", request_ids=[-1, 3, 3])
+    w.add(layer=0, topk_ids=np.array([[0], [1], [2]]), topk_weights=np.ones((3, 1)))
+    w.save(tmp_path / "p.npz")
+    (step,) = load_trace(tmp_path / "p.npz").steps
+    assert (step.num_tokens, step.num_padding) == (2, 1)
