@@ -26,6 +26,7 @@ from pagedexperts import integration
 from pagedexperts.models import ExpertsSite, check_supported, find_experts_sites
 from pagedexperts.recording import install_padding_hook
 from pagedexperts.pager import INNER_IMPLEMENTATIONS, ExpertPager
+from pagedexperts.modes import MODES, CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
 from pagedexperts.residency import make_policy
 from pagedexperts.stats import ModelStats
 from pagedexperts.store import HostExpertStore, check_host_memory
@@ -50,6 +51,8 @@ class PagingConfig:
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None = checkpoint's dtype
     experts_implementation: str = "grouped_mm"
     policy: str = "lru"
+    mode: str = "paged"
+    cpu_expert_layers: int = 0
 
 
 @dataclass
@@ -198,6 +201,8 @@ def load_model(
     dtype: str | None = None,
     experts_implementation: str = "grouped_mm",
     policy: str = "lru",
+    mode: str = "paged",
+    cpu_expert_layers: int = 0,
 ):
     """Load a Hugging Face MoE model directory with K of E experts per layer resident.
 
@@ -210,6 +215,10 @@ def load_model(
             (grouped_mm, batched_mm, eager); the paged output equals the unpaged model's
             with the same implementation.
         policy: eviction policy name (residency.POLICIES).
+        mode: "paged" (this project), or a baseline (``modes``): "resident" (all E experts on
+            the device), "offload" (all E copied in every step), "cpu-experts" (the first
+            ``cpu_expert_layers`` MoE layers computed on the CPU, the rest resident).
+        cpu_expert_layers: N for mode "cpu-experts", 0 <= N <= MoE layers.
 
     Returns:
         (model, tokenizer): a transformers causal LM usable with ``generate()``, with
@@ -239,6 +248,8 @@ def load_model(
             f"choose one of {list(INNER_IMPLEMENTATIONS)} (--experts-implementation)"
         )
     make_policy(policy, 1)  # validate the name before any work
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
     torch_dtype = resolve_dtype(dtype, config)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -251,36 +262,28 @@ def load_model(
     sites = find_experts_sites(model)
     num_experts = sites[0].num_experts
     top_k = int(config.num_experts_per_tok)
-    k_slots = _check_num_resident(num_resident, num_experts, top_k)
+    k_slots = _check_num_resident(num_resident, num_experts, top_k) if mode == "paged" else num_experts
+    if mode == "cpu-experts" and not 0 <= cpu_expert_layers <= len(sites):
+        raise ValueError(
+            f"--cpu-expert-layers {cpu_expert_layers} outside [0, {len(sites)}] (the model's MoE layers)"
+        )
     expert_bytes = sum(s.row_bytes for s in sites[0].specs)
     check_host_memory(expert_bytes * num_experts * len(sites), what="the host expert store")
 
     runtime = PagingRuntime(
-        config=PagingConfig(k_slots, str(dev), dtype, experts_implementation, policy),
+        config=PagingConfig(k_slots, str(dev), dtype, experts_implementation, policy, mode, cpu_expert_layers),
         num_experts=num_experts,
         top_k=top_k,
         num_resident=k_slots,
     )
-    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     stores = {}
     for site in sites:
-        store = HostExpertStore(list(site.specs), site.num_experts, pin=dev.type == "cuda")
-        stores[site.name] = store
-        for spec in site.specs:  # the module keeps no [E, ...] tensor: only the pager's slots
+        stores[site.name] = HostExpertStore(list(site.specs), site.num_experts, pin=dev.type == "cuda")
+        for spec in site.specs:  # the module keeps no [E, ...] tensor: only the runner's
             site.module._parameters.pop(spec.name, None)
             site.module._buffers.pop(spec.name, None)
-        runtime.pagers[site.layer] = ExpertPager(
-            layer=site.layer,
-            store=store,
-            num_slots=k_slots,
-            device=dev,
-            inner=experts_implementation,
-            policy=make_policy(policy, k_slots),
-            copy_stream=copy_stream,
-        )
-        setattr(site.module, integration.PAGER_ATTR, runtime.pagers[site.layer])
-
     _stream_checkpoint(model, config.model_type, files, {s.name: s for s in sites}, stores, dev)
+    _attach_runners(runtime, sites, stores, dev, mode=mode, cpu_expert_layers=cpu_expert_layers)
     model.to(dev)
     model.eval()
     model.pagedexperts = runtime
@@ -288,6 +291,30 @@ def load_model(
     integration.set_implementation(model, integration.IMPLEMENTATION_NAME)
     tokenizer = _load_tokenizer(path)
     return model, tokenizer
+
+
+def _attach_runners(runtime, sites, stores, dev, *, mode: str, cpu_expert_layers: int) -> None:
+    """One experts runner per MoE layer (a pager, or a baseline of ``modes``), on its module."""
+    cfg = runtime.config
+    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and mode == "paged" else None
+    staging = make_staging(stores[sites[0].name], dev) if mode == "offload" else None
+    for i, site in enumerate(sites):
+        common = dict(layer=site.layer, store=stores[site.name], device=dev, inner=cfg.experts_implementation)
+        if mode == "paged":
+            runner = ExpertPager(
+                num_slots=runtime.num_resident,
+                policy=make_policy(cfg.policy, runtime.num_resident),
+                copy_stream=copy_stream,
+                **common,
+            )
+        elif mode == "offload":
+            runner = OffloadRunner(staging=staging, **common)
+        elif mode == "cpu-experts" and i < cpu_expert_layers:
+            runner = CpuExpertsRunner(**common)
+        else:
+            runner = ResidentRunner(**common)
+        runtime.pagers[site.layer] = runner
+        setattr(site.module, integration.PAGER_ATTR, runner)
 
 
 def _check_num_resident(num_resident: int | None, num_experts: int, top_k: int) -> int:

@@ -50,8 +50,10 @@ class LayerStats:
         plan_s: float = 0.0,
         sync_s: float = 0.0,
         padding_tokens: int = 0,
+        bytes_paged: int | None = None,
     ) -> None:
-        """Add one step of one layer. ``expert_bytes``: bytes of one expert's tensors."""
+        """Add one step of one layer. ``expert_bytes``: bytes of one expert's tensors;
+        ``bytes_paged`` overrides misses x expert_bytes (the offload baseline copies all E)."""
         union = hits + misses
         self.steps += 1
         self.tokens += tokens
@@ -59,7 +61,7 @@ class LayerStats:
         self.hits += hits
         self.misses += misses
         self.page_ins += misses
-        self.bytes_paged += misses * expert_bytes
+        self.bytes_paged += misses * expert_bytes if bytes_paged is None else bytes_paged
         self.page_in_s += page_in_s
         self.plan_s += plan_s
         self.sync_s += sync_s

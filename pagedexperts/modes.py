@@ -1,0 +1,115 @@
+"""The baselines users would run instead of paging, as real execution modes of the same model.
+
+Owns: three per-layer experts runners that stand where an ``ExpertPager`` stands and keep
+the same stats, so benchmarks compare like with like (DESIGN.md, "Baselines"):
+- ``ResidentRunner``: all E experts on the device (the speed ceiling when it fits).
+- ``OffloadRunner``: every expert of the layer copied to the device at every step, whatever
+  the router picked (what ``--cpu-offload-gb`` does): E x expert bytes per layer per step,
+  through one [E, ...] staging buffer shared by all layers.
+- ``CpuExpertsRunner``: the layer's experts stay in host memory and are computed on the CPU
+  (what llama.cpp ``--n-cpu-moe N`` does for the first N MoE layers).
+All three call the model's own experts implementation over E experts with the original ids,
+so on CPU they compute exactly what the unpaged model computes. Does not: page selectively
+(``pager``) or choose which layers use which mode (``loader``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pagedexperts.pager import SlotView, resolve_inner
+from pagedexperts.stats import LayerStats
+from pagedexperts.store import HostExpertStore
+
+MODES = ("paged", "resident", "offload", "cpu-experts")
+
+
+class _BaselineRunner:
+    """Shared plumbing: stats, trace hook, padding rows; subclasses implement ``_compute``."""
+
+    def __init__(self, *, layer: int, store: HostExpertStore, device, inner: str) -> None:
+        self.layer = layer
+        self.store = store
+        self.device = torch.device(device)
+        self.inner = inner
+        self.stats = LayerStats()
+        self.trace_hook = None
+        self.padding_rows = 0
+
+    @property
+    def num_experts(self) -> int:
+        return self.store.num_experts
+
+    def collect_copy_time(self) -> None:
+        """Copies are timed synchronously here; nothing to fold in."""
+
+    def __call__(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """[T, H], [T, k], [T, k] -> [T, H]; records union size and bytes moved."""
+        t0 = time.perf_counter()
+        ids_host = top_k_index.detach().to("cpu")
+        t1 = time.perf_counter()
+        if self.trace_hook is not None:
+            self.trace_hook(self.layer, ids_host, top_k_weights.detach().to("cpu"))
+        union = int(torch.unique(ids_host).numel())
+        out, hits, bytes_moved, copy_s = self._compute(module, hidden_states, top_k_index, top_k_weights, union)
+        self.stats.record_step(
+            hits=hits,
+            misses=union - hits,
+            waves=1,
+            tokens=int(hidden_states.shape[0]) - self.padding_rows,
+            padding_tokens=self.padding_rows,
+            expert_bytes=self.store.expert_bytes,
+            bytes_paged=bytes_moved,
+            page_in_s=copy_s,
+            sync_s=t1 - t0,
+        )
+        return out
+
+
+class ResidentRunner(_BaselineRunner):
+    """All E experts of the layer on the device; every routed expert is a hit."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.tensors = {n: t.to(self.device) for n, t in self.store.tensors.items()}
+
+    def _compute(self, module, hidden, ids, weights, union):
+        out = resolve_inner(module, self.inner)(SlotView(module, self.tensors), hidden, ids, weights)
+        return out, union, 0, 0.0
+
+
+class OffloadRunner(_BaselineRunner):
+    """Copies all E experts into ``staging`` ({name: [E, ...] on the device}, shared by all
+    layers) every step; every routed expert counts as a miss, bytes = E x expert bytes."""
+
+    def __init__(self, *, staging: dict[str, torch.Tensor], **kw) -> None:
+        super().__init__(**kw)
+        self.staging = staging
+
+    def _compute(self, module, hidden, ids, weights, union):
+        t0 = time.perf_counter()
+        for name, host in self.store.tensors.items():
+            self.staging[name].copy_(host, non_blocking=self.store.pinned)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        copy_s = time.perf_counter() - t0
+        out = resolve_inner(module, self.inner)(SlotView(module, self.staging), hidden, ids, weights)
+        return out, 0, self.store.host_bytes, copy_s
+
+
+class CpuExpertsRunner(_BaselineRunner):
+    """Computes the layer's experts on the CPU from the host store; activations move instead
+    of weights (T x H in and out). Every routed expert is a hit (nothing is paged)."""
+
+    def _compute(self, module, hidden, ids, weights, union):
+        cpu = torch.device("cpu")
+        inner = resolve_inner(module, self.inner)
+        out = inner(SlotView(module, self.store.tensors), hidden.to(cpu), ids.to(cpu), weights.to(cpu))
+        return out.to(hidden.device), union, 0, 0.0
+
+
+def make_staging(store: HostExpertStore, device) -> dict[str, torch.Tensor]:
+    """One [E, ...] device buffer per per-expert tensor, shaped like ``store``'s tensors."""
+    return {n: torch.empty_like(t, device=device) for n, t in store.tensors.items()}
