@@ -1,0 +1,263 @@
+"""Trace simulator: replay recorded routing through the runtime's own residency and accounting.
+
+Owns: turning a ``Trace`` into steps to replay (as recorded; or B request streams interleaved
+per step; or uniform-random routing of the same shape), Belady's optimal offline policy, the
+replay loop over (routing, policy, K), and a modelled decode speed from a link speed.
+Residency and policies are ``pagedexperts.residency`` and counting is ``pagedexperts.stats``:
+the very code the runtime runs, so simulated and runtime hit rates cannot drift.
+Does not: read files (``trace``), print or plot (``commands/simulate``).
+
+Legend: T tokens of a step, k = top_k, E routed experts, K resident slots, B batch size
+(requests interleaved per step), L MoE layers of the trace.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from pagedexperts import residency
+from pagedexperts.stats import LayerStats, ModelStats
+from pagedexperts.trace import Trace
+
+ROUTINGS = ("trace", "uniform")
+
+
+@dataclass(frozen=True)
+class SimStep:
+    """One step to replay: ``ids[layer]`` is [T, k] routed expert ids (all rows, planned like
+    the runtime plans them); ``tokens`` + ``padding`` = T (padding rows are not tokens)."""
+
+    phase: str
+    tokens: int
+    ids: dict[int, np.ndarray]
+    padding: int = 0
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """One replay: ``stats`` over all steps and ``decode`` over decode steps only.
+
+    ``batch_size`` is None for steps as recorded, else B streams interleaved per step.
+    """
+
+    routing: str
+    policy: str
+    num_resident: int
+    batch_size: int | None
+    stats: ModelStats
+    decode: ModelStats
+
+
+class BeladyPolicy(residency.EvictionPolicy):
+    """Belady's optimal offline policy: evict the resident expert whose next use is furthest.
+
+    Needs the future: ``unions[t]`` is the set of experts step t routes to in this layer, for
+    every step the residency will plan, in order. ``on_step`` advances t. Next use counts steps
+    after the current one (experts of the current step not in the current wave have already
+    been computed by an earlier wave). Never-used-again experts go first; ties by lowest slot.
+    """
+
+    name = "belady"
+
+    def __init__(self, num_slots: int, unions: Sequence[Sequence[int]]) -> None:
+        super().__init__(num_slots)
+        self._uses: dict[int, list[int]] = {}
+        for t, union in enumerate(unions):
+            for e in union:
+                self._uses.setdefault(int(e), []).append(t)
+        self._ptr = dict.fromkeys(self._uses, 0)  # index of each expert's next use in _uses
+        self._t = -1
+
+    def on_step(self, union: Sequence[int]) -> None:
+        """Advance to the next step; each routed expert's next use moves past it.
+
+        Raises:
+            ValueError: ``union`` differs from the future the policy was given.
+        """
+        self._t += 1
+        for e in union:
+            uses, i = self._uses.get(e, ()), self._ptr.get(e, 0)
+            if i >= len(uses) or uses[i] != self._t:
+                raise ValueError(f"Belady: step {self._t} routes to expert {e}, not in the future it was given")
+            self._ptr[e] = i + 1
+
+    def _next_use(self, expert: int) -> float:
+        uses, i = self._uses.get(expert, ()), self._ptr.get(expert, 0)
+        return uses[i] if i < len(uses) else float("inf")
+
+    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
+        return min(candidates, key=lambda s: (-self._next_use(expert_of_slot[s]), s))
+
+
+def policy_names() -> list[str]:
+    """Policies the simulator knows: the runtime's (``residency.POLICIES``) plus "belady"."""
+    return sorted({*residency.POLICIES, BeladyPolicy.name})
+
+
+def default_num_resident(*, num_experts: int, top_k: int) -> list[int]:
+    """K = 2k, 4k and E/2, each clipped to [1, E], sorted and deduplicated."""
+    return sorted({max(1, min(num_experts, x)) for x in (2 * top_k, 4 * top_k, num_experts // 2)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps to replay
+# ---------------------------------------------------------------------------------------------
+
+
+def recorded_steps(trace: Trace) -> list[SimStep]:
+    """The trace's steps as recorded (prefill and decode, all requests of a step together)."""
+    return [SimStep(phase=s.phase, tokens=s.num_tokens, padding=s.num_padding, ids=dict(s.topk_ids)) for s in trace]
+
+
+def request_streams(trace: Trace, *, min_streams: int = 1) -> list[dict[int, np.ndarray]]:
+    """Decode streams (layer -> [n, k]) in request-id order.
+
+    If the trace has fewer than ``min_streams`` streams (a single-stream trace), each is cut
+    into contiguous pseudo-requests so that there are at least ``min_streams``.
+
+    Raises:
+        ValueError: the trace has no decode rows with a known request id.
+    """
+    streams = [v for _, v in sorted(trace.streams().items())]
+    if not streams:
+        raise ValueError("trace has no per-request decode streams (no decode rows with a request id)")
+    if len(streams) < min_streams:
+        parts = -(-min_streams // len(streams))
+        cut = []
+        for s in streams:
+            n = len(next(iter(s.values())))
+            bounds = np.linspace(0, n, parts + 1).astype(int)
+            cut += [{ly: ids[a:b] for ly, ids in s.items()} for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        streams = cut
+    return streams
+
+
+def batched_steps(streams: list[dict[int, np.ndarray]], *, batch_size: int) -> list[SimStep]:
+    """Interleave ``batch_size`` streams per step: groups of B consecutive streams replay one
+    after another; step t of a group holds token t of each of its streams still running.
+
+    Streams that cannot fill a last group of B are left out (when a full group exists), so that
+    every group has B requests; B = 1 replays the streams one after another.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch size {batch_size} must be >= 1 (--batch-sizes)")
+    groups = [streams[i:i + batch_size] for i in range(0, len(streams), batch_size)]
+    if len(groups) > 1 and len(groups[-1]) < batch_size:
+        groups.pop()
+    steps = []
+    for group in groups:
+        layers = list(group[0])
+        for t in range(max(len(s[layers[0]]) for s in group)):
+            live = [s for s in group if t < len(s[layers[0]])]
+            steps.append(SimStep(phase="decode", tokens=len(live),
+                                 ids={ly: np.stack([s[ly][t] for s in live]) for ly in layers}))
+    return steps
+
+
+def uniform_steps(steps: list[SimStep], *, num_experts: int, top_k: int, seed: int = 0) -> list[SimStep]:
+    """Same steps, phases and T, with each token routed to k distinct experts uniformly at random."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in steps:
+        rows = s.tokens + s.padding
+        ids = {ly: np.argsort(rng.random((rows, num_experts)), axis=1)[:, :top_k] for ly in s.ids}
+        out.append(SimStep(phase=s.phase, tokens=s.tokens, padding=s.padding, ids=ids))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay
+# ---------------------------------------------------------------------------------------------
+
+
+def make_policy(name: str, *, num_slots: int, unions: Sequence[Sequence[int]]) -> residency.EvictionPolicy:
+    """The runtime's policy ``name``, or Belady's with the layer's future ``unions``.
+
+    Raises:
+        ValueError: unknown name (lists the choices; flag ``--policy``).
+    """
+    if name == BeladyPolicy.name:
+        return BeladyPolicy(num_slots, unions)
+    if name not in residency.POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {policy_names()} (--policy)")
+    return residency.make_policy(name, num_slots)
+
+
+def replay(
+    steps: list[SimStep], *, num_experts: int, num_resident: int, policy: str, expert_bytes: int = 0
+) -> tuple[ModelStats, ModelStats]:
+    """Replay ``steps`` through one ``Residency`` per layer; returns (all steps, decode steps).
+
+    Counting is ``LayerStats.record_step``: per distinct expert per layer per step.
+
+    Raises:
+        ValueError: K outside [1, E] (``--num-resident``); an expert id outside [0, E).
+    """
+    if not 1 <= num_resident <= num_experts:
+        raise ValueError(f"--num-resident {num_resident} must be in [1, E={num_experts}] (--num-resident)")
+    layers = sorted({ly for s in steps for ly in s.ids})
+    unions = {ly: [np.unique(s.ids[ly]).tolist() for s in steps] for ly in layers}
+    everything, decode = ModelStats(), ModelStats()
+    for ly in layers:
+        res = residency.Residency(num_experts, num_resident,
+                                  make_policy(policy, num_slots=num_resident, unions=unions[ly]))
+        all_stats, dec_stats = LayerStats(), LayerStats()
+        for step, union in zip(steps, unions[ly]):
+            plan = res.plan(union)
+            kw = dict(hits=plan.hits, misses=plan.misses, waves=len(plan.waves), tokens=step.tokens,
+                      padding_tokens=step.padding, expert_bytes=expert_bytes)
+            all_stats.record_step(**kw)
+            if step.phase == "decode":
+                dec_stats.record_step(**kw)
+        everything.layers[ly], decode.layers[ly] = all_stats, dec_stats
+    return everything, decode
+
+
+def modelled_decode_tok_s(
+    decode: ModelStats, *, link_gbps: float, compute_ms_per_layer: float, model_layers: int | None = None
+) -> float:
+    """Modelled decode speed: ``tokens / (steps x L x compute + bytes paged / link)``.
+
+    Page-ins are not overlapped with compute (a conservative, serial model). With
+    ``model_layers``, the recorded layers stand for a model of that many MoE layers (time scaled
+    by model_layers / recorded layers). Units: GB/s (1e9 B/s), milliseconds; returns tokens/s.
+    """
+    if not decode.layers or not decode.tokens:
+        return 0.0
+    steps = max(s.steps for s in decode.layers.values())
+    recorded = len(decode.layers)
+    seconds = steps * recorded * compute_ms_per_layer / 1e3 + decode.total().bytes_paged / (link_gbps * 1e9)
+    seconds *= (model_layers or recorded) / recorded
+    return decode.tokens / seconds if seconds > 0 else float("inf")
+
+
+def run_grid(
+    steps: list[SimStep], *, num_experts: int, top_k: int, num_resident: Sequence[int], policies: Sequence[str],
+    batch_size: int | None = None, uniform: bool = True, seed: int = 0, expert_bytes: int = 0,
+) -> list[SimResult]:
+    """Replay ``steps`` (and, with ``uniform``, uniform routing of the same shape) for every
+    policy and K. ``batch_size`` only labels the results.
+
+    Raises:
+        ValueError: unknown policy, K out of [1, E], or no steps.
+    """
+    if not steps:
+        raise ValueError("nothing to replay: the trace gives no steps")
+    for name in policies:
+        make_policy(name, num_slots=1, unions=[])
+    routings = {"trace": steps}
+    if uniform:
+        routings["uniform"] = uniform_steps(steps, num_experts=num_experts, top_k=top_k, seed=seed)
+    out = []
+    for routing, rsteps in routings.items():
+        for name in policies:
+            for k in num_resident:
+                everything, decode = replay(rsteps, num_experts=num_experts, num_resident=k, policy=name,
+                                            expert_bytes=expert_bytes)
+                out.append(SimResult(routing=routing, policy=name, num_resident=k, batch_size=batch_size,
+                                     stats=everything, decode=decode))
+    return out
