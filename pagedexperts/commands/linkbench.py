@@ -10,6 +10,7 @@ import json
 
 
 def add_parser(subparsers) -> None:
+    """Register the subcommand, its flags and ``func`` on the CLI's ``subparsers``."""
     p = subparsers.add_parser(
         "linkbench",
         help="measure host-to-device copy bandwidth (GB/s), pinned and pageable",
@@ -25,6 +26,7 @@ def add_parser(subparsers) -> None:
 
 
 def run_linkbench(args) -> int:
+    """Measure and print GB/s per size and memory kind; without CUDA, say so and return 0."""
     from pagedexperts import linkbench, sizing
 
     try:

@@ -15,6 +15,7 @@ from pagedexperts import sizing
 
 
 def add_parser(subparsers) -> None:
+    """Register the subcommand, its flags and ``func`` on the CLI's ``subparsers``."""
     p = subparsers.add_parser(
         "preflight",
         help="size K, slots, KV and miss-rate bounds from a model directory or explicit numbers",
@@ -48,6 +49,7 @@ def add_parser(subparsers) -> None:
 
 
 def run_preflight(args) -> int:
+    """Print the preflight report (text or --json); 0 on success, ValueError on bad input."""
     report = build_report(**_model_inputs(args), **_run_inputs(args))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

@@ -21,6 +21,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_parser(subparsers) -> None:
+    """Register the subcommand, its flags and ``func`` on the CLI's ``subparsers``."""
     p = subparsers.add_parser(
         "simulate",
         help="replay a routing trace through the residency policies for several K",
@@ -51,6 +52,7 @@ def add_parser(subparsers) -> None:
 
 
 def run_simulate(args) -> int:
+    """Load the trace, replay every (B, routing, policy, K), print tables or --json, plot."""
     if (args.experts is None) != (args.top_k is None):
         raise ValueError("pass both --experts and --top-k to check the trace against a model")
     trace = load_trace(args.trace, num_experts=args.experts, top_k=args.top_k)
