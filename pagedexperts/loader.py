@@ -241,6 +241,8 @@ def load_model(
         raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model directory? (--model-path)")
     config = AutoConfig.from_pretrained(path)
     check_supported(config)
+    if getattr(config, "output_router_logits", False):
+        config.output_router_logits = False  # a training-time aux loss; inference never needs it
     files = checkpoint_files(path)
     if experts_implementation not in INNER_IMPLEMENTATIONS:
         raise ValueError(

@@ -1,0 +1,77 @@
+"""``pagedexperts bench``: paged vs resident, offload and cpu-experts on the same model."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark paging against resident, offload and cpu-experts",
+        description="Per mode: TTFT p50 on short and long prompts, single-stream decode tok/s, "
+        "total tok/s at each concurrency (c prompts decoded as one batch), decode hit rate, bytes "
+        "paged per token, waves per step, host planning time, and time per token vs resident. "
+        "Writes bench.md, bench.json, bench.png and command.txt under --results-dir.",
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", default=None, help="model directory (default: the bundled model)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
+    g.add_argument("--policy", default="lru")
+    m = p.add_argument_group("modes")
+    m.add_argument("--mode", default="resident,paged,offload,cpu-experts", help="comma-separated modes (default: all four)")
+    m.add_argument("--num-resident", default="", metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")
+    m.add_argument("--cpu-expert-layers", type=int, default=0, metavar="N", help="MoE layers computed on the CPU in cpu-experts mode (default: half)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--prompts", default=None, help="JSON lines (prompt / turns / question) or ShareGPT JSON (default: built-in prompts)")
+    w.add_argument("--num-prompts", type=int, default=4)
+    w.add_argument("--output-tokens", type=int, default=32)
+    w.add_argument("--long-prompt-tokens", type=int, default=256)
+    w.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels (default 1,4)")
+    p.add_argument("--results-dir", default=None, help="default: results/bench-<time>")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pagedexperts.bench import BenchConfig, markdown_table, read_prompts, run_bench, write_results
+    from pagedexperts.check import DEFAULT_PROMPTS
+    from pagedexperts.modes import MODES
+
+    modes = tuple(x for x in args.mode.split(",") if x)
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown --mode {bad}; choose from {list(MODES)}")
+    if args.output_tokens < 2:
+        raise ValueError(f"--output-tokens must be >= 2 to measure decode, got {args.output_tokens}")
+    ks = _ints(args.num_resident)
+    if "paged" in modes and not ks:
+        from transformers import AutoConfig
+
+        from pagedexperts.loader import bundled_model_path
+
+        c = AutoConfig.from_pretrained(args.model_path or bundled_model_path())
+        k, e = int(c.num_experts_per_tok), int(getattr(c, "num_experts", 0) or c.num_local_experts)
+        ks = tuple(sorted({min(e, 2 * k), min(e, 4 * k), max(k, e // 2)}))
+    prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]
+    cfg = BenchConfig(
+        model_path=args.model_path, modes=modes, num_resident=ks, cpu_expert_layers=args.cpu_expert_layers,
+        output_tokens=args.output_tokens, concurrency=_ints(args.concurrency), num_prompts=len(prompts),
+        long_prompt_tokens=args.long_prompt_tokens, device=args.device, dtype=args.dtype,
+        experts_implementation=args.experts_implementation, policy=args.policy,
+    )
+    results = run_bench(cfg, prompts)
+    out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    command = "pagedexperts " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    write_results(results, cfg, out, command)
+    print(markdown_table(results, cfg.concurrency))
+    print(f"\nresults written to {out}/", file=sys.stderr)
+    return 0
