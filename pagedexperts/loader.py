@@ -13,6 +13,8 @@ residency (``residency``), or generate text (``generate``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import re
@@ -68,6 +70,8 @@ class PagingRuntime:
     top_k: int
     num_resident: int
     pagers: dict[int, ExpertPager] = field(default_factory=dict)
+    sites: list = field(default_factory=list, repr=False)
+    stores: dict = field(default_factory=dict, repr=False)
 
     def stats(self) -> ModelStats:
         """Current counters of every MoE layer (CUDA copy times folded in first)."""
@@ -232,7 +236,7 @@ def load_model(
             truncated shard, expert shapes that do not match the config.
         MemoryError: host memory too small for the store (before anything is loaded).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     path = Path(model_path) if model_path is not None else bundled_model_path()
     if not path.exists():
@@ -252,6 +256,37 @@ def load_model(
     make_policy(policy, 1)  # validate the name before any work
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
+    fill = functools.partial(_stream_checkpoint, model_type=config.model_type, files=files)
+    model = build_paged_model(
+        config, fill, num_resident=num_resident, device=device, dtype=dtype,
+        experts_implementation=experts_implementation, policy=policy, mode=mode,
+        cpu_expert_layers=cpu_expert_layers,
+    )
+    tokenizer = _load_tokenizer(path)
+    return model, tokenizer
+
+
+def build_paged_model(
+    config,
+    fill,
+    *,
+    num_resident: int | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    experts_implementation: str = "grouped_mm",
+    policy: str = "lru",
+    mode: str = "paged",
+    cpu_expert_layers: int = 0,
+):
+    """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
+
+    ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
+    stores ({site name: HostExpertStore}), every other parameter onto ``device``. ``load_model``
+    streams a checkpoint; ``random_fill`` makes random weights for benchmarks at real scale.
+    Other arguments and errors: see ``load_model``.
+    """
+    from transformers import AutoModelForCausalLM
+
     torch_dtype = resolve_dtype(dtype, config)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -284,15 +319,63 @@ def load_model(
         for spec in site.specs:  # the module keeps no [E, ...] tensor: only the runner's
             site.module._parameters.pop(spec.name, None)
             site.module._buffers.pop(spec.name, None)
-    _stream_checkpoint(model, config.model_type, files, {s.name: s for s in sites}, stores, dev)
+    fill(model, {s.name: s for s in sites}, stores, dev)
     _attach_runners(runtime, sites, stores, dev, mode=mode, cpu_expert_layers=cpu_expert_layers)
     model.to(dev)
     model.eval()
     model.pagedexperts = runtime
     install_padding_hook(model)
     integration.set_implementation(model, integration.IMPLEMENTATION_NAME)
-    tokenizer = _load_tokenizer(path)
-    return model, tokenizer
+    model.pagedexperts.sites = sites
+    model.pagedexperts.stores = stores
+    return model
+
+
+def repage(model, *, mode: str = "paged", num_resident: int | None = None, policy: str | None = None) -> None:
+    """Re-attach fresh runners (new mode or K, empty slots, zeroed stats) over the same stores.
+
+    Lets a benchmark compare modes without reloading weights.
+
+    Raises:
+        ValueError: unknown mode, K out of [top_k, E].
+    """
+    rt = model.pagedexperts
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
+    k = _check_num_resident(num_resident, rt.num_experts, rt.top_k) if mode == "paged" else rt.num_experts
+    dev = torch.device(rt.config.device)
+    rt.pagers.clear()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    rt.config = dataclasses.replace(rt.config, num_resident=k, mode=mode, policy=policy or rt.config.policy)
+    rt.num_resident = k
+    _attach_runners(rt, rt.sites, rt.stores, dev, mode=mode, cpu_expert_layers=rt.config.cpu_expert_layers)
+    for pager in rt.pagers.values():
+        pager.padding_rows = 0
+
+
+def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.02) -> None:
+    """Fill a model from ``build_paged_model`` with random weights (norm weights = 1).
+
+    For benchmarks at a real model's scale where no checkpoint can be downloaded: random
+    weights do not route like a trained model (near-uniform routing), so hit rates are not
+    representative; bytes moved and kernel times are.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for store in stores.values():
+        for t in store.tensors.values():
+            for e in range(t.shape[0]):  # one expert at a time bounds the temporary
+                t[e].copy_(torch.randn(t[e].shape, generator=gen) * std)
+    for name, p in list(model.named_parameters()):
+        if p.device.type != "meta":
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if "norm" in name:
+            value = torch.ones(p.shape, dtype=p.dtype)
+        else:
+            value = (torch.randn(p.shape, generator=gen) * std).to(p.dtype)
+        module._parameters[attr] = torch.nn.Parameter(value.to(device), requires_grad=False)
 
 
 def _attach_runners(runtime, sites, stores, dev, *, mode: str, cpu_expert_layers: int) -> None:
@@ -335,7 +418,7 @@ def _check_num_resident(num_resident: int | None, num_experts: int, top_k: int) 
     return num_resident
 
 
-def _stream_checkpoint(model, model_type, files, sites, stores, device) -> None:
+def _stream_checkpoint(model, sites, stores, device, *, model_type, files) -> None:
     """Copy every checkpoint tensor to its place: expert rows into stores, the rest to device."""
     from safetensors import safe_open
 
