@@ -1,0 +1,244 @@
+"""Real-scale GPU benchmark: a Qwen3-30B-A3B-shaped model with random bf16 weights, paged.
+
+Run by ``bench/gpu_check.sh`` on an NVIDIA GPU machine (python 3.12, torch 2.11,
+transformers 5.17; nothing installed, the package used from the source tree). ``--dry-run``
+runs the same code paths on CPU at tiny sizes (part of the test suite).
+
+What it measures (written as JSON and markdown under ``--out``):
+1. Decode tok/s (single stream and a batch of 4) and TTFT for modes resident, offload and
+   paged at each K, on a model with Qwen3-30B-A3B's published shapes (hidden 2048, 128
+   experts, top-8, expert intermediate 768, 32 heads, 4 KV heads, head dim 128) but
+   ``--layers`` layers (no download is possible). Random weights route near-uniformly, so hit
+   rates here are pessimistic; bytes moved and kernel times are real.
+2. The cost of one MoE layer's decode step with m = 0, 1, 2, 4, 8 misses, against the
+   link-bound floor m x expert bytes / measured pinned GB/s.
+3. Modelled decode tok/s of the 48-layer model: the simulator's LRU misses per layer-step on
+   real routing traces replayed one request stream at a time (K scaled to the trace's E,
+   misses scaled to this top_k), priced with the measured per-miss cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedexperts import loader  # noqa: E402
+from pagedexperts.pager import ExpertPager  # noqa: E402
+
+REAL = dict(  # Qwen3-30B-A3B config.json (published), except the layer count
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+)
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
+    num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=512,
+)
+REAL_MOE_LAYERS = 48  # Qwen3-30B-A3B
+
+
+def build(args):
+    from transformers import Qwen3MoeConfig
+
+    shape = TINY if args.dry_run else REAL
+    config = Qwen3MoeConfig(num_hidden_layers=args.layers, **shape)
+    fill = lambda m, sites, stores, dev: loader.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
+    return loader.build_paged_model(
+        config, fill, num_resident=args.ks[0], device=args.device, dtype=args.dtype, mode="paged"
+    )
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_run(model, *, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    """(TTFT seconds, decode tok/s over all rows) of one greedy generate on random prompts."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=model.device)
+    times = []
+
+    class Clock:
+        def put(self, value):
+            sync(model.device)
+            times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=Clock())
+    times = times[1:]
+    return times[0] - start, batch * (len(times) - 1) / (times[-1] - times[0])
+
+
+def bench_modes(model, args) -> list[dict]:
+    rows = []
+    jobs = [("resident", None), ("offload", None)] + [("paged", k) for k in args.ks]
+    for mode, k in jobs:
+        loader.repage(model, mode=mode, num_resident=k)
+        decode_run(model, batch=1, prompt_len=8, new_tokens=3)  # warm-up
+        model.pagedexperts.reset_stats()
+        ttft, tok_s = decode_run(model, batch=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+        stats = model.pagedexperts.stats().as_dict()
+        _, tok_s4 = decode_run(model, batch=4, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+        rows.append(dict(mode=mode, K=model.pagedexperts.num_resident, ttft_s=ttft, decode_tok_s=tok_s,
+                         batch4_tok_s=tok_s4, hit_rate=stats["hit_rate"],
+                         bytes_per_token=stats["bytes_per_token"], waves=stats["waves"],
+                         plan_us_per_layer_step=1e6 * stats["plan_s"] / max(1, stats["layer_steps"]),
+                         sync_us_per_layer_step=1e6 * stats["sync_s"] / max(1, stats["layer_steps"])))
+        print(f"  {mode:9s} K={rows[-1]['K']:4d}: {tok_s:8.1f} tok/s, x4 {tok_s4:8.1f} tok/s, "
+              f"TTFT {1e3 * ttft:7.1f} ms, hit {stats['hit_rate']:.1%}", flush=True)
+    base = rows[0]["decode_tok_s"]
+    for r in rows:
+        r["time_per_token_vs_resident"] = base / r["decode_tok_s"]
+    return rows
+
+
+def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
+    """Seconds of one MoE layer's decode step (T = 1) with m of its top_k experts missing."""
+    rt = model.pagedexperts
+    site, store = rt.sites[0], rt.stores[rt.sites[0].name]
+    k, e = rt.top_k, rt.num_experts
+    dev = torch.device(args.device)
+    pager = ExpertPager(layer=site.layer, store=store, num_slots=args.ks[0], device=dev, inner="grouped_mm",
+                        copy_stream=torch.cuda.Stream(dev) if dev.type == "cuda" else None)
+    hidden = torch.randn(1, site.module.hidden_dim, dtype=store.specs[0].dtype, device=dev)
+    weights = torch.full((1, k), 1.0 / k, dtype=hidden.dtype, device=dev)
+    hot = list(range(k))
+    pager(site.module, hidden, torch.tensor([hot], device=dev), weights)  # make `hot` resident
+    cold = [x for x in range(e) if x not in hot]
+    out, c = [], 0
+    for m in sorted({0, 1, 2, 4, min(8, k)}):
+        if m > k:
+            continue
+        times = []
+        for _ in range(args.repeats):
+            chosen = hot[: k - m] + [cold[(c + j) % len(cold)] for j in range(m)]
+            c += m
+            ids = torch.tensor([chosen], device=dev)
+            sync(dev)
+            t0 = time.perf_counter()
+            pager(site.module, hidden, ids, weights)
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+            pager(site.module, hidden, torch.tensor([hot], device=dev), weights)  # hot back in
+        floor = m * store.expert_bytes / (link_gbps * 1e9) if link_gbps else None
+        out.append(dict(misses=m, layer_step_s=statistics.median(times), link_floor_s=floor))
+        print(f"  m={m}: {1e6 * out[-1]['layer_step_s']:8.1f} us/layer-step"
+              + (f" (link floor {1e6 * floor:7.1f} us)" if floor is not None else ""), flush=True)
+    return out
+
+
+def modelled(costs: list[dict], resident_tok_s: float, layers: int, ks: list[int], num_experts: int,
+             top_k: int, traces: list[Path]) -> list[dict]:
+    """Modelled tok/s of the 48-layer model from each trace's LRU decode misses per layer-step."""
+    from pagedexperts import simulate
+    from pagedexperts.trace import load_trace
+
+    per_layer_token_s = 1.0 / resident_tok_s / layers  # everything but paging, per layer
+    ms = [c["misses"] for c in costs]
+    base = costs[0]["layer_step_s"]
+
+    def extra(m: float) -> float:  # interpolated extra seconds of a layer-step with m misses
+        import numpy as np
+
+        return float(np.interp(m, ms, [c["layer_step_s"] - base for c in costs]))
+
+    rows = []
+    for path in traces:
+        tr = load_trace(path)
+        steps = simulate.batched_steps(simulate.request_streams(tr), batch_size=1)  # single streams
+        for k in ks:
+            k_trace = max(tr.meta.top_k, round(k / num_experts * tr.meta.num_experts))
+            _, decode = simulate.replay(steps, num_experts=tr.meta.num_experts, num_resident=k_trace, policy="lru")
+            tot = decode.total()
+            m_bar = tot.misses / max(1, tot.steps) * top_k / tr.meta.top_k  # scaled to this top_k
+            token_s = REAL_MOE_LAYERS * (per_layer_token_s + extra(m_bar))
+            rows.append(dict(trace=path.name, K=k, K_trace=k_trace, hit_rate=tot.hit_rate,
+                             misses_per_layer_step=m_bar, modelled_tok_s_48_layers=1.0 / token_s))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (same code paths)")
+    p.add_argument("--out", default="results/gpu", help="output folder")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--num-resident", default="40,92")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--traces", nargs="*", default=None, help="routing traces (default: ../shared/data/traces/*)")
+    args = p.parse_args(argv)
+    args.ks = [int(x) for x in args.num_resident.split(",")]
+    if args.dry_run:
+        args.device, args.dtype, args.layers = "cpu", "float32", min(args.layers, 2)
+        args.ks = [6, 10]
+        args.new_tokens, args.prompt_len, args.repeats = min(args.new_tokens, 4), 8, 3
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --dry-run", file=sys.stderr)
+            return 2
+        args.device, args.dtype = "cuda", "bfloat16"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from pagedexperts import linkbench
+
+    t0 = time.perf_counter()
+    model = build(args)
+    print(f"built model in {time.perf_counter() - t0:.1f} s", flush=True)
+    rt = model.pagedexperts
+    expert_bytes = rt.expert_bytes
+    link = None
+    if not args.dry_run:
+        res = linkbench.measure(sizes=[("expert", expert_bytes), ("64 MB", 64_000_000)], repeats=10)
+        link = next(r.gbps for r in res if r.label == "expert" and r.memory == "pinned")
+    modes = bench_modes(model, args)
+    costs = miss_costs(model, args, link)
+    traces = [Path(t) for t in args.traces] if args.traces is not None else sorted(
+        (ROOT.parent / "shared" / "data" / "traces").glob("*.jsonl"))
+    model_rows = modelled(costs, modes[0]["decode_tok_s"], args.layers, args.ks, rt.num_experts, rt.top_k, traces)
+    result = dict(date=time.strftime("%Y-%m-%d"), device=linkbench.accelerator_name() or "cpu (dry run)",
+                  torch=torch.__version__, layers=args.layers, expert_bytes=expert_bytes,
+                  link_gbps_pinned_expert=link, modes=modes, miss_costs=costs, modelled=model_rows)
+    (out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
+    (out / "summary.md").write_text(summary(result))
+    print(summary(result))
+    return 0
+
+
+def summary(r: dict) -> str:
+    lines = [f"# gpu_bench {r['date']} on {r['device']} (torch {r['torch']}), {r['layers']} layers, "
+             f"expert {r['expert_bytes'] / 1e6:.2f} MB, link {r['link_gbps_pinned_expert'] or 0:.1f} GB/s pinned",
+             "", "| mode | K | decode tok/s | x4 tok/s | TTFT ms | hit | MB/token | time/token vs resident |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in r["modes"]:
+        lines.append(f"| {m['mode']} | {m['K']} | {m['decode_tok_s']:.1f} | {m['batch4_tok_s']:.1f} | "
+                     f"{1e3 * m['ttft_s']:.1f} | {m['hit_rate']:.1%} | {m['bytes_per_token'] / 1e6:.1f} | "
+                     f"{m['time_per_token_vs_resident']:.2f}x |")
+    lines += ["", "| misses m | us per layer-step | link floor us |", "|---|---|---|"]
+    for c in r["miss_costs"]:
+        floor = f"{1e6 * c['link_floor_s']:.1f}" if c["link_floor_s"] is not None else "-"
+        lines.append(f"| {c['misses']} | {1e6 * c['layer_step_s']:.1f} | {floor} |")
+    lines += ["", "| trace | K (trace K) | LRU hit | misses/layer-step | modelled tok/s, 48 layers |", "|---|---|---|---|---|"]
+    for m in r["modelled"]:
+        lines.append(f"| {m['trace']} | {m['K']} ({m['K_trace']}) | {m['hit_rate']:.1%} | "
+                     f"{m['misses_per_layer_step']:.2f} | {m['modelled_tok_s_48_layers']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
