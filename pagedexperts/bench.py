@@ -200,7 +200,7 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
         model, tok = load_model(
             cfg.model_path, num_resident=k, device=cfg.device, dtype=cfg.dtype,
             experts_implementation=cfg.experts_implementation, policy=cfg.policy,
-            mode=mode, cpu_expert_layers=cfg.cpu_expert_layers or max(1, len(_moe_layers(cfg.model_path)) // 2),
+            mode=mode, cpu_expert_layers=_cpu_layers(cfg) if mode == "cpu-experts" else 0,
         )
         if longs is None:
             longs = long_prompts(tok, prompts, cfg.long_prompt_tokens, max(1, len(prompts) // 2))
@@ -211,6 +211,11 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
         if base is not None and r.decode_tok_s:
             r.ratio_time_per_token_vs_resident = base.decode_tok_s / r.decode_tok_s
     return results
+
+
+def _cpu_layers(cfg: BenchConfig) -> int:
+    """--cpu-expert-layers, or half the model's MoE layers (at least 1) when 0."""
+    return cfg.cpu_expert_layers or max(1, len(_moe_layers(cfg.model_path)) // 2)
 
 
 def _moe_layers(model_path) -> list[int]:

@@ -1,0 +1,133 @@
+"""Baseline modes (resident, offload, cpu-experts) and the benchmark tools.
+
+On CPU every mode computes exactly what the unpaged model computes (same kernel, same rows),
+so tokens and logits are compared with torch.equal. The offload byte count is checked against
+a hand count: E x expert bytes per MoE layer per step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import E, HIDDEN, MOE_INTERMEDIATE, TOP_K
+from pagedexperts.loader import load_model, repage
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERT_BYTES_F32 = 3 * MOE_INTERMEDIATE * HIDDEN * 4  # gate, up [I, H] and down [H, I], float32
+
+
+def greedy(model, ids, steps=6):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
+
+
+@pytest.mark.parametrize("mode,extra", [("resident", {}), ("offload", {}), ("cpu-experts", {"cpu_expert_layers": 1}),
+                                        ("paged", {"num_resident": TOP_K})])
+def test_every_mode_equals_the_unpaged_model(tiny_moe_dir, reference, mode, extra):
+    model, _ = load_model(tiny_moe_dir, mode=mode, **extra)
+    ids = torch.tensor([[5, 9, 17, 33, 2, 77, 41]])
+    with torch.no_grad():
+        seq_ref, logits_ref = greedy(reference, ids)
+        seq, logits = greedy(model, ids)
+    assert torch.equal(seq, seq_ref)
+    assert torch.equal(logits, logits_ref), f"max |diff| {(logits - logits_ref).abs().max()}"
+
+
+def test_offload_copies_every_expert_every_step(tiny_moe_dir):
+    model, _ = load_model(tiny_moe_dir, mode="offload")
+    ids = torch.tensor([[5, 9, 17]])
+    with torch.no_grad():
+        model(ids)
+        model(ids[:, :1])
+    for stats in model.pagedexperts.stats().layers.values():
+        assert stats.steps == 2
+        assert stats.bytes_paged == 2 * E * EXPERT_BYTES_F32
+        assert stats.hits == 0 and stats.misses == stats.union_sum
+
+
+def test_cpu_experts_runs_the_first_n_layers_on_the_cpu(tiny_moe_dir):
+    from pagedexperts.modes import CpuExpertsRunner, ResidentRunner
+
+    model, _ = load_model(tiny_moe_dir, mode="cpu-experts", cpu_expert_layers=1)
+    kinds = [type(p) for _, p in sorted(model.pagedexperts.pagers.items())]
+    assert kinds == [CpuExpertsRunner, ResidentRunner]
+    with pytest.raises(ValueError, match="--cpu-expert-layers 5 outside"):
+        load_model(tiny_moe_dir, mode="cpu-experts", cpu_expert_layers=5)
+    with pytest.raises(ValueError, match="unknown mode 'gpu'"):
+        load_model(tiny_moe_dir, mode="gpu")
+
+
+def test_repage_switches_mode_and_k_over_the_same_stores(tiny_moe_dir, reference):
+    model, _ = load_model(tiny_moe_dir, num_resident=E)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        want = reference(ids).logits
+        for mode, k in (("paged", TOP_K), ("offload", None), ("paged", E // 2)):
+            repage(model, mode=mode, num_resident=k)
+            assert torch.equal(model(ids).logits, want), mode
+            assert model.pagedexperts.num_resident == (k or E)
+    with pytest.raises(ValueError, match="--num-resident"):
+        repage(model, mode="paged", num_resident=1)
+
+
+def test_gpu_bench_dry_run(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_bench
+
+    trace = ROOT / "tests" / "data" / "synthetic_trace.npz"
+    assert gpu_bench.main(["--dry-run", "--out", str(tmp_path), "--traces", str(trace)]) == 0
+    result = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert [m["mode"] for m in result["modes"]] == ["resident", "offload", "paged", "paged"]
+    assert [c["misses"] for c in result["miss_costs"]] == [0, 1, 2, 4]
+    layers, e = result["layers"], gpu_bench.TINY["num_experts"]
+    # offload: every step copies E experts per layer; the run is 1 prefill (prompt 8) + 3 decode steps
+    offload = result["modes"][1]
+    assert offload["bytes_per_token"] == pytest.approx(layers * 4 * e * result["expert_bytes"] / (8 + 3))
+    assert result["modes"][0]["hit_rate"] == 1.0
+    assert len(result["modelled"]) == 2 and all(r["modelled_tok_s_48_layers"] > 0 for r in result["modelled"])
+    assert "| mode | K |" in (tmp_path / "summary.md").read_text()
+
+
+def test_read_prompts_formats(tmp_path):
+    from pagedexperts.bench import read_prompts
+
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"prompt": "a"}\n{"turns": ["b", "c"]}\n{"question": "d"}\n')
+    assert read_prompts(jl) == ["a", "b", "d"]
+    sg = tmp_path / "s.json"
+    sg.write_text('[{"conversations": [{"from": "human", "value": "e"}, {"from": "gpt", "value": "f"}]}]')
+    assert read_prompts(sg) == ["e"]
+    empty = tmp_path / "e.jsonl"
+    empty.write_text('{"x": 1}\n')
+    with pytest.raises(ValueError, match="no prompts found"):
+        read_prompts(empty)
+
+
+@pytest.mark.slow
+def test_bench_command_on_the_bundled_model(tmp_path, capsys):
+    from pagedexperts.cli import main
+
+    rc = main(["bench", "--mode", "resident,paged", "--num-resident", "8", "--num-prompts", "1",
+               "--output-tokens", "3", "--long-prompt-tokens", "16", "--concurrency", "1,2",
+               "--results-dir", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["mode"]: r for r in data["results"]}
+    assert rows["resident"]["ratio_time_per_token_vs_resident"] == 1.0
+    assert rows["paged"]["num_resident"] == 8 and 0 < rows["paged"]["hit_rate"] < 1
+    assert set(rows["paged"]["total_tok_s"]) == {"1", "2"}
+    for name in ("bench.md", "command.txt", "bench.png"):
+        assert (tmp_path / name).exists(), name
