@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from pagedexperts.pager import SlotView, resolve_inner
+from pagedexperts.pager import SlotView, resolve_inner, routed_union
 from pagedexperts.stats import LayerStats
 from pagedexperts.store import HostExpertStore
 
@@ -52,7 +52,7 @@ class _BaselineRunner:
         t1 = time.perf_counter()
         if self.trace_hook is not None:
             self.trace_hook(self.layer, ids_host, top_k_weights.detach().to("cpu"))
-        union = int(torch.unique(ids_host).numel())
+        union = len(routed_union(ids_host))
         out, hits, bytes_moved, copy_s = self._compute(module, hidden_states, top_k_index, top_k_weights, union)
         self.stats.record_step(
             hits=hits,

@@ -35,6 +35,17 @@ SEQUENTIAL_COMBINE = ("eager",)
 INNER_IMPLEMENTATIONS = SUM_COMBINE + SEQUENTIAL_COMBINE
 
 
+def routed_union(ids_host: torch.Tensor) -> list[int]:
+    """Distinct expert ids of a step's top-k ids [T, k] (a CPU tensor), as a Python list.
+
+    A set over ``tolist()`` is several times cheaper than ``torch.unique`` for decode-sized
+    steps; ``torch.unique`` wins for large prefills.
+    """
+    if ids_host.numel() <= 4096:
+        return list(set(ids_host.reshape(-1).tolist()))
+    return torch.unique(ids_host).tolist()
+
+
 class SlotView:
     """Stand-in for an experts module during one wave: the module's own attributes and methods,
     except that the per-expert tensors are the [K, ...] slot tensors and ``num_experts`` is K.
@@ -125,7 +136,7 @@ class ExpertPager:
         t1 = time.perf_counter()
         if self.trace_hook is not None:
             self.trace_hook(self.layer, ids_host, top_k_weights.detach().to("cpu"))
-        plan = self.residency.plan(torch.unique(ids_host).tolist())
+        plan = self.residency.plan(routed_union(ids_host))
         t2 = time.perf_counter()
         out = self._run_waves(module, plan, hidden_states, top_k_index, top_k_weights)
         self.stats.record_step(
@@ -162,9 +173,10 @@ class ExpertPager:
             self._copy_events.append((start, end))
         if stream is None:
             self._page_in_s += time.perf_counter() - t0
-        slot_map = torch.full((self.num_experts,), -1, dtype=torch.long)
-        slot_map[list(wave.experts)] = torch.tensor(wave.slots, dtype=torch.long)
-        return slot_map.to(self.device, non_blocking=True)
+        slot_of = [-1] * self.num_experts
+        for expert, slot in zip(wave.experts, wave.slots):
+            slot_of[expert] = slot
+        return torch.tensor(slot_of, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _run_waves(self, module, plan: StepPlan, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
