@@ -147,7 +147,7 @@ class ExpertPager:
             padding_tokens=self.padding_rows,
             expert_bytes=self.store.expert_bytes,
             page_in_s=self._page_in_s,
-            plan_s=t2 - t1,
+            plan_s=t2 - t1 + self._map_s,
             sync_s=t1 - t0,
         )
         return out
@@ -173,15 +173,19 @@ class ExpertPager:
             self._copy_events.append((start, end))
         if stream is None:
             self._page_in_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
         slot_of = [-1] * self.num_experts
         for expert, slot in zip(wave.experts, wave.slots):
             slot_of[expert] = slot
-        return torch.tensor(slot_of, dtype=torch.long).to(self.device, non_blocking=True)
+        slot_map = torch.tensor(slot_of, dtype=torch.long)
+        self._map_s += time.perf_counter() - t1
+        return slot_map.to(self.device, non_blocking=True)
 
     def _run_waves(self, module, plan: StepPlan, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
         inner = resolve_inner(module, self.inner)
         self._page_in_s = 0.0
+        self._map_s = 0.0
         # Each (token, k) entry as its own row with top_k = 1: [S, H], [S, 1], [S, 1].
         entry_hidden = hidden.repeat_interleave(top_k, dim=0)
         entry_ids = top_k_index.reshape(-1, 1)

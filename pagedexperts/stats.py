@@ -18,7 +18,7 @@ class LayerStats:
     """Counters of one MoE layer; all counts are sums over recorded steps.
 
     Units: bytes (``bytes_paged``), seconds (``page_in_s``, ``plan_s``, ``sync_s``).
-    ``plan_s`` is the host bookkeeping time (planning), ``sync_s`` the device-to-host read of
+    ``plan_s`` is the host bookkeeping time (union, wave plan, slot map), ``sync_s`` the read of
     the top-k ids (the one sync per layer per step of host-side planning).
     """
 
