@@ -1,0 +1,62 @@
+"""``pagedexperts serve``: an OpenAI-compatible HTTP server with continuous batching."""
+
+from __future__ import annotations
+
+import sys
+
+from pagedexperts.commands.common import add_model_arguments, load_from_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server (completions, chat, streaming, /metrics)",
+        description="Serve the model over HTTP: POST /v1/completions and /v1/chat/completions "
+        "(stream: true for server-sent events), GET /v1/models, /health, /metrics (Prometheus). "
+        "Concurrent requests are decoded together, one batched step for all running requests. "
+        "Needs the server extra: pip install 'pagedexperts[server]'.",
+    )
+    add_model_arguments(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    g.add_argument("--port", type=int, default=30000, help="port (default 30000)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients must send (default: the model directory's name)")
+    b = p.add_argument_group("batching")
+    b.add_argument("--max-running-requests", type=int, default=None, metavar="N",
+                   help="requests decoded together; more wait in a queue (default: the single-wave cap "
+                   "K // top_k, so that every decode step is one wave per layer)")
+    b.add_argument("--context-length", type=int, default=None, metavar="TOKENS",
+                   help="longest prompt + completion (default: the model's max_position_embeddings)")
+    o = p.add_argument_group("output")
+    o.add_argument("--record-trace", metavar="PATH", help="record the routing trace (.npz, real request ids), saved at shutdown")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    try:
+        from pagedexperts.server import ServeConfig, run_server, single_wave_note
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"the server needs {exc.name}: pip install 'pagedexperts[server]'") from exc
+    from pagedexperts.loader import bundled_model_path
+
+    model, tokenizer = load_from_args(args)
+    if tokenizer is None:
+        raise ValueError("the model directory has no tokenizer (tokenizer.json / tokenizer_config.json); add one")
+    rt = model.pagedexperts
+    max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    context = args.context_length or max_positions
+    if context <= 1 or (max_positions and context > max_positions):
+        raise ValueError(f"--context-length must be in [2, {max_positions}] (max_position_embeddings), got {context}")
+    running = args.max_running_requests or max(1, rt.num_resident // rt.top_k)
+    if running < 1:
+        raise ValueError(f"--max-running-requests must be >= 1, got {running}")
+    name = args.served_model_name or Path(args.model_path or bundled_model_path()).resolve().name
+    config = ServeConfig(served_model_name=name, max_running_requests=running, context_length=context,
+                         record_trace=args.record_trace)
+    print(f"pagedexperts serve: {name} on http://{args.host}:{args.port}, K={rt.num_resident} of "
+          f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}", file=sys.stderr, flush=True)
+    run_server(model, tokenizer, config, host=args.host, port=args.port)
+    return 0
