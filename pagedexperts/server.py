@@ -25,7 +25,7 @@ from typing import Literal
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from pagedexperts.generate import SamplingConfig
 from pagedexperts.scheduler import BatchScheduler, Event, SchedulerConfig

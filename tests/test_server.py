@@ -283,20 +283,16 @@ def test_zz_shutdown_stops_worker_and_saves_trace(server):
 
 @pytest.fixture(scope="module")
 def batch_of_8(ref):
+    """8 prompts decoded together on K = top_k: (output ids, scheduler stats, paging stats, E)."""
     model, tokenizer = ref
     model.pagedexperts.reset_stats()
     ids, stats = _schedule(model, tokenizer, PROMPTS, max_running=8)
     return ids, stats, model.pagedexperts.stats(), model.pagedexperts.num_experts
 
-
-def paged_stats_num_experts(batch) -> int:
-    return batch[3]
-
-
 def test_paging_changes_nothing_same_schedule(batch_of_8):
     """K = top_k (many misses, multi-wave steps) gives the tokens of K = E, batch of 8, greedy."""
-    paged_ids, stats, paged_stats, _ = batch_of_8
-    model, tokenizer = load_model(MODEL_PATH, num_resident=paged_stats_num_experts(batch_of_8))
+    paged_ids, stats, paged_stats, num_experts = batch_of_8
+    model, tokenizer = load_model(MODEL_PATH, num_resident=num_experts)
     full_ids, _ = _schedule(model, tokenizer, PROMPTS, max_running=8)
     assert paged_ids == full_ids
     assert stats.max_decode_batch == 8
