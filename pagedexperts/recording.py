@@ -27,7 +27,9 @@ def step_rows(kwargs: dict, args: tuple) -> tuple[int, int, torch.Tensor | None]
 
 
 def is_prefill(kwargs: dict) -> bool:
-    cache = kwargs.get("past_key_values")
+    """True when the call starts from an empty KV cache. transformers 5.24's ``generate``
+    passes the cache as ``cache``; older 5.x releases as ``past_key_values``."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     return cache is None or cache.get_seq_length() == 0
 
 
