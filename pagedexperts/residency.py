@@ -14,6 +14,7 @@ misses. A miss's victim slot is never one the current wave uses.
 from __future__ import annotations
 
 import itertools
+from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -114,7 +115,140 @@ class LRUPolicy(EvictionPolicy):
         return min(candidates, key=lambda s: (last_use[s], s))
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used, with aging: evict the resident expert routed to in the fewest steps.
+
+    Each expert (resident or not: the count survives eviction, so a popular expert evicted once
+    comes back with its history) has a count, +1 for every step whose union holds it. Every
+    ``half_life`` steps all counts are halved (integer floor), so the counts follow a drifting
+    working set; ``half_life=0`` never ages. Ties: least recently used, then lowest slot.
+    """
+
+    name = "lfu"
+    DEFAULT_HALF_LIFE = 32  # steps; tuned on the tune half of the traces (bench/policy_eval.py)
+
+    def __init__(self, num_slots: int, *, half_life: int = DEFAULT_HALF_LIFE) -> None:
+        super().__init__(num_slots)
+        self.half_life = half_life
+        self._count: dict[int, int] = {}
+        self._steps = 0
+        self._lru = LRUPolicy(num_slots)
+
+    def on_step(self, union: Sequence[int]) -> None:
+        self._steps += 1
+        if self.half_life and self._steps % self.half_life == 0:
+            self._count = {e: c // 2 for e, c in self._count.items() if c > 1}
+        for e in union:
+            self._count[e] = self._count.get(e, 0) + 1
+
+    def on_access(self, slot: int, expert: int) -> None:
+        self._lru.on_access(slot, expert)
+
+    def on_load(self, slot: int, expert: int) -> None:
+        self._lru.on_load(slot, expert)
+
+    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
+        count, last = self._count, self._lru._last_use
+        return min(candidates, key=lambda s: (count.get(expert_of_slot[s], 0), last[s], s))
+
+
+class FrequencyLRUPolicy(EvictionPolicy):
+    """Frequency-weighted LRU: recency, stretched by how often the expert was used while resident.
+
+    A slot's keep-score is ``uses / (age + 1)``: ``uses`` the steps that routed to its expert
+    since it was loaded (1 at load; reset when the slot is refilled, like a cache entry's hit
+    counter), ``age`` the steps since its last use. Evict the lowest score: an expert used once
+    and idle for 3 steps (1/4) goes before one used 8 times and idle for 9 (8/10). With every
+    ``uses`` equal it is exactly LRU. Ties: least recently used, then lowest slot. Simple by
+    intent (an exact ratio, no tuned constant).
+    """
+
+    name = "flru"
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self._steps = 0
+        self._uses = [0] * num_slots
+        self._last_step = [0] * num_slots
+        self._lru = LRUPolicy(num_slots)
+
+    def on_step(self, union: Sequence[int]) -> None:
+        self._steps += 1
+
+    def on_access(self, slot: int, expert: int) -> None:
+        self._uses[slot] += 1
+        self._last_step[slot] = self._steps
+        self._lru.on_access(slot, expert)
+
+    def on_load(self, slot: int, expert: int) -> None:
+        self._uses[slot] = 1
+        self._last_step[slot] = self._steps
+        self._lru.on_load(slot, expert)
+
+    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
+        uses, last, lru, now = self._uses, self._last_step, self._lru._last_use, self._steps
+        return min(candidates, key=lambda s: (Fraction(uses[s], now - last[s] + 1), lru[s], s))
+
+
+class AdaptivePolicy(EvictionPolicy):
+    """Adaptive: per layer, follow whichever of several eviction rules is winning right now.
+
+    Each candidate rule (``CANDIDATES``: LRU, LFU with a short and a long half-life) runs a
+    ghost residency of K slots on the same routing (expert ids only, no bytes) and earns the hits
+    it would have had, in an exponentially decaying window (``window`` steps). The real slots
+    are ranked by the current leader; each rule also keeps its own state over the real slots, so
+    switching leaders is instant. Ties between rules go to the earlier in ``CANDIDATES``, so
+    with no evidence (and whenever recency wins) it is LRU. Layers differ (deep layers reuse
+    more, layer 0 the least) and so do workloads; one fixed rule cannot suit all of them.
+    Cost: one extra ``Residency.plan`` per rule per layer per step (tens of microseconds).
+    """
+
+    name = "adaptive"
+    CANDIDATES: tuple[tuple[str, dict], ...] = (
+        ("lru", {}),
+        ("lfu", {"half_life": 16}),
+        ("lfu", {"half_life": 128}),
+    )
+    DEFAULT_WINDOW = 64  # steps; tuned on the tune half of the traces (bench/policy_eval.py)
+
+    def __init__(self, num_slots: int, *, window: int = DEFAULT_WINDOW) -> None:
+        super().__init__(num_slots)
+        self.decay = 1.0 - 1.0 / window
+        self._rules = [POLICIES[n](num_slots, **kw) for n, kw in self.CANDIDATES]
+        self._ghosts = [Residency(_ANY_EXPERT, num_slots, POLICIES[n](num_slots, **kw)) for n, kw in self.CANDIDATES]
+        self._score = [0.0] * len(self._rules)
+        self.leader = 0
+
+    def on_step(self, union: Sequence[int]) -> None:
+        # The leader is chosen from the steps before this one, then the ghosts see this step.
+        best = max(self._score)
+        self.leader = self._score.index(best)
+        for i, ghost in enumerate(self._ghosts):
+            self._score[i] = self._score[i] * self.decay + ghost.plan(union).hits
+        for rule in self._rules:
+            rule.on_step(union)
+
+    def on_access(self, slot: int, expert: int) -> None:
+        for rule in self._rules:
+            rule.on_access(slot, expert)
+
+    def on_load(self, slot: int, expert: int) -> None:
+        for rule in self._rules:
+            rule.on_load(slot, expert)
+
+    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
+        return self._rules[self.leader].victim(candidates, expert_of_slot)
+
+
+_ANY_EXPERT = 1 << 30  # E of a ghost residency: ids are checked by the real one
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "flru": FrequencyLRUPolicy,
+    "adaptive": AdaptivePolicy,
+}
+DEFAULT_POLICY = "lru"
 
 
 def make_policy(name: str, num_slots: int) -> EvictionPolicy:
@@ -212,6 +346,35 @@ class Residency:
                 return s
         candidates = [s for s in range(self.num_slots) if s not in in_wave]
         return self.policy.victim(candidates, eos)
+
+    def prefetch(self, experts: Sequence[int], *, budget: int) -> tuple[Load, ...]:
+        """Page in up to ``budget`` of ``experts`` (priority order) before the step routes.
+
+        Experts already resident are skipped; each other one takes an empty slot (lowest first)
+        or the policy's victim among slots that hold none of ``experts`` and were not filled by
+        this call, so a prefetch never evicts an expert it predicts. Stops early when no slot is
+        left to take. The policy sees each placement as a load (``on_load``). Returns the loads.
+        """
+        protected = {self.slot_of_expert[e] for e in experts if e in self.slot_of_expert}
+        loads: list[Load] = []
+        for e in experts:
+            if len(loads) >= budget:
+                break
+            if e in self.slot_of_expert or not 0 <= e < self.num_experts:
+                continue
+            slot = next((s for s in range(self.num_slots) if self.expert_of_slot[s] == EMPTY), None)
+            if slot is None:
+                candidates = [s for s in range(self.num_slots) if s not in protected]
+                if not candidates:
+                    break
+                slot = self.policy.victim(candidates, self.expert_of_slot)
+                del self.slot_of_expert[self.expert_of_slot[slot]]
+            self.expert_of_slot[slot] = e
+            self.slot_of_expert[e] = slot
+            self.policy.on_load(slot, e)
+            protected.add(slot)
+            loads.append(Load(expert=e, slot=slot))
+        return tuple(loads)
 
     def resident(self) -> dict[int, int]:
         """Expert id -> slot id of every resident expert (a copy)."""
