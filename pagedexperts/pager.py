@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from pagedexperts.prefetch import PrefetchStats
 from pagedexperts.residency import EvictionPolicy, Residency, StepPlan, Wave
 from pagedexperts.stats import LayerStats
 from pagedexperts.store import HostExpertStore
@@ -117,6 +118,10 @@ class ExpertPager:
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.trace_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         self.padding_rows = 0  # rows of the current step that are padding (recording hook)
+        # Prefetch hook (pagedexperts.prefetch): this layer's predictor of the next layer, and
+        # the counters of prefetches INTO this layer. None = prefetch off.
+        self.prefetcher = None
+        self.prefetch_stats = PrefetchStats()
 
     @property
     def num_slots(self) -> int:
@@ -136,7 +141,12 @@ class ExpertPager:
         t1 = time.perf_counter()
         if self.trace_hook is not None:
             self.trace_hook(self.layer, ids_host, top_k_weights.detach().to("cpu"))
-        plan = self.residency.plan(routed_union(ids_host))
+        if self.prefetcher is not None:
+            self.prefetcher.predict(hidden_states)
+        union = routed_union(ids_host)
+        plan = self.residency.plan(union)
+        if self.prefetch_stats.pending:
+            self.prefetch_stats.observe(union)
         t2 = time.perf_counter()
         out = self._run_waves(module, plan, hidden_states, top_k_index, top_k_weights)
         self.stats.record_step(
@@ -193,11 +203,14 @@ class ExpertPager:
         view = SlotView(module, self.slots)
         if len(plan.waves) == 1:
             slot_map = self._page_in(plan.waves[0])
+            self._issue_prefetch()
             entry_out = inner(view, entry_hidden, slot_map[entry_ids], entry_weights)
         else:
             entry_out = None
             for wave in plan.waves:
                 slot_map = self._page_in(wave)
+                if wave is plan.waves[0]:
+                    self._issue_prefetch()
                 rows = (slot_map[entry_ids[:, 0]] >= 0).nonzero().squeeze(1)
                 out_w = inner(view, entry_hidden[rows], slot_map[entry_ids[rows]], entry_weights[rows])
                 if entry_out is None:
@@ -208,6 +221,11 @@ class ExpertPager:
                 self._mark_compute_done()
         self._mark_compute_done()
         return self._combine(entry_out.view(num_tokens, top_k, -1), top_k_index, hidden.dtype)
+
+    def _issue_prefetch(self) -> None:
+        """Prefetch hook: after this layer's first page-ins, start the next layer's predicted ones."""
+        if self.prefetcher is not None:
+            self.prefetcher.issue()
 
     def _mark_compute_done(self) -> None:
         if self.copy_stream is not None:
