@@ -207,6 +207,8 @@ def load_model(
     policy: str = "lru",
     mode: str = "paged",
     cpu_expert_layers: int = 0,
+    prefetch: bool = False,
+    prefetch_budget: int | None = None,
 ):
     """Load a Hugging Face MoE model directory with K of E experts per layer resident.
 
@@ -223,6 +225,9 @@ def load_model(
             the device), "offload" (all E copied in every step), "cpu-experts" (the first
             ``cpu_expert_layers`` MoE layers computed on the CPU, the rest resident).
         cpu_expert_layers: N for mode "cpu-experts", 0 <= N <= MoE layers.
+        prefetch: mode "paged" only: while layer l computes, page in layer l+1's experts as
+            predicted by layer l+1's router on layer l's input (``pagedexperts.prefetch``).
+        prefetch_budget: prefetch page-ins per layer per step at most (None = top_k).
 
     Returns:
         (model, tokenizer): a transformers causal LM usable with ``generate()``, with
@@ -262,6 +267,10 @@ def load_model(
         experts_implementation=experts_implementation, policy=policy, mode=mode,
         cpu_expert_layers=cpu_expert_layers,
     )
+    if prefetch and mode == "paged":
+        from pagedexperts import prefetch as prefetch_mod
+
+        prefetch_mod.install(model, budget=prefetch_budget)
     tokenizer = _load_tokenizer(path)
     return model, tokenizer
 

@@ -23,6 +23,13 @@ def add_model_arguments(parser) -> None:
         help="transformers experts kernel run over the slots (default grouped_mm)",
     )
     g.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    g.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="page in the next layer's predicted experts while a layer computes (its router on this layer's input)",
+    )
+    g.add_argument("--prefetch-budget", type=int, default=None, metavar="N",
+                   help="prefetch page-ins per layer per step at most (default: top_k)")
 
 
 def load_from_args(args):
@@ -36,4 +43,6 @@ def load_from_args(args):
         dtype=args.dtype,
         experts_implementation=args.experts_implementation,
         policy=args.policy,
+        prefetch=getattr(args, "prefetch", False),
+        prefetch_budget=getattr(args, "prefetch_budget", None),
     )
