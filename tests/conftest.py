@@ -1,0 +1,129 @@
+"""Shared fixtures: tiny random Qwen3-MoE checkpoints on disk, in every layout the loader reads.
+
+Every model is seeded and tiny (vocab 128, hidden 32, E=16 routed experts, top_k=2,
+moe_intermediate 16) so the whole suite runs on CPU in seconds. The directories are built
+once per session:
+
+- ``tiny_moe_dir``: ``save_pretrained`` output, one tensor per expert
+  (``model.layers.N.mlp.experts.{j}.gate_proj.weight`` ...), the layout hub checkpoints use.
+- ``tiny_moe_stacked_dir``: the same weights re-saved from ``model.state_dict()``, stacked
+  (``model.layers.N.mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]).
+- ``tiny_moe_sharded_dir``: the same weights, ``save_pretrained(max_shard_size=...)`` with a
+  ``model.safetensors.index.json``.
+- ``tiny_moe_dense_dir``: a 3-layer model whose layer 1 is dense (``mlp_only_layers=[1]``).
+
+Legend: E routed experts, k top_k, K resident slots, I expert intermediate, H hidden.
+
+Torch runs single-threaded here: the models are tiny, and on a shared 2-core machine
+OpenMP threads spin against each other (a bf16 forward took 5 s with 2 threads, 30 ms with 1).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+E = 16  # routed experts per layer
+TOP_K = 2
+HIDDEN = 32
+MOE_INTERMEDIATE = 16
+VOCAB = 128
+PAD_ID = 0
+
+torch.set_num_threads(1)
+
+
+def tiny_config(**overrides):
+    """The tiny Qwen3-MoE config of these tests; ``overrides`` replace any field."""
+    from transformers import Qwen3MoeConfig
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        moe_intermediate_size=MOE_INTERMEDIATE,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=E,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        initializer_range=0.1,  # larger than default so routing and logits are decisive
+        pad_token_id=PAD_ID,
+        bos_token_id=1,
+        eos_token_id=None,  # greedy decode always runs its full length
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return Qwen3MoeConfig(**fields)
+
+
+def tiny_model(seed: int = 0, **overrides):
+    """A random-init Qwen3MoeForCausalLM in float32, eval mode."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(tiny_config(**overrides))
+    return model.eval()
+
+
+def copy_dir(src: Path, dst: Path) -> Path:
+    """A writable copy of a checkpoint directory (tests that damage a checkpoint use one)."""
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory, tiny_moe_model) -> Path:
+    path = tmp_path_factory.mktemp("tiny_moe_per_expert")
+    tiny_moe_model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_stacked_dir(tmp_path_factory, tiny_moe_dir, tiny_moe_model) -> Path:
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("tiny_moe_stacked")
+    shutil.copy(tiny_moe_dir / "config.json", path / "config.json")
+    state = {k: v.contiguous() for k, v in tiny_moe_model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_sharded_dir(tmp_path_factory, tiny_moe_model) -> Path:
+    path = tmp_path_factory.mktemp("tiny_moe_sharded")
+    tiny_moe_model.save_pretrained(path, max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").exists()
+    assert len(list(path.glob("*.safetensors"))) >= 2
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dense_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_moe_dense_layer")
+    tiny_model(seed=1, num_hidden_layers=3, mlp_only_layers=[1]).save_pretrained(path)
+    return path
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensor") -> None:
+    """torch.equal, and on mismatch a message with the max and mean |difference|."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    if not torch.equal(actual, expected):
+        diff = (actual.float() - expected.float()).abs()
+        raise AssertionError(
+            f"{what} differs: max |diff| {diff.max().item():.3e}, mean |diff| {diff.mean().item():.3e}, "
+            f"{int((diff > 0).sum())} of {diff.numel()} elements"
+        )
