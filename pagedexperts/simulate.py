@@ -14,7 +14,7 @@ Legend: T tokens of a step, k = top_k, E routed experts, K resident slots, B bat
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -29,12 +29,14 @@ ROUTINGS = ("trace", "uniform")
 @dataclass(frozen=True)
 class SimStep:
     """One step to replay: ``ids[layer]`` is [T, k] routed expert ids (all rows, planned like
-    the runtime plans them); ``tokens`` + ``padding`` = T (padding rows are not tokens)."""
+    the runtime plans them); ``tokens`` + ``padding`` = T (padding rows are not tokens);
+    ``extras[(layer, name)]``: the trace's per-layer extras (e.g. recorded prefetch predictions)."""
 
     phase: str
     tokens: int
     ids: dict[int, np.ndarray]
     padding: int = 0
+    extras: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,8 @@ def default_num_resident(*, num_experts: int, top_k: int) -> list[int]:
 
 def recorded_steps(trace: Trace) -> list[SimStep]:
     """The trace's steps as recorded (prefill and decode, all requests of a step together)."""
-    return [SimStep(phase=s.phase, tokens=s.num_tokens, padding=s.num_padding, ids=dict(s.topk_ids)) for s in trace]
+    return [SimStep(phase=s.phase, tokens=s.num_tokens, padding=s.num_padding, ids=dict(s.topk_ids),
+                    extras=dict(s.extras)) for s in trace]
 
 
 def request_streams(trace: Trace, *, min_streams: int = 1) -> list[dict[int, np.ndarray]]:
@@ -261,3 +264,86 @@ def run_grid(
                 out.append(SimResult(routing=routing, policy=name, num_resident=k, batch_size=batch_size,
                                      stats=everything, decode=decode))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies against the bound, and prefetch (issue 8)
+# ---------------------------------------------------------------------------------------------
+
+
+def gap_closed(*, policy_hit_rate: float, lru_hit_rate: float, belady_hit_rate: float) -> float:
+    """Fraction of the LRU-to-Belady hit-rate gap a policy closes: (policy - LRU) / (Belady - LRU).
+
+    1.0 = as good as the optimum, 0.0 = no better than LRU, negative = worse; NaN if no gap.
+    """
+    gap = belady_hit_rate - lru_hit_rate
+    return (policy_hit_rate - lru_hit_rate) / gap if gap > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class PrefetchReplay:
+    """A replay with the trace's recorded prefetch predictions applied (or none: ``budget`` 0).
+
+    ``stats``: the usual per-layer counters (prefetched experts that a step routes to are hits);
+    ``prefetch``: per layer ``PrefetchStats`` (issued, used, wasted, bytes) of prefetches INTO
+    that layer; ``exposed``: per layer, misses whose page-in was not hidden behind the previous
+    layer's compute under the timing model; ``stall_s``: modelled seconds compute waited on copies.
+    """
+
+    stats: ModelStats
+    prefetch: dict
+    exposed: dict[int, int]
+    stall_s: float
+
+    @property
+    def exposed_per_token(self) -> float:
+        tokens = self.stats.tokens
+        return sum(self.exposed.values()) / tokens if tokens else 0.0
+
+
+def replay_prefetch(
+    steps: list[SimStep], *, num_experts: int, num_resident: int, policy: str, budget: int,
+    expert_bytes: int, link_gbps: float, compute_ms_per_layer: float,
+) -> PrefetchReplay:
+    """Replay ``steps`` as the runtime runs them with ``--prefetch``: before layer l plans a step,
+    the predictions recorded for it (trace extra ``prefetch``, made while layer l-1 computed) are
+    paged in with ``Residency.prefetch(..., budget)``; ``budget`` 0 replays without prefetch.
+
+    Timing model (one copy engine, in order; per layer: its demand page-ins, then its compute of
+    ``compute_ms_per_layer``, while the next layer's prefetch copies run): a demand miss is always
+    exposed (its page-in starts when the layer has routed); the j-th prefetch copy (0-based) into
+    layer l finishes (j + 1) x expert_bytes / link after layer l-1's compute starts, and is exposed
+    if it is used by layer l but finishes after that compute ends. Stall = demand page-in time +
+    the part of the prefetch copies that overruns the previous layer's compute.
+    Units: bytes, GB/s (1e9 B/s), milliseconds.
+    """
+    from pagedexperts.prefetch import PREFETCH_EXTRA, PrefetchStats
+
+    t_load = expert_bytes / (link_gbps * 1e9)
+    compute_s = compute_ms_per_layer / 1e3
+    layers = sorted({ly for s in steps for ly in s.ids})
+    unions = {ly: [np.unique(s.ids[ly]).tolist() for s in steps] for ly in layers}
+    out, pstats, exposed, stall = ModelStats(), {}, {}, 0.0
+    for ly in layers:
+        res = residency.Residency(num_experts, num_resident,
+                                  make_policy(policy, num_slots=num_resident, unions=unions[ly]))
+        st, ps, exp = LayerStats(), PrefetchStats(), 0
+        for step, union in zip(steps, unions[ly]):
+            pred = step.extras.get((ly, PREFETCH_EXTRA))
+            loads = ()
+            if budget and pred is not None:
+                loads = res.prefetch([int(x) for x in pred], budget=budget)
+                ps.issued += len(loads)
+                ps.bytes += len(loads) * expert_bytes
+                ps.pending.update(ld.expert for ld in loads)
+            plan = res.plan(union)
+            if ps.pending:
+                ps.observe(union)
+            st.record_step(hits=plan.hits, misses=plan.misses, waves=len(plan.waves), tokens=step.tokens,
+                           padding_tokens=step.padding, expert_bytes=expert_bytes)
+            used = set(union)
+            late = sum(1 for j, ld in enumerate(loads) if (j + 1) * t_load > compute_s and ld.expert in used)
+            exp += plan.misses + late
+            stall += plan.misses * t_load + max(0.0, len(loads) * t_load - compute_s)
+        out.layers[ly], pstats[ly], exposed[ly] = st, ps, exp
+    return PrefetchReplay(stats=out, prefetch=pstats, exposed=exposed, stall_s=stall)
