@@ -130,6 +130,23 @@ def checkpoint_files(model_path: Path) -> list[Path]:
     raise FileNotFoundError(f"no safetensors checkpoint in {model_path} (want model.safetensors or an index)")
 
 
+def check_readable(files: list[Path]) -> None:
+    """Open every shard's header (reads no weights) so a truncated or corrupt shard is found
+    before any allocation.
+
+    Raises:
+        ValueError: names the shard.
+    """
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:  # safetensors raises its own error type for truncated files
+            raise ValueError(f"cannot read checkpoint shard {file}: {exc} (truncated or corrupt?)") from exc
+
+
 @contextlib.contextmanager
 def _parameters_on_meta():
     """Create every nn.Parameter on the meta device (buffers stay real: rotary tables etc.)."""
@@ -253,6 +270,7 @@ def load_model(
     if getattr(config, "output_router_logits", False):
         config.output_router_logits = False  # a training-time aux loss; inference never needs it
     files = checkpoint_files(path)
+    check_readable(files)
     if experts_implementation not in INNER_IMPLEMENTATIONS:
         raise ValueError(
             f"experts implementation {experts_implementation!r} is not supported under paging; "
@@ -487,8 +505,14 @@ def _load_expert_tensor(f, raw_key, target, stores, seen_rows) -> None:
         return
     value = f.get_tensor(raw_key)
     rows = None
-    if n_src > 1:
-        size = value.shape[0]
+    if n_src > 1:  # the sources are concatenated along the expert row's first dim
+        size = store.tensors[tname].shape[1] // n_src
+        if value.shape[0] != size:
+            raise ValueError(
+                f"checkpoint tensor {raw_key!r} (expert {expert}) has {value.shape[0]} rows, but "
+                f"{tname!r} of shape {tuple(store.tensors[tname].shape[1:])} per expert needs "
+                f"{size} from each of its {n_src} sources (config moe_intermediate_size?)"
+            )
         rows = slice(src_index * size, (src_index + 1) * size)
     store.write_row(tname, expert, value, rows=rows)
     seen_rows[site.name].setdefault((tname, expert), (set(), n_src))[0].add(src_index)

@@ -59,9 +59,10 @@ def check_host_memory(needed_bytes: int, *, what: str = "host expert store") -> 
     available = host_memory_available_bytes()
     if available is not None and needed_bytes > available:
         raise MemoryError(
-            f"{what} needs {needed_bytes / 1e9:.2f} GB of host memory but only "
-            f"{available / 1e9:.2f} GB is available; free memory, use a smaller model or a "
-            "quantized checkpoint (the store holds all E experts of every MoE layer)"
+            f"{what} needs {needed_bytes:,} bytes ({needed_bytes / 1e9:.3g} GB) of host memory "
+            f"but only {available:,} bytes ({available / 1e9:.3g} GB) is available; free memory, "
+            "use a smaller model or a quantized checkpoint (the store holds all E experts of "
+            "every MoE layer)"
         )
 
 
