@@ -8,9 +8,11 @@ Does not: route (the model's router runs unchanged), load checkpoints (``loader`
 the architecture (``models``).
 
 Exactness. The reference ("inner") implementation is called once per wave on the wave's
-(token, k) entries as if each entry were a token with top_k = 1, so every entry's weighted
-output is computed by the same kernel from the same rows as in the unpaged model; the entries
-are then combined exactly as the inner implementation combines them: ``grouped_mm`` and
+(token, k) entries as if each entry were a token with top_k = 1 and routing weight 1, in the
+row order the inner uses per expert, so every entry's output is computed by the same kernel
+from the same rows as in the unpaged model; the entries are then weighted with the same
+elementwise product (in the promoted dtype: fp32 router weights times bf16 entries stay fp32)
+and combined exactly as the inner implementation combines them: ``grouped_mm`` and
 ``batched_mm`` sum the k entries of a token in one ``sum(dim=1)``; ``eager`` adds them one by
 one in ascending expert id (its ``index_add_`` loop). Every entry is computed once and summed
 once, so paged output is bit-identical to the unpaged model with the same implementation.
@@ -196,15 +198,25 @@ class ExpertPager:
         inner = resolve_inner(module, self.inner)
         self._page_in_s = 0.0
         self._map_s = 0.0
-        # Each (token, k) entry as its own row with top_k = 1: [S, H], [S, 1], [S, 1].
-        entry_hidden = hidden.repeat_interleave(top_k, dim=0)
-        entry_ids = top_k_index.reshape(-1, 1)
-        entry_weights = top_k_weights.reshape(-1, 1)
+        # Each (token, k) entry as its own row with top_k = 1: [S, H], [S, 1]. Row order: eager
+        # visits an expert's rows k-major (its one_hot(...).permute(2, 1, 0)), the others
+        # token-major; the row order inside one expert's GEMM can change its bits (CPU fp32).
+        k_major = self.inner in SEQUENTIAL_COMBINE
+        if k_major:
+            entry_hidden = hidden.repeat(top_k, 1)
+            entry_ids = top_k_index.t().reshape(-1, 1)
+        else:
+            entry_hidden = hidden.repeat_interleave(top_k, dim=0)
+            entry_ids = top_k_index.reshape(-1, 1)
+        # Unit weights: the inner returns each entry unweighted in hidden.dtype (exact), and the
+        # routing weight is applied in _combine, so an fp32 weight (Mixtral, DeepSeek routers)
+        # times a bf16 entry is not rounded to bf16 before the sum, as in the unpaged sum.
+        unit = torch.ones_like(entry_ids, dtype=top_k_weights.dtype)
         view = SlotView(module, self.slots)
         if len(plan.waves) == 1:
             slot_map = self._page_in(plan.waves[0])
             self._issue_prefetch()
-            entry_out = inner(view, entry_hidden, slot_map[entry_ids], entry_weights)
+            entry_out = inner(view, entry_hidden, slot_map[entry_ids], unit)
         else:
             entry_out = None
             for wave in plan.waves:
@@ -212,7 +224,11 @@ class ExpertPager:
                 if wave is plan.waves[0]:
                     self._issue_prefetch()
                 rows = (slot_map[entry_ids[:, 0]] >= 0).nonzero().squeeze(1)
-                out_w = inner(view, entry_hidden[rows], slot_map[entry_ids[rows]], entry_weights[rows])
+                # torch.bmm of a batch of one takes another CPU kernel than larger batches: pad
+                # a one-entry wave with a copy of its row (batched_mm only), drop the copy after.
+                pad = self.inner == "batched_mm" and rows.numel() == 1 and entry_ids.shape[0] > 1
+                run = rows.repeat(2) if pad else rows
+                out_w = inner(view, entry_hidden[run], slot_map[entry_ids[run]], unit[run])[: rows.numel()]
                 if entry_out is None:
                     entry_out = torch.empty(
                         (entry_ids.shape[0], out_w.shape[1]), dtype=out_w.dtype, device=out_w.device
@@ -220,7 +236,11 @@ class ExpertPager:
                 entry_out[rows] = out_w
                 self._mark_compute_done()
         self._mark_compute_done()
-        return self._combine(entry_out.view(num_tokens, top_k, -1), top_k_index, hidden.dtype)
+        if k_major:
+            entries = entry_out.view(top_k, num_tokens, -1).transpose(0, 1)
+        else:
+            entries = entry_out.view(num_tokens, top_k, -1)
+        return self._combine(entries * top_k_weights.unsqueeze(-1), top_k_index, hidden.dtype)
 
     def _issue_prefetch(self) -> None:
         """Prefetch hook: after this layer's first page-ins, start the next layer's predicted ones."""
@@ -234,7 +254,7 @@ class ExpertPager:
             self._compute_done = ev
 
     def _combine(self, entries: torch.Tensor, top_k_index: torch.Tensor, dtype) -> torch.Tensor:
-        """entries [T, k, H] -> [T, H], in the inner implementation's own summation order."""
+        """Weighted entries [T, k, H] -> [T, H], in the inner implementation's own summation order."""
         if self.inner in SUM_COMBINE:
             return entries.sum(dim=1).to(dtype)
         order = torch.argsort(top_k_index, dim=1, stable=True)  # ascending expert id per token
