@@ -287,18 +287,27 @@ class PrefetchReplay:
     ``stats``: the usual per-layer counters (prefetched experts that a step routes to are hits);
     ``prefetch``: per layer ``PrefetchStats`` (issued, used, wasted, bytes) of prefetches INTO
     that layer; ``exposed``: per layer, misses whose page-in was not hidden behind the previous
-    layer's compute under the timing model; ``stall_s``: modelled seconds compute waited on copies.
+    layer's compute under the timing model; ``stall_s``: modelled seconds compute waited on copies;
+    ``decode``: the same counters over decode steps only (``exposed_decode``, ``stall_decode_s``).
     """
 
     stats: ModelStats
     prefetch: dict
     exposed: dict[int, int]
     stall_s: float
+    decode: ModelStats
+    exposed_decode: dict[int, int]
+    stall_decode_s: float
 
     @property
     def exposed_per_token(self) -> float:
         tokens = self.stats.tokens
         return sum(self.exposed.values()) / tokens if tokens else 0.0
+
+    @property
+    def exposed_per_decode_token(self) -> float:
+        tokens = self.decode.tokens
+        return sum(self.exposed_decode.values()) / tokens if tokens else 0.0
 
 
 def replay_prefetch(
@@ -323,11 +332,11 @@ def replay_prefetch(
     compute_s = compute_ms_per_layer / 1e3
     layers = sorted({ly for s in steps for ly in s.ids})
     unions = {ly: [np.unique(s.ids[ly]).tolist() for s in steps] for ly in layers}
-    out, pstats, exposed, stall = ModelStats(), {}, {}, 0.0
+    out, dec, pstats, exposed, exposed_dec, stall, stall_dec = ModelStats(), ModelStats(), {}, {}, {}, 0.0, 0.0
     for ly in layers:
         res = residency.Residency(num_experts, num_resident,
                                   make_policy(policy, num_slots=num_resident, unions=unions[ly]))
-        st, ps, exp = LayerStats(), PrefetchStats(), 0
+        st, dst, ps, exp, dexp = LayerStats(), LayerStats(), PrefetchStats(), 0, 0
         for step, union in zip(steps, unions[ly]):
             pred = step.extras.get((ly, PREFETCH_EXTRA))
             loads = ()
@@ -339,11 +348,16 @@ def replay_prefetch(
             plan = res.plan(union)
             if ps.pending:
                 ps.observe(union)
-            st.record_step(hits=plan.hits, misses=plan.misses, waves=len(plan.waves), tokens=step.tokens,
-                           padding_tokens=step.padding, expert_bytes=expert_bytes)
+            kw = dict(hits=plan.hits, misses=plan.misses, waves=len(plan.waves), tokens=step.tokens,
+                      padding_tokens=step.padding, expert_bytes=expert_bytes)
+            st.record_step(**kw)
             used = set(union)
             late = sum(1 for j, ld in enumerate(loads) if (j + 1) * t_load > compute_s and ld.expert in used)
-            exp += plan.misses + late
-            stall += plan.misses * t_load + max(0.0, len(loads) * t_load - compute_s)
-        out.layers[ly], pstats[ly], exposed[ly] = st, ps, exp
-    return PrefetchReplay(stats=out, prefetch=pstats, exposed=exposed, stall_s=stall)
+            wait = plan.misses * t_load + max(0.0, len(loads) * t_load - compute_s)
+            exp, stall = exp + plan.misses + late, stall + wait
+            if step.phase == "decode":
+                dst.record_step(**kw)
+                dexp, stall_dec = dexp + plan.misses + late, stall_dec + wait
+        out.layers[ly], dec.layers[ly], pstats[ly], exposed[ly], exposed_dec[ly] = st, dst, ps, exp, dexp
+    return PrefetchReplay(stats=out, prefetch=pstats, exposed=exposed, stall_s=stall, decode=dec,
+                          exposed_decode=exposed_dec, stall_decode_s=stall_dec)
