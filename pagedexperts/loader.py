@@ -29,7 +29,7 @@ from pagedexperts.models import ExpertsSite, check_supported, find_experts_sites
 from pagedexperts.recording import install_padding_hook
 from pagedexperts.pager import INNER_IMPLEMENTATIONS, ExpertPager
 from pagedexperts.modes import MODES, CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
-from pagedexperts.residency import make_policy
+from pagedexperts.residency import DEFAULT_POLICY, make_policy
 from pagedexperts.stats import ModelStats
 from pagedexperts.store import HostExpertStore, check_host_memory
 
@@ -52,7 +52,7 @@ class PagingConfig:
     device: str = "cpu"
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None = checkpoint's dtype
     experts_implementation: str = "grouped_mm"
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     mode: str = "paged"
     cpu_expert_layers: int = 0
 
@@ -221,7 +221,7 @@ def load_model(
     device: str = "cpu",
     dtype: str | None = None,
     experts_implementation: str = "grouped_mm",
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     mode: str = "paged",
     cpu_expert_layers: int = 0,
     prefetch: bool = False,
@@ -301,7 +301,7 @@ def build_paged_model(
     device: str = "cpu",
     dtype: str | None = None,
     experts_implementation: str = "grouped_mm",
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     mode: str = "paged",
     cpu_expert_layers: int = 0,
 ):

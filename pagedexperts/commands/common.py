@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pagedexperts.residency import DEFAULT_POLICY, POLICIES
+
 
 def add_model_arguments(parser) -> None:
     """--model-path, --num-resident, --device, --dtype, --experts-implementation, --policy."""
@@ -22,7 +24,12 @@ def add_model_arguments(parser) -> None:
         choices=["grouped_mm", "batched_mm", "eager"],
         help="transformers experts kernel run over the slots (default grouped_mm)",
     )
-    g.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    g.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        choices=sorted(POLICIES),
+        help=f"eviction policy (default {DEFAULT_POLICY}: LFU with aging, best measured in bench/policy_eval.py)",
+    )
     g.add_argument(
         "--prefetch",
         action="store_true",
