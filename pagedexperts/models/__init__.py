@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedexperts.models.families import FAMILIES, moe_layer_indices
 from pagedexperts.store import TensorSpec
 
-# model_type (config.json) -> family name. Each entry is covered by an exactness test.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "qwen3_moe": "Qwen3-MoE",
-}
+# model_type (config.json) -> family name. Each entry is covered by an exactness test
+# (tests/test_families.py); the families' layer rules and quirks are in ``families``.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {t: f.name for t, f in FAMILIES.items()}
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -40,7 +40,8 @@ def check_supported(config) -> str:
     """Return the family name of ``config``'s architecture.
 
     Raises:
-        ValueError: not an MoE model, or an architecture not yet supported (lists them).
+        ValueError: not an MoE model, an architecture not yet supported (lists them), or a
+            quantized checkpoint (quantized experts have their own modules; not paged yet).
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
@@ -52,6 +53,14 @@ def check_supported(config) -> str:
         raise ValueError(
             f"model_type {model_type!r} is {what}; supported: "
             + ", ".join(f"{k} ({v})" for k, v in sorted(SUPPORTED_ARCHITECTURES.items()))
+        )
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise ValueError(
+            f"this {SUPPORTED_ARCHITECTURES[model_type]} checkpoint is quantized "
+            f"(quant_method {method!r}); quantized experts are not paged yet: use an unquantized "
+            "(bf16 / fp16 / fp32) checkpoint of the model"
         )
     return SUPPORTED_ARCHITECTURES[model_type]
 
@@ -86,7 +95,40 @@ def find_experts_sites(model: torch.nn.Module) -> list[ExpertsSite]:
         )
     if not sites:
         raise ValueError(f"{type(model).__name__} has no routed-experts module to page")
-    return sorted(sites, key=lambda s: s.layer)
+    sites.sort(key=lambda s: s.layer)
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in FAMILIES:
+        check_family_layout(model, sites)
+    return sites
+
+
+def check_family_layout(model: torch.nn.Module, sites: list[ExpertsSite]) -> None:
+    """Start-up check against the family's config rules: experts modules exactly in the MoE
+    layers (dense layers get no pager), and each shared expert a plain resident module beside
+    them (never an experts-registry module, so never paged, in K or in the stats).
+
+    Raises:
+        ValueError: the model's layout disagrees with its family's rules.
+    """
+    config = model.config
+    family = FAMILIES[config.model_type]
+    found = [s.layer for s in sites]
+    expected = moe_layer_indices(config)
+    if found != expected:
+        raise ValueError(
+            f"{family.name}: experts modules found in decoder layers {found}, but the config's "
+            f"MoE layers are {expected}; this transformers version builds the model differently"
+        )
+    if family.shared_expert is None:
+        return
+    for site in sites:
+        block = model.get_submodule(site.name.rpartition(".")[0])
+        shared = getattr(block, family.shared_expert, None)
+        if shared is None or any(is_experts_module(m) for m in shared.modules()):
+            raise ValueError(
+                f"{family.name}: {site.name.rpartition('.')[0]}.{family.shared_expert} is missing or "
+                "is an experts-registry module; shared experts must stay resident, unpaged"
+            )
 
 
 def per_expert_specs(module: torch.nn.Module, name: str = "") -> tuple[TensorSpec, ...]:

@@ -1,0 +1,381 @@
+"""Every supported MoE family, paged vs unpaged, on tiny random checkpoints (issue 7).
+
+Each family gets a seeded random model (hidden 32, E=8 routed experts, top_k=2, vocab 128,
+expert intermediate 32) saved with ``save_pretrained`` in the layout that family's hub
+checkpoints use (Mixtral: per-expert ``block_sparse_moe.experts.{j}.w1/w2/w3``; gpt-oss:
+stacked ``gate_up_proj`` [E, H, 2I] with biases; the others per-expert gate/up/down), plus a
+character-level tokenizer. The oracle is the same directory loaded by plain
+``AutoModelForCausalLM.from_pretrained`` with the same experts implementation and dtype:
+prefill and 16 greedy decode steps must give torch.equal logits at K = top_k and K = E/2.
+
+The expert intermediate size is a multiple of 32 as in real models: CPU element-wise kernels
+(sigmoid, SiLU) run a vectorised body and a scalar tail, so with an odd number of rows times
+I % 32 != 0 the last row of a wave would take the other formula (last-bit differences).
+
+Legend: E routed experts, k top_k, K resident slots, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import assert_same
+from pagedexperts import load_model
+from pagedexperts.check import check_model, greedy_logits
+from pagedexperts.integration import PAGER_ATTR
+from pagedexperts.models import SUPPORTED_ARCHITECTURES, find_experts_sites, is_experts_module
+from pagedexperts.models.families import FAMILIES, moe_layer_indices
+
+E, TOP_K, HIDDEN, EXPERT_I, VOCAB = 8, 2, 32, 32, 128
+DECODE_STEPS = 16
+PROMPTS = ("ROMEO:\nBut soft, what light", "The history of the city")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=TOP_K,
+    max_position_embeddings=256,
+    initializer_range=0.1,  # larger than default so routing and logits are decisive
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=None,  # greedy decode always runs its full length
+    tie_word_embeddings=False,
+)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A tiny model of one family: config class, fields, and what its layout must look like."""
+
+    config_class: str
+    model_class: str
+    fields: dict
+    moe_layers: list[int]  # by hand, from the fields: the MoE layers (others are dense)
+    shared: str | None = None  # attribute of the MoE block holding the shared expert
+    extra: dict = field(default_factory=dict)
+
+
+CASES: dict[str, Case] = {
+    "mixtral": Case("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=EXPERT_I, num_local_experts=E, head_dim=8), [0, 1, 2]),
+    "qwen2_moe": Case(
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+        dict(intermediate_size=64, moe_intermediate_size=EXPERT_I, shared_expert_intermediate_size=48,
+             num_experts=E, mlp_only_layers=[1]),
+        [0, 2], shared="shared_expert",
+    ),
+    "qwen3_moe": Case(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(num_hidden_layers=4, intermediate_size=64, moe_intermediate_size=EXPERT_I, num_experts=E,
+             head_dim=8, norm_topk_prob=True, decoder_sparse_step=2),
+        [1, 3],
+    ),
+    "olmoe": Case("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=EXPERT_I, num_experts=E), [0, 1, 2]),
+    "deepseek_v2": Case(
+        "DeepseekV2Config", "DeepseekV2ForCausalLM",
+        dict(MLA, intermediate_size=64, moe_intermediate_size=EXPERT_I, n_routed_experts=E, n_shared_experts=2,
+             first_k_dense_replace=1, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+             topk_group=2, routed_scaling_factor=2.5),
+        [1, 2], shared="shared_experts",
+    ),
+    "deepseek_v3": Case(
+        "DeepseekV3Config", "DeepseekV3ForCausalLM",
+        dict(MLA, intermediate_size=64, moe_intermediate_size=EXPERT_I, n_routed_experts=E, n_shared_experts=1,
+             first_k_dense_replace=1, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+             routed_scaling_factor=2.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        [1, 2], shared="shared_experts",
+    ),
+    "gpt_oss": Case(
+        "GptOssConfig", "GptOssForCausalLM",
+        dict(intermediate_size=EXPERT_I, num_local_experts=E, head_dim=8, sliding_window=4),
+        [0, 1, 2],
+    ),
+    "qwen3_next": Case(
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        dict(intermediate_size=64, moe_intermediate_size=EXPERT_I, shared_expert_intermediate_size=48,
+             num_experts=E, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+             linear_num_value_heads=4, mlp_only_layers=[2],
+             layer_types=["linear_attention", "full_attention", "linear_attention"]),
+        [0, 1], shared="shared_expert",
+    ),
+}
+
+
+def build_model(name: str, seed: int = 0, **overrides):
+    import transformers
+
+    case = CASES[name]
+    fields = {**COMMON, **case.fields, **overrides}
+    torch.manual_seed(seed)
+    config = getattr(transformers, case.config_class)(**fields)
+    return getattr(transformers, case.model_class)(config).eval()
+
+
+def save_char_tokenizer(path) -> None:
+    """A character-level tokenizer (ASCII code = token id) so ``check_model`` can run prompts."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({chr(i): i for i in range(VOCAB)}, unk_token=chr(0)))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=chr(0), pad_token=chr(0)).save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    """name -> checkpoint directory, built on first use (save_pretrained + tokenizer)."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            path = tmp_path_factory.mktemp(f"tiny_{name}")
+            build_model(name).save_pretrained(path)
+            save_char_tokenizer(path)
+            built[name] = path
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def references():
+    """(path, dtype, implementation) -> the unpaged model, loaded once per session."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(path, dtype: str, impl: str = "grouped_mm"):
+        key = (str(path), dtype, impl)
+        if key not in cache:
+            cache[key] = AutoModelForCausalLM.from_pretrained(
+                path, dtype=DTYPES[dtype], experts_implementation=impl
+            ).eval()
+        return cache[key]
+
+    return get
+
+
+def assert_exact(paged, reference, tokenizer, what: str) -> None:
+    result = check_model(paged, reference, tokenizer, PROMPTS, max_new_tokens=DECODE_STEPS)
+    bad = [p for p in result.prompts if not (p.exact and p.tokens_equal)]
+    assert not bad, (
+        f"{what}: paged logits differ from the unpaged model on {len(bad)} prompt(s), "
+        f"max |diff| {result.max_abs_diff:.3e}"
+    )
+    assert result.misses > 0, f"{what}: no expert was ever paged in; the check proves nothing"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_paged_equals_unpaged_at_k_and_half_e(name, dtype, family_dirs, references):
+    path = family_dirs(name)
+    reference = references(path, dtype)
+    for k in (TOP_K, E // 2):
+        paged, tokenizer = load_model(path, num_resident=k, dtype=dtype)
+        assert sorted(paged.pagedexperts.pagers) == CASES[name].moe_layers
+        assert_exact(paged, reference, tokenizer, f"{name} {dtype} K={k}")
+
+
+# The routing weights' dtype and the layout quirks meet the other implementations here: fp32
+# router weights on a bf16 model (Mixtral, DeepSeek), eager's own row order and combine, and
+# gpt-oss's biases, transposed layout and clamped SwiGLU under every implementation.
+@pytest.mark.parametrize(
+    "name,dtype",
+    [("gpt_oss", "float32"), ("gpt_oss", "bfloat16"), ("mixtral", "bfloat16"), ("deepseek_v3", "bfloat16")],
+)
+@pytest.mark.parametrize("impl", ["batched_mm", "eager"])
+def test_other_experts_implementations(name, dtype, impl, family_dirs, references):
+    path = family_dirs(name)
+    paged, tokenizer = load_model(path, num_resident=TOP_K, dtype=dtype, experts_implementation=impl)
+    assert_exact(paged, references(path, dtype, impl), tokenizer, f"{name} {dtype} {impl} K={TOP_K}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_store_holds_the_routed_experts_and_nothing_else(name, family_dirs, references):
+    """Per-expert tensors come from the layer (every tensor with leading dim E, biases too);
+    host rows equal the reference's experts; everything else is resident and equal."""
+    path = family_dirs(name)
+    reference = references(path, "float32")
+    paged, _ = load_model(path, num_resident=TOP_K, dtype="float32")
+    for layer, pager in paged.pagedexperts.pagers.items():
+        ref_experts = reference.model.layers[layer].mlp.experts
+        expected = dict(ref_experts.named_parameters(recurse=False))
+        assert sorted(pager.store.tensors) == sorted(expected), f"layer {layer}: per-expert tensors"
+        for tname, host in pager.store.tensors.items():
+            assert_same(host, expected[tname].detach(), f"layer {layer} store {tname!r}")
+            assert pager.slots[tname].shape == (TOP_K, *host.shape[1:])
+    ref_state = reference.state_dict()
+    paged_state = paged.state_dict()
+    routed = {n for n in ref_state if ".mlp.experts." in n}
+    assert set(paged_state) == set(ref_state) - routed
+    for tname, value in paged_state.items():
+        assert_same(value, ref_state[tname], f"resident tensor {tname!r}")
+
+
+def test_mixtral_per_expert_w1_w2_w3_keys_are_read(family_dirs, references):
+    path = family_dirs("mixtral")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    for j in range(E):
+        for w in ("w1", "w2", "w3"):
+            assert f"model.layers.0.block_sparse_moe.experts.{j}.{w}.weight" in keys
+    assert not any(".mlp." in k for k in keys)
+    paged, _ = load_model(path, num_resident=TOP_K, dtype="float32")
+    ref_experts = references(path, "float32").model.layers[0].mlp.experts
+    store = paged.pagedexperts.pagers[0].store
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        w1 = f.get_tensor("model.layers.0.block_sparse_moe.experts.5.w1.weight")
+        w3 = f.get_tensor("model.layers.0.block_sparse_moe.experts.5.w3.weight")
+    assert_same(store.tensors["gate_up_proj"][5], torch.cat([w1, w3]), "expert 5 gate_up = [w1; w3]")
+    assert_same(store.tensors["down_proj"], ref_experts.down_proj.detach(), "down_proj from w2")
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.shared])
+def test_shared_experts_are_resident_never_paged(name, family_dirs, references):
+    path = family_dirs(name)
+    case = CASES[name]
+    paged, tokenizer = load_model(path, num_resident=TOP_K, dtype="float32")
+    runtime = paged.pagedexperts
+    routed_bytes = 3 * HIDDEN * EXPERT_I * 4  # gate, up, down of one routed expert, fp32
+    for layer, pager in runtime.pagers.items():
+        block = paged.model.layers[layer].mlp
+        shared = getattr(block, case.shared)
+        assert not any(is_experts_module(m) for m in shared.modules())
+        assert not any(hasattr(m, PAGER_ATTR) for m in shared.modules())
+        for pname, p in shared.named_parameters():
+            assert p.device.type == "cpu" and p.dtype == torch.float32, pname
+        assert pager.store.num_experts == E and pager.store.expert_bytes == routed_bytes
+        assert all(s.shape[0] == TOP_K for s in pager.slots.values())
+        assert {tuple(t.shape[1:]) for t in pager.store.tensors.values()} == {
+            (2 * EXPERT_I, HIDDEN), (HIDDEN, EXPERT_I)
+        }, "a shared-expert shape (intermediate != EXPERT_I) leaked into the store"
+    assert_exact(paged, references(path, "float32"), tokenizer, f"{name} K={TOP_K}")
+    stats = runtime.stats()
+    assert sorted(stats.layers) == case.moe_layers
+    for layer, st in stats.layers.items():
+        assert st.union_max <= E and st.bytes_paged == st.page_ins * routed_bytes, f"layer {layer}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dense_layers_get_no_pager(name, family_dirs):
+    path = family_dirs(name)
+    config = json.loads((path / "config.json").read_text())
+    assert moe_layer_indices(config) == CASES[name].moe_layers
+    paged, _ = load_model(path, num_resident=TOP_K, dtype="float32")
+    assert sorted(paged.pagedexperts.pagers) == CASES[name].moe_layers
+    for i, layer in enumerate(paged.model.layers):
+        paged_modules = [m for m in layer.modules() if hasattr(m, PAGER_ATTR)]
+        assert len(paged_modules) == (i in CASES[name].moe_layers), f"layer {i}"
+        if i not in CASES[name].moe_layers:
+            assert not any(is_experts_module(m) for m in layer.modules())
+            assert all(p.device.type != "meta" for p in layer.parameters())
+
+
+def test_gpt_oss_biases_are_paged_with_their_expert(family_dirs, references):
+    """A corrupted bias in a slot, or in the host row of a routed expert, changes the output:
+    the biases are read from the slots and paged in from the store with their expert."""
+    path = family_dirs("gpt_oss")
+    token = torch.tensor([[42]])
+    with torch.no_grad():
+        expected = references(path, "float32")(token).logits
+        paged, _ = load_model(path, num_resident=TOP_K, dtype="float32")
+        pager = paged.pagedexperts.pagers[0]
+        assert {"gate_up_proj_bias", "down_proj_bias"} <= set(pager.store.tensors)
+        assert_same(paged(token).logits, expected, "gpt-oss one token")
+        hits_before = pager.stats.hits
+        for tname in ("gate_up_proj_bias", "down_proj_bias"):
+            original = pager.slots[tname][0].clone()
+            pager.slots[tname][0] += 1.0  # both routed experts of the token are resident now
+            corrupted = paged(token).logits
+            pager.slots[tname][0].copy_(original)
+            assert not torch.equal(corrupted, expected), f"slot {tname} is not used"
+        assert pager.stats.hits > hits_before, "the corrupted slot was paged over, not reused"
+        assert_same(paged(token).logits, expected, "restored slots")
+
+        routed = _routed_experts(references(path, "float32"), token, layer=0)
+        fresh, _ = load_model(path, num_resident=TOP_K, dtype="float32")  # nothing resident yet
+        fresh.pagedexperts.pagers[0].store.tensors["down_proj_bias"][routed[0]] += 1.0
+        assert not torch.equal(fresh(token).logits, expected), "host bias row is not paged in"
+
+
+def _routed_experts(model, input_ids, *, layer: int) -> list[int]:
+    """Expert ids the router of ``layer`` picks for the last token of ``input_ids``."""
+    seen = []
+    experts = model.model.layers[layer].mlp.experts
+    handle = experts.register_forward_pre_hook(lambda m, args: seen.append(args[1][-1].tolist()))
+    try:
+        with torch.no_grad():
+            model(input_ids)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@pytest.fixture(scope="session")
+def deepseek_biased_dir(tmp_path_factory):
+    """DeepSeek-V3 with a non-zero e_score_correction_bias that changes the expert selection."""
+    model = build_model("deepseek_v3")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in CASES["deepseek_v3"].moe_layers:
+            gate = model.model.layers[layer].mlp.gate
+            gate.e_score_correction_bias.copy_(torch.rand(E, generator=gen) * 0.5)
+    path = tmp_path_factory.mktemp("tiny_deepseek_v3_biased")
+    model.save_pretrained(path)
+    save_char_tokenizer(path)
+    return path
+
+
+def test_deepseek_correction_bias_changes_selection_and_stays_exact(deepseek_biased_dir, family_dirs, references):
+    ids = torch.tensor([[ord(c) for c in PROMPTS[0]]])
+    layer = CASES["deepseek_v3"].moe_layers[-1]
+    plain = references(family_dirs("deepseek_v3"), "float32")
+    biased = references(deepseek_biased_dir, "float32")
+    assert _routed_experts(plain, ids, layer=1) != _routed_experts(biased, ids, layer=1) or (
+        _routed_experts(plain, ids, layer=layer) != _routed_experts(biased, ids, layer=layer)
+    ), "the correction bias does not change the selection; the test proves nothing"
+    for dtype in DTYPES:
+        paged, tokenizer = load_model(deepseek_biased_dir, num_resident=TOP_K, dtype=dtype)
+        gate = paged.model.layers[layer].mlp.gate
+        assert torch.count_nonzero(gate.e_score_correction_bias) == E
+        assert_exact(paged, references(deepseek_biased_dir, dtype), tokenizer, f"biased deepseek_v3 {dtype}")
+
+
+def test_unsupported_architecture_fails_at_start_up_with_the_list(tmp_path):
+    from transformers import LlamaConfig, PhimoeConfig
+
+    for config, what in ((PhimoeConfig(num_hidden_layers=1), "MoE architecture not yet supported"),
+                         (LlamaConfig(num_hidden_layers=1), "not an MoE model")):
+        path = tmp_path / config.model_type
+        config.save_pretrained(path)
+        with pytest.raises(ValueError, match=what) as info:
+            load_model(path)
+        for model_type, family in SUPPORTED_ARCHITECTURES.items():
+            assert f"{model_type} ({family})" in str(info.value)
+
+
+def test_quantized_checkpoint_fails_at_start_up(family_dirs, tmp_path):
+    config = json.loads((family_dirs("gpt_oss") / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized.*mxfp4"):
+        load_model(tmp_path)
+
+
+def test_supported_list_is_the_families_table():
+    assert set(SUPPORTED_ARCHITECTURES) == set(FAMILIES) == set(CASES)
+
+
+def test_layer_mismatch_with_the_family_rule_is_refused():
+    model = build_model("qwen2_moe")
+    model.config.mlp_only_layers = []  # the config now claims layer 1 is MoE; the model disagrees
+    with pytest.raises(ValueError, match=r"MoE layers are \[0, 1, 2\]"):
+        find_experts_sites(model)
