@@ -31,21 +31,10 @@ BATCH_LENGTHS = [5, 12, 3, 9]
 DECODE_STEPS = 32
 
 
-# Library bug (pager.py ``_run_waves``, multi-wave branch), pinned in test_store_pager.py: a wave
-# with exactly one (token, k) entry runs batched_mm with S = 1, and CPU torch.bmm with batch 1
-# takes another kernel than batch >= 2, so float32 differs in the last bits (bfloat16 does not).
-# These are the cases whose fixed prompts produce such a wave; K = E never has two waves.
-SINGLE_ENTRY_WAVE_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="pager: a 1-entry wave runs batched_mm with bmm batch 1 (another CPU kernel): not bit-exact",
-)
-
-
-def cases(ks, *, known_bug=lambda impl, dtype, k: impl == "batched_mm" and dtype == "float32" and k < E):
-    """(impl, dtype, K) params over IMPLS x DTYPES x ks; the bug's cases carry the xfail mark."""
+def cases(ks):
+    """(impl, dtype, K) params over IMPLS x DTYPES x ks."""
     return [
-        pytest.param(impl, dtype, k, id=f"{impl}-{dtype}-K{k}",
-                     marks=[SINGLE_ENTRY_WAVE_BUG] if known_bug(impl, dtype, k) else [])
+        pytest.param(impl, dtype, k, id=f"{impl}-{dtype}-K{k}")
         for impl in IMPLS
         for dtype in DTYPES
         for k in ks
@@ -174,7 +163,7 @@ def test_greedy_decode_tokens_and_logits_equal(reference, tiny_moe_dir, impl, dt
 # --- (c) a batch of 4 left-padded prompts -----------------------------------------------------
 
 
-@pytest.mark.parametrize("impl,dtype,num_resident", cases(KS, known_bug=lambda *_: False))
+@pytest.mark.parametrize("impl,dtype,num_resident", cases(KS))
 def test_padded_batch_logits_equal(reference, tiny_moe_dir, impl, dtype, num_resident):
     paged = load_paged(tiny_moe_dir, num_resident, impl, dtype)
     ids, mask = padded_batch()

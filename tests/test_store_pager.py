@@ -25,25 +25,10 @@ from pagedexperts.store import HostExpertStore, TensorSpec
 E, H, I, TOP_K = 8, 32, 16, 2
 DTYPES = [torch.float32, torch.bfloat16]
 
-# Library bug (pager.py ``_run_waves``, multi-wave branch): a wave with exactly ONE (token, k)
-# entry calls batched_mm with S = 1, and CPU ``torch.bmm`` with batch 1 takes another kernel
-# path than batch >= 2 (float32 results differ in the last bits), while the reference always
-# runs S = T * k >= 2 entries. bfloat16 and the other implementations are unaffected.
-SINGLE_ENTRY_WAVE_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="pager: a 1-entry wave runs batched_mm with bmm batch 1 (another CPU kernel): not bit-exact",
-)
-
-
-def inner_dtype_cases(xfail_batched_fp32: bool = True):
-    """(inner, dtype) pairs; batched_mm + float32 carries SINGLE_ENTRY_WAVE_BUG if asked."""
+def inner_dtype_cases():
+    """(inner, dtype) pairs over every inner implementation and dtype."""
     return [
-        pytest.param(
-            inner,
-            dtype,
-            id=f"{inner}-{str(dtype).removeprefix('torch.')}",
-            marks=[SINGLE_ENTRY_WAVE_BUG] if xfail_batched_fp32 and (inner, dtype) == ("batched_mm", torch.float32) else [],
-        )
+        pytest.param(inner, dtype, id=f"{inner}-{str(dtype).removeprefix('torch.')}")
         for inner in INNER_IMPLEMENTATIONS
         for dtype in DTYPES
     ]
@@ -139,23 +124,18 @@ def has_single_entry_wave(pager: ExpertPager, ids: torch.Tensor) -> bool:
     return any(int(torch.isin(ids, torch.tensor(w.experts)).sum()) == 1 for w in plan.waves)
 
 
-@pytest.mark.parametrize("inner,dtype", inner_dtype_cases(xfail_batched_fp32=False))
+@pytest.mark.parametrize("inner,dtype", inner_dtype_cases())
 @pytest.mark.parametrize("num_slots", [TOP_K, 3, E // 2, E])
 def test_random_routing_is_exact_and_slots_match(num_slots, inner, dtype):
-    """Random routing, T in {1, 2, 5, 9, 16}; K <= 3 makes multi-wave steps. Steps with a
-    1-entry wave skip the output check under batched_mm + float32 only (SINGLE_ENTRY_WAVE_BUG,
-    pinned by test_wave_with_a_single_entry_is_exact)."""
+    """Random routing, T in {1, 2, 5, 9, 16}; K <= 3 makes multi-wave steps."""
     module = synthetic_experts(dtype, seed=num_slots)
     pager = paged(module, num_slots=num_slots, inner=inner)
     gen = torch.Generator().manual_seed(num_slots)
-    known_bug = (inner, dtype) == ("batched_mm", torch.float32)
     for n, tokens in enumerate([1, 5, 16, 2, 9]):
         routing = [torch.randperm(E, generator=gen)[:TOP_K].tolist() for _ in range(tokens)]
         hidden, ids, weights = step_inputs(routing, dtype, seed=100 + n)
-        skip_output = known_bug and has_single_entry_wave(pager, ids)
         out = pager(module, hidden, ids, weights)
-        if not skip_output:
-            assert_same(out, unpaged(module, inner, hidden, ids, weights), f"step {n} ({tokens} tokens)")
+        assert_same(out, unpaged(module, inner, hidden, ids, weights), f"step {n} ({tokens} tokens)")
         assert_slots_hold_host_rows(pager)
     for tensor in pager.slots.values():
         assert tensor.shape[0] == num_slots
