@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from pagedexperts.residency import DEFAULT_POLICY
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -37,7 +39,7 @@ class BenchConfig:
     device: str = "cpu"
     dtype: str | None = None
     experts_implementation: str = "grouped_mm"
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
 
 
 @dataclass

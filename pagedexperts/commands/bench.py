@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from pagedexperts.residency import DEFAULT_POLICY, POLICIES
+
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
@@ -26,7 +28,7 @@ def add_parser(sub) -> None:
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
-    g.add_argument("--policy", default="lru")
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"eviction policy (default {DEFAULT_POLICY})")
     m = p.add_argument_group("modes")
     m.add_argument("--mode", default="resident,paged,offload,cpu-experts", help="comma-separated modes (default: all four)")
     m.add_argument("--num-resident", default="", metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")

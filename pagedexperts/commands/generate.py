@@ -53,6 +53,10 @@ def run(args) -> int:
         from pagedexperts.recording import TraceRecorder
 
         recorder = TraceRecorder.attach(model)
+        if args.prefetch:
+            from pagedexperts.prefetch import record_predictions
+
+            record_predictions(model, recorder)  # predictions go into the trace as an extra
     print(prompt, end="", flush=True)
     result = generate_text(
         model, tokenizer, prompt, sampling, chat=args.chat, on_text=lambda t: print(t, end="", flush=True)
@@ -63,6 +67,11 @@ def run(args) -> int:
         recorder.save(args.record_trace)
     if not args.quiet:
         print(format_report(result, num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k), file=sys.stderr)
+        if args.prefetch:
+            from pagedexperts.prefetch import model_prefetch_stats
+
+            t = model_prefetch_stats(model)["total"]
+            print(f"  prefetch: issued {t['issued']}, used {t['used']}, wasted {t['wasted']}", file=sys.stderr)
     if args.stats_json:
         report = asdict(result)
         report.update(num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k)
