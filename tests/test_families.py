@@ -1,16 +1,17 @@
 """Every supported MoE family, paged vs unpaged, on tiny random checkpoints (issue 7).
 
 Each family gets a seeded random model (hidden 32, E=8 routed experts, top_k=2, vocab 128,
-expert intermediate 32) saved with ``save_pretrained`` in the layout that family's hub
+expert intermediate 64) saved with ``save_pretrained`` in the layout that family's hub
 checkpoints use (Mixtral: per-expert ``block_sparse_moe.experts.{j}.w1/w2/w3``; gpt-oss:
 stacked ``gate_up_proj`` [E, H, 2I] with biases; the others per-expert gate/up/down), plus a
 character-level tokenizer. The oracle is the same directory loaded by plain
 ``AutoModelForCausalLM.from_pretrained`` with the same experts implementation and dtype:
 prefill and 16 greedy decode steps must give torch.equal logits at K = top_k and K = E/2.
 
-The expert intermediate size is a multiple of 32 as in real models: CPU element-wise kernels
-(sigmoid, SiLU) run a vectorised body and a scalar tail, so with an odd number of rows times
-I % 32 != 0 the last row of a wave would take the other formula (last-bit differences).
+The expert intermediate size is a multiple of 64 as in real models: CPU element-wise kernels
+(sigmoid, SiLU) run a vectorised body two vectors at a time (32 fp32 or 64 bf16 lanes on
+AVX-512) and a scalar tail, so if a wave's rows x I were not a multiple of that, the last row
+would take the tail's formula and differ from the unpaged run in the last bits.
 
 Legend: E routed experts, k top_k, K resident slots, H hidden, I expert intermediate.
 """
@@ -31,7 +32,7 @@ from pagedexperts.integration import PAGER_ATTR
 from pagedexperts.models import SUPPORTED_ARCHITECTURES, find_experts_sites, is_experts_module
 from pagedexperts.models.families import FAMILIES, moe_layer_indices
 
-E, TOP_K, HIDDEN, EXPERT_I, VOCAB = 8, 2, 32, 32, 128
+E, TOP_K, HIDDEN, EXPERT_I, VOCAB = 8, 2, 32, 64, 128
 DECODE_STEPS = 16
 PROMPTS = ("ROMEO:\nBut soft, what light", "The history of the city")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -68,27 +69,27 @@ CASES: dict[str, Case] = {
     "mixtral": Case("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=EXPERT_I, num_local_experts=E, head_dim=8), [0, 1, 2]),
     "qwen2_moe": Case(
         "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-        dict(intermediate_size=64, moe_intermediate_size=EXPERT_I, shared_expert_intermediate_size=48,
+        dict(intermediate_size=96, moe_intermediate_size=EXPERT_I, shared_expert_intermediate_size=48,
              num_experts=E, mlp_only_layers=[1]),
         [0, 2], shared="shared_expert",
     ),
     "qwen3_moe": Case(
         "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-        dict(num_hidden_layers=4, intermediate_size=64, moe_intermediate_size=EXPERT_I, num_experts=E,
+        dict(num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=EXPERT_I, num_experts=E,
              head_dim=8, norm_topk_prob=True, decoder_sparse_step=2),
         [1, 3],
     ),
     "olmoe": Case("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=EXPERT_I, num_experts=E), [0, 1, 2]),
     "deepseek_v2": Case(
         "DeepseekV2Config", "DeepseekV2ForCausalLM",
-        dict(MLA, intermediate_size=64, moe_intermediate_size=EXPERT_I, n_routed_experts=E, n_shared_experts=2,
+        dict(MLA, intermediate_size=96, moe_intermediate_size=EXPERT_I, n_routed_experts=E, n_shared_experts=2,
              first_k_dense_replace=1, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
              topk_group=2, routed_scaling_factor=2.5),
         [1, 2], shared="shared_experts",
     ),
     "deepseek_v3": Case(
         "DeepseekV3Config", "DeepseekV3ForCausalLM",
-        dict(MLA, intermediate_size=64, moe_intermediate_size=EXPERT_I, n_routed_experts=E, n_shared_experts=1,
+        dict(MLA, intermediate_size=96, moe_intermediate_size=EXPERT_I, n_routed_experts=E, n_shared_experts=1,
              first_k_dense_replace=1, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
              routed_scaling_factor=2.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         [1, 2], shared="shared_experts",
@@ -100,7 +101,7 @@ CASES: dict[str, Case] = {
     ),
     "qwen3_next": Case(
         "Qwen3NextConfig", "Qwen3NextForCausalLM",
-        dict(intermediate_size=64, moe_intermediate_size=EXPERT_I, shared_expert_intermediate_size=48,
+        dict(intermediate_size=96, moe_intermediate_size=EXPERT_I, shared_expert_intermediate_size=48,
              num_experts=E, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
              linear_num_value_heads=4, mlp_only_layers=[2],
              layer_types=["linear_attention", "full_attention", "linear_attention"]),
