@@ -1,0 +1,101 @@
+"""The main job end to end on the bundled model: `pagedexperts generate` and `pagedexperts check`.
+
+These run the real CLI entry point (``pagedexperts.cli.main``) on the bundled tiny Qwen3-MoE
+with few new tokens, and check the report against the model's own numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedexperts.cli import main
+from pagedexperts.loader import bundled_model_path, load_model
+
+
+@pytest.fixture(scope="module")
+def bundled_config():
+    return json.loads((bundled_model_path() / "config.json").read_text())
+
+
+def test_bundled_model_is_shipped_as_package_data(bundled_config):
+    path = bundled_model_path()
+    for name in ("config.json", "generation_config.json", "model.safetensors", "README.md"):
+        assert (path / name).exists(), name
+    assert (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
+    assert bundled_config["model_type"] == "qwen3_moe"
+    e = bundled_config.get("num_experts") or bundled_config["num_local_experts"]
+    k = bundled_config["num_experts_per_tok"]
+    assert (e, k) == (64, 4) and bundled_config["num_hidden_layers"] >= 6
+    assert (path / "model.safetensors").stat().st_size <= 45e6
+
+
+def test_generate_streams_text_and_reports_paging(tmp_path, capsys, bundled_config):
+    stats = tmp_path / "stats.json"
+    rc = main(["generate", "--prompt", "ROMEO:", "--max-new-tokens", "8", "--num-resident", "8",
+               "--stats-json", str(stats)])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("ROMEO:") and len(out.strip()) > len("ROMEO:")
+    assert "K=8 of E=64" in err and "hit rate" in err and "tok/s" in err and "TTFT" in err
+    report = json.loads(stats.read_text())
+    assert report["num_resident"] == 8 and report["num_experts"] == 64
+    assert report["new_tokens"] <= 8 and report["prompt_tokens"] >= 1
+    paging = report["paging"]
+    layers = bundled_config["num_hidden_layers"]
+    assert len(paging["layers"]) == layers
+    # every MoE layer sees every token once; hits + misses are distinct experts per step
+    total_steps = sum(v["steps"] for v in paging["layers"].values())
+    assert total_steps == layers * report["new_tokens"]  # one prefill step + new_tokens - 1 decode steps
+    assert paging["hits"] + paging["misses"] == sum(v["union_sum"] for v in paging["layers"].values())
+    assert report["decode"]["tokens"] == report["new_tokens"] - 1  # model tokens, not layer-steps
+
+
+def test_generate_reads_stdin_and_applies_chat_template():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedexperts.cli", "generate", "--chat", "--max-new-tokens", "4", "--quiet"],
+        input="How many apples?", capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("How many apples?")
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--num-resident", "2"], "below top_k=4"),
+        (["--num-resident", "65"], "exceeds the E=64"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--model-path", "/nonexistent/model"], "does not exist"),
+    ],
+)
+def test_generate_bad_input_is_a_clear_error(argv, needle, capsys):
+    rc = main(["generate", "--prompt", "x", *argv])
+    assert rc == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_check_passes_on_the_bundled_model(capsys):
+    rc = main(["check", "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "K=   4 of E=64" in out and "K=  32 of E=64" in out and "PASS" in out
+
+
+def test_check_fails_when_a_slot_is_corrupted():
+    from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
+
+    ref = load_reference(None, device="cpu", dtype=None, experts_implementation="grouped_mm")
+    model, tok = load_model(num_resident=64)
+    assert check_model(model, ref, tok, DEFAULT_PROMPTS[:1], max_new_tokens=2).passed
+    pager = model.pagedexperts.pagers[0]
+    with torch.no_grad():  # at K = E nothing is evicted: corrupted slots stay and are hit again
+        for slot in pager.residency.slot_of_expert.values():
+            pager.slots["down_proj"][slot].add_(0.01)
+    result = check_model(model, ref, tok, DEFAULT_PROMPTS[:1], max_new_tokens=2)
+    assert not result.passed and result.max_abs_diff > 0
