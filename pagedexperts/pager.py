@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from pagedexperts.prefetch import PrefetchStats
@@ -187,10 +188,9 @@ class ExpertPager:
         if stream is None:
             self._page_in_s += time.perf_counter() - t0
         t1 = time.perf_counter()
-        slot_of = [-1] * self.num_experts
-        for expert, slot in zip(wave.experts, wave.slots):
-            slot_of[expert] = slot
-        slot_map = torch.tensor(slot_of, dtype=torch.long)
+        slot_of = np.full(self.num_experts, -1, dtype=np.int64)
+        slot_of[list(wave.experts)] = wave.slots
+        slot_map = torch.from_numpy(slot_of)
         self._map_s += time.perf_counter() - t1
         return slot_map.to(self.device, non_blocking=True)
 

@@ -110,8 +110,9 @@ class LRUPolicy(EvictionPolicy):
         self._last_use[slot] = next(self._clock)
 
     def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        last_use = self._last_use
-        return min(candidates, key=lambda s: (last_use[s], s))
+        # (last use, slot) packed into one int: a C-level min, ties on the lowest slot
+        last, n = self._last_use, self.num_slots
+        return min([last[s] * n + s for s in candidates]) % n
 
 
 class LFUPolicy(EvictionPolicy):
@@ -148,7 +149,7 @@ class LFUPolicy(EvictionPolicy):
 
     def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
         count, last = self._count, self._lru._last_use
-        return min(candidates, key=lambda s: (count.get(expert_of_slot[s], 0), last[s], s))
+        return min([(count.get(expert_of_slot[s], 0), last[s], s) for s in candidates])[2]
 
 
 class FrequencyLRUPolicy(EvictionPolicy):
@@ -293,6 +294,7 @@ class Residency:
         if self.policy is None:
             self.policy = LRUPolicy(self.num_slots)
         self.expert_of_slot = [EMPTY] * self.num_slots
+        self._filled = 0  # slots [0, filled) hold an expert
         self.slot_of_expert = {}
 
     def plan(self, routed: Iterable[int]) -> StepPlan:
@@ -326,7 +328,7 @@ class Residency:
         for e in experts:
             if e in self.slot_of_expert:
                 continue
-            slot = self._free_slot(in_wave)
+            slot = self._take_slot(in_wave)
             old = self.expert_of_slot[slot]
             if old != EMPTY:
                 del self.slot_of_expert[old]
@@ -338,13 +340,15 @@ class Residency:
         slots = tuple(self.slot_of_expert[e] for e in experts)
         return Wave(experts=tuple(experts), slots=slots, loads=tuple(loads))
 
-    def _free_slot(self, in_wave: set[int]) -> int:
-        eos = self.expert_of_slot
-        for s in range(self.num_slots):
-            if eos[s] == EMPTY:
-                return s
-        candidates = [s for s in range(self.num_slots) if s not in in_wave]
-        return self.policy.victim(candidates, eos)
+    def _take_slot(self, protected: set[int]) -> int | None:
+        """The lowest empty slot, else the policy's victim among occupied slots not in
+        ``protected``; None when every slot is protected. Slots fill in ascending order and
+        never empty again, so the empty ones are always ``[filled, K)``."""
+        if self._filled < self.num_slots:
+            self._filled += 1
+            return self._filled - 1
+        candidates = [s for s in range(self.num_slots) if s not in protected]
+        return self.policy.victim(candidates, self.expert_of_slot) if candidates else None
 
     def prefetch(self, experts: Sequence[int], *, budget: int) -> tuple[Load, ...]:
         """Page in up to ``budget`` of ``experts`` (priority order) before the step routes.
@@ -361,12 +365,10 @@ class Residency:
                 break
             if e in self.slot_of_expert or not 0 <= e < self.num_experts:
                 continue
-            slot = next((s for s in range(self.num_slots) if self.expert_of_slot[s] == EMPTY), None)
+            slot = self._take_slot(protected)
             if slot is None:
-                candidates = [s for s in range(self.num_slots) if s not in protected]
-                if not candidates:
-                    break
-                slot = self.policy.victim(candidates, self.expert_of_slot)
+                break
+            if self.expert_of_slot[slot] != EMPTY:
                 del self.slot_of_expert[self.expert_of_slot[slot]]
             self.expert_of_slot[slot] = e
             self.slot_of_expert[e] = slot
