@@ -16,7 +16,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 cat "$OUT/env.txt"
 
 echo "== CUDA tests"
-timeout 100 python -m pytest -q -x -m cuda tests -p no:cacheprovider > "$OUT/cuda_tests.txt" 2>&1
+timeout 100 python -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider > "$OUT/cuda_tests.txt" 2>&1
 echo "pytest exit $?" >> "$OUT/cuda_tests.txt"
 tail -3 "$OUT/cuda_tests.txt"
 

@@ -14,6 +14,7 @@ in one run (paged vs resident), not absolute numbers across machines.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,8 @@ from pathlib import Path
 import torch
 
 from pagedexperts.residency import DEFAULT_POLICY
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -260,6 +263,7 @@ def write_results(results: list[ModeResult], cfg: BenchConfig, out_dir: Path, co
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        logger.warning("matplotlib is not installed: no bench.png (pip install 'pagedexperts[plots]')")
         return out_dir
     labels = [r.mode if r.mode != "paged" else f"paged K={r.num_resident}" for r in results]
     fig, ax = plt.subplots(figsize=(max(6, len(results) * 1.3), 4))

@@ -323,6 +323,7 @@ def build_paged_model(
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch_dtype, experts_implementation=experts_implementation
         )
+    _keep_in_fp32(model, torch_dtype)
     sites = find_experts_sites(model)
     num_experts = sites[0].num_experts
     top_k = int(config.num_experts_per_tok)
@@ -356,6 +357,27 @@ def build_paged_model(
     model.pagedexperts.sites = sites
     model.pagedexperts.stores = stores
     return model
+
+
+def _keep_in_fp32(model, dtype: torch.dtype) -> None:
+    """Give float32 to the tensors the model class keeps in float32, as ``from_pretrained``
+    does: ``_keep_in_fp32_modules_strict`` under bf16/fp16, ``_keep_in_fp32_modules`` under fp16
+    (e.g. DeepSeek-V3's ``e_score_correction_bias``; transformers 5.17's ``from_config`` skips
+    this, and a bf16 correction bias changes which experts are selected)."""
+    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.bfloat16, torch.float16) else set()
+    if dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if not keep:
+        return
+    for name, param in list(model.named_parameters()):
+        if param.dtype != torch.float32 and any(k in name for k in keep):
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            module._parameters[attr] = torch.nn.Parameter(param.to(torch.float32), requires_grad=param.requires_grad)
+    for name, buf in list(model.named_buffers()):
+        if buf.is_floating_point() and buf.dtype != torch.float32 and any(k in name for k in keep):
+            module_name, _, attr = name.rpartition(".")
+            model.get_submodule(module_name)._buffers[attr] = buf.to(torch.float32)
 
 
 def repage(model, *, mode: str = "paged", num_resident: int | None = None, policy: str | None = None) -> None:

@@ -66,8 +66,10 @@ def check_supported(config) -> str:
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
-    """True for modules dispatched through transformers' experts registry."""
-    return hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")
+    """True for modules dispatched through transformers' experts registry: the
+    ``use_experts_implementation`` decorator sets ``has_gate`` and ``is_transposed`` on them
+    (in every 5.x from 5.17; ``_is_expert_parallel`` only appears in later releases)."""
+    return all(hasattr(module, a) for a in ("has_gate", "is_transposed", "num_experts"))
 
 
 def find_experts_sites(model: torch.nn.Module) -> list[ExpertsSite]:
