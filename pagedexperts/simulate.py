@@ -13,7 +13,6 @@ Legend: T tokens of a step, k = top_k, E routed experts, K resident slots, B bat
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 

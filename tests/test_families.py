@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from conftest import assert_same
 from pagedexperts import load_model
-from pagedexperts.check import check_model, greedy_logits
+from pagedexperts.check import check_model
 from pagedexperts.integration import PAGER_ATTR
 from pagedexperts.models import SUPPORTED_ARCHITECTURES, find_experts_sites, is_experts_module
 from pagedexperts.models.families import FAMILIES, moe_layer_indices

@@ -36,7 +36,7 @@ def _work_started(what):
 def no_loading(monkeypatch):
     """Fail if a host store is allocated or a checkpoint byte is streamed."""
     monkeypatch.setattr(loader, "HostExpertStore", _work_started("host store allocation"))
-    monkeypatch.setattr(loader, "_stream_checkpoint", _work_started("checkpoint streaming"))
+    monkeypatch.setattr(loader, "stream_checkpoint", _work_started("checkpoint streaming"))
 
 
 @pytest.fixture
