@@ -105,8 +105,11 @@ def long_prompts(tokenizer, prompts: list[str], tokens: int, count: int) -> list
     return out
 
 
-def _generate(model, tokenizer, prompts: list[str], new_tokens: int) -> tuple[float, list[float]]:
-    """Greedy-generate exactly ``new_tokens`` for a batch; (start time, token timestamps)."""
+def _generate(model, tokenizer, prompts: list[str], new_tokens: int, on_first_token=None) -> tuple[float, list[float]]:
+    """Greedy-generate exactly ``new_tokens`` for a batch; (start time, token timestamps).
+
+    ``on_first_token()`` runs when the first new token arrives, i.e. right after the prefill.
+    """
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -116,6 +119,8 @@ def _generate(model, tokenizer, prompts: list[str], new_tokens: int) -> tuple[fl
     class _Clock:
         def put(self, value):
             times.append(time.perf_counter())
+            if len(times) == 2 and on_first_token is not None:  # the first put() is the prompt
+                on_first_token()
 
         def end(self):
             pass
@@ -155,9 +160,10 @@ def measure_mode(model, tokenizer, prompts: list[str], longs: list[str], cfg: Be
     res.ttft_long_p50_s = statistics.median(ttft)
     rates, decode = [], None
     for p in prompts:
-        _, times = _generate(model, tokenizer, [p], 1)  # prefill alone: its stats are not decode
-        before = rt.stats().total()
-        _, times = _generate(model, tokenizer, [p], cfg.output_tokens)
+        snapshot = []  # decode counters start after the prefill step
+        _, times = _generate(model, tokenizer, [p], cfg.output_tokens,
+                             on_first_token=lambda: snapshot.append(rt.stats().total()))
+        before = snapshot[0]
         rates.append((len(times) - 1) / (times[-1] - times[0]))
         after = rt.stats().total()
         decode = _accumulate(decode, before, after)
