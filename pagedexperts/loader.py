@@ -321,8 +321,7 @@ def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.0
     gen = torch.Generator().manual_seed(seed)
     for store in stores.values():
         for t in store.tensors.values():
-            for e in range(t.shape[0]):  # one expert at a time bounds the temporary
-                t[e].copy_(torch.randn(t[e].shape, generator=gen) * std)
+            t.normal_(0.0, std, generator=gen)  # in place: no temporary the size of the store
     for name, p in list(model.named_parameters()):
         if p.device.type != "meta":
             continue
