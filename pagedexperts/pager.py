@@ -117,6 +117,9 @@ class ExpertPager:
             spec.name: torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=self.device)
             for spec in store.specs
         }
+        # expert -> slot at its last page-in (plan or prefetch): exact for every resident
+        # expert, stale for evicted ones, which a single-wave step never looks up.
+        self._slot_of = np.full(store.num_experts, -1, dtype=np.int64)
         self._compute_done: "torch.cuda.Event | None" = None
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.trace_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
@@ -166,9 +169,11 @@ class ExpertPager:
         )
         return out
 
-    def _page_in(self, wave: Wave) -> torch.Tensor:
-        """Copy the wave's loads into their slots; return the wave's slot map [E] (int64, on
-        the device): expert id -> slot id for the wave's experts, -1 elsewhere."""
+    def _page_in(self, wave: Wave, *, only_wave: bool) -> torch.Tensor:
+        """Copy the wave's loads into their slots; return the slot map [E] (int64, on the
+        device) that the wave's top-k ids are remapped with. ``only_wave``: the step has this
+        one wave, so every routed expert is resident and the running map serves as is;
+        otherwise experts outside the wave map to -1 (their entries wait for their wave)."""
         t0 = time.perf_counter()
         stream = self.copy_stream
         if stream is None:
@@ -188,11 +193,22 @@ class ExpertPager:
         if stream is None:
             self._page_in_s += time.perf_counter() - t0
         t1 = time.perf_counter()
-        slot_of = np.full(self.num_experts, -1, dtype=np.int64)
-        slot_of[list(wave.experts)] = wave.slots
+        self.note_loads(wave.loads)
+        if only_wave:
+            slot_of = self._slot_of
+        else:
+            slot_of = np.full(self.num_experts, -1, dtype=np.int64)
+            slot_of[list(wave.experts)] = wave.slots
         slot_map = torch.from_numpy(slot_of)
         self._map_s += time.perf_counter() - t1
+        # from pageable memory the copy has left the buffer when .to() returns (CUDA docs),
+        # so the running map may change afterwards
         return slot_map.to(self.device, non_blocking=True)
+
+    def note_loads(self, loads) -> None:
+        """Record page-ins (from a plan or a prefetch) in the running expert -> slot map."""
+        for load in loads:
+            self._slot_of[load.expert] = load.slot
 
     def _run_waves(self, module, plan: StepPlan, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
@@ -215,13 +231,13 @@ class ExpertPager:
         unit = torch.ones_like(entry_ids, dtype=top_k_weights.dtype)
         view = SlotView(module, self.slots)
         if len(plan.waves) == 1:
-            slot_map = self._page_in(plan.waves[0])
+            slot_map = self._page_in(plan.waves[0], only_wave=True)
             self._issue_prefetch()
             entry_out = inner(view, entry_hidden, slot_map[entry_ids], unit)
         else:
             entry_out = None
             for wave in plan.waves:
-                slot_map = self._page_in(wave)
+                slot_map = self._page_in(wave, only_wave=False)
                 if wave is plan.waves[0]:
                     self._issue_prefetch()
                 rows = (slot_map[entry_ids[:, 0]] >= 0).nonzero().squeeze(1)

@@ -113,6 +113,7 @@ def copy_loads(pager, loads) -> None:
     the compute that last read the slots (the pager's next page-in event orders its compute)."""
     import torch
 
+    pager.note_loads(loads)
     stream = pager.copy_stream
     if stream is None:
         for load in loads:

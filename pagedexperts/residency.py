@@ -15,21 +15,23 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 EMPTY = -1  # slot content of a slot that holds no expert yet
 
 
-@dataclass(frozen=True)
-class Load:
-    """One page-in: copy expert ``expert``'s rows from the host store into slot ``slot``."""
+class Load(NamedTuple):
+    """One page-in: copy expert ``expert``'s rows from the host store into slot ``slot``.
+
+    Plan records are NamedTuples (typed, immutable, and built in C: planning runs once per
+    layer per step, between the model's kernels, where every microsecond shows).
+    """
 
     expert: int
     slot: int
 
 
-@dataclass(frozen=True)
-class Wave:
+class Wave(NamedTuple):
     """Experts computed together: ``experts[i]`` sits in ``slots[i]`` once ``loads`` are done.
 
     ``loads`` is the subset of (expert, slot) pairs that must be paged in before the wave runs.
@@ -40,8 +42,7 @@ class Wave:
     loads: tuple[Load, ...]
 
 
-@dataclass(frozen=True)
-class StepPlan:
+class StepPlan(NamedTuple):
     """The plan of one layer in one step: waves in order, and the step's hit/miss counts.
 
     Accounting (DESIGN.md): one hit or miss per distinct routed expert per layer per step.
@@ -313,10 +314,16 @@ class Residency:
             raise ValueError(f"routed expert id {bad} outside [0, E={self.num_experts})")
         policy = self.policy
         policy.on_step(union)
-        hits = [e for e in union if e in self.slot_of_expert]
-        misses = [e for e in union if e not in self.slot_of_expert]
+        resident = self.slot_of_expert
+        hits, misses = [], []
+        for e in union:
+            (hits if e in resident else misses).append(e)
+        on_access = policy.on_access
         for e in hits:
-            policy.on_access(self.slot_of_expert[e], e)
+            on_access(resident[e], e)
+        if not misses and hits:  # the common decode case: one wave, nothing to load
+            wave = Wave(tuple(hits), tuple([resident[e] for e in hits]), ())
+            return StepPlan((wave,), len(hits), 0)
         order = hits + misses
         k = self.num_slots
         waves = tuple(self._plan_wave(order[i : i + k]) for i in range(0, len(order), k))
