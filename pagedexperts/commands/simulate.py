@@ -10,6 +10,7 @@ import json
 import os
 
 from pagedexperts import simulate as sim
+from pagedexperts.residency import DEFAULT_POLICY
 from pagedexperts.trace import load_trace
 
 
@@ -32,7 +33,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--trace", required=True, help="trace file (.npz or .jsonl)")
     what = p.add_argument_group("what to replay")
     what.add_argument("--num-resident", help="comma-separated K values (default: 2k, 4k, E/2)")
-    what.add_argument("--policy", default="lru,belady", help=f"comma-separated policies from {sim.policy_names()} (default lru,belady)")
+    default = ",".join(dict.fromkeys(["lru", DEFAULT_POLICY, "belady"]))
+    what.add_argument("--policy", default=default,
+                      help=f"comma-separated policies from {sim.policy_names()} (default {default}: LRU, the runtime's default, and the optimal bound)")
     what.add_argument("--batch-sizes", help="comma-separated B: interleave B request streams per step "
                       "(default: replay the steps as recorded)")
     what.add_argument("--no-uniform", action="store_true", help="skip the uniform-random routing reference")
