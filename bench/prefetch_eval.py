@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import inspect
 import json
 import os
 import statistics
@@ -72,6 +73,8 @@ def measure(model_path: str | None, *, policy: str, new_tokens: int, repeats: in
     ids = tok("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
               return_tensors="pt")["input_ids"]
     step_s = {name: [] for name in models}
+    # transformers >= 5.24 takes the KV cache as ``cache``; 5.17 as ``past_key_values``
+    cache_kwarg = "cache" if "cache" in inspect.signature(models["plain"][0].forward).parameters else "past_key_values"
     for _ in range(repeats):
         state = {name: (None, ids) for name in models}
         with torch.no_grad():
@@ -79,7 +82,7 @@ def measure(model_path: str | None, *, policy: str, new_tokens: int, repeats: in
                 for name, (model, _) in models.items():
                     past, cur = state[name]
                     t0 = time.perf_counter()
-                    o = model(input_ids=cur, past_key_values=past, use_cache=True)
+                    o = model(input_ids=cur, use_cache=True, **{cache_kwarg: past})
                     if i:  # decode steps only
                         step_s[name].append(time.perf_counter() - t0)
                     state[name] = (o.past_key_values, o.logits[:, -1:].argmax(-1))
