@@ -22,6 +22,7 @@ Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T * k entries.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable
 
@@ -67,16 +68,23 @@ class SlotView:
 def resolve_inner(module: torch.nn.Module, name: str) -> Callable:
     """The experts function ``name`` of transformers' registry (``eager``: the class's own loop).
 
+    Looked up once per (experts class, name): runners call this every layer step.
+
     Raises:
         ValueError: ``name`` not in INNER_IMPLEMENTATIONS (lists them).
     """
+    return _inner_for(type(module), name)
+
+
+@functools.lru_cache(maxsize=None)
+def _inner_for(cls: type, name: str) -> Callable:
     if name not in INNER_IMPLEMENTATIONS:
         raise ValueError(
             f"experts implementation {name!r} is not supported under paging; choose one of "
             f"{list(INNER_IMPLEMENTATIONS)} (--experts-implementation)"
         )
     if name == "eager":
-        return type(module).forward.__wrapped__
+        return cls.forward.__wrapped__
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     return ALL_EXPERTS_FUNCTIONS[name]
@@ -234,6 +242,7 @@ class ExpertPager:
             slot_map = self._page_in(plan.waves[0], only_wave=True)
             self._issue_prefetch()
             entry_out = inner(view, entry_hidden, slot_map[entry_ids], unit)
+            self._mark_compute_done()
         else:
             entry_out = None
             for wave in plan.waves:
@@ -252,7 +261,6 @@ class ExpertPager:
                     )
                 entry_out[rows] = out_w
                 self._mark_compute_done()
-        self._mark_compute_done()
         if k_major:
             entries = entry_out.view(top_k, num_tokens, -1).transpose(0, 1)
         else:
