@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pagedexperts.generate import GREEDY
 from pagedexperts.residency import DEFAULT_POLICY
 
 logger = logging.getLogger(__name__)
@@ -131,10 +132,7 @@ def _generate(model, tokenizer, prompts: list[str], new_tokens: int, on_first_to
             **batch,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
+            **GREEDY,
             pad_token_id=tokenizer.pad_token_id,
             streamer=_Clock(),
         )

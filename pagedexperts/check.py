@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedexperts.generate import GREEDY
+
 DEFAULT_PROMPTS = (
     "ROMEO:\nBut soft, what light",
     "Question: Natalia sold clips to 48 of her friends in April. How many clips did she sell?\nAnswer:",
@@ -66,10 +68,7 @@ def greedy_logits(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
+        **GREEDY,
         output_logits=True,
         return_dict_in_generate=True,
         pad_token_id=0,

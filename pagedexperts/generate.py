@@ -17,6 +17,11 @@ import torch
 from pagedexperts.stats import ModelStats
 
 
+# Greedy decoding for ``generate``: also clears the sampling knobs a checkpoint's
+# generation_config may set, so transformers neither samples nor warns about them.
+GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Decoding options. temperature 0 = greedy; top_p in (0, 1]; stop strings end the text."""
@@ -150,7 +155,7 @@ def generate_text(
     if sampling.temperature > 0:
         kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
     else:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        kwargs.update(GREEDY)
     if sampling.stop:
         kwargs.update(stop_strings=list(sampling.stop), tokenizer=tokenizer)
     start = time.perf_counter()
