@@ -634,7 +634,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--vocab-size", type=int, default=4096)
     g = p.add_argument_group("model")
     g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--moe-intermediate-size", type=int, default=56)
+    g.add_argument("--moe-intermediate-size", type=int, default=64)
     g.add_argument("--layers", type=int, default=6)
     g.add_argument("--experts", type=int, default=64)
     g.add_argument("--top-k", type=int, default=4)
