@@ -3,8 +3,8 @@
 Owns: finding a directory's safetensors files (single file or shards named by an index) and
 checking their headers before any allocation, mapping checkpoint keys onto the model with
 transformers' own conversion table (renamings, and the per-expert -> stacked converters), and
-streaming each tensor to its place: expert rows into the host stores (one expert at a time,
-never the device), everything else onto the device. Both expert layouts are read: stacked
+streaming each tensor to its place (``storage.reader``): expert rows into the host stores
+(never the device), everything else onto the device. Both expert layouts are read: stacked
 (``mlp.experts.gate_up_proj`` [E, ...]) and one tensor per expert
 (``mlp.experts.{j}.gate_proj.weight``, what hub checkpoints and ``save_pretrained`` write).
 Does not: build the model or attach pagers (``loader``).
@@ -114,79 +114,14 @@ class KeyMap:
 
 
 def stream_checkpoint(model, sites, stores, device, *, model_type, files) -> None:
-    """Copy every checkpoint tensor to its place: expert rows into stores, the rest to device."""
-    from safetensors import safe_open
+    """Copy every checkpoint tensor to its place: expert rows into stores (or, for a disk-tier
+    store, their byte ranges), the rest to device. See ``storage.reader.fill_from_checkpoint``."""
+    from pagedexperts.storage.reader import fill_from_checkpoint
 
-    keymap = KeyMap(model_type, sites)
-    # site name -> {(tensor name, expert): source indices seen}; n_src per tensor name
-    seen_rows: dict[str, dict] = {name: {} for name in sites}
-    unexpected = []
-    for file in files:
-        try:
-            handle = safe_open(str(file), framework="pt")
-        except Exception as exc:  # safetensors raises its own error type for truncated files
-            raise ValueError(f"cannot read checkpoint shard {file}: {exc} (truncated or corrupt?)") from exc
-        with handle as f:
-            for raw_key in f.keys():
-                key = keymap.rename(raw_key)
-                target = keymap.expert_target(key)
-                if target is not None:
-                    _load_expert_tensor(f, raw_key, target, stores, seen_rows)
-                elif not _load_plain_tensor(model, key, f.get_tensor(raw_key), device):
-                    unexpected.append(raw_key)
-    if unexpected:
-        logger.warning("checkpoint keys not used by the model: %d (first: %s)", len(unexpected), unexpected[:3])
-    for name, site in sites.items():
-        lacking = [
-            (spec.name, e)
-            for spec in site.specs
-            for e in range(site.num_experts)
-            if len(seen_rows[name].get((spec.name, e), ((), 1))[0]) != seen_rows[name].get((spec.name, e), ((), 1))[1]
-        ]
-        if lacking:
-            raise ValueError(
-                f"checkpoint lacks expert tensors of {name}: {len(lacking)} (tensor, expert) rows, "
-                f"e.g. {lacking[:4]}"
-            )
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} model tensors, e.g. {missing[:4]}")
+    fill_from_checkpoint(model, sites, stores, device, model_type=model_type, files=files)
 
 
-def _load_expert_tensor(f, raw_key, target, stores, seen_rows) -> None:
-    site, tname, expert, src_index, n_src = target
-    store = stores[site.name]
-    if tname not in store.tensors:
-        raise ValueError(f"checkpoint tensor {raw_key!r} maps to unknown expert tensor {tname!r} of {site.name}")
-    if expert is None:  # stacked [E, ...]: copy one expert at a time to bound memory
-        sl = f.get_slice(raw_key)
-        shape = sl.get_shape()
-        if shape[0] != site.num_experts:
-            raise ValueError(
-                f"expert tensor {raw_key!r} has {shape[0]} experts, config says E={site.num_experts}"
-            )
-        for e in range(site.num_experts):
-            store.write_row(tname, e, sl[e])
-            seen_rows[site.name][(tname, e)] = ({0}, 1)
-        return
-    value = f.get_tensor(raw_key)
-    rows = None
-    if n_src > 1:  # the sources are concatenated along the expert row's first dim
-        size = store.tensors[tname].shape[1] // n_src
-        if value.shape[0] != size:
-            raise ValueError(
-                f"checkpoint tensor {raw_key!r} (expert {expert}) has {value.shape[0]} rows, but "
-                f"{tname!r} of shape {tuple(store.tensors[tname].shape[1:])} per expert needs "
-                f"{size} from each of its {n_src} sources (config moe_intermediate_size?)"
-            )
-        rows = slice(src_index * size, (src_index + 1) * size)
-    store.write_row(tname, expert, value, rows=rows)
-    seen_rows[site.name].setdefault((tname, expert), (set(), n_src))[0].add(src_index)
-
-
-def _load_plain_tensor(model, key: str, value: torch.Tensor, device) -> bool:
+def load_plain_tensor(model, key: str, value: torch.Tensor, device) -> bool:
     """Put a non-expert tensor in its place on the device. False if the model has no such key."""
     module_name, _, attr = key.rpartition(".")
     try:

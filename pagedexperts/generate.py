@@ -98,10 +98,14 @@ def _totals(stats: ModelStats) -> dict:
 
 
 def _difference(after: dict, before: dict) -> dict:
-    keys = ("tokens", "hits", "misses", "bytes_paged", "waves", "multi_wave_steps", "page_in_s", "plan_s", "sync_s")
+    keys = ("tokens", "hits", "misses", "bytes_paged", "waves", "multi_wave_steps", "page_in_s", "plan_s", "sync_s",
+            "host_hits", "host_misses", "disk_reads", "disk_bytes_read", "disk_read_s")
     out = {k: after[k] - before[k] for k in keys}
     total = out["hits"] + out["misses"]
     out["hit_rate"] = out["hits"] / total if total else 0.0
+    host_total = out["host_hits"] + out["host_misses"]
+    out["host_hit_rate"] = out["host_hits"] / host_total if host_total else 0.0
+    out["disk_bytes_per_token"] = out["disk_bytes_read"] / out["tokens"] if out["tokens"] else 0.0
     out["misses_per_token"] = out["misses"] / out["tokens"] if out["tokens"] else 0.0
     out["bytes_per_token"] = out["bytes_paged"] / out["tokens"] if out["tokens"] else 0.0
     return out
@@ -199,6 +203,12 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
         f"top-k read-back {1e6 * p['sync_s'] / max(1, p['layer_steps']):.0f} us",
         f"  TTFT {result.ttft_s * 1e3:.0f} ms, decode {result.decode_tok_s:.1f} tok/s",
     ]
+    if p.get("disk_tier"):
+        lines.append(
+            f"  disk tier: device hit rate {d['hit_rate']:.1%}, host hit rate {d['host_hit_rate']:.1%} in decode; "
+            f"disk reads {p['disk_reads']}, {d['disk_bytes_per_token'] / 1e6:.3f} MB/token in decode, "
+            f"read p50 {p['disk_read_p50_s'] * 1e3:.2f} ms p99 {p['disk_read_p99_s'] * 1e3:.2f} ms"
+        )
     if p.get("fallbacks"):
         lines.append("  WARNING fallbacks: " + "; ".join(p["fallbacks"]))
     return "\n".join(lines)

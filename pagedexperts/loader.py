@@ -28,12 +28,15 @@ from pagedexperts.pager import INNER_IMPLEMENTATIONS, ExpertPager
 from pagedexperts.modes import MODES, CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
 from pagedexperts.residency import DEFAULT_POLICY, make_policy
 from pagedexperts.stats import ModelStats
-from pagedexperts.store import HostExpertStore, check_host_memory
+from pagedexperts.storage.host_memory import HostMemoryPlan, kv_estimate_bytes, plan_host_memory
+from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
+from pagedexperts.store import HostExpertStore, host_memory_available_bytes
 
 logger = logging.getLogger(__name__)
 
 BUNDLED_MODEL = "tiny-qwen3-moe"
 DEFAULT_RESIDENT_FRACTION = 0.25  # default K = E / 4 (at least top_k)
+READ_AHEAD_EXPERTS_PER_TOP_K = 2  # disk tier staging: read-ahead buffers = 2 x top_k experts
 
 
 def bundled_model_path() -> Path:
@@ -52,6 +55,7 @@ class PagingConfig:
     policy: str = DEFAULT_POLICY
     mode: str = "paged"
     cpu_expert_layers: int = 0
+    host_memory_gb: float | None = None  # None: what fits in available memory
 
 
 @dataclass
@@ -69,20 +73,27 @@ class PagingRuntime:
     pagers: dict[int, ExpertPager] = field(default_factory=dict)
     sites: list = field(default_factory=list, repr=False)
     stores: dict = field(default_factory=dict, repr=False)
+    host_memory: HostMemoryPlan | None = None
+    read_ahead: ReadAhead | None = field(default=None, repr=False)
 
     def stats(self) -> ModelStats:
-        """Current counters of every MoE layer (CUDA copy times folded in first)."""
+        """Current counters of every MoE layer (CUDA copy times folded in first), with the
+        host and disk tier counters of each layer when the disk tier is on."""
         for p in self.pagers.values():
             p.collect_copy_time()
         fallbacks = sorted({p.store.fallback for p in self.pagers.values() if p.store.fallback})
-        return ModelStats.collect(((i, p.stats) for i, p in self.pagers.items()), fallbacks)
+        tiers = {i: p.store.tier_stats for i, p in self.pagers.items() if hasattr(p.store, "tier_stats")}
+        return ModelStats.collect(((i, p.stats) for i, p in self.pagers.items()), fallbacks, tiers=tiers)
 
     def reset_stats(self) -> None:
         from pagedexperts.stats import LayerStats
+        from pagedexperts.storage.host_tier import TierStats
 
         for p in self.pagers.values():
             p.collect_copy_time()
             p.stats = LayerStats()
+            if hasattr(p.store, "tier_stats"):
+                p.store.tier_stats = TierStats()
 
     @property
     def expert_bytes(self) -> int:
@@ -134,6 +145,7 @@ def load_model(
     cpu_expert_layers: int = 0,
     prefetch: bool = False,
     prefetch_budget: int | None = None,
+    host_memory_gb: float | None = None,
 ):
     """Load a Hugging Face MoE model directory with K of E experts per layer resident.
 
@@ -153,6 +165,12 @@ def load_model(
         prefetch: mode "paged" only: while layer l computes, page in layer l+1's experts as
             predicted by layer l+1's router on layer l's input (``pagedexperts.prefetch``).
         prefetch_budget: prefetch page-ins per layer per step at most (None = top_k).
+            With the disk tier, the predictions are also read ahead from disk.
+        host_memory_gb: G, host memory in GB (1e9 bytes) for the experts: the store, plus the
+            K slots per layer on a CPU device. When all E experts do not fit in G, each layer
+            keeps R host rows and reads the other experts from the checkpoint files on demand
+            (the disk tier; mode "paged" only). None: what is available after the non-expert
+            weights and a KV estimate.
 
     Returns:
         (model, tokenizer): a transformers causal LM usable with ``generate()``, with
@@ -164,7 +182,9 @@ def load_model(
         ValueError: not an MoE model / unsupported architecture (lists supported ones), K out
             of [top_k, E] (names --num-resident), unknown dtype / implementation / policy,
             truncated shard, expert shapes that do not match the config.
-        MemoryError: host memory too small for the store (before anything is loaded).
+            --host-memory-gb below the disk tier's minimum (names it).
+        MemoryError: host memory too small for what must live there (before anything is
+            loaded; names the bytes of each part).
     """
     from transformers import AutoConfig
 
@@ -191,7 +211,7 @@ def load_model(
     model = build_paged_model(
         config, fill, num_resident=num_resident, device=device, dtype=dtype,
         experts_implementation=experts_implementation, policy=policy, mode=mode,
-        cpu_expert_layers=cpu_expert_layers,
+        cpu_expert_layers=cpu_expert_layers, host_memory_gb=host_memory_gb,
     )
     if prefetch and mode == "paged":
         from pagedexperts import prefetch as prefetch_mod
@@ -212,6 +232,7 @@ def build_paged_model(
     policy: str = DEFAULT_POLICY,
     mode: str = "paged",
     cpu_expert_layers: int = 0,
+    host_memory_gb: float | None = None,
 ):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
@@ -240,18 +261,27 @@ def build_paged_model(
         raise ValueError(
             f"--cpu-expert-layers {cpu_expert_layers} outside [0, {len(sites)}] (the model's MoE layers)"
         )
-    expert_bytes = sum(s.row_bytes for s in sites[0].specs)
-    check_host_memory(expert_bytes * num_experts * len(sites), what="the host expert store")
-
+    memory = _plan_memory(model, config, sites, dev, torch_dtype, k_slots=k_slots, mode=mode,
+                          top_k=top_k, host_memory_gb=host_memory_gb)
     runtime = PagingRuntime(
-        config=PagingConfig(k_slots, str(dev), dtype, experts_implementation, policy, mode, cpu_expert_layers),
+        config=PagingConfig(k_slots, str(dev), dtype, experts_implementation, policy, mode, cpu_expert_layers,
+                            host_memory_gb),
         num_experts=num_experts,
         top_k=top_k,
         num_resident=k_slots,
+        host_memory=memory,
     )
+    if memory.disk_tier:
+        runtime.read_ahead = ReadAhead(sites[0].specs, num_buffers=memory.staging_bytes // memory.expert_bytes)
     stores = {}
     for site in sites:
-        stores[site.name] = HostExpertStore(list(site.specs), site.num_experts, pin=dev.type == "cuda")
+        if memory.disk_tier:
+            stores[site.name] = TieredExpertStore(
+                list(site.specs), site.num_experts, memory.host_rows, policy=policy, pin=dev.type == "cuda",
+                layer=site.layer, read_ahead=runtime.read_ahead,
+            )
+        else:
+            stores[site.name] = HostExpertStore(list(site.specs), site.num_experts, pin=dev.type == "cuda")
         for spec in site.specs:  # the module keeps no [E, ...] tensor: only the runner's
             site.module._parameters.pop(spec.name, None)
             site.module._buffers.pop(spec.name, None)
@@ -265,6 +295,36 @@ def build_paged_model(
     model.pagedexperts.sites = sites
     model.pagedexperts.stores = stores
     return model
+
+
+def _plan_memory(model, config, sites, dev, dtype, *, k_slots, mode, top_k, host_memory_gb) -> HostMemoryPlan:
+    """Everything that will live in host memory, counted before any allocation (see
+    ``storage.host_memory``); the disk tier (R < E) for mode "paged" only."""
+    if host_memory_gb is not None and host_memory_gb <= 0:
+        raise ValueError(f"--host-memory-gb {host_memory_gb} must be > 0")
+    expert_bytes = sum(s.row_bytes for s in sites[0].specs)
+    expert_params = {f"{s.name}.{spec.name}" for s in sites for spec in s.specs}
+    non_expert = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in expert_params)
+    on_cpu = dev.type == "cpu"
+    memory = plan_host_memory(
+        budget_bytes=None if host_memory_gb is None else int(host_memory_gb * 1e9),
+        available_bytes=host_memory_available_bytes(),
+        num_layers=len(sites),
+        num_experts=sites[0].num_experts,
+        expert_bytes=expert_bytes,
+        slot_bytes_on_host=k_slots * len(sites) * expert_bytes if on_cpu and mode == "paged" else 0,
+        staging_bytes=READ_AHEAD_EXPERTS_PER_TOP_K * top_k * expert_bytes,
+        non_expert_bytes_on_host=non_expert if on_cpu else 0,
+        kv_bytes_on_host=kv_estimate_bytes(config, dtype_bytes=dtype.itemsize) if on_cpu else 0,
+    )
+    if memory.disk_tier and mode != "paged":
+        raise ValueError(
+            f"mode {mode!r} needs all E experts in host memory ({memory.num_experts * len(sites) * expert_bytes:,} "
+            f"bytes) but {memory.describe()}; use --mode paged for the disk tier or raise --host-memory-gb"
+        )
+    if memory.disk_tier:
+        logger.info("disk tier: %s", memory.describe())
+    return memory
 
 
 def _keep_in_fp32(model, dtype: torch.dtype) -> None:
@@ -319,6 +379,8 @@ def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.0
     representative; bytes moved and kernel times are.
     """
     gen = torch.Generator().manual_seed(seed)
+    if any(not isinstance(store, HostExpertStore) for store in stores.values()):
+        raise ValueError("random weights need the full host store; the disk tier reads a checkpoint (raise --host-memory-gb)")
     for store in stores.values():
         for t in store.tensors.values():
             t.normal_(0.0, std, generator=gen)  # in place: no temporary the size of the store

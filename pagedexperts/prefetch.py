@@ -88,6 +88,9 @@ class NextLayerPrefetcher:
         with torch.no_grad():
             ids = self.gate.forward(hidden_states)[2].to("cpu").tolist()
         self._pending = prediction_order(ids)
+        read_ahead = getattr(self.target.store, "read_ahead", None)  # disk tier: start disk reads now
+        if read_ahead is not None:
+            read_ahead([e for e in self._pending if e not in self.target.residency.slot_of_expert])
         self.target.prefetch_stats.predict_s += time.perf_counter() - t0
         if self.on_predict is not None:
             self.on_predict(self.target.layer, self._pending)

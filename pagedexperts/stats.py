@@ -120,10 +120,27 @@ class ModelStats:
 
     layers: dict[int, LayerStats] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
+    # disk tier on: MoE layer -> its host/disk counters (``storage.host_tier.TierStats``)
+    tiers: dict = field(default_factory=dict)
 
     @classmethod
-    def collect(cls, per_layer: Iterable[tuple[int, LayerStats]], fallbacks=()) -> "ModelStats":
-        return cls(layers=dict(per_layer), fallbacks=list(fallbacks))
+    def collect(cls, per_layer: Iterable[tuple[int, LayerStats]], fallbacks=(), tiers=None) -> "ModelStats":
+        return cls(layers=dict(per_layer), fallbacks=list(fallbacks), tiers=dict(tiers or {}))
+
+    def tier_totals(self) -> dict:
+        """Host and disk tier counters summed over layers (``TierStats.as_dict`` keys, all
+        zero without a disk tier), plus ``disk_bytes_per_token``."""
+        totals = None
+        for t in self.tiers.values():
+            if totals is None:
+                totals = type(t)()
+            totals.merge(t)
+        keys = ("host_hits", "host_misses", "host_hit_rate", "disk_reads", "disk_preads", "disk_bytes_read",
+                "disk_read_s", "disk_read_p50_s", "disk_read_p99_s", "read_ahead_issued", "read_ahead_used")
+        d = totals.as_dict() if totals is not None else dict.fromkeys(keys, 0)
+        d["disk_tier"] = totals is not None
+        d["disk_bytes_per_token"] = d["disk_bytes_read"] / self.tokens if self.tokens else 0.0
+        return d
 
     def total(self) -> LayerStats:
         out = LayerStats()
@@ -155,5 +172,6 @@ class ModelStats:
             "union_mean": tot.union_sum / tot.steps if tot.steps else 0.0,
             "union_max": tot.union_max,
             "fallbacks": list(self.fallbacks),
+            **self.tier_totals(),
             "layers": {str(i): s.as_dict() for i, s in sorted(self.layers.items())},
         }

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedexperts.storage.host_memory import advise_huge_pages
+
 logger = logging.getLogger(__name__)
 
 
@@ -105,7 +107,9 @@ class HostExpertStore:
                     "(ulimit -l) or free host memory"
                 )
                 logger.warning(self.fallback)
-        return torch.empty(shape, dtype=spec.dtype)
+        tensor = torch.empty(shape, dtype=spec.dtype)
+        advise_huge_pages(tensor)  # before the first touch (the checkpoint read)
+        return tensor
 
     @property
     def host_bytes(self) -> int:

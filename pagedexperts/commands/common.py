@@ -37,6 +37,12 @@ def add_model_arguments(parser) -> None:
     )
     g.add_argument("--prefetch-budget", type=int, default=None, metavar="N",
                    help="prefetch page-ins per layer per step at most (default: top_k)")
+    g.add_argument(
+        "--host-memory-gb", type=float, default=None, metavar="G",
+        help="host memory (GB) for the experts: store, plus the slots on --device cpu. When all experts do "
+        "not fit, each layer keeps R in host memory and reads the rest from the checkpoint files (disk tier; "
+        "with --prefetch also read ahead). Default: what is available after the other weights and a KV estimate",
+    )
 
 
 def load_from_args(args):
@@ -52,4 +58,5 @@ def load_from_args(args):
         policy=args.policy,
         prefetch=getattr(args, "prefetch", False),
         prefetch_budget=getattr(args, "prefetch_budget", None),
+        host_memory_gb=getattr(args, "host_memory_gb", None),
     )

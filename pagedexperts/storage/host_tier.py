@@ -1,0 +1,263 @@
+"""The disk tier: a host cache of R experts per MoE layer over the checkpoint's own files.
+
+Owns: ``TieredExpertStore``, a drop-in for ``HostExpertStore`` (same ``specs``, ``num_experts``,
+``expert_bytes``, ``copy_to_slot``) when the store does not fit in host memory. Each layer keeps
+R of its E experts in host rows ([R, ...] per tensor, pinned on CUDA, allocated at exact size),
+placed by a host-side ``Residency`` with the same policy classes as the device slots; a device
+miss whose expert is not in a host row reads it from the checkpoint's safetensors files, one
+``os.preadv`` per per-expert tensor extent, into the host row, then copies the row into the
+slot. ``ReadAhead``: a small thread pool and a few expert-sized staging buffers shared by the
+layers, filled with the next layer's predicted experts (``prefetch``); a miss that finds its
+expert there takes the buffer instead of reading, and never waits for a read-ahead of another
+expert. ``TierStats``: host hits/misses, disk reads, bytes, read-time p50/p99.
+
+Host-tier accounting: the host residency sees the sequence of device page-ins of its layer
+(plan misses and prefetch loads, in order), each as a one-expert step. Read-ahead changes only
+where the bytes come from, never a decision, so ``simulate``'s two-level replay counts the same.
+A read error is sticky: the store raises ``DiskReadError`` on every later page-in (no request
+ever computes with a row that was not read).
+
+Legend: E routed experts, K device slots, R host rows per layer.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedexperts.residency import Residency, make_policy
+from pagedexperts.storage.safetensors_index import DiskReadError, Extent, read_extent
+
+READ_TIME_WINDOW = 4096  # most recent disk reads kept for the p50/p99
+
+
+@dataclass
+class TierStats:
+    """Counters of the host and disk tiers of one layer (sums; times in seconds).
+
+    ``host_hits``/``host_misses``: device page-ins served from a host row / not. Every host
+    miss is one expert read from disk, on demand or earlier by read-ahead (``read_ahead_used``).
+    ``disk_reads``: experts read from disk (on demand + read-ahead), ``disk_preads`` the
+    positional reads they took, ``disk_bytes_read`` their bytes. ``read_times`` keeps the last
+    READ_TIME_WINDOW per-expert read times for the percentiles.
+    """
+
+    host_hits: int = 0
+    host_misses: int = 0
+    disk_reads: int = 0
+    disk_preads: int = 0
+    disk_bytes_read: int = 0
+    disk_read_s: float = 0.0
+    read_ahead_issued: int = 0
+    read_ahead_used: int = 0
+    read_times: deque = field(default_factory=lambda: deque(maxlen=READ_TIME_WINDOW), repr=False)
+
+    def record_read(self, *, nbytes: int, preads: int, seconds: float) -> None:
+        self.disk_reads += 1
+        self.disk_preads += preads
+        self.disk_bytes_read += nbytes
+        self.disk_read_s += seconds
+        self.read_times.append(seconds)
+
+    def merge(self, other: "TierStats") -> None:
+        for name in ("host_hits", "host_misses", "disk_reads", "disk_preads", "disk_bytes_read",
+                     "disk_read_s", "read_ahead_issued", "read_ahead_used"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.read_times.extend(other.read_times)
+
+    @property
+    def host_hit_rate(self) -> float:
+        total = self.host_hits + self.host_misses
+        return self.host_hits / total if total else 0.0
+
+    def as_dict(self) -> dict:
+        times = sorted(self.read_times)
+        pick = lambda q: times[min(len(times) - 1, int(q * len(times)))] if times else 0.0  # noqa: E731
+        return dict(host_hits=self.host_hits, host_misses=self.host_misses, host_hit_rate=self.host_hit_rate,
+                    disk_reads=self.disk_reads, disk_preads=self.disk_preads,
+                    disk_bytes_read=self.disk_bytes_read, disk_read_s=self.disk_read_s,
+                    disk_read_p50_s=pick(0.5), disk_read_p99_s=pick(0.99),
+                    read_ahead_issued=self.read_ahead_issued, read_ahead_used=self.read_ahead_used)
+
+
+class ReadAhead:
+    """A thread pool and ``num_buffers`` expert-sized staging buffers shared by all layers.
+
+    Args:
+        specs: the per-expert tensors (every layer has the same).
+        num_buffers: staging buffers (experts in flight or waiting to be used) at most.
+        workers: reader threads.
+    """
+
+    def __init__(self, specs, *, num_buffers: int, workers: int = 2) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedexperts-readahead")
+        self.free = [{s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs} for _ in range(num_buffers)]
+        self.lock = threading.Lock()
+
+    def take(self) -> dict | None:
+        with self.lock:
+            return self.free.pop() if self.free else None
+
+    def give_back(self, buffer: dict) -> None:
+        with self.lock:
+            self.free.append(buffer)
+
+
+class TieredExpertStore:
+    """E experts of one MoE layer: R in host rows, all E readable from the checkpoint files.
+
+    Args:
+        specs: the layer's per-expert tensors; num_experts: E; host_rows: R, 1 <= R <= E.
+        policy: eviction policy name for the host rows (``residency.POLICIES``).
+        pin: page-locked host rows (CUDA); layer: for error messages.
+        read_ahead: the model's shared ``ReadAhead`` (None: no read-ahead).
+
+    Raises:
+        ValueError: R out of [1, E] (names --host-memory-gb).
+    """
+
+    def __init__(self, specs, num_experts: int, host_rows: int, *, policy: str, pin: bool,
+                 layer: int = -1, read_ahead: ReadAhead | None = None) -> None:
+        if not 1 <= host_rows <= num_experts:
+            raise ValueError(f"host rows R={host_rows} per layer must be in [1, E={num_experts}] (--host-memory-gb)")
+        self.specs = list(specs)
+        self.num_experts = num_experts
+        self.host_rows = host_rows
+        self.expert_bytes = sum(s.row_bytes for s in self.specs)
+        self.layer = layer
+        self.pinned = pin
+        self.fallback: str | None = None
+        self.rows = {s.name: torch.empty((host_rows, *s.shape), dtype=s.dtype, pin_memory=pin) for s in self.specs}
+        self.residency = Residency(num_experts, host_rows, make_policy(policy, host_rows))
+        self.tier_stats = TierStats()
+        self._row_expert = [-1] * host_rows  # expert whose bytes a row holds (-1: none / failed)
+        self._row_events: list = [None] * host_rows  # CUDA: last copy out of the row
+        self._sources: dict[str, list[list[Extent]]] | None = None
+        self._read_ahead = read_ahead
+        self._ahead: dict[int, tuple[Future, dict]] = {}
+        self._stats_lock = threading.Lock()
+        self.failed: DiskReadError | None = None
+
+    @property
+    def host_bytes(self) -> int:
+        return self.expert_bytes * self.host_rows
+
+    def attach_source(self, extents: dict[str, list[list[Extent]]]) -> None:
+        """The checkpoint byte ranges of every expert: tensor name -> [E] lists of extents."""
+        self._sources = extents
+
+    def copy_to_slot(self, expert: int, slot: int, slots: dict[str, torch.Tensor]) -> None:
+        """Copy ``expert`` into row ``slot`` of the [K, ...] ``slots``, via its host row (read
+        from disk first on a host miss). Non-blocking from pinned rows to CUDA slots.
+
+        Raises:
+            DiskReadError: the checkpoint file could not be read (now or at an earlier page-in).
+        """
+        row = self._host_row(expert)
+        for name, host in self.rows.items():
+            dst = slots[name][slot]
+            dst.copy_(host[row], non_blocking=self.pinned and dst.is_cuda)
+        if self.pinned and next(iter(slots.values())).is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+            self._row_events[row] = event
+
+    def _host_row(self, expert: int) -> int:
+        if self.failed is not None:
+            raise self.failed
+        plan = self.residency.plan([expert])
+        if plan.hits and self._row_expert[plan.waves[0].slots[0]] == expert:
+            self.tier_stats.host_hits += 1
+            return plan.waves[0].slots[0]
+        row = plan.waves[0].slots[0]
+        self.tier_stats.host_misses += 1
+        if self._row_events[row] is not None:
+            self._row_events[row].synchronize()  # the row's last copy to the device is done
+        dst = {name: t[row].view(-1) for name, t in self.rows.items()}
+        self._row_expert[row] = -1
+        ahead = self._ahead.pop(expert, None)
+        try:
+            if ahead is not None:
+                self._take_read_ahead(ahead, dst)
+            else:
+                self._read(expert, dst)
+        except DiskReadError as exc:
+            self.failed = exc
+            raise
+        self._row_expert[row] = expert
+        return row
+
+    def _take_read_ahead(self, ahead: tuple[Future, dict], dst: dict[str, torch.Tensor]) -> None:
+        future, buffer = ahead
+        try:
+            future.result()
+            for name, flat in dst.items():
+                flat.copy_(buffer[name].view(-1))
+        finally:
+            self._read_ahead.give_back(buffer)
+        self.tier_stats.read_ahead_used += 1
+
+    def _read(self, expert: int, dst: dict[str, torch.Tensor]) -> None:
+        """Read ``expert``'s extents into the flat rows ``dst`` (name -> 1-D CPU tensor)."""
+        if self._sources is None:
+            raise DiskReadError(f"layer {self.layer}: the disk tier has no checkpoint attached (loader bug)")
+        t0 = time.perf_counter()
+        by_file: dict = {}
+        for name, rows in self._sources.items():
+            for ext in rows[expert]:
+                by_file.setdefault(ext.path, []).append((ext, dst[name]))
+        preads = 0
+        for path, jobs in by_file.items():
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise DiskReadError(
+                    f"cannot read expert {expert} of layer {self.layer} from checkpoint file {path}: {exc}; "
+                    "the checkpoint must stay in place while the model runs (disk tier, --host-memory-gb)"
+                ) from exc
+            try:
+                for ext, flat in jobs:
+                    read_extent(fd, ext, flat, None)
+                    preads += 1
+            except OSError as exc:
+                raise DiskReadError(f"reading expert {expert} of layer {self.layer} from {path} failed: {exc}") from exc
+            finally:
+                os.close(fd)
+        with self._stats_lock:
+            self.tier_stats.record_read(nbytes=sum(e.nbytes for js in by_file.values() for e, _ in js),
+                                        preads=preads, seconds=time.perf_counter() - t0)
+
+    def read_ahead(self, experts) -> int:
+        """Start reading ``experts`` (priority order) that are in no host row into free staging
+        buffers, in the background. Unused read-aheads of earlier calls are dropped once done.
+        Returns the reads started."""
+        ra = self._read_ahead
+        if ra is None or self.failed is not None:
+            return 0
+        wanted = set(experts)
+        for e, (future, buffer) in list(self._ahead.items()):
+            if e not in wanted and future.done():
+                del self._ahead[e]
+                ra.give_back(buffer)
+        started = 0
+        for e in experts:
+            if e in self._ahead or self._holds(e):
+                continue
+            buffer = ra.take()
+            if buffer is None:
+                break
+            flat = {name: t.view(-1) for name, t in buffer.items()}
+            self._ahead[e] = (ra.pool.submit(self._read, e, flat), buffer)
+            started += 1
+        self.tier_stats.read_ahead_issued += started
+        return started
+
+    def _holds(self, expert: int) -> bool:
+        row = self.residency.slot_of_expert.get(expert)
+        return row is not None and self._row_expert[row] == expert

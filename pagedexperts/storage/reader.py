@@ -1,0 +1,177 @@
+"""Filling a paged model from its checkpoint at disk / page-cache speed, with nothing left mapped.
+
+Owns: ``CheckpointIndex`` (every checkpoint tensor located: each expert row of each store tensor
+as byte ranges, and the non-expert tensors) and ``fill_from_checkpoint``: expert rows are read
+with ``os.preadv`` straight into the host store rows (each store page is touched once, by the
+read; no memory map, no intermediate tensor), in file order, by a few threads (reads release the
+GIL); non-expert tensors are read into freshly allocated tensors (copied out, so no shard stays
+mapped for the model's life). A disk-tier store (``host_tier``) gets its experts' byte ranges
+instead of the bytes. A tqdm bar shows GB/s on a terminal.
+Does not: build the model (``loader``) or map keys (``checkpoint.KeyMap``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from pagedexperts.storage.safetensors_index import Extent, expert_extents, pread_into, bytes_view, read_extent, read_header
+
+logger = logging.getLogger(__name__)
+
+READ_CHUNK_BYTES = 64 << 20  # one thread's unit of work: extents of about this many bytes
+DEFAULT_READ_THREADS = 4
+
+
+class CheckpointIndex:
+    """Where every tensor of a checkpoint lives, from the shards' headers (reads no weights).
+
+    Attributes:
+        experts: site name -> store tensor name -> [E] lists of ``Extent`` (an expert row can
+            come from several checkpoint tensors, e.g. gate and up).
+        plain: (model key, checkpoint key, TensorEntry) of every non-expert tensor.
+        expert_bytes_on_disk: bytes of all expert extents (what a full fill reads).
+
+    Raises:
+        ValueError: an unreadable header, a key mapping to an unknown expert tensor, shapes that
+            do not match the config, or expert rows the checkpoint lacks (names a few).
+    """
+
+    def __init__(self, files: list[Path], keymap, sites: dict) -> None:
+        self.experts: dict[str, dict[str, list[list[Extent]]]] = {
+            name: {spec.name: [[] for _ in range(site.num_experts)] for spec in site.specs}
+            for name, site in sites.items()
+        }
+        sources: dict[tuple[str, str, int], set[int]] = {}
+        n_sources: dict[tuple[str, str], int] = {}
+        self.plain = []
+        for file in files:
+            for raw_key, entry in read_header(file).items():
+                key = keymap.rename(raw_key)
+                target = keymap.expert_target(key)
+                if target is None:
+                    self.plain.append((key, raw_key, entry))
+                    continue
+                site, tname, expert, src_index, n_src = target
+                spec = next((s for s in site.specs if s.name == tname), None)
+                if spec is None:
+                    raise ValueError(f"checkpoint tensor {raw_key!r} maps to unknown expert tensor {tname!r} of {site.name}")
+                n_sources[(site.name, tname)] = n_src
+                for e, ext in expert_extents(entry, spec=spec, expert=expert, num_experts=site.num_experts,
+                                             src_index=src_index, n_src=n_src, key=raw_key):
+                    self.experts[site.name][tname][e].append(ext)
+                    sources.setdefault((site.name, tname, e), set()).add(src_index)
+        lacking = [
+            (name, tname, e)
+            for name, tensors in self.experts.items()
+            for tname, rows in tensors.items()
+            for e in range(len(rows))
+            if len(sources.get((name, tname, e), ())) != n_sources.get((name, tname), -1)
+        ]
+        if lacking:
+            raise ValueError(f"checkpoint lacks expert tensors: {len(lacking)} (site, tensor, expert) rows, e.g. {lacking[:4]}")
+        self.expert_bytes_on_disk = sum(
+            x.nbytes for tensors in self.experts.values() for rows in tensors.values() for row in rows for x in row
+        )
+
+
+def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files: list[Path],
+                         threads: int = DEFAULT_READ_THREADS, progress: bool = True) -> None:
+    """Put every checkpoint tensor in its place (the ``fill`` of ``loader.build_paged_model``).
+
+    Full stores (``HostExpertStore``): expert rows read into the store. Disk-tier stores
+    (anything with ``attach_source``): given their byte ranges. Non-expert tensors: copied to
+    ``device`` in the model's dtype.
+
+    Raises:
+        ValueError: see ``CheckpointIndex``; a model tensor the checkpoint lacks.
+        DiskReadError: a shard that ends early.
+    """
+    from pagedexperts.checkpoint import KeyMap, load_plain_tensor
+
+    index = CheckpointIndex(files, KeyMap(model_type, sites), sites)
+    jobs: list[tuple[Extent, torch.Tensor]] = []
+    for name, store in stores.items():
+        if hasattr(store, "attach_source"):
+            store.attach_source(index.experts[name])
+            continue
+        for tname, rows in index.experts[name].items():
+            table = store.tensors[tname]
+            jobs.extend((ext, table[e].view(-1)) for e, row in enumerate(rows) for ext in row)
+    total = sum(ext.nbytes for ext, _ in jobs) + sum(entry.nbytes for _, _, entry in index.plain)
+    with _progress(total, enabled=progress) as bar:
+        read_expert_rows(jobs, threads=threads, on_bytes=bar.update)
+        unexpected = []
+        for key, raw_key, entry in index.plain:
+            value = torch.empty(entry.shape, dtype=entry.dtype)
+            with open(entry.path, "rb", buffering=0) as f:
+                pread_into(f.fileno(), bytes_view(value.view(-1)), entry.start, path=entry.path)
+            bar.update(entry.nbytes)
+            if not load_plain_tensor(model, key, value, device):
+                unexpected.append(raw_key)
+    if unexpected:
+        logger.warning("checkpoint keys not used by the model: %d (first: %s)", len(unexpected), unexpected[:3])
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} model tensors, e.g. {missing[:4]}")
+
+
+def read_expert_rows(jobs: list[tuple[Extent, torch.Tensor]], *, threads: int, on_bytes=None) -> float:
+    """Read every (extent, flat destination row) job, in file order, ``threads`` at a time.
+
+    Returns the wall seconds. Raises DiskReadError (a shard that ends early) or OSError.
+    """
+    t0 = time.perf_counter()
+    jobs = sorted(jobs, key=lambda j: (str(j[0].path), j[0].offset))
+    chunks, chunk, size = [], [], 0
+    for job in jobs:
+        if chunk and (size >= READ_CHUNK_BYTES or job[0].path != chunk[0][0].path):
+            chunks.append(chunk)
+            chunk, size = [], 0
+        chunk.append(job)
+        size += job[0].nbytes
+    if chunk:
+        chunks.append(chunk)
+
+    def run(chunk) -> int:
+        fd = os.open(chunk[0][0].path, os.O_RDONLY)
+        try:
+            for ext, row in chunk:
+                read_extent(fd, ext, row, None)
+        finally:
+            os.close(fd)
+        return sum(ext.nbytes for ext, _ in chunk)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="pagedexperts-read") as pool:
+        for nbytes in pool.map(run, chunks):
+            if on_bytes is not None:
+                on_bytes(nbytes)
+    return time.perf_counter() - t0
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _progress(total: int, *, enabled: bool):
+    """A tqdm bar in bytes (shows GB/s) on a terminal; silent otherwise."""
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="loading checkpoint",
+                disable=None, leave=False)

@@ -1,0 +1,166 @@
+"""Byte ranges of a checkpoint's tensors in its safetensors files, and positional reads of them.
+
+Owns: parsing safetensors headers (the published format, https://huggingface.co/docs/safetensors:
+an 8-byte little-endian header length N, N bytes of JSON mapping each key to ``dtype``,
+``shape`` and ``data_offsets`` [begin, end) relative to the byte after the header), the map from
+checkpoint keys to per-expert rows of the host store (``Extent``: which bytes of which file fill
+which elements of one expert's row), and ``read_extent``: one ``os.preadv`` per extent straight
+into tensor memory (no memory map, no intermediate copy when the dtypes agree). Generic over the
+store's ``TensorSpec``s: an extent is a byte range, whatever the dtype or packing.
+Does not: decide what to read (``host_tier``, ``reader``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+# safetensors dtype strings -> torch dtypes (those this torch build has)
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr)
+    for name, attr in {
+        "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+        "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16",
+        "BF16": "bfloat16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    }.items()
+    if hasattr(torch, attr)
+}
+
+
+class TensorEntry(NamedTuple):
+    """One tensor of a safetensors file: absolute byte offset ``start`` and ``nbytes``."""
+
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+class Extent(NamedTuple):
+    """Bytes ``[offset, offset + nbytes)`` of ``path`` (dtype ``src_dtype``) fill elements
+    ``[dst_elem, dst_elem + numel)`` of one expert's flattened row of one store tensor."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    src_dtype: torch.dtype
+    dst_elem: int
+    numel: int
+
+
+class DiskReadError(OSError):
+    """A checkpoint file could not be read while the model runs (moved, deleted, truncated)."""
+
+
+def read_header(path: Path) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file, keyed by checkpoint key (``__metadata__`` skipped).
+
+    Raises:
+        ValueError: a header that is not the safetensors layout, an unknown dtype, or a tensor
+            whose bytes lie beyond the end of the file (truncated download); names the file.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"checkpoint shard {path} is shorter than a safetensors header (truncated?)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise ValueError(f"checkpoint shard {path}: header length {n} exceeds the file size {size} (truncated or corrupt?)")
+        header = json.loads(f.read(n))
+    base = 8 + n
+    out = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        if meta["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"checkpoint shard {path}: tensor {key!r} has dtype {meta['dtype']!r}, not readable here")
+        begin, end = meta["data_offsets"]
+        if base + end > size:
+            raise ValueError(
+                f"checkpoint shard {path}: tensor {key!r} ends at byte {base + end}, past the file's "
+                f"{size} bytes (truncated download?)"
+            )
+        out[key] = TensorEntry(path, SAFETENSORS_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + begin, end - begin)
+    return out
+
+
+def bytes_view(flat: torch.Tensor):
+    """A writable uint8 numpy view of a contiguous 1-D CPU tensor's memory (for ``preadv``)."""
+    return flat.view(torch.uint8).numpy()
+
+
+def pread_into(fd: int, buf, offset: int, *, path: Path) -> None:
+    """Fill ``buf`` (a writable buffer) from byte ``offset`` of the open file ``fd``.
+
+    Raises:
+        DiskReadError: the file ends early (names the file and offset).
+    """
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise DiskReadError(f"checkpoint file {path} ended at byte {offset + done} while reading {len(view)} bytes at {offset} (truncated?)")
+        done += n
+
+
+def read_extent(fd: int, extent: Extent, dst_row: torch.Tensor, staging: torch.Tensor | None) -> None:
+    """Read ``extent`` into the flat row ``dst_row`` (1-D, contiguous, CPU).
+
+    Same dtype: one read straight into the row's memory. Otherwise the bytes go through
+    ``staging`` (uint8, >= extent.nbytes) and are converted by ``copy_`` (e.g. a bf16
+    checkpoint loaded as float32).
+    """
+    dst = dst_row[extent.dst_elem : extent.dst_elem + extent.numel]
+    if extent.src_dtype == dst.dtype:
+        pread_into(fd, bytes_view(dst), extent.offset, path=extent.path)
+        return
+    if staging is None or staging.numel() < extent.nbytes:
+        staging = torch.empty(extent.nbytes, dtype=torch.uint8)
+    buf = staging[: extent.nbytes]
+    pread_into(fd, bytes_view(buf), extent.offset, path=extent.path)
+    dst.copy_(buf.view(extent.src_dtype))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def expert_extents(entry: TensorEntry, *, spec, expert: int | None, num_experts: int,
+                   src_index: int, n_src: int, key: str) -> list[tuple[int, Extent]]:
+    """(expert, Extent) pairs of one checkpoint tensor mapped to store tensor ``spec``.
+
+    ``expert`` None: a stacked [E, *row] tensor (one extent per expert). Otherwise one expert's
+    tensor, source ``src_index`` of ``n_src`` concatenated along the row's first dimension
+    (transformers' MergeModulelist + Concatenate(dim=1) converters, e.g. gate and up).
+
+    Raises:
+        ValueError: shapes that do not match the config (names the key and both shapes).
+    """
+    row_numel = _numel(spec.shape)
+    if expert is None:
+        if entry.shape[:1] != (num_experts,) or _numel(entry.shape[1:]) != row_numel:
+            raise ValueError(f"expert tensor {key!r} has shape {entry.shape}; the config implies ({num_experts}, *{tuple(spec.shape)})")
+        row_bytes = entry.nbytes // num_experts
+        return [(e, Extent(entry.path, entry.start + e * row_bytes, row_bytes, entry.dtype, 0, row_numel))
+                for e in range(num_experts)]
+    want = (spec.shape[0] // n_src, *spec.shape[1:])
+    if tuple(entry.shape) != tuple(want):
+        raise ValueError(
+            f"checkpoint tensor {key!r} (expert {expert}) has shape {entry.shape}, but {spec.name!r} of shape "
+            f"{tuple(spec.shape)} per expert needs {want} from each of its {n_src} sources (config moe_intermediate_size?)"
+        )
+    numel = _numel(want)
+    return [(expert, Extent(entry.path, entry.start, entry.nbytes, entry.dtype, src_index * numel, numel))]
