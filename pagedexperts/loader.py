@@ -30,7 +30,8 @@ from pagedexperts.residency import DEFAULT_POLICY, make_policy
 from pagedexperts.stats import ModelStats
 from pagedexperts.storage.host_memory import HostMemoryPlan, kv_estimate_bytes, plan_host_memory
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
-from pagedexperts.store import HostExpertStore, host_memory_available_bytes
+from pagedexperts import store as store_module
+from pagedexperts.store import HostExpertStore
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +309,7 @@ def _plan_memory(model, config, sites, dev, dtype, *, k_slots, mode, top_k, host
     on_cpu = dev.type == "cpu"
     memory = plan_host_memory(
         budget_bytes=None if host_memory_gb is None else int(host_memory_gb * 1e9),
-        available_bytes=host_memory_available_bytes(),
+        available_bytes=store_module.host_memory_available_bytes(),
         num_layers=len(sites),
         num_experts=sites[0].num_experts,
         expert_bytes=expert_bytes,

@@ -36,6 +36,7 @@ def _work_started(what):
 def no_loading(monkeypatch):
     """Fail if a host store is allocated or a checkpoint byte is streamed."""
     monkeypatch.setattr(loader, "HostExpertStore", _work_started("host store allocation"))
+    monkeypatch.setattr(loader, "TieredExpertStore", _work_started("disk tier allocation"))
     monkeypatch.setattr(loader, "stream_checkpoint", _work_started("checkpoint streaming"))
 
 
@@ -180,14 +181,36 @@ STORE_BYTES = 2 * E * (2 * 16 * 32 + 32 * 16) * 4  # layers x E x (gate_up + dow
 
 def test_too_little_host_memory_fails_before_loading(tiny_moe_dir, monkeypatch, no_loading):
     monkeypatch.setattr(store_module, "host_memory_available_bytes", lambda: 1000)
-    with pytest.raises(MemoryError, match=r"host expert store needs .* of host memory but only .* is available"):
+    with pytest.raises(MemoryError, match=r"needs .* of host memory \(full expert store .*\) but only .* is available"):
         pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
 
 
 def test_enough_host_memory_passes(tiny_moe_dir, monkeypatch):
-    monkeypatch.setattr(store_module, "host_memory_available_bytes", lambda: STORE_BYTES)
     model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
-    assert sum(p.store.host_bytes for p in model.pagedexperts.pagers.values()) == STORE_BYTES
+    plan = model.pagedexperts.host_memory
+    assert sum(p.store.host_bytes for p in model.pagedexperts.pagers.values()) == STORE_BYTES == plan.store_bytes
+    # on the CPU the K slots are host memory too: 2 layers x K x expert bytes
+    assert plan.slot_bytes_on_host == 2 * TOP_K * STORE_BYTES // (2 * E)
+    monkeypatch.setattr(store_module, "host_memory_available_bytes", lambda: plan.total_bytes)
+    pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
+    # one byte less: the default budget falls to the disk tier, R = E - (staging 2 x top_k
+    # experts over 2 layers = TOP_K rows) - 1 (the missing byte)
+    monkeypatch.setattr(store_module, "host_memory_available_bytes", lambda: plan.total_bytes - 1)
+    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
+    assert model.pagedexperts.host_memory.host_rows == E - TOP_K - 1
+
+
+def test_memory_error_names_every_part(tiny_moe_dir, monkeypatch, no_loading):
+    monkeypatch.setattr(store_module, "host_memory_available_bytes", lambda: 4096)
+    with pytest.raises(MemoryError, match=r"slots on host .* non-expert weights .* KV estimate"):
+        pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
+
+
+def test_host_memory_below_the_disk_tier_minimum_names_it(tiny_moe_dir, no_loading):
+    expert = STORE_BYTES // (2 * E)
+    minimum = 2 * expert + 2 * TOP_K * expert + 2 * TOP_K * expert  # a row per layer + CPU slots + staging
+    with pytest.raises(ValueError, match=rf"--host-memory-gb 1e-06 is below the minimum .*{minimum:,} bytes"):
+        pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", host_memory_gb=1e-6)
 
 
 def test_memory_error_names_both_amounts_readably(monkeypatch):

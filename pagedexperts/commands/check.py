@@ -49,6 +49,7 @@ def run(args) -> int:
         paged, tokenizer = load_model(
             args.model_path, num_resident=k, device=args.device, dtype=args.dtype,
             experts_implementation=args.experts_implementation, policy=args.policy,
+            prefetch=args.prefetch, prefetch_budget=args.prefetch_budget, host_memory_gb=args.host_memory_gb,
         )
         res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
         verdict = "PASS (bit-identical)" if res.passed else "FAIL"

@@ -93,6 +93,8 @@ def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, n
         plan = HostMemoryPlan(host_rows=num_experts, staging_bytes=0, **common)
     else:
         minimum = num_layers * expert_bytes + slot_bytes_on_host + staging_bytes
+        if budget_bytes < minimum and not explicit:  # too little memory for anything: say so in full
+            check_available(HostMemoryPlan(host_rows=num_experts, staging_bytes=0, **common), available_bytes)
         if budget_bytes < minimum:
             source = f"--host-memory-gb {budget_bytes / 1e9:.4g}" if explicit else f"available host memory after non-expert weights and KV ({_gb(budget_bytes)})"
             raise ValueError(

@@ -13,6 +13,7 @@ Does not: build the model (``loader``) or map keys (``checkpoint.KeyMap``).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -108,7 +109,7 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
         read_expert_rows(jobs, threads=threads, on_bytes=bar.update)
         unexpected = []
         for key, raw_key, entry in index.plain:
-            value = torch.empty(entry.shape, dtype=entry.dtype)
+            value = empty_like_mapped(entry)
             with open(entry.path, "rb", buffering=0) as f:
                 pread_into(f.fileno(), bytes_view(value.view(-1)), entry.start, path=entry.path)
             bar.update(entry.nbytes)
@@ -121,6 +122,25 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} model tensors, e.g. {missing[:4]}")
+
+
+def empty_like_mapped(entry) -> torch.Tensor:
+    """An uninitialised tensor for ``entry`` whose address is congruent to its file offset
+    modulo the page size, as it would be in a memory map of the shard.
+
+    CPU kernels (oneDNN/MKL GEMMs) can sum in a different order for differently aligned
+    inputs: transformers' own loading keeps non-expert weights memory-mapped, so a copy at
+    another alignment gives logits that differ in the last bits (measured on the bundled model).
+    Costs at most one page per tensor.
+    """
+    page = mmap.PAGESIZE
+    buf = torch.empty(entry.nbytes + page, dtype=torch.uint8)
+    shift = (entry.start - buf.data_ptr()) % page
+    flat = buf[shift : shift + entry.nbytes]
+    try:
+        return flat.view(entry.dtype).view(entry.shape)
+    except RuntimeError:  # an offset not a multiple of the element size: no mapped twin either
+        return torch.empty(entry.shape, dtype=entry.dtype)
 
 
 def read_expert_rows(jobs: list[tuple[Extent, torch.Tensor]], *, threads: int, on_bytes=None) -> float:

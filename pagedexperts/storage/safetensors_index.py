@@ -151,16 +151,20 @@ def expert_extents(entry: TensorEntry, *, spec, expert: int | None, num_experts:
     """
     row_numel = _numel(spec.shape)
     if expert is None:
-        if entry.shape[:1] != (num_experts,) or _numel(entry.shape[1:]) != row_numel:
-            raise ValueError(f"expert tensor {key!r} has shape {entry.shape}; the config implies ({num_experts}, *{tuple(spec.shape)})")
+        if entry.shape[:1] != (num_experts,):
+            raise ValueError(f"expert tensor {key!r} has {entry.shape[0]} experts, config says E={num_experts}")
+        if tuple(entry.shape[1:]) != tuple(spec.shape):
+            raise ValueError(f"expert tensor {spec.name!r} ({key!r}): checkpoint shape {entry.shape[1:]} per expert "
+                             f"does not match the config's {tuple(spec.shape)}")
         row_bytes = entry.nbytes // num_experts
         return [(e, Extent(entry.path, entry.start + e * row_bytes, row_bytes, entry.dtype, 0, row_numel))
                 for e in range(num_experts)]
     want = (spec.shape[0] // n_src, *spec.shape[1:])
     if tuple(entry.shape) != tuple(want):
         raise ValueError(
-            f"checkpoint tensor {key!r} (expert {expert}) has shape {entry.shape}, but {spec.name!r} of shape "
-            f"{tuple(spec.shape)} per expert needs {want} from each of its {n_src} sources (config moe_intermediate_size?)"
+            f"expert tensor {spec.name!r} of expert {expert}: checkpoint shape {entry.shape} ({key!r}) does not match "
+            f"the config's {tuple(want)}" + (f" from each of its {n_src} sources" if n_src > 1 else "")
+            + " (config moe_intermediate_size?)"
         )
     numel = _numel(want)
     return [(expert, Extent(entry.path, entry.start, entry.nbytes, entry.dtype, src_index * numel, numel))]
