@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedexperts.storage.host_memory import advise_huge_pages
-
 logger = logging.getLogger(__name__)
 
 
@@ -107,9 +105,7 @@ class HostExpertStore:
                     "(ulimit -l) or free host memory"
                 )
                 logger.warning(self.fallback)
-        tensor = torch.empty(shape, dtype=spec.dtype)
-        advise_huge_pages(tensor)  # before the first touch (the checkpoint read)
-        return tensor
+        return torch.empty(shape, dtype=spec.dtype)
 
     @property
     def host_bytes(self) -> int:
