@@ -88,7 +88,7 @@ class PagingRuntime:
 
     def reset_stats(self) -> None:
         from pagedexperts.stats import LayerStats
-        from pagedexperts.storage.host_tier import TierStats
+        from pagedexperts.storage.tier_stats import TierStats
 
         for p in self.pagers.values():
             p.collect_copy_time()

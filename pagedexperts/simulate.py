@@ -20,6 +20,7 @@ import numpy as np
 
 from pagedexperts import residency
 from pagedexperts.stats import LayerStats, ModelStats
+from pagedexperts.storage.tier_stats import TierStats
 from pagedexperts.trace import Trace
 
 ROUTINGS = ("trace", "uniform")
@@ -190,24 +191,36 @@ def make_policy(name: str, *, num_slots: int, unions: Sequence[Sequence[int]]) -
 
 
 def replay(
-    steps: list[SimStep], *, num_experts: int, num_resident: int, policy: str, expert_bytes: int = 0
+    steps: list[SimStep], *, num_experts: int, num_resident: int, policy: str, expert_bytes: int = 0,
+    host_rows: int | None = None,
 ) -> tuple[ModelStats, ModelStats]:
     """Replay ``steps`` through one ``Residency`` per layer; returns (all steps, decode steps).
 
-    Counting is ``LayerStats.record_step``: per distinct expert per layer per step.
+    Counting is ``LayerStats.record_step``: per distinct expert per layer per step. With
+    ``host_rows`` R < E, a two-level replay: each layer's device page-ins, in plan order, go
+    through a host ``Residency`` of R rows as one-expert steps, as ``storage.host_tier`` does
+    (the same policy; Belady's device policy gets LRU host rows, whose future is not known
+    here); its hits and misses (= disk reads) land in ``ModelStats.tiers``.
 
     Raises:
-        ValueError: K outside [1, E] (``--num-resident``); an expert id outside [0, E).
+        ValueError: K outside [1, E] (``--num-resident``); R outside [1, E) (``--host-rows``);
+            an expert id outside [0, E).
     """
     if not 1 <= num_resident <= num_experts:
         raise ValueError(f"--num-resident {num_resident} must be in [1, E={num_experts}] (--num-resident)")
+    if host_rows is not None and not 1 <= host_rows < num_experts:
+        raise ValueError(f"--host-rows {host_rows} must be in [1, E={num_experts}) (--host-rows)")
     layers = sorted({ly for s in steps for ly in s.ids})
     unions = {ly: [np.unique(s.ids[ly]).tolist() for s in steps] for ly in layers}
     everything, decode = ModelStats(), ModelStats()
+    host_policy = policy if policy in residency.POLICIES else "lru"
     for ly in layers:
         res = residency.Residency(num_experts, num_resident,
                                   make_policy(policy, num_slots=num_resident, unions=unions[ly]))
+        host = None if host_rows is None else residency.Residency(
+            num_experts, host_rows, residency.make_policy(host_policy, host_rows))
         all_stats, dec_stats = LayerStats(), LayerStats()
+        all_tier, dec_tier = TierStats(), TierStats()
         for step, union in zip(steps, unions[ly]):
             plan = res.plan(union)
             kw = dict(hits=plan.hits, misses=plan.misses, waves=len(plan.waves), tokens=step.tokens,
@@ -215,8 +228,24 @@ def replay(
             all_stats.record_step(**kw)
             if step.phase == "decode":
                 dec_stats.record_step(**kw)
+            if host is not None:
+                _replay_host(host, plan, expert_bytes, [all_tier] + ([dec_tier] if step.phase == "decode" else []))
         everything.layers[ly], decode.layers[ly] = all_stats, dec_stats
+        if host is not None:
+            everything.tiers[ly], decode.tiers[ly] = all_tier, dec_tier
     return everything, decode
+
+
+def _replay_host(host: residency.Residency, plan, expert_bytes: int, tiers: list[TierStats]) -> None:
+    """The host rows see the step's page-ins in order; a host miss is one disk read."""
+    for load in plan.loads:
+        hit = host.plan([load.expert]).hits == 1
+        for t in tiers:
+            if hit:
+                t.host_hits += 1
+            else:
+                t.host_misses += 1
+                t.record_read(nbytes=expert_bytes, preads=0, seconds=0.0)
 
 
 def modelled_decode_tok_s(
@@ -240,9 +269,11 @@ def modelled_decode_tok_s(
 def run_grid(
     steps: list[SimStep], *, num_experts: int, top_k: int, num_resident: Sequence[int], policies: Sequence[str],
     batch_size: int | None = None, uniform: bool = True, seed: int = 0, expert_bytes: int = 0,
+    host_rows: int | None = None,
 ) -> list[SimResult]:
     """Replay ``steps`` (and, with ``uniform``, uniform routing of the same shape) for every
-    policy and K. ``batch_size`` only labels the results.
+    policy and K; with ``host_rows``, two-level (see ``replay``). ``batch_size`` only labels
+    the results.
 
     Raises:
         ValueError: unknown policy, K out of [1, E], or no steps.
@@ -259,7 +290,7 @@ def run_grid(
         for name in policies:
             for k in num_resident:
                 everything, decode = replay(rsteps, num_experts=num_experts, num_resident=k, policy=name,
-                                            expert_bytes=expert_bytes)
+                                            expert_bytes=expert_bytes, host_rows=host_rows)
                 out.append(SimResult(routing=routing, policy=name, num_resident=k, batch_size=batch_size,
                                      stats=everything, decode=decode))
     return out

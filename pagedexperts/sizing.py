@@ -82,6 +82,19 @@ def kv_reserve_bytes(*, context_length: int, max_running_requests: int, kv_bytes
 # ---------------------------------------------------------------------------------------------
 
 
+def disk_bytes_per_token(*, moe_layers: int, top_k: int, expert_bytes: int, device_miss_rate: float,
+                         host_miss_rate: float) -> float:
+    """Bytes read from disk per token with the disk tier: L x top_k x expert bytes x (device
+    misses per routed expert) x (host misses per device miss). An upper bound at decode batch
+    1 (each routed expert a distinct access); DESIGN.md "Tiers"."""
+    return moe_layers * top_k * expert_bytes * device_miss_rate * host_miss_rate
+
+
+def disk_bound_tok_s(*, disk_gbps: float, disk_bytes_per_token: float) -> float:
+    """Decode tokens/s if reading from disk were the only cost: disk GB/s / bytes per token."""
+    return float("inf") if disk_bytes_per_token <= 0 else disk_gbps * GB / disk_bytes_per_token
+
+
 def single_wave_batch_cap(*, num_resident: int, top_k: int) -> int:
     """Decode batch guaranteed to fit one wave: ``K // k`` (B tokens route to <= B x k experts).
 

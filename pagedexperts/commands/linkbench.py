@@ -1,4 +1,5 @@
-"""``pagedexperts linkbench``: measure host-to-device copy GB/s, pinned and pageable.
+"""``pagedexperts linkbench``: measure host-to-device copy GB/s, pinned and pageable (or, with
+``--disk``, a checkpoint's read GB/s).
 
 Owns the flags and the output; the timing is ``pagedexperts.linkbench``. Without an
 accelerator it says so and exits 0 with no number.
@@ -21,6 +22,10 @@ def add_parser(subparsers) -> None:
                    help="comma-separated copy sizes in MB (1e6 B) (default 1,4,16,64,256)")
     p.add_argument("--model-path", help="also time a copy of one expert of this checkpoint (headers only)")
     p.add_argument("--repeats", type=int, default=10, help="timed copies per size; the median is reported (default 10)")
+    p.add_argument("--disk", metavar="PATH",
+                   help="instead: read GB/s of a checkpoint (directory or .safetensors file), page cache "
+                   "dropped first (posix_fadvise DONTNEED) and warm; per-tensor preadv vs safetensors slicing")
+    p.add_argument("--disk-max-gb", type=float, default=2.0, help="GB read sequentially per pass with --disk (default 2)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=run_linkbench)
 
@@ -29,6 +34,8 @@ def run_linkbench(args) -> int:
     """Measure and print GB/s per size and memory kind; without CUDA, say so and return 0."""
     from pagedexperts import linkbench, sizing
 
+    if args.disk:
+        return _run_disk(args)
     try:
         sizes = [(f"{float(x):g} MB", round(float(x) * sizing.MB)) for x in args.sizes_mb.split(",") if x.strip()]
     except ValueError:
@@ -50,4 +57,24 @@ def run_linkbench(args) -> int:
         by = {(r.label, r.memory): r for r in results}
         for label, n in sizes:
             print(f"{label:>12} {n:>12,} {by[label, 'pinned'].gbps:>12.2f} {by[label, 'pageable'].gbps:>14.2f}")
+    return 0
+
+
+def _run_disk(args) -> int:
+    """``--disk PATH``: print the checkpoint's read GB/s (``storage.diskbench``)."""
+    from pagedexperts.storage.diskbench import measure_disk
+
+    if not args.disk_max_gb > 0:
+        raise ValueError(f"--disk-max-gb {args.disk_max_gb} must be > 0")
+    r = measure_disk(args.disk, max_bytes=int(args.disk_max_gb * 1e9))
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    cache = "page cache dropped first" if r["cold"] else "page cache could NOT be dropped: cold figures are warm"
+    print(f"disk reads of {args.disk} ({len(r['files'])} files; {cache}; GB/s = 1e9 B/s)")
+    print(f"  sequential, 16 MB reads over {r['sequential_bytes'] / 1e9:.2f} GB: cold {r['sequential_cold_gbps']:.2f}, "
+          f"warm {r['sequential_warm_gbps']:.2f}")
+    print(f"  per tensor, {r['tensors']} largest ({r['tensor_bytes'] / 1e6:.0f} MB), cold: preadv {r['pread_cold_gbps']:.2f}, "
+          f"safetensors slicing {r['safetensors_slice_cold_gbps']:.2f}")
+    print("feed the cold figure to `preflight --disk-gbps`")
     return 0

@@ -44,6 +44,17 @@ def add_parser(subparsers) -> None:
                      help="KV cache dtype; auto = the config's dtype (default auto)")
     run.add_argument("--runtime-reserve-gb", type=float, default=1.0,
                      help="GB kept for activations, CUDA context, allocator slack (default 1.0)")
+    tiers = p.add_argument_group("disk tier (three tiers: device K, host R, disk)")
+    tiers.add_argument("--host-memory-gb", type=float,
+                       help="host memory G for the experts (as `generate --host-memory-gb`): R host rows per layer")
+    tiers.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                       help="cpu: the K slots are host memory too and count in G (default cuda)")
+    tiers.add_argument("--disk-gbps", type=float, help="disk read GB/s (see `pagedexperts linkbench --disk`)")
+    tiers.add_argument("--miss-rate", type=float,
+                       help="device misses per routed expert, 0..1 (default: uniform, 1 - K/E)")
+    tiers.add_argument("--host-miss-rate", type=float,
+                       help="host misses per device miss, 0..1 (default: uniform, 1 - R/E; "
+                       "`pagedexperts simulate --host-rows R` measures it on a trace)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run_preflight)
 
@@ -51,6 +62,8 @@ def add_parser(subparsers) -> None:
 def run_preflight(args) -> int:
     """Print the preflight report (text or --json); 0 on success, ValueError on bad input."""
     report = build_report(**_model_inputs(args), **_run_inputs(args))
+    if args.host_memory_gb is not None:
+        report.update(tier_report(report, **_tier_inputs(args)))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -114,6 +127,45 @@ def _run_inputs(args) -> dict:
         max_running_requests=args.max_running_requests,
         runtime_reserve_gb=args.runtime_reserve_gb,
     )
+
+
+def _tier_inputs(args) -> dict:
+    _positive(args.host_memory_gb, "--host-memory-gb")
+    if args.disk_gbps is not None:
+        _positive(args.disk_gbps, "--disk-gbps")
+    for flag, value in (("--miss-rate", args.miss_rate), ("--host-miss-rate", args.host_miss_rate)):
+        if value is not None and not 0 <= value <= 1:
+            raise ValueError(f"{flag} {value} must be in [0, 1]")
+    return dict(host_memory_gb=args.host_memory_gb, device=args.device, disk_gbps=args.disk_gbps,
+                miss_rate=args.miss_rate, host_miss_rate=args.host_miss_rate)
+
+
+def tier_report(r: dict, *, host_memory_gb: float, device: str, disk_gbps: float | None,
+                miss_rate: float | None, host_miss_rate: float | None) -> dict:
+    """Three tiers of ``build_report``'s model and K under G: host rows R (as the loader
+    chooses them, ``storage.host_memory``), disk bytes per token at the miss rates, and the
+    disk-bound tok/s. Raises ValueError when G is below the disk tier's minimum (names it)."""
+    from pagedexperts.loader import READ_AHEAD_EXPERTS_PER_TOP_K
+    from pagedexperts.storage.host_memory import plan_host_memory
+
+    e, k, layers, eb = r["num_experts"], r["num_resident"], r["moe_layers"], r["expert_bytes"]
+    plan = plan_host_memory(
+        budget_bytes=round(host_memory_gb * sizing.GB), available_bytes=None, num_layers=layers, num_experts=e,
+        expert_bytes=eb, slot_bytes_on_host=k * layers * eb if device == "cpu" else 0,
+        staging_bytes=READ_AHEAD_EXPERTS_PER_TOP_K * r["top_k"] * eb, non_expert_bytes_on_host=0, kv_bytes_on_host=0)
+    rows = plan.host_rows
+    device_miss = r["uniform_miss_rate"] if miss_rate is None else miss_rate
+    host_miss = (0.0 if rows >= e else 1 - rows / e) if host_miss_rate is None else host_miss_rate
+    disk_bpt = sizing.disk_bytes_per_token(moe_layers=layers, top_k=r["top_k"], expert_bytes=eb,
+                                           device_miss_rate=device_miss, host_miss_rate=host_miss)
+    out = dict(host_memory_gb=host_memory_gb, tier_device=device, host_rows=rows, disk_tier=plan.disk_tier,
+               host_tier_bytes=plan.store_bytes, staging_bytes=plan.staging_bytes,
+               disk_experts_per_layer=e - rows, disk_bytes=(e - rows) * layers * eb,
+               device_miss_rate=device_miss, host_miss_rate=host_miss if plan.disk_tier else 0.0,
+               disk_bytes_per_token=disk_bpt if plan.disk_tier else 0.0, disk_gbps=disk_gbps)
+    if disk_gbps and plan.disk_tier:
+        out["disk_bound_tok_s"] = sizing.disk_bound_tok_s(disk_gbps=disk_gbps, disk_bytes_per_token=disk_bpt)
+    return out
 
 
 def _positive(value, flag: str) -> None:
@@ -206,4 +258,24 @@ def format_report(r: dict) -> str:
         per_req = r["kv_tokens_allowed"] // r["max_running_requests"]
         lines.append(f"context allowed       {r['kv_tokens_allowed']:,} KV tokens at K={r['num_resident']} "
                      f"({per_req:,} per request x {r['max_running_requests']})")
+    if "host_rows" in r:
+        lines += _format_tiers(r)
     return "\n".join(lines)
+
+
+def _format_tiers(r: dict) -> list[str]:
+    mb, gb = sizing.MB, sizing.GB
+    lines = [f"tiers at G={r['host_memory_gb']:g} GB ({r['tier_device']})",
+             f"  device              K={r['num_resident']} per layer, {r['device_slot_bytes'] / gb:.2f} GB"]
+    if not r["disk_tier"]:
+        return lines + [f"  host                all E={r['num_experts']} per layer, {r['host_tier_bytes'] / gb:.2f} GB: no disk tier"]
+    lines += [
+        f"  host                R={r['host_rows']} per layer, {r['host_tier_bytes'] / gb:.2f} GB "
+        f"+ staging {r['staging_bytes'] / mb:.0f} MB",
+        f"  disk                {r['disk_experts_per_layer']} per layer, {r['disk_bytes'] / gb:.2f} GB read from the checkpoint",
+        f"  disk per token      {r['disk_bytes_per_token'] / mb:.1f} MB at device miss {r['device_miss_rate']:.0%} "
+        f"x host miss {r['host_miss_rate']:.0%} (L x top_k x expert x both)",
+    ]
+    if "disk_bound_tok_s" in r:
+        lines.append(f"  disk-bound          {r['disk_bound_tok_s']:.2f} tok/s at {r['disk_gbps']:g} GB/s")
+    return lines

@@ -38,6 +38,9 @@ def add_parser(subparsers) -> None:
                       help=f"comma-separated policies from {sim.policy_names()} (default {default}: LRU, the runtime's default, and the optimal bound)")
     what.add_argument("--batch-sizes", help="comma-separated B: interleave B request streams per step "
                       "(default: replay the steps as recorded)")
+    what.add_argument("--host-rows", type=int, metavar="R",
+                      help="two-level replay: R host rows per layer under the K device slots (the disk "
+                      "tier); reports host hit rate and disk reads per token")
     what.add_argument("--no-uniform", action="store_true", help="skip the uniform-random routing reference")
     what.add_argument("--seed", type=int, default=0, help="seed of the uniform routing (default 0)")
     model = p.add_argument_group("model check and time model")
@@ -68,7 +71,7 @@ def run_simulate(args) -> int:
     batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [None]
     streams = sim.request_streams(trace, min_streams=max(batch_sizes)) if args.batch_sizes else None
     grid = dict(num_experts=e, top_k=k, num_resident=ks, policies=policies, uniform=not args.no_uniform,
-                seed=args.seed, expert_bytes=round(args.expert_mb * 1e6))
+                seed=args.seed, expert_bytes=round(args.expert_mb * 1e6), host_rows=args.host_rows)
     results = []
     for b in batch_sizes:
         steps = sim.recorded_steps(trace) if b is None else sim.batched_steps(streams, batch_size=b)
@@ -112,6 +115,10 @@ def _row(r: sim.SimResult, args, top_k: int) -> dict:
                waves_per_step=tot.waves_per_step,
                single_wave_fraction=1 - tot.multi_wave_steps / tot.steps if tot.steps else 0.0,
                batch_cap=r.num_resident // top_k, layers=d["layers"])
+    if args.host_rows is not None:
+        row.update(host_rows=args.host_rows, host_hit_rate=d["host_hit_rate"],
+                   disk_reads_per_token=d["disk_reads"] / d["tokens"] if d["tokens"] else 0.0,
+                   disk_bytes_per_token=d["disk_bytes_per_token"])
     if args.link_gbps and args.compute_ms_per_layer is not None:
         row["modelled_decode_tok_s"] = sim.modelled_decode_tok_s(
             r.decode, link_gbps=args.link_gbps, compute_ms_per_layer=args.compute_ms_per_layer,
@@ -124,12 +131,17 @@ def format_hit_table(rows: list[dict], *, expert_mb: float = 0.0) -> str:
     cols = ["B", "routing", "policy", "K", "steps", "tokens", "hit%", "miss/tok"]
     cols += ["MB/tok"] if expert_mb else []
     cols += ["tok/s"] if rows and "modelled_decode_tok_s" in rows[0] else []
+    two_level = bool(rows) and "host_rows" in rows[0]
+    cols += ["R", "host%", "disk/tok"] + (["diskMB/t"] if expert_mb else []) if two_level else []
     lines = [" ".join(f"{c:>8}" for c in cols)]
     for r in rows:
         vals = [r["batch_size"] or "-", r["routing"], r["policy"], r["num_resident"], r["steps"], r["tokens"],
                 f"{100 * r['hit_rate']:.1f}", f"{r['misses_per_token']:.3f}"]
         vals += [f"{r['bytes_per_token'] / 1e6:.2f}"] if expert_mb else []
         vals += [f"{r['modelled_decode_tok_s']:.1f}"] if "modelled_decode_tok_s" in r else []
+        if two_level:
+            vals += [r["host_rows"], f"{100 * r['host_hit_rate']:.1f}", f"{r['disk_reads_per_token']:.3f}"]
+            vals += [f"{r['disk_bytes_per_token'] / 1e6:.2f}"] if expert_mb else []
         lines.append(" ".join(f"{v:>8}" for v in vals))
     return "\n".join(lines)
 

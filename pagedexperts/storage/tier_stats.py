@@ -1,0 +1,61 @@
+"""Counters of the host and disk tiers (standard library only: the simulator imports it too).
+
+Owns: ``TierStats``, one layer's host hits/misses, disk reads, bytes and read times, and their
+sums and percentiles. Does not: read or decide anything (``host_tier``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+READ_TIME_WINDOW = 4096  # most recent disk reads kept for the p50/p99
+
+
+@dataclass
+class TierStats:
+    """Counters of the host and disk tiers of one layer (sums; times in seconds).
+
+    ``host_hits``/``host_misses``: device page-ins served from a host row / not. Every host
+    miss is one expert read from disk, on demand or earlier by read-ahead (``read_ahead_used``).
+    ``disk_reads``: experts read from disk (on demand + read-ahead), ``disk_preads`` the
+    positional reads they took, ``disk_bytes_read`` their bytes. ``read_times`` keeps the last
+    READ_TIME_WINDOW per-expert read times for the percentiles.
+    """
+
+    host_hits: int = 0
+    host_misses: int = 0
+    disk_reads: int = 0
+    disk_preads: int = 0
+    disk_bytes_read: int = 0
+    disk_read_s: float = 0.0
+    read_ahead_issued: int = 0
+    read_ahead_used: int = 0
+    read_times: deque = field(default_factory=lambda: deque(maxlen=READ_TIME_WINDOW), repr=False)
+
+    def record_read(self, *, nbytes: int, preads: int, seconds: float) -> None:
+        self.disk_reads += 1
+        self.disk_preads += preads
+        self.disk_bytes_read += nbytes
+        self.disk_read_s += seconds
+        self.read_times.append(seconds)
+
+    def merge(self, other: "TierStats") -> None:
+        for name in ("host_hits", "host_misses", "disk_reads", "disk_preads", "disk_bytes_read",
+                     "disk_read_s", "read_ahead_issued", "read_ahead_used"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.read_times.extend(other.read_times)
+
+    @property
+    def host_hit_rate(self) -> float:
+        total = self.host_hits + self.host_misses
+        return self.host_hits / total if total else 0.0
+
+    def as_dict(self) -> dict:
+        times = sorted(self.read_times)
+        pick = lambda q: times[min(len(times) - 1, int(q * len(times)))] if times else 0.0  # noqa: E731
+        return dict(host_hits=self.host_hits, host_misses=self.host_misses, host_hit_rate=self.host_hit_rate,
+                    disk_reads=self.disk_reads, disk_preads=self.disk_preads,
+                    disk_bytes_read=self.disk_bytes_read, disk_read_s=self.disk_read_s,
+                    disk_read_p50_s=pick(0.5), disk_read_p99_s=pick(0.99),
+                    read_ahead_issued=self.read_ahead_issued, read_ahead_used=self.read_ahead_used)
