@@ -217,3 +217,50 @@ def test_generate_reports_disk_reads_in_the_stats_json(tmp_path):
     cfg = json.loads((pagedexperts.bundled_model_path() / "config.json").read_text())
     expert_bytes = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 4  # gate, up, down in float32
     assert paging["disk_bytes_read"] == paging["disk_reads"] * expert_bytes
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_runtime_host_counters_equal_the_two_level_simulator(tiny_moe_dir, tmp_path, policy):
+    from pagedexperts import simulate as sim
+    from pagedexperts.trace import load_trace
+    from test_runtime_vs_simulator import run_recorded
+
+    model = run_recorded(tiny_moe_dir, tmp_path / "t.npz", policy=policy, num_resident=TOP_K, dtype="float32",
+                         host_memory_gb=budget_gb(R))
+    rt = model.pagedexperts
+    trace = load_trace(tmp_path / "t.npz", num_experts=E, top_k=TOP_K)
+    everything, _ = sim.replay(sim.recorded_steps(trace), num_experts=E, num_resident=TOP_K, policy=policy,
+                               expert_bytes=rt.expert_bytes, host_rows=R)
+    got = rt.stats()
+    assert sorted(got.tiers) == sorted(everything.tiers)
+    for layer, t in got.tiers.items():
+        s = everything.tiers[layer]
+        assert (t.host_hits, t.host_misses, t.disk_bytes_read) == (s.host_hits, s.host_misses, s.disk_bytes_read), layer
+        assert t.host_hits + t.host_misses == got.layers[layer].misses  # every device page-in asks the host
+    assert sum(t.host_hits for t in got.tiers.values()) > 0
+
+
+def test_preflight_three_tiers_by_hand():
+    from pagedexperts.commands.preflight import build_report, tier_report
+
+    base = build_report(model="x", moe_layers=4, num_experts=16, top_k=2, expert_bytes=10**6, kv_bytes_per_token=1,
+                        non_expert_bytes=0, num_resident=4, link_gbps=None, tok_s=None, device_memory_gb=None,
+                        context_length=1, max_running_requests=1, runtime_reserve_gb=0)
+    # G = 30 MB on cpu: slots 4 x 4 MB = 16 MB, staging 2 x 2 experts = 4 MB, rows (30 - 20) // 4 MB = 2
+    r = tier_report(base, host_memory_gb=0.03, device="cpu", disk_gbps=2.0, miss_rate=0.5, host_miss_rate=None)
+    assert (r["host_rows"], r["disk_experts_per_layer"]) == (2, 14)
+    assert r["host_miss_rate"] == 1 - 2 / 16
+    assert r["disk_bytes_per_token"] == pytest.approx(4 * 2 * 10**6 * 0.5 * (14 / 16))
+    assert r["disk_bound_tok_s"] == pytest.approx(2e9 / r["disk_bytes_per_token"])
+    with pytest.raises(ValueError, match=r"below the minimum .*24,000,000 bytes"):  # 4 rows + 16 MB + 4 MB
+        tier_report(base, host_memory_gb=0.02, device="cpu", disk_gbps=None, miss_rate=None, host_miss_rate=None)
+
+
+def test_linkbench_disk_reads_a_checkpoint(tiny_moe_dir, capsys):
+    from pagedexperts.storage.diskbench import measure_disk
+
+    r = measure_disk(tiny_moe_dir, max_bytes=1 << 20)
+    assert r["sequential_bytes"] == min(1 << 20, (tiny_moe_dir / "model.safetensors").stat().st_size)
+    assert r["sequential_cold_gbps"] > 0 and r["pread_cold_gbps"] > 0 and r["safetensors_slice_cold_gbps"] > 0
+    with pytest.raises(FileNotFoundError, match="--disk"):
+        measure_disk(tiny_moe_dir / "nothing")
