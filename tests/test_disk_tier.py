@@ -264,3 +264,25 @@ def test_linkbench_disk_reads_a_checkpoint(tiny_moe_dir, capsys):
     assert r["sequential_cold_gbps"] > 0 and r["pread_cold_gbps"] > 0 and r["safetensors_slice_cold_gbps"] > 0
     with pytest.raises(FileNotFoundError, match="--disk"):
         measure_disk(tiny_moe_dir / "nothing")
+
+
+def test_a_lost_shard_fails_the_served_request_and_the_next_one(tmp_path):
+    """The server's batch scheduler: the step raises DiskReadError, the request finishes with
+    reason "error" naming the file, and the scheduler keeps serving (no hang)."""
+    from pagedexperts.generate import SamplingConfig
+    from pagedexperts.scheduler import BatchScheduler, SchedulerConfig
+
+    path = copy_dir(pagedexperts.bundled_model_path(), tmp_path / "model")
+    model, tokenizer = pagedexperts.load_model(path, num_resident=4, host_memory_gb=0.01)
+    (path / "model.safetensors").unlink()
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(2, 128))
+    events = []
+    for _ in range(2):
+        sched.submit(tokenizer("Once upon a time")["input_ids"], SamplingConfig(max_new_tokens=4), events.append)
+        for _ in range(20):
+            if not (sched.num_running or sched.num_waiting):
+                break
+            sched.step()
+    finished = [e for e in events if e.finish_reason is not None]
+    assert [e.finish_reason for e in finished] == ["error", "error"]
+    assert all("model.safetensors" in e.error and "DiskReadError" in e.error for e in finished)
