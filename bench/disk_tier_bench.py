@@ -142,29 +142,38 @@ def plain_read_copy(path: Path) -> tuple[float, int]:
 
 
 def load(args) -> dict:
+    """Plain read + copy, then load_model, ``--repeats`` times alternating (the shared machine's
+    load drifts); the minimum of each; RSS and mappings after the last load."""
+    import gc
+
     import pagedexperts
     from transformers import Qwen3MoeForCausalLM  # noqa: F401  (imports are not loading)
 
     path = Path(args.dir)
-    out = {"cold": args.cold}
-    if args.cold:
-        drop_cache(path)
-    out["plain_read_copy_s"], out["checkpoint_bytes"] = plain_read_copy(path)
-    if args.cold:
-        drop_cache(path)
-    runtime = rss_bytes()
-    t0 = time.perf_counter()
-    model, _ = pagedexperts.load_model(path, num_resident=args.num_resident)
-    out["load_model_s"] = time.perf_counter() - t0
-    rt = model.pagedexperts
-    plan = rt.host_memory
+    out = {"cold": args.cold, "repeats": args.repeats}
+    plain, loads, model = [], [], None
+    for _ in range(args.repeats):
+        if args.cold:
+            drop_cache(path)
+        seconds, out["checkpoint_bytes"] = plain_read_copy(path)
+        plain.append(seconds)
+        del model
+        gc.collect()
+        if args.cold:
+            drop_cache(path)
+        runtime = rss_bytes()
+        t0 = time.perf_counter()
+        model, _ = pagedexperts.load_model(path, num_resident=args.num_resident)
+        loads.append(time.perf_counter() - t0)
+    out.update(plain_read_copy_s=min(plain), load_model_s=min(loads), all_plain_s=plain, all_load_s=loads)
     out["load_over_plain"] = out["load_model_s"] / out["plain_read_copy_s"]
-    out["rss_after_load"] = rss_bytes() - 0
+    rt = model.pagedexperts
+    out["rss_after_load"] = rss_bytes()
     non_expert = sum(p.numel() * p.element_size() for p in model.parameters())
     slots = sum(t.numel() * t.element_size() for p in rt.pagers.values() for t in p.slots.values())
-    expected = plan.store_bytes + slots + non_expert + runtime
-    out.update(store_bytes=plan.store_bytes, slot_bytes=slots, non_expert_bytes=non_expert, runtime_rss=runtime,
-               expected_rss=expected, rss_over_expected=out["rss_after_load"] / expected,
+    expected = rt.host_memory.store_bytes + slots + non_expert + runtime
+    out.update(store_bytes=rt.host_memory.store_bytes, slot_bytes=slots, non_expert_bytes=non_expert,
+               runtime_rss=runtime, expected_rss=expected, rss_over_expected=out["rss_after_load"] / expected,
                checkpoint_mapped_rss=mapped_checkpoint_bytes(path))
     return out
 
@@ -283,6 +292,7 @@ def main() -> None:
         p.add_argument("--num-resident", type=int, default=16)
         p.add_argument("--json", action="store_true")
     sub.choices["load"].add_argument("--cold", action="store_true")
+    sub.choices["load"].add_argument("--repeats", type=int, default=2)
     d = sub.choices["decode"]
     d.add_argument("--engine", choices=["paged", "accelerate"], default="paged")
     d.add_argument("--host-memory-gb", type=float, default=None)
