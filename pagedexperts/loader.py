@@ -167,11 +167,11 @@ def load_model(
             predicted by layer l+1's router on layer l's input (``pagedexperts.prefetch``).
         prefetch_budget: prefetch page-ins per layer per step at most (None = top_k).
             With the disk tier, the predictions are also read ahead from disk.
-        host_memory_gb: G, host memory in GB (1e9 bytes) for the experts: the store, plus the
-            K slots per layer on a CPU device. When all E experts do not fit in G, each layer
-            keeps R host rows and reads the other experts from the checkpoint files on demand
-            (the disk tier; mode "paged" only). None: what is available after the non-expert
-            weights and a KV estimate.
+        host_memory_gb: G, host memory in GB (1e9 bytes) for the expert store. When all E
+            experts of every layer do not fit in G, each layer keeps R host rows and reads the
+            other experts from the checkpoint files on demand (the disk tier; mode "paged"
+            only). None: what is available after the slots (CPU device), the non-expert
+            weights (CPU device) and a KV estimate (CPU device).
 
     Returns:
         (model, tokenizer): a transformers causal LM usable with ``generate()``, with

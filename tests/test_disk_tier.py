@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +33,9 @@ LAYERS = 2
 R = 4
 
 
-def budget_gb(rows: int, k: int = TOP_K) -> float:
-    """--host-memory-gb for ``rows`` host rows: rows + K slots (CPU) per layer, + 2 top_k staging."""
-    return (rows * LAYERS + k * LAYERS + 2 * TOP_K) * EXPERT_BYTES / 1e9
+def budget_gb(rows: int) -> float:
+    """--host-memory-gb for ``rows`` host rows per layer, + 2 top_k experts of staging."""
+    return (rows * LAYERS + 2 * TOP_K) * EXPERT_BYTES / 1e9
 
 
 def prompts(batch: int, length: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,17 +199,17 @@ def test_host_memory_plan_by_hand():
                   staging_bytes=300, non_expert_bytes_on_host=5000, kv_bytes_on_host=700)
     full = plan_host_memory(budget_bytes=None, available_bytes=10**6, **common)
     assert (full.host_rows, full.staging_bytes, full.total_bytes) == (10, 0, 4000 + 800 + 5000 + 700)
-    tier = plan_host_memory(budget_bytes=2500, available_bytes=10**6, **common)
-    assert tier.host_rows == (2500 - 800 - 300) // 400 == 3 and tier.disk_tier
-    with pytest.raises(ValueError, match=r"below the minimum .* 1,500 bytes"):  # 400 + 800 + 300
-        plan_host_memory(budget_bytes=1499, available_bytes=10**6, **common)
+    tier = plan_host_memory(budget_bytes=1700, available_bytes=10**6, **common)
+    assert tier.host_rows == (1700 - 300) // 400 == 3 and tier.disk_tier
+    with pytest.raises(ValueError, match=r"below the minimum .* 700 bytes"):  # 4 x 100 + 300
+        plan_host_memory(budget_bytes=699, available_bytes=10**6, **common)
     with pytest.raises(MemoryError, match=r"needs 8,000 bytes"):  # 1200 rows + 800 + 300 + 5000 + 700
-        plan_host_memory(budget_bytes=2500, available_bytes=7999, **common)
+        plan_host_memory(budget_bytes=1700, available_bytes=7999, **common)
 
 
 def test_generate_reports_disk_reads_in_the_stats_json(tmp_path):
     out = tmp_path / "stats.json"
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = dict(os.environ, PYTHONPATH=str(Path(pagedexperts.__file__).resolve().parents[1]))
     subprocess.run([sys.executable, "-m", "pagedexperts.cli", "generate", "--host-memory-gb", "0.01", "--prompt",
                     "Once upon a time", "--max-new-tokens", "4", "--stats-json", str(out), "--quiet"],
                    check=True, env=env, capture_output=True, timeout=300)
@@ -246,14 +247,14 @@ def test_preflight_three_tiers_by_hand():
     base = build_report(model="x", moe_layers=4, num_experts=16, top_k=2, expert_bytes=10**6, kv_bytes_per_token=1,
                         non_expert_bytes=0, num_resident=4, link_gbps=None, tok_s=None, device_memory_gb=None,
                         context_length=1, max_running_requests=1, runtime_reserve_gb=0)
-    # G = 30 MB on cpu: slots 4 x 4 MB = 16 MB, staging 2 x 2 experts = 4 MB, rows (30 - 20) // 4 MB = 2
-    r = tier_report(base, host_memory_gb=0.03, device="cpu", disk_gbps=2.0, miss_rate=0.5, host_miss_rate=None)
+    # G = 14 MB: staging 2 x 2 experts = 4 MB, rows (14 - 4) // (4 layers x 1 MB) = 2
+    r = tier_report(base, host_memory_gb=0.014, disk_gbps=2.0, miss_rate=0.5, host_miss_rate=None)
     assert (r["host_rows"], r["disk_experts_per_layer"]) == (2, 14)
     assert r["host_miss_rate"] == 1 - 2 / 16
     assert r["disk_bytes_per_token"] == pytest.approx(4 * 2 * 10**6 * 0.5 * (14 / 16))
     assert r["disk_bound_tok_s"] == pytest.approx(2e9 / r["disk_bytes_per_token"])
-    with pytest.raises(ValueError, match=r"below the minimum .*24,000,000 bytes"):  # 4 rows + 16 MB + 4 MB
-        tier_report(base, host_memory_gb=0.02, device="cpu", disk_gbps=None, miss_rate=None, host_miss_rate=None)
+    with pytest.raises(ValueError, match=r"below the minimum .*8,000,000 bytes"):  # 4 rows + 4 MB staging
+        tier_report(base, host_memory_gb=0.007, disk_gbps=None, miss_rate=None, host_miss_rate=None)
 
 
 def test_linkbench_disk_reads_a_checkpoint(tiny_moe_dir, capsys):

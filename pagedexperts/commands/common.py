@@ -39,9 +39,9 @@ def add_model_arguments(parser) -> None:
                    help="prefetch page-ins per layer per step at most (default: top_k)")
     g.add_argument(
         "--host-memory-gb", type=float, default=None, metavar="G",
-        help="host memory (GB) for the experts: store, plus the slots on --device cpu. When all experts do "
-        "not fit, each layer keeps R in host memory and reads the rest from the checkpoint files (disk tier; "
-        "with --prefetch also read ahead). Default: what is available after the other weights and a KV estimate",
+        help="host memory (GB) for the expert store. When all experts do not fit, each layer keeps R in host "
+        "memory and reads the rest from the checkpoint files (disk tier; with --prefetch also read ahead). "
+        "Default: what is available after everything else (slots, weights and KV on --device cpu)",
     )
 
 

@@ -47,8 +47,6 @@ def add_parser(subparsers) -> None:
     tiers = p.add_argument_group("disk tier (three tiers: device K, host R, disk)")
     tiers.add_argument("--host-memory-gb", type=float,
                        help="host memory G for the experts (as `generate --host-memory-gb`): R host rows per layer")
-    tiers.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                       help="cpu: the K slots are host memory too and count in G (default cuda)")
     tiers.add_argument("--disk-gbps", type=float, help="disk read GB/s (see `pagedexperts linkbench --disk`)")
     tiers.add_argument("--miss-rate", type=float,
                        help="device misses per routed expert, 0..1 (default: uniform, 1 - K/E)")
@@ -136,11 +134,11 @@ def _tier_inputs(args) -> dict:
     for flag, value in (("--miss-rate", args.miss_rate), ("--host-miss-rate", args.host_miss_rate)):
         if value is not None and not 0 <= value <= 1:
             raise ValueError(f"{flag} {value} must be in [0, 1]")
-    return dict(host_memory_gb=args.host_memory_gb, device=args.device, disk_gbps=args.disk_gbps,
+    return dict(host_memory_gb=args.host_memory_gb, disk_gbps=args.disk_gbps,
                 miss_rate=args.miss_rate, host_miss_rate=args.host_miss_rate)
 
 
-def tier_report(r: dict, *, host_memory_gb: float, device: str, disk_gbps: float | None,
+def tier_report(r: dict, *, host_memory_gb: float, disk_gbps: float | None,
                 miss_rate: float | None, host_miss_rate: float | None) -> dict:
     """Three tiers of ``build_report``'s model and K under G: host rows R (as the loader
     chooses them, ``storage.host_memory``), disk bytes per token at the miss rates, and the
@@ -148,17 +146,17 @@ def tier_report(r: dict, *, host_memory_gb: float, device: str, disk_gbps: float
     from pagedexperts.loader import READ_AHEAD_EXPERTS_PER_TOP_K
     from pagedexperts.storage.host_memory import plan_host_memory
 
-    e, k, layers, eb = r["num_experts"], r["num_resident"], r["moe_layers"], r["expert_bytes"]
+    e, layers, eb = r["num_experts"], r["moe_layers"], r["expert_bytes"]
     plan = plan_host_memory(
         budget_bytes=round(host_memory_gb * sizing.GB), available_bytes=None, num_layers=layers, num_experts=e,
-        expert_bytes=eb, slot_bytes_on_host=k * layers * eb if device == "cpu" else 0,
+        expert_bytes=eb, slot_bytes_on_host=0,
         staging_bytes=READ_AHEAD_EXPERTS_PER_TOP_K * r["top_k"] * eb, non_expert_bytes_on_host=0, kv_bytes_on_host=0)
     rows = plan.host_rows
     device_miss = r["uniform_miss_rate"] if miss_rate is None else miss_rate
     host_miss = (0.0 if rows >= e else 1 - rows / e) if host_miss_rate is None else host_miss_rate
     disk_bpt = sizing.disk_bytes_per_token(moe_layers=layers, top_k=r["top_k"], expert_bytes=eb,
                                            device_miss_rate=device_miss, host_miss_rate=host_miss)
-    out = dict(host_memory_gb=host_memory_gb, tier_device=device, host_rows=rows, disk_tier=plan.disk_tier,
+    out = dict(host_memory_gb=host_memory_gb, host_rows=rows, disk_tier=plan.disk_tier,
                host_tier_bytes=plan.store_bytes, staging_bytes=plan.staging_bytes,
                disk_experts_per_layer=e - rows, disk_bytes=(e - rows) * layers * eb,
                device_miss_rate=device_miss, host_miss_rate=host_miss if plan.disk_tier else 0.0,
@@ -265,7 +263,7 @@ def format_report(r: dict) -> str:
 
 def _format_tiers(r: dict) -> list[str]:
     mb, gb = sizing.MB, sizing.GB
-    lines = [f"tiers at G={r['host_memory_gb']:g} GB ({r['tier_device']})",
+    lines = [f"tiers at G={r['host_memory_gb']:g} GB for the host store",
              f"  device              K={r['num_resident']} per layer, {r['device_slot_bytes'] / gb:.2f} GB"]
     if not r["disk_tier"]:
         return lines + [f"  host                all E={r['num_experts']} per layer, {r['host_tier_bytes'] / gb:.2f} GB: no disk tier"]

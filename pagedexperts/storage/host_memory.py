@@ -1,10 +1,10 @@
 """Host memory of a paged model, counted before any allocation: the tier sizes and the check.
 
 Owns: ``HostMemoryPlan``, everything that will live in host memory for the chosen device (the
-expert store or the disk tier's R host rows per layer, the K slots per layer when the device
-is the CPU, the disk tier's staging buffers, the non-expert weights when they live on the CPU,
-a KV-cache estimate on the CPU), the choice of R from ``--host-memory-gb`` G, the minimum G
-and the check against available memory, with every byte named. Also ``advise_huge_pages``
+expert store or the disk tier's R host rows per layer and staging buffers, and when the device
+is the CPU its K slots per layer, the non-expert weights and a KV-cache estimate), the choice
+of R from ``--host-memory-gb`` G (the store's budget), the minimum G and the check against
+available memory, with every byte named. Also ``advise_huge_pages``
 (transparent huge pages for the store where the OS offers them).
 Standard library plus ctypes. Does not: allocate (``store``, ``host_tier``).
 """
@@ -26,9 +26,9 @@ KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted on a CPU device (one lon
 class HostMemoryPlan:
     """Host bytes of a paged model. ``host_rows`` R = E: the full store, no disk tier.
 
-    G (``--host-memory-gb``) budgets the expert memory on the host: store or host rows,
-    staging, and the slots when the device is the CPU. The rest (non-expert weights and KV on a
-    CPU device) is counted in ``total_bytes`` against available memory, not in G.
+    G (``--host-memory-gb``) budgets the expert store on the host: all E rows per layer, or
+    the disk tier's R rows plus its staging. The rest (the slots, the non-expert weights and
+    KV when the device is the CPU) is counted in ``total_bytes`` against available memory.
     """
 
     num_layers: int
@@ -49,12 +49,9 @@ class HostMemoryPlan:
         return self.host_rows * self.num_layers * self.expert_bytes
 
     @property
-    def expert_host_bytes(self) -> int:
-        return self.store_bytes + self.slot_bytes_on_host + self.staging_bytes
-
-    @property
     def total_bytes(self) -> int:
-        return self.expert_host_bytes + self.non_expert_bytes_on_host + self.kv_bytes_on_host
+        return (self.store_bytes + self.staging_bytes + self.slot_bytes_on_host + self.non_expert_bytes_on_host
+                + self.kv_bytes_on_host)
 
     def describe(self) -> str:
         what = f"host rows R={self.host_rows} of E={self.num_experts} per layer" if self.disk_tier else "full expert store"
@@ -72,37 +69,37 @@ def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, n
                      non_expert_bytes_on_host: int, kv_bytes_on_host: int) -> HostMemoryPlan:
     """Choose R and check host memory, before any allocation.
 
-    ``budget_bytes`` G None: what is available after the non-expert weights and KV estimate.
-    R = E when the full store fits in G (no staging then); else the most rows that fit beside
-    the slots on the host and the staging buffers.
+    ``budget_bytes`` G None: what is available after the slots, non-expert weights and KV
+    estimate on the host. R = E when the full store fits in G (no staging then); else the most
+    rows that fit beside the staging buffers.
 
     Raises:
-        ValueError: G below the minimum (one host row per layer + slots on host + staging);
-            names the minimum and --host-memory-gb.
+        ValueError: G below the minimum (one host row per layer + staging); names the minimum
+            and --host-memory-gb.
         MemoryError: the total exceeds available memory; names every part.
     """
-    others = non_expert_bytes_on_host + kv_bytes_on_host
+    others = slot_bytes_on_host + non_expert_bytes_on_host + kv_bytes_on_host
     explicit = budget_bytes is not None
     if budget_bytes is None:
         budget_bytes = (available_bytes - others) if available_bytes is not None else None
-    full = num_experts * num_layers * expert_bytes + slot_bytes_on_host
+    full = num_experts * num_layers * expert_bytes
     common = dict(num_layers=num_layers, num_experts=num_experts, expert_bytes=expert_bytes,
                   slot_bytes_on_host=slot_bytes_on_host, non_expert_bytes_on_host=non_expert_bytes_on_host,
                   kv_bytes_on_host=kv_bytes_on_host)
     if budget_bytes is None or full <= budget_bytes:
         plan = HostMemoryPlan(host_rows=num_experts, staging_bytes=0, **common)
     else:
-        minimum = num_layers * expert_bytes + slot_bytes_on_host + staging_bytes
+        minimum = num_layers * expert_bytes + staging_bytes
         if budget_bytes < minimum and not explicit:  # too little memory for anything: say so in full
             check_available(HostMemoryPlan(host_rows=num_experts, staging_bytes=0, **common), available_bytes)
         if budget_bytes < minimum:
-            source = f"--host-memory-gb {budget_bytes / 1e9:.4g}" if explicit else f"available host memory after non-expert weights and KV ({_gb(budget_bytes)})"
+            source = f"--host-memory-gb {budget_bytes / 1e9:.4g}" if explicit else f"available host memory after slots, non-expert weights and KV ({_gb(budget_bytes)})"
             raise ValueError(
                 f"{source} is below the minimum for the disk tier: {minimum:,} bytes ({minimum / 1e9:.4g} GB) = "
-                f"one host row per layer ({num_layers} x {expert_bytes:,}) + the slots on the host "
-                f"({slot_bytes_on_host:,}) + staging ({staging_bytes:,}); raise --host-memory-gb or lower --num-resident"
+                f"one host row per layer ({num_layers} x {expert_bytes:,}) + staging ({staging_bytes:,}); "
+                "raise --host-memory-gb"
             )
-        rows = (budget_bytes - slot_bytes_on_host - staging_bytes) // (num_layers * expert_bytes)
+        rows = (budget_bytes - staging_bytes) // (num_layers * expert_bytes)
         plan = HostMemoryPlan(host_rows=int(min(rows, num_experts - 1)), staging_bytes=staging_bytes, **common)
     check_available(plan, available_bytes)
     return plan
