@@ -15,7 +15,8 @@ Subcommands (each measurement runs in its own process, so RSS and page cache are
 Routing: the router's top-k ids are replaced by the OLMoE GSM8K trace's decode stream
 (../shared/data/traces, E=64, top-8; layer l maps expert e to perm_l[e] of E=128), so the reuse is
 that of real text, not of random weights. Weights are random.
-Example: python bench/disk_tier_bench.py all /work/big /work/small --tokens 12 --host-memory-gb 6
+Example: python bench/disk_tier_bench.py all /work/big /work/small --tokens 12 --host-memory-gb 10 \
+  --paged-host-memory-gb 6.98  (K=16 slots x 20 layers = 3.02 GB: the same RAM for both)
 """
 
 from __future__ import annotations
@@ -267,12 +268,12 @@ def run_child(argv: list[str]) -> dict:
 
 def run_all(args) -> None:
     common = ["--tokens", str(args.tokens), "--num-resident", str(args.num_resident)]
-    g = str(args.host_memory_gb)
+    g = str(args.paged_host_memory_gb or args.host_memory_gb)
     runs = [
         ("paged, disk tier", ["decode", args.big, "--engine", "paged", "--host-memory-gb", g, *common]),
         ("paged, disk tier + read-ahead", ["decode", args.big, "--engine", "paged", "--host-memory-gb", g, "--prefetch", *common]),
         ("paged, in RAM (small)", ["decode", args.small, "--engine", "paged", *common]),
-        ("accelerate disk offload", ["decode", args.big, "--engine", "accelerate", "--host-memory-gb", g,
+        ("accelerate disk offload", ["decode", args.big, "--engine", "accelerate", "--host-memory-gb", str(args.host_memory_gb),
                                      "--offload-folder", args.offload_folder, "--tokens", str(args.accelerate_tokens)]),
     ]
     for label, argv in runs:
@@ -305,7 +306,10 @@ def main() -> None:
     a.add_argument("--tokens", type=int, default=12)
     a.add_argument("--accelerate-tokens", type=int, default=3)
     a.add_argument("--num-resident", type=int, default=16)
-    a.add_argument("--host-memory-gb", type=float, default=6.0)
+    a.add_argument("--host-memory-gb", type=float, default=10.0,
+                   help="accelerate's max_memory cpu (all its weights in RAM), and the paged G unless given")
+    a.add_argument("--paged-host-memory-gb", type=float, default=None,
+                   help="G of the paged runs (the host store only: give the accelerate figure less K x L slots)")
     a.add_argument("--offload-folder", default="/work/offload")
     args = ap.parse_args()
     if args.cmd == "make":

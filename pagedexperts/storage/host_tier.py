@@ -42,8 +42,10 @@ class ReadAhead:
         workers: reader threads.
     """
 
-    def __init__(self, specs, *, num_buffers: int, workers: int = 2) -> None:
+    def __init__(self, specs, *, num_buffers: int, workers: int = 2, extent_workers: int = 4) -> None:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedexperts-readahead")
+        # on-demand reads: an expert's extents (e.g. gate, up, down) in flight together
+        self.extent_pool = ThreadPoolExecutor(max_workers=extent_workers, thread_name_prefix="pagedexperts-read")
         self.free = [{s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs} for _ in range(num_buffers)]
         self.lock = threading.Lock()
 
@@ -159,26 +161,34 @@ class TieredExpertStore:
         for name, rows in self._sources.items():
             for ext in rows[expert]:
                 by_file.setdefault(ext.path, []).append((ext, dst[name]))
-        preads = 0
-        for path, jobs in by_file.items():
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise DiskReadError(
-                    f"cannot read expert {expert} of layer {self.layer} from checkpoint file {path}: {exc}; "
-                    "the checkpoint must stay in place while the model runs (disk tier, --host-memory-gb)"
-                ) from exc
-            try:
-                for ext, flat in jobs:
-                    read_extent(fd, ext, flat, None)
-                    preads += 1
-            except OSError as exc:
-                raise DiskReadError(f"reading expert {expert} of layer {self.layer} from {path} failed: {exc}") from exc
-            finally:
-                os.close(fd)
+        jobs = [(path, job) for path, js in by_file.items() for job in js]
+        on_demand = not threading.current_thread().name.startswith("pagedexperts-readahead")
+        if on_demand and self._read_ahead is not None and len(jobs) > 1:  # several reads in flight
+            for f in [self._read_ahead.extent_pool.submit(self._read_extent, expert, p, j) for p, j in jobs]:
+                f.result()
+        else:
+            for path, job in jobs:
+                self._read_extent(expert, path, job)
+        preads = len(jobs)
         with self._stats_lock:
             self.tier_stats.record_read(nbytes=sum(e.nbytes for js in by_file.values() for e, _ in js),
                                         preads=preads, seconds=time.perf_counter() - t0)
+
+    def _read_extent(self, expert: int, path, job) -> None:
+        """One positional read of ``job`` = (extent, flat destination) from ``path``."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise DiskReadError(
+                f"cannot read expert {expert} of layer {self.layer} from checkpoint file {path}: {exc}; "
+                "the checkpoint must stay in place while the model runs (disk tier, --host-memory-gb)"
+            ) from exc
+        try:
+            read_extent(fd, job[0], job[1], None)
+        except OSError as exc:
+            raise DiskReadError(f"reading expert {expert} of layer {self.layer} from {path} failed: {exc}") from exc
+        finally:
+            os.close(fd)
 
     def read_ahead(self, experts) -> int:
         """Start reading ``experts`` (priority order) that are in no host row into free staging
