@@ -13,9 +13,11 @@ misses. A miss's victim slot is never one the current wave uses.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Sequence
+from typing import Container, Iterable, NamedTuple, Sequence
 
 EMPTY = -1  # slot content of a slot that holds no expert yet
 
@@ -64,10 +66,13 @@ class StepPlan(NamedTuple):
 class EvictionPolicy:
     """Base class of eviction policies: ranks occupied slots for eviction; tensor-free.
 
-    The residency calls ``on_access`` for each resident expert a step routes to (a hit),
-    ``on_load`` after an expert is placed in a slot (a miss), ``on_step`` once per step with the
-    step's union before planning, and ``victim`` to choose among ``candidates`` (occupied slots
-    not used by the current wave). Subclasses override ``victim`` and whichever hooks they need.
+    The residency calls ``on_step`` once per step with the step's union before planning,
+    ``on_hits`` with the resident experts the step routes to (ascending expert id), and, per
+    wave, ``victims`` for the slots its misses need (once the empty slots are used up), then
+    ``on_loads`` with the (slot, expert) placements. ``victims(n, protected, ...)`` must equal
+    n successive ``victim`` calls, each over the slots not in ``protected`` nor chosen before,
+    so a placement may change the rank of the slot it fills only (true of every rule here).
+    Subclasses override ``victim`` (the rule) and, for speed, ``victims`` and the hooks.
     Slot ids are ints in [0, K); expert ids ints in [0, E).
     """
 
@@ -85,16 +90,40 @@ class EvictionPolicy:
     def on_load(self, slot: int, expert: int) -> None:
         """``expert`` was just placed in ``slot`` (a miss)."""
 
+    def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        """``on_access`` for each (slot, expert) pair, in order."""
+        for slot, expert in zip(slots, experts):
+            self.on_access(slot, expert)
+
+    def on_loads(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        """``on_load`` for each (slot, expert) pair, in order."""
+        for slot, expert in zip(slots, experts):
+            self.on_load(slot, expert)
+
     def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
         """Return the slot to evict among ``candidates`` (non-empty, all occupied)."""
         raise NotImplementedError
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        """Up to ``count`` slots to evict, in eviction order, among slots not in ``protected``
+        (all occupied): successive ``victim`` calls, each without the slots chosen before."""
+        candidates = [s for s in range(self.num_slots) if s not in protected]
+        out = []
+        for _ in range(min(count, len(candidates))):
+            slot = self.victim(candidates, expert_of_slot)
+            candidates.remove(slot)
+            out.append(slot)
+        return out
 
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used: evict the slot whose expert was routed to longest ago.
 
     Recency is a global counter bumped on every access or load; within a step, experts are
-    touched in ascending expert id, so ties cannot occur and plans are deterministic.
+    touched in ascending expert id, so ties cannot occur and plans are deterministic. The
+    slots are also kept in an ordered map, least recent first, so ``victims`` reads the
+    front: O(1) per victim plus the protected slots it skips (the wave's own, which are the
+    most recent, so none in practice).
     """
 
     name = "lru"
@@ -103,26 +132,117 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(num_slots)
         self._clock = itertools.count(1)
         self._last_use = [0] * num_slots
+        self._order = OrderedDict.fromkeys(range(num_slots))  # least recent first; ties: lowest slot
 
     def on_access(self, slot: int, expert: int) -> None:
         self._last_use[slot] = next(self._clock)
+        self._order.move_to_end(slot)
 
-    def on_load(self, slot: int, expert: int) -> None:
-        self._last_use[slot] = next(self._clock)
+    on_load = on_access
+
+    def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        last, clock, to_end = self._last_use, self._clock, self._order.move_to_end
+        for s in slots:
+            last[s] = next(clock)
+            to_end(s)
+
+    on_loads = on_hits
 
     def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
         # (last use, slot) packed into one int: a C-level min, ties on the lowest slot
         last, n = self._last_use, self.num_slots
         return min([last[s] * n + s for s in candidates]) % n
 
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        if count > 0:
+            for s in self._order:
+                if s not in protected:
+                    out.append(s)
+                    if len(out) == count:
+                        break
+        return out
 
-class LFUPolicy(EvictionPolicy):
+
+class RankedPolicy(EvictionPolicy):
+    """A policy whose rule is a rank key per slot: evict the lowest ``rank(slot, ...)``, a
+    tuple that ends with the slot (so keys are distinct and ties go to the lowest slot).
+
+    ``victims`` here ranks every unprotected slot once per call: O(K) per wave, not per miss.
+    """
+
+    def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
+        raise NotImplementedError
+
+    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
+        return min([self.rank(s, expert_of_slot) for s in candidates])[-1]
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        rank = self.rank
+        keys = [rank(s, expert_of_slot) for s in range(self.num_slots) if s not in protected]
+        return [key[-1] for key in heapq.nsmallest(count, keys)]
+
+
+class HeapRankedPolicy(RankedPolicy):
+    """A ranked policy whose rank changes only for slots it is told about: a slot touched by
+    ``on_access``/``on_load`` (subclasses call ``_touch``), or every slot after ``_rerank_all``.
+
+    Keeps a heap of rank keys, refreshed lazily: touched slots are re-pushed when victims are
+    next asked for (a hit costs O(1) until then), outdated keys are dropped as they surface.
+    A few victims cost O(log K) each; a wave that evicts at least a quarter of the slots ranks
+    them all at once instead (cheaper than that many heap operations), so a miss never costs
+    O(K).
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self._heap: list[tuple] = []
+        self._touched: set[int] = set()
+        self._stale = True  # every key may be outdated: rebuild before the next use
+
+    def _touch(self, slot: int) -> None:
+        self._touched.add(slot)
+
+    def _rerank_all(self) -> None:
+        self._stale = True
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        if count <= 0:
+            return []
+        k, rank, heap = self.num_slots, self.rank, self._heap
+        if 4 * count >= k:  # a large share of the slots: rank them all once
+            self._stale = True
+            return super().victims(count, protected, expert_of_slot)
+        if self._stale or len(heap) > 4 * k:  # rebuilt also when outdated keys pile up
+            heap[:] = [rank(s, expert_of_slot) for s in range(k)]
+            heapq.heapify(heap)
+            self._touched.clear()
+            self._stale = False
+        else:
+            for s in self._touched:
+                heapq.heappush(heap, rank(s, expert_of_slot))
+            self._touched.clear()
+        out, kept = [], []
+        while heap and len(out) < count:
+            key = heapq.heappop(heap)
+            s = key[-1]
+            if key != rank(s, expert_of_slot):
+                continue  # outdated: the slot's current key was pushed when it was touched
+            (kept if s in protected else out).append(key)
+        for key in kept:
+            heapq.heappush(heap, key)
+        return [key[-1] for key in out]  # popped: re-pushed when they are loaded (touched)
+
+
+class LFUPolicy(HeapRankedPolicy):
     """Least frequently used, with aging: evict the resident expert routed to in the fewest steps.
 
     Each expert (resident or not: the count survives eviction, so a popular expert evicted once
     comes back with its history) has a count, +1 for every step whose union holds it. Every
     ``half_life`` steps all counts are halved (integer floor), so the counts follow a drifting
     working set; ``half_life=0`` never ages. Ties: least recently used, then lowest slot.
+    A resident expert's count changes only in a step that routes to it (a hit, so its slot is
+    touched) or at aging (every slot re-ranked): the lazy heap of ``HeapRankedPolicy`` holds.
     """
 
     name = "lfu"
@@ -133,27 +253,46 @@ class LFUPolicy(EvictionPolicy):
         self.half_life = half_life
         self._count: dict[int, int] = {}
         self._steps = 0
-        self._lru = LRUPolicy(num_slots)
+        self._clock = itertools.count(1)
+        self._last_use = [0] * num_slots
 
     def on_step(self, union: Sequence[int]) -> None:
         self._steps += 1
         if self.half_life and self._steps % self.half_life == 0:
             self._count = {e: c // 2 for e, c in self._count.items() if c > 1}
+            self._rerank_all()
+        count = self._count
         for e in union:
-            self._count[e] = self._count.get(e, 0) + 1
+            count[e] = count.get(e, 0) + 1
 
     def on_access(self, slot: int, expert: int) -> None:
-        self._lru.on_access(slot, expert)
+        self._last_use[slot] = next(self._clock)
+        self._touched.add(slot)
 
-    def on_load(self, slot: int, expert: int) -> None:
-        self._lru.on_load(slot, expert)
+    on_load = on_access
 
-    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        count, last = self._count, self._lru._last_use
-        return min([(count.get(expert_of_slot[s], 0), last[s], s) for s in candidates])[2]
+    def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        last, clock = self._last_use, self._clock
+        for s in slots:
+            last[s] = next(clock)
+        self._touched.update(slots)
+
+    on_loads = on_hits
+
+    def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
+        return (self._count.get(expert_of_slot[slot], 0), self._last_use[slot], slot)
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        if 4 * count < self.num_slots:
+            return super().victims(count, protected, expert_of_slot)
+        self._stale = True  # inline ranking of every unprotected slot (the hot case of big batches)
+        cnt, last = self._count.get, self._last_use
+        keys = [(cnt(expert_of_slot[s], 0), last[s], s) for s in range(self.num_slots) if s not in protected]
+        keys.sort()
+        return [key[2] for key in keys[:count]]
 
 
-class FrequencyLRUPolicy(EvictionPolicy):
+class FrequencyLRUPolicy(RankedPolicy):
     """Frequency-weighted LRU: recency, stretched by how often the expert was used while resident.
 
     A slot's keep-score is ``uses / (age + 1)``: ``uses`` the steps that routed to its expert
@@ -161,7 +300,8 @@ class FrequencyLRUPolicy(EvictionPolicy):
     counter), ``age`` the steps since its last use. Evict the lowest score: an expert used once
     and idle for 3 steps (1/4) goes before one used 8 times and idle for 9 (8/10). With every
     ``uses`` equal it is exactly LRU. Ties: least recently used, then lowest slot. Simple by
-    intent (an exact ratio, no tuned constant).
+    intent (an exact ratio, no tuned constant). Every score changes with the step count, so
+    ``victims`` ranks the unprotected slots once per wave (``RankedPolicy``).
     """
 
     name = "flru"
@@ -171,7 +311,8 @@ class FrequencyLRUPolicy(EvictionPolicy):
         self._steps = 0
         self._uses = [0] * num_slots
         self._last_step = [0] * num_slots
-        self._lru = LRUPolicy(num_slots)
+        self._clock = itertools.count(1)
+        self._last_use = [0] * num_slots
 
     def on_step(self, union: Sequence[int]) -> None:
         self._steps += 1
@@ -179,16 +320,15 @@ class FrequencyLRUPolicy(EvictionPolicy):
     def on_access(self, slot: int, expert: int) -> None:
         self._uses[slot] += 1
         self._last_step[slot] = self._steps
-        self._lru.on_access(slot, expert)
+        self._last_use[slot] = next(self._clock)
 
     def on_load(self, slot: int, expert: int) -> None:
         self._uses[slot] = 1
         self._last_step[slot] = self._steps
-        self._lru.on_load(slot, expert)
+        self._last_use[slot] = next(self._clock)
 
-    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        uses, last, lru, now = self._uses, self._last_step, self._lru._last_use, self._steps
-        return min(candidates, key=lambda s: (uses[s] / (now - last[s] + 1), lru[s], s))
+    def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
+        return (self._uses[slot] / (self._steps - self._last_step[slot] + 1), self._last_use[slot], slot)
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -201,7 +341,7 @@ class AdaptivePolicy(EvictionPolicy):
     switching leaders is instant. Ties between rules go to the earlier in ``CANDIDATES``, so
     with no evidence (and whenever recency wins) it is LRU. Layers differ (deep layers reuse
     more, layer 0 the least) and so do workloads; one fixed rule cannot suit all of them.
-    Cost: one extra ``Residency.plan`` per rule per layer per step (tens of microseconds).
+    Cost: one extra ``Residency.plan`` per rule per layer per step, without its wave records.
     """
 
     name = "adaptive"
@@ -225,7 +365,7 @@ class AdaptivePolicy(EvictionPolicy):
         best = max(self._score)
         self.leader = self._score.index(best)
         for i, ghost in enumerate(self._ghosts):
-            self._score[i] = self._score[i] * self.decay + ghost.plan(union).hits
+            self._score[i] = self._score[i] * self.decay + ghost.replay_step(union)
         for rule in self._rules:
             rule.on_step(union)
 
@@ -237,8 +377,19 @@ class AdaptivePolicy(EvictionPolicy):
         for rule in self._rules:
             rule.on_load(slot, expert)
 
+    def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        for rule in self._rules:
+            rule.on_hits(slots, experts)
+
+    def on_loads(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        for rule in self._rules:
+            rule.on_loads(slots, experts)
+
     def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
         return self._rules[self.leader].victim(candidates, expert_of_slot)
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        return self._rules[self.leader].victims(count, protected, expert_of_slot)
 
 
 _ANY_EXPERT = 1 << 30  # E of a ghost residency: ids are checked by the real one
@@ -304,6 +455,8 @@ class Residency:
         Resident experts (hits) go first, then misses in ascending id; each wave holds at most
         K experts. Each miss takes an empty slot (lowest id first) or else the policy's victim
         among occupied slots not used by the current wave. Updates the slot map and policy.
+        Cost: O(|union|) plus the policy's victims, O(log K) per miss or O(K) per wave that
+        evicts at least K/4 (so never O(K) per miss).
 
         Raises:
             ValueError: an expert id outside [0, E).
@@ -312,50 +465,69 @@ class Residency:
         if union and (union[0] < 0 or union[-1] >= self.num_experts):
             bad = union[0] if union[0] < 0 else union[-1]
             raise ValueError(f"routed expert id {bad} outside [0, E={self.num_experts})")
-        policy = self.policy
-        policy.on_step(union)
+        hits, hit_slots = self._begin_step(union)
+        if len(hits) == len(union) and hits:  # the common decode case: one wave, nothing to load
+            return StepPlan((Wave(tuple(hits), tuple(hit_slots), ()),), len(hits), 0)
         resident = self.slot_of_expert
-        hits, misses = [], []
-        for e in union:
-            (hits if e in resident else misses).append(e)
-        on_access = policy.on_access
-        for e in hits:
-            on_access(resident[e], e)
-        if not misses and hits:  # the common decode case: one wave, nothing to load
-            wave = Wave(tuple(hits), tuple([resident[e] for e in hits]), ())
-            return StepPlan((wave,), len(hits), 0)
-        order = hits + misses
-        k = self.num_slots
-        waves = tuple(self._plan_wave(order[i : i + k]) for i in range(0, len(order), k))
-        return StepPlan(waves=waves, hits=len(hits), misses=len(misses))
+        misses = [e for e in union if e not in resident]
+        waves = []
+        for wave_hits, wave_hit_slots, wave_misses in self._waves(hits, hit_slots, misses):
+            slots = self._place(wave_misses, wave_hit_slots)
+            waves.append(Wave(tuple(wave_hits + wave_misses), tuple(wave_hit_slots + slots),
+                              tuple(map(Load, wave_misses, slots))))
+        return StepPlan(waves=tuple(waves), hits=len(hits), misses=len(misses))
 
-    def _plan_wave(self, experts: list[int]) -> Wave:
-        in_wave = {self.slot_of_expert[e] for e in experts if e in self.slot_of_expert}
-        loads = []
-        for e in experts:
-            if e in self.slot_of_expert:
-                continue
-            slot = self._take_slot(in_wave)
-            old = self.expert_of_slot[slot]
-            if old != EMPTY:
-                del self.slot_of_expert[old]
-            self.expert_of_slot[slot] = e
-            self.slot_of_expert[e] = slot
-            self.policy.on_load(slot, e)
-            in_wave.add(slot)
-            loads.append(Load(expert=e, slot=slot))
-        slots = tuple(self.slot_of_expert[e] for e in experts)
-        return Wave(experts=tuple(experts), slots=slots, loads=tuple(loads))
+    def replay_step(self, union: Sequence[int]) -> int:
+        """``plan`` without the wave records, for a ghost residency: ``union`` sorted, distinct
+        and in range (not checked). Returns the step's hits; the state changes as ``plan``'s."""
+        hits, hit_slots = self._begin_step(union)
+        if len(hits) < len(union):
+            resident = self.slot_of_expert
+            misses = [e for e in union if e not in resident]
+            for _, wave_hit_slots, wave_misses in self._waves(hits, hit_slots, misses):
+                self._place(wave_misses, wave_hit_slots)
+        return len(hits)
 
-    def _take_slot(self, protected: set[int]) -> int | None:
-        """The lowest empty slot, else the policy's victim among occupied slots not in
-        ``protected``; None when every slot is protected. Slots fill in ascending order and
-        never empty again, so the empty ones are always ``[filled, K)``."""
-        if self._filled < self.num_slots:
-            self._filled += 1
-            return self._filled - 1
-        candidates = [s for s in range(self.num_slots) if s not in protected]
-        return self.policy.victim(candidates, self.expert_of_slot) if candidates else None
+    def _begin_step(self, union: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Tell the policy about the step and its hits; return (hits, their slots)."""
+        self.policy.on_step(union)
+        resident = self.slot_of_expert
+        hits = [e for e in union if e in resident]
+        hit_slots = [resident[e] for e in hits]
+        self.policy.on_hits(hit_slots, hits)
+        return hits, hit_slots
+
+    def _waves(self, hits: list[int], hit_slots: list[int], misses: list[int]):
+        """Split hits + misses into waves of at most K: yields (hits, their slots, misses).
+
+        Hits come first, so only a wave without misses can precede one with hits: no wave
+        evicts a hit of a later wave, and the hit slots read at the step's start stay true.
+        """
+        k, num_hits = self.num_slots, len(hits)
+        for i in range(0, num_hits + len(misses), k):
+            j = min(max(num_hits - i, 0), k)  # hits in this wave
+            yield hits[i:i + j], hit_slots[i:i + j], misses[max(i - num_hits, 0):max(i + k - num_hits, 0)]
+
+    def _place(self, experts: list[int], protected: list[int]) -> list[int]:
+        """Give each of ``experts`` (not resident) a slot: empty ones first (lowest id), then
+        the policy's victims among slots not in ``protected`` nor filled here; updates the slot
+        map and tells the policy. Returns the slots, in order (shorter if slots run out)."""
+        if not experts:
+            return []
+        free = min(len(experts), self.num_slots - self._filled)
+        slots = list(range(self._filled, self._filled + free))
+        self._filled += free
+        eos, soe = self.expert_of_slot, self.slot_of_expert
+        if len(experts) > free:
+            victims = self.policy.victims(len(experts) - free, {*protected, *slots}, eos)
+            for s in victims:
+                del soe[eos[s]]
+            slots += victims
+        for e, s in zip(experts, slots):
+            eos[s] = e
+            soe[e] = s
+        self.policy.on_loads(slots, experts[:len(slots)])
+        return slots
 
     def prefetch(self, experts: Sequence[int], *, budget: int) -> tuple[Load, ...]:
         """Page in up to ``budget`` of ``experts`` (priority order) before the step routes.
@@ -365,24 +537,12 @@ class Residency:
         this call, so a prefetch never evicts an expert it predicts. Stops early when no slot is
         left to take. The policy sees each placement as a load (``on_load``). Returns the loads.
         """
-        protected = {self.slot_of_expert[e] for e in experts if e in self.slot_of_expert}
-        loads: list[Load] = []
-        for e in experts:
-            if len(loads) >= budget:
-                break
-            if e in self.slot_of_expert or not 0 <= e < self.num_experts:
-                continue
-            slot = self._take_slot(protected)
-            if slot is None:
-                break
-            if self.expert_of_slot[slot] != EMPTY:
-                del self.slot_of_expert[self.expert_of_slot[slot]]
-            self.expert_of_slot[slot] = e
-            self.slot_of_expert[e] = slot
-            self.policy.on_load(slot, e)
-            protected.add(slot)
-            loads.append(Load(expert=e, slot=slot))
-        return tuple(loads)
+        resident = self.slot_of_expert
+        protected = [resident[e] for e in experts if e in resident]
+        wanted = [e for e in dict.fromkeys(experts) if e not in resident and 0 <= e < self.num_experts]
+        wanted = wanted[:max(budget, 0)]
+        slots = self._place(wanted, protected)
+        return tuple(map(Load, wanted, slots))
 
     def resident(self) -> dict[int, int]:
         """Expert id -> slot id of every resident expert (a copy)."""
