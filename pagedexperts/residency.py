@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Container, Iterable, NamedTuple, Sequence
 
@@ -119,49 +119,34 @@ class EvictionPolicy:
 class LRUPolicy(EvictionPolicy):
     """Least recently used: evict the slot whose expert was routed to longest ago.
 
-    Recency is a global counter bumped on every access or load; within a step, experts are
-    touched in ascending expert id, so ties cannot occur and plans are deterministic. The
-    slots are also kept in an ordered map, least recent first, so ``victims`` reads the
-    front: O(1) per victim plus the protected slots it skips (the wave's own, which are the
-    most recent, so none in practice).
+    The slots are kept in an ordered map, least recent first (fresh slots in ascending id);
+    every access or load moves a slot to the end. Within a step, experts are touched in
+    ascending expert id, so plans are deterministic. ``victims`` reads the front: O(1) per
+    victim plus the protected slots it skips (the wave's own, the most recent: none in practice).
     """
 
     name = "lru"
 
     def __init__(self, num_slots: int) -> None:
         super().__init__(num_slots)
-        self._clock = itertools.count(1)
-        self._last_use = [0] * num_slots
-        self._order = OrderedDict.fromkeys(range(num_slots))  # least recent first; ties: lowest slot
+        self._order = OrderedDict.fromkeys(range(num_slots))  # least recent first
 
     def on_access(self, slot: int, expert: int) -> None:
-        self._last_use[slot] = next(self._clock)
         self._order.move_to_end(slot)
 
     on_load = on_access
 
     def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
-        last, clock, to_end = self._last_use, self._clock, self._order.move_to_end
-        for s in slots:
-            last[s] = next(clock)
-            to_end(s)
+        _consume(map(self._order.move_to_end, slots))
 
     on_loads = on_hits
 
     def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        # (last use, slot) packed into one int: a C-level min, ties on the lowest slot
-        last, n = self._last_use, self.num_slots
-        return min([last[s] * n + s for s in candidates]) % n
+        allowed = set(candidates)
+        return next(s for s in self._order if s in allowed)
 
     def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
-        out: list[int] = []
-        if count > 0:
-            for s in self._order:
-                if s not in protected:
-                    out.append(s)
-                    if len(out) == count:
-                        break
-        return out
+        return list(itertools.islice(itertools.filterfalse(protected.__contains__, self._order), max(count, 0)))
 
 
 class RankedPolicy(EvictionPolicy):
@@ -169,18 +154,23 @@ class RankedPolicy(EvictionPolicy):
     tuple that ends with the slot (so keys are distinct and ties go to the lowest slot).
 
     ``victims`` here ranks every unprotected slot once per call: O(K) per wave, not per miss.
+    Subclasses may override ``_keys`` (the ranks of many slots) with a faster equivalent.
     """
 
     def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
         raise NotImplementedError
 
+    def _keys(self, slots: Iterable[int], expert_of_slot: Sequence[int]) -> list[tuple]:
+        rank = self.rank
+        return [rank(s, expert_of_slot) for s in slots]
+
     def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        return min([self.rank(s, expert_of_slot) for s in candidates])[-1]
+        return min(self._keys(candidates, expert_of_slot))[-1]
 
     def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
-        rank = self.rank
-        keys = [rank(s, expert_of_slot) for s in range(self.num_slots) if s not in protected]
-        return [key[-1] for key in heapq.nsmallest(count, keys)]
+        keys = self._keys(itertools.filterfalse(protected.__contains__, range(self.num_slots)), expert_of_slot)
+        keys.sort()
+        return [key[-1] for key in keys[:max(count, 0)]]
 
 
 class HeapRankedPolicy(RankedPolicy):
@@ -189,9 +179,9 @@ class HeapRankedPolicy(RankedPolicy):
 
     Keeps a heap of rank keys, refreshed lazily: touched slots are re-pushed when victims are
     next asked for (a hit costs O(1) until then), outdated keys are dropped as they surface.
-    A few victims cost O(log K) each; a wave that evicts at least a quarter of the slots ranks
-    them all at once instead (cheaper than that many heap operations), so a miss never costs
-    O(K).
+    A few victims cost O(log K) each. When a call needs at least K/4 victims, or K/4 slots were
+    touched since the last call, the unprotected slots are ranked at once instead (one O(K)
+    pass, paid for by those victims or hits), so no miss costs O(K).
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -209,25 +199,27 @@ class HeapRankedPolicy(RankedPolicy):
     def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
         if count <= 0:
             return []
-        k, rank, heap = self.num_slots, self.rank, self._heap
-        if 4 * count >= k:  # a large share of the slots: rank them all once
+        k, heap = self.num_slots, self._heap
+        if 4 * count >= k or 4 * len(self._touched) >= k:  # rank the unprotected slots once
             self._stale = True
+            self._touched.clear()
             return super().victims(count, protected, expert_of_slot)
         if self._stale or len(heap) > 4 * k:  # rebuilt also when outdated keys pile up
-            heap[:] = [rank(s, expert_of_slot) for s in range(k)]
+            heap[:] = self._keys(range(k), expert_of_slot)
             heapq.heapify(heap)
             self._touched.clear()
             self._stale = False
         else:
-            for s in self._touched:
-                heapq.heappush(heap, rank(s, expert_of_slot))
+            for key in self._keys(self._touched, expert_of_slot):
+                heapq.heappush(heap, key)
             self._touched.clear()
-        out, kept = [], []
+        rank, out, kept, seen = self.rank, [], [], set()
         while heap and len(out) < count:
             key = heapq.heappop(heap)
             s = key[-1]
-            if key != rank(s, expert_of_slot):
-                continue  # outdated: the slot's current key was pushed when it was touched
+            if s in seen or key != rank(s, expert_of_slot):
+                continue  # outdated (the slot's current key was pushed when it was touched) or a twin
+            seen.add(s)
             (kept if s in protected else out).append(key)
         for key in kept:
             heapq.heappush(heap, key)
@@ -251,19 +243,17 @@ class LFUPolicy(HeapRankedPolicy):
     def __init__(self, num_slots: int, *, half_life: int = DEFAULT_HALF_LIFE) -> None:
         super().__init__(num_slots)
         self.half_life = half_life
-        self._count: dict[int, int] = {}
+        self._count: Counter[int] = Counter()
         self._steps = 0
         self._clock = itertools.count(1)
-        self._last_use = [0] * num_slots
+        self._last_use = dict.fromkeys(range(num_slots), 0)  # slot -> clock at its last touch
 
     def on_step(self, union: Sequence[int]) -> None:
         self._steps += 1
         if self.half_life and self._steps % self.half_life == 0:
-            self._count = {e: c // 2 for e, c in self._count.items() if c > 1}
+            self._count = Counter({e: c // 2 for e, c in self._count.items() if c > 1})
             self._rerank_all()
-        count = self._count
-        for e in union:
-            count[e] = count.get(e, 0) + 1
+        self._count.update(union)  # +1 for each expert of the union (distinct ids), in C
 
     def on_access(self, slot: int, expert: int) -> None:
         self._last_use[slot] = next(self._clock)
@@ -272,9 +262,7 @@ class LFUPolicy(HeapRankedPolicy):
     on_load = on_access
 
     def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
-        last, clock = self._last_use, self._clock
-        for s in slots:
-            last[s] = next(clock)
+        self._last_use.update(zip(slots, self._clock))
         self._touched.update(slots)
 
     on_loads = on_hits
@@ -283,13 +271,21 @@ class LFUPolicy(HeapRankedPolicy):
         return (self._count.get(expert_of_slot[slot], 0), self._last_use[slot], slot)
 
     def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
-        if 4 * count < self.num_slots:
-            return super().victims(count, protected, expert_of_slot)
-        self._stale = True  # inline ranking of every unprotected slot (the hot case of big batches)
-        cnt, last = self._count.get, self._last_use
-        keys = [(cnt(expert_of_slot[s], 0), last[s], s) for s in range(self.num_slots) if s not in protected]
-        keys.sort()
-        return [key[2] for key in keys[:count]]
+        if count <= 0 or (4 * count < self.num_slots and 4 * len(self._touched) < self.num_slots):
+            return super().victims(count, protected, expert_of_slot)  # the heap
+        self._stale = True
+        self._touched.clear()
+        # the unprotected slots by (count, last use, slot): two stable sorts with C key functions
+        slots = list(itertools.filterfalse(protected.__contains__, range(self.num_slots)))
+        slots.sort(key=self._last_use.__getitem__)
+        counts = dict(zip(slots, map(self._count.get, map(expert_of_slot.__getitem__, slots), itertools.repeat(0))))
+        slots.sort(key=counts.__getitem__)
+        return slots[:count]
+
+    def _keys(self, slots: Iterable[int], expert_of_slot: Sequence[int]) -> list[tuple]:
+        slots = list(slots)  # the ranks of rank(), built in C
+        counts = map(self._count.get, map(expert_of_slot.__getitem__, slots), itertools.repeat(0))
+        return list(zip(counts, map(self._last_use.__getitem__, slots), slots))
 
 
 class FrequencyLRUPolicy(RankedPolicy):
@@ -392,6 +388,17 @@ class AdaptivePolicy(EvictionPolicy):
         return self._rules[self.leader].victims(count, protected, expert_of_slot)
 
 
+def _consume(iterator) -> None:
+    """Run an iterator of side effects to the end in C (the planner's bulk slot-map updates)."""
+    deque(iterator, maxlen=0)
+
+
+def _loads(experts: Sequence[int], slots: Sequence[int]) -> tuple[Load, ...]:
+    """Load records for (expert, slot) pairs, built in C (a Python-level ``Load(...)`` per miss
+    costs ~0.3 us, a quarter of a miss's planning)."""
+    return tuple(map(tuple.__new__, itertools.repeat(Load), zip(experts, slots)))
+
+
 _ANY_EXPERT = 1 << 30  # E of a ghost residency: ids are checked by the real one
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
@@ -468,13 +475,12 @@ class Residency:
         hits, hit_slots = self._begin_step(union)
         if len(hits) == len(union) and hits:  # the common decode case: one wave, nothing to load
             return StepPlan((Wave(tuple(hits), tuple(hit_slots), ()),), len(hits), 0)
-        resident = self.slot_of_expert
-        misses = [e for e in union if e not in resident]
+        misses = list(itertools.filterfalse(self.slot_of_expert.__contains__, union))
         waves = []
         for wave_hits, wave_hit_slots, wave_misses in self._waves(hits, hit_slots, misses):
             slots = self._place(wave_misses, wave_hit_slots)
             waves.append(Wave(tuple(wave_hits + wave_misses), tuple(wave_hit_slots + slots),
-                              tuple(map(Load, wave_misses, slots))))
+                              _loads(wave_misses, slots)))
         return StepPlan(waves=tuple(waves), hits=len(hits), misses=len(misses))
 
     def replay_step(self, union: Sequence[int]) -> int:
@@ -482,8 +488,7 @@ class Residency:
         and in range (not checked). Returns the step's hits; the state changes as ``plan``'s."""
         hits, hit_slots = self._begin_step(union)
         if len(hits) < len(union):
-            resident = self.slot_of_expert
-            misses = [e for e in union if e not in resident]
+            misses = list(itertools.filterfalse(self.slot_of_expert.__contains__, union))
             for _, wave_hit_slots, wave_misses in self._waves(hits, hit_slots, misses):
                 self._place(wave_misses, wave_hit_slots)
         return len(hits)
@@ -492,8 +497,8 @@ class Residency:
         """Tell the policy about the step and its hits; return (hits, their slots)."""
         self.policy.on_step(union)
         resident = self.slot_of_expert
-        hits = [e for e in union if e in resident]
-        hit_slots = [resident[e] for e in hits]
+        hits = list(filter(resident.__contains__, union))
+        hit_slots = list(map(resident.__getitem__, hits))
         self.policy.on_hits(hit_slots, hits)
         return hits, hit_slots
 
@@ -520,12 +525,10 @@ class Residency:
         eos, soe = self.expert_of_slot, self.slot_of_expert
         if len(experts) > free:
             victims = self.policy.victims(len(experts) - free, {*protected, *slots}, eos)
-            for s in victims:
-                del soe[eos[s]]
+            _consume(map(soe.pop, map(eos.__getitem__, victims)))  # evicted experts leave the map
             slots += victims
-        for e, s in zip(experts, slots):
-            eos[s] = e
-            soe[e] = s
+        _consume(map(eos.__setitem__, slots, experts))
+        soe.update(zip(experts, slots))
         self.policy.on_loads(slots, experts[:len(slots)])
         return slots
 
@@ -542,7 +545,7 @@ class Residency:
         wanted = [e for e in dict.fromkeys(experts) if e not in resident and 0 <= e < self.num_experts]
         wanted = wanted[:max(budget, 0)]
         slots = self._place(wanted, protected)
-        return tuple(map(Load, wanted, slots))
+        return _loads(wanted, slots)
 
     def resident(self) -> dict[int, int]:
         """Expert id -> slot id of every resident expert (a copy)."""
