@@ -294,5 +294,5 @@ class ExpertPager:
         if not self._copy_events:
             return
         torch.cuda.synchronize(self.device)
-        self.stats.page_in_s += sum(s.elapsed_time(e) for s, e in self._copy_events) / 1e3
+        self.stats.add_page_in_s([s.elapsed_time(e) / 1e3 for s, e in self._copy_events])
         self._copy_events.clear()

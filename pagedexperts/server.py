@@ -234,6 +234,23 @@ class _LiveCollector:
             for i, ls in sorted(layers.items()):
                 fam.add_metric([str(i)], getattr(ls, attr))
             yield fam
+        from pagedexperts.stats import ModelStats
+
+        yield from paging_time_histograms(ModelStats.collect(layers.items()), p)
+
+
+def paging_time_histograms(stats, prefix: str = "pagedexperts_"):
+    """Prometheus histograms of the host times per MoE layer-step, all layers together:
+    ``<prefix>plan_seconds``, ``<prefix>topk_readback_seconds``, ``<prefix>page_in_seconds``
+    (buckets ``stats.TIME_BUCKETS_S``, cumulative since the start). ``stats``: a ModelStats."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    from pagedexperts.stats import TIMED
+
+    names = {"plan_s": "plan_seconds", "sync_s": "topk_readback_seconds", "page_in_s": "page_in_seconds"}
+    for kind, dist in stats.time_histograms().items():
+        yield HistogramMetricFamily(prefix + names[kind], f"Time of {TIMED[kind]} per MoE layer-step",
+                                    buckets=dist.cumulative(), sum_value=dist.sum_s)
 
 
 def _error(exc: ApiError) -> JSONResponse:
