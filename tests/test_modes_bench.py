@@ -133,3 +133,23 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
     names = ["bench.md", "command.txt"] + (["bench.png"] if importlib.util.find_spec("matplotlib") else [])
     for name in names:
         assert (tmp_path / name).exists(), name
+
+
+def test_bench_loads_once_and_repages_per_mode_and_k(tiny_moe_dir, monkeypatch):
+    from pagedexperts import bench, loader
+
+    loads, repages = [], []
+    real_load, real_repage = loader.load_model, loader.repage
+    monkeypatch.setattr(loader, "load_model", lambda *a, **kw: loads.append(kw) or real_load(*a, **kw))
+    monkeypatch.setattr(loader, "repage", lambda m, **kw: repages.append(kw) or real_repage(m, **kw))
+    monkeypatch.setattr(bench, "long_prompts", lambda *a: ["a long prompt"])  # the tiny model has no tokenizer
+    monkeypatch.setattr(bench, "measure_mode", lambda model, *a: bench.ModeResult(
+        mode=model.pagedexperts.config.mode, num_resident=model.pagedexperts.num_resident, decode_tok_s=1.0))
+    cfg = bench.BenchConfig(model_path=str(tiny_moe_dir), modes=("paged", "resident", "cpu-experts"),
+                            num_resident=(TOP_K, E // 2), long_prompt_tokens=4)
+    rows = bench.run_bench(cfg, ["hello"], progress=False)
+    assert [(r.mode, r.num_resident) for r in rows] == [("paged", TOP_K), ("paged", E // 2), ("resident", E),
+                                                        ("cpu-experts", E)]
+    assert len(loads) == 1 and loads[0]["mode"] == "paged" and loads[0]["num_resident"] == TOP_K
+    assert [(kw["mode"], kw["num_resident"]) for kw in repages] == [("paged", E // 2), ("resident", None),
+                                                                    ("cpu-experts", None)]
