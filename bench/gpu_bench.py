@@ -8,8 +8,9 @@ What it measures (written as JSON and markdown under ``--out``):
 1. Decode tok/s (single stream and a batch of 4) and TTFT for modes resident, offload and
    paged at each K, on a model with Qwen3-30B-A3B's published shapes (hidden 2048, 128
    experts, top-8, expert intermediate 768, 32 heads, 4 KV heads, head dim 128) but
-   ``--layers`` layers (no download is possible). Random weights route near-uniformly, so hit
-   rates here are pessimistic; bytes moved and kernel times are real.
+   ``--layers`` layers (no download is possible). Random weights route near-uniformly, so the
+   top-k is driven from a real routing trace (``--routing-trace``, default the shared OLMoE
+   trace): hit rates and bytes paged follow real text; kernel times are real.
 2. The cost of one MoE layer's decode step with m = 0, 1, 2, 4, 8 misses, against the
    link-bound floor m x expert bytes / measured pinned GB/s.
 3. Modelled decode tok/s of the 48-layer model: the simulator's LRU misses per layer-step on
@@ -182,6 +183,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--traces", nargs="*", default=None, help="routing traces (default: ../shared/data/traces/*)")
+    p.add_argument("--routing-trace", default=None, metavar="PATH",
+                   help="drive the model's top-k from this trace (pagedexperts.trace_routing) so paging sees the "
+                   "reuse of real text; default: the shared OLMoE trace when present (not in --dry-run); 'none': "
+                   "the random router's own choice")
     args = p.parse_args(argv)
     args.ks = [int(x) for x in args.num_resident.split(",")]
     if args.dry_run:
@@ -200,6 +205,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model = build(args)
     print(f"built model in {time.perf_counter() - t0:.1f} s", flush=True)
+    routing = use_routing_trace(model, args)
     rt = model.pagedexperts
     expert_bytes = rt.expert_bytes
     link = None
@@ -213,16 +219,32 @@ def main(argv=None) -> int:
     model_rows = modelled(costs, modes[0]["decode_tok_s"], args.layers, args.ks, rt.num_experts, rt.top_k, traces)
     result = dict(date=time.strftime("%Y-%m-%d"), device=linkbench.accelerator_name() or "cpu (dry run)",
                   torch=torch.__version__, layers=args.layers, expert_bytes=expert_bytes,
-                  link_gbps_pinned_expert=link, modes=modes, miss_costs=costs, modelled=model_rows)
+                  link_gbps_pinned_expert=link, routing=routing, modes=modes, miss_costs=costs, modelled=model_rows)
     (out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
     (out / "summary.md").write_text(summary(result))
     print(summary(result))
     return 0
 
 
+def use_routing_trace(model, args) -> str:
+    """Install trace-driven routing (``--routing-trace``); returns what routes the model."""
+    path = args.routing_trace
+    if path is None and not args.dry_run:
+        default = ROOT.parent / "shared" / "data" / "traces" / "olmoe_1b7b_layer0_gsm8k.jsonl"
+        path = str(default) if default.exists() else "none"
+    if not path or path == "none":
+        return "router (random weights)"
+    from pagedexperts import trace_routing
+
+    trace_routing.install(model, path)
+    print(f"routing driven by the trace {path}", flush=True)
+    return f"trace {Path(path).name}"
+
+
 def summary(r: dict) -> str:
     lines = [f"# gpu_bench {r['date']} on {r['device']} (torch {r['torch']}), {r['layers']} layers, "
-             f"expert {r['expert_bytes'] / 1e6:.2f} MB, link {r['link_gbps_pinned_expert'] or 0:.1f} GB/s pinned",
+             f"expert {r['expert_bytes'] / 1e6:.2f} MB, link {r['link_gbps_pinned_expert'] or 0:.1f} GB/s pinned, "
+             f"routing: {r.get('routing', 'router')}",
              "", "| mode | K | decode tok/s | x4 tok/s | TTFT ms | hit | MB/token | time/token vs resident |",
              "|---|---|---|---|---|---|---|---|"]
     for m in r["modes"]:
