@@ -13,8 +13,10 @@ the model's experts form c groups of E_t ids (group j is ids j*E_t .. j*E_t + E_
 E % E_t != 0 the last E - c*E_t experts are never routed to). A token takes k/c ids from
 each group: the first k/c of one trace token's ids (router order) plus j*E_t, each group from
 a different request stream of the trace. So every group reuses experts as the trace's tokens
-did. Model MoE layer number i reads trace layer ``layers[i % L_t]`` and its own streams
-(shifted by i), so layers are not copies of each other. Rows: a forward of B sequences x S
+did. Model MoE layer number i reads trace layer ``layers[i % L_t]``; its (sequence b, group j)
+readers q = i*c + b*c + j read stream q mod n (n streams) from q div n x ``READER_STRIDE``
+tokens on, so layers are not copies of each other and a batch larger than the streams still
+reads different tokens per sequence. Rows: a forward of B sequences x S
 positions reads, per sequence, the next S tokens of its streams (wrapping around), and B is
 taken from each call of the model (its ``input_ids``).
 """
@@ -30,6 +32,7 @@ import numpy as np
 from pagedexperts.trace import Trace, load_trace
 
 logger = logging.getLogger(__name__)
+READER_STRIDE = 997  # tokens between two readers of one stream (a prime: no common period)
 
 
 @dataclass
@@ -68,6 +71,10 @@ class TraceRouting:
         lengths = np.array([len(s[self._layers[0]]) for s in streams])
         self._start, self._length = np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths
 
+    def rewind(self) -> None:
+        """Start every layer's streams again from the first token (to replay the same routing)."""
+        self._cursor.clear()
+
     def topk_ids(self, layer_number: int, rows: int) -> np.ndarray:
         """The top-k ids [rows, k] (int64) of model MoE layer number ``layer_number`` (0, 1, ...
         in layer order) for a forward of ``rows`` = B x S rows; advances that layer by S.
@@ -81,8 +88,9 @@ class TraceRouting:
         s, n = rows // b, self.top_k // c
         pos = self._cursor.get(layer_number, 0)
         self._cursor[layer_number] = pos + s
-        stream = (layer_number * c + np.arange(b * c).reshape(b, c)) % len(self._length)  # [B, c]
-        offset = (pos + np.arange(s))[None, None, :] % self._length[stream][:, :, None]  # [B, c, S]
+        reader = layer_number * c + np.arange(b * c).reshape(b, c)  # [B, c]
+        stream, skip = reader % len(self._length), reader // len(self._length) * READER_STRIDE
+        offset = (pos + skip[:, :, None] + np.arange(s)[None, None, :]) % self._length[stream][:, :, None]  # [B, c, S]
         ids = self._rows[self._layers[layer_number % len(self._layers)]][self._start[stream][:, :, None] + offset]
         ids = ids[..., :n] + (np.arange(c) * self.trace.meta.num_experts)[None, :, None, None]  # [B, c, S, n]
         return ids.transpose(0, 2, 1, 3).reshape(rows, self.top_k)

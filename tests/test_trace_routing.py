@@ -49,6 +49,8 @@ def test_batch_rows_are_sequences_of_consecutive_tokens(trace, streams):
     assert ids.tolist() == streams[0][1][:3].tolist() + streams[1][1][:3].tolist()
     driver.batch_size = 1
     assert driver.topk_ids(0, 1).tolist() == [streams[0][1][3].tolist()]
+    driver.rewind()
+    assert driver.topk_ids(0, 1).tolist() == [streams[0][1][0].tolist()]
 
 
 def test_streams_wrap_around_and_ids_stay_distinct_and_in_range(trace):
