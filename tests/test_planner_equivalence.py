@@ -53,8 +53,8 @@ def skewed_steps(rng: random.Random, num_experts: int, top_k: int, steps: int) -
 
 def assert_same(new, ref, steps, *, rng: random.Random | None = None):
     for t, routed in enumerate(steps):
-        if rng is not None and rng.random() < 0.3:  # a prefetch between steps
-            predicted = rng.sample(range(-1, new.num_experts + 1), rng.randint(0, new.num_experts // 2))
+        if rng is not None and rng.random() < 0.3:  # a prefetch between steps (repeats, ids out of range)
+            predicted = rng.choices(range(-1, new.num_experts + 1), k=rng.randint(0, new.num_experts // 2))
             budget = rng.randint(0, new.num_slots)
             got = new.prefetch(predicted, budget=budget)
             want = ref.prefetch(predicted, budget=budget)
