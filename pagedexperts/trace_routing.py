@@ -118,10 +118,15 @@ def install(model, trace: str | Path | Trace) -> TraceRouting:
 
     def make_experts_hook(number: int):
         def on_experts_call(module, args, kwargs):
-            hidden, top_k_index = args[0], args[1]
-            ids = driver.topk_ids(number, int(hidden.shape[0]))
-            top_k_index = torch.from_numpy(ids).to(device=top_k_index.device, dtype=top_k_index.dtype)
-            return (hidden, top_k_index, *args[2:]), kwargs
+            # the experts interface: (hidden_states [T, H], top_k_index [T, k], top_k_weights), by
+            # position (Qwen3-MoE, Mixtral) or by name
+            hidden = args[0] if args else kwargs["hidden_states"]
+            old = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            ids = torch.from_numpy(driver.topk_ids(number, int(hidden.shape[0])))
+            ids = ids.to(device=old.device, dtype=old.dtype)
+            if len(args) > 1:
+                return (args[0], ids, *args[2:]), kwargs
+            return args, {**kwargs, "top_k_index": ids}
         return on_experts_call
 
     driver.handles = [model.register_forward_pre_hook(on_model_call, with_kwargs=True)]
