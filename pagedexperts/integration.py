@@ -6,10 +6,14 @@ experts implementation (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``)
 is process-global, so the function registered here holds no state: it forwards to the
 ``ExpertPager`` attached to the experts module it is called with. Two models with different K
 therefore live side by side in one process. Owns: the registry key and the attachment
-attribute. Does not: build pagers (``loader``).
+attribute, and following ``generate``'s decode-time switch of experts implementation
+(``follow_decode_switch``). Does not: build pagers (``loader``).
 """
 
 from __future__ import annotations
+
+import contextlib
+import types
 
 import torch
 
@@ -51,3 +55,46 @@ def set_implementation(model: torch.nn.Module, name: str) -> None:
     if name == IMPLEMENTATION_NAME:
         register()
     model.set_experts_implementation(name)
+
+
+class _InnerImplementations:
+    """What transformers' ``_optimize_model_for_decode`` sees of a paged model: its runners'
+    inner implementation in place of the registry key, and the model's device."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+
+    @property
+    def device(self):
+        return self._model.device
+
+    def _runners(self):
+        return list(self._model.pagedexperts.pagers.values())
+
+    def get_experts_implementation(self) -> dict[str, str]:
+        return {"": self._runners()[0].inner}
+
+    def set_experts_implementation(self, implementation) -> None:
+        name = implementation.get("", None) if isinstance(implementation, dict) else implementation
+        for runner in self._runners():
+            runner.inner = name
+
+
+def follow_decode_switch(model) -> None:
+    """Make ``model.generate`` switch the runners' inner implementation exactly as it switches
+    an unpaged model's: transformers' own ``_optimize_model_for_decode`` (5.17 to 5.24: on a
+    non-CPU device, ``grouped_mm`` -> ``batched_mm`` for the decode loop, restored after) runs
+    on a view of the paged model whose implementation is the runners' inner one. Without it the
+    paged model (implementation "pagedexperts") would decode with ``grouped_mm`` while the
+    unpaged reference decodes with ``batched_mm``: two kernels, not bit-identical.
+    """
+    original = getattr(type(model), "_optimize_model_for_decode", None)
+    if original is None:  # a transformers release without the switch: nothing to follow
+        return
+
+    @contextlib.contextmanager
+    def optimize_for_decode(self):
+        with original(_InnerImplementations(self)):
+            yield
+
+    model._optimize_model_for_decode = types.MethodType(optimize_for_decode, model)

@@ -262,6 +262,7 @@ def build_paged_model(
     model.pagedexperts = runtime
     install_padding_hook(model)
     integration.set_implementation(model, integration.IMPLEMENTATION_NAME)
+    integration.follow_decode_switch(model)
     model.pagedexperts.sites = sites
     model.pagedexperts.stores = stores
     return model
@@ -301,14 +302,14 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
     k = _check_num_resident(num_resident, rt.num_experts, rt.top_k) if mode == "paged" else rt.num_experts
     dev = torch.device(rt.config.device)
+    for runner in rt.pagers.values():
+        runner.release()  # copies in flight into its slots finish before the slots are freed
     rt.pagers.clear()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     rt.config = dataclasses.replace(rt.config, num_resident=k, mode=mode, policy=policy or rt.config.policy)
     rt.num_resident = k
     _attach_runners(rt, rt.sites, rt.stores, dev, mode=mode, cpu_expert_layers=rt.config.cpu_expert_layers)
-    for pager in rt.pagers.values():
-        pager.padding_rows = 0
 
 
 def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.02) -> None:

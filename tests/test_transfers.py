@@ -1,0 +1,133 @@
+"""Transfers and device-facing bookkeeping that a GPU run depends on, checked on CPU.
+
+- generate's decode-time switch of experts implementation (grouped_mm -> batched_mm on a
+  non-CPU device) is followed by the paged model, which stays bit-identical to the reference.
+- the padding hook follows ``repage`` (right padding counts, dropped pagers freed).
+- the page-in timing event ring stays bounded and folds every pair exactly once.
+- a slot-map upload is a copy: the host map may change at once after it.
+
+Legend: E experts, k top_k, K slots.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from conftest import E, PAD_ID, TOP_K
+from pagedexperts.loader import load_model, repage
+from pagedexperts.transfer import CopyTimer, read_back, upload
+
+
+def _forced_device(monkeypatch, device: str):
+    """Make every model report ``device`` (only what the decode switch reads)."""
+    monkeypatch.setattr(PreTrainedModel, "device", property(lambda self: torch.device(device)))
+
+
+@pytest.mark.parametrize("k_slots", [TOP_K, E])
+def test_paged_model_follows_generate_decode_switch(tiny_moe_dir, monkeypatch, k_slots):
+    """The context manager generate() wraps its decode loop in, entered as on a GPU: the
+    reference switches to batched_mm, the pagers follow, and logits stay bit-identical."""
+    ref = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
+    model, _ = load_model(tiny_moe_dir, num_resident=k_slots, experts_implementation="grouped_mm")
+    pagers = list(model.pagedexperts.pagers.values())
+    ids = torch.randint(2, 100, (3, 12), generator=torch.Generator().manual_seed(0))
+    with monkeypatch.context() as m:
+        _forced_device(m, "cuda")  # read once, on entry
+        ref_ctx, paged_ctx = ref._optimize_model_for_decode(), model._optimize_model_for_decode()
+        ref_ctx.__enter__()
+        paged_ctx.__enter__()
+    try:
+        assert ref.get_experts_implementation()[""] == "batched_mm"
+        assert {p.inner for p in pagers} == {"batched_mm"}
+        with torch.no_grad():
+            want, got = ref(ids).logits, model(ids).logits
+        assert torch.equal(got, want)
+    finally:
+        paged_ctx.__exit__(None, None, None)
+        ref_ctx.__exit__(None, None, None)
+    assert {p.inner for p in pagers} == {"grouped_mm"}
+
+
+def test_no_decode_switch_on_cpu(tiny_moe_dir):
+    model, _ = load_model(tiny_moe_dir, num_resident=TOP_K, experts_implementation="grouped_mm")
+    with model._optimize_model_for_decode():
+        assert {p.inner for p in model.pagedexperts.pagers.values()} == {"grouped_mm"}
+
+
+def test_padding_hook_follows_repage(tiny_moe_dir):
+    """After repage, a left-padded batch counts its padding rows on the NEW pagers, and the
+    dropped pagers (and their slot tensors) are freed."""
+    model, _ = load_model(tiny_moe_dir, num_resident=TOP_K)
+    old = weakref.ref(next(iter(model.pagedexperts.pagers.values())).slots["down_proj"])
+    repage(model, num_resident=E // 2)
+    gc.collect()
+    assert old() is None, "a dropped pager's slots are still referenced"
+    ids = torch.randint(2, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # 3 padding rows in row 0
+    ids[0, :3] = PAD_ID
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    for pager in model.pagedexperts.pagers.values():
+        assert (pager.stats.padding_tokens, pager.stats.tokens) == (3, 2 * 7 - 3)
+
+
+class FakeEvent:
+    """A CUDA event stand-in: completes when the test says so; elapsed = 1 ms per pair."""
+
+    def __init__(self, clock: list) -> None:
+        self.clock, self.recorded_at, self.synchronized = clock, None, 0
+
+    def record(self, stream) -> None:
+        self.recorded_at = len(self.clock)
+        self.clock.append(self)
+
+    def query(self) -> bool:
+        return self.recorded_at < self.clock.done
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.clock.done = max(self.clock.done, self.recorded_at + 1)
+
+    def elapsed_time(self, end) -> float:
+        return 1.0  # ms
+
+
+class Clock(list):
+    done = 0  # events recorded before this index have completed
+
+
+def test_copy_timer_ring_is_bounded_and_counts_each_pair_once():
+    clock = Clock()
+    timer = CopyTimer(lambda: FakeEvent(clock), capacity=4)
+    for _ in range(10):  # nothing completes: the 5th begin must wait for the oldest
+        timer.begin(None)
+        timer.end(None)
+    assert timer.created <= 2 * (4 + 1)
+    assert len(timer._in_flight) <= 4
+    clock.done = len(clock)  # all done: the next begin folds them without waiting
+    timer.begin(None)
+    timer.end(None)
+    assert timer.created <= 2 * (4 + 1)
+    assert timer.collect() == pytest.approx(11 * 1e-3)
+    assert timer.collect() == 0.0
+
+
+def test_read_back_is_one_concatenation():
+    ids = torch.tensor([[3, 1], [2, 5]])
+    pred = torch.tensor([[7], [6]])
+    host = read_back([ids, pred, torch.tensor(4)])
+    assert host.tolist() == [[3, 1, 7, 4], [2, 5, 6, 4]]
+
+
+def test_upload_is_a_copy():
+    values = np.array([2, -1, 0], dtype=np.int64)
+    dev = upload(values, torch.device("cpu"))
+    values[0] = 9
+    assert dev.tolist() == [2, -1, 0]
