@@ -131,3 +131,16 @@ def test_upload_is_a_copy():
     dev = upload(values, torch.device("cpu"))
     values[0] = 9
     assert dev.tolist() == [2, -1, 0]
+
+
+def test_no_expert_tensor_left_on_experts_modules(tiny_moe_dir):
+    """test_cuda's residency check, on CPU: experts modules hold no [E, ...] tensor, while the
+    router weight, also [E, H], is no expert tensor and must not trip the check."""
+    from test_cuda import expert_tensors_on_device
+
+    model, _ = load_model(tiny_moe_dir, num_resident=TOP_K)
+    assert expert_tensors_on_device(model) == []
+    assert any(p.dim() == 2 and p.shape[0] == E for p in model.parameters())  # the router weight
+    site = model.pagedexperts.sites[0]
+    site.module.register_buffer(site.specs[0].name, torch.zeros(E, 1))  # put one back
+    assert expert_tensors_on_device(model) == [f"{site.name}.{site.specs[0].name}"]
