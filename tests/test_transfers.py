@@ -144,3 +144,58 @@ def test_no_expert_tensor_left_on_experts_modules(tiny_moe_dir):
     site = model.pagedexperts.sites[0]
     site.module.register_buffer(site.specs[0].name, torch.zeros(E, 1))  # put one back
     assert expert_tensors_on_device(model) == [f"{site.name}.{site.specs[0].name}"]
+
+
+class FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister calls; fails registration number ``fail_at``."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.registered: dict[int, int] = {}
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def register(self, tensor) -> int:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return 0
+
+    def unregister(self, ptr: int) -> int:
+        return 0 if self.registered.pop(ptr, None) is not None else 1
+
+
+SPECS = [("gate_up_proj", (96, 64), torch.bfloat16), ("down_proj", (64, 48), torch.bfloat16)]
+
+
+def _store(monkeypatch, cudart: FakeCudart):
+    from pagedexperts import store as store_module
+
+    monkeypatch.setattr(store_module, "host_register", cudart.register)
+    monkeypatch.setattr(store_module, "host_unregister", cudart.unregister)
+    specs = [store_module.TensorSpec(n, s, d) for n, s, d in SPECS]
+    return store_module.HostExpertStore(specs, 12, pin=True)
+
+
+def test_store_pins_exactly_its_bytes_and_unpins_on_release(monkeypatch):
+    cudart = FakeCudart()
+    store = _store(monkeypatch, cudart)
+    want = {t.data_ptr(): 12 * 2 * int(np.prod(s)) for t, (_, s, _) in zip(store.tensors.values(), SPECS)}
+    assert cudart.registered == want  # one registration per tensor, exactly E x row bytes
+    assert store.pinned and store.pinned_bytes == store.host_bytes == sum(want.values())
+    store.release()
+    assert cudart.registered == {} and not store.pinned and store.pinned_bytes == 0
+    store2 = _store(monkeypatch, cudart)
+    assert cudart.registered
+    del store2
+    gc.collect()
+    assert cudart.registered == {}  # unregistered when the store is collected
+
+
+def test_store_pin_failure_unpins_the_rest_and_says_bytes(monkeypatch, caplog):
+    cudart = FakeCudart(fail_at=2)
+    with caplog.at_level("WARNING", logger="pagedexperts.store"):
+        store = _store(monkeypatch, cudart)
+    assert cudart.registered == {} and not store.pinned and store.pinned_bytes == 0
+    assert f"{12 * 64 * 48 * 2:,} bytes" in store.fallback and "down_proj" in store.fallback
+    assert caplog.records and caplog.records[-1].getMessage() == store.fallback
