@@ -371,7 +371,7 @@ def _attach_runners(runtime, sites, stores, dev, *, mode: str, cpu_expert_layers
         else:
             runner = ResidentRunner(**common)
         runtime.pagers[site.layer] = runner
-        setattr(site.module, integration.PAGER_ATTR, runner)
+        integration.attach(site.module, runner)
 
 
 def _check_num_resident(num_resident: int | None, num_experts: int, top_k: int) -> int:
