@@ -33,14 +33,14 @@ COPY_TIMER_EVENTS = 64  # timing event pairs kept per layer before the oldest mu
 
 
 def read_back(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate integer tensors [T, c_i] (or 0-dim, broadcast to [T, 1]) along dim 1 and
+    """Concatenate integer tensors [T, c_i] (or 0-dim ones, broadcast to [T, 1]) along dim 1 and
     read them to the host in ONE device-to-host transfer: [T, sum c_i] int64 on the CPU.
 
     On CUDA the read goes into pinned memory and waits for the current stream once (the one
     hard sync of a layer-step); on CPU it is a no-op view of the concatenation.
     """
     rows = parts[0].shape[0]
-    cols = [p.reshape(rows, -1) if p.dim() else p.reshape(1, 1).expand(rows, 1) for p in parts]
+    cols = [p if p.dim() == 2 else p.reshape(1, 1).expand(rows, 1) for p in parts]
     flat = torch.cat([c.to(torch.int64) for c in cols], dim=1) if len(cols) > 1 else cols[0]
     if flat.device.type == "cpu":
         return flat

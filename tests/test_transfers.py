@@ -12,6 +12,7 @@ Legend: E experts, k top_k, K slots.
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import numpy as np
@@ -29,10 +30,20 @@ def _forced_device(monkeypatch, device: str):
     monkeypatch.setattr(PreTrainedModel, "device", property(lambda self: torch.device(device)))
 
 
+@pytest.fixture(params=["1-thread", "default-threads"])
+def threads(request):
+    """Run at 1 thread and at torch's default (one per CPU core), restoring the suite's 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if request.param == "1-thread" else os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("k_slots", [TOP_K, E])
-def test_paged_model_follows_generate_decode_switch(tiny_moe_dir, monkeypatch, k_slots):
+def test_paged_model_follows_generate_decode_switch(tiny_moe_dir, monkeypatch, k_slots, threads):
     """The context manager generate() wraps its decode loop in, entered as on a GPU: the
-    reference switches to batched_mm, the pagers follow, and logits stay bit-identical."""
+    reference switches to batched_mm, the pagers follow, and logits stay bit-identical
+    (batch 3, K = top_k: multi-wave)."""
     ref = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
     model, _ = load_model(tiny_moe_dir, num_resident=k_slots, experts_implementation="grouped_mm")
     pagers = list(model.pagedexperts.pagers.values())
