@@ -39,15 +39,16 @@ def threads(request):
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("k_slots", [TOP_K, E])
-def test_paged_model_follows_generate_decode_switch(tiny_moe_dir, monkeypatch, k_slots, threads):
+def test_paged_model_follows_generate_decode_switch(tiny_moe_dir, monkeypatch, k_slots, batch, threads):
     """The context manager generate() wraps its decode loop in, entered as on a GPU: the
     reference switches to batched_mm, the pagers follow, and logits stay bit-identical
-    (batch 3, K = top_k: multi-wave)."""
+    (K = top_k: multi-wave)."""
     ref = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
     model, _ = load_model(tiny_moe_dir, num_resident=k_slots, experts_implementation="grouped_mm")
     pagers = list(model.pagedexperts.pagers.values())
-    ids = torch.randint(2, 100, (3, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(2, 100, (batch, 12), generator=torch.Generator().manual_seed(0))
     with monkeypatch.context() as m:
         _forced_device(m, "cuda")  # read once, on entry
         ref_ctx, paged_ctx = ref._optimize_model_for_decode(), model._optimize_model_for_decode()
