@@ -211,3 +211,106 @@ def test_store_pin_failure_unpins_the_rest_and_says_bytes(monkeypatch, caplog):
     assert cudart.registered == {} and not store.pinned and store.pinned_bytes == 0
     assert f"{12 * 64 * 48 * 2:,} bytes" in store.fallback and "down_proj" in store.fallback
     assert caplog.records and caplog.records[-1].getMessage() == store.fallback
+
+
+class FakeCuda:
+    """Stand-ins for torch.cuda's streams and events that log every ordering call, so the
+    copy-stream protocol of ``SlotTransfers`` can be read back on CPU."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.compute, self.copy = "compute", "copy"
+        self.current = self.compute
+        self.events = 0
+
+    def Event(self, enable_timing=False):  # noqa: N802 (torch's name)
+        fake = self
+        fake.events += 1
+        name = f"ev{fake.events}"
+
+        class Ev:
+            def record(self, stream=None):
+                fake.log.append(("record", name, stream or fake.current))
+
+            def synchronize(self):
+                fake.log.append(("synchronize", name))
+
+            def query(self):
+                return True
+
+            def elapsed_time(self, end):
+                return 1.0
+
+            def __repr__(self):
+                return name
+
+        return Ev()
+
+    def current_stream(self, device=None):
+        return self.compute
+
+    def stream(self, s):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            before, self.current = self.current, s
+            yield
+            self.current = before
+
+        return ctx()
+
+
+class LoggingStream(str):
+    def wait_event(self, ev):
+        LOG.append(("wait", str(self), repr(ev)))
+
+
+LOG: list = []
+
+
+def test_copy_stream_protocol(monkeypatch):
+    """Fresh slots: the first copies wait for the allocation's zero fill; every batch of copies
+    waits for the last compute that read the slots and is waited on by the next compute (also
+    when the batch is a prefetch and the step itself loads nothing); slots are record_stream-ed
+    on the copy stream; drain waits for the last copy."""
+    from pagedexperts import transfer
+    from pagedexperts.residency import Load
+
+    fake = FakeCuda()
+    fake.log = LOG
+    LOG.clear()
+    fake.compute, fake.copy = LoggingStream("compute"), LoggingStream("copy")
+    fake.current = fake.compute
+    monkeypatch.setattr(transfer.torch, "cuda", fake)
+
+    class Slot:
+        def record_stream(self, s):
+            LOG.append(("record_stream", str(s)))
+
+    class Store:
+        def copy_to_slot(self, expert, slot, slots):
+            LOG.append(("copy", expert, slot, str(fake.current)))
+
+    tr = transfer.SlotTransfers({"w": Slot()}, "cuda", fake.copy)
+    assert LOG[:2] == [("record_stream", "copy"), ("record", "ev1", "compute")]  # ev1 = compute done
+    LOG.clear()
+    tr.copy_in(Store(), [Load(3, 0), Load(5, 1)])
+    assert LOG[0] == ("wait", "copy", "ev1")  # after the zero fill / last reader
+    assert [e for e in LOG if e[0] == "copy"] == [("copy", 3, 0, "copy"), ("copy", 5, 1, "copy")]
+    assert LOG[-1] == ("record", "ev2", "copy")  # ev2 = copied, after the last copy
+    LOG.clear()
+    tr.before_compute()
+    tr.compute_done()
+    assert LOG == [("wait", "compute", "ev2"), ("record", "ev1", "compute")]
+    LOG.clear()
+    tr.before_compute()  # nothing new copied: no wait
+    assert LOG == []
+    tr.copy_in(Store(), [Load(7, 0)])  # a prefetch from the previous layer
+    LOG.clear()
+    tr.copy_in(Store(), [])  # the step's own wave loads nothing
+    tr.before_compute()
+    assert LOG == [("wait", "compute", "ev2")]
+    LOG.clear()
+    tr.drain()
+    assert LOG == [("synchronize", "ev2")]
