@@ -78,6 +78,37 @@ def expert_tensors_on_device(model) -> list[str]:
         assert torch.equal(a.sequences, b.sequences)
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
+    def test_no_sync_from_the_package_but_the_read_back(self, tiny_moe_dir):
+        """CUDA's sync debug mode warns on every synchronizing call; during prefill and decode
+        with prefetch at K = top_k, none may come from pagedexperts code except the one
+        read-back per layer-step (tests/test_syncs.py counts the same on CPU)."""
+        import warnings
+
+        from pagedexperts import prefetch
+
+        model, _ = load_model(tiny_moe_dir, num_resident=TOP_K, device="cuda")
+        prefetch.install(model)
+        ids = torch.randint(2, 100, (2, 12), generator=torch.Generator().manual_seed(2)).cuda()
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                               do_sample=False, pad_token_id=0)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        from pagedexperts import transfer
+
+        source = open(transfer.__file__).read().splitlines()
+        allowed = 1 + next(i for i, line in enumerate(source) if "current_stream(flat.device).synchronize()" in line)
+        ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                if "/pagedexperts/" in w.filename and "synchroniz" in str(w.message).lower()
+                and not (w.filename == transfer.__file__ and w.lineno == allowed)]
+        assert ours == []
+
     @pytest.mark.parametrize("mode", ["offload", "cpu-experts", "resident"])
     def test_baseline_modes_on_cuda(self, tiny_moe_dir, mode):
         """offload and resident run the same kernels as the reference (exact); cpu-experts

@@ -158,5 +158,5 @@ def test_counter_sees_a_sync(device_reads):
     t = torch.arange(3)
     device_reads.mark(t)
     with device_reads:
-        transfer.np.asarray(pager_module.routed_union(t.reshape(1, 3)))
+        pager_module.routed_union(t.reshape(1, 3))  # its .tolist() would stall a GPU
     assert len(device_reads.reads) == 1 and "pagedexperts.pager" in device_reads.reads[0]
