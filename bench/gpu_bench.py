@@ -152,10 +152,13 @@ def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
 
 def split_token_time(token_s: dict[int, float]) -> tuple[float, float]:
     """{layers: seconds per decode token} at two layer counts -> (fixed seconds per token,
-    seconds per layer), from token_s(L) = fixed + L x per_layer (a line through two points)."""
+    seconds per layer), from token_s(L) = fixed + L x per_layer (a line through two points).
+    Timing noise can tilt the line past either axis: the fixed part is clamped to [0, token
+    time at the larger L] and the per-layer part recomputed through that point."""
     (l1, t1), (l2, t2) = sorted(token_s.items())
-    per_layer = (t2 - t1) / (l2 - l1)
-    return t2 - l2 * per_layer, per_layer
+    fixed = t2 - l2 * (t2 - t1) / (l2 - l1)
+    fixed = min(max(fixed, 0.0), t2)
+    return fixed, (t2 - fixed) / l2
 
 
 def modelled_token_s(*, fixed_s: float, per_layer_s: float, extra_miss_s: float, layers: int) -> float:

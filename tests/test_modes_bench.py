@@ -115,6 +115,8 @@ def test_gpu_bench_timing_model_on_synthetic_costs():
     token_s = {8: fixed + 8 * per_layer, 4: fixed + 4 * per_layer}
     got_fixed, got_layer = gpu_bench.split_token_time(token_s)
     assert got_fixed == pytest.approx(fixed) and got_layer == pytest.approx(per_layer)
+    assert gpu_bench.split_token_time({8: 0.008, 4: 0.003}) == (0.0, pytest.approx(0.001))  # noise
+    assert gpu_bench.split_token_time({8: 0.008, 4: 0.009}) == (0.008, 0.0)
     costs = [dict(misses=0, layer_step_s=0.001), dict(misses=2, layer_step_s=0.003), dict(misses=4, layer_step_s=0.004)]
     assert gpu_bench.miss_extra_s(costs, 3) == pytest.approx(0.0025)
     got = gpu_bench.modelled_token_s(fixed_s=got_fixed, per_layer_s=got_layer, extra_miss_s=0.0025, layers=48)
