@@ -168,11 +168,13 @@ def modelled_token_s(*, fixed_s: float, per_layer_s: float, extra_miss_s: float,
 
 
 def miss_extra_s(costs: list[dict], m: float) -> float:
-    """Extra seconds of a layer-step with m misses over one with 0 (linear interpolation)."""
+    """Extra seconds of a layer-step with m misses over one with 0 (linear interpolation; a
+    negative value, timing noise, counts as 0)."""
     import numpy as np
 
     base = costs[0]["layer_step_s"]
-    return float(np.interp(m, [c["misses"] for c in costs], [c["layer_step_s"] - base for c in costs]))
+    extra = np.interp(m, [c["misses"] for c in costs], [c["layer_step_s"] - base for c in costs])
+    return max(0.0, float(extra))
 
 
 def layer_scaling(model, args) -> dict:

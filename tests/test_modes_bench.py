@@ -119,6 +119,7 @@ def test_gpu_bench_timing_model_on_synthetic_costs():
     assert gpu_bench.split_token_time({8: 0.008, 4: 0.009}) == (0.008, 0.0)
     costs = [dict(misses=0, layer_step_s=0.001), dict(misses=2, layer_step_s=0.003), dict(misses=4, layer_step_s=0.004)]
     assert gpu_bench.miss_extra_s(costs, 3) == pytest.approx(0.0025)
+    assert gpu_bench.miss_extra_s([dict(misses=0, layer_step_s=0.002), dict(misses=1, layer_step_s=0.001)], 1) == 0.0
     got = gpu_bench.modelled_token_s(fixed_s=got_fixed, per_layer_s=got_layer, extra_miss_s=0.0025, layers=48)
     assert got == pytest.approx(0.010 + 48 * (0.0005 + 0.0025))
     # the old model spread the fixed cost over 8 layers and multiplied it by 48: 6x the fixed cost
