@@ -22,6 +22,7 @@ import torch
 from pagedexperts.pager import SlotView, resolve_inner, routed_union
 from pagedexperts.stats import LayerStats
 from pagedexperts.store import HostExpertStore
+from pagedexperts.transfer import read_back
 
 MODES = ("paged", "resident", "offload", "cpu-experts")
 
@@ -36,7 +37,7 @@ class _BaselineRunner:
         self.inner = inner
         self.stats = LayerStats()
         self.trace_hook = None
-        self.padding_rows = 0
+        self.padding_count = None  # 0-dim device tensor set by the recording hook, or None
 
     @property
     def num_experts(self) -> int:
@@ -45,10 +46,16 @@ class _BaselineRunner:
     def collect_copy_time(self) -> None:
         """Copies are timed synchronously here; nothing to fold in."""
 
+    def release(self) -> None:
+        """Nothing in flight: copies here are synchronous."""
+
     def __call__(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """[T, H], [T, k], [T, k] -> [T, H]; records union size and bytes moved."""
         t0 = time.perf_counter()
-        ids_host = top_k_index.detach().to("cpu")
+        parts = [top_k_index.detach()] + ([self.padding_count] if self.padding_count is not None else [])
+        host = read_back(parts)  # one transfer, as in the pager
+        ids_host = host[:, : top_k_index.shape[1]]
+        padding = int(host[0, -1]) if self.padding_count is not None and host.shape[0] else 0
         t1 = time.perf_counter()
         if self.trace_hook is not None:
             self.trace_hook(self.layer, ids_host, top_k_weights.detach().to("cpu"))
@@ -58,8 +65,8 @@ class _BaselineRunner:
             hits=hits,
             misses=union - hits,
             waves=1,
-            tokens=int(hidden_states.shape[0]) - self.padding_rows,
-            padding_tokens=self.padding_rows,
+            tokens=int(hidden_states.shape[0]) - padding,
+            padding_tokens=padding,
             expert_bytes=self.store.expert_bytes,
             bytes_paged=bytes_moved,
             page_in_s=copy_s,
