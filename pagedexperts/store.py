@@ -18,27 +18,12 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from dataclasses import dataclass
 
 import torch
 
+from pagedexperts.formats.base import TensorSpec  # noqa: F401  (its old home; kept importable)
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One per-expert tensor: its name on the experts module, per-expert shape, dtype."""
-
-    name: str
-    shape: tuple[int, ...]  # shape of one expert's row, without the leading E
-    dtype: torch.dtype
-
-    @property
-    def row_bytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
 
 
 def host_memory_available_bytes() -> int | None:
