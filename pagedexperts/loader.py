@@ -21,7 +21,10 @@ from pathlib import Path
 import torch
 
 from pagedexperts import integration
-from pagedexperts.checkpoint import check_readable, checkpoint_files, stream_checkpoint
+from pagedexperts.checkpoint import check_readable, checkpoint_files, expert_sources, stream_checkpoint
+from pagedexperts.formats import ExpertFormat, format_for_config
+from pagedexperts.formats import slots
+from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, check_slot_format
 from pagedexperts.models import check_supported, find_experts_sites
 from pagedexperts.recording import install_padding_hook
 from pagedexperts.pager import INNER_IMPLEMENTATIONS, ExpertPager
@@ -52,6 +55,7 @@ class PagingConfig:
     policy: str = DEFAULT_POLICY
     mode: str = "paged"
     cpu_expert_layers: int = 0
+    slot_format: str = DEFAULT_SLOT_FORMAT  # "packed" or "dense" (formats.slots)
 
 
 @dataclass
@@ -69,6 +73,9 @@ class PagingRuntime:
     pagers: dict[int, ExpertPager] = field(default_factory=dict)
     sites: list = field(default_factory=list, repr=False)
     stores: dict = field(default_factory=dict, repr=False)
+    expert_format: str = "dense"  # the checkpoint's expert format (pagedexperts.formats)
+    layouts: dict = field(default_factory=dict, repr=False)  # site name -> ExpertLayout
+    buffers: dict = field(default_factory=dict, repr=False)  # shared dense scratch / packed staging
 
     def stats(self) -> ModelStats:
         """Current counters of every MoE layer (CUDA copy times folded in first)."""
@@ -86,7 +93,13 @@ class PagingRuntime:
 
     @property
     def expert_bytes(self) -> int:
+        """Packed bytes of one expert (the unit of a page-in)."""
         return next(iter(self.pagers.values())).store.expert_bytes
+
+    @property
+    def dense_expert_bytes(self) -> int:
+        """Bytes of one expert dequantized to the model's dtype (one dense slot)."""
+        return next(iter(self.layouts.values())).dense_expert_bytes
 
 
 def resolve_dtype(name: str | None, config) -> torch.dtype:
@@ -134,6 +147,8 @@ def load_model(
     cpu_expert_layers: int = 0,
     prefetch: bool = False,
     prefetch_budget: int | None = None,
+    slot_format: str = DEFAULT_SLOT_FORMAT,
+    check_independence: bool = True,
 ):
     """Load a Hugging Face MoE model directory with K of E experts per layer resident.
 
@@ -153,6 +168,12 @@ def load_model(
         prefetch: mode "paged" only: while layer l computes, page in layer l+1's experts as
             predicted by layer l+1's router on layer l's input (``pagedexperts.prefetch``).
         prefetch_budget: prefetch page-ins per layer per step at most (None = top_k).
+        slot_format: for a quantized checkpoint, what the K slots hold: "packed" (what a
+            page-in copies; each wave's experts dequantized before compute) or "dense"
+            (dequantized once at page-in). No effect on an unquantized one.
+        check_independence: at start-up, page a sample of experts of every layer into a slot
+            and compare what the experts kernel would read with the checkpoint's own tensors
+            of that expert (``independence``); raises naming the tensor on a mismatch.
 
     Returns:
         (model, tokenizer): a transformers causal LM usable with ``generate()``, with
@@ -187,12 +208,18 @@ def load_model(
     make_policy(policy, 1)  # validate the name before any work
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
-    fill = functools.partial(stream_checkpoint, model_type=config.model_type, files=files)
+    check_slot_format(slot_format)
+    fmt = format_for_config(config)
+    fill = functools.partial(stream_checkpoint, model_type=config.model_type, files=files, fmt=fmt)
     model = build_paged_model(
         config, fill, num_resident=num_resident, device=device, dtype=dtype,
         experts_implementation=experts_implementation, policy=policy, mode=mode,
-        cpu_expert_layers=cpu_expert_layers,
+        cpu_expert_layers=cpu_expert_layers, expert_format=fmt, slot_format=slot_format,
     )
+    if check_independence:
+        from pagedexperts.independence import check_model_independence
+
+        check_model_independence(model, files, fmt)
     if prefetch and mode == "paged":
         from pagedexperts import prefetch as prefetch_mod
 
@@ -212,13 +239,16 @@ def build_paged_model(
     policy: str = DEFAULT_POLICY,
     mode: str = "paged",
     cpu_expert_layers: int = 0,
+    expert_format: ExpertFormat | None = None,
+    slot_format: str = DEFAULT_SLOT_FORMAT,
 ):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
     ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
     stores ({site name: HostExpertStore}), every other parameter onto ``device``. ``load_model``
     streams a checkpoint; ``random_fill`` makes random weights for benchmarks at real scale.
-    Other arguments and errors: see ``load_model``.
+    ``expert_format``: the checkpoint's format (None: from ``config.quantization_config``); the
+    stores hold its packed tensors. Other arguments and errors: see ``load_model``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -240,18 +270,29 @@ def build_paged_model(
         raise ValueError(
             f"--cpu-expert-layers {cpu_expert_layers} outside [0, {len(sites)}] (the model's MoE layers)"
         )
-    expert_bytes = sum(s.row_bytes for s in sites[0].specs)
+    fmt = expert_format if expert_format is not None else format_for_config(config)
+    sources = expert_sources(config.model_type)
+    layouts = {
+        s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
+        for s in sites
+    }
+    expert_bytes = layouts[sites[0].name].expert_bytes
     check_host_memory(expert_bytes * num_experts * len(sites), what="the host expert store")
 
     runtime = PagingRuntime(
-        config=PagingConfig(k_slots, str(dev), dtype, experts_implementation, policy, mode, cpu_expert_layers),
+        config=PagingConfig(
+            k_slots, str(dev), dtype, experts_implementation, policy, mode, cpu_expert_layers,
+            check_slot_format(slot_format),
+        ),
         num_experts=num_experts,
         top_k=top_k,
         num_resident=k_slots,
+        expert_format=fmt.name,
+        layouts=layouts,
     )
     stores = {}
     for site in sites:
-        stores[site.name] = HostExpertStore(list(site.specs), site.num_experts, pin=dev.type == "cuda")
+        stores[site.name] = HostExpertStore(list(layouts[site.name].packed_specs), site.num_experts, pin=dev.type == "cuda")
         for spec in site.specs:  # the module keeps no [E, ...] tensor: only the runner's
             site.module._parameters.pop(spec.name, None)
             site.module._buffers.pop(spec.name, None)
@@ -305,6 +346,7 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
     for runner in rt.pagers.values():
         runner.release()  # copies in flight into its slots finish before the slots are freed
     rt.pagers.clear()
+    rt.buffers.clear()  # the shared scratch / staging are sized for K
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     rt.config = dataclasses.replace(rt.config, num_resident=k, mode=mode, policy=policy or rt.config.policy)
@@ -356,22 +398,40 @@ def _attach_runners(runtime, sites, stores, dev, *, mode: str, cpu_expert_layers
     copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and mode == "paged" else None
     staging = make_staging(stores[sites[0].name], dev) if mode == "offload" else None
     for i, site in enumerate(sites):
+        layout = runtime.layouts.get(site.name)
         common = dict(layer=site.layer, store=stores[site.name], device=dev, inner=cfg.experts_implementation)
         if mode == "paged":
             runner = ExpertPager(
                 num_slots=runtime.num_resident,
                 policy=make_policy(cfg.policy, runtime.num_resident),
                 copy_stream=copy_stream,
+                **_slot_tables(runtime, layout, dev),
                 **common,
             )
         elif mode == "offload":
-            runner = OffloadRunner(staging=staging, **common)
+            runner = OffloadRunner(staging=staging, layout=layout, **common)
         elif mode == "cpu-experts" and i < cpu_expert_layers:
-            runner = CpuExpertsRunner(**common)
+            runner = CpuExpertsRunner(layout=layout, **common)
         else:
-            runner = ResidentRunner(**common)
+            runner = ResidentRunner(layout=layout, **common)
         runtime.pagers[site.layer] = runner
         integration.attach(site.module, runner)
+
+
+def _slot_tables(runtime, layout, dev) -> dict:
+    """ExpertPager kwargs for a quantized layer's slot format: packed slots with the model's
+    shared dense scratch (a WaveDequantizer), or dense slots with its shared packed staging."""
+    if layout is None or layout.is_dense:
+        return {}
+    k = runtime.num_resident
+    if runtime.config.slot_format == "packed":
+        if "scratch" not in runtime.buffers:
+            runtime.buffers["scratch"] = slots.allocate(layout.dense_specs, k, dev)
+        return {"dequantizer": slots.WaveDequantizer(layout, runtime.buffers["scratch"])}
+    if "staging" not in runtime.buffers:
+        runtime.buffers["staging"] = slots.allocate(layout.packed_specs, 1, dev)
+    table = slots.DenseSlots(layout, slots.allocate(layout.dense_specs, k, dev), runtime.buffers["staging"])
+    return {"slots": table}
 
 
 def _check_num_resident(num_resident: int | None, num_experts: int, top_k: int) -> int:

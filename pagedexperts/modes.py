@@ -30,9 +30,10 @@ MODES = ("paged", "resident", "offload", "cpu-experts")
 class _BaselineRunner:
     """Shared plumbing: stats, trace hook, padding rows; subclasses implement ``_compute``."""
 
-    def __init__(self, *, layer: int, store: HostExpertStore, device, inner: str) -> None:
+    def __init__(self, *, layer: int, store: HostExpertStore, device, inner: str, layout=None) -> None:
         self.layer = layer
         self.store = store
+        self.layout = layout  # formats.ExpertLayout of a quantized layer (None: dense)
         self.device = torch.device(device)
         self.inner = inner
         self.stats = LayerStats()
@@ -42,6 +43,11 @@ class _BaselineRunner:
     @property
     def num_experts(self) -> int:
         return self.store.num_experts
+
+    def dense(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's dense expert tensors from the store-shaped ``tensors`` (dequantized
+        when the layer is quantized; the same tensors otherwise)."""
+        return tensors if self.layout is None or self.layout.is_dense else self.layout.dequantize(tensors)
 
     def collect_copy_time(self) -> None:
         """Copies are timed synchronously here; nothing to fold in."""
@@ -80,7 +86,8 @@ class ResidentRunner(_BaselineRunner):
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self.tensors = {n: t.to(self.device) for n, t in self.store.tensors.items()}
+        # a quantized layer is dequantized once: the "dequantized resident model" baseline
+        self.tensors = self.dense({n: t.to(self.device) for n, t in self.store.tensors.items()})
 
     def _compute(self, module, hidden, ids, weights, union):
         out = resolve_inner(module, self.inner)(SlotView(module, self.tensors), hidden, ids, weights)
@@ -102,18 +109,23 @@ class OffloadRunner(_BaselineRunner):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         copy_s = time.perf_counter() - t0
-        out = resolve_inner(module, self.inner)(SlotView(module, self.staging), hidden, ids, weights)
+        out = resolve_inner(module, self.inner)(SlotView(module, self.dense(self.staging)), hidden, ids, weights)
         return out, 0, self.store.host_bytes, copy_s
 
 
 class CpuExpertsRunner(_BaselineRunner):
     """Computes the layer's experts on the CPU from the host store; activations move instead
-    of weights (T x H in and out). Every routed expert is a hit (nothing is paged)."""
+    of weights (T x H in and out). Every routed expert is a hit (nothing is paged). A quantized
+    layer is dequantized once, into host memory, at construction."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.tensors = self.dense(self.store.tensors)
 
     def _compute(self, module, hidden, ids, weights, union):
         cpu = torch.device("cpu")
         inner = resolve_inner(module, self.inner)
-        out = inner(SlotView(module, self.store.tensors), hidden.to(cpu), ids.to(cpu), weights.to(cpu))
+        out = inner(SlotView(module, self.tensors), hidden.to(cpu), ids.to(cpu), weights.to(cpu))
         return out.to(hidden.device), union, 0, 0.0
 
 

@@ -108,6 +108,11 @@ class ExpertPager:
         inner: name of the experts implementation used on the slots (INNER_IMPLEMENTATIONS).
         policy: eviction policy over K slots (default LRU).
         copy_stream: CUDA stream for page-ins (None on CPU).
+        slots: the [K, ...] slot tensors, when a quantized format needs them other than as
+            the store's packed tensors (``formats.slots.DenseSlots``); None = allocate them
+            like the store's tensors.
+        dequantizer: for packed slots of a quantized format, turns each wave's slots into
+            dense tensors (``formats.slots.WaveDequantizer``); None = the slots are dense.
     """
 
     def __init__(
@@ -120,6 +125,8 @@ class ExpertPager:
         inner: str,
         policy: EvictionPolicy | None = None,
         copy_stream: "torch.cuda.Stream | None" = None,
+        slots: dict[str, torch.Tensor] | None = None,
+        dequantizer=None,
     ) -> None:
         self.layer = layer
         self.store = store
@@ -128,11 +135,12 @@ class ExpertPager:
         self.inner = inner
         self.copy_stream = copy_stream
         self.stats = LayerStats()
-        self.slots = {
+        self.slots = slots if slots is not None else {
             spec.name: torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=self.device)
             for spec in store.specs
         }
         self.transfers = SlotTransfers(self.slots, self.device, copy_stream)
+        self.dequantizer = dequantizer
         # expert -> slot at its last page-in (plan or prefetch): exact for every resident
         # expert, stale for evicted ones, which a single-wave step never looks up. Mirrored on
         # the device in _slot_map (uploaded when _slot_map_stale).
@@ -265,10 +273,10 @@ class ExpertPager:
         # routing weight is applied in _combine, so an fp32 weight (Mixtral, DeepSeek routers)
         # times a bf16 entry is not rounded to bf16 before the sum, as in the unpaged sum.
         unit = torch.ones_like(entry_ids, dtype=top_k_weights.dtype)
-        view = SlotView(module, self.slots)
         if len(plan.waves) == 1:
             slot_map = self._page_in(plan.waves[0], only_wave=True)
             self._issue_prefetch()
+            view = self.wave_view(module, plan.waves[0].slots)
             entry_out = inner(view, entry_hidden, slot_map[entry_ids], unit)
             self._mark_compute_done()
         else:
@@ -278,6 +286,7 @@ class ExpertPager:
                 slot_map = self._page_in(wave, only_wave=False)
                 if wave is plan.waves[0]:
                     self._issue_prefetch()
+                view = self.wave_view(module, wave.slots)
                 rows, num_rows = self._wave_rows(wave, entry_ids_host)
                 # torch.bmm of a batch of one takes another CPU kernel than larger batches: pad
                 # a one-entry wave with a copy of its row (batched_mm only), drop the copy after.
@@ -295,6 +304,13 @@ class ExpertPager:
         else:
             entries = entry_out.view(num_tokens, top_k, -1)
         return self._combine(entries * top_k_weights.unsqueeze(-1), top_k_index, hidden.dtype)
+
+    def wave_view(self, module, wave_slots) -> SlotView:
+        """The experts module as the inner sees it for one wave: the slot tensors, or for
+        packed slots of a quantized format the wave's slots dequantized (dense scratch)."""
+        if self.dequantizer is None:
+            return SlotView(module, self.slots)
+        return SlotView(module, self.dequantizer.wave_tensors(self.slots, wave_slots))
 
     def _issue_prefetch(self) -> None:
         """Prefetch hook: after this layer's first page-ins, start the next layer's predicted ones."""

@@ -144,9 +144,10 @@ class HostExpertStore:
     def host_bytes(self) -> int:
         return self.expert_bytes * self.num_experts
 
-    def write_row(self, name: str, expert: int, value: torch.Tensor, *, rows: slice | None = None) -> None:
+    def write_row(self, name: str, expert: int, value: torch.Tensor, *, rows: slice | tuple | None = None) -> None:
         """Copy ``value`` into expert ``expert``'s row of tensor ``name`` (optionally a slice of
-        its first per-expert dimension, for checkpoints that store gate and up separately).
+        its first per-expert dimension, or an index tuple, for checkpoints that store gate and up
+        separately).
 
         Raises:
             ValueError: unknown tensor name, expert out of range, or a shape mismatch (the
@@ -170,8 +171,13 @@ class HostExpertStore:
         """Copy every tensor row of ``expert`` into row ``slot`` of the [K, ...] ``slots``.
 
         Non-blocking when the store is pinned and the slot is on CUDA: the caller issues it on
-        its copy stream and orders compute and slot reuse with events (``pager``).
+        its copy stream and orders compute and slot reuse with events (``pager``). Dense slots
+        of a quantized layer (``formats.slots.DenseSlots``) dequantize the rows at this copy.
         """
+        write_expert = getattr(slots, "write_expert", None)
+        if write_expert is not None:
+            write_expert(self, expert, slot)
+            return
         for name, host in self.tensors.items():
             dst = slots[name][slot]
             dst.copy_(host[expert], non_blocking=self.pinned and dst.is_cuda)
