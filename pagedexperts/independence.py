@@ -118,8 +118,11 @@ def check_expert(site, pager: ExpertPager, layout, expert: int, slot: int, packe
     pager.store.copy_to_slot(expert, slot, pager.slots)
     if pager.device.type == "cuda":
         torch.cuda.synchronize(pager.device)
-    view = pager.wave_view(site.module, (slot,))
     where = f"layer {site.layer} ({site.name}): expert {expert} paged into slot {slot}"
+    try:
+        view = pager.wave_view(site.module, (slot,))
+    except KeyError as exc:
+        raise IndependenceError(f"{where}: packed tensor {exc.args[0]!r} is not in the slots") from None
     for spec in layout.dense_specs:
         got = getattr(view, spec.name)[slot].cpu()
         if not torch.equal(got, dense_ref[spec.name][0].to(got.dtype)):

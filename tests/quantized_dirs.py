@@ -3,7 +3,8 @@
 ``write_fp8_block``: the DeepSeek-V3 / Qwen3-FP8 layout (per-expert keys; every
 ``*_proj.weight`` and ``w1/w2/w3.weight`` of attention, dense MLPs, shared and routed experts as
 float8_e4m3fn ``weight`` + float32 ``weight_scale_inv``; router, norms, embeddings and lm_head
-unquantized; ``quantization_config`` {"quant_method": "fp8", "fmt": "e4m3",
+unquantized, and any weight with a dim above its block and not a multiple of it (transformers
+could not read its grid back); ``quantization_config`` {"quant_method": "fp8", "fmt": "e4m3",
 "activation_scheme": "dynamic", "weight_block_size": [bm, bn]}).
 ``write_mxfp4``: the gpt-oss layout (stacked ``experts.gate_up_proj_blocks`` [E, 2I, H/32, 16]
 uint8, ``_scales`` [E, 2I, H/32] uint8 (E8M0, bias 127), biases in bf16; every other tensor
@@ -49,12 +50,17 @@ def _set_quantization(dst: Path, qc: dict, dtype: str = "bfloat16") -> None:
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def _fits(shape, block) -> bool:
+    """Each dim a multiple of its block or below it (what transformers' dequantizer reads back)."""
+    return all(size <= b or size % b == 0 for size, b in zip(shape, block))
+
+
 def write_fp8_block(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> Path:
     """Quantize ``src``'s linear weights to block FP8 into ``dst`` (see module docstring)."""
     _copy_aux(src, dst)
     out = {}
     for key, value in _tensors(src).items():
-        if _FP8_KEY.search(key) and value.dim() == 2:
+        if _FP8_KEY.search(key) and value.dim() == 2 and _fits(value.shape, block):
             q, s = quantize_fp8_block(value, block)
             out[key], out[key + "_scale_inv"] = q, s
         else:

@@ -111,12 +111,19 @@ def dequantize_fp8_block(weight: torch.Tensor, scales: torch.Tensor, dtype: torc
 def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest block FP8 of one weight [out, in] (any float dtype).
 
-    Each (bm x bn) block (the last ones partial when out or in is not a multiple) gets
-    scale_inv = amax(|block|) / 448 (1.0 for an all-zero block); weight = round(W / scale_inv)
-    to float8_e4m3fn. Returns (float8_e4m3fn [out, in], float32 [ceil(out/bm), ceil(in/bn)]).
+    Each (bm x bn) block gets scale_inv = amax(|block|) / 448 (1.0 for an all-zero block);
+    weight = round(W / scale_inv) to float8_e4m3fn. Returns (float8_e4m3fn [out, in], float32
+    [ceil(out/bm), ceil(in/bn)]). A dim smaller than its block is one partial block.
+
+    Raises:
+        ValueError: a dim larger than its block and not a multiple of it: transformers derives
+            the block from the grid (``rows // scale_rows``) and would read other blocks.
     """
     out, inp = weight.shape
     bm, bn = block
+    for size, b, what in ((out, bm, "rows"), (inp, bn, "cols")):
+        if size > b and size % b:
+            raise ValueError(f"block FP8: {size} {what} is neither a multiple of the block {b} nor below it")
     sr, sc = ceil_div(out, bm), ceil_div(inp, bn)
     w = weight.to(torch.float32)
     padded = torch.zeros(sr * bm, sc * bn, dtype=torch.float32)
