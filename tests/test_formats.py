@@ -251,3 +251,74 @@ def test_independence_check_passes_and_counts(quantized_dirs):
     assert n == 3 * len(paged.pagedexperts.pagers)
     for pager in paged.pagedexperts.pagers.values():  # the check leaves the slots empty
         assert all(not t.view(torch.uint8).any() for t in pager.slots.values())
+
+
+# --- the commands on a quantized directory ----------------------------------------------------
+
+
+@pytest.mark.parametrize("slot_format", ["packed", "dense"])
+def test_check_command_on_quantized_dir(slot_format, quantized_dirs, capsys):
+    from pagedexperts.cli import main
+
+    path = quantized_dirs("deepseek_v3-fp8")
+    rc = main(["check", "--model-path", str(path), "--max-new-tokens", "4", "--prompt", "The city",
+               "--check-resident", f"{TOP_K},{E // 2}", "--slot-format", slot_format])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("PASS (bit-identical)") == 2, out
+
+
+def _write_header_only(path, entries: dict[str, tuple[str, list[int]]]) -> None:
+    """A safetensors file whose header names ``entries`` (name -> (dtype, shape)); the data
+    region is a sparse hole of the right length (preflight reads headers only)."""
+    import json
+    import math
+    import struct
+
+    size = {"F8_E4M3": 1, "F32": 4, "BF16": 2, "U8": 1}
+    header, offset = {}, 0
+    for name, (dtype, shape) in entries.items():
+        n = math.prod(shape) * size[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def test_preflight_reads_block_fp8_expert_bytes_of_a_qwen3_30b_a3b_header(tmp_path, capsys):
+    """Qwen3-30B-A3B-FP8's shape: H=2048, I=768, E=128, k=8, 48 layers, blocks of 128: an expert
+    is 3 x 2048 x 768 fp8 bytes + 3 x (6 x 16) float32 scales = 4,719,744 B = 4.72 MB."""
+    import json
+
+    from pagedexperts.cli import main
+
+    h, i, e, layers = 2048, 768, 128, 48
+    config = {"model_type": "qwen3_moe", "hidden_size": h, "moe_intermediate_size": i, "num_experts": e,
+              "num_experts_per_tok": 8, "num_hidden_layers": layers, "num_attention_heads": 32,
+              "num_key_value_heads": 4, "head_dim": 128, "dtype": "bfloat16",
+              "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    entries = {}
+    for layer in range(layers):
+        for j in range(e):
+            for proj, shape in (("gate_proj", [i, h]), ("up_proj", [i, h]), ("down_proj", [h, i])):
+                key = f"model.layers.{layer}.mlp.experts.{j}.{proj}"
+                entries[key + ".weight"] = ("F8_E4M3", shape)
+                entries[key + ".weight_scale_inv"] = ("F32", [shape[0] // 128, shape[1] // 128])
+    entries["model.embed_tokens.weight"] = ("BF16", [151936, h])
+    _write_header_only(tmp_path / "model.safetensors", entries)
+    for slot_format, slot_mb in (("packed", "227 MB"), ("dense", "453 MB dense")):
+        rc = main(["preflight", "--model-path", str(tmp_path), "--num-resident", "64", "--json",
+                   "--slot-format", slot_format])
+        report = json.loads(capsys.readouterr().out)
+        assert rc == 0
+        assert report["expert_bytes"] == 3 * h * i + 3 * 6 * 16 * 4 == 4_719_744
+        assert report["dense_expert_bytes"] == 3 * h * i * 2
+        assert report["slot_bytes"] == layers * (report["expert_bytes"] if slot_format == "packed" else 3 * h * i * 2)
+        assert report["all_miss_bytes_per_token"] == layers * 8 * 4_719_744  # page-ins stay packed
+        main(["preflight", "--model-path", str(tmp_path), "--num-resident", "64", "--slot-format", slot_format])
+        out = capsys.readouterr().out
+        assert "expert                4.72 MB (packed; 9.44 MB dequantized)" in out, out
+        assert f"slot (expert x L)     {slot_mb}" in out, out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS
 from pagedexperts.residency import DEFAULT_POLICY, POLICIES
 
 
@@ -37,6 +38,14 @@ def add_model_arguments(parser) -> None:
     )
     g.add_argument("--prefetch-budget", type=int, default=None, metavar="N",
                    help="prefetch page-ins per layer per step at most (default: top_k)")
+    g.add_argument(
+        "--slot-format",
+        default=DEFAULT_SLOT_FORMAT,
+        choices=list(SLOT_FORMATS),
+        help="quantized checkpoints: slots hold packed experts, dequantized per wave (packed), or experts "
+        f"dequantized once at page-in (dense: fewer slots per GB); page-ins copy packed bytes either way "
+        f"(default {DEFAULT_SLOT_FORMAT}; see bench/formats_bench.py)",
+    )
 
 
 def load_from_args(args):
@@ -52,4 +61,5 @@ def load_from_args(args):
         policy=args.policy,
         prefetch=getattr(args, "prefetch", False),
         prefetch_budget=getattr(args, "prefetch_budget", None),
+        slot_format=getattr(args, "slot_format", DEFAULT_SLOT_FORMAT),
     )
