@@ -240,12 +240,27 @@ def test_independence_check_catches_a_per_expert_tensor_left_on_the_module(quant
         check_model_independence(paged, checkpoint_files(path), format_for_config(paged.config))
 
 
-def test_independence_check_passes_and_counts(quantized_dirs):
+def test_independence_check_catches_a_scale_left_out_of_the_store(quantized_dirs):
+    from pagedexperts.checkpoint import checkpoint_files
+    from pagedexperts.independence import check_model_independence
+
+    path = quantized_dirs("qwen3_moe-fp8")
+    paged, _ = load_model(path, num_resident=TOP_K, check_independence=False)
+    rt = paged.pagedexperts
+    for site in rt.sites:
+        rt.stores[site.name].tensors.pop("gate_up_proj_scale_inv")
+        rt.pagers[site.layer].slots.pop("gate_up_proj_scale_inv")
+    with pytest.raises(IndependenceError, match="layer 1 .*packed tensor 'gate_up_proj_scale_inv' is not in the slots"):
+        check_model_independence(paged, checkpoint_files(path), format_for_config(paged.config))
+
+
+@pytest.mark.parametrize("slot_format", ["packed", "dense"])
+def test_independence_check_passes_and_counts(slot_format, quantized_dirs):
     from pagedexperts.checkpoint import checkpoint_files
     from pagedexperts.independence import check_model_independence
 
     path = quantized_dirs("gpt_oss-mxfp4")
-    paged, _ = load_model(path, num_resident=TOP_K, check_independence=False)
+    paged, _ = load_model(path, num_resident=TOP_K, check_independence=False, slot_format=slot_format)
     fmt = format_for_config(paged.config)
     n = check_model_independence(paged, checkpoint_files(path), fmt, experts_per_layer=3)
     assert n == 3 * len(paged.pagedexperts.pagers)

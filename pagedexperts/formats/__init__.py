@@ -37,9 +37,9 @@ def format_class(name: str) -> type[ExpertFormat]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        raise ValueError(f"expert format {name!r} is registered but {module_name} is not installed") from exc
+        if exc.name == module_name:
+            raise ValueError(f"expert format {name!r} is registered but {module_name} is not present") from exc
+        raise ValueError(f"expert format {name!r} needs the package {exc.name!r}: pip install it") from exc
     return getattr(module, cls_name)
 
 
@@ -74,14 +74,20 @@ def format_for_config(config) -> ExpertFormat:
             quant_method and lists the formats), or one whose parameters the format rejects.
     """
     qc = quantization_config_of(config)
-    for name in available_formats():
-        cls = format_class(name)
+    unavailable = []
+    for name in FORMATS:
+        try:
+            cls = format_class(name)
+        except ValueError as exc:
+            unavailable.append(str(exc))
+            continue
         if cls.matches(qc):
             return cls.from_quantization_config(qc)
     method = qc.get("quant_method") if qc else None
     raise ValueError(
         f"quantized checkpoint (quant_method {method!r}, format {qc.get('format') if qc else None!r}) "
         f"is not a supported expert format; supported: {available_formats()}"
+        + (f"; unavailable here: {unavailable}" if unavailable else "")
     )
 
 
