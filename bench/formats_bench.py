@@ -9,9 +9,9 @@ random gpt-oss in bf16 and in MXFP4, all written here in the published layouts),
   at the K that fits in the memory of K = E/2 packed slots (K x packed / dense bytes, at least
   top_k), and with every expert resident and dequantized (mode "resident": the dequantized
   resident model).
-Decode time per token: the median over every decode step of ``--repeats`` runs of N tokens of
-the time between consecutive steps' logits (a logits processor stamps it; the median resists
-the spikes of a shared machine); bytes per decode token: page-ins of a run minus those of the
+Decode time per token: per run of N tokens the median time between consecutive steps' logits
+(a logits processor stamps it), and of ``--repeats`` runs the least disturbed one (the minimum:
+on a shared machine other jobs only ever add time); bytes per decode token: page-ins of a run minus those of the
 prefill alone, over N - 1. Slots emptied (``repage``) before each run, one warm-up per mode.
 
 Usage: PYTHONPATH=. python bench/formats_bench.py [--new-tokens 32] [--repeats 3] [--threads 1]
@@ -99,9 +99,9 @@ def decode_measure(model, ids, *, mode: str, k: int, new_tokens: int, repeats: i
             model(ids)  # prefill alone, to separate its page-ins from the decode steps'
         prefill_bytes = model.pagedexperts.stats().total().bytes_paged
         repage(model, mode=mode, num_resident=k)
-        per_token += _decode_s(model, ids, new_tokens)
+        per_token.append(statistics.median(_decode_s(model, ids, new_tokens)))
         paged.append((model.pagedexperts.stats().total().bytes_paged - prefill_bytes) / (new_tokens - 1))
-    return statistics.median(per_token), statistics.median(paged)
+    return min(per_token), statistics.median(paged)
 
 
 def measure(label: str, path: Path, *, new_tokens: int, repeats: int) -> dict:

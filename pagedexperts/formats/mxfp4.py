@@ -8,10 +8,10 @@ uint8 [E, 2I, H/32] (E8M0: the block's scale is 2 ** (byte - 127)), ``down_proj_
 and ``down_proj_bias`` [E, H] stay unquantized. The packed weight is [out, in] per expert while
 the dense module keeps gpt-oss's transposed [in, out] (``is_transposed``).
 
-Dequantization follows transformers' ``_convert_moe_packed_tensors``
-(integrations/mxfp4.py, transformers 5.24): a lookup table in the model's dtype, low nibbles to
+Dequantization is bit-identical to transformers' ``_convert_moe_packed_tensors``
+(integrations/mxfp4.py, transformers 5.24: a lookup table in the model's dtype, low nibbles to
 the even columns and high nibbles to the odd ones, ``torch.ldexp`` by the int32 exponent in
-place, then ``transpose(1, 2).contiguous()``. Owns also ``quantize_mxfp4``, a round-to-nearest
+place, then ``transpose(1, 2).contiguous()``) with fewer passes (see ``dequantize_mxfp4``). Owns also ``quantize_mxfp4``, a round-to-nearest
 quantizer (tests and the ``quantize`` command). Does not: read or write files.
 
 Legend: n experts, out x in one expert weight's (nn.Linear) shape, G = in / 32 blocks.
@@ -70,20 +70,28 @@ class Mxfp4Format(ExpertFormat):
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """transformers' ``_convert_moe_packed_tensors`` (one chunk): blocks uint8 [n, out, G, B],
-    scales uint8 [n, out, G] -> [n, G * B * 2, out] in ``dtype``."""
-    blocks = blocks.to(torch.uint8)
-    exponents = scales.to(torch.int32) - E8M0_BIAS
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    *prefix, groups, width = blocks.shape
-    rows = blocks.reshape(-1, width)
-    exponents = exponents.reshape(-1, 1)
-    out = torch.empty(rows.shape[0], width * 2, dtype=dtype, device=blocks.device)
-    out[:, 0::2] = lut[(rows & 0x0F).to(torch.int)]
-    out[:, 1::2] = lut[(rows >> 4).to(torch.int)]
-    torch.ldexp(out, exponents, out=out)
-    out = out.reshape(*prefix, groups, width * 2).view(*prefix, groups * width * 2)
-    return out.transpose(1, 2).contiguous()
+    """blocks uint8 [n, out, G, B], scales uint8 [n, out, G] -> [n, G * B * 2, out] in ``dtype``,
+    bit-identical to transformers' ``_convert_moe_packed_tensors``.
+
+    transformers writes ``lut[low]``, ``lut[high]`` (a ``dtype`` table: the e2m1 values are
+    exact in bf16 and fp16) and calls ``torch.ldexp(out, exp, out=out)``, which is
+    ``out * 2.0 ** exp`` computed in float32 (``pow`` of an int32 tensor is float32) and rounded
+    once to ``dtype``. Here one gather of a [256, 2] table (both nibbles of a byte, float32)
+    times the same float32 power of two, rounded once: the same two roundings of the same
+    products (the table values are exact in every dtype).
+    """
+    pairs = _byte_table(blocks.device)[blocks.to(torch.long)]  # [n, out, G, B, 2] float32
+    powers = torch.pow(2.0, scales.to(torch.int32) - E8M0_BIAS)  # float32 [n, out, G]
+    out = (pairs * powers[..., None, None]).to(dtype)
+    *prefix, groups, width, _ = out.shape
+    return out.reshape(*prefix, groups * width * 2).transpose(1, 2).contiguous()
+
+
+def _byte_table(device) -> torch.Tensor:
+    """[256, 2] float32: (low nibble's e2m1 value, high nibble's) of every byte."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+    codes = torch.arange(256, device=device)
+    return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
