@@ -10,9 +10,11 @@ random gpt-oss in bf16 and in MXFP4, all written here in the published layouts),
   top_k), and with every expert resident and dequantized (mode "resident": the dequantized
   resident model).
 Decode time per token: per run of N tokens the median time between consecutive steps' logits
-(a logits processor stamps it), and of ``--repeats`` runs the least disturbed one (the minimum:
-on a shared machine other jobs only ever add time); bytes per decode token: page-ins of a run minus those of the
-prefill alone, over N - 1. Slots emptied (``repage``) before each run, one warm-up per mode.
+(a logits processor stamps it), and of ``--repeats`` rounds the least disturbed run (the
+minimum: on a shared machine other jobs only ever add time); each round runs every
+configuration of a checkpoint once, in turn, after a warm-up round. Bytes per decode token:
+page-ins of a run minus those of the prefill alone, over N - 1. Slots emptied (``repage``)
+before each run.
 
 Usage: PYTHONPATH=. python bench/formats_bench.py [--new-tokens 32] [--repeats 3] [--threads 1]
        [--model-path DIR ...] [--out bench/results/formats.md]
@@ -85,44 +87,43 @@ def _decode_s(model, ids, new_tokens: int) -> list[float]:
     return [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
 
 
-def decode_measure(model, ids, *, mode: str, k: int, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(decode seconds per token, bytes paged per decode token) in ``mode`` at K = ``k``;
-    slots emptied before each run, one warm-up run first."""
+def one_run(model, ids, *, mode: str, k: int, new_tokens: int) -> tuple[float, float]:
+    """(median decode seconds per step, bytes paged per decode token) of one run in ``mode`` at
+    K = ``k``, from empty slots."""
     from pagedexperts.loader import repage
 
     repage(model, mode=mode, num_resident=k)
-    _decode_s(model, ids, 2)  # warm-up (allocations, kernel selection)
-    per_token, paged = [], []
-    for _ in range(repeats):
-        repage(model, mode=mode, num_resident=k)
-        with torch.no_grad():
-            model(ids)  # prefill alone, to separate its page-ins from the decode steps'
-        prefill_bytes = model.pagedexperts.stats().total().bytes_paged
-        repage(model, mode=mode, num_resident=k)
-        per_token.append(statistics.median(_decode_s(model, ids, new_tokens)))
-        paged.append((model.pagedexperts.stats().total().bytes_paged - prefill_bytes) / (new_tokens - 1))
-    return min(per_token), statistics.median(paged)
+    with torch.no_grad():
+        model(ids)  # prefill alone, to separate its page-ins from the decode steps'
+    prefill_bytes = model.pagedexperts.stats().total().bytes_paged
+    repage(model, mode=mode, num_resident=k)
+    step_s = statistics.median(_decode_s(model, ids, new_tokens))
+    return step_s, (model.pagedexperts.stats().total().bytes_paged - prefill_bytes) / (new_tokens - 1)
 
 
 def measure(label: str, path: Path, *, new_tokens: int, repeats: int) -> dict:
+    """One checkpoint: both slot formats loaded side by side, every configuration run once per
+    round, ``repeats`` rounds (so a busy spell of the machine hits all of them alike)."""
     from pagedexperts import load_model
 
-    row = {"label": label}
-    for slot_format in ("packed", "dense"):
-        model, tok = load_model(path, dtype="bfloat16", slot_format=slot_format)
-        rt = model.pagedexperts
-        k = rt.num_experts // 2
-        ids = tok(PROMPT, return_tensors="pt")["input_ids"]
-        row.update(format=rt.expert_format, k=k, num_experts=rt.num_experts, top_k=rt.top_k,
-                   expert_bytes=rt.expert_bytes, dense_expert_bytes=rt.dense_expert_bytes)
-        s, b = decode_measure(model, ids, mode="paged", k=k, new_tokens=new_tokens, repeats=repeats)
-        row[f"{slot_format}_s"], row[f"{slot_format}_bytes_per_token"] = s, b
-        if slot_format == "dense":  # the K whose dense slots take the memory of K = E/2 packed ones
-            k_same = max(rt.top_k, k * rt.expert_bytes // rt.dense_expert_bytes)
-            s, b = decode_measure(model, ids, mode="paged", k=k_same, new_tokens=new_tokens, repeats=repeats)
-            row.update(k_same_memory=k_same, dense_same_memory_s=s, dense_same_memory_bytes_per_token=b)
-        if slot_format == "packed":
-            row["resident_s"], _ = decode_measure(model, ids, mode="resident", k=k, new_tokens=new_tokens, repeats=repeats)
+    models = {sf: load_model(path, dtype="bfloat16", slot_format=sf) for sf in ("packed", "dense")}
+    rt = models["packed"][0].pagedexperts
+    k = rt.num_experts // 2
+    k_same = max(rt.top_k, k * rt.expert_bytes // rt.dense_expert_bytes)  # dense slots in K=E/2 packed's memory
+    configs = {"packed": ("packed", "paged", k), "dense": ("dense", "paged", k),
+               "dense_same_memory": ("dense", "paged", k_same), "resident": ("packed", "resident", k)}
+    ids = models["packed"][1](PROMPT, return_tensors="pt")["input_ids"]
+    times = {name: [] for name in configs}
+    paged = {}
+    for round_ in range(repeats + 1):  # round 0 warms up (allocations, kernel selection)
+        for name, (sf, mode, kk) in configs.items():
+            step_s, paged[name] = one_run(models[sf][0], ids, mode=mode, k=kk, new_tokens=new_tokens)
+            if round_:
+                times[name].append(step_s)
+    row = dict(label=label, format=rt.expert_format, k=k, k_same_memory=k_same, num_experts=rt.num_experts,
+               top_k=rt.top_k, expert_bytes=rt.expert_bytes, dense_expert_bytes=rt.dense_expert_bytes)
+    for name in configs:
+        row[f"{name}_s"], row[f"{name}_bytes_per_token"] = min(times[name]), paged[name]
     return row
 
 
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", action="append", default=None, help="checkpoint dir (repeatable; default: built here)")
     p.add_argument("--new-tokens", type=int, default=32, help="decode tokens per run (default 32)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per measurement, median taken (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per measurement, the least disturbed one reported (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on a shared machine, waits on a second thread's "
                    "time slice dominate multi-threaded step times)")
