@@ -9,12 +9,12 @@ random gpt-oss in bf16 and in MXFP4, all written here in the published layouts),
   at the K that fits in the memory of K = E/2 packed slots (K x packed / dense bytes, at least
   top_k), and with every expert resident and dequantized (mode "resident": the dequantized
   resident model).
-Decode time per token: per run of N tokens the median time between consecutive steps' logits
-(a logits processor stamps it), and of ``--repeats`` rounds the least disturbed run (the
-minimum: on a shared machine other jobs only ever add time); each round runs every
-configuration of a checkpoint once, in turn, after a warm-up round. Bytes per decode token:
-page-ins of a run minus those of the prefill alone, over N - 1. Slots emptied (``repage``)
-before each run.
+Decode time per token: CPU time of the one torch thread (``--threads 1``, the default; on a
+busy shared machine wall time mostly measures waiting for a core) between consecutive steps'
+logits (a logits processor stamps it), the median step of a run, and of ``--repeats`` rounds
+the smallest; each round runs every configuration of a checkpoint once, in turn, after a
+warm-up round. Bytes per decode token: page-ins of a run minus those of the prefill alone,
+over N - 1. Slots emptied (``repage``) before each run.
 
 Usage: PYTHONPATH=. python bench/formats_bench.py [--new-tokens 32] [--repeats 3] [--threads 1]
        [--model-path DIR ...] [--out bench/results/formats.md]
@@ -65,13 +65,14 @@ def build_inputs(workdir: Path) -> list[tuple[str, Path]]:
 
 
 class _Clock:
-    """A logits processor that only records when each generation step's logits are ready."""
+    """A logits processor that only records the thread's CPU time when each step's logits are
+    ready (CPU time, not wall time: on a shared machine waiting for a core is not counted)."""
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
 
     def __call__(self, input_ids, scores):
-        self.stamps.append(time.perf_counter())
+        self.stamps.append(time.thread_time())
         return scores
 
 
@@ -131,7 +132,7 @@ def table(rows: list[dict]) -> str:
     bf16 = {r["label"].split()[0]: r["dense_expert_bytes"] for r in rows}
     lines = [
         "| checkpoint | expert bytes (packed) | vs bf16 | paged/decode token, packed slots K=E/2 | dense slots "
-        "| dense, same memory | decode ms/token, packed K=E/2 | dense K=E/2 | dense, same memory "
+        "| dense, same memory | decode CPU ms/token, packed K=E/2 | dense K=E/2 | dense, same memory "
         "| resident dequantized | packed / resident |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -154,8 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32, help="decode tokens per run (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement, the least disturbed one reported (default 3)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: on a shared machine, waits on a second thread's "
-                   "time slice dominate multi-threaded step times)")
+                   help="torch CPU threads (default 1: step times are the CPU time of this one thread)")
     p.add_argument("--out", default=None, help="also write the markdown table here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
