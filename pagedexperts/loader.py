@@ -24,7 +24,7 @@ from pagedexperts import integration
 from pagedexperts.checkpoint import check_readable, checkpoint_files, expert_sources, stream_checkpoint
 from pagedexperts.formats import ExpertFormat, format_for_config
 from pagedexperts.formats import slots
-from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, check_slot_format
+from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, check_slot_format, resolve_slot_format
 from pagedexperts.models import check_supported, find_experts_sites
 from pagedexperts.recording import install_padding_hook
 from pagedexperts.pager import INNER_IMPLEMENTATIONS, ExpertPager
@@ -55,7 +55,7 @@ class PagingConfig:
     policy: str = DEFAULT_POLICY
     mode: str = "paged"
     cpu_expert_layers: int = 0
-    slot_format: str = DEFAULT_SLOT_FORMAT  # "packed" or "dense" (formats.slots)
+    slot_format: str = "packed"  # "packed" or "dense", resolved from "auto" (formats.slots)
 
 
 @dataclass
@@ -169,8 +169,9 @@ def load_model(
             predicted by layer l+1's router on layer l's input (``pagedexperts.prefetch``).
         prefetch_budget: prefetch page-ins per layer per step at most (None = top_k).
         slot_format: for a quantized checkpoint, what the K slots hold: "packed" (what a
-            page-in copies; each wave's experts dequantized before compute) or "dense"
-            (dequantized once at page-in). No effect on an unquantized one.
+            page-in copies; each wave's experts dequantized before compute), "dense"
+            (dequantized once at page-in) or "auto" (dense on CPU, packed on CUDA; see
+            ``formats.slots``). No effect on an unquantized one.
         check_independence: at start-up, page a sample of experts of every layer into a slot
             and compare what the experts kernel would read with the checkpoint's own tensors
             of that expert (``independence``); raises naming the tensor on a mismatch.
@@ -282,7 +283,7 @@ def build_paged_model(
     runtime = PagingRuntime(
         config=PagingConfig(
             k_slots, str(dev), dtype, experts_implementation, policy, mode, cpu_expert_layers,
-            check_slot_format(slot_format),
+            resolve_slot_format(slot_format, dev),
         ),
         num_experts=num_experts,
         top_k=top_k,

@@ -172,16 +172,17 @@ def _padded_batch(tok, prompts):
     return ids, mask
 
 
+@pytest.mark.parametrize("slot_format", ["packed", "dense"])
 @pytest.mark.parametrize("threads", [None, 1])
 @pytest.mark.parametrize("name", ["deepseek_v3-fp8", "gpt_oss-mxfp4-h96"])
-def test_padded_batch_prefill_and_decode(name, threads, quantized_dirs, quantized_reference):
+def test_padded_batch_prefill_and_decode(name, threads, slot_format, quantized_dirs, quantized_reference):
     path = quantized_dirs(name)
     reference = quantized_reference(path)
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        paged, tok = load_model(path, num_resident=TOP_K)
+        paged, tok = load_model(path, num_resident=TOP_K, slot_format=slot_format)
         ids, mask = _padded_batch(tok, ["Hi", *PROMPTS])
         kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
                   return_dict_in_generate=True, pad_token_id=0)
@@ -192,6 +193,15 @@ def test_padded_batch_prefill_and_decode(name, threads, quantized_dirs, quantize
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
         assert_same(a, b, f"{name} batch of 3 (left-padded), step {step}, threads {threads or before}")
     assert paged.pagedexperts.stats().total().misses > 0
+
+
+def test_auto_slot_format_is_dense_on_cpu(quantized_dirs):
+    paged, _ = load_model(quantized_dirs("qwen3_moe-fp8"), num_resident=TOP_K)
+    assert paged.pagedexperts.config.slot_format == "dense"
+    pager = next(iter(paged.pagedexperts.pagers.values()))
+    assert set(pager.slots) == {"gate_up_proj", "down_proj"} and pager.slots["down_proj"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown slot format 'sparse'.*--slot-format"):
+        load_model(quantized_dirs("qwen3_moe-fp8"), slot_format="sparse")
 
 
 def test_bf16_and_fp32_model_dtype(quantized_dirs, quantized_reference):
@@ -217,7 +227,7 @@ def test_independence_check_catches_a_tensor_left_out_of_the_page_in(quantized_d
 
     monkeypatch.setattr(HostExpertStore, "copy_to_slot", copy_without_scales)
     with pytest.raises(IndependenceError, match="'down_proj'.*'down_proj_scale_inv'.*left out of the page-in"):
-        load_model(path, num_resident=TOP_K)
+        load_model(path, num_resident=TOP_K, slot_format="packed")
 
 
 def test_independence_check_catches_a_per_expert_tensor_left_on_the_module(quantized_dirs, quantized_reference):
@@ -245,7 +255,7 @@ def test_independence_check_catches_a_scale_left_out_of_the_store(quantized_dirs
     from pagedexperts.independence import check_model_independence
 
     path = quantized_dirs("qwen3_moe-fp8")
-    paged, _ = load_model(path, num_resident=TOP_K, check_independence=False)
+    paged, _ = load_model(path, num_resident=TOP_K, check_independence=False, slot_format="packed")
     rt = paged.pagedexperts
     for site in rt.sites:
         rt.stores[site.name].tensors.pop("gate_up_proj_scale_inv")

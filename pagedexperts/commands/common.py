@@ -43,8 +43,8 @@ def add_model_arguments(parser) -> None:
         default=DEFAULT_SLOT_FORMAT,
         choices=list(SLOT_FORMATS),
         help="quantized checkpoints: slots hold packed experts, dequantized per wave (packed), or experts "
-        f"dequantized once at page-in (dense: fewer slots per GB); page-ins copy packed bytes either way "
-        f"(default {DEFAULT_SLOT_FORMAT}; see bench/formats_bench.py)",
+        "dequantized once at page-in (dense: fewer slots per GB); page-ins copy packed bytes either way; "
+        "auto = dense on CPU, packed on CUDA (default auto; see bench/formats_bench.py)",
     )
 
 

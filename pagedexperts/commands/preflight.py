@@ -43,8 +43,9 @@ def add_parser(subparsers) -> None:
     run.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8"], default="auto",
                      help="KV cache dtype; auto = the config's dtype (default auto)")
     run.add_argument("--slot-format", choices=["packed", "dense"], default="packed",
-                     help="quantized checkpoints: slots hold packed experts (default) or experts dequantized at "
-                     "page-in (dense: larger slots, fewer per GB); page-ins copy packed bytes either way")
+                     help="quantized checkpoints: slots hold packed experts (default: what --slot-format auto "
+                     "picks on CUDA) or experts dequantized at page-in (dense: larger slots, fewer per GB); "
+                     "page-ins copy packed bytes either way")
     run.add_argument("--runtime-reserve-gb", type=float, default=1.0,
                      help="GB kept for activations, CUDA context, allocator slack (default 1.0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
