@@ -90,3 +90,27 @@ def write_mxfp4(src: Path, dst: Path) -> Path:
                                                              "model.embed_tokens", "lm_head"]},
     )
     return dst
+
+
+def restack_fp8_experts(src: Path, dst: Path) -> Path:
+    """The same block-FP8 checkpoint with stacked experts, as transformers' ``FP8Experts``
+    saves them: ``experts.gate_up_proj`` float8_e4m3fn [E, 2I, H] (gate rows, then up) with
+    ``experts.gate_up_proj_scale_inv`` float32 [E, 2 x ceil(I/bm), ceil(H/bn)], and
+    ``experts.down_proj`` [E, H, I] with its ``_scale_inv``."""
+    _copy_aux(src, dst)
+    tensors = _tensors(src)
+    out, per_expert = {}, {}
+    for key, value in tensors.items():
+        m = re.match(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight(?:_scale_inv)?)$", key)
+        if m is None:
+            out[key] = value
+            continue
+        per_expert.setdefault((m.group(1), m.group(4)), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
+    for (prefix, kind), experts in per_expert.items():
+        suffix = "_scale_inv" if kind.endswith("_scale_inv") else ""
+        order = sorted(experts)
+        out[f"{prefix}.gate_up_proj{suffix}"] = torch.stack(
+            [torch.cat([experts[j]["gate_proj"], experts[j]["up_proj"]]) for j in order])
+        out[f"{prefix}.down_proj{suffix}"] = torch.stack([experts[j]["down_proj"] for j in order])
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

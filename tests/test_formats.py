@@ -23,7 +23,7 @@ from pagedexperts.formats import format_for_config
 from pagedexperts.formats.fp8 import dequantize_fp8_block, quantize_fp8_block
 from pagedexperts.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from pagedexperts.independence import IndependenceError
-from quantized_dirs import write_fp8_block, write_mxfp4
+from quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
 from test_families import DECODE_STEPS, E, PROMPTS, TOP_K, build_model, save_char_tokenizer
 
 # name -> (family, format writer, block, overrides of the family's tiny config)
@@ -31,6 +31,7 @@ QUANTIZED = {
     "qwen3_moe-fp8": ("qwen3_moe", "fp8", (128, 128), {}),
     "deepseek_v3-fp8": ("deepseek_v3", "fp8", (128, 128), {}),
     "qwen3_moe-fp8-block64-h192": ("qwen3_moe", "fp8", (64, 64), {"hidden_size": 192}),
+    "mixtral-fp8": ("mixtral", "fp8", (128, 128), {}),
     "gpt_oss-mxfp4": ("gpt_oss", "mxfp4", None, {}),
     "gpt_oss-mxfp4-h96": ("gpt_oss", "mxfp4", None, {"hidden_size": 96}),
 }
@@ -160,6 +161,18 @@ def test_paged_quantized_equals_transformers(name, slot_format, quantized_dirs, 
         # every page-in moved one expert's packed bytes, fewer than its dense bytes
         assert stats.bytes_paged == stats.misses * rt.expert_bytes
         assert rt.expert_bytes < rt.dense_expert_bytes
+
+
+@pytest.mark.parametrize("slot_format", ["packed", "dense"])
+def test_stacked_fp8_layout_equals_transformers_per_expert_loading(slot_format, quantized_dirs, quantized_reference, tmp_path):
+    """Block FP8 with stacked experts (transformers' FP8Experts save layout) pages the same
+    bytes and computes the same logits as the per-expert checkpoint loaded by transformers."""
+    per_expert = quantized_dirs("qwen3_moe-fp8")
+    stacked = restack_fp8_experts(per_expert, tmp_path / "stacked")
+    for k in (TOP_K, E // 2):
+        paged, tok = load_model(stacked, num_resident=k, slot_format=slot_format)
+        result = check_model(paged, quantized_reference(per_expert), tok, PROMPTS, max_new_tokens=DECODE_STEPS)
+        assert result.passed, f"stacked FP8 {slot_format} K={k}: max |diff| {result.max_abs_diff:.3e}"
 
 
 def _padded_batch(tok, prompts):
