@@ -48,15 +48,19 @@ class CheckResult:
 
 
 def load_reference(model_path, *, device: str, dtype: str | None, experts_implementation: str):
-    """The unpaged model: plain from_pretrained, all experts resident."""
+    """The unpaged model: plain from_pretrained, all experts resident (a quantized checkpoint:
+    transformers' own dequantized build, the same on CPU and GPU, ``ExpertFormat.reference_kwargs``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from pagedexperts.formats import format_for_config
     from pagedexperts.loader import bundled_model_path, resolve_dtype
 
     path = model_path or bundled_model_path()
-    torch_dtype = resolve_dtype(dtype, AutoConfig.from_pretrained(path))
+    config = AutoConfig.from_pretrained(path)
+    torch_dtype = resolve_dtype(dtype, config)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype, experts_implementation=experts_implementation
+        path, dtype=torch_dtype, experts_implementation=experts_implementation,
+        **format_for_config(config).reference_kwargs(),  # quantized: transformers' dequantized build
     )
     return model.to(device).eval()
 

@@ -373,13 +373,10 @@ class TestQuantizedOnCuda:
     @pytest.mark.parametrize("slot_format", ["packed", "dense"])
     @pytest.mark.parametrize("name", ["deepseek_v3-fp8", "gpt_oss-mxfp4-h96"])
     def test_paged_equals_dequantized_reference(self, name, slot_format, quantized_dirs):
-        from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+        from pagedexperts.check import load_reference
 
         path = quantized_dirs(name)
-        qc = FineGrainedFP8Config(weight_block_size=[128, 128], dequantize=True) if "fp8" in name else Mxfp4Config(dequantize=True)
-        reference = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.bfloat16, experts_implementation="grouped_mm", quantization_config=qc
-        ).to("cuda").eval()
+        reference = load_reference(path, device="cuda", dtype="bfloat16", experts_implementation="grouped_mm")
         for k in (TOP_K, E // 2):
             paged, tok = load_model(path, num_resident=k, device="cuda", slot_format=slot_format)
             result = check_model(paged, reference, tok, PROMPTS, max_new_tokens=DECODE_STEPS)

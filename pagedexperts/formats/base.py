@@ -32,6 +32,8 @@ The contract a format module fulfils (``formats/README.md`` has the worked examp
    the same order and dtypes as transformers' own loading of the checkpoint, so that every
    element is bit-identical to the model ``from_pretrained`` builds. Rows are independent:
    dequantizing experts (3, 5) together equals dequantizing each alone.
+5. ``reference_kwargs()``: what ``check`` passes to ``from_pretrained`` for the dequantized
+   reference (e.g. ``quantization_config=...(dequantize=True)``).
 
 Legend: E experts, n experts dequantized together, H hidden, I expert intermediate.
 """
@@ -155,6 +157,12 @@ class ExpertFormat:
             ValueError: a parameter this format does not support (names the key and value).
         """
         return cls()
+
+    def reference_kwargs(self) -> dict:
+        """Extra ``from_pretrained`` kwargs that make transformers build the dequantized model
+        this format's ``dequantize`` matches on every device (on a GPU transformers would
+        otherwise run its own quantized kernels: another computation). Default: none."""
+        return {}
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Packed specs standing for ``dense`` (return ``(dense,)`` to leave it unquantized).

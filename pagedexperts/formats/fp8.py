@@ -57,6 +57,11 @@ class Fp8BlockFormat(ExpertFormat):
                 raise ValueError(f"fp8 checkpoint with {key}={qc[key]!r}: only {key}={want!r} is supported")
         return cls(block=(int(block[0]), int(block[1])))
 
+    def reference_kwargs(self) -> dict:
+        from transformers import FineGrainedFP8Config
+
+        return {"quantization_config": FineGrainedFP8Config(weight_block_size=list(self.block), dequantize=True)}
+
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """A 2-D [out, in] weight -> (fp8 weight [out, in], float32 scale_inv [sources x
         ceil(out / sources / bm), ceil(in / bn)]); anything else stays dense."""

@@ -43,6 +43,11 @@ class Mxfp4Format(ExpertFormat):
     def matches(cls, quantization_config: dict | None) -> bool:
         return bool(quantization_config) and quantization_config.get("quant_method") == "mxfp4"
 
+    def reference_kwargs(self) -> dict:
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """A transposed 2-D weight [in, out] -> (blocks uint8 [out, in/32, 16], scales uint8
         [out, in/32]); biases stay dense.
