@@ -114,6 +114,16 @@ def test_mxfp4_dequantize_equals_transformers(dtype):
     assert (back - w).abs().max().item() <= w.abs().max().item() * 0.25
 
 
+def test_a_format_whose_package_is_missing_is_named_not_fatal(monkeypatch):
+    from pagedexperts import formats
+
+    monkeypatch.setitem(formats.FORMATS, "fake", "pagedexperts.formats.fake_missing_module:Fake")
+    assert "fake" not in formats.available_formats()
+    assert format_for_config({"quantization_config": {"quant_method": "mxfp4"}}).name == "mxfp4"
+    with pytest.raises(ValueError, match="unavailable here: .*'fake' is registered but"):
+        format_for_config({"quantization_config": {"quant_method": "bitsandbytes"}})
+
+
 def test_fp8_quantizer_refuses_grids_transformers_reads_differently():
     with pytest.raises(ValueError, match="192 cols is neither a multiple of the block 128"):
         quantize_fp8_block(torch.ones(64, 192), (128, 128))
