@@ -190,3 +190,12 @@ class ExpertFormat:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def store_name(target: str, param: str, serialized: str) -> str:
+    """The store tensor of a checkpoint's serialized companion of ``target``'s ``param``:
+    ``target`` + the name minus the param prefix (``gate_up_proj`` + ``_scale_inv``); a name
+    that does not extend the param (GPTQ's ``qweight``, ``scales``) joins with ``_``
+    (``gate_up_proj_qweight``)."""
+    suffix = serialized.removeprefix(param)
+    return target + (suffix if not suffix or suffix.startswith("_") else "_" + suffix)

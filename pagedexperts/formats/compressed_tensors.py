@@ -112,15 +112,16 @@ class CompressedTensorsW4A16Format(ExpertFormat):
     """
 
     name = "w4a16"
-    # As transformers' CompressedTensorsHfQuantizer.serialized_names declares them.
-    serialized_names = {
-        "weight": ("weight", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_packed", "weight_shape")
-    }
+    # transformers' CompressedTensorsHfQuantizer declares every name any compressed-tensors
+    # format stores; an instance keeps those pack-quantized stores (zero points if asymmetric).
+    serialized_names = {"weight": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
 
     def __init__(self, *, group_size: int | None, symmetric: bool, scale_dtype: torch.dtype | None = None) -> None:
         self.group_size = group_size  # None: channel strategy (one group per row)
         self.symmetric = symmetric
         self.scale_dtype = scale_dtype  # None: the model's dtype (the checkpoint's own)
+        names = ("weight_packed", "weight_scale") + (() if symmetric else ("weight_zero_point",)) + ("weight_shape",)
+        self.serialized_names = {"weight": names}
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:
