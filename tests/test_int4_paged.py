@@ -133,3 +133,25 @@ def test_paged_int4_equals_unpaged(variant, family, pairs):
         what = f"{variant} {family} K={k} {slot_format} slots"
         assert_exact(paged, reference, tokenizer, what)
         _padded_batch_exact(paged, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, left_out", [("w4a16-asym", "gate_up_proj_zero_point"), ("gptq", "down_proj_g_idx"),
+                                               ("awq", "down_proj_qzeros")])
+def test_independence_check_catches_an_int4_tensor_left_out_of_the_page_in(variant, left_out, pairs, monkeypatch):
+    """The field bug (a zero point or g_idx not paged: an expert runs with a stale one) fails
+    at start-up naming the tensor."""
+    from pagedexperts.independence import IndependenceError
+    from pagedexperts.store import HostExpertStore
+
+    quantized, _ = pairs(variant, "qwen3_moe")
+    load_model(quantized, num_resident=TOP_K)  # passes when every tensor is paged
+
+    def copy_without(self, expert, slot, slots):
+        for name, host in self.tensors.items():
+            if name != left_out:
+                slots[name][slot].copy_(host[expert])
+
+    monkeypatch.setattr(HostExpertStore, "copy_to_slot", copy_without)
+    with pytest.raises(IndependenceError, match=f"'{left_out}'.*left out of the page-in"):
+        load_model(quantized, num_resident=TOP_K)
