@@ -205,3 +205,17 @@ def test_quantize_refuses_bad_input_before_writing(bf16_dir, tmp_path):
     quantize_checkpoint(model_path=bf16_dir, output=tmp_path / "e", options=QuantizeOptions("w4a16"))
     with pytest.raises(ValueError, match="already quantized"):
         quantize_checkpoint(model_path=tmp_path / "e", output=tmp_path / "f", options=QuantizeOptions("w4a16"))
+
+
+def test_scales_keep_the_checkpoint_dtype_under_another_model_dtype(bf16_dir, tmp_path):
+    """A bf16 checkpoint loaded as float32: the store holds its scales in bf16 (a float32 store
+    would hold widened scales and dequantize in float32, unlike transformers' bf16 arithmetic),
+    and the dequantized rows equal the bf16 weights transformers builds, widened."""
+    out = tmp_path / "q"
+    quantize_checkpoint(model_path=bf16_dir, output=out, options=QuantizeOptions("w4a16", group_size=64))
+    fmt, layout = _layout(out, torch.float32)
+    scales = {s.name: s.dtype for s in layout.packed_specs if s.name.endswith("_scale")}
+    assert scales == {"gate_up_proj_scale": torch.bfloat16, "down_proj_scale": torch.bfloat16}
+    got = layout.dequantize(_rows(out, 0, layout))
+    bf16 = _layout(out, torch.bfloat16)[1].dequantize(_rows(out, 0, layout))
+    assert got["down_proj"].dtype == torch.float32 and torch.equal(got["down_proj"], bf16["down_proj"].float())

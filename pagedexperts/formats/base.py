@@ -156,6 +156,14 @@ class ExpertFormat:
         """
         return cls()
 
+    @classmethod
+    def from_config(cls, config, quantization_config: dict | None) -> "ExpertFormat":
+        """The format bound to a checkpoint from its whole config (transformers object or
+        config.json dict) and its ``quantization_config``. By default the latter alone; a format
+        whose tensors take the checkpoint's saved dtype (compressed-tensors scales) reads it here.
+        """
+        return cls.from_quantization_config(quantization_config)
+
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Packed specs standing for ``dense`` (return ``(dense,)`` to leave it unquantized).
 

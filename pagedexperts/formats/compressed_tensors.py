@@ -152,6 +152,19 @@ class CompressedTensorsW4A16Format(ExpertFormat):
         return cls(group_size=group_size, symmetric=bool(args.get("symmetric", True)),
                    scale_dtype=_torch_dtype(args.get("scale_dtype")))
 
+    @classmethod
+    def from_config(cls, config, quantization_config: dict | None) -> "CompressedTensorsW4A16Format":
+        """As ``from_quantization_config``; without an explicit ``scale_dtype`` the scales are in
+        the dtype the checkpoint was saved in (config ``dtype`` / ``torch_dtype``: llm-compressor
+        and ``quantize`` compute them in the weights' dtype). Bound here, so that loading with
+        another ``--dtype`` still dequantizes in the scales' dtype, as transformers does."""
+        fmt = cls.from_quantization_config(quantization_config)
+        if fmt.scale_dtype is None:
+            get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+            saved = get("dtype") or get("torch_dtype")
+            fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
+        return fmt
+
     def _groups(self, in_features: int) -> int:
         if self.group_size is None:
             return 1
