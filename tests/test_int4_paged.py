@@ -155,3 +155,17 @@ def test_independence_check_catches_an_int4_tensor_left_out_of_the_page_in(varia
     monkeypatch.setattr(HostExpertStore, "copy_to_slot", copy_without)
     with pytest.raises(IndependenceError, match=f"'{left_out}'.*left out of the page-in"):
         load_model(quantized, num_resident=TOP_K)
+
+
+@pytest.mark.slow
+def test_check_command_on_gptq_uses_the_resident_reference_and_says_so(pairs, capsys, caplog):
+    """transformers needs gptqmodel for GPTQ: ``check`` compares with the resident model
+    (dequantized once by the same format, tested against the published formula above) and
+    logs a WARNING naming the reason."""
+    from pagedexperts.cli import main
+
+    quantized, _ = pairs("gptq", "qwen3_moe")
+    rc = main(["check", "--model-path", str(quantized), "--check-resident", f"{TOP_K},{E // 2}", "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("PASS (bit-identical)") == 2, out
+    assert any("transformers cannot load this gptq checkpoint" in r.getMessage() for r in caplog.records)
