@@ -318,7 +318,7 @@ def _copy_aux(src: Path, dst: Path, weight_map: dict[str, str] | None) -> None:
         if f.is_file() and f.suffix != ".safetensors" and f.name not in _AUX_SKIP:
             shutil.copy2(f, dst / f.name)
     if weight_map is not None:
-        total = sum((dst / name).stat().st_size for name in set(weight_map.values()))
+        total = sum(sum(_nbytes(i) for i in read_safetensors_header(str(dst / n)).values()) for n in set(weight_map.values()))
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
