@@ -28,7 +28,7 @@ def formats(group_size: int) -> dict:
         "fp8-block 128x128": Fp8BlockFormat(block=(128, 128)),
         f"w4a16 g{group_size} symmetric": CompressedTensorsW4A16Format(group_size=group_size, symmetric=True),
         f"w4a16 g{group_size} asymmetric": CompressedTensorsW4A16Format(group_size=group_size, symmetric=False),
-        f"gptq g{group_size} (g_idx)": GptqFormat(group_size=group_size, desc_act=True, sym=True, zero_offset=1),
+        f"gptq g{group_size} (g_idx)": GptqFormat(group_size=group_size, desc_act=True, zero_offset=1),
         f"awq g{group_size}": AwqFormat(group_size=group_size),
     }
 

@@ -80,7 +80,7 @@ def test_gptq_v2_zeros_stored_without_offset():
 def test_gptq_desc_act_g_idx_is_used():
     """A desc_act checkpoint dequantized as if g_idx were i // g must differ (guards indexing by g_idx)."""
     raw, packed = _experts(pack_gptq, 1, 16, True, seed=3, zero_min=1)
-    layout, rows = _rows(GptqFormat(group_size=16, desc_act=True, sym=False, zero_offset=1), packed, torch.float32)
+    layout, rows = _rows(GptqFormat(group_size=16, desc_act=True, zero_offset=1), packed, torch.float32)
     rows["gate_up_proj_g_idx"] = (torch.arange(2 * H) % H // 16).to(torch.int32).unsqueeze(0)
     assert not torch.equal(layout.dequantize(rows)["gate_up_proj"], _expected(raw, torch.float32)["gate_up_proj"])
 
@@ -100,7 +100,7 @@ def test_expert_bytes_int4_vs_bf16():
     """Qwen3-30B-A3B expert (H 2048, I 768), group 128: int4 formats move ~0.26x of bf16."""
     dense = (TensorSpec("gate_up_proj", (2 * 768, 2048), torch.bfloat16), TensorSpec("down_proj", (2048, 768), torch.bfloat16))
     bf16 = 3 * 2048 * 768 * 2
-    gptq = GptqFormat(group_size=128, desc_act=False, sym=True, zero_offset=1).layout(dense, sources={"gate_up_proj": 2})
+    gptq = GptqFormat(group_size=128, desc_act=False, zero_offset=1).layout(dense, sources={"gate_up_proj": 2})
     awq = AwqFormat(group_size=128).layout(dense, sources={"gate_up_proj": 2})
     # hand count: int4 weights + fp16 scales [G, O] + int4 zeros [G, O/8] (+ int32 g_idx [I])
     weights, scales = 3 * 2048 * 768 // 2, 2 * (2 * 768 * 16 + 2048 * 6)
@@ -129,6 +129,6 @@ def test_unsupported_configs_are_refused(qc, message):
 def test_shapes_that_do_not_pack_are_refused():
     spec = TensorSpec("down_proj", (H, 36), torch.bfloat16)
     with pytest.raises(ValueError, match="in_features 36 is not a multiple of 8"):
-        GptqFormat(group_size=-1, desc_act=False, sym=True, zero_offset=1).pack(spec, sources=1, transposed=False)
+        GptqFormat(group_size=-1, desc_act=False, zero_offset=1).pack(spec, sources=1, transposed=False)
     with pytest.raises(ValueError, match="in_features 36 is not a multiple of group_size 32"):
         AwqFormat(group_size=32).pack(spec, sources=1, transposed=False)

@@ -18,7 +18,10 @@ On-disk layout (compressed-tensors 0.20 ``PackedQuantizationCompressor``, source
 Dequantize (``compressed_tensors.quantization.lifecycle.forward._dequantize``):
 ``w = (q.to(s.dtype) - zp.to(s.dtype)) * s`` per group of ``group_size`` columns, in the
 scale's dtype, then cast to the model's dtype (transformers' ``CompressedTensorsDequantize``
-copies it into the merged expert parameter).
+copies it into the merged expert parameter). Known transformers 5.24 quirks: it cannot load
+asymmetric MoE experts (its ``CompressedTensorsDequantize`` drops ``weight_zero_point``), and
+loaded with a ``dtype`` other than the checkpoint's it leaves the expert parameters in the
+scales' dtype; pagedexperts dequantizes the same values and computes in the model's dtype.
 
 Legend: n experts dequantized together, O output features, I input features, G groups.
 """
@@ -197,7 +200,7 @@ class CompressedTensorsW4A16Format(ExpertFormat):
         then concatenated along dim 1 (transformers dequantizes before its Concatenate)."""
         name = tensor.dense.name
         rows, in_features = tensor.dense.shape
-        sources = tensor.packed[-1].shape[0] // 2
+        sources = next(p for p in tensor.packed if p.name == f"{name}_shape").shape[0] // 2  # one (O, I) each
         weights = packed[f"{name}_packed"].chunk(sources, dim=1)
         scales = packed[f"{name}_scale"].chunk(sources, dim=1)
         zps = packed[f"{name}_zero_point"].chunk(sources, dim=1) if not self.symmetric else (None,) * sources

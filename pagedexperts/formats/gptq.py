@@ -80,10 +80,9 @@ class GptqFormat(ExpertFormat):
     name = "gptq"
     serialized_names = {"weight": ("qweight", "qzeros", "scales", "g_idx")}
 
-    def __init__(self, *, group_size: int, desc_act: bool, sym: bool, zero_offset: int) -> None:
+    def __init__(self, *, group_size: int, desc_act: bool, zero_offset: int) -> None:
         self.group_size = group_size  # -1: one group spanning I
-        self.desc_act = desc_act
-        self.sym = sym
+        self.desc_act = desc_act  # informational: g_idx is always what groups the input channels
         self.zero_offset = zero_offset
 
     @classmethod
@@ -92,7 +91,8 @@ class GptqFormat(ExpertFormat):
 
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "GptqFormat":
-        """Bind bits, group size, desc_act, sym and checkpoint_format.
+        """Bind bits, group size, desc_act and checkpoint_format (``sym`` needs nothing: a
+        symmetric checkpoint stores its zero points, 8, like any other).
 
         Raises:
             ValueError: bits other than 4, a group size that is not positive or -1, or a
@@ -107,8 +107,7 @@ class GptqFormat(ExpertFormat):
         fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
         if fmt not in CHECKPOINT_FORMATS:
             raise ValueError(f"gptq checkpoint_format={fmt!r}: only {sorted(CHECKPOINT_FORMATS)} are supported")
-        return cls(group_size=group_size, desc_act=bool(qc.get("desc_act", False)), sym=bool(qc.get("sym", True)),
-                   zero_offset=CHECKPOINT_FORMATS[fmt])
+        return cls(group_size=group_size, desc_act=bool(qc.get("desc_act", False)), zero_offset=CHECKPOINT_FORMATS[fmt])
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Specs of one dense [sources * O, I] expert tensor: each source's [I/8, O] qweight,
@@ -140,7 +139,7 @@ class GptqFormat(ExpertFormat):
         """Packed rows of n experts -> [n, *dense.shape]; each source on its own, then
         concatenated along dim 1 (the dense output dim)."""
         name = tensor.dense.name
-        sources = tensor.packed[-1].shape[0] // tensor.dense.shape[1]
+        sources = next(p for p in tensor.packed if p.name == f"{name}_g_idx").shape[0] // tensor.dense.shape[1]
         parts = [
             dequantize_gptq(qw, qz, s, g, zero_offset=self.zero_offset, dtype=tensor.dense.dtype)
             for qw, qz, s, g in zip(
