@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pagedexperts.formats import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.base import store_name
 from pagedexperts.formats.dense import DenseFormat
 from pagedexperts.models import ExpertsSite
 
@@ -127,7 +128,7 @@ class KeyMap:
             for name in (fmt or DenseFormat()).serialized_names.get(param, ()):
                 if name != param and all(p.endswith("." + param) for p in sources):
                     suffixed = [p[: -len(param)] + name for p in sources]
-                    self.converters.append(([_source_re(p) for p in suffixed], target + name.removeprefix(param)))
+                    self.converters.append(([_source_re(p) for p in suffixed], store_name(target, param, name)))
 
     def rename(self, key: str) -> str:
         for pat, dst in self.renames:
@@ -250,7 +251,7 @@ class PlainDequantizer:
             raise ValueError(f"checkpoint's quantized {base!r} has no parameter in the model")
         dense = TensorSpec(param, tuple(ref.shape), ref.dtype)
         qt = QuantizedTensor(dense, self.fmt.pack(dense, sources=1, transposed=False))
-        rows = {name: parts[name].unsqueeze(0) for name in parts}
+        rows = {store_name(param, param, name): parts[name].unsqueeze(0) for name in parts}
         return base, self.fmt.dequantize(qt, rows)[0]
 
     def check_done(self) -> None:

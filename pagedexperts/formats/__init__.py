@@ -82,7 +82,7 @@ def format_for_config(config) -> ExpertFormat:
             unavailable.append(str(exc))
             continue
         if cls.matches(qc):
-            return cls.from_quantization_config(qc)
+            return cls.from_config(config, qc)
     method = qc.get("quant_method") if qc else None
     raise ValueError(
         f"quantized checkpoint (quant_method {method!r}, format {qc.get('format') if qc else None!r}) "

@@ -158,6 +158,14 @@ class ExpertFormat:
         """
         return cls()
 
+    @classmethod
+    def from_config(cls, config, quantization_config: dict | None) -> "ExpertFormat":
+        """The format bound to a checkpoint from its whole config (transformers object or
+        config.json dict) and its ``quantization_config``. By default the latter alone; a format
+        whose tensors take the checkpoint's saved dtype (compressed-tensors scales) reads it here.
+        """
+        return cls.from_quantization_config(quantization_config)
+
     def reference_kwargs(self) -> dict:
         """Extra ``from_pretrained`` kwargs that make transformers build the dequantized model
         this format's ``dequantize`` matches on every device (on a GPU transformers would
@@ -198,3 +206,12 @@ class ExpertFormat:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def store_name(target: str, param: str, serialized: str) -> str:
+    """The store tensor of a checkpoint's serialized companion of ``target``'s ``param``:
+    ``target`` + the name minus the param prefix (``gate_up_proj`` + ``_scale_inv``); a name
+    that does not extend the param (GPTQ's ``qweight``, ``scales``) joins with ``_``
+    (``gate_up_proj_qweight``)."""
+    suffix = serialized.removeprefix(param)
+    return target + (suffix if not suffix or suffix.startswith("_") else "_" + suffix)
