@@ -145,7 +145,7 @@ def test_independence_check_catches_an_int4_tensor_left_out_of_the_page_in(varia
     from pagedexperts.store import HostExpertStore
 
     quantized, _ = pairs(variant, "qwen3_moe")
-    load_model(quantized, num_resident=TOP_K)  # passes when every tensor is paged
+    load_model(quantized, num_resident=TOP_K, slot_format="packed")  # passes when every tensor is paged
 
     def copy_without(self, expert, slot, slots):
         for name, host in self.tensors.items():
@@ -154,7 +154,7 @@ def test_independence_check_catches_an_int4_tensor_left_out_of_the_page_in(varia
 
     monkeypatch.setattr(HostExpertStore, "copy_to_slot", copy_without)
     with pytest.raises(IndependenceError, match=f"'{left_out}'.*left out of the page-in"):
-        load_model(quantized, num_resident=TOP_K)
+        load_model(quantized, num_resident=TOP_K, slot_format="packed")
 
 
 @pytest.mark.slow
