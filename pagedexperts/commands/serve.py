@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
         help="OpenAI-compatible server (completions, chat, streaming, /metrics)",
         description="Serve the model over HTTP: POST /v1/completions and /v1/chat/completions "
         "(stream: true for server-sent events), GET /v1/models, /health, /metrics (Prometheus). "
-        "Concurrent requests are decoded together, one batched step for all running requests. "
+        "Admitted prompts are prefilled together and running requests decoded together, one forward each. "
         "Needs the server extra: pip install 'pagedexperts[server]'.",
     )
     add_model_arguments(p)

@@ -6,7 +6,9 @@ the events (text deltas, logprobs, finish) handed back through each request's ``
 
 A step (``BatchScheduler.step``) drops cancelled requests, admits waiting ones up to the
 cap, PREFILLS the admitted prompts together (left-padded into batches of at most
-``max_prefill_tokens`` padded tokens, one forward each; a prompt alone is not padded), then
+``max_prefill_tokens`` padded tokens, one forward each; a prompt alone is not padded;
+prompts whose logprobs are asked for in a batch of their own, the only forward that keeps
+every position's logits), then
 DECODES every request that was running before the step in ONE forward: the per-request
 caches are left-padded into one batch cache [B, kv_heads, S_max, D] with a 2D attention mask
 (``decode_mask``), each row at its own position; the new keys and values go back to each
@@ -291,10 +293,12 @@ class BatchScheduler:
             self._running.remove(req)
             self._finish(req, "cancelled")
         decoding = list(self._running)
-        lengths = [len(r.prompt_ids) for r in admitted]
-        for group in prefill_batches(lengths, self.config.max_prefill_tokens):
-            batch = [admitted[i] for i in group]
-            self._guarded(batch, lambda: self._prefill(batch))
+        # prompts to score keep all P rows of logits [B, P, V]: prefilled apart from the rest
+        for kind in (False, True):
+            same = [r for r in admitted if r.sampling.prompt_logprobs == kind]
+            for group in prefill_batches([len(r.prompt_ids) for r in same], self.config.max_prefill_tokens):
+                batch = [same[i] for i in group]
+                self._guarded(batch, lambda: self._prefill(batch))
         if decoding:
             self._guarded(decoding, lambda: self._decode(decoding))
 
