@@ -71,3 +71,37 @@ def test_cli_defaults_match_the_library():
 
     assert serve.DEFAULT_MAX_PREFILL_TOKENS == DEFAULT_MAX_PREFILL_TOKENS
     assert serve.MAX_PROMPT_BYTES_PER_TOKEN == protocol.MAX_PROMPT_BYTES_PER_TOKEN
+
+
+def test_metrics_export_every_numeric_layer_stat():
+    """A counter added to LayerStats (e.g. by another module) is exported without a change."""
+    pytest.importorskip("prometheus_client")
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from pagedexperts.serving.metrics import Metrics
+    from pagedexperts.stats import LayerStats
+
+    @dataclass
+    class MoreStats(LayerStats):
+        ttft_p99_s: float = 0.25
+
+    layer = MoreStats(hits=3, misses=2, union_max=5)
+    runtime = SimpleNamespace(pagers={0: SimpleNamespace(stats=layer)}, num_resident=8, top_k=2)
+    sched = SimpleNamespace(num_running=1, num_waiting=0, config=SimpleNamespace(max_running_requests=4),
+                            stats=SimpleNamespace())
+    text = Metrics(sched, runtime).render().decode()
+    for line in ('pagedexperts_paging_ttft_p99_s{layer="0"} 0.25', 'pagedexperts_expert_hits_total{layer="0"} 3.0',
+                 'pagedexperts_paging_misses_total{layer="0"} 2.0', 'pagedexperts_union_size_max{layer="0"} 5.0',
+                 "pagedexperts_running_requests 1.0"):
+        assert line in text, line
+
+
+def test_old_import_paths_still_work():
+    pytest.importorskip("fastapi")
+    from pagedexperts import scheduler, server, serving
+    from pagedexperts.serving import api_server, handlers
+    from pagedexperts.serving import scheduler as new_scheduler
+
+    assert server.create_app is api_server.create_app and server.ServeConfig is handlers.ServeConfig
+    assert scheduler.BatchScheduler is new_scheduler.BatchScheduler and serving.__doc__

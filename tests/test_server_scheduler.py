@@ -15,8 +15,8 @@ import pytest
 from serving_fixtures import (CONTEXT, HAVE_MODEL, MAX_TOKENS, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
                               ref, run_schedule, schedule, torch)
 from pagedexperts.serving.sampling import SamplingParams
-from pagedexperts.serving.scheduler import (BatchScheduler, QueueFull, SchedulerConfig, decode_mask, prefill_batches,
-                                            prefill_inputs)
+from pagedexperts.serving.batching import decode_mask, prefill_batches, prefill_inputs
+from pagedexperts.serving.scheduler import BatchScheduler, QueueFull, SchedulerConfig
 
 LOGIT_ATOL = 1e-3
 

@@ -2,6 +2,7 @@
 
 - ``protocol``: request schemas, limits, parsing and validation (``ApiError``, ``prepare``);
 - ``sampling``: per-sequence options, logit processing, the next token, logprobs, stop cut;
+- ``batching``: packing sequences into one forward (left-padded prefill, decode masks);
 - ``scheduler``: continuous batching (batched prefill, batched decode) on one thread;
 - ``responses``: OpenAI response bodies and server-sent-event chunks;
 - ``metrics``: Prometheus metrics in the server's own registry;

@@ -4,21 +4,23 @@ Owns: request outcomes, refusals (by status and OpenAI error code, so every refu
 is counted with its reason), token counters, TTFT / TPOT histograms (observed as requests
 finish), and scrape-time values read from the scheduler and from every MoE layer's
 ``LayerStats``. The paging export is generic: every numeric field of ``LayerStats`` becomes
-``pagedexperts_paging_<field>`` per layer (a counter; ``*_last`` / ``*_max`` fields, gauges),
-so a counter added to ``pagedexperts.stats`` shows up without a change here; the per-step
-host time distributions (``LayerStats.times``) are histograms (``paging_time_histograms``).
-The historical names (``pagedexperts_expert_hits`` ...) stay as aliases.
+``pagedexperts_paging_<field>`` per layer (a counter; levels such as ``*_last``, ``*_max``,
+``*_mean``, ``*_p50``, ``*_p99_s``: gauges), so a counter added to ``pagedexperts.stats``
+shows up without a change here; the per-step host time distributions (``LayerStats.times``)
+are histograms (``paging_time_histograms``). The historical names
+(``pagedexperts_expert_hits`` ...) stay as aliases.
 
 Does not: decide anything; it only counts.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
+import re
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 PREFIX = "pagedexperts_"
+GAUGE_NAME = re.compile(r"(^max_|_last|_max|_min|_mean|_p\d+)(_[a-z]+)?$")  # a level, not a running sum
 # LayerStats field -> (historical metric name, help)
 PAGING_ALIASES = {"hits": ("expert_hits", "Routed experts found resident"),
                   "misses": ("expert_misses", "Routed experts paged in"),
@@ -69,8 +71,9 @@ class Metrics:
 
 
 def _numeric_fields(stats) -> list[str]:
-    return [f.name for f in fields(stats) if isinstance(getattr(stats, f.name), (int, float))
-            and not isinstance(getattr(stats, f.name), bool)]
+    """Names of the int / float attributes of a stats object (a dataclass or any object), in order."""
+    return [name for name, value in vars(stats).items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not name.startswith("_")]
 
 
 class _LiveCollector:
@@ -90,7 +93,7 @@ class _LiveCollector:
         yield GaugeMetricFamily(PREFIX + "single_wave_cap", "K // top_k: decode batch always one wave",
                                 value=rt.num_resident // rt.top_k)
         for name in _numeric_fields(s.stats):
-            kind = GaugeMetricFamily if name.startswith("max_") else CounterMetricFamily
+            kind = GaugeMetricFamily if GAUGE_NAME.search(name) else CounterMetricFamily
             yield kind(PREFIX + name, f"Scheduler: {name.replace('_', ' ')}", value=getattr(s.stats, name))
         layers = sorted((i, pager.stats) for i, pager in rt.pagers.items())
         if not layers:
@@ -99,7 +102,7 @@ class _LiveCollector:
 
         yield from paging_time_histograms(ModelStats.collect(layers), PREFIX)
         for name in _numeric_fields(layers[0][1]):
-            gauge = name.endswith(("_last", "_max"))
+            gauge = bool(GAUGE_NAME.search(name))
             alias, doc = PAGING_ALIASES.get(name, (None, f"Per MoE layer: {name.replace('_', ' ')}"))
             for metric in filter(None, ("paging_" + name, alias)):
                 fam = (GaugeMetricFamily if gauge else CounterMetricFamily)(PREFIX + metric, doc, labels=["layer"])
