@@ -134,12 +134,13 @@ def run_server(model, tokenizer, config: ServeConfig, *, host: str, port: int, l
 
     logger.info("%s", single_wave_note(model.pagedexperts, config.max_running_requests))
     app = create_app(model, tokenizer, config)
-    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                            timeout_graceful_shutdown=GRACEFUL_CLOSE_S), app.state.serving)
-    server.run()
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
+    draining_server_class()(config, app.state.serving).run()
 
 
-def _draining_server_class():
+def draining_server_class():
+    """A ``uvicorn.Server`` subclass whose first exit signal drains the app (uvicorn is
+    imported here, lazily: it belongs to the server extra)."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -160,7 +161,3 @@ def _draining_server_class():
             super().handle_exit(sig, frame)
 
     return DrainingServer
-
-
-def _DrainingServer(config, serving):  # noqa: N802 - uvicorn is imported lazily (the server extra)
-    return _draining_server_class()(config, serving)

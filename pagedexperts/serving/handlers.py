@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -71,7 +70,6 @@ class Lifecycle:
     """Whether the server still admits requests (False from the start of a shutdown)."""
 
     admitting: bool = True
-    drained: threading.Event = field(default_factory=threading.Event)
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -205,6 +203,9 @@ class OpenAIServing:
                                 vocab_size=self.vocab_size)
 
     async def serve(self, http: HttpRequest, *, chat: bool):
+        """Answer one POST /v1/completions (``chat`` False) or /v1/chat/completions: a JSON
+        body, or a StreamingResponse of server-sent events. Raises ApiError (503 while
+        shutting down, 4xx from validation, 429 when the queue is full)."""
         endpoint = "chat" if chat else "completions"
         if not self.lifecycle.admitting:
             raise ApiError("the server is shutting down; retry on another replica or later", status=503,
@@ -365,4 +366,3 @@ class OpenAIServing:
         left = s.num_running + s.num_waiting
         s.stop(reason=f"the server is shutting down (--shutdown-timeout {timeout_s:g}s passed)")
         logger.info("scheduler stopped; %d unfinished sequences were ended", left)
-        self.lifecycle.drained.set()
