@@ -203,6 +203,35 @@ def start_server(args, max_running: int, max_prefill_tokens: int | None) -> tupl
 PREFILL_MODES = {"one": 1, "batched": None}  # --max-prefill-tokens of each mode (None = the default)
 
 
+def prefill_bench(args, prompts: int, repeats: int = 5) -> dict:
+    """Seconds of one scheduler step that admits ``prompts`` prompts (max_tokens 1), one
+    prompt per forward vs all in one forward; modes alternate, medians of ``repeats``."""
+    import torch
+
+    from pagedexperts import load_model
+    from pagedexperts.serving.sampling import SamplingParams
+    from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    model, tokenizer = load_model(args.model_path, num_resident=args.num_resident)
+    ids = [tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(prompts)]
+    times: dict[str, list[float]] = {mode: [] for mode in PREFILL_MODES}
+    for _ in range(repeats):
+        for mode, budget in PREFILL_MODES.items():
+            extra = {} if budget is None else {"max_prefill_tokens": budget}
+            sched = BatchScheduler(model, tokenizer, SchedulerConfig(prompts, 4096, **extra))
+            for p in ids:
+                sched.submit(p, SamplingParams(max_new_tokens=1), lambda e: None)
+            start = time.perf_counter()
+            sched.step()
+            times[mode].append(time.perf_counter() - start)
+    out = {mode: statistics.median(v) for mode, v in times.items()}
+    print(f"prefill of {prompts} prompts in one step: one per forward {out['one'] * 1e3:.0f} ms, batched "
+          f"{out['batched'] * 1e3:.0f} ms ({out['one'] / out['batched']:.1f}x; medians of {repeats})", flush=True)
+    return out
+
+
 def run_one(url, model, args, label) -> dict:
     """Warm-up, the optional throughput comparison, then the load phase on one server."""
     kw = dict(max_tokens=args.max_tokens, deadline_s=args.deadline_s)
@@ -255,11 +284,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--deadline-s", type=float, default=300.0, help="no request is sent after this, per phase")
     p.add_argument("--repeats", type=int, default=1, help="runs of each (cap, mode), alternating modes; medians reported")
+    p.add_argument("--prefill-bench", type=int, default=16, metavar="N",
+                   help="first time one step prefilling N prompts, per mode (0 to skip; in-process only)")
     p.add_argument("--compare", default="", help="client counts for a throughput comparison, e.g. 1,8 ('' to skip)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     args = p.parse_args(argv)
 
     runs = []
+    if args.prefill_bench and not args.url:
+        prefill_bench(args, args.prefill_bench)
     if args.url:
         url = args.url.rstrip("/")
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
