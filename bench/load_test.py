@@ -232,11 +232,15 @@ def prefill_bench(args, prompts: int, repeats: int = 5) -> dict:
     return out
 
 
-def run_one(url, model, args, label) -> dict:
-    """Warm-up, the optional throughput comparison, then the load phase on one server."""
+def run_one(url, model, args, label, burst: int = 0) -> dict:
+    """Warm-up, a burst (``burst`` clients at once on the idle server: all admitted in one
+    step, so TTFT shows the prefill of the step), the optional throughput comparison, then
+    the load phase on one server."""
     kw = dict(max_tokens=args.max_tokens, deadline_s=args.deadline_s)
-    report = {"url": url, "compare": [], "load": None}
+    report = {"url": url, "compare": [], "load": None, "burst": None}
     phase(url, model, "warm-up", clients=1, requests_per_client=1, **kw)
+    if burst:
+        report["burst"] = phase(url, model, f"{label}: burst of {burst}", clients=burst, requests_per_client=1, **kw)
     counts = [int(c) for c in args.compare.split(",") if c.strip()]
     for n in counts:  # the same total work for each client count
         report["compare"].append(phase(url, model, f"{n} client(s)", clients=n,
@@ -251,16 +255,18 @@ def run_one(url, model, args, label) -> dict:
 
 
 def print_table(runs: list[dict]) -> None:
-    print("\nrunning  prefill  ok/requests  TTFT p50   TTFT p99   tok/s   prefill batch", flush=True)
+    print("\nrunning  prefill  ok/requests  TTFT p50   TTFT p99   tok/s   prefill batch | burst TTFT p50  p99",
+          flush=True)
     for r in runs:
-        load = r["load"]
+        load, burst = r["load"], r.get("burst") or {}
         print(f"{r['max_running']:>7}  {r['prefill']:>7}  {load['ok']:>5}/{load['requests']:<5}  "
               f"{_ms(load['ttft_p50_s']):>8}  {_ms(load['ttft_p99_s']):>8}  {load['tok_s']:>6.1f}  "
-              f"{load['prefill_batch_mean']:>6.1f}", flush=True)
+              f"{load['prefill_batch_mean']:>6.1f}        | {_ms(burst.get('ttft_p50_s')):>8}  "
+              f"{_ms(burst.get('ttft_p99_s')):>8}", flush=True)
 
-    def median(running, mode, key):
-        values = [r["load"][key] for r in runs if (r["max_running"], r["prefill"]) == (running, mode)
-                  and r["load"][key] is not None]
+    def median(running, mode, key, part="load"):
+        values = [r[part][key] for r in runs if (r["max_running"], r["prefill"]) == (running, mode)
+                  and r.get(part) and r[part][key] is not None]
         return statistics.median(values) if values else None
 
     for running in sorted({r["max_running"] for r in runs if isinstance(r["max_running"], int)}):
@@ -269,6 +275,10 @@ def print_table(runs: list[dict]) -> None:
             print(f"running {running}: median TTFT p50 one-at-a-time {_ms(one)}, batched {_ms(batched)}: "
                   f"batched / one = {batched / one:.2f}; median tok/s {median(running, 'one', 'tok_s'):.1f} -> "
                   f"{median(running, 'batched', 'tok_s'):.1f}", flush=True)
+        one, batched = (median(running, m, "ttft_p50_s", "burst") for m in ("one", "batched"))
+        if one and batched:
+            print(f"running {running}: burst of {running}, median TTFT p50 one-at-a-time {_ms(one)}, batched "
+                  f"{_ms(batched)}: batched / one = {batched / one:.2f}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -307,7 +317,8 @@ def main(argv=None) -> int:
                 for mode in modes:
                     url, model, server = start_server(args, running, PREFILL_MODES[mode])
                     runs.append({"max_running": running, "prefill": mode, "repeat": rep,
-                                 **run_one(url, model, args, f"running {running}, prefill {mode}, #{rep + 1}")})
+                                 **run_one(url, model, args, f"running {running}, prefill {mode}, #{rep + 1}",
+                                           burst=running)})
                     server.should_exit = True
                     time.sleep(1.0)
     print_table(runs)
