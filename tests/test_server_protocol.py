@@ -105,3 +105,13 @@ def test_old_import_paths_still_work():
 
     assert server.create_app is api_server.create_app and server.ServeConfig is handlers.ServeConfig
     assert scheduler.BatchScheduler is new_scheduler.BatchScheduler and serving.__doc__
+
+
+@pytest.mark.parametrize("name, gauge", [("max_decode_batch", True), ("union_max", True), ("union_last", True),
+                                         ("plan_p99_s", True), ("union_mean", True), ("decode_steps", False),
+                                         ("bytes_paged", False), ("page_in_s", False)])
+def test_levels_are_gauges_sums_are_counters(name, gauge):
+    pytest.importorskip("prometheus_client")
+    from pagedexperts.serving.metrics import GAUGE_NAME
+
+    assert bool(GAUGE_NAME.search(name)) == gauge

@@ -20,7 +20,7 @@ import re
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 PREFIX = "pagedexperts_"
-GAUGE_NAME = re.compile(r"(^max_|_last|_max|_min|_mean|_p\d+)(_[a-z]+)?$")  # a level, not a running sum
+GAUGE_NAME = re.compile(r"^max_|(_last|_max|_min|_mean|_p\d+)(_[a-z]+)?$")  # a level, not a running sum
 # LayerStats field -> (historical metric name, help)
 PAGING_ALIASES = {"hits": ("expert_hits", "Routed experts found resident"),
                   "misses": ("expert_misses", "Routed experts paged in"),
