@@ -8,13 +8,21 @@ What it measures (written as JSON and markdown under ``--out``):
 1. Decode tok/s (single stream and a batch of 4) and TTFT for modes resident, offload and
    paged at each K, on a model with Qwen3-30B-A3B's published shapes (hidden 2048, 128
    experts, top-8, expert intermediate 768, 32 heads, 4 KV heads, head dim 128) but
-   ``--layers`` layers (no download is possible). Random weights route near-uniformly, so hit
-   rates here are pessimistic; bytes moved and kernel times are real.
+   ``--layers`` layers (no download is possible). Random weights route near-uniformly, so the
+   top-k is driven from a real routing trace (``--routing-trace``, default the shared OLMoE
+   trace): hit rates and bytes paged follow real text; kernel times are real.
 2. The cost of one MoE layer's decode step with m = 0, 1, 2, 4, 8 misses, against the
    link-bound floor m x expert bytes / measured pinned GB/s.
-3. Modelled decode tok/s of the 48-layer model: the simulator's LRU misses per layer-step on
-   real routing traces replayed one request stream at a time (K scaled to the trace's E,
-   misses scaled to this top_k), priced with the measured per-miss cost.
+3. The decode token time split into a per-token fixed part (embedding, lm_head, the generate
+   loop) and a per-layer part, from single-stream decode at ``--layers`` and half as many
+   layers, for resident and for paged at K = E (all hits: paging's fixed per-layer cost).
+4. Modelled decode tok/s of the 48-layer model: fixed + 48 x (paged per-layer cost at 0 misses
+   + the extra cost of the simulator's LRU misses per layer-step on real routing traces,
+   replayed one request stream at a time; K scaled to the trace's E, misses to this top_k).
+
+The JSON is rewritten after every phase (a timeout keeps what finished). Real traces: the
+files given by ``--traces``, default ``.gpu_traces/`` (an ignored folder that
+``bench/gpu_check.sh --prepare`` fills and the device run carries), else ../shared/data/traces.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ TINY = dict(
     num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=512,
 )
 REAL_MOE_LAYERS = 48  # Qwen3-30B-A3B
+CARRIED_TRACES = ROOT / ".gpu_traces"  # ignored; filled by gpu_check.sh --prepare
 
 
 def build(args):
@@ -142,21 +151,63 @@ def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
     return out
 
 
-def modelled(costs: list[dict], resident_tok_s: float, layers: int, ks: list[int], num_experts: int,
+def split_token_time(token_s: dict[int, float]) -> tuple[float, float]:
+    """{layers: seconds per decode token} at two layer counts -> (fixed seconds per token,
+    seconds per layer), from token_s(L) = fixed + L x per_layer (a line through two points).
+    Timing noise can tilt the line past either axis: the fixed part is clamped to [0, token
+    time at the larger L] and the per-layer part recomputed through that point."""
+    (l1, t1), (l2, t2) = sorted(token_s.items())
+    fixed = t2 - l2 * (t2 - t1) / (l2 - l1)
+    fixed = min(max(fixed, 0.0), t2)
+    return fixed, (t2 - fixed) / l2
+
+
+def modelled_token_s(*, fixed_s: float, per_layer_s: float, extra_miss_s: float, layers: int) -> float:
+    """Seconds per decode token of a ``layers``-layer model: the per-token fixed cost once, and
+    per layer the paged layer cost at 0 misses plus the extra cost of its misses."""
+    return fixed_s + layers * (per_layer_s + extra_miss_s)
+
+
+def miss_extra_s(costs: list[dict], m: float) -> float:
+    """Extra seconds of a layer-step with m misses over one with 0 (linear interpolation; a
+    negative value, timing noise, counts as 0)."""
+    import numpy as np
+
+    base = costs[0]["layer_step_s"]
+    extra = np.interp(m, [c["misses"] for c in costs], [c["layer_step_s"] - base for c in costs])
+    return max(0.0, float(extra))
+
+
+def layer_scaling(model, args) -> dict:
+    """Single-stream seconds per decode token at ``--layers`` and half as many, for resident
+    and for paged at K = E; their (fixed, per-layer) split."""
+    cfg, rt = model.config, model.pagedexperts
+    full = cfg.num_hidden_layers
+    out = {}
+    for mode, k in (("resident", None), ("paged", rt.num_experts)):
+        loader.repage(model, mode=mode, num_resident=k)
+        token_s = {}
+        for layers in (full, max(1, full // 2)):
+            cfg.num_hidden_layers = layers  # the decoder runs self.layers[:num_hidden_layers]
+            try:
+                decode_run(model, batch=1, prompt_len=8, new_tokens=3)  # warm-up (pages all in)
+                _, tok_s = decode_run(model, batch=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+            finally:
+                cfg.num_hidden_layers = full
+            token_s[layers] = 1.0 / tok_s
+        fixed, per_layer = split_token_time(token_s)
+        out[mode] = dict(token_s=token_s, fixed_s=fixed, per_layer_s=per_layer)
+        print(f"  {mode:9s}: fixed {1e3 * fixed:.2f} ms/token, {1e6 * per_layer:.1f} us/layer", flush=True)
+    return out
+
+
+def modelled(costs: list[dict], scaling: dict, ks: list[int], num_experts: int,
              top_k: int, traces: list[Path]) -> list[dict]:
     """Modelled tok/s of the 48-layer model from each trace's LRU decode misses per layer-step."""
     from pagedexperts import simulate
     from pagedexperts.trace import load_trace
 
-    per_layer_token_s = 1.0 / resident_tok_s / layers  # everything but paging, per layer
-    ms = [c["misses"] for c in costs]
-    base = costs[0]["layer_step_s"]
-
-    def extra(m: float) -> float:  # interpolated extra seconds of a layer-step with m misses
-        import numpy as np
-
-        return float(np.interp(m, ms, [c["layer_step_s"] - base for c in costs]))
-
+    fixed_s, paged_layer_s = scaling["paged"]["fixed_s"], scaling["paged"]["per_layer_s"]
     rows = []
     for path in traces:
         tr = load_trace(path)
@@ -166,10 +217,20 @@ def modelled(costs: list[dict], resident_tok_s: float, layers: int, ks: list[int
             _, decode = simulate.replay(steps, num_experts=tr.meta.num_experts, num_resident=k_trace, policy="lru")
             tot = decode.total()
             m_bar = tot.misses / max(1, tot.steps) * top_k / tr.meta.top_k  # scaled to this top_k
-            token_s = REAL_MOE_LAYERS * (per_layer_token_s + extra(m_bar))
+            token_s = modelled_token_s(fixed_s=fixed_s, per_layer_s=paged_layer_s,
+                                       extra_miss_s=miss_extra_s(costs, m_bar), layers=REAL_MOE_LAYERS)
             rows.append(dict(trace=path.name, K=k, K_trace=k_trace, hit_rate=tot.hit_rate,
                              misses_per_layer_step=m_bar, modelled_tok_s_48_layers=1.0 / token_s))
     return rows
+
+
+def default_traces() -> list[Path]:
+    """Carried traces if present, else the shared data folder (this machine only)."""
+    for folder in (CARRIED_TRACES, ROOT.parent / "shared" / "data" / "traces"):
+        found = sorted(folder.glob("*.jsonl")) + sorted(folder.glob("*.npz"))
+        if found:
+            return found
+    return []
 
 
 def main(argv=None) -> int:
@@ -181,7 +242,12 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--traces", nargs="*", default=None, help="routing traces (default: ../shared/data/traces/*)")
+    p.add_argument("--traces", nargs="*", default=None,
+                   help="routing traces (default: .gpu_traces/*, else ../shared/data/traces/*)")
+    p.add_argument("--routing-trace", default=None, metavar="PATH",
+                   help="drive the model's top-k from this trace (pagedexperts.trace_routing) so paging sees the "
+                   "reuse of real text; default: the shared OLMoE trace when present (not in --dry-run); 'none': "
+                   "the random router's own choice")
     args = p.parse_args(argv)
     args.ks = [int(x) for x in args.num_resident.split(",")]
     if args.dry_run:
@@ -197,32 +263,60 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from pagedexperts import linkbench
 
+    traces = [Path(t) for t in args.traces] if args.traces is not None else default_traces()
+    if not traces:
+        print(f"WARNING: no routing traces (looked in {CARRIED_TRACES}); the modelled table "
+              "will be empty; run bench/gpu_check.sh --prepare first", file=sys.stderr, flush=True)
+    result = dict(date=time.strftime("%Y-%m-%d"), device=linkbench.accelerator_name() or "cpu (dry run)",
+                  torch=torch.__version__, layers=args.layers, phases_done=[], modes=[], miss_costs=[],
+                  layer_scaling={}, modelled=[], link_gbps_pinned_expert=None)
+
+    def done(phase: str, **values) -> None:  # rewrite the JSON after every phase
+        result.update(values)
+        result["phases_done"].append(phase)
+        (out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
+        print(f"[phase {phase} done, {time.perf_counter() - t0:.1f} s]", flush=True)
+
     t0 = time.perf_counter()
     model = build(args)
-    print(f"built model in {time.perf_counter() - t0:.1f} s", flush=True)
+    routing = use_routing_trace(model, args)
     rt = model.pagedexperts
-    expert_bytes = rt.expert_bytes
+    done("build", routing=routing, expert_bytes=rt.expert_bytes, build_s=time.perf_counter() - t0)
     link = None
     if not args.dry_run:
-        res = linkbench.measure(sizes=[("expert", expert_bytes), ("64 MB", 64_000_000)], repeats=10)
+        res = linkbench.measure(sizes=[("expert", rt.expert_bytes), ("64 MB", 64_000_000)], repeats=10)
         link = next(r.gbps for r in res if r.label == "expert" and r.memory == "pinned")
-    modes = bench_modes(model, args)
+    done("link", link_gbps_pinned_expert=link)
+    done("modes", modes=bench_modes(model, args))
     costs = miss_costs(model, args, link)
-    traces = [Path(t) for t in args.traces] if args.traces is not None else sorted(
-        (ROOT.parent / "shared" / "data" / "traces").glob("*.jsonl"))
-    model_rows = modelled(costs, modes[0]["decode_tok_s"], args.layers, args.ks, rt.num_experts, rt.top_k, traces)
-    result = dict(date=time.strftime("%Y-%m-%d"), device=linkbench.accelerator_name() or "cpu (dry run)",
-                  torch=torch.__version__, layers=args.layers, expert_bytes=expert_bytes,
-                  link_gbps_pinned_expert=link, modes=modes, miss_costs=costs, modelled=model_rows)
-    (out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
+    done("miss_costs", miss_costs=costs)
+    scaling = layer_scaling(model, args)
+    done("layer_scaling", layer_scaling=scaling)
+    done("modelled", modelled=modelled(costs, scaling, args.ks, rt.num_experts, rt.top_k, traces))
     (out / "summary.md").write_text(summary(result))
     print(summary(result))
     return 0
 
 
+def use_routing_trace(model, args) -> str:
+    """Install trace-driven routing (``--routing-trace``); returns what routes the model."""
+    path = args.routing_trace
+    if path is None and not args.dry_run:
+        found = [t for t in default_traces() if t.name == "olmoe_1b7b_layer0_gsm8k.jsonl"]
+        path = str(found[0]) if found else "none"
+    if not path or path == "none":
+        return "router (random weights)"
+    from pagedexperts import trace_routing
+
+    trace_routing.install(model, path)
+    print(f"routing driven by the trace {path}", flush=True)
+    return f"trace {Path(path).name}"
+
+
 def summary(r: dict) -> str:
     lines = [f"# gpu_bench {r['date']} on {r['device']} (torch {r['torch']}), {r['layers']} layers, "
-             f"expert {r['expert_bytes'] / 1e6:.2f} MB, link {r['link_gbps_pinned_expert'] or 0:.1f} GB/s pinned",
+             f"expert {r['expert_bytes'] / 1e6:.2f} MB, link {r['link_gbps_pinned_expert'] or 0:.1f} GB/s pinned, "
+             f"routing: {r.get('routing', 'router')}",
              "", "| mode | K | decode tok/s | x4 tok/s | TTFT ms | hit | MB/token | time/token vs resident |",
              "|---|---|---|---|---|---|---|---|"]
     for m in r["modes"]:
@@ -233,6 +327,8 @@ def summary(r: dict) -> str:
     for c in r["miss_costs"]:
         floor = f"{1e6 * c['link_floor_s']:.1f}" if c["link_floor_s"] is not None else "-"
         lines.append(f"| {c['misses']} | {1e6 * c['layer_step_s']:.1f} | {floor} |")
+    for mode, sc in r.get("layer_scaling", {}).items():
+        lines.append(f"\n{mode}: fixed {1e3 * sc['fixed_s']:.2f} ms/token + {1e6 * sc['per_layer_s']:.1f} us/layer")
     lines += ["", "| trace | K (trace K) | LRU hit | misses/layer-step | modelled tok/s, 48 layers |", "|---|---|---|---|---|"]
     for m in r["modelled"]:
         lines.append(f"| {m['trace']} | {m['K']} ({m['K_trace']}) | {m['hit_rate']:.1%} | "

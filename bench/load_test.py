@@ -5,15 +5,21 @@ Starts the server in this process (uvicorn in a thread, 127.0.0.1, a free port) 
 
 1. ``--compare 1,8``: the same work from 1 client, then from 8 concurrent clients; prints
    each total tok/s and the ratio (the issue asks for >= 1.5x at 8 clients).
-2. ``--clients`` (32) concurrent clients, each ``--requests-per-client`` streaming
+2. ``--clients`` (64) concurrent clients, each ``--requests-per-client`` (3) streaming
    completions, all bounded by ``--deadline-s``. Every request must end with HTTP 200, a
    finish reason and ``[DONE]``, or a clear error (counted and shown, never hidden).
 
-Reports throughput, TTFT p50 / p99 (first text chunk), and from /metrics the decode batch
-sizes, union size, waves per layer step and multi-wave steps of the run. Writes a JSON
-report to ``--out``. Usage::
+In-process, step 2 runs once per ``--max-running-requests`` value (e.g. ``4,16,32``) and per
+``--prefill`` mode, each on a fresh server: ``one`` = one prompt per prefill forward
+(``--max-prefill-tokens 1``, the behaviour before batched prefill), ``batched`` = admitted
+prompts prefilled together (the default budget). The summary table gives TTFT p50 / p99 and
+tok/s of each, and the p50 ratio one / batched per running cap.
 
-    python bench/load_test.py --num-resident 16 --max-running-requests 32 --out results/load_test.json
+Reports throughput, TTFT p50 / p99 (first text chunk), and from /metrics the decode batch
+sizes, prefill batch sizes, union size, waves per layer step and multi-wave steps of the
+run. Writes a JSON report to ``--out``. Usage::
+
+    python bench/load_test.py --max-running-requests 4,16,32 --prefill one,batched --out results/load_test.json
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo", "First Citizen:\nBefore we procee
            "To be, or not to be", "MENENIUS:\nWhat work's, my countrymen", "But soft, what light", "Now is the winter",
            "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"]
 MODEL_COUNTERS = ("pagedexperts_decode_steps_total", "pagedexperts_decode_rows_total",
-                  "pagedexperts_prefill_steps_total")
+                  "pagedexperts_prefill_steps_total", "pagedexperts_prefill_rows_total")
 LAYER_COUNTERS = ("pagedexperts_expert_hits_total", "pagedexperts_expert_misses_total", "pagedexperts_waves_total",
                   "pagedexperts_multi_wave_steps_total", "pagedexperts_layer_steps_total",
                   "pagedexperts_union_size_sum_total", "pagedexperts_bytes_paged_total")
@@ -138,6 +144,7 @@ def summarize(outcomes: list[Outcome], wall_s: float, before: dict, after: dict)
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
         "decode_batch_mean": d["pagedexperts_decode_rows_total"] / max(1, d["pagedexperts_decode_steps_total"]),
+        "prefill_batch_mean": d["pagedexperts_prefill_rows_total"] / max(1, d["pagedexperts_prefill_steps_total"]),
         "decode_batch_max_so_far": after["pagedexperts_max_decode_batch"],
         "single_wave_cap": after["pagedexperts_single_wave_cap"],
         "union_size_mean": d["pagedexperts_union_size_sum_total"] / layer_steps,
@@ -155,7 +162,8 @@ def phase(url, model, label, **kw) -> dict:
     report.update(label=label, **kw)
     print(f"{label}: {report['ok']}/{report['requests']} ok, {report['completion_tokens']} tokens in "
           f"{wall_s:.1f}s = {report['tok_s']:.1f} tok/s; TTFT p50 {_ms(report['ttft_p50_s'])} "
-          f"p99 {_ms(report['ttft_p99_s'])}; decode batch mean {report['decode_batch_mean']:.1f}; union mean "
+          f"p99 {_ms(report['ttft_p99_s'])}; prefill batch mean {report['prefill_batch_mean']:.1f}, decode batch "
+          f"mean {report['decode_batch_mean']:.1f}; union mean "
           f"{report['union_size_mean']:.1f}, waves/layer-step {report['waves_per_layer_step']:.2f}, multi-wave "
           f"{report['multi_wave_fraction']:.1%}, hit rate {report['hit_rate']:.1%}", flush=True)
     for err in report["errors"]:
@@ -167,21 +175,22 @@ def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.0f}ms"
 
 
-def start_server(args) -> tuple[str, str, object]:
+def start_server(args, max_running: int, max_prefill_tokens: int | None) -> tuple[str, str, object]:
     """Serve in this process on 127.0.0.1; (url, model name, uvicorn server)."""
     import torch
     import uvicorn
 
     from pagedexperts import load_model
-    from pagedexperts.server import ServeConfig, create_app, single_wave_note
+    from pagedexperts.serving.api_server import ServeConfig, create_app, single_wave_note
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     model, tokenizer = load_model(args.model_path, num_resident=args.num_resident)
     name = "load-test"
     context = int(model.config.max_position_embeddings)
-    app = create_app(model, tokenizer, ServeConfig(name, args.max_running_requests, context))
-    print(single_wave_note(model.pagedexperts, args.max_running_requests), flush=True)
+    extra = {} if max_prefill_tokens is None else {"max_prefill_tokens": max_prefill_tokens}
+    app = create_app(model, tokenizer, ServeConfig(name, max_running, context, **extra))
+    print(single_wave_note(model.pagedexperts, max_running), flush=True)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -191,30 +200,47 @@ def start_server(args) -> tuple[str, str, object]:
     return f"http://127.0.0.1:{sock.getsockname()[1]}", name, server
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="a running server (default: start one in this process)")
-    p.add_argument("--model-path", default=None, help="model directory (default: the bundled model)")
-    p.add_argument("--num-resident", type=int, default=None, help="K (default: the loader's default)")
-    p.add_argument("--max-running-requests", type=int, default=32)
-    p.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the in-process server (0 = torch's default)")
-    p.add_argument("--clients", type=int, default=32)
-    p.add_argument("--requests-per-client", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--deadline-s", type=float, default=120.0, help="no request is sent after this, per phase")
-    p.add_argument("--compare", default="1,8", help="client counts for the throughput comparison ('' to skip)")
-    p.add_argument("--out", default=None, help="write the JSON report here")
-    args = p.parse_args(argv)
+PREFILL_MODES = {"one": 1, "batched": None}  # --max-prefill-tokens of each mode (None = the default)
 
-    server = None
-    if args.url:
-        url = args.url.rstrip("/")
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    else:
-        url, model, server = start_server(args)
+
+def prefill_bench(args, prompts: int, repeats: int = 5) -> dict:
+    """Seconds of one scheduler step that admits ``prompts`` prompts (max_tokens 1), one
+    prompt per forward vs all in one forward; modes alternate, medians of ``repeats``."""
+    import torch
+
+    from pagedexperts import load_model
+    from pagedexperts.serving.sampling import SamplingParams
+    from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    model, tokenizer = load_model(args.model_path, num_resident=args.num_resident)
+    ids = [tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(prompts)]
+    times: dict[str, list[float]] = {mode: [] for mode in PREFILL_MODES}
+    for _ in range(repeats):
+        for mode, budget in PREFILL_MODES.items():
+            extra = {} if budget is None else {"max_prefill_tokens": budget}
+            sched = BatchScheduler(model, tokenizer, SchedulerConfig(prompts, 4096, **extra))
+            for p in ids:
+                sched.submit(p, SamplingParams(max_new_tokens=1), lambda e: None)
+            start = time.perf_counter()
+            sched.step()
+            times[mode].append(time.perf_counter() - start)
+    out = {mode: statistics.median(v) for mode, v in times.items()}
+    print(f"prefill of {prompts} prompts in one step: one per forward {out['one'] * 1e3:.0f} ms, batched "
+          f"{out['batched'] * 1e3:.0f} ms ({out['one'] / out['batched']:.1f}x; medians of {repeats})", flush=True)
+    return out
+
+
+def run_one(url, model, args, label, burst: int = 0) -> dict:
+    """Warm-up, a burst (``burst`` clients at once on the idle server: all admitted in one
+    step, so TTFT shows the prefill of the step), the optional throughput comparison, then
+    the load phase on one server."""
     kw = dict(max_tokens=args.max_tokens, deadline_s=args.deadline_s)
-    report = {"url": url, "compare": [], "load": None}
+    report = {"url": url, "compare": [], "load": None, "burst": None}
     phase(url, model, "warm-up", clients=1, requests_per_client=1, **kw)
+    if burst:
+        report["burst"] = phase(url, model, f"{label}: burst of {burst}", clients=burst, requests_per_client=1, **kw)
     counts = [int(c) for c in args.compare.split(",") if c.strip()]
     for n in counts:  # the same total work for each client count
         report["compare"].append(phase(url, model, f"{n} client(s)", clients=n,
@@ -223,14 +249,83 @@ def main(argv=None) -> int:
         ratio = report["compare"][-1]["tok_s"] / max(1e-9, report["compare"][0]["tok_s"])
         report["throughput_ratio"] = ratio
         print(f"throughput {counts[-1]} clients / {counts[0]} client: {ratio:.2f}x", flush=True)
-    report["load"] = phase(url, model, f"{args.clients} clients", clients=args.clients,
+    report["load"] = phase(url, model, f"{label}: {args.clients} clients", clients=args.clients,
                            requests_per_client=args.requests_per_client, **kw)
+    return report
+
+
+def print_table(runs: list[dict]) -> None:
+    print("\nrunning  prefill  ok/requests  TTFT p50   TTFT p99   tok/s   prefill batch | burst TTFT p50  p99",
+          flush=True)
+    for r in runs:
+        load, burst = r["load"], r.get("burst") or {}
+        print(f"{r['max_running']:>7}  {r['prefill']:>7}  {load['ok']:>5}/{load['requests']:<5}  "
+              f"{_ms(load['ttft_p50_s']):>8}  {_ms(load['ttft_p99_s']):>8}  {load['tok_s']:>6.1f}  "
+              f"{load['prefill_batch_mean']:>6.1f}        | {_ms(burst.get('ttft_p50_s')):>8}  "
+              f"{_ms(burst.get('ttft_p99_s')):>8}", flush=True)
+
+    def median(running, mode, key, part="load"):
+        values = [r[part][key] for r in runs if (r["max_running"], r["prefill"]) == (running, mode)
+                  and r.get(part) and r[part][key] is not None]
+        return statistics.median(values) if values else None
+
+    for running in sorted({r["max_running"] for r in runs if isinstance(r["max_running"], int)}):
+        one, batched = median(running, "one", "ttft_p50_s"), median(running, "batched", "ttft_p50_s")
+        if one and batched:
+            print(f"running {running}: median TTFT p50 one-at-a-time {_ms(one)}, batched {_ms(batched)}: "
+                  f"batched / one = {batched / one:.2f}; median tok/s {median(running, 'one', 'tok_s'):.1f} -> "
+                  f"{median(running, 'batched', 'tok_s'):.1f}", flush=True)
+        one, batched = (median(running, m, "ttft_p50_s", "burst") for m in ("one", "batched"))
+        if one and batched:
+            print(f"running {running}: burst of {running}, median TTFT p50 one-at-a-time {_ms(one)}, batched "
+                  f"{_ms(batched)}: batched / one = {batched / one:.2f}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="a running server (default: start one in this process per configuration)")
+    p.add_argument("--model-path", default=None, help="model directory (default: the bundled model)")
+    p.add_argument("--num-resident", type=int, default=None, help="K (default: the loader's default)")
+    p.add_argument("--max-running-requests", default="32", help="comma-separated caps, one server each (in-process)")
+    p.add_argument("--prefill", default="batched", help="comma-separated prefill modes: one, batched (in-process)")
+    p.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the in-process server (0 = torch's default)")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--deadline-s", type=float, default=300.0, help="no request is sent after this, per phase")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each (cap, mode), alternating modes; medians reported")
+    p.add_argument("--prefill-bench", type=int, default=16, metavar="N",
+                   help="first time one step prefilling N prompts, per mode (0 to skip; in-process only)")
+    p.add_argument("--compare", default="", help="client counts for a throughput comparison, e.g. 1,8 ('' to skip)")
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    args = p.parse_args(argv)
+
+    runs = []
+    if args.prefill_bench and not args.url:
+        prefill_bench(args, args.prefill_bench)
+    if args.url:
+        url = args.url.rstrip("/")
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        runs.append({"max_running": "?", "prefill": "?", **run_one(url, model, args, "server")})
+    else:
+        modes = [m.strip() for m in args.prefill.split(",") if m.strip()]
+        unknown = sorted(set(modes) - set(PREFILL_MODES))
+        if unknown:
+            p.error(f"--prefill takes {sorted(PREFILL_MODES)}, got {unknown}")
+        for running in (int(x) for x in args.max_running_requests.split(",")):
+            for rep in range(args.repeats):  # modes alternate, so machine load drifts hit both alike
+                for mode in modes:
+                    url, model, server = start_server(args, running, PREFILL_MODES[mode])
+                    runs.append({"max_running": running, "prefill": mode, "repeat": rep,
+                                 **run_one(url, model, args, f"running {running}, prefill {mode}, #{rep + 1}",
+                                           burst=running)})
+                    server.should_exit = True
+                    time.sleep(1.0)
+    print_table(runs)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2, default=lambda o: asdict(o)))
-    if server is not None:
-        server.should_exit = True
-    return 0 if report["load"]["ok"] == report["load"]["requests"] else 1
+        Path(args.out).write_text(json.dumps(runs, indent=2, default=lambda o: asdict(o)))
+    return 0 if all(r["load"]["ok"] == r["load"]["requests"] for r in runs) else 1
 
 
 if __name__ == "__main__":

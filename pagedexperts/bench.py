@@ -194,27 +194,30 @@ def _fill_paging(res: ModeResult, d: dict, num_layers: int) -> None:
 
 
 def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) -> list[ModeResult]:
-    """Every mode (paged once per K) on the same prompts; ratios against resident filled in."""
+    """Every mode (paged once per K) on the same prompts; ratios against resident filled in.
+
+    The checkpoint is loaded once, for the first (mode, K); every later row re-attaches
+    fresh runners over the same host stores (``loader.repage``: empty slots, zeroed stats).
+    """
     from tqdm import tqdm
 
-    from pagedexperts.loader import load_model
+    from pagedexperts.loader import load_model, repage
 
     jobs = []
     for mode in cfg.modes:
         for k in (cfg.num_resident or (None,)) if mode == "paged" else (None,):
             jobs.append((mode, k))
-    results = []
-    longs = None
-    for mode, k in tqdm(jobs, desc="bench", disable=not progress):
-        model, tok = load_model(
-            cfg.model_path, num_resident=k, device=cfg.device, dtype=cfg.dtype,
-            experts_implementation=cfg.experts_implementation, policy=cfg.policy,
-            mode=mode, cpu_expert_layers=_cpu_layers(cfg) if mode == "cpu-experts" else 0,
-        )
-        if longs is None:
-            longs = long_prompts(tok, prompts, cfg.long_prompt_tokens, max(1, len(prompts) // 2))
+    (mode0, k0), results = jobs[0], []
+    model, tok = load_model(
+        cfg.model_path, num_resident=k0, device=cfg.device, dtype=cfg.dtype,
+        experts_implementation=cfg.experts_implementation, policy=cfg.policy, mode=mode0,
+        cpu_expert_layers=_cpu_layers(cfg) if "cpu-experts" in cfg.modes else 0,
+    )
+    longs = long_prompts(tok, prompts, cfg.long_prompt_tokens, max(1, len(prompts) // 2))
+    for i, (mode, k) in enumerate(tqdm(jobs, desc="bench", disable=not progress)):
+        if i:
+            repage(model, mode=mode, num_resident=k)
         results.append(measure_mode(model, tok, prompts, longs, cfg))
-        del model
     base = next((r for r in results if r.mode == "resident"), None)
     for r in results:
         if base is not None and r.decode_tok_s:

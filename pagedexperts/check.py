@@ -7,11 +7,14 @@ verdict. Does not: page or load the paged model itself (``loader``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from pagedexperts.generate import GREEDY
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = (
     "ROMEO:\nBut soft, what light",
@@ -48,17 +51,48 @@ class CheckResult:
 
 
 def load_reference(model_path, *, device: str, dtype: str | None, experts_implementation: str):
-    """The unpaged model: plain from_pretrained, all experts resident."""
+    """The unpaged model: plain from_pretrained, all experts resident (a quantized checkpoint:
+    transformers' own dequantized build, the same on CPU and GPU, ``ExpertFormat.reference_kwargs``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from pagedexperts.formats import format_for_config
     from pagedexperts.loader import bundled_model_path, resolve_dtype
 
     path = model_path or bundled_model_path()
-    torch_dtype = resolve_dtype(dtype, AutoConfig.from_pretrained(path))
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype, experts_implementation=experts_implementation
-    )
+    config = AutoConfig.from_pretrained(path)
+    torch_dtype = resolve_dtype(dtype, config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, experts_implementation=experts_implementation,
+            **format_for_config(config).reference_kwargs(),  # quantized: transformers' dequantized build
+        )
+    except ImportError as exc:
+        return _resident_reference(path, config, exc, device=device, dtype=dtype,
+                                   experts_implementation=experts_implementation)
     return model.to(device).eval()
+
+
+# Formats whose transformers loader needs GPU kernel packages (gptqmodel + optimum) absent here.
+KERNEL_ONLY_FORMATS = ("gptq", "awq")
+
+
+def _resident_reference(path, config, exc: ImportError, *, device: str, dtype, experts_implementation: str):
+    """For GPTQ/AWQ where transformers cannot load (``exc``): the resident model, every expert
+    dequantized once by pagedexperts' format (itself tested against the published
+    dequantization in tests/test_format_gptq_awq.py). Logs a WARNING: this checks paging, not
+    the dequantization. Any other format re-raises ``exc``."""
+    from pagedexperts.formats import format_for_config
+    from pagedexperts.loader import load_model
+
+    fmt = format_for_config(config)
+    if fmt.name not in KERNEL_ONLY_FORMATS:
+        raise exc
+    logger.warning(
+        "transformers cannot load this %s checkpoint here (%s); the unpaged reference is the "
+        "resident model with every expert dequantized by pagedexperts' %s format", fmt.name, exc, fmt.name)
+    model, _ = load_model(path, mode="resident", device=device, dtype=dtype,
+                          experts_implementation=experts_implementation, check_independence=False)
+    return model.eval()
 
 
 def greedy_logits(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

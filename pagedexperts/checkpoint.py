@@ -3,10 +3,15 @@
 Owns: finding a directory's safetensors files (single file or shards named by an index) and
 checking their headers before any allocation, mapping checkpoint keys onto the model with
 transformers' own conversion table (renamings, and the per-expert -> stacked converters), and
-streaming each tensor to its place (``storage.reader``): expert rows into the host stores
-(never the device), everything else onto the device. Both expert layouts are read: stacked
+streaming each tensor to its place: expert rows into the host stores (one expert at a time,
+never the device), everything else onto the device. Both expert layouts are read: stacked
 (``mlp.experts.gate_up_proj`` [E, ...]) and one tensor per expert
 (``mlp.experts.{j}.gate_proj.weight``, what hub checkpoints and ``save_pretrained`` write).
+Quantized checkpoints (``pagedexperts.formats``): expert tensors land packed in the store
+under the format's names (``gate_up_proj_scale_inv``), per expert, for the converter's sources
+and the format's serialized companions alike; a quantized non-expert weight (block-FP8
+attention) is dequantized by the same format once its companions are read, into the model's
+dtype, as transformers' loading does.
 Does not: build the model or attach pagers (``loader``).
 """
 
@@ -19,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+from pagedexperts.formats import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.base import store_name
+from pagedexperts.formats.dense import DenseFormat
 from pagedexperts.models import ExpertsSite
 
 logger = logging.getLogger(__name__)
@@ -65,30 +73,62 @@ def check_readable(files: list[Path]) -> None:
             raise ValueError(f"cannot read checkpoint shard {file}: {exc} (truncated or corrupt?)") from exc
 
 
+def _source_re(pattern: str) -> re.Pattern:
+    """A conversion table source pattern (``mlp.experts.*.gate_proj.weight``) as a regex that
+    captures the expert index and ends the key."""
+    return re.compile(re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
+
+
+def _converters(model_type: str, renames: list | None = None) -> list[tuple[list[str], str]]:
+    """The per-expert -> stacked converters of ``model_type`` as (source patterns, target),
+    appending its renamings to ``renames``.
+
+    Raises:
+        ValueError: a converter other than MergeModulelist(0) [+ Concatenate(1)].
+    """
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    out = []
+    for t in get_checkpoint_conversion_mapping(model_type) or []:
+        kind = type(t).__name__
+        if kind == "WeightRenaming" and renames is not None:
+            for src, dst in zip(t.source_patterns, t.target_patterns):
+                renames.append((re.compile(src), dst))
+        elif kind == "WeightConverter":
+            ops = [(type(o).__name__, getattr(o, "dim", None)) for o in t.operations]
+            if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+                raise ValueError(f"checkpoint conversion {ops} for {model_type!r} is not supported yet")
+            out.append((list(t.source_patterns), t.target_patterns[0]))
+    return out
+
+
+def expert_sources(model_type: str) -> dict[str, int]:
+    """Experts-module tensor name -> number of per-expert checkpoint tensors concatenated into
+    it (Qwen3's ``gate_up_proj``: 2, gate then up); tensors not listed have one source."""
+    return {target.rpartition(".")[2]: len(sources) for sources, target in _converters(model_type)}
+
+
 class KeyMap:
     """Maps checkpoint keys onto the model: an expert row of a store, or a plain tensor.
 
     Uses transformers' checkpoint conversion table for the model type (renamings, and the
-    per-expert -> stacked converters: MergeModulelist(dim=0) then Concatenate(dim=1)).
+    per-expert -> stacked converters: MergeModulelist(dim=0) then Concatenate(dim=1)). A
+    quantized format's serialized companions (``weight_scale_inv`` beside ``weight``) follow
+    their weight's converter into ``target + suffix``, as transformers' quantizers extend the
+    table (``HfQuantizer.update_weight_conversions``).
     """
 
-    def __init__(self, model_type: str, sites: dict[str, ExpertsSite]) -> None:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
+    def __init__(self, model_type: str, sites: dict[str, ExpertsSite], fmt: ExpertFormat | None = None) -> None:
         self.sites = sites
         self.renames: list[tuple[re.Pattern, str]] = []
         self.converters: list[tuple[list[re.Pattern], str]] = []
-        for t in get_checkpoint_conversion_mapping(model_type) or []:
-            kind = type(t).__name__
-            if kind == "WeightRenaming":
-                for src, dst in zip(t.source_patterns, t.target_patterns):
-                    self.renames.append((re.compile(src), dst))
-            elif kind == "WeightConverter":
-                ops = [(type(o).__name__, getattr(o, "dim", None)) for o in t.operations]
-                if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
-                    raise ValueError(f"checkpoint conversion {ops} for {model_type!r} is not supported yet")
-                pats = [re.compile(re.escape(p).replace(r"\*", r"(\d+)")) for p in t.source_patterns]
-                self.converters.append((pats, t.target_patterns[0]))
+        for sources, target in _converters(model_type, self.renames):
+            self.converters.append(([_source_re(p) for p in sources], target))
+            param = sources[0].rpartition(".")[2]
+            for name in (fmt or DenseFormat()).serialized_names.get(param, ()):
+                if name != param and all(p.endswith("." + param) for p in sources):
+                    suffixed = [p[: -len(param)] + name for p in sources]
+                    self.converters.append(([_source_re(p) for p in suffixed], store_name(target, param, name)))
 
     def rename(self, key: str) -> str:
         for pat, dst in self.renames:
@@ -113,12 +153,151 @@ class KeyMap:
         return None
 
 
-def stream_checkpoint(model, sites, stores, device, *, model_type, files) -> None:
-    """Copy every checkpoint tensor to its place: expert rows into stores (or, for a disk-tier
-    store, their byte ranges), the rest to device. See ``storage.reader.fill_from_checkpoint``."""
-    from pagedexperts.storage.reader import fill_from_checkpoint
+def stream_checkpoint(model, sites, stores, device, *, model_type, files, fmt: ExpertFormat | None = None) -> None:
+    """Copy every checkpoint tensor to its place: expert rows into stores, the rest to device.
 
-    fill_from_checkpoint(model, sites, stores, device, model_type=model_type, files=files)
+    ``fmt``: the checkpoint's expert format (None: dense); the stores hold its packed tensors.
+
+    Raises:
+        ValueError: unreadable shard, a shape that does not match the config, expert rows or
+            model tensors the checkpoint lacks, a quantized weight without its companions.
+    """
+    if fmt is None or fmt.name == "dense":  # read at disk speed, nothing left mapped (storage.reader)
+        from pagedexperts.storage.reader import fill_from_checkpoint
+
+        fill_from_checkpoint(model, sites, stores, device, model_type=model_type, files=files)
+        return
+    from safetensors import safe_open
+
+    keymap = KeyMap(model_type, sites, fmt)
+    handles = []
+    for file in files:
+        try:
+            handles.append(safe_open(str(file), framework="pt"))
+        except Exception as exc:  # safetensors raises its own error type for truncated files
+            raise ValueError(f"cannot read checkpoint shard {file}: {exc} (truncated or corrupt?)") from exc
+    quantized = PlainDequantizer(fmt, [keymap.rename(k) for h in handles for k in h.keys()])
+    # site name -> {(tensor name, expert): source indices seen}; n_src per tensor name
+    seen_rows: dict[str, dict] = {name: {} for name in sites}
+    unexpected = []
+    for handle in handles:
+        with handle as f:
+            for raw_key in f.keys():
+                key = keymap.rename(raw_key)
+                target = keymap.expert_target(key)
+                if target is not None:
+                    _load_expert_tensor(f, raw_key, target, stores, seen_rows)
+                    continue
+                value = f.get_tensor(raw_key)
+                if quantized.takes(key):
+                    key, value = quantized.add(model, key, value)
+                    if key is None:
+                        continue
+                if not load_plain_tensor(model, key, value, device):
+                    unexpected.append(raw_key)
+    quantized.check_done()
+    if unexpected:
+        logger.warning("checkpoint keys not used by the model: %d (first: %s)", len(unexpected), unexpected[:3])
+    for name, site in sites.items():
+        lacking = [
+            (spec.name, e)
+            for spec in stores[name].specs
+            for e in range(site.num_experts)
+            if len(seen_rows[name].get((spec.name, e), ((), 1))[0]) != seen_rows[name].get((spec.name, e), ((), 1))[1]
+        ]
+        if lacking:
+            raise ValueError(
+                f"checkpoint lacks expert tensors of {name}: {len(lacking)} (tensor, expert) rows, "
+                f"e.g. {lacking[:4]}"
+            )
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} model tensors, e.g. {missing[:4]}")
+
+
+class PlainDequantizer:
+    """Quantized non-expert weights (block-FP8 attention, shared experts, dense MLPs): collects
+    a weight's serialized companions (``q_proj.weight`` + ``q_proj.weight_scale_inv``) as they
+    stream by, and dequantizes them with the format into the parameter's dtype once complete.
+
+    A weight counts as quantized when the checkpoint holds all its serialized names.
+    """
+
+    def __init__(self, fmt: ExpertFormat | None, keys: list[str]) -> None:
+        self.fmt = fmt
+        self.groups: dict[str, tuple[str, tuple[str, ...]]] = {}  # key -> (base "mod.weight", names)
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        present = set(keys)
+        for param, names in (fmt.serialized_names.items() if fmt is not None else ()):
+            for key in keys:
+                if not key.endswith("." + param):
+                    continue
+                module = key[: -len(param) - 1]
+                if len(names) > 1 and all(f"{module}.{n}" in present for n in names):
+                    for n in names:
+                        self.groups[f"{module}.{n}"] = (f"{module}.{param}", names)
+
+    def takes(self, key: str) -> bool:
+        return key in self.groups
+
+    def add(self, model, key: str, value: torch.Tensor) -> tuple[str | None, torch.Tensor | None]:
+        """Keep ``value``; when its group is complete return (weight key, dense weight)."""
+        base, names = self.groups[key]
+        module_name, _, param = base.rpartition(".")
+        parts = self.pending.setdefault(base, {})
+        parts[key.rpartition(".")[2]] = value
+        if len(parts) < len(names):
+            return None, None
+        del self.pending[base]
+        ref = model.get_submodule(module_name)._parameters.get(param)
+        if ref is None:
+            raise ValueError(f"checkpoint's quantized {base!r} has no parameter in the model")
+        dense = TensorSpec(param, tuple(ref.shape), ref.dtype)
+        qt = QuantizedTensor(dense, self.fmt.pack(dense, sources=1, transposed=False))
+        rows = {store_name(param, param, name): parts[name].unsqueeze(0) for name in parts}
+        return base, self.fmt.dequantize(qt, rows)[0]
+
+    def check_done(self) -> None:
+        if self.pending:
+            base, parts = next(iter(self.pending.items()))
+            raise ValueError(
+                f"quantized checkpoint tensor {base!r} lacks its companions: has {sorted(parts)}, "
+                f"needs {list(self.groups[base][1])}"
+            )
+
+
+def _load_expert_tensor(f, raw_key, target, stores, seen_rows) -> None:
+    site, tname, expert, src_index, n_src = target
+    store = stores[site.name]
+    if tname not in store.tensors:
+        raise ValueError(f"checkpoint tensor {raw_key!r} maps to unknown expert tensor {tname!r} of {site.name}")
+    if expert is None:  # stacked [E, ...]: copy one expert at a time to bound memory
+        sl = f.get_slice(raw_key)
+        shape = sl.get_shape()
+        if shape[0] != site.num_experts:
+            raise ValueError(
+                f"expert tensor {raw_key!r} has {shape[0]} experts, config says E={site.num_experts}"
+            )
+        for e in range(site.num_experts):
+            store.write_row(tname, e, sl[e])
+            seen_rows[site.name][(tname, e)] = ({0}, 1)
+        return
+    value = f.get_tensor(raw_key)
+    rows = None
+    if n_src > 1:  # the sources are concatenated along the spec's concat_dim (rows by default)
+        dim = next(s.concat_dim for s in store.specs if s.name == tname)
+        size = store.tensors[tname].shape[1 + dim] // n_src
+        if value.dim() <= dim or value.shape[dim] != size:
+            raise ValueError(
+                f"checkpoint tensor {raw_key!r} (expert {expert}) has shape {tuple(value.shape)}, but "
+                f"{tname!r} of shape {tuple(store.tensors[tname].shape[1:])} per expert needs "
+                f"{size} along dim {dim} from each of its {n_src} sources (config moe_intermediate_size?)"
+            )
+        rows = (slice(None),) * dim + (slice(src_index * size, (src_index + 1) * size),)
+    store.write_row(tname, expert, value, rows=rows)
+    seen_rows[site.name].setdefault((tname, expert), (set(), n_src))[0].add(src_index)
 
 
 def load_plain_tensor(model, key: str, value: torch.Tensor, device) -> bool:

@@ -22,6 +22,7 @@ COMMANDS = {
     "simulate": "simulate",
     "serve": "serve",
     "bench": "bench",
+    "quantize": "quantize",
 }
 
 
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command != "quantize" and str(getattr(args, "model_path", "") or "").startswith("bundled:"):
+            from pagedexperts.commands.quantize import resolve_model_path
+
+            args.model_path = resolve_model_path(args.model_path)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedexperts {args.command}: error: {exc}", file=sys.stderr)

@@ -91,8 +91,8 @@ class _TimingStreamer:
         self._text.end()
 
 
-def _totals(stats: ModelStats) -> dict:
-    d = stats.as_dict()
+def _totals(stats: ModelStats, *, times: bool = True) -> dict:
+    d = stats.as_dict(times=times)
     d.pop("layers")
     return d
 
@@ -154,7 +154,7 @@ def generate_text(
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     runtime.reset_stats()
-    streamer = _TimingStreamer(tokenizer, on_text, lambda: _totals(runtime.stats()))
+    streamer = _TimingStreamer(tokenizer, on_text, lambda: _totals(runtime.stats(), times=False))
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, streamer=streamer, pad_token_id=tokenizer.pad_token_id)
     if sampling.temperature > 0:
         kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
@@ -184,6 +184,12 @@ def generate_text(
     )
 
 
+def _p50_p99(name: str, summary: dict) -> str:
+    if not summary["count"]:
+        return f"{name} -"
+    return f"{name} {1e6 * summary['p50']:.0f}/{1e6 * summary['p99']:.0f} us"
+
+
 def format_report(result: GenerationResult, *, num_resident: int, num_experts: int, top_k: int) -> str:
     """A short human-readable paging report of one generation."""
     p, d = result.paging, result.decode
@@ -200,7 +206,9 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
         f"  waves {p['waves']} ({p['multi_wave_steps']} layer-steps needed more than one), "
         f"union size mean {p['union_mean']:.1f} max {p['union_max']}",
         f"  host planning {1e6 * p['plan_s'] / max(1, p['layer_steps']):.0f} us per layer-step, "
-        f"top-k read-back {1e6 * p['sync_s'] / max(1, p['layer_steps']):.0f} us",
+        f"top-k read-back {1e6 * p['sync_s'] / max(1, p['layer_steps']):.0f} us (means)",
+        "  per layer-step p50/p99: " + ", ".join(_p50_p99(name, p["times"][key]) for key, name in
+                                                 (("plan_s", "plan"), ("sync_s", "read-back"), ("page_in_s", "page-in"))),
         f"  TTFT {result.ttft_s * 1e3:.0f} ms, decode {result.decode_tok_s:.1f} tok/s",
     ]
     if p.get("disk_tier"):

@@ -21,7 +21,10 @@ from pathlib import Path
 import torch
 
 from pagedexperts import integration
-from pagedexperts.checkpoint import check_readable, checkpoint_files, stream_checkpoint
+from pagedexperts.checkpoint import check_readable, checkpoint_files, expert_sources, stream_checkpoint
+from pagedexperts.formats import ExpertFormat, format_for_config
+from pagedexperts.formats import slots
+from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, check_slot_format, resolve_slot_format
 from pagedexperts.models import check_supported, find_experts_sites
 from pagedexperts.recording import install_padding_hook
 from pagedexperts.pager import INNER_IMPLEMENTATIONS, ExpertPager
@@ -56,6 +59,7 @@ class PagingConfig:
     policy: str = DEFAULT_POLICY
     mode: str = "paged"
     cpu_expert_layers: int = 0
+    slot_format: str = "packed"  # "packed" or "dense", resolved from "auto" (formats.slots)
     host_memory_gb: float | None = None  # None: what fits in available memory
 
 
@@ -74,6 +78,9 @@ class PagingRuntime:
     pagers: dict[int, ExpertPager] = field(default_factory=dict)
     sites: list = field(default_factory=list, repr=False)
     stores: dict = field(default_factory=dict, repr=False)
+    expert_format: str = "dense"  # the checkpoint's expert format (pagedexperts.formats)
+    layouts: dict = field(default_factory=dict, repr=False)  # site name -> ExpertLayout
+    buffers: dict = field(default_factory=dict, repr=False)  # shared dense scratch / packed staging
     host_memory: HostMemoryPlan | None = None
     read_ahead: ReadAhead | None = field(default=None, repr=False)
 
@@ -98,7 +105,13 @@ class PagingRuntime:
 
     @property
     def expert_bytes(self) -> int:
+        """Packed bytes of one expert (the unit of a page-in)."""
         return next(iter(self.pagers.values())).store.expert_bytes
+
+    @property
+    def dense_expert_bytes(self) -> int:
+        """Bytes of one expert dequantized to the model's dtype (one dense slot)."""
+        return next(iter(self.layouts.values())).dense_expert_bytes
 
 
 def resolve_dtype(name: str | None, config) -> torch.dtype:
@@ -146,6 +159,8 @@ def load_model(
     cpu_expert_layers: int = 0,
     prefetch: bool = False,
     prefetch_budget: int | None = None,
+    slot_format: str = DEFAULT_SLOT_FORMAT,
+    check_independence: bool = True,
     host_memory_gb: float | None = None,
 ):
     """Load a Hugging Face MoE model directory with K of E experts per layer resident.
@@ -166,6 +181,13 @@ def load_model(
         prefetch: mode "paged" only: while layer l computes, page in layer l+1's experts as
             predicted by layer l+1's router on layer l's input (``pagedexperts.prefetch``).
         prefetch_budget: prefetch page-ins per layer per step at most (None = top_k).
+        slot_format: for a quantized checkpoint, what the K slots hold: "packed" (what a
+            page-in copies; each wave's experts dequantized before compute), "dense"
+            (dequantized once at page-in) or "auto" (dense on CPU, packed on CUDA; see
+            ``formats.slots``). No effect on an unquantized one.
+        check_independence: at start-up, page a sample of experts of every layer into a slot
+            and compare what the experts kernel would read with the checkpoint's own tensors
+            of that expert (``independence``); raises naming the tensor on a mismatch.
             With the disk tier, the predictions are also read ahead from disk.
         host_memory_gb: G, host memory in GB (1e9 bytes) for the expert store. When all E
             experts of every layer do not fit in G, each layer keeps R host rows and reads the
@@ -208,12 +230,22 @@ def load_model(
     make_policy(policy, 1)  # validate the name before any work
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
-    fill = functools.partial(stream_checkpoint, model_type=config.model_type, files=files)
+    check_slot_format(slot_format)
+    fmt = format_for_config(config)
+    fill = functools.partial(stream_checkpoint, model_type=config.model_type, files=files, fmt=fmt)
     model = build_paged_model(
         config, fill, num_resident=num_resident, device=device, dtype=dtype,
         experts_implementation=experts_implementation, policy=policy, mode=mode,
-        cpu_expert_layers=cpu_expert_layers, host_memory_gb=host_memory_gb,
+        cpu_expert_layers=cpu_expert_layers, expert_format=fmt, slot_format=slot_format,
+        host_memory_gb=host_memory_gb,
     )
+    if check_independence:
+        from pagedexperts.independence import check_model_independence
+
+        check_model_independence(model, files, fmt)
+        for store in model.pagedexperts.stores.values():  # the check's samples leave no trace
+            if hasattr(store, "reset"):
+                store.reset()
     if prefetch and mode == "paged":
         from pagedexperts import prefetch as prefetch_mod
 
@@ -233,6 +265,8 @@ def build_paged_model(
     policy: str = DEFAULT_POLICY,
     mode: str = "paged",
     cpu_expert_layers: int = 0,
+    expert_format: ExpertFormat | None = None,
+    slot_format: str = DEFAULT_SLOT_FORMAT,
     host_memory_gb: float | None = None,
 ):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
@@ -240,7 +274,8 @@ def build_paged_model(
     ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
     stores ({site name: HostExpertStore}), every other parameter onto ``device``. ``load_model``
     streams a checkpoint; ``random_fill`` makes random weights for benchmarks at real scale.
-    Other arguments and errors: see ``load_model``.
+    ``expert_format``: the checkpoint's format (None: from ``config.quantization_config``); the
+    stores hold its packed tensors. Other arguments and errors: see ``load_model``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -262,27 +297,44 @@ def build_paged_model(
         raise ValueError(
             f"--cpu-expert-layers {cpu_expert_layers} outside [0, {len(sites)}] (the model's MoE layers)"
         )
-    memory = _plan_memory(model, config, sites, dev, torch_dtype, k_slots=k_slots, mode=mode,
+    fmt = expert_format if expert_format is not None else format_for_config(config)
+    sources = expert_sources(config.model_type)
+    layouts = {
+        s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
+        for s in sites
+    }
+    packed_specs = list(layouts[sites[0].name].packed_specs)
+    memory = _plan_memory(model, config, sites, dev, torch_dtype, packed_specs, k_slots=k_slots, mode=mode,
                           top_k=top_k, host_memory_gb=host_memory_gb)
+    if memory.disk_tier and fmt.name != "dense":
+        raise ValueError(
+            f"the disk tier reads dense checkpoints only for now; this one is {fmt.name!r} and needs "
+            f"{memory.num_experts * memory.num_layers * memory.expert_bytes:,} bytes for all experts: raise --host-memory-gb"
+        )
     runtime = PagingRuntime(
-        config=PagingConfig(k_slots, str(dev), dtype, experts_implementation, policy, mode, cpu_expert_layers,
-                            host_memory_gb),
+        config=PagingConfig(
+            k_slots, str(dev), dtype, experts_implementation, policy, mode, cpu_expert_layers,
+            resolve_slot_format(slot_format, dev), host_memory_gb=host_memory_gb,
+        ),
         num_experts=num_experts,
         top_k=top_k,
         num_resident=k_slots,
+        expert_format=fmt.name,
+        layouts=layouts,
         host_memory=memory,
     )
     if memory.disk_tier:
-        runtime.read_ahead = ReadAhead(sites[0].specs, num_buffers=memory.staging_bytes // memory.expert_bytes)
+        runtime.read_ahead = ReadAhead(packed_specs, num_buffers=memory.staging_bytes // memory.expert_bytes)
     stores = {}
     for site in sites:
+        specs = list(layouts[site.name].packed_specs)
         if memory.disk_tier:
             stores[site.name] = TieredExpertStore(
-                list(site.specs), site.num_experts, memory.host_rows, policy=policy, pin=dev.type == "cuda",
+                specs, site.num_experts, memory.host_rows, policy=policy, pin=dev.type == "cuda",
                 layer=site.layer, read_ahead=runtime.read_ahead,
             )
         else:
-            stores[site.name] = HostExpertStore(list(site.specs), site.num_experts, pin=dev.type == "cuda")
+            stores[site.name] = HostExpertStore(specs, site.num_experts, pin=dev.type == "cuda")
         for spec in site.specs:  # the module keeps no [E, ...] tensor: only the runner's
             site.module._parameters.pop(spec.name, None)
             site.module._buffers.pop(spec.name, None)
@@ -293,17 +345,21 @@ def build_paged_model(
     model.pagedexperts = runtime
     install_padding_hook(model)
     integration.set_implementation(model, integration.IMPLEMENTATION_NAME)
+    integration.follow_decode_switch(model)
     model.pagedexperts.sites = sites
     model.pagedexperts.stores = stores
     return model
 
 
-def _plan_memory(model, config, sites, dev, dtype, *, k_slots, mode, top_k, host_memory_gb) -> HostMemoryPlan:
+def _plan_memory(model, config, sites, dev, dtype, packed_specs, *, k_slots, mode, top_k,
+                 host_memory_gb) -> HostMemoryPlan:
     """Everything that will live in host memory, counted before any allocation (see
-    ``storage.host_memory``); the disk tier (R < E) for mode "paged" only."""
+    ``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Store rows hold
+    ``packed_specs``; slots are counted at the dense size (the larger of the slot formats)."""
     if host_memory_gb is not None and host_memory_gb <= 0:
         raise ValueError(f"--host-memory-gb {host_memory_gb} must be > 0")
-    expert_bytes = sum(s.row_bytes for s in sites[0].specs)
+    expert_bytes = sum(s.row_bytes for s in packed_specs)
+    slot_expert_bytes = max(expert_bytes, sum(s.row_bytes for s in sites[0].specs))
     expert_params = {f"{s.name}.{spec.name}" for s in sites for spec in s.specs}
     non_expert = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in expert_params)
     on_cpu = dev.type == "cpu"
@@ -313,7 +369,7 @@ def _plan_memory(model, config, sites, dev, dtype, *, k_slots, mode, top_k, host
         num_layers=len(sites),
         num_experts=sites[0].num_experts,
         expert_bytes=expert_bytes,
-        slot_bytes_on_host=k_slots * len(sites) * expert_bytes if on_cpu and mode == "paged" else 0,
+        slot_bytes_on_host=k_slots * len(sites) * slot_expert_bytes if on_cpu and mode == "paged" else 0,
         staging_bytes=READ_AHEAD_EXPERTS_PER_TOP_K * top_k * expert_bytes,
         non_expert_bytes_on_host=non_expert if on_cpu else 0,
         kv_bytes_on_host=kv_estimate_bytes(config, dtype_bytes=dtype.itemsize) if on_cpu else 0,
@@ -362,14 +418,15 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
     k = _check_num_resident(num_resident, rt.num_experts, rt.top_k) if mode == "paged" else rt.num_experts
     dev = torch.device(rt.config.device)
+    for runner in rt.pagers.values():
+        runner.release()  # copies in flight into its slots finish before the slots are freed
     rt.pagers.clear()
+    rt.buffers.clear()  # the shared scratch / staging are sized for K
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     rt.config = dataclasses.replace(rt.config, num_resident=k, mode=mode, policy=policy or rt.config.policy)
     rt.num_resident = k
     _attach_runners(rt, rt.sites, rt.stores, dev, mode=mode, cpu_expert_layers=rt.config.cpu_expert_layers)
-    for pager in rt.pagers.values():
-        pager.padding_rows = 0
 
 
 def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.02) -> None:
@@ -384,7 +441,7 @@ def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.0
         raise ValueError("random weights need the full host store; the disk tier reads a checkpoint (raise --host-memory-gb)")
     for store in stores.values():
         for t in store.tensors.values():
-            t.normal_(0.0, std, generator=gen)  # in place: no temporary the size of the store
+            _tile_random(t, gen, std)
     for name, p in list(model.named_parameters()):
         if p.device.type != "meta":
             continue
@@ -397,28 +454,61 @@ def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.0
         module._parameters[attr] = torch.nn.Parameter(value.to(device), requires_grad=False)
 
 
+RANDOM_BLOCK = (1 << 22) + 1  # elements of the random block tiled over store tensors
+
+
+def _tile_random(t: torch.Tensor, gen: torch.Generator, std: float) -> None:
+    """Fill ``t`` in place with one random normal block (RANDOM_BLOCK elements, std ``std``)
+    repeated: copies run at memory speed (a single-threaded ``normal_`` over Qwen3-30B-A3B's
+    4.8 G expert elements took ~17 s). The block length divides no expert's size, so experts
+    differ."""
+    flat = t.view(-1)
+    block = (torch.randn(min(RANDOM_BLOCK, flat.numel()), generator=gen) * std).to(t.dtype)
+    for i in range(0, flat.numel(), block.numel()):
+        n = min(block.numel(), flat.numel() - i)
+        flat[i : i + n].copy_(block[:n])
+
+
 def _attach_runners(runtime, sites, stores, dev, *, mode: str, cpu_expert_layers: int) -> None:
     """One experts runner per MoE layer (a pager, or a baseline of ``modes``), on its module."""
     cfg = runtime.config
     copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and mode == "paged" else None
     staging = make_staging(stores[sites[0].name], dev) if mode == "offload" else None
     for i, site in enumerate(sites):
+        layout = runtime.layouts.get(site.name)
         common = dict(layer=site.layer, store=stores[site.name], device=dev, inner=cfg.experts_implementation)
         if mode == "paged":
             runner = ExpertPager(
                 num_slots=runtime.num_resident,
                 policy=make_policy(cfg.policy, runtime.num_resident),
                 copy_stream=copy_stream,
+                **_slot_tables(runtime, layout, dev),
                 **common,
             )
         elif mode == "offload":
-            runner = OffloadRunner(staging=staging, **common)
+            runner = OffloadRunner(staging=staging, layout=layout, **common)
         elif mode == "cpu-experts" and i < cpu_expert_layers:
-            runner = CpuExpertsRunner(**common)
+            runner = CpuExpertsRunner(layout=layout, **common)
         else:
-            runner = ResidentRunner(**common)
+            runner = ResidentRunner(layout=layout, **common)
         runtime.pagers[site.layer] = runner
-        setattr(site.module, integration.PAGER_ATTR, runner)
+        integration.attach(site.module, runner)
+
+
+def _slot_tables(runtime, layout, dev) -> dict:
+    """ExpertPager kwargs for a quantized layer's slot format: packed slots with the model's
+    shared dense scratch (a WaveDequantizer), or dense slots with its shared packed staging."""
+    if layout is None or layout.is_dense:
+        return {}
+    k = runtime.num_resident
+    if runtime.config.slot_format == "packed":
+        if "scratch" not in runtime.buffers:
+            runtime.buffers["scratch"] = slots.allocate(layout.dense_specs, k, dev)
+        return {"dequantizer": slots.WaveDequantizer(layout, runtime.buffers["scratch"])}
+    if "staging" not in runtime.buffers:
+        runtime.buffers["staging"] = slots.allocate(layout.packed_specs, 1, dev)
+    table = slots.DenseSlots(layout, slots.allocate(layout.dense_specs, k, dev), runtime.buffers["staging"])
+    return {"slots": table}
 
 
 def _check_num_resident(num_resident: int | None, num_experts: int, top_k: int) -> int:

@@ -22,6 +22,7 @@ import torch
 from pagedexperts.pager import SlotView, resolve_inner, routed_union
 from pagedexperts.stats import LayerStats
 from pagedexperts.store import HostExpertStore
+from pagedexperts.transfer import read_back
 
 MODES = ("paged", "resident", "offload", "cpu-experts")
 
@@ -29,26 +30,38 @@ MODES = ("paged", "resident", "offload", "cpu-experts")
 class _BaselineRunner:
     """Shared plumbing: stats, trace hook, padding rows; subclasses implement ``_compute``."""
 
-    def __init__(self, *, layer: int, store: HostExpertStore, device, inner: str) -> None:
+    def __init__(self, *, layer: int, store: HostExpertStore, device, inner: str, layout=None) -> None:
         self.layer = layer
         self.store = store
+        self.layout = layout  # formats.ExpertLayout of a quantized layer (None: dense)
         self.device = torch.device(device)
         self.inner = inner
         self.stats = LayerStats()
         self.trace_hook = None
-        self.padding_rows = 0
+        self.padding_count = None  # 0-dim device tensor set by the recording hook, or None
 
     @property
     def num_experts(self) -> int:
         return self.store.num_experts
 
+    def dense(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's dense expert tensors from the store-shaped ``tensors`` (dequantized
+        when the layer is quantized; the same tensors otherwise)."""
+        return tensors if self.layout is None or self.layout.is_dense else self.layout.dequantize(tensors)
+
     def collect_copy_time(self) -> None:
         """Copies are timed synchronously here; nothing to fold in."""
+
+    def release(self) -> None:
+        """Nothing in flight: copies here are synchronous."""
 
     def __call__(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """[T, H], [T, k], [T, k] -> [T, H]; records union size and bytes moved."""
         t0 = time.perf_counter()
-        ids_host = top_k_index.detach().to("cpu")
+        parts = [top_k_index.detach()] + ([self.padding_count] if self.padding_count is not None else [])
+        host = read_back(parts)  # one transfer, as in the pager
+        ids_host = host[:, : top_k_index.shape[1]]
+        padding = int(host[0, -1]) if self.padding_count is not None and host.shape[0] else 0
         t1 = time.perf_counter()
         if self.trace_hook is not None:
             self.trace_hook(self.layer, ids_host, top_k_weights.detach().to("cpu"))
@@ -58,8 +71,8 @@ class _BaselineRunner:
             hits=hits,
             misses=union - hits,
             waves=1,
-            tokens=int(hidden_states.shape[0]) - self.padding_rows,
-            padding_tokens=self.padding_rows,
+            tokens=int(hidden_states.shape[0]) - padding,
+            padding_tokens=padding,
             expert_bytes=self.store.expert_bytes,
             bytes_paged=bytes_moved,
             page_in_s=copy_s,
@@ -73,7 +86,8 @@ class ResidentRunner(_BaselineRunner):
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self.tensors = {n: t.to(self.device) for n, t in self.store.tensors.items()}
+        # a quantized layer is dequantized once: the "dequantized resident model" baseline
+        self.tensors = self.dense({n: t.to(self.device) for n, t in self.store.tensors.items()})
 
     def _compute(self, module, hidden, ids, weights, union):
         out = resolve_inner(module, self.inner)(SlotView(module, self.tensors), hidden, ids, weights)
@@ -95,18 +109,23 @@ class OffloadRunner(_BaselineRunner):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         copy_s = time.perf_counter() - t0
-        out = resolve_inner(module, self.inner)(SlotView(module, self.staging), hidden, ids, weights)
+        out = resolve_inner(module, self.inner)(SlotView(module, self.dense(self.staging)), hidden, ids, weights)
         return out, 0, self.store.host_bytes, copy_s
 
 
 class CpuExpertsRunner(_BaselineRunner):
     """Computes the layer's experts on the CPU from the host store; activations move instead
-    of weights (T x H in and out). Every routed expert is a hit (nothing is paged)."""
+    of weights (T x H in and out). Every routed expert is a hit (nothing is paged). A quantized
+    layer is dequantized once, into host memory, at construction."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.tensors = self.dense(self.store.tensors)
 
     def _compute(self, module, hidden, ids, weights, union):
         cpu = torch.device("cpu")
         inner = resolve_inner(module, self.inner)
-        out = inner(SlotView(module, self.store.tensors), hidden.to(cpu), ids.to(cpu), weights.to(cpu))
+        out = inner(SlotView(module, self.tensors), hidden.to(cpu), ids.to(cpu), weights.to(cpu))
         return out.to(hidden.device), union, 0, 0.0
 
 

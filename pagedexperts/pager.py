@@ -4,8 +4,14 @@ Owns: the [K, ...] slot tensors of one MoE layer on the device, its ``Residency`
 slot map), its ``HostExpertStore``, its ``LayerStats``, and the experts step of DESIGN.md
 (steps 2-6): read the top-k ids to the host, plan waves, page in the misses, compute each wave
 with the model's own experts implementation over the slot tensors, and merge.
-Does not: route (the model's router runs unchanged), load checkpoints (``loader``), or know
-the architecture (``models``).
+Does not: route (the model's router runs unchanged), load checkpoints (``loader``), know
+the architecture (``models``), or order copies against compute (``transfer``).
+
+Syncs. A layer-step makes exactly one device-to-host transfer (``transfer.read_back``: the
+top-k ids, the next layer's prefetch prediction and the step's padding count together); the
+slot map lives on the device and is re-uploaded from pinned memory only when it changed, and a
+multi-wave step's rows per wave are computed on the host from the read-back ids and uploaded.
+``tests/test_syncs.py`` counts this by instrumentation.
 
 Exactness. The reference ("inner") implementation is called once per wave on the wave's
 (token, k) entries as if each entry were a token with top_k = 1 and routing weight 1, in the
@@ -33,6 +39,7 @@ from pagedexperts.prefetch import PrefetchStats
 from pagedexperts.residency import EvictionPolicy, Residency, StepPlan, Wave
 from pagedexperts.stats import LayerStats
 from pagedexperts.store import HostExpertStore
+from pagedexperts.transfer import SlotTransfers, read_back, upload
 
 # Inner implementations whose combine rule the pager knows (see module docstring).
 SUM_COMBINE = ("grouped_mm", "batched_mm")
@@ -101,6 +108,11 @@ class ExpertPager:
         inner: name of the experts implementation used on the slots (INNER_IMPLEMENTATIONS).
         policy: eviction policy over K slots (default LRU).
         copy_stream: CUDA stream for page-ins (None on CPU).
+        slots: the [K, ...] slot tensors, when a quantized format needs them other than as
+            the store's packed tensors (``formats.slots.DenseSlots``); None = allocate them
+            like the store's tensors.
+        dequantizer: for packed slots of a quantized format, turns each wave's slots into
+            dense tensors (``formats.slots.WaveDequantizer``); None = the slots are dense.
     """
 
     def __init__(
@@ -113,6 +125,8 @@ class ExpertPager:
         inner: str,
         policy: EvictionPolicy | None = None,
         copy_stream: "torch.cuda.Stream | None" = None,
+        slots: dict[str, torch.Tensor] | None = None,
+        dequantizer=None,
     ) -> None:
         self.layer = layer
         self.store = store
@@ -121,17 +135,22 @@ class ExpertPager:
         self.inner = inner
         self.copy_stream = copy_stream
         self.stats = LayerStats()
-        self.slots = {
+        self.slots = slots if slots is not None else {
             spec.name: torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=self.device)
             for spec in store.specs
         }
+        self.transfers = SlotTransfers(self.slots, self.device, copy_stream)
+        self.dequantizer = dequantizer
         # expert -> slot at its last page-in (plan or prefetch): exact for every resident
-        # expert, stale for evicted ones, which a single-wave step never looks up.
+        # expert, stale for evicted ones, which a single-wave step never looks up. Mirrored on
+        # the device in _slot_map (uploaded when _slot_map_stale).
         self._slot_of = np.full(store.num_experts, -1, dtype=np.int64)
-        self._compute_done: "torch.cuda.Event | None" = None
-        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._slot_map: torch.Tensor | None = None
+        self._slot_map_stale = True
         self.trace_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
-        self.padding_rows = 0  # rows of the current step that are padding (recording hook)
+        # padding rows of the current step as a 0-dim device tensor (set by the recording hook
+        # before each model step, read back with the top-k ids), or None: no padding
+        self.padding_count: torch.Tensor | None = None
         # Prefetch hook (pagedexperts.prefetch): this layer's predictor of the next layer, and
         # the counters of prefetches INTO this layer. None = prefetch off.
         self.prefetcher = None
@@ -150,79 +169,96 @@ class ExpertPager:
         top_k_weights [T, k] -> output [T, H] in hidden_states.dtype, equal to the unpaged
         model's output with the same inner implementation.
         """
-        t0 = time.perf_counter()
-        ids_host = top_k_index.detach().to("cpu")
-        t_read = time.perf_counter()
-        if self.trace_hook is not None:
-            self.trace_hook(self.layer, ids_host, top_k_weights.detach().to("cpu"))
+        predicted = None
         if self.prefetcher is not None:
-            self.prefetcher.predict(hidden_states)  # timed in prefetch_stats.predict_s
+            predicted = self.prefetcher.predict_ids(hidden_states)  # timed in prefetch_stats.predict_s
+        t0 = time.perf_counter()
+        ids_host, predicted_host, padding = self._read_step(top_k_index, predicted)
+        t_read = time.perf_counter()
+        if self.trace_hook is not None:  # tracing reads the weights too (not the hot path)
+            self.trace_hook(self.layer, ids_host.clone(), top_k_weights.detach().to("cpu"))
+        if predicted_host is not None:
+            self.prefetcher.take_prediction(predicted_host)
         t1 = time.perf_counter()  # host bookkeeping starts here (tracing and prediction apart)
         union = routed_union(ids_host)
         plan = self.residency.plan(union)
         if self.prefetch_stats.pending:
             self.prefetch_stats.observe(union)
         t2 = time.perf_counter()
-        out = self._run_waves(module, plan, hidden_states, top_k_index, top_k_weights)
+        self._map_s = 0.0
+        out = self._run_waves(module, plan, hidden_states, top_k_index, top_k_weights, ids_host)
         self.stats.record_step(
             hits=plan.hits,
             misses=plan.misses,
             waves=len(plan.waves),
-            tokens=int(hidden_states.shape[0]) - self.padding_rows,
-            padding_tokens=self.padding_rows,
+            tokens=int(hidden_states.shape[0]) - padding,
+            padding_tokens=padding,
             expert_bytes=self.store.expert_bytes,
-            page_in_s=self._page_in_s,
+            page_in_s=self.transfers.take_copy_s(block=False),
             plan_s=t2 - t1 + self._map_s,
             sync_s=t_read - t0,
         )
         return out
 
+    # -- page-in, slot map, read-back (transfers); the compute is _run_waves / _combine --
+
+    def _read_step(self, top_k_index, predicted):
+        """The step's one device-to-host transfer: (top-k ids [T, k], predicted ids [T, k'] or
+        None, padding rows) on the host."""
+        parts = [top_k_index.detach()]
+        if predicted is not None:
+            parts.append(predicted)
+        if self.padding_count is not None:
+            parts.append(self.padding_count)
+        host = read_back(parts)
+        k = top_k_index.shape[1]
+        ids_host = host[:, :k]
+        predicted_host = host[:, k : k + predicted.shape[1]] if predicted is not None else None
+        padding = int(host[0, -1]) if self.padding_count is not None and host.shape[0] else 0
+        return ids_host, predicted_host, padding
+
     def _page_in(self, wave: Wave, *, only_wave: bool) -> torch.Tensor:
-        """Copy the wave's loads into their slots; return the slot map [E] (int64, on the
-        device) that the wave's top-k ids are remapped with. ``only_wave``: the step has this
-        one wave, so every routed expert is resident and the running map serves as is;
-        otherwise experts outside the wave map to -1 (their entries wait for their wave)."""
-        t0 = time.perf_counter()
-        stream = self.copy_stream
-        if stream is None:
-            for load in wave.loads:
-                self.store.copy_to_slot(load.expert, load.slot, self.slots)
-        else:
-            if self._compute_done is not None:
-                stream.wait_event(self._compute_done)  # a slot is overwritten only after its reader
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                start.record(stream)
-                for load in wave.loads:
-                    self.store.copy_to_slot(load.expert, load.slot, self.slots)
-                end.record(stream)
-            torch.cuda.current_stream(self.device).wait_event(end)
-            self._copy_events.append((start, end))
-        if stream is None:
-            self._page_in_s += time.perf_counter() - t0
+        """Copy the wave's loads into their slots and make the compute wait for them; return
+        the slot map [E] (int64, on the device) that the wave's top-k ids are remapped with.
+        ``only_wave``: the step has this one wave, so every routed expert is resident and the
+        running map serves as is; otherwise experts outside the wave map to -1."""
+        self.transfers.copy_in(self.store, wave.loads)
+        self.transfers.before_compute()
         t1 = time.perf_counter()
         self.note_loads(wave.loads)
         if only_wave:
-            slot_of = self._slot_of
+            if self._slot_map_stale:
+                self._slot_map = upload(self._slot_of, self.device)
+                self._slot_map_stale = False
+            slot_map = self._slot_map
         else:
             slot_of = np.full(self.num_experts, -1, dtype=np.int64)
             slot_of[list(wave.experts)] = wave.slots
-        slot_map = torch.from_numpy(slot_of)
+            slot_map = upload(slot_of, self.device)
         self._map_s += time.perf_counter() - t1
-        # from pageable memory the copy has left the buffer when .to() returns (CUDA docs),
-        # so the running map may change afterwards
-        return slot_map.to(self.device, non_blocking=True)
+        return slot_map
+
+    def _wave_rows(self, wave: Wave, entry_ids_host: np.ndarray) -> tuple[torch.Tensor, int]:
+        """Rows [S_w] (int64, on the device) of the entries routed into ``wave``, found on the
+        host from the read-back ids in entry order (no device sync), and their count."""
+        rows = np.flatnonzero(np.isin(entry_ids_host, wave.experts))
+        return upload(rows, self.device), len(rows)
 
     def note_loads(self, loads) -> None:
         """Record page-ins (from a plan or a prefetch) in the running expert -> slot map."""
         for load in loads:
             self._slot_of[load.expert] = load.slot
+        if loads:
+            self._slot_map_stale = True
 
-    def _run_waves(self, module, plan: StepPlan, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    def copy_in(self, loads) -> None:
+        """Page ``loads`` in now (a prefetch): the next compute of this layer waits for them."""
+        self.note_loads(loads)
+        self.transfers.copy_in(self.store, loads)
+
+    def _run_waves(self, module, plan: StepPlan, hidden, top_k_index, top_k_weights, ids_host) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
         inner = resolve_inner(module, self.inner)
-        self._page_in_s = 0.0
-        self._map_s = 0.0
         # Each (token, k) entry as its own row with top_k = 1: [S, H], [S, 1]. Row order: eager
         # visits an expert's rows k-major (its one_hot(...).permute(2, 1, 0)), the others
         # token-major; the row order inside one expert's GEMM can change its bits (CPU fp32).
@@ -237,24 +273,26 @@ class ExpertPager:
         # routing weight is applied in _combine, so an fp32 weight (Mixtral, DeepSeek routers)
         # times a bf16 entry is not rounded to bf16 before the sum, as in the unpaged sum.
         unit = torch.ones_like(entry_ids, dtype=top_k_weights.dtype)
-        view = SlotView(module, self.slots)
         if len(plan.waves) == 1:
             slot_map = self._page_in(plan.waves[0], only_wave=True)
             self._issue_prefetch()
+            view = self.wave_view(module, plan.waves[0].slots)
             entry_out = inner(view, entry_hidden, slot_map[entry_ids], unit)
             self._mark_compute_done()
         else:
             entry_out = None
+            entry_ids_host = (ids_host.t() if k_major else ids_host).reshape(-1).numpy()
             for wave in plan.waves:
                 slot_map = self._page_in(wave, only_wave=False)
                 if wave is plan.waves[0]:
                     self._issue_prefetch()
-                rows = (slot_map[entry_ids[:, 0]] >= 0).nonzero().squeeze(1)
+                view = self.wave_view(module, wave.slots)
+                rows, num_rows = self._wave_rows(wave, entry_ids_host)
                 # torch.bmm of a batch of one takes another CPU kernel than larger batches: pad
                 # a one-entry wave with a copy of its row (batched_mm only), drop the copy after.
-                pad = self.inner == "batched_mm" and rows.numel() == 1 and entry_ids.shape[0] > 1
+                pad = self.inner == "batched_mm" and num_rows == 1 and entry_ids.shape[0] > 1
                 run = rows.repeat(2) if pad else rows
-                out_w = inner(view, entry_hidden[run], slot_map[entry_ids[run]], unit[run])[: rows.numel()]
+                out_w = inner(view, entry_hidden[run], slot_map[entry_ids[run]], unit[run])[:num_rows]
                 if entry_out is None:
                     entry_out = torch.empty(
                         (entry_ids.shape[0], out_w.shape[1]), dtype=out_w.dtype, device=out_w.device
@@ -267,16 +305,20 @@ class ExpertPager:
             entries = entry_out.view(num_tokens, top_k, -1)
         return self._combine(entries * top_k_weights.unsqueeze(-1), top_k_index, hidden.dtype)
 
+    def wave_view(self, module, wave_slots) -> SlotView:
+        """The experts module as the inner sees it for one wave: the slot tensors, or for
+        packed slots of a quantized format the wave's slots dequantized (dense scratch)."""
+        if self.dequantizer is None:
+            return SlotView(module, self.slots)
+        return SlotView(module, self.dequantizer.wave_tensors(self.slots, wave_slots))
+
     def _issue_prefetch(self) -> None:
         """Prefetch hook: after this layer's first page-ins, start the next layer's predicted ones."""
         if self.prefetcher is not None:
             self.prefetcher.issue()
 
     def _mark_compute_done(self) -> None:
-        if self.copy_stream is not None:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self._compute_done = ev
+        self.transfers.compute_done()
 
     def _combine(self, entries: torch.Tensor, top_k_index: torch.Tensor, dtype) -> torch.Tensor:
         """Weighted entries [T, k, H] -> [T, H], in the inner implementation's own summation order."""
@@ -290,9 +332,10 @@ class ExpertPager:
         return out
 
     def collect_copy_time(self) -> None:
-        """On CUDA, fold the finished page-in events' elapsed times into ``stats.page_in_s``."""
-        if not self._copy_events:
-            return
-        torch.cuda.synchronize(self.device)
-        self.stats.page_in_s += sum(s.elapsed_time(e) for s, e in self._copy_events) / 1e3
-        self._copy_events.clear()
+        """On CUDA, wait for this layer's in-flight page-in timing events (each its own event,
+        not the whole device) and fold their elapsed times into ``stats.page_in_s``."""
+        self.stats.add_page_in_s([self.transfers.take_copy_s(block=True)])
+
+    def release(self) -> None:
+        """Wait for copies still in flight into the slots (before the pager is dropped)."""
+        self.transfers.drain()

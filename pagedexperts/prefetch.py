@@ -29,7 +29,7 @@ class PrefetchStats:
     ``issued``: page-ins made by prefetch; ``used``: of those, experts the next step routed to
     (they count as hits in ``LayerStats``); ``wasted`` = issued - used. ``bytes`` = issued x
     expert bytes (not in ``LayerStats.bytes_paged``). ``predict_s``: host time of the prediction
-    (router matmul + top-k + read-back), ``issue_s``: of planning and issuing the copies.
+    (router matmul + top-k, and ordering the read-back ids), ``issue_s``: of planning and issuing the copies.
     """
 
     issued: int = 0
@@ -81,13 +81,28 @@ class NextLayerPrefetcher:
         self._pending: list[int] | None = None
 
     def predict(self, hidden_states) -> None:
-        """Layer l's experts input [T, H] -> layer l+1's predicted experts (kept until issue)."""
+        """Layer l's experts input [T, H] -> layer l+1's predicted experts (kept until issue).
+        Reads the prediction back on its own; the pager instead reads ``predict_ids``' result
+        together with its top-k ids (one transfer) and hands it to ``take_prediction``."""
+        from pagedexperts.transfer import read_back
+
+        self.take_prediction(read_back([self.predict_ids(hidden_states)]))
+
+    def predict_ids(self, hidden_states):
+        """Layer l's experts input [T, H] -> layer l+1's predicted top-k ids [T, k] (int64, on
+        the device; no sync)."""
         import torch
 
         t0 = time.perf_counter()
         with torch.no_grad():
-            ids = self.gate.forward(hidden_states)[2].to("cpu").tolist()
-        self._pending = prediction_order(ids)
+            ids = self.gate.forward(hidden_states)[2]
+        self.target.prefetch_stats.predict_s += time.perf_counter() - t0
+        return ids
+
+    def take_prediction(self, ids_host) -> None:
+        """Predicted ids [T, k] read back to the host -> the predicted experts (until issue)."""
+        t0 = time.perf_counter()
+        self._pending = prediction_order(ids_host.tolist())
         read_ahead = getattr(self.target.store, "read_ahead", None)  # disk tier: start disk reads now
         if read_ahead is not None:
             read_ahead([e for e in self._pending if e not in self.target.residency.slot_of_expert])
@@ -113,20 +128,8 @@ class NextLayerPrefetcher:
 
 def copy_loads(pager, loads) -> None:
     """Copy ``loads`` into ``pager``'s slots: directly on CPU; on CUDA on the copy stream after
-    the compute that last read the slots (the pager's next page-in event orders its compute)."""
-    import torch
-
-    pager.note_loads(loads)
-    stream = pager.copy_stream
-    if stream is None:
-        for load in loads:
-            pager.store.copy_to_slot(load.expert, load.slot, pager.slots)
-        return
-    if pager._compute_done is not None:
-        stream.wait_event(pager._compute_done)
-    with torch.cuda.stream(stream):
-        for load in loads:
-            pager.store.copy_to_slot(load.expert, load.slot, pager.slots)
+    the compute that last read the slots, and before the pager's next compute (``transfer``)."""
+    pager.copy_in(loads)
 
 
 def install(model, *, budget: int | None = None) -> list[NextLayerPrefetcher]:

@@ -33,15 +33,29 @@ def is_prefill(kwargs: dict) -> bool:
     return cache is None or cache.get_seq_length() == 0
 
 
+def padding_count(kwargs: dict, args: tuple) -> torch.Tensor | None:
+    """Padding rows of a model call as a 0-dim int64 tensor on the mask's device (no sync), or
+    None without a 2-D attention mask."""
+    mask = kwargs.get("attention_mask")
+    if mask is None or mask.dim() != 2:
+        return None
+    ids = kwargs.get("input_ids")
+    if ids is None and args:
+        ids = args[0]
+    seq = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
+    return (mask[:, -seq:] == 0).sum()
+
+
 def install_padding_hook(model) -> None:
-    """Before each forward, set ``padding_rows`` on every pager from the attention mask."""
-    pagers = list(model.pagedexperts.pagers.values())
+    """Before each forward, give every runner the step's padding count (``padding_count``, read
+    back with its top-k ids). The runners are looked up per call, so the hook follows
+    ``loader.repage`` and holds no reference to dropped pagers or their slots."""
+    runtime = model.pagedexperts
 
     def hook(module, args, kwargs):
-        _, _, real = step_rows(kwargs, args)
-        padding = 0 if real is None else int((~real).sum())
-        for p in pagers:
-            p.padding_rows = padding
+        count = padding_count(kwargs, args)
+        for p in runtime.pagers.values():
+            p.padding_count = count
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -1,9 +1,11 @@
 """Residency: which routed experts occupy the K slots of one MoE layer, and the wave plan of a step.
 
-Owns: the expert <-> slot map of one layer, the eviction policy that picks victims, and the
-planner that turns a step's union of routed experts into waves of at most K experts, each with
-the loads (expert, slot) it needs. Tensor-free on purpose (standard library only): the runtime
-pager and the trace simulator import this same code, so their hit/miss counts cannot drift.
+Owns: the expert <-> slot map of one layer, its eviction policy (the rules live in
+``eviction`` and are importable from here too), and the planner that turns a step's union of
+routed experts into waves of at most K experts, each with the loads (expert, slot) it needs.
+Tensor-free on purpose (standard library only): the runtime pager and the trace simulator
+import this same code, so their hit/miss counts cannot drift. Planning costs O(|union|) plus
+the policy's victims (O(log K) each, or one O(K) ranking per wave that evicts K/4 or more).
 Does not: copy bytes (``store``), compute experts (``pager``), or count stats (``stats``).
 
 Terms (DESIGN.md): E routed experts, K slots, union = distinct experts a step routes to in the
@@ -17,7 +19,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Sequence
 
-EMPTY = -1  # slot content of a slot that holds no expert yet
+from pagedexperts.eviction import (  # noqa: F401  (the policies stay importable from here)
+    DEFAULT_POLICY, EMPTY, POLICIES, AdaptivePolicy, EvictionPolicy, FrequencyLRUPolicy, HeapRankedPolicy,
+    LFUPolicy, LRUPolicy, RankedPolicy, consume, make_policy,
+)
 
 
 class Load(NamedTuple):
@@ -61,210 +66,10 @@ class StepPlan(NamedTuple):
         return tuple(itertools.chain.from_iterable(w.loads for w in self.waves))
 
 
-class EvictionPolicy:
-    """Base class of eviction policies: ranks occupied slots for eviction; tensor-free.
-
-    The residency calls ``on_access`` for each resident expert a step routes to (a hit),
-    ``on_load`` after an expert is placed in a slot (a miss), ``on_step`` once per step with the
-    step's union before planning, and ``victim`` to choose among ``candidates`` (occupied slots
-    not used by the current wave). Subclasses override ``victim`` and whichever hooks they need.
-    Slot ids are ints in [0, K); expert ids ints in [0, E).
-    """
-
-    name = "base"
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-
-    def on_step(self, union: Sequence[int]) -> None:
-        """Called once per step, before planning, with the step's sorted union of experts."""
-
-    def on_access(self, slot: int, expert: int) -> None:
-        """A resident expert in ``slot`` is routed to this step (a hit)."""
-
-    def on_load(self, slot: int, expert: int) -> None:
-        """``expert`` was just placed in ``slot`` (a miss)."""
-
-    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        """Return the slot to evict among ``candidates`` (non-empty, all occupied)."""
-        raise NotImplementedError
-
-
-class LRUPolicy(EvictionPolicy):
-    """Least recently used: evict the slot whose expert was routed to longest ago.
-
-    Recency is a global counter bumped on every access or load; within a step, experts are
-    touched in ascending expert id, so ties cannot occur and plans are deterministic.
-    """
-
-    name = "lru"
-
-    def __init__(self, num_slots: int) -> None:
-        super().__init__(num_slots)
-        self._clock = itertools.count(1)
-        self._last_use = [0] * num_slots
-
-    def on_access(self, slot: int, expert: int) -> None:
-        self._last_use[slot] = next(self._clock)
-
-    def on_load(self, slot: int, expert: int) -> None:
-        self._last_use[slot] = next(self._clock)
-
-    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        # (last use, slot) packed into one int: a C-level min, ties on the lowest slot
-        last, n = self._last_use, self.num_slots
-        return min([last[s] * n + s for s in candidates]) % n
-
-
-class LFUPolicy(EvictionPolicy):
-    """Least frequently used, with aging: evict the resident expert routed to in the fewest steps.
-
-    Each expert (resident or not: the count survives eviction, so a popular expert evicted once
-    comes back with its history) has a count, +1 for every step whose union holds it. Every
-    ``half_life`` steps all counts are halved (integer floor), so the counts follow a drifting
-    working set; ``half_life=0`` never ages. Ties: least recently used, then lowest slot.
-    """
-
-    name = "lfu"
-    DEFAULT_HALF_LIFE = 128  # steps; best mean hit rate on the tune halves (bench/policy_eval.py)
-
-    def __init__(self, num_slots: int, *, half_life: int = DEFAULT_HALF_LIFE) -> None:
-        super().__init__(num_slots)
-        self.half_life = half_life
-        self._count: dict[int, int] = {}
-        self._steps = 0
-        self._lru = LRUPolicy(num_slots)
-
-    def on_step(self, union: Sequence[int]) -> None:
-        self._steps += 1
-        if self.half_life and self._steps % self.half_life == 0:
-            self._count = {e: c // 2 for e, c in self._count.items() if c > 1}
-        for e in union:
-            self._count[e] = self._count.get(e, 0) + 1
-
-    def on_access(self, slot: int, expert: int) -> None:
-        self._lru.on_access(slot, expert)
-
-    def on_load(self, slot: int, expert: int) -> None:
-        self._lru.on_load(slot, expert)
-
-    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        count, last = self._count, self._lru._last_use
-        return min([(count.get(expert_of_slot[s], 0), last[s], s) for s in candidates])[2]
-
-
-class FrequencyLRUPolicy(EvictionPolicy):
-    """Frequency-weighted LRU: recency, stretched by how often the expert was used while resident.
-
-    A slot's keep-score is ``uses / (age + 1)``: ``uses`` the steps that routed to its expert
-    since it was loaded (1 at load; reset when the slot is refilled, like a cache entry's hit
-    counter), ``age`` the steps since its last use. Evict the lowest score: an expert used once
-    and idle for 3 steps (1/4) goes before one used 8 times and idle for 9 (8/10). With every
-    ``uses`` equal it is exactly LRU. Ties: least recently used, then lowest slot. Simple by
-    intent (an exact ratio, no tuned constant).
-    """
-
-    name = "flru"
-
-    def __init__(self, num_slots: int) -> None:
-        super().__init__(num_slots)
-        self._steps = 0
-        self._uses = [0] * num_slots
-        self._last_step = [0] * num_slots
-        self._lru = LRUPolicy(num_slots)
-
-    def on_step(self, union: Sequence[int]) -> None:
-        self._steps += 1
-
-    def on_access(self, slot: int, expert: int) -> None:
-        self._uses[slot] += 1
-        self._last_step[slot] = self._steps
-        self._lru.on_access(slot, expert)
-
-    def on_load(self, slot: int, expert: int) -> None:
-        self._uses[slot] = 1
-        self._last_step[slot] = self._steps
-        self._lru.on_load(slot, expert)
-
-    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        uses, last, lru, now = self._uses, self._last_step, self._lru._last_use, self._steps
-        return min(candidates, key=lambda s: (uses[s] / (now - last[s] + 1), lru[s], s))
-
-
-class AdaptivePolicy(EvictionPolicy):
-    """Adaptive: per layer, follow whichever of several eviction rules is winning right now.
-
-    Each candidate rule (``CANDIDATES``: LRU, LFU with a short and a long half-life) runs a
-    ghost residency of K slots on the same routing (expert ids only, no bytes) and earns the hits
-    it would have had, in an exponentially decaying window (``window`` steps). The real slots
-    are ranked by the current leader; each rule also keeps its own state over the real slots, so
-    switching leaders is instant. Ties between rules go to the earlier in ``CANDIDATES``, so
-    with no evidence (and whenever recency wins) it is LRU. Layers differ (deep layers reuse
-    more, layer 0 the least) and so do workloads; one fixed rule cannot suit all of them.
-    Cost: one extra ``Residency.plan`` per rule per layer per step (tens of microseconds).
-    """
-
-    name = "adaptive"
-    CANDIDATES: tuple[tuple[str, dict], ...] = (
-        ("lru", {}),
-        ("lfu", {"half_life": 16}),
-        ("lfu", {"half_life": 128}),
-    )
-    DEFAULT_WINDOW = 64  # steps; tuned on the tune half of the traces (bench/policy_eval.py)
-
-    def __init__(self, num_slots: int, *, window: int = DEFAULT_WINDOW) -> None:
-        super().__init__(num_slots)
-        self.decay = 1.0 - 1.0 / window
-        self._rules = [POLICIES[n](num_slots, **kw) for n, kw in self.CANDIDATES]
-        self._ghosts = [Residency(_ANY_EXPERT, num_slots, POLICIES[n](num_slots, **kw)) for n, kw in self.CANDIDATES]
-        self._score = [0.0] * len(self._rules)
-        self.leader = 0
-
-    def on_step(self, union: Sequence[int]) -> None:
-        # The leader is chosen from the steps before this one, then the ghosts see this step.
-        best = max(self._score)
-        self.leader = self._score.index(best)
-        for i, ghost in enumerate(self._ghosts):
-            self._score[i] = self._score[i] * self.decay + ghost.plan(union).hits
-        for rule in self._rules:
-            rule.on_step(union)
-
-    def on_access(self, slot: int, expert: int) -> None:
-        for rule in self._rules:
-            rule.on_access(slot, expert)
-
-    def on_load(self, slot: int, expert: int) -> None:
-        for rule in self._rules:
-            rule.on_load(slot, expert)
-
-    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        return self._rules[self.leader].victim(candidates, expert_of_slot)
-
-
-_ANY_EXPERT = 1 << 30  # E of a ghost residency: ids are checked by the real one
-
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "lfu": LFUPolicy,
-    "flru": FrequencyLRUPolicy,
-    "adaptive": AdaptivePolicy,
-}
-DEFAULT_POLICY = "lfu"  # the --policy default: best measured (bench/policy_eval.py, issue 8)
-
-
-def make_policy(name: str, num_slots: int) -> EvictionPolicy:
-    """Build the eviction policy called ``name`` for ``num_slots`` slots.
-
-    Raises:
-        ValueError: unknown name; the message lists the valid ``--policy`` choices.
-    """
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)} (--policy)"
-        ) from None
-    return cls(num_slots)
+def _loads(experts: Sequence[int], slots: Sequence[int]) -> tuple[Load, ...]:
+    """Load records for (expert, slot) pairs, built in C (a Python-level ``Load(...)`` per miss
+    costs ~0.3 us, a quarter of a miss's planning)."""
+    return tuple(map(tuple.__new__, itertools.repeat(Load), zip(experts, slots)))
 
 
 @dataclass
@@ -304,6 +109,8 @@ class Residency:
         Resident experts (hits) go first, then misses in ascending id; each wave holds at most
         K experts. Each miss takes an empty slot (lowest id first) or else the policy's victim
         among occupied slots not used by the current wave. Updates the slot map and policy.
+        Cost: O(|union|) plus the policy's victims, O(log K) per miss or O(K) per wave that
+        evicts at least K/4 (so never O(K) per miss).
 
         Raises:
             ValueError: an expert id outside [0, E).
@@ -312,50 +119,65 @@ class Residency:
         if union and (union[0] < 0 or union[-1] >= self.num_experts):
             bad = union[0] if union[0] < 0 else union[-1]
             raise ValueError(f"routed expert id {bad} outside [0, E={self.num_experts})")
-        policy = self.policy
-        policy.on_step(union)
+        hits, hit_slots = self._begin_step(union)
+        if len(hits) == len(union) and hits:  # the common decode case: one wave, nothing to load
+            return StepPlan((Wave(tuple(hits), tuple(hit_slots), ()),), len(hits), 0)
+        misses = list(itertools.filterfalse(self.slot_of_expert.__contains__, union))
+        waves = []
+        for wave_hits, wave_hit_slots, wave_misses in self._waves(hits, hit_slots, misses):
+            slots = self._place(wave_misses, wave_hit_slots)
+            waves.append(Wave(tuple(wave_hits + wave_misses), tuple(wave_hit_slots + slots),
+                              _loads(wave_misses, slots)))
+        return StepPlan(waves=tuple(waves), hits=len(hits), misses=len(misses))
+
+    def replay_step(self, union: Sequence[int]) -> int:
+        """``plan`` without the wave records, for a ghost residency: ``union`` sorted, distinct
+        and in range (not checked). Returns the step's hits; the state changes as ``plan``'s."""
+        hits, hit_slots = self._begin_step(union)
+        if len(hits) < len(union):
+            misses = list(itertools.filterfalse(self.slot_of_expert.__contains__, union))
+            for _, wave_hit_slots, wave_misses in self._waves(hits, hit_slots, misses):
+                self._place(wave_misses, wave_hit_slots)
+        return len(hits)
+
+    def _begin_step(self, union: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Tell the policy about the step and its hits; return (hits, their slots)."""
+        self.policy.on_step(union)
         resident = self.slot_of_expert
-        hits, misses = [], []
-        for e in union:
-            (hits if e in resident else misses).append(e)
-        on_access = policy.on_access
-        for e in hits:
-            on_access(resident[e], e)
-        if not misses and hits:  # the common decode case: one wave, nothing to load
-            wave = Wave(tuple(hits), tuple([resident[e] for e in hits]), ())
-            return StepPlan((wave,), len(hits), 0)
-        order = hits + misses
-        k = self.num_slots
-        waves = tuple(self._plan_wave(order[i : i + k]) for i in range(0, len(order), k))
-        return StepPlan(waves=waves, hits=len(hits), misses=len(misses))
+        hits = list(filter(resident.__contains__, union))
+        hit_slots = list(map(resident.__getitem__, hits))
+        self.policy.on_hits(hit_slots, hits)
+        return hits, hit_slots
 
-    def _plan_wave(self, experts: list[int]) -> Wave:
-        in_wave = {self.slot_of_expert[e] for e in experts if e in self.slot_of_expert}
-        loads = []
-        for e in experts:
-            if e in self.slot_of_expert:
-                continue
-            slot = self._take_slot(in_wave)
-            old = self.expert_of_slot[slot]
-            if old != EMPTY:
-                del self.slot_of_expert[old]
-            self.expert_of_slot[slot] = e
-            self.slot_of_expert[e] = slot
-            self.policy.on_load(slot, e)
-            in_wave.add(slot)
-            loads.append(Load(expert=e, slot=slot))
-        slots = tuple(self.slot_of_expert[e] for e in experts)
-        return Wave(experts=tuple(experts), slots=slots, loads=tuple(loads))
+    def _waves(self, hits: list[int], hit_slots: list[int], misses: list[int]):
+        """Split hits + misses into waves of at most K: yields (hits, their slots, misses).
 
-    def _take_slot(self, protected: set[int]) -> int | None:
-        """The lowest empty slot, else the policy's victim among occupied slots not in
-        ``protected``; None when every slot is protected. Slots fill in ascending order and
-        never empty again, so the empty ones are always ``[filled, K)``."""
-        if self._filled < self.num_slots:
-            self._filled += 1
-            return self._filled - 1
-        candidates = [s for s in range(self.num_slots) if s not in protected]
-        return self.policy.victim(candidates, self.expert_of_slot) if candidates else None
+        Hits come first, so only a wave without misses can precede one with hits: no wave
+        evicts a hit of a later wave, and the hit slots read at the step's start stay true.
+        """
+        k, num_hits = self.num_slots, len(hits)
+        for i in range(0, num_hits + len(misses), k):
+            j = min(max(num_hits - i, 0), k)  # hits in this wave
+            yield hits[i:i + j], hit_slots[i:i + j], misses[max(i - num_hits, 0):max(i + k - num_hits, 0)]
+
+    def _place(self, experts: list[int], protected: list[int]) -> list[int]:
+        """Give each of ``experts`` (not resident) a slot: empty ones first (lowest id), then
+        the policy's victims among slots not in ``protected`` nor filled here; updates the slot
+        map and tells the policy. Returns the slots, in order (shorter if slots run out)."""
+        if not experts:
+            return []
+        free = min(len(experts), self.num_slots - self._filled)
+        slots = list(range(self._filled, self._filled + free))
+        self._filled += free
+        eos, soe = self.expert_of_slot, self.slot_of_expert
+        if len(experts) > free:
+            victims = self.policy.victims(len(experts) - free, {*protected, *slots}, eos)
+            consume(map(soe.pop, map(eos.__getitem__, victims)))  # evicted experts leave the map
+            slots += victims
+        consume(map(eos.__setitem__, slots, experts))
+        soe.update(zip(experts, slots))
+        self.policy.on_loads(slots, experts[:len(slots)])
+        return slots
 
     def prefetch(self, experts: Sequence[int], *, budget: int) -> tuple[Load, ...]:
         """Page in up to ``budget`` of ``experts`` (priority order) before the step routes.
@@ -365,24 +187,12 @@ class Residency:
         this call, so a prefetch never evicts an expert it predicts. Stops early when no slot is
         left to take. The policy sees each placement as a load (``on_load``). Returns the loads.
         """
-        protected = {self.slot_of_expert[e] for e in experts if e in self.slot_of_expert}
-        loads: list[Load] = []
-        for e in experts:
-            if len(loads) >= budget:
-                break
-            if e in self.slot_of_expert or not 0 <= e < self.num_experts:
-                continue
-            slot = self._take_slot(protected)
-            if slot is None:
-                break
-            if self.expert_of_slot[slot] != EMPTY:
-                del self.slot_of_expert[self.expert_of_slot[slot]]
-            self.expert_of_slot[slot] = e
-            self.slot_of_expert[e] = slot
-            self.policy.on_load(slot, e)
-            protected.add(slot)
-            loads.append(Load(expert=e, slot=slot))
-        return tuple(loads)
+        resident = self.slot_of_expert
+        protected = [resident[e] for e in experts if e in resident]
+        wanted = [e for e in dict.fromkeys(experts) if e not in resident and 0 <= e < self.num_experts]
+        wanted = wanted[:max(budget, 0)]
+        slots = self._place(wanted, protected)
+        return _loads(wanted, slots)
 
     def resident(self) -> dict[int, int]:
         """Expert id -> slot id of every resident expert (a copy)."""

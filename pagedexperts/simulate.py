@@ -54,13 +54,15 @@ class SimResult:
     decode: ModelStats
 
 
-class BeladyPolicy(residency.EvictionPolicy):
+class BeladyPolicy(residency.HeapRankedPolicy):
     """Belady's optimal offline policy: evict the resident expert whose next use is furthest.
 
     Needs the future: ``unions[t]`` is the set of experts step t routes to in this layer, for
     every step the residency will plan, in order. ``on_step`` advances t. Next use counts steps
     after the current one (experts of the current step not in the current wave have already
     been computed by an earlier wave). Never-used-again experts go first; ties by lowest slot.
+    A resident expert's next use moves only in a step that routes to it (a hit, so its slot is
+    touched): the lazy heap of ``HeapRankedPolicy`` holds, O(log K) per victim.
     """
 
     name = "belady"
@@ -87,12 +89,17 @@ class BeladyPolicy(residency.EvictionPolicy):
                 raise ValueError(f"Belady: step {self._t} routes to expert {e}, not in the future it was given")
             self._ptr[e] = i + 1
 
+    def on_access(self, slot: int, expert: int) -> None:
+        self._touch(slot)
+
+    on_load = on_access
+
     def _next_use(self, expert: int) -> float:
         uses, i = self._uses.get(expert, ()), self._ptr.get(expert, 0)
         return uses[i] if i < len(uses) else float("inf")
 
-    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
-        return min(candidates, key=lambda s: (-self._next_use(expert_of_slot[s]), s))
+    def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
+        return (-self._next_use(expert_of_slot[slot]), slot)
 
 
 def policy_names() -> list[str]:

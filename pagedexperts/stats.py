@@ -4,13 +4,71 @@ Owns: per-layer counters (hits, misses, bytes paged, page-in seconds, waves, uni
 their totals and rates. Definition (DESIGN.md): a hit or a miss is counted per distinct
 routed expert per MoE layer per step; misses per token = misses / tokens of the step (summed
 over steps). Padding tokens a caller could not exclude are counted in ``padding_tokens`` and
-are NOT part of ``tokens``. Standard library only. Does not: decide residency or move bytes.
+are NOT part of ``tokens``. Besides the sums, the host times of each layer-step (plan,
+top-k read-back, page-in) are kept as distributions: p50/p99 over a window of recent samples,
+and cumulative histogram buckets (Prometheus semantics) since the start. Standard library
+only. Does not: decide residency or move bytes, or format metrics (the server does).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field, fields
 from typing import Iterable
+
+WINDOW = 1024  # most recent samples per layer and kind that p50/p99 are taken over
+# Histogram upper bounds in seconds (``le``), 1 us to 1 s; the +Inf bucket is implicit.
+TIME_BUCKETS_S = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
+                  1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
+TIMED = {"plan_s": "host planning (union, wave plan, slot map)", "sync_s": "top-k read-back",
+         "page_in_s": "page-in copies"}  # the LayerStats sums that also keep a distribution
+
+
+@dataclass
+class TimeDistribution:
+    """Samples of one time (seconds): the last ``WINDOW`` for quantiles, and since the start
+    the count, sum and per-bucket counts over ``TIME_BUCKETS_S`` (``buckets[i]``: samples in
+    (bound[i-1], bound[i]], the last entry above the largest bound)."""
+
+    window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(TIME_BUCKETS_S) + 1))
+    count: int = 0
+    sum_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.window.append(seconds)
+        self.buckets[bisect.bisect_left(TIME_BUCKETS_S, seconds)] += 1
+        self.count += 1
+        self.sum_s += seconds
+
+    def merge(self, other: "TimeDistribution") -> None:
+        """Add ``other``'s samples (its window is appended: the merged window spans both)."""
+        self.window = deque([*self.window, *other.window], maxlen=max(WINDOW, len(self.window) + len(other.window)))
+        self.buckets = [a + b for a, b in zip(self.buckets, other.buckets)]
+        self.count += other.count
+        self.sum_s += other.sum_s
+
+    def quantiles(self, *qs: float) -> list[float]:
+        """The ``qs`` quantiles (each in [0, 1]) of the window, nearest rank; NaN when empty."""
+        if not self.window:
+            return [math.nan] * len(qs)
+        ordered = sorted(self.window)
+        return [ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] for q in qs]
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus histogram buckets: (``le`` bound as text, samples <= bound), +Inf last."""
+        out, total = [], 0
+        for bound, n in zip((*map(repr, TIME_BUCKETS_S), "+Inf"), self.buckets):
+            total += n
+            out.append((bound, total))
+        return out
+
+    def summary(self) -> dict:
+        """p50 and p99 of the window and the sample count since the start (seconds)."""
+        p50, p99 = self.quantiles(0.5, 0.99)
+        return {"p50": p50, "p99": p99, "count": self.count}
 
 
 @dataclass
@@ -37,6 +95,9 @@ class LayerStats:
     union_last: int = 0
     union_sum: int = 0
     union_max: int = 0
+    # per layer-step distributions of plan_s, sync_s and page_in_s (TIMED); not counters
+    times: dict[str, TimeDistribution] = field(
+        default_factory=lambda: {name: TimeDistribution() for name in TIMED}, repr=False, compare=False)
 
     def record_step(
         self,
@@ -53,7 +114,9 @@ class LayerStats:
         bytes_paged: int | None = None,
     ) -> None:
         """Add one step of one layer. ``expert_bytes``: bytes of one expert's tensors;
-        ``bytes_paged`` overrides misses x expert_bytes (the offload baseline copies all E)."""
+        ``bytes_paged`` overrides misses x expert_bytes (the offload baseline copies all E).
+        A step with a plan or read-back time is a timed one (the runtime's; the simulator times
+        nothing): its times go into the distributions, the page-in time only if it paged in."""
         union = hits + misses
         self.steps += 1
         self.tokens += tokens
@@ -70,6 +133,17 @@ class LayerStats:
         self.union_last = union
         self.union_sum += union
         self.union_max = max(self.union_max, union)
+        if plan_s or sync_s:
+            self.times["plan_s"].observe(plan_s)
+            self.times["sync_s"].observe(sync_s)
+            if page_in_s:
+                self.times["page_in_s"].observe(page_in_s)
+
+    def add_page_in_s(self, seconds: Iterable[float]) -> None:
+        """Page-in times measured after the step (CUDA events): into the sum and distribution."""
+        for value in seconds:
+            self.page_in_s += value
+            self.times["page_in_s"].observe(value)
 
     @property
     def hit_rate(self) -> float:
@@ -90,21 +164,33 @@ class LayerStats:
         return self.waves / self.steps if self.steps else 0.0
 
     def merge(self, other: "LayerStats") -> None:
-        """Add ``other``'s counters to these (``union_last`` and ``union_max`` take the max)."""
-        for name, value in asdict(other).items():
-            if name == "union_max" or name == "union_last":
-                setattr(self, name, max(getattr(self, name), value))
+        """Add ``other``'s counters to these (``union_last`` and ``union_max`` take the max)
+        and its time samples to these distributions."""
+        for f in fields(self):
+            name = f.name
+            if name == "times":
+                for kind, dist in other.times.items():
+                    self.times[kind].merge(dist)
+            elif name == "union_max" or name == "union_last":
+                setattr(self, name, max(getattr(self, name), getattr(other, name)))
             else:
-                setattr(self, name, getattr(self, name) + value)
+                setattr(self, name, getattr(self, name) + getattr(other, name))
 
-    def as_dict(self) -> dict:
-        d = asdict(self)
+    def time_summary(self) -> dict:
+        """{"plan_s": {"p50", "p99", "count"}, "sync_s": ..., "page_in_s": ...} (seconds)."""
+        return {kind: dist.summary() for kind, dist in self.times.items()}
+
+    def as_dict(self, *, times: bool = True) -> dict:
+        """Counters and rates; with ``times``, also p50/p99 of the time windows (a sort each)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "times"}
         d.update(
             hit_rate=self.hit_rate,
             misses_per_token=self.misses_per_token,
             union_mean=self.union_mean,
             waves_per_step=self.waves_per_step,
         )
+        if times:
+            d["times"] = self.time_summary()
         return d
 
 
@@ -152,7 +238,9 @@ class ModelStats:
     def tokens(self) -> int:
         return max((s.tokens for s in self.layers.values()), default=0)
 
-    def as_dict(self) -> dict:
+    def as_dict(self, *, times: bool = True) -> dict:
+        """Totals, rates and per-layer dicts. ``times``: p50/p99 of plan, read-back and page-in
+        per layer-step (all layers' windows together under "times", each layer's in its dict)."""
         tot = self.total()
         tokens = self.tokens
         return {
@@ -173,5 +261,10 @@ class ModelStats:
             "union_max": tot.union_max,
             "fallbacks": list(self.fallbacks),
             **self.tier_totals(),
-            "layers": {str(i): s.as_dict() for i, s in sorted(self.layers.items())},
+            **({"times": tot.time_summary()} if times else {}),
+            "layers": {str(i): s.as_dict(times=times) for i, s in sorted(self.layers.items())},
         }
+
+    def time_histograms(self) -> dict[str, TimeDistribution]:
+        """All layers' time distributions merged, by kind (``TIMED``): for /metrics histograms."""
+        return self.total().times

@@ -53,6 +53,10 @@ def test_generate_streams_text_and_reports_paging(tmp_path, capsys, bundled_conf
     assert total_steps == layers * report["new_tokens"]  # one prefill step + new_tokens - 1 decode steps
     assert paging["hits"] + paging["misses"] == sum(v["union_sum"] for v in paging["layers"].values())
     assert report["decode"]["tokens"] == report["new_tokens"] - 1  # model tokens, not layer-steps
+    # distributions beside the sums: one plan and read-back sample per layer-step
+    assert paging["times"]["plan_s"]["count"] == total_steps
+    assert 0 < paging["times"]["plan_s"]["p50"] <= paging["times"]["plan_s"]["p99"]
+    assert "p50/p99: plan" in err and "read-back" in err
 
 
 def test_generate_reads_stdin_and_applies_chat_template():

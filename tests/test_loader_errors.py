@@ -225,21 +225,14 @@ def test_memory_error_names_both_amounts_readably(monkeypatch):
 
 
 def test_failed_pinned_allocation_falls_back_loudly(monkeypatch, caplog):
-    real_empty = torch.empty
-
-    def empty(*args, pin_memory=False, **kwargs):
-        if pin_memory:
-            raise RuntimeError("cudaHostAlloc failed: out of memory")
-        return real_empty(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(store_module, "host_register", lambda t: 2)  # cudaErrorMemoryAllocation
     specs = [TensorSpec("gate_up_proj", (32, 32), torch.float32), TensorSpec("down_proj", (32, 16), torch.float32)]
     with caplog.at_level(logging.WARNING, logger="pagedexperts.store"):
         store = HostExpertStore(specs, E, pin=True)
     monkeypatch.undo()
 
     assert not store.pinned and store.fallback is not None
-    assert "pinned allocation of" in store.fallback and "MB failed" in store.fallback
+    assert f"page-locking {E * 32 * 32 * 4:,} bytes" in store.fallback and "CUDA error 2" in store.fallback
     assert "pageable" in store.fallback and "ulimit -l" in store.fallback
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "pagedexperts.store"]
     assert warnings and warnings[0].getMessage() == store.fallback

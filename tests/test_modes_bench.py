@@ -100,6 +100,30 @@ def test_gpu_bench_dry_run(tmp_path):
     assert result["modes"][0]["hit_rate"] == 1.0
     assert len(result["modelled"]) == 2 and all(r["modelled_tok_s_48_layers"] > 0 for r in result["modelled"])
     assert "| mode | K |" in (tmp_path / "summary.md").read_text()
+    assert result["phases_done"] == ["build", "link", "modes", "miss_costs", "layer_scaling", "modelled"]
+    assert set(result["layer_scaling"]) == {"resident", "paged"}
+
+
+def test_gpu_bench_timing_model_on_synthetic_costs():
+    """Token time = fixed + L x per-layer: the split recovers both from two layer counts, and
+    the 48-layer model pays the fixed part once (not 48 / L times) plus paging's per-layer
+    cost at 0 misses and the interpolated extra cost of its misses."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_bench
+
+    fixed, per_layer = 0.010, 0.0005  # 10 ms per token (lm_head, loop), 0.5 ms per layer
+    token_s = {8: fixed + 8 * per_layer, 4: fixed + 4 * per_layer}
+    got_fixed, got_layer = gpu_bench.split_token_time(token_s)
+    assert got_fixed == pytest.approx(fixed) and got_layer == pytest.approx(per_layer)
+    assert gpu_bench.split_token_time({8: 0.008, 4: 0.003}) == (0.0, pytest.approx(0.001))  # noise
+    assert gpu_bench.split_token_time({8: 0.008, 4: 0.009}) == (0.008, 0.0)
+    costs = [dict(misses=0, layer_step_s=0.001), dict(misses=2, layer_step_s=0.003), dict(misses=4, layer_step_s=0.004)]
+    assert gpu_bench.miss_extra_s(costs, 3) == pytest.approx(0.0025)
+    assert gpu_bench.miss_extra_s([dict(misses=0, layer_step_s=0.002), dict(misses=1, layer_step_s=0.001)], 1) == 0.0
+    got = gpu_bench.modelled_token_s(fixed_s=got_fixed, per_layer_s=got_layer, extra_miss_s=0.0025, layers=48)
+    assert got == pytest.approx(0.010 + 48 * (0.0005 + 0.0025))
+    # the old model spread the fixed cost over 8 layers and multiplied it by 48: 6x the fixed cost
+    assert got < 48 * (token_s[8] / 8 + 0.0025)
 
 
 def test_read_prompts_formats(tmp_path):
@@ -133,3 +157,43 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
     names = ["bench.md", "command.txt"] + (["bench.png"] if importlib.util.find_spec("matplotlib") else [])
     for name in names:
         assert (tmp_path / name).exists(), name
+
+
+def test_bench_loads_once_and_repages_per_mode_and_k(tiny_moe_dir, monkeypatch):
+    from pagedexperts import bench, loader
+
+    loads, repages = [], []
+    real_load, real_repage = loader.load_model, loader.repage
+    monkeypatch.setattr(loader, "load_model", lambda *a, **kw: loads.append(kw) or real_load(*a, **kw))
+    monkeypatch.setattr(loader, "repage", lambda m, **kw: repages.append(kw) or real_repage(m, **kw))
+    monkeypatch.setattr(bench, "long_prompts", lambda *a: ["a long prompt"])  # the tiny model has no tokenizer
+    monkeypatch.setattr(bench, "measure_mode", lambda model, *a: bench.ModeResult(
+        mode=model.pagedexperts.config.mode, num_resident=model.pagedexperts.num_resident, decode_tok_s=1.0))
+    cfg = bench.BenchConfig(model_path=str(tiny_moe_dir), modes=("paged", "resident", "cpu-experts"),
+                            num_resident=(TOP_K, E // 2), long_prompt_tokens=4)
+    rows = bench.run_bench(cfg, ["hello"], progress=False)
+    assert [(r.mode, r.num_resident) for r in rows] == [("paged", TOP_K), ("paged", E // 2), ("resident", E),
+                                                        ("cpu-experts", E)]
+    assert len(loads) == 1 and loads[0]["mode"] == "paged" and loads[0]["num_resident"] == TOP_K
+    assert [(kw["mode"], kw["num_resident"]) for kw in repages] == [("paged", E // 2), ("resident", None),
+                                                                    ("cpu-experts", None)]
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path):
+    """bench/gpu_check.sh --dry-run: every phase runs under its timeout, writes its own output
+    file and exit code, and gpu_bench's JSON holds every phase."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    run = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    phases = (tmp_path / "phases.txt").read_text().splitlines()
+    assert [p.split(" exit ")[0] for p in phases] == ["cuda_tests", "linkbench", "gpu_bench"]
+    assert all(" exit 0," in p for p in phases), phases
+    for name in ("env", "cuda_tests", "linkbench", "gpu_bench"):
+        assert (tmp_path / f"{name}.txt").stat().st_size > 0, name
+    result = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert result["phases_done"][-1] == "modelled" and result["modelled"]

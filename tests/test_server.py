@@ -1,118 +1,30 @@
-"""The OpenAI-compatible server: HTTP behaviour, continuous batching, paging exactness.
+"""The OpenAI-compatible server: HTTP basics, continuous batching, paging exactness.
 
-One real server (uvicorn in a thread, loopback, a free port) runs the bundled model with
-K = top_k slots and ``--max-running-requests 4``; tests talk to it with the official
-``openai`` client and raw ``httpx``. Batching exactness is checked on the scheduler itself,
-where the batch schedule is fixed: all requests are queued before the first step.
-
-Batched decoding pads rows and changes the floating-point reduction order, so a request's
-tokens alone and in a batch of 8 are compared only while the alone run's top-2 logit margin
-stays above MARGIN_EPS; past a near-tie a flip is legitimate and is counted and printed.
-
-``PAGEDEXPERTS_TEST_MODEL`` may name another directory with the bundled model's architecture
-(development while the bundled model is being retrained); by default the bundled model.
+Batching exactness is checked on the scheduler itself, where the batch schedule is fixed:
+all requests are queued before the first step. Batched prefill and decode pad rows and
+change the floating-point reduction order, so a request's tokens alone and in a batch of 8
+are compared only while the alone run's top-2 logit margin stays above MARGIN_EPS; past a
+near-tie a flip is legitimate and is counted and printed. Paged vs unpaged on the SAME
+schedule must be equal token for token.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
+from serving_fixtures import (CONTEXT, MAX_RUNNING, MAX_TOKENS, MODEL_PATH, NAME, PROMPTS, httpx,  # noqa: F401
+                              load_model, metric, one_thread, ref, schedule, server, torch)
+from serving_fixtures import client as openai_client
+from pagedexperts.generate import SamplingConfig, generate_text
 
-import torch  # noqa: E402
-
-from pagedexperts import bundled_model_path, load_model  # noqa: E402
-from pagedexperts.generate import SamplingConfig, generate_text  # noqa: E402
-from pagedexperts.scheduler import BatchScheduler, SchedulerConfig  # noqa: E402
-from pagedexperts.server import ServeConfig, create_app  # noqa: E402
-
-MODEL_PATH = Path(os.environ.get("PAGEDEXPERTS_TEST_MODEL") or bundled_model_path())
-NAME = "tiny"
-MAX_RUNNING = 4
-CONTEXT = 256
-MAX_TOKENS = 12
 MARGIN_EPS = 1e-3  # logits: batching noise in float32 is orders of magnitude below this
-PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo", "First Citizen:\nBefore we proceed", "KING HENRY:",
-           "To be, or not to be", "MENENIUS:\nWhat work", "But soft, what light", "Now is the winter"]
 
 pytestmark = pytest.mark.skipif(not (MODEL_PATH / "config.json").exists(), reason=f"no model at {MODEL_PATH}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, 2 threads made steps 30x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ref():
-    """A second copy of the model (K = top_k) for in-process references; never served."""
-    return load_model(MODEL_PATH, num_resident=_top_k())
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The served model on 127.0.0.1 (a free port); yields (base_url, app, trace path)."""
-    import uvicorn
-
-    model, tokenizer = load_model(MODEL_PATH, num_resident=_top_k())
-    trace = tmp_path_factory.mktemp("serve") / "trace.npz"
-    app = create_app(model, tokenizer, ServeConfig(NAME, MAX_RUNNING, CONTEXT, record_trace=str(trace)))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started, "server did not start"
-    yield url, app, trace, srv, thread
-    srv.should_exit = True
-    thread.join(30)
-
-
-def _top_k() -> int:
-    return json.loads((MODEL_PATH / "config.json").read_text())["num_experts_per_tok"]
-
-
-def _client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def _metric(url, name: str, default: float | None = None) -> float:
-    """A sample of /metrics by its full name with labels, e.g. 'x_total{layer="0"}'."""
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    if default is None:
-        raise AssertionError(f"{name} not in /metrics")
-    return default
-
-
-def _schedule(model, tokenizer, prompts, *, max_running, max_tokens=MAX_TOKENS):
-    """Output token ids of ``prompts`` on a fixed schedule: all queued, then stepped."""
-    sched = BatchScheduler(model, tokenizer, SchedulerConfig(max_running, CONTEXT))
-    reqs = [sched.submit(tokenizer(p)["input_ids"], SamplingConfig(max_new_tokens=max_tokens), lambda e: None)
-            for p in prompts]
-    while sched.num_running or sched.num_waiting:
-        sched.step()
-    return [r.output_ids for r in reqs], sched.stats
 
 
 # ---- HTTP: the OpenAI surface ----
@@ -120,12 +32,12 @@ def _schedule(model, tokenizer, prompts, *, max_running, max_tokens=MAX_TOKENS):
 def test_health_and_models(server):
     url = server[0]
     assert httpx.get(url + "/health").json()["status"] == "ok"
-    assert [m.id for m in _client(url).models.list().data] == [NAME]
+    assert [m.id for m in openai_client(url).models.list().data] == [NAME]
 
 
 def test_greedy_completion_alone_equals_generate(server, ref):
     model, tokenizer = ref
-    got = _client(server[0]).completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    got = openai_client(server[0]).completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
     want = generate_text(model, tokenizer, PROMPTS[1], SamplingConfig(max_new_tokens=MAX_TOKENS))
     assert got.choices[0].text == want.text
     assert got.usage.completion_tokens == want.new_tokens
@@ -134,7 +46,7 @@ def test_greedy_completion_alone_equals_generate(server, ref):
 
 def test_greedy_chat_alone_equals_generate_chat(server, ref):
     model, tokenizer = ref
-    got = _client(server[0]).chat.completions.create(
+    got = openai_client(server[0]).chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "Who is Romeo?"}], max_tokens=MAX_TOKENS, temperature=0
     )
     want = generate_text(model, tokenizer, "Who is Romeo?", SamplingConfig(max_new_tokens=MAX_TOKENS), chat=True)
@@ -143,14 +55,14 @@ def test_greedy_chat_alone_equals_generate_chat(server, ref):
 
 
 def test_seeded_sampling_repeats(server):
-    client = _client(server[0])
+    client = openai_client(server[0])
     kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0.9, top_p=0.9)
     a, b = (client.completions.create(**kw, seed=7).choices[0].text for _ in range(2))
     assert a == b
 
 
 def test_stop_string_ends_the_text(server):
-    client = _client(server[0])
+    client = openai_client(server[0])
     kw = dict(model=NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS, temperature=0)
     full = client.completions.create(**kw).choices[0].text
     stop = full[len(full) // 2:][:3]
@@ -162,7 +74,7 @@ def test_stop_string_ends_the_text(server):
 
 
 def test_streaming_completion_arrives_incrementally(server):
-    client = _client(server[0])
+    client = openai_client(server[0])
     start, times, parts = time.perf_counter(), [], []
     stream = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0, stream=True)
     for chunk in stream:
@@ -190,26 +102,65 @@ def test_streaming_chat_raw_sse(server):
     assert chunks[-1]["usage"]["completion_tokens"] <= 6
 
 
+C, CH = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "x"}]
+
+
 @pytest.mark.parametrize(
     "path, body, status, words",
     [
-        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 400, "not served"),
-        ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be > 0"),
-        ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 10**6}, 400, "context length"),
-        ("/v1/completions", {"model": NAME, "prompt": "hello " * 400}, 400, "context length"),
-        ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
-        ("/v1/completions", {"model": NAME, "prompt": ""}, 400, "empty"),
-        ("/v1/completions", {"model": NAME, "prompt": "x", "n": 2}, 400, "n must be 1"),
-        ("/v1/completions", {"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature"),
-        ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages must not be empty"),
-        ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
-        ("/v1/chat/completions", {"model": NAME}, 400, "messages"),
+        (C, {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+        (C, {"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be > 0"),
+        (C, {"model": NAME, "prompt": "x", "max_tokens": -1}, 400, "max_tokens must be > 0"),
+        (C, {"model": NAME, "prompt": "x", "max_tokens": 10**6}, 400, "context length"),
+        (C, {"model": NAME, "prompt": "hello " * 400}, 400, "context length"),
+        (C, {"model": NAME, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        (C, {"model": NAME, "prompt": ""}, 400, "empty"),
+        (C, {"model": NAME, "prompt": []}, 400, "prompt must hold"),
+        (C, {"model": NAME, "prompt": [5, 10**6]}, 400, "vocabulary"),
+        (C, {"model": NAME, "prompt": "x", "n": 17}, 400, "n must be in [1, 16]"),
+        (C, {"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        (C, {"model": NAME, "prompt": "x", "temperature": 2.5}, 400, "greedily"),
+        (C, {"model": NAME, "prompt": "x", "top_p": 0}, 400, "top_p"),
+        (C, {"model": NAME, "prompt": "x", "seed": 2**64}, 400, "seed must be in"),
+        (C, {"model": NAME, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed must be in"),
+        (C, {"model": NAME, "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+        (C, {"model": NAME, "prompt": "x", "frequency_penalty": -2.5}, 400, "frequency_penalty"),
+        (C, {"model": NAME, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias keys"),
+        (C, {"model": NAME, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias must be in"),
+        (C, {"model": NAME, "prompt": "x", "logprobs": 21}, 400, "logprobs must be in"),
+        (C, {"model": NAME, "prompt": "x", "stop": ["a"] * 17}, 400, "stop takes at most 16"),
+        (C, {"model": NAME, "prompt": "x", "stop": ["a", ""]}, 400, "non-empty"),
+        (C, {"model": NAME, "prompt": "x", "best_of": 3}, 400, "'best_of'"),
+        (C, {"model": NAME, "prompt": "x", "suffix": "y"}, 400, "'suffix'"),
+        (C, {"model": NAME, "prompt": "x", "top_k": 5}, 400, "'top_k'"),
+        (C, {"model": NAME, "prompt": "x", "no_such_field": 1}, 400, "'no_such_field'"),
+        (C, {"model": NAME, "prompt": "x", "stream_options": {"bogus": True}}, 400, "stream_options.bogus"),
+        (CH, {"model": NAME, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+         "'tools': tool calling"),
+        (CH, {"model": NAME, "messages": USER, "tool_choice": "auto"}, 400, "'tool_choice'"),
+        (CH, {"model": NAME, "messages": USER, "response_format": {"type": "json_object"}}, 400, "'response_format'"),
+        (CH, {"model": NAME, "messages": USER, "top_logprobs": 2}, 400, "needs logprobs"),
+        (CH, {"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs must be"),
+        (CH, {"model": NAME, "messages": USER, "max_tokens": 0}, 400, "max_tokens must be > 0"),
+        (CH, {"model": NAME, "messages": []}, 400, "messages must not be empty"),
+        (CH, {"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+        (CH, {"model": NAME, "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400, "role"),
+        (CH, {"model": NAME, "messages": [{"role": "user", "content": None}]}, 400, "null only for role 'assistant'"),
+        (CH, {"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         400, "image_url"),
+        (CH, {"model": NAME}, 400, "messages"),
     ],
 )
 def test_bad_request_is_4xx_with_message(server, path, body, status, words):
-    r = httpx.post(server[0] + path, json=body, timeout=30)
+    """Each refusal: the status, OpenAI's error shape naming the problem, counted in /metrics."""
+    url = server[0]
+    r = httpx.post(url + path, json=body, timeout=30)
     assert r.status_code == status, r.text
-    assert words in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert words in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert metric(url, f'pagedexperts_refused_requests_total{{code="{err["code"]}",status="{status}"}}') >= 1
 
 
 def test_bad_json_then_still_serving(server):
@@ -223,7 +174,7 @@ def test_disconnect_frees_the_place(server):
     url = server[0]
     body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0, "stream": True}
     counter = 'pagedexperts_requests_total{endpoint="completions",outcome="cancelled"}'
-    cancelled = _metric(url, counter, default=0.0)
+    cancelled = metric(url, counter, default=0.0)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 3:
@@ -232,7 +183,7 @@ def test_disconnect_frees_the_place(server):
     while httpx.get(url + "/health").json()["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert httpx.get(url + "/health").json()["running"] == 0
-    assert _metric(url, counter) == cancelled + 1
+    assert metric(url, counter) == cancelled + 1
 
 
 def test_concurrent_requests_batch_queue_and_all_complete(server):
@@ -242,7 +193,7 @@ def test_concurrent_requests_batch_queue_and_all_complete(server):
 
     def poll():
         while not done.is_set():
-            seen.append(_metric(url, "pagedexperts_running_requests"))
+            seen.append(metric(url, "pagedexperts_running_requests"))
             time.sleep(0.01)
 
     def ask(prompt):
@@ -258,10 +209,10 @@ def test_concurrent_requests_batch_queue_and_all_complete(server):
     assert [a.status_code for a in answers] == [200] * len(PROMPTS)
     assert all(a.json()["choices"][0]["finish_reason"] in ("length", "stop") for a in answers)
     assert max(seen) > 1, f"running batch never above 1 (seen {sorted(set(seen))})"
-    assert 1 < _metric(url, "pagedexperts_max_decode_batch") <= MAX_RUNNING
-    assert _metric(url, 'pagedexperts_expert_misses_total{layer="0"}') > 0
-    assert _metric(url, "pagedexperts_time_to_first_token_seconds_count") >= len(PROMPTS)
-    assert _metric(url, "pagedexperts_time_per_output_token_seconds_count") >= len(PROMPTS)
+    assert 1 < metric(url, "pagedexperts_max_decode_batch") <= MAX_RUNNING
+    assert metric(url, 'pagedexperts_expert_misses_total{layer="0"}') > 0
+    assert metric(url, "pagedexperts_time_to_first_token_seconds_count") >= len(PROMPTS)
+    assert metric(url, "pagedexperts_time_per_output_token_seconds_count") >= len(PROMPTS)
 
 
 def test_zz_shutdown_stops_worker_and_saves_trace(server):
@@ -286,14 +237,14 @@ def batch_of_8(ref):
     """8 prompts decoded together on K = top_k: (output ids, scheduler stats, paging stats, E)."""
     model, tokenizer = ref
     model.pagedexperts.reset_stats()
-    ids, stats = _schedule(model, tokenizer, PROMPTS, max_running=8)
+    ids, stats = schedule(model, tokenizer, PROMPTS, max_running=8)
     return ids, stats, model.pagedexperts.stats(), model.pagedexperts.num_experts
 
-def test_paging_changes_nothing_same_schedule(batch_of_8):
+def test_paging_changes_nothing_sameschedule(batch_of_8):
     """K = top_k (many misses, multi-wave steps) gives the tokens of K = E, batch of 8, greedy."""
     paged_ids, stats, paged_stats, num_experts = batch_of_8
     model, tokenizer = load_model(MODEL_PATH, num_resident=num_experts)
-    full_ids, _ = _schedule(model, tokenizer, PROMPTS, max_running=8)
+    full_ids, _ = schedule(model, tokenizer, PROMPTS, max_running=8)
     assert paged_ids == full_ids
     assert stats.max_decode_batch == 8
     tot = paged_stats.total()
@@ -306,7 +257,7 @@ def test_alone_vs_batch_of_8_until_near_tie(ref, batch_of_8):
     batched = batch_of_8[0]
     compared = flips = 0
     for prompt, in_batch in zip(PROMPTS, batched):
-        alone = _schedule(model, tokenizer, [prompt], max_running=1)[0][0]
+        alone = schedule(model, tokenizer, [prompt], max_running=1)[0][0]
         margins = _top2_margins(model, tokenizer(prompt)["input_ids"], alone)
         for j, (a, b) in enumerate(zip(alone, in_batch)):
             if margins[j] < MARGIN_EPS:

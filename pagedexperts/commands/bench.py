@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
         description="Per mode: TTFT p50 on short and long prompts, single-stream decode tok/s, "
         "total tok/s at each concurrency (c prompts decoded as one batch), decode hit rate, bytes "
         "paged per token, waves per step, host planning time, and time per token vs resident. "
+        "The checkpoint is loaded once; each mode and K re-attaches runners over the same host stores. "
         "Writes bench.md, bench.json, bench.png and command.txt under --results-dir.",
     )
     g = p.add_argument_group("model")

@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
     from pagedexperts.loader import load_model
+    from pagedexperts.models.families import num_routed_experts
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
@@ -36,7 +37,7 @@ def run(args) -> int:
         args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
     )
     cfg = reference.config
-    top_k, num_experts = int(cfg.num_experts_per_tok), int(getattr(cfg, "num_experts", 0) or cfg.num_local_experts)
+    top_k, num_experts = int(cfg.num_experts_per_tok), num_routed_experts(cfg)
     if args.check_resident:
         ks = [int(x) for x in args.check_resident.split(",")]
     elif args.num_resident is not None:
@@ -49,6 +50,7 @@ def run(args) -> int:
         paged, tokenizer = load_model(
             args.model_path, num_resident=k, device=args.device, dtype=args.dtype,
             experts_implementation=args.experts_implementation, policy=args.policy,
+            slot_format=args.slot_format,
             prefetch=args.prefetch, prefetch_budget=args.prefetch_budget, host_memory_gb=args.host_memory_gb,
         )
         res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS
 from pagedexperts.residency import DEFAULT_POLICY, POLICIES
 
 
@@ -38,6 +39,14 @@ def add_model_arguments(parser) -> None:
     g.add_argument("--prefetch-budget", type=int, default=None, metavar="N",
                    help="prefetch page-ins per layer per step at most (default: top_k)")
     g.add_argument(
+        "--slot-format",
+        default=DEFAULT_SLOT_FORMAT,
+        choices=list(SLOT_FORMATS),
+        help="quantized checkpoints: slots hold packed experts, dequantized per wave (packed), or experts "
+        "dequantized once at page-in (dense: fewer slots per GB); page-ins copy packed bytes either way; "
+        "auto = dense on CPU, packed on CUDA (default auto; see bench/formats_bench.py)",
+    )
+    g.add_argument(
         "--host-memory-gb", type=float, default=None, metavar="G",
         help="host memory (GB) for the expert store. When all experts do not fit, each layer keeps R in host "
         "memory and reads the rest from the checkpoint files (disk tier; with --prefetch also read ahead). "
@@ -58,5 +67,6 @@ def load_from_args(args):
         policy=args.policy,
         prefetch=getattr(args, "prefetch", False),
         prefetch_budget=getattr(args, "prefetch_budget", None),
+        slot_format=getattr(args, "slot_format", DEFAULT_SLOT_FORMAT),
         host_memory_gb=getattr(args, "host_memory_gb", None),
     )

@@ -42,6 +42,10 @@ def add_parser(subparsers) -> None:
     run.add_argument("--max-running-requests", type=int, default=1, help="concurrent requests for the KV reserve (default 1)")
     run.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8"], default="auto",
                      help="KV cache dtype; auto = the config's dtype (default auto)")
+    run.add_argument("--slot-format", choices=["packed", "dense"], default="packed",
+                     help="quantized checkpoints: slots hold packed experts (default: what --slot-format auto "
+                     "picks on CUDA) or experts dequantized at page-in (dense: larger slots, fewer per GB); "
+                     "page-ins copy packed bytes either way")
     run.add_argument("--runtime-reserve-gb", type=float, default=1.0,
                      help="GB kept for activations, CUDA context, allocator slack (default 1.0)")
     tiers = p.add_argument_group("disk tier (three tiers: device K, host R, disk)")
@@ -59,7 +63,7 @@ def add_parser(subparsers) -> None:
 
 def run_preflight(args) -> int:
     """Print the preflight report (text or --json); 0 on success, ValueError on bad input."""
-    report = build_report(**_model_inputs(args), **_run_inputs(args))
+    report = build_report(**_model_inputs(args), **_run_inputs(args), slot_format=args.slot_format)
     if args.host_memory_gb is not None:
         report.update(tier_report(report, **_tier_inputs(args)))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -80,7 +84,11 @@ def _model_inputs(args) -> dict:
             expert_bytes=sizes.expert_bytes,
             kv_bytes_per_token=sizing.kv_bytes_per_token(config=config, kv_dtype=args.kv_dtype),
             non_expert_bytes=sizes.non_expert_bytes,
+            dense_expert_bytes=(sizing.dense_expert_bytes(config=config) if config.get("quantization_config")
+                                else sizes.expert_bytes),
         )
+    if args.slot_format == "dense":
+        raise ValueError("--slot-format dense needs --model-path (the dense expert size comes from config.json)")
     missing = [f for f in ("layers", "experts", "top_k", "expert_mb", "kv_bytes_per_token") if getattr(args, f) is None]
     if missing:
         flags = ", ".join("--" + f.replace("_", "-") for f in missing)
@@ -174,14 +182,20 @@ def _positive(value, flag: str) -> None:
 def build_report(
     *, model, moe_layers, num_experts, top_k, expert_bytes, kv_bytes_per_token, non_expert_bytes,
     num_resident, link_gbps, tok_s, device_memory_gb, context_length, max_running_requests,
-    runtime_reserve_gb,
+    runtime_reserve_gb, slot_format="packed", dense_expert_bytes=None,
 ) -> dict:
     """Compose the sizing functions into one flat report (bytes, fractions, seconds).
+
+    ``slot_format`` "dense": a slot holds ``dense_expert_bytes`` per layer (the expert
+    dequantized); page-ins still move ``expert_bytes`` (packed).
 
     Raises:
         ValueError: K outside [1, E] (names --num-resident).
     """
-    slot = sizing.slot_bytes(expert_bytes=expert_bytes, moe_layers=moe_layers)
+    slot_expert = dense_expert_bytes if slot_format == "dense" else expert_bytes
+    slot = sizing.slot_bytes(expert_bytes=slot_expert, moe_layers=moe_layers)
+    host = sizing.host_bytes(slot_bytes=sizing.slot_bytes(expert_bytes=expert_bytes, moe_layers=moe_layers),
+                             num_experts=num_experts)
     kv_reserve = sizing.kv_reserve_bytes(context_length=context_length, max_running_requests=max_running_requests,
                                          kv_bytes_per_token=kv_bytes_per_token)
     mem = dict(non_expert_bytes=non_expert_bytes, runtime_reserve_gb=runtime_reserve_gb, slot_bytes=slot)
@@ -196,16 +210,17 @@ def build_report(
     uniform = sizing.uniform_miss_rate(num_resident=num_resident, num_experts=num_experts)
     r = dict(
         model=model, moe_layers=moe_layers, num_experts=num_experts, top_k=top_k,
-        expert_bytes=expert_bytes, slot_bytes=slot,
-        host_bytes=sizing.host_bytes(slot_bytes=slot, num_experts=num_experts),
+        expert_bytes=expert_bytes, dense_expert_bytes=dense_expert_bytes, slot_format=slot_format, slot_bytes=slot,
+        host_bytes=host,
         kv_bytes_per_token=kv_bytes_per_token,
         kv_tokens_per_slot=sizing.kv_tokens_per_slot(slot_bytes=slot, kv_bytes_per_token=kv_bytes_per_token),
         num_resident=num_resident, num_resident_source=k_source,
         device_slot_bytes=num_resident * slot,
         single_wave_batch_cap=sizing.single_wave_batch_cap(num_resident=num_resident, top_k=top_k),
         all_miss_bytes_per_token=all_miss, uniform_miss_rate=uniform,
-        prefill_page_in_bytes=sizing.prefill_page_in_bytes(num_experts=num_experts, num_resident=num_resident,
-                                                           slot_bytes=slot),
+        prefill_page_in_bytes=sizing.prefill_page_in_bytes(
+            num_experts=num_experts, num_resident=num_resident,
+            slot_bytes=sizing.slot_bytes(expert_bytes=expert_bytes, moe_layers=moe_layers)),
         link_gbps=link_gbps, tok_s=tok_s, non_expert_bytes=non_expert_bytes,
     )
     if link_gbps:
@@ -232,8 +247,10 @@ def format_report(r: dict) -> str:
     mb, gb = sizing.MB, sizing.GB
     lines = [
         f"model                 {r['model']}: L={r['moe_layers']} MoE layers, E={r['num_experts']}, top_k={r['top_k']}",
-        f"expert                {r['expert_bytes'] / mb:.2f} MB",
-        f"slot (expert x L)     {r['slot_bytes'] / mb:.0f} MB (~{r['kv_tokens_per_slot']:,.0f} KV tokens at "
+        f"expert                {r['expert_bytes'] / mb:.2f} MB"
+        + (f" (packed; {r['dense_expert_bytes'] / mb:.2f} MB dequantized)"
+           if r.get("dense_expert_bytes") and r["dense_expert_bytes"] != r["expert_bytes"] else ""),
+        f"slot (expert x L)     {r['slot_bytes'] / mb:.0f} MB{' dense' if r['slot_format'] == 'dense' else ''} (~{r['kv_tokens_per_slot']:,.0f} KV tokens at "
         f"{r['kv_bytes_per_token']:,} B/token)",
         f"host store (slot x E) {r['host_bytes'] / gb:.2f} GB",
         f"resident K            {r['num_resident']} of {r['num_experts']} ({r['num_resident_source']}), "

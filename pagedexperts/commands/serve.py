@@ -6,6 +6,9 @@ import sys
 
 from pagedexperts.commands.common import add_model_arguments, load_from_args
 
+DEFAULT_MAX_PREFILL_TOKENS = 16384  # = serving.scheduler.DEFAULT_MAX_PREFILL_TOKENS (not imported: torch)
+MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.protocol.MAX_PROMPT_BYTES_PER_TOKEN
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -13,7 +16,7 @@ def add_parser(sub) -> None:
         help="OpenAI-compatible server (completions, chat, streaming, /metrics)",
         description="Serve the model over HTTP: POST /v1/completions and /v1/chat/completions "
         "(stream: true for server-sent events), GET /v1/models, /health, /metrics (Prometheus). "
-        "Concurrent requests are decoded together, one batched step for all running requests. "
+        "Admitted prompts are prefilled together and running requests decoded together, one forward each. "
         "Needs the server extra: pip install 'pagedexperts[server]'.",
     )
     add_model_arguments(p)
@@ -28,6 +31,21 @@ def add_parser(sub) -> None:
                    "K // top_k, so that every decode step is one wave per layer)")
     b.add_argument("--context-length", type=int, default=None, metavar="TOKENS",
                    help="longest prompt + completion (default: the model's max_position_embeddings)")
+    b.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="sequences waiting for a place beyond which requests get 429 + Retry-After "
+                   "(default: unbounded)")
+    b.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS, metavar="TOKENS",
+                   help="padded tokens (prompts x longest prompt) prefilled in one forward; admitted prompts are "
+                   f"prefilled together up to this (default {DEFAULT_MAX_PREFILL_TOKENS}; 1 = one prompt per forward)")
+    a = p.add_argument_group("admission")
+    a.add_argument("--max-body-bytes", type=int, default=None, metavar="BYTES",
+                   help="largest request body; larger ones get 413 before parsing (default: 1 MiB + 8 x the "
+                   f"longest prompt text admitted, context length x {MAX_PROMPT_BYTES_PER_TOKEN} bytes)")
+    a.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: no key; the server binds loopback)")
+    a.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM / SIGINT: new requests get 503 + Retry-After, running ones have S seconds to "
+                   "finish, then each remaining stream gets a final error event and [DONE] (default 30)")
     o = p.add_argument_group("output")
     o.add_argument("--record-trace", metavar="PATH", help="record the routing trace (.npz, real request ids), saved at shutdown")
     p.set_defaults(func=run)
@@ -37,7 +55,7 @@ def run(args) -> int:
     from pathlib import Path
 
     try:
-        from pagedexperts.server import ServeConfig, run_server, single_wave_note
+        from pagedexperts.serving.api_server import ServeConfig, run_server, single_wave_note
     except ModuleNotFoundError as exc:
         raise ValueError(f"the server needs {exc.name}: pip install 'pagedexperts[server]'") from exc
     from pagedexperts.loader import bundled_model_path
@@ -54,8 +72,16 @@ def run(args) -> int:
     if running < 1:
         raise ValueError(f"--max-running-requests must be >= 1, got {running}")
     name = args.served_model_name or Path(args.model_path or bundled_model_path()).resolve().name
+    for flag, value in (("--max-queued-requests", args.max_queued_requests), ("--max-body-bytes", args.max_body_bytes)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.max_prefill_tokens < 1 or args.shutdown_timeout < 0:
+        raise ValueError(f"--max-prefill-tokens must be >= 1 and --shutdown-timeout >= 0, got "
+                         f"{args.max_prefill_tokens} and {args.shutdown_timeout}")
     config = ServeConfig(served_model_name=name, max_running_requests=running, context_length=context,
-                         record_trace=args.record_trace)
+                         record_trace=args.record_trace, max_queued_requests=args.max_queued_requests,
+                         max_prefill_tokens=args.max_prefill_tokens, max_body_bytes=args.max_body_bytes,
+                         api_key=args.api_key, shutdown_timeout_s=args.shutdown_timeout)
     print(f"pagedexperts serve: {name} on http://{args.host}:{args.port}, K={rt.num_resident} of "
           f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}", file=sys.stderr, flush=True)
     run_server(model, tokenizer, config, host=args.host, port=args.port)

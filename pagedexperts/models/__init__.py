@@ -41,7 +41,7 @@ def check_supported(config) -> str:
 
     Raises:
         ValueError: not an MoE model, an architecture not yet supported (lists them), or a
-            quantized checkpoint (quantized experts have their own modules; not paged yet).
+            quantized checkpoint in no supported expert format (``pagedexperts.formats``).
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
@@ -54,14 +54,9 @@ def check_supported(config) -> str:
             f"model_type {model_type!r} is {what}; supported: "
             + ", ".join(f"{k} ({v})" for k, v in sorted(SUPPORTED_ARCHITECTURES.items()))
         )
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        raise ValueError(
-            f"this {SUPPORTED_ARCHITECTURES[model_type]} checkpoint is quantized "
-            f"(quant_method {method!r}); quantized experts are not paged yet: use an unquantized "
-            "(bf16 / fp16 / fp32) checkpoint of the model"
-        )
+    from pagedexperts.formats import format_for_config
+
+    format_for_config(config)  # a quantized checkpoint must be a supported expert format
     return SUPPORTED_ARCHITECTURES[model_type]
 
 

@@ -97,6 +97,13 @@ class TieredExpertStore:
     def host_bytes(self) -> int:
         return self.expert_bytes * self.host_rows
 
+    def reset(self) -> None:
+        """Empty host rows and zeroed counters, as after loading (e.g. after a start-up check
+        paged samples through the tier)."""
+        self.residency = Residency(self.num_experts, self.host_rows, make_policy(self.residency.policy.name, self.host_rows))
+        self._row_expert = [-1] * self.host_rows
+        self.tier_stats = TierStats()
+
     def attach_source(self, extents: dict[str, list[list[Extent]]]) -> None:
         """The checkpoint byte ranges of every expert: tensor name -> [E] lists of extents."""
         self._sources = extents

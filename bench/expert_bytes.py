@@ -1,0 +1,54 @@
+"""Bytes of one routed expert in each expert format, from the formats' own layouts.
+
+Pure arithmetic over ``ExpertFormat.layout`` (the specs the store and the slots hold, so the
+bytes a page-in moves), for a Qwen3-MoE expert of hidden H and expert intermediate I: bf16,
+block FP8, W4A16 (compressed-tensors, symmetric and asymmetric), GPTQ (with g_idx) and AWQ, at
+group size 128 (block 128 x 128). Default shape: Qwen3-30B-A3B (H 2048, I 768).
+
+    python bench/expert_bytes.py [--hidden 2048] [--intermediate 768] [--group-size 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from pagedexperts.formats import TensorSpec
+from pagedexperts.formats.awq import AwqFormat
+from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
+from pagedexperts.formats.dense import DenseFormat
+from pagedexperts.formats.fp8 import Fp8BlockFormat
+from pagedexperts.formats.gptq import GptqFormat
+
+
+def formats(group_size: int) -> dict:
+    return {
+        "bf16": DenseFormat(),
+        "fp8-block 128x128": Fp8BlockFormat(block=(128, 128)),
+        f"w4a16 g{group_size} symmetric": CompressedTensorsW4A16Format(group_size=group_size, symmetric=True),
+        f"w4a16 g{group_size} asymmetric": CompressedTensorsW4A16Format(group_size=group_size, symmetric=False),
+        f"gptq g{group_size} (g_idx)": GptqFormat(group_size=group_size, desc_act=True, zero_offset=1),
+        f"awq g{group_size}": AwqFormat(group_size=group_size),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--group-size", type=int, default=128)
+    a = p.parse_args()
+    dense = (TensorSpec("gate_up_proj", (2 * a.intermediate, a.hidden), torch.bfloat16),
+             TensorSpec("down_proj", (a.hidden, a.intermediate), torch.bfloat16))
+    bf16 = None
+    print(f"one routed expert, H {a.hidden}, I {a.intermediate} (MB = 1e6 B)\n")
+    print("| format | bytes per expert | MB | vs bf16 |\n| --- | ---: | ---: | ---: |")
+    for name, fmt in formats(a.group_size).items():
+        n = fmt.layout(dense, sources={"gate_up_proj": 2}).expert_bytes
+        bf16 = bf16 or n
+        print(f"| {name} | {n:,} | {n / 1e6:.3f} | {n / bf16:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()

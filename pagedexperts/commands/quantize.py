@@ -1,0 +1,84 @@
+"""``pagedexperts quantize``: write a checkpoint's routed experts in a quantized published format.
+
+Owns: the flags, their validation, the report line, and the ``bundled:FORMAT`` model paths
+(the bundled model's quantized variants, built on first use into the cache directory:
+``$PAGEDEXPERTS_CACHE``, else ``$XDG_CACHE_HOME/pagedexperts``, else ``~/.cache/pagedexperts``).
+The work is ``pagedexperts.quantize``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+BUNDLED_PREFIX = "bundled:"
+
+
+def add_parser(subparsers) -> None:
+    """Register the subcommand, its flags and ``func`` on the CLI's ``subparsers``."""
+    p = subparsers.add_parser(
+        "quantize",
+        help="round-to-nearest quantize a checkpoint's routed experts (w4a16, fp8-block, mxfp4)",
+        description="Quantize the ROUTED experts of a bf16/fp16/fp32 checkpoint (everything else is "
+        "copied unchanged) into a published on-disk layout that transformers loads: w4a16 = "
+        "compressed-tensors pack-quantized int4 (written by the compressed-tensors package), "
+        "fp8-block = DeepSeek-V3/Qwen3-FP8 block FP8, mxfp4 = gpt-oss MXFP4 (gpt-oss only). "
+        "Plain round-to-nearest, no calibration. Without --model-path and --output, builds the "
+        f"bundled model's variant into the cache and prints its path (also usable as --model-path "
+        f"{BUNDLED_PREFIX}FORMAT in every command).",
+    )
+    p.add_argument("--model-path", default=None, help="unquantized checkpoint directory (default: the bundled model)")
+    p.add_argument("--format", required=True, choices=["w4a16", "fp8-block", "mxfp4"], help="format to write")
+    p.add_argument("--output", default=None, help="new directory to write (default with no --model-path: the cache)")
+    g = p.add_argument_group("format parameters")
+    g.add_argument("--group-size", type=int, default=128,
+                   help="w4a16: input channels per scale group; must divide every expert's input size (default 128)")
+    g.add_argument("--asymmetric", action="store_true", help="w4a16: asymmetric with int4 zero points (default symmetric)")
+    g.add_argument("--block-size", type=int, default=128, help="fp8-block: square weight block edge (default 128)")
+    p.add_argument("--cache-dir", default=None, help="where bundled variants are built (default: see description)")
+    p.set_defaults(func=run_quantize)
+
+
+def default_cache_dir() -> Path:
+    """``$PAGEDEXPERTS_CACHE``, else ``$XDG_CACHE_HOME/pagedexperts``, else ``~/.cache/pagedexperts``."""
+    if os.environ.get("PAGEDEXPERTS_CACHE"):
+        return Path(os.environ["PAGEDEXPERTS_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedexperts"
+
+
+def resolve_model_path(value: str | None, cache_dir: str | None = None) -> str | None:
+    """``bundled:FORMAT`` -> the bundled model's variant directory (built on first use); any
+    other value unchanged."""
+    if not value or not value.startswith(BUNDLED_PREFIX):
+        return value
+    from pagedexperts.quantize import bundled_variant_path
+
+    fmt = value.removeprefix(BUNDLED_PREFIX)
+    return str(bundled_variant_path(fmt, cache_dir=cache_dir or default_cache_dir()))
+
+
+def run_quantize(args) -> int:
+    """Quantize, print what was written; 0 on success, ValueError on bad input."""
+    from pagedexperts.quantize import QuantizeOptions, quantize_checkpoint
+
+    if args.group_size <= 0:
+        raise ValueError(f"--group-size {args.group_size} must be > 0")
+    if args.block_size <= 0:
+        raise ValueError(f"--block-size {args.block_size} must be > 0")
+    if args.model_path is None and args.output is None:
+        if args.asymmetric or args.group_size != 128 or args.block_size != 128:
+            raise ValueError("the bundled variants have fixed parameters; pass --model-path and --output to choose them")
+        print(resolve_model_path(BUNDLED_PREFIX + args.format, args.cache_dir))
+        return 0
+    if args.output is None:
+        raise ValueError("--output DIR is required with --model-path")
+    from pagedexperts.loader import bundled_model_path
+
+    options = QuantizeOptions(args.format, group_size=args.group_size, symmetric=not args.asymmetric,
+                              block=(args.block_size, args.block_size))
+    report = quantize_checkpoint(model_path=args.model_path or bundled_model_path(), output=args.output, options=options)
+    ratio = report.expert_bytes_out / report.expert_bytes_in
+    print(f"{report.format}: {report.expert_tensors} routed expert weights, "
+          f"{report.expert_bytes_in / 1e6:.2f} MB -> {report.expert_bytes_out / 1e6:.2f} MB ({ratio:.3f}x) in {report.output}")
+    return 0

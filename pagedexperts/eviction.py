@@ -1,0 +1,377 @@
+"""Eviction policies: which resident expert of one MoE layer leaves its slot for a miss.
+
+Owns: the policy interface (``EvictionPolicy``: hooks the residency calls per step, hit and
+load, and ``victims``, the slots a wave's misses take), the rules (LRU, LFU with aging,
+frequency-weighted LRU, adaptive) with the structures that make a victim O(log K) or better
+(an ordered map, a lazily refreshed heap, one ranking per wave for large evictions), and the
+``--policy`` registry. Tensor-free (standard library only), like ``residency``, which plans the
+waves and owns the slot map; ``simulate`` adds Belady's offline policy on the same interface.
+Does not: keep the expert <-> slot map or plan waves (``residency``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter, OrderedDict, deque
+from typing import Container, Iterable, Sequence
+
+EMPTY = -1  # slot content of a slot that holds no expert yet
+
+
+class EvictionPolicy:
+    """Base class of eviction policies: ranks occupied slots for eviction; tensor-free.
+
+    The residency calls ``on_step`` once per step with the step's union before planning,
+    ``on_hits`` with the resident experts the step routes to (ascending expert id), and, per
+    wave, ``victims`` for the slots its misses need (once the empty slots are used up), then
+    ``on_loads`` with the (slot, expert) placements. ``victims(n, protected, ...)`` must equal
+    n successive ``victim`` calls, each over the slots not in ``protected`` nor chosen before,
+    so a placement may change the rank of the slot it fills only (true of every rule here).
+    Subclasses override ``victim`` (the rule) and, for speed, ``victims`` and the hooks.
+    Slot ids are ints in [0, K); expert ids ints in [0, E).
+    """
+
+    name = "base"
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+
+    def on_step(self, union: Sequence[int]) -> None:
+        """Called once per step, before planning, with the step's sorted union of experts."""
+
+    def on_access(self, slot: int, expert: int) -> None:
+        """A resident expert in ``slot`` is routed to this step (a hit)."""
+
+    def on_load(self, slot: int, expert: int) -> None:
+        """``expert`` was just placed in ``slot`` (a miss)."""
+
+    def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        """``on_access`` for each (slot, expert) pair, in order."""
+        for slot, expert in zip(slots, experts):
+            self.on_access(slot, expert)
+
+    def on_loads(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        """``on_load`` for each (slot, expert) pair, in order."""
+        for slot, expert in zip(slots, experts):
+            self.on_load(slot, expert)
+
+    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
+        """Return the slot to evict among ``candidates`` (non-empty, all occupied)."""
+        raise NotImplementedError
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        """Up to ``count`` slots to evict, in eviction order, among slots not in ``protected``
+        (all occupied): successive ``victim`` calls, each without the slots chosen before."""
+        candidates = [s for s in range(self.num_slots) if s not in protected]
+        out = []
+        for _ in range(min(count, len(candidates))):
+            slot = self.victim(candidates, expert_of_slot)
+            candidates.remove(slot)
+            out.append(slot)
+        return out
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used: evict the slot whose expert was routed to longest ago.
+
+    The slots are kept in an ordered map, least recent first (fresh slots in ascending id);
+    every access or load moves a slot to the end. Within a step, experts are touched in
+    ascending expert id, so plans are deterministic. ``victims`` reads the front: O(1) per
+    victim plus the protected slots it skips (the wave's own, the most recent: none in practice).
+    """
+
+    name = "lru"
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self._order = OrderedDict.fromkeys(range(num_slots))  # least recent first
+
+    def on_access(self, slot: int, expert: int) -> None:
+        self._order.move_to_end(slot)
+
+    on_load = on_access
+
+    def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        consume(map(self._order.move_to_end, slots))
+
+    on_loads = on_hits
+
+    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
+        allowed = set(candidates)
+        return next(s for s in self._order if s in allowed)
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        return list(itertools.islice(itertools.filterfalse(protected.__contains__, self._order), max(count, 0)))
+
+
+class RankedPolicy(EvictionPolicy):
+    """A policy whose rule is a rank key per slot: evict the lowest ``rank(slot, ...)``, a
+    tuple that ends with the slot (so keys are distinct and ties go to the lowest slot).
+
+    ``victims`` here ranks every unprotected slot once per call: O(K) per wave, not per miss.
+    Subclasses may override ``_keys`` (the ranks of many slots) with a faster equivalent.
+    """
+
+    def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
+        raise NotImplementedError
+
+    def _keys(self, slots: Iterable[int], expert_of_slot: Sequence[int]) -> list[tuple]:
+        rank = self.rank
+        return [rank(s, expert_of_slot) for s in slots]
+
+    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
+        return min(self._keys(candidates, expert_of_slot))[-1]
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        keys = self._keys(itertools.filterfalse(protected.__contains__, range(self.num_slots)), expert_of_slot)
+        keys.sort()
+        return [key[-1] for key in keys[:max(count, 0)]]
+
+
+class HeapRankedPolicy(RankedPolicy):
+    """A ranked policy whose rank changes only for slots it is told about: a slot touched by
+    ``on_access``/``on_load`` (subclasses call ``_touch``), or every slot after ``_rerank_all``.
+
+    Keeps a heap of rank keys, refreshed lazily: touched slots are re-pushed when victims are
+    next asked for (a hit costs O(1) until then), outdated keys are dropped as they surface.
+    A few victims cost O(log K) each. When a call needs at least K/4 victims, or K/4 slots were
+    touched since the last call, the unprotected slots are ranked at once instead (one O(K)
+    pass, paid for by those victims or hits), so no miss costs O(K).
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self._heap: list[tuple] = []
+        self._touched: set[int] = set()
+        self._stale = True  # every key may be outdated: rebuild before the next use
+
+    def _touch(self, slot: int) -> None:
+        self._touched.add(slot)
+
+    def _rerank_all(self) -> None:
+        self._stale = True
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        if count <= 0:
+            return []
+        k, heap = self.num_slots, self._heap
+        if 4 * count >= k or 4 * len(self._touched) >= k:  # rank the unprotected slots once
+            self._stale = True
+            self._touched.clear()
+            return super().victims(count, protected, expert_of_slot)
+        if self._stale or len(heap) > 4 * k:  # rebuilt also when outdated keys pile up
+            heap[:] = self._keys(range(k), expert_of_slot)
+            heapq.heapify(heap)
+            self._touched.clear()
+            self._stale = False
+        else:
+            for key in self._keys(self._touched, expert_of_slot):
+                heapq.heappush(heap, key)
+            self._touched.clear()
+        rank, out, kept, seen = self.rank, [], [], set()
+        while heap and len(out) < count:
+            key = heapq.heappop(heap)
+            s = key[-1]
+            if s in seen or key != rank(s, expert_of_slot):
+                continue  # outdated (the slot's current key was pushed when it was touched) or a twin
+            seen.add(s)
+            (kept if s in protected else out).append(key)
+        for key in kept:
+            heapq.heappush(heap, key)
+        return [key[-1] for key in out]  # popped: re-pushed when they are loaded (touched)
+
+
+class LFUPolicy(HeapRankedPolicy):
+    """Least frequently used, with aging: evict the resident expert routed to in the fewest steps.
+
+    Each expert (resident or not: the count survives eviction, so a popular expert evicted once
+    comes back with its history) has a count, +1 for every step whose union holds it. Every
+    ``half_life`` steps all counts are halved (integer floor), so the counts follow a drifting
+    working set; ``half_life=0`` never ages. Ties: least recently used, then lowest slot.
+    A resident expert's count changes only in a step that routes to it (a hit, so its slot is
+    touched) or at aging (every slot re-ranked): the lazy heap of ``HeapRankedPolicy`` holds.
+    """
+
+    name = "lfu"
+    DEFAULT_HALF_LIFE = 128  # steps; best mean hit rate on the tune halves (bench/policy_eval.py)
+
+    def __init__(self, num_slots: int, *, half_life: int = DEFAULT_HALF_LIFE) -> None:
+        super().__init__(num_slots)
+        self.half_life = half_life
+        self._count: Counter[int] = Counter()
+        self._steps = 0
+        self._clock = itertools.count(1)
+        self._last_use = dict.fromkeys(range(num_slots), 0)  # slot -> clock at its last touch
+
+    def on_step(self, union: Sequence[int]) -> None:
+        self._steps += 1
+        if self.half_life and self._steps % self.half_life == 0:
+            self._count = Counter({e: c // 2 for e, c in self._count.items() if c > 1})
+            self._rerank_all()
+        self._count.update(union)  # +1 for each expert of the union (distinct ids), in C
+
+    def on_access(self, slot: int, expert: int) -> None:
+        self._last_use[slot] = next(self._clock)
+        self._touched.add(slot)
+
+    on_load = on_access
+
+    def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        self._last_use.update(zip(slots, self._clock))
+        self._touched.update(slots)
+
+    on_loads = on_hits
+
+    def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
+        return (self._count.get(expert_of_slot[slot], 0), self._last_use[slot], slot)
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        if count <= 0 or (4 * count < self.num_slots and 4 * len(self._touched) < self.num_slots):
+            return super().victims(count, protected, expert_of_slot)  # the heap
+        self._stale = True
+        self._touched.clear()
+        # the unprotected slots by (count, last use, slot): two stable sorts with C key functions
+        slots = list(itertools.filterfalse(protected.__contains__, range(self.num_slots)))
+        slots.sort(key=self._last_use.__getitem__)
+        counts = dict(zip(slots, map(self._count.get, map(expert_of_slot.__getitem__, slots), itertools.repeat(0))))
+        slots.sort(key=counts.__getitem__)
+        return slots[:count]
+
+    def _keys(self, slots: Iterable[int], expert_of_slot: Sequence[int]) -> list[tuple]:
+        slots = list(slots)  # the ranks of rank(), built in C
+        counts = map(self._count.get, map(expert_of_slot.__getitem__, slots), itertools.repeat(0))
+        return list(zip(counts, map(self._last_use.__getitem__, slots), slots))
+
+
+class FrequencyLRUPolicy(RankedPolicy):
+    """Frequency-weighted LRU: recency, stretched by how often the expert was used while resident.
+
+    A slot's keep-score is ``uses / (age + 1)``: ``uses`` the steps that routed to its expert
+    since it was loaded (1 at load; reset when the slot is refilled, like a cache entry's hit
+    counter), ``age`` the steps since its last use. Evict the lowest score: an expert used once
+    and idle for 3 steps (1/4) goes before one used 8 times and idle for 9 (8/10). With every
+    ``uses`` equal it is exactly LRU. Ties: least recently used, then lowest slot. Simple by
+    intent (an exact ratio, no tuned constant). Every score changes with the step count, so
+    ``victims`` ranks the unprotected slots once per wave (``RankedPolicy``).
+    """
+
+    name = "flru"
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self._steps = 0
+        self._uses = [0] * num_slots
+        self._last_step = [0] * num_slots
+        self._clock = itertools.count(1)
+        self._last_use = [0] * num_slots
+
+    def on_step(self, union: Sequence[int]) -> None:
+        self._steps += 1
+
+    def on_access(self, slot: int, expert: int) -> None:
+        self._uses[slot] += 1
+        self._last_step[slot] = self._steps
+        self._last_use[slot] = next(self._clock)
+
+    def on_load(self, slot: int, expert: int) -> None:
+        self._uses[slot] = 1
+        self._last_step[slot] = self._steps
+        self._last_use[slot] = next(self._clock)
+
+    def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
+        return (self._uses[slot] / (self._steps - self._last_step[slot] + 1), self._last_use[slot], slot)
+
+
+class AdaptivePolicy(EvictionPolicy):
+    """Adaptive: per layer, follow whichever of several eviction rules is winning right now.
+
+    Each candidate rule (``CANDIDATES``: LRU, LFU with a short and a long half-life) runs a
+    ghost residency of K slots on the same routing (expert ids only, no bytes) and earns the hits
+    it would have had, in an exponentially decaying window (``window`` steps). The real slots
+    are ranked by the current leader; each rule also keeps its own state over the real slots, so
+    switching leaders is instant. Ties between rules go to the earlier in ``CANDIDATES``, so
+    with no evidence (and whenever recency wins) it is LRU. Layers differ (deep layers reuse
+    more, layer 0 the least) and so do workloads; one fixed rule cannot suit all of them.
+    Cost: one extra ``Residency.plan`` per rule per layer per step, without its wave records.
+    """
+
+    name = "adaptive"
+    CANDIDATES: tuple[tuple[str, dict], ...] = (
+        ("lru", {}),
+        ("lfu", {"half_life": 16}),
+        ("lfu", {"half_life": 128}),
+    )
+    DEFAULT_WINDOW = 64  # steps; tuned on the tune half of the traces (bench/policy_eval.py)
+
+    def __init__(self, num_slots: int, *, window: int = DEFAULT_WINDOW) -> None:
+        from pagedexperts.residency import Residency  # the planner the ghosts replay with
+
+        super().__init__(num_slots)
+        self.decay = 1.0 - 1.0 / window
+        self._rules = [POLICIES[n](num_slots, **kw) for n, kw in self.CANDIDATES]
+        self._ghosts = [Residency(_ANY_EXPERT, num_slots, POLICIES[n](num_slots, **kw)) for n, kw in self.CANDIDATES]
+        self._score = [0.0] * len(self._rules)
+        self.leader = 0
+
+    def on_step(self, union: Sequence[int]) -> None:
+        # The leader is chosen from the steps before this one, then the ghosts see this step.
+        best = max(self._score)
+        self.leader = self._score.index(best)
+        for i, ghost in enumerate(self._ghosts):
+            self._score[i] = self._score[i] * self.decay + ghost.replay_step(union)
+        for rule in self._rules:
+            rule.on_step(union)
+
+    def on_access(self, slot: int, expert: int) -> None:
+        for rule in self._rules:
+            rule.on_access(slot, expert)
+
+    def on_load(self, slot: int, expert: int) -> None:
+        for rule in self._rules:
+            rule.on_load(slot, expert)
+
+    def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        for rule in self._rules:
+            rule.on_hits(slots, experts)
+
+    def on_loads(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        for rule in self._rules:
+            rule.on_loads(slots, experts)
+
+    def victim(self, candidates: Sequence[int], expert_of_slot: Sequence[int]) -> int:
+        return self._rules[self.leader].victim(candidates, expert_of_slot)
+
+    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
+        return self._rules[self.leader].victims(count, protected, expert_of_slot)
+
+
+def consume(iterator) -> None:
+    """Run an iterator of side effects to the end in C (the planner's bulk slot-map updates)."""
+    deque(iterator, maxlen=0)
+
+
+_ANY_EXPERT = 1 << 30  # E of a ghost residency: ids are checked by the real one
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "flru": FrequencyLRUPolicy,
+    "adaptive": AdaptivePolicy,
+}
+DEFAULT_POLICY = "lfu"  # the --policy default: best measured (bench/policy_eval.py, issue 8)
+
+
+def make_policy(name: str, num_slots: int) -> EvictionPolicy:
+    """Build the eviction policy called ``name`` for ``num_slots`` slots.
+
+    Raises:
+        ValueError: unknown name; the message lists the valid ``--policy`` choices.
+    """
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)} (--policy)"
+        ) from None
+    return cls(num_slots)

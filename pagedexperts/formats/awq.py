@@ -1,0 +1,124 @@
+"""AWQ int4 experts (AutoAWQ GEMM checkpoints, ``quant_method: awq``).
+
+Owns: recognising the format, the packed per-expert tensor specs, and the unpack + dequantize
+of some experts' packed rows. Does not: read files, store, page, or quantize (AWQ needs
+calibration; ``quantize`` writes w4a16 instead).
+
+On-disk layout (AutoAWQ ``awq/modules/linear/gemm.py`` ``WQLinear_GEMM.from_linear`` and
+``awq/utils/packing_utils.py`` ``dequantize_gemm``), per expert projection
+``experts.{j}.{gate,up,down}_proj`` of an nn.Linear weight [O, I], group size g, G = I / g:
+
+- ``qweight`` int32 [I, O / 8], packed along the OUTPUT dim in AWQ's interleaved order: the
+  nibble at bits ``4 * p`` of word [i, c] holds column ``8 * c + AWQ_ORDER[p]``, with
+  ``AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]``;
+- ``qzeros`` int32 [G, O / 8], the same packing (zero points stored as is, no offset);
+- ``scales`` float16 [G, O].
+
+Dequantize: ``W^T[i, o] = (q[i, o] - z[i // g, o]) * scales[i // g, o]`` in float16 (exact
+integer difference, one rounding in the product), transposed to [O, I], cast to the model's
+dtype. The GEMV version (a different packing) is not supported.
+
+Legend: n experts dequantized together, O output features, I input features, G groups.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+
+PACK_FACTOR = 8  # int4 values per int32 word
+SCALE_DTYPE = torch.float16  # AWQ checkpoints store float16 scales
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble p of a word holds column AWQ_ORDER[p] of its 8
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of a word sits in nibble AWQ_REVERSE_ORDER[c]
+GEMM_VERSIONS = ("gemm", "exllama", "ipex")  # versions whose checkpoints use the GEMM packing
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ-packed int4 along dim -1: int32 [..., R, C / 8] -> int32 [..., R, C] in 0..15,
+    columns back in their natural order."""
+    shifts = torch.tensor([4 * p for p in AWQ_REVERSE_ORDER], dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)
+
+
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+    """One projection of n experts -> dense [n, O, I] in ``dtype``.
+
+    qweight int32 [n, I, O/8]; qzeros int32 [n, G, O/8]; scales [n, G, O]; groups are I / G
+    consecutive input channels.
+    """
+    q = unpack_awq(qweight)  # [n, I, O]
+    groups = scales.shape[-2]
+    group_size = q.shape[-2] // groups
+    z = unpack_awq(qzeros).repeat_interleave(group_size, dim=-2)  # [n, I, O]
+    s = scales.repeat_interleave(group_size, dim=-2)
+    w = (q - z).to(scales.dtype) * s
+    return w.transpose(-1, -2).to(dtype)
+
+
+class AwqFormat(ExpertFormat):
+    """AWQ int4 GEMM-packed experts with zero points, any group size dividing I."""
+
+    name = "awq"
+    serialized_names = {"weight": ("qweight", "qzeros", "scales")}
+
+    def __init__(self, *, group_size: int) -> None:
+        self.group_size = group_size
+
+    @classmethod
+    def matches(cls, quantization_config: dict | None) -> bool:
+        return bool(quantization_config) and quantization_config.get("quant_method") == "awq"
+
+    @classmethod
+    def from_quantization_config(cls, quantization_config: dict | None) -> "AwqFormat":
+        """Bind the group size (``group_size`` or AutoAWQ's ``q_group_size``).
+
+        Raises:
+            ValueError: bits other than 4, zero_point false, a version other than the GEMM
+                packing (e.g. gemv), or a group size that is not a positive int.
+        """
+        qc = quantization_config or {}
+        bits = qc.get("bits", qc.get("w_bit"))
+        if bits != 4:
+            raise ValueError(f"awq checkpoint with bits={bits!r}: only 4 is supported")
+        if not qc.get("zero_point", True):
+            raise ValueError("awq checkpoint with zero_point=false: only zero-point AWQ is supported")
+        version = str(qc.get("version", "gemm")).lower()
+        if version not in GEMM_VERSIONS:
+            raise ValueError(f"awq checkpoint with version={version!r}: only the GEMM packing {GEMM_VERSIONS} is supported")
+        group_size = qc.get("group_size", qc.get("q_group_size", 128))
+        if not isinstance(group_size, int) or group_size <= 0:
+            raise ValueError(f"awq checkpoint with group_size={group_size!r}: must be a positive int")
+        return cls(group_size=group_size)
+
+    def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
+        """Specs of one dense [sources * O, I] expert tensor: each source's [I, O/8] qweight,
+        [G, O/8] qzeros and [G, O] scales side by side along dim 1.
+
+        Raises:
+            ValueError: transposed experts, I not a multiple of the group size, or O not a
+                multiple of 8.
+        """
+        if transposed:
+            raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
+        rows, in_features = dense.shape
+        if in_features % self.group_size:
+            raise ValueError(f"awq expert {dense.name}: in_features {in_features} is not a multiple of group_size {self.group_size}")
+        if (rows // sources) % PACK_FACTOR:
+            raise ValueError(f"awq expert {dense.name}: out_features {rows // sources} is not a multiple of {PACK_FACTOR}")
+        groups = in_features // self.group_size
+        return (
+            TensorSpec(f"{dense.name}_qweight", (in_features, rows // PACK_FACTOR), torch.int32, concat_dim=1),
+            TensorSpec(f"{dense.name}_qzeros", (groups, rows // PACK_FACTOR), torch.int32, concat_dim=1),
+            TensorSpec(f"{dense.name}_scales", (groups, rows), SCALE_DTYPE, concat_dim=1),
+        )
+
+    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Packed rows of n experts -> [n, *dense.shape]. The sources (gate, up) sit side by
+        side along the packed output dim in whole 8-column words with per-column scales and
+        zeros, so dequantizing their concatenation equals concatenating their dequantizations."""
+        name = tensor.dense.name
+        return dequantize_awq(packed[f"{name}_qweight"], packed[f"{name}_qzeros"], packed[f"{name}_scales"],
+                              dtype=tensor.dense.dtype)

@@ -1,0 +1,221 @@
+"""compressed-tensors ``pack-quantized`` int4 experts (W4A16, as llm-compressor writes them).
+
+Owns: recognising the format in config.json, the packed per-expert tensor specs, and the
+unpack + dequantize of some experts' packed rows. Does not: write checkpoints (``quantize``
+does, through the compressed-tensors package), read files, store or page.
+
+On-disk layout (compressed-tensors 0.20 ``PackedQuantizationCompressor``, source:
+``compressed_tensors/compressors/pack_quantized/{base,helpers}.py``), per expert projection
+``experts.{j}.{gate,up,down}_proj`` of an nn.Linear weight [O, I]:
+
+- ``weight_packed`` int32 [O, ceil(I / 8)]: value ``q + 8`` (q in [-8, 7]) of column c in bits
+  ``4 * (c % 8)`` of word ``c // 8`` (dense little-endian nibbles, no padding between columns);
+- ``weight_scale`` [O, G] in the checkpoint's dtype, G = I / group_size (1 for ``channel``);
+- ``weight_zero_point`` int32 [ceil(O / 8), G], asymmetric only: the int4 zero points
+  ``zp + 8`` packed the same way along O (``packed_dim=0``);
+- ``weight_shape`` int64 [2] = (O, I).
+
+Dequantize (``compressed_tensors.quantization.lifecycle.forward._dequantize``):
+``w = (q.to(s.dtype) - zp.to(s.dtype)) * s`` per group of ``group_size`` columns, in the
+scale's dtype, then cast to the model's dtype (transformers' ``CompressedTensorsDequantize``
+copies it into the merged expert parameter). Known transformers 5.24 quirks: it cannot load
+asymmetric MoE experts (its ``CompressedTensorsDequantize`` drops ``weight_zero_point``), and
+loaded with a ``dtype`` other than the checkpoint's it leaves the expert parameters in the
+scales' dtype; pagedexperts dequantizes the same values and computes in the model's dtype.
+
+Legend: n experts dequantized together, O output features, I input features, G groups.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
+
+PACK_FACTOR = 8  # int4 values per int32 word
+INT4_OFFSET = 8  # stored nibble = signed value + 8
+_SHIFTS = tuple(4 * i for i in range(PACK_FACTOR))
+
+
+def unpack_int4_last(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """Dense int4 nibbles along the last dim -> signed int8 values.
+
+    packed: int32 [..., ceil(columns / 8)]; returns int8 [..., columns] in [-8, 7]
+    (nibble minus ``INT4_OFFSET``). Reads bits with shifts, so the host's byte order does not
+    matter. Layout: ``compressed_tensors.compressors.pack_quantized.helpers.pack_to_int32``.
+    """
+    if packed.dtype != torch.int32:
+        raise ValueError(f"packed int4 tensor must be int32, got {packed.dtype}")
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., W, 8]
+    values = nibbles.flatten(-2)[..., :columns]
+    return (values - INT4_OFFSET).to(torch.int8)
+
+
+def unpack_zero_point(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero points packed along dim -2 (``packed_dim=0`` per expert) -> int8 [..., rows, G].
+
+    packed: int32 [..., ceil(rows / 8), G].
+    """
+    return unpack_int4_last(packed.transpose(-1, -2), rows).transpose(-1, -2)
+
+
+def dequantize_packed(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    *,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One projection of n experts: packed rows -> dense weights [n, O, I] in ``dtype``.
+
+    packed: int32 [n, O, ceil(I / 8)]; scale: [n, O, G] (its dtype is the compute dtype);
+    zero_point: int32 [n, ceil(O / 8), G] or None (symmetric). Groups are I / G consecutive
+    columns. Same operations, order and dtypes as compressed-tensors' ``_dequantize``.
+
+    Raises:
+        ValueError: I is not a multiple of G.
+    """
+    out_features, groups = scale.shape[-2], scale.shape[-1]
+    if in_features % groups:
+        raise ValueError(f"in_features {in_features} is not a multiple of {groups} scale groups")
+    q = unpack_int4_last(packed, in_features).unflatten(-1, (groups, in_features // groups))
+    w = q.to(scale.dtype)
+    if zero_point is not None:
+        zp = unpack_zero_point(zero_point, out_features)
+        w = w - zp.to(scale.dtype).unsqueeze(-1)
+    w = w * scale.unsqueeze(-1)
+    return w.flatten(-2).to(dtype)
+
+
+def experts_weights_args(quantization_config: dict) -> dict | None:
+    """The ``weights`` args of the config group that quantizes the routed experts, or None.
+
+    Same resolution as transformers' ``integrations.compressed_tensors.get_experts_scheme``:
+    the group whose ``re:`` targets mention experts, else the first group with a class-name
+    target (``Linear``), else the first group.
+    """
+    groups = list((quantization_config.get("config_groups") or {}).values())
+    if not groups:
+        return None
+    chosen = next((g for g in groups if any(t.startswith("re:") and "experts" in t for t in g.get("targets", []))), None)
+    chosen = chosen or next((g for g in groups if any(not t.startswith("re:") for t in g.get("targets", []))), groups[0])
+    return dict(chosen.get("weights") or {}, format=chosen.get("format") or quantization_config.get("format"),
+                input_activations=chosen.get("input_activations"))
+
+
+class CompressedTensorsW4A16Format(ExpertFormat):
+    """compressed-tensors ``pack-quantized`` int4 weights, bf16/fp16 activations (W4A16).
+
+    Symmetric (no zero point) or asymmetric; ``group`` strategy (any group size dividing I)
+    or ``channel`` (one group per row). Bound to one checkpoint's group size and symmetry.
+    """
+
+    name = "w4a16"
+    # transformers' CompressedTensorsHfQuantizer declares every name any compressed-tensors
+    # format stores; an instance keeps those pack-quantized stores (zero points if asymmetric).
+    serialized_names = {"weight": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
+
+    def __init__(self, *, group_size: int | None, symmetric: bool, scale_dtype: torch.dtype | None = None) -> None:
+        self.group_size = group_size  # None: channel strategy (one group per row)
+        self.symmetric = symmetric
+        self.scale_dtype = scale_dtype  # None: the model's dtype (the checkpoint's own)
+        names = ("weight_packed", "weight_scale") + (() if symmetric else ("weight_zero_point",)) + ("weight_shape",)
+        self.serialized_names = {"weight": names}
+
+    @classmethod
+    def matches(cls, quantization_config: dict | None) -> bool:
+        if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
+            return False
+        args = experts_weights_args(quantization_config)
+        return bool(args) and args.get("format") == "pack-quantized" and args.get("type", "int") == "int"
+
+    @classmethod
+    def from_quantization_config(cls, quantization_config: dict | None) -> "CompressedTensorsW4A16Format":
+        """Bind the experts' group size and symmetry.
+
+        Raises:
+            ValueError: num_bits other than 4, a strategy other than group/channel, or
+                quantized input activations (not W4A16), naming the key and value.
+        """
+        args = experts_weights_args(quantization_config or {}) or {}
+        if args.get("num_bits") != 4:
+            raise ValueError(f"pack-quantized experts with num_bits={args.get('num_bits')!r}: only 4 is supported")
+        strategy = args.get("strategy")
+        if strategy not in ("group", "channel"):
+            raise ValueError(f"pack-quantized experts with strategy={strategy!r}: only 'group' and 'channel' are supported")
+        if args.get("input_activations"):
+            raise ValueError("pack-quantized experts with input_activations set (W4A8): only W4A16 is supported")
+        group_size = args.get("group_size") if strategy == "group" else None
+        if strategy == "group" and (not isinstance(group_size, int) or group_size <= 0):
+            raise ValueError(f"pack-quantized group strategy with group_size={group_size!r}: must be a positive int")
+        return cls(group_size=group_size, symmetric=bool(args.get("symmetric", True)),
+                   scale_dtype=_torch_dtype(args.get("scale_dtype")))
+
+    @classmethod
+    def from_config(cls, config, quantization_config: dict | None) -> "CompressedTensorsW4A16Format":
+        """As ``from_quantization_config``; without an explicit ``scale_dtype`` the scales are in
+        the dtype the checkpoint was saved in (config ``dtype`` / ``torch_dtype``: llm-compressor
+        and ``quantize`` compute them in the weights' dtype). Bound here, so that loading with
+        another ``--dtype`` still dequantizes in the scales' dtype, as transformers does."""
+        fmt = cls.from_quantization_config(quantization_config)
+        if fmt.scale_dtype is None:
+            get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+            saved = get("dtype") or get("torch_dtype")
+            fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
+        return fmt
+
+    def _groups(self, in_features: int) -> int:
+        if self.group_size is None:
+            return 1
+        if in_features % self.group_size:
+            raise ValueError(
+                f"expert in_features {in_features} is not a multiple of the checkpoint's group_size {self.group_size}"
+            )
+        return in_features // self.group_size
+
+    def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
+        """Specs of one dense [sources * O, I] expert tensor: per source, nn.Linear's [O, I]
+        layout concatenated along dim 0 (each source's zero points and weight_shape too)."""
+        if transposed:
+            raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
+        rows, in_features = dense.shape
+        out_features = rows // sources
+        groups = self._groups(in_features)
+        specs = [
+            TensorSpec(f"{dense.name}_packed", (rows, ceil_div(in_features, PACK_FACTOR)), torch.int32),
+            TensorSpec(f"{dense.name}_scale", (rows, groups), self.scale_dtype or dense.dtype),
+        ]
+        if not self.symmetric:
+            specs.append(TensorSpec(f"{dense.name}_zero_point",
+                                    (sources * ceil_div(out_features, PACK_FACTOR), groups), torch.int32))
+        specs.append(TensorSpec(f"{dense.name}_shape", (2 * sources,), torch.int64))
+        return tuple(specs)
+
+    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Packed rows of n experts -> [n, *dense.shape]: each source dequantized on its own,
+        then concatenated along dim 1 (transformers dequantizes before its Concatenate)."""
+        name = tensor.dense.name
+        rows, in_features = tensor.dense.shape
+        sources = next(p for p in tensor.packed if p.name == f"{name}_shape").shape[0] // 2  # one (O, I) each
+        weights = packed[f"{name}_packed"].chunk(sources, dim=1)
+        scales = packed[f"{name}_scale"].chunk(sources, dim=1)
+        zps = packed[f"{name}_zero_point"].chunk(sources, dim=1) if not self.symmetric else (None,) * sources
+        parts = [
+            dequantize_packed(w, s, z, in_features=in_features, dtype=tensor.dense.dtype)
+            for w, s, z in zip(weights, scales, zps)
+        ]
+        return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
+
+def _torch_dtype(name: str | None) -> torch.dtype | None:
+    """``scale_dtype`` from the config ("torch.bfloat16", "bfloat16") -> torch dtype, or None."""
+    if not name:
+        return None
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"pack-quantized scale_dtype={name!r} is not a torch dtype")
+    return dtype

@@ -1,0 +1,124 @@
+"""MXFP4: the OCP microscaling FP4 layout gpt-oss ships its routed experts in.
+
+On disk (``quantization_config`` {"quant_method": "mxfp4"}; stacked keys only):
+``mlp.experts.gate_up_proj_blocks`` uint8 [E, 2I, H/32, 16] (two e2m1 FP4 values per byte,
+low nibble first, 32 values per block along the input dim), ``mlp.experts.gate_up_proj_scales``
+uint8 [E, 2I, H/32] (E8M0: the block's scale is 2 ** (byte - 127)), ``down_proj_blocks``
+[E, H, I/32, 16], ``down_proj_scales`` [E, H, I/32]; the biases ``gate_up_proj_bias`` [E, 2I]
+and ``down_proj_bias`` [E, H] stay unquantized. The packed weight is [out, in] per expert while
+the dense module keeps gpt-oss's transposed [in, out] (``is_transposed``).
+
+Dequantization is bit-identical to transformers' ``_convert_moe_packed_tensors``
+(integrations/mxfp4.py, transformers 5.24: a lookup table in the model's dtype, low nibbles to
+the even columns and high nibbles to the odd ones, ``torch.ldexp`` by the int32 exponent in
+place, then ``transpose(1, 2).contiguous()``) with fewer passes (see ``dequantize_mxfp4``). Owns also ``quantize_mxfp4``, a round-to-nearest
+quantizer (tests and the ``quantize`` command). Does not: read or write files.
+
+Legend: n experts, out x in one expert weight's (nn.Linear) shape, G = in / 32 blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+
+BLOCK = 32  # FP4 values per scale
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E8M0_BIAS = 127
+
+
+class Mxfp4Format(ExpertFormat):
+    """MXFP4 routed experts (gpt-oss): ``*_blocks`` and ``*_scales`` per weight, biases dense."""
+
+    name = "mxfp4"
+    serialized_names = {
+        "gate_up_proj": ("gate_up_proj_blocks", "gate_up_proj_scales"),
+        "down_proj": ("down_proj_blocks", "down_proj_scales"),
+    }
+
+    @classmethod
+    def matches(cls, quantization_config: dict | None) -> bool:
+        return bool(quantization_config) and quantization_config.get("quant_method") == "mxfp4"
+
+    def reference_kwargs(self) -> dict:
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+    def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
+        """A transposed 2-D weight [in, out] -> (blocks uint8 [out, in/32, 16], scales uint8
+        [out, in/32]); biases stay dense.
+
+        Raises:
+            ValueError: a weight whose input dim is not a multiple of 32, or an untransposed
+                module (MXFP4 experts are published for gpt-oss's layout only).
+        """
+        if len(dense.shape) != 2:
+            return (dense,)
+        if not transposed or sources != 1:
+            raise ValueError(f"MXFP4 {dense.name} {dense.shape}: only gpt-oss's stacked, transposed experts are published")
+        inp, out = dense.shape
+        if inp % BLOCK:
+            raise ValueError(f"MXFP4 {dense.name}: input size {inp} is not a multiple of the block {BLOCK}")
+        return (
+            TensorSpec(dense.name + "_blocks", (out, inp // BLOCK, BLOCK // 2), torch.uint8),
+            TensorSpec(dense.name + "_scales", (out, inp // BLOCK), torch.uint8),
+        )
+
+    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """blocks [n, out, G, 16] + scales [n, out, G] -> [n, in, out] in the dense dtype."""
+        name = tensor.dense.name
+        return dequantize_mxfp4(packed[name + "_blocks"], packed[name + "_scales"], tensor.dense.dtype)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks uint8 [n, out, G, B], scales uint8 [n, out, G] -> [n, G * B * 2, out] in ``dtype``,
+    bit-identical to transformers' ``_convert_moe_packed_tensors``.
+
+    transformers writes ``lut[low]``, ``lut[high]`` (a ``dtype`` table: the e2m1 values are
+    exact in bf16 and fp16) and calls ``torch.ldexp(out, exp, out=out)``, which is
+    ``out * 2.0 ** exp`` computed in float32 (``pow`` of an int32 tensor is float32) and rounded
+    once to ``dtype``. Here one gather of a [256, 2] table (both nibbles of a byte, float32)
+    times the same float32 power of two, rounded once: the same two roundings of the same
+    products (the table values are exact in every dtype).
+    """
+    pairs = _byte_table(blocks.device)[blocks.to(torch.long)]  # [n, out, G, B, 2] float32
+    powers = torch.pow(2.0, scales.to(torch.int32) - E8M0_BIAS)  # float32 [n, out, G]
+    out = (pairs * powers[..., None, None]).to(dtype)
+    *prefix, groups, width, _ = out.shape
+    return out.reshape(*prefix, groups * width * 2).transpose(1, 2).contiguous()
+
+
+def _byte_table(device) -> torch.Tensor:
+    """[256, 2] float32: (low nibble's e2m1 value, high nibble's) of every byte."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+    codes = torch.arange(256, device=device)
+    return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest MXFP4 of weights [..., out, in] (in a multiple of 32), OCP MX v1.0:
+    per 32-value block, shared exponent floor(log2(amax)) - 2 (e2m1's largest exponent), each
+    value / 2**exponent rounded to the nearest e2m1 value (ties to the lower code), clamped to
+    +-6. Returns (blocks uint8 [..., out, in/32, 16], scales uint8 [..., out, in/32]).
+
+    Raises:
+        ValueError: ``in`` not a multiple of 32.
+    """
+    *prefix, inp = weight.shape
+    if inp % BLOCK:
+        raise ValueError(f"MXFP4 needs the input size to be a multiple of {BLOCK}, got {inp}")
+    w = weight.to(torch.float32).reshape(*prefix, inp // BLOCK, BLOCK)
+    amax = w.abs().amax(dim=-1, keepdim=True)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -E8M0_BIAS))
+    exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
+    scaled = w / torch.exp2(exponent)
+    magnitudes = torch.tensor(FP4_VALUES[:8])
+    code = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1).to(torch.uint8)
+    code = code | ((scaled < 0).to(torch.uint8) << 3)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    scales = (exponent.squeeze(-1) + E8M0_BIAS).to(torch.uint8)
+    return packed.contiguous(), scales.contiguous()

@@ -1,0 +1,148 @@
+"""The start-up independence check: a paged-in expert computes with its own tensors only.
+
+The fault it rules out, reported in the field: a per-expert tensor left out of paging (a zero
+point, a scale, a bias) stays on the experts module as an [E, ...] tensor, or is not copied at
+page-in, so an expert paged into slot s runs with expert s's (or a stale) values: fluent, wrong
+text. At load, for a sample of experts of every MoE layer, this module pages expert e into a
+slot through the pager's own page-in path, builds what the experts kernel would read for that
+slot (the wave view: dequantized for packed slots), and compares every dense tensor with
+expert e built independently from the checkpoint file (its own keys, the format's
+dequantization); it also checks that no other slot changed and that the experts module keeps no
+tensor with a leading dim E outside the slots. It fails naming the layer, expert and tensor.
+
+Owns: that check. Does not: load (``loader``) or page during inference (``pager``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from pagedexperts.checkpoint import KeyMap
+from pagedexperts.formats import ExpertFormat
+from pagedexperts.pager import ExpertPager
+
+DEFAULT_EXPERTS_PER_LAYER = 2
+
+
+class IndependenceError(ValueError):
+    """A paged-in expert would compute with values that are not its own (names the tensor)."""
+
+
+def check_model_independence(model, files, fmt: ExpertFormat, *, experts_per_layer: int = DEFAULT_EXPERTS_PER_LAYER, seed: int = 0) -> int:
+    """Run the check on ``experts_per_layer`` experts of every paged layer (first, last and
+    random ones). Returns the number of (layer, expert) pairs checked (0 when no layer is
+    paged, e.g. mode "resident").
+
+    Raises:
+        IndependenceError: names layer, expert, slot and tensor of the first mismatch.
+    """
+    rt = model.pagedexperts
+    pagers = {s.name: (s, rt.pagers[s.layer]) for s in rt.sites if isinstance(rt.pagers.get(s.layer), ExpertPager)}
+    if not pagers:
+        return 0
+    rng = random.Random(seed)
+    wanted = {name: _sample(site.num_experts, experts_per_layer, rng) for name, (site, _) in pagers.items()}
+    reference = read_expert_rows(files, KeyMap(model.config.model_type, {n: s for n, (s, _) in pagers.items()}, fmt), rt.stores, wanted)
+    checked = 0
+    with torch.no_grad():
+        for name, (site, pager) in pagers.items():
+            check_no_module_copies(site, pager)
+            for i, expert in enumerate(wanted[name]):
+                check_expert(site, pager, rt.layouts[name], expert, i % pager.num_slots, reference[name][expert])
+                checked += 1
+    return checked
+
+
+def _sample(num_experts: int, count: int, rng: random.Random) -> list[int]:
+    """The first and last expert, then random others: ``count`` distinct experts at most."""
+    picks = [0, num_experts - 1] + rng.sample(range(num_experts), num_experts)
+    return list(dict.fromkeys(picks))[:count]
+
+
+def read_expert_rows(files, keymap: KeyMap, stores, wanted: dict[str, list[int]]) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
+    """{site: {expert: {packed name: row}}} read straight from the checkpoint files (per-expert
+    keys of those experts, or their rows of stacked keys), sources concatenated by concat_dim."""
+    from safetensors import safe_open
+
+    rows = {
+        name: {e: {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in stores[name].specs} for e in experts}
+        for name, experts in wanted.items()
+    }
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for raw_key in f.keys():
+                target = keymap.expert_target(keymap.rename(raw_key))
+                if target is None:
+                    continue
+                site, tname, expert, src_index, n_src = target
+                for e in wanted.get(site.name, ()):
+                    if expert is not None and expert != e:
+                        continue
+                    value = f.get_slice(raw_key)[e] if expert is None else f.get_tensor(raw_key)
+                    dst = rows[site.name][e][tname]
+                    if n_src > 1:
+                        dim = next(s.concat_dim for s in stores[site.name].specs if s.name == tname)
+                        size = dst.shape[dim] // n_src
+                        dst = dst.narrow(dim, src_index * size, size)
+                    dst.copy_(value)
+    return rows
+
+
+def check_no_module_copies(site, pager: ExpertPager) -> None:
+    """The experts module keeps no [E, ...] tensor that the slots do not replace: the kernel
+    would index it with slot ids and read another expert's values.
+
+    Raises:
+        IndependenceError: names the tensor.
+    """
+    view_names = set(pager.slots) if pager.dequantizer is None else set(pager.dequantizer.scratch)
+    tensors = list(site.module.named_parameters(recurse=False)) + list(site.module.named_buffers(recurse=False))
+    for tname, t in tensors:
+        if t.dim() > 0 and t.shape[0] == site.num_experts and tname not in view_names:
+            raise IndependenceError(
+                f"layer {site.layer}: per-expert tensor {tname!r} {tuple(t.shape)} of {site.name} is not "
+                "paged (not in the store or the slots); a paged-in expert would read another expert's row"
+            )
+
+
+def check_expert(site, pager: ExpertPager, layout, expert: int, slot: int, packed_ref: dict[str, torch.Tensor]) -> None:
+    """Page ``expert`` into ``slot`` (empty slots assumed), compare what the kernel reads with
+    the checkpoint's expert, check the other slots stayed empty, then empty the slot again.
+
+    Raises:
+        IndependenceError: names layer, expert, slot and the tensor that differs.
+    """
+    dense_ref = layout.dequantize({n: r.unsqueeze(0) for n, r in packed_ref.items()})
+    pager.store.copy_to_slot(expert, slot, pager.slots)
+    if pager.device.type == "cuda":
+        torch.cuda.synchronize(pager.device)
+    where = f"layer {site.layer} ({site.name}): expert {expert} paged into slot {slot}"
+    try:
+        view = pager.wave_view(site.module, (slot,))
+    except KeyError as exc:
+        raise IndependenceError(f"{where}: packed tensor {exc.args[0]!r} is not in the slots") from None
+    for spec in layout.dense_specs:
+        got = getattr(view, spec.name)[slot].cpu()
+        if not torch.equal(got, dense_ref[spec.name][0].to(got.dtype)):
+            raise IndependenceError(f"{where}: the kernel would read {spec.name!r} {_culprit(pager, layout, spec.name, slot, packed_ref)}")
+    for name, table in pager.slots.items():
+        others = torch.cat([table[:slot], table[slot + 1:]])
+        if others.numel() and bool(others.view(torch.uint8).any()):
+            raise IndependenceError(f"{where}: the page-in also changed other slots of tensor {name!r}")
+        table[slot].zero_()
+
+
+def _culprit(pager, layout, dense_name: str, slot: int, packed_ref) -> str:
+    """Which packed tensor of ``dense_name`` differs from the checkpoint in the slot."""
+    qt = next(t for t in layout.tensors if t.dense.name == dense_name)
+    if pager.dequantizer is None and not qt.is_passthrough:
+        return "dequantized at page-in into a dense slot that differs from the checkpoint's expert"
+    for spec in qt.packed:
+        table = pager.slots.get(spec.name)
+        if table is None:
+            return f"without its packed tensor {spec.name!r} (not in the slots)"
+        if not torch.equal(table[slot].cpu(), packed_ref[spec.name]):
+            return f"from a packed tensor {spec.name!r} that differs from the checkpoint's expert (left out of the page-in?)"
+    return "that differs from the checkpoint's expert"

@@ -1,0 +1,328 @@
+"""Round-to-nearest quantization of a checkpoint's routed experts into a published format.
+
+Owns: reading an unquantized (bf16 / fp16 / fp32) Hugging Face checkpoint, quantizing its
+ROUTED expert weights only (attention, router, norms, embeddings, shared experts and dense MLPs
+are copied unchanged, byte for byte), and writing the format's published on-disk layout so
+that transformers' own ``from_pretrained`` loads the result. Also builds, on first use, the
+bundled model's quantized variants into a cache directory. Does not: calibrate (no GPTQ/AWQ
+search; plain round-to-nearest), dequantize (``formats``), or load models for inference.
+
+Formats written:
+
+- ``w4a16``: compressed-tensors ``pack-quantized`` int4, group strategy (default group 128,
+  symmetric), per-expert keys ``experts.{j}.{proj}.weight_packed / weight_scale /
+  weight_shape`` (+ ``weight_zero_point`` when asymmetric), written by the compressed-tensors
+  package itself (``calculate_qparams`` min/max round-to-nearest, ``PackedQuantizationCompressor
+  .compress``, ``ModelCompressor.update_config``), as llm-compressor's W4A16 preset saves.
+- ``fp8-block``: DeepSeek-V3 / Qwen3-FP8 block FP8 (``weight`` float8_e4m3fn + float32
+  ``weight_scale_inv`` per 128 x 128 block), ``quantization_config`` {"quant_method": "fp8",
+  "weight_block_size": [128, 128], "modules_to_not_convert": [every module left unquantized]}.
+- ``mxfp4``: gpt-oss's stacked ``experts.{gate_up,down}_proj_blocks / _scales`` (E8M0 scales,
+  32-value blocks), biases unquantized.
+
+Legend: E experts, O output features, I input features (nn.Linear [O, I]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedexperts.sizing import read_safetensors_header, safetensors_files
+
+QUANTIZE_FORMATS = ("w4a16", "fp8-block", "mxfp4")
+# A routed expert's weight, one tensor per expert (Qwen3/DeepSeek gate|up|down_proj, Mixtral w1|w2|w3).
+_PER_EXPERT_WEIGHT = re.compile(r"layers\.\d+\..*\.experts\.\d+\.[A-Za-z0-9_]+\.weight$")
+# A routed experts module's stacked weight [E, ...] (transformers' fused layout, gpt-oss).
+_STACKED_WEIGHT = re.compile(r"layers\.\d+\..*\.experts\.(gate_up_proj|down_proj)$")
+# compressed-tensors target of the routed experts' projections (shared experts have no index).
+W4A16_TARGET = r"re:.*\.experts\.\d+\.[^.]+$"
+_AUX_SKIP = ("model.safetensors.index.json", "config.json")
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What to write. ``group_size`` and ``symmetric`` apply to w4a16, ``block`` to fp8-block."""
+
+    format: str
+    group_size: int = 128
+    symmetric: bool = True
+    block: tuple[int, int] = (128, 128)
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    """What ``quantize_checkpoint`` wrote: expert weight tensors quantized and their bytes
+    before (source dtype) and after (every packed tensor, scales and metadata included)."""
+
+    output: Path
+    format: str
+    expert_tensors: int
+    expert_bytes_in: int
+    expert_bytes_out: int
+
+
+def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: QuantizeOptions) -> QuantizeReport:
+    """Quantize ``model_path``'s routed experts into ``output`` (see the module docstring).
+
+    The source's shards are kept (same file names, same index); only routed expert weights
+    change. Everything is validated from the headers before any tensor is read.
+
+    Raises:
+        ValueError: unknown format (lists them), a source that is already quantized, no
+            routed expert weight, an expert shape the format cannot hold (names the tensor,
+            the size and the flag), or an output directory that exists and is not empty.
+        FileNotFoundError: no config.json in ``model_path``.
+    """
+    src, dst = Path(model_path), Path(output)
+    config = _read_config(src)
+    writer = _writer_for(options)
+    headers = {Path(f): read_safetensors_header(f) for f in safetensors_files(str(src))}
+    expert_keys = writer.validate(config, headers)
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"--output {dst} exists and is not empty; choose a new directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    bytes_in = bytes_out = 0
+    weight_map: dict[str, str] = {}
+    for path in headers:
+        tensors = _quantize_shard(path, expert_keys, writer)
+        bytes_in += sum(_nbytes(info) for k, info in headers[path].items() if k in expert_keys)
+        bytes_out += sum(t.nbytes for k, t in tensors.items() if writer.is_output_of_expert(k))
+        _save(tensors, dst / path.name)
+        weight_map.update({k: path.name for k in tensors})
+    _copy_aux(src, dst, weight_map if (src / "model.safetensors.index.json").is_file() else None)
+    writer.write_config(dst, config, headers, expert_keys)
+    return QuantizeReport(dst, options.format, len(expert_keys), bytes_in, bytes_out)
+
+
+def bundled_variant_path(fmt: str, *, cache_dir: str | Path, source: str | Path | None = None) -> Path:
+    """The bundled model quantized to ``fmt`` (w4a16 group 64 symmetric, or fp8-block),
+    built on first use into ``cache_dir`` and reused after.
+
+    The directory name carries a hash of the source weights and options, so a retrained
+    bundled model gets a fresh build; the build goes to a temporary directory renamed into
+    place, so an interrupted build never leaves a half-written variant.
+
+    Raises:
+        ValueError: a format the bundled model has no variant in (lists them).
+    """
+    from pagedexperts.loader import bundled_model_path
+
+    options = BUNDLED_VARIANTS.get(fmt)
+    if options is None:
+        raise ValueError(f"the bundled model has no {fmt!r} variant; choose one of {sorted(BUNDLED_VARIANTS)}")
+    src = Path(source) if source is not None else bundled_model_path()
+    digest = hashlib.sha256(repr(options).encode())
+    for f in safetensors_files(str(src)):
+        digest.update(Path(f).read_bytes())
+    final = Path(cache_dir) / f"{src.name}-{fmt}-{digest.hexdigest()[:12]}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=".build-") as tmp:
+        quantize_checkpoint(model_path=src, output=Path(tmp) / "out", options=options)
+        try:
+            (Path(tmp) / "out").rename(final)
+        except OSError:
+            if not (final / "config.json").is_file():  # lost a race to another builder: fine
+                raise
+    return final
+
+
+# The bundled model (H = 128, I = 64): w4a16 groups of 64 so that down_proj's I = 64 divides.
+BUNDLED_VARIANTS = {
+    "w4a16": QuantizeOptions("w4a16", group_size=64, symmetric=True),
+    "fp8-block": QuantizeOptions("fp8-block", block=(128, 128)),
+}
+
+
+class _Writer:
+    """One format's expert quantizer: validation from headers, per-tensor quantization, config."""
+
+    def __init__(self, options: QuantizeOptions) -> None:
+        self.options = options
+
+    def validate(self, config: dict, headers: dict[Path, dict]) -> set[str]:
+        """The routed expert weight keys to quantize; ValueError if a shape does not fit."""
+        keys = {k: info for h in headers.values() for k, info in h.items() if _PER_EXPERT_WEIGHT.search(k)}
+        stacked = [k for h in headers.values() for k in h if _STACKED_WEIGHT.search(k)]
+        if not keys:
+            where = f" (stacked experts such as {stacked[0]}: write them per expert first)" if stacked else ""
+            raise ValueError(f"{self.options.format}: no per-expert routed weight (…experts.J.*.weight) found{where}")
+        for key, info in keys.items():
+            self.check_shape(key, tuple(info["shape"]))
+        return set(keys)
+
+    def check_shape(self, key: str, shape: tuple[int, ...]) -> None:
+        if len(shape) != 2:
+            raise ValueError(f"{key}: expert weight of shape {list(shape)}, expected [O, I]")
+
+    def is_output_of_expert(self, key: str) -> bool:
+        return bool(re.search(r"layers\.\d+\..*\.experts\.\d+\.", key))
+
+    def quantize(self, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def quantization_config(self, config: dict, headers: dict[Path, dict], expert_keys: set[str]) -> dict:
+        raise NotImplementedError
+
+    def write_config(self, dst: Path, config: dict, headers: dict[Path, dict], expert_keys: set[str]) -> None:
+        config = dict(config, quantization_config=self.quantization_config(config, headers, expert_keys))
+        (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+class _W4A16Writer(_Writer):
+    """compressed-tensors pack-quantized int4, written by the compressed-tensors package."""
+
+    def __init__(self, options: QuantizeOptions) -> None:
+        super().__init__(options)
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+        if options.group_size <= 0:
+            raise ValueError(f"--group-size {options.group_size} must be a positive int")
+        self.args = QuantizationArgs(num_bits=4, type="int", symmetric=options.symmetric, strategy="group",
+                                     group_size=options.group_size)
+        self.scheme = QuantizationScheme(targets=[W4A16_TARGET], weights=self.args, format="pack-quantized")
+
+    def check_shape(self, key: str, shape: tuple[int, ...]) -> None:
+        super().check_shape(key, shape)
+        if shape[1] % self.options.group_size:
+            raise ValueError(
+                f"{key}: in_features {shape[1]} is not a multiple of --group-size {self.options.group_size}; "
+                "pass a group size that divides every expert's input size"
+            )
+
+    def quantize(self, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+        from compressed_tensors.quantization.utils import calculate_qparams
+
+        groups = weight.unflatten(-1, (weight.shape[-1] // self.options.group_size, self.options.group_size))
+        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), self.args)
+        state = {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}
+        packed = PackedQuantizationCompressor.compress(state, self.scheme)
+        base = key.removesuffix("weight")
+        return {base + name: tensor.contiguous() for name, tensor in packed.items()}
+
+    def write_config(self, dst: Path, config: dict, headers: dict[Path, dict], expert_keys: set[str]) -> None:
+        from compressed_tensors.compressors import ModelCompressor
+        from compressed_tensors.quantization import QuantizationConfig
+
+        (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        qc = QuantizationConfig(config_groups={"group_0": self.scheme}, format="pack-quantized",
+                                quantization_status="compressed")
+        ModelCompressor(quantization_config=qc).update_config(str(dst))
+
+
+class _Fp8BlockWriter(_Writer):
+    """Block FP8 (``formats.fp8.quantize_fp8_block``), the DeepSeek-V3 / Qwen3-FP8 layout."""
+
+    def check_shape(self, key: str, shape: tuple[int, ...]) -> None:
+        super().check_shape(key, shape)
+        if min(self.options.block) <= 0:
+            raise ValueError(f"fp8 block {self.options.block} must be two positive ints")
+
+    def quantize(self, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        from pagedexperts.formats.fp8 import quantize_fp8_block
+
+        q, scale_inv = quantize_fp8_block(weight, self.options.block)
+        return {key: q, key + "_scale_inv": scale_inv}
+
+    def quantization_config(self, config: dict, headers: dict[Path, dict], expert_keys: set[str]) -> dict:
+        plain = sorted({k.removesuffix(".weight") for h in headers.values() for k, info in h.items()
+                        if k.endswith(".weight") and len(info["shape"]) == 2 and k not in expert_keys})
+        if not config.get("tie_word_embeddings", False) or "lm_head" not in plain:
+            plain = sorted(set(plain) | {"lm_head"})
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(self.options.block), "modules_to_not_convert": plain}
+
+
+class _Mxfp4Writer(_Writer):
+    """MXFP4 of gpt-oss's stacked, transposed experts (``formats.mxfp4.quantize_mxfp4``)."""
+
+    def validate(self, config: dict, headers: dict[Path, dict]) -> set[str]:
+        if config.get("model_type") != "gpt_oss":
+            raise ValueError(
+                f"mxfp4: the published MXFP4 expert layout is gpt-oss's; model_type {config.get('model_type')!r} "
+                "has none (use --format w4a16 or fp8-block)"
+            )
+        keys = {k: info for h in headers.values() for k, info in h.items() if _STACKED_WEIGHT.search(k)}
+        if not keys:
+            raise ValueError("mxfp4: no stacked experts (…experts.gate_up_proj / down_proj) found")
+        for key, info in keys.items():
+            if len(info["shape"]) != 3 or info["shape"][1] % 32:
+                raise ValueError(f"{key}: shape {info['shape']}, MXFP4 needs [E, in, out] with in a multiple of 32")
+        return set(keys)
+
+    def is_output_of_expert(self, key: str) -> bool:
+        return bool(re.search(r"\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$", key))
+
+    def quantize(self, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        from pagedexperts.formats.mxfp4 import quantize_mxfp4
+
+        blocks, scales = quantize_mxfp4(weight.transpose(1, 2).contiguous())  # [E, in, out] -> [E, out, in]
+        return {key + "_blocks": blocks, key + "_scales": scales}
+
+    def quantization_config(self, config: dict, headers: dict[Path, dict], expert_keys: set[str]) -> dict:
+        plain = sorted({k.removesuffix(".weight") for h in headers.values() for k, info in h.items()
+                        if k.endswith(".weight") and len(info["shape"]) == 2})
+        return {"quant_method": "mxfp4", "modules_to_not_convert": sorted(set(plain) | {"lm_head"})}
+
+
+_WRITERS = {"w4a16": _W4A16Writer, "fp8-block": _Fp8BlockWriter, "mxfp4": _Mxfp4Writer}
+
+
+def _writer_for(options: QuantizeOptions) -> _Writer:
+    if options.format not in _WRITERS:
+        raise ValueError(f"--format {options.format!r}: choose one of {list(QUANTIZE_FORMATS)}")
+    return _WRITERS[options.format](options)
+
+
+def _read_config(src: Path) -> dict:
+    path = src / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in --model-path {src}")
+    config = json.loads(path.read_text())
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method")
+        raise ValueError(f"--model-path {src} is already quantized (quant_method {method!r}); pass a bf16/fp16/fp32 one")
+    return config
+
+
+def _quantize_shard(path: Path, expert_keys: set[str], writer: _Writer) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            tensor = f.get_tensor(key)
+            out.update(writer.quantize(key, tensor) if key in expert_keys else {key: tensor})
+    return out
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def _copy_aux(src: Path, dst: Path, weight_map: dict[str, str] | None) -> None:
+    """Tokenizer, generation config, chat template, README...; a fresh index for sharded sources."""
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in _AUX_SKIP:
+            shutil.copy2(f, dst / f.name)
+    if weight_map is not None:
+        total = sum(sum(_nbytes(i) for i in read_safetensors_header(str(dst / n)).values()) for n in set(weight_map.values()))
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _nbytes(info: dict) -> int:
+    begin, end = info["data_offsets"]
+    return end - begin

@@ -1,0 +1,163 @@
+"""The FastAPI app and its process: routes, error handlers, lifespan, ``run_server``.
+
+Owns: the route table (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health,
+/metrics), the exception handlers that put EVERY error in OpenAI's shape (framework 404 /
+405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
+routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
+signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn; a second one
+stops at once. Does not: handle a request itself (``handlers``).
+
+Chat prompts use the tokenizer's chat template; a tokenizer without one gets the plain
+template ``protocol.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
+User, Assistant), then ``Assistant:``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedexperts.serving import protocol
+from pagedexperts.serving.handlers import Admission, ApiError, OpenAIServing, ServeConfig, error_response
+
+logger = logging.getLogger("pagedexperts.server")
+
+GRACEFUL_CLOSE_S = 5  # uvicorn's wait for open connections after the drain
+
+
+def create_app(model, tokenizer, config: ServeConfig) -> FastAPI:
+    """The FastAPI app serving ``model``; the scheduler runs while the app's lifespan does.
+
+    ``app.state.serving`` is the ``OpenAIServing`` (``begin_shutdown`` drains it),
+    ``app.state.scheduler`` and ``app.state.metrics`` its parts.
+    """
+    recorder = None
+    if config.record_trace:
+        from pagedexperts.recording import TraceRecorder
+
+        recorder = TraceRecorder.attach(model, model_id=config.served_model_name)
+    serving = OpenAIServing(model, tokenizer, config, recorder=recorder)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        serving.scheduler.start()
+        try:
+            yield
+        finally:
+            serving.scheduler.stop()
+            if recorder is not None:
+                recorder.save(config.record_trace)
+                logger.info("routing trace saved to %s", config.record_trace)
+
+    app = FastAPI(title="pagedexperts", lifespan=lifespan)
+    app.state.serving, app.state.scheduler, app.state.metrics = serving, serving.scheduler, serving.metrics
+    max_body = config.max_body_bytes or protocol.default_max_body_bytes(config.context_length)
+    app.add_middleware(Admission, max_body_bytes=max_body, api_key=config.api_key, refuse=serving.refuse)
+    _error_handlers(app, serving)
+    _routes(app, serving, config)
+    return app
+
+
+def _error_handlers(app: FastAPI, serving: OpenAIServing) -> None:
+    def answer(request, exc: ApiError) -> JSONResponse:
+        serving.refuse(request.method, request.url.path, exc)
+        return error_response(exc)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, exc: ApiError):
+        return answer(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        message = {404: f"no route {request.url.path!r}; see /v1/models, /v1/completions, /v1/chat/completions",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return answer(request, ApiError(message, status=exc.status_code, code=code, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_types(request, exc: RequestValidationError):
+        return answer(request, protocol.type_error(list(exc.errors())))
+
+    @app.exception_handler(Exception)
+    async def crash(request, exc: Exception):
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        return answer(request, ApiError(f"internal error: {type(exc).__name__}", status=500, code="internal_error"))
+
+
+def _routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) -> None:
+    scheduler = serving.scheduler
+    body_doc = {"requestBody": {"content": {"application/json": {"schema": {"type": "object"}}}, "required": True}}
+
+    @app.get("/health")
+    async def health():
+        status = "ok" if serving.lifecycle.admitting else "shutting_down"
+        body = {"status": status, "running": scheduler.num_running, "waiting": scheduler.num_waiting}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "pagedexperts", "max_model_len": config.context_length}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions", openapi_extra=body_doc)
+    async def completions(http: HttpRequest):
+        return await serving.serve(http, chat=False)
+
+    @app.post("/v1/chat/completions", openapi_extra=body_doc)
+    async def chat_completions(http: HttpRequest):
+        return await serving.serve(http, chat=True)
+
+
+def single_wave_note(runtime, max_running_requests: int) -> str:
+    """The start-up line: the single-wave cap K // top_k next to --max-running-requests."""
+    cap = runtime.num_resident // runtime.top_k
+    note = (f"single-wave cap K // top_k = {runtime.num_resident} // {runtime.top_k} = {cap} decode requests; "
+            f"--max-running-requests {max_running_requests}")
+    if max_running_requests > cap:
+        note += " (larger batches may need more than one wave per layer step; see pagedexperts_multi_wave_steps)"
+    return note
+
+
+def run_server(model, tokenizer, config: ServeConfig, *, host: str, port: int, log_level: str = "info") -> None:
+    """Serve until SIGINT / SIGTERM; the first signal drains (see the module docstring)."""
+    import uvicorn
+
+    logger.info("%s", single_wave_note(model.pagedexperts, config.max_running_requests))
+    app = create_app(model, tokenizer, config)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
+    draining_server_class()(config, app.state.serving).run()
+
+
+def draining_server_class():
+    """A ``uvicorn.Server`` subclass whose first exit signal drains the app (uvicorn is
+    imported here, lazily: it belongs to the server extra)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server whose first exit signal drains the app before uvicorn stops."""
+
+        def __init__(self, config, serving: OpenAIServing) -> None:
+            super().__init__(config)
+            self.serving, self._draining = serving, False
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._draining:  # a second signal: stop now
+                return super().handle_exit(sig, frame)
+            self._draining = True
+            threading.Thread(target=self._drain, args=(sig, frame), name="pagedexperts-drain", daemon=True).start()
+
+        def _drain(self, sig, frame) -> None:
+            self.serving.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer

@@ -1,0 +1,368 @@
+"""What the OpenAI routes do: admission, generation requests, streaming, graceful shutdown.
+
+Owns: ``ServeConfig``; ``OpenAIServing``, the handler behind POST /v1/completions and
+/v1/chat/completions (``stream`` for server-sent events); the ``Admission`` middleware (optional Bearer API key on
+/v1/*, the body-size limit, both before any parsing); every error in OpenAI's shape
+(``{"error": {"message", "type", "param", "code"}}``, also for 404 / 405 / bad JSON), each
+refusal logged with its reason and counted; n > 1 and several prompts (one scheduler
+sequence each); client disconnects (streaming or not: the sequence is cancelled at once);
+graceful shutdown (``begin_shutdown``: 503 + Retry-After to new requests, running ones get
+``shutdown_timeout_s`` to finish, then every remaining one a final event and ``[DONE]``).
+
+Parsing, validation and tokenization run in a worker thread (``run_in_threadpool``), and
+detokenization on the scheduler thread: the event loop only moves bytes, so /health answers
+while a large request is refused. Does not: validate (``protocol``), sample or batch
+(``scheduler``), shape bodies (``responses``), declare the routes (``api_server``), or load
+models (``loader``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedexperts.serving import protocol, responses
+from pagedexperts.serving.metrics import Metrics
+from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from pagedexperts.serving.scheduler import (DEFAULT_MAX_PREFILL_TOKENS, BatchScheduler, QueueFull,
+                                            SchedulerConfig)
+
+logger = logging.getLogger("pagedexperts.server")
+
+RETRY_AFTER_S = 1  # Retry-After of 429 (queue full) and 503 (shutting down)
+DRAIN_POLL_S = 0.05
+MAX_DRAINED_BODY_BYTES = 64 * 2**20  # an oversized body is read and dropped up to this, then the connection closes
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server serves.
+
+    ``served_model_name``: the name clients must send. ``max_running_requests``,
+    ``max_queued_requests`` (None = unbounded), ``max_prefill_tokens``: the scheduler's
+    limits (``SchedulerConfig``). ``context_length``: longest prompt + completion, tokens.
+    ``max_body_bytes``: request body limit (None = ``protocol.default_max_body_bytes``).
+    ``api_key``: when set, /v1/* needs ``Authorization: Bearer <key>``. ``shutdown_timeout_s``:
+    how long running requests may finish after SIGTERM. ``record_trace``: .npz path.
+    """
+
+    served_model_name: str
+    max_running_requests: int
+    context_length: int
+    record_trace: str | None = None
+    max_queued_requests: int | None = None
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    max_body_bytes: int | None = None
+    api_key: str | None = None
+    shutdown_timeout_s: float = 30.0
+
+
+@dataclass
+class Lifecycle:
+    """Whether the server still admits requests (False from the start of a shutdown)."""
+
+    admitting: bool = True
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    """OpenAI's error shape for ``exc``."""
+    kind = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(
+        exc.status, "invalid_request_error" if exc.status < 500 else "server_error")
+    body = {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.code}}
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+class Admission:
+    """ASGI middleware run before routing: the API key on /v1/*, then the body-size limit.
+
+    A body over ``max_body_bytes`` (by Content-Length, or counted for a chunked body) is
+    read and dropped, never kept, and answered 413; ``refuse`` logs and counts each refusal.
+    """
+
+    def __init__(self, app, *, max_body_bytes: int, api_key: str | None, refuse) -> None:
+        self.app, self.max_body_bytes, self.api_key, self.refuse = app, max_body_bytes, api_key, refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"].startswith("/v1/") and \
+                headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+            return await self._answer(scope, receive, send, ApiError(
+                "missing or wrong API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
+                status=401, code="invalid_api_key"))
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await self._drop_body(receive)
+            return await self._answer(scope, receive, send, self._too_large(int(length)))
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body = await self._read_bounded(receive)
+            if body is None:
+                return await self._answer(scope, receive, send, self._too_large(None))
+            receive = self._replay(body, receive)
+        return await self.app(scope, receive, send)
+
+    def _too_large(self, size: int | None) -> ApiError:
+        got = f"{size} bytes" if size is not None else "a larger body"
+        return ApiError(f"request body is {got}; the limit is {self.max_body_bytes} bytes (--max-body-bytes)",
+                        status=413, code="request_too_large")
+
+    async def _answer(self, scope, receive, send, exc: ApiError):
+        self.refuse(scope["method"], scope["path"], exc)
+        await error_response(exc)(scope, receive, send)
+
+    @staticmethod
+    async def _drop_body(receive) -> None:
+        read = 0
+        while read < MAX_DRAINED_BODY_BYTES:
+            msg = await receive()
+            read += len(msg.get("body", b""))
+            if msg["type"] != "http.request" or not msg.get("more_body"):
+                return
+
+    async def _read_bounded(self, receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return b"".join(chunks)
+            size += len(msg.get("body", b""))
+            if size > self.max_body_bytes:
+                await self._drop_body(receive)
+                return None
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                return b"".join(chunks)
+
+    @staticmethod
+    def _replay(body: bytes, receive):
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay
+
+
+@dataclass
+class _Exchange:
+    """One HTTP generation request in flight: its sequences, their choices, its event queue."""
+
+    endpoint: str
+    prepared: protocol.Prepared
+    queue: asyncio.Queue
+    head: dict
+    choices: list[responses.Choice]
+    reqs: list = field(default_factory=list)
+    unfinished: int = 0
+    outcome: str = "ok"
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == "chat"
+
+
+class OpenAIServing:
+    """The serving state of one app: model, tokenizer, scheduler, metrics, lifecycle."""
+
+    def __init__(self, model, tokenizer, config: ServeConfig, *, recorder=None) -> None:
+        self.tokenizer, self.config, self.recorder = tokenizer, config, recorder
+        self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
+        self.scheduler = BatchScheduler(model, tokenizer, SchedulerConfig(
+            config.max_running_requests, config.context_length, max_queued_requests=config.max_queued_requests,
+            max_prefill_tokens=config.max_prefill_tokens), recorder=recorder)
+        self.metrics = Metrics(self.scheduler, model.pagedexperts)
+        self.lifecycle = Lifecycle()
+
+    # ---- refusals ----
+
+    def refuse(self, method: str, path: str, exc: ApiError) -> None:
+        """Log and count one refusal (every 4xx / 5xx answer goes through here)."""
+        logger.warning("refused %s %s: %d %s: %s", method, path, exc.status, exc.code, exc.message)
+        self.metrics.refused.labels(str(exc.status), exc.code).inc()
+
+    # ---- admission (worker thread) ----
+
+    def admit(self, raw: bytes, chat: bool) -> protocol.Prepared:
+        """Parse, check and tokenize a request body; raises ApiError (runs off the event loop)."""
+        body = protocol.parse_request(raw, ChatCompletionRequest if chat else CompletionRequest)
+        protocol.check_model(body, self.config.served_model_name)
+        return protocol.prepare(body, self.tokenizer, context_length=self.config.context_length,
+                                vocab_size=self.vocab_size)
+
+    async def serve(self, http: HttpRequest, *, chat: bool):
+        """Answer one POST /v1/completions (``chat`` False) or /v1/chat/completions: a JSON
+        body, or a StreamingResponse of server-sent events. Raises ApiError (503 while
+        shutting down, 4xx from validation, 429 when the queue is full)."""
+        endpoint = "chat" if chat else "completions"
+        if not self.lifecycle.admitting:
+            raise ApiError("the server is shutting down; retry on another replica or later", status=503,
+                           code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+        raw = await http.body()
+        prepared = await run_in_threadpool(self.admit, raw, chat)
+        ex = self._submit(endpoint, prepared)
+        if prepared.stream:
+            return StreamingResponse(self._stream(ex), media_type="text/event-stream")
+        return await self._complete(ex, http)
+
+    def _submit(self, endpoint: str, prepared: protocol.Prepared) -> _Exchange:
+        loop = asyncio.get_running_loop()
+        created = int(time.time())
+        ex = _Exchange(endpoint, prepared, asyncio.Queue(), {}, [responses.Choice(i) for i in
+                                                                range(len(prepared.sequences))])
+        items = []
+        for i, params in enumerate(prepared.sequences):
+            ids = prepared.prompt_ids[i // prepared.n]
+            items.append((ids, params, self._on_event(ex, i, loop)))
+        ex.unfinished = len(items)
+        try:
+            ex.reqs = self.scheduler.submit_many(items)
+        except QueueFull as exc:
+            raise ApiError(f"too many requests queued: {exc}", status=429, code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prepared.prompt_ids))
+        kind = "chatcmpl" if endpoint == "chat" else "cmpl"
+        ex.head.update(id=f"{kind}-{ex.reqs[0].request_id}", created=created, model=self.config.served_model_name)
+        return ex
+
+    def _on_event(self, ex: _Exchange, index: int, loop):
+        def on_event(event) -> None:  # scheduler thread
+            if event.finish_reason is not None:
+                self.metrics.observe_finish(event)
+                ex.unfinished -= 1
+                if event.finish_reason in ("cancelled", "error", "abort"):
+                    ex.outcome = event.finish_reason
+                if ex.unfinished == 0:
+                    self.metrics.requests.labels(ex.endpoint, ex.outcome).inc()
+            try:
+                loop.call_soon_threadsafe(ex.queue.put_nowait, (index, event))
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+
+        return on_event
+
+    # ---- answering ----
+
+    def _apply(self, ex: _Exchange, index: int, event) -> tuple[str, list]:
+        """Record an event in its choice; returns (text, logprob reports) to send, echo included."""
+        c, p = ex.choices[index], ex.prepared
+        text, entries = event.text, list(event.logprobs)
+        if event.prompt_logprobs is not None:
+            entries = list(event.prompt_logprobs) + entries
+        if p.echo and not c.echoed:
+            c.echoed = True
+            text = p.prompt_texts[index // p.n] + text
+        c.text.append(text)
+        c.logprobs += entries
+        c.completion_tokens = event.completion_tokens
+        if event.finish_reason is not None:
+            c.finish_reason, c.error = event.finish_reason, event.error
+        return text, entries
+
+    def _usage(self, ex: _Exchange) -> dict:
+        return responses.usage(sum(len(p) for p in ex.prepared.prompt_ids), sum(c.completion_tokens for c in ex.choices))
+
+    async def _complete(self, ex: _Exchange, http: HttpRequest):
+        watcher = asyncio.create_task(self._watch_disconnect(http, ex))
+        try:
+            for _ in ex.choices:
+                while True:
+                    index, event = await ex.queue.get()
+                    self._apply(ex, index, event)
+                    if event.finish_reason is not None:
+                        break
+        finally:
+            watcher.cancel()
+        reasons = {c.finish_reason for c in ex.choices}
+        if "cancelled" in reasons:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        failed = next((c for c in ex.choices if c.finish_reason in ("error", "abort")), None)
+        if failed is not None:
+            shutdown = failed.finish_reason == "abort"
+            raise ApiError(f"generation {'cut' if shutdown else 'failed'}: {failed.error}", status=503 if shutdown else 500,
+                           code="server_shutting_down" if shutdown else "generation_failed",
+                           headers={"Retry-After": str(RETRY_AFTER_S)} if shutdown else None)
+        logprobs = ex.prepared.sequences[0].logprobs is not None
+        obj = "chat.completion" if ex.chat else "text_completion"
+        return {**ex.head, "object": obj, "usage": self._usage(ex),
+                "choices": [responses.choice_body(c, chat=ex.chat, logprobs=logprobs) for c in ex.choices]}
+
+    async def _watch_disconnect(self, http: HttpRequest, ex: _Exchange) -> None:
+        """Cancel the request's sequences as soon as the client disconnects (the body is read,
+        so the next ASGI message is the disconnect)."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        for req in ex.reqs:
+            self.scheduler.cancel(req)
+
+    async def _stream(self, ex: _Exchange):
+        chat, p = ex.chat, ex.prepared
+        logprobs = p.sequences[0].logprobs is not None
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(c, text, entries, finish, first=False):
+            choice = responses.chunk_choice(c, text, entries, finish, chat=chat, logprobs=logprobs, first=first)
+            return responses.sse({**ex.head, "object": obj, "choices": [choice]})
+
+        try:
+            if chat:
+                for c in ex.choices:
+                    yield chunk(c, "", [], None, first=True)
+            left = len(ex.choices)
+            while left:
+                index, event = await ex.queue.get()
+                c = ex.choices[index]
+                text, entries = self._apply(ex, index, event)
+                if event.finish_reason in ("error", "abort", "cancelled"):
+                    left -= 1
+                    yield responses.sse(self._stream_error(c, event))
+                    continue
+                if text or entries:
+                    yield chunk(c, text, entries, None)
+                if event.finish_reason is not None:
+                    left -= 1
+                    yield chunk(c, "", [], event.finish_reason)
+            if p.include_usage:
+                yield responses.sse({**ex.head, "object": obj, "choices": [], "usage": self._usage(ex)})
+            yield responses.sse("[DONE]")
+        finally:  # also reached when the client disconnects (the generator is closed)
+            for req in ex.reqs:
+                if req.finished_s is None:
+                    self.scheduler.cancel(req)
+
+    @staticmethod
+    def _stream_error(c: responses.Choice, event) -> dict:
+        code = {"abort": "server_shutting_down", "cancelled": "cancelled"}.get(event.finish_reason, "generation_failed")
+        what = {"abort": "cut", "cancelled": "cancelled"}.get(event.finish_reason, "failed")
+        return {"error": {"message": f"generation of choice {c.index} {what} after {event.completion_tokens} tokens: "
+                                     f"{event.error or event.finish_reason}", "type": "server_error", "param": None,
+                          "code": code}}
+
+    # ---- shutdown ----
+
+    def begin_shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop admitting (503 + Retry-After), let running sequences finish for up to
+        ``timeout_s`` (default ``shutdown_timeout_s``), then end every remaining one with a
+        final event. Blocking; call from any thread but the event loop's."""
+        timeout_s = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        self.lifecycle.admitting = False
+        s = self.scheduler
+        logger.info("shutting down: %d running, %d queued; waiting up to %.1fs", s.num_running, s.num_waiting, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while (s.num_running or s.num_waiting) and time.monotonic() < deadline:
+            time.sleep(DRAIN_POLL_S)
+        left = s.num_running + s.num_waiting
+        s.stop(reason=f"the server is shutting down (--shutdown-timeout {timeout_s:g}s passed)")
+        logger.info("scheduler stopped; %d unfinished sequences were ended", left)

@@ -1,0 +1,125 @@
+"""Prometheus metrics of one server, in its own registry (no process-global state).
+
+Owns: request outcomes, refusals (by status and OpenAI error code, so every refused request
+is counted with its reason), token counters, TTFT / TPOT histograms (observed as requests
+finish), and scrape-time values read from the scheduler and from every MoE layer's
+``LayerStats``. The paging export is generic: every numeric field of ``LayerStats`` becomes
+``pagedexperts_paging_<field>`` per layer (a counter; levels such as ``*_last``, ``*_max``,
+``*_mean``, ``*_p50``, ``*_p99_s``: gauges), so a counter added to ``pagedexperts.stats``
+shows up without a change here; the per-step host time distributions (``LayerStats.times``)
+are histograms (``paging_time_histograms``). The historical names
+(``pagedexperts_expert_hits`` ...) stay as aliases.
+
+Does not: decide anything; it only counts.
+"""
+
+from __future__ import annotations
+
+import re
+
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+PREFIX = "pagedexperts_"
+GAUGE_NAME = re.compile(r"^max_|(_last|_max|_min|_mean|_p\d+)(_[a-z]+)?$")  # a level, not a running sum
+# LayerStats field -> (historical metric name, help)
+PAGING_ALIASES = {"hits": ("expert_hits", "Routed experts found resident"),
+                  "misses": ("expert_misses", "Routed experts paged in"),
+                  "bytes_paged": ("bytes_paged", "Bytes copied host-to-device"),
+                  "waves": ("waves", "Waves computed"),
+                  "multi_wave_steps": ("multi_wave_steps", "Layer steps that needed more than one wave"),
+                  "steps": ("layer_steps", "Steps through the layer"),
+                  "union_sum": ("union_size_sum", "Sum over steps of distinct experts routed to"),
+                  "union_last": ("union_size_last", "Distinct experts routed to in the last step"),
+                  "union_max": ("union_size_max", "Distinct experts routed to, max over steps")}
+
+
+class Metrics:
+    """The server's metrics; ``render()`` is the /metrics body.
+
+    ``scheduler``: a BatchScheduler (counts and ``stats`` read at scrape time); ``runtime``:
+    the model's pagedexperts runtime (``pagers`` with ``.stats``, ``num_resident``, ``top_k``).
+    """
+
+    def __init__(self, scheduler, runtime) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(PREFIX + "requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
+                                registry=r)
+        self.refused = Counter(PREFIX + "refused_requests", "Requests refused, by HTTP status and error code",
+                               ["status", "code"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to first token",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time per token after the first",
+                              buckets=TPOT_BUCKETS_S, registry=r)
+        r.register(_LiveCollector(scheduler, runtime))
+
+    def observe_finish(self, event) -> None:
+        """Count a finished sequence's tokens and timing (its last scheduler Event)."""
+        self.generation_tokens.inc(event.completion_tokens)
+        if event.ttft_s is not None:
+            self.ttft.observe(event.ttft_s)
+        if event.tpot_s is not None:
+            self.tpot.observe(event.tpot_s)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+def _numeric_fields(stats) -> list[str]:
+    """Names of the int / float attributes of a stats object (a dataclass or any object), in order."""
+    return [name for name, value in vars(stats).items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not name.startswith("_")]
+
+
+class _LiveCollector:
+    """Scrape-time gauges and counters: batch state and every MoE layer's paging counters."""
+
+    def __init__(self, scheduler, runtime) -> None:
+        self.scheduler, self.runtime = scheduler, runtime
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s, rt = self.scheduler, self.runtime
+        yield GaugeMetricFamily(PREFIX + "running_requests", "Sequences in the decode batch", value=s.num_running)
+        yield GaugeMetricFamily(PREFIX + "waiting_requests", "Sequences queued for a place", value=s.num_waiting)
+        yield GaugeMetricFamily(PREFIX + "max_running_requests", "--max-running-requests",
+                                value=s.config.max_running_requests)
+        yield GaugeMetricFamily(PREFIX + "single_wave_cap", "K // top_k: decode batch always one wave",
+                                value=rt.num_resident // rt.top_k)
+        for name in _numeric_fields(s.stats):
+            kind = GaugeMetricFamily if GAUGE_NAME.search(name) else CounterMetricFamily
+            yield kind(PREFIX + name, f"Scheduler: {name.replace('_', ' ')}", value=getattr(s.stats, name))
+        layers = sorted((i, pager.stats) for i, pager in rt.pagers.items())
+        if not layers:
+            return
+        from pagedexperts.stats import ModelStats
+
+        yield from paging_time_histograms(ModelStats.collect(layers), PREFIX)
+        for name in _numeric_fields(layers[0][1]):
+            gauge = bool(GAUGE_NAME.search(name))
+            alias, doc = PAGING_ALIASES.get(name, (None, f"Per MoE layer: {name.replace('_', ' ')}"))
+            for metric in filter(None, ("paging_" + name, alias)):
+                fam = (GaugeMetricFamily if gauge else CounterMetricFamily)(PREFIX + metric, doc, labels=["layer"])
+                for i, ls in layers:
+                    fam.add_metric([str(i)], getattr(ls, name))
+                yield fam
+
+
+def paging_time_histograms(stats, prefix: str = PREFIX):
+    """Prometheus histograms of the host times per MoE layer-step, all layers together:
+    ``<prefix>plan_seconds``, ``<prefix>topk_readback_seconds``, ``<prefix>page_in_seconds``
+    (buckets ``stats.TIME_BUCKETS_S``, cumulative since the start). ``stats``: a ModelStats."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    from pagedexperts.stats import TIMED
+
+    names = {"plan_s": "plan_seconds", "sync_s": "topk_readback_seconds", "page_in_s": "page_in_seconds"}
+    for kind, dist in stats.time_histograms().items():
+        yield HistogramMetricFamily(prefix + names[kind], f"Time of {TIMED[kind]} per MoE layer-step",
+                                    buckets=dist.cumulative(), sum_value=dist.sum_s)

@@ -1,0 +1,185 @@
+"""Per-request sampling for the server: logit processing, the next token, logprobs, stop strings.
+
+Owns: ``SamplingParams`` (the generation options of ONE sequence: temperature, top_p, seed,
+stop strings, OpenAI's presence / frequency penalties and logit_bias, how many logprobs to
+report), the rule for tiny temperatures, ``sample`` (one token from one row of logits),
+``token_logprob`` (the chosen token's logprob and the top alternatives) and
+``IncrementalText`` (the text a client may see after each token: stop strings cut, nothing
+of a stop string ever shown). Tensor-light, model-free, thread-free: the scheduler calls it.
+
+Conventions (as OpenAI and vLLM's defaults):
+
+- logit processing order: logit_bias is added, then the penalties are subtracted, then
+  temperature and top_p shape the distribution. Penalties count the tokens GENERATED so far
+  (not the prompt): ``logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``
+  (OpenAI's "Frequency and presence penalties" formula).
+- temperature below ``GREEDY_BELOW`` (1e-5, vLLM's ``_SAMPLING_EPS``) samples greedily:
+  dividing by it would overflow float32 (1e-40 gave inf / nan probabilities), and the
+  distribution is already a point mass at the argmax to float32 precision.
+- logprobs are the model's own: ``log_softmax`` of the raw logits in float32, before
+  logit_bias, penalties, temperature and top_p (vLLM's default ``raw_logprobs``).
+- an incomplete UTF-8 character decodes as U+FFFD until its last byte arrives; text is held
+  back until its characters are complete AND cannot be the start of a stop string.
+
+Does not: run the model, batch, or speak HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pagedexperts.generate import SamplingConfig
+
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see the module docstring)
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass(frozen=True)
+class SamplingParams(SamplingConfig):
+    """The options of one sequence, beyond ``SamplingConfig``'s (max_new_tokens, temperature,
+    top_p, seed, stop).
+
+    ``presence_penalty`` / ``frequency_penalty``: in [-2, 2] (OpenAI's range).
+    ``logit_bias``: (token id, bias) pairs, bias in [-100, 100], added to the logits.
+    ``logprobs``: None = report none; n >= 0 = report each generated token's logprob and
+    its n most likely alternatives. ``prompt_logprobs``: also report the prompt tokens'
+    logprobs (completions ``echo`` with ``logprobs``). ``max_new_tokens`` may be 0 only with
+    ``prompt_logprobs`` (score the prompt, generate nothing).
+    """
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+
+    @classmethod
+    def of(cls, sampling: SamplingConfig) -> "SamplingParams":
+        """``sampling`` itself if it is SamplingParams, else the same options with no extras."""
+        if isinstance(sampling, SamplingParams):
+            return sampling
+        return cls(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                   top_p=sampling.top_p, seed=sampling.seed, stop=tuple(sampling.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's logprob report: the token, its logprob, and the top alternatives.
+
+    ``token``: the token's text (``tokenizer.decode([token_id])``; a piece of a multi-byte
+    character shows as U+FFFD). ``top``: (text, token id, logprob) of the most likely tokens,
+    most likely first. Logprobs are natural-log probabilities (float, <= 0).
+    """
+
+    token_id: int
+    token: str
+    logprob: float | None  # None: a prompt's first token (nothing predicts it)
+    top: tuple[tuple[str, int, float], ...] = ()
+
+
+def adjusted_logits(logits: torch.Tensor, params: SamplingParams, output_ids: list[int]) -> torch.Tensor:
+    """logits [V] after logit_bias and the presence / frequency penalties (a new tensor if changed)."""
+    if not params.adjusts_logits:
+        return logits
+    out = logits.float().clone()
+    for token_id, bias in params.logit_bias:
+        out[token_id] += bias
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids), minlength=out.shape[0])[: out.shape[0]].float()
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return out
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
+           generator: torch.Generator | None) -> int:
+    """The next token from one row of logits [V] (any float dtype).
+
+    Greedy (argmax) when ``params.greedy``; else softmax(logits / temperature) restricted to
+    the smallest top_p nucleus, drawn with ``generator`` (torch.multinomial).
+    """
+    logits = adjusted_logits(logits, params, output_ids)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scaled = logits.float() / params.temperature
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = torch.cumsum(probs, dim=-1) - probs > params.top_p  # always keeps the first
+        scaled = scaled.clone()
+        scaled[order[drop]] = float("-inf")
+    probs = torch.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int,
+                   token_text: Callable[[int], str]) -> list[TokenLogprob]:
+    """Logprob reports of ``token_ids`` [T] under logits [T, V] (row t predicts token t).
+
+    ``token_text`` maps an id to its text. log_softmax in float32 of the raw logits.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(token_ids, dtype=torch.long)[:, None])[:, 0].tolist()
+    tops = lp.topk(top_n, dim=-1) if top_n > 0 else None
+    out = []
+    for t, token_id in enumerate(token_ids):
+        top = ()
+        if tops is not None:
+            top = tuple((token_text(int(i)), int(i), float(v))
+                        for v, i in zip(tops.values[t].tolist(), tops.indices[t].tolist()))
+        out.append(TokenLogprob(token_id, token_text(token_id), chosen[t], top))
+    return out
+
+
+def stop_cut(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """(the part of ``text`` that may be shown, whether a stop string ended it).
+
+    With a stop string in ``text``: everything before its first occurrence, True. Otherwise
+    the text without (1) trailing incomplete characters (U+FFFD at the end) and (2) the
+    longest tail of the remaining complete text that is a proper prefix of some stop string
+    (it may still become one), False. The hold-back looks at complete text only: a partial
+    character after "界 " must not hide that "界 " starts the stop "界 😀".
+    """
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    if cut >= 0:
+        return text[:cut], True
+    complete = text.rstrip(REPLACEMENT_CHAR)
+    keep = len(complete)
+    for s in stops:
+        for n in range(min(len(s) - 1, len(complete)), 0, -1):
+            if complete.endswith(s[:n]):
+                keep = min(keep, len(complete) - n)
+                break
+    return text[:keep], False
+
+
+@dataclass
+class IncrementalText:
+    """The text a client has been shown, grown one decode at a time.
+
+    ``update(text, complete)`` takes the decode of ALL generated tokens so far and returns
+    (new text to send, whether a stop string was reached). ``complete`` = the sequence ended
+    for another reason (end of sequence, length): nothing is held back any more, except
+    that a stop string still cuts. The shown text is always a prefix of the final text.
+    """
+
+    stops: tuple[str, ...]
+    shown_chars: int = 0
+
+    def update(self, text: str, complete: bool) -> tuple[str, bool]:
+        visible, stopped = stop_cut(text, self.stops)
+        if complete and not stopped:
+            visible = text
+        delta = visible[self.shown_chars:] if len(visible) > self.shown_chars else ""
+        self.shown_chars += len(delta)
+        return delta, stopped

@@ -1,0 +1,191 @@
+"""Host <-> device transfers of one paged layer: the one read-back, uploads, copy-stream order.
+
+Owns: the single device-to-host transfer of a layer-step (``read_back``: the top-k ids, the
+prefetch prediction and the step's padding count in one read into pinned memory), host-to-device
+uploads of small host-made index tensors (slot map, a wave's rows) from pinned buffers, and, on
+CUDA, the ordering of page-in copies on the copy stream against the compute stream:
+
+- a slot is overwritten only after the compute that last read it (``compute_done`` event);
+- the first copies into fresh slots wait for the slots' allocation (the zero fill ran on the
+  compute stream);
+- every copy issued into a layer (its own page-ins and the previous layer's prefetches) is
+  waited on by that layer's next compute (``copied`` event, ``before_compute``);
+- the slot tensors are ``record_stream``-ed on the copy stream, and ``drain`` waits for in-flight
+  copies before a pager is dropped (``loader.repage``), so no freed block is reused under a copy.
+
+Page-in times on CUDA come from a bounded ring of timing events (``CopyTimer``), folded in as
+they complete; nothing here synchronizes the whole device. Does not: choose what to copy
+(``residency``) or compute anything (``pager``).
+
+Legend: T tokens of a step, k top_k, E experts, K slots.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+COPY_TIMER_EVENTS = 64  # timing event pairs kept per layer before the oldest must be folded
+
+
+def read_back(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate integer tensors [T, c_i] (or 0-dim ones, broadcast to [T, 1]) along dim 1 and
+    read them to the host in ONE device-to-host transfer: [T, sum c_i] int64 on the CPU.
+
+    On CUDA the read goes into pinned memory and waits for the current stream once (the one
+    hard sync of a layer-step); on CPU it is a no-op view of the concatenation.
+    """
+    rows = parts[0].shape[0]
+    cols = [p if p.dim() == 2 else p.reshape(1, 1).expand(rows, 1) for p in parts]
+    flat = torch.cat([c.to(torch.int64) for c in cols], dim=1) if len(cols) > 1 else cols[0]
+    if flat.device.type == "cpu":
+        return flat
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    torch.cuda.current_stream(flat.device).synchronize()
+    return host
+
+
+def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array (int64) as a fresh device tensor, without a device sync.
+
+    On CUDA the values are first copied into a pinned block of torch's caching host allocator,
+    which keeps the block from reuse until the non-blocking copy has run, so the caller may
+    mutate ``values`` at once. On CPU: a copy (the caller may mutate ``values``).
+    """
+    host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+    if device.type == "cpu":
+        return host.clone()
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class CopyTimer:
+    """A bounded ring of (start, end) timing events around copy batches on the copy stream.
+
+    ``begin``/``end`` bracket one batch; completed pairs are folded into ``elapsed_s`` as new
+    ones are taken (``query``, no wait); only when ``capacity`` pairs are still in flight is the
+    oldest waited for (its own event, never the whole device). ``make_event`` is injectable so
+    the bookkeeping is testable without CUDA.
+    """
+
+    def __init__(self, make_event: Callable[[], object], capacity: int = COPY_TIMER_EVENTS) -> None:
+        self._make_event = make_event
+        self._free: list[tuple] = []
+        self._in_flight: deque[tuple] = deque()
+        self._open: tuple | None = None
+        self.capacity = capacity
+        self.created = 0
+        self.elapsed_s = 0.0
+
+    def begin(self, stream) -> None:
+        self._fold(block=len(self._in_flight) >= self.capacity)
+        if self._free:
+            pair = self._free.pop()
+        else:
+            pair = (self._make_event(), self._make_event())
+            self.created += 2
+        pair[0].record(stream)
+        self._open = pair
+
+    def end(self, stream) -> None:
+        pair, self._open = self._open, None
+        pair[1].record(stream)
+        self._in_flight.append(pair)
+
+    def collect(self) -> float:
+        """Wait for every in-flight pair (their end events only); return and reset the total."""
+        while self._in_flight:
+            self._fold(block=True)
+        out, self.elapsed_s = self.elapsed_s, 0.0
+        return out
+
+    def _fold(self, *, block: bool) -> None:
+        while self._in_flight:
+            start, end = self._in_flight[0]
+            if block:
+                end.synchronize()
+                block = False
+            elif not end.query():
+                return
+            self.elapsed_s += start.elapsed_time(end) / 1e3
+            self._free.append(self._in_flight.popleft())
+
+
+class SlotTransfers:
+    """Page-in copies into one layer's [K, ...] slots and their ordering (see module docstring).
+
+    Args:
+        slots: name -> [K, ...] slot tensor on ``device`` (just allocated).
+        device: the slots' device.
+        copy_stream: CUDA stream for page-ins, or None (CPU: copies are synchronous memcpys).
+    """
+
+    def __init__(self, slots: dict[str, torch.Tensor], device: torch.device, copy_stream=None) -> None:
+        self.slots = slots
+        self.device = device
+        self.copy_stream = copy_stream
+        self.timer = None
+        self._compute_done = self._copied = None
+        self._copy_pending = False
+        self.host_copy_s = 0.0  # CPU: seconds of synchronous page-in copies since last take
+        if copy_stream is not None:
+            compute = torch.cuda.current_stream(device)
+            for t in slots.values():
+                t.record_stream(copy_stream)
+            self._compute_done = torch.cuda.Event()
+            self._compute_done.record(compute)  # first copies wait for the slots' zero fill
+            self._copied = torch.cuda.Event()
+            self.timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True))
+
+    def copy_in(self, store, loads) -> None:
+        """Copy each load's expert rows from ``store`` into its slot (on the copy stream after
+        the compute that last read the slots; the next ``before_compute`` waits for them)."""
+        if not loads:
+            return
+        stream = self.copy_stream
+        if stream is None:
+            t0 = time.perf_counter()
+            for load in loads:
+                store.copy_to_slot(load.expert, load.slot, self.slots)
+            self.host_copy_s += time.perf_counter() - t0
+            return
+        stream.wait_event(self._compute_done)
+        with torch.cuda.stream(stream):
+            self.timer.begin(stream)
+            for load in loads:
+                store.copy_to_slot(load.expert, load.slot, self.slots)
+            self.timer.end(stream)
+            self._copied.record(stream)
+        self._copy_pending = True
+
+    def before_compute(self) -> None:
+        """Make the compute stream wait for every copy issued into these slots so far."""
+        if self._copy_pending:
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
+            self._copy_pending = False
+
+    def compute_done(self) -> None:
+        """Mark the end of a compute that read the slots (later copies wait for it)."""
+        if self._compute_done is not None:
+            self._compute_done.record(torch.cuda.current_stream(self.device))
+
+    def take_copy_s(self, *, block: bool) -> float:
+        """Page-in seconds since the last take: host-timed copies on CPU; on CUDA the completed
+        timing pairs (``block``: wait for all in flight first, per event)."""
+        if self.timer is None:
+            out, self.host_copy_s = self.host_copy_s, 0.0
+            return out
+        if block:
+            return self.timer.collect()
+        self.timer._fold(block=False)
+        out, self.timer.elapsed_s = self.timer.elapsed_s, 0.0
+        return out
+
+    def drain(self) -> None:
+        """Wait for copies in flight into these slots (before the slots are dropped)."""
+        if self.copy_stream is not None:
+            self._copied.synchronize()  # returns at once if never recorded

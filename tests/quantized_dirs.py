@@ -1,0 +1,116 @@
+"""Tiny quantized checkpoints written in the PUBLISHED on-disk layouts, for the format tests.
+
+``write_fp8_block``: the DeepSeek-V3 / Qwen3-FP8 layout (per-expert keys; every
+``*_proj.weight`` and ``w1/w2/w3.weight`` of attention, dense MLPs, shared and routed experts as
+float8_e4m3fn ``weight`` + float32 ``weight_scale_inv``; router, norms, embeddings and lm_head
+unquantized, and any weight with a dim above its block and not a multiple of it (transformers
+could not read its grid back); ``quantization_config`` {"quant_method": "fp8", "fmt": "e4m3",
+"activation_scheme": "dynamic", "weight_block_size": [bm, bn]}).
+``write_mxfp4``: the gpt-oss layout (stacked ``experts.gate_up_proj_blocks`` [E, 2I, H/32, 16]
+uint8, ``_scales`` [E, 2I, H/32] uint8 (E8M0, bias 127), biases in bf16; every other tensor
+unquantized; ``quantization_config`` {"quant_method": "mxfp4",
+"modules_to_not_convert": [...]}).
+Both start from a ``save_pretrained`` directory of the unquantized model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedexperts.formats.fp8 import quantize_fp8_block
+from pagedexperts.formats.mxfp4 import quantize_mxfp4
+
+_FP8_KEY = re.compile(r"\.(?:[a-z_]*proj(?:_with_mqa)?|w[123])\.weight$")
+
+
+def _copy_aux(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
+            shutil.copy(f, dst / f.name)
+
+
+def _tensors(src: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _set_quantization(dst: Path, qc: dict, dtype: str = "bfloat16") -> None:
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    cfg["dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _fits(shape, block) -> bool:
+    """Each dim a multiple of its block or below it (what transformers' dequantizer reads back)."""
+    return all(size <= b or size % b == 0 for size, b in zip(shape, block))
+
+
+def write_fp8_block(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """Quantize ``src``'s linear weights to block FP8 into ``dst`` (see module docstring)."""
+    _copy_aux(src, dst)
+    out = {}
+    for key, value in _tensors(src).items():
+        if _FP8_KEY.search(key) and value.dim() == 2 and _fits(value.shape, block):
+            q, s = quantize_fp8_block(value, block)
+            out[key], out[key + "_scale_inv"] = q, s
+        else:
+            out[key] = value.to(torch.bfloat16) if value.is_floating_point() else value
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    _set_quantization(
+        dst, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    )
+    return dst
+
+
+def write_mxfp4(src: Path, dst: Path) -> Path:
+    """Quantize ``src``'s stacked gpt-oss experts to MXFP4 into ``dst`` (see module docstring)."""
+    _copy_aux(src, dst)
+    out = {}
+    for key, value in _tensors(src).items():
+        if re.search(r"\.experts\.(gate_up_proj|down_proj)$", key):
+            # the module's [E, in, out] -> the checkpoint's [E, out, in/32, 16]
+            blocks, scales = quantize_mxfp4(value.transpose(1, 2).contiguous())
+            out[key + "_blocks"], out[key + "_scales"] = blocks, scales
+        else:
+            out[key] = value.to(torch.bfloat16) if value.is_floating_point() else value
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    _set_quantization(
+        dst,
+        {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]},
+    )
+    return dst
+
+
+def restack_fp8_experts(src: Path, dst: Path) -> Path:
+    """The same block-FP8 checkpoint with stacked experts, as transformers' ``FP8Experts``
+    saves them: ``experts.gate_up_proj`` float8_e4m3fn [E, 2I, H] (gate rows, then up) with
+    ``experts.gate_up_proj_scale_inv`` float32 [E, 2 x ceil(I/bm), ceil(H/bn)], and
+    ``experts.down_proj`` [E, H, I] with its ``_scale_inv``."""
+    _copy_aux(src, dst)
+    tensors = _tensors(src)
+    out, per_expert = {}, {}
+    for key, value in tensors.items():
+        m = re.match(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight(?:_scale_inv)?)$", key)
+        if m is None:
+            out[key] = value
+            continue
+        per_expert.setdefault((m.group(1), m.group(4)), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
+    for (prefix, kind), experts in per_expert.items():
+        suffix = "_scale_inv" if kind.endswith("_scale_inv") else ""
+        order = sorted(experts)
+        out[f"{prefix}.gate_up_proj{suffix}"] = torch.stack(
+            [torch.cat([experts[j]["gate_proj"], experts[j]["up_proj"]]) for j in order])
+        out[f"{prefix}.down_proj{suffix}"] = torch.stack([experts[j]["down_proj"] for j in order])
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

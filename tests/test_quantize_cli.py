@@ -1,0 +1,57 @@
+"""``pagedexperts quantize`` and the ``bundled:FORMAT`` model paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedexperts.cli import main
+from pagedexperts.commands.quantize import resolve_model_path
+
+
+def test_quantize_command_writes_w4a16(tiny_moe_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["quantize", "--model-path", str(tiny_moe_dir), "--format", "w4a16", "--group-size", "16",
+                 "--output", str(out)]) == 0
+    assert "w4a16: 96 routed expert weights" in capsys.readouterr().out  # 2 layers x 16 experts x 3
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 16
+
+
+def test_quantize_command_errors_name_the_flag(tiny_moe_dir, tmp_path, capsys):
+    assert main(["quantize", "--model-path", str(tiny_moe_dir), "--format", "w4a16", "--output", str(tmp_path / "q")]) == 2
+    assert "--group-size 128" in capsys.readouterr().err
+    assert main(["quantize", "--model-path", str(tiny_moe_dir), "--format", "w4a16"]) == 2
+    assert "--output DIR is required" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bundled_variant_built_once_and_reused(tmp_path):
+    path = resolve_model_path("bundled:fp8-block", str(tmp_path))
+    stamp = (tmp_path / path.rpartition("/")[2] / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_path("bundled:fp8-block", str(tmp_path)) == path
+    assert (tmp_path / path.rpartition("/")[2] / "model.safetensors").stat().st_mtime_ns == stamp
+    assert json.loads(open(f"{path}/config.json").read())["quantization_config"]["quant_method"] == "fp8"
+    with pytest.raises(ValueError, match="no 'nf4' variant"):
+        resolve_model_path("bundled:nf4", str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["w4a16", "fp8-block"])
+def test_bundled_variant_runs_out_of_the_box_and_is_exact(fmt, tmp_path):
+    """``--model-path bundled:FORMAT``: built on first use, paged equals transformers' loading."""
+    from pagedexperts import load_model
+    from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
+    from pagedexperts.loader import bundled_model_path
+
+    config = json.loads((bundled_model_path() / "config.json").read_text())
+    if config["moe_intermediate_size"] % 64:
+        pytest.skip("the bundled model's expert intermediate size is not yet a multiple of 64 (retrain pending)")
+    path = resolve_model_path(f"bundled:{fmt}", str(tmp_path))
+    reference = load_reference(path, device="cpu", dtype=None, experts_implementation="grouped_mm")
+    paged, tokenizer = load_model(path, num_resident=8)
+    assert paged.pagedexperts.expert_format == fmt
+    result = check_model(paged, reference, tokenizer, DEFAULT_PROMPTS[:1], max_new_tokens=4)
+    assert result.passed and result.misses > 0, result.max_abs_diff

@@ -1,0 +1,117 @@
+"""Validation without a model: admission order, byte bound before tokenizing, Unicode, limits."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pydantic")
+
+from pagedexperts.serving import protocol  # noqa: E402
+from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
+
+CONTEXT = 64
+
+
+class NoTokenizer:
+    """Fails the test if anything is tokenized."""
+
+    chat_template = None
+
+    def __call__(self, *a, **k):
+        raise AssertionError("tokenized a prompt that should have been refused before")
+
+    decode = apply_chat_template = __call__
+
+
+def _prepare(body, tokenizer=None):
+    return protocol.prepare(body, tokenizer or NoTokenizer(), context_length=CONTEXT, vocab_size=100)
+
+
+def test_oversized_prompt_refused_before_tokenizing():
+    limit = CONTEXT * protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    with pytest.raises(ApiError, match="bytes, more than any prompt") as e:
+        _prepare(CompletionRequest(model="m", prompt="x" * (limit + 1)))
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(ApiError, match="bytes"):  # counted in bytes: 3 per character here
+        _prepare(CompletionRequest(model="m", prompt="界" * (limit // 3 + 1)))
+    with pytest.raises(ApiError, match="bytes"):
+        _prepare(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "y" * (limit + 1)}]))
+    with pytest.raises(ApiError, match="tokens; the context length"):  # ids: counted, not decoded
+        _prepare(CompletionRequest(model="m", prompt=[1] * CONTEXT))
+
+
+@pytest.mark.parametrize("body", [
+    CompletionRequest(model="m", prompt="a\ud800"),
+    CompletionRequest(model="m", prompt="x", stop=["\udc00"]),
+    ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "\ud83d"}]),
+])
+def test_lone_surrogate_is_refused_by_name(body):
+    """Strings that reach validation from Python (not via JSON) are checked too."""
+    with pytest.raises(ApiError, match="not valid Unicode") as e:
+        _prepare(body)
+    assert e.value.code == "invalid_unicode"
+
+
+def test_ranges_checked_before_any_tokenizing():
+    for field, value in [("temperature", float("nan")), ("top_p", float("inf")), ("seed", 2**64),
+                         ("presence_penalty", -3), ("n", 0)]:
+        with pytest.raises(ApiError, match=field):
+            _prepare(CompletionRequest(model="m", prompt="x", **{field: value}))
+
+
+def test_default_body_limit_grows_with_the_context():
+    assert protocol.default_max_body_bytes(512) == 2**20 + 8 * 512 * protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    assert 5 * 10**6 > protocol.default_max_body_bytes(512)
+
+
+def test_cli_defaults_match_the_library():
+    """commands/serve.py repeats two constants so that --help needs no torch import."""
+    from pagedexperts.commands import serve
+    from pagedexperts.serving.scheduler import DEFAULT_MAX_PREFILL_TOKENS
+
+    assert serve.DEFAULT_MAX_PREFILL_TOKENS == DEFAULT_MAX_PREFILL_TOKENS
+    assert serve.MAX_PROMPT_BYTES_PER_TOKEN == protocol.MAX_PROMPT_BYTES_PER_TOKEN
+
+
+def test_metrics_export_every_numeric_layer_stat():
+    """A counter added to LayerStats (e.g. by another module) is exported without a change."""
+    pytest.importorskip("prometheus_client")
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from pagedexperts.serving.metrics import Metrics
+    from pagedexperts.stats import LayerStats
+
+    @dataclass
+    class MoreStats(LayerStats):
+        ttft_p99_s: float = 0.25
+
+    layer = MoreStats(hits=3, misses=2, union_max=5)
+    runtime = SimpleNamespace(pagers={0: SimpleNamespace(stats=layer)}, num_resident=8, top_k=2)
+    sched = SimpleNamespace(num_running=1, num_waiting=0, config=SimpleNamespace(max_running_requests=4),
+                            stats=SimpleNamespace())
+    text = Metrics(sched, runtime).render().decode()
+    for line in ('pagedexperts_paging_ttft_p99_s{layer="0"} 0.25', 'pagedexperts_expert_hits_total{layer="0"} 3.0',
+                 'pagedexperts_paging_misses_total{layer="0"} 2.0', 'pagedexperts_union_size_max{layer="0"} 5.0',
+                 "pagedexperts_running_requests 1.0"):
+        assert line in text, line
+
+
+def test_old_import_paths_still_work():
+    pytest.importorskip("fastapi")
+    from pagedexperts import scheduler, server, serving
+    from pagedexperts.serving import api_server, handlers
+    from pagedexperts.serving import scheduler as new_scheduler
+
+    assert server.create_app is api_server.create_app and server.ServeConfig is handlers.ServeConfig
+    assert scheduler.BatchScheduler is new_scheduler.BatchScheduler and serving.__doc__
+
+
+@pytest.mark.parametrize("name, gauge", [("max_decode_batch", True), ("union_max", True), ("union_last", True),
+                                         ("plan_p99_s", True), ("union_mean", True), ("decode_steps", False),
+                                         ("bytes_paged", False), ("page_in_s", False)])
+def test_levels_are_gauges_sums_are_counters(name, gauge):
+    pytest.importorskip("prometheus_client")
+    from pagedexperts.serving.metrics import GAUGE_NAME
+
+    assert bool(GAUGE_NAME.search(name)) == gauge

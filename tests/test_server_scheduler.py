@@ -1,0 +1,151 @@
+"""The scheduler on fixed schedules: its logits against the model run directly, the masks,
+batched prefill, scoring a prompt (max_tokens 0), and the bounded queue.
+
+Teacher forcing is the oracle: each request's per-step logits inside a batch (batched
+prefill, then batched decode with left padding and a 2D mask) must match the model run
+directly, alone and unpadded, on prompt + the tokens the scheduler generated, to float32
+batching noise (``LOGIT_ATOL``). A mask that hides or adds one position moves logits by
+whole units, far above it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from serving_fixtures import (CONTEXT, HAVE_MODEL, MAX_TOKENS, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
+                              ref, run_schedule, schedule, torch)
+from pagedexperts.serving.sampling import SamplingParams
+from pagedexperts.serving.batching import decode_mask, prefill_batches, prefill_inputs
+from pagedexperts.serving.scheduler import BatchScheduler, QueueFull, SchedulerConfig
+
+LOGIT_ATOL = 1e-3
+
+pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
+
+
+class RecordingScheduler(BatchScheduler):
+    """Keeps every logits row the scheduler samples from, per request id."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logits: dict[int, list[torch.Tensor]] = {}
+
+    def _accept(self, req, logits):
+        self.logits.setdefault(req.request_id, []).append(logits.clone())
+        super()._accept(req, logits)
+
+
+# ---- pure parts ----
+
+def test_decode_mask_rows():
+    mask = decode_mask([3, 5, 1], 5)
+    assert mask.tolist() == [[0, 0, 1, 1, 1, 1],
+                             [1, 1, 1, 1, 1, 1],
+                             [0, 0, 0, 0, 1, 1]]
+    for row, n in zip(mask, [3, 5, 1]):
+        assert int(row.sum()) == n + 1 and int(row[-1]) == 1
+
+
+def test_prefill_inputs_left_pad_and_positions():
+    ids, mask, pos = prefill_inputs([[7, 8, 9], [5]], pad_id=0)
+    assert ids.tolist() == [[7, 8, 9], [0, 0, 5]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert pos.tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+def test_prefill_batches_respect_the_token_budget():
+    assert prefill_batches([3, 3, 3], 9) == [[0, 1, 2]]
+    assert prefill_batches([3, 3, 3], 8) == [[0, 1], [2]]
+    assert prefill_batches([2, 10, 2], 20) == [[0, 1], [2]]
+    assert prefill_batches([4, 4], 1) == [[0], [1]]  # 1 = one prompt per forward
+
+
+# ---- the model ----
+
+@pytest.mark.parametrize("max_running", [1, 8])
+def test_per_step_logits_match_teacher_forcing(ref, max_running):
+    """Every prompt, every step: scheduler logits == a direct forward on prompt + generated."""
+    model, tokenizer = ref
+    sched = RecordingScheduler(model, tokenizer, SchedulerConfig(max_running, CONTEXT))
+    ids, stats = run_schedule(sched, tokenizer, PROMPTS), sched.stats
+    sched_logits = sched.logits
+    if max_running == 8:
+        assert (stats.prefill_steps, stats.max_decode_batch) == (1, 8)
+    worst = 0.0
+    for k, (prompt, out) in enumerate(zip(PROMPTS, ids)):
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            direct = model(input_ids=torch.tensor([prompt_ids + out[:-1]])).logits[0, len(prompt_ids) - 1:]
+        got = torch.stack(sched_logits[k + 1])
+        assert got.shape == direct.shape
+        diff = (got - direct).abs().max().item()
+        worst = max(worst, diff)
+        assert diff < LOGIT_ATOL, f"{prompt!r}: max |logit diff| {diff:.3g} (mean {(got - direct).abs().mean():.3g})"
+    print(f"\nmax_running {max_running}: max |logit diff| vs teacher forcing {worst:.3g}")
+
+
+def test_batched_prefill_one_forward_and_same_tokens_as_one_at_a_time(ref):
+    model, tokenizer = ref
+    together, s1 = schedule(model, tokenizer, PROMPTS, max_running=8)
+    apart, s2 = schedule(model, tokenizer, PROMPTS, max_running=8, max_prefill_tokens=1)
+    assert (s1.prefill_steps, s1.max_prefill_batch, s1.prefill_rows) == (1, 8, 8)
+    assert (s2.prefill_steps, s2.max_prefill_batch) == (8, 1)
+    assert together[0] and len(together) == len(apart)
+
+
+def test_paged_equals_unpaged_with_batched_prefill(ref):
+    """K = top_k (paging, several waves per step) and K = E on the same batched schedule."""
+    model, tokenizer = ref
+    paged, _ = schedule(model, tokenizer, PROMPTS, max_running=8)
+    full_model, _ = load_model(MODEL_PATH, num_resident=model.pagedexperts.num_experts)
+    with torch.no_grad():
+        full, _ = schedule(full_model, tokenizer, PROMPTS, max_running=8)
+    assert paged == full
+
+
+def test_score_only_prompt_logprobs(ref):
+    """max_new_tokens 0 with prompt logprobs: one prefill, the prompt's log_softmax, no token."""
+    model, tokenizer = ref
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(4, CONTEXT))
+    events = []
+    prompt = tokenizer(PROMPTS[2])["input_ids"]
+    params = SamplingParams(max_new_tokens=0, logprobs=2, prompt_logprobs=True)
+    sched.submit(prompt, params, events.append)
+    sched.submit(tokenizer(PROMPTS[0])["input_ids"], SamplingParams(max_new_tokens=3), lambda e: None)
+    while sched.num_running or sched.num_waiting:
+        sched.step()
+    (event,) = events
+    assert (event.finish_reason, event.completion_tokens) == ("length", 0)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    got = event.prompt_logprobs
+    assert [e.token_id for e in got] == prompt and got[0].logprob is None
+    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    assert [e.logprob for e in got[1:]] == pytest.approx(want, abs=1e-4)
+    assert all(len(e.top) == 2 and e.top[0][2] >= e.top[1][2] for e in got[1:])
+
+
+def test_queue_bound_all_or_nothing(ref):
+    model, tokenizer = ref
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, CONTEXT, max_queued_requests=2))
+    p = tokenizer("x")["input_ids"]
+    sched.submit(p, SamplingParams(max_new_tokens=1), lambda e: None)
+    with pytest.raises(QueueFull, match="--max-queued-requests"):
+        sched.submit_many([(p, SamplingParams(max_new_tokens=1), lambda e: None)] * 2)
+    assert sched.num_waiting == 1
+    sched.submit(p, SamplingParams(max_new_tokens=1), lambda e: None)
+    assert sched.num_waiting == 2
+
+
+def test_stop_ends_unfinished_with_a_final_event(ref):
+    model, tokenizer = ref
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, CONTEXT))
+    events = []
+    for prompt in PROMPTS[:2]:
+        sched.submit(tokenizer(prompt)["input_ids"], SamplingParams(max_new_tokens=50), events.append)
+    sched.step()  # the first is running, the second queued
+    sched.stop(reason="test shutdown")
+    finals = [e for e in events if e.finish_reason is not None]
+    assert [e.finish_reason for e in finals] == ["abort", "abort"]
+    assert all(e.error == "test shutdown" for e in finals)
+    assert sched.stats.aborted == 2
