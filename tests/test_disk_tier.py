@@ -287,3 +287,23 @@ def test_a_lost_shard_fails_the_served_request_and_the_next_one(tmp_path):
     finished = [e for e in events if e.finish_reason is not None]
     assert [e.finish_reason for e in finished] == ["error", "error"]
     assert all("model.safetensors" in e.error and "DiskReadError" in e.error for e in finished)
+
+
+def test_metrics_export_each_layers_tier_counters(tiny_moe_dir):
+    """/metrics: every layer's host and disk counters as the runtime's stats give them."""
+    from pagedexperts.serving.metrics import _tier_metrics
+
+    R = 3
+    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", host_memory_gb=budget_gb(R))
+    ids, mask = prompts(2)
+    greedy_logits(model, ids, mask, steps=3)
+    tiers = model.pagedexperts.stats().tiers
+    families = {f.name: f for f in _tier_metrics(model.pagedexperts)}
+    assert families["pagedexperts_disk_reads"].type == "counter"
+    assert families["pagedexperts_host_hit_rate"].type == "gauge"
+    for name in ("disk_reads", "disk_bytes_read", "host_hits", "host_misses"):
+        got = {s.labels["layer"]: s.value for s in families[f"pagedexperts_{name}"].samples}
+        assert got == {str(i): getattr(t, name) for i, t in tiers.items()}, name
+    assert sum(t.disk_reads for t in tiers.values()) > 0
+    plain, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
+    assert list(_tier_metrics(plain.pagedexperts)) == []

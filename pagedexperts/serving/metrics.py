@@ -7,7 +7,8 @@ finish), and scrape-time values read from the scheduler and from every MoE layer
 ``pagedexperts_paging_<field>`` per layer (a counter; levels such as ``*_last``, ``*_max``,
 ``*_mean``, ``*_p50``, ``*_p99_s``: gauges), so a counter added to ``pagedexperts.stats``
 shows up without a change here; the per-step host time distributions (``LayerStats.times``)
-are histograms (``paging_time_histograms``). The historical names
+are histograms (``paging_time_histograms``); with a disk tier, its host and disk counters per
+layer (``pagedexperts_host_hits``, ``pagedexperts_disk_reads``, ...). The historical names
 (``pagedexperts_expert_hits`` ...) stay as aliases.
 
 Does not: decide anything; it only counts.
@@ -109,6 +110,26 @@ class _LiveCollector:
                 for i, ls in layers:
                     fam.add_metric([str(i)], getattr(ls, name))
                 yield fam
+        yield from _tier_metrics(rt)
+
+
+def _tier_metrics(runtime):
+    """Per layer host and disk tier counters (``pagedexperts_host_hits``, ``..._disk_reads``,
+    ``..._disk_bytes_read``, ``..._disk_read_s``; hit rate and read p50/p99 as gauges) of
+    layers whose store is a disk tier (``--host-memory-gb``); nothing otherwise."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    tiers = sorted((i, p.store.tier_stats.as_dict()) for i, p in runtime.pagers.items()
+                   if hasattr(p.store, "tier_stats"))
+    if not tiers:
+        return
+    for name in tiers[0][1]:
+        gauge = name.endswith(("_rate", "_p50_s", "_p99_s"))
+        fam = (GaugeMetricFamily if gauge else CounterMetricFamily)(
+            PREFIX + name, f"Per MoE layer, disk tier: {name.replace('_', ' ')}", labels=["layer"])
+        for i, d in tiers:
+            fam.add_metric([str(i)], d[name])
+        yield fam
 
 
 def paging_time_histograms(stats, prefix: str = PREFIX):
