@@ -14,8 +14,10 @@ once per session:
 
 Legend: E routed experts, k top_k, K resident slots, I expert intermediate, H hidden.
 
-Torch runs single-threaded here: the models are tiny, and on a shared 2-core machine
-OpenMP threads spin against each other (a bf16 forward took 5 s with 2 threads, 30 ms with 1).
+Threads. A CPU GEMM row's bits can depend on the thread count, so exactness tests (marked
+``default_threads``, or using the ``threads`` fixture) run at torch's default thread count, as
+users run, and through ``threads`` at 1 thread as well. Every other test runs at 1 thread: the
+models are tiny, and on a shared 2-core machine OpenMP threads wait on each other.
 """
 
 from __future__ import annotations
@@ -33,7 +35,25 @@ MOE_INTERMEDIATE = 16
 VOCAB = 128
 PAD_ID = 0
 
-torch.set_num_threads(1)
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _thread_count(request):
+    """1 thread, except for exactness tests (module docstring); restored afterwards."""
+    users = "threads" in request.fixturenames or request.node.get_closest_marker("default_threads")
+    torch.set_num_threads(DEFAULT_THREADS if users else 1)
+    yield
+    torch.set_num_threads(DEFAULT_THREADS)
+
+
+@pytest.fixture(params=["default", 1], ids=["default-threads", "1-thread"])
+def threads(request):
+    """Run the test at the default thread count and at 1 thread (restored afterwards)."""
+    n = DEFAULT_THREADS if request.param == "default" else request.param
+    torch.set_num_threads(n)
+    yield n
+    torch.set_num_threads(DEFAULT_THREADS)
 
 
 def tiny_config(**overrides):
