@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import pagedexperts
-from conftest import E, PAD_ID, VOCAB, assert_same, tiny_model
+from conftest import E, PAD_ID, VOCAB, assert_same, assert_same_attributes, tiny_model
 from exact_probe import probe
 from pagedexperts.check import compare, left_padded
 
@@ -157,35 +157,6 @@ def test_every_cpu_capability_in_a_subprocess(capability):
         assert r["capability"].lower() == capability and r["multi_wave_steps"] > 0
         for run in r["runs"]:
             assert run["exact"] and run["tokens_equal"], f"{capability} {r['dtype']} at {r['threads']} threads: {run}"
-
-
-def tensor_attributes(model) -> dict[str, tuple]:
-    """name -> (shape, dtype, requires_grad, contiguous, device type) of every parameter and buffer."""
-    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    return {n: (tuple(t.shape), t.dtype, t.requires_grad, t.is_contiguous(), t.device.type) for n, t in named}
-
-
-def assert_same_attributes(paged, reference, what: str) -> None:
-    """Every tensor of the paged model as under from_pretrained; the reference's only extras are
-    the routed experts' [E, ...] tensors, whose slots and store rows keep their dtype."""
-    got, want = tensor_attributes(paged), tensor_attributes(reference)
-    experts = {n for n in want if ".experts." in n and n.rsplit(".", 1)[1] in _expert_tensor_names(paged)}
-    assert set(got) == set(want) - experts, f"{what}: tensor names differ"
-    for name, attrs in got.items():
-        assert attrs == want[name], f"{what}: {name} is {attrs}, from_pretrained gives {want[name]}"
-    for pager in paged.pagedexperts.pagers.values():
-        for tname, slot in pager.slots.items():
-            ref = dict(reference.named_parameters())[f"{_experts_name(reference, pager.layer)}.{tname}"]
-            assert slot.dtype == pager.store.tensors[tname].dtype == ref.dtype, f"{what}: {tname} dtype"
-            assert slot.is_contiguous() and pager.store.tensors[tname].is_contiguous()
-
-
-def _expert_tensor_names(paged) -> set[str]:
-    return {n for p in paged.pagedexperts.pagers.values() for n in p.slots}
-
-
-def _experts_name(model, layer: int) -> str:
-    return next(n for n, _ in model.named_modules() if n.endswith(f"layers.{layer}.mlp.experts"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
