@@ -1,8 +1,8 @@
 """The accuracy smoke test: paged vs unpaged logits and greedy tokens on a few prompts.
 
 Owns: loading the reference (plain ``AutoModelForCausalLM.from_pretrained``, all experts
-resident, the same experts implementation and dtype), running prompts through both, and the
-verdict. Does not: page or load the paged model itself (``loader``).
+resident, the same experts implementation and dtype), running the prompts through both, one
+by one (batch 1) and together (a left-padded batch), and the verdict. Does not: page or load the paged model itself (``loader``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ DEFAULT_PROMPTS = (
 
 @dataclass
 class PromptCheck:
-    """Result of one prompt: max |logit diff| over prefill and every greedy step, tokens equal."""
+    """Result of one run (a prompt, or the batch of all prompts): max |logit diff| over prefill
+    and every greedy step, logits torch.equal at every step, greedy tokens equal."""
 
     prompt: str
     max_abs_diff: float
@@ -35,7 +36,7 @@ class PromptCheck:
 
 @dataclass
 class CheckResult:
-    """All prompts at one K. ``passed``: every prompt's logits torch.equal and tokens equal."""
+    """All runs at one K. ``passed``: every run's logits torch.equal and tokens equal."""
 
     num_resident: int
     prompts: list[PromptCheck] = field(default_factory=list)
@@ -95,11 +96,12 @@ def _resident_reference(path, config, exc: ImportError, *, device: str, dtype, e
     return model.eval()
 
 
-def greedy_logits(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Greedy decode; returns (new token ids [N], per-step logits [V] for prefill and each step)."""
+def greedy_logits(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask=None):
+    """Greedy decode of ``input_ids`` [B, T]; returns (new token ids [B, N], per-step logits
+    [B, V] for prefill and each step)."""
     out = model.generate(
         input_ids,
-        attention_mask=torch.ones_like(input_ids),
+        attention_mask=torch.ones_like(input_ids) if attention_mask is None else attention_mask,
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
         **GREEDY,
@@ -107,26 +109,46 @@ def greedy_logits(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[
         return_dict_in_generate=True,
         pad_token_id=0,
     )
-    return out.sequences[0, input_ids.shape[1]:], [l[0] for l in out.logits]
+    return out.sequences[:, input_ids.shape[1]:], list(out.logits)
 
 
-def check_model(paged, reference, tokenizer, prompts, *, max_new_tokens: int = 8) -> CheckResult:
-    """Compare ``paged`` against ``reference`` on ``prompts`` (greedy, ``max_new_tokens``)."""
+def left_padded(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows [T_i] -> (input_ids, attention_mask) [B, max T_i], left-padded as batched
+    ``generate`` expects."""
+    width = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=rows[0].dtype, device=rows[0].device)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - r.numel():] = r
+        mask[i, width - r.numel():] = 1
+    return ids, mask
+
+
+def compare(paged, reference, input_ids, max_new_tokens: int, what: str, attention_mask=None) -> PromptCheck:
+    """One greedy run of both models: max |logit diff| over every step, torch.equal, tokens."""
+    tok_p, log_p = greedy_logits(paged, input_ids, max_new_tokens, attention_mask)
+    tok_r, log_r = greedy_logits(reference, input_ids, max_new_tokens, attention_mask)
+    return PromptCheck(
+        prompt=what,
+        max_abs_diff=max((a.float() - b.float()).abs().max().item() for a, b in zip(log_p, log_r)),
+        tokens_equal=torch.equal(tok_p, tok_r),
+        exact=all(torch.equal(a, b) for a, b in zip(log_p, log_r)),
+    )
+
+
+def check_model(paged, reference, tokenizer, prompts, *, max_new_tokens: int = 8, batched: bool = True) -> CheckResult:
+    """Compare ``paged`` against ``reference`` on each of ``prompts`` alone (batch 1) and, if
+    ``batched`` and there are several, on all of them at once (left-padded, batch B > 1: another
+    matmul path for the last-token slice), greedy for ``max_new_tokens`` steps."""
     result = CheckResult(num_resident=paged.pagedexperts.num_resident)
     paged.pagedexperts.reset_stats()
+    rows = [tokenizer(p, return_tensors="pt")["input_ids"][0].to(paged.device) for p in prompts]
     with torch.no_grad():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(paged.device)
-            tok_p, log_p = greedy_logits(paged, ids, max_new_tokens)
-            tok_r, log_r = greedy_logits(reference, ids, max_new_tokens)
-            diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(log_p, log_r)]
-            result.prompts.append(
-                PromptCheck(
-                    prompt=prompt,
-                    max_abs_diff=max(diffs),
-                    tokens_equal=torch.equal(tok_p, tok_r),
-                    exact=all(torch.equal(a, b) for a, b in zip(log_p, log_r)),
-                )
-            )
+        for prompt, ids in zip(prompts, rows):
+            result.prompts.append(compare(paged, reference, ids.unsqueeze(0), max_new_tokens, prompt))
+        if batched and len(rows) > 1:
+            ids, mask = left_padded(rows)
+            what = f"all {len(rows)} prompts as one left-padded batch"
+            result.prompts.append(compare(paged, reference, ids, max_new_tokens, what, mask))
     result.misses = paged.pagedexperts.stats().total().misses
     return result

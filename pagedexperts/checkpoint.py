@@ -315,8 +315,8 @@ def load_plain_tensor(model, key: str, value: torch.Tensor, device) -> bool:
         raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}, the config implies {tuple(ref.shape)}")
     dtype = ref.dtype if value.is_floating_point() else value.dtype
     tensor = value.to(device=device, dtype=dtype)
-    if current is not None:
-        module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    if current is not None:  # the attributes from_pretrained gives (requires_grad changes CPU matmul paths)
+        module._parameters[attr] = torch.nn.Parameter(tensor.contiguous(), requires_grad=current.requires_grad)
     else:
         module._buffers[attr] = tensor
     return True

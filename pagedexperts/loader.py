@@ -292,7 +292,7 @@ def build_paged_model(
     sites = find_experts_sites(model)
     num_experts = sites[0].num_experts
     top_k = int(config.num_experts_per_tok)
-    k_slots = _check_num_resident(num_resident, num_experts, top_k) if mode == "paged" else num_experts
+    k_slots = check_num_resident(num_resident, num_experts, top_k) if mode == "paged" else num_experts
     if mode == "cpu-experts" and not 0 <= cpu_expert_layers <= len(sites):
         raise ValueError(
             f"--cpu-expert-layers {cpu_expert_layers} outside [0, {len(sites)}] (the model's MoE layers)"
@@ -416,7 +416,7 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
     rt = model.pagedexperts
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
-    k = _check_num_resident(num_resident, rt.num_experts, rt.top_k) if mode == "paged" else rt.num_experts
+    k = check_num_resident(num_resident, rt.num_experts, rt.top_k) if mode == "paged" else rt.num_experts
     dev = torch.device(rt.config.device)
     for runner in rt.pagers.values():
         runner.release()  # copies in flight into its slots finish before the slots are freed
@@ -451,7 +451,7 @@ def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.0
             value = torch.ones(p.shape, dtype=p.dtype)
         else:
             value = (torch.randn(p.shape, generator=gen) * std).to(p.dtype)
-        module._parameters[attr] = torch.nn.Parameter(value.to(device), requires_grad=False)
+        module._parameters[attr] = torch.nn.Parameter(value.to(device), requires_grad=p.requires_grad)
 
 
 RANDOM_BLOCK = (1 << 22) + 1  # elements of the random block tiled over store tensors
@@ -511,7 +511,12 @@ def _slot_tables(runtime, layout, dev) -> dict:
     return {"slots": table}
 
 
-def _check_num_resident(num_resident: int | None, num_experts: int, top_k: int) -> int:
+def check_num_resident(num_resident: int | None, num_experts: int, top_k: int) -> int:
+    """K to use: ``num_resident``, or None -> max(top_k, E x DEFAULT_RESIDENT_FRACTION).
+
+    Raises:
+        ValueError: K outside [top_k, E] (names --num-resident).
+    """
     if num_resident is None:
         return max(top_k, int(num_experts * DEFAULT_RESIDENT_FRACTION))
     if num_resident < top_k:

@@ -13,15 +13,10 @@ slot map lives on the device and is re-uploaded from pinned memory only when it 
 multi-wave step's rows per wave are computed on the host from the read-back ids and uploaded.
 ``tests/test_syncs.py`` counts this by instrumentation.
 
-Exactness. The reference ("inner") implementation is called once per wave on the wave's
-(token, k) entries as if each entry were a token with top_k = 1 and routing weight 1, in the
-row order the inner uses per expert, so every entry's output is computed by the same kernel
-from the same rows as in the unpaged model; the entries are then weighted with the same
-elementwise product (in the promoted dtype: fp32 router weights times bf16 entries stay fp32)
-and combined exactly as the inner implementation combines them: ``grouped_mm`` and
-``batched_mm`` sum the k entries of a token in one ``sum(dim=1)``; ``eager`` adds them one by
-one in ascending expert id (its ``index_add_`` loop). Every entry is computed once and summed
-once, so paged output is bit-identical to the unpaged model with the same implementation.
+Exactness. Each wave's entries are computed by ``wave_compute`` with the model's own experts
+math over the slot tensors, every kernel handed the unpaged model's row order and buffer shape,
+and combined in the implementation's own order: paged output is bit-identical to the unpaged
+model with the same implementation (README "What is exact").
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T * k entries.
 """
@@ -39,12 +34,9 @@ from pagedexperts.prefetch import PrefetchStats
 from pagedexperts.residency import EvictionPolicy, Residency, StepPlan, Wave
 from pagedexperts.stats import LayerStats
 from pagedexperts.store import HostExpertStore
+from pagedexperts.wave_compute import INNER_IMPLEMENTATIONS, step_entries
 from pagedexperts.transfer import SlotTransfers, read_back, upload
 
-# Inner implementations whose combine rule the pager knows (see module docstring).
-SUM_COMBINE = ("grouped_mm", "batched_mm")
-SEQUENTIAL_COMBINE = ("eager",)
-INNER_IMPLEMENTATIONS = SUM_COMBINE + SEQUENTIAL_COMBINE
 
 
 def routed_union(ids_host: torch.Tensor) -> list[int]:
@@ -200,7 +192,7 @@ class ExpertPager:
         )
         return out
 
-    # -- page-in, slot map, read-back (transfers); the compute is _run_waves / _combine --
+    # -- page-in, slot map, read-back (transfers); the compute is _run_waves (wave_compute) --
 
     def _read_step(self, top_k_index, predicted):
         """The step's one device-to-host transfer: (top-k ids [T, k], predicted ids [T, k'] or
@@ -238,12 +230,6 @@ class ExpertPager:
         self._map_s += time.perf_counter() - t1
         return slot_map
 
-    def _wave_rows(self, wave: Wave, entry_ids_host: np.ndarray) -> tuple[torch.Tensor, int]:
-        """Rows [S_w] (int64, on the device) of the entries routed into ``wave``, found on the
-        host from the read-back ids in entry order (no device sync), and their count."""
-        rows = np.flatnonzero(np.isin(entry_ids_host, wave.experts))
-        return upload(rows, self.device), len(rows)
-
     def note_loads(self, loads) -> None:
         """Record page-ins (from a plan or a prefetch) in the running expert -> slot map."""
         for load in loads:
@@ -257,53 +243,15 @@ class ExpertPager:
         self.transfers.copy_in(self.store, loads)
 
     def _run_waves(self, module, plan: StepPlan, hidden, top_k_index, top_k_weights, ids_host) -> torch.Tensor:
-        num_tokens, top_k = top_k_index.shape
-        inner = resolve_inner(module, self.inner)
-        # Each (token, k) entry as its own row with top_k = 1: [S, H], [S, 1]. Row order: eager
-        # visits an expert's rows k-major (its one_hot(...).permute(2, 1, 0)), the others
-        # token-major; the row order inside one expert's GEMM can change its bits (CPU fp32).
-        k_major = self.inner in SEQUENTIAL_COMBINE
-        if k_major:
-            entry_hidden = hidden.repeat(top_k, 1)
-            entry_ids = top_k_index.t().reshape(-1, 1)
-        else:
-            entry_hidden = hidden.repeat_interleave(top_k, dim=0)
-            entry_ids = top_k_index.reshape(-1, 1)
-        # Unit weights: the inner returns each entry unweighted in hidden.dtype (exact), and the
-        # routing weight is applied in _combine, so an fp32 weight (Mixtral, DeepSeek routers)
-        # times a bf16 entry is not rounded to bf16 before the sum, as in the unpaged sum.
-        unit = torch.ones_like(entry_ids, dtype=top_k_weights.dtype)
-        if len(plan.waves) == 1:
-            slot_map = self._page_in(plan.waves[0], only_wave=True)
-            self._issue_prefetch()
-            view = self.wave_view(module, plan.waves[0].slots)
-            entry_out = inner(view, entry_hidden, slot_map[entry_ids], unit)
+        step = step_entries(self.inner, module, hidden, top_k_index, ids_host.numpy())
+        single = len(plan.waves) == 1
+        for wave in plan.waves:
+            slot_map = self._page_in(wave, only_wave=single)
+            if wave is plan.waves[0]:
+                self._issue_prefetch()
+            step.run_wave(self.wave_view(module, wave.slots), slot_map, wave, only_wave=single)
             self._mark_compute_done()
-        else:
-            entry_out = None
-            entry_ids_host = (ids_host.t() if k_major else ids_host).reshape(-1).numpy()
-            for wave in plan.waves:
-                slot_map = self._page_in(wave, only_wave=False)
-                if wave is plan.waves[0]:
-                    self._issue_prefetch()
-                view = self.wave_view(module, wave.slots)
-                rows, num_rows = self._wave_rows(wave, entry_ids_host)
-                # torch.bmm of a batch of one takes another CPU kernel than larger batches: pad
-                # a one-entry wave with a copy of its row (batched_mm only), drop the copy after.
-                pad = self.inner == "batched_mm" and num_rows == 1 and entry_ids.shape[0] > 1
-                run = rows.repeat(2) if pad else rows
-                out_w = inner(view, entry_hidden[run], slot_map[entry_ids[run]], unit[run])[:num_rows]
-                if entry_out is None:
-                    entry_out = torch.empty(
-                        (entry_ids.shape[0], out_w.shape[1]), dtype=out_w.dtype, device=out_w.device
-                    )
-                entry_out[rows] = out_w
-                self._mark_compute_done()
-        if k_major:
-            entries = entry_out.view(top_k, num_tokens, -1).transpose(0, 1)
-        else:
-            entries = entry_out.view(num_tokens, top_k, -1)
-        return self._combine(entries * top_k_weights.unsqueeze(-1), top_k_index, hidden.dtype)
+        return step.combine(top_k_weights)
 
     def wave_view(self, module, wave_slots) -> SlotView:
         """The experts module as the inner sees it for one wave: the slot tensors, or for
@@ -319,17 +267,6 @@ class ExpertPager:
 
     def _mark_compute_done(self) -> None:
         self.transfers.compute_done()
-
-    def _combine(self, entries: torch.Tensor, top_k_index: torch.Tensor, dtype) -> torch.Tensor:
-        """Weighted entries [T, k, H] -> [T, H], in the inner implementation's own summation order."""
-        if self.inner in SUM_COMBINE:
-            return entries.sum(dim=1).to(dtype)
-        order = torch.argsort(top_k_index, dim=1, stable=True)  # ascending expert id per token
-        ordered = torch.gather(entries, 1, order.unsqueeze(-1).expand_as(entries))
-        out = torch.zeros(entries.shape[0], entries.shape[2], dtype=dtype, device=entries.device)
-        for j in range(entries.shape[1]):
-            out = out + ordered[:, j].to(dtype)
-        return out
 
     def collect_copy_time(self) -> None:
         """On CUDA, wait for this layer's in-flight page-in timing events (each its own event,

@@ -1,7 +1,7 @@
 """Prefetch: while layer l computes, predict layer l+1's experts and start their page-in early.
 
-Owns: the next-layer prediction (layer l+1's own router, the model's ``mlp.gate`` module, applied
-to layer l's experts input, as mixtral-offloading does), issuing the predicted page-ins into layer
+Owns: the next-layer prediction (layer l+1's own router, found by the family adapter: ``mlp.gate``,
+gpt-oss ``mlp.router``; applied to layer l's experts input, as mixtral-offloading does), issuing the predicted page-ins into layer
 l+1's slots within a slot budget (``Residency.prefetch``: never evicts a predicted expert, never
 more than ``budget`` loads per layer per step), and the prefetch counters (issued, used, wasted).
 Prediction happens in layer l's experts step before its own waves; the page-ins are issued after
@@ -66,7 +66,7 @@ class NextLayerPrefetcher:
     """Prefetch of one MoE layer l into the next MoE layer (``target``), on layer l's pager.
 
     Args:
-        gate: layer l+1's router module (``model.model.layers[l+1].mlp.gate``); its ``forward``
+        gate: layer l+1's router module (``models.router_of``: ``mlp.gate``, gpt-oss ``mlp.router``); its ``forward``
             maps hidden [T, H] -> (logits, scores, top-k ids [T, k]).
         target: layer l+1's ``ExpertPager``.
         budget: at most this many prefetch page-ins per step (default top_k: one token's worth).
@@ -142,10 +142,13 @@ def install(model, *, budget: int | None = None) -> list[NextLayerPrefetcher]:
     budget = rt.top_k if budget is None else budget
     if budget < 1:
         raise ValueError(f"prefetch budget {budget} must be >= 1 (--prefetch-budget)")
+    from pagedexperts.models import router_of
+
+    sites = {s.layer: s for s in rt.sites}
     layers = sorted(rt.pagers)
     out = []
     for here, nxt in zip(layers, layers[1:]):
-        gate = model.model.layers[nxt].mlp.gate
+        gate = router_of(model, sites[nxt])
         p = NextLayerPrefetcher(gate=gate, target=rt.pagers[nxt], budget=budget)
         rt.pagers[here].prefetcher = p
         out.append(p)

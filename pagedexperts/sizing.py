@@ -25,6 +25,8 @@ GB = 1e9
 REUSE_FACTOR = 0.8  # verdict threshold: allowed miss rate < 0.8 x uniform -> "reuse implied"
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 _CONFIG_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+RUN_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # load_model's --dtype choices
+_FLOAT_STORAGE = {"F64", "F32", "F16", "BF16"}  # safetensors dtypes a --dtype run converts
 _LINEAR_ATTENTION_TYPES = {"linear_attention", "mamba", "gated_delta_net"}
 
 
@@ -43,21 +45,22 @@ def host_bytes(*, slot_bytes: int, num_experts: int) -> int:
     return slot_bytes * num_experts
 
 
-def kv_bytes_per_token(*, config: dict, kv_dtype: str = "auto") -> int:
+def kv_bytes_per_token(*, config: dict, kv_dtype: str = "auto", model_dtype: str | None = None) -> int:
     """KV-cache bytes one token keeps across all layers, from a Hugging Face ``config`` dict.
 
     Standard attention: ``layers with KV x 2 (K and V) x kv heads x head dim x dtype bytes``.
     DeepSeek MLA (``kv_lora_rank`` in the config): ``(kv_lora_rank + qk_rope_head_dim) x dtype
     bytes`` per layer, no factor 2 (one compressed latent). Linear-attention layers (Qwen3-Next
     ``layer_types`` / ``full_attention_interval``) keep no per-token KV and are not counted.
-    ``kv_dtype``: "auto" (the config's dtype, bf16 if absent), "bf16", "fp16", "fp32" or "fp8"
-    (1 byte: half of bf16). Example: Qwen3-30B-A3B, 48 x 2 x 4 x 128 x 2 = 98,304 bytes.
+    ``kv_dtype``: "auto" (the cache takes the model's dtype: ``model_dtype`` when given, e.g.
+    "bfloat16" from ``--dtype``, else the config's dtype, bf16 if absent), "bf16", "fp16", "fp32"
+    or "fp8" (1 byte: half of bf16). Example: Qwen3-30B-A3B, 48 x 2 x 4 x 128 x 2 = 98,304 bytes.
 
     Raises:
         ValueError: unknown ``kv_dtype`` (lists the choices; flag ``--kv-dtype``).
     """
     cfg = _text_config(config)
-    dtype_bytes = _kv_dtype_bytes(cfg, kv_dtype)
+    dtype_bytes = _kv_dtype_bytes({**cfg, "dtype": model_dtype} if model_dtype else cfg, kv_dtype)
     layers = _kv_layers(cfg)
     if cfg.get("kv_lora_rank"):
         return layers * (int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))) * dtype_bytes
@@ -378,8 +381,29 @@ def safetensors_files(model_path: str) -> list[str]:
     return [os.path.join(model_path, f) for f in files]
 
 
-def checkpoint_sizes(*, model_path: str, num_experts: int) -> CheckpointSizes:
+def run_dtype(*, config: dict, dtype: str | None = None) -> str:
+    """The dtype ``load_model`` runs a checkpoint in: ``dtype`` (``--dtype``), else config.json's
+    ``dtype`` / ``torch_dtype``, else float32 (as ``loader.resolve_dtype``).
+
+    Raises:
+        ValueError: an unknown dtype (lists the --dtype choices).
+    """
+    cfg = _text_config(config)
+    name = dtype if dtype not in (None, "auto") else str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    if name not in RUN_DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(RUN_DTYPE_BYTES)} (--dtype)")
+    return name
+
+
+def checkpoint_sizes(
+    *, model_path: str, num_experts: int, dtype: str | None = None, keep_fp32: tuple[str, ...] = ()
+) -> CheckpointSizes:
     """Expert and non-expert bytes of a checkpoint, from its safetensors headers only.
+
+    ``dtype`` (a RUN_DTYPE_BYTES name): the bytes ``load_model(dtype=...)`` allocates, i.e. every
+    floating tensor (F64, F32, F16, BF16) at numel x that dtype's bytes, except those whose name
+    contains an entry of ``keep_fp32`` (the model class's fp32-kept modules) at 4 bytes; integer
+    and 8-bit float (packed, quantized) tensors keep their stored bytes. None: stored bytes.
 
     Expert tensors are per-expert keys (``model.layers.N.mlp.experts.J.*``, Mixtral's
     ``block_sparse_moe.experts.J.w1``) or stacked keys (``...mlp.experts.gate_up_proj``, leading
@@ -395,7 +419,7 @@ def checkpoint_sizes(*, model_path: str, num_experts: int) -> CheckpointSizes:
     for path in safetensors_files(model_path):
         for name, info in read_safetensors_header(path).items():
             begin, end = info["data_offsets"]
-            nbytes = end - begin
+            nbytes = _run_bytes(name, info, end - begin, dtype, keep_fp32)
             m = _PER_EXPERT.search(name)
             s = None if m else _STACKED.search(name)
             if m:
@@ -421,3 +445,11 @@ def checkpoint_sizes(*, model_path: str, num_experts: int) -> CheckpointSizes:
         non_expert_bytes=other_total,
         expert_layers=layers,
     )
+
+
+def _run_bytes(name: str, info: dict, stored: int, dtype: str | None, keep_fp32: tuple[str, ...]) -> int:
+    """Bytes of one checkpoint tensor once loaded in ``dtype`` (``checkpoint_sizes``)."""
+    if dtype is None or info.get("dtype") not in _FLOAT_STORAGE:
+        return stored
+    per_value = 4 if any(k in name for k in keep_fp32) else RUN_DTYPE_BYTES[dtype]
+    return math.prod(info["shape"]) * per_value

@@ -14,17 +14,26 @@ once per session:
 
 Legend: E routed experts, k top_k, K resident slots, I expert intermediate, H hidden.
 
-Torch runs single-threaded here: the models are tiny, and on a shared 2-core machine
-OpenMP threads spin against each other (a bf16 forward took 5 s with 2 threads, 30 ms with 1).
+Threads. A CPU GEMM row's bits can depend on the thread count, so exactness tests (marked
+``default_threads``, or using the ``threads`` fixture) run at torch's default thread count, as
+users run, and through ``threads`` at 1 thread as well. Every other test runs at 1 thread: the
+models are tiny, and threads only add waiting.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning (read when torch loads its OpenMP runtime). It
+# decides nothing about the numbers: the thread count and each kernel's split of the work stay
+# torch's defaults. On a shared 2-core machine spinning threads starve the working ones (a tiny
+# model's forward at 2 threads took 30x longer than at 1 with the default policy).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 E = 16  # routed experts per layer
 TOP_K = 2
@@ -33,7 +42,25 @@ MOE_INTERMEDIATE = 16
 VOCAB = 128
 PAD_ID = 0
 
-torch.set_num_threads(1)
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _thread_count(request):
+    """1 thread, except for exactness tests (module docstring); restored afterwards."""
+    users = "threads" in request.fixturenames or request.node.get_closest_marker("default_threads")
+    torch.set_num_threads(DEFAULT_THREADS if users else 1)
+    yield
+    torch.set_num_threads(DEFAULT_THREADS)
+
+
+@pytest.fixture(params=["default", 1], ids=["default-threads", "1-thread"])
+def threads(request):
+    """Run the test at the default thread count and at 1 thread (restored afterwards)."""
+    n = DEFAULT_THREADS if request.param == "default" else request.param
+    torch.set_num_threads(n)
+    yield n
+    torch.set_num_threads(DEFAULT_THREADS)
 
 
 def tiny_config(**overrides):
@@ -127,3 +154,32 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str = "tenso
             f"{what} differs: max |diff| {diff.max().item():.3e}, mean |diff| {diff.mean().item():.3e}, "
             f"{int((diff > 0).sum())} of {diff.numel()} elements"
         )
+
+
+def tensor_attributes(model) -> dict[str, tuple]:
+    """name -> (shape, dtype, requires_grad, contiguous, device type) of every parameter and buffer."""
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    return {n: (tuple(t.shape), t.dtype, t.requires_grad, t.is_contiguous(), t.device.type) for n, t in named}
+
+
+def assert_same_attributes(paged, reference, what: str) -> None:
+    """Every tensor of the paged model as under from_pretrained; the reference's only extras are
+    the routed experts' [E, ...] tensors, whose slots and store rows keep their dtype."""
+    got, want = tensor_attributes(paged), tensor_attributes(reference)
+    experts = {n for n in want if ".experts." in n and n.rsplit(".", 1)[1] in _expert_tensor_names(paged)}
+    assert set(got) == set(want) - experts, f"{what}: tensor names differ"
+    for name, attrs in got.items():
+        assert attrs == want[name], f"{what}: {name} is {attrs}, from_pretrained gives {want[name]}"
+    for pager in paged.pagedexperts.pagers.values():
+        for tname, slot in pager.slots.items():
+            ref = dict(reference.named_parameters())[f"{_experts_name(reference, pager.layer)}.{tname}"]
+            assert slot.dtype == pager.store.tensors[tname].dtype == ref.dtype, f"{what}: {tname} dtype"
+            assert slot.is_contiguous() and pager.store.tensors[tname].is_contiguous()
+
+
+def _expert_tensor_names(paged) -> set[str]:
+    return {n for p in paged.pagedexperts.pagers.values() for n in p.slots}
+
+
+def _experts_name(model, layer: int) -> str:
+    return next(n for n, _ in model.named_modules() if n.endswith(f"layers.{layer}.mlp.experts"))

@@ -84,11 +84,34 @@ def test_generate_bad_input_is_a_clear_error(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.default_threads
 def test_check_passes_on_the_bundled_model(capsys):
+    """The CLI default, at the default thread count: K = top_k and E/2, a verdict that reads right."""
     rc = main(["check", "--max-new-tokens", "4"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "K=   4 of E=64" in out and "K=  32 of E=64" in out and "PASS" in out
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("K=4 of E=64: 4 runs x 4 greedy steps") and lines[1].startswith("K=32 of E=64")
+    for line in lines[:2]:
+        assert "logits torch.equal: yes (max |diff| 0)" in line and "greedy tokens equal: yes" in line
+        assert line.endswith("-> PASS (bit-identical)") and "FAIL" not in line and "NO" not in line
+    assert lines[2] == "verdict: PASS: paging is exact on this checkpoint"
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [(["--num-resident", "65"], "exceeds the E=64"), (["--num-resident", "3"], "below top_k=4"),
+     (["--check-resident", "4,x"], "comma-separated integers"), (["--check-resident", "4,100"], "K=100 exceeds")],
+)
+def test_check_refuses_a_bad_k_before_loading_the_reference(argv, needle, capsys, monkeypatch):
+    import pagedexperts.check
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the reference was loaded before K was validated")
+
+    monkeypatch.setattr(pagedexperts.check, "load_reference", fail)
+    assert main(["check", *argv]) == 2
+    assert needle in capsys.readouterr().err
 
 
 def test_check_fails_when_a_slot_is_corrupted():

@@ -24,6 +24,8 @@ from conftest import E, HIDDEN, MOE_INTERMEDIATE, PAD_ID, TOP_K, VOCAB, assert_s
 from pagedexperts import integration
 from pagedexperts.models import is_experts_module
 
+pytestmark = pytest.mark.default_threads  # as users run; the matrices also at 1 thread (threads)
+
 IMPLS = ["grouped_mm", "batched_mm", "eager"]
 DTYPES = ["float32", "bfloat16"]
 KS = [TOP_K, 2 * TOP_K, E // 2, E]  # k, 2k, E/2, E
@@ -100,7 +102,7 @@ def pagers(model):
 
 
 @pytest.mark.parametrize("impl,dtype,num_resident", cases(KS))
-def test_prefill_logits_equal(reference, tiny_moe_dir, impl, dtype, num_resident):
+def test_prefill_logits_equal(reference, tiny_moe_dir, impl, dtype, num_resident, threads):
     paged = load_paged(tiny_moe_dir, num_resident, impl, dtype)
     ids = single_prompt()
     assert_same(logits_of(paged, ids), logits_of(reference(impl, dtype), ids), f"prefill logits {impl} {dtype} K={num_resident}")
@@ -164,7 +166,7 @@ def test_greedy_decode_tokens_and_logits_equal(reference, tiny_moe_dir, impl, dt
 
 
 @pytest.mark.parametrize("impl,dtype,num_resident", cases(KS))
-def test_padded_batch_logits_equal(reference, tiny_moe_dir, impl, dtype, num_resident):
+def test_padded_batch_logits_equal(reference, tiny_moe_dir, impl, dtype, num_resident, threads):
     paged = load_paged(tiny_moe_dir, num_resident, impl, dtype)
     ids, mask = padded_batch()
     ref = logits_of(reference(impl, dtype), ids, mask)

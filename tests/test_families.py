@@ -8,10 +8,11 @@ character-level tokenizer. The oracle is the same directory loaded by plain
 ``AutoModelForCausalLM.from_pretrained`` with the same experts implementation and dtype:
 prefill and 16 greedy decode steps must give torch.equal logits at K = top_k and K = E/2.
 
-The expert intermediate size is a multiple of 64 as in real models: CPU element-wise kernels
-(sigmoid, SiLU) run a vectorised body two vectors at a time (32 fp32 or 64 bf16 lanes on
-AVX-512) and a scalar tail, so if a wave's rows x I were not a multiple of that, the last row
-would take the tail's formula and differ from the unpaged run in the last bits.
+The expert intermediate size is a multiple of 64 as in real models; one gpt-oss case uses 40
+(CPU element-wise kernels run a vectorised body and a scalar tail whose results differ in the
+last bit: the pager runs the activation on a buffer of the unpaged shape and row order, so the
+tail falls on the same elements). Exactness tests run at the default thread count (and the
+main one at 1 thread too, ``threads``), as users run.
 
 Legend: E routed experts, k top_k, K resident slots, H hidden, I expert intermediate.
 """
@@ -25,7 +26,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import assert_same
+from conftest import assert_same, assert_same_attributes
 from pagedexperts import load_model
 from pagedexperts.check import check_model
 from pagedexperts.integration import PAGER_ATTR
@@ -176,7 +177,7 @@ def assert_exact(paged, reference, tokenizer, what: str) -> None:
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_paged_equals_unpaged_at_k_and_half_e(name, dtype, family_dirs, references):
+def test_paged_equals_unpaged_at_k_and_half_e(name, dtype, family_dirs, references, threads):
     path = family_dirs(name)
     reference = references(path, dtype)
     for k in (TOP_K, E // 2):
@@ -193,10 +194,52 @@ def test_paged_equals_unpaged_at_k_and_half_e(name, dtype, family_dirs, referenc
     [("gpt_oss", "float32"), ("gpt_oss", "bfloat16"), ("mixtral", "bfloat16"), ("deepseek_v3", "bfloat16")],
 )
 @pytest.mark.parametrize("impl", ["batched_mm", "eager"])
+@pytest.mark.default_threads
 def test_other_experts_implementations(name, dtype, impl, family_dirs, references):
     path = family_dirs(name)
     paged, tokenizer = load_model(path, num_resident=TOP_K, dtype=dtype, experts_implementation=impl)
     assert_exact(paged, references(path, dtype, impl), tokenizer, f"{name} {dtype} {impl} K={TOP_K}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_tensor_attributes_match_from_pretrained(name, dtype, family_dirs, references):
+    """requires_grad, dtype (fp32-kept modules too), contiguity and device of every parameter and
+    buffer, one by one, as from_pretrained gives them (requires_grad changes a CPU matmul path)."""
+    path = family_dirs(name)
+    paged, _ = load_model(path, num_resident=TOP_K, dtype=dtype)
+    assert_same_attributes(paged, references(path, dtype), f"{name} {dtype}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.default_threads
+def test_prefetch_is_exact_in_every_family(name, family_dirs, references):
+    """--prefetch finds each family's router (gpt-oss: mlp.router) and changes no bit."""
+    path = family_dirs(name)
+    paged, tokenizer = load_model(path, num_resident=TOP_K, dtype="float32", prefetch=True)
+    assert_exact(paged, references(path, "float32"), tokenizer, f"{name} prefetch K={TOP_K}")
+    issued = sum(p.prefetch_stats.issued for p in paged.pagedexperts.pagers.values())
+    assert issued > 0, f"{name}: prefetch issued nothing; the router was not used"
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_odd_dir(tmp_path_factory):
+    """gpt-oss with expert intermediate 40: rows x I is not a multiple of any vector width."""
+    path = tmp_path_factory.mktemp("tiny_gpt_oss_odd")
+    build_model("gpt_oss", intermediate_size=40).save_pretrained(path)
+    save_char_tokenizer(path)
+    return path
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])
+@pytest.mark.default_threads
+def test_odd_intermediate_size_stays_exact(gpt_oss_odd_dir, references, impl):
+    """gpt-oss's clamped SwiGLU runs its sigmoid over a contiguous buffer: the last (rows x I
+    mod vector width) elements take the scalar tail. The activation runs on a buffer of the
+    unpaged shape and row order, so the tail falls on the same elements as unpaged."""
+    paged, tokenizer = load_model(gpt_oss_odd_dir, num_resident=TOP_K, dtype="float32", experts_implementation=impl)
+    assert_exact(paged, references(gpt_oss_odd_dir, "float32", impl), tokenizer, f"gpt-oss I=40 {impl}")
+    assert paged.pagedexperts.stats().total().multi_wave_steps > 0
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -56,6 +56,7 @@ def reference(tiny_moe_dir):
     return outputs(model)
 
 
+@pytest.mark.default_threads
 @pytest.mark.parametrize("budget", [1, TOP_K, 2 * TOP_K])
 @pytest.mark.parametrize("num_resident", [TOP_K, 2 * TOP_K, E // 2])
 def test_prefetch_is_exact(tiny_moe_dir, reference, num_resident, budget):

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import save_file
 
 from pagedexperts.cli import main
@@ -72,7 +73,36 @@ def test_model_path(tmp_path, capsys):
     r = json.loads(out)
     assert rc == 0
     assert (r["expert_bytes"], r["moe_layers"], r["num_experts"], r["top_k"]) == (80, 2, 4, 2)
-    assert r["non_expert_bytes"] == 96 and r["kv_bytes_per_token"] == 2 * 2 * 1 * 4 * 2
+    # load_model runs the config's dtype (bfloat16): the fp32 lm_head [3, 8] takes 2 bytes a value
+    assert r["dtype"] == "bfloat16" and r["non_expert_bytes"] == 48 and r["kv_bytes_per_token"] == 2 * 2 * 1 * 4 * 2
+    rc, out, _ = _run(capsys, ["preflight", "--model-path", str(tmp_path), "--num-resident", "2", "--dtype", "float32",
+                               "--json"])
+    r = json.loads(out)
+    assert (r["expert_bytes"], r["non_expert_bytes"], r["kv_bytes_per_token"]) == (160, 96, 2 * 2 * 1 * 4 * 4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_k_is_what_the_loader_accepts_and_allocates(tiny_moe_dir, dtype, capsys):
+    """preflight --dtype on a float32 checkpoint: slot, non-expert and KV bytes equal what
+    load_model(dtype=...) allocates, so the auto K fits the budget and K + 1 would not."""
+    from pagedexperts.loader import load_model
+
+    base = ["preflight", "--model-path", str(tiny_moe_dir), "--dtype", dtype, "--json", "--runtime-reserve-gb", "0",
+            "--context-length", "64"]
+    sized = json.loads(_run(capsys, base + ["--num-resident", "2"])[1])
+    budget = sized["non_expert_bytes"] + 64 * sized["kv_bytes_per_token"] + 5.5 * sized["slot_bytes"]
+    r = json.loads(_run(capsys, base + ["--device-memory-gb", str(budget / 1e9)])[1])
+    assert r["num_resident"] == 5 and r["num_resident_source"] == "auto" and r["fits"]
+    model, _ = load_model(tiny_moe_dir, num_resident=r["num_resident"], dtype=dtype)
+    pagers = model.pagedexperts.pagers.values()
+    assert sum(t.nbytes for p in pagers for t in p.slots.values()) == r["device_slot_bytes"]
+    assert sum(p.nbytes for p in model.parameters()) == r["non_expert_bytes"]
+    ids = torch.arange(2, 66).unsqueeze(0)
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert kv == 64 * r["kv_bytes_per_token"]
+    assert r["memory_needed_bytes"] + r["slot_bytes"] > budget, "K + 1 would not fit: auto K is the largest"
 
 
 @pytest.mark.parametrize(

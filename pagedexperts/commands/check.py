@@ -10,8 +10,9 @@ def add_parser(sub) -> None:
         "check",
         help="compare paged and unpaged logits and greedy tokens; exit 1 on a mismatch",
         description="Runs a few prompts paged (at each K given) and unpaged (plain "
-        "from_pretrained, all experts resident, same experts implementation and dtype) and "
-        "compares every step's logits (torch.equal) and the greedy tokens.",
+        "from_pretrained, all experts resident, same experts implementation and dtype), each "
+        "prompt alone and all of them as one left-padded batch, and compares every step's logits "
+        "(torch.equal) and the greedy tokens. Every K is checked against [top_k, E] first.",
     )
     add_model_arguments(p)
     p.set_defaults(num_resident=None)
@@ -26,24 +27,56 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
-    from pagedexperts.loader import load_model
-    from pagedexperts.models.families import num_routed_experts
+def resident_values(args, *, top_k: int, num_experts: int) -> list[int]:
+    """The K values to check, each validated against [top_k, E] before any model is loaded.
 
-    if args.max_new_tokens <= 0:
-        raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
-    reference = load_reference(
-        args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
-    )
-    cfg = reference.config
-    top_k, num_experts = int(cfg.num_experts_per_tok), num_routed_experts(cfg)
+    Raises:
+        ValueError: a K that is not an integer or is outside [top_k, E] (names the flag).
+    """
+    from pagedexperts.loader import check_num_resident
+
     if args.check_resident:
-        ks = [int(x) for x in args.check_resident.split(",")]
+        try:
+            ks = [int(x) for x in args.check_resident.split(",")]
+        except ValueError:
+            raise ValueError(f"--check-resident {args.check_resident!r}: want comma-separated integers, e.g. 4,32") from None
     elif args.num_resident is not None:
         ks = [args.num_resident]
     else:
         ks = [top_k, max(top_k, num_experts // 2)]
+    for k in ks:
+        check_num_resident(k, num_experts, top_k)
+    return ks
+
+
+def verdict_line(k: int, num_experts: int, res, *, steps: int) -> str:
+    """One line per K: what ran, the two comparisons, and PASS / FAIL."""
+    exact = all(p.exact for p in res.prompts)
+    tokens = all(p.tokens_equal for p in res.prompts)
+    return (
+        f"K={k} of E={num_experts}: {len(res.prompts)} runs x {steps} greedy steps, misses {res.misses}; "
+        f"logits torch.equal: {'yes' if exact else 'NO'} (max |diff| {res.max_abs_diff:.3g}); "
+        f"greedy tokens equal: {'yes' if tokens else 'NO'} -> {'PASS (bit-identical)' if res.passed else 'FAIL'}"
+    )
+
+
+def run(args) -> int:
+    from transformers import AutoConfig
+
+    from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
+    from pagedexperts.loader import bundled_model_path, load_model
+    from pagedexperts.models import check_supported
+    from pagedexperts.models.families import num_routed_experts
+
+    if args.max_new_tokens <= 0:
+        raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    config = AutoConfig.from_pretrained(args.model_path or bundled_model_path())
+    check_supported(config)
+    num_experts, top_k = num_routed_experts(config), int(config.num_experts_per_tok)
+    ks = resident_values(args, top_k=top_k, num_experts=num_experts)
+    reference = load_reference(
+        args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
+    )
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     ok = True
     for k in ks:
@@ -54,12 +87,7 @@ def run(args) -> int:
             prefetch=args.prefetch, prefetch_budget=args.prefetch_budget, host_memory_gb=args.host_memory_gb,
         )
         res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
-        verdict = "PASS (bit-identical)" if res.passed else "FAIL"
-        print(
-            f"K={k:>4} of E={num_experts}: {len(prompts)} prompts x {args.max_new_tokens} greedy steps, "
-            f"misses {res.misses}, max |logit diff| {res.max_abs_diff:.3g}, "
-            f"tokens {'equal' if all(p.tokens_equal for p in res.prompts) else 'DIFFER'}: {verdict}"
-        )
+        print(verdict_line(k, num_experts, res, steps=args.max_new_tokens))
         ok &= res.passed
-    print("verdict:", "paging is exact on this checkpoint" if ok else "MISMATCH: do not trust paging here")
+    print("verdict:", "PASS: paging is exact on this checkpoint" if ok else "FAIL: MISMATCH, do not trust paging here")
     return 0 if ok else 1

@@ -40,8 +40,12 @@ def add_parser(subparsers) -> None:
     run.add_argument("--device-memory-gb", type=float, help="device memory budget in GB, for auto K")
     run.add_argument("--context-length", type=int, default=4096, help="tokens per request for the KV reserve (default 4096)")
     run.add_argument("--max-running-requests", type=int, default=1, help="concurrent requests for the KV reserve (default 1)")
-    run.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8"], default="auto",
-                     help="KV cache dtype; auto = the config's dtype (default auto)")
+    run.add_argument("--dtype", choices=["auto", *sorted(sizing.RUN_DTYPE_BYTES)], default="auto",
+                     help="dtype the model runs in, as --dtype of generate/serve/check: weights and slots "
+                     "are sized at it (fp32-kept modules stay 4 bytes); auto = config.json's dtype, "
+                     "float32 if absent, as load_model (default auto)")
+    run.add_argument("--kv-dtype", choices=["auto", "bf16", "fp16", "fp32", "fp8"], default="auto",
+                     help="KV cache dtype; auto = the model's dtype (--dtype) (default auto)")
     run.add_argument("--slot-format", choices=["packed", "dense"], default="packed",
                      help="quantized checkpoints: slots hold packed experts (default: what --slot-format auto "
                      "picks on CUDA) or experts dequantized at page-in (dense: larger slots, fewer per GB); "
@@ -75,17 +79,21 @@ def _model_inputs(args) -> dict:
     if args.model_path:
         config = sizing.read_config(args.model_path)
         shape = sizing.moe_shape(config=config)
-        sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts)
+        dtype = sizing.run_dtype(config=config, dtype=args.dtype)
+        quantized = bool(config.get("quantization_config"))  # packed experts and scales: stored bytes
+        sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts,
+                                        dtype=None if quantized else dtype, keep_fp32=fp32_kept_modules(config, dtype))
         return dict(
             model=os.path.basename(os.path.normpath(args.model_path)),
             moe_layers=len(shape.moe_layers),
             num_experts=shape.num_experts,
             top_k=shape.top_k,
             expert_bytes=sizes.expert_bytes,
-            kv_bytes_per_token=sizing.kv_bytes_per_token(config=config, kv_dtype=args.kv_dtype),
+            kv_bytes_per_token=sizing.kv_bytes_per_token(config=config, kv_dtype=args.kv_dtype, model_dtype=dtype),
             non_expert_bytes=sizes.non_expert_bytes,
             dense_expert_bytes=(sizing.dense_expert_bytes(config=config) if config.get("quantization_config")
                                 else sizes.expert_bytes),
+            dtype=dtype,
         )
     if args.slot_format == "dense":
         raise ValueError("--slot-format dense needs --model-path (the dense expert size comes from config.json)")
@@ -99,9 +107,12 @@ def _model_inputs(args) -> dict:
     _positive(args.kv_bytes_per_token, "--kv-bytes-per-token")
     if not 1 <= args.top_k <= args.experts:
         raise ValueError(f"--top-k {args.top_k} must be in [1, E={args.experts}] (--top-k)")
+    if args.dtype != "auto":
+        raise ValueError("--dtype sizes a --model-path checkpoint; with explicit numbers pass --expert-mb and "
+                         "--non-expert-gb at the run dtype")
     kv = args.kv_bytes_per_token
-    if args.kv_dtype == "fp8":
-        kv //= 2  # explicit numbers are taken as bf16 KV; fp8 halves them
+    if args.kv_dtype in ("fp8", "fp32"):
+        kv = kv // 2 if args.kv_dtype == "fp8" else kv * 2  # explicit numbers are taken as bf16 KV
     return dict(
         model="explicit",
         moe_layers=args.layers,
@@ -111,6 +122,22 @@ def _model_inputs(args) -> dict:
         kv_bytes_per_token=kv,
         non_expert_bytes=round(args.non_expert_gb * sizing.GB),
     )
+
+
+def fp32_kept_modules(config: dict, dtype: str) -> tuple[str, ...]:
+    """Module names the model class keeps in float32 under ``dtype``, as ``load_model`` does
+    (``_keep_in_fp32_modules_strict`` under bf16/fp16, ``_keep_in_fp32_modules`` under fp16);
+    () when transformers does not know the model type."""
+    if dtype == "float32":
+        return ()
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"), ""), None)
+    keep = tuple(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == "float16":
+        keep += tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    return keep
 
 
 def _run_inputs(args) -> dict:
@@ -182,7 +209,7 @@ def _positive(value, flag: str) -> None:
 def build_report(
     *, model, moe_layers, num_experts, top_k, expert_bytes, kv_bytes_per_token, non_expert_bytes,
     num_resident, link_gbps, tok_s, device_memory_gb, context_length, max_running_requests,
-    runtime_reserve_gb, slot_format="packed", dense_expert_bytes=None,
+    runtime_reserve_gb, slot_format="packed", dense_expert_bytes=None, dtype=None,
 ) -> dict:
     """Compose the sizing functions into one flat report (bytes, fractions, seconds).
 
@@ -209,7 +236,7 @@ def build_report(
     all_miss = sizing.all_miss_bytes_per_token(moe_layers=moe_layers, top_k=top_k, expert_bytes=expert_bytes)
     uniform = sizing.uniform_miss_rate(num_resident=num_resident, num_experts=num_experts)
     r = dict(
-        model=model, moe_layers=moe_layers, num_experts=num_experts, top_k=top_k,
+        model=model, dtype=dtype, moe_layers=moe_layers, num_experts=num_experts, top_k=top_k,
         expert_bytes=expert_bytes, dense_expert_bytes=dense_expert_bytes, slot_format=slot_format, slot_bytes=slot,
         host_bytes=host,
         kv_bytes_per_token=kv_bytes_per_token,
@@ -246,7 +273,8 @@ def format_report(r: dict) -> str:
     """Human-readable lines of a ``build_report`` dict (MB/GB as 1e6/1e9 bytes, % rounded)."""
     mb, gb = sizing.MB, sizing.GB
     lines = [
-        f"model                 {r['model']}: L={r['moe_layers']} MoE layers, E={r['num_experts']}, top_k={r['top_k']}",
+        f"model                 {r['model']}: L={r['moe_layers']} MoE layers, E={r['num_experts']}, top_k={r['top_k']}"
+        + (f", run in {r['dtype']}" if r.get("dtype") else ""),
         f"expert                {r['expert_bytes'] / mb:.2f} MB"
         + (f" (packed; {r['dense_expert_bytes'] / mb:.2f} MB dequantized)"
            if r.get("dense_expert_bytes") and r["dense_expert_bytes"] != r["expert_bytes"] else ""),

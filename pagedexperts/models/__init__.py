@@ -128,6 +128,24 @@ def check_family_layout(model: torch.nn.Module, sites: list[ExpertsSite]) -> Non
             )
 
 
+def router_of(model: torch.nn.Module, site: ExpertsSite) -> torch.nn.Module:
+    """The router module of ``site``'s MoE block (the family's ``router`` attribute, e.g.
+    ``mlp.gate``, gpt-oss ``mlp.router``).
+
+    Raises:
+        ValueError: the model's family is unknown or its block has no such module.
+    """
+    family = FAMILIES.get(getattr(model.config, "model_type", None))
+    block_name = site.name.rpartition(".")[0]
+    router = getattr(model.get_submodule(block_name), family.router, None) if family else None
+    if not isinstance(router, torch.nn.Module):
+        raise ValueError(
+            f"no router module found at {block_name}.{family.router if family else '?'} for "
+            f"model_type {getattr(model.config, 'model_type', None)!r}; prefetch needs the family's router"
+        )
+    return router
+
+
 def per_expert_specs(module: torch.nn.Module, name: str = "") -> tuple[TensorSpec, ...]:
     """Every direct parameter or buffer of ``module`` with leading dim E, as TensorSpecs.
 

@@ -58,13 +58,16 @@ class Family:
     """One architecture family.
 
     ``is_moe_layer(config, i)`` mirrors the family's decoder-layer constructor; ``shared_expert``
-    is the attribute of the MoE block holding the always-resident shared expert (None: none).
+    is the attribute of the MoE block holding the always-resident shared expert (None: none);
+    ``router`` the attribute of the MoE block holding its router module, whose forward maps
+    hidden [T, H] -> (logits, weights [T, k], top-k ids [T, k]) in every family (prefetch runs it).
     """
 
     name: str
     is_moe_layer: Callable[[Any, int], bool]
     shared_expert: str | None
     checkpoint_layout: str
+    router: str = "gate"
 
 
 FAMILIES: dict[str, Family] = {
@@ -79,6 +82,7 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(
         "gpt-oss", _every_layer, None,
         "stacked mlp.experts.gate_up_proj [E, H, 2I] (interleaved), down_proj [E, I, H], and biases",
+        router="router",
     ),
     "mixtral": Family(
         "Mixtral", _every_layer, None,

@@ -1,0 +1,257 @@
+"""The experts computation of one paged step, wave by wave, in the unpaged model's own row order.
+
+Owns: turning a step's top-k ids [T, k] into the per-(token, k) entry outputs [T, k, H]
+(unweighted) by running the model's own experts math over the [K, ...] slot tensors one wave at
+a time, and combining them with the routing weights exactly as the unpaged implementation does.
+Does not: page anything in or decide residency (``pager``, ``residency``).
+
+Why not simply call transformers' experts function on the slot ids: on CPU with more than one
+thread, a GEMM row's bits depend on the row's index inside its expert's group, and
+``grouped_mm``'s ``torch.sort`` of the ids is not stable, so slot ids (a different key order)
+give each group another row order than expert ids do. And the activation (SiLU, sigmoid) runs a
+vectorised body and a scalar tail whose results differ in the last bit; which elements fall in
+the tail depends on the buffer's size, its row order and the threads' chunk boundaries. So
+every kernel here is handed exactly the unpaged model's layout (measured, see README "What is
+exact"):
+
+- ``grouped_mm``: the reference's own ``torch.sort`` of the flat expert ids gives its row
+  order; a wave's rows are regrouped stably by slot (groups in slot order, rows inside a group
+  in the reference's order; a group's position in the buffer does not change its bits), padded
+  to the reference's S rows (rows past the last offset are not computed), and run through
+  transformers' ``_grouped_linear``. ``batched_mm``: entries in the reference's token-major
+  order through ``_batched_linear`` (a one-entry wave is padded to two: a batch of one takes
+  another CPU kernel). Both apply the module's own ``_apply_gate`` / ``act_fn`` (and post-expert
+  norm) to a buffer of the reference's full [S, ...] shape with each wave row at its reference
+  position, so every element takes the same vector or scalar path as in the unpaged run.
+- ``eager``: the class's own per-expert loop over the entries (each as a token with top_k 1, in
+  the k-major order its one_hot mask visits them): an expert's rows are the same rows in the
+  same order as unpaged, since all of one expert's entries are in one wave.
+
+The routing weights are applied afterwards with the same elementwise product as the reference
+(``proj_out * weight``, in the promoted dtype), and the k entries of a token are summed in the
+implementation's order: one ``sum(dim=1)`` (grouped_mm, batched_mm) or one by one in ascending
+expert id (eager's ``index_add_`` loop). Source: transformers.integrations.moe
+(``grouped_mm_experts_forward``, ``batched_mm_experts_forward``), 5.17 to 5.24, read line by line.
+
+Syncs: none. A wave's rows are found on the host from the step's read-back ids [T, k] (for
+grouped_mm: expert e's rows sit at [start_e, start_e + count_e) of the reference's sorted order,
+whatever the sort did inside) and uploaded; nothing is read back from the device.
+
+Legend: T tokens, H hidden, I expert intermediate, k top_k, E experts, K slots, S = T * k
+entries, S_w entries of one wave.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pagedexperts.transfer import upload
+
+# Inner implementations and how their k entries of a token are summed.
+SUM_COMBINE = ("grouped_mm", "batched_mm")
+SEQUENTIAL_COMBINE = ("eager",)
+INNER_IMPLEMENTATIONS = SUM_COMBINE + SEQUENTIAL_COMBINE
+
+
+def activate(view, proj: torch.Tensor) -> torch.Tensor:
+    """The module's gating (``_apply_gate``: e.g. SiLU(gate) * up) or plain activation:
+    [N, 2I] or [N, I] -> [N, I], as transformers' experts functions apply it."""
+    return view._apply_gate(proj) if view.has_gate else view.act_fn(proj)
+
+
+def post_expert_norm(view, proj: torch.Tensor) -> torch.Tensor:
+    """The module's optional post-expert norm (transformers >= 5.24 ``has_post_expert_norm``)."""
+    return view.post_expert_norm(proj) if getattr(view, "has_post_expert_norm", False) else proj
+
+
+def in_reference_layout(fn: Callable, rows: torch.Tensor, positions: torch.Tensor | None, num_rows: int):
+    """``fn`` applied to ``rows`` [S_w, D] as if each sat at ``positions`` [S_w] of a [num_rows, D]
+    buffer (the unpaged buffer's shape); the other rows are zeros, computed and dropped.
+    ``positions`` None: ``rows`` already is that buffer."""
+    if positions is None:
+        return fn(rows)
+    full = rows.new_zeros((num_rows, rows.shape[1]))
+    full[positions] = rows
+    return fn(full)[positions]
+
+
+def up_and_down_weights(view) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """(up or gate_up weights [K, ...], their bias [K, ...] or None, down weights, down bias)."""
+    up = view.gate_up_proj if view.has_gate else view.up_proj
+    up_bias = (view.gate_up_proj_bias if view.has_gate else view.up_proj_bias) if view.has_bias else None
+    down_bias = view.down_proj_bias if view.has_bias else None
+    return up, up_bias, view.down_proj, down_bias
+
+
+class StepEntries:
+    """One step's entries: hidden [T, H], top_k_index [T, k] (expert ids, on the device) and the
+    same ids read back, ``ids_host`` [T, k] (numpy int64). ``run_wave`` fills the unweighted
+    outputs of one wave's entries; ``combine`` weights and sums them -> [T, H]."""
+
+    def __init__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor, ids_host: np.ndarray) -> None:
+        self.module = module
+        self.hidden = hidden
+        self.top_k_index = top_k_index
+        self.ids_host = ids_host
+        self.num_tokens, self.top_k = top_k_index.shape
+        self.num_entries = self.num_tokens * self.top_k
+        self.entry_out: torch.Tensor | None = None  # [S, H] unweighted, flat entry s = t * k + j
+
+    def _store(self, entries: torch.Tensor | None, out: torch.Tensor) -> None:
+        """Write ``out`` [S_w, H] at flat entry indices ``entries`` (None: all, in order)."""
+        if entries is None:
+            self.entry_out = out
+            return
+        if self.entry_out is None:
+            self.entry_out = out.new_empty((self.num_entries, out.shape[1]))
+        self.entry_out[entries] = out
+
+    def _rows_of(self, wave, entry_ids_host: np.ndarray) -> tuple[torch.Tensor, int]:
+        """Rows [S_w] (on the device) of the entries routed into ``wave``, in entry order."""
+        rows = np.flatnonzero(np.isin(entry_ids_host, wave.experts))
+        return upload(rows, self.hidden.device), len(rows)
+
+    def run_wave(self, view, slot_map: torch.Tensor, wave, *, only_wave: bool) -> None:
+        """Compute the entries of ``wave`` (its experts and slots); ``slot_map`` [E] maps expert
+        ids to slots on the device; ``only_wave``: the step's one wave (every entry)."""
+        raise NotImplementedError
+
+    def combine(self, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """[T, H] in hidden's dtype: (entries x weights).sum over k, as ``grouped_mm`` and
+        ``batched_mm`` end (``weighted_out.view(T, k, H).sum(dim=1)``)."""
+        entries = self.entry_out.view(self.num_tokens, self.top_k, -1)
+        return (entries * top_k_weights.unsqueeze(-1)).sum(dim=1).to(self.hidden.dtype)
+
+
+class GroupedStep(StepEntries):
+    """``grouped_mm`` in the reference's row order (module docstring)."""
+
+    def __init__(self, module, hidden, top_k_index, ids_host) -> None:
+        super().__init__(module, hidden, top_k_index, ids_host)
+        # the reference's own call: the same (unstable, deterministic) sort of the same ids
+        self.perm = torch.sort(top_k_index.reshape(-1))[1]
+        flat = ids_host.reshape(-1)
+        self.counts = np.bincount(flat, minlength=int(flat.max()) + 1 if flat.size else 0)
+        self.starts = np.cumsum(self.counts) - self.counts  # expert e's rows in sorted order
+
+    def _layout(self, wave, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(reference positions [S_w] grouped by slot, group offsets [K], slot per row [S_w])."""
+        experts, slots = np.asarray(wave.experts), np.asarray(wave.slots)
+        by_slot = np.argsort(slots, kind="stable")
+        experts, slots = experts[by_slot], slots[by_slot]
+        lengths = self.counts[experts]
+        group_start = np.cumsum(lengths) - lengths
+        pos = np.arange(int(lengths.sum())) + np.repeat(self.starts[experts] - group_start, lengths)
+        per_slot = np.zeros(num_slots, dtype=np.int64)
+        per_slot[slots] = lengths
+        return pos, np.cumsum(per_slot), np.repeat(slots, lengths)
+
+    def run_wave(self, view, slot_map: torch.Tensor, wave, *, only_wave: bool) -> None:
+        from transformers.integrations.moe import _grouped_linear
+
+        dev = self.hidden.device
+        pos_host, offsets_host, slots_host = self._layout(wave, view.num_experts)
+        pos_w, n = upload(pos_host, dev), len(pos_host)
+        offsets = upload(offsets_host, dev).to(torch.int32)
+        up_w, up_b, down_w, down_b = up_and_down_weights(view)
+        slots_w = upload(slots_host, dev) if view.has_bias else None
+        x = self._padded(self.hidden[self.perm[pos_w] // self.top_k])
+        up = _grouped_linear(x, up_w, offsets, is_transposed=view.is_transposed)[:n]
+        if up_b is not None:
+            up.add_(up_b[slots_w])
+        act = in_reference_layout(lambda p: activate(view, p), up, pos_w, self.num_entries)
+        down = _grouped_linear(self._padded(act), down_w, offsets, is_transposed=view.is_transposed)[:n]
+        if down_b is not None:
+            down.add_(down_b[slots_w])
+        down = in_reference_layout(lambda p: post_expert_norm(view, p), down, pos_w, self.num_entries)
+        self._store(self.perm[pos_w], down)
+
+    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [S_w, D] in a [S, D] buffer: the kernel sees the reference's row count
+        (CUDA picks its tile config from it); rows past the last offset are not computed."""
+        if rows.shape[0] == self.num_entries:
+            return rows
+        out = rows.new_empty((self.num_entries, rows.shape[1]))
+        out[: rows.shape[0]] = rows
+        return out
+
+
+class BatchedStep(StepEntries):
+    """``batched_mm`` in the reference's token-major entry order (module docstring)."""
+
+    def run_wave(self, view, slot_map: torch.Tensor, wave, *, only_wave: bool) -> None:
+        from transformers.integrations.moe import _batched_linear
+
+        ids = slot_map[self.top_k_index.reshape(-1)]  # [S] slot per entry, -1: other wave
+        if only_wave:
+            entries, run, n = None, ids, self.num_entries
+            x = self.hidden.repeat_interleave(self.top_k, dim=0)
+        else:
+            entries, n = self._rows_of(wave, self.ids_host.reshape(-1))
+            # torch.bmm of a batch of one takes another CPU kernel: pad with a copy, drop it after
+            run_rows = entries.repeat(2) if n == 1 and self.num_entries > 1 else entries
+            run = ids[run_rows]
+            x = self.hidden[run_rows // self.top_k]
+        up_w, up_b, down_w, down_b = up_and_down_weights(view)
+        bias = up_b[run] if up_b is not None else None
+        up = _batched_linear(x, up_w[run], bias=bias, is_transposed=view.is_transposed)[:n]
+        act = in_reference_layout(lambda p: activate(view, p), up, entries, self.num_entries)
+        if run.shape[0] != n:
+            act = act.repeat(2, 1)
+        bias = down_b[run] if down_b is not None else None
+        down = _batched_linear(act, down_w[run], bias=bias, is_transposed=view.is_transposed)[:n]
+        down = in_reference_layout(lambda p: post_expert_norm(view, p), down, entries, self.num_entries)
+        self._store(entries, down)
+
+
+class EagerStep(StepEntries):
+    """``eager``: the class's own loop over the entries, k-major (module docstring)."""
+
+    def __init__(self, module, hidden, top_k_index, ids_host) -> None:
+        super().__init__(module, hidden, top_k_index, ids_host)
+        self.loop = type(module).forward.__wrapped__
+        self.entry_hidden = hidden.repeat(self.top_k, 1)  # [k * T, H], entry j * T + t
+        self.entry_ids = top_k_index.t().reshape(-1, 1)
+        self.unit = torch.ones_like(self.entry_ids, dtype=hidden.dtype)  # weights applied in combine
+
+    def run_wave(self, view, slot_map: torch.Tensor, wave, *, only_wave: bool) -> None:
+        slots = slot_map[self.entry_ids]
+        if only_wave:
+            self._store(None, self.loop(view, self.entry_hidden, slots, self.unit))
+            return
+        rows, _ = self._rows_of(wave, self.ids_host.T.reshape(-1))
+        self._store(rows, self.loop(view, self.entry_hidden[rows], slots[rows], self.unit[rows]))
+
+    def combine(self, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """[T, H]: each entry weighted, then added to zeros one by one in ascending expert id
+        per token, in hidden's dtype (eager's ``index_add_`` loop over experts)."""
+        dtype = self.hidden.dtype
+        entries = self.entry_out.view(self.top_k, self.num_tokens, -1).transpose(0, 1)
+        weighted = entries * top_k_weights.unsqueeze(-1)
+        order = torch.argsort(self.top_k_index, dim=1, stable=True)  # ascending expert id per token
+        ordered = torch.gather(weighted, 1, order.unsqueeze(-1).expand_as(weighted))
+        out = torch.zeros(weighted.shape[0], weighted.shape[2], dtype=dtype, device=weighted.device)
+        for j in range(self.top_k):
+            out = out + ordered[:, j].to(dtype)
+        return out
+
+
+STEPS: dict[str, type[StepEntries]] = {"grouped_mm": GroupedStep, "batched_mm": BatchedStep, "eager": EagerStep}
+
+
+def step_entries(inner: str, module, hidden: torch.Tensor, top_k_index: torch.Tensor, ids_host: np.ndarray) -> StepEntries:
+    """The step object for experts implementation ``inner`` (INNER_IMPLEMENTATIONS); ``ids_host``
+    is ``top_k_index`` read back to the host (numpy [T, k]).
+
+    Raises:
+        ValueError: ``inner`` not supported under paging (lists the choices).
+    """
+    if inner not in STEPS:
+        raise ValueError(
+            f"experts implementation {inner!r} is not supported under paging; choose one of "
+            f"{list(INNER_IMPLEMENTATIONS)} (--experts-implementation)"
+        )
+    return STEPS[inner](module, hidden, top_k_index, ids_host)
