@@ -119,8 +119,8 @@ def _tier_metrics(runtime):
     layers whose store is a disk tier (``--host-memory-gb``); nothing otherwise."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    tiers = sorted((i, p.store.tier_stats.as_dict()) for i, p in runtime.pagers.items()
-                   if hasattr(p.store, "tier_stats"))
+    found = ((i, getattr(getattr(p, "store", None), "tier_stats", None)) for i, p in runtime.pagers.items())
+    tiers = sorted((i, t.as_dict()) for i, t in found if t is not None)
     if not tiers:
         return
     for name in tiers[0][1]:
