@@ -157,6 +157,9 @@ def stream_checkpoint(model, sites, stores, device, *, model_type, files, fmt: E
     """Copy every checkpoint tensor to its place: expert rows into stores, the rest to device.
 
     ``fmt``: the checkpoint's expert format (None: dense); the stores hold its packed tensors.
+    Disk-tier stores (anything with ``attach_source``, ``storage.host_tier``) get the byte
+    ranges of their experts' packed tensors instead of the bytes (``storage.reader.
+    CheckpointIndex``); the non-expert tensors stream as for a full store.
 
     Raises:
         ValueError: unreadable shard, a shape that does not match the config, expert rows or
@@ -170,6 +173,7 @@ def stream_checkpoint(model, sites, stores, device, *, model_type, files, fmt: E
     from safetensors import safe_open
 
     keymap = KeyMap(model_type, sites, fmt)
+    tiered = _attach_disk_sources(files, keymap, sites, stores)
     handles = []
     for file in files:
         try:
@@ -186,7 +190,8 @@ def stream_checkpoint(model, sites, stores, device, *, model_type, files, fmt: E
                 key = keymap.rename(raw_key)
                 target = keymap.expert_target(key)
                 if target is not None:
-                    _load_expert_tensor(f, raw_key, target, stores, seen_rows)
+                    if target[0].name not in tiered:  # a disk-tier store reads its rows on demand
+                        _load_expert_tensor(f, raw_key, target, stores, seen_rows)
                     continue
                 value = f.get_tensor(raw_key)
                 if quantized.takes(key):
@@ -199,6 +204,8 @@ def stream_checkpoint(model, sites, stores, device, *, model_type, files, fmt: E
     if unexpected:
         logger.warning("checkpoint keys not used by the model: %d (first: %s)", len(unexpected), unexpected[:3])
     for name, site in sites.items():
+        if name in tiered:  # checked by CheckpointIndex
+            continue
         lacking = [
             (spec.name, e)
             for spec in stores[name].specs
@@ -215,6 +222,25 @@ def stream_checkpoint(model, sites, stores, device, *, model_type, files, fmt: E
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} model tensors, e.g. {missing[:4]}")
+
+
+def _attach_disk_sources(files, keymap: KeyMap, sites, stores) -> set[str]:
+    """Give every disk-tier store the byte ranges of its experts' packed tensors; returns the
+    names of those sites (empty without a disk tier).
+
+    Raises:
+        ValueError: see ``storage.reader.CheckpointIndex`` (a packed tensor whose per-expert
+            shape does not match the format's spec, e.g. a stacked layout with E not leading).
+    """
+    tiered = {name for name, store in stores.items() if hasattr(store, "attach_source")}
+    if not tiered:
+        return tiered
+    from pagedexperts.storage.reader import CheckpointIndex
+
+    index = CheckpointIndex(files, keymap, sites, specs={name: stores[name].specs for name in sites})
+    for name in tiered:
+        stores[name].attach_source(index.experts[name])
+    return tiered
 
 
 class PlainDequantizer:

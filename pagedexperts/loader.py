@@ -306,11 +306,6 @@ def build_paged_model(
     packed_specs = list(layouts[sites[0].name].packed_specs)
     memory = _plan_memory(model, config, sites, dev, torch_dtype, packed_specs, k_slots=k_slots, mode=mode,
                           top_k=top_k, host_memory_gb=host_memory_gb)
-    if memory.disk_tier and fmt.name != "dense":
-        raise ValueError(
-            f"the disk tier reads dense checkpoints only for now; this one is {fmt.name!r} and needs "
-            f"{memory.num_experts * memory.num_layers * memory.expert_bytes:,} bytes for all experts: raise --host-memory-gb"
-        )
     runtime = PagingRuntime(
         config=PagingConfig(
             k_slots, str(dev), dtype, experts_implementation, policy, mode, cpu_expert_layers,

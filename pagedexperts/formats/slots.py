@@ -82,7 +82,8 @@ class WaveDequantizer:
 class DenseSlots(dict):
     """Dense slot tensors {dense name: [K, ...]} of a quantized layer, filled at page-in.
 
-    ``HostExpertStore.copy_to_slot`` hands a page-in to ``write_expert`` when given this table.
+    ``HostExpertStore.copy_to_slot`` hands a page-in to ``write_expert`` when given this table,
+    ``TieredExpertStore.copy_to_slot`` to ``write_rows``.
     ``staging``: {packed name: [1, ...]} on the device, shared by the layers of one model.
     """
 
@@ -93,9 +94,16 @@ class DenseSlots(dict):
 
     def write_expert(self, store, expert: int, slot: int) -> None:
         """Copy ``expert``'s packed rows to the staging buffer, dequantize into row ``slot``."""
+        self.write_rows({s.name: store.tensors[s.name][expert] for s in self.layout.packed_specs}, slot,
+                        pinned=store.pinned)
+
+    def write_rows(self, rows: dict[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
+        """Copy one expert's packed rows {packed name: [*spec.shape]} (host memory, page-locked
+        when ``pinned``) to the staging buffer, dequantize into row ``slot``. The disk tier's
+        host rows come this way (``storage.host_tier``)."""
         for spec in self.layout.packed_specs:
             dst = self.staging[spec.name]
-            dst[0].copy_(store.tensors[spec.name][expert], non_blocking=store.pinned and dst.is_cuda)
+            dst[0].copy_(rows[spec.name], non_blocking=pinned and dst.is_cuda)
         dense = self.layout.dequantize(self.staging)
         for name, rows in dense.items():
             self[name][slot].copy_(rows[0])

@@ -110,15 +110,21 @@ class TieredExpertStore:
 
     def copy_to_slot(self, expert: int, slot: int, slots: dict[str, torch.Tensor]) -> None:
         """Copy ``expert`` into row ``slot`` of the [K, ...] ``slots``, via its host row (read
-        from disk first on a host miss). Non-blocking from pinned rows to CUDA slots.
+        from disk first on a host miss). Non-blocking from pinned rows to CUDA slots. Rows hold
+        packed tensors (a quantized format's, as on disk); dense slots
+        (``formats.slots.DenseSlots``) dequantize them at this copy.
 
         Raises:
             DiskReadError: the checkpoint file could not be read (now or at an earlier page-in).
         """
         row = self._host_row(expert)
-        for name, host in self.rows.items():
-            dst = slots[name][slot]
-            dst.copy_(host[row], non_blocking=self.pinned and dst.is_cuda)
+        write_rows = getattr(slots, "write_rows", None)  # dense slots of a quantized layer
+        if write_rows is not None:
+            write_rows({name: host[row] for name, host in self.rows.items()}, slot, pinned=self.pinned)
+        else:
+            for name, host in self.rows.items():
+                dst = slots[name][slot]
+                dst.copy_(host[row], non_blocking=self.pinned and dst.is_cuda)
         if self.pinned and next(iter(slots.values())).is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream())

@@ -33,9 +33,12 @@ DEFAULT_READ_THREADS = 4
 class CheckpointIndex:
     """Where every tensor of a checkpoint lives, from the shards' headers (reads no weights).
 
+    ``specs``: site name -> the store's per-expert tensors (a quantized format's packed specs,
+    ``ExpertLayout.packed_specs``); None: each site's own (dense) specs.
+
     Attributes:
         experts: site name -> store tensor name -> [E] lists of ``Extent`` (an expert row can
-            come from several checkpoint tensors, e.g. gate and up).
+            come from several checkpoint tensors, e.g. gate and up, or a weight and its scales).
         plain: (model key, checkpoint key, TensorEntry) of every non-expert tensor.
         expert_bytes_on_disk: bytes of all expert extents (what a full fill reads).
 
@@ -44,9 +47,10 @@ class CheckpointIndex:
             do not match the config, or expert rows the checkpoint lacks (names a few).
     """
 
-    def __init__(self, files: list[Path], keymap, sites: dict) -> None:
+    def __init__(self, files: list[Path], keymap, sites: dict, specs: dict | None = None) -> None:
+        specs = specs if specs is not None else {name: site.specs for name, site in sites.items()}
         self.experts: dict[str, dict[str, list[list[Extent]]]] = {
-            name: {spec.name: [[] for _ in range(site.num_experts)] for spec in site.specs}
+            name: {spec.name: [[] for _ in range(site.num_experts)] for spec in specs[name]}
             for name, site in sites.items()
         }
         sources: dict[tuple[str, str, int], set[int]] = {}
@@ -60,7 +64,7 @@ class CheckpointIndex:
                     self.plain.append((key, raw_key, entry))
                     continue
                 site, tname, expert, src_index, n_src = target
-                spec = next((s for s in site.specs if s.name == tname), None)
+                spec = next((s for s in specs[site.name] if s.name == tname), None)
                 if spec is None:
                     raise ValueError(f"checkpoint tensor {raw_key!r} maps to unknown expert tensor {tname!r} of {site.name}")
                 n_sources[(site.name, tname)] = n_src

@@ -44,8 +44,15 @@ class TensorEntry(NamedTuple):
 
 
 class Extent(NamedTuple):
-    """Bytes ``[offset, offset + nbytes)`` of ``path`` (dtype ``src_dtype``) fill elements
-    ``[dst_elem, dst_elem + numel)`` of one expert's flattened row of one store tensor."""
+    """Bytes ``[offset, offset + nbytes)`` of ``path`` (dtype ``src_dtype``, ``numel``
+    elements) fill part of one expert's flattened row of one store tensor.
+
+    ``outer`` 1: elements ``[dst_elem, dst_elem + numel)`` of the row, one contiguous run.
+    ``outer`` > 1 (a source concatenated along a per-expert dim d > 0, e.g. GPTQ's gate and up
+    ``qweight`` [H/8, I] side by side in [H/8, 2I]): the row viewed as [outer, row numel /
+    outer] (outer = the product of the dims before d), the extent fills columns
+    ``[dst_elem, dst_elem + numel / outer)`` of every one of those rows, in order.
+    """
 
     path: Path
     offset: int
@@ -53,6 +60,7 @@ class Extent(NamedTuple):
     src_dtype: torch.dtype
     dst_elem: int
     numel: int
+    outer: int = 1
 
 
 class DiskReadError(OSError):
@@ -116,19 +124,24 @@ def pread_into(fd: int, buf, offset: int, *, path: Path) -> None:
 def read_extent(fd: int, extent: Extent, dst_row: torch.Tensor, staging: torch.Tensor | None) -> None:
     """Read ``extent`` into the flat row ``dst_row`` (1-D, contiguous, CPU).
 
-    Same dtype: one read straight into the row's memory. Otherwise the bytes go through
-    ``staging`` (uint8, >= extent.nbytes) and are converted by ``copy_`` (e.g. a bf16
-    checkpoint loaded as float32).
+    A contiguous run of the same dtype: one read straight into the row's memory. Otherwise
+    (another dtype, e.g. a bf16 checkpoint loaded as float32, or ``outer`` > 1) the bytes go
+    through ``staging`` (uint8, >= extent.nbytes; allocated when None or smaller) and are
+    placed by one ``copy_``: still one read per extent.
     """
-    dst = dst_row[extent.dst_elem : extent.dst_elem + extent.numel]
-    if extent.src_dtype == dst.dtype:
-        pread_into(fd, bytes_view(dst), extent.offset, path=extent.path)
-        return
+    if extent.outer == 1:
+        dst = dst_row[extent.dst_elem : extent.dst_elem + extent.numel]
+        if extent.src_dtype == dst.dtype:
+            pread_into(fd, bytes_view(dst), extent.offset, path=extent.path)
+            return
+    else:
+        cols = extent.numel // extent.outer
+        dst = dst_row.view(extent.outer, -1)[:, extent.dst_elem : extent.dst_elem + cols]
     if staging is None or staging.numel() < extent.nbytes:
         staging = torch.empty(extent.nbytes, dtype=torch.uint8)
     buf = staging[: extent.nbytes]
     pread_into(fd, bytes_view(buf), extent.offset, path=extent.path)
-    dst.copy_(buf.view(extent.src_dtype))
+    dst.copy_(buf.view(extent.src_dtype).view(dst.shape))
 
 
 def _numel(shape) -> int:
@@ -143,8 +156,9 @@ def expert_extents(entry: TensorEntry, *, spec, expert: int | None, num_experts:
     """(expert, Extent) pairs of one checkpoint tensor mapped to store tensor ``spec``.
 
     ``expert`` None: a stacked [E, *row] tensor (one extent per expert). Otherwise one expert's
-    tensor, source ``src_index`` of ``n_src`` concatenated along the row's first dimension
-    (transformers' MergeModulelist + Concatenate(dim=1) converters, e.g. gate and up).
+    tensor, source ``src_index`` of ``n_src`` concatenated along ``spec.concat_dim``
+    (transformers' MergeModulelist + Concatenate(dim=1) converters, e.g. gate and up: dim 0
+    of a dense or block-FP8 row, dim 1 of GPTQ's and AWQ's packed rows).
 
     Raises:
         ValueError: shapes that do not match the config (names the key and both shapes).
@@ -159,12 +173,14 @@ def expert_extents(entry: TensorEntry, *, spec, expert: int | None, num_experts:
         row_bytes = entry.nbytes // num_experts
         return [(e, Extent(entry.path, entry.start + e * row_bytes, row_bytes, entry.dtype, 0, row_numel))
                 for e in range(num_experts)]
-    want = (spec.shape[0] // n_src, *spec.shape[1:])
-    if tuple(entry.shape) != tuple(want):
+    dim = spec.concat_dim if n_src > 1 else 0
+    want = tuple(size // n_src if d == dim else size for d, size in enumerate(spec.shape))
+    if tuple(entry.shape) != want or spec.shape[dim] % n_src:
         raise ValueError(
             f"expert tensor {spec.name!r} of expert {expert}: checkpoint shape {entry.shape} ({key!r}) does not match "
-            f"the config's {tuple(want)}" + (f" from each of its {n_src} sources" if n_src > 1 else "")
+            f"the config's {want}" + (f" from each of its {n_src} sources along dim {dim}" if n_src > 1 else "")
             + " (config moe_intermediate_size?)"
         )
-    numel = _numel(want)
-    return [(expert, Extent(entry.path, entry.start, entry.nbytes, entry.dtype, src_index * numel, numel))]
+    numel, outer = _numel(want), _numel(spec.shape[:dim])
+    cols = numel // outer
+    return [(expert, Extent(entry.path, entry.start, entry.nbytes, entry.dtype, src_index * cols, numel, outer))]
