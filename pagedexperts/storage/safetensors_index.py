@@ -166,7 +166,8 @@ def expert_extents(entry: TensorEntry, *, spec, expert: int | None, num_experts:
     row_numel = _numel(spec.shape)
     if expert is None:
         if entry.shape[:1] != (num_experts,):
-            raise ValueError(f"expert tensor {key!r} has {entry.shape[0]} experts, config says E={num_experts}")
+            raise ValueError(f"expert tensor {key!r} has {entry.shape[0]} experts along its leading dim, config says "
+                             f"E={num_experts}: a stacked expert tensor is [E, ...] (one expert's bytes contiguous)")
         if tuple(entry.shape[1:]) != tuple(spec.shape):
             raise ValueError(f"expert tensor {spec.name!r} ({key!r}): checkpoint shape {entry.shape[1:]} per expert "
                              f"does not match the config's {tuple(spec.shape)}")
