@@ -196,3 +196,13 @@ def test_check_and_generate_on_the_bundled_variant_with_the_tier(fmt, tmp_path):
         "w4a16": 3 * h * i // 2 + 4 * (2 * i * (h // 64) + h * (i // 64)) + 8 * 2 * 3,  # float32 scales
     }[fmt]
     assert paging["disk_bytes_read"] == paging["disk_reads"] * packed
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "w4a16-asym"])
+def test_tier_with_read_ahead_equals_the_full_store(quantized, name):
+    full, tiered = load_pair(quantized(name), prefetch=True)
+    ids = torch.randint(2, VOCAB, (3, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    assert torch.equal(greedy_logits(tiered, ids, mask), greedy_logits(full, ids, mask))
+    d = tiered.pagedexperts.stats().as_dict()
+    assert d["read_ahead_used"] > 0 and d["disk_bytes_read"] == d["disk_reads"] * tiered.pagedexperts.expert_bytes

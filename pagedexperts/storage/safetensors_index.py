@@ -5,8 +5,9 @@ an 8-byte little-endian header length N, N bytes of JSON mapping each key to ``d
 ``shape`` and ``data_offsets`` [begin, end) relative to the byte after the header), the map from
 checkpoint keys to per-expert rows of the host store (``Extent``: which bytes of which file fill
 which elements of one expert's row), and ``read_extent``: one ``os.preadv`` per extent straight
-into tensor memory (no memory map, no intermediate copy when the dtypes agree). Generic over the
-store's ``TensorSpec``s: an extent is a byte range, whatever the dtype or packing.
+into tensor memory (no memory map; no intermediate copy when the dtypes agree and the
+destination is contiguous). Generic over the store's ``TensorSpec``s: an extent is a byte
+range, whatever the dtype or packing.
 Does not: decide what to read (``host_tier``, ``reader``).
 """
 
