@@ -115,3 +115,12 @@ def test_levels_are_gauges_sums_are_counters(name, gauge):
     from pagedexperts.serving.metrics import GAUGE_NAME
 
     assert bool(GAUGE_NAME.search(name)) == gauge
+
+
+def test_chat_bound_is_on_all_messages_together():
+    """Each message under the byte bound, all of them over it: refused before the template."""
+    limit = CONTEXT * protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    messages = [{"role": "user", "content": "y" * (limit // 4)}] * 5
+    with pytest.raises(ApiError, match="bytes, more than any prompt") as e:
+        _prepare(ChatCompletionRequest(model="m", messages=messages))
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"

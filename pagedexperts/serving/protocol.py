@@ -314,7 +314,7 @@ def prompt_inputs(body, tokenizer, context_length: int, vocab_size: int) -> tupl
     """
     if isinstance(body, ChatCompletionRequest):
         messages = chat_messages(body.messages)
-        _check_bytes([m["content"] for m in messages], "messages", context_length)
+        _check_bytes(["".join(m["content"] for m in messages)], "messages", context_length)  # all together
         texts, param = [chat_prompt(tokenizer, messages)], "messages"
         ids = [tokenizer(t)["input_ids"] for t in texts]
     else:
