@@ -217,3 +217,46 @@ def _open_stream_noauth(url, prompt, lines):
     t = threading.Thread(target=run)
     t.start()
     return t
+
+
+@pytest.mark.slow
+def test_second_signal_ends_streams_at_once_with_final_events(tmp_path):
+    """A second SIGTERM during the drain (--shutdown-timeout 60) does not wait out the
+    timeout, nor cut the streams bare: each gets its final event and [DONE] within seconds."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    cmd = [sys.executable, "-m", "pagedexperts.cli", "serve", "--port", str(port), "--served-model-name", NAME,
+           "--max-running-requests", "1", "--shutdown-timeout", "60", "--model-path", str(MODEL_PATH),
+           "--num-resident", "8"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: _up(url), timeout_s=120)
+        streams = [[], []]
+        threads = [_open_stream_noauth(url, PROMPTS[i], streams[i]) for i in range(2)]
+        _wait(lambda: max(map(len, streams)) > 2 and httpx.get(url + "/health").json()["waiting"] == 1, 30)
+        proc.send_signal(signal.SIGTERM)
+        _wait(lambda: httpx.get(url + "/health").status_code == 503)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        for t in threads:
+            t.join(30)
+        proc.wait(60)
+        exit_s = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]", (lines[-3:], log[-2000:])
+        assert json.loads(lines[-2][6:]).get("error", {}).get("code") == "server_shutting_down", lines[-2]
+    assert exit_s < 3.0, f"exit took {exit_s:.1f}s after the second SIGTERM"

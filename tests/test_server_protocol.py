@@ -115,3 +115,25 @@ def test_levels_are_gauges_sums_are_counters(name, gauge):
     from pagedexperts.serving.metrics import GAUGE_NAME
 
     assert bool(GAUGE_NAME.search(name)) == gauge
+
+
+def test_chat_bound_is_on_all_messages_together():
+    """Each message under the byte bound, all of them over it: refused before the template."""
+    limit = CONTEXT * protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    messages = [{"role": "user", "content": "y" * (limit // 4)}] * 5
+    with pytest.raises(ApiError, match="bytes, more than any prompt") as e:
+        _prepare(ChatCompletionRequest(model="m", messages=messages))
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+
+
+def test_stream_options_without_stream_is_refused():
+    """As OpenAI and vLLM do: stream_options only with stream: true, never ignored."""
+    with pytest.raises(ApiError, match="stream_options") as e:
+        _prepare(CompletionRequest(model="m", prompt="x", stream_options={"include_usage": True}))
+    assert e.value.param == "stream_options"
+
+
+def test_chat_message_name_reaches_the_template():
+    messages = [protocol.ChatMessage(role="user", content="hi", name="bob"), protocol.ChatMessage(role="user", content="x")]
+    assert protocol.chat_messages(messages) == [{"role": "user", "content": "hi", "name": "bob"},
+                                                {"role": "user", "content": "x"}]

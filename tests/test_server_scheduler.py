@@ -16,7 +16,7 @@ from serving_fixtures import (CONTEXT, HAVE_MODEL, MAX_TOKENS, MODEL_PATH, PROMP
                               ref, run_schedule, schedule, torch)
 from pagedexperts.serving.sampling import SamplingParams
 from pagedexperts.serving.batching import decode_mask, prefill_batches, prefill_inputs
-from pagedexperts.serving.scheduler import BatchScheduler, QueueFull, SchedulerConfig
+from pagedexperts.serving.scheduler import BatchScheduler, QueueFull, SchedulerConfig, SchedulerStopped
 
 LOGIT_ATOL = 1e-3
 
@@ -149,3 +149,13 @@ def test_stop_ends_unfinished_with_a_final_event(ref):
     assert [e.finish_reason for e in finals] == ["abort", "abort"]
     assert all(e.error == "test shutdown" for e in finals)
     assert sched.stats.aborted == 2
+
+
+def test_submit_after_stop_is_refused(ref):
+    """Nothing steps a request queued after stop: it is refused, never left waiting forever."""
+    model, tokenizer = ref
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, CONTEXT))
+    sched.stop()
+    with pytest.raises(SchedulerStopped, match="shutting down"):
+        sched.submit(tokenizer("x")["input_ids"], SamplingParams(max_new_tokens=1), lambda e: None)
+    assert sched.num_waiting == 0

@@ -5,7 +5,8 @@ Owns: the route table (POST /v1/completions, /v1/chat/completions; GET /v1/model
 405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
 routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
 signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn; a second one
-stops at once. Does not: handle a request itself (``handlers``).
+ends every running and queued request at once (each stream still gets its final event and
+``[DONE]``) and stops uvicorn. Does not: handle a request itself (``handlers``).
 
 Chat prompts use the tokenizer's chat template; a tokenizer without one gets the plain
 template ``protocol.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
@@ -148,16 +149,28 @@ def draining_server_class():
 
         def __init__(self, config, serving: OpenAIServing) -> None:
             super().__init__(config)
-            self.serving, self._draining = serving, False
+            self.serving, self._draining, self._exit_lock = serving, False, threading.Lock()
 
         def handle_exit(self, sig, frame) -> None:
-            if self._draining:  # a second signal: stop now
-                return super().handle_exit(sig, frame)
+            if self._draining:  # a second signal: end every request now, each with its final event
+                threading.Thread(target=self._stop_now, args=(sig, frame), name="pagedexperts-stop", daemon=True).start()
+                return
             self._draining = True
             threading.Thread(target=self._drain, args=(sig, frame), name="pagedexperts-drain", daemon=True).start()
 
         def _drain(self, sig, frame) -> None:
             self.serving.begin_shutdown()
-            super().handle_exit(sig, frame)
+            self._exit_once(sig, frame)
+
+        def _stop_now(self, sig, frame) -> None:
+            self.serving.scheduler.stop(reason="the server is shutting down (a second exit signal)")
+            self._exit_once(sig, frame)
+
+        def _exit_once(self, sig, frame) -> None:
+            """uvicorn's graceful exit, once: a repeated SIGINT would make it a forced one,
+            before the final events are sent."""
+            with self._exit_lock:
+                if not self.should_exit:
+                    super().handle_exit(sig, frame)
 
     return DrainingServer

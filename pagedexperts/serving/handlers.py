@@ -19,6 +19,7 @@ models (``loader``).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -28,18 +29,20 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pagedexperts.serving import protocol, responses
 from pagedexperts.serving.metrics import Metrics
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from pagedexperts.serving.scheduler import (DEFAULT_MAX_PREFILL_TOKENS, BatchScheduler, QueueFull,
-                                            SchedulerConfig)
+                                            SchedulerConfig, SchedulerStopped)
 
 logger = logging.getLogger("pagedexperts.server")
 
 RETRY_AFTER_S = 1  # Retry-After of 429 (queue full) and 503 (shutting down)
 DRAIN_POLL_S = 0.05
 MAX_DRAINED_BODY_BYTES = 64 * 2**20  # an oversized body is read and dropped up to this, then the connection closes
+_GONE = object()  # Admission._read_bounded: the client disconnected mid-body
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,26 @@ def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
+def shutting_down() -> ApiError:
+    """The 503 + Retry-After of a request that arrives, or finishes its admission, while the server drains."""
+    return ApiError("the server is shutting down; retry on another replica or later", status=503,
+                    code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def client_disconnected() -> ApiError:
+    """What a client that left before its request body arrived is counted as (nobody reads it)."""
+    return ApiError("the client closed the connection before its request body arrived", status=499,
+                    code="client_disconnected")
+
+
+def bearer_matches(header: bytes, api_key: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <api_key>``: the scheme is
+    case-insensitive (RFC 7235, section 2.1), the key compared in constant time."""
+    scheme, _, token = header.decode("latin-1").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"),
+                                                              api_key.encode("utf-8"))
+
+
 class Admission:
     """ASGI middleware run before routing: the API key on /v1/*, then the body-size limit.
 
@@ -95,7 +118,7 @@ class Admission:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key and scope["path"].startswith("/v1/") and \
-                headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                not bearer_matches(headers.get(b"authorization", b""), self.api_key):
             return await self._answer(scope, receive, send, ApiError(
                 "missing or wrong API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
                 status=401, code="invalid_api_key"))
@@ -107,6 +130,8 @@ class Admission:
             body = await self._read_bounded(receive)
             if body is None:
                 return await self._answer(scope, receive, send, self._too_large(None))
+            if body is _GONE:
+                return self.refuse(scope["method"], scope["path"], client_disconnected())
             receive = self._replay(body, receive)
         return await self.app(scope, receive, send)
 
@@ -128,12 +153,13 @@ class Admission:
             if msg["type"] != "http.request" or not msg.get("more_body"):
                 return
 
-    async def _read_bounded(self, receive) -> bytes | None:
+    async def _read_bounded(self, receive) -> bytes | object | None:
+        """The whole body; None when it passes the limit, ``_GONE`` when the client left."""
         chunks, size = [], 0
         while True:
             msg = await receive()
-            if msg["type"] != "http.request":
-                return b"".join(chunks)
+            if msg["type"] != "http.request":  # the client left before its body was complete
+                return _GONE
             size += len(msg.get("body", b""))
             if size > self.max_body_bytes:
                 await self._drop_body(receive)
@@ -196,11 +222,18 @@ class OpenAIServing:
     # ---- admission (worker thread) ----
 
     def admit(self, raw: bytes, chat: bool) -> protocol.Prepared:
-        """Parse, check and tokenize a request body; raises ApiError (runs off the event loop)."""
+        """Parse, check and tokenize a request body; raises ApiError (runs off the event loop),
+        also for more sequences (prompts x n) than ``max_queued_requests``: such a request
+        could never be queued, so it is a 400, not a 429 to retry."""
         body = protocol.parse_request(raw, ChatCompletionRequest if chat else CompletionRequest)
         protocol.check_model(body, self.config.served_model_name)
-        return protocol.prepare(body, self.tokenizer, context_length=self.config.context_length,
-                                vocab_size=self.vocab_size)
+        prepared = protocol.prepare(body, self.tokenizer, context_length=self.config.context_length,
+                                    vocab_size=self.vocab_size)
+        cap, needed = self.config.max_queued_requests, len(prepared.sequences)
+        if cap is not None and needed > cap:
+            raise ApiError(f"prompts x n = {len(prepared.prompt_ids)} x {prepared.n} = {needed} sequences; at most "
+                           f"{cap} can be queued (--max-queued-requests)", param="n")
+        return prepared
 
     async def serve(self, http: HttpRequest, *, chat: bool):
         """Answer one POST /v1/completions (``chat`` False) or /v1/chat/completions: a JSON
@@ -208,10 +241,14 @@ class OpenAIServing:
         shutting down, 4xx from validation, 429 when the queue is full)."""
         endpoint = "chat" if chat else "completions"
         if not self.lifecycle.admitting:
-            raise ApiError("the server is shutting down; retry on another replica or later", status=503,
-                           code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
-        raw = await http.body()
+            raise shutting_down()
+        try:
+            raw = await http.body()
+        except ClientDisconnect:
+            raise client_disconnected() from None
         prepared = await run_in_threadpool(self.admit, raw, chat)
+        if not self.lifecycle.admitting:  # the drain began during admission
+            raise shutting_down()
         ex = self._submit(endpoint, prepared)
         if prepared.stream:
             return StreamingResponse(self._stream(ex), media_type="text/event-stream")
@@ -232,6 +269,8 @@ class OpenAIServing:
         except QueueFull as exc:
             raise ApiError(f"too many requests queued: {exc}", status=429, code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except SchedulerStopped:
+            raise shutting_down() from None
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prepared.prompt_ids))
         kind = "chatcmpl" if endpoint == "chat" else "cmpl"
         ex.head.update(id=f"{kind}-{ex.reqs[0].request_id}", created=created, model=self.config.served_model_name)

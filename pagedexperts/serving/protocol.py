@@ -216,6 +216,8 @@ def check_ranges(body) -> tuple[str, ...]:
         ApiError: the first option out of range, naming it, its range and its value.
     """
     _refuse_unsupported(body)
+    if body.stream_options is not None and not body.stream:
+        raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
     _in_range(body.temperature, 0, MAX_TEMPERATURE, "temperature",
               note=f"; below {GREEDY_BELOW:g} it samples greedily")
     if body.top_p is not None and not (math.isfinite(body.top_p) and 0 < body.top_p <= 1):
@@ -257,7 +259,8 @@ def logit_bias(body, vocab_size: int) -> tuple[tuple[int, float], ...]:
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     """Messages as the chat template takes them: ``developer`` as ``system``, text parts
-    joined with newlines (as vLLM does), an assistant's null content as "".
+    joined with newlines (as vLLM does), an assistant's null content as "", ``name`` passed
+    on when given (as vLLM does; a template may use it).
 
     Raises:
         ApiError: no messages, a non-text content part, a null content outside assistant.
@@ -280,7 +283,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
                                param=f"messages.{i}.content")
             content = ""
         _utf8(content, f"messages.{i}.content")
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content,
+                    **({"name": m.name} if m.name is not None else {})})
     return out
 
 
@@ -314,7 +318,7 @@ def prompt_inputs(body, tokenizer, context_length: int, vocab_size: int) -> tupl
     """
     if isinstance(body, ChatCompletionRequest):
         messages = chat_messages(body.messages)
-        _check_bytes([m["content"] for m in messages], "messages", context_length)
+        _check_bytes(["".join(m["content"] for m in messages)], "messages", context_length)  # all together
         texts, param = [chat_prompt(tokenizer, messages)], "messages"
         ids = [tokenizer(t)["input_ids"] for t in texts]
     else:

@@ -65,6 +65,10 @@ class QueueFull(Exception):
     """``submit`` would exceed ``max_queued_requests``; nothing was queued."""
 
 
+class SchedulerStopped(Exception):
+    """``submit`` after ``stop``: nothing would ever step the request; nothing was queued."""
+
+
 @dataclass(frozen=True)
 class Event:
     """What a request reports after a step: new text, and on the last one its finish reason.
@@ -187,8 +191,11 @@ class BatchScheduler:
 
         Raises:
             QueueFull: the waiting queue would exceed ``max_queued_requests``.
+            SchedulerStopped: ``stop`` was called (the server is shutting down).
         """
         with self._wake:
+            if self._stopping:
+                raise SchedulerStopped("the scheduler is stopped (the server is shutting down)")
             cap = self.config.max_queued_requests
             if cap is not None and len(self._waiting) + len(items) > cap:
                 raise QueueFull(f"{len(self._waiting)} requests are queued and this one needs {len(items)} "
