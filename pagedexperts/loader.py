@@ -211,11 +211,7 @@ def load_model(
     """
     from transformers import AutoConfig
 
-    path = Path(model_path) if model_path is not None else bundled_model_path()
-    if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist (--model-path)")
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model directory? (--model-path)")
+    path = check_model_dir(model_path)
     config = AutoConfig.from_pretrained(path)
     check_supported(config)
     if getattr(config, "output_router_logits", False):
@@ -506,23 +502,39 @@ def _slot_tables(runtime, layout, dev) -> dict:
     return {"slots": table}
 
 
-def check_num_resident(num_resident: int | None, num_experts: int, top_k: int) -> int:
+def check_model_dir(model_path: str | Path | None) -> Path:
+    """The model directory (None -> the bundled model), checked before anything reads it.
+
+    Raises:
+        FileNotFoundError: the path does not exist, has no config.json, or has no safetensors
+            checkpoint (each names the path and --model-path).
+    """
+    path = Path(model_path) if model_path is not None else bundled_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (--model-path)")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model directory? (--model-path)")
+    checkpoint_files(path)
+    return path
+
+
+def check_num_resident(num_resident: int | None, num_experts: int, top_k: int, *, flag: str = "--num-resident") -> int:
     """K to use: ``num_resident``, or None -> max(top_k, E x DEFAULT_RESIDENT_FRACTION).
 
     Raises:
-        ValueError: K outside [top_k, E] (names --num-resident).
+        ValueError: K outside [top_k, E] (names ``flag``, --num-resident unless told).
     """
     if num_resident is None:
         return max(top_k, int(num_experts * DEFAULT_RESIDENT_FRACTION))
     if num_resident < top_k:
         raise ValueError(
-            f"--num-resident K={num_resident} is below top_k={top_k}: one token routes to "
-            f"{top_k} experts, so at least {top_k} slots are needed; raise --num-resident"
+            f"{flag} K={num_resident} is below top_k={top_k}: one token routes to "
+            f"{top_k} experts, so at least {top_k} slots are needed; raise {flag}"
         )
     if num_resident > num_experts:
         raise ValueError(
-            f"--num-resident K={num_resident} exceeds the E={num_experts} routed experts per "
-            f"layer; use --num-resident {num_experts} (all resident) or less"
+            f"{flag} K={num_resident} exceeds the E={num_experts} routed experts per "
+            f"layer; use {flag} {num_experts} (all resident) or less"
         )
     return num_resident
 

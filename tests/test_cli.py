@@ -101,7 +101,8 @@ def test_check_passes_on_the_bundled_model(capsys):
 @pytest.mark.parametrize(
     "argv,needle",
     [(["--num-resident", "65"], "exceeds the E=64"), (["--num-resident", "3"], "below top_k=4"),
-     (["--check-resident", "4,x"], "comma-separated integers"), (["--check-resident", "4,100"], "K=100 exceeds")],
+     (["--check-resident", "4,x"], "comma-separated integers"), (["--check-resident", "4,100"], "--check-resident K=100 exceeds"),
+     (["--check-resident", "2"], "--check-resident K=2 is below top_k=4")],
 )
 def test_check_refuses_a_bad_k_before_loading_the_reference(argv, needle, capsys, monkeypatch):
     import pagedexperts.check
@@ -112,6 +113,16 @@ def test_check_refuses_a_bad_k_before_loading_the_reference(argv, needle, capsys
     monkeypatch.setattr(pagedexperts.check, "load_reference", fail)
     assert main(["check", *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_a_bad_model_path_is_a_clear_error_in_every_loading_command(command, tmp_path, capsys):
+    """check and bench validate --model-path before transformers sees it (no traceback)."""
+    (tmp_path / "config.json").write_text((bundled_model_path() / "config.json").read_text())
+    assert main([command, "--model-path", "/nonexistent/model"]) == 2
+    assert "'/nonexistent/model' does not exist (--model-path)" in capsys.readouterr().err
+    assert main([command, "--model-path", str(tmp_path)]) == 2
+    assert f"no safetensors checkpoint in {tmp_path}" in capsys.readouterr().err
 
 
 def test_check_fails_when_a_slot_is_corrupted():

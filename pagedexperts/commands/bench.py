@@ -47,6 +47,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pagedexperts.bench import BenchConfig, markdown_table, read_prompts, run_bench, write_results
     from pagedexperts.check import DEFAULT_PROMPTS
+    from pagedexperts.loader import check_model_dir
     from pagedexperts.modes import MODES
 
     modes = tuple(x for x in args.mode.split(",") if x)
@@ -55,13 +56,12 @@ def run(args) -> int:
         raise ValueError(f"unknown --mode {bad}; choose from {list(MODES)}")
     if args.output_tokens < 2:
         raise ValueError(f"--output-tokens must be >= 2 to measure decode, got {args.output_tokens}")
+    model_dir = check_model_dir(args.model_path)
     ks = _ints(args.num_resident)
     if "paged" in modes and not ks:
         from transformers import AutoConfig
 
-        from pagedexperts.loader import bundled_model_path
-
-        c = AutoConfig.from_pretrained(args.model_path or bundled_model_path())
+        c = AutoConfig.from_pretrained(model_dir)
         k, e = int(c.num_experts_per_tok), int(getattr(c, "num_experts", 0) or c.num_local_experts)
         ks = tuple(sorted({min(e, 2 * k), min(e, 4 * k), max(k, e // 2)}))
     prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]

@@ -44,8 +44,9 @@ def resident_values(args, *, top_k: int, num_experts: int) -> list[int]:
         ks = [args.num_resident]
     else:
         ks = [top_k, max(top_k, num_experts // 2)]
+    flag = "--check-resident" if args.check_resident else "--num-resident"
     for k in ks:
-        check_num_resident(k, num_experts, top_k)
+        check_num_resident(k, num_experts, top_k, flag=flag)
     return ks
 
 
@@ -64,13 +65,13 @@ def run(args) -> int:
     from transformers import AutoConfig
 
     from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
-    from pagedexperts.loader import bundled_model_path, load_model
+    from pagedexperts.loader import check_model_dir, load_model
     from pagedexperts.models import check_supported
     from pagedexperts.models.families import num_routed_experts
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
-    config = AutoConfig.from_pretrained(args.model_path or bundled_model_path())
+    config = AutoConfig.from_pretrained(check_model_dir(args.model_path))
     check_supported(config)
     num_experts, top_k = num_routed_experts(config), int(config.num_experts_per_tok)
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
