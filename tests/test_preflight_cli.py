@@ -162,3 +162,21 @@ class TestLinkbenchCuda:
         assert {(x["label"], x["memory"]) for x in r["results"]} == {
             ("1 MB", "pinned"), ("1 MB", "pageable"), ("8 MB", "pinned"), ("8 MB", "pageable")}
         assert all(x["gbps"] > 0 for x in r["results"])
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "w4a16"])
+def test_quantized_dense_slots_and_weights_are_sized_at_the_run_dtype(tiny_moe_dir, tmp_path, fmt, capsys):
+    """A float32 checkpoint quantized, run as bfloat16 with dense slots: preflight's dense slot
+    and non-expert bytes are what load_model allocates (dequantized experts and non-expert
+    weights both at the run dtype, not the checkpoint's)."""
+    from pagedexperts.loader import load_model
+    from pagedexperts.quantize import QuantizeOptions, quantize_checkpoint
+
+    quantize_checkpoint(model_path=tiny_moe_dir, output=tmp_path,
+                        options=QuantizeOptions(fmt, group_size=16, block=(16, 16)))
+    r = json.loads(_run(capsys, ["preflight", "--model-path", str(tmp_path), "--dtype", "bfloat16", "--json",
+                                 "--num-resident", "4", "--slot-format", "dense"])[1])
+    model, _ = load_model(tmp_path, num_resident=4, dtype="bfloat16", slot_format="dense")
+    pagers = model.pagedexperts.pagers.values()
+    assert sum(t.nbytes for p in pagers for t in p.slots.values()) == r["device_slot_bytes"]
+    assert sum(p.nbytes for p in model.parameters()) == r["non_expert_bytes"]

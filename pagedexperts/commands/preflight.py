@@ -8,6 +8,7 @@ replay routing (``simulate``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -81,8 +82,13 @@ def _model_inputs(args) -> dict:
         shape = sizing.moe_shape(config=config)
         dtype = sizing.run_dtype(config=config, dtype=args.dtype)
         quantized = bool(config.get("quantization_config"))  # packed experts and scales: stored bytes
+        keep_fp32 = fp32_kept_modules(config, dtype)
         sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts,
-                                        dtype=None if quantized else dtype, keep_fp32=fp32_kept_modules(config, dtype))
+                                        dtype=None if quantized else dtype, keep_fp32=keep_fp32)
+        if quantized:  # non-expert floating weights are cast to the run dtype like a dense checkpoint's
+            run_sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts,
+                                                dtype=dtype, keep_fp32=keep_fp32)
+            sizes = dataclasses.replace(sizes, non_expert_bytes=run_sizes.non_expert_bytes)
         return dict(
             model=os.path.basename(os.path.normpath(args.model_path)),
             moe_layers=len(shape.moe_layers),
@@ -91,7 +97,7 @@ def _model_inputs(args) -> dict:
             expert_bytes=sizes.expert_bytes,
             kv_bytes_per_token=sizing.kv_bytes_per_token(config=config, kv_dtype=args.kv_dtype, model_dtype=dtype),
             non_expert_bytes=sizes.non_expert_bytes,
-            dense_expert_bytes=(sizing.dense_expert_bytes(config=config) if config.get("quantization_config")
+            dense_expert_bytes=(sizing.dense_expert_bytes(config=config, dtype=dtype) if quantized
                                 else sizes.expert_bytes),
             dtype=dtype,
         )
