@@ -215,6 +215,14 @@ def test_cli_table_json_and_plots(tmp_path, capsys):
         (["--num-resident", "0"], "--num-resident 0 must be in [1, E=16]"),
         (["--num-resident", "17"], "--num-resident 17 must be in [1, E=16]"),
         (["--policy", "mru"], "unknown policy 'mru'"),
+        (["--expert-mb", "-1"], "--expert-mb -1.0 must be >= 0"),
+        (["--link-gbps", "10", "--compute-ms-per-layer", "1"], "--link-gbps needs --expert-mb"),
+        (["--link-gbps", "-1", "--compute-ms-per-layer", "1"], "--link-gbps -1.0 must be > 0"),
+        (["--expert-mb", "1", "--link-gbps", "10", "--compute-ms-per-layer", "-5"], "--compute-ms-per-layer -5.0 must be >= 0"),
+        (["--expert-mb", "1", "--link-gbps", "10", "--compute-ms-per-layer", "1", "--model-layers", "0"], "--model-layers 0 must be >= 1"),
+        (["--expert-mb", "1", "--link-gbps", "10"], "--link-gbps needs --compute-ms-per-layer"),
+        (["--compute-ms-per-layer", "1"], "--compute-ms-per-layer needs --link-gbps"),
+        (["--model-layers", "48"], "--model-layers needs --link-gbps and --compute-ms-per-layer"),
     ],
 )
 def test_cli_bad_inputs(capsys, extra, message):

@@ -47,7 +47,7 @@ def add_parser(subparsers) -> None:
     model.add_argument("--experts", type=int, help="E of the model: the trace must match")
     model.add_argument("--top-k", type=int, help="top_k of the model: the trace must match")
     model.add_argument("--expert-mb", type=float, default=0.0, help="MB of one expert (for bytes paged per token)")
-    model.add_argument("--link-gbps", type=float, help="host-to-device GB/s, for modelled decode tok/s")
+    model.add_argument("--link-gbps", type=float, help="host-to-device GB/s, for modelled decode tok/s (with --expert-mb and --compute-ms-per-layer)")
     model.add_argument("--compute-ms-per-layer", type=float, help="compute ms per MoE layer per step, for tok/s")
     model.add_argument("--model-layers", type=int, help="MoE layers of the model the recorded layers stand for")
     out = p.add_argument_group("output")
@@ -61,6 +61,7 @@ def run_simulate(args) -> int:
     """Load the trace, replay every (B, routing, policy, K), print tables or --json, plot."""
     if (args.experts is None) != (args.top_k is None):
         raise ValueError("pass both --experts and --top-k to check the trace against a model")
+    _check_time_model(args)
     trace = load_trace(args.trace, num_experts=args.experts, top_k=args.top_k)
     e, k = trace.meta.num_experts, trace.meta.top_k
     ks = _int_list(args.num_resident) if args.num_resident else sim.default_num_resident(num_experts=e, top_k=k)
@@ -93,6 +94,27 @@ def run_simulate(args) -> int:
     return 0
 
 
+def _check_time_model(args) -> None:
+    """--expert-mb, --link-gbps, --compute-ms-per-layer, --model-layers: in range, and the
+    tok/s model's flags given together (none is silently ignored). Raises ValueError."""
+    if args.expert_mb < 0:
+        raise ValueError(f"--expert-mb {args.expert_mb} must be >= 0")
+    if args.link_gbps is not None and args.link_gbps <= 0:
+        raise ValueError(f"--link-gbps {args.link_gbps} must be > 0")
+    if args.compute_ms_per_layer is not None and args.compute_ms_per_layer < 0:
+        raise ValueError(f"--compute-ms-per-layer {args.compute_ms_per_layer} must be >= 0")
+    if args.model_layers is not None and args.model_layers < 1:
+        raise ValueError(f"--model-layers {args.model_layers} must be >= 1")
+    if args.link_gbps is not None and args.compute_ms_per_layer is None:
+        raise ValueError("--link-gbps needs --compute-ms-per-layer for the modelled decode tok/s")
+    if args.link_gbps is not None and not args.expert_mb:
+        raise ValueError("--link-gbps needs --expert-mb (bytes paged per miss) for the modelled decode tok/s")
+    if args.compute_ms_per_layer is not None and args.link_gbps is None:
+        raise ValueError("--compute-ms-per-layer needs --link-gbps for the modelled decode tok/s")
+    if args.model_layers is not None and args.link_gbps is None:
+        raise ValueError("--model-layers needs --link-gbps and --compute-ms-per-layer (it scales the modelled tok/s)")
+
+
 def _meta(trace) -> dict:
     m = trace.meta
     return dict(model_id=m.model_id, num_experts=m.num_experts, top_k=m.top_k, layers=list(m.layers),
@@ -119,7 +141,7 @@ def _row(r: sim.SimResult, args, top_k: int) -> dict:
         row.update(host_rows=args.host_rows, host_hit_rate=d["host_hit_rate"],
                    disk_reads_per_token=d["disk_reads"] / d["tokens"] if d["tokens"] else 0.0,
                    disk_bytes_per_token=d["disk_bytes_per_token"])
-    if args.link_gbps and args.compute_ms_per_layer is not None:
+    if args.link_gbps is not None:
         row["modelled_decode_tok_s"] = sim.modelled_decode_tok_s(
             r.decode, link_gbps=args.link_gbps, compute_ms_per_layer=args.compute_ms_per_layer,
             model_layers=args.model_layers)
