@@ -159,6 +159,29 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
         assert (tmp_path / name).exists(), name
 
 
+@pytest.mark.parametrize(
+    "argv,needle",
+    [(["--num-resident", "8,100"], "--num-resident K=100 exceeds the E=64"),
+     (["--num-resident", "2"], "--num-resident K=2 is below top_k=4"),
+     (["--num-resident", "8,x"], "--num-resident '8,x': want comma-separated integers"),
+     (["--concurrency", "1,0"], "--concurrency 0 must be >= 1"),
+     (["--num-prompts", "0"], "--num-prompts 0 must be >= 1"),
+     (["--long-prompt-tokens", "0"], "--long-prompt-tokens 0 must be >= 1"),
+     (["--cpu-expert-layers", "7"], "--cpu-expert-layers 7 outside [0, 6]"),
+     (["--cpu-expert-layers", "-1"], "--cpu-expert-layers -1 outside [0, 6]")],
+)
+def test_bench_bad_input_is_refused_before_any_work(argv, needle, capsys, monkeypatch):
+    import pagedexperts.bench
+    from pagedexperts.cli import main
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the bench ran before its flags were validated")
+
+    monkeypatch.setattr(pagedexperts.bench, "run_bench", fail)
+    assert main(["bench", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_bench_loads_once_and_repages_per_mode_and_k(tiny_moe_dir, monkeypatch):
     from pagedexperts import bench, loader
 

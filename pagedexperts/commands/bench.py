@@ -10,8 +10,11 @@ from pathlib import Path
 from pagedexperts.residency import DEFAULT_POLICY, POLICIES
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: want comma-separated integers, e.g. 8,32") from None
 
 
 def add_parser(sub) -> None:
@@ -45,9 +48,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from pagedexperts.bench import BenchConfig, markdown_table, read_prompts, run_bench, write_results
+    from pagedexperts import bench
+    from pagedexperts.bench import BenchConfig, markdown_table, read_prompts, write_results
     from pagedexperts.check import DEFAULT_PROMPTS
-    from pagedexperts.loader import check_model_dir
     from pagedexperts.modes import MODES
 
     modes = tuple(x for x in args.mode.split(",") if x)
@@ -56,25 +59,49 @@ def run(args) -> int:
         raise ValueError(f"unknown --mode {bad}; choose from {list(MODES)}")
     if args.output_tokens < 2:
         raise ValueError(f"--output-tokens must be >= 2 to measure decode, got {args.output_tokens}")
-    model_dir = check_model_dir(args.model_path)
-    ks = _ints(args.num_resident)
-    if "paged" in modes and not ks:
-        from transformers import AutoConfig
-
-        c = AutoConfig.from_pretrained(model_dir)
-        k, e = int(c.num_experts_per_tok), int(getattr(c, "num_experts", 0) or c.num_local_experts)
-        ks = tuple(sorted({min(e, 2 * k), min(e, 4 * k), max(k, e // 2)}))
+    ks, concurrency = _checked_workload(args, modes)
     prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]
     cfg = BenchConfig(
         model_path=args.model_path, modes=modes, num_resident=ks, cpu_expert_layers=args.cpu_expert_layers,
-        output_tokens=args.output_tokens, concurrency=_ints(args.concurrency), num_prompts=len(prompts),
+        output_tokens=args.output_tokens, concurrency=concurrency, num_prompts=len(prompts),
         long_prompt_tokens=args.long_prompt_tokens, device=args.device, dtype=args.dtype,
         experts_implementation=args.experts_implementation, policy=args.policy,
     )
-    results = run_bench(cfg, prompts)
+    results = bench.run_bench(cfg, prompts)
     out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     command = "pagedexperts " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     write_results(results, cfg, out, command)
     print(markdown_table(results, cfg.concurrency))
     print(f"\nresults written to {out}/", file=sys.stderr)
     return 0
+
+
+def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(K values, concurrency levels), every workload flag checked against the model before any
+    work: K in [top_k, E], --cpu-expert-layers in [0, MoE layers], counts >= 1.
+
+    Raises:
+        ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
+    """
+    from transformers import AutoConfig
+
+    from pagedexperts.bench import _moe_layers
+    from pagedexperts.loader import check_model_dir, check_num_resident
+
+    ks, concurrency = _ints(args.num_resident, "--num-resident"), _ints(args.concurrency, "--concurrency")
+    for flag, values in (("--concurrency", concurrency), ("--num-prompts", [args.num_prompts]),
+                         ("--long-prompt-tokens", [args.long_prompt_tokens])):
+        for v in values:
+            if v < 1:
+                raise ValueError(f"{flag} {v} must be >= 1")
+    c = AutoConfig.from_pretrained(check_model_dir(args.model_path))
+    k, e = int(c.num_experts_per_tok), int(getattr(c, "num_experts", 0) or c.num_local_experts)
+    if "paged" in modes and not ks:
+        ks = tuple(sorted({min(e, 2 * k), min(e, 4 * k), max(k, e // 2)}))
+    for x in ks:
+        check_num_resident(x, e, k)
+    num_moe = len(_moe_layers(args.model_path))
+    if "cpu-experts" in modes and not 0 <= args.cpu_expert_layers <= num_moe:
+        raise ValueError(f"--cpu-expert-layers {args.cpu_expert_layers} outside [0, {num_moe}] (the model's MoE "
+                         "layers; 0 = half)")
+    return ks, concurrency
