@@ -276,9 +276,7 @@ def build_paged_model(
     from transformers import AutoModelForCausalLM
 
     torch_dtype = resolve_dtype(dtype, config)
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    dev = check_device(device)
 
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
@@ -500,6 +498,24 @@ def _slot_tables(runtime, layout, dev) -> dict:
         runtime.buffers["staging"] = slots.allocate(layout.packed_specs, 1, dev)
     table = slots.DenseSlots(layout, slots.allocate(layout.dense_specs, k, dev), runtime.buffers["staging"])
     return {"slots": table}
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device: cpu, or cuda[:N] where CUDA is available.
+
+    Raises:
+        ValueError: not a device string, a type other than cpu/cuda, or CUDA not available
+            (names the value and --device).
+    """
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {str(device)!r} is not a device this runs on; use cpu or cuda[:N]")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} requested but CUDA is not available; use --device cpu")
+    return dev
 
 
 def check_model_dir(model_path: str | Path | None) -> Path:

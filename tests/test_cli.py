@@ -76,6 +76,8 @@ def test_generate_reads_stdin_and_applies_chat_template():
         (["--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["--model-path", "/nonexistent/model"], "does not exist"),
+        (["--device", "tpu"], "--device 'tpu' is not a device this runs on; use cpu or cuda[:N]"),
+        (["--device", "cuda:x"], "--device 'cuda:x' is not a device this runs on; use cpu or cuda[:N]"),
     ],
 )
 def test_generate_bad_input_is_a_clear_error(argv, needle, capsys):
@@ -102,7 +104,8 @@ def test_check_passes_on_the_bundled_model(capsys):
     "argv,needle",
     [(["--num-resident", "65"], "exceeds the E=64"), (["--num-resident", "3"], "below top_k=4"),
      (["--check-resident", "4,x"], "comma-separated integers"), (["--check-resident", "4,100"], "--check-resident K=100 exceeds"),
-     (["--check-resident", "2"], "--check-resident K=2 is below top_k=4")],
+     (["--check-resident", "2"], "--check-resident K=2 is below top_k=4"),
+     (["--device", "tpu"], "--device 'tpu' is not a device this runs on")],
 )
 def test_check_refuses_a_bad_k_before_loading_the_reference(argv, needle, capsys, monkeypatch):
     import pagedexperts.check

@@ -65,7 +65,7 @@ def run(args) -> int:
     from transformers import AutoConfig
 
     from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
-    from pagedexperts.loader import check_model_dir, load_model
+    from pagedexperts.loader import check_device, check_model_dir, load_model
     from pagedexperts.models import check_supported
     from pagedexperts.models.families import num_routed_experts
 
@@ -75,6 +75,7 @@ def run(args) -> int:
     check_supported(config)
     num_experts, top_k = num_routed_experts(config), int(config.num_experts_per_tok)
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
+    check_device(args.device)
     reference = load_reference(
         args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
     )
