@@ -212,6 +212,11 @@ def load_model(
     from transformers import AutoConfig
 
     path = check_model_dir(model_path)
+    check_device(device)
+    if prefetch_budget is not None and not prefetch:
+        raise ValueError(f"--prefetch-budget {prefetch_budget} needs --prefetch (it bounds prefetch page-ins)")
+    if prefetch_budget is not None and prefetch_budget < 1:
+        raise ValueError(f"prefetch budget {prefetch_budget} must be >= 1 (--prefetch-budget)")
     config = AutoConfig.from_pretrained(path)
     check_supported(config)
     if getattr(config, "output_router_logits", False):

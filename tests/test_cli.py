@@ -77,10 +77,21 @@ def test_generate_reads_stdin_and_applies_chat_template():
         (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["--model-path", "/nonexistent/model"], "does not exist"),
         (["--device", "tpu"], "--device 'tpu' is not a device this runs on; use cpu or cuda[:N]"),
+        (["--prefetch-budget", "2"], "--prefetch-budget 2 needs --prefetch"),
+        (["--prefetch", "--prefetch-budget", "0"], "prefetch budget 0 must be >= 1 (--prefetch-budget)"),
+        (["--stop", ""], "--stop '' is empty"),
+        (["--stats-json", "/nonexistent/dir/x.json"], "--stats-json /nonexistent/dir/x.json: directory /nonexistent/dir does not exist"),
+        (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist"),
         (["--device", "cuda:x"], "--device 'cuda:x' is not a device this runs on; use cpu or cuda[:N]"),
     ],
 )
-def test_generate_bad_input_is_a_clear_error(argv, needle, capsys):
+def test_generate_bad_input_is_a_clear_error(argv, needle, capsys, monkeypatch):
+    import pagedexperts.loader
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the flags were validated")
+
+    monkeypatch.setattr(pagedexperts.loader, "stream_checkpoint", fail)
     rc = main(["generate", "--prompt", "x", *argv])
     assert rc == 2
     assert needle in capsys.readouterr().err

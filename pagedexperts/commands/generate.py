@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from pagedexperts.commands.common import add_model_arguments, load_from_args
@@ -44,6 +45,7 @@ def run(args) -> int:
         stop=tuple(args.stop),
     )
     sampling.validate()
+    _check_outputs(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise ValueError("empty prompt; give --prompt TEXT or text on stdin")
@@ -78,3 +80,15 @@ def run(args) -> int:
         with open(args.stats_json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def _check_outputs(args) -> None:
+    """--stop strings non-empty, and the directories of --stats-json / --record-trace exist,
+    before the model loads (ValueError naming the flag)."""
+    for stop in args.stop:
+        if not stop:
+            raise ValueError("--stop '' is empty: an empty stop string would end generation at once; drop it")
+    for flag, path in (("--stats-json", args.stats_json), ("--record-trace", args.record_trace)):
+        parent = os.path.dirname(path) if path else ""
+        if parent and not os.path.isdir(parent):
+            raise ValueError(f"{flag} {path}: directory {parent} does not exist")
