@@ -209,19 +209,15 @@ def load_model(
         MemoryError: host memory too small for what must live there (before anything is
             loaded; names the bytes of each part).
     """
-    from transformers import AutoConfig
 
-    path = check_model_dir(model_path)
     check_device(device)
     if prefetch_budget is not None and not prefetch:
         raise ValueError(f"--prefetch-budget {prefetch_budget} needs --prefetch (it bounds prefetch page-ins)")
     if prefetch_budget is not None and prefetch_budget < 1:
         raise ValueError(f"prefetch budget {prefetch_budget} must be >= 1 (--prefetch-budget)")
-    config = AutoConfig.from_pretrained(path)
-    check_supported(config)
+    path, config, files = read_checkpoint_config(model_path)
     if getattr(config, "output_router_logits", False):
         config.output_router_logits = False  # a training-time aux loss; inference never needs it
-    files = checkpoint_files(path)
     check_readable(files)
     if experts_implementation not in INNER_IMPLEMENTATIONS:
         raise ValueError(
@@ -523,20 +519,25 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def check_model_dir(model_path: str | Path | None) -> Path:
-    """The model directory (None -> the bundled model), checked before anything reads it.
+def read_checkpoint_config(model_path: str | Path | None):
+    """(directory, transformers config, safetensors files) of a model directory (None: the
+    bundled model), checked in this order before anything reads weights: the path exists, has
+    config.json, is a supported MoE architecture, has a safetensors checkpoint.
 
     Raises:
-        FileNotFoundError: the path does not exist, has no config.json, or has no safetensors
-            checkpoint (each names the path and --model-path).
+        FileNotFoundError: path, config.json or safetensors missing (names --model-path).
+        ValueError: not an MoE model / unsupported architecture (lists supported ones).
     """
+    from transformers import AutoConfig
+
     path = Path(model_path) if model_path is not None else bundled_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (--model-path)")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model directory? (--model-path)")
-    checkpoint_files(path)
-    return path
+    config = AutoConfig.from_pretrained(path)
+    check_supported(config)
+    return path, config, checkpoint_files(path)
 
 
 def check_num_resident(num_resident: int | None, num_experts: int, top_k: int, *, flag: str = "--num-resident") -> int:

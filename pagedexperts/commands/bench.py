@@ -83,10 +83,8 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
     Raises:
         ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
     """
-    from transformers import AutoConfig
-
     from pagedexperts.bench import _moe_layers
-    from pagedexperts.loader import check_model_dir, check_num_resident
+    from pagedexperts.loader import check_num_resident, read_checkpoint_config
 
     ks, concurrency = _ints(args.num_resident, "--num-resident"), _ints(args.concurrency, "--concurrency")
     for flag, values in (("--concurrency", concurrency), ("--num-prompts", [args.num_prompts]),
@@ -94,7 +92,7 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
         for v in values:
             if v < 1:
                 raise ValueError(f"{flag} {v} must be >= 1")
-    c = AutoConfig.from_pretrained(check_model_dir(args.model_path))
+    _, c, _ = read_checkpoint_config(args.model_path)
     k, e = int(c.num_experts_per_tok), int(getattr(c, "num_experts", 0) or c.num_local_experts)
     if "paged" in modes and not ks:
         ks = tuple(sorted({min(e, 2 * k), min(e, 4 * k), max(k, e // 2)}))

@@ -62,17 +62,13 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int) -> str:
 
 
 def run(args) -> int:
-    from transformers import AutoConfig
-
     from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
-    from pagedexperts.loader import check_device, check_model_dir, load_model
-    from pagedexperts.models import check_supported
+    from pagedexperts.loader import check_device, load_model, read_checkpoint_config
     from pagedexperts.models.families import num_routed_experts
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
-    config = AutoConfig.from_pretrained(check_model_dir(args.model_path))
-    check_supported(config)
+    _, config, _ = read_checkpoint_config(args.model_path)
     num_experts, top_k = num_routed_experts(config), int(config.num_experts_per_tok)
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
     check_device(args.device)
