@@ -209,7 +209,6 @@ def load_model(
         MemoryError: host memory too small for what must live there (before anything is
             loaded; names the bytes of each part).
     """
-
     check_device(device)
     if prefetch_budget is not None and not prefetch:
         raise ValueError(f"--prefetch-budget {prefetch_budget} needs --prefetch (it bounds prefetch page-ins)")
