@@ -108,8 +108,9 @@ def test_auto_k_is_what_the_loader_accepts_and_allocates(tiny_moe_dir, dtype, ca
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--expert-mb", "2.43", "--num-resident", "200"], "--num-resident 200 must be in [1, E=128]"),
-        (["--expert-mb", "2.43", "--num-resident", "0"], "--num-resident 0 must be in [1, E=128]"),
+        (["--expert-mb", "2.43", "--num-resident", "200"], "--num-resident 200 must be in [top_k=8, E=128]"),
+        (["--expert-mb", "2.43", "--num-resident", "0"], "--num-resident 0 must be in [top_k=8, E=128]"),
+        (["--expert-mb", "2.43", "--num-resident", "7"], "--num-resident 7 must be in [top_k=8, E=128]"),
         (["--expert-mb", "-1", "--num-resident", "8"], "--expert-mb -1.0 must be > 0"),
         (["--expert-mb", "2.43", "--num-resident", "8", "--link-gbps", "0"], "--link-gbps 0.0 must be > 0"),
         (["--expert-mb", "2.43"], "--device-memory-gb"),

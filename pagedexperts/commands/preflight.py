@@ -237,8 +237,8 @@ def build_report(
         num_resident = sizing.auto_num_resident(device_memory_gb=device_memory_gb, kv_reserve_bytes=kv_reserve,
                                                 top_k=top_k, num_experts=num_experts, **mem)
         k_source = "auto"
-    if not 1 <= num_resident <= num_experts:
-        raise ValueError(f"--num-resident {num_resident} must be in [1, E={num_experts}] (--num-resident)")
+    if not top_k <= num_resident <= num_experts:  # the loader's range: one token's top_k must fit
+        raise ValueError(f"--num-resident {num_resident} must be in [top_k={top_k}, E={num_experts}] (--num-resident)")
     all_miss = sizing.all_miss_bytes_per_token(moe_layers=moe_layers, top_k=top_k, expert_bytes=expert_bytes)
     uniform = sizing.uniform_miss_rate(num_resident=num_resident, num_experts=num_experts)
     r = dict(
