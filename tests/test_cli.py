@@ -139,6 +139,28 @@ def test_a_bad_model_path_is_a_clear_error_in_every_loading_command(command, tmp
     assert f"no safetensors checkpoint in {tmp_path}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv,needle",
+    [(["--max-running-requests", "0"], "--max-running-requests must be >= 1, got 0"),
+     (["--context-length", "0"], "--context-length must be >= 2, got 0"),
+     (["--port", "70000"], "--port 70000 must be in [0, 65535]"),
+     (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1, got 0"),
+     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0, got -1.0"),
+     (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist")],
+)
+def test_serve_bad_flags_are_refused_before_loading(argv, needle, capsys, monkeypatch):
+    """0 is not silently replaced by the default; everything is checked before the model loads."""
+    pytest.importorskip("fastapi")
+    import pagedexperts.commands.serve
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were validated")
+
+    monkeypatch.setattr(pagedexperts.commands.serve, "load_from_args", fail)
+    assert main(["serve", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_check_fails_when_a_slot_is_corrupted():
     from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
 

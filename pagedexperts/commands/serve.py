@@ -60,24 +60,17 @@ def run(args) -> int:
         raise ValueError(f"the server needs {exc.name}: pip install 'pagedexperts[server]'") from exc
     from pagedexperts.loader import bundled_model_path
 
+    _check_flags(args)
     model, tokenizer = load_from_args(args)
     if tokenizer is None:
         raise ValueError("the model directory has no tokenizer (tokenizer.json / tokenizer_config.json); add one")
     rt = model.pagedexperts
     max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-    context = args.context_length or max_positions
+    context = args.context_length if args.context_length is not None else max_positions
     if context <= 1 or (max_positions and context > max_positions):
         raise ValueError(f"--context-length must be in [2, {max_positions}] (max_position_embeddings), got {context}")
-    running = args.max_running_requests or max(1, rt.num_resident // rt.top_k)
-    if running < 1:
-        raise ValueError(f"--max-running-requests must be >= 1, got {running}")
+    running = args.max_running_requests if args.max_running_requests is not None else max(1, rt.num_resident // rt.top_k)
     name = args.served_model_name or Path(args.model_path or bundled_model_path()).resolve().name
-    for flag, value in (("--max-queued-requests", args.max_queued_requests), ("--max-body-bytes", args.max_body_bytes)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.max_prefill_tokens < 1 or args.shutdown_timeout < 0:
-        raise ValueError(f"--max-prefill-tokens must be >= 1 and --shutdown-timeout >= 0, got "
-                         f"{args.max_prefill_tokens} and {args.shutdown_timeout}")
     config = ServeConfig(served_model_name=name, max_running_requests=running, context_length=context,
                          record_trace=args.record_trace, max_queued_requests=args.max_queued_requests,
                          max_prefill_tokens=args.max_prefill_tokens, max_body_bytes=args.max_body_bytes,
@@ -86,3 +79,24 @@ def run(args) -> int:
           f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}", file=sys.stderr, flush=True)
     run_server(model, tokenizer, config, host=args.host, port=args.port)
     return 0
+
+
+def _check_flags(args) -> None:
+    """Every serving flag in range before the model loads (ValueError naming the flag); 0 is a
+    value to refuse, never "use the default"."""
+    import os
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in [0, 65535]")
+    if args.context_length is not None and args.context_length < 2:
+        raise ValueError(f"--context-length must be >= 2, got {args.context_length}")
+    for flag, value in (("--max-running-requests", args.max_running_requests),
+                        ("--max-queued-requests", args.max_queued_requests),
+                        ("--max-body-bytes", args.max_body_bytes), ("--max-prefill-tokens", args.max_prefill_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    parent = os.path.dirname(args.record_trace) if args.record_trace else ""
+    if parent and not os.path.isdir(parent):
+        raise ValueError(f"--record-trace {args.record_trace}: directory {parent} does not exist")
