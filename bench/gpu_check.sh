@@ -53,12 +53,12 @@ phase() {  # phase NAME LIMIT_S COMMAND...: run, keep its output, record exit co
 cat "$OUT/env.txt"
 
 if [ "$DRY" = 1 ]; then
-  phase cuda_tests 60 "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
+  phase cuda_tests 60 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_formats.py -p no:cacheprovider
   phase linkbench 30 "$PY" -m pagedexperts.cli linkbench
   phase gpu_bench 120 "$PY" bench/gpu_bench.py --dry-run --out "$OUT" --traces tests/data/synthetic_trace.npz
 else
   [ -n "$(ls .gpu_traces/*.jsonl 2>/dev/null)" ] || echo "WARNING: no .gpu_traces (run --prepare here and carry it): the modelled table will be empty"
-  phase cuda_tests 100 "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
+  phase cuda_tests 100 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_formats.py -p no:cacheprovider
   phase linkbench 40 "$PY" -m pagedexperts.cli linkbench
   phase gpu_bench 280 "$PY" bench/gpu_bench.py --out "$OUT"
 fi
