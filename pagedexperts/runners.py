@@ -1,0 +1,149 @@
+"""Experts runners of a loaded model: attaching one per MoE layer, switching mode or K over the
+same stores (``repage``), and random weights for benchmarks at real scale.
+
+Owns: which runner each MoE layer gets (an ``ExpertPager`` with its slot tables, or a baseline
+of ``modes``), the validation of K, and ``random_fill``. Does not: read checkpoints or plan
+memory (``loader``), page (``pager``), or decide residency (``residency``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedexperts import integration
+from pagedexperts.formats import slots
+from pagedexperts.modes import MODES, CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
+from pagedexperts.pager import ExpertPager
+from pagedexperts.residency import make_policy
+from pagedexperts.store import HostExpertStore
+
+DEFAULT_RESIDENT_FRACTION = 0.25  # default K = E / 4 (at least top_k)
+
+
+def check_num_resident(num_resident: int | None, num_experts: int, top_k: int, *, flag: str = "--num-resident") -> int:
+    """K to use: ``num_resident``, or None -> max(top_k, E x DEFAULT_RESIDENT_FRACTION).
+
+    Raises:
+        ValueError: K outside [top_k, E] (names ``flag``, --num-resident unless told).
+    """
+    if num_resident is None:
+        return max(top_k, int(num_experts * DEFAULT_RESIDENT_FRACTION))
+    if num_resident < top_k:
+        raise ValueError(
+            f"{flag} K={num_resident} is below top_k={top_k}: one token routes to "
+            f"{top_k} experts, so at least {top_k} slots are needed; raise {flag}"
+        )
+    if num_resident > num_experts:
+        raise ValueError(
+            f"{flag} K={num_resident} exceeds the E={num_experts} routed experts per "
+            f"layer; use {flag} {num_experts} (all resident) or less"
+        )
+    return num_resident
+
+
+def repage(model, *, mode: str = "paged", num_resident: int | None = None, policy: str | None = None) -> None:
+    """Re-attach fresh runners (new mode or K, empty slots, zeroed stats) over the same stores.
+
+    Lets a benchmark compare modes without reloading weights.
+
+    Raises:
+        ValueError: unknown mode, K out of [top_k, E].
+    """
+    rt = model.pagedexperts
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
+    k = check_num_resident(num_resident, rt.num_experts, rt.top_k) if mode == "paged" else rt.num_experts
+    dev = torch.device(rt.config.device)
+    for runner in rt.pagers.values():
+        runner.release()  # copies in flight into its slots finish before the slots are freed
+    rt.pagers.clear()
+    rt.buffers.clear()  # the shared scratch / staging are sized for K
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    rt.config = dataclasses.replace(rt.config, num_resident=k, mode=mode, policy=policy or rt.config.policy)
+    rt.num_resident = k
+    attach_runners(rt, rt.sites, rt.stores, dev, mode=mode, cpu_expert_layers=rt.config.cpu_expert_layers)
+
+
+def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.02) -> None:
+    """Fill a model from ``build_paged_model`` with random weights (norm weights = 1).
+
+    For benchmarks at a real model's scale where no checkpoint can be downloaded: random
+    weights do not route like a trained model (near-uniform routing), so hit rates are not
+    representative; bytes moved and kernel times are.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if any(not isinstance(store, HostExpertStore) for store in stores.values()):
+        raise ValueError("random weights need the full host store; the disk tier reads a checkpoint (raise --host-memory-gb)")
+    for store in stores.values():
+        for t in store.tensors.values():
+            _tile_random(t, gen, std)
+    for name, p in list(model.named_parameters()):
+        if p.device.type != "meta":
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if "norm" in name:
+            value = torch.ones(p.shape, dtype=p.dtype)
+        else:
+            value = (torch.randn(p.shape, generator=gen) * std).to(p.dtype)
+        module._parameters[attr] = torch.nn.Parameter(value.to(device), requires_grad=p.requires_grad)
+
+
+RANDOM_BLOCK = (1 << 22) + 1  # elements of the random block tiled over store tensors
+
+
+def _tile_random(t: torch.Tensor, gen: torch.Generator, std: float) -> None:
+    """Fill ``t`` in place with one random normal block (RANDOM_BLOCK elements, std ``std``)
+    repeated: copies run at memory speed (a single-threaded ``normal_`` over Qwen3-30B-A3B's
+    4.8 G expert elements took ~17 s). The block length divides no expert's size, so experts
+    differ."""
+    flat = t.view(-1)
+    block = (torch.randn(min(RANDOM_BLOCK, flat.numel()), generator=gen) * std).to(t.dtype)
+    for i in range(0, flat.numel(), block.numel()):
+        n = min(block.numel(), flat.numel() - i)
+        flat[i : i + n].copy_(block[:n])
+
+
+def attach_runners(runtime, sites, stores, dev, *, mode: str, cpu_expert_layers: int) -> None:
+    """One experts runner per MoE layer (a pager, or a baseline of ``modes``), on its module."""
+    cfg = runtime.config
+    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and mode == "paged" else None
+    staging = make_staging(stores[sites[0].name], dev) if mode == "offload" else None
+    for i, site in enumerate(sites):
+        layout = runtime.layouts.get(site.name)
+        common = dict(layer=site.layer, store=stores[site.name], device=dev, inner=cfg.experts_implementation)
+        if mode == "paged":
+            runner = ExpertPager(
+                num_slots=runtime.num_resident,
+                policy=make_policy(cfg.policy, runtime.num_resident),
+                copy_stream=copy_stream,
+                **_slot_tables(runtime, layout, dev),
+                **common,
+            )
+        elif mode == "offload":
+            runner = OffloadRunner(staging=staging, layout=layout, **common)
+        elif mode == "cpu-experts" and i < cpu_expert_layers:
+            runner = CpuExpertsRunner(layout=layout, **common)
+        else:
+            runner = ResidentRunner(layout=layout, **common)
+        runtime.pagers[site.layer] = runner
+        integration.attach(site.module, runner)
+
+
+def _slot_tables(runtime, layout, dev) -> dict:
+    """ExpertPager kwargs for a quantized layer's slot format: packed slots with the model's
+    shared dense scratch (a WaveDequantizer), or dense slots with its shared packed staging."""
+    if layout is None or layout.is_dense:
+        return {}
+    k = runtime.num_resident
+    if runtime.config.slot_format == "packed":
+        if "scratch" not in runtime.buffers:
+            runtime.buffers["scratch"] = slots.allocate(layout.dense_specs, k, dev)
+        return {"dequantizer": slots.WaveDequantizer(layout, runtime.buffers["scratch"])}
+    if "staging" not in runtime.buffers:
+        runtime.buffers["staging"] = slots.allocate(layout.packed_specs, 1, dev)
+    table = slots.DenseSlots(layout, slots.allocate(layout.dense_specs, k, dev), runtime.buffers["staging"])
+    return {"slots": table}
