@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run MoE models whose experts do not fit in device memory: K resident "
         "expert slots per layer, paged in from host memory on demand.",
     )
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in COMMANDS.items():
         try:
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        level=getattr(logging, args.log_level),
         format="%(levelname)s %(name)s: %(message)s",
     )
     if not getattr(args, "func", None):

@@ -228,6 +228,9 @@ def load_model(
         raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
     check_slot_format(slot_format)
     fmt = format_for_config(config)
+    if fmt.name == "dense" and slot_format != DEFAULT_SLOT_FORMAT:
+        logger.warning("--slot-format %s has no effect: %s is not quantized (its slots hold dense experts)",
+                       slot_format, path)
     fill = functools.partial(stream_checkpoint, model_type=config.model_type, files=files, fmt=fmt)
     model = build_paged_model(
         config, fill, num_resident=num_resident, device=device, dtype=dtype,

@@ -173,3 +173,20 @@ def test_check_fails_when_a_slot_is_corrupted():
             pager.slots["down_proj"][slot].add_(0.01)
     result = check_model(model, ref, tok, DEFAULT_PROMPTS[:1], max_new_tokens=2)
     assert not result.passed and result.max_abs_diff > 0
+
+
+def test_an_unknown_log_level_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--log-level", "foo", "preflight", "--help"])
+    assert exc.value.code == 2
+    assert "--log-level" in capsys.readouterr().err
+
+
+def test_slot_format_on_a_dense_checkpoint_says_it_has_no_effect(tiny_moe_dir, caplog):
+    with caplog.at_level("WARNING", logger="pagedexperts.loader"):
+        load_model(tiny_moe_dir, num_resident=4, slot_format="dense")
+    assert any("--slot-format dense has no effect" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pagedexperts.loader"):
+        load_model(tiny_moe_dir, num_resident=4)
+    assert not any("--slot-format" in r.getMessage() for r in caplog.records)

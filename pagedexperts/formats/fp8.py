@@ -128,7 +128,7 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
     bm, bn = block
     for size, b, what in ((out, bm, "rows"), (inp, bn, "cols")):
         if size > b and size % b:
-            raise ValueError(f"block FP8: {size} {what} is neither a multiple of the block {b} nor below it")
+            raise ValueError(f"block FP8: {size} {what} is neither a multiple of the block {b} nor below it (--block-size)")
     sr, sc = ceil_div(out, bm), ceil_div(inp, bn)
     w = weight.to(torch.float32)
     padded = torch.zeros(sr * bm, sc * bn, dtype=torch.float32)
