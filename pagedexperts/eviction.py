@@ -203,6 +203,9 @@ class LFUPolicy(HeapRankedPolicy):
         self._steps = 0
         self._clock = itertools.count(1)
         self._last_use = dict.fromkeys(range(num_slots), 0)  # slot -> clock at its last touch
+        # the slots by (last use, slot), oldest first, while known without a sort (after a
+        # ranking or a load of all K slots, until the next touch); else None
+        self._recency: list[int] | None = list(range(num_slots))
 
     def on_step(self, union: Sequence[int]) -> None:
         self._steps += 1
@@ -214,14 +217,20 @@ class LFUPolicy(HeapRankedPolicy):
     def on_access(self, slot: int, expert: int) -> None:
         self._last_use[slot] = next(self._clock)
         self._touched.add(slot)
+        self._recency = None
 
     on_load = on_access
 
     def on_hits(self, slots: Sequence[int], experts: Sequence[int]) -> None:
         self._last_use.update(zip(slots, self._clock))
         self._touched.update(slots)
+        self._recency = None
 
-    on_loads = on_hits
+    def on_loads(self, slots: Sequence[int], experts: Sequence[int]) -> None:
+        self._last_use.update(zip(slots, self._clock))
+        self._touched.update(slots)
+        # a wave that refills every slot leaves them in its load order, oldest first
+        self._recency = list(slots) if len(slots) == self.num_slots else None
 
     def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
         return (self._count.get(expert_of_slot[slot], 0), self._last_use[slot], slot)
@@ -231,12 +240,15 @@ class LFUPolicy(HeapRankedPolicy):
             return super().victims(count, protected, expert_of_slot)  # the heap
         self._stale = True
         self._touched.clear()
-        # the unprotected slots by (count, last use, slot): two stable sorts with C key functions
-        slots = list(itertools.filterfalse(protected.__contains__, range(self.num_slots)))
-        slots.sort(key=self._last_use.__getitem__)
+        # the unprotected slots by (count, last use, slot): two stable sorts with C key functions,
+        # the first skipped while the recency order is known (the waves of a step after the first)
+        recency = self._recency
+        if recency is None:
+            recency = self._recency = sorted(range(self.num_slots), key=self._last_use.__getitem__)
+        slots = list(itertools.filterfalse(protected.__contains__, recency)) if protected else recency
         counts = dict(zip(slots, map(self._count.get, map(expert_of_slot.__getitem__, slots), itertools.repeat(0))))
-        slots.sort(key=counts.__getitem__)
-        return slots[:count]
+        slots = sorted(slots, key=counts.__getitem__)
+        return slots if count >= len(slots) else slots[:count]
 
     def _keys(self, slots: Iterable[int], expert_of_slot: Sequence[int]) -> list[tuple]:
         slots = list(slots)  # the ranks of rank(), built in C

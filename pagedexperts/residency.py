@@ -123,11 +123,11 @@ class Residency:
         if len(hits) == len(union) and hits:  # the common decode case: one wave, nothing to load
             return StepPlan((Wave(tuple(hits), tuple(hit_slots), ()),), len(hits), 0)
         misses = list(itertools.filterfalse(self.slot_of_expert.__contains__, union))
-        waves = []
+        place, new_wave, waves = self._place, tuple.__new__, []  # Wave(...) would add a Python call
         for wave_hits, wave_hit_slots, wave_misses in self._waves(hits, hit_slots, misses):
-            slots = self._place(wave_misses, wave_hit_slots)
-            waves.append(Wave(tuple(wave_hits + wave_misses), tuple(wave_hit_slots + slots),
-                              _loads(wave_misses, slots)))
+            slots = place(wave_misses, wave_hit_slots)
+            waves.append(new_wave(Wave, (tuple(wave_hits + wave_misses), tuple(wave_hit_slots + slots),
+                                         _loads(wave_misses, slots))))
         return StepPlan(waves=tuple(waves), hits=len(hits), misses=len(misses))
 
     def replay_step(self, union: Sequence[int]) -> int:
@@ -166,17 +166,21 @@ class Residency:
         map and tells the policy. Returns the slots, in order (shorter if slots run out)."""
         if not experts:
             return []
-        free = min(len(experts), self.num_slots - self._filled)
-        slots = list(range(self._filled, self._filled + free))
-        self._filled += free
-        eos, soe = self.expert_of_slot, self.slot_of_expert
-        if len(experts) > free:
-            victims = self.policy.victims(len(experts) - free, {*protected, *slots}, eos)
-            consume(map(soe.pop, map(eos.__getitem__, victims)))  # evicted experts leave the map
-            slots += victims
+        eos, soe, n, free = self.expert_of_slot, self.slot_of_expert, len(experts), self.num_slots - self._filled
+        if free <= 0:  # the steady state: every slot holds an expert
+            slots = self.policy.victims(n, set(protected) if protected else (), eos)
+            consume(map(soe.pop, map(eos.__getitem__, slots)))  # evicted experts leave the map
+        else:
+            free = min(n, free)
+            slots = list(range(self._filled, self._filled + free))
+            self._filled += free
+            if n > free:
+                victims = self.policy.victims(n - free, {*protected, *slots}, eos)
+                consume(map(soe.pop, map(eos.__getitem__, victims)))
+                slots += victims
         consume(map(eos.__setitem__, slots, experts))
         soe.update(zip(experts, slots))
-        self.policy.on_loads(slots, experts[:len(slots)])
+        self.policy.on_loads(slots, experts if len(slots) == n else experts[:len(slots)])
         return slots
 
     def prefetch(self, experts: Sequence[int], *, budget: int) -> tuple[Load, ...]:
