@@ -11,6 +11,7 @@ Does not: keep the expert <-> slot map or plan waves (``residency``).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections import Counter, OrderedDict, deque
@@ -246,7 +247,7 @@ class LFUPolicy(HeapRankedPolicy):
         if recency is None:
             recency = self._recency = sorted(range(self.num_slots), key=self._last_use.__getitem__)
         slots = list(itertools.filterfalse(protected.__contains__, recency)) if protected else recency
-        counts = dict(zip(slots, map(self._count.get, map(expert_of_slot.__getitem__, slots), itertools.repeat(0))))
+        counts = list(map(self._count.__getitem__, expert_of_slot))  # by slot; a Counter: 0 if unseen
         slots = sorted(slots, key=counts.__getitem__)
         return slots if count >= len(slots) else slots[:count]
 
@@ -358,9 +359,9 @@ class AdaptivePolicy(EvictionPolicy):
         return self._rules[self.leader].victims(count, protected, expert_of_slot)
 
 
-def consume(iterator) -> None:
-    """Run an iterator of side effects to the end in C (the planner's bulk slot-map updates)."""
-    deque(iterator, maxlen=0)
+# consume(iterator): run an iterator of side effects to the end in C (the planner's bulk
+# slot-map updates); a partial, not a def, so a call adds no Python frame (~0.1 us, twice a wave)
+consume = functools.partial(deque, maxlen=0)
 
 
 _ANY_EXPERT = 1 << 30  # E of a ghost residency: ids are checked by the real one

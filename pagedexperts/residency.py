@@ -156,9 +156,15 @@ class Residency:
         evicts a hit of a later wave, and the hit slots read at the step's start stay true.
         """
         k, num_hits = self.num_slots, len(hits)
-        for i in range(0, num_hits + len(misses), k):
-            j = min(max(num_hits - i, 0), k)  # hits in this wave
-            yield hits[i:i + j], hit_slots[i:i + j], misses[max(i - num_hits, 0):max(i + k - num_hits, 0)]
+        only_hits = num_hits - num_hits % k  # hits in waves without misses
+        for i in range(0, only_hits, k):
+            yield hits[i:i + k], hit_slots[i:i + k], []
+        first = 0  # misses in the wave of the remaining hits
+        if num_hits > only_hits:
+            first = k - (num_hits - only_hits)
+            yield hits[only_hits:], hit_slots[only_hits:], misses[:first]
+        for i in range(first, len(misses), k):
+            yield [], [], misses[i:i + k]
 
     def _place(self, experts: list[int], protected: list[int]) -> list[int]:
         """Give each of ``experts`` (not resident) a slot: empty ones first (lowest id), then
@@ -169,7 +175,10 @@ class Residency:
         eos, soe, n, free = self.expert_of_slot, self.slot_of_expert, len(experts), self.num_slots - self._filled
         if free <= 0:  # the steady state: every slot holds an expert
             slots = self.policy.victims(n, set(protected) if protected else (), eos)
-            consume(map(soe.pop, map(eos.__getitem__, slots)))  # evicted experts leave the map
+            if len(slots) == self.num_slots:  # every resident expert leaves
+                soe.clear()
+            else:
+                consume(map(soe.pop, map(eos.__getitem__, slots)))  # evicted experts leave the map
         else:
             free = min(n, free)
             slots = list(range(self._filled, self._filled + free))
