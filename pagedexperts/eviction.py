@@ -244,9 +244,13 @@ class LFUPolicy(HeapRankedPolicy):
         # the unprotected slots by (count, last use, slot): two stable sorts with C key functions,
         # the first skipped while the recency order is known (the waves of a step after the first)
         recency = self._recency
-        if recency is None:
-            recency = self._recency = sorted(range(self.num_slots), key=self._last_use.__getitem__)
-        slots = list(itertools.filterfalse(protected.__contains__, recency)) if protected else recency
+        if recency is not None:
+            slots = list(itertools.filterfalse(protected.__contains__, recency)) if protected else recency
+        elif protected:  # the first wave of a step, after its hits: few slots left to rank
+            slots = sorted(itertools.filterfalse(protected.__contains__, range(self.num_slots)),
+                           key=self._last_use.__getitem__)
+        else:
+            slots = self._recency = sorted(range(self.num_slots), key=self._last_use.__getitem__)
         counts = list(map(self._count.__getitem__, expert_of_slot))  # by slot; a Counter: 0 if unseen
         slots = sorted(slots, key=counts.__getitem__)
         return slots if count >= len(slots) else slots[:count]
