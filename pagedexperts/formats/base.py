@@ -166,6 +166,12 @@ class ExpertFormat:
         """
         return cls.from_quantization_config(quantization_config)
 
+    def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype transformers keeps this format's dequantized routed experts in when the
+        model is loaded at ``model_dtype`` (``layout``'s quantized dense specs are in it).
+        Default: ``model_dtype``; compressed-tensors int4 keeps the scales' dtype."""
+        return model_dtype
+
     def reference_kwargs(self) -> dict:
         """Extra ``from_pretrained`` kwargs that make transformers build the dequantized model
         this format's ``dequantize`` matches on every device (on a GPU transformers would

@@ -173,6 +173,10 @@ class CompressedTensorsW4A16Format(ExpertFormat):
             fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
         return fmt
 
+    def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The scales' dtype when bound (transformers stacks the experts in it), else ``model_dtype``."""
+        return self.scale_dtype or model_dtype
+
     def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
         """As ``ExpertFormat.layout``, with every quantized dense tensor in the scales' dtype
         (when bound): transformers' ``CompressedTensorsDequantize`` stacks the routed experts
