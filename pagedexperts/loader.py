@@ -110,7 +110,7 @@ class PagingRuntime:
 
     @property
     def dense_expert_bytes(self) -> int:
-        """Bytes of one expert dequantized to the model's dtype (one dense slot)."""
+        """Bytes of one expert dequantized (the experts' dtype: the model's, or a W4A16 checkpoint's scales'): one dense slot."""
         return next(iter(self.layouts.values())).dense_expert_bytes
 
 

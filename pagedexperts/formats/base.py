@@ -112,7 +112,7 @@ class ExpertLayout:
 
     @property
     def dense_expert_bytes(self) -> int:
-        """Bytes of one expert dequantized (the model's dtype): one dense slot."""
+        """Bytes of one expert dequantized (the dense specs' dtype): one dense slot."""
         return sum(s.row_bytes for s in self.dense_specs)
 
     @property
