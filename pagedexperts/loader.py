@@ -110,7 +110,8 @@ class PagingRuntime:
 
     @property
     def dense_expert_bytes(self) -> int:
-        """Bytes of one expert dequantized (the experts' dtype: the model's, or a W4A16 checkpoint's scales'): one dense slot."""
+        """Bytes of one expert dequantized (one dense slot), in the experts' dtype: the model's,
+        or a W4A16 checkpoint's scales' (``ExpertFormat.experts_dtype``)."""
         return next(iter(self.layouts.values())).dense_expert_bytes
 
 
