@@ -110,7 +110,8 @@ class PagingRuntime:
 
     @property
     def dense_expert_bytes(self) -> int:
-        """Bytes of one expert dequantized to the model's dtype (one dense slot)."""
+        """Bytes of one expert dequantized (one dense slot), in the experts' dtype: the model's,
+        or a W4A16 checkpoint's scales' (``ExpertFormat.experts_dtype``)."""
         return next(iter(self.layouts.values())).dense_expert_bytes
 
 
@@ -126,6 +127,33 @@ def resolve_dtype(name: str | None, config) -> torch.dtype:
     if name not in choices:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(choices)} (--dtype)")
     return choices[name]
+
+
+# The experts kernels that run routed experts held in another dtype than the model's:
+# transformers' ``_grouped_mm`` casts its input to the weights' dtype; ``eager`` and
+# ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes.
+MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm",)
+
+
+def check_experts_dtype(fmt: ExpertFormat, model_dtype: torch.dtype, experts_implementation: str) -> None:
+    """Refuse a kernel that cannot run ``fmt``'s experts at ``model_dtype``: transformers keeps
+    a compressed-tensors int4 checkpoint's dequantized experts in its scales' dtype (float32
+    scales loaded at --dtype bfloat16: float32 experts in a bfloat16 model), and only
+    ``grouped_mm`` runs them; unpaged transformers fails the same way under the others.
+
+    Raises:
+        ValueError: names the format, both dtypes, the implementation and the flags to change.
+    """
+    experts = fmt.experts_dtype(model_dtype)
+    if experts != model_dtype and experts_implementation not in MIXED_DTYPE_IMPLEMENTATIONS:
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        raise ValueError(
+            f"--experts-implementation {experts_implementation} cannot run this {fmt.name} checkpoint at "
+            f"--dtype {name(model_dtype)}: transformers keeps its dequantized routed experts in the scales' "
+            f"dtype {name(experts)} and the {experts_implementation} kernel fails on {name(model_dtype)} inputs "
+            f"with {name(experts)} weights (unpaged transformers too); use --experts-implementation grouped_mm "
+            f"or --dtype {name(experts)}"
+        )
 
 
 @contextlib.contextmanager
@@ -231,6 +259,7 @@ def load_model(
     if fmt.name == "dense" and slot_format != DEFAULT_SLOT_FORMAT:
         logger.warning("--slot-format %s has no effect: %s is not quantized (its slots hold dense experts)",
                        slot_format, path)
+    check_experts_dtype(fmt, resolve_dtype(dtype, config), experts_implementation)
     fill = functools.partial(stream_checkpoint, model_type=config.model_type, files=files, fmt=fmt)
     model = build_paged_model(
         config, fill, num_resident=num_resident, device=device, dtype=dtype,

@@ -210,7 +210,9 @@ def test_quantize_refuses_bad_input_before_writing(bf16_dir, tmp_path):
 def test_scales_keep_the_checkpoint_dtype_under_another_model_dtype(bf16_dir, tmp_path):
     """A bf16 checkpoint loaded as float32: the store holds its scales in bf16 (a float32 store
     would hold widened scales and dequantize in float32, unlike transformers' bf16 arithmetic),
-    and the dequantized rows equal the bf16 weights transformers builds, widened."""
+    and the dequantized experts stay in bf16, the dtype transformers itself keeps them in."""
+    from transformers import AutoModelForCausalLM
+
     out = tmp_path / "q"
     quantize_checkpoint(model_path=bf16_dir, output=out, options=QuantizeOptions("w4a16", group_size=64))
     fmt, layout = _layout(out, torch.float32)
@@ -218,4 +220,7 @@ def test_scales_keep_the_checkpoint_dtype_under_another_model_dtype(bf16_dir, tm
     assert scales == {"gate_up_proj_scale": torch.bfloat16, "down_proj_scale": torch.bfloat16}
     got = layout.dequantize(_rows(out, 0, layout))
     bf16 = _layout(out, torch.bfloat16)[1].dequantize(_rows(out, 0, layout))
-    assert got["down_proj"].dtype == torch.float32 and torch.equal(got["down_proj"], bf16["down_proj"].float())
+    reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    experts = next(m for m in reference.modules() if type(m).__name__.endswith("Experts"))
+    assert got["down_proj"].dtype == experts.down_proj.dtype == torch.bfloat16
+    assert torch.equal(got["down_proj"], bf16["down_proj"]) and torch.equal(got["down_proj"], reference.model.layers[0].mlp.experts.down_proj)

@@ -169,3 +169,51 @@ def test_check_command_on_gptq_uses_the_resident_reference_and_says_so(pairs, ca
     out = capsys.readouterr().out
     assert rc == 0 and out.count("PASS (bit-identical)") == 2, out
     assert any("transformers cannot load this gptq checkpoint" in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture(scope="module")
+def w4a16_fp32_scales(tmp_path_factory) -> Path:
+    """A w4a16 checkpoint quantized from a float32 model (``quantize``): float32 scales, as
+    ``bundled:w4a16``."""
+    root = tmp_path_factory.mktemp("w4a16_fp32_scales")
+    src = root / "src"
+    build_model("qwen3_moe").to(torch.float32).save_pretrained(src)
+    save_char_tokenizer(src)
+    out = root / "w4a16"
+    quantize_checkpoint(model_path=src, output=out, options=QuantizeOptions("w4a16", group_size=GROUP, symmetric=True))
+    return out
+
+
+@pytest.mark.slow
+def test_w4a16_float32_scales_at_bfloat16_equal_transformers(w4a16_fp32_scales, threads):
+    """Loaded at bfloat16, transformers keeps the dequantized routed experts in the scales'
+    dtype (float32) and grouped_mm computes them in float32; the paged model must dequantize
+    its waves (packed slots) and slots (dense) into float32 too (was 0.09 off in bfloat16)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        w4a16_fp32_scales, dtype=torch.bfloat16, experts_implementation="grouped_mm").eval()
+    experts = next(m for m in reference.modules() if type(m).__name__.endswith("Experts"))
+    assert (experts.gate_up_proj.dtype, experts.down_proj.dtype, reference.lm_head.weight.dtype) == (
+        torch.float32, torch.float32, torch.bfloat16), "transformers' loading changed: revisit the w4a16 layout"
+    tokenizer = AutoTokenizer.from_pretrained(w4a16_fp32_scales)
+    for k, slot_format in ((TOP_K, "packed"), (E // 2, "packed"), (TOP_K, "dense")):
+        paged, _ = load_model(w4a16_fp32_scales, num_resident=k, dtype="bfloat16", slot_format=slot_format)
+        assert_exact(paged, reference, tokenizer, f"w4a16 fp32 scales at bfloat16 K={k} {slot_format} slots")
+        _padded_batch_exact(paged, reference)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
+def test_w4a16_float32_scales_at_bfloat16_refused_where_transformers_fails(w4a16_fp32_scales, implementation, capsys):
+    """eager and batched_mm cannot multiply bfloat16 inputs by the float32 experts (unpaged
+    transformers raises too): load_model and ``check`` refuse up front naming the configuration."""
+    from pagedexperts.cli import main
+
+    with pytest.raises(ValueError, match=f"--experts-implementation {implementation} cannot run this w4a16 "
+                                         r"checkpoint at --dtype bfloat16: .*scales' dtype float32"):
+        load_model(w4a16_fp32_scales, dtype="bfloat16", experts_implementation=implementation)
+    rc = main(["check", "--model-path", str(w4a16_fp32_scales), "--dtype", "bfloat16",
+               "--experts-implementation", implementation])
+    err = capsys.readouterr().err
+    assert rc != 0 and f"{implementation} cannot run this w4a16 checkpoint" in err and "Traceback" not in err, err
+    load_model(w4a16_fp32_scales, num_resident=TOP_K, experts_implementation=implementation)  # float32: not refused

@@ -168,8 +168,9 @@ class TestLinkbenchCuda:
 @pytest.mark.parametrize("fmt", ["fp8-block", "w4a16"])
 def test_quantized_dense_slots_and_weights_are_sized_at_the_run_dtype(tiny_moe_dir, tmp_path, fmt, capsys):
     """A float32 checkpoint quantized, run as bfloat16 with dense slots: preflight's dense slot
-    and non-expert bytes are what load_model allocates (dequantized experts and non-expert
-    weights both at the run dtype, not the checkpoint's)."""
+    and non-expert bytes are what load_model allocates (non-expert weights at the run dtype;
+    dequantized experts too for fp8-block, in the float32 scales' dtype for w4a16, as
+    transformers keeps them)."""
     from pagedexperts.loader import load_model
     from pagedexperts.quantize import QuantizeOptions, quantize_checkpoint
 

@@ -63,7 +63,8 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int) -> str:
 
 def run(args) -> int:
     from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
-    from pagedexperts.loader import check_device, load_model, read_checkpoint_config
+    from pagedexperts.formats import format_for_config
+    from pagedexperts.loader import check_device, check_experts_dtype, load_model, read_checkpoint_config, resolve_dtype
     from pagedexperts.models.families import num_routed_experts
 
     if args.max_new_tokens <= 0:
@@ -72,6 +73,7 @@ def run(args) -> int:
     num_experts, top_k = num_routed_experts(config), int(config.num_experts_per_tok)
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
     check_device(args.device)
+    check_experts_dtype(format_for_config(config), resolve_dtype(args.dtype, config), args.experts_implementation)
     reference = load_reference(
         args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
     )

@@ -75,6 +75,16 @@ def run_preflight(args) -> int:
     return 0
 
 
+def _experts_dtype(config: dict, dtype: str) -> str:
+    """Name of the dtype a quantized checkpoint's dequantized experts take when run at ``dtype``
+    (``ExpertFormat.experts_dtype``: a W4A16 checkpoint's scales' dtype, as transformers keeps them)."""
+    import torch
+
+    from pagedexperts.formats import format_for_config
+
+    return str(format_for_config(config).experts_dtype(getattr(torch, dtype))).removeprefix("torch.")
+
+
 def _model_inputs(args) -> dict:
     """Model shape from --model-path or from the explicit flags; validated."""
     if args.model_path:
@@ -97,8 +107,8 @@ def _model_inputs(args) -> dict:
             expert_bytes=sizes.expert_bytes,
             kv_bytes_per_token=sizing.kv_bytes_per_token(config=config, kv_dtype=args.kv_dtype, model_dtype=dtype),
             non_expert_bytes=sizes.non_expert_bytes,
-            dense_expert_bytes=(sizing.dense_expert_bytes(config=config, dtype=dtype) if quantized
-                                else sizes.expert_bytes),
+            dense_expert_bytes=(sizing.dense_expert_bytes(config=config, dtype=_experts_dtype(config, dtype))
+                                if quantized else sizes.expert_bytes),
             dtype=dtype,
         )
     if args.slot_format == "dense":

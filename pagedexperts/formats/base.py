@@ -112,7 +112,7 @@ class ExpertLayout:
 
     @property
     def dense_expert_bytes(self) -> int:
-        """Bytes of one expert dequantized (the model's dtype): one dense slot."""
+        """Bytes of one expert dequantized (the dense specs' dtype): one dense slot."""
         return sum(s.row_bytes for s in self.dense_specs)
 
     @property
@@ -165,6 +165,12 @@ class ExpertFormat:
         whose tensors take the checkpoint's saved dtype (compressed-tensors scales) reads it here.
         """
         return cls.from_quantization_config(quantization_config)
+
+    def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype transformers keeps this format's dequantized routed experts in when the
+        model is loaded at ``model_dtype`` (``layout``'s quantized dense specs are in it).
+        Default: ``model_dtype``; compressed-tensors int4 keeps the scales' dtype."""
+        return model_dtype
 
     def reference_kwargs(self) -> dict:
         """Extra ``from_pretrained`` kwargs that make transformers build the dequantized model

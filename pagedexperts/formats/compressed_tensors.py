@@ -18,21 +18,26 @@ On-disk layout (compressed-tensors 0.20 ``PackedQuantizationCompressor``, source
 Dequantize (``compressed_tensors.quantization.lifecycle.forward._dequantize``):
 ``w = (q.to(s.dtype) - zp.to(s.dtype)) * s`` per group of ``group_size`` columns, in the
 scale's dtype, then cast to the model's dtype (transformers' ``CompressedTensorsDequantize``
-copies it into the merged expert parameter). Known transformers 5.24 quirks: it cannot load
-asymmetric MoE experts (its ``CompressedTensorsDequantize`` drops ``weight_zero_point``), and
-loaded with a ``dtype`` other than the checkpoint's it leaves the expert parameters in the
-scales' dtype; pagedexperts dequantizes the same values and computes in the model's dtype.
+allocates the merged expert parameter in the dequantized weight's dtype: the scales'). Known
+transformers 5.24 quirks: it cannot load asymmetric MoE experts (its
+``CompressedTensorsDequantize`` drops ``weight_zero_point``), and loaded with a ``dtype`` other
+than the checkpoint's it leaves the routed experts' dense weights in the scales' dtype (the
+rest of the model in ``dtype``); pagedexperts does the same (``layout``): its wave scratch and
+dense slots hold the experts in the scales' dtype, and the model's experts kernel casts its
+input to them as it does unpaged (``grouped_mm``; ``eager`` and ``batched_mm`` fail on the
+mixed dtypes, in transformers' reference as in the paged model).
 
 Legend: n experts dequantized together, O output features, I input features, G groups.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
 
 PACK_FACTOR = 8  # int4 values per int32 word
 INT4_OFFSET = 8  # stored nibble = signed value + 8
@@ -167,6 +172,24 @@ class CompressedTensorsW4A16Format(ExpertFormat):
             saved = get("dtype") or get("torch_dtype")
             fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
         return fmt
+
+    def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The scales' dtype when bound (transformers stacks the experts in it), else ``model_dtype``."""
+        return self.scale_dtype or model_dtype
+
+    def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
+        """As ``ExpertFormat.layout``, with every quantized dense tensor in the scales' dtype
+        (when bound): transformers' ``CompressedTensorsDequantize`` stacks the routed experts
+        in the dtype compressed-tensors dequantizes into (the scales'), not the model's, so a
+        checkpoint loaded at another ``--dtype`` computes its experts in the scales' dtype.
+        Passthrough tensors (biases) keep the model's dtype."""
+        base = super().layout(dense_specs, sources=sources, transposed=transposed)
+        if self.scale_dtype is None:
+            return base
+        return ExpertLayout(self, tuple(
+            t if t.is_passthrough else QuantizedTensor(dataclasses.replace(t.dense, dtype=self.scale_dtype), t.packed)
+            for t in base.tensors
+        ))
 
     def _groups(self, in_features: int) -> int:
         if self.group_size is None:
