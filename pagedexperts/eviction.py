@@ -138,7 +138,8 @@ class HeapRankedPolicy(RankedPolicy):
     next asked for (a hit costs O(1) until then), outdated keys are dropped as they surface.
     A few victims cost O(log K) each. When a call needs at least K/4 victims, or K/4 slots were
     touched since the last call, the unprotected slots are ranked at once instead (one O(K)
-    pass, paid for by those victims or hits), so no miss costs O(K).
+    pass, paid for by those victims or hits), so no miss costs O(K): ``_rank_victims``, which
+    subclasses may override with a faster equivalent.
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -160,7 +161,7 @@ class HeapRankedPolicy(RankedPolicy):
         if 4 * count >= k or 4 * len(self._touched) >= k:  # rank the unprotected slots once
             self._stale = True
             self._touched.clear()
-            return super().victims(count, protected, expert_of_slot)
+            return self._rank_victims(count, protected, expert_of_slot)
         if self._stale or len(heap) > 4 * k:  # rebuilt also when outdated keys pile up
             heap[:] = self._keys(range(k), expert_of_slot)
             heapq.heapify(heap)
@@ -181,6 +182,8 @@ class HeapRankedPolicy(RankedPolicy):
         for key in kept:
             heapq.heappush(heap, key)
         return [key[-1] for key in out]  # popped: re-pushed when they are loaded (touched)
+
+    _rank_victims = RankedPolicy.victims  # every unprotected slot ranked at once, O(K)
 
 
 class LFUPolicy(HeapRankedPolicy):
@@ -236,11 +239,7 @@ class LFUPolicy(HeapRankedPolicy):
     def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
         return (self._count.get(expert_of_slot[slot], 0), self._last_use[slot], slot)
 
-    def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
-        if count <= 0 or (4 * count < self.num_slots and 4 * len(self._touched) < self.num_slots):
-            return super().victims(count, protected, expert_of_slot)  # the heap
-        self._stale = True
-        self._touched.clear()
+    def _rank_victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
         # the unprotected slots by (count, last use, slot): two stable sorts with C key functions,
         # the first skipped while the recency order is known (the waves of a step after the first)
         recency = self._recency
