@@ -18,6 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
+from pagedexperts.storage.tier_stats import TierStats
+
 WINDOW = 1024  # most recent samples per layer and kind that p50/p99 are taken over
 # Histogram upper bounds in seconds (``le``), 1 us to 1 s; the +Inf bucket is implicit.
 TIME_BUCKETS_S = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
@@ -206,7 +208,7 @@ class ModelStats:
 
     layers: dict[int, LayerStats] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
-    # disk tier on: MoE layer -> its host/disk counters (``storage.host_tier.TierStats``)
+    # disk tier on: MoE layer -> its host/disk counters (``storage.tier_stats.TierStats``)
     tiers: dict = field(default_factory=dict)
 
     @classmethod
@@ -216,15 +218,11 @@ class ModelStats:
     def tier_totals(self) -> dict:
         """Host and disk tier counters summed over layers (``TierStats.as_dict`` keys, all
         zero without a disk tier), plus ``disk_bytes_per_token``."""
-        totals = None
+        totals = TierStats()
         for t in self.tiers.values():
-            if totals is None:
-                totals = type(t)()
             totals.merge(t)
-        keys = ("host_hits", "host_misses", "host_hit_rate", "disk_reads", "disk_preads", "disk_bytes_read",
-                "disk_read_s", "disk_read_p50_s", "disk_read_p99_s", "read_ahead_issued", "read_ahead_used")
-        d = totals.as_dict() if totals is not None else dict.fromkeys(keys, 0)
-        d["disk_tier"] = totals is not None
+        d = totals.as_dict()
+        d["disk_tier"] = bool(self.tiers)
         d["disk_bytes_per_token"] = d["disk_bytes_read"] / self.tokens if self.tokens else 0.0
         return d
 
