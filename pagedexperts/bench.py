@@ -234,11 +234,9 @@ def _moe_layers(model_path) -> list[int]:
     from transformers import AutoConfig
 
     from pagedexperts.loader import bundled_model_path
+    from pagedexperts.models.families import moe_layer_indices
 
-    cfg = AutoConfig.from_pretrained(model_path or bundled_model_path())
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    skip = set(getattr(cfg, "mlp_only_layers", []) or [])
-    return [i for i in range(cfg.num_hidden_layers) if i not in skip and (i + 1) % step == 0]
+    return moe_layer_indices(AutoConfig.from_pretrained(model_path or bundled_model_path()))
 
 
 def markdown_table(results: list[ModeResult], concurrency) -> str:

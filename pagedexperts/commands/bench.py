@@ -83,8 +83,8 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
     Raises:
         ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
     """
-    from pagedexperts.bench import _moe_layers
     from pagedexperts.loader import check_num_resident, read_checkpoint_config
+    from pagedexperts.models.families import moe_layer_indices
 
     ks, concurrency = _ints(args.num_resident, "--num-resident"), _ints(args.concurrency, "--concurrency")
     for flag, values in (("--concurrency", concurrency), ("--num-prompts", [args.num_prompts]),
@@ -98,7 +98,7 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
         ks = tuple(sorted({min(e, 2 * k), min(e, 4 * k), max(k, e // 2)}))
     for x in ks:
         check_num_resident(x, e, k)
-    num_moe = len(_moe_layers(args.model_path))
+    num_moe = len(moe_layer_indices(c))  # the loader's limit: its MoE sites follow the family rule
     if "cpu-experts" in modes and not 0 <= args.cpu_expert_layers <= num_moe:
         raise ValueError(f"--cpu-expert-layers {args.cpu_expert_layers} outside [0, {num_moe}] (the model's MoE "
                          "layers; 0 = half)")
