@@ -84,7 +84,7 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
         ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
     """
     from pagedexperts.loader import check_num_resident, read_checkpoint_config
-    from pagedexperts.models.families import moe_layer_indices
+    from pagedexperts.models.families import moe_layer_indices, num_routed_experts
 
     ks, concurrency = _ints(args.num_resident, "--num-resident"), _ints(args.concurrency, "--concurrency")
     for flag, values in (("--concurrency", concurrency), ("--num-prompts", [args.num_prompts]),
@@ -93,7 +93,7 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
             if v < 1:
                 raise ValueError(f"{flag} {v} must be >= 1")
     _, c, _ = read_checkpoint_config(args.model_path)
-    k, e = int(c.num_experts_per_tok), int(getattr(c, "num_experts", 0) or c.num_local_experts)
+    k, e = int(c.num_experts_per_tok), num_routed_experts(c)
     if "paged" in modes and not ks:
         ks = tuple(sorted({min(e, 2 * k), min(e, 4 * k), max(k, e // 2)}))
     for x in ks:
