@@ -217,6 +217,16 @@ def stream_checkpoint(model, sites, stores, device, *, model_type, files, fmt: E
                 f"checkpoint lacks expert tensors of {name}: {len(lacking)} (tensor, expert) rows, "
                 f"e.g. {lacking[:4]}"
             )
+    check_model_filled(model)
+
+
+def check_model_filled(model) -> None:
+    """Tie the embeddings when the config says so, then check that no parameter is left on the
+    meta device (every non-expert tensor came from the checkpoint).
+
+    Raises:
+        ValueError: model tensors the checkpoint lacks (names a few).
+    """
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]

@@ -236,9 +236,6 @@ def moe_shape(*, config: dict) -> MoEShape:
     return MoEShape(num_experts=int(e), top_k=int(k), num_layers=n, moe_layers=tuple(layers))
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def dense_expert_bytes(*, config: dict, dtype: str | None = None) -> int:
     """Bytes of one routed expert dequantized to ``dtype`` (None: the config's ``dtype`` /
     ``torch_dtype``, else bfloat16): what a dense slot holds per layer.
@@ -252,12 +249,12 @@ def dense_expert_bytes(*, config: dict, dtype: str | None = None) -> int:
     """
     cfg = _text_config(config)
     name = str(dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").replace("torch.", "")
-    if name not in _DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPE_BYTES)} (--dtype)")
+    if name not in RUN_DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(RUN_DTYPE_BYTES)} (--dtype)")
     h = int(cfg["hidden_size"])
     i = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     biases = 2 * i + h if cfg.get("model_type") == "gpt_oss" else 0
-    return (3 * h * i + biases) * _DTYPE_BYTES[name]
+    return (3 * h * i + biases) * RUN_DTYPE_BYTES[name]
 
 
 def _is_moe_layer(cfg: dict, i: int) -> bool:

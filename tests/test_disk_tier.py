@@ -109,6 +109,33 @@ def make_store(path, *, rows: int = 2, read_ahead=None) -> TieredExpertStore:
     return store
 
 
+def test_host_rows_pin_exactly_their_bytes_or_fall_back_like_the_store(monkeypatch, caplog):
+    """The R host rows are page-locked as the full store is (exactly R x row bytes, no
+    power-of-two pinned-allocator block), with its fallback on a failure."""
+    from pagedexperts import store as store_module
+    from pagedexperts.formats.base import TensorSpec
+
+    registered, fail = {}, []
+
+    def register(t):
+        if fail:
+            return 2  # cudaErrorMemoryAllocation
+        registered[t.data_ptr()] = t.numel() * t.element_size()
+        return 0
+
+    monkeypatch.setattr(store_module, "host_register", register)
+    monkeypatch.setattr(store_module, "host_unregister", lambda ptr: 0 if registered.pop(ptr, None) else 1)
+    specs = [TensorSpec("gate_up_proj", (6, 4), torch.float32), TensorSpec("down_proj", (4, 3), torch.float32)]
+    store = TieredExpertStore(specs, E, 3, policy="lru", pin=True, layer=0)
+    assert store.pinned and store.fallback is None
+    assert sorted(registered.values()) == sorted([3 * 6 * 4 * 4, 3 * 4 * 3 * 4])
+    fail.append(True)
+    with caplog.at_level("WARNING", logger="pagedexperts.store"):
+        failed = TieredExpertStore(specs, E, 3, policy="lru", pin=True, layer=0)
+    assert not failed.pinned and f"page-locking {3 * 6 * 4 * 4:,} bytes" in failed.fallback
+    assert caplog.records[-1].getMessage() == failed.fallback
+
+
 def slots_for(store, k: int = 3) -> dict[str, torch.Tensor]:
     return {s.name: torch.zeros((k, *s.shape), dtype=s.dtype) for s in store.specs}
 

@@ -126,9 +126,9 @@ def _model_inputs(args) -> dict:
     if args.dtype != "auto":
         raise ValueError("--dtype sizes a --model-path checkpoint; with explicit numbers pass --expert-mb and "
                          "--non-expert-gb at the run dtype")
-    kv = args.kv_bytes_per_token
-    if args.kv_dtype in ("fp8", "fp32"):
-        kv = kv // 2 if args.kv_dtype == "fp8" else kv * 2  # explicit numbers are taken as bf16 KV
+    kv = args.kv_bytes_per_token  # explicit numbers are taken as bf16 KV (2 bytes per value)
+    if args.kv_dtype != "auto":
+        kv = kv * sizing.KV_DTYPE_BYTES[args.kv_dtype] // 2
     return dict(
         model="explicit",
         moe_layers=args.layers,

@@ -83,7 +83,7 @@ class DenseSlots(dict):
     """Dense slot tensors {dense name: [K, ...]} of a quantized layer, filled at page-in.
 
     ``HostExpertStore.copy_to_slot`` hands a page-in to ``write_expert`` when given this table,
-    ``TieredExpertStore.copy_to_slot`` to ``write_rows``.
+    and so does ``TieredExpertStore.copy_to_slot`` (its host rows are a ``HostExpertStore``).
     ``staging``: {packed name: [1, ...]} on the device, shared by the layers of one model.
     """
 

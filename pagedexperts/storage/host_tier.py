@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from pagedexperts.residency import Residency, make_policy
+from pagedexperts.store import HostExpertStore
 from pagedexperts.storage.safetensors_index import DiskReadError, Extent, read_extent
 from pagedexperts.storage.tier_stats import TierStats
 
@@ -64,7 +65,8 @@ class TieredExpertStore:
     Args:
         specs: the layer's per-expert tensors; num_experts: E; host_rows: R, 1 <= R <= E.
         policy: eviction policy name for the host rows (``residency.POLICIES``).
-        pin: page-locked host rows (CUDA); layer: for error messages.
+        pin: page-lock the host rows (CUDA), at exact size and with the same fallback as
+            ``HostExpertStore`` (``pinned``, ``fallback``); layer: for error messages.
         read_ahead: the model's shared ``ReadAhead`` (None: no read-ahead).
 
     Raises:
@@ -80,9 +82,9 @@ class TieredExpertStore:
         self.host_rows = host_rows
         self.expert_bytes = sum(s.row_bytes for s in self.specs)
         self.layer = layer
-        self.pinned = pin
-        self.fallback: str | None = None
-        self.rows = {s.name: torch.empty((host_rows, *s.shape), dtype=s.dtype, pin_memory=pin) for s in self.specs}
+        # the R host rows: a store of R "experts", page-locked at exact size like the full store
+        self._host = HostExpertStore(self.specs, host_rows, pin=pin)
+        self.rows = self._host.tensors
         self.residency = Residency(num_experts, host_rows, make_policy(policy, host_rows))
         self.tier_stats = TierStats()
         self._row_expert = [-1] * host_rows  # expert whose bytes a row holds (-1: none / failed)
@@ -96,6 +98,15 @@ class TieredExpertStore:
     @property
     def host_bytes(self) -> int:
         return self.expert_bytes * self.host_rows
+
+    @property
+    def pinned(self) -> bool:
+        return self._host.pinned
+
+    @property
+    def fallback(self) -> str | None:
+        """Why the host rows are pageable though pinning was asked (``HostExpertStore``)."""
+        return self._host.fallback
 
     def reset(self) -> None:
         """Empty host rows and zeroed counters, as after loading (e.g. after a start-up check
@@ -118,13 +129,7 @@ class TieredExpertStore:
             DiskReadError: the checkpoint file could not be read (now or at an earlier page-in).
         """
         row = self._host_row(expert)
-        write_rows = getattr(slots, "write_rows", None)  # dense slots of a quantized layer
-        if write_rows is not None:
-            write_rows({name: host[row] for name, host in self.rows.items()}, slot, pinned=self.pinned)
-        else:
-            for name, host in self.rows.items():
-                dst = slots[name][slot]
-                dst.copy_(host[row], non_blocking=self.pinned and dst.is_cuda)
+        self._host.copy_to_slot(row, slot, slots)
         if self.pinned and next(iter(slots.values())).is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream())

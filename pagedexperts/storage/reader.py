@@ -98,7 +98,7 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
         ValueError: see ``CheckpointIndex``; a model tensor the checkpoint lacks.
         DiskReadError: a shard that ends early.
     """
-    from pagedexperts.checkpoint import KeyMap, load_plain_tensor
+    from pagedexperts.checkpoint import KeyMap, check_model_filled, load_plain_tensor
 
     index = CheckpointIndex(files, KeyMap(model_type, sites), sites)
     jobs: list[tuple[Extent, torch.Tensor]] = []
@@ -128,11 +128,7 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
                 unexpected.append(raw_key)
     if unexpected:
         logger.warning("checkpoint keys not used by the model: %d (first: %s)", len(unexpected), unexpected[:3])
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} model tensors, e.g. {missing[:4]}")
+    check_model_filled(model)
 
 
 def empty_like_mapped(entry) -> torch.Tensor:
