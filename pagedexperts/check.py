@@ -62,13 +62,14 @@ def load_reference(model_path, *, device: str, dtype: str | None, experts_implem
     path = model_path or bundled_model_path()
     config = AutoConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)
+    fmt = format_for_config(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, experts_implementation=experts_implementation,
-            **format_for_config(config).reference_kwargs(),  # quantized: transformers' dequantized build
+            **fmt.reference_kwargs(),  # quantized: transformers' dequantized build
         )
     except ImportError as exc:
-        return _resident_reference(path, config, exc, device=device, dtype=dtype,
+        return _resident_reference(path, fmt, exc, device=device, dtype=dtype,
                                    experts_implementation=experts_implementation)
     return model.to(device).eval()
 
@@ -77,15 +78,13 @@ def load_reference(model_path, *, device: str, dtype: str | None, experts_implem
 KERNEL_ONLY_FORMATS = ("gptq", "awq")
 
 
-def _resident_reference(path, config, exc: ImportError, *, device: str, dtype, experts_implementation: str):
+def _resident_reference(path, fmt, exc: ImportError, *, device: str, dtype, experts_implementation: str):
     """For GPTQ/AWQ where transformers cannot load (``exc``): the resident model, every expert
     dequantized once by pagedexperts' format (itself tested against the published
     dequantization in tests/test_format_gptq_awq.py). Logs a WARNING: this checks paging, not
     the dequantization. Any other format re-raises ``exc``."""
-    from pagedexperts.formats import format_for_config
     from pagedexperts.loader import load_model
 
-    fmt = format_for_config(config)
     if fmt.name not in KERNEL_ONLY_FORMATS:
         raise exc
     logger.warning(

@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pagedexperts.formats.slots import allocate
 from pagedexperts.prefetch import PrefetchStats
 from pagedexperts.residency import EvictionPolicy, Residency, StepPlan, Wave
 from pagedexperts.stats import LayerStats
@@ -127,10 +128,7 @@ class ExpertPager:
         self.inner = inner
         self.copy_stream = copy_stream
         self.stats = LayerStats()
-        self.slots = slots if slots is not None else {
-            spec.name: torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=self.device)
-            for spec in store.specs
-        }
+        self.slots = slots if slots is not None else allocate(store.specs, num_slots, self.device)
         self.transfers = SlotTransfers(self.slots, self.device, copy_stream)
         self.dequantizer = dequantizer
         # expert -> slot at its last page-in (plan or prefetch): exact for every resident

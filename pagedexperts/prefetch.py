@@ -80,14 +80,6 @@ class NextLayerPrefetcher:
         self.on_predict = on_predict
         self._pending: list[int] | None = None
 
-    def predict(self, hidden_states) -> None:
-        """Layer l's experts input [T, H] -> layer l+1's predicted experts (kept until issue).
-        Reads the prediction back on its own; the pager instead reads ``predict_ids``' result
-        together with its top-k ids (one transfer) and hands it to ``take_prediction``."""
-        from pagedexperts.transfer import read_back
-
-        self.take_prediction(read_back([self.predict_ids(hidden_states)]))
-
     def predict_ids(self, hidden_states):
         """Layer l's experts input [T, H] -> layer l+1's predicted top-k ids [T, k] (int64, on
         the device; no sync)."""
@@ -119,17 +111,11 @@ class NextLayerPrefetcher:
         loads = target.residency.prefetch(self._pending, budget=self.budget)
         self._pending = None
         if loads:
-            copy_loads(target, loads)
+            target.copy_in(loads)  # copy stream on CUDA, ordered by ``transfer``
         stats.issued += len(loads)
         stats.bytes += len(loads) * target.store.expert_bytes
         stats.pending.update(load.expert for load in loads)
         stats.issue_s += time.perf_counter() - t0
-
-
-def copy_loads(pager, loads) -> None:
-    """Copy ``loads`` into ``pager``'s slots: directly on CPU; on CUDA on the copy stream after
-    the compute that last read the slots, and before the pager's next compute (``transfer``)."""
-    pager.copy_in(loads)
 
 
 def install(model, *, budget: int | None = None) -> list[NextLayerPrefetcher]:

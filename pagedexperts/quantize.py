@@ -89,15 +89,16 @@ def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: 
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"--output {dst} exists and is not empty; choose a new directory")
     dst.mkdir(parents=True, exist_ok=True)
-    bytes_in = bytes_out = 0
+    bytes_in = bytes_out = total_size = 0
     weight_map: dict[str, str] = {}
     for path in headers:
         tensors = _quantize_shard(path, expert_keys, writer)
         bytes_in += sum(_nbytes(info) for k, info in headers[path].items() if k in expert_keys)
         bytes_out += sum(t.nbytes for k, t in tensors.items() if writer.is_output_of_expert(k))
+        total_size += sum(t.nbytes for t in tensors.values())
         _save(tensors, dst / path.name)
         weight_map.update({k: path.name for k in tensors})
-    _copy_aux(src, dst, weight_map if (src / "model.safetensors.index.json").is_file() else None)
+    _copy_aux(src, dst, weight_map if (src / "model.safetensors.index.json").is_file() else None, total_size)
     writer.write_config(dst, config, headers, expert_keys)
     return QuantizeReport(dst, options.format, len(expert_keys), bytes_in, bytes_out)
 
@@ -312,14 +313,14 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: t.contiguous() for k, t in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
-def _copy_aux(src: Path, dst: Path, weight_map: dict[str, str] | None) -> None:
-    """Tokenizer, generation config, chat template, README...; a fresh index for sharded sources."""
+def _copy_aux(src: Path, dst: Path, weight_map: dict[str, str] | None, total_size: int) -> None:
+    """Tokenizer, generation config, chat template, README...; a fresh index for sharded sources
+    (``total_size``: bytes of every tensor written)."""
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in _AUX_SKIP:
             shutil.copy2(f, dst / f.name)
     if weight_map is not None:
-        total = sum(sum(_nbytes(i) for i in read_safetensors_header(str(dst / n)).values()) for n in set(weight_map.values()))
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 

@@ -11,14 +11,19 @@ from __future__ import annotations
 import torch
 
 
-def step_rows(kwargs: dict, args: tuple) -> tuple[int, int, torch.Tensor | None]:
-    """(B, T, row_is_real [B*T] bool or None) of a model call's input_ids / attention_mask."""
+def _batch_seq(kwargs: dict, args: tuple) -> tuple[int, int]:
+    """(B, T) of a model call, from its input_ids (keyword or first positional) or inputs_embeds."""
     ids = kwargs.get("input_ids")
     if ids is None and args:
         ids = args[0]
     if ids is None:
-        ids = kwargs["inputs_embeds"][..., 0]
-    batch, seq = ids.shape[0], ids.shape[1]
+        ids = kwargs["inputs_embeds"]
+    return ids.shape[0], ids.shape[1]
+
+
+def step_rows(kwargs: dict, args: tuple) -> tuple[int, int, torch.Tensor | None]:
+    """(B, T, row_is_real [B*T] bool or None) of a model call's input_ids / attention_mask."""
+    batch, seq = _batch_seq(kwargs, args)
     mask = kwargs.get("attention_mask")
     real = None
     if mask is not None and mask.dim() == 2:
@@ -39,10 +44,7 @@ def padding_count(kwargs: dict, args: tuple) -> torch.Tensor | None:
     mask = kwargs.get("attention_mask")
     if mask is None or mask.dim() != 2:
         return None
-    ids = kwargs.get("input_ids")
-    if ids is None and args:
-        ids = args[0]
-    seq = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
+    seq = _batch_seq(kwargs, args)[1]
     return (mask[:, -seq:] == 0).sum()
 
 

@@ -50,12 +50,6 @@ import torch
 
 from pagedexperts.transfer import upload
 
-# Inner implementations and how their k entries of a token are summed.
-SUM_COMBINE = ("grouped_mm", "batched_mm")
-SEQUENTIAL_COMBINE = ("eager",)
-INNER_IMPLEMENTATIONS = SUM_COMBINE + SEQUENTIAL_COMBINE
-
-
 def activate(view, proj: torch.Tensor) -> torch.Tensor:
     """The module's gating (``_apply_gate``: e.g. SiLU(gate) * up) or plain activation:
     [N, 2I] or [N, I] -> [N, I], as transformers' experts functions apply it."""
@@ -239,7 +233,9 @@ class EagerStep(StepEntries):
         return out
 
 
+# Inner implementations paged, each with its step (its combine: a sum over k, or eager's loop).
 STEPS: dict[str, type[StepEntries]] = {"grouped_mm": GroupedStep, "batched_mm": BatchedStep, "eager": EagerStep}
+INNER_IMPLEMENTATIONS = tuple(STEPS)
 
 
 def step_entries(inner: str, module, hidden: torch.Tensor, top_k_index: torch.Tensor, ids_host: np.ndarray) -> StepEntries:

@@ -32,7 +32,7 @@ from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
 PACK_FACTOR = 8  # int4 values per int32 word
 SCALE_DTYPE = torch.float16  # AWQ checkpoints store float16 scales
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble p of a word holds column AWQ_ORDER[p] of its 8
-AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of a word sits in nibble AWQ_REVERSE_ORDER[c]
+AWQ_REVERSE_ORDER = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c of a word sits in nibble [c]
 GEMM_VERSIONS = ("gemm", "exllama", "ipex")  # versions whose checkpoints use the GEMM packing
 
 
