@@ -43,7 +43,7 @@ def build_inputs(workdir: Path) -> list[tuple[str, Path]]:
     from quantized_dirs import write_fp8_block, write_mxfp4
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from pagedexperts.loader import bundled_model_path
+    from pagedexperts.loading.loader import bundled_model_path
 
     bundled = bundled_model_path()
     torch.manual_seed(0)
@@ -91,7 +91,7 @@ def _decode_s(model, ids, new_tokens: int) -> list[float]:
 def one_run(model, ids, *, mode: str, k: int, new_tokens: int) -> tuple[float, float]:
     """(median decode seconds per step, bytes paged per decode token) of one run in ``mode`` at
     K = ``k``, from empty slots."""
-    from pagedexperts.loader import repage
+    from pagedexperts.loading.loader import repage
 
     repage(model, mode=mode, num_resident=k)
     with torch.no_grad():

@@ -39,8 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedexperts import loader  # noqa: E402
-from pagedexperts.pager import ExpertPager  # noqa: E402
+from pagedexperts.loading import loader
+from pagedexperts.paging.host_executor import ExpertPager  # noqa: E402
 
 REAL = dict(  # Qwen3-30B-A3B config.json (published), except the layer count
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -204,8 +204,8 @@ def layer_scaling(model, args) -> dict:
 def modelled(costs: list[dict], scaling: dict, ks: list[int], num_experts: int,
              top_k: int, traces: list[Path]) -> list[dict]:
     """Modelled tok/s of the 48-layer model from each trace's LRU decode misses per layer-step."""
-    from pagedexperts import simulate
-    from pagedexperts.trace import load_trace
+    from pagedexperts.analysis import simulate
+    from pagedexperts.analysis.trace import load_trace
 
     fixed_s, paged_layer_s = scaling["paged"]["fixed_s"], scaling["paged"]["per_layer_s"]
     rows = []
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     p.add_argument("--traces", nargs="*", default=None,
                    help="routing traces (default: .gpu_traces/*, else ../shared/data/traces/*)")
     p.add_argument("--routing-trace", default=None, metavar="PATH",
-                   help="drive the model's top-k from this trace (pagedexperts.trace_routing) so paging sees the "
+                   help="drive the model's top-k from this trace (pagedexperts.analysis.trace_routing) so paging sees the "
                    "reuse of real text; default: the shared OLMoE trace when present (not in --dry-run); 'none': "
                    "the random router's own choice")
     args = p.parse_args(argv)
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
         args.device, args.dtype = "cuda", "bfloat16"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from pagedexperts import linkbench
+    from pagedexperts.analysis import linkbench
 
     traces = [Path(t) for t in args.traces] if args.traces is not None else default_traces()
     if not traces:
@@ -306,7 +306,7 @@ def use_routing_trace(model, args) -> str:
         path = str(found[0]) if found else "none"
     if not path or path == "none":
         return "router (random weights)"
-    from pagedexperts import trace_routing
+    from pagedexperts.analysis import trace_routing
 
     trace_routing.install(model, path)
     print(f"routing driven by the trace {path}", flush=True)

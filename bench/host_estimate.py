@@ -3,7 +3,7 @@
 A Qwen3-30B-A3B-like MoE layer in everything the host sees (E = 128 routed experts, top-8,
 K slots) but with tiny tensors (hidden 64), so the kernels take next to nothing and the time
 of a layer-step is the host's: top-k read-back, union, wave plan, slot map, page-in issue,
-the remap and the combine. Routing comes from a real trace (``pagedexperts.trace_routing``,
+the remap and the combine. Routing comes from a real trace (``pagedexperts.analysis.trace_routing``,
 default the shared OLMoE trace), so hits and misses follow real text. For each batch B
 (decode rows per step) it measures, per MoE layer-step: the paging stats' own plan and
 read-back p50 (``stats.TimeDistribution``) and the whole experts call (p50), for the mode
@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import planner_oracle  # noqa: E402
-from pagedexperts import loader, pager, residency, trace_routing  # noqa: E402
+from pagedexperts.loading import loader
+from pagedexperts.paging import host_executor as pager
+from pagedexperts.residency import planner, policies
+from pagedexperts.analysis import trace_routing
 
 PLANNERS = {"before": planner_oracle, "after": residency}  # the old planner (test oracle) and the new
 

@@ -2,7 +2,7 @@
 
 Both planners run in this one process on the same routing (uniform random top-k per token,
 seeded): ``before`` is the old planner kept as the test oracle (tests/planner_oracle.py),
-``after`` is pagedexperts.residency. Steps before every slot is filled are warm-up, not timed.
+``after`` is pagedexperts.residency (planner and policies). Steps before every slot is filled are warm-up, not timed.
 
 Targets (issue 13): per-miss plan time at K = 128 over K = 16 at E = 256, batch 32, top-8, at
 most 1.5 (LRU and LFU; adaptive within 2x of LFU); median plan time at E = 128, K = 16 and 64:
@@ -27,7 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import planner_oracle as before  # noqa: E402
-from pagedexperts import residency as after  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from pagedexperts.residency import planner, policies  # noqa: E402
+
+after = SimpleNamespace(Residency=planner.Residency, make_policy=policies.make_policy)
 
 TOP_K = 8
 

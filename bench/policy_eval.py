@@ -17,9 +17,9 @@ import itertools
 import json
 import os
 
-from pagedexperts import residency
-from pagedexperts import simulate as sim
-from pagedexperts.trace import load_trace
+from pagedexperts.residency import planner, policies
+from pagedexperts.analysis import simulate as sim
+from pagedexperts.analysis.trace import load_trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REAL = {"qwen15moe_l0": "qwen15moe_a27b_layer0_gsm8k.jsonl", "olmoe_l0": "olmoe_1b7b_layer0_gsm8k.jsonl"}
@@ -52,7 +52,7 @@ def hits(steps, *, E: int, K: int, factory) -> tuple[int, int]:
     h = m = 0
     layers = sorted({ly for s in steps for ly in s.ids})
     for ly in layers:
-        res = residency.Residency(E, K, factory(K))
+        res = planner.Residency(E, K, factory(K))
         for s in steps:
             p = res.plan(sim.np.unique(s.ids[ly]).tolist())
             h, m = h + p.hits, m + p.misses
@@ -73,7 +73,7 @@ def tune(traces: dict) -> dict:
             for t in traces.values():
                 for K in sim.default_num_resident(num_experts=t["E"], top_k=t["k"]):
                     h, m = hits(t["tune"], E=t["E"], K=K,
-                                factory=lambda k, p=params: residency.POLICIES[name](k, **p))
+                                factory=lambda k, p=params: policies.POLICIES[name](k, **p))
                     rates.append(h / (h + m))
             rows.append(dict(params=params, mean_hit_rate=sum(rates) / len(rates)))
             print(f"tune {name} {params}: mean hit rate {100 * rows[-1]['mean_hit_rate']:.2f}%", flush=True)

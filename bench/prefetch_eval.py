@@ -22,8 +22,8 @@ import os
 import statistics
 import time
 
-from pagedexperts import simulate as sim
-from pagedexperts.trace import load_trace
+from pagedexperts.analysis import simulate as sim
+from pagedexperts.analysis.trace import load_trace
 
 # Timing scenarios: (name, expert MB, link GB/s, compute ms per MoE layer). The bundled model's
 # experts are tiny, so its traces are replayed as if its experts had a real model's size.
@@ -64,8 +64,8 @@ def offline(trace_dir: str, *, policies, budgets) -> list[dict]:
 def measure(model_path: str | None, *, policy: str, new_tokens: int, repeats: int) -> dict:
     import torch
 
-    from pagedexperts.loader import load_model
-    from pagedexperts.prefetch import model_prefetch_stats
+    from pagedexperts.loading.loader import load_model
+    from pagedexperts.paging.prefetch import model_prefetch_stats
 
     # Both models decode the same prompt step by step, alternating, so CPU contention hits both alike.
     models = {name: load_model(model_path, policy=policy, prefetch=pf) for name, pf in (("plain", False), ("prefetch", True))}

@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from pagedexperts.loader import load_model
-from pagedexperts.prefetch import record_predictions
-from pagedexperts.recording import TraceRecorder
-from pagedexperts.trace import TraceWriter
+from pagedexperts.loading.loader import load_model
+from pagedexperts.paging.prefetch import record_predictions
+from pagedexperts.analysis.recording import TraceRecorder
+from pagedexperts.analysis.trace import TraceWriter
 
 SETS = ("gsm8k", "mtbench", "wikitext")
 

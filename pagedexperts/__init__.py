@@ -20,7 +20,7 @@ __all__ = ["load_model", "bundled_model_path", "__version__"]
 
 def __getattr__(name):
     if name in ("load_model", "bundled_model_path"):
-        from pagedexperts import loader
+        from pagedexperts.loading import loader
 
         return getattr(loader, name)
     raise AttributeError(f"module 'pagedexperts' has no attribute {name!r}")

@@ -27,7 +27,7 @@ def prompt_rows(vocab: int, lengths=PROMPT_LENGTHS) -> list[torch.Tensor]:
 def probe(*, impl: str, dtype: str, num_resident: int, new_tokens: int = 3, model_path=None, reference=None) -> dict:
     """Each prompt alone (batch 1) and all as one left-padded batch, greedy ``new_tokens`` steps."""
     import pagedexperts
-    from pagedexperts.check import compare, left_padded, load_reference
+    from pagedexperts.tools.check import compare, left_padded, load_reference
 
     if reference is None:
         reference = load_reference(model_path, device="cpu", dtype=dtype, experts_implementation=impl)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedexperts.cli import main
-from pagedexperts.loader import bundled_model_path, load_model
+from pagedexperts.loading.loader import bundled_model_path, load_model
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +86,12 @@ def test_generate_reads_stdin_and_applies_chat_template():
     ],
 )
 def test_generate_bad_input_is_a_clear_error(argv, needle, capsys, monkeypatch):
-    import pagedexperts.loader
+    import pagedexperts.loading.loader
 
     def fail(*args, **kwargs):
         raise AssertionError("the checkpoint was read before the flags were validated")
 
-    monkeypatch.setattr(pagedexperts.loader, "stream_checkpoint", fail)
+    monkeypatch.setattr(pagedexperts.loading.loader, "stream_checkpoint", fail)
     rc = main(["generate", "--prompt", "x", *argv])
     assert rc == 2
     assert needle in capsys.readouterr().err
@@ -119,12 +119,12 @@ def test_check_passes_on_the_bundled_model(capsys):
      (["--device", "tpu"], "--device 'tpu' is not a device this runs on")],
 )
 def test_check_refuses_a_bad_k_before_loading_the_reference(argv, needle, capsys, monkeypatch):
-    import pagedexperts.check
+    import pagedexperts.tools.check
 
     def fail(*args, **kwargs):
         raise AssertionError("the reference was loaded before K was validated")
 
-    monkeypatch.setattr(pagedexperts.check, "load_reference", fail)
+    monkeypatch.setattr(pagedexperts.tools.check, "load_reference", fail)
     assert main(["check", *argv]) == 2
     assert needle in capsys.readouterr().err
 
@@ -162,7 +162,7 @@ def test_serve_bad_flags_are_refused_before_loading(argv, needle, capsys, monkey
 
 
 def test_check_fails_when_a_slot_is_corrupted():
-    from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
+    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference
 
     ref = load_reference(None, device="cpu", dtype=None, experts_implementation="grouped_mm")
     model, tok = load_model(num_resident=64)
@@ -183,10 +183,10 @@ def test_an_unknown_log_level_is_refused(capsys):
 
 
 def test_slot_format_on_a_dense_checkpoint_says_it_has_no_effect(tiny_moe_dir, caplog):
-    with caplog.at_level("WARNING", logger="pagedexperts.loader"):
+    with caplog.at_level("WARNING", logger="pagedexperts.loading.loader"):
         load_model(tiny_moe_dir, num_resident=4, slot_format="dense")
     assert any("--slot-format dense has no effect" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="pagedexperts.loader"):
+    with caplog.at_level("WARNING", logger="pagedexperts.loading.loader"):
         load_model(tiny_moe_dir, num_resident=4)
     assert not any("--slot-format" in r.getMessage() for r in caplog.records)

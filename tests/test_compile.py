@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import E, TOP_K
-from pagedexperts.loader import load_model
+from pagedexperts.loading.loader import load_model
 
 
 def _inputs():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import E, TOP_K
-from pagedexperts.loader import load_model
+from pagedexperts.loading.loader import load_model
 
 pytestmark = pytest.mark.cuda
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda)")
@@ -84,7 +84,7 @@ def expert_tensors_on_device(model) -> list[str]:
         read-back per layer-step (tests/test_syncs.py counts the same on CPU)."""
         import warnings
 
-        from pagedexperts import prefetch
+        from pagedexperts.paging import prefetch
 
         model, _ = load_model(tiny_moe_dir, num_resident=TOP_K, device="cuda")
         prefetch.install(model)
@@ -100,7 +100,7 @@ def expert_tensors_on_device(model) -> list[str]:
                                do_sample=False, pad_token_id=0)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        from pagedexperts import transfer
+        from pagedexperts.paging import transfer
 
         source = open(transfer.__file__).read().splitlines()
         allowed = 1 + next(i for i, line in enumerate(source) if "current_stream(flat.device).synchronize()" in line)

@@ -98,8 +98,8 @@ def test_disk_tier_with_read_ahead_equals_full_store(tiny_moe_dir, threads):
 
 
 def make_store(path, *, rows: int = 2, read_ahead=None) -> TieredExpertStore:
-    from pagedexperts.checkpoint import KeyMap, checkpoint_files
-    from pagedexperts.storage.reader import CheckpointIndex
+    from pagedexperts.loading.checkpoint import KeyMap, checkpoint_files
+    from pagedexperts.loading.fill import CheckpointIndex
 
     model, _ = pagedexperts.load_model(path, num_resident=TOP_K, dtype="float32")
     site = model.pagedexperts.sites[0]
@@ -112,7 +112,7 @@ def make_store(path, *, rows: int = 2, read_ahead=None) -> TieredExpertStore:
 def test_host_rows_pin_exactly_their_bytes_or_fall_back_like_the_store(monkeypatch, caplog):
     """The R host rows are page-locked as the full store is (exactly R x row bytes, no
     power-of-two pinned-allocator block), with its fallback on a failure."""
-    from pagedexperts import store as store_module
+    from pagedexperts.storage import host_store as store_module
     from pagedexperts.formats.base import TensorSpec
 
     registered, fail = {}, []
@@ -130,7 +130,7 @@ def test_host_rows_pin_exactly_their_bytes_or_fall_back_like_the_store(monkeypat
     assert store.pinned and store.fallback is None
     assert sorted(registered.values()) == sorted([3 * 6 * 4 * 4, 3 * 4 * 3 * 4])
     fail.append(True)
-    with caplog.at_level("WARNING", logger="pagedexperts.store"):
+    with caplog.at_level("WARNING", logger="pagedexperts.storage.host_store"):
         failed = TieredExpertStore(specs, E, 3, policy="lru", pin=True, layer=0)
     assert not failed.pinned and f"page-locking {3 * 6 * 4 * 4:,} bytes" in failed.fallback
     assert caplog.records[-1].getMessage() == failed.fallback
@@ -249,8 +249,8 @@ def test_generate_reports_disk_reads_in_the_stats_json(tmp_path):
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_runtime_host_counters_equal_the_two_level_simulator(tiny_moe_dir, tmp_path, policy):
-    from pagedexperts import simulate as sim
-    from pagedexperts.trace import load_trace
+    from pagedexperts.analysis import simulate as sim
+    from pagedexperts.analysis.trace import load_trace
     from test_runtime_vs_simulator import run_recorded
 
     model = run_recorded(tiny_moe_dir, tmp_path / "t.npz", policy=policy, num_resident=TOP_K, dtype="float32",
@@ -285,7 +285,7 @@ def test_preflight_three_tiers_by_hand():
 
 
 def test_linkbench_disk_reads_a_checkpoint(tiny_moe_dir, capsys):
-    from pagedexperts.storage.diskbench import measure_disk
+    from pagedexperts.analysis.diskbench import measure_disk
 
     r = measure_disk(tiny_moe_dir, max_bytes=1 << 20)
     assert r["sequential_bytes"] == min(1 << 20, (tiny_moe_dir / "model.safetensors").stat().st_size)
@@ -297,8 +297,8 @@ def test_linkbench_disk_reads_a_checkpoint(tiny_moe_dir, capsys):
 def test_a_lost_shard_fails_the_served_request_and_the_next_one(tmp_path):
     """The server's batch scheduler: the step raises DiskReadError, the request finishes with
     reason "error" naming the file, and the scheduler keeps serving (no hang)."""
-    from pagedexperts.generate import SamplingConfig
-    from pagedexperts.scheduler import BatchScheduler, SchedulerConfig
+    from pagedexperts.generation.generate import SamplingConfig
+    from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
 
     path = copy_dir(pagedexperts.bundled_model_path(), tmp_path / "model")
     model, tokenizer = pagedexperts.load_model(path, num_resident=4, host_memory_gb=0.01)

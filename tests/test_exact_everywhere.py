@@ -31,7 +31,7 @@ import torch
 import pagedexperts
 from conftest import E, PAD_ID, VOCAB, assert_same, assert_same_attributes, tiny_model
 from exact_probe import probe
-from pagedexperts.check import compare, left_padded
+from pagedexperts.tools.check import compare, left_padded
 
 pytestmark = pytest.mark.default_threads
 
@@ -107,7 +107,7 @@ CAPABILITY_DTYPES = {"default": ["float32"], "avx2": ["float32", "bfloat16"], "a
 
 @pytest.fixture(scope="module")
 def bundled_references():
-    from pagedexperts.check import load_reference
+    from pagedexperts.tools.check import load_reference
 
     cache = {}
 

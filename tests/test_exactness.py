@@ -22,7 +22,7 @@ import torch
 import pagedexperts
 from conftest import E, HIDDEN, MOE_INTERMEDIATE, PAD_ID, TOP_K, VOCAB, assert_same
 from pagedexperts import integration
-from pagedexperts.models import is_experts_module
+from pagedexperts.models.sites import is_experts_module
 
 pytestmark = pytest.mark.default_threads  # as users run; the matrices also at 1 thread (threads)
 

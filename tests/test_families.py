@@ -28,9 +28,9 @@ from safetensors import safe_open
 
 from conftest import assert_same, assert_same_attributes
 from pagedexperts import load_model
-from pagedexperts.check import check_model
+from pagedexperts.tools.check import check_model
 from pagedexperts.integration import PAGER_ATTR
-from pagedexperts.models import SUPPORTED_ARCHITECTURES, find_experts_sites, is_experts_module
+from pagedexperts.models.sites import SUPPORTED_ARCHITECTURES, find_experts_sites, is_experts_module
 from pagedexperts.models.families import FAMILIES, moe_layer_indices
 
 E, TOP_K, HIDDEN, EXPERT_I, VOCAB = 8, 2, 32, 64, 128

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from conftest import tiny_model
 from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format, dequantize_packed
-from pagedexperts.quantize import QuantizeOptions, quantize_checkpoint
-from pagedexperts.sizing import checkpoint_sizes
+from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
+from pagedexperts.analysis.sizing import checkpoint_sizes
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402

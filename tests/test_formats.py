@@ -18,11 +18,11 @@ import torch
 
 from conftest import assert_same
 from pagedexperts import load_model
-from pagedexperts.check import check_model
+from pagedexperts.tools.check import check_model
 from pagedexperts.formats import format_for_config
 from pagedexperts.formats.fp8 import dequantize_fp8_block, quantize_fp8_block
 from pagedexperts.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from pagedexperts.independence import IndependenceError
+from pagedexperts.loading.independence import IndependenceError
 from quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
 from test_families import DECODE_STEPS, E, PROMPTS, TOP_K, build_model, save_char_tokenizer
 
@@ -239,7 +239,7 @@ def test_bf16_and_fp32_model_dtype(quantized_dirs, quantized_reference):
 
 
 def test_independence_check_catches_a_tensor_left_out_of_the_page_in(quantized_dirs, monkeypatch):
-    from pagedexperts.store import HostExpertStore
+    from pagedexperts.storage.host_store import HostExpertStore
 
     path = quantized_dirs("qwen3_moe-fp8")
 
@@ -257,8 +257,8 @@ def test_independence_check_catches_a_per_expert_tensor_left_on_the_module(quant
     """The field bug: a bias left out of the store and the slots stays an [E, ...] tensor on the
     experts module, which the kernel indexes with slot ids: wrong logits, and caught by name.
     (In packed slots of a quantized layer the same omission fails loudly at dequantization.)"""
-    from pagedexperts.checkpoint import checkpoint_files
-    from pagedexperts.independence import check_model_independence
+    from pagedexperts.loading.checkpoint import checkpoint_files
+    from pagedexperts.loading.independence import check_model_independence
 
     path = quantized_dirs("gpt_oss-bf16")
     paged, tok = load_model(path, num_resident=TOP_K, dtype="bfloat16", check_independence=False)
@@ -274,8 +274,8 @@ def test_independence_check_catches_a_per_expert_tensor_left_on_the_module(quant
 
 
 def test_independence_check_catches_a_scale_left_out_of_the_store(quantized_dirs):
-    from pagedexperts.checkpoint import checkpoint_files
-    from pagedexperts.independence import check_model_independence
+    from pagedexperts.loading.checkpoint import checkpoint_files
+    from pagedexperts.loading.independence import check_model_independence
 
     path = quantized_dirs("qwen3_moe-fp8")
     paged, _ = load_model(path, num_resident=TOP_K, check_independence=False, slot_format="packed")
@@ -289,8 +289,8 @@ def test_independence_check_catches_a_scale_left_out_of_the_store(quantized_dirs
 
 @pytest.mark.parametrize("slot_format", ["packed", "dense"])
 def test_independence_check_passes_and_counts(slot_format, quantized_dirs):
-    from pagedexperts.checkpoint import checkpoint_files
-    from pagedexperts.independence import check_model_independence
+    from pagedexperts.loading.checkpoint import checkpoint_files
+    from pagedexperts.loading.independence import check_model_independence
 
     path = quantized_dirs("gpt_oss-mxfp4")
     paged, _ = load_model(path, num_resident=TOP_K, check_independence=False, slot_format=slot_format)
@@ -383,7 +383,7 @@ class TestQuantizedOnCuda:
     @pytest.mark.parametrize("slot_format", ["packed", "dense"])
     @pytest.mark.parametrize("name", ["deepseek_v3-fp8", "gpt_oss-mxfp4-h96"])
     def test_paged_equals_dequantized_reference(self, name, slot_format, quantized_dirs):
-        from pagedexperts.check import load_reference
+        from pagedexperts.tools.check import load_reference
 
         path = quantized_dirs(name)
         reference = load_reference(path, device="cuda", dtype="bfloat16", experts_implementation="grouped_mm")

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from int4_oracle import pack_awq, pack_gptq, rtn_int4
 from pagedexperts import load_model
-from pagedexperts.quantize import QuantizeOptions, quantize_checkpoint
+from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
 from test_families import E, TOP_K, assert_exact, build_model, save_char_tokenizer
 
 pytest.importorskip("compressed_tensors")
@@ -141,8 +141,8 @@ def test_paged_int4_equals_unpaged(variant, family, pairs):
 def test_independence_check_catches_an_int4_tensor_left_out_of_the_page_in(variant, left_out, pairs, monkeypatch):
     """The field bug (a zero point or g_idx not paged: an expert runs with a stale one) fails
     at start-up naming the tensor."""
-    from pagedexperts.independence import IndependenceError
-    from pagedexperts.store import HostExpertStore
+    from pagedexperts.loading.independence import IndependenceError
+    from pagedexperts.storage.host_store import HostExpertStore
 
     quantized, _ = pairs(variant, "qwen3_moe")
     load_model(quantized, num_resident=TOP_K, slot_format="packed")  # passes when every tensor is paged

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import pagedexperts
-import pagedexperts.loader as loader
-import pagedexperts.store as store_module
+import pagedexperts.loading.loader as loader
+import pagedexperts.storage.host_store as store_module
 from conftest import E, TOP_K, copy_dir
-from pagedexperts.loader import PagingConfig, PagingRuntime
-from pagedexperts.models import SUPPORTED_ARCHITECTURES
-from pagedexperts.pager import ExpertPager
-from pagedexperts.residency import POLICIES
-from pagedexperts.store import HostExpertStore, TensorSpec
+from pagedexperts.loading.loader import PagingConfig, PagingRuntime
+from pagedexperts.models.sites import SUPPORTED_ARCHITECTURES
+from pagedexperts.paging.host_executor import ExpertPager
+from pagedexperts.residency.policies import POLICIES
+from pagedexperts.storage.host_store import HostExpertStore, TensorSpec
 
 
 def _work_started(what):
@@ -227,14 +227,14 @@ def test_memory_error_names_both_amounts_readably(monkeypatch):
 def test_failed_pinned_allocation_falls_back_loudly(monkeypatch, caplog):
     monkeypatch.setattr(store_module, "host_register", lambda t: 2)  # cudaErrorMemoryAllocation
     specs = [TensorSpec("gate_up_proj", (32, 32), torch.float32), TensorSpec("down_proj", (32, 16), torch.float32)]
-    with caplog.at_level(logging.WARNING, logger="pagedexperts.store"):
+    with caplog.at_level(logging.WARNING, logger="pagedexperts.storage.host_store"):
         store = HostExpertStore(specs, E, pin=True)
     monkeypatch.undo()
 
     assert not store.pinned and store.fallback is not None
     assert f"page-locking {E * 32 * 32 * 4:,} bytes" in store.fallback and "CUDA error 2" in store.fallback
     assert "pageable" in store.fallback and "ulimit -l" in store.fallback
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "pagedexperts.store"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "pagedexperts.storage.host_store"]
     assert warnings and warnings[0].getMessage() == store.fallback
     for spec in specs:
         t = store.tensors[spec.name]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import E, HIDDEN, MOE_INTERMEDIATE, TOP_K
-from pagedexperts.loader import load_model, repage
+from pagedexperts.loading.loader import load_model, repage
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT_BYTES_F32 = 3 * MOE_INTERMEDIATE * HIDDEN * 4  # gate, up [I, H] and down [H, I], float32
@@ -60,7 +60,7 @@ def test_offload_copies_every_expert_every_step(tiny_moe_dir):
 
 
 def test_cpu_experts_runs_the_first_n_layers_on_the_cpu(tiny_moe_dir):
-    from pagedexperts.modes import CpuExpertsRunner, ResidentRunner
+    from pagedexperts.paging.baselines import CpuExpertsRunner, ResidentRunner
 
     model, _ = load_model(tiny_moe_dir, mode="cpu-experts", cpu_expert_layers=1)
     kinds = [type(p) for _, p in sorted(model.pagedexperts.pagers.items())]
@@ -127,7 +127,7 @@ def test_gpu_bench_timing_model_on_synthetic_costs():
 
 
 def test_read_prompts_formats(tmp_path):
-    from pagedexperts.bench import read_prompts
+    from pagedexperts.tools.bench import read_prompts
 
     jl = tmp_path / "p.jsonl"
     jl.write_text('{"prompt": "a"}\n{"turns": ["b", "c"]}\n{"question": "d"}\n')
@@ -171,19 +171,20 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
      (["--cpu-expert-layers", "-1"], "--cpu-expert-layers -1 outside [0, 6]")],
 )
 def test_bench_bad_input_is_refused_before_any_work(argv, needle, capsys, monkeypatch):
-    import pagedexperts.bench
+    import pagedexperts.tools.bench
     from pagedexperts.cli import main
 
     def fail(*args, **kwargs):
         raise AssertionError("the bench ran before its flags were validated")
 
-    monkeypatch.setattr(pagedexperts.bench, "run_bench", fail)
+    monkeypatch.setattr(pagedexperts.tools.bench, "run_bench", fail)
     assert main(["bench", *argv]) == 2
     assert needle in capsys.readouterr().err
 
 
 def test_bench_loads_once_and_repages_per_mode_and_k(tiny_moe_dir, monkeypatch):
-    from pagedexperts import bench, loader
+    from pagedexperts.tools import bench
+    from pagedexperts.loading import loader
 
     loads, repages = [], []
     real_load, real_repage = loader.load_model, loader.repage

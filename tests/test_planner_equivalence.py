@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import planner_oracle as old
-from pagedexperts import residency
-from pagedexperts import simulate as sim
+from pagedexperts.residency import planner, policies
+from pagedexperts.analysis import simulate as sim
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
 RUNTIME_POLICIES = [("lru", {}), ("lfu", {}), ("lfu", {"half_life": 3}), ("lfu", {"half_life": 0}),
@@ -28,9 +28,9 @@ RUNTIME_POLICIES = [("lru", {}), ("lfu", {}), ("lfu", {"half_life": 3}), ("lfu",
 def pair(name: str, kw: dict, num_experts: int, num_slots: int, unions: list[list[int]]):
     """(new Residency, oracle Residency) with policy ``name``."""
     if name == "belady":
-        return (residency.Residency(num_experts, num_slots, sim.BeladyPolicy(num_slots, unions)),
+        return (planner.Residency(num_experts, num_slots, sim.BeladyPolicy(num_slots, unions)),
                 old.Residency(num_experts, num_slots, old.BeladyPolicy(num_slots, unions)))
-    return (residency.Residency(num_experts, num_slots, residency.POLICIES[name](num_slots, **kw)),
+    return (planner.Residency(num_experts, num_slots, policies.POLICIES[name](num_slots, **kw)),
             old.Residency(num_experts, num_slots, old.POLICIES[name](num_slots, **kw)))
 
 
@@ -79,7 +79,7 @@ def test_same_plans_on_random_routing(name, kw, num_experts, num_slots, top_k):
 
 
 def trace_cases():
-    from pagedexperts.trace import load_trace
+    from pagedexperts.analysis.trace import load_trace
 
     if not TRACES.is_dir():
         pytest.skip(f"real traces not found at {TRACES} (../shared/data/traces)")

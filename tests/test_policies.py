@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedexperts import residency
-from pagedexperts.residency import (
-    POLICIES, AdaptivePolicy, FrequencyLRUPolicy, LFUPolicy, LRUPolicy, Residency, make_policy,
+from pagedexperts.residency import planner, policies
+from pagedexperts.residency.planner import Residency
+from pagedexperts.residency.policies import (
+    POLICIES, AdaptivePolicy, FrequencyLRUPolicy, LFUPolicy, LRUPolicy, make_policy,
 )
 
 
@@ -41,7 +42,7 @@ def test_unknown_policy_lists_choices():
 
 
 def test_default_policy_is_registered():
-    assert residency.DEFAULT_POLICY in POLICIES
+    assert policies.DEFAULT_POLICY in POLICIES
 
 
 # ---- LFU with aging --------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import E, PAD_ID, TOP_K, VOCAB, assert_same
-from pagedexperts.loader import load_model
-from pagedexperts.prefetch import NextLayerPrefetcher, model_prefetch_stats, prediction_order
+from pagedexperts.loading.loader import load_model
+from pagedexperts.paging.prefetch import NextLayerPrefetcher, model_prefetch_stats, prediction_order
 
 NEW_TOKENS = 16
 

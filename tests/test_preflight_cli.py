@@ -85,7 +85,7 @@ def test_model_path(tmp_path, capsys):
 def test_auto_k_is_what_the_loader_accepts_and_allocates(tiny_moe_dir, dtype, capsys):
     """preflight --dtype on a float32 checkpoint: slot, non-expert and KV bytes equal what
     load_model(dtype=...) allocates, so the auto K fits the budget and K + 1 would not."""
-    from pagedexperts.loader import load_model
+    from pagedexperts.loading.loader import load_model
 
     base = ["preflight", "--model-path", str(tiny_moe_dir), "--dtype", dtype, "--json", "--runtime-reserve-gb", "0",
             "--context-length", "64"]
@@ -171,8 +171,8 @@ def test_quantized_dense_slots_and_weights_are_sized_at_the_run_dtype(tiny_moe_d
     and non-expert bytes are what load_model allocates (non-expert weights at the run dtype;
     dequantized experts too for fp8-block, in the float32 scales' dtype for w4a16, as
     transformers keeps them)."""
-    from pagedexperts.loader import load_model
-    from pagedexperts.quantize import QuantizeOptions, quantize_checkpoint
+    from pagedexperts.loading.loader import load_model
+    from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
 
     quantize_checkpoint(model_path=tiny_moe_dir, output=tmp_path,
                         options=QuantizeOptions(fmt, group_size=16, block=(16, 16)))

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from pagedexperts.formats.fp8 import dequantize_fp8_block
 from pagedexperts.formats.mxfp4 import dequantize_mxfp4
-from pagedexperts.quantize import QuantizeOptions, quantize_checkpoint
+from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
 from test_families import build_model
 
 

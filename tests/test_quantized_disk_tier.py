@@ -135,8 +135,8 @@ def greedy_logits(model, ids, mask, steps: int = 6) -> torch.Tensor:
                                                    ("dense", r"'gate_up_proj' dequantized at page-in")])
 def test_the_independence_check_sees_through_the_tier(quantized, monkeypatch, slot_format, culprit):
     """A scale read one element off its offset by the tier: load_model fails naming the tensor."""
-    from pagedexperts.independence import IndependenceError
-    from pagedexperts.storage import reader
+    from pagedexperts.loading.independence import IndependenceError
+    from pagedexperts.loading import fill as reader
 
     path = quantized("fp8-block")
     full, _ = load_model(path, num_resident=TOP_K)

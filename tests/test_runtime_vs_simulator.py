@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import E, PAD_ID, TOP_K, VOCAB
-from pagedexperts import simulate as sim
-from pagedexperts.loader import load_model
-from pagedexperts.recording import TraceRecorder
-from pagedexperts.residency import POLICIES
-from pagedexperts.trace import load_trace
+from pagedexperts.analysis import simulate as sim
+from pagedexperts.loading.loader import load_model
+from pagedexperts.analysis.recording import TraceRecorder
+from pagedexperts.residency.policies import POLICIES
+from pagedexperts.analysis.trace import load_trace
 
 FIELDS = ("steps", "tokens", "padding_tokens", "hits", "misses", "page_ins", "bytes_paged", "waves",
           "multi_wave_steps", "union_sum", "union_max")
@@ -75,7 +75,7 @@ def test_runtime_counters_equal_simulator(tiny_moe_dir, tmp_path, policy, num_re
 def test_runtime_prefetch_counters_equal_simulator(tiny_moe_dir, tmp_path, policy):
     """With --prefetch the recorded predictions, replayed, give the same hits, misses and the
     same prefetches issued / used / wasted per layer."""
-    from pagedexperts.prefetch import record_predictions
+    from pagedexperts.paging.prefetch import record_predictions
 
     model, _ = load_model(tiny_moe_dir, num_resident=2 * TOP_K, policy=policy, prefetch=True)
     rec = TraceRecorder.attach(model)

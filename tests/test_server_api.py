@@ -183,7 +183,7 @@ def test_framework_errors_in_openai_shape(server, method, path, status):
 
 
 def test_refusal_is_logged_with_its_reason(server, caplog):
-    with caplog.at_level("WARNING", logger="pagedexperts.server"):
+    with caplog.at_level("WARNING", logger="pagedexperts.serving"):
         _post(server[0], "/v1/completions", {"model": NAME, "prompt": "x", "temperature": 9})
     assert any("400" in r.getMessage() and "temperature must be in" in r.getMessage() for r in caplog.records)
 

@@ -80,7 +80,7 @@ def test_metrics_export_every_numeric_layer_stat():
     from types import SimpleNamespace
 
     from pagedexperts.serving.metrics import Metrics
-    from pagedexperts.stats import LayerStats
+    from pagedexperts.stats.accounting import LayerStats
 
     @dataclass
     class MoreStats(LayerStats):
@@ -95,16 +95,6 @@ def test_metrics_export_every_numeric_layer_stat():
                  'pagedexperts_paging_misses_total{layer="0"} 2.0', 'pagedexperts_union_size_max{layer="0"} 5.0',
                  "pagedexperts_running_requests 1.0"):
         assert line in text, line
-
-
-def test_old_import_paths_still_work():
-    pytest.importorskip("fastapi")
-    from pagedexperts import scheduler, server, serving
-    from pagedexperts.serving import api_server, handlers
-    from pagedexperts.serving import scheduler as new_scheduler
-
-    assert server.create_app is api_server.create_app and server.ServeConfig is handlers.ServeConfig
-    assert scheduler.BatchScheduler is new_scheduler.BatchScheduler and serving.__doc__
 
 
 @pytest.mark.parametrize("name, gauge", [("max_decode_batch", True), ("union_max", True), ("union_last", True),

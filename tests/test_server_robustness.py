@@ -49,7 +49,7 @@ def test_client_leaving_while_sending_its_body_is_not_a_500(small, caplog):
     port = int(url.rsplit(":", 1)[1])
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
     gone = 'pagedexperts_refused_requests_total{code="client_disconnected",status="499"}'
-    with caplog.at_level("WARNING", logger="pagedexperts.server"):
+    with caplog.at_level("WARNING", logger="pagedexperts.serving"):
         for framing, part in ((b"content-length: 1000", b'{"model"'),  # read by the route
                               (b"transfer-encoding: chunked", b'8\r\n{"model"\r\n')):  # by the body limit
             with socket.create_connection(("127.0.0.1", port)) as s:

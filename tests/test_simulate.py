@@ -9,11 +9,11 @@ import random
 import numpy as np
 import pytest
 
-from pagedexperts import residency
-from pagedexperts import simulate as sim
+from pagedexperts.residency import planner, policies
+from pagedexperts.analysis import simulate as sim
 from pagedexperts.cli import main
-from pagedexperts.stats import LayerStats
-from pagedexperts.trace import load_trace
+from pagedexperts.stats.accounting import LayerStats
+from pagedexperts.analysis.trace import load_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYNTHETIC = os.path.join(ROOT, "tests", "data", "synthetic_trace.npz")
@@ -47,7 +47,7 @@ class _NeedChoice(Exception):
         self.n = n
 
 
-class _ScriptedPolicy(residency.EvictionPolicy):
+class _ScriptedPolicy(policies.EvictionPolicy):
     """Evicts candidates[choices[i]] at the i-th eviction; raises past the script."""
 
     def __init__(self, num_slots, choices):
@@ -66,7 +66,7 @@ def _brute_force_min_misses(unions, *, num_experts, num_resident):
     best, stack = None, [[]]
     while stack:
         choices = stack.pop()
-        res = residency.Residency(num_experts, num_resident, _ScriptedPolicy(num_resident, choices))
+        res = planner.Residency(num_experts, num_resident, _ScriptedPolicy(num_resident, choices))
         try:
             misses = sum(res.plan(u).misses for u in unions)
         except _NeedChoice as need:
@@ -122,7 +122,7 @@ def test_replay_counts_like_a_direct_residency_loop():
     steps = sim.recorded_steps(tr)
     stats, decode = sim.replay(steps, num_experts=16, num_resident=4, policy="lru", expert_bytes=10)
     for layer in tr.meta.layers:
-        res, ref = residency.Residency(16, 4), LayerStats()
+        res, ref = planner.Residency(16, 4), LayerStats()
         for s in tr:
             plan = res.plan(s.topk_ids[layer].ravel().tolist())
             ref.record_step(hits=plan.hits, misses=plan.misses, waves=len(plan.waves), tokens=s.num_tokens,

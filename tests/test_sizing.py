@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from pagedexperts import sizing
+from pagedexperts.analysis import sizing
 
 QWEN3_30B = dict(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, num_attention_heads=32,
                  num_key_value_heads=4, head_dim=128, hidden_size=2048, decoder_sparse_step=1,

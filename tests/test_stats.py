@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from pagedexperts.stats import TIME_BUCKETS_S, WINDOW, LayerStats, ModelStats, TimeDistribution
+from pagedexperts.stats.accounting import TIME_BUCKETS_S, WINDOW, LayerStats, ModelStats, TimeDistribution
 
 
 def test_p50_p99_nearest_rank_by_hand():
@@ -92,7 +92,7 @@ def test_model_stats_json_has_p50_p99_over_all_layers():
 
 def test_metrics_histograms_in_prometheus_text():
     prometheus_client = pytest.importorskip("prometheus_client")
-    from pagedexperts.server import paging_time_histograms
+    from pagedexperts.serving.metrics import paging_time_histograms
 
     model = ModelStats(layers={0: _layer([3, 30], [1, 1], [0, 200]), 1: _layer([3], [1], [0])})
 

@@ -20,8 +20,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from conftest import E, PAD_ID, TOP_K
-from pagedexperts import pager as pager_module, prefetch, transfer
-from pagedexperts.loader import load_model
+from pagedexperts.paging import host_executor as pager_module
+from pagedexperts.paging import prefetch
+from pagedexperts.paging import transfer
+from pagedexperts.loading.loader import load_model
 
 SYNCING = {
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu,
@@ -159,4 +161,4 @@ def test_counter_sees_a_sync(device_reads):
     device_reads.mark(t)
     with device_reads:
         pager_module.routed_union(t.reshape(1, 3))  # its .tolist() would stall a GPU
-    assert len(device_reads.reads) == 1 and "pagedexperts.pager" in device_reads.reads[0]
+    assert len(device_reads.reads) == 1 and "pagedexperts.paging.host_executor" in device_reads.reads[0]

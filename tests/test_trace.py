@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedexperts.trace import DUMMY_MIN_ROWS, TraceWriter, load_trace
+from pagedexperts.analysis.trace import DUMMY_MIN_ROWS, TraceWriter, load_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_TRACES = os.path.join(ROOT, "..", "shared", "data", "traces")

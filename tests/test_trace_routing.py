@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedexperts import simulate as sim
-from pagedexperts.trace import load_trace
-from pagedexperts.trace_routing import TraceRouting, install
+from pagedexperts.analysis import simulate as sim
+from pagedexperts.analysis.trace import load_trace
+from pagedexperts.analysis.trace_routing import TraceRouting, install
 
 SYNTHETIC = Path(__file__).parent / "data" / "synthetic_trace.npz"  # E=16, top_k=2, layers (1, 3), 6 streams
 
@@ -71,7 +71,7 @@ def test_trace_that_does_not_fit_is_refused(trace, experts, top_k, match):
 
 
 def test_installed_on_a_model_its_experts_receive_the_trace_ids(tiny_moe_dir, trace, streams):
-    from pagedexperts.loader import load_model
+    from pagedexperts.loading.loader import load_model
 
     model, _ = load_model(tiny_moe_dir, num_resident=4)  # E=16, top_k=2: one group
     seen = {}

@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from conftest import E, PAD_ID, TOP_K
-from pagedexperts.loader import load_model, repage
-from pagedexperts.transfer import CopyTimer, read_back, upload
+from pagedexperts.loading.loader import load_model, repage
+from pagedexperts.paging.transfer import CopyTimer, read_back, upload
 
 
 def _forced_device(monkeypatch, device: str):
@@ -181,7 +181,7 @@ SPECS = [("gate_up_proj", (96, 64), torch.bfloat16), ("down_proj", (64, 48), tor
 
 
 def _store(monkeypatch, cudart: FakeCudart):
-    from pagedexperts import store as store_module
+    from pagedexperts.storage import host_store as store_module
 
     monkeypatch.setattr(store_module, "host_register", cudart.register)
     monkeypatch.setattr(store_module, "host_unregister", cudart.unregister)
@@ -206,7 +206,7 @@ def test_store_pins_exactly_its_bytes_and_unpins_on_release(monkeypatch):
 
 def test_store_pin_failure_unpins_the_rest_and_says_bytes(monkeypatch, caplog):
     cudart = FakeCudart(fail_at=2)
-    with caplog.at_level("WARNING", logger="pagedexperts.store"):
+    with caplog.at_level("WARNING", logger="pagedexperts.storage.host_store"):
         store = _store(monkeypatch, cudart)
     assert cudart.registered == {} and not store.pinned and store.pinned_bytes == 0
     assert f"{12 * 64 * 48 * 2:,} bytes" in store.fallback and "down_proj" in store.fallback
@@ -274,8 +274,8 @@ def test_copy_stream_protocol(monkeypatch):
     waits for the last compute that read the slots and is waited on by the next compute (also
     when the batch is a prefetch and the step itself loads nothing); slots are record_stream-ed
     on the copy stream; drain waits for the last copy."""
-    from pagedexperts import transfer
-    from pagedexperts.residency import Load
+    from pagedexperts.paging import transfer
+    from pagedexperts.residency.planner import Load
 
     fake = FakeCuda()
     fake.log = LOG

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagedexperts.residency import DEFAULT_POLICY, POLICIES
+from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -48,10 +48,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from pagedexperts import bench
-    from pagedexperts.bench import BenchConfig, markdown_table, read_prompts, write_results
-    from pagedexperts.check import DEFAULT_PROMPTS
-    from pagedexperts.modes import MODES
+    from pagedexperts.tools import bench
+    from pagedexperts.tools.bench import BenchConfig, markdown_table, read_prompts, write_results
+    from pagedexperts.tools.check import DEFAULT_PROMPTS
+    from pagedexperts.paging.baselines import MODES
 
     modes = tuple(x for x in args.mode.split(",") if x)
     bad = [m for m in modes if m not in MODES]
@@ -83,7 +83,7 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
     Raises:
         ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
     """
-    from pagedexperts.loader import check_num_resident, read_checkpoint_config
+    from pagedexperts.loading.loader import check_num_resident, read_checkpoint_config
     from pagedexperts.models.families import moe_layer_indices, num_routed_experts
 
     ks, concurrency = _ints(args.num_resident, "--num-resident"), _ints(args.concurrency, "--concurrency")

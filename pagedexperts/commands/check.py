@@ -33,7 +33,7 @@ def resident_values(args, *, top_k: int, num_experts: int) -> list[int]:
     Raises:
         ValueError: a K that is not an integer or is outside [top_k, E] (names the flag).
     """
-    from pagedexperts.loader import check_num_resident
+    from pagedexperts.loading.loader import check_num_resident
 
     if args.check_resident:
         try:
@@ -62,9 +62,9 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int) -> str:
 
 
 def run(args) -> int:
-    from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
+    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference
     from pagedexperts.formats import format_for_config
-    from pagedexperts.loader import check_device, check_experts_dtype, load_model, read_checkpoint_config, resolve_dtype
+    from pagedexperts.loading.loader import check_device, check_experts_dtype, load_model, read_checkpoint_config, resolve_dtype
     from pagedexperts.models.families import num_routed_experts
 
     if args.max_new_tokens <= 0:

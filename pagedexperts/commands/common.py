@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS
-from pagedexperts.residency import DEFAULT_POLICY, POLICIES
+from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 
 
 def add_model_arguments(parser) -> None:
@@ -56,7 +56,7 @@ def add_model_arguments(parser) -> None:
 
 def load_from_args(args):
     """(model, tokenizer) from the flags of add_model_arguments."""
-    from pagedexperts.loader import load_model
+    from pagedexperts.loading.loader import load_model
 
     return load_model(
         args.model_path,

@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from dataclasses import asdict
 
-    from pagedexperts.generate import SamplingConfig, format_report, generate_text
+    from pagedexperts.generation.generate import SamplingConfig, format_report, generate_text
 
     sampling = SamplingConfig(
         max_new_tokens=args.max_new_tokens,
@@ -52,11 +52,11 @@ def run(args) -> int:
     model, tokenizer = load_from_args(args)
     recorder = None
     if args.record_trace:
-        from pagedexperts.recording import TraceRecorder
+        from pagedexperts.analysis.recording import TraceRecorder
 
         recorder = TraceRecorder.attach(model)
         if args.prefetch:
-            from pagedexperts.prefetch import record_predictions
+            from pagedexperts.paging.prefetch import record_predictions
 
             record_predictions(model, recorder)  # predictions go into the trace as an extra
     print(prompt, end="", flush=True)
@@ -70,7 +70,7 @@ def run(args) -> int:
     if not args.quiet:
         print(format_report(result, num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k), file=sys.stderr)
         if args.prefetch:
-            from pagedexperts.prefetch import model_prefetch_stats
+            from pagedexperts.paging.prefetch import model_prefetch_stats
 
             t = model_prefetch_stats(model)["total"]
             print(f"  prefetch: issued {t['issued']}, used {t['used']}, wasted {t['wasted']}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """``pagedexperts linkbench``: measure host-to-device copy GB/s, pinned and pageable (or, with
 ``--disk``, a checkpoint's read GB/s).
 
-Owns the flags and the output; the timing is ``pagedexperts.linkbench``. Without an
+Owns the flags and the output; the timing is ``pagedexperts.analysis.linkbench``. Without an
 accelerator it says so and exits 0 with no number.
 """
 
@@ -32,7 +32,8 @@ def add_parser(subparsers) -> None:
 
 def run_linkbench(args) -> int:
     """Measure and print GB/s per size and memory kind; without CUDA, say so and return 0."""
-    from pagedexperts import linkbench, sizing
+    from pagedexperts.analysis import linkbench
+    from pagedexperts.analysis import sizing
 
     if args.disk:
         return _run_disk(args)
@@ -62,7 +63,7 @@ def run_linkbench(args) -> int:
 
 def _run_disk(args) -> int:
     """``--disk PATH``: print the checkpoint's read GB/s (``storage.diskbench``)."""
-    from pagedexperts.storage.diskbench import measure_disk
+    from pagedexperts.analysis.diskbench import measure_disk
 
     if not args.disk_max_gb > 0:
         raise ValueError(f"--disk-max-gb {args.disk_max_gb} must be > 0")

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 
-from pagedexperts import sizing
+from pagedexperts.analysis import sizing
 
 
 def add_parser(subparsers) -> None:
@@ -194,7 +194,7 @@ def tier_report(r: dict, *, host_memory_gb: float, disk_gbps: float | None,
     """Three tiers of ``build_report``'s model and K under G: host rows R (as the loader
     chooses them, ``storage.host_memory``), disk bytes per token at the miss rates, and the
     disk-bound tok/s. Raises ValueError when G is below the disk tier's minimum (names it)."""
-    from pagedexperts.loader import READ_AHEAD_EXPERTS_PER_TOP_K
+    from pagedexperts.loading.loader import READ_AHEAD_EXPERTS_PER_TOP_K
     from pagedexperts.storage.host_memory import plan_host_memory
 
     e, layers, eb = r["num_experts"], r["moe_layers"], r["expert_bytes"]

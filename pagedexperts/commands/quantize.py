@@ -3,7 +3,7 @@
 Owns: the flags, their validation, the report line, and the ``bundled:FORMAT`` model paths
 (the bundled model's quantized variants, built on first use into the cache directory:
 ``$PAGEDEXPERTS_CACHE``, else ``$XDG_CACHE_HOME/pagedexperts``, else ``~/.cache/pagedexperts``).
-The work is ``pagedexperts.quantize``.
+The work is ``pagedexperts.tools.quantize``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def resolve_model_path(value: str | None, cache_dir: str | None = None) -> str |
     other value unchanged."""
     if not value or not value.startswith(BUNDLED_PREFIX):
         return value
-    from pagedexperts.quantize import bundled_variant_path
+    from pagedexperts.tools.quantize import bundled_variant_path
 
     fmt = value.removeprefix(BUNDLED_PREFIX)
     return str(bundled_variant_path(fmt, cache_dir=cache_dir or default_cache_dir()))
@@ -60,7 +60,7 @@ def resolve_model_path(value: str | None, cache_dir: str | None = None) -> str |
 
 def run_quantize(args) -> int:
     """Quantize, print what was written; 0 on success, ValueError on bad input."""
-    from pagedexperts.quantize import QuantizeOptions, quantize_checkpoint
+    from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
 
     if args.group_size <= 0:
         raise ValueError(f"--group-size {args.group_size} must be > 0")
@@ -73,7 +73,7 @@ def run_quantize(args) -> int:
         return 0
     if args.output is None:
         raise ValueError("--output DIR is required with --model-path")
-    from pagedexperts.loader import bundled_model_path
+    from pagedexperts.loading.loader import bundled_model_path
 
     options = QuantizeOptions(args.format, group_size=args.group_size, symmetric=not args.asymmetric,
                               block=(args.block_size, args.block_size))

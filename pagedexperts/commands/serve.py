@@ -58,7 +58,7 @@ def run(args) -> int:
         from pagedexperts.serving.api_server import ServeConfig, run_server, single_wave_note
     except ModuleNotFoundError as exc:
         raise ValueError(f"the server needs {exc.name}: pip install 'pagedexperts[server]'") from exc
-    from pagedexperts.loader import bundled_model_path
+    from pagedexperts.loading.loader import bundled_model_path
 
     _check_flags(args)
     model, tokenizer = load_from_args(args)

@@ -1,7 +1,7 @@
 """``pagedexperts simulate``: replay a routing trace for several K and policies.
 
 Owns: the flags, the choice of replays (as recorded, or B streams interleaved), and the tables,
-JSON and PNG plots of their results. The replay itself is ``pagedexperts.simulate``.
+JSON and PNG plots of their results. The replay itself is ``pagedexperts.analysis.simulate``.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 
-from pagedexperts import simulate as sim
-from pagedexperts.residency import DEFAULT_POLICY
-from pagedexperts.trace import load_trace
+from pagedexperts.analysis import simulate as sim
+from pagedexperts.residency.policies import DEFAULT_POLICY
+from pagedexperts.analysis.trace import load_trace
 
 
 def _int_list(text: str) -> list[int]:

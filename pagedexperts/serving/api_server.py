@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedexperts.serving import protocol
 from pagedexperts.serving.handlers import Admission, ApiError, OpenAIServing, ServeConfig, error_response
 
-logger = logging.getLogger("pagedexperts.server")
+logger = logging.getLogger(__name__)
 
 GRACEFUL_CLOSE_S = 5  # uvicorn's wait for open connections after the drain
 
@@ -40,7 +40,7 @@ def create_app(model, tokenizer, config: ServeConfig) -> FastAPI:
     """
     recorder = None
     if config.record_trace:
-        from pagedexperts.recording import TraceRecorder
+        from pagedexperts.analysis.recording import TraceRecorder
 
         recorder = TraceRecorder.attach(model, model_id=config.served_model_name)
     serving = OpenAIServing(model, tokenizer, config, recorder=recorder)

@@ -37,7 +37,7 @@ from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, Compl
 from pagedexperts.serving.scheduler import (DEFAULT_MAX_PREFILL_TOKENS, BatchScheduler, QueueFull,
                                             SchedulerConfig, SchedulerStopped)
 
-logger = logging.getLogger("pagedexperts.server")
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # Retry-After of 429 (queue full) and 503 (shutting down)
 DRAIN_POLL_S = 0.05

@@ -5,7 +5,7 @@ is counted with its reason), token counters, TTFT / TPOT histograms (observed as
 finish), and scrape-time values read from the scheduler and from every MoE layer's
 ``LayerStats``. The paging export is generic: every numeric field of ``LayerStats`` becomes
 ``pagedexperts_paging_<field>`` per layer (a counter; levels such as ``*_last``, ``*_max``,
-``*_mean``, ``*_p50``, ``*_p99_s``: gauges), so a counter added to ``pagedexperts.stats``
+``*_mean``, ``*_p50``, ``*_p99_s``: gauges), so a counter added to ``pagedexperts.stats.accounting``
 shows up without a change here; the per-step host time distributions (``LayerStats.times``)
 are histograms (``paging_time_histograms``); with a disk tier, its host and disk counters per
 layer (``pagedexperts_host_hits``, ``pagedexperts_disk_reads``, ...). The historical names
@@ -99,7 +99,7 @@ class _LiveCollector:
         layers = sorted((i, pager.stats) for i, pager in rt.pagers.items())
         if not layers:
             return
-        from pagedexperts.stats import ModelStats
+        from pagedexperts.stats.accounting import ModelStats
 
         yield from paging_time_histograms(ModelStats.collect(layers), PREFIX)
         for name in _numeric_fields(layers[0][1]):
@@ -138,7 +138,7 @@ def paging_time_histograms(stats, prefix: str = PREFIX):
     (buckets ``stats.TIME_BUCKETS_S``, cumulative since the start). ``stats``: a ModelStats."""
     from prometheus_client.core import HistogramMetricFamily
 
-    from pagedexperts.stats import TIMED
+    from pagedexperts.stats.accounting import TIMED
 
     names = {"plan_s": "plan_seconds", "sync_s": "topk_readback_seconds", "page_in_s": "page_in_seconds"}
     for kind, dist in stats.time_histograms().items():

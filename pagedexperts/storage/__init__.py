@@ -5,5 +5,5 @@
 ranges into tensor memory. ``reader``: the fast checkpoint fill (expert rows straight into the
 host store, non-expert tensors copied out, no memory map kept). ``host_tier``: the disk tier,
 a host cache of R experts per layer with the same residency policies, the rest read from the
-checkpoint on demand. The full host store itself is still ``pagedexperts.store``.
+checkpoint on demand. The full host store itself is still ``pagedexperts.storage.host_store``.
 """

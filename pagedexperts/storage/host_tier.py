@@ -29,10 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from pagedexperts.residency import Residency, make_policy
-from pagedexperts.store import HostExpertStore
+from pagedexperts.residency.planner import Residency
+from pagedexperts.residency.policies import make_policy
+from pagedexperts.storage.host_store import HostExpertStore
 from pagedexperts.storage.safetensors_index import DiskReadError, Extent, read_extent
-from pagedexperts.storage.tier_stats import TierStats
+from pagedexperts.stats.tiers import TierStats
 
 class ReadAhead:
     """A thread pool and ``num_buffers`` expert-sized staging buffers shared by all layers.

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from pagedexperts.trace import TraceWriter
+from pagedexperts.analysis.trace import TraceWriter
 
 E, K_TOP, LAYERS, REQUESTS, DECODE_STEPS = 16, 2, [1, 3], 6, 30
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "synthetic_trace.npz")

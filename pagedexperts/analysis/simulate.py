@@ -3,7 +3,7 @@
 Owns: turning a ``Trace`` into steps to replay (as recorded; or B request streams interleaved
 per step; or uniform-random routing of the same shape), Belady's optimal offline policy, the
 replay loop over (routing, policy, K), and a modelled decode speed from a link speed.
-Residency and policies are ``pagedexperts.residency`` and counting is ``pagedexperts.stats``:
+Residency and policies are ``pagedexperts.residency.planner`` and counting is ``pagedexperts.stats.accounting``:
 the very code the runtime runs, so simulated and runtime hit rates cannot drift.
 Does not: read files (``trace``), print or plot (``commands/simulate``).
 
@@ -18,10 +18,10 @@ from typing import Sequence
 
 import numpy as np
 
-from pagedexperts import residency
-from pagedexperts.stats import LayerStats, ModelStats
-from pagedexperts.storage.tier_stats import TierStats
-from pagedexperts.trace import Trace
+from pagedexperts.residency import planner, policies
+from pagedexperts.stats.accounting import LayerStats, ModelStats
+from pagedexperts.stats.tiers import TierStats
+from pagedexperts.analysis.trace import Trace
 
 ROUTINGS = ("trace", "uniform")
 
@@ -54,7 +54,7 @@ class SimResult:
     decode: ModelStats
 
 
-class BeladyPolicy(residency.HeapRankedPolicy):
+class BeladyPolicy(policies.HeapRankedPolicy):
     """Belady's optimal offline policy: evict the resident expert whose next use is furthest.
 
     Needs the future: ``unions[t]`` is the set of experts step t routes to in this layer, for
@@ -103,8 +103,8 @@ class BeladyPolicy(residency.HeapRankedPolicy):
 
 
 def policy_names() -> list[str]:
-    """Policies the simulator knows: the runtime's (``residency.POLICIES``) plus "belady"."""
-    return sorted({*residency.POLICIES, BeladyPolicy.name})
+    """Policies the simulator knows: the runtime's (``policies.POLICIES``) plus "belady"."""
+    return sorted({*policies.POLICIES, BeladyPolicy.name})
 
 
 def default_num_resident(*, num_experts: int, top_k: int) -> list[int]:
@@ -184,7 +184,7 @@ def uniform_steps(steps: list[SimStep], *, num_experts: int, top_k: int, seed: i
 # ---------------------------------------------------------------------------------------------
 
 
-def make_policy(name: str, *, num_slots: int, unions: Sequence[Sequence[int]]) -> residency.EvictionPolicy:
+def make_policy(name: str, *, num_slots: int, unions: Sequence[Sequence[int]]) -> policies.EvictionPolicy:
     """The runtime's policy ``name``, or Belady's with the layer's future ``unions``.
 
     Raises:
@@ -192,9 +192,9 @@ def make_policy(name: str, *, num_slots: int, unions: Sequence[Sequence[int]]) -
     """
     if name == BeladyPolicy.name:
         return BeladyPolicy(num_slots, unions)
-    if name not in residency.POLICIES:
+    if name not in policies.POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {policy_names()} (--policy)")
-    return residency.make_policy(name, num_slots)
+    return policies.make_policy(name, num_slots)
 
 
 def replay(
@@ -220,12 +220,12 @@ def replay(
     layers = sorted({ly for s in steps for ly in s.ids})
     unions = {ly: [np.unique(s.ids[ly]).tolist() for s in steps] for ly in layers}
     everything, decode = ModelStats(), ModelStats()
-    host_policy = policy if policy in residency.POLICIES else "lru"
+    host_policy = policy if policy in policies.POLICIES else "lru"
     for ly in layers:
-        res = residency.Residency(num_experts, num_resident,
+        res = planner.Residency(num_experts, num_resident,
                                   make_policy(policy, num_slots=num_resident, unions=unions[ly]))
-        host = None if host_rows is None else residency.Residency(
-            num_experts, host_rows, residency.make_policy(host_policy, host_rows))
+        host = None if host_rows is None else planner.Residency(
+            num_experts, host_rows, policies.make_policy(host_policy, host_rows))
         all_stats, dec_stats = LayerStats(), LayerStats()
         all_tier, dec_tier = TierStats(), TierStats()
         for step, union in zip(steps, unions[ly]):
@@ -243,7 +243,7 @@ def replay(
     return everything, decode
 
 
-def _replay_host(host: residency.Residency, plan, expert_bytes: int, tiers: list[TierStats]) -> None:
+def _replay_host(host: planner.Residency, plan, expert_bytes: int, tiers: list[TierStats]) -> None:
     """The host rows see the step's page-ins in order; a host miss is one disk read."""
     for load in plan.loads:
         hit = host.plan([load.expert]).hits == 1
@@ -363,7 +363,7 @@ def replay_prefetch(
     the part of the prefetch copies that overruns the previous layer's compute.
     Units: bytes, GB/s (1e9 B/s), milliseconds.
     """
-    from pagedexperts.prefetch import PREFETCH_EXTRA, PrefetchStats
+    from pagedexperts.paging.prefetch import PREFETCH_EXTRA, PrefetchStats
 
     t_load = expert_bytes / (link_gbps * 1e9)
     compute_s = compute_ms_per_layer / 1e3
@@ -371,7 +371,7 @@ def replay_prefetch(
     unions = {ly: [np.unique(s.ids[ly]).tolist() for s in steps] for ly in layers}
     out, dec, pstats, exposed, exposed_dec, stall, stall_dec = ModelStats(), ModelStats(), {}, {}, {}, 0.0, 0.0
     for ly in layers:
-        res = residency.Residency(num_experts, num_resident,
+        res = planner.Residency(num_experts, num_resident,
                                   make_policy(policy, num_slots=num_resident, unions=unions[ly]))
         st, dst, ps, exp, dexp = LayerStats(), LayerStats(), PrefetchStats(), 0, 0
         for step, union in zip(steps, unions[ly]):

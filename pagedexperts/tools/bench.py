@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from pagedexperts.generate import GREEDY
-from pagedexperts.residency import DEFAULT_POLICY
+from pagedexperts.generation.generate import GREEDY
+from pagedexperts.residency.policies import DEFAULT_POLICY
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
     """
     from tqdm import tqdm
 
-    from pagedexperts.loader import load_model, repage
+    from pagedexperts.loading.loader import load_model, repage
 
     jobs = []
     for mode in cfg.modes:
@@ -233,7 +233,7 @@ def _cpu_layers(cfg: BenchConfig) -> int:
 def _moe_layers(model_path) -> list[int]:
     from transformers import AutoConfig
 
-    from pagedexperts.loader import bundled_model_path
+    from pagedexperts.loading.loader import bundled_model_path
     from pagedexperts.models.families import moe_layer_indices
 
     return moe_layer_indices(AutoConfig.from_pretrained(model_path or bundled_model_path()))

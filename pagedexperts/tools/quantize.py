@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from pagedexperts.sizing import read_safetensors_header, safetensors_files
+from pagedexperts.analysis.sizing import read_safetensors_header, safetensors_files
 
 QUANTIZE_FORMATS = ("w4a16", "fp8-block", "mxfp4")
 # A routed expert's weight, one tensor per expert (Qwen3/DeepSeek gate|up|down_proj, Mixtral w1|w2|w3).
@@ -114,7 +114,7 @@ def bundled_variant_path(fmt: str, *, cache_dir: str | Path, source: str | Path 
     Raises:
         ValueError: a format the bundled model has no variant in (lists them).
     """
-    from pagedexperts.loader import bundled_model_path
+    from pagedexperts.loading.loader import bundled_model_path
 
     options = BUNDLED_VARIANTS.get(fmt)
     if options is None:

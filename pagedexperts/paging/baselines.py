@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from pagedexperts.pager import SlotView, resolve_inner, routed_union
-from pagedexperts.stats import LayerStats
-from pagedexperts.store import HostExpertStore
-from pagedexperts.transfer import read_back
+from pagedexperts.paging.host_executor import SlotView, resolve_inner, routed_union
+from pagedexperts.stats.accounting import LayerStats
+from pagedexperts.storage.host_store import HostExpertStore
+from pagedexperts.paging.transfer import read_back
 
 MODES = ("paged", "resident", "offload", "cpu-experts")
 

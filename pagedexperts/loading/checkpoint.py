@@ -27,7 +27,7 @@ import torch
 from pagedexperts.formats import ExpertFormat, QuantizedTensor, TensorSpec
 from pagedexperts.formats.base import store_name
 from pagedexperts.formats.dense import DenseFormat
-from pagedexperts.models import ExpertsSite
+from pagedexperts.models.sites import ExpertsSite
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def stream_checkpoint(model, sites, stores, device, *, model_type, files, fmt: E
             model tensors the checkpoint lacks, a quantized weight without its companions.
     """
     if fmt is None or fmt.name == "dense":  # read at disk speed, nothing left mapped (storage.reader)
-        from pagedexperts.storage.reader import fill_from_checkpoint
+        from pagedexperts.loading.fill import fill_from_checkpoint
 
         fill_from_checkpoint(model, sites, stores, device, model_type=model_type, files=files)
         return
@@ -245,7 +245,7 @@ def _attach_disk_sources(files, keymap: KeyMap, sites, stores) -> set[str]:
     tiered = {name for name, store in stores.items() if hasattr(store, "attach_source")}
     if not tiered:
         return tiered
-    from pagedexperts.storage.reader import CheckpointIndex
+    from pagedexperts.loading.fill import CheckpointIndex
 
     index = CheckpointIndex(files, keymap, sites, specs={name: stores[name].specs for name in sites})
     for name in tiered:

@@ -128,7 +128,7 @@ def install(model, *, budget: int | None = None) -> list[NextLayerPrefetcher]:
     budget = rt.top_k if budget is None else budget
     if budget < 1:
         raise ValueError(f"prefetch budget {budget} must be >= 1 (--prefetch-budget)")
-    from pagedexperts.models import router_of
+    from pagedexperts.models.sites import router_of
 
     sites = {s.layer: s for s in rt.sites}
     layers = sorted(rt.pagers)

@@ -321,7 +321,7 @@ class AdaptivePolicy(EvictionPolicy):
     DEFAULT_WINDOW = 64  # steps; tuned on the tune half of the traces (bench/policy_eval.py)
 
     def __init__(self, num_slots: int, *, window: int = DEFAULT_WINDOW) -> None:
-        from pagedexperts.residency import Residency  # the planner the ghosts replay with
+        from pagedexperts.residency.planner import Residency
 
         super().__init__(num_slots)
         self.decay = 1.0 - 1.0 / window

@@ -31,12 +31,13 @@ import numpy as np
 import torch
 
 from pagedexperts.formats.slots import allocate
-from pagedexperts.prefetch import PrefetchStats
-from pagedexperts.residency import EvictionPolicy, Residency, StepPlan, Wave
-from pagedexperts.stats import LayerStats
-from pagedexperts.store import HostExpertStore
-from pagedexperts.wave_compute import INNER_IMPLEMENTATIONS, step_entries
-from pagedexperts.transfer import SlotTransfers, read_back, upload
+from pagedexperts.paging.prefetch import PrefetchStats
+from pagedexperts.residency.planner import Residency, StepPlan, Wave
+from pagedexperts.residency.policies import EvictionPolicy
+from pagedexperts.stats.accounting import LayerStats
+from pagedexperts.storage.host_store import HostExpertStore
+from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS, step_entries
+from pagedexperts.paging.transfer import SlotTransfers, read_back, upload
 
 
 
@@ -141,7 +142,7 @@ class ExpertPager:
         # padding rows of the current step as a 0-dim device tensor (set by the recording hook
         # before each model step, read back with the top-k ids), or None: no padding
         self.padding_count: torch.Tensor | None = None
-        # Prefetch hook (pagedexperts.prefetch): this layer's predictor of the next layer, and
+        # Prefetch hook (pagedexperts.paging.prefetch): this layer's predictor of the next layer, and
         # the counters of prefetches INTO this layer. None = prefetch off.
         self.prefetcher = None
         self.prefetch_stats = PrefetchStats()

@@ -20,22 +20,22 @@ from pathlib import Path
 import torch
 
 from pagedexperts import integration
-from pagedexperts.checkpoint import check_readable, checkpoint_files, expert_sources, stream_checkpoint
+from pagedexperts.loading.checkpoint import check_readable, checkpoint_files, expert_sources, stream_checkpoint
 from pagedexperts.formats import ExpertFormat, format_for_config
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, check_slot_format, resolve_slot_format
-from pagedexperts.models import check_supported, find_experts_sites
-from pagedexperts.recording import install_padding_hook
-from pagedexperts.pager import INNER_IMPLEMENTATIONS, ExpertPager
-from pagedexperts.modes import MODES
-from pagedexperts.residency import DEFAULT_POLICY, make_policy
-from pagedexperts.runners import (  # noqa: F401  (kept importable from here)
+from pagedexperts.models.sites import check_supported, find_experts_sites
+from pagedexperts.analysis.recording import install_padding_hook
+from pagedexperts.paging.host_executor import INNER_IMPLEMENTATIONS, ExpertPager
+from pagedexperts.paging.baselines import MODES
+from pagedexperts.residency.policies import DEFAULT_POLICY, make_policy
+from pagedexperts.loading.runners import (  # noqa: F401  (kept importable from here)
     DEFAULT_RESIDENT_FRACTION, attach_runners, check_num_resident, random_fill, repage,
 )
-from pagedexperts.stats import ModelStats
+from pagedexperts.stats.accounting import ModelStats
 from pagedexperts.storage.host_memory import HostMemoryPlan, kv_estimate_bytes, plan_host_memory
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
-from pagedexperts import store as store_module
-from pagedexperts.store import HostExpertStore
+from pagedexperts.storage import host_store as store_module
+from pagedexperts.storage.host_store import HostExpertStore
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ class PagingRuntime:
         return ModelStats.collect(((i, p.stats) for i, p in self.pagers.items()), fallbacks, tiers=tiers)
 
     def reset_stats(self) -> None:
-        from pagedexperts.stats import LayerStats
-        from pagedexperts.storage.tier_stats import TierStats
+        from pagedexperts.stats.accounting import LayerStats
+        from pagedexperts.stats.tiers import TierStats
 
         for p in self.pagers.values():
             p.collect_copy_time()
@@ -207,7 +207,7 @@ def load_model(
             ``cpu_expert_layers`` MoE layers computed on the CPU, the rest resident).
         cpu_expert_layers: N for mode "cpu-experts", 0 <= N <= MoE layers.
         prefetch: mode "paged" only: while layer l computes, page in layer l+1's experts as
-            predicted by layer l+1's router on layer l's input (``pagedexperts.prefetch``).
+            predicted by layer l+1's router on layer l's input (``pagedexperts.paging.prefetch``).
         prefetch_budget: prefetch page-ins per layer per step at most (None = top_k).
         slot_format: for a quantized checkpoint, what the K slots hold: "packed" (what a
             page-in copies; each wave's experts dequantized before compute), "dense"
@@ -268,14 +268,14 @@ def load_model(
         host_memory_gb=host_memory_gb,
     )
     if check_independence:
-        from pagedexperts.independence import check_model_independence
+        from pagedexperts.loading.independence import check_model_independence
 
         check_model_independence(model, files, fmt)
         for store in model.pagedexperts.stores.values():  # the check's samples leave no trace
             if hasattr(store, "reset"):
                 store.reset()
     if prefetch and mode == "paged":
-        from pagedexperts import prefetch as prefetch_mod
+        from pagedexperts.paging import prefetch as prefetch_mod
 
         prefetch_mod.install(model, budget=prefetch_budget)
     tokenizer = _load_tokenizer(path)

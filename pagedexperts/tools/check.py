@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedexperts.generate import GREEDY
+from pagedexperts.generation.generate import GREEDY
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def load_reference(model_path, *, device: str, dtype: str | None, experts_implem
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagedexperts.formats import format_for_config
-    from pagedexperts.loader import bundled_model_path, resolve_dtype
+    from pagedexperts.loading.loader import bundled_model_path, resolve_dtype
 
     path = model_path or bundled_model_path()
     config = AutoConfig.from_pretrained(path)
@@ -83,7 +83,7 @@ def _resident_reference(path, fmt, exc: ImportError, *, device: str, dtype, expe
     dequantized once by pagedexperts' format (itself tested against the published
     dequantization in tests/test_format_gptq_awq.py). Logs a WARNING: this checks paging, not
     the dequantization. Any other format re-raises ``exc``."""
-    from pagedexperts.loader import load_model
+    from pagedexperts.loading.loader import load_model
 
     if fmt.name not in KERNEL_ONLY_FORMATS:
         raise exc

@@ -98,7 +98,7 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
         ValueError: see ``CheckpointIndex``; a model tensor the checkpoint lacks.
         DiskReadError: a shard that ends early.
     """
-    from pagedexperts.checkpoint import KeyMap, check_model_filled, load_plain_tensor
+    from pagedexperts.loading.checkpoint import KeyMap, check_model_filled, load_plain_tensor
 
     index = CheckpointIndex(files, KeyMap(model_type, sites), sites)
     jobs: list[tuple[Extent, torch.Tensor]] = []

@@ -76,7 +76,7 @@ class TraceRecorder:
 
     @classmethod
     def attach(cls, model, *, model_id: str = "") -> "TraceRecorder":
-        from pagedexperts.trace import TraceWriter
+        from pagedexperts.analysis.trace import TraceWriter
 
         rt = model.pagedexperts
         writer = TraceWriter(

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedexperts.trace import Trace, load_trace
+from pagedexperts.analysis.trace import Trace, load_trace
 
 logger = logging.getLogger(__name__)
 READER_STRIDE = 997  # tokens between two readers of one stream (a prime: no common period)
@@ -51,7 +51,7 @@ class TraceRouting:
     _cursor: dict[int, int] = field(default_factory=dict)  # model layer number -> position
 
     def __post_init__(self) -> None:
-        from pagedexperts.simulate import request_streams
+        from pagedexperts.analysis.simulate import request_streams
 
         e_t, k_t = self.trace.meta.num_experts, self.trace.meta.top_k
         if e_t > self.num_experts:

@@ -48,7 +48,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pagedexperts.transfer import upload
+from pagedexperts.paging.transfer import upload
 
 def activate(view, proj: torch.Tensor) -> torch.Tensor:
     """The module's gating (``_apply_gate``: e.g. SiLU(gate) * up) or plain activation:

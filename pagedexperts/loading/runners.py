@@ -14,10 +14,10 @@ import torch
 
 from pagedexperts import integration
 from pagedexperts.formats import slots
-from pagedexperts.modes import MODES, CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
-from pagedexperts.pager import ExpertPager
-from pagedexperts.residency import make_policy
-from pagedexperts.store import HostExpertStore
+from pagedexperts.paging.baselines import MODES, CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
+from pagedexperts.paging.host_executor import ExpertPager
+from pagedexperts.residency.policies import make_policy
+from pagedexperts.storage.host_store import HostExpertStore
 
 DEFAULT_RESIDENT_FRACTION = 0.25  # default K = E / 4 (at least top_k)
 

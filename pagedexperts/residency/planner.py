@@ -19,7 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Sequence
 
-from pagedexperts.eviction import (  # noqa: F401  (the policies stay importable from here)
+from pagedexperts.residency.policies import (  # noqa: F401  (the policies stay importable from here)
     DEFAULT_POLICY, EMPTY, POLICIES, AdaptivePolicy, EvictionPolicy, FrequencyLRUPolicy, HeapRankedPolicy,
     LFUPolicy, LRUPolicy, RankedPolicy, consume, make_policy,
 )

@@ -19,9 +19,9 @@ import random
 
 import torch
 
-from pagedexperts.checkpoint import KeyMap
+from pagedexperts.loading.checkpoint import KeyMap
 from pagedexperts.formats import ExpertFormat
-from pagedexperts.pager import ExpertPager
+from pagedexperts.paging.host_executor import ExpertPager
 
 DEFAULT_EXPERTS_PER_LAYER = 2
 

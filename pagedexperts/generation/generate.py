@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.stats import ModelStats
+from pagedexperts.stats.accounting import ModelStats
 
 
 # Greedy decoding for ``generate``: also clears the sampling knobs a checkpoint's

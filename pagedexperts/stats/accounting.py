@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
-from pagedexperts.storage.tier_stats import TierStats
+from pagedexperts.stats.tiers import TierStats
 
 WINDOW = 1024  # most recent samples per layer and kind that p50/p99 are taken over
 # Histogram upper bounds in seconds (``le``), 1 us to 1 s; the +Inf bucket is implicit.

@@ -1,0 +1,1 @@
+"""Analysis: routing traces, recording, the simulator, sizing and the link and disk benchmarks."""

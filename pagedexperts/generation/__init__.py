@@ -1,0 +1,1 @@
+"""Generation: text generation on a paged model, with timing and the paging report."""

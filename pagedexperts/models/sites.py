@@ -1,0 +1,168 @@
+"""Architecture adapters: where a family's routed experts live and how to page them.
+
+Owns: the list of supported architectures, the discovery of experts modules and of their
+per-expert tensors (every parameter or buffer whose leading dim is E, found from the layer,
+never from a hand list). Does not: read checkpoints (``loader``) or page (``pager``).
+Routing, shared experts and dense layers stay the model's own code: only the modules that
+transformers dispatches through its experts registry are paged, so a shared expert (a plain
+MLP beside them) is never in the store, never in K and never in the stats.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pagedexperts.models.families import FAMILIES, moe_layer_indices
+from pagedexperts.storage.host_store import TensorSpec
+
+# model_type (config.json) -> family name. Each entry is covered by an exactness test
+# (tests/test_families.py); the families' layer rules and quirks are in ``families``.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {t: f.name for t, f in FAMILIES.items()}
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ExpertsSite:
+    """One routed-experts module of a model: its decoder layer index and per-expert tensors."""
+
+    layer: int
+    name: str  # dotted module name, e.g. "model.layers.3.mlp.experts"
+    module: torch.nn.Module
+    num_experts: int
+    specs: tuple[TensorSpec, ...]
+
+
+def check_supported(config) -> str:
+    """Return the family name of ``config``'s architecture.
+
+    Raises:
+        ValueError: not an MoE model, an architecture not yet supported (lists them), or a
+            quantized checkpoint in no supported expert format (``pagedexperts.formats``).
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        is_moe = any(
+            getattr(config, a, None)
+            for a in ("num_experts", "num_local_experts", "n_routed_experts")
+        )
+        what = "an MoE architecture not yet supported" if is_moe else "not an MoE model"
+        raise ValueError(
+            f"model_type {model_type!r} is {what}; supported: "
+            + ", ".join(f"{k} ({v})" for k, v in sorted(SUPPORTED_ARCHITECTURES.items()))
+        )
+    from pagedexperts.formats import format_for_config
+
+    format_for_config(config)  # a quantized checkpoint must be a supported expert format
+    return SUPPORTED_ARCHITECTURES[model_type]
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """True for modules dispatched through transformers' experts registry: the
+    ``use_experts_implementation`` decorator sets ``has_gate`` and ``is_transposed`` on them
+    (in every 5.x from 5.17; ``_is_expert_parallel`` only appears in later releases)."""
+    return all(hasattr(module, a) for a in ("has_gate", "is_transposed", "num_experts"))
+
+
+def find_experts_sites(model: torch.nn.Module) -> list[ExpertsSite]:
+    """All routed-experts modules of ``model``, in layer order, with their per-expert tensors.
+
+    Raises:
+        ValueError: an experts module whose layout is not understood (a tensor without the
+            leading E, no per-expert tensor, or no layer index in its name).
+    """
+    sites = []
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        match = _LAYER_RE.search(name + ".")
+        if match is None:
+            raise ValueError(f"experts module {name!r} has no 'layers.N.' in its name")
+        sites.append(
+            ExpertsSite(
+                layer=int(match.group(1)),
+                name=name,
+                module=module,
+                num_experts=int(module.num_experts),
+                specs=per_expert_specs(module, name),
+            )
+        )
+    if not sites:
+        raise ValueError(f"{type(model).__name__} has no routed-experts module to page")
+    sites.sort(key=lambda s: s.layer)
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in FAMILIES:
+        check_family_layout(model, sites)
+    return sites
+
+
+def check_family_layout(model: torch.nn.Module, sites: list[ExpertsSite]) -> None:
+    """Start-up check against the family's config rules: experts modules exactly in the MoE
+    layers (dense layers get no pager), and each shared expert a plain resident module beside
+    them (never an experts-registry module, so never paged, in K or in the stats).
+
+    Raises:
+        ValueError: the model's layout disagrees with its family's rules.
+    """
+    config = model.config
+    family = FAMILIES[config.model_type]
+    found = [s.layer for s in sites]
+    expected = moe_layer_indices(config)
+    if found != expected:
+        raise ValueError(
+            f"{family.name}: experts modules found in decoder layers {found}, but the config's "
+            f"MoE layers are {expected}; this transformers version builds the model differently"
+        )
+    if family.shared_expert is None:
+        return
+    for site in sites:
+        block = model.get_submodule(site.name.rpartition(".")[0])
+        shared = getattr(block, family.shared_expert, None)
+        if shared is None or any(is_experts_module(m) for m in shared.modules()):
+            raise ValueError(
+                f"{family.name}: {site.name.rpartition('.')[0]}.{family.shared_expert} is missing or "
+                "is an experts-registry module; shared experts must stay resident, unpaged"
+            )
+
+
+def router_of(model: torch.nn.Module, site: ExpertsSite) -> torch.nn.Module:
+    """The router module of ``site``'s MoE block (the family's ``router`` attribute, e.g.
+    ``mlp.gate``, gpt-oss ``mlp.router``).
+
+    Raises:
+        ValueError: the model's family is unknown or its block has no such module.
+    """
+    family = FAMILIES.get(getattr(model.config, "model_type", None))
+    block_name = site.name.rpartition(".")[0]
+    router = getattr(model.get_submodule(block_name), family.router, None) if family else None
+    if not isinstance(router, torch.nn.Module):
+        raise ValueError(
+            f"no router module found at {block_name}.{family.router if family else '?'} for "
+            f"model_type {getattr(model.config, 'model_type', None)!r}; prefetch needs the family's router"
+        )
+    return router
+
+
+def per_expert_specs(module: torch.nn.Module, name: str = "") -> tuple[TensorSpec, ...]:
+    """Every direct parameter or buffer of ``module`` with leading dim E, as TensorSpecs.
+
+    Raises:
+        ValueError: a direct tensor without leading dim E (layout not understood), or none.
+    """
+    num_experts = int(module.num_experts)
+    specs = []
+    tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+    for tname, t in tensors:
+        if t.dim() == 0 or t.shape[0] != num_experts:
+            raise ValueError(
+                f"experts module {name or type(module).__name__}: tensor {tname!r} of shape "
+                f"{tuple(t.shape)} has no leading dim E={num_experts}; this layout is not "
+                "understood, so it cannot be paged"
+            )
+        specs.append(TensorSpec(name=tname, shape=tuple(t.shape[1:]), dtype=t.dtype))
+    if not specs:
+        raise ValueError(f"experts module {name!r} has no per-expert tensor")
+    return tuple(specs)

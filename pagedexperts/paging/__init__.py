@@ -1,0 +1,1 @@
+"""Paging: the layer-step executors, transfer, wave compute, prefetch and the baselines."""
