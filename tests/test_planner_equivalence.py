@@ -18,6 +18,7 @@ import pytest
 
 import planner_oracle as old
 from pagedexperts.residency import planner, policies
+from pagedexperts.residency.belady import BeladyPolicy
 from pagedexperts.analysis import simulate as sim
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
@@ -28,7 +29,7 @@ RUNTIME_POLICIES = [("lru", {}), ("lfu", {}), ("lfu", {"half_life": 3}), ("lfu",
 def pair(name: str, kw: dict, num_experts: int, num_slots: int, unions: list[list[int]]):
     """(new Residency, oracle Residency) with policy ``name``."""
     if name == "belady":
-        return (planner.Residency(num_experts, num_slots, sim.BeladyPolicy(num_slots, unions)),
+        return (planner.Residency(num_experts, num_slots, BeladyPolicy(num_slots, unions)),
                 old.Residency(num_experts, num_slots, old.BeladyPolicy(num_slots, unions)))
     return (planner.Residency(num_experts, num_slots, policies.POLICIES[name](num_slots, **kw)),
             old.Residency(num_experts, num_slots, old.POLICIES[name](num_slots, **kw)))

@@ -17,7 +17,8 @@ import sys
 import pytest
 
 from pagedexperts.residency.planner import Load, Residency
-from pagedexperts.residency.policies import EMPTY, POLICIES, LRUPolicy, make_policy
+from pagedexperts.residency.policies import POLICIES, make_policy
+from pagedexperts.residency.policy import EMPTY, LRUPolicy
 
 # (E, K, k) combinations: K = k, 2k, E/2, E and odd sizes.
 SHAPES = [(8, 2, 2), (8, 4, 2), (8, 8, 2), (16, 4, 4), (16, 8, 2), (16, 16, 2), (6, 3, 1), (5, 5, 3)]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pagedexperts.residency import planner, policies
+from pagedexperts.residency.policy import EvictionPolicy
 from pagedexperts.analysis import simulate as sim
 from pagedexperts.cli import main
 from pagedexperts.stats.accounting import LayerStats
@@ -47,7 +48,7 @@ class _NeedChoice(Exception):
         self.n = n
 
 
-class _ScriptedPolicy(policies.EvictionPolicy):
+class _ScriptedPolicy(EvictionPolicy):
     """Evicts candidates[choices[i]] at the i-th eviction; raises past the script."""
 
     def __init__(self, num_slots, choices):
@@ -176,8 +177,8 @@ def test_modelled_decode_tok_s():
 
 def test_bad_inputs():
     steps = sim.recorded_steps(load_trace(SYNTHETIC))
-    for k in (0, 17):
-        with pytest.raises(ValueError, match=f"--num-resident {k} must be in \\[1, E=16\\]"):
+    for k, limit in ((0, "must be in \\[1, E=16\\]"), (17, "exceeds the E=16")):
+        with pytest.raises(ValueError, match=f"--num-resident K={k} {limit}"):
             sim.replay(steps, num_experts=16, num_resident=k, policy="lru")
     with pytest.raises(ValueError, match="choose from .*belady.*--policy"):
         sim.run_grid(steps, num_experts=16, top_k=2, num_resident=[4], policies=["fifo"])
@@ -212,8 +213,8 @@ def test_cli_table_json_and_plots(tmp_path, capsys):
     "extra,message",
     [
         (["--experts", "64", "--top-k", "8"], "E=16, top_k=2; the model has E=64, top_k=8"),
-        (["--num-resident", "0"], "--num-resident 0 must be in [1, E=16]"),
-        (["--num-resident", "17"], "--num-resident 17 must be in [1, E=16]"),
+        (["--num-resident", "0"], "--num-resident K=0 must be in [1, E=16]"),
+        (["--num-resident", "17"], "--num-resident K=17 exceeds the E=16"),
         (["--policy", "mru"], "unknown policy 'mru'"),
         (["--expert-mb", "-1"], "--expert-mb -1.0 must be >= 0"),
         (["--link-gbps", "10", "--compute-ms-per-layer", "1"], "--link-gbps needs --expert-mb"),

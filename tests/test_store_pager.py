@@ -19,7 +19,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from conftest import assert_same, tiny_config
 from pagedexperts.models.sites import per_expert_specs
 from pagedexperts.paging.host_executor import INNER_IMPLEMENTATIONS, ExpertPager, resolve_inner
-from pagedexperts.residency.policies import EMPTY
+from pagedexperts.residency.policy import EMPTY
 from pagedexperts.storage.host_store import HostExpertStore, TensorSpec
 
 E, H, I, TOP_K = 8, 32, 16, 2

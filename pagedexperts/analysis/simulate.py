@@ -1,7 +1,7 @@
 """Trace simulator: replay recorded routing through the runtime's own residency and accounting.
 
 Owns: turning a ``Trace`` into steps to replay (as recorded; or B request streams interleaved
-per step; or uniform-random routing of the same shape), Belady's optimal offline policy, the
+per step; or uniform-random routing of the same shape), the
 replay loop over (routing, policy, K), and a modelled decode speed from a link speed.
 Residency and policies are ``pagedexperts.residency.planner`` and counting is ``pagedexperts.stats.accounting``:
 the very code the runtime runs, so simulated and runtime hit rates cannot drift.
@@ -19,6 +19,8 @@ from typing import Sequence
 import numpy as np
 
 from pagedexperts.residency import planner, policies
+from pagedexperts.residency.belady import BeladyPolicy
+from pagedexperts.residency.policy import EvictionPolicy
 from pagedexperts.stats.accounting import LayerStats, ModelStats
 from pagedexperts.stats.tiers import TierStats
 from pagedexperts.analysis.trace import Trace
@@ -52,54 +54,6 @@ class SimResult:
     batch_size: int | None
     stats: ModelStats
     decode: ModelStats
-
-
-class BeladyPolicy(policies.HeapRankedPolicy):
-    """Belady's optimal offline policy: evict the resident expert whose next use is furthest.
-
-    Needs the future: ``unions[t]`` is the set of experts step t routes to in this layer, for
-    every step the residency will plan, in order. ``on_step`` advances t. Next use counts steps
-    after the current one (experts of the current step not in the current wave have already
-    been computed by an earlier wave). Never-used-again experts go first; ties by lowest slot.
-    A resident expert's next use moves only in a step that routes to it (a hit, so its slot is
-    touched): the lazy heap of ``HeapRankedPolicy`` holds, O(log K) per victim.
-    """
-
-    name = "belady"
-
-    def __init__(self, num_slots: int, unions: Sequence[Sequence[int]]) -> None:
-        super().__init__(num_slots)
-        self._uses: dict[int, list[int]] = {}
-        for t, union in enumerate(unions):
-            for e in union:
-                self._uses.setdefault(int(e), []).append(t)
-        self._ptr = dict.fromkeys(self._uses, 0)  # index of each expert's next use in _uses
-        self._t = -1
-
-    def on_step(self, union: Sequence[int]) -> None:
-        """Advance to the next step; each routed expert's next use moves past it.
-
-        Raises:
-            ValueError: ``union`` differs from the future the policy was given.
-        """
-        self._t += 1
-        for e in union:
-            uses, i = self._uses.get(e, ()), self._ptr.get(e, 0)
-            if i >= len(uses) or uses[i] != self._t:
-                raise ValueError(f"Belady: step {self._t} routes to expert {e}, not in the future it was given")
-            self._ptr[e] = i + 1
-
-    def on_access(self, slot: int, expert: int) -> None:
-        self._touch(slot)
-
-    on_load = on_access
-
-    def _next_use(self, expert: int) -> float:
-        uses, i = self._uses.get(expert, ()), self._ptr.get(expert, 0)
-        return uses[i] if i < len(uses) else float("inf")
-
-    def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
-        return (-self._next_use(expert_of_slot[slot]), slot)
 
 
 def policy_names() -> list[str]:
@@ -184,7 +138,7 @@ def uniform_steps(steps: list[SimStep], *, num_experts: int, top_k: int, seed: i
 # ---------------------------------------------------------------------------------------------
 
 
-def make_policy(name: str, *, num_slots: int, unions: Sequence[Sequence[int]]) -> policies.EvictionPolicy:
+def make_policy(name: str, *, num_slots: int, unions: Sequence[Sequence[int]]) -> EvictionPolicy:
     """The runtime's policy ``name``, or Belady's with the layer's future ``unions``.
 
     Raises:
@@ -213,8 +167,7 @@ def replay(
         ValueError: K outside [1, E] (``--num-resident``); R outside [1, E) (``--host-rows``);
             an expert id outside [0, E).
     """
-    if not 1 <= num_resident <= num_experts:
-        raise ValueError(f"--num-resident {num_resident} must be in [1, E={num_experts}] (--num-resident)")
+    planner.check_num_resident(num_resident, num_experts=num_experts, min_slots=1)
     if host_rows is not None and not 1 <= host_rows < num_experts:
         raise ValueError(f"--host-rows {host_rows} must be in [1, E={num_experts}) (--host-rows)")
     layers = sorted({ly for s in steps for ly in s.ids})

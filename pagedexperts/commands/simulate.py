@@ -10,6 +10,7 @@ import json
 import os
 
 from pagedexperts.analysis import simulate as sim
+from pagedexperts.residency.planner import check_num_resident
 from pagedexperts.residency.policies import DEFAULT_POLICY
 from pagedexperts.analysis.trace import load_trace
 
@@ -66,8 +67,7 @@ def run_simulate(args) -> int:
     e, k = trace.meta.num_experts, trace.meta.top_k
     ks = _int_list(args.num_resident) if args.num_resident else sim.default_num_resident(num_experts=e, top_k=k)
     for x in ks:
-        if not 1 <= x <= e:
-            raise ValueError(f"--num-resident {x} must be in [1, E={e}] for this trace (--num-resident)")
+        check_num_resident(x, num_experts=e, min_slots=1)
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
     batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [None]
     streams = sim.request_streams(trace, min_streams=max(batch_sizes)) if args.batch_sizes else None

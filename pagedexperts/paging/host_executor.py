@@ -33,7 +33,7 @@ import torch
 from pagedexperts.formats.slots import allocate
 from pagedexperts.paging.prefetch import PrefetchStats
 from pagedexperts.residency.planner import Residency, StepPlan, Wave
-from pagedexperts.residency.policies import EvictionPolicy
+from pagedexperts.residency.policy import EvictionPolicy
 from pagedexperts.stats.accounting import LayerStats
 from pagedexperts.storage.host_store import HostExpertStore
 from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS, step_entries

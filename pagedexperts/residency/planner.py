@@ -1,7 +1,7 @@
 """Residency: which routed experts occupy the K slots of one MoE layer, and the wave plan of a step.
 
-Owns: the expert <-> slot map of one layer, its eviction policy (the rules live in
-``eviction`` and are importable from here too), and the planner that turns a step's union of
+Owns: the expert <-> slot map of one layer, its eviction policy (the contract is
+``residency.policy``, the rules ``residency.policies``), the one check of K, and the planner that turns a step's union of
 routed experts into waves of at most K experts, each with the loads (expert, slot) it needs.
 Tensor-free on purpose (standard library only): the runtime pager and the trace simulator
 import this same code, so their hit/miss counts cannot drift. Planning costs O(|union|) plus
@@ -19,10 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Sequence
 
-from pagedexperts.residency.policies import (  # noqa: F401  (the policies stay importable from here)
-    DEFAULT_POLICY, EMPTY, POLICIES, AdaptivePolicy, EvictionPolicy, FrequencyLRUPolicy, HeapRankedPolicy,
-    LFUPolicy, LRUPolicy, RankedPolicy, consume, make_policy,
-)
+from pagedexperts.residency.policy import EMPTY, EvictionPolicy, LRUPolicy, consume
 
 
 class Load(NamedTuple):
@@ -72,6 +69,42 @@ def _loads(experts: Sequence[int], slots: Sequence[int]) -> tuple[Load, ...]:
     return tuple(map(tuple.__new__, itertools.repeat(Load), zip(experts, slots)))
 
 
+DEFAULT_RESIDENT_FRACTION = 0.25  # default K = E / 4 (at least top_k)
+
+
+def default_num_resident(*, num_experts: int, top_k: int) -> int:
+    """K when none is given: max(top_k, E x DEFAULT_RESIDENT_FRACTION)."""
+    return max(top_k, int(num_experts * DEFAULT_RESIDENT_FRACTION))
+
+
+def num_resident_problem(num_resident: int, *, num_experts: int, min_slots: int,
+                         flag: str = "--num-resident") -> str | None:
+    """Why K = ``num_resident`` slots cannot page E experts of which a token routes to
+    ``min_slots`` (top_k; 1 for a bare residency), or None when min_slots <= K <= E."""
+    if num_resident < min_slots:
+        if min_slots == 1:
+            return f"{flag} K={num_resident} must be in [1, E={num_experts}]; raise {flag}"
+        return (f"{flag} K={num_resident} is below top_k={min_slots}: one token routes to "
+                f"{min_slots} experts, so at least {min_slots} slots are needed; raise {flag}")
+    if num_resident > num_experts:
+        return (f"{flag} K={num_resident} exceeds the E={num_experts} routed experts per "
+                f"layer; use {flag} {num_experts} (all resident) or less")
+    return None
+
+
+def check_num_resident(num_resident: int, *, num_experts: int, min_slots: int, flag: str = "--num-resident") -> int:
+    """``num_resident`` when min_slots <= K <= E (the one K-range check: runtime, loader and
+    simulator).
+
+    Raises:
+        ValueError: K out of range (``num_resident_problem``'s message, naming ``flag``).
+    """
+    problem = num_resident_problem(num_resident, num_experts=num_experts, min_slots=min_slots, flag=flag)
+    if problem is not None:
+        raise ValueError(problem)
+    return num_resident
+
+
 @dataclass
 class Residency:
     """The slot map of one MoE layer plus its policy; plans each step's waves.
@@ -82,7 +115,7 @@ class Residency:
         policy: the eviction policy (default LRU over K slots).
 
     Raises:
-        ValueError: K out of [1, E] (the message names --num-resident).
+        ValueError: K out of [1, E] (``check_num_resident``: names --num-resident).
     """
 
     num_experts: int
@@ -92,11 +125,7 @@ class Residency:
     slot_of_expert: dict[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_slots <= self.num_experts:
-            raise ValueError(
-                f"num_resident K={self.num_slots} must be in [1, E={self.num_experts}]; "
-                "change --num-resident"
-            )
+        check_num_resident(self.num_slots, num_experts=self.num_experts, min_slots=1)
         if self.policy is None:
             self.policy = LRUPolicy(self.num_slots)
         self.expert_of_slot = [EMPTY] * self.num_slots
