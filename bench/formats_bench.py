@@ -91,7 +91,7 @@ def _decode_s(model, ids, new_tokens: int) -> list[float]:
 def one_run(model, ids, *, mode: str, k: int, new_tokens: int) -> tuple[float, float]:
     """(median decode seconds per step, bytes paged per decode token) of one run in ``mode`` at
     K = ``k``, from empty slots."""
-    from pagedexperts.loading.loader import repage
+    from pagedexperts.loading.runners import repage
 
     repage(model, mode=mode, num_resident=k)
     with torch.no_grad():

@@ -39,8 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedexperts.loading import loader
-from pagedexperts.paging.host_executor import ExpertPager  # noqa: E402
+from pagedexperts.loading import build, runners
+from pagedexperts.paging.host_executor import HostPlannedExecutor  # noqa: E402
 
 REAL = dict(  # Qwen3-30B-A3B config.json (published), except the layer count
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -61,8 +61,8 @@ def build(args):
 
     shape = TINY if args.dry_run else REAL
     config = Qwen3MoeConfig(num_hidden_layers=args.layers, **shape)
-    fill = lambda m, sites, stores, dev: loader.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
-    return loader.build_paged_model(
+    fill = lambda m, sites, stores, dev: runners.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
+    return build.build_paged_model(
         config, fill, num_resident=args.ks[0], device=args.device, dtype=args.dtype, mode="paged"
     )
 
@@ -97,7 +97,7 @@ def bench_modes(model, args) -> list[dict]:
     rows = []
     jobs = [("resident", None), ("offload", None)] + [("paged", k) for k in args.ks]
     for mode, k in jobs:
-        loader.repage(model, mode=mode, num_resident=k)
+        runners.repage(model, mode=mode, num_resident=k)
         decode_run(model, batch=1, prompt_len=8, new_tokens=3)  # warm-up
         model.pagedexperts.reset_stats()
         ttft, tok_s = decode_run(model, batch=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
@@ -122,7 +122,7 @@ def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
     site, store = rt.sites[0], rt.stores[rt.sites[0].name]
     k, e = rt.top_k, rt.num_experts
     dev = torch.device(args.device)
-    pager = ExpertPager(layer=site.layer, store=store, num_slots=args.ks[0], device=dev, inner="grouped_mm",
+    pager = HostPlannedExecutor(layer=site.layer, store=store, num_slots=args.ks[0], device=dev, inner="grouped_mm",
                         copy_stream=torch.cuda.Stream(dev) if dev.type == "cuda" else None)
     hidden = torch.randn(1, site.module.hidden_dim, dtype=store.specs[0].dtype, device=dev)
     weights = torch.full((1, k), 1.0 / k, dtype=hidden.dtype, device=dev)
@@ -185,7 +185,7 @@ def layer_scaling(model, args) -> dict:
     full = cfg.num_hidden_layers
     out = {}
     for mode, k in (("resident", None), ("paged", rt.num_experts)):
-        loader.repage(model, mode=mode, num_resident=k)
+        runners.repage(model, mode=mode, num_resident=k)
         token_s = {}
         for layers in (full, max(1, full // 2)):
             cfg.num_hidden_layers = layers  # the decoder runs self.layers[:num_hidden_layers]

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import planner_oracle  # noqa: E402
-from pagedexperts.loading import loader
+from pagedexperts.loading import build, runners
 from pagedexperts.paging import host_executor as pager
 from pagedexperts.residency import planner, policies
 from pagedexperts.analysis import trace_routing
@@ -45,8 +45,8 @@ def build(layers: int, k: int):
     from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(num_hidden_layers=layers, **SHAPE)
-    fill = lambda m, sites, stores, dev: loader.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
-    return loader.build_paged_model(config, fill, num_resident=k, device="cpu", dtype="float32", mode="paged")
+    fill = lambda m, sites, stores, dev: runners.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
+    return build.build_paged_model(config, fill, num_resident=k, device="cpu", dtype="float32", mode="paged")
 
 
 def call_times(model) -> list[float]:
@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     rows = []
     jobs = [("resident", None, "after")] + [("paged", k, p) for k in ks for p in PLANNERS]
     for mode, k, planner in jobs:
-        pager.Residency, loader.make_policy = PLANNERS[planner].Residency, PLANNERS[planner].make_policy
-        loader.repage(model, mode=mode, num_resident=k)
+        pager.Residency, runners.make_policy = PLANNERS[planner].Residency, PLANNERS[planner].make_policy
+        runners.repage(model, mode=mode, num_resident=k)
         decode(model, 1, 4, times)  # warm-up
         for b in batches:
             routing.rewind()  # every job sees the same tokens: before and after must count the same hits

@@ -65,7 +65,6 @@ def measure(model_path: str | None, *, policy: str, new_tokens: int, repeats: in
     import torch
 
     from pagedexperts.loading.loader import load_model
-    from pagedexperts.paging.prefetch import model_prefetch_stats
 
     # Both models decode the same prompt step by step, alternating, so CPU contention hits both alike.
     models = {name: load_model(model_path, policy=policy, prefetch=pf) for name, pf in (("plain", False), ("prefetch", True))}
@@ -87,7 +86,7 @@ def measure(model_path: str | None, *, policy: str, new_tokens: int, repeats: in
                         step_s[name].append(time.perf_counter() - t0)
                     state[name] = (o.past_key_values, o.logits[:, -1:].argmax(-1))
     out = {name: dict(median_step_ms=1e3 * statistics.median(v), steps=len(v)) for name, v in step_s.items()}
-    t = model_prefetch_stats(models["prefetch"][0])["total"]
+    t = models["prefetch"][0].pagedexperts.prefetch_stats()["total"]
     out["prefetch"].update(prefetch_host_ms_per_step=1e3 * (t["predict_s"] + t["issue_s"]) / (repeats * new_tokens), **t)
     out["overhead_ms_per_step"] = out["prefetch"]["median_step_ms"] - out["plain"]["median_step_ms"]
     return out

@@ -19,7 +19,7 @@ import time
 import torch
 
 from pagedexperts.loading.loader import load_model
-from pagedexperts.paging.prefetch import record_predictions
+from pagedexperts.analysis.recording import record_predictions
 from pagedexperts.analysis.recording import TraceRecorder
 from pagedexperts.analysis.trace import TraceWriter
 

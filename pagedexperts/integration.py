@@ -3,8 +3,8 @@
 transformers 5.x calls ``fn(experts_module, hidden_states [T, H], top_k_index [T, k],
 top_k_weights [T, k])`` for every MoE layer whose config names ``fn``'s registry key as its
 experts implementation (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``). The registry
-is process-global, so the function registered here holds no state: it forwards to the
-``ExpertPager`` attached to the experts module it is called with. Two models with different K
+is process-global, so the function registered here holds no state: it forwards to the runner
+(``paging.runner.ExpertsRunner``) attached to the experts module it is called with. Two models with different K
 therefore live side by side in one process.
 
 The step runs as the custom op ``torch.ops.pagedexperts.experts_step`` (``torch.library``),
@@ -15,8 +15,10 @@ makes the MoE op its graph's splitting op). A custom op takes tensors and number
 the experts module is found by an integer key in a table of weak references, filled when a
 runner is attached (``attach``), a lookup that holds nothing alive.
 
-Owns: the registry key, the attachment attribute, the custom op and its module table, and following ``generate``'s decode-time switch of experts implementation
-(``follow_decode_switch``). Does not: build pagers (``loader``).
+Owns: the registry key, the attachment attribute, the custom op and its module table, following
+``generate``'s decode-time switch of experts implementation (``follow_decode_switch``), and the
+pre-hook that gives every runner its model step's padding rows (``install_padding_hook``).
+Does not: build runners (``loading``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ _EXPERTS_MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.
 
 
 def attach(module: torch.nn.Module, runner) -> None:
-    """Attach ``runner`` (an ``ExpertPager`` or a baseline of ``modes``) to an experts module."""
+    """Attach ``runner`` (a ``paging.runner.ExpertsRunner``: an executor or a baseline) to an
+    experts module."""
     setattr(module, PAGER_ATTR, runner)
     setattr(module, KEY_ATTR, id(module))
     _EXPERTS_MODULES[id(module)] = module
@@ -53,9 +56,7 @@ def experts_step(
     """The paged experts step of the module registered under ``module_key`` ([T, H], [T, k],
     [T, k], 0-dim padding rows or None -> [T, H] in hidden_states.dtype)."""
     module = _EXPERTS_MODULES[module_key]
-    runner = getattr(module, PAGER_ATTR)
-    runner.padding_count = padding_count
-    return runner(module, hidden_states, top_k_index, top_k_weights)
+    return getattr(module, PAGER_ATTR).step(module, hidden_states, top_k_index, top_k_weights, padding_count)
 
 
 @experts_step.register_fake
@@ -73,7 +74,7 @@ def paged_experts_forward(
 
     Raises:
         RuntimeError: the module has no pager attached (the model was not loaded through
-            ``pagedexperts.load_model`` / ``attach_pagers``).
+            ``pagedexperts.load_model``).
     """
     pager = getattr(module, PAGER_ATTR, None)
     if pager is None:
@@ -103,15 +104,16 @@ class _InnerImplementations:
     """What transformers' ``_optimize_model_for_decode`` sees of a paged model: its runners'
     inner implementation in place of the registry key, and the model's device."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, runners: dict) -> None:
         self._model = model
+        self._runners_of = runners
 
     @property
     def device(self):
         return self._model.device
 
     def _runners(self):
-        return list(self._model.pagedexperts.pagers.values())
+        return list(self._runners_of.values())
 
     def get_experts_implementation(self) -> dict[str, str]:
         return {"": self._runners()[0].inner}
@@ -122,11 +124,12 @@ class _InnerImplementations:
             runner.inner = name
 
 
-def follow_decode_switch(model) -> None:
+def follow_decode_switch(model, runners: dict) -> None:
     """Make ``model.generate`` switch the runners' inner implementation exactly as it switches
     an unpaged model's: transformers' own ``_optimize_model_for_decode`` (5.17 to 5.24: on a
     non-CPU device, ``grouped_mm`` -> ``batched_mm`` for the decode loop, restored after) runs
-    on a view of the paged model whose implementation is the runners' inner one. Without it the
+    on a view of the paged model whose implementation is the inner one of ``runners`` (MoE
+    layer -> runner, read per call). Without it the
     paged model (implementation "pagedexperts") would decode with ``grouped_mm`` while the
     unpaged reference decodes with ``batched_mm``: two kernels, not bit-identical.
     """
@@ -136,7 +139,44 @@ def follow_decode_switch(model) -> None:
 
     @contextlib.contextmanager
     def optimize_for_decode(self):
-        with original(_InnerImplementations(self)):
+        with original(_InnerImplementations(self, runners)):
             yield
 
     model._optimize_model_for_decode = types.MethodType(optimize_for_decode, model)
+
+
+# -- hooks: the step's padding rows for every runner --
+
+
+def batch_seq(kwargs: dict, args: tuple) -> tuple[int, int]:
+    """(B, T) of a model call, from its input_ids (keyword or first positional) or inputs_embeds."""
+    ids = kwargs.get("input_ids")
+    if ids is None and args:
+        ids = args[0]
+    if ids is None:
+        ids = kwargs["inputs_embeds"]
+    return ids.shape[0], ids.shape[1]
+
+
+def padding_count(kwargs: dict, args: tuple) -> torch.Tensor | None:
+    """Padding rows of a model call as a 0-dim int64 tensor on the mask's device (no sync), or
+    None without a 2-D attention mask."""
+    mask = kwargs.get("attention_mask")
+    if mask is None or mask.dim() != 2:
+        return None
+    seq = batch_seq(kwargs, args)[1]
+    return (mask[:, -seq:] == 0).sum()
+
+
+def install_padding_hook(model, runners: dict) -> None:
+    """Before each forward, give every runner of ``runners`` (MoE layer -> runner, the runtime's
+    own dict) the step's padding count (``padding_count``; the dispatcher hands it to the step,
+    which reads it back with its top-k ids). The dict is read per call, so the hook follows
+    ``loading.runners.repage`` and holds no reference to dropped runners or their slots."""
+
+    def hook(module, args, kwargs):
+        count = padding_count(kwargs, args)
+        for runner in runners.values():
+            runner.padding_count = count
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)

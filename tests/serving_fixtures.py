@@ -28,7 +28,7 @@ httpx = pytest.importorskip("httpx")
 import torch  # noqa: E402
 
 from pagedexperts import bundled_model_path, load_model
-from pagedexperts.generation.generate import SamplingConfig  # noqa: E402
+from pagedexperts.generation.config import SamplingConfig  # noqa: E402
 from pagedexperts.serving.api_server import create_app  # noqa: E402
 from pagedexperts.serving.handlers import ServeConfig  # noqa: E402
 from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig  # noqa: E402

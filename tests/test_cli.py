@@ -91,7 +91,7 @@ def test_generate_bad_input_is_a_clear_error(argv, needle, capsys, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the checkpoint was read before the flags were validated")
 
-    monkeypatch.setattr(pagedexperts.loading.loader, "stream_checkpoint", fail)
+    monkeypatch.setattr(pagedexperts.loading.loader, "fill_from_checkpoint", fail)
     rc = main(["generate", "--prompt", "x", *argv])
     assert rc == 2
     assert needle in capsys.readouterr().err

@@ -84,10 +84,10 @@ def expert_tensors_on_device(model) -> list[str]:
         read-back per layer-step (tests/test_syncs.py counts the same on CPU)."""
         import warnings
 
-        from pagedexperts.paging import prefetch
+        from pagedexperts.loading.runners import install_prefetch
 
         model, _ = load_model(tiny_moe_dir, num_resident=TOP_K, device="cuda")
-        prefetch.install(model)
+        install_prefetch(model)
         ids = torch.randint(2, 100, (2, 12), generator=torch.Generator().manual_seed(2)).cuda()
         mask = torch.ones_like(ids)
         mask[0, :3] = 0

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 import pagedexperts
 from conftest import E, PAD_ID, TOP_K, VOCAB, copy_dir
 from pagedexperts.storage.host_memory import plan_host_memory
+from pagedexperts.formats.slots import PackedSlots
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
 from pagedexperts.storage.safetensors_index import DiskReadError
 
@@ -98,7 +99,8 @@ def test_disk_tier_with_read_ahead_equals_full_store(tiny_moe_dir, threads):
 
 
 def make_store(path, *, rows: int = 2, read_ahead=None) -> TieredExpertStore:
-    from pagedexperts.loading.checkpoint import KeyMap, checkpoint_files
+    from pagedexperts.loading.checkpoint import KeyMap
+    from pagedexperts.storage.safetensors_files import checkpoint_files
     from pagedexperts.loading.fill import CheckpointIndex
 
     model, _ = pagedexperts.load_model(path, num_resident=TOP_K, dtype="float32")
@@ -136,8 +138,8 @@ def test_host_rows_pin_exactly_their_bytes_or_fall_back_like_the_store(monkeypat
     assert caplog.records[-1].getMessage() == failed.fallback
 
 
-def slots_for(store, k: int = 3) -> dict[str, torch.Tensor]:
-    return {s.name: torch.zeros((k, *s.shape), dtype=s.dtype) for s in store.specs}
+def slots_for(store, k: int = 3) -> PackedSlots:
+    return PackedSlots({s.name: torch.zeros((k, *s.shape), dtype=s.dtype) for s in store.specs})
 
 
 def expected_rows(path, expert: int) -> dict[str, torch.Tensor]:
@@ -297,7 +299,7 @@ def test_linkbench_disk_reads_a_checkpoint(tiny_moe_dir, capsys):
 def test_a_lost_shard_fails_the_served_request_and_the_next_one(tmp_path):
     """The server's batch scheduler: the step raises DiskReadError, the request finishes with
     reason "error" naming the file, and the scheduler keeps serving (no hang)."""
-    from pagedexperts.generation.generate import SamplingConfig
+    from pagedexperts.generation.config import SamplingConfig
     from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
 
     path = copy_dir(pagedexperts.bundled_model_path(), tmp_path / "model")

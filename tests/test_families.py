@@ -31,7 +31,8 @@ from pagedexperts import load_model
 from pagedexperts.tools.check import check_model
 from pagedexperts.integration import PAGER_ATTR
 from pagedexperts.models.sites import SUPPORTED_ARCHITECTURES, find_experts_sites, is_experts_module
-from pagedexperts.models.families import FAMILIES, moe_layer_indices
+from pagedexperts.models.config import moe_layer_indices
+from pagedexperts.models.families import FAMILIES
 
 E, TOP_K, HIDDEN, EXPERT_I, VOCAB = 8, 2, 32, 64, 128
 DECODE_STEPS = 16

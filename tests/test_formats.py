@@ -257,7 +257,7 @@ def test_independence_check_catches_a_per_expert_tensor_left_on_the_module(quant
     """The field bug: a bias left out of the store and the slots stays an [E, ...] tensor on the
     experts module, which the kernel indexes with slot ids: wrong logits, and caught by name.
     (In packed slots of a quantized layer the same omission fails loudly at dequantization.)"""
-    from pagedexperts.loading.checkpoint import checkpoint_files
+    from pagedexperts.storage.safetensors_files import checkpoint_files
     from pagedexperts.loading.independence import check_model_independence
 
     path = quantized_dirs("gpt_oss-bf16")
@@ -274,7 +274,7 @@ def test_independence_check_catches_a_per_expert_tensor_left_on_the_module(quant
 
 
 def test_independence_check_catches_a_scale_left_out_of_the_store(quantized_dirs):
-    from pagedexperts.loading.checkpoint import checkpoint_files
+    from pagedexperts.storage.safetensors_files import checkpoint_files
     from pagedexperts.loading.independence import check_model_independence
 
     path = quantized_dirs("qwen3_moe-fp8")
@@ -289,7 +289,7 @@ def test_independence_check_catches_a_scale_left_out_of_the_store(quantized_dirs
 
 @pytest.mark.parametrize("slot_format", ["packed", "dense"])
 def test_independence_check_passes_and_counts(slot_format, quantized_dirs):
-    from pagedexperts.loading.checkpoint import checkpoint_files
+    from pagedexperts.storage.safetensors_files import checkpoint_files
     from pagedexperts.loading.independence import check_model_independence
 
     path = quantized_dirs("gpt_oss-mxfp4")

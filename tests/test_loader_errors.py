@@ -15,14 +15,18 @@ import pytest
 import torch
 
 import pagedexperts
+import pagedexperts.loading.build as build
 import pagedexperts.loading.loader as loader
+import pagedexperts.storage.host_memory as host_memory
 import pagedexperts.storage.host_store as store_module
 from conftest import E, TOP_K, copy_dir
-from pagedexperts.loading.loader import PagingConfig, PagingRuntime
+from pagedexperts.loading.config import PagingConfig
+from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.models.sites import SUPPORTED_ARCHITECTURES
-from pagedexperts.paging.host_executor import ExpertPager
+from pagedexperts.paging.host_executor import HostPlannedExecutor
 from pagedexperts.residency.policies import POLICIES
-from pagedexperts.storage.host_store import HostExpertStore, TensorSpec
+from pagedexperts.formats.base import TensorSpec
+from pagedexperts.storage.host_store import HostExpertStore
 
 
 def _work_started(what):
@@ -35,15 +39,15 @@ def _work_started(what):
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fail if a host store is allocated or a checkpoint byte is streamed."""
-    monkeypatch.setattr(loader, "HostExpertStore", _work_started("host store allocation"))
-    monkeypatch.setattr(loader, "TieredExpertStore", _work_started("disk tier allocation"))
-    monkeypatch.setattr(loader, "stream_checkpoint", _work_started("checkpoint streaming"))
+    monkeypatch.setattr(build, "HostExpertStore", _work_started("host store allocation"))
+    monkeypatch.setattr(build, "TieredExpertStore", _work_started("disk tier allocation"))
+    monkeypatch.setattr(loader, "fill_from_checkpoint", _work_started("checkpoint streaming"))
 
 
 @pytest.fixture
 def no_model(monkeypatch, no_loading):
     """Also fail if the model skeleton is built."""
-    monkeypatch.setattr(loader, "_parameters_on_meta", _work_started("model construction"))
+    monkeypatch.setattr(build, "_parameters_on_meta", _work_started("model construction"))
 
 
 def edit_config(path, **changes):
@@ -180,7 +184,7 @@ STORE_BYTES = 2 * E * (2 * 16 * 32 + 32 * 16) * 4  # layers x E x (gate_up + dow
 
 
 def test_too_little_host_memory_fails_before_loading(tiny_moe_dir, monkeypatch, no_loading):
-    monkeypatch.setattr(store_module, "host_memory_available_bytes", lambda: 1000)
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: 1000)
     with pytest.raises(MemoryError, match=r"needs .* of host memory \(full expert store .*\) but only .* is available"):
         pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
 
@@ -191,17 +195,17 @@ def test_enough_host_memory_passes(tiny_moe_dir, monkeypatch):
     assert sum(p.store.host_bytes for p in model.pagedexperts.pagers.values()) == STORE_BYTES == plan.store_bytes
     # on the CPU the K slots are host memory too: 2 layers x K x expert bytes
     assert plan.slot_bytes_on_host == 2 * TOP_K * STORE_BYTES // (2 * E)
-    monkeypatch.setattr(store_module, "host_memory_available_bytes", lambda: plan.total_bytes)
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: plan.total_bytes)
     pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
     # one byte less: the default budget falls to the disk tier, R = E - (staging 2 x top_k
     # experts over 2 layers = TOP_K rows) - 1 (the missing byte)
-    monkeypatch.setattr(store_module, "host_memory_available_bytes", lambda: plan.total_bytes - 1)
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: plan.total_bytes - 1)
     model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
     assert model.pagedexperts.host_memory.host_rows == E - TOP_K - 1
 
 
 def test_memory_error_names_every_part(tiny_moe_dir, monkeypatch, no_loading):
-    monkeypatch.setattr(store_module, "host_memory_available_bytes", lambda: 4096)
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: 4096)
     with pytest.raises(MemoryError, match=r"slots on host .* non-expert weights .* KV estimate"):
         pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
 
@@ -213,10 +217,11 @@ def test_host_memory_below_the_disk_tier_minimum_names_it(tiny_moe_dir, no_loadi
         pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", host_memory_gb=1e-6)
 
 
-def test_memory_error_names_both_amounts_readably(monkeypatch):
-    monkeypatch.setattr(store_module, "host_memory_available_bytes", lambda: 1000)
+def test_memory_error_names_both_amounts_readably():
+    plan = host_memory.HostMemoryPlan(num_layers=2, num_experts=E, expert_bytes=STORE_BYTES // (2 * E), host_rows=E,
+                                      slot_bytes_on_host=0, staging_bytes=0, non_expert_bytes_on_host=0, kv_bytes_on_host=0)
     with pytest.raises(MemoryError) as info:
-        store_module.check_host_memory(STORE_BYTES)
+        host_memory.check_available(plan, 1000)
     amounts = re.findall(r"(\d+(?:\.\d+)?) ?(?:bytes|B|kB|KB|KiB|MB|MiB|GB|GiB)\b", str(info.value))
     assert len(amounts) >= 2 and all(float(a) > 0 for a in amounts[:2]), str(info.value)
 
@@ -240,7 +245,7 @@ def test_failed_pinned_allocation_falls_back_loudly(monkeypatch, caplog):
         t = store.tensors[spec.name]
         assert t.shape == (E, *spec.shape) and not t.is_pinned()
 
-    pager = ExpertPager(layer=0, store=store, num_slots=TOP_K, device="cpu", inner="grouped_mm")
+    pager = HostPlannedExecutor(layer=0, store=store, num_slots=TOP_K, device="cpu", inner="grouped_mm")
     runtime = PagingRuntime(config=PagingConfig(), num_experts=E, top_k=TOP_K, num_resident=TOP_K, pagers={0: pager})
     assert runtime.stats().fallbacks == [store.fallback]
     assert runtime.stats().as_dict()["fallbacks"] == [store.fallback]
@@ -248,7 +253,7 @@ def test_failed_pinned_allocation_falls_back_loudly(monkeypatch, caplog):
 
 def test_no_fallback_reported_without_pinning():
     store = HostExpertStore([TensorSpec("w", (4,), torch.float32)], E, pin=False)
-    pager = ExpertPager(layer=0, store=store, num_slots=TOP_K, device="cpu", inner="grouped_mm")
+    pager = HostPlannedExecutor(layer=0, store=store, num_slots=TOP_K, device="cpu", inner="grouped_mm")
     runtime = PagingRuntime(config=PagingConfig(), num_experts=E, top_k=TOP_K, num_resident=TOP_K, pagers={0: pager})
     assert runtime.stats().fallbacks == []
 

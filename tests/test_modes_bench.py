@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import E, HIDDEN, MOE_INTERMEDIATE, TOP_K
-from pagedexperts.loading.loader import load_model, repage
+from pagedexperts.loading.loader import load_model
+from pagedexperts.loading.runners import repage
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT_BYTES_F32 = 3 * MOE_INTERMEDIATE * HIDDEN * 4  # gate, up [I, H] and down [H, I], float32
@@ -184,12 +185,12 @@ def test_bench_bad_input_is_refused_before_any_work(argv, needle, capsys, monkey
 
 def test_bench_loads_once_and_repages_per_mode_and_k(tiny_moe_dir, monkeypatch):
     from pagedexperts.tools import bench
-    from pagedexperts.loading import loader
+    from pagedexperts.loading import loader, runners
 
     loads, repages = [], []
-    real_load, real_repage = loader.load_model, loader.repage
+    real_load, real_repage = loader.load_model, runners.repage
     monkeypatch.setattr(loader, "load_model", lambda *a, **kw: loads.append(kw) or real_load(*a, **kw))
-    monkeypatch.setattr(loader, "repage", lambda m, **kw: repages.append(kw) or real_repage(m, **kw))
+    monkeypatch.setattr(runners, "repage", lambda m, **kw: repages.append(kw) or real_repage(m, **kw))
     monkeypatch.setattr(bench, "long_prompts", lambda *a: ["a long prompt"])  # the tiny model has no tokenizer
     monkeypatch.setattr(bench, "measure_mode", lambda model, *a: bench.ModeResult(
         mode=model.pagedexperts.config.mode, num_resident=model.pagedexperts.num_resident, decode_tok_s=1.0))

@@ -12,7 +12,7 @@ import torch
 
 from conftest import E, PAD_ID, TOP_K, VOCAB, assert_same
 from pagedexperts.loading.loader import load_model
-from pagedexperts.paging.prefetch import NextLayerPrefetcher, model_prefetch_stats, prediction_order
+from pagedexperts.paging.prefetch import NextLayerPrefetcher, prediction_order
 
 NEW_TOKENS = 16
 
@@ -66,7 +66,7 @@ def test_prefetch_is_exact(tiny_moe_dir, reference, num_resident, budget):
         assert_same(got, want, f"paged {what} logits")
     for got, want, what in zip(outputs(fetched), reference, ("greedy", "batch")):
         assert_same(got, want, f"paged + prefetch {what} logits")
-    total = model_prefetch_stats(fetched)["total"]
+    total = fetched.pagedexperts.prefetch_stats()["total"]
     assert total["issued"] > 0
     assert total["issued"] == total["used"] + total["wasted"]
     assert total["bytes"] == total["issued"] * fetched.pagedexperts.expert_bytes

@@ -75,7 +75,7 @@ def test_runtime_counters_equal_simulator(tiny_moe_dir, tmp_path, policy, num_re
 def test_runtime_prefetch_counters_equal_simulator(tiny_moe_dir, tmp_path, policy):
     """With --prefetch the recorded predictions, replayed, give the same hits, misses and the
     same prefetches issued / used / wasted per layer."""
-    from pagedexperts.paging.prefetch import record_predictions
+    from pagedexperts.analysis.recording import record_predictions
 
     model, _ = load_model(tiny_moe_dir, num_resident=2 * TOP_K, policy=policy, prefetch=True)
     rec = TraceRecorder.attach(model)

@@ -20,7 +20,8 @@ import pytest
 from serving_fixtures import (CONTEXT, MAX_RUNNING, MAX_TOKENS, MODEL_PATH, NAME, PROMPTS, httpx,  # noqa: F401
                               load_model, metric, one_thread, ref, schedule, server, torch)
 from serving_fixtures import client as openai_client
-from pagedexperts.generation.generate import SamplingConfig, generate_text
+from pagedexperts.generation.config import SamplingConfig
+from pagedexperts.generation.generate import generate_text
 
 MARGIN_EPS = 1e-3  # logits: batching noise in float32 is orders of magnitude below this
 

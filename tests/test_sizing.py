@@ -9,6 +9,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from pagedexperts.analysis import sizing
+from pagedexperts.models import config as model_config
+from pagedexperts.storage.safetensors_files import read_header_json
 
 QWEN3_30B = dict(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, num_attention_heads=32,
                  num_key_value_heads=4, head_dim=128, hidden_size=2048, decoder_sparse_step=1,
@@ -26,7 +28,7 @@ PUBLISHED = [
 def test_published_qwen3_30b_analysis(inputs, expected):
     expert_mb, k, link, tok_s = inputs
     expert = round(expert_mb * sizing.MB)
-    kv = sizing.kv_bytes_per_token(config=QWEN3_30B)
+    kv = model_config.kv_bytes_per_token(config=QWEN3_30B)
     assert kv == 98_304
     slot = sizing.slot_bytes(expert_bytes=expert, moe_layers=48)
     uniform = sizing.uniform_miss_rate(num_resident=k, num_experts=128)
@@ -45,38 +47,38 @@ def test_published_qwen3_30b_analysis(inputs, expected):
 
 
 def test_kv_bytes_fp8_halves_bf16():
-    assert sizing.kv_bytes_per_token(config=QWEN3_30B, kv_dtype="fp8") == 98_304 // 2
+    assert model_config.kv_bytes_per_token(config=QWEN3_30B, kv_dtype="fp8") == 98_304 // 2
     with pytest.raises(ValueError, match="--kv-dtype"):
-        sizing.kv_bytes_per_token(config=QWEN3_30B, kv_dtype="int3")
+        model_config.kv_bytes_per_token(config=QWEN3_30B, kv_dtype="int3")
 
 
 def test_kv_bytes_deepseek_mla_has_no_factor_two():
     cfg = dict(num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=128,
                hidden_size=7168, torch_dtype="bfloat16")
-    assert sizing.kv_bytes_per_token(config=cfg) == 61 * (512 + 64) * 2
+    assert model_config.kv_bytes_per_token(config=cfg) == 61 * (512 + 64) * 2
 
 
 def test_kv_bytes_qwen3_next_counts_full_attention_layers_only():
     base = dict(num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
                 hidden_size=2048, torch_dtype="bfloat16")
-    by_interval = sizing.kv_bytes_per_token(config={**base, "full_attention_interval": 4})
+    by_interval = model_config.kv_bytes_per_token(config={**base, "full_attention_interval": 4})
     types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12
-    by_types = sizing.kv_bytes_per_token(config={**base, "layer_types": types})
+    by_types = model_config.kv_bytes_per_token(config={**base, "layer_types": types})
     assert by_interval == by_types == 12 * 2 * 2 * 256 * 2
 
 
 def test_moe_shape_layer_patterns():
-    assert sizing.moe_shape(config=QWEN3_30B).moe_layers == tuple(range(48))
+    assert model_config.moe_shape(config=QWEN3_30B).moe_layers == tuple(range(48))
     qwen2 = dict(num_hidden_layers=6, num_experts=60, num_experts_per_tok=4, decoder_sparse_step=2,
                  mlp_only_layers=[3])
-    assert sizing.moe_shape(config=qwen2).moe_layers == (1, 5)
+    assert model_config.moe_shape(config=qwen2).moe_layers == (1, 5)
     ds = dict(num_hidden_layers=5, n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=2)
-    shape = sizing.moe_shape(config=ds)
+    shape = model_config.moe_shape(config=ds)
     assert (shape.num_experts, shape.top_k, shape.moe_layers) == (64, 6, (2, 3, 4))
     mixtral = dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2)
-    assert sizing.moe_shape(config=mixtral).num_experts == 8
+    assert model_config.moe_shape(config=mixtral).num_experts == 8
     with pytest.raises(ValueError, match="not a Mixture-of-Experts"):
-        sizing.moe_shape(config=dict(num_hidden_layers=4, model_type="llama"))
+        model_config.moe_shape(config=dict(num_hidden_layers=4, model_type="llama"))
 
 
 def test_auto_k_and_context_inverse():
@@ -157,13 +159,13 @@ def test_expert_bytes_stacked_sharded(tmp_path):
 
 def test_model_directory_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        sizing.read_config(str(tmp_path))
+        model_config.read_config(str(tmp_path))
     _write_config(tmp_path)
-    with pytest.raises(ValueError, match="no \\*.safetensors"):
+    with pytest.raises(FileNotFoundError, match="no safetensors checkpoint .*\\*.safetensors"):
         sizing.checkpoint_sizes(model_path=str(tmp_path), num_experts=E)
     save_file({"model.embed_tokens.weight": np.zeros((2, 2), np.float16)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="no routed-expert tensor"):
         sizing.checkpoint_sizes(model_path=str(tmp_path), num_experts=E)
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00")
     with pytest.raises(ValueError, match="not a safetensors file"):
-        sizing.read_safetensors_header(str(tmp_path / "model.safetensors"))
+        read_header_json(tmp_path / "model.safetensors")

@@ -18,9 +18,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from conftest import assert_same, tiny_config
 from pagedexperts.models.sites import per_expert_specs
-from pagedexperts.paging.host_executor import INNER_IMPLEMENTATIONS, ExpertPager, resolve_inner
+from pagedexperts.paging.host_executor import INNER_IMPLEMENTATIONS, HostPlannedExecutor, resolve_inner
 from pagedexperts.residency.policy import EMPTY
-from pagedexperts.storage.host_store import HostExpertStore, TensorSpec
+from pagedexperts.formats.base import TensorSpec
+from pagedexperts.formats.slots import PackedSlots
+from pagedexperts.storage.host_store import HostExpertStore
 
 E, H, I, TOP_K = 8, 32, 16, 2
 DTYPES = [torch.float32, torch.bfloat16]
@@ -48,13 +50,13 @@ def synthetic_experts(dtype=torch.float32, *, seed: int = 0, scale_buffer: bool 
     return module.to(dtype).eval()
 
 
-def paged(module: torch.nn.Module, num_slots: int, inner: str = "grouped_mm") -> ExpertPager:
+def paged(module: torch.nn.Module, num_slots: int, inner: str = "grouped_mm") -> HostPlannedExecutor:
     """A pager over a store filled from ``module``'s own [E, ...] tensors."""
     specs = per_expert_specs(module, "experts")
     store = HostExpertStore(list(specs), int(module.num_experts), pin=False)
     for spec in specs:
         store.tensors[spec.name].copy_(getattr(module, spec.name).detach())
-    return ExpertPager(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner)
+    return HostPlannedExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner)
 
 
 def unpaged(module, inner, hidden, ids, weights) -> torch.Tensor:
@@ -70,7 +72,7 @@ def step_inputs(routing: list[list[int]], dtype, *, seed: int):
     return hidden, ids, weights
 
 
-def assert_slots_hold_host_rows(pager: ExpertPager) -> None:
+def assert_slots_hold_host_rows(pager: HostPlannedExecutor) -> None:
     for slot, expert in enumerate(pager.residency.expert_of_slot):
         if expert == EMPTY:
             continue
@@ -118,7 +120,7 @@ def test_scripted_sequence_slots_counters_and_output(inner, dtype):
     assert s.page_in_s >= 0 and s.plan_s >= 0 and s.sync_s >= 0
 
 
-def has_single_entry_wave(pager: ExpertPager, ids: torch.Tensor) -> bool:
+def has_single_entry_wave(pager: HostPlannedExecutor, ids: torch.Tensor) -> bool:
     """Whether the next step over ``ids`` [T, k] plans a wave that holds exactly one entry."""
     plan = copy.deepcopy(pager.residency).plan(ids.unique().tolist())
     return any(int(torch.isin(ids, torch.tensor(w.experts)).sum()) == 1 for w in plan.waves)
@@ -210,7 +212,7 @@ def test_store_write_row_and_copy_to_slot():
     store = HostExpertStore(specs, 4, pin=False)
     store.write_row("w", 2, torch.arange(6.0).view(2, 3))
     store.write_row("w", 3, torch.ones(1, 3), rows=slice(1, 2))
-    slots = {"w": torch.zeros(2, 2, 3)}
+    slots = PackedSlots({"w": torch.zeros(2, 2, 3)})
     store.copy_to_slot(2, 1, slots)
     assert_same(slots["w"][1], torch.arange(6.0).view(2, 3))
     assert_same(slots["w"][0], torch.zeros(2, 3))

@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import E, PAD_ID, TOP_K
 from pagedexperts.paging import host_executor as pager_module
-from pagedexperts.paging import prefetch
+from pagedexperts.loading.runners import install_prefetch
+from pagedexperts.paging import waves
 from pagedexperts.paging import transfer
 from pagedexperts.loading.loader import load_model
 
@@ -93,11 +94,11 @@ class DeviceReads(TorchFunctionMode):
 
 @pytest.fixture
 def device_reads(monkeypatch):
-    """Install the counter: pager calls mark their inputs and slots; read_back and upload are
+    """Install the counter: executor steps mark their inputs and slots; read_back and upload are
     wrapped (read_back's result is host memory, upload's is device memory)."""
     mode = DeviceReads()
     original_read_back, original_upload = transfer.read_back, transfer.upload
-    original_call = pager_module.ExpertPager.__call__
+    original_step = pager_module.HostPlannedExecutor.step
 
     def read_back(parts):
         mode.read_backs += 1
@@ -112,16 +113,16 @@ def device_reads(monkeypatch):
         mode.mark(out)
         return out
 
-    def call(self, module, hidden, ids, weights):
-        mode.mark(hidden, ids, weights, self.padding_count, *self.slots.values())
+    def step(self, module, hidden, ids, weights, padding_count=None):
+        mode.mark(hidden, ids, weights, padding_count, *self.slots.values())
         mode.layer_steps += 1
-        return original_call(self, module, hidden, ids, weights)
+        return original_step(self, module, hidden, ids, weights, padding_count)
 
     mode.layer_steps = 0
-    for target in (pager_module, transfer):
-        monkeypatch.setattr(target, "read_back", read_back, raising=False)
-    monkeypatch.setattr(pager_module, "upload", upload)
-    monkeypatch.setattr(pager_module.ExpertPager, "__call__", call)
+    monkeypatch.setattr(transfer, "read_back", read_back)
+    for target in (transfer, waves):
+        monkeypatch.setattr(target, "upload", upload)
+    monkeypatch.setattr(pager_module.HostPlannedExecutor, "step", step)
     return mode
 
 
@@ -139,7 +140,7 @@ def test_one_device_read_per_layer_step(tiny_moe_dir, device_reads, k_slots, wit
     prefetch: one read_back per layer-step, and no other syncing call from the package."""
     model, _ = load_model(tiny_moe_dir, num_resident=k_slots)
     if with_prefetch:
-        prefetch.install(model)
+        install_prefetch(model)
     ids = torch.randint(2, 100, (3, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
@@ -150,7 +151,7 @@ def test_one_device_read_per_layer_step(tiny_moe_dir, device_reads, k_slots, wit
     if k_slots == TOP_K:
         assert stats.multi_wave_steps > 0
     if with_prefetch:
-        assert prefetch.model_prefetch_stats(model)["total"]["issued"] > 0
+        assert model.pagedexperts.prefetch_stats()["total"]["issued"] > 0
     assert device_reads.reads == []
     assert device_reads.read_backs == device_reads.layer_steps
 

@@ -21,7 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from conftest import E, PAD_ID, TOP_K
-from pagedexperts.loading.loader import load_model, repage
+from pagedexperts.loading.loader import load_model
+from pagedexperts.loading.runners import repage
 from pagedexperts.paging.transfer import CopyTimer, read_back, upload
 
 
@@ -292,7 +293,7 @@ def test_copy_stream_protocol(monkeypatch):
         def copy_to_slot(self, expert, slot, slots):
             LOG.append(("copy", expert, slot, str(fake.current)))
 
-    tr = transfer.SlotTransfers({"w": Slot()}, "cuda", fake.copy)
+    tr = transfer.SlotTransfers({"w": Slot()}, "cuda", fake.copy, num_experts=8)
     assert LOG[:2] == [("record_stream", "copy"), ("record", "ev1", "compute")]  # ev1 = compute done
     LOG.clear()
     tr.copy_in(Store(), [Load(3, 0), Load(5, 1)])

@@ -1,29 +1,24 @@
-"""Per-step hooks on a paged model: padding rows for the stats, and routing-trace recording.
+"""Routing-trace recording on a paged model, as it runs.
 
-Owns: a forward pre-hook that tells every pager, before each model step, how many of the
-step's rows are padding (from the attention mask) and, when a trace is being recorded, opens
-the step in the ``TraceWriter`` (phase and per-row request ids). Does not: define the trace
-format (``trace``) or count anything itself (``stats``).
+Owns: ``TraceRecorder``: a forward pre-hook that opens each model step in the ``TraceWriter``
+(phase and per-row request ids, padding rows as -1), each runner's trace hook (the top-k ids
+and weights of every layer-step), and the prefetch predictions as the trace extra
+PREFETCH_EXTRA (``record_predictions``). Does not: define the trace format (``trace``), count
+padding for the stats (``integration.install_padding_hook``) or count anything (``stats``).
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def _batch_seq(kwargs: dict, args: tuple) -> tuple[int, int]:
-    """(B, T) of a model call, from its input_ids (keyword or first positional) or inputs_embeds."""
-    ids = kwargs.get("input_ids")
-    if ids is None and args:
-        ids = args[0]
-    if ids is None:
-        ids = kwargs["inputs_embeds"]
-    return ids.shape[0], ids.shape[1]
+from pagedexperts.analysis.trace import PREFETCH_EXTRA, TraceWriter
+from pagedexperts.integration import batch_seq
+from pagedexperts.paging.runner import PagedExecutor
 
 
 def step_rows(kwargs: dict, args: tuple) -> tuple[int, int, torch.Tensor | None]:
     """(B, T, row_is_real [B*T] bool or None) of a model call's input_ids / attention_mask."""
-    batch, seq = _batch_seq(kwargs, args)
+    batch, seq = batch_seq(kwargs, args)
     mask = kwargs.get("attention_mask")
     real = None
     if mask is not None and mask.dim() == 2:
@@ -36,30 +31,6 @@ def is_prefill(kwargs: dict) -> bool:
     passes the cache as ``cache``; older 5.x releases as ``past_key_values``."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     return cache is None or cache.get_seq_length() == 0
-
-
-def padding_count(kwargs: dict, args: tuple) -> torch.Tensor | None:
-    """Padding rows of a model call as a 0-dim int64 tensor on the mask's device (no sync), or
-    None without a 2-D attention mask."""
-    mask = kwargs.get("attention_mask")
-    if mask is None or mask.dim() != 2:
-        return None
-    seq = _batch_seq(kwargs, args)[1]
-    return (mask[:, -seq:] == 0).sum()
-
-
-def install_padding_hook(model) -> None:
-    """Before each forward, give every runner the step's padding count (``padding_count``, read
-    back with its top-k ids). The runners are looked up per call, so the hook follows
-    ``loader.repage`` and holds no reference to dropped pagers or their slots."""
-    runtime = model.pagedexperts
-
-    def hook(module, args, kwargs):
-        count = padding_count(kwargs, args)
-        for p in runtime.pagers.values():
-            p.padding_count = count
-
-    model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 class TraceRecorder:
@@ -76,8 +47,6 @@ class TraceRecorder:
 
     @classmethod
     def attach(cls, model, *, model_id: str = "") -> "TraceRecorder":
-        from pagedexperts.analysis.trace import TraceWriter
-
         rt = model.pagedexperts
         writer = TraceWriter(
             num_experts=rt.num_experts, top_k=rt.top_k, layers=sorted(rt.pagers), model_id=model_id
@@ -101,3 +70,12 @@ class TraceRecorder:
 
     def save(self, path) -> None:
         self.writer.save(path)
+
+
+def record_predictions(model, recorder: TraceRecorder) -> None:
+    """Write each prefetch prediction into ``recorder.writer`` (looked up per call) as the trace
+    extra PREFETCH_EXTRA of the predicted layer, so the simulator can replay the prefetches."""
+    for runner in model.pagedexperts.pagers.values():
+        if isinstance(runner, PagedExecutor) and runner.prefetcher is not None:
+            runner.prefetcher.on_predict = lambda layer, experts, rec=recorder: rec.writer.add_extra(
+                layer=layer, name=PREFETCH_EXTRA, values=experts)

@@ -21,9 +21,9 @@ import numpy as np
 from pagedexperts.residency import planner, policies
 from pagedexperts.residency.belady import BeladyPolicy
 from pagedexperts.residency.policy import EvictionPolicy
-from pagedexperts.stats.accounting import LayerStats, ModelStats
+from pagedexperts.stats.accounting import LayerStats, ModelStats, PrefetchStats
 from pagedexperts.stats.tiers import TierStats
-from pagedexperts.analysis.trace import Trace
+from pagedexperts.analysis.trace import PREFETCH_EXTRA, Trace
 
 ROUTINGS = ("trace", "uniform")
 
@@ -199,12 +199,10 @@ def replay(
 def _replay_host(host: planner.Residency, plan, expert_bytes: int, tiers: list[TierStats]) -> None:
     """The host rows see the step's page-ins in order; a host miss is one disk read."""
     for load in plan.loads:
-        hit = host.plan([load.expert]).hits == 1
+        hit, _ = host.access(load.expert)
         for t in tiers:
-            if hit:
-                t.host_hits += 1
-            else:
-                t.host_misses += 1
+            t.record_host_access(hit)
+            if not hit:
                 t.record_read(nbytes=expert_bytes, preads=0, seconds=0.0)
 
 
@@ -316,8 +314,6 @@ def replay_prefetch(
     the part of the prefetch copies that overruns the previous layer's compute.
     Units: bytes, GB/s (1e9 B/s), milliseconds.
     """
-    from pagedexperts.paging.prefetch import PREFETCH_EXTRA, PrefetchStats
-
     t_load = expert_bytes / (link_gbps * 1e9)
     compute_s = compute_ms_per_layer / 1e3
     layers = sorted({ly for s in steps for ly in s.ids})

@@ -30,6 +30,7 @@ import numpy as np
 
 FORMAT_VERSION = 1
 PHASES = ("prefill", "decode")
+PREFETCH_EXTRA = "prefetch"  # the extra holding a layer's predicted experts, priority order
 PADDING_REQUEST = -1  # a padding row: routed and planned like the runtime does, not a token
 UNKNOWN_REQUEST = -2  # a real token whose request is not known (JSON-lines prefill rows)
 DUMMY_MIN_ROWS = 1024  # README: a profiling pass repeats one routing on >= 1,024 leading rows

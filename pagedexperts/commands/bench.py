@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
+from pagedexperts.models.config import RUN_DTYPE_BYTES
+from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -30,8 +32,8 @@ def add_parser(sub) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model-path", default=None, help="model directory (default: the bundled model)")
     g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
+    g.add_argument("--dtype", default=None, choices=list(RUN_DTYPE_BYTES))
+    g.add_argument("--experts-implementation", default="grouped_mm", choices=list(INNER_IMPLEMENTATIONS))
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"eviction policy (default {DEFAULT_POLICY})")
     m = p.add_argument_group("modes")
     m.add_argument("--mode", default="resident,paged,offload,cpu-experts", help="comma-separated modes (default: all four)")
@@ -83,8 +85,9 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
     Raises:
         ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
     """
-    from pagedexperts.loading.loader import check_num_resident, read_checkpoint_config
-    from pagedexperts.models.families import moe_layer_indices, num_routed_experts
+    from pagedexperts.loading.loader import read_checkpoint_config
+    from pagedexperts.residency.planner import check_num_resident
+    from pagedexperts.models.config import moe_layer_indices, num_routed_experts
 
     ks, concurrency = _ints(args.num_resident, "--num-resident"), _ints(args.concurrency, "--concurrency")
     for flag, values in (("--concurrency", concurrency), ("--num-prompts", [args.num_prompts]),
@@ -97,7 +100,7 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
     if "paged" in modes and not ks:
         ks = tuple(sorted({min(e, 2 * k), min(e, 4 * k), max(k, e // 2)}))
     for x in ks:
-        check_num_resident(x, e, k)
+        check_num_resident(x, num_experts=e, min_slots=k)
     num_moe = len(moe_layer_indices(c))  # the loader's limit: its MoE sites follow the family rule
     if "cpu-experts" in modes and not 0 <= args.cpu_expert_layers <= num_moe:
         raise ValueError(f"--cpu-expert-layers {args.cpu_expert_layers} outside [0, {num_moe}] (the model's MoE "

@@ -33,7 +33,7 @@ def resident_values(args, *, top_k: int, num_experts: int) -> list[int]:
     Raises:
         ValueError: a K that is not an integer or is outside [top_k, E] (names the flag).
     """
-    from pagedexperts.loading.loader import check_num_resident
+    from pagedexperts.residency.planner import check_num_resident
 
     if args.check_resident:
         try:
@@ -46,7 +46,7 @@ def resident_values(args, *, top_k: int, num_experts: int) -> list[int]:
         ks = [top_k, max(top_k, num_experts // 2)]
     flag = "--check-resident" if args.check_resident else "--num-resident"
     for k in ks:
-        check_num_resident(k, num_experts, top_k, flag=flag)
+        check_num_resident(k, num_experts=num_experts, min_slots=top_k, flag=flag)
     return ks
 
 
@@ -64,8 +64,9 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int) -> str:
 def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference
     from pagedexperts.formats import format_for_config
-    from pagedexperts.loading.loader import check_device, check_experts_dtype, load_model, read_checkpoint_config, resolve_dtype
-    from pagedexperts.models.families import num_routed_experts
+    from pagedexperts.loading.config import check_device, check_experts_dtype, resolve_dtype
+    from pagedexperts.loading.loader import load_model, read_checkpoint_config
+    from pagedexperts.models.config import num_routed_experts
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
+from pagedexperts.models.config import RUN_DTYPE_BYTES
+from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS
 
 
 def add_model_arguments(parser) -> None:
@@ -18,11 +20,11 @@ def add_model_arguments(parser) -> None:
         help="resident expert slots per MoE layer, top_k <= K <= E (default: E/4, at least top_k)",
     )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's dtype")
+    g.add_argument("--dtype", default=None, choices=list(RUN_DTYPE_BYTES), help="default: the checkpoint's dtype")
     g.add_argument(
         "--experts-implementation",
         default="grouped_mm",
-        choices=["grouped_mm", "batched_mm", "eager"],
+        choices=list(INNER_IMPLEMENTATIONS),
         help="transformers experts kernel run over the slots (default grouped_mm)",
     )
     g.add_argument(

@@ -35,7 +35,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from dataclasses import asdict
 
-    from pagedexperts.generation.generate import SamplingConfig, format_report, generate_text
+    from pagedexperts.generation.config import SamplingConfig
+    from pagedexperts.generation.generate import format_report, generate_text
 
     sampling = SamplingConfig(
         max_new_tokens=args.max_new_tokens,
@@ -56,7 +57,7 @@ def run(args) -> int:
 
         recorder = TraceRecorder.attach(model)
         if args.prefetch:
-            from pagedexperts.paging.prefetch import record_predictions
+            from pagedexperts.analysis.recording import record_predictions
 
             record_predictions(model, recorder)  # predictions go into the trace as an extra
     print(prompt, end="", flush=True)
@@ -70,9 +71,7 @@ def run(args) -> int:
     if not args.quiet:
         print(format_report(result, num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k), file=sys.stderr)
         if args.prefetch:
-            from pagedexperts.paging.prefetch import model_prefetch_stats
-
-            t = model_prefetch_stats(model)["total"]
+            t = rt.prefetch_stats()["total"]
             print(f"  prefetch: issued {t['issued']}, used {t['used']}, wasted {t['wasted']}", file=sys.stderr)
     if args.stats_json:
         report = asdict(result)

@@ -34,6 +34,7 @@ def run_linkbench(args) -> int:
     """Measure and print GB/s per size and memory kind; without CUDA, say so and return 0."""
     from pagedexperts.analysis import linkbench
     from pagedexperts.analysis import sizing
+    from pagedexperts.models import config as model_config
 
     if args.disk:
         return _run_disk(args)
@@ -42,7 +43,7 @@ def run_linkbench(args) -> int:
     except ValueError:
         raise ValueError(f"--sizes-mb {args.sizes_mb!r} is not a comma-separated list of numbers") from None
     if args.model_path:
-        shape = sizing.moe_shape(config=sizing.read_config(args.model_path))
+        shape = model_config.moe_shape(model_config.read_config(args.model_path))
         expert = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts).expert_bytes
         sizes.append(("expert", expert))
     results = linkbench.measure(sizes=sizes, repeats=args.repeats)

@@ -13,6 +13,7 @@ import json
 import os
 
 from pagedexperts.analysis import sizing
+from pagedexperts.models import config as model_config
 
 
 def add_parser(subparsers) -> None:
@@ -41,7 +42,7 @@ def add_parser(subparsers) -> None:
     run.add_argument("--device-memory-gb", type=float, help="device memory budget in GB, for auto K")
     run.add_argument("--context-length", type=int, default=4096, help="tokens per request for the KV reserve (default 4096)")
     run.add_argument("--max-running-requests", type=int, default=1, help="concurrent requests for the KV reserve (default 1)")
-    run.add_argument("--dtype", choices=["auto", *sorted(sizing.RUN_DTYPE_BYTES)], default="auto",
+    run.add_argument("--dtype", choices=["auto", *sorted(model_config.RUN_DTYPE_BYTES)], default="auto",
                      help="dtype the model runs in, as --dtype of generate/serve/check: weights and slots "
                      "are sized at it (fp32-kept modules stay 4 bytes); auto = config.json's dtype, "
                      "float32 if absent, as load_model (default auto)")
@@ -88,9 +89,9 @@ def _experts_dtype(config: dict, dtype: str) -> str:
 def _model_inputs(args) -> dict:
     """Model shape from --model-path or from the explicit flags; validated."""
     if args.model_path:
-        config = sizing.read_config(args.model_path)
-        shape = sizing.moe_shape(config=config)
-        dtype = sizing.run_dtype(config=config, dtype=args.dtype)
+        config = model_config.read_config(args.model_path)
+        shape = model_config.moe_shape(config)
+        dtype = model_config.run_dtype(config, dtype=args.dtype)
         quantized = bool(config.get("quantization_config"))  # packed experts and scales: stored bytes
         keep_fp32 = fp32_kept_modules(config, dtype)
         sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts,
@@ -105,9 +106,9 @@ def _model_inputs(args) -> dict:
             num_experts=shape.num_experts,
             top_k=shape.top_k,
             expert_bytes=sizes.expert_bytes,
-            kv_bytes_per_token=sizing.kv_bytes_per_token(config=config, kv_dtype=args.kv_dtype, model_dtype=dtype),
+            kv_bytes_per_token=model_config.kv_bytes_per_token(config, kv_dtype=args.kv_dtype, model_dtype=dtype),
             non_expert_bytes=sizes.non_expert_bytes,
-            dense_expert_bytes=(sizing.dense_expert_bytes(config=config, dtype=_experts_dtype(config, dtype))
+            dense_expert_bytes=(model_config.dense_expert_bytes(config, dtype=_experts_dtype(config, dtype))
                                 if quantized else sizes.expert_bytes),
             dtype=dtype,
         )
@@ -128,7 +129,7 @@ def _model_inputs(args) -> dict:
                          "--non-expert-gb at the run dtype")
     kv = args.kv_bytes_per_token  # explicit numbers are taken as bf16 KV (2 bytes per value)
     if args.kv_dtype != "auto":
-        kv = kv * sizing.KV_DTYPE_BYTES[args.kv_dtype] // 2
+        kv = kv * model_config.KV_DTYPE_BYTES[args.kv_dtype] // 2
     return dict(
         model="explicit",
         moe_layers=args.layers,
@@ -194,7 +195,7 @@ def tier_report(r: dict, *, host_memory_gb: float, disk_gbps: float | None,
     """Three tiers of ``build_report``'s model and K under G: host rows R (as the loader
     chooses them, ``storage.host_memory``), disk bytes per token at the miss rates, and the
     disk-bound tok/s. Raises ValueError when G is below the disk tier's minimum (names it)."""
-    from pagedexperts.loading.loader import READ_AHEAD_EXPERTS_PER_TOP_K
+    from pagedexperts.loading.build import READ_AHEAD_EXPERTS_PER_TOP_K
     from pagedexperts.storage.host_memory import plan_host_memory
 
     e, layers, eb = r["num_experts"], r["moe_layers"], r["expert_bytes"]

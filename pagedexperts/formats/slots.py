@@ -5,13 +5,13 @@ on CUDA: see DEFAULT_SLOT_FORMAT) and the device buffers they need:
 - ``packed``: slots hold the packed rows (what a page-in copies); ``WaveDequantizer``
   turns only the current wave's slots into a dense scratch [K, ...] just before the model's
   experts kernel runs (per wave, every step).
-- ``dense``: slots hold dequantized rows; ``DenseSlots.write_expert`` copies an expert's packed
+- ``dense``: slots hold dequantized rows; ``DenseSlots.write_rows`` copies an expert's packed
   rows into a one-expert staging buffer on the device and dequantizes them into its slot once,
   at page-in (fewer slots fit in the same memory; no per-step dequantization).
 The scratch and the staging are [K, ...] / [1, ...] buffers of ONE layer, shared by every layer
 of a model: layers run one after another on one compute stream (packed) or one copy stream
 (dense), so a buffer is never read by one layer while another writes it.
-Does not: decide residency, time or count (``pager``), or know any format's arithmetic.
+Does not: decide residency, time or count (``paging``), or know any format's arithmetic.
 
 Legend: K slots, n experts of a wave.
 """
@@ -55,6 +55,18 @@ def allocate(specs, num_rows: int, device) -> dict[str, torch.Tensor]:
     return {s.name: torch.zeros((num_rows, *s.shape), dtype=s.dtype, device=device) for s in specs}
 
 
+class PackedSlots(dict):
+    """Slot tensors {name: [K, ...]} that hold the store's rows as they are (dense experts, or
+    a quantized format's packed rows): a page-in copies each row into its slot."""
+
+    def write_rows(self, rows: dict[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
+        """Copy one expert's rows {name: [*spec.shape]} (host memory, page-locked when
+        ``pinned``) into row ``slot``: non-blocking from page-locked memory to a CUDA slot."""
+        for name, row in rows.items():
+            dst = self[name][slot]
+            dst.copy_(row, non_blocking=pinned and dst.is_cuda)
+
+
 class WaveDequantizer:
     """Packed slots -> the dense tensors of one wave, in a dense scratch shared by all layers.
 
@@ -82,9 +94,9 @@ class WaveDequantizer:
 class DenseSlots(dict):
     """Dense slot tensors {dense name: [K, ...]} of a quantized layer, filled at page-in.
 
-    ``HostExpertStore.copy_to_slot`` hands a page-in to ``write_expert`` when given this table,
-    and so does ``TieredExpertStore.copy_to_slot`` (its host rows are a ``HostExpertStore``).
-    ``staging``: {packed name: [1, ...]} on the device, shared by the layers of one model.
+    The same slot-table contract as ``PackedSlots`` (``write_rows``), which every store's
+    ``copy_to_slot`` calls. ``staging``: {packed name: [1, ...]} on the device, shared by the
+    layers of one model.
     """
 
     def __init__(self, layout: ExpertLayout, tensors: dict[str, torch.Tensor], staging: dict[str, torch.Tensor]) -> None:
@@ -92,15 +104,9 @@ class DenseSlots(dict):
         self.layout = layout
         self.staging = staging
 
-    def write_expert(self, store, expert: int, slot: int) -> None:
-        """Copy ``expert``'s packed rows to the staging buffer, dequantize into row ``slot``."""
-        self.write_rows({s.name: store.tensors[s.name][expert] for s in self.layout.packed_specs}, slot,
-                        pinned=store.pinned)
-
     def write_rows(self, rows: dict[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
         """Copy one expert's packed rows {packed name: [*spec.shape]} (host memory, page-locked
-        when ``pinned``) to the staging buffer, dequantize into row ``slot``. The disk tier's
-        host rows come this way (``storage.host_tier``)."""
+        when ``pinned``) to the staging buffer, dequantize into row ``slot``."""
         for spec in self.layout.packed_specs:
             dst = self.staging[spec.name]
             dst[0].copy_(rows[spec.name], non_blocking=pinned and dst.is_cuda)

@@ -1,26 +1,22 @@
-"""Reading Hugging Face checkpoints for paging: shards, key mapping, streaming into place.
+"""Checkpoint keys onto the model: the key map, non-expert tensors in place, quantized companions.
 
-Owns: finding a directory's safetensors files (single file or shards named by an index) and
-checking their headers before any allocation, mapping checkpoint keys onto the model with
-transformers' own conversion table (renamings, and the per-expert -> stacked converters), and
-streaming each tensor to its place: expert rows into the host stores (one expert at a time,
-never the device), everything else onto the device. Both expert layouts are read: stacked
-(``mlp.experts.gate_up_proj`` [E, ...]) and one tensor per expert
+Owns: mapping checkpoint keys onto the model with transformers' own conversion table
+(``KeyMap``: renamings, and the per-expert -> stacked converters), so both expert layouts are
+read: stacked (``mlp.experts.gate_up_proj`` [E, ...]) and one tensor per expert
 (``mlp.experts.{j}.gate_proj.weight``, what hub checkpoints and ``save_pretrained`` write).
-Quantized checkpoints (``pagedexperts.formats``): expert tensors land packed in the store
-under the format's names (``gate_up_proj_scale_inv``), per expert, for the converter's sources
-and the format's serialized companions alike; a quantized non-expert weight (block-FP8
-attention) is dequantized by the same format once its companions are read, into the model's
-dtype, as transformers' loading does.
-Does not: build the model or attach pagers (``loader``).
+Quantized checkpoints (``pagedexperts.formats``): expert tensors map to the store's packed
+tensors under the format's names (``gate_up_proj_scale_inv``), for the converter's sources and
+the format's serialized companions alike; a quantized non-expert weight (block-FP8 attention)
+is dequantized by the same format once its companions are read (``PlainDequantizer``), into
+the model's dtype, as transformers' loading does. Putting a non-expert tensor in place
+(``load_plain_tensor``) and the final check that nothing is left on meta.
+Does not: read bytes (``loading.fill``) or build the model (``loading.build``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-from pathlib import Path
 
 import torch
 
@@ -30,47 +26,6 @@ from pagedexperts.formats.dense import DenseFormat
 from pagedexperts.models.sites import ExpertsSite
 
 logger = logging.getLogger(__name__)
-
-
-def checkpoint_files(model_path: Path) -> list[Path]:
-    """The safetensors files of a model directory (single file, or shards named by the index).
-
-    Raises:
-        FileNotFoundError: no safetensors in the directory, or a shard named by the index is
-            missing.
-    """
-    index = model_path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_path / s for s in shards]
-        missing = [str(f) for f in files if not f.exists()]
-        if missing:
-            raise FileNotFoundError(f"checkpoint shards named in {index} are missing: {missing}")
-        return files
-    single = model_path / "model.safetensors"
-    if single.exists():
-        return [single]
-    found = sorted(model_path.glob("*.safetensors"))
-    if found:
-        return found
-    raise FileNotFoundError(f"no safetensors checkpoint in {model_path} (want model.safetensors or an index)")
-
-
-def check_readable(files: list[Path]) -> None:
-    """Open every shard's header (reads no weights) so a truncated or corrupt shard is found
-    before any allocation.
-
-    Raises:
-        ValueError: names the shard.
-    """
-    from safetensors import safe_open
-
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt"):
-                pass
-        except Exception as exc:  # safetensors raises its own error type for truncated files
-            raise ValueError(f"cannot read checkpoint shard {file}: {exc} (truncated or corrupt?)") from exc
 
 
 def _source_re(pattern: str) -> re.Pattern:
@@ -153,73 +108,6 @@ class KeyMap:
         return None
 
 
-def stream_checkpoint(model, sites, stores, device, *, model_type, files, fmt: ExpertFormat | None = None) -> None:
-    """Copy every checkpoint tensor to its place: expert rows into stores, the rest to device.
-
-    ``fmt``: the checkpoint's expert format (None: dense); the stores hold its packed tensors.
-    Disk-tier stores (anything with ``attach_source``, ``storage.host_tier``) get the byte
-    ranges of their experts' packed tensors instead of the bytes (``storage.reader.
-    CheckpointIndex``); the non-expert tensors stream as for a full store.
-
-    Raises:
-        ValueError: unreadable shard, a shape that does not match the config, expert rows or
-            model tensors the checkpoint lacks, a quantized weight without its companions.
-    """
-    if fmt is None or fmt.name == "dense":  # read at disk speed, nothing left mapped (storage.reader)
-        from pagedexperts.loading.fill import fill_from_checkpoint
-
-        fill_from_checkpoint(model, sites, stores, device, model_type=model_type, files=files)
-        return
-    from safetensors import safe_open
-
-    keymap = KeyMap(model_type, sites, fmt)
-    tiered = _attach_disk_sources(files, keymap, sites, stores)
-    handles = []
-    for file in files:
-        try:
-            handles.append(safe_open(str(file), framework="pt"))
-        except Exception as exc:  # safetensors raises its own error type for truncated files
-            raise ValueError(f"cannot read checkpoint shard {file}: {exc} (truncated or corrupt?)") from exc
-    quantized = PlainDequantizer(fmt, [keymap.rename(k) for h in handles for k in h.keys()])
-    # site name -> {(tensor name, expert): source indices seen}; n_src per tensor name
-    seen_rows: dict[str, dict] = {name: {} for name in sites}
-    unexpected = []
-    for handle in handles:
-        with handle as f:
-            for raw_key in f.keys():
-                key = keymap.rename(raw_key)
-                target = keymap.expert_target(key)
-                if target is not None:
-                    if target[0].name not in tiered:  # a disk-tier store reads its rows on demand
-                        _load_expert_tensor(f, raw_key, target, stores, seen_rows)
-                    continue
-                value = f.get_tensor(raw_key)
-                if quantized.takes(key):
-                    key, value = quantized.add(model, key, value)
-                    if key is None:
-                        continue
-                if not load_plain_tensor(model, key, value, device):
-                    unexpected.append(raw_key)
-    quantized.check_done()
-    if unexpected:
-        logger.warning("checkpoint keys not used by the model: %d (first: %s)", len(unexpected), unexpected[:3])
-    for name, site in sites.items():
-        if name in tiered:  # checked by CheckpointIndex
-            continue
-        lacking = [
-            (spec.name, e)
-            for spec in stores[name].specs
-            for e in range(site.num_experts)
-            if len(seen_rows[name].get((spec.name, e), ((), 1))[0]) != seen_rows[name].get((spec.name, e), ((), 1))[1]
-        ]
-        if lacking:
-            raise ValueError(
-                f"checkpoint lacks expert tensors of {name}: {len(lacking)} (tensor, expert) rows, "
-                f"e.g. {lacking[:4]}"
-            )
-    check_model_filled(model)
-
-
 def check_model_filled(model) -> None:
     """Tie the embeddings when the config says so, then check that no parameter is left on the
     meta device (every non-expert tensor came from the checkpoint).
@@ -232,25 +120,6 @@ def check_model_filled(model) -> None:
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} model tensors, e.g. {missing[:4]}")
-
-
-def _attach_disk_sources(files, keymap: KeyMap, sites, stores) -> set[str]:
-    """Give every disk-tier store the byte ranges of its experts' packed tensors; returns the
-    names of those sites (empty without a disk tier).
-
-    Raises:
-        ValueError: see ``storage.reader.CheckpointIndex`` (a packed tensor whose per-expert
-            shape does not match the format's spec, e.g. a stacked layout with E not leading).
-    """
-    tiered = {name for name, store in stores.items() if hasattr(store, "attach_source")}
-    if not tiered:
-        return tiered
-    from pagedexperts.loading.fill import CheckpointIndex
-
-    index = CheckpointIndex(files, keymap, sites, specs={name: stores[name].specs for name in sites})
-    for name in tiered:
-        stores[name].attach_source(index.experts[name])
-    return tiered
 
 
 class PlainDequantizer:
@@ -302,38 +171,6 @@ class PlainDequantizer:
                 f"quantized checkpoint tensor {base!r} lacks its companions: has {sorted(parts)}, "
                 f"needs {list(self.groups[base][1])}"
             )
-
-
-def _load_expert_tensor(f, raw_key, target, stores, seen_rows) -> None:
-    site, tname, expert, src_index, n_src = target
-    store = stores[site.name]
-    if tname not in store.tensors:
-        raise ValueError(f"checkpoint tensor {raw_key!r} maps to unknown expert tensor {tname!r} of {site.name}")
-    if expert is None:  # stacked [E, ...]: copy one expert at a time to bound memory
-        sl = f.get_slice(raw_key)
-        shape = sl.get_shape()
-        if shape[0] != site.num_experts:
-            raise ValueError(
-                f"expert tensor {raw_key!r} has {shape[0]} experts, config says E={site.num_experts}"
-            )
-        for e in range(site.num_experts):
-            store.write_row(tname, e, sl[e])
-            seen_rows[site.name][(tname, e)] = ({0}, 1)
-        return
-    value = f.get_tensor(raw_key)
-    rows = None
-    if n_src > 1:  # the sources are concatenated along the spec's concat_dim (rows by default)
-        dim = next(s.concat_dim for s in store.specs if s.name == tname)
-        size = store.tensors[tname].shape[1 + dim] // n_src
-        if value.dim() <= dim or value.shape[dim] != size:
-            raise ValueError(
-                f"checkpoint tensor {raw_key!r} (expert {expert}) has shape {tuple(value.shape)}, but "
-                f"{tname!r} of shape {tuple(store.tensors[tname].shape[1:])} per expert needs "
-                f"{size} along dim {dim} from each of its {n_src} sources (config moe_intermediate_size?)"
-            )
-        rows = (slice(None),) * dim + (slice(src_index * size, (src_index + 1) * size),)
-    store.write_row(tname, expert, value, rows=rows)
-    seen_rows[site.name].setdefault((tname, expert), (set(), n_src))[0].add(src_index)
 
 
 def load_plain_tensor(model, key: str, value: torch.Tensor, device) -> bool:

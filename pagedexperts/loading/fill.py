@@ -1,13 +1,15 @@
-"""Filling a paged model from its checkpoint at disk / page-cache speed, with nothing left mapped.
+"""The one fill of a paged model from its checkpoint, at disk speed, with nothing left mapped.
 
 Owns: ``CheckpointIndex`` (every checkpoint tensor located: each expert row of each store tensor
-as byte ranges, and the non-expert tensors) and ``fill_from_checkpoint``: expert rows are read
-with ``os.preadv`` straight into the host store rows (each store page is touched once, by the
-read; no memory map, no intermediate tensor), in file order, by a few threads (reads release the
-GIL), then advised for transparent huge pages; non-expert tensors are read into freshly allocated tensors (copied out, so no shard stays
-mapped for the model's life). A disk-tier store (``host_tier``) gets its experts' byte ranges
-instead of the bytes. A tqdm bar shows GB/s on a terminal.
-Does not: build the model (``loader``) or map keys (``checkpoint.KeyMap``).
+as byte ranges, and the non-expert tensors) and ``fill_from_checkpoint``, for every format:
+expert rows are read with ``os.preadv`` straight into the host store rows (each store page is
+touched once, by the read; no memory map, no intermediate tensor), in file order, by a few
+threads (reads release the GIL), then advised for transparent huge pages; non-expert tensors
+are read into freshly allocated tensors (copied out, so no shard stays mapped for the model's
+life; a quantized one dequantized by its format). A disk-tier store gets its experts' byte
+ranges instead of the bytes. ``read_expert``: one expert's rows, for the start-up check.
+A tqdm bar shows GB/s on a terminal.
+Does not: build the model (``loading.build``) or map keys (``loading.checkpoint.KeyMap``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from pagedexperts.storage.host_memory import advise_huge_pages
-from pagedexperts.storage.safetensors_index import Extent, expert_extents, pread_into, bytes_view, read_extent, read_header
+from pagedexperts.loading.checkpoint import KeyMap, PlainDequantizer, check_model_filled, load_plain_tensor
+from pagedexperts.storage.safetensors_index import Extent, bytes_view, expert_extents, pread_into, read_extent, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -86,49 +88,70 @@ class CheckpointIndex:
         )
 
 
-def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files: list[Path],
+def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files: list[Path], fmt=None,
                          threads: int = DEFAULT_READ_THREADS, progress: bool = True) -> None:
-    """Put every checkpoint tensor in its place (the ``fill`` of ``loader.build_paged_model``).
+    """Put every checkpoint tensor in its place: the one fill (``fill`` of
+    ``loading.build.build_paged_model``), for every format.
 
-    Full stores (``HostExpertStore``): expert rows read into the store. Disk-tier stores
-    (anything with ``attach_source``): given their byte ranges. Non-expert tensors: copied to
-    ``device`` in the model's dtype.
+    Expert rows: each store takes its experts' byte ranges (``ExpertStore.fill_from``: a full
+    store returns the reads into its rows, done here; the disk tier keeps the ranges). ``fmt``:
+    the checkpoint's expert format (None: dense); the stores hold its packed tensors.
+    Non-expert tensors: read at their mapped alignment and put on ``device`` in the model's
+    dtype, a quantized one dequantized by ``fmt`` once its companions are read.
 
     Raises:
-        ValueError: see ``CheckpointIndex``; a model tensor the checkpoint lacks.
+        ValueError: see ``CheckpointIndex``; a model tensor the checkpoint lacks; a quantized
+            weight without its companions.
         DiskReadError: a shard that ends early.
     """
-    from pagedexperts.loading.checkpoint import KeyMap, check_model_filled, load_plain_tensor
-
-    index = CheckpointIndex(files, KeyMap(model_type, sites), sites)
-    jobs: list[tuple[Extent, torch.Tensor]] = []
-    for name, store in stores.items():
-        if hasattr(store, "attach_source"):
-            store.attach_source(index.experts[name])
-            continue
-        for tname, rows in index.experts[name].items():
-            table = store.tensors[tname]
-            jobs.extend((ext, table[e].view(-1)) for e, row in enumerate(rows) for ext in row)
+    keymap = KeyMap(model_type, sites, fmt)
+    index = CheckpointIndex(files, keymap, sites, specs={name: stores[name].specs for name in sites})
+    jobs = [job for name, store in stores.items() for job in store.fill_from(index.experts[name])]
     total = sum(ext.nbytes for ext, _ in jobs) + sum(entry.nbytes for _, _, entry in index.plain)
     with _progress(total, enabled=progress) as bar:
         read_expert_rows(jobs, threads=threads, on_bytes=bar.update)
         for store in stores.values():
-            for table in getattr(store, "tensors", {}).values():
-                # after the fill: khugepaged collapses the rows in the background. Advised before
-                # the first touch, faults stall in direct compaction ("madvise" defrag): measured
-                # 0.3-6 GB/s here against about 1 GB/s without (bench/disk_tier_bench.py)
-                advise_huge_pages(table)
-        unexpected = []
-        for key, raw_key, entry in index.plain:
-            value = empty_like_mapped(entry)
-            with open(entry.path, "rb", buffering=0) as f:
-                pread_into(f.fileno(), bytes_view(value.view(-1)), entry.start, path=entry.path)
-            bar.update(entry.nbytes)
-            if not load_plain_tensor(model, key, value, device):
-                unexpected.append(raw_key)
+            store.after_fill()
+        unexpected = _fill_plain(model, index.plain, device, fmt, on_bytes=bar.update)
     if unexpected:
         logger.warning("checkpoint keys not used by the model: %d (first: %s)", len(unexpected), unexpected[:3])
     check_model_filled(model)
+
+
+def _fill_plain(model, plain, device, fmt, *, on_bytes) -> list[str]:
+    """Read every non-expert tensor (``CheckpointIndex.plain``) into place; returns the
+    checkpoint keys the model has no place for."""
+    quantized = PlainDequantizer(fmt, [key for key, _, _ in plain])
+    unexpected = []
+    for key, raw_key, entry in plain:
+        value = read_tensor(entry)
+        on_bytes(entry.nbytes)
+        if quantized.takes(key):
+            key, value = quantized.add(model, key, value)
+            if key is None:
+                continue
+        if not load_plain_tensor(model, key, value, device):
+            unexpected.append(raw_key)
+    quantized.check_done()
+    return unexpected
+
+
+def read_tensor(entry) -> torch.Tensor:
+    """One checkpoint tensor (``TensorEntry``) read into fresh memory at its mapped alignment."""
+    value = empty_like_mapped(entry)
+    with open(entry.path, "rb", buffering=0) as f:
+        pread_into(f.fileno(), bytes_view(value.view(-1)), entry.start, path=entry.path)
+    return value
+
+
+def read_expert(index: CheckpointIndex, site_name: str, expert: int, specs) -> dict[str, torch.Tensor]:
+    """Expert ``expert``'s rows of site ``site_name`` {name: [*spec.shape]} read from the
+    checkpoint files into fresh tensors (the start-up check's reference)."""
+    rows = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
+    jobs = [(ext, rows[name].view(-1)) for name, per_expert in index.experts[site_name].items()
+            for ext in per_expert[expert]]
+    read_expert_rows(jobs, threads=1)
+    return rows
 
 
 def empty_like_mapped(entry) -> torch.Tensor:

@@ -10,7 +10,7 @@ expert e built independently from the checkpoint file (its own keys, the format'
 dequantization); it also checks that no other slot changed and that the experts module keeps no
 tensor with a leading dim E outside the slots. It fails naming the layer, expert and tensor.
 
-Owns: that check. Does not: load (``loader``) or page during inference (``pager``).
+Owns: that check. Does not: load (``loading.loader``) or page during inference (``paging``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import random
 
 import torch
 
-from pagedexperts.loading.checkpoint import KeyMap
 from pagedexperts.formats import ExpertFormat
-from pagedexperts.paging.host_executor import ExpertPager
+from pagedexperts.loading.checkpoint import KeyMap
+from pagedexperts.loading.fill import CheckpointIndex, read_expert
+from pagedexperts.paging.runner import PagedExecutor
 
 DEFAULT_EXPERTS_PER_LAYER = 2
 
@@ -39,12 +40,12 @@ def check_model_independence(model, files, fmt: ExpertFormat, *, experts_per_lay
         IndependenceError: names layer, expert, slot and tensor of the first mismatch.
     """
     rt = model.pagedexperts
-    pagers = {s.name: (s, rt.pagers[s.layer]) for s in rt.sites if isinstance(rt.pagers.get(s.layer), ExpertPager)}
+    pagers = {s.name: (s, rt.pagers[s.layer]) for s in rt.sites if isinstance(rt.pagers.get(s.layer), PagedExecutor)}
     if not pagers:
         return 0
     rng = random.Random(seed)
     wanted = {name: _sample(site.num_experts, experts_per_layer, rng) for name, (site, _) in pagers.items()}
-    reference = read_expert_rows(files, KeyMap(model.config.model_type, {n: s for n, (s, _) in pagers.items()}, fmt), rt.stores, wanted)
+    reference = reference_rows(files, KeyMap(model.config.model_type, {n: s for n, (s, _) in pagers.items()}, fmt), rt.stores, wanted)
     checked = 0
     with torch.no_grad():
         for name, (site, pager) in pagers.items():
@@ -61,36 +62,16 @@ def _sample(num_experts: int, count: int, rng: random.Random) -> list[int]:
     return list(dict.fromkeys(picks))[:count]
 
 
-def read_expert_rows(files, keymap: KeyMap, stores, wanted: dict[str, list[int]]) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
-    """{site: {expert: {packed name: row}}} read straight from the checkpoint files (per-expert
-    keys of those experts, or their rows of stacked keys), sources concatenated by concat_dim."""
-    from safetensors import safe_open
-
-    rows = {
-        name: {e: {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in stores[name].specs} for e in experts}
-        for name, experts in wanted.items()
-    }
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for raw_key in f.keys():
-                target = keymap.expert_target(keymap.rename(raw_key))
-                if target is None:
-                    continue
-                site, tname, expert, src_index, n_src = target
-                for e in wanted.get(site.name, ()):
-                    if expert is not None and expert != e:
-                        continue
-                    value = f.get_slice(raw_key)[e] if expert is None else f.get_tensor(raw_key)
-                    dst = rows[site.name][e][tname]
-                    if n_src > 1:
-                        dim = next(s.concat_dim for s in stores[site.name].specs if s.name == tname)
-                        size = dst.shape[dim] // n_src
-                        dst = dst.narrow(dim, src_index * size, size)
-                    dst.copy_(value)
-    return rows
+def reference_rows(files, keymap: KeyMap, stores, wanted: dict[str, list[int]]) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
+    """{site: {expert: {packed name: row}}} read from the checkpoint files (the byte ranges of
+    ``loading.fill.CheckpointIndex``, into fresh tensors, not through any store or slot)."""
+    sites = {name: keymap.sites[name] for name in wanted}
+    index = CheckpointIndex(files, keymap, sites, specs={name: stores[name].specs for name in sites})
+    return {name: {e: read_expert(index, name, e, stores[name].specs) for e in experts}
+            for name, experts in wanted.items()}
 
 
-def check_no_module_copies(site, pager: ExpertPager) -> None:
+def check_no_module_copies(site, pager: PagedExecutor) -> None:
     """The experts module keeps no [E, ...] tensor that the slots do not replace: the kernel
     would index it with slot ids and read another expert's values.
 
@@ -107,7 +88,7 @@ def check_no_module_copies(site, pager: ExpertPager) -> None:
             )
 
 
-def check_expert(site, pager: ExpertPager, layout, expert: int, slot: int, packed_ref: dict[str, torch.Tensor]) -> None:
+def check_expert(site, pager: PagedExecutor, layout, expert: int, slot: int, packed_ref: dict[str, torch.Tensor]) -> None:
     """Page ``expert`` into ``slot`` (empty slots assumed), compare what the kernel reads with
     the checkpoint's expert, check the other slots stayed empty, then empty the slot again.
 

@@ -1,9 +1,10 @@
-"""Experts runners of a loaded model: attaching one per MoE layer, switching mode or K over the
-same stores (``repage``), and random weights for benchmarks at real scale.
+"""Experts runners of a loaded model: one per MoE layer, prefetch between them, switching mode
+or K over the same stores (``repage``), and random weights for benchmarks at real scale.
 
-Owns: which runner each MoE layer gets (an ``ExpertPager`` with its slot tables, or a baseline
-of ``modes``), the validation of K, and ``random_fill``. Does not: read checkpoints or plan
-memory (``loader``), page (``pager``), or decide residency (``residency``).
+Owns: which runner each MoE layer gets (a ``HostPlannedExecutor`` with its slot tables, or a
+baseline of ``paging.baselines``), wiring the prefetchers (``install_prefetch``), and
+``random_fill``. Does not: read checkpoints or plan memory (``loading.build``), page
+(``paging``), or decide residency (``residency``).
 """
 
 from __future__ import annotations
@@ -14,33 +15,14 @@ import torch
 
 from pagedexperts import integration
 from pagedexperts.formats import slots
-from pagedexperts.paging.baselines import MODES, CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
-from pagedexperts.paging.host_executor import ExpertPager
+from pagedexperts.loading.config import check_config
+from pagedexperts.models.sites import router_of
+from pagedexperts.paging import prefetch
+from pagedexperts.paging.baselines import CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
+from pagedexperts.paging.host_executor import HostPlannedExecutor
+from pagedexperts.paging.runner import PagedExecutor
 from pagedexperts.residency.policies import make_policy
 from pagedexperts.storage.host_store import HostExpertStore
-
-DEFAULT_RESIDENT_FRACTION = 0.25  # default K = E / 4 (at least top_k)
-
-
-def check_num_resident(num_resident: int | None, num_experts: int, top_k: int, *, flag: str = "--num-resident") -> int:
-    """K to use: ``num_resident``, or None -> max(top_k, E x DEFAULT_RESIDENT_FRACTION).
-
-    Raises:
-        ValueError: K outside [top_k, E] (names ``flag``, --num-resident unless told).
-    """
-    if num_resident is None:
-        return max(top_k, int(num_experts * DEFAULT_RESIDENT_FRACTION))
-    if num_resident < top_k:
-        raise ValueError(
-            f"{flag} K={num_resident} is below top_k={top_k}: one token routes to "
-            f"{top_k} experts, so at least {top_k} slots are needed; raise {flag}"
-        )
-    if num_resident > num_experts:
-        raise ValueError(
-            f"{flag} K={num_resident} exceeds the E={num_experts} routed experts per "
-            f"layer; use {flag} {num_experts} (all resident) or less"
-        )
-    return num_resident
 
 
 def repage(model, *, mode: str = "paged", num_resident: int | None = None, policy: str | None = None) -> None:
@@ -52,9 +34,10 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
         ValueError: unknown mode, K out of [top_k, E].
     """
     rt = model.pagedexperts
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)")
-    k = check_num_resident(num_resident, rt.num_experts, rt.top_k) if mode == "paged" else rt.num_experts
+    cfg = dataclasses.replace(rt.config, num_resident=num_resident, mode=mode, policy=policy or rt.config.policy,
+                              prefetch=False, prefetch_budget=None)
+    check_config(cfg, model.config)
+    k = cfg.resident_slots(num_experts=rt.num_experts, top_k=rt.top_k)
     dev = torch.device(rt.config.device)
     for runner in rt.pagers.values():
         runner.release()  # copies in flight into its slots finish before the slots are freed
@@ -62,13 +45,13 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
     rt.buffers.clear()  # the shared scratch / staging are sized for K
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    rt.config = dataclasses.replace(rt.config, num_resident=k, mode=mode, policy=policy or rt.config.policy)
+    rt.config = dataclasses.replace(cfg, num_resident=k)
     rt.num_resident = k
-    attach_runners(rt, rt.sites, rt.stores, dev, mode=mode, cpu_expert_layers=rt.config.cpu_expert_layers)
+    attach_runners(rt, dev)
 
 
 def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.02) -> None:
-    """Fill a model from ``build_paged_model`` with random weights (norm weights = 1).
+    """Fill a model from ``loading.build.build_paged_model`` with random weights (norm weights = 1).
 
     For benchmarks at a real model's scale where no checkpoint can be downloaded: random
     weights do not route like a trained model (near-uniform routing), so hit rates are not
@@ -107,16 +90,33 @@ def _tile_random(t: torch.Tensor, gen: torch.Generator, std: float) -> None:
         flat[i : i + n].copy_(block[:n])
 
 
-def attach_runners(runtime, sites, stores, dev, *, mode: str, cpu_expert_layers: int) -> None:
-    """One experts runner per MoE layer (a pager, or a baseline of ``modes``), on its module."""
+def install_prefetch(model, *, budget: int | None = None) -> list:
+    """Give every paged MoE layer but the last a prefetcher into the next one (its router on
+    this layer's input; ``paging.prefetch``). ``budget``: page-ins per layer per step at most
+    (None: top_k).
+
+    Raises:
+        ValueError: budget < 1 (``--prefetch-budget``, the configuration check).
+    """
+    rt = model.pagedexperts
+    check_config(dataclasses.replace(rt.config, prefetch=True, prefetch_budget=budget))
+    executors = {i: r for i, r in rt.pagers.items() if isinstance(r, PagedExecutor)}
+    routers = {s.layer: router_of(model, s) for s in rt.sites if s.layer in executors}
+    return prefetch.install(executors, routers, budget=rt.top_k if budget is None else budget)
+
+
+def attach_runners(runtime, dev) -> None:
+    """One experts runner per MoE layer (an executor, or a baseline of ``paging.baselines``) for
+    the runtime's config, over its stores, attached to each experts module."""
     cfg = runtime.config
+    sites, stores, mode, cpu_expert_layers = runtime.sites, runtime.stores, cfg.mode, cfg.cpu_expert_layers
     copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and mode == "paged" else None
     staging = make_staging(stores[sites[0].name], dev) if mode == "offload" else None
     for i, site in enumerate(sites):
         layout = runtime.layouts.get(site.name)
         common = dict(layer=site.layer, store=stores[site.name], device=dev, inner=cfg.experts_implementation)
         if mode == "paged":
-            runner = ExpertPager(
+            runner = HostPlannedExecutor(
                 num_slots=runtime.num_resident,
                 policy=make_policy(cfg.policy, runtime.num_resident),
                 copy_stream=copy_stream,
@@ -134,7 +134,7 @@ def attach_runners(runtime, sites, stores, dev, *, mode: str, cpu_expert_layers:
 
 
 def _slot_tables(runtime, layout, dev) -> dict:
-    """ExpertPager kwargs for a quantized layer's slot format: packed slots with the model's
+    """HostPlannedExecutor kwargs for a quantized layer's slot format: packed slots with the model's
     shared dense scratch (a WaveDequantizer), or dense slots with its shared packed staging."""
     if layout is None or layout.is_dense:
         return {}

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedexperts.models.families import FAMILIES, moe_layer_indices
-from pagedexperts.storage.host_store import TensorSpec
+from pagedexperts.models.config import EXPERT_COUNT_KEYS, moe_layer_indices
+from pagedexperts.models.families import FAMILIES
+from pagedexperts.formats.base import TensorSpec
 
 # model_type (config.json) -> family name. Each entry is covered by an exactness test
 # (tests/test_families.py); the families' layer rules and quirks are in ``families``.
@@ -45,10 +46,7 @@ def check_supported(config) -> str:
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
-        is_moe = any(
-            getattr(config, a, None)
-            for a in ("num_experts", "num_local_experts", "n_routed_experts")
-        )
+        is_moe = any(getattr(config, a, None) for a in EXPERT_COUNT_KEYS)
         what = "an MoE architecture not yet supported" if is_moe else "not an MoE model"
         raise ValueError(
             f"model_type {model_type!r} is {what}; supported: "

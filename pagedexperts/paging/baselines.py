@@ -1,7 +1,8 @@
 """The baselines users would run instead of paging, as real execution modes of the same model.
 
-Owns: three per-layer experts runners that stand where an ``ExpertPager`` stands and keep
-the same stats, so benchmarks compare like with like (DESIGN.md, "Baselines"):
+Owns: three per-layer experts runners that stand where an executor stands (the
+``runner.ExpertsRunner`` contract) and keep the same stats, so benchmarks compare like with like
+(DESIGN.md, "Baselines"), and the ``--mode`` names (``MODES``, ``mode_problem``):
 - ``ResidentRunner``: all E experts on the device (the speed ceiling when it fits).
 - ``OffloadRunner``: every expert of the layer copied to the device at every step, whatever
   the router picked (what ``--cpu-offload-gb`` does): E x expert bytes per layer per step,
@@ -10,7 +11,7 @@ the same stats, so benchmarks compare like with like (DESIGN.md, "Baselines"):
   (what llama.cpp ``--n-cpu-moe N`` does for the first N MoE layers).
 All three call the model's own experts implementation over E experts with the original ids,
 so on CPU they compute exactly what the unpaged model computes. Does not: page selectively
-(``pager``) or choose which layers use which mode (``loader``).
+(``host_executor``) or choose which layers use which mode (``loading.runners``).
 """
 
 from __future__ import annotations
@@ -20,63 +21,43 @@ import time
 import torch
 
 from pagedexperts.paging.host_executor import SlotView, resolve_inner, routed_union
-from pagedexperts.stats.accounting import LayerStats
+from pagedexperts.paging.runner import ExpertsRunner
+from pagedexperts.paging.transfer import read_step
 from pagedexperts.storage.host_store import HostExpertStore
-from pagedexperts.paging.transfer import read_back
 
 MODES = ("paged", "resident", "offload", "cpu-experts")
 
 
-class _BaselineRunner:
-    """Shared plumbing: stats, trace hook, padding rows; subclasses implement ``_compute``."""
+def mode_problem(mode: str) -> str | None:
+    """Why ``mode`` is not an execution mode (names the choices and --mode), or None."""
+    return None if mode in MODES else f"unknown mode {mode!r}; choose one of {list(MODES)} (--mode)"
 
-    def __init__(self, *, layer: int, store: HostExpertStore, device, inner: str, layout=None) -> None:
-        self.layer = layer
-        self.store = store
+
+class _BaselineRunner(ExpertsRunner):
+    """Shared plumbing: the step's read-back, tracing and stats; subclasses implement ``_compute``."""
+
+    def __init__(self, *, layer: int, store, device, inner: str, layout=None) -> None:
+        super().__init__(layer=layer, store=store, device=device, inner=inner)
         self.layout = layout  # formats.ExpertLayout of a quantized layer (None: dense)
-        self.device = torch.device(device)
-        self.inner = inner
-        self.stats = LayerStats()
-        self.trace_hook = None
-        self.padding_count = None  # 0-dim device tensor set by the recording hook, or None
-
-    @property
-    def num_experts(self) -> int:
-        return self.store.num_experts
 
     def dense(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's dense expert tensors from the store-shaped ``tensors`` (dequantized
         when the layer is quantized; the same tensors otherwise)."""
         return tensors if self.layout is None or self.layout.is_dense else self.layout.dequantize(tensors)
 
-    def collect_copy_time(self) -> None:
-        """Copies are timed synchronously here; nothing to fold in."""
-
-    def release(self) -> None:
-        """Nothing in flight: copies here are synchronous."""
-
-    def __call__(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    def step(self, module, hidden_states, top_k_index, top_k_weights, padding_count=None) -> torch.Tensor:
         """[T, H], [T, k], [T, k] -> [T, H]; records union size and bytes moved."""
         t0 = time.perf_counter()
-        parts = [top_k_index.detach()] + ([self.padding_count] if self.padding_count is not None else [])
-        host = read_back(parts)  # one transfer, as in the pager
-        ids_host = host[:, : top_k_index.shape[1]]
-        padding = int(host[0, -1]) if self.padding_count is not None and host.shape[0] else 0
+        read = read_step(top_k_index, None, padding_count)  # one transfer, as in the executors
         t1 = time.perf_counter()
         if self.trace_hook is not None:
-            self.trace_hook(self.layer, ids_host, top_k_weights.detach().to("cpu"))
-        union = len(routed_union(ids_host))
+            self.trace_hook(self.layer, read.ids, top_k_weights.detach().to("cpu"))
+        union = len(routed_union(read.ids))
         out, hits, bytes_moved, copy_s = self._compute(module, hidden_states, top_k_index, top_k_weights, union)
         self.stats.record_step(
-            hits=hits,
-            misses=union - hits,
-            waves=1,
-            tokens=int(hidden_states.shape[0]) - padding,
-            padding_tokens=padding,
-            expert_bytes=self.store.expert_bytes,
-            bytes_paged=bytes_moved,
-            page_in_s=copy_s,
-            sync_s=t1 - t0,
+            hits=hits, misses=union - hits, waves=1, tokens=int(hidden_states.shape[0]) - read.padding,
+            padding_tokens=read.padding, expert_bytes=self.store.expert_bytes, bytes_paged=bytes_moved,
+            page_in_s=copy_s, sync_s=t1 - t0,
         )
         return out
 

@@ -1,9 +1,10 @@
-"""Host <-> device transfers of one paged layer: the one read-back, uploads, copy-stream order.
+"""Host <-> device transfers of one paged layer: the one read-back, uploads, page-ins in order.
 
-Owns: the single device-to-host transfer of a layer-step (``read_back``: the top-k ids, the
-prefetch prediction and the step's padding count in one read into pinned memory), host-to-device
-uploads of small host-made index tensors (slot map, a wave's rows) from pinned buffers, and, on
-CUDA, the ordering of page-in copies on the copy stream against the compute stream:
+Owns: the single device-to-host transfer of a layer-step (``read_step``: the top-k ids, the
+prefetch prediction and the step's padding count in one read into pinned memory, parsed once),
+host-to-device uploads of small host-made index tensors (slot map, a wave's rows) from pinned
+buffers, the running expert -> slot map on the device, and, on CUDA, the ordering of page-in
+copies on the copy stream against the compute stream:
 
 - a slot is overwritten only after the compute that last read it (``compute_done`` event);
 - the first copies into fresh slots wait for the slots' allocation (the zero fill ran on the
@@ -11,11 +12,12 @@ CUDA, the ordering of page-in copies on the copy stream against the compute stre
 - every copy issued into a layer (its own page-ins and the previous layer's prefetches) is
   waited on by that layer's next compute (``copied`` event, ``before_compute``);
 - the slot tensors are ``record_stream``-ed on the copy stream, and ``drain`` waits for in-flight
-  copies before a pager is dropped (``loader.repage``), so no freed block is reused under a copy.
+  copies before a runner is dropped (``loading.runners.repage``), so no freed block is reused
+  under a copy.
 
 Page-in times on CUDA come from a bounded ring of timing events (``CopyTimer``), folded in as
 they complete; nothing here synchronizes the whole device. Does not: choose what to copy
-(``residency``) or compute anything (``pager``).
+(``residency``) or compute anything (``paging.waves``).
 
 Legend: T tokens of a step, k top_k, E experts, K slots.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -48,6 +50,32 @@ def read_back(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     host.copy_(flat, non_blocking=True)
     torch.cuda.current_stream(flat.device).synchronize()
     return host
+
+
+class StepRead(NamedTuple):
+    """One layer-step's read-back, on the host: top-k ids [T, k] (int64), the prefetch
+    prediction [T, k'] or None, and the step's padding rows (0 without a padding count)."""
+
+    ids: torch.Tensor
+    predicted: torch.Tensor | None
+    padding: int
+
+
+def read_step(top_k_index: torch.Tensor, predicted: torch.Tensor | None = None,
+              padding_count: torch.Tensor | None = None) -> StepRead:
+    """The step's one device-to-host transfer (``read_back``) of the top-k ids [T, k], the
+    next layer's predicted ids [T, k'] (or None) and the padding rows (0-dim, or None), parsed.
+    Every runner reads its step through here (the executors and the baselines)."""
+    parts = [top_k_index.detach()]
+    if predicted is not None:
+        parts.append(predicted)
+    if padding_count is not None:
+        parts.append(padding_count)
+    host = read_back(parts)
+    k = top_k_index.shape[1]
+    predicted_host = host[:, k : k + predicted.shape[1]] if predicted is not None else None
+    padding = int(host[0, -1]) if padding_count is not None and host.shape[0] else 0
+    return StepRead(host[:, :k], predicted_host, padding)
 
 
 def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -124,10 +152,18 @@ class SlotTransfers:
         copy_stream: CUDA stream for page-ins, or None (CPU: copies are synchronous memcpys).
     """
 
-    def __init__(self, slots: dict[str, torch.Tensor], device: torch.device, copy_stream=None) -> None:
+    def __init__(self, slots: dict[str, torch.Tensor], device: torch.device, copy_stream=None, *,
+                 num_experts: int) -> None:
         self.slots = slots
         self.device = device
         self.copy_stream = copy_stream
+        # expert -> slot at its last page-in (plan or prefetch): exact for every resident
+        # expert, stale for evicted ones, which a single-wave step never looks up. Mirrored on
+        # the device in _slot_map (uploaded when _slot_map_stale).
+        self._slot_of = np.full(num_experts, -1, dtype=np.int64)
+        self._slot_map: torch.Tensor | None = None
+        self._slot_map_stale = True
+        self.map_s = 0.0  # host seconds spent on slot maps since the last take_map_s
         self.timer = None
         self._compute_done = self._copied = None
         self._copy_pending = False
@@ -141,11 +177,40 @@ class SlotTransfers:
             self._copied = torch.cuda.Event()
             self.timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True))
 
+    def page_in(self, store, wave, *, only_wave: bool) -> torch.Tensor:
+        """Copy the wave's loads into their slots and make the compute wait for them; return
+        the slot map [E] (int64, on the device) that the wave's top-k ids are remapped with.
+        ``only_wave``: the step has this one wave, so every routed expert is resident and the
+        running map serves as is; otherwise experts outside the wave map to -1."""
+        self.copy_in(store, wave.loads)
+        self.before_compute()
+        t0 = time.perf_counter()
+        if only_wave:
+            if self._slot_map_stale:
+                self._slot_map = upload(self._slot_of, self.device)
+                self._slot_map_stale = False
+            slot_map = self._slot_map
+        else:
+            slot_of = np.full(len(self._slot_of), -1, dtype=np.int64)
+            slot_of[list(wave.experts)] = wave.slots
+            slot_map = upload(slot_of, self.device)
+        self.map_s += time.perf_counter() - t0
+        return slot_map
+
+    def take_map_s(self) -> float:
+        """Host seconds of slot-map work since the last take (part of the step's plan time)."""
+        out, self.map_s = self.map_s, 0.0
+        return out
+
     def copy_in(self, store, loads) -> None:
         """Copy each load's expert rows from ``store`` into its slot (on the copy stream after
-        the compute that last read the slots; the next ``before_compute`` waits for them)."""
+        the compute that last read the slots; the next ``before_compute`` waits for them) and
+        note the placements in the running expert -> slot map."""
         if not loads:
             return
+        for load in loads:
+            self._slot_of[load.expert] = load.slot
+        self._slot_map_stale = True
         stream = self.copy_stream
         if stream is None:
             t0 = time.perf_counter()

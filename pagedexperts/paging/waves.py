@@ -3,7 +3,7 @@
 Owns: turning a step's top-k ids [T, k] into the per-(token, k) entry outputs [T, k, H]
 (unweighted) by running the model's own experts math over the [K, ...] slot tensors one wave at
 a time, and combining them with the routing weights exactly as the unpaged implementation does.
-Does not: page anything in or decide residency (``pager``, ``residency``).
+Does not: page anything in or decide residency (``paging.transfer``, ``residency``).
 
 Why not simply call transformers' experts function on the slot ids: on CPU with more than one
 thread, a GEMM row's bits depend on the row's index inside its expert's group, and
@@ -238,16 +238,31 @@ STEPS: dict[str, type[StepEntries]] = {"grouped_mm": GroupedStep, "batched_mm": 
 INNER_IMPLEMENTATIONS = tuple(STEPS)
 
 
+def inner_problem(inner: str) -> str | None:
+    """Why ``inner`` cannot run under paging (names the choices and the flag), or None."""
+    if inner in STEPS:
+        return None
+    return (f"experts implementation {inner!r} is not supported under paging; choose one of "
+            f"{list(INNER_IMPLEMENTATIONS)} (--experts-implementation)")
+
+
+def check_inner(inner: str) -> str:
+    """``inner`` if it is an INNER_IMPLEMENTATIONS name (the one implementation-name check).
+
+    Raises:
+        ValueError: ``inner_problem``'s message.
+    """
+    problem = inner_problem(inner)
+    if problem is not None:
+        raise ValueError(problem)
+    return inner
+
+
 def step_entries(inner: str, module, hidden: torch.Tensor, top_k_index: torch.Tensor, ids_host: np.ndarray) -> StepEntries:
     """The step object for experts implementation ``inner`` (INNER_IMPLEMENTATIONS); ``ids_host``
     is ``top_k_index`` read back to the host (numpy [T, k]).
 
     Raises:
-        ValueError: ``inner`` not supported under paging (lists the choices).
+        ValueError: ``inner`` not supported under paging (``check_inner``).
     """
-    if inner not in STEPS:
-        raise ValueError(
-            f"experts implementation {inner!r} is not supported under paging; choose one of "
-            f"{list(INNER_IMPLEMENTATIONS)} (--experts-implementation)"
-        )
-    return STEPS[inner](module, hidden, top_k_index, ids_host)
+    return STEPS[check_inner(inner)](module, hidden, top_k_index, ids_host)

@@ -159,6 +159,12 @@ class Residency:
                                          _loads(wave_misses, slots))))
         return StepPlan(waves=tuple(waves), hits=len(hits), misses=len(misses))
 
+    def access(self, expert: int) -> tuple[bool, int]:
+        """One expert as a one-expert step (a cache of single accesses, e.g. the disk tier's host
+        rows): (whether it was resident, its slot now). The state changes as ``plan``'s."""
+        plan = self.plan((expert,))
+        return plan.hits == 1, plan.waves[0].slots[0]
+
     def replay_step(self, union: Sequence[int]) -> int:
         """``plan`` without the wave records, for a ghost residency: ``union`` sorted, distinct
         and in range (not checked). Returns the step's hits; the state changes as ``plan``'s."""

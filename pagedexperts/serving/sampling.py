@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.generation.generate import SamplingConfig
+from pagedexperts.generation.config import SamplingConfig
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see the module docstring)
 REPLACEMENT_CHAR = "\ufffd"

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.generation.generate import SamplingConfig
+from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.serving.batching import decode_mask, prefill_batches, prefill_inputs
 from pagedexperts.serving.sampling import IncrementalText, SamplingParams, TokenLogprob, sample, token_logprobs
 

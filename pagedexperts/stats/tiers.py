@@ -1,13 +1,16 @@
 """Counters of the host and disk tiers (standard library only: the simulator imports it too).
 
 Owns: ``TierStats``, one layer's host hits/misses, disk reads, bytes and read times, and their
-sums and percentiles. Does not: read or decide anything (``host_tier``).
+sums and percentiles (``stats.times.nearest_rank``). Does not: read or decide anything
+(``storage.host_tier``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+from pagedexperts.stats.times import nearest_rank
 
 READ_TIME_WINDOW = 4096  # most recent disk reads kept for the p50/p99
 
@@ -33,6 +36,14 @@ class TierStats:
     read_ahead_used: int = 0
     read_times: deque = field(default_factory=lambda: deque(maxlen=READ_TIME_WINDOW), repr=False)
 
+    def record_host_access(self, hit: bool) -> None:
+        """One device page-in seen by the host rows: a hit (served from a host row) or a miss
+        (the expert is read from disk). The runtime's disk tier and the simulator count here."""
+        if hit:
+            self.host_hits += 1
+        else:
+            self.host_misses += 1
+
     def record_read(self, *, nbytes: int, preads: int, seconds: float) -> None:
         self.disk_reads += 1
         self.disk_preads += preads
@@ -53,7 +64,7 @@ class TierStats:
 
     def as_dict(self) -> dict:
         times = sorted(self.read_times)
-        pick = lambda q: times[min(len(times) - 1, int(q * len(times)))] if times else 0.0  # noqa: E731
+        pick = lambda q: nearest_rank(times, q) if times else 0.0  # noqa: E731
         return dict(host_hits=self.host_hits, host_misses=self.host_misses, host_hit_rate=self.host_hit_rate,
                     disk_reads=self.disk_reads, disk_preads=self.disk_preads,
                     disk_bytes_read=self.disk_bytes_read, disk_read_s=self.disk_read_s,

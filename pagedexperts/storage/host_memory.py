@@ -2,24 +2,25 @@
 
 Owns: ``HostMemoryPlan``, everything that will live in host memory for the chosen device (the
 expert store or the disk tier's R host rows per layer and staging buffers, and when the device
-is the CPU its K slots per layer, the non-expert weights and a KV-cache estimate), the choice
+is the CPU its K slots per layer, the non-expert weights and a KV-cache estimate, each counted
+by the caller), the available memory (``host_memory_available_bytes``), the choice
 of R from ``--host-memory-gb`` G (the store's budget), the minimum G and the check against
 available memory, with every byte named. Also ``advise_huge_pages``
 (transparent huge pages for the store where the OS offers them).
-Standard library plus ctypes. Does not: allocate (``store``, ``host_tier``).
+Standard library plus ctypes. Does not: allocate (``host_store``, ``host_tier``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
-KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted on a CPU device (one long request)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,21 @@ class HostMemoryPlan:
         return (f"{what} {_gb(self.store_bytes)}, slots on host {_gb(self.slot_bytes_on_host)}, "
                 f"staging {_gb(self.staging_bytes)}, non-expert weights {_gb(self.non_expert_bytes_on_host)}, "
                 f"KV estimate {_gb(self.kv_bytes_on_host)}; total {_gb(self.total_bytes)}")
+
+
+def host_memory_available_bytes() -> int | None:
+    """Bytes of host memory available for new allocations (Linux MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _gb(n: int) -> str:
@@ -114,14 +130,6 @@ def check_available(plan: HostMemoryPlan, available_bytes: int | None) -> None:
             "free memory, lower --num-resident, give a smaller --host-memory-gb (the disk tier reads "
             "the other experts from the checkpoint) or use a quantized checkpoint"
         )
-
-
-def kv_estimate_bytes(config, *, dtype_bytes: int, tokens: int = KV_ESTIMATE_TOKENS) -> int:
-    """K and V bytes of ``tokens`` tokens over every decoder layer (2 x layers x kv heads x
-    head dim x dtype bytes per token), the KV cache of one request of that length."""
-    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes * tokens
 
 
 def advise_huge_pages(tensor) -> bool:

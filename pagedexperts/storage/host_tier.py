@@ -1,7 +1,7 @@
 """The disk tier: a host cache of R experts per MoE layer over the checkpoint's own files.
 
-Owns: ``TieredExpertStore``, a drop-in for ``HostExpertStore`` (same ``specs``, ``num_experts``,
-``expert_bytes``, ``copy_to_slot``) when the store does not fit in host memory. Each layer keeps
+Owns: ``TieredExpertStore``, the ``host_store.ExpertStore`` contract implemented over a host
+cache when the full store does not fit in host memory. Each layer keeps
 R of its E experts in host rows ([R, ...] per tensor, pinned on CUDA, allocated at exact size),
 placed by a host-side ``Residency`` with the same policy classes as the device slots; a device
 miss whose expert is not in a host row reads it from the checkpoint's safetensors files, one
@@ -9,11 +9,12 @@ miss whose expert is not in a host row reads it from the checkpoint's safetensor
 slot. ``ReadAhead``: a small thread pool and a few expert-sized staging buffers shared by the
 layers, filled with the next layer's predicted experts (``prefetch``); a miss that finds its
 expert there takes the buffer instead of reading, and never waits for a read-ahead of another
-expert. ``TierStats``: host hits/misses, disk reads, bytes, read-time p50/p99.
+expert. Counters: ``stats.tiers.TierStats`` (host hits/misses, disk reads, bytes, read times).
 
 Host-tier accounting: the host residency sees the sequence of device page-ins of its layer
-(plan misses and prefetch loads, in order), each as a one-expert step. Read-ahead changes only
-where the bytes come from, never a decision, so ``simulate``'s two-level replay counts the same.
+(plan misses and prefetch loads, in order), each as a one-expert step (``Residency.access``,
+counted by ``TierStats.record_host_access``: the simulator's two-level replay calls the same two).
+Read-ahead changes only where the bytes come from, never a decision.
 A read error is sticky: the store raises ``DiskReadError`` on every later page-in (no request
 ever computes with a row that was not read).
 
@@ -31,9 +32,10 @@ import torch
 
 from pagedexperts.residency.planner import Residency
 from pagedexperts.residency.policies import make_policy
-from pagedexperts.storage.host_store import HostExpertStore
-from pagedexperts.storage.safetensors_index import DiskReadError, Extent, read_extent
 from pagedexperts.stats.tiers import TierStats
+from pagedexperts.storage.host_store import ExpertStore, HostExpertStore
+from pagedexperts.storage.safetensors_index import DiskReadError, Extent, read_extent
+
 
 class ReadAhead:
     """A thread pool and ``num_buffers`` expert-sized staging buffers shared by all layers.
@@ -60,7 +62,7 @@ class ReadAhead:
             self.free.append(buffer)
 
 
-class TieredExpertStore:
+class TieredExpertStore(ExpertStore):
     """E experts of one MoE layer: R in host rows, all E readable from the checkpoint files.
 
     Args:
@@ -116,9 +118,11 @@ class TieredExpertStore:
         self._row_expert = [-1] * self.host_rows
         self.tier_stats = TierStats()
 
-    def attach_source(self, extents: dict[str, list[list[Extent]]]) -> None:
-        """The checkpoint byte ranges of every expert: tensor name -> [E] lists of extents."""
+    def fill_from(self, extents: dict[str, list[list[Extent]]]) -> list[tuple]:
+        """Keep the checkpoint byte ranges of every expert (tensor name -> [E] lists of
+        extents) to read on demand; the fill reads nothing into this store."""
         self._sources = extents
+        return []
 
     def copy_to_slot(self, expert: int, slot: int, slots: dict[str, torch.Tensor]) -> None:
         """Copy ``expert`` into row ``slot`` of the [K, ...] ``slots``, via its host row (read
@@ -139,12 +143,11 @@ class TieredExpertStore:
     def _host_row(self, expert: int) -> int:
         if self.failed is not None:
             raise self.failed
-        plan = self.residency.plan([expert])
-        if plan.hits and self._row_expert[plan.waves[0].slots[0]] == expert:
-            self.tier_stats.host_hits += 1
-            return plan.waves[0].slots[0]
-        row = plan.waves[0].slots[0]
-        self.tier_stats.host_misses += 1
+        resident, row = self.residency.access(expert)
+        hit = resident and self._row_expert[row] == expert  # a row whose read failed holds nothing
+        self.tier_stats.record_host_access(hit)
+        if hit:
+            return row
         if self._row_events[row] is not None:
             self._row_events[row].synchronize()  # the row's last copy to the device is done
         dst = {name: t[row].view(-1) for name, t in self.rows.items()}

@@ -1,25 +1,24 @@
 """Byte ranges of a checkpoint's tensors in its safetensors files, and positional reads of them.
 
-Owns: parsing safetensors headers (the published format, https://huggingface.co/docs/safetensors:
-an 8-byte little-endian header length N, N bytes of JSON mapping each key to ``dtype``,
-``shape`` and ``data_offsets`` [begin, end) relative to the byte after the header), the map from
+Owns: the tensors of a safetensors file as byte ranges (``TensorEntry``, from the header parse of
+``safetensors_files``), the check that every shard's header is readable, the map from
 checkpoint keys to per-expert rows of the host store (``Extent``: which bytes of which file fill
 which elements of one expert's row), and ``read_extent``: one ``os.preadv`` per extent straight
 into tensor memory (no memory map; no intermediate copy when the dtypes agree and the
 destination is contiguous). Generic over the store's ``TensorSpec``s: an extent is a byte
 range, whatever the dtype or packing.
-Does not: decide what to read (``host_tier``, ``reader``).
+Does not: decide what to read (``host_tier``, ``loading.fill``).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from pagedexperts.storage.safetensors_files import read_header_json
 
 # safetensors dtype strings -> torch dtypes (those this torch build has)
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -69,27 +68,18 @@ class DiskReadError(OSError):
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
-    """The tensors of one safetensors file, keyed by checkpoint key (``__metadata__`` skipped).
+    """The tensors of one safetensors file, keyed by checkpoint key (``__metadata__`` skipped),
+    from its header (``safetensors_files.read_header_json``).
 
     Raises:
         ValueError: a header that is not the safetensors layout, an unknown dtype, or a tensor
             whose bytes lie beyond the end of the file (truncated download); names the file.
     """
     path = Path(path)
+    header, base = read_header_json(path)
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"checkpoint shard {path} is shorter than a safetensors header (truncated?)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:
-            raise ValueError(f"checkpoint shard {path}: header length {n} exceeds the file size {size} (truncated or corrupt?)")
-        header = json.loads(f.read(n))
-    base = 8 + n
     out = {}
     for key, meta in header.items():
-        if key == "__metadata__":
-            continue
         if meta["dtype"] not in SAFETENSORS_DTYPES:
             raise ValueError(f"checkpoint shard {path}: tensor {key!r} has dtype {meta['dtype']!r}, not readable here")
         begin, end = meta["data_offsets"]
@@ -100,6 +90,20 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             )
         out[key] = TensorEntry(path, SAFETENSORS_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + begin, end - begin)
     return out
+
+
+def check_readable(files: list[Path]) -> None:
+    """Read every shard's header (no weights) so a truncated or corrupt shard is found before
+    any allocation.
+
+    Raises:
+        ValueError: names the shard.
+    """
+    for file in files:
+        try:
+            read_header(file)
+        except ValueError as exc:
+            raise ValueError(f"cannot read checkpoint shard {file}: {exc} (truncated or corrupt?)") from exc
 
 
 def bytes_view(flat: torch.Tensor):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pagedexperts.generation.generate import GREEDY
+from pagedexperts.generation.config import GREEDY
 from pagedexperts.residency.policies import DEFAULT_POLICY
 
 logger = logging.getLogger(__name__)
@@ -197,11 +197,12 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
     """Every mode (paged once per K) on the same prompts; ratios against resident filled in.
 
     The checkpoint is loaded once, for the first (mode, K); every later row re-attaches
-    fresh runners over the same host stores (``loader.repage``: empty slots, zeroed stats).
+    fresh runners over the same host stores (``loading.runners.repage``: empty slots, zeroed stats).
     """
     from tqdm import tqdm
 
-    from pagedexperts.loading.loader import load_model, repage
+    from pagedexperts.loading.loader import load_model
+    from pagedexperts.loading.runners import repage
 
     jobs = []
     for mode in cfg.modes:
@@ -234,7 +235,7 @@ def _moe_layers(model_path) -> list[int]:
     from transformers import AutoConfig
 
     from pagedexperts.loading.loader import bundled_model_path
-    from pagedexperts.models.families import moe_layer_indices
+    from pagedexperts.models.config import moe_layer_indices
 
     return moe_layer_indices(AutoConfig.from_pretrained(model_path or bundled_model_path()))
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedexperts.generation.generate import GREEDY
+from pagedexperts.generation.config import GREEDY
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ def load_reference(model_path, *, device: str, dtype: str | None, experts_implem
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagedexperts.formats import format_for_config
-    from pagedexperts.loading.loader import bundled_model_path, resolve_dtype
+    from pagedexperts.loading.config import resolve_dtype
+    from pagedexperts.loading.loader import bundled_model_path
 
     path = model_path or bundled_model_path()
     config = AutoConfig.from_pretrained(path)

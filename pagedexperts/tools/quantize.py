@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from pagedexperts.analysis.sizing import read_safetensors_header, safetensors_files
+from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
 
 QUANTIZE_FORMATS = ("w4a16", "fp8-block", "mxfp4")
 # A routed expert's weight, one tensor per expert (Qwen3/DeepSeek gate|up|down_proj, Mixtral w1|w2|w3).
@@ -84,7 +84,7 @@ def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: 
     src, dst = Path(model_path), Path(output)
     config = _read_config(src)
     writer = _writer_for(options)
-    headers = {Path(f): read_safetensors_header(f) for f in safetensors_files(str(src))}
+    headers = {f: read_header_json(f)[0] for f in checkpoint_files(src)}
     expert_keys = writer.validate(config, headers)
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"--output {dst} exists and is not empty; choose a new directory")
@@ -121,7 +121,7 @@ def bundled_variant_path(fmt: str, *, cache_dir: str | Path, source: str | Path 
         raise ValueError(f"the bundled model has no {fmt!r} variant; choose one of {sorted(BUNDLED_VARIANTS)}")
     src = Path(source) if source is not None else bundled_model_path()
     digest = hashlib.sha256(repr(options).encode())
-    for f in safetensors_files(str(src)):
+    for f in checkpoint_files(src):
         digest.update(Path(f).read_bytes())
     final = Path(cache_dir) / f"{src.name}-{fmt}-{digest.hexdigest()[:12]}"
     if (final / "config.json").is_file():

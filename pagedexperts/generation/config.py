@@ -1,0 +1,36 @@
+"""Decoding options: the one ``SamplingConfig`` that generation, the server and the tools share.
+
+Owns: ``SamplingConfig`` (max new tokens, temperature, top-p, seed, stop strings, validated with
+the flag each value comes from) and ``GREEDY``, the ``generate`` keywords of greedy decoding.
+Standard library only. Does not: sample (transformers' ``generate``; the server's
+``serving.sampling``) or generate text (``generation.generate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+# Greedy decoding for ``generate``: also clears the sampling knobs a checkpoint's
+# generation_config may set, so transformers neither samples nor warns about them.
+GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding options. temperature 0 = greedy; top_p in (0, 1]; stop strings end the text."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the flag for out-of-range values."""
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"--max-new-tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")

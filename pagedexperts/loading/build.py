@@ -1,0 +1,195 @@
+"""Build a paged model: parameters on meta, host stores for the experts, one runner per MoE layer.
+
+Owns: ``build_paged_model`` (the one build, for a checkpoint or random weights), constructing
+the transformers model with every parameter on the meta device, the float32-kept tensors, the
+host-memory plan counted before any allocation, the host stores (full, or the disk tier's), and
+installing the runtime object, the runners and the transformers integration on the model.
+Does not: validate options (``loading.config``), read checkpoints (``loading.fill``), or page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import torch
+
+from pagedexperts import integration
+from pagedexperts.formats import format_for_config
+from pagedexperts.formats.slots import resolve_slot_format
+from pagedexperts.loading.config import PagingConfig, check_config, check_device, resolve_dtype
+from pagedexperts.loading.runners import attach_runners
+from pagedexperts.loading.runtime import PagingRuntime
+from pagedexperts.loading.checkpoint import expert_sources
+from pagedexperts.models import config as model_config
+from pagedexperts.models.sites import find_experts_sites
+from pagedexperts.storage import host_memory
+from pagedexperts.storage.host_memory import HostMemoryPlan, plan_host_memory
+from pagedexperts.storage.host_store import HostExpertStore
+from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
+
+logger = logging.getLogger(__name__)
+
+READ_AHEAD_EXPERTS_PER_TOP_K = 2  # disk tier staging: read-ahead buffers = 2 x top_k experts
+KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted in host memory on a CPU device (one long request)
+
+
+def build_paged_model(config, fill, *, expert_format=None, **options):
+    """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
+
+    ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
+    stores ({site name: ExpertStore}), every other parameter onto ``device``. ``load_model``
+    reads a checkpoint (``loading.fill``); ``loading.runners.random_fill`` makes random weights
+    for benchmarks at real scale. ``expert_format``: the checkpoint's format (None: from
+    ``config.quantization_config``); the stores hold its packed tensors. ``options``: the
+    ``PagingConfig`` fields (see ``load_model``).
+
+    Raises:
+        ConfigError (ValueError): every problem of the options for this model, at once.
+        MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``).
+    """
+    fmt = expert_format if expert_format is not None else format_for_config(config)
+    cfg = PagingConfig(**options)
+    check_config(cfg, config, fmt)
+    dev, dtype = check_device(cfg.device), resolve_dtype(cfg.dtype, config)
+    model = _meta_model(config, dtype, cfg.experts_implementation)
+    sites = find_experts_sites(model)
+    num_experts, top_k = sites[0].num_experts, int(config.num_experts_per_tok)
+    k_slots = cfg.resident_slots(num_experts=num_experts, top_k=top_k)
+    sources = expert_sources(config.model_type)
+    layouts = {s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
+               for s in sites}
+    memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, k_slots=k_slots, top_k=top_k)
+    runtime = PagingRuntime(
+        config=dataclasses.replace(cfg, num_resident=k_slots, device=str(dev),
+                                   slot_format=resolve_slot_format(cfg.slot_format, dev)),
+        num_experts=num_experts, top_k=top_k, num_resident=k_slots, expert_format=fmt.name,
+        layouts=layouts, host_memory=memory, sites=sites,
+    )
+    runtime.stores = _make_stores(runtime, dev)
+    fill(model, {s.name: s for s in sites}, runtime.stores, dev)
+    attach_runners(runtime, dev)
+    _install(model, runtime, dev)
+    return model
+
+
+def _install(model, runtime: PagingRuntime, dev: torch.device) -> None:
+    """The model on its device, in eval mode, with its runtime object and the integration."""
+    model.to(dev)
+    model.eval()
+    model.pagedexperts = runtime
+    integration.install_padding_hook(model, runtime.pagers)
+    integration.set_implementation(model, integration.IMPLEMENTATION_NAME)
+    integration.follow_decode_switch(model, runtime.pagers)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Create every nn.Parameter on the meta device (buffers stay real: rotary tables etc.)."""
+    original = torch.nn.Module.register_parameter
+
+    def register_parameter(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def _meta_model(config, dtype: torch.dtype, experts_implementation: str):
+    """The transformers model of ``config`` with its parameters on meta, float32-kept tensors
+    in float32 (``_keep_in_fp32``)."""
+    from transformers import AutoModelForCausalLM
+
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts_implementation)
+    _keep_in_fp32(model, dtype)
+    return model
+
+
+def _make_stores(runtime: PagingRuntime, dev: torch.device) -> dict:
+    """One store per experts site (full, or the disk tier's R host rows); the experts modules
+    keep no [E, ...] tensor afterwards (only the runners' slots and stores hold experts)."""
+    memory, cfg, pin = runtime.host_memory, runtime.config, dev.type == "cuda"
+    if memory.disk_tier:
+        specs0 = list(runtime.layouts[runtime.sites[0].name].packed_specs)
+        runtime.read_ahead = ReadAhead(specs0, num_buffers=memory.staging_bytes // memory.expert_bytes)
+    stores = {}
+    for site in runtime.sites:
+        specs = list(runtime.layouts[site.name].packed_specs)
+        if memory.disk_tier:
+            stores[site.name] = TieredExpertStore(specs, site.num_experts, memory.host_rows, policy=cfg.policy,
+                                                  pin=pin, layer=site.layer, read_ahead=runtime.read_ahead)
+        else:
+            stores[site.name] = HostExpertStore(specs, site.num_experts, pin=pin)
+        for spec in site.specs:
+            site.module._parameters.pop(spec.name, None)
+            site.module._buffers.pop(spec.name, None)
+    return stores
+
+
+def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *, k_slots: int,
+                 top_k: int) -> HostMemoryPlan:
+    """Everything that will live in host memory, counted before any allocation (see
+    ``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Store rows hold the
+    packed specs; slots are counted at the dense size (the larger of the slot formats)."""
+    packed_specs = layouts[sites[0].name].packed_specs
+    expert_bytes = sum(s.row_bytes for s in packed_specs)
+    slot_expert_bytes = max(expert_bytes, sum(s.row_bytes for s in sites[0].specs))
+    on_cpu, paged = dev.type == "cpu", cfg.mode == "paged"
+    memory = plan_host_memory(
+        budget_bytes=None if cfg.host_memory_gb is None else int(cfg.host_memory_gb * 1e9),
+        available_bytes=host_memory.host_memory_available_bytes(),
+        num_layers=len(sites), num_experts=sites[0].num_experts, expert_bytes=expert_bytes,
+        slot_bytes_on_host=k_slots * len(sites) * slot_expert_bytes if on_cpu and paged else 0,
+        staging_bytes=READ_AHEAD_EXPERTS_PER_TOP_K * top_k * expert_bytes,
+        non_expert_bytes_on_host=_non_expert_bytes(model, sites) if on_cpu else 0,
+        kv_bytes_on_host=_kv_estimate_bytes(config, dtype) if on_cpu else 0,
+    )
+    if memory.disk_tier and not paged:
+        raise ValueError(
+            f"mode {cfg.mode!r} needs all E experts in host memory ({memory.num_experts * len(sites) * expert_bytes:,} "
+            f"bytes) but {memory.describe()}; use --mode paged for the disk tier or raise --host-memory-gb"
+        )
+    if memory.disk_tier:
+        logger.info("disk tier: %s", memory.describe())
+    return memory
+
+
+def _non_expert_bytes(model, sites) -> int:
+    """Bytes of every parameter that is not a routed expert's (they live on the device)."""
+    expert_params = {f"{s.name}.{spec.name}" for s in sites for spec in s.specs}
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in expert_params)
+
+
+def _kv_estimate_bytes(config, dtype: torch.dtype) -> int:
+    """KV bytes of one KV_ESTIMATE_TOKENS-token request at the run dtype: the one KV formula
+    (``models.config.kv_bytes_per_token``: MLA and linear-attention layers as they are)."""
+    name = str(dtype).removeprefix("torch.")
+    return model_config.kv_bytes_per_token(config.to_dict(), model_dtype=name) * KV_ESTIMATE_TOKENS
+
+
+def _keep_in_fp32(model, dtype: torch.dtype) -> None:
+    """Give float32 to the tensors the model class keeps in float32, as ``from_pretrained``
+    does: ``_keep_in_fp32_modules_strict`` under bf16/fp16, ``_keep_in_fp32_modules`` under fp16
+    (e.g. DeepSeek-V3's ``e_score_correction_bias``; transformers 5.17's ``from_config`` skips
+    this, and a bf16 correction bias changes which experts are selected)."""
+    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.bfloat16, torch.float16) else set()
+    if dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if not keep:
+        return
+    for name, param in list(model.named_parameters()):
+        if param.dtype != torch.float32 and any(k in name for k in keep):
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            module._parameters[attr] = torch.nn.Parameter(param.to(torch.float32), requires_grad=param.requires_grad)
+    for name, buf in list(model.named_buffers()):
+        if buf.is_floating_point() and buf.dtype != torch.float32 and any(k in name for k in keep):
+            module_name, _, attr = name.rpartition(".")
+            model.get_submodule(module_name)._buffers[attr] = buf.to(torch.float32)

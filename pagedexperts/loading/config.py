@@ -1,0 +1,173 @@
+"""One validated paging configuration: every problem with the options reported at once.
+
+Owns: ``PagingConfig`` (how a model is paged: the options of ``load_model`` and the flags of
+the commands, frozen, kept on the runtime object) and ``check_config``, the one configuration
+check: the options alone (device, dtype, implementation, policy, mode, slot format, prefetch
+budget, host memory) and, given the model's config, against the model (K in [top_k, E], the
+cpu-experts layer count, the experts' dtype under the implementation). It collects every
+problem and raises once, before any weight is read. Also the torch-facing resolutions the
+check needs (``check_device``, ``resolve_dtype``). Does not: read checkpoints or build
+(``loading.loader``, ``loading.build``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS
+from pagedexperts.models import config as model_config
+from pagedexperts.paging.baselines import mode_problem
+from pagedexperts.paging.waves import inner_problem
+from pagedexperts.residency.planner import default_num_resident, num_resident_problem
+from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
+
+# The experts kernels that run routed experts held in another dtype than the model's:
+# transformers' ``_grouped_mm`` casts its input to the weights' dtype; ``eager`` and
+# ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes.
+MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm",)
+
+
+@dataclass(frozen=True)
+class PagingConfig:
+    """How a model is paged (see ``load_model`` for each option). ``num_resident`` None: the
+    default K (``residency.planner.default_num_resident``); ``dtype`` None: the checkpoint's."""
+
+    num_resident: int | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    experts_implementation: str = "grouped_mm"
+    policy: str = DEFAULT_POLICY
+    mode: str = "paged"
+    cpu_expert_layers: int = 0
+    slot_format: str = DEFAULT_SLOT_FORMAT  # "auto", "packed" or "dense" (formats.slots)
+    host_memory_gb: float | None = None  # None: what fits in available memory
+    prefetch: bool = False
+    prefetch_budget: int | None = None  # None: top_k
+
+    def resident_slots(self, *, num_experts: int, top_k: int) -> int:
+        """K for E experts of which a token routes to top_k: all E unless mode "paged"."""
+        if self.mode != "paged":
+            return num_experts
+        return self.num_resident if self.num_resident is not None else default_num_resident(
+            num_experts=num_experts, top_k=top_k)
+
+
+class ConfigError(ValueError):
+    """The configuration has problems; ``problems`` lists each (a flag and its limit)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        if len(problems) == 1:
+            super().__init__(problems[0])
+        else:
+            super().__init__(f"{len(problems)} problems with the configuration:\n" + "\n".join(f"- {p}" for p in problems))
+
+
+def check_config(cfg: PagingConfig, model=None, fmt=None) -> None:
+    """Raise once with every problem of ``cfg``, alone and (given the transformers ``model``
+    config and the checkpoint's expert format ``fmt``) against the model.
+
+    Raises:
+        ConfigError (a ValueError): lists every problem, each naming its flag.
+    """
+    problems = option_problems(cfg)
+    if model is not None:
+        problems += model_problems(cfg, model, fmt)
+    if problems:
+        raise ConfigError(problems)
+
+
+def option_problems(cfg: PagingConfig) -> list[str]:
+    """The problems of the options alone (no model needed)."""
+    problems = [device_problem(cfg.device), inner_problem(cfg.experts_implementation), mode_problem(cfg.mode)]
+    if cfg.policy not in POLICIES:
+        problems.append(f"unknown eviction policy {cfg.policy!r}; choose one of {sorted(POLICIES)} (--policy)")
+    if cfg.slot_format not in SLOT_FORMATS:
+        problems.append(f"unknown slot format {cfg.slot_format!r}; choose one of {list(SLOT_FORMATS)} (--slot-format)")
+    if cfg.dtype not in (None, "auto", *model_config.RUN_DTYPE_BYTES):
+        problems.append(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(model_config.RUN_DTYPE_BYTES)} (--dtype)")
+    if cfg.prefetch_budget is not None and not cfg.prefetch:
+        problems.append(f"--prefetch-budget {cfg.prefetch_budget} needs --prefetch (it bounds prefetch page-ins)")
+    elif cfg.prefetch_budget is not None and cfg.prefetch_budget < 1:
+        problems.append(f"prefetch budget {cfg.prefetch_budget} must be >= 1 (--prefetch-budget)")
+    if cfg.host_memory_gb is not None and cfg.host_memory_gb <= 0:
+        problems.append(f"--host-memory-gb {cfg.host_memory_gb} must be > 0")
+    if cfg.cpu_expert_layers < 0:
+        problems.append(f"--cpu-expert-layers {cfg.cpu_expert_layers} must be >= 0")
+    return [p for p in problems if p is not None]
+
+
+def model_problems(cfg: PagingConfig, model, fmt=None) -> list[str]:
+    """The problems of ``cfg`` for the transformers config ``model`` (and its format ``fmt``)."""
+    num_experts, top_k = model_config.num_routed_experts(model), model_config.top_k(model)
+    problems = []
+    if cfg.mode == "paged" and cfg.num_resident is not None:
+        problems.append(num_resident_problem(cfg.num_resident, num_experts=num_experts, min_slots=top_k))
+    moe_layers = len(model_config.moe_layer_indices(model))
+    if cfg.mode == "cpu-experts" and cfg.cpu_expert_layers > moe_layers:
+        problems.append(f"--cpu-expert-layers {cfg.cpu_expert_layers} outside [0, {moe_layers}] (the model's MoE layers)")
+    if fmt is not None and cfg.dtype in (None, "auto", *model_config.RUN_DTYPE_BYTES):
+        problems.append(experts_dtype_problem(fmt, resolve_dtype(cfg.dtype, model), cfg.experts_implementation))
+    return [p for p in problems if p is not None]
+
+
+def device_problem(device) -> str | None:
+    """Why ``device`` is not one this runs on (cpu, or cuda[:N] with CUDA available), or None."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        return f"--device {str(device)!r} is not a device this runs on; use cpu or cuda[:N]"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return f"device {str(device)!r} requested but CUDA is not available; use --device cpu"
+    return None
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device: cpu, or cuda[:N] where CUDA is available.
+
+    Raises:
+        ValueError: ``device_problem``'s message (names the value and --device).
+    """
+    problem = device_problem(device)
+    if problem is not None:
+        raise ValueError(problem)
+    return torch.device(device)
+
+
+def resolve_dtype(name: str | None, config) -> torch.dtype:
+    """Torch dtype of the run: ``name`` (``--dtype``), else the checkpoint's (the one rule,
+    ``models.config.run_dtype``), else float32.
+
+    Raises:
+        ValueError: unknown name (lists the valid --dtype choices).
+    """
+    return getattr(torch, model_config.run_dtype(config, dtype=name))
+
+
+def experts_dtype_problem(fmt, model_dtype: torch.dtype, experts_implementation: str) -> str | None:
+    """Why the kernel cannot run ``fmt``'s experts at ``model_dtype``, or None: transformers keeps
+    a compressed-tensors int4 checkpoint's dequantized experts in its scales' dtype (float32
+    scales loaded at --dtype bfloat16: float32 experts in a bfloat16 model), and only
+    ``grouped_mm`` runs them; unpaged transformers fails the same way under the others."""
+    experts = fmt.experts_dtype(model_dtype)
+    if experts == model_dtype or experts_implementation in MIXED_DTYPE_IMPLEMENTATIONS:
+        return None
+    name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+    return (
+        f"--experts-implementation {experts_implementation} cannot run this {fmt.name} checkpoint at "
+        f"--dtype {name(model_dtype)}: transformers keeps its dequantized routed experts in the scales' "
+        f"dtype {name(experts)} and the {experts_implementation} kernel fails on {name(model_dtype)} inputs "
+        f"with {name(experts)} weights (unpaged transformers too); use --experts-implementation grouped_mm "
+        f"or --dtype {name(experts)}"
+    )
+
+
+def check_experts_dtype(fmt, model_dtype: torch.dtype, experts_implementation: str) -> None:
+    """Raises ValueError with ``experts_dtype_problem``'s message when there is one."""
+    problem = experts_dtype_problem(fmt, model_dtype, experts_implementation)
+    if problem is not None:
+        raise ValueError(problem)
