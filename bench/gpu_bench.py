@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedexperts.loading import build, runners
+from pagedexperts.loading import build as build_module, runners
 from pagedexperts.paging.host_executor import HostPlannedExecutor  # noqa: E402
 
 REAL = dict(  # Qwen3-30B-A3B config.json (published), except the layer count
@@ -62,7 +62,7 @@ def build(args):
     shape = TINY if args.dry_run else REAL
     config = Qwen3MoeConfig(num_hidden_layers=args.layers, **shape)
     fill = lambda m, sites, stores, dev: runners.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
-    return build.build_paged_model(
+    return build_module.build_paged_model(
         config, fill, num_resident=args.ks[0], device=args.device, dtype=args.dtype, mode="paged"
     )
 

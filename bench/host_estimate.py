@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -27,12 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import planner_oracle  # noqa: E402
-from pagedexperts.loading import build, runners
+from pagedexperts.loading import build as build_module, runners
 from pagedexperts.paging import host_executor as pager
 from pagedexperts.residency import planner, policies
 from pagedexperts.analysis import trace_routing
 
-PLANNERS = {"before": planner_oracle, "after": residency}  # the old planner (test oracle) and the new
+PLANNERS = {"before": planner_oracle,  # the old planner (test oracle) and the new
+            "after": SimpleNamespace(Residency=planner.Residency, make_policy=policies.make_policy)}
 
 LAYERS_48 = 48  # Qwen3-30B-A3B's MoE layers
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -46,7 +48,7 @@ def build(layers: int, k: int):
 
     config = Qwen3MoeConfig(num_hidden_layers=layers, **SHAPE)
     fill = lambda m, sites, stores, dev: runners.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
-    return build.build_paged_model(config, fill, num_resident=k, device="cpu", dtype="float32", mode="paged")
+    return build_module.build_paged_model(config, fill, num_resident=k, device="cpu", dtype="float32", mode="paged")
 
 
 def call_times(model) -> list[float]:

@@ -7,8 +7,9 @@ Quick start::
     out = model.generate(**tokenizer("ROMEO:", return_tensors="pt"), max_new_tokens=20)
     print(model.paging_stats().as_dict()["hit_rate"])
 
-Heavy modules (torch, transformers) are imported lazily so that ``sizing``, ``residency``
-and ``stats`` stay usable with the standard library alone.
+Heavy modules (torch, transformers) are imported lazily so that ``residency``, ``stats``,
+``models.config``, ``storage.safetensors_files`` and ``analysis.sizing`` stay usable with the
+standard library alone.
 """
 
 from __future__ import annotations

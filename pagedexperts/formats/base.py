@@ -3,7 +3,7 @@
 Owns: ``TensorSpec`` (one per-expert tensor: name, per-expert shape, dtype, bytes), the
 ``ExpertLayout`` of one experts module in a format (which packed tensors stand for each of the
 model's dense expert tensors), and ``ExpertFormat``, the interface of one format module.
-Does not: read checkpoints (``checkpoint``), hold bytes (``store``) or page (``pager``).
+Does not: read checkpoints (``loading``), hold bytes (``storage``) or page (``paging``).
 
 Terms. The *dense* tensors are the experts module's own parameters as transformers builds the
 unquantized model (Qwen3-MoE ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]; gpt-oss

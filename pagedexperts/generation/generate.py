@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.generation.config import SamplingConfig
+from pagedexperts.generation.config import GREEDY, SamplingConfig
 from pagedexperts.stats.accounting import ModelStats
 
 

@@ -109,28 +109,30 @@ def attach_runners(runtime, dev) -> None:
     """One experts runner per MoE layer (an executor, or a baseline of ``paging.baselines``) for
     the runtime's config, over its stores, attached to each experts module."""
     cfg = runtime.config
-    sites, stores, mode, cpu_expert_layers = runtime.sites, runtime.stores, cfg.mode, cfg.cpu_expert_layers
-    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and mode == "paged" else None
-    staging = make_staging(stores[sites[0].name], dev) if mode == "offload" else None
-    for i, site in enumerate(sites):
+    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and cfg.mode == "paged" else None
+    staging = make_staging(runtime.stores[runtime.sites[0].name], dev) if cfg.mode == "offload" else None
+    for i, site in enumerate(runtime.sites):
         layout = runtime.layouts.get(site.name)
-        common = dict(layer=site.layer, store=stores[site.name], device=dev, inner=cfg.experts_implementation)
-        if mode == "paged":
-            runner = HostPlannedExecutor(
-                num_slots=runtime.num_resident,
-                policy=make_policy(cfg.policy, runtime.num_resident),
-                copy_stream=copy_stream,
-                **_slot_tables(runtime, layout, dev),
-                **common,
-            )
-        elif mode == "offload":
+        common = dict(layer=site.layer, store=runtime.stores[site.name], device=dev, inner=cfg.experts_implementation)
+        if cfg.mode == "paged":
+            runner = _executor(runtime, layout, dev, copy_stream, **common)
+        elif cfg.mode == "offload":
             runner = OffloadRunner(staging=staging, layout=layout, **common)
-        elif mode == "cpu-experts" and i < cpu_expert_layers:
+        elif cfg.mode == "cpu-experts" and i < cfg.cpu_expert_layers:
             runner = CpuExpertsRunner(layout=layout, **common)
         else:
             runner = ResidentRunner(layout=layout, **common)
         runtime.pagers[site.layer] = runner
         integration.attach(site.module, runner)
+
+
+def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
+    """The layer-step executor of one paged layer: the host-planned one (any step, any device).
+    The device-planned executor (``paging.device_*``, CUDA decode) implements the same
+    ``PagedExecutor`` contract and is chosen here."""
+    k = runtime.num_resident
+    return HostPlannedExecutor(num_slots=k, policy=make_policy(runtime.config.policy, k), copy_stream=copy_stream,
+                               **_slot_tables(runtime, layout, dev), **common)
 
 
 def _slot_tables(runtime, layout, dev) -> dict:

@@ -4,7 +4,7 @@ Owns: the table of families (keyed by config.json ``model_type``), each family's
 decoder layers are MoE layers (the others are dense: no pager), the name of its shared-expert
 module if it has one, and a one-line note of its hub checkpoint layout. Standard library only:
 it reads a transformers config object or a plain config.json dict alike.
-Does not: discover tensors or modules (``pagedexperts.models.sites``), read checkpoints (``loader``).
+Does not: discover tensors or modules (``models.sites``), read checkpoints (``loading``).
 
 What each family needs from the pager is nothing special: its router (softmax top-k with or
 without renormalisation, sigmoid + selection-only correction bias + grouped top-k, scaling

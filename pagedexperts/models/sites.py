@@ -2,7 +2,7 @@
 
 Owns: the list of supported architectures, the discovery of experts modules and of their
 per-expert tensors (every parameter or buffer whose leading dim is E, found from the layer,
-never from a hand list). Does not: read checkpoints (``loader``) or page (``pager``).
+never from a hand list). Does not: read checkpoints (``loading``) or page (``paging``).
 Routing, shared experts and dense layers stay the model's own code: only the modules that
 transformers dispatches through its experts registry are paged, so a shared expert (a plain
 MLP beside them) is never in the store, never in K and never in the stats.

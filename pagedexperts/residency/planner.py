@@ -6,7 +6,7 @@ routed experts into waves of at most K experts, each with the loads (expert, slo
 Tensor-free on purpose (standard library only): the runtime pager and the trace simulator
 import this same code, so their hit/miss counts cannot drift. Planning costs O(|union|) plus
 the policy's victims (O(log K) each, or one O(K) ranking per wave that evicts K/4 or more).
-Does not: copy bytes (``store``), compute experts (``pager``), or count stats (``stats``).
+Does not: copy bytes (``storage``), compute experts (``paging``), or count stats (``stats``).
 
 Terms (DESIGN.md): E routed experts, K slots, union = distinct experts a step routes to in the
 layer. A step needs ceil(|union| / K) waves; resident experts go in the first wave, then

@@ -7,7 +7,7 @@ placed by a host-side ``Residency`` with the same policy classes as the device s
 miss whose expert is not in a host row reads it from the checkpoint's safetensors files, one
 ``os.preadv`` per per-expert tensor extent, into the host row, then copies the row into the
 slot. ``ReadAhead``: a small thread pool and a few expert-sized staging buffers shared by the
-layers, filled with the next layer's predicted experts (``prefetch``); a miss that finds its
+layers, filled with the next layer's predicted experts (``paging.prefetch``); a miss that finds its
 expert there takes the buffer instead of reading, and never waits for a read-ahead of another
 expert. Counters: ``stats.tiers.TierStats`` (host hits/misses, disk reads, bytes, read times).
 
@@ -67,7 +67,7 @@ class TieredExpertStore(ExpertStore):
 
     Args:
         specs: the layer's per-expert tensors; num_experts: E; host_rows: R, 1 <= R <= E.
-        policy: eviction policy name for the host rows (``residency.POLICIES``).
+        policy: eviction policy name for the host rows (``residency.policies.POLICIES``).
         pin: page-lock the host rows (CUDA), at exact size and with the same fallback as
             ``HostExpertStore`` (``pinned``, ``fallback``); layer: for error messages.
         read_ahead: the model's shared ``ReadAhead`` (None: no read-ahead).

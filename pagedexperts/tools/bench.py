@@ -3,9 +3,9 @@
 Owns: the prompt-file readers (JSON lines with ``prompt``, ``turns`` or ``question``;
 ShareGPT-style JSON), the measurement of one execution mode (TTFT on short and long prompts,
 single-stream decode tok/s, total tok/s at each concurrency, decode paging counters), and the
-results table (markdown, JSON, PNG). Modes are the loader's (``modes``): resident, paged at
+results table (markdown, JSON, PNG). Modes are the loader's (``paging.baselines``): resident, paged at
 each K, offload, cpu-experts. Concurrency c is c prompts decoded together in one batch.
-Does not: define the modes (``modes``) or the server's scheduling (``server``).
+Does not: define the modes (``paging.baselines``) or the server's scheduling (``serving``).
 
 Units: seconds, tok/s, bytes. Timings are wall clock on this machine; compare ratios measured
 in one run (paged vs resident), not absolute numbers across machines.

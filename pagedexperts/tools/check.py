@@ -2,7 +2,7 @@
 
 Owns: loading the reference (plain ``AutoModelForCausalLM.from_pretrained``, all experts
 resident, the same experts implementation and dtype), running the prompts through both, one
-by one (batch 1) and together (a left-padded batch), and the verdict. Does not: page or load the paged model itself (``loader``).
+by one (batch 1) and together (a left-padded batch), and the verdict. Does not: page or load the paged model itself (``loading``).
 """
 
 from __future__ import annotations
