@@ -107,7 +107,7 @@ def make_store(path, *, rows: int = 2, read_ahead=None) -> TieredExpertStore:
     site = model.pagedexperts.sites[0]
     index = CheckpointIndex(checkpoint_files(path), KeyMap("qwen3_moe", {site.name: site}), {site.name: site})
     store = TieredExpertStore(site.specs, E, rows, policy="lru", pin=False, layer=0, read_ahead=read_ahead)
-    store.attach_source(index.experts[site.name])
+    assert store.fill_from(index.experts[site.name]) == []  # the disk tier reads nothing at the fill
     return store
 
 

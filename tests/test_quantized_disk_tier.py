@@ -1,8 +1,8 @@
 """The disk tier over quantized checkpoints (issue 14): packed experts read at their file offsets.
 
-Oracle for the bytes: the full-store load of the same checkpoint (``checkpoint.stream_checkpoint``
-through safetensors' own reader, every source written with ``store.write_row``): every expert's
-packed rows read by the tier equal the full store's rows, in every published layout (block FP8
+Oracle for the bytes: the full-store load of the same checkpoint (``loading.fill``, whose paged
+model is torch.equal to transformers' own loading: test_formats, test_int4_paged): every
+expert's packed rows read on demand by the tier equal the full store's rows, in every published layout (block FP8
 per-expert and stacked, MXFP4 stacked with biases, compressed-tensors w4a16 symmetric and
 asymmetric, GPTQ and AWQ whose gate and up sources sit side by side along dim 1). Oracle for
 the logits: the full-store paged model (itself torch.equal to transformers' loading: test_formats,

@@ -7,7 +7,7 @@ touched once, by the read; no memory map, no intermediate tensor), in file order
 threads (reads release the GIL), then advised for transparent huge pages; non-expert tensors
 are read into freshly allocated tensors (copied out, so no shard stays mapped for the model's
 life; a quantized one dequantized by its format). A disk-tier store gets its experts' byte
-ranges instead of the bytes. ``read_expert``: one expert's rows, for the start-up check.
+ranges instead of the bytes.
 A tqdm bar shows GB/s on a terminal.
 Does not: build the model (``loading.build``) or map keys (``loading.checkpoint.KeyMap``).
 """
@@ -142,16 +142,6 @@ def read_tensor(entry) -> torch.Tensor:
     with open(entry.path, "rb", buffering=0) as f:
         pread_into(f.fileno(), bytes_view(value.view(-1)), entry.start, path=entry.path)
     return value
-
-
-def read_expert(index: CheckpointIndex, site_name: str, expert: int, specs) -> dict[str, torch.Tensor]:
-    """Expert ``expert``'s rows of site ``site_name`` {name: [*spec.shape]} read from the
-    checkpoint files into fresh tensors (the start-up check's reference)."""
-    rows = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
-    jobs = [(ext, rows[name].view(-1)) for name, per_expert in index.experts[site_name].items()
-            for ext in per_expert[expert]]
-    read_expert_rows(jobs, threads=1)
-    return rows
 
 
 def empty_like_mapped(entry) -> torch.Tensor:

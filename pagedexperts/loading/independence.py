@@ -21,7 +21,6 @@ import torch
 
 from pagedexperts.formats import ExpertFormat
 from pagedexperts.loading.checkpoint import KeyMap
-from pagedexperts.loading.fill import CheckpointIndex, read_expert
 from pagedexperts.paging.runner import PagedExecutor
 
 DEFAULT_EXPERTS_PER_LAYER = 2
@@ -63,12 +62,34 @@ def _sample(num_experts: int, count: int, rng: random.Random) -> list[int]:
 
 
 def reference_rows(files, keymap: KeyMap, stores, wanted: dict[str, list[int]]) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
-    """{site: {expert: {packed name: row}}} read from the checkpoint files (the byte ranges of
-    ``loading.fill.CheckpointIndex``, into fresh tensors, not through any store or slot)."""
-    sites = {name: keymap.sites[name] for name in wanted}
-    index = CheckpointIndex(files, keymap, sites, specs={name: stores[name].specs for name in sites})
-    return {name: {e: read_expert(index, name, e, stores[name].specs) for e in experts}
-            for name, experts in wanted.items()}
+    """{site: {expert: {packed name: row}}} read straight from the checkpoint files through
+    safetensors' own reader (per-expert keys of those experts, or their rows of stacked keys),
+    sources concatenated by concat_dim. Deliberately not the fill's byte ranges
+    (``loading.fill.CheckpointIndex``): the reference must not share the reader it checks."""
+    from safetensors import safe_open
+
+    rows = {
+        name: {e: {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in stores[name].specs} for e in experts}
+        for name, experts in wanted.items()
+    }
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for raw_key in f.keys():
+                target = keymap.expert_target(keymap.rename(raw_key))
+                if target is None:
+                    continue
+                site, tname, expert, src_index, n_src = target
+                for e in wanted.get(site.name, ()):
+                    if expert is not None and expert != e:
+                        continue
+                    value = f.get_slice(raw_key)[e] if expert is None else f.get_tensor(raw_key)
+                    dst = rows[site.name][e][tname]
+                    if n_src > 1:
+                        dim = next(s.concat_dim for s in stores[site.name].specs if s.name == tname)
+                        size = dst.shape[dim] // n_src
+                        dst = dst.narrow(dim, src_index * size, size)
+                    dst.copy_(value)
+    return rows
 
 
 def check_no_module_copies(site, pager: PagedExecutor) -> None:
