@@ -8,7 +8,7 @@ reference or Triton). Its decisions equal ``residency.Residency`` with the same 
 same steps (tests/test_device_decide.py, on the real traces). Does not: copy bytes
 (``kernels.page_in``), compute experts (``device_pager``) or count (``device_stats``).
 
-Legend: T tokens, k top_k, E experts, K slots, W = ceil(T k / K) waves.
+Legend: T tokens, k top_k, E experts, K slots, W = ceil(min(T k, E) / K) waves.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class DeviceResidency:
 
     def plan_buffers(self, num_entries: int) -> DecidePlan:
         """The plan buffers of a step of ``num_entries`` = T k entries (W from the shape)."""
-        w = num_waves_for(num_entries, self.num_slots)
+        w = num_waves_for(num_entries, self.num_slots, self.num_experts)
         if w not in self._plans:
             self._plans[w] = DecidePlan.empty(w, self.num_experts, self.num_slots, self.device)
         return self._plans[w]

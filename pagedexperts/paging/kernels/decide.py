@@ -14,7 +14,7 @@ The rule, step by step, as ``Residency.plan`` makes it (read off residency.py / 
 2. hits = union experts resident at the step's start; misses the rest. Both in ascending id.
    ``on_hits``: last_use[slot of hit i] = clock + 1 + i (i = rank in ascending id).
 3. Queue = hits then misses; wave w = queue entries [w K, (w+1) K). A step has at most
-   W = ceil(T k / K) waves (fixed by the shape); later waves are empty: no-ops.
+   W = ceil(min(T k, E) / K) waves (fixed by the shape); later waves are empty: no-ops.
 4. Per wave, its misses (ascending id) take, in order: empty slots (ascending id; slots fill
    once and never empty again), then victims among occupied slots not holding a hit of this
    wave, least rank first; rank = (count of the slot's expert (LFU; 0 for LRU), last_use,
@@ -99,9 +99,10 @@ class DecideRule:
     half_life: int = 0
 
 
-def num_waves_for(num_entries: int, num_slots: int) -> int:
-    """W = ceil(T k / K): the most waves a step of ``num_entries`` = T k routed entries needs."""
-    return max(1, -(-num_entries // num_slots))
+def num_waves_for(num_entries: int, num_slots: int, num_experts: int) -> int:
+    """W = ceil(min(T k, E) / K): the most waves a step of ``num_entries`` = T k routed
+    entries needs (its union holds at most min(T k, E) experts); at least 1."""
+    return max(1, -(-min(num_entries, num_experts) // num_slots))
 
 
 # -- the torch reference ----------------------------------------------------------------------
