@@ -68,7 +68,8 @@ class DecidePlan:
     its slot (for j >= count[w]: the slots that follow in victim order); count [W] int64:
     loads of wave w; expert_slot [E] int64: slot of each routed
     expert during its wave (-1: not routed); expert_wave [E] int64: its wave (-1: not routed);
-    step [3] int64: this step's (hits, misses, waves).
+    step [3] int64: this step's (hits, misses, waves); scratch [2 E + K] int64: the Triton
+    kernel's working memory (routed flags, protected flags, misses by rank).
     """
 
     src: torch.Tensor
@@ -77,13 +78,15 @@ class DecidePlan:
     expert_slot: torch.Tensor
     expert_wave: torch.Tensor
     step: torch.Tensor
+    scratch: torch.Tensor
 
     @classmethod
     def empty(cls, num_waves: int, num_experts: int, num_slots: int, device) -> "DecidePlan":
         i64 = dict(dtype=torch.int64, device=device)
         return cls(torch.zeros((num_waves, num_slots), **i64), torch.zeros((num_waves, num_slots), **i64),
                    torch.zeros(num_waves, **i64), torch.zeros(num_experts, **i64),
-                   torch.zeros(num_experts, **i64), torch.zeros(3, **i64))
+                   torch.zeros(num_experts, **i64), torch.zeros(3, **i64),
+                   torch.zeros(2 * num_experts + num_slots, **i64))
 
     @property
     def num_waves(self) -> int:
@@ -186,6 +189,109 @@ def decide_reference(state: DecideState, ids: torch.Tensor, plan: DecidePlan, ru
     plan.step.copy_(torch.stack([n_hit, n_union - n_hit, (n_union + num_slots - 1) // num_slots]))
 
 
+# -- the Triton kernel -------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _slot_ranks(klass, freq, last, k, BLOCK_K: tl.constexpr):
+        """rank[a] = #{b : (klass, freq, last, slot)[b] < that of a}: the victim order."""
+        ka, kb = klass[:, None], klass[None, :]
+        fa, fb = freq[:, None], freq[None, :]
+        la, lb = last[:, None], last[None, :]
+        sa, sb = k[:, None], k[None, :]
+        before = (kb < ka) | ((kb == ka) & ((fb < fa) | ((fb == fa) & ((lb < la) | ((lb == la) & (sb < sa))))))
+        return tl.sum(before.to(tl.int64), 1)
+
+    @triton.jit
+    def _decide_kernel(ids_ptr, num_ids, soe_ptr, eos_ptr, last_ptr, count_ptr, scal_ptr,
+                       src_ptr, dst_ptr, cnt_ptr, eslot_ptr, ewave_ptr, step_ptr, scratch_ptr, E, K, W,
+                       USE_COUNT: tl.constexpr, HALF_LIFE: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+        e = tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        k = tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        routed_ptr, prot_ptr, byrank_ptr = scratch_ptr, scratch_ptr + E, scratch_ptr + 2 * E
+        # step 1: the union, LFU counts (aging first)
+        tl.store(routed_ptr + e, tl.zeros([BLOCK_E], tl.int64), mask=e_ok)
+        tl.debug_barrier()
+        for start in range(0, num_ids, BLOCK_S):
+            s = start + tl.arange(0, BLOCK_S)
+            ids = tl.load(ids_ptr + s, mask=s < num_ids, other=0)
+            tl.store(routed_ptr + ids, tl.full([BLOCK_S], 1, tl.int64), mask=s < num_ids)
+        tl.debug_barrier()
+        routed = tl.load(routed_ptr + e, mask=e_ok, other=0) > 0
+        steps = tl.load(scal_ptr + 1) + 1
+        tl.store(scal_ptr + 1, steps)
+        if USE_COUNT:
+            count = tl.load(count_ptr + e, mask=e_ok, other=0)
+            if HALF_LIFE > 0:
+                count = tl.where(steps % HALF_LIFE == 0, count // 2, count)
+            tl.store(count_ptr + e, count + routed.to(tl.int64), mask=e_ok)
+        # step 2: hits touched in ascending id; step 3: the queue, hits then misses
+        soe = tl.load(soe_ptr + e, mask=e_ok, other=-1)
+        hit = routed & (soe >= 0)
+        miss = routed & (soe < 0)
+        hit_rank = tl.cumsum(hit.to(tl.int64), 0) - 1
+        n_hit = tl.sum(hit.to(tl.int64), 0)
+        n_miss = tl.sum(miss.to(tl.int64), 0)
+        clock = tl.load(scal_ptr)
+        tl.store(last_ptr + soe, clock + 1 + hit_rank, mask=hit)
+        clock += n_hit
+        queue = tl.where(hit, hit_rank, n_hit + tl.cumsum(miss.to(tl.int64), 0) - 1)
+        wave_of = tl.where(routed, queue // K, -1)
+        tl.store(eslot_ptr + e, tl.full([BLOCK_E], -1, tl.int64), mask=e_ok)
+        tl.store(ewave_ptr + e, wave_of, mask=e_ok)
+        # step 4, per wave: rank the slots, place the misses
+        for w in range(W):
+            in_wave = wave_of == w
+            wave_miss = in_wave & miss
+            m = tl.sum(wave_miss.to(tl.int64), 0)
+            tl.store(prot_ptr + e, (in_wave & hit).to(tl.int64), mask=e_ok)
+            tl.store(byrank_ptr + k, tl.full([BLOCK_K], -1, tl.int64), mask=k_ok)
+            tl.debug_barrier()
+            tl.store(byrank_ptr + tl.cumsum(wave_miss.to(tl.int64), 0) - 1, e.to(tl.int64), mask=wave_miss)
+            eos = tl.load(eos_ptr + k, mask=k_ok, other=-1)
+            occupied = eos >= 0
+            held = tl.where(occupied, eos, 0)
+            prot = tl.load(prot_ptr + held, mask=k_ok & occupied, other=0) > 0
+            last = tl.where(occupied, tl.load(last_ptr + k, mask=k_ok, other=0), 0)
+            if USE_COUNT:
+                freq = tl.load(count_ptr + held, mask=k_ok & occupied, other=0)
+            else:
+                freq = tl.zeros([BLOCK_K], tl.int64)
+            klass = tl.where(k_ok, tl.where(occupied, tl.where(prot, 2, 1), 0), 3)
+            rank = _slot_ranks(klass, freq, last, k, BLOCK_K)
+            taken = k_ok & (rank < m)
+            tl.debug_barrier()
+            new_e = tl.load(byrank_ptr + rank, mask=taken, other=-1)
+            tl.store(soe_ptr + held, tl.full([BLOCK_K], -1, tl.int64), mask=taken & occupied)
+            tl.store(soe_ptr + new_e, k.to(tl.int64), mask=taken)
+            tl.store(eos_ptr + k, new_e, mask=taken)
+            tl.store(last_ptr + k, clock + 1 + rank, mask=taken)
+            clock += m
+            tl.store(dst_ptr + w * K + rank, k.to(tl.int64), mask=k_ok)
+            tl.store(src_ptr + w * K + k, tl.load(byrank_ptr + k, mask=k_ok, other=-1), mask=k_ok)
+            tl.store(cnt_ptr + w, m)
+            tl.debug_barrier()
+            tl.store(eslot_ptr + e, tl.load(soe_ptr + e, mask=e_ok, other=-1), mask=in_wave)
+            tl.debug_barrier()
+        tl.store(scal_ptr, clock)
+        tl.store(step_ptr, n_hit)
+        tl.store(step_ptr + 1, n_miss)
+        tl.store(step_ptr + 2, (n_hit + n_miss + K - 1) // K)
+
+
 def decide_triton(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: DecideRule) -> None:
-    """``decide_reference`` as one Triton program (same arguments, same writes)."""
-    raise NotImplementedError
+    """``decide_reference`` as one Triton program (same arguments, same writes; W waves looped
+    inside the program, slots ranked by pairwise comparison of their keys: K^2 work)."""
+    flat = ids.reshape(-1).contiguous()
+    num_experts, num_slots = state.slot_of_expert.shape[0], state.expert_of_slot.shape[0]
+    _decide_kernel[(1,)](
+        flat, flat.numel(), state.slot_of_expert, state.expert_of_slot, state.last_use, state.count,
+        state.scalars, plan.src, plan.dst, plan.count, plan.expert_slot, plan.expert_wave, plan.step,
+        plan.scratch, num_experts, num_slots, plan.num_waves,
+        USE_COUNT=rule.use_count, HALF_LIFE=rule.half_life if rule.use_count else 0,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(num_slots),
+        BLOCK_S=min(1024, triton.next_power_of_2(max(flat.numel(), 1))))
