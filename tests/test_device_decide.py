@@ -11,12 +11,16 @@ These run the torch reference; tests/test_device_kernels.py holds the Triton ker
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # before the kernels are defined (see test_device_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedexperts.eviction import LFUPolicy, LRUPolicy
 from pagedexperts.paging.device_residency import DeviceResidency, device_rule

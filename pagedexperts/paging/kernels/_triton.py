@@ -20,6 +20,9 @@ except ImportError:  # the optional extra is not installed
     HAVE_TRITON = False
 
 BACKENDS = ("torch", "triton")
+# Triton reads TRITON_INTERPRET when a kernel is defined (at import of the kernel modules, which
+# import this one first), so the value at this import is the one that counts.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_backend(backend: str, device) -> str:
@@ -37,8 +40,8 @@ def check_backend(backend: str, device) -> str:
         raise ValueError("kernel backend 'triton' needs triton: pip install 'pagedexperts[gpu]'")
     import torch
 
-    if torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if torch.device(device).type == "cpu" and not INTERPRETED:
         raise ValueError(
-            "kernel backend 'triton' on a CPU device runs only under TRITON_INTERPRET=1 (tests); "
-            "use backend 'torch' on CPU")
+            "kernel backend 'triton' on a CPU device runs only under TRITON_INTERPRET=1, set before "
+            "pagedexperts.paging.kernels is imported (tests); use backend 'torch' on CPU")
     return backend

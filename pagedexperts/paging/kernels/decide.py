@@ -194,16 +194,6 @@ def decide_reference(state: DecideState, ids: torch.Tensor, plan: DecidePlan, ru
 if HAVE_TRITON:
 
     @triton.jit
-    def _slot_ranks(klass, freq, last, k, BLOCK_K: tl.constexpr):
-        """rank[a] = #{b : (klass, freq, last, slot)[b] < that of a}: the victim order."""
-        ka, kb = klass[:, None], klass[None, :]
-        fa, fb = freq[:, None], freq[None, :]
-        la, lb = last[:, None], last[None, :]
-        sa, sb = k[:, None], k[None, :]
-        before = (kb < ka) | ((kb == ka) & ((fb < fa) | ((fb == fa) & ((lb < la) | ((lb == la) & (sb < sa))))))
-        return tl.sum(before.to(tl.int64), 1)
-
-    @triton.jit
     def _decide_kernel(ids_ptr, num_ids, soe_ptr, eos_ptr, last_ptr, count_ptr, scal_ptr,
                        src_ptr, dst_ptr, cnt_ptr, eslot_ptr, ewave_ptr, step_ptr, scratch_ptr, E, K, W,
                        USE_COUNT: tl.constexpr, HALF_LIFE: tl.constexpr,
@@ -262,7 +252,11 @@ if HAVE_TRITON:
             else:
                 freq = tl.zeros([BLOCK_K], tl.int64)
             klass = tl.where(k_ok, tl.where(occupied, tl.where(prot, 2, 1), 0), 3)
-            rank = _slot_ranks(klass, freq, last, k, BLOCK_K)
+            # rank[a] = #{b : (klass, freq, last, slot)[b] < that of a}: the victim order
+            ka, kb, fa, fb = klass[:, None], klass[None, :], freq[:, None], freq[None, :]
+            la, lb, sa, sb = last[:, None], last[None, :], k[:, None], k[None, :]
+            before = (kb < ka) | ((kb == ka) & ((fb < fa) | ((fb == fa) & ((lb < la) | ((lb == la) & (sb < sa))))))
+            rank = tl.sum(before.to(tl.int64), 1)
             taken = k_ok & (rank < m)
             tl.debug_barrier()
             new_e = tl.load(byrank_ptr + rank, mask=taken, other=-1)
