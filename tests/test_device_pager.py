@@ -65,7 +65,7 @@ def assert_slots_hold_host_rows(dev: DevicePager) -> None:
                 assert torch.equal(dev.slots[name][slot], host[expert]), f"slot {slot} {name} vs expert {expert}"
 
 
-COUNTED = ("steps", "tokens", "hits", "misses", "page_ins", "bytes_paged", "waves", "multi_wave_steps",
+COUNTED = ("steps", "tokens", "padding_tokens", "hits", "misses", "page_ins", "bytes_paged", "waves", "multi_wave_steps",
            "union_sum", "union_max", "union_last")
 
 
@@ -101,8 +101,27 @@ def test_counters_equal_a_hand_count():
         dev(module, hidden, ids, weights)
         assert dev.residency.resident() == resident, f"step {n + 1}"
     eb = dev.store.expert_bytes
-    assert counts(dev.stats) == dict(steps=5, tokens=9, hits=5, misses=8, page_ins=8, bytes_paged=8 * eb,
+    assert counts(dev.stats) == dict(steps=5, tokens=9, padding_tokens=0, hits=5, misses=8, page_ins=8, bytes_paged=8 * eb,
                                      waves=6, multi_wave_steps=1, union_sum=13, union_max=4, union_last=2)
+
+
+def test_padding_rows_and_reset_count_as_on_the_host():
+    """Padding rows (the recording hook's 0-dim count) leave ``tokens`` as on the host pager;
+    ``stats = LayerStats()`` (the runtime's reset) zeroes the device counters."""
+    from pagedexperts.stats import LayerStats
+
+    module = synthetic_experts(torch.float32)
+    host, dev = host_and_device(module, 3, "grouped_mm", "lfu")
+    for n, routing in enumerate(routings(2, 6)):
+        hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
+        for pager in (host, dev):
+            pager.padding_count = torch.tensor(n % 2)
+            pager(module, hidden, ids, weights)
+    assert counts(dev.stats) == counts(host.stats) and dev.stats.padding_tokens == 3
+    dev.stats = LayerStats()
+    assert counts(dev.stats) == counts(LayerStats())
+    with pytest.raises(ValueError, match="reset"):
+        dev.stats = host.stats
 
 
 def test_grouped_layout_is_the_host_layout():

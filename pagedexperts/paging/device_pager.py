@@ -23,6 +23,7 @@ import torch
 
 from pagedexperts.formats.slots import DenseSlots, allocate
 from pagedexperts.pager import SlotView
+from pagedexperts.prefetch import PrefetchStats
 from pagedexperts.paging.device_layout import check_inner, device_step
 from pagedexperts.paging.device_residency import DeviceResidency, device_rule
 from pagedexperts.paging.device_stats import DeviceCounters
@@ -71,6 +72,13 @@ class DevicePager:
         self._page_in = page_in_triton if triton else page_in_reference
         self._remap = remap_triton if triton else remap_reference
         self._all_slots = torch.arange(num_slots, device=self.device)
+        # padding rows of the current step, a 0-dim device tensor set by the recording hook
+        # before each model step (as on ExpertPager), or None: no padding
+        self.padding_count: torch.Tensor | None = None
+        # the host pager's hooks that need host ids: not on the device path (must stay None)
+        self.trace_hook = None
+        self.prefetcher = None
+        self.prefetch_stats = PrefetchStats()
 
     @property
     def num_slots(self) -> int:
@@ -85,6 +93,20 @@ class DevicePager:
         """The layer's counters as ``LayerStats`` (one device read; no times)."""
         return self.counters.to_layer_stats()
 
+    @stats.setter
+    def stats(self, value: LayerStats) -> None:
+        """``pager.stats = LayerStats()`` resets the counters (as the runtime's reset_stats).
+
+        Raises:
+            ValueError: a non-empty LayerStats (device counters can only be reset).
+        """
+        if value != LayerStats():
+            raise ValueError("device counters can only be reset (assign an empty LayerStats)")
+        self.counters.reset()
+
+    def collect_copy_time(self) -> None:
+        """Nothing to collect: a device-planned step times nothing on the host."""
+
     def __call__(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """The experts step: hidden_states [T, H], top_k_index [T, k] (int64 expert ids, on the
         device), top_k_weights [T, k] -> [T, H] in hidden_states.dtype, equal to the unpaged
@@ -98,7 +120,7 @@ class DevicePager:
         for w in range(plan.num_waves):
             self._page_in(self.store.tensors, self.slots, plan.src[w], plan.dst[w], plan.count[w])
             step.run_wave(self.wave_view(module), w)
-        self.counters.add_step(plan.step, tokens=int(hidden_states.shape[0]))
+        self.counters.add_step(plan.step, rows=int(hidden_states.shape[0]), padding=self.padding_count)
         return step.combine(top_k_weights)
 
     def wave_view(self, module) -> SlotView:
