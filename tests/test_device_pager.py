@@ -255,3 +255,5 @@ def test_unsupported_configurations_are_named():
         DevicePager(inner="grouped_mm", slots=DenseSlots(None, {}, {}), **common)
     with pytest.raises(ValueError, match="--num-resident"):
         DevicePager(layer=0, store=store, num_slots=E + 1, device="cpu", inner="grouped_mm")
+    with pytest.raises(ValueError, match="HostExpertStore"):
+        DevicePager(layer=0, store=dict(store.tensors), num_slots=3, device="cpu", inner="grouped_mm")

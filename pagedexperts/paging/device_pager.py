@@ -49,7 +49,8 @@ class DevicePager:
 
     Raises:
         ValueError: an unsupported policy, inner, backend or slot table (each names its flag);
-            backend "torch" with a store on another device than the slots.
+            backend "torch" off CPU; a store other than a HostExpertStore, or on CUDA one
+            that is not page-locked.
     """
 
     def __init__(self, *, layer: int, store: HostExpertStore, num_slots: int, device, inner: str,
@@ -57,6 +58,12 @@ class DevicePager:
                  slots: dict[str, torch.Tensor] | None = None, dequantizer=None) -> None:
         self.layer, self.store, self.inner = layer, store, check_inner(inner)
         self.device = torch.device(device)
+        if not isinstance(store, HostExpertStore):
+            raise ValueError(f"the device decide pages in from a HostExpertStore, not {type(store).__name__} "
+                             "(the disk tier decides on the host)")
+        if self.device.type == "cuda" and not store.pinned:
+            raise ValueError("the device decide on CUDA reads the page-locked, mapped host store; this "
+                             f"store is pageable ({store.fallback or 'pin=False'})")
         if isinstance(slots, DenseSlots):
             raise ValueError("dense slots of a quantized layer dequantize at page-in on the host path; "
                              "use --slot-format packed with the device decide")
