@@ -249,6 +249,8 @@ def test_unsupported_configurations_are_named():
     common = dict(layer=0, store=store, num_slots=3, device="cpu")
     with pytest.raises(ValueError, match="--experts-implementation"):
         DevicePager(inner="eager", **common)
+    with pytest.raises(ValueError, match="--experts-implementation"):
+        DevicePager(inner="grouped_mm", **common).inner = "eager"  # the decode switch's setter
     with pytest.raises(ValueError, match="--policy"):
         DevicePager(inner="grouped_mm", policy="flru", **common)
     with pytest.raises(ValueError, match="--slot-format packed"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedexperts.eviction import DEFAULT_POLICY
 from pagedexperts.formats.slots import DenseSlots, allocate
 from pagedexperts.pager import SlotView
 from pagedexperts.prefetch import PrefetchStats
@@ -54,9 +55,9 @@ class DevicePager:
     """
 
     def __init__(self, *, layer: int, store: HostExpertStore, num_slots: int, device, inner: str,
-                 policy: str = "lfu", half_life: int | None = None, backend: str = "torch",
+                 policy: str = DEFAULT_POLICY, half_life: int | None = None, backend: str = "torch",
                  slots: dict[str, torch.Tensor] | None = None, dequantizer=None) -> None:
-        self.layer, self.store, self.inner = layer, store, check_inner(inner)
+        self.layer, self.store, self.inner = layer, store, inner
         self.device = torch.device(device)
         if not isinstance(store, HostExpertStore):
             raise ValueError(f"the device decide pages in from a HostExpertStore, not {type(store).__name__} "
@@ -86,6 +87,19 @@ class DevicePager:
         self.trace_hook = None
         self.prefetcher = None
         self.prefetch_stats = PrefetchStats()
+
+    @property
+    def inner(self) -> str:
+        """The experts implementation; settable (transformers' decode switch sets it).
+
+        Raises:
+            ValueError: on setting one without a device-planned step (``check_inner``).
+        """
+        return self._inner
+
+    @inner.setter
+    def inner(self, name: str) -> None:
+        self._inner = check_inner(name)
 
     @property
     def num_slots(self) -> int:
