@@ -143,7 +143,9 @@ def trace_steps():
         tr = load_trace(path)
         streams = sim.request_streams(tr, min_streams=8)
         layer = tr.meta.layers[0]
-        for label, steps in [("recorded", sim.recorded_steps(tr)),
+        # recorded: as logged (OLMoE: 4,471 one-row steps, the first 1,500 kept; Qwen1.5: 104
+        # steps of 11-91 rows, all multi-wave at K = k and 2k)
+        for label, steps in [("recorded", sim.recorded_steps(tr)[:1500]),
                              ("B=1", sim.batched_steps(streams, batch_size=1)[:200]),
                              ("B=8", sim.batched_steps(streams, batch_size=8)[:100])]:
             yield f"{path.name} {label}", tr.meta.num_experts, tr.meta.top_k, [s.ids[layer] for s in steps]
