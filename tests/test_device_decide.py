@@ -63,10 +63,11 @@ def device_order(dev: DeviceResidency) -> list[int]:
     return sorted(range(dev.num_slots), key=lambda s: (freq[s], last[s], s))
 
 
-def assert_same_decisions(policy, half_life, num_experts, num_slots, steps, *, where=""):
+def assert_same_decisions(policy, half_life, num_experts, num_slots, steps, *, where="", backend="torch"):
     """Drive both residencies through ``steps`` (each an int array [T, k]); compare each step."""
     host = host_residency(policy, half_life, num_experts, num_slots)
-    dev = DeviceResidency(num_experts, num_slots, "cpu", rule=device_rule(policy, half_life=half_life))
+    dev = DeviceResidency(num_experts, num_slots, "cpu", rule=device_rule(policy, half_life=half_life),
+                          backend=backend)
     for t, ids in enumerate(steps):
         want = host.plan(np.asarray(ids).reshape(-1).tolist())
         plan = dev.decide(torch.as_tensor(np.asarray(ids), dtype=torch.int64))

@@ -123,3 +123,16 @@ class TestTritonKernels:
         remap_reference(ids, expert_slot, expert_wave, out[0], out[1])
         remap_triton(ids, expert_slot, expert_wave, out[2], out[3])
         assert torch.equal(out[0], out[2]) and torch.equal(out[1], out[3])
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_decide_kernel_on_a_real_trace(policy):
+    """The Triton decide through the first Qwen1.5-MoE recorded steps (11-91 rows, multi-wave
+    at K = 8) makes the host residency's decisions (test_device_decide's comparison)."""
+    from test_device_decide import assert_same_decisions, trace_steps
+
+    label, num_experts, _, steps = next(t for t in trace_steps() if t[0].startswith("qwen15") and "recorded" in t[0])
+    compared = assert_same_decisions(policy, None, num_experts, 8, steps[:12], where=label, backend="triton")
+    assert compared == 12
