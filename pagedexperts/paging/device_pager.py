@@ -1,0 +1,154 @@
+"""The device-planned layer-step of one MoE layer: decide, page in, remap, compute, no host read.
+
+Owns: the [K, ...] slot tensors of one layer, its ``DeviceResidency`` (state in device
+tensors), its host store, its ``DeviceCounters``, and the experts step: decide the step on
+the device (``kernels.decide``), then per wave (a fixed W = ceil(min(T k, E) / K) for the
+shape) page in the wave's loads (``kernels.page_in``: the count read on the device) and
+compute the wave's entries (``device_layout``), then combine. Called like the host pager's
+layer-step (``pager.ExpertPager.__call__``: module, hidden [T, H], top_k_index [T, k],
+top_k_weights [T, k] -> [T, H]), so the runtime can attach either. Fixed shapes, no
+device-to-host transfer, no decision taken in Python per step: every Python branch depends
+only on T, k, K and the configuration.
+Does not: route, prefetch (the host pager's predictor needs host ids), load checkpoints.
+
+Exactness: the same layouts and combine as the host path (``device_layout``), so the output
+equals the host-planned pager's and the unpaged experts' (tests/test_device_pager.py).
+
+Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T k entries, W waves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedexperts.eviction import DEFAULT_POLICY
+from pagedexperts.formats.slots import DenseSlots, allocate
+from pagedexperts.pager import SlotView
+from pagedexperts.prefetch import PrefetchStats
+from pagedexperts.paging.device_layout import check_inner, device_step
+from pagedexperts.paging.device_residency import DeviceResidency, device_rule
+from pagedexperts.paging.device_stats import DeviceCounters
+from pagedexperts.paging.kernels.page_in import page_in_reference, page_in_triton
+from pagedexperts.paging.kernels.remap import remap_reference, remap_triton
+from pagedexperts.stats import LayerStats
+from pagedexperts.store import HostExpertStore
+
+
+class DevicePager:
+    """Device-planned paged experts of one MoE layer.
+
+    Args:
+        layer: index of the decoder layer. store: the layer's host store ([E, ...] tensors;
+            on CUDA page-locked and mapped, ``HostExpertStore(pin=True)``).
+        num_slots: K, 1 <= K <= E. device: where slots, state and compute live.
+        inner: experts implementation (``device_layout.DEVICE_STEPS``).
+        policy: ``--policy`` name with a device decide ("lru", "lfu"); half_life: LFU's, or
+            None for ``eviction.LFUPolicy``'s default.
+        backend: "torch" (reference ops; store and slots on one device) or "triton".
+        dequantizer: for packed slots of a quantized format (``formats.slots.WaveDequantizer``):
+            each wave dequantizes all K slots (fixed shape); None = dense slots.
+
+    Raises:
+        ValueError: an unsupported policy, inner, backend or slot table (each names its flag);
+            backend "torch" off CPU; a store other than a HostExpertStore, or on CUDA one
+            that is not page-locked.
+    """
+
+    def __init__(self, *, layer: int, store: HostExpertStore, num_slots: int, device, inner: str,
+                 policy: str = DEFAULT_POLICY, half_life: int | None = None, backend: str = "torch",
+                 slots: dict[str, torch.Tensor] | None = None, dequantizer=None) -> None:
+        self.layer, self.store, self.inner = layer, store, inner
+        self.device = torch.device(device)
+        if not isinstance(store, HostExpertStore):
+            raise ValueError(f"the device decide pages in from a HostExpertStore, not {type(store).__name__} "
+                             "(the disk tier decides on the host)")
+        if self.device.type == "cuda" and not store.pinned:
+            raise ValueError("the device decide on CUDA reads the page-locked, mapped host store; this "
+                             f"store is pageable ({store.fallback or 'pin=False'})")
+        if isinstance(slots, DenseSlots):
+            raise ValueError("dense slots of a quantized layer dequantize at page-in on the host path; "
+                             "use --slot-format packed with the device decide")
+        self.residency = DeviceResidency(store.num_experts, num_slots, self.device,
+                                         rule=device_rule(policy, half_life=half_life), backend=backend)
+        if backend == "torch" and self.device.type != "cpu":
+            raise ValueError("kernel backend 'torch' pages in with tensor ops over the store, which "
+                             "lives in host memory; use backend 'triton' on CUDA")
+        self.slots = slots if slots is not None else allocate(store.specs, num_slots, self.device)
+        self.dequantizer = dequantizer
+        self.counters = DeviceCounters(self.device, expert_bytes=store.expert_bytes)
+        triton = backend == "triton"
+        self._page_in = page_in_triton if triton else page_in_reference
+        self._remap = remap_triton if triton else remap_reference
+        self._all_slots = torch.arange(num_slots, device=self.device)
+        # padding rows of the current step, a 0-dim device tensor set by the recording hook
+        # before each model step (as on ExpertPager), or None: no padding
+        self.padding_count: torch.Tensor | None = None
+        # the host pager's hooks that need host ids: not on the device path (must stay None)
+        self.trace_hook = None
+        self.prefetcher = None
+        self.prefetch_stats = PrefetchStats()
+
+    @property
+    def inner(self) -> str:
+        """The experts implementation; settable (transformers' decode switch sets it).
+
+        Raises:
+            ValueError: on setting one without a device-planned step (``check_inner``).
+        """
+        return self._inner
+
+    @inner.setter
+    def inner(self, name: str) -> None:
+        self._inner = check_inner(name)
+
+    @property
+    def num_slots(self) -> int:
+        return self.residency.num_slots
+
+    @property
+    def num_experts(self) -> int:
+        return self.store.num_experts
+
+    @property
+    def stats(self) -> LayerStats:
+        """The layer's counters as ``LayerStats`` (one device read; no times)."""
+        return self.counters.to_layer_stats()
+
+    @stats.setter
+    def stats(self, value: LayerStats) -> None:
+        """``pager.stats = LayerStats()`` resets the counters (as the runtime's reset_stats).
+
+        Raises:
+            ValueError: a non-empty LayerStats (device counters can only be reset).
+        """
+        if value != LayerStats():
+            raise ValueError("device counters can only be reset (assign an empty LayerStats)")
+        self.counters.reset()
+
+    def collect_copy_time(self) -> None:
+        """Nothing to collect: a device-planned step times nothing on the host."""
+
+    def __call__(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """The experts step: hidden_states [T, H], top_k_index [T, k] (int64 expert ids, on the
+        device), top_k_weights [T, k] -> [T, H] in hidden_states.dtype, equal to the unpaged
+        model's output with the same inner implementation. No device-to-host transfer."""
+        ids = top_k_index.detach()
+        plan = self.residency.decide(ids)
+        entry_slot = torch.empty(ids.numel(), dtype=torch.int64, device=ids.device)
+        entry_wave = torch.empty_like(entry_slot)
+        self._remap(ids, plan.expert_slot, plan.expert_wave, entry_slot, entry_wave)
+        step = device_step(self.inner, module, hidden_states, ids, entry_slot, entry_wave)
+        for w in range(plan.num_waves):
+            self._page_in(self.store.tensors, self.slots, plan.src[w], plan.dst[w], plan.count[w])
+            step.run_wave(self.wave_view(module), w)
+        self.counters.add_step(plan.step, rows=int(hidden_states.shape[0]), padding=self.padding_count)
+        return step.combine(top_k_weights)
+
+    def wave_view(self, module) -> SlotView:
+        """The experts module over the slot tensors (packed slots: all K dequantized)."""
+        if self.dequantizer is None:
+            return SlotView(module, self.slots)
+        return SlotView(module, self.dequantizer.wave_tensors(self.slots, self._all_slots))
+
+    def release(self) -> None:
+        """Nothing in flight to wait for: copies run on the compute stream in issue order."""

@@ -1,0 +1,47 @@
+"""The optional Triton import and the kernel backend choice, in one place.
+
+``triton`` is an optional extra (``gpu``); without it only the torch references run.
+Backends: "torch" (the references: plain tensor ops, any device) and "triton" (the kernels:
+CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # the optional extra is not installed
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+BACKENDS = ("torch", "triton")
+# Triton reads TRITON_INTERPRET when a kernel is defined (at import of the kernel modules, which
+# import this one first), so the value at this import is the one that counts.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_backend(backend: str, device) -> str:
+    """Return ``backend`` if it can run on ``device``.
+
+    Raises:
+        ValueError: unknown backend (lists BACKENDS); "triton" without triton installed
+            (names the ``gpu`` extra); "triton" on a CPU device without ``TRITON_INTERPRET=1``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {list(BACKENDS)}")
+    if backend == "torch":
+        return backend
+    if not HAVE_TRITON:
+        raise ValueError("kernel backend 'triton' needs triton: pip install 'pagedexperts[gpu]'")
+    import torch
+
+    if torch.device(device).type == "cpu" and not INTERPRETED:
+        raise ValueError(
+            "kernel backend 'triton' on a CPU device runs only under TRITON_INTERPRET=1, set before "
+            "pagedexperts.paging.kernels is imported (tests); use backend 'torch' on CPU")
+    return backend

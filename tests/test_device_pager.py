@@ -1,0 +1,261 @@
+"""The device-planned layer-step equals the host-planned pager and the unpaged experts (CPU).
+
+Oracles: the experts module's own unpaged computation with the same implementation, and the
+host pager (``pager.ExpertPager``) with the same policy on the same steps. Compared with
+torch.equal at the default thread count and at 1 thread, batch 1 and batches whose routed
+entries exceed K (multi-wave), fp32 and bf16, dense slots and packed block-FP8 slots, and the
+bundled model's experts. After every step the device slot map equals the host's and each
+occupied slot holds its expert's host rows; the device counters equal the host's stats and a
+hand count. The step makes no host read from pagedexperts code (instrumented).
+
+Legend: T tokens, H hidden, k top_k, E experts, K slots, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # before the kernels are defined (see test_device_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from conftest import assert_same  # noqa: E402
+from pagedexperts.eviction import LFUPolicy, LRUPolicy  # noqa: E402
+from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec  # noqa: E402
+from pagedexperts.formats.fp8 import Fp8BlockFormat, dequantize_fp8_block, quantize_fp8_block  # noqa: E402
+from pagedexperts.formats.slots import DenseSlots, WaveDequantizer, allocate  # noqa: E402
+from pagedexperts.pager import ExpertPager  # noqa: E402
+from pagedexperts.paging.device_layout import DeviceGroupedStep  # noqa: E402
+from pagedexperts.paging.device_pager import DevicePager  # noqa: E402
+from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
+from pagedexperts.store import HostExpertStore  # noqa: E402
+from pagedexperts.wave_compute import GroupedStep  # noqa: E402
+from test_store_pager import E, H, I, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
+
+BUNDLED = Path(__file__).resolve().parents[1] / "pagedexperts" / "data" / "tiny-qwen3-moe"
+HOST_POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
+def host_and_device(module, num_slots, inner, policy, *, backend="torch"):
+    """(host pager, device pager) over one store filled from ``module``, same policy."""
+    host = paged(module, num_slots, inner)
+    host.residency.policy = HOST_POLICIES[policy](num_slots)  # before any step
+    dev = DevicePager(layer=0, store=host.store, num_slots=num_slots, device="cpu", inner=inner,
+                      policy=policy, backend=backend)
+    return host, dev
+
+
+def routings(seed: int, steps: int, *, num_experts: int = E, top_k: int = TOP_K):
+    """Steps of batch 1 and batch 5 (5 x k = 10 entries: multi-wave at K < 10)."""
+    rng = random.Random(seed)
+    return [[rng.sample(range(num_experts), top_k) for _ in range(rng.choice([1, 1, 5]))] for _ in range(steps)]
+
+
+def assert_slots_hold_host_rows(dev: DevicePager) -> None:
+    for slot, expert in enumerate(dev.residency.expert_of_slot()):
+        if expert >= 0:
+            for name, host in dev.store.tensors.items():
+                assert torch.equal(dev.slots[name][slot], host[expert]), f"slot {slot} {name} vs expert {expert}"
+
+
+COUNTED = ("steps", "tokens", "padding_tokens", "hits", "misses", "page_ins", "bytes_paged", "waves", "multi_wave_steps",
+           "union_sum", "union_max", "union_last")
+
+
+def counts(stats) -> dict:
+    return {name: getattr(stats, name) for name in COUNTED}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("num_slots", [TOP_K, 3, E])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("inner", ["grouped_mm", "batched_mm"])
+def test_device_step_equals_host_pager_and_unpaged(inner, dtype, num_slots, policy, threads):
+    module = synthetic_experts(dtype)
+    host, dev = host_and_device(module, num_slots, inner, policy)
+    for n, routing in enumerate(routings(num_slots, 10)):
+        hidden, ids, weights = step_inputs(routing, dtype, seed=n)
+        want = unpaged(module, inner, hidden, ids, weights)
+        assert_same(host(module, hidden, ids, weights), want, f"step {n} host pager")
+        assert_same(dev(module, hidden, ids, weights), want, f"step {n} device pager (T={len(routing)})")
+        assert dev.residency.resident() == host.residency.resident(), f"step {n} slot map"
+        assert_slots_hold_host_rows(dev)
+    assert counts(dev.stats) == counts(host.stats)
+    if num_slots < 2 * TOP_K:
+        assert dev.stats.multi_wave_steps > 0
+
+
+def test_counters_equal_a_hand_count():
+    """test_store_pager's scripted LRU sequence, counted by hand there, on the device pager."""
+    module = synthetic_experts(torch.float32)
+    _, dev = host_and_device(module, 3, "grouped_mm", "lru")
+    for n, (routing, _, resident) in enumerate(SCRIPT):
+        hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
+        dev(module, hidden, ids, weights)
+        assert dev.residency.resident() == resident, f"step {n + 1}"
+    eb = dev.store.expert_bytes
+    assert counts(dev.stats) == dict(steps=5, tokens=9, padding_tokens=0, hits=5, misses=8, page_ins=8, bytes_paged=8 * eb,
+                                     waves=6, multi_wave_steps=1, union_sum=13, union_max=4, union_last=2)
+
+
+def test_padding_rows_and_reset_count_as_on_the_host():
+    """Padding rows (the recording hook's 0-dim count) leave ``tokens`` as on the host pager;
+    ``stats = LayerStats()`` (the runtime's reset) zeroes the device counters."""
+    from pagedexperts.stats import LayerStats
+
+    module = synthetic_experts(torch.float32)
+    host, dev = host_and_device(module, 3, "grouped_mm", "lfu")
+    for n, routing in enumerate(routings(2, 6)):
+        hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
+        for pager in (host, dev):
+            pager.padding_count = torch.tensor(n % 2)
+            pager(module, hidden, ids, weights)
+    assert counts(dev.stats) == counts(host.stats) and dev.stats.padding_tokens == 3
+    dev.stats = LayerStats()
+    assert counts(dev.stats) == counts(LayerStats())
+    with pytest.raises(ValueError, match="reset"):
+        dev.stats = host.stats
+
+
+def test_grouped_layout_is_the_host_layout():
+    """Per wave, the device layout's first n_w rows and its offsets are GroupedStep._layout's."""
+    module = synthetic_experts(torch.float32)
+    host, dev = host_and_device(module, 3, "grouped_mm", "lfu")
+    for n, routing in enumerate(routings(7, 8)):
+        hidden, ids, _ = step_inputs(routing, torch.float32, seed=n)
+        plan = host.residency.plan(ids.reshape(-1).tolist())
+        dplan = dev.residency.decide(ids)
+        flat = ids.reshape(-1)
+        step = DeviceGroupedStep(module, hidden, ids, dplan.expert_slot[flat], dplan.expert_wave[flat])
+        ref = GroupedStep(module, hidden, ids, ids.numpy())
+        for w, wave in enumerate(plan.waves):
+            pos, offsets, _, _ = step.layout(w, 3)
+            want_pos, want_offsets, _ = ref._layout(wave, 3)
+            assert pos[: int(offsets[-1])].tolist() == want_pos.tolist(), f"step {n} wave {w}"
+            assert offsets.tolist() == want_offsets.tolist(), f"step {n} wave {w}"
+
+
+def fp8_layer(dtype=torch.bfloat16, block=(16, 16)):
+    """(experts module with the dequantized weights, store of the packed FP8 rows, layout)."""
+    module = synthetic_experts(dtype)
+    fmt = Fp8BlockFormat(block=block)
+    tensors, packed = [], {}
+    for name in ("gate_up_proj", "down_proj"):
+        dense = getattr(module, name).detach()
+        q, s = zip(*(quantize_fp8_block(dense[e].float(), block) for e in range(E)))
+        packed[name], packed[name + "_scale_inv"] = torch.stack(q), torch.stack(s)
+        spec = TensorSpec(name, tuple(dense.shape[1:]), dtype)
+        tensors.append(QuantizedTensor(spec, fmt.pack(spec, sources=1, transposed=False)))
+        with torch.no_grad():
+            getattr(module, name).copy_(dequantize_fp8_block(packed[name], packed[name + "_scale_inv"], dtype))
+    layout = ExpertLayout(fmt, tuple(tensors))
+    store = HostExpertStore(list(layout.packed_specs), E, pin=False)
+    for spec in layout.packed_specs:
+        store.tensors[spec.name].copy_(packed[spec.name])
+    return module, store, layout
+
+
+@pytest.mark.parametrize("inner", ["grouped_mm", "batched_mm"])
+def test_packed_fp8_slots_equal_host_pager_and_unpaged(inner, threads):
+    module, store, layout = fp8_layer()
+    for num_slots in (3, E):
+        host = ExpertPager(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner,
+                           policy=LFUPolicy(num_slots),
+                           dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots, "cpu")))
+        dev = DevicePager(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner, policy="lfu",
+                          dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots, "cpu")))
+        for n, routing in enumerate(routings(3, 8)):
+            hidden, ids, weights = step_inputs(routing, torch.bfloat16, seed=n)
+            want = unpaged(module, inner, hidden, ids, weights)
+            assert_same(host(module, hidden, ids, weights), want, f"K={num_slots} step {n} host")
+            assert_same(dev(module, hidden, ids, weights), want, f"K={num_slots} step {n} device")
+        assert_slots_hold_host_rows(dev)
+        assert counts(dev.stats) == counts(host.stats)
+
+
+def test_bundled_model_experts(threads):
+    """The bundled tiny Qwen3-MoE's experts of one layer, its own weights, batch 1 and 6."""
+    from transformers import AutoModelForCausalLM
+
+    if not BUNDLED.is_dir():
+        pytest.skip(f"bundled model not found at {BUNDLED}")
+    model = AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32).eval()
+    module = model.model.layers[1].mlp.experts
+    cfg = model.config
+    num_experts, top_k = cfg.num_experts, cfg.num_experts_per_tok
+    for num_slots in (top_k, num_experts // 2):
+        host, dev = host_and_device(module, num_slots, "grouped_mm", "lfu")
+        for n, routing in enumerate(routings(5, 6, num_experts=num_experts, top_k=top_k)):
+            gen = torch.Generator().manual_seed(n)
+            ids = torch.tensor(routing)
+            hidden = torch.randn(ids.shape[0], cfg.hidden_size, generator=gen)
+            weights = torch.softmax(torch.randn(ids.shape, generator=gen), dim=-1)
+            want = unpaged(module, "grouped_mm", hidden, ids, weights)
+            assert_same(host(module, hidden, ids, weights), want, f"K={num_slots} step {n} host")
+            assert_same(dev(module, hidden, ids, weights), want, f"K={num_slots} step {n} device")
+        assert counts(dev.stats) == counts(host.stats)
+
+
+SYNCING = {
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__bool__,
+    torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__float__, torch.nonzero, torch.Tensor.nonzero,
+    torch.unique, torch.Tensor.unique, torch.masked_select, torch.Tensor.masked_select, torch.argwhere,
+}
+
+
+class HostReads(TorchFunctionMode):
+    """Records each syncing call (a host read on a GPU) made from pagedexperts.paging code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in SYNCING or (func is torch.where and len(args) == 1):
+            frame = sys._getframe(1)
+            while frame is not None and "/torch/" in frame.f_code.co_filename:
+                frame = frame.f_back
+            name = frame.f_globals.get("__name__", "") if frame is not None else ""
+            if name.startswith("pagedexperts.paging"):
+                self.calls.append(f"{name}:{frame.f_lineno} {getattr(func, '__name__', func)}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')"))])
+def test_device_step_reads_nothing_back(backend):
+    """No host read in a device-planned step, single- and multi-wave (and, for the Triton
+    backend under the interpreter, the kernels' outputs still exact)."""
+    module = synthetic_experts(torch.float32)
+    _, dev = host_and_device(module, 3, "grouped_mm", "lfu", backend=backend)
+    for n, routing in enumerate(routings(11, 4)):
+        hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
+        with HostReads() as reads:
+            out = dev(module, hidden, ids, weights)
+        assert reads.calls == [], f"step {n}: host reads {reads.calls}"
+        assert_same(out, unpaged(module, "grouped_mm", hidden, ids, weights), f"step {n} ({backend})")
+
+
+def test_unsupported_configurations_are_named():
+    module = synthetic_experts(torch.float32)
+    store = paged(module, 3).store
+    common = dict(layer=0, store=store, num_slots=3, device="cpu")
+    with pytest.raises(ValueError, match="--experts-implementation"):
+        DevicePager(inner="eager", **common)
+    with pytest.raises(ValueError, match="--experts-implementation"):
+        DevicePager(inner="grouped_mm", **common).inner = "eager"  # the decode switch's setter
+    with pytest.raises(ValueError, match="--policy"):
+        DevicePager(inner="grouped_mm", policy="flru", **common)
+    with pytest.raises(ValueError, match="--slot-format packed"):
+        DevicePager(inner="grouped_mm", slots=DenseSlots(None, {}, {}), **common)
+    with pytest.raises(ValueError, match="--num-resident"):
+        DevicePager(layer=0, store=store, num_slots=E + 1, device="cpu", inner="grouped_mm")
+    with pytest.raises(ValueError, match="HostExpertStore"):
+        DevicePager(layer=0, store=dict(store.tensors), num_slots=3, device="cpu", inner="grouped_mm")
