@@ -25,6 +25,7 @@ import torch
 
 import pagedexperts
 from pagedexperts import load_model
+from pagedexperts.formats.slots import PackedSlots
 from quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
 from test_families import E, TOP_K, VOCAB, build_model, save_char_tokenizer
 
@@ -98,7 +99,7 @@ def test_tier_rows_equal_the_full_store_rows(quantized, name):
     assert rt.expert_bytes < rt.dense_expert_bytes  # the rows hold packed bytes
     for site, store in rt.stores.items():
         reference = full.pagedexperts.stores[site]
-        slots = {s.name: torch.zeros((1, *s.shape), dtype=s.dtype) for s in store.specs}
+        slots = PackedSlots({s.name: torch.zeros((1, *s.shape), dtype=s.dtype) for s in store.specs})
         for expert in range(E):
             store.copy_to_slot(expert, 0, slots)
             for spec in store.specs:
