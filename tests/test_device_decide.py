@@ -22,9 +22,9 @@ import torch
 if not torch.cuda.is_available():  # before the kernels are defined (see test_device_kernels.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedexperts.eviction import LFUPolicy, LRUPolicy
+from pagedexperts.residency.policies import LFUPolicy, LRUPolicy
 from pagedexperts.paging.device_residency import DeviceResidency, device_rule
-from pagedexperts.residency import Residency
+from pagedexperts.residency.planner import Residency
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
 POLICIES = [("lru", None), ("lfu", None), ("lfu", 3), ("lfu", 0)]
@@ -135,8 +135,8 @@ def test_lfu_evicts_by_count_not_recency():
 
 def trace_steps():
     """(label, E, k, steps) per real trace and replay: recorded steps, B=1 and B=8 streams."""
-    from pagedexperts import simulate as sim
-    from pagedexperts.trace import load_trace
+    from pagedexperts.analysis import simulate as sim
+    from pagedexperts.analysis.trace import load_trace
 
     if not TRACES.is_dir():
         pytest.skip(f"real traces not found at {TRACES} (../shared/data/traces)")

@@ -27,16 +27,16 @@ import pytest  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from conftest import assert_same  # noqa: E402
-from pagedexperts.eviction import LFUPolicy, LRUPolicy  # noqa: E402
+from pagedexperts.residency.policies import LFUPolicy, LRUPolicy  # noqa: E402
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec  # noqa: E402
 from pagedexperts.formats.fp8 import Fp8BlockFormat, dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 from pagedexperts.formats.slots import DenseSlots, WaveDequantizer, allocate  # noqa: E402
-from pagedexperts.pager import ExpertPager  # noqa: E402
+from pagedexperts.paging.host_executor import HostPlannedExecutor as ExpertPager  # noqa: E402
 from pagedexperts.paging.device_layout import DeviceGroupedStep  # noqa: E402
 from pagedexperts.paging.device_pager import DevicePager  # noqa: E402
 from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
-from pagedexperts.store import HostExpertStore  # noqa: E402
-from pagedexperts.wave_compute import GroupedStep  # noqa: E402
+from pagedexperts.storage.host_store import HostExpertStore  # noqa: E402
+from pagedexperts.paging.waves import GroupedStep  # noqa: E402
 from test_store_pager import E, H, I, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parents[1] / "pagedexperts" / "data" / "tiny-qwen3-moe"
@@ -108,7 +108,7 @@ def test_counters_equal_a_hand_count():
 def test_padding_rows_and_reset_count_as_on_the_host():
     """Padding rows (the recording hook's 0-dim count) leave ``tokens`` as on the host pager;
     ``stats = LayerStats()`` (the runtime's reset) zeroes the device counters."""
-    from pagedexperts.stats import LayerStats
+    from pagedexperts.stats.accounting import LayerStats
 
     module = synthetic_experts(torch.float32)
     host, dev = host_and_device(module, 3, "grouped_mm", "lfu")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedexperts.wave_compute import StepEntries, activate, in_reference_layout, post_expert_norm, up_and_down_weights
+from pagedexperts.paging.waves import StepEntries, activate, in_reference_layout, post_expert_norm, up_and_down_weights
 
 
 class DeviceStep(StepEntries):

@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import torch
 
-from pagedexperts.eviction import DEFAULT_POLICY
+from pagedexperts.residency.policies import DEFAULT_POLICY
 from pagedexperts.formats.slots import DenseSlots, allocate
-from pagedexperts.pager import SlotView
-from pagedexperts.prefetch import PrefetchStats
+from pagedexperts.paging.host_executor import SlotView
+from pagedexperts.stats.accounting import PrefetchStats
 from pagedexperts.paging.device_layout import check_inner, device_step
 from pagedexperts.paging.device_residency import DeviceResidency, device_rule
 from pagedexperts.paging.device_stats import DeviceCounters
 from pagedexperts.paging.kernels.page_in import page_in_reference, page_in_triton
 from pagedexperts.paging.kernels.remap import remap_reference, remap_triton
-from pagedexperts.stats import LayerStats
-from pagedexperts.store import HostExpertStore
+from pagedexperts.stats.accounting import LayerStats
+from pagedexperts.storage.host_store import HostExpertStore
 
 
 class DevicePager:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedexperts.eviction import LFUPolicy
+from pagedexperts.residency.policies import LFUPolicy
 from pagedexperts.paging.kernels._triton import check_backend
 from pagedexperts.paging.kernels.decide import (
     DecidePlan, DecideRule, DecideState, decide_reference, decide_triton, num_waves_for,

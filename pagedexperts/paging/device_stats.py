@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedexperts.stats import LayerStats
+from pagedexperts.stats.accounting import LayerStats
 
 # the counter vector's fields, in order (int64 each)
 FIELDS = ("steps", "tokens", "padding_tokens", "hits", "misses", "bytes_paged", "waves", "multi_wave_steps",
