@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from pagedexperts.serving import protocol  # noqa: E402
+from pagedexperts.serving import admission, protocol  # noqa: E402
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
 
 CONTEXT = 64
@@ -60,8 +60,8 @@ def test_ranges_checked_before_any_tokenizing():
 
 
 def test_default_body_limit_grows_with_the_context():
-    assert protocol.default_max_body_bytes(512) == 2**20 + 8 * 512 * protocol.MAX_PROMPT_BYTES_PER_TOKEN
-    assert 5 * 10**6 > protocol.default_max_body_bytes(512)
+    assert admission.default_max_body_bytes(512) == 2**20 + 8 * 512 * protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    assert 5 * 10**6 > admission.default_max_body_bytes(512)
 
 
 def test_cli_defaults_match_the_library():

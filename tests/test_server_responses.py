@@ -1,0 +1,143 @@
+"""POST /v1/responses with the official client (``client.responses.create``, streaming and not).
+
+References are computed independently on a second model copy: the chat template applied by
+the tokenizer itself and a hand-written greedy loop (one full forward per token), never the
+server's own code path. The streamed events are checked against the published order and
+openai's own event types (the client parses each ``type`` into its class).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving_fixtures import HAVE_MODEL, MODEL_PATH, NAME, httpx, one_thread, openai, ref, server, torch  # noqa: F401
+from serving_fixtures import client as openai_client
+
+pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
+
+ORDER_HEAD = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+ORDER_TAIL = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+QUESTION = "Who is Romeo?"
+INSTRUCTIONS = "Answer as a Shakespeare character."
+
+
+def _greedy(model, tokenizer, messages, max_new_tokens):
+    """(prompt ids, generated ids, text): the chat template, then argmax of a full forward per token."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    out = []
+    while len(out) < max_new_tokens:
+        with torch.no_grad():
+            out.append(int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax()))
+        if out[-1] in eos:
+            break
+    return ids, out, tokenizer.decode(out, skip_special_tokens=True)
+
+
+def test_text_input_with_instructions_whole(server, ref):
+    model, tokenizer = ref
+    ids, out, text = _greedy(model, tokenizer, [{"role": "system", "content": INSTRUCTIONS},
+                                                {"role": "user", "content": QUESTION}], 6)
+    resp = openai_client(server[0]).responses.create(model=NAME, input=QUESTION, instructions=INSTRUCTIONS,
+                                                     max_output_tokens=6, temperature=0)
+    assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == NAME
+    assert resp.output_text == text and resp.instructions == INSTRUCTIONS and resp.max_output_tokens == 6
+    assert resp.usage.input_tokens == len(ids) and resp.usage.output_tokens == len(out) == 6
+    assert resp.usage.total_tokens == len(ids) + 6
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    [item] = resp.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "incomplete"
+    assert [p.type for p in item.content] == ["output_text"] and item.content[0].text == text
+
+
+def test_message_list_input_streamed_in_the_published_order(server, ref):
+    model, tokenizer = ref
+    messages = [{"role": "developer", "content": INSTRUCTIONS}, {"role": "user", "content": "ROMEO:"},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "O, she doth teach", "annotations": []}]},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "JULIET:"},
+                                                                 {"type": "input_text", "text": "Go on."}]}]
+    as_chat = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "ROMEO:"},
+               {"role": "assistant", "content": "O, she doth teach"}, {"role": "user", "content": "JULIET:\nGo on."}]
+    ids, out, text = _greedy(model, tokenizer, as_chat, 40)
+    events = list(openai_client(server[0]).responses.create(model=NAME, input=messages, max_output_tokens=40,
+                                                            temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    final = "response.completed" if len(out) < 40 else "response.incomplete"
+    assert kinds == ORDER_HEAD + ["response.output_text.delta"] * len(deltas) + ORDER_TAIL + [final]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert deltas and "".join(d.delta for d in deltas) == text
+    item_id = events[2].item.id
+    assert all(e.item_id == item_id for e in events[3:-2] if hasattr(e, "item_id"))
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    done = events[-1].response
+    assert done.output_text == text and events[-4].text == text and events[-2].item.content[0].text == text
+    assert done.usage.input_tokens == len(ids) and done.usage.output_tokens == len(out)
+
+
+def test_stream_helper_accumulates_the_same_response(server):
+    """openai's ``responses.stream`` rebuilds the response from the events (its own state machine)."""
+    c = openai_client(server[0])
+    whole = c.responses.create(model=NAME, input=QUESTION, max_output_tokens=8, temperature=0)
+    with c.responses.stream(model=NAME, input=QUESTION, max_output_tokens=8, temperature=0) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == final.output_text == whole.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_top_p_reaches_the_sampler(server, ref):
+    """A nucleus of one token (top_p 1e-9) samples the argmax at any temperature: the greedy text."""
+    model, tokenizer = ref
+    _, _, text = _greedy(model, tokenizer, [{"role": "user", "content": QUESTION}], 8)
+    resp = openai_client(server[0]).responses.create(model=NAME, input=QUESTION, max_output_tokens=8,
+                                                     temperature=2.0, top_p=1e-9)
+    assert resp.output_text == text and resp.temperature == 2.0 and resp.top_p == 1e-9
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                            {"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input.0.content.1"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input.0.type"),
+    ({"temperature": 3}, "temperature"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": "x" * 10**4}, "input"),
+    ({"seed": 1}, "seed"),
+])
+def test_unsupported_or_bad_fields_refused_naming_the_field(server, extra, param):
+    body = {"model": NAME, "input": QUESTION, **extra}
+    r = httpx.post(server[0] + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert param.split(".")[0] in err["message"]
+
+
+def test_client_sees_a_refusal_as_bad_request(server):
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client(server[0]).responses.create(model=NAME, input=QUESTION, tools=[
+            {"type": "function", "name": "f", "parameters": {"type": "object"}}])
+    assert info.value.body["param"] == "tools" and "tool calling" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        openai_client(server[0]).responses.create(model="other", input=QUESTION)
+
+
+def test_router_forwarded_defaults_accepted(server):
+    """The body sglang-router forwards for a plain request (watched on loopback): its defaults pass."""
+    body = {"input": QUESTION, "max_output_tokens": 3, "model": NAME, "store": True, "stream": None,
+            "temperature": 1.0, "top_p": 1.0, "priority": 0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    r = httpx.post(server[0] + "/v1/responses", content=json.dumps(body), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["output_tokens"] <= 3
+    for name, value in (("top_k", 5), ("repetition_penalty", 1.1)):
+        r = httpx.post(server[0] + "/v1/responses", json={**body, name: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name
