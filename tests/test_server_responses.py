@@ -79,14 +79,17 @@ def test_message_list_input_streamed_in_the_published_order(server, ref):
 
 
 def test_stream_helper_accumulates_the_same_response(server):
-    """openai's ``responses.stream`` rebuilds the response from the events (its own state machine)."""
+    """openai's ``responses.stream`` rebuilds the response from the events (its own state
+    machine, which checks the response's identity and each item's place)."""
     c = openai_client(server[0])
     whole = c.responses.create(model=NAME, input=QUESTION, max_output_tokens=8, temperature=0)
     with c.responses.stream(model=NAME, input=QUESTION, max_output_tokens=8, temperature=0) as stream:
-        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
-        final = stream.get_final_response()
-    assert "".join(texts) == final.output_text == whole.output_text
-    assert final.usage.output_tokens == whole.usage.output_tokens
+        events = list(stream)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == deltas[-1].snapshot == whole.output_text
+    last = events[-1]  # the token limit ended it: incomplete (get_final_response wants response.completed)
+    assert last.type == "response.incomplete" and last.response.output_text == whole.output_text
+    assert last.response.usage.output_tokens == whole.usage.output_tokens == 8
 
 
 def test_top_p_reaches_the_sampler(server, ref):
