@@ -9,10 +9,12 @@ openai's own event types (the client parses each ``type`` into its class).
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from serving_fixtures import HAVE_MODEL, MODEL_PATH, NAME, httpx, one_thread, openai, ref, server, torch  # noqa: F401
+from serving_fixtures import (HAVE_MODEL, MODEL_PATH, NAME, httpx, metric, one_thread, openai, ref,  # noqa: F401
+                              server, torch)
 from serving_fixtures import client as openai_client
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
@@ -144,3 +146,22 @@ def test_router_forwarded_defaults_accepted(server):
     for name, value in (("top_k", 5), ("repetition_penalty", 1.1)):
         r = httpx.post(server[0] + "/v1/responses", json={**body, name: value}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == name
+
+
+def test_stream_closed_by_the_client_frees_its_place(server):
+    """A client that closes a response stream after its first delta: the sequence is cancelled
+    at the next step (counted as outcome "cancelled"), not generated to max_output_tokens."""
+    url = server[0]
+    counter = 'pagedexperts_requests_total{endpoint="responses",outcome="cancelled"}'
+    before = metric(url, counter, default=0.0)
+    stream = openai_client(url).responses.create(model=NAME, input=QUESTION, instructions=INSTRUCTIONS,
+                                                 max_output_tokens=200, temperature=0, stream=True)
+    for e in stream:
+        if e.type == "response.output_text.delta":
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while metric(url, counter, default=0.0) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(url, counter, default=0.0) == before + 1
+    assert httpx.get(url + "/health").json()["running"] == 0
