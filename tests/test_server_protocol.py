@@ -139,17 +139,23 @@ def test_chat_message_name_reaches_the_template():
                                                 {"role": "user", "content": "x"}]
 
 
-# Bodies sglang-router 0.3.2 forwarded to a replica for plain client requests (watched on loopback).
+# Bodies sglang-router 0.3.2 (and vllm-router 0.1.17: VLLM_ROUTER_CHAT) forwarded to a replica for plain
+# client requests (watched on loopback).
 ROUTER_CHAT = (b'{"messages":[{"role":"user","content":"hi"}],"model":"tiny","logprobs":false,"max_completion_tokens":5,'
                b'"stream":false,"no_stop_trim":false,"ignore_eos":false,"continue_final_message":false,'
                b'"skip_special_tokens":true,"separate_reasoning":true,"stream_reasoning":true,"return_hidden_states":false}')
+VLLM_ROUTER_CHAT = (b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"stream":false,"max_tokens":5,'
+                    b'"logprobs":false,"no_stop_trim":false,"ignore_eos":false,"continue_final_message":false,'
+                    b'"skip_special_tokens":true,"separate_reasoning":true,"stream_reasoning":true,'
+                    b'"return_hidden_states":false,"include_reasoning":true}')
 ROUTER_COMPLETION = (b'{"model":"tiny","prompt":"hi","max_tokens":5,"stream":false,"echo":false,"no_stop_trim":false,'
                      b'"ignore_eos":false,"skip_special_tokens":true,"return_hidden_states":false}')
 ROUTER_RESPONSE = (b'{"input":"hi","max_output_tokens":5,"model":"tiny","store":true,"stream":null,"temperature":1.0,'
                    b'"top_p":1.0,"priority":0,"top_k":-1,"min_p":0.0,"repetition_penalty":1.0}')
 
 
-@pytest.mark.parametrize("raw, cls", [(ROUTER_CHAT, ChatCompletionRequest), (ROUTER_COMPLETION, CompletionRequest)])
+@pytest.mark.parametrize("raw, cls", [(ROUTER_CHAT, ChatCompletionRequest), (VLLM_ROUTER_CHAT, ChatCompletionRequest),
+                                      (ROUTER_COMPLETION, CompletionRequest)])
 def test_router_forwarded_defaults_pass_and_other_values_are_refused(raw, cls):
     import json
 

@@ -1,10 +1,11 @@
-"""Two ``pagedexperts serve`` replicas behind sglang-router, on loopback.
+"""Two ``pagedexperts serve`` replicas behind sglang-router and behind vllm-router, on loopback.
 
-Each replica is its own process (the CLI, as deployed); the router is sglang-router's own
-binary (PyPI ``sglang-router``, a Rust wheel), found as ``$PAGEDEXPERTS_SGLANG_ROUTER``,
-``sglang-router`` on PATH, or ``.router-venv/bin/sglang-router`` in the repository; the test
-skips, saying how to install it, when none is there. What it shows: the router registers both
-replicas (from their /health, /server_info, /model_info) under the served model name; a load
+Each replica is its own process (the CLI, as deployed); the router is the project's own binary
+(PyPI ``sglang-router`` / ``vllm-router``, Rust wheels), found as ``$PAGEDEXPERTS_SGLANG_ROUTER``
+/ ``$PAGEDEXPERTS_VLLM_ROUTER``, on PATH, or in ``.router-venv/bin/`` of the repository; each
+case skips, saying how to install it, when its binary is not there. What it shows: the router
+registers both replicas (sglang-router from their /health, /server_info, /model_info, under
+the served model name; vllm-router from /health, model "unknown"); a load
 through the router (completions, chat and the official client's ``responses.create``,
 streamed and not) completes with no error and is shared by both (round robin); after one
 replica is killed (SIGKILL), the same load still completes with no error, all of it on the
@@ -34,24 +35,22 @@ from serving_fixtures import client as openai_client
 from pagedexperts.serving.handlers import ServeConfig  # noqa: E402  (after the server extra's importorskip)
 
 REPO = Path(__file__).resolve().parents[1]
-INSTALL = "python3 -m venv .router-venv && .router-venv/bin/pip install 'sglang-router==0.3.2'"
+INSTALL = "python3 -m venv .router-venv && .router-venv/bin/pip install 'sglang-router==0.3.2' 'vllm-router==0.1.17'"
+# name -> (environment variable naming its binary, the arguments before the router's flags)
+ROUTERS = {"sglang-router": ("PAGEDEXPERTS_SGLANG_ROUTER", ["launch"]), "vllm-router": ("PAGEDEXPERTS_VLLM_ROUTER", [])}
 START_S = 240  # replicas and router up (model load, router registration), under a loaded CI machine
 REQUESTS = 12  # per load phase
 CLIENTS = 4
 
 
-def _router_binary() -> str | None:
-    for candidate in (os.environ.get("PAGEDEXPERTS_SGLANG_ROUTER"), shutil.which("sglang-router"),
-                      str(REPO / ".router-venv" / "bin" / "sglang-router")):
+def _router_binary(name: str) -> str | None:
+    for candidate in (os.environ.get(ROUTERS[name][0]), shutil.which(name), str(REPO / ".router-venv" / "bin" / name)):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     return None
 
 
-ROUTER = _router_binary()
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
-needs_router = pytest.mark.skipif(ROUTER is None, reason=f"sglang-router not found (install: {INSTALL}, or set "
-                                  "PAGEDEXPERTS_SGLANG_ROUTER to its binary)")
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +89,11 @@ def _replica(port: int, log: Path) -> subprocess.Popen:
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def _router(port: int, metrics_port: int, workers: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([ROUTER, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-                             "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
-                             "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1"],
+def _router(name: str, port: int, metrics_port: int, workers: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([_router_binary(name), *ROUTERS[name][1], "--host", "127.0.0.1", "--port", str(port),
+                             "--worker-urls", *workers, "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+                             "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1",
+                             "--health-check-interval-secs", "1"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -124,6 +124,11 @@ def _requests_total(url: str) -> float:
 
 def _one(router: str, i: int) -> str:
     """One request through the router, by kind; returns '' when it completed, else what went wrong."""
+    kind = ("completions", "chat", "responses")[i % 3]
+    return f"{kind}: {error}" if (error := _attempt(router, i)) else ""
+
+
+def _attempt(router: str, i: int) -> str:
     try:
         if i % 3 == 0:
             r = httpx.post(router + "/v1/completions", json={"model": NAME, "prompt": "ROMEO:", "max_tokens": 4},
@@ -149,8 +154,10 @@ def _load(router: str) -> list[str]:
 
 
 @pytest.mark.slow
-@needs_router
-def test_two_replicas_behind_sglang_router(tmp_path):
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_two_replicas_behind_a_router(tmp_path, name):
+    if _router_binary(name) is None:
+        pytest.skip(f"{name} not found (install: {INSTALL}, or set {ROUTERS[name][0]} to its binary)")
     ports = [_free_port() for _ in range(4)]
     workers = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     router = f"http://127.0.0.1:{ports[2]}"
@@ -159,8 +166,8 @@ def test_two_replicas_behind_sglang_router(tmp_path):
     try:
         for w in workers:
             _wait(w, lambda: httpx.get(w + "/health", timeout=5).status_code == 200, logs)
-        procs.append(_router(ports[2], ports[3], workers, logs[2]))
-        _wait("the router with both replicas", lambda: _healthy_workers(router) == set(workers), logs)
+        procs.append(_router(name, ports[2], ports[3], workers, logs[2]))
+        _wait(f"{name} with both replicas", lambda: _healthy_workers(router) == set(workers), logs)
         assert [m["id"] for m in httpx.get(router + "/v1/models", timeout=5).json()["data"]] == [NAME]
 
         before = [_requests_total(w) for w in workers]
@@ -170,6 +177,12 @@ def test_two_replicas_behind_sglang_router(tmp_path):
 
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait(30)
+        survivor = _requests_total(workers[0])
+        at_once = _load(router)  # right after the kill, while health checks (every second) may not have seen it
+        print(f"{name}, right after the kill: {len(at_once)} of {REQUESTS} failed {at_once}")
+        if name == "sglang-router":  # it retries a failed request on the other replica
+            assert at_once == [] and _requests_total(workers[0]) - survivor == REQUESTS
+        _wait(f"{name} marking the killed replica unhealthy", lambda: workers[1] not in _healthy_workers(router), logs)
         survivor = _requests_total(workers[0])
         assert _load(router) == []
         assert _requests_total(workers[0]) - survivor == REQUESTS  # the killed replica's share moved over

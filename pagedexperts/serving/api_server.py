@@ -129,10 +129,12 @@ def _routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) -> None:
         return await responses_serving.serve(http)
 
     @app.get("/server_info")
+    @app.get("/get_server_info")  # SGLang's older name, still asked by vllm-router
     async def server_info():
         return worker_info.server_info(config, serving.model, scheduler)
 
     @app.get("/model_info")
+    @app.get("/get_model_info")
     async def model_info():
         return worker_info.model_info(config, serving.model)
 

@@ -13,7 +13,7 @@ Parsing, validation and tokenization run in a worker thread (``run_in_threadpool
 detokenization on the scheduler thread: the event loop only moves bytes, so /health answers
 while a large request is refused. Does not: check the API key or the body size
 (``admission``), validate (``protocol``), sample or batch (``scheduler``), shape bodies
-(``responses``; the Responses API: ``responses_api``), declare the routes (``api_server``),
+(``responses``; the Responses API: ``responses_api``, ``responses_events``), declare the routes (``api_server``),
 or load models (``loader``).
 """
 

@@ -46,8 +46,8 @@ UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "function
                "audio": "audio output", "modalities": "non-text output", "prediction": "predicted outputs",
                "reasoning_effort": "reasoning models", "web_search_options": "web search",
                "min_p": "min_p sampling", "top_k": "top_k sampling", "repetition_penalty": "repetition_penalty"}
-# SGLang's extension fields that sglang-router adds at their defaults to each request it forwards (watched
-# on loopback): only the defaults pass. Its reasoning flags change nothing without a reasoning parser.
+# SGLang's extension fields that sglang-router and vllm-router add at their defaults to each request they
+# forward (watched on loopback): only the defaults pass. The reasoning flags change nothing without a parser.
 SGLANG_DEFAULTS = {"no_stop_trim": (None, False), "ignore_eos": (None, False), "skip_special_tokens": (None, True),
                    "return_hidden_states": (None, False), "continue_final_message": (None, False)}
 
@@ -123,8 +123,9 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     continue_final_message: bool | None = None  # SGLANG_DEFAULTS
-    separate_reasoning: bool | None = None  # no effect (no reasoning parser)
+    separate_reasoning: bool | None = None  # these three: no effect (no reasoning parser)
     stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None  # vllm-router adds it
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from fastapi.responses import StreamingResponse
+
 from pagedexperts.serving import responses_api
-from pagedexperts.serving.protocol import ApiError
+from pagedexperts.serving.protocol import ApiError, Prepared
 
 FAILED = ("error", "abort")  # finish reasons that fail a response
 
@@ -97,7 +99,9 @@ class ResponsesServing:
     def __init__(self, serving) -> None:
         self.serving = serving
 
-    def _admit(self, raw: bytes, parsed: list) -> object:
+    def _admit(self, raw: bytes, parsed: list) -> Prepared:
+        """Parse and check a body (kept in ``parsed`` for the answer), then the chat path's
+        admission; its errors renamed to this API's fields. Runs in a worker thread."""
         body = responses_api.parse(raw)
         parsed.append(body)
         try:
@@ -109,8 +113,6 @@ class ResponsesServing:
         """Answer one POST /v1/responses: the Response object, or a StreamingResponse of its
         events. Raises ApiError (as ``OpenAIServing.serve``: 503, 4xx, 429; 500 / 503 when a
         whole answer fails)."""
-        from fastapi.responses import StreamingResponse
-
         parsed: list = []
         ex = await self.serving.accept(http, "responses", lambda raw: self._admit(raw, parsed))
         draft = ResponseDraft(parsed[0], self.serving.config.served_model_name, len(ex.prepared.prompt_ids[0]))
