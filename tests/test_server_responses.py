@@ -165,3 +165,25 @@ def test_stream_closed_by_the_client_frees_its_place(server):
         time.sleep(0.05)
     assert metric(url, counter, default=0.0) == before + 1
     assert httpx.get(url + "/health").json()["running"] == 0
+
+
+def test_raw_bodies_validate_against_the_sdk_types(server):
+    """The client builds its objects without validating them; here every body and event is
+    validated strictly by openai's own pydantic types (a required field missing fails), and
+    each event's ``event:`` line names its ``type``."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": NAME, "input": QUESTION, "max_output_tokens": 4, "temperature": 0, "metadata": {"k": "v"}}
+    whole = httpx.post(server[0] + "/v1/responses", json=body, timeout=60).json()
+    assert Response.model_validate(whole).metadata == {"k": "v"}
+    adapter = TypeAdapter(ResponseStreamEvent)
+    with httpx.stream("POST", server[0] + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        blocks = r.read().decode().strip().split("\n\n")
+    for block in blocks:
+        name_line, data_line = block.split("\n")
+        data = json.loads(data_line.removeprefix("data: "))
+        assert name_line == f"event: {data['type']}"
+        adapter.validate_python(data)
+    last = json.loads(blocks[-1].split("\n")[1].removeprefix("data: "))["response"]
+    assert last["output"][0]["content"][0]["text"] == whole["output"][0]["content"][0]["text"]
