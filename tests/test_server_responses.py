@@ -187,3 +187,26 @@ def test_raw_bodies_validate_against_the_sdk_types(server):
         adapter.validate_python(data)
     last = json.loads(blocks[-1].split("\n")[1].removeprefix("data: "))["response"]
     assert last["output"][0]["content"][0]["text"] == whole["output"][0]["content"][0]["text"]
+
+
+def test_failed_generation_is_response_failed(server):
+    """A model step that raises: a stream ends with ``response.failed`` carrying the error (and
+    nothing after it), a whole answer is a 500 ``generation_failed``; the server keeps serving."""
+    scheduler = server[1].state.scheduler
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected step failure")
+
+    scheduler._forward = broken  # the instance attribute shadows the method until deleted
+    try:
+        events = list(openai_client(server[0]).responses.create(model=NAME, input=QUESTION, max_output_tokens=4,
+                                                                stream=True))
+        r = httpx.post(server[0] + "/v1/responses", json={"model": NAME, "input": QUESTION}, timeout=60)
+    finally:
+        del scheduler._forward
+    assert [e.type for e in events] == ORDER_HEAD + ["response.failed"]
+    failed = events[-1].response
+    assert failed.status == "failed" and "injected step failure" in failed.error.message and failed.output == []
+    assert r.status_code == 500 and r.json()["error"]["code"] == "generation_failed"
+    ok = openai_client(server[0]).responses.create(model=NAME, input=QUESTION, max_output_tokens=2)
+    assert ok.usage.output_tokens == 2

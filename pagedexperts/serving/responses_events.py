@@ -132,11 +132,11 @@ class ResponsesServing:
     async def _stream(self, ex, draft: ResponseDraft):
         numbers = iter(range(2**62))
         item = {"item_id": draft.message_id, "output_index": 0, "content_index": 0}
-        yield event("response.created", next(numbers), response=draft.body())
-        yield event("response.in_progress", next(numbers), response=draft.body())
-        yield event("response.output_item.added", next(numbers), output_index=0, item=draft.message())
-        yield event("response.content_part.added", next(numbers), **item, part=draft.part())
         try:
+            yield event("response.created", next(numbers), response=draft.body())
+            yield event("response.in_progress", next(numbers), response=draft.body())
+            yield event("response.output_item.added", next(numbers), output_index=0, item=draft.message())
+            yield event("response.content_part.added", next(numbers), **item, part=draft.part())
             async for choice, text, _, ev in self.serving.events(ex):
                 if ev.finish_reason == "cancelled":
                     return  # the client is gone
@@ -148,7 +148,7 @@ class ResponsesServing:
                     yield event("response.output_text.delta", next(numbers), **item, delta=text, logprobs=[])
                 if ev.finish_reason is not None:
                     self._finish(draft, choice)
-        finally:  # the client left, or the stream ended early: the events generator may not be closed yet
+        finally:  # the client left (at any yield), or the stream ended early: cancel what still runs
             self.serving.cancel_unfinished(ex)
         yield event("response.output_text.done", next(numbers), **item, text=draft.text, logprobs=[])
         yield event("response.content_part.done", next(numbers), **item, part=draft.part())
