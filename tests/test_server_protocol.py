@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from pagedexperts.serving import protocol  # noqa: E402
+from pagedexperts.serving import admission, protocol  # noqa: E402
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
 
 CONTEXT = 64
@@ -60,8 +60,8 @@ def test_ranges_checked_before_any_tokenizing():
 
 
 def test_default_body_limit_grows_with_the_context():
-    assert protocol.default_max_body_bytes(512) == 2**20 + 8 * 512 * protocol.MAX_PROMPT_BYTES_PER_TOKEN
-    assert 5 * 10**6 > protocol.default_max_body_bytes(512)
+    assert admission.default_max_body_bytes(512) == 2**20 + 8 * 512 * protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    assert 5 * 10**6 > admission.default_max_body_bytes(512)
 
 
 def test_cli_defaults_match_the_library():
@@ -127,3 +127,46 @@ def test_chat_message_name_reaches_the_template():
     messages = [protocol.ChatMessage(role="user", content="hi", name="bob"), protocol.ChatMessage(role="user", content="x")]
     assert protocol.chat_messages(messages) == [{"role": "user", "content": "hi", "name": "bob"},
                                                 {"role": "user", "content": "x"}]
+
+
+# Bodies sglang-router 0.3.2 (and vllm-router 0.1.17: VLLM_ROUTER_CHAT) forwarded to a replica for plain
+# client requests (watched on loopback).
+ROUTER_CHAT = (b'{"messages":[{"role":"user","content":"hi"}],"model":"tiny","logprobs":false,"max_completion_tokens":5,'
+               b'"stream":false,"no_stop_trim":false,"ignore_eos":false,"continue_final_message":false,'
+               b'"skip_special_tokens":true,"separate_reasoning":true,"stream_reasoning":true,"return_hidden_states":false}')
+VLLM_ROUTER_CHAT = (b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"stream":false,"max_tokens":5,'
+                    b'"logprobs":false,"no_stop_trim":false,"ignore_eos":false,"continue_final_message":false,'
+                    b'"skip_special_tokens":true,"separate_reasoning":true,"stream_reasoning":true,'
+                    b'"return_hidden_states":false,"include_reasoning":true}')
+ROUTER_COMPLETION = (b'{"model":"tiny","prompt":"hi","max_tokens":5,"stream":false,"echo":false,"no_stop_trim":false,'
+                     b'"ignore_eos":false,"skip_special_tokens":true,"return_hidden_states":false}')
+ROUTER_RESPONSE = (b'{"input":"hi","max_output_tokens":5,"model":"tiny","store":true,"stream":null,"temperature":1.0,'
+                   b'"top_p":1.0,"priority":0,"top_k":-1,"min_p":0.0,"repetition_penalty":1.0}')
+
+
+@pytest.mark.parametrize("raw, cls", [(ROUTER_CHAT, ChatCompletionRequest), (VLLM_ROUTER_CHAT, ChatCompletionRequest),
+                                      (ROUTER_COMPLETION, CompletionRequest)])
+def test_router_forwarded_defaults_pass_and_other_values_are_refused(raw, cls):
+    import json
+
+    protocol.check_ranges(protocol.parse_request(raw, cls))
+    for name, value in (("ignore_eos", True), ("skip_special_tokens", False), ("no_stop_trim", True)):
+        body = protocol.parse_request(json.dumps({**json.loads(raw), name: value}).encode(), cls)
+        with pytest.raises(ApiError, match=f"unsupported field '{name}'") as e:
+            protocol.check_ranges(body)
+        assert e.value.param == name
+
+
+def test_responses_request_becomes_the_chat_request():
+    from pagedexperts.serving import responses_api
+
+    body = responses_api.parse(ROUTER_RESPONSE)
+    chat = responses_api.to_chat(body)
+    assert [(m.role, m.content) for m in chat.messages] == [("user", "hi")] and chat.max_completion_tokens == 5
+    body = responses_api.parse(b'{"model":"m","instructions":"be brief","input":[{"role":"user","content":'
+                               b'[{"type":"input_text","text":"a"},{"type":"input_text","text":"b"}]},'
+                               b'{"role":"assistant","content":[{"type":"output_text","text":"c","annotations":[]}]}]}')
+    assert [(m.role, m.content) for m in responses_api.to_chat(body).messages] == [
+        ("system", "be brief"), ("user", "a\nb"), ("assistant", "c")]
+    err = responses_api.renamed(ApiError("max_tokens 9 + prompt 3 tokens exceed; messages", param="max_tokens"))
+    assert err.param == "max_output_tokens" and err.message == "max_output_tokens 9 + prompt 3 tokens exceed; input"

@@ -13,9 +13,10 @@ MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.protocol.MAX_PROMPT_BYTES_PER_TOKEN
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
-        help="OpenAI-compatible server (completions, chat, streaming, /metrics)",
-        description="Serve the model over HTTP: POST /v1/completions and /v1/chat/completions "
-        "(stream: true for server-sent events), GET /v1/models, /health, /metrics (Prometheus). "
+        help="OpenAI-compatible server (completions, chat, responses, streaming, /metrics)",
+        description="Serve the model over HTTP: POST /v1/completions, /v1/chat/completions "
+        "and /v1/responses (stream: true for server-sent events), GET /v1/models, /health, /metrics "
+        "(Prometheus), /server_info and /model_info (what sglang-router reads when it registers a replica). "
         "Admitted prompts are prefilled together and running requests decoded together, one forward each. "
         "Needs the server extra: pip install 'pagedexperts[server]'.",
     )
@@ -70,8 +71,10 @@ def run(args) -> int:
     if context <= 1 or (max_positions and context > max_positions):
         raise ValueError(f"--context-length must be in [2, {max_positions}] (max_position_embeddings), got {context}")
     running = args.max_running_requests if args.max_running_requests is not None else max(1, rt.num_resident // rt.top_k)
-    name = args.served_model_name or Path(args.model_path or bundled_model_path()).resolve().name
+    model_dir = Path(args.model_path or bundled_model_path()).resolve()
+    name = args.served_model_name or model_dir.name
     config = ServeConfig(served_model_name=name, max_running_requests=running, context_length=context,
+                         model_path=str(model_dir),
                          record_trace=args.record_trace, max_queued_requests=args.max_queued_requests,
                          max_prefill_tokens=args.max_prefill_tokens, max_body_bytes=args.max_body_bytes,
                          api_key=args.api_key, shutdown_timeout_s=args.shutdown_timeout)

@@ -1,7 +1,7 @@
 """The FastAPI app and its process: routes, error handlers, lifespan, ``run_server``.
 
-Owns: the route table (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health,
-/metrics), the exception handlers that put EVERY error in OpenAI's shape (framework 404 /
+Owns: the route table (POST /v1/completions, /v1/chat/completions, /v1/responses; GET
+/v1/models, /health, /metrics, and /server_info + /model_info for a router), the exception handlers that put EVERY error in OpenAI's shape (framework 404 /
 405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
 routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
 signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn; a second one
@@ -24,11 +24,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedexperts.serving import protocol
-from pagedexperts.serving.handlers import Admission, ApiError, OpenAIServing, ServeConfig, error_response
+from pagedexperts.serving import protocol, worker_info
+from pagedexperts.serving.admission import Admission, default_max_body_bytes, error_response
+from pagedexperts.serving.handlers import OpenAIServing, ServeConfig
+from pagedexperts.serving.protocol import ApiError
+from pagedexperts.serving.responses_events import ResponsesServing
 
 logger = logging.getLogger(__name__)
 
+ROUTES_NOTE = "/v1/models, /v1/completions, /v1/chat/completions, /v1/responses"  # named by a 404
 GRACEFUL_CLOSE_S = 5  # uvicorn's wait for open connections after the drain
 
 
@@ -58,7 +62,7 @@ def create_app(model, tokenizer, config: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="pagedexperts", lifespan=lifespan)
     app.state.serving, app.state.scheduler, app.state.metrics = serving, serving.scheduler, serving.metrics
-    max_body = config.max_body_bytes or protocol.default_max_body_bytes(config.context_length)
+    max_body = config.max_body_bytes or default_max_body_bytes(config.context_length)
     app.add_middleware(Admission, max_body_bytes=max_body, api_key=config.api_key, refuse=serving.refuse)
     _error_handlers(app, serving)
     _routes(app, serving, config)
@@ -77,7 +81,7 @@ def _error_handlers(app: FastAPI, serving: OpenAIServing) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
-        message = {404: f"no route {request.url.path!r}; see /v1/models, /v1/completions, /v1/chat/completions",
+        message = {404: f"no route {request.url.path!r}; see {ROUTES_NOTE}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         return answer(request, ApiError(message, status=exc.status_code, code=code, headers=getattr(exc, "headers", None)))
 
@@ -117,6 +121,22 @@ def _routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) -> None:
     @app.post("/v1/chat/completions", openapi_extra=body_doc)
     async def chat_completions(http: HttpRequest):
         return await serving.serve(http, chat=True)
+
+    responses_serving = ResponsesServing(serving)
+
+    @app.post("/v1/responses", openapi_extra=body_doc)
+    async def create_response(http: HttpRequest):
+        return await responses_serving.serve(http)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # SGLang's older name, still asked by vllm-router
+    async def server_info():
+        return worker_info.server_info(config, serving.model, scheduler)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info():
+        return worker_info.model_info(config, serving.model)
 
 
 def single_wave_note(runtime, max_running_requests: int) -> str:

@@ -1,37 +1,36 @@
-"""What the OpenAI routes do: admission, generation requests, streaming, graceful shutdown.
+"""What the generation routes do: admitting a request, queueing its sequences, answering, shutdown.
 
 Owns: ``ServeConfig``; ``OpenAIServing``, the handler behind POST /v1/completions and
-/v1/chat/completions (``stream`` for server-sent events); the ``Admission`` middleware (optional Bearer API key on
-/v1/*, the body-size limit, both before any parsing); every error in OpenAI's shape
-(``{"error": {"message", "type", "param", "code"}}``, also for 404 / 405 / bad JSON), each
-refusal logged with its reason and counted; n > 1 and several prompts (one scheduler
-sequence each); client disconnects (streaming or not: the sequence is cancelled at once);
-graceful shutdown (``begin_shutdown``: 503 + Retry-After to new requests, running ones get
+/v1/chat/completions (``stream`` for server-sent events) and the shared path of every
+generation route (``accept``: body, admission off the event loop, queueing; ``finished``:
+waiting for a whole answer; ``events``: the events of a stream), each refusal logged with
+its reason and counted (``refuse``); n > 1 and several prompts (one scheduler sequence
+each); client disconnects (streaming or not: the sequence is cancelled at once); graceful
+shutdown (``begin_shutdown``: 503 + Retry-After to new requests, running ones get
 ``shutdown_timeout_s`` to finish, then every remaining one a final event and ``[DONE]``).
 
 Parsing, validation and tokenization run in a worker thread (``run_in_threadpool``), and
 detokenization on the scheduler thread: the event loop only moves bytes, so /health answers
-while a large request is refused. Does not: validate (``protocol``), sample or batch
-(``scheduler``), shape bodies (``responses``), declare the routes (``api_server``), or load
-models (``loader``).
+while a large request is refused. Does not: check the API key or the body size
+(``admission``), validate (``protocol``), sample or batch (``scheduler``), shape bodies
+(``responses``; the Responses API: ``responses_api``, ``responses_events``), declare the routes (``api_server``),
+or load models (``loader``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pagedexperts.serving import protocol, responses
+from pagedexperts.serving.admission import RETRY_AFTER_S, client_disconnected, shutting_down
 from pagedexperts.serving.metrics import Metrics
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from pagedexperts.serving.scheduler import (DEFAULT_MAX_PREFILL_TOKENS, BatchScheduler, QueueFull,
@@ -39,10 +38,8 @@ from pagedexperts.serving.scheduler import (DEFAULT_MAX_PREFILL_TOKENS, BatchSch
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1  # Retry-After of 429 (queue full) and 503 (shutting down)
 DRAIN_POLL_S = 0.05
-MAX_DRAINED_BODY_BYTES = 64 * 2**20  # an oversized body is read and dropped up to this, then the connection closes
-_GONE = object()  # Admission._read_bounded: the client disconnected mid-body
+ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}  # OpenAI's id prefixes
 
 
 @dataclass(frozen=True)
@@ -52,9 +49,10 @@ class ServeConfig:
     ``served_model_name``: the name clients must send. ``max_running_requests``,
     ``max_queued_requests`` (None = unbounded), ``max_prefill_tokens``: the scheduler's
     limits (``SchedulerConfig``). ``context_length``: longest prompt + completion, tokens.
-    ``max_body_bytes``: request body limit (None = ``protocol.default_max_body_bytes``).
+    ``max_body_bytes``: request body limit (None = ``admission.default_max_body_bytes``).
     ``api_key``: when set, /v1/* needs ``Authorization: Bearer <key>``. ``shutdown_timeout_s``:
     how long running requests may finish after SIGTERM. ``record_trace``: .npz path.
+    ``model_path``: the checkpoint directory, reported to a router (``/server_info``).
     """
 
     served_model_name: str
@@ -66,6 +64,7 @@ class ServeConfig:
     max_body_bytes: int | None = None
     api_key: str | None = None
     shutdown_timeout_s: float = 30.0
+    model_path: str | None = None
 
 
 @dataclass
@@ -73,113 +72,6 @@ class Lifecycle:
     """Whether the server still admits requests (False from the start of a shutdown)."""
 
     admitting: bool = True
-
-
-def error_response(exc: ApiError) -> JSONResponse:
-    """OpenAI's error shape for ``exc``."""
-    kind = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(
-        exc.status, "invalid_request_error" if exc.status < 500 else "server_error")
-    body = {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.code}}
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
-
-
-def shutting_down() -> ApiError:
-    """The 503 + Retry-After of a request that arrives, or finishes its admission, while the server drains."""
-    return ApiError("the server is shutting down; retry on another replica or later", status=503,
-                    code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def client_disconnected() -> ApiError:
-    """What a client that left before its request body arrived is counted as (nobody reads it)."""
-    return ApiError("the client closed the connection before its request body arrived", status=499,
-                    code="client_disconnected")
-
-
-def bearer_matches(header: bytes, api_key: str) -> bool:
-    """Whether an ``Authorization`` header value is ``Bearer <api_key>``: the scheme is
-    case-insensitive (RFC 7235, section 2.1), the key compared in constant time."""
-    scheme, _, token = header.decode("latin-1").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"),
-                                                              api_key.encode("utf-8"))
-
-
-class Admission:
-    """ASGI middleware run before routing: the API key on /v1/*, then the body-size limit.
-
-    A body over ``max_body_bytes`` (by Content-Length, or counted for a chunked body) is
-    read and dropped, never kept, and answered 413; ``refuse`` logs and counts each refusal.
-    """
-
-    def __init__(self, app, *, max_body_bytes: int, api_key: str | None, refuse) -> None:
-        self.app, self.max_body_bytes, self.api_key, self.refuse = app, max_body_bytes, api_key, refuse
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.api_key and scope["path"].startswith("/v1/") and \
-                not bearer_matches(headers.get(b"authorization", b""), self.api_key):
-            return await self._answer(scope, receive, send, ApiError(
-                "missing or wrong API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
-                status=401, code="invalid_api_key"))
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._drop_body(receive)
-            return await self._answer(scope, receive, send, self._too_large(int(length)))
-        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
-            body = await self._read_bounded(receive)
-            if body is None:
-                return await self._answer(scope, receive, send, self._too_large(None))
-            if body is _GONE:
-                return self.refuse(scope["method"], scope["path"], client_disconnected())
-            receive = self._replay(body, receive)
-        return await self.app(scope, receive, send)
-
-    def _too_large(self, size: int | None) -> ApiError:
-        got = f"{size} bytes" if size is not None else "a larger body"
-        return ApiError(f"request body is {got}; the limit is {self.max_body_bytes} bytes (--max-body-bytes)",
-                        status=413, code="request_too_large")
-
-    async def _answer(self, scope, receive, send, exc: ApiError):
-        self.refuse(scope["method"], scope["path"], exc)
-        await error_response(exc)(scope, receive, send)
-
-    @staticmethod
-    async def _drop_body(receive) -> None:
-        read = 0
-        while read < MAX_DRAINED_BODY_BYTES:
-            msg = await receive()
-            read += len(msg.get("body", b""))
-            if msg["type"] != "http.request" or not msg.get("more_body"):
-                return
-
-    async def _read_bounded(self, receive) -> bytes | object | None:
-        """The whole body; None when it passes the limit, ``_GONE`` when the client left."""
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":  # the client left before its body was complete
-                return _GONE
-            size += len(msg.get("body", b""))
-            if size > self.max_body_bytes:
-                await self._drop_body(receive)
-                return None
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                return b"".join(chunks)
-
-    @staticmethod
-    def _replay(body: bytes, receive):
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return replay
 
 
 @dataclass
@@ -204,7 +96,7 @@ class OpenAIServing:
     """The serving state of one app: model, tokenizer, scheduler, metrics, lifecycle."""
 
     def __init__(self, model, tokenizer, config: ServeConfig, *, recorder=None) -> None:
-        self.tokenizer, self.config, self.recorder = tokenizer, config, recorder
+        self.model, self.tokenizer, self.config, self.recorder = model, tokenizer, config, recorder
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
         self.scheduler = BatchScheduler(model, tokenizer, SchedulerConfig(
             config.max_running_requests, config.context_length, max_queued_requests=config.max_queued_requests,
@@ -222,10 +114,13 @@ class OpenAIServing:
     # ---- admission (worker thread) ----
 
     def admit(self, raw: bytes, chat: bool) -> protocol.Prepared:
-        """Parse, check and tokenize a request body; raises ApiError (runs off the event loop),
-        also for more sequences (prompts x n) than ``max_queued_requests``: such a request
-        could never be queued, so it is a 400, not a 429 to retry."""
-        body = protocol.parse_request(raw, ChatCompletionRequest if chat else CompletionRequest)
+        """Parse, check and tokenize a completions / chat body; raises ApiError (runs off the event loop)."""
+        return self.admit_body(protocol.parse_request(raw, ChatCompletionRequest if chat else CompletionRequest))
+
+    def admit_body(self, body) -> protocol.Prepared:
+        """Check and tokenize a parsed completions / chat request; raises ApiError, also for
+        more sequences (prompts x n) than ``max_queued_requests``: such a request could never
+        be queued, so it is a 400, not a 429 to retry."""
         protocol.check_model(body, self.config.served_model_name)
         prepared = protocol.prepare(body, self.tokenizer, context_length=self.config.context_length,
                                     vocab_size=self.vocab_size)
@@ -239,20 +134,27 @@ class OpenAIServing:
         """Answer one POST /v1/completions (``chat`` False) or /v1/chat/completions: a JSON
         body, or a StreamingResponse of server-sent events. Raises ApiError (503 while
         shutting down, 4xx from validation, 429 when the queue is full)."""
-        endpoint = "chat" if chat else "completions"
+        ex = await self.accept(http, "chat" if chat else "completions", lambda raw: self.admit(raw, chat))
+        if ex.prepared.stream:
+            return StreamingResponse(self._stream(ex), media_type="text/event-stream")
+        return await self._complete(ex, http)
+
+    async def accept(self, http: HttpRequest, endpoint: str, admit) -> _Exchange:
+        """Read the body, run ``admit(raw) -> Prepared`` in a worker thread, queue its sequences.
+
+        Raises ApiError: 503 while shutting down (also when the drain began during admission),
+        499 when the client left before its body arrived, what ``admit`` raises, 429 when the
+        queue is full."""
         if not self.lifecycle.admitting:
             raise shutting_down()
         try:
             raw = await http.body()
         except ClientDisconnect:
             raise client_disconnected() from None
-        prepared = await run_in_threadpool(self.admit, raw, chat)
+        prepared = await run_in_threadpool(admit, raw)
         if not self.lifecycle.admitting:  # the drain began during admission
             raise shutting_down()
-        ex = self._submit(endpoint, prepared)
-        if prepared.stream:
-            return StreamingResponse(self._stream(ex), media_type="text/event-stream")
-        return await self._complete(ex, http)
+        return self._submit(endpoint, prepared)
 
     def _submit(self, endpoint: str, prepared: protocol.Prepared) -> _Exchange:
         loop = asyncio.get_running_loop()
@@ -272,8 +174,8 @@ class OpenAIServing:
         except SchedulerStopped:
             raise shutting_down() from None
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prepared.prompt_ids))
-        kind = "chatcmpl" if endpoint == "chat" else "cmpl"
-        ex.head.update(id=f"{kind}-{ex.reqs[0].request_id}", created=created, model=self.config.served_model_name)
+        ex.head.update(id=f"{ID_PREFIX[endpoint]}{ex.reqs[0].request_id}", created=created,
+                       model=self.config.served_model_name)
         return ex
 
     def _on_event(self, ex: _Exchange, index: int, loop):
@@ -313,7 +215,12 @@ class OpenAIServing:
     def _usage(self, ex: _Exchange) -> dict:
         return responses.usage(sum(len(p) for p in ex.prepared.prompt_ids), sum(c.completion_tokens for c in ex.choices))
 
-    async def _complete(self, ex: _Exchange, http: HttpRequest):
+    async def finished(self, ex: _Exchange, http: HttpRequest) -> Response | None:
+        """Wait until every choice of ``ex`` has finished (cancelled at once if the client
+        leaves). Returns a bare 499 when the client is gone, None when all went well.
+
+        Raises ApiError: 503 when the server cut a choice while shutting down, 500 when one failed.
+        """
         watcher = asyncio.create_task(self._watch_disconnect(http, ex))
         try:
             for _ in ex.choices:
@@ -333,6 +240,12 @@ class OpenAIServing:
             raise ApiError(f"generation {'cut' if shutdown else 'failed'}: {failed.error}", status=503 if shutdown else 500,
                            code="server_shutting_down" if shutdown else "generation_failed",
                            headers={"Retry-After": str(RETRY_AFTER_S)} if shutdown else None)
+        return None
+
+    async def _complete(self, ex: _Exchange, http: HttpRequest):
+        gone = await self.finished(ex, http)
+        if gone is not None:
+            return gone
         logprobs = ex.prepared.sequences[0].logprobs is not None
         obj = "chat.completion" if ex.chat else "text_completion"
         return {**ex.head, "object": obj, "usage": self._usage(ex),
@@ -345,6 +258,26 @@ class OpenAIServing:
             pass
         for req in ex.reqs:
             self.scheduler.cancel(req)
+
+    async def events(self, ex: _Exchange):
+        """Each event of ``ex`` as (choice, text, logprob reports, event), recorded in its choice,
+        until every choice has finished; closing the generator early (the client left)
+        cancels the sequences still running."""
+        try:
+            left = len(ex.choices)
+            while left:
+                index, event = await ex.queue.get()
+                text, entries = self._apply(ex, index, event)
+                left -= event.finish_reason is not None
+                yield ex.choices[index], text, entries, event
+        finally:  # also reached when the client disconnects (the generator is closed)
+            self.cancel_unfinished(ex)
+
+    def cancel_unfinished(self, ex: _Exchange) -> None:
+        """Cancel the sequences of ``ex`` still running (its client left mid-stream)."""
+        for req in ex.reqs:
+            if req.finished_s is None:
+                self.scheduler.cancel(req)
 
     async def _stream(self, ex: _Exchange):
         chat, p = ex.chat, ex.prepared
@@ -359,27 +292,19 @@ class OpenAIServing:
             if chat:
                 for c in ex.choices:
                     yield chunk(c, "", [], None, first=True)
-            left = len(ex.choices)
-            while left:
-                index, event = await ex.queue.get()
-                c = ex.choices[index]
-                text, entries = self._apply(ex, index, event)
+            async for c, text, entries, event in self.events(ex):
                 if event.finish_reason in ("error", "abort", "cancelled"):
-                    left -= 1
                     yield responses.sse(self._stream_error(c, event))
                     continue
                 if text or entries:
                     yield chunk(c, text, entries, None)
                 if event.finish_reason is not None:
-                    left -= 1
                     yield chunk(c, "", [], event.finish_reason)
             if p.include_usage:
                 yield responses.sse({**ex.head, "object": obj, "choices": [], "usage": self._usage(ex)})
             yield responses.sse("[DONE]")
-        finally:  # also reached when the client disconnects (the generator is closed)
-            for req in ex.reqs:
-                if req.finished_s is None:
-                    self.scheduler.cancel(req)
+        finally:  # the client left: the events generator may not be closed yet
+            self.cancel_unfinished(ex)
 
     @staticmethod
     def _stream_error(c: responses.Choice, event) -> dict:

@@ -46,6 +46,10 @@ UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "function
                "audio": "audio output", "modalities": "non-text output", "prediction": "predicted outputs",
                "reasoning_effort": "reasoning models", "web_search_options": "web search",
                "min_p": "min_p sampling", "top_k": "top_k sampling", "repetition_penalty": "repetition_penalty"}
+# SGLang's extension fields that sglang-router and vllm-router add at their defaults to each request they
+# forward (watched on loopback): only the defaults pass. The reasoning flags change nothing without a parser.
+SGLANG_DEFAULTS = {"no_stop_trim": (None, False), "ignore_eos": (None, False), "skip_special_tokens": (None, True),
+                   "return_hidden_states": (None, False), "continue_final_message": (None, False)}
 
 
 class ApiError(Exception):
@@ -82,6 +86,10 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for abuse monitoring in OpenAI's API; no effect on output
+    no_stop_trim: bool | None = None  # SGLANG_DEFAULTS
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
 
 
 class CompletionRequest(_Common):
@@ -114,6 +122,10 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    continue_final_message: bool | None = None  # SGLANG_DEFAULTS
+    separate_reasoning: bool | None = None  # these three: no effect (no reasoning parser)
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None  # vllm-router adds it
 
 
 @dataclass(frozen=True)
@@ -193,10 +205,10 @@ def _refuse_unsupported(body) -> None:
     """Declared fields of the API that are not implemented: only their default passes."""
     defaults = {"best_of": (None, body.n or 1), "suffix": (None, ""), "tools": (None, []),
                 "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
-                "response_format": (None, {"type": "text"})}
+                "response_format": (None, {"type": "text"}), **SGLANG_DEFAULTS}
     for name, allowed in defaults.items():
         if name in type(body).model_fields and getattr(body, name) not in allowed:
-            raise ApiError(f"unsupported field {name!r}: {UNSUPPORTED[name]} is not supported by this server "
+            raise ApiError(f"unsupported field {name!r}: {UNSUPPORTED.get(name, name)} is not supported by this server "
                            f"(got {getattr(body, name)!r})", param=name, code="unsupported_field")
 
 
@@ -254,7 +266,6 @@ def logit_bias(body, vocab_size: int) -> tuple[tuple[int, float], ...]:
         _in_range(bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, "logit_bias")
         pairs.append((int(key), float(bias)))
     return tuple(pairs)
-
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -386,9 +397,3 @@ def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepare
                 logit_bias=bias, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(ids, texts, sequences, n, echo, bool(body.stream), include_usage)
-
-
-def default_max_body_bytes(context_length: int) -> int:
-    """The default request body limit: 1 MiB plus 8x the longest prompt text admitted
-    (JSON escapes take up to 6 bytes per byte of text; chat adds message framing)."""
-    return 2**20 + 8 * _max_prompt_bytes(context_length)

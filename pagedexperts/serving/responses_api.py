@@ -1,0 +1,180 @@
+"""The OpenAI Responses API request (POST /v1/responses): its schema, its checks, and its
+translation to the one chat path.
+
+Owns: ``ResponsesRequest`` (unknown fields refused; fields of the API that are not
+implemented accepted only at their default, else a 400 naming the field), the checks of
+``input`` (a string, or a list of message items whose content is a string or text parts)
+and ``metadata``, and ``to_chat``: ``instructions`` + ``input`` become the messages of a
+``ChatCompletionRequest`` (``instructions`` first, as a system message; ``max_output_tokens``
+as ``max_completion_tokens``), which ``OpenAIServing.admit_body`` checks and tokenizes like
+any chat request: one validation, one scheduler, one sampling path. Errors of that path are
+renamed to this API's fields (``max_tokens`` -> ``max_output_tokens``, ``messages`` ->
+``input``).
+
+Also accepted at their defaults: the fields sglang-router adds when it forwards a request
+(``priority`` 0, ``top_k`` -1, ``min_p`` 0, ``repetition_penalty`` 1). ``store`` is accepted
+and nothing is stored: ``previous_response_id`` and ``conversation`` are refused, and
+there is no GET /v1/responses/{id}.
+
+Does not: shape the answer or its events (``responses_events``), or speak HTTP.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, ChatMessage, parse_request
+
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+TEXT_PARTS = {"input_text", "output_text"}  # content part types whose text is read
+ROLES = ("user", "assistant", "system", "developer")
+# field -> (what it is, the values accepted: the API's defaults)
+DEFAULTS_ONLY = {
+    "tools": ("tool calling", (None, [])), "tool_choice": ("tool calling", (None, "none", "auto")),
+    "parallel_tool_calls": ("tool calling", (None, True, False)), "max_tool_calls": ("tool calling", (None,)),
+    "previous_response_id": ("stored responses (send the whole conversation as input)", (None,)),
+    "conversation": ("stored conversations (send the whole conversation as input)", (None,)),
+    "background": ("background responses", (None, False)), "prompt": ("prompt templates", (None,)),
+    "reasoning": ("reasoning models", (None, {})), "include": ("extra output (include)", (None, [])),
+    "top_logprobs": ("logprobs", (None, 0)), "truncation": ("truncation", (None, "disabled")),
+    "service_tier": ("service tiers", (None, "auto", "default")),
+    "text": ("structured output", (None, {}, {"format": {"type": "text"}})),
+    "stream_options": ("stream obfuscation", (None, {}, {"include_obfuscation": False})),
+    "priority": ("request priorities", (None, 0)), "top_k": ("top_k sampling", (None, -1, 0)),
+    "min_p": ("min_p sampling", (None, 0.0)), "repetition_penalty": ("repetition_penalty", (None, 1.0)),
+}
+RENAMED = {"max_tokens": "max_output_tokens", "messages": "input"}  # chat field -> this API's field
+
+
+class ResponsesRequest(BaseModel):
+    """The body of POST /v1/responses (the fields of openai's ``ResponseCreateParams`` read here)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    store: bool | None = None  # accepted; nothing is stored (module docstring)
+    metadata: dict[str, str] | None = None
+    user: str | None = None  # an end-user id in OpenAI's API; no effect on output
+    safety_identifier: str | None = None  # the same, its newer name
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    prompt: Any = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    truncation: str | None = None
+    service_tier: str | None = None
+    text: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = None
+    priority: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+
+def parse(raw: bytes) -> ResponsesRequest:
+    """The request of a raw body, every field checked except what the chat path checks.
+
+    Raises:
+        ApiError: bad JSON or types, an unknown field, an unsupported one (named, with its value).
+    """
+    body = parse_request(raw, ResponsesRequest)
+    for name, (what, allowed) in DEFAULTS_ONLY.items():
+        value = getattr(body, name)
+        if value not in allowed:
+            raise ApiError(f"unsupported field {name!r}: {what} is not supported by this server (got {value!r})",
+                           param=name, code="unsupported_field")
+    _check_metadata(body.metadata)
+    return body
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ApiError(f"metadata takes at most {MAX_METADATA_KEYS} keys, got {len(metadata)}", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ApiError(f"metadata keys take at most {MAX_METADATA_KEY_CHARS} characters and values "
+                           f"{MAX_METADATA_VALUE_CHARS}, got key {key[:80]!r}", param="metadata")
+
+
+def _text(text: str, param: str) -> str:
+    """``text`` itself; raises ApiError when it is not valid Unicode (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(f"{param} is not valid Unicode: {exc.reason} at character {exc.start}", param=param,
+                       code="invalid_unicode") from None
+    return text
+
+
+def _content(content, param: str) -> str:
+    """A message's content as one string: a string, or its text parts joined with newlines."""
+    if isinstance(content, str):
+        return _text(content, param)
+    if not isinstance(content, list) or not content:
+        raise ApiError(f"{param} must be a string or a non-empty list of text parts", param=param, code="invalid_type")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise ApiError(f"{param}[{j}]: only text parts ({{'type': 'input_text', 'text': ...}}, or 'output_text' "
+                           f"of an earlier answer) are supported, got type {kind!r}", param=f"{param}.{j}",
+                           code="unsupported_field")
+        texts.append(_text(part["text"], f"{param}.{j}.text"))
+    return "\n".join(texts)
+
+
+def messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """``instructions`` (as a system message) then the ``input`` messages, as chat messages.
+
+    Raises:
+        ApiError: an empty input list, an item that is not a message (function calls,
+            reasoning, item references), a role outside ``ROLES``, a non-text content part.
+    """
+    out = [] if body.instructions is None else [ChatMessage(role="system", content=_text(body.instructions,
+                                                                                              "instructions"))]
+    if isinstance(body.input, str):
+        return out + [ChatMessage(role="user", content=_text(body.input, "input"))]
+    if not body.input:
+        raise ApiError("input must be a string or a non-empty list of messages", param="input")
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise ApiError(f"input[{i}]: only message items are supported, got type {kind!r} (tool calls, reasoning "
+                           "and item references are not supported)", param=f"input.{i}.type", code="unsupported_field")
+        if item.get("role") not in ROLES:
+            raise ApiError(f"input[{i}].role must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
+                           param=f"input.{i}.role")
+        out.append(ChatMessage(role=item["role"], content=_content(item.get("content"), f"input.{i}.content")))
+    return out
+
+
+def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that generates this response (``max_output_tokens`` as the completion limit)."""
+    return ChatCompletionRequest(model=body.model, messages=messages(body), max_completion_tokens=body.max_output_tokens,
+                                 temperature=body.temperature, top_p=body.top_p, stream=bool(body.stream))
+
+
+def renamed(exc: ApiError) -> ApiError:
+    """``exc`` of the chat path with its field names in this API's terms (``RENAMED``)."""
+    def rename(text: str) -> str:
+        return re.sub(r"\b(" + "|".join(RENAMED) + r")\b", lambda m: RENAMED[m.group(1)], text)
+
+    return ApiError(rename(exc.message), param=exc.param and rename(exc.param), status=exc.status, code=exc.code,
+                    headers=exc.headers)

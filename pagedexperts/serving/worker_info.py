@@ -1,0 +1,37 @@
+"""What a router asks of a replica beyond the OpenAI routes: GET /server_info and /model_info
+(also under SGLang's older names /get_server_info and /get_model_info).
+
+sglang-router (0.3.x) registers a worker with GET /health, then /server_info and /model_info
+(watched on loopback; on a 404 it falls back to the deprecated /get_server_info and
+/get_model_info, and registers the worker as model "unknown"). From the answers it takes the
+model id (``served_model_name``, so the router's /v1/models lists the name clients send) and
+where to load the tokenizer from (``tokenizer_path``, else ``model_path``; a local
+directory is read from disk). It then health-checks /health (503 while this replica drains,
+so the router stops sending to it) and forwards /v1/* requests. vllm-router (0.1.x) asks
+only /health, and forwards /v1/models, /get_server_info and /get_model_info to a replica.
+
+Owns: the two bodies, in SGLang's field names where the concept is the same. Does not: route,
+or decide anything; it reports.
+"""
+
+from __future__ import annotations
+
+import pagedexperts
+
+
+def model_info(config, model) -> dict:
+    """GET /model_info: the served model (SGLang's ``model_path``, ``tokenizer_path``, ``is_generation``)."""
+    paths = {"model_path": config.model_path, "tokenizer_path": config.model_path} if config.model_path else {}
+    return {**paths, "served_model_name": config.served_model_name, "is_generation": True,
+            "model_type": getattr(model.config, "model_type", None),
+            "architectures": list(getattr(model.config, "architectures", None) or [])}
+
+
+def server_info(config, model, scheduler) -> dict:
+    """GET /server_info: the model info plus this replica's limits and paging shape."""
+    runtime = model.pagedexperts
+    return {**model_info(config, model), "version": pagedexperts.__version__,
+            "context_length": config.context_length, "max_running_requests": config.max_running_requests,
+            "max_queued_requests": config.max_queued_requests, "max_prefill_tokens": config.max_prefill_tokens,
+            "num_resident": runtime.num_resident, "num_experts": runtime.num_experts, "top_k": runtime.top_k,
+            "running_requests": scheduler.num_running, "waiting_requests": scheduler.num_waiting}
