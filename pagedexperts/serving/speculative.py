@@ -242,6 +242,35 @@ def load_draft(path: str, *, target, tokenizer):
     return draft.to(target.device).eval()
 
 
+DRAFT_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def save_truncated_draft(model_path, out_dir, *, num_layers: int):
+    """Write a draft checkpoint to ``out_dir``: the model of ``model_path`` with only its first
+    ``num_layers`` decoder layers (embeddings, final norm and LM head kept), and its tokenizer
+    files. A crude draft (an early exit, not trained as one) that shares the tokenizer by
+    construction; returns ``out_dir``.
+
+    Raises:
+        ValueError: ``num_layers`` not in [1, the model's layers).
+    """
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    layers = AutoConfig.from_pretrained(model_path).num_hidden_layers
+    if not 1 <= num_layers < layers:
+        raise ValueError(f"a truncated draft keeps 1..{layers - 1} of the {layers} layers, got {num_layers}")
+    draft = AutoModelForCausalLM.from_pretrained(model_path, num_hidden_layers=num_layers)
+    draft.save_pretrained(out_dir)
+    for name in DRAFT_SIDE_FILES:
+        if (Path(model_path) / name).exists():
+            shutil.copy(Path(model_path) / name, Path(out_dir) / name)
+    return out_dir
+
+
 class SpeculativeDecoder:
     """The scheduler's decode step with speculation (module docstring); ``stats`` counts it."""
 
