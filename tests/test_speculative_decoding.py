@@ -19,7 +19,7 @@ from pagedexperts.serving.generate_one import speculative_generate_text
 from pagedexperts.serving.metrics import Metrics
 from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
 from pagedexperts.serving.speculation import speculative_config
-from pagedexperts.serving.speculative import DraftState, forward_rows, load_draft, save_truncated_draft
+from pagedexperts.serving.speculative import DraftState, forward_rows, load_draft, model_forward, save_truncated_draft
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
 
@@ -126,9 +126,7 @@ def test_verification_forward_paged_equals_unpaged():
     prompts, verify = [[5, 17, 300, 41, 9, 77, 12], [8, 2000, 33]], [[19, 4, 250, 6], [60, 61]]
     results = []
     for model in (paged, reference):
-        def forward(*, cache, **kw):
-            return model(**kw, past_key_values=cache, use_cache=True)
-
+        forward = model_forward(model)
         states = [new_state(model, 16) for _ in prompts]
         with torch.no_grad():
             for state, p in zip(states, prompts):

@@ -76,6 +76,24 @@ class Proposer(Protocol):
         proposals) are final; anything proposed past them is dropped."""
 
 
+def cache_kwarg(model) -> str:
+    """The name ``model.forward`` takes its KV cache by ("cache" in newer transformers,
+    "past_key_values" before), as the scheduler asks."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def model_forward(model) -> Callable:
+    """``forward(cache=, **inputs)`` for ``forward_rows``: ``model`` with ``use_cache``."""
+    name = cache_kwarg(model)
+
+    def forward(*, cache, **kwargs):
+        return model(**kwargs, **{name: cache}, use_cache=True)
+
+    return forward
+
+
 def context_of(req) -> list[int]:
     return req.prompt_ids + req.output_ids
 
@@ -156,9 +174,7 @@ class DraftProposer:
     def __init__(self, draft, config: SpeculativeConfig, *, pad_id: int) -> None:
         self.draft, self.config, self.pad_id = draft, config, pad_id
         self.states: dict[int, DraftState] = {}
-
-    def _forward(self, *, cache, **kwargs):
-        return self.draft(**kwargs, past_key_values=cache, use_cache=True)
+        self._forward = model_forward(draft)
 
     def _state(self, req) -> DraftState:
         state = self.states.get(req.request_id)
