@@ -153,3 +153,25 @@ def test_good_flags_give_a_config(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     cfg = speculative_config("draft", draft_model_path=str(tmp_path), num_speculative_tokens=6)
     assert (cfg.method, cfg.num_speculative_tokens, cfg.draft_model_path) == ("draft", 6, str(tmp_path))
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [(["--draft-model-path", "/x"], "--draft-model-path needs --speculative"),
+     (["--speculative", "draft"], "--speculative draft needs --draft-model-path DIR"),
+     (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be in [1, 32], got 0")],
+)
+def test_the_commands_refuse_bad_combinations_before_loading(command, argv, needle, capsys, monkeypatch):
+    if command == "serve":
+        pytest.importorskip("fastapi")
+    import pagedexperts.loader
+    from pagedexperts.cli import main
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the flags were validated")
+
+    monkeypatch.setattr(pagedexperts.loader, "stream_checkpoint", fail)
+    extra = ["--prompt", "x"] if command == "generate" else []
+    assert main([command, *extra, *argv]) == 2
+    assert needle in capsys.readouterr().err
