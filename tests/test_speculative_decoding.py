@@ -164,3 +164,23 @@ def test_a_draft_with_another_vocabulary_is_refused(ref, tiny_moe_dir):
     model, tokenizer = ref
     with pytest.raises(ValueError, match="--draft-model-path .*vocab_size 128 but the target's is 4096"):
         load_draft(str(tiny_moe_dir), target=model, tokenizer=tokenizer)
+
+
+def test_served_with_speculation_answers_as_plain_decoding(ref):
+    """The server with --speculative ngram: a greedy completion equals the plain scheduler's,
+    and /metrics counts the verification steps."""
+    from serving_fixtures import NAME, client, metric, serve
+    from pagedexperts.serving.handlers import ServeConfig
+
+    model, tokenizer = ref
+    expected, _ = run(model, tokenizer, PROMPTS[:1], max_running=1)
+    config = ServeConfig(NAME, 4, CONTEXT, speculative=speculative_config("ngram"))
+    gen = serve(config)
+    url = next(gen)[0]
+    try:
+        answer = client(url).completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0)
+        assert answer.choices[0].text == tokenizer.decode(expected[0], skip_special_tokens=True)
+        assert metric(url, "pagedexperts_spec_decode_num_drafts_total") > 0
+        assert 0 < metric(url, "pagedexperts_spec_decode_acceptance_rate") <= 1
+    finally:
+        next(gen, None)

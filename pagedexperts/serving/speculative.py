@@ -279,7 +279,14 @@ def save_truncated_draft(model_path, out_dir, *, num_layers: int):
     layers = AutoConfig.from_pretrained(model_path).num_hidden_layers
     if not 1 <= num_layers < layers:
         raise ValueError(f"a truncated draft keeps 1..{layers - 1} of the {layers} layers, got {num_layers}")
-    draft = AutoModelForCausalLM.from_pretrained(model_path, num_hidden_layers=num_layers)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the dropped layers' weights are "unexpected" by design
+    try:
+        draft = AutoModelForCausalLM.from_pretrained(model_path, num_hidden_layers=num_layers)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     draft.save_pretrained(out_dir)
     for name in DRAFT_SIDE_FILES:
         if (Path(model_path) / name).exists():
