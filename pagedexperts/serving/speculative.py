@@ -25,7 +25,6 @@ V vocabulary, D head dim. Does not: schedule requests, or decide acceptance (``s
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -34,9 +33,6 @@ import torch
 from pagedexperts.serving.sampling import adjusted_logits
 from pagedexperts.serving.speculation import (SpeculativeConfig, SpeculativeStats, Verdict, accept_greedy,
                                               accept_sampled, ngram_propose, warped_probs)
-
-logger = logging.getLogger(__name__)
-
 
 class CachedRow(Protocol):
     """A sequence with per-layer KV buffers [kv_heads, capacity, D] of which ``length`` are filled
