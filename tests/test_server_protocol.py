@@ -89,7 +89,7 @@ def test_metrics_export_every_numeric_layer_stat():
     layer = MoreStats(hits=3, misses=2, union_max=5)
     runtime = SimpleNamespace(pagers={0: SimpleNamespace(stats=layer)}, num_resident=8, top_k=2)
     sched = SimpleNamespace(num_running=1, num_waiting=0, config=SimpleNamespace(max_running_requests=4),
-                            stats=SimpleNamespace())
+                            stats=SimpleNamespace(), speculative=None)
     text = Metrics(sched, runtime).render().decode()
     for line in ('pagedexperts_paging_ttft_p99_s{layer="0"} 0.25', 'pagedexperts_expert_hits_total{layer="0"} 3.0',
                  'pagedexperts_paging_misses_total{layer="0"} 2.0', 'pagedexperts_union_size_max{layer="0"} 5.0',

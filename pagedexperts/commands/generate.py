@@ -7,6 +7,7 @@ import os
 import sys
 
 from pagedexperts.commands.common import add_model_arguments, load_from_args
+from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 
 def add_parser(sub) -> None:
@@ -25,6 +26,7 @@ def add_parser(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_speculative_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--stats-json", metavar="PATH", help="write the paging report as JSON here")
     o.add_argument("--record-trace", metavar="PATH", help="record the routing trace (.npz) here")
@@ -46,6 +48,7 @@ def run(args) -> int:
         stop=tuple(args.stop),
     )
     sampling.validate()
+    speculative = speculative_from_args(args)
     _check_outputs(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
@@ -61,9 +64,16 @@ def run(args) -> int:
 
             record_predictions(model, recorder)  # predictions go into the trace as an extra
     print(prompt, end="", flush=True)
-    result = generate_text(
-        model, tokenizer, prompt, sampling, chat=args.chat, on_text=lambda t: print(t, end="", flush=True)
-    )
+    def on_text(text: str) -> None:
+        print(text, end="", flush=True)
+
+    if speculative is None:
+        result = generate_text(model, tokenizer, prompt, sampling, chat=args.chat, on_text=on_text)
+    else:  # one request through the scheduler's speculative decode
+        from pagedexperts.serving.generate_one import speculative_generate_text
+
+        result = speculative_generate_text(model, tokenizer, prompt, sampling, speculative, chat=args.chat,
+                                           on_text=on_text)
     print(flush=True)
     rt = model.pagedexperts
     if recorder is not None:

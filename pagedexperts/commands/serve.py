@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from pagedexperts.commands.common import add_model_arguments, load_from_args
+from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 DEFAULT_MAX_PREFILL_TOKENS = 16384  # = serving.scheduler.DEFAULT_MAX_PREFILL_TOKENS (not imported: torch)
 MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.protocol.MAX_PROMPT_BYTES_PER_TOKEN
@@ -38,6 +39,7 @@ def add_parser(sub) -> None:
     b.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS, metavar="TOKENS",
                    help="padded tokens (prompts x longest prompt) prefilled in one forward; admitted prompts are "
                    f"prefilled together up to this (default {DEFAULT_MAX_PREFILL_TOKENS}; 1 = one prompt per forward)")
+    add_speculative_arguments(p)
     a = p.add_argument_group("admission")
     a.add_argument("--max-body-bytes", type=int, default=None, metavar="BYTES",
                    help="largest request body; larger ones get 413 before parsing (default: 1 MiB + 8 x the "
@@ -62,6 +64,7 @@ def run(args) -> int:
     from pagedexperts.loading.loader import bundled_model_path
 
     _check_flags(args)
+    speculative = speculative_from_args(args)
     model, tokenizer = load_from_args(args)
     if tokenizer is None:
         raise ValueError("the model directory has no tokenizer (tokenizer.json / tokenizer_config.json); add one")
@@ -77,7 +80,7 @@ def run(args) -> int:
                          model_path=str(model_dir),
                          record_trace=args.record_trace, max_queued_requests=args.max_queued_requests,
                          max_prefill_tokens=args.max_prefill_tokens, max_body_bytes=args.max_body_bytes,
-                         api_key=args.api_key, shutdown_timeout_s=args.shutdown_timeout)
+                         api_key=args.api_key, shutdown_timeout_s=args.shutdown_timeout, speculative=speculative)
     print(f"pagedexperts serve: {name} on http://{args.host}:{args.port}, K={rt.num_resident} of "
           f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}", file=sys.stderr, flush=True)
     run_server(model, tokenizer, config, host=args.host, port=args.port)

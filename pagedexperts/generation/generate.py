@@ -24,6 +24,8 @@ class GenerationResult:
 
     ``paging`` holds ModelStats.as_dict() of the whole call; ``prefill`` and ``decode`` the
     totals of each phase (prefill = the forward over the prompt, decode = the rest).
+    ``speculative``: with --speculative, the acceptance counters (``speculation.SpeculativeStats``)
+    and paging per generated token; empty otherwise.
     """
 
     text: str
@@ -35,6 +37,7 @@ class GenerationResult:
     paging: dict = field(default_factory=dict)
     prefill: dict = field(default_factory=dict)
     decode: dict = field(default_factory=dict)
+    speculative: dict = field(default_factory=dict)
 
 
 class _TimingStreamer:
@@ -187,6 +190,14 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
                                                  (("plan_s", "plan"), ("sync_s", "read-back"), ("page_in_s", "page-in"))),
         f"  TTFT {result.ttft_s * 1e3:.0f} ms, decode {result.decode_tok_s:.1f} tok/s",
     ]
+    s = result.speculative
+    if s:
+        lines.append(
+            f"  speculative {s['method']} n={s['num_speculative_tokens']}: acceptance {s['acceptance_rate']:.1%} "
+            f"({s['accepted']} of {s['proposed']} proposed), {s['mean_accepted_per_step']:.2f} accepted per "
+            f"verification step ({s['steps']} steps); per generated token in decode: misses "
+            f"{s['misses_per_generated_token']:.2f}, {s['bytes_per_generated_token'] / 1e6:.3f} MB paged"
+        )
     if p.get("disk_tier"):
         lines.append(
             f"  disk tier: device hit rate {d['hit_rate']:.1%}, host hit rate {d['host_hit_rate']:.1%} in decode; "

@@ -33,6 +33,7 @@ from pagedexperts.serving import protocol, responses
 from pagedexperts.serving.admission import RETRY_AFTER_S, client_disconnected, shutting_down
 from pagedexperts.serving.metrics import Metrics
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from pagedexperts.serving.speculation import SpeculativeConfig
 from pagedexperts.serving.scheduler import (DEFAULT_MAX_PREFILL_TOKENS, BatchScheduler, QueueFull,
                                             SchedulerConfig, SchedulerStopped)
 
@@ -53,6 +54,7 @@ class ServeConfig:
     ``api_key``: when set, /v1/* needs ``Authorization: Bearer <key>``. ``shutdown_timeout_s``:
     how long running requests may finish after SIGTERM. ``record_trace``: .npz path.
     ``model_path``: the checkpoint directory, reported to a router (``/server_info``).
+    ``speculative``: a ``speculation.SpeculativeConfig`` (--speculative), None = plain decoding.
     """
 
     served_model_name: str
@@ -65,6 +67,7 @@ class ServeConfig:
     api_key: str | None = None
     shutdown_timeout_s: float = 30.0
     model_path: str | None = None
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -100,7 +103,7 @@ class OpenAIServing:
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
         self.scheduler = BatchScheduler(model, tokenizer, SchedulerConfig(
             config.max_running_requests, config.context_length, max_queued_requests=config.max_queued_requests,
-            max_prefill_tokens=config.max_prefill_tokens), recorder=recorder)
+            max_prefill_tokens=config.max_prefill_tokens), recorder=recorder, speculative=config.speculative)
         self.metrics = Metrics(self.scheduler, model.pagedexperts)
         self.lifecycle = Lifecycle()
 

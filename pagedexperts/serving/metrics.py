@@ -96,6 +96,10 @@ class _LiveCollector:
         for name in _numeric_fields(s.stats):
             kind = GaugeMetricFamily if GAUGE_NAME.search(name) else CounterMetricFamily
             yield kind(PREFIX + name, f"Scheduler: {name.replace('_', ' ')}", value=getattr(s.stats, name))
+        if s.speculative is not None:
+            from pagedexperts.serving.speculative import speculative_metrics
+
+            yield from speculative_metrics(s.speculative.stats, PREFIX)
         layers = sorted((i, pager.stats) for i, pager in rt.pagers.items())
         if not layers:
             return

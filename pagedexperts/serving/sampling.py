@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from pagedexperts.generation.config import SamplingConfig
+from pagedexperts.serving.speculation import warped_probs
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see the module docstring)
 REPLACEMENT_CHAR = "\ufffd"
@@ -111,14 +112,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
     logits = adjusted_logits(logits, params, output_ids)
     if params.greedy:
         return int(torch.argmax(logits))
-    scaled = logits.float() / params.temperature
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = torch.cumsum(probs, dim=-1) - probs > params.top_p  # always keeps the first
-        scaled = scaled.clone()
-        scaled[order[drop]] = float("-inf")
-    probs = torch.softmax(scaled, dim=-1)
+    probs = warped_probs(logits, params.temperature, params.top_p)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

@@ -145,7 +145,7 @@ class BatchScheduler:
     ``step`` in tests, with no thread started).
     """
 
-    def __init__(self, model, tokenizer, config: SchedulerConfig, *, recorder=None) -> None:
+    def __init__(self, model, tokenizer, config: SchedulerConfig, *, recorder=None, speculative=None) -> None:
         if config.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {config.max_running_requests}")
         if config.max_prefill_tokens < 1:
@@ -162,6 +162,11 @@ class BatchScheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count(1)
+        self.speculative = None  # a SpeculativeDecoder with --speculative (a SpeculativeConfig)
+        if speculative is not None:
+            from pagedexperts.serving.speculative import SpeculativeDecoder
+
+            self.speculative = SpeculativeDecoder(model, tokenizer, speculative, pad_id=self.pad_id)
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:
@@ -338,6 +343,8 @@ class BatchScheduler:
             req.generator.manual_seed(req.sampling.seed % 2**64)
 
     def _decode(self, reqs: list[Request]) -> None:
+        if self.speculative is not None:  # propose, verify in one forward, roll back (serving.speculative)
+            return self.speculative.decode(self, reqs)
         from transformers import DynamicCache
 
         device = self.model.device
@@ -385,9 +392,11 @@ class BatchScheduler:
     def _report(self, logits: torch.Tensor, token_ids: list[int], req: Request) -> list[TokenLogprob]:
         return token_logprobs(logits, token_ids, req.sampling.logprobs or 0, self._token_text)
 
-    def _accept(self, req: Request, logits: torch.Tensor) -> None:
-        """Sample the next token of ``req``, emit its new text, finish it if done."""
-        token = sample(logits, req.sampling, req.output_ids, req.generator)
+    def _accept(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
+        """Sample the next token of ``req`` (or take ``token``, chosen by speculation from these
+        logits), emit its new text, finish it if done."""
+        if token is None:
+            token = sample(logits, req.sampling, req.output_ids, req.generator)
         now = time.perf_counter()
         if req.first_token_s is None:
             req.first_token_s = now

@@ -1,0 +1,32 @@
+"""The speculative-decoding flags of ``generate`` and ``serve`` (``--speculative`` and its options).
+
+Owns the argparse group only; the checks are ``serving.speculation.speculative_config``'s.
+"""
+
+from __future__ import annotations
+
+METHODS = ("ngram", "draft")  # = serving.speculation.METHODS (not imported here: torch)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # = serving.speculation.DEFAULT_NUM_SPECULATIVE_TOKENS
+
+
+def add_speculative_arguments(parser) -> None:
+    """--speculative, --draft-model-path, --num-speculative-tokens."""
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", choices=METHODS, default=None,
+                   help="propose tokens and verify them in one forward of the paged model: ngram = prompt lookup "
+                   "(the tokens that followed the latest earlier occurrence of the last 3..1 tokens; no extra model), "
+                   "draft = a smaller checkpoint with the same tokenizer (--draft-model-path). Greedy output is "
+                   "unchanged; sampling keeps the model's distribution (default: off)")
+    g.add_argument("--draft-model-path", default=None, metavar="DIR",
+                   help="the draft checkpoint of --speculative draft (loaded whole, unpaged, on --device)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens proposed per request per verification step, 1..32 (default "
+                   f"{DEFAULT_NUM_SPECULATIVE_TOKENS}); a step routes N + 1 tokens per request")
+
+
+def speculative_from_args(args):
+    """The SpeculativeConfig of the flags, or None (ValueError naming the flag, before loading)."""
+    from pagedexperts.serving.speculation import speculative_config
+
+    return speculative_config(args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                              draft_model_path=args.draft_model_path)

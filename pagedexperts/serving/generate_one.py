@@ -1,0 +1,96 @@
+"""``pagedexperts generate --speculative``: one prompt through the scheduler's speculative decode.
+
+Owns: running ONE request through a ``BatchScheduler`` with ``speculative`` set (a request
+alone is prefilled and verified with no padding and no mask, as ``model.generate`` runs), the
+same timing and prefill / decode paging split as ``generate.generate_text``, and the
+speculation counters in the result. One implementation of speculation serves both commands.
+
+Differences from the plain ``generate_text`` path (transformers' ``generate``): stop strings
+are cut from the text (as the server does), and sampling draws from the scheduler's
+per-request generator seeded with ``--seed`` (same distribution, another random stream).
+
+Does not: load models, or decide acceptance (``speculation``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from pagedexperts.generation.config import SamplingConfig
+from pagedexperts.generation.generate import GenerationResult, _difference, _totals, build_prompt
+from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
+from pagedexperts.serving.speculation import SpeculativeConfig
+
+
+def speculative_generate_text(model, tokenizer, prompt: str, sampling: SamplingConfig,
+                              speculative: SpeculativeConfig, *, chat: bool = False,
+                              on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """Generate from ``prompt`` with speculative decoding; stream text to ``on_text``.
+
+    Timing: TTFT = from the call to the first new token (s); decode tok/s = (new tokens - 1)
+    / time from the first to the last new token. ``result.speculative`` holds
+    ``SpeculativeStats.as_dict()`` plus ``misses_per_generated_token`` and
+    ``bytes_per_generated_token`` of the decode phase (paging over tokens emitted, not routed).
+
+    Raises:
+        ValueError: bad sampling options, empty prompt, no tokenizer, --chat without a chat
+            template, or prompt + --max-new-tokens over max_position_embeddings.
+        RuntimeError: the model step failed (the scheduler's error message).
+    """
+    sampling.validate()
+    if not prompt:
+        raise ValueError("empty prompt; give --prompt TEXT or text on stdin")
+    if tokenizer is None:
+        raise ValueError("the model directory has no tokenizer (tokenizer.json / tokenizer_config.json); add one")
+    ids = tokenizer(build_prompt(tokenizer, prompt, chat=chat))["input_ids"]
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or len(ids) + sampling.max_new_tokens
+    if len(ids) + sampling.max_new_tokens > limit:
+        raise ValueError(f"prompt {len(ids)} tokens + --max-new-tokens {sampling.max_new_tokens} exceeds the "
+                         f"model's max_position_embeddings {limit}; lower --max-new-tokens")
+    runtime = model.pagedexperts
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, limit), speculative=speculative)
+    runtime.reset_stats()
+    events = []
+
+    def on_event(event) -> None:
+        events.append(event)
+        if on_text is not None and event.text:
+            on_text(event.text)
+
+    start = time.perf_counter()
+    req = sched.submit(ids, sampling, on_event)
+    sched.step()  # prefill and the first token
+    before = _totals(runtime.stats(), times=False)
+    while sched.num_running:
+        sched.step()
+    end = time.perf_counter()
+    if events[-1].finish_reason == "error":
+        raise RuntimeError(events[-1].error)
+    return _result(events, req, sched, runtime, before, start, end, len(ids))
+
+
+def _result(events: list, req, sched, runtime, before: dict, start: float, end: float, prompt_tokens: int) -> GenerationResult:
+    total = _totals(runtime.stats())
+    decode = _difference(total, before)
+    n = len(req.output_ids)
+    first = req.first_token_s or end
+    decode_s = req.finished_s - first if n > 1 else 0.0
+    spec = sched.speculative.stats.as_dict()
+    emitted = max(0, n - 1)  # tokens of the decode phase (the first came from prefill)
+    spec.update(misses_per_generated_token=decode["misses"] / emitted if emitted else 0.0,
+                bytes_per_generated_token=decode["bytes_paged"] / emitted if emitted else 0.0,
+                method=sched.speculative.config.method,
+                num_speculative_tokens=sched.speculative.config.num_speculative_tokens)
+    return GenerationResult(
+        text="".join(e.text for e in events),
+        prompt_tokens=prompt_tokens,
+        new_tokens=n,
+        ttft_s=first - start,
+        decode_tok_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
+        total_s=end - start,
+        paging=runtime.stats().as_dict(),
+        prefill=before,
+        decode=decode,
+        speculative=spec,
+    )
