@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedexperts.serving import protocol
+from pagedexperts.serving.connections import uvicorn_config
 from pagedexperts.serving.handlers import Admission, ApiError, OpenAIServing, ServeConfig, error_response
 
 logger = logging.getLogger("pagedexperts.server")
@@ -131,12 +132,11 @@ def single_wave_note(runtime, max_running_requests: int) -> str:
 
 def run_server(model, tokenizer, config: ServeConfig, *, host: str, port: int, log_level: str = "info") -> None:
     """Serve until SIGINT / SIGTERM; the first signal drains (see the module docstring)."""
-    import uvicorn
-
     logger.info("%s", single_wave_note(model.pagedexperts, config.max_running_requests))
     app = create_app(model, tokenizer, config)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
-    draining_server_class()(config, app.state.serving).run()
+    uv = uvicorn_config(app, header_timeout_s=config.header_timeout_s, max_connections=config.max_connections,
+                        host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
+    draining_server_class()(uv, app.state.serving).run()
 
 
 def draining_server_class():

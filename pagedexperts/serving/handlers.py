@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pagedexperts.serving import protocol, responses
+from pagedexperts.serving.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from pagedexperts.serving.metrics import Metrics
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from pagedexperts.serving.scheduler import (DEFAULT_MAX_PREFILL_TOKENS, BatchScheduler, QueueFull,
@@ -55,6 +56,8 @@ class ServeConfig:
     ``max_body_bytes``: request body limit (None = ``protocol.default_max_body_bytes``).
     ``api_key``: when set, /v1/* needs ``Authorization: Bearer <key>``. ``shutdown_timeout_s``:
     how long running requests may finish after SIGTERM. ``record_trace``: .npz path.
+    ``chunked_prefill``: prompt chunks share the decode forward (``SchedulerConfig``).
+    ``header_timeout_s``, ``max_connections``: connection limits (``connections``).
     """
 
     served_model_name: str
@@ -66,6 +69,9 @@ class ServeConfig:
     max_body_bytes: int | None = None
     api_key: str | None = None
     shutdown_timeout_s: float = 30.0
+    chunked_prefill: bool = True
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 @dataclass
@@ -208,7 +214,7 @@ class OpenAIServing:
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
         self.scheduler = BatchScheduler(model, tokenizer, SchedulerConfig(
             config.max_running_requests, config.context_length, max_queued_requests=config.max_queued_requests,
-            max_prefill_tokens=config.max_prefill_tokens), recorder=recorder)
+            max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill), recorder=recorder)
         self.metrics = Metrics(self.scheduler, model.pagedexperts)
         self.lifecycle = Lifecycle()
 
