@@ -359,7 +359,8 @@ class OpenAIServing:
 
         def chunk(c, text, entries, finish, first=False):
             choice = responses.chunk_choice(c, text, entries, finish, chat=chat, logprobs=logprobs, first=first)
-            return responses.sse({**ex.head, "object": obj, "choices": [choice]})
+            usage = {"usage": None} if p.include_usage else {}  # OpenAI: null until the final usage chunk
+            return responses.sse({**ex.head, "object": obj, "choices": [choice], **usage})
 
         try:
             if chat:
