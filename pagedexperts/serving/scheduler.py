@@ -239,12 +239,11 @@ class BatchScheduler:
     def _chunked_step(self) -> None:
         """One forward: every decode and the prompt chunks the budget allows (``chunked_prefill``)."""
         segments, decodes = step_segments(self._running, self.config.max_prefill_tokens)
-        if decodes == len(segments):  # no prompt to prefill: the batched decode
-            decoding = [s.request for s in segments]
-            if decoding:
-                self._guarded(decoding, lambda: self._decode(decoding))
-            return
-        self._guarded([s.request for s in segments], lambda: self._packed(segments, decodes))
+        reqs = [s.request for s in segments]
+        if decodes < len(segments):
+            self._guarded(reqs, lambda: self._packed(segments, decodes))
+        elif reqs:  # no prompt to prefill: the batched decode
+            self._guarded(reqs, lambda: self._decode(reqs))
 
     def _guarded(self, reqs: list[Request], fn: Callable[[], None]) -> None:
         """Run a model step; on an exception in it fail those requests and keep serving others."""
@@ -279,10 +278,7 @@ class BatchScheduler:
         cache = DynamicCache()
         out = self._forward([r.request_id for r in reqs], input_ids=ids.to(device), attention_mask=mask.to(device),
                             position_ids=positions.to(device), cache=cache, logits_to_keep=0 if scores else 1)
-        self.stats.prefill_steps += 1
-        self.stats.prefill_rows += len(reqs)
-        self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, len(reqs))
-        self.stats.prefill_tokens += sum(len(r.prompt_ids) for r in reqs)
+        self._count_prefill(len(reqs), sum(len(r.prompt_ids) for r in reqs))
         p_max = ids.shape[1]
         logits = out.logits.to("cpu")  # [B, P_max or 1, V]
         row = {r.request_id: i for i, r in enumerate(reqs)}
@@ -302,11 +298,7 @@ class BatchScheduler:
         out = self._forward(owners, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                             position_ids=batch.position_ids, cache=batch.cache, logits_to_keep=batch.keep)
         keep_new_kv(batch)
-        chunks = len(segments) - decodes
-        self.stats.prefill_steps += 1
-        self.stats.prefill_rows += chunks
-        self.stats.prefill_tokens += sum(len(s.token_ids) for s in segments[decodes:])
-        self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, chunks)
+        self._count_prefill(len(segments) - decodes, sum(len(s.token_ids) for s in segments[decodes:]))
         if decodes:
             self._count_decode(decodes)
             self.stats.mixed_steps += 1
@@ -352,6 +344,12 @@ class BatchScheduler:
         logits = out.logits[:, -1].to("cpu")
         row = {r.request_id: i for i, r in enumerate(reqs)}
         each_isolated(reqs, lambda r: self._accept(r, logits[row[r.request_id]]), self._fail, what="sampling")
+
+    def _count_prefill(self, rows: int, tokens: int) -> None:
+        self.stats.prefill_steps += 1
+        self.stats.prefill_rows += rows
+        self.stats.prefill_tokens += tokens
+        self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, rows)
 
     def _count_decode(self, batch: int) -> None:
         self.stats.decode_steps += 1
