@@ -207,8 +207,11 @@ PREFILL_MODES = {"one": {"max_prefill_tokens": 1, "chunked_prefill": False},  # 
 
 
 def prefill_bench(args, prompts: int, repeats: int = 5) -> dict:
-    """Seconds of one scheduler step that admits ``prompts`` prompts (max_tokens 1), per
-    prefill mode; modes alternate, medians of ``repeats``."""
+    """Seconds of one scheduler step, per prefill mode, wall (``perf_counter``) and CPU
+    (``process_time``: the work itself, whatever else the machine runs): ``burst``, an idle
+    scheduler admitting ``prompts`` prompts; ``join``, ``prompts - 1`` requests decoding
+    while one new prompt joins (the steady state of a loaded server). Warm-up first, modes
+    alternate, medians of ``repeats``."""
     import torch
 
     from pagedexperts import load_model
@@ -219,18 +222,32 @@ def prefill_bench(args, prompts: int, repeats: int = 5) -> dict:
         torch.set_num_threads(args.torch_threads)
     model, tokenizer = load_model(args.model_path, num_resident=args.num_resident)
     ids = [tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(prompts)]
-    times: dict[str, list[float]] = {mode: [] for mode in PREFILL_MODES}
+
+    def step(extra, case) -> tuple[float, float]:
+        sched = BatchScheduler(model, tokenizer, SchedulerConfig(prompts, 4096, **extra))
+        for p in ids[:-1] if case == "join" else ids:
+            sched.submit(p, SamplingParams(max_new_tokens=8), lambda e: None)
+        if case == "join":
+            for _ in range(3):
+                sched.step()
+            sched.submit(ids[-1], SamplingParams(max_new_tokens=8), lambda e: None)
+        wall, cpu = time.perf_counter(), time.process_time()
+        sched.step()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    step({}, "burst")  # warm-up
+    times = {(mode, case): [] for case in ("burst", "join") for mode in PREFILL_MODES}
     for _ in range(repeats):
-        for mode, extra in PREFILL_MODES.items():
-            sched = BatchScheduler(model, tokenizer, SchedulerConfig(prompts, 4096, **extra))
-            for p in ids:
-                sched.submit(p, SamplingParams(max_new_tokens=1), lambda e: None)
-            start = time.perf_counter()
-            sched.step()
-            times[mode].append(time.perf_counter() - start)
-    out = {mode: statistics.median(v) for mode, v in times.items()}
-    print(f"prefill of {prompts} prompts in one step: " + ", ".join(f"{m} {t * 1e3:.0f} ms" for m, t in out.items())
-          + f" (medians of {repeats})", flush=True)
+        for (mode, case), v in times.items():
+            v.append(step(PREFILL_MODES[mode], case))
+    out = {}
+    for (mode, case), v in times.items():
+        out[f"{case}_{mode}_wall_s"] = statistics.median(w for w, _ in v)
+        out[f"{case}_{mode}_cpu_s"] = statistics.median(c for _, c in v)
+    for case, what in (("burst", f"{prompts} prompts admitted at once"), ("join", f"{prompts - 1} decoding + 1 joining")):
+        print(f"one step, {what}: " + ", ".join(
+            f"{m} {out[f'{case}_{m}_wall_s'] * 1e3:.0f} ms wall / {out[f'{case}_{m}_cpu_s'] * 1e3:.0f} ms CPU"
+            for m in PREFILL_MODES) + f" (medians of {repeats})", flush=True)
     return out
 
 
@@ -303,9 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the JSON report here")
     args = p.parse_args(argv)
 
-    runs = []
+    runs, steps = [], None
     if args.prefill_bench and not args.url:
-        prefill_bench(args, args.prefill_bench)
+        steps = prefill_bench(args, args.prefill_bench)
     if args.url:
         url = args.url.rstrip("/")
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -327,7 +344,7 @@ def main(argv=None) -> int:
     print_table(runs)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(runs, indent=2, default=lambda o: asdict(o)))
+        Path(args.out).write_text(json.dumps({"steps": steps, "runs": runs}, indent=2, default=lambda o: asdict(o)))
     return 0 if all(r["load"]["ok"] == r["load"]["requests"] for r in runs) else 1
 
 
