@@ -126,7 +126,8 @@ def test_connection_cap(guarded):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_half_closed_client_is_answered(guarded, stream):
-    """The client sends its request and shuts its write side (``nc -N``): it still gets the answer."""
+    """The client sends its request and shuts its write side (``nc -N``): it still gets the answer
+    (a client gone entirely is still cancelled at once: test_server_api's non-streaming one)."""
     body = {"model": NAME, "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0, "stream": stream}
     with socket.create_connection(("127.0.0.1", _port(guarded[0])), timeout=30) as s:
         s.sendall(_request("/v1/completions", body))
@@ -137,7 +138,9 @@ def test_half_closed_client_is_answered(guarded, stream):
             if not part:
                 break
             data += part
-    head, _, payload = data.partition(b"\r\n\r\n")
+    probe = b"HTTP/1.1 100 Continue\r\n\r\n"  # the interim response that tells a half-close from a close
+    assert data.startswith(probe) or stream, data[:200]
+    head, _, payload = data.removeprefix(probe).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), data[:200]
     if stream:
         assert b"data: [DONE]" in payload and b'"finish_reason": "length"' in payload

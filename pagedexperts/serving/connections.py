@@ -11,9 +11,9 @@ class it selects, uvicorn's h11 protocol with three changes:
   (``limit_concurrency``, which counts the connection asking, hence the + 1).
 - a client that half-closes (shuts its write side after sending the whole request, as
   ``printf ... | nc -N`` does) is answered: the end of its input does not close the
-  connection, which closes after the response. A client that closed entirely looks the same
-  until a write fails, so its non-streamed request runs to completion (a stream is cancelled
-  at the next chunk it cannot take).
+  connection, which closes after the response. A client that closed entirely sends the same
+  end of input; an interim ``100 Continue`` written at once tells them apart (a closed peer
+  answers it with a reset), so a gone client's request is still cancelled at once.
 
 Does not: route, validate or answer requests (``api_server``, ``handlers``).
 """
@@ -21,11 +21,14 @@ Does not: route, validate or answer requests (``api_server``, ``handlers``).
 from __future__ import annotations
 
 import logging
+import socket
 
 logger = logging.getLogger("pagedexperts.server")
 
 DEFAULT_HEADER_TIMEOUT_S = 5.0  # nginx's client_header_timeout is 60 s; a few seconds suffice on a LAN
 DEFAULT_MAX_CONNECTIONS = 1024
+PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"  # written to a half-closed client before its response
+PROBE_WAIT_S = 0.05  # a reset from a closed peer on loopback or a LAN arrives well within this
 
 
 def protocol_class(header_timeout_s: float):
@@ -64,11 +67,23 @@ def protocol_class(header_timeout_s: float):
 
         def eof_received(self):
             """Half-close after a whole request: keep the connection to write the answer (True
-            keeps the transport open), then close it. Otherwise close as uvicorn does."""
-            if self.cycle is not None and not self.cycle.response_complete and self.conn.their_state is h11.DONE:
-                self.cycle.keep_alive = False
-                return True
-            return None
+            keeps the transport open), then close it. Otherwise close as uvicorn does. Before
+            the response starts, a ``100 Continue`` probes the peer: a client that closed
+            entirely answers it with a reset, and is then treated as gone (its request is
+            cancelled at once), as before."""
+            if self.cycle is None or self.cycle.response_complete or self.conn.their_state is not h11.DONE:
+                return None
+            self.cycle.keep_alive = False
+            if not self.cycle.response_started:
+                self.transport.write(PROBE)  # an interim response: clients skip 1xx (RFC 9110, 15.2)
+                self.loop.call_later(PROBE_WAIT_S, self._probe_answered)
+            return True
+
+        def _probe_answered(self) -> None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None and not self.transport.is_closing() and \
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):  # reset: the client is gone
+                self.transport.abort()
 
     return GuardedH11Protocol
 
