@@ -11,15 +11,17 @@ Starts the server in this process (uvicorn in a thread, 127.0.0.1, a free port) 
 
 In-process, step 2 runs once per ``--max-running-requests`` value (e.g. ``4,16,32``) and per
 ``--prefill`` mode, each on a fresh server: ``one`` = one prompt per prefill forward
-(``--max-prefill-tokens 1``, the behaviour before batched prefill), ``batched`` = admitted
-prompts prefilled together (the default budget). The summary table gives TTFT p50 / p99 and
-tok/s of each, and the p50 ratio one / batched per running cap.
+(``--no-chunked-prefill --max-prefill-tokens 1``, the behaviour before batched prefill),
+``batched`` = admitted prompts prefilled together in a forward of their own
+(``--no-chunked-prefill``), ``chunked`` = prompt chunks packed into the decode forwards (the
+default). The summary table gives TTFT p50 / p99 and tok/s of each, and the p50 ratio of
+each mode to ``one`` per running cap.
 
 Reports throughput, TTFT p50 / p99 (first text chunk), and from /metrics the decode batch
 sizes, prefill batch sizes, union size, waves per layer step and multi-wave steps of the
 run. Writes a JSON report to ``--out``. Usage::
 
-    python bench/load_test.py --max-running-requests 4,16,32 --prefill one,batched --out results/load_test.json
+    python bench/load_test.py --max-running-requests 4,16,32 --prefill one,batched,chunked --out results/load_test.json
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.0f}ms"
 
 
-def start_server(args, max_running: int, max_prefill_tokens: int | None) -> tuple[str, str, object]:
+def start_server(args, max_running: int, mode: str) -> tuple[str, str, object]:
     """Serve in this process on 127.0.0.1; (url, model name, uvicorn server)."""
     import torch
     import uvicorn
@@ -188,7 +190,7 @@ def start_server(args, max_running: int, max_prefill_tokens: int | None) -> tupl
     model, tokenizer = load_model(args.model_path, num_resident=args.num_resident)
     name = "load-test"
     context = int(model.config.max_position_embeddings)
-    extra = {} if max_prefill_tokens is None else {"max_prefill_tokens": max_prefill_tokens}
+    extra = dict(PREFILL_MODES[mode])
     app = create_app(model, tokenizer, ServeConfig(name, max_running, context, **extra))
     print(single_wave_note(model.pagedexperts, max_running), flush=True)
     sock = socket.socket()
@@ -200,12 +202,16 @@ def start_server(args, max_running: int, max_prefill_tokens: int | None) -> tupl
     return f"http://127.0.0.1:{sock.getsockname()[1]}", name, server
 
 
-PREFILL_MODES = {"one": 1, "batched": None}  # --max-prefill-tokens of each mode (None = the default)
+PREFILL_MODES = {"one": {"max_prefill_tokens": 1, "chunked_prefill": False},  # ServeConfig of each mode
+                 "batched": {"chunked_prefill": False}, "chunked": {"chunked_prefill": True}}
 
 
 def prefill_bench(args, prompts: int, repeats: int = 5) -> dict:
-    """Seconds of one scheduler step that admits ``prompts`` prompts (max_tokens 1), one
-    prompt per forward vs all in one forward; modes alternate, medians of ``repeats``."""
+    """Seconds of one scheduler step, per prefill mode, wall (``perf_counter``) and CPU
+    (``process_time``: the work itself, whatever else the machine runs): ``burst``, an idle
+    scheduler admitting ``prompts`` prompts; ``join``, ``prompts - 1`` requests decoding
+    while one new prompt joins (the steady state of a loaded server). Warm-up first, modes
+    alternate, medians of ``repeats``."""
     import torch
 
     from pagedexperts import load_model
@@ -216,19 +222,32 @@ def prefill_bench(args, prompts: int, repeats: int = 5) -> dict:
         torch.set_num_threads(args.torch_threads)
     model, tokenizer = load_model(args.model_path, num_resident=args.num_resident)
     ids = [tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(prompts)]
-    times: dict[str, list[float]] = {mode: [] for mode in PREFILL_MODES}
+
+    def step(extra, case) -> tuple[float, float]:
+        sched = BatchScheduler(model, tokenizer, SchedulerConfig(prompts, 4096, **extra))
+        for p in ids[:-1] if case == "join" else ids:
+            sched.submit(p, SamplingParams(max_new_tokens=8), lambda e: None)
+        if case == "join":
+            for _ in range(3):
+                sched.step()
+            sched.submit(ids[-1], SamplingParams(max_new_tokens=8), lambda e: None)
+        wall, cpu = time.perf_counter(), time.process_time()
+        sched.step()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    step({}, "burst")  # warm-up
+    times = {(mode, case): [] for case in ("burst", "join") for mode in PREFILL_MODES}
     for _ in range(repeats):
-        for mode, budget in PREFILL_MODES.items():
-            extra = {} if budget is None else {"max_prefill_tokens": budget}
-            sched = BatchScheduler(model, tokenizer, SchedulerConfig(prompts, 4096, **extra))
-            for p in ids:
-                sched.submit(p, SamplingParams(max_new_tokens=1), lambda e: None)
-            start = time.perf_counter()
-            sched.step()
-            times[mode].append(time.perf_counter() - start)
-    out = {mode: statistics.median(v) for mode, v in times.items()}
-    print(f"prefill of {prompts} prompts in one step: one per forward {out['one'] * 1e3:.0f} ms, batched "
-          f"{out['batched'] * 1e3:.0f} ms ({out['one'] / out['batched']:.1f}x; medians of {repeats})", flush=True)
+        for (mode, case), v in times.items():
+            v.append(step(PREFILL_MODES[mode], case))
+    out = {}
+    for (mode, case), v in times.items():
+        out[f"{case}_{mode}_wall_s"] = statistics.median(w for w, _ in v)
+        out[f"{case}_{mode}_cpu_s"] = statistics.median(c for _, c in v)
+    for case, what in (("burst", f"{prompts} prompts admitted at once"), ("join", f"{prompts - 1} decoding + 1 joining")):
+        print(f"one step, {what}: " + ", ".join(
+            f"{m} {out[f'{case}_{m}_wall_s'] * 1e3:.0f} ms wall / {out[f'{case}_{m}_cpu_s'] * 1e3:.0f} ms CPU"
+            for m in PREFILL_MODES) + f" (medians of {repeats})", flush=True)
     return out
 
 
@@ -270,15 +289,16 @@ def print_table(runs: list[dict]) -> None:
         return statistics.median(values) if values else None
 
     for running in sorted({r["max_running"] for r in runs if isinstance(r["max_running"], int)}):
-        one, batched = median(running, "one", "ttft_p50_s"), median(running, "batched", "ttft_p50_s")
-        if one and batched:
-            print(f"running {running}: median TTFT p50 one-at-a-time {_ms(one)}, batched {_ms(batched)}: "
-                  f"batched / one = {batched / one:.2f}; median tok/s {median(running, 'one', 'tok_s'):.1f} -> "
-                  f"{median(running, 'batched', 'tok_s'):.1f}", flush=True)
-        one, batched = (median(running, m, "ttft_p50_s", "burst") for m in ("one", "batched"))
-        if one and batched:
-            print(f"running {running}: burst of {running}, median TTFT p50 one-at-a-time {_ms(one)}, batched "
-                  f"{_ms(batched)}: batched / one = {batched / one:.2f}", flush=True)
+        for mode in ("batched", "chunked"):
+            one, other = median(running, "one", "ttft_p50_s"), median(running, mode, "ttft_p50_s")
+            if one and other:
+                print(f"running {running}: median TTFT p50 one-at-a-time {_ms(one)}, {mode} {_ms(other)}: "
+                      f"{mode} / one = {other / one:.2f}; median tok/s {median(running, 'one', 'tok_s'):.1f} -> "
+                      f"{median(running, mode, 'tok_s'):.1f}", flush=True)
+            one, other = (median(running, m, "ttft_p50_s", "burst") for m in ("one", mode))
+            if one and other:
+                print(f"running {running}: burst of {running}, median TTFT p50 one-at-a-time {_ms(one)}, {mode} "
+                      f"{_ms(other)}: {mode} / one = {other / one:.2f}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -287,7 +307,7 @@ def main(argv=None) -> int:
     p.add_argument("--model-path", default=None, help="model directory (default: the bundled model)")
     p.add_argument("--num-resident", type=int, default=None, help="K (default: the loader's default)")
     p.add_argument("--max-running-requests", default="32", help="comma-separated caps, one server each (in-process)")
-    p.add_argument("--prefill", default="batched", help="comma-separated prefill modes: one, batched (in-process)")
+    p.add_argument("--prefill", default="chunked", help="comma-separated prefill modes: one, batched, chunked (in-process)")
     p.add_argument("--torch-threads", type=int, default=1, help="intra-op threads of the in-process server (0 = torch's default)")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--requests-per-client", type=int, default=3)
@@ -300,9 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the JSON report here")
     args = p.parse_args(argv)
 
-    runs = []
+    runs, steps = [], None
     if args.prefill_bench and not args.url:
-        prefill_bench(args, args.prefill_bench)
+        steps = prefill_bench(args, args.prefill_bench)
     if args.url:
         url = args.url.rstrip("/")
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -315,7 +335,7 @@ def main(argv=None) -> int:
         for running in (int(x) for x in args.max_running_requests.split(",")):
             for rep in range(args.repeats):  # modes alternate, so machine load drifts hit both alike
                 for mode in modes:
-                    url, model, server = start_server(args, running, PREFILL_MODES[mode])
+                    url, model, server = start_server(args, running, mode)
                     runs.append({"max_running": running, "prefill": mode, "repeat": rep,
                                  **run_one(url, model, args, f"running {running}, prefill {mode}, #{rep + 1}",
                                            burst=running)})
@@ -324,7 +344,7 @@ def main(argv=None) -> int:
     print_table(runs)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(runs, indent=2, default=lambda o: asdict(o)))
+        Path(args.out).write_text(json.dumps({"steps": steps, "runs": runs}, indent=2, default=lambda o: asdict(o)))
     return 0 if all(r["load"]["ok"] == r["load"]["requests"] for r in runs) else 1
 
 

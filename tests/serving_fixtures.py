@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from pagedexperts import bundled_model_path, load_model
 from pagedexperts.generation.config import SamplingConfig  # noqa: E402
 from pagedexperts.serving.api_server import create_app  # noqa: E402
+from pagedexperts.serving.connections import uvicorn_config  # noqa: E402
 from pagedexperts.serving.handlers import ServeConfig  # noqa: E402
 from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig  # noqa: E402
 
@@ -74,7 +75,8 @@ def serve(config: ServeConfig, trace=None):
     app = create_app(model, tokenizer, config)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    srv = uvicorn.Server(uvicorn_config(app, header_timeout_s=config.header_timeout_s,
+                                        max_connections=config.max_connections, log_level="warning"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

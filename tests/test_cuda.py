@@ -6,6 +6,8 @@ The reference is the same directory loaded with plain ``from_pretrained`` on the
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -37,9 +39,13 @@ class TestCuda:
         name = str(dtype).replace("torch.", "")
         model, _ = load_model(tiny_moe_dir, num_resident=k_slots, device="cuda", dtype=name, experts_implementation=impl)
         ids = torch.randint(2, 100, (4, 24), generator=torch.Generator().manual_seed(0)).cuda()
-        with torch.no_grad():
-            want, got = ref(ids).logits, model(ids).logits
+        with torch.no_grad(), grouped_rows() as rows:
+            want = ref(ids).logits
+            ref_rows, rows[:] = list(rows), []
+            got = model(ids).logits
         assert torch.equal(got, want), _diff(got, want)
+        if impl == "grouped_mm":  # CUDA picks its tile config from the row count: the reference's S = T * k
+            assert set(rows) == set(ref_rows) == {ids.numel() * TOP_K}, (sorted(set(rows)), sorted(set(ref_rows)))
         stats = model.pagedexperts.stats().total()
         assert stats.misses > 0
         if k_slots == TOP_K:
@@ -53,6 +59,40 @@ class TestCuda:
             assert all(t.is_pinned() for t in pager.store.tensors.values())
             assert all(t.is_cuda and t.shape[0] == TOP_K for t in pager.slots.values())
         assert expert_tensors_on_device(model) == []
+
+
+@contextmanager
+def grouped_rows():
+    """The row count of every ``_grouped_linear`` call (reference and paged) made inside."""
+    from transformers.integrations import moe
+
+    rows, inner = [], moe._grouped_linear
+
+    def spy(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return inner(x, *args, **kwargs)
+
+    moe._grouped_linear = spy
+    try:
+        yield rows
+    finally:
+        moe._grouped_linear = inner
+
+
+def test_grouped_mm_rows_padded_to_the_reference_count_on_cpu(tiny_moe_dir):
+    """The same row-count check on CPU, where the output cannot show it (the CPU kernel never
+    reads past the last offset): every wave's grouped GEMM sees the reference's S rows."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
+    model, _ = load_model(tiny_moe_dir, num_resident=TOP_K, experts_implementation="grouped_mm")
+    ids = torch.randint(2, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), grouped_rows() as rows:
+        ref(ids)
+        ref_rows, rows[:] = list(rows), []
+        model(ids)
+    assert model.pagedexperts.stats().total().multi_wave_steps > 0  # several waves, each a smaller group
+    assert set(rows) == set(ref_rows) == {ids.numel() * TOP_K}, (sorted(set(rows)), sorted(set(ref_rows)))
 
 
 def expert_tensors_on_device(model) -> list[str]:

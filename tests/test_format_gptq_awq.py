@@ -77,6 +77,28 @@ def test_gptq_v2_zeros_stored_without_offset():
     _assert_equal(layout.dequantize(rows), _expected(raw, torch.bfloat16))
 
 
+@pytest.mark.parametrize("version", ["gptq", "gptq_v2"])
+def test_gptq_every_zero_point_nibble(version):
+    """Zero points 0..15 in every weight, so every stored nibble 0..15 occurs: v1 stores z - 1,
+    so z = 0 is nibble 15 and only the mod-16 wrap after the +1 gives 0 back (a real
+    checkpoint can hold it); v2 stores z itself."""
+    v1 = version == "gptq"
+    gen = torch.Generator().manual_seed(5)
+    raw = [{p: random_int4(o, i, 16, desc_act=False, generator=gen)
+            for p, (o, i) in {"gate": (I_MOE, H), "up": (I_MOE, H), "down": (H, I_MOE)}.items()} for _ in range(2)]
+    for e in raw:
+        for w in e.values():
+            w.z.copy_((torch.arange(w.z.numel()) % 16).view_as(w.z))
+    packed = [{p: pack_gptq(w, v1=v1) for p, w in e.items()} for e in raw]
+    qz = packed[0]["down"]["qzeros"]
+    stored = ((qz.unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF).unique()
+    assert stored.tolist() == list(range(16))
+    fmt = format_for_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 16,
+                                                     "desc_act": False, "sym": False, "checkpoint_format": version}})
+    layout, rows = _rows(fmt, packed, torch.float32)
+    _assert_equal(layout.dequantize(rows), _expected(raw, torch.float32))
+
+
 def test_gptq_desc_act_g_idx_is_used():
     """A desc_act checkpoint dequantized as if g_idx were i // g must differ (guards indexing by g_idx)."""
     raw, packed = _experts(pack_gptq, 1, 16, True, seed=3, zero_min=1)

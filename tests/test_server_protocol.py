@@ -71,6 +71,10 @@ def test_cli_defaults_match_the_library():
 
     assert serve.DEFAULT_MAX_PREFILL_TOKENS == DEFAULT_MAX_PREFILL_TOKENS
     assert serve.MAX_PROMPT_BYTES_PER_TOKEN == protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    from pagedexperts.serving import connections
+
+    assert serve.DEFAULT_HEADER_TIMEOUT_S == connections.DEFAULT_HEADER_TIMEOUT_S
+    assert serve.DEFAULT_MAX_CONNECTIONS == connections.DEFAULT_MAX_CONNECTIONS
 
 
 def test_metrics_export_every_numeric_layer_stat():

@@ -62,11 +62,11 @@ def test_prefill_batches_respect_the_token_budget():
 
 # ---- the model ----
 
-@pytest.mark.parametrize("max_running", [1, 8])
-def test_per_step_logits_match_teacher_forcing(ref, max_running):
+@pytest.mark.parametrize("max_running,chunked", [(1, True), (8, True), (8, False)])
+def test_per_step_logits_match_teacher_forcing(ref, max_running, chunked):
     """Every prompt, every step: scheduler logits == a direct forward on prompt + generated."""
     model, tokenizer = ref
-    sched = RecordingScheduler(model, tokenizer, SchedulerConfig(max_running, CONTEXT))
+    sched = RecordingScheduler(model, tokenizer, SchedulerConfig(max_running, CONTEXT, chunked_prefill=chunked))
     ids, stats = run_schedule(sched, tokenizer, PROMPTS), sched.stats
     sched_logits = sched.logits
     if max_running == 8:
@@ -86,20 +86,20 @@ def test_per_step_logits_match_teacher_forcing(ref, max_running):
 
 def test_batched_prefill_one_forward_and_same_tokens_as_one_at_a_time(ref):
     model, tokenizer = ref
-    together, s1 = schedule(model, tokenizer, PROMPTS, max_running=8)
-    apart, s2 = schedule(model, tokenizer, PROMPTS, max_running=8, max_prefill_tokens=1)
+    together, s1 = schedule(model, tokenizer, PROMPTS, max_running=8, chunked_prefill=False)
+    apart, s2 = schedule(model, tokenizer, PROMPTS, max_running=8, max_prefill_tokens=1, chunked_prefill=False)
     assert (s1.prefill_steps, s1.max_prefill_batch, s1.prefill_rows) == (1, 8, 8)
     assert (s2.prefill_steps, s2.max_prefill_batch) == (8, 1)
-    assert together[0] and len(together) == len(apart)
+    assert together[0] and together == apart
 
 
 def test_paged_equals_unpaged_with_batched_prefill(ref):
     """K = top_k (paging, several waves per step) and K = E on the same batched schedule."""
     model, tokenizer = ref
-    paged, _ = schedule(model, tokenizer, PROMPTS, max_running=8)
+    paged, _ = schedule(model, tokenizer, PROMPTS, max_running=8, chunked_prefill=False)
     full_model, _ = load_model(MODEL_PATH, num_resident=model.pagedexperts.num_experts)
     with torch.no_grad():
-        full, _ = schedule(full_model, tokenizer, PROMPTS, max_running=8)
+        full, _ = schedule(full_model, tokenizer, PROMPTS, max_running=8, chunked_prefill=False)
     assert paged == full
 
 

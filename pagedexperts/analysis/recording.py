@@ -36,8 +36,8 @@ def is_prefill(kwargs: dict) -> bool:
 class TraceRecorder:
     """Records a paged model's routing into a ``trace.TraceWriter`` as it runs.
 
-    ``request_ids``: one id per batch row of the next calls (default 0..B-1); padding rows
-    are recorded with request id -1.
+    ``request_ids``: one id per batch row of the next calls (default 0..B-1), or one per token
+    (B x T ids: a packed step); padding rows are recorded with request id -1.
     """
 
     def __init__(self, model, writer) -> None:
@@ -60,7 +60,9 @@ class TraceRecorder:
     def _begin_step(self, module, args, kwargs) -> None:
         batch, seq, real = step_rows(kwargs, args)
         ids = self.request_ids or list(range(batch))
-        rows = torch.tensor(ids, dtype=torch.long).repeat_interleave(seq)
+        rows = torch.tensor(ids, dtype=torch.long)
+        if rows.numel() != batch * seq:  # one id per batch row (a packed step gives one per token)
+            rows = rows.repeat_interleave(seq)
         if real is not None:
             rows[~real] = -1
         self.writer.begin_step(phase="prefill" if is_prefill(kwargs) else "decode", request_ids=rows.tolist())

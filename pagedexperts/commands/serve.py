@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from pagedexperts.commands.common import add_model_arguments, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
-DEFAULT_MAX_PREFILL_TOKENS = 16384  # = serving.scheduler.DEFAULT_MAX_PREFILL_TOKENS (not imported: torch)
+DEFAULT_MAX_PREFILL_TOKENS = 2048  # = serving.scheduler.DEFAULT_MAX_PREFILL_TOKENS (not imported: torch)
+DEFAULT_HEADER_TIMEOUT_S = 5.0  # = serving.connections.DEFAULT_HEADER_TIMEOUT_S
+DEFAULT_MAX_CONNECTIONS = 1024  # = serving.connections.DEFAULT_MAX_CONNECTIONS
 MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.protocol.MAX_PROMPT_BYTES_PER_TOKEN
 
 
@@ -18,7 +21,8 @@ def add_parser(sub) -> None:
         description="Serve the model over HTTP: POST /v1/completions, /v1/chat/completions "
         "and /v1/responses (stream: true for server-sent events), GET /v1/models, /health, /metrics "
         "(Prometheus), /server_info and /model_info (what sglang-router reads when it registers a replica). "
-        "Admitted prompts are prefilled together and running requests decoded together, one forward each. "
+        "Running requests decode together in one forward per step, and prompts are prefilled in chunks "
+        "that share those forwards (chunked prefill). "
         "Needs the server extra: pip install 'pagedexperts[server]'.",
     )
     add_model_arguments(p)
@@ -37,8 +41,12 @@ def add_parser(sub) -> None:
                    help="sequences waiting for a place beyond which requests get 429 + Retry-After "
                    "(default: unbounded)")
     b.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS, metavar="TOKENS",
-                   help="padded tokens (prompts x longest prompt) prefilled in one forward; admitted prompts are "
-                   f"prefilled together up to this (default {DEFAULT_MAX_PREFILL_TOKENS}; 1 = one prompt per forward)")
+                   help="prompt tokens prefilled per step, in chunks packed with the running decodes; a longer "
+                   "prompt takes several steps (default %(default)s). With --no-chunked-prefill: padded tokens "
+                   "(prompts x longest prompt) of one prefill forward of its own (1 = one prompt per forward)")
+    b.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill prompts in chunks inside the decode forwards (default on; --no-chunked-prefill "
+                   "prefills admitted prompts in forwards of their own, before the step's decode)")
     add_speculative_arguments(p)
     a = p.add_argument_group("admission")
     a.add_argument("--max-body-bytes", type=int, default=None, metavar="BYTES",
@@ -46,6 +54,11 @@ def add_parser(sub) -> None:
                    f"longest prompt text admitted, context length x {MAX_PROMPT_BYTES_PER_TOKEN} bytes)")
     a.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key; the server binds loopback)")
+    a.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help="close a connection whose request headers are not complete S seconds after it opened or "
+                   "after its previous response (slow or idle clients; default %(default)s)")
+    a.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="open connections at most; beyond them requests get 503 (default %(default)s)")
     a.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM / SIGINT: new requests get 503 + Retry-After, running ones have S seconds to "
                    "finish, then each remaining stream gets a final error event and [DONE] (default 30)")
@@ -80,7 +93,9 @@ def run(args) -> int:
                          model_path=str(model_dir),
                          record_trace=args.record_trace, max_queued_requests=args.max_queued_requests,
                          max_prefill_tokens=args.max_prefill_tokens, max_body_bytes=args.max_body_bytes,
-                         api_key=args.api_key, shutdown_timeout_s=args.shutdown_timeout, speculative=speculative)
+                         api_key=args.api_key, shutdown_timeout_s=args.shutdown_timeout, speculative=speculative,
+                         chunked_prefill=args.chunked_prefill, header_timeout_s=args.header_timeout,
+                         max_connections=args.max_connections)
     print(f"pagedexperts serve: {name} on http://{args.host}:{args.port}, K={rt.num_resident} of "
           f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}", file=sys.stderr, flush=True)
     run_server(model, tokenizer, config, host=args.host, port=args.port)
@@ -98,9 +113,12 @@ def _check_flags(args) -> None:
         raise ValueError(f"--context-length must be >= 2, got {args.context_length}")
     for flag, value in (("--max-running-requests", args.max_running_requests),
                         ("--max-queued-requests", args.max_queued_requests),
-                        ("--max-body-bytes", args.max_body_bytes), ("--max-prefill-tokens", args.max_prefill_tokens)):
+                        ("--max-body-bytes", args.max_body_bytes), ("--max-prefill-tokens", args.max_prefill_tokens),
+                        ("--max-connections", args.max_connections)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not args.header_timeout > 0:
+        raise ValueError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     parent = os.path.dirname(args.record_trace) if args.record_trace else ""

@@ -29,6 +29,7 @@ from pagedexperts.serving.admission import Admission, default_max_body_bytes, er
 from pagedexperts.serving.handlers import OpenAIServing, ServeConfig
 from pagedexperts.serving.protocol import ApiError
 from pagedexperts.serving.responses_events import ResponsesServing
+from pagedexperts.serving.connections import uvicorn_config
 
 logger = logging.getLogger(__name__)
 
@@ -151,12 +152,11 @@ def single_wave_note(runtime, max_running_requests: int) -> str:
 
 def run_server(model, tokenizer, config: ServeConfig, *, host: str, port: int, log_level: str = "info") -> None:
     """Serve until SIGINT / SIGTERM; the first signal drains (see the module docstring)."""
-    import uvicorn
-
     logger.info("%s", single_wave_note(model.pagedexperts, config.max_running_requests))
     app = create_app(model, tokenizer, config)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
-    draining_server_class()(config, app.state.serving).run()
+    uv = uvicorn_config(app, header_timeout_s=config.header_timeout_s, max_connections=config.max_connections,
+                        host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
+    draining_server_class()(uv, app.state.serving).run()
 
 
 def draining_server_class():

@@ -1,8 +1,10 @@
-"""How sequences are packed into one forward: left-padded prefill inputs, prefill groups under
-a padded-token budget, and the 2D attention mask of a batched decode step.
+"""How sequences are padded into one forward: left-padded prefill inputs, prefill groups under
+a padded-token budget, and the batch cache and 2D attention mask of a batched decode step
+(packing without padding is ``chunked_prefill``).
 
-Pure tensor construction on the CPU (int64), no model: the scheduler moves the results to the
-model's device. Legend: B sequences, P_max the longest prompt of a batch, S cached tokens.
+Tensor construction, no model: inputs are built on the CPU (int64) and the scheduler moves
+them to the model's device; caches stay where the requests' buffers are. Legend: B
+sequences, P_max the longest prompt of a batch, S cached tokens.
 """
 
 from __future__ import annotations
@@ -50,3 +52,41 @@ def prefill_batches(lengths: list[int], max_prefill_tokens: int) -> list[list[in
                 continue
         groups.append([i])
     return groups
+
+
+def left_pad(rows: list[torch.Tensor], s_max: int) -> torch.Tensor:
+    """[kv_heads, S_i, D] each -> [B, kv_heads, s_max, D], zeros on the left."""
+    first = rows[0]
+    out = first.new_zeros((len(rows), first.shape[0], s_max, first.shape[2]))
+    for i, row in enumerate(rows):
+        out[i, :, s_max - row.shape[1]:] = row
+    return out
+
+
+def decode_cache(reqs):
+    """The batch cache (a transformers DynamicCache, [B, kv_heads, S_max, D] per layer) of one
+    decode step over requests' own buffers (``keys`` / ``values`` [kv_heads, capacity, D] per
+    layer, ``length`` filled): left-padded; a request alone unpadded, as ``generate`` decodes."""
+    from transformers import DynamicCache
+
+    s_max = max(r.length for r in reqs)
+    cache = DynamicCache()
+    for layer in range(len(reqs[0].keys)):
+        if len(reqs) == 1:
+            k, v = reqs[0].keys[layer][None, :, :s_max], reqs[0].values[layer][None, :, :s_max]
+        else:
+            k = left_pad([r.keys[layer][:, : r.length] for r in reqs], s_max)
+            v = left_pad([r.values[layer][:, : r.length] for r in reqs], s_max)
+        cache.update(k, v, layer)
+    return cache
+
+
+def keep_decoded_kv(reqs, cache) -> None:
+    """Write each request's new key / value (the batch cache's last column) into its own buffers
+    at ``length``, then advance ``length`` by one."""
+    for layer, cl in enumerate(cache.layers):
+        for i, r in enumerate(reqs):
+            r.keys[layer][:, r.length] = cl.keys[i, :, -1]
+            r.values[layer][:, r.length] = cl.values[i, :, -1]
+    for r in reqs:
+        r.length += 1

@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from pagedexperts.serving import protocol, responses
 from pagedexperts.serving.admission import RETRY_AFTER_S, client_disconnected, shutting_down
+from pagedexperts.serving.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from pagedexperts.serving.metrics import Metrics
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from pagedexperts.serving.speculation import SpeculativeConfig
@@ -55,6 +56,8 @@ class ServeConfig:
     how long running requests may finish after SIGTERM. ``record_trace``: .npz path.
     ``model_path``: the checkpoint directory, reported to a router (``/server_info``).
     ``speculative``: a ``speculation.SpeculativeConfig`` (--speculative), None = plain decoding.
+    ``chunked_prefill``: prompt chunks share the decode forward (``SchedulerConfig``).
+    ``header_timeout_s``, ``max_connections``: connection limits (``connections``).
     """
 
     served_model_name: str
@@ -68,6 +71,9 @@ class ServeConfig:
     shutdown_timeout_s: float = 30.0
     model_path: str | None = None
     speculative: SpeculativeConfig | None = None
+    chunked_prefill: bool = True
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 @dataclass
@@ -103,7 +109,8 @@ class OpenAIServing:
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
         self.scheduler = BatchScheduler(model, tokenizer, SchedulerConfig(
             config.max_running_requests, config.context_length, max_queued_requests=config.max_queued_requests,
-            max_prefill_tokens=config.max_prefill_tokens), recorder=recorder, speculative=config.speculative)
+            max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill), recorder=recorder,
+            speculative=config.speculative)
         self.metrics = Metrics(self.scheduler, model.pagedexperts)
         self.lifecycle = Lifecycle()
 
@@ -289,7 +296,8 @@ class OpenAIServing:
 
         def chunk(c, text, entries, finish, first=False):
             choice = responses.chunk_choice(c, text, entries, finish, chat=chat, logprobs=logprobs, first=first)
-            return responses.sse({**ex.head, "object": obj, "choices": [choice]})
+            usage = {"usage": None} if p.include_usage else {}  # OpenAI: null until the final usage chunk
+            return responses.sse({**ex.head, "object": obj, "choices": [choice], **usage})
 
         try:
             if chat:

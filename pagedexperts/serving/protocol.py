@@ -111,6 +111,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant turn's calls: only none ([] or null) is accepted
 
 
 class ChatCompletionRequest(_Common):
@@ -288,6 +289,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
                                    f"are supported, got type {part.type!r}", param=f"messages.{i}.content.{j}",
                                    code="unsupported_field")
             content = "\n".join(part.text for part in content)
+        if m.tool_calls:
+            raise ApiError(f"unsupported field 'messages.{i}.tool_calls': tool calling is not supported by this "
+                           "server (an empty list is accepted)", param=f"messages.{i}.tool_calls",
+                           code="unsupported_field")
         if content is None:
             if m.role != "assistant":
                 raise ApiError(f"messages[{i}].content may be null only for role 'assistant'",

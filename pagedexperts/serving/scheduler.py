@@ -4,19 +4,24 @@ Owns: the bounded waiting queue and the running set (at most ``max_running_reque
 per-request KV caches, one model step at a time, per-request sampling (``sampling``), and
 the events (text deltas, logprobs, finish) handed back through each request's ``on_event``.
 
-A step (``BatchScheduler.step``) drops cancelled requests, admits waiting ones up to the
-cap, PREFILLS the admitted prompts together (left-padded into batches of at most
-``max_prefill_tokens`` padded tokens, one forward each; a prompt alone is not padded;
-prompts whose logprobs are asked for in a batch of their own, the only forward that keeps
-every position's logits), then
-DECODES every request that was running before the step in ONE forward: the per-request
-caches are left-padded into one batch cache [B, kv_heads, S_max, D] with a 2D attention mask
-(``decode_mask``), each row at its own position; the new keys and values go back to each
-request's own buffer. Requests join and leave between steps. A request alone decodes with no
-padding and no mask, exactly like ``model.generate``.
+A step (``BatchScheduler.step``) drops cancelled requests and admits waiting ones up to the
+cap (each checked alone, ``isolation.check_inputs``). With chunked prefill (the default) it
+runs ONE forward packing every running decode (one token each) with prompt chunks, at most
+``max_prefill_tokens`` prompt tokens per step, first come first served (``chunked_prefill``:
+positions and a 4D mask, no padding); a long prompt takes several steps while others decode.
+A step with no prompt to prefill DECODES every running request in one forward, the caches
+left-padded into one batch cache [B, kv_heads, S_max, D] with a 2D mask (``batching``); a
+request alone decodes unpadded, with no mask, exactly like ``model.generate``. Without chunked
+prefill, admitted prompts are prefilled in forwards of their own first (left-padded, at most
+``max_prefill_tokens`` padded tokens each; prompts to score in batches of their own).
+
+Fault isolation: preparing, sampling, detokenizing, stopping and reporting run per request
+(``isolation.each_isolated``): an exception there fails that request alone (finish "error")
+and its batch-mates go on with the tokens they would have produced without it; an exception
+in a forward itself fails the requests of that forward.
 
 Legend: B requests in a forward, P prompt tokens (P_max the longest of a batch), S cached
-tokens, V vocabulary, D head dim.
+tokens, T tokens of a packed step, V vocabulary, D head dim.
 
 Does not: speak HTTP or validate requests (``protocol``), or know about paging: paging is
 the model's own business, and its counters are read by whoever exports them.
@@ -30,18 +35,21 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.serving.batching import decode_mask, prefill_batches, prefill_inputs
+from pagedexperts.serving.batching import decode_cache, decode_mask, keep_decoded_kv, prefill_batches, prefill_inputs
+from pagedexperts.serving.chunked_prefill import MASK_FORMS, Segment, keep_new_kv, pack, step_segments
+from pagedexperts.serving.isolation import check_inputs, each_isolated
 from pagedexperts.serving.sampling import IncrementalText, SamplingParams, TokenLogprob, sample, token_logprobs
+from pagedexperts.serving.sequence import Event, Request, eos_ids, keep_kv, seeded_generator
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_PREFILL_TOKENS = 16384  # padded tokens in one prefill forward (SGLang's default)
+DEFAULT_MAX_PREFILL_TOKENS = 2048  # prompt tokens per step (vLLM's chunked-prefill budget for online serving)
 
 
 @dataclass(frozen=True)
@@ -50,15 +58,17 @@ class SchedulerConfig:
 
     ``max_running_requests``: decode batch cap. ``context_length``: longest prompt +
     completion in tokens. ``max_queued_requests``: waiting requests beyond which ``submit``
-    raises ``QueueFull`` (None = unbounded). ``max_prefill_tokens``: padded tokens
-    (B x P_max) in one prefill forward; a prompt longer than that is prefilled alone, so 1
-    means one prompt per forward.
+    raises ``QueueFull`` (None = unbounded). ``chunked_prefill``: prompt chunks share the
+    decode forward; ``max_prefill_tokens`` is then the prompt tokens of one step. Without
+    it, ``max_prefill_tokens`` is the padded tokens (B x P_max) of one prefill forward; a
+    prompt longer than that is prefilled alone, so 1 means one prompt per forward.
     """
 
     max_running_requests: int
     context_length: int
     max_queued_requests: int | None = None
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    chunked_prefill: bool = True
 
 
 class QueueFull(Exception):
@@ -69,64 +79,14 @@ class SchedulerStopped(Exception):
     """``submit`` after ``stop``: nothing would ever step the request; nothing was queued."""
 
 
-@dataclass(frozen=True)
-class Event:
-    """What a request reports after a step: new text, and on the last one its finish reason.
-
-    ``finish_reason``: None while running, then "stop" (end of sequence or a stop string),
-    "length" (max_tokens reached), "cancelled", "error" (``error`` holds the message) or
-    "abort" (the server is shutting down; ``error`` says so). ``time_s`` is
-    ``time.perf_counter()`` when the event was made. ``logprobs``: reports of the tokens
-    generated since the previous event (when asked for); ``prompt_logprobs``: on the first
-    event, the prompt's (the first token's logprob is None: nothing predicts it). The last event
-    also carries the request's timing: ``ttft_s`` (arrival to first token) and ``tpot_s``
-    (mean seconds per token after the first; None with fewer than two tokens).
-    """
-
-    text: str
-    completion_tokens: int
-    finish_reason: str | None = None
-    error: str | None = None
-    time_s: float = 0.0
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-@dataclass
-class Request:
-    """One sequence and its state inside the scheduler.
-
-    ``prompt_ids``: token ids, already checked against the context length. ``on_event`` is
-    called from the scheduler thread; it must not block. Cache buffers are [kv_heads,
-    capacity, D] per layer, capacity = P + max_new_tokens; ``length`` tokens are filled.
-    """
-
-    request_id: int
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    on_event: Callable[[Event], None]
-    submitted_s: float = field(default_factory=time.perf_counter)
-    first_token_s: float | None = None
-    finished_s: float | None = None
-    cancelled: bool = False
-    output_ids: list[int] = field(default_factory=list)
-    text: IncrementalText | None = None
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    pending_prompt_logprobs: tuple | None = None
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-    length: int = 0
-    generator: torch.Generator | None = None
-
-
 @dataclass
 class SchedulerStats:
     """Counters of the scheduler's own work (not paging): forwards, rows and prompts per forward."""
 
-    prefill_steps: int = 0  # prefill forwards
-    prefill_rows: int = 0  # prompts prefilled (sum of prefill batch sizes)
+    prefill_steps: int = 0  # forwards that prefill prompts (or prompt chunks)
+    prefill_rows: int = 0  # prompts (or prompt chunks) prefilled, summed over those forwards
+    prefill_tokens: int = 0  # prompt tokens prefilled
+    mixed_steps: int = 0  # forwards that carried prompt chunks and decodes together
     max_prefill_batch: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
@@ -150,9 +110,14 @@ class BatchScheduler:
             raise ValueError(f"--max-running-requests must be >= 1, got {config.max_running_requests}")
         if config.max_prefill_tokens < 1:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {config.max_prefill_tokens}")
+        self._mask_form = getattr(model.config, "_attn_implementation", None) or "eager"
+        if config.chunked_prefill and self._mask_form not in MASK_FORMS:
+            raise ValueError(f"chunked prefill needs attention implementation {list(MASK_FORMS)}, the model has "
+                             f"{self._mask_form!r}; serve with --no-chunked-prefill")
         self.model, self.tokenizer, self.config, self.recorder = model, tokenizer, config, recorder
+        self.vocab_size = int(getattr(model.config, "vocab_size", 0) or model.get_input_embeddings().num_embeddings)
         self.stats = SchedulerStats()
-        self.eos_ids = self._eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -167,15 +132,6 @@ class BatchScheduler:
             from pagedexperts.serving.speculative import SpeculativeDecoder
 
             self.speculative = SpeculativeDecoder(model, tokenizer, speculative, pad_id=self.pad_id)
-
-    @staticmethod
-    def _eos_ids(model, tokenizer) -> set[int]:
-        eos = getattr(model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is None:
-            return set()
-        return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
     # ---- any thread ----
 
@@ -252,17 +208,13 @@ class BatchScheduler:
     # ---- scheduler thread ----
 
     def step(self) -> None:
-        """Drop cancelled requests, admit and prefill new ones together, then one batched decode."""
-        with self._wake:
-            for req in [r for r in self._waiting if r.cancelled]:
-                self._waiting.remove(req)
-                self._finish(req, "cancelled")
-            admitted = []
-            while self._waiting and len(self._running) + len(admitted) < self.config.max_running_requests:
-                admitted.append(self._waiting.popleft())
-        for req in [r for r in self._running if r.cancelled]:
-            self._running.remove(req)
-            self._finish(req, "cancelled")
+        """Drop cancelled requests, admit new ones, then one packed forward or the prefill
+        forwards and one batched decode (module docstring)."""
+        admitted = self._admit()
+        if self.config.chunked_prefill:
+            self._running += admitted
+            self._chunked_step()
+            return
         decoding = list(self._running)
         # prompts to score keep all P rows of logits [B, P, V]: prefilled apart from the rest
         for kind in (False, True):
@@ -273,20 +225,49 @@ class BatchScheduler:
         if decoding:
             self._guarded(decoding, lambda: self._decode(decoding))
 
+    def _admit(self) -> list[Request]:
+        """Finish cancelled requests; take waiting ones up to the cap, each checked alone."""
+        with self._wake:
+            for req in [r for r in self._waiting if r.cancelled]:
+                self._waiting.remove(req)
+                self._finish(req, "cancelled")
+            admitted = []
+            while self._waiting and len(self._running) + len(admitted) < self.config.max_running_requests:
+                admitted.append(self._waiting.popleft())
+        for req in [r for r in self._running if r.cancelled]:
+            self._running.remove(req)
+            self._finish(req, "cancelled")
+        check = lambda r: check_inputs(r.prompt_ids, r.sampling, vocab_size=self.vocab_size,  # noqa: E731
+                                       context_length=self.config.context_length)
+        return each_isolated(admitted, check, self._fail, what="preparing")
+
+    def _chunked_step(self) -> None:
+        """One forward: every decode and the prompt chunks the budget allows (``chunked_prefill``)."""
+        segments, decodes = step_segments(self._running, self.config.max_prefill_tokens)
+        reqs = [s.request for s in segments]
+        if decodes < len(segments):
+            self._guarded(reqs, lambda: self._packed(segments, decodes))
+        elif reqs:  # no prompt to prefill: the batched decode
+            self._guarded(reqs, lambda: self._decode(reqs))
+
     def _guarded(self, reqs: list[Request], fn: Callable[[], None]) -> None:
-        """Run a model step; on an exception fail those requests and keep serving others."""
+        """Run a model step; on an exception in it fail those requests and keep serving others."""
         try:
             with torch.no_grad():
                 fn()
         except Exception as exc:  # a failed step must not take the server down
             logger.exception("model step failed for requests %s", [r.request_id for r in reqs])
             for req in reqs:
-                if req in self._running:
-                    self._running.remove(req)
-                if req.finished_s is None:
-                    self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
+                self._fail(req, exc)
 
-    def _forward(self, request_ids: list[int], *, logits_to_keep: int = 1, **kwargs):
+    def _fail(self, req: Request, exc: Exception) -> None:
+        """End ``req`` with finish "error" (its client gets the message); others are untouched."""
+        if req in self._running:
+            self._running.remove(req)
+        if req.finished_s is None:
+            self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _forward(self, request_ids: list[int], *, logits_to_keep: int | torch.Tensor = 1, **kwargs):
         if self.recorder is not None:
             self.recorder.request_ids = request_ids
         cache = kwargs.pop("cache")
@@ -302,89 +283,85 @@ class BatchScheduler:
         cache = DynamicCache()
         out = self._forward([r.request_id for r in reqs], input_ids=ids.to(device), attention_mask=mask.to(device),
                             position_ids=positions.to(device), cache=cache, logits_to_keep=0 if scores else 1)
-        self.stats.prefill_steps += 1
-        self.stats.prefill_rows += len(reqs)
-        self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, len(reqs))
+        self._count_prefill(len(reqs), sum(len(r.prompt_ids) for r in reqs))
         p_max = ids.shape[1]
         logits = out.logits.to("cpu")  # [B, P_max or 1, V]
-        for i, req in enumerate(reqs):
-            n = len(req.prompt_ids)
-            if req.sampling.prompt_logprobs:
-                first = TokenLogprob(req.prompt_ids[0], self._token_text(req.prompt_ids[0]), None)
-                rest = self._report(logits[i, p_max - n: p_max - 1], req.prompt_ids[1:], req)
-                req.pending_prompt_logprobs = (first, *rest)
-            if req.sampling.max_new_tokens == 0:  # scored only
-                self._finish(req, "length")
-                continue
-            self._keep_kv(req, cache, i, p_max - n)
-            self._seed(req)
+        row = {r.request_id: i for i, r in enumerate(reqs)}
+
+        def prefilled(req: Request) -> None:
+            i, n = row[req.request_id], len(req.prompt_ids)
+            keep_kv(req, cache, i, p_max - n)
             self._running.append(req)
-            self._accept(req, logits[i, -1])
+            self._prompt_done(req, logits[i, p_max - n:] if req.sampling.prompt_logprobs else logits[i, -1:], 0)
 
-    def _keep_kv(self, req: Request, cache, row: int, start: int) -> None:
-        """Copy row ``row`` of the batch cache (columns ``start``:) into the request's buffers."""
-        capacity = len(req.prompt_ids) + req.sampling.max_new_tokens
-        for layer in cache.layers:
-            for src, dst in ((layer.keys, req.keys), (layer.values, req.values)):
-                kv = src[row, :, start:]  # [kv_heads, P, D]
-                buf = kv.new_empty((kv.shape[0], capacity, kv.shape[2]))
-                buf[:, : kv.shape[1]] = kv
-                dst.append(buf)
-        req.length = len(req.prompt_ids)
+        each_isolated(reqs, prefilled, self._fail, what="sampling after prefill")
 
-    @staticmethod
-    def _seed(req: Request) -> None:
-        if req.sampling.greedy:
+    def _packed(self, segments: list[Segment], decodes: int) -> None:
+        """One packed forward of ``segments`` (``decodes`` decodes first, then prompt chunks)."""
+        batch = pack(segments, form=self._mask_form, dtype=self.model.dtype, device=self.model.device)
+        owners = [s.request.request_id for s in segments for _ in s.token_ids]
+        out = self._forward(owners, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            position_ids=batch.position_ids, cache=batch.cache, logits_to_keep=batch.keep)
+        keep_new_kv(batch)
+        self._count_prefill(len(segments) - decodes, sum(len(s.token_ids) for s in segments[decodes:]))
+        if decodes:
+            self._count_decode(decodes)
+            self.stats.mixed_steps += 1
+        logits = out.logits[0].to("cpu")  # [R, V]
+        rows = {s.request.request_id: logits[r] for s, r in zip(segments, batch.rows)}
+        each_isolated([s.request for s in segments[:decodes]], lambda r: self._accept(r, rows[r.request_id][-1]),
+                      self._fail, what="sampling")
+        each_isolated([s.request for s in segments[decodes:]],
+                      lambda r: self._prompt_done(r, rows[r.request_id], r.length - len(r.prompt_ids)),
+                      self._fail, what="prefill")
+
+    def _prompt_done(self, req: Request, rows: torch.Tensor, end: int) -> None:
+        """After a prompt chunk ending ``-end`` tokens before the prompt's end (``end`` <= 0):
+        its prompt logprobs (``rows`` [n, V] of the chunk's positions), then, once the whole
+        prompt is cached, the first token (scored-only requests finish)."""
+        if req.sampling.prompt_logprobs:
+            start, targets = req.prompt_targets(end, rows.shape[0])
+            entries = self._report(rows[: len(targets)], targets, req) if targets else []
+            if start == 0:
+                entries.insert(0, TokenLogprob(req.prompt_ids[0], self._token_text(req.prompt_ids[0]), None))
+            req.pending_prompt_logprobs = (*(req.pending_prompt_logprobs or ()), *entries)
+        if end < 0:
             return
-        req.generator = torch.Generator(device="cpu")
-        if req.sampling.seed is None:
-            req.generator.seed()  # non-deterministic, and leaves torch's global RNG alone
-        else:
-            req.generator.manual_seed(req.sampling.seed % 2**64)
+        if req.sampling.max_new_tokens == 0:  # scored only
+            self._running.remove(req)
+            self._finish(req, "length")
+            return
+        req.generator = seeded_generator(req.sampling)
+        self._accept(req, rows[-1])
 
     def _decode(self, reqs: list[Request]) -> None:
         if self.speculative is not None:  # propose, verify in one forward, roll back (serving.speculative)
             return self.speculative.decode(self, reqs)
-        from transformers import DynamicCache
-
         device = self.model.device
         batch = len(reqs)
-        s_max = max(r.length for r in reqs)
-        cache = DynamicCache()
-        for layer in range(len(reqs[0].keys)):
-            if batch == 1:  # alone: no padding, no mask, as model.generate decodes
-                k = reqs[0].keys[layer][None, :, : s_max]
-                v = reqs[0].values[layer][None, :, : s_max]
-            else:
-                k = self._left_pad([r.keys[layer][:, : r.length] for r in reqs], s_max)
-                v = self._left_pad([r.values[layer][:, : r.length] for r in reqs], s_max)
-            cache.update(k, v, layer)
-        mask = decode_mask([r.length for r in reqs], s_max).to(device)
+        cache = decode_cache(reqs)
+        mask = decode_mask([r.length for r in reqs], max(r.length for r in reqs)).to(device)
         ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=device)
         positions = torch.tensor([[r.length] for r in reqs], dtype=torch.long, device=device)
         out = self._forward(
             [r.request_id for r in reqs], input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache
         )
+        self._count_decode(batch)
+        keep_decoded_kv(reqs, cache)
+        logits = out.logits[:, -1].to("cpu")
+        row = {r.request_id: i for i, r in enumerate(reqs)}
+        each_isolated(reqs, lambda r: self._accept(r, logits[row[r.request_id]]), self._fail, what="sampling")
+
+    def _count_prefill(self, rows: int, tokens: int) -> None:
+        self.stats.prefill_steps += 1
+        self.stats.prefill_rows += rows
+        self.stats.prefill_tokens += tokens
+        self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, rows)
+
+    def _count_decode(self, batch: int) -> None:
         self.stats.decode_steps += 1
         self.stats.decode_rows += batch
         self.stats.max_decode_batch = max(self.stats.max_decode_batch, batch)
-        for layer, cl in enumerate(cache.layers):
-            for i, r in enumerate(reqs):
-                r.keys[layer][:, r.length] = cl.keys[i, :, -1]
-                r.values[layer][:, r.length] = cl.values[i, :, -1]
-        logits = out.logits[:, -1].to("cpu")
-        for i, r in enumerate(reqs):
-            r.length += 1
-            self._accept(r, logits[i])
-
-    @staticmethod
-    def _left_pad(rows: list[torch.Tensor], s_max: int) -> torch.Tensor:
-        """[kv_heads, S_i, D] each -> [B, kv_heads, s_max, D], zeros on the left."""
-        first = rows[0]
-        out = first.new_zeros((len(rows), first.shape[0], s_max, first.shape[2]))
-        for i, row in enumerate(rows):
-            out[i, :, s_max - row.shape[1]:] = row
-        return out
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -424,8 +401,8 @@ class BatchScheduler:
         req.keys, req.values = [], []
         counter = {"cancelled": "cancelled", "error": "failed", "abort": "aborted"}.get(reason, "finished")
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-        n = len(req.output_ids)
-        first = req.first_token_s
-        ttft = None if first is None else first - req.submitted_s
-        tpot = (now - first) / (n - 1) if first is not None and n > 1 else None
-        req.on_event(self._event(req, text, now=now, finish_reason=reason, error=error, ttft_s=ttft, tpot_s=tpot))
+        ttft, tpot = req.timing(now)
+        try:
+            req.on_event(self._event(req, text, now=now, finish_reason=reason, error=error, ttft_s=ttft, tpot_s=tpot))
+        except Exception:  # the final event is the last thing sent: nothing else to end
+            logger.exception("the final event of request %s could not be delivered", req.request_id)
