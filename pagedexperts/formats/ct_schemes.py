@@ -98,8 +98,8 @@ def expert_in_features(config) -> dict[str, int]:
     gate_up_proj reads the hidden size, down_proj the experts' intermediate size
     (``moe_intermediate_size``, else ``intermediate_size`` as Mixtral names it)."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-    inter = get("moe_intermediate_size") or get("intermediate_size")
-    return {"gate_up_proj": int(get("hidden_size")), "down_proj": int(inter)}
+    dims = {"gate_up_proj": get("hidden_size"), "down_proj": get("moe_intermediate_size") or get("intermediate_size")}
+    return {name: int(v) for name, v in dims.items() if v}
 
 
 def spelling(quantization_config: dict | None) -> str:
@@ -113,16 +113,23 @@ def spelling(quantization_config: dict | None) -> str:
         if qc.get(key) is not None:
             parts.append(f"{key} {qc[key]!r}")
     if qc.get("quant_method") == "compressed-tensors":
-        for dense, scheme in _schemes_or_first(qc).items():
-            w = scheme.weights
-            desc = ", ".join(f"{k}={w[k]!r}" for k in ("num_bits", "type", "strategy", "group_size",
-                                                           "block_structure", "actorder", "symmetric")
-                             if w.get(k) is not None)
-            act = scheme.input_activations
-            act_desc = f"; input_activations {act.get('type')}{act.get('num_bits')} {act.get('strategy')}" \
-                f"{' dynamic' if act.get('dynamic') else ' static'}" if act else ""
-            parts.append(f"{dense}: format {scheme.format!r} weights {desc}{act_desc}")
+        schemes = _schemes_or_first(qc)
+        if len(set(map(repr, schemes.values()))) == 1:
+            schemes = {"experts": next(iter(schemes.values()))}
+        for dense, scheme in schemes.items():
+            parts.append(f"{dense}: {_describe(scheme, qc.get('format'))}")
     return ", ".join(parts)
+
+
+def _describe(scheme: ExpertScheme, top_format: str | None) -> str:
+    w = scheme.weights
+    desc = " ".join(f"{k}={w[k]!r}" for k in ("num_bits", "type", "strategy", "group_size", "block_structure",
+                                               "actorder", "symmetric") if w.get(k) is not None)
+    fmt = f"format {scheme.format!r} " if scheme.format != top_format else ""
+    act = scheme.input_activations
+    acts = (f", input_activations {act.get('type')}{act.get('num_bits')} {act.get('strategy')} "
+            f"{'dynamic' if act.get('dynamic') else 'static'}") if act else ""
+    return f"{fmt}weights {desc}{acts}"
 
 
 def _schemes_or_first(qc: dict) -> dict[str, ExpertScheme]:
