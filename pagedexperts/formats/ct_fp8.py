@@ -25,6 +25,10 @@ are unused (transformers drops them; pagedexperts logs them as unused), and dyna
 per-group activation quantization is not applied. pagedexperts computes the same, so paged ==
 unpaged bit for bit; a W8A8 FP8 kernel (vLLM's) is another computation with its own reference.
 
+Refused: FP8 config groups that also quantize attention, shared experts or dense MLPs (a
+``Linear`` target): transformers runs those modules through compressed-tensors' quantized
+forward (activations fake-quantized), another computation than a dequantized nn.Linear.
+
 Legend: n experts dequantized together, O output features, I input features, bm x bn a block.
 """
 
@@ -35,7 +39,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.ct_schemes import ExpertScheme, dense_schemes, dense_source_count
+from pagedexperts.formats.ct_schemes import ExpertScheme, dense_schemes, dense_source_count, quantized_non_expert
 
 FP8_DTYPE = torch.float8_e4m3fn
 STRATEGIES = ("tensor", "channel", "block")
@@ -101,7 +105,14 @@ class CompressedTensorsFp8Format(ExpertFormat):
         Raises:
             ValueError: see ``_check_scheme``.
         """
-        schemes = dense_schemes(quantization_config or {})
+        qc = quantization_config or {}
+        schemes = dense_schemes(qc)
+        other = quantized_non_expert(qc)
+        if other is not None:
+            raise ValueError(
+                f"fp8 config groups also quantize {other} (not a routed expert): transformers runs such modules "
+                "through compressed-tensors' forward, which quantizes their input activations, and pagedexperts "
+                "does not reproduce that; only checkpoints whose FP8 groups target the routed experts are supported")
         return cls({dense: _check_scheme(dense, s) for dense, s in schemes.items()})
 
     def _scale_shape(self, dense: str, out_features: int, in_features: int, sources: int) -> tuple[int, ...]:

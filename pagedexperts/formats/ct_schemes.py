@@ -49,10 +49,10 @@ def _ignored(name: str, ignore: list[str]) -> bool:
     return any(_matches(t, name) if t.startswith("re:") else t == name for t in ignore)
 
 
-def group_for(quantization_config: dict, projection: str) -> ExpertScheme | None:
+def group_for(quantization_config: dict, projection: str, *, module: str = EXPERT_MODULE) -> ExpertScheme | None:
     """The scheme of the first config group whose targets match ``projection`` of a routed
-    expert (None: no group, the projection is unquantized)."""
-    name = EXPERT_MODULE.format(projection)
+    expert (``module``: another module name pattern; None: unquantized)."""
+    name = module.format(projection)
     if _ignored(name, quantization_config.get("ignore") or []):
         return None
     for group in (quantization_config.get("config_groups") or {}).values():
@@ -86,6 +86,16 @@ def dense_schemes(quantization_config: dict) -> dict[str, ExpertScheme]:
                 raise ValueError(f"compressed-tensors experts: {missing} not quantized while others are: not supported")
             return out  # type: ignore[return-value]
     return {}
+
+
+def quantized_non_expert(quantization_config: dict) -> str | None:
+    """The first attention / shared-expert / dense-MLP module name a config group quantizes
+    (checked on representative names), or None when only routed experts are quantized."""
+    for name in ("model.layers.0.self_attn.{}", "model.layers.0.mlp.shared_experts.{}", "model.layers.0.mlp.{}"):
+        for proj in ("q_proj", "o_proj", "gate_proj", "down_proj"):
+            if group_for(quantization_config, proj, module=name) is not None:
+                return name.format(proj)
+    return None
 
 
 def dense_source_count(dense: str) -> int:
