@@ -2,7 +2,8 @@
 
 Pure arithmetic over ``ExpertFormat.layout`` (the specs the store and the slots hold, so the
 bytes a page-in moves), for a Qwen3-MoE expert of hidden H and expert intermediate I: bf16,
-block FP8, W4A16 (compressed-tensors, symmetric and asymmetric), GPTQ (with g_idx) and AWQ, at
+block FP8, W4A16 (compressed-tensors, symmetric and asymmetric), GPTQ (with g_idx) and AWQ,
+compressed-tensors FP8 (per tensor, channel, block), W8A16 and per-projection / g_idx int4, at
 group size 128 (block 128 x 128). Default shape: Qwen3-30B-A3B (H 2048, I 768).
 
     python bench/expert_bytes.py [--hidden 2048] [--intermediate 768] [--group-size 128]
@@ -17,6 +18,8 @@ import torch
 from pagedexperts.formats import TensorSpec
 from pagedexperts.formats.awq import AwqFormat
 from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
+from pagedexperts.formats.ct_fp8 import CompressedTensorsFp8Format
+from pagedexperts.formats.ct_packed import CompressedTensorsMixedPackedFormat, CompressedTensorsW8A16Format, PackedArgs
 from pagedexperts.formats.dense import DenseFormat
 from pagedexperts.formats.fp8 import Fp8BlockFormat
 from pagedexperts.formats.gptq import GptqFormat
@@ -30,7 +33,23 @@ def formats(group_size: int) -> dict:
         f"w4a16 g{group_size} asymmetric": CompressedTensorsW4A16Format(group_size=group_size, symmetric=False),
         f"gptq g{group_size} (g_idx)": GptqFormat(group_size=group_size, desc_act=True, zero_offset=1),
         f"awq g{group_size}": AwqFormat(group_size=group_size),
+        "ct-fp8 tensor (FP8)": _ct_fp8("tensor", None),
+        "ct-fp8 channel (FP8_DYNAMIC)": _ct_fp8("channel", None),
+        "ct-fp8 block 128x128 (FP8_BLOCK)": _ct_fp8("block", (128, 128)),
+        f"w8a16 g{group_size}": CompressedTensorsW8A16Format(_both(PackedArgs(8, group_size, True, False))),
+        f"ct-pack-mixed int4 gate/up g{group_size}, down g{group_size // 2}": CompressedTensorsMixedPackedFormat(
+            {"gate_up_proj": PackedArgs(4, group_size, True, False), "down_proj": PackedArgs(4, group_size // 2, True, False)}),
+        f"ct-pack-mixed int4 g{group_size} + weight_g_idx": CompressedTensorsMixedPackedFormat(
+            _both(PackedArgs(4, group_size, True, True))),
     }
+
+
+def _both(args):
+    return {"gate_up_proj": args, "down_proj": args}
+
+
+def _ct_fp8(strategy, block):
+    return CompressedTensorsFp8Format(_both((strategy, block, torch.float32)))
 
 
 def main() -> None:

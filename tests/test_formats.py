@@ -148,8 +148,13 @@ def test_format_recognition():
     with pytest.raises(ValueError, match="activation_scheme='static'"):
         format_for_config({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
                                                    "activation_scheme": "static"}})
-    with pytest.raises(ValueError, match="'bitsandbytes'.*supported: \\['dense'"):
+    with pytest.raises(ValueError, match="'bitsandbytes'.*supported: dense \\(unquantized\\)"):
         format_for_config({"quantization_config": {"quant_method": "bitsandbytes"}})
+    # a compressed-tensors FP8_BLOCK user reads the list as their checkpoint spells it
+    with pytest.raises(ValueError, match=r"format 'float-quantized'.*num_bits=4.*nearest supported: ct-fp8 "
+                       r"\(compressed-tensors 'float-quantized'.*FP8_BLOCK\).*fp8-block \(quant_method 'fp8' with"):
+        format_for_config({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                           "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}}})
 
 
 # --- paged vs transformers' loading -----------------------------------------------------------

@@ -18,10 +18,34 @@ from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTenso
 FORMATS: dict[str, str] = {
     "dense": "pagedexperts.formats.dense:DenseFormat",
     "fp8-block": "pagedexperts.formats.fp8:Fp8BlockFormat",
+    "int8-block": "pagedexperts.formats.int8_block:Int8BlockFormat",
     "mxfp4": "pagedexperts.formats.mxfp4:Mxfp4Format",
+    "ct-fp8": "pagedexperts.formats.ct_fp8:CompressedTensorsFp8Format",
+    "w8a16": "pagedexperts.formats.ct_packed:CompressedTensorsW8A16Format",
+    "ct-pack-mixed": "pagedexperts.formats.ct_packed:CompressedTensorsMixedPackedFormat",
     "w4a16": "pagedexperts.formats.compressed_tensors:CompressedTensorsW4A16Format",
     "gptq": "pagedexperts.formats.gptq:GptqFormat",
     "awq": "pagedexperts.formats.awq:AwqFormat",
+}
+
+
+# name -> (what a checkpoint's config.json says for it, the (quant_method, format, weight kind)
+# key that ``nearest_format`` compares). Shown in every refusal, so that a user reads the
+# formats as their checkpoint spells them (not "fp8-block" for a compressed-tensors FP8_BLOCK).
+SPELLED: dict[str, tuple[str, tuple[str | None, str | None, str | None]]] = {
+    "dense": ("unquantized", (None, None, None)),
+    "fp8-block": ("quant_method 'fp8' with weight_block_size (DeepSeek-V3 / Qwen3-FP8 block FP8)", ("fp8", None, "float8")),
+    "int8-block": ("quant_method 'blockwise_int8' with weight_block_size (SGLang block INT8, DeepSeek-R1-Block-INT8)",
+                   ("blockwise_int8", None, "int8")),
+    "mxfp4": ("quant_method 'mxfp4' (gpt-oss)", ("mxfp4", None, "float4")),
+    "ct-fp8": ("compressed-tensors 'float-quantized' float8 tensor/channel/block (FP8, FP8_DYNAMIC, FP8_BLOCK)",
+               ("compressed-tensors", "float-quantized", "float8")),
+    "w8a16": ("compressed-tensors 'pack-quantized' int8 (W8A16)", ("compressed-tensors", "pack-quantized", "int8")),
+    "ct-pack-mixed": ("compressed-tensors 'pack-quantized' int4/int8 with per-projection config groups or weight_g_idx",
+                      ("compressed-tensors", "pack-quantized", "int4")),
+    "w4a16": ("compressed-tensors 'pack-quantized' int4 (W4A16, W4A16_ASYM)", ("compressed-tensors", "pack-quantized", "int4")),
+    "gptq": ("quant_method 'gptq' int4", ("gptq", None, "int4")),
+    "awq": ("quant_method 'awq' int4", ("awq", None, "int4")),
 }
 
 
@@ -66,12 +90,56 @@ def quantization_config_of(config) -> dict | None:
     return qc
 
 
+def checkpoint_key(qc: dict | None) -> tuple[str | None, str | None, str | None]:
+    """(quant_method, format, weight kind such as 'int4' / 'float8') of a quantization_config;
+    for compressed-tensors the routed experts' config group (else the first group)."""
+    from pagedexperts.formats.ct_schemes import _schemes_or_first
+
+    if not qc:
+        return (None, None, None)
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        schemes = list(_schemes_or_first(qc).values())
+        if not schemes:
+            return (method, qc.get("format"), None)
+        w = schemes[0].weights
+        return (method, schemes[0].format, f"{w.get('type', 'int')}{w.get('num_bits')}")
+    bits = qc.get("bits") or qc.get("w_bit")
+    return (method, qc.get("format"), f"int{bits}" if bits else {"fp8": "float8", "mxfp4": "float4"}.get(method))
+
+
+def nearest_format(qc: dict | None) -> str:
+    """The registered format closest to a checkpoint's (quant_method weighs most, then format,
+    then weight kind; ties: registry order), as 'name (what checkpoints say)'."""
+    key = checkpoint_key(qc)
+    weights = (4, 2, 1)
+
+    def score(name: str) -> int:
+        other = SPELLED.get(name, ("", (None, None, None)))[1]
+        return sum(w for w, a, b in zip(weights, key, other) if a is not None and a == b)
+
+    best = max((n for n in FORMATS if n != "dense"), key=score)
+    return f"{best} ({SPELLED.get(best, (best,))[0]})"
+
+
+def refusal_message(qc: dict | None, reason: str) -> str:
+    """One refusal, as ``load_model``, ``preflight`` and ``check`` all raise it: the format as the
+    checkpoint spells it, why, the nearest supported format, and every supported one."""
+    from pagedexperts.formats.ct_schemes import spelling
+
+    supported = "; ".join(f"{n} ({SPELLED.get(n, (n,))[0]})" for n in available_formats())
+    return (f"quantized checkpoint ({spelling(qc)}): {reason}; nearest supported: {nearest_format(qc)}; "
+            f"supported: {supported}")
+
+
 def format_for_config(config) -> ExpertFormat:
-    """The expert format of a checkpoint, from its config (object or config.json dict).
+    """The expert format of a checkpoint, from its config (object or config.json dict). The one
+    function every entry point (load_model, preflight, check) resolves a format with, so they
+    refuse the same checkpoints with the same message (``refusal_message``).
 
     Raises:
-        ValueError: a quantization_config no registered format recognises (names its
-            quant_method and lists the formats), or one whose parameters the format rejects.
+        ValueError: a quantization_config no registered format recognises, or one whose
+            parameters (bits, strategy, group size against the experts' dims) the format rejects.
     """
     qc = quantization_config_of(config)
     unavailable = []
@@ -82,16 +150,16 @@ def format_for_config(config) -> ExpertFormat:
             unavailable.append(str(exc))
             continue
         if cls.matches(qc):
-            return cls.from_config(config, qc)
-    method = qc.get("quant_method") if qc else None
-    raise ValueError(
-        f"quantized checkpoint (quant_method {method!r}, format {qc.get('format') if qc else None!r}) "
-        f"is not a supported expert format; supported: {available_formats()}"
-        + (f"; unavailable here: {unavailable}" if unavailable else "")
-    )
+            try:
+                return cls.from_config(config, qc)
+            except ValueError as exc:
+                raise ValueError(refusal_message(qc, str(exc))) from exc
+    reason = "not a supported expert format" + (f" (unavailable here: {unavailable})" if unavailable else "")
+    raise ValueError(refusal_message(qc, reason))
 
 
 __all__ = [
     "FORMATS", "ExpertFormat", "ExpertLayout", "QuantizedTensor", "TensorSpec",
-    "available_formats", "format_class", "format_for_config", "quantization_config_of",
+    "SPELLED", "available_formats", "checkpoint_key", "format_class", "format_for_config", "nearest_format",
+    "quantization_config_of", "refusal_message",
 ]

@@ -171,6 +171,10 @@ class CompressedTensorsW4A16Format(ExpertFormat):
             get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
             saved = get("dtype") or get("torch_dtype")
             fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
+        from pagedexperts.formats.ct_schemes import expert_in_features
+
+        for in_features in expert_in_features(config).values():
+            fmt._groups(in_features)  # refused here, so preflight refuses what load_model does
         return fmt
 
     def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

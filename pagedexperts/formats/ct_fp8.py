@@ -1,0 +1,168 @@
+"""compressed-tensors ``float-quantized`` FP8 experts (llm-compressor FP8, FP8_DYNAMIC, FP8_BLOCK).
+
+Owns: recognising the format, the per-expert packed specs, and the dequantize of some experts'
+rows. Does not: read files, store, page, or quantize activations (see below).
+
+On-disk layout (compressed-tensors 0.19/0.20 ``FloatQuantizationCompressor``, as llm-compressor
+0.14 writes it), per expert projection ``experts.{j}.{gate,up,down}_proj`` of an nn.Linear
+weight [O, I]:
+
+- ``weight`` float8_e4m3fn [O, I] (round-to-nearest of W / scale, clamped to +-448);
+- ``weight_scale`` float32 (or the group's ``scale_dtype``): ``tensor`` strategy [1] (FP8),
+  ``channel`` [O, 1] (FP8_DYNAMIC), ``block`` [ceil(O / bm), ceil(I / bn)] (FP8_BLOCK,
+  ``block_structure`` [bm, bn] = [128, 128]; a partial edge block has its own scale);
+- ``input_scale`` float32 [1] with static activations (FP8's ``static_minmax`` observer).
+
+Dequantize, as transformers 5.24 loads MoE experts (``CompressedTensorsDequantize.convert``,
+FP8 branch): ``(weight.to(float32) * weight_scale.to(float32)).to(model dtype)``, the scale
+broadcast over its tensor / row / block; one multiply, so compressed-tensors' own
+``_dequantize`` (``x_q.to(scale.dtype) * scale``) gives the same bits for float32 scales.
+
+Activations. The unpaged reference (transformers' loading, on CPU and on a GPU alike, since
+its FP8 kernel path ``use_optimized_inference`` is opt-in and covers nn.Linear only) stacks the
+experts dequantized and runs them on unquantized activations: the static ``input_scale`` keys
+are unused (transformers drops them; pagedexperts logs them as unused), and dynamic per-token /
+per-group activation quantization is not applied. pagedexperts computes the same, so paged ==
+unpaged bit for bit; a W8A8 FP8 kernel (vLLM's) is another computation with its own reference.
+
+Refused: FP8 config groups that also quantize attention, shared experts or dense MLPs (a
+``Linear`` target): transformers runs those modules through compressed-tensors' quantized
+forward (activations fake-quantized), another computation than a dequantized nn.Linear.
+
+Legend: n experts dequantized together, O output features, I input features, bm x bn a block.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.ct_schemes import ExpertScheme, dense_schemes, dense_source_count, quantized_non_expert
+
+FP8_DTYPE = torch.float8_e4m3fn
+STRATEGIES = ("tensor", "channel", "block")
+SCALE_SUFFIX = "_scale"  # store name of weight_scale: dense name + "_scale"
+
+
+def is_fp8_scheme(scheme: ExpertScheme) -> bool:
+    return scheme.weights.get("type") == "float" and scheme.weights.get("num_bits") == 8
+
+
+def _check_scheme(dense: str, scheme: ExpertScheme) -> tuple[str, tuple[int, int] | None, torch.dtype]:
+    """(strategy, block or None, scale dtype) of one dense tensor's FP8 scheme.
+
+    Raises:
+        ValueError: a format, strategy, asymmetry or dynamic weights this module does not read.
+    """
+    w = scheme.weights
+    if scheme.format not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"fp8 experts ({dense}) with format {scheme.format!r}: only 'float-quantized' is supported")
+    strategy = w.get("strategy")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"fp8 experts ({dense}) with strategy={strategy!r}: only {STRATEGIES} are supported")
+    if not w.get("symmetric", True) or w.get("dynamic", False):
+        raise ValueError(f"fp8 experts ({dense}) with symmetric={w.get('symmetric')!r} dynamic={w.get('dynamic')!r}: "
+                         "only symmetric static weights are supported")
+    block = None
+    if strategy == "block":
+        bs = w.get("block_structure")
+        if not bs or len(bs) != 2 or min(bs) <= 0:
+            raise ValueError(f"fp8 block experts ({dense}) with block_structure={bs!r}: want two positive ints")
+        block = (int(bs[0]), int(bs[1]))
+    name = str(w.get("scale_dtype") or "float32").removeprefix("torch.")
+    scale_dtype = getattr(torch, name, None)
+    if not isinstance(scale_dtype, torch.dtype):
+        raise ValueError(f"fp8 experts ({dense}) with scale_dtype={w.get('scale_dtype')!r}: not a torch dtype")
+    return strategy, block, scale_dtype
+
+
+class CompressedTensorsFp8Format(ExpertFormat):
+    """compressed-tensors FP8 weights, per tensor, per channel or per block, bound per dense
+    experts tensor (config groups may give gate/up and down different strategies)."""
+
+    name = "ct-fp8"
+    serialized_names = {"weight": ("weight", "weight_scale")}
+
+    def __init__(self, schemes: Mapping[str, tuple[str, tuple[int, int] | None, torch.dtype]]) -> None:
+        self.schemes = dict(schemes)  # dense name -> (strategy, block, scale dtype)
+
+    @classmethod
+    def matches(cls, quantization_config: dict | None) -> bool:
+        if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
+            return False
+        try:
+            schemes = dense_schemes(quantization_config)
+        except ValueError:
+            return False
+        return bool(schemes) and all(is_fp8_scheme(s) for s in schemes.values())
+
+    @classmethod
+    def from_quantization_config(cls, quantization_config: dict | None) -> "CompressedTensorsFp8Format":
+        """Bind each dense tensor's strategy, block and scale dtype.
+
+        Raises:
+            ValueError: see ``_check_scheme``.
+        """
+        qc = quantization_config or {}
+        schemes = dense_schemes(qc)
+        other = quantized_non_expert(qc)
+        if other is not None:
+            raise ValueError(
+                f"fp8 config groups also quantize {other} (not a routed expert): transformers runs such modules "
+                "through compressed-tensors' forward, which quantizes their input activations, and pagedexperts "
+                "does not reproduce that; only checkpoints whose FP8 groups target the routed experts are supported")
+        return cls({dense: _check_scheme(dense, s) for dense, s in schemes.items()})
+
+    def _scale_shape(self, dense: str, out_features: int, in_features: int, sources: int) -> tuple[int, ...]:
+        strategy, block, _ = self.schemes[dense]
+        if strategy == "tensor":
+            return (sources,)
+        if strategy == "channel":
+            return (sources * out_features, 1)
+        return (sources * ceil_div(out_features, block[0]), ceil_div(in_features, block[1]))
+
+    def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
+        """fp8 weight [sources * O, I] + scale (per source, concatenated along dim 0)."""
+        if dense.name not in self.schemes or len(dense.shape) != 2:
+            return (dense,)
+        if transposed:
+            raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
+        if sources != dense_source_count(dense.name):
+            raise ValueError(f"{self.name}: {dense.name} from {sources} checkpoint tensors, expected "
+                             f"{dense_source_count(dense.name)}")
+        rows, in_features = dense.shape
+        shape = self._scale_shape(dense.name, rows // sources, in_features, sources)
+        return (TensorSpec(dense.name, dense.shape, FP8_DTYPE),
+                TensorSpec(dense.name + SCALE_SUFFIX, shape, self.schemes[dense.name][2]))
+
+    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """fp8 rows [n, sources * O, I] and their scales -> [n, sources * O, I] in the dense
+        dtype: per source ``(q.float() * scale.float()).to(dtype)``, then concatenated along
+        the rows (transformers dequantizes each projection before it merges gate and up; a
+        partial edge block belongs to its own source)."""
+        name = tensor.dense.name
+        strategy, block, _ = self.schemes[name]
+        sources = dense_source_count(name)
+        weight, scale = packed[name], packed[name + SCALE_SUFFIX]
+        parts = [dequantize_fp8(w, s, strategy=strategy, block=block, dtype=tensor.dense.dtype)
+                 for w, s in zip(weight.chunk(sources, dim=1), scale.chunk(sources, dim=1))]
+        return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, *, strategy: str, block: tuple[int, int] | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """One projection of n experts: fp8 [n, O, I] x scale -> [n, O, I] in ``dtype``.
+
+    scale: [n, 1] (tensor), [n, O, 1] (channel) or [n, ceil(O/bm), ceil(I/bn)] (block).
+    ``(q.to(float32) * s.to(float32)).to(dtype)`` with s broadcast over its elements.
+    """
+    q = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if strategy == "tensor":
+        s = s.view(-1, 1, 1)
+    elif strategy == "block":
+        rows, cols = q.shape[-2:]
+        s = s.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :rows, :cols]
+    return (q * s).to(dtype)

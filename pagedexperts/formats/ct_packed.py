@@ -1,0 +1,252 @@
+"""compressed-tensors ``pack-quantized`` experts beyond uniform int4: 8-bit (W8A16), a scheme per
+projection (config groups: gate/up group 128, down group 64), activation order (``weight_g_idx``).
+
+Owns: binding each dense experts tensor to its own config group (``ct_schemes``), the packed
+specs, and the unpack + dequantize of some experts' rows. Does not: read files, store, page.
+Uniform symmetric/asymmetric int4 without ``weight_g_idx`` stays with ``compressed_tensors``
+(``w4a16``); this module takes what that one refuses.
+
+On-disk layout (compressed-tensors 0.19/0.20 ``PackedQuantizationCompressor`` +
+``pack_to_int32``; llm-compressor 0.14 W8A16 / W4A16 with config groups), per projection of an
+nn.Linear weight [O, I], b = num_bits in {4, 8}, G groups:
+
+- ``weight_packed`` int32 [O, I * b / 32]: value ``q + 2**(b-1)`` of column c in bits
+  ``b * (c % (32/b))`` of word ``c // (32/b)`` (no value straddles a word for b = 4, 8);
+- ``weight_scale`` [O, G] (G = ceil(I / group_size), 1 for ``channel``); the scales' dtype;
+- ``weight_zero_point`` int32 [ceil(O * b / 32), G] (asymmetric): packed along O;
+- ``weight_shape`` int64 [2] = (O, I);
+- ``weight_g_idx`` int32 [I] (``actorder: group``, written by compressed-tensors <= 0.12 /
+  llm-compressor GPTQ with activation order before 0.14 removed it): the group of each input
+  column. Published dequantization (compressed-tensors <= 0.12 ``_process_quantization``:
+  permute by ``argsort(g_idx)``, dequantize per group, permute back) is, element by element,
+  ``w[o, c] = (q[o, c] - zp[o, g_idx[c]]) * s[o, g_idx[c]]``, which is what ``dequantize`` does.
+
+Dequantize (``compressed_tensors.quantization.lifecycle.forward_helpers._dequantize``):
+``(q.to(s.dtype) - zp.to(s.dtype)) * s`` per group, in the scales' dtype, then the dense dtype
+(transformers stacks the experts in the scales' dtype, see ``compressed_tensors``).
+
+Which reference loads what (transformers 5.24 + compressed-tensors 0.20): transformers applies
+ONE config group to every expert projection (``get_experts_scheme``), so a checkpoint whose
+down_proj has another group size fails to load there (or, when the sizes both divide, is read
+with the wrong group size); neither transformers (it drops ``weight_g_idx``) nor
+compressed-tensors >= 0.13 (it no longer reads it) dequantizes activation order. Uniform
+8-bit is read correctly by both, and paged == transformers there.
+
+Legend: n experts dequantized together, O output features, I input features, G groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.compressed_tensors import _torch_dtype
+from pagedexperts.formats.ct_schemes import ExpertScheme, dense_schemes, dense_source_count, expert_in_features
+
+BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class PackedArgs:
+    """One dense experts tensor's pack-quantized weights: bits, group size (None: channel),
+    symmetry, activation order (``weight_g_idx`` stored)."""
+
+    num_bits: int
+    group_size: int | None
+    symmetric: bool
+    g_idx: bool
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else ceil_div(in_features, self.group_size)
+
+
+def _bind(dense: str, scheme: ExpertScheme) -> PackedArgs:
+    """Raises ValueError naming the key and value of anything this module does not read."""
+    w = scheme.weights
+    if w.get("num_bits") not in BITS:
+        raise ValueError(f"pack-quantized experts ({dense}) with num_bits={w.get('num_bits')!r}: only {BITS} are supported")
+    if w.get("strategy") not in ("group", "channel"):
+        raise ValueError(f"pack-quantized experts ({dense}) with strategy={w.get('strategy')!r}: "
+                         "only 'group' and 'channel' are supported")
+    if scheme.input_activations:
+        raise ValueError(f"pack-quantized experts ({dense}) with input_activations set: only weight-only (A16) is supported")
+    group_size = w.get("group_size") if w.get("strategy") == "group" else None
+    if w.get("strategy") == "group" and (not isinstance(group_size, int) or group_size <= 0):
+        raise ValueError(f"pack-quantized experts ({dense}) with group_size={group_size!r}: must be a positive int")
+    actorder = w.get("actorder")
+    if actorder not in (None, "group", "weight", "static"):
+        raise ValueError(f"pack-quantized experts ({dense}) with actorder={actorder!r}: not a compressed-tensors value")
+    return PackedArgs(int(w["num_bits"]), group_size, bool(w.get("symmetric", True)),
+                      g_idx=actorder == "group" and group_size is not None)
+
+
+def pack_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme]:
+    """Dense tensor -> scheme when every experts scheme is pack-quantized int, else {}."""
+    if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
+        return {}
+    try:
+        schemes = dense_schemes(quantization_config)
+    except ValueError:
+        return {}
+    if not schemes or any(s.format != "pack-quantized" or s.weights.get("type", "int") != "int" for s in schemes.values()):
+        return {}
+    return schemes
+
+
+def unpack_last(packed: torch.Tensor, columns: int, num_bits: int) -> torch.Tensor:
+    """int32 [..., ceil(columns * b / 32)] -> int8 [..., columns]: value minus 2**(b-1).
+
+    Shifts and masks, so the host's byte order does not matter. Layout: compressed-tensors'
+    ``pack_to_int32`` (dense packing; b = 4, 8 never straddle a word)."""
+    per_word = 32 // num_bits
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
+    values = ((packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).flatten(-2)[..., :columns]
+    return (values - (1 << (num_bits - 1))).to(torch.int8)
+
+
+def dequantize_projection(packed, scale, zero_point, g_idx, *, in_features: int, args: PackedArgs,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """One projection of n experts -> [n, O, I] in ``dtype``.
+
+    packed int32 [n, O, W]; scale [n, O, G]; zero_point int32 [n, ceil(O*b/32), G] or None;
+    g_idx int32 [n, I] or None (columns grouped as c // group_size).
+    """
+    q = unpack_last(packed, in_features, args.num_bits)
+    zp = None
+    if zero_point is not None:
+        zp = unpack_last(zero_point.transpose(-1, -2), scale.shape[-2], args.num_bits).transpose(-1, -2)
+    if g_idx is not None:  # per column: gather the column's group
+        index = g_idx.long().unsqueeze(-2).expand(-1, scale.shape[-2], -1)  # [n, O, I]
+        s = torch.gather(scale, -1, index)
+        w = q.to(scale.dtype)
+        if zp is not None:
+            w = w - torch.gather(zp, -1, index).to(scale.dtype)
+        return (w * s).to(dtype)
+    groups = scale.shape[-1]
+    if in_features % groups:
+        raise ValueError(f"in_features {in_features} is not a multiple of {groups} scale groups")
+    w = q.unflatten(-1, (groups, in_features // groups)).to(scale.dtype)
+    if zp is not None:
+        w = w - zp.to(scale.dtype).unsqueeze(-1)
+    return (w * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+class CompressedTensorsPackedFormat(ExpertFormat):
+    """pack-quantized int weights bound per dense experts tensor (bits, group size, symmetry,
+    g_idx). Subclasses say which checkpoints they take (``matches``)."""
+
+    serialized_names = {"weight": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")}
+
+    def __init__(self, args: Mapping[str, PackedArgs], *, scale_dtype: torch.dtype | None = None) -> None:
+        self.args = dict(args)  # dense name -> PackedArgs
+        self.scale_dtype = scale_dtype  # None: the dense dtype
+        names = ["weight_packed", "weight_scale"]
+        if any(not a.symmetric for a in self.args.values()):
+            names.append("weight_zero_point")
+        names.append("weight_shape")
+        if any(a.g_idx for a in self.args.values()):
+            names.append("weight_g_idx")
+        self.serialized_names = {"weight": tuple(names)}
+
+    @classmethod
+    def from_quantization_config(cls, quantization_config: dict | None):
+        schemes = pack_schemes(quantization_config)
+        dtypes = {_torch_dtype(s.weights.get("scale_dtype")) for s in schemes.values()}
+        if len(dtypes) > 1:
+            raise ValueError(f"pack-quantized experts with scale_dtypes {sorted(map(str, dtypes))}: one is supported")
+        return cls({d: _bind(d, s) for d, s in schemes.items()}, scale_dtype=dtypes.pop() if dtypes else None)
+
+    @classmethod
+    def from_config(cls, config, quantization_config: dict | None):
+        """As ``from_quantization_config``, the scales' dtype defaulting to the checkpoint's saved
+        dtype (as ``w4a16``), and every group size checked against the experts' input features
+        from the config, so ``preflight`` refuses what ``load_model`` would.
+
+        Raises:
+            ValueError: a group size that does not divide its projection's input features."""
+        fmt = cls.from_quantization_config(quantization_config)
+        get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+        if fmt.scale_dtype is None:
+            saved = get("dtype") or get("torch_dtype")
+            fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
+        for dense, in_features in expert_in_features(config).items():
+            args = fmt.args.get(dense)
+            if args is not None and args.group_size is not None and in_features % args.group_size:
+                raise ValueError(f"expert {dense} in_features {in_features} is not a multiple of its config group's "
+                                 f"group_size {args.group_size}")
+        return fmt
+
+    def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return self.scale_dtype or model_dtype
+
+    def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
+        """As ``ExpertFormat.layout``, quantized dense tensors in the scales' dtype (transformers
+        stacks the experts in it; see ``compressed_tensors.CompressedTensorsW4A16Format.layout``)."""
+        base = super().layout(dense_specs, sources=sources, transposed=transposed)
+        if self.scale_dtype is None:
+            return base
+        return ExpertLayout(self, tuple(
+            t if t.is_passthrough else QuantizedTensor(dataclasses.replace(t.dense, dtype=self.scale_dtype), t.packed)
+            for t in base.tensors))
+
+    def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
+        """Per source nn.Linear's [O, I] layout, concatenated along dim 0 (g_idx [I] per source)."""
+        args = self.args.get(dense.name)
+        if args is None or len(dense.shape) != 2:
+            return (dense,)
+        if transposed:
+            raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
+        rows, in_features = dense.shape
+        out_features, groups = rows // sources, args.groups(in_features)
+        specs = [TensorSpec(f"{dense.name}_packed", (rows, ceil_div(in_features * args.num_bits, 32)), torch.int32),
+                 TensorSpec(f"{dense.name}_scale", (rows, groups), self.scale_dtype or dense.dtype)]
+        if not args.symmetric:
+            specs.append(TensorSpec(f"{dense.name}_zero_point",
+                                    (sources * ceil_div(out_features * args.num_bits, 32), groups), torch.int32))
+        specs.append(TensorSpec(f"{dense.name}_shape", (2 * sources,), torch.int64))
+        if args.g_idx:
+            specs.append(TensorSpec(f"{dense.name}_g_idx", (sources * in_features,), torch.int32))
+        return tuple(specs)
+
+    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Each source dequantized on its own, then concatenated along the rows."""
+        name, args = tensor.dense.name, self.args[tensor.dense.name]
+        in_features = tensor.dense.shape[1]
+        sources = dense_source_count(name)
+
+        def split(suffix):
+            key = f"{name}_{suffix}"
+            return packed[key].chunk(sources, dim=1) if key in packed else (None,) * sources
+
+        parts = [dequantize_projection(w, s, z, g, in_features=in_features, args=args, dtype=tensor.dense.dtype)
+                 for w, s, z, g in zip(split("packed"), split("scale"), split("zero_point"), split("g_idx"))]
+        return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
+
+class CompressedTensorsW8A16Format(CompressedTensorsPackedFormat):
+    """Every routed-expert projection 8-bit pack-quantized (llm-compressor W8A16)."""
+
+    name = "w8a16"
+
+    @classmethod
+    def matches(cls, quantization_config: dict | None) -> bool:
+        schemes = pack_schemes(quantization_config)
+        return bool(schemes) and all(s.weights.get("num_bits") == 8 for s in schemes.values())
+
+
+class CompressedTensorsMixedPackedFormat(CompressedTensorsPackedFormat):
+    """pack-quantized experts with a scheme per projection (config groups with different group
+    sizes or bits) or activation order (``weight_g_idx``): what ``w4a16`` reads one scheme for."""
+
+    name = "ct-pack-mixed"
+
+    @classmethod
+    def matches(cls, quantization_config: dict | None) -> bool:
+        schemes = pack_schemes(quantization_config)
+        weights = [s.weights for s in schemes.values()]
+        return bool(schemes) and (any(w != weights[0] for w in weights)
+                                  or any(w.get("actorder") == "group" for w in weights))

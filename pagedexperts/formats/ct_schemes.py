@@ -1,0 +1,157 @@
+"""compressed-tensors config groups, resolved per routed-expert projection.
+
+Owns: which config group (``quantization_config.config_groups``) quantizes each of the experts
+module's dense tensors (``gate_up_proj`` <- the checkpoint's gate_proj + up_proj or Mixtral's
+w1 + w3; ``down_proj`` <- down_proj or w2), the spelling of a checkpoint's format in messages,
+and the experts' input dims read from the model config (for refusals before any work).
+Does not: dequantize, read files.
+
+Resolution follows compressed-tensors' own module matching (``utils/match.py``: a target
+``re:PATTERN`` matches a module name with ``re.match``; a class-name target such as ``Linear``
+matches every nn.Linear, hence every per-expert projection; ``ignore`` removes names). The
+module names tried are a routed expert's projections as checkpoints spell them
+(``model.layers.0.mlp.experts.0.gate_proj``). transformers 5.24 instead applies ONE group to
+every projection of the experts (``integrations.compressed_tensors.get_experts_scheme``): the
+two agree whenever every projection has the same scheme.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Dense experts-module tensor -> the checkpoint projections concatenated into it, per family
+# naming (Qwen3-MoE / DeepSeek-V3: gate, up, down; Mixtral: w1 gate, w3 up, w2 down).
+DENSE_SOURCES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "down_proj": (("down_proj",), ("w2",)),
+}
+EXPERT_MODULE = "model.layers.0.mlp.experts.0.{}"
+
+
+@dataclass(frozen=True)
+class ExpertScheme:
+    """The config group of one experts-module dense tensor: its weights args (a dict as in
+    config.json), input_activations args (or None) and the group's ``format``."""
+
+    weights: dict
+    input_activations: dict | None
+    format: str | None
+
+
+def _matches(target: str, name: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == "Linear"  # a class-name target: every nn.Linear, so every projection
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    return any(_matches(t, name) if t.startswith("re:") else t == name for t in ignore)
+
+
+def group_for(quantization_config: dict, projection: str, *, module: str = EXPERT_MODULE) -> ExpertScheme | None:
+    """The scheme of the first config group whose targets match ``projection`` of a routed
+    expert (``module``: another module name pattern; None: unquantized)."""
+    name = module.format(projection)
+    if _ignored(name, quantization_config.get("ignore") or []):
+        return None
+    for group in (quantization_config.get("config_groups") or {}).values():
+        if any(_matches(t, name) for t in group.get("targets", [])):
+            return ExpertScheme(dict(group.get("weights") or {}), group.get("input_activations"),
+                                group.get("format") or quantization_config.get("format"))
+    return None
+
+
+def dense_schemes(quantization_config: dict) -> dict[str, ExpertScheme]:
+    """Dense experts tensor -> its scheme, for the family naming whose projections a config
+    group matches (gate/up/down first, then w1/w3/w2).
+
+    Raises:
+        ValueError: the projections concatenated into one dense tensor (gate and up) have
+            different schemes, or some but not all projections are quantized (names them).
+    """
+    for family in range(2):
+        out: dict[str, ExpertScheme | None] = {}
+        for dense, names in DENSE_SOURCES.items():
+            schemes = [group_for(quantization_config, p) for p in names[family]]
+            if any(s != schemes[0] for s in schemes):
+                raise ValueError(
+                    f"compressed-tensors experts: {' and '.join(names[family])} (merged into {dense}) have different "
+                    f"schemes {[s.weights if s else None for s in schemes]}; only one scheme per merged tensor is supported"
+                )
+            out[dense] = schemes[0]
+        if any(s is not None for s in out.values()):
+            missing = [d for d, s in out.items() if s is None]
+            if missing:
+                raise ValueError(f"compressed-tensors experts: {missing} not quantized while others are: not supported")
+            return out  # type: ignore[return-value]
+    return {}
+
+
+def quantized_non_expert(quantization_config: dict) -> str | None:
+    """The first attention / shared-expert / dense-MLP module name a config group quantizes
+    (checked on representative names), or None when only routed experts are quantized."""
+    for name in ("model.layers.0.self_attn.{}", "model.layers.0.mlp.shared_experts.{}", "model.layers.0.mlp.{}"):
+        for proj in ("q_proj", "o_proj", "gate_proj", "down_proj"):
+            if group_for(quantization_config, proj, module=name) is not None:
+                return name.format(proj)
+    return None
+
+
+def dense_source_count(dense: str) -> int:
+    """Checkpoint projections concatenated into a dense experts tensor (gate_up_proj: 2)."""
+    return len(DENSE_SOURCES[dense][0]) if dense in DENSE_SOURCES else 1
+
+
+def expert_in_features(config) -> dict[str, int]:
+    """Dense experts tensor -> its projections' input features, from the model config:
+    gate_up_proj reads the hidden size, down_proj the experts' intermediate size
+    (``moe_intermediate_size``, else ``intermediate_size`` as Mixtral names it)."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    dims = {"gate_up_proj": get("hidden_size"), "down_proj": get("moe_intermediate_size") or get("intermediate_size")}
+    return {name: int(v) for name, v in dims.items() if v}
+
+
+def spelling(quantization_config: dict | None) -> str:
+    """The format as the checkpoint spells it: quant_method, format, and the routed experts'
+    weights num_bits/type/strategy (group_size, block_structure, actorder where set)."""
+    if not quantization_config:
+        return "unquantized"
+    qc = quantization_config
+    parts = [f"quant_method {qc.get('quant_method')!r}"]
+    for key in ("format", "fmt", "quant_algo", "weight_block_size", "bits"):
+        if qc.get(key) is not None:
+            parts.append(f"{key} {qc[key]!r}")
+    if qc.get("quant_method") == "compressed-tensors":
+        schemes = _schemes_or_first(qc)
+        if len(set(map(repr, schemes.values()))) == 1:
+            schemes = {"experts": next(iter(schemes.values()))}
+        for dense, scheme in schemes.items():
+            parts.append(f"{dense}: {_describe(scheme, qc.get('format'))}")
+    return ", ".join(parts)
+
+
+def _describe(scheme: ExpertScheme, top_format: str | None) -> str:
+    w = scheme.weights
+    desc = " ".join(f"{k}={w[k]!r}" for k in ("num_bits", "type", "strategy", "group_size", "block_structure",
+                                               "actorder", "symmetric") if w.get(k) is not None)
+    fmt = f"format {scheme.format!r} " if scheme.format != top_format else ""
+    act = scheme.input_activations
+    acts = (f", input_activations {act.get('type')}{act.get('num_bits')} {act.get('strategy')} "
+            f"{'dynamic' if act.get('dynamic') else 'static'}") if act else ""
+    return f"{fmt}weights {desc}{acts}"
+
+
+def _schemes_or_first(qc: dict) -> dict[str, ExpertScheme]:
+    try:
+        schemes = dense_schemes(qc)
+    except ValueError:
+        schemes = {}
+    if schemes:
+        return schemes
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        return {}
+    g = groups[0]
+    return {"experts": ExpertScheme(dict(g.get("weights") or {}), g.get("input_activations"),
+                                    g.get("format") or qc.get("format"))}
