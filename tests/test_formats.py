@@ -281,8 +281,8 @@ def test_independence_check_catches_a_per_expert_tensor_left_on_the_module(quant
 def test_independence_check_catches_a_per_expert_buffer_left_on_the_module(quantized_dirs):
     """A buffer counts as a parameter does: an [E, ...] buffer registered on an experts module
     and never paged would be indexed with slot ids too (the check once looked at parameters only)."""
-    from pagedexperts.checkpoint import checkpoint_files
-    from pagedexperts.independence import check_model_independence
+    from pagedexperts.storage.safetensors_files import checkpoint_files
+    from pagedexperts.loading.independence import check_model_independence
 
     path = quantized_dirs("gpt_oss-bf16")
     paged, _ = load_model(path, num_resident=TOP_K, dtype="bfloat16", check_independence=False)
