@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import socket
 
-logger = logging.getLogger("pagedexperts.server")
+logger = logging.getLogger(__name__)
 
 DEFAULT_HEADER_TIMEOUT_S = 5.0  # nginx's client_header_timeout is 60 s; a few seconds suffice on a LAN
 DEFAULT_MAX_CONNECTIONS = 1024
