@@ -123,7 +123,7 @@ def _tier_metrics(runtime):
     layers whose store is a disk tier (``--host-memory-gb``); nothing otherwise."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    found = ((i, p.store.tier_stats) for i, p in runtime.pagers.items())  # None: no disk tier (ExpertStore)
+    found = ((i, getattr(getattr(p, "store", None), "tier_stats", None)) for i, p in runtime.pagers.items())
     tiers = sorted((i, t.as_dict()) for i, t in found if t is not None)
     if not tiers:
         return

@@ -43,8 +43,8 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     if found:
         return found
     raise FileNotFoundError(
-        f"no safetensors checkpoint in {model_path} (want {SINGLE_FILE}, an index or *.safetensors "
-        "files; --model-path)"
+        f"no safetensors checkpoint in {model_path}: no *.safetensors file ({SINGLE_FILE}, or shards "
+        "named by an index); pass a checkpoint directory (--model-path)"
     )
 
 
