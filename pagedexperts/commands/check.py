@@ -62,7 +62,7 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int) -> str:
 
 
 def run(args) -> int:
-    from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference
+    from pagedexperts.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
     from pagedexperts.formats import format_for_config
     from pagedexperts.loader import check_device, check_experts_dtype, load_model, read_checkpoint_config, resolve_dtype
     from pagedexperts.models.families import num_routed_experts
@@ -74,9 +74,11 @@ def run(args) -> int:
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
     check_device(args.device)
     check_experts_dtype(format_for_config(config), resolve_dtype(args.dtype, config), args.experts_implementation)
-    reference = load_reference(
+    reference, choice = load_reference_with_choice(
         args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
     )
+    if choice is not None:
+        print(choice.line())
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     ok = True
     for k in ks:
