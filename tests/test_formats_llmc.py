@@ -138,9 +138,10 @@ def references():
     return get
 
 
+@pytest.mark.default_threads
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 @pytest.mark.parametrize("num_resident, slot_format", [(TOP_K, "packed"), (2 * TOP_K, "dense"), (E // 2, "packed")])
-def test_paged_equals_reference(name, num_resident, slot_format, references, threads):
+def test_paged_equals_reference(name, num_resident, slot_format, references):
     reference = references(name)
     paged, _ = load_model(_fixture(name), num_resident=num_resident, slot_format=slot_format)
     with torch.no_grad():
@@ -148,6 +149,7 @@ def test_paged_equals_reference(name, num_resident, slot_format, references, thr
             assert run.exact and run.tokens_equal, f"{name} K={num_resident} {slot_format} {run.prompt}: {run.max_abs_diff:.3g}"
 
 
+@pytest.mark.default_threads
 @pytest.mark.parametrize("name", ["qwen3_moe-NVFP4", "qwen3_moe-W8A8"])
 def test_paged_from_the_disk_tier_equals_reference(name, references):
     path = _fixture(name)

@@ -21,7 +21,8 @@ Dequantize (``compressors.nvfp4.helpers.unpack_fp4_from_uint8`` then ``quantizat
 forward._dequantize``), in the library's own dtypes: the codes are looked up in float32,
 signed, cast to bfloat16; NVFP4: ``w = q.float() * (scale.bfloat16() / global_scale)`` (a
 bfloat16 [O, G, 1] over a float32 [1] promotes to float32), cast to bfloat16; MXFP4:
-``w = q * 2.0 ** (e - 127)`` in bfloat16. Then the model's dtype. The dense reference built
+``w = q * 2.0 ** (e - 127)`` in bfloat16. The routed experts stay in bfloat16 whatever the
+model's dtype (``experts_dtype``), as transformers stacks them in the decompressed dtype. The dense reference built
 from this decompression (``formats.reference``) runs activations unquantized: NVFP4's
 ``input_global_scale`` is paged (it is a per-expert tensor of the checkpoint) but unused, as in
 the decompressed model on CPU; a W4A4 kernel (vLLM's) is another computation.
@@ -31,11 +32,12 @@ Legend: n experts dequantized together, O output features, I input features, G g
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, Mapping
 
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, store_name
+from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, store_name
 from pagedexperts.formats.compressed_tensors import experts_weights_args
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -83,6 +85,17 @@ def dequantize_ct_mxfp4(packed, scale, *, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
 
 
+def in_experts_dtype(layout: ExpertLayout, dtype: torch.dtype | None) -> ExpertLayout:
+    """``layout`` with every quantized dense tensor in ``dtype`` (None: unchanged); passthrough
+    tensors (biases) keep theirs."""
+    if dtype is None:
+        return layout
+    return ExpertLayout(layout.format, tuple(
+        t if t.is_passthrough else QuantizedTensor(dataclasses.replace(t.dense, dtype=dtype), t.packed)
+        for t in layout.tensors
+    ))
+
+
 class _CompressedTensorsFp4(ExpertFormat):
     """Shared: matching one compressed-tensors FP4 format, the specs and per-source dequantize."""
 
@@ -116,6 +129,15 @@ class _CompressedTensorsFp4(ExpertFormat):
         # a static (False) or "local" (NVFP4's per-token group, global scale calibrated)
         # activation scheme stores input_global_scale per projection; True stores nothing
         return cls(static_input=bool(acts) and acts.get("dynamic") is not True)
+
+    def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """bfloat16, whatever ``model_dtype``: compressed-tensors decompresses FP4 into it and
+        transformers stacks the routed experts in the decompressed dtype (as for W4A16's scales)."""
+        return LIBRARY_DTYPE
+
+    def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
+        """As ``ExpertFormat.layout``, the quantized dense tensors in ``experts_dtype``."""
+        return in_experts_dtype(super().layout(dense_specs, sources=sources, transposed=transposed), LIBRARY_DTYPE)
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Specs of one dense [sources * O, I] expert tensor: nn.Linear's [O, I] per source,

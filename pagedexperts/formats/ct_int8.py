@@ -26,7 +26,8 @@ from typing import Mapping
 
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec
+from pagedexperts.formats.ct_fp4 import in_experts_dtype
 from pagedexperts.formats.compressed_tensors import _torch_dtype, experts_weights_args
 
 
@@ -68,6 +69,14 @@ class CompressedTensorsInt8Format(ExpertFormat):
         saved = get("dtype") or get("torch_dtype")
         fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
         return fmt
+
+    def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The scales' dtype when bound (compressed-tensors decompresses into it), else ``model_dtype``."""
+        return self.scale_dtype or model_dtype
+
+    def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
+        """As ``ExpertFormat.layout``, the quantized dense tensors in ``experts_dtype``."""
+        return in_experts_dtype(super().layout(dense_specs, sources=sources, transposed=transposed), self.scale_dtype)
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """int8 [sources * O, I] and the scale [sources * O, 1] (sources concatenated on dim 0).

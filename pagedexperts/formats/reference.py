@@ -144,7 +144,8 @@ def expert_parameters(model) -> dict[str, torch.Tensor]:
 
 def compare_experts(transformers_model, library_model, *, per_layer: int = SAMPLE_EXPERTS_PER_LAYER, seed: int = 0):
     """(experts compared, max |diff|, first differing 'param[expert]' or None) over a seeded
-    sample of ``per_layer`` experts of every routed-experts parameter, compared in float64."""
+    sample of ``per_layer`` experts of every routed-experts parameter (torch.equal: values and
+    dtype; the diff in float64)."""
     ours = expert_parameters(library_model)
     gen = torch.Generator().manual_seed(seed)
     compared, worst, first = 0, 0.0, None
@@ -152,13 +153,22 @@ def compare_experts(transformers_model, library_model, *, per_layer: int = SAMPL
         if name not in ours:
             continue
         for j in torch.randperm(theirs.shape[0], generator=gen)[:per_layer].tolist():
-            a, b = theirs[j].detach().double(), ours[name][j].detach().double()
-            diff = (a - b).abs().max().item() if a.shape == b.shape else float("inf")
+            a, b = theirs[j].detach(), ours[name][j].detach()
+            diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("inf")
             compared += 1
-            if diff > 0 or not torch.equal(a, b):
+            if diff > 0 or a.dtype != b.dtype or not torch.equal(a, b):
                 first = first or f"{name}[{j}]"
                 worst = max(worst, diff)
     return compared, worst, first
+
+
+def cast_experts(model, dtype: torch.dtype):
+    """Every routed-experts [E, ...] parameter of ``model`` in ``dtype`` (in place), as
+    transformers keeps a compressed-tensors checkpoint's experts in the decompressed dtype."""
+    for param in expert_parameters(model).values():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
 
 
 def choose_reference(path: Path, quantization_config: dict | None, *, load: Callable, load_dense: Callable):
