@@ -1,5 +1,7 @@
 """compressed-tensors NVFP4A16, NVFP4, W8A8 INT8, MXFP4A16 and W4A16_ASYM experts, on the tiny
-checkpoints llm-compressor 0.14 writes (tests/data/llmc, ``make_fixtures.py`` beside them).
+checkpoints llm-compressor 0.14 writes (tests/data/llmc, ``make_fixtures.py`` beside them):
+Qwen3-MoE (E = 8, k = 2, H = 64, I = 32, 2 layers; every scheme) and Mixtral (same sizes; no
+NVFP4 W4A4: llm-compressor's calibration wants a tokenizer the tiny model has not).
 
 References, independent of pagedexperts' formats: compressed-tensors' own per-module
 ``decompress`` (every expert projection), and ``check``'s unpaged reference
@@ -35,6 +37,10 @@ SCHEMES = {  # fixture -> (format name, reference source, why transformers is no
     "qwen3_moe-W8A8": ("w8a8-int8", "compressed-tensors", "cannot load"),
     "qwen3_moe-MXFP4A16": ("ct-mxfp4", "transformers", "cross-checked"),
     "qwen3_moe-W4A16_ASYM-g32": ("w4a16", "compressed-tensors", "cannot load"),
+    "mixtral-NVFP4A16": ("nvfp4", "compressed-tensors", "WRONG"),
+    "mixtral-W8A8": ("w8a8-int8", "compressed-tensors", "cannot load"),
+    "mixtral-MXFP4A16": ("ct-mxfp4", "transformers", "cross-checked"),
+    "mixtral-W4A16_ASYM-g32": ("w4a16", "compressed-tensors", "cannot load"),
 }
 E, TOP_K = 8, 2
 
