@@ -70,7 +70,7 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagedexperts.formats import format_for_config, quantization_config_of
-    from pagedexperts.formats.reference import cast_experts, choose_reference
+    from pagedexperts.formats.reference import cast_experts, choose_reference, complete
     from pagedexperts.loader import bundled_model_path, resolve_dtype
 
     path = model_path or bundled_model_path()
@@ -81,8 +81,8 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, **kwargs, **fmt.reference_kwargs())  # noqa: E731
     try:
         model, choice = choose_reference(path, quantization_config_of(config), load=load,
-                                         load_dense=lambda p: cast_experts(AutoModelForCausalLM.from_pretrained(
-                                             p, **kwargs), fmt.experts_dtype(torch_dtype)))
+                                         load_dense=lambda p: cast_experts(complete(AutoModelForCausalLM.from_pretrained(
+                                             p, output_loading_info=True, **kwargs), p), fmt.experts_dtype(torch_dtype)))
     except ImportError as exc:
         return _resident_reference(path, fmt, exc, device=device, dtype=dtype,
                                    experts_implementation=experts_implementation), None

@@ -162,6 +162,21 @@ def compare_experts(transformers_model, library_model, *, per_layer: int = SAMPL
     return compared, worst, first
 
 
+def complete(loaded, path) -> object:
+    """The model of ``from_pretrained(..., output_loading_info=True)``'s (model, info).
+
+    Raises:
+        ValueError: parameters the checkpoint did not fill (transformers would leave them
+            randomly initialised: a checkpoint whose names do not map onto the model).
+    """
+    model, info = loaded
+    if info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        raise ValueError(f"{path}: {len(missing)} model tensors are not in the checkpoint (e.g. {missing[:3]}); "
+                         "its expert names do not map onto the model")
+    return model
+
+
 def cast_experts(model, dtype: torch.dtype):
     """Every routed-experts [E, ...] parameter of ``model`` in ``dtype`` (in place), as
     transformers keeps a compressed-tensors checkpoint's experts in the decompressed dtype."""

@@ -70,7 +70,27 @@ def write(family: str, scheme: str, out: Path) -> Path:
         oneshot(model=model, recipe=recipe(scheme), **kwargs)
         shutil.rmtree(dst, ignore_errors=True)
         model.save_pretrained(dst, save_compressed=True)
+    if family == "mixtral":
+        mixtral_names(dst)
     return dst
+
+
+MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def mixtral_names(dst: Path) -> None:
+    """Rename the linearized experts' ``gate_proj/up_proj/down_proj`` to Mixtral's checkpoint
+    names ``w1/w3/w2`` in place: llm-compressor's ``load_quantizable_moe`` registers this save
+    mapping (``modeling/moe/conversion_mappings.py``), but it needs torchvision to run, so the
+    fixtures use ``linearize_moe`` after loading, which saves the linearized names."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    file = dst / "model.safetensors"
+    pattern = re.compile(r"(\.experts\.\d+\.)(gate_proj|up_proj|down_proj)\.")
+    tensors = {pattern.sub(lambda m: m.group(1) + MIXTRAL_NAMES[m.group(2)] + ".", k): v for k, v in load_file(file).items()}
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def main() -> None:
