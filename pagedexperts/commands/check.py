@@ -77,8 +77,8 @@ def run(args) -> int:
     reference, choice = load_reference_with_choice(
         args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
     )
-    if choice is not None:
-        print(choice.line())
+    if choice is not None and (choice.source != "transformers" or choice.experts_compared):
+        print(choice.line())  # a checkpoint its format library decompresses: which reference, why
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     ok = True
     for k in ks:
