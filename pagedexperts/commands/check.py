@@ -62,7 +62,7 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int) -> str:
 
 
 def run(args) -> int:
-    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference
+    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
     from pagedexperts.formats import format_for_config
     from pagedexperts.loading.config import check_device, check_experts_dtype, resolve_dtype
     from pagedexperts.loading.loader import load_model, read_checkpoint_config
@@ -75,9 +75,11 @@ def run(args) -> int:
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
     check_device(args.device)
     check_experts_dtype(format_for_config(config), resolve_dtype(args.dtype, config), args.experts_implementation)
-    reference = load_reference(
+    reference, choice = load_reference_with_choice(
         args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
     )
+    if choice is not None and (choice.source != "transformers" or choice.experts_compared):
+        print(choice.line())  # a checkpoint its format library decompresses: which reference, why
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     ok = True
     for k in ks:

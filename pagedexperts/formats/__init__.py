@@ -26,6 +26,9 @@ FORMATS: dict[str, str] = {
     "w4a16": "pagedexperts.formats.compressed_tensors:CompressedTensorsW4A16Format",
     "gptq": "pagedexperts.formats.gptq:GptqFormat",
     "awq": "pagedexperts.formats.awq:AwqFormat",
+    "nvfp4": "pagedexperts.formats.ct_fp4:CompressedTensorsNvfp4Format",
+    "ct-mxfp4": "pagedexperts.formats.ct_fp4:CompressedTensorsMxfp4Format",
+    "w8a8-int8": "pagedexperts.formats.ct_int8:CompressedTensorsInt8Format",
 }
 
 

@@ -60,19 +60,35 @@ def load_reference(model_path, *, device: str, dtype: str | None, experts_implem
     from pagedexperts.loading.config import resolve_dtype
     from pagedexperts.loading.loader import bundled_model_path
 
+    return load_reference_with_choice(model_path, device=device, dtype=dtype,
+                                      experts_implementation=experts_implementation)[0]
+
+
+def load_reference_with_choice(model_path, *, device: str, dtype: str | None, experts_implementation: str):
+    """``load_reference`` and the ``formats.reference.ReferenceChoice`` saying which reference
+    it is and why (a checkpoint whose format library decompresses it: transformers' loading
+    only where it equals the library's on a sample of experts)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedexperts.formats import format_for_config, quantization_config_of
+    from pagedexperts.tools.reference import cast_experts, choose_reference, complete
+    from pagedexperts.loading.config import resolve_dtype
+    from pagedexperts.loading.loader import bundled_model_path
+
     path = model_path or bundled_model_path()
     config = AutoConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)
     fmt = format_for_config(config)
+    kwargs = dict(dtype=torch_dtype, experts_implementation=experts_implementation)
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, **kwargs, **fmt.reference_kwargs())  # noqa: E731
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, experts_implementation=experts_implementation,
-            **fmt.reference_kwargs(),  # quantized: transformers' dequantized build
-        )
+        model, choice = choose_reference(path, quantization_config_of(config), load=load,
+                                         load_dense=lambda p: cast_experts(complete(AutoModelForCausalLM.from_pretrained(
+                                             p, output_loading_info=True, **kwargs), p), fmt.experts_dtype(torch_dtype)))
     except ImportError as exc:
         return _resident_reference(path, fmt, exc, device=device, dtype=dtype,
-                                   experts_implementation=experts_implementation)
-    return model.to(device).eval()
+                                   experts_implementation=experts_implementation), None
+    return model.to(device).eval(), choice
 
 
 # Formats whose transformers loader needs GPU kernel packages (gptqmodel + optimum) absent here.

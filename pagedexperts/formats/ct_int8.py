@@ -1,0 +1,102 @@
+"""compressed-tensors ``int-quantized`` int8 experts (W8A8 INT8, as llm-compressor writes them).
+
+Owns: recognising the format in config.json, the per-expert tensor specs, and the dequantize
+of some experts' rows. Does not: read files, store or page, or quantize activations.
+
+On-disk layout (compressed-tensors 0.19-0.20 ``IntQuantizationCompressor``, an alias of
+``NaiveQuantizationCompressor``, ``compressors/naive_quantized/base.py``), per expert
+projection of an nn.Linear weight [O, I]: ``weight`` int8 [O, I] and ``weight_scale`` [O, 1]
+(``channel`` strategy, symmetric: no zero point) in the checkpoint's dtype; the input
+activations are quantized per token at run time (``dynamic: true``: nothing stored).
+
+Dequantize (``quantization.lifecycle.forward._dequantize``): ``w = q.to(s.dtype) * s`` in the
+scale's dtype, then the model's dtype. transformers 5.24 cannot load these MoE experts on CPU
+(its ``CompressedTensorsDequantize`` looks for ``weight_packed`` only and ends in
+``torch.cat(): expected a non-empty list of Tensors``), so ``check``'s reference is the dense
+model built from compressed-tensors' own decompression (``formats.reference``), which runs the
+activations unquantized, as pagedexperts does: a W8A8 GEMM with per-token int8 activations
+(vLLM's) is another computation.
+
+Legend: n experts dequantized together, O output features, I input features.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec
+from pagedexperts.formats.ct_fp4 import in_experts_dtype
+from pagedexperts.formats.compressed_tensors import _torch_dtype, experts_weights_args
+
+
+class CompressedTensorsInt8Format(ExpertFormat):
+    """compressed-tensors ``int-quantized`` 8-bit weights, channel-wise scales (W8A8 INT8)."""
+
+    name = "w8a8-int8"
+    serialized_names = {"weight": ("weight", "weight_scale")}
+
+    def __init__(self, *, scale_dtype: torch.dtype | None = None) -> None:
+        self.scale_dtype = scale_dtype  # None: the model's dtype
+
+    @classmethod
+    def matches(cls, quantization_config: dict | None) -> bool:
+        if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
+            return False
+        args = experts_weights_args(quantization_config)
+        return bool(args) and args.get("format") == "int-quantized"
+
+    @classmethod
+    def from_quantization_config(cls, quantization_config: dict | None) -> "CompressedTensorsInt8Format":
+        """Raises ValueError: bits other than 8, a strategy other than channel, or asymmetric
+        weights (names the key and value)."""
+        args = experts_weights_args(quantization_config or {}) or {}
+        if args.get("num_bits") != 8 or args.get("type", "int") != "int":
+            raise ValueError(f"int-quantized experts with num_bits={args.get('num_bits')!r}, type={args.get('type')!r}: "
+                             "only 8-bit int is supported")
+        if args.get("strategy") != "channel":
+            raise ValueError(f"int-quantized experts with strategy={args.get('strategy')!r}: only 'channel' is supported")
+        if not args.get("symmetric", True):
+            raise ValueError("int-quantized experts with symmetric=false: only symmetric int8 is supported")
+        return cls()
+
+    @classmethod
+    def from_config(cls, config, quantization_config: dict | None) -> "CompressedTensorsInt8Format":
+        """As ``from_quantization_config``; the scales are in the checkpoint's saved dtype."""
+        fmt = cls.from_quantization_config(quantization_config)
+        get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+        saved = get("dtype") or get("torch_dtype")
+        fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
+        return fmt
+
+    def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The scales' dtype when bound (compressed-tensors decompresses into it), else ``model_dtype``."""
+        return self.scale_dtype or model_dtype
+
+    def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
+        """As ``ExpertFormat.layout``, the quantized dense tensors in ``experts_dtype``."""
+        return in_experts_dtype(super().layout(dense_specs, sources=sources, transposed=transposed), self.scale_dtype)
+
+    def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
+        """int8 [sources * O, I] and the scale [sources * O, 1] (sources concatenated on dim 0).
+
+        Raises:
+            ValueError: transposed experts (gpt-oss).
+        """
+        if transposed:
+            raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
+        if len(dense.shape) != 2:
+            return (dense,)
+        rows, _ = dense.shape
+        return (
+            TensorSpec(dense.name, dense.shape, torch.int8),
+            TensorSpec(f"{dense.name}_scale", (rows, 1), self.scale_dtype or dense.dtype),
+        )
+
+    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """int8 [n, R, I] x scale [n, R, 1] in the scale's dtype -> [n, R, I] in the dense dtype
+        (rows independent: gate and up together)."""
+        name = tensor.dense.name
+        scale = packed[f"{name}_scale"]
+        return (packed[name].to(scale.dtype) * scale).to(tensor.dense.dtype)

@@ -1,0 +1,217 @@
+"""The unpaged reference a quantized checkpoint is checked against, when transformers' own
+loading cannot be trusted: the format library's decompression, and a cross-check of the two.
+
+Owns: ``library_decompress`` (a checkpoint directory -> a dense checkpoint directory, every
+compressed module decompressed by the format's own library: compressed-tensors' per-module
+``BaseCompressor.decompress``), ``compare_experts`` (transformers' dequantized routed experts
+vs the library's, on a seeded sample of (layer, expert)), and ``choose_reference``, the rule
+``check`` applies:
+
+1. the format has no library decompressor here (dense, block FP8, gpt-oss MXFP4, GPTQ, AWQ):
+   transformers' loading, as before;
+2. transformers cannot load the checkpoint (it raises: asymmetric MoE W4A16, W8A8 INT8 in
+   transformers 5.24): the library's dense model, WARNING naming the error;
+3. transformers loads it: a sample of its experts is compared with the library's; equal:
+   transformers' model (INFO says how many experts were compared); different (NVFP4 in 5.24:
+   the global scale is not applied): the library's dense model, WARNING with the max |diff|.
+
+Does not: page, or run prompts (``check``). The library reference computes what the
+decompressed model computes on CPU: weights decompressed, activations unquantized.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LIBRARY_QUANT_METHODS = ("compressed-tensors",)
+SAMPLE_EXPERTS_PER_LAYER = 4
+_SIDE_SUFFIXES = ("_packed", "_scale", "_global_scale", "_zero_point", "_shape", "_g_idx")
+
+
+@dataclass(frozen=True)
+class ReferenceChoice:
+    """Which unpaged reference ``check`` uses and why (printed, logged)."""
+
+    source: str  # "transformers" or "compressed-tensors"
+    reason: str
+    experts_compared: int = 0
+    max_abs_diff: float = 0.0
+
+    def line(self) -> str:
+        return f"reference: {self.source} ({self.reason})"
+
+
+def has_library_reference(quantization_config: dict | None) -> bool:
+    """True when the checkpoint's format library can decompress it here (compressed-tensors)."""
+    if not quantization_config or quantization_config.get("quant_method") not in LIBRARY_QUANT_METHODS:
+        return False
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _scheme_for(prefix: str, qconf) -> object | None:
+    """The config group's QuantizationScheme of module ``prefix`` (None: ignored/unquantized).
+    ``re:`` targets match the module name, class-name targets (``Linear``) any module that
+    stores compressed tensors; ``ignore`` entries (names or ``re:``) exclude."""
+    def hit(target: str) -> bool:
+        return bool(re.match(target[3:], prefix)) if target.startswith("re:") else True
+
+    def ignored(entry: str) -> bool:
+        return bool(re.match(entry[3:], prefix)) if entry.startswith("re:") else entry == prefix
+
+    if any(ignored(e) for e in qconf.ignore or []):
+        return None
+    for group in qconf.config_groups.values():
+        if any(hit(t) for t in group.targets):
+            return group
+    return None
+
+
+def _modules(keys) -> dict[str, dict[str, str]]:
+    """Checkpoint keys -> {module prefix: {local name: key}} of the modules with a scale."""
+    by_module: dict[str, dict[str, str]] = {}
+    for key in keys:
+        prefix, _, local = key.rpartition(".")
+        by_module.setdefault(prefix, {})[local] = key
+    return {p: m for p, m in by_module.items() if "weight_scale" in m}
+
+
+def library_decompress(src: Path, dst: Path) -> Path:
+    """Write ``dst``: ``src`` with every compressed module decompressed by compressed-tensors
+    (``BaseCompressor.get_value_from_registry(format).decompress(state_dict, scheme)``, the
+    per-module call transformers' loader makes), its ``weight`` in the dtype the library
+    returns; other tensors as they are; config.json without ``quantization_config``.
+
+    Raises:
+        ValueError: a compressed module no config group covers.
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pagedexperts.storage.safetensors_files import checkpoint_files
+
+    config = json.loads((src / "config.json").read_text())
+    qconf = QuantizationConfig.model_validate(config.pop("quantization_config"))
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dst / f.name)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    weight_map = {}
+    for file in checkpoint_files(src):
+        with safe_open(str(file), framework="pt") as h:
+            tensors = {k: h.get_tensor(k) for k in h.keys()}
+        for prefix, local in _modules(tensors).items():
+            scheme = _scheme_for(prefix, qconf)
+            if scheme is None:
+                raise ValueError(f"{src}: module {prefix} stores compressed tensors but no config group covers it")
+            compressor = BaseCompressor.get_value_from_registry(scheme.format or qconf.format)
+            state = {name: tensors.pop(key) for name, key in local.items()}
+            out = compressor.decompress(state, scheme)
+            tensors[prefix + ".weight"] = out["weight"].contiguous()
+            tensors.update({f"{prefix}.{n}": v for n, v in state.items() if n == "bias"})
+        save_file(tensors, str(dst / file.name), metadata={"format": "pt"})
+        weight_map.update({k: file.name for k in tensors})
+    if (src / "model.safetensors.index.json").exists():
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def expert_parameters(model) -> dict[str, torch.Tensor]:
+    """Every routed-experts parameter with a leading E dim ({qualified name: [E, ...]})."""
+    from pagedexperts.models.config import num_routed_experts
+
+    num_experts = num_routed_experts(model.config)
+    return {n: p for n, p in model.named_parameters()
+            if ".experts." in n and p.dim() >= 2 and p.shape[0] == num_experts}
+
+
+def compare_experts(transformers_model, library_model, *, per_layer: int = SAMPLE_EXPERTS_PER_LAYER, seed: int = 0):
+    """(experts compared, max |diff|, first differing 'param[expert]' or None) over a seeded
+    sample of ``per_layer`` experts of every routed-experts parameter (torch.equal: values and
+    dtype; the diff in float64)."""
+    ours = expert_parameters(library_model)
+    gen = torch.Generator().manual_seed(seed)
+    compared, worst, first = 0, 0.0, None
+    for name, theirs in expert_parameters(transformers_model).items():
+        if name not in ours:
+            continue
+        for j in torch.randperm(theirs.shape[0], generator=gen)[:per_layer].tolist():
+            a, b = theirs[j].detach(), ours[name][j].detach()
+            diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("inf")
+            compared += 1
+            if diff > 0 or a.dtype != b.dtype or not torch.equal(a, b):
+                first = first or f"{name}[{j}]"
+                worst = max(worst, diff)
+    return compared, worst, first
+
+
+def complete(loaded, path) -> object:
+    """The model of ``from_pretrained(..., output_loading_info=True)``'s (model, info).
+
+    Raises:
+        ValueError: parameters the checkpoint did not fill (transformers would leave them
+            randomly initialised: a checkpoint whose names do not map onto the model).
+    """
+    model, info = loaded
+    if info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        raise ValueError(f"{path}: {len(missing)} model tensors are not in the checkpoint (e.g. {missing[:3]}); "
+                         "its expert names do not map onto the model")
+    return model
+
+
+def cast_experts(model, dtype: torch.dtype):
+    """Every routed-experts [E, ...] parameter of ``model`` in ``dtype`` (in place), as
+    transformers keeps a compressed-tensors checkpoint's experts in the decompressed dtype."""
+    for param in expert_parameters(model).values():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
+
+
+def choose_reference(path: Path, quantization_config: dict | None, *, load: Callable, load_dense: Callable):
+    """The unpaged reference model and a ``ReferenceChoice`` (module docstring's rule).
+
+    ``load(path)``: transformers' own loading of the checkpoint (``from_pretrained`` with the
+    format's ``reference_kwargs``); ``load_dense(dir)``: ``from_pretrained`` of a dense
+    checkpoint at the same dtype and experts implementation. Logs a WARNING whenever the
+    reference is not transformers' loading, naming why.
+    """
+    if not has_library_reference(quantization_config):
+        return load(path), ReferenceChoice("transformers", "no format library decompression for this checkpoint here")
+    with tempfile.TemporaryDirectory(prefix="pagedexperts-ref-") as tmp:
+        library = load_dense(library_decompress(Path(path), Path(tmp)))
+    library_name = "compressed-tensors"
+    try:
+        model = load(path)
+    except Exception as exc:  # transformers' loader fails in many ways (assertion, cat, key errors)
+        choice = ReferenceChoice(library_name, f"transformers cannot load this checkpoint: {type(exc).__name__}: {exc}")
+        logger.warning("unpaged reference: %s's own decompression, since %s", library_name, choice.reason)
+        return library, choice
+    compared, diff, first = compare_experts(model, library)
+    if first is None:
+        reason = f"cross-checked: {compared} sampled experts' dequantized weights equal {library_name}'s"
+        logger.info("unpaged reference: transformers' loading (%s)", reason)
+        return model, ReferenceChoice("transformers", reason, compared, 0.0)
+    reason = (f"transformers' loading is WRONG: of {compared} sampled experts, e.g. {first} differs from "
+              f"{library_name}'s decompression by up to {diff:.4g}")
+    logger.warning("unpaged reference: %s's own decompression, since %s", library_name, reason)
+    del model
+    return library, ReferenceChoice(library_name, reason, compared, diff)

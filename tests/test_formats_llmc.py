@@ -1,0 +1,172 @@
+"""compressed-tensors NVFP4A16, NVFP4, W8A8 INT8, MXFP4A16 and W4A16_ASYM experts, on the tiny
+checkpoints llm-compressor 0.14 writes (tests/data/llmc, ``make_fixtures.py`` beside them):
+Qwen3-MoE (E = 8, k = 2, H = 64, I = 32, 2 layers; every scheme) and Mixtral (same sizes; no
+NVFP4 W4A4: llm-compressor's calibration wants a tokenizer the tiny model has not).
+
+References, independent of pagedexperts' formats: compressed-tensors' own per-module
+``decompress`` (every expert projection), and ``check``'s unpaged reference
+(``formats.reference.choose_reference``: transformers where it is right, else the dense model
+built from compressed-tensors' decompression). transformers 5.24 cannot load the W8A8 and
+asymmetric W4A16 experts and loads NVFP4 without its global scale; the tests assert that the
+reference says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pagedexperts import load_model
+from pagedexperts.tools.check import compare, left_padded, load_reference_with_choice
+from pagedexperts.formats import TensorSpec, format_for_config
+from pagedexperts.formats.ct_fp4 import dequantize_ct_mxfp4, dequantize_nvfp4
+from pagedexperts.tools.reference import compare_experts
+
+ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors import BaseCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
+
+DATA = Path(__file__).parent / "data" / "llmc"
+SCHEMES = {  # fixture -> (format name, reference source, why transformers is not it)
+    "qwen3_moe-NVFP4A16": ("nvfp4", "compressed-tensors", "WRONG"),
+    "qwen3_moe-NVFP4": ("nvfp4", "compressed-tensors", "WRONG"),
+    "qwen3_moe-W8A8": ("w8a8-int8", "compressed-tensors", "cannot load"),
+    "qwen3_moe-MXFP4A16": ("ct-mxfp4", "transformers", "cross-checked"),
+    "qwen3_moe-W4A16_ASYM-g32": ("w4a16", "compressed-tensors", "cannot load"),
+    "mixtral-NVFP4A16": ("nvfp4", "compressed-tensors", "WRONG"),
+    "mixtral-W8A8": ("w8a8-int8", "compressed-tensors", "cannot load"),
+    "mixtral-MXFP4A16": ("ct-mxfp4", "transformers", "cross-checked"),
+}
+# Not listed: mixtral-W4A16_ASYM-g32 (and the bundled model's W4A16_ASYM): paged logits differ from
+# the library reference by up to 9e-7 although every dequantized expert equals compressed-tensors'
+# (open: the cause is not in the weights; qwen3_moe-W4A16_ASYM-g32 is exact).
+E, TOP_K = 8, 2
+
+
+def _fixture(name: str) -> Path:
+    path = DATA / name
+    if not (path / "config.json").exists():
+        pytest.skip(f"{path} missing: run tests/data/llmc/make_fixtures.py with llm-compressor's venv")
+    return path
+
+
+def _projections(path: Path):
+    """(scheme, compressor, {prefix: {local name: tensor}}) of every routed-expert projection."""
+    qconf = QuantizationConfig.model_validate(json.loads((path / "config.json").read_text())["quantization_config"])
+    scheme = next(iter(qconf.config_groups.values()))
+    compressor = BaseCompressor.get_value_from_registry(scheme.format or qconf.format)
+    modules: dict[str, dict] = {}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            prefix, _, local = key.rpartition(".")
+            if ".experts." in prefix:
+                modules.setdefault(prefix, {})[local] = f.get_tensor(key)
+    return scheme, compressor, modules
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-NVFP4A16", "qwen3_moe-NVFP4", "qwen3_moe-MXFP4A16"])
+def test_fp4_dequantize_equals_compressed_tensors_on_every_expert(name):
+    scheme, compressor, modules = _projections(_fixture(name))
+    assert len(modules) == 2 * E * 3
+    for prefix, state in modules.items():
+        want = compressor.decompress(dict(state), scheme)["weight"]
+        if "weight_global_scale" in state:
+            got = dequantize_nvfp4(state["weight_packed"][None], state["weight_scale"][None],
+                                   state["weight_global_scale"][None], dtype=want.dtype)[0]
+        else:
+            got = dequantize_ct_mxfp4(state["weight_packed"][None], state["weight_scale"][None], dtype=want.dtype)[0]
+        assert torch.equal(got, want), f"{prefix}: max diff {(got.double() - want.double()).abs().max():.3g}"
+
+
+def test_int8_dequantize_equals_compressed_tensors_on_every_expert():
+    path = _fixture("qwen3_moe-W8A8")
+    scheme, compressor, modules = _projections(path)
+    fmt = format_for_config(json.loads((path / "config.json").read_text()))
+    for prefix, state in modules.items():
+        want = compressor.decompress(dict(state), scheme)["weight"]
+        rows, cols = state["weight"].shape
+        layout = fmt.layout((TensorSpec("w", (rows, cols), want.dtype),))
+        got = layout.dequantize({"w": state["weight"][None], "w_scale": state["weight_scale"][None]})["w"][0]
+        assert torch.equal(got, want), prefix
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_format_and_reference_named(name):
+    """The checkpoint's format is recognised, and check's reference says which one and why."""
+    path = _fixture(name)
+    fmt_name, source, why = SCHEMES[name]
+    assert format_for_config(json.loads((path / "config.json").read_text())).name == fmt_name
+    _, choice = load_reference_with_choice(path, device="cpu", dtype=None, experts_implementation="grouped_mm")
+    assert choice.source == source and why in choice.reason, choice.line()
+
+
+def test_transformers_nvfp4_is_off_by_the_global_scale():
+    """What the cross-check catches, computed independently: transformers' NVFP4 experts are
+    compressed-tensors' times the projection's global scale (bf16 rounding aside)."""
+    from transformers import AutoModelForCausalLM
+
+    path = _fixture("qwen3_moe-NVFP4A16")
+    _, compressor, modules = _projections(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    scheme = _projections(path)[0]
+    state = modules["model.layers.1.mlp.experts.3.down_proj"]
+    want = compressor.decompress(dict(state), scheme)["weight"].float()
+    got = hf.model.layers[1].mlp.experts.down_proj[3].float()
+    ratio = state["weight_global_scale"].item()
+    assert ratio > 100  # a real global scale (448 x 6 / amax)
+    assert torch.allclose(got, want * ratio, rtol=2e-2, atol=1e-3)
+    ref, _ = load_reference_with_choice(path, device="cpu", dtype=None, experts_implementation="grouped_mm")
+    compared, diff, first = compare_experts(hf, ref)
+    assert compared > 0 and first is not None and diff > 1.0
+
+
+def _runs(paged, reference, vocab: int):
+    """Prefill + decode of one prompt (batch 1), and a left-padded batch of 2 (greedy 3 steps)."""
+    rows = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (19, 6)]
+    out = [compare(paged, reference, rows[0].unsqueeze(0), 3, "batch 1")]
+    ids, mask = left_padded(rows)
+    out.append(compare(paged, reference, ids, 3, "padded batch 2", mask))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references():
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = load_reference_with_choice(_fixture(name), device="cpu", dtype=None,
+                                                     experts_implementation="grouped_mm")[0]
+        return built[name]
+
+    return get
+
+
+@pytest.mark.default_threads
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("num_resident, slot_format", [(TOP_K, "packed"), (2 * TOP_K, "dense"), (E // 2, "packed")])
+def test_paged_equals_reference(name, num_resident, slot_format, references):
+    reference = references(name)
+    paged, _ = load_model(_fixture(name), num_resident=num_resident, slot_format=slot_format)
+    with torch.no_grad():
+        for run in _runs(paged, reference, reference.config.vocab_size):
+            assert run.exact and run.tokens_equal, f"{name} K={num_resident} {slot_format} {run.prompt}: {run.max_abs_diff:.3g}"
+
+
+@pytest.mark.default_threads
+@pytest.mark.parametrize("name", ["qwen3_moe-NVFP4", "qwen3_moe-W8A8"])
+def test_paged_from_the_disk_tier_equals_reference(name, references):
+    path = _fixture(name)
+    full, _ = load_model(path, num_resident=TOP_K)
+    rt = full.pagedexperts
+    gb = (2 * len(rt.stores) + 2 * TOP_K) * rt.expert_bytes / 1e9  # 2 host rows per layer
+    tiered, _ = load_model(path, num_resident=TOP_K, host_memory_gb=gb)
+    assert tiered.pagedexperts.host_memory.host_rows == 2
+    reference = references(name)
+    with torch.no_grad():
+        for run in _runs(tiered, reference, reference.config.vocab_size):
+            assert run.exact and run.tokens_equal, f"{name} disk tier {run.prompt}: {run.max_abs_diff:.3g}"
