@@ -102,14 +102,15 @@ def bench_modes(model, args) -> list[dict]:
         model.pagedexperts.reset_stats()
         ttft, tok_s = decode_run(model, batch=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
         stats = model.pagedexperts.stats().as_dict()
+        counted = stats["layer_steps"] > 0  # resident counts nothing: its counters are n/a (None)
         _, tok_s4 = decode_run(model, batch=4, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
         rows.append(dict(mode=mode, K=model.pagedexperts.num_resident, ttft_s=ttft, decode_tok_s=tok_s,
-                         batch4_tok_s=tok_s4, hit_rate=stats["hit_rate"],
-                         bytes_per_token=stats["bytes_per_token"], waves=stats["waves"],
+                         batch4_tok_s=tok_s4, hit_rate=stats["hit_rate"] if counted else None,
+                         bytes_per_token=stats["bytes_per_token"] if counted else None, waves=stats["waves"],
                          plan_us_per_layer_step=1e6 * stats["plan_s"] / max(1, stats["layer_steps"]),
                          sync_us_per_layer_step=1e6 * stats["sync_s"] / max(1, stats["layer_steps"])))
         print(f"  {mode:9s} K={rows[-1]['K']:4d}: {tok_s:8.1f} tok/s, x4 {tok_s4:8.1f} tok/s, "
-              f"TTFT {1e3 * ttft:7.1f} ms, hit {stats['hit_rate']:.1%}", flush=True)
+              f"TTFT {1e3 * ttft:7.1f} ms, hit {_na(rows[-1]['hit_rate'], '.1%')}", flush=True)
     base = rows[0]["decode_tok_s"]
     for r in rows:
         r["time_per_token_vs_resident"] = base / r["decode_tok_s"]
@@ -313,6 +314,11 @@ def use_routing_trace(model, args) -> str:
     return f"trace {Path(path).name}"
 
 
+def _na(value, fmt: str) -> str:
+    """``value`` formatted, or "n/a" for a counter the mode does not keep (None)."""
+    return "n/a" if value is None else format(value, fmt)
+
+
 def summary(r: dict) -> str:
     lines = [f"# gpu_bench {r['date']} on {r['device']} (torch {r['torch']}), {r['layers']} layers, "
              f"expert {r['expert_bytes'] / 1e6:.2f} MB, link {r['link_gbps_pinned_expert'] or 0:.1f} GB/s pinned, "
@@ -320,8 +326,9 @@ def summary(r: dict) -> str:
              "", "| mode | K | decode tok/s | x4 tok/s | TTFT ms | hit | MB/token | time/token vs resident |",
              "|---|---|---|---|---|---|---|---|"]
     for m in r["modes"]:
+        mb = None if m["bytes_per_token"] is None else m["bytes_per_token"] / 1e6
         lines.append(f"| {m['mode']} | {m['K']} | {m['decode_tok_s']:.1f} | {m['batch4_tok_s']:.1f} | "
-                     f"{1e3 * m['ttft_s']:.1f} | {m['hit_rate']:.1%} | {m['bytes_per_token'] / 1e6:.1f} | "
+                     f"{1e3 * m['ttft_s']:.1f} | {_na(m['hit_rate'], '.1%')} | {_na(mb, '.1f')} | "
                      f"{m['time_per_token_vs_resident']:.2f}x |")
     lines += ["", "| misses m | us per layer-step | link floor us |", "|---|---|---|"]
     for c in r["miss_costs"]:

@@ -42,6 +42,13 @@ def attach(module: torch.nn.Module, runner) -> None:
     _EXPERTS_MODULES[id(module)] = module
 
 
+class InlineRunner:
+    """Contract of a runner whose step is the model's own device math and nothing else (no
+    host read, no Python decision: ``modes.ResidentRunner``). It is called inline, not through
+    the opaque custom op: eager skips the op's dispatcher round trip (its autograd and dynamo-disable wrappers) and
+    ``torch.compile`` traces it like the unpaged model."""
+
+
 @torch.library.custom_op("pagedexperts::experts_step", mutates_args=())
 def experts_step(
     hidden_states: torch.Tensor,
@@ -81,6 +88,8 @@ def paged_experts_forward(
             f"{type(module).__name__} has no pager attached but its model selects the "
             f"{IMPLEMENTATION_NAME!r} experts implementation; load it with pagedexperts.load_model"
         )
+    if isinstance(pager, InlineRunner):
+        return pager(module, hidden_states, top_k_index, top_k_weights)
     return experts_step(hidden_states, top_k_index, top_k_weights, pager.padding_count, getattr(module, KEY_ATTR))
 
 

@@ -1,4 +1,4 @@
-"""``pagedexperts bench``: paged vs resident, offload and cpu-experts on the same model."""
+"""``pagedexperts bench``: paged vs plain transformers, resident, offload and cpu-experts on the same model."""
 
 from __future__ import annotations
 
@@ -20,11 +20,15 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmark paging against resident, offload and cpu-experts",
-        description="Per mode: TTFT p50 on short and long prompts, single-stream decode tok/s, "
-        "total tok/s at each concurrency (c prompts decoded as one batch), decode hit rate, bytes "
-        "paged per token, waves per step, host planning time, and time per token vs resident. "
-        "The checkpoint is loaded once; each mode and K re-attaches runners over the same host stores. "
+        help="benchmark paging against plain transformers, resident, offload and cpu-experts",
+        description="Per mode: TTFT p50 on short and long prompts, single-stream decode tok/s, wall and "
+        "CPU time per decode token, each as a ratio to plain (transformers' own model, nothing attached), "
+        "total tok/s at each concurrency (c prompts decoded as one batch), decode hit rate, bytes paged per "
+        "token, waves per step, host planning time. Modes run interleaved in --rounds rounds (round r rotates "
+        "the order by r), each warmed up untimed after its switch; numbers are medians over rounds, times "
+        "and ratios with their [min-max] spread, ratios taken per round against the same round's plain run. "
+        "The checkpoint is loaded once for the paged model (each mode and K re-attaches runners over the same "
+        "host stores) and once more as the plain model. "
         "Writes bench.md, bench.json, bench.png and command.txt under --results-dir.",
     )
     g = p.add_argument_group("model")
@@ -34,7 +38,8 @@ def add_parser(sub) -> None:
     g.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"eviction policy (default {DEFAULT_POLICY})")
     m = p.add_argument_group("modes")
-    m.add_argument("--mode", default="resident,paged,offload,cpu-experts", help="comma-separated modes (default: all four)")
+    m.add_argument("--mode", default="plain,resident,paged,offload,cpu-experts",
+                   help="comma-separated modes (default: all five); ratios need plain")
     m.add_argument("--num-resident", default="", metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")
     m.add_argument("--cpu-expert-layers", type=int, default=0, metavar="N", help="MoE layers computed on the CPU in cpu-experts mode (default: half)")
     w = p.add_argument_group("workload")
@@ -43,6 +48,8 @@ def add_parser(sub) -> None:
     w.add_argument("--output-tokens", type=int, default=32)
     w.add_argument("--long-prompt-tokens", type=int, default=256)
     w.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels (default 1,4)")
+    w.add_argument("--rounds", type=int, default=5, help="rounds; each runs every mode once (default 5)")
+    w.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)")
     p.add_argument("--results-dir", default=None, help="default: results/bench-<time>")
     p.set_defaults(func=run)
 
@@ -51,12 +58,11 @@ def run(args) -> int:
     from pagedexperts import bench
     from pagedexperts.bench import BenchConfig, markdown_table, read_prompts, write_results
     from pagedexperts.check import DEFAULT_PROMPTS
-    from pagedexperts.modes import MODES
 
     modes = tuple(x for x in args.mode.split(",") if x)
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in bench.BENCH_MODES]
     if bad:
-        raise ValueError(f"unknown --mode {bad}; choose from {list(MODES)}")
+        raise ValueError(f"unknown --mode {bad}; choose from {list(bench.BENCH_MODES)}")
     if args.output_tokens < 2:
         raise ValueError(f"--output-tokens must be >= 2 to measure decode, got {args.output_tokens}")
     ks, concurrency = _checked_workload(args, modes)
@@ -64,21 +70,22 @@ def run(args) -> int:
     cfg = BenchConfig(
         model_path=args.model_path, modes=modes, num_resident=ks, cpu_expert_layers=args.cpu_expert_layers,
         output_tokens=args.output_tokens, concurrency=concurrency, num_prompts=len(prompts),
-        long_prompt_tokens=args.long_prompt_tokens, device=args.device, dtype=args.dtype,
+        long_prompt_tokens=args.long_prompt_tokens, rounds=args.rounds, threads=args.threads,
+        device=args.device, dtype=args.dtype,
         experts_implementation=args.experts_implementation, policy=args.policy,
     )
-    results = bench.run_bench(cfg, prompts)
+    report = bench.run_bench(cfg, prompts)
     out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     command = "pagedexperts " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    write_results(results, cfg, out, command)
-    print(markdown_table(results, cfg.concurrency))
+    write_results(report, cfg, out, command)
+    print(markdown_table(report, cfg.concurrency))
     print(f"\nresults written to {out}/", file=sys.stderr)
     return 0
 
 
 def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(K values, concurrency levels), every workload flag checked against the model before any
-    work: K in [top_k, E], --cpu-expert-layers in [0, MoE layers], counts >= 1.
+    work: K in [top_k, E], --cpu-expert-layers in [0, MoE layers], counts >= 1, --threads >= 0.
 
     Raises:
         ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
@@ -88,10 +95,12 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
 
     ks, concurrency = _ints(args.num_resident, "--num-resident"), _ints(args.concurrency, "--concurrency")
     for flag, values in (("--concurrency", concurrency), ("--num-prompts", [args.num_prompts]),
-                         ("--long-prompt-tokens", [args.long_prompt_tokens])):
+                         ("--long-prompt-tokens", [args.long_prompt_tokens]), ("--rounds", [args.rounds])):
         for v in values:
             if v < 1:
                 raise ValueError(f"{flag} {v} must be >= 1")
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads} must be >= 0 (0: torch's default)")
     _, c, _ = read_checkpoint_config(args.model_path)
     k, e = int(c.num_experts_per_tok), num_routed_experts(c)
     if "paged" in modes and not ks:
