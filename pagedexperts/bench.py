@@ -310,7 +310,7 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
     longs = long_prompts(tok, prompts, cfg.long_prompt_tokens, max(1, len(prompts) // 2))
     samples: dict = {job: [] for job in jobs}
     counters = {job: DecodeCounters(models["runners"].pagedexperts) for job in jobs if job[0] != PLAIN}
-    order = []
+    order, ks = [], {}
     bar = tqdm(total=cfg.rounds * len(jobs), desc="bench", disable=not progress)
     for r in range(cfg.rounds):
         order.append([])
@@ -318,18 +318,32 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
             model = _switch(models, job)
             _generate(model, tok, prompts[:1], WARM_UP_TOKENS)  # warm-up, untimed
             samples[job].append(measure_round(model, tok, prompts, longs, cfg, counters.get(job)))
-            order[-1].append(f"paged K={model.pagedexperts.num_resident}" if job[0] == "paged" else job[0])
+            ks[job] = _num_resident(model)
+            order[-1].append(f"paged K={ks[job]}" if job[0] == "paged" else job[0])
             bar.update()
     bar.close()
-    results = [_summarise(job, samples[job], counters.get(job), models) for job in jobs]
-    _ratios_vs_plain(results)
+    results = [summarise(job[0], ks[job], samples[job]) for job in jobs]
+    for job, res in zip(jobs, results):
+        if job in counters:
+            counters[job].fill(res)
+    ratios_vs_plain(results)
     return BenchRun(results=results, order=order)
 
 
+def _num_resident(model) -> int:
+    """K of the paged model's current mode; E (every expert on the device) for plain."""
+    from pagedexperts.models.families import num_routed_experts
+
+    rt = getattr(model, "pagedexperts", None)
+    return rt.num_resident if rt is not None else num_routed_experts(model.config)
+
+
 def _load_models(cfg: BenchConfig, jobs) -> tuple[dict, object]:
-    """{"plain": transformers' model, "paged": the paged model}, each only if a job needs it,
-    and the tokenizer. The paged model is loaded for its first job's mode and K."""
-    from pagedexperts.loader import load_model
+    """({"runners": the paged model, "plain": transformers' model}, tokenizer), each model only
+    if a job needs it. The paged model is loaded for its first job's mode and K."""
+    from transformers import AutoTokenizer
+
+    from pagedexperts.loader import load_model, read_checkpoint_config
 
     models, tok = {}, None
     paged = [job for job in jobs if job[0] != PLAIN]
@@ -341,21 +355,23 @@ def _load_models(cfg: BenchConfig, jobs) -> tuple[dict, object]:
             cpu_expert_layers=_cpu_layers(cfg) if "cpu-experts" in cfg.modes else 0,
         )
     if any(job[0] == PLAIN for job in jobs):
-        models[PLAIN], tok = load_plain(cfg)
+        models[PLAIN] = load_plain(cfg)
+    if tok is None and not paged:
+        tok = AutoTokenizer.from_pretrained(read_checkpoint_config(cfg.model_path)[0])
     return models, tok
 
 
 def load_plain(cfg: BenchConfig):
-    """(model, tokenizer): transformers' ``from_pretrained`` of the checkpoint with the same
-    dtype and experts implementation, on ``cfg.device``; nothing of this package attached."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Transformers' ``from_pretrained`` of the checkpoint with the same dtype and experts
+    implementation, on ``cfg.device``, in eval mode: nothing of this package attached."""
+    from transformers import AutoModelForCausalLM
 
     from pagedexperts.loader import read_checkpoint_config, resolve_dtype
 
     path, config, _ = read_checkpoint_config(cfg.model_path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=resolve_dtype(cfg.dtype, config), experts_implementation=cfg.experts_implementation)
-    return model.to(cfg.device).eval(), AutoTokenizer.from_pretrained(path)
+    return model.to(cfg.device).eval()
 
 
 def _switch(models: dict, job):
@@ -370,37 +386,26 @@ def _switch(models: dict, job):
     return model
 
 
-def _summarise(job, samples: list[RoundSample], counters, models) -> ModeResult:
-    """A row from one job's per-round samples: medians, spreads, decode counters."""
-    mode, k = job
-    rt = models["runners"].pagedexperts if "runners" in models else None
-    e = rt.num_experts if rt is not None else _num_experts(models[PLAIN])
-    res = ModeResult(mode=mode, num_resident=(k or rt.num_resident) if mode == "paged" else e, samples=samples)
+def summarise(mode: str, num_resident: int, samples: list[RoundSample]) -> ModeResult:
+    """A row from one mode's per-round samples: medians over rounds, time spreads."""
+    res = ModeResult(mode=mode, num_resident=num_resident, samples=samples)
     res.ttft_short_p50_s = statistics.median(s.ttft_short_p50_s for s in samples)
     res.ttft_long_p50_s = statistics.median(s.ttft_long_p50_s for s in samples)
     res.decode_wall_s_per_token = Spread.of([s.decode_wall_s_per_token for s in samples])
     res.decode_cpu_s_per_token = Spread.of([s.decode_cpu_s_per_token for s in samples])
     res.decode_tok_s = 1.0 / res.decode_wall_s_per_token.median
     res.total_tok_s = {c: statistics.median(s.total_tok_s[c] for s in samples) for c in samples[0].total_tok_s}
-    if counters is not None:
-        counters.fill(res)
     return res
 
 
-def _num_experts(model) -> int:
-    from pagedexperts.models.families import num_routed_experts
-
-    return num_routed_experts(model.config)
-
-
-def _ratios_vs_plain(results: list[ModeResult]) -> None:
-    """Each row's time per decode token over plain's in the same round, median and spread
-    over rounds; left None without a plain row."""
+def ratios_vs_plain(results: list[ModeResult]) -> None:
+    """Each row's time per decode token over plain's in the same round (samples[r] against
+    plain's samples[r]), median and spread over rounds; left None without a plain row."""
     plain = next((r for r in results if r.mode == PLAIN), None)
     if plain is None:
         return
     for r in results:
-        pairs = list(zip(r.samples, plain.samples))
+        pairs = list(zip(r.samples, plain.samples, strict=True))
         r.ratio_wall_vs_plain = Spread.of([a.decode_wall_s_per_token / b.decode_wall_s_per_token for a, b in pairs])
         r.ratio_cpu_vs_plain = Spread.of([a.decode_cpu_s_per_token / b.decode_cpu_s_per_token for a, b in pairs])
 
