@@ -16,7 +16,10 @@ What it measures (written as JSON and markdown under ``--out``):
 3. The decode token time split into a per-token fixed part (embedding, lm_head, the generate
    loop) and a per-layer part, from single-stream decode at ``--layers`` and half as many
    layers, for resident and for paged at K = E (all hits: paging's fixed per-layer cost).
-4. Modelled decode tok/s of the 48-layer model: fixed + 48 x (paged per-layer cost at 0 misses
+4. Decode with the host in the loop (``gpu_decode``), resident and paged at each K, batch 1
+   and 4: eager tok/s, CUDA-graph tok/s (a hook, "n/a" until the device-planned decode),
+   host syncs per decode step, host time per MoE layer-step.
+5. Modelled decode tok/s of the 48-layer model: fixed + 48 x (paged per-layer cost at 0 misses
    + the extra cost of the simulator's LRU misses per layer-step on real routing traces,
    replayed one request stream at a time; K scaled to the trace's E, misses to this top_k).
 
@@ -39,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import gpu_decode  # noqa: E402  (this folder: the decode_host phase)
 from pagedexperts import loader  # noqa: E402
 from pagedexperts.pager import ExpertPager  # noqa: E402
 
@@ -270,7 +274,7 @@ def main(argv=None) -> int:
               "will be empty; run bench/gpu_check.sh --prepare first", file=sys.stderr, flush=True)
     result = dict(date=time.strftime("%Y-%m-%d"), device=linkbench.accelerator_name() or "cpu (dry run)",
                   torch=torch.__version__, layers=args.layers, phases_done=[], modes=[], miss_costs=[],
-                  layer_scaling={}, modelled=[], link_gbps_pinned_expert=None)
+                  layer_scaling={}, modelled=[], decode_host=[], link_gbps_pinned_expert=None)
 
     def done(phase: str, **values) -> None:  # rewrite the JSON after every phase
         result.update(values)
@@ -289,6 +293,7 @@ def main(argv=None) -> int:
         link = next(r.gbps for r in res if r.label == "expert" and r.memory == "pinned")
     done("link", link_gbps_pinned_expert=link)
     done("modes", modes=bench_modes(model, args))
+    done("decode_host", decode_host=gpu_decode.decode_host(model, args, repage=loader.repage, decode_run=decode_run))
     costs = miss_costs(model, args, link)
     done("miss_costs", miss_costs=costs)
     scaling = layer_scaling(model, args)
@@ -330,6 +335,7 @@ def summary(r: dict) -> str:
         lines.append(f"| {m['mode']} | {m['K']} | {m['decode_tok_s']:.1f} | {m['batch4_tok_s']:.1f} | "
                      f"{1e3 * m['ttft_s']:.1f} | {_na(m['hit_rate'], '.1%')} | {_na(mb, '.1f')} | "
                      f"{m['time_per_token_vs_resident']:.2f}x |")
+    lines += gpu_decode.summary_lines(r.get("decode_host", []))
     lines += ["", "| misses m | us per layer-step | link floor us |", "|---|---|---|"]
     for c in r["miss_costs"]:
         floor = f"{1e6 * c['link_floor_s']:.1f}" if c["link_floor_s"] is not None else "-"

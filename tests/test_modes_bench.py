@@ -100,7 +100,12 @@ def test_gpu_bench_dry_run(tmp_path):
     assert result["modes"][0]["hit_rate"] is None  # resident counts nothing: n/a, not a measured 100%
     assert len(result["modelled"]) == 2 and all(r["modelled_tok_s_48_layers"] > 0 for r in result["modelled"])
     assert "| mode | K |" in (tmp_path / "summary.md").read_text()
-    assert result["phases_done"] == ["build", "link", "modes", "miss_costs", "layer_scaling", "modelled"]
+    assert result["phases_done"] == ["build", "link", "modes", "decode_host", "miss_costs", "layer_scaling", "modelled"]
+    rows = result["decode_host"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [(m, b) for m in ("resident", "paged", "paged") for b in (1, 4)]
+    assert [r["K"] for r in rows] == [e, e, 6, 6, 10, 10]
+    assert all(r["graphs_tok_s"] is None and r["host_syncs_per_decode_step"] is None for r in rows)  # CPU: n/a
+    assert all(0 < r["host_s_per_layer_step_p50"] and r["eager_tok_s"] > 0 for r in rows)
     assert set(result["layer_scaling"]) == {"resident", "paged"}
 
 
