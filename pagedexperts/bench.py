@@ -3,12 +3,12 @@
 Owns: the prompt-file readers (JSON lines with ``prompt``, ``turns`` or ``question``;
 ShareGPT-style JSON), the measurement of one execution mode in one round (TTFT on short and
 long prompts, single-stream decode wall and CPU time per token, total tok/s at each
-concurrency, decode paging counters), the rounds that interleave the modes, their medians and
-spreads, and the results table (markdown, JSON, PNG). Modes: ``plain`` (transformers' own
-model, nothing of this package attached: what a user runs when the model fits) and the
-loader's (``modes``): resident, paged at each K, offload, cpu-experts. Concurrency c is c
-prompts decoded together in one batch.
-Does not: define the modes (``modes``) or the server's scheduling (``server``).
+concurrency, decode paging counters), the rounds that interleave the modes, and their medians
+and spreads. Modes: ``plain`` (transformers' own model, nothing of this package attached:
+what a user runs when the model fits) and the loader's (``modes``): resident, paged at each
+K, offload, cpu-experts. Concurrency c is c prompts decoded together in one batch.
+Does not: define the modes (``modes``), write the table, JSON and PNG (``commands.bench``),
+or schedule a server (``serving``).
 
 Method. The checkpoint is loaded once for the paged model (each mode re-attaches runners over
 the same host stores, ``repage``) and once as the plain model. Round r runs every mode once,
@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -40,7 +39,6 @@ from pagedexperts.generate import GREEDY
 from pagedexperts.modes import MODES
 from pagedexperts.residency import DEFAULT_POLICY
 
-logger = logging.getLogger(__name__)
 
 PLAIN = "plain"  # transformers' own model, nothing attached
 BENCH_MODES = (PLAIN, *MODES)
@@ -238,7 +236,9 @@ def measure_round(model, tokenizer, prompts: list[str], longs: list[str], cfg: B
                          on_first_token=counters.begin if counters is not None else None)
         if counters is not None:
             counters.end()
-        wall, cpu, tokens = wall + line.wall[-1] - line.wall[0], cpu + line.cpu[-1] - line.cpu[0], tokens + len(line.wall) - 1
+        wall += line.wall[-1] - line.wall[0]
+        cpu += line.cpu[-1] - line.cpu[0]
+        tokens += len(line.wall) - 1
     total = {}
     for c in cfg.concurrency:
         line = _generate(model, tokenizer, [prompts[i % len(prompts)] for i in range(c)], cfg.output_tokens)
@@ -291,8 +291,10 @@ def round_order(jobs: list, r: int) -> list:
 
 
 def bench_jobs(cfg: BenchConfig) -> list[tuple[str, int | None]]:
-    """(mode, K) per row: paged once per K of ``cfg.num_resident`` (None: the loader's default)."""
-    return [(mode, k) for mode in cfg.modes for k in ((cfg.num_resident or (None,)) if mode == "paged" else (None,))]
+    """(mode, K) per row, each once: paged once per K of ``cfg.num_resident`` (None: the
+    loader's default)."""
+    jobs = [(mode, k) for mode in cfg.modes for k in ((cfg.num_resident or (None,)) if mode == "paged" else (None,))]
+    return list(dict.fromkeys(jobs))
 
 
 def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) -> BenchRun:
@@ -422,59 +424,3 @@ def _moe_layers(model_path) -> list[int]:
     from pagedexperts.models.families import moe_layer_indices
 
     return moe_layer_indices(AutoConfig.from_pretrained(model_path or bundled_model_path()))
-
-
-def _na(value, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
-
-
-def markdown_table(run: BenchRun, concurrency) -> str:
-    """The results as a markdown table (one row per mode / K): medians over rounds, spreads
-    as [min-max]; "n/a" where a mode counts nothing (plain, resident) or there is no plain row."""
-    head = ["mode", "K", "TTFT short p50 ms", "TTFT long p50 ms", "decode tok/s (wall)",
-            "wall ms/token", "CPU ms/token", "wall time/token vs plain", "CPU time/token vs plain"]
-    head += [f"total tok/s @{c}" for c in concurrency]
-    head += ["hit rate", "MB paged/token", "waves/step", "plan us/layer-step"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in run.results:
-        ratios = [x.text(unit="x") if x is not None else "n/a" for x in (r.ratio_wall_vs_plain, r.ratio_cpu_vs_plain)]
-        cells = [r.mode, str(r.num_resident), f"{1e3 * r.ttft_short_p50_s:.1f}", f"{1e3 * r.ttft_long_p50_s:.1f}",
-                 f"{r.decode_tok_s:.1f}", r.decode_wall_s_per_token.text(1e3), r.decode_cpu_s_per_token.text(1e3), *ratios]
-        cells += [f"{r.total_tok_s.get(c, 0):.1f}" for c in concurrency]
-        mb = None if r.bytes_per_token is None else r.bytes_per_token / 1e6
-        cells += [_na(r.hit_rate, ".1%"), _na(mb, ".3f"), _na(r.waves_per_step, ".2f"), _na(r.plan_us_per_layer_step, ".0f")]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append(f"\n{len(run.order)} rounds, modes rotated per round; medians [min-max over rounds]; "
-                 "ratios per round against that round's plain run")
-    return "\n".join(lines)
-
-
-def write_results(run: BenchRun, cfg: BenchConfig, out_dir: Path, command: str) -> Path:
-    """bench.md, bench.json (config, rows with their per-round samples, the rounds' order),
-    bench.png (if matplotlib is installed) and command.txt."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "command.txt").write_text(command + "\n")
-    (out_dir / "bench.md").write_text(f"```\n{command}\n```\n\n{markdown_table(run, cfg.concurrency)}\n")
-    payload = {"config": asdict(cfg), "results": [asdict(r) for r in run.results], "order": run.order,
-               "command": command}
-    (out_dir / "bench.json").write_text(json.dumps(payload, indent=2, default=str))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no bench.png (pip install 'pagedexperts[plots]')")
-        return out_dir
-    rows = run.results
-    speeds = [[1.0 / r.decode_wall_s_per_token.high, r.decode_tok_s, 1.0 / r.decode_wall_s_per_token.low] for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.3), 4))
-    ax.bar([r.label for r in rows], [m for _, m, _ in speeds], color="tab:blue",
-           yerr=[[m - lo for lo, m, _ in speeds], [hi - m for _, m, hi in speeds]], capsize=4)
-    ax.set_ylabel("single-stream decode tok/s (median, min-max)")
-    ax.set_title("pagedexperts bench")
-    ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(out_dir / "bench.png", dpi=100)
-    plt.close(fig)
-    return out_dir

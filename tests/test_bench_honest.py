@@ -139,7 +139,8 @@ def test_resident_step_has_no_read_back_sync_or_op(tiny_moe_dir, resident_reads,
     ref = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
     steps = []
     real_call = modes.ResidentRunner.__call__
-    monkeypatch.setattr(modes.ResidentRunner, "__call__", lambda self, *a: steps.append(self.layer) or real_call(self, *a))
+    monkeypatch.setattr(modes.ResidentRunner, "__call__",
+                        lambda self, *a: steps.append(self.layer) or real_call(self, *a))
     for runner in model.pagedexperts.pagers.values():
         resident_reads.mark(*runner.tensors.values())
     ids = torch.randint(2, 100, (batch, 7), generator=torch.Generator().manual_seed(batch))

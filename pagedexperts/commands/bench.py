@@ -1,13 +1,22 @@
-"""``pagedexperts bench``: paged vs plain transformers, resident, offload and cpu-experts on the same model."""
+"""``pagedexperts bench``: paged vs plain transformers, resident, offload and cpu-experts on the same model.
+
+Owns the command's flags, their checks, and its outputs (bench.md, bench.json, bench.png,
+command.txt); the measurement is ``pagedexperts.bench``'s.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import shlex
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from pagedexperts.residency import DEFAULT_POLICY, POLICIES
+
+logger = logging.getLogger(__name__)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -56,7 +65,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from pagedexperts import bench
-    from pagedexperts.bench import BenchConfig, markdown_table, read_prompts, write_results
+    from pagedexperts.bench import BenchConfig, read_prompts
     from pagedexperts.check import DEFAULT_PROMPTS
 
     modes = tuple(x for x in args.mode.split(",") if x)
@@ -112,3 +121,60 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
         raise ValueError(f"--cpu-expert-layers {args.cpu_expert_layers} outside [0, {num_moe}] (the model's MoE "
                          "layers; 0 = half)")
     return ks, concurrency
+
+
+def _na(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def markdown_table(report, concurrency) -> str:
+    """A ``bench.BenchRun`` as a markdown table (one row per mode / K): medians over rounds, spreads
+    as [min-max]; "n/a" where a mode counts nothing (plain, resident) or there is no plain row."""
+    head = ["mode", "K", "TTFT short p50 ms", "TTFT long p50 ms", "decode tok/s (wall)",
+            "wall ms/token", "CPU ms/token", "wall time/token vs plain", "CPU time/token vs plain"]
+    head += [f"total tok/s @{c}" for c in concurrency]
+    head += ["hit rate", "MB paged/token", "waves/step", "plan us/layer-step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report.results:
+        ratios = [x.text(unit="x") if x else "n/a" for x in (r.ratio_wall_vs_plain, r.ratio_cpu_vs_plain)]
+        cells = [r.mode, str(r.num_resident), f"{1e3 * r.ttft_short_p50_s:.1f}", f"{1e3 * r.ttft_long_p50_s:.1f}",
+                 f"{r.decode_tok_s:.1f}", r.decode_wall_s_per_token.text(1e3), r.decode_cpu_s_per_token.text(1e3), *ratios]
+        cells += [f"{r.total_tok_s.get(c, 0):.1f}" for c in concurrency]
+        mb = None if r.bytes_per_token is None else r.bytes_per_token / 1e6
+        cells += [_na(r.hit_rate, ".1%"), _na(mb, ".3f"), _na(r.waves_per_step, ".2f"),
+                  _na(r.plan_us_per_layer_step, ".0f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"\n{len(report.order)} rounds, modes rotated per round; medians [min-max over rounds]; "
+                 "ratios per round against that round's plain run")
+    return "\n".join(lines)
+
+
+def write_results(report, cfg, out_dir: Path, command: str) -> Path:
+    """bench.md, bench.json (config, rows with their per-round samples, the rounds' order),
+    bench.png (if matplotlib is installed) and command.txt."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "command.txt").write_text(command + "\n")
+    (out_dir / "bench.md").write_text(f"```\n{command}\n```\n\n{markdown_table(report, cfg.concurrency)}\n")
+    payload = {"config": asdict(cfg), "results": [asdict(r) for r in report.results], "order": report.order,
+               "command": command}
+    (out_dir / "bench.json").write_text(json.dumps(payload, indent=2, default=str))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no bench.png (pip install 'pagedexperts[plots]')")
+        return out_dir
+    rows = report.results
+    speeds = [[1.0 / r.decode_wall_s_per_token.high, r.decode_tok_s, 1.0 / r.decode_wall_s_per_token.low] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.3), 4))
+    ax.bar([r.label for r in rows], [m for _, m, _ in speeds], color="tab:blue",
+           yerr=[[m - lo for lo, m, _ in speeds], [hi - m for _, m, hi in speeds]], capsize=4)
+    ax.set_ylabel("single-stream decode tok/s (median, min-max)")
+    ax.set_title("pagedexperts bench")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench.png", dpi=100)
+    plt.close(fig)
+    return out_dir
