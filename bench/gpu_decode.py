@@ -7,8 +7,9 @@ shapes, random weights, trace-driven routing):
   ("n/a"), never an estimate;
 - host syncs per decode step: synchronizing CUDA calls counted by
   ``torch.cuda.set_sync_debug_mode("warn")`` (each one a warning) during decode only, all of
-  them and those made from pagedexperts code (the rest are the model's and generate's own,
-  e.g. the stopping check); CUDA only (None on CPU, where nothing syncs);
+  them, those made from pagedexperts' runtime, and those of the benchmark's trace-driven
+  routing (its top-k upload, ``trace_routing``; not part of the runtime); the rest are the
+  model's and generate's own (e.g. the stopping check). CUDA only (None on CPU);
 - host time per MoE layer-step: wall time from the experts module's call to its return
   (forward pre- and post-hooks), decode only, p50 and mean. On CUDA the launches are
   asynchronous, so this is the host's bookkeeping plus any wait at a read-back.
@@ -27,6 +28,7 @@ import torch
 
 BATCHES = (1, 4)
 SYNC_WARNING = "synchroniz"  # in the text of every set_sync_debug_mode("warn") warning
+ROUTING_DRIVER = "trace_routing.py"  # the benchmark's trace-driven top-k upload: not the runtime's
 
 
 def graphs_decode_tok_s(model, *, batch: int, prompt_len: int, new_tokens: int) -> float | None:
@@ -90,9 +92,11 @@ def instrumented_run(model, *, batch: int, prompt_len: int, new_tokens: int) -> 
             probe.remove()
     steps = new_tokens - 1
     syncs = [w for w in caught[probe.sync_start:] if SYNC_WARNING in str(w.message).lower()]
-    ours = [w for w in syncs if "/pagedexperts/" in w.filename]
+    driver = [w for w in syncs if w.filename.endswith(ROUTING_DRIVER)]
+    ours = [w for w in syncs if "/pagedexperts/" in w.filename and not w.filename.endswith(ROUTING_DRIVER)]
     return dict(host_syncs_per_decode_step=len(syncs) / steps if cuda else None,
                 pagedexperts_syncs_per_decode_step=len(ours) / steps if cuda else None,
+                routing_driver_syncs_per_decode_step=len(driver) / steps if cuda else None,
                 host_s_per_layer_step_p50=statistics.median(probe.layer_s),
                 host_s_per_layer_step_mean=statistics.fmean(probe.layer_s))
 
@@ -123,13 +127,14 @@ def _na(value, fmt: str) -> str:
 
 def summary_lines(rows: list[dict]) -> list[str]:
     """Markdown table of ``decode_host`` rows."""
-    lines = ["", "| mode | K | batch | eager tok/s | graphs tok/s | syncs/decode step (pagedexperts) | "
-             "host us/layer-step p50 (mean) |", "|---|---|---|---|---|---|---|"]
+    lines = ["", "| mode | K | batch | eager tok/s | graphs tok/s | syncs/decode step (pagedexperts, "
+             "routing driver) | host us/layer-step p50 (mean) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         syncs = _na(r["host_syncs_per_decode_step"], ".1f")
         ours = _na(r["pagedexperts_syncs_per_decode_step"], ".1f")
+        driver = _na(r["routing_driver_syncs_per_decode_step"], ".1f")
         lines.append(f"| {r['mode']} | {r['K']} | {r['batch']} | {r['eager_tok_s']:.1f} | "
-                     f"{_na(r['graphs_tok_s'], '.1f')} | {syncs} ({ours}) | "
+                     f"{_na(r['graphs_tok_s'], '.1f')} | {syncs} ({ours}, {driver}) | "
                      f"{1e6 * r['host_s_per_layer_step_p50']:.1f} ({1e6 * r['host_s_per_layer_step_mean']:.1f}) |")
     lines.append("graphs: n/a until the device-planned decode fills gpu_decode.graphs_decode_tok_s (issue 23)")
     return lines
