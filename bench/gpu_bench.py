@@ -16,7 +16,10 @@ What it measures (written as JSON and markdown under ``--out``):
 3. The decode token time split into a per-token fixed part (embedding, lm_head, the generate
    loop) and a per-layer part, from single-stream decode at ``--layers`` and half as many
    layers, for resident and for paged at K = E (all hits: paging's fixed per-layer cost).
-4. Modelled decode tok/s of the 48-layer model: fixed + 48 x (paged per-layer cost at 0 misses
+4. Decode with the host in the loop (``gpu_decode``), resident and paged at each K, batch 1
+   and 4: eager tok/s, CUDA-graph tok/s (a hook, "n/a" until the device-planned decode),
+   host syncs per decode step, host time per MoE layer-step.
+5. Modelled decode tok/s of the 48-layer model: fixed + 48 x (paged per-layer cost at 0 misses
    + the extra cost of the simulator's LRU misses per layer-step on real routing traces,
    replayed one request stream at a time; K scaled to the trace's E, misses to this top_k).
 
@@ -39,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import gpu_decode  # noqa: E402  (this folder: the decode_host phase)
 from pagedexperts.loading import build as build_module, runners
 from pagedexperts.paging.host_executor import HostPlannedExecutor  # noqa: E402
 
@@ -102,14 +106,15 @@ def bench_modes(model, args) -> list[dict]:
         model.pagedexperts.reset_stats()
         ttft, tok_s = decode_run(model, batch=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
         stats = model.pagedexperts.stats().as_dict()
+        counted = stats["layer_steps"] > 0  # resident counts nothing: its counters are n/a (None)
         _, tok_s4 = decode_run(model, batch=4, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
         rows.append(dict(mode=mode, K=model.pagedexperts.num_resident, ttft_s=ttft, decode_tok_s=tok_s,
-                         batch4_tok_s=tok_s4, hit_rate=stats["hit_rate"],
-                         bytes_per_token=stats["bytes_per_token"], waves=stats["waves"],
+                         batch4_tok_s=tok_s4, hit_rate=stats["hit_rate"] if counted else None,
+                         bytes_per_token=stats["bytes_per_token"] if counted else None, waves=stats["waves"],
                          plan_us_per_layer_step=1e6 * stats["plan_s"] / max(1, stats["layer_steps"]),
                          sync_us_per_layer_step=1e6 * stats["sync_s"] / max(1, stats["layer_steps"])))
         print(f"  {mode:9s} K={rows[-1]['K']:4d}: {tok_s:8.1f} tok/s, x4 {tok_s4:8.1f} tok/s, "
-              f"TTFT {1e3 * ttft:7.1f} ms, hit {stats['hit_rate']:.1%}", flush=True)
+              f"TTFT {1e3 * ttft:7.1f} ms, hit {_na(rows[-1]['hit_rate'], '.1%')}", flush=True)
     base = rows[0]["decode_tok_s"]
     for r in rows:
         r["time_per_token_vs_resident"] = base / r["decode_tok_s"]
@@ -269,7 +274,7 @@ def main(argv=None) -> int:
               "will be empty; run bench/gpu_check.sh --prepare first", file=sys.stderr, flush=True)
     result = dict(date=time.strftime("%Y-%m-%d"), device=linkbench.accelerator_name() or "cpu (dry run)",
                   torch=torch.__version__, layers=args.layers, phases_done=[], modes=[], miss_costs=[],
-                  layer_scaling={}, modelled=[], link_gbps_pinned_expert=None)
+                  layer_scaling={}, modelled=[], decode_host=[], link_gbps_pinned_expert=None)
 
     def done(phase: str, **values) -> None:  # rewrite the JSON after every phase
         result.update(values)
@@ -288,6 +293,7 @@ def main(argv=None) -> int:
         link = next(r.gbps for r in res if r.label == "expert" and r.memory == "pinned")
     done("link", link_gbps_pinned_expert=link)
     done("modes", modes=bench_modes(model, args))
+    done("decode_host", decode_host=gpu_decode.decode_host(model, args, repage=runners.repage, decode_run=decode_run))
     costs = miss_costs(model, args, link)
     done("miss_costs", miss_costs=costs)
     scaling = layer_scaling(model, args)
@@ -313,6 +319,11 @@ def use_routing_trace(model, args) -> str:
     return f"trace {Path(path).name}"
 
 
+def _na(value, fmt: str) -> str:
+    """``value`` formatted, or "n/a" for a counter the mode does not keep (None)."""
+    return "n/a" if value is None else format(value, fmt)
+
+
 def summary(r: dict) -> str:
     lines = [f"# gpu_bench {r['date']} on {r['device']} (torch {r['torch']}), {r['layers']} layers, "
              f"expert {r['expert_bytes'] / 1e6:.2f} MB, link {r['link_gbps_pinned_expert'] or 0:.1f} GB/s pinned, "
@@ -320,9 +331,11 @@ def summary(r: dict) -> str:
              "", "| mode | K | decode tok/s | x4 tok/s | TTFT ms | hit | MB/token | time/token vs resident |",
              "|---|---|---|---|---|---|---|---|"]
     for m in r["modes"]:
+        mb = None if m["bytes_per_token"] is None else m["bytes_per_token"] / 1e6
         lines.append(f"| {m['mode']} | {m['K']} | {m['decode_tok_s']:.1f} | {m['batch4_tok_s']:.1f} | "
-                     f"{1e3 * m['ttft_s']:.1f} | {m['hit_rate']:.1%} | {m['bytes_per_token'] / 1e6:.1f} | "
+                     f"{1e3 * m['ttft_s']:.1f} | {_na(m['hit_rate'], '.1%')} | {_na(mb, '.1f')} | "
                      f"{m['time_per_token_vs_resident']:.2f}x |")
+    lines += gpu_decode.summary_lines(r.get("decode_host", []))
     lines += ["", "| misses m | us per layer-step | link floor us |", "|---|---|---|"]
     for c in r["miss_costs"]:
         floor = f"{1e6 * c['link_floor_s']:.1f}" if c["link_floor_s"] is not None else "-"

@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# The prepared GPU check: CUDA tests, linkbench and the real-scale benchmark, under 8 minutes.
+# The prepared GPU check: CUDA tests, linkbench and the real-scale benchmark, under 8 minutes
+# (phase limits 90 + 30 + 320 s, plus at most 10 s each past a limit). gpu_bench includes the
+# decode_host phase (bench/gpu_decode.py): at K = 40 and 92 (and resident), batch 1 and 4,
+# decode tok/s eager and with CUDA graphs (a hook, "n/a" until the device-planned decode fills
+# gpu_decode.graphs_decode_tok_s), host syncs per decode step (set_sync_debug_mode), and host
+# time per MoE layer-step.
 #
 #   bash bench/gpu_check.sh --prepare           here, before the device run: copy the real
 #                                               routing traces into .gpu_traces/ (git-ignored)
@@ -55,12 +60,12 @@ cat "$OUT/env.txt"
 if [ "$DRY" = 1 ]; then
   phase cuda_tests 60 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_formats.py -p no:cacheprovider
   phase linkbench 30 "$PY" -m pagedexperts.cli linkbench
-  phase gpu_bench 120 "$PY" bench/gpu_bench.py --dry-run --out "$OUT" --traces tests/data/synthetic_trace.npz
+  phase gpu_bench 180 "$PY" bench/gpu_bench.py --dry-run --out "$OUT" --traces tests/data/synthetic_trace.npz
 else
   [ -n "$(ls .gpu_traces/*.jsonl 2>/dev/null)" ] || echo "WARNING: no .gpu_traces (run --prepare here and carry it): the modelled table will be empty"
-  phase cuda_tests 100 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_formats.py -p no:cacheprovider
-  phase linkbench 40 "$PY" -m pagedexperts.cli linkbench
-  phase gpu_bench 280 "$PY" bench/gpu_bench.py --out "$OUT"
+  phase cuda_tests 90 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_formats.py -p no:cacheprovider
+  phase linkbench 30 "$PY" -m pagedexperts.cli linkbench
+  phase gpu_bench 320 "$PY" bench/gpu_bench.py --out "$OUT"
 fi
 echo
 cat "$OUT/summary.md" 2>/dev/null || echo "no summary (see $OUT/gpu_bench.txt and $OUT/gpu_bench.json)"

@@ -29,6 +29,8 @@ import weakref
 
 import torch
 
+from pagedexperts.paging.runner import InlineRunner
+
 IMPLEMENTATION_NAME = "pagedexperts"
 PAGER_ATTR = "_pagedexperts_pager"
 KEY_ATTR = "_pagedexperts_key"
@@ -82,6 +84,8 @@ def paged_experts_forward(
             f"{type(module).__name__} has no pager attached but its model selects the "
             f"{IMPLEMENTATION_NAME!r} experts implementation; load it with pagedexperts.load_model"
         )
+    if isinstance(pager, InlineRunner):
+        return pager(module, hidden_states, top_k_index, top_k_weights)
     return experts_step(hidden_states, top_k_index, top_k_weights, pager.padding_count, getattr(module, KEY_ATTR))
 
 

@@ -98,10 +98,15 @@ def test_gpu_bench_dry_run(tmp_path):
     # offload: every step copies E experts per layer; the run is 1 prefill (prompt 8) + 3 decode steps
     offload = result["modes"][1]
     assert offload["bytes_per_token"] == pytest.approx(layers * 4 * e * result["expert_bytes"] / (8 + 3))
-    assert result["modes"][0]["hit_rate"] == 1.0
+    assert result["modes"][0]["hit_rate"] is None  # resident counts nothing: n/a, not a measured 100%
     assert len(result["modelled"]) == 2 and all(r["modelled_tok_s_48_layers"] > 0 for r in result["modelled"])
     assert "| mode | K |" in (tmp_path / "summary.md").read_text()
-    assert result["phases_done"] == ["build", "link", "modes", "miss_costs", "layer_scaling", "modelled"]
+    assert result["phases_done"] == ["build", "link", "modes", "decode_host", "miss_costs", "layer_scaling", "modelled"]
+    rows = result["decode_host"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [(m, b) for m in ("resident", "paged", "paged") for b in (1, 4)]
+    assert [r["K"] for r in rows] == [e, e, 6, 6, 10, 10]
+    assert all(r["graphs_tok_s"] is None and r["host_syncs_per_decode_step"] is None for r in rows)  # CPU: n/a
+    assert all(0 < r["host_s_per_layer_step_p50"] and r["eager_tok_s"] > 0 for r in rows)
     assert set(result["layer_scaling"]) == {"resident", "paged"}
 
 
@@ -146,15 +151,20 @@ def test_read_prompts_formats(tmp_path):
 def test_bench_command_on_the_bundled_model(tmp_path, capsys):
     from pagedexperts.cli import main
 
-    rc = main(["bench", "--mode", "resident,paged", "--num-resident", "8", "--num-prompts", "1",
-               "--output-tokens", "3", "--long-prompt-tokens", "16", "--concurrency", "1,2",
-               "--results-dir", str(tmp_path)])
+    rc = main(["bench", "--mode", "plain,resident,paged", "--num-resident", "8", "--num-prompts", "1",
+               "--output-tokens", "3", "--long-prompt-tokens", "16", "--concurrency", "1,2", "--rounds", "2",
+               "--threads", "1", "--results-dir", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "bench.json").read_text())
     rows = {r["mode"]: r for r in data["results"]}
-    assert rows["resident"]["ratio_time_per_token_vs_resident"] == 1.0
+    assert data["order"] == [["plain", "resident", "paged K=8"], ["resident", "paged K=8", "plain"]]
+    assert rows["plain"]["ratio_cpu_vs_plain"] == {"median": 1.0, "low": 1.0, "high": 1.0}
+    assert len(rows["paged"]["samples"]) == 2 and rows["paged"]["ratio_wall_vs_plain"]["low"] > 0
     assert rows["paged"]["num_resident"] == 8 and 0 < rows["paged"]["hit_rate"] < 1
+    assert rows["resident"]["hit_rate"] is None and rows["plain"]["bytes_per_token"] is None  # n/a
     assert set(rows["paged"]["total_tok_s"]) == {"1", "2"}
+    table = (tmp_path / "bench.md").read_text()
+    assert "| resident | 64 |" in table and "n/a" in table and "CPU time/token vs plain" in table
     names = ["bench.md", "command.txt"] + (["bench.png"] if importlib.util.find_spec("matplotlib") else [])
     for name in names:
         assert (tmp_path / name).exists(), name
@@ -169,7 +179,10 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
      (["--num-prompts", "0"], "--num-prompts 0 must be >= 1"),
      (["--long-prompt-tokens", "0"], "--long-prompt-tokens 0 must be >= 1"),
      (["--cpu-expert-layers", "7"], "--cpu-expert-layers 7 outside [0, 6]"),
-     (["--cpu-expert-layers", "-1"], "--cpu-expert-layers -1 outside [0, 6]")],
+     (["--cpu-expert-layers", "-1"], "--cpu-expert-layers -1 outside [0, 6]"),
+     (["--rounds", "0"], "--rounds 0 must be >= 1"),
+     (["--threads", "-1"], "--threads -1 must be >= 0"),
+     (["--mode", "plain,gpu"], "unknown --mode ['gpu']; choose from ['plain', 'paged'")],
 )
 def test_bench_bad_input_is_refused_before_any_work(argv, needle, capsys, monkeypatch):
     import pagedexperts.tools.bench
@@ -184,24 +197,35 @@ def test_bench_bad_input_is_refused_before_any_work(argv, needle, capsys, monkey
 
 
 def test_bench_loads_once_and_repages_per_mode_and_k(tiny_moe_dir, monkeypatch):
-    from pagedexperts.tools import bench
+    """One load of the paged model and one of the plain model; each round re-attaches every
+    paged-model mode (repage) and warms it up before its measured run."""
     from pagedexperts.loading import loader, runners
+    from pagedexperts.tools import bench
 
-    loads, repages = [], []
-    real_load, real_repage = loader.load_model, runners.repage
+    loads, plain_loads, events = [], [], []
+    real_load, real_repage, real_plain = loader.load_model, runners.repage, bench.load_plain
     monkeypatch.setattr(loader, "load_model", lambda *a, **kw: loads.append(kw) or real_load(*a, **kw))
-    monkeypatch.setattr(runners, "repage", lambda m, **kw: repages.append(kw) or real_repage(m, **kw))
+    monkeypatch.setattr(runners, "repage", lambda m, **kw: events.append(("repage", kw["mode"], kw["num_resident"]))
+                        or real_repage(m, **kw))
+    monkeypatch.setattr(bench, "load_plain", lambda cfg: plain_loads.append(cfg) or real_plain(cfg))
     monkeypatch.setattr(bench, "long_prompts", lambda *a: ["a long prompt"])  # the tiny model has no tokenizer
-    monkeypatch.setattr(bench, "measure_mode", lambda model, *a: bench.ModeResult(
-        mode=model.pagedexperts.config.mode, num_resident=model.pagedexperts.num_resident, decode_tok_s=1.0))
-    cfg = bench.BenchConfig(model_path=str(tiny_moe_dir), modes=("paged", "resident", "cpu-experts"),
-                            num_resident=(TOP_K, E // 2), long_prompt_tokens=4)
-    rows = bench.run_bench(cfg, ["hello"], progress=False)
-    assert [(r.mode, r.num_resident) for r in rows] == [("paged", TOP_K), ("paged", E // 2), ("resident", E),
-                                                        ("cpu-experts", E)]
+    monkeypatch.setattr(bench, "_generate", lambda model, tok, prompts, n, **kw: events.append(("warm-up", n)))
+    sample = bench.RoundSample(0.1, 0.2, 0.01, 0.01, {1: 1.0})
+    monkeypatch.setattr(bench, "measure_round", lambda model, *a: events.append(("measure",)) or sample)
+    cfg = bench.BenchConfig(model_path=str(tiny_moe_dir), modes=("paged", "resident", "plain"),
+                            num_resident=(TOP_K, E // 2), long_prompt_tokens=4, rounds=2)
+    run = bench.run_bench(cfg, ["hello"], progress=False)
+    assert [(r.mode, r.num_resident) for r in run.results] == [("paged", TOP_K), ("paged", E // 2), ("resident", E),
+                                                               ("plain", E)]
     assert len(loads) == 1 and loads[0]["mode"] == "paged" and loads[0]["num_resident"] == TOP_K
-    assert [(kw["mode"], kw["num_resident"]) for kw in repages] == [("paged", E // 2), ("resident", None),
-                                                                    ("cpu-experts", None)]
+    assert len(plain_loads) == 1
+    warm, measure = ("warm-up", bench.WARM_UP_TOKENS), ("measure",)
+    round0 = [("repage", "paged", TOP_K), warm, measure, ("repage", "paged", E // 2), warm, measure,
+              ("repage", "resident", None), warm, measure, warm, measure]
+    round1 = round0[3:] + [("repage", "paged", TOP_K), warm, measure]
+    assert events == round0 + round1
+    a, b = f"paged K={TOP_K}", f"paged K={E // 2}"
+    assert run.order == [[a, b, "resident", "plain"], [b, "resident", "plain", a]]
 
 
 @pytest.mark.slow

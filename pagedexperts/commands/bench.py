@@ -1,15 +1,22 @@
-"""``pagedexperts bench``: paged vs resident, offload and cpu-experts on the same model."""
+"""``pagedexperts bench``: paged vs plain transformers, resident, offload and cpu-experts on the same model.
+
+Owns the command's flags, their checks, and its outputs (bench.md, bench.json, bench.png,
+command.txt); the measurement is ``pagedexperts.tools.bench``'s.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import shlex
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
-from pagedexperts.models.config import RUN_DTYPE_BYTES
-from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS
+
+logger = logging.getLogger(__name__)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -22,21 +29,26 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmark paging against resident, offload and cpu-experts",
-        description="Per mode: TTFT p50 on short and long prompts, single-stream decode tok/s, "
-        "total tok/s at each concurrency (c prompts decoded as one batch), decode hit rate, bytes "
-        "paged per token, waves per step, host planning time, and time per token vs resident. "
-        "The checkpoint is loaded once; each mode and K re-attaches runners over the same host stores. "
+        help="benchmark paging against plain transformers, resident, offload and cpu-experts",
+        description="Per mode: TTFT p50 on short and long prompts, single-stream decode tok/s, wall and "
+        "CPU time per decode token, each as a ratio to plain (transformers' own model, nothing attached), "
+        "total tok/s at each concurrency (c prompts decoded as one batch), decode hit rate, bytes paged per "
+        "token, waves per step, host planning time. Modes run interleaved in --rounds rounds (round r rotates "
+        "the order by r), each warmed up untimed after its switch; numbers are medians over rounds, times "
+        "and ratios with their [min-max] spread, ratios taken per round against the same round's plain run. "
+        "The checkpoint is loaded once for the paged model (each mode and K re-attaches runners over the same "
+        "host stores) and once more as the plain model. "
         "Writes bench.md, bench.json, bench.png and command.txt under --results-dir.",
     )
     g = p.add_argument_group("model")
     g.add_argument("--model-path", default=None, help="model directory (default: the bundled model)")
     g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default=None, choices=list(RUN_DTYPE_BYTES))
-    g.add_argument("--experts-implementation", default="grouped_mm", choices=list(INNER_IMPLEMENTATIONS))
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"eviction policy (default {DEFAULT_POLICY})")
     m = p.add_argument_group("modes")
-    m.add_argument("--mode", default="resident,paged,offload,cpu-experts", help="comma-separated modes (default: all four)")
+    m.add_argument("--mode", default="plain,resident,paged,offload,cpu-experts",
+                   help="comma-separated modes (default: all five); ratios need plain")
     m.add_argument("--num-resident", default="", metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")
     m.add_argument("--cpu-expert-layers", type=int, default=0, metavar="N", help="MoE layers computed on the CPU in cpu-experts mode (default: half)")
     w = p.add_argument_group("workload")
@@ -45,20 +57,21 @@ def add_parser(sub) -> None:
     w.add_argument("--output-tokens", type=int, default=32)
     w.add_argument("--long-prompt-tokens", type=int, default=256)
     w.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels (default 1,4)")
+    w.add_argument("--rounds", type=int, default=5, help="rounds; each runs every mode once (default 5)")
+    w.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)")
     p.add_argument("--results-dir", default=None, help="default: results/bench-<time>")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from pagedexperts.tools import bench
-    from pagedexperts.tools.bench import BenchConfig, markdown_table, read_prompts, write_results
+    from pagedexperts.tools.bench import BenchConfig, read_prompts
     from pagedexperts.tools.check import DEFAULT_PROMPTS
-    from pagedexperts.paging.baselines import MODES
 
     modes = tuple(x for x in args.mode.split(",") if x)
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in bench.BENCH_MODES]
     if bad:
-        raise ValueError(f"unknown --mode {bad}; choose from {list(MODES)}")
+        raise ValueError(f"unknown --mode {bad}; choose from {list(bench.BENCH_MODES)}")
     if args.output_tokens < 2:
         raise ValueError(f"--output-tokens must be >= 2 to measure decode, got {args.output_tokens}")
     ks, concurrency = _checked_workload(args, modes)
@@ -66,35 +79,38 @@ def run(args) -> int:
     cfg = BenchConfig(
         model_path=args.model_path, modes=modes, num_resident=ks, cpu_expert_layers=args.cpu_expert_layers,
         output_tokens=args.output_tokens, concurrency=concurrency, num_prompts=len(prompts),
-        long_prompt_tokens=args.long_prompt_tokens, device=args.device, dtype=args.dtype,
+        long_prompt_tokens=args.long_prompt_tokens, rounds=args.rounds, threads=args.threads,
+        device=args.device, dtype=args.dtype,
         experts_implementation=args.experts_implementation, policy=args.policy,
     )
-    results = bench.run_bench(cfg, prompts)
+    report = bench.run_bench(cfg, prompts)
     out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     command = "pagedexperts " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    write_results(results, cfg, out, command)
-    print(markdown_table(results, cfg.concurrency))
+    write_results(report, cfg, out, command)
+    print(markdown_table(report, cfg.concurrency))
     print(f"\nresults written to {out}/", file=sys.stderr)
     return 0
 
 
 def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(K values, concurrency levels), every workload flag checked against the model before any
-    work: K in [top_k, E], --cpu-expert-layers in [0, MoE layers], counts >= 1.
+    work: K in [top_k, E], --cpu-expert-layers in [0, MoE layers], counts >= 1, --threads >= 0.
 
     Raises:
         ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
     """
     from pagedexperts.loading.loader import read_checkpoint_config
-    from pagedexperts.residency.planner import check_num_resident
     from pagedexperts.models.config import moe_layer_indices, num_routed_experts
+    from pagedexperts.residency.planner import check_num_resident
 
     ks, concurrency = _ints(args.num_resident, "--num-resident"), _ints(args.concurrency, "--concurrency")
     for flag, values in (("--concurrency", concurrency), ("--num-prompts", [args.num_prompts]),
-                         ("--long-prompt-tokens", [args.long_prompt_tokens])):
+                         ("--long-prompt-tokens", [args.long_prompt_tokens]), ("--rounds", [args.rounds])):
         for v in values:
             if v < 1:
                 raise ValueError(f"{flag} {v} must be >= 1")
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads} must be >= 0 (0: torch's default)")
     _, c, _ = read_checkpoint_config(args.model_path)
     k, e = int(c.num_experts_per_tok), num_routed_experts(c)
     if "paged" in modes and not ks:
@@ -106,3 +122,60 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
         raise ValueError(f"--cpu-expert-layers {args.cpu_expert_layers} outside [0, {num_moe}] (the model's MoE "
                          "layers; 0 = half)")
     return ks, concurrency
+
+
+def _na(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def markdown_table(report, concurrency) -> str:
+    """A ``bench.BenchRun`` as a markdown table (one row per mode / K): medians over rounds, spreads
+    as [min-max]; "n/a" where a mode counts nothing (plain, resident) or there is no plain row."""
+    head = ["mode", "K", "TTFT short p50 ms", "TTFT long p50 ms", "decode tok/s (wall)",
+            "wall ms/token", "CPU ms/token", "wall time/token vs plain", "CPU time/token vs plain"]
+    head += [f"total tok/s @{c}" for c in concurrency]
+    head += ["hit rate", "MB paged/token", "waves/step", "plan us/layer-step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report.results:
+        ratios = [x.text(unit="x") if x else "n/a" for x in (r.ratio_wall_vs_plain, r.ratio_cpu_vs_plain)]
+        cells = [r.mode, str(r.num_resident), f"{1e3 * r.ttft_short_p50_s:.1f}", f"{1e3 * r.ttft_long_p50_s:.1f}",
+                 f"{r.decode_tok_s:.1f}", r.decode_wall_s_per_token.text(1e3), r.decode_cpu_s_per_token.text(1e3), *ratios]
+        cells += [f"{r.total_tok_s.get(c, 0):.1f}" for c in concurrency]
+        mb = None if r.bytes_per_token is None else r.bytes_per_token / 1e6
+        cells += [_na(r.hit_rate, ".1%"), _na(mb, ".3f"), _na(r.waves_per_step, ".2f"),
+                  _na(r.plan_us_per_layer_step, ".0f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"\n{len(report.order)} rounds, modes rotated per round; medians [min-max over rounds]; "
+                 "ratios per round against that round's plain run")
+    return "\n".join(lines)
+
+
+def write_results(report, cfg, out_dir: Path, command: str) -> Path:
+    """bench.md, bench.json (config, rows with their per-round samples, the rounds' order),
+    bench.png (if matplotlib is installed) and command.txt."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "command.txt").write_text(command + "\n")
+    (out_dir / "bench.md").write_text(f"```\n{command}\n```\n\n{markdown_table(report, cfg.concurrency)}\n")
+    payload = {"config": asdict(cfg), "results": [asdict(r) for r in report.results], "order": report.order,
+               "command": command}
+    (out_dir / "bench.json").write_text(json.dumps(payload, indent=2, default=str))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no bench.png (pip install 'pagedexperts[plots]')")
+        return out_dir
+    rows = report.results
+    speeds = [[1.0 / r.decode_wall_s_per_token.high, r.decode_tok_s, 1.0 / r.decode_wall_s_per_token.low] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.3), 4))
+    ax.bar([r.label for r in rows], [m for _, m, _ in speeds], color="tab:blue",
+           yerr=[[m - lo for lo, m, _ in speeds], [hi - m for _, m, hi in speeds]], capsize=4)
+    ax.set_ylabel("single-stream decode tok/s (median, min-max)")
+    ax.set_title("pagedexperts bench")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench.png", dpi=100)
+    plt.close(fig)
+    return out_dir

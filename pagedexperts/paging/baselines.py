@@ -1,17 +1,21 @@
 """The baselines users would run instead of paging, as real execution modes of the same model.
 
 Owns: three per-layer experts runners that stand where an executor stands (the
-``runner.ExpertsRunner`` contract) and keep the same stats, so benchmarks compare like with like
-(DESIGN.md, "Baselines"), and the ``--mode`` names (``MODES``, ``mode_problem``):
-- ``ResidentRunner``: all E experts on the device (the speed ceiling when it fits).
+``runner.ExpertsRunner`` contract), and the ``--mode`` names (``MODES``, ``mode_problem``);
+offload and cpu-experts keep the executors' stats (bytes moved, union), resident keeps none,
+since it does nothing a counter could measure (DESIGN.md, "Baselines"):
+- ``ResidentRunner``: all E experts on the device (the speed ceiling when it fits): the
+  model's own experts step and nothing else (no read-back, no union, no per-step counters).
 - ``OffloadRunner``: every expert of the layer copied to the device at every step, whatever
   the router picked (what ``--cpu-offload-gb`` does): E x expert bytes per layer per step,
   through one [E, ...] staging buffer shared by all layers.
 - ``CpuExpertsRunner``: the layer's experts stay in host memory and are computed on the CPU
   (what llama.cpp ``--n-cpu-moe N`` does for the first N MoE layers).
 All three call the model's own experts implementation over E experts with the original ids,
-so on CPU they compute exactly what the unpaged model computes. Does not: page selectively
-(``host_executor``) or choose which layers use which mode (``loading.runners``).
+so on CPU they compute exactly what the unpaged model computes. The model with nothing of
+this package attached (``bench``'s "plain" mode) is transformers' own, not a runner here.
+Does not: page selectively (``host_executor``) or choose which layers use which mode
+(``loading.runners``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 import torch
 
 from pagedexperts.paging.host_executor import SlotView, resolve_inner, routed_union
-from pagedexperts.paging.runner import ExpertsRunner
+from pagedexperts.paging.runner import ExpertsRunner, InlineRunner
 from pagedexperts.paging.transfer import read_step
 from pagedexperts.storage.host_store import HostExpertStore
 
@@ -62,17 +66,29 @@ class _BaselineRunner(ExpertsRunner):
         return out
 
 
-class ResidentRunner(_BaselineRunner):
-    """All E experts of the layer on the device; every routed expert is a hit."""
+class ResidentRunner(_BaselineRunner, InlineRunner):
+    """All E experts of the layer on the device: the model's own experts function over them,
+    with the original ids, and nothing else. Nothing is paged, so nothing is read back, no
+    union is formed and no per-step counter is kept (its ``stats`` stay empty: hits, union,
+    tokens and times are not measured, and ``bench`` reports them as not applicable). With a
+    trace being recorded (``trace_hook``) the ids are read back for it, as the recorder asks.
+    A quantized layer is dequantized once, at construction (the "dequantized resident model").
+    Called inline (``runner.InlineRunner``), not through the opaque custom op.
+    """
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        # a quantized layer is dequantized once: the "dequantized resident model" baseline
         self.tensors = self.dense({n: t.to(self.device) for n, t in self.store.tensors.items()})
+        self._view: SlotView | None = None  # the module's view over ``tensors``, made on first call
 
-    def _compute(self, module, hidden, ids, weights, union):
-        out = resolve_inner(module, self.inner)(SlotView(module, self.tensors), hidden, ids, weights)
-        return out, union, 0, 0.0
+    def step(self, module, hidden_states, top_k_index, top_k_weights, padding_count=None) -> torch.Tensor:
+        """[T, H], [T, k], [T, k] -> [T, H]: the model's experts step over the E device experts
+        (``padding_count`` is not read: nothing is counted)."""
+        if self.trace_hook is not None:
+            self.trace_hook(self.layer, top_k_index.detach().to("cpu"), top_k_weights.detach().to("cpu"))
+        if self._view is None:
+            self._view = SlotView(module, self.tensors)
+        return resolve_inner(module, self.inner)(self._view, hidden_states, top_k_index, top_k_weights)
 
 
 class OffloadRunner(_BaselineRunner):

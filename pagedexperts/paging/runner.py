@@ -83,6 +83,13 @@ class ExpertsRunner(ABC):
         self.stats = LayerStats()
 
 
+class InlineRunner:
+    """Marker contract of a runner whose step is the model's own device math and nothing else
+    (no host read, no Python decision: ``baselines.ResidentRunner``). The dispatcher calls it
+    inline, not through the opaque custom op: eager skips the op's dispatcher round trip (its
+    autograd and dynamo-disable wrappers) and ``torch.compile`` traces it like the unpaged model."""
+
+
 class PagedExecutor(ExpertsRunner):
     """A runner that pages: K slot tensors, a residency over them, prefetch hooks.
 

@@ -1,67 +1,139 @@
 """Benchmarks of paging against what users would run instead, on one model and machine.
 
 Owns: the prompt-file readers (JSON lines with ``prompt``, ``turns`` or ``question``;
-ShareGPT-style JSON), the measurement of one execution mode (TTFT on short and long prompts,
-single-stream decode tok/s, total tok/s at each concurrency, decode paging counters), and the
-results table (markdown, JSON, PNG). Modes are the loader's (``paging.baselines``): resident, paged at
-each K, offload, cpu-experts. Concurrency c is c prompts decoded together in one batch.
-Does not: define the modes (``paging.baselines``) or the server's scheduling (``serving``).
+ShareGPT-style JSON), the measurement of one execution mode in one round (TTFT on short and
+long prompts, single-stream decode wall and CPU time per token, total tok/s at each
+concurrency, decode paging counters), the rounds that interleave the modes, and their medians
+and spreads. Modes: ``plain`` (transformers' own model, nothing of this package attached:
+what a user runs when the model fits) and the loader's (``paging.baselines``): resident, paged at each
+K, offload, cpu-experts. Concurrency c is c prompts decoded together in one batch.
+Does not: define the modes (``paging.baselines``), write the table, JSON and PNG (``commands.bench``),
+or schedule a server (``serving``).
 
-Units: seconds, tok/s, bytes. Timings are wall clock on this machine; compare ratios measured
-in one run (paged vs resident), not absolute numbers across machines.
+Method. The checkpoint is loaded once for the paged model (each mode re-attaches runners over
+the same host stores, ``repage``) and once as the plain model. Round r runs every mode once,
+in an order rotated by r (recorded); each mode is warmed up after its switch, outside the
+timing. Every number is a median over rounds; times per decode token also carry their spread
+(min and max over rounds), and each mode's ratio to plain is taken per round (the same round's
+plain run) before its median and spread, so a burst of other load shows as spread rather than
+as a wrong ratio. CPU time (``time.process_time``: all threads of this process) is the measure
+for CPU-bound overhead; wall time for the rest. Compare ratios measured in one run, not
+absolute numbers across machines.
+
+Units: seconds, tok/s, bytes.
 """
 
 from __future__ import annotations
 
+import copy
 import json
-import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from pagedexperts.generation.config import GREEDY
+from pagedexperts.paging.baselines import MODES
 from pagedexperts.residency.policies import DEFAULT_POLICY
 
-logger = logging.getLogger(__name__)
+
+PLAIN = "plain"  # transformers' own model, nothing attached
+BENCH_MODES = (PLAIN, *MODES)
+WARM_UP_TOKENS = 4  # new tokens of each mode's warm-up generate, per round, untimed
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What to run. ``num_resident``: the K values of the paged rows."""
+    """What to run. ``num_resident``: the K values of the paged rows; ``rounds``: how many
+    times every mode runs (interleaved); ``threads``: torch CPU threads (0 = torch's default)."""
 
     model_path: str | None = None
-    modes: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")
+    modes: tuple[str, ...] = (PLAIN, "resident", "paged", "offload", "cpu-experts")
     num_resident: tuple[int, ...] = ()
     cpu_expert_layers: int = 0  # 0 = half the MoE layers
     output_tokens: int = 32
     concurrency: tuple[int, ...] = (1, 4)
     num_prompts: int = 4
     long_prompt_tokens: int = 256
+    rounds: int = 5
+    threads: int = 0
     device: str = "cpu"
     dtype: str | None = None
     experts_implementation: str = "grouped_mm"
     policy: str = DEFAULT_POLICY
 
 
+@dataclass(frozen=True)
+class Spread:
+    """Per-round samples summarised: their median and their range [low, high] over rounds."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Spread":
+        """Raises ValueError on an empty ``samples``."""
+        if not samples:
+            raise ValueError("a spread needs at least one sample")
+        return cls(statistics.median(samples), min(samples), max(samples))
+
+    def text(self, scale: float = 1.0, fmt: str = ".2f", unit: str = "") -> str:
+        """``median [low-high]`` with each value times ``scale``."""
+        m, lo, hi = (format(scale * v, fmt) for v in (self.median, self.low, self.high))
+        return f"{m}{unit} [{lo}-{hi}]"
+
+
+@dataclass
+class RoundSample:
+    """One mode in one round. Seconds; decode times per decode token (the tokens after each
+    prompt's first), summed over the prompts; wall from ``perf_counter``, CPU from
+    ``process_time``."""
+
+    ttft_short_p50_s: float
+    ttft_long_p50_s: float
+    decode_wall_s_per_token: float
+    decode_cpu_s_per_token: float
+    total_tok_s: dict = field(default_factory=dict)  # concurrency -> tok/s
+
+
 @dataclass
 class ModeResult:
-    """One row of the table. Times in seconds, speeds in tok/s; paging counters of decode."""
+    """One row of the table: medians over rounds (spreads where a ``Spread``), the rounds'
+    samples, and the paging counters of decode summed over rounds. A counter is None (not
+    applicable) where the mode counts no routing: plain, and resident, which pages nothing."""
 
     mode: str
     num_resident: int
     ttft_short_p50_s: float = 0.0
     ttft_long_p50_s: float = 0.0
-    decode_tok_s: float = 0.0
+    decode_tok_s: float = 0.0  # single stream, 1 / median wall time per decode token
+    decode_wall_s_per_token: Spread | None = None
+    decode_cpu_s_per_token: Spread | None = None
+    ratio_wall_vs_plain: Spread | None = None  # per round: this mode's / plain's time per token
+    ratio_cpu_vs_plain: Spread | None = None
     total_tok_s: dict = field(default_factory=dict)  # concurrency -> tok/s
-    hit_rate: float = 0.0
-    bytes_per_token: float = 0.0
-    waves_per_step: float = 0.0
-    multi_wave_steps: int = 0
-    plan_us_per_layer_step: float = 0.0
-    ratio_time_per_token_vs_resident: float | None = None
+    hit_rate: float | None = None
+    bytes_per_token: float | None = None
+    waves_per_step: float | None = None
+    multi_wave_steps: int | None = None
+    plan_us_per_layer_step: float | None = None
+    samples: list[RoundSample] = field(default_factory=list)  # one per round, in round order
+
+    @property
+    def label(self) -> str:
+        return f"paged K={self.num_resident}" if self.mode == "paged" else self.mode
+
+
+@dataclass
+class BenchRun:
+    """The rows and the order the modes ran in: ``order[r]`` lists round r's labels."""
+
+    results: list[ModeResult]
+    order: list[list[str]]
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
@@ -106,124 +178,240 @@ def long_prompts(tokenizer, prompts: list[str], tokens: int, count: int) -> list
     return out
 
 
-def _generate(model, tokenizer, prompts: list[str], new_tokens: int, on_first_token=None) -> tuple[float, list[float]]:
-    """Greedy-generate exactly ``new_tokens`` for a batch; (start time, token timestamps).
+@dataclass
+class Timeline:
+    """Clock readings of one generate: ``start`` (wall, s) and, per new token, the wall
+    (``perf_counter``) and CPU (``process_time``) time it arrived."""
 
-    ``on_first_token()`` runs when the first new token arrives, i.e. right after the prefill.
+    start: float
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+
+def _generate(model, tokenizer, prompts: list[str], new_tokens: int, on_first_token=None) -> Timeline:
+    """Greedy-generate exactly ``new_tokens`` for a batch; its ``Timeline``.
+
+    ``on_first_token()`` runs when the first new token arrives (right after the prefill),
+    before that token's clocks are read: its cost stays outside the decode interval.
     """
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
-    times: list[float] = []
+    calls = []
 
     class _Clock:
         def put(self, value):
-            times.append(time.perf_counter())
-            if len(times) == 2 and on_first_token is not None:  # the first put() is the prompt
+            calls.append(None)
+            if len(calls) == 1:  # the first put() is the prompt
+                return
+            if len(calls) == 2 and on_first_token is not None:
                 on_first_token()
+            line.wall.append(time.perf_counter())
+            line.cpu.append(time.process_time())
 
         def end(self):
             pass
 
-    start = time.perf_counter()
+    line = Timeline(start=time.perf_counter())
     with torch.no_grad():
-        model.generate(
-            **batch,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            **GREEDY,
-            pad_token_id=tokenizer.pad_token_id,
-            streamer=_Clock(),
-        )
+        model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **GREEDY,
+                       pad_token_id=tokenizer.pad_token_id, streamer=_Clock())
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    return start, times[1:]  # the first put() is the prompt
+    return line
 
 
-def measure_mode(model, tokenizer, prompts: list[str], longs: list[str], cfg: BenchConfig) -> ModeResult:
-    """Measure one loaded model (a mode at a K): one warm-up call first, excluded."""
-    rt = model.pagedexperts
-    res = ModeResult(mode=rt.config.mode, num_resident=rt.num_resident)
-    _generate(model, tokenizer, prompts[:1], 2)  # warm-up
-    ttft = []
+def measure_round(model, tokenizer, prompts: list[str], longs: list[str], cfg: BenchConfig,
+                  counters: "DecodeCounters | None" = None) -> RoundSample:
+    """One mode, one round (already warmed up): TTFT p50 of ``prompts`` and ``longs``, decode
+    time per token over every prompt (``cfg.output_tokens`` each), total tok/s per concurrency.
+    ``counters`` (the paged model's) adds each decode's paging counters."""
+    ttft = [[_generate(model, tokenizer, [p], 1) for p in group] for group in (prompts, longs)]
+    short, long = (statistics.median(t.wall[0] - t.start for t in group) for group in ttft)
+    wall = cpu = 0.0
+    tokens = 0
     for p in prompts:
-        start, times = _generate(model, tokenizer, [p], 1)
-        ttft.append(times[0] - start)
-    res.ttft_short_p50_s = statistics.median(ttft)
-    ttft = []
-    for p in longs:
-        start, times = _generate(model, tokenizer, [p], 1)
-        ttft.append(times[0] - start)
-    res.ttft_long_p50_s = statistics.median(ttft)
-    rates, decode = [], None
-    for p in prompts:
-        snapshot = []  # decode counters start after the prefill step
-        _, times = _generate(model, tokenizer, [p], cfg.output_tokens,
-                             on_first_token=lambda: snapshot.append(rt.stats().total()))
-        before = snapshot[0]
-        rates.append((len(times) - 1) / (times[-1] - times[0]))
-        after = rt.stats().total()
-        decode = _accumulate(decode, before, after)
-    res.decode_tok_s = statistics.median(rates)
-    _fill_paging(res, decode, len(rt.pagers))
+        line = _generate(model, tokenizer, [p], cfg.output_tokens,
+                         on_first_token=counters.begin if counters is not None else None)
+        if counters is not None:
+            counters.end()
+        wall += line.wall[-1] - line.wall[0]
+        cpu += line.cpu[-1] - line.cpu[0]
+        tokens += len(line.wall) - 1
+    total = {}
     for c in cfg.concurrency:
-        batch = [prompts[i % len(prompts)] for i in range(c)]
-        start, times = _generate(model, tokenizer, batch, cfg.output_tokens)
-        res.total_tok_s[c] = c * len(times) / (times[-1] - start)
-    return res
+        line = _generate(model, tokenizer, [prompts[i % len(prompts)] for i in range(c)], cfg.output_tokens)
+        total[c] = c * len(line.wall) / (line.wall[-1] - line.start)
+    return RoundSample(short, long, wall / tokens, cpu / tokens, total)
 
 
-def _accumulate(acc, before, after) -> dict:
-    keys = ("hits", "misses", "bytes_paged", "waves", "steps", "multi_wave_steps", "plan_s", "tokens")
-    acc = acc or {k: 0 for k in keys}
-    for k in keys:
-        acc[k] += getattr(after, k) - getattr(before, k)
-    return acc
+COUNTED = ("hits", "misses", "bytes_paged", "waves", "steps", "multi_wave_steps", "plan_s", "tokens")
 
 
-def _fill_paging(res: ModeResult, d: dict, num_layers: int) -> None:
-    """Decode-phase counters. ``d["tokens"]`` is summed over MoE layers, so the model's
-    tokens are d["tokens"] / num_layers."""
-    total = d["hits"] + d["misses"]
-    res.hit_rate = d["hits"] / total if total else 0.0
-    res.bytes_per_token = d["bytes_paged"] * num_layers / d["tokens"] if d["tokens"] else 0.0
-    res.waves_per_step = d["waves"] / d["steps"] if d["steps"] else 0.0
-    res.multi_wave_steps = d["multi_wave_steps"]
-    res.plan_us_per_layer_step = 1e6 * d["plan_s"] / d["steps"] if d["steps"] else 0.0
+class DecodeCounters:
+    """Paging counters of decode only, summed over runs: each run's stats at its first new token
+    (``begin``) subtracted from those at its end (``end``). Only layers whose runner recorded
+    steps count (a resident layer records none), so per-token rates divide by their number."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+        self.sums = dict.fromkeys(COUNTED, 0)
+        self.layers: set[int] = set()
+        self._before = None
+
+    def begin(self) -> None:
+        self._before = {i: copy.copy(s) for i, s in self.runtime.stats().layers.items()}  # live objects
+
+    def end(self) -> None:
+        for i, after in self.runtime.stats().layers.items():
+            before = self._before[i]
+            if after.steps > before.steps:
+                self.layers.add(i)
+                for k in COUNTED:
+                    self.sums[k] += getattr(after, k) - getattr(before, k)
+
+    def fill(self, res: ModeResult) -> None:
+        """Decode rates into ``res``; left None (not applicable) when no layer counted."""
+        d, n = self.sums, len(self.layers)
+        if not d["steps"]:
+            return
+        total = d["hits"] + d["misses"]
+        res.hit_rate = d["hits"] / total if total else 0.0
+        res.bytes_per_token = d["bytes_paged"] * n / d["tokens"] if d["tokens"] else 0.0
+        res.waves_per_step = d["waves"] / d["steps"]
+        res.multi_wave_steps = d["multi_wave_steps"]
+        res.plan_us_per_layer_step = 1e6 * d["plan_s"] / d["steps"]
 
 
-def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) -> list[ModeResult]:
-    """Every mode (paged once per K) on the same prompts; ratios against resident filled in.
+def round_order(jobs: list, r: int) -> list:
+    """Round ``r``'s order: ``jobs`` rotated left by r (each job leads once every len(jobs) rounds)."""
+    r %= len(jobs)
+    return jobs[r:] + jobs[:r]
 
-    The checkpoint is loaded once, for the first (mode, K); every later row re-attaches
-    fresh runners over the same host stores (``loading.runners.repage``: empty slots, zeroed stats).
+
+def bench_jobs(cfg: BenchConfig) -> list[tuple[str, int | None]]:
+    """(mode, K) per row, each once: paged once per K of ``cfg.num_resident`` (None: the
+    loader's default)."""
+    jobs = [(mode, k) for mode in cfg.modes for k in ((cfg.num_resident or (None,)) if mode == "paged" else (None,))]
+    return list(dict.fromkeys(jobs))
+
+
+def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) -> BenchRun:
+    """Every mode (paged once per K) in ``cfg.rounds`` interleaved rounds on the same prompts.
+
+    The paged model is loaded once; each switch re-attaches fresh runners over the same host
+    stores (``loading.runners.repage``: empty slots, zeroed stats) and warms the mode up, untimed.
     """
     from tqdm import tqdm
 
-    from pagedexperts.loading.loader import load_model
-    from pagedexperts.loading.runners import repage
-
-    jobs = []
-    for mode in cfg.modes:
-        for k in (cfg.num_resident or (None,)) if mode == "paged" else (None,):
-            jobs.append((mode, k))
-    (mode0, k0), results = jobs[0], []
-    model, tok = load_model(
-        cfg.model_path, num_resident=k0, device=cfg.device, dtype=cfg.dtype,
-        experts_implementation=cfg.experts_implementation, policy=cfg.policy, mode=mode0,
-        cpu_expert_layers=_cpu_layers(cfg) if "cpu-experts" in cfg.modes else 0,
-    )
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    jobs = bench_jobs(cfg)
+    models, tok = _load_models(cfg, jobs)
     longs = long_prompts(tok, prompts, cfg.long_prompt_tokens, max(1, len(prompts) // 2))
-    for i, (mode, k) in enumerate(tqdm(jobs, desc="bench", disable=not progress)):
-        if i:
-            repage(model, mode=mode, num_resident=k)
-        results.append(measure_mode(model, tok, prompts, longs, cfg))
-    base = next((r for r in results if r.mode == "resident"), None)
+    samples: dict = {job: [] for job in jobs}
+    counters = {job: DecodeCounters(models["runners"].pagedexperts) for job in jobs if job[0] != PLAIN}
+    order, ks = [], {}
+    bar = tqdm(total=cfg.rounds * len(jobs), desc="bench", disable=not progress)
+    for r in range(cfg.rounds):
+        order.append([])
+        for job in round_order(jobs, r):
+            model = _switch(models, job)
+            _generate(model, tok, prompts[:1], WARM_UP_TOKENS)  # warm-up, untimed
+            samples[job].append(measure_round(model, tok, prompts, longs, cfg, counters.get(job)))
+            ks[job] = _num_resident(model)
+            order[-1].append(f"paged K={ks[job]}" if job[0] == "paged" else job[0])
+            bar.update()
+    bar.close()
+    results = [summarise(job[0], ks[job], samples[job]) for job in jobs]
+    for job, res in zip(jobs, results):
+        if job in counters:
+            counters[job].fill(res)
+    ratios_vs_plain(results)
+    return BenchRun(results=results, order=order)
+
+
+def _num_resident(model) -> int:
+    """K of the paged model's current mode; E (every expert on the device) for plain."""
+    from pagedexperts.models.config import num_routed_experts
+
+    rt = getattr(model, "pagedexperts", None)
+    return rt.num_resident if rt is not None else num_routed_experts(model.config)
+
+
+def _load_models(cfg: BenchConfig, jobs) -> tuple[dict, object]:
+    """({"runners": the paged model, "plain": transformers' model}, tokenizer), each model only
+    if a job needs it. The paged model is loaded for its first job's mode and K."""
+    from transformers import AutoTokenizer
+
+    from pagedexperts.loading import loader
+    from pagedexperts.loading.loader import read_checkpoint_config
+
+    models, tok = {}, None
+    paged = [job for job in jobs if job[0] != PLAIN]
+    if paged:
+        (mode, k) = paged[0]
+        models["runners"], tok = loader.load_model(
+            cfg.model_path, num_resident=k, device=cfg.device, dtype=cfg.dtype,
+            experts_implementation=cfg.experts_implementation, policy=cfg.policy, mode=mode,
+            cpu_expert_layers=_cpu_layers(cfg) if "cpu-experts" in cfg.modes else 0,
+        )
+    if any(job[0] == PLAIN for job in jobs):
+        models[PLAIN] = load_plain(cfg)
+    if tok is None and not paged:
+        tok = AutoTokenizer.from_pretrained(read_checkpoint_config(cfg.model_path)[0])
+    return models, tok
+
+
+def load_plain(cfg: BenchConfig):
+    """Transformers' ``from_pretrained`` of the checkpoint with the same dtype and experts
+    implementation, on ``cfg.device``, in eval mode: nothing of this package attached."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedexperts.loading.config import resolve_dtype
+    from pagedexperts.loading.loader import read_checkpoint_config
+
+    path, config, _ = read_checkpoint_config(cfg.model_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=resolve_dtype(cfg.dtype, config), experts_implementation=cfg.experts_implementation)
+    return model.to(cfg.device).eval()
+
+
+def _switch(models: dict, job):
+    """The model that runs ``job``, switched to it (the paged model re-attached by ``repage``)."""
+    from pagedexperts.loading import runners
+
+    mode, k = job
+    if mode == PLAIN:
+        return models[PLAIN]
+    model = models["runners"]
+    runners.repage(model, mode=mode, num_resident=k)
+    return model
+
+
+def summarise(mode: str, num_resident: int, samples: list[RoundSample]) -> ModeResult:
+    """A row from one mode's per-round samples: medians over rounds, time spreads."""
+    res = ModeResult(mode=mode, num_resident=num_resident, samples=samples)
+    res.ttft_short_p50_s = statistics.median(s.ttft_short_p50_s for s in samples)
+    res.ttft_long_p50_s = statistics.median(s.ttft_long_p50_s for s in samples)
+    res.decode_wall_s_per_token = Spread.of([s.decode_wall_s_per_token for s in samples])
+    res.decode_cpu_s_per_token = Spread.of([s.decode_cpu_s_per_token for s in samples])
+    res.decode_tok_s = 1.0 / res.decode_wall_s_per_token.median
+    res.total_tok_s = {c: statistics.median(s.total_tok_s[c] for s in samples) for c in samples[0].total_tok_s}
+    return res
+
+
+def ratios_vs_plain(results: list[ModeResult]) -> None:
+    """Each row's time per decode token over plain's in the same round (samples[r] against
+    plain's samples[r]), median and spread over rounds; left None without a plain row."""
+    plain = next((r for r in results if r.mode == PLAIN), None)
+    if plain is None:
+        return
     for r in results:
-        if base is not None and r.decode_tok_s:
-            r.ratio_time_per_token_vs_resident = base.decode_tok_s / r.decode_tok_s
-    return results
+        pairs = list(zip(r.samples, plain.samples, strict=True))
+        r.ratio_wall_vs_plain = Spread.of([a.decode_wall_s_per_token / b.decode_wall_s_per_token for a, b in pairs])
+        r.ratio_cpu_vs_plain = Spread.of([a.decode_cpu_s_per_token / b.decode_cpu_s_per_token for a, b in pairs])
 
 
 def _cpu_layers(cfg: BenchConfig) -> int:
@@ -238,46 +426,3 @@ def _moe_layers(model_path) -> list[int]:
     from pagedexperts.models.config import moe_layer_indices
 
     return moe_layer_indices(AutoConfig.from_pretrained(model_path or bundled_model_path()))
-
-
-def markdown_table(results: list[ModeResult], concurrency) -> str:
-    """The results as a markdown table (one row per mode / K)."""
-    head = ["mode", "K", "TTFT short p50 ms", "TTFT long p50 ms", "decode tok/s"]
-    head += [f"total tok/s @{c}" for c in concurrency]
-    head += ["hit rate", "MB paged/token", "waves/step", "plan us/layer-step", "time/token vs resident"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results:
-        ratio = f"{r.ratio_time_per_token_vs_resident:.2f}x" if r.ratio_time_per_token_vs_resident else "-"
-        cells = [r.mode, str(r.num_resident), f"{1e3 * r.ttft_short_p50_s:.1f}", f"{1e3 * r.ttft_long_p50_s:.1f}", f"{r.decode_tok_s:.1f}"]
-        cells += [f"{r.total_tok_s.get(c, 0):.1f}" for c in concurrency]
-        cells += [f"{r.hit_rate:.1%}", f"{r.bytes_per_token / 1e6:.3f}", f"{r.waves_per_step:.2f}", f"{r.plan_us_per_layer_step:.0f}", ratio]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def write_results(results: list[ModeResult], cfg: BenchConfig, out_dir: Path, command: str) -> Path:
-    """bench.md, bench.json, bench.png (if matplotlib is installed) and command.txt."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "command.txt").write_text(command + "\n")
-    table = markdown_table(results, cfg.concurrency)
-    (out_dir / "bench.md").write_text(f"```\n{command}\n```\n\n{table}\n")
-    payload = {"config": asdict(cfg), "results": [asdict(r) for r in results], "command": command}
-    (out_dir / "bench.json").write_text(json.dumps(payload, indent=2, default=str))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no bench.png (pip install 'pagedexperts[plots]')")
-        return out_dir
-    labels = [r.mode if r.mode != "paged" else f"paged K={r.num_resident}" for r in results]
-    fig, ax = plt.subplots(figsize=(max(6, len(results) * 1.3), 4))
-    ax.bar(labels, [r.decode_tok_s for r in results], color="tab:blue")
-    ax.set_ylabel("single-stream decode tok/s")
-    ax.set_title("pagedexperts bench")
-    ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(out_dir / "bench.png", dpi=100)
-    plt.close(fig)
-    return out_dir

@@ -1,0 +1,140 @@
+"""Decode with the host in the loop, measured: the ``decode_host`` phase of ``gpu_bench.py``.
+
+For resident and paged at each K, at batch 1 and 4, on gpu_bench's model (Qwen3-30B-A3B
+shapes, random weights, trace-driven routing):
+- decode tok/s eager, and with every decode step captured in a CUDA graph: ``graphs_decode_tok_s``
+  is the HOOK the device-planned decode (issue 23 items 1-4) fills; until then it returns None
+  ("n/a"), never an estimate;
+- host syncs per decode step: synchronizing CUDA calls counted by
+  ``torch.cuda.set_sync_debug_mode("warn")`` (each one a warning) during decode only, all of
+  them, those made from pagedexperts' runtime, and those of the benchmark's trace-driven
+  routing (its top-k upload, ``trace_routing``; not part of the runtime); the rest are the
+  model's and generate's own (e.g. the stopping check). CUDA only (None on CPU);
+- host time per MoE layer-step: wall time from the experts module's call to its return
+  (forward pre- and post-hooks), decode only, p50 and mean. On CUDA the launches are
+  asynchronous, so this is the host's bookkeeping plus any wait at a read-back.
+
+A decode step makes one token per row: with batch 4, per decode token = per step / 4.
+The timed run is uninstrumented; syncs and host times come from a second run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+
+import torch
+
+BATCHES = (1, 4)
+SYNC_WARNING = "synchroniz"  # in the text of every set_sync_debug_mode("warn") warning
+ROUTING_DRIVER = "trace_routing.py"  # the benchmark's trace-driven top-k upload: not the runtime's
+
+
+def graphs_decode_tok_s(model, *, batch: int, prompt_len: int, new_tokens: int) -> float | None:
+    """HOOK (issue 23 item 4): decode tok/s over all rows with every decode step captured in
+    a CUDA graph (static KV cache, prefill eager). Returns None until the runtime can capture
+    a paged decode step: today each MoE layer-step reads its top-k ids back to the host and
+    plans in Python, which a graph cannot hold. The device-planned decode replaces this body
+    with a real measurement (capture, replay, time); nothing here estimates it."""
+    return None
+
+
+class _DecodeProbe:
+    """Streamer that opens the decode window at the first new token: from then on it counts
+    sync warnings (``caught`` grows) and experts-module host times (``layer_s``)."""
+
+    def __init__(self, model, caught: list) -> None:
+        self.caught, self.puts, self.layer_s, self.sync_start = caught, 0, [], None
+        self._t0 = None
+        self.handles = []
+        for site in model.pagedexperts.sites:
+            self.handles.append(site.module.register_forward_pre_hook(self._enter))
+            self.handles.append(site.module.register_forward_hook(self._leave))
+
+    def _enter(self, module, args) -> None:
+        self._t0 = time.perf_counter()
+
+    def _leave(self, module, args, out) -> None:
+        if self.sync_start is not None:
+            self.layer_s.append(time.perf_counter() - self._t0)
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:  # the first put() is the prompt, the second the first new token
+            self.sync_start = len(self.caught)
+
+    def end(self) -> None:
+        pass
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def instrumented_run(model, *, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """One greedy generate: decode syncs per step (all, pagedexperts') and host time per
+    MoE layer-step (p50, mean; seconds)."""
+    cuda = model.device.type == "cuda"
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=model.device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe = _DecodeProbe(model, caught)
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=probe)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+            probe.remove()
+    steps = new_tokens - 1
+    syncs = [w for w in caught[probe.sync_start:] if SYNC_WARNING in str(w.message).lower()]
+    driver = [w for w in syncs if w.filename.endswith(ROUTING_DRIVER)]
+    ours = [w for w in syncs if "/pagedexperts/" in w.filename and not w.filename.endswith(ROUTING_DRIVER)]
+    return dict(host_syncs_per_decode_step=len(syncs) / steps if cuda else None,
+                pagedexperts_syncs_per_decode_step=len(ours) / steps if cuda else None,
+                routing_driver_syncs_per_decode_step=len(driver) / steps if cuda else None,
+                host_s_per_layer_step_p50=statistics.median(probe.layer_s),
+                host_s_per_layer_step_mean=statistics.fmean(probe.layer_s))
+
+
+def decode_host(model, args, *, repage, decode_run) -> list[dict]:
+    """Rows of (mode, K, batch): eager and graphs decode tok/s, syncs, host times.
+    ``repage`` and ``decode_run`` are gpu_bench's (``runners.repage``; (TTFT, tok/s))."""
+    rows = []
+    for mode, k in [("resident", None)] + [("paged", k) for k in args.ks]:
+        repage(model, mode=mode, num_resident=k)
+        for batch in BATCHES:
+            run = dict(batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+            decode_run(model, batch=batch, prompt_len=8, new_tokens=3)  # warm-up
+            _, eager = decode_run(model, **run)
+            row = dict(mode=mode, K=model.pagedexperts.num_resident, batch=batch, eager_tok_s=eager,
+                       graphs_tok_s=graphs_decode_tok_s(model, **run), **instrumented_run(model, **run))
+            rows.append(row)
+            syncs = row["host_syncs_per_decode_step"]
+            print(f"  {mode:8s} K={row['K']:4d} batch {batch}: eager {eager:8.1f} tok/s, graphs "
+                  f"{_na(row['graphs_tok_s'], '.1f')}, syncs/step {_na(syncs, '.1f')}, host "
+                  f"{1e6 * row['host_s_per_layer_step_p50']:.1f} us/layer-step (p50)", flush=True)
+    return rows
+
+
+def _na(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    """Markdown table of ``decode_host`` rows."""
+    lines = ["", "| mode | K | batch | eager tok/s | graphs tok/s | syncs/decode step (pagedexperts, "
+             "routing driver) | host us/layer-step p50 (mean) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        syncs = _na(r["host_syncs_per_decode_step"], ".1f")
+        ours = _na(r["pagedexperts_syncs_per_decode_step"], ".1f")
+        driver = _na(r["routing_driver_syncs_per_decode_step"], ".1f")
+        lines.append(f"| {r['mode']} | {r['K']} | {r['batch']} | {r['eager_tok_s']:.1f} | "
+                     f"{_na(r['graphs_tok_s'], '.1f')} | {syncs} ({ours}, {driver}) | "
+                     f"{1e6 * r['host_s_per_layer_step_p50']:.1f} ({1e6 * r['host_s_per_layer_step_mean']:.1f}) |")
+    lines.append("graphs: n/a until the device-planned decode fills gpu_decode.graphs_decode_tok_s (issue 23)")
+    return lines
