@@ -133,7 +133,7 @@ def test_gpu_bench_timing_model_on_synthetic_costs():
 
 
 def test_read_prompts_formats(tmp_path):
-    from pagedexperts.tools.bench import read_prompts
+    from pagedexperts.tools.prompts import read_prompts
 
     jl = tmp_path / "p.jsonl"
     jl.write_text('{"prompt": "a"}\n{"turns": ["b", "c"]}\n{"question": "d"}\n')

@@ -65,7 +65,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from pagedexperts.tools import bench
-    from pagedexperts.tools.bench import BenchConfig, read_prompts
+    from pagedexperts.tools.bench import BenchConfig
+    from pagedexperts.tools.prompts import read_prompts
     from pagedexperts.tools.check import DEFAULT_PROMPTS
 
     modes = tuple(x for x in args.mode.split(",") if x)

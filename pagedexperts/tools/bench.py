@@ -1,13 +1,12 @@
 """Benchmarks of paging against what users would run instead, on one model and machine.
 
-Owns: the prompt-file readers (JSON lines with ``prompt``, ``turns`` or ``question``;
-ShareGPT-style JSON), the measurement of one execution mode in one round (TTFT on short and
+Owns: the measurement of one execution mode in one round (TTFT on short and
 long prompts, single-stream decode wall and CPU time per token, total tok/s at each
 concurrency, decode paging counters), the rounds that interleave the modes, and their medians
 and spreads. Modes: ``plain`` (transformers' own model, nothing of this package attached:
 what a user runs when the model fits) and the loader's (``paging.baselines``): resident, paged at each
 K, offload, cpu-experts. Concurrency c is c prompts decoded together in one batch.
-Does not: define the modes (``paging.baselines``), write the table, JSON and PNG (``commands.bench``),
+Does not: read prompt files (``tools.prompts``), define the modes (``paging.baselines``), write the table, JSON and PNG (``commands.bench``),
 or schedule a server (``serving``).
 
 Method. The checkpoint is loaded once for the paged model (each mode re-attaches runners over
@@ -26,7 +25,6 @@ Units: seconds, tok/s, bytes.
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -134,35 +132,6 @@ class BenchRun:
 
     results: list[ModeResult]
     order: list[list[str]]
-
-
-def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """Prompts from a JSON-lines file (``prompt``, ``turns`` [first turn] or ``question``) or a
-    ShareGPT-style JSON list (first human turn of ``conversations``).
-
-    Raises:
-        FileNotFoundError: no such file. ValueError: no prompt found (names the fields tried).
-    """
-    path = Path(path)
-    text = path.read_text()
-    prompts: list[str] = []
-    if text.lstrip().startswith("["):
-        for item in json.loads(text):
-            turns = item.get("conversations") or []
-            human = [t.get("value", "") for t in turns if t.get("from") in ("human", "user")]
-            if human:
-                prompts.append(human[0])
-    else:
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            p = row.get("prompt") or (row.get("turns") or [None])[0] or row.get("question")
-            if p:
-                prompts.append(p)
-    if not prompts:
-        raise ValueError(f"{path}: no prompts found (want JSON lines with prompt/turns/question, or ShareGPT JSON)")
-    return prompts[:limit] if limit else prompts
 
 
 def long_prompts(tokenizer, prompts: list[str], tokens: int, count: int) -> list[str]:
