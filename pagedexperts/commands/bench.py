@@ -10,6 +10,7 @@ from pathlib import Path
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 from pagedexperts.models.config import RUN_DTYPE_BYTES
 from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS
+from pagedexperts.commands.common import add_decide_argument
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -35,6 +36,7 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", default=None, choices=list(RUN_DTYPE_BYTES))
     g.add_argument("--experts-implementation", default="grouped_mm", choices=list(INNER_IMPLEMENTATIONS))
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"eviction policy (default {DEFAULT_POLICY})")
+    add_decide_argument(g)
     m = p.add_argument_group("modes")
     m.add_argument("--mode", default="resident,paged,offload,cpu-experts", help="comma-separated modes (default: all four)")
     m.add_argument("--num-resident", default="", metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")
@@ -67,7 +69,7 @@ def run(args) -> int:
         model_path=args.model_path, modes=modes, num_resident=ks, cpu_expert_layers=args.cpu_expert_layers,
         output_tokens=args.output_tokens, concurrency=concurrency, num_prompts=len(prompts),
         long_prompt_tokens=args.long_prompt_tokens, device=args.device, dtype=args.dtype,
-        experts_implementation=args.experts_implementation, policy=args.policy,
+        experts_implementation=args.experts_implementation, policy=args.policy, decide=args.decide,
     )
     results = bench.run_bench(cfg, prompts)
     out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")

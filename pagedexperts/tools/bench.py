@@ -44,6 +44,7 @@ class BenchConfig:
     dtype: str | None = None
     experts_implementation: str = "grouped_mm"
     policy: str = DEFAULT_POLICY
+    decide: str = "auto"  # --decide of the paged rows (loading.config.DECIDE_CHOICES)
 
 
 @dataclass
@@ -211,7 +212,7 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
     (mode0, k0), results = jobs[0], []
     model, tok = load_model(
         cfg.model_path, num_resident=k0, device=cfg.device, dtype=cfg.dtype,
-        experts_implementation=cfg.experts_implementation, policy=cfg.policy, mode=mode0,
+        experts_implementation=cfg.experts_implementation, policy=cfg.policy, mode=mode0, decide=cfg.decide,
         cpu_expert_layers=_cpu_layers(cfg) if "cpu-experts" in cfg.modes else 0,
     )
     longs = long_prompts(tok, prompts, cfg.long_prompt_tokens, max(1, len(prompts) // 2))
