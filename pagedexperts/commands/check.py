@@ -56,7 +56,7 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "ho
     exact = all(p.exact for p in res.prompts)
     tokens = all(p.tokens_equal for p in res.prompts)
     return (
-        f"K={k} of E={num_experts} ({decide}-planned): {len(res.prompts)} runs x {steps} greedy steps, misses {res.misses}; "
+        f"K={k} of E={num_experts}: {len(res.prompts)} runs x {steps} greedy steps ({decide}-planned), misses {res.misses}; "
         f"logits torch.equal: {'yes' if exact else 'NO'} (max |diff| {res.max_abs_diff:.3g}); "
         f"greedy tokens equal: {'yes' if tokens else 'NO'} -> {'PASS (bit-identical)' if res.passed else 'FAIL'}"
     )
