@@ -113,6 +113,7 @@ def test_host_syncs_are_the_runtime_s_own_count(tiny_moe_dir, device_reads):
     assert total["layer_steps"] > 0 and total["host_syncs"] == 0 and total["host_syncs_per_token"] == 0.0
 
 
+@needs_triton
 @pytest.mark.slow
 def test_stats_json_of_a_decode_run_carries_host_syncs_per_token(tmp_path, capsys):
     """``generate --stats-json`` on the bundled model: host-planned one read-back per MoE layer
@@ -134,6 +135,7 @@ def test_stats_json_of_a_decode_run_carries_host_syncs_per_token(tmp_path, capsy
     assert got["device"]["text"] == got["host"]["text"]
 
 
+@needs_triton
 @pytest.mark.slow
 def test_check_passes_device_planned(capsys):
     """``TRITON_INTERPRET=1 pagedexperts check --decide device`` on the bundled model (one short
@@ -160,8 +162,16 @@ def test_device_on_cpu_needs_the_interpreter(monkeypatch):
     check_config(PagingConfig(decide="host"))
 
 
+def test_device_without_triton_names_the_extra(monkeypatch):
+    monkeypatch.setattr(loading_config, "HAVE_TRITON", False)
+    with pytest.raises(ConfigError, match=r"pagedexperts\[gpu\]"):
+        check_config(PagingConfig(decide="device"))
+    check_config(PagingConfig(decide="device", device_kernels="torch"))  # the references need no triton
+
+
 def test_every_option_the_device_cannot_serve_is_named_at_once():
-    cfg = PagingConfig(decide="device", policy="flru", prefetch=True, experts_implementation="eager")
+    cfg = PagingConfig(decide="device", policy="flru", prefetch=True, experts_implementation="eager",
+                       device_kernels="torch")
     with pytest.raises(ConfigError) as err:
         check_config(cfg)
     problems = err.value.problems
@@ -186,7 +196,7 @@ def test_cli_refusals_name_both_flags(tiny_moe_dir, capsys):
 def test_disk_tier_is_refused_before_any_weight_is_read(tiny_moe_dir):
     """1e-4 GB holds the disk tier's minimum (36,864 bytes) but not every expert (196,608)."""
     with pytest.raises(ValueError, match="--host-memory-gb") as err:
-        load_model(tiny_moe_dir, num_resident=4, decide="device", host_memory_gb=1e-4)
+        load_model(tiny_moe_dir, num_resident=4, decide="device", host_memory_gb=1e-4, device_kernels="torch")
     assert "--decide" in str(err.value) and "disk tier" in str(err.value)
     model, _ = load_model(tiny_moe_dir, num_resident=4, decide="auto", host_memory_gb=1e-4)
     assert model.pagedexperts.decide == "host"
