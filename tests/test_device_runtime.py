@@ -207,3 +207,22 @@ def test_every_model_command_takes_decide(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     assert "--decide {auto,host,device}" in capsys.readouterr().out
+
+
+def test_repage_keeps_the_decide(tiny_moe_dir):
+    """``repage`` (bench's mode and K switch) re-attaches device-planned executors for paged
+    rows and baselines for the others, over the same stores; the K=8 step still equals host."""
+    from pagedexperts.loading.runners import repage
+    from pagedexperts.paging.baselines import ResidentRunner
+
+    model, _ = load_model(tiny_moe_dir, num_resident=4, decide="device", device_kernels="torch")
+    repage(model, mode="resident")
+    assert all(isinstance(r, ResidentRunner) for r in model.pagedexperts.pagers.values())
+    repage(model, mode="paged", num_resident=8)
+    runners = list(model.pagedexperts.pagers.values())
+    assert all(isinstance(r, DevicePager) and r.num_slots == 8 for r in runners)
+    host, _ = load_model(tiny_moe_dir, num_resident=8, decide="host")
+    ids, mask = batch(2, seed=5)
+    out_d, out_h = greedy(model, ids, mask, steps=3), greedy(host, ids, mask, steps=3)
+    assert per_layer(model) == per_layer(host)
+    assert all(torch.equal(a, b) for a, b in zip(out_d.logits, out_h.logits))

@@ -68,6 +68,8 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             and lfu, grouped_mm or batched_mm, packed slots, no prefetch, no disk tier) or
             "auto" (default: device on CUDA where it can serve the step, host otherwise and on
             CPU). ``model.pagedexperts.decide`` says which was chosen.
+        device_kernels: the device decide's kernels: "triton" (default), or "torch" (their
+            plain-torch references, CPU only: tests where the Triton interpreter is slow).
         check_independence: at start-up, page a sample of experts of every layer into a slot
             and compare what the experts kernel would read with the checkpoint's own tensors
             of that expert (``loading.independence``); raises naming the tensor on a mismatch.
