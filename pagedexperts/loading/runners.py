@@ -2,8 +2,9 @@
 or K over the same stores (``repage``), and random weights for benchmarks at real scale.
 
 Owns: which runner each MoE layer gets (a ``HostPlannedExecutor`` or, under ``--decide``
-device, a ``DevicePager``, with its slot tables; or a baseline of ``paging.baselines``), wiring the prefetchers (``install_prefetch``), and
-``random_fill``. Does not: read checkpoints or plan memory (``loading.build``), page
+device, a ``DevicePager``, with its slot tables; or a baseline of ``paging.baselines``),
+resolving ``--decide auto`` over the stores, wiring the prefetchers (``install_prefetch``),
+and ``random_fill``. Does not: read checkpoints or plan memory (``loading.build``), page
 (``paging``), or decide residency (``residency``).
 """
 
@@ -108,7 +109,8 @@ def install_prefetch(model, *, budget: int | None = None) -> list:
 
 def attach_runners(runtime, dev) -> None:
     """One experts runner per MoE layer (an executor, or a baseline of ``paging.baselines``) for
-    the runtime's config, over its stores, attached to each experts module."""
+    the runtime's config, over its stores, attached to each experts module; sets
+    ``runtime.decide`` (``loading.config.resolve_decide``: "host" or "device")."""
     cfg = runtime.config
     stores = list(runtime.stores.values())
     runtime.decide = resolve_decide(cfg, disk_tier=any(not isinstance(s, HostExpertStore) for s in stores),
