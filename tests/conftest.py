@@ -35,6 +35,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU the device-planned step's Triton kernels run under the Triton interpreter, which
+# must be set before any kernel is defined (at the first import of pagedexperts.loading or
+# pagedexperts.paging.kernels, whichever test module imports it first); it also allows
+# --decide device on a CPU (loading.config). Tests of the refusal without it patch the flag.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 E = 16  # routed experts per layer
 TOP_K = 2
 HIDDEN = 32

@@ -35,6 +35,7 @@ from pagedexperts.paging.host_executor import HostPlannedExecutor as ExpertPager
 from pagedexperts.paging.device_layout import DeviceGroupedStep  # noqa: E402
 from pagedexperts.paging.device_pager import DevicePager  # noqa: E402
 from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
+from pagedexperts.stats.accounting import LayerStats  # noqa: E402
 from pagedexperts.storage.host_store import HostExpertStore  # noqa: E402
 from pagedexperts.paging.waves import GroupedStep  # noqa: E402
 from test_store_pager import E, H, I, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
@@ -108,15 +109,12 @@ def test_counters_equal_a_hand_count():
 def test_padding_rows_and_reset_count_as_on_the_host():
     """Padding rows (the recording hook's 0-dim count) leave ``tokens`` as on the host pager;
     ``stats = LayerStats()`` (the runtime's reset) zeroes the device counters."""
-    from pagedexperts.stats.accounting import LayerStats
-
     module = synthetic_experts(torch.float32)
     host, dev = host_and_device(module, 3, "grouped_mm", "lfu")
     for n, routing in enumerate(routings(2, 6)):
         hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
-        for pager in (host, dev):
-            pager.padding_count = torch.tensor(n % 2)
-            pager(module, hidden, ids, weights)
+        for pager in (host, dev):  # the dispatcher hands the step its padding rows (the contract)
+            pager(module, hidden, ids, weights, torch.tensor(n % 2))
     assert counts(dev.stats) == counts(host.stats) and dev.stats.padding_tokens == 3
     dev.stats = LayerStats()
     assert counts(dev.stats) == counts(LayerStats())
@@ -241,6 +239,21 @@ def test_device_step_reads_nothing_back(backend):
             out = dev(module, hidden, ids, weights)
         assert reads.calls == [], f"step {n}: host reads {reads.calls}"
         assert_same(out, unpaged(module, "grouped_mm", hidden, ids, weights), f"step {n} ({backend})")
+
+
+def test_device_pager_is_a_paged_executor():
+    """The runtime attaches it by the contract; prefetch and tracing (host reads) are refused."""
+    from pagedexperts.paging.runner import PagedExecutor
+
+    module = synthetic_experts(torch.float32)
+    _, dev = host_and_device(module, 3, "grouped_mm", "lru")
+    assert isinstance(dev, PagedExecutor) and dev.num_slots == 3 and dev.num_experts == E
+    with pytest.raises(ValueError, match="--prefetch"):
+        dev.copy_in([])
+    with pytest.raises(ValueError, match="--record-trace"):
+        dev.trace_hook = lambda layer, ids, weights: None
+    dev.reset_stats()  # the runtime's reset: the counters back to zero
+    assert counts(dev.stats) == counts(LayerStats())
 
 
 def test_unsupported_configurations_are_named():

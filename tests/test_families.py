@@ -33,6 +33,7 @@ from pagedexperts.integration import PAGER_ATTR
 from pagedexperts.models.sites import SUPPORTED_ARCHITECTURES, find_experts_sites, is_experts_module
 from pagedexperts.models.config import moe_layer_indices
 from pagedexperts.models.families import FAMILIES
+from pagedexperts.paging.kernels import HAVE_TRITON
 
 E, TOP_K, HIDDEN, EXPERT_I, VOCAB = 8, 2, 32, 64, 128
 DECODE_STEPS = 16
@@ -221,6 +222,32 @@ def test_prefetch_is_exact_in_every_family(name, family_dirs, references):
     assert_exact(paged, references(path, "float32"), tokenizer, f"{name} prefetch K={TOP_K}")
     issued = sum(p.prefetch_stats.issued for p in paged.pagedexperts.pagers.values())
     assert issued > 0, f"{name}: prefetch issued nothing; the router was not used"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.default_threads
+def test_device_planned_step_is_exact_in_every_family(name, family_dirs, references):
+    """--decide device (the torch reference kernels: the interpreter is slow for 16 steps x 8
+    families) at K = top_k and E/2, bf16: logits torch.equal to the unpaged model."""
+    from pagedexperts.paging.device_pager import DevicePager
+
+    path = family_dirs(name)
+    for k in (TOP_K, E // 2):
+        paged, tokenizer = load_model(path, num_resident=k, dtype="bfloat16", decide="device", device_kernels="torch")
+        assert all(isinstance(r, DevicePager) for r in paged.pagedexperts.pagers.values())
+        assert_exact(paged, references(path, "bfloat16"), tokenizer, f"{name} device-planned K={k}")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
+@pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.default_threads
+def test_device_planned_step_with_triton_kernels(name, family_dirs, references):
+    """The Triton kernels (interpreted on CPU) in a family with expert biases (gpt-oss) and one
+    with shared experts and a correction bias (DeepSeek-V3), batch 1 and 2, K = top_k."""
+    path = family_dirs(name)
+    paged, tokenizer = load_model(path, num_resident=TOP_K, dtype="float32", decide="device")
+    assert next(iter(paged.pagedexperts.pagers.values())).residency.backend == "triton"
+    assert_exact(paged, references(path, "float32"), tokenizer, f"{name} device-planned (triton) K={TOP_K}")
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pagedexperts.commands.common import add_decide_argument
+from pagedexperts.models.config import RUN_DTYPE_BYTES
+from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"eviction policy (default {DEFAULT_POLICY})")
+    add_decide_argument(g)
     m = p.add_argument_group("modes")
     m.add_argument("--mode", default="plain,resident,paged,offload,cpu-experts",
                    help="comma-separated modes (default: all five); ratios need plain")
@@ -82,7 +86,7 @@ def run(args) -> int:
         output_tokens=args.output_tokens, concurrency=concurrency, num_prompts=len(prompts),
         long_prompt_tokens=args.long_prompt_tokens, rounds=args.rounds, threads=args.threads,
         device=args.device, dtype=args.dtype,
-        experts_implementation=args.experts_implementation, policy=args.policy,
+        experts_implementation=args.experts_implementation, policy=args.policy, decide=args.decide,
     )
     report = bench.run_bench(cfg, prompts)
     out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -50,12 +50,13 @@ def resident_values(args, *, top_k: int, num_experts: int) -> list[int]:
     return ks
 
 
-def verdict_line(k: int, num_experts: int, res, *, steps: int) -> str:
-    """One line per K: what ran, the two comparisons, and PASS / FAIL."""
+def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "host") -> str:
+    """One line per K: what ran (``decide``: where the paged steps were planned), the two
+    comparisons, and PASS / FAIL."""
     exact = all(p.exact for p in res.prompts)
     tokens = all(p.tokens_equal for p in res.prompts)
     return (
-        f"K={k} of E={num_experts}: {len(res.prompts)} runs x {steps} greedy steps, misses {res.misses}; "
+        f"K={k} of E={num_experts}: {len(res.prompts)} runs x {steps} greedy steps ({decide}-planned), misses {res.misses}; "
         f"logits torch.equal: {'yes' if exact else 'NO'} (max |diff| {res.max_abs_diff:.3g}); "
         f"greedy tokens equal: {'yes' if tokens else 'NO'} -> {'PASS (bit-identical)' if res.passed else 'FAIL'}"
     )
@@ -64,7 +65,7 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int) -> str:
 def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
     from pagedexperts.formats import format_for_config
-    from pagedexperts.loading.config import check_device, check_experts_dtype, resolve_dtype
+    from pagedexperts.loading.config import PagingConfig, check_config, check_experts_dtype, resolve_dtype
     from pagedexperts.loading.loader import load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
 
@@ -73,7 +74,11 @@ def run(args) -> int:
     _, config, _ = read_checkpoint_config(args.model_path)
     num_experts, top_k = num_routed_experts(config), int(config.num_experts_per_tok)
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
-    check_device(args.device)
+    options = dict(device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation,
+                   policy=args.policy, slot_format=args.slot_format, prefetch=args.prefetch,
+                   prefetch_budget=args.prefetch_budget, host_memory_gb=args.host_memory_gb, decide=args.decide)
+    for k in ks:  # every problem of the options, at once, before the reference loads
+        check_config(PagingConfig(num_resident=k, **options), config, format_for_config(config))
     check_experts_dtype(format_for_config(config), resolve_dtype(args.dtype, config), args.experts_implementation)
     reference, choice = load_reference_with_choice(
         args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
@@ -83,14 +88,9 @@ def run(args) -> int:
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     ok = True
     for k in ks:
-        paged, tokenizer = load_model(
-            args.model_path, num_resident=k, device=args.device, dtype=args.dtype,
-            experts_implementation=args.experts_implementation, policy=args.policy,
-            slot_format=args.slot_format,
-            prefetch=args.prefetch, prefetch_budget=args.prefetch_budget, host_memory_gb=args.host_memory_gb,
-        )
+        paged, tokenizer = load_model(args.model_path, num_resident=k, **options)
         res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
-        print(verdict_line(k, num_experts, res, steps=args.max_new_tokens))
+        print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide))
         ok &= res.passed
     print("verdict:", "PASS: paging is exact on this checkpoint" if ok else "FAIL: MISMATCH, do not trust paging here")
     return 0 if ok else 1

@@ -9,7 +9,8 @@ from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS
 
 
 def add_model_arguments(parser) -> None:
-    """--model-path, --num-resident, --device, --dtype, --experts-implementation, --policy."""
+    """--model-path, --num-resident, --device, --dtype, --experts-implementation, --policy, --prefetch,
+    --prefetch-budget, --slot-format, --decide, --host-memory-gb."""
     g = parser.add_argument_group("model and paging")
     g.add_argument("--model-path", default=None, help="Hugging Face model directory (default: the bundled tiny Qwen3-MoE)")
     g.add_argument(
@@ -48,12 +49,26 @@ def add_model_arguments(parser) -> None:
         "dequantized once at page-in (dense: fewer slots per GB); page-ins copy packed bytes either way; "
         "auto = dense on CPU, packed on CUDA (default auto; see bench/formats_bench.py)",
     )
+    add_decide_argument(g)
     g.add_argument(
         "--host-memory-gb", type=float, default=None, metavar="G",
         help="host memory (GB) for the expert store. When all experts do not fit, each layer keeps R in host "
         "memory and reads the rest from the checkpoint files (disk tier; with --prefetch also read ahead). "
         "Default: what is available after everything else (slots, weights and KV on --device cpu)",
     )
+
+
+DECIDE_HELP = (
+    "where each paged layer-step is planned: host (top-k ids read back once per layer, planned in Python; "
+    "any device), device (decide, page-in and remap by Triton kernels on the device, no read-back; CUDA "
+    "with triton installed, or a CPU under TRITON_INTERPRET=1 for tests; --policy lru or lfu, no --prefetch, "
+    "no disk tier), auto (device on CUDA where it can serve the step, host otherwise and on CPU; default auto)"
+)
+
+
+def add_decide_argument(group) -> None:
+    """--decide auto|host|device (``loading.config.DECIDE_CHOICES``)."""
+    group.add_argument("--decide", default="auto", choices=["auto", "host", "device"], help=DECIDE_HELP)
 
 
 def load_from_args(args):
@@ -71,4 +86,16 @@ def load_from_args(args):
         prefetch_budget=getattr(args, "prefetch_budget", None),
         slot_format=getattr(args, "slot_format", DEFAULT_SLOT_FORMAT),
         host_memory_gb=getattr(args, "host_memory_gb", None),
+        decide=decide_for(args),
     )
+
+
+def decide_for(args) -> str:
+    """--decide, with auto meaning host when --record-trace is given (a trace reads every step's
+    routing on the host); --decide device with --record-trace is refused (names both flags)."""
+    if getattr(args, "record_trace", None):
+        if args.decide == "device":
+            raise ValueError("--record-trace reads every step's routing on the host; --decide device reads "
+                             "nothing back: use --decide host (or auto) to record a trace")
+        return "host"
+    return args.decide

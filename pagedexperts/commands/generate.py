@@ -79,13 +79,14 @@ def run(args) -> int:
     if recorder is not None:
         recorder.save(args.record_trace)
     if not args.quiet:
-        print(format_report(result, num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k), file=sys.stderr)
+        print(format_report(result, num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k,
+                            decide=rt.decide), file=sys.stderr)
         if args.prefetch:
             t = rt.prefetch_stats()["total"]
             print(f"  prefetch: issued {t['issued']}, used {t['used']}, wasted {t['wasted']}", file=sys.stderr)
     if args.stats_json:
         report = asdict(result)
-        report.update(num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k)
+        report.update(num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k, decide=rt.decide)
         with open(args.stats_json, "w") as f:
             json.dump(report, f, indent=2)
     return 0

@@ -78,7 +78,7 @@ def _totals(stats: ModelStats, *, times: bool = True) -> dict:
 
 def _difference(after: dict, before: dict) -> dict:
     keys = ("tokens", "hits", "misses", "bytes_paged", "waves", "multi_wave_steps", "page_in_s", "plan_s", "sync_s",
-            "host_hits", "host_misses", "disk_reads", "disk_bytes_read", "disk_read_s")
+            "host_hits", "host_misses", "disk_reads", "disk_bytes_read", "disk_read_s", "host_syncs")
     out = {k: after[k] - before[k] for k in keys}
     total = out["hits"] + out["misses"]
     out["hit_rate"] = out["hits"] / total if total else 0.0
@@ -87,6 +87,7 @@ def _difference(after: dict, before: dict) -> dict:
     out["disk_bytes_per_token"] = out["disk_bytes_read"] / out["tokens"] if out["tokens"] else 0.0
     out["misses_per_token"] = out["misses"] / out["tokens"] if out["tokens"] else 0.0
     out["bytes_per_token"] = out["bytes_paged"] / out["tokens"] if out["tokens"] else 0.0
+    out["host_syncs_per_token"] = out["host_syncs"] / out["tokens"] if out["tokens"] else 0.0
     return out
 
 
@@ -169,13 +170,15 @@ def _p50_p99(name: str, summary: dict) -> str:
     return f"{name} {1e6 * summary['p50']:.0f}/{1e6 * summary['p99']:.0f} us"
 
 
-def format_report(result: GenerationResult, *, num_resident: int, num_experts: int, top_k: int) -> str:
-    """A short human-readable paging report of one generation."""
+def format_report(result: GenerationResult, *, num_resident: int, num_experts: int, top_k: int,
+                  decide: str = "host") -> str:
+    """A short human-readable paging report of one generation (``decide``: where the paged
+    steps were planned, ``model.pagedexperts.decide``)."""
     p, d = result.paging, result.decode
     layers = len(p["layers"])
     lines = [
         f"paging: K={num_resident} of E={num_experts} experts resident per layer, top_k={top_k}, "
-        f"{layers} MoE layers",
+        f"{layers} MoE layers, {decide}-planned steps",
         f"  tokens: prompt {result.prompt_tokens}, new {result.new_tokens}",
         f"  hit rate {p['hit_rate']:.1%} overall, {d['hit_rate']:.1%} in decode",
         f"  misses/token {p['misses_per_token']:.2f} overall, {d['misses_per_token']:.2f} in decode"
@@ -185,7 +188,8 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
         f"  waves {p['waves']} ({p['multi_wave_steps']} layer-steps needed more than one), "
         f"union size mean {p['union_mean']:.1f} max {p['union_max']}",
         f"  host planning {1e6 * p['plan_s'] / max(1, p['layer_steps']):.0f} us per layer-step, "
-        f"top-k read-back {1e6 * p['sync_s'] / max(1, p['layer_steps']):.0f} us (means)",
+        f"top-k read-back {1e6 * p['sync_s'] / max(1, p['layer_steps']):.0f} us (means); host syncs/token "
+        f"{p['host_syncs_per_token']:.2f} overall, {d['host_syncs_per_token']:.2f} in decode",
         "  per layer-step p50/p99: " + ", ".join(_p50_p99(name, p["times"][key]) for key, name in
                                                  (("plan_s", "plan"), ("sync_s", "read-back"), ("page_in_s", "page-in"))),
         f"  TTFT {result.ttft_s * 1e3:.0f} ms, decode {result.decode_tok_s:.1f} tok/s",

@@ -18,7 +18,7 @@ import torch
 from pagedexperts import integration
 from pagedexperts.formats import format_for_config
 from pagedexperts.formats.slots import resolve_slot_format
-from pagedexperts.loading.config import PagingConfig, check_config, check_device, resolve_dtype
+from pagedexperts.loading.config import PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype
 from pagedexperts.loading.runners import attach_runners
 from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.loading.checkpoint import expert_sources
@@ -156,6 +156,9 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
             f"mode {cfg.mode!r} needs all E experts in host memory ({memory.num_experts * len(sites) * expert_bytes:,} "
             f"bytes) but {memory.describe()}; use --mode paged for the disk tier or raise --host-memory-gb"
         )
+    problem = disk_tier_problem(cfg, disk_tier=memory.disk_tier, described=memory.describe())
+    if problem is not None:
+        raise ValueError(problem)
     if memory.disk_tier:
         logger.info("disk tier: %s", memory.describe())
     return memory

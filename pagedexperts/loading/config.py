@@ -3,22 +3,27 @@
 Owns: ``PagingConfig`` (how a model is paged: the options of ``load_model`` and the flags of
 the commands, frozen, kept on the runtime object) and ``check_config``, the one configuration
 check: the options alone (device, dtype, implementation, policy, mode, slot format, prefetch
-budget, host memory) and, given the model's config, against the model (K in [top_k, E], the
-cpu-experts layer count, the experts' dtype under the implementation). It collects every
+budget, host memory, where paged steps are planned: ``--decide``) and, given the model's
+config, against the model (K in [top_k, E], the cpu-experts layer count, the experts' dtype
+under the implementation, the slot format the device decide needs). It collects every
 problem and raises once, before any weight is read. Also the torch-facing resolutions the
-check needs (``check_device``, ``resolve_dtype``). Does not: read checkpoints or build
+check needs (``check_device``, ``resolve_dtype``, ``resolve_decide``). Does not: read checkpoints or build
 (``loading.loader``, ``loading.build``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS
+from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS, resolve_slot_format
 from pagedexperts.models import config as model_config
 from pagedexperts.paging.baselines import mode_problem
+from pagedexperts.paging.device_layout import DEVICE_STEPS
+from pagedexperts.paging.device_residency import DEVICE_RULES
+from pagedexperts.paging.kernels._triton import HAVE_TRITON, INTERPRETED
 from pagedexperts.paging.waves import inner_problem
 from pagedexperts.residency.planner import default_num_resident, num_resident_problem
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
@@ -27,6 +32,14 @@ from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 # transformers' ``_grouped_mm`` casts its input to the weights' dtype; ``eager`` and
 # ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes.
 MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm",)
+
+# --decide: where a paged layer-step is planned (DESIGN.md "Devices"): "host" (the top-k ids
+# read back, ``paging.host_executor``), "device" (``paging.device_pager``: no read-back) or
+# "auto" (device where it can serve the step on CUDA with triton installed, host otherwise)
+DECIDE_CHOICES = ("auto", "host", "device")
+DEFAULT_DECIDE = "auto"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,10 @@ class PagingConfig:
     host_memory_gb: float | None = None  # None: what fits in available memory
     prefetch: bool = False
     prefetch_budget: int | None = None  # None: top_k
+    decide: str = DEFAULT_DECIDE  # DECIDE_CHOICES; mode "paged" only (the baselines plan nothing)
+    # the device decide's kernels: "triton", or "torch" (their plain-torch references: CPU only,
+    # for tests where the Triton interpreter is too slow); not a command flag
+    device_kernels: str = "triton"
 
     def resident_slots(self, *, num_experts: int, top_k: int) -> int:
         """K for E experts of which a token routes to top_k: all E unless mode "paged"."""
@@ -96,7 +113,81 @@ def option_problems(cfg: PagingConfig) -> list[str]:
         problems.append(f"--host-memory-gb {cfg.host_memory_gb} must be > 0")
     if cfg.cpu_expert_layers < 0:
         problems.append(f"--cpu-expert-layers {cfg.cpu_expert_layers} must be >= 0")
+    if cfg.decide not in DECIDE_CHOICES:
+        problems.append(f"unknown --decide {cfg.decide!r}; choose one of {list(DECIDE_CHOICES)}")
+    elif cfg.decide == "device" and cfg.mode == "paged":
+        problems += device_decide_problems(cfg)
     return [p for p in problems if p is not None]
+
+
+def device_decide_problems(cfg: PagingConfig) -> list[str]:
+    """What the device-planned step (``paging.device_pager``) cannot serve in ``cfg``'s options
+    alone, each naming --decide and the other flag; [] if it can serve them. (The disk tier and
+    a quantized layer's slot format are checked with the memory plan and the model.)"""
+    problems = []
+    if cfg.device_kernels not in ("triton", "torch"):
+        problems.append(f"unknown device kernels {cfg.device_kernels!r}; choose 'triton' or 'torch'")
+    on_cpu = device_problem(cfg.device) is None and torch.device(cfg.device).type == "cpu"
+    if on_cpu and not INTERPRETED:
+        problems.append(f"--decide device on --device {cfg.device} runs only under TRITON_INTERPRET=1 (the Triton "
+                        "interpreter, for tests); use --decide host or auto on CPU")
+    if cfg.device_kernels == "triton" and not HAVE_TRITON:
+        problems.append("--decide device needs triton: pip install 'pagedexperts[gpu]' (or use --decide host)")
+    if cfg.device_kernels == "torch" and not on_cpu:
+        problems.append("device kernels 'torch' (the references) page in over host memory: CPU only")
+    if cfg.prefetch:
+        problems.append("--decide device cannot serve --prefetch (prefetch plans page-ins on the host from "
+                        "read-back predictions); use --decide host or drop --prefetch")
+    if cfg.policy not in DEVICE_RULES:
+        problems.append(f"--decide device has a device decide for --policy {' and '.join(sorted(DEVICE_RULES))} "
+                        f"only, not {cfg.policy!r}; use --decide host or another --policy")
+    if cfg.experts_implementation not in DEVICE_STEPS:
+        problems.append(f"--decide device runs --experts-implementation {' or '.join(DEVICE_STEPS)}, not "
+                        f"{cfg.experts_implementation!r} (its loop reads the routed experts back); use --decide host")
+    return problems
+
+
+def decide_model_problem(cfg: PagingConfig, fmt) -> str | None:
+    """Why the device decide cannot serve ``fmt``'s slots under ``cfg`` (dense slots of a
+    quantized format dequantize at page-in on the host), or None."""
+    if cfg.decide != "device" or cfg.mode != "paged" or fmt is None or fmt.name == "dense":
+        return None
+    if cfg.slot_format not in SLOT_FORMATS or device_problem(cfg.device) is not None:
+        return None  # reported by option_problems
+    if resolve_slot_format(cfg.slot_format, cfg.device) == "dense":
+        return (f"--decide device pages packed slots of this {fmt.name} checkpoint; --slot-format "
+                f"{cfg.slot_format} gives dense slots on {cfg.device} (dequantized at page-in on the host): "
+                "use --slot-format packed or --decide host")
+    return None
+
+
+def disk_tier_problem(cfg: PagingConfig, *, disk_tier: bool, described: str = "") -> str | None:
+    """Why ``--decide device`` cannot serve the host-memory plan (the disk tier pages from a
+    store the device cannot read), or None."""
+    if cfg.decide == "device" and cfg.mode == "paged" and disk_tier:
+        return ("--decide device pages in from the full host store, but --host-memory-gb gives the disk tier "
+                f"({described or 'not every expert fits in host memory'}); use --decide host or raise --host-memory-gb")
+    return None
+
+
+def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool) -> str:
+    """"host" or "device" for ``cfg.decide`` (checked) of a paged model: "auto" is device on
+    CUDA when triton is installed and the step can be served (``device_decide_problems`` empty,
+    no disk tier, a page-locked host store), else host; on CPU always host. On CUDA, auto
+    choosing host logs a WARNING with the reasons (the choice shows in the report, ``decide``)."""
+    if cfg.decide != "auto":
+        return cfg.decide
+    if cfg.mode != "paged" or torch.device(cfg.device).type != "cuda":
+        return "host"
+    reasons = device_decide_problems(cfg)
+    if disk_tier:
+        reasons.append("the disk tier (--host-memory-gb)")
+    if not pinned:
+        reasons.append("the host store is not page-locked")
+    if reasons:
+        logger.warning("--decide auto: deciding on the host on %s because %s", cfg.device, "; ".join(reasons))
+        return "host"
+    return "device"
 
 
 def model_problems(cfg: PagingConfig, model, fmt=None) -> list[str]:
@@ -110,6 +201,7 @@ def model_problems(cfg: PagingConfig, model, fmt=None) -> list[str]:
         problems.append(f"--cpu-expert-layers {cfg.cpu_expert_layers} outside [0, {moe_layers}] (the model's MoE layers)")
     if fmt is not None and cfg.dtype in (None, "auto", *model_config.RUN_DTYPE_BYTES):
         problems.append(experts_dtype_problem(fmt, resolve_dtype(cfg.dtype, model), cfg.experts_implementation))
+    problems.append(decide_model_problem(cfg, fmt))
     return [p for p in problems if p is not None]
 
 

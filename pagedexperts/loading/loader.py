@@ -61,6 +61,15 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             page-in copies; each wave's experts dequantized before compute), "dense"
             (dequantized once at page-in) or "auto" (dense on CPU, packed on CUDA; see
             ``formats.slots``). No effect on an unquantized one.
+        decide: where a paged layer-step is planned: "host" (the top-k ids read back once,
+            the residency planned in Python; any step, any device), "device" (decide, page-in
+            and remap by kernels on the device, no read-back: ``paging.device_pager``; CUDA
+            with triton installed, or a CPU under TRITON_INTERPRET=1 for tests; policies lru
+            and lfu, grouped_mm or batched_mm, packed slots, no prefetch, no disk tier) or
+            "auto" (default: device on CUDA where it can serve the step, host otherwise and on
+            CPU). ``model.pagedexperts.decide`` says which was chosen.
+        device_kernels: the device decide's kernels: "triton" (default), or "torch" (their
+            plain-torch references, CPU only: tests where the Triton interpreter is slow).
         check_independence: at start-up, page a sample of experts of every layer into a slot
             and compare what the experts kernel would read with the checkpoint's own tensors
             of that expert (``loading.independence``); raises naming the tensor on a mismatch.
@@ -81,7 +90,7 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         ValueError: not an MoE model / unsupported architecture (lists supported ones);
             ``loading.config.ConfigError`` listing every problem of the options at once (K out
             of [top_k, E] naming --num-resident, unknown dtype / implementation / policy /
-            mode, ...); truncated shard, expert shapes that do not match the config;
+            mode, --decide device with an option it cannot serve naming both flags, ...); truncated shard, expert shapes that do not match the config;
             --host-memory-gb below the disk tier's minimum (names it).
         MemoryError: host memory too small for what must live there (before anything is
             loaded; names the bytes of each part).

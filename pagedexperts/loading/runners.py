@@ -1,9 +1,10 @@
 """Experts runners of a loaded model: one per MoE layer, prefetch between them, switching mode
 or K over the same stores (``repage``), and random weights for benchmarks at real scale.
 
-Owns: which runner each MoE layer gets (a ``HostPlannedExecutor`` with its slot tables, or a
-baseline of ``paging.baselines``), wiring the prefetchers (``install_prefetch``), and
-``random_fill``. Does not: read checkpoints or plan memory (``loading.build``), page
+Owns: which runner each MoE layer gets (a ``HostPlannedExecutor`` or, under ``--decide``
+device, a ``DevicePager``, with its slot tables; or a baseline of ``paging.baselines``),
+resolving ``--decide auto`` over the stores, wiring the prefetchers (``install_prefetch``),
+and ``random_fill``. Does not: read checkpoints or plan memory (``loading.build``), page
 (``paging``), or decide residency (``residency``).
 """
 
@@ -15,10 +16,11 @@ import torch
 
 from pagedexperts import integration
 from pagedexperts.formats import slots
-from pagedexperts.loading.config import check_config
+from pagedexperts.loading.config import check_config, resolve_decide
 from pagedexperts.models.sites import router_of
 from pagedexperts.paging import prefetch
 from pagedexperts.paging.baselines import CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
+from pagedexperts.paging.device_pager import DevicePager
 from pagedexperts.paging.host_executor import HostPlannedExecutor
 from pagedexperts.paging.runner import PagedExecutor
 from pagedexperts.residency.policies import make_policy
@@ -107,9 +109,14 @@ def install_prefetch(model, *, budget: int | None = None) -> list:
 
 def attach_runners(runtime, dev) -> None:
     """One experts runner per MoE layer (an executor, or a baseline of ``paging.baselines``) for
-    the runtime's config, over its stores, attached to each experts module."""
+    the runtime's config, over its stores, attached to each experts module; sets
+    ``runtime.decide`` (``loading.config.resolve_decide``: "host" or "device")."""
     cfg = runtime.config
-    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and cfg.mode == "paged" else None
+    stores = list(runtime.stores.values())
+    runtime.decide = resolve_decide(cfg, disk_tier=any(not isinstance(s, HostExpertStore) for s in stores),
+                                    pinned=all(s.pinned for s in stores))
+    host_paged = cfg.mode == "paged" and runtime.decide == "host"
+    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and host_paged else None
     staging = make_staging(runtime.stores[runtime.sites[0].name], dev) if cfg.mode == "offload" else None
     for i, site in enumerate(runtime.sites):
         layout = runtime.layouts.get(site.name)
@@ -127,10 +134,13 @@ def attach_runners(runtime, dev) -> None:
 
 
 def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
-    """The layer-step executor of one paged layer: the host-planned one (any step, any device).
-    The device-planned executor (``paging.device_*``, CUDA decode) implements the same
-    ``PagedExecutor`` contract and is chosen here."""
+    """The layer-step executor of one paged layer: the host-planned one (any step, any device),
+    or under ``runtime.decide`` "device" the device-planned one (``paging.device_pager``, no
+    read-back); both implement ``PagedExecutor``."""
     k = runtime.num_resident
+    if runtime.decide == "device":
+        return DevicePager(num_slots=k, policy=runtime.config.policy, backend=runtime.config.device_kernels,
+                           **_slot_tables(runtime, layout, dev), **common)
     return HostPlannedExecutor(num_slots=k, policy=make_policy(runtime.config.policy, k), copy_stream=copy_stream,
                                **_slot_tables(runtime, layout, dev), **common)
 

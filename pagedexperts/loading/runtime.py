@@ -38,6 +38,7 @@ class PagingRuntime:
     buffers: dict = field(default_factory=dict, repr=False)  # shared dense scratch / packed staging
     host_memory: HostMemoryPlan | None = None
     read_ahead: ReadAhead | None = field(default=None, repr=False)
+    decide: str = "host"  # where paged steps are planned: config.decide resolved ("host" or "device")
 
     def stats(self) -> ModelStats:
         """Current counters of every MoE layer (CUDA copy times folded in first), with the

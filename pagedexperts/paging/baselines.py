@@ -61,7 +61,7 @@ class _BaselineRunner(ExpertsRunner):
         self.stats.record_step(
             hits=hits, misses=union - hits, waves=1, tokens=int(hidden_states.shape[0]) - read.padding,
             padding_tokens=read.padding, expert_bytes=self.store.expert_bytes, bytes_paged=bytes_moved,
-            page_in_s=copy_s, sync_s=t1 - t0,
+            page_in_s=copy_s, sync_s=t1 - t0, host_syncs=1,  # read_step: the step's one read-back
         )
         return out
 

@@ -4,12 +4,15 @@ Owns: the [K, ...] slot tensors of one layer, its ``DeviceResidency`` (state in 
 tensors), its host store, its ``DeviceCounters``, and the experts step: decide the step on
 the device (``kernels.decide``), then per wave (a fixed W = ceil(min(T k, E) / K) for the
 shape) page in the wave's loads (``kernels.page_in``: the count read on the device) and
-compute the wave's entries (``device_layout``), then combine. Called like the host pager's
-layer-step (``pager.ExpertPager.__call__``: module, hidden [T, H], top_k_index [T, k],
-top_k_weights [T, k] -> [T, H]), so the runtime can attach either. Fixed shapes, no
+compute the wave's entries (``device_layout``), then combine. It implements the
+``runner.PagedExecutor`` contract beside ``host_executor.HostPlannedExecutor`` (``step``:
+module, hidden [T, H], top_k_index [T, k], top_k_weights [T, k], padding rows -> [T, H]), so
+``loading.runners`` attaches either (``--decide``). Fixed shapes, no
 device-to-host transfer, no decision taken in Python per step: every Python branch depends
 only on T, k, K and the configuration.
-Does not: route, prefetch (the host pager's predictor needs host ids), load checkpoints.
+Does not: route, prefetch or trace (both need the routing on the host: ``copy_in`` and a
+trace hook are refused, and the configuration check refuses ``--prefetch`` with
+``--decide device``), load checkpoints.
 
 Exactness: the same layouts and combine as the host path (``device_layout``), so the output
 equals the host-planned pager's and the unpaged experts' (tests/test_device_pager.py).
@@ -22,9 +25,9 @@ from __future__ import annotations
 import torch
 
 from pagedexperts.residency.policies import DEFAULT_POLICY
-from pagedexperts.formats.slots import DenseSlots, allocate
+from pagedexperts.formats.slots import DenseSlots, PackedSlots, allocate
 from pagedexperts.paging.host_executor import SlotView
-from pagedexperts.stats.accounting import PrefetchStats
+from pagedexperts.paging.runner import PagedExecutor, TraceHook
 from pagedexperts.paging.device_layout import check_inner, device_step
 from pagedexperts.paging.device_residency import DeviceResidency, device_rule
 from pagedexperts.paging.device_stats import DeviceCounters
@@ -34,8 +37,8 @@ from pagedexperts.stats.accounting import LayerStats
 from pagedexperts.storage.host_store import HostExpertStore
 
 
-class DevicePager:
-    """Device-planned paged experts of one MoE layer.
+class DevicePager(PagedExecutor):
+    """Device-planned paged experts of one MoE layer (a ``runner.PagedExecutor``).
 
     Args:
         layer: index of the decoder layer. store: the layer's host store ([E, ...] tensors;
@@ -45,6 +48,8 @@ class DevicePager:
         policy: ``--policy`` name with a device decide ("lru", "lfu"); half_life: LFU's, or
             None for ``eviction.LFUPolicy``'s default.
         backend: "torch" (reference ops; store and slots on one device) or "triton".
+        slots: the [K, ...] slot tensors (``formats.slots.PackedSlots`` or a dict); None =
+            allocate them like the store's tensors.
         dequantizer: for packed slots of a quantized format (``formats.slots.WaveDequantizer``):
             each wave dequantizes all K slots (fixed shape); None = dense slots.
 
@@ -57,36 +62,22 @@ class DevicePager:
     def __init__(self, *, layer: int, store: HostExpertStore, num_slots: int, device, inner: str,
                  policy: str = DEFAULT_POLICY, half_life: int | None = None, backend: str = "torch",
                  slots: dict[str, torch.Tensor] | None = None, dequantizer=None) -> None:
-        self.layer, self.store, self.inner = layer, store, inner
-        self.device = torch.device(device)
-        if not isinstance(store, HostExpertStore):
-            raise ValueError(f"the device decide pages in from a HostExpertStore, not {type(store).__name__} "
-                             "(the disk tier decides on the host)")
-        if self.device.type == "cuda" and not store.pinned:
-            raise ValueError("the device decide on CUDA reads the page-locked, mapped host store; this "
-                             f"store is pageable ({store.fallback or 'pin=False'})")
-        if isinstance(slots, DenseSlots):
-            raise ValueError("dense slots of a quantized layer dequantize at page-in on the host path; "
-                             "use --slot-format packed with the device decide")
+        device = torch.device(device)
+        _check_store(store, device, slots)
+        # the counters exist before the base class resets ``stats`` (the setter below)
+        self.counters = DeviceCounters(device, expert_bytes=store.expert_bytes)
+        super().__init__(layer=layer, store=store, device=device, inner=inner)
         self.residency = DeviceResidency(store.num_experts, num_slots, self.device,
                                          rule=device_rule(policy, half_life=half_life), backend=backend)
         if backend == "torch" and self.device.type != "cpu":
             raise ValueError("kernel backend 'torch' pages in with tensor ops over the store, which "
                              "lives in host memory; use backend 'triton' on CUDA")
-        self.slots = slots if slots is not None else allocate(store.specs, num_slots, self.device)
+        self.slots = slots if slots is not None else PackedSlots(allocate(store.specs, num_slots, self.device))
         self.dequantizer = dequantizer
-        self.counters = DeviceCounters(self.device, expert_bytes=store.expert_bytes)
         triton = backend == "triton"
         self._page_in = page_in_triton if triton else page_in_reference
         self._remap = remap_triton if triton else remap_reference
         self._all_slots = torch.arange(num_slots, device=self.device)
-        # padding rows of the current step, a 0-dim device tensor set by the recording hook
-        # before each model step (as on ExpertPager), or None: no padding
-        self.padding_count: torch.Tensor | None = None
-        # the host pager's hooks that need host ids: not on the device path (must stay None)
-        self.trace_hook = None
-        self.prefetcher = None
-        self.prefetch_stats = PrefetchStats()
 
     @property
     def inner(self) -> str:
@@ -102,16 +93,23 @@ class DevicePager:
         self._inner = check_inner(name)
 
     @property
-    def num_slots(self) -> int:
-        return self.residency.num_slots
+    def trace_hook(self) -> TraceHook | None:
+        """Always None: tracing reads the routing on the host.
 
-    @property
-    def num_experts(self) -> int:
-        return self.store.num_experts
+        Raises (on setting a hook):
+            ValueError: names --record-trace and --decide.
+        """
+        return None
+
+    @trace_hook.setter
+    def trace_hook(self, hook: TraceHook | None) -> None:
+        if hook is not None:
+            raise ValueError("--record-trace reads every step's routing on the host; the device-planned "
+                             "step reads nothing back: use --decide host to record a trace")
 
     @property
     def stats(self) -> LayerStats:
-        """The layer's counters as ``LayerStats`` (one device read; no times)."""
+        """The layer's counters as ``LayerStats`` (one device read; no times, no host syncs)."""
         return self.counters.to_layer_stats()
 
     @stats.setter
@@ -125,13 +123,11 @@ class DevicePager:
             raise ValueError("device counters can only be reset (assign an empty LayerStats)")
         self.counters.reset()
 
-    def collect_copy_time(self) -> None:
-        """Nothing to collect: a device-planned step times nothing on the host."""
-
-    def __call__(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-        """The experts step: hidden_states [T, H], top_k_index [T, k] (int64 expert ids, on the
-        device), top_k_weights [T, k] -> [T, H] in hidden_states.dtype, equal to the unpaged
-        model's output with the same inner implementation. No device-to-host transfer."""
+    def step(self, module, hidden_states, top_k_index, top_k_weights, padding_count=None) -> torch.Tensor:
+        """The experts step (``runner.ExpertsRunner.step``): hidden_states [T, H], top_k_index
+        [T, k] (int64 expert ids, on the device), top_k_weights [T, k], padding rows (0-dim
+        device tensor, or None) -> [T, H] in hidden_states.dtype, equal to the unpaged model's
+        output with the same inner implementation. No device-to-host transfer."""
         ids = top_k_index.detach()
         plan = self.residency.decide(ids)
         entry_slot = torch.empty(ids.numel(), dtype=torch.int64, device=ids.device)
@@ -141,14 +137,34 @@ class DevicePager:
         for w in range(plan.num_waves):
             self._page_in(self.store.tensors, self.slots, plan.src[w], plan.dst[w], plan.count[w])
             step.run_wave(self.wave_view(module), w)
-        self.counters.add_step(plan.step, rows=int(hidden_states.shape[0]), padding=self.padding_count)
+        self.counters.add_step(plan.step, rows=int(hidden_states.shape[0]), padding=padding_count)
         return step.combine(top_k_weights)
 
-    def wave_view(self, module) -> SlotView:
-        """The experts module over the slot tensors (packed slots: all K dequantized)."""
+    def wave_view(self, module, wave_slots=None) -> SlotView:
+        """The experts module over the slot tensors. ``wave_slots`` is not used: every wave
+        computes over all K slots (fixed shape; packed slots: all K dequantized)."""
         if self.dequantizer is None:
             return SlotView(module, self.slots)
         return SlotView(module, self.dequantizer.wave_tensors(self.slots, self._all_slots))
 
-    def release(self) -> None:
-        """Nothing in flight to wait for: copies run on the compute stream in issue order."""
+    def copy_in(self, loads) -> None:
+        """Refused: a prefetch is planned on the host from read-back predictions.
+
+        Raises:
+            ValueError: names --prefetch and --decide.
+        """
+        raise ValueError("--prefetch plans page-ins on the host from read-back predictions; the "
+                         "device-planned step reads nothing back: use --decide host with --prefetch")
+
+
+def _check_store(store, device: torch.device, slots) -> None:
+    """Refuse what the device decide cannot page from or into (ValueError naming the flag)."""
+    if not isinstance(store, HostExpertStore):
+        raise ValueError(f"the device decide pages in from a HostExpertStore, not {type(store).__name__} "
+                         "(the disk tier decides on the host: --decide host, or raise --host-memory-gb)")
+    if device.type == "cuda" and not store.pinned:
+        raise ValueError("the device decide on CUDA reads the page-locked, mapped host store; this "
+                         f"store is pageable ({store.fallback or 'pin=False'}): use --decide host")
+    if isinstance(slots, DenseSlots):
+        raise ValueError("dense slots of a quantized layer dequantize at page-in on the host path; "
+                         "use --slot-format packed with --decide device")

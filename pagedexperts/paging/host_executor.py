@@ -154,7 +154,7 @@ class HostPlannedExecutor(PagedExecutor):
         self.stats.record_step(
             hits=plan.hits, misses=plan.misses, waves=len(plan.waves), tokens=tokens, padding_tokens=padding,
             expert_bytes=self.store.expert_bytes, page_in_s=self.transfers.take_copy_s(block=False),
-            plan_s=plan_s, sync_s=sync_s,
+            plan_s=plan_s, sync_s=sync_s, host_syncs=1,  # read_step: the step's one read-back
         )
 
     # -- the PagedExecutor contract beyond the step --

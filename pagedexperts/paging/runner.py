@@ -8,8 +8,9 @@ Two executors implement ``PagedExecutor`` side by side (DESIGN.md "Devices"):
 
 - ``paging.host_executor.HostPlannedExecutor``: any step, any device; the top-k ids are read
   back once and the tensor-free residency plans the waves on the host.
-- the device-planned executor (``paging.device_*``, CUDA decode): decide and gather kernels
-  keep the residency in device tensors, no host sync, fixed shapes for CUDA graphs.
+- ``paging.device_pager.DevicePager`` (``--decide device``; CUDA, or a CPU under
+  TRITON_INTERPRET=1): decide and page-in kernels keep the residency in device tensors, no
+  host sync, fixed shapes (for CUDA graphs; capture is not built yet).
 
 The baselines (``paging.baselines``: resident, offload, cpu-experts) are ``ExpertsRunner``s.
 Does not: plan, copy or compute anything itself.

@@ -46,6 +46,7 @@ class LayerStats:
     union_last: int = 0
     union_sum: int = 0
     union_max: int = 0
+    host_syncs: int = 0  # device-to-host reads the runtime made (host-planned: the top-k read-back)
     # per layer-step distributions of plan_s, sync_s and page_in_s (TIMED); not counters
     times: dict[str, TimeDistribution] = field(
         default_factory=lambda: {name: TimeDistribution() for name in TIMED}, repr=False, compare=False)
@@ -63,6 +64,7 @@ class LayerStats:
         sync_s: float = 0.0,
         padding_tokens: int = 0,
         bytes_paged: int | None = None,
+        host_syncs: int = 0,
     ) -> None:
         """Add one step of one layer. ``expert_bytes``: bytes of one expert's tensors;
         ``bytes_paged`` overrides misses x expert_bytes (the offload baseline copies all E).
@@ -84,6 +86,7 @@ class LayerStats:
         self.union_last = union
         self.union_sum += union
         self.union_max = max(self.union_max, union)
+        self.host_syncs += host_syncs
         if plan_s or sync_s:
             self.times["plan_s"].observe(plan_s)
             self.times["sync_s"].observe(sync_s)
@@ -206,6 +209,8 @@ class ModelStats:
             "multi_wave_steps": tot.multi_wave_steps,
             "union_mean": tot.union_sum / tot.steps if tot.steps else 0.0,
             "union_max": tot.union_max,
+            "host_syncs": tot.host_syncs,
+            "host_syncs_per_token": tot.host_syncs / tokens if tokens else 0.0,
             "fallbacks": list(self.fallbacks),
             **self.tier_totals(),
             **({"times": tot.time_summary()} if times else {}),

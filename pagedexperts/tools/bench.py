@@ -62,6 +62,7 @@ class BenchConfig:
     dtype: str | None = None
     experts_implementation: str = "grouped_mm"
     policy: str = DEFAULT_POLICY
+    decide: str = "auto"  # --decide of the paged rows (loading.config.DECIDE_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -323,7 +324,7 @@ def _load_models(cfg: BenchConfig, jobs) -> tuple[dict, object]:
         (mode, k) = paged[0]
         models["runners"], tok = loader.load_model(
             cfg.model_path, num_resident=k, device=cfg.device, dtype=cfg.dtype,
-            experts_implementation=cfg.experts_implementation, policy=cfg.policy, mode=mode,
+            experts_implementation=cfg.experts_implementation, policy=cfg.policy, mode=mode, decide=cfg.decide,
             cpu_expert_layers=_cpu_layers(cfg) if "cpu-experts" in cfg.modes else 0,
         )
     if any(job[0] == PLAIN for job in jobs):
