@@ -67,7 +67,7 @@ def test_default_body_limit_grows_with_the_context():
 def test_cli_defaults_match_the_library():
     """commands/serve.py repeats two constants so that --help needs no torch import."""
     from pagedexperts.commands import serve
-    from pagedexperts.serving.scheduler import DEFAULT_MAX_PREFILL_TOKENS
+    from pagedexperts.serving.scheduler_config import DEFAULT_MAX_PREFILL_TOKENS
 
     assert serve.DEFAULT_MAX_PREFILL_TOKENS == DEFAULT_MAX_PREFILL_TOKENS
     assert serve.MAX_PROMPT_BYTES_PER_TOKEN == protocol.MAX_PROMPT_BYTES_PER_TOKEN

@@ -35,8 +35,9 @@ from pagedexperts.serving.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_M
 from pagedexperts.serving.metrics import Metrics
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from pagedexperts.serving.speculation import SpeculativeConfig
-from pagedexperts.serving.scheduler import (DEFAULT_MAX_PREFILL_TOKENS, BatchScheduler, QueueFull,
-                                            SchedulerConfig, SchedulerStopped)
+from pagedexperts.serving.scheduler import BatchScheduler
+from pagedexperts.serving.scheduler_config import (DEFAULT_MAX_PREFILL_TOKENS, QueueFull, SchedulerConfig,
+                                                   SchedulerStopped)
 
 logger = logging.getLogger(__name__)
 
