@@ -30,9 +30,10 @@ import torch
 
 from pagedexperts import load_model
 from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
+from pagedexperts.serving.scheduler import BatchScheduler
+from pagedexperts.serving.scheduler_config import SchedulerConfig
 from pagedexperts.serving.speculation import speculative_config
-from pagedexperts.serving.speculative import save_truncated_draft
+from pagedexperts.serving.draft import save_truncated_draft
 
 PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo", "First Citizen:\nBefore we proceed any further", "KING HENRY:"]
 MODES = ("none", "ngram", "draft", "self")  # self: the draft is the target itself (the acceptance bound)

@@ -15,7 +15,8 @@ from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, load_mod
                               ref, run_schedule, schedule, torch)
 from pagedexperts.serving.chunked_prefill import Segment, keep_new_kv, pack, packed_mask, plan_chunks
 from pagedexperts.serving.sampling import SamplingParams
-from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
+from pagedexperts.serving.scheduler import BatchScheduler
+from pagedexperts.serving.scheduler_config import SchedulerConfig
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
 

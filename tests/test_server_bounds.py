@@ -14,7 +14,7 @@ pytest.importorskip("pydantic")
 
 from pagedexperts.serving import protocol  # noqa: E402
 from pagedexperts.serving.isolation import RequestFault, check_inputs  # noqa: E402
-from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
+from pagedexperts.serving.schemas import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
 from pagedexperts.serving.sampling import SamplingParams  # noqa: E402
 
 V = 512  # vocabulary size (more than the 300 logit_bias entries allowed)

@@ -23,7 +23,8 @@ from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, PROMPTS, ht
                               serve)
 from pagedexperts.serving.handlers import ServeConfig
 from pagedexperts.serving.sampling import SamplingParams
-from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
+from pagedexperts.serving.scheduler import BatchScheduler
+from pagedexperts.serving.scheduler_config import SchedulerConfig
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
 MAX_NEW = 8
@@ -59,11 +60,12 @@ class Tokenizer:
         return getattr(self.inner, name)
 
 
-def _run(model, tokenizer, prompts, *, bad=None, point=None, chunked=True):
+def _run(model, tokenizer, prompts, *, bad=None, point=None, chunked=True, speculative=None, budget=None):
     """Greedy outputs and final events of ``prompts`` queued together (one forward each step);
-    ``bad`` (an index) gets the fault ``point``."""
+    ``bad`` (an index) gets the fault ``point``; ``budget``: --max-prefill-tokens."""
     tok = Tokenizer(tokenizer)
-    sched = BatchScheduler(model, tok, SchedulerConfig(4, CONTEXT, chunked_prefill=chunked))
+    config = SchedulerConfig(4, CONTEXT, chunked_prefill=chunked, **({"max_prefill_tokens": budget} if budget else {}))
+    sched = BatchScheduler(model, tok, config, speculative=speculative)
     finals, reqs = {}, []
     for i, p in enumerate(prompts):
         ids = tokenizer(p)["input_ids"]
@@ -115,6 +117,29 @@ def test_isolation_without_chunked_prefill(ref, point):
     alone, _, _ = _run(model, tokenizer, prompts[1:], chunked=False)
     out, finals, stats = _run(model, tokenizer, prompts, bad=0, point=point, chunked=False)
     assert finals[0].finish_reason == "error" and out[1:] == alone and stats.failed == 1
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("point", ["sample-index", "detokenize", "stop"])
+def test_a_fault_in_one_speculative_verification_fails_it_alone(ref, point, chunked):
+    """With --speculative ngram the decodes are verification steps (the bad logit_bias id
+    strikes inside the acceptance rule): the other three produce plain decoding's tokens.
+    Chunked: the budget prefills the first two prompts in step 1, so the fault strikes in a
+    step that packs the bad request's verification with the other prompts' chunks."""
+    from pagedexperts.serving.speculation import speculative_config
+
+    model, tokenizer = ref
+    prompts = PROMPTS[:4]
+    budget = sum(len(tokenizer(p)["input_ids"]) for p in prompts[:2]) if chunked else None
+    alone, _, _ = _run(model, tokenizer, prompts[:1] + prompts[2:])
+    spec = speculative_config("ngram", num_speculative_tokens=3)
+    out, finals, stats = _run(model, tokenizer, prompts, bad=1, point=point, chunked=chunked, speculative=spec,
+                              budget=budget)
+    assert (stats.mixed_steps > 0) == chunked
+    want = {"sample-index": "out of bounds"}.get(point, "injected")
+    assert finals[1].finish_reason == "error" and want in finals[1].error, finals[1].error
+    assert [out[0], out[2], out[3]] == alone, f"fault at {point} changed another request's tokens"
+    assert (stats.failed, stats.finished) == (1, 3)
 
 
 # ---- over HTTP ----

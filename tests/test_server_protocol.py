@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from pagedexperts.serving import admission, protocol  # noqa: E402
-from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
+from pagedexperts.serving import admission, protocol, schemas  # noqa: E402
+from pagedexperts.serving.schemas import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
 
 CONTEXT = 64
 
@@ -67,7 +67,7 @@ def test_default_body_limit_grows_with_the_context():
 def test_cli_defaults_match_the_library():
     """commands/serve.py repeats two constants so that --help needs no torch import."""
     from pagedexperts.commands import serve
-    from pagedexperts.serving.scheduler import DEFAULT_MAX_PREFILL_TOKENS
+    from pagedexperts.serving.scheduler_config import DEFAULT_MAX_PREFILL_TOKENS
 
     assert serve.DEFAULT_MAX_PREFILL_TOKENS == DEFAULT_MAX_PREFILL_TOKENS
     assert serve.MAX_PROMPT_BYTES_PER_TOKEN == protocol.MAX_PROMPT_BYTES_PER_TOKEN
@@ -91,7 +91,8 @@ def test_metrics_export_every_numeric_layer_stat():
         ttft_p99_s: float = 0.25
 
     layer = MoreStats(hits=3, misses=2, union_max=5)
-    runtime = SimpleNamespace(pagers={0: SimpleNamespace(stats=layer)}, num_resident=8, top_k=2)
+    store = SimpleNamespace(tier_stats=None)  # the ExpertStore contract: None = no disk tier
+    runtime = SimpleNamespace(pagers={0: SimpleNamespace(stats=layer, store=store)}, num_resident=8, top_k=2)
     sched = SimpleNamespace(num_running=1, num_waiting=0, config=SimpleNamespace(max_running_requests=4),
                             stats=SimpleNamespace(), speculative=None)
     text = Metrics(sched, runtime).render().decode()
@@ -128,7 +129,7 @@ def test_stream_options_without_stream_is_refused():
 
 
 def test_chat_message_name_reaches_the_template():
-    messages = [protocol.ChatMessage(role="user", content="hi", name="bob"), protocol.ChatMessage(role="user", content="x")]
+    messages = [schemas.ChatMessage(role="user", content="hi", name="bob"), schemas.ChatMessage(role="user", content="x")]
     assert protocol.chat_messages(messages) == [{"role": "user", "content": "hi", "name": "bob"},
                                                 {"role": "user", "content": "x"}]
 
@@ -153,9 +154,9 @@ ROUTER_RESPONSE = (b'{"input":"hi","max_output_tokens":5,"model":"tiny","store":
 def test_router_forwarded_defaults_pass_and_other_values_are_refused(raw, cls):
     import json
 
-    protocol.check_ranges(protocol.parse_request(raw, cls))
+    protocol.check_ranges(schemas.parse_request(raw, cls))
     for name, value in (("ignore_eos", True), ("skip_special_tokens", False), ("no_stop_trim", True)):
-        body = protocol.parse_request(json.dumps({**json.loads(raw), name: value}).encode(), cls)
+        body = schemas.parse_request(json.dumps({**json.loads(raw), name: value}).encode(), cls)
         with pytest.raises(ApiError, match=f"unsupported field '{name}'") as e:
             protocol.check_ranges(body)
         assert e.value.param == name

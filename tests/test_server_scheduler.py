@@ -16,7 +16,8 @@ from serving_fixtures import (CONTEXT, HAVE_MODEL, MAX_TOKENS, MODEL_PATH, PROMP
                               ref, run_schedule, schedule, torch)
 from pagedexperts.serving.sampling import SamplingParams
 from pagedexperts.serving.batching import decode_mask, prefill_batches, prefill_inputs
-from pagedexperts.serving.scheduler import BatchScheduler, QueueFull, SchedulerConfig, SchedulerStopped
+from pagedexperts.serving.scheduler import BatchScheduler
+from pagedexperts.serving.scheduler_config import QueueFull, SchedulerConfig, SchedulerStopped
 
 LOGIT_ATOL = 1e-3
 

@@ -165,13 +165,13 @@ def test_good_flags_give_a_config(tmp_path):
 def test_the_commands_refuse_bad_combinations_before_loading(command, argv, needle, capsys, monkeypatch):
     if command == "serve":
         pytest.importorskip("fastapi")
-    import pagedexperts.loader
+    import pagedexperts.loading.loader
     from pagedexperts.cli import main
 
     def fail(*args, **kwargs):
         raise AssertionError("the checkpoint was read before the flags were validated")
 
-    monkeypatch.setattr(pagedexperts.loader, "stream_checkpoint", fail)
+    monkeypatch.setattr(pagedexperts.loading.loader, "read_checkpoint_config", fail)  # the first read of --model-path
     extra = ["--prompt", "x"] if command == "generate" else []
     assert main([command, *extra, *argv]) == 2
     assert needle in capsys.readouterr().err

@@ -18,9 +18,11 @@ from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.generation.generate import generate_text
 from pagedexperts.serving.generate_one import speculative_generate_text
 from pagedexperts.serving.metrics import Metrics
-from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
+from pagedexperts.serving.scheduler import BatchScheduler
+from pagedexperts.serving.scheduler_config import SchedulerConfig
 from pagedexperts.serving.speculation import speculative_config
-from pagedexperts.serving.speculative import DraftState, forward_rows, load_draft, model_forward, save_truncated_draft
+from pagedexperts.serving.batching import forward_rows
+from pagedexperts.serving.draft import DraftState, load_draft, model_forward, save_truncated_draft
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
 
@@ -52,8 +54,8 @@ class RecordingScheduler(BatchScheduler):
         super()._accept(req, logits, token)
 
 
-def run(model, tokenizer, prompts, *, max_running, speculative=None, sampling=None, cls=BatchScheduler):
-    sched = cls(model, tokenizer, SchedulerConfig(max_running, CONTEXT), speculative=speculative)
+def run(model, tokenizer, prompts, *, max_running, speculative=None, sampling=None, cls=BatchScheduler, chunked=True):
+    sched = cls(model, tokenizer, SchedulerConfig(max_running, CONTEXT, chunked_prefill=chunked), speculative=speculative)
     sampling = sampling or SamplingConfig(max_new_tokens=TOKENS)
     reqs = [sched.submit(tokenizer(p)["input_ids"], sampling, lambda e: None) for p in prompts]
     while sched.num_running or sched.num_waiting:
@@ -67,17 +69,25 @@ def plain(ref):
     return {n: run(model, tokenizer, PROMPTS[:n], max_running=min(n, 4))[0] for n in (1, 8)}
 
 
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
 @pytest.mark.parametrize("method", ["ngram", "draft", "self-draft"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_output_is_plain_decoding_token_for_token(ref, plain, draft_dir, method, batch):
-    """Batch 1: one prompt; batch 4: 8 prompts through 4 places (joining and leaving)."""
+def test_greedy_output_is_plain_decoding_token_for_token(ref, plain, draft_dir, method, batch, chunked):
+    """Batch 1: one prompt; batch 4: 8 prompts through 4 places (joining and leaving). With
+    chunked prefill the joining prompts' chunks share forwards with verification steps."""
     model, tokenizer = ref
     n = 1 if batch == 1 else 8
-    out, sched = run(model, tokenizer, PROMPTS[:n], max_running=batch, speculative=configs(draft_dir)[method])
+    out, sched = run(model, tokenizer, PROMPTS[:n], max_running=batch, speculative=configs(draft_dir)[method],
+                     chunked=chunked)
     assert out == plain[n]
     s = sched.speculative.stats
     assert s.proposed > 0 and s.emitted >= n * (TOKENS - 1)
+    # every forward that decodes verifies (mixed chunked-prefill steps too): no plain decode slips in
     assert sched.stats.decode_steps == s.forwards < n * (TOKENS - 1) // batch + n  # fewer forwards than tokens
+    if not chunked or batch == 1:
+        assert sched.stats.mixed_steps == 0
+    elif method != "self-draft":  # a self-draft finishes its 4 together: the next 4 join with no decode running
+        assert sched.stats.mixed_steps > 0, "no prompt chunk shared a forward with a verification step"
     if method == "self-draft":  # the draft is the target (unpaged): every proposal is its argmax
         assert s.accepted == s.proposed, s.as_dict()
     print(f"\n{method} batch {batch}: {s.as_dict()}")
@@ -132,14 +142,14 @@ def test_verification_forward_paged_equals_unpaged():
         with torch.no_grad():
             for state, p in zip(states, prompts):
                 forward_rows(forward, [state], [p], pad_id=0, device="cpu")
-                state.length = len(p)
             logits = forward_rows(forward, states, verify, pad_id=0, device="cpu")
         results.append((logits, states))
     (lp, sp), (lr, sr) = results
     assert torch.equal(lp, lr), f"max |diff| {(lp - lr).abs().max():.3g}"
+    assert [s.length for s in sp] == [s.length for s in sr] == [len(p) + len(v) for p, v in zip(prompts, verify)]
     for a, b in zip(sp, sr):
         for x, y in zip(a.keys + a.values, b.keys + b.values):
-            assert torch.equal(x[:, : a.length + 4], y[:, : b.length + 4])
+            assert torch.equal(x[:, : a.length], y[:, : b.length])
 
 
 def new_state(model, capacity: int) -> DraftState:

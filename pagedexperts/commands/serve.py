@@ -8,7 +8,7 @@ import sys
 from pagedexperts.commands.common import add_model_arguments, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
-DEFAULT_MAX_PREFILL_TOKENS = 2048  # = serving.scheduler.DEFAULT_MAX_PREFILL_TOKENS (not imported: torch)
+DEFAULT_MAX_PREFILL_TOKENS = 2048  # = serving.scheduler_config.DEFAULT_MAX_PREFILL_TOKENS (not imported: building --help loads no serving module)
 DEFAULT_HEADER_TIMEOUT_S = 5.0  # = serving.connections.DEFAULT_HEADER_TIMEOUT_S
 DEFAULT_MAX_CONNECTIONS = 1024  # = serving.connections.DEFAULT_MAX_CONNECTIONS
 MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.protocol.MAX_PROMPT_BYTES_PER_TOKEN
@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
                    "(default: unbounded)")
     b.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS, metavar="TOKENS",
                    help="prompt tokens prefilled per step, in chunks packed with the running decodes; a longer "
-                   "prompt takes several steps (default %(default)s). With --no-chunked-prefill: padded tokens "
+                   "prompt takes several steps (default %(default)s; with --speculative the decodes' proposals come "
+                   "on top). With --no-chunked-prefill: padded tokens "
                    "(prompts x longest prompt) of one prefill forward of its own (1 = one prompt per forward)")
     b.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill prompts in chunks inside the decode forwards (default on; --no-chunked-prefill "

@@ -16,7 +16,8 @@ def add_speculative_arguments(parser) -> None:
                    help="propose tokens and verify them in one forward of the paged model: ngram = prompt lookup "
                    "(the tokens that followed the latest earlier occurrence of the last 3..1 tokens; no extra model), "
                    "draft = a smaller checkpoint with the same tokenizer (--draft-model-path). Greedy output is "
-                   "unchanged; sampling keeps the model's distribution (default: off)")
+                   "unchanged; sampling keeps the model's distribution. In serve every step's decodes verify, with "
+                   "chunked prefill on or off (default: off)")
     g.add_argument("--draft-model-path", default=None, metavar="DIR",
                    help="the draft checkpoint of --speculative draft (loaded whole, unpaged, on --device)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",

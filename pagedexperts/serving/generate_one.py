@@ -1,7 +1,8 @@
 """``pagedexperts generate --speculative``: one prompt through the scheduler's speculative decode.
 
-Owns: running ONE request through a ``BatchScheduler`` with ``speculative`` set (a request
-alone is prefilled and verified with no padding and no mask, as ``model.generate`` runs), the
+Owns: running ONE request through a ``BatchScheduler`` with ``speculative`` set and chunked
+prefill off (one prompt has no decode to share a forward with: it is prefilled in one forward,
+then verified, with no padding and no mask, as ``model.generate`` runs), the
 same timing and prefill / decode paging split as ``generate.generate_text``, and the
 speculation counters in the result. One implementation of speculation serves both commands.
 
@@ -19,7 +20,8 @@ from typing import Callable
 
 from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.generation.generate import GenerationResult, _difference, _totals, build_prompt
-from pagedexperts.serving.scheduler import BatchScheduler, SchedulerConfig
+from pagedexperts.serving.scheduler import BatchScheduler
+from pagedexperts.serving.scheduler_config import SchedulerConfig
 from pagedexperts.serving.speculation import SpeculativeConfig
 
 
@@ -49,7 +51,7 @@ def speculative_generate_text(model, tokenizer, prompt: str, sampling: SamplingC
         raise ValueError(f"prompt {len(ids)} tokens + --max-new-tokens {sampling.max_new_tokens} exceeds the "
                          f"model's max_position_embeddings {limit}; lower --max-new-tokens")
     runtime = model.pagedexperts
-    sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, limit), speculative=speculative)
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, limit, chunked_prefill=False), speculative=speculative)
     runtime.reset_stats()
     events = []
 
@@ -60,7 +62,7 @@ def speculative_generate_text(model, tokenizer, prompt: str, sampling: SamplingC
 
     start = time.perf_counter()
     req = sched.submit(ids, sampling, on_event)
-    sched.step()  # prefill and the first token
+    sched.step()  # without chunked prefill: the prefill forward and the first token, no decode yet
     before = _totals(runtime.stats(), times=False)
     while sched.num_running:
         sched.step()

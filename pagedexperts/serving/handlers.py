@@ -29,14 +29,15 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from pagedexperts.serving import protocol, responses
+from pagedexperts.serving import protocol, responses, schemas
 from pagedexperts.serving.admission import RETRY_AFTER_S, client_disconnected, shutting_down
 from pagedexperts.serving.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from pagedexperts.serving.metrics import Metrics
-from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from pagedexperts.serving.schemas import ApiError, ChatCompletionRequest, CompletionRequest
 from pagedexperts.serving.speculation import SpeculativeConfig
-from pagedexperts.serving.scheduler import (DEFAULT_MAX_PREFILL_TOKENS, BatchScheduler, QueueFull,
-                                            SchedulerConfig, SchedulerStopped)
+from pagedexperts.serving.scheduler import BatchScheduler
+from pagedexperts.serving.scheduler_config import (DEFAULT_MAX_PREFILL_TOKENS, QueueFull, SchedulerConfig,
+                                                   SchedulerStopped)
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class OpenAIServing:
 
     def admit(self, raw: bytes, chat: bool) -> protocol.Prepared:
         """Parse, check and tokenize a completions / chat body; raises ApiError (runs off the event loop)."""
-        return self.admit_body(protocol.parse_request(raw, ChatCompletionRequest if chat else CompletionRequest))
+        return self.admit_body(schemas.parse_request(raw, ChatCompletionRequest if chat else CompletionRequest))
 
     def admit_body(self, body) -> protocol.Prepared:
         """Check and tokenize a parsed completions / chat request; raises ApiError, also for

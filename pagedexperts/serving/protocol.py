@@ -1,28 +1,25 @@
-"""The OpenAI wire protocol as served here: request schemas, limits, and the one validation.
+"""The OpenAI wire protocol as served here: the limits and the one validation.
 
-Owns: the pydantic request models of /v1/completions and /v1/chat/completions (unknown
-fields are refused, never ignored), the limits as named constants, ``ApiError`` (a refusal:
-HTTP status, OpenAI error ``code``, the offending ``param``), ``parse_request`` (raw body ->
-model, in OpenAI's error shape) and ``prepare`` (model -> token ids and per-sequence
-sampling, every range checked). Both run in a worker thread, never on the event loop.
+Owns: the limits as named constants and ``prepare`` (a parsed request, ``schemas``, -> token
+ids and per-sequence sampling, every range checked, refusals as ``schemas.ApiError``); it
+runs in a worker thread, never on the event loop.
 
 Admission order (cheap checks first, no work before them): the body size (``app``), the
 JSON and its types, the model name, every range, the prompt's BYTES against
 ``context_length x MAX_PROMPT_BYTES_PER_TOKEN`` (so an oversized prompt is refused without
 tokenizing it), then tokenization and the token counts.
 
-Does not: sample, batch, or build responses (``responses``).
+Does not: declare the request bodies or parse JSON (``schemas``), sample, batch, or build
+responses (``responses``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedexperts.serving.sampling import GREEDY_BELOW, SamplingParams
+from pagedexperts.serving.schemas import SGLANG_DEFAULTS, UNSUPPORTED, ApiError, ChatCompletionRequest, ChatMessage
 
 DEFAULT_MAX_TOKENS = 128  # when a request gives none (capped by what the context leaves)
 MAX_TEMPERATURE = 2.0
@@ -38,97 +35,6 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_PROMPT_BYTES_PER_TOKEN = 32  # generous: byte-level BPE averages ~4 bytes per token
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}Assistant:"
 
-# Fields of the OpenAI API this server does not implement; sent with a non-default value they
-# are refused (400 naming the field) instead of being ignored.
-UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
-               "function_call": "function calling", "parallel_tool_calls": "tool calling",
-               "response_format": "structured output", "best_of": "best_of", "suffix": "suffix (insertion)",
-               "audio": "audio output", "modalities": "non-text output", "prediction": "predicted outputs",
-               "reasoning_effort": "reasoning models", "web_search_options": "web search",
-               "min_p": "min_p sampling", "top_k": "top_k sampling", "repetition_penalty": "repetition_penalty"}
-# SGLang's extension fields that sglang-router and vllm-router add at their defaults to each request they
-# forward (watched on loopback): only the defaults pass. The reasoning flags change nothing without a parser.
-SGLANG_DEFAULTS = {"no_stop_trim": (None, False), "ignore_eos": (None, False), "skip_special_tokens": (None, True),
-                   "return_hidden_states": (None, False), "continue_final_message": (None, False)}
-
-
-class ApiError(Exception):
-    """A request the server refuses: HTTP status, message, OpenAI error code, offending param.
-
-    ``code`` is one of a small fixed set (it labels the refusal counter in /metrics);
-    ``headers`` are added to the response (``Retry-After``).
-    """
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str = "invalid_value",
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool | None = False
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # an end-user id for abuse monitoring in OpenAI's API; no effect on output
-    no_stop_trim: bool | None = None  # SGLANG_DEFAULTS
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    return_hidden_states: bool | None = None
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")  # other part types are refused by name in chat_messages
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[Any] | None = None  # an assistant turn's calls: only none ([] or null) is accepted
-
-
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    continue_final_message: bool | None = None  # SGLANG_DEFAULTS
-    separate_reasoning: bool | None = None  # these three: no effect (no reasoning parser)
-    stream_reasoning: bool | None = None
-    include_reasoning: bool | None = None  # vllm-router adds it
-
-
 @dataclass(frozen=True)
 class Prepared:
     """A validated request: its prompts (ids and text, for echo), one SamplingParams per
@@ -141,50 +47,6 @@ class Prepared:
     echo: bool
     stream: bool
     include_usage: bool
-
-
-def parse_request(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
-    """The request model of a raw JSON body.
-
-    Raises:
-        ApiError: the body is not UTF-8 JSON, a field has the wrong type, or a field is
-            unknown or unsupported (named in the message).
-    """
-    try:
-        return model_cls.model_validate_json(raw)
-    except ValidationError as exc:
-        raise type_error(exc.errors()) from None
-
-
-def _field_path(loc) -> str:
-    """A pydantic error location without its union-branch tags ('str', 'list[int]', 'TextPart')."""
-    names = [str(x) for x in loc if isinstance(x, int) or not (x in _TYPE_TAGS or "[" in str(x) or str(x)[:1].isupper())]
-    return ".".join(names)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before", "body"}
-
-
-def type_error(errors: list[dict]) -> ApiError:
-    """One ApiError for pydantic's errors: bad JSON, an unknown or unsupported field, a bad type."""
-    first = errors[0] if errors else {}
-    where, kind = _field_path(first.get("loc", ())), first.get("type", "")
-    if kind == "json_invalid":
-        return ApiError(f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
-                        code="invalid_json")
-    other = [e for e in errors if e.get("type") != "extra_forbidden"]
-    if not other:
-        extra = errors[0]
-        where = _field_path(extra["loc"])
-        what = UNSUPPORTED.get(where.split(".")[-1])
-        why = f"{what} is not supported by this server" if what else "this field is not part of the API served here"
-        return ApiError(f"unsupported field {where!r}: {why}", param=where, code="unsupported_field")
-    first = other[0]
-    where = _field_path(first.get("loc", ()))
-    forms = sum(1 for e in other if _field_path(e.get("loc", ())) == where)
-    alternatives = f" (none of its {forms} accepted forms matched)" if forms > 1 else ""
-    return ApiError(f"{where or 'request body'}: {first.get('msg', 'invalid request')}{alternatives}",
-                    param=where or None, code="invalid_type")
 
 
 def check_model(body, served_model_name: str) -> None:

@@ -15,7 +15,12 @@ request alone decodes unpadded, with no mask, exactly like ``model.generate``. W
 prefill, admitted prompts are prefilled in forwards of their own first (left-padded, at most
 ``max_prefill_tokens`` padded tokens each; prompts to score in batches of their own).
 
-Fault isolation: preparing, sampling, detokenizing, stopping and reporting run per request
+Speculative decoding (``speculative``: a ``SpeculativeDecoder``) takes every step's decodes,
+with chunked prefill on or off: in a packed step each decode's segment carries its proposals
+(1 + n_i tokens, all rows kept), in a decode-only step they are verified in the padded decode
+forward; each request's verification and its tokens run per request like sampling.
+
+Fault isolation: preparing, sampling, verifying, detokenizing, stopping and reporting run per request
 (``isolation.each_isolated``): an exception there fails that request alone (finish "error")
 and its batch-mates go on with the tokens they would have produced without it; an exception
 in a forward itself fails the requests of that forward.
@@ -35,67 +40,20 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.serving.batching import decode_cache, decode_mask, keep_decoded_kv, prefill_batches, prefill_inputs
+from pagedexperts.serving.batching import forward_rows, prefill_batches, prefill_inputs
 from pagedexperts.serving.chunked_prefill import MASK_FORMS, Segment, keep_new_kv, pack, step_segments
 from pagedexperts.serving.isolation import check_inputs, each_isolated
 from pagedexperts.serving.sampling import IncrementalText, SamplingParams, TokenLogprob, sample, token_logprobs
+from pagedexperts.serving.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
 from pagedexperts.serving.sequence import Event, Request, eos_ids, keep_kv, seeded_generator
+from pagedexperts.serving.speculative import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_PREFILL_TOKENS = 2048  # prompt tokens per step (vLLM's chunked-prefill budget for online serving)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Batching limits.
-
-    ``max_running_requests``: decode batch cap. ``context_length``: longest prompt +
-    completion in tokens. ``max_queued_requests``: waiting requests beyond which ``submit``
-    raises ``QueueFull`` (None = unbounded). ``chunked_prefill``: prompt chunks share the
-    decode forward; ``max_prefill_tokens`` is then the prompt tokens of one step. Without
-    it, ``max_prefill_tokens`` is the padded tokens (B x P_max) of one prefill forward; a
-    prompt longer than that is prefilled alone, so 1 means one prompt per forward.
-    """
-
-    max_running_requests: int
-    context_length: int
-    max_queued_requests: int | None = None
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
-    chunked_prefill: bool = True
-
-
-class QueueFull(Exception):
-    """``submit`` would exceed ``max_queued_requests``; nothing was queued."""
-
-
-class SchedulerStopped(Exception):
-    """``submit`` after ``stop``: nothing would ever step the request; nothing was queued."""
-
-
-@dataclass
-class SchedulerStats:
-    """Counters of the scheduler's own work (not paging): forwards, rows and prompts per forward."""
-
-    prefill_steps: int = 0  # forwards that prefill prompts (or prompt chunks)
-    prefill_rows: int = 0  # prompts (or prompt chunks) prefilled, summed over those forwards
-    prefill_tokens: int = 0  # prompt tokens prefilled
-    mixed_steps: int = 0  # forwards that carried prompt chunks and decodes together
-    max_prefill_batch: int = 0
-    decode_steps: int = 0
-    decode_rows: int = 0  # sum of batch sizes over decode steps
-    max_decode_batch: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    aborted: int = 0
-
 
 class BatchScheduler:
     """Continuous batching over one model; ``start()`` runs ``step()`` in a background thread.
@@ -127,10 +85,8 @@ class BatchScheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count(1)
-        self.speculative = None  # a SpeculativeDecoder with --speculative (a SpeculativeConfig)
+        self.speculative = None  # a SpeculativeDecoder with --speculative (a SpeculativeConfig): every step's decodes
         if speculative is not None:
-            from pagedexperts.serving.speculative import SpeculativeDecoder
-
             self.speculative = SpeculativeDecoder(model, tokenizer, speculative, pad_id=self.pad_id)
 
     # ---- any thread ----
@@ -297,7 +253,11 @@ class BatchScheduler:
         each_isolated(reqs, prefilled, self._fail, what="sampling after prefill")
 
     def _packed(self, segments: list[Segment], decodes: int) -> None:
-        """One packed forward of ``segments`` (``decodes`` decodes first, then prompt chunks)."""
+        """One packed forward of ``segments`` (``decodes`` decodes first, then prompt chunks);
+        with speculation each decode carries its proposals (``SpeculativeDecoder.segments``)."""
+        proposals = None
+        if self.speculative is not None and decodes:
+            segments[:decodes], proposals = self.speculative.segments(segments[:decodes])
         batch = pack(segments, form=self._mask_form, dtype=self.model.dtype, device=self.model.device)
         owners = [s.request.request_id for s in segments for _ in s.token_ids]
         out = self._forward(owners, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -309,11 +269,20 @@ class BatchScheduler:
             self.stats.mixed_steps += 1
         logits = out.logits[0].to("cpu")  # [R, V]
         rows = {s.request.request_id: logits[r] for s, r in zip(segments, batch.rows)}
-        each_isolated([s.request for s in segments[:decodes]], lambda r: self._accept(r, rows[r.request_id][-1]),
-                      self._fail, what="sampling")
+        self._decoded([s.request for s in segments[:decodes]], rows, proposals)
         each_isolated([s.request for s in segments[decodes:]],
                       lambda r: self._prompt_done(r, rows[r.request_id], r.length - len(r.prompt_ids)),
                       self._fail, what="prefill")
+
+    def _decoded(self, reqs: list[Request], rows: dict[int, torch.Tensor], proposals) -> None:
+        """After a packed forward: each decode's token from its last row, or with speculation
+        (``proposals``, one per request) its verification over all its rows."""
+        if proposals is None:
+            each_isolated(reqs, lambda r: self._accept(r, rows[r.request_id][-1]), self._fail, what="sampling")
+            return
+        proposal = {r.request_id: p for r, p in zip(reqs, proposals)}
+        each_isolated(reqs, lambda r: self.speculative.verify(self, r, rows[r.request_id], proposal[r.request_id]),
+                      self._fail, what="verification")
 
     def _prompt_done(self, req: Request, rows: torch.Tensor, end: int) -> None:
         """After a prompt chunk ending ``-end`` tokens before the prompt's end (``end`` <= 0):
@@ -335,22 +304,15 @@ class BatchScheduler:
         self._accept(req, rows[-1])
 
     def _decode(self, reqs: list[Request]) -> None:
-        if self.speculative is not None:  # propose, verify in one forward, roll back (serving.speculative)
+        """One forward decoding every request of ``reqs`` (``batching.forward_rows``: one new
+        token each after its cached ones); with speculation ``SpeculativeDecoder.decode``."""
+        if self.speculative is not None:  # propose, verify in one forward, roll back
             return self.speculative.decode(self, reqs)
-        device = self.model.device
-        batch = len(reqs)
-        cache = decode_cache(reqs)
-        mask = decode_mask([r.length for r in reqs], max(r.length for r in reqs)).to(device)
-        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=device)
-        positions = torch.tensor([[r.length] for r in reqs], dtype=torch.long, device=device)
-        out = self._forward(
-            [r.request_id for r in reqs], input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache
-        )
-        self._count_decode(batch)
-        keep_decoded_kv(reqs, cache)
-        logits = out.logits[:, -1].to("cpu")
+        logits = forward_rows(lambda **kw: self._forward([r.request_id for r in reqs], **kw), reqs,
+                              [[r.output_ids[-1]] for r in reqs], pad_id=self.pad_id, device=self.model.device)
+        self._count_decode(len(reqs))
         row = {r.request_id: i for i, r in enumerate(reqs)}
-        each_isolated(reqs, lambda r: self._accept(r, logits[row[r.request_id]]), self._fail, what="sampling")
+        each_isolated(reqs, lambda r: self._accept(r, logits[row[r.request_id], -1]), self._fail, what="sampling")
 
     def _count_prefill(self, rows: int, tokens: int) -> None:
         self.stats.prefill_steps += 1

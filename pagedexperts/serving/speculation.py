@@ -2,7 +2,8 @@
 the counters, and the acceptance rule that keeps the target's distribution.
 
 Owns: ``SpeculativeConfig`` and its flag checks (``speculative_config``), ``SpeculativeStats``
-(proposed / accepted tokens per verification step), ``ngram_propose`` (prompt lookup: the
+(proposed / accepted tokens per verification step), the proposer contract (``Proposer``,
+``Proposal``) and ``NgramProposer``, ``ngram_propose`` (prompt lookup: the
 tokens that followed the latest earlier occurrence of the context's last n tokens, n from
 ``ngram_max`` down to ``ngram_min``; transformers' ``PromptLookupCandidateGenerator`` and
 vLLM's ``[ngram]`` proposer do the same), ``warped_probs`` (temperature and top_p over one
@@ -19,14 +20,15 @@ a distribution (n-gram) is a point mass: q_j(d_j) = 1, so d_j is accepted with p
 p_j(d_j) and the residual is p_j with d_j removed. Greedy (temperature 0): accept while d_j
 is the target's argmax; the emitted tokens are plain greedy decoding's.
 
-Does not: run a model, hold KV caches, or batch requests (``serving.speculative``).
+Does not: run a model, hold KV caches, or batch requests (``serving.speculative``; the draft
+model's proposer is ``serving.draft``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -124,6 +126,46 @@ class Verdict:
 
     accepted: int
     tokens: list[int]
+
+
+@dataclass
+class Proposal:
+    """One request's proposals: ``tokens`` [n] and, from a draft that sampled them, ``q`` [n, V]
+    (float32 probabilities they were drawn from; None = point masses, or greedy)."""
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    """Proposes tokens for the running requests and hears what was kept."""
+
+    def propose(self, reqs: list, budgets: list[int]) -> list[Proposal]:
+        """At most ``budgets[i]`` tokens for request i (a scheduler ``Request``)."""
+
+    def settle(self, req, kept: int) -> None:
+        """The first ``kept`` tokens of the request's context (prompt + outputs + accepted
+        proposals) are final; anything proposed past them is dropped."""
+
+
+def context_of(req) -> list[int]:
+    """A request's context: prompt ids + output ids."""
+    return req.prompt_ids + req.output_ids
+
+
+class NgramProposer:
+    """Prompt lookup over each request's own prompt + output (no model, no state)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, reqs: list, budgets: list[int]) -> list[Proposal]:
+        c = self.config
+        return [Proposal(ngram_propose(context_of(r), n, ngram_max=c.ngram_max, ngram_min=c.ngram_min) if n > 0 else [])
+                for r, n in zip(reqs, budgets)]
+
+    def settle(self, req, kept: int) -> None:
+        pass
 
 
 def ngram_propose(context: Sequence[int], n: int, *, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:

@@ -1,0 +1,58 @@
+"""The scheduler's data: its limits (``SchedulerConfig``), its counters (``SchedulerStats``), and
+the two refusals of ``BatchScheduler.submit`` (``QueueFull``, ``SchedulerStopped``).
+
+Plain dataclasses and exceptions: what the scheduler's callers (the server's handlers, the
+speculative ``generate``, the benches) configure, read and catch. Does not: schedule
+(``scheduler``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_PREFILL_TOKENS = 2048  # prompt tokens per step (vLLM's chunked-prefill budget for online serving)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits.
+
+    ``max_running_requests``: decode batch cap. ``context_length``: longest prompt +
+    completion in tokens. ``max_queued_requests``: waiting requests beyond which ``submit``
+    raises ``QueueFull`` (None = unbounded). ``chunked_prefill``: prompt chunks share the
+    decode forward; ``max_prefill_tokens`` is then the prompt tokens of one step. Without
+    it, ``max_prefill_tokens`` is the padded tokens (B x P_max) of one prefill forward; a
+    prompt longer than that is prefilled alone, so 1 means one prompt per forward.
+    """
+
+    max_running_requests: int
+    context_length: int
+    max_queued_requests: int | None = None
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    chunked_prefill: bool = True
+
+
+class QueueFull(Exception):
+    """``submit`` would exceed ``max_queued_requests``; nothing was queued."""
+
+
+class SchedulerStopped(Exception):
+    """``submit`` after ``stop``: nothing would ever step the request; nothing was queued."""
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of the scheduler's own work (not paging): forwards, rows and prompts per forward."""
+
+    prefill_steps: int = 0  # forwards that prefill prompts (or prompt chunks)
+    prefill_rows: int = 0  # prompts (or prompt chunks) prefilled, summed over those forwards
+    prefill_tokens: int = 0  # prompt tokens prefilled
+    mixed_steps: int = 0  # forwards that carried prompt chunks and decodes together
+    max_prefill_batch: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum of batch sizes over decode steps
+    max_decode_batch: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    aborted: int = 0
