@@ -101,7 +101,7 @@ class StepEntries:
             return
         if self.entry_out is None:
             self.entry_out = out.new_empty((self.num_entries, out.shape[1]))
-        self.entry_out[entries] = out
+        self.entry_out.index_copy_(0, entries, out)
 
     def _rows_of(self, wave, entry_ids_host: np.ndarray) -> tuple[torch.Tensor, int]:
         """Rows [S_w] (on the device) of the entries routed into ``wave``, in entry order."""
@@ -127,9 +127,12 @@ class GroupedStep(StepEntries):
         super().__init__(module, hidden, top_k_index, ids_host)
         # the reference's own call: the same (unstable, deterministic) sort of the same ids
         self.perm = torch.sort(top_k_index.reshape(-1))[1]
-        flat = ids_host.reshape(-1)
-        self.counts = np.bincount(flat, minlength=int(flat.max()) + 1 if flat.size else 0)
-        self.starts = np.cumsum(self.counts) - self.counts  # expert e's rows in sorted order
+        self.counts = np.bincount(ids_host.reshape(-1))  # [max id + 1] rows per expert
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Expert e's first row in the reference's sorted order (multi-wave steps only)."""
+        return np.cumsum(self.counts) - self.counts
 
     def _layout(self, wave, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(reference positions [S_w] grouped by slot, group offsets [K], slot per row [S_w])."""
@@ -176,11 +179,11 @@ class GroupedStep(StepEntries):
         ``grouped_mm`` loops over every group, ~2.5 us each)."""
         experts, slots = zip(*sorted(zip(wave.experts, wave.slots)))
         lengths = self.counts[list(experts)]
-        offsets = torch.from_numpy(np.cumsum(lengths, dtype=np.int32))
-        slot_ids = torch.tensor(slots)
+        offsets = torch.from_numpy(lengths.cumsum(dtype=np.int32))
+        slot_ids = torch.from_numpy(np.array(slots, dtype=np.int64))
         up_w, up_b, down_w, down_b = up_and_down_weights(view)
         row_slots = slot_ids.repeat_interleave(torch.from_numpy(lengths)) if view.has_bias else None
-        x = self.hidden[self.perm // self.top_k]
+        x = self.hidden.index_select(0, self.perm // self.top_k)
         up = grouped_linear(x, up_w.index_select(0, slot_ids), offsets,
                             bias=up_b[row_slots] if up_b is not None else None, is_transposed=view.is_transposed)
         act = activate(view, up)
