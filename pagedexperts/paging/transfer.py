@@ -186,13 +186,16 @@ class SlotTransfers:
             self._copied = torch.cuda.Event()
             self.timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True))
 
-    def page_in(self, store, wave, *, only_wave: bool) -> torch.Tensor:
+    def page_in(self, store, wave, *, only_wave: bool, map_needed: bool = True) -> torch.Tensor | None:
         """Copy the wave's loads into their slots and make the compute wait for them; return
         the slot map [E] (int64, on the device) that the wave's top-k ids are remapped with.
         ``only_wave``: the step has this one wave, so every routed expert is resident and the
-        running map serves as is; otherwise experts outside the wave map to -1."""
+        running map serves as is; otherwise experts outside the wave map to -1.
+        ``map_needed`` False: the wave's compute takes no slot map (None; nothing uploaded)."""
         self.copy_in(store, wave.loads)
         self.before_compute()
+        if not map_needed:
+            return None
         t0 = time.perf_counter()
         if only_wave:
             if self._slot_map_stale:

@@ -108,7 +108,11 @@ class StepEntries:
         rows = np.flatnonzero(np.isin(entry_ids_host, wave.experts))
         return upload(rows, self.hidden.device), len(rows)
 
-    def run_wave(self, view, slot_map: torch.Tensor, wave, *, only_wave: bool) -> None:
+    def uses_slot_map(self, only_wave: bool) -> bool:
+        """Whether ``run_wave`` reads its ``slot_map`` (else it is handed None)."""
+        return True
+
+    def run_wave(self, view, slot_map: torch.Tensor | None, wave, *, only_wave: bool) -> None:
         """Compute the entries of ``wave`` (its experts and slots); ``slot_map`` [E] maps expert
         ids to slots on the device; ``only_wave``: the step's one wave (every entry)."""
         raise NotImplementedError
@@ -146,7 +150,10 @@ class GroupedStep(StepEntries):
         per_slot[slots] = lengths
         return pos, np.cumsum(per_slot), np.repeat(slots, lengths)
 
-    def run_wave(self, view, slot_map: torch.Tensor, wave, *, only_wave: bool) -> None:
+    def uses_slot_map(self, only_wave: bool) -> bool:
+        return False  # the rows and groups come from the host's ids and the wave's slots
+
+    def run_wave(self, view, slot_map: torch.Tensor | None, wave, *, only_wave: bool) -> None:
         from transformers.integrations.moe import _grouped_linear
 
         if only_wave and self.hidden.device.type == "cpu":
