@@ -18,8 +18,10 @@ exact"):
   order; a wave's rows are regrouped stably by slot (groups in slot order, rows inside a group
   in the reference's order; a group's position in the buffer does not change its bits), padded
   to the reference's S rows (rows past the last offset are not computed), and run through
-  transformers' ``_grouped_linear``. ``batched_mm``: entries in the reference's token-major
-  order through ``_batched_linear`` (a one-entry wave is padded to two: a batch of one takes
+  transformers' ``_grouped_linear``. On CPU the step's one wave (``GroupedStep._run_all``)
+  is the reference's own layout: its sorted rows, one group per routed expert in ascending
+  id over those experts' slot rows gathered in that order. ``batched_mm``: entries in the
+  reference's token-major order through ``_batched_linear`` (a one-entry wave is padded to two: a batch of one takes
   another CPU kernel). Both apply the module's own ``_apply_gate`` / ``act_fn`` (and post-expert
   norm) to a buffer of the reference's full [S, ...] shape with each wave row at its reference
   position, so every element takes the same vector or scalar path as in the unpaged run.
