@@ -46,8 +46,11 @@ def test_single_wave_decode_groups_only_the_union(tiny_moe_dir, monkeypatch, k_s
     paged, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=k_slots, experts_implementation="grouped_mm",
                                        check_independence=False)
     routed: dict[int, list[set]] = {}  # layer -> each step's distinct experts, read by the trace hook
+    def trace(layer, step_ids, _weights):
+        routed.setdefault(layer, []).append(set(step_ids.flatten().tolist()))
+
     for runner in paged.pagedexperts.pagers.values():
-        runner.trace_hook = lambda layer, step_ids, _w: routed.setdefault(layer, []).append(set(step_ids.flatten().tolist()))
+        runner.trace_hook = trace
     groups, original = [], moe._grouped_linear
 
     def recording(input, weight, offs, bias=None, is_transposed=False):
