@@ -16,7 +16,7 @@ that changed the output fails the bench.
 start, on PYTHONPATH) and from this tree, ``--runs`` times each, in subprocesses (two copies of
 the package cannot share one process: one custom op name), and print both tables.
 
-Usage: python bench/host_overhead.py [--tokens 48] [--rounds 9] [--num-resident 64,16]
+Usage: python bench/host_overhead.py [--tokens 16] [--rounds 21] [--num-resident 64,16]
        [--experts-implementation grouped_mm] [--compare /tmp/base --runs 2]
 """
 
@@ -115,9 +115,9 @@ def compare(args, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=48, help="decode tokens per round and mode")
+    p.add_argument("--tokens", type=int, default=16, help="decode tokens per round and mode (short rounds: finer alternation)")
     p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=9, help="rounds (>= 7): medians over them")
+    p.add_argument("--rounds", type=int, default=21, help="rounds (>= 7): medians over them")
     p.add_argument("--num-resident", type=lambda s: [int(x) for x in s.split(",")], default=[64, 16])
     p.add_argument("--experts-implementation", default="grouped_mm")
     p.add_argument("--compare", default=None, help="a tree to run alternately with this one (before)")
