@@ -115,7 +115,7 @@ def compare(args, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=16, help="decode tokens per round and mode (short rounds: finer alternation)")
+    p.add_argument("--tokens", type=int, default=16, help="decode tokens per round and mode")
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=21, help="rounds (>= 7): medians over them")
     p.add_argument("--num-resident", type=lambda s: [int(x) for x in s.split(",")], default=[64, 16])
