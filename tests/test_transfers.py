@@ -132,11 +132,12 @@ def test_copy_timer_ring_is_bounded_and_counts_each_pair_once():
     assert timer.collect() == 0.0
 
 
-def test_read_back_is_one_concatenation():
-    ids = torch.tensor([[3, 1], [2, 5]])
+def test_read_back_gives_each_part_in_its_shape():
+    ids = torch.tensor([[3, 1], [2, 5]], dtype=torch.int32)
     pred = torch.tensor([[7], [6]])
     host = read_back([ids, pred, torch.tensor(4)])
-    assert host.tolist() == [[3, 1, 7, 4], [2, 5, 6, 4]]
+    assert [h.tolist() for h in host] == [[[3, 1], [2, 5]], [[7], [6]], 4]
+    assert all(h.dtype == torch.int64 for h in host)
 
 
 def test_upload_is_a_copy():

@@ -135,7 +135,8 @@ class HostPlannedExecutor(PagedExecutor):
         step = step_entries(self.inner, module, hidden, top_k_index, ids_host.numpy())
         single = len(plan.waves) == 1
         for i, wave in enumerate(plan.waves):
-            slot_map = self.transfers.page_in(self.store, wave, only_wave=single)
+            slot_map = self.transfers.page_in(self.store, wave, only_wave=single,
+                                              map_needed=step.uses_slot_map(single))
             if i == 0 and self.prefetcher is not None:
                 self.prefetcher.issue()  # the next layer's predicted page-ins queue behind this wave's
             step.run_wave(self.wave_view(module, wave.slots), slot_map, wave, only_wave=single)

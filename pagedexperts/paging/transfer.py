@@ -34,22 +34,33 @@ import torch
 COPY_TIMER_EVENTS = 64  # timing event pairs kept per layer before the oldest must be folded
 
 
-def read_back(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate integer tensors [T, c_i] (or 0-dim ones, broadcast to [T, 1]) along dim 1 and
-    read them to the host in ONE device-to-host transfer: [T, sum c_i] int64 on the CPU.
+def read_back(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Read integer tensors [T, c_i] (or 0-dim ones) to the host in ONE device-to-host transfer:
+    one host tensor per part, int64, in the parts' own shapes (a 0-dim part of an empty step
+    reads as 0).
 
-    On CUDA the read goes into pinned memory and waits for the current stream once (the one
-    hard sync of a layer-step); on CPU it is a no-op view of the concatenation.
+    On CUDA the parts are concatenated along dim 1 (0-dim ones broadcast to [T, 1]) and read
+    into pinned memory, waiting for the current stream once (the one hard sync of a
+    layer-step); the results are views of that buffer. On CPU the parts already are host
+    memory: they are returned detached, with no copy and no concatenation.
     """
+    if parts[0].device.type == "cpu":
+        return tuple(p.detach().to(torch.int64) for p in parts)
     rows = parts[0].shape[0]
     cols = [p if p.dim() == 2 else p.reshape(1, 1).expand(rows, 1) for p in parts]
-    flat = torch.cat([c.to(torch.int64) for c in cols], dim=1) if len(cols) > 1 else cols[0]
-    if flat.device.type == "cpu":
-        return flat
+    flat = torch.cat([c.to(torch.int64) for c in cols], dim=1) if len(cols) > 1 else cols[0].to(torch.int64)
     host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
     host.copy_(flat, non_blocking=True)
     torch.cuda.current_stream(flat.device).synchronize()
-    return host
+    out, start = [], 0
+    for part, col in zip(parts, cols):
+        width = col.shape[1]
+        if part.dim() == 2:
+            out.append(host[:, start:start + width])
+        else:
+            out.append(host[0, start] if rows else torch.zeros((), dtype=torch.int64))
+        start += width
+    return tuple(out)
 
 
 class StepRead(NamedTuple):
@@ -66,16 +77,14 @@ def read_step(top_k_index: torch.Tensor, predicted: torch.Tensor | None = None,
     """The step's one device-to-host transfer (``read_back``) of the top-k ids [T, k], the
     next layer's predicted ids [T, k'] (or None) and the padding rows (0-dim, or None), parsed.
     Every runner reads its step through here (the executors and the baselines)."""
-    parts = [top_k_index.detach()]
+    parts = [top_k_index]
     if predicted is not None:
         parts.append(predicted)
     if padding_count is not None:
         parts.append(padding_count)
     host = read_back(parts)
-    k = top_k_index.shape[1]
-    predicted_host = host[:, k : k + predicted.shape[1]] if predicted is not None else None
-    padding = int(host[0, -1]) if padding_count is not None and host.shape[0] else 0
-    return StepRead(host[:, :k], predicted_host, padding)
+    padding = int(host[-1]) if padding_count is not None else 0
+    return StepRead(host[0], host[1] if predicted is not None else None, padding)
 
 
 def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -177,13 +186,16 @@ class SlotTransfers:
             self._copied = torch.cuda.Event()
             self.timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True))
 
-    def page_in(self, store, wave, *, only_wave: bool) -> torch.Tensor:
+    def page_in(self, store, wave, *, only_wave: bool, map_needed: bool = True) -> torch.Tensor | None:
         """Copy the wave's loads into their slots and make the compute wait for them; return
         the slot map [E] (int64, on the device) that the wave's top-k ids are remapped with.
         ``only_wave``: the step has this one wave, so every routed expert is resident and the
-        running map serves as is; otherwise experts outside the wave map to -1."""
+        running map serves as is; otherwise experts outside the wave map to -1.
+        ``map_needed`` False: the wave's compute takes no slot map (None; nothing uploaded)."""
         self.copy_in(store, wave.loads)
         self.before_compute()
+        if not map_needed:
+            return None
         t0 = time.perf_counter()
         if only_wave:
             if self._slot_map_stale:

@@ -18,8 +18,10 @@ exact"):
   order; a wave's rows are regrouped stably by slot (groups in slot order, rows inside a group
   in the reference's order; a group's position in the buffer does not change its bits), padded
   to the reference's S rows (rows past the last offset are not computed), and run through
-  transformers' ``_grouped_linear``. ``batched_mm``: entries in the reference's token-major
-  order through ``_batched_linear`` (a one-entry wave is padded to two: a batch of one takes
+  transformers' ``_grouped_linear``. On CPU the step's one wave (``GroupedStep._run_all``)
+  is the reference's own layout: its sorted rows, one group per routed expert in ascending
+  id over those experts' slot rows gathered in that order. ``batched_mm``: entries in the
+  reference's token-major order through ``_batched_linear`` (a one-entry wave is padded to two: a batch of one takes
   another CPU kernel). Both apply the module's own ``_apply_gate`` / ``act_fn`` (and post-expert
   norm) to a buffer of the reference's full [S, ...] shape with each wave row at its reference
   position, so every element takes the same vector or scalar path as in the unpaged run.
@@ -101,14 +103,18 @@ class StepEntries:
             return
         if self.entry_out is None:
             self.entry_out = out.new_empty((self.num_entries, out.shape[1]))
-        self.entry_out[entries] = out
+        self.entry_out.index_copy_(0, entries, out)
 
     def _rows_of(self, wave, entry_ids_host: np.ndarray) -> tuple[torch.Tensor, int]:
         """Rows [S_w] (on the device) of the entries routed into ``wave``, in entry order."""
         rows = np.flatnonzero(np.isin(entry_ids_host, wave.experts))
         return upload(rows, self.hidden.device), len(rows)
 
-    def run_wave(self, view, slot_map: torch.Tensor, wave, *, only_wave: bool) -> None:
+    def uses_slot_map(self, only_wave: bool) -> bool:
+        """Whether ``run_wave`` reads its ``slot_map`` (else it is handed None)."""
+        return True
+
+    def run_wave(self, view, slot_map: torch.Tensor | None, wave, *, only_wave: bool) -> None:
         """Compute the entries of ``wave`` (its experts and slots); ``slot_map`` [E] maps expert
         ids to slots on the device; ``only_wave``: the step's one wave (every entry)."""
         raise NotImplementedError
@@ -127,9 +133,12 @@ class GroupedStep(StepEntries):
         super().__init__(module, hidden, top_k_index, ids_host)
         # the reference's own call: the same (unstable, deterministic) sort of the same ids
         self.perm = torch.sort(top_k_index.reshape(-1))[1]
-        flat = ids_host.reshape(-1)
-        self.counts = np.bincount(flat, minlength=int(flat.max()) + 1 if flat.size else 0)
-        self.starts = np.cumsum(self.counts) - self.counts  # expert e's rows in sorted order
+        self.counts = np.bincount(ids_host.reshape(-1))  # [max id + 1] rows per expert
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Expert e's first row in the reference's sorted order (multi-wave steps only)."""
+        return np.cumsum(self.counts) - self.counts
 
     def _layout(self, wave, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(reference positions [S_w] grouped by slot, group offsets [K], slot per row [S_w])."""
@@ -143,9 +152,15 @@ class GroupedStep(StepEntries):
         per_slot[slots] = lengths
         return pos, np.cumsum(per_slot), np.repeat(slots, lengths)
 
-    def run_wave(self, view, slot_map: torch.Tensor, wave, *, only_wave: bool) -> None:
+    def uses_slot_map(self, only_wave: bool) -> bool:
+        return False  # the rows and groups come from the host's ids and the wave's slots
+
+    def run_wave(self, view, slot_map: torch.Tensor | None, wave, *, only_wave: bool) -> None:
         from transformers.integrations.moe import _grouped_linear
 
+        if only_wave and self.hidden.device.type == "cpu":
+            self._run_all(view, wave, _grouped_linear)
+            return
         dev = self.hidden.device
         pos_host, offsets_host, slots_host = self._layout(wave, view.num_experts)
         pos_w, n = upload(pos_host, dev), len(pos_host)
@@ -162,6 +177,28 @@ class GroupedStep(StepEntries):
             down.add_(down_b[slots_w])
         down = in_reference_layout(lambda p: post_expert_norm(view, p), down, pos_w, self.num_entries)
         self._store(self.perm[pos_w], down)
+
+    def _run_all(self, view, wave, grouped_linear) -> None:
+        """The step's one wave on CPU, laid out exactly as the reference: its S rows in the
+        reference's sorted order, one group per routed expert in ascending expert id, over the
+        routed experts' slot rows gathered in that order ([U, ...], U = |union|). Each group
+        is the reference's group (same rows, same order, same weights, same strides), so the
+        GEMMs, the activation over the [S, ...] buffer and the bias rows equal the reference's;
+        the reference's empty groups of the other E - U experts are not visited (CPU
+        ``grouped_mm`` loops over every group, ~2.5 us each)."""
+        experts, slots = zip(*sorted(zip(wave.experts, wave.slots)))
+        lengths = self.counts[list(experts)]
+        offsets = torch.from_numpy(lengths.cumsum(dtype=np.int32))
+        slot_ids = torch.from_numpy(np.array(slots, dtype=np.int64))
+        up_w, up_b, down_w, down_b = up_and_down_weights(view)
+        row_slots = slot_ids.repeat_interleave(torch.from_numpy(lengths)) if view.has_bias else None
+        x = self.hidden.index_select(0, self.perm // self.top_k)
+        up = grouped_linear(x, up_w.index_select(0, slot_ids), offsets,
+                            bias=up_b[row_slots] if up_b is not None else None, is_transposed=view.is_transposed)
+        act = activate(view, up)
+        down = grouped_linear(act, down_w.index_select(0, slot_ids), offsets,
+                              bias=down_b[row_slots] if down_b is not None else None, is_transposed=view.is_transposed)
+        self._store(self.perm, post_expert_norm(view, down))
 
     def _padded(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` [S_w, D] in a [S, D] buffer: the kernel sees the reference's row count

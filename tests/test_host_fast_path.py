@@ -1,0 +1,69 @@
+"""The CPU host path's single-wave grouped_mm step: the reference's layout over the union only.
+
+A decode step whose routed experts all fit in K runs one wave; on CPU ``GroupedStep`` then
+computes it as transformers' ``grouped_mm`` does, with one group per routed expert (in
+ascending expert id) instead of one per expert of the layer. These tests pin down that the
+path is taken (the bench's speed depends on it, exactness alone would not notice a fall-back
+to the slot-ordered layout) and that its output and counters equal the reference's: the
+logits of the plain transformers model, and hits/misses/waves counted by hand from the plan.
+
+Legend: E = 16 routed experts, k = 2 (top_k), K slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers.integrations.moe as moe
+
+import pagedexperts
+from conftest import E, TOP_K, assert_same
+
+pytestmark = pytest.mark.default_threads
+
+
+def _decode(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Logits [steps, V] of a greedy decode after the prefill of ``ids`` [1, P]."""
+    out = []
+    with torch.inference_mode():
+        mask = torch.ones_like(ids)
+        res = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        for _ in range(steps):
+            tok = res.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, mask.new_ones((1, 1))], dim=1)
+            res = model(input_ids=tok, attention_mask=mask, past_key_values=res.past_key_values, use_cache=True)
+            out.append(res.logits[:, -1])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("k_slots", [E, E // 2])
+def test_single_wave_decode_groups_only_the_union(tiny_moe_dir, monkeypatch, k_slots):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(2, 100, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
+    expected = _decode(plain, ids, 8)
+    paged, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=k_slots, experts_implementation="grouped_mm",
+                                       check_independence=False)
+    routed: dict[int, list[set]] = {}  # layer -> each step's distinct experts, read by the trace hook
+    def trace(layer, step_ids, _weights):
+        routed.setdefault(layer, []).append(set(step_ids.flatten().tolist()))
+
+    for runner in paged.pagedexperts.pagers.values():
+        runner.trace_hook = trace
+    groups, original = [], moe._grouped_linear
+
+    def recording(input, weight, offs, bias=None, is_transposed=False):
+        groups.append((input.shape[0], weight.shape[0]))
+        return original(input, weight, offs, bias=bias, is_transposed=is_transposed)
+
+    monkeypatch.setattr(moe, "_grouped_linear", recording)
+    assert_same(_decode(paged.eval(), ids, 8), expected, "decode logits")
+    decode_groups = [g for rows, g in groups if rows == TOP_K]  # one token: S = k rows
+    assert len(decode_groups) == 2 * 8 * len(routed) and set(decode_groups) == {TOP_K}  # k experts, not K
+    stats = paged.pagedexperts.stats()
+    for layer, steps in routed.items():
+        s = stats.layers[layer]
+        assert s.union_sum == sum(map(len, steps))
+        if k_slots == E:  # nothing evicted: one miss per expert the layer ever routes to
+            assert (s.misses, s.waves) == (len(set().union(*steps)), len(steps))
