@@ -108,8 +108,9 @@ def test_host_syncs_are_the_runtime_s_own_count(tiny_moe_dir, device_reads):
     # On a CPU every tensor is a host tensor, so a device-to-device copy_ and a read-back look
     # alike to DeviceReads; HostReads records the calls that sync on a GPU (.item, .tolist,
     # .cpu, nonzero, ...) made from pagedexperts.paging code, whatever tensor they touch.
-    with HostReads() as reads:
-        _run(dev, DeviceReads(), ids, mask)
+    reads = HostReads()
+    with reads, torch.no_grad():
+        dev.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=PAD_ID)
     assert reads.calls == [] and device_reads.read_backs == seen
     total = dev.pagedexperts.stats().as_dict()
     assert total["layer_steps"] > 0 and total["host_syncs"] == 0 and total["host_syncs_per_token"] == 0.0
