@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import re
 import shutil
 import tempfile
@@ -186,6 +187,44 @@ def cast_experts(model, dtype: torch.dtype):
     return model
 
 
+def align_like_checkpoint(model, src: Path) -> int:
+    """Re-place every non-expert parameter of ``model`` (the library's dense model, loaded from
+    the decompressed temporary checkpoint) at the page alignment its tensor has in ``src``'s
+    shard, in place; returns how many moved.
+
+    Why: transformers keeps non-expert weights memory-mapped, so their address is congruent to
+    their file offset modulo the page size, and CPU GEMMs (oneDNN/MKL) can sum in another order
+    at another alignment. Checkpoint keys are renamed as transformers does (Mixtral's
+    ``block_sparse_moe.gate`` -> ``mlp.gate``: ``loading.checkpoint.KeyMap``). The decompressed checkpoint stores the same non-expert tensors at
+    other offsets (its experts are larger), which made the reference's logits differ from the
+    paged model's (which copies them at ``src``'s alignment, ``loading.fill.empty_like_mapped``)
+    in the last bits (3.8e-6 on the bundled model's W4A16_ASYM). A parameter whose bytes differ
+    from the file's (another dtype) is left where it is.
+    """
+    from pagedexperts.loading.checkpoint import KeyMap
+    from pagedexperts.loading.fill import empty_like_mapped
+    from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
+    from pagedexperts.storage.safetensors_index import TensorEntry
+
+    rename, offsets = KeyMap(model.config.model_type, {}).rename, {}
+    for file in checkpoint_files(src):
+        header, data_start = read_header_json(file)
+        offsets.update({rename(key): (file, data_start + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0])
+                        for key, h in header.items()})
+    experts, moved = set(expert_parameters(model)), 0
+    for name, param in model.named_parameters():
+        if name in experts or name not in offsets or param.device.type != "cpu":
+            continue
+        file, start, nbytes = offsets[name]
+        if nbytes != param.nbytes:
+            continue
+        aligned = empty_like_mapped(TensorEntry(file, param.dtype, tuple(param.shape), start, param.nbytes))
+        if aligned.data_ptr() % mmap.PAGESIZE != param.data_ptr() % mmap.PAGESIZE:
+            param.data = aligned.copy_(param.data)
+            moved += 1
+    return moved
+
+
 def choose_reference(path: Path, quantization_config: dict | None, *, load: Callable, load_dense: Callable):
     """The unpaged reference model and a ``ReferenceChoice`` (module docstring's rule).
 
@@ -198,6 +237,7 @@ def choose_reference(path: Path, quantization_config: dict | None, *, load: Call
         return load(path), ReferenceChoice("transformers", "no format library decompression for this checkpoint here")
     with tempfile.TemporaryDirectory(prefix="pagedexperts-ref-") as tmp:
         library = load_dense(library_decompress(Path(path), Path(tmp)))
+    align_like_checkpoint(library, Path(path))
     library_name = "compressed-tensors"
     try:
         model = load(path)
