@@ -189,3 +189,24 @@ def test_library_reference_keeps_the_checkpoint_alignment(references):
         assert ref[key].data_ptr() % mmap.PAGESIZE == param.data_ptr() % mmap.PAGESIZE, key
         compared += 1
     assert compared >= 8 and "model.layers.1.mlp.gate.weight" in ref
+
+
+@pytest.mark.default_threads
+@pytest.mark.parametrize("name", ["qwen3_moe-w4a16_mixed"])
+def test_check_per_projection_groups_uses_the_library_reference(name, capsys, caplog):
+    """gate/up group 32, down group 16: transformers 5.24 applies one group to every expert
+    projection, so ``check`` does not try it (no traceback), WARNs why, and PASSes against
+    compressed-tensors' decompression."""
+    import logging
+
+    from pagedexperts.cli import main
+
+    with caplog.at_level(logging.WARNING):
+        rc = main(["check", "--model-path", str(_fixture(name)), "--check-resident", f"{TOP_K},{E // 2}",
+                   "--max-new-tokens", "3"])
+    out = capsys.readouterr()
+    assert rc == 0 and "verdict: PASS" in out.out, out.out
+    assert "reference: compressed-tensors" in out.out and "different config groups" in out.out
+    assert "group_size 32" in out.out and "group_size 16" in out.out
+    assert any("different config groups" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "Traceback" not in out.out + out.err and "CONVERSION" not in out.out + out.err

@@ -10,7 +10,8 @@ vs the library's, on a seeded sample of (layer, expert)), and ``choose_reference
 1. the format has no library decompressor here (dense, block FP8, gpt-oss MXFP4, GPTQ, AWQ):
    transformers' loading, as before;
 2. transformers cannot load the checkpoint (it raises: asymmetric MoE W4A16, W8A8 INT8 in
-   transformers 5.24): the library's dense model, WARNING naming the error;
+   transformers 5.24; not tried for per-projection config groups, ``per_projection_groups``):
+   the library's dense model, WARNING naming the error;
 3. transformers loads it: a sample of its experts is compared with the library's; equal:
    transformers' model (INFO says how many experts were compared); different (NVFP4 in 5.24:
    the global scale is not applied): the library's dense model, WARNING with the max |diff|.
@@ -225,6 +226,28 @@ def align_like_checkpoint(model, src: Path) -> int:
     return moved
 
 
+def per_projection_groups(quantization_config: dict | None) -> str | None:
+    """Why transformers cannot be the reference of a compressed-tensors checkpoint whose routed
+    expert projections are in config groups with different schemes (gate/up group 32, down
+    group 16), or None: transformers 5.24 applies ONE group to every expert projection
+    (``get_experts_scheme``), so its loading fails (or dequantizes down_proj with the wrong
+    group size). Read with ``formats.ct_schemes.dense_schemes`` (a checkpoint it refuses: None)."""
+    from pagedexperts.formats.ct_schemes import dense_schemes
+
+    if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
+        return None
+    try:
+        schemes = dense_schemes(quantization_config)
+    except ValueError:
+        return None
+    if len({repr(s) for s in schemes.values()}) <= 1:
+        return None
+    groups = ", ".join(f"{d} {s.weights.get('num_bits')}-bit group_size {s.weights.get('group_size')}"
+                       for d, s in schemes.items())
+    return (f"the expert projections are in different config groups ({groups}) and transformers applies "
+            "one group to every expert projection")
+
+
 def choose_reference(path: Path, quantization_config: dict | None, *, load: Callable, load_dense: Callable):
     """The unpaged reference model and a ``ReferenceChoice`` (module docstring's rule).
 
@@ -239,6 +262,11 @@ def choose_reference(path: Path, quantization_config: dict | None, *, load: Call
         library = load_dense(library_decompress(Path(path), Path(tmp)))
     align_like_checkpoint(library, Path(path))
     library_name = "compressed-tensors"
+    per_projection = per_projection_groups(quantization_config)
+    if per_projection:  # transformers' loading would fail with a long traceback: not tried
+        choice = ReferenceChoice(library_name, f"transformers cannot load this checkpoint: {per_projection}")
+        logger.warning("unpaged reference: %s's own decompression, since %s", library_name, choice.reason)
+        return library, choice
     try:
         model = load(path)
     except Exception as exc:  # transformers' loader fails in many ways (assertion, cat, key errors)
