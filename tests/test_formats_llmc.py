@@ -210,3 +210,4 @@ def test_check_per_projection_groups_uses_the_library_reference(name, capsys, ca
     assert "group_size 32" in out.out and "group_size 16" in out.out
     assert any("different config groups" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "Traceback" not in out.out + out.err and "CONVERSION" not in out.out + out.err
+    assert "verdict: PASS: paging is exact on this checkpoint (against compressed-tensors)" in out.out

@@ -45,7 +45,7 @@ _SIDE_SUFFIXES = ("_packed", "_scale", "_global_scale", "_zero_point", "_shape",
 class ReferenceChoice:
     """Which unpaged reference ``check`` uses and why (printed, logged)."""
 
-    source: str  # "transformers" or "compressed-tensors"
+    source: str  # "transformers", "compressed-tensors" or "pagedexperts resident" (GPTQ/AWQ here)
     reason: str
     experts_compared: int = 0
     max_abs_diff: float = 0.0
@@ -257,7 +257,8 @@ def choose_reference(path: Path, quantization_config: dict | None, *, load: Call
     reference is not transformers' loading, naming why.
     """
     if not has_library_reference(quantization_config):
-        return load(path), ReferenceChoice("transformers", "no format library decompression for this checkpoint here")
+        return load(path), ReferenceChoice("transformers", "its own loading; no format library decompression "
+                                                           "for this checkpoint here")
     with tempfile.TemporaryDirectory(prefix="pagedexperts-ref-") as tmp:
         library = load_dense(library_decompress(Path(path), Path(tmp)))
     align_like_checkpoint(library, Path(path))
