@@ -104,11 +104,13 @@ def test_check_passes_on_the_bundled_model(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     lines = out.strip().splitlines()
-    assert lines[0].startswith("K=4 of E=64: 4 runs x 4 greedy steps") and lines[1].startswith("K=32 of E=64")
-    for line in lines[:2]:
+    assert lines[0] == ("reference: transformers (its own loading; no format library decompression "
+                        "for this checkpoint here)")
+    assert lines[1].startswith("K=4 of E=64: 4 runs x 4 greedy steps") and lines[2].startswith("K=32 of E=64")
+    for line in lines[1:3]:
         assert "logits torch.equal: yes (max |diff| 0)" in line and "greedy tokens equal: yes" in line
         assert line.endswith("-> PASS (bit-identical)") and "FAIL" not in line and "NO" not in line
-    assert lines[2] == "verdict: PASS: paging is exact on this checkpoint"
+    assert lines[3] == "verdict: PASS: paging is exact on this checkpoint (against transformers)"
 
 
 @pytest.mark.parametrize(

@@ -83,8 +83,7 @@ def run(args) -> int:
     reference, choice = load_reference_with_choice(
         args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
     )
-    if choice is not None and (choice.source != "transformers" or choice.experts_compared):
-        print(choice.line())  # a checkpoint its format library decompresses: which reference, why
+    print(choice.line())  # every verdict names its reference: transformers' loading, or which and why
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     ok = True
     for k in ks:
@@ -92,5 +91,6 @@ def run(args) -> int:
         res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
         print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide))
         ok &= res.passed
-    print("verdict:", "PASS: paging is exact on this checkpoint" if ok else "FAIL: MISMATCH, do not trust paging here")
+    verdict = "PASS: paging is exact on this checkpoint" if ok else "FAIL: MISMATCH, do not trust paging here"
+    print("verdict:", verdict, f"(against {choice.source})")
     return 0 if ok else 1

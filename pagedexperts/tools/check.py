@@ -71,7 +71,7 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagedexperts.formats import format_for_config, quantization_config_of
-    from pagedexperts.tools.reference import cast_experts, choose_reference, complete
+    from pagedexperts.tools.reference import ReferenceChoice, cast_experts, choose_reference, complete
     from pagedexperts.loading.config import resolve_dtype
     from pagedexperts.loading.loader import bundled_model_path
 
@@ -86,8 +86,10 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
                                          load_dense=lambda p: cast_experts(complete(AutoModelForCausalLM.from_pretrained(
                                              p, output_loading_info=True, **kwargs), p), fmt.experts_dtype(torch_dtype)))
     except ImportError as exc:
-        return _resident_reference(path, fmt, exc, device=device, dtype=dtype,
-                                   experts_implementation=experts_implementation), None
+        model = _resident_reference(path, fmt, exc, device=device, dtype=dtype,
+                                    experts_implementation=experts_implementation)
+        return model, ReferenceChoice("pagedexperts resident", f"transformers cannot load this {fmt.name} "
+                                      f"checkpoint here ({exc}): every expert dequantized by pagedexperts' format")
     return model.to(device).eval(), choice
 
 

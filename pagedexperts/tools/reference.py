@@ -10,7 +10,8 @@ vs the library's, on a seeded sample of (layer, expert)), and ``choose_reference
 1. the format has no library decompressor here (dense, block FP8, gpt-oss MXFP4, GPTQ, AWQ):
    transformers' loading, as before;
 2. transformers cannot load the checkpoint (it raises: asymmetric MoE W4A16, W8A8 INT8 in
-   transformers 5.24): the library's dense model, WARNING naming the error;
+   transformers 5.24; not tried for per-projection config groups, ``per_projection_groups``):
+   the library's dense model, WARNING naming the error;
 3. transformers loads it: a sample of its experts is compared with the library's; equal:
    transformers' model (INFO says how many experts were compared); different (NVFP4 in 5.24:
    the global scale is not applied): the library's dense model, WARNING with the max |diff|.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import re
 import shutil
 import tempfile
@@ -43,7 +45,7 @@ _SIDE_SUFFIXES = ("_packed", "_scale", "_global_scale", "_zero_point", "_shape",
 class ReferenceChoice:
     """Which unpaged reference ``check`` uses and why (printed, logged)."""
 
-    source: str  # "transformers" or "compressed-tensors"
+    source: str  # "transformers", "compressed-tensors" or "pagedexperts resident" (GPTQ/AWQ here)
     reason: str
     experts_compared: int = 0
     max_abs_diff: float = 0.0
@@ -186,6 +188,66 @@ def cast_experts(model, dtype: torch.dtype):
     return model
 
 
+def align_like_checkpoint(model, src: Path) -> int:
+    """Re-place every non-expert parameter of ``model`` (the library's dense model, loaded from
+    the decompressed temporary checkpoint) at the page alignment its tensor has in ``src``'s
+    shard, in place; returns how many moved.
+
+    Why: transformers keeps non-expert weights memory-mapped, so their address is congruent to
+    their file offset modulo the page size, and CPU GEMMs (oneDNN/MKL) can sum in another order
+    at another alignment. Checkpoint keys are renamed as transformers does (Mixtral's
+    ``block_sparse_moe.gate`` -> ``mlp.gate``: ``loading.checkpoint.KeyMap``). The decompressed checkpoint stores the same non-expert tensors at
+    other offsets (its experts are larger), which made the reference's logits differ from the
+    paged model's (which copies them at ``src``'s alignment, ``loading.fill.empty_like_mapped``)
+    in the last bits (3.8e-6 on the bundled model's W4A16_ASYM). A parameter whose bytes differ
+    from the file's (another dtype) is left where it is.
+    """
+    from pagedexperts.loading.checkpoint import KeyMap
+    from pagedexperts.loading.fill import empty_like_mapped
+    from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
+    from pagedexperts.storage.safetensors_index import TensorEntry
+
+    rename, offsets = KeyMap(model.config.model_type, {}).rename, {}
+    for file in checkpoint_files(src):
+        header, data_start = read_header_json(file)
+        offsets.update({rename(key): (file, data_start + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0])
+                        for key, h in header.items()})
+    experts, moved = set(expert_parameters(model)), 0
+    for name, param in model.named_parameters():
+        if name in experts or name not in offsets or param.device.type != "cpu":
+            continue
+        file, start, nbytes = offsets[name]
+        if nbytes != param.nbytes:
+            continue
+        aligned = empty_like_mapped(TensorEntry(file, param.dtype, tuple(param.shape), start, param.nbytes))
+        if aligned.data_ptr() % mmap.PAGESIZE != param.data_ptr() % mmap.PAGESIZE:
+            param.data = aligned.copy_(param.data)
+            moved += 1
+    return moved
+
+
+def per_projection_groups(quantization_config: dict | None) -> str | None:
+    """Why transformers cannot be the reference of a compressed-tensors checkpoint whose routed
+    expert projections are in config groups with different schemes (gate/up group 32, down
+    group 16), or None: transformers 5.24 applies ONE group to every expert projection
+    (``get_experts_scheme``), so its loading fails (or dequantizes down_proj with the wrong
+    group size). Read with ``formats.ct_schemes.dense_schemes`` (a checkpoint it refuses: None)."""
+    from pagedexperts.formats.ct_schemes import dense_schemes
+
+    if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
+        return None
+    try:
+        schemes = dense_schemes(quantization_config)
+    except ValueError:
+        return None
+    if len({repr(s) for s in schemes.values()}) <= 1:
+        return None
+    groups = ", ".join(f"{d} {s.weights.get('num_bits')}-bit group_size {s.weights.get('group_size')}"
+                       for d, s in schemes.items())
+    return (f"the expert projections are in different config groups ({groups}) and transformers applies "
+            "one group to every expert projection")
+
+
 def choose_reference(path: Path, quantization_config: dict | None, *, load: Callable, load_dense: Callable):
     """The unpaged reference model and a ``ReferenceChoice`` (module docstring's rule).
 
@@ -195,10 +257,17 @@ def choose_reference(path: Path, quantization_config: dict | None, *, load: Call
     reference is not transformers' loading, naming why.
     """
     if not has_library_reference(quantization_config):
-        return load(path), ReferenceChoice("transformers", "no format library decompression for this checkpoint here")
+        return load(path), ReferenceChoice("transformers", "its own loading; no format library decompression "
+                                                           "for this checkpoint here")
     with tempfile.TemporaryDirectory(prefix="pagedexperts-ref-") as tmp:
         library = load_dense(library_decompress(Path(path), Path(tmp)))
+    align_like_checkpoint(library, Path(path))
     library_name = "compressed-tensors"
+    per_projection = per_projection_groups(quantization_config)
+    if per_projection:  # transformers' loading would fail with a long traceback: not tried
+        choice = ReferenceChoice(library_name, f"transformers cannot load this checkpoint: {per_projection}")
+        logger.warning("unpaged reference: %s's own decompression, since %s", library_name, choice.reason)
+        return library, choice
     try:
         model = load(path)
     except Exception as exc:  # transformers' loader fails in many ways (assertion, cat, key errors)
