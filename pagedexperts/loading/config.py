@@ -39,6 +39,14 @@ MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm",)
 DECIDE_CHOICES = ("auto", "host", "device")
 DEFAULT_DECIDE = "auto"
 
+# CUDA graphs of decode steps (``generation.graphs``): "auto" (captured where the step can be:
+# CUDA, device-planned or resident; a WARNING where auto falls back on CUDA), "on" (a clear error
+# where it cannot work), "off" (--no-cuda-graphs), "eager" (the same static-buffer decode run
+# eagerly, no capture: CPU tests; not a command flag)
+CUDA_GRAPHS_CHOICES = ("auto", "on", "off", "eager")
+DEFAULT_CUDA_GRAPH_MAX_BATCH = 8
+GRAPH_MODES = ("paged", "resident")  # modes whose steps read nothing back (paged: device-planned)
+
 logger = logging.getLogger(__name__)
 
 
@@ -62,6 +70,8 @@ class PagingConfig:
     # the device decide's kernels: "triton", or "torch" (their plain-torch references: CPU only,
     # for tests where the Triton interpreter is too slow); not a command flag
     device_kernels: str = "triton"
+    cuda_graphs: str = "auto"  # CUDA_GRAPHS_CHOICES (--cuda-graphs / --no-cuda-graphs)
+    cuda_graph_max_batch: int = DEFAULT_CUDA_GRAPH_MAX_BATCH  # decode batch sizes captured: 1..N
 
     def resident_slots(self, *, num_experts: int, top_k: int) -> int:
         """K for E experts of which a token routes to top_k: all E unless mode "paged"."""
@@ -117,7 +127,65 @@ def option_problems(cfg: PagingConfig) -> list[str]:
         problems.append(f"unknown --decide {cfg.decide!r}; choose one of {list(DECIDE_CHOICES)}")
     elif cfg.decide == "device" and cfg.mode == "paged":
         problems += device_decide_problems(cfg)
+    problems += graph_option_problems(cfg)
     return [p for p in problems if p is not None]
+
+
+def graph_option_problems(cfg: PagingConfig) -> list[str]:
+    """The problems of the CUDA-graph options alone: unknown choice, max batch < 1, and
+    ``--cuda-graphs`` (on) where capture cannot work (``graph_problems`` of the options)."""
+    if cfg.cuda_graphs not in CUDA_GRAPHS_CHOICES:
+        return [f"unknown cuda_graphs {cfg.cuda_graphs!r}; choose one of {list(CUDA_GRAPHS_CHOICES)} "
+                "(--cuda-graphs / --no-cuda-graphs)"]
+    problems = []
+    if not isinstance(cfg.cuda_graph_max_batch, int) or cfg.cuda_graph_max_batch < 1:
+        problems.append(f"--cuda-graph-max-batch {cfg.cuda_graph_max_batch} must be an integer >= 1 (the largest "
+                        "decode batch captured); use --no-cuda-graphs to capture none")
+    if cfg.cuda_graphs == "on":
+        problems += graph_problems(cfg, cfg.decide)
+    return problems
+
+
+def graph_problems(cfg: PagingConfig, decide: str) -> list[str]:
+    """Why decode steps of ``cfg`` with paged steps planned by ``decide`` ("auto" not yet
+    resolved counts as possible) cannot be captured in a CUDA graph, each naming its flag; []
+    if they can. The experts implementation is checked per captured step
+    (``generation.graphs``: grouped_mm syncs outside bf16 on CUDA)."""
+    problems = []
+    if device_problem(cfg.device) is None and torch.device(cfg.device).type != "cuda":
+        problems.append(f"--cuda-graphs needs a CUDA device, not --device {cfg.device}; drop --cuda-graphs "
+                        "(or --no-cuda-graphs)")
+    if cfg.mode not in GRAPH_MODES:
+        problems.append(f"--cuda-graphs cannot capture mode {cfg.mode!r} (its steps copy or compute on the host); "
+                        f"use a mode of {list(GRAPH_MODES)} or --no-cuda-graphs")
+    elif cfg.mode == "paged" and decide == "host":
+        problems.append("--cuda-graphs needs the device-planned step (--decide device or auto on CUDA): the "
+                        "host-planned step reads its top-k ids back every layer-step; use --no-cuda-graphs "
+                        "with --decide host")
+    return problems
+
+
+def resolve_cuda_graphs(cfg: PagingConfig, decide: str) -> tuple[str, str | None]:
+    """(backend, reason) of ``cfg.cuda_graphs`` once the paged steps' ``decide`` is resolved:
+    backend "cuda" (capture), "eager" (the static-buffer decode without capture) or "off",
+    with the reason when off. "auto": "cuda" where ``graph_problems`` is empty, else off (a
+    WARNING on CUDA, where the user could have had graphs; silent on CPU).
+
+    Raises:
+        ConfigError: "on" where capture cannot work (every reason).
+    """
+    if cfg.cuda_graphs == "off":
+        return "off", "--no-cuda-graphs"
+    if cfg.cuda_graphs == "eager":
+        return "eager", None
+    problems = graph_problems(cfg, decide)
+    if not problems:
+        return "cuda", None
+    if cfg.cuda_graphs == "on":
+        raise ConfigError(problems)
+    if torch.device(cfg.device).type == "cuda":
+        logger.warning("--cuda-graphs auto: decode runs without CUDA graphs because %s", "; ".join(problems))
+    return "off", "; ".join(problems)
 
 
 def device_decide_problems(cfg: PagingConfig) -> list[str]:

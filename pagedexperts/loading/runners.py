@@ -16,7 +16,7 @@ import torch
 
 from pagedexperts import integration
 from pagedexperts.formats import slots
-from pagedexperts.loading.config import check_config, resolve_decide
+from pagedexperts.loading.config import check_config, resolve_cuda_graphs, resolve_decide
 from pagedexperts.models.sites import router_of
 from pagedexperts.paging import prefetch
 from pagedexperts.paging.baselines import CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
@@ -110,11 +110,13 @@ def install_prefetch(model, *, budget: int | None = None) -> list:
 def attach_runners(runtime, dev) -> None:
     """One experts runner per MoE layer (an executor, or a baseline of ``paging.baselines``) for
     the runtime's config, over its stores, attached to each experts module; sets
-    ``runtime.decide`` (``loading.config.resolve_decide``: "host" or "device")."""
+    ``runtime.decide`` (``loading.config.resolve_decide``: "host" or "device") and
+    ``runtime.cuda_graphs`` (``loading.config.resolve_cuda_graphs``)."""
     cfg = runtime.config
     stores = list(runtime.stores.values())
     runtime.decide = resolve_decide(cfg, disk_tier=any(not isinstance(s, HostExpertStore) for s in stores),
                                     pinned=all(s.pinned for s in stores))
+    runtime.cuda_graphs, runtime.cuda_graphs_reason = resolve_cuda_graphs(cfg, runtime.decide)
     host_paged = cfg.mode == "paged" and runtime.decide == "host"
     copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and host_paged else None
     staging = make_staging(runtime.stores[runtime.sites[0].name], dev) if cfg.mode == "offload" else None

@@ -39,6 +39,12 @@ class PagingRuntime:
     host_memory: HostMemoryPlan | None = None
     read_ahead: ReadAhead | None = field(default=None, repr=False)
     decide: str = "host"  # where paged steps are planned: config.decide resolved ("host" or "device")
+    # decode steps in CUDA graphs: config.cuda_graphs resolved ("cuda", "eager" or "off") and why off
+    cuda_graphs: str = "off"
+    cuda_graphs_reason: str | None = None
+    # the decode graphs (``generation.graphs.DecodeGraphs``), built on first use; its captures
+    # check the runners they hold against ``pagers`` (a repage invalidates them)
+    decode_graphs: object = field(default=None, repr=False)
 
     def stats(self) -> ModelStats:
         """Current counters of every MoE layer (CUDA copy times folded in first), with the
