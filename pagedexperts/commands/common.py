@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS
+from pagedexperts.loading.config import DEFAULT_CUDA_GRAPH_MAX_BATCH
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 from pagedexperts.models.config import RUN_DTYPE_BYTES
 from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS
@@ -71,6 +72,26 @@ def add_decide_argument(group) -> None:
     group.add_argument("--decide", default="auto", choices=["auto", "host", "device"], help=DECIDE_HELP)
 
 
+GRAPHS_HELP = (
+    "capture every decode step in a CUDA graph (static KV cache, one capture per batch size up to "
+    "--cuda-graph-max-batch; prefill stays eager); an error where capture cannot work (CPU, --decide host, "
+    "a mode that copies on the host). Default: auto, graphs where the step is capturable (CUDA, device-planned "
+    "or resident, a syncless experts kernel), else a WARNING and decode without them (silent on CPU). "
+    "Unverified on a GPU so far (the CUDA tests are written, not yet run)"
+)
+
+
+def add_graph_arguments(group) -> None:
+    """--cuda-graphs / --no-cuda-graphs (default auto) and --cuda-graph-max-batch N."""
+    group.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_const", const="on", default="auto",
+                       help=GRAPHS_HELP)
+    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const="off",
+                       help="decode without CUDA graphs (transformers' generate, dynamic KV cache)")
+    group.add_argument("--cuda-graph-max-batch", type=int, default=DEFAULT_CUDA_GRAPH_MAX_BATCH, metavar="N",
+                       help=f"largest decode batch captured, N >= 1 (default {DEFAULT_CUDA_GRAPH_MAX_BATCH}); "
+                       "larger batches run the same static step eagerly")
+
+
 def load_from_args(args):
     """(model, tokenizer) from the flags of add_model_arguments."""
     from pagedexperts.loading.loader import load_model
@@ -87,6 +108,9 @@ def load_from_args(args):
         slot_format=getattr(args, "slot_format", DEFAULT_SLOT_FORMAT),
         host_memory_gb=getattr(args, "host_memory_gb", None),
         decide=decide_for(args),
+        # commands without the graph flags (check, serve, bench) decode without graphs
+        cuda_graphs=getattr(args, "cuda_graphs", "off"),
+        cuda_graph_max_batch=getattr(args, "cuda_graph_max_batch", DEFAULT_CUDA_GRAPH_MAX_BATCH),
     )
 
 

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from pagedexperts.commands.common import add_model_arguments, load_from_args
+from pagedexperts.commands.common import add_graph_arguments, add_model_arguments, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 
@@ -18,6 +18,7 @@ def add_parser(sub) -> None:
         "then prints a paging report (hit rate, misses and bytes per token, waves, TTFT, tok/s).",
     )
     add_model_arguments(p)
+    add_graph_arguments(p.add_argument_group("CUDA graphs (decode)"))
     g = p.add_argument_group("prompt and sampling")
     g.add_argument("--prompt", help="prompt text (default: read stdin)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -49,6 +50,8 @@ def run(args) -> int:
     )
     sampling.validate()
     speculative = speculative_from_args(args)
+    if speculative is not None and args.cuda_graphs == "on":
+        raise ValueError("--speculative verifies through the scheduler, which has no CUDA graphs; drop --cuda-graphs")
     _check_outputs(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():

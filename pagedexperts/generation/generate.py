@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 
 from pagedexperts.generation.config import GREEDY, SamplingConfig
+from pagedexperts.generation.graphs import decode_graphs_for
+from pagedexperts.generation.static_decode import DecodeOptions, static_generate
 from pagedexperts.stats.accounting import ModelStats
 
 
@@ -25,7 +27,8 @@ class GenerationResult:
     ``paging`` holds ModelStats.as_dict() of the whole call; ``prefill`` and ``decode`` the
     totals of each phase (prefill = the forward over the prompt, decode = the rest).
     ``speculative``: with --speculative, the acceptance counters (``speculation.SpeculativeStats``)
-    and paging per generated token; empty otherwise.
+    and paging per generated token; empty otherwise. ``cuda_graphs``: how decode steps ran
+    (``graphs.DecodeGraphs.summary`` when on; else enabled False and the reason).
     """
 
     text: str
@@ -38,6 +41,7 @@ class GenerationResult:
     prefill: dict = field(default_factory=dict)
     decode: dict = field(default_factory=dict)
     speculative: dict = field(default_factory=dict)
+    cuda_graphs: dict = field(default_factory=dict)
 
 
 class _TimingStreamer:
@@ -142,9 +146,16 @@ def generate_text(
         kwargs.update(GREEDY)
     if sampling.stop:
         kwargs.update(stop_strings=list(sampling.stop), tokenizer=tokenizer)
+    graphs = decode_graphs_for(model)
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(**inputs, **kwargs)
+    if graphs is None:
+        with torch.no_grad():
+            out = model.generate(**inputs, **kwargs)
+    else:  # decode steps replayed from CUDA graphs over a static cache (prefill eager)
+        opts = DecodeOptions(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                             top_p=sampling.top_p, stop_strings=tuple(sampling.stop), tokenizer=tokenizer,
+                             pad_token_id=tokenizer.pad_token_id)
+        out = static_generate(model, graphs, inputs["input_ids"], inputs["attention_mask"], opts, streamer=streamer)
     end = time.perf_counter()
     new = out[0, inputs["input_ids"].shape[1]:]
     times = streamer.token_times
@@ -161,7 +172,16 @@ def generate_text(
         paging=runtime.stats().as_dict(),
         prefill=before,
         decode=_difference(total, before),
+        cuda_graphs=graphs_field(runtime, graphs),
     )
+
+
+def graphs_field(runtime, graphs) -> dict:
+    """The stats field of decode graphs: enabled, backend, counters (``DecodeGraphs.summary``)
+    or the reason they were off."""
+    if graphs is None:
+        return dict(enabled=False, reason=runtime.cuda_graphs_reason)
+    return dict(enabled=True, **graphs.summary())
 
 
 def _p50_p99(name: str, summary: dict) -> str:
@@ -208,6 +228,13 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
             f"disk reads {p['disk_reads']}, {d['disk_bytes_per_token'] / 1e6:.3f} MB/token in decode, "
             f"read p50 {p['disk_read_p50_s'] * 1e3:.2f} ms p99 {p['disk_read_p99_s'] * 1e3:.2f} ms"
         )
+    g = result.cuda_graphs
+    if g.get("enabled"):
+        lines.append(f"  CUDA graphs ({g['backend']}): {g['captures']} captures, {g['replays']} replays, "
+                     f"{g['eager_steps']} eager decode steps, {g['invalidations']} invalidations"
+                     + (f"; WARNING fell back: {'; '.join(g['fallbacks'])}" if g["fallbacks"] else ""))
+    elif g:
+        lines.append(f"  CUDA graphs off: {g.get('reason')}")
     if p.get("fallbacks"):
         lines.append("  WARNING fallbacks: " + "; ".join(p["fallbacks"]))
     return "\n".join(lines)
