@@ -286,24 +286,29 @@ class DecodeGraphs:
             st.fallback = None
 
     def capture_problem(self) -> str | None:
-        """Why the model's decode step cannot be captured now (a step that syncs), or None."""
-        cfg = self.model.config
-        if cfg._attn_implementation not in MASK_KINDS:
-            return f"attention implementation {cfg._attn_implementation!r} (graphs build the mask for {MASK_KINDS})"
-        if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
-            return "a sliding-window model (graphs build a full causal mask)"
-        rt = getattr(self.model, "pagedexperts", None)
-        for layer, runner in (rt.pagers.items() if rt is not None else ()):
-            problem = runner_problem(runner, self.model.dtype)
-            if problem is not None:
-                return f"MoE layer {layer}: {problem}"
-        return None
+        """Why the model's decode step cannot be captured now (``capture_problem_of``)."""
+        return capture_problem_of(self.model)
 
     def summary(self) -> dict:
         """The stats field: backend, max batch, counters, captured batch sizes, fallbacks."""
         return dict(backend=self.backend_name, max_batch=self.max_batch, **asdict(self.counters),
                     batch_sizes=sorted(b for b, s in self.steps.items() if s.backend is not None),
                     fallbacks=sorted({s.fallback for s in self.steps.values() if s.fallback}))
+
+
+def capture_problem_of(model) -> str | None:
+    """Why ``model``'s decode step would sync under capture (attention, mask, a runner), or None."""
+    cfg = model.config
+    if cfg._attn_implementation not in MASK_KINDS:
+        return f"attention implementation {cfg._attn_implementation!r} (graphs build the mask for {MASK_KINDS})"
+    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+        return "a sliding-window model (graphs build a full causal mask)"
+    rt = getattr(model, "pagedexperts", None)
+    for layer, runner in (rt.pagers.items() if rt is not None else ()):
+        problem = runner_problem(runner, model.dtype)
+        if problem is not None:
+            return f"MoE layer {layer}: {problem}"
+    return None
 
 
 def runner_problem(runner, dtype: torch.dtype) -> str | None:
