@@ -17,7 +17,8 @@ What it measures (written as JSON and markdown under ``--out``):
    loop) and a per-layer part, from single-stream decode at ``--layers`` and half as many
    layers, for resident and for paged at K = E (all hits: paging's fixed per-layer cost).
 4. Decode with the host in the loop (``gpu_decode``), resident and paged at each K, batch 1
-   and 4: eager tok/s, CUDA-graph tok/s (a hook, "n/a" until the device-planned decode),
+   and 4: eager tok/s, CUDA-graph tok/s with the same step run eagerly beside it (both under
+   the random router: trace routing uploads ids from the host, which a graph cannot hold),
    host syncs per decode step, host time per MoE layer-step.
 5. Modelled decode tok/s of the 48-layer model: fixed + 48 x (paged per-layer cost at 0 misses
    + the extra cost of the simulator's LRU misses per layer-step on real routing traces,
@@ -314,7 +315,7 @@ def use_routing_trace(model, args) -> str:
         return "router (random weights)"
     from pagedexperts.analysis import trace_routing
 
-    trace_routing.install(model, path)
+    args.routing_driver = trace_routing.install(model, path)  # gpu_decode pauses it for the graphs rows
     print(f"routing driven by the trace {path}", flush=True)
     return f"trace {Path(path).name}"
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The prepared GPU check: CUDA tests, linkbench and the real-scale benchmark, under 8 minutes
-# (phase limits 90 + 30 + 320 s, plus at most 10 s each past a limit). gpu_bench includes the
+# (phase limits 100 + 30 + 310 s, plus at most 10 s each past a limit: 470 s). gpu_bench includes the
 # decode_host phase (bench/gpu_decode.py): at K = 40 and 92 (and resident), batch 1 and 4,
-# decode tok/s eager and with CUDA graphs (a hook, "n/a" until the device-planned decode fills
-# gpu_decode.graphs_decode_tok_s), host syncs per decode step (set_sync_debug_mode), and host
-# time per MoE layer-step.
+# decode tok/s eager and with every decode step replayed from a CUDA graph (generation.graphs,
+# beside eager in the same row, both under the random router), host syncs per decode step
+# (set_sync_debug_mode), and host time per MoE layer-step. The CUDA tests include
+# tests/test_cuda_graphs.py (captured == eager logits, no sync in replay, repage invalidates).
 #
 #   bash bench/gpu_check.sh --prepare           here, before the device run: copy the real
 #                                               routing traces into .gpu_traces/ (git-ignored)
@@ -58,14 +59,14 @@ phase() {  # phase NAME LIMIT_S COMMAND...: run, keep its output, record exit co
 cat "$OUT/env.txt"
 
 if [ "$DRY" = 1 ]; then
-  phase cuda_tests 60 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_formats.py -p no:cacheprovider
+  phase cuda_tests 60 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_graphs.py tests/test_formats.py -p no:cacheprovider
   phase linkbench 30 "$PY" -m pagedexperts.cli linkbench
   phase gpu_bench 180 "$PY" bench/gpu_bench.py --dry-run --out "$OUT" --traces tests/data/synthetic_trace.npz
 else
   [ -n "$(ls .gpu_traces/*.jsonl 2>/dev/null)" ] || echo "WARNING: no .gpu_traces (run --prepare here and carry it): the modelled table will be empty"
-  phase cuda_tests 90 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_formats.py -p no:cacheprovider
+  phase cuda_tests 100 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_graphs.py tests/test_formats.py -p no:cacheprovider
   phase linkbench 30 "$PY" -m pagedexperts.cli linkbench
-  phase gpu_bench 320 "$PY" bench/gpu_bench.py --out "$OUT"
+  phase gpu_bench 310 "$PY" bench/gpu_bench.py --out "$OUT"
 fi
 echo
 cat "$OUT/summary.md" 2>/dev/null || echo "no summary (see $OUT/gpu_bench.txt and $OUT/gpu_bench.json)"

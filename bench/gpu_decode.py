@@ -2,9 +2,12 @@
 
 For resident and paged at each K, at batch 1 and 4, on gpu_bench's model (Qwen3-30B-A3B
 shapes, random weights, trace-driven routing):
-- decode tok/s eager, and with every decode step captured in a CUDA graph: ``graphs_decode_tok_s``
-  is the HOOK the device-planned decode (issue 23 items 1-4) fills; until then it returns None
-  ("n/a"), never an estimate;
+- decode tok/s eager (transformers' generate), and with every decode step replayed from a
+  CUDA graph (``generation.graphs``: static KV cache, prefill eager) beside transformers'
+  eager generate again in the same row, both under the random router (the trace routing
+  uploads ids from the host each step, which a graph cannot hold); None ("n/a") with the
+  reason where graphs are off for the mode; the dry run (CPU) runs the same static step
+  eagerly (no capture);
 - host syncs per decode step: synchronizing CUDA calls counted by
   ``torch.cuda.set_sync_debug_mode("warn")`` (each one a warning) during decode only, all of
   them, those made from pagedexperts' runtime, and those of the benchmark's trace-driven
@@ -20,6 +23,7 @@ The timed run is uninstrumented; syncs and host times come from a second run.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import warnings
@@ -31,13 +35,64 @@ SYNC_WARNING = "synchroniz"  # in the text of every set_sync_debug_mode("warn") 
 ROUTING_DRIVER = "trace_routing.py"  # the benchmark's trace-driven top-k upload: not the runtime's
 
 
-def graphs_decode_tok_s(model, *, batch: int, prompt_len: int, new_tokens: int) -> float | None:
-    """HOOK (issue 23 item 4): decode tok/s over all rows with every decode step captured in
-    a CUDA graph (static KV cache, prefill eager). Returns None until the runtime can capture
-    a paged decode step: today each MoE layer-step reads its top-k ids back to the host and
-    plans in Python, which a graph cannot hold. The device-planned decode replaces this body
-    with a real measurement (capture, replay, time); nothing here estimates it."""
-    return None
+def static_decode_tok_s(model, graphs, *, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Decode tok/s over all rows of one greedy ``static_generate`` on random prompts (every
+    decode step through ``graphs``: replayed CUDA graphs, or the same step run eagerly)."""
+    from pagedexperts.generation.static_decode import DecodeOptions, static_generate
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=model.device)
+    times = []
+
+    class Clock:  # static_generate reads each token back (.cpu()): the time is the token's
+        def put(self, value):
+            times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    static_generate(model, graphs, ids, torch.ones_like(ids), DecodeOptions(max_new_tokens=new_tokens, ignore_eos=True),
+                    streamer=Clock())
+    times = times[1:]  # the first put() is the prompt
+    return batch * (len(times) - 1) / (times[-1] - times[0])
+
+
+@contextlib.contextmanager
+def router_routing(model, args):
+    """Trace-driven routing paused (its hooks upload top-k ids from the host: not capturable),
+    reinstalled afterwards (``args.routing_driver``, set by gpu_bench)."""
+    driver = getattr(args, "routing_driver", None)
+    if driver is None:
+        yield
+        return
+    for h in driver.handles:
+        h.remove()
+    try:
+        yield
+    finally:
+        from pagedexperts.analysis import trace_routing
+
+        args.routing_driver = trace_routing.install(model, driver.trace)
+
+
+def graphs_row(model, args, run: dict, decode_run) -> dict:
+    """Decode tok/s with every decode step replayed from a CUDA graph (``generation.graphs``:
+    static cache, prefill eager, warm-up captures) and, in the same minute, transformers'
+    eager generate, both under the random router. Dry run (CPU): the same static step run
+    eagerly (``EagerBackend``). None with the reason when graphs are off for this mode."""
+    from pagedexperts.generation.graphs import DecodeGraphs, decode_graphs_for
+
+    rt = model.pagedexperts
+    if model.device.type == "cuda":
+        graphs = decode_graphs_for(model)
+    else:
+        graphs = DecodeGraphs(model, backend="eager", max_batch=max(BATCHES))
+    if graphs is None:
+        return dict(graphs_tok_s=None, eager_router_tok_s=None, graphs_off=rt.cuda_graphs_reason)
+    with router_routing(model, args):
+        static_decode_tok_s(model, graphs, batch=run["batch"], prompt_len=8, new_tokens=3)  # warm-up: capture
+        tok_s = static_decode_tok_s(model, graphs, **run)
+        _, eager = decode_run(model, **run)
+    return dict(graphs_tok_s=tok_s, eager_router_tok_s=eager, graphs_off=None, graphs=graphs.summary())
 
 
 class _DecodeProbe:
@@ -112,11 +167,11 @@ def decode_host(model, args, *, repage, decode_run) -> list[dict]:
             decode_run(model, batch=batch, prompt_len=8, new_tokens=3)  # warm-up
             _, eager = decode_run(model, **run)
             row = dict(mode=mode, K=model.pagedexperts.num_resident, batch=batch, eager_tok_s=eager,
-                       graphs_tok_s=graphs_decode_tok_s(model, **run), **instrumented_run(model, **run))
+                       **graphs_row(model, args, run, decode_run), **instrumented_run(model, **run))
             rows.append(row)
             syncs = row["host_syncs_per_decode_step"]
             print(f"  {mode:8s} K={row['K']:4d} batch {batch}: eager {eager:8.1f} tok/s, graphs "
-                  f"{_na(row['graphs_tok_s'], '.1f')}, syncs/step {_na(syncs, '.1f')}, host "
+                  f"{_na(row['graphs_tok_s'], '.1f')} vs eager {_na(row['eager_router_tok_s'], '.1f')} (router), syncs/step {_na(syncs, '.1f')}, host "
                   f"{1e6 * row['host_s_per_layer_step_p50']:.1f} us/layer-step (p50)", flush=True)
     return rows
 
@@ -127,14 +182,16 @@ def _na(value, fmt: str) -> str:
 
 def summary_lines(rows: list[dict]) -> list[str]:
     """Markdown table of ``decode_host`` rows."""
-    lines = ["", "| mode | K | batch | eager tok/s | graphs tok/s | syncs/decode step (pagedexperts, "
-             "routing driver) | host us/layer-step p50 (mean) |", "|---|---|---|---|---|---|---|"]
+    lines = ["", "| mode | K | batch | eager tok/s | graphs tok/s (eager, random router) | syncs/decode step "
+             "(pagedexperts, routing driver) | host us/layer-step p50 (mean) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         syncs = _na(r["host_syncs_per_decode_step"], ".1f")
         ours = _na(r["pagedexperts_syncs_per_decode_step"], ".1f")
         driver = _na(r["routing_driver_syncs_per_decode_step"], ".1f")
         lines.append(f"| {r['mode']} | {r['K']} | {r['batch']} | {r['eager_tok_s']:.1f} | "
-                     f"{_na(r['graphs_tok_s'], '.1f')} | {syncs} ({ours}, {driver}) | "
+                     f"{_na(r['graphs_tok_s'], '.1f')} ({_na(r['eager_router_tok_s'], '.1f')}) | {syncs} ({ours}, {driver}) | "
                      f"{1e6 * r['host_s_per_layer_step_p50']:.1f} ({1e6 * r['host_s_per_layer_step_mean']:.1f}) |")
-    lines.append("graphs: n/a until the device-planned decode fills gpu_decode.graphs_decode_tok_s (issue 23)")
+    lines.append("graphs: decode steps replayed from CUDA graphs (static KV cache), beside transformers' eager "
+                 "generate in the same row, both under the random router (trace routing uploads ids from the "
+                 "host); n/a: graphs off for the mode (reason in gpu_bench.json); dry run: the static step eagerly")
     return lines

@@ -1,0 +1,125 @@
+"""Decode steps captured in CUDA graphs (``generation.graphs``, CudaGraphBackend): CUDA only.
+
+Run by ``bench/gpu_check.sh`` (``pytest -m cuda``); skipped where torch sees no CUDA device or
+triton is missing (the device-planned step's kernels). NOT YET RUN ON A GPU when written.
+Oracles: the same checkpoint loaded a second time and decoded through the same static-buffer
+step eagerly (``EagerBackend``: the function the graph captured, run op by op): logits
+torch.equal every step and the same paging counters per layer (a capture that ran its
+kernels, or a replay that skipped one, would count differently); torch's own sync detector
+(``set_sync_debug_mode("error")``) over replayed steps; the runners a repage attaches.
+
+Legend: B batch, K slots, k top_k.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PAD_ID
+from pagedexperts.generation.graphs import DecodeGraphs
+from pagedexperts.generation.static_decode import DecodeOptions, static_generate
+from pagedexperts.loading import runners
+from pagedexperts.loading.loader import load_model
+from pagedexperts.paging.kernels import HAVE_TRITON
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda)"),
+              pytest.mark.skipif(not HAVE_TRITON, reason="the device-planned step needs triton")]
+STEPS = 24
+COUNTED = ("hits", "misses", "waves", "multi_wave_steps", "steps", "tokens", "bytes_paged")
+
+
+def _load(path, *, impl: str = "batched_mm", dtype: str = "float32"):
+    return load_model(path, device="cuda", num_resident=4, decide="device", policy="lru", dtype=dtype,
+                      experts_implementation=impl, cuda_graphs="off", check_independence=False)[0]
+
+
+def _prompt(rows: int):
+    ids = torch.randint(2, 100, (rows, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if rows > 1:
+        ids[1, :3], mask[1, :3] = PAD_ID, 0
+    return ids.cuda(), mask.cuda()
+
+
+def _decode(model, graphs, ids, mask, tokens, *, sync_check: bool = False) -> list[torch.Tensor]:
+    """Prefill, then one decode step per column of ``tokens`` [B, n]; the first decode step
+    (the capture) before ``set_sync_debug_mode("error")`` when ``sync_check``."""
+    st = graphs.step_for(ids.shape[0], ids.shape[1] + tokens.shape[1] + 1)
+    out = []
+    with torch.no_grad():
+        out.append(st.prefill(ids, mask))
+        for i in range(tokens.shape[1]):
+            if sync_check and i == 1:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out.append(graphs.decode(st, tokens[:, i], ids.shape[1] + i))
+            except Exception:
+                torch.cuda.set_sync_debug_mode("default")
+                raise
+        torch.cuda.set_sync_debug_mode("default")
+    return out
+
+
+def _per_layer(model) -> dict:
+    return {i: {f: getattr(s, f) for f in COUNTED} for i, s in model.pagedexperts.stats().layers.items()}
+
+
+def _tokens(model, ids, mask):
+    eager = DecodeGraphs(model, backend="eager", max_batch=8)
+    out = static_generate(model, eager, ids, mask, DecodeOptions(max_new_tokens=STEPS, ignore_eos=True))
+    model.pagedexperts.reset_stats()
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("rows", [1, 4], ids=["batch1", "batch4-multiwave"])
+@pytest.mark.parametrize("impl,dtype", [("batched_mm", "float32"), ("grouped_mm", "bfloat16")])
+def test_captured_decode_equals_the_same_step_run_eagerly(tiny_moe_dir, rows, impl, dtype):
+    captured, eager = _load(tiny_moe_dir, impl=impl, dtype=dtype), _load(tiny_moe_dir, impl=impl, dtype=dtype)
+    ids, mask = _prompt(rows)
+    tokens = _tokens(eager, ids, mask)
+    runners.repage(eager, mode="paged", num_resident=4)  # empty slots, as the captured model's
+    graphs = DecodeGraphs(captured, backend="cuda", max_batch=4, strict=True)
+    got = _decode(captured, graphs, ids, mask, tokens)
+    want = _decode(eager, DecodeGraphs(eager, backend="eager", max_batch=4), ids, mask, tokens)
+    assert graphs.counters.captures == 1 and graphs.counters.replays == STEPS - 1
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"step {step}"
+    assert _per_layer(captured) == _per_layer(eager)
+    assert captured.pagedexperts.stats().as_dict()["misses"] > 4 * len(_per_layer(eager)), "routing must change"
+
+
+def test_replayed_decode_makes_no_host_sync(tiny_moe_dir):
+    model = _load(tiny_moe_dir)
+    ids, mask = _prompt(1)
+    tokens = torch.randint(2, 100, (1, STEPS), device="cuda")
+    graphs = DecodeGraphs(model, backend="cuda", max_batch=2, strict=True)
+    _decode(model, graphs, ids, mask, tokens, sync_check=True)  # raises on a sync
+    assert graphs.counters.replays == STEPS - 1
+
+
+def test_repage_invalidates_the_cuda_graph(tiny_moe_dir):
+    captured, eager = _load(tiny_moe_dir), _load(tiny_moe_dir)
+    ids, mask = _prompt(1)
+    tokens = _tokens(eager, ids, mask)[:, :8]
+    graphs = DecodeGraphs(captured, backend="cuda", max_batch=2, strict=True)
+    _decode(captured, graphs, ids, mask, tokens)
+    for m in (captured, eager):
+        runners.repage(m, mode="paged", num_resident=8)
+    got = _decode(captured, graphs, ids, mask, tokens)
+    want = _decode(eager, DecodeGraphs(eager, backend="eager", max_batch=2), ids, mask, tokens)
+    assert (graphs.counters.captures, graphs.counters.invalidations) == (2, 1)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_graph_decode_tokens_equal_transformers_generate(tiny_moe_dir):
+    model = _load(tiny_moe_dir)
+    ids, mask = _prompt(2)
+    graphs = DecodeGraphs(model, backend="cuda", max_batch=4, strict=True)
+    got = static_generate(model, graphs, ids, mask, DecodeOptions(max_new_tokens=STEPS, ignore_eos=True))
+    runners.repage(model, mode="paged", num_resident=4)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS,
+                              do_sample=False, pad_token_id=PAD_ID)
+    assert torch.equal(got, want)
