@@ -159,6 +159,8 @@ def test_runner_problem_names_the_syncing_kernels(tiny_moe_dir):
     assert runner_problem(runner, torch.bfloat16) is None
     runner.inner = "batched_mm"
     assert runner_problem(runner, torch.float32) is None
+    runner.dequantizer = object()  # packed slots of a quantized format: dequantized per wave
+    assert "quantized format" in runner_problem(runner, torch.float32)
 
 
 def test_graph_options_are_checked_with_their_flags(caplog):

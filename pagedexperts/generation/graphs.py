@@ -18,7 +18,9 @@ is taken as is (``masking_utils``: "already 4D").
 Capture needs every step to be syncless: the paged steps device-planned (``DevicePager``) or
 the model's own math (``runner.InlineRunner``: resident), an experts kernel that reads nothing
 back (batched_mm; grouped_mm in bfloat16 only: outside it transformers' and torch's fallbacks
-read the group offsets back), sdpa or eager attention without a sliding window. The first
+read the group offsets back), dense slots (a quantized format's per-wave dequantize builds its
+shift / lookup constants with ``torch.tensor`` on each call: a host-to-device copy), sdpa or
+eager attention without a sliding window. The first
 step of a batch size runs eagerly (on a side stream: the warm-up, e.g. Triton's compile, and
 the real step), then the function is captured (capture runs nothing, so the paging state
 advances once per step). A capture holds the addresses of the runners' slots and state: it is
@@ -315,6 +317,10 @@ def runner_problem(runner, dtype: torch.dtype) -> str | None:
     """Why ``runner``'s step would sync under capture, or None (module docstring)."""
     if not isinstance(runner, (DevicePager, InlineRunner)):
         return f"{type(runner).__name__} reads the step back to the host (needs --decide device or mode resident)"
+    if isinstance(runner, DevicePager) and runner.dequantizer is not None:
+        return ("packed slots of a quantized format dequantize each wave with constants built on the host "
+                "(formats: torch.tensor(...) per call, a host-to-device copy a capture cannot hold); use "
+                "--no-cuda-graphs")
     if runner.inner == "grouped_mm" and dtype != torch.bfloat16:
         return (f"grouped_mm in {str(dtype).removeprefix('torch.')} reads its group offsets back (transformers' "
                 "and torch's fallbacks); use --dtype bfloat16 or --experts-implementation batched_mm")
