@@ -186,3 +186,25 @@ def test_graph_options_are_checked_with_their_flags(caplog):
 def test_cli_refuses_cuda_graphs_on_cpu(capsys):
     assert main(["generate", "--prompt", "hi", "--max-new-tokens", "2", "--cuda-graphs"]) != 0
     assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_failed_capture_falls_back_under_auto_and_raises_when_strict(tiny_moe_dir, reference, monkeypatch, caplog):
+    from pagedexperts.generation import graphs as graphs_module
+
+    def failing_build(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs_module.EagerBackend, "build", failing_build)
+    model = paged(tiny_moe_dir)
+    ids, mask = prompt(1)
+    graphs = DecodeGraphs(model, backend="eager", max_batch=2)
+    with caplog.at_level(logging.WARNING):
+        got = static_generate(model, graphs, ids, mask, DecodeOptions(max_new_tokens=6, ignore_eos=True))
+    assert "capture of batch 1 failed" in caplog.text
+    s = graphs.summary()
+    assert s["captures"] == 0 and s["eager_steps"] == 4 and s["fallbacks"][0].startswith("capture failed")
+    model.pagedexperts.reset_stats()
+    strict = DecodeGraphs(model, backend="eager", max_batch=2, strict=True)
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        static_generate(model, strict, ids, mask, DecodeOptions(max_new_tokens=6, ignore_eos=True))
+    assert torch.equal(got[:, ids.shape[1]:], _fed_tokens(reference, ids, mask)[:, :6])  # decoded eagerly, right

@@ -263,12 +263,21 @@ class DecodeGraphs:
 
     def _build(self, st: StaticStep, key: tuple) -> torch.Tensor:
         """Run the step eagerly (the warm-up and the real step: a side stream on CUDA), then
-        build the backend over the same buffers (capture runs nothing)."""
+        build the backend over the same buffers (capture runs nothing). A capture that fails
+        (RuntimeError) raises when strict, else the batch size decodes eagerly (WARNING,
+        ``fallbacks``): the step already ran, so the state is the eager one."""
         backend = CudaGraphBackend(self._pool) if self.backend_name == "cuda" else EagerBackend()
         with _side_stream(self.backend_name == "cuda"):
             st.forward()
         logits = st.logits.clone()
-        backend.build(st.forward)
+        try:
+            backend.build(st.forward)
+        except RuntimeError as err:  # a sync or copy the review missed: auto keeps decoding eagerly
+            if self.strict:
+                raise
+            logger.warning("--cuda-graphs auto: capture of batch %d failed (%s); decoding it eagerly", st.batch, err)
+            st.fallback = f"capture failed: {err}"
+            return logits
         st.backend, st.built_for = backend, key
         self.counters.captures += 1
         return logits
