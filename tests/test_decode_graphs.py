@@ -208,3 +208,16 @@ def test_a_failed_capture_falls_back_under_auto_and_raises_when_strict(tiny_moe_
     with pytest.raises(RuntimeError, match="stream is capturing"):
         static_generate(model, strict, ids, mask, DecodeOptions(max_new_tokens=6, ignore_eos=True))
     assert torch.equal(got[:, ids.shape[1]:], _fed_tokens(reference, ids, mask)[:, :6])  # decoded eagerly, right
+
+
+def test_stats_json_says_why_graphs_are_off(tmp_path):
+    import json
+
+    out = tmp_path / "stats.json"
+    assert main(["generate", "--prompt", "hi", "--max-new-tokens", "3", "--quiet", "--stats-json", str(out)]) == 0
+    field = json.loads(out.read_text())["cuda_graphs"]
+    assert field["enabled"] is False and "needs a CUDA device" in field["reason"]
+    out2 = tmp_path / "off.json"
+    assert main(["generate", "--prompt", "hi", "--max-new-tokens", "3", "--quiet", "--no-cuda-graphs",
+                 "--stats-json", str(out2)]) == 0
+    assert json.loads(out2.read_text())["cuda_graphs"] == dict(enabled=False, reason="--no-cuda-graphs")

@@ -70,6 +70,13 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             CPU). ``model.pagedexperts.decide`` says which was chosen.
         device_kernels: the device decide's kernels: "triton" (default), or "torch" (their
             plain-torch references, CPU only: tests where the Triton interpreter is slow).
+        cuda_graphs: decode steps of ``generation.generate_text`` in CUDA graphs
+            (``generation.graphs``): "auto" (default: where the step is capturable, i.e. CUDA
+            and device-planned or resident steps; else decode without them, a WARNING on
+            CUDA), "on" (a ConfigError where capture cannot work), "off", or "eager" (the same
+            static-buffer decode without capture: CPU tests). ``model.pagedexperts.cuda_graphs``
+            says what was resolved ("cuda", "eager", "off") and ``cuda_graphs_reason`` why off.
+        cuda_graph_max_batch: N >= 1, the largest decode batch captured (default 8).
         check_independence: at start-up, page a sample of experts of every layer into a slot
             and compare what the experts kernel would read with the checkpoint's own tensors
             of that expert (``loading.independence``); raises naming the tensor on a mismatch.
