@@ -221,3 +221,16 @@ def test_stats_json_says_why_graphs_are_off(tmp_path):
     assert main(["generate", "--prompt", "hi", "--max-new-tokens", "3", "--quiet", "--no-cuda-graphs",
                  "--stats-json", str(out2)]) == 0
     assert json.loads(out2.read_text())["cuda_graphs"] == dict(enabled=False, reason="--no-cuda-graphs")
+
+
+@pytest.mark.default_threads
+def test_static_decode_with_the_triton_kernels_equals_unpaged(tiny_moe_dir, reference):
+    """The Triton decide / page-in / remap kernels (TRITON_INTERPRET=1 on CPU) through the
+    static-buffer step: the kernels a CUDA capture holds."""
+    model = paged(tiny_moe_dir, device_kernels="triton")
+    ids, mask = prompt(2)
+    tokens = _fed_tokens(reference, ids, mask)[:, :8]
+    got = decode_logits(model, DecodeGraphs(model, backend="eager", max_batch=4), ids, mask, tokens)
+    want = decode_logits(reference, DecodeGraphs(reference, backend="eager", max_batch=4), ids, mask, tokens)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert model.pagedexperts.stats().as_dict()["misses"] > 2 * 2 * 4
