@@ -142,14 +142,18 @@ def test_a_step_that_cannot_be_captured_falls_back_with_a_warning_or_raises(tiny
     st = graphs.step_for(1, 16)
     st.prefill(ids, mask)
     with caplog.at_level(logging.WARNING):
-        graphs._fall_back(st, problem)
+        graphs._fall_back(st, problem, graphs._runners_key())
     assert "without a CUDA graph" in caplog.text
     graphs.decode(st, ids[:, -1], ids.shape[1] + 1)
     s = graphs.summary()
     assert s["fallbacks"] == [problem] and s["eager_steps"] == 2 and s["captures"] == 0
+    runners.repage(model, mode="paged", num_resident=8)  # new runners: the step is judged again
+    graphs.decode(st, ids[:, -1], ids.shape[1] + 2)
+    s = graphs.summary()
+    assert s["fallbacks"] == [] and s["captures"] == 1 and s["invalidations"] == 0
     strict = DecodeGraphs(model, backend="eager", max_batch=2, strict=True)
     with pytest.raises(ValueError, match="--no-cuda-graphs"):
-        strict._fall_back(strict.step_for(1, 16), problem)
+        strict._fall_back(strict.step_for(1, 16), problem, ())
 
 
 def test_runner_problem_names_the_syncing_kernels(tiny_moe_dir):

@@ -231,15 +231,15 @@ class DecodeGraphs:
         runs eagerly first); batches over max_batch and fallbacks run eagerly."""
         st.load(next_ids, position)
         key = self._runners_key()
-        if st.backend is not None and not _same_runners(st.built_for, key):
-            st.backend, st.fallback = None, None
-            self.counters.invalidations += 1
+        if (st.backend is not None or st.fallback is not None) and not _same_runners(st.built_for, key):
+            self.counters.invalidations += st.backend is not None
+            st.backend, st.fallback = None, None  # new runners: capture (or judge) again
         if st.batch > self.max_batch or st.fallback is not None:
             return self._eager(st)
         if st.backend is None:
             problem = self.capture_problem()
             if problem is not None and self.backend_name == "cuda":
-                return self._fall_back(st, problem)
+                return self._fall_back(st, problem, key)
             logits = self._build(st, key)
         else:
             st.backend.run(st.forward)
@@ -254,11 +254,12 @@ class DecodeGraphs:
         st.position_ids.add_(1)
         return st.logits.clone()
 
-    def _fall_back(self, st: StaticStep, problem: str) -> torch.Tensor:
+    def _fall_back(self, st: StaticStep, problem: str, key: tuple) -> torch.Tensor:
+        """Raise (strict) or decode ``st`` eagerly from now on until its runners change."""
         if self.strict:
             raise ValueError(f"--cuda-graphs cannot capture this decode step: {problem}; use --no-cuda-graphs")
         logger.warning("--cuda-graphs auto: batch %d decodes without a CUDA graph: %s", st.batch, problem)
-        st.fallback = problem
+        st.fallback, st.built_for = problem, key
         return self._eager(st)
 
     def _build(self, st: StaticStep, key: tuple) -> torch.Tensor:
@@ -276,7 +277,7 @@ class DecodeGraphs:
             if self.strict:
                 raise
             logger.warning("--cuda-graphs auto: capture of batch %d failed (%s); decoding it eagerly", st.batch, err)
-            st.fallback = f"capture failed: {err}"
+            st.fallback, st.built_for = f"capture failed: {err}", key
             return logits
         st.backend, st.built_for = backend, key
         self.counters.captures += 1
