@@ -190,6 +190,9 @@ class BatchScheduler:
             admitted = []
             while self._waiting and len(self._running) + len(admitted) < self.config.max_running_requests:
                 admitted.append(self._waiting.popleft())
+            now = time.perf_counter()
+            for req in admitted:
+                req.admitted_s = now
         for req in [r for r in self._running if r.cancelled]:
             self._running.remove(req)
             self._finish(req, "cancelled")
@@ -365,6 +368,7 @@ class BatchScheduler:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         ttft, tpot = req.timing(now)
         try:
-            req.on_event(self._event(req, text, now=now, finish_reason=reason, error=error, ttft_s=ttft, tpot_s=tpot))
+            req.on_event(self._event(req, text, now=now, finish_reason=reason, error=error, ttft_s=ttft,
+                                        queue_s=req.queue_s, tpot_s=tpot))
         except Exception:  # the final event is the last thing sent: nothing else to end
             logger.exception("the final event of request %s could not be delivered", req.request_id)
