@@ -44,15 +44,14 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
-PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo", "First Citizen:\nBefore we proceed any further", "KING HENRY:",
-           "To be, or not to be", "MENENIUS:\nWhat work's, my countrymen", "But soft, what light", "Now is the winter",
-           "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # load_clients, next to this file
+from load_clients import PROMPTS, Outcome, client_process  # noqa: E402
+
 MODEL_COUNTERS = ("pagedexperts_decode_steps_total", "pagedexperts_decode_rows_total",
                   "pagedexperts_prefill_steps_total", "pagedexperts_prefill_rows_total")
 TIMING_SUMS = ("pagedexperts_time_to_first_token_seconds_sum", "pagedexperts_time_to_first_token_seconds_count",
@@ -60,97 +59,6 @@ TIMING_SUMS = ("pagedexperts_time_to_first_token_seconds_sum", "pagedexperts_tim
 LAYER_COUNTERS = ("pagedexperts_expert_hits_total", "pagedexperts_expert_misses_total", "pagedexperts_waves_total",
                   "pagedexperts_multi_wave_steps_total", "pagedexperts_layer_steps_total",
                   "pagedexperts_union_size_sum_total", "pagedexperts_bytes_paged_total")
-
-
-@dataclass
-class Outcome:
-    """One request: HTTP status, tokens, TTFT and total seconds, or the error it got."""
-
-    status: int
-    tokens: int = 0
-    ttft_s: float | None = None
-    total_s: float = 0.0
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-def one_request(http: httpx.Client, model: str, prompt: str, max_tokens: int, timeout_s: float) -> Outcome:
-    """One streaming completion on the client's own connection; TTFT and total seconds from
-    just before the request is sent (the client's setup is not the server's latency)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    out = Outcome(status=0)
-    start = time.perf_counter()
-    try:
-        with http.stream("POST", "/v1/completions", json=body, timeout=max(timeout_s, 1.0)) as r:
-            out.status = r.status_code
-            if r.status_code != 200:
-                r.read()
-                out.error = r.text[:200]
-                return out
-            _read_stream(r, out, start)
-    except httpx.HTTPError as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    out.total_s = time.perf_counter() - start
-    return out
-
-
-def _read_stream(r, out: Outcome, start: float) -> None:
-    done = False
-    for line in r.iter_lines():
-        if not line.startswith("data: "):
-            continue
-        if line == "data: [DONE]":
-            done = True
-            break
-        chunk = json.loads(line[6:])
-        if "error" in chunk:
-            out.error = chunk["error"]["message"]
-        elif chunk.get("usage"):
-            out.tokens = chunk["usage"]["completion_tokens"]
-        elif chunk["choices"]:
-            choice = chunk["choices"][0]
-            if choice["text"] and out.ttft_s is None:
-                out.ttft_s = time.perf_counter() - start
-            out.finish_reason = choice["finish_reason"] or out.finish_reason
-    if not done or out.finish_reason is None:
-        out.error = out.error or "stream ended without a finish reason and [DONE]"
-
-
-def run_clients(url, model, *, clients, requests_per_client, max_tokens, deadline_s) -> tuple[list[Outcome], float]:
-    """``clients`` threads, each sending its requests one after another on its own keep-alive
-    connection; (outcomes, wall s). Runs in a child process (``_client_process``): client
-    threads in the server's process would hold its GIL (an ``httpx.Client`` costs ~60 ms of
-    CPU to build, its TLS context; 16 built at once delayed every first request ~1 s)."""
-    clock: dict[str, float] = {}  # set once, by the barrier, as every thread is released
-    ready = threading.Barrier(clients + 1, action=lambda: clock.update(start=time.perf_counter()), timeout=120)
-
-    def client(c: int) -> list[Outcome]:
-        with httpx.Client(base_url=url) as http:
-            ready.wait()
-            outs = []
-            for r in range(requests_per_client):
-                left = clock["start"] + deadline_s - time.perf_counter()
-                if left <= 0:
-                    outs.append(Outcome(status=0, error="not sent: deadline reached"))
-                    continue
-                outs.append(one_request(http, model, PROMPTS[(c + r) % len(PROMPTS)], max_tokens, left))
-            return outs
-
-    with ThreadPoolExecutor(clients) as pool:
-        futures = [pool.submit(client, c) for c in range(clients)]
-        ready.wait()  # every client built: the clock starts
-        outcomes = [o for f in futures for o in f.result()]
-    return outcomes, time.perf_counter() - clock["start"]
-
-
-def _client_process(**kw) -> tuple[list[Outcome], float]:
-    """``run_clients`` in a fresh (spawned) process: its Python never competes with the server's."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run_clients, **kw).result()
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -203,12 +111,17 @@ def _mean(d: dict, histogram: str) -> float | None:
 
 
 def phase(url, model, label, **kw) -> dict:
-    before = scrape(url)
-    outcomes, wall_s = _client_process(url=url, model=model, **kw)
+    """One phase of clients; its summary, with ``server_cpu_ms_per_token``: this process's CPU
+    time (``process_time``: the in-process server's threads, the clients run apart) per
+    completion token, the throughput measure a loaded machine does not move (0 with ``--url``)."""
+    before, cpu = scrape(url), time.process_time()
+    outcomes, wall_s = client_process(url=url, model=model, **kw)
+    cpu = time.process_time() - cpu
     report = summarize(outcomes, wall_s, before, scrape(url))
-    report.update(label=label, **kw)
+    report.update(label=label, server_cpu_ms_per_token=1e3 * cpu / max(1, report["completion_tokens"]), **kw)
     print(f"{label}: {report['ok']}/{report['requests']} ok, {report['completion_tokens']} tokens in "
-          f"{wall_s:.1f}s = {report['tok_s']:.1f} tok/s; TTFT p50 {_ms(report['ttft_p50_s'])} "
+          f"{wall_s:.1f}s = {report['tok_s']:.1f} tok/s ({report['server_cpu_ms_per_token']:.2f} ms server CPU per "
+          f"token); TTFT p50 {_ms(report['ttft_p50_s'])} "
           f"p99 {_ms(report['ttft_p99_s'])} (server mean {_ms(report['server_ttft_mean_s'])}, of it waiting for a "
           f"place {_ms(report['queue_mean_s'])}); prefill batch mean {report['prefill_batch_mean']:.1f}, decode batch "
           f"mean {report['decode_batch_mean']:.1f}; union mean "
@@ -331,14 +244,15 @@ PHASES = ("load", "steady", "burst")  # the table's column groups, in order
 def print_table(runs: list[dict]) -> None:
     """One row per run: per phase TTFT p50 / p99 and tok/s (load: and the mean wait for a
     place); then per running cap the medians' ratios of each mode to ``one``, per phase."""
-    print("\nrunning  prefill  ok/req   | load: TTFT p50   p99   tok/s  queue | steady: TTFT p50   p99   tok/s "
-          "| burst: TTFT p50   p99", flush=True)
+    print("\nrunning  prefill  ok/req   | load: TTFT p50   p99   tok/s  queue  cpu/tok | steady: TTFT p50   p99   "
+          "tok/s  cpu/tok | burst: TTFT p50   p99", flush=True)
     for r in runs:
         load, steady, burst = (r.get(k) or {} for k in PHASES)
         print(f"{r['max_running']:>7}  {r['prefill']:>7}  {load['ok']:>3}/{load['requests']:<4} | "
               f"{_ms(load['ttft_p50_s']):>15} {_ms(load['ttft_p99_s']):>6} {load['tok_s']:>6.1f} "
-              f"{_ms(load.get('queue_mean_s')):>6} | {_ms(steady.get('ttft_p50_s')):>16} "
-              f"{_ms(steady.get('ttft_p99_s')):>6} {steady.get('tok_s', 0.0):>6.1f} | "
+              f"{_ms(load.get('queue_mean_s')):>6} {load['server_cpu_ms_per_token']:>5.2f}ms | "
+              f"{_ms(steady.get('ttft_p50_s')):>16} {_ms(steady.get('ttft_p99_s')):>6} {steady.get('tok_s', 0.0):>6.1f} "
+              f"{steady.get('server_cpu_ms_per_token', 0.0):>5.2f}ms | "
               f"{_ms(burst.get('ttft_p50_s')):>15} {_ms(burst.get('ttft_p99_s')):>6}", flush=True)
 
     def median(running, mode, key, part):
@@ -353,7 +267,9 @@ def print_table(runs: list[dict]) -> None:
                 if one and other:
                     print(f"running {running}, {part}: median TTFT p50 one {_ms(one)}, {mode} {_ms(other)}: "
                           f"{mode} / one = {other / one:.2f}; median tok/s {median(running, 'one', 'tok_s', part):.1f}"
-                          f" -> {median(running, mode, 'tok_s', part):.1f}", flush=True)
+                          f" -> {median(running, mode, 'tok_s', part):.1f}, server CPU ms/token "
+                          f"{median(running, 'one', 'server_cpu_ms_per_token', part):.2f} -> "
+                          f"{median(running, mode, 'server_cpu_ms_per_token', part):.2f}", flush=True)
 
 
 def main(argv=None) -> int:
