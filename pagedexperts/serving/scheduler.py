@@ -5,7 +5,8 @@ per-request KV caches, one model step at a time, per-request sampling (``samplin
 the events (text deltas, logprobs, finish) handed back through each request's ``on_event``.
 
 A step (``BatchScheduler.step``) drops cancelled requests and admits waiting ones up to the
-cap (each checked alone, ``isolation.check_inputs``). With chunked prefill (the default) it
+cap (each checked alone, ``isolation.check_inputs``; ``admitted_s`` stamped: the wait for a
+place, ``queue_s`` on the final event), so a place freed in one step is refilled in the next. With chunked prefill (the default) it
 runs ONE forward packing every running decode (one token each) with prompt chunks, at most
 ``max_prefill_tokens`` prompt tokens per step, first come first served (``chunked_prefill``:
 positions and a 4D mask, no padding); a long prompt takes several steps while others decode.
