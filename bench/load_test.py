@@ -9,13 +9,23 @@ Starts the server in this process (uvicorn in a thread, 127.0.0.1, a free port) 
    completions, all bounded by ``--deadline-s``. Every request must end with HTTP 200, a
    finish reason and ``[DONE]``, or a clear error (counted and shown, never hidden).
 
+The clients run in a child process (each on its own keep-alive connection, built before the
+clock starts), so their Python never holds the server's GIL; TTFT is timed from just before
+a request is sent to its first text chunk.
+
 In-process, step 2 runs once per ``--max-running-requests`` value (e.g. ``4,16,32``) and per
 ``--prefill`` mode, each on a fresh server: ``one`` = one prompt per prefill forward
 (``--no-chunked-prefill --max-prefill-tokens 1``, the behaviour before batched prefill),
 ``batched`` = admitted prompts prefilled together in a forward of their own
 (``--no-chunked-prefill``), ``chunked`` = prompt chunks packed into the decode forwards (the
-default). The summary table gives TTFT p50 / p99 and tok/s of each, and the p50 ratio of
-each mode to ``one`` per running cap.
+default). Each server first takes a burst (N = the cap clients at once, idle server) and a
+steady phase (N clients one request after another: every request finds a free place, so
+TTFT shows the scheduler: admission and prefill while the others decode), then the load
+phase (64 clients over N places: a request waits for a place, and that wait, which only
+throughput shortens, is most of its TTFT; the server's own split, mean TTFT and mean wait
+for a place from its /metrics histograms, is printed). The summary table gives TTFT p50 /
+p99 and tok/s of each phase, and per running cap and phase the p50 ratio of each mode to
+``one``.
 
 Reports throughput, TTFT p50 / p99 (first text chunk), and from /metrics the decode batch
 sizes, prefill batch sizes, union size, waves per layer step and multi-wave steps of the
@@ -28,99 +38,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
-PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo", "First Citizen:\nBefore we proceed any further", "KING HENRY:",
-           "To be, or not to be", "MENENIUS:\nWhat work's, my countrymen", "But soft, what light", "Now is the winter",
-           "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # load_clients, next to this file
+from load_clients import PROMPTS, Outcome, client_process  # noqa: E402
+
 MODEL_COUNTERS = ("pagedexperts_decode_steps_total", "pagedexperts_decode_rows_total",
                   "pagedexperts_prefill_steps_total", "pagedexperts_prefill_rows_total")
+TIMING_SUMS = ("pagedexperts_time_to_first_token_seconds_sum", "pagedexperts_time_to_first_token_seconds_count",
+               "pagedexperts_request_queue_time_seconds_sum", "pagedexperts_request_queue_time_seconds_count")
 LAYER_COUNTERS = ("pagedexperts_expert_hits_total", "pagedexperts_expert_misses_total", "pagedexperts_waves_total",
                   "pagedexperts_multi_wave_steps_total", "pagedexperts_layer_steps_total",
                   "pagedexperts_union_size_sum_total", "pagedexperts_bytes_paged_total")
 
 
-@dataclass
-class Outcome:
-    """One request: HTTP status, tokens, TTFT and total seconds, or the error it got."""
-
-    status: int
-    tokens: int = 0
-    ttft_s: float | None = None
-    total_s: float = 0.0
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-def one_request(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float) -> Outcome:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    out = Outcome(status=0)
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=max(timeout_s, 1.0)) as r:
-            out.status = r.status_code
-            if r.status_code != 200:
-                r.read()
-                out.error = r.text[:200]
-                return out
-            done = False
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    out.error = chunk["error"]["message"]
-                elif chunk.get("usage"):
-                    out.tokens = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"]:
-                    choice = chunk["choices"][0]
-                    if choice["text"] and out.ttft_s is None:
-                        out.ttft_s = time.perf_counter() - start
-                    out.finish_reason = choice["finish_reason"] or out.finish_reason
-            if not done or out.finish_reason is None:
-                out.error = out.error or "stream ended without a finish reason and [DONE]"
-    except httpx.HTTPError as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    out.total_s = time.perf_counter() - start
-    return out
-
-
-def run_clients(url, model, *, clients, requests_per_client, max_tokens, deadline_s) -> tuple[list[Outcome], float]:
-    """``clients`` threads, each sending its requests one after another; (outcomes, wall s)."""
-    end = time.perf_counter() + deadline_s
-
-    def client(c: int) -> list[Outcome]:
-        outs = []
-        for r in range(requests_per_client):
-            left = end - time.perf_counter()
-            if left <= 0:
-                outs.append(Outcome(status=0, error="not sent: deadline reached"))
-                continue
-            outs.append(one_request(url, model, PROMPTS[(c + r) % len(PROMPTS)], max_tokens, left))
-        return outs
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        outcomes = [o for outs in pool.map(client, range(clients)) for o in outs]
-    return outcomes, time.perf_counter() - start
-
-
 def scrape(url: str) -> dict[str, float]:
     """Sum of each counter of interest over its labels, and the max decode batch."""
-    wanted = MODEL_COUNTERS + LAYER_COUNTERS + ("pagedexperts_max_decode_batch", "pagedexperts_single_wave_cap")
+    wanted = MODEL_COUNTERS + LAYER_COUNTERS + TIMING_SUMS + ("pagedexperts_max_decode_batch", "pagedexperts_single_wave_cap")
     sums = dict.fromkeys(wanted, 0.0)
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -130,7 +73,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def summarize(outcomes: list[Outcome], wall_s: float, before: dict, after: dict) -> dict:
-    d = {k: after[k] - before[k] for k in MODEL_COUNTERS + LAYER_COUNTERS}
+    d = {k: after[k] - before[k] for k in MODEL_COUNTERS + LAYER_COUNTERS + TIMING_SUMS}
     ok = [o for o in outcomes if o.status == 200 and o.error is None]
     ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
     tokens = sum(o.tokens for o in ok)
@@ -145,6 +88,11 @@ def summarize(outcomes: list[Outcome], wall_s: float, before: dict, after: dict)
         "tok_s": tokens / wall_s if wall_s else 0.0,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+        # the server's own split of TTFT (means over the phase's finished requests, from /metrics):
+        # arrival -> admission (waiting for a place), and the rest (admission -> first token)
+        "server_ttft_mean_s": _mean(d, "pagedexperts_time_to_first_token_seconds"),
+        "queue_mean_s": _mean(d, "pagedexperts_request_queue_time_seconds"),
+        "load_avg_1m": os.getloadavg()[0],
         "decode_batch_mean": d["pagedexperts_decode_rows_total"] / max(1, d["pagedexperts_decode_steps_total"]),
         "prefill_batch_mean": d["pagedexperts_prefill_rows_total"] / max(1, d["pagedexperts_prefill_steps_total"]),
         "decode_batch_max_so_far": after["pagedexperts_max_decode_batch"],
@@ -157,14 +105,25 @@ def summarize(outcomes: list[Outcome], wall_s: float, before: dict, after: dict)
     }
 
 
+def _mean(d: dict, histogram: str) -> float | None:
+    count = d[histogram + "_count"]
+    return d[histogram + "_sum"] / count if count else None
+
+
 def phase(url, model, label, **kw) -> dict:
-    before = scrape(url)
-    outcomes, wall_s = run_clients(url, model, **kw)
+    """One phase of clients; its summary, with ``server_cpu_ms_per_token``: this process's CPU
+    time (``process_time``: the in-process server's threads, the clients run apart) per
+    completion token, the throughput measure a loaded machine does not move (0 with ``--url``)."""
+    before, cpu = scrape(url), time.process_time()
+    outcomes, wall_s = client_process(url=url, model=model, **kw)
+    cpu = time.process_time() - cpu
     report = summarize(outcomes, wall_s, before, scrape(url))
-    report.update(label=label, **kw)
+    report.update(label=label, server_cpu_ms_per_token=1e3 * cpu / max(1, report["completion_tokens"]), **kw)
     print(f"{label}: {report['ok']}/{report['requests']} ok, {report['completion_tokens']} tokens in "
-          f"{wall_s:.1f}s = {report['tok_s']:.1f} tok/s; TTFT p50 {_ms(report['ttft_p50_s'])} "
-          f"p99 {_ms(report['ttft_p99_s'])}; prefill batch mean {report['prefill_batch_mean']:.1f}, decode batch "
+          f"{wall_s:.1f}s = {report['tok_s']:.1f} tok/s ({report['server_cpu_ms_per_token']:.2f} ms server CPU per "
+          f"token); TTFT p50 {_ms(report['ttft_p50_s'])} "
+          f"p99 {_ms(report['ttft_p99_s'])} (server mean {_ms(report['server_ttft_mean_s'])}, of it waiting for a "
+          f"place {_ms(report['queue_mean_s'])}); prefill batch mean {report['prefill_batch_mean']:.1f}, decode batch "
           f"mean {report['decode_batch_mean']:.1f}; union mean "
           f"{report['union_size_mean']:.1f}, waves/layer-step {report['waves_per_layer_step']:.2f}, multi-wave "
           f"{report['multi_wave_fraction']:.1%}, hit rate {report['hit_rate']:.1%}", flush=True)
@@ -253,14 +212,19 @@ def prefill_bench(args, prompts: int, repeats: int = 5) -> dict:
 
 
 def run_one(url, model, args, label, burst: int = 0) -> dict:
-    """Warm-up, a burst (``burst`` clients at once on the idle server: all admitted in one
-    step, so TTFT shows the prefill of the step), the optional throughput comparison, then
-    the load phase on one server."""
+    """Warm-up, a burst (``burst`` clients at once on the idle server), the steady phase
+    (``burst`` clients, each ``--requests-per-client`` requests one after another: every
+    request finds a free place, so TTFT is the scheduler's admission and prefill while the
+    others decode, no queueing), the optional throughput comparison, then the load phase
+    (``--clients``: beyond the cap a request waits for a place, and that wait, which only
+    throughput shortens, is most of its TTFT) on one server."""
     kw = dict(max_tokens=args.max_tokens, deadline_s=args.deadline_s)
-    report = {"url": url, "compare": [], "load": None, "burst": None}
+    report = {"url": url, "compare": [], "load": None, "burst": None, "steady": None}
     phase(url, model, "warm-up", clients=1, requests_per_client=1, **kw)
     if burst:
         report["burst"] = phase(url, model, f"{label}: burst of {burst}", clients=burst, requests_per_client=1, **kw)
+        report["steady"] = phase(url, model, f"{label}: steady, {burst} clients", clients=burst,
+                                 requests_per_client=args.requests_per_client, **kw)
     counts = [int(c) for c in args.compare.split(",") if c.strip()]
     for n in counts:  # the same total work for each client count
         report["compare"].append(phase(url, model, f"{n} client(s)", clients=n,
@@ -274,32 +238,38 @@ def run_one(url, model, args, label, burst: int = 0) -> dict:
     return report
 
 
-def print_table(runs: list[dict]) -> None:
-    print("\nrunning  prefill  ok/requests  TTFT p50   TTFT p99   tok/s   prefill batch | burst TTFT p50  p99",
-          flush=True)
-    for r in runs:
-        load, burst = r["load"], r.get("burst") or {}
-        print(f"{r['max_running']:>7}  {r['prefill']:>7}  {load['ok']:>5}/{load['requests']:<5}  "
-              f"{_ms(load['ttft_p50_s']):>8}  {_ms(load['ttft_p99_s']):>8}  {load['tok_s']:>6.1f}  "
-              f"{load['prefill_batch_mean']:>6.1f}        | {_ms(burst.get('ttft_p50_s')):>8}  "
-              f"{_ms(burst.get('ttft_p99_s')):>8}", flush=True)
+PHASES = ("load", "steady", "burst")  # the table's column groups, in order
 
-    def median(running, mode, key, part="load"):
+
+def print_table(runs: list[dict]) -> None:
+    """One row per run: per phase TTFT p50 / p99 and tok/s (load: and the mean wait for a
+    place); then per running cap the medians' ratios of each mode to ``one``, per phase."""
+    print("\nrunning  prefill  ok/req   | load: TTFT p50   p99   tok/s  queue  cpu/tok | steady: TTFT p50   p99   "
+          "tok/s  cpu/tok | burst: TTFT p50   p99", flush=True)
+    for r in runs:
+        load, steady, burst = (r.get(k) or {} for k in PHASES)
+        print(f"{r['max_running']:>7}  {r['prefill']:>7}  {load['ok']:>3}/{load['requests']:<4} | "
+              f"{_ms(load['ttft_p50_s']):>15} {_ms(load['ttft_p99_s']):>6} {load['tok_s']:>6.1f} "
+              f"{_ms(load.get('queue_mean_s')):>6} {load['server_cpu_ms_per_token']:>5.2f}ms | "
+              f"{_ms(steady.get('ttft_p50_s')):>16} {_ms(steady.get('ttft_p99_s')):>6} {steady.get('tok_s', 0.0):>6.1f} "
+              f"{steady.get('server_cpu_ms_per_token', 0.0):>5.2f}ms | "
+              f"{_ms(burst.get('ttft_p50_s')):>15} {_ms(burst.get('ttft_p99_s')):>6}", flush=True)
+
+    def median(running, mode, key, part):
         values = [r[part][key] for r in runs if (r["max_running"], r["prefill"]) == (running, mode)
                   and r.get(part) and r[part][key] is not None]
         return statistics.median(values) if values else None
 
     for running in sorted({r["max_running"] for r in runs if isinstance(r["max_running"], int)}):
         for mode in ("batched", "chunked"):
-            one, other = median(running, "one", "ttft_p50_s"), median(running, mode, "ttft_p50_s")
-            if one and other:
-                print(f"running {running}: median TTFT p50 one-at-a-time {_ms(one)}, {mode} {_ms(other)}: "
-                      f"{mode} / one = {other / one:.2f}; median tok/s {median(running, 'one', 'tok_s'):.1f} -> "
-                      f"{median(running, mode, 'tok_s'):.1f}", flush=True)
-            one, other = (median(running, m, "ttft_p50_s", "burst") for m in ("one", mode))
-            if one and other:
-                print(f"running {running}: burst of {running}, median TTFT p50 one-at-a-time {_ms(one)}, {mode} "
-                      f"{_ms(other)}: {mode} / one = {other / one:.2f}", flush=True)
+            for part in PHASES:
+                one, other = median(running, "one", "ttft_p50_s", part), median(running, mode, "ttft_p50_s", part)
+                if one and other:
+                    print(f"running {running}, {part}: median TTFT p50 one {_ms(one)}, {mode} {_ms(other)}: "
+                          f"{mode} / one = {other / one:.2f}; median tok/s {median(running, 'one', 'tok_s', part):.1f}"
+                          f" -> {median(running, mode, 'tok_s', part):.1f}, server CPU ms/token "
+                          f"{median(running, 'one', 'server_cpu_ms_per_token', part):.2f} -> "
+                          f"{median(running, mode, 'server_cpu_ms_per_token', part):.2f}", flush=True)
 
 
 def main(argv=None) -> int:

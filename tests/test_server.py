@@ -191,6 +191,9 @@ def test_concurrent_requests_batch_queue_and_all_complete(server):
     """8 clients, room for 4: a batch above 1 shows in /metrics, the rest wait, none fails."""
     url, seen = server[0], []
     done = threading.Event()
+    timing = [f"pagedexperts_{name}_seconds_{k}" for name in ("request_queue_time", "time_to_first_token")
+              for k in ("count", "sum")]
+    before = [metric(url, name) for name in timing]
 
     def poll():
         while not done.is_set():
@@ -214,6 +217,8 @@ def test_concurrent_requests_batch_queue_and_all_complete(server):
     assert metric(url, 'pagedexperts_expert_misses_total{layer="0"}') > 0
     assert metric(url, "pagedexperts_time_to_first_token_seconds_count") >= len(PROMPTS)
     assert metric(url, "pagedexperts_time_per_output_token_seconds_count") >= len(PROMPTS)
+    q_count, q_sum, t_count, t_sum = (metric(url, name) - b for name, b in zip(timing, before))
+    assert q_count == t_count == len(PROMPTS) and 0 < q_sum < t_sum  # each one's wait for a place, part of its TTFT
 
 
 def test_zz_shutdown_stops_worker_and_saves_trace(server):

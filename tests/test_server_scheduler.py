@@ -10,6 +10,8 @@ whole units, far above it.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from serving_fixtures import (CONTEXT, HAVE_MODEL, MAX_TOKENS, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
@@ -160,3 +162,32 @@ def test_submit_after_stop_is_refused(ref):
     with pytest.raises(SchedulerStopped, match="shutting down"):
         sched.submit(tokenizer("x")["input_ids"], SamplingParams(max_new_tokens=1), lambda e: None)
     assert sched.num_waiting == 0
+
+
+def test_a_freed_place_is_refilled_in_the_next_step_and_the_wait_is_reported(ref):
+    """Hand-counted plan, cap 2, chunked prefill: step 1 prefills A and B (first tokens);
+    step 2 gives A its 2nd and last token (A finishes) and B its 2nd; C, queued since the
+    start, is admitted at step 3 and prefilled in that same forward as B's decode (its first
+    token at step 3, no step lost). Each final event's ``queue_s`` is its arrival-to-admission
+    time: ~0 for A and B, at least the two steps A ran for C."""
+    model, tokenizer = ref
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(2, CONTEXT))
+    finals = {}
+    a, b, c = (sched.submit(tokenizer(p)["input_ids"], SamplingParams(max_new_tokens=n, logit_bias=((0, -100.0),)),
+                            lambda e, k=k: finals.setdefault(k, e) if e.finish_reason else None)
+               for k, (p, n) in enumerate(zip(PROMPTS[:3], (2, 5, 1))))
+    sched.step()
+    assert (len(a.output_ids), len(b.output_ids), c.admitted_s) == (1, 1, None)
+    sched.step()
+    assert a.finished_s is not None and len(b.output_ids) == 2 and c.admitted_s is None and sched.num_waiting == 1
+    mixed, step3 = sched.stats.mixed_steps, time.perf_counter()
+    sched.step()
+    assert step3 <= c.admitted_s < c.first_token_s  # admitted at the step's start, before its forward
+    assert c.admitted_s >= a.finished_s and len(c.output_ids) == 1 and len(b.output_ids) == 3
+    assert sched.stats.mixed_steps == mixed + 1  # C's prompt rode in B's decode forward
+    while sched.num_running:
+        sched.step()
+    for k, req in enumerate((a, b, c)):
+        assert finals[k].queue_s == pytest.approx(req.admitted_s - req.submitted_s)
+        assert finals[k].ttft_s > finals[k].queue_s
+    assert finals[2].queue_s >= a.finished_s - c.submitted_s > finals[0].queue_s

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server, in its own registry (no process-global state).
 
 Owns: request outcomes, refusals (by status and OpenAI error code, so every refused request
-is counted with its reason), token counters, TTFT / TPOT histograms (observed as requests
+is counted with its reason), token counters, TTFT / queue time / TPOT histograms (observed as requests
 finish), and scrape-time values read from the scheduler and from every MoE layer's
 ``LayerStats``. The paging export is generic: every numeric field of ``LayerStats`` becomes
 ``pagedexperts_paging_<field>`` per layer (a counter; levels such as ``*_last``, ``*_max``,
@@ -53,6 +53,8 @@ class Metrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to first token",
                               buckets=TTFT_BUCKETS_S, registry=r)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to admission (part of TTFT)",
+                               buckets=TTFT_BUCKETS_S, registry=r)
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time per token after the first",
                               buckets=TPOT_BUCKETS_S, registry=r)
         r.register(_LiveCollector(scheduler, runtime))
@@ -62,6 +64,8 @@ class Metrics:
         self.generation_tokens.inc(event.completion_tokens)
         if event.ttft_s is not None:
             self.ttft.observe(event.ttft_s)
+        if event.queue_s is not None:
+            self.queue.observe(event.queue_s)
         if event.tpot_s is not None:
             self.tpot.observe(event.tpot_s)
 

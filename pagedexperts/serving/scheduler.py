@@ -5,7 +5,8 @@ per-request KV caches, one model step at a time, per-request sampling (``samplin
 the events (text deltas, logprobs, finish) handed back through each request's ``on_event``.
 
 A step (``BatchScheduler.step``) drops cancelled requests and admits waiting ones up to the
-cap (each checked alone, ``isolation.check_inputs``). With chunked prefill (the default) it
+cap (each checked alone, ``isolation.check_inputs``; ``admitted_s`` stamped: the wait for a
+place, ``queue_s`` on the final event), so a place freed in one step is refilled in the next. With chunked prefill (the default) it
 runs ONE forward packing every running decode (one token each) with prompt chunks, at most
 ``max_prefill_tokens`` prompt tokens per step, first come first served (``chunked_prefill``:
 positions and a 4D mask, no padding); a long prompt takes several steps while others decode.
@@ -190,6 +191,9 @@ class BatchScheduler:
             admitted = []
             while self._waiting and len(self._running) + len(admitted) < self.config.max_running_requests:
                 admitted.append(self._waiting.popleft())
+            now = time.perf_counter()
+            for req in admitted:
+                req.admitted_s = now
         for req in [r for r in self._running if r.cancelled]:
             self._running.remove(req)
             self._finish(req, "cancelled")
@@ -365,6 +369,7 @@ class BatchScheduler:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         ttft, tpot = req.timing(now)
         try:
-            req.on_event(self._event(req, text, now=now, finish_reason=reason, error=error, ttft_s=ttft, tpot_s=tpot))
+            req.on_event(self._event(req, text, now=now, finish_reason=reason, error=error, ttft_s=ttft,
+                                        queue_s=req.queue_s, tpot_s=tpot))
         except Exception:  # the final event is the last thing sent: nothing else to end
             logger.exception("the final event of request %s could not be delivered", req.request_id)

@@ -26,8 +26,10 @@ class Event:
     ``time.perf_counter()`` when the event was made. ``logprobs``: reports of the tokens
     generated since the previous event (when asked for); ``prompt_logprobs``: on the first
     event, the prompt's (the first token's logprob is None: nothing predicts it). The last event
-    also carries the request's timing: ``ttft_s`` (arrival to first token) and ``tpot_s``
-    (mean seconds per token after the first; None with fewer than two tokens).
+    also carries the request's timing: ``ttft_s`` (arrival to first token), ``queue_s``
+    (arrival to admission into the running set: the part of TTFT spent waiting for a place;
+    None if never admitted) and ``tpot_s`` (mean seconds per token after the first; None with
+    fewer than two tokens).
     """
 
     text: str
@@ -36,6 +38,7 @@ class Event:
     error: str | None = None
     time_s: float = 0.0
     ttft_s: float | None = None
+    queue_s: float | None = None
     tpot_s: float | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
@@ -56,6 +59,7 @@ class Request:
     sampling: SamplingParams
     on_event: Callable[[Event], None]
     submitted_s: float = field(default_factory=time.perf_counter)
+    admitted_s: float | None = None  # taken from the waiting queue into the running set
     first_token_s: float | None = None
     finished_s: float | None = None
     cancelled: bool = False
@@ -73,6 +77,11 @@ class Request:
         n, first = len(self.output_ids), self.first_token_s
         ttft = None if first is None else first - self.submitted_s
         return ttft, ((now - first) / (n - 1) if first is not None and n > 1 else None)
+
+    @property
+    def queue_s(self) -> float | None:
+        """Seconds from arrival to admission (None while waiting or if never admitted)."""
+        return None if self.admitted_s is None else self.admitted_s - self.submitted_s
 
     def prompt_targets(self, end: int, rows: int) -> tuple[int, list[int]]:
         """(first position, prompt tokens predicted) of a chunk of ``rows`` positions ending
