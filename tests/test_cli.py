@@ -131,6 +131,25 @@ def test_check_refuses_a_bad_k_before_loading_the_reference(argv, needle, capsys
     assert needle in capsys.readouterr().err
 
 
+def test_check_without_a_tokenizer_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """A checkpoint dir with config + safetensors but no tokenizer (the FP4/INT8 fixtures under
+    tests/data/llmc): check used to load the reference and the paged model, then crash with
+    "'NoneType' object is not callable"; now a clear error naming the dir, before any load."""
+    import pagedexperts.tools.check
+
+    src = bundled_model_path()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(src / name)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the reference was loaded before the tokenizer was looked for")
+
+    monkeypatch.setattr(pagedexperts.tools.check, "load_reference", fail)
+    assert main(["check", "--model-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} has no tokenizer" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("command", ["check", "bench"])
 def test_a_bad_model_path_is_a_clear_error_in_every_loading_command(command, tmp_path, capsys):
     """check and bench validate --model-path before transformers sees it (no traceback)."""
