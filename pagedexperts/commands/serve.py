@@ -78,8 +78,8 @@ def run(args) -> int:
     from pagedexperts.loading.loader import bundled_model_path
 
     _check_flags(args)
-    _check_checkpoint(args)
     speculative = speculative_from_args(args)
+    _check_checkpoint(args)  # after every flag-only check: this is the first read of --model-path
     model, tokenizer = load_from_args(args)
     if tokenizer is None:
         raise ValueError("the model directory has no tokenizer (tokenizer.json / tokenizer_config.json); add one")
