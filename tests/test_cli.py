@@ -148,6 +148,23 @@ def test_serve_without_a_tokenizer_is_refused_before_loading(tmp_path, capsys, m
     assert f"{tmp_path} has no tokenizer" in capsys.readouterr().err
 
 
+def test_generate_without_a_tokenizer_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """generate loaded the model and printed the prompt, then said the dir has no tokenizer."""
+    import pagedexperts.commands.generate
+
+    src = bundled_model_path()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(src / name)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the tokenizer was looked for")
+
+    monkeypatch.setattr(pagedexperts.commands.generate, "load_from_args", fail)
+    assert main(["generate", "--model-path", str(tmp_path), "--prompt", "x"]) == 2
+    out = capsys.readouterr()
+    assert f"{tmp_path} has no tokenizer" in out.err and out.out == ""
+
+
 def test_check_without_a_tokenizer_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     """A checkpoint dir with config + safetensors but no tokenizer (the FP4/INT8 fixtures under
     tests/data/llmc): check used to load the reference and the paged model, then crash with
