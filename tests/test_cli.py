@@ -131,6 +131,59 @@ def test_check_refuses_a_bad_k_before_loading_the_reference(argv, needle, capsys
     assert needle in capsys.readouterr().err
 
 
+def test_serve_without_a_tokenizer_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """serve loaded the whole model, then said the dir has no tokenizer; now before any load."""
+    pytest.importorskip("fastapi")
+    import pagedexperts.commands.serve
+
+    src = bundled_model_path()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(src / name)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the tokenizer was looked for")
+
+    monkeypatch.setattr(pagedexperts.commands.serve, "load_from_args", fail)
+    assert main(["serve", "--model-path", str(tmp_path)]) == 2
+    assert f"{tmp_path} has no tokenizer" in capsys.readouterr().err
+
+
+def test_generate_without_a_tokenizer_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """generate loaded the model and printed the prompt, then said the dir has no tokenizer."""
+    import pagedexperts.commands.generate
+
+    src = bundled_model_path()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(src / name)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the tokenizer was looked for")
+
+    monkeypatch.setattr(pagedexperts.commands.generate, "load_from_args", fail)
+    assert main(["generate", "--model-path", str(tmp_path), "--prompt", "x"]) == 2
+    out = capsys.readouterr()
+    assert f"{tmp_path} has no tokenizer" in out.err and out.out == ""
+
+
+def test_check_without_a_tokenizer_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """A checkpoint dir with config + safetensors but no tokenizer (the FP4/INT8 fixtures under
+    tests/data/llmc): check used to load the reference and the paged model, then crash with
+    "'NoneType' object is not callable"; now a clear error naming the dir, before any load."""
+    import pagedexperts.tools.check
+
+    src = bundled_model_path()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(src / name)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the reference was loaded before the tokenizer was looked for")
+
+    monkeypatch.setattr(pagedexperts.tools.check, "load_reference", fail)
+    assert main(["check", "--model-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} has no tokenizer" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("command", ["check", "bench"])
 def test_a_bad_model_path_is_a_clear_error_in_every_loading_command(command, tmp_path, capsys):
     """check and bench validate --model-path before transformers sees it (no traceback)."""
@@ -148,7 +201,8 @@ def test_a_bad_model_path_is_a_clear_error_in_every_loading_command(command, tmp
      (["--port", "70000"], "--port 70000 must be in [0, 65535]"),
      (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1, got 0"),
      (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0, got -1.0"),
-     (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist")],
+     (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist"),
+     (["--context-length", "100000"], "--context-length must be in [2, 512] (max_position_embeddings), got 100000")],
 )
 def test_serve_bad_flags_are_refused_before_loading(argv, needle, capsys, monkeypatch):
     """0 is not silently replaced by the default; everything is checked before the model loads."""

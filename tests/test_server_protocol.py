@@ -175,3 +175,16 @@ def test_responses_request_becomes_the_chat_request():
         ("system", "be brief"), ("user", "a\nb"), ("assistant", "c")]
     err = responses_api.renamed(ApiError("max_tokens 9 + prompt 3 tokens exceed; messages", param="max_tokens"))
     assert err.param == "max_output_tokens" and err.message == "max_output_tokens 9 + prompt 3 tokens exceed; input"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_max_tokens_zero_names_echo_only_where_the_endpoint_has_it(chat):
+    """Completions have echo (max_tokens 0 scores a prompt); chat and responses do not, so their
+    refusal must not tell the user to send echo (responses said "max_output_tokens must be > 0
+    (0 only with echo, ...)", a field that API does not have)."""
+    body = (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=0) if chat
+            else CompletionRequest(model="m", prompt="x", max_tokens=0))
+    with pytest.raises(ApiError) as e:
+        _prepare(body)
+    assert e.value.message.startswith("max_tokens must be > 0") and e.value.param == "max_tokens"
+    assert ("echo" in e.value.message) is (not chat)

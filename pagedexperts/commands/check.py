@@ -66,12 +66,15 @@ def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
     from pagedexperts.formats import format_for_config
     from pagedexperts.loading.config import PagingConfig, check_config, check_experts_dtype, resolve_dtype
-    from pagedexperts.loading.loader import load_model, read_checkpoint_config
+    from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
-    _, config, _ = read_checkpoint_config(args.model_path)
+    path, config, _ = read_checkpoint_config(args.model_path)
+    if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads
+        raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
+                         "check tokenizes its prompts: add the source model's tokenizer files (--model-path)")
     num_experts, top_k = num_routed_experts(config), int(config.num_experts_per_tok)
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
     options = dict(device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation,

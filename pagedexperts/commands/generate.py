@@ -35,6 +35,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _check_tokenizer(model_path) -> None:
+    """Refuse a model dir without a tokenizer before it loads (was found after the load, with the
+    prompt already printed)."""
+    from pagedexperts.loading.loader import has_tokenizer, read_checkpoint_config
+
+    path, _, _ = read_checkpoint_config(model_path)
+    if not has_tokenizer(path):
+        raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
+                         "generate tokenizes the prompt: add the source model's tokenizer files (--model-path)")
+
+
 def run(args) -> int:
     from dataclasses import asdict
 
@@ -53,6 +64,7 @@ def run(args) -> int:
     if speculative is not None and args.cuda_graphs == "on":
         raise ValueError("--speculative verifies through the scheduler, which has no CUDA graphs; drop --cuda-graphs")
     _check_outputs(args)
+    _check_tokenizer(args.model_path)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise ValueError("empty prompt; give --prompt TEXT or text on stdin")

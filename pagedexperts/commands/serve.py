@@ -79,6 +79,7 @@ def run(args) -> int:
 
     _check_flags(args)
     speculative = speculative_from_args(args)
+    _check_checkpoint(args)  # after every flag-only check: this is the first read of --model-path
     model, tokenizer = load_from_args(args)
     if tokenizer is None:
         raise ValueError("the model directory has no tokenizer (tokenizer.json / tokenizer_config.json); add one")
@@ -101,6 +102,21 @@ def run(args) -> int:
           f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}", file=sys.stderr, flush=True)
     run_server(model, tokenizer, config, host=args.host, port=args.port)
     return 0
+
+
+def _check_checkpoint(args) -> None:
+    """What the checkpoint dir must give before it loads (ValueError naming the flag): a
+    tokenizer, and --context-length within its max_position_embeddings."""
+    from pagedexperts.loading.loader import has_tokenizer, read_checkpoint_config
+
+    path, config, _ = read_checkpoint_config(args.model_path)
+    if not has_tokenizer(path):
+        raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
+                         "the server tokenizes prompts: add the source model's tokenizer files (--model-path)")
+    max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if args.context_length is not None and max_positions and args.context_length > max_positions:
+        raise ValueError(f"--context-length must be in [2, {max_positions}] (max_position_embeddings), "
+                         f"got {args.context_length}")
 
 
 def _check_flags(args) -> None:

@@ -157,9 +157,15 @@ def read_checkpoint_config(model_path: str | Path | None):
     return path, config, checkpoint_files(path)
 
 
+def has_tokenizer(path: Path) -> bool:
+    """Whether model directory ``path`` holds a tokenizer (tokenizer.json, tokenizer_config.json or
+    tokenizer.model): what ``load_model`` needs to return one instead of None."""
+    return any((Path(path) / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
 def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not has_tokenizer(path):
         return None
     return AutoTokenizer.from_pretrained(path)

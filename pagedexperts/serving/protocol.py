@@ -236,8 +236,8 @@ def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepare
     echo = bool(getattr(body, "echo", False))
     max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and (max_tokens < 0 or (max_tokens == 0 and not echo)):
-        raise ApiError(f"max_tokens must be > 0 (0 only with echo, to score the prompt), got {max_tokens}",
-                       param="max_tokens")
+        hint = "" if chat else " (0 only with echo, to score the prompt)"  # chat (and responses) have no echo
+        raise ApiError(f"max_tokens must be > 0{hint}, got {max_tokens}", param="max_tokens")
     ids, texts, _ = prompt_inputs(body, tokenizer, context_length, vocab_size)
     longest = max(len(p) for p in ids)
     room = context_length - longest
