@@ -280,7 +280,7 @@ target's tokenizer files (vocabulary {cfg.vocab_size}, equal to the target's), d
 next-token distributions. A test model like its target: it only has to predict the target.
 
 ```
-pagedexperts generate "ROMEO:" --speculative draft --draft-model-path pagedexperts/data/tiny-qwen3-draft
+pagedexperts generate --prompt "ROMEO:" --speculative draft --draft-model-path pagedexperts/data/tiny-qwen3-draft
 ```
 
 ## Recipe
