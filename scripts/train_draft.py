@@ -39,13 +39,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny_moe import (Domain, encode_stream, lr_at, make_optimizer, md_table,  # noqa: E402
+from train_tiny_moe import (WARM_STEPS, Domain, encode_stream, lr_at, make_optimizer, md_table,  # noqa: E402
                             mixed_order, planned_steps, read_documents, result_command, split_documents)
 
 REPO = Path(__file__).resolve().parent.parent
 TEACHER = REPO / "pagedexperts" / "data" / "tiny-qwen3-moe"
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-WARM_STEPS = 5  # first steps excluded from the --max-minutes step-time calibration
 
 
 @dataclass
@@ -109,6 +108,15 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch
                     F.log_softmax(teacher_logits.reshape(-1, v), -1), log_target=True, reduction="batchmean")
 
 
+def step_budget(args, step: int, total: int | None, started: float, timed_from: tuple[int, float]) -> int:
+    """The planned step count: planned at step 0, re-planned every --replan-every steps from
+    --calibrate on (the shared CPUs' speed varies), as train_tiny_moe does."""
+    if total is None or (not args.steps and step >= args.calibrate
+                         and (step - args.calibrate) % args.replan_every == 0 and step < total):
+        return planned_steps(args, step, started, timed_from)
+    return total
+
+
 def train(draft, teacher, domains: list[Domain], args) -> TrainResult:
     opt = make_optimizer(draft, args.lr, args.weight_decay)
     draft.train()
@@ -120,9 +128,7 @@ def train(draft, teacher, domains: list[Domain], args) -> TrainResult:
                 continue
             if step == WARM_STEPS:
                 timed_from = (step, time.time())
-            if total is None or (not args.steps and step >= args.calibrate
-                                 and (step - args.calibrate) % args.replan_every == 0 and step < total):
-                total = planned_steps(args, step, started, timed_from)
+            total = step_budget(args, step, total, started, timed_from)
             elapsed = time.time() - started
             if step >= total or (args.max_minutes and elapsed > args.max_minutes * 60):
                 return TrainResult(step, step * args.batch_size * args.seq_len, elapsed, loss_ema, log)
