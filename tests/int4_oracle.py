@@ -38,6 +38,19 @@ class Int4Weight:
         return w.to(torch.float16).t().to(dtype)
 
 
+def group_index(in_features: int, group_size: int, *, desc_act: bool, generator) -> torch.Tensor:
+    """g_idx [I] int32: input channel -> its group. Without desc_act channel k is in group
+    k // group_size; with it (act-order) channel perm[k] is, perm a random permutation drawn
+    from ``generator``."""
+    g_idx = (torch.arange(in_features) // group_size).to(torch.int32)
+    if not desc_act:
+        return g_idx
+    perm = torch.randperm(in_features, generator=generator)
+    out = torch.empty(in_features, dtype=torch.int32)
+    out[perm] = g_idx
+    return out
+
+
 def random_int4(out_features: int, in_features: int, group_size: int, *, desc_act: bool, generator,
                 zero_min: int = 0) -> Int4Weight:
     """Random ints and scales; with desc_act, g_idx comes from a random permutation of the
@@ -46,12 +59,7 @@ def random_int4(out_features: int, in_features: int, group_size: int, *, desc_ac
     q = torch.randint(0, 16, (in_features, out_features), generator=generator)
     z = torch.randint(zero_min, 16, (groups, out_features), generator=generator)
     scales = (torch.rand(groups, out_features, generator=generator) * 0.02 + 1e-3).to(torch.float16)
-    if desc_act:
-        perm = torch.randperm(in_features, generator=generator)
-        g_idx = torch.empty(in_features, dtype=torch.int32)
-        g_idx[perm] = (torch.arange(in_features) // group_size).to(torch.int32)
-    else:
-        g_idx = (torch.arange(in_features) // group_size).to(torch.int32)
+    g_idx = group_index(in_features, group_size, desc_act=desc_act, generator=generator)
     return Int4Weight(q, z, scales, g_idx)
 
 
@@ -100,12 +108,7 @@ def rtn_int4(weight: torch.Tensor, group_size: int, *, desc_act: bool, generator
     formed over a random permutation of the input channels, as act-order GPTQ does; zero
     points are kept in 1..15 so v1's stored ``z - 1`` stays non-negative."""
     out_features, in_features = weight.shape
-    if desc_act:
-        perm = torch.randperm(in_features, generator=generator)
-        g_idx = torch.empty(in_features, dtype=torch.int32)
-        g_idx[perm] = (torch.arange(in_features) // group_size).to(torch.int32)
-    else:
-        g_idx = (torch.arange(in_features) // group_size).to(torch.int32)
+    g_idx = group_index(in_features, group_size, desc_act=desc_act, generator=generator)
     w = weight.double().t()  # [I, O]
     groups = in_features // group_size
     lo = torch.stack([w[g_idx == g].amin(0) for g in range(groups)]).clamp(max=0)  # [G, O]

@@ -121,3 +121,19 @@ def run_schedule(sched, tokenizer, prompts, *, max_tokens=MAX_TOKENS) -> list[li
     while sched.num_running or sched.num_waiting:
         sched.step()
     return [r.output_ids for r in reqs]
+
+
+def assert_scored_prompt(model, events, prompt: list[int], *, top: int) -> None:
+    """The one event of a scoring request (max_tokens 0, prompt logprobs, ``top`` alternatives):
+    finished by length with no completion token, and its prompt logprobs equal to the
+    log_softmax of one direct forward over ``prompt`` (1e-4; the first token has none), each
+    position's ``top`` alternatives sorted by logprob."""
+    (event,) = events
+    assert (event.finish_reason, event.completion_tokens) == ("length", 0)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    got = event.prompt_logprobs
+    assert [e.token_id for e in got] == prompt and got[0].logprob is None
+    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    assert [e.logprob for e in got[1:]] == pytest.approx(want, abs=1e-4)
+    assert all(len(e.top) == top and e.top[0][2] >= e.top[1][2] for e in got[1:])

@@ -13,6 +13,7 @@ import pytest
 
 from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
                               ref, run_schedule, schedule, torch)
+from serving_fixtures import assert_scored_prompt
 from pagedexperts.serving.chunked_prefill import Segment, keep_new_kv, pack, packed_mask, plan_chunks
 from pagedexperts.serving.sampling import SamplingParams
 from pagedexperts.serving.scheduler import BatchScheduler
@@ -167,12 +168,4 @@ def test_scoring_is_chunked_and_equals_a_direct_forward(ref):
         sched.step()
         steps += 1
     assert steps == math.ceil(len(prompt) / 8) and len(other) >= steps  # the stream got a token each step
-    (event,) = events
-    assert (event.finish_reason, event.completion_tokens) == ("length", 0)
-    with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
-    got = event.prompt_logprobs
-    assert [e.token_id for e in got] == prompt and got[0].logprob is None
-    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
-    assert [e.logprob for e in got[1:]] == pytest.approx(want, abs=1e-4)
-    assert all(len(e.top) == 2 and e.top[0][2] >= e.top[1][2] for e in got[1:])
+    assert_scored_prompt(model, events, prompt, top=2)

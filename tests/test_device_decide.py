@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,8 +24,8 @@ if not torch.cuda.is_available():  # before the kernels are defined (see test_de
 from pagedexperts.residency.policies import LFUPolicy, LRUPolicy
 from pagedexperts.paging.device_residency import DeviceResidency, device_rule
 from pagedexperts.residency.planner import Residency
+from trace_fixtures import real_trace_steps
 
-TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
 POLICIES = [("lru", None), ("lfu", None), ("lfu", 3), ("lfu", 0)]
 
 
@@ -135,24 +134,13 @@ def test_lfu_evicts_by_count_not_recency():
 
 def trace_steps():
     """(label, E, k, steps) per real trace and replay: recorded steps, B=1 and B=8 streams."""
-    from pagedexperts.analysis import simulate as sim
-    from pagedexperts.analysis.trace import load_trace
-
-    if not TRACES.is_dir():
-        pytest.skip(f"real traces not found at {TRACES} (../shared/data/traces)")
-    for path in sorted(TRACES.glob("*.jsonl")):
-        tr = load_trace(path)
-        streams = sim.request_streams(tr, min_streams=8)
+    # recorded: as logged (OLMoE: 4,471 one-row steps, the first 1,500 kept; Qwen1.5: 104
+    # steps of 11-91 rows, all multi-wave at K = k and 2k)
+    for path, tr, label, steps in real_trace_steps(recorded=1500, batch1=200, batch8=100):
         layer = tr.meta.layers[0]
-        # recorded: as logged (OLMoE: 4,471 one-row steps, the first 1,500 kept; Qwen1.5: 104
-        # steps of 11-91 rows, all multi-wave at K = k and 2k)
-        for label, steps in [("recorded", sim.recorded_steps(tr)[:1500]),
-                             ("B=1", sim.batched_steps(streams, batch_size=1)[:200]),
-                             ("B=8", sim.batched_steps(streams, batch_size=8)[:100])]:
-            yield f"{path.name} {label}", tr.meta.num_experts, tr.meta.top_k, [s.ids[layer] for s in steps]
+        yield f"{path.name} {label}", tr.meta.num_experts, tr.meta.top_k, [s.ids[layer] for s in steps]
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 @pytest.mark.parametrize("policy,half_life", [("lru", None), ("lfu", None), ("lfu", 16)])
 def test_same_decisions_on_real_traces(policy, half_life):

@@ -11,7 +11,6 @@ and multi-wave steps, prefetches between steps, LFU aging) and on the real trace
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,9 +18,8 @@ import pytest
 import planner_oracle as old
 from pagedexperts.residency import planner, policies
 from pagedexperts.residency.belady import BeladyPolicy
-from pagedexperts.analysis import simulate as sim
+from trace_fixtures import real_trace_steps
 
-TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
 RUNTIME_POLICIES = [("lru", {}), ("lfu", {}), ("lfu", {"half_life": 3}), ("lfu", {"half_life": 0}),
                     ("flru", {}), ("adaptive", {}), ("adaptive", {"window": 4})]
 
@@ -80,17 +78,8 @@ def test_same_plans_on_random_routing(name, kw, num_experts, num_slots, top_k):
 
 
 def trace_cases():
-    from pagedexperts.analysis.trace import load_trace
-
-    if not TRACES.is_dir():
-        pytest.skip(f"real traces not found at {TRACES} (../shared/data/traces)")
-    for path in sorted(TRACES.glob("*.jsonl")):
-        tr = load_trace(path)
-        streams = sim.request_streams(tr, min_streams=8)
-        for label, steps in [("recorded", sim.recorded_steps(tr)),
-                             ("B=1", sim.batched_steps(streams, batch_size=1)[:600]),
-                             ("B=8", sim.batched_steps(streams, batch_size=8))]:
-            yield path.name, label, tr.meta, steps
+    for path, tr, label, steps in real_trace_steps(batch1=600):
+        yield path.name, label, tr.meta, steps
 
 
 @pytest.mark.slow

@@ -90,12 +90,15 @@ def test_body_over_the_limit_is_413_before_parsing(strict):
     assert metric(url, 'pagedexperts_refused_requests_total{code="request_too_large",status="413"}') >= 2
 
 
-def _open_stream(url, prompt, lines: list, started: threading.Event):
+def _open_stream(url, prompt, lines: list, started: threading.Event | None = None, *, auth=True, **body):
+    """A thread streaming a LONG completion of ``prompt`` (``body`` overrides) into ``lines``:
+    the status code, then each non-empty line; ``started`` set once the status is in."""
     def run():
-        with httpx.stream("POST", url + "/v1/completions", json={**LONG, "prompt": prompt}, headers=AUTH,
-                          timeout=60) as r:
+        with httpx.stream("POST", url + "/v1/completions", json={**LONG, "prompt": prompt, **body},
+                          headers=AUTH if auth else None, timeout=60) as r:
             lines.append(r.status_code)
-            started.set()
+            if started is not None:
+                started.set()
             for line in r.iter_lines():
                 if line:
                     lines.append(line)
@@ -160,28 +163,12 @@ def test_zz_graceful_shutdown(strict):
 def test_sigterm_drains_a_real_server(tmp_path):
     """``pagedexperts serve`` under SIGTERM: streams end with a final event and [DONE], the
     trace is saved, the process exits (by the re-raised SIGTERM, as uvicorn does)."""
-    import os
     import signal
-    import socket
-    import subprocess
-    import sys
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
     trace = tmp_path / "trace.npz"
-    cmd = [sys.executable, "-m", "pagedexperts.cli", "serve", "--port", str(port), "--served-model-name", NAME,
-           "--max-running-requests", "1", "--shutdown-timeout", "0.5", "--record-trace", str(trace),
-           "--model-path", str(MODEL_PATH), "--num-resident", "8"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _serve_process("--shutdown-timeout", "0.5", "--record-trace", str(trace))
     try:
-        _wait(lambda: _up(url), timeout_s=120)
-        streams = [[], []]
-        threads = [_open_stream_noauth(url, PROMPTS[i], streams[i]) for i in range(2)]
-        _wait(lambda: max(map(len, streams)) > 2 and httpx.get(url + "/health").json()["waiting"] == 1, 30)
+        streams, threads = _one_running_one_queued(url)
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         for t in threads:
@@ -199,32 +186,10 @@ def test_sigterm_drains_a_real_server(tmp_path):
     assert trace.exists(), log[-2000:]
 
 
-def _up(url) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _open_stream_noauth(url, prompt, lines):
-    def run():
-        body = {**LONG, "prompt": prompt, "max_tokens": 450}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            lines.append(r.status_code)
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
-@pytest.mark.slow
-def test_second_signal_ends_streams_at_once_with_final_events(tmp_path):
-    """A second SIGTERM during the drain (--shutdown-timeout 60) does not wait out the
-    timeout, nor cut the streams bare: each gets its final event and [DONE] within seconds."""
+def _serve_process(*args: str):
+    """``pagedexperts serve`` of the bundled model in a child process on a free loopback port
+    (--max-running-requests 1, K = 8, 1 thread) with ``args`` added; (Popen, url), not yet up."""
     import os
-    import signal
     import socket
     import subprocess
     import sys
@@ -234,16 +199,38 @@ def test_second_signal_ends_streams_at_once_with_final_events(tmp_path):
     port = sock.getsockname()[1]
     sock.close()
     cmd = [sys.executable, "-m", "pagedexperts.cli", "serve", "--port", str(port), "--served-model-name", NAME,
-           "--max-running-requests", "1", "--shutdown-timeout", "60", "--model-path", str(MODEL_PATH),
-           "--num-resident", "8"]
+           "--max-running-requests", "1", *args, "--model-path", str(MODEL_PATH), "--num-resident", "8"]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _one_running_one_queued(url):
+    """Once the server is up, two long streams: wait until one streams and the other waits
+    in the queue; (the two streams' lines, their threads)."""
+    _wait(lambda: _up(url), timeout_s=120)
+    streams = [[], []]
+    threads = [_open_stream(url, PROMPTS[i], streams[i], auth=False, max_tokens=450) for i in range(2)]
+    _wait(lambda: max(map(len, streams)) > 2 and httpx.get(url + "/health").json()["waiting"] == 1, 30)
+    return streams, threads
+
+
+def _up(url) -> bool:
     try:
-        _wait(lambda: _up(url), timeout_s=120)
-        streams = [[], []]
-        threads = [_open_stream_noauth(url, PROMPTS[i], streams[i]) for i in range(2)]
-        _wait(lambda: max(map(len, streams)) > 2 and httpx.get(url + "/health").json()["waiting"] == 1, 30)
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.slow
+def test_second_signal_ends_streams_at_once_with_final_events(tmp_path):
+    """A second SIGTERM during the drain (--shutdown-timeout 60) does not wait out the
+    timeout, nor cut the streams bare: each gets its final event and [DONE] within seconds."""
+    import signal
+
+    proc, url = _serve_process("--shutdown-timeout", "60")
+    try:
+        streams, threads = _one_running_one_queued(url)
         proc.send_signal(signal.SIGTERM)
         _wait(lambda: httpx.get(url + "/health").status_code == 503)
         proc.send_signal(signal.SIGTERM)

@@ -16,6 +16,7 @@ import pytest
 
 from serving_fixtures import (CONTEXT, HAVE_MODEL, MAX_TOKENS, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
                               ref, run_schedule, schedule, torch)
+from serving_fixtures import assert_scored_prompt
 from pagedexperts.serving.sampling import SamplingParams
 from pagedexperts.serving.batching import decode_mask, prefill_batches, prefill_inputs
 from pagedexperts.serving.scheduler import BatchScheduler
@@ -117,15 +118,7 @@ def test_score_only_prompt_logprobs(ref):
     sched.submit(tokenizer(PROMPTS[0])["input_ids"], SamplingParams(max_new_tokens=3), lambda e: None)
     while sched.num_running or sched.num_waiting:
         sched.step()
-    (event,) = events
-    assert (event.finish_reason, event.completion_tokens) == ("length", 0)
-    with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
-    got = event.prompt_logprobs
-    assert [e.token_id for e in got] == prompt and got[0].logprob is None
-    want = [lp[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
-    assert [e.logprob for e in got[1:]] == pytest.approx(want, abs=1e-4)
-    assert all(len(e.top) == 2 and e.top[0][2] >= e.top[1][2] for e in got[1:])
+    assert_scored_prompt(model, events, prompt, top=2)
 
 
 def test_queue_bound_all_or_nothing(ref):

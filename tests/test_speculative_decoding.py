@@ -6,7 +6,9 @@ and 4 with requests joining and leaving; teacher forcing for every logits row th
 speculative scheduler samples from (a rollback that kept a rejected proposal's keys and
 values, or dropped an accepted one, moves them by whole units); the unpaged model
 (``check.load_reference``, all experts resident) for the verification forward, torch.equal.
-A draft equal to the target must have every proposal accepted.
+A draft equal to the target must have every proposal accepted. The shipped draft
+(``pagedexperts/data/tiny-qwen3-draft``) must load with the target's tokenizer, keep greedy
+output plain greedy's, and have more proposals accepted than the untrained early exit.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pagedexperts.serving.draft import DraftState, load_draft, model_forward, sa
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
 
 TOKENS = 24
+SHIPPED_DRAFT = MODEL_PATH.parent / "tiny-qwen3-draft"  # distilled from the bundled model (scripts/train_draft.py)
 LOGIT_ATOL = 1e-3  # float32 batching noise (as test_server_scheduler)
 
 
@@ -195,3 +198,45 @@ def test_served_with_speculation_answers_as_plain_decoding(ref):
         assert 0 < metric(url, "pagedexperts_spec_decode_acceptance_rate") <= 1
     finally:
         next(gen, None)
+
+
+needs_shipped_draft = pytest.mark.skipif(
+    not (SHIPPED_DRAFT / "config.json").exists() or MODEL_PATH.name != "tiny-qwen3-moe",
+    reason=f"the shipped draft {SHIPPED_DRAFT} drafts for the bundled model only")
+
+
+@needs_shipped_draft
+def test_shipped_draft_loads_with_the_targets_tokenizer(ref):
+    """The shipped draft: fewer layers and a quarter of the target's bytes, the target's tokenizer."""
+    from transformers import AutoTokenizer
+
+    model, tokenizer = ref
+    draft = load_draft(str(SHIPPED_DRAFT), target=model, tokenizer=tokenizer)
+    assert AutoTokenizer.from_pretrained(SHIPPED_DRAFT).get_vocab() == tokenizer.get_vocab()
+    assert draft.config.vocab_size == model.config.vocab_size
+    assert (draft.dtype, draft.device) == (model.dtype, model.device)
+    assert draft.config.num_hidden_layers < model.config.num_hidden_layers
+    sizes = [(d / "model.safetensors").stat().st_size for d in (SHIPPED_DRAFT, MODEL_PATH)]
+    assert sizes[0] < sizes[1] / 4, sizes  # the paged model's parameters leave out its experts: compare files
+
+
+@needs_shipped_draft
+@pytest.mark.parametrize("batch", [1, 4])
+def test_shipped_draft_greedy_output_is_plain_decoding(ref, plain, draft_dir, batch):
+    """Batch 1: one prompt; batch 4: 8 prompts through 4 places. At batch 4 it also has more
+    proposals accepted than the untrained early exit (the target's first 2 layers) on the
+    same prompts and proposal count."""
+    model, tokenizer = ref
+    n = 1 if batch == 1 else 8
+    shipped = speculative_config("draft", draft_model_path=str(SHIPPED_DRAFT), num_speculative_tokens=4)
+    out, sched = run(model, tokenizer, PROMPTS[:n], max_running=batch, speculative=shipped)
+    assert out == plain[n]
+    s = sched.speculative.stats
+    assert s.proposed > 0 and s.emitted >= n * (TOKENS - 1)
+    print(f"\nshipped draft batch {batch}: {s.as_dict()}")
+    if batch == 4:
+        early = speculative_config("draft", draft_model_path=str(draft_dir), num_speculative_tokens=4)
+        out_early, sched_early = run(model, tokenizer, PROMPTS[:n], max_running=batch, speculative=early)
+        assert out_early == plain[n]
+        e = sched_early.speculative.stats
+        assert s.acceptance_rate > e.acceptance_rate, (s.as_dict(), e.as_dict())
