@@ -188,3 +188,29 @@ def test_max_tokens_zero_names_echo_only_where_the_endpoint_has_it(chat):
         _prepare(body)
     assert e.value.message.startswith("max_tokens must be > 0") and e.value.param == "max_tokens"
     assert ("echo" in e.value.message) is (not chat)
+
+
+@pytest.mark.parametrize("stop,needle", [("", "stop[0] has 0"), (["ok", ""], "stop[1] has 0"),
+                                         (["x" * (protocol.MAX_STOP_CHARS + 1)], f"stop[0] has {protocol.MAX_STOP_CHARS + 1}"),
+                                         (["a"] * (protocol.MAX_STOP_STRINGS + 1), f"got {protocol.MAX_STOP_STRINGS + 1}")])
+def test_a_bad_stop_string_is_named(stop, needle):
+    """The refusal says which stop string is wrong and why (it said 'got 1' for stop: "")."""
+    with pytest.raises(ApiError, match=needle.replace("[", r"\[").replace("]", r"\]")) as e:
+        _prepare(CompletionRequest(model="m", prompt="x", stop=stop))
+    assert e.value.param == "stop"
+
+
+@pytest.mark.parametrize("field,value", [("stream", "yes"), ("max_tokens", True), ("temperature", "0.5"),
+                                         ("max_output_tokens", True), ("n", 1.5)])
+def test_a_value_of_the_wrong_type_is_refused_not_coerced(field, value):
+    """As OpenAI's API answers ("Invalid type for 'stream'"): JSON types are not coerced
+    (pydantic's lax mode read "yes" as true and true as 1)."""
+    import json
+
+    from pagedexperts.serving.responses_api import ResponsesRequest
+
+    cls, base = ((ResponsesRequest, {"model": "m", "input": "x"}) if field == "max_output_tokens"
+                 else (CompletionRequest, {"model": "m", "prompt": "x"}))
+    with pytest.raises(ApiError) as e:
+        schemas.parse_request(json.dumps({**base, field: value}).encode(), cls)
+    assert e.value.param == field and e.value.status == 400, (e.value.param, e.value.message)

@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     m.add_argument("--mode", default="plain,resident,paged,offload,cpu-experts",
                    help="comma-separated modes (default: all five); ratios need plain")
     m.add_argument("--num-resident", default="", metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")
-    m.add_argument("--cpu-expert-layers", type=int, default=0, metavar="N", help="MoE layers computed on the CPU in cpu-experts mode (default: half)")
+    m.add_argument("--cpu-expert-layers", type=int, default=None, metavar="N", help="MoE layers computed on the CPU in cpu-experts mode, 1 to the model's MoE layers (default: half)")
     w = p.add_argument_group("workload")
     w.add_argument("--prompts", default=None, help="JSON lines (prompt / turns / question) or ShareGPT JSON (default: built-in prompts)")
     w.add_argument("--num-prompts", type=int, default=4)
@@ -77,12 +77,16 @@ def run(args) -> int:
     bad = [m for m in modes if m not in bench.BENCH_MODES]
     if bad:
         raise ValueError(f"unknown --mode {bad}; choose from {list(bench.BENCH_MODES)}")
+    repeated = sorted({m for m in modes if modes.count(m) > 1})
+    if repeated:
+        raise ValueError(f"--mode names {repeated} more than once; give each mode once (paged takes several K "
+                         "through --num-resident)")
     if args.output_tokens < 2:
         raise ValueError(f"--output-tokens must be >= 2 to measure decode, got {args.output_tokens}")
     ks, concurrency = _checked_workload(args, modes)
     prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]
     cfg = BenchConfig(
-        model_path=args.model_path, modes=modes, num_resident=ks, cpu_expert_layers=args.cpu_expert_layers,
+        model_path=args.model_path, modes=modes, num_resident=ks, cpu_expert_layers=args.cpu_expert_layers or 0,
         output_tokens=args.output_tokens, concurrency=concurrency, num_prompts=len(prompts),
         long_prompt_tokens=args.long_prompt_tokens, rounds=args.rounds, threads=args.threads,
         device=args.device, dtype=args.dtype,
@@ -99,7 +103,7 @@ def run(args) -> int:
 
 def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(K values, concurrency levels), every workload flag checked against the model before any
-    work: K in [top_k, E], --cpu-expert-layers in [0, MoE layers], counts >= 1, --threads >= 0.
+    work: K in [top_k, E], --cpu-expert-layers in [1, MoE layers], counts >= 1, --threads >= 0.
 
     Raises:
         ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
@@ -123,9 +127,10 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
     for x in ks:
         check_num_resident(x, num_experts=e, min_slots=k)
     num_moe = len(moe_layer_indices(c))  # the loader's limit: its MoE sites follow the family rule
-    if "cpu-experts" in modes and not 0 <= args.cpu_expert_layers <= num_moe:
-        raise ValueError(f"--cpu-expert-layers {args.cpu_expert_layers} outside [0, {num_moe}] (the model's MoE "
-                         "layers; 0 = half)")
+    layers = args.cpu_expert_layers
+    if "cpu-experts" in modes and layers is not None and not 1 <= layers <= num_moe:
+        raise ValueError(f"--cpu-expert-layers {layers} outside [1, {num_moe}] (the model's MoE layers; "
+                         "leave it out for half)")
     return ks, concurrency
 
 

@@ -102,9 +102,12 @@ def check_ranges(body) -> tuple[str, ...]:
     _in_range(body.presence_penalty, -MAX_PENALTY, MAX_PENALTY, "presence_penalty")
     _in_range(body.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, "frequency_penalty")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
-        raise ApiError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
-                       f"characters, got {len(stop)}", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
+    for i, s in enumerate(stop):
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise ApiError(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters; stop[{i}] "
+                           f"has {len(s)}", param="stop")
     for s in stop:
         _utf8(s, "stop")
     if isinstance(body, ChatCompletionRequest):

@@ -52,7 +52,7 @@ RENAMED = {"max_tokens": "max_output_tokens", "messages": "input"}  # chat field
 class ResponsesRequest(BaseModel):
     """The body of POST /v1/responses (the fields of openai's ``ResponseCreateParams`` read here)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     input: str | list[dict[str, Any]]

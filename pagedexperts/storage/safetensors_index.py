@@ -103,7 +103,8 @@ def check_readable(files: list[Path]) -> None:
         try:
             read_header(file)
         except ValueError as exc:
-            raise ValueError(f"cannot read checkpoint shard {file}: {exc} (truncated or corrupt?)") from exc
+            reason = str(exc) if "truncated or corrupt" in str(exc) else f"{exc} (truncated or corrupt?)"
+            raise ValueError(f"cannot read checkpoint shard {file}: {reason}") from exc
 
 
 def bytes_view(flat: torch.Tensor):
