@@ -246,3 +246,23 @@ def test_slot_format_on_a_dense_checkpoint_says_it_has_no_effect(tiny_moe_dir, c
     with caplog.at_level("WARNING", logger="pagedexperts.loading.loader"):
         load_model(tiny_moe_dir, num_resident=4)
     assert not any("--slot-format" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_draft_of_another_vocabulary_is_refused_before_loading(command, tiny_moe_dir, capsys, monkeypatch):
+    """--speculative draft with a draft whose vocab_size differs (tiny_moe_dir: 128 against the
+    bundled model's 4096) was refused only after the target loaded and the prompt printed."""
+    if command == "serve":
+        pytest.importorskip("fastapi")
+    import importlib
+
+    module = importlib.import_module(f"pagedexperts.commands.{command}")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the target was loaded before the draft's vocabulary was compared")
+
+    monkeypatch.setattr(module, "load_from_args", fail)
+    argv = [command, "--speculative", "draft", "--draft-model-path", str(tiny_moe_dir)]
+    assert main(argv + (["--prompt", "x"] if command == "generate" else [])) == 2
+    out = capsys.readouterr()
+    assert "vocab_size 128 but the target's is 4096" in out.err and out.out == ""

@@ -118,6 +118,21 @@ class DraftProposer:
             state.length = min(state.length, kept)
 
 
+def check_draft_config(path: str, target_config) -> None:
+    """Refuse a draft whose config.json cannot share the target's tokenizer (different
+    vocab_size), reading configs only: called before the target loads.
+
+    Raises:
+        ValueError: naming --draft-model-path and both vocabulary sizes.
+    """
+    from transformers import AutoConfig
+
+    vocab = getattr(AutoConfig.from_pretrained(path), "vocab_size", None)
+    if vocab != target_config.vocab_size:
+        raise ValueError(f"--draft-model-path {path}: vocab_size {vocab} but the target's is "
+                         f"{target_config.vocab_size}; the draft must share the target's tokenizer")
+
+
 def load_draft(path: str, *, target, tokenizer):
     """The draft model of ``path`` (transformers ``from_pretrained``, whole, eval) on the
     target's device and dtype.
@@ -126,13 +141,9 @@ def load_draft(path: str, *, target, tokenizer):
         ValueError: naming --draft-model-path: its vocabulary size differs from the target's,
             it has no tokenizer, or its tokenizer's vocabulary differs from the target's.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(path)
-    vocab = getattr(config, "vocab_size", None)
-    if vocab != target.config.vocab_size:
-        raise ValueError(f"--draft-model-path {path}: vocab_size {vocab} but the target's is "
-                         f"{target.config.vocab_size}; the draft must share the target's tokenizer")
+    check_draft_config(path, target.config)
     try:
         draft_tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
