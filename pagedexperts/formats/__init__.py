@@ -29,6 +29,8 @@ FORMATS: dict[str, str] = {
     "nvfp4": "pagedexperts.formats.ct_fp4:CompressedTensorsNvfp4Format",
     "ct-mxfp4": "pagedexperts.formats.ct_fp4:CompressedTensorsMxfp4Format",
     "w8a8-int8": "pagedexperts.formats.ct_int8:CompressedTensorsInt8Format",
+    "modelopt-nvfp4": "pagedexperts.formats.modelopt:ModelOptNvfp4Format",
+    "modelopt-fp8": "pagedexperts.formats.modelopt:ModelOptFp8Format",
 }
 
 
@@ -49,6 +51,8 @@ SPELLED: dict[str, tuple[str, tuple[str | None, str | None, str | None]]] = {
     "w4a16": ("compressed-tensors 'pack-quantized' int4 (W4A16, W4A16_ASYM)", ("compressed-tensors", "pack-quantized", "int4")),
     "gptq": ("quant_method 'gptq' int4", ("gptq", None, "int4")),
     "awq": ("quant_method 'awq' int4", ("awq", None, "int4")),
+    "modelopt-nvfp4": ("ModelOpt quant_method 'modelopt' quant_algo 'NVFP4'", ("modelopt", None, "float4")),
+    "modelopt-fp8": ("ModelOpt quant_method 'modelopt' quant_algo 'FP8' (per-tensor)", ("modelopt", None, "float8")),
 }
 
 
@@ -107,6 +111,11 @@ def checkpoint_key(qc: dict | None) -> tuple[str | None, str | None, str | None]
             return (method, qc.get("format"), None)
         w = schemes[0].weights
         return (method, schemes[0].format, f"{w.get('type', 'int')}{w.get('num_bits')}")
+    if method == "modelopt":
+        from pagedexperts.formats.modelopt import quant_algo
+
+        algo = str(quant_algo(qc) or "")
+        return (method, None, "float4" if "FP4" in algo else "float8" if "FP8" in algo else algo.lower() or None)
     bits = qc.get("bits") or qc.get("w_bit")
     return (method, qc.get("format"), f"int{bits}" if bits else {"fp8": "float8", "mxfp4": "float4"}.get(method))
 
