@@ -97,20 +97,32 @@ def restack_fp8_experts(src: Path, dst: Path) -> Path:
     saves them: ``experts.gate_up_proj`` float8_e4m3fn [E, 2I, H] (gate rows, then up) with
     ``experts.gate_up_proj_scale_inv`` float32 [E, 2 x ceil(I/bm), ceil(H/bn)], and
     ``experts.down_proj`` [E, H, I] with its ``_scale_inv``."""
+    return restack_experts(src, dst, ("weight", "weight_scale_inv"))
+
+
+def restack_experts(src: Path, dst: Path, names: tuple[str, ...]) -> Path:
+    """``src`` with its per-expert ``experts.{j}.{gate,up,down}_proj.{name}`` keys (each name in
+    ``names``) stacked: ``experts.gate_up_proj`` + the name's suffix (``store_name``:
+    ``weight_scale`` -> ``gate_up_proj_scale``, ``input_scale`` -> ``gate_up_proj_input_scale``)
+    [E, ...] with each expert's gate then up concatenated along dim 0 (a 0-d per-tensor scale
+    as [1]), and ``experts.down_proj`` + suffix [E, ...]."""
+    from pagedexperts.formats.base import store_name
+
     _copy_aux(src, dst)
-    tensors = _tensors(src)
+    kinds = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    pattern = re.compile(rf"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.({kinds})$")
     out, per_expert = {}, {}
-    for key, value in tensors.items():
-        m = re.match(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight(?:_scale_inv)?)$", key)
+    for key, value in _tensors(src).items():
+        m = pattern.match(key)
         if m is None:
             out[key] = value
             continue
         per_expert.setdefault((m.group(1), m.group(4)), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
     for (prefix, kind), experts in per_expert.items():
-        suffix = "_scale_inv" if kind.endswith("_scale_inv") else ""
         order = sorted(experts)
-        out[f"{prefix}.gate_up_proj{suffix}"] = torch.stack(
-            [torch.cat([experts[j]["gate_proj"], experts[j]["up_proj"]]) for j in order])
-        out[f"{prefix}.down_proj{suffix}"] = torch.stack([experts[j]["down_proj"] for j in order])
+        row = lambda t: t.reshape(1) if t.dim() == 0 else t  # noqa: E731
+        out[f"{prefix}.{store_name('gate_up_proj', 'weight', kind)}"] = torch.stack(
+            [torch.cat([row(experts[j]["gate_proj"]), row(experts[j]["up_proj"])]) for j in order])
+        out[f"{prefix}.{store_name('down_proj', 'weight', kind)}"] = torch.stack([row(experts[j]["down_proj"]) for j in order])
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst

@@ -218,9 +218,13 @@ class ModelOptFp8Format(_ModelOptFormat):
 
 
 def excluded_experts(quantization_config: dict, num_layers: int) -> list[str]:
-    """Routed expert projections (``model.layers.{l}.mlp.experts.0.{proj}``) an ``exclude_modules``
-    / ``ignore`` fnmatch pattern leaves unquantized."""
-    patterns = list(_field(quantization_config, "exclude_modules") or quantization_config.get("ignore") or [])
-    names = [f"model.layers.{layer}.mlp.experts.0.{proj}" for layer in range(num_layers) for proj in EXPERT_PROJECTIONS]
+    """Routed expert projections (``model.layers.{l}.{mlp,block_sparse_moe}.experts.0.{proj}``)
+    that an ``exclude_modules`` / ``ignore`` fnmatch pattern naming experts leaves unquantized
+    (first 3). Patterns that do not name experts (a dense layer's ``model.layers.0*``, shared
+    experts) are not read here: a MoE layer they cover fails the load on its missing rows."""
+    patterns = [p for p in (_field(quantization_config, "exclude_modules") or quantization_config.get("ignore") or [])
+                if "expert" in p.replace("shared_expert", "")]
+    names = [f"model.layers.{layer}.{block}.experts.0.{proj}" for layer in range(num_layers)
+             for block in ("mlp", "block_sparse_moe") for proj in EXPERT_PROJECTIONS]
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n.rsplit(".", 1)[0], p)
                                     for p in patterns)][:3]
