@@ -226,3 +226,13 @@ def test_check_cli_passes_naming_modelopt(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "verdict: PASS: paging is exact on this checkpoint (against ModelOpt)" in out, out
     assert "reference: ModelOpt (transformers cannot load this checkpoint" in out
+
+
+def test_without_modelopt_the_reference_says_what_to_install(monkeypatch):
+    """No nvidia-modelopt here: no traceback from transformers' loading (which cannot read the
+    checkpoint), but an ImportError naming the package to install."""
+    import pagedexperts.tools.reference as reference
+
+    monkeypatch.setattr(reference, "has_library_reference", lambda qc: False)
+    with pytest.raises(ImportError, match=r"no loader for quant_method 'modelopt'.*pip install 'pagedexperts\[modelopt\]'"):
+        load_reference_with_choice(_fixture("qwen3_moe-FP8"), device="cpu", dtype=None, experts_implementation="grouped_mm")

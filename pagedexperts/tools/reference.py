@@ -37,9 +37,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# quant_method -> (the library whose decompression is the reference, the module it needs)
-LIBRARY_QUANT_METHODS = {"compressed-tensors": ("compressed-tensors", "compressed_tensors"),
-                         "modelopt": ("ModelOpt", "modelopt.torch.quantization.qtensor")}
+# quant_method -> (the library whose decompression is the reference, the module it needs, its
+# pip install)
+LIBRARY_QUANT_METHODS = {"compressed-tensors": ("compressed-tensors", "compressed_tensors", "'pagedexperts[quant]'"),
+                         "modelopt": ("ModelOpt", "modelopt.torch.quantization.qtensor", "'pagedexperts[modelopt]'")}
 SAMPLE_EXPERTS_PER_LAYER = 4
 _SIDE_SUFFIXES = ("_packed", "_scale", "_global_scale", "_zero_point", "_shape", "_g_idx")
 
@@ -318,6 +319,11 @@ def choose_reference(path: Path, quantization_config: dict | None, *, load: Call
     reference is not transformers' loading, naming why.
     """
     if not has_library_reference(quantization_config):
+        cannot = no_transformers_loader(quantization_config)
+        if cannot and quantization_config["quant_method"] in LIBRARY_QUANT_METHODS:
+            library, module, pip = LIBRARY_QUANT_METHODS[quantization_config["quant_method"]]
+            raise ImportError(f"{cannot}, and the reference, {library}'s own dequantization, needs {module} "
+                              f"here: pip install {pip}")
         return load(path), ReferenceChoice("transformers", "its own loading; no format library decompression "
                                                            "for this checkpoint here")
     with tempfile.TemporaryDirectory(prefix="pagedexperts-ref-") as tmp:
