@@ -126,3 +126,32 @@ def restack_experts(src: Path, dst: Path, names: tuple[str, ...]) -> Path:
         out[f"{prefix}.{store_name('down_proj', 'weight', kind)}"] = torch.stack([row(experts[j]["down_proj"]) for j in order])
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def prefill_decode_runs(paged, reference):
+    """``tools.check.compare`` of ``paged`` vs ``reference`` on a prefill + decode of one prompt
+    (batch 1) and a left-padded batch of 2 (greedy 3 steps; seeded random token ids)."""
+    from pagedexperts.tools.check import compare, left_padded
+
+    vocab = reference.config.vocab_size
+    rows = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (19, 6)]
+    out = [compare(paged, reference, rows[0].unsqueeze(0), 3, "batch 1")]
+    ids, mask = left_padded(rows)
+    out.append(compare(paged, reference, ids, 3, "padded batch 2", mask))
+    return out
+
+
+def reference_cache(path_of):
+    """name -> ``check``'s unpaged reference (``load_reference_with_choice``, CPU, grouped_mm) of
+    the checkpoint at ``path_of(name)``, each built once."""
+    from pagedexperts.tools.check import load_reference_with_choice
+
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = load_reference_with_choice(path_of(name), device="cpu", dtype=None,
+                                                     experts_implementation="grouped_mm")[0]
+        return built[name]
+
+    return get

@@ -27,7 +27,8 @@ from safetensors import safe_open
 from pagedexperts import load_model
 from pagedexperts.cli import main as cli_main
 from pagedexperts.formats import TensorSpec, format_for_config
-from pagedexperts.tools.check import compare, left_padded, load_reference_with_choice
+from pagedexperts.tools.check import load_reference_with_choice
+from quantized_dirs import prefill_decode_runs, reference_cache
 
 qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
 
@@ -111,30 +112,12 @@ def test_format_and_reference_named(name):
 
 @pytest.fixture(scope="module")
 def references():
-    built = {}
-
-    def get(name):
-        if name not in built:
-            built[name] = load_reference_with_choice(_fixture(name), device="cpu", dtype=None,
-                                                     experts_implementation="grouped_mm")[0]
-        return built[name]
-
-    return get
-
-
-def _runs(paged, reference):
-    """Prefill + decode of one prompt (batch 1), and a left-padded batch of 2 (greedy 3 steps)."""
-    vocab = reference.config.vocab_size
-    rows = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (19, 6)]
-    out = [compare(paged, reference, rows[0].unsqueeze(0), 3, "batch 1")]
-    ids, mask = left_padded(rows)
-    out.append(compare(paged, reference, ids, 3, "padded batch 2", mask))
-    return out
+    return reference_cache(_fixture)
 
 
 def _assert_exact(paged, reference, what: str) -> None:
     with torch.no_grad():
-        for run in _runs(paged, reference):
+        for run in prefill_decode_runs(paged, reference):
             assert run.exact and run.tokens_equal, f"{what} {run.prompt}: {run.max_abs_diff:.3g}"
     assert paged.pagedexperts.stats().total().misses > 0
 
