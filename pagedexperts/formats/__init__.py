@@ -157,11 +157,12 @@ TRANSPOSED_EXPERTS_MODEL_TYPES = ("gpt_oss",)
 
 def experts_layout_refusal(fmt: ExpertFormat, config) -> str | None:
     """Why ``fmt`` has no packing for the experts layout of this config's model type (gpt-oss's
-    transposed experts in a compressed-tensors / ModelOpt / FP8 format), or None: read here so
-    that preflight refuses what the layout (``pack``) would refuse at load."""
+    transposed experts in a compressed-tensors / ModelOpt / FP8 format), or None (also for a
+    config without ``model_type``): read here so that preflight refuses what the layout
+    (``pack``) would refuse at load."""
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     transposed = model_type in TRANSPOSED_EXPERTS_MODEL_TYPES
-    if fmt.transposed_experts is None or fmt.transposed_experts == transposed:
+    if model_type is None or fmt.transposed_experts is None or fmt.transposed_experts == transposed:
         return None
     return (f"{fmt.name} has no published layout for {model_type!r} experts stored "
             + ("transposed ([in, out], gpt-oss)" if transposed else "as nn.Linear's [out, in]"))
