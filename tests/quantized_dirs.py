@@ -97,20 +97,61 @@ def restack_fp8_experts(src: Path, dst: Path) -> Path:
     saves them: ``experts.gate_up_proj`` float8_e4m3fn [E, 2I, H] (gate rows, then up) with
     ``experts.gate_up_proj_scale_inv`` float32 [E, 2 x ceil(I/bm), ceil(H/bn)], and
     ``experts.down_proj`` [E, H, I] with its ``_scale_inv``."""
+    return restack_experts(src, dst, ("weight", "weight_scale_inv"))
+
+
+def restack_experts(src: Path, dst: Path, names: tuple[str, ...]) -> Path:
+    """``src`` with its per-expert ``experts.{j}.{gate,up,down}_proj.{name}`` keys (each name in
+    ``names``) stacked: ``experts.gate_up_proj`` + the name's suffix (``store_name``:
+    ``weight_scale`` -> ``gate_up_proj_scale``, ``input_scale`` -> ``gate_up_proj_input_scale``)
+    [E, ...] with each expert's gate then up concatenated along dim 0 (a 0-d per-tensor scale
+    as [1]), and ``experts.down_proj`` + suffix [E, ...]."""
+    from pagedexperts.formats.base import store_name
+
     _copy_aux(src, dst)
-    tensors = _tensors(src)
+    kinds = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    pattern = re.compile(rf"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.({kinds})$")
     out, per_expert = {}, {}
-    for key, value in tensors.items():
-        m = re.match(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight(?:_scale_inv)?)$", key)
+    for key, value in _tensors(src).items():
+        m = pattern.match(key)
         if m is None:
             out[key] = value
             continue
         per_expert.setdefault((m.group(1), m.group(4)), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
     for (prefix, kind), experts in per_expert.items():
-        suffix = "_scale_inv" if kind.endswith("_scale_inv") else ""
         order = sorted(experts)
-        out[f"{prefix}.gate_up_proj{suffix}"] = torch.stack(
-            [torch.cat([experts[j]["gate_proj"], experts[j]["up_proj"]]) for j in order])
-        out[f"{prefix}.down_proj{suffix}"] = torch.stack([experts[j]["down_proj"] for j in order])
+        row = lambda t: t.reshape(1) if t.dim() == 0 else t  # noqa: E731
+        out[f"{prefix}.{store_name('gate_up_proj', 'weight', kind)}"] = torch.stack(
+            [torch.cat([row(experts[j]["gate_proj"]), row(experts[j]["up_proj"])]) for j in order])
+        out[f"{prefix}.{store_name('down_proj', 'weight', kind)}"] = torch.stack([row(experts[j]["down_proj"]) for j in order])
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def prefill_decode_runs(paged, reference):
+    """``tools.check.compare`` of ``paged`` vs ``reference`` on a prefill + decode of one prompt
+    (batch 1) and a left-padded batch of 2 (greedy 3 steps; seeded random token ids)."""
+    from pagedexperts.tools.check import compare, left_padded
+
+    vocab = reference.config.vocab_size
+    rows = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (19, 6)]
+    out = [compare(paged, reference, rows[0].unsqueeze(0), 3, "batch 1")]
+    ids, mask = left_padded(rows)
+    out.append(compare(paged, reference, ids, 3, "padded batch 2", mask))
+    return out
+
+
+def reference_cache(path_of):
+    """name -> ``check``'s unpaged reference (``load_reference_with_choice``, CPU, grouped_mm) of
+    the checkpoint at ``path_of(name)``, each built once."""
+    from pagedexperts.tools.check import load_reference_with_choice
+
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = load_reference_with_choice(path_of(name), device="cpu", dtype=None,
+                                                     experts_implementation="grouped_mm")[0]
+        return built[name]
+
+    return get

@@ -21,10 +21,11 @@ import torch
 from safetensors import safe_open
 
 from pagedexperts import load_model
-from pagedexperts.tools.check import compare, left_padded, load_reference_with_choice
+from pagedexperts.tools.check import load_reference_with_choice
 from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.formats.ct_fp4 import dequantize_ct_mxfp4, dequantize_nvfp4
 from pagedexperts.tools.reference import compare_experts
+from quantized_dirs import prefill_decode_runs, reference_cache
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
@@ -124,26 +125,9 @@ def test_transformers_nvfp4_is_off_by_the_global_scale():
     assert compared > 0 and first is not None and diff > 1.0
 
 
-def _runs(paged, reference, vocab: int):
-    """Prefill + decode of one prompt (batch 1), and a left-padded batch of 2 (greedy 3 steps)."""
-    rows = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (19, 6)]
-    out = [compare(paged, reference, rows[0].unsqueeze(0), 3, "batch 1")]
-    ids, mask = left_padded(rows)
-    out.append(compare(paged, reference, ids, 3, "padded batch 2", mask))
-    return out
-
-
 @pytest.fixture(scope="module")
 def references():
-    built = {}
-
-    def get(name):
-        if name not in built:
-            built[name] = load_reference_with_choice(_fixture(name), device="cpu", dtype=None,
-                                                     experts_implementation="grouped_mm")[0]
-        return built[name]
-
-    return get
+    return reference_cache(_fixture)
 
 
 @pytest.mark.default_threads
@@ -153,7 +137,7 @@ def test_paged_equals_reference(name, num_resident, slot_format, references):
     reference = references(name)
     paged, _ = load_model(_fixture(name), num_resident=num_resident, slot_format=slot_format)
     with torch.no_grad():
-        for run in _runs(paged, reference, reference.config.vocab_size):
+        for run in prefill_decode_runs(paged, reference):
             assert run.exact and run.tokens_equal, f"{name} K={num_resident} {slot_format} {run.prompt}: {run.max_abs_diff:.3g}"
 
 
@@ -168,7 +152,7 @@ def test_paged_from_the_disk_tier_equals_reference(name, references):
     assert tiered.pagedexperts.host_memory.host_rows == 2
     reference = references(name)
     with torch.no_grad():
-        for run in _runs(tiered, reference, reference.config.vocab_size):
+        for run in prefill_decode_runs(tiered, reference):
             assert run.exact and run.tokens_equal, f"{name} disk tier {run.prompt}: {run.max_abs_diff:.3g}"
 
 

@@ -116,8 +116,8 @@ def _padded_batch_exact(paged, reference) -> None:
     assert torch.equal(a[real], b[real]), f"padded batch: max |diff| {(a[real].float() - b[real].float()).abs().max():.3e}"
 
 
-CASES = [("w4a16", "qwen3_moe"), ("w4a16", "mixtral"), ("w4a16-asym", "qwen3_moe"),
-         ("gptq", "qwen3_moe"), ("gptq", "mixtral"), ("awq", "qwen3_moe")]
+CASES = [("w4a16", "qwen3_moe"), ("w4a16", "mixtral"), ("w4a16", "deepseek_v3"), ("w4a16-asym", "qwen3_moe"),
+         ("gptq", "qwen3_moe"), ("gptq", "mixtral"), ("gptq", "deepseek_v3"), ("awq", "qwen3_moe"), ("awq", "mixtral")]
 
 
 @pytest.mark.slow

@@ -29,6 +29,8 @@ FORMATS: dict[str, str] = {
     "nvfp4": "pagedexperts.formats.ct_fp4:CompressedTensorsNvfp4Format",
     "ct-mxfp4": "pagedexperts.formats.ct_fp4:CompressedTensorsMxfp4Format",
     "w8a8-int8": "pagedexperts.formats.ct_int8:CompressedTensorsInt8Format",
+    "modelopt-nvfp4": "pagedexperts.formats.modelopt:ModelOptNvfp4Format",
+    "modelopt-fp8": "pagedexperts.formats.modelopt:ModelOptFp8Format",
 }
 
 
@@ -49,6 +51,13 @@ SPELLED: dict[str, tuple[str, tuple[str | None, str | None, str | None]]] = {
     "w4a16": ("compressed-tensors 'pack-quantized' int4 (W4A16, W4A16_ASYM)", ("compressed-tensors", "pack-quantized", "int4")),
     "gptq": ("quant_method 'gptq' int4", ("gptq", None, "int4")),
     "awq": ("quant_method 'awq' int4", ("awq", None, "int4")),
+    "nvfp4": ("compressed-tensors 'nvfp4-pack-quantized' float4 (NVFP4A16, NVFP4)",
+              ("compressed-tensors", "nvfp4-pack-quantized", "float4")),
+    "ct-mxfp4": ("compressed-tensors 'mxfp4-pack-quantized' float4 (MXFP4A16)",
+                 ("compressed-tensors", "mxfp4-pack-quantized", "float4")),
+    "w8a8-int8": ("compressed-tensors 'int-quantized' int8 (W8A8)", ("compressed-tensors", "int-quantized", "int8")),
+    "modelopt-nvfp4": ("ModelOpt quant_method 'modelopt' quant_algo 'NVFP4'", ("modelopt", None, "float4")),
+    "modelopt-fp8": ("ModelOpt quant_method 'modelopt' quant_algo 'FP8' (per-tensor)", ("modelopt", None, "float8")),
 }
 
 
@@ -107,13 +116,19 @@ def checkpoint_key(qc: dict | None) -> tuple[str | None, str | None, str | None]
             return (method, qc.get("format"), None)
         w = schemes[0].weights
         return (method, schemes[0].format, f"{w.get('type', 'int')}{w.get('num_bits')}")
+    if method == "modelopt":
+        from pagedexperts.formats.modelopt import quant_algo
+
+        algo = str(quant_algo(qc) or "")
+        return (method, None, "float4" if "FP4" in algo else "float8" if "FP8" in algo else algo.lower() or None)
     bits = qc.get("bits") or qc.get("w_bit")
     return (method, qc.get("format"), f"int{bits}" if bits else {"fp8": "float8", "mxfp4": "float4"}.get(method))
 
 
-def nearest_format(qc: dict | None) -> str:
+def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
     """The registered format closest to a checkpoint's (quant_method weighs most, then format,
-    then weight kind; ties: registry order), as 'name (what checkpoints say)'."""
+    then weight kind; ties: registry order), as 'name (what checkpoints say)'; ``among``: only
+    those names (default: every quantized format)."""
     key = checkpoint_key(qc)
     weights = (4, 2, 1)
 
@@ -121,18 +136,36 @@ def nearest_format(qc: dict | None) -> str:
         other = SPELLED.get(name, ("", (None, None, None)))[1]
         return sum(w for w, a, b in zip(weights, key, other) if a is not None and a == b)
 
-    best = max((n for n in FORMATS if n != "dense"), key=score)
+    best = max((n for n in (among or FORMATS) if n != "dense"), key=score)
     return f"{best} ({SPELLED.get(best, (best,))[0]})"
 
 
-def refusal_message(qc: dict | None, reason: str) -> str:
+def refusal_message(qc: dict | None, reason: str, among: list[str] | None = None) -> str:
     """One refusal, as ``load_model``, ``preflight`` and ``check`` all raise it: the format as the
-    checkpoint spells it, why, the nearest supported format, and every supported one."""
+    checkpoint spells it, why, the nearest supported format (``among`` those), and every supported one."""
     from pagedexperts.formats.ct_schemes import spelling
 
     supported = "; ".join(f"{n} ({SPELLED.get(n, (n,))[0]})" for n in available_formats())
-    return (f"quantized checkpoint ({spelling(qc)}): {reason}; nearest supported: {nearest_format(qc)}; "
+    return (f"quantized checkpoint ({spelling(qc)}): {reason}; nearest supported: {nearest_format(qc, among)}; "
             f"supported: {supported}")
+
+
+# config.json model_type -> True where transformers' experts module stores its weights
+# transposed ([in, out]: the ``is_transposed`` experts of gpt-oss); others nn.Linear's [out, in].
+TRANSPOSED_EXPERTS_MODEL_TYPES = ("gpt_oss",)
+
+
+def experts_layout_refusal(fmt: ExpertFormat, config) -> str | None:
+    """Why ``fmt`` has no packing for the experts layout of this config's model type (gpt-oss's
+    transposed experts in a compressed-tensors / ModelOpt / FP8 format), or None (also for a
+    config without ``model_type``): read here so that preflight refuses what the layout
+    (``pack``) would refuse at load."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    transposed = model_type in TRANSPOSED_EXPERTS_MODEL_TYPES
+    if model_type is None or fmt.transposed_experts is None or fmt.transposed_experts == transposed:
+        return None
+    return (f"{fmt.name} has no published layout for {model_type!r} experts stored "
+            + ("transposed ([in, out], gpt-oss)" if transposed else "as nn.Linear's [out, in]"))
 
 
 def format_for_config(config) -> ExpertFormat:
@@ -154,15 +187,20 @@ def format_for_config(config) -> ExpertFormat:
             continue
         if cls.matches(qc):
             try:
-                return cls.from_config(config, qc)
+                fmt = cls.from_config(config, qc)
             except ValueError as exc:
                 raise ValueError(refusal_message(qc, str(exc))) from exc
+            layout = experts_layout_refusal(fmt, config)
+            if layout:
+                fits = [n for n in available_formats() if format_class(n).transposed_experts in (None, not fmt.transposed_experts)]
+                raise ValueError(refusal_message(qc, layout, fits))
+            return fmt
     reason = "not a supported expert format" + (f" (unavailable here: {unavailable})" if unavailable else "")
     raise ValueError(refusal_message(qc, reason))
 
 
 __all__ = [
     "FORMATS", "ExpertFormat", "ExpertLayout", "QuantizedTensor", "TensorSpec",
-    "SPELLED", "available_formats", "checkpoint_key", "format_class", "format_for_config", "nearest_format",
+    "SPELLED", "TRANSPOSED_EXPERTS_MODEL_TYPES", "available_formats", "experts_layout_refusal", "checkpoint_key", "format_class", "format_for_config", "nearest_format",
     "quantization_config_of", "refusal_message",
 ]

@@ -143,6 +143,10 @@ class ExpertFormat:
 
     name: ClassVar[str] = ""
     serialized_names: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # The experts layouts this format has a published packing for: False nn.Linear's [out, in]
+    # only (every quantized format but gpt-oss's MXFP4), True transposed [in, out] only, None
+    # either (dense). ``formats.format_for_config`` refuses the others by model type.
+    transposed_experts: ClassVar[bool | None] = False
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:

@@ -112,6 +112,16 @@ def experts_weights_args(quantization_config: dict) -> dict | None:
                 input_activations=chosen.get("input_activations"))
 
 
+def ct_experts_args(quantization_config: dict | None, checkpoint_format: str) -> dict | None:
+    """The routed experts' ``experts_weights_args`` when config.json is compressed-tensors and the
+    experts' config group stores ``checkpoint_format`` (``pack-quantized``, ``int-quantized``,
+    ``nvfp4-pack-quantized``, ...), else None: how the one-group formats' ``matches`` read it."""
+    if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
+        return None
+    args = experts_weights_args(quantization_config)
+    return args if args and args.get("format") == checkpoint_format else None
+
+
 class CompressedTensorsW4A16Format(ExpertFormat):
     """compressed-tensors ``pack-quantized`` int4 weights, bf16/fp16 activations (W4A16).
 
@@ -133,10 +143,8 @@ class CompressedTensorsW4A16Format(ExpertFormat):
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:
-        if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
-            return False
-        args = experts_weights_args(quantization_config)
-        return bool(args) and args.get("format") == "pack-quantized" and args.get("type", "int") == "int"
+        args = ct_experts_args(quantization_config, "pack-quantized")
+        return args is not None and args.get("type", "int") == "int"
 
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "CompressedTensorsW4A16Format":

@@ -38,7 +38,7 @@ from typing import ClassVar, Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, store_name
-from pagedexperts.formats.compressed_tensors import experts_weights_args
+from pagedexperts.formats.compressed_tensors import ct_experts_args, experts_weights_args
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 LIBRARY_DTYPE = torch.bfloat16  # compressed-tensors' unpack_fp4_from_uint8 default dtype
@@ -111,10 +111,7 @@ class _CompressedTensorsFp4(ExpertFormat):
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:
-        if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
-            return False
-        args = experts_weights_args(quantization_config)
-        return bool(args) and args.get("format") == cls.checkpoint_format
+        return ct_experts_args(quantization_config, cls.checkpoint_format) is not None
 
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "_CompressedTensorsFp4":

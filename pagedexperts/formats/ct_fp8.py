@@ -39,7 +39,8 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.ct_schemes import ExpertScheme, dense_schemes, dense_source_count, quantized_non_expert
+from pagedexperts.formats.ct_schemes import (ExpertScheme, dense_schemes, dense_source_count, quantized_non_expert,
+                                             resolved_schemes)
 
 FP8_DTYPE = torch.float8_e4m3fn
 STRATEGIES = ("tensor", "channel", "block")
@@ -90,12 +91,7 @@ class CompressedTensorsFp8Format(ExpertFormat):
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:
-        if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
-            return False
-        try:
-            schemes = dense_schemes(quantization_config)
-        except ValueError:
-            return False
+        schemes = resolved_schemes(quantization_config)
         return bool(schemes) and all(is_fp8_scheme(s) for s in schemes.values())
 
     @classmethod

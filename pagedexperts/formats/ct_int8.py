@@ -28,7 +28,7 @@ import torch
 
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec
 from pagedexperts.formats.ct_fp4 import in_experts_dtype
-from pagedexperts.formats.compressed_tensors import _torch_dtype, experts_weights_args
+from pagedexperts.formats.compressed_tensors import _torch_dtype, ct_experts_args, experts_weights_args
 
 
 class CompressedTensorsInt8Format(ExpertFormat):
@@ -42,10 +42,7 @@ class CompressedTensorsInt8Format(ExpertFormat):
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:
-        if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
-            return False
-        args = experts_weights_args(quantization_config)
-        return bool(args) and args.get("format") == "int-quantized"
+        return ct_experts_args(quantization_config, "int-quantized") is not None
 
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "CompressedTensorsInt8Format":

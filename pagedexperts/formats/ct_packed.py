@@ -45,7 +45,7 @@ import torch
 
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
 from pagedexperts.formats.compressed_tensors import _torch_dtype
-from pagedexperts.formats.ct_schemes import ExpertScheme, dense_schemes, dense_source_count, expert_in_features
+from pagedexperts.formats.ct_schemes import ExpertScheme, dense_source_count, expert_in_features, resolved_schemes
 
 BITS = (4, 8)
 
@@ -86,12 +86,7 @@ def _bind(dense: str, scheme: ExpertScheme) -> PackedArgs:
 
 def pack_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme]:
     """Dense tensor -> scheme when every experts scheme is pack-quantized int, else {}."""
-    if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
-        return {}
-    try:
-        schemes = dense_schemes(quantization_config)
-    except ValueError:
-        return {}
+    schemes = resolved_schemes(quantization_config)
     if not schemes or any(s.format != "pack-quantized" or s.weights.get("type", "int") != "int" for s in schemes.values()):
         return {}
     return schemes

@@ -88,6 +88,17 @@ def dense_schemes(quantization_config: dict) -> dict[str, ExpertScheme]:
     return {}
 
 
+def resolved_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme]:
+    """``dense_schemes`` of a compressed-tensors config, or {} (another quant_method, or a
+    config ``dense_schemes`` refuses): what the per-projection formats' ``matches`` read."""
+    if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
+        return {}
+    try:
+        return dense_schemes(quantization_config)
+    except ValueError:
+        return {}
+
+
 def quantized_non_expert(quantization_config: dict) -> str | None:
     """The first attention / shared-expert / dense-MLP module name a config group quantizes
     (checked on representative names), or None when only routed experts are quantized."""

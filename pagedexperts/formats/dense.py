@@ -16,6 +16,7 @@ class DenseFormat(ExpertFormat):
     """No quantization: the store and slots hold the model's own expert tensors."""
 
     name = "dense"
+    transposed_experts = None
     serialized_names: dict = {}
 
     @classmethod

@@ -34,6 +34,7 @@ class Mxfp4Format(ExpertFormat):
     """MXFP4 routed experts (gpt-oss): ``*_blocks`` and ``*_scales`` per weight, biases dense."""
 
     name = "mxfp4"
+    transposed_experts = True
     serialized_names = {
         "gate_up_proj": ("gate_up_proj_blocks", "gate_up_proj_scales"),
         "down_proj": ("down_proj_blocks", "down_proj_scales"),

@@ -182,7 +182,8 @@ def expert_extents(entry: TensorEntry, *, spec, expert: int | None, num_experts:
                 for e in range(num_experts)]
     dim = spec.concat_dim if n_src > 1 else 0
     want = tuple(size // n_src if d == dim else size for d, size in enumerate(spec.shape))
-    if tuple(entry.shape) != want or (n_src > 1 and spec.shape[dim] % n_src):
+    # a 0-d per-expert scalar (ModelOpt's per-tensor scales) is a [1] source: the same bytes
+    if (tuple(entry.shape) or (1,)) != want or (n_src > 1 and spec.shape[dim] % n_src):
         raise ValueError(
             f"expert tensor {spec.name!r} of expert {expert}: checkpoint shape {entry.shape} ({key!r}) does not match "
             f"the config's {want}" + (f" from each of its {n_src} sources along dim {dim}" if n_src > 1 else "")

@@ -3,14 +3,15 @@ loading cannot be trusted: the format library's decompression, and a cross-check
 
 Owns: ``library_decompress`` (a checkpoint directory -> a dense checkpoint directory, every
 compressed module decompressed by the format's own library: compressed-tensors' per-module
-``BaseCompressor.decompress``), ``compare_experts`` (transformers' dequantized routed experts
+``BaseCompressor.decompress``, ModelOpt's ``NVFP4QTensor`` / ``FP8QTensor.dequantize``), ``compare_experts`` (transformers' dequantized routed experts
 vs the library's, on a seeded sample of (layer, expert)), and ``choose_reference``, the rule
 ``check`` applies:
 
 1. the format has no library decompressor here (dense, block FP8, gpt-oss MXFP4, GPTQ, AWQ):
    transformers' loading, as before;
 2. transformers cannot load the checkpoint (it raises: asymmetric MoE W4A16, W8A8 INT8 in
-   transformers 5.24; not tried for per-projection config groups, ``per_projection_groups``):
+   transformers 5.24; not tried for per-projection config groups, ``per_projection_groups``,
+   or a quant_method transformers has no loader for, ``no_transformers_loader``: ModelOpt):
    the library's dense model, WARNING naming the error;
 3. transformers loads it: a sample of its experts is compared with the library's; equal:
    transformers' model (INFO says how many experts were compared); different (NVFP4 in 5.24:
@@ -36,7 +37,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-LIBRARY_QUANT_METHODS = ("compressed-tensors",)
+# quant_method -> (the library whose decompression is the reference, the module it needs, its
+# pip install)
+LIBRARY_QUANT_METHODS = {"compressed-tensors": ("compressed-tensors", "compressed_tensors", "'pagedexperts[quant]'"),
+                         "modelopt": ("ModelOpt", "modelopt.torch.quantization.qtensor", "'pagedexperts[modelopt]'")}
 SAMPLE_EXPERTS_PER_LAYER = 4
 _SIDE_SUFFIXES = ("_packed", "_scale", "_global_scale", "_zero_point", "_shape", "_g_idx")
 
@@ -55,11 +59,14 @@ class ReferenceChoice:
 
 
 def has_library_reference(quantization_config: dict | None) -> bool:
-    """True when the checkpoint's format library can decompress it here (compressed-tensors)."""
+    """True when the checkpoint's format library can decompress it here (compressed-tensors,
+    ModelOpt: nvidia-modelopt installed)."""
     if not quantization_config or quantization_config.get("quant_method") not in LIBRARY_QUANT_METHODS:
         return False
+    import importlib
+
     try:
-        import compressed_tensors  # noqa: F401
+        importlib.import_module(LIBRARY_QUANT_METHODS[quantization_config["quant_method"]][1])
     except ImportError:
         return False
     return True
@@ -92,27 +99,74 @@ def _modules(keys) -> dict[str, dict[str, str]]:
     return {p: m for p, m in by_module.items() if "weight_scale" in m}
 
 
-def library_decompress(src: Path, dst: Path) -> Path:
-    """Write ``dst``: ``src`` with every compressed module decompressed by compressed-tensors
-    (``BaseCompressor.get_value_from_registry(format).decompress(state_dict, scheme)``, the
-    per-module call transformers' loader makes), its ``weight`` in the dtype the library
-    returns; other tensors as they are; config.json without ``quantization_config``.
+def _ct_decompressor(config: dict, src: Path) -> Callable:
+    """compressed-tensors' per-module decompression: (module prefix, {local name: tensor}) ->
+    dense weight, as ``BaseCompressor.get_value_from_registry(format).decompress(state,
+    scheme)`` (the per-module call transformers' loader makes), in the dtype it returns.
 
-    Raises:
-        ValueError: a compressed module no config group covers.
-    """
+    Raises (when called): ValueError, a compressed module no config group covers."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
+
+    qconf = QuantizationConfig.model_validate(config["quantization_config"])
+
+    def decompress(prefix: str, state: dict) -> torch.Tensor:
+        scheme = _scheme_for(prefix, qconf)
+        if scheme is None:
+            raise ValueError(f"{src}: module {prefix} stores compressed tensors but no config group covers it")
+        return BaseCompressor.get_value_from_registry(scheme.format or qconf.format).decompress(state, scheme)["weight"]
+
+    return decompress
+
+
+def _modelopt_decompressor(config: dict, src: Path) -> Callable:
+    """ModelOpt's own dequantization of one exported module, into the checkpoint's saved dtype
+    (config ``dtype``, ModelOpt's QTensor ``metadata["dtype"]``): NVFP4 (uint8 ``weight`` with
+    ``weight_scale_2``) ``NVFP4QTensor(shape, dtype, weight).dequantize(scale=weight_scale,
+    double_scale=weight_scale_2, block_sizes={-1: 16})``; FP8 ``FP8QTensor(...).dequantize(
+    scale=weight_scale)``; ``input_scale`` dropped (activations unquantized).
+
+    Raises (when called): ValueError, a module that is neither."""
+    from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
+
+    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch."))
+
+    def decompress(prefix: str, state: dict) -> torch.Tensor:
+        weight, scale = state["weight"], state["weight_scale"]
+        if weight.dtype == torch.uint8 and "weight_scale_2" in state:
+            shape = (*weight.shape[:-1], 2 * weight.shape[-1])
+            return NVFP4QTensor(shape, dtype, weight).dequantize(dtype=dtype, scale=scale, double_scale=state[
+                "weight_scale_2"], block_sizes={-1: 16})
+        if weight.dtype == torch.float8_e4m3fn:
+            return FP8QTensor(weight.shape, dtype, weight).dequantize(dtype=dtype, scale=scale)
+        raise ValueError(f"{src}: ModelOpt module {prefix} ({weight.dtype} weight, {sorted(state)}) is neither "
+                         "NVFP4 nor FP8")
+
+    return decompress
+
+
+def library_decompress(src: Path, dst: Path) -> Path:
+    """Write ``dst``: ``src`` with every compressed module (a ``weight_scale`` beside its
+    ``weight``) decompressed by the checkpoint's own format library (``_ct_decompressor``,
+    ``_modelopt_decompressor``); other tensors as they are; config.json without
+    ``quantization_config`` (and no ``hf_quant_config.json``).
+
+    Raises:
+        ValueError: a module the library cannot decompress (see the decompressors).
+    """
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from pagedexperts.storage.safetensors_files import checkpoint_files
 
     config = json.loads((src / "config.json").read_text())
-    qconf = QuantizationConfig.model_validate(config.pop("quantization_config"))
+    method = config["quantization_config"].get("quant_method")
+    decompress = (_modelopt_decompressor if method == "modelopt" else _ct_decompressor)(config, src)
+    config.pop("quantization_config")
     dst.mkdir(parents=True, exist_ok=True)
+    skip = ("config.json", "model.safetensors.index.json", "hf_quant_config.json")
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
             shutil.copy(f, dst / f.name)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     weight_map = {}
@@ -120,13 +174,8 @@ def library_decompress(src: Path, dst: Path) -> Path:
         with safe_open(str(file), framework="pt") as h:
             tensors = {k: h.get_tensor(k) for k in h.keys()}
         for prefix, local in _modules(tensors).items():
-            scheme = _scheme_for(prefix, qconf)
-            if scheme is None:
-                raise ValueError(f"{src}: module {prefix} stores compressed tensors but no config group covers it")
-            compressor = BaseCompressor.get_value_from_registry(scheme.format or qconf.format)
             state = {name: tensors.pop(key) for name, key in local.items()}
-            out = compressor.decompress(state, scheme)
-            tensors[prefix + ".weight"] = out["weight"].contiguous()
+            tensors[prefix + ".weight"] = decompress(prefix, state).contiguous()
             tensors.update({f"{prefix}.{n}": v for n, v in state.items() if n == "bias"})
         save_file(tensors, str(dst / file.name), metadata={"format": "pt"})
         weight_map.update({k: file.name for k in tensors})
@@ -248,6 +297,19 @@ def per_projection_groups(quantization_config: dict | None) -> str | None:
             "one group to every expert projection")
 
 
+def no_transformers_loader(quantization_config: dict | None) -> str | None:
+    """Why transformers cannot load a checkpoint at all (its quant_method has no quantizer in
+    this transformers: ModelOpt's ``modelopt`` in 5.24), or None."""
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    method = (quantization_config or {}).get("quant_method")
+    if method is None or method in AUTO_QUANTIZER_MAPPING:
+        return None
+    import transformers
+
+    return f"transformers {transformers.__version__} has no loader for quant_method {method!r}"
+
+
 def choose_reference(path: Path, quantization_config: dict | None, *, load: Callable, load_dense: Callable):
     """The unpaged reference model and a ``ReferenceChoice`` (module docstring's rule).
 
@@ -257,15 +319,20 @@ def choose_reference(path: Path, quantization_config: dict | None, *, load: Call
     reference is not transformers' loading, naming why.
     """
     if not has_library_reference(quantization_config):
+        cannot = no_transformers_loader(quantization_config)
+        if cannot and quantization_config["quant_method"] in LIBRARY_QUANT_METHODS:
+            library, module, pip = LIBRARY_QUANT_METHODS[quantization_config["quant_method"]]
+            raise ImportError(f"{cannot}, and the reference, {library}'s own dequantization, needs {module} "
+                              f"here: pip install {pip}")
         return load(path), ReferenceChoice("transformers", "its own loading; no format library decompression "
                                                            "for this checkpoint here")
     with tempfile.TemporaryDirectory(prefix="pagedexperts-ref-") as tmp:
         library = load_dense(library_decompress(Path(path), Path(tmp)))
     align_like_checkpoint(library, Path(path))
-    library_name = "compressed-tensors"
-    per_projection = per_projection_groups(quantization_config)
-    if per_projection:  # transformers' loading would fail with a long traceback: not tried
-        choice = ReferenceChoice(library_name, f"transformers cannot load this checkpoint: {per_projection}")
+    library_name = LIBRARY_QUANT_METHODS[quantization_config["quant_method"]][0]
+    cannot = per_projection_groups(quantization_config) or no_transformers_loader(quantization_config)
+    if cannot:  # transformers' loading would fail with a long traceback: not tried
+        choice = ReferenceChoice(library_name, f"transformers cannot load this checkpoint: {cannot}")
         logger.warning("unpaged reference: %s's own decompression, since %s", library_name, choice.reason)
         return library, choice
     try:

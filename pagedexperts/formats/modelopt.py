@@ -1,0 +1,230 @@
+"""NVIDIA ModelOpt experts (``quant_method: modelopt``, ``quant_algo`` NVFP4 or FP8), as
+``modelopt.torch.export.export_hf_checkpoint`` writes them.
+
+Owns: recognising the two algorithms in config.json, the per-expert packed specs, and the
+dequantize of some experts' rows. Does not: read files, store, page, or quantize activations.
+
+On-disk layout (nvidia-modelopt 0.47, ``torch/export/unified_export_hf.py`` and
+``moe_utils._export_fused_experts``: transformers' fused experts ``gate_up_proj`` [E, 2I, H] are
+split into per-expert projections ``experts.{j}.{gate,up,down}_proj`` of nn.Linear's [O, I]):
+
+- NVFP4: ``weight`` uint8 [O, I/2] (two e2m1 codes per byte, column 2c in the low nibble;
+  bit 3 of a code is the sign), ``weight_scale`` float8_e4m3fn [O, I/16], ``weight_scale_2``
+  float32 [] (the per-tensor "double" scale: block scale x scale_2 is the dequantization
+  multiplier), ``input_scale`` float32 [];
+- FP8: ``weight`` float8_e4m3fn [O, I], ``weight_scale`` float32 [] (per tensor),
+  ``input_scale`` float32 [].
+
+Gate and up of one expert share ``weight_scale_2`` (NVFP4) / ``weight_scale`` (FP8): ModelOpt
+calibrates the fused gate_up weight as one tensor, as vLLM's fused w13 GEMM requires. The
+``input_scale`` of a projection is ONE value per layer, repeated in every expert (the fused
+module has one input quantizer per projection; vLLM / SGLang take the max over all experts).
+
+config.json's ``quantization_config`` (also in ``hf_quant_config.json`` as ``quantization``):
+``quant_algo``, ``group_size`` (NVFP4: 16), ``exclude_modules`` / ``ignore`` (fnmatch patterns
+of unquantized modules).
+
+Dequantize, as ModelOpt's own ``NVFP4QTensor.dequantize`` / ``FP8QTensor.dequantize``
+(``torch/quantization/qtensor``) compute it into the checkpoint's saved dtype D (config
+``dtype``: the weights' dtype at export, ModelOpt's ``metadata["dtype"]``), then cast to the
+model's dtype (transformers' cast of a dense checkpoint loaded at another ``--dtype``):
+
+- NVFP4: codes looked up in ModelOpt's float32 e2m1 table (code 8 is +0), times
+  ``weight_scale.float() * weight_scale_2`` per group of 16 columns, in float32, then D;
+- FP8: ``weight.to(D) * weight_scale.to(D)`` (in D: a bfloat16 checkpoint multiplies in bfloat16).
+
+Activations: transformers 5.24 has no ModelOpt loader, so the unpaged reference is the dense
+model built from ModelOpt's dequantization (``tools.reference``), which runs activations
+unquantized, as pagedexperts does: the ``input_scale`` rows are paged (per-expert tensors of
+the checkpoint) but unused. A W4A4 / W8A8 kernel (vLLM's, with the max input scale over all E
+experts) is another computation.
+
+Legend: n experts dequantized together, O output features, I input features, G groups.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import ClassVar, Mapping
+
+import torch
+
+from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, store_name
+from pagedexperts.formats.compressed_tensors import _torch_dtype
+
+# ModelOpt's e2m1 lookup (nvfp4_tensor.e2m1_values): code -> value, sign in bit 3, code 8 = +0.
+E2M1_VALUES = (0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6)
+NVFP4_GROUP = 16
+# A routed expert's projections as the checkpoint names them (Qwen3-MoE / DeepSeek-V3; Mixtral).
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def quant_algo(quantization_config: dict | None) -> str | None:
+    """``quant_algo`` of a ModelOpt quantization_config: top level (config.json as ModelOpt 0.47
+    writes it) or under ``quantization`` (hf_quant_config.json's layout)."""
+    qc = quantization_config or {}
+    return qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo")
+
+
+def _field(quantization_config: dict, key: str):
+    return quantization_config.get(key, (quantization_config.get("quantization") or {}).get(key))
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., I/2] -> float32 [..., I]: ModelOpt's unpack (high nibble -> odd column) and
+    e2m1 table lookup."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed NVFP4 tensor must be uint8, got {packed.dtype}")
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    return table[codes.long()]
+
+
+def dequantize_nvfp4(packed, scale, scale_2, *, dtype: torch.dtype) -> torch.Tensor:
+    """One NVFP4 projection of n experts -> [n, O, I] in ``dtype``.
+
+    packed uint8 [n, O, I/2]; scale float8_e4m3fn [n, O, I/16]; scale_2 float32 [n, 1].
+    """
+    values = unpack_e2m1(packed)
+    per_block = scale.to(torch.float32) * scale_2.reshape(-1, 1, 1).to(torch.float32)
+    w = values.unflatten(-1, (scale.shape[-1], NVFP4_GROUP)) * per_block.unsqueeze(-1)
+    return w.flatten(-2).to(dtype)
+
+
+def dequantize_fp8(weight, scale, *, dtype: torch.dtype) -> torch.Tensor:
+    """One per-tensor FP8 projection of n experts: fp8 [n, O, I], scale float32 [n, 1] ->
+    ``weight.to(dtype) * scale.to(dtype)`` [n, O, I]."""
+    return weight.to(dtype) * scale.reshape(-1, 1, 1).to(dtype)
+
+
+class _ModelOptFormat(ExpertFormat):
+    """Shared: matching one ``quant_algo``, refusals, the per-source specs and dequantize."""
+
+    quant_algo: ClassVar[str] = ""
+    serialized_names = {"weight": ("weight", "weight_scale", "input_scale")}
+
+    def __init__(self, saved_dtype: torch.dtype | None = None) -> None:
+        self.saved_dtype = saved_dtype  # None: the model's dtype
+
+    @classmethod
+    def matches(cls, quantization_config: dict | None) -> bool:
+        qc = quantization_config or {}
+        return qc.get("quant_method") == "modelopt" and quant_algo(qc) == cls.quant_algo
+
+    @classmethod
+    def from_config(cls, config, quantization_config: dict | None) -> "_ModelOptFormat":
+        """Bind the checkpoint's saved dtype (config ``dtype`` / ``torch_dtype``).
+
+        Raises:
+            ValueError: an ``exclude_modules`` pattern that leaves routed experts unquantized,
+                or (NVFP4) a group_size other than 16, or input features not a multiple of it.
+        """
+        qc = quantization_config or {}
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        excluded = excluded_experts(qc, int(get("num_hidden_layers") or 1))
+        if excluded:
+            raise ValueError(f"modelopt {cls.quant_algo} with routed experts in exclude_modules ({excluded}): "
+                             "only checkpoints whose routed experts are all quantized are supported")
+        cls._check(qc, config)
+        saved = get("dtype") or get("torch_dtype")
+        return cls(saved if isinstance(saved, torch.dtype) else _torch_dtype(saved))
+
+    @classmethod
+    def _check(cls, qc: dict, config) -> None:
+        """Algorithm-specific refusals (see ``from_config``)."""
+
+    def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
+        """The weight of one dense [sources * O, I] tensor (sources concatenated on dim 0) and
+        its per-tensor scales: one [1] entry per source, in source order."""
+        if len(dense.shape) != 2:
+            return (dense,)
+        if transposed:
+            raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
+        specs = list(self._weight_specs(dense))
+        specs += [TensorSpec(store_name(dense.name, "weight", n), (sources,), torch.float32)
+                  for n in self.serialized_names["weight"] if n not in self._weight_names()]
+        return tuple(specs)
+
+    def _weight_names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _weight_specs(self, dense: TensorSpec) -> tuple[TensorSpec, ...]:
+        raise NotImplementedError
+
+    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Packed rows of n experts -> [n, *dense.shape] in the dense dtype: each source
+        dequantized with its own per-tensor scale (into the saved dtype), concatenated on dim 1."""
+        name = tensor.dense.name
+        sources = packed[f"{name}_input_scale"].shape[1]
+        dtype = self.saved_dtype or tensor.dense.dtype
+        parts = [self._dequantize_source({k: v.chunk(sources, dim=1)[i] for k, v in packed.items()}, name, dtype)
+                 for i in range(sources)]
+        out = parts[0] if sources == 1 else torch.cat(parts, dim=1)
+        return out.to(tensor.dense.dtype)
+
+    def _dequantize_source(self, packed: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ModelOptNvfp4Format(_ModelOptFormat):
+    """ModelOpt NVFP4 (``quant_algo: NVFP4``): e2m1 weights, e4m3 scales per 16 inputs, a float32
+    per-tensor ``weight_scale_2`` per expert projection."""
+
+    name = "modelopt-nvfp4"
+    quant_algo = "NVFP4"
+    serialized_names = {"weight": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+
+    @classmethod
+    def _check(cls, qc: dict, config) -> None:
+        group = _field(qc, "group_size")
+        if group not in (None, NVFP4_GROUP):
+            raise ValueError(f"modelopt NVFP4 with group_size={group!r}: only {NVFP4_GROUP} is supported")
+        from pagedexperts.formats.ct_schemes import expert_in_features
+
+        for dense, in_features in expert_in_features(config).items():
+            if in_features % NVFP4_GROUP:
+                raise ValueError(f"modelopt NVFP4 {dense}: in_features {in_features} is not a multiple of "
+                                 f"the group size {NVFP4_GROUP}")
+
+    def _weight_names(self) -> tuple[str, ...]:
+        return ("weight", "weight_scale")
+
+    def _weight_specs(self, dense: TensorSpec) -> tuple[TensorSpec, ...]:
+        rows, in_features = dense.shape
+        if in_features % NVFP4_GROUP:
+            raise ValueError(f"{self.name} {dense.name}: in_features {in_features} is not a multiple of {NVFP4_GROUP}")
+        return (TensorSpec(dense.name, (rows, in_features // 2), torch.uint8),
+                TensorSpec(f"{dense.name}_scale", (rows, in_features // NVFP4_GROUP), torch.float8_e4m3fn))
+
+    def _dequantize_source(self, packed, name, dtype) -> torch.Tensor:
+        return dequantize_nvfp4(packed[name], packed[f"{name}_scale"], packed[f"{name}_scale_2"], dtype=dtype)
+
+
+class ModelOptFp8Format(_ModelOptFormat):
+    """ModelOpt FP8 (``quant_algo: FP8``): float8_e4m3fn weights, one float32 ``weight_scale``
+    per expert projection."""
+
+    name = "modelopt-fp8"
+    quant_algo = "FP8"
+
+    def _weight_names(self) -> tuple[str, ...]:
+        return ("weight",)
+
+    def _weight_specs(self, dense: TensorSpec) -> tuple[TensorSpec, ...]:
+        return (TensorSpec(dense.name, dense.shape, torch.float8_e4m3fn),)
+
+    def _dequantize_source(self, packed, name, dtype) -> torch.Tensor:
+        return dequantize_fp8(packed[name], packed[f"{name}_scale"], dtype=dtype)
+
+
+def excluded_experts(quantization_config: dict, num_layers: int) -> list[str]:
+    """Routed expert projections (``model.layers.{l}.{mlp,block_sparse_moe}.experts.0.{proj}``)
+    that an ``exclude_modules`` / ``ignore`` fnmatch pattern naming experts leaves unquantized
+    (first 3). Patterns that do not name experts (a dense layer's ``model.layers.0*``, shared
+    experts) are not read here: a MoE layer they cover fails the load on its missing rows."""
+    patterns = [p for p in (_field(quantization_config, "exclude_modules") or quantization_config.get("ignore") or [])
+                if "expert" in p.replace("shared_expert", "")]
+    names = [f"model.layers.{layer}.{block}.experts.0.{proj}" for layer in range(num_layers)
+             for block in ("mlp", "block_sparse_moe") for proj in EXPERT_PROJECTIONS]
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n.rsplit(".", 1)[0], p)
+                                    for p in patterns)][:3]
