@@ -219,3 +219,22 @@ def test_without_modelopt_the_reference_says_what_to_install(monkeypatch):
     monkeypatch.setattr(reference, "has_library_reference", lambda qc: False)
     with pytest.raises(ImportError, match=r"no loader for quant_method 'modelopt'.*pip install 'pagedexperts\[modelopt\]'"):
         load_reference_with_choice(_fixture("qwen3_moe-FP8"), device="cpu", dtype=None, experts_implementation="grouped_mm")
+
+
+@pytest.mark.default_threads
+@pytest.mark.parametrize("name", ["qwen3_moe-NVFP4", "mixtral-FP8"])
+def test_a_checkpoint_with_only_hf_quant_config_json_pages_as_the_full_one(name, tmp_path, references, capsys):
+    """Older ModelOpt exports (and many Hub checkpoints) have no quantization_config in
+    config.json, only hf_quant_config.json: read it as vLLM / SGLang do. Same format, same
+    exact logits against the full checkpoint's reference, preflight and check agree."""
+    dst = shutil.copytree(_fixture(name), tmp_path / name)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    paged, _ = load_model(dst, num_resident=TOP_K)
+    assert paged.pagedexperts.expert_format == FIXTURES[name]
+    _assert_exact(paged, references(name), f"{name} hf_quant_config.json only")
+    assert cli_main(["preflight", "--model-path", str(dst), "--num-resident", str(TOP_K)]) == 0
+    rc = cli_main(["check", "--model-path", str(dst), "--check-resident", str(TOP_K), "--max-new-tokens", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "(against ModelOpt)" in out, out

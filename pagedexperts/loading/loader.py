@@ -23,6 +23,7 @@ from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
 from pagedexperts.loading.runners import install_prefetch
 from pagedexperts.models.sites import check_supported
+from pagedexperts.models.config import with_modelopt_quantization
 from pagedexperts.storage.safetensors_files import checkpoint_files
 from pagedexperts.storage.safetensors_index import check_readable
 
@@ -152,7 +153,7 @@ def read_checkpoint_config(model_path: str | Path | None):
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (--model-path)")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model directory? (--model-path)")
-    config = AutoConfig.from_pretrained(path)
+    config = with_modelopt_quantization(AutoConfig.from_pretrained(path), path)
     check_supported(config)
     return path, config, checkpoint_files(path)
 

@@ -207,4 +207,43 @@ def read_config(model_path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {model_path!r} (--model-path)")
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        config = json.load(f)
+    if not config.get("quantization_config"):
+        quantization = modelopt_quantization_config(model_path)
+        if quantization is not None:
+            config["quantization_config"] = quantization
+    return config
+
+
+def modelopt_quantization_config(model_path) -> dict | None:
+    """The ``quantization_config`` of a ModelOpt export that has it only in
+    ``hf_quant_config.json`` (older ModelOpt releases and many Hub checkpoints write no
+    ``quantization_config`` into config.json; vLLM and SGLang read this file then), as
+    ``{"quant_method": "modelopt", **quantization}``; None when there is no such file.
+
+    Raises:
+        ValueError: the file is not JSON, or has no ``quantization`` object (names the file).
+    """
+    path = os.path.join(model_path, "hf_quant_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    quantization = data.get("quantization") if isinstance(data, dict) else None
+    if not isinstance(quantization, dict):
+        raise ValueError(f"{path} has no 'quantization' object; ModelOpt's export writes "
+                         "{\"producer\": ..., \"quantization\": {\"quant_algo\": ...}}")
+    return {"quant_method": "modelopt", **quantization}
+
+
+def with_modelopt_quantization(config, model_path):
+    """A transformers config with ``quantization_config`` filled from hf_quant_config.json when
+    config.json has none (see ``modelopt_quantization_config``); ``config`` itself, changed."""
+    if not getattr(config, "quantization_config", None):
+        quantization = modelopt_quantization_config(model_path)
+        if quantization is not None:
+            config.quantization_config = quantization
+    return config

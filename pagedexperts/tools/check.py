@@ -74,9 +74,10 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     from pagedexperts.tools.reference import ReferenceChoice, cast_experts, choose_reference, complete
     from pagedexperts.loading.config import resolve_dtype
     from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.models.config import with_modelopt_quantization
 
     path = model_path or bundled_model_path()
-    config = AutoConfig.from_pretrained(path)
+    config = with_modelopt_quantization(AutoConfig.from_pretrained(path), path)
     torch_dtype = resolve_dtype(dtype, config)
     fmt = format_for_config(config)
     kwargs = dict(dtype=torch_dtype, experts_implementation=experts_implementation)

@@ -157,9 +157,10 @@ def library_decompress(src: Path, dst: Path) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from pagedexperts.models.config import read_config
     from pagedexperts.storage.safetensors_files import checkpoint_files
 
-    config = json.loads((src / "config.json").read_text())
+    config = read_config(str(src))  # quantization_config from hf_quant_config.json when config.json has none
     method = config["quantization_config"].get("quant_method")
     decompress = (_modelopt_decompressor if method == "modelopt" else _ct_decompressor)(config, src)
     config.pop("quantization_config")
