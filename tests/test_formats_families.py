@@ -113,3 +113,16 @@ def test_mxfp4_on_linear_experts_refused_alike(family, family_dir, tmp_path, cap
     qc = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
     message = _refusal(_with_quantization(family_dir(family), tmp_path / family, qc), capsys)
     assert f"mxfp4 has no published layout for '{family}' experts stored as nn.Linear's [out, in]" in message
+
+
+@pytest.mark.parametrize("qc", [{"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+                                {"quant_method": "hqq", "nbits": 4, "group_size": 64}])
+def test_a_format_nothing_resembles_names_no_nearest(qc):
+    """bitsandbytes / hqq share nothing with any supported format: the refusal says so instead of
+    naming the registry's first format (it said 'nearest supported: fp8-block')."""
+    from pagedexperts.formats import nearest_format
+
+    assert nearest_format(qc).startswith("none (")
+    with pytest.raises(ValueError, match=r"nearest supported: none \(") as err:
+        format_for_config({"model_type": "qwen3_moe", "quantization_config": qc})
+    assert "quant_method 'bitsandbytes'" in str(err.value) or "quant_method 'hqq'" in str(err.value)

@@ -127,8 +127,9 @@ def checkpoint_key(qc: dict | None) -> tuple[str | None, str | None, str | None]
 
 def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
     """The registered format closest to a checkpoint's (quant_method weighs most, then format,
-    then weight kind; ties: registry order), as 'name (what checkpoints say)'; ``among``: only
-    those names (default: every quantized format)."""
+    then weight kind; ties: registry order), as 'name (what checkpoints say)', or 'none (...)'
+    when no format shares any of the three (``among`` not given); ``among``: only those names (default: every
+    quantized format)."""
     key = checkpoint_key(qc)
     weights = (4, 2, 1)
 
@@ -137,6 +138,8 @@ def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
         return sum(w for w, a, b in zip(weights, key, other) if a is not None and a == b)
 
     best = max((n for n in (among or FORMATS) if n != "dense"), key=score)
+    if among is None and score(best) == 0:  # nothing shares its quant_method, format or weight kind (bitsandbytes, hqq, ...)
+        return "none (no supported format shares its quant_method, format or weight kind)"
     return f"{best} ({SPELLED.get(best, (best,))[0]})"
 
 
