@@ -44,6 +44,10 @@ SCHEMES = {  # fixture -> (format name, reference source, why transformers is no
     # Exact only with the library reference's non-expert weights at the original checkpoint's
     # page alignment (tools.reference.align_like_checkpoint): without it 8.9e-7 off.
     "mixtral-W4A16_ASYM-g32": ("w4a16", "compressed-tensors", "cannot load"),
+    "deepseek_v3-NVFP4A16": ("nvfp4", "compressed-tensors", "WRONG"),
+    "deepseek_v3-W8A8": ("w8a8-int8", "compressed-tensors", "cannot load"),
+    "deepseek_v3-MXFP4A16": ("ct-mxfp4", "transformers", "cross-checked"),
+    "mixtral-W8A16-g16": ("w8a16", "transformers", "cross-checked"),
 }
 E, TOP_K = 8, 2
 

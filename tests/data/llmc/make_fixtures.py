@@ -85,6 +85,10 @@ FP4_INT8_SCHEMES = ("NVFP4A16", "NVFP4", "W8A8", "MXFP4A16", "W4A16_ASYM:g32")
 FP4_INT8_FIXTURES = {f"{family}-{scheme.replace(':', '-')}": (family, scheme)
                      for family in ("qwen3_moe", "mixtral") for scheme in FP4_INT8_SCHEMES
                      if (family, scheme) != ("mixtral", "NVFP4")}
+# The families' remaining cells of tests/test_formats_families.py's table, through the same path.
+FP4_INT8_FIXTURES.update({f"{family}-{scheme.replace(':', '-')}": (family, scheme) for family, scheme in (
+    ("deepseek_v3", "NVFP4A16"), ("deepseek_v3", "W8A8"), ("deepseek_v3", "MXFP4A16"),
+    ("mixtral", "W8A16:g16"))})
 IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$", "re:.*shared_expert.*"]
 FP4_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
@@ -92,8 +96,14 @@ FP4_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidde
 
 
 def fp4_family_config(family: str):
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
+    if family == "deepseek_v3":  # a shared expert and a dense first layer, as FAMILIES' DeepSeek-V3
+        dims = {k: v for k, v in FP4_DIMS.items() if k != "head_dim"} | {"num_key_value_heads": 4}  # MLA: one per head
+        return DeepseekV3Config(**dims, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                                first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16,
+                                qk_rope_head_dim=16, v_head_dim=16, n_group=4, topk_group=2, norm_topk_prob=True,
+                                routed_scaling_factor=2.5)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(**FP4_DIMS, moe_intermediate_size=32, num_experts=8, norm_topk_prob=True)
     if family == "mixtral":
@@ -102,7 +112,7 @@ def fp4_family_config(family: str):
     raise ValueError(f"unknown family {family!r}")
 
 
-def fp4_recipe(scheme: str):
+def fp4_recipe(scheme: str, ignore: list[str] = IGNORE):
     from compressed_tensors.quantization import preset_name_to_scheme
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
@@ -110,8 +120,8 @@ def fp4_recipe(scheme: str):
         name, group = scheme.split(":g")
         qs = preset_name_to_scheme(name, ["Linear"])
         qs.weights.group_size = int(group)
-        return QuantizationModifier(config_groups={"group_0": qs}, ignore=IGNORE)
-    return QuantizationModifier(targets="Linear", scheme=scheme, ignore=IGNORE)
+        return QuantizationModifier(config_groups={"group_0": qs}, ignore=ignore)
+    return QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)
 
 
 def write_fp4_int8(family: str, scheme: str, out: Path) -> Path:
@@ -131,7 +141,9 @@ def write_fp4_int8(family: str, scheme: str, out: Path) -> Path:
             ids = torch.randint(2, 256, (8, 32), generator=torch.Generator().manual_seed(1))
             kwargs = dict(dataset=Dataset.from_dict({"input_ids": ids.tolist()}), num_calibration_samples=8,
                           max_seq_length=32)
-        oneshot(model=model, recipe=fp4_recipe(scheme), **kwargs)
+        # DeepSeek-V3's dense first layer stays unquantized: pagedexperts quantizes routed experts only
+        ignore = IGNORE + (["re:.*layers\\.0\\.mlp\\..*"] if family == "deepseek_v3" else [])
+        oneshot(model=model, recipe=fp4_recipe(scheme, ignore), **kwargs)
         shutil.rmtree(dst, ignore_errors=True)
         model.save_pretrained(dst, save_compressed=True)
     if family == "mixtral":
