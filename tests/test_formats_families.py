@@ -9,7 +9,7 @@ Where each quantized format's paged == unpaged exactness is tested, by family:
 | fp8-block | test_formats | test_formats | test_formats | refused (here) |
 | int8-block | test_published_int8_gidx | - | - | refused (here) |
 | mxfp4 | refused (here) | refused (here) | refused (here) | test_formats |
-| ct-fp8 | test_ct_llmc | - (see below) | test_ct_llmc (FP8_BLOCK) | refused (here) |
+| ct-fp8 | test_ct_llmc | test_formats_llmc (FP8_DYNAMIC) | test_ct_llmc (FP8_BLOCK) | refused (here) |
 | w8a16 | test_ct_llmc | test_formats_llmc | test_ct_llmc | refused (here) |
 | ct-pack-mixed | test_ct_llmc | - | - | refused (here) |
 | w4a16 | test_int4_paged, test_formats_llmc | test_int4_paged, test_formats_llmc | test_int4_paged | refused (here) |
@@ -21,11 +21,6 @@ Where each quantized format's paged == unpaged exactness is tested, by family:
 gpt-oss's experts module stores its weights transposed ([in, out], ``is_transposed``): every
 format but gpt-oss's own MXFP4 packs nn.Linear's [out, in] only, and MXFP4 has no published
 layout for the others. The "-" cells are llm-compressor / ModelOpt fixtures not written yet.
-Mixtral ct-fp8: llm-compressor saves ``ignore`` as the concrete module names it matched, and
-ct-fp8's check for quantized non-expert modules probes representative names
-(``ct_schemes.quantized_non_expert``: e.g. ``model.layers.0.self_attn.gate_proj``, which no
-family has), so a Mixtral FP8_DYNAMIC checkpoint with attention ignored is refused today (an
-open bug: the probe should read the checkpoint's own module names).
 """
 
 from __future__ import annotations

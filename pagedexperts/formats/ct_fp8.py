@@ -39,7 +39,8 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.ct_schemes import (ExpertScheme, dense_schemes, dense_source_count, quantized_non_expert,
+from pagedexperts.formats.ct_schemes import (ExpertScheme, dense_schemes, dense_source_count, non_expert_linear_names,
+                                             quantized_non_expert,
                                              resolved_schemes)
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -101,9 +102,18 @@ class CompressedTensorsFp8Format(ExpertFormat):
         Raises:
             ValueError: see ``_check_scheme``.
         """
-        qc = quantization_config or {}
+        return cls._bound(quantization_config or {}, None)
+
+    @classmethod
+    def from_config(cls, config, quantization_config: dict | None) -> "CompressedTensorsFp8Format":
+        """As ``from_quantization_config``, the non-expert check on the model's own nn.Linear
+        names (``non_expert_linear_names``)."""
+        return cls._bound(quantization_config or {}, non_expert_linear_names(config))
+
+    @classmethod
+    def _bound(cls, qc: dict, module_names: list[str] | None) -> "CompressedTensorsFp8Format":
         schemes = dense_schemes(qc)
-        other = quantized_non_expert(qc)
+        other = quantized_non_expert(qc, module_names)
         if other is not None:
             raise ValueError(
                 f"fp8 config groups also quantize {other} (not a routed expert): transformers runs such modules "

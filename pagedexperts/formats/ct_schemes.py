@@ -99,14 +99,35 @@ def resolved_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme
         return {}
 
 
-def quantized_non_expert(quantization_config: dict) -> str | None:
-    """The first attention / shared-expert / dense-MLP module name a config group quantizes
-    (checked on representative names), or None when only routed experts are quantized."""
-    for name in ("model.layers.0.self_attn.{}", "model.layers.0.mlp.shared_experts.{}", "model.layers.0.mlp.{}"):
-        for proj in ("q_proj", "o_proj", "gate_proj", "down_proj"):
-            if group_for(quantization_config, proj, module=name) is not None:
-                return name.format(proj)
+def quantized_non_expert(quantization_config: dict, module_names: list[str] | None = None) -> str | None:
+    """The first non-expert nn.Linear a config group quantizes, or None when only routed
+    experts are. ``module_names``: the model's own (``non_expert_linear_names``); without them,
+    representative attention / shared-expert / dense-MLP names (which misjudge an ``ignore``
+    that lists concrete module names, as llm-compressor writes it)."""
+    if module_names is None:
+        module_names = [t.format(p) for t in ("model.layers.0.self_attn.{}", "model.layers.0.mlp.shared_experts.{}",
+                                              "model.layers.0.mlp.{}") for p in ("q_proj", "o_proj", "gate_proj", "down_proj")]
+    for name in module_names:
+        if name != "lm_head" and group_for(quantization_config, "", module=name.replace("{", "{{").replace("}", "}}")) is not None:
+            return name
     return None
+
+
+def non_expert_linear_names(config) -> list[str] | None:
+    """Names of the nn.Linear modules of the model ``config`` describes (a transformers config
+    or config.json dict), routed experts excluded (transformers' fused experts are not
+    nn.Linear), from its skeleton on the meta device (no memory); None without a model_type."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(config) if isinstance(config, dict) else config.to_dict()
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        return None
+    fields.pop("quantization_config", None)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".experts." not in n]
 
 
 def dense_source_count(dense: str) -> int:

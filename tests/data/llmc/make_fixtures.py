@@ -88,7 +88,7 @@ FP4_INT8_FIXTURES = {f"{family}-{scheme.replace(':', '-')}": (family, scheme)
 # The families' remaining cells of tests/test_formats_families.py's table, through the same path.
 FP4_INT8_FIXTURES.update({f"{family}-{scheme.replace(':', '-')}": (family, scheme) for family, scheme in (
     ("deepseek_v3", "NVFP4A16"), ("deepseek_v3", "W8A8"), ("deepseek_v3", "MXFP4A16"),
-    ("mixtral", "W8A16:g16"))})
+    ("mixtral", "FP8_DYNAMIC"), ("mixtral", "W8A16:g16"))})
 IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$", "re:.*shared_expert.*"]
 FP4_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
