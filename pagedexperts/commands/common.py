@@ -96,8 +96,26 @@ def load_from_args(args):
     """(model, tokenizer) from the flags of add_model_arguments."""
     from pagedexperts.loading.loader import load_model
 
-    return load_model(
-        args.model_path,
+    return load_model(args.model_path, **paging_options(args))
+
+
+def check_paging_flags(args) -> None:
+    """The paging flags' problems that need no model (every one at once, each naming its flag),
+    for a command to raise before it reads --model-path (as ``load_model`` raises them first).
+
+    Raises:
+        loading.config.ConfigError: the problems.
+    """
+    from pagedexperts.loading.config import ConfigError, PagingConfig, option_problems
+
+    problems = option_problems(PagingConfig(**paging_options(args)))
+    if problems:
+        raise ConfigError(problems)
+
+
+def paging_options(args) -> dict:
+    """``load_model``'s keyword options from the flags of add_model_arguments."""
+    return dict(
         num_resident=args.num_resident,
         device=args.device,
         dtype=args.dtype,

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from pagedexperts.commands.common import add_graph_arguments, add_model_arguments, load_from_args
+from pagedexperts.commands.common import add_graph_arguments, add_model_arguments, check_paging_flags, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 
@@ -64,6 +64,7 @@ def run(args) -> int:
     if speculative is not None and args.cuda_graphs == "on":
         raise ValueError("--speculative verifies through the scheduler, which has no CUDA graphs; drop --cuda-graphs")
     _check_outputs(args)
+    check_paging_flags(args)  # flag-only problems before the first read of --model-path
     _check_tokenizer(args.model_path)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
