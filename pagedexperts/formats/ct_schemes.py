@@ -52,7 +52,12 @@ def _ignored(name: str, ignore: list[str]) -> bool:
 def group_for(quantization_config: dict, projection: str, *, module: str = EXPERT_MODULE) -> ExpertScheme | None:
     """The scheme of the first config group whose targets match ``projection`` of a routed
     expert (``module``: another module name pattern; None: unquantized)."""
-    name = module.format(projection)
+    return scheme_of_module(quantization_config, module.format(projection))
+
+
+def scheme_of_module(quantization_config: dict, name: str) -> ExpertScheme | None:
+    """The scheme of the first config group whose targets match module ``name`` (None: ignored
+    or unquantized)."""
     if _ignored(name, quantization_config.get("ignore") or []):
         return None
     for group in (quantization_config.get("config_groups") or {}).values():
@@ -108,7 +113,7 @@ def quantized_non_expert(quantization_config: dict, module_names: list[str] | No
         module_names = [t.format(p) for t in ("model.layers.0.self_attn.{}", "model.layers.0.mlp.shared_experts.{}",
                                               "model.layers.0.mlp.{}") for p in ("q_proj", "o_proj", "gate_proj", "down_proj")]
     for name in module_names:
-        if name != "lm_head" and group_for(quantization_config, "", module=name.replace("{", "{{").replace("}", "}}")) is not None:
+        if name != "lm_head" and scheme_of_module(quantization_config, name) is not None:
             return name
     return None
 
