@@ -155,3 +155,16 @@ def reference_cache(path_of):
         return built[name]
 
     return get
+
+
+def load_with_two_host_rows(path, top_k: int):
+    """(model, bytes per expert): ``path`` loaded at K = ``top_k`` with a --host-memory-gb that
+    leaves 2 host rows per layer, so most page-ins read from disk (the disk tier)."""
+    from pagedexperts import load_model
+
+    full, _ = load_model(path, num_resident=top_k)
+    rt = full.pagedexperts
+    gb = (2 * len(rt.stores) + 2 * top_k) * rt.expert_bytes / 1e9  # slots + 2 host rows per layer
+    tiered, _ = load_model(path, num_resident=top_k, host_memory_gb=gb)
+    assert tiered.pagedexperts.host_memory.host_rows == 2
+    return tiered, rt.expert_bytes

@@ -32,6 +32,7 @@ ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 from compressed_tensors.utils.match import is_match  # noqa: E402
+from quantized_dirs import load_with_two_host_rows  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "llmc"
 E, TOP_K, VOCAB = 16, 2, 128
@@ -156,15 +157,11 @@ def test_dense_slots_and_thread_counts(name, threads):
 
 @pytest.mark.parametrize("name", ["qwen3_moe-fp8", "qwen3_moe-w8a16", "qwen3_moe-w4a16_mixed", "deepseek_v3-fp8_block"])
 def test_disk_tier(name):
-    full, _ = load_model(DATA / name, num_resident=TOP_K)
-    rt = full.pagedexperts
-    host_gb = (2 * len(rt.stores) + 2 * TOP_K) * rt.expert_bytes / 1e9  # 2 host rows per layer
-    tiered, _ = load_model(DATA / name, num_resident=TOP_K, host_memory_gb=host_gb)
-    assert tiered.pagedexperts.host_memory.host_rows == 2
+    tiered, expert_bytes = load_with_two_host_rows(DATA / name, TOP_K)
     assert_logits_equal(tiered, _unpaged(name), f"{name} disk tier")
     totals = tiered.pagedexperts.stats().as_dict()
     assert totals["disk_reads"] > 0
-    assert totals["disk_bytes_read"] == totals["disk_reads"] * rt.expert_bytes
+    assert totals["disk_bytes_read"] == totals["disk_reads"] * expert_bytes
 
 
 def _one_group_copy(tmp_path: Path) -> Path:

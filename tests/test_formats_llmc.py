@@ -25,7 +25,7 @@ from pagedexperts.tools.check import load_reference_with_choice
 from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.formats.ct_fp4 import dequantize_ct_mxfp4, dequantize_nvfp4
 from pagedexperts.tools.reference import compare_experts
-from quantized_dirs import prefill_decode_runs, reference_cache
+from quantized_dirs import load_with_two_host_rows, prefill_decode_runs, reference_cache
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
@@ -149,12 +149,7 @@ def test_paged_equals_reference(name, num_resident, slot_format, references):
 @pytest.mark.default_threads
 @pytest.mark.parametrize("name", ["qwen3_moe-NVFP4", "qwen3_moe-W8A8"])
 def test_paged_from_the_disk_tier_equals_reference(name, references):
-    path = _fixture(name)
-    full, _ = load_model(path, num_resident=TOP_K)
-    rt = full.pagedexperts
-    gb = (2 * len(rt.stores) + 2 * TOP_K) * rt.expert_bytes / 1e9  # 2 host rows per layer
-    tiered, _ = load_model(path, num_resident=TOP_K, host_memory_gb=gb)
-    assert tiered.pagedexperts.host_memory.host_rows == 2
+    tiered, _ = load_with_two_host_rows(_fixture(name), TOP_K)
     reference = references(name)
     with torch.no_grad():
         for run in prefill_decode_runs(tiered, reference):

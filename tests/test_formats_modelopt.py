@@ -28,7 +28,7 @@ from pagedexperts import load_model
 from pagedexperts.cli import main as cli_main
 from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.tools.check import load_reference_with_choice
-from quantized_dirs import prefill_decode_runs, reference_cache
+from quantized_dirs import load_with_two_host_rows, prefill_decode_runs, reference_cache
 
 qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
 
@@ -140,15 +140,10 @@ def test_one_thread_and_dense_slots(name, threads, references):
 @pytest.mark.default_threads
 @pytest.mark.parametrize("name", ["qwen3_moe-NVFP4", "mixtral-FP8"])
 def test_paged_from_the_disk_tier_equals_reference(name, references):
-    path = _fixture(name)
-    full, _ = load_model(path, num_resident=TOP_K)
-    rt = full.pagedexperts
-    gb = (2 * len(rt.stores) + 2 * TOP_K) * rt.expert_bytes / 1e9  # 2 host rows per layer
-    tiered, _ = load_model(path, num_resident=TOP_K, host_memory_gb=gb)
-    assert tiered.pagedexperts.host_memory.host_rows == 2
+    tiered, expert_bytes = load_with_two_host_rows(_fixture(name), TOP_K)
     _assert_exact(tiered, references(name), f"{name} disk tier")
     totals = tiered.pagedexperts.stats().as_dict()
-    assert totals["disk_reads"] > 0 and totals["disk_bytes_read"] == totals["disk_reads"] * rt.expert_bytes
+    assert totals["disk_reads"] > 0 and totals["disk_bytes_read"] == totals["disk_reads"] * expert_bytes
 
 
 @pytest.mark.default_threads
