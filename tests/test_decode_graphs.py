@@ -221,6 +221,7 @@ def test_stats_json_says_why_graphs_are_off(tmp_path):
     assert main(["generate", "--prompt", "hi", "--max-new-tokens", "3", "--quiet", "--stats-json", str(out)]) == 0
     field = json.loads(out.read_text())["cuda_graphs"]
     assert field["enabled"] is False and "needs a CUDA device" in field["reason"]
+    assert "drop --cuda-graphs" not in field["reason"], field["reason"]  # auto: no flag was given to drop
     out2 = tmp_path / "off.json"
     assert main(["generate", "--prompt", "hi", "--max-new-tokens", "3", "--quiet", "--no-cuda-graphs",
                  "--stats-json", str(out2)]) == 0

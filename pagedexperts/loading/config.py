@@ -183,8 +183,9 @@ def resolve_cuda_graphs(cfg: PagingConfig, decide: str) -> tuple[str, str | None
         return "cuda", None
     if cfg.cuda_graphs == "on":
         raise ConfigError(problems)
-    if torch.device(cfg.device).type == "cuda":
-        logger.warning("--cuda-graphs auto: decode runs without CUDA graphs because %s", "; ".join(problems))
+    if torch.device(cfg.device).type != "cuda":  # the problems name --cuda-graphs, which auto users never gave
+        return "off", f"auto: capture needs a CUDA device, not --device {cfg.device}"
+    logger.warning("--cuda-graphs auto: decode runs without CUDA graphs because %s", "; ".join(problems))
     return "off", "; ".join(problems)
 
 
