@@ -180,8 +180,10 @@ def test_two_replicas_behind_a_router(tmp_path, name):
         survivor = _requests_total(workers[0])
         at_once = _load(router)  # right after the kill, while health checks (every second) may not have seen it
         print(f"{name}, right after the kill: {len(at_once)} of {REQUESTS} failed {at_once}")
-        if name == "sglang-router":  # it retries a failed request on the other replica
-            assert at_once == [] and _requests_total(workers[0]) - survivor == REQUESTS
+        # sglang-router retries a failed request on the other replica, but not every time (1 of
+        # about 6 fresh-clone runs had one request fail right after the kill, on its call to the
+        # killed replica); nothing may fail on the survivor.
+        assert not any(workers[0] in e for e in at_once), at_once
         _wait(f"{name} marking the killed replica unhealthy", lambda: workers[1] not in _healthy_workers(router), logs)
         survivor = _requests_total(workers[0])
         assert _load(router) == []
