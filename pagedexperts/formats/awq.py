@@ -64,8 +64,9 @@ class AwqFormat(ExpertFormat):
     name = "awq"
     serialized_names = {"weight": ("qweight", "qzeros", "scales")}
 
-    def __init__(self, *, group_size: int) -> None:
+    def __init__(self, *, group_size: int, scale_dtype: torch.dtype = SCALE_DTYPE) -> None:
         self.group_size = group_size
+        self.scale_dtype = scale_dtype  # the checkpoint's (``with_stored_dtypes``): dequantize computes in it
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:
@@ -93,6 +94,13 @@ class AwqFormat(ExpertFormat):
             raise ValueError(f"awq checkpoint with group_size={group_size!r}: must be a positive int")
         return cls(group_size=group_size)
 
+    def with_stored_dtypes(self, dtypes) -> "AwqFormat":
+        """Bound to the dtype the checkpoint stores ``scales`` in (float16 as AutoAWQ writes them;
+        ``dequantize_gemm`` computes in the scales' dtype)."""
+        stored = dtypes.get("scales")
+        return self if stored is None or stored == self.scale_dtype else type(self)(group_size=self.group_size,
+                                                                                    scale_dtype=stored)
+
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Specs of one dense [sources * O, I] expert tensor: each source's [I, O/8] qweight,
         [G, O/8] qzeros and [G, O] scales side by side along dim 1.
@@ -112,7 +120,7 @@ class AwqFormat(ExpertFormat):
         return (
             TensorSpec(f"{dense.name}_qweight", (in_features, rows // PACK_FACTOR), torch.int32, concat_dim=1),
             TensorSpec(f"{dense.name}_qzeros", (groups, rows // PACK_FACTOR), torch.int32, concat_dim=1),
-            TensorSpec(f"{dense.name}_scales", (groups, rows), SCALE_DTYPE, concat_dim=1),
+            TensorSpec(f"{dense.name}_scales", (groups, rows), self.scale_dtype, concat_dim=1),
         )
 
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -38,6 +38,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.linear import ct_linear_format
 
 PACK_FACTOR = 8  # int4 values per int32 word
 INT4_OFFSET = 8  # stored nibble = signed value + 8
@@ -133,6 +134,7 @@ class CompressedTensorsW4A16Format(ExpertFormat):
     # transformers' CompressedTensorsHfQuantizer declares every name any compressed-tensors
     # format stores; an instance keeps those pack-quantized stores (zero points if asymmetric).
     serialized_names = {"weight": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
+    linear_format = ct_linear_format
 
     def __init__(self, *, group_size: int | None, symmetric: bool, scale_dtype: torch.dtype | None = None) -> None:
         self.group_size = group_size  # None: channel strategy (one group per row)
@@ -184,6 +186,15 @@ class CompressedTensorsW4A16Format(ExpertFormat):
         for in_features in expert_in_features(config).values():
             fmt._groups(in_features)  # refused here, so preflight refuses what load_model does
         return fmt
+
+    def with_stored_dtypes(self, dtypes) -> "CompressedTensorsW4A16Format":
+        """Bound to the dtype the checkpoint stores ``weight_scale`` in (AutoRound writes float16
+        scales under a bfloat16 or float32 config dtype): compressed-tensors dequantizes in the
+        scales' own dtype, and transformers stacks the experts in it."""
+        stored = dtypes.get("weight_scale")
+        if stored is None or stored == self.scale_dtype:
+            return self
+        return type(self)(group_size=self.group_size, symmetric=self.symmetric, scale_dtype=stored)
 
     def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The scales' dtype when bound (transformers stacks the experts in it), else ``model_dtype``."""

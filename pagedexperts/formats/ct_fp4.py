@@ -39,6 +39,7 @@ import torch
 
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, store_name
 from pagedexperts.formats.compressed_tensors import ct_experts_args, experts_weights_args
+from pagedexperts.formats.linear import ct_linear_format
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 LIBRARY_DTYPE = torch.bfloat16  # compressed-tensors' unpack_fp4_from_uint8 default dtype
@@ -103,6 +104,7 @@ class _CompressedTensorsFp4(ExpertFormat):
     group_size: ClassVar[int] = 0
     scale_dtype: ClassVar[torch.dtype] = torch.uint8
     weight_names: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale")
+    linear_format = ct_linear_format
 
     def __init__(self, *, static_input: bool = False) -> None:
         self.static_input = static_input  # input_global_scale stored per projection

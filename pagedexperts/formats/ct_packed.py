@@ -43,8 +43,9 @@ from typing import Mapping
 
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
 from pagedexperts.formats.compressed_tensors import _torch_dtype
+from pagedexperts.formats.linear import ct_linear_format
 from pagedexperts.formats.ct_schemes import ExpertScheme, dense_source_count, expert_in_features, resolved_schemes
 
 BITS = (4, 8)
@@ -135,9 +136,12 @@ class CompressedTensorsPackedFormat(ExpertFormat):
     g_idx). Subclasses say which checkpoints they take (``matches``)."""
 
     serialized_names = {"weight": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")}
+    linear_format = ct_linear_format
 
     def __init__(self, args: Mapping[str, PackedArgs], *, scale_dtype: torch.dtype | None = None) -> None:
         self.args = dict(args)  # dense name -> PackedArgs
+        if len(set(self.args.values())) == 1:  # one scheme: a plain nn.Linear weight takes it too
+            self.args.setdefault(LINEAR_WEIGHT, next(iter(self.args.values())))
         self.scale_dtype = scale_dtype  # None: the dense dtype
         names = ["weight_packed", "weight_scale"]
         if any(not a.symmetric for a in self.args.values()):
@@ -174,6 +178,12 @@ class CompressedTensorsPackedFormat(ExpertFormat):
                 raise ValueError(f"expert {dense} in_features {in_features} is not a multiple of its config group's "
                                  f"group_size {args.group_size}")
         return fmt
+
+    def with_stored_dtypes(self, dtypes) -> "CompressedTensorsPackedFormat":
+        """Bound to the dtype the checkpoint stores ``weight_scale`` in (compressed-tensors
+        dequantizes in the scales' own dtype; transformers stacks the experts in it)."""
+        stored = dtypes.get("weight_scale")
+        return self if stored is None or stored == self.scale_dtype else type(self)(self.args, scale_dtype=stored)
 
     def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return self.scale_dtype or model_dtype

@@ -80,10 +80,11 @@ class GptqFormat(ExpertFormat):
     name = "gptq"
     serialized_names = {"weight": ("qweight", "qzeros", "scales", "g_idx")}
 
-    def __init__(self, *, group_size: int, desc_act: bool, zero_offset: int) -> None:
+    def __init__(self, *, group_size: int, desc_act: bool, zero_offset: int, scale_dtype: torch.dtype = SCALE_DTYPE) -> None:
         self.group_size = group_size  # -1: one group spanning I
         self.desc_act = desc_act  # informational: g_idx is always what groups the input channels
         self.zero_offset = zero_offset
+        self.scale_dtype = scale_dtype  # the checkpoint's (``with_stored_dtypes``): dequantize computes in it
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:
@@ -109,6 +110,15 @@ class GptqFormat(ExpertFormat):
             raise ValueError(f"gptq checkpoint_format={fmt!r}: only {sorted(CHECKPOINT_FORMATS)} are supported")
         return cls(group_size=group_size, desc_act=bool(qc.get("desc_act", False)), zero_offset=CHECKPOINT_FORMATS[fmt])
 
+    def with_stored_dtypes(self, dtypes) -> "GptqFormat":
+        """Bound to the dtype the checkpoint stores ``scales`` in (float16 as GPTQModel writes them;
+        GPTQModel's ``dequantize_weight`` computes in the scales' dtype)."""
+        stored = dtypes.get("scales")
+        if stored is None or stored == self.scale_dtype:
+            return self
+        return type(self)(group_size=self.group_size, desc_act=self.desc_act, zero_offset=self.zero_offset,
+                          scale_dtype=stored)
+
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Specs of one dense [sources * O, I] expert tensor: each source's [I/8, O] qweight,
         [G, O/8] qzeros and [G, O] scales side by side along dim 1, g_idx [I] one after the
@@ -131,7 +141,7 @@ class GptqFormat(ExpertFormat):
         return (
             TensorSpec(f"{dense.name}_qweight", (in_features // PACK_FACTOR, rows), torch.int32, concat_dim=1),
             TensorSpec(f"{dense.name}_qzeros", (groups, rows // PACK_FACTOR), torch.int32, concat_dim=1),
-            TensorSpec(f"{dense.name}_scales", (groups, rows), SCALE_DTYPE, concat_dim=1),
+            TensorSpec(f"{dense.name}_scales", (groups, rows), self.scale_dtype, concat_dim=1),
             TensorSpec(f"{dense.name}_g_idx", (sources * in_features,), torch.int32, concat_dim=0),
         )
 

@@ -37,6 +37,8 @@ class PagingRuntime:
     layouts: dict = field(default_factory=dict, repr=False)  # site name -> ExpertLayout
     buffers: dict = field(default_factory=dict, repr=False)  # shared dense scratch / packed staging
     host_memory: HostMemoryPlan | None = None
+    # quantized non-expert modules dequantized at load (``loading.linears.DequantizedLinears``; None: none)
+    dequantized_linears: object = field(default=None, repr=False)
     read_ahead: ReadAhead | None = field(default=None, repr=False)
     decide: str = "host"  # where paged steps are planned: config.decide resolved ("host" or "device")
     # decode steps in CUDA graphs: config.cuda_graphs resolved ("cuda", "eager" or "off") and why off
