@@ -151,6 +151,7 @@ def main(argv=None) -> None:
         write_source(args.family, args.out)
         return
     if args.cmd == "tool-dequant":
+        sys.path.insert(0, str(ROOT / "scripts"))
         from tool_dequant import write_tool_dequant
 
         write_tool_dequant(args.dir)
