@@ -44,7 +44,8 @@ SPELLED: dict[str, tuple[str, tuple[str | None, str | None, str | None]]] = {
     "int8-block": ("quant_method 'blockwise_int8' with weight_block_size (SGLang block INT8, DeepSeek-R1-Block-INT8)",
                    ("blockwise_int8", None, "int8")),
     "mxfp4": ("quant_method 'mxfp4' (gpt-oss)", ("mxfp4", None, "float4")),
-    "ct-fp8": ("compressed-tensors 'float-quantized' float8 tensor/channel/block (FP8, FP8_DYNAMIC, FP8_BLOCK)",
+    "ct-fp8": ("compressed-tensors 'float-quantized' / 'naive-quantized' float8 tensor/channel/block/group (FP8, "
+               "FP8_DYNAMIC, FP8_BLOCK), 'mxfp8-quantized' (MXFP8)",
                ("compressed-tensors", "float-quantized", "float8")),
     "w8a16": ("compressed-tensors 'pack-quantized' int8 (W8A16)", ("compressed-tensors", "pack-quantized", "int8")),
     "ct-pack-mixed": ("compressed-tensors 'pack-quantized' int4/int8 with per-projection config groups or weight_g_idx",

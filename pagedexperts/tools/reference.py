@@ -11,7 +11,9 @@ vs the library's, on a seeded sample of (layer, expert)), and ``choose_reference
    transformers' loading, as before;
 2. transformers cannot load the checkpoint (it raises: asymmetric MoE W4A16, W8A8 INT8 in
    transformers 5.24; not tried for per-projection config groups, ``per_projection_groups``,
-   or a quant_method transformers has no loader for, ``no_transformers_loader``: ModelOpt):
+   a quant_method transformers has no loader for, ``no_transformers_loader``: ModelOpt, or
+   non-expert modules with quantized input activations, which transformers computes another
+   way, ``quantized_activations_outside_experts``):
    the library's dense model, WARNING naming the error;
 3. transformers loads it: a sample of its experts is compared with the library's; equal:
    transformers' model (INFO says how many experts were compared); different (NVFP4 in 5.24:
@@ -26,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import mmap
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -73,16 +74,16 @@ def has_library_reference(quantization_config: dict | None) -> bool:
 
 
 def _scheme_for(prefix: str, qconf) -> object | None:
-    """The config group's QuantizationScheme of module ``prefix`` (None: ignored/unquantized).
-    ``re:`` targets match the module name, class-name targets (``Linear``) any module that
-    stores compressed tensors; ``ignore`` entries (names or ``re:``) exclude."""
+    """The config group's QuantizationScheme of module ``prefix`` (None: ignored/unquantized), as
+    compressed-tensors matches it (``utils.match.is_match``): ``match_name`` (a ``re:`` regex or
+    the exact module name) or the class-name target ``Linear`` (every module that stores
+    compressed tensors is an nn.Linear); ``ignore`` entries the same way."""
+    from compressed_tensors.utils.match import match_name
+
     def hit(target: str) -> bool:
-        return bool(re.match(target[3:], prefix)) if target.startswith("re:") else True
+        return match_name(prefix, target) or target == "Linear"
 
-    def ignored(entry: str) -> bool:
-        return bool(re.match(entry[3:], prefix)) if entry.startswith("re:") else entry == prefix
-
-    if any(ignored(e) for e in qconf.ignore or []):
+    if any(hit(e) for e in qconf.ignore or []):
         return None
     for group in qconf.config_groups.values():
         if any(hit(t) for t in group.targets):
@@ -281,7 +282,9 @@ def per_projection_groups(quantization_config: dict | None) -> str | None:
     expert projections are in config groups with different schemes (gate/up group 32, down
     group 16), or None: transformers 5.24 applies ONE group to every expert projection
     (``get_experts_scheme``), so its loading fails (or dequantizes down_proj with the wrong
-    group size). Read with ``formats.ct_schemes.dense_schemes`` (a checkpoint it refuses: None)."""
+    group size), or whose one experts group is not the one transformers picks (module-name
+    targets: it takes the first group with a non-``re:`` target). Read with
+    ``formats.ct_schemes.dense_schemes`` (a checkpoint it refuses: None)."""
     from pagedexperts.formats.ct_schemes import dense_schemes
 
     if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
@@ -291,11 +294,45 @@ def per_projection_groups(quantization_config: dict | None) -> str | None:
     except ValueError:
         return None
     if len({repr(s) for s in schemes.values()}) <= 1:
-        return None
+        from pagedexperts.formats.compressed_tensors import transformers_experts_args
+
+        picked = transformers_experts_args(quantization_config) or {}
+        scheme = next(iter(schemes.values()), None)
+        if scheme is None or {k: v for k, v in picked.items() if k not in ("format", "input_activations")} == scheme.weights:
+            return None
+        return (f"transformers applies the config group with weights {picked} to every expert projection "
+                f"(get_experts_scheme: the first non-re: target), but the experts' own targets give {scheme.weights}")
     groups = ", ".join(f"{d} {s.weights.get('num_bits')}-bit group_size {s.weights.get('group_size')}"
                        for d, s in schemes.items())
     return (f"the expert projections are in different config groups ({groups}) and transformers applies "
             "one group to every expert projection")
+
+
+def quantized_activations_outside_experts(quantization_config: dict | None, config: dict | None = None) -> str | None:
+    """Why transformers' loading is not the reference of a compressed-tensors checkpoint with
+    mxfp8-quantized experts (it fails to load them), or is another computation than the paged
+    model's for one whose non-expert modules (attention, shared experts, dense
+    MLPs) sit in a config group with ``input_activations``, or None: transformers runs those
+    through compressed-tensors' forward, which quantizes their input activations (static FP8's
+    ``input_scale``, dynamic per token), while pagedexperts (and the library reference)
+    dequantize their weights and run unquantized activations (``formats.ct_fp8``). ``config``:
+    config.json, whose model's own module names are tried (``ignore`` lists concrete names)."""
+    from pagedexperts.formats.ct_schemes import non_expert_linear_names, quantized_non_expert, scheme_of_module
+
+    if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
+        return None
+    experts = scheme_of_module(quantization_config, "model.layers.0.mlp.experts.0.down_proj")
+    if experts is not None and experts.format == "mxfp8-quantized":  # its loader fails with a traceback: not tried
+        return ("transformers' CompressedTensorsDequantize reads mxfp8-quantized experts' uint8 E8M0 exponents as "
+                "float scales (a shape error at load)")
+    module = quantized_non_expert(quantization_config, non_expert_linear_names(config) if config else None)
+    scheme = scheme_of_module(quantization_config, module) if module else None
+    act = scheme.input_activations if scheme else None
+    if not act:
+        return None
+    return (f"{module} is in a config group with input_activations {act.get('type')}{act.get('num_bits')} "
+            f"{'dynamic' if act.get('dynamic') else 'static'}, which transformers' compressed-tensors forward "
+            "quantizes (the paged model runs its dequantized weight on unquantized activations)")
 
 
 def no_transformers_loader(quantization_config: dict | None) -> str | None:
@@ -331,7 +368,8 @@ def choose_reference(path: Path, quantization_config: dict | None, *, load: Call
         library = load_dense(library_decompress(Path(path), Path(tmp)))
     align_like_checkpoint(library, Path(path))
     library_name = LIBRARY_QUANT_METHODS[quantization_config["quant_method"]][0]
-    cannot = per_projection_groups(quantization_config) or no_transformers_loader(quantization_config)
+    cannot = (per_projection_groups(quantization_config) or no_transformers_loader(quantization_config)
+              or quantized_activations_outside_experts(quantization_config, json.loads((Path(path) / "config.json").read_text())))
     if cannot:  # transformers' loading would fail with a long traceback: not tried
         choice = ReferenceChoice(library_name, f"transformers cannot load this checkpoint: {cannot}")
         logger.warning("unpaged reference: %s's own decompression, since %s", library_name, choice.reason)
