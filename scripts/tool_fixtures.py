@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "tool_quantize.py"
 EXPERTS_ONLY = ["--experts-only"]
-# AWQ (AutoRound's auto_awq export and GPTQModel's AWQ) refuses a group size that does not divide
+# AWQ (AutoRound's auto_awq export and GPTQModel's AWQ) and compressed-tensors (AutoRound's llm_compressor export) refuse a group size that does not divide
 # in_features ("Expected in_features (32) to be divisible by group_size (128)"): the largest
 # that divides the tiny models' 32 (the bundled model's down_proj: 64).
 AWQ_TINY = ["--group-size", "32"]
@@ -45,7 +45,7 @@ TINY: dict[str, tuple[str, str, list[str]]] = {
     "autoround/qwen3_moe-auto_round": ("autoround", "qwen3_moe", ["--format", "auto_round"]),
     "autoround/qwen3_moe-auto_gptq": ("autoround", "qwen3_moe", ["--format", "auto_gptq"]),
     "autoround/qwen3_moe-auto_awq": ("autoround", "qwen3_moe", ["--format", "auto_awq", *AWQ_TINY]),
-    "autoround/qwen3_moe-llm_compressor": ("autoround", "qwen3_moe", ["--format", "llm_compressor"]),
+    "autoround/qwen3_moe-llm_compressor": ("autoround", "qwen3_moe", ["--format", "llm_compressor", *AWQ_TINY]),
     "autoround/mixtral-auto_round": ("autoround", "mixtral", ["--format", "auto_round"]),
     "autoround/qwen3_moe-auto_round-experts": ("autoround", "qwen3_moe", ["--format", "auto_round", *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_round-asym_g16-experts": (

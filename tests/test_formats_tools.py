@@ -38,12 +38,12 @@ REFUSED = {
     "autoround/qwen3_moe-auto_round-FPW8A16-experts": "data_type='fp'",
     "autoround/qwen3_moe-auto_round-NVFP4-experts": "data_type='nv_fp'",
     "autoround/qwen3_moe-auto_round-MXFP4-experts": "data_type='mx_fp'",
-    "gptqmodel/qwen3_moe-fp8-experts": "weight_block_size None",
+    "gptqmodel/qwen3_moe-fp8-experts": ("weight_block_size None (format='float8_e4m3fn', group_size=-1): only block FP8 (two "
+                                        "positive ints, e.g. [128, 128]) is supported, not per-row FP8"),
 }
-# GPTQModel 7.7 saves Mixtral's experts as mlp.experts.{j}.gate_proj/up_proj/down_proj; transformers
-# 5.24's Mixtral conversion (which the loader's key map follows) reads w1/w3/w2: not loaded yet.
-NOT_LOADED = {"gptqmodel/mixtral-gptq": "Mixtral experts saved as gate_proj/up_proj/down_proj, not w1/w3/w2"}
-LOADED = [n for n in FIXTURES if n not in REFUSED and n not in NOT_LOADED]
+# GPTQModel 7.7 saves Mixtral's experts as mlp.experts.{j}.gate_proj/up_proj/down_proj (transformers
+# 5.24's Mixtral conversion reads only w1/w3/w2): the key map reads both (loading.checkpoint).
+LOADED = [n for n in FIXTURES if n not in REFUSED]
 DENSE_OF = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "w1": ("gate_up_proj", 0),
             "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", 0), "w2": ("down_proj", 0)}
 
