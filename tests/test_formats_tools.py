@@ -185,3 +185,16 @@ def test_dynamic_override_binds_down_proj_and_refuses_per_layer_differences():
 def test_remaining_refusals_name_the_field_and_value(qc, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         format_for_config({"quantization_config": qc})
+
+
+@pytest.mark.default_threads
+@pytest.mark.parametrize("name", ["autoround/qwen3_moe-auto_round", "autoround/qwen3_moe-auto_gptq"])
+def test_check_passes_in_the_checkpoints_own_dtype(name, capsys):
+    """``check`` at the dtype the tool wrote (AutoRound: bfloat16 for auto_round, float16 for
+    auto_gptq), whole-model recipes: transformers cannot load these here (auto-round / gptqmodel
+    absent), so the reference is the resident model, and paging is exact against it."""
+    from pagedexperts.cli import main
+
+    rc = main(["check", "--model-path", str(DATA / name), "--check-resident", str(TOP_K), "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "verdict: PASS: paging is exact on this checkpoint (against pagedexperts resident)" in out, out

@@ -94,14 +94,16 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     return model.to(device).eval(), choice
 
 
-# Formats whose transformers loader needs GPU kernel packages (gptqmodel + optimum) absent here.
-KERNEL_ONLY_FORMATS = ("gptq", "awq")
+# Formats whose transformers loader needs packages absent here (gptqmodel + optimum for GPTQ/AWQ,
+# auto-round for AutoRound's native format).
+KERNEL_ONLY_FORMATS = ("gptq", "awq", "auto-round")
 
 
 def _resident_reference(path, fmt, exc: ImportError, *, device: str, dtype, experts_implementation: str):
-    """For GPTQ/AWQ where transformers cannot load (``exc``): the resident model, every expert
-    dequantized once by pagedexperts' format (itself tested against the published
-    dequantization in tests/test_format_gptq_awq.py). Logs a WARNING: this checks paging, not
+    """For GPTQ/AWQ/AutoRound where transformers cannot load (``exc``): the resident model, every
+    expert dequantized once by pagedexperts' format (itself tested against the published
+    dequantization in tests/test_format_gptq_awq.py and the tools' own in
+    tests/test_formats_tools.py). Logs a WARNING: this checks paging, not
     the dequantization. Any other format re-raises ``exc``."""
     from pagedexperts.loading.loader import load_model
 
