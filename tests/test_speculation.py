@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from pagedexperts.serving.speculation import (MAX_NUM_SPECULATIVE_TOKENS, accept_greedy, accept_sampled,
+from pagedexperts.engine.speculative.config import (MAX_NUM_SPECULATIVE_TOKENS, accept_greedy, accept_sampled,
                                               ngram_propose, speculative_config, warped_probs)
 
 V = 4

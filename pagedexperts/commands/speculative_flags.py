@@ -28,13 +28,13 @@ def add_speculative_arguments(parser) -> None:
 def speculative_from_args(args):
     """The SpeculativeConfig of the flags, or None (ValueError naming the flag, before loading;
     a draft's vocabulary size is compared with --model-path's config.json here too)."""
-    from pagedexperts.serving.speculation import speculative_config
+    from pagedexperts.engine.speculative.config import speculative_config
 
     spec = speculative_config(args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                               draft_model_path=args.draft_model_path)
     if spec is not None and spec.draft_model_path is not None:
         from pagedexperts.loading.loader import read_checkpoint_config
-        from pagedexperts.serving.draft import check_draft_config
+        from pagedexperts.engine.speculative.draft import check_draft_config
 
         check_draft_config(spec.draft_model_path, read_checkpoint_config(args.model_path)[1])
     return spec

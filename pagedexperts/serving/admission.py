@@ -14,8 +14,8 @@ import hmac
 
 from fastapi.responses import JSONResponse
 
-from pagedexperts.serving.protocol import MAX_PROMPT_BYTES_PER_TOKEN
-from pagedexperts.serving.schemas import ApiError
+from pagedexperts.serving.validation import MAX_PROMPT_BYTES_PER_TOKEN
+from pagedexperts.serving.protocol import ApiError
 
 RETRY_AFTER_S = 1  # Retry-After of 429 (queue full) and 503 (shutting down)
 MAX_DRAINED_BODY_BYTES = 64 * 2**20  # an oversized body is read and dropped up to this, then the connection closes

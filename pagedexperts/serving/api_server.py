@@ -24,10 +24,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedexperts.serving import schemas, worker_info
+from pagedexperts.serving import protocol, worker_info
 from pagedexperts.serving.admission import Admission, default_max_body_bytes, error_response
 from pagedexperts.serving.handlers import OpenAIServing, ServeConfig
-from pagedexperts.serving.schemas import ApiError
+from pagedexperts.serving.protocol import ApiError
 from pagedexperts.serving.responses_events import ResponsesServing
 from pagedexperts.serving.connections import uvicorn_config
 
@@ -88,7 +88,7 @@ def _error_handlers(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_types(request, exc: RequestValidationError):
-        return answer(request, schemas.type_error(list(exc.errors())))
+        return answer(request, protocol.type_error(list(exc.errors())))
 
     @app.exception_handler(Exception)
     async def crash(request, exc: Exception):

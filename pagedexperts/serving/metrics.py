@@ -101,7 +101,7 @@ class _LiveCollector:
             kind = GaugeMetricFamily if GAUGE_NAME.search(name) else CounterMetricFamily
             yield kind(PREFIX + name, f"Scheduler: {name.replace('_', ' ')}", value=getattr(s.stats, name))
         if s.speculative is not None:
-            from pagedexperts.serving.speculative import speculative_metrics
+            from pagedexperts.engine.speculative.decoder import speculative_metrics
 
             yield from speculative_metrics(s.speculative.stats, PREFIX)
         layers = sorted((i, pager.stats) for i, pager in rt.pagers.items())

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from pagedexperts.serving.schemas import ApiError, ChatCompletionRequest, ChatMessage, parse_request
+from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, ChatMessage, parse_request
 
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 TEXT_PARTS = {"input_text", "output_text"}  # content part types whose text is read

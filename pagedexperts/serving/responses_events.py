@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from fastapi.responses import StreamingResponse
 
 from pagedexperts.serving import responses_api
-from pagedexperts.serving.protocol import Prepared
-from pagedexperts.serving.schemas import ApiError
+from pagedexperts.serving.validation import Prepared
+from pagedexperts.serving.protocol import ApiError
 
 FAILED = ("error", "abort")  # finish reasons that fail a response
 

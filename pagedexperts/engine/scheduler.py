@@ -46,13 +46,13 @@ from typing import Callable
 import torch
 
 from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.serving.batching import forward_rows, prefill_batches, prefill_inputs
-from pagedexperts.serving.chunked_prefill import MASK_FORMS, Segment, keep_new_kv, pack, step_segments
-from pagedexperts.serving.isolation import check_inputs, each_isolated
-from pagedexperts.serving.sampling import IncrementalText, SamplingParams, TokenLogprob, sample, token_logprobs
-from pagedexperts.serving.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
-from pagedexperts.serving.sequence import Event, Request, eos_ids, keep_kv, seeded_generator
-from pagedexperts.serving.speculative import SpeculativeDecoder
+from pagedexperts.engine.batching import forward_rows, prefill_batches, prefill_inputs
+from pagedexperts.engine.chunked_prefill import MASK_FORMS, Segment, keep_new_kv, pack, step_segments
+from pagedexperts.engine.isolation import check_inputs, each_isolated
+from pagedexperts.engine.sampling import IncrementalText, SamplingParams, TokenLogprob, sample, token_logprobs
+from pagedexperts.engine.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
+from pagedexperts.engine.sequence import Event, Request, eos_ids, keep_kv, seeded_generator
+from pagedexperts.engine.speculative.decoder import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.serving.speculation import warped_probs
+from pagedexperts.engine.speculative.config import warped_probs
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see the module docstring)
 REPLACEMENT_CHAR = "\ufffd"

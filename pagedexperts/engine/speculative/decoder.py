@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedexperts.serving.batching import forward_rows
-from pagedexperts.serving.chunked_prefill import Segment
-from pagedexperts.serving.draft import DraftProposer, load_draft
-from pagedexperts.serving.isolation import each_isolated
-from pagedexperts.serving.sampling import adjusted_logits
-from pagedexperts.serving.speculation import (NgramProposer, Proposal, Proposer, SpeculativeConfig, SpeculativeStats,
+from pagedexperts.engine.batching import forward_rows
+from pagedexperts.engine.chunked_prefill import Segment
+from pagedexperts.engine.speculative.draft import DraftProposer, load_draft
+from pagedexperts.engine.isolation import each_isolated
+from pagedexperts.engine.sampling import adjusted_logits
+from pagedexperts.engine.speculative.config import (NgramProposer, Proposal, Proposer, SpeculativeConfig, SpeculativeStats,
                                               Verdict, accept_greedy, accept_sampled, context_of, warped_probs)
 
 

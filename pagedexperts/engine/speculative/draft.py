@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.serving.batching import forward_rows
-from pagedexperts.serving.speculation import Proposal, SpeculativeConfig, context_of, warped_probs
+from pagedexperts.engine.batching import forward_rows
+from pagedexperts.engine.speculative.config import Proposal, SpeculativeConfig, context_of, warped_probs
 
 DRAFT_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                     "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")

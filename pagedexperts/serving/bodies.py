@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from pagedexperts.serving.sampling import TokenLogprob
+from pagedexperts.engine.sampling import TokenLogprob
 
 
 @dataclass

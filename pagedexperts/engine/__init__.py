@@ -1,0 +1,1 @@
+"""The engine: continuous batching of generation requests, no HTTP (see the modules)."""
