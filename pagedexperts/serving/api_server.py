@@ -28,7 +28,7 @@ from pagedexperts.serving import protocol, worker_info
 from pagedexperts.serving.admission import Admission, default_max_body_bytes, error_response
 from pagedexperts.serving.handlers import OpenAIServing, ServeConfig
 from pagedexperts.serving.protocol import ApiError
-from pagedexperts.serving.responses_events import ResponsesServing
+from pagedexperts.serving.responses_api import ResponsesServing
 from pagedexperts.serving.connections import uvicorn_config
 
 logger = logging.getLogger(__name__)

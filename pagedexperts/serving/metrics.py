@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import re
 
+from pagedexperts.engine.speculative.config import SpeculativeStats
+
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 PREFIX = "pagedexperts_"
@@ -101,8 +103,6 @@ class _LiveCollector:
             kind = GaugeMetricFamily if GAUGE_NAME.search(name) else CounterMetricFamily
             yield kind(PREFIX + name, f"Scheduler: {name.replace('_', ' ')}", value=getattr(s.stats, name))
         if s.speculative is not None:
-            from pagedexperts.engine.speculative.decoder import speculative_metrics
-
             yield from speculative_metrics(s.speculative.stats, PREFIX)
         layers = sorted((i, pager.stats) for i, pager in rt.pagers.items())
         if not layers:
@@ -152,3 +152,21 @@ def paging_time_histograms(stats, prefix: str = PREFIX):
     for kind, dist in stats.time_histograms().items():
         yield HistogramMetricFamily(prefix + names[kind], f"Time of {TIMED[kind]} per MoE layer-step",
                                     buckets=dist.cumulative(), sum_value=dist.sum_s)
+
+
+def speculative_metrics(stats: SpeculativeStats, prefix: str):
+    """Prometheus families of ``stats`` (names after vLLM's ``spec_decode_*``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield CounterMetricFamily(prefix + "spec_decode_num_drafts", "Verification steps (one per request per forward)",
+                              value=stats.steps)
+    yield CounterMetricFamily(prefix + "spec_decode_num_draft_tokens", "Tokens proposed", value=stats.proposed)
+    yield CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens", "Proposals accepted", value=stats.accepted)
+    yield CounterMetricFamily(prefix + "spec_decode_num_emitted_tokens", "Tokens produced by verification steps",
+                              value=stats.emitted)
+    yield CounterMetricFamily(prefix + "spec_decode_num_padded_tokens", "Query positions padding a verification batch",
+                              value=stats.padded)
+    yield GaugeMetricFamily(prefix + "spec_decode_acceptance_rate", "Accepted / proposed since the start",
+                            value=stats.acceptance_rate)
+    yield GaugeMetricFamily(prefix + "spec_decode_mean_accepted_per_step", "Accepted proposals per verification step",
+                            value=stats.mean_accepted_per_step)

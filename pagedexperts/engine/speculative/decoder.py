@@ -32,11 +32,12 @@ import torch
 
 from pagedexperts.engine.batching import forward_rows
 from pagedexperts.engine.chunked_prefill import Segment
-from pagedexperts.engine.speculative.draft import DraftProposer, load_draft
 from pagedexperts.engine.isolation import each_isolated
-from pagedexperts.engine.sampling import adjusted_logits
-from pagedexperts.engine.speculative.config import (NgramProposer, Proposal, Proposer, SpeculativeConfig, SpeculativeStats,
-                                              Verdict, accept_greedy, accept_sampled, context_of, warped_probs)
+from pagedexperts.engine.sampling import adjusted_logits, warped_probs
+from pagedexperts.engine.speculative.acceptance import Verdict, accept_greedy, accept_sampled
+from pagedexperts.engine.speculative.config import SpeculativeConfig, SpeculativeStats
+from pagedexperts.engine.speculative.draft import DraftProposer, load_draft
+from pagedexperts.engine.speculative.proposers import NgramProposer, Proposal, Proposer, context_of
 
 
 class SpeculativeDecoder:
@@ -114,21 +115,3 @@ class SpeculativeDecoder:
             return accept_greedy([int(torch.argmax(x)) for x in rows], d)
         p = torch.stack([warped_probs(x, params.temperature, params.top_p) for x in rows])
         return accept_sampled(p, d, proposal.q, req.generator)
-
-
-def speculative_metrics(stats: SpeculativeStats, prefix: str):
-    """Prometheus families of ``stats`` (names after vLLM's ``spec_decode_*``)."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    yield CounterMetricFamily(prefix + "spec_decode_num_drafts", "Verification steps (one per request per forward)",
-                              value=stats.steps)
-    yield CounterMetricFamily(prefix + "spec_decode_num_draft_tokens", "Tokens proposed", value=stats.proposed)
-    yield CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens", "Proposals accepted", value=stats.accepted)
-    yield CounterMetricFamily(prefix + "spec_decode_num_emitted_tokens", "Tokens produced by verification steps",
-                              value=stats.emitted)
-    yield CounterMetricFamily(prefix + "spec_decode_num_padded_tokens", "Query positions padding a verification batch",
-                              value=stats.padded)
-    yield GaugeMetricFamily(prefix + "spec_decode_acceptance_rate", "Accepted / proposed since the start",
-                            value=stats.acceptance_rate)
-    yield GaugeMetricFamily(prefix + "spec_decode_mean_accepted_per_step", "Accepted proposals per verification step",
-                            value=stats.mean_accepted_per_step)

@@ -18,7 +18,9 @@ from typing import Callable
 import torch
 
 from pagedexperts.engine.batching import forward_rows
-from pagedexperts.engine.speculative.config import Proposal, SpeculativeConfig, context_of, warped_probs
+from pagedexperts.engine.sampling import warped_probs
+from pagedexperts.engine.speculative.config import SpeculativeConfig
+from pagedexperts.engine.speculative.proposers import Proposal, context_of
 
 DRAFT_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                     "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
