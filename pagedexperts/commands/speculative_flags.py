@@ -1,12 +1,12 @@
 """The speculative-decoding flags of ``generate`` and ``serve`` (``--speculative`` and its options).
 
-Owns the argparse group only; the checks are ``serving.speculation.speculative_config``'s.
+Owns the argparse group only; the checks are ``engine.speculative.config.speculative_config``'s.
 """
 
 from __future__ import annotations
 
-METHODS = ("ngram", "draft")  # = serving.speculation.METHODS (not imported here: torch)
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # = serving.speculation.DEFAULT_NUM_SPECULATIVE_TOKENS
+METHODS = ("ngram", "draft")  # = engine.speculative.config.METHODS (not imported here: torch)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # = engine.speculative.config.DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
 def add_speculative_arguments(parser) -> None:

@@ -10,7 +10,7 @@ Differences from the plain ``generate_text`` path (transformers' ``generate``): 
 are cut from the text (as the server does), and sampling draws from the scheduler's
 per-request generator seeded with ``--seed`` (same distribution, another random stream).
 
-Does not: load models, or decide acceptance (``speculation``).
+Does not: load models, or decide acceptance (``speculative.acceptance``).
 """
 
 from __future__ import annotations

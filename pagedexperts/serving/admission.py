@@ -5,7 +5,7 @@ limit, both before routing and parsing: a body over the limit is read and droppe
 kept, and answered 413), ``error_response`` (every refusal as ``{"error": {"message", "type",
 "param", "code"}}``), and the refusals that several routes share (``shutting_down``: 503 +
 Retry-After; ``client_disconnected``: 499), and the default body limit. Does not: parse or validate a body
-(``protocol``), or count refusals (the caller's ``refuse`` does).
+(``validation``), or count refusals (the caller's ``refuse`` does).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ ends every running and queued request at once (each stream still gets its final 
 ``[DONE]``) and stops uvicorn. Does not: handle a request itself (``handlers``).
 
 Chat prompts use the tokenizer's chat template; a tokenizer without one gets the plain
-template ``protocol.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
+template ``validation.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
 User, Assistant), then ``Assistant:``.
 """
 

@@ -12,8 +12,8 @@ shutdown (``begin_shutdown``: 503 + Retry-After to new requests, running ones ge
 Parsing, validation and tokenization run in a worker thread (``run_in_threadpool``), and
 detokenization on the scheduler thread: the event loop only moves bytes, so /health answers
 while a large request is refused. Does not: check the API key or the body size
-(``admission``), validate (``protocol``), sample or batch (``scheduler``), shape bodies
-(``responses``; the Responses API: ``responses_api``, ``responses_events``), declare the routes (``api_server``),
+(``admission``), validate (``validation``), sample or batch (``engine.scheduler``), shape bodies
+(``bodies``; the Responses API: ``responses_api``), declare the routes (``api_server``),
 or load models (``loader``).
 """
 
@@ -56,7 +56,7 @@ class ServeConfig:
     ``api_key``: when set, /v1/* needs ``Authorization: Bearer <key>``. ``shutdown_timeout_s``:
     how long running requests may finish after SIGTERM. ``record_trace``: .npz path.
     ``model_path``: the checkpoint directory, reported to a router (``/server_info``).
-    ``speculative``: a ``speculation.SpeculativeConfig`` (--speculative), None = plain decoding.
+    ``speculative``: an ``engine.speculative.config.SpeculativeConfig`` (--speculative), None = plain decoding.
     ``chunked_prefill``: prompt chunks share the decode forward (``SchedulerConfig``).
     ``header_timeout_s``, ``max_connections``: connection limits (``connections``).
     """

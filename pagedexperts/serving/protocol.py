@@ -1,4 +1,4 @@
-"""The request bodies as served here, and parsing them in OpenAI's error shape.
+"""The OpenAI protocol as served here: the request bodies, and parsing them in OpenAI's error shape.
 
 Owns: the pydantic request models of /v1/completions and /v1/chat/completions (unknown
 fields are refused, never ignored; fields of the API not implemented are declared to be
@@ -7,7 +7,7 @@ refused by name, ``UNSUPPORTED``), ``ApiError`` (a refusal: HTTP status, OpenAI 
 wrong type, an unknown field -> ApiError naming it). Runs in a worker thread, never on the
 event loop.
 
-Does not: check ranges or tokenize (``protocol``), or build responses (``responses``).
+Does not: check ranges or tokenize (``validation``), or build responses (``bodies``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The OpenAI wire protocol as served here: the limits and the one validation.
+"""Validation of the OpenAI requests served here: the limits and the one validation.
 
-Owns: the limits as named constants and ``prepare`` (a parsed request, ``schemas``, -> token
-ids and per-sequence sampling, every range checked, refusals as ``schemas.ApiError``); it
+Owns: the limits as named constants and ``prepare`` (a parsed request, ``protocol``, -> token
+ids and per-sequence sampling, every range checked, refusals as ``protocol.ApiError``); it
 runs in a worker thread, never on the event loop.
 
 Admission order (cheap checks first, no work before them): the body size (``app``), the
@@ -9,8 +9,8 @@ JSON and its types, the model name, every range, the prompt's BYTES against
 ``context_length x MAX_PROMPT_BYTES_PER_TOKEN`` (so an oversized prompt is refused without
 tokenizing it), then tokenization and the token counts.
 
-Does not: declare the request bodies or parse JSON (``schemas``), sample, batch, or build
-responses (``responses``).
+Does not: declare the request bodies or parse JSON (``protocol``), sample, batch, or build
+responses (``bodies``).
 """
 
 from __future__ import annotations

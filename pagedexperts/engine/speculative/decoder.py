@@ -6,12 +6,13 @@ B running requests, ``batching.forward_rows``), ``segments`` (a chunked-prefill 
 decode's segment carries its proposals, packed with the prompt chunks into the step's one
 forward, ``chunked_prefill``) and ``verify`` (one request's acceptance, rollback and
 tokens, run per request under ``isolation.each_isolated``: a fault in one request's
-verification fails that request alone); the Prometheus families of its counters.
+verification fails that request alone) (its counters' Prometheus families are
+``serving.metrics.speculative_metrics``).
 
 One step: each decoding request proposes n_i <= n tokens (n = ``--num-speculative-tokens``,
-fewer near max_tokens; ``speculation.NgramProposer`` or ``draft.DraftProposer``); the
+fewer near max_tokens; ``proposers.NgramProposer`` or ``draft.DraftProposer``); the
 step's forward computes [last token, d_1..d_n_i] per request and caches all 1 + n_i keys
-and values; the acceptance rule (``speculation``) keeps m_i proposals and adds one token;
+and values; the acceptance rule (``acceptance``) keeps m_i proposals and adds one token;
 the request's KV ``length`` is then cropped by the n_i - m_i rejected proposals (the
 rollback: their keys and values past ``length`` are overwritten by the next step). The
 emitted tokens go through the scheduler's ``_accept`` one by one (stop strings, end of
@@ -23,7 +24,7 @@ pager counts it as one step like any forward. The draft model is not paged. With
 prefill, the proposals come on top of ``--max-prefill-tokens`` (the budget of prompt tokens).
 
 Legend: B requests, W = max n_i + 1 query positions, S cached tokens (S_max the longest),
-V vocabulary. Does not: schedule requests, or decide acceptance (``speculation``).
+V vocabulary. Does not: schedule requests, or decide acceptance (``acceptance``).
 """
 
 from __future__ import annotations

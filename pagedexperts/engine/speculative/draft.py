@@ -7,7 +7,7 @@ batched draft forward per proposed token, with the draft's own KV buffers per re
 calls) and ``save_truncated_draft`` (a crude draft: the target's first layers).
 
 Legend: n proposals per request, V vocabulary, D head dim. Does not: verify proposals or
-decide acceptance (``speculative``, ``speculation``), or page anything: the draft is not paged.
+decide acceptance (``decoder``, ``acceptance``), or page anything: the draft is not paged.
 """
 
 from __future__ import annotations
