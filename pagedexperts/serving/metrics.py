@@ -8,7 +8,8 @@ finish), and scrape-time values read from the scheduler and from every MoE layer
 ``*_mean``, ``*_p50``, ``*_p99_s``: gauges), so a counter added to ``pagedexperts.stats.accounting``
 shows up without a change here; the per-step host time distributions (``LayerStats.times``)
 are histograms (``paging_time_histograms``); with a disk tier, its host and disk counters per
-layer (``pagedexperts_host_hits``, ``pagedexperts_disk_reads``, ...). The historical names
+layer (``pagedexperts_host_hits``, ``pagedexperts_disk_reads``, ...); with speculative decoding, its
+counters (``speculative_metrics``, ``pagedexperts_spec_decode_*``). The historical names
 (``pagedexperts_expert_hits`` ...) stay as aliases.
 
 Does not: decide anything; it only counts.

@@ -6,8 +6,8 @@ B running requests, ``batching.forward_rows``), ``segments`` (a chunked-prefill 
 decode's segment carries its proposals, packed with the prompt chunks into the step's one
 forward, ``chunked_prefill``) and ``verify`` (one request's acceptance, rollback and
 tokens, run per request under ``isolation.each_isolated``: a fault in one request's
-verification fails that request alone) (its counters' Prometheus families are
-``serving.metrics.speculative_metrics``).
+verification fails that request alone). Its counters reach /metrics through
+``serving.metrics.speculative_metrics``.
 
 One step: each decoding request proposes n_i <= n tokens (n = ``--num-speculative-tokens``,
 fewer near max_tokens; ``proposers.NgramProposer`` or ``draft.DraftProposer``); the
