@@ -74,6 +74,7 @@ def test_cli_defaults_match_the_library():
     from pagedexperts.serving import connections
 
     assert serve.DEFAULT_HEADER_TIMEOUT_S == connections.DEFAULT_HEADER_TIMEOUT_S
+    assert serve.DEFAULT_BODY_TIMEOUT_S == connections.DEFAULT_BODY_TIMEOUT_S
     assert serve.DEFAULT_MAX_CONNECTIONS == connections.DEFAULT_MAX_CONNECTIONS
 
 

@@ -154,7 +154,8 @@ def run_server(model, tokenizer, config: ServeConfig, *, host: str, port: int, l
     """Serve until SIGINT / SIGTERM; the first signal drains (see the module docstring)."""
     logger.info("%s", single_wave_note(model.pagedexperts, config.max_running_requests))
     app = create_app(model, tokenizer, config)
-    uv = uvicorn_config(app, header_timeout_s=config.header_timeout_s, max_connections=config.max_connections,
+    uv = uvicorn_config(app, header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
+                        max_connections=config.max_connections,
                         host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
     draining_server_class()(uv, app.state.serving).run()
 
