@@ -77,7 +77,7 @@ def run(args) -> int:
     from pathlib import Path
 
     try:
-        from pagedexperts.serving.api_server import ServeConfig, run_server, single_wave_note
+        from pagedexperts.serving.api_server import ServeConfig, run_server, single_wave_note, speculation_note
     except ModuleNotFoundError as exc:
         raise ValueError(f"the server needs {exc.name}: pip install 'pagedexperts[server]'") from exc
     from pagedexperts.loading.loader import bundled_model_path
@@ -106,7 +106,8 @@ def run(args) -> int:
                          body_timeout_s=args.body_timeout,
                          max_connections=args.max_connections)
     print(f"pagedexperts serve: {name} on http://{args.host}:{args.port}, K={rt.num_resident} of "
-          f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}", file=sys.stderr, flush=True)
+          f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}; {speculation_note(speculative)}",
+          file=sys.stderr, flush=True)
     run_server(model, tokenizer, config, host=args.host, port=args.port)
     return 0
 
