@@ -24,6 +24,10 @@ Conventions (as OpenAI and vLLM's defaults):
   distribution is already a point mass at the argmax to float32 precision.
 - logprobs are the model's own: ``log_softmax`` of the raw logits in float32, before
   logit_bias, penalties, temperature and top_p (vLLM's default ``raw_logprobs``).
+- logits holding NaN or +inf (a corrupt checkpoint, an overflow) choose no token: ``sample``,
+  the speculative acceptance rule (via ``adjusted_logits``) and ``token_logprobs`` raise
+  ``NonFiniteLogits``, which fails that request alone (``engine.isolation``); -inf is a token
+  the model rules out, and passes.
 - an incomplete UTF-8 character decodes as U+FFFD until its last byte arrives; text is held
   back until its characters are complete AND cannot be the start of a stop string.
 
@@ -68,6 +72,18 @@ def warped_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
 def sampling_probs(logits: torch.Tensor, params: "SamplingParams") -> torch.Tensor:
     """``warped_probs`` with ``params``' temperature, top_p, top_k and min_p: float32 [V]."""
     return warped_probs(logits, params.temperature, params.top_p, params.top_k, params.min_p)
+
+
+class NonFiniteLogits(ValueError):
+    """A sequence's logits hold NaN or +inf: no token (and no logprob) can be computed from them."""
+
+
+def check_finite_logits(logits: torch.Tensor) -> None:
+    """Raises NonFiniteLogits when ``logits`` (any shape, float) hold a NaN or +inf, with how many."""
+    bad = torch.isnan(logits) | torch.isposinf(logits)
+    if bool(bad.any()):
+        raise NonFiniteLogits(f"the model's logits for this sequence hold {int(bad.sum())} NaN or +inf values of "
+                              f"{logits.numel()} (a corrupt checkpoint or a numerical overflow); no token can be chosen")
 
 
 @dataclass(frozen=True)
@@ -135,7 +151,8 @@ class TokenLogprob:
 def adjusted_logits(logits: torch.Tensor, params: SamplingParams, output_ids: list[int]) -> torch.Tensor:
     """logits [V] after logit_bias, repetition_penalty, the presence / frequency penalties and
     min_tokens (module docstring; a new float32 tensor if changed). ``output_ids``: the tokens
-    generated so far."""
+    generated so far. Raises NonFiniteLogits for NaN or +inf logits."""
+    check_finite_logits(logits)
     if not params.adjusts_logits:
         return logits
     out = logits.float().clone()
@@ -171,8 +188,10 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int,
                    token_text: Callable[[int], str]) -> list[TokenLogprob]:
     """Logprob reports of ``token_ids`` [T] under logits [T, V] (row t predicts token t).
 
-    ``token_text`` maps an id to its text. log_softmax in float32 of the raw logits.
+    ``token_text`` maps an id to its text. log_softmax in float32 of the raw logits. Raises
+    NonFiniteLogits for NaN or +inf logits (a report would carry NaN).
     """
+    check_finite_logits(logits)
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, torch.tensor(token_ids, dtype=torch.long)[:, None])[:, 0].tolist()
     tops = lp.topk(top_n, dim=-1) if top_n > 0 else None

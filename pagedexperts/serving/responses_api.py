@@ -261,7 +261,7 @@ class ResponseDraft:
 
 def event(kind: str, number: int, **fields) -> str:
     """One server-sent event of the Responses API: ``event:`` and ``data:`` lines, a blank line."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': number, **fields})}\n\n"
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': number, **fields}, allow_nan=False)}\n\n"
 
 
 class ResponsesServing:
