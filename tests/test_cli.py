@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pagedexperts.cli import main
-from pagedexperts.loading.loader import bundled_model_path, load_model
+from pagedexperts.loading.bundled import bundled_model_path
+from pagedexperts.loading.loader import load_model
 
 
 @pytest.fixture(scope="module")

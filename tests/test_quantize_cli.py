@@ -44,7 +44,7 @@ def test_bundled_variant_runs_out_of_the_box_and_is_exact(fmt, tmp_path):
     """``--model-path bundled:FORMAT``: built on first use, paged equals transformers' loading."""
     from pagedexperts import load_model
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
 
     config = json.loads((bundled_model_path() / "config.json").read_text())
     if config["moe_intermediate_size"] % 64:

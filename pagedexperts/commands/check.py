@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import add_model_arguments
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "check",
-        help="compare paged and unpaged logits and greedy tokens; exit 1 on a mismatch",
+        help=COMMANDS["check"],
         description="Runs a few prompts paged (at each K given) and unpaged (plain "
         "from_pretrained, all experts resident, same experts implementation and dtype), each "
         "prompt alone and all of them as one left-padded batch, and compares every step's logits "

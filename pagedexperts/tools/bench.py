@@ -392,7 +392,7 @@ def _cpu_layers(cfg: BenchConfig) -> int:
 def _moe_layers(model_path) -> list[int]:
     from transformers import AutoConfig
 
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
     from pagedexperts.models.config import moe_layer_indices
 
     return moe_layer_indices(AutoConfig.from_pretrained(model_path or bundled_model_path()))

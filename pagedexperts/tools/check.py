@@ -58,7 +58,7 @@ def load_reference(model_path, *, device: str, dtype: str | None, experts_implem
 
     from pagedexperts.formats import format_for_config
     from pagedexperts.loading.config import resolve_dtype
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
 
     return load_reference_with_choice(model_path, device=device, dtype=dtype,
                                       experts_implementation=experts_implementation)[0]
@@ -73,7 +73,7 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     from pagedexperts.formats import format_for_config, quantization_config_of
     from pagedexperts.tools.reference import ReferenceChoice, cast_experts, choose_reference, complete
     from pagedexperts.loading.config import resolve_dtype
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
     from pagedexperts.models.config import with_modelopt_quantization
 
     path = model_path or bundled_model_path()

@@ -114,7 +114,7 @@ def bundled_variant_path(fmt: str, *, cache_dir: str | Path, source: str | Path 
     Raises:
         ValueError: a format the bundled model has no variant in (lists them).
     """
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
 
     options = BUNDLED_VARIANTS.get(fmt)
     if options is None:
