@@ -102,8 +102,11 @@ def test_generate_bad_input_is_a_clear_error(argv, needle, capsys, monkeypatch):
 def test_check_passes_on_the_bundled_model(capsys):
     """The CLI default, at the default thread count: K = top_k and E/2, a verdict that reads right."""
     rc = main(["check", "--max-new-tokens", "4"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert rc == 0, out
+    # progress between start and verdict (issue 33): what loads, then a bar of the 4 runs per K
+    assert err.startswith("check: loading the unpaged reference, then the paged model at K = 4, 32\n")
+    assert "check K=4:   0%|" in err and "| 0/4 [" in err and "check K=32:   0%|" in err
     lines = out.strip().splitlines()
     assert lines[0] == ("reference: transformers (its own loading; no format library decompression "
                         "for this checkpoint here)")

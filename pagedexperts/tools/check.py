@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from pagedexperts.generation.config import GREEDY
 
@@ -155,19 +156,25 @@ def compare(paged, reference, input_ids, max_new_tokens: int, what: str, attenti
     )
 
 
-def check_model(paged, reference, tokenizer, prompts, *, max_new_tokens: int = 8, batched: bool = True) -> CheckResult:
+def check_model(paged, reference, tokenizer, prompts, *, max_new_tokens: int = 8, batched: bool = True,
+                progress: bool = False) -> CheckResult:
     """Compare ``paged`` against ``reference`` on each of ``prompts`` alone (batch 1) and, if
     ``batched`` and there are several, on all of them at once (left-padded, batch B > 1: another
-    matmul path for the last-token slice), greedy for ``max_new_tokens`` steps."""
+    matmul path for the last-token slice), greedy for ``max_new_tokens`` steps. ``progress``: a
+    tqdm bar of the runs on stderr (as ``bench``)."""
     result = CheckResult(num_resident=paged.pagedexperts.num_resident)
     paged.pagedexperts.reset_stats()
     rows = [tokenizer(p, return_tensors="pt")["input_ids"][0].to(paged.device) for p in prompts]
-    with torch.no_grad():
+    runs = len(rows) + (1 if batched and len(rows) > 1 else 0)
+    bar = tqdm(total=runs, desc=f"check K={result.num_resident}", unit="run", leave=False, disable=not progress)
+    with torch.no_grad(), bar:
         for prompt, ids in zip(prompts, rows):
             result.prompts.append(compare(paged, reference, ids.unsqueeze(0), max_new_tokens, prompt))
+            bar.update()
         if batched and len(rows) > 1:
             ids, mask = left_padded(rows)
             what = f"all {len(rows)} prompts as one left-padded batch"
             result.prompts.append(compare(paged, reference, ids, max_new_tokens, what, mask))
+            bar.update()
     result.misses = paged.pagedexperts.stats().total().misses
     return result
