@@ -84,7 +84,8 @@ def run_quantize(args) -> int:
 
     options = QuantizeOptions(args.format, group_size=args.group_size, symmetric=not args.asymmetric,
                               block=(args.block_size, args.block_size))
-    report = quantize_checkpoint(model_path=args.model_path or bundled_model_path(), output=args.output, options=options)
+    report = quantize_checkpoint(model_path=args.model_path or bundled_model_path(), output=args.output, options=options,
+                                 progress=True)
     ratio = report.expert_bytes_out / report.expert_bytes_in
     print(f"{report.format}: {report.expert_tensors} routed expert weights, "
           f"{report.expert_bytes_in / 1e6:.2f} MB -> {report.expert_bytes_out / 1e6:.2f} MB ({ratio:.3f}x) in {report.output}")
