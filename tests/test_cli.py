@@ -60,6 +60,30 @@ def test_generate_streams_text_and_reports_paging(tmp_path, capsys, bundled_conf
     assert "p50/p99: plan" in err and "read-back" in err
 
 
+def test_stop_string_is_cut_the_same_way_in_every_generate_path(capsys):
+    """One rule (OpenAI's, the server's: the stop string is not returned) for generate, generate
+    --speculative and the printed text: greedy text up to the stop string's first occurrence."""
+    from pagedexperts.engine.generate_one import speculative_generate_text
+    from pagedexperts.engine.speculative.config import SpeculativeConfig
+    from pagedexperts.generation.config import SamplingConfig
+    from pagedexperts.generation.generate import generate_text
+
+    model, tok = load_model(num_resident=16)
+    full = generate_text(model, tok, "ROMEO:", SamplingConfig(max_new_tokens=24)).text
+    stop = full[len(full) // 2:][:4]
+    assert len(stop) == 4, f"greedy text too short to pick a stop string: {full!r}"
+    expected = full[:full.find(stop)]
+    sampling = SamplingConfig(max_new_tokens=24, stop=(stop,))
+    streamed = []
+    plain = generate_text(model, tok, "ROMEO:", sampling, on_text=streamed.append)
+    assert plain.text == "".join(streamed) == expected
+    speculative = speculative_generate_text(model, tok, "ROMEO:", sampling, SpeculativeConfig(method="ngram"))
+    assert speculative.text == expected
+    for extra in ([], ["--speculative", "ngram"]):
+        assert main(["generate", "--prompt", "ROMEO:", "--max-new-tokens", "24", "--stop", stop, "--quiet", *extra]) == 0
+        assert capsys.readouterr().out == "ROMEO:" + expected + "\n"
+
+
 def test_generate_reads_stdin_and_applies_chat_template():
     proc = subprocess.run(
         [sys.executable, "-m", "pagedexperts.cli", "generate", "--chat", "--max-new-tokens", "4", "--quiet"],
