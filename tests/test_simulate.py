@@ -239,3 +239,16 @@ def test_cli_empty_and_truncated_trace(tmp_path, capsys):
     (tmp_path / "cut.npz").write_bytes(data[: len(data) - 100])
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path / "cut.npz")])
     assert rc == 2 and "truncated or corrupt" in err
+
+
+def test_help_names_lfu_the_runtimes_default_policy(capsys):
+    """The runtime's default --policy is lfu (residency.policies.DEFAULT_POLICY); --help called
+    LRU the default (issue 33)."""
+    from pagedexperts.residency.policies import DEFAULT_POLICY
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert DEFAULT_POLICY == "lfu"
+    assert "(default lru,lfu,belady: LRU, lfu (the runtime's default, --policy of generate and serve)" in text
+    assert "LRU, the runtime's default" not in text

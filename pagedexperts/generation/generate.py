@@ -204,17 +204,24 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
                   decide: str = "host") -> str:
     """A short human-readable paging report of one generation (``decide``: where the paged
     steps were planned, ``model.pagedexperts.decide``)."""
-    p, d = result.paging, result.decode
+    p, d, s = result.paging, result.decode, result.speculative
     layers = len(p["layers"])
+    if s:  # one decode figure: per token generated (a verification also routes the rejected proposals)
+        misses = (f"  misses/token {p['misses_per_token']:.2f} overall; in decode {s['misses_per_generated_token']:.2f} "
+                  "per generated token (rejected proposals' routing included)")
+        paged = (f"  bytes paged/token {p['bytes_per_token'] / 1e6:.3f} MB overall; in decode "
+                 f"{s['bytes_per_generated_token'] / 1e6:.3f} MB per generated token")
+    else:
+        misses = (f"  misses/token {p['misses_per_token']:.2f} overall, {d['misses_per_token']:.2f} in decode"
+                  f" (all layers; all-miss bound {layers * top_k})")
+        paged = f"  bytes paged/token {p['bytes_per_token'] / 1e6:.3f} MB overall, {d['bytes_per_token'] / 1e6:.3f} MB in decode"
     lines = [
         f"paging: K={num_resident} of E={num_experts} experts resident per layer, top_k={top_k}, "
         f"{layers} MoE layers, {decide}-planned steps",
         f"  tokens: prompt {result.prompt_tokens}, new {result.new_tokens}",
         f"  hit rate {p['hit_rate']:.1%} overall, {d['hit_rate']:.1%} in decode",
-        f"  misses/token {p['misses_per_token']:.2f} overall, {d['misses_per_token']:.2f} in decode"
-        f" (all layers; all-miss bound {layers * top_k})",
-        f"  bytes paged/token {p['bytes_per_token'] / 1e6:.3f} MB overall, "
-        f"{d['bytes_per_token'] / 1e6:.3f} MB in decode",
+        misses,
+        paged,
         f"  waves {p['waves']} ({p['multi_wave_steps']} layer-steps needed more than one), "
         f"union size mean {p['union_mean']:.1f} max {p['union_max']}",
         f"  host planning {1e6 * p['plan_s'] / max(1, p['layer_steps']):.0f} us per layer-step, "
@@ -224,13 +231,11 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
                                                  (("plan_s", "plan"), ("sync_s", "read-back"), ("page_in_s", "page-in"))),
         f"  TTFT {result.ttft_s * 1e3:.0f} ms, decode {result.decode_tok_s:.1f} tok/s",
     ]
-    s = result.speculative
     if s:
         lines.append(
             f"  speculative {s['method']} n={s['num_speculative_tokens']}: acceptance {s['acceptance_rate']:.1%} "
             f"({s['accepted']} of {s['proposed']} proposed), {s['mean_accepted_per_step']:.2f} accepted per "
-            f"verification step ({s['steps']} steps); per generated token in decode: misses "
-            f"{s['misses_per_generated_token']:.2f}, {s['bytes_per_generated_token'] / 1e6:.3f} MB paged"
+            f"verification step ({s['steps']} steps)"
         )
     if p.get("disk_tier"):
         lines.append(

@@ -7,7 +7,9 @@ by one (batch 1) and together (a left-padded batch), and the verdict. Does not: 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +84,10 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     torch_dtype = resolve_dtype(dtype, config)
     fmt = format_for_config(config)
     kwargs = dict(dtype=torch_dtype, experts_implementation=experts_implementation)
-    load = lambda p: AutoModelForCausalLM.from_pretrained(p, **kwargs, **fmt.reference_kwargs())  # noqa: E731
+
+    def load(p):
+        with fused_expert_targets_quiet(p):
+            return AutoModelForCausalLM.from_pretrained(p, **kwargs, **fmt.reference_kwargs())
     try:
         model, choice = choose_reference(path, quantization_config_of(config), load=load,
                                          load_dense=lambda p: cast_experts(complete(AutoModelForCausalLM.from_pretrained(
@@ -94,6 +99,42 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
                                       f"checkpoint here ({exc}): every expert dequantized by pagedexperts' format")
     return model.to(device).eval(), choice
 
+
+class _FusedExpertTargets(logging.Filter):
+    """Drops compressed-tensors' "Could not match `T` in instance of ..." WARNING where T names
+    per-expert modules of the checkpoint (``expert_modules``): transformers 5 fuses those into
+    stacked experts tensors, so no module of that name exists to match, and it decompresses them
+    through its own weight conversion (which ``reference.choose_reference`` cross-checks against
+    compressed-tensors). A target that matches nothing in the checkpoint either still warns."""
+
+    def __init__(self, expert_modules: list[str]) -> None:
+        super().__init__()
+        self.expert_modules = expert_modules
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from compressed_tensors.utils.match import match_name
+
+        found = re.match(r"Could not match `(.+)` in instance of ", record.getMessage())
+        return found is None or not any(match_name(name, found.group(1)) for name in self.expert_modules)
+
+
+@contextlib.contextmanager
+def fused_expert_targets_quiet(path):
+    """While transformers loads checkpoint ``path``: compressed-tensors' expected "Could not
+    match" WARNING for routed-expert targets is dropped (``_FusedExpertTargets``), nothing else."""
+    from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
+
+    names = {key.rpartition(".")[0] for f in checkpoint_files(path) for key in read_header_json(f)[0]
+             if _PER_EXPERT_MODULE.search(key)}
+    quiet, target = _FusedExpertTargets(sorted(names)), logging.getLogger("compressed_tensors.utils.match")
+    target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        target.removeFilter(quiet)
+
+
+_PER_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.[^.]+\.[^.]+$")  # experts.{j}.{proj}.{tensor}
 
 # Formats whose transformers loader needs GPU kernel packages (gptqmodel + optimum) absent here.
 KERNEL_ONLY_FORMATS = ("gptq", "awq")
