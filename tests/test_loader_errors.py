@@ -153,9 +153,9 @@ def test_missing_tokenizer_json_is_named_before_the_weights_load(tmp_path, no_mo
     with pytest.raises(FileNotFoundError) as info:
         pagedexperts.load_model(path)
     message = str(info.value)
-    assert message.startswith(f"{path} has tokenizer_config.json but no tokenizer.json, and transformers cannot "
-                              "build the tokenizer without it (")
-    assert message.endswith("); copy tokenizer.json from the source model into the directory (--model-path)")
+    assert message == (f"{path} has tokenizer_config.json but no tokenizer.json, and transformers cannot build the "
+                       f"tokenizer without it (transformers raised {type(info.value.__cause__).__name__}); copy "
+                       "tokenizer.json from the source model into the directory (--model-path)")
     assert "sentencepiece" not in message
 
 

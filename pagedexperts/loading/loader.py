@@ -184,5 +184,5 @@ def _load_tokenizer(path: Path):
             raise
         raise FileNotFoundError(
             f"{path} has tokenizer_config.json but no tokenizer.json, and transformers cannot build the "
-            f"tokenizer without it ({str(exc).splitlines()[0].strip()}); copy tokenizer.json from the source "
+            f"tokenizer without it (transformers raised {type(exc).__name__}); copy tokenizer.json from the source "
             "model into the directory (--model-path)") from exc
