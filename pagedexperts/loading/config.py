@@ -150,7 +150,7 @@ def graph_problems(cfg: PagingConfig, decide: str) -> list[str]:
     """Why decode steps of ``cfg`` with paged steps planned by ``decide`` ("auto" not yet
     resolved counts as possible) cannot be captured in a CUDA graph, each naming its flag; []
     if they can. The experts implementation is checked per captured step
-    (``generation.graphs``: grouped_mm syncs outside bf16 on CUDA)."""
+    (``generation.graphs``: grouped_mm syncs outside bf16 on compute capability 9.x / 10.x)."""
     problems = []
     if device_problem(cfg.device) is None and torch.device(cfg.device).type != "cuda":
         problems.append(f"--cuda-graphs needs a CUDA device, not --device {cfg.device}; drop --cuda-graphs "
