@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from conftest import assert_same  # noqa: E402
-from pagedexperts.residency.policies import LFUPolicy, LRUPolicy  # noqa: E402
+from pagedexperts.residency.eviction import LFUPolicy, LRUPolicy  # noqa: E402
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec  # noqa: E402
 from pagedexperts.formats.fp8 import Fp8BlockFormat, dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 from pagedexperts.formats.slots import DenseSlots, WaveDequantizer, allocate  # noqa: E402

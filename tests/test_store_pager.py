@@ -19,7 +19,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from conftest import assert_same, tiny_config
 from pagedexperts.models.sites import per_expert_specs
 from pagedexperts.paging.host_executor import INNER_IMPLEMENTATIONS, HostPlannedExecutor, resolve_inner
-from pagedexperts.residency.policy import EMPTY
+from pagedexperts.residency.eviction import EMPTY, LRUPolicy
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.slots import PackedSlots
 from pagedexperts.storage.host_store import HostExpertStore
@@ -51,12 +51,14 @@ def synthetic_experts(dtype=torch.float32, *, seed: int = 0, scale_buffer: bool 
 
 
 def paged(module: torch.nn.Module, num_slots: int, inner: str = "grouped_mm") -> HostPlannedExecutor:
-    """A pager over a store filled from ``module``'s own [E, ...] tensors."""
+    """A pager over a store filled from ``module``'s own [E, ...] tensors, LRU (the scripted
+    sequences are counted by hand under LRU)."""
     specs = per_expert_specs(module, "experts")
     store = HostExpertStore(list(specs), int(module.num_experts), pin=False)
     for spec in specs:
         store.tensors[spec.name].copy_(getattr(module, spec.name).detach())
-    return HostPlannedExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner)
+    return HostPlannedExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner,
+                               policy=LRUPolicy(num_slots))
 
 
 def unpaged(module, inner, hidden, ids, weights) -> torch.Tensor:

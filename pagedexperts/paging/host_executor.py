@@ -36,7 +36,7 @@ from pagedexperts.paging.runner import PagedExecutor
 from pagedexperts.paging.transfer import SlotTransfers, StepRead, read_step
 from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS, check_inner, step_entries
 from pagedexperts.residency.planner import Residency, StepPlan
-from pagedexperts.residency.policy import EvictionPolicy
+from pagedexperts.residency.eviction import EvictionPolicy
 
 
 def routed_union(ids_host: torch.Tensor) -> list[int]:
@@ -93,7 +93,8 @@ class HostPlannedExecutor(PagedExecutor):
         num_slots: K, 1 <= K <= E (checked by ``Residency``).
         device: where the slot tensors live and the experts are computed.
         inner: name of the experts implementation used on the slots (INNER_IMPLEMENTATIONS).
-        policy: eviction policy over K slots (default LRU).
+        policy: eviction policy over K slots; None: the ``Residency`` default, LFU with aging
+            (``--policy``'s default, ``residency.policies.DEFAULT_POLICY``).
         copy_stream: CUDA stream for page-ins (None on CPU).
         slots: the [K, ...] slot table, when a quantized format needs one other than the
             store's packed tensors (``formats.slots.DenseSlots``); None = allocate them like
