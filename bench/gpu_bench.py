@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import gpu_decode  # noqa: E402  (this folder: the decode_host phase)
 from pagedexperts.loading import build as build_module, runners
-from pagedexperts.paging.host_executor import HostPlannedExecutor  # noqa: E402
+from pagedexperts.paging.host_executor import HostExecutor  # noqa: E402
 
 REAL = dict(  # Qwen3-30B-A3B config.json (published), except the layer count
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -128,12 +128,12 @@ def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
     site, store = rt.sites[0], rt.stores[rt.sites[0].name]
     k, e = rt.top_k, rt.num_experts
     dev = torch.device(args.device)
-    pager = HostPlannedExecutor(layer=site.layer, store=store, num_slots=args.ks[0], device=dev, inner="grouped_mm",
+    pager = HostExecutor(layer=site.layer, store=store, num_slots=args.ks[0], device=dev, inner="grouped_mm",
                         copy_stream=torch.cuda.Stream(dev) if dev.type == "cuda" else None)
     hidden = torch.randn(1, site.module.hidden_dim, dtype=store.specs[0].dtype, device=dev)
     weights = torch.full((1, k), 1.0 / k, dtype=hidden.dtype, device=dev)
     hot = list(range(k))
-    pager(site.module, hidden, torch.tensor([hot], device=dev), weights)  # make `hot` resident
+    pager.step(site.module, hidden, torch.tensor([hot], device=dev), weights)  # make `hot` resident
     cold = [x for x in range(e) if x not in hot]
     out, c = [], 0
     for m in sorted({0, 1, 2, 4, min(8, k)}):
@@ -146,10 +146,10 @@ def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
             ids = torch.tensor([chosen], device=dev)
             sync(dev)
             t0 = time.perf_counter()
-            pager(site.module, hidden, ids, weights)
+            pager.step(site.module, hidden, ids, weights)
             sync(dev)
             times.append(time.perf_counter() - t0)
-            pager(site.module, hidden, torch.tensor([hot], device=dev), weights)  # hot back in
+            pager.step(site.module, hidden, torch.tensor([hot], device=dev), weights)  # hot back in
         floor = m * store.expert_bytes / (link_gbps * 1e9) if link_gbps else None
         out.append(dict(misses=m, layer_step_s=statistics.median(times), link_floor_s=floor))
         print(f"  m={m}: {1e6 * out[-1]['layer_step_s']:8.1f} us/layer-step"

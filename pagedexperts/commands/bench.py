@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pagedexperts.commands.common import add_decide_argument
 from pagedexperts.models.config import RUN_DTYPE_BYTES
-from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS
+from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def _na(value, fmt: str) -> str:
 
 
 def markdown_table(report, concurrency) -> str:
-    """A ``bench.BenchRun`` as a markdown table (one row per mode / K): medians over rounds, spreads
+    """A ``tools.bench.BenchRun`` as a markdown table (one row per mode / K): medians over rounds, spreads
     as [min-max]; "n/a" where a mode counts nothing (plain, resident) or there is no plain row."""
     head = ["mode", "K", "TTFT short p50 ms", "TTFT long p50 ms", "decode tok/s (wall)",
             "wall ms/token", "CPU ms/token", "wall time/token vs plain", "CPU time/token vs plain"]
