@@ -65,7 +65,7 @@ def load_reference(model_path, *, device: str, dtype: str | None, experts_implem
 
 
 def load_reference_with_choice(model_path, *, device: str, dtype: str | None, experts_implementation: str):
-    """``load_reference`` and the ``formats.reference.ReferenceChoice`` saying which reference
+    """``load_reference`` and the ``tools.reference.ReferenceChoice`` saying which reference
     it is and why (a checkpoint whose format library decompresses it: transformers' loading
     only where it equals the library's on a sample of experts)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,6 +1,6 @@
 """Decide: one step's residency decision of one MoE layer, on the device, fixed shapes, no sync.
 
-Owns the decision rule of ``residency.Residency`` + ``eviction`` (LRU, and LFU with aging)
+Owns the decision rule of ``residency.planner.Residency`` + ``residency.eviction`` (LRU, and LFU with aging)
 restated over device tensors: from the step's top-k ids [T, k] it updates the slot map and the
 policy state in place and writes the page-in plan of every wave (src, dst, count) and each
 routed expert's slot and wave. Two functions of identical semantics: ``decide_reference``
@@ -8,7 +8,7 @@ routed expert's slot and wave. Two functions of identical semantics: ``decide_re
 ``TRITON_INTERPRET=1``). Does not: copy bytes (``page_in``), remap ids (``remap``) or own the
 state's lifetime (``device_residency``).
 
-The rule, step by step, as ``Residency.plan`` makes it (read off residency.py / eviction.py):
+The rule, step by step, as ``Residency.plan`` makes it (read off residency/planner.py and residency/eviction.py):
 1. union = distinct routed ids. LFU ``on_step``: steps += 1; every ``half_life`` steps all
    counts are halved (floor) first; then count[e] += 1 for each e in the union.
 2. hits = union experts resident at the step's start; misses the rest. Both in ascending id.
@@ -96,7 +96,7 @@ class DecidePlan:
 @dataclass(frozen=True)
 class DecideRule:
     """The eviction rule of a decide: ``use_count`` False = LRU, True = LFU with aging every
-    ``half_life`` steps (0: never), as ``eviction.LRUPolicy`` / ``eviction.LFUPolicy``."""
+    ``half_life`` steps (0: never), as ``residency.eviction.LRUPolicy`` / ``LFUPolicy``."""
 
     use_count: bool
     half_life: int = 0
