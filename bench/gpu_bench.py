@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import gpu_decode  # noqa: E402  (this folder: the decode_host phase)
-from pagedexperts.loading import build as build_module, runners
+from pagedexperts.loading import build as build_module, runners  # noqa: E402
 from pagedexperts.paging.host_executor import HostExecutor  # noqa: E402
 
 REAL = dict(  # Qwen3-30B-A3B config.json (published), except the layer count

@@ -39,7 +39,7 @@ from pagedexperts.stats.accounting import LayerStats  # noqa: E402
 from pagedexperts.storage.host_store import HostExpertStore  # noqa: E402
 from pagedexperts.storage.host_tier import TieredExpertStore  # noqa: E402
 from pagedexperts.paging.waves import GroupedStep  # noqa: E402
-from test_store_pager import E, H, I, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
+from test_store_pager import E, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parents[1] / "pagedexperts" / "data" / "tiny-qwen3-moe"
 HOST_POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}

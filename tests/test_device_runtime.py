@@ -13,17 +13,14 @@ Legend: E experts, k top_k, K slots, T tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
-from conftest import E, PAD_ID, TOP_K
+from conftest import PAD_ID, TOP_K
 from pagedexperts import load_model
 from pagedexperts.cli import main
-from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.generation.generate import generate_text
 from pagedexperts.loading import config as loading_config
 from pagedexperts.loading.config import ConfigError, PagingConfig, check_config
 from pagedexperts.paging.device_executor import DeviceExecutor

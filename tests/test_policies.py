@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from pagedexperts.residency import planner, policies
 from pagedexperts.residency.planner import Residency
 from pagedexperts.residency.eviction import FrequencyLRUPolicy, LFUPolicy, LRUPolicy
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES, AdaptivePolicy, make_policy

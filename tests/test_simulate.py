@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from pagedexperts.residency import planner, policies
+from pagedexperts.residency import planner
 from pagedexperts.residency.eviction import EvictionPolicy, LRUPolicy
 from pagedexperts.analysis import simulate as sim
 from pagedexperts.cli import main

@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
     m.add_argument("--mode", default="plain,resident,paged,offload,cpu-experts",
                    help="comma-separated modes (default: all five); ratios need plain")
     m.add_argument("--num-resident", default="", metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")
-    m.add_argument("--cpu-expert-layers", type=int, default=None, metavar="N", help="MoE layers computed on the CPU in cpu-experts mode, 1 to the model's MoE layers (default: half)")
+    m.add_argument("--cpu-expert-layers", type=int, default=None, metavar="N",
+                   help="MoE layers computed on the CPU in cpu-experts mode, 1 to the model's MoE layers (default: half)")
     w = p.add_argument_group("workload")
     w.add_argument("--prompts", default=None, help="JSON lines (prompt / turns / question) or ShareGPT JSON (default: built-in prompts)")
     w.add_argument("--num-prompts", type=int, default=4)

@@ -3,7 +3,8 @@
 Owns: the ``ExpertStore`` contract (what a layer-step executor, the loader's fill and the
 runtime ask of any store: rows into a slot, the device-side gather of a device-planned step,
 read-ahead, counters; the disk tier's
-``storage.host_tier.TieredExpertStore`` implements it too), and ``HostExpertStore``: one host allocation per per-expert tensor of the layer, shaped [E, ...] (on a CUDA
+``storage.host_tier.TieredExpertStore`` implements it too), and ``HostExpertStore``: one host
+allocation per per-expert tensor of the layer, shaped [E, ...] (on a CUDA
 host: plain memory of exactly E x row bytes, then page-locked in place with
 ``cudaHostRegister`` and unregistered on ``release``; plain memory on CPU), and byte movement
 from a store row into a device slot (non-blocking on a copy stream on CUDA), or from the rows a

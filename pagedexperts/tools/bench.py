@@ -28,7 +28,6 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import torch

@@ -54,11 +54,7 @@ class CheckResult:
 def load_reference(model_path, *, device: str, dtype: str | None, experts_implementation: str):
     """The unpaged model: plain from_pretrained, all experts resident (a quantized checkpoint:
     transformers' own dequantized build, the same on CPU and GPU, ``ExpertFormat.reference_kwargs``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pagedexperts.formats import format_for_config
-    from pagedexperts.loading.config import resolve_dtype
-    from pagedexperts.loading.loader import bundled_model_path
 
     return load_reference_with_choice(model_path, device=device, dtype=dtype,
                                       experts_implementation=experts_implementation)[0]
