@@ -1,4 +1,5 @@
-"""OpenAI response bodies: completions and chat, whole and as server-sent-event chunks.
+"""OpenAI response bodies of completions and chat, whole and as server-sent-event chunks (the
+Responses API's are ``responses_api``'s).
 
 Owns: the JSON shape of choices, usage and logprobs (completions' ``tokens`` /
 ``token_logprobs`` / ``top_logprobs`` / ``text_offset``; chat's ``content`` list of
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from pagedexperts.serving.sampling import TokenLogprob
+from pagedexperts.engine.sampling import TokenLogprob
 
 
 @dataclass
@@ -29,8 +30,9 @@ class Choice:
 
 
 def sse(payload) -> str:
-    """One server-sent event: ``data: <json>`` (or a literal such as ``[DONE]``) and a blank line."""
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+    """One server-sent event: ``data: <json>`` (or a literal such as ``[DONE]``) and a blank line.
+    Raises ValueError for a NaN or infinity in ``payload`` (not JSON; never sent)."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, allow_nan=False)}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
