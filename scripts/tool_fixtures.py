@@ -35,9 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "tool_quantize.py"
 EXPERTS_ONLY = ["--experts-only"]
-# AWQ (AutoRound's auto_awq export and GPTQModel's AWQ) and compressed-tensors (AutoRound's llm_compressor export) refuse a group size that does not divide
-# in_features ("Expected in_features (32) to be divisible by group_size (128)"): the largest
-# that divides the tiny models' 32 (the bundled model's down_proj: 64).
+# AWQ (AutoRound's auto_awq export and GPTQModel's AWQ) and compressed-tensors (AutoRound's
+# llm_compressor export) refuse a group size that does not divide in_features ("Expected
+# in_features (32) to be divisible by group_size (128)"): the largest that divides the tiny
+# models' 32 (the bundled model's down_proj: 64).
 AWQ_TINY = ["--group-size", "32"]
 
 # name -> (tool, family, arguments). "whole": the tool's default recipe (attention quantized).

@@ -38,7 +38,7 @@ from typing import Mapping
 
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
 from pagedexperts.formats.gptq_dynamic import IntArgs, dynamic_override, expert_args, module_args
 
 SCALE_DTYPE = torch.float16  # GPTQ checkpoints store float16 scales
