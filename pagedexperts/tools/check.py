@@ -67,8 +67,10 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     only where it equals the library's on a sample of experts)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pagedexperts.formats import format_for_config, quantization_config_of
-    from pagedexperts.tools.reference import ReferenceChoice, cast_experts, choose_reference, complete
+    from pagedexperts.formats import quantization_config_of
+    from pagedexperts.loading.checkpoint import format_for_checkpoint
+    from pagedexperts.storage.safetensors_files import checkpoint_files
+    from pagedexperts.tools.reference import ReferenceChoice, cast_experts, choose_reference, complete, expert_parameters
     from pagedexperts.loading.config import resolve_dtype
     from pagedexperts.loading.bundled import bundled_model_path
     from pagedexperts.models.config import with_modelopt_quantization
@@ -76,16 +78,29 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     path = model_path or bundled_model_path()
     config = with_modelopt_quantization(AutoConfig.from_pretrained(path), path)
     torch_dtype = resolve_dtype(dtype, config)
-    fmt = format_for_config(config)
+    fmt = format_for_checkpoint(config, checkpoint_files(path))  # scales' dtypes as stored (AutoRound: float16)
     kwargs = dict(dtype=torch_dtype, experts_implementation=experts_implementation)
 
     def load(p):
         with fused_expert_targets_quiet(p):
             return AutoModelForCausalLM.from_pretrained(p, **kwargs, **fmt.reference_kwargs())
+    def load_dense(p):
+        """The library's dense model at the run dtype, its experts in the format's experts dtype
+        read from the decompressed files at that dtype (AutoRound's float16 experts under a
+        bfloat16 run: a cast through bfloat16 would round them twice)."""
+        dense = lambda dtype: complete(AutoModelForCausalLM.from_pretrained(  # noqa: E731
+            p, output_loading_info=True, **{**kwargs, "dtype": dtype}), p)
+        model, experts_dtype = dense(torch_dtype), fmt.experts_dtype(torch_dtype)
+        if experts_dtype == torch_dtype:
+            return model
+        exact = expert_parameters(dense(experts_dtype))
+        for name, param in expert_parameters(model).items():
+            param.data = exact[name].data if param.is_floating_point() else param.data
+        return cast_experts(model, experts_dtype)
+
     try:
         model, choice = choose_reference(path, quantization_config_of(config), load=load,
-                                         load_dense=lambda p: cast_experts(complete(AutoModelForCausalLM.from_pretrained(
-                                             p, output_loading_info=True, **kwargs), p), fmt.experts_dtype(torch_dtype)))
+                                         load_dense=load_dense)
     except ImportError as exc:
         model = _resident_reference(path, fmt, exc, device=device, dtype=dtype,
                                     experts_implementation=experts_implementation)
