@@ -137,6 +137,19 @@ def top1(path: Path, src: Path) -> str:
     return f"{agree:.3f}"
 
 
+HEADER = """# Checkpoints the quantization tools write
+
+Written by `scripts/tools_table.py` (one run, CPU). Tiny random models (tests/data: Qwen3-MoE and
+Mixtral, hidden 32 or 64, 8 routed experts, top-2, 2 layers), so top-1 agreement measures the
+quantization error of a random model, not of a trained one. `check`: paging vs its unpaged
+reference, `torch.equal` of every logit, at the dtype the tool wrote; the reference is
+transformers' loading where it is right, compressed-tensors' decompression where transformers'
+is not (and says why), the resident model dequantized by pagedexperts where transformers cannot
+load the format here (GPTQ/AWQ/AutoRound need gptqmodel / auto-round).
+
+"""
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="also write the table to this file")
@@ -160,7 +173,7 @@ def main(argv=None) -> None:
     table = "\n".join(rows) + "\n"
     print(table)
     if args.out:
-        args.out.write_text(table)
+        args.out.write_text(HEADER + table)
 
 
 if __name__ == "__main__":
