@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import pagedexperts
-from conftest import E, PAD_ID, TOP_K, VOCAB, copy_dir
+from conftest import E, PAD_ID, TOP_K, VOCAB, copy_dir, greedy_logits
 from pagedexperts.storage.host_memory import plan_host_memory
 from pagedexperts.formats.slots import PackedSlots
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
@@ -46,13 +46,6 @@ def prompts(batch: int, length: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     if batch > 1:
         ids[0, :3], mask[0, :3] = PAD_ID, 0  # left padding on the first row
     return ids, mask
-
-
-@torch.no_grad()
-def greedy_logits(model, ids, mask, steps: int = 6) -> torch.Tensor:
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
-                         min_new_tokens=steps, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD_ID)
-    return torch.stack(out.logits)
 
 
 @pytest.mark.parametrize("layout", ["per-expert", "stacked", "sharded"])

@@ -62,18 +62,12 @@ def top_k_dirs(tmp_path_factory):
     return get
 
 
-def reference_of(path, impl: str, dtype: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, experts_implementation=impl, dtype=getattr(torch, dtype)).eval()
-
-
 @pytest.mark.parametrize("top_k", [2, 4, 8])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_every_top_k_every_implementation(top_k_dirs, impl, top_k, threads):
+def test_every_top_k_every_implementation(top_k_dirs, reference_model, impl, top_k, threads):
     """K = top_k (every prefill step multi-wave): a padded batch forward and a batched greedy run."""
     path = top_k_dirs(top_k)
-    ref = reference_of(path, impl, "float32")
+    ref = reference_model(path, "float32", impl)
     paged, _ = pagedexperts.load_model(path, num_resident=top_k, experts_implementation=impl, dtype="float32")
     ids, mask = left_padded(rows([12, 5, 9]), PAD_ID)
     with torch.no_grad():
@@ -85,9 +79,9 @@ def test_every_top_k_every_implementation(top_k_dirs, impl, top_k, threads):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_batched_greedy_generate_left_padded(tiny_moe_dir, impl, dtype, threads):
+def test_batched_greedy_generate_left_padded(tiny_moe_dir, reference_model, impl, dtype, threads):
     """B = 4 left-padded prompts, 8 greedy steps: every decode step is a [4, 1] batch."""
-    ref = reference_of(tiny_moe_dir, impl, dtype)
+    ref = reference_model(tiny_moe_dir, dtype, impl)
     for k in (2, E // 2):
         paged, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=k, experts_implementation=impl, dtype=dtype)
         ids, mask = left_padded(rows([12, 3, 9, 6], seed=5), PAD_ID)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import E, HIDDEN, MOE_INTERMEDIATE, TOP_K
+from conftest import E, HIDDEN, MOE_INTERMEDIATE, TOP_K, assert_same, greedy_logits
 from pagedexperts.loading.loader import load_model
 from pagedexperts.loading.runners import repage
 
@@ -23,17 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPERT_BYTES_F32 = 3 * MOE_INTERMEDIATE * HIDDEN * 4  # gate, up [I, H] and down [H, I], float32
 
 
-def greedy(model, ids, steps=6):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
-                         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences, torch.stack(out.logits)
-
-
 @pytest.fixture(scope="module")
-def reference(tiny_moe_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
+def reference(reference_model):
+    return reference_model()
 
 
 @pytest.mark.parametrize("mode,extra", [("resident", {}), ("offload", {}), ("cpu-experts", {"cpu_expert_layers": 1}),
@@ -41,11 +33,7 @@ def reference(tiny_moe_dir):
 def test_every_mode_equals_the_unpaged_model(tiny_moe_dir, reference, mode, extra):
     model, _ = load_model(tiny_moe_dir, mode=mode, **extra)
     ids = torch.tensor([[5, 9, 17, 33, 2, 77, 41]])
-    with torch.no_grad():
-        seq_ref, logits_ref = greedy(reference, ids)
-        seq, logits = greedy(model, ids)
-    assert torch.equal(seq, seq_ref)
-    assert torch.equal(logits, logits_ref), f"max |diff| {(logits - logits_ref).abs().max()}"
+    assert_same(greedy_logits(model, ids), greedy_logits(reference, ids), f"{mode} greedy logits")  # so tokens too
 
 
 def test_offload_copies_every_expert_every_step(tiny_moe_dir):

@@ -26,6 +26,7 @@ import torch
 import pagedexperts
 from pagedexperts import load_model
 from pagedexperts.formats.slots import PackedSlots
+from conftest import greedy_logits
 from quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
 from test_families import E, TOP_K, VOCAB, build_model, save_char_tokenizer
 
@@ -123,13 +124,6 @@ def test_tier_logits_equal_the_full_store(quantized, name, slot_format, threads)
     totals = tiered.pagedexperts.stats().as_dict()
     assert totals["disk_reads"] > 0
     assert totals["disk_bytes_read"] == totals["disk_reads"] * tiered.pagedexperts.expert_bytes
-
-
-@torch.no_grad()
-def greedy_logits(model, ids, mask, steps: int = 6) -> torch.Tensor:
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
-                         min_new_tokens=steps, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return torch.stack(out.logits).float()
 
 
 @pytest.mark.parametrize("slot_format, culprit", [("packed", r"from a packed tensor 'gate_up_proj_scale_inv'"),
