@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedexperts.commands.common import add_model_arguments
+from pagedexperts.commands.common import add_model_arguments, apply_threads, print_host_memory
 
 
 def add_parser(sub) -> None:
@@ -71,6 +71,7 @@ def run(args) -> int:
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    apply_threads(args)
     path, config, _ = read_checkpoint_config(args.model_path)
     if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads
         raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
@@ -91,6 +92,7 @@ def run(args) -> int:
     ok = True
     for k in ks:
         paged, tokenizer = load_model(args.model_path, num_resident=k, **options)
+        print_host_memory(paged)
         res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
         print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide))
         ok &= res.passed

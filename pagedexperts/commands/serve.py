@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedexperts.commands.common import add_model_arguments, check_paging_flags, load_from_args
+from pagedexperts.commands.common import add_model_arguments, apply_threads, check_paging_flags, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # = serving.scheduler_config.DEFAULT_MAX_PREFILL_TOKENS (not imported: building --help loads no serving module)
@@ -80,6 +80,7 @@ def run(args) -> int:
     _check_flags(args)
     speculative = speculative_from_args(args)
     check_paging_flags(args)
+    apply_threads(args)
     _check_checkpoint(args)  # after every flag-only check: this is the first read of --model-path
     model, tokenizer = load_from_args(args)
     if tokenizer is None:

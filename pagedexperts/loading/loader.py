@@ -82,11 +82,13 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             and compare what the experts kernel would read with the checkpoint's own tensors
             of that expert (``loading.independence``); raises naming the tensor on a mismatch.
             With the disk tier, the predictions are also read ahead from disk.
-        host_memory_gb: G, host memory in GB (1e9 bytes) for the expert store. When all E
-            experts of every layer do not fit in G, each layer keeps R host rows and reads the
-            other experts from the checkpoint files on demand (the disk tier; mode "paged"
-            only). None: what is available after the slots (CPU device), the non-expert
-            weights (CPU device) and a KV estimate (CPU device).
+        host_memory_gb: G, host memory in GB (1e9 bytes) for everything the process holds
+            (``storage.host_memory.HostMemoryPlan``): the expert store, the slots, non-expert
+            weights and a KV estimate on a CPU device, and the runtime allowance. When all E
+            experts of every layer do not fit in what is left for the store, each layer keeps
+            R host rows and reads the other experts from the checkpoint files on demand (the
+            disk tier; mode "paged" only). None: the available memory (the smaller of the
+            machine's and the memory cgroup's).
 
     Returns:
         (model, tokenizer): a transformers causal LM usable with ``generate()``, with
