@@ -254,14 +254,17 @@ def test_generate_reports_disk_reads_in_the_stats_json(tmp_path):
     assert paging["disk_bytes_read"] == paging["disk_reads"] * expert_bytes
 
 
+@pytest.mark.parametrize("read_ahead", [False, True])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_runtime_host_counters_equal_the_two_level_simulator(tiny_moe_dir, tmp_path, policy):
+def test_runtime_host_counters_equal_the_two_level_simulator(tiny_moe_dir, tmp_path, policy, read_ahead):
+    """The simulator has no read-ahead: with it on (the default), the same host decisions, and the
+    disk reads of the simulator plus the read-aheads that were not used."""
     from pagedexperts.analysis import simulate as sim
     from pagedexperts.analysis.trace import load_trace
     from test_runtime_vs_simulator import run_recorded
 
     model = run_recorded(tiny_moe_dir, tmp_path / "t.npz", policy=policy, num_resident=TOP_K, dtype="float32",
-                         host_memory_gb=budget_gb(R, tiny_moe_dir))
+                         host_memory_gb=budget_gb(R, tiny_moe_dir), read_ahead=read_ahead)
     rt = model.pagedexperts
     trace = load_trace(tmp_path / "t.npz", num_experts=E, top_k=TOP_K)
     everything, _ = sim.replay(sim.recorded_steps(trace), num_experts=E, num_resident=TOP_K, policy=policy,
@@ -270,7 +273,10 @@ def test_runtime_host_counters_equal_the_two_level_simulator(tiny_moe_dir, tmp_p
     assert sorted(got.tiers) == sorted(everything.tiers)
     for layer, t in got.tiers.items():
         s = everything.tiers[layer]
-        assert (t.host_hits, t.host_misses, t.disk_bytes_read) == (s.host_hits, s.host_misses, s.disk_bytes_read), layer
+        assert (t.host_hits, t.host_misses) == (s.host_hits, s.host_misses), layer
+        unused = t.read_ahead_issued - t.read_ahead_used  # read, never taken
+        assert t.read_ahead_used <= t.read_ahead_issued and (t.read_ahead_issued > 0) == (read_ahead and layer > 0)
+        assert t.disk_bytes_read - unused * rt.expert_bytes == s.disk_bytes_read, layer
         assert t.host_hits + t.host_misses == got.layers[layer].misses  # every device page-in asks the host
     assert sum(t.host_hits for t in got.tiers.values()) > 0
 

@@ -80,7 +80,8 @@ def run(args) -> int:
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
     options = dict(device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation,
                    policy=args.policy, slot_format=args.slot_format, prefetch=args.prefetch,
-                   prefetch_budget=args.prefetch_budget, host_memory_gb=args.host_memory_gb, decide=args.decide)
+                   prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
+                   decide=args.decide)
     for k in ks:  # every problem of the options, at once, before the reference loads
         check_config(PagingConfig(num_resident=k, **options), config, format_for_config(config))
     check_experts_dtype(format_for_config(config), resolve_dtype(args.dtype, config), args.experts_implementation)

@@ -42,6 +42,9 @@ def add_model_arguments(parser) -> None:
     )
     g.add_argument("--prefetch-budget", type=int, default=None, metavar="N",
                    help="prefetch page-ins per layer per step at most (default: top_k)")
+    g.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
+                   help="with the disk tier (--host-memory-gb), do not read the next layer's predicted experts "
+                   "from disk while a layer computes (read-ahead is on by default there; it pages nothing in)")
     g.add_argument(
         "--slot-format",
         default=DEFAULT_SLOT_FORMAT,
@@ -168,6 +171,7 @@ def paging_options(args) -> dict:
         policy=args.policy,
         prefetch=getattr(args, "prefetch", False),
         prefetch_budget=getattr(args, "prefetch_budget", None),
+        read_ahead=getattr(args, "read_ahead", True),
         slot_format=getattr(args, "slot_format", DEFAULT_SLOT_FORMAT),
         host_memory_gb=getattr(args, "host_memory_gb", None),
         decide=decide_for(args),

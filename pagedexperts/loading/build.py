@@ -118,7 +118,7 @@ def _make_stores(runtime: PagingRuntime, dev: torch.device) -> dict:
     memory, cfg, pin = runtime.host_memory, runtime.config, dev.type == "cuda"
     if memory.disk_tier:
         specs0 = list(runtime.layouts[runtime.sites[0].name].packed_specs)
-        runtime.read_ahead = ReadAhead(specs0, num_buffers=memory.staging_bytes // memory.expert_bytes)
+        runtime.read_ahead = ReadAhead(specs0, num_buffers=memory.staging_bytes // memory.expert_bytes, pin=pin)
     stores = {}
     for site in runtime.sites:
         specs = list(runtime.layouts[site.name].packed_specs)

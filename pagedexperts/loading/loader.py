@@ -58,6 +58,10 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         prefetch: mode "paged" only: while layer l computes, page in layer l+1's experts as
             predicted by layer l+1's router on layer l's input (``pagedexperts.paging.prefetch``).
         prefetch_budget: prefetch page-ins per layer per step at most (None = top_k).
+        read_ahead: with the disk tier (see host_memory_gb), read the next layer's predicted
+            experts (its router on this layer's input) from disk into staging rows while this
+            layer computes, without paging them into slots (default True; ``prefetch`` does
+            both). No effect without the disk tier.
         slot_format: for a quantized checkpoint, what the K slots hold: "packed" (what a
             page-in copies; each wave's experts dequantized before compute), "dense"
             (dequantized once at page-in) or "auto" (dense on CPU, packed on CUDA; see
@@ -119,8 +123,9 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         check_model_independence(model, files, fmt)
         for store in model.pagedexperts.stores.values():  # the check's samples leave no trace
             store.reset()
-    if cfg.prefetch and cfg.mode == "paged":
-        install_prefetch(model, budget=cfg.prefetch_budget)
+    disk_tier = model.pagedexperts.host_memory.disk_tier
+    if cfg.mode == "paged" and (cfg.prefetch or (disk_tier and cfg.read_ahead)):
+        install_prefetch(model, budget=cfg.prefetch_budget, page_in=cfg.prefetch)
     return model, _load_tokenizer(path)
 
 

@@ -78,6 +78,12 @@ class ExpertStore(ABC):
         """Copy every tensor row of ``expert`` into row ``slot`` of the slot table ``slots``
         (``formats.slots.PackedSlots`` or ``DenseSlots``: their ``write_rows``)."""
 
+    def copy_to_slots(self, loads, slots) -> None:
+        """``copy_to_slot`` of each load (``residency.planner.Load``: ``expert``, ``slot``), in
+        order: one step's page-ins together (the disk tier reads its host misses in parallel)."""
+        for load in loads:
+            self.copy_to_slot(load.expert, load.slot, slots)
+
     @abstractmethod
     def fill_from(self, extents: dict[str, list[list]]) -> list[tuple]:
         """Take the checkpoint's byte ranges of every expert (tensor name -> [E] lists of
