@@ -16,6 +16,7 @@ Subcommands:
                                 its own PYTHONPATH, in a subprocess: two copies of the package
                                 cannot share one process) and from this tree, ``--runs`` times
                                 each, then one table with both
+  (larger than RAM, the disk tier: bench/real_disk.py)
 
 Method. CPU time (``time.process_time``) per decode token, teacher-forced: every mode decodes the
 same token ids (text from ../shared/data/corpus through the bundled tokenizer, or a built-in
@@ -248,14 +249,7 @@ def run(args) -> None:
 
 def compare(args, argv: list[str]) -> None:
     """``run`` from ``args.before`` and from this tree, alternately, ``args.runs`` times each."""
-    skip = {"--before": 2, "--runs": 2}
-    inner, i = [], 0
-    while i < len(argv):
-        if argv[i] in skip:
-            i += skip[argv[i]]
-            continue
-        inner.append(argv[i])
-        i += 1
+    inner = strip_flags(argv, {"--before": 2, "--runs": 2})
     inner[0] = "run"
     trees = {"before": Path(args.before).resolve(), "after": ROOT}
     results = {label: [] for label in trees}
@@ -269,6 +263,18 @@ def compare(args, argv: list[str]) -> None:
             res = json.loads(out.strip().splitlines()[-1])
             results[label].append(res)
             print(table(res, f"{label} ({tree}), run {run_no + 1}"), flush=True)
+
+
+def strip_flags(argv: list[str], flags: dict[str, int]) -> list[str]:
+    """``argv`` without each flag of ``flags`` and its values (flag -> tokens it takes)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in flags:
+            i += flags[argv[i]]
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
