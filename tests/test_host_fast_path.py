@@ -50,12 +50,12 @@ def test_single_wave_decode_reads_the_slots_in_place(tiny_moe_dir, monkeypatch, 
     def trace(layer, step_ids, _weights):
         routed.setdefault(layer, []).append(set(step_ids.flatten().tolist()))
 
-    for runner in paged.pagedexperts.pagers.values():
+    for runner in paged.pagedexperts.runners.values():
         runner.trace_hook = trace
     groups, original = [], moe._grouped_linear
 
     slot_storage = {r.slots[name].untyped_storage().data_ptr()
-                    for r in paged.pagedexperts.pagers.values() for name in r.slots}
+                    for r in paged.pagedexperts.runners.values() for name in r.slots}
 
     def recording(input, weight, offs, bias=None, is_transposed=False):
         in_place = weight.untyped_storage().data_ptr() in slot_storage

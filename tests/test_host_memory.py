@@ -109,7 +109,7 @@ def test_the_budget_covers_every_part_on_a_cpu_device(tiny_moe_dir):
     plan = model.pagedexperts.host_memory
     assert plan.host_rows == 3 and plan.disk_tier
     rt = model.pagedexperts
-    slots = sum(t.numel() * t.element_size() for p in rt.pagers.values() for t in p.slots.values())
+    slots = sum(t.numel() * t.element_size() for p in rt.runners.values() for t in p.slots.values())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = sum(s.host_bytes for s in rt.stores.values())
     assert (plan.slot_bytes_on_host, plan.non_expert_bytes_on_host, plan.store_bytes) == (slots, weights, rows)
