@@ -352,3 +352,36 @@ def test_metrics_export_each_layers_tier_counters(tiny_moe_dir):
     assert sum(t.disk_reads for t in tiers.values()) > 0
     plain, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
     assert list(_tier_metrics(plain.pagedexperts)) == []
+
+
+def _settle(store) -> None:
+    """Wait for every read-ahead in flight."""
+    for future, _ in list(store._ahead.values()):
+        future.result()
+
+
+@pytest.mark.parametrize("used", [False, True])
+def test_read_ahead_pauses_where_it_does_not_pay(tiny_moe_dir, monkeypatch, caplog, used):
+    """Window 4, pause 3 steps: 4 read-aheads of which none is used pause the layer (one WARNING,
+    ``read_ahead_paused`` counts the skipped steps, then it reads ahead again); all used: no pause."""
+    from pagedexperts.storage import host_tier
+
+    monkeypatch.setattr(host_tier, "READ_AHEAD_WINDOW", 4)
+    monkeypatch.setattr(host_tier, "READ_AHEAD_PAUSE", 3)
+    ra = ReadAhead(make_store(tiny_moe_dir).specs, num_buffers=4)
+    store = make_store(tiny_moe_dir, rows=2, read_ahead=ra)
+    slots = slots_for(store)
+    for pair in ([4, 5], [6, 7]):
+        assert store.read_ahead(pair) == 2
+        _settle(store)
+        if used:
+            for slot, expert in enumerate(pair):
+                store.copy_to_slot(expert, slot, slots)
+    t = store.tier_stats
+    assert (t.read_ahead_issued, t.read_ahead_used) == (4, 4 if used else 0)
+    started = [store.read_ahead([8 + i]) for i in range(4)]
+    assert started == ([1, 1, 1, 1] if used else [0, 0, 0, 1])  # paused 3 steps, then tries again
+    assert t.read_ahead_paused == (0 if used else 3)
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "read-ahead paused" in r.getMessage()]
+    assert len(warned) == (0 if used else 1)
+    _settle(store)

@@ -28,6 +28,7 @@ a taken read-ahead exchanges with a staging row.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -43,6 +44,14 @@ from pagedexperts.storage.host_store import ExpertStore, HostExpertStore
 from pagedexperts.storage.safetensors_index import DiskReadError, Extent, read_extent
 
 READ_WORKERS = 4  # on-demand reads in flight at once (a step's host misses, or one expert's extents)
+# Read-ahead pays when most of its reads are used: an unused one costs a read that an on-demand
+# miss would not have made. A layer judges its last READ_AHEAD_WINDOW read-aheads; under
+# READ_AHEAD_MIN_USED of them used, it pauses for READ_AHEAD_PAUSE steps, then tries again.
+READ_AHEAD_WINDOW = 64
+READ_AHEAD_MIN_USED = 0.5
+READ_AHEAD_PAUSE = 256
+
+logger = logging.getLogger(__name__)
 
 
 def physical_rows(store: HostExpertStore) -> list[dict[str, torch.Tensor]]:
@@ -114,6 +123,9 @@ class TieredExpertStore(ExpertStore):
         self._ahead: dict[int, tuple[Future, dict]] = {}
         self._stats_lock = threading.Lock()
         self.failed: DiskReadError | None = None
+        self._window = (0, 0)  # (read_ahead_issued, read_ahead_used) when the window began
+        self._pause_left = 0  # read_ahead calls still skipped
+        self._warned = False
 
     @property
     def host_bytes(self) -> int:
@@ -138,6 +150,7 @@ class TieredExpertStore(ExpertStore):
         self.residency = Residency(self.num_experts, self.host_rows, make_policy(self.residency.policy.name, self.host_rows))
         self._row_expert = [-1] * self.host_rows
         self.tier_stats = TierStats()
+        self._window, self._pause_left = (0, 0), 0
 
     def fill_from(self, extents: dict[str, list[list[Extent]]]) -> list[tuple]:
         """Keep the checkpoint byte ranges of every expert (tensor name -> [E] lists of
@@ -265,9 +278,15 @@ class TieredExpertStore(ExpertStore):
     def read_ahead(self, experts) -> int:
         """Start reading ``experts`` (priority order) that are in no host row into free staging
         rows, in the background. Unused read-aheads of earlier calls are dropped once done.
-        Returns the reads started."""
+        Returns the reads started. A layer whose read-aheads are mostly unused pauses
+        (READ_AHEAD_MIN_USED; a WARNING the first time, ``TierStats.read_ahead_paused`` counts
+        the steps skipped)."""
         ra = self._read_ahead
         if ra is None or self.failed is not None:
+            return 0
+        if self._pause_left > 0:
+            self._pause_left -= 1
+            self.tier_stats.read_ahead_paused += 1
             return 0
         wanted = set(experts)
         for e, (future, buffer) in list(self._ahead.items()):
@@ -285,7 +304,26 @@ class TieredExpertStore(ExpertStore):
             self._ahead[e] = (ra.pool.submit(self._read, e, flat), buffer)
             started += 1
         self.tier_stats.read_ahead_issued += started
+        self._judge_read_ahead()
         return started
+
+    def _judge_read_ahead(self) -> None:
+        """Pause read-ahead for READ_AHEAD_PAUSE steps when fewer than READ_AHEAD_MIN_USED of the
+        last READ_AHEAD_WINDOW were used (a read still in flight counts as unused)."""
+        t = self.tier_stats
+        issued, used = t.read_ahead_issued - self._window[0], t.read_ahead_used - self._window[1]
+        if issued < READ_AHEAD_WINDOW:
+            return
+        self._window = (t.read_ahead_issued, t.read_ahead_used)
+        if used >= READ_AHEAD_MIN_USED * issued:
+            return
+        self._pause_left = READ_AHEAD_PAUSE
+        if not self._warned:
+            self._warned = True
+            logger.warning("layer %d: read-ahead paused for %d steps: %d of its last %d read-aheads were used "
+                           "(under %.0f%%: each unused one is a read that costs disk time); it then tries again "
+                           "(--no-read-ahead turns it off)", self.layer, READ_AHEAD_PAUSE, used, issued,
+                           100 * READ_AHEAD_MIN_USED)
 
     def _holds(self, expert: int) -> bool:
         row = self.residency.slot_of_expert.get(expert)
