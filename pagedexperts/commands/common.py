@@ -44,7 +44,8 @@ def add_model_arguments(parser) -> None:
                    help="prefetch page-ins per layer per step at most (default: top_k)")
     g.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
                    help="with the disk tier (--host-memory-gb), do not read the next layer's predicted experts "
-                   "from disk while a layer computes (read-ahead is on by default there; it pages nothing in)")
+                   "from disk while a layer computes (read-ahead is on by default there, pauses in a layer where under half "
+                   "of it is used, and pages nothing in)")
     g.add_argument(
         "--slot-format",
         default=DEFAULT_SLOT_FORMAT,
