@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pagedexperts.commands import COMMANDS
-from pagedexperts.commands.common import add_model_arguments, check_paging_flags, load_from_args
+from pagedexperts.commands.common import add_model_arguments, apply_threads, check_paging_flags, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 # not imported: building --help loads no engine or serving module
@@ -87,6 +87,7 @@ def run(args) -> int:
     _check_flags(args)
     speculative = speculative_from_args(args)
     check_paging_flags(args)
+    apply_threads(args)
     _check_checkpoint(args)  # after every flag-only check: this is the first read of --model-path
     model, tokenizer = load_from_args(args)
     if tokenizer is None:
