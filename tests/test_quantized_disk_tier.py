@@ -76,9 +76,12 @@ def quantized(tmp_path_factory):
 
 
 def tier_gb(full_model, rows: int = R) -> float:
-    """--host-memory-gb for ``rows`` host rows per layer + the staging of 2 x top_k experts."""
+    """--host-memory-gb for ``rows`` host rows per layer + the staging of 2 x top_k experts, after
+    what the full model's plan counts besides its store (slots, weights, KV, runtime allowance);
+    half an expert against rounding."""
     rt = full_model.pagedexperts
-    return (rows * len(rt.stores) + 2 * TOP_K) * rt.expert_bytes / 1e9
+    experts = rows * len(rt.stores) + 2 * TOP_K
+    return (rt.host_memory.fixed_bytes + experts * rt.expert_bytes + rt.expert_bytes // 2) / 1e9
 
 
 def load_pair(path: Path, **kwargs):
@@ -171,7 +174,8 @@ def test_check_and_generate_on_the_bundled_variant_with_the_tier(fmt, tmp_path, 
     from pagedexperts.cli import main
 
     monkeypatch.setenv("PAGEDEXPERTS_CACHE", str(tmp_path / "cache"))
-    tier = ["--model-path", f"bundled:{fmt}", "--num-resident", "8", "--host-memory-gb", "0.001"]
+    # G = 0.6218 GB: the runtime allowance, slots, weights and KV take 0.6208, leaving ~1 MB of the store
+    tier = ["--model-path", f"bundled:{fmt}", "--num-resident", "8", "--host-memory-gb", "0.6218"]
     for slot_format in ("packed", "dense"):
         rc = main(["check", *tier, "--slot-format", slot_format, "--prompt", "ROMEO:", "--prompt",
                    "The history of the city", "--max-new-tokens", "4"])

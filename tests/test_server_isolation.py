@@ -251,7 +251,7 @@ def _malformed(vocab: int) -> list[tuple[str, bytes | dict]]:
         *((c, {"model": NAME, "prompt": "x", "temperature": t}) for t in (-1, 2.5, "hot")),
         *((c, {"model": NAME, "prompt": "x", "max_tokens": m}) for m in (-1, 0, 10**6)),
         (c, {"model": NAME, "prompt": "x", "logprobs": 21}), (c, {"model": NAME, "prompt": ""}),
-        (c, {"model": NAME, "prompt": "x", "top_k": 3}), (c, {"model": "other", "prompt": "x"}),
+        (c, {"model": NAME, "prompt": "x", "top_k": -3}), (c, {"model": "other", "prompt": "x"}),
         (ch, {"model": NAME, "messages": []}),
         (ch, {"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}),
         (ch, {"model": NAME, "messages": [{"role": "assistant", "content": None,
