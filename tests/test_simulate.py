@@ -231,6 +231,14 @@ def test_cli_bad_inputs(capsys, extra, message):
     assert rc == 2 and message in err
 
 
+def test_cli_trace_that_is_no_file(tmp_path, capsys):
+    """A missing path named the flag nowhere; a directory raised IsADirectoryError (traceback)."""
+    rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path / "none.npz")])
+    assert rc == 2 and f"--trace {tmp_path / 'none.npz'}: no such file" in err
+    rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path)])
+    assert rc == 2 and f"--trace {tmp_path}: a directory, not a trace file" in err
+
+
 def test_cli_empty_and_truncated_trace(tmp_path, capsys):
     (tmp_path / "empty.npz").write_bytes(b"")
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path / "empty.npz")])

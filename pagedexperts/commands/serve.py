@@ -144,3 +144,5 @@ def _check_flags(args) -> None:
     parent = os.path.dirname(args.record_trace) if args.record_trace else ""
     if parent and not os.path.isdir(parent):
         raise ValueError(f"--record-trace {args.record_trace}: directory {parent} does not exist")
+    if args.record_trace and os.path.isdir(args.record_trace):
+        raise ValueError(f"--record-trace {args.record_trace} is a directory; give a file path")

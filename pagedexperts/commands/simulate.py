@@ -65,6 +65,9 @@ def run_simulate(args) -> int:
     if (args.experts is None) != (args.top_k is None):
         raise ValueError("pass both --experts and --top-k to check the trace against a model")
     _check_time_model(args)
+    if not os.path.isfile(args.trace):
+        raise ValueError(f"--trace {args.trace}: " + ("a directory, not a trace file" if os.path.isdir(args.trace)
+                                                      else "no such file"))
     trace = load_trace(args.trace, num_experts=args.experts, top_k=args.top_k)
     e, k = trace.meta.num_experts, trace.meta.top_k
     ks = _int_list(args.num_resident) if args.num_resident else sim.default_num_resident(num_experts=e, top_k=k)
