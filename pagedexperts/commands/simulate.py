@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from pagedexperts.commands import COMMANDS
 from pagedexperts.analysis import simulate as sim
@@ -95,7 +96,8 @@ def run_simulate(args) -> int:
             print()
             print(format_layer_table(rows))
     if args.plot_dir:
-        plot(rows, plot_dir=args.plot_dir, top_k=k)
+        paths = plot(rows, plot_dir=args.plot_dir, top_k=k)
+        print("plots written: " + ", ".join(paths), file=sys.stderr)  # stderr: --json stays one document
     return 0
 
 
