@@ -281,6 +281,9 @@ def test_a_bad_model_path_is_a_clear_error_in_every_loading_command(command, tmp
      (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0, got -1.0"),
      (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist"),
      (["--record-trace", "/tmp"], "--record-trace /tmp is a directory; give a file path"),
+     # an empty key served with no key at all (silently), an empty name fell back to the directory's
+     (["--api-key", ""], "--api-key '' is empty: the server would run with no key"),
+     (["--served-model-name", " "], "--served-model-name ' ' is empty"),
      (["--context-length", "100000"], "--context-length must be in [2, 512] (max_position_embeddings), got 100000")],
 )
 def test_serve_bad_flags_are_refused_before_loading(argv, needle, capsys, monkeypatch):
