@@ -23,6 +23,14 @@ class SchedulerConfig:
     decode forward; ``max_prefill_tokens`` is then the prompt tokens of one step. Without
     it, ``max_prefill_tokens`` is the padded tokens (B x P_max) of one prefill forward; a
     prompt longer than that is prefilled alone, so 1 means one prompt per forward.
+
+    ``static_kv``: the running requests' KV held in place in KV rows, decode steps of fixed
+    shapes per batch bucket (``engine.row_forwards``); False: per-request buffers rebuilt into a
+    batch cache every step (``engine.forwards.DynamicForwards``, the layout before; benchmarks).
+    ``cuda_graphs``: how those decode steps run, "cuda" (captured once per bucket and width,
+    then replayed) or "eager" (the same steps op by op); ``strict_cuda_graphs``: a step that
+    cannot be captured raises (--cuda-graphs) instead of running eagerly with a WARNING;
+    ``cuda_graph_max_batch``: the largest bucket captured (None: every bucket).
     """
 
     max_running_requests: int
@@ -30,6 +38,10 @@ class SchedulerConfig:
     max_queued_requests: int | None = None
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     chunked_prefill: bool = True
+    static_kv: bool = True
+    cuda_graphs: str = "eager"
+    strict_cuda_graphs: bool = False
+    cuda_graph_max_batch: int | None = None
 
 
 class QueueFull(Exception):
