@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedexperts.commands.common import add_model_arguments, check_paging_flags, load_from_args
+from pagedexperts.commands.common import add_graph_arguments, add_model_arguments, check_paging_flags, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # = engine.scheduler_config.DEFAULT_MAX_PREFILL_TOKENS (not imported: building --help loads no engine or serving module)
@@ -48,6 +48,7 @@ def add_parser(sub) -> None:
     b.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill prompts in chunks inside the decode forwards (default on; --no-chunked-prefill "
                    "prefills admitted prompts in forwards of their own, before the step's decode)")
+    add_graph_arguments(p.add_argument_group("CUDA graphs (decode)"))
     add_speculative_arguments(p)
     a = p.add_argument_group("admission")
     a.add_argument("--max-body-bytes", type=int, default=None, metavar="BYTES",

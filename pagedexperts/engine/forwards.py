@@ -152,4 +152,4 @@ class DynamicForwards(StepForwards):
         return logits
 
     def summary(self) -> dict:
-        return dict(super().summary(), fallback_reason=self.reason)
+        return dict(super().summary(), fallback_reason=self.reason, steps=dict(backend="none", reason=self.reason))

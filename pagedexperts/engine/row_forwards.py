@@ -6,10 +6,12 @@ the model's forward over them under a ``row_attention.BatchPlan``) and ``bucket_
 
 - A decode or verification step of requests in rows r_i runs ``RowStep`` (B, W): B the
   smallest bucket > max r_i (1, 2, 4, 8, then multiples of 8, and ``--max-running-requests``),
-  W the widest request's tokens (1, or 1 + its proposals with ``--speculative``). The step is
-  run by ``generation.graphs.DecodeGraphs`` (the StepBackend of ``generate``): on CUDA captured
-  once per (B, W) and replayed, B up to ``--cuda-graph-max-batch`` (default: every bucket);
-  elsewhere (CPU, ``--no-cuda-graphs``) the same step called op by op. Its inputs are loaded
+  W the widest request's tokens (1, or 1 + its proposals with ``--speculative``). A decode
+  step (W = 1) is run by ``generation.graphs.DecodeGraphs`` (the StepBackend of ``generate``):
+  on CUDA captured once per bucket and replayed, B up to ``--cuda-graph-max-batch``; elsewhere
+  (CPU, ``--no-cuda-graphs``) the same step called op by op. A verification step (W > 1) runs
+  the same fixed-shape step eagerly, never captured (a graph per (bucket, W) would multiply
+  the captures by the proposal widths for the steps that already amortise launches over W). Its inputs are loaded
   by one host-to-device copy (from pinned memory on CUDA, asynchronous: no sync before the
   replay); padding rows and positions are masked (``row_attention``).
 - Prefill and chunked prefill are eager (``row_attention.PackedPlan``). On the eager backend a
@@ -115,6 +117,7 @@ class RowForwards(StepForwards):
         backend: "cuda" (capture) or "eager". max_batch: the largest bucket captured.
         strict: a step that cannot be captured raises (--cuda-graphs) instead of falling back.
         pad_id: the token of padding positions. recorder: a ``TraceRecorder`` or None.
+        reason: why decode steps are not captured (--cuda-graphs resolved off), shown in ``summary``.
 
     Raises:
         ValueError: the model cannot attend over rows, or a bad backend / max_batch (named flag).
@@ -123,8 +126,10 @@ class RowForwards(StepForwards):
     name = "rows"
 
     def __init__(self, model, *, max_rows: int, context_length: int, max_width: int = 1, backend: str = "eager",
-                 max_batch: int | None = None, strict: bool = False, pad_id: int = 0, recorder=None) -> None:
+                 max_batch: int | None = None, strict: bool = False, pad_id: int = 0, recorder=None,
+                 reason: str | None = None) -> None:
         super().__init__()
+        self.reason = reason
         self.rows = RowAttention.of(model)
         self.model, self.pad_id, self.recorder = model, pad_id, recorder
         self.kv = KVRows(rows=max_rows, scratch=max_width, limit=context_length)
@@ -222,9 +227,14 @@ class RowForwards(StepForwards):
         for row, r, t in zip(rows, reqs, tokens):
             ids[row * width: row * width + len(t)] = [r.request_id] * len(t)
         self._record(ids, "decode")
-        before = self.graphs.counters.captures, self.graphs.counters.replays, self.graphs.counters.invalidations
-        logits = self.graphs.run(step)
-        self._count_how(before)
+        if width > 1:  # a verification step (--speculative): eager, never captured
+            step.forward()
+            logits = step.logits.clone()
+            self.counts.static_eager += 1
+        else:
+            before = self.graphs.counters.captures, self.graphs.counters.replays, self.graphs.counters.invalidations
+            logits = self.graphs.run(step)
+            self._count_how(before)
         for r, t in zip(reqs, tokens):
             r.length += len(t)
         return logits[torch.tensor(rows, device=logits.device)].to("cpu")
@@ -257,7 +267,7 @@ class RowForwards(StepForwards):
         """/server_info's view: layout, rows, columns and bytes, buckets, counts, and the steps'
         backend: counters, the (bucket, width) steps built, fallbacks with their reasons."""
         g = self.graphs
-        graphs = dict(backend=g.backend_name, max_batch=g.max_batch, **asdict(g.counters),
+        graphs = dict(backend=g.backend_name, reason=self.reason, max_batch=g.max_batch, **asdict(g.counters),
                       built=sorted(f"{b}x{w}" for (b, w), s in self.steps.items() if s.backend is not None),
                       fallbacks=sorted({s.fallback for s in self.steps.values() if s.fallback}))
         return dict(super().summary(), rows=self.kv.rows, columns=self.kv.width, kv_bytes=self.kv.nbytes(),

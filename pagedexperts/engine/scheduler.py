@@ -105,7 +105,8 @@ class BatchScheduler:
             width = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
             return RowForwards(self.model, max_rows=c.max_running_requests, context_length=c.context_length,
                                max_width=width, backend=c.cuda_graphs, max_batch=c.cuda_graph_max_batch,
-                               strict=c.strict_cuda_graphs, pad_id=self.pad_id, recorder=self.recorder)
+                               strict=c.strict_cuda_graphs, pad_id=self.pad_id, recorder=self.recorder,
+                               reason=c.cuda_graphs_reason)
         if reason is not None:
             if c.strict_cuda_graphs:
                 raise ValueError(f"--cuda-graphs: decode steps over KV rows cannot serve {reason}; use --no-cuda-graphs")

@@ -37,7 +37,7 @@ from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, Compl
 from pagedexperts.engine.speculative.config import SpeculativeConfig
 from pagedexperts.engine.scheduler import BatchScheduler
 from pagedexperts.engine.scheduler_config import (DEFAULT_MAX_PREFILL_TOKENS, QueueFull, SchedulerConfig,
-                                                   SchedulerStopped)
+                                                   SchedulerStopped, graph_options)
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class OpenAIServing:
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
         self.scheduler = BatchScheduler(model, tokenizer, SchedulerConfig(
             config.max_running_requests, config.context_length, max_queued_requests=config.max_queued_requests,
-            max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill), recorder=recorder,
+            max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
+            **graph_options(model.pagedexperts)), recorder=recorder,
             speculative=config.speculative)
         self.metrics = Metrics(self.scheduler, model.pagedexperts)
         self.lifecycle = Lifecycle()
