@@ -18,6 +18,7 @@ import pytest
 
 from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, PROMPTS, _top_k, client, httpx, load_model,  # noqa: F401
                               metric, one_thread, schedule, serve, torch)
+from pagedexperts.engine.forwards import HOWS
 from pagedexperts.engine.kv_rows import COLUMN_ROUND, KVRows
 from pagedexperts.engine.row_forwards import bucket_sizes
 from pagedexperts.engine.speculative.config import speculative_config
@@ -146,8 +147,13 @@ def test_http_16_concurrent_equal_each_alone(server16, endpoint):
 
 def test_server_info_and_metrics_name_the_layout_and_why_not_captured(server16):
     url = server16[0]
+    _complete(client(url), PROMPTS[0], "completions", False)
     info = httpx.get(url + "/server_info").json()["decode"]
     assert info["kv_layout"] == "rows" and info["buckets"] == [1, 2, 4, 8, 16]
     assert info["steps"]["backend"] == "eager" and "capture needs a CUDA device" in info["steps"]["reason"]
-    line = [x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("pagedexperts_decode_backend{")]
+    text = httpx.get(url + "/metrics").text
+    line = [x for x in text.splitlines() if x.startswith("pagedexperts_decode_backend{")]
     assert line and 'kv_layout="rows"' in line[0] and 'backend="eager"' in line[0]
+    assert text.count("# TYPE pagedexperts_decode_steps_total counter") == 1  # one family, labelled by how
+    steps = sum(metric(url, f'pagedexperts_decode_steps_total{{how="{how}"}}') for how in HOWS)
+    assert steps == server16[1].state.scheduler.stats.decode_steps > 0

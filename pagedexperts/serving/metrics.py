@@ -10,7 +10,8 @@ shows up without a change here; the per-step host time distributions (``LayerSta
 are histograms (``paging_time_histograms``); with a disk tier, its host and disk counters per
 layer (``pagedexperts_host_hits``, ``pagedexperts_disk_reads``, ...); with speculative decoding, its
 counters (``speculative_metrics``, ``pagedexperts_spec_decode_*``); decode steps by how they ran
-(``decode_metrics``: ``pagedexperts_decode_steps_total{how=...}``, recaptures by reason, and the
+(``decode_metrics``: ``pagedexperts_decode_steps_total{how=...}``, whose labels sum to the
+scheduler's ``decode_steps``, recaptures by reason, and the
 decode backend with why it is not CUDA graphs). The historical names
 (``pagedexperts_expert_hits`` ...) stay as aliases.
 
@@ -104,6 +105,8 @@ class _LiveCollector:
         yield GaugeMetricFamily(PREFIX + "single_wave_cap", "K // top_k: decode batch always one wave",
                                 value=rt.num_resident // rt.top_k)
         for name in _numeric_fields(s.stats):
+            if name == "decode_steps":  # by how they ran: decode_metrics (the labels sum to it)
+                continue
             kind = GaugeMetricFamily if GAUGE_NAME.search(name) else CounterMetricFamily
             yield kind(PREFIX + name, f"Scheduler: {name.replace('_', ' ')}", value=getattr(s.stats, name))
         yield from decode_metrics(s.forwards.summary(), PREFIX)
