@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedexperts.engine.kv_rows import KVRows
+from pagedexperts.loading.runtime import runtime_of
 
 ROWS_IMPLEMENTATION = "pagedexperts_rows"
 ROWS_ATTR = "_pagedexperts_rows"  # on the model and on each attention module: its RowAttention
@@ -214,10 +215,10 @@ class RowAttention:
     def _give_padding(self, module, args, kwargs) -> None:
         """Pre-hook after ``integration.install_padding_hook``'s (registered later, so it runs
         later): under a plan, the runners count the plan's padding rows (its mask is 4-D)."""
-        runtime = getattr(self.model, "pagedexperts", None)
+        runtime = runtime_of(self.model)
         if self.plan is None or runtime is None:
             return
-        for runner in runtime.pagers.values():
+        for runner in runtime.runners.values():
             runner.padding_count = self.padding
 
 

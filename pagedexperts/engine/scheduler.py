@@ -56,7 +56,8 @@ from pagedexperts.engine.forwards import DynamicForwards, StepForwards
 from pagedexperts.engine.isolation import check_inputs, each_isolated
 from pagedexperts.engine.row_attention import rows_problem
 from pagedexperts.engine.row_forwards import RowForwards
-from pagedexperts.engine.sampling import IncrementalText, SamplingParams, TokenLogprob, sample, token_logprobs
+from pagedexperts.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
+from pagedexperts.generation.stop_text import IncrementalText
 from pagedexperts.engine.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
 from pagedexperts.engine.sequence import Event, Request, eos_ids, seeded_generator
 from pagedexperts.engine.speculative.decoder import SpeculativeDecoder
