@@ -64,14 +64,14 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "ho
 
 def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
-    from pagedexperts.formats import format_for_config
+    from pagedexperts.loading.checkpoint import format_for_checkpoint
     from pagedexperts.loading.config import PagingConfig, check_config, check_experts_dtype, resolve_dtype
     from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
-    path, config, _ = read_checkpoint_config(args.model_path)
+    path, config, files = read_checkpoint_config(args.model_path)
     if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads
         raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
                          "check tokenizes its prompts: add the source model's tokenizer files (--model-path)")
@@ -80,9 +80,10 @@ def run(args) -> int:
     options = dict(device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation,
                    policy=args.policy, slot_format=args.slot_format, prefetch=args.prefetch,
                    prefetch_budget=args.prefetch_budget, host_memory_gb=args.host_memory_gb, decide=args.decide)
+    fmt = format_for_checkpoint(config, files)
     for k in ks:  # every problem of the options, at once, before the reference loads
-        check_config(PagingConfig(num_resident=k, **options), config, format_for_config(config))
-    check_experts_dtype(format_for_config(config), resolve_dtype(args.dtype, config), args.experts_implementation)
+        check_config(PagingConfig(num_resident=k, **options), config, fmt)
+    check_experts_dtype(fmt, resolve_dtype(args.dtype, config), args.experts_implementation)
     reference, choice = load_reference_with_choice(
         args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
     )

@@ -13,10 +13,15 @@ weight [O, I]:
   ``block_structure`` [bm, bn] = [128, 128]; a partial edge block has its own scale);
 - ``input_scale`` float32 [1] with static activations (FP8's ``static_minmax`` observer).
 
-Dequantize, as transformers 5.24 loads MoE experts (``CompressedTensorsDequantize.convert``,
-FP8 branch): ``(weight.to(float32) * weight_scale.to(float32)).to(model dtype)``, the scale
-broadcast over its tensor / row / block; one multiply, so compressed-tensors' own
-``_dequantize`` (``x_q.to(scale.dtype) * scale``) gives the same bits for float32 scales.
+Dequantize, as compressed-tensors' own ``_dequantize`` (``x_q.to(scale.dtype) * scale``, the
+scale broadcast over its tensor / row / block), in the dtype the checkpoint stores the scale in
+(``with_stored_dtypes``), then the model's dtype. For float32 scales this is transformers
+5.24's loading of MoE experts too (``CompressedTensorsDequantize.convert``, FP8 branch:
+``(weight.to(float32) * weight_scale.to(float32)).to(model dtype)``); for bfloat16 scales
+(llm-compressor on a bfloat16 model) the two agree at bfloat16 (the fp8 x bf16 product is exact
+in float32, rounded once either way) and differ only when such a checkpoint runs at float32,
+where transformers' experts keep the exact product and compressed-tensors' decompression (the
+reference ``check`` then picks) the bfloat16 one.
 
 Activations. The unpaged reference (transformers' loading, on CPU and on a GPU alike, since
 its FP8 kernel path ``use_optimized_inference`` is opt-in and covers nn.Linear only) stacks the
@@ -156,14 +161,17 @@ class CompressedTensorsFp8Format(ExpertFormat):
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, *, strategy: str, block: tuple[int, int] | None,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """One projection of n experts: fp8 [n, O, I] x scale -> [n, O, I] in ``dtype``.
+                   dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One projection of n experts: fp8 (or int8) [n, O, I] x scale -> [n, O, I] in ``dtype``.
 
     scale: [n, 1] (tensor), [n, O, 1] (channel) or [n, ceil(O/bm), ceil(I/bn)] (block).
-    ``(q.to(float32) * s.to(float32)).to(dtype)`` with s broadcast over its elements.
+    ``(q.to(c) * s.to(c)).to(dtype)`` with s broadcast over its elements, c = ``compute_dtype``
+    (None: the scale's own dtype, as compressed-tensors' ``_dequantize`` computes: float32 for
+    float32 scales, bfloat16 for the bfloat16 scales llm-compressor writes for a bfloat16 model).
     """
-    q = weight.to(torch.float32)
-    s = scale.to(torch.float32)
+    compute = compute_dtype or scale.dtype
+    q = weight.to(compute)
+    s = scale.to(compute)
     if strategy == "tensor":
         s = s.view(-1, 1, 1)
     elif strategy == "block":
