@@ -106,6 +106,7 @@ def pairs(tmp_path_factory):
         d_t[k] = published_block_dequant(q, s)
     qc = {"quant_method": "blockwise_int8", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
     out["int8-block"] = (_write(root / "int8", src, q_t, qc), _write(root / "int8-ref", src, d_t, None))
+    out["int8-block-bf16"] = _whole_model_bf16(root, qc)
     q_t, d_t = dict(tensors), dict(tensors)
     for i, k in enumerate(keys):
         q, s, g, args = gidx_int4(tensors[k], seed=i)
@@ -120,6 +121,21 @@ def pairs(tmp_path_factory):
                                         "weights": weights, "format": "pack-quantized"}}}
     out["ct-pack-mixed"] = (_write(root / "gidx", src, q_t, qc), _write(root / "gidx-ref", src, d_t, None))
     return out
+
+
+def _whole_model_bf16(root: Path, qc: dict):
+    """Block INT8 of every projection (attention too: the published checkpoints quantize every
+    Linear but the router and lm_head) of a bfloat16 model; the reference stores the published
+    dequantization in float32 (exact), so that it reads the same at bfloat16 and float32."""
+    src = root / "src-bf16"
+    tiny_model(seed=6).to(torch.bfloat16).save_pretrained(src)
+    tensors = load_file(src / "model.safetensors")
+    q_t, d_t = dict(tensors), dict(tensors)
+    for k in [k for k in tensors if k.endswith("_proj.weight")]:
+        q, s = block_int8(tensors[k].float())
+        q_t[k], q_t[k + "_scale_inv"] = q, s
+        d_t[k] = published_block_dequant(q, s)
+    return _write(root / "int8-bf16", src, q_t, qc), _write(root / "int8-bf16-ref", src, d_t, None)
 
 
 @torch.no_grad()
@@ -158,6 +174,24 @@ def test_paged_equals_the_published_dequantization(pairs, name, k, slot_format):
     for batch in (1, 3):
         got, want = _logits(paged, batch), _logits(ref, batch)
         assert torch.equal(got, want), f"{name} K={k} batch {batch}: max |diff| {(got - want).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_block_int8_whole_model_in_its_own_dtype_and_float32(pairs, dtype):
+    """A bfloat16 block-INT8 checkpoint with attention quantized, run at bfloat16 (its own dtype)
+    and float32: weight x scale in float32 as SGLang does, then the run dtype (a multiply in the
+    run dtype rounds the float32 scale to bfloat16 first)."""
+    from transformers import AutoModelForCausalLM
+
+    quantized, dequantized = pairs["int8-block-bf16"]
+    paged, _ = load_model(quantized, num_resident=TOP_K, dtype=dtype)
+    assert len(paged.pagedexperts.dequantized_linears.modules) == 8  # q, k, v, o of 2 layers
+    ref = AutoModelForCausalLM.from_pretrained(dequantized, dtype=getattr(torch, dtype),
+                                               experts_implementation="grouped_mm").eval()
+    _own_allocations(paged), _own_allocations(ref)
+    for batch in (1, 3):
+        got, want = _logits(paged, batch), _logits(ref, batch)
+        assert torch.equal(got, want), f"{dtype} batch {batch}: max |diff| {(got - want).abs().max():.3e}"
 
 
 def test_g_idx_matters(pairs):
