@@ -258,6 +258,16 @@ class ExpertFormat:
             rows[spec.name] = value.reshape(spec.shape).unsqueeze(0)
         return self.dequantize(tensor, rows)[0].contiguous()
 
+    def device_constant(self, name: str, device, build) -> torch.Tensor:
+        """A constant tensor of this format (a shift table, an FP4 lookup table) on ``device``,
+        built by ``build(device)`` once per device and kept on the instance, so that a dequantize
+        does not send it host-to-device again (a synchronous copy on CUDA, every wave)."""
+        cache = self.__dict__.setdefault("_device_constants", {})  # also on frozen dataclasses
+        key = (name, torch.device(device))
+        if key not in cache:
+            cache[key] = build(device)
+        return cache[key]
+
     def with_stored_dtypes(self, dtypes: Mapping[str, torch.dtype]) -> "ExpertFormat":
         """This format bound to the dtypes the checkpoint stores the routed experts' serialized
         tensors in ({serialized name such as ``weight_scale``: dtype}, read from the shards'

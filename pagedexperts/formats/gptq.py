@@ -38,16 +38,22 @@ CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> offset ad
 _SHIFTS = tuple(4 * i for i in range(PACK_FACTOR))
 
 
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int4 packed along dim -2: int32 [..., R / 8, C] -> int32 [..., R, C] in 0..15."""
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device).view(-1, 1)
-    nibbles = (packed.unsqueeze(-2) >> shifts) & 0xF  # [..., R/8, 8, C]
+def nibble_shifts(device) -> torch.Tensor:
+    """int32 [8]: the bit offset of each int4 value in its word, on ``device``."""
+    return torch.tensor(_SHIFTS, dtype=torch.int32, device=device)
+
+
+def unpack_rows(packed: torch.Tensor, shifts: torch.Tensor | None = None) -> torch.Tensor:
+    """int4 packed along dim -2: int32 [..., R / 8, C] -> int32 [..., R, C] in 0..15.
+    ``shifts``: ``nibble_shifts`` on packed's device (built here when None)."""
+    shifts = nibble_shifts(packed.device) if shifts is None else shifts
+    nibbles = (packed.unsqueeze(-2) >> shifts.view(-1, 1)) & 0xF  # [..., R/8, 8, C]
     return nibbles.flatten(-3, -2)
 
 
-def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
+def unpack_cols(packed: torch.Tensor, shifts: torch.Tensor | None = None) -> torch.Tensor:
     """int4 packed along dim -1: int32 [..., R, C / 8] -> int32 [..., R, C] in 0..15."""
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
+    shifts = nibble_shifts(packed.device) if shifts is None else shifts
     return ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)
 
 
@@ -59,14 +65,15 @@ def dequantize_gptq(
     *,
     zero_offset: int,
     dtype: torch.dtype,
+    shifts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One projection of n experts -> dense [n, O, I] in ``dtype``.
 
     qweight int32 [n, I/8, O]; qzeros int32 [n, G, O/8]; scales [n, G, O]; g_idx int [n, I];
-    ``zero_offset`` 1 for v1 checkpoints (stored z - 1), 0 for v2.
+    ``zero_offset`` 1 for v1 checkpoints (stored z - 1), 0 for v2; ``shifts``: see ``unpack_rows``.
     """
-    q = unpack_rows(qweight)  # [n, I, O]
-    z = (unpack_cols(qzeros) + zero_offset) & 0xF  # [n, G, O]
+    q = unpack_rows(qweight, shifts)  # [n, I, O]
+    z = (unpack_cols(qzeros, shifts) + zero_offset) & 0xF  # [n, G, O]
     index = g_idx.long().unsqueeze(-1).expand(-1, -1, q.shape[-1])  # [n, I, O]
     z_i = torch.gather(z, 1, index)
     s_i = torch.gather(scales, 1, index)
@@ -150,8 +157,9 @@ class GptqFormat(ExpertFormat):
         concatenated along dim 1 (the dense output dim)."""
         name = tensor.dense.name
         sources = next(p for p in tensor.packed if p.name == f"{name}_g_idx").shape[0] // tensor.dense.shape[1]
+        shifts = self.device_constant("shifts", packed[f"{name}_qweight"].device, nibble_shifts)
         parts = [
-            dequantize_gptq(qw, qz, s, g, zero_offset=self.zero_offset, dtype=tensor.dense.dtype)
+            dequantize_gptq(qw, qz, s, g, zero_offset=self.zero_offset, dtype=tensor.dense.dtype, shifts=shifts)
             for qw, qz, s, g in zip(
                 packed[f"{name}_qweight"].chunk(sources, dim=2),
                 packed[f"{name}_qzeros"].chunk(sources, dim=2),
