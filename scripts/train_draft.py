@@ -202,9 +202,9 @@ def speculative_acceptance(teacher_dir: Path, draft_dirs: dict[str, str], prompt
     output equals plain greedy decoding's."""
     from pagedexperts import load_model
     from pagedexperts.generation.config import SamplingConfig
-    from pagedexperts.serving.scheduler import BatchScheduler
-    from pagedexperts.serving.scheduler_config import SchedulerConfig
-    from pagedexperts.serving.speculation import speculative_config
+    from pagedexperts.engine.scheduler import BatchScheduler
+    from pagedexperts.engine.scheduler_config import SchedulerConfig
+    from pagedexperts.engine.speculative.config import speculative_config
 
     model, tokenizer = load_model(teacher_dir)
 
@@ -324,7 +324,8 @@ chance a proposal sampled at temperature 1 is accepted (Leviathan et al. 2023, S
 ## Acceptance in pagedexperts' speculative decoding
 
 Greedy, the paged target (K = E/4) through the server's scheduler, n = {args.num_speculative_tokens} proposals per
-verification step, {args.spec_tokens} new tokens per prompt, batch {args.spec_batch}: {args.spec_prompts} prompts of {args.spec_prompt_len} tokens from each held-out
+verification step, {args.spec_tokens} new tokens per prompt, batch {args.spec_batch}: {args.spec_prompts} prompts of
+{args.spec_prompt_len} tokens from each held-out
 stream (evenly spaced). Every output equal to plain greedy decoding is checked, not assumed.
 
 {sp}
@@ -375,7 +376,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedexperts.serving.draft import save_truncated_draft
+    from pagedexperts.engine.speculative.draft import save_truncated_draft
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -21,10 +21,9 @@ import torch
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS, resolve_slot_format
 from pagedexperts.models import config as model_config
 from pagedexperts.paging.baselines import mode_problem
-from pagedexperts.paging.device_layout import DEVICE_STEPS
 from pagedexperts.paging.device_residency import DEVICE_RULES
+from pagedexperts.paging.inner import inner_problem
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, INTERPRETED
-from pagedexperts.paging.waves import inner_problem
 from pagedexperts.residency.planner import default_num_resident, num_resident_problem
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 
@@ -34,7 +33,7 @@ from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm",)
 
 # --decide: where a paged layer-step is planned (DESIGN.md "Devices"): "host" (the top-k ids
-# read back, ``paging.host_executor``), "device" (``paging.device_pager``: no read-back) or
+# read back, ``paging.host_executor``), "device" (``paging.device_executor``: no read-back) or
 # "auto" (device where it can serve the step on CUDA with triton installed, host otherwise)
 DECIDE_CHOICES = ("auto", "host", "device")
 DEFAULT_DECIDE = "auto"
@@ -150,7 +149,7 @@ def graph_problems(cfg: PagingConfig, decide: str) -> list[str]:
     """Why decode steps of ``cfg`` with paged steps planned by ``decide`` ("auto" not yet
     resolved counts as possible) cannot be captured in a CUDA graph, each naming its flag; []
     if they can. The experts implementation is checked per captured step
-    (``generation.graphs``: grouped_mm syncs outside bf16 on CUDA)."""
+    (``generation.graphs``: grouped_mm syncs outside bf16 on compute capability 9.x / 10.x)."""
     problems = []
     if device_problem(cfg.device) is None and torch.device(cfg.device).type != "cuda":
         problems.append(f"--cuda-graphs needs a CUDA device, not --device {cfg.device}; drop --cuda-graphs "
@@ -190,7 +189,7 @@ def resolve_cuda_graphs(cfg: PagingConfig, decide: str) -> tuple[str, str | None
 
 
 def device_decide_problems(cfg: PagingConfig) -> list[str]:
-    """What the device-planned step (``paging.device_pager``) cannot serve in ``cfg``'s options
+    """What the device-planned step (``paging.device_executor``) cannot serve in ``cfg``'s options
     alone, each naming --decide and the other flag; [] if it can serve them. (The disk tier and
     a quantized layer's slot format are checked with the memory plan and the model.)"""
     problems = []
@@ -210,9 +209,9 @@ def device_decide_problems(cfg: PagingConfig) -> list[str]:
     if cfg.policy not in DEVICE_RULES:
         problems.append(f"--decide device has a device decide for --policy {' and '.join(sorted(DEVICE_RULES))} "
                         f"only, not {cfg.policy!r}; use --decide host or another --policy")
-    if cfg.experts_implementation not in DEVICE_STEPS:
-        problems.append(f"--decide device runs --experts-implementation {' or '.join(DEVICE_STEPS)}, not "
-                        f"{cfg.experts_implementation!r} (its loop reads the routed experts back); use --decide host")
+    inner_on_device = inner_problem(cfg.experts_implementation, decide="device")
+    if inner_on_device is not None and inner_problem(cfg.experts_implementation) is None:  # unknown: reported once
+        problems.append(inner_on_device)
     return problems
 
 
@@ -239,11 +238,13 @@ def disk_tier_problem(cfg: PagingConfig, *, disk_tier: bool, described: str = ""
     return None
 
 
-def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool) -> str:
+def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool, quantized: bool) -> str:
     """"host" or "device" for ``cfg.decide`` (checked) of a paged model: "auto" is device on
     CUDA when triton is installed and the step can be served (``device_decide_problems`` empty,
-    no disk tier, a page-locked host store), else host; on CPU always host. On CUDA, auto
-    choosing host logs a WARNING with the reasons (the choice shows in the report, ``decide``)."""
+    no disk tier, a page-locked host store, and for a ``quantized`` checkpoint packed slots:
+    dense slots dequantize at page-in on the host), else host; on CPU always host. On CUDA,
+    auto choosing host logs a WARNING with the reasons (the choice shows in the report,
+    ``decide``)."""
     if cfg.decide != "auto":
         return cfg.decide
     if cfg.mode != "paged" or torch.device(cfg.device).type != "cuda":
@@ -253,6 +254,8 @@ def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool) -> str:
         reasons.append("the disk tier (--host-memory-gb)")
     if not pinned:
         reasons.append("the host store is not page-locked")
+    if quantized and resolve_slot_format(cfg.slot_format, cfg.device) == "dense":
+        reasons.append("--slot-format dense (dense slots of a quantized checkpoint dequantize at page-in on the host)")
     if reasons:
         logger.warning("--decide auto: deciding on the host on %s because %s", cfg.device, "; ".join(reasons))
         return "host"

@@ -1,9 +1,10 @@
 """Residency: which routed experts occupy the K slots of one MoE layer, and the wave plan of a step.
 
-Owns: the expert <-> slot map of one layer, its eviction policy (the contract is
-``residency.policy``, the rules ``residency.policies``), the one check of K, and the planner that turns a step's union of
-routed experts into waves of at most K experts, each with the loads (expert, slot) it needs.
-Tensor-free on purpose (standard library only): the runtime pager and the trace simulator
+Owns: the expert <-> slot map of one layer, its eviction policy (the contract and the rules are
+``residency.eviction``, the ``--policy`` registry ``residency.policies``), the one check of K,
+and the planner that turns a step's union of routed experts into waves of at most K experts,
+each with the loads (expert, slot) it needs.
+Tensor-free on purpose (standard library only): the runtime executor and the trace simulator
 import this same code, so their hit/miss counts cannot drift. Planning costs O(|union|) plus
 the policy's victims (O(log K) each, or one O(K) ranking per wave that evicts K/4 or more).
 Does not: copy bytes (``storage``), compute experts (``paging``), or count stats (``stats``).
@@ -19,7 +20,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Sequence
 
-from pagedexperts.residency.policy import EMPTY, EvictionPolicy, LRUPolicy, consume
+from pagedexperts.residency.eviction import EMPTY, EvictionPolicy, LFUPolicy, consume
 
 
 class Load(NamedTuple):
@@ -105,6 +106,28 @@ def check_num_resident(num_resident: int, *, num_experts: int, min_slots: int, f
     return num_resident
 
 
+def begin_step(policy, union, hits_of):
+    """The start of a step, the one rule of both deciders (``Residency`` here, and the device
+    decide's torch reference ``paging.kernels.decide``, which passes tensor hooks over its
+    device state; its Triton kernel is held to that reference by tests):
+
+    1. ``policy.on_step(union)`` before any hit is touched (LFU: steps += 1, every
+       ``half_life`` steps the counts halved, then +1 for each expert of the union);
+    2. ``hits, hit_slots = hits_of(union)``: the union's resident experts in ascending id
+       and their slots, read before any wave places a miss;
+    3. ``policy.on_hits(hit_slots, hits)``: the hits touched in that order (LRU/LFU: each
+       slot's last use is the clock + 1 + its rank among the hits).
+
+    ``union``, ``hits`` and ``hit_slots`` are whatever the decider holds them as (sorted id
+    lists here; an [E] mask and the slot-of-expert tensor on the device). Returns (hits,
+    hit_slots). The waves then take hits first, then misses, each in ascending id.
+    """
+    policy.on_step(union)
+    hits, hit_slots = hits_of(union)
+    policy.on_hits(hit_slots, hits)
+    return hits, hit_slots
+
+
 @dataclass
 class Residency:
     """The slot map of one MoE layer plus its policy; plans each step's waves.
@@ -112,7 +135,9 @@ class Residency:
     Args:
         num_experts: E, routed experts of the layer.
         num_slots: K, slots on the device, 1 <= K <= E.
-        policy: the eviction policy (default LRU over K slots).
+        policy: the eviction policy; None: LFU with aging over K slots, the ``--policy``
+            default (``residency.policies.DEFAULT_POLICY``; tests/test_policies.py holds the
+            two equal).
 
     Raises:
         ValueError: K out of [1, E] (``check_num_resident``: names --num-resident).
@@ -127,7 +152,7 @@ class Residency:
     def __post_init__(self) -> None:
         check_num_resident(self.num_slots, num_experts=self.num_experts, min_slots=1)
         if self.policy is None:
-            self.policy = LRUPolicy(self.num_slots)
+            self.policy = LFUPolicy(self.num_slots)
         self.expert_of_slot = [EMPTY] * self.num_slots
         self._filled = 0  # slots [0, filled) hold an expert
         self.slot_of_expert = {}
@@ -176,13 +201,14 @@ class Residency:
         return len(hits)
 
     def _begin_step(self, union: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Tell the policy about the step and its hits; return (hits, their slots)."""
-        self.policy.on_step(union)
+        """``begin_step`` over this residency's policy and slot map: (hits, their slots)."""
+        return begin_step(self.policy, union, self._hits_of)
+
+    def _hits_of(self, union: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The union's resident experts (ascending id, as ``union`` is) and their slots."""
         resident = self.slot_of_expert
         hits = list(filter(resident.__contains__, union))
-        hit_slots = list(map(resident.__getitem__, hits))
-        self.policy.on_hits(hit_slots, hits)
-        return hits, hit_slots
+        return hits, list(map(resident.__getitem__, hits))
 
     def _waves(self, hits: list[int], hit_slots: list[int], misses: list[int]):
         """Split hits + misses into waves of at most K: yields (hits, their slots, misses).

@@ -1,7 +1,8 @@
 """The FastAPI app and its process: routes, error handlers, lifespan, ``run_server``.
 
 Owns: the route table (POST /v1/completions, /v1/chat/completions, /v1/responses; GET
-/v1/models, /health, /metrics, and /server_info + /model_info for a router), the exception handlers that put EVERY error in OpenAI's shape (framework 404 /
+/v1/models, /health, /metrics, and /server_info + /model_info for a router), the exception
+handlers that put EVERY error in OpenAI's shape (framework 404 /
 405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
 routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
 signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn; a second one
@@ -9,7 +10,7 @@ ends every running and queued request at once (each stream still gets its final 
 ``[DONE]``) and stops uvicorn. Does not: handle a request itself (``handlers``).
 
 Chat prompts use the tokenizer's chat template; a tokenizer without one gets the plain
-template ``protocol.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
+template ``validation.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
 User, Assistant), then ``Assistant:``.
 """
 
@@ -24,11 +25,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedexperts.serving import schemas, worker_info
+from pagedexperts.serving import protocol, worker_info
 from pagedexperts.serving.admission import Admission, default_max_body_bytes, error_response
 from pagedexperts.serving.handlers import OpenAIServing, ServeConfig
-from pagedexperts.serving.schemas import ApiError
-from pagedexperts.serving.responses_events import ResponsesServing
+from pagedexperts.serving.protocol import ApiError
+from pagedexperts.serving.responses_api import ResponsesServing
 from pagedexperts.serving.connections import uvicorn_config
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def _error_handlers(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_types(request, exc: RequestValidationError):
-        return answer(request, schemas.type_error(list(exc.errors())))
+        return answer(request, protocol.type_error(list(exc.errors())))
 
     @app.exception_handler(Exception)
     async def crash(request, exc: Exception):

@@ -7,7 +7,7 @@ and spreads. Modes: ``plain`` (transformers' own model, nothing of this package 
 what a user runs when the model fits) and the loader's (``paging.baselines``): resident, paged at each
 K, offload, cpu-experts. Concurrency c is c prompts decoded together in one batch.
 Does not: read prompt files (``tools.prompts``), define the modes (``paging.baselines``), write the table, JSON and PNG (``commands.bench``),
-or schedule a server (``serving``).
+or schedule a server (``engine``, ``serving``).
 
 Method. The checkpoint is loaded once for the paged model (each mode re-attaches runners over
 the same host stores, ``repage``) and once as the plain model. Round r runs every mode once,
@@ -28,7 +28,6 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -304,9 +303,10 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
 
 def _num_resident(model) -> int:
     """K of the paged model's current mode; E (every expert on the device) for plain."""
+    from pagedexperts.loading.runtime import runtime_of
     from pagedexperts.models.config import num_routed_experts
 
-    rt = getattr(model, "pagedexperts", None)
+    rt = runtime_of(model)
     return rt.num_resident if rt is not None else num_routed_experts(model.config)
 
 
