@@ -139,6 +139,15 @@ def library_decompress(src: Path, dst: Path) -> Path:
     return dst
 
 
+def expert_parameters(model) -> dict[str, torch.Tensor]:
+    """Every routed-experts parameter with a leading E dim ({qualified name: [E, ...]})."""
+    from pagedexperts.models.config import num_routed_experts
+
+    num_experts = num_routed_experts(model.config)
+    return {n: p for n, p in model.named_parameters()
+            if ".experts." in n and p.dim() >= 2 and p.shape[0] == num_experts}
+
+
 def align_like_checkpoint(model, src: Path) -> int:
     """Re-place every non-expert parameter of ``model`` (the library's dense model, loaded from
     the decompressed temporary checkpoint) at the page alignment its tensor has in ``src``'s
@@ -157,7 +166,6 @@ def align_like_checkpoint(model, src: Path) -> int:
     """
     from pagedexperts.loading.checkpoint import KeyMap
     from pagedexperts.loading.fill import empty_like_mapped
-    from pagedexperts.tools.reference import expert_parameters
     from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
     from pagedexperts.storage.safetensors_index import TensorEntry
 

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from pagedexperts.tools.library_reference import (LIBRARY_QUANT_METHODS, align_like_checkpoint,  # noqa: F401
-                                                  has_library_reference, library_decompress)
+                                                  expert_parameters, has_library_reference, library_decompress)
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +55,6 @@ class ReferenceChoice:
 
     def line(self) -> str:
         return f"reference: {self.source} ({self.reason})"
-
-
-def expert_parameters(model) -> dict[str, torch.Tensor]:
-    """Every routed-experts parameter with a leading E dim ({qualified name: [E, ...]})."""
-    from pagedexperts.models.config import num_routed_experts
-
-    num_experts = num_routed_experts(model.config)
-    return {n: p for n, p in model.named_parameters()
-            if ".experts." in n and p.dim() >= 2 and p.shape[0] == num_experts}
 
 
 def compare_experts(transformers_model, library_model, *, per_layer: int = SAMPLE_EXPERTS_PER_LAYER, seed: int = 0):
