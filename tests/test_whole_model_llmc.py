@@ -181,3 +181,36 @@ def test_load_reports_the_dequantized_modules(caplog):
         load_model(_fixture("qwen3_moe-W8A8"), num_resident=TOP_K)
     assert any("8 quantized non-expert modules (w8a8-int8) dequantized at load" in r.getMessage()
                for r in caplog.records)
+
+
+def _with_tokenizer(name: str, tmp_path: Path) -> Path:
+    """The fixture's files linked into ``tmp_path`` beside a 128-token tokenizer (the fixtures'
+    vocab is 256; ``check`` tokenizes its prompts)."""
+    dst = tmp_path / name
+    dst.mkdir()
+    for f in _fixture(name).iterdir():
+        (dst / f.name).symlink_to(f)
+    for f in (DATA.parent / "llmc" / "qwen3_moe-w4a16_mixed").glob("tokenizer*"):
+        (dst / f.name).symlink_to(f)
+    return dst
+
+
+@pytest.mark.default_threads
+@pytest.mark.parametrize("name, dtype", [(n, None) for n in sorted(FIXTURES)] + [
+    ("qwen3_moe-W4A16_ASYM-g32-fp16scales", "float16")])
+def test_check_passes_at_the_checkpoints_dtype(name, dtype, tmp_path, capsys, monkeypatch):
+    """``check`` at the dtype the tool wrote (config.json's bfloat16; float16 for the float16
+    scales AutoRound writes): PASS against compressed-tensors' decompression, in that dtype."""
+    import pagedexperts.tools.check as tools_check
+    from pagedexperts.cli import main
+
+    built = []
+    real = tools_check.load_reference_with_choice
+    monkeypatch.setattr(tools_check, "load_reference_with_choice",
+                        lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    argv = ["check", "--model-path", str(_with_tokenizer(name, tmp_path)), "--check-resident", str(TOP_K),
+            "--max-new-tokens", "2", "--prompt", "The city"] + (["--dtype", dtype] if dtype else [])
+    rc = main(argv)
+    out = capsys.readouterr().out
+    assert rc == 0 and "verdict: PASS" in out and "reference: compressed-tensors" in out, out
+    assert [model.dtype for model, _ in built] == [getattr(torch, dtype or "bfloat16")]
