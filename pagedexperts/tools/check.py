@@ -9,10 +9,13 @@ Does not: page or load the paged model itself (``loading``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from pagedexperts.generation.config import GREEDY
 
@@ -75,7 +78,7 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     from pagedexperts.loading.checkpoint import format_for_checkpoint
     from pagedexperts.loading.config import resolve_dtype
     from pagedexperts.loading.linears import quantized_modules
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
     from pagedexperts.models.config import with_modelopt_quantization
     from pagedexperts.storage.safetensors_files import checkpoint_files
     from pagedexperts.tools.reference import (ReferenceLoaders, choose_reference, compare_with_format, complete,
@@ -89,7 +92,7 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     kwargs = dict(dtype=torch_dtype, experts_implementation=experts_implementation, output_loading_info=True)
     qc = quantization_config_of(config)
     loaders = ReferenceLoaders(
-        transformers=lambda p: AutoModelForCausalLM.from_pretrained(p, **kwargs, **fmt.reference_kwargs()),
+        transformers=lambda p: _quiet_load(p, **kwargs, **fmt.reference_kwargs()),
         dense=lambda p: with_experts_in(
             complete(AutoModelForCausalLM.from_pretrained(p, **kwargs), p), fmt.experts_dtype(torch_dtype),
             lambda d: complete(AutoModelForCausalLM.from_pretrained(p, **{**kwargs, "dtype": d}), p)),
@@ -100,6 +103,52 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     )
     model, choice = choose_reference(path, qc, loaders, list(quantized_modules(files, fmt, qc)))
     return model.to(device).eval(), choice
+
+
+def _quiet_load(path, **kwargs):
+    """transformers' ``from_pretrained`` of ``path`` with compressed-tensors' expected "Could not
+    match" WARNING for fused routed-expert targets dropped (``fused_expert_targets_quiet``)."""
+    from transformers import AutoModelForCausalLM
+
+    with fused_expert_targets_quiet(path):
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+class _FusedExpertTargets(logging.Filter):
+    """Drops compressed-tensors' "Could not match `T` in instance of ..." WARNING where T names
+    per-expert modules of the checkpoint (``expert_modules``): transformers 5 fuses those into
+    stacked experts tensors, so no module of that name exists to match, and it decompresses them
+    through its own weight conversion (which ``reference.choose_reference`` cross-checks against
+    compressed-tensors). A target that matches nothing in the checkpoint either still warns."""
+
+    def __init__(self, expert_modules: list[str]) -> None:
+        super().__init__()
+        self.expert_modules = expert_modules
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from compressed_tensors.utils.match import match_name
+
+        found = re.match(r"Could not match `(.+)` in instance of ", record.getMessage())
+        return found is None or not any(match_name(name, found.group(1)) for name in self.expert_modules)
+
+
+@contextlib.contextmanager
+def fused_expert_targets_quiet(path):
+    """While transformers loads checkpoint ``path``: compressed-tensors' expected "Could not
+    match" WARNING for routed-expert targets is dropped (``_FusedExpertTargets``), nothing else."""
+    from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
+
+    names = {key.rpartition(".")[0] for f in checkpoint_files(path) for key in read_header_json(f)[0]
+             if _PER_EXPERT_MODULE.search(key)}
+    quiet, target = _FusedExpertTargets(sorted(names)), logging.getLogger("compressed_tensors.utils.match")
+    target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        target.removeFilter(quiet)
+
+
+_PER_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.[^.]+\.[^.]+$")  # experts.{j}.{proj}.{tensor}
 
 
 def _resident_reference(path, *, device: str, dtype, experts_implementation: str):
@@ -153,19 +202,25 @@ def compare(paged, reference, input_ids, max_new_tokens: int, what: str, attenti
     )
 
 
-def check_model(paged, reference, tokenizer, prompts, *, max_new_tokens: int = 8, batched: bool = True) -> CheckResult:
+def check_model(paged, reference, tokenizer, prompts, *, max_new_tokens: int = 8, batched: bool = True,
+                progress: bool = False) -> CheckResult:
     """Compare ``paged`` against ``reference`` on each of ``prompts`` alone (batch 1) and, if
     ``batched`` and there are several, on all of them at once (left-padded, batch B > 1: another
-    matmul path for the last-token slice), greedy for ``max_new_tokens`` steps."""
+    matmul path for the last-token slice), greedy for ``max_new_tokens`` steps. ``progress``: a
+    tqdm bar of the runs on stderr (as ``bench``)."""
     result = CheckResult(num_resident=paged.pagedexperts.num_resident)
     paged.pagedexperts.reset_stats()
     rows = [tokenizer(p, return_tensors="pt")["input_ids"][0].to(paged.device) for p in prompts]
-    with torch.no_grad():
+    runs = len(rows) + (1 if batched and len(rows) > 1 else 0)
+    bar = tqdm(total=runs, desc=f"check K={result.num_resident}", unit="run", leave=False, disable=not progress)
+    with torch.no_grad(), bar:
         for prompt, ids in zip(prompts, rows):
             result.prompts.append(compare(paged, reference, ids.unsqueeze(0), max_new_tokens, prompt))
+            bar.update()
         if batched and len(rows) > 1:
             ids, mask = left_padded(rows)
             what = f"all {len(rows)} prompts as one left-padded batch"
             result.prompts.append(compare(paged, reference, ids, max_new_tokens, what, mask))
+            bar.update()
     result.misses = paged.pagedexperts.stats().total().misses
     return result
