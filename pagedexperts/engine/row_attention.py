@@ -17,7 +17,7 @@ untouched (``generate``, a reference forward).
   tokens) attend as one batch over rows [0, B) (their queries scattered into a [B, W] grid),
   each prompt chunk alone over a view of its own row.
 
-Why not transformers' paged cache (``generation.continuous_batching``): on sdpa / eager it
+Why not transformers' paged cache (``transformers.generation.continuous_batching``): on sdpa / eager it
 reads every request's cached keys back with ``index_select`` (a copy per layer per step) and
 attends one packed query over all of them (T x sum of lengths), and its internals differ
 between 5.17 and 5.24; see README "Serving on the fast path" for the measurement.

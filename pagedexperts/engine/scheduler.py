@@ -15,9 +15,9 @@ place, ``queue_s`` on the final event), so a place freed in one step is refilled
 runs ONE forward packing every running decode (one token each) with prompt chunks, at most
 ``max_prefill_tokens`` prompt tokens per step, first come first served (``chunked_prefill``:
 no padding); a long prompt takes several steps while others decode. Where the forwards do
-not mix decodes into it (CUDA graphs: ``forwards.mixes_decodes``), the chunks get that
+not mix decodes into it (CUDA graphs: ``StepForwards.mixes_decodes``), the chunks get that
 forward alone and the decodes the step's decode forward. A step with no prompt to prefill
-DECODES every running request in one forward (``forwards.decodes``). Without chunked
+DECODES every running request in one forward (``StepForwards.decodes``). Without chunked
 prefill, admitted prompts are prefilled in forwards of their own first (at most
 ``max_prefill_tokens`` padded tokens each; prompts to score in batches of their own).
 
@@ -225,7 +225,7 @@ class BatchScheduler:
         return each_isolated(admitted, self._prepare, self._fail, what="preparing")
 
     def _prepare(self, req: Request) -> None:
-        """Check ``req`` alone, then make room for its KV (``forwards.place``)."""
+        """Check ``req`` alone, then make room for its KV (``StepForwards.place``)."""
         check_inputs(req.prompt_ids, req.sampling, vocab_size=self.vocab_size, context_length=self.config.context_length)
         self.forwards.place(req)
 
@@ -261,7 +261,7 @@ class BatchScheduler:
             self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _prefill(self, reqs: list[Request]) -> None:
-        """One forward over the whole prompts of ``reqs`` (``forwards.prefill``), then each one's
+        """One forward over the whole prompts of ``reqs`` (``StepForwards.prefill``), then each one's
         first token."""
         rows = self.forwards.prefill(reqs)
         self._count_prefill(len(reqs), sum(len(r.prompt_ids) for r in reqs))
@@ -318,7 +318,7 @@ class BatchScheduler:
         self._accept(req, rows[-1])
 
     def _decode(self, reqs: list[Request]) -> None:
-        """One forward decoding every request of ``reqs`` (``forwards.decodes``: one new token
+        """One forward decoding every request of ``reqs`` (``StepForwards.decodes``: one new token
         each after its cached ones); with speculation ``SpeculativeDecoder.decode``."""
         if self.speculative is not None:  # propose, verify in one forward, roll back
             return self.speculative.decode(self, reqs)

@@ -2,7 +2,7 @@
 
 Owns: ``SpeculativeDecoder``, which the scheduler asks for the decodes of every step when
 ``--speculative`` is on: ``decode`` (a step with no prompt chunk: ONE forward of the
-B running requests, the scheduler's ``forwards.decodes``: over KV rows a fixed-shape step per
+B running requests, the scheduler's ``StepForwards.decodes``: over KV rows a fixed-shape step per
 (bucket, width), run eagerly, never captured), ``segments`` (a chunked-prefill step: each
 decode's segment carries its proposals, packed with the prompt chunks into the step's one
 forward, ``chunked_prefill``) and ``verify`` (one request's acceptance, rollback and
