@@ -3,7 +3,8 @@
 # 340 s (each phase gets SIGINT at its limit, SIGKILL 5 s later; the env probe takes a few s):
 #   cuda_tests       the CUDA tests (tests/test_cuda.py host- and device-planned exactness, no sync,
 #                    the page-lock fallback; tests/test_cuda_graphs.py captured == eager, no sync in
-#                    replay, the grouped_mm capability rule, one stream for warm-up and capture;
+#                    replay, the grouped_mm capability rule, one stream for warm-up and capture, the
+#                    server's KV-row decode steps captured per bucket == eager, no sync in replay;
 #                    tests/test_formats.py's CUDA cases)
 #   captured_decode  gpu_bench --phases captured: decode tok/s with every step replayed from a CUDA
 #                    graph, paged at K = 40 and 92 and resident, batch 1 and 4, beside eager

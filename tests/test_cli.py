@@ -182,8 +182,7 @@ def test_check_passes_on_the_bundled_model(capsys):
     assert err.startswith("check: loading the unpaged reference, then the paged model at K = 4, 32\n")
     assert "check K=4:   0%|" in err and "| 0/4 [" in err and "check K=32:   0%|" in err
     lines = out.strip().splitlines()
-    assert lines[0] == ("reference: transformers (its own loading; no format library decompression "
-                        "for this checkpoint here)")
+    assert lines[0] == "reference: transformers (its own loading of an unquantized checkpoint)"
     assert lines[1].startswith("K=4 of E=64: 4 runs x 4 greedy steps") and lines[2].startswith("K=32 of E=64")
     for line in lines[1:3]:
         assert "logits torch.equal: yes (max |diff| 0)" in line and "greedy tokens equal: yes" in line

@@ -67,7 +67,7 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "ho
 
 def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
-    from pagedexperts.formats import format_for_config
+    from pagedexperts.loading.checkpoint import format_for_checkpoint
     from pagedexperts.loading.config import PagingConfig, check_config, check_experts_dtype, resolve_dtype
     from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
@@ -75,7 +75,7 @@ def run(args) -> int:
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
     apply_threads(args)
-    path, config, _ = read_checkpoint_config(args.model_path)
+    path, config, files = read_checkpoint_config(args.model_path)
     if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads
         raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
                          "check tokenizes its prompts: add the source model's tokenizer files (--model-path)")
@@ -85,9 +85,10 @@ def run(args) -> int:
                    policy=args.policy, slot_format=args.slot_format, prefetch=args.prefetch,
                    prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
                    decide=args.decide)
+    fmt = format_for_checkpoint(config, files)
     for k in ks:  # every problem of the options, at once, before the reference loads
-        check_config(PagingConfig(num_resident=k, **options), config, format_for_config(config))
-    check_experts_dtype(format_for_config(config), resolve_dtype(args.dtype, config), args.experts_implementation)
+        check_config(PagingConfig(num_resident=k, **options), config, fmt)
+    check_experts_dtype(fmt, resolve_dtype(args.dtype, config), args.experts_implementation)
     print(f"check: loading the unpaged reference, then the paged model at K = {', '.join(map(str, ks))}",
           file=sys.stderr, flush=True)
     reference, choice = load_reference_with_choice(

@@ -78,6 +78,7 @@ class Int8BlockFormat(ExpertFormat):
         name = tensor.dense.name
         sources = dense_source_count(name)
         weight, scales = packed[name], packed[name + SCALE_SUFFIX]
-        parts = [dequantize_fp8(w, s, strategy="block", block=self.block, dtype=tensor.dense.dtype)
+        parts = [dequantize_fp8(w, s, strategy="block", block=self.block, dtype=tensor.dense.dtype,
+                                compute_dtype=torch.float32)
                  for w, s in zip(weight.chunk(sources, dim=1), scales.chunk(sources, dim=1))]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)

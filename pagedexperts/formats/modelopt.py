@@ -70,22 +70,28 @@ def _field(quantization_config: dict, key: str):
     return quantization_config.get(key, (quantization_config.get("quantization") or {}).get(key))
 
 
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+def e2m1_values(device) -> torch.Tensor:
+    """float32 [16]: ModelOpt's e2m1 value of every code, on ``device``."""
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+
+
+def unpack_e2m1(packed: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [..., I/2] -> float32 [..., I]: ModelOpt's unpack (high nibble -> odd column) and
-    e2m1 table lookup."""
+    e2m1 table lookup (``table``: ``e2m1_values`` on packed's device, built when None)."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed NVFP4 tensor must be uint8, got {packed.dtype}")
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    table = e2m1_values(packed.device) if table is None else table
     return table[codes.long()]
 
 
-def dequantize_nvfp4(packed, scale, scale_2, *, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_nvfp4(packed, scale, scale_2, *, dtype: torch.dtype, table=None) -> torch.Tensor:
     """One NVFP4 projection of n experts -> [n, O, I] in ``dtype``.
 
-    packed uint8 [n, O, I/2]; scale float8_e4m3fn [n, O, I/16]; scale_2 float32 [n, 1].
+    packed uint8 [n, O, I/2]; scale float8_e4m3fn [n, O, I/16]; scale_2 float32 [n, 1];
+    ``table``: see ``unpack_e2m1``.
     """
-    values = unpack_e2m1(packed)
+    values = unpack_e2m1(packed, table)
     per_block = scale.to(torch.float32) * scale_2.reshape(-1, 1, 1).to(torch.float32)
     w = values.unflatten(-1, (scale.shape[-1], NVFP4_GROUP)) * per_block.unsqueeze(-1)
     return w.flatten(-2).to(dtype)
@@ -197,7 +203,9 @@ class ModelOptNvfp4Format(_ModelOptFormat):
                 TensorSpec(f"{dense.name}_scale", (rows, in_features // NVFP4_GROUP), torch.float8_e4m3fn))
 
     def _dequantize_source(self, packed, name, dtype) -> torch.Tensor:
-        return dequantize_nvfp4(packed[name], packed[f"{name}_scale"], packed[f"{name}_scale_2"], dtype=dtype)
+        table = self.device_constant("e2m1", packed[name].device, e2m1_values)
+        return dequantize_nvfp4(packed[name], packed[f"{name}_scale"], packed[f"{name}_scale_2"], dtype=dtype,
+                                table=table)
 
 
 class ModelOptFp8Format(_ModelOptFormat):

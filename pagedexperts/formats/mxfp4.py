@@ -72,10 +72,12 @@ class Mxfp4Format(ExpertFormat):
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """blocks [n, out, G, 16] + scales [n, out, G] -> [n, in, out] in the dense dtype."""
         name = tensor.dense.name
-        return dequantize_mxfp4(packed[name + "_blocks"], packed[name + "_scales"], tensor.dense.dtype)
+        table = self.device_constant("bytes", packed[name + "_blocks"].device, byte_table)
+        return dequantize_mxfp4(packed[name + "_blocks"], packed[name + "_scales"], tensor.dense.dtype, table=table)
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                     table: torch.Tensor | None = None) -> torch.Tensor:
     """blocks uint8 [n, out, G, B], scales uint8 [n, out, G] -> [n, G * B * 2, out] in ``dtype``,
     bit-identical to transformers' ``_convert_moe_packed_tensors``.
 
@@ -86,15 +88,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     times the same float32 power of two, rounded once: the same two roundings of the same
     products (the table values are exact in every dtype).
     """
-    pairs = _byte_table(blocks.device)[blocks.to(torch.long)]  # [n, out, G, B, 2] float32
+    pairs = (byte_table(blocks.device) if table is None else table)[blocks.to(torch.long)]  # [n, out, G, B, 2] float32
     powers = torch.pow(2.0, scales.to(torch.int32) - E8M0_BIAS)  # float32 [n, out, G]
     out = (pairs * powers[..., None, None]).to(dtype)
     *prefix, groups, width, _ = out.shape
     return out.reshape(*prefix, groups * width * 2).transpose(1, 2).contiguous()
 
 
-def _byte_table(device) -> torch.Tensor:
-    """[256, 2] float32: (low nibble's e2m1 value, high nibble's) of every byte."""
+def byte_table(device) -> torch.Tensor:
+    """[256, 2] float32: (low nibble's e2m1 value, high nibble's) of every byte, on ``device``
+    (``table`` of ``dequantize_mxfp4``)."""
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
     codes = torch.arange(256, device=device)
     return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1)

@@ -39,7 +39,8 @@ def build_paged_model(config, fill, *, expert_format=None, **options):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
     ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
-    stores ({site name: ExpertStore}), every other parameter onto ``device``. ``load_model``
+    stores ({site name: ExpertStore}), every other parameter onto ``device``; it returns the
+    non-expert modules it dequantized (``loading.linears.DequantizedLinears``) or None. ``load_model``
     reads a checkpoint (``loading.fill``); ``loading.runners.random_fill`` makes random weights
     for benchmarks at real scale. ``expert_format``: the checkpoint's format (None: from
     ``config``'s ``quantization_config``); the stores hold its packed tensors. ``options``: the
@@ -68,7 +69,7 @@ def build_paged_model(config, fill, *, expert_format=None, **options):
         layouts=layouts, host_memory=memory, sites=sites,
     )
     runtime.stores = _make_stores(runtime, dev)
-    fill(model, {s.name: s for s in sites}, runtime.stores, dev)
+    runtime.dequantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
     attach_runners(runtime, dev)
     _install(model, runtime, dev)
     return model
