@@ -149,6 +149,12 @@ def _check_flags(args) -> None:
                         ("--max-connections", args.max_connections)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.api_key is not None and not args.api_key.strip():  # e.g. --api-key "$KEY" with KEY unset
+        raise ValueError(f"--api-key {args.api_key!r} is empty: the server would run with no key; "
+                         "give the key, or omit the flag for none")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError(f"--served-model-name {args.served_model_name!r} is empty; "
+                         "omit the flag for the model directory's name")
     if not args.header_timeout > 0:
         raise ValueError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
     if not args.body_timeout > 0:
@@ -158,3 +164,5 @@ def _check_flags(args) -> None:
     parent = os.path.dirname(args.record_trace) if args.record_trace else ""
     if parent and not os.path.isdir(parent):
         raise ValueError(f"--record-trace {args.record_trace}: directory {parent} does not exist")
+    if args.record_trace and os.path.isdir(args.record_trace):
+        raise ValueError(f"--record-trace {args.record_trace} is a directory; give a file path")
