@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from pagedexperts import __version__
 from pagedexperts.commands import COMMANDS
 
 
@@ -25,6 +26,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         description="Run MoE models whose experts do not fit in device memory: K resident "
         "expert slots per layer, paged in from host memory on demand.",
     )
+    parser.add_argument("--version", action="version", version=f"pagedexperts {__version__}")
     add_log_level(parser, default="WARNING")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     named = command_named(sys.argv[1:] if argv is None else argv)

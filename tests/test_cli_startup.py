@@ -68,6 +68,16 @@ def test_log_level_before_or_after_the_command(argv, level):
     assert build_parser(argv).parse_args(argv).log_level == level
 
 
+def test_version_is_the_package_s_and_light():
+    """`pagedexperts --version` said "unrecognized arguments"; it prints the package version and
+    imports no torch."""
+    from pagedexperts import __version__
+
+    done = subprocess.run([sys.executable, "-c", PROBE, "--version"], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == f"pagedexperts {__version__}"
+    assert "HEAVY []" in done.stderr
+
+
 def test_a_closed_stdout_pipe_is_no_traceback():
     """`pagedexperts preflight --json | head -1`: the reader closes the pipe; the command ends
     with exit 1 and nothing on stderr (it printed a BrokenPipeError traceback)."""
