@@ -1,0 +1,315 @@
+"""The fused MoE experts step over packed rows: align, gate-up GEMM, activation, down GEMM, combine.
+
+Owns the launchers of the fused kernels (``fused_moe_kernel``) and what they read:
+``ProjectionRows`` (one projection's ``WeightPacking`` and, per role, an int64 table of row
+addresses: row r of every packed tensor, wherever it lives), ``FusedBlocks`` (the tile sizes,
+a function of the step's entry count and the packing only, never of K or E, so a step computes
+the same bits whatever rows hold its experts), ``KernelTarget`` (interpreter or a GPU arch:
+what the kernels emulate), and ``fused_experts``, the whole step. Does not: decide residency,
+page in or remap expert ids to rows (the caller passes row ids), or know a format's class.
+
+Row addressing. A row id indexes every address table of a step. The integration builds the
+tables once: ``row_addresses(slot tensor)`` for the K slots (then a routed expert in slot s has
+row id s), joined (``ProjectionRows.join``) with the host store's rows (device-mapped page-locked
+memory on CUDA: the row id of expert e held by no slot is K + e), so that a step reads every
+routed expert in place, one launch per projection, whatever its batch size.
+
+Activation. The gate-up GEMM writes the [S, 2I] intermediate in entry order; the experts
+module's own ``_apply_gate`` / ``act_fn`` (``activation``) turns it into [S, I]: every family's
+quirk (Qwen's SiLU-and-mul, gpt-oss's clamped SwiGLU over interleaved gate/up) is then the
+model's own code, in torch ops that a CUDA graph captures. Fusing it into the GEMM would save
+one [S, 2I] write and read (at decode 2 x S x 2I x 2 bytes, about 49 KB at Qwen3-30B-A3B's
+S = 8: noise next to the weights' 9 MB) at the cost of a second copy of every family's gate.
+
+No host sync: every shape is fixed by (T, k, R, the packings); counts stay on the device;
+constants are constexprs or the address tables (built once).
+
+Legend: T tokens, H hidden, k top_k, S = T k entries, R addressable rows, N / K a projection's
+output / input features, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from pagedexperts.formats.packing import WeightPacking, scale_rows_per_source
+from pagedexperts.paging.kernels._triton import INTERPRETED, tl, triton
+from pagedexperts.paging.kernels.fused_align import Alignment, align_reference, align_triton
+from pagedexperts.paging.kernels.fused_moe_kernel import (CODES, GLOBAL_SCALES, PACKED_DIMS, SCALE_CODES,
+                                                          dequantize_kernel, fused_moe_gemm_kernel)
+
+ALIGN_BACKENDS = {"triton": align_triton, "torch": align_reference}
+
+
+def _tl_dtype(dtype: torch.dtype):
+    """The Triton element type a row of ``dtype`` is read as (float8 and E8M0 as raw bytes)."""
+    table = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+             torch.int32: tl.int32, torch.int8: tl.int8, torch.uint8: tl.uint8, torch.float8_e4m3fn: tl.uint8}
+    if dtype not in table:
+        raise ValueError(f"fused kernels read no {dtype} rows; supported: {list(table)}")
+    return table[dtype]
+
+
+def row_addresses(rows: torch.Tensor) -> torch.Tensor:
+    """int64 [R] on ``rows``' device: the byte address of each row ``rows[r]`` of a [R, ...]
+    tensor whose rows are contiguous (built once per tensor; valid while it lives).
+
+    Raises:
+        ValueError: a row is not contiguous."""
+    if not rows[0].is_contiguous():
+        raise ValueError(f"row addresses need contiguous rows; got strides {rows.stride()}")
+    step = rows.stride(0) * rows.element_size()
+    return rows.data_ptr() + torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device) * step
+
+
+@dataclass(frozen=True)
+class ProjectionRows:
+    """One projection's packed rows as the GEMM reads them: ``addresses`` role -> int64 [R]
+    (every role of ``packing``), ``bias`` int64 [R] addresses of [N] bias rows in
+    ``bias_dtype`` (or None). ``keepalive``: the tensors the addresses point into."""
+
+    packing: WeightPacking
+    addresses: Mapping[str, torch.Tensor]
+    bias: torch.Tensor | None = None
+    bias_dtype: torch.dtype | None = None
+    keepalive: tuple = field(default=(), repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return self.addresses["weight"].shape[0]
+
+    @classmethod
+    def from_tables(cls, packing: WeightPacking, tables: Mapping[str, torch.Tensor],
+                    bias: torch.Tensor | None = None) -> "ProjectionRows":
+        """Rows of the [R, ...] tensors ``tables`` (packed name -> tensor: the K slot tensors, or
+        the host store's [E, ...]); ``bias`` [R, N] (gpt-oss) or None.
+
+        Raises:
+            ValueError: a table missing, or not [R, *spec.shape] of the spec's dtype (names it)."""
+        addresses, kept = {}, []
+        for role, spec in packing.tensors:
+            table = tables.get(spec.name)
+            if table is None or tuple(table.shape[1:]) != spec.shape or table.dtype != spec.dtype:
+                got = None if table is None else (tuple(table.shape), table.dtype)
+                raise ValueError(f"{spec.name} ({role}): want [R, *{spec.shape}] {spec.dtype}, got {got}")
+            addresses[role] = row_addresses(table)
+            kept.append(table)
+        if bias is not None and tuple(bias.shape[1:]) != (packing.out_features,):
+            raise ValueError(f"bias rows must be [R, {packing.out_features}], got {tuple(bias.shape)}")
+        return cls(packing, addresses, None if bias is None else row_addresses(bias),
+                   None if bias is None else bias.dtype, tuple(kept) + ((bias,) if bias is not None else ()))
+
+    def join(self, other: "ProjectionRows") -> "ProjectionRows":
+        """Rows of ``self`` then of ``other`` (row id R_self + r is ``other``'s row r): slot rows
+        joined with host rows. Tables end on ``self``'s device (one copy, at set-up).
+
+        Raises:
+            ValueError: the packings or bias presence differ."""
+        if other.packing != self.packing or (other.bias is None) != (self.bias is None):
+            raise ValueError("join needs rows of one packing, with or without bias alike")
+        dev = self.addresses["weight"].device
+        addresses = {role: torch.cat([t, other.addresses[role].to(dev)]) for role, t in self.addresses.items()}
+        bias = None if self.bias is None else torch.cat([self.bias, other.bias.to(dev)])
+        return ProjectionRows(self.packing, addresses, bias, self.bias_dtype, self.keepalive + other.keepalive)
+
+
+@dataclass(frozen=True)
+class FusedBlocks:
+    """Tile sizes of one GEMM and its launch options."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def block_m_for(num_entries: int) -> int:
+    """BLOCK_M of a step with S entries: 16 for decode-sized steps, 64 for prefill (S >= 1024)."""
+    return 16 if num_entries < 1024 else 64
+
+
+def choose_blocks(num_entries: int, packing: WeightPacking) -> FusedBlocks:
+    """The tiles for S entries of ``packing``: BLOCK_K 64, or a group size of 32 so that a
+    tile reads one scale per column."""
+    block_k = packing.group_size if 32 <= packing.group_size < 64 else 64
+    return FusedBlocks(block_m=block_m_for(num_entries), block_k=block_k)
+
+
+@dataclass(frozen=True)
+class KernelTarget:
+    """What the kernels run on: the interpreter (``arch`` 0: emulated bfloat16 rounding,
+    float32 dot operands) or a CUDA arch (80, 89, 90: e4m3 decoded natively from 89 on)."""
+
+    arch: int = 0
+
+    @classmethod
+    def of(cls, device) -> "KernelTarget":
+        """The target for tensors on ``device``.
+
+        Raises:
+            ValueError: a CPU device without ``TRITON_INTERPRET=1`` at import (names it)."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            return cls(10 * major + minor)
+        if not INTERPRETED:
+            raise ValueError("fused kernels on a CPU device run only under TRITON_INTERPRET=1 (tests)")
+        return cls(0)
+
+    def constexprs(self, packing: WeightPacking) -> dict:
+        """The dtype and emulation constexprs of ``packing`` on this target."""
+        dense = _tl_dtype(packing.dense_dtype)
+        dot = tl.float32 if self.arch == 0 else dense
+        return dict(MUL_DT=_tl_dtype(packing.mul_dtype), ROUND_DT=_tl_dtype(packing.round_dtype or packing.dense_dtype),
+                    DENSE_DT=dense, DOT_DT=dot, EMULATE_BF16=self.arch == 0, FP8_NATIVE=self.arch >= 89)
+
+
+def packing_args(packing: WeightPacking) -> tuple[dict, dict]:
+    """(runtime ints, constexprs) that describe ``packing`` to the kernels."""
+    scale, zero = packing.spec("scale"), packing.spec("zero")
+    bits = packing.bits or 8
+    ints = dict(source_rows=packing.source_rows, scale_rows_per_source=scale_rows_per_source(packing),
+                zero_words_per_source=-(-packing.source_rows // (32 // bits)))
+    for prefix, role in (("w", "weight"), ("s", "scale"), ("z", "zero")):
+        ints[f"{prefix}_stride_n"], ints[f"{prefix}_stride_k"] = packing.row_strides(role) if packing.spec(role) else (0, 0)
+    constexprs = dict(
+        W_DT=_tl_dtype(packing.spec("weight").dtype), S_DT=_tl_dtype(scale.dtype) if scale else tl.float32,
+        CODES=CODES[packing.codes], PACKED=PACKED_DIMS[packing.packed_dim], PER_WORD=packing.per_word, BITS=bits,
+        INTERLEAVED=packing.interleaved, VALUE_OFFSET=packing.value_offset, HAS_SCALE=scale is not None,
+        SCALE_CODES=SCALE_CODES[packing.scale_codes], GROUP_K=packing.group_size, BLOCK_ROWS=packing.block_rows,
+        HAS_ZERO=zero is not None, ZERO_OFFSET=packing.zero_offset, G_IDX=packing.spec("g_idx") is not None,
+        GLOBAL=GLOBAL_SCALES[packing.global_scale])
+    return ints, constexprs
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: grid, arguments by name (tensors and ints), constexprs, options."""
+
+    grid: tuple[int, ...]
+    args: dict
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+
+def _tables(rows: ProjectionRows) -> dict:
+    w = rows.addresses["weight"]
+    pick = lambda role: rows.addresses.get(role, w)  # noqa: E731  (a role the packing lacks is never read)
+    return dict(w_addr=w, s_addr=pick("scale"), z_addr=pick("zero"), g_addr=pick("g_idx"), gs_addr=pick("global_scale"))
+
+
+def gemm_launch(a: torch.Tensor, c: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
+                blocks: FusedBlocks, target: KernelTarget) -> Launch:
+    """The GEMM launch computing ``c`` [S, N] from ``a`` rows (entry s reads ``a[s // a_row_div]``)."""
+    packing = rows.packing
+    ints, constexprs = packing_args(packing)
+    args = dict(a_ptr=a, c_ptr=c, **_tables(rows), b_addr=rows.bias if rows.bias is not None else rows.addresses["weight"],
+                sorted_entry_ptr=alignment.sorted_entry, block_row_ptr=alignment.block_row,
+                num_padded_ptr=alignment.num_padded, N=packing.out_features, Kdim=packing.in_features,
+                num_entries=alignment.num_entries, a_row_div=a_row_div, stride_am=a.stride(0), stride_cm=c.stride(0))
+    args.update(ints)
+    dot_fp32 = target.constexprs(packing)["DOT_DT"] == tl.float32
+    constexprs.update(target.constexprs(packing), B_DT=_tl_dtype(rows.bias_dtype or packing.dense_dtype),
+                      HAS_BIAS=rows.bias is not None, DOT_PRECISION="ieee" if dot_fp32 else None,
+                      BLOCK_M=alignment.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k)
+    grid = (alignment.max_blocks, triton.cdiv(packing.out_features, blocks.block_n))
+    return Launch(grid, args, constexprs, blocks.num_warps, blocks.num_stages)
+
+
+def projection_gemm(a: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
+                    blocks: FusedBlocks | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, N] in the packing's dense dtype, rows by entry: ``C[s] = a[s // a_row_div] @ W_row(s)^T
+    (+ bias)``; rows of entries left out of ``alignment`` are not written.
+
+    ``a`` [M, K] with unit stride along K. Raises ValueError: K differs from the packing's."""
+    packing = rows.packing
+    if a.dim() != 2 or a.shape[1] != packing.in_features:
+        raise ValueError(f"GEMM input {tuple(a.shape)} does not match the weight's in_features {packing.in_features}")
+    a = a if a.stride(1) == 1 else a.contiguous()
+    blocks = blocks or FusedBlocks(block_m=alignment.block_m, block_k=choose_blocks(alignment.num_entries, packing).block_k)
+    c = out if out is not None else torch.empty((alignment.num_entries, packing.out_features),
+                                                dtype=packing.dense_dtype, device=a.device)
+    launch = gemm_launch(a, c, rows, alignment, a_row_div=a_row_div, blocks=blocks, target=KernelTarget.of(a.device))
+    fused_moe_gemm_kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps,
+                                       num_stages=launch.num_stages)
+    return c
+
+
+def dequantize_launch(out: torch.Tensor, rows: ProjectionRows, row_ids: torch.Tensor, *, target: KernelTarget,
+                      block_n: int = 64, block_k: int = 64) -> Launch:
+    """The launch writing ``out`` [n, N, K] (dense dtype) from the rows ``row_ids`` [n] lists."""
+    packing = rows.packing
+    ints, constexprs = packing_args(packing)
+    args = dict(out_ptr=out, rows_ptr=row_ids, **_tables(rows), N=packing.out_features, Kdim=packing.in_features, **ints)
+    constexprs.update(target.constexprs(packing), BLOCK_N=block_n, BLOCK_K=block_k)
+    grid = (row_ids.shape[0], triton.cdiv(packing.out_features, block_n), triton.cdiv(packing.in_features, block_k))
+    return Launch(grid, args, constexprs, 4, 1)
+
+
+def dequantize_rows(rows: ProjectionRows, row_ids: torch.Tensor) -> torch.Tensor:
+    """W of the rows ``row_ids`` [n] (int64, on the tables' device): [n, N, K] in the packing's
+    dense dtype, element for element what the format's ``dequantize`` computes (nn.Linear's
+    [N, K] orientation whatever the module's)."""
+    packing = rows.packing
+    out = torch.empty((row_ids.shape[0], packing.out_features, packing.in_features), dtype=packing.dense_dtype,
+                      device=row_ids.device)
+    launch = dequantize_launch(out, rows, row_ids, target=KernelTarget.of(row_ids.device))
+    dequantize_kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps)
+    return out
+
+
+def combine(entry_out: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in ``dtype``: sum over k of entry outputs [S, H] times their routing weights, as
+    transformers' ``grouped_mm`` ends (``(out * w).view(T, k, H).sum(1)``); entries whose row id
+    is negative add nothing."""
+    num_tokens, top_k = row_ids.shape
+    weighted = entry_out.view(num_tokens, top_k, -1) * routing_weights.unsqueeze(-1)
+    weighted = weighted.masked_fill((row_ids < 0).unsqueeze(-1), 0)
+    return weighted.sum(dim=1).to(dtype)
+
+
+def _check_step(hidden, row_ids, routing_weights, gate_up: ProjectionRows, down: ProjectionRows) -> None:
+    """Raises ValueError naming the first mismatch of shapes, rows or devices."""
+    if hidden.dim() != 2 or row_ids.dim() != 2 or row_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"want hidden [T, H] and row ids [T, k]; got {tuple(hidden.shape)} and {tuple(row_ids.shape)}")
+    if routing_weights.shape != row_ids.shape:
+        raise ValueError(f"routing weights {tuple(routing_weights.shape)} differ from row ids {tuple(row_ids.shape)}")
+    if gate_up.packing.in_features != hidden.shape[1] or down.packing.out_features != hidden.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[1]}: gate_up reads {gate_up.packing.in_features}, "
+                         f"down writes {down.packing.out_features}")
+    if gate_up.num_rows != down.num_rows:
+        raise ValueError(f"gate_up has {gate_up.num_rows} rows, down {down.num_rows}: one row id must address both")
+    if gate_up.addresses["weight"].device != hidden.device:
+        raise ValueError(f"row addresses on {gate_up.addresses['weight'].device}, hidden on {hidden.device}")
+
+
+def fused_experts(hidden: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, gate_up: ProjectionRows,
+                  down: ProjectionRows, *, activation: Callable[[torch.Tensor], torch.Tensor],
+                  post_expert: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  align_backend: str = "triton") -> torch.Tensor:
+    """The routed experts of one step -> [T, H] in hidden's dtype.
+
+    hidden [T, H]; row_ids [T, k] int64 (row of each entry in the address tables; -1: not
+    computed here); routing_weights [T, k]; ``activation``: the experts module's gate ([S, 2I]
+    -> [S, I], ``waves.activate``); ``post_expert``: its optional post-expert norm. Stages:
+    align by row (``align_backend``: "triton" or "torch"), gate-up GEMM (+ bias), activation,
+    down GEMM (+ bias), ``combine``. No host sync (module docstring).
+
+    Raises:
+        ValueError: shapes, rows or devices that do not fit (``_check_step``), an unknown
+            align backend, or a CPU device without ``TRITON_INTERPRET=1``."""
+    _check_step(hidden, row_ids, routing_weights, gate_up, down)
+    if align_backend not in ALIGN_BACKENDS:
+        raise ValueError(f"unknown align backend {align_backend!r}; choose one of {list(ALIGN_BACKENDS)}")
+    num_entries = row_ids.numel()
+    alignment = ALIGN_BACKENDS[align_backend](row_ids, gate_up.num_rows, block_m_for(num_entries))
+    up = projection_gemm(hidden, gate_up, alignment, a_row_div=row_ids.shape[1])
+    out = projection_gemm(activation(up), down, alignment, a_row_div=1)
+    if post_expert is not None:
+        out = post_expert(out)
+    return combine(out, row_ids, routing_weights, hidden.dtype)
