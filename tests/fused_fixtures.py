@@ -47,9 +47,11 @@ class FormatCase:
     fmt: ExpertFormat
     dtype: torch.dtype
     transposed: bool = False  # gpt-oss: dense experts [in, out] with biases
+    hidden: int = HIDDEN
+    intermediate: int = INTERMEDIATE
 
     def layout(self) -> ExpertLayout:
-        h, i = HIDDEN, INTERMEDIATE
+        h, i = self.hidden, self.intermediate
         if self.transposed:
             specs = (TensorSpec("gate_up_proj", (h, 2 * i), self.dtype), TensorSpec("gate_up_proj_bias", (2 * i,), self.dtype),
                      TensorSpec("down_proj", (i, h), self.dtype), TensorSpec("down_proj_bias", (h,), self.dtype))

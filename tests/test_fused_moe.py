@@ -306,3 +306,22 @@ def test_bad_inputs_are_refused_before_work():
         fused_experts(hidden, ids, weights[:, :1], rows["gate_up_proj"], rows["down_proj"], activation=act)
     with pytest.raises(ValueError, match="unknown align backend 'cuda'"):
         fused_experts(hidden, ids, weights, rows["gate_up_proj"], rows["down_proj"], activation=act, align_backend="cuda")
+
+
+def test_decode_bytes_at_qwen3_30b_a3b_shapes():
+    """GPTQ group 128 at H 2048, I 768, k 8, K 40, bfloat16: counts by hand from the layouts."""
+    from pagedexperts.paging.kernels.fused_bytes import decode_bytes
+
+    gptq = FormatCase("gptq", GptqFormat(group_size=128, desc_act=False, zero_offset=1), torch.bfloat16,
+                      hidden=2048, intermediate=768)
+    b = decode_bytes(gptq.layout(), num_slots=40, top_k=8)
+    gate_up = 256 * 1536 * 4 + 16 * 192 * 4 + 16 * 1536 * 2  # qweight [H/8, 2I], qzeros [G, 2I/8], fp16 scales
+    down = 96 * 2048 * 4 + 6 * 256 * 4 + 6 * 2048 * 2
+    assert b.fused == 8 * (gate_up + down) == 19_611_648  # g_idx not read without desc_act
+    g_idx, dense = (2 * 2048 + 768) * 4, 3 * 2048 * 768 * 2
+    assert b.dequantize_minimum == 40 * (gate_up + down + g_idx + dense) + 8 * dense
+    assert b.dequantize_ops > 20 * b.dequantize_minimum  # int32 nibble and index temporaries of every slot
+    plain = FormatCase("dense", DenseFormat(), torch.bfloat16, hidden=2048, intermediate=768)
+    assert decode_bytes(plain.layout(), num_slots=40, top_k=8).dequantize_ops == 8 * dense  # nothing to dequantize
+    with pytest.raises(ValueError, match="num_slots 4 is below top_k 8"):
+        decode_bytes(plain.layout(), num_slots=4, top_k=8)

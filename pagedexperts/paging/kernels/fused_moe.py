@@ -1,18 +1,22 @@
 """The fused MoE experts step over packed rows: align, gate-up GEMM, activation, down GEMM, combine.
 
 Owns the launchers of the fused kernels (``fused_moe_kernel``) and what they read:
-``ProjectionRows`` (one projection's ``WeightPacking`` and, per role, an int64 table of row
-addresses: row r of every packed tensor, wherever it lives), ``FusedBlocks`` (the tile sizes,
-a function of the step's entry count and the packing only, never of K or E, so a step computes
-the same bits whatever rows hold its experts), ``KernelTarget`` (interpreter or a GPU arch:
-what the kernels emulate), and ``fused_experts``, the whole step. Does not: decide residency,
-page in or remap expert ids to rows (the caller passes row ids), or know a format's class.
+``ProjectionRows`` (one projection's ``WeightPacking`` and, per packed role, ``RoleRows``: a
+base tensor and an int64 offset per row, so row r of every packed tensor is found wherever it
+lives), ``FusedBlocks`` (the tile sizes, a function of the step's entry count and the packing
+only, never of K or E, so a step computes the same bits whatever rows hold its experts),
+``KernelTarget`` (interpreter or a GPU arch: what the kernels emulate), and ``fused_experts``,
+the whole step. Does not: decide residency, page in or remap expert ids to rows (the caller
+passes row ids), or know a format's class.
 
-Row addressing. A row id indexes every address table of a step. The integration builds the
-tables once: ``row_addresses(slot tensor)`` for the K slots (then a routed expert in slot s has
-row id s), joined (``ProjectionRows.join``) with the host store's rows (device-mapped page-locked
-memory on CUDA: the row id of expert e held by no slot is K + e), so that a step reads every
-routed expert in place, one launch per projection, whatever its batch size.
+Row addressing. A row id indexes every offset table of a step. The integration builds the
+tables once: ``ProjectionRows.from_tables`` over the K slot tensors (a routed expert in slot s
+has row id s), ``join``-ed with the host store's rows (device-mapped page-locked memory on CUDA,
+whose device address equals the host one under UVA: the row id of expert e held by no slot is
+K + e), so that a step reads every routed expert in place, one launch per projection, whatever
+its batch size. The kernel adds the offset to a pointer argument rather than casting a loaded
+address to a pointer: only then does Triton know the row's alignment and vectorise its loads
+(measured in the PTX: 16-byte ``ld.global.v4`` instead of 2-byte loads for bfloat16 rows).
 
 Activation. The gate-up GEMM writes the [S, 2I] intermediate in entry order; the experts
 module's own ``_apply_gate`` / ``act_fn`` (``activation``) turns it into [S, I]: every family's
@@ -30,6 +34,7 @@ output / input features, I expert intermediate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -53,33 +58,78 @@ def _tl_dtype(dtype: torch.dtype):
     return table[dtype]
 
 
-def row_addresses(rows: torch.Tensor) -> torch.Tensor:
-    """int64 [R] on ``rows``' device: the byte address of each row ``rows[r]`` of a [R, ...]
-    tensor whose rows are contiguous (built once per tensor; valid while it lives).
+def row_offsets(rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """int64 [R] on ``base``'s device: where each row ``rows[r]`` of a [R, ...] tensor starts,
+    in elements from ``base``'s first element (``base``: a tensor of the same dtype; the two may
+    be different allocations, e.g. the slots and the device-mapped host store). Built once.
 
     Raises:
-        ValueError: a row is not contiguous."""
-    if not rows[0].is_contiguous():
-        raise ValueError(f"row addresses need contiguous rows; got strides {rows.stride()}")
-    step = rows.stride(0) * rows.element_size()
-    return rows.data_ptr() + torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device) * step
+        ValueError: a row is not contiguous, the dtypes differ, or the distance between the two
+            allocations is not a whole number of elements."""
+    size = rows.element_size()
+    distance = rows.data_ptr() - base.data_ptr()
+    if rows.dtype != base.dtype or distance % size or not rows[0].is_contiguous():
+        raise ValueError(f"row offsets need contiguous {base.dtype} rows element-aligned with the base; got "
+                         f"{rows.dtype}, strides {rows.stride()}, distance {distance} bytes")
+    return distance // size + torch.arange(rows.shape[0], dtype=torch.int64, device=base.device) * rows.stride(0)
+
+
+def _alignment(rows: torch.Tensor) -> int:
+    """Elements every row start of ``rows`` is aligned to: the largest power of two <= 16 bytes
+    dividing the allocation's address and the row stride, in elements (at least 1)."""
+    size = rows.element_size()
+    align = 16
+    while align > size and (rows.data_ptr() % align or (rows.stride(0) * size) % align):
+        align //= 2
+    return max(align // size, 1)
+
+
+@dataclass(frozen=True)
+class RoleRows:
+    """One packed role's rows: ``base`` (a tensor the kernel gets as a pointer), ``offsets``
+    int64 [R] (row r starts at ``base + offsets[r]`` elements) and ``align`` (elements every
+    offset is a multiple of; a hint for vectorised loads)."""
+
+    base: torch.Tensor
+    offsets: torch.Tensor
+    align: int
+
+    @classmethod
+    def of(cls, table: torch.Tensor) -> "RoleRows":
+        """The rows of one [R, ...] table (float8 tables are read as bytes)."""
+        table = table.view(torch.uint8) if table.dtype == torch.float8_e4m3fn else table
+        return cls(table, row_offsets(table, table), _alignment(table))
+
+    def join(self, other: "RoleRows") -> "RoleRows":
+        """These rows then ``other``'s, all counted from this base.
+
+        Raises:
+            ValueError: other dtype, or allocations not a whole number of elements apart."""
+        size, distance = self.base.element_size(), other.base.data_ptr() - self.base.data_ptr()
+        if other.base.dtype != self.base.dtype or distance % size:
+            raise ValueError(f"cannot join {other.base.dtype} rows {distance} bytes away to {self.base.dtype} rows")
+        offsets = torch.cat([self.offsets, other.offsets.to(self.offsets.device) + distance // size])
+        return RoleRows(self.base, offsets, math.gcd(self.align, other.align))
 
 
 @dataclass(frozen=True)
 class ProjectionRows:
-    """One projection's packed rows as the GEMM reads them: ``addresses`` role -> int64 [R]
-    (every role of ``packing``), ``bias`` int64 [R] addresses of [N] bias rows in
-    ``bias_dtype`` (or None). ``keepalive``: the tensors the addresses point into."""
+    """One projection's packed rows as the GEMM reads them: ``roles`` role -> ``RoleRows``
+    (every role of ``packing``), ``bias`` the [N] bias rows (or None). ``keepalive``: the
+    tensors the offsets point into."""
 
     packing: WeightPacking
-    addresses: Mapping[str, torch.Tensor]
-    bias: torch.Tensor | None = None
-    bias_dtype: torch.dtype | None = None
+    roles: Mapping[str, RoleRows]
+    bias: RoleRows | None = None
     keepalive: tuple = field(default=(), repr=False)
 
     @property
     def num_rows(self) -> int:
-        return self.addresses["weight"].shape[0]
+        return self.roles["weight"].offsets.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.roles["weight"].offsets.device
 
     @classmethod
     def from_tables(cls, packing: WeightPacking, tables: Mapping[str, torch.Tensor],
@@ -89,31 +139,30 @@ class ProjectionRows:
 
         Raises:
             ValueError: a table missing, or not [R, *spec.shape] of the spec's dtype (names it)."""
-        addresses, kept = {}, []
+        roles, kept = {}, []
         for role, spec in packing.tensors:
             table = tables.get(spec.name)
             if table is None or tuple(table.shape[1:]) != spec.shape or table.dtype != spec.dtype:
                 got = None if table is None else (tuple(table.shape), table.dtype)
                 raise ValueError(f"{spec.name} ({role}): want [R, *{spec.shape}] {spec.dtype}, got {got}")
-            addresses[role] = row_addresses(table)
+            roles[role] = RoleRows.of(table)
             kept.append(table)
         if bias is not None and tuple(bias.shape[1:]) != (packing.out_features,):
             raise ValueError(f"bias rows must be [R, {packing.out_features}], got {tuple(bias.shape)}")
-        return cls(packing, addresses, None if bias is None else row_addresses(bias),
-                   None if bias is None else bias.dtype, tuple(kept) + ((bias,) if bias is not None else ()))
+        return cls(packing, roles, None if bias is None else RoleRows.of(bias),
+                   tuple(kept) + ((bias,) if bias is not None else ()))
 
     def join(self, other: "ProjectionRows") -> "ProjectionRows":
         """Rows of ``self`` then of ``other`` (row id R_self + r is ``other``'s row r): slot rows
-        joined with host rows. Tables end on ``self``'s device (one copy, at set-up).
+        joined with host rows. Offsets end on ``self``'s device (one copy, at set-up).
 
         Raises:
             ValueError: the packings or bias presence differ."""
         if other.packing != self.packing or (other.bias is None) != (self.bias is None):
             raise ValueError("join needs rows of one packing, with or without bias alike")
-        dev = self.addresses["weight"].device
-        addresses = {role: torch.cat([t, other.addresses[role].to(dev)]) for role, t in self.addresses.items()}
-        bias = None if self.bias is None else torch.cat([self.bias, other.bias.to(dev)])
-        return ProjectionRows(self.packing, addresses, bias, self.bias_dtype, self.keepalive + other.keepalive)
+        roles = {role: rows.join(other.roles[role]) for role, rows in self.roles.items()}
+        bias = None if self.bias is None else self.bias.join(other.bias)
+        return ProjectionRows(self.packing, roles, bias, self.keepalive + other.keepalive)
 
 
 @dataclass(frozen=True)
@@ -177,7 +226,6 @@ def packing_args(packing: WeightPacking) -> tuple[dict, dict]:
     for prefix, role in (("w", "weight"), ("s", "scale"), ("z", "zero")):
         ints[f"{prefix}_stride_n"], ints[f"{prefix}_stride_k"] = packing.row_strides(role) if packing.spec(role) else (0, 0)
     constexprs = dict(
-        W_DT=_tl_dtype(packing.spec("weight").dtype), S_DT=_tl_dtype(scale.dtype) if scale else tl.float32,
         CODES=CODES[packing.codes], PACKED=PACKED_DIMS[packing.packed_dim], PER_WORD=packing.per_word, BITS=bits,
         INTERLEAVED=packing.interleaved, VALUE_OFFSET=packing.value_offset, HAS_SCALE=scale is not None,
         SCALE_CODES=SCALE_CODES[packing.scale_codes], GROUP_K=packing.group_size, BLOCK_ROWS=packing.block_rows,
@@ -197,10 +245,17 @@ class Launch:
     num_stages: int
 
 
-def _tables(rows: ProjectionRows) -> dict:
-    w = rows.addresses["weight"]
-    pick = lambda role: rows.addresses.get(role, w)  # noqa: E731  (a role the packing lacks is never read)
-    return dict(w_addr=w, s_addr=pick("scale"), z_addr=pick("zero"), g_addr=pick("g_idx"), gs_addr=pick("global_scale"))
+def _tables(rows: ProjectionRows) -> tuple[dict, dict]:
+    """(base and offset arguments of every role, their alignment constexprs); a role the packing
+    lacks gets the weight's (never read)."""
+    weight = rows.roles["weight"]
+    args = {}
+    for prefix, role in (("w", "weight"), ("s", "scale"), ("z", "zero"), ("g", "g_idx"), ("gs", "global_scale")):
+        r = rows.roles.get(role, weight)
+        args[f"{prefix}_base"], args[f"{prefix}_off"] = r.base, r.offsets
+    aligns = {f"{p}_ALIGN": rows.roles[role].align if role in rows.roles else 1
+              for p, role in (("W", "weight"), ("S", "scale"), ("Z", "zero"))}
+    return args, aligns
 
 
 def gemm_launch(a: torch.Tensor, c: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
@@ -208,14 +263,15 @@ def gemm_launch(a: torch.Tensor, c: torch.Tensor, rows: ProjectionRows, alignmen
     """The GEMM launch computing ``c`` [S, N] from ``a`` rows (entry s reads ``a[s // a_row_div]``)."""
     packing = rows.packing
     ints, constexprs = packing_args(packing)
-    args = dict(a_ptr=a, c_ptr=c, **_tables(rows), b_addr=rows.bias if rows.bias is not None else rows.addresses["weight"],
-                sorted_entry_ptr=alignment.sorted_entry, block_row_ptr=alignment.block_row,
+    tables, aligns = _tables(rows)
+    bias = rows.bias or rows.roles["weight"]
+    args = dict(a_ptr=a, c_ptr=c, **tables, b_base=bias.base, b_off=bias.offsets, sorted_entry_ptr=alignment.sorted_entry, block_row_ptr=alignment.block_row,
                 num_padded_ptr=alignment.num_padded, N=packing.out_features, Kdim=packing.in_features,
                 num_entries=alignment.num_entries, a_row_div=a_row_div, stride_am=a.stride(0), stride_cm=c.stride(0))
     args.update(ints)
     dot_fp32 = target.constexprs(packing)["DOT_DT"] == tl.float32
-    constexprs.update(target.constexprs(packing), B_DT=_tl_dtype(rows.bias_dtype or packing.dense_dtype),
-                      HAS_BIAS=rows.bias is not None, DOT_PRECISION="ieee" if dot_fp32 else None,
+    constexprs.update(target.constexprs(packing), **aligns, HAS_BIAS=rows.bias is not None,
+                      DOT_PRECISION="ieee" if dot_fp32 else None,
                       BLOCK_M=alignment.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k)
     grid = (alignment.max_blocks, triton.cdiv(packing.out_features, blocks.block_n))
     return Launch(grid, args, constexprs, blocks.num_warps, blocks.num_stages)
@@ -245,8 +301,9 @@ def dequantize_launch(out: torch.Tensor, rows: ProjectionRows, row_ids: torch.Te
     """The launch writing ``out`` [n, N, K] (dense dtype) from the rows ``row_ids`` [n] lists."""
     packing = rows.packing
     ints, constexprs = packing_args(packing)
-    args = dict(out_ptr=out, rows_ptr=row_ids, **_tables(rows), N=packing.out_features, Kdim=packing.in_features, **ints)
-    constexprs.update(target.constexprs(packing), BLOCK_N=block_n, BLOCK_K=block_k)
+    tables, aligns = _tables(rows)
+    args = dict(out_ptr=out, rows_ptr=row_ids, **tables, N=packing.out_features, Kdim=packing.in_features, **ints)
+    constexprs.update(target.constexprs(packing), **aligns, BLOCK_N=block_n, BLOCK_K=block_k)
     grid = (row_ids.shape[0], triton.cdiv(packing.out_features, block_n), triton.cdiv(packing.in_features, block_k))
     return Launch(grid, args, constexprs, 4, 1)
 
@@ -284,8 +341,8 @@ def _check_step(hidden, row_ids, routing_weights, gate_up: ProjectionRows, down:
                          f"down writes {down.packing.out_features}")
     if gate_up.num_rows != down.num_rows:
         raise ValueError(f"gate_up has {gate_up.num_rows} rows, down {down.num_rows}: one row id must address both")
-    if gate_up.addresses["weight"].device != hidden.device:
-        raise ValueError(f"row addresses on {gate_up.addresses['weight'].device}, hidden on {hidden.device}")
+    if gate_up.device != hidden.device or down.device != hidden.device:
+        raise ValueError(f"row offsets on {gate_up.device} / {down.device}, hidden on {hidden.device}")
 
 
 def fused_experts(hidden: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, gate_up: ProjectionRows,

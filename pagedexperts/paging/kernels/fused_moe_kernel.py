@@ -3,7 +3,8 @@ them in registers, and the same dequantization written out (dense rows).
 
 Owns the ``@triton.jit`` code: ``fused_moe_gemm_kernel`` (one program per (block of BLOCK_M
 entries of one row, BLOCK_N output columns): ``C[s, n] = sum_k A[s // a_row_div, k] * W_r[n, k]``
-(+ bias), W_r the routed row's weight reached through its row address), ``dequantize_kernel``
+(+ bias), W_r the routed row's weight, read at ``base + offsets[r]`` of each packed role),
+``dequantize_kernel``
 (``W_r`` of listed rows into a dense [n, N, K] tensor) and the helpers they share:
 ``_weight_tile`` (a [BLOCK_K, BLOCK_N] tile of W^T from a ``WeightPacking``'s encoding:
 codes, packed dim, nibble order, zero points, group / block / channel / tensor scales,
@@ -130,22 +131,12 @@ if HAVE_TRITON:
                 field = (raw.to(tl.int32) >> (BITS * (k2 % PER_WORD))) & ((1 << BITS) - 1)
             elif PACKED == 2:
                 field = (raw.to(tl.int32) >> w_shift[None, :]) & ((1 << BITS) - 1)
-            # the input group of each element: g_idx, one group, a whole tile's group, or per row
-            PER_TILE: tl.constexpr = (not G_IDX) and (GROUP_K == 0 or GROUP_K % BLOCK_K == 0)
-            if G_IDX:
+            group = 0
+            if G_IDX:  # act-order: each element's group from its column's g_idx row
                 group = tl.load(g_col[None, :] + k2, mask=mask, other=0)
-            elif GROUP_K == 0:
-                group = 0
-            elif PER_TILE:
-                group = k0 // GROUP_K
-            else:
-                group = k2 // GROUP_K
             if CODES == 1:
                 if HAS_ZERO:
-                    if PER_TILE:
-                        zraw = tl.load(z_col + group * z_stride_k, mask=mask_n, other=0)[None, :]
-                    else:
-                        zraw = tl.load(z_col[None, :] + group * z_stride_k, mask=mask, other=0)
+                    zraw = _group_tile(z_col, k0, k2, mask, mask_n, group, Kdim, z_stride_k, G_IDX, GROUP_K, BLOCK_K)
                     zero = ((zraw >> z_shift[None, :]) + ZERO_OFFSET) & ((1 << BITS) - 1)
                     v = (field.to(tl.int32) - zero).to(tl.float32)
                 else:
@@ -154,12 +145,8 @@ if HAVE_TRITON:
                 v = _e4m3(field, FP8_NATIVE)
             else:
                 v = _e2m1(field)
-            if PER_TILE:
-                s = _decode_scale(tl.load(s_col + group * s_stride_k, mask=mask_n, other=0), SCALE_CODES, FP8_NATIVE)
-                s = s[None, :]
-            else:
-                s = _decode_scale(tl.load(s_col[None, :] + group * s_stride_k, mask=mask, other=0), SCALE_CODES,
-                                  FP8_NATIVE)
+            s = _group_tile(s_col, k0, k2, mask, mask_n, group, Kdim, s_stride_k, G_IDX, GROUP_K, BLOCK_K)
+            s = _decode_scale(s, SCALE_CODES, FP8_NATIVE)
             if GLOBAL == 1:
                 s = tl.math.div_rn(s, glob[None, :])
             elif GLOBAL == 2:
@@ -167,6 +154,28 @@ if HAVE_TRITON:
             w = _round(v * _round(s, MUL_DT, EMULATE_BF16), MUL_DT, EMULATE_BF16)
             w = _round(_round(w, ROUND_DT, EMULATE_BF16), DENSE_DT, EMULATE_BF16)
             return w.to(DOT_DT)
+
+    @triton.jit
+    def _group_tile(col, k0, k2, mask, mask_n, group, Kdim, stride_k, G_IDX: tl.constexpr, GROUP_K: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """A per-(input group, column) tensor (scales, zero-point words) over the tile's rows
+        ``k2`` [BK, 1]: [BK, BN], or [1, BN] when the tile lies in one group. ``col`` [BN]
+        pointers to each column's group 0; ``group`` [BK, BN] the g_idx groups (G_IDX) or 0."""
+        if G_IDX:
+            return tl.load(col[None, :] + group * stride_k, mask=mask, other=0)
+        elif GROUP_K == 0:  # one group spans K
+            return tl.load(col, mask=mask_n, other=0)[None, :]
+        elif GROUP_K % BLOCK_K == 0:  # the tile lies in group k0 // GROUP_K
+            return tl.load(col + (k0 // GROUP_K) * stride_k, mask=mask_n, other=0)[None, :]
+        elif BLOCK_K % GROUP_K == 0:  # whole groups: load each once, repeat it GROUP_K times
+            per_tile: tl.constexpr = BLOCK_K // GROUP_K
+            groups = k0 // GROUP_K + tl.arange(0, per_tile)
+            small = tl.load(col[None, :] + groups[:, None] * stride_k,
+                            mask=(groups[:, None] * GROUP_K < Kdim) & mask_n[None, :], other=0)
+            block_n: tl.constexpr = col.shape[0]
+            return tl.reshape(tl.broadcast_to(small[:, None, :], (per_tile, GROUP_K, block_n)), (BLOCK_K, block_n))
+        else:
+            return tl.load(col[None, :] + (k2 // GROUP_K) * stride_k, mask=mask, other=0)
 
     @triton.jit
     def _position(j, INTERLEAVED: tl.constexpr, PER_WORD: tl.constexpr):
@@ -178,16 +187,22 @@ if HAVE_TRITON:
             return j
 
     @triton.jit
-    def _columns(row, offs_n, mask_n, w_addr, s_addr, z_addr, g_addr, gs_addr, Kdim, source_rows,
-                 scale_rows_per_source, zero_words_per_source, w_stride_n, s_stride_n, z_stride_n,
-                 W_DT: tl.constexpr, S_DT: tl.constexpr, PACKED: tl.constexpr, PER_WORD: tl.constexpr,
-                 BITS: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_ZERO: tl.constexpr, G_IDX: tl.constexpr, GLOBAL: tl.constexpr):
+    def _row(base, offsets, row, ALIGN: tl.constexpr):
+        """The first element of row ``row``: ``base + offsets[row]`` (elements), every offset a
+        multiple of ALIGN (so that loads from the row can be vectorised)."""
+        return base + tl.multiple_of(tl.load(offsets + row), ALIGN)
+
+    @triton.jit
+    def _columns(row, offs_n, mask_n, w_base, w_off, s_base, s_off, z_base, z_off, g_base, g_off, gs_base, gs_off,
+                 Kdim, source_rows, scale_rows_per_source, zero_words_per_source, w_stride_n, s_stride_n, z_stride_n,
+                 PACKED: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_ZERO: tl.constexpr, G_IDX: tl.constexpr,
+                 GLOBAL: tl.constexpr, W_ALIGN: tl.constexpr, S_ALIGN: tl.constexpr, Z_ALIGN: tl.constexpr):
         """Per output column of row ``row``: (w_col, w_shift, s_col, z_col, z_shift, g_col, glob)
-        as ``_weight_tile`` takes them; rows reached through their int64 address tables."""
+        as ``_weight_tile`` takes them."""
         source = offs_n // source_rows
         within = offs_n % source_rows
-        w_row = tl.load(w_addr + row).to(tl.pointer_type(W_DT), bitcast=True)
+        w_row = _row(w_base, w_off, row, W_ALIGN)
         w_col = w_row + offs_n * w_stride_n
         w_shift = tl.zeros_like(offs_n)
         if PACKED == 2:
@@ -195,38 +210,35 @@ if HAVE_TRITON:
             w_shift = BITS * _position(offs_n % PER_WORD, INTERLEAVED, PER_WORD)
         s_col = w_col
         if HAS_SCALE:
-            s_row = tl.load(s_addr + row).to(tl.pointer_type(S_DT), bitcast=True)
-            s_col = s_row + (source * scale_rows_per_source + within // BLOCK_ROWS) * s_stride_n
-        z_col = w_col.to(tl.pointer_type(tl.int32), bitcast=True)
+            s_col = _row(s_base, s_off, row, S_ALIGN) + (source * scale_rows_per_source + within // BLOCK_ROWS) * s_stride_n
+        z_col = w_col
         z_shift = tl.zeros_like(offs_n)
         if HAS_ZERO:
             z_per_word: tl.constexpr = 32 // BITS
-            z_row = tl.load(z_addr + row).to(tl.pointer_type(tl.int32), bitcast=True)
-            z_col = z_row + (source * zero_words_per_source + within // z_per_word) * z_stride_n
+            z_col = _row(z_base, z_off, row, Z_ALIGN) + (source * zero_words_per_source + within // z_per_word) * z_stride_n
             z_shift = BITS * _position(within % z_per_word, INTERLEAVED, z_per_word)
         g_col = z_col
         if G_IDX:
-            g_col = tl.load(g_addr + row).to(tl.pointer_type(tl.int32), bitcast=True) + source * Kdim
+            g_col = _row(g_base, g_off, row, 1) + source * Kdim
         glob = tl.zeros_like(offs_n).to(tl.float32)
         if GLOBAL != 0:
-            gs_row = tl.load(gs_addr + row).to(tl.pointer_type(tl.float32), bitcast=True)
-            glob = tl.load(gs_row + source, mask=mask_n, other=1.0)
+            glob = tl.load(_row(gs_base, gs_off, row, 1) + source, mask=mask_n, other=1.0)
         return w_col, w_shift, s_col, z_col, z_shift, g_col, glob
 
     @triton.jit
     def fused_moe_gemm_kernel(
-        a_ptr, c_ptr, w_addr, s_addr, z_addr, g_addr, gs_addr, b_addr,
+        a_ptr, c_ptr, w_base, w_off, s_base, s_off, z_base, z_off, g_base, g_off, gs_base, gs_off, b_base, b_off,
         sorted_entry_ptr, block_row_ptr, num_padded_ptr,
         N, Kdim, num_entries, a_row_div, stride_am, stride_cm,
         w_stride_n, w_stride_k, s_stride_n, s_stride_k, z_stride_n, z_stride_k,
         source_rows, scale_rows_per_source, zero_words_per_source,
-        W_DT: tl.constexpr, S_DT: tl.constexpr, B_DT: tl.constexpr, CODES: tl.constexpr, PACKED: tl.constexpr,
-        PER_WORD: tl.constexpr, BITS: tl.constexpr, INTERLEAVED: tl.constexpr, VALUE_OFFSET: tl.constexpr,
-        HAS_SCALE: tl.constexpr, SCALE_CODES: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-        HAS_ZERO: tl.constexpr, ZERO_OFFSET: tl.constexpr, G_IDX: tl.constexpr, GLOBAL: tl.constexpr,
-        HAS_BIAS: tl.constexpr, MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr, DENSE_DT: tl.constexpr,
-        DOT_DT: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8_NATIVE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        CODES: tl.constexpr, PACKED: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr,
+        INTERLEAVED: tl.constexpr, VALUE_OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_CODES: tl.constexpr,
+        GROUP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO_OFFSET: tl.constexpr,
+        G_IDX: tl.constexpr, GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, W_ALIGN: tl.constexpr,
+        S_ALIGN: tl.constexpr, Z_ALIGN: tl.constexpr, MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr,
+        DENSE_DT: tl.constexpr, DOT_DT: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+        FP8_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """C [S, N] (rows by entry): one program per (block, column tile); blocks at or past the
         device count ``num_padded`` return at once (fixed grid, no host read)."""
@@ -241,9 +253,9 @@ if HAVE_TRITON:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         w_col, w_shift, s_col, z_col, z_shift, g_col, glob = _columns(
-            row, offs_n, mask_n, w_addr, s_addr, z_addr, g_addr, gs_addr, Kdim, source_rows, scale_rows_per_source,
-            zero_words_per_source, w_stride_n, s_stride_n, z_stride_n, W_DT, S_DT, PACKED, PER_WORD, BITS,
-            INTERLEAVED, BLOCK_ROWS, HAS_SCALE, HAS_ZERO, G_IDX, GLOBAL)
+            row, offs_n, mask_n, w_base, w_off, s_base, s_off, z_base, z_off, g_base, g_off, gs_base, gs_off, Kdim,
+            source_rows, scale_rows_per_source, zero_words_per_source, w_stride_n, s_stride_n, z_stride_n, PACKED,
+            PER_WORD, BITS, INTERLEAVED, BLOCK_ROWS, HAS_SCALE, HAS_ZERO, G_IDX, GLOBAL, W_ALIGN, S_ALIGN, Z_ALIGN)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, Kdim, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -256,22 +268,22 @@ if HAVE_TRITON:
                              DOT_DT, EMULATE_BF16, FP8_NATIVE, BLOCK_K)
             acc = tl.dot(_to_dot(a, DENSE_DT, DOT_DT, EMULATE_BF16), b, acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
-            b_row = tl.load(b_addr + row).to(tl.pointer_type(B_DT), bitcast=True)
-            acc += tl.load(b_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(_row(b_base, b_off, row, 1) + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         c = _cast(acc, c_ptr.dtype.element_ty, EMULATE_BF16)
         tl.store(c_ptr + entries[:, None] * stride_cm + offs_n[None, :], c, mask=mask_m[:, None] & mask_n[None, :])
 
     @triton.jit
     def dequantize_kernel(
-        out_ptr, rows_ptr, w_addr, s_addr, z_addr, g_addr, gs_addr,
+        out_ptr, rows_ptr, w_base, w_off, s_base, s_off, z_base, z_off, g_base, g_off, gs_base, gs_off,
         N, Kdim, w_stride_n, w_stride_k, s_stride_n, s_stride_k, z_stride_n, z_stride_k,
         source_rows, scale_rows_per_source, zero_words_per_source,
-        W_DT: tl.constexpr, S_DT: tl.constexpr, CODES: tl.constexpr, PACKED: tl.constexpr, PER_WORD: tl.constexpr,
-        BITS: tl.constexpr, INTERLEAVED: tl.constexpr, VALUE_OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr,
-        SCALE_CODES: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_ZERO: tl.constexpr,
-        ZERO_OFFSET: tl.constexpr, G_IDX: tl.constexpr, GLOBAL: tl.constexpr, MUL_DT: tl.constexpr,
-        ROUND_DT: tl.constexpr, DENSE_DT: tl.constexpr, DOT_DT: tl.constexpr, EMULATE_BF16: tl.constexpr,
-        FP8_NATIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        CODES: tl.constexpr, PACKED: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr,
+        INTERLEAVED: tl.constexpr, VALUE_OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_CODES: tl.constexpr,
+        GROUP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO_OFFSET: tl.constexpr,
+        G_IDX: tl.constexpr, GLOBAL: tl.constexpr, W_ALIGN: tl.constexpr, S_ALIGN: tl.constexpr,
+        Z_ALIGN: tl.constexpr, MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr, DENSE_DT: tl.constexpr,
+        DOT_DT: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8_NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         """out [n, N, K] in DENSE_DT: W of the rows ``rows_ptr`` [n] lists, one program per
         (listed row, column tile, input tile)."""
@@ -283,9 +295,9 @@ if HAVE_TRITON:
         mask_k = offs_k < Kdim
         row = tl.load(rows_ptr + i).to(tl.int64)
         w_col, w_shift, s_col, z_col, z_shift, g_col, glob = _columns(
-            row, offs_n, mask_n, w_addr, s_addr, z_addr, g_addr, gs_addr, Kdim, source_rows, scale_rows_per_source,
-            zero_words_per_source, w_stride_n, s_stride_n, z_stride_n, W_DT, S_DT, PACKED, PER_WORD, BITS,
-            INTERLEAVED, BLOCK_ROWS, HAS_SCALE, HAS_ZERO, G_IDX, GLOBAL)
+            row, offs_n, mask_n, w_base, w_off, s_base, s_off, z_base, z_off, g_base, g_off, gs_base, gs_off, Kdim,
+            source_rows, scale_rows_per_source, zero_words_per_source, w_stride_n, s_stride_n, z_stride_n, PACKED,
+            PER_WORD, BITS, INTERLEAVED, BLOCK_ROWS, HAS_SCALE, HAS_ZERO, G_IDX, GLOBAL, W_ALIGN, S_ALIGN, Z_ALIGN)
         w = _weight_tile(k0, offs_k, mask_k, mask_n, Kdim, w_col, w_shift, s_col, z_col, z_shift, g_col, glob,
                          w_stride_k, s_stride_k, z_stride_k, CODES, PACKED, PER_WORD, BITS, VALUE_OFFSET,
                          SCALE_CODES, GROUP_K, HAS_ZERO, ZERO_OFFSET, G_IDX, GLOBAL, MUL_DT, ROUND_DT, DENSE_DT,
