@@ -41,7 +41,7 @@ from typing import Callable, Mapping
 import torch
 
 from pagedexperts.formats.packing import WeightPacking, scale_rows_per_source
-from pagedexperts.paging.kernels._triton import INTERPRETED, tl, triton
+from pagedexperts.paging.kernels._triton import check_backend, tl, triton
 from pagedexperts.paging.kernels.fused_align import Alignment, align_reference, align_triton
 from pagedexperts.paging.kernels.fused_moe_kernel import (CODES, GLOBAL_SCALES, PACKED_DIMS, SCALE_CODES,
                                                           dequantize_kernel, fused_moe_gemm_kernel)
@@ -50,11 +50,13 @@ ALIGN_BACKENDS = {"triton": align_triton, "torch": align_reference}
 
 
 def _tl_dtype(dtype: torch.dtype):
-    """The Triton element type a row of ``dtype`` is read as (float8 and E8M0 as raw bytes)."""
-    table = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
-             torch.int32: tl.int32, torch.int8: tl.int8, torch.uint8: tl.uint8, torch.float8_e4m3fn: tl.uint8}
+    """The Triton type of a float dtype a packing computes in (dense, multiply, round).
+
+    Raises:
+        ValueError: not float32, float16 or bfloat16."""
+    table = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
     if dtype not in table:
-        raise ValueError(f"fused kernels read no {dtype} rows; supported: {list(table)}")
+        raise ValueError(f"fused kernels compute in no {dtype}; supported: {list(table)}")
     return table[dtype]
 
 
@@ -200,13 +202,13 @@ class KernelTarget:
         """The target for tensors on ``device``.
 
         Raises:
-            ValueError: a CPU device without ``TRITON_INTERPRET=1`` at import (names it)."""
+            ValueError: triton missing, or a CPU device without ``TRITON_INTERPRET=1`` at import
+                (``check_backend``'s message)."""
         device = torch.device(device)
+        check_backend("triton", device)
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
             return cls(10 * major + minor)
-        if not INTERPRETED:
-            raise ValueError("fused kernels on a CPU device run only under TRITON_INTERPRET=1 (tests)")
         return cls(0)
 
     def constexprs(self, packing: WeightPacking) -> dict:
