@@ -174,9 +174,9 @@ def prefill_bench(args, prompts: int, repeats: int = 5) -> dict:
     import torch
 
     from pagedexperts import load_model
-    from pagedexperts.serving.sampling import SamplingParams
-    from pagedexperts.serving.scheduler import BatchScheduler
-    from pagedexperts.serving.scheduler_config import SchedulerConfig
+    from pagedexperts.engine.sampling import SamplingParams
+    from pagedexperts.engine.scheduler import BatchScheduler
+    from pagedexperts.engine.scheduler_config import SchedulerConfig
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

@@ -32,10 +32,10 @@ import torch
 
 from pagedexperts import load_model
 from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.serving.scheduler import BatchScheduler
-from pagedexperts.serving.scheduler_config import SchedulerConfig
-from pagedexperts.serving.speculation import speculative_config
-from pagedexperts.serving.draft import save_truncated_draft
+from pagedexperts.engine.scheduler import BatchScheduler
+from pagedexperts.engine.scheduler_config import SchedulerConfig
+from pagedexperts.engine.speculative.config import speculative_config
+from pagedexperts.engine.speculative.draft import save_truncated_draft
 
 PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo", "First Citizen:\nBefore we proceed any further", "KING HENRY:"]
 # early-exit: the target's first layers; self: the draft is the target itself (the acceptance bound)

@@ -202,9 +202,9 @@ def speculative_acceptance(teacher_dir: Path, draft_dirs: dict[str, str], prompt
     output equals plain greedy decoding's."""
     from pagedexperts import load_model
     from pagedexperts.generation.config import SamplingConfig
-    from pagedexperts.serving.scheduler import BatchScheduler
-    from pagedexperts.serving.scheduler_config import SchedulerConfig
-    from pagedexperts.serving.speculation import speculative_config
+    from pagedexperts.engine.scheduler import BatchScheduler
+    from pagedexperts.engine.scheduler_config import SchedulerConfig
+    from pagedexperts.engine.speculative.config import speculative_config
 
     model, tokenizer = load_model(teacher_dir)
 
@@ -375,7 +375,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedexperts.serving.draft import save_truncated_draft
+    from pagedexperts.engine.speculative.draft import save_truncated_draft
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

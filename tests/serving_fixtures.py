@@ -32,8 +32,8 @@ from pagedexperts.generation.config import SamplingConfig  # noqa: E402
 from pagedexperts.serving.api_server import create_app  # noqa: E402
 from pagedexperts.serving.connections import uvicorn_config  # noqa: E402
 from pagedexperts.serving.handlers import ServeConfig  # noqa: E402
-from pagedexperts.serving.scheduler import BatchScheduler  # noqa: E402
-from pagedexperts.serving.scheduler_config import SchedulerConfig  # noqa: E402
+from pagedexperts.engine.scheduler import BatchScheduler  # noqa: E402
+from pagedexperts.engine.scheduler_config import SchedulerConfig  # noqa: E402
 
 MODEL_PATH = Path(os.environ.get("PAGEDEXPERTS_TEST_MODEL") or bundled_model_path())
 NAME = "tiny"

@@ -14,10 +14,10 @@ import pytest
 from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
                               ref, run_schedule, schedule, torch)
 from serving_fixtures import assert_scored_prompt
-from pagedexperts.serving.chunked_prefill import Segment, keep_new_kv, pack, packed_mask, plan_chunks
-from pagedexperts.serving.sampling import SamplingParams
-from pagedexperts.serving.scheduler import BatchScheduler
-from pagedexperts.serving.scheduler_config import SchedulerConfig
+from pagedexperts.engine.chunked_prefill import Segment, keep_new_kv, pack, packed_mask, plan_chunks
+from pagedexperts.engine.sampling import SamplingParams
+from pagedexperts.engine.scheduler import BatchScheduler
+from pagedexperts.engine.scheduler_config import SchedulerConfig
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
 

@@ -300,8 +300,8 @@ def test_a_lost_shard_fails_the_served_request_and_the_next_one(tmp_path):
     """The server's batch scheduler: the step raises DiskReadError, the request finishes with
     reason "error" naming the file, and the scheduler keeps serving (no hang)."""
     from pagedexperts.generation.config import SamplingConfig
-    from pagedexperts.serving.scheduler import BatchScheduler
-    from pagedexperts.serving.scheduler_config import SchedulerConfig
+    from pagedexperts.engine.scheduler import BatchScheduler
+    from pagedexperts.engine.scheduler_config import SchedulerConfig
 
     path = copy_dir(pagedexperts.bundled_model_path(), tmp_path / "model")
     model, tokenizer = pagedexperts.load_model(path, num_resident=4, host_memory_gb=0.01)

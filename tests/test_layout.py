@@ -1,7 +1,8 @@
 """The package's layout and its one-definition concepts (issue 19).
 
 - Layering: each subpackage imports only those below it (README "Layout"), read from the
-  source (AST), module- and function-level imports alike.
+  source (AST), module- and function-level imports alike; ``engine`` (no HTTP) below ``serving``,
+  and ``generate`` on the engine alone.
 - One configuration check reports every problem at once (options and model together).
 - One quantile: the disk tier's p50/p99 equal the host times' nearest rank on the same samples.
 - One read-back parse: top-k ids, prediction and padding rows out of one transfer.
@@ -24,7 +25,7 @@ from pagedexperts.stats.times import TimeDistribution
 PACKAGE = Path(pagedexperts.__file__).parent
 # bottom first: a module may import its own layer and the layers before it
 LAYERS = ("formats", "residency", "stats", "models", "storage", "paging", "integration", "loading",
-          "analysis", "generation", "serving", "tools", "commands", "cli")
+          "analysis", "generation", "engine", "serving", "tools", "commands", "cli")
 
 
 def _layer(module: str) -> int | None:
@@ -58,6 +59,14 @@ def test_every_subpackage_imports_only_those_below_it():
                 upward.append(f"{name} imports {imported}")
     assert upward == []
 
+
+
+def test_generate_runs_on_the_engine_without_the_http_server():
+    """``generate --speculative`` goes through the engine's scheduler, never the HTTP package
+    (issue 28): the server extra stays optional for ``generate``."""
+    serving = sorted(m for m in _imports(PACKAGE / "commands" / "generate.py") if m.startswith("pagedexperts.serving"))
+    engine = [m for m in _imports(PACKAGE / "commands" / "generate.py") if m.startswith("pagedexperts.engine")]
+    assert serving == [] and engine != []
 
 def test_the_package_root_holds_at_most_ten_modules():
     root = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")

@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from pagedexperts.serving import protocol  # noqa: E402
-from pagedexperts.serving.isolation import RequestFault, check_inputs  # noqa: E402
-from pagedexperts.serving.schemas import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
-from pagedexperts.serving.sampling import SamplingParams  # noqa: E402
+from pagedexperts.serving import validation  # noqa: E402
+from pagedexperts.engine.isolation import RequestFault, check_inputs  # noqa: E402
+from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
+from pagedexperts.engine.sampling import SamplingParams  # noqa: E402
 
 V = 512  # vocabulary size (more than the 300 logit_bias entries allowed)
 CONTEXT = 64
@@ -37,7 +37,7 @@ class CharTokenizer:
 
 
 def _prepare(body):
-    return protocol.prepare(body, CharTokenizer(), context_length=CONTEXT, vocab_size=V)
+    return validation.prepare(body, CharTokenizer(), context_length=CONTEXT, vocab_size=V)
 
 
 def _completion(**kw):
@@ -48,29 +48,29 @@ def _chat(**kw):
     return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **kw)
 
 
-M, S = protocol.MAX_STOP_STRINGS, protocol.MAX_STOP_CHARS
+M, S = validation.MAX_STOP_STRINGS, validation.MAX_STOP_CHARS
 # (param, body at the limit, body one past it)
 BOUNDS = [
     ("logit_bias", _completion(logit_bias={str(V - 1): 1}), _completion(logit_bias={str(V): 1})),
     ("logit_bias", _completion(logit_bias={"0": 1}), _completion(logit_bias={"-1": 1})),
-    ("logit_bias", _completion(logit_bias={str(i): 1 for i in range(protocol.MAX_LOGIT_BIAS_ENTRIES)}),
-     _completion(logit_bias={str(i): 1 for i in range(protocol.MAX_LOGIT_BIAS_ENTRIES + 1)})),
+    ("logit_bias", _completion(logit_bias={str(i): 1 for i in range(validation.MAX_LOGIT_BIAS_ENTRIES)}),
+     _completion(logit_bias={str(i): 1 for i in range(validation.MAX_LOGIT_BIAS_ENTRIES + 1)})),
     ("logit_bias", _completion(logit_bias={"1": 100}), _completion(logit_bias={"1": 100.001})),
     ("logit_bias", _completion(logit_bias={"1": -100}), _completion(logit_bias={"1": -100.001})),
     ("prompt", _completion(prompt=[V - 1, 0]), _completion(prompt=[V, 0])),
     ("prompt", _completion(prompt=[[1], [0]]), _completion(prompt=[[1], [-1]])),
     ("prompt", _completion(prompt=[1] * (CONTEXT - 1), max_tokens=1), _completion(prompt=[1] * CONTEXT)),
-    ("prompt", _completion(prompt=["x"] * protocol.MAX_SEQUENCES), _completion(prompt=["x"] * (protocol.MAX_SEQUENCES + 1))),
+    ("prompt", _completion(prompt=["x"] * validation.MAX_SEQUENCES), _completion(prompt=["x"] * (validation.MAX_SEQUENCES + 1))),
     ("stop", _completion(stop=["s"] * M), _completion(stop=["s"] * (M + 1))),
     ("stop", _completion(stop="s" * S), _completion(stop="s" * (S + 1))),
-    ("n", _completion(n=protocol.MAX_N), _completion(n=protocol.MAX_N + 1)),
+    ("n", _completion(n=validation.MAX_N), _completion(n=validation.MAX_N + 1)),
     ("n", _completion(n=1), _completion(n=0)),
     ("n", _completion(prompt=["x"] * 4, n=16), _completion(prompt=["x"] * 5, n=13)),  # 64, then 65 sequences
-    ("top_logprobs", _chat(logprobs=True, top_logprobs=protocol.MAX_LOGPROBS),
-     _chat(logprobs=True, top_logprobs=protocol.MAX_LOGPROBS + 1)),
+    ("top_logprobs", _chat(logprobs=True, top_logprobs=validation.MAX_LOGPROBS),
+     _chat(logprobs=True, top_logprobs=validation.MAX_LOGPROBS + 1)),
     ("top_logprobs", _chat(logprobs=True, top_logprobs=0), _chat(logprobs=True, top_logprobs=-1)),
-    ("logprobs", _completion(logprobs=protocol.MAX_LOGPROBS), _completion(logprobs=protocol.MAX_LOGPROBS + 1)),
-    ("temperature", _completion(temperature=protocol.MAX_TEMPERATURE), _completion(temperature=2.001)),
+    ("logprobs", _completion(logprobs=validation.MAX_LOGPROBS), _completion(logprobs=validation.MAX_LOGPROBS + 1)),
+    ("temperature", _completion(temperature=validation.MAX_TEMPERATURE), _completion(temperature=2.001)),
     ("presence_penalty", _completion(presence_penalty=-2), _completion(presence_penalty=-2.001)),
     ("frequency_penalty", _completion(frequency_penalty=2), _completion(frequency_penalty=2.001)),
     ("max_tokens", _completion(prompt="x" * 10, max_tokens=CONTEXT - 10), _completion(prompt="x" * 10, max_tokens=CONTEXT - 9)),

@@ -22,9 +22,9 @@ import pytest
 from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, PROMPTS, httpx, one_thread, ref,  # noqa: F401
                               serve)
 from pagedexperts.serving.handlers import ServeConfig
-from pagedexperts.serving.sampling import SamplingParams
-from pagedexperts.serving.scheduler import BatchScheduler
-from pagedexperts.serving.scheduler_config import SchedulerConfig
+from pagedexperts.engine.sampling import SamplingParams
+from pagedexperts.engine.scheduler import BatchScheduler
+from pagedexperts.engine.scheduler_config import SchedulerConfig
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
 MAX_NEW = 8
@@ -126,7 +126,7 @@ def test_a_fault_in_one_speculative_verification_fails_it_alone(ref, point, chun
     strikes inside the acceptance rule): the other three produce plain decoding's tokens.
     Chunked: the budget prefills the first two prompts in step 1, so the fault strikes in a
     step that packs the bad request's verification with the other prompts' chunks."""
-    from pagedexperts.serving.speculation import speculative_config
+    from pagedexperts.engine.speculative.config import speculative_config
 
     model, tokenizer = ref
     prompts = PROMPTS[:4]

@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from pagedexperts.serving import admission, protocol, schemas  # noqa: E402
-from pagedexperts.serving.schemas import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
+from pagedexperts.serving import admission, protocol, validation  # noqa: E402
+from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest  # noqa: E402
 
 CONTEXT = 64
 
@@ -24,11 +24,11 @@ class NoTokenizer:
 
 
 def _prepare(body, tokenizer=None):
-    return protocol.prepare(body, tokenizer or NoTokenizer(), context_length=CONTEXT, vocab_size=100)
+    return validation.prepare(body, tokenizer or NoTokenizer(), context_length=CONTEXT, vocab_size=100)
 
 
 def test_oversized_prompt_refused_before_tokenizing():
-    limit = CONTEXT * protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    limit = CONTEXT * validation.MAX_PROMPT_BYTES_PER_TOKEN
     with pytest.raises(ApiError, match="bytes, more than any prompt") as e:
         _prepare(CompletionRequest(model="m", prompt="x" * (limit + 1)))
     assert e.value.code == "context_length_exceeded"
@@ -60,17 +60,17 @@ def test_ranges_checked_before_any_tokenizing():
 
 
 def test_default_body_limit_grows_with_the_context():
-    assert admission.default_max_body_bytes(512) == 2**20 + 8 * 512 * protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    assert admission.default_max_body_bytes(512) == 2**20 + 8 * 512 * validation.MAX_PROMPT_BYTES_PER_TOKEN
     assert 5 * 10**6 > admission.default_max_body_bytes(512)
 
 
 def test_cli_defaults_match_the_library():
     """commands/serve.py repeats two constants so that --help needs no torch import."""
     from pagedexperts.commands import serve
-    from pagedexperts.serving.scheduler_config import DEFAULT_MAX_PREFILL_TOKENS
+    from pagedexperts.engine.scheduler_config import DEFAULT_MAX_PREFILL_TOKENS
 
     assert serve.DEFAULT_MAX_PREFILL_TOKENS == DEFAULT_MAX_PREFILL_TOKENS
-    assert serve.MAX_PROMPT_BYTES_PER_TOKEN == protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    assert serve.MAX_PROMPT_BYTES_PER_TOKEN == validation.MAX_PROMPT_BYTES_PER_TOKEN
     from pagedexperts.serving import connections
 
     assert serve.DEFAULT_HEADER_TIMEOUT_S == connections.DEFAULT_HEADER_TIMEOUT_S
@@ -114,7 +114,7 @@ def test_levels_are_gauges_sums_are_counters(name, gauge):
 
 def test_chat_bound_is_on_all_messages_together():
     """Each message under the byte bound, all of them over it: refused before the template."""
-    limit = CONTEXT * protocol.MAX_PROMPT_BYTES_PER_TOKEN
+    limit = CONTEXT * validation.MAX_PROMPT_BYTES_PER_TOKEN
     messages = [{"role": "user", "content": "y" * (limit // 4)}] * 5
     with pytest.raises(ApiError, match="bytes, more than any prompt") as e:
         _prepare(ChatCompletionRequest(model="m", messages=messages))
@@ -129,8 +129,8 @@ def test_stream_options_without_stream_is_refused():
 
 
 def test_chat_message_name_reaches_the_template():
-    messages = [schemas.ChatMessage(role="user", content="hi", name="bob"), schemas.ChatMessage(role="user", content="x")]
-    assert protocol.chat_messages(messages) == [{"role": "user", "content": "hi", "name": "bob"},
+    messages = [protocol.ChatMessage(role="user", content="hi", name="bob"), protocol.ChatMessage(role="user", content="x")]
+    assert validation.chat_messages(messages) == [{"role": "user", "content": "hi", "name": "bob"},
                                                 {"role": "user", "content": "x"}]
 
 
@@ -154,11 +154,11 @@ ROUTER_RESPONSE = (b'{"input":"hi","max_output_tokens":5,"model":"tiny","store":
 def test_router_forwarded_defaults_pass_and_other_values_are_refused(raw, cls):
     import json
 
-    protocol.check_ranges(schemas.parse_request(raw, cls))
+    validation.check_ranges(protocol.parse_request(raw, cls))
     for name, value in (("ignore_eos", True), ("skip_special_tokens", False), ("no_stop_trim", True)):
-        body = schemas.parse_request(json.dumps({**json.loads(raw), name: value}).encode(), cls)
+        body = protocol.parse_request(json.dumps({**json.loads(raw), name: value}).encode(), cls)
         with pytest.raises(ApiError, match=f"unsupported field '{name}'") as e:
-            protocol.check_ranges(body)
+            validation.check_ranges(body)
         assert e.value.param == name
 
 
@@ -191,8 +191,8 @@ def test_max_tokens_zero_names_echo_only_where_the_endpoint_has_it(chat):
 
 
 @pytest.mark.parametrize("stop,needle", [("", "stop[0] has 0"), (["ok", ""], "stop[1] has 0"),
-                                         (["x" * (protocol.MAX_STOP_CHARS + 1)], f"stop[0] has {protocol.MAX_STOP_CHARS + 1}"),
-                                         (["a"] * (protocol.MAX_STOP_STRINGS + 1), f"got {protocol.MAX_STOP_STRINGS + 1}")])
+                                         (["x" * (validation.MAX_STOP_CHARS + 1)], f"stop[0] has {validation.MAX_STOP_CHARS + 1}"),
+                                         (["a"] * (validation.MAX_STOP_STRINGS + 1), f"got {validation.MAX_STOP_STRINGS + 1}")])
 def test_a_bad_stop_string_is_named(stop, needle):
     """The refusal says which stop string is wrong and why (it said 'got 1' for stop: "")."""
     with pytest.raises(ApiError, match=needle.replace("[", r"\[").replace("]", r"\]")) as e:
@@ -212,5 +212,5 @@ def test_a_value_of_the_wrong_type_is_refused_not_coerced(field, value):
     cls, base = ((ResponsesRequest, {"model": "m", "input": "x"}) if field == "max_output_tokens"
                  else (CompletionRequest, {"model": "m", "prompt": "x"}))
     with pytest.raises(ApiError) as e:
-        schemas.parse_request(json.dumps({**base, field: value}).encode(), cls)
+        protocol.parse_request(json.dumps({**base, field: value}).encode(), cls)
     assert e.value.param == field and e.value.status == 400, (e.value.param, e.value.message)

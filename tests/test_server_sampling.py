@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from pagedexperts.serving.sampling import (GREEDY_BELOW, IncrementalText, SamplingParams, adjusted_logits, sample,
+from pagedexperts.engine.sampling import (GREEDY_BELOW, IncrementalText, SamplingParams, adjusted_logits, sample,
                                            stop_cut, token_logprobs)
 
 CASES = [  # (full text, stop strings, what the client must get, stopped?)

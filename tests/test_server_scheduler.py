@@ -17,10 +17,10 @@ import pytest
 from serving_fixtures import (CONTEXT, HAVE_MODEL, MAX_TOKENS, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
                               ref, run_schedule, schedule, torch)
 from serving_fixtures import assert_scored_prompt
-from pagedexperts.serving.sampling import SamplingParams
-from pagedexperts.serving.batching import decode_mask, prefill_batches, prefill_inputs
-from pagedexperts.serving.scheduler import BatchScheduler
-from pagedexperts.serving.scheduler_config import QueueFull, SchedulerConfig, SchedulerStopped
+from pagedexperts.engine.sampling import SamplingParams
+from pagedexperts.engine.batching import decode_mask, prefill_batches, prefill_inputs
+from pagedexperts.engine.scheduler import BatchScheduler
+from pagedexperts.engine.scheduler_config import QueueFull, SchedulerConfig, SchedulerStopped
 
 LOGIT_ATOL = 1e-3
 

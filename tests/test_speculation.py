@@ -20,8 +20,10 @@ import math
 import pytest
 import torch
 
-from pagedexperts.serving.speculation import (MAX_NUM_SPECULATIVE_TOKENS, accept_greedy, accept_sampled,
-                                              ngram_propose, speculative_config, warped_probs)
+from pagedexperts.engine.sampling import warped_probs
+from pagedexperts.engine.speculative.acceptance import accept_greedy, accept_sampled
+from pagedexperts.engine.speculative.config import MAX_NUM_SPECULATIVE_TOKENS, speculative_config
+from pagedexperts.engine.speculative.proposers import ngram_propose
 
 V = 4
 LENGTH = 3  # tokens per sequence: V**3 = 64 outcomes

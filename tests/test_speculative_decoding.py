@@ -18,13 +18,13 @@ import pytest
 from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, one_thread, ref, torch)  # noqa: F401
 from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.generation.generate import generate_text
-from pagedexperts.serving.generate_one import speculative_generate_text
+from pagedexperts.engine.generate_one import speculative_generate_text
 from pagedexperts.serving.metrics import Metrics
-from pagedexperts.serving.scheduler import BatchScheduler
-from pagedexperts.serving.scheduler_config import SchedulerConfig
-from pagedexperts.serving.speculation import speculative_config
-from pagedexperts.serving.batching import forward_rows
-from pagedexperts.serving.draft import DraftState, load_draft, model_forward, save_truncated_draft
+from pagedexperts.engine.scheduler import BatchScheduler
+from pagedexperts.engine.scheduler_config import SchedulerConfig
+from pagedexperts.engine.speculative.config import speculative_config
+from pagedexperts.engine.batching import forward_rows
+from pagedexperts.engine.speculative.draft import DraftState, load_draft, model_forward, save_truncated_draft
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
 

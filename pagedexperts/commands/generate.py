@@ -86,7 +86,7 @@ def run(args) -> int:
     if speculative is None:
         result = generate_text(model, tokenizer, prompt, sampling, chat=args.chat, on_text=on_text)
     else:  # one request through the scheduler's speculative decode
-        from pagedexperts.serving.generate_one import speculative_generate_text
+        from pagedexperts.engine.generate_one import speculative_generate_text
 
         result = speculative_generate_text(model, tokenizer, prompt, sampling, speculative, chat=args.chat,
                                            on_text=on_text)

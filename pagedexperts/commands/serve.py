@@ -8,10 +8,10 @@ import sys
 from pagedexperts.commands.common import add_model_arguments, check_paging_flags, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
-DEFAULT_MAX_PREFILL_TOKENS = 2048  # = serving.scheduler_config.DEFAULT_MAX_PREFILL_TOKENS (not imported: building --help loads no serving module)
+DEFAULT_MAX_PREFILL_TOKENS = 2048  # = engine.scheduler_config.DEFAULT_MAX_PREFILL_TOKENS (not imported: building --help loads no engine or serving module)
 DEFAULT_HEADER_TIMEOUT_S = 5.0  # = serving.connections.DEFAULT_HEADER_TIMEOUT_S
 DEFAULT_MAX_CONNECTIONS = 1024  # = serving.connections.DEFAULT_MAX_CONNECTIONS
-MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.protocol.MAX_PROMPT_BYTES_PER_TOKEN
+MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.validation.MAX_PROMPT_BYTES_PER_TOKEN
 
 
 def add_parser(sub) -> None:

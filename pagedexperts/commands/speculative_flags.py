@@ -1,12 +1,12 @@
 """The speculative-decoding flags of ``generate`` and ``serve`` (``--speculative`` and its options).
 
-Owns the argparse group only; the checks are ``serving.speculation.speculative_config``'s.
+Owns the argparse group only; the checks are ``engine.speculative.config.speculative_config``'s.
 """
 
 from __future__ import annotations
 
-METHODS = ("ngram", "draft")  # = serving.speculation.METHODS (not imported here: torch)
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # = serving.speculation.DEFAULT_NUM_SPECULATIVE_TOKENS
+METHODS = ("ngram", "draft")  # = engine.speculative.config.METHODS (not imported here: torch)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # = engine.speculative.config.DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
 def add_speculative_arguments(parser) -> None:
@@ -28,13 +28,13 @@ def add_speculative_arguments(parser) -> None:
 def speculative_from_args(args):
     """The SpeculativeConfig of the flags, or None (ValueError naming the flag, before loading;
     a draft's vocabulary size is compared with --model-path's config.json here too)."""
-    from pagedexperts.serving.speculation import speculative_config
+    from pagedexperts.engine.speculative.config import speculative_config
 
     spec = speculative_config(args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                               draft_model_path=args.draft_model_path)
     if spec is not None and spec.draft_model_path is not None:
         from pagedexperts.loading.loader import read_checkpoint_config
-        from pagedexperts.serving.draft import check_draft_config
+        from pagedexperts.engine.speculative.draft import check_draft_config
 
         check_draft_config(spec.draft_model_path, read_checkpoint_config(args.model_path)[1])
     return spec

@@ -3,7 +3,7 @@
 Owns: ``SamplingConfig`` (max new tokens, temperature, top-p, seed, stop strings, validated with
 the flag each value comes from) and ``GREEDY``, the ``generate`` keywords of greedy decoding.
 Standard library only. Does not: sample (transformers' ``generate``; the server's
-``serving.sampling``) or generate text (``generation.generate``).
+``engine.sampling``) or generate text (``generation.generate``).
 """
 
 from __future__ import annotations

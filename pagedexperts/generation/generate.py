@@ -3,7 +3,7 @@
 Owns: one prompt -> streamed text through transformers' ``generate`` (sampling, stop
 strings and streaming are transformers'), the TTFT / decode tok/s measurement, the split of
 paging counters into prefill and decode, and the human-readable report. Does not: load
-models (``loading``), batch requests (``serving``), or page (``paging``).
+models (``loading``), batch requests (``engine``), or page (``paging``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class GenerationResult:
 
     ``paging`` holds ModelStats.as_dict() of the whole call; ``prefill`` and ``decode`` the
     totals of each phase (prefill = the forward over the prompt, decode = the rest).
-    ``speculative``: with --speculative, the acceptance counters (``speculation.SpeculativeStats``)
+    ``speculative``: with --speculative, the acceptance counters (``engine.speculative.config.SpeculativeStats``)
     and paging per generated token; empty otherwise. ``cuda_graphs``: how decode steps ran
     (``graphs.DecodeGraphs.summary`` when on; else enabled False and the reason).
     """

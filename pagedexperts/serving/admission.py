@@ -5,7 +5,7 @@ limit, both before routing and parsing: a body over the limit is read and droppe
 kept, and answered 413), ``error_response`` (every refusal as ``{"error": {"message", "type",
 "param", "code"}}``), and the refusals that several routes share (``shutting_down``: 503 +
 Retry-After; ``client_disconnected``: 499), and the default body limit. Does not: parse or validate a body
-(``protocol``), or count refusals (the caller's ``refuse`` does).
+(``validation``), or count refusals (the caller's ``refuse`` does).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import hmac
 
 from fastapi.responses import JSONResponse
 
-from pagedexperts.serving.protocol import MAX_PROMPT_BYTES_PER_TOKEN
-from pagedexperts.serving.schemas import ApiError
+from pagedexperts.serving.validation import MAX_PROMPT_BYTES_PER_TOKEN
+from pagedexperts.serving.protocol import ApiError
 
 RETRY_AFTER_S = 1  # Retry-After of 429 (queue full) and 503 (shutting down)
 MAX_DRAINED_BODY_BYTES = 64 * 2**20  # an oversized body is read and dropped up to this, then the connection closes

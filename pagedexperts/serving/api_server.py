@@ -9,7 +9,7 @@ ends every running and queued request at once (each stream still gets its final 
 ``[DONE]``) and stops uvicorn. Does not: handle a request itself (``handlers``).
 
 Chat prompts use the tokenizer's chat template; a tokenizer without one gets the plain
-template ``protocol.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
+template ``validation.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
 User, Assistant), then ``Assistant:``.
 """
 
@@ -24,11 +24,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedexperts.serving import schemas, worker_info
+from pagedexperts.serving import protocol, worker_info
 from pagedexperts.serving.admission import Admission, default_max_body_bytes, error_response
 from pagedexperts.serving.handlers import OpenAIServing, ServeConfig
-from pagedexperts.serving.schemas import ApiError
-from pagedexperts.serving.responses_events import ResponsesServing
+from pagedexperts.serving.protocol import ApiError
+from pagedexperts.serving.responses_api import ResponsesServing
 from pagedexperts.serving.connections import uvicorn_config
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def _error_handlers(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_types(request, exc: RequestValidationError):
-        return answer(request, schemas.type_error(list(exc.errors())))
+        return answer(request, protocol.type_error(list(exc.errors())))
 
     @app.exception_handler(Exception)
     async def crash(request, exc: Exception):

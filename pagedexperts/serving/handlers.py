@@ -12,8 +12,8 @@ shutdown (``begin_shutdown``: 503 + Retry-After to new requests, running ones ge
 Parsing, validation and tokenization run in a worker thread (``run_in_threadpool``), and
 detokenization on the scheduler thread: the event loop only moves bytes, so /health answers
 while a large request is refused. Does not: check the API key or the body size
-(``admission``), validate (``protocol``), sample or batch (``scheduler``), shape bodies
-(``responses``; the Responses API: ``responses_api``, ``responses_events``), declare the routes (``api_server``),
+(``admission``), validate (``validation``), sample or batch (``engine.scheduler``), shape bodies
+(``bodies``; the Responses API: ``responses_api``), declare the routes (``api_server``),
 or load models (``loader``).
 """
 
@@ -29,14 +29,14 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from pagedexperts.serving import protocol, responses, schemas
+from pagedexperts.serving import bodies, protocol, validation
 from pagedexperts.serving.admission import RETRY_AFTER_S, client_disconnected, shutting_down
 from pagedexperts.serving.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from pagedexperts.serving.metrics import Metrics
-from pagedexperts.serving.schemas import ApiError, ChatCompletionRequest, CompletionRequest
-from pagedexperts.serving.speculation import SpeculativeConfig
-from pagedexperts.serving.scheduler import BatchScheduler
-from pagedexperts.serving.scheduler_config import (DEFAULT_MAX_PREFILL_TOKENS, QueueFull, SchedulerConfig,
+from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from pagedexperts.engine.speculative.config import SpeculativeConfig
+from pagedexperts.engine.scheduler import BatchScheduler
+from pagedexperts.engine.scheduler_config import (DEFAULT_MAX_PREFILL_TOKENS, QueueFull, SchedulerConfig,
                                                    SchedulerStopped)
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class ServeConfig:
     ``api_key``: when set, /v1/* needs ``Authorization: Bearer <key>``. ``shutdown_timeout_s``:
     how long running requests may finish after SIGTERM. ``record_trace``: .npz path.
     ``model_path``: the checkpoint directory, reported to a router (``/server_info``).
-    ``speculative``: a ``speculation.SpeculativeConfig`` (--speculative), None = plain decoding.
+    ``speculative``: an ``engine.speculative.config.SpeculativeConfig`` (--speculative), None = plain decoding.
     ``chunked_prefill``: prompt chunks share the decode forward (``SchedulerConfig``).
     ``header_timeout_s``, ``max_connections``: connection limits (``connections``).
     """
@@ -89,10 +89,10 @@ class _Exchange:
     """One HTTP generation request in flight: its sequences, their choices, its event queue."""
 
     endpoint: str
-    prepared: protocol.Prepared
+    prepared: validation.Prepared
     queue: asyncio.Queue
     head: dict
-    choices: list[responses.Choice]
+    choices: list[bodies.Choice]
     reqs: list = field(default_factory=list)
     unfinished: int = 0
     outcome: str = "ok"
@@ -124,16 +124,16 @@ class OpenAIServing:
 
     # ---- admission (worker thread) ----
 
-    def admit(self, raw: bytes, chat: bool) -> protocol.Prepared:
+    def admit(self, raw: bytes, chat: bool) -> validation.Prepared:
         """Parse, check and tokenize a completions / chat body; raises ApiError (runs off the event loop)."""
-        return self.admit_body(schemas.parse_request(raw, ChatCompletionRequest if chat else CompletionRequest))
+        return self.admit_body(protocol.parse_request(raw, ChatCompletionRequest if chat else CompletionRequest))
 
-    def admit_body(self, body) -> protocol.Prepared:
+    def admit_body(self, body) -> validation.Prepared:
         """Check and tokenize a parsed completions / chat request; raises ApiError, also for
         more sequences (prompts x n) than ``max_queued_requests``: such a request could never
         be queued, so it is a 400, not a 429 to retry."""
-        protocol.check_model(body, self.config.served_model_name)
-        prepared = protocol.prepare(body, self.tokenizer, context_length=self.config.context_length,
+        validation.check_model(body, self.config.served_model_name)
+        prepared = validation.prepare(body, self.tokenizer, context_length=self.config.context_length,
                                     vocab_size=self.vocab_size)
         cap, needed = self.config.max_queued_requests, len(prepared.sequences)
         if cap is not None and needed > cap:
@@ -167,10 +167,10 @@ class OpenAIServing:
             raise shutting_down()
         return self._submit(endpoint, prepared)
 
-    def _submit(self, endpoint: str, prepared: protocol.Prepared) -> _Exchange:
+    def _submit(self, endpoint: str, prepared: validation.Prepared) -> _Exchange:
         loop = asyncio.get_running_loop()
         created = int(time.time())
-        ex = _Exchange(endpoint, prepared, asyncio.Queue(), {}, [responses.Choice(i) for i in
+        ex = _Exchange(endpoint, prepared, asyncio.Queue(), {}, [bodies.Choice(i) for i in
                                                                 range(len(prepared.sequences))])
         items = []
         for i, params in enumerate(prepared.sequences):
@@ -224,7 +224,7 @@ class OpenAIServing:
         return text, entries
 
     def _usage(self, ex: _Exchange) -> dict:
-        return responses.usage(sum(len(p) for p in ex.prepared.prompt_ids), sum(c.completion_tokens for c in ex.choices))
+        return bodies.usage(sum(len(p) for p in ex.prepared.prompt_ids), sum(c.completion_tokens for c in ex.choices))
 
     async def finished(self, ex: _Exchange, http: HttpRequest) -> Response | None:
         """Wait until every choice of ``ex`` has finished (cancelled at once if the client
@@ -260,7 +260,7 @@ class OpenAIServing:
         logprobs = ex.prepared.sequences[0].logprobs is not None
         obj = "chat.completion" if ex.chat else "text_completion"
         return {**ex.head, "object": obj, "usage": self._usage(ex),
-                "choices": [responses.choice_body(c, chat=ex.chat, logprobs=logprobs) for c in ex.choices]}
+                "choices": [bodies.choice_body(c, chat=ex.chat, logprobs=logprobs) for c in ex.choices]}
 
     async def _watch_disconnect(self, http: HttpRequest, ex: _Exchange) -> None:
         """Cancel the request's sequences as soon as the client disconnects (the body is read,
@@ -296,9 +296,9 @@ class OpenAIServing:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(c, text, entries, finish, first=False):
-            choice = responses.chunk_choice(c, text, entries, finish, chat=chat, logprobs=logprobs, first=first)
+            choice = bodies.chunk_choice(c, text, entries, finish, chat=chat, logprobs=logprobs, first=first)
             usage = {"usage": None} if p.include_usage else {}  # OpenAI: null until the final usage chunk
-            return responses.sse({**ex.head, "object": obj, "choices": [choice], **usage})
+            return bodies.sse({**ex.head, "object": obj, "choices": [choice], **usage})
 
         try:
             if chat:
@@ -306,20 +306,20 @@ class OpenAIServing:
                     yield chunk(c, "", [], None, first=True)
             async for c, text, entries, event in self.events(ex):
                 if event.finish_reason in ("error", "abort", "cancelled"):
-                    yield responses.sse(self._stream_error(c, event))
+                    yield bodies.sse(self._stream_error(c, event))
                     continue
                 if text or entries:
                     yield chunk(c, text, entries, None)
                 if event.finish_reason is not None:
                     yield chunk(c, "", [], event.finish_reason)
             if p.include_usage:
-                yield responses.sse({**ex.head, "object": obj, "choices": [], "usage": self._usage(ex)})
-            yield responses.sse("[DONE]")
+                yield bodies.sse({**ex.head, "object": obj, "choices": [], "usage": self._usage(ex)})
+            yield bodies.sse("[DONE]")
         finally:  # the client left: the events generator may not be closed yet
             self.cancel_unfinished(ex)
 
     @staticmethod
-    def _stream_error(c: responses.Choice, event) -> dict:
+    def _stream_error(c: bodies.Choice, event) -> dict:
         code = {"abort": "server_shutting_down", "cancelled": "cancelled"}.get(event.finish_reason, "generation_failed")
         what = {"abort": "cut", "cancelled": "cancelled"}.get(event.finish_reason, "failed")
         return {"error": {"message": f"generation of choice {c.index} {what} after {event.completion_tokens} tokens: "

@@ -8,7 +8,8 @@ finish), and scrape-time values read from the scheduler and from every MoE layer
 ``*_mean``, ``*_p50``, ``*_p99_s``: gauges), so a counter added to ``pagedexperts.stats.accounting``
 shows up without a change here; the per-step host time distributions (``LayerStats.times``)
 are histograms (``paging_time_histograms``); with a disk tier, its host and disk counters per
-layer (``pagedexperts_host_hits``, ``pagedexperts_disk_reads``, ...). The historical names
+layer (``pagedexperts_host_hits``, ``pagedexperts_disk_reads``, ...); with speculative decoding, its
+counters (``speculative_metrics``, ``pagedexperts_spec_decode_*``). The historical names
 (``pagedexperts_expert_hits`` ...) stay as aliases.
 
 Does not: decide anything; it only counts.
@@ -17,6 +18,8 @@ Does not: decide anything; it only counts.
 from __future__ import annotations
 
 import re
+
+from pagedexperts.engine.speculative.config import SpeculativeStats
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -101,8 +104,6 @@ class _LiveCollector:
             kind = GaugeMetricFamily if GAUGE_NAME.search(name) else CounterMetricFamily
             yield kind(PREFIX + name, f"Scheduler: {name.replace('_', ' ')}", value=getattr(s.stats, name))
         if s.speculative is not None:
-            from pagedexperts.serving.speculative import speculative_metrics
-
             yield from speculative_metrics(s.speculative.stats, PREFIX)
         layers = sorted((i, pager.stats) for i, pager in rt.pagers.items())
         if not layers:
@@ -152,3 +153,21 @@ def paging_time_histograms(stats, prefix: str = PREFIX):
     for kind, dist in stats.time_histograms().items():
         yield HistogramMetricFamily(prefix + names[kind], f"Time of {TIMED[kind]} per MoE layer-step",
                                     buckets=dist.cumulative(), sum_value=dist.sum_s)
+
+
+def speculative_metrics(stats: SpeculativeStats, prefix: str):
+    """Prometheus families of ``stats`` (names after vLLM's ``spec_decode_*``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield CounterMetricFamily(prefix + "spec_decode_num_drafts", "Verification steps (one per request per forward)",
+                              value=stats.steps)
+    yield CounterMetricFamily(prefix + "spec_decode_num_draft_tokens", "Tokens proposed", value=stats.proposed)
+    yield CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens", "Proposals accepted", value=stats.accepted)
+    yield CounterMetricFamily(prefix + "spec_decode_num_emitted_tokens", "Tokens produced by verification steps",
+                              value=stats.emitted)
+    yield CounterMetricFamily(prefix + "spec_decode_num_padded_tokens", "Query positions padding a verification batch",
+                              value=stats.padded)
+    yield GaugeMetricFamily(prefix + "spec_decode_acceptance_rate", "Accepted / proposed since the start",
+                            value=stats.acceptance_rate)
+    yield GaugeMetricFamily(prefix + "spec_decode_mean_accepted_per_step", "Accepted proposals per verification step",
+                            value=stats.mean_accepted_per_step)

@@ -1,269 +1,151 @@
-"""The OpenAI wire protocol as served here: the limits and the one validation.
+"""The OpenAI protocol as served here: the request bodies, and parsing them in OpenAI's error shape.
 
-Owns: the limits as named constants and ``prepare`` (a parsed request, ``schemas``, -> token
-ids and per-sequence sampling, every range checked, refusals as ``schemas.ApiError``); it
-runs in a worker thread, never on the event loop.
+Owns: the pydantic request models of /v1/completions and /v1/chat/completions (unknown
+fields are refused, never ignored; fields of the API not implemented are declared to be
+refused by name, ``UNSUPPORTED``), ``ApiError`` (a refusal: HTTP status, OpenAI error
+``code``, the offending ``param``), and ``parse_request`` (raw body -> model; bad JSON, a
+wrong type, an unknown field -> ApiError naming it). Runs in a worker thread, never on the
+event loop.
 
-Admission order (cheap checks first, no work before them): the body size (``app``), the
-JSON and its types, the model name, every range, the prompt's BYTES against
-``context_length x MAX_PROMPT_BYTES_PER_TOKEN`` (so an oversized prompt is refused without
-tokenizing it), then tokenization and the token counts.
-
-Does not: declare the request bodies or parse JSON (``schemas``), sample, batch, or build
-responses (``responses``).
+Does not: check ranges or tokenize (``validation``), or build responses (``bodies``).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from typing import Any, Literal
 
-from pagedexperts.serving.sampling import GREEDY_BELOW, SamplingParams
-from pagedexperts.serving.schemas import SGLANG_DEFAULTS, UNSUPPORTED, ApiError, ChatCompletionRequest, ChatMessage
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-DEFAULT_MAX_TOKENS = 128  # when a request gives none (capped by what the context leaves)
-MAX_TEMPERATURE = 2.0
-MAX_PENALTY = 2.0  # presence / frequency penalty range [-2, 2] (OpenAI's)
-MAX_LOGIT_BIAS = 100.0  # bias range [-100, 100] (OpenAI's)
-MAX_LOGIT_BIAS_ENTRIES = 300
-MAX_LOGPROBS = 20  # completions ``logprobs`` and chat ``top_logprobs`` (OpenAI chat's and vLLM's max)
-MAX_STOP_STRINGS = 16  # vLLM takes any number; bounded here (the stop scan runs every token)
-MAX_STOP_CHARS = 256
-MAX_N = 16
-MAX_SEQUENCES = 64  # prompts x n of one request
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
-MAX_PROMPT_BYTES_PER_TOKEN = 32  # generous: byte-level BPE averages ~4 bytes per token
-PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}Assistant:"
-
-@dataclass(frozen=True)
-class Prepared:
-    """A validated request: its prompts (ids and text, for echo), one SamplingParams per
-    sequence (prompts x n, prompt-major), and how to answer."""
-
-    prompt_ids: list[list[int]]
-    prompt_texts: list[str]
-    sequences: list[SamplingParams]
-    n: int
-    echo: bool
-    stream: bool
-    include_usage: bool
+# Fields of the OpenAI API this server does not implement; sent with a non-default value they
+# are refused (400 naming the field) instead of being ignored.
+UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
+               "function_call": "function calling", "parallel_tool_calls": "tool calling",
+               "response_format": "structured output", "best_of": "best_of", "suffix": "suffix (insertion)",
+               "audio": "audio output", "modalities": "non-text output", "prediction": "predicted outputs",
+               "reasoning_effort": "reasoning models", "web_search_options": "web search",
+               "min_p": "min_p sampling", "top_k": "top_k sampling", "repetition_penalty": "repetition_penalty"}
+# SGLang's extension fields that sglang-router and vllm-router add at their defaults to each request they
+# forward (watched on loopback): only the defaults pass. The reasoning flags change nothing without a parser.
+SGLANG_DEFAULTS = {"no_stop_trim": (None, False), "ignore_eos": (None, False), "skip_special_tokens": (None, True),
+                   "return_hidden_states": (None, False), "continue_final_message": (None, False)}
 
 
-def check_model(body, served_model_name: str) -> None:
-    """Raises ApiError 404 (``model_not_found``) for a model name not served here."""
-    if body.model != served_model_name:
-        raise ApiError(f"The model {body.model!r} does not exist; this server serves {served_model_name!r} "
-                       "(GET /v1/models)", param="model", status=404, code="model_not_found")
+class ApiError(Exception):
+    """A request the server refuses: HTTP status, message, OpenAI error code, offending param.
+
+    ``code`` is one of a small fixed set (it labels the refusal counter in /metrics);
+    ``headers`` are added to the response (``Retry-After``).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str = "invalid_value",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
 
 
-def _in_range(value, low, high, param: str, *, note: str = "") -> None:
-    """Raises ApiError unless ``value`` is None or a finite number in [low, high]."""
-    if value is None:
-        return
-    if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
-        raise ApiError(f"{param} must be in [{low}, {high}]{note}, got {value}", param=param)
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool | None = False
 
 
-def _refuse_unsupported(body) -> None:
-    """Declared fields of the API that are not implemented: only their default passes."""
-    defaults = {"best_of": (None, body.n or 1), "suffix": (None, ""), "tools": (None, []),
-                "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
-                "response_format": (None, {"type": "text"}), **SGLANG_DEFAULTS}
-    for name, allowed in defaults.items():
-        if name in type(body).model_fields and getattr(body, name) not in allowed:
-            raise ApiError(f"unsupported field {name!r}: {UNSUPPORTED.get(name, name)} is not supported by this server "
-                           f"(got {getattr(body, name)!r})", param=name, code="unsupported_field")
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for abuse monitoring in OpenAI's API; no effect on output
+    no_stop_trim: bool | None = None  # SGLANG_DEFAULTS
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
 
 
-def _utf8(text: str, param: str) -> None:
-    """Raises ApiError for text that is not valid Unicode (a lone surrogate such as \\ud800)."""
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # other part types are refused by name in chat_messages
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant turn's calls: only none ([] or null) is accepted
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    continue_final_message: bool | None = None  # SGLANG_DEFAULTS
+    separate_reasoning: bool | None = None  # these three: no effect (no reasoning parser)
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None  # vllm-router adds it
+
+
+def parse_request(raw: bytes, model_cls: type[BaseModel]) -> BaseModel:
+    """The request model of a raw JSON body.
+
+    Raises:
+        ApiError: the body is not UTF-8 JSON, a field has the wrong type, or a field is
+            unknown or unsupported (named in the message).
+    """
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ApiError(f"{param} is not valid Unicode: {exc.reason} at character {exc.start} "
-                       f"({text[exc.start:exc.end]!r})", param=param, code="invalid_unicode") from None
+        return model_cls.model_validate_json(raw)
+    except ValidationError as exc:
+        raise type_error(exc.errors()) from None
 
 
-def check_ranges(body) -> tuple[str, ...]:
-    """Every option's range (no tokenizer needed); returns the stop strings.
-
-    Raises:
-        ApiError: the first option out of range, naming it, its range and its value.
-    """
-    _refuse_unsupported(body)
-    if body.stream_options is not None and not body.stream:
-        raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
-    _in_range(body.temperature, 0, MAX_TEMPERATURE, "temperature",
-              note=f"; below {GREEDY_BELOW:g} it samples greedily")
-    if body.top_p is not None and not (math.isfinite(body.top_p) and 0 < body.top_p <= 1):
-        raise ApiError(f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
-    _in_range(body.seed, *SEED_RANGE, "seed")
-    _in_range(body.n, 1, MAX_N, "n")
-    _in_range(body.presence_penalty, -MAX_PENALTY, MAX_PENALTY, "presence_penalty")
-    _in_range(body.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, "frequency_penalty")
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ApiError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
-    for i, s in enumerate(stop):
-        if not s or len(s) > MAX_STOP_CHARS:
-            raise ApiError(f"stop strings must be non-empty and at most {MAX_STOP_CHARS} characters; stop[{i}] "
-                           f"has {len(s)}", param="stop")
-    for s in stop:
-        _utf8(s, "stop")
-    if isinstance(body, ChatCompletionRequest):
-        _in_range(body.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
-    else:
-        _in_range(body.logprobs, 0, MAX_LOGPROBS, "logprobs")
-    return stop
+def _field_path(loc) -> str:
+    """A pydantic error location without its union-branch tags ('str', 'list[int]', 'TextPart')."""
+    names = [str(x) for x in loc if isinstance(x, int) or not (x in _TYPE_TAGS or "[" in str(x) or str(x)[:1].isupper())]
+    return ".".join(names)
 
 
-def logit_bias(body, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """``logit_bias`` as (token id, bias) pairs; raises ApiError for a bad id or bias."""
-    pairs = []
-    entries = body.logit_bias or {}
-    if len(entries) > MAX_LOGIT_BIAS_ENTRIES:
-        raise ApiError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(entries)}",
-                       param="logit_bias")
-    for key, bias in entries.items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
-            raise ApiError(f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}", param="logit_bias")
-        _in_range(bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, "logit_bias")
-        pairs.append((int(key), float(bias)))
-    return tuple(pairs)
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before", "body"}
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template takes them: ``developer`` as ``system``, text parts
-    joined with newlines (as vLLM does), an assistant's null content as "", ``name`` passed
-    on when given (as vLLM does; a template may use it).
-
-    Raises:
-        ApiError: no messages, a non-text content part, a null content outside assistant.
-    """
-    if not messages:
-        raise ApiError("messages must not be empty", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise ApiError(f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) "
-                                   f"are supported, got type {part.type!r}", param=f"messages.{i}.content.{j}",
-                                   code="unsupported_field")
-            content = "\n".join(part.text for part in content)
-        if m.tool_calls:
-            raise ApiError(f"unsupported field 'messages.{i}.tool_calls': tool calling is not supported by this "
-                           "server (an empty list is accepted)", param=f"messages.{i}.tool_calls",
-                           code="unsupported_field")
-        if content is None:
-            if m.role != "assistant":
-                raise ApiError(f"messages[{i}].content may be null only for role 'assistant'",
-                               param=f"messages.{i}.content")
-            content = ""
-        _utf8(content, f"messages.{i}.content")
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content,
-                    **({"name": m.name} if m.name is not None else {})})
-    return out
-
-
-def chat_prompt(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of a conversation (the tokenizer's template, else PLAIN_CHAT_TEMPLATE)."""
-    template = None if getattr(tokenizer, "chat_template", None) else PLAIN_CHAT_TEMPLATE
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
-
-
-def _max_prompt_bytes(context_length: int) -> int:
-    return context_length * MAX_PROMPT_BYTES_PER_TOKEN
-
-
-def _check_bytes(texts: list[str], param: str, context_length: int) -> None:
-    """Refuse, before tokenizing, text longer than any prompt that could fit the context."""
-    limit = _max_prompt_bytes(context_length)
-    for text in texts:
-        _utf8(text, param)
-        if len(text) > limit or len(text.encode("utf-8")) > limit:  # len(text) first: no copy when huge
-            raise ApiError(f"{param} is {len(text.encode('utf-8'))} bytes, more than any prompt that fits the "
-                           f"context: {context_length} tokens (--context-length) x {MAX_PROMPT_BYTES_PER_TOKEN} bytes",
-                           param=param, code="context_length_exceeded")
-
-
-def prompt_inputs(body, tokenizer, context_length: int, vocab_size: int) -> tuple[list[list[int]], list[str], str]:
-    """(prompt ids per prompt, prompt texts, the param name) of a completions or chat body.
-
-    Completions prompts: a string, a list of strings, a list of token ids, or a list of
-    lists of token ids. Raises ApiError for an empty prompt, a token id outside the
-    vocabulary, or a prompt too long for the context (bytes before tokenizing, then tokens).
-    """
-    if isinstance(body, ChatCompletionRequest):
-        messages = chat_messages(body.messages)
-        _check_bytes(["".join(m["content"] for m in messages)], "messages", context_length)  # all together
-        texts, param = [chat_prompt(tokenizer, messages)], "messages"
-        ids = [tokenizer(t)["input_ids"] for t in texts]
-    else:
-        prompt, param = body.prompt, "prompt"
-        prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
-        if not prompts or len(prompts) > MAX_SEQUENCES:
-            raise ApiError(f"prompt must hold 1 to {MAX_SEQUENCES} prompts, got {len(prompts)}", param=param)
-        if isinstance(prompts[0], str):
-            _check_bytes(prompts, param, context_length)
-            texts, ids = prompts, [tokenizer(t)["input_ids"] if t else [] for t in prompts]
-        else:
-            for p in prompts:
-                if len(p) >= context_length:
-                    break  # refused below, before decoding it
-                if any(not 0 <= t < vocab_size for t in p):
-                    raise ApiError(f"prompt token ids must be in [0, {vocab_size}) (the vocabulary)", param=param)
-            ids = [list(p) for p in prompts]
-            texts = [tokenizer.decode(p) if len(p) < context_length else "" for p in ids]
-    for p in ids:
-        if not p:
-            raise ApiError(f"{param} must not be empty", param=param)
-        if len(p) >= context_length:
-            raise ApiError(f"{param} is {len(p)} tokens; the context length is {context_length} (--context-length), "
-                           "leaving no room to generate", param=param, code="context_length_exceeded")
-    return ids, texts, param
-
-
-def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepared:
-    """Check a parsed request against the server's limits and tokenize its prompts.
-
-    ``context_length``: longest prompt + completion in tokens; ``vocab_size``: token ids
-    must be below it. Raises ApiError naming the first field out of range.
-    """
-    stop = check_ranges(body)
-    bias = logit_bias(body, vocab_size)
-    chat = isinstance(body, ChatCompletionRequest)
-    echo = bool(getattr(body, "echo", False))
-    max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is not None and (max_tokens < 0 or (max_tokens == 0 and not echo)):
-        hint = "" if chat else " (0 only with echo, to score the prompt)"  # chat (and responses) have no echo
-        raise ApiError(f"max_tokens must be > 0{hint}, got {max_tokens}", param="max_tokens")
-    ids, texts, _ = prompt_inputs(body, tokenizer, context_length, vocab_size)
-    longest = max(len(p) for p in ids)
-    room = context_length - longest
-    if max_tokens is not None and max_tokens > room:
-        raise ApiError(f"max_tokens {max_tokens} + prompt {longest} tokens exceed the context length "
-                       f"{context_length} (--context-length); ask for at most {room}",
-                       param="max_tokens", code="context_length_exceeded")
-    n = body.n or 1
-    if len(ids) * n > MAX_SEQUENCES:
-        raise ApiError(f"prompts x n = {len(ids)} x {n} sequences; at most {MAX_SEQUENCES} per request", param="n")
-    if chat:
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    else:
-        logprobs = body.logprobs
-    sequences = []
-    for p in ids:
-        for j in range(n):
-            sequences.append(SamplingParams(
-                max_new_tokens=max_tokens if max_tokens is not None else min(DEFAULT_MAX_TOKENS, context_length - len(p)),
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                seed=None if body.seed is None else (body.seed + j) % 2**64, stop=stop,
-                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                logit_bias=bias, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None))
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(ids, texts, sequences, n, echo, bool(body.stream), include_usage)
+def type_error(errors: list[dict]) -> ApiError:
+    """One ApiError for pydantic's errors: bad JSON, an unknown or unsupported field, a bad type."""
+    first = errors[0] if errors else {}
+    where, kind = _field_path(first.get("loc", ())), first.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}",
+                        code="invalid_json")
+    other = [e for e in errors if e.get("type") != "extra_forbidden"]
+    if not other:
+        extra = errors[0]
+        where = _field_path(extra["loc"])
+        what = UNSUPPORTED.get(where.split(".")[-1])
+        why = f"{what} is not supported by this server" if what else "this field is not part of the API served here"
+        return ApiError(f"unsupported field {where!r}: {why}", param=where, code="unsupported_field")
+    first = other[0]
+    where = _field_path(first.get("loc", ()))
+    forms = sum(1 for e in other if _field_path(e.get("loc", ())) == where)
+    alternatives = f" (none of its {forms} accepted forms matched)" if forms > 1 else ""
+    return ApiError(f"{where or 'request body'}: {first.get('msg', 'invalid request')}{alternatives}",
+                    param=where or None, code="invalid_type")

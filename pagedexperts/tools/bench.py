@@ -7,7 +7,7 @@ and spreads. Modes: ``plain`` (transformers' own model, nothing of this package 
 what a user runs when the model fits) and the loader's (``paging.baselines``): resident, paged at each
 K, offload, cpu-experts. Concurrency c is c prompts decoded together in one batch.
 Does not: read prompt files (``tools.prompts``), define the modes (``paging.baselines``), write the table, JSON and PNG (``commands.bench``),
-or schedule a server (``serving``).
+or schedule a server (``engine``, ``serving``).
 
 Method. The checkpoint is loaded once for the paged model (each mode re-attaches runners over
 the same host stores, ``repage``) and once as the plain model. Round r runs every mode once,

@@ -7,7 +7,7 @@ batched draft forward per proposed token, with the draft's own KV buffers per re
 calls) and ``save_truncated_draft`` (a crude draft: the target's first layers).
 
 Legend: n proposals per request, V vocabulary, D head dim. Does not: verify proposals or
-decide acceptance (``speculative``, ``speculation``), or page anything: the draft is not paged.
+decide acceptance (``decoder``, ``acceptance``), or page anything: the draft is not paged.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.serving.batching import forward_rows
-from pagedexperts.serving.speculation import Proposal, SpeculativeConfig, context_of, warped_probs
+from pagedexperts.engine.batching import forward_rows
+from pagedexperts.engine.sampling import warped_probs
+from pagedexperts.engine.speculative.config import SpeculativeConfig
+from pagedexperts.engine.speculative.proposers import Proposal, context_of
 
 DRAFT_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                     "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.serving.sampling import IncrementalText, SamplingParams, TokenLogprob
+from pagedexperts.engine.sampling import IncrementalText, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,23 @@ from typing import Callable
 import torch
 
 from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.serving.speculation import warped_probs
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see the module docstring)
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def warped_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """softmax(logits / temperature) over the smallest top_p nucleus, float32 [V] (logits [V],
+    any float dtype; temperature > 0). ``sample`` draws from exactly this, and
+    speculative decoding's acceptance rule compares against it."""
+    scaled = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = torch.cumsum(probs, dim=-1) - probs > top_p  # always keeps the first
+        scaled = scaled.clone()
+        scaled[order[drop]] = float("-inf")
+    return torch.softmax(scaled, dim=-1)
 
 
 @dataclass(frozen=True)

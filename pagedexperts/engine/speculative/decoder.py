@@ -6,12 +6,13 @@ B running requests, ``batching.forward_rows``), ``segments`` (a chunked-prefill 
 decode's segment carries its proposals, packed with the prompt chunks into the step's one
 forward, ``chunked_prefill``) and ``verify`` (one request's acceptance, rollback and
 tokens, run per request under ``isolation.each_isolated``: a fault in one request's
-verification fails that request alone); the Prometheus families of its counters.
+verification fails that request alone). Its counters reach /metrics through
+``serving.metrics.speculative_metrics``.
 
 One step: each decoding request proposes n_i <= n tokens (n = ``--num-speculative-tokens``,
-fewer near max_tokens; ``speculation.NgramProposer`` or ``draft.DraftProposer``); the
+fewer near max_tokens; ``proposers.NgramProposer`` or ``draft.DraftProposer``); the
 step's forward computes [last token, d_1..d_n_i] per request and caches all 1 + n_i keys
-and values; the acceptance rule (``speculation``) keeps m_i proposals and adds one token;
+and values; the acceptance rule (``acceptance``) keeps m_i proposals and adds one token;
 the request's KV ``length`` is then cropped by the n_i - m_i rejected proposals (the
 rollback: their keys and values past ``length`` are overwritten by the next step). The
 emitted tokens go through the scheduler's ``_accept`` one by one (stop strings, end of
@@ -23,20 +24,21 @@ pager counts it as one step like any forward. The draft model is not paged. With
 prefill, the proposals come on top of ``--max-prefill-tokens`` (the budget of prompt tokens).
 
 Legend: B requests, W = max n_i + 1 query positions, S cached tokens (S_max the longest),
-V vocabulary. Does not: schedule requests, or decide acceptance (``speculation``).
+V vocabulary. Does not: schedule requests, or decide acceptance (``acceptance``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedexperts.serving.batching import forward_rows
-from pagedexperts.serving.chunked_prefill import Segment
-from pagedexperts.serving.draft import DraftProposer, load_draft
-from pagedexperts.serving.isolation import each_isolated
-from pagedexperts.serving.sampling import adjusted_logits
-from pagedexperts.serving.speculation import (NgramProposer, Proposal, Proposer, SpeculativeConfig, SpeculativeStats,
-                                              Verdict, accept_greedy, accept_sampled, context_of, warped_probs)
+from pagedexperts.engine.batching import forward_rows
+from pagedexperts.engine.chunked_prefill import Segment
+from pagedexperts.engine.isolation import each_isolated
+from pagedexperts.engine.sampling import adjusted_logits, warped_probs
+from pagedexperts.engine.speculative.acceptance import Verdict, accept_greedy, accept_sampled
+from pagedexperts.engine.speculative.config import SpeculativeConfig, SpeculativeStats
+from pagedexperts.engine.speculative.draft import DraftProposer, load_draft
+from pagedexperts.engine.speculative.proposers import NgramProposer, Proposal, Proposer, context_of
 
 
 class SpeculativeDecoder:
@@ -114,21 +116,3 @@ class SpeculativeDecoder:
             return accept_greedy([int(torch.argmax(x)) for x in rows], d)
         p = torch.stack([warped_probs(x, params.temperature, params.top_p) for x in rows])
         return accept_sampled(p, d, proposal.q, req.generator)
-
-
-def speculative_metrics(stats: SpeculativeStats, prefix: str):
-    """Prometheus families of ``stats`` (names after vLLM's ``spec_decode_*``)."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    yield CounterMetricFamily(prefix + "spec_decode_num_drafts", "Verification steps (one per request per forward)",
-                              value=stats.steps)
-    yield CounterMetricFamily(prefix + "spec_decode_num_draft_tokens", "Tokens proposed", value=stats.proposed)
-    yield CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens", "Proposals accepted", value=stats.accepted)
-    yield CounterMetricFamily(prefix + "spec_decode_num_emitted_tokens", "Tokens produced by verification steps",
-                              value=stats.emitted)
-    yield CounterMetricFamily(prefix + "spec_decode_num_padded_tokens", "Query positions padding a verification batch",
-                              value=stats.padded)
-    yield GaugeMetricFamily(prefix + "spec_decode_acceptance_rate", "Accepted / proposed since the start",
-                            value=stats.acceptance_rate)
-    yield GaugeMetricFamily(prefix + "spec_decode_mean_accepted_per_step", "Accepted proposals per verification step",
-                            value=stats.mean_accepted_per_step)

@@ -6,12 +6,12 @@ context), and ``each_isolated`` (run a per-request piece of a step, preparing, s
 detokenizing, stopping or reporting, for each request on its own, so an exception in one
 fails that one and the loop goes on with the next).
 
-The HTTP layer validates the same bounds first (``protocol``: a 400 before any work); the
+The HTTP layer validates the same bounds first (``serving.validation``: a 400 before any work); the
 checks here guard the scheduler's own callers and any bound the validation gets wrong: an id
 equal to the vocabulary size once passed validation and then, raised on the scheduler thread,
 failed every request of its forward.
 
-Does not: validate requests for clients (``protocol``), or retry a failed forward (an error in
+Does not: validate requests for clients (``serving.validation``), or retry a failed forward (an error in
 the model's forward itself fails every request of that forward; nothing per-request can be
 blamed for it).
 """

@@ -16,7 +16,7 @@ request alone decodes unpadded, with no mask, exactly like ``model.generate``. W
 prefill, admitted prompts are prefilled in forwards of their own first (left-padded, at most
 ``max_prefill_tokens`` padded tokens each; prompts to score in batches of their own).
 
-Speculative decoding (``speculative``: a ``SpeculativeDecoder``) takes every step's decodes,
+Speculative decoding (``speculative.decoder``: a ``SpeculativeDecoder``) takes every step's decodes,
 with chunked prefill on or off: in a packed step each decode's segment carries its proposals
 (1 + n_i tokens, all rows kept), in a decode-only step they are verified in the padded decode
 forward; each request's verification and its tokens run per request like sampling.
@@ -29,7 +29,7 @@ in a forward itself fails the requests of that forward.
 Legend: B requests in a forward, P prompt tokens (P_max the longest of a batch), S cached
 tokens, T tokens of a packed step, V vocabulary, D head dim.
 
-Does not: speak HTTP or validate requests (``protocol``), or know about paging: paging is
+Does not: speak HTTP or validate requests (``serving.validation``), or know about paging: paging is
 the model's own business, and its counters are read by whoever exports them.
 """
 
@@ -46,13 +46,13 @@ from typing import Callable
 import torch
 
 from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.serving.batching import forward_rows, prefill_batches, prefill_inputs
-from pagedexperts.serving.chunked_prefill import MASK_FORMS, Segment, keep_new_kv, pack, step_segments
-from pagedexperts.serving.isolation import check_inputs, each_isolated
-from pagedexperts.serving.sampling import IncrementalText, SamplingParams, TokenLogprob, sample, token_logprobs
-from pagedexperts.serving.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
-from pagedexperts.serving.sequence import Event, Request, eos_ids, keep_kv, seeded_generator
-from pagedexperts.serving.speculative import SpeculativeDecoder
+from pagedexperts.engine.batching import forward_rows, prefill_batches, prefill_inputs
+from pagedexperts.engine.chunked_prefill import MASK_FORMS, Segment, keep_new_kv, pack, step_segments
+from pagedexperts.engine.isolation import check_inputs, each_isolated
+from pagedexperts.engine.sampling import IncrementalText, SamplingParams, TokenLogprob, sample, token_logprobs
+from pagedexperts.engine.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
+from pagedexperts.engine.sequence import Event, Request, eos_ids, keep_kv, seeded_generator
+from pagedexperts.engine.speculative.decoder import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 

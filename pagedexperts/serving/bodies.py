@@ -1,4 +1,5 @@
-"""OpenAI response bodies: completions and chat, whole and as server-sent-event chunks.
+"""OpenAI response bodies of completions and chat, whole and as server-sent-event chunks (the
+Responses API's are ``responses_api``'s).
 
 Owns: the JSON shape of choices, usage and logprobs (completions' ``tokens`` /
 ``token_logprobs`` / ``top_logprobs`` / ``text_offset``; chat's ``content`` list of
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from pagedexperts.serving.sampling import TokenLogprob
+from pagedexperts.engine.sampling import TokenLogprob
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 
 class CachedRow(Protocol):
     """A sequence with per-layer KV buffers [kv_heads, capacity, D] of which ``length`` are
-    filled (the scheduler's ``sequence.Request``, a draft model's ``draft.DraftState``)."""
+    filled (the scheduler's ``sequence.Request``, a draft model's ``speculative.draft.DraftState``)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]

@@ -10,7 +10,7 @@ Differences from the plain ``generate_text`` path (transformers' ``generate``): 
 are cut from the text (as the server does), and sampling draws from the scheduler's
 per-request generator seeded with ``--seed`` (same distribution, another random stream).
 
-Does not: load models, or decide acceptance (``speculation``).
+Does not: load models, or decide acceptance (``speculative.acceptance``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Callable
 
 from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.generation.generate import GenerationResult, _difference, _totals, build_prompt
-from pagedexperts.serving.scheduler import BatchScheduler
-from pagedexperts.serving.scheduler_config import SchedulerConfig
-from pagedexperts.serving.speculation import SpeculativeConfig
+from pagedexperts.engine.scheduler import BatchScheduler
+from pagedexperts.engine.scheduler_config import SchedulerConfig
+from pagedexperts.engine.speculative.config import SpeculativeConfig
 
 
 def speculative_generate_text(model, tokenizer, prompt: str, sampling: SamplingConfig,

@@ -1,0 +1,16 @@
+"""The engine: generation requests batched continuously on one thread, apart from HTTP.
+
+- ``sampling``: per-sequence options, logit processing, the next token, logprobs, stop cut;
+- ``sequence``: one sequence's state inside the scheduler (``Request``, ``Event``);
+- ``batching``: padding sequences into one forward (left-padded prefill, decode cache and masks,
+  ``forward_rows``);
+- ``chunked_prefill``: prompt chunks and decodes packed into one forward (positions, 4D mask);
+- ``isolation``: one bad request fails itself alone (``check_inputs``, ``each_isolated``);
+- ``scheduler_config`` / ``scheduler``: continuous batching on one thread (its limits, counters);
+- ``speculative``: speculative decoding (``config``, ``proposers``, ``acceptance``, ``draft``,
+  ``decoder``: verification inside the scheduler's steps);
+- ``generate_one``: ``generate --speculative``, one request through the scheduler.
+
+Does not: speak HTTP, validate clients' requests or shape their answers (``pagedexperts.serving``),
+or page experts (``pagedexperts.paging``, below the model). Needs torch only.
+"""
