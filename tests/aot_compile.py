@@ -1,138 +1,158 @@
-"""Ahead-of-time compilation of a Triton kernel for a CUDA arch, without a GPU: registers, spills.
+"""Ahead-of-time compile of a Triton kernel for a GPU architecture, without a GPU.
 
 ``compile_for_arch`` runs ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``
-(Triton lowers to PTX and runs its bundled ``ptxas``; no driver is touched) and reads the
-cubin's resource usage with the bundled ``cuobjdump``: ``n_regs`` registers per thread and
-``n_spills`` bytes of local memory per thread, which is where ptxas puts spilled registers
-(what Triton itself reports as ``n_spills``: the function's LOCAL_SIZE_BYTES). Triton caches
-compiles on disk (``~/.triton/cache``), so a second run only reads the cubins.
+(what the JIT does at a launch, for a given signature and constants) and reads the compiled
+kernel's registers and spills from ``ptxas -v`` over its PTX (run by Triton's own
+``make_cubin``: the ptxas and flags Triton compiles with). Nothing touches a GPU or a CUDA
+driver: it runs in the CPU suite. Results are cached for the test session
+(``functools.cache``); Triton's on-disk cache, and the ptxas figures kept beside each kernel
+in it, make a later session fast. Under the Triton interpreter the compiles run in a worker
+process without it (``compile_for_arch``). Used by tests/test_kernels_aot.py and the
+fused-kernel tests.
 
-Under ``TRITON_INTERPRET=1`` (the CPU test runs: conftest sets it before triton is imported)
-every ``@triton.jit`` function, Triton's own ``tl.sum`` / ``tl.cumsum`` included, is an
-interpreter function that cannot be compiled. The compile then runs in one worker process
-started without the variable (kept for the session, fed one JSON request per line; it exits
-when this process closes its stdin), which imports the kernel's module by name.
+Signature types are Triton's: "*i64", "*bf16", "i32", "constexpr"; a pointer hinted
+"*i64:16" is compiled as 16-byte aligned (what the launcher specialises an aligned tensor to;
+unhinted pointers compile without that assumption).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
-import importlib
+import hashlib
+import io
 import json
+import multiprocessing
 import os
 import re
-import subprocess
-import sys
-import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class CompiledInfo:
-    """Per-thread registers and spill (local memory) bytes of one kernel compiled for ``arch``."""
+    """One compiled kernel: ``n_regs`` registers per thread, ``n_spills`` bytes of spill
+    stores per thread (ptxas's "bytes spill stores"), ``arch`` (80, 89, 90), ``spill_loads``
+    bytes of spill loads, ``shared`` bytes of shared memory (Triton's metadata), ``name``."""
 
     n_regs: int
     n_spills: int
     arch: int
+    spill_loads: int = 0
+    shared: int = 0
+    name: str = ""
 
 
-def _cuobjdump() -> str:
-    from triton.backends.nvidia import compiler
+def compile_for_arch(kernel, *, signature: dict[str, str], constexprs: dict, arch: int,
+                     num_warps: int = 4, num_stages: int = 3) -> CompiledInfo:
+    """Compile ``kernel`` (a module-level ``@triton.jit`` function) for ``sm_{arch}``.
 
-    return os.path.join(os.path.dirname(compiler.__file__), "bin", "cuobjdump")
+    Under ``TRITON_INTERPRET=1`` (the CPU suite: conftest sets it) Triton's code generator
+    cannot run in this process (the interpreter takes over ``tl``'s builders), so the compile
+    runs in one worker process started without it (spawned once per session).
+
+    Args:
+        signature: every argument's type by name ("constexpr" for those in ``constexprs``).
+        constexprs: the compile-time constants by name.
+        arch: compute capability x 10 (80 A100, 89 L4/4090, 90 H100/H200).
+
+    Raises:
+        triton.CompilationError (or RuntimeError from ptxas): the kernel does not compile.
+    """
+    fn = getattr(kernel, "fn", kernel)
+    return _cached((fn.__module__, fn.__name__, tuple(signature.items()), tuple(constexprs.items()), arch,
+                    num_warps, num_stages))
 
 
-def resource_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers, local bytes) of the one function in ``cubin``, from ``cuobjdump``."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    regs, local = re.search(r"REG:(\d+)", text), re.search(r"LOCAL:(\d+)", text)
-    if not regs or not local:
-        raise RuntimeError(f"no resource usage in cuobjdump's output: {text!r}")
-    return int(regs.group(1)), int(local.group(1))
+def jit_of(kernel):
+    """The ``JITFunction`` of ``kernel`` with its decorator's arguments (``do_not_specialize``
+    ...): the kernel itself, or under ``TRITON_INTERPRET=1`` one built from its Python function."""
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(kernel, JITFunction):
+        return kernel
+    return JITFunction(kernel.fn, **getattr(kernel, "kwargs", {}))
 
 
-def _compile_here(fn, signature: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int,
-                  divisible: list[str]) -> tuple[int, int]:
+@functools.cache
+def _cached(request: tuple) -> CompiledInfo:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _worker().submit(_compile, request).result()
+    return _compile(request)
+
+
+@functools.cache
+def _worker() -> ProcessPoolExecutor:
+    """One spawned process (the interpreter switched off before anything imports triton)."""
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_no_interpreter)
+
+
+def _no_interpreter() -> None:
+    os.environ.pop("TRITON_INTERPRET", None)
+
+
+def _compile(request: tuple) -> CompiledInfo:
+    """``compile_for_arch`` in a process where the kernel is a real ``JITFunction``."""
+    import importlib
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    full = {name: signature.get(name, "constexpr") for name in fn.arg_names}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    source = ASTSource(fn=fn, signature=full, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    return resource_usage(compiled.asm["cubin"])
+    module, name, signature_items, constexpr_items, arch, num_warps, num_stages = request
+    kernel = getattr(importlib.import_module(module), name)
+    signature, constexprs = dict(signature_items), dict(constexpr_items)
+    attrs = {(list(signature).index(arg),): [["tt.divisibility", 16]]
+             for arg, ty in signature.items() if ty.endswith(":16")}
+    types = {arg: ty.split(":")[0] for arg, ty in signature.items()}
+    compiled = triton.compile(ASTSource(kernel, types, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    return _cached_usage(compiled, arch, num_warps, num_stages)
 
 
-def _encode(value):
-    import triton.language as tl
+def _cached_usage(compiled, arch: int, num_warps: int, num_stages: int) -> CompiledInfo:
+    """Registers and spills of ``compiled``, kept in Triton's cache beside the kernel (keyed
+    by its hash): a later session reads them instead of running ptxas again."""
+    from triton.runtime.cache import get_cache_manager
 
-    return {"dtype": value.name} if isinstance(value, tl.dtype) else value
-
-
-def _decode(value):
-    import triton.language as tl
-
-    return tl.dtype(value["dtype"]) if isinstance(value, dict) else value
-
-
-@functools.cache
-def _worker() -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), env.get("PYTHONPATH")]))
-    return subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    cache = get_cache_manager(hashlib.sha256(f"aot-usage-{compiled.metadata.hash}".encode()).hexdigest())
+    found = cache.get_file("usage.json")
+    if found is not None:
+        with open(found) as f:
+            return CompiledInfo(**json.load(f))
+    log = _ptxas_log(compiled.asm["ptx"], arch, num_warps, num_stages)
+    info = _usage(log, arch, compiled.metadata.name, compiled.metadata.shared)
+    cache.put(json.dumps(dataclasses.asdict(info)), "usage.json", binary=False)
+    return info
 
 
-def compile_for_arch(kernel, *, signature: dict[str, str], constexprs: dict, arch: int, num_warps: int = 4,
-                     num_stages: int = 3, divisible: tuple[str, ...] = ()) -> CompiledInfo:
-    """Compile ``kernel`` (a ``@triton.jit`` function of an importable module) for sm_``arch``.
+def _ptxas_log(ptx: str, arch: int, num_warps: int, num_stages: int) -> str:
+    """``ptxas -v`` output for ``ptx``, run by Triton's own ``make_cubin`` (its ptxas, its
+    flags) with its ``dump_ptxas_log`` knob on (Triton's cache skips ptxas on a hit)."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
 
-    ``signature``: every non-constexpr parameter -> its Triton type ("*bf16", "*i64", "i32");
-    ``constexprs``: every constexpr parameter -> its value (ints, bools, strings, None, tl dtypes);
-    ``divisible``: parameters known to be multiples of 16 (pointers 16-byte aligned, ints), as
-    Triton's launcher specialises them at run time.
-
-    Raises:
-        RuntimeError: the kernel does not compile for ``arch`` (the compiler's message)."""
-    import triton
-
-    if not triton.knobs.runtime.interpret:
-        return CompiledInfo(*_compile_here(kernel, signature, constexprs, arch, num_warps, num_stages, list(divisible)),
-                            arch)
-    request = dict(module=kernel.fn.__module__, name=kernel.fn.__name__, signature=signature,
-                   constexprs={k: _encode(v) for k, v in constexprs.items()}, arch=arch, num_warps=num_warps,
-                   num_stages=num_stages, divisible=list(divisible))
-    worker = _worker()
-    worker.stdin.write(json.dumps(request) + "\n")
-    worker.stdin.flush()
-    reply = json.loads(worker.stdout.readline() or '{"error": "the compile worker exited"}')
-    if "error" in reply:
-        raise RuntimeError(f"{kernel.fn.__name__} does not compile for sm_{arch}:\n{reply['error']}")
-    return CompiledInfo(reply["n_regs"], reply["n_spills"], arch)
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    opt = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages))
+    before, knobs.nvidia.dump_ptxas_log = knobs.nvidia.dump_ptxas_log, True
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            backend.make_cubin(ptx, {}, opt, arch)
+    finally:
+        knobs.nvidia.dump_ptxas_log = before
+    return out.getvalue()
 
 
-def _serve() -> None:
-    """The worker: one JSON request per stdin line -> one JSON reply per stdout line."""
-    import traceback
-
-    replies, sys.stdout = sys.stdout, sys.stderr  # anything the compiler prints stays off the reply channel
-    for line in sys.stdin:
-        r = json.loads(line)
-        try:
-            fn = getattr(importlib.import_module(r["module"]), r["name"])
-            regs, spills = _compile_here(fn, r["signature"], {k: _decode(v) for k, v in r["constexprs"].items()},
-                                         r["arch"], r["num_warps"], r["num_stages"], r["divisible"])
-            reply = {"n_regs": regs, "n_spills": spills}
-        except Exception:  # noqa: BLE001 (sent back to the test, which raises it)
-            reply = {"error": traceback.format_exc()}
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
-
-
-if __name__ == "__main__":
-    _serve()
+def _usage(log: str, arch: int, name: str, shared: int) -> CompiledInfo:
+    """Registers and spills from a ``ptxas -v`` log ("Used N registers", "N bytes spill
+    stores, M bytes spill loads")."""
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs is None or spills is None:
+        raise RuntimeError(f"no register count in the ptxas -v output for {name} on sm_{arch}: {log[-2000:]}")
+    return CompiledInfo(n_regs=int(regs.group(1)), n_spills=int(spills.group(1)), arch=arch,
+                        spill_loads=int(spills.group(2)), shared=shared, name=name)

@@ -82,21 +82,20 @@ def case_for(name: str, shape: str) -> FormatCase:
     return FormatCase(name, fmt, dtype, transposed=transposed, hidden=hidden, intermediate=inter)
 
 
-def specialised(launch) -> tuple[dict[str, str], dict, tuple[str, ...]]:
-    """(signature, constexprs, divisible) of a launch as Triton's launcher specialises it: ints
-    equal to 1 become constexprs, 16-byte aligned pointers and ints that are multiples of 16 are
-    marked divisible, the rest typed ("*bf16", "i32")."""
-    sig, constexprs, divisible = {}, dict(launch.constexprs), []
+def specialised(kernel, launch) -> tuple[dict[str, str], dict]:
+    """(signature of every argument in the kernel's order, constexprs) of a launch as Triton's
+    launcher specialises it: ints equal to 1 become constexprs, 16-byte aligned pointers and
+    ints that are multiples of 16 are hinted ":16", the rest typed ("*bf16", "i32")."""
+    constexprs = dict(launch.constexprs)
+    types = {}
     for name, v in launch.args.items():
         if isinstance(v, torch.Tensor):
-            sig[name] = "*" + TRITON_TYPES[v.dtype]
-            divisible += [name] if v.data_ptr() % 16 == 0 else []
+            types[name] = "*" + TRITON_TYPES[v.dtype] + (":16" if v.data_ptr() % 16 == 0 else "")
         elif v == 1:
             constexprs[name] = 1
         else:
-            sig[name] = "i32" if abs(v) < 2**31 else "i64"
-            divisible += [name] if v % 16 == 0 else []
-    return sig, constexprs, tuple(divisible)
+            types[name] = ("i32" if abs(v) < 2**31 else "i64") + (":16" if v % 16 == 0 else "")
+    return {name: types.get(name, "constexpr") for name in kernel.arg_names}, constexprs
 
 
 def gemm_launches(case: FormatCase, num_tokens: int, arch: int):
@@ -124,9 +123,9 @@ def gemm_launches(case: FormatCase, num_tokens: int, arch: int):
 def compile_launch(kernel, launch, arch: int, what: str) -> None:
     from aot_compile import compile_for_arch
 
-    sig, constexprs, divisible = specialised(launch)
+    sig, constexprs = specialised(kernel, launch)
     info = compile_for_arch(kernel, signature=sig, constexprs=constexprs, arch=arch, num_warps=launch.num_warps,
-                            num_stages=launch.num_stages, divisible=divisible)
+                            num_stages=launch.num_stages)
     print(f"AOT {what} sm_{arch}: {info.n_regs} registers, {info.n_spills} spill bytes")
     assert info.n_regs > 0 and info.arch == arch
 
