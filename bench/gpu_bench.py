@@ -1,8 +1,14 @@
 """Real-scale GPU benchmark: a Qwen3-30B-A3B-shaped model with random bf16 weights, paged.
 
-Run by ``bench/gpu_check.sh`` on an NVIDIA GPU machine (python 3.12, torch 2.11,
+Run by ``bench/gpu_check.sh`` on an NVIDIA GPU machine (python 3.12, torch 2.11, triton 3.6,
 transformers 5.17; nothing installed, the package used from the source tree). ``--dry-run``
-runs the same code paths on CPU at tiny sizes (part of the test suite).
+runs the same code paths on CPU at tiny sizes (part of the test suite). The model has
+Qwen3-30B-A3B's shapes and ``--layers`` (default 4) layers: a 48-layer store is 9.7 GB of
+pinned memory and its build and compiles eat a 6-minute run. ``--phases captured`` runs the
+build and the CUDA-graph decode rows only (gpu_check.sh's second phase), ``--phases rest``
+everything but those. Every row records the decide path that ran (``rt.decide``: "device" is
+the device-planned step, what ``--decide auto`` picks on CUDA with triton) and the torch and
+triton versions.
 
 What it measures (written as JSON and markdown under ``--out``):
 1. Decode tok/s (single stream and a batch of 4) and TTFT for modes resident, offload and
@@ -12,7 +18,8 @@ What it measures (written as JSON and markdown under ``--out``):
    top-k is driven from a real routing trace (``--routing-trace``, default the shared OLMoE
    trace): hit rates and bytes paged follow real text; kernel times are real.
 2. The cost of one MoE layer's decode step with m = 0, 1, 2, 4, 8 misses, against the
-   link-bound floor m x expert bytes / measured pinned GB/s.
+   link-bound floor m x expert bytes / measured pinned GB/s, by the executor the model's paged
+   rows use (``rt.decide``: the device-planned ``DevicePager`` on CUDA, else the host's).
 3. The decode token time split into a per-token fixed part (embedding, lm_head, the generate
    loop) and a per-layer part, from single-stream decode at ``--layers`` and half as many
    layers, for resident and for paged at K = E (all hits: paging's fixed per-layer cost).
@@ -22,7 +29,8 @@ What it measures (written as JSON and markdown under ``--out``):
    host syncs per decode step, host time per MoE layer-step.
 5. Modelled decode tok/s of the 48-layer model: fixed + 48 x (paged per-layer cost at 0 misses
    + the extra cost of the simulator's LRU misses per layer-step on real routing traces,
-   replayed one request stream at a time; K scaled to the trace's E, misses to this top_k).
+   replayed one request stream at a time; K scaled to the trace's E, misses to this top_k),
+   every cost measured on the model's own decide path (item 2 and 3's paged rows).
 
 The JSON is rewritten after every phase (a timeout keeps what finished). Real traces: the
 files given by ``--traces``, default ``.gpu_traces/`` (an ignored folder that
@@ -44,7 +52,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import gpu_decode  # noqa: E402  (this folder: the decode_host phase)
-from pagedexperts.loading import build as build_module, runners
+from gpu_decode import row_meta, versions  # noqa: E402
+from pagedexperts.loading import build as build_module, runners  # noqa: E402
+from pagedexperts.paging.device_pager import DevicePager  # noqa: E402
 from pagedexperts.paging.host_executor import HostPlannedExecutor  # noqa: E402
 
 REAL = dict(  # Qwen3-30B-A3B config.json (published), except the layer count
@@ -109,7 +119,7 @@ def bench_modes(model, args) -> list[dict]:
         stats = model.pagedexperts.stats().as_dict()
         counted = stats["layer_steps"] > 0  # resident counts nothing: its counters are n/a (None)
         _, tok_s4 = decode_run(model, batch=4, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
-        rows.append(dict(mode=mode, K=model.pagedexperts.num_resident, ttft_s=ttft, decode_tok_s=tok_s,
+        rows.append(dict(mode=mode, K=model.pagedexperts.num_resident, **row_meta(model), ttft_s=ttft, decode_tok_s=tok_s,
                          batch4_tok_s=tok_s4, hit_rate=stats["hit_rate"] if counted else None,
                          bytes_per_token=stats["bytes_per_token"] if counted else None, waves=stats["waves"],
                          plan_us_per_layer_step=1e6 * stats["plan_s"] / max(1, stats["layer_steps"]),
@@ -123,13 +133,14 @@ def bench_modes(model, args) -> list[dict]:
 
 
 def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
-    """Seconds of one MoE layer's decode step (T = 1) with m of its top_k experts missing."""
+    """Seconds of one MoE layer's decode step (T = 1) with m of its top_k experts missing, by
+    the executor of the model's decide path (``layer_executor``)."""
     rt = model.pagedexperts
     site, store = rt.sites[0], rt.stores[rt.sites[0].name]
     k, e = rt.top_k, rt.num_experts
     dev = torch.device(args.device)
-    pager = HostPlannedExecutor(layer=site.layer, store=store, num_slots=args.ks[0], device=dev, inner="grouped_mm",
-                        copy_stream=torch.cuda.Stream(dev) if dev.type == "cuda" else None)
+    runners.repage(model, mode="paged", num_resident=args.ks[0])  # rt.decide of a paged row
+    pager = layer_executor(rt.decide, site.layer, store, args.ks[0], dev)
     hidden = torch.randn(1, site.module.hidden_dim, dtype=store.specs[0].dtype, device=dev)
     weights = torch.full((1, k), 1.0 / k, dtype=hidden.dtype, device=dev)
     hot = list(range(k))
@@ -151,10 +162,21 @@ def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
             times.append(time.perf_counter() - t0)
             pager(site.module, hidden, torch.tensor([hot], device=dev), weights)  # hot back in
         floor = m * store.expert_bytes / (link_gbps * 1e9) if link_gbps else None
-        out.append(dict(misses=m, layer_step_s=statistics.median(times), link_floor_s=floor))
+        out.append(dict(misses=m, layer_step_s=statistics.median(times), link_floor_s=floor,
+                        executor=type(pager).__name__, **row_meta(model)))
         print(f"  m={m}: {1e6 * out[-1]['layer_step_s']:8.1f} us/layer-step"
               + (f" (link floor {1e6 * floor:7.1f} us)" if floor is not None else ""), flush=True)
     return out
+
+
+def layer_executor(decide: str, layer: int, store, num_slots: int, dev: torch.device):
+    """A fresh executor of one layer on the ``decide`` path ("device": ``DevicePager``, the
+    Triton kernels on CUDA; "host": ``HostPlannedExecutor`` with a copy stream on CUDA)."""
+    if decide == "device":
+        return DevicePager(layer=layer, store=store, num_slots=num_slots, device=dev, inner="grouped_mm", policy="lru",
+                           backend="triton" if dev.type == "cuda" else "torch")
+    return HostPlannedExecutor(layer=layer, store=store, num_slots=num_slots, device=dev, inner="grouped_mm",
+                               copy_stream=torch.cuda.Stream(dev) if dev.type == "cuda" else None)
 
 
 def split_token_time(token_s: dict[int, float]) -> tuple[float, float]:
@@ -202,7 +224,7 @@ def layer_scaling(model, args) -> dict:
                 cfg.num_hidden_layers = full
             token_s[layers] = 1.0 / tok_s
         fixed, per_layer = split_token_time(token_s)
-        out[mode] = dict(token_s=token_s, fixed_s=fixed, per_layer_s=per_layer)
+        out[mode] = dict(token_s=token_s, fixed_s=fixed, per_layer_s=per_layer, **row_meta(model))
         print(f"  {mode:9s}: fixed {1e3 * fixed:.2f} ms/token, {1e6 * per_layer:.1f} us/layer", flush=True)
     return out
 
@@ -225,7 +247,7 @@ def modelled(costs: list[dict], scaling: dict, ks: list[int], num_experts: int,
             m_bar = tot.misses / max(1, tot.steps) * top_k / tr.meta.top_k  # scaled to this top_k
             token_s = modelled_token_s(fixed_s=fixed_s, per_layer_s=paged_layer_s,
                                        extra_miss_s=miss_extra_s(costs, m_bar), layers=REAL_MOE_LAYERS)
-            rows.append(dict(trace=path.name, K=k, K_trace=k_trace, hit_rate=tot.hit_rate,
+            rows.append(dict(trace=path.name, K=k, K_trace=k_trace, hit_rate=tot.hit_rate, decide=scaling["paged"]["decide"],
                              misses_per_layer_step=m_bar, modelled_tok_s_48_layers=1.0 / token_s))
     return rows
 
@@ -243,7 +265,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (same code paths)")
     p.add_argument("--out", default="results/gpu", help="output folder")
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--phases", choices=["all", "captured", "rest"], default="all",
+                   help="captured: build + the CUDA-graph decode rows; rest: all but those (gpu_check.sh)")
     p.add_argument("--num-resident", default="40,92")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -274,13 +298,14 @@ def main(argv=None) -> int:
         print(f"WARNING: no routing traces (looked in {CARRIED_TRACES}); the modelled table "
               "will be empty; run bench/gpu_check.sh --prepare first", file=sys.stderr, flush=True)
     result = dict(date=time.strftime("%Y-%m-%d"), device=linkbench.accelerator_name() or "cpu (dry run)",
-                  torch=torch.__version__, layers=args.layers, phases_done=[], modes=[], miss_costs=[],
-                  layer_scaling={}, modelled=[], decode_host=[], link_gbps_pinned_expert=None)
+                  **versions(), layers=args.layers, phases=args.phases, phases_done=[], modes=[], miss_costs=[],
+                  layer_scaling={}, modelled=[], decode_host=[], captured_decode=[], link_gbps_pinned_expert=None)
+    name = "gpu_bench" if args.phases == "all" else f"gpu_bench_{args.phases}"
 
     def done(phase: str, **values) -> None:  # rewrite the JSON after every phase
         result.update(values)
         result["phases_done"].append(phase)
-        (out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2))
         print(f"[phase {phase} done, {time.perf_counter() - t0:.1f} s]", flush=True)
 
     t0 = time.perf_counter()
@@ -288,21 +313,35 @@ def main(argv=None) -> int:
     routing = use_routing_trace(model, args)
     rt = model.pagedexperts
     done("build", routing=routing, expert_bytes=rt.expert_bytes, build_s=time.perf_counter() - t0)
+    if args.phases == "captured":
+        done("captured_decode", captured_decode=gpu_decode.captured_decode(model, args, repage=runners.repage,
+                                                                           decode_run=decode_run))
+    else:
+        run_rest(model, args, traces, done)
+    (out / ("summary.md" if args.phases == "all" else f"{name}.md")).write_text(summary(result))
+    print(summary(result))
+    return 0
+
+
+def run_rest(model, args, traces: list[Path], done) -> None:
+    """The phases after the build, but for ``--phases captured``'s (which ``all`` runs inside
+    decode_host)."""
+    from pagedexperts.analysis import linkbench
+
+    rt = model.pagedexperts
     link = None
     if not args.dry_run:
         res = linkbench.measure(sizes=[("expert", rt.expert_bytes), ("64 MB", 64_000_000)], repeats=10)
         link = next(r.gbps for r in res if r.label == "expert" and r.memory == "pinned")
     done("link", link_gbps_pinned_expert=link)
     done("modes", modes=bench_modes(model, args))
-    done("decode_host", decode_host=gpu_decode.decode_host(model, args, repage=runners.repage, decode_run=decode_run))
+    done("decode_host", decode_host=gpu_decode.decode_host(model, args, repage=runners.repage, decode_run=decode_run,
+                                                           graphs=args.phases == "all"))
     costs = miss_costs(model, args, link)
     done("miss_costs", miss_costs=costs)
     scaling = layer_scaling(model, args)
     done("layer_scaling", layer_scaling=scaling)
     done("modelled", modelled=modelled(costs, scaling, args.ks, rt.num_experts, rt.top_k, traces))
-    (out / "summary.md").write_text(summary(result))
-    print(summary(result))
-    return 0
 
 
 def use_routing_trace(model, args) -> str:
@@ -326,26 +365,34 @@ def _na(value, fmt: str) -> str:
 
 
 def summary(r: dict) -> str:
-    lines = [f"# gpu_bench {r['date']} on {r['device']} (torch {r['torch']}), {r['layers']} layers, "
-             f"expert {r['expert_bytes'] / 1e6:.2f} MB, link {r['link_gbps_pinned_expert'] or 0:.1f} GB/s pinned, "
-             f"routing: {r.get('routing', 'router')}",
-             "", "| mode | K | decode tok/s | x4 tok/s | TTFT ms | hit | MB/token | time/token vs resident |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Markdown of the result: the tables of the phases that ran."""
+    lines = [f"# gpu_bench ({r['phases']}) {r['date']} on {r['device']} (torch {r['torch']}, triton {r['triton']}), "
+             f"{r['layers']} layers, expert {r['expert_bytes'] / 1e6:.2f} MB, link {r['link_gbps_pinned_expert'] or 0:.1f} "
+             f"GB/s pinned, routing: {r.get('routing', 'router')}"]
+    if r["modes"]:
+        lines += ["", "| mode | K | decide | decode tok/s | x4 tok/s | TTFT ms | hit | MB/token | time/token vs resident |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     for m in r["modes"]:
         mb = None if m["bytes_per_token"] is None else m["bytes_per_token"] / 1e6
-        lines.append(f"| {m['mode']} | {m['K']} | {m['decode_tok_s']:.1f} | {m['batch4_tok_s']:.1f} | "
+        lines.append(f"| {m['mode']} | {m['K']} | {m['decide']} | {m['decode_tok_s']:.1f} | {m['batch4_tok_s']:.1f} | "
                      f"{1e3 * m['ttft_s']:.1f} | {_na(m['hit_rate'], '.1%')} | {_na(mb, '.1f')} | "
                      f"{m['time_per_token_vs_resident']:.2f}x |")
-    lines += gpu_decode.summary_lines(r.get("decode_host", []))
-    lines += ["", "| misses m | us per layer-step | link floor us |", "|---|---|---|"]
+    decode_rows = r.get("captured_decode", []) + r.get("decode_host", [])
+    if decode_rows:
+        lines += gpu_decode.summary_lines(decode_rows)
+    if r["miss_costs"]:
+        lines += ["", "| misses m | executor | us per layer-step | link floor us |", "|---|---|---|---|"]
     for c in r["miss_costs"]:
         floor = f"{1e6 * c['link_floor_s']:.1f}" if c["link_floor_s"] is not None else "-"
-        lines.append(f"| {c['misses']} | {1e6 * c['layer_step_s']:.1f} | {floor} |")
+        lines.append(f"| {c['misses']} | {c['executor']} | {1e6 * c['layer_step_s']:.1f} | {floor} |")
     for mode, sc in r.get("layer_scaling", {}).items():
-        lines.append(f"\n{mode}: fixed {1e3 * sc['fixed_s']:.2f} ms/token + {1e6 * sc['per_layer_s']:.1f} us/layer")
-    lines += ["", "| trace | K (trace K) | LRU hit | misses/layer-step | modelled tok/s, 48 layers |", "|---|---|---|---|---|"]
+        lines.append(f"\n{mode} ({sc['decide']}): fixed {1e3 * sc['fixed_s']:.2f} ms/token + "
+                     f"{1e6 * sc['per_layer_s']:.1f} us/layer")
+    if r["modelled"]:
+        lines += ["", "| trace | K (trace K) | decide | LRU hit | misses/layer-step | modelled tok/s, 48 layers |",
+                  "|---|---|---|---|---|---|"]
     for m in r["modelled"]:
-        lines.append(f"| {m['trace']} | {m['K']} ({m['K_trace']}) | {m['hit_rate']:.1%} | "
+        lines.append(f"| {m['trace']} | {m['K']} ({m['K_trace']}) | {m['decide']} | {m['hit_rate']:.1%} | "
                      f"{m['misses_per_layer_step']:.2f} | {m['modelled_tok_s_48_layers']:.1f} |")
     return "\n".join(lines) + "\n"
 

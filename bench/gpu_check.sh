@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
-# The prepared GPU check: CUDA tests, linkbench and the real-scale benchmark, under 8 minutes
-# (phase limits 100 + 30 + 310 s, plus at most 10 s each past a limit: 470 s). gpu_bench includes the
-# decode_host phase (bench/gpu_decode.py): at K = 40 and 92 (and resident), batch 1 and 4,
-# decode tok/s eager and with every decode step replayed from a CUDA graph (generation.graphs,
-# beside eager in the same row, both under the random router), host syncs per decode step
-# (set_sync_debug_mode), and host time per MoE layer-step. The CUDA tests include
-# tests/test_cuda_graphs.py (captured == eager logits, no sync in replay, repage invalidates).
+# The prepared GPU check, in order of value, within 6 minutes: phase limits 140 + 70 + 40 + 90 =
+# 340 s (each phase gets SIGINT at its limit, SIGKILL 5 s later; the env probe takes a few s):
+#   cuda_tests       the CUDA tests (tests/test_cuda.py host- and device-planned exactness, no sync,
+#                    the page-lock fallback; tests/test_cuda_graphs.py captured == eager, no sync in
+#                    replay, the grouped_mm capability rule, one stream for warm-up and capture;
+#                    tests/test_formats.py's CUDA cases)
+#   captured_decode  gpu_bench --phases captured: decode tok/s with every step replayed from a CUDA
+#                    graph, paged at K = 40 and 92 and resident, batch 1 and 4, beside eager
+#                    generate, on a 4-layer Qwen3-30B-A3B-shaped model with random bf16 weights
+#   micro            gpu_micro (about 20 s): decide us at K = 40 and 92, page-in at count 0, 1, 8
+#                    (GB/s of the GPU's reads of the mapped host store), one quantized layer-step
+#   rest             gpu_bench --phases rest: modes (resident, offload, paged), eager decode with
+#                    syncs and host time per layer-step, miss costs on the model's decide path,
+#                    the layer split and the modelled 48-layer tok/s
+# Every benchmark row records the decide path that ran (rt.decide) and the torch and triton versions.
 #
 #   bash bench/gpu_check.sh --prepare           here, before the device run: copy the real
 #                                               routing traces into .gpu_traces/ (git-ignored)
 #   OUT=/dir bash bench/gpu_check.sh            on the GPU machine; the run tool must carry
 #                                               .gpu_traces (carry: [".gpu_traces"])
-#   OUT=/dir bash bench/gpu_check.sh --dry-run  on CPU, same phases at tiny sizes (in the suite)
+#   OUT=/dir bash bench/gpu_check.sh --dry-run  anywhere: print the phases, their limits and
+#                                               commands; runs nothing (tests/test_gpu_guards.py)
 #
-# PYTHON (default python) names the interpreter. Exit status 1 if any phase failed.
-# Installs nothing (the GPU machine has python 3.12, torch 2.11, transformers 5.17, no FastAPI):
+# PYTHON (default python3) names the interpreter. Exit status 1 if any phase failed. Installs
+# nothing (the GPU image has python 3.12, torch 2.11, triton 3.6, transformers 5.17, no FastAPI):
 # the package runs from this source tree. Each phase writes $OUT/<phase>.txt as it runs
-# (PYTHONUNBUFFERED) and appends its exit code and seconds to $OUT/phases.txt; a phase past its
-# limit gets SIGINT (timeout -s INT), then SIGKILL 10 s later, and the next phase still runs.
-# gpu_bench rewrites $OUT/gpu_bench.json after each of its own phases.
+# (PYTHONUNBUFFERED) and appends its exit code and seconds to $OUT/phases.txt; the benchmarks
+# rewrite their JSON after each of their own parts, so a phase cut at its limit keeps what finished.
 set -u
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 STATUS=0
 TRACES=${TRACES:-../shared/data/traces}
 if [ "${1:-}" = "--prepare" ]; then
@@ -43,31 +51,40 @@ phase() {  # phase NAME LIMIT_S COMMAND...: run, keep its output, record exit co
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
   echo "== $name (limit ${limit} s)"
-  timeout -s INT -k 10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  if [ "$DRY" = 1 ]; then
+    echo "   $*"
+    return
+  fi
+  timeout -s INT -k 5 "$limit" "$@" > "$OUT/$name.txt" 2>&1
   rc=$?
   [ "$rc" = 0 ] || STATUS=1
   echo "$name exit $rc, $((SECONDS - start)) s" | tee -a "$OUT/phases.txt"
   tail -n 4 "$OUT/$name.txt"
 }
 
-{
-  date -u
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
-  "$PY" -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
-  ls .gpu_traces 2>&1
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+if [ "$DRY" = 0 ]; then
+  {
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv 2>&1
+    "$PY" -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
+    "$PY" -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -n 1
+    ls .gpu_traces 2>&1
+  } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+  [ -n "$(ls .gpu_traces/*.jsonl 2>/dev/null)" ] || echo "WARNING: no .gpu_traces (run --prepare here and carry it): the modelled table will be empty"
+fi
+
+phase cuda_tests 140 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_graphs.py tests/test_formats.py -p no:cacheprovider
+phase captured_decode 70 "$PY" bench/gpu_bench.py --phases captured --out "$OUT"
+phase micro 40 "$PY" bench/gpu_micro.py --out "$OUT"
+phase rest 90 "$PY" bench/gpu_bench.py --phases rest --out "$OUT"
 
 if [ "$DRY" = 1 ]; then
-  phase cuda_tests 60 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_graphs.py tests/test_formats.py -p no:cacheprovider
-  phase linkbench 30 "$PY" -m pagedexperts.cli linkbench
-  phase gpu_bench 180 "$PY" bench/gpu_bench.py --dry-run --out "$OUT" --traces tests/data/synthetic_trace.npz
-else
-  [ -n "$(ls .gpu_traces/*.jsonl 2>/dev/null)" ] || echo "WARNING: no .gpu_traces (run --prepare here and carry it): the modelled table will be empty"
-  phase cuda_tests 100 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_graphs.py tests/test_formats.py -p no:cacheprovider
-  phase linkbench 30 "$PY" -m pagedexperts.cli linkbench
-  phase gpu_bench 310 "$PY" bench/gpu_bench.py --out "$OUT"
+  echo "dry run: nothing ran"
+  exit 0
 fi
 echo
-cat "$OUT/summary.md" 2>/dev/null || echo "no summary (see $OUT/gpu_bench.txt and $OUT/gpu_bench.json)"
+for f in gpu_bench_captured.md gpu_micro.md gpu_bench_rest.md; do
+  cat "$OUT/$f" 2>/dev/null || echo "no $f (see $OUT/*.txt and the JSON files)"
+done
 exit $STATUS

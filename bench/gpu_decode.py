@@ -19,6 +19,9 @@ shapes, random weights, trace-driven routing):
 
 A decode step makes one token per row: with batch 4, per decode token = per step / 4.
 The timed run is uninstrumented; syncs and host times come from a second run.
+``captured_decode`` makes the graphs rows alone (gpu_check.sh runs them second, right after
+the CUDA tests). Every row records the decide path that ran and the torch and triton versions
+(``row_meta``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,23 @@ import torch
 BATCHES = (1, 4)
 SYNC_WARNING = "synchroniz"  # in the text of every set_sync_debug_mode("warn") warning
 ROUTING_DRIVER = "trace_routing.py"  # the benchmark's trace-driven top-k upload: not the runtime's
+
+
+def versions() -> dict:
+    """{"torch": version, "triton": version or None (not installed)}."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return dict(torch=torch.__version__, triton=triton_version)
+
+
+def row_meta(model) -> dict:
+    """What every benchmark row records: the decide path of the model's runners now
+    (``rt.decide``: "device" or "host"; a baseline mode plans nothing: "host") and versions."""
+    return dict(decide=model.pagedexperts.decide, **versions())
 
 
 def static_decode_tok_s(model, graphs, *, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -156,8 +176,8 @@ def instrumented_run(model, *, batch: int, prompt_len: int, new_tokens: int) -> 
                 host_s_per_layer_step_mean=statistics.fmean(probe.layer_s))
 
 
-def decode_host(model, args, *, repage, decode_run) -> list[dict]:
-    """Rows of (mode, K, batch): eager and graphs decode tok/s, syncs, host times.
+def decode_host(model, args, *, repage, decode_run, graphs: bool = True) -> list[dict]:
+    """Rows of (mode, K, batch): eager and (``graphs``) graphs decode tok/s, syncs, host times.
     ``repage`` and ``decode_run`` are gpu_bench's (``runners.repage``; (TTFT, tok/s))."""
     rows = []
     for mode, k in [("resident", None)] + [("paged", k) for k in args.ks]:
@@ -166,13 +186,33 @@ def decode_host(model, args, *, repage, decode_run) -> list[dict]:
             run = dict(batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
             decode_run(model, batch=batch, prompt_len=8, new_tokens=3)  # warm-up
             _, eager = decode_run(model, **run)
-            row = dict(mode=mode, K=model.pagedexperts.num_resident, batch=batch, eager_tok_s=eager,
-                       **graphs_row(model, args, run, decode_run), **instrumented_run(model, **run))
+            measured = graphs_row(model, args, run, decode_run) if graphs else dict(graphs_tok_s=None,
+                                                                                 eager_router_tok_s=None,
+                                                                                 graphs_off="--phases rest")
+            row = dict(mode=mode, K=model.pagedexperts.num_resident, batch=batch, **row_meta(model), eager_tok_s=eager,
+                       **measured, **instrumented_run(model, **run))
             rows.append(row)
             syncs = row["host_syncs_per_decode_step"]
-            print(f"  {mode:8s} K={row['K']:4d} batch {batch}: eager {eager:8.1f} tok/s, graphs "
+            print(f"  {mode:8s} K={row['K']:4d} batch {batch} ({row['decide']}): eager {eager:8.1f} tok/s, graphs "
                   f"{_na(row['graphs_tok_s'], '.1f')} vs eager {_na(row['eager_router_tok_s'], '.1f')} (router), syncs/step {_na(syncs, '.1f')}, host "
                   f"{1e6 * row['host_s_per_layer_step_p50']:.1f} us/layer-step (p50)", flush=True)
+    return rows
+
+
+def captured_decode(model, args, *, repage, decode_run) -> list[dict]:
+    """The CUDA-graph rows alone (paged at each K first, then resident; batch 1 and 4):
+    graphs tok/s beside transformers' eager generate under the random router."""
+    rows = []
+    for mode, k in [("paged", k) for k in args.ks] + [("resident", None)]:
+        repage(model, mode=mode, num_resident=k)
+        for batch in BATCHES:
+            run = dict(batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+            row = dict(mode=mode, K=model.pagedexperts.num_resident, batch=batch, **row_meta(model),
+                       **graphs_row(model, args, run, decode_run))
+            rows.append(row)
+            print(f"  {mode:8s} K={row['K']:4d} batch {batch} ({row['decide']}): graphs "
+                  f"{_na(row['graphs_tok_s'], '.1f')} tok/s vs eager {_na(row['eager_router_tok_s'], '.1f')} (router)"
+                  + (f", graphs off: {row['graphs_off']}" if row["graphs_off"] else ""), flush=True)
     return rows
 
 
@@ -181,17 +221,21 @@ def _na(value, fmt: str) -> str:
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
-    """Markdown table of ``decode_host`` rows."""
-    lines = ["", "| mode | K | batch | eager tok/s | graphs tok/s (eager, random router) | syncs/decode step "
-             "(pagedexperts, routing driver) | host us/layer-step p50 (mean) |", "|---|---|---|---|---|---|---|"]
+    """Markdown table of ``decode_host`` and ``captured_decode`` rows (the latter without the
+    eager, sync and host-time columns: "-")."""
+    lines = ["", "| mode | K | batch | decide | eager tok/s | graphs tok/s (eager, random router) | syncs/decode step "
+             "(pagedexperts, routing driver) | host us/layer-step p50 (mean) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        syncs = _na(r["host_syncs_per_decode_step"], ".1f")
-        ours = _na(r["pagedexperts_syncs_per_decode_step"], ".1f")
-        driver = _na(r["routing_driver_syncs_per_decode_step"], ".1f")
-        lines.append(f"| {r['mode']} | {r['K']} | {r['batch']} | {r['eager_tok_s']:.1f} | "
+        syncs = _na(r.get("host_syncs_per_decode_step"), ".1f")
+        ours = _na(r.get("pagedexperts_syncs_per_decode_step"), ".1f")
+        driver = _na(r.get("routing_driver_syncs_per_decode_step"), ".1f")
+        host = "-" if "host_s_per_layer_step_p50" not in r else (
+            f"{1e6 * r['host_s_per_layer_step_p50']:.1f} ({1e6 * r['host_s_per_layer_step_mean']:.1f})")
+        eager = "-" if "eager_tok_s" not in r else f"{r['eager_tok_s']:.1f}"
+        lines.append(f"| {r['mode']} | {r['K']} | {r['batch']} | {r['decide']} | {eager} | "
                      f"{_na(r['graphs_tok_s'], '.1f')} ({_na(r['eager_router_tok_s'], '.1f')}) | {syncs} ({ours}, {driver}) | "
-                     f"{1e6 * r['host_s_per_layer_step_p50']:.1f} ({1e6 * r['host_s_per_layer_step_mean']:.1f}) |")
+                     f"{host} |")
     lines.append("graphs: decode steps replayed from CUDA graphs (static KV cache), beside transformers' eager "
                  "generate in the same row, both under the random router (trace routing uploads ids from the "
-                 "host); n/a: graphs off for the mode (reason in gpu_bench.json); dry run: the static step eagerly")
+                 "host); n/a: graphs off for the mode (reason in the JSON); dry run: the static step eagerly")
     return lines

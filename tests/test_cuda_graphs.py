@@ -1,7 +1,9 @@
 """Decode steps captured in CUDA graphs (``generation.graphs``, CudaGraphBackend): CUDA only.
 
-Run by ``bench/gpu_check.sh`` (``pytest -m cuda``); skipped where torch sees no CUDA device or
-triton is missing (the device-planned step's kernels). NOT YET RUN ON A GPU when written.
+Run by ``bench/gpu_check.sh`` (``pytest -m cuda``); the tests are in ``TestCudaGraphs``, behind
+``skipif`` where torch sees no CUDA device or triton is missing (the device-planned step's
+kernels); tests/test_gpu_guards.py checks each is collected and holds the CPU guards of the
+same code (capability rule, one stream for warm-up and capture). NOT YET RUN ON A GPU when written.
 Oracles: the same checkpoint loaded a second time and decoded through the same static-buffer
 step eagerly (``EagerBackend``: the function the graph captured, run op by op): logits
 torch.equal every step and the same paging counters per layer (a capture that ran its
@@ -17,15 +19,13 @@ import pytest
 import torch
 
 from conftest import PAD_ID
-from pagedexperts.generation.graphs import DecodeGraphs
+from pagedexperts.generation.graphs import GROUPED_MM_CAPABILITIES, DecodeGraphs, capture_problem_of
 from pagedexperts.generation.static_decode import DecodeOptions, static_generate
 from pagedexperts.loading import runners
 from pagedexperts.loading.loader import load_model
 from pagedexperts.paging.kernels import HAVE_TRITON
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda)"),
-              pytest.mark.skipif(not HAVE_TRITON, reason="the device-planned step needs triton")]
+pytestmark = pytest.mark.cuda
 STEPS = 24
 COUNTED = ("hits", "misses", "waves", "multi_wave_steps", "steps", "tokens", "bytes_paged")
 
@@ -73,53 +73,94 @@ def _tokens(model, ids, mask):
     return out[:, ids.shape[1]:]
 
 
-@pytest.mark.parametrize("rows", [1, 4], ids=["batch1", "batch4-multiwave"])
-@pytest.mark.parametrize("impl,dtype", [("batched_mm", "float32"), ("grouped_mm", "bfloat16")])
-def test_captured_decode_equals_the_same_step_run_eagerly(tiny_moe_dir, rows, impl, dtype):
-    captured, eager = _load(tiny_moe_dir, impl=impl, dtype=dtype), _load(tiny_moe_dir, impl=impl, dtype=dtype)
-    ids, mask = _prompt(rows)
-    tokens = _tokens(eager, ids, mask)
-    runners.repage(eager, mode="paged", num_resident=4)  # empty slots, as the captured model's
-    graphs = DecodeGraphs(captured, backend="cuda", max_batch=4, strict=True)
-    got = _decode(captured, graphs, ids, mask, tokens)
-    want = _decode(eager, DecodeGraphs(eager, backend="eager", max_batch=4), ids, mask, tokens)
-    assert graphs.counters.captures == 1 and graphs.counters.replays == STEPS - 1
-    for step, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w), f"step {step}"
-    assert _per_layer(captured) == _per_layer(eager)
-    assert captured.pagedexperts.stats().as_dict()["misses"] > 4 * len(_per_layer(eager)), "routing must change"
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda)")
+@pytest.mark.skipif(not HAVE_TRITON, reason="the device-planned step needs triton")
+class TestCudaGraphs:
+    @pytest.mark.parametrize("rows", [1, 4], ids=["batch1", "batch4-multiwave"])
+    @pytest.mark.parametrize("impl,dtype", [("batched_mm", "float32"), ("grouped_mm", "bfloat16")])
+    def test_captured_decode_equals_the_same_step_run_eagerly(self, tiny_moe_dir, rows, impl, dtype):
+        captured, eager = _load(tiny_moe_dir, impl=impl, dtype=dtype), _load(tiny_moe_dir, impl=impl, dtype=dtype)
+        ids, mask = _prompt(rows)
+        tokens = _tokens(eager, ids, mask)
+        runners.repage(eager, mode="paged", num_resident=4)  # empty slots, as the captured model's
+        graphs = DecodeGraphs(captured, backend="cuda", max_batch=4, strict=True)
+        got = _decode(captured, graphs, ids, mask, tokens)
+        want = _decode(eager, DecodeGraphs(eager, backend="eager", max_batch=4), ids, mask, tokens)
+        assert graphs.counters.captures == 1 and graphs.counters.replays == STEPS - 1
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), f"step {step}"
+        assert _per_layer(captured) == _per_layer(eager)
+        assert captured.pagedexperts.stats().as_dict()["misses"] > 4 * len(_per_layer(eager)), "routing must change"
 
 
-def test_replayed_decode_makes_no_host_sync(tiny_moe_dir):
-    model = _load(tiny_moe_dir)
-    ids, mask = _prompt(1)
-    tokens = torch.randint(2, 100, (1, STEPS), device="cuda")
-    graphs = DecodeGraphs(model, backend="cuda", max_batch=2, strict=True)
-    _decode(model, graphs, ids, mask, tokens, sync_check=True)  # raises on a sync
-    assert graphs.counters.replays == STEPS - 1
+    def test_replayed_decode_makes_no_host_sync(self, tiny_moe_dir):
+        model = _load(tiny_moe_dir)
+        ids, mask = _prompt(1)
+        tokens = torch.randint(2, 100, (1, STEPS), device="cuda")
+        graphs = DecodeGraphs(model, backend="cuda", max_batch=2, strict=True)
+        _decode(model, graphs, ids, mask, tokens, sync_check=True)  # raises on a sync
+        assert graphs.counters.replays == STEPS - 1
 
 
-def test_repage_invalidates_the_cuda_graph(tiny_moe_dir):
-    captured, eager = _load(tiny_moe_dir), _load(tiny_moe_dir)
-    ids, mask = _prompt(1)
-    tokens = _tokens(eager, ids, mask)[:, :8]
-    graphs = DecodeGraphs(captured, backend="cuda", max_batch=2, strict=True)
-    _decode(captured, graphs, ids, mask, tokens)
-    for m in (captured, eager):
-        runners.repage(m, mode="paged", num_resident=8)
-    got = _decode(captured, graphs, ids, mask, tokens)
-    want = _decode(eager, DecodeGraphs(eager, backend="eager", max_batch=2), ids, mask, tokens)
-    assert (graphs.counters.captures, graphs.counters.invalidations) == (2, 1)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    def test_repage_invalidates_the_cuda_graph(self, tiny_moe_dir):
+        captured, eager = _load(tiny_moe_dir), _load(tiny_moe_dir)
+        ids, mask = _prompt(1)
+        tokens = _tokens(eager, ids, mask)[:, :8]
+        graphs = DecodeGraphs(captured, backend="cuda", max_batch=2, strict=True)
+        _decode(captured, graphs, ids, mask, tokens)
+        for m in (captured, eager):
+            runners.repage(m, mode="paged", num_resident=8)
+        got = _decode(captured, graphs, ids, mask, tokens)
+        want = _decode(eager, DecodeGraphs(eager, backend="eager", max_batch=2), ids, mask, tokens)
+        assert (graphs.counters.captures, graphs.counters.invalidations) == (2, 1)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-def test_graph_decode_tokens_equal_transformers_generate(tiny_moe_dir):
-    model = _load(tiny_moe_dir)
-    ids, mask = _prompt(2)
-    graphs = DecodeGraphs(model, backend="cuda", max_batch=4, strict=True)
-    got = static_generate(model, graphs, ids, mask, DecodeOptions(max_new_tokens=STEPS, ignore_eos=True))
-    runners.repage(model, mode="paged", num_resident=4)
-    with torch.no_grad():
-        want = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS,
-                              do_sample=False, pad_token_id=PAD_ID)
-    assert torch.equal(got, want)
+    def test_graph_decode_tokens_equal_transformers_generate(self, tiny_moe_dir):
+        model = _load(tiny_moe_dir)
+        ids, mask = _prompt(2)
+        graphs = DecodeGraphs(model, backend="cuda", max_batch=4, strict=True)
+        got = static_generate(model, graphs, ids, mask, DecodeOptions(max_new_tokens=STEPS, ignore_eos=True))
+        runners.repage(model, mode="paged", num_resident=4)
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS,
+                                  do_sample=False, pad_token_id=PAD_ID)
+        assert torch.equal(got, want)
+
+    def test_grouped_mm_capture_follows_the_capability_rule(self, tiny_moe_dir):
+        """Review item 6: bf16 grouped_mm is capturable on compute capability 9.x / 10.x only
+        (torch's grouped GEMM kernels; elsewhere its fallback reads the offsets back): here the
+        rule's answer and what capture does agree."""
+        model = _load(tiny_moe_dir, impl="grouped_mm", dtype="bfloat16")
+        problem = capture_problem_of(model)
+        graphs = DecodeGraphs(model, backend="cuda", max_batch=1, strict=True)
+        ids, mask = _prompt(1)
+        tokens = torch.randint(2, 100, (1, 4), device="cuda")
+        if torch.cuda.get_device_capability()[0] in GROUPED_MM_CAPABILITIES:
+            assert problem is None
+            _decode(model, graphs, ids, mask, tokens, sync_check=True)  # replays raise on a sync
+            assert graphs.counters.replays == tokens.shape[1] - 1
+        else:
+            assert "compute capability" in problem
+            with pytest.raises(ValueError, match="compute capability"):
+                _decode(model, graphs, ids, mask, tokens)
+
+    def test_capture_runs_on_the_warm_up_stream(self, tiny_moe_dir):
+        """Review item 11: the warm-up and the capture on one stream (cuBLAS keeps its
+        workspace per stream: a capture on a fresh stream allocated it inside the graph)."""
+        model = _load(tiny_moe_dir, impl="grouped_mm", dtype="bfloat16")
+        graphs = DecodeGraphs(model, backend="cuda", max_batch=1, strict=True)
+        ids, mask = _prompt(1)
+        st = graphs.step_for(1, ids.shape[1] + 4)
+        seen, forward = [], st.forward
+
+        def spy():
+            seen.append(torch.cuda.current_stream().cuda_stream)
+            forward()
+
+        st.forward = spy
+        with torch.no_grad():
+            st.prefill(ids, mask)
+            graphs.decode(st, torch.tensor([5], device="cuda"), ids.shape[1])
+        assert graphs.counters.captures == 1 and len(seen) == 2  # the warm-up, the capture
+        assert seen[0] == seen[1] == graphs._stream.cuda_stream

@@ -102,16 +102,46 @@ class TestTritonKernels:
 
     @pytest.mark.parametrize("count", [0, 2, 4])
     def test_page_in_kernel_equals_reference(self, count, monkeypatch):
+        """Wave 1 of a two-wave plan (the plan's base pointers and the wave index, as the
+        pager passes them), two programs striding over each row's chunks, a word-sized
+        launch and a byte-sized one (the odd-sized rows)."""
         from pagedexperts.paging.kernels import page_in
 
         monkeypatch.setattr(page_in, "BLOCK_WORDS", 64)  # several chunks a row
         store, want = store_and_slots(6, 4)
         _, got = store_and_slots(6, 4)
-        src, dst = torch.tensor([5, 2, 0, 3]), torch.tensor([3, 0, 1, 2])
-        page_in.page_in_reference(store, want, src, dst, torch.tensor(count))
-        page_in.page_in_triton(store, got, src, dst, torch.tensor(count))
+        src, dst = torch.tensor([[1, 0, 4, 2], [5, 2, 0, 3]]), torch.tensor([[0, 1, 2, 3], [3, 0, 1, 2]])
+        counts = torch.tensor([3, count])
+        page_in.page_in_reference(store, want, src[1], dst[1], counts[1])
+        pager = page_in.PageIn(store, got, "cpu", backend="triton", programs_per_row=2)
+        assert [g.bytewise for g in pager.groups] == [False, True]
+        pager(src, dst, counts, 1, max_loads=4)
         for name in store:
             assert torch.equal(as_bytes(got[name]), as_bytes(want[name])), name
+
+    def test_page_in_grid_is_the_wave_s_most_loads(self, monkeypatch):
+        """The grid: max_loads x tensors x programs per row, not K x every chunk (a K = 92
+        bf16 layer at batch 1 launched 212K programs a layer-step before)."""
+        from pagedexperts.paging.kernels import page_in
+
+        store, slots = store_and_slots(6, 4)
+        launches = []
+
+        class Spy:
+            def __getitem__(self, grid):
+                launches.append(grid)
+                return lambda *args, **kwargs: None
+
+        monkeypatch.setattr(page_in, "_page_in_kernel", Spy())
+        pager = page_in.PageIn(store, slots, "cpu", backend="triton", programs_per_row=3)
+        plan = torch.zeros((1, 4), dtype=torch.long)
+        pager(plan, plan, torch.zeros(1, dtype=torch.long), 0, max_loads=2)
+        words = [n for n, t in store.items() if page_in.as_words(t).dtype == torch.int32]
+        assert launches == [(2, len(words), 1), (2, len(store) - len(words), 1)]  # rows of one chunk: P = 1
+        monkeypatch.setattr(page_in, "BLOCK_WORDS", 16)
+        launches.clear()
+        pager(plan, plan, torch.zeros(1, dtype=torch.long), 0, max_loads=2)
+        assert launches[0] == (2, len(words), 3)  # 250 words = 16 chunks: P programs per row
 
     def test_remap_kernel_equals_reference(self):
         from pagedexperts.paging.kernels.remap import remap_triton

@@ -229,3 +229,43 @@ def test_repage_keeps_the_decide(tiny_moe_dir):
     out_d, out_h = greedy(model, ids, mask, steps=3), greedy(host, ids, mask, steps=3)
     assert per_layer(model) == per_layer(host)
     assert all(torch.equal(a, b) for a, b in zip(out_d.logits, out_h.logits))
+
+
+# (slot format, checkpoint quantized, device) -> what --decide auto resolves to; a hand table
+# (review item 3: auto + --slot-format dense + a quantized checkpoint resolved to "device",
+# whose pager then refused the dense slots at load)
+AUTO_DECIDE = {
+    (fmt, quantized, device): "host" if device == "cpu" or (quantized and fmt == "dense") else "device"
+    for fmt in ("auto", "packed", "dense") for quantized in (False, True) for device in ("cpu", "cuda")
+}
+
+
+@pytest.mark.parametrize("slot_format,quantized,device", sorted(AUTO_DECIDE))
+def test_resolve_decide_for_every_slot_format_checkpoint_and_device(monkeypatch, caplog, slot_format, quantized,
+                                                                     device):
+    monkeypatch.setattr(loading_config, "HAVE_TRITON", True)  # auto on CUDA needs triton installed
+    cfg = PagingConfig(device=device, slot_format=slot_format)
+    with caplog.at_level("WARNING", logger=loading_config.__name__):
+        got = loading_config.resolve_decide(cfg, disk_tier=False, pinned=True, quantized=quantized)
+    assert got == AUTO_DECIDE[slot_format, quantized, device]
+    warned = [r.getMessage() for r in caplog.records]
+    if device == "cuda" and got == "host":
+        assert len(warned) == 1 and "--slot-format dense" in warned[0]
+    else:
+        assert warned == []
+    for decide in ("host", "device"):  # an explicit choice is the user's (checked elsewhere)
+        cfg = PagingConfig(device=device, slot_format=slot_format, decide=decide)
+        assert loading_config.resolve_decide(cfg, disk_tier=False, pinned=True, quantized=quantized) == decide
+
+
+def test_resolve_decide_on_cuda_names_every_reason(monkeypatch, caplog):
+    monkeypatch.setattr(loading_config, "HAVE_TRITON", True)
+    cfg = PagingConfig(device="cuda", slot_format="dense", policy="flru")
+    with caplog.at_level("WARNING", logger=loading_config.__name__):
+        got = loading_config.resolve_decide(cfg, disk_tier=True, pinned=False, quantized=True)
+    assert got == "host"
+    (message,) = [r.getMessage() for r in caplog.records]
+    for reason in ("--policy", "disk tier", "not page-locked", "--slot-format dense"):
+        assert reason in message, reason
+    assert loading_config.resolve_decide(PagingConfig(device="cuda", mode="resident"), disk_tier=False,
+                                         pinned=True, quantized=True) == "host"  # a baseline plans nothing

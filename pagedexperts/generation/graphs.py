@@ -17,13 +17,13 @@ is taken as is (``masking_utils``: "already 4D").
 
 Capture needs every step to be syncless: the paged steps device-planned (``DevicePager``) or
 the model's own math (``runner.InlineRunner``: resident), an experts kernel that reads nothing
-back (batched_mm; grouped_mm in bfloat16 only: outside it transformers' and torch's fallbacks
-read the group offsets back), dense slots (a quantized format's per-wave dequantize builds its
+back (batched_mm; grouped_mm in bfloat16 on compute capability 9.x / 10.x only: elsewhere
+transformers' and torch's fallbacks read the group offsets back), dense slots (a quantized format's per-wave dequantize builds its
 shift / lookup constants with ``torch.tensor`` on each call: a host-to-device copy), sdpa or
 eager attention without a sliding window. The first
-step of a batch size runs eagerly (on a side stream: the warm-up, e.g. Triton's compile, and
-the real step), then the function is captured (capture runs nothing, so the paging state
-advances once per step). A capture holds the addresses of the runners' slots and state: it is
+step of a batch size runs eagerly (on the model's capture stream: the warm-up, e.g. Triton's
+compile and cuBLAS's workspace for that stream, and the real step), then the function is
+captured on the same stream (capture runs nothing, so the paging state advances once per step). A capture holds the addresses of the runners' slots and state: it is
 valid while ``model.pagedexperts.pagers`` holds the same runners with the same experts
 implementation; ``loading.runners.repage`` (or any new runner) invalidates it, counted.
 
@@ -48,6 +48,7 @@ from pagedexperts.paging.runner import InlineRunner
 logger = logging.getLogger(__name__)
 CACHE_ROUND = 64  # cache positions are allocated in multiples of this (fewer re-captures)
 MASK_KINDS = ("sdpa", "eager")  # attention implementations the step's 4-D mask is built for
+GROUPED_MM_CAPABILITIES = (9, 10)  # compute capability majors with torch's bf16 grouped GEMM (sm90, sm100)
 
 
 class StepBackend(ABC):
@@ -78,17 +79,17 @@ class EagerBackend(StepBackend):
 
 class CudaGraphBackend(StepBackend):
     """Captures the function in a ``torch.cuda.CUDAGraph`` (memory from ``pool``, shared by
-    the model's captures) and replays it."""
+    the model's captures) on ``stream``, the stream its warm-up ran on, and replays it."""
 
     name = "cuda"
 
-    def __init__(self, pool) -> None:
-        self.pool = pool
+    def __init__(self, pool, stream) -> None:
+        self.pool, self.stream = pool, stream
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def build(self, fn) -> None:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             fn()
         self.graph = graph
 
@@ -215,6 +216,10 @@ class DecodeGraphs:
         self.counters = GraphCounters()
         self.steps: dict[int, StaticStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if backend == "cuda" else None
+        # warm-ups and captures on one stream: cuBLAS keeps a workspace per (handle, stream),
+        # so the warm-up allocates the one the capture uses (a capture on a fresh stream would
+        # allocate it inside the graph)
+        self._stream = torch.cuda.Stream(model.device) if backend == "cuda" else None
 
     def step_for(self, batch: int, length: int) -> StaticStep:
         """The static step of batch ``batch`` with room for ``length`` positions (a larger one
@@ -267,8 +272,8 @@ class DecodeGraphs:
         build the backend over the same buffers (capture runs nothing). A capture that fails
         (RuntimeError) raises when strict, else the batch size decodes eagerly (WARNING,
         ``fallbacks``): the step already ran, so the state is the eager one."""
-        backend = CudaGraphBackend(self._pool) if self.backend_name == "cuda" else EagerBackend()
-        with _side_stream(self.backend_name == "cuda"):
+        backend = CudaGraphBackend(self._pool, self._stream) if self.backend_name == "cuda" else EagerBackend()
+        with _side_stream(self._stream):
             st.forward()
         logits = st.logits.clone()
         try:
@@ -331,11 +336,26 @@ def runner_problem(runner, dtype: torch.dtype) -> str | None:
         return ("packed slots of a quantized format dequantize each wave with constants built on the host "
                 "(formats: torch.tensor(...) per call, a host-to-device copy a capture cannot hold); use "
                 "--no-cuda-graphs")
-    if runner.inner == "grouped_mm" and dtype != torch.bfloat16:
+    if runner.inner == "grouped_mm":
+        return grouped_mm_problem(dtype, runner.device)
+    if runner.inner != "batched_mm":
+        return f"experts implementation {runner.inner!r} finds its experts with nonzero (a host read)"
+    return None
+
+
+def grouped_mm_problem(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why ``grouped_mm`` would read its group offsets back under capture, or None: torch's
+    grouped GEMM kernels are bf16 on compute capability 9.x and 10.x only
+    (``GROUPED_MM_CAPABILITIES``; ATen's GroupedBlas); elsewhere its fallback (and
+    transformers') copies the offsets to the host."""
+    if dtype != torch.bfloat16:
         return (f"grouped_mm in {str(dtype).removeprefix('torch.')} reads its group offsets back (transformers' "
                 "and torch's fallbacks); use --dtype bfloat16 or --experts-implementation batched_mm")
-    if runner.inner not in ("grouped_mm", "batched_mm"):
-        return f"experts implementation {runner.inner!r} finds its experts with nonzero (a host read)"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major not in GROUPED_MM_CAPABILITIES:
+            return (f"grouped_mm on compute capability {major}.{minor} runs torch's fallback, which reads its group "
+                    "offsets back (its kernels are for 9.x and 10.x); use --experts-implementation batched_mm")
     return None
 
 
@@ -345,13 +365,13 @@ def _same_runners(built: tuple, now: tuple) -> bool:
 
 
 @contextlib.contextmanager
-def _side_stream(cuda: bool):
-    """On CUDA: run the body on a side stream ordered after and before the current one (the
-    warm-up before a capture, as ``torch.cuda.graphs`` recommends); elsewhere nothing."""
-    if not cuda:
+def _side_stream(side):
+    """With a CUDA stream ``side``: run the body on it, ordered after and before the current
+    stream (the warm-up before a capture, as ``torch.cuda.graphs`` recommends); None: nothing."""
+    if side is None:
         yield
         return
-    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    main = torch.cuda.current_stream(side.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         yield

@@ -150,7 +150,7 @@ def graph_problems(cfg: PagingConfig, decide: str) -> list[str]:
     """Why decode steps of ``cfg`` with paged steps planned by ``decide`` ("auto" not yet
     resolved counts as possible) cannot be captured in a CUDA graph, each naming its flag; []
     if they can. The experts implementation is checked per captured step
-    (``generation.graphs``: grouped_mm syncs outside bf16 on CUDA)."""
+    (``generation.graphs``: grouped_mm syncs outside bf16 on compute capability 9.x / 10.x)."""
     problems = []
     if device_problem(cfg.device) is None and torch.device(cfg.device).type != "cuda":
         problems.append(f"--cuda-graphs needs a CUDA device, not --device {cfg.device}; drop --cuda-graphs "
@@ -239,11 +239,13 @@ def disk_tier_problem(cfg: PagingConfig, *, disk_tier: bool, described: str = ""
     return None
 
 
-def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool) -> str:
+def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool, quantized: bool) -> str:
     """"host" or "device" for ``cfg.decide`` (checked) of a paged model: "auto" is device on
     CUDA when triton is installed and the step can be served (``device_decide_problems`` empty,
-    no disk tier, a page-locked host store), else host; on CPU always host. On CUDA, auto
-    choosing host logs a WARNING with the reasons (the choice shows in the report, ``decide``)."""
+    no disk tier, a page-locked host store, and for a ``quantized`` checkpoint packed slots:
+    dense slots dequantize at page-in on the host), else host; on CPU always host. On CUDA,
+    auto choosing host logs a WARNING with the reasons (the choice shows in the report,
+    ``decide``)."""
     if cfg.decide != "auto":
         return cfg.decide
     if cfg.mode != "paged" or torch.device(cfg.device).type != "cuda":
@@ -253,6 +255,8 @@ def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool) -> str:
         reasons.append("the disk tier (--host-memory-gb)")
     if not pinned:
         reasons.append("the host store is not page-locked")
+    if quantized and resolve_slot_format(cfg.slot_format, cfg.device) == "dense":
+        reasons.append("--slot-format dense (dense slots of a quantized checkpoint dequantize at page-in on the host)")
     if reasons:
         logger.warning("--decide auto: deciding on the host on %s because %s", cfg.device, "; ".join(reasons))
         return "host"

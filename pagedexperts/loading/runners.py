@@ -115,7 +115,8 @@ def attach_runners(runtime, dev) -> None:
     cfg = runtime.config
     stores = list(runtime.stores.values())
     runtime.decide = resolve_decide(cfg, disk_tier=any(not isinstance(s, HostExpertStore) for s in stores),
-                                    pinned=all(s.pinned for s in stores))
+                                    pinned=all(s.pinned for s in stores),
+                                    quantized=any(lay is not None and not lay.is_dense for lay in runtime.layouts.values()))
     runtime.cuda_graphs, runtime.cuda_graphs_reason = resolve_cuda_graphs(cfg, runtime.decide)
     host_paged = cfg.mode == "paged" and runtime.decide == "host"
     copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and host_paged else None

@@ -22,6 +22,8 @@ Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T k entries, W wave
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from pagedexperts.residency.policies import DEFAULT_POLICY
@@ -31,7 +33,7 @@ from pagedexperts.paging.runner import PagedExecutor, TraceHook
 from pagedexperts.paging.device_layout import check_inner, device_step
 from pagedexperts.paging.device_residency import DeviceResidency, device_rule
 from pagedexperts.paging.device_stats import DeviceCounters
-from pagedexperts.paging.kernels.page_in import page_in_reference, page_in_triton
+from pagedexperts.paging.kernels.page_in import PageIn
 from pagedexperts.paging.kernels.remap import remap_reference, remap_triton
 from pagedexperts.stats.accounting import LayerStats
 from pagedexperts.storage.host_store import HostExpertStore
@@ -46,7 +48,7 @@ class DevicePager(PagedExecutor):
         num_slots: K, 1 <= K <= E. device: where slots, state and compute live.
         inner: experts implementation (``device_layout.DEVICE_STEPS``).
         policy: ``--policy`` name with a device decide ("lru", "lfu"); half_life: LFU's, or
-            None for ``eviction.LFUPolicy``'s default.
+            None for ``residency.policies.LFUPolicy``'s default.
         backend: "torch" (reference ops; store and slots on one device) or "triton".
         slots: the [K, ...] slot tensors (``formats.slots.PackedSlots`` or a dict); None =
             allocate them like the store's tensors.
@@ -74,9 +76,8 @@ class DevicePager(PagedExecutor):
                              "lives in host memory; use backend 'triton' on CUDA")
         self.slots = slots if slots is not None else PackedSlots(allocate(store.specs, num_slots, self.device))
         self.dequantizer = dequantizer
-        triton = backend == "triton"
-        self._page_in = page_in_triton if triton else page_in_reference
-        self._remap = remap_triton if triton else remap_reference
+        self._page_in = PageIn(store.tensors, self.slots, self.device, backend=backend)
+        self._remap = remap_triton if backend == "triton" else remap_reference
         self._all_slots = torch.arange(num_slots, device=self.device)
 
     @property
@@ -127,18 +128,21 @@ class DevicePager(PagedExecutor):
         """The experts step (``runner.ExpertsRunner.step``): hidden_states [T, H], top_k_index
         [T, k] (int64 expert ids, on the device), top_k_weights [T, k], padding rows (0-dim
         device tensor, or None) -> [T, H] in hidden_states.dtype, equal to the unpaged model's
-        output with the same inner implementation. No device-to-host transfer."""
-        ids = top_k_index.detach()
-        plan = self.residency.decide(ids)
-        entry_slot = torch.empty(ids.numel(), dtype=torch.int64, device=ids.device)
-        entry_wave = torch.empty_like(entry_slot)
-        self._remap(ids, plan.expert_slot, plan.expert_wave, entry_slot, entry_wave)
-        step = device_step(self.inner, module, hidden_states, ids, entry_slot, entry_wave)
-        for w in range(plan.num_waves):
-            self._page_in(self.store.tensors, self.slots, plan.src[w], plan.dst[w], plan.count[w])
-            step.run_wave(self.wave_view(module), w)
-        self.counters.add_step(plan.step, rows=int(hidden_states.shape[0]), padding=padding_count)
-        return step.combine(top_k_weights)
+        output with the same inner implementation. No device-to-host transfer. Runs with the
+        slots' device current (Triton launches on the current device: ``--device cuda:N``)."""
+        with on_device(self.device):
+            ids = top_k_index.detach()
+            plan = self.residency.decide(ids)
+            entry_slot = torch.empty(ids.numel(), dtype=torch.int64, device=ids.device)
+            entry_wave = torch.empty_like(entry_slot)
+            self._remap(ids, plan.expert_slot, plan.expert_wave, entry_slot, entry_wave)
+            step = device_step(self.inner, module, hidden_states, ids, entry_slot, entry_wave)
+            max_loads = min(ids.numel(), self.num_slots)  # a wave loads at most T k and at most K experts
+            for w in range(plan.num_waves):
+                self._page_in(plan.src, plan.dst, plan.count, w, max_loads)
+                step.run_wave(self.wave_view(module), w)
+            self.counters.add_step(plan.step, rows=int(hidden_states.shape[0]), padding=padding_count)
+            return step.combine(top_k_weights)
 
     def wave_view(self, module, wave_slots=None) -> SlotView:
         """The experts module over the slot tensors. ``wave_slots`` is not used: every wave
@@ -155,6 +159,12 @@ class DevicePager(PagedExecutor):
         """
         raise ValueError("--prefetch plans page-ins on the host from read-back predictions; the "
                          "device-planned step reads nothing back: use --decide host with --prefetch")
+
+
+def on_device(device: torch.device):
+    """A context with ``device`` current when it is a CUDA device (``torch.cuda.device``),
+    else nothing: Triton launches its kernels on the current device, not the tensors'."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_store(store, device: torch.device, slots) -> None:

@@ -2,7 +2,7 @@
 
 Owns: one layer's ``DecideState`` (slot of expert [E], expert of slot [K], per-slot last use,
 per-expert LFU counts, clock and step counter), the eviction rule it decides by (the
-``--policy`` names ``lru`` and ``lfu``, with ``eviction``'s defaults), the fixed plan buffers
+``--policy`` names ``lru`` and ``lfu``, with ``residency.policies``' defaults), the fixed plan buffers
 of each step shape (one ``DecidePlan`` per W), and the choice of kernel backend (torch
 reference or Triton). Its decisions equal ``residency.Residency`` with the same policy on the
 same steps (tests/test_device_decide.py, on the real traces). Does not: copy bytes
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from pagedexperts.residency.planner import check_num_resident
 from pagedexperts.residency.policies import LFUPolicy
 from pagedexperts.paging.kernels._triton import check_backend
 from pagedexperts.paging.kernels.decide import (
     DecidePlan, DecideRule, DecideState, decide_reference, decide_triton, num_waves_for,
 )
 
-# --policy names the device decide implements, with the rule each means (eviction.py defaults)
+# --policy names the device decide implements, with the rule each means (residency.policies' defaults)
 DEVICE_RULES: dict[str, DecideRule] = {
     "lru": DecideRule(use_count=False),
     "lfu": DecideRule(use_count=True, half_life=LFUPolicy.DEFAULT_HALF_LIFE),
@@ -57,12 +58,12 @@ class DeviceResidency:
         backend: "torch" (reference ops) or "triton" (the decide kernel).
 
     Raises:
-        ValueError: K out of [1, E] (names --num-resident); a backend that cannot run here.
+        ValueError: K out of [1, E] (``residency.planner.check_num_resident``, the one K check:
+            names --num-resident); a backend that cannot run here.
     """
 
     def __init__(self, num_experts: int, num_slots: int, device, *, rule: DecideRule, backend: str = "torch") -> None:
-        if not 1 <= num_slots <= num_experts:
-            raise ValueError(f"num_resident K={num_slots} must be in [1, E={num_experts}]; change --num-resident")
+        check_num_resident(num_slots, num_experts=num_experts, min_slots=1)
         self.num_experts, self.num_slots = num_experts, num_slots
         self.device = torch.device(device)
         self.rule = rule
@@ -89,8 +90,8 @@ class DeviceResidency:
 
     def resident(self) -> dict[int, int]:
         """Expert id -> slot of every resident expert (reads the device)."""
-        soe = self.state.slot_of_expert.tolist()
-        return {e: s for e, s in enumerate(soe) if s >= 0}
+        slot_of_expert = self.state.slot_of_expert.tolist()
+        return {e: s for e, s in enumerate(slot_of_expert) if s >= 0}
 
     def expert_of_slot(self) -> list[int]:
         """Expert of each slot, -1 for an empty one (reads the device)."""

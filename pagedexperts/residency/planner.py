@@ -105,6 +105,28 @@ def check_num_resident(num_resident: int, *, num_experts: int, min_slots: int, f
     return num_resident
 
 
+def begin_step(policy, union, hits_of):
+    """The start of a step, the one rule of both deciders (``Residency`` here, and the device
+    decide's torch reference ``paging.kernels.decide``, which passes tensor hooks over its
+    device state; its Triton kernel is held to that reference by tests):
+
+    1. ``policy.on_step(union)`` before any hit is touched (LFU: steps += 1, every
+       ``half_life`` steps the counts halved, then +1 for each expert of the union);
+    2. ``hits, hit_slots = hits_of(union)``: the union's resident experts in ascending id
+       and their slots, read before any wave places a miss;
+    3. ``policy.on_hits(hit_slots, hits)``: the hits touched in that order (LRU/LFU: each
+       slot's last use is the clock + 1 + its rank among the hits).
+
+    ``union``, ``hits`` and ``hit_slots`` are whatever the decider holds them as (sorted id
+    lists here; an [E] mask and the slot-of-expert tensor on the device). Returns (hits,
+    hit_slots). The waves then take hits first, then misses, each in ascending id.
+    """
+    policy.on_step(union)
+    hits, hit_slots = hits_of(union)
+    policy.on_hits(hit_slots, hits)
+    return hits, hit_slots
+
+
 @dataclass
 class Residency:
     """The slot map of one MoE layer plus its policy; plans each step's waves.
@@ -176,13 +198,14 @@ class Residency:
         return len(hits)
 
     def _begin_step(self, union: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Tell the policy about the step and its hits; return (hits, their slots)."""
-        self.policy.on_step(union)
+        """``begin_step`` over this residency's policy and slot map: (hits, their slots)."""
+        return begin_step(self.policy, union, self._hits_of)
+
+    def _hits_of(self, union: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The union's resident experts (ascending id, as ``union`` is) and their slots."""
         resident = self.slot_of_expert
         hits = list(filter(resident.__contains__, union))
-        hit_slots = list(map(resident.__getitem__, hits))
-        self.policy.on_hits(hit_slots, hits)
-        return hits, hit_slots
+        return hits, list(map(resident.__getitem__, hits))
 
     def _waves(self, hits: list[int], hit_slots: list[int], misses: list[int]):
         """Split hits + misses into waves of at most K: yields (hits, their slots, misses).

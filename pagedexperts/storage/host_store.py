@@ -46,6 +46,18 @@ def host_unregister(data_ptr: int) -> int:
     return int(torch.cuda.cudart().cudaHostUnregister(data_ptr))
 
 
+def clear_pending_cuda_error() -> str | None:
+    """Consume the CUDA runtime's pending error of this thread and return its message (None:
+    none was pending). A failed ``cudaHostRegister`` leaves its error as the thread's last
+    error, which torch's check after its next kernel launch (``cudaGetLastError``) would raise
+    at an unrelated op; one tiny launch here takes it (torch exposes no ``cudaGetLastError``)."""
+    try:
+        torch.zeros(1, device="cuda")
+    except (RuntimeError, AssertionError) as exc:  # AssertionError: a torch without CUDA (tests)
+        return str(exc).splitlines()[0]
+    return None
+
+
 def _unregister_all(ptrs: list[int]) -> None:
     for ptr in ptrs:
         code = host_unregister(ptr)
@@ -106,7 +118,8 @@ class HostExpertStore(ExpertStore):
         specs: the layer's per-expert tensors (name, row shape, dtype).
         num_experts: E.
         pin: page-lock the store (for async host-to-device copies on CUDA): each [E, ...]
-            tensor is registered at its exact size. If a registration fails, the store falls
+            tensor is registered at its exact size. If a registration fails, the store
+            consumes the CUDA error it left pending (``clear_pending_cuda_error``), falls
             back to pageable memory for all its tensors, logs a WARNING naming the bytes and
             the CUDA error, and sets ``pinned = False`` and ``fallback`` (shown in the paging
             stats).
@@ -139,11 +152,14 @@ class HostExpertStore(ExpertStore):
             except (RuntimeError, AssertionError) as exc:  # no CUDA runtime
                 code = f"{type(exc).__name__}: {exc}"
             if code != 0:
+                if isinstance(code, int):  # the runtime ran and kept the error: take it now
+                    clear_pending_cuda_error()
                 self.release()
                 self.fallback = (
                     f"page-locking {nbytes:,} bytes of host store tensor {name!r} failed (CUDA "
-                    f"error {code}); using pageable memory: page-ins are synchronous and slower. "
-                    "Raise the locked-memory limit (ulimit -l) or free host memory"
+                    f"error {code}); using pageable memory: page-ins are synchronous and slower, "
+                    "and --decide auto plans on the host. Raise the locked-memory limit (ulimit -l) "
+                    "or free host memory"
                 )
                 logger.warning(self.fallback)
                 return

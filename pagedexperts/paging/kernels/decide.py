@@ -1,18 +1,19 @@
 """Decide: one step's residency decision of one MoE layer, on the device, fixed shapes, no sync.
 
-Owns the decision rule of ``residency.Residency`` + ``eviction`` (LRU, and LFU with aging)
-restated over device tensors: from the step's top-k ids [T, k] it updates the slot map and the
-policy state in place and writes the page-in plan of every wave (src, dst, count) and each
-routed expert's slot and wave. Two functions of identical semantics: ``decide_reference``
-(torch ops, any device) and ``decide_triton`` (one Triton program; CUDA, or CPU under
-``TRITON_INTERPRET=1``). Does not: copy bytes (``page_in``), remap ids (``remap``) or own the
-state's lifetime (``device_residency``).
+Owns the decision of ``residency.planner.Residency`` with ``LRUPolicy`` / ``LFUPolicy``
+(aging) restated over device tensors: from the step's top-k ids [T, k] it updates the slot
+map and the policy state in place and writes the page-in plan of every wave (src, dst, count)
+and each routed expert's slot and wave. Two functions of identical semantics:
+``decide_reference`` (torch ops, any device) and ``decide_triton`` (one Triton program; CUDA,
+or CPU under ``TRITON_INTERPRET=1``). Does not: copy bytes (``page_in``), remap ids (``remap``)
+or own the state's lifetime (``device_residency``).
 
-The rule, step by step, as ``Residency.plan`` makes it (read off residency.py / eviction.py):
-1. union = distinct routed ids. LFU ``on_step``: steps += 1; every ``half_life`` steps all
-   counts are halved (floor) first; then count[e] += 1 for each e in the union.
-2. hits = union experts resident at the step's start; misses the rest. Both in ascending id.
-   ``on_hits``: last_use[slot of hit i] = clock + 1 + i (i = rank in ascending id).
+The rule, step by step, as ``Residency.plan`` makes it:
+1-2. ``residency.planner.begin_step`` (the reference calls it with tensor hooks): union =
+   distinct routed ids; LFU ``on_step``: steps += 1, every ``half_life`` steps all counts
+   halved (floor) first, then count[e] += 1 for each e in the union. Hits = union experts
+   resident at the step's start, misses the rest, both in ascending id; ``on_hits``:
+   last_use[slot of hit i] = clock + 1 + i (i = rank in ascending id).
 3. Queue = hits then misses; wave w = queue entries [w K, (w+1) K). A step has at most
    W = ceil(min(T k, E) / K) waves (fixed by the shape); later waves are empty: no-ops.
 4. Per wave, its misses (ascending id) take, in order: empty slots (ascending id; slots fill
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, tl, triton
+from pagedexperts.residency.planner import begin_step
 
 # scalars[i]: the state's device scalars, one int64 tensor so a step updates them in place
 CLOCK, STEPS = 0, 1
@@ -68,8 +70,8 @@ class DecidePlan:
     its slot (for j >= count[w]: the slots that follow in victim order); count [W] int64:
     loads of wave w; expert_slot [E] int64: slot of each routed
     expert during its wave (-1: not routed); expert_wave [E] int64: its wave (-1: not routed);
-    step [3] int64: this step's (hits, misses, waves); scratch [2 E + K] int64: the Triton
-    kernel's working memory (routed flags, protected flags, misses by rank).
+    step [3] int64: this step's (hits, misses, waves); scratch [2 E + 3 K] int64: the Triton
+    kernel's working memory (routed flags, protected flags, misses by rank, slot keys).
     """
 
     src: torch.Tensor
@@ -86,7 +88,7 @@ class DecidePlan:
         return cls(torch.zeros((num_waves, num_slots), **i64), torch.zeros((num_waves, num_slots), **i64),
                    torch.zeros(num_waves, **i64), torch.zeros(num_experts, **i64),
                    torch.zeros(num_experts, **i64), torch.zeros(3, **i64),
-                   torch.zeros(2 * num_experts + num_slots, **i64))
+                   torch.zeros(2 * num_experts + 3 * num_slots, **i64))
 
     @property
     def num_waves(self) -> int:
@@ -96,7 +98,7 @@ class DecidePlan:
 @dataclass(frozen=True)
 class DecideRule:
     """The eviction rule of a decide: ``use_count`` False = LRU, True = LFU with aging every
-    ``half_life`` steps (0: never), as ``eviction.LRUPolicy`` / ``eviction.LFUPolicy``."""
+    ``half_life`` steps (0: never), as ``residency.policy.LRUPolicy`` / ``residency.policies.LFUPolicy``."""
 
     use_count: bool
     half_life: int = 0
@@ -111,37 +113,53 @@ def num_waves_for(num_entries: int, num_slots: int, num_experts: int) -> int:
 # -- the torch reference ----------------------------------------------------------------------
 
 
+class _DevicePolicy:
+    """The policy hooks ``residency.planner.begin_step`` calls, over a ``DecideState`` in
+    tensor ops (``LRUPolicy``: last use; ``LFUPolicy``: and counts with aging): the union is
+    an [E] bool mask, the hits an [E] bool mask whose ranks (a cumsum) are the ascending ids."""
+
+    def __init__(self, state: DecideState, rule: DecideRule) -> None:
+        self.state, self.rule = state, rule
+
+    def on_step(self, routed: torch.Tensor) -> None:
+        scalars, count = self.state.scalars, self.state.count
+        scalars[STEPS] += 1
+        if self.rule.use_count:
+            if self.rule.half_life:
+                aging = scalars[STEPS] % self.rule.half_life == 0
+                count.copy_(torch.where(aging, count // 2, count))
+            count.add_(routed.long())
+
+    def on_hits(self, slot_of_expert: torch.Tensor, hit: torch.Tensor) -> None:
+        st = self.state
+        hit_rank = torch.cumsum(hit, 0) - 1
+        held = st.expert_of_slot.clamp(min=0)
+        touched = (st.expert_of_slot >= 0) & hit[held]
+        st.last_use.copy_(torch.where(touched, st.scalars[CLOCK] + 1 + hit_rank[held], st.last_use))
+        st.scalars[CLOCK] += hit.sum()
+
+
 def _begin_step(state: DecideState, ids: torch.Tensor, rule: DecideRule):
-    """Steps 1-2: (routed [E], hit [E], queue position [E]); counts, hit touches updated."""
-    soe, scalars = state.slot_of_expert, state.scalars
-    routed = torch.zeros_like(soe, dtype=torch.bool).index_fill_(0, ids.reshape(-1), True)
-    scalars[STEPS] += 1
-    if rule.use_count:
-        if rule.half_life:
-            aging = scalars[STEPS] % rule.half_life == 0
-            state.count.copy_(torch.where(aging, state.count // 2, state.count))
-        state.count.add_(routed.long())
-    hit = routed & (soe >= 0)
+    """Steps 1-3 by ``residency.planner.begin_step`` (the planner's rule, tensor hooks):
+    (routed [E], hit [E], queue position [E]); counts and hit touches updated."""
+    slot_of_expert = state.slot_of_expert
+    routed = torch.zeros_like(slot_of_expert, dtype=torch.bool).index_fill_(0, ids.reshape(-1), True)
+    hit, _ = begin_step(_DevicePolicy(state, rule), routed,
+                        lambda union: (union & (slot_of_expert >= 0), slot_of_expert))
     miss = routed & ~hit
-    hit_rank = torch.cumsum(hit, 0) - 1
     n_hit = hit.sum()
-    eos = state.expert_of_slot
-    held = eos.clamp(min=0)
-    touched = (eos >= 0) & hit[held]
-    state.last_use.copy_(torch.where(touched, scalars[CLOCK] + 1 + hit_rank[held], state.last_use))
-    scalars[CLOCK] += n_hit
-    queue = torch.where(hit, hit_rank, n_hit + torch.cumsum(miss, 0) - 1)
+    queue = torch.where(hit, torch.cumsum(hit, 0) - 1, n_hit + torch.cumsum(miss, 0) - 1)
     return routed, hit, queue
 
 
 def _victim_order(state: DecideState, protected: torch.Tensor, rule: DecideRule) -> torch.Tensor:
     """Slots [K] in the order a wave's misses take them: empty (ascending id), then occupied
     unprotected by (count, last_use, slot), then protected. Stable sorts, least key last."""
-    eos = state.expert_of_slot
-    empty = eos < 0
+    expert_of_slot = state.expert_of_slot
+    empty = expert_of_slot < 0
     order = torch.argsort(torch.where(empty, 0, state.last_use), stable=True)
     if rule.use_count:
-        freq = torch.where(empty, 0, state.count[eos.clamp(min=0)])
+        freq = torch.where(empty, 0, state.count[expert_of_slot.clamp(min=0)])
         order = order[torch.argsort(freq[order], stable=True)]
     klass = torch.where(empty, 0, torch.where(protected, 2, 1))
     return order[torch.argsort(klass[order], stable=True)]
@@ -149,26 +167,26 @@ def _victim_order(state: DecideState, protected: torch.Tensor, rule: DecideRule)
 
 def _wave(state: DecideState, plan: DecidePlan, w: int, routed, hit, queue, rule: DecideRule) -> None:
     """Step 4 for wave ``w``: place its misses, update the state, write plan row ``w``."""
-    soe, eos = state.slot_of_expert, state.expert_of_slot
-    num_slots = eos.shape[0]
+    slot_of_expert, expert_of_slot = state.slot_of_expert, state.expert_of_slot
+    num_slots = expert_of_slot.shape[0]
     in_wave = routed & (queue // num_slots == w)
     wave_miss = in_wave & ~hit
-    held = eos.clamp(min=0)
-    order = _victim_order(state, (eos >= 0) & in_wave[held] & hit[held], rule)
+    held = expert_of_slot.clamp(min=0)
+    order = _victim_order(state, (expert_of_slot >= 0) & in_wave[held] & hit[held], rule)
     m = wave_miss.sum()
     rank_of_slot = torch.argsort(order)  # inverse permutation: slot -> its place in order
     miss_by_rank = torch.argsort((~wave_miss).to(torch.int8), stable=True)[:num_slots]
     taken = rank_of_slot < m
-    evicted = (soe >= 0) & taken[soe.clamp(min=0)]
+    evicted = (slot_of_expert >= 0) & taken[slot_of_expert.clamp(min=0)]
     new_slot = order[(torch.cumsum(wave_miss, 0) - 1).clamp(min=0, max=num_slots - 1)]
-    soe.copy_(torch.where(wave_miss, new_slot, torch.where(evicted, -1, soe)))
-    eos.copy_(torch.where(taken, miss_by_rank[rank_of_slot], eos))
+    slot_of_expert.copy_(torch.where(wave_miss, new_slot, torch.where(evicted, -1, slot_of_expert)))
+    expert_of_slot.copy_(torch.where(taken, miss_by_rank[rank_of_slot], expert_of_slot))
     state.last_use.copy_(torch.where(taken, state.scalars[CLOCK] + 1 + rank_of_slot, state.last_use))
     state.scalars[CLOCK] += m
     plan.src[w].copy_(torch.where(torch.arange(num_slots, device=m.device) < m, miss_by_rank, -1))
     plan.dst[w].copy_(order)
     plan.count[w].copy_(m)
-    plan.expert_slot.copy_(torch.where(in_wave, soe, plan.expert_slot))
+    plan.expert_slot.copy_(torch.where(in_wave, slot_of_expert, plan.expert_slot))
     plan.expert_wave.copy_(torch.where(in_wave, w, plan.expert_wave))
 
 
@@ -190,102 +208,135 @@ def decide_reference(state: DecideState, ids: torch.Tensor, plan: DecidePlan, ru
 
 
 # -- the Triton kernel -------------------------------------------------------------------------
+# One program (one thread block) decides the whole step; its threads share the state through
+# global memory, so every read of a location and a later write of it by another thread (or a
+# write and a later read) are separated by ``tl.debug_barrier()`` (bar.sync): the state is read
+# in one phase, written in the next (tests/test_kernels_aot.py checks the kernel's source).
+# Registers: ids, slots, ranks and classes are int32 (bounded by E and K); the clock, last use
+# and counts stay int64 (unbounded counters: the device equals the host's Python ints on any
+# run length). Slots are ranked in chunks of RANK_CHUNK against all K, keys held in scratch
+# memory: [BLOCK_K, RANK_CHUNK] comparisons live at once, whatever K.
+
+BLOCK_IDS = 256  # top-k ids scattered per loop iteration: fixed, so no variant per batch size
+RANK_CHUNK = 16  # slots compared at once while ranking (bounds registers at any K)
+NUM_WARPS = 4  # with RANK_CHUNK 16: no spills at K = 40 and 92 on sm_80/89/90 (tests/test_kernels_aot.py)
+KEY_SHIFT = 48  # key = class << 48 | LFU count: counts stay below 2^48 (steps of a run)
 
 if HAVE_TRITON:
 
-    @triton.jit
-    def _decide_kernel(ids_ptr, num_ids, soe_ptr, eos_ptr, last_ptr, count_ptr, scal_ptr,
-                       src_ptr, dst_ptr, cnt_ptr, eslot_ptr, ewave_ptr, step_ptr, scratch_ptr, E, K, W,
-                       USE_COUNT: tl.constexpr, HALF_LIFE: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_ids", "num_waves"])
+    def _decide_kernel(ids_ptr, num_ids, slot_of_expert_ptr, expert_of_slot_ptr, last_ptr, count_ptr, scalars_ptr,
+                       src_ptr, dst_ptr, cnt_ptr, eslot_ptr, ewave_ptr, step_ptr, scratch_ptr, E, K, num_waves,
+                       USE_COUNT: tl.constexpr, HALF_LIFE: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr, RANK_CHUNK: tl.constexpr,
+                       KEY_SHIFT: tl.constexpr):
         e = tl.arange(0, BLOCK_E)
         e_ok = e < E
         k = tl.arange(0, BLOCK_K)
         k_ok = k < K
         routed_ptr, prot_ptr, byrank_ptr = scratch_ptr, scratch_ptr + E, scratch_ptr + 2 * E
-        # step 1: the union, LFU counts (aging first)
+        major_ptr, minor_ptr = scratch_ptr + 2 * E + K, scratch_ptr + 2 * E + 2 * K
+        # step 1: the union (routed flags in scratch)
         tl.store(routed_ptr + e, tl.zeros([BLOCK_E], tl.int64), mask=e_ok)
         tl.debug_barrier()
-        for start in range(0, num_ids, BLOCK_S):
-            s = start + tl.arange(0, BLOCK_S)
+        for start in range(0, num_ids, BLOCK_IDS):
+            s = start + tl.arange(0, BLOCK_IDS)
             ids = tl.load(ids_ptr + s, mask=s < num_ids, other=0)
-            tl.store(routed_ptr + ids, tl.full([BLOCK_S], 1, tl.int64), mask=s < num_ids)
+            tl.store(routed_ptr + ids, tl.full([BLOCK_IDS], 1, tl.int64), mask=s < num_ids)
         tl.debug_barrier()
         routed = tl.load(routed_ptr + e, mask=e_ok, other=0) > 0
-        steps = tl.load(scal_ptr + 1) + 1
-        tl.store(scal_ptr + 1, steps)
+        # the state the step begins from, read by every thread before any thread writes it
+        clock = tl.load(scalars_ptr)
+        steps = tl.load(scalars_ptr + 1) + 1
+        slot_of = tl.load(slot_of_expert_ptr + e, mask=e_ok, other=-1).to(tl.int32)
         if USE_COUNT:
             count = tl.load(count_ptr + e, mask=e_ok, other=0)
+        tl.debug_barrier()
+        # steps 1-2 (residency.planner.begin_step): LFU counts (aging first), hits touched in
+        # ascending id; step 3: the queue, hits then misses
+        tl.store(scalars_ptr + 1, steps)
+        if USE_COUNT:
             if HALF_LIFE > 0:
                 count = tl.where(steps % HALF_LIFE == 0, count // 2, count)
             tl.store(count_ptr + e, count + routed.to(tl.int64), mask=e_ok)
-        # step 2: hits touched in ascending id; step 3: the queue, hits then misses
-        soe = tl.load(soe_ptr + e, mask=e_ok, other=-1)
-        hit = routed & (soe >= 0)
-        miss = routed & (soe < 0)
-        hit_rank = tl.cumsum(hit.to(tl.int64), 0) - 1
-        n_hit = tl.sum(hit.to(tl.int64), 0)
-        n_miss = tl.sum(miss.to(tl.int64), 0)
-        clock = tl.load(scal_ptr)
-        tl.store(last_ptr + soe, clock + 1 + hit_rank, mask=hit)
+        hit = routed & (slot_of >= 0)
+        miss = routed & (slot_of < 0)
+        hit_rank = tl.cumsum(hit.to(tl.int32), 0) - 1
+        n_hit = tl.sum(hit.to(tl.int32), 0)
+        n_miss = tl.sum(miss.to(tl.int32), 0)
+        tl.store(last_ptr + slot_of, clock + 1 + hit_rank, mask=hit)
         clock += n_hit
-        queue = tl.where(hit, hit_rank, n_hit + tl.cumsum(miss.to(tl.int64), 0) - 1)
+        queue = tl.where(hit, hit_rank, n_hit + tl.cumsum(miss.to(tl.int32), 0) - 1)
         wave_of = tl.where(routed, queue // K, -1)
         tl.store(eslot_ptr + e, tl.full([BLOCK_E], -1, tl.int64), mask=e_ok)
-        tl.store(ewave_ptr + e, wave_of, mask=e_ok)
+        tl.store(ewave_ptr + e, wave_of.to(tl.int64), mask=e_ok)
         # step 4, per wave: rank the slots, place the misses
-        for w in range(W):
+        for w in range(num_waves):
             in_wave = wave_of == w
             wave_miss = in_wave & miss
-            m = tl.sum(wave_miss.to(tl.int64), 0)
+            m = tl.sum(wave_miss.to(tl.int32), 0)
             tl.store(prot_ptr + e, (in_wave & hit).to(tl.int64), mask=e_ok)
             tl.store(byrank_ptr + k, tl.full([BLOCK_K], -1, tl.int64), mask=k_ok)
             tl.debug_barrier()
-            tl.store(byrank_ptr + tl.cumsum(wave_miss.to(tl.int64), 0) - 1, e.to(tl.int64), mask=wave_miss)
-            eos = tl.load(eos_ptr + k, mask=k_ok, other=-1)
-            occupied = eos >= 0
-            held = tl.where(occupied, eos, 0)
+            tl.store(byrank_ptr + tl.cumsum(wave_miss.to(tl.int32), 0) - 1, e.to(tl.int64), mask=wave_miss)
+            held = tl.load(expert_of_slot_ptr + k, mask=k_ok, other=-1).to(tl.int32)
+            occupied = held >= 0
+            held = tl.where(occupied, held, 0)
             prot = tl.load(prot_ptr + held, mask=k_ok & occupied, other=0) > 0
-            last = tl.where(occupied, tl.load(last_ptr + k, mask=k_ok, other=0), 0)
-            if USE_COUNT:
-                freq = tl.load(count_ptr + held, mask=k_ok & occupied, other=0)
-            else:
-                freq = tl.zeros([BLOCK_K], tl.int64)
             klass = tl.where(k_ok, tl.where(occupied, tl.where(prot, 2, 1), 0), 3)
-            # rank[a] = #{b : (klass, freq, last, slot)[b] < that of a}: the victim order
-            ka, kb, fa, fb = klass[:, None], klass[None, :], freq[:, None], freq[None, :]
-            la, lb, sa, sb = last[:, None], last[None, :], k[:, None], k[None, :]
-            before = (kb < ka) | ((kb == ka) & ((fb < fa) | ((fb == fa) & ((lb < la) | ((lb == la) & (sb < sa))))))
-            rank = tl.sum(before.to(tl.int64), 1)
-            taken = k_ok & (rank < m)
+            # victim order = (class, LFU count, last use) ascending; an empty slot's last use
+            # is 0, so its slot id stands in (empties by ascending id); occupied slots' last
+            # uses are distinct (each touch takes the next clock): no two keys tie
+            major = klass.to(tl.int64) << KEY_SHIFT
+            if USE_COUNT:
+                major = major | tl.load(count_ptr + held, mask=k_ok & occupied, other=0)
+            minor = tl.where(occupied, tl.load(last_ptr + k, mask=k_ok, other=0), k.to(tl.int64))
+            tl.store(major_ptr + k, major, mask=k_ok)
+            tl.store(minor_ptr + k, minor, mask=k_ok)
             tl.debug_barrier()
+            rank = tl.zeros([BLOCK_K], tl.int32)
+            for c in range(0, K, RANK_CHUNK):
+                b = c + tl.arange(0, RANK_CHUNK)
+                major_b = tl.load(major_ptr + b, mask=b < K, other=3 << KEY_SHIFT)
+                minor_b = tl.load(minor_ptr + b, mask=b < K, other=0)
+                before = (major_b[None, :] < major[:, None]) | (
+                    (major_b[None, :] == major[:, None]) & (minor_b[None, :] < minor[:, None]))
+                rank += tl.sum(before.to(tl.int32), 1)
+            taken = k_ok & (rank < m)
             new_e = tl.load(byrank_ptr + rank, mask=taken, other=-1)
-            tl.store(soe_ptr + held, tl.full([BLOCK_K], -1, tl.int64), mask=taken & occupied)
-            tl.store(soe_ptr + new_e, k.to(tl.int64), mask=taken)
-            tl.store(eos_ptr + k, new_e, mask=taken)
+            tl.store(slot_of_expert_ptr + held, tl.full([BLOCK_K], -1, tl.int64), mask=taken & occupied)
+            tl.store(slot_of_expert_ptr + new_e, k.to(tl.int64), mask=taken)
+            tl.store(expert_of_slot_ptr + k, new_e, mask=taken)
             tl.store(last_ptr + k, clock + 1 + rank, mask=taken)
             clock += m
             tl.store(dst_ptr + w * K + rank, k.to(tl.int64), mask=k_ok)
             tl.store(src_ptr + w * K + k, tl.load(byrank_ptr + k, mask=k_ok, other=-1), mask=k_ok)
-            tl.store(cnt_ptr + w, m)
+            tl.store(cnt_ptr + w, m.to(tl.int64))
             tl.debug_barrier()
-            tl.store(eslot_ptr + e, tl.load(soe_ptr + e, mask=e_ok, other=-1), mask=in_wave)
+            tl.store(eslot_ptr + e, tl.load(slot_of_expert_ptr + e, mask=e_ok, other=-1), mask=in_wave)
             tl.debug_barrier()
-        tl.store(scal_ptr, clock)
-        tl.store(step_ptr, n_hit)
-        tl.store(step_ptr + 1, n_miss)
-        tl.store(step_ptr + 2, (n_hit + n_miss + K - 1) // K)
+        tl.store(scalars_ptr, clock)
+        tl.store(step_ptr, n_hit.to(tl.int64))
+        tl.store(step_ptr + 1, n_miss.to(tl.int64))
+        tl.store(step_ptr + 2, ((n_hit + n_miss + K - 1) // K).to(tl.int64))
+
+
+def decide_constexprs(num_experts: int, num_slots: int, rule: DecideRule) -> dict:
+    """The compile-time constants of ``_decide_kernel`` for E, K and ``rule`` (one compiled
+    variant per layer shape and rule: none depends on the batch)."""
+    return dict(USE_COUNT=rule.use_count, HALF_LIFE=rule.half_life if rule.use_count else 0,
+                BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(num_slots),
+                BLOCK_IDS=BLOCK_IDS, RANK_CHUNK=RANK_CHUNK, KEY_SHIFT=KEY_SHIFT)
 
 
 def decide_triton(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: DecideRule) -> None:
     """``decide_reference`` as one Triton program (same arguments, same writes; W waves looped
-    inside the program, slots ranked by pairwise comparison of their keys: K^2 work)."""
+    inside the program, slots ranked by pairwise comparison of their keys, RANK_CHUNK at a
+    time: K^2 work). The step's T and W are not specialised on (``do_not_specialize``)."""
     flat = ids.reshape(-1).contiguous()
     num_experts, num_slots = state.slot_of_expert.shape[0], state.expert_of_slot.shape[0]
     _decide_kernel[(1,)](
         flat, flat.numel(), state.slot_of_expert, state.expert_of_slot, state.last_use, state.count,
         state.scalars, plan.src, plan.dst, plan.count, plan.expert_slot, plan.expert_wave, plan.step,
-        plan.scratch, num_experts, num_slots, plan.num_waves,
-        USE_COUNT=rule.use_count, HALF_LIFE=rule.half_life if rule.use_count else 0,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(num_slots),
-        BLOCK_S=min(1024, triton.next_power_of_2(max(flat.numel(), 1))))
+        plan.scratch, num_experts, num_slots, plan.num_waves, num_warps=NUM_WARPS,
+        **decide_constexprs(num_experts, num_slots, rule))

@@ -1,26 +1,36 @@
 """Page-in: copy the planned store rows into slot rows, the load count read on the device.
 
-Owns the byte copy of one wave's plan (``DecidePlan`` row w: src [K] experts, dst [K] slots,
+Owns the byte copy of one wave's plan (``DecidePlan`` rows w: src [K] experts, dst [K] slots,
 count loads) for every per-expert tensor of a layer, whatever its dtype (dense, packed int4
 words, FP8, group scales, zero points): each row is copied as raw bytes, as int32 words when
-its size allows. ``page_in_triton``: a Triton kernel with a fixed grid of K x chunks programs,
-each returning at once when its load index is >= count; on CUDA it reads the page-locked
-host store through its device-mapped address (``store.HOST_REGISTER_FLAGS`` registers it
-mapped; under UVA the host pointer is the device pointer), on CPU (``TRITON_INTERPRET=1``)
-the same kernel reads CPU tensors. ``page_in_reference``: the same writes in torch ops, for
-a store on the slots' device (CPU). Does not: decide (``decide``) or order the copy against
-compute (one stream: the copy is ordered before the wave's compute by issue order).
+its size allows. ``PageIn`` is one layer's page-in, built once:
+- "triton": ONE launch per wave for all the layer's word-sized tensors (and one more for
+  any tensor whose rows are not whole words), over a device table of (store address, slot
+  address, words per row) built at construction. Grid (L, N, P): L = the most loads a wave
+  of the step can have, min(T k, K) (known from the shape), N tensors, P programs per row,
+  each striding over the row's chunks (a persistent grid: at batch 1 and bf16 K = 92, 8 x 2 x
+  P programs instead of K x every chunk of every tensor); a program whose load index is >=
+  count returns at once. On CUDA it reads the page-locked host store through its
+  device-mapped address (``store.HOST_REGISTER_FLAGS`` registers it mapped; the table holds
+  the address Triton's launcher gives the tensor), on CPU (``TRITON_INTERPRET=1``) CPU tensors.
+- "torch": ``page_in_reference``, the same writes in torch ops, for a store on the slots'
+  device (CPU).
+Does not: decide (``decide``) or order the copy against compute (one stream: the copy is
+ordered before the wave's compute by issue order).
 
-Legend: E experts, K slots; a "row" is one expert's slice ``tensor[e]``.
+Legend: E experts, K slots, W waves; a "row" is one expert's slice ``tensor[e]``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, tl, triton
 
-BLOCK_WORDS = 1024  # words one program copies
+BLOCK_WORDS = 1024  # words one program copies per iteration (4 KiB of int32 words)
+PROGRAMS_PER_SM = 4  # programs in flight per streaming multiprocessor at a wave's most loads
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:
@@ -53,27 +63,101 @@ def page_in_reference(store: dict[str, torch.Tensor], slots: dict[str, torch.Ten
 if HAVE_TRITON:
 
     @triton.jit
-    def _page_in_kernel(src_rows, dst_rows, src_ptr, dst_ptr, count_ptr, row_words, BLOCK: tl.constexpr):
-        j = tl.program_id(0)
-        chunk = tl.program_id(1)
-        n = tl.load(count_ptr)
+    def _address_kernel(t_ptr, out_ptr):
+        # the address the launcher passes for this tensor (a mapped host tensor's device address)
+        tl.store(out_ptr, t_ptr.to(tl.int64, bitcast=True))
+
+    @triton.jit(do_not_specialize=["wave"])
+    def _page_in_kernel(table_ptr, src_ptr, dst_ptr, count_ptr, wave, K,
+                        BYTES: tl.constexpr, BLOCK: tl.constexpr):
+        j = tl.program_id(0)  # load index in the wave
+        t = tl.program_id(1)  # tensor
+        n = tl.load(count_ptr + wave)
         if j < n:
-            e = tl.load(src_ptr + j)
-            s = tl.load(dst_ptr + j)
-            offs = chunk * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < row_words
-            words = tl.load(src_rows + e * row_words + offs, mask=mask)
-            tl.store(dst_rows + s * row_words + offs, words, mask=mask)
+            word = tl.uint8 if BYTES else tl.int32
+            e = tl.load(src_ptr + wave * K + j)
+            s = tl.load(dst_ptr + wave * K + j)
+            row_words = tl.load(table_ptr + 3 * t + 2)
+            store_row = tl.load(table_ptr + 3 * t).to(tl.pointer_type(word)) + e * row_words
+            slot_row = tl.load(table_ptr + 3 * t + 1).to(tl.pointer_type(word)) + s * row_words
+            stride = tl.num_programs(2) * BLOCK
+            for start in range(tl.program_id(2) * BLOCK, row_words, stride):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < row_words
+                tl.store(slot_row + offs, tl.load(store_row + offs, mask=mask), mask=mask)
 
 
-def page_in_triton(store: dict[str, torch.Tensor], slots: dict[str, torch.Tensor], src: torch.Tensor,
-                   dst: torch.Tensor, count: torch.Tensor) -> None:
-    """``page_in_reference`` by the Triton kernel: one launch per per-expert tensor, grid
-    (K, ceil(row words / BLOCK_WORDS)), fixed for the layer. On CUDA ``store`` is the host
-    store (page-locked, mapped) and ``slots``, ``src``, ``dst``, ``count`` are on the device."""
-    num_loads = dst.shape[0]
-    for name, host in store.items():
-        words, slot_words = as_words(host), as_words(slots[name])
-        row_words = words.shape[1]
-        grid = (num_loads, triton.cdiv(row_words, BLOCK_WORDS))
-        _page_in_kernel[grid](words, slot_words, src, dst, count, row_words, BLOCK=BLOCK_WORDS)
+@dataclass(frozen=True)
+class _TableGroup:
+    """Tensors copied by one launch: ``table`` [N, 3] int64 on the slots' device (store
+    address, slot address, words per row), ``bytewise`` (uint8 words, else int32), the
+    largest row in words."""
+
+    table: torch.Tensor
+    bytewise: bool
+    max_row_words: int
+
+
+def _address(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[1] int64 on ``device``: the address Triton's launcher passes for ``t`` (for a mapped
+    page-locked host tensor on CUDA, its device address)."""
+    out = torch.zeros(1, dtype=torch.int64, device=device)
+    _address_kernel[(1,)](t, out)
+    return out
+
+
+def _table_groups(store: dict[str, torch.Tensor], slots: dict[str, torch.Tensor], device) -> tuple[_TableGroup, ...]:
+    groups = []
+    for bytewise in (False, True):
+        rows = [(as_words(t), as_words(slots[name])) for name, t in store.items()]
+        rows = [(w, s) for w, s in rows if (w.dtype == torch.uint8) == bytewise]
+        if not rows:
+            continue
+        entries = [torch.cat([_address(w, device), _address(s, device),
+                              torch.tensor([w.shape[1]], dtype=torch.int64, device=device)]) for w, s in rows]
+        groups.append(_TableGroup(torch.stack(entries), bytewise, max(w.shape[1] for w, _ in rows)))
+    return tuple(groups)
+
+
+class PageIn:
+    """One layer's page-in (module docstring): ``store`` {name: [E, ...]} into ``slots``
+    {name: [K, ...]} on ``device``, by ``backend`` "triton" or "torch".
+
+    Args:
+        programs_per_row: P (Triton); None: enough programs for PROGRAMS_PER_SM per
+            streaming multiprocessor at the most loads (CUDA), 2 elsewhere (the interpreter).
+
+    Raises:
+        ValueError: a tensor that is not contiguous (``as_words``); an unknown backend.
+    """
+
+    def __init__(self, store: dict[str, torch.Tensor], slots: dict[str, torch.Tensor], device, *,
+                 backend: str, programs_per_row: int | None = None) -> None:
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"unknown page-in backend {backend!r}; choose 'torch' or 'triton'")
+        self.store, self.slots, self.backend = store, slots, backend
+        self.device = torch.device(device)
+        self.num_slots = next(iter(slots.values())).shape[0]
+        self.groups = _table_groups(store, slots, self.device) if backend == "triton" else ()
+        self.programs_per_row = programs_per_row
+        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
+            if self.device.type == "cuda" else 0
+
+    def __call__(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, wave: int, max_loads: int) -> None:
+        """Page in wave ``wave`` of a plan: src, dst [W, K] int64, count [W] int64 on the
+        device; ``max_loads`` = the most loads the step's shape allows (min(T k, K))."""
+        if self.backend == "torch":
+            page_in_reference(self.store, self.slots, src[wave], dst[wave], count[wave])
+            return
+        for g in self.groups:
+            grid = (max_loads, g.table.shape[0], self._programs(max_loads, g))
+            _page_in_kernel[grid](g.table, src, dst, count, wave, self.num_slots, BYTES=g.bytewise, BLOCK=BLOCK_WORDS)
+
+    def _programs(self, max_loads: int, group: _TableGroup) -> int:
+        """P: programs per (load, tensor), at most one per chunk of the largest row."""
+        chunks = triton.cdiv(group.max_row_words, BLOCK_WORDS)
+        if self.programs_per_row is not None:
+            return max(1, min(self.programs_per_row, chunks))
+        if not self._sms:
+            return min(2, chunks)
+        return max(1, min(chunks, triton.cdiv(PROGRAMS_PER_SM * self._sms, max_loads * group.table.shape[0])))

@@ -26,7 +26,7 @@ def remap_reference(ids: torch.Tensor, expert_slot: torch.Tensor, expert_wave: t
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])  # n = T k: one compiled variant for every batch size
     def _remap_kernel(ids_ptr, slot_ptr, wave_ptr, out_slot_ptr, out_wave_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
