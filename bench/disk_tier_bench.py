@@ -171,7 +171,7 @@ def load(args) -> dict:
     rt = model.pagedexperts
     out["rss_after_load"] = rss_bytes()
     non_expert = sum(p.numel() * p.element_size() for p in model.parameters())
-    slots = sum(t.numel() * t.element_size() for p in rt.pagers.values() for t in p.slots.values())
+    slots = sum(t.numel() * t.element_size() for p in rt.runners.values() for t in p.slots.values())
     expected = rt.host_memory.store_bytes + slots + non_expert + runtime
     out.update(store_bytes=rt.host_memory.store_bytes, slot_bytes=slots, non_expert_bytes=non_expert,
                runtime_rss=runtime, expected_rss=expected, rss_over_expected=out["rss_after_load"] / expected,

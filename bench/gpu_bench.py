@@ -19,7 +19,7 @@ What it measures (written as JSON and markdown under ``--out``):
    trace): hit rates and bytes paged follow real text; kernel times are real.
 2. The cost of one MoE layer's decode step with m = 0, 1, 2, 4, 8 misses, against the
    link-bound floor m x expert bytes / measured pinned GB/s, by the executor the model's paged
-   rows use (``rt.decide``: the device-planned ``DevicePager`` on CUDA, else the host's).
+   rows use (``rt.decide``: the device-planned ``DeviceExecutor`` on CUDA, else the host's).
 3. The decode token time split into a per-token fixed part (embedding, lm_head, the generate
    loop) and a per-layer part, from single-stream decode at ``--layers`` and half as many
    layers, for resident and for paged at K = E (all hits: paging's fixed per-layer cost).
@@ -54,8 +54,8 @@ sys.path.insert(0, str(ROOT))
 import gpu_decode  # noqa: E402  (this folder: the decode_host phase)
 from gpu_decode import row_meta, versions  # noqa: E402
 from pagedexperts.loading import build as build_module, runners  # noqa: E402
-from pagedexperts.paging.device_pager import DevicePager  # noqa: E402
-from pagedexperts.paging.host_executor import HostPlannedExecutor  # noqa: E402
+from pagedexperts.paging.device_executor import DeviceExecutor  # noqa: E402
+from pagedexperts.paging.host_executor import HostExecutor  # noqa: E402
 
 REAL = dict(  # Qwen3-30B-A3B config.json (published), except the layer count
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -144,7 +144,7 @@ def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
     hidden = torch.randn(1, site.module.hidden_dim, dtype=store.specs[0].dtype, device=dev)
     weights = torch.full((1, k), 1.0 / k, dtype=hidden.dtype, device=dev)
     hot = list(range(k))
-    pager(site.module, hidden, torch.tensor([hot], device=dev), weights)  # make `hot` resident
+    pager.step(site.module, hidden, torch.tensor([hot], device=dev), weights)  # make `hot` resident
     cold = [x for x in range(e) if x not in hot]
     out, c = [], 0
     for m in sorted({0, 1, 2, 4, min(8, k)}):
@@ -157,10 +157,10 @@ def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
             ids = torch.tensor([chosen], device=dev)
             sync(dev)
             t0 = time.perf_counter()
-            pager(site.module, hidden, ids, weights)
+            pager.step(site.module, hidden, ids, weights)
             sync(dev)
             times.append(time.perf_counter() - t0)
-            pager(site.module, hidden, torch.tensor([hot], device=dev), weights)  # hot back in
+            pager.step(site.module, hidden, torch.tensor([hot], device=dev), weights)  # hot back in
         floor = m * store.expert_bytes / (link_gbps * 1e9) if link_gbps else None
         out.append(dict(misses=m, layer_step_s=statistics.median(times), link_floor_s=floor,
                         executor=type(pager).__name__, **row_meta(model)))
@@ -170,12 +170,12 @@ def miss_costs(model, args, link_gbps: float | None) -> list[dict]:
 
 
 def layer_executor(decide: str, layer: int, store, num_slots: int, dev: torch.device):
-    """A fresh executor of one layer on the ``decide`` path ("device": ``DevicePager``, the
-    Triton kernels on CUDA; "host": ``HostPlannedExecutor`` with a copy stream on CUDA)."""
+    """A fresh executor of one layer on the ``decide`` path ("device": ``DeviceExecutor``, the
+    Triton kernels on CUDA; "host": ``HostExecutor`` with a copy stream on CUDA)."""
     if decide == "device":
-        return DevicePager(layer=layer, store=store, num_slots=num_slots, device=dev, inner="grouped_mm", policy="lru",
+        return DeviceExecutor(layer=layer, store=store, num_slots=num_slots, device=dev, inner="grouped_mm", policy="lru",
                            backend="triton" if dev.type == "cuda" else "torch")
-    return HostPlannedExecutor(layer=layer, store=store, num_slots=num_slots, device=dev, inner="grouped_mm",
+    return HostExecutor(layer=layer, store=store, num_slots=num_slots, device=dev, inner="grouped_mm",
                                copy_stream=torch.cuda.Stream(dev) if dev.type == "cuda" else None)
 
 

@@ -194,7 +194,8 @@ def decode_host(model, args, *, repage, decode_run, graphs: bool = True) -> list
             rows.append(row)
             syncs = row["host_syncs_per_decode_step"]
             print(f"  {mode:8s} K={row['K']:4d} batch {batch} ({row['decide']}): eager {eager:8.1f} tok/s, graphs "
-                  f"{_na(row['graphs_tok_s'], '.1f')} vs eager {_na(row['eager_router_tok_s'], '.1f')} (router), syncs/step {_na(syncs, '.1f')}, host "
+                  f"{_na(row['graphs_tok_s'], '.1f')} vs eager {_na(row['eager_router_tok_s'], '.1f')} (router), "
+                  f"syncs/step {_na(syncs, '.1f')}, host "
                   f"{1e6 * row['host_s_per_layer_step_p50']:.1f} us/layer-step (p50)", flush=True)
     return rows
 

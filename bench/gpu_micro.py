@@ -9,7 +9,7 @@ installed). ``--dry-run`` runs the same code on CPU at tiny shapes (the kernels 
    expert) at count 0, 1 and 8, grid sized for batch 1: microseconds and GB/s of the GPU's
    direct reads of the page-locked, mapped host store (count 0: the cost of a wave with
    nothing to load).
-3. quantized layer-step: one ``DevicePager`` step of a block-FP8 layer (packed slots, each
+3. quantized layer-step: one ``DeviceExecutor`` step of a block-FP8 layer (packed slots, each
    wave dequantized over all K) at batch 1, K 40: microseconds with 0 and top_k misses.
 Times: CUDA events around ``--repeats`` calls after a warm-up (Triton's compile); on CPU,
 wall time. Every row records ``decide`` ("device": these are the device-planned step's
@@ -112,7 +112,7 @@ def quantized_rows(shape: dict, device: torch.device, repeats: int, meta: dict) 
     from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec
     from pagedexperts.formats.fp8 import Fp8BlockFormat
     from pagedexperts.formats.slots import WaveDequantizer, allocate
-    from pagedexperts.paging.device_pager import DevicePager
+    from pagedexperts.paging.device_executor import DeviceExecutor
     from pagedexperts.storage.host_store import HostExpertStore
 
     e, h, i, k = shape["num_experts"], shape["hidden"], shape["intermediate"], shape["top_k"]
@@ -127,7 +127,7 @@ def quantized_rows(shape: dict, device: torch.device, repeats: int, meta: dict) 
     store = HostExpertStore(list(layout.packed_specs), e, pin=device.type == "cuda")
     for t in store.tensors.values():
         t.zero_()
-    pager = DevicePager(layer=0, store=store, num_slots=num_slots, device=device, inner="grouped_mm", policy="lru",
+    pager = DeviceExecutor(layer=0, store=store, num_slots=num_slots, device=device, inner="grouped_mm", policy="lru",
                         backend="triton", dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots,
                                                                                           device)))
     hidden = torch.randn(1, h, dtype=dtype, device=device)
@@ -138,7 +138,7 @@ def quantized_rows(shape: dict, device: torch.device, repeats: int, meta: dict) 
         fresh = [torch.randperm(e, generator=gen)[:k].view(1, k).to(device) for _ in range(16)]
         turn = iter(range(1 << 62))
         ids = (lambda: fresh[0]) if misses == 0 else (lambda: fresh[next(turn) % len(fresh)])
-        us = timed_us(lambda: pager(module, hidden, ids(), weights), device=device, repeats=repeats)
+        us = timed_us(lambda: pager.step(module, hidden, ids(), weights), device=device, repeats=repeats)
         rows.append(dict(kernel="quantized_layer_step", format=fmt.name, K=num_slots, batch=1, misses=misses, us=us,
                          **meta))
         print(f"  quantized layer-step ({fmt.name}, K={num_slots}) misses {misses}: {us:8.1f} us", flush=True)

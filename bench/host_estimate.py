@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import planner_oracle  # noqa: E402
-from pagedexperts.loading import build as build_module, runners
-from pagedexperts.paging import host_executor as pager
-from pagedexperts.residency import planner, policies
-from pagedexperts.analysis import trace_routing
+from pagedexperts.loading import build as build_module, runners  # noqa: E402
+from pagedexperts.paging import host_executor as pager  # noqa: E402
+from pagedexperts.residency import planner, policies  # noqa: E402
+from pagedexperts.analysis import trace_routing  # noqa: E402
 
 PLANNERS = {"before": planner_oracle,  # the old planner (test oracle) and the new
             "after": SimpleNamespace(Residency=planner.Residency, make_policy=policies.make_policy)}
@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     times = call_times(model)
     rows = []
     jobs = [("resident", None, "after")] + [("paged", k, p) for k in ks for p in PLANNERS]
-    for mode, k, planner in jobs:
-        pager.Residency, runners.make_policy = PLANNERS[planner].Residency, PLANNERS[planner].make_policy
+    for mode, k, which in jobs:
+        pager.Residency, runners.make_policy = PLANNERS[which].Residency, PLANNERS[which].make_policy
         runners.repage(model, mode=mode, num_resident=k)
         decode(model, 1, 4, times)  # warm-up
         for b in batches:
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
             layer_steps = decode(model, b, args.tokens, times)
             tot = model.pagedexperts.stats().total()
             t = tot.time_summary()
-            rows.append(dict(mode=mode, K=model.pagedexperts.num_resident, batch=b, planner=planner,
+            rows.append(dict(mode=mode, K=model.pagedexperts.num_resident, batch=b, planner=which,
                              call_us=1e6 * statistics.median(layer_steps),
                              plan_us=1e6 * t["plan_s"]["p50"], readback_us=1e6 * t["sync_s"]["p50"],
                              hit_rate=tot.hit_rate, waves_per_step=tot.waves_per_step))

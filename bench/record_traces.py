@@ -45,7 +45,7 @@ def record(model, tokenizer, rec: TraceRecorder, prompts: list[str], *, path: st
     """Generate greedily from each prompt in turn and save the routing trace at ``path``
     (``rec``'s writer is replaced by a fresh one first: one recorder, one trace per call)."""
     rt = model.pagedexperts
-    rec.writer = TraceWriter(num_experts=rt.num_experts, top_k=rt.top_k, layers=sorted(rt.pagers),
+    rec.writer = TraceWriter(num_experts=rt.num_experts, top_k=rt.top_k, layers=sorted(rt.runners),
                              model_id=os.path.basename(str(model.config._name_or_path)))
     t0, n_tok = time.perf_counter(), 0
     for i, text in enumerate(prompts):

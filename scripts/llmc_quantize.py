@@ -11,7 +11,8 @@ FP8_BLOCK, NVFP4A16, NVFP4, MXFP4A16, ... any name in compressed-tensors' ``PRES
 targeting only the routed experts' projections: attention, the router, lm_head and shared
 experts stay unquantized. The loaded model's fused [E, ...] experts are linearized with
 llm-compressor's ``linearize_moe`` (one nn.Linear per expert, so each expert gets its own
-scales; its ``load_quantizable_moe`` needs torchvision to scan transformers' modules) and saved compressed with ``save_pretrained(save_compressed=True)``.
+scales; its ``load_quantizable_moe`` needs torchvision to scan transformers' modules) and saved
+compressed with ``save_pretrained(save_compressed=True)``.
 
 Calibration: schemes with static activation scales (FP8's ``input_scale``, NVFP4's
 ``input_global_scale``) need data; ``--calib-text FILE`` (default: none -> a few fixed token

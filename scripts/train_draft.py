@@ -324,7 +324,8 @@ chance a proposal sampled at temperature 1 is accepted (Leviathan et al. 2023, S
 ## Acceptance in pagedexperts' speculative decoding
 
 Greedy, the paged target (K = E/4) through the server's scheduler, n = {args.num_speculative_tokens} proposals per
-verification step, {args.spec_tokens} new tokens per prompt, batch {args.spec_batch}: {args.spec_prompts} prompts of {args.spec_prompt_len} tokens from each held-out
+verification step, {args.spec_tokens} new tokens per prompt, batch {args.spec_batch}: {args.spec_prompts} prompts of
+{args.spec_prompt_len} tokens from each held-out
 stream (evenly spaced). Every output equal to plain greedy decoding is checked, not assumed.
 
 {sp}

@@ -26,7 +26,6 @@ import argparse
 import bisect
 import json
 import math
-import os
 import re
 import shlex
 import sys
@@ -452,11 +451,15 @@ def md_table(header: list[str], rows: list[list]) -> str:
 def routing_section(stats: list[LayerRouting], cfg, n_prompts: int, n_tokens: int) -> str:
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     uniform, max_h = k / E, math.log2(E)
-    pct = lambda x: f"{100 * x:.1f}"
+    def pct(x):
+        return f"{100 * x:.1f}"
+
     rows = [[s.layer, f"{s.load_entropy_bits:.3f}", f"{s.load_entropy_bits / max_h:.3f}",
              pct(s.overlap_mean), f"{s.overlap_mean / uniform:.2f}x"]
             + [f"{pct(s.lru_hit[K])} / {pct(s.belady_hit[K])}" for K in RESIDENT_SLOTS] for s in stats]
-    mean = lambda f: sum(f(s) for s in stats) / len(stats)
+    def mean(f):
+        return sum(f(s) for s in stats) / len(stats)
+
     rows.append(["mean", f"{mean(lambda s: s.load_entropy_bits):.3f}",
                  f"{mean(lambda s: s.load_entropy_bits) / max_h:.3f}",
                  pct(mean(lambda s: s.overlap_mean)), f"{mean(lambda s: s.overlap_mean) / uniform:.2f}x"]

@@ -177,7 +177,7 @@ def assert_same_attributes(paged, reference, what: str) -> None:
     assert set(got) == set(want) - experts, f"{what}: tensor names differ"
     for name, attrs in got.items():
         assert attrs == want[name], f"{what}: {name} is {attrs}, from_pretrained gives {want[name]}"
-    for pager in paged.pagedexperts.pagers.values():
+    for pager in paged.pagedexperts.runners.values():
         for tname, slot in pager.slots.items():
             ref = dict(reference.named_parameters())[f"{_experts_name(reference, pager.layer)}.{tname}"]
             assert slot.dtype == pager.store.tensors[tname].dtype == ref.dtype, f"{what}: {tname} dtype"
@@ -185,7 +185,7 @@ def assert_same_attributes(paged, reference, what: str) -> None:
 
 
 def _expert_tensor_names(paged) -> set[str]:
-    return {n for p in paged.pagedexperts.pagers.values() for n in p.slots}
+    return {n for p in paged.pagedexperts.runners.values() for n in p.slots}
 
 
 def _experts_name(model, layer: int) -> str:

@@ -27,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
 
-from pagedexperts import bundled_model_path, load_model
+from pagedexperts import bundled_model_path, load_model  # noqa: E402
 from pagedexperts.generation.config import SamplingConfig  # noqa: E402
 from pagedexperts.serving.api_server import create_app  # noqa: E402
 from pagedexperts.serving.connections import uvicorn_config  # noqa: E402

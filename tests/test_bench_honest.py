@@ -16,7 +16,6 @@ import torch
 from conftest import E, PAD_ID, TOP_K
 from pagedexperts import integration
 from pagedexperts.paging import baselines
-from pagedexperts.paging.runner import InlineRunner
 from pagedexperts.tools import bench
 from pagedexperts.loading.loader import load_model
 from pagedexperts.stats.accounting import LayerStats, ModelStats
@@ -33,7 +32,7 @@ def test_plain_mode_is_transformers_own_model(tiny_moe_dir):
     model = bench.load_plain(cfg)
     assert not hasattr(model, "pagedexperts")
     assert model.config._experts_implementation == "eager" and model.dtype == torch.float32 and not model.training
-    assert not any(hasattr(m, integration.PAGER_ATTR) for m in model.modules())
+    assert not any(hasattr(m, integration.RUNNER_ATTR) for m in model.modules())
     assert not model._forward_pre_hooks and "_optimize_model_for_decode" not in vars(model)
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
     assert experts and all(m.gate_up_proj.shape[0] == E for m in experts)  # its own [E, ...] parameters
@@ -144,7 +143,7 @@ def test_resident_step_has_no_read_back_sync_or_op(tiny_moe_dir, resident_reads,
     real_call = baselines.ResidentRunner.step
     monkeypatch.setattr(baselines.ResidentRunner, "step",
                         lambda self, *a: steps.append(self.layer) or real_call(self, *a))
-    for runner in model.pagedexperts.pagers.values():
+    for runner in model.pagedexperts.runners.values():
         resident_reads.mark(*runner.tensors.values())
     ids = torch.randint(2, 100, (batch, 7), generator=torch.Generator().manual_seed(batch))
     mask = torch.ones_like(ids)
@@ -157,9 +156,9 @@ def test_resident_step_has_no_read_back_sync_or_op(tiny_moe_dir, resident_reads,
         got = model.generate(ids, **kw)
     with torch.no_grad():
         want = ref.generate(ids, **kw)
-    layers = len(model.pagedexperts.pagers)
+    layers = len(model.pagedexperts.runners)
     assert len(steps) == 4 * layers  # the runner ran: prefill + 3 decode steps, every MoE layer
     assert resident_reads.reads == [] and resident_reads.read_backs == 0 and resident_reads.ops == 0
     assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
     assert model.pagedexperts.stats().total().steps == 0
-    assert all(isinstance(r, InlineRunner) for r in model.pagedexperts.pagers.values())
+    assert all(r.inline and r.capture_problem(model.dtype, model.device) is None for r in model.pagedexperts.runners.values())

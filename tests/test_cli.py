@@ -223,7 +223,7 @@ def test_check_fails_when_a_slot_is_corrupted():
     ref = load_reference(None, device="cpu", dtype=None, experts_implementation="grouped_mm")
     model, tok = load_model(num_resident=64)
     assert check_model(model, ref, tok, DEFAULT_PROMPTS[:1], max_new_tokens=2).passed
-    pager = model.pagedexperts.pagers[0]
+    pager = model.pagedexperts.runners[0]
     with torch.no_grad():  # at K = E nothing is evicted: corrupted slots stay and are hit again
         for slot in pager.residency.slot_of_expert.values():
             pager.slots["down_proj"][slot].add_(0.01)

@@ -30,7 +30,7 @@ def test_explain_shows_no_break_but_at_the_op(tiny_moe_dir):
     reasons = [str(r.reason) for r in ex.break_reasons]
     assert all("experts_step" in r for r in reasons), reasons
     calls = [n for g in ex.graphs for n in g.graph.nodes if "experts_step" in str(n.target)]
-    assert len(calls) == len(model.pagedexperts.pagers)  # one op per MoE layer, in the graph
+    assert len(calls) == len(model.pagedexperts.runners)  # one op per MoE layer, in the graph
     torch._dynamo.reset()
 
 
@@ -46,7 +46,7 @@ def test_compiled_paged_equals_compiled_resident_slots(tiny_moe_dir, backend):
         with torch.no_grad():
             outs.append([compiled(**_inputs()).logits for _ in range(2)])
         stats = model.pagedexperts.stats().total()
-        assert stats.steps == 2 * len(model.pagedexperts.pagers)  # the op ran eagerly each step
+        assert stats.steps == 2 * len(model.pagedexperts.runners)  # the op ran eagerly each step
         if k_slots == TOP_K:
             assert stats.misses > 0 and stats.multi_wave_steps > 0
     torch._dynamo.reset()

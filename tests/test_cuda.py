@@ -86,7 +86,7 @@ class TestCuda:
     def test_store_is_pinned_and_slots_on_device(self, tiny_moe_dir):
         model, _ = load_model(tiny_moe_dir, num_resident=TOP_K, device="cuda")
         assert model.pagedexperts.decide == ("device" if HAVE_TRITON else "host")  # auto on CUDA
-        for pager in model.pagedexperts.pagers.values():
+        for pager in model.pagedexperts.runners.values():
             assert pager.store.pinned and pager.store.fallback is None
             assert all(t.is_pinned() for t in pager.store.tensors.values())
             assert all(t.is_cuda and t.shape[0] == TOP_K for t in pager.slots.values())

@@ -136,7 +136,7 @@ def test_generate_text_decodes_through_the_graphs_and_reports_them(tiny_moe_dir)
 def test_a_step_that_cannot_be_captured_falls_back_with_a_warning_or_raises(tiny_moe_dir, caplog):
     model = paged(tiny_moe_dir, decide="host")
     problem = capture_problem_of(model)
-    assert "HostPlannedExecutor reads the step back" in problem and "--decide device" in problem
+    assert "HostExecutor reads the step back" in problem and "--decide device" in problem
     ids, mask = prompt(1)
     graphs = DecodeGraphs(model, backend="eager", max_batch=2)
     st = graphs.step_for(1, 16)
@@ -158,7 +158,7 @@ def test_a_step_that_cannot_be_captured_falls_back_with_a_warning_or_raises(tiny
 
 def test_runner_problem_names_the_syncing_kernels(tiny_moe_dir):
     model = paged(tiny_moe_dir, experts_implementation="grouped_mm")
-    runner = next(iter(model.pagedexperts.pagers.values()))
+    runner = next(iter(model.pagedexperts.runners.values()))
     assert "--dtype bfloat16" in runner_problem(runner, torch.float32)
     assert runner_problem(runner, torch.bfloat16) is None
     runner.inner = "batched_mm"

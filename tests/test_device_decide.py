@@ -21,7 +21,7 @@ import torch
 if not torch.cuda.is_available():  # before the kernels are defined (see test_device_kernels.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedexperts.residency.policies import LFUPolicy, LRUPolicy
+from pagedexperts.residency.eviction import LFUPolicy, LRUPolicy
 from pagedexperts.paging.device_residency import DeviceResidency, device_rule
 from pagedexperts.residency.planner import Residency
 from trace_fixtures import real_trace_steps

@@ -91,7 +91,7 @@ def _decode_step_scan(model) -> list[str]:
         with ReadBackScan() as scan:
             st.forward()
     assert graphs.counters.captures == 1
-    assert scan.paging_ops > 20 * len(model.pagedexperts.pagers), scan.paging_ops  # decide, remap, waves, combine
+    assert scan.paging_ops > 20 * len(model.pagedexperts.runners), scan.paging_ops  # decide, remap, waves, combine
     return scan.found
 
 

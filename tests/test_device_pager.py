@@ -1,7 +1,7 @@
 """The device-planned layer-step equals the host-planned pager and the unpaged experts (CPU).
 
 Oracles: the experts module's own unpaged computation with the same implementation, and the
-host pager (``pager.ExpertPager``) with the same policy on the same steps. Compared with
+host-planned executor (``paging.host_executor.HostExecutor``) with the same policy on the same steps. Compared with
 torch.equal at the default thread count and at 1 thread, batch 1 and batches whose routed
 entries exceed K (multi-wave), fp32 and bf16, dense slots and packed block-FP8 slots, and the
 bundled model's experts. After every step the device slot map equals the host's and each
@@ -27,18 +27,19 @@ import pytest  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from conftest import assert_same  # noqa: E402
-from pagedexperts.residency.policies import LFUPolicy, LRUPolicy  # noqa: E402
+from pagedexperts.residency.eviction import LFUPolicy, LRUPolicy  # noqa: E402
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec  # noqa: E402
 from pagedexperts.formats.fp8 import Fp8BlockFormat, dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 from pagedexperts.formats.slots import DenseSlots, WaveDequantizer, allocate  # noqa: E402
-from pagedexperts.paging.host_executor import HostPlannedExecutor as ExpertPager  # noqa: E402
+from pagedexperts.paging.host_executor import HostExecutor  # noqa: E402
 from pagedexperts.paging.device_layout import DeviceGroupedStep  # noqa: E402
-from pagedexperts.paging.device_pager import DevicePager  # noqa: E402
+from pagedexperts.paging.device_executor import DeviceExecutor  # noqa: E402
 from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
 from pagedexperts.stats.accounting import LayerStats  # noqa: E402
 from pagedexperts.storage.host_store import HostExpertStore  # noqa: E402
+from pagedexperts.storage.host_tier import TieredExpertStore  # noqa: E402
 from pagedexperts.paging.waves import GroupedStep  # noqa: E402
-from test_store_pager import E, H, I, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
+from test_store_pager import E, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parents[1] / "pagedexperts" / "data" / "tiny-qwen3-moe"
 HOST_POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}
@@ -48,7 +49,7 @@ def host_and_device(module, num_slots, inner, policy, *, backend="torch"):
     """(host pager, device pager) over one store filled from ``module``, same policy."""
     host = paged(module, num_slots, inner)
     host.residency.policy = HOST_POLICIES[policy](num_slots)  # before any step
-    dev = DevicePager(layer=0, store=host.store, num_slots=num_slots, device="cpu", inner=inner,
+    dev = DeviceExecutor(layer=0, store=host.store, num_slots=num_slots, device="cpu", inner=inner,
                       policy=policy, backend=backend)
     return host, dev
 
@@ -59,7 +60,7 @@ def routings(seed: int, steps: int, *, num_experts: int = E, top_k: int = TOP_K)
     return [[rng.sample(range(num_experts), top_k) for _ in range(rng.choice([1, 1, 5]))] for _ in range(steps)]
 
 
-def assert_slots_hold_host_rows(dev: DevicePager) -> None:
+def assert_slots_hold_host_rows(dev: DeviceExecutor) -> None:
     for slot, expert in enumerate(dev.residency.expert_of_slot()):
         if expert >= 0:
             for name, host in dev.store.tensors.items():
@@ -84,8 +85,8 @@ def test_device_step_equals_host_pager_and_unpaged(inner, dtype, num_slots, poli
     for n, routing in enumerate(routings(num_slots, 10)):
         hidden, ids, weights = step_inputs(routing, dtype, seed=n)
         want = unpaged(module, inner, hidden, ids, weights)
-        assert_same(host(module, hidden, ids, weights), want, f"step {n} host pager")
-        assert_same(dev(module, hidden, ids, weights), want, f"step {n} device pager (T={len(routing)})")
+        assert_same(host.step(module, hidden, ids, weights), want, f"step {n} host pager")
+        assert_same(dev.step(module, hidden, ids, weights), want, f"step {n} device pager (T={len(routing)})")
         assert dev.residency.resident() == host.residency.resident(), f"step {n} slot map"
         assert_slots_hold_host_rows(dev)
     assert counts(dev.stats) == counts(host.stats)
@@ -99,7 +100,7 @@ def test_counters_equal_a_hand_count():
     _, dev = host_and_device(module, 3, "grouped_mm", "lru")
     for n, (routing, _, resident) in enumerate(SCRIPT):
         hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
-        dev(module, hidden, ids, weights)
+        dev.step(module, hidden, ids, weights)
         assert dev.residency.resident() == resident, f"step {n + 1}"
     eb = dev.store.expert_bytes
     assert counts(dev.stats) == dict(steps=5, tokens=9, padding_tokens=0, hits=5, misses=8, page_ins=8, bytes_paged=8 * eb,
@@ -114,7 +115,7 @@ def test_padding_rows_and_reset_count_as_on_the_host():
     for n, routing in enumerate(routings(2, 6)):
         hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
         for pager in (host, dev):  # the dispatcher hands the step its padding rows (the contract)
-            pager(module, hidden, ids, weights, torch.tensor(n % 2))
+            pager.step(module, hidden, ids, weights, torch.tensor(n % 2))
     assert counts(dev.stats) == counts(host.stats) and dev.stats.padding_tokens == 3
     dev.stats = LayerStats()
     assert counts(dev.stats) == counts(LayerStats())
@@ -132,7 +133,7 @@ def test_grouped_layout_is_the_host_layout():
         dplan = dev.residency.decide(ids)
         flat = ids.reshape(-1)
         step = DeviceGroupedStep(module, hidden, ids, dplan.expert_slot[flat], dplan.expert_wave[flat])
-        ref = GroupedStep(module, hidden, ids, ids.numpy())
+        ref = GroupedStep(module, hidden, ids, ids.numpy(), plan.waves)
         for w, wave in enumerate(plan.waves):
             pos, offsets, _, _ = step.layout(w, 3)
             want_pos, want_offsets, _ = ref._layout(wave, 3)
@@ -164,16 +165,16 @@ def fp8_layer(dtype=torch.bfloat16, block=(16, 16)):
 def test_packed_fp8_slots_equal_host_pager_and_unpaged(inner, threads):
     module, store, layout = fp8_layer()
     for num_slots in (3, E):
-        host = ExpertPager(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner,
+        host = HostExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner,
                            policy=LFUPolicy(num_slots),
                            dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots, "cpu")))
-        dev = DevicePager(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner, policy="lfu",
+        dev = DeviceExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner, policy="lfu",
                           dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots, "cpu")))
         for n, routing in enumerate(routings(3, 8)):
             hidden, ids, weights = step_inputs(routing, torch.bfloat16, seed=n)
             want = unpaged(module, inner, hidden, ids, weights)
-            assert_same(host(module, hidden, ids, weights), want, f"K={num_slots} step {n} host")
-            assert_same(dev(module, hidden, ids, weights), want, f"K={num_slots} step {n} device")
+            assert_same(host.step(module, hidden, ids, weights), want, f"K={num_slots} step {n} host")
+            assert_same(dev.step(module, hidden, ids, weights), want, f"K={num_slots} step {n} device")
         assert_slots_hold_host_rows(dev)
         assert counts(dev.stats) == counts(host.stats)
 
@@ -196,8 +197,8 @@ def test_bundled_model_experts(threads):
             hidden = torch.randn(ids.shape[0], cfg.hidden_size, generator=gen)
             weights = torch.softmax(torch.randn(ids.shape, generator=gen), dim=-1)
             want = unpaged(module, "grouped_mm", hidden, ids, weights)
-            assert_same(host(module, hidden, ids, weights), want, f"K={num_slots} step {n} host")
-            assert_same(dev(module, hidden, ids, weights), want, f"K={num_slots} step {n} device")
+            assert_same(host.step(module, hidden, ids, weights), want, f"K={num_slots} step {n} host")
+            assert_same(dev.step(module, hidden, ids, weights), want, f"K={num_slots} step {n} device")
         assert counts(dev.stats) == counts(host.stats)
 
 
@@ -236,7 +237,7 @@ def test_device_step_reads_nothing_back(backend):
     for n, routing in enumerate(routings(11, 4)):
         hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
         with HostReads() as reads:
-            out = dev(module, hidden, ids, weights)
+            out = dev.step(module, hidden, ids, weights)
         assert reads.calls == [], f"step {n}: host reads {reads.calls}"
         assert_same(out, unpaged(module, "grouped_mm", hidden, ids, weights), f"step {n} ({backend})")
 
@@ -261,14 +262,15 @@ def test_unsupported_configurations_are_named():
     store = paged(module, 3).store
     common = dict(layer=0, store=store, num_slots=3, device="cpu")
     with pytest.raises(ValueError, match="--experts-implementation"):
-        DevicePager(inner="eager", **common)
+        DeviceExecutor(inner="eager", **common)
     with pytest.raises(ValueError, match="--experts-implementation"):
-        DevicePager(inner="grouped_mm", **common).inner = "eager"  # the decode switch's setter
+        DeviceExecutor(inner="grouped_mm", **common).inner = "eager"  # the decode switch's setter
     with pytest.raises(ValueError, match="--policy"):
-        DevicePager(inner="grouped_mm", policy="flru", **common)
+        DeviceExecutor(inner="grouped_mm", policy="flru", **common)
     with pytest.raises(ValueError, match="--slot-format packed"):
-        DevicePager(inner="grouped_mm", slots=DenseSlots(None, {}, {}), **common)
+        DeviceExecutor(inner="grouped_mm", slots=DenseSlots(None, {}, {}), **common)
     with pytest.raises(ValueError, match="--num-resident"):
-        DevicePager(layer=0, store=store, num_slots=E + 1, device="cpu", inner="grouped_mm")
-    with pytest.raises(ValueError, match="HostExpertStore"):
-        DevicePager(layer=0, store=dict(store.tensors), num_slots=3, device="cpu", inner="grouped_mm")
+        DeviceExecutor(layer=0, store=store, num_slots=E + 1, device="cpu", inner="grouped_mm")
+    disk_tier = TieredExpertStore(store.specs, E, 3, policy="lru", pin=False, layer=0)
+    with pytest.raises(ValueError, match="does not hold every expert in host memory.*--decide host"):
+        DeviceExecutor(layer=0, store=disk_tier, num_slots=3, device="cpu", inner="grouped_mm")

@@ -13,21 +13,18 @@ Legend: E experts, k top_k, K slots, T tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
-from conftest import E, PAD_ID, TOP_K
+from conftest import PAD_ID, TOP_K
 from pagedexperts import load_model
 from pagedexperts.cli import main
-from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.generation.generate import generate_text
 from pagedexperts.loading import config as loading_config
 from pagedexperts.loading.config import ConfigError, PagingConfig, check_config
-from pagedexperts.paging.device_pager import DevicePager
-from pagedexperts.paging.host_executor import HostPlannedExecutor
+from pagedexperts.paging.device_executor import DeviceExecutor
+from pagedexperts.paging.host_executor import HostExecutor
 from pagedexperts.paging.kernels import HAVE_TRITON
 from test_device_pager import HostReads  # noqa: E402
 from test_syncs import DeviceReads, _run, device_reads  # noqa: F401  (a fixture)
@@ -64,8 +61,8 @@ def test_device_and_host_count_the_same_per_layer(tiny_moe_dir, policy, rows):
     runs = {}
     for decide in ("host", "device"):
         model, _ = load_model(tiny_moe_dir, num_resident=4, policy=policy, decide=decide, device_kernels="torch")
-        runner = next(iter(model.pagedexperts.pagers.values()))
-        assert isinstance(runner, DevicePager if decide == "device" else HostPlannedExecutor)
+        runner = next(iter(model.pagedexperts.runners.values()))
+        assert isinstance(runner, DeviceExecutor if decide == "device" else HostExecutor)
         assert model.pagedexperts.decide == decide
         runs[decide] = (greedy(model, ids, mask), per_layer(model))
     (out_h, count_h), (out_d, count_d) = runs["host"], runs["device"]
@@ -87,7 +84,7 @@ def test_generate_under_triton_kernels_equals_host(tiny_moe_dir):
     ids, mask = batch(2, seed=3)
     host, _ = load_model(tiny_moe_dir, num_resident=TOP_K, policy="lru", decide="host")
     dev, _ = load_model(tiny_moe_dir, num_resident=TOP_K, policy="lru", decide="device")
-    assert dev.pagedexperts.pagers[0].residency.backend == "triton"
+    assert dev.pagedexperts.runners[0].residency.backend == "triton"
     out_h, out_d = greedy(host, ids, mask, steps=3), greedy(dev, ids, mask, steps=3)
     assert per_layer(dev) == per_layer(host)
     assert all(torch.equal(a, b) for a, b in zip(out_d.logits, out_h.logits))
@@ -153,7 +150,7 @@ def test_check_passes_device_planned(capsys):
 def test_auto_is_host_on_cpu(tiny_moe_dir):
     model, _ = load_model(tiny_moe_dir, num_resident=4)
     assert model.pagedexperts.decide == "host"
-    assert isinstance(model.pagedexperts.pagers[0], HostPlannedExecutor)
+    assert isinstance(model.pagedexperts.runners[0], HostExecutor)
 
 
 def test_device_on_cpu_needs_the_interpreter(monkeypatch):
@@ -220,10 +217,10 @@ def test_repage_keeps_the_decide(tiny_moe_dir):
 
     model, _ = load_model(tiny_moe_dir, num_resident=4, decide="device", device_kernels="torch")
     repage(model, mode="resident")
-    assert all(isinstance(r, ResidentRunner) for r in model.pagedexperts.pagers.values())
+    assert all(isinstance(r, ResidentRunner) for r in model.pagedexperts.runners.values())
     repage(model, mode="paged", num_resident=8)
-    runners = list(model.pagedexperts.pagers.values())
-    assert all(isinstance(r, DevicePager) and r.num_slots == 8 for r in runners)
+    runners = list(model.pagedexperts.runners.values())
+    assert all(isinstance(r, DeviceExecutor) and r.num_slots == 8 for r in runners)
     host, _ = load_model(tiny_moe_dir, num_resident=8, decide="host")
     ids, mask = batch(2, seed=5)
     out_d, out_h = greedy(model, ids, mask, steps=3), greedy(host, ids, mask, steps=3)

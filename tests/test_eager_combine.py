@@ -44,7 +44,7 @@ def test_eager_combine_is_ascending_expert_id(top_k, dtype, threads):
         for seed in range(4):
             hidden, ids, weights = descending_step(top_k, 5, dtype, seed=seed)
             want = unpaged(module, "eager", hidden, ids, weights)
-            assert_same(pager(module, hidden, ids, weights), want,
+            assert_same(pager.step(module, hidden, ids, weights), want,
                         f"eager top_k={top_k} K={num_slots} {dtype} seed {seed} at {threads} threads")
 
 

@@ -95,7 +95,7 @@ def logits_of(model, input_ids, attention_mask=None) -> torch.Tensor:
 
 
 def pagers(model):
-    return model.pagedexperts.pagers
+    return model.pagedexperts.runners
 
 
 # --- (a) single-prompt prefill: the full matrix ------------------------------------------------
@@ -200,7 +200,7 @@ def test_model_holds_only_k_slots_of_experts(tiny_moe_dir, reference, num_reside
     for name, module in paged.named_modules():
         if is_experts_module(module):
             assert dict(module.named_parameters(recurse=False)) == {}, f"{name} keeps expert tensors"
-            assert getattr(module, integration.PAGER_ATTR) is pagers(paged)[int(name.split(".")[2])]
+            assert getattr(module, integration.RUNNER_ATTR) is pagers(paged)[int(name.split(".")[2])]
     for pager in pagers(paged).values():
         for name, slot in pager.slots.items():
             assert slot.shape[0] == num_resident and tuple(slot.shape[1:]) in shapes
@@ -285,7 +285,7 @@ def test_dense_layer_has_no_pager_and_stays_exact(reference, tiny_moe_dense_dir,
     assert sorted(pagers(paged)) == [0, 2]
     dense_mlp = paged.model.layers[1].mlp
     assert not any(is_experts_module(m) for m in dense_mlp.modules())
-    assert not any(hasattr(m, integration.PAGER_ATTR) for m in dense_mlp.modules())
+    assert not any(hasattr(m, integration.RUNNER_ATTR) for m in dense_mlp.modules())
     ids, mask = padded_batch()
     ref = reference(impl, dtype, path=tiny_moe_dense_dir)
     assert_same(logits_of(paged, ids, mask), logits_of(ref, ids, mask), f"dense-layer model {impl} {dtype}")

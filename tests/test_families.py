@@ -29,7 +29,7 @@ from safetensors import safe_open
 from conftest import assert_same, assert_same_attributes
 from pagedexperts import load_model
 from pagedexperts.tools.check import check_model
-from pagedexperts.integration import PAGER_ATTR
+from pagedexperts.integration import RUNNER_ATTR
 from pagedexperts.models.sites import SUPPORTED_ARCHITECTURES, find_experts_sites, is_experts_module
 from pagedexperts.models.config import moe_layer_indices
 from pagedexperts.models.families import FAMILIES
@@ -184,7 +184,7 @@ def test_paged_equals_unpaged_at_k_and_half_e(name, dtype, family_dirs, referenc
     reference = references(path, dtype)
     for k in (TOP_K, E // 2):
         paged, tokenizer = load_model(path, num_resident=k, dtype=dtype)
-        assert sorted(paged.pagedexperts.pagers) == CASES[name].moe_layers
+        assert sorted(paged.pagedexperts.runners) == CASES[name].moe_layers
         assert_exact(paged, reference, tokenizer, f"{name} {dtype} K={k}")
 
 
@@ -220,7 +220,7 @@ def test_prefetch_is_exact_in_every_family(name, family_dirs, references):
     path = family_dirs(name)
     paged, tokenizer = load_model(path, num_resident=TOP_K, dtype="float32", prefetch=True)
     assert_exact(paged, references(path, "float32"), tokenizer, f"{name} prefetch K={TOP_K}")
-    issued = sum(p.prefetch_stats.issued for p in paged.pagedexperts.pagers.values())
+    issued = sum(p.prefetch_stats.issued for p in paged.pagedexperts.runners.values())
     assert issued > 0, f"{name}: prefetch issued nothing; the router was not used"
 
 
@@ -229,12 +229,12 @@ def test_prefetch_is_exact_in_every_family(name, family_dirs, references):
 def test_device_planned_step_is_exact_in_every_family(name, family_dirs, references):
     """--decide device (the torch reference kernels: the interpreter is slow for 16 steps x 8
     families) at K = top_k and E/2, bf16: logits torch.equal to the unpaged model."""
-    from pagedexperts.paging.device_pager import DevicePager
+    from pagedexperts.paging.device_executor import DeviceExecutor
 
     path = family_dirs(name)
     for k in (TOP_K, E // 2):
         paged, tokenizer = load_model(path, num_resident=k, dtype="bfloat16", decide="device", device_kernels="torch")
-        assert all(isinstance(r, DevicePager) for r in paged.pagedexperts.pagers.values())
+        assert all(isinstance(r, DeviceExecutor) for r in paged.pagedexperts.runners.values())
         assert_exact(paged, references(path, "bfloat16"), tokenizer, f"{name} device-planned K={k}")
 
 
@@ -246,7 +246,7 @@ def test_device_planned_step_with_triton_kernels(name, family_dirs, references):
     with shared experts and a correction bias (DeepSeek-V3), batch 1 and 2, K = top_k."""
     path = family_dirs(name)
     paged, tokenizer = load_model(path, num_resident=TOP_K, dtype="float32", decide="device")
-    assert next(iter(paged.pagedexperts.pagers.values())).residency.backend == "triton"
+    assert next(iter(paged.pagedexperts.runners.values())).residency.backend == "triton"
     assert_exact(paged, references(path, "float32"), tokenizer, f"{name} device-planned (triton) K={TOP_K}")
 
 
@@ -277,7 +277,7 @@ def test_store_holds_the_routed_experts_and_nothing_else(name, family_dirs, refe
     path = family_dirs(name)
     reference = references(path, "float32")
     paged, _ = load_model(path, num_resident=TOP_K, dtype="float32")
-    for layer, pager in paged.pagedexperts.pagers.items():
+    for layer, pager in paged.pagedexperts.runners.items():
         ref_experts = reference.model.layers[layer].mlp.experts
         expected = dict(ref_experts.named_parameters(recurse=False))
         assert sorted(pager.store.tensors) == sorted(expected), f"layer {layer}: per-expert tensors"
@@ -302,7 +302,7 @@ def test_mixtral_per_expert_w1_w2_w3_keys_are_read(family_dirs, references):
     assert not any(".mlp." in k for k in keys)
     paged, _ = load_model(path, num_resident=TOP_K, dtype="float32")
     ref_experts = references(path, "float32").model.layers[0].mlp.experts
-    store = paged.pagedexperts.pagers[0].store
+    store = paged.pagedexperts.runners[0].store
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         w1 = f.get_tensor("model.layers.0.block_sparse_moe.experts.5.w1.weight")
         w3 = f.get_tensor("model.layers.0.block_sparse_moe.experts.5.w3.weight")
@@ -317,11 +317,11 @@ def test_shared_experts_are_resident_never_paged(name, family_dirs, references):
     paged, tokenizer = load_model(path, num_resident=TOP_K, dtype="float32")
     runtime = paged.pagedexperts
     routed_bytes = 3 * HIDDEN * EXPERT_I * 4  # gate, up, down of one routed expert, fp32
-    for layer, pager in runtime.pagers.items():
+    for layer, pager in runtime.runners.items():
         block = paged.model.layers[layer].mlp
         shared = getattr(block, case.shared)
         assert not any(is_experts_module(m) for m in shared.modules())
-        assert not any(hasattr(m, PAGER_ATTR) for m in shared.modules())
+        assert not any(hasattr(m, RUNNER_ATTR) for m in shared.modules())
         for pname, p in shared.named_parameters():
             assert p.device.type == "cpu" and p.dtype == torch.float32, pname
         assert pager.store.num_experts == E and pager.store.expert_bytes == routed_bytes
@@ -342,9 +342,9 @@ def test_dense_layers_get_no_pager(name, family_dirs):
     config = json.loads((path / "config.json").read_text())
     assert moe_layer_indices(config) == CASES[name].moe_layers
     paged, _ = load_model(path, num_resident=TOP_K, dtype="float32")
-    assert sorted(paged.pagedexperts.pagers) == CASES[name].moe_layers
+    assert sorted(paged.pagedexperts.runners) == CASES[name].moe_layers
     for i, layer in enumerate(paged.model.layers):
-        paged_modules = [m for m in layer.modules() if hasattr(m, PAGER_ATTR)]
+        paged_modules = [m for m in layer.modules() if hasattr(m, RUNNER_ATTR)]
         assert len(paged_modules) == (i in CASES[name].moe_layers), f"layer {i}"
         if i not in CASES[name].moe_layers:
             assert not any(is_experts_module(m) for m in layer.modules())
@@ -359,7 +359,7 @@ def test_gpt_oss_biases_are_paged_with_their_expert(family_dirs, references):
     with torch.no_grad():
         expected = references(path, "float32")(token).logits
         paged, _ = load_model(path, num_resident=TOP_K, dtype="float32")
-        pager = paged.pagedexperts.pagers[0]
+        pager = paged.pagedexperts.runners[0]
         assert {"gate_up_proj_bias", "down_proj_bias"} <= set(pager.store.tensors)
         assert_same(paged(token).logits, expected, "gpt-oss one token")
         hits_before = pager.stats.hits
@@ -374,7 +374,7 @@ def test_gpt_oss_biases_are_paged_with_their_expert(family_dirs, references):
 
         routed = _routed_experts(references(path, "float32"), token, layer=0)
         fresh, _ = load_model(path, num_resident=TOP_K, dtype="float32")  # nothing resident yet
-        fresh.pagedexperts.pagers[0].store.tensors["down_proj_bias"][routed[0]] += 1.0
+        fresh.pagedexperts.runners[0].store.tensors["down_proj_bias"][routed[0]] += 1.0
         assert not torch.equal(fresh(token).logits, expected), "host bias row is not paged in"
 
 

@@ -130,7 +130,8 @@ def test_asymmetric_checkpoint_dequantizes_as_compressed_tensors(bf16_dir, tmp_p
         want = torch.stack([torch.cat([ref(j, "gate_proj"), ref(j, "up_proj")]) for j in range(E)])
         assert torch.equal(got["gate_up_proj"], want)
         # the zero point matters: dropping it (the transformers bug) changes the weights
-        no_zp = dict(_rows(out, 1, layout), gate_up_proj_zero_point=torch.full_like(_rows(out, 1, layout)["gate_up_proj_zero_point"], 0x88888888 - 2**32))
+        zero_point = _rows(out, 1, layout)["gate_up_proj_zero_point"]
+        no_zp = dict(_rows(out, 1, layout), gate_up_proj_zero_point=torch.full_like(zero_point, 0x88888888 - 2**32))
         assert not torch.equal(layout.dequantize(no_zp)["gate_up_proj"], want)
 
 

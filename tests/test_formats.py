@@ -226,7 +226,7 @@ def test_padded_batch_prefill_and_decode(name, threads, slot_format, quantized_d
 def test_auto_slot_format_is_dense_on_cpu(quantized_dirs):
     paged, _ = load_model(quantized_dirs("qwen3_moe-fp8"), num_resident=TOP_K)
     assert paged.pagedexperts.config.slot_format == "dense"
-    pager = next(iter(paged.pagedexperts.pagers.values()))
+    pager = next(iter(paged.pagedexperts.runners.values()))
     assert set(pager.slots) == {"gate_up_proj", "down_proj"} and pager.slots["down_proj"].dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unknown slot format 'sparse'.*--slot-format"):
         load_model(quantized_dirs("qwen3_moe-fp8"), slot_format="sparse")
@@ -270,7 +270,7 @@ def test_independence_check_catches_a_per_expert_tensor_left_on_the_module(quant
     rt = paged.pagedexperts
     for site in rt.sites:
         bias = rt.stores[site.name].tensors.pop("down_proj_bias")
-        rt.pagers[site.layer].slots.pop("down_proj_bias")
+        rt.runners[site.layer].slots.pop("down_proj_bias")
         site.module.register_parameter("down_proj_bias", torch.nn.Parameter(bias, requires_grad=False))
     result = check_model(paged, quantized_reference(path), tok, PROMPTS[:1], max_new_tokens=4)
     assert not result.passed  # the bug is real: the paged model computes something else
@@ -302,7 +302,7 @@ def test_independence_check_catches_a_scale_left_out_of_the_store(quantized_dirs
     rt = paged.pagedexperts
     for site in rt.sites:
         rt.stores[site.name].tensors.pop("gate_up_proj_scale_inv")
-        rt.pagers[site.layer].slots.pop("gate_up_proj_scale_inv")
+        rt.runners[site.layer].slots.pop("gate_up_proj_scale_inv")
     with pytest.raises(IndependenceError, match="layer 1 .*packed tensor 'gate_up_proj_scale_inv' is not in the slots"):
         check_model_independence(paged, checkpoint_files(path), format_for_config(paged.config))
 
@@ -316,8 +316,8 @@ def test_independence_check_passes_and_counts(slot_format, quantized_dirs):
     paged, _ = load_model(path, num_resident=TOP_K, check_independence=False, slot_format=slot_format)
     fmt = format_for_config(paged.config)
     n = check_model_independence(paged, checkpoint_files(path), fmt, experts_per_layer=3)
-    assert n == 3 * len(paged.pagedexperts.pagers)
-    for pager in paged.pagedexperts.pagers.values():  # the check leaves the slots empty
+    assert n == 3 * len(paged.pagedexperts.runners)
+    for pager in paged.pagedexperts.runners.values():  # the check leaves the slots empty
         assert all(not t.view(torch.uint8).any() for t in pager.slots.values())
 
 

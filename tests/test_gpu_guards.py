@@ -176,29 +176,29 @@ def test_no_cuda_runtime_leaves_nothing_to_consume(monkeypatch):
     assert consumed == [] and not store.pinned and "RuntimeError" in store.fallback
 
 
-# -- paging.device_pager: the tensors' device (GPU: TestCuda.test_device_planned_on_the_second_gpu)
+# -- paging.device_executor: the tensors' device (GPU: TestCuda.test_device_planned_on_the_second_gpu)
 
 
 def test_device_step_runs_with_its_device_current(monkeypatch):
     """Review item 10: Triton launches on the current device, so ``--device cuda:1`` with
     cuda:0 current launched on the wrong GPU; the step enters its device."""
-    from pagedexperts.paging import device_pager
+    from pagedexperts.paging import device_executor
     from test_device_pager import host_and_device, routings, step_inputs, synthetic_experts
 
-    guard = device_pager.on_device(torch.device("cuda", 1))
+    guard = device_executor.on_device(torch.device("cuda", 1))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
     entered = []
-    real = device_pager.on_device
+    real = device_executor.on_device
 
     def spy(device):
         entered.append(device)
         return real(device)
 
-    monkeypatch.setattr(device_pager, "on_device", spy)
+    monkeypatch.setattr(device_executor, "on_device", spy)
     module = synthetic_experts(torch.float32)
     _, dev = host_and_device(module, 3, "grouped_mm", "lru")
     hidden, ids, weights = step_inputs(routings(1, 1)[0], torch.float32, seed=0)
-    dev(module, hidden, ids, weights)
+    dev.step(module, hidden, ids, weights)
     assert entered == [dev.device]
 
 
@@ -246,7 +246,7 @@ def test_gpu_bench_phases_record_decide_and_versions(tmp_path):
     assert all((r["torch"], r["triton"]) == (torch.__version__, triton.__version__) for r in every)
     assert {r["decide"] for r in every} == {"host"}  # CPU: --decide auto plans on the host
     assert all(r["decide"] == "host" for r in rest["modelled"])
-    assert {c["executor"] for c in rest["miss_costs"]} == {"HostPlannedExecutor"}
+    assert {c["executor"] for c in rest["miss_costs"]} == {"HostExecutor"}
 
 
 def test_miss_costs_use_the_model_s_decide_path():
@@ -261,7 +261,7 @@ def test_miss_costs_use_the_model_s_decide_path():
     store = paged(synthetic_experts(torch.float32), 3).store
     dev = gpu_bench.layer_executor("device", 0, store, 3, torch.device("cpu"))
     host = gpu_bench.layer_executor("host", 0, store, 3, torch.device("cpu"))
-    assert type(dev).__name__ == "DevicePager" and type(host).__name__ == "HostPlannedExecutor"
+    assert type(dev).__name__ == "DeviceExecutor" and type(host).__name__ == "HostExecutor"
 
 
 @pytest.mark.slow

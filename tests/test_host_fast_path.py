@@ -49,7 +49,7 @@ def test_single_wave_decode_groups_only_the_union(tiny_moe_dir, monkeypatch, k_s
     def trace(layer, step_ids, _weights):
         routed.setdefault(layer, []).append(set(step_ids.flatten().tolist()))
 
-    for runner in paged.pagedexperts.pagers.values():
+    for runner in paged.pagedexperts.runners.values():
         runner.trace_hook = trace
     groups, original = [], moe._grouped_linear
 

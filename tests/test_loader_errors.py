@@ -23,7 +23,7 @@ from conftest import E, TOP_K, copy_dir
 from pagedexperts.loading.config import PagingConfig
 from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.models.sites import SUPPORTED_ARCHITECTURES
-from pagedexperts.paging.host_executor import HostPlannedExecutor
+from pagedexperts.paging.host_executor import HostExecutor
 from pagedexperts.residency.policies import POLICIES
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.storage.host_store import HostExpertStore
@@ -193,7 +193,7 @@ def test_too_little_host_memory_fails_before_loading(tiny_moe_dir, monkeypatch, 
 def test_enough_host_memory_passes(tiny_moe_dir, monkeypatch):
     model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
     plan = model.pagedexperts.host_memory
-    assert sum(p.store.host_bytes for p in model.pagedexperts.pagers.values()) == STORE_BYTES == plan.store_bytes
+    assert sum(p.store.host_bytes for p in model.pagedexperts.runners.values()) == STORE_BYTES == plan.store_bytes
     # on the CPU the K slots are host memory too: 2 layers x K x expert bytes
     assert plan.slot_bytes_on_host == 2 * TOP_K * STORE_BYTES // (2 * E)
     monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: plan.total_bytes)
@@ -246,16 +246,16 @@ def test_failed_pinned_allocation_falls_back_loudly(monkeypatch, caplog):
         t = store.tensors[spec.name]
         assert t.shape == (E, *spec.shape) and not t.is_pinned()
 
-    pager = HostPlannedExecutor(layer=0, store=store, num_slots=TOP_K, device="cpu", inner="grouped_mm")
-    runtime = PagingRuntime(config=PagingConfig(), num_experts=E, top_k=TOP_K, num_resident=TOP_K, pagers={0: pager})
+    pager = HostExecutor(layer=0, store=store, num_slots=TOP_K, device="cpu", inner="grouped_mm")
+    runtime = PagingRuntime(config=PagingConfig(), num_experts=E, top_k=TOP_K, num_resident=TOP_K, runners={0: pager})
     assert runtime.stats().fallbacks == [store.fallback]
     assert runtime.stats().as_dict()["fallbacks"] == [store.fallback]
 
 
 def test_no_fallback_reported_without_pinning():
     store = HostExpertStore([TensorSpec("w", (4,), torch.float32)], E, pin=False)
-    pager = HostPlannedExecutor(layer=0, store=store, num_slots=TOP_K, device="cpu", inner="grouped_mm")
-    runtime = PagingRuntime(config=PagingConfig(), num_experts=E, top_k=TOP_K, num_resident=TOP_K, pagers={0: pager})
+    pager = HostExecutor(layer=0, store=store, num_slots=TOP_K, device="cpu", inner="grouped_mm")
+    runtime = PagingRuntime(config=PagingConfig(), num_experts=E, top_k=TOP_K, num_resident=TOP_K, runners={0: pager})
     assert runtime.stats().fallbacks == []
 
 
@@ -266,7 +266,8 @@ def test_no_fallback_reported_without_pinning():
     "kwargs,match",
     [
         (dict(dtype="float64"), r"unknown dtype 'float64'; choose one of \['bfloat16', 'float16', 'float32'\] \(--dtype\)"),
-        (dict(experts_implementation="sonic"), r"'sonic' is not supported under paging; choose one of \['grouped_mm', 'batched_mm', 'eager'\] \(--experts-implementation\)"),
+        (dict(experts_implementation="sonic"),
+         r"'sonic' is not supported under paging; choose one of \['grouped_mm', 'batched_mm', 'eager'\] \(--experts-implementation\)"),
         (dict(policy="mru"), rf"unknown eviction policy 'mru'; choose one of {re.escape(str(sorted(POLICIES)))} \(--policy\)"),
     ],
 )

@@ -64,7 +64,7 @@ def test_cpu_experts_runs_the_first_n_layers_on_the_cpu(tiny_moe_dir):
     from pagedexperts.paging.baselines import CpuExpertsRunner, ResidentRunner
 
     model, _ = load_model(tiny_moe_dir, mode="cpu-experts", cpu_expert_layers=1)
-    kinds = [type(p) for _, p in sorted(model.pagedexperts.pagers.items())]
+    kinds = [type(p) for _, p in sorted(model.pagedexperts.runners.items())]
     assert kinds == [CpuExpertsRunner, ResidentRunner]
     with pytest.raises(ValueError, match="--cpu-expert-layers 5 outside"):
         load_model(tiny_moe_dir, mode="cpu-experts", cpu_expert_layers=5)

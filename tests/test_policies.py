@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedexperts.residency import planner, policies
 from pagedexperts.residency.planner import Residency
-from pagedexperts.residency.policies import (
-    POLICIES, AdaptivePolicy, FrequencyLRUPolicy, LFUPolicy, LRUPolicy, make_policy,
-)
+from pagedexperts.residency.eviction import FrequencyLRUPolicy, LFUPolicy, LRUPolicy
+from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES, AdaptivePolicy, make_policy
 
 
 def run(policy, steps, *, num_experts=16, num_slots=2):
@@ -42,7 +40,28 @@ def test_unknown_policy_lists_choices():
 
 
 def test_default_policy_is_registered():
-    assert policies.DEFAULT_POLICY in POLICIES
+    assert DEFAULT_POLICY in POLICIES
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "simulate"])
+def test_every_help_names_the_runtime_default_policy(command, capsys):
+    """``--help`` says the runtime's default is LFU (DEFAULT_POLICY), never LRU."""
+    from pagedexperts.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert DEFAULT_POLICY == "lfu"
+    assert f"default {DEFAULT_POLICY}" in text or f"{DEFAULT_POLICY} (the runtime's --policy default)" in text
+    assert "LRU, the runtime's default" not in text
+
+
+def test_a_residency_without_a_policy_runs_the_policy_default():
+    """One default: a bare ``Residency`` (so an executor built without a policy) plans as
+    ``--policy``'s default does. LFU and LRU part on this routing (0 used twice, 1 once)."""
+    steps = [[0], [0], [1], [2]]
+    assert type(Residency(16, 2).policy) is POLICIES[DEFAULT_POLICY]
+    assert resident(run(None, steps)[0]) == resident(run(make_policy(DEFAULT_POLICY, 2), steps)[0]) == {0, 2}
 
 
 # ---- LFU with aging --------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def test_prefetch_is_exact(tiny_moe_dir, reference, num_resident, budget):
 
 def test_prefetch_targets_the_next_layer_and_skips_the_last(tiny_moe_dir):
     model, _ = load_model(tiny_moe_dir, num_resident=2 * TOP_K, prefetch=True)
-    pagers = model.pagedexperts.pagers
+    pagers = model.pagedexperts.runners
     first, last = min(pagers), max(pagers)
     assert isinstance(pagers[first].prefetcher, NextLayerPrefetcher)
     assert pagers[first].prefetcher.target is pagers[last]
@@ -88,10 +88,10 @@ def test_prefetch_counts_used_and_wasted(tiny_moe_dir):
     and used prefetches are hits (so prefetch raises layer 1's hits when it predicts right)."""
     model, _ = load_model(tiny_moe_dir, num_resident=2 * TOP_K, prefetch=True)
     outputs(model)
-    ps = model.pagedexperts.pagers[1].prefetch_stats
+    ps = model.pagedexperts.runners[1].prefetch_stats
     assert ps.issued > 0 and not ps.pending
     assert ps.used + ps.wasted == ps.issued
-    assert ps.used <= model.pagedexperts.pagers[1].stats.hits
+    assert ps.used <= model.pagedexperts.runners[1].stats.hits
 
 
 def test_bad_budget_names_the_flag(tiny_moe_dir):

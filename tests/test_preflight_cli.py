@@ -94,7 +94,7 @@ def test_auto_k_is_what_the_loader_accepts_and_allocates(tiny_moe_dir, dtype, ca
     r = json.loads(_run(capsys, base + ["--device-memory-gb", str(budget / 1e9)])[1])
     assert r["num_resident"] == 5 and r["num_resident_source"] == "auto" and r["fits"]
     model, _ = load_model(tiny_moe_dir, num_resident=r["num_resident"], dtype=dtype)
-    pagers = model.pagedexperts.pagers.values()
+    pagers = model.pagedexperts.runners.values()
     assert sum(t.nbytes for p in pagers for t in p.slots.values()) == r["device_slot_bytes"]
     assert sum(p.nbytes for p in model.parameters()) == r["non_expert_bytes"]
     ids = torch.arange(2, 66).unsqueeze(0)
@@ -179,6 +179,6 @@ def test_quantized_dense_slots_and_weights_are_sized_at_the_run_dtype(tiny_moe_d
     r = json.loads(_run(capsys, ["preflight", "--model-path", str(tmp_path), "--dtype", "bfloat16", "--json",
                                  "--num-resident", "4", "--slot-format", "dense"])[1])
     model, _ = load_model(tmp_path, num_resident=4, dtype="bfloat16", slot_format="dense")
-    pagers = model.pagedexperts.pagers.values()
+    pagers = model.pagedexperts.runners.values()
     assert sum(t.nbytes for p in pagers for t in p.slots.values()) == r["device_slot_bytes"]
     assert sum(p.nbytes for p in model.parameters()) == r["non_expert_bytes"]

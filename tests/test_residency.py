@@ -18,7 +18,7 @@ import pytest
 
 from pagedexperts.residency.planner import Load, Residency
 from pagedexperts.residency.policies import POLICIES, make_policy
-from pagedexperts.residency.policy import EMPTY, LRUPolicy
+from pagedexperts.residency.eviction import EMPTY, LRUPolicy
 
 # (E, K, k) combinations: K = k, 2k, E/2, E and odd sizes.
 SHAPES = [(8, 2, 2), (8, 4, 2), (8, 8, 2), (16, 4, 4), (16, 8, 2), (16, 16, 2), (6, 3, 1), (5, 5, 3)]
@@ -84,7 +84,7 @@ def test_current_wave_is_never_evicted(E, K, k, policy):
 
 @pytest.mark.parametrize("E,K,k", SHAPES)
 def test_fully_resident_step_loads_nothing(E, K, k):
-    res = Residency(E, K)
+    res = Residency(E, K, LRUPolicy(K))
     routed = list(range(K))
     res.plan(routed)  # warm-up: K misses
     for subset in (routed, routed[:k], list(reversed(routed))):
@@ -96,7 +96,7 @@ def test_fully_resident_step_loads_nothing(E, K, k):
 
 @pytest.mark.parametrize("E,k", [(8, 2), (16, 4), (5, 3)])
 def test_all_resident_never_misses_after_warm_up(E, k):
-    res = Residency(E, E)
+    res = Residency(E, E, LRUPolicy(E))
     steps = random_steps(E, k, steps=40, tokens=5, seed=E + k)
     seen: set[int] = set()
     for routed in steps:
@@ -113,7 +113,7 @@ def test_all_resident_never_misses_after_warm_up(E, k):
 @pytest.mark.parametrize("E,k", [(8, 2), (16, 4), (6, 1)])
 def test_k_equal_top_k_runs_one_token_in_one_wave(E, k):
     """K = k: a single token always fits one wave; a batch needs ceil(|union| / k) waves."""
-    res = Residency(E, k)
+    res = Residency(E, k, LRUPolicy(k))
     for routed in random_steps(E, k, steps=30, tokens=1, seed=E):
         plan = res.plan(routed)
         assert len(plan.waves) == 1 and plan.union_size == k
@@ -123,7 +123,7 @@ def test_k_equal_top_k_runs_one_token_in_one_wave(E, k):
 
 def test_lru_evicts_in_exact_order():
     """A scripted sequence on E=6, K=3 with the victims worked out by hand."""
-    res = Residency(6, 3)
+    res = Residency(6, 3, LRUPolicy(3))
     p = res.plan([0, 1, 2])  # empty slots fill lowest id first
     assert p.loads == (Load(0, 0), Load(1, 1), Load(2, 2))
     p = res.plan([0])  # hit: 0 becomes most recent; LRU order now 1, 2, 0
@@ -141,7 +141,7 @@ def test_lru_evicts_in_exact_order():
 
 
 def test_lru_recency_within_a_step_follows_ascending_expert_id():
-    res = Residency(4, 2)
+    res = Residency(4, 2, LRUPolicy(2))
     res.plan([1, 0])  # loads 0 then 1: 0 is older
     p = res.plan([2])
     assert p.loads == (Load(2, 0),), "expert 0 (touched first within its step) is evicted"
@@ -149,7 +149,7 @@ def test_lru_recency_within_a_step_follows_ascending_expert_id():
 
 def test_multi_wave_step_exact_plan():
     """E=8, K=2, union of 5 with 2 resident: waves [hits], [m, m], [m], victims outside each wave."""
-    res = Residency(8, 2)
+    res = Residency(8, 2, LRUPolicy(2))
     res.plan([3, 6])  # 3 -> slot 0, 6 -> slot 1
     p = res.plan([6, 3, 0, 7, 1])
     assert [w.experts for w in p.waves] == [(3, 6), (0, 1), (7,)]
@@ -161,7 +161,7 @@ def test_multi_wave_step_exact_plan():
 
 def test_duplicates_count_once_per_step():
     """Five tokens routed to one missing expert: one miss and one page-in."""
-    res = Residency(8, 4)
+    res = Residency(8, 4, LRUPolicy(4))
     p = res.plan([5, 5, 5, 5, 5, 2, 2])
     assert (p.hits, p.misses, len(p.loads)) == (0, 2, 2)
     p = res.plan([5] * 10)
@@ -169,7 +169,7 @@ def test_duplicates_count_once_per_step():
 
 
 def test_empty_step_plans_nothing():
-    p = Residency(8, 2).plan([])
+    p = Residency(8, 2, LRUPolicy(2)).plan([])
     assert p.waves == () and (p.hits, p.misses) == (0, 0)
 
 
@@ -178,11 +178,11 @@ def test_plans_are_deterministic(E, K, k):
     steps = random_steps(E, k, steps=25, tokens=4, seed=3)
     runs = []
     for _ in range(2):
-        res = Residency(E, K)
+        res = Residency(E, K, LRUPolicy(K))
         runs.append([res.plan(r) for r in steps])
     assert runs[0] == runs[1]
     # the order of ids inside a step does not matter either
-    res = Residency(E, K)
+    res = Residency(E, K, LRUPolicy(K))
     assert [res.plan(list(reversed(r))) for r in steps] == runs[0]
 
 
@@ -193,7 +193,7 @@ def test_lru_ties_break_on_lowest_slot():
 
 @pytest.mark.parametrize("bad", [-1, 8, 100])
 def test_out_of_range_expert_raises(bad):
-    res = Residency(8, 2)
+    res = Residency(8, 2, LRUPolicy(2))
     with pytest.raises(ValueError, match=rf"routed expert id {bad} outside \[0, E=8\)"):
         res.plan([0, bad])
     assert res.resident() == {}, "a rejected step changes nothing"
@@ -212,7 +212,7 @@ def test_unknown_policy_lists_choices():
 
 
 def test_fresh_residency_is_empty():
-    res = Residency(8, 3)
+    res = Residency(8, 3, LRUPolicy(3))
     assert res.expert_of_slot == [EMPTY] * 3 and res.resident() == {}
 
 

@@ -92,7 +92,7 @@ def test_runtime_prefetch_counters_equal_simulator(tiny_moe_dir, tmp_path, polic
                               policy=policy, budget=TOP_K, expert_bytes=rt.expert_bytes, link_gbps=1.0,
                               compute_ms_per_layer=1.0)
     assert_layers_equal(rt.stats().layers, rep.stats.layers)
-    for layer, pager in rt.pagers.items():
+    for layer, pager in rt.runners.items():
         assert rep.prefetch[layer].as_dict() | dict(predict_s=0, issue_s=0) == \
             pager.prefetch_stats.as_dict() | dict(predict_s=0, issue_s=0), f"layer {layer}"
-    assert sum(p.prefetch_stats.issued for p in rt.pagers.values()) > 0
+    assert sum(p.prefetch_stats.issued for p in rt.runners.values()) > 0

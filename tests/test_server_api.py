@@ -6,9 +6,6 @@ forwards and a hand-written greedy loop), never by the server's own code path.
 
 from __future__ import annotations
 
-import json
-import math
-import threading
 import time
 
 import pytest

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

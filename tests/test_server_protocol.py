@@ -92,7 +92,7 @@ def test_metrics_export_every_numeric_layer_stat():
 
     layer = MoreStats(hits=3, misses=2, union_max=5)
     store = SimpleNamespace(tier_stats=None)  # the ExpertStore contract: None = no disk tier
-    runtime = SimpleNamespace(pagers={0: SimpleNamespace(stats=layer, store=store)}, num_resident=8, top_k=2)
+    runtime = SimpleNamespace(runners={0: SimpleNamespace(stats=layer, store=store)}, num_resident=8, top_k=2)
     sched = SimpleNamespace(num_running=1, num_waiting=0, config=SimpleNamespace(max_running_requests=4),
                             stats=SimpleNamespace(), speculative=None)
     text = Metrics(sched, runtime).render().decode()

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from pagedexperts.residency import planner, policies
-from pagedexperts.residency.policy import EvictionPolicy
+from pagedexperts.residency import planner
+from pagedexperts.residency.eviction import EvictionPolicy, LRUPolicy
 from pagedexperts.analysis import simulate as sim
 from pagedexperts.cli import main
 from pagedexperts.stats.accounting import LayerStats
@@ -123,7 +123,7 @@ def test_replay_counts_like_a_direct_residency_loop():
     steps = sim.recorded_steps(tr)
     stats, decode = sim.replay(steps, num_experts=16, num_resident=4, policy="lru", expert_bytes=10)
     for layer in tr.meta.layers:
-        res, ref = planner.Residency(16, 4), LayerStats()
+        res, ref = planner.Residency(16, 4, LRUPolicy(4)), LayerStats()
         for s in tr:
             plan = res.plan(s.topk_ids[layer].ravel().tolist())
             ref.record_step(hits=plan.hits, misses=plan.misses, waves=len(plan.waves), tokens=s.num_tokens,

@@ -18,8 +18,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from conftest import assert_same, tiny_config
 from pagedexperts.models.sites import per_expert_specs
-from pagedexperts.paging.host_executor import INNER_IMPLEMENTATIONS, HostPlannedExecutor, resolve_inner
-from pagedexperts.residency.policy import EMPTY
+from pagedexperts.paging.host_executor import HostExecutor
+from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS, resolve_inner
+from pagedexperts.residency.eviction import EMPTY, LRUPolicy
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.slots import PackedSlots
 from pagedexperts.storage.host_store import HostExpertStore
@@ -50,13 +51,15 @@ def synthetic_experts(dtype=torch.float32, *, seed: int = 0, scale_buffer: bool 
     return module.to(dtype).eval()
 
 
-def paged(module: torch.nn.Module, num_slots: int, inner: str = "grouped_mm") -> HostPlannedExecutor:
-    """A pager over a store filled from ``module``'s own [E, ...] tensors."""
+def paged(module: torch.nn.Module, num_slots: int, inner: str = "grouped_mm") -> HostExecutor:
+    """A host executor over a store filled from ``module``'s own [E, ...] tensors, LRU (the
+    scripted sequences are counted by hand under LRU)."""
     specs = per_expert_specs(module, "experts")
     store = HostExpertStore(list(specs), int(module.num_experts), pin=False)
     for spec in specs:
         store.tensors[spec.name].copy_(getattr(module, spec.name).detach())
-    return HostPlannedExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner)
+    return HostExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner,
+                        policy=LRUPolicy(num_slots))
 
 
 def unpaged(module, inner, hidden, ids, weights) -> torch.Tensor:
@@ -72,7 +75,7 @@ def step_inputs(routing: list[list[int]], dtype, *, seed: int):
     return hidden, ids, weights
 
 
-def assert_slots_hold_host_rows(pager: HostPlannedExecutor) -> None:
+def assert_slots_hold_host_rows(pager: HostExecutor) -> None:
     for slot, expert in enumerate(pager.residency.expert_of_slot):
         if expert == EMPTY:
             continue
@@ -105,7 +108,7 @@ def test_scripted_sequence_slots_counters_and_output(inner, dtype):
     for n, (routing, (hits, misses, waves), resident) in enumerate(SCRIPT):
         before = pager.stats.hits, pager.stats.misses, pager.stats.waves
         hidden, ids, weights = step_inputs(routing, dtype, seed=n)
-        out = pager(module, hidden, ids, weights)
+        out = pager.step(module, hidden, ids, weights)
         assert_same(out, unpaged(module, inner, hidden, ids, weights), f"step {n + 1} output")
         after = pager.stats.hits, pager.stats.misses, pager.stats.waves
         assert tuple(a - b for a, b in zip(after, before)) == (hits, misses, waves), f"step {n + 1}"
@@ -120,7 +123,7 @@ def test_scripted_sequence_slots_counters_and_output(inner, dtype):
     assert s.page_in_s >= 0 and s.plan_s >= 0 and s.sync_s >= 0
 
 
-def has_single_entry_wave(pager: HostPlannedExecutor, ids: torch.Tensor) -> bool:
+def has_single_entry_wave(pager: HostExecutor, ids: torch.Tensor) -> bool:
     """Whether the next step over ``ids`` [T, k] plans a wave that holds exactly one entry."""
     plan = copy.deepcopy(pager.residency).plan(ids.unique().tolist())
     return any(int(torch.isin(ids, torch.tensor(w.experts)).sum()) == 1 for w in plan.waves)
@@ -136,7 +139,7 @@ def test_random_routing_is_exact_and_slots_match(num_slots, inner, dtype):
     for n, tokens in enumerate([1, 5, 16, 2, 9]):
         routing = [torch.randperm(E, generator=gen)[:TOP_K].tolist() for _ in range(tokens)]
         hidden, ids, weights = step_inputs(routing, dtype, seed=100 + n)
-        out = pager(module, hidden, ids, weights)
+        out = pager.step(module, hidden, ids, weights)
         assert_same(out, unpaged(module, inner, hidden, ids, weights), f"step {n} ({tokens} tokens)")
         assert_slots_hold_host_rows(pager)
     for tensor in pager.slots.values():
@@ -152,7 +155,7 @@ def test_wave_with_a_single_entry_is_exact(inner, dtype):
     pager = paged(module, num_slots=TOP_K, inner=inner)
     hidden, ids, weights = step_inputs([[0, 1], [2, 0]], dtype, seed=0)
     assert has_single_entry_wave(pager, ids)
-    out = pager(module, hidden, ids, weights)
+    out = pager.step(module, hidden, ids, weights)
     assert (pager.stats.waves, pager.stats.misses) == (2, 3)
     assert_same(out, unpaged(module, inner, hidden, ids, weights), "output")
 
@@ -161,12 +164,12 @@ def test_all_resident_pages_each_expert_once():
     module = synthetic_experts()
     pager = paged(module, num_slots=E)
     warm = [[e, (e + 1) % E] for e in range(E)]
-    pager(module, *step_inputs(warm, torch.float32, seed=0))
+    pager.step(module, *step_inputs(warm, torch.float32, seed=0))
     assert pager.stats.misses == E
     gen = torch.Generator().manual_seed(1)
     for n in range(5):
         routing = [torch.randperm(E, generator=gen)[:TOP_K].tolist() for _ in range(7)]
-        pager(module, *step_inputs(routing, torch.float32, seed=n))
+        pager.step(module, *step_inputs(routing, torch.float32, seed=n))
     assert pager.stats.misses == E and pager.stats.page_ins == E
     assert pager.stats.waves == pager.stats.steps == 6
 
@@ -181,7 +184,7 @@ def test_extra_per_expert_buffer_is_discovered_and_paged():
     assert pager.store.expert_bytes == (2 * I * H + H * I + 4) * 4
     for n, (routing, _, _) in enumerate(SCRIPT):
         hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
-        assert_same(pager(module, hidden, ids, weights), unpaged(module, "grouped_mm", hidden, ids, weights))
+        assert_same(pager.step(module, hidden, ids, weights), unpaged(module, "grouped_mm", hidden, ids, weights))
         assert_slots_hold_host_rows(pager)
         for slot, expert in enumerate(pager.residency.expert_of_slot):
             if expert != EMPTY:

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from conftest import E, PAD_ID, TOP_K
-from pagedexperts.paging import host_executor as pager_module
+from pagedexperts.paging import host_executor
 from pagedexperts.loading.runners import install_prefetch
 from pagedexperts.paging import waves
 from pagedexperts.paging import transfer
@@ -98,7 +98,7 @@ def device_reads(monkeypatch):
     wrapped (read_back's result is host memory, upload's is device memory)."""
     mode = DeviceReads()
     original_read_back, original_upload = transfer.read_back, transfer.upload
-    original_step = pager_module.HostPlannedExecutor.step
+    original_step = host_executor.HostExecutor.step
 
     def read_back(parts):
         mode.read_backs += 1
@@ -122,7 +122,7 @@ def device_reads(monkeypatch):
     monkeypatch.setattr(transfer, "read_back", read_back)
     for target in (transfer, waves):
         monkeypatch.setattr(target, "upload", upload)
-    monkeypatch.setattr(pager_module.HostPlannedExecutor, "step", step)
+    monkeypatch.setattr(host_executor.HostExecutor, "step", step)
     return mode
 
 
@@ -161,5 +161,5 @@ def test_counter_sees_a_sync(device_reads):
     t = torch.arange(3)
     device_reads.mark(t)
     with device_reads:
-        pager_module.routed_union(t.reshape(1, 3))  # its .tolist() would stall a GPU
-    assert len(device_reads.reads) == 1 and "pagedexperts.paging.host_executor" in device_reads.reads[0]
+        transfer.StepRead(t.reshape(1, 3), None, 0).union()  # its .tolist() would stall a GPU
+    assert len(device_reads.reads) == 1 and "pagedexperts.paging.transfer" in device_reads.reads[0]

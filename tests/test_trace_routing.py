@@ -75,7 +75,7 @@ def test_installed_on_a_model_its_experts_receive_the_trace_ids(tiny_moe_dir, tr
 
     model, _ = load_model(tiny_moe_dir, num_resident=4)  # E=16, top_k=2: one group
     seen = {}
-    for layer, pager in model.pagedexperts.pagers.items():
+    for layer, pager in model.pagedexperts.runners.items():
         pager.trace_hook = lambda ly, ids, w: seen.setdefault(ly, []).append(ids.clone())
     install(model, trace)
     with torch.no_grad():

@@ -48,7 +48,7 @@ def test_paged_model_follows_generate_decode_switch(tiny_moe_dir, monkeypatch, k
     (K = top_k: multi-wave)."""
     ref = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
     model, _ = load_model(tiny_moe_dir, num_resident=k_slots, experts_implementation="grouped_mm")
-    pagers = list(model.pagedexperts.pagers.values())
+    pagers = list(model.pagedexperts.runners.values())
     ids = torch.randint(2, 100, (batch, 12), generator=torch.Generator().manual_seed(0))
     with monkeypatch.context() as m:
         _forced_device(m, "cuda")  # read once, on entry
@@ -70,14 +70,14 @@ def test_paged_model_follows_generate_decode_switch(tiny_moe_dir, monkeypatch, k
 def test_no_decode_switch_on_cpu(tiny_moe_dir):
     model, _ = load_model(tiny_moe_dir, num_resident=TOP_K, experts_implementation="grouped_mm")
     with model._optimize_model_for_decode():
-        assert {p.inner for p in model.pagedexperts.pagers.values()} == {"grouped_mm"}
+        assert {p.inner for p in model.pagedexperts.runners.values()} == {"grouped_mm"}
 
 
 def test_padding_hook_follows_repage(tiny_moe_dir):
     """After repage, a left-padded batch counts its padding rows on the NEW pagers, and the
     dropped pagers (and their slot tensors) are freed."""
     model, _ = load_model(tiny_moe_dir, num_resident=TOP_K)
-    old = weakref.ref(next(iter(model.pagedexperts.pagers.values())).slots["down_proj"])
+    old = weakref.ref(next(iter(model.pagedexperts.runners.values())).slots["down_proj"])
     repage(model, num_resident=E // 2)
     gc.collect()
     assert old() is None, "a dropped pager's slots are still referenced"
@@ -87,7 +87,7 @@ def test_padding_hook_follows_repage(tiny_moe_dir):
     ids[0, :3] = PAD_ID
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
-    for pager in model.pagedexperts.pagers.values():
+    for pager in model.pagedexperts.runners.values():
         assert (pager.stats.padding_tokens, pager.stats.tokens) == (3, 2 * 7 - 3)
 
 

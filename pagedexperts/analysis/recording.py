@@ -49,12 +49,12 @@ class TraceRecorder:
     def attach(cls, model, *, model_id: str = "") -> "TraceRecorder":
         rt = model.pagedexperts
         writer = TraceWriter(
-            num_experts=rt.num_experts, top_k=rt.top_k, layers=sorted(rt.pagers), model_id=model_id
+            num_experts=rt.num_experts, top_k=rt.top_k, layers=sorted(rt.runners), model_id=model_id
         )
         rec = cls(model, writer)
         model.register_forward_pre_hook(rec._begin_step, with_kwargs=True)
-        for pager in rt.pagers.values():
-            pager.trace_hook = rec._add
+        for runner in rt.runners.values():
+            runner.trace_hook = rec._add
         return rec
 
     def _begin_step(self, module, args, kwargs) -> None:
@@ -77,7 +77,7 @@ class TraceRecorder:
 def record_predictions(model, recorder: TraceRecorder) -> None:
     """Write each prefetch prediction into ``recorder.writer`` (looked up per call) as the trace
     extra PREFETCH_EXTRA of the predicted layer, so the simulator can replay the prefetches."""
-    for runner in model.pagedexperts.pagers.values():
+    for runner in model.pagedexperts.runners.values():
         if isinstance(runner, PagedExecutor) and runner.prefetcher is not None:
             runner.prefetcher.on_predict = lambda layer, experts, rec=recorder: rec.writer.add_extra(
                 layer=layer, name=PREFETCH_EXTRA, values=experts)

@@ -20,7 +20,7 @@ import numpy as np
 
 from pagedexperts.residency import planner, policies
 from pagedexperts.residency.belady import BeladyPolicy
-from pagedexperts.residency.policy import EvictionPolicy
+from pagedexperts.residency.eviction import EvictionPolicy
 from pagedexperts.stats.accounting import LayerStats, ModelStats, PrefetchStats
 from pagedexperts.stats.tiers import TierStats
 from pagedexperts.analysis.trace import PREFETCH_EXTRA, Trace

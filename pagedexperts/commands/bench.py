@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pagedexperts.commands.common import add_decide_argument
 from pagedexperts.models.config import RUN_DTYPE_BYTES
-from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS
+from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
     m.add_argument("--mode", default="plain,resident,paged,offload,cpu-experts",
                    help="comma-separated modes (default: all five); ratios need plain")
     m.add_argument("--num-resident", default="", metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")
-    m.add_argument("--cpu-expert-layers", type=int, default=None, metavar="N", help="MoE layers computed on the CPU in cpu-experts mode, 1 to the model's MoE layers (default: half)")
+    m.add_argument("--cpu-expert-layers", type=int, default=None, metavar="N",
+                   help="MoE layers computed on the CPU in cpu-experts mode, 1 to the model's MoE layers (default: half)")
     w = p.add_argument_group("workload")
     w.add_argument("--prompts", default=None, help="JSON lines (prompt / turns / question) or ShareGPT JSON (default: built-in prompts)")
     w.add_argument("--num-prompts", type=int, default=4)
@@ -139,7 +140,7 @@ def _na(value, fmt: str) -> str:
 
 
 def markdown_table(report, concurrency) -> str:
-    """A ``bench.BenchRun`` as a markdown table (one row per mode / K): medians over rounds, spreads
+    """A ``tools.bench.BenchRun`` as a markdown table (one row per mode / K): medians over rounds, spreads
     as [min-max]; "n/a" where a mode counts nothing (plain, resident) or there is no plain row."""
     head = ["mode", "K", "TTFT short p50 ms", "TTFT long p50 ms", "decode tok/s (wall)",
             "wall ms/token", "CPU ms/token", "wall time/token vs plain", "CPU time/token vs plain"]

@@ -63,7 +63,7 @@ def run_linkbench(args) -> int:
 
 
 def _run_disk(args) -> int:
-    """``--disk PATH``: print the checkpoint's read GB/s (``storage.diskbench``)."""
+    """``--disk PATH``: print the checkpoint's read GB/s (``analysis.diskbench``)."""
     from pagedexperts.analysis.diskbench import measure_disk
 
     if not args.disk_max_gb > 0:

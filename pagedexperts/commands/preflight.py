@@ -295,7 +295,8 @@ def format_report(r: dict) -> str:
         f"expert                {r['expert_bytes'] / mb:.2f} MB"
         + (f" (packed; {r['dense_expert_bytes'] / mb:.2f} MB dequantized)"
            if r.get("dense_expert_bytes") and r["dense_expert_bytes"] != r["expert_bytes"] else ""),
-        f"slot (expert x L)     {r['slot_bytes'] / mb:.0f} MB{' dense' if r['slot_format'] == 'dense' else ''} (~{r['kv_tokens_per_slot']:,.0f} KV tokens at "
+        f"slot (expert x L)     {r['slot_bytes'] / mb:.0f} MB{' dense' if r['slot_format'] == 'dense' else ''} "
+        f"(~{r['kv_tokens_per_slot']:,.0f} KV tokens at "
         f"{r['kv_bytes_per_token']:,} B/token)",
         f"host store (slot x E) {r['host_bytes'] / gb:.2f} GB",
         f"resident K            {r['num_resident']} of {r['num_experts']} ({r['num_resident_source']}), "

@@ -8,7 +8,8 @@ import sys
 from pagedexperts.commands.common import add_model_arguments, check_paging_flags, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
-DEFAULT_MAX_PREFILL_TOKENS = 2048  # = engine.scheduler_config.DEFAULT_MAX_PREFILL_TOKENS (not imported: building --help loads no engine or serving module)
+# not imported: building --help loads no engine or serving module
+DEFAULT_MAX_PREFILL_TOKENS = 2048  # = engine.scheduler_config.DEFAULT_MAX_PREFILL_TOKENS
 DEFAULT_HEADER_TIMEOUT_S = 5.0  # = serving.connections.DEFAULT_HEADER_TIMEOUT_S
 DEFAULT_MAX_CONNECTIONS = 1024  # = serving.connections.DEFAULT_MAX_CONNECTIONS
 MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.validation.MAX_PROMPT_BYTES_PER_TOKEN

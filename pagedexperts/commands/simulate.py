@@ -36,7 +36,8 @@ def add_parser(subparsers) -> None:
     what.add_argument("--num-resident", help="comma-separated K values (default: 2k, 4k, E/2)")
     default = ",".join(dict.fromkeys(["lru", DEFAULT_POLICY, "belady"]))
     what.add_argument("--policy", default=default,
-                      help=f"comma-separated policies from {sim.policy_names()} (default {default}: LRU, the runtime's default, and the optimal bound)")
+                      help=f"comma-separated policies from {sim.policy_names()} (default {default}: LRU as the "
+                      f"baseline, {DEFAULT_POLICY} (the runtime's --policy default) and Belady's optimal bound)")
     what.add_argument("--batch-sizes", help="comma-separated B: interleave B request streams per step "
                       "(default: replay the steps as recorded)")
     what.add_argument("--host-rows", type=int, metavar="R",

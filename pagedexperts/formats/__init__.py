@@ -204,6 +204,7 @@ def format_for_config(config) -> ExpertFormat:
 
 __all__ = [
     "FORMATS", "ExpertFormat", "ExpertLayout", "QuantizedTensor", "TensorSpec",
-    "SPELLED", "TRANSPOSED_EXPERTS_MODEL_TYPES", "available_formats", "experts_layout_refusal", "checkpoint_key", "format_class", "format_for_config", "nearest_format",
+    "SPELLED", "TRANSPOSED_EXPERTS_MODEL_TYPES", "available_formats", "experts_layout_refusal", "checkpoint_key",
+    "format_class", "format_for_config", "nearest_format",
     "quantization_config_of", "refusal_message",
 ]

@@ -23,7 +23,7 @@ signed, cast to bfloat16; NVFP4: ``w = q.float() * (scale.bfloat16() / global_sc
 bfloat16 [O, G, 1] over a float32 [1] promotes to float32), cast to bfloat16; MXFP4:
 ``w = q * 2.0 ** (e - 127)`` in bfloat16. The routed experts stay in bfloat16 whatever the
 model's dtype (``experts_dtype``), as transformers stacks them in the decompressed dtype. The dense reference built
-from this decompression (``formats.reference``) runs activations unquantized: NVFP4's
+from this decompression (``tools.reference``) runs activations unquantized: NVFP4's
 ``input_global_scale`` is paged (it is a per-expert tensor of the checkpoint) but unused, as in
 the decompressed model on CPU; a W4A4 kernel (vLLM's) is another computation.
 

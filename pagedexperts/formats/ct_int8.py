@@ -13,7 +13,7 @@ Dequantize (``quantization.lifecycle.forward._dequantize``): ``w = q.to(s.dtype)
 scale's dtype, then the model's dtype. transformers 5.24 cannot load these MoE experts on CPU
 (its ``CompressedTensorsDequantize`` looks for ``weight_packed`` only and ends in
 ``torch.cat(): expected a non-empty list of Tensors``), so ``check``'s reference is the dense
-model built from compressed-tensors' own decompression (``formats.reference``), which runs the
+model built from compressed-tensors' own decompression (``tools.reference``), which runs the
 activations unquantized, as pagedexperts does: a W8A8 GEMM with per-token int8 activations
 (vLLM's) is another computation.
 

@@ -15,17 +15,19 @@ Why the 4-D mask is built here: transformers' mask builder reads the 2-D mask ba
 whether it may skip the mask (``fast_all``, a sync), which a capture cannot hold; a 4-D mask
 is taken as is (``masking_utils``: "already 4D").
 
-Capture needs every step to be syncless: the paged steps device-planned (``DevicePager``) or
-the model's own math (``runner.InlineRunner``: resident), an experts kernel that reads nothing
-back (batched_mm; grouped_mm in bfloat16 on compute capability 9.x / 10.x only: elsewhere
-transformers' and torch's fallbacks read the group offsets back), dense slots (a quantized format's per-wave dequantize builds its
-shift / lookup constants with ``torch.tensor`` on each call: a host-to-device copy), sdpa or
-eager attention without a sliding window. The first
-step of a batch size runs eagerly (on the model's capture stream: the warm-up, e.g. Triton's
-compile and cuBLAS's workspace for that stream, and the real step), then the function is
-captured on the same stream (capture runs nothing, so the paging state advances once per step). A capture holds the addresses of the runners' slots and state: it is
-valid while ``model.pagedexperts.pagers`` holds the same runners with the same experts
-implementation; ``loading.runners.repage`` (or any new runner) invalidates it, counted.
+Capture needs every step to be syncless: each runner says whether it is
+(``paging.runner.ExpertsRunner.capture_problem``: the device-planned executor and the resident
+baseline are), an experts kernel that reads nothing back (batched_mm; grouped_mm in bfloat16
+on compute capability 9.x / 10.x only: elsewhere transformers' and torch's fallbacks read the
+group offsets back), dense slots (a quantized format's per-wave dequantize builds its shift /
+lookup constants with ``torch.tensor`` on each call: a host-to-device copy), sdpa or eager
+attention without a sliding window. The first step of a batch size runs eagerly (on the
+model's capture stream: the warm-up, e.g. Triton's compile and cuBLAS's workspace for that
+stream, and the real step), then the function is captured on the same stream (capture runs
+nothing, so the paging state advances once per step). A capture holds the addresses of the
+runners' slots and state: it is valid while ``model.pagedexperts.runners`` holds the same
+runners with the same experts implementation; ``loading.runners.repage`` (or any new runner)
+invalidates it, counted.
 
 Legend: B batch (decode rows), L_max cache positions, V vocabulary.
 """
@@ -42,8 +44,7 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.paging.device_pager import DevicePager
-from pagedexperts.paging.runner import InlineRunner
+from pagedexperts.loading.runtime import runtime_of
 
 logger = logging.getLogger(__name__)
 CACHE_ROUND = 64  # cache positions are allocated in multiples of this (fewer re-captures)
@@ -290,9 +291,9 @@ class DecodeGraphs:
 
     def _runners_key(self) -> tuple:
         """(weak reference to each runner, its experts implementation) of the model's runtime."""
-        rt = getattr(self.model, "pagedexperts", None)
-        pagers = rt.pagers.values() if rt is not None else ()
-        return tuple((weakref.ref(p), p.inner) for p in pagers)
+        rt = runtime_of(self.model)
+        runners = rt.runners.values() if rt is not None else ()
+        return tuple((weakref.ref(r), r.inner) for r in runners)
 
     def invalidate(self) -> None:
         """Drop every capture (the next step of each batch size captures again)."""
@@ -320,8 +321,8 @@ def capture_problem_of(model) -> str | None:
         return f"attention implementation {cfg._attn_implementation!r} (graphs build the mask for {MASK_KINDS})"
     if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
         return "a sliding-window model (graphs build a full causal mask)"
-    rt = getattr(model, "pagedexperts", None)
-    for layer, runner in (rt.pagers.items() if rt is not None else ()):
+    rt = runtime_of(model)
+    for layer, runner in (rt.runners.items() if rt is not None else ()):
         problem = runner_problem(runner, model.dtype)
         if problem is not None:
             return f"MoE layer {layer}: {problem}"
@@ -330,12 +331,9 @@ def capture_problem_of(model) -> str | None:
 
 def runner_problem(runner, dtype: torch.dtype) -> str | None:
     """Why ``runner``'s step would sync under capture, or None (module docstring)."""
-    if not isinstance(runner, (DevicePager, InlineRunner)):
-        return f"{type(runner).__name__} reads the step back to the host (needs --decide device or mode resident)"
-    if isinstance(runner, DevicePager) and runner.dequantizer is not None:
-        return ("packed slots of a quantized format dequantize each wave with constants built on the host "
-                "(formats: torch.tensor(...) per call, a host-to-device copy a capture cannot hold); use "
-                "--no-cuda-graphs")
+    problem = runner.capture_problem(dtype, runner.device)
+    if problem is not None:
+        return problem
     if runner.inner == "grouped_mm":
         return grouped_mm_problem(dtype, runner.device)
     if runner.inner != "batched_mm":

@@ -42,7 +42,7 @@ def build_paged_model(config, fill, *, expert_format=None, **options):
     stores ({site name: ExpertStore}), every other parameter onto ``device``. ``load_model``
     reads a checkpoint (``loading.fill``); ``loading.runners.random_fill`` makes random weights
     for benchmarks at real scale. ``expert_format``: the checkpoint's format (None: from
-    ``config.quantization_config``); the stores hold its packed tensors. ``options``: the
+    ``config``'s ``quantization_config``); the stores hold its packed tensors. ``options``: the
     ``PagingConfig`` fields (see ``load_model``).
 
     Raises:
@@ -79,9 +79,9 @@ def _install(model, runtime: PagingRuntime, dev: torch.device) -> None:
     model.to(dev)
     model.eval()
     model.pagedexperts = runtime
-    integration.install_padding_hook(model, runtime.pagers)
+    integration.install_padding_hook(model, runtime.runners)
     integration.set_implementation(model, integration.IMPLEMENTATION_NAME)
-    integration.follow_decode_switch(model, runtime.pagers)
+    integration.follow_decode_switch(model, runtime.runners)
 
 
 @contextlib.contextmanager

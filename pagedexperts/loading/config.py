@@ -21,10 +21,9 @@ import torch
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS, resolve_slot_format
 from pagedexperts.models import config as model_config
 from pagedexperts.paging.baselines import mode_problem
-from pagedexperts.paging.device_layout import DEVICE_STEPS
 from pagedexperts.paging.device_residency import DEVICE_RULES
+from pagedexperts.paging.inner import inner_problem
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, INTERPRETED
-from pagedexperts.paging.waves import inner_problem
 from pagedexperts.residency.planner import default_num_resident, num_resident_problem
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 
@@ -34,7 +33,7 @@ from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm",)
 
 # --decide: where a paged layer-step is planned (DESIGN.md "Devices"): "host" (the top-k ids
-# read back, ``paging.host_executor``), "device" (``paging.device_pager``: no read-back) or
+# read back, ``paging.host_executor``), "device" (``paging.device_executor``: no read-back) or
 # "auto" (device where it can serve the step on CUDA with triton installed, host otherwise)
 DECIDE_CHOICES = ("auto", "host", "device")
 DEFAULT_DECIDE = "auto"
@@ -190,7 +189,7 @@ def resolve_cuda_graphs(cfg: PagingConfig, decide: str) -> tuple[str, str | None
 
 
 def device_decide_problems(cfg: PagingConfig) -> list[str]:
-    """What the device-planned step (``paging.device_pager``) cannot serve in ``cfg``'s options
+    """What the device-planned step (``paging.device_executor``) cannot serve in ``cfg``'s options
     alone, each naming --decide and the other flag; [] if it can serve them. (The disk tier and
     a quantized layer's slot format are checked with the memory plan and the model.)"""
     problems = []
@@ -210,9 +209,9 @@ def device_decide_problems(cfg: PagingConfig) -> list[str]:
     if cfg.policy not in DEVICE_RULES:
         problems.append(f"--decide device has a device decide for --policy {' and '.join(sorted(DEVICE_RULES))} "
                         f"only, not {cfg.policy!r}; use --decide host or another --policy")
-    if cfg.experts_implementation not in DEVICE_STEPS:
-        problems.append(f"--decide device runs --experts-implementation {' or '.join(DEVICE_STEPS)}, not "
-                        f"{cfg.experts_implementation!r} (its loop reads the routed experts back); use --decide host")
+    inner_on_device = inner_problem(cfg.experts_implementation, decide="device")
+    if inner_on_device is not None and inner_problem(cfg.experts_implementation) is None:  # unknown: reported once
+        problems.append(inner_on_device)
     return problems
 
 

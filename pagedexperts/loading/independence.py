@@ -4,7 +4,7 @@ The fault it rules out, reported in the field: a per-expert tensor left out of p
 point, a scale, a bias) stays on the experts module as an [E, ...] tensor, or is not copied at
 page-in, so an expert paged into slot s runs with expert s's (or a stale) values: fluent, wrong
 text. At load, for a sample of experts of every MoE layer, this module pages expert e into a
-slot through the pager's own page-in path, builds what the experts kernel would read for that
+slot through the executor's own page-in path, builds what the experts kernel would read for that
 slot (the wave view: dequantized for packed slots), and compares every dense tensor with
 expert e built independently from the checkpoint file (its own keys, the format's
 dequantization); it also checks that no other slot changed and that the experts module keeps no
@@ -39,18 +39,18 @@ def check_model_independence(model, files, fmt: ExpertFormat, *, experts_per_lay
         IndependenceError: names layer, expert, slot and tensor of the first mismatch.
     """
     rt = model.pagedexperts
-    pagers = {s.name: (s, rt.pagers[s.layer]) for s in rt.sites if isinstance(rt.pagers.get(s.layer), PagedExecutor)}
-    if not pagers:
+    paged = {s.name: (s, rt.runners[s.layer]) for s in rt.sites if isinstance(rt.runners.get(s.layer), PagedExecutor)}
+    if not paged:
         return 0
     rng = random.Random(seed)
-    wanted = {name: _sample(site.num_experts, experts_per_layer, rng) for name, (site, _) in pagers.items()}
-    reference = reference_rows(files, KeyMap(model.config.model_type, {n: s for n, (s, _) in pagers.items()}, fmt), rt.stores, wanted)
+    wanted = {name: _sample(site.num_experts, experts_per_layer, rng) for name, (site, _) in paged.items()}
+    reference = reference_rows(files, KeyMap(model.config.model_type, {n: s for n, (s, _) in paged.items()}, fmt), rt.stores, wanted)
     checked = 0
     with torch.no_grad():
-        for name, (site, pager) in pagers.items():
-            check_no_module_copies(site, pager)
+        for name, (site, executor) in paged.items():
+            check_no_module_copies(site, executor)
             for i, expert in enumerate(wanted[name]):
-                check_expert(site, pager, rt.layouts[name], expert, i % pager.num_slots, reference[name][expert])
+                check_expert(site, executor, rt.layouts[name], expert, i % executor.num_slots, reference[name][expert])
                 checked += 1
     return checked
 
@@ -92,14 +92,14 @@ def reference_rows(files, keymap: KeyMap, stores, wanted: dict[str, list[int]]) 
     return rows
 
 
-def check_no_module_copies(site, pager: PagedExecutor) -> None:
+def check_no_module_copies(site, executor: PagedExecutor) -> None:
     """The experts module keeps no [E, ...] tensor that the slots do not replace: the kernel
     would index it with slot ids and read another expert's values.
 
     Raises:
         IndependenceError: names the tensor.
     """
-    view_names = set(pager.slots) if pager.dequantizer is None else set(pager.dequantizer.scratch)
+    view_names = set(executor.slots) if executor.dequantizer is None else set(executor.dequantizer.scratch)
     tensors = list(site.module.named_parameters(recurse=False)) + list(site.module.named_buffers(recurse=False))
     for tname, t in tensors:
         if t.dim() > 0 and t.shape[0] == site.num_experts and tname not in view_names:
@@ -109,7 +109,7 @@ def check_no_module_copies(site, pager: PagedExecutor) -> None:
             )
 
 
-def check_expert(site, pager: PagedExecutor, layout, expert: int, slot: int, packed_ref: dict[str, torch.Tensor]) -> None:
+def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, packed_ref: dict[str, torch.Tensor]) -> None:
     """Page ``expert`` into ``slot`` (empty slots assumed), compare what the kernel reads with
     the checkpoint's expert, check the other slots stayed empty, then empty the slot again.
 
@@ -117,32 +117,32 @@ def check_expert(site, pager: PagedExecutor, layout, expert: int, slot: int, pac
         IndependenceError: names layer, expert, slot and the tensor that differs.
     """
     dense_ref = layout.dequantize({n: r.unsqueeze(0) for n, r in packed_ref.items()})
-    pager.store.copy_to_slot(expert, slot, pager.slots)
-    if pager.device.type == "cuda":
-        torch.cuda.synchronize(pager.device)
+    executor.store.copy_to_slot(expert, slot, executor.slots)
+    if executor.device.type == "cuda":
+        torch.cuda.synchronize(executor.device)
     where = f"layer {site.layer} ({site.name}): expert {expert} paged into slot {slot}"
     try:
-        view = pager.wave_view(site.module, (slot,))
+        view = executor.wave_view(site.module, (slot,))
     except KeyError as exc:
         raise IndependenceError(f"{where}: packed tensor {exc.args[0]!r} is not in the slots") from None
     for spec in layout.dense_specs:
         got = getattr(view, spec.name)[slot].cpu()
         if not torch.equal(got, dense_ref[spec.name][0].to(got.dtype)):
-            raise IndependenceError(f"{where}: the kernel would read {spec.name!r} {_culprit(pager, layout, spec.name, slot, packed_ref)}")
-    for name, table in pager.slots.items():
+            raise IndependenceError(f"{where}: the kernel would read {spec.name!r} {_culprit(executor, layout, spec.name, slot, packed_ref)}")
+    for name, table in executor.slots.items():
         others = torch.cat([table[:slot], table[slot + 1:]])
         if others.numel() and bool(others.view(torch.uint8).any()):
             raise IndependenceError(f"{where}: the page-in also changed other slots of tensor {name!r}")
         table[slot].zero_()
 
 
-def _culprit(pager, layout, dense_name: str, slot: int, packed_ref) -> str:
+def _culprit(executor, layout, dense_name: str, slot: int, packed_ref) -> str:
     """Which packed tensor of ``dense_name`` differs from the checkpoint in the slot."""
     qt = next(t for t in layout.tensors if t.dense.name == dense_name)
-    if pager.dequantizer is None and not qt.is_passthrough:
+    if executor.dequantizer is None and not qt.is_passthrough:
         return "dequantized at page-in into a dense slot that differs from the checkpoint's expert"
     for spec in qt.packed:
-        table = pager.slots.get(spec.name)
+        table = executor.slots.get(spec.name)
         if table is None:
             return f"without its packed tensor {spec.name!r} (not in the slots)"
         if not torch.equal(table[slot].cpu(), packed_ref[spec.name]):

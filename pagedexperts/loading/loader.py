@@ -64,14 +64,14 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             ``formats.slots``). No effect on an unquantized one.
         decide: where a paged layer-step is planned: "host" (the top-k ids read back once,
             the residency planned in Python; any step, any device), "device" (decide, page-in
-            and remap by kernels on the device, no read-back: ``paging.device_pager``; CUDA
+            and remap by kernels on the device, no read-back: ``paging.device_executor``; CUDA
             with triton installed, or a CPU under TRITON_INTERPRET=1 for tests; policies lru
             and lfu, grouped_mm or batched_mm, packed slots, no prefetch, no disk tier) or
             "auto" (default: device on CUDA where it can serve the step, host otherwise and on
             CPU). ``model.pagedexperts.decide`` says which was chosen.
         device_kernels: the device decide's kernels: "triton" (default), or "torch" (their
             plain-torch references, CPU only: tests where the Triton interpreter is slow).
-        cuda_graphs: decode steps of ``generation.generate_text`` in CUDA graphs
+        cuda_graphs: decode steps of ``generation.generate.generate_text`` in CUDA graphs
             (``generation.graphs``): "auto" (default: where the step is capturable, i.e. CUDA
             and device-planned or resident steps; else decode without them, a WARNING on
             CUDA), "on" (a ConfigError where capture cannot work), "off", or "eager" (the same

@@ -1,8 +1,9 @@
 """Experts runners of a loaded model: one per MoE layer, prefetch between them, switching mode
 or K over the same stores (``repage``), and random weights for benchmarks at real scale.
 
-Owns: which runner each MoE layer gets (a ``HostPlannedExecutor`` or, under ``--decide``
-device, a ``DevicePager``, with its slot tables; or a baseline of ``paging.baselines``),
+Owns: which runner each MoE layer gets (a ``paging.host_executor.HostExecutor`` or, under
+``--decide`` device, a ``paging.device_executor.DeviceExecutor``, with its slot tables; or a
+baseline of ``paging.baselines``; this is the one module that imports the executors),
 resolving ``--decide auto`` over the stores, wiring the prefetchers (``install_prefetch``),
 and ``random_fill``. Does not: read checkpoints or plan memory (``loading.build``), page
 (``paging``), or decide residency (``residency``).
@@ -20,8 +21,8 @@ from pagedexperts.loading.config import check_config, resolve_cuda_graphs, resol
 from pagedexperts.models.sites import router_of
 from pagedexperts.paging import prefetch
 from pagedexperts.paging.baselines import CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
-from pagedexperts.paging.device_pager import DevicePager
-from pagedexperts.paging.host_executor import HostPlannedExecutor
+from pagedexperts.paging.device_executor import DeviceExecutor
+from pagedexperts.paging.host_executor import HostExecutor
 from pagedexperts.paging.runner import PagedExecutor
 from pagedexperts.residency.policies import make_policy
 from pagedexperts.storage.host_store import HostExpertStore
@@ -41,9 +42,9 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
     check_config(cfg, model.config)
     k = cfg.resident_slots(num_experts=rt.num_experts, top_k=rt.top_k)
     dev = torch.device(rt.config.device)
-    for runner in rt.pagers.values():
+    for runner in rt.runners.values():
         runner.release()  # copies in flight into its slots finish before the slots are freed
-    rt.pagers.clear()
+    rt.runners.clear()
     rt.buffers.clear()  # the shared scratch / staging are sized for K
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -102,7 +103,7 @@ def install_prefetch(model, *, budget: int | None = None) -> list:
     """
     rt = model.pagedexperts
     check_config(dataclasses.replace(rt.config, prefetch=True, prefetch_budget=budget))
-    executors = {i: r for i, r in rt.pagers.items() if isinstance(r, PagedExecutor)}
+    executors = {i: r for i, r in rt.runners.items() if isinstance(r, PagedExecutor)}
     routers = {s.layer: router_of(model, s) for s in rt.sites if s.layer in executors}
     return prefetch.install(executors, routers, budget=rt.top_k if budget is None else budget)
 
@@ -110,8 +111,8 @@ def install_prefetch(model, *, budget: int | None = None) -> list:
 def attach_runners(runtime, dev) -> None:
     """One experts runner per MoE layer (an executor, or a baseline of ``paging.baselines``) for
     the runtime's config, over its stores, attached to each experts module; sets
-    ``runtime.decide`` (``loading.config.resolve_decide``: "host" or "device") and
-    ``runtime.cuda_graphs`` (``loading.config.resolve_cuda_graphs``)."""
+    ``PagingRuntime.decide`` (``loading.config.resolve_decide``: "host" or "device") and
+    ``PagingRuntime.cuda_graphs`` (``loading.config.resolve_cuda_graphs``)."""
     cfg = runtime.config
     stores = list(runtime.stores.values())
     runtime.decide = resolve_decide(cfg, disk_tier=any(not isinstance(s, HostExpertStore) for s in stores),
@@ -132,24 +133,24 @@ def attach_runners(runtime, dev) -> None:
             runner = CpuExpertsRunner(layout=layout, **common)
         else:
             runner = ResidentRunner(layout=layout, **common)
-        runtime.pagers[site.layer] = runner
+        runtime.runners[site.layer] = runner
         integration.attach(site.module, runner)
 
 
 def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
     """The layer-step executor of one paged layer: the host-planned one (any step, any device),
-    or under ``runtime.decide`` "device" the device-planned one (``paging.device_pager``, no
+    or under ``PagingRuntime.decide`` "device" the device-planned one (``paging.device_executor``, no
     read-back); both implement ``PagedExecutor``."""
     k = runtime.num_resident
     if runtime.decide == "device":
-        return DevicePager(num_slots=k, policy=runtime.config.policy, backend=runtime.config.device_kernels,
+        return DeviceExecutor(num_slots=k, policy=runtime.config.policy, backend=runtime.config.device_kernels,
                            **_slot_tables(runtime, layout, dev), **common)
-    return HostPlannedExecutor(num_slots=k, policy=make_policy(runtime.config.policy, k), copy_stream=copy_stream,
+    return HostExecutor(num_slots=k, policy=make_policy(runtime.config.policy, k), copy_stream=copy_stream,
                                **_slot_tables(runtime, layout, dev), **common)
 
 
 def _slot_tables(runtime, layout, dev) -> dict:
-    """HostPlannedExecutor kwargs for a quantized layer's slot format: packed slots with the model's
+    """Executor kwargs for a quantized layer's slot format: packed slots with the model's
     shared dense scratch (a WaveDequantizer), or dense slots with its shared packed staging."""
     if layout is None or layout.is_dense:
         return {}

@@ -1,22 +1,28 @@
 """The paging state of one model, attached as ``model.pagedexperts``: one object per model.
 
 Owns: ``PagingRuntime``, everything a paged model holds beyond its modules: the validated
-``PagingConfig``, one runner per MoE layer (``pagers``: executors or baselines), the experts
-sites, the host stores, the format's layouts, the shared scratch and staging buffers, the host
-memory plan and the disk tier's read-ahead; and the model-wide views of their counters
-(``stats``, ``reset_stats``, ``prefetch_stats``). No module globals: several paged models
-share a process. Does not: build any of it (``loading.build``, ``loading.runners``).
+``PagingConfig``, one experts runner per MoE layer (``runners``: executors or baselines), the
+experts sites, the host stores, the format's layouts, the shared scratch and staging buffers,
+the host memory plan and the disk tier's read-ahead; the model-wide views of their counters
+(``stats``, ``reset_stats``, ``prefetch_stats``); and ``runtime_of``, the one way to ask a
+model for its runtime. No module globals: several paged models share a process. Does not:
+build any of it (``loading.build``, ``loading.runners``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from pagedexperts.formats.base import ExpertLayout
 from pagedexperts.loading.config import PagingConfig
-from pagedexperts.paging.runner import PagedExecutor
+from pagedexperts.models.sites import ExpertsSite
+from pagedexperts.paging.runner import ExpertsRunner, PagedExecutor
 from pagedexperts.stats.accounting import ModelStats
 from pagedexperts.stats.tiers import TierStats
 from pagedexperts.storage.host_memory import HostMemoryPlan
+from pagedexperts.storage.host_store import ExpertStore
 from pagedexperts.storage.host_tier import ReadAhead
 
 PREFETCH_COUNTERS = ("issued", "used", "wasted", "bytes", "predict_s", "issue_s")
@@ -24,57 +30,77 @@ PREFETCH_COUNTERS = ("issued", "used", "wasted", "bytes", "predict_s", "issue_s"
 
 @dataclass
 class PagingRuntime:
-    """The paging state of one model: its runners (one per MoE layer) and its config."""
+    """The paging state of one model: its runners (one per MoE layer) and its config.
+
+    Attributes:
+        runners: MoE layer index -> the runner of its experts (``paging.runner.ExpertsRunner``:
+            an executor, or a baseline of ``paging.baselines``).
+        sites: the model's experts sites (``models.sites.ExpertsSite``), in layer order.
+        stores: site name -> the layer's host store (``storage.host_store.ExpertStore``).
+        layouts: site name -> the format's ``formats.base.ExpertLayout``.
+        buffers: name ("scratch": dense scratch of packed slots, "staging": packed staging of
+            dense slots) -> tensor name -> tensor, shared by all layers (``loading.runners``).
+        decide: where paged steps are planned, ``PagingConfig.decide`` resolved: "host" or
+            "device".
+        cuda_graphs: ``PagingConfig.cuda_graphs`` resolved ("cuda", "eager" or "off"), and
+            ``cuda_graphs_reason`` why off.
+        decode_graphs: ``generation.graphs.DecodeGraphs`` (a layer above, so not named in the
+            type), built on first use; its captures check the runners they hold against
+            ``runners`` (a repage invalidates them). None until then.
+    """
 
     config: PagingConfig
     num_experts: int
     top_k: int
     num_resident: int
-    pagers: dict = field(default_factory=dict)  # MoE layer -> paging.runner.ExpertsRunner
-    sites: list = field(default_factory=list, repr=False)
-    stores: dict = field(default_factory=dict, repr=False)  # site name -> storage.host_store.ExpertStore
-    expert_format: str = "dense"  # the checkpoint's expert format (pagedexperts.formats)
-    layouts: dict = field(default_factory=dict, repr=False)  # site name -> ExpertLayout
-    buffers: dict = field(default_factory=dict, repr=False)  # shared dense scratch / packed staging
+    runners: dict[int, ExpertsRunner] = field(default_factory=dict)
+    sites: list[ExpertsSite] = field(default_factory=list, repr=False)
+    stores: dict[str, ExpertStore] = field(default_factory=dict, repr=False)
+    expert_format: str = "dense"  # the checkpoint's expert format (``formats``)
+    layouts: dict[str, ExpertLayout] = field(default_factory=dict, repr=False)
+    buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
     host_memory: HostMemoryPlan | None = None
     read_ahead: ReadAhead | None = field(default=None, repr=False)
-    decide: str = "host"  # where paged steps are planned: config.decide resolved ("host" or "device")
-    # decode steps in CUDA graphs: config.cuda_graphs resolved ("cuda", "eager" or "off") and why off
+    decide: str = "host"
     cuda_graphs: str = "off"
     cuda_graphs_reason: str | None = None
-    # the decode graphs (``generation.graphs.DecodeGraphs``), built on first use; its captures
-    # check the runners they hold against ``pagers`` (a repage invalidates them)
-    decode_graphs: object = field(default=None, repr=False)
+    decode_graphs: object | None = field(default=None, repr=False)
 
     def stats(self) -> ModelStats:
         """Current counters of every MoE layer (CUDA copy times folded in first), with the
         host and disk tier counters of each layer when the disk tier is on."""
-        for p in self.pagers.values():
-            p.collect_copy_time()
-        fallbacks = sorted({p.store.fallback for p in self.pagers.values() if p.store.fallback})
-        tiers = {i: p.store.tier_stats for i, p in self.pagers.items() if p.store.tier_stats is not None}
-        return ModelStats.collect(((i, p.stats) for i, p in self.pagers.items()), fallbacks, tiers=tiers)
+        for r in self.runners.values():
+            r.collect_copy_time()
+        fallbacks = sorted({r.store.fallback for r in self.runners.values() if r.store.fallback})
+        tiers = {i: r.store.tier_stats for i, r in self.runners.items() if r.store.tier_stats is not None}
+        return ModelStats.collect(((i, r.stats) for i, r in self.runners.items()), fallbacks, tiers=tiers)
 
     def reset_stats(self) -> None:
         """Zero every layer's counters, and the tier counters of a disk tier."""
-        for p in self.pagers.values():
-            p.reset_stats()
-            if p.store.tier_stats is not None:
-                p.store.tier_stats = TierStats()
+        for r in self.runners.values():
+            r.reset_stats()
+            if r.store.tier_stats is not None:
+                r.store.tier_stats = TierStats()
 
     def prefetch_stats(self) -> dict:
         """Per-layer and total prefetch counters (prefetches INTO each paged layer)."""
-        layers = {i: p.prefetch_stats.as_dict() for i, p in self.pagers.items() if isinstance(p, PagedExecutor)}
+        layers = {i: r.prefetch_stats.as_dict() for i, r in self.runners.items() if isinstance(r, PagedExecutor)}
         total = {k: sum(d[k] for d in layers.values()) for k in PREFETCH_COUNTERS}
         return dict(total=total, layers=layers)
 
     @property
     def expert_bytes(self) -> int:
         """Packed bytes of one expert (the unit of a page-in)."""
-        return next(iter(self.pagers.values())).store.expert_bytes
+        return next(iter(self.runners.values())).store.expert_bytes
 
     @property
     def dense_expert_bytes(self) -> int:
         """Bytes of one expert dequantized (one dense slot), in the experts' dtype: the model's,
         or a W4A16 checkpoint's scales' (``ExpertFormat.experts_dtype``)."""
         return next(iter(self.layouts.values())).dense_expert_bytes
+
+
+def runtime_of(model) -> PagingRuntime | None:
+    """The ``PagingRuntime`` of a model loaded by ``loading.loader.load_model`` (or built by
+    ``loading.build.build_paged_model``), or None for a model this package did not page."""
+    return getattr(model, "pagedexperts", None)

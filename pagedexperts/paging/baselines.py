@@ -14,7 +14,7 @@ since it does nothing a counter could measure (DESIGN.md, "Baselines"):
 All three call the model's own experts implementation over E experts with the original ids,
 so on CPU they compute exactly what the unpaged model computes. The model with nothing of
 this package attached (``bench``'s "plain" mode) is transformers' own, not a runner here.
-Does not: page selectively (``host_executor``) or choose which layers use which mode
+Does not: page selectively (the executors) or choose which layers use which mode
 (``loading.runners``).
 """
 
@@ -24,9 +24,10 @@ import time
 
 import torch
 
-from pagedexperts.paging.host_executor import SlotView, resolve_inner, routed_union
-from pagedexperts.paging.runner import ExpertsRunner, InlineRunner
+from pagedexperts.paging.inner import resolve_inner
+from pagedexperts.paging.runner import ExpertsRunner
 from pagedexperts.paging.transfer import read_step
+from pagedexperts.paging.waves import SlotView
 from pagedexperts.storage.host_store import HostExpertStore
 
 MODES = ("paged", "resident", "offload", "cpu-experts")
@@ -56,7 +57,7 @@ class _BaselineRunner(ExpertsRunner):
         t1 = time.perf_counter()
         if self.trace_hook is not None:
             self.trace_hook(self.layer, read.ids, top_k_weights.detach().to("cpu"))
-        union = len(routed_union(read.ids))
+        union = len(read.union())
         out, hits, bytes_moved, copy_s = self._compute(module, hidden_states, top_k_index, top_k_weights, union)
         self.stats.record_step(
             hits=hits, misses=union - hits, waves=1, tokens=int(hidden_states.shape[0]) - read.padding,
@@ -66,15 +67,17 @@ class _BaselineRunner(ExpertsRunner):
         return out
 
 
-class ResidentRunner(_BaselineRunner, InlineRunner):
+class ResidentRunner(_BaselineRunner):
     """All E experts of the layer on the device: the model's own experts function over them,
     with the original ids, and nothing else. Nothing is paged, so nothing is read back, no
     union is formed and no per-step counter is kept (its ``stats`` stay empty: hits, union,
     tokens and times are not measured, and ``bench`` reports them as not applicable). With a
     trace being recorded (``trace_hook``) the ids are read back for it, as the recorder asks.
     A quantized layer is dequantized once, at construction (the "dequantized resident model").
-    Called inline (``runner.InlineRunner``), not through the opaque custom op.
+    Called inline (``inline``), not through the opaque custom op; a CUDA graph can hold it.
     """
+
+    inline = True
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
@@ -89,6 +92,12 @@ class ResidentRunner(_BaselineRunner, InlineRunner):
         if self._view is None:
             self._view = SlotView(module, self.tensors)
         return resolve_inner(module, self.inner)(self._view, hidden_states, top_k_index, top_k_weights)
+
+    def capture_problem(self, dtype: torch.dtype, device: torch.device) -> str | None:
+        """None (the model's own device math, nothing read back), unless a trace is recorded."""
+        if self.trace_hook is not None:
+            return "a trace is being recorded: it reads every step's routing back (--record-trace)"
+        return None
 
 
 class OffloadRunner(_BaselineRunner):

@@ -1,8 +1,9 @@
-"""The experts computation of a device-planned step: ``wave_compute``'s layouts, fixed shapes.
+"""The experts computation of a device-planned step: ``paging.waves``' layouts, fixed shapes.
 
-Owns the per-wave row layout when the wave of each entry is known only on the device
-(``remap``'s entry_slot / entry_wave [S]): the same layouts ``wave_compute`` gives the host
-path, written with [S]-shaped masks instead of host-sized index lists, so nothing is read
+Owns the device-planned steps of the wave-compute contract (``paging.waves.StepEntries``): the
+per-wave row layout when the wave of each entry is known only on the device
+(``kernels.remap``'s entry_slot / entry_wave [S]): the same layouts ``paging.waves`` gives the
+host path, written with [S]-shaped masks instead of host-sized index lists, so nothing is read
 back and every shape is fixed by T and k.
 - ``grouped_mm`` (``DeviceGroupedStep``): the reference's own ``torch.sort`` of the flat ids
   gives the row order; the wave's rows are its positions stably regrouped by slot (a stable
@@ -11,11 +12,11 @@ back and every shape is fixed by T and k.
   it) and the rows after them lie past the last group offset (not computed).
 - ``batched_mm`` (``DeviceBatchedStep``): every entry in token-major order, each with its own
   wave's slot; entries of other waves are computed and dropped by a mask.
-Both reuse ``wave_compute``'s pieces: ``activate``, ``post_expert_norm``,
+Both reuse ``paging.waves``' pieces: ``activate``, ``post_expert_norm``,
 ``in_reference_layout`` (each wave's rows at their reference positions of a zero [S, ...]
 buffer, so each element takes the same vector or scalar path as unpaged) and
-``StepEntries.combine`` (the weights and the sum over k). ``eager`` is not supported: its
-loop finds the routed experts with ``nonzero`` (a host read).
+``StepEntries.combine`` (the weights and the sum over k). ``eager`` has no device step: its
+loop finds the routed experts with ``nonzero`` (a host read; ``paging.inner`` says so).
 Does not: decide or page in (``device_residency``, ``kernels``).
 
 Legend: T tokens, H hidden, k top_k, K slots, S = T k entries, W waves.
@@ -30,12 +31,13 @@ from pagedexperts.paging.waves import StepEntries, activate, in_reference_layout
 
 class DeviceStep(StepEntries):
     """One step's entries, each wave known on the device: ``entry_slot``, ``entry_wave`` [S]
-    int64 (``kernels.remap``). ``run_wave(view, w)`` fills wave ``w``'s entry outputs; an empty
-    wave leaves them as they are; ``combine`` is ``StepEntries.combine``."""
+    int64 (``kernels.remap``). ``run_wave(view, wave)`` (the contract's; no slot map: the
+    entries' slots are ``entry_slot``) fills wave ``wave``'s entry outputs over all K slots; an
+    empty wave leaves them as they are; ``combine`` is ``StepEntries.combine``."""
 
     def __init__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  entry_slot: torch.Tensor, entry_wave: torch.Tensor) -> None:
-        super().__init__(module, hidden, top_k_index, ids_host=None)
+        super().__init__(module, hidden, top_k_index)
         self.entry_slot = entry_slot
         self.entry_wave = entry_wave
 
@@ -44,9 +46,6 @@ class DeviceStep(StepEntries):
         if self.entry_out is None:
             self.entry_out = out.new_zeros((self.num_entries, out.shape[1]))
         self.entry_out[entries] = torch.where(valid.unsqueeze(1), out, self.entry_out[entries])
-
-    def run_wave(self, view, wave: int) -> None:  # noqa: D102  (signature differs from the host's)
-        raise NotImplementedError
 
 
 class DeviceGroupedStep(DeviceStep):
@@ -71,7 +70,7 @@ class DeviceGroupedStep(DeviceStep):
         valid = torch.arange(key.shape[0], device=key.device) < offsets[-1]
         return pos, offsets, valid, key[pos].clamp(max=num_slots - 1)
 
-    def run_wave(self, view, wave: int) -> None:
+    def run_wave(self, view, wave: int, slot_map=None) -> None:
         from transformers.integrations.moe import _grouped_linear
 
         pos, offsets, valid, slot_of_row = self.layout(wave, view.num_experts)
@@ -93,7 +92,7 @@ class DeviceGroupedStep(DeviceStep):
 class DeviceBatchedStep(DeviceStep):
     """``batched_mm`` in the reference's token-major entry order (module docstring)."""
 
-    def run_wave(self, view, wave: int) -> None:
+    def run_wave(self, view, wave: int, slot_map=None) -> None:
         from transformers.integrations.moe import _batched_linear
 
         valid = self.entry_wave == wave
@@ -109,24 +108,3 @@ class DeviceBatchedStep(DeviceStep):
         down = in_reference_layout(lambda p: post_expert_norm(view, p), torch.where(rows, down, 0), None,
                                    self.num_entries)
         self._store_masked(torch.arange(self.num_entries, device=down.device), valid, down)
-
-
-DEVICE_STEPS: dict[str, type[DeviceStep]] = {"grouped_mm": DeviceGroupedStep, "batched_mm": DeviceBatchedStep}
-
-
-def check_inner(inner: str) -> str:
-    """Return ``inner`` if it has a device-planned step.
-
-    Raises:
-        ValueError: it has none (lists those that do, names --experts-implementation).
-    """
-    if inner not in DEVICE_STEPS:
-        raise ValueError(
-            f"experts implementation {inner!r} has no device-planned step; choose one of "
-            f"{list(DEVICE_STEPS)} (--experts-implementation) or decide on the host")
-    return inner
-
-
-def device_step(inner: str, module, hidden, top_k_index, entry_slot, entry_wave) -> DeviceStep:
-    """The device step object of experts implementation ``inner`` (``check_inner``)."""
-    return DEVICE_STEPS[check_inner(inner)](module, hidden, top_k_index, entry_slot, entry_wave)

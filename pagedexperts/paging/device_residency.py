@@ -2,11 +2,11 @@
 
 Owns: one layer's ``DecideState`` (slot of expert [E], expert of slot [K], per-slot last use,
 per-expert LFU counts, clock and step counter), the eviction rule it decides by (the
-``--policy`` names ``lru`` and ``lfu``, with ``residency.policies``' defaults), the fixed plan buffers
+``--policy`` names ``lru`` and ``lfu``, with ``residency.eviction``'s defaults), the fixed plan buffers
 of each step shape (one ``DecidePlan`` per W), and the choice of kernel backend (torch
-reference or Triton). Its decisions equal ``residency.Residency`` with the same policy on the
+reference or Triton). Its decisions equal ``residency.planner.Residency`` with the same policy on the
 same steps (tests/test_device_decide.py, on the real traces). Does not: copy bytes
-(``kernels.page_in``), compute experts (``device_pager``) or count (``device_stats``).
+(``kernels.page_in``), compute experts (``device_executor``) or count (``device_stats``).
 
 Legend: T tokens, k top_k, E experts, K slots, W = ceil(min(T k, E) / K) waves.
 """
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from pagedexperts.residency.eviction import LFUPolicy
 from pagedexperts.residency.planner import check_num_resident
-from pagedexperts.residency.policies import LFUPolicy
 from pagedexperts.paging.kernels._triton import check_backend
 from pagedexperts.paging.kernels.decide import (
     DecidePlan, DecideRule, DecideState, decide_reference, decide_triton, num_waves_for,
 )
 
-# --policy names the device decide implements, with the rule each means (residency.policies' defaults)
+# --policy names the device decide implements, with the rule each means (residency.eviction defaults)
 DEVICE_RULES: dict[str, DecideRule] = {
     "lru": DecideRule(use_count=False),
     "lfu": DecideRule(use_count=True, half_life=LFUPolicy.DEFAULT_HALF_LIFE),

@@ -2,7 +2,7 @@
 
 Owns the device tensor of counters a device-planned layer-step adds to (steps, tokens, hits,
 misses, bytes paged, waves, multi-wave steps, union sum, union max, last union) and their
-conversion to ``stats.LayerStats``, the one definition of the counts (DESIGN.md: one hit or
+conversion to ``stats.accounting.LayerStats``, the one definition of the counts (DESIGN.md: one hit or
 miss per distinct routed expert per layer per step). The tensor is read only when stats are
 asked for (``to_layer_stats``: one device-to-host copy). Does not: time anything (a
 device-planned step has no host timing to give) or decide residency (``device_residency``).
@@ -35,8 +35,8 @@ class DeviceCounters:
     def add_step(self, step: torch.Tensor, *, rows: int, padding: torch.Tensor | None = None) -> None:
         """Add one layer-step: ``step`` [3] int64 (hits, misses, waves: ``DecidePlan.step``) on
         the device; ``rows`` the step's T (known on the host); ``padding`` the 0-dim device
-        count of padding rows among them (``ExpertPager.padding_count``), None: none. Tokens
-        = rows - padding, as the host pager counts them. In place, no sync."""
+        count of padding rows among them (``runner.ExpertsRunner.padding_count``), None: none. Tokens
+        = rows - padding, as the host executor counts them. In place, no sync."""
         hits, misses, waves = step[0], step[1], step[2]
         union = hits + misses
         pad = torch.zeros_like(hits) if padding is None else padding.to(hits.device, torch.int64).reshape(())

@@ -4,10 +4,12 @@ Owns: the [K, ...] slot tensors of one MoE layer on the device, its ``Residency`
 slot map), its host store, and the experts step of DESIGN.md (steps 2-6), read top-down in
 ``step``: read the top-k ids to the host (``transfer.read_step``), plan waves
 (``residency.planner``), page each wave in (``transfer.SlotTransfers.page_in``), compute it with
-the model's own experts implementation over the slot tensors (``waves``), combine; stats and
-tracing at the edges. The device-planned executor (``paging.device_*``) implements the same
-``runner.PagedExecutor`` contract. Does not: route (the model's router runs unchanged), load
-checkpoints (``loading``), know the architecture (``models``), or order copies (``transfer``).
+the model's own experts implementation over the slot tensors (the wave-compute contract:
+the inner implementation's host step, ``paging.inner``, ``paging.waves``), combine; stats and tracing at the edges. The device-planned
+executor (``paging.device_executor``) implements the same ``runner.PagedExecutor`` contract
+through the same wave-compute contract. Does not: route (the model's router runs unchanged),
+load checkpoints (``loading``), know the architecture (``models``), or order copies
+(``transfer``).
 
 Syncs. A layer-step makes exactly one device-to-host transfer (``transfer.read_step``: the
 top-k ids, the next layer's prefetch prediction and the step's padding count together); the
@@ -25,66 +27,19 @@ Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T * k entries.
 
 from __future__ import annotations
 
-import functools
 import time
-from typing import Callable
 
 import torch
 
 from pagedexperts.formats.slots import PackedSlots, allocate
 from pagedexperts.paging.runner import PagedExecutor
 from pagedexperts.paging.transfer import SlotTransfers, StepRead, read_step
-from pagedexperts.paging.waves import INNER_IMPLEMENTATIONS, check_inner, step_entries
+from pagedexperts.paging.waves import SlotView
+from pagedexperts.residency.eviction import EvictionPolicy
 from pagedexperts.residency.planner import Residency, StepPlan
-from pagedexperts.residency.policy import EvictionPolicy
 
 
-def routed_union(ids_host: torch.Tensor) -> list[int]:
-    """Distinct expert ids of a step's top-k ids [T, k] (a CPU tensor), as a Python list.
-
-    A set over ``tolist()`` is several times cheaper than ``torch.unique`` for decode-sized
-    steps; ``torch.unique`` wins for large prefills.
-    """
-    if ids_host.numel() <= 4096:
-        return list(set(ids_host.reshape(-1).tolist()))
-    return torch.unique(ids_host).tolist()
-
-
-class SlotView:
-    """Stand-in for an experts module during one wave: the module's own attributes and methods,
-    except that the per-expert tensors are the [K, ...] slot tensors and ``num_experts`` is K.
-    """
-
-    def __init__(self, module: torch.nn.Module, slots: dict[str, torch.Tensor]) -> None:
-        self.__dict__.update(slots)
-        self.num_experts = next(iter(slots.values())).shape[0]
-        self._module = module
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
-
-
-def resolve_inner(module: torch.nn.Module, name: str) -> Callable:
-    """The experts function ``name`` of transformers' registry (``eager``: the class's own loop).
-
-    Looked up once per (experts class, name): runners call this every layer step.
-
-    Raises:
-        ValueError: ``name`` not in INNER_IMPLEMENTATIONS (lists them).
-    """
-    return _inner_for(type(module), check_inner(name))
-
-
-@functools.lru_cache(maxsize=None)
-def _inner_for(cls: type, name: str) -> Callable:
-    if name == "eager":
-        return cls.forward.__wrapped__
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    return ALL_EXPERTS_FUNCTIONS[name]
-
-
-class HostPlannedExecutor(PagedExecutor):
+class HostExecutor(PagedExecutor):
     """Paged experts of one MoE layer, planned on the host (any step, any device).
 
     Args:
@@ -92,8 +47,10 @@ class HostPlannedExecutor(PagedExecutor):
         store: the layer's host store ([E, ...] rows; ``storage.host_store.ExpertStore``).
         num_slots: K, 1 <= K <= E (checked by ``Residency``).
         device: where the slot tensors live and the experts are computed.
-        inner: name of the experts implementation used on the slots (INNER_IMPLEMENTATIONS).
-        policy: eviction policy over K slots (default LRU).
+        inner: name of the experts implementation used on the slots
+            (``inner.INNER_IMPLEMENTATIONS``).
+        policy: eviction policy over K slots; None: the ``Residency`` default, LFU with aging
+            (``--policy``'s default, ``residency.policies.DEFAULT_POLICY``).
         copy_stream: CUDA stream for page-ins (None on CPU).
         slots: the [K, ...] slot table, when a quantized format needs one other than the
             store's packed tensors (``formats.slots.DenseSlots``); None = allocate them like
@@ -120,7 +77,7 @@ class HostPlannedExecutor(PagedExecutor):
         t_read = time.perf_counter()
         self._observe(read, top_k_weights)
         t1 = time.perf_counter()  # host bookkeeping starts here (tracing and prediction apart)
-        union = routed_union(read.ids)
+        union = read.union()
         plan = self.residency.plan(union)
         if self.prefetch_stats.pending:
             self.prefetch_stats.observe(union)
@@ -132,14 +89,13 @@ class HostPlannedExecutor(PagedExecutor):
 
     def _run_waves(self, module, plan: StepPlan, hidden, top_k_index, top_k_weights, ids_host) -> torch.Tensor:
         """Page in, compute and combine the plan's waves: [T, H] in hidden's dtype."""
-        step = step_entries(self.inner, module, hidden, top_k_index, ids_host.numpy())
-        single = len(plan.waves) == 1
-        for i, wave in enumerate(plan.waves):
-            slot_map = self.transfers.page_in(self.store, wave, only_wave=single,
-                                              map_needed=step.uses_slot_map(single))
-            if i == 0 and self.prefetcher is not None:
+        step = self.inner_kernel.host(module, hidden, top_k_index, ids_host.numpy(), plan.waves)
+        for w, wave in enumerate(plan.waves):
+            self.transfers.page_in(self.store, wave)
+            slot_map = self.transfers.slot_map(wave, only_wave=step.only_wave) if step.needs_slot_map else None
+            if w == 0 and self.prefetcher is not None:
                 self.prefetcher.issue()  # the next layer's predicted page-ins queue behind this wave's
-            step.run_wave(self.wave_view(module, wave.slots), slot_map, wave, only_wave=single)
+            step.run_wave(self.wave_view(module, wave.slots), w, slot_map)
             self.transfers.compute_done()
         return step.combine(top_k_weights)
 
@@ -160,6 +116,10 @@ class HostPlannedExecutor(PagedExecutor):
 
     # -- the PagedExecutor contract beyond the step --
 
+    def is_resident(self, expert: int) -> bool:
+        """Whether ``expert`` holds a slot now (the host residency's map; no device read)."""
+        return expert in self.residency.slot_of_expert
+
     def copy_in(self, loads) -> None:
         """Page ``loads`` in now (a prefetch): the next compute of this layer waits for them."""
         self.transfers.copy_in(self.store, loads)
@@ -173,7 +133,7 @@ class HostPlannedExecutor(PagedExecutor):
 
     def collect_copy_time(self) -> None:
         """On CUDA, wait for this layer's in-flight page-in timing events (each its own event,
-        not the whole device) and fold their elapsed times into ``stats.page_in_s``."""
+        not the whole device) and fold their elapsed times into ``self.stats.page_in_s``."""
         self.stats.add_page_in_s([self.transfers.take_copy_s(block=True)])
 
     def release(self) -> None:

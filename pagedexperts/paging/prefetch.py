@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+
 def prediction_order(ids: Sequence[Sequence[int]]) -> list[int]:
     """Predicted top-k ids [T, k] -> distinct experts, most tokens first, then lower id."""
     counts: dict[int, int] = {}
@@ -29,10 +30,10 @@ def prediction_order(ids: Sequence[Sequence[int]]) -> list[int]:
 
 
 class NextLayerPrefetcher:
-    """Prefetch of one MoE layer l into the next MoE layer (``target``), on layer l's pager.
+    """Prefetch of one MoE layer l into the next MoE layer (``target``), on layer l's executor.
 
     Args:
-        gate: layer l+1's router module (``models.router_of``: ``mlp.gate``, gpt-oss ``mlp.router``); its ``forward``
+        gate: layer l+1's router module (``models.sites.router_of``: ``mlp.gate``, gpt-oss ``mlp.router``); its ``forward``
             maps hidden [T, H] -> (logits, scores, top-k ids [T, k]).
         target: layer l+1's ``runner.PagedExecutor``.
         budget: at most this many prefetch page-ins per step (default top_k: one token's worth).
@@ -62,7 +63,7 @@ class NextLayerPrefetcher:
         t0 = time.perf_counter()
         self._pending = prediction_order(ids_host.tolist())
         # a disk tier starts reading the predicted experts now (a full store reads nothing)
-        self.target.store.read_ahead([e for e in self._pending if e not in self.target.residency.slot_of_expert])
+        self.target.store.read_ahead([e for e in self._pending if not self.target.is_resident(e)])
         self.target.prefetch_stats.predict_s += time.perf_counter() - t0
         if self.on_predict is not None:
             self.on_predict(self.target.layer, self._pending)

@@ -1,19 +1,22 @@
 """The contracts of a paged layer's experts runners: what the dispatcher and the runtime see.
 
 Owns: ``ExpertsRunner``, the ABC every per-layer runner implements (the layer-step executors
-and the baselines): one ``step`` per MoE layer per model step, its ``LayerStats``, the trace hook
-and the end-of-life hooks; and ``PagedExecutor``, the ABC of the runners that page: K slots, a
-residency, page-ins outside a step (prefetch) and the wave view the independence check reads.
-Two executors implement ``PagedExecutor`` side by side (DESIGN.md "Devices"):
+and the baselines): one ``step`` per MoE layer per model step, its ``LayerStats``, the trace hook,
+the end-of-life hooks and two capabilities the callers ask instead of the runner's type:
+``inline`` (how the dispatcher calls the step under ``torch.compile``) and ``capture_problem``
+(whether a CUDA graph can hold the step); and ``PagedExecutor``, the ABC of the runners that
+page: K slots, a residency (``is_resident``), page-ins outside a step (prefetch) and the wave
+view the independence check reads. Two executors implement ``PagedExecutor`` side by side
+(DESIGN.md "Devices"), through one wave-compute contract (``paging.waves``, ``paging.inner``):
 
-- ``paging.host_executor.HostPlannedExecutor``: any step, any device; the top-k ids are read
-  back once and the tensor-free residency plans the waves on the host.
-- ``paging.device_pager.DevicePager`` (``--decide device``; CUDA, or a CPU under
+- ``paging.host_executor.HostExecutor``: any step, any device; the top-k ids are read back
+  once and the tensor-free residency plans the waves on the host.
+- ``paging.device_executor.DeviceExecutor`` (``--decide device``; CUDA, or a CPU under
   TRITON_INTERPRET=1): decide and page-in kernels keep the residency in device tensors, no
-  host sync, fixed shapes (for CUDA graphs; capture is not built yet).
+  host sync, fixed shapes: decode steps are captured in CUDA graphs (``generation.graphs``).
 
 The baselines (``paging.baselines``: resident, offload, cpu-experts) are ``ExpertsRunner``s.
-Does not: plan, copy or compute anything itself.
+Does not: plan, copy or compute anything itself; build runners (``loading.runners``).
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots.
 """
@@ -25,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from pagedexperts.paging.inner import INNER_KERNELS, InnerKernel, inner_problem
 from pagedexperts.stats.accounting import LayerStats, PrefetchStats
 
 # (layer, top-k ids [T, k] on the host, top-k weights [T, k] on the host) -> None
@@ -39,15 +43,25 @@ class ExpertsRunner(ABC):
         store: the layer's host store (``storage.host_store.ExpertStore``).
         device: where the experts are computed.
         inner: the transformers experts implementation run over the experts
-            (``paging.waves.INNER_IMPLEMENTATIONS``).
+            (``paging.inner.INNER_IMPLEMENTATIONS``; checked when set, ``inner``).
 
     Attributes:
+        inline: the step is the model's own device math and nothing else (no host read, no
+            Python decision: ``baselines.ResidentRunner``): the dispatcher calls it inline under
+            ``torch.compile`` too, so the compiler traces it like the unpaged model; other
+            runners run there as one opaque custom op (``integration``). False here.
+        decide: where this runner's steps are planned, "host" or "device": the inner
+            implementations it accepts are those with a step there (``paging.inner``).
+        inner_kernel: ``inner``'s entry of ``paging.inner.INNER_KERNELS`` (its steps).
         stats: the layer's counters (``stats.accounting.LayerStats``).
         trace_hook: called once per step with the routing read back (tracing), or None.
         padding_count: the current model step's padding rows, a 0-dim device tensor set by the
             model's pre-hook (``integration.install_padding_hook``) and handed to ``step`` by
             the dispatcher; None: no padding.
     """
+
+    inline = False
+    decide = "host"
 
     def __init__(self, *, layer: int, store, device, inner: str) -> None:
         self.layer = layer
@@ -62,15 +76,37 @@ class ExpertsRunner(ABC):
     def num_experts(self) -> int:
         return self.store.num_experts
 
-    def __call__(self, module, hidden_states, top_k_index, top_k_weights, padding_count=None) -> torch.Tensor:
-        return self.step(module, hidden_states, top_k_index, top_k_weights, padding_count)
+    @property
+    def inner(self) -> str:
+        """The inner experts implementation; settable (transformers' decode switch sets it).
+
+        Raises:
+            ValueError: on setting one without a step where this runner plans
+                (``paging.inner.inner_problem``: names the choices and the flag).
+        """
+        return self._inner
+
+    @inner.setter
+    def inner(self, name: str) -> None:
+        problem = inner_problem(name, decide=self.decide)
+        if problem is not None:
+            raise ValueError(problem)
+        self._inner = name
+        self.inner_kernel: InnerKernel = INNER_KERNELS[name]
 
     @abstractmethod
     def step(self, module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-             padding_count: torch.Tensor | None) -> torch.Tensor:
+             padding_count: torch.Tensor | None = None) -> torch.Tensor:
         """The experts step: hidden_states [T, H], top_k_index [T, k] (expert ids, int64),
         top_k_weights [T, k], padding rows (0-dim, or None) -> output [T, H] in
         hidden_states.dtype, equal to the unpaged model's with the same implementation."""
+
+    def capture_problem(self, dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why this runner's step, in ``dtype`` on ``device``, cannot be captured in a CUDA
+        graph (it reads the device back or builds tensors from host values), or None when it
+        can. The inner kernel's own limits are ``generation.graphs``' to judge. Here: the step
+        reads its top-k ids back to the host."""
+        return f"{type(self).__name__} reads the step back to the host (needs --decide device or mode resident)"
 
     def collect_copy_time(self) -> None:
         """Fold copy times measured after the step (CUDA events) into ``stats``; none here."""
@@ -82,13 +118,6 @@ class ExpertsRunner(ABC):
         """Zero the layer's counters (copy times in flight folded in first)."""
         self.collect_copy_time()
         self.stats = LayerStats()
-
-
-class InlineRunner:
-    """Marker contract of a runner whose step is the model's own device math and nothing else
-    (no host read, no Python decision: ``baselines.ResidentRunner``). The dispatcher calls it
-    inline, not through the opaque custom op: eager skips the op's dispatcher round trip (its
-    autograd and dynamo-disable wrappers) and ``torch.compile`` traces it like the unpaged model."""
 
 
 class PagedExecutor(ExpertsRunner):
@@ -111,6 +140,10 @@ class PagedExecutor(ExpertsRunner):
     @property
     def num_slots(self) -> int:
         return self.residency.num_slots
+
+    @abstractmethod
+    def is_resident(self, expert: int) -> bool:
+        """Whether ``expert`` holds a slot now (a disk tier starts reading only the others)."""
 
     @abstractmethod
     def copy_in(self, loads) -> None:

@@ -71,6 +71,16 @@ class StepRead(NamedTuple):
     predicted: torch.Tensor | None
     padding: int
 
+    def union(self) -> list[int]:
+        """The step's union: the distinct expert ids of ``ids``, as a Python list (any order).
+
+        A set over ``tolist()`` is several times cheaper than ``torch.unique`` for decode-sized
+        steps; ``torch.unique`` wins for large prefills.
+        """
+        if self.ids.numel() <= 4096:
+            return list(set(self.ids.reshape(-1).tolist()))
+        return torch.unique(self.ids).tolist()
+
 
 def read_step(top_k_index: torch.Tensor, predicted: torch.Tensor | None = None,
               padding_count: torch.Tensor | None = None) -> StepRead:
@@ -186,16 +196,17 @@ class SlotTransfers:
             self._copied = torch.cuda.Event()
             self.timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True))
 
-    def page_in(self, store, wave, *, only_wave: bool, map_needed: bool = True) -> torch.Tensor | None:
-        """Copy the wave's loads into their slots and make the compute wait for them; return
-        the slot map [E] (int64, on the device) that the wave's top-k ids are remapped with.
-        ``only_wave``: the step has this one wave, so every routed expert is resident and the
-        running map serves as is; otherwise experts outside the wave map to -1.
-        ``map_needed`` False: the wave's compute takes no slot map (None; nothing uploaded)."""
+    def page_in(self, store, wave) -> None:
+        """Copy the wave's loads (``residency.planner.Wave.loads``) into their slots and make
+        the compute wait for them."""
         self.copy_in(store, wave.loads)
         self.before_compute()
-        if not map_needed:
-            return None
+
+    def slot_map(self, wave, *, only_wave: bool) -> torch.Tensor:
+        """The slot map [E] (int64, on the device) that the wave's top-k ids are remapped with.
+        ``only_wave``: the step has this one wave, so every routed expert is resident and the
+        running map serves as is (uploaded only when it changed); otherwise experts outside
+        the wave map to -1."""
         t0 = time.perf_counter()
         if only_wave:
             if self._slot_map_stale:

@@ -1,9 +1,16 @@
-"""The experts computation of one paged step, wave by wave, in the unpaged model's own row order.
+"""The wave-compute contract of a paged layer-step, and the host-planned steps that implement it.
 
-Owns: turning a step's top-k ids [T, k] into the per-(token, k) entry outputs [T, k, H]
-(unweighted) by running the model's own experts math over the [K, ...] slot tensors one wave at
-a time, and combining them with the routing weights exactly as the unpaged implementation does.
-Does not: page anything in or decide residency (``paging.transfer``, ``residency``).
+Owns the contract both layer-step executors compute through (neither defines it): ``SlotView``
+(the experts module as the inner kernel sees it over the [K, ...] slot tensors), ``StepEntries``
+(one step's per-(token, k) entry outputs [T, k, H], unweighted; ``run_wave(view, wave,
+slot_map)``, one signature for both paths, fills one wave's entries; ``combine`` weights and
+sums them exactly as the unpaged implementation does) and the pieces every step reuses
+(``activate``, ``post_expert_norm``, ``in_reference_layout``, ``up_and_down_weights``); and
+the host-planned steps (``HostStep``: the waves and the read-back ids known on the host):
+``GroupedStep``, ``BatchedStep``, ``EagerStep``. The device-planned steps are
+``paging.device_layout``; which step runs which experts implementation, the table, is
+``paging.inner``. Does not: page anything in or decide residency (``paging.transfer``,
+``residency``).
 
 Why not simply call transformers' experts function on the slot ids: on CPU with more than one
 thread, a GEMM row's bits depend on the row's index inside its expert's group, and
@@ -45,12 +52,27 @@ entries, S_w entries of one wave.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from pagedexperts.paging.transfer import upload
+
+
+class SlotView:
+    """Stand-in for an experts module during one wave: the module's own attributes and methods,
+    except that the per-expert tensors are the [K, ...] slot tensors and ``num_experts`` is K.
+    """
+
+    def __init__(self, module: torch.nn.Module, slots: dict[str, torch.Tensor]) -> None:
+        self.__dict__.update(slots)
+        self.num_experts = next(iter(slots.values())).shape[0]
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
 
 def activate(view, proj: torch.Tensor) -> torch.Tensor:
     """The module's gating (``_apply_gate``: e.g. SiLU(gate) * up) or plain activation:
@@ -83,15 +105,21 @@ def up_and_down_weights(view) -> tuple[torch.Tensor, torch.Tensor | None, torch.
 
 
 class StepEntries:
-    """One step's entries: hidden [T, H], top_k_index [T, k] (expert ids, on the device) and the
-    same ids read back, ``ids_host`` [T, k] (numpy int64). ``run_wave`` fills the unweighted
-    outputs of one wave's entries; ``combine`` weights and sums them -> [T, H]."""
+    """One step's entries: hidden [T, H] and top_k_index [T, k] (expert ids, on the device).
+    ``run_wave`` fills the unweighted outputs of one wave's entries ([S, H], flat entry
+    s = t * k + j); ``combine`` weights and sums them -> [T, H].
 
-    def __init__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor, ids_host: np.ndarray) -> None:
+    Attributes:
+        needs_slot_map: whether ``run_wave`` reads a slot map (the host executor then hands it
+            one from ``transfer.SlotTransfers.slot_map``; else None).
+    """
+
+    needs_slot_map = False
+
+    def __init__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
         self.module = module
         self.hidden = hidden
         self.top_k_index = top_k_index
-        self.ids_host = ids_host
         self.num_tokens, self.top_k = top_k_index.shape
         self.num_entries = self.num_tokens * self.top_k
         self.entry_out: torch.Tensor | None = None  # [S, H] unweighted, flat entry s = t * k + j
@@ -105,18 +133,11 @@ class StepEntries:
             self.entry_out = out.new_empty((self.num_entries, out.shape[1]))
         self.entry_out.index_copy_(0, entries, out)
 
-    def _rows_of(self, wave, entry_ids_host: np.ndarray) -> tuple[torch.Tensor, int]:
-        """Rows [S_w] (on the device) of the entries routed into ``wave``, in entry order."""
-        rows = np.flatnonzero(np.isin(entry_ids_host, wave.experts))
-        return upload(rows, self.hidden.device), len(rows)
-
-    def uses_slot_map(self, only_wave: bool) -> bool:
-        """Whether ``run_wave`` reads its ``slot_map`` (else it is handed None)."""
-        return True
-
-    def run_wave(self, view, slot_map: torch.Tensor | None, wave, *, only_wave: bool) -> None:
-        """Compute the entries of ``wave`` (its experts and slots); ``slot_map`` [E] maps expert
-        ids to slots on the device; ``only_wave``: the step's one wave (every entry)."""
+    def run_wave(self, view: SlotView, wave: int, slot_map: torch.Tensor | None = None) -> None:
+        """Compute the entries of wave ``wave`` (0-based, in the step's order) over ``view``
+        (its slots paged in); ``slot_map`` [E] int64 maps expert ids to the wave's slots on the
+        device (-1: not in the wave) when ``needs_slot_map``, else None. An empty wave leaves
+        the outputs as they are."""
         raise NotImplementedError
 
     def combine(self, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -126,11 +147,28 @@ class StepEntries:
         return (entries * top_k_weights.unsqueeze(-1)).sum(dim=1).to(self.hidden.dtype)
 
 
-class GroupedStep(StepEntries):
+class HostStep(StepEntries):
+    """A host-planned step: its waves (``residency.planner.Wave``: experts, slots) and its ids
+    read back, ``ids_host`` [T, k] (numpy int64), are known on the host."""
+
+    def __init__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor, ids_host: np.ndarray,
+                 waves: Sequence) -> None:
+        super().__init__(module, hidden, top_k_index)
+        self.ids_host = ids_host
+        self.waves = waves
+        self.only_wave = len(waves) == 1  # the step's one wave: every entry
+
+    def _rows_of(self, wave, entry_ids_host: np.ndarray) -> tuple[torch.Tensor, int]:
+        """Rows [S_w] (on the device) of the entries routed into ``wave``, in entry order."""
+        rows = np.flatnonzero(np.isin(entry_ids_host, wave.experts))
+        return upload(rows, self.hidden.device), len(rows)
+
+
+class GroupedStep(HostStep):
     """``grouped_mm`` in the reference's row order (module docstring)."""
 
-    def __init__(self, module, hidden, top_k_index, ids_host) -> None:
-        super().__init__(module, hidden, top_k_index, ids_host)
+    def __init__(self, module, hidden, top_k_index, ids_host, waves) -> None:
+        super().__init__(module, hidden, top_k_index, ids_host, waves)
         # the reference's own call: the same (unstable, deterministic) sort of the same ids
         self.perm = torch.sort(top_k_index.reshape(-1))[1]
         self.counts = np.bincount(ids_host.reshape(-1))  # [max id + 1] rows per expert
@@ -152,17 +190,15 @@ class GroupedStep(StepEntries):
         per_slot[slots] = lengths
         return pos, np.cumsum(per_slot), np.repeat(slots, lengths)
 
-    def uses_slot_map(self, only_wave: bool) -> bool:
-        return False  # the rows and groups come from the host's ids and the wave's slots
-
-    def run_wave(self, view, slot_map: torch.Tensor | None, wave, *, only_wave: bool) -> None:
+    def run_wave(self, view, wave: int, slot_map=None) -> None:
         from transformers.integrations.moe import _grouped_linear
 
-        if only_wave and self.hidden.device.type == "cpu":
-            self._run_all(view, wave, _grouped_linear)
+        planned = self.waves[wave]  # its rows and groups come from the host's ids and its slots
+        if self.only_wave and self.hidden.device.type == "cpu":
+            self._run_all(view, planned, _grouped_linear)
             return
         dev = self.hidden.device
-        pos_host, offsets_host, slots_host = self._layout(wave, view.num_experts)
+        pos_host, offsets_host, slots_host = self._layout(planned, view.num_experts)
         pos_w, n = upload(pos_host, dev), len(pos_host)
         offsets = upload(offsets_host, dev).to(torch.int32)
         up_w, up_b, down_w, down_b = up_and_down_weights(view)
@@ -210,18 +246,20 @@ class GroupedStep(StepEntries):
         return out
 
 
-class BatchedStep(StepEntries):
+class BatchedStep(HostStep):
     """``batched_mm`` in the reference's token-major entry order (module docstring)."""
 
-    def run_wave(self, view, slot_map: torch.Tensor, wave, *, only_wave: bool) -> None:
+    needs_slot_map = True
+
+    def run_wave(self, view, wave: int, slot_map=None) -> None:
         from transformers.integrations.moe import _batched_linear
 
         ids = slot_map[self.top_k_index.reshape(-1)]  # [S] slot per entry, -1: other wave
-        if only_wave:
+        if self.only_wave:
             entries, run, n = None, ids, self.num_entries
             x = self.hidden.repeat_interleave(self.top_k, dim=0)
         else:
-            entries, n = self._rows_of(wave, self.ids_host.reshape(-1))
+            entries, n = self._rows_of(self.waves[wave], self.ids_host.reshape(-1))
             # torch.bmm of a batch of one takes another CPU kernel: pad with a copy, drop it after
             run_rows = entries.repeat(2) if n == 1 and self.num_entries > 1 else entries
             run = ids[run_rows]
@@ -238,22 +276,24 @@ class BatchedStep(StepEntries):
         self._store(entries, down)
 
 
-class EagerStep(StepEntries):
+class EagerStep(HostStep):
     """``eager``: the class's own loop over the entries, k-major (module docstring)."""
 
-    def __init__(self, module, hidden, top_k_index, ids_host) -> None:
-        super().__init__(module, hidden, top_k_index, ids_host)
+    needs_slot_map = True
+
+    def __init__(self, module, hidden, top_k_index, ids_host, waves) -> None:
+        super().__init__(module, hidden, top_k_index, ids_host, waves)
         self.loop = type(module).forward.__wrapped__
         self.entry_hidden = hidden.repeat(self.top_k, 1)  # [k * T, H], entry j * T + t
         self.entry_ids = top_k_index.t().reshape(-1, 1)
         self.unit = torch.ones_like(self.entry_ids, dtype=hidden.dtype)  # weights applied in combine
 
-    def run_wave(self, view, slot_map: torch.Tensor, wave, *, only_wave: bool) -> None:
+    def run_wave(self, view, wave: int, slot_map=None) -> None:
         slots = slot_map[self.entry_ids]
-        if only_wave:
+        if self.only_wave:
             self._store(None, self.loop(view, self.entry_hidden, slots, self.unit))
             return
-        rows, _ = self._rows_of(wave, self.ids_host.T.reshape(-1))
+        rows, _ = self._rows_of(self.waves[wave], self.ids_host.T.reshape(-1))
         self._store(rows, self.loop(view, self.entry_hidden[rows], slots[rows], self.unit[rows]))
 
     def combine(self, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -268,38 +308,3 @@ class EagerStep(StepEntries):
         for j in range(self.top_k):
             out = out + ordered[:, j].to(dtype)
         return out
-
-
-# Inner implementations paged, each with its step (its combine: a sum over k, or eager's loop).
-STEPS: dict[str, type[StepEntries]] = {"grouped_mm": GroupedStep, "batched_mm": BatchedStep, "eager": EagerStep}
-INNER_IMPLEMENTATIONS = tuple(STEPS)
-
-
-def inner_problem(inner: str) -> str | None:
-    """Why ``inner`` cannot run under paging (names the choices and the flag), or None."""
-    if inner in STEPS:
-        return None
-    return (f"experts implementation {inner!r} is not supported under paging; choose one of "
-            f"{list(INNER_IMPLEMENTATIONS)} (--experts-implementation)")
-
-
-def check_inner(inner: str) -> str:
-    """``inner`` if it is an INNER_IMPLEMENTATIONS name (the one implementation-name check).
-
-    Raises:
-        ValueError: ``inner_problem``'s message.
-    """
-    problem = inner_problem(inner)
-    if problem is not None:
-        raise ValueError(problem)
-    return inner
-
-
-def step_entries(inner: str, module, hidden: torch.Tensor, top_k_index: torch.Tensor, ids_host: np.ndarray) -> StepEntries:
-    """The step object for experts implementation ``inner`` (INNER_IMPLEMENTATIONS); ``ids_host``
-    is ``top_k_index`` read back to the host (numpy [T, k]).
-
-    Raises:
-        ValueError: ``inner`` not supported under paging (``check_inner``).
-    """
-    return STEPS[check_inner(inner)](module, hidden, top_k_index, ids_host)

@@ -1,7 +1,7 @@
 """Belady's optimal offline policy: the bound the online policies are measured against.
 
 Owns: ``BeladyPolicy``, given the future (each step's union of one layer) up front; it runs on
-the same planner and contract as the runtime's policies (``residency.policy``), in the
+the same planner and contract as the runtime's policies (``residency.eviction``), in the
 simulator only. Standard library only.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pagedexperts.residency.policy import HeapRankedPolicy
+from pagedexperts.residency.eviction import HeapRankedPolicy
 
 
 class BeladyPolicy(HeapRankedPolicy):

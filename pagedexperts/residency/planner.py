@@ -1,9 +1,10 @@
 """Residency: which routed experts occupy the K slots of one MoE layer, and the wave plan of a step.
 
-Owns: the expert <-> slot map of one layer, its eviction policy (the contract is
-``residency.policy``, the rules ``residency.policies``), the one check of K, and the planner that turns a step's union of
-routed experts into waves of at most K experts, each with the loads (expert, slot) it needs.
-Tensor-free on purpose (standard library only): the runtime pager and the trace simulator
+Owns: the expert <-> slot map of one layer, its eviction policy (the contract and the rules are
+``residency.eviction``, the ``--policy`` registry ``residency.policies``), the one check of K,
+and the planner that turns a step's union of routed experts into waves of at most K experts,
+each with the loads (expert, slot) it needs.
+Tensor-free on purpose (standard library only): the runtime executor and the trace simulator
 import this same code, so their hit/miss counts cannot drift. Planning costs O(|union|) plus
 the policy's victims (O(log K) each, or one O(K) ranking per wave that evicts K/4 or more).
 Does not: copy bytes (``storage``), compute experts (``paging``), or count stats (``stats``).
@@ -19,7 +20,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Sequence
 
-from pagedexperts.residency.policy import EMPTY, EvictionPolicy, LRUPolicy, consume
+from pagedexperts.residency.eviction import EMPTY, EvictionPolicy, LFUPolicy, consume
 
 
 class Load(NamedTuple):
@@ -134,7 +135,9 @@ class Residency:
     Args:
         num_experts: E, routed experts of the layer.
         num_slots: K, slots on the device, 1 <= K <= E.
-        policy: the eviction policy (default LRU over K slots).
+        policy: the eviction policy; None: LFU with aging over K slots, the ``--policy``
+            default (``residency.policies.DEFAULT_POLICY``; tests/test_policies.py holds the
+            two equal).
 
     Raises:
         ValueError: K out of [1, E] (``check_num_resident``: names --num-resident).
@@ -149,7 +152,7 @@ class Residency:
     def __post_init__(self) -> None:
         check_num_resident(self.num_slots, num_experts=self.num_experts, min_slots=1)
         if self.policy is None:
-            self.policy = LRUPolicy(self.num_slots)
+            self.policy = LFUPolicy(self.num_slots)
         self.expert_of_slot = [EMPTY] * self.num_slots
         self._filled = 0  # slots [0, filled) hold an expert
         self.slot_of_expert = {}

@@ -1,7 +1,8 @@
 """The FastAPI app and its process: routes, error handlers, lifespan, ``run_server``.
 
 Owns: the route table (POST /v1/completions, /v1/chat/completions, /v1/responses; GET
-/v1/models, /health, /metrics, and /server_info + /model_info for a router), the exception handlers that put EVERY error in OpenAI's shape (framework 404 /
+/v1/models, /health, /metrics, and /server_info + /model_info for a router), the exception
+handlers that put EVERY error in OpenAI's shape (framework 404 /
 405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
 routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
 signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn; a second one

@@ -41,7 +41,7 @@ class Metrics:
     """The server's metrics; ``render()`` is the /metrics body.
 
     ``scheduler``: a BatchScheduler (counts and ``stats`` read at scrape time); ``runtime``:
-    the model's pagedexperts runtime (``pagers`` with ``.stats``, ``num_resident``, ``top_k``).
+    the model's pagedexperts runtime (``runners`` with ``.stats``, ``num_resident``, ``top_k``).
     """
 
     def __init__(self, scheduler, runtime) -> None:
@@ -105,7 +105,7 @@ class _LiveCollector:
             yield kind(PREFIX + name, f"Scheduler: {name.replace('_', ' ')}", value=getattr(s.stats, name))
         if s.speculative is not None:
             yield from speculative_metrics(s.speculative.stats, PREFIX)
-        layers = sorted((i, pager.stats) for i, pager in rt.pagers.items())
+        layers = sorted((i, runner.stats) for i, runner in rt.runners.items())
         if not layers:
             return
         from pagedexperts.stats.accounting import ModelStats
@@ -128,7 +128,7 @@ def _tier_metrics(runtime):
     layers whose store is a disk tier (``--host-memory-gb``); nothing otherwise."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    found = ((i, getattr(getattr(p, "store", None), "tier_stats", None)) for i, p in runtime.pagers.items())
+    found = ((i, getattr(getattr(r, "store", None), "tier_stats", None)) for i, r in runtime.runners.items())
     tiers = sorted((i, t.as_dict()) for i, t in found if t is not None)
     if not tiers:
         return
@@ -144,7 +144,7 @@ def _tier_metrics(runtime):
 def paging_time_histograms(stats, prefix: str = PREFIX):
     """Prometheus histograms of the host times per MoE layer-step, all layers together:
     ``<prefix>plan_seconds``, ``<prefix>topk_readback_seconds``, ``<prefix>page_in_seconds``
-    (buckets ``stats.TIME_BUCKETS_S``, cumulative since the start). ``stats``: a ModelStats."""
+    (buckets ``stats.times.TIME_BUCKETS_S``, cumulative since the start). ``stats``: a ModelStats."""
     from prometheus_client.core import HistogramMetricFamily
 
     from pagedexperts.stats.accounting import TIMED

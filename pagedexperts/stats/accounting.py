@@ -160,7 +160,7 @@ class ModelStats:
 
     layers: dict[int, LayerStats] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
-    # disk tier on: MoE layer -> its host/disk counters (``storage.tier_stats.TierStats``)
+    # disk tier on: MoE layer -> its host/disk counters (``stats.tiers.TierStats``)
     tiers: dict = field(default_factory=dict)
 
     @classmethod

@@ -109,7 +109,8 @@ def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, n
         if budget_bytes < minimum and not explicit:  # too little memory for anything: say so in full
             check_available(HostMemoryPlan(host_rows=num_experts, staging_bytes=0, **common), available_bytes)
         if budget_bytes < minimum:
-            source = f"--host-memory-gb {budget_bytes / 1e9:.4g}" if explicit else f"available host memory after slots, non-expert weights and KV ({_gb(budget_bytes)})"
+            source = (f"--host-memory-gb {budget_bytes / 1e9:.4g}" if explicit else
+                      f"available host memory after slots, non-expert weights and KV ({_gb(budget_bytes)})")
             raise ValueError(
                 f"{source} is below the minimum for the disk tier: {minimum:,} bytes ({minimum / 1e9:.4g} GB) = "
                 f"one host row per layer ({num_layers} x {expert_bytes:,}) + staging ({staging_bytes:,}); "

@@ -1,12 +1,16 @@
 """The host expert store of one MoE layer: every routed expert's tensors in host memory.
 
 Owns: the ``ExpertStore`` contract (what a layer-step executor, the loader's fill and the
-runtime ask of any store: rows into a slot, read-ahead, counters; the disk tier's
-``storage.host_tier.TieredExpertStore`` implements it too), and ``HostExpertStore``: one host allocation per per-expert tensor of the layer, shaped [E, ...] (on a CUDA
+runtime ask of any store: rows into a slot, the device-side gather of a device-planned step,
+read-ahead, counters; the disk tier's
+``storage.host_tier.TieredExpertStore`` implements it too), and ``HostExpertStore``: one host
+allocation per per-expert tensor of the layer, shaped [E, ...] (on a CUDA
 host: plain memory of exactly E x row bytes, then page-locked in place with
 ``cudaHostRegister`` and unregistered on ``release``; plain memory on CPU), and byte movement
-from a store row into a device slot (non-blocking on a copy stream on CUDA). Does not: decide
-which expert goes where (``residency``) or compute anything (``paging``).
+from a store row into a device slot (non-blocking on a copy stream on CUDA), or from the rows a
+device-side plan names (``gather``: a ``paging.kernels.page_in`` kernel reads the page-locked,
+mapped store). Does not: decide which expert goes where (``residency``) or compute anything
+(``paging``).
 
 Why register, not ``pin_memory=True``: torch's pinned host allocator rounds every block up to
 a power of two (Qwen3-30B-A3B: gate_up 768 -> 1024 MiB, down 384 -> 512 MiB per layer, +33%
@@ -89,6 +93,21 @@ class ExpertStore(ABC):
     def copy_to_slot(self, expert: int, slot: int, slots) -> None:
         """Copy every tensor row of ``expert`` into row ``slot`` of the slot table ``slots``
         (``formats.slots.PackedSlots`` or ``DenseSlots``: their ``write_rows``)."""
+
+    def gather_problem(self, device: torch.device) -> str | None:
+        """Why a device-side gather (``gather``) on ``device`` cannot read this store, or None.
+        Here: the store does not hold every expert in host memory."""
+        return (f"a {type(self).__name__} does not hold every expert in host memory (the disk tier reads "
+                "on demand on the host): use --decide host, or raise --host-memory-gb")
+
+    def gather_source(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The [E, ...] tensors (name -> tensor, every expert's row) that a device-side gather on
+        ``device`` reads (``paging.kernels.page_in.PageIn`` builds its address table over them).
+
+        Raises:
+            ValueError: ``gather_problem``'s message (checked when the executor is built).
+        """
+        raise ValueError(self.gather_problem(device))
 
     @abstractmethod
     def fill_from(self, extents: dict[str, list[list]]) -> list[tuple]:
@@ -209,6 +228,21 @@ class HostExpertStore(ExpertStore):
         this copy.
         """
         slots.write_rows({name: host[expert] for name, host in self.tensors.items()}, slot, pinned=self.pinned)
+
+    def gather_problem(self, device: torch.device) -> str | None:
+        """None, except on CUDA when the store is pageable: the gather reads the page-locked,
+        mapped rows through their device address."""
+        if torch.device(device).type == "cuda" and not self.pinned:
+            return (f"on CUDA it reads the page-locked, mapped host store; this store is pageable "
+                    f"({self.fallback or 'pin=False'}): use --decide host")
+        return None
+
+    def gather_source(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """``ExpertStore.gather_source``: this store's [E, ...] tensors (every row in memory)."""
+        problem = self.gather_problem(device)
+        if problem is not None:
+            raise ValueError(problem)
+        return self.tensors
 
     def fill_from(self, extents: dict[str, list[list]]) -> list[tuple]:
         """Every (extent, flat row of this store) read of the fill: the store holds all E."""

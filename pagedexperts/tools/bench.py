@@ -28,7 +28,6 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -304,9 +303,10 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
 
 def _num_resident(model) -> int:
     """K of the paged model's current mode; E (every expert on the device) for plain."""
+    from pagedexperts.loading.runtime import runtime_of
     from pagedexperts.models.config import num_routed_experts
 
-    rt = getattr(model, "pagedexperts", None)
+    rt = runtime_of(model)
     return rt.num_resident if rt is not None else num_routed_experts(model.config)
 
 

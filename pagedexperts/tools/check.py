@@ -54,18 +54,14 @@ class CheckResult:
 def load_reference(model_path, *, device: str, dtype: str | None, experts_implementation: str):
     """The unpaged model: plain from_pretrained, all experts resident (a quantized checkpoint:
     transformers' own dequantized build, the same on CPU and GPU, ``ExpertFormat.reference_kwargs``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pagedexperts.formats import format_for_config
-    from pagedexperts.loading.config import resolve_dtype
-    from pagedexperts.loading.loader import bundled_model_path
 
     return load_reference_with_choice(model_path, device=device, dtype=dtype,
                                       experts_implementation=experts_implementation)[0]
 
 
 def load_reference_with_choice(model_path, *, device: str, dtype: str | None, experts_implementation: str):
-    """``load_reference`` and the ``formats.reference.ReferenceChoice`` saying which reference
+    """``load_reference`` and the ``tools.reference.ReferenceChoice`` saying which reference
     it is and why (a checkpoint whose format library decompresses it: transformers' loading
     only where it equals the library's on a sample of experts)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,6 +1,6 @@
 """Decide: one step's residency decision of one MoE layer, on the device, fixed shapes, no sync.
 
-Owns the decision of ``residency.planner.Residency`` with ``LRUPolicy`` / ``LFUPolicy``
+Owns the decision of ``residency.planner.Residency`` with ``residency.eviction``'s ``LRUPolicy`` / ``LFUPolicy``
 (aging) restated over device tensors: from the step's top-k ids [T, k] it updates the slot
 map and the policy state in place and writes the page-in plan of every wave (src, dst, count)
 and each routed expert's slot and wave. Two functions of identical semantics:
@@ -98,7 +98,7 @@ class DecidePlan:
 @dataclass(frozen=True)
 class DecideRule:
     """The eviction rule of a decide: ``use_count`` False = LRU, True = LFU with aging every
-    ``half_life`` steps (0: never), as ``residency.policy.LRUPolicy`` / ``residency.policies.LFUPolicy``."""
+    ``half_life`` steps (0: never), as ``residency.eviction.LRUPolicy`` / ``LFUPolicy``."""
 
     use_count: bool
     half_life: int = 0

@@ -3,9 +3,10 @@
 Owns: the [K, ...] slot tensors of one layer, its ``DeviceResidency`` (state in device
 tensors), its host store, its ``DeviceCounters``, and the experts step: decide the step on
 the device (``kernels.decide``), then per wave (a fixed W = ceil(min(T k, E) / K) for the
-shape) page in the wave's loads (``kernels.page_in``: the count read on the device) and
-compute the wave's entries (``device_layout``), then combine. It implements the
-``runner.PagedExecutor`` contract beside ``host_executor.HostPlannedExecutor`` (``step``:
+shape) page in the wave's loads (the store's ``gather``, a ``kernels.page_in`` kernel: the
+count read on the device) and compute the wave's entries (the wave-compute contract: the
+inner implementation's device step, ``paging.inner``, ``device_layout``), then combine. It implements the
+``runner.PagedExecutor`` contract beside ``host_executor.HostExecutor`` (``step``:
 module, hidden [T, H], top_k_index [T, k], top_k_weights [T, k], padding rows -> [T, H]), so
 ``loading.runners`` attaches either (``--decide``). Fixed shapes, no
 device-to-host transfer, no decision taken in Python per step: every Python branch depends
@@ -15,7 +16,7 @@ trace hook are refused, and the configuration check refuses ``--prefetch`` with
 ``--decide device``), load checkpoints.
 
 Exactness: the same layouts and combine as the host path (``device_layout``), so the output
-equals the host-planned pager's and the unpaged experts' (tests/test_device_pager.py).
+equals the host-planned executor's and the unpaged experts' (tests/test_device_pager.py).
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T k entries, W waves.
 """
@@ -26,29 +27,29 @@ import contextlib
 
 import torch
 
-from pagedexperts.residency.policies import DEFAULT_POLICY
 from pagedexperts.formats.slots import DenseSlots, PackedSlots, allocate
-from pagedexperts.paging.host_executor import SlotView
-from pagedexperts.paging.runner import PagedExecutor, TraceHook
-from pagedexperts.paging.device_layout import check_inner, device_step
 from pagedexperts.paging.device_residency import DeviceResidency, device_rule
 from pagedexperts.paging.device_stats import DeviceCounters
 from pagedexperts.paging.kernels.page_in import PageIn
 from pagedexperts.paging.kernels.remap import remap_reference, remap_triton
+from pagedexperts.paging.runner import PagedExecutor, TraceHook
+from pagedexperts.paging.waves import SlotView
+from pagedexperts.residency.policies import DEFAULT_POLICY
 from pagedexperts.stats.accounting import LayerStats
-from pagedexperts.storage.host_store import HostExpertStore
+from pagedexperts.storage.host_store import ExpertStore
 
 
-class DevicePager(PagedExecutor):
-    """Device-planned paged experts of one MoE layer (a ``runner.PagedExecutor``).
+class DeviceExecutor(PagedExecutor):
+    """Device-planned paged experts of one MoE layer (a ``runner.PagedExecutor``; ``decide``
+    "device": ``inner`` must have a device step).
 
     Args:
         layer: index of the decoder layer. store: the layer's host store ([E, ...] tensors;
             on CUDA page-locked and mapped, ``HostExpertStore(pin=True)``).
         num_slots: K, 1 <= K <= E. device: where slots, state and compute live.
-        inner: experts implementation (``device_layout.DEVICE_STEPS``).
+        inner: experts implementation with a device step (``paging.inner.INNER_KERNELS``).
         policy: ``--policy`` name with a device decide ("lru", "lfu"); half_life: LFU's, or
-            None for ``residency.policies.LFUPolicy``'s default.
+            None for ``residency.eviction.LFUPolicy``'s default.
         backend: "torch" (reference ops; store and slots on one device) or "triton".
         slots: the [K, ...] slot tensors (``formats.slots.PackedSlots`` or a dict); None =
             allocate them like the store's tensors.
@@ -57,11 +58,13 @@ class DevicePager(PagedExecutor):
 
     Raises:
         ValueError: an unsupported policy, inner, backend or slot table (each names its flag);
-            backend "torch" off CPU; a store other than a HostExpertStore, or on CUDA one
-            that is not page-locked.
+            backend "torch" off CPU; a store a device gather cannot read
+            (``ExpertStore.gather_problem``: the disk tier, or on CUDA a pageable store).
     """
 
-    def __init__(self, *, layer: int, store: HostExpertStore, num_slots: int, device, inner: str,
+    decide = "device"
+
+    def __init__(self, *, layer: int, store: ExpertStore, num_slots: int, device, inner: str,
                  policy: str = DEFAULT_POLICY, half_life: int | None = None, backend: str = "torch",
                  slots: dict[str, torch.Tensor] | None = None, dequantizer=None) -> None:
         device = torch.device(device)
@@ -76,22 +79,9 @@ class DevicePager(PagedExecutor):
                              "lives in host memory; use backend 'triton' on CUDA")
         self.slots = slots if slots is not None else PackedSlots(allocate(store.specs, num_slots, self.device))
         self.dequantizer = dequantizer
-        self._page_in = PageIn(store.tensors, self.slots, self.device, backend=backend)
+        self._page_in = PageIn(store.gather_source(self.device), self.slots, self.device, backend=backend)
         self._remap = remap_triton if backend == "triton" else remap_reference
         self._all_slots = torch.arange(num_slots, device=self.device)
-
-    @property
-    def inner(self) -> str:
-        """The experts implementation; settable (transformers' decode switch sets it).
-
-        Raises:
-            ValueError: on setting one without a device-planned step (``check_inner``).
-        """
-        return self._inner
-
-    @inner.setter
-    def inner(self, name: str) -> None:
-        self._inner = check_inner(name)
 
     @property
     def trace_hook(self) -> TraceHook | None:
@@ -115,7 +105,7 @@ class DevicePager(PagedExecutor):
 
     @stats.setter
     def stats(self, value: LayerStats) -> None:
-        """``pager.stats = LayerStats()`` resets the counters (as the runtime's reset_stats).
+        """``executor.stats = LayerStats()`` resets the counters (as the runtime's reset_stats).
 
         Raises:
             ValueError: a non-empty LayerStats (device counters can only be reset).
@@ -136,7 +126,7 @@ class DevicePager(PagedExecutor):
             entry_slot = torch.empty(ids.numel(), dtype=torch.int64, device=ids.device)
             entry_wave = torch.empty_like(entry_slot)
             self._remap(ids, plan.expert_slot, plan.expert_wave, entry_slot, entry_wave)
-            step = device_step(self.inner, module, hidden_states, ids, entry_slot, entry_wave)
+            step = self.inner_kernel.device(module, hidden_states, ids, entry_slot, entry_wave)
             max_loads = min(ids.numel(), self.num_slots)  # a wave loads at most T k and at most K experts
             for w in range(plan.num_waves):
                 self._page_in(plan.src, plan.dst, plan.count, w, max_loads)
@@ -150,6 +140,18 @@ class DevicePager(PagedExecutor):
         if self.dequantizer is None:
             return SlotView(module, self.slots)
         return SlotView(module, self.dequantizer.wave_tensors(self.slots, self._all_slots))
+
+    def capture_problem(self, dtype: torch.dtype, device: torch.device) -> str | None:
+        """None (no read-back, fixed shapes), except for packed slots of a quantized format."""
+        if self.dequantizer is not None:
+            return ("packed slots of a quantized format dequantize each wave with constants built on the host "
+                    "(formats: torch.tensor(...) per call, a host-to-device copy a capture cannot hold); use "
+                    "--no-cuda-graphs")
+        return None
+
+    def is_resident(self, expert: int) -> bool:
+        """Whether ``expert`` holds a slot now (reads the device)."""
+        return expert in self.residency.resident()
 
     def copy_in(self, loads) -> None:
         """Refused: a prefetch is planned on the host from read-back predictions.
@@ -167,14 +169,11 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _check_store(store, device: torch.device, slots) -> None:
+def _check_store(store: ExpertStore, device: torch.device, slots) -> None:
     """Refuse what the device decide cannot page from or into (ValueError naming the flag)."""
-    if not isinstance(store, HostExpertStore):
-        raise ValueError(f"the device decide pages in from a HostExpertStore, not {type(store).__name__} "
-                         "(the disk tier decides on the host: --decide host, or raise --host-memory-gb)")
-    if device.type == "cuda" and not store.pinned:
-        raise ValueError("the device decide on CUDA reads the page-locked, mapped host store; this "
-                         f"store is pageable ({store.fallback or 'pin=False'}): use --decide host")
+    problem = store.gather_problem(device)
+    if problem is not None:
+        raise ValueError(f"the device decide pages in with a device-side gather: {problem}")
     if isinstance(slots, DenseSlots):
         raise ValueError("dense slots of a quantized layer dequantize at page-in on the host path; "
                          "use --slot-format packed with --decide device")
