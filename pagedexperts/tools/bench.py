@@ -341,10 +341,11 @@ def load_plain(cfg: BenchConfig):
 
     from pagedexperts.loading.config import resolve_dtype
     from pagedexperts.loading.loader import read_checkpoint_config
+    from pagedexperts.paging.inner import transformers_inner
 
     path, config, _ = read_checkpoint_config(cfg.model_path)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=resolve_dtype(cfg.dtype, config), experts_implementation=cfg.experts_implementation)
+        path, dtype=resolve_dtype(cfg.dtype, config), experts_implementation=transformers_inner(cfg.experts_implementation))
     return model.to(cfg.device).eval()
 
 

@@ -267,7 +267,8 @@ def gemm_launch(a: torch.Tensor, c: torch.Tensor, rows: ProjectionRows, alignmen
     ints, constexprs = packing_args(packing)
     tables, aligns = _tables(rows)
     bias = rows.bias or rows.roles["weight"]
-    args = dict(a_ptr=a, c_ptr=c, **tables, b_base=bias.base, b_off=bias.offsets, sorted_entry_ptr=alignment.sorted_entry, block_row_ptr=alignment.block_row,
+    args = dict(a_ptr=a, c_ptr=c, **tables, b_base=bias.base, b_off=bias.offsets,
+                sorted_entry_ptr=alignment.sorted_entry, block_row_ptr=alignment.block_row,
                 num_padded_ptr=alignment.num_padded, N=packing.out_features, Kdim=packing.in_features,
                 num_entries=alignment.num_entries, a_row_div=a_row_div, stride_am=a.stride(0), stride_cm=c.stride(0))
     args.update(ints)
@@ -332,11 +333,12 @@ def combine(entry_out: torch.Tensor, row_ids: torch.Tensor, routing_weights: tor
     return weighted.sum(dim=1).to(dtype)
 
 
-def _check_step(hidden, row_ids, routing_weights, gate_up: ProjectionRows, down: ProjectionRows) -> None:
+def _check_step(hidden, row_ids, routing_weights: torch.Tensor | None, gate_up: ProjectionRows,
+                down: ProjectionRows) -> None:
     """Raises ValueError naming the first mismatch of shapes, rows or devices."""
     if hidden.dim() != 2 or row_ids.dim() != 2 or row_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"want hidden [T, H] and row ids [T, k]; got {tuple(hidden.shape)} and {tuple(row_ids.shape)}")
-    if routing_weights.shape != row_ids.shape:
+    if routing_weights is not None and routing_weights.shape != row_ids.shape:
         raise ValueError(f"routing weights {tuple(routing_weights.shape)} differ from row ids {tuple(row_ids.shape)}")
     if gate_up.packing.in_features != hidden.shape[1] or down.packing.out_features != hidden.shape[1]:
         raise ValueError(f"hidden size {hidden.shape[1]}: gate_up reads {gate_up.packing.in_features}, "
@@ -345,6 +347,27 @@ def _check_step(hidden, row_ids, routing_weights, gate_up: ProjectionRows, down:
         raise ValueError(f"gate_up has {gate_up.num_rows} rows, down {down.num_rows}: one row id must address both")
     if gate_up.device != hidden.device or down.device != hidden.device:
         raise ValueError(f"row offsets on {gate_up.device} / {down.device}, hidden on {hidden.device}")
+
+
+def fused_entries(hidden: torch.Tensor, row_ids: torch.Tensor, gate_up: ProjectionRows, down: ProjectionRows, *,
+                  activation: Callable[[torch.Tensor], torch.Tensor],
+                  post_expert: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  align_backend: str = "triton") -> torch.Tensor:
+    """The unweighted output of every entry: [S, H] in the down packing's dense dtype, flat
+    entry s = t * k + j; rows of entries whose row id is negative are not written (whatever
+    the buffer held). The stages and arguments of ``fused_experts`` but the combine; a paged
+    step runs it once per wave (entries of other waves given row id -1).
+
+    Raises:
+        ValueError: as ``fused_experts``."""
+    _check_step(hidden, row_ids, None, gate_up, down)
+    if align_backend not in ALIGN_BACKENDS:
+        raise ValueError(f"unknown align backend {align_backend!r}; choose one of {list(ALIGN_BACKENDS)}")
+    num_entries = row_ids.numel()
+    alignment = ALIGN_BACKENDS[align_backend](row_ids, gate_up.num_rows, block_m_for(num_entries))
+    up = projection_gemm(hidden, gate_up, alignment, a_row_div=row_ids.shape[1])
+    out = projection_gemm(activation(up), down, alignment, a_row_div=1)
+    return out if post_expert is None else post_expert(out)
 
 
 def fused_experts(hidden: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, gate_up: ProjectionRows,
@@ -357,18 +380,12 @@ def fused_experts(hidden: torch.Tensor, row_ids: torch.Tensor, routing_weights: 
     computed here); routing_weights [T, k]; ``activation``: the experts module's gate ([S, 2I]
     -> [S, I], ``waves.activate``); ``post_expert``: its optional post-expert norm. Stages:
     align by row (``align_backend``: "triton" or "torch"), gate-up GEMM (+ bias), activation,
-    down GEMM (+ bias), ``combine``. No host sync (module docstring).
+    down GEMM (+ bias) (``fused_entries``), ``combine``. No host sync (module docstring).
 
     Raises:
         ValueError: shapes, rows or devices that do not fit (``_check_step``), an unknown
             align backend, or a CPU device without ``TRITON_INTERPRET=1``."""
     _check_step(hidden, row_ids, routing_weights, gate_up, down)
-    if align_backend not in ALIGN_BACKENDS:
-        raise ValueError(f"unknown align backend {align_backend!r}; choose one of {list(ALIGN_BACKENDS)}")
-    num_entries = row_ids.numel()
-    alignment = ALIGN_BACKENDS[align_backend](row_ids, gate_up.num_rows, block_m_for(num_entries))
-    up = projection_gemm(hidden, gate_up, alignment, a_row_div=row_ids.shape[1])
-    out = projection_gemm(activation(up), down, alignment, a_row_div=1)
-    if post_expert is not None:
-        out = post_expert(out)
+    out = fused_entries(hidden, row_ids, gate_up, down, activation=activation, post_expert=post_expert,
+                        align_backend=align_backend)
     return combine(out, row_ids, routing_weights, hidden.dtype)
