@@ -12,7 +12,10 @@ writes, not timed):
 - ``dequantize_ops``: the same path as its torch ops touch memory: the bytes of every input and
   output of every non-view op of ``WaveDequantizer.wave_tensors`` over K slots (the packed rows
   gathered, the format's unpack / cast / gather temporaries, the scratch written), counted on the
-  meta device (shapes only: no memory, no compute), plus the routed dense rows read.
+  meta device (shapes only: no memory, no compute), plus the routed dense rows read;
+- ``dequantize_routed``: the dequantizing path once it dequantizes only the wave's routed slots
+  (DESIGN.md "Quantized formats"), at the least it can move: the routed packed rows read, their
+  dense rows written, then read by the dense experts kernel.
 A dense (unquantized) layout has nothing to dequantize: all three are the routed rows.
 Activations (S x (H + 2I + I + H) elements, about 0.1 MB at Qwen3-30B-A3B's decode) are left
 out of all three. Does not: time anything or touch a device.
@@ -38,6 +41,7 @@ class DecodeBytes:
     fused: int
     dequantize_minimum: int
     dequantize_ops: int
+    dequantize_routed: int = 0
 
 
 class _ByteCounter(TorchDispatchMode):
@@ -103,7 +107,8 @@ def decode_bytes(layout: ExpertLayout, *, num_slots: int, top_k: int, num_tokens
     routed = min(num_experts or num_tokens * top_k, num_tokens * top_k)
     dense = layout.dense_expert_bytes
     if layout.is_dense:  # nothing to dequantize: the experts kernel reads the routed slot rows
-        return DecodeBytes(routed * dense, routed * dense, routed * dense)
+        return DecodeBytes(routed * dense, routed * dense, routed * dense, routed * dense)
     minimum = num_slots * (layout.expert_bytes + dense) + routed * dense
     return DecodeBytes(fused=routed * fused_expert_bytes(layout, transposed=transposed), dequantize_minimum=minimum,
-                       dequantize_ops=dequantize_ops_bytes(layout, num_slots) + routed * dense)
+                       dequantize_ops=dequantize_ops_bytes(layout, num_slots) + routed * dense,
+                       dequantize_routed=routed * (layout.expert_bytes + 2 * dense))
