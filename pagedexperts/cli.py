@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "quantize" and str(getattr(args, "model_path", "") or "").startswith("bundled:"):
             from pagedexperts.commands.quantize import resolve_model_path
 
+            if getattr(args, "source_model_path", "") is None:  # check's float32 source: the bundled model
+                from pagedexperts.loading.loader import bundled_model_path
+
+                args.source_model_path = str(bundled_model_path())
             args.model_path = resolve_model_path(args.model_path)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
