@@ -43,7 +43,7 @@ def build_inputs(workdir: Path) -> list[tuple[str, Path]]:
     from quantized_dirs import write_fp8_block, write_mxfp4
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
 
     bundled = bundled_model_path()
     torch.manual_seed(0)

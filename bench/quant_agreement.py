@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedexperts.loading.loader import bundled_model_path, load_model
+    from pagedexperts.loading.bundled import bundled_model_path
+    from pagedexperts.loading.loader import load_model
 
     source = args.source or str(bundled_model_path())
     tokenizer = AutoTokenizer.from_pretrained(source)

@@ -20,8 +20,12 @@ __all__ = ["load_model", "bundled_model_path", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("load_model", "bundled_model_path"):
-        from pagedexperts.loading import loader
+    if name == "load_model":
+        from pagedexperts.loading.loader import load_model
 
-        return getattr(loader, name)
+        return load_model
+    if name == "bundled_model_path":
+        from pagedexperts.loading.bundled import bundled_model_path
+
+        return bundled_model_path
     raise AttributeError(f"module 'pagedexperts' has no attribute {name!r}")

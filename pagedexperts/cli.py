@@ -12,21 +12,13 @@ import importlib
 import logging
 import sys
 
-# Subcommand name -> module under pagedexperts.commands. Modules import heavy libraries
-# (torch, transformers) inside their ``func`` so that ``--help`` and ``preflight`` stay fast.
-COMMANDS = {
-    "generate": "generate",
-    "check": "check",
-    "preflight": "preflight",
-    "linkbench": "linkbench",
-    "simulate": "simulate",
-    "serve": "serve",
-    "bench": "bench",
-    "quantize": "quantize",
-}
+from pagedexperts.commands import COMMANDS
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for ``argv``: every command listed (``commands.COMMANDS``), but only the
+    command ``argv`` names is imported and given its flags, so that ``--help`` and the light
+    commands (preflight, simulate) never import torch or transformers."""
     parser = argparse.ArgumentParser(
         prog="pagedexperts",
         description="Run MoE models whose experts do not fit in device memory: K resident "
@@ -36,19 +28,29 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                         help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in COMMANDS.items():
-        try:
-            mod = importlib.import_module(f"pagedexperts.commands.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("pagedexperts.commands"):
-                continue  # command not built yet
-            raise
-        mod.add_parser(sub)
+    named = command_named(sys.argv[1:] if argv is None else argv)
+    for name, summary in COMMANDS.items():
+        if name == named:
+            importlib.import_module(f"pagedexperts.commands.{name}").add_parser(sub)
+        else:
+            sub.add_parser(name, help=summary)
     return parser
 
 
+def command_named(argv: list[str]) -> str | None:
+    """The subcommand of ``argv``: its first word that is not an option (or --log-level's
+    value), when that word is a command; else None."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level),
@@ -58,18 +60,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if args.command != "quantize" and str(getattr(args, "model_path", "") or "").startswith("bundled:"):
-            from pagedexperts.commands.quantize import resolve_model_path
+        if getattr(args, "source_model_path", "") is None and str(args.model_path or "").startswith("bundled:"):
+            from pagedexperts.loading.loader import bundled_model_path
 
-            if getattr(args, "source_model_path", "") is None:  # check's float32 source: the bundled model
-                from pagedexperts.loading.loader import bundled_model_path
-
-                args.source_model_path = str(bundled_model_path())
-            args.model_path = resolve_model_path(args.model_path)
+            args.source_model_path = str(bundled_model_path())  # check's float32 source: the bundled model
+        if getattr(args, "model_path", None):
+            args.model_path = model_path(args.command, args.model_path)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedexperts {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def model_path(command: str, value: str) -> str:
+    """--model-path with ``bundled`` and ``bundled:FORMAT`` resolved to directories (quantize
+    resolves ``bundled`` only: a quantized variant is no source to quantize)."""
+    from pagedexperts.commands.quantize import BUNDLED_PREFIX, resolve_model_path
+
+    if command == "quantize" and value.startswith(BUNDLED_PREFIX):
+        return value
+    return resolve_model_path(value)
 
 
 if __name__ == "__main__":

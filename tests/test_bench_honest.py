@@ -98,10 +98,13 @@ def test_decode_counters_by_hand_and_na_when_nothing_counted():
     counters = bench.DecodeCounters(_Runtime(before, after))
     counters.begin()
     counters.end()
-    res = bench.ModeResult(mode="cpu-experts", num_resident=E)
+    res = bench.ModeResult(mode="paged", num_resident=E)
     counters.fill(res)
     assert res.hit_rate == pytest.approx(5 / 6) and res.bytes_per_token == pytest.approx(100 / 3)
     assert res.waves_per_step == pytest.approx(4 / 3) and counters.layers == {0}
+    cpu = bench.ModeResult(mode="cpu-experts", num_resident=E)  # pages nothing: n/a, as the README says
+    counters.fill(cpu)
+    assert (cpu.hit_rate, cpu.bytes_per_token) == (None, None) and cpu.waves_per_step == pytest.approx(4 / 3)
     idle = bench.DecodeCounters(_Runtime(ModelStats(layers={1: LayerStats()}), ModelStats(layers={1: LayerStats()})))
     idle.begin()
     idle.end()

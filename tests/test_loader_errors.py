@@ -106,6 +106,59 @@ def test_dense_model_is_not_moe(tmp_path, no_model):
     assert "qwen3_moe" in SUPPORTED_ARCHITECTURES
 
 
+def test_a_llama_config_with_a_stray_expert_count_is_still_not_moe(tmp_path, tiny_moe_dir, no_model):
+    """The architecture decides (its config class declares no expert count), not leftover keys:
+    a qwen3_moe config.json relabelled llama was called 'an MoE architecture not yet supported'."""
+    path = copy_dir(tiny_moe_dir, tmp_path / "model")
+    edit_config(path, model_type="llama", architectures=["LlamaForCausalLM"])
+    assert _expert_count_key(path) is not None
+    with pytest.raises(ValueError, match=r"model_type 'llama' is not an MoE model; supported: " + supported_pattern()):
+        pagedexperts.load_model(path)
+
+
+def _expert_count_key(path) -> str | None:
+    """The key config.json spells E with (``models.config.EXPERT_COUNT_KEYS``)."""
+    config = json.loads((path / "config.json").read_text())
+    return next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), None)
+
+
+def test_invalid_config_json_names_the_file_and_the_position(tmp_path, tiny_moe_dir, no_model):
+    path = copy_dir(tiny_moe_dir, tmp_path / "model")
+    (path / "config.json").write_text('{"model_type": "qwen3_moe",\n')
+    with pytest.raises(ValueError) as info:
+        pagedexperts.load_model(path)
+    assert str(info.value) == (f"{path / 'config.json'} is not valid JSON: Expecting property name enclosed in "
+                               "double quotes at line 2 column 1 (--model-path)")
+
+
+def test_top_k_above_e_is_a_config_json_problem_not_a_flag(tmp_path, tiny_moe_dir, no_model):
+    """num_experts_per_tok > E in config.json: the message names config.json's keys and values,
+    not --num-resident, which the user never gave."""
+    path = copy_dir(tiny_moe_dir, tmp_path / "model")
+    edit_config(path, num_experts_per_tok=E + 1)
+    with pytest.raises(ValueError) as info:
+        pagedexperts.load_model(path)
+    assert str(info.value) == (f"config.json has num_experts_per_tok = {E + 1} but {_expert_count_key(path)} = {E}: a token "
+                               "cannot route to more experts than a layer has; the checkpoint's config.json is "
+                               "inconsistent (--model-path)")
+
+
+def test_missing_tokenizer_json_is_named_before_the_weights_load(tmp_path, no_model):
+    """tokenizer_config.json without tokenizer.json: the missing file is named (transformers'
+    own message asks to install sentencepiece or tiktoken), before the model is built."""
+    from pagedexperts.loading.bundled import bundled_model_path
+
+    path = copy_dir(bundled_model_path(), tmp_path / "model")
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError) as info:
+        pagedexperts.load_model(path)
+    message = str(info.value)
+    assert message == (f"{path} has tokenizer_config.json but no tokenizer.json, and transformers cannot build the "
+                       f"tokenizer without it (transformers raised {type(info.value.__cause__).__name__}); copy "
+                       "tokenizer.json from the source model into the directory (--model-path)")
+    assert "sentencepiece" not in message
+
+
 # MoE families, in the order tried: the first not (yet) supported is the test's example.
 UNSUPPORTED_CANDIDATES = ["PhimoeConfig", "GraniteMoeConfig", "JetMoeConfig", "HunYuanMoEV1Config", "MixtralConfig"]
 

@@ -113,7 +113,6 @@ def test_auto_k_is_what_the_loader_accepts_and_allocates(tiny_moe_dir, dtype, ca
         (["--expert-mb", "2.43", "--num-resident", "7"], "--num-resident 7 must be in [top_k=8, E=128]"),
         (["--expert-mb", "-1", "--num-resident", "8"], "--expert-mb -1.0 must be > 0"),
         (["--expert-mb", "2.43", "--num-resident", "8", "--link-gbps", "0"], "--link-gbps 0.0 must be > 0"),
-        (["--expert-mb", "2.43"], "--device-memory-gb"),
     ],
 )
 def test_bad_input_names_value_limit_and_flag(capsys, extra, message):
@@ -127,6 +126,110 @@ def test_missing_model_flags_and_dir_without_safetensors(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)))
     rc, _, err = _run(capsys, ["preflight", "--model-path", str(tmp_path), "--num-resident", "2"])
     assert rc == 2 and "no *.safetensors" in err
+
+
+# ---- defaults, units, verdicts, fit (issue 33 item 9) ----------------------------------------
+
+
+def _bundled_shape() -> tuple[int, int, int, int, int]:
+    """(L, E, top_k, H, I) of the bundled model, from its config.json."""
+    from pagedexperts.loading.bundled import bundled_model_path
+
+    c = json.loads((bundled_model_path() / "config.json").read_text())
+    return (c["num_hidden_layers"], c["num_local_experts"], c["num_experts_per_tok"], c["hidden_size"],
+            c["moe_intermediate_size"])
+
+
+def test_preflight_alone_sizes_the_bundled_model_at_the_default_k(capsys):
+    layers, e, k, h, i = _bundled_shape()
+    rc, out, _ = _run(capsys, ["preflight", "--json"])
+    r = json.loads(out)
+    assert rc == 0 and r["model"] == "tiny-qwen3-moe"
+    assert (r["num_resident"], r["num_resident_source"]) == (max(k, e // 4), "default")  # generate's default K
+    assert r["expert_bytes"] == 3 * h * i * 4  # gate, up, down in float32
+    assert json.loads(_run(capsys, ["preflight", "--json", "--model-path", "bundled"])[1]) == r
+    # explicit numbers without K: the same default rule, E/4 at least top_k
+    r = json.loads(_run(capsys, QWEN3 + ["--expert-mb", "2.43", "--json"])[1])
+    assert (r["num_resident"], r["num_resident_source"]) == (128 // 4, "default")
+
+
+@pytest.mark.slow
+def test_preflight_takes_the_bundled_quantized_variants(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDEXPERTS_CACHE", str(tmp_path))
+    layers, e, k, h, i = _bundled_shape()
+    r = json.loads(_run(capsys, ["preflight", "--json", "--model-path", "bundled:fp8-block"])[1])
+    # one FP8 byte per weight + a float32 scale per 128 x 128 block (here one block per matrix)
+    assert r["model"].startswith("tiny-qwen3-moe-fp8-block") and r["expert_bytes"] == 3 * h * i + 3 * 4
+
+
+@pytest.mark.parametrize("num_bytes,shown", [
+    (0, "0 B"), (512, "512 B"), (1000, "1.00 kB"), (98_304, "98.3 kB"), (589_824, "590 kB"),
+    (9_437_184, "9.44 MB"), (116_640_000, "117 MB"), (1_030_000_000, "1.03 GB"), (2.5e12, "2.50 TB"),
+])
+def test_format_bytes_scales_the_unit_down(num_bytes, shown):
+    from pagedexperts.analysis.sizing import format_bytes
+
+    assert format_bytes(num_bytes) == shown
+
+
+def test_bundled_report_prints_small_sizes_in_small_units(capsys):
+    layers, e, k, h, i = _bundled_shape()
+    rc, out, _ = _run(capsys, ["preflight", "--num-resident", "16"])
+    expert = 3 * h * i * 4  # 98,304 B
+    assert rc == 0 and f"expert                {expert / 1e3:.1f} kB" in out
+    assert f"slot (expert x L)     {expert * layers / 1e3:.0f} kB" in out
+    assert f"host store (slot x E) {expert * layers * e / 1e6:.1f} MB" in out
+    assert f"16 of {e} (given), {16 * expert * layers / 1e6:.2f} MB on the device" in out
+    assert " 0 MB" not in out and "0.00 GB" not in out and "0.00 MB" not in out
+
+
+def test_each_verdict_says_what_it_means(capsys):
+    out = _run(capsys, QWEN3 + ["--expert-mb", "2.43", "--num-resident", "92", "--link-gbps", "50", "--tok-s", "205.6"])[1]
+    assert ("inconclusive (at that speed the link could page a miss rate of 80% of the uniform 28% or more, "
+            "so the speed does not show whether the router reuses experts") in out
+    out = _run(capsys, QWEN3 + ["--expert-mb", "4.72", "--num-resident", "40", "--link-gbps", "50", "--tok-s", "87.7"])[1]
+    assert "reuse implied (at that speed the link pages a miss rate below 80% of the uniform 69%" in out
+
+
+def test_does_not_fit_exits_1_names_the_parts_and_a_change_that_fits(capsys):
+    layers, e, k, h, i = _bundled_shape()
+    base = ["preflight", "--num-resident", "16", "--device-memory-gb", "0.5"]
+    r = json.loads(_run(capsys, base + ["--json"])[1])
+    needed = r["non_expert_bytes"] + 4096 * r["kv_bytes_per_token"] + 1e9 + 16 * r["slot_bytes"]
+    assert r["memory_needed_bytes"] == needed and r["fits"] is False
+    reserve = int((1 - (needed - 0.5e9) / 1e9) * 100) / 100  # the 1 GB runtime reserve is what does not fit
+    assert r["fit_changes"] == {"--runtime-reserve-gb": reserve}
+    rc, out, _ = _run(capsys, base)
+    assert rc == 1
+    assert f"DOES NOT FIT, over by {(needed - 0.5e9) / 1e6:.0f} MB" in out
+    assert "parts, largest first: runtime reserve 1 GB (--runtime-reserve-gb), KV reserve" in out
+    assert f"fits with any one of: --runtime-reserve-gb {reserve:g}" in out
+    rc, out, _ = _run(capsys, base + ["--runtime-reserve-gb", f"{reserve:g}"])
+    assert rc == 0 and "(fits)" in out
+    assert "Exit status: 0, or 1 when --device-memory-gb is given and the run DOES NOT FIT" in _help(capsys)
+
+
+def _help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        main(["preflight", "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_does_not_fit_suggests_the_largest_k_and_context_that_fit(capsys):
+    base = QWEN3 + ["--expert-mb", "2.43", "--num-resident", "92", "--non-expert-gb", "3", "--device-memory-gb",
+                    "15.2", "--context-length", "16384"]
+    slot, kv = 48 * 2.43e6, 98304
+    free_for_slots = 15.2e9 - 3e9 - 16384 * kv - 1e9
+    free_for_kv = 15.2e9 - 3e9 - 1e9 - 92 * slot
+    expected = {"--num-resident": int(free_for_slots // slot), "--context-length": int(free_for_kv // kv)}
+    r = json.loads(_run(capsys, base + ["--json"])[1])
+    assert r["fit_changes"] == expected == {"--num-resident": 82, "--context-length": 4772}
+    for flag, value in expected.items():  # each fits alone, and one step further would not
+        argv = [a for a in base]
+        argv[argv.index(flag) + 1] = str(value)
+        assert _run(capsys, argv)[0] == 0
+        argv[argv.index(flag) + 1] = str(value + 1)
+        assert _run(capsys, argv)[0] == 1
 
 
 # ---- linkbench ----------------------------------------------------------------------------

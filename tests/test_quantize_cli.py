@@ -14,7 +14,9 @@ def test_quantize_command_writes_w4a16(tiny_moe_dir, tmp_path, capsys):
     out = tmp_path / "q"
     assert main(["quantize", "--model-path", str(tiny_moe_dir), "--format", "w4a16", "--group-size", "16",
                  "--output", str(out)]) == 0
-    assert "w4a16: 96 routed expert weights" in capsys.readouterr().out  # 2 layers x 16 experts x 3
+    printed, err = capsys.readouterr()
+    assert "w4a16: 96 routed expert weights" in printed  # 2 layers x 16 experts x 3
+    assert "quantize w4a16:   0%|" in err and "| 0/96 [" in err  # a bar of the 96 weights (issue 33)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 16
@@ -44,7 +46,7 @@ def test_bundled_variant_runs_out_of_the_box_and_is_exact(fmt, tmp_path):
     """``--model-path bundled:FORMAT``: built on first use, paged equals transformers' loading."""
     from pagedexperts import load_model
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
 
     config = json.loads((bundled_model_path() / "config.json").read_text())
     if config["moe_intermediate_size"] % 64:

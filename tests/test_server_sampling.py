@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from pagedexperts.engine.sampling import (GREEDY_BELOW, IncrementalText, SamplingParams, adjusted_logits, sample,
-                                           stop_cut, token_logprobs)
+from pagedexperts.engine.sampling import GREEDY_BELOW, SamplingParams, adjusted_logits, sample, token_logprobs
+from pagedexperts.generation.stop_text import IncrementalText, stop_cut
 
 CASES = [  # (full text, stop strings, what the client must get, stopped?)
     ("say 世界 😀 ok then", ("界 😀",), "say 世", True),  # issue 11's example

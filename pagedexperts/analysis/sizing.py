@@ -5,6 +5,7 @@ layers L, routed experts E, top_k k, expert bytes) and a device (memory, link GB
 bytes, KV tokens, batch caps, miss-rate bounds and an automatic K; and the byte counts of a
 checkpoint from its safetensors *headers* (never the weights). What a ``config.json`` says
 (E, k, MoE layers, KV bytes per token, dtypes) is ``models.config``'s.
+Also the one byte formatter of the reports (``format_bytes``: kB, MB or GB chosen by size).
 Does not: print (``commands/preflight``), measure a link (``linkbench``) or replay routing
 (``simulate``).
 
@@ -164,6 +165,72 @@ def context_tokens_allowed(
     """
     free = device_memory_gb * GB - non_expert_bytes - runtime_reserve_gb * GB - num_resident * slot_bytes
     return max(0, math.floor(free / kv_bytes_per_token))
+
+
+def changes_that_fit(
+    *,
+    device_memory_gb: float,
+    non_expert_bytes: int,
+    kv_reserve_bytes: int,
+    runtime_reserve_gb: float,
+    num_resident: int,
+    slot_bytes: int,
+    top_k: int,
+    kv_bytes_per_token: int,
+    context_length: int,
+    max_running_requests: int,
+) -> dict[str, float | int]:
+    """Each single flag change that makes ``memory_needed_bytes`` fit the budget, the others
+    unchanged: flag -> its largest value that fits. Empty when nothing alone fits (or it fits).
+
+    - ``--runtime-reserve-gb``: ``runtime - (needed - device) / GB``, rounded down to 0.01, if >= 0;
+    - ``--num-resident``: ``floor((device - non-expert - KV reserve - runtime) / slot_bytes)``, if
+      in [top_k, K);
+    - ``--context-length``: ``floor((device - non-expert - runtime - K x slot) / kv_bytes_per_token
+      / requests)``, if in [1, context);
+    - ``--max-running-requests``: those KV tokens ``// context``, if in [1, requests).
+    """
+    device = device_memory_gb * GB
+    over = memory_needed_bytes(non_expert_bytes=non_expert_bytes, kv_reserve_bytes=kv_reserve_bytes,
+                               runtime_reserve_gb=runtime_reserve_gb, num_resident=num_resident,
+                               slot_bytes=slot_bytes) - device
+    if over <= 0:
+        return {}
+    changes: dict[str, float | int] = {}
+    runtime = math.floor((runtime_reserve_gb - over / GB) * 100) / 100
+    if runtime >= 0:
+        changes["--runtime-reserve-gb"] = runtime
+    free_for_slots = device - non_expert_bytes - kv_reserve_bytes - runtime_reserve_gb * GB
+    k = math.floor(free_for_slots / slot_bytes) if slot_bytes > 0 else -1
+    if top_k <= k < num_resident:
+        changes["--num-resident"] = k
+    kv_tokens = context_tokens_allowed(device_memory_gb=device_memory_gb, non_expert_bytes=non_expert_bytes,
+                                       runtime_reserve_gb=runtime_reserve_gb, num_resident=num_resident,
+                                       slot_bytes=slot_bytes, kv_bytes_per_token=kv_bytes_per_token)
+    if 1 <= kv_tokens // max_running_requests < context_length:
+        changes["--context-length"] = kv_tokens // max_running_requests
+    if 1 <= kv_tokens // context_length < max_running_requests:
+        changes["--max-running-requests"] = kv_tokens // context_length
+    return changes
+
+
+# ---------------------------------------------------------------------------------------------
+# Display
+# ---------------------------------------------------------------------------------------------
+
+_BYTE_UNITS = (("TB", 1e12), ("GB", GB), ("MB", MB), ("kB", 1e3))
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``num_bytes`` in the largest decimal unit (kB = 1e3, MB = 1e6, GB = 1e9, TB = 1e12 bytes)
+    of which it holds at least one, with 3 significant digits or more ("117 MB", "9.83 MB",
+    "108 kB", "512 B"); bytes below 1 kB as a whole number."""
+    for unit, size in _BYTE_UNITS:
+        if abs(num_bytes) >= size:
+            value = num_bytes / size
+            digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+            return f"{value:.{digits}f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import add_decide_argument
 from pagedexperts.models.config import RUN_DTYPE_BYTES
 from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS
@@ -32,7 +33,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmark paging against plain transformers, resident, offload and cpu-experts",
+        help=COMMANDS["bench"],
         description="Per mode: TTFT p50 on short and long prompts, single-stream decode tok/s, wall and "
         "CPU time per decode token, each as a ratio to plain (transformers' own model, nothing attached), "
         "total tok/s at each concurrency (c prompts decoded as one batch), decode hit rate, bytes paged per "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import add_model_arguments
 from pagedexperts.paging.inner import FUSED, transformers_inner
 
@@ -9,7 +12,7 @@ from pagedexperts.paging.inner import FUSED, transformers_inner
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "check",
-        help="compare paged and unpaged logits and greedy tokens; exit 1 on a mismatch",
+        help=COMMANDS["check"],
         description="Runs a few prompts paged (at each K given) and unpaged (plain "
         "from_pretrained, all experts resident, same experts implementation and dtype), each "
         "prompt alone and all of them as one left-padded batch, and compares every step's logits "
@@ -131,6 +134,8 @@ def run(args) -> int:
     check_experts_dtype(format_for_config(config), resolve_dtype(args.dtype, config),
                         transformers_inner(args.experts_implementation))
     fused = args.experts_implementation == FUSED
+    print(f"check: loading the unpaged reference, then the paged model at K = {', '.join(map(str, ks))}",
+          file=sys.stderr, flush=True)
     reference, choice = load_reference_with_choice(
         args.model_path, device=args.device, dtype=args.dtype,
         experts_implementation=transformers_inner(args.experts_implementation)
@@ -143,7 +148,7 @@ def run(args) -> int:
     ok = True
     for k in ks:
         paged, tokenizer = load_model(args.model_path, num_resident=k, **options)
-        res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
+        res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens, progress=True)
         print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide))
         ok &= res.passed
     verdict = "PASS: paging is exact on this checkpoint" if ok else "FAIL: MISMATCH, do not trust paging here"

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import add_graph_arguments, add_model_arguments, check_paging_flags, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
@@ -13,7 +14,7 @@ from pagedexperts.commands.speculative_flags import add_speculative_arguments, s
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
-        help="generate text from a prompt with paged experts (the main job)",
+        help=COMMANDS["generate"],
         description="Generate text with K of E experts per MoE layer resident; streams the text, "
         "then prints a paging report (hit rate, misses and bytes per token, waves, TTFT, tok/s).",
     )

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 
+from pagedexperts.commands import COMMANDS
+
 
 def add_parser(subparsers) -> None:
     """Register the subcommand, its flags and ``func`` on the CLI's ``subparsers``."""
     p = subparsers.add_parser(
         "linkbench",
-        help="measure host-to-device copy bandwidth (GB/s), pinned and pageable",
+        help=COMMANDS["linkbench"],
         description="Times host-to-device copies with CUDA events; median of --repeats; "
         "GB/s = 1e9 B/s. Feed the pinned figure to `preflight --link-gbps`.",
     )

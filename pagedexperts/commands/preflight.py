@@ -1,7 +1,7 @@
 """``pagedexperts preflight``: what a choice of K costs, before loading anything.
 
 Owns: the flags, their validation, the composition of ``sizing`` functions into one report,
-and its human-readable and JSON rendering. Reads config.json and safetensors headers only
+and its JSON rendering (the text is ``preflight_text``'s). Reads config.json and safetensors headers only
 (``--model-path``) or takes explicit numbers. Does not measure anything (``linkbench``) or
 replay routing (``simulate``).
 """
@@ -12,21 +12,31 @@ import dataclasses
 import json
 import os
 
+from pagedexperts.commands import COMMANDS
 from pagedexperts.analysis import sizing
+from pagedexperts.commands.preflight_text import format_report
 from pagedexperts.models import config as model_config
+from pagedexperts.residency.planner import default_num_resident
+
+
+EXPLICIT_MODEL_FLAGS = ("layers", "experts", "top_k", "expert_mb", "kv_bytes_per_token")  # args names
 
 
 def add_parser(subparsers) -> None:
     """Register the subcommand, its flags and ``func`` on the CLI's ``subparsers``."""
     p = subparsers.add_parser(
         "preflight",
-        help="size K, slots, KV and miss-rate bounds from a model directory or explicit numbers",
+        help=COMMANDS["preflight"],
         description="Arithmetic before a run: slot bytes, KV tokens per slot, single-wave batch cap, "
         "uniform miss rate, the miss rate a measured speed allows, prefill page-in time, auto K. "
-        "Units: MB = 1e6 B, GB = 1e9 B, GB/s = 1e9 B/s.",
+        "Units: kB = 1e3 B, MB = 1e6 B, GB = 1e9 B, GB/s = 1e9 B/s. Exit status: 0, or 1 when "
+        "--device-memory-gb is given and the run DOES NOT FIT in it (the report says which parts "
+        "and which flag changes would fit), 2 on bad input.",
     )
     model = p.add_argument_group("model (a directory, or explicit numbers)")
-    model.add_argument("--model-path", help="checkpoint directory: config.json + safetensors (headers only)")
+    model.add_argument("--model-path", help="checkpoint directory: config.json + safetensors (headers only); "
+                       "bundled or bundled:FORMAT as in every command (default: the bundled model, unless "
+                       "the explicit numbers below are given)")
     model.add_argument("--layers", type=int, help="MoE layers L (explicit mode)")
     model.add_argument("--experts", type=int, help="routed experts per layer E (explicit mode)")
     model.add_argument("--top-k", type=int, help="experts per token k (explicit mode)")
@@ -36,7 +46,8 @@ def add_parser(subparsers) -> None:
                        help="GB of non-expert weights for auto K (explicit mode; default 0)")
     run = p.add_argument_group("run")
     run.add_argument("--num-resident", type=int,
-                     help="K resident experts per layer; omitted: auto K from --device-memory-gb")
+                     help="K resident experts per layer; omitted: auto K from --device-memory-gb, else the "
+                     "default K of generate and serve (E/4, at least top_k)")
     run.add_argument("--link-gbps", type=float, help="host-to-device GB/s (see `pagedexperts linkbench`)")
     run.add_argument("--tok-s", type=float, help="measured decode tokens/s, to bound the miss rate")
     run.add_argument("--device-memory-gb", type=float, help="device memory budget in GB, for auto K")
@@ -68,12 +79,13 @@ def add_parser(subparsers) -> None:
 
 
 def run_preflight(args) -> int:
-    """Print the preflight report (text or --json); 0 on success, ValueError on bad input."""
+    """Print the preflight report (text or --json); 0, or 1 when it does not fit
+    --device-memory-gb; ValueError on bad input."""
     report = build_report(**_model_inputs(args), **_run_inputs(args), slot_format=args.slot_format)
     if args.host_memory_gb is not None:
         report.update(tier_report(report, **_tier_inputs(args)))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
+    return 1 if report.get("fits") is False else 0
 
 
 def _experts_dtype(config: dict, dtype: str) -> str:
@@ -87,7 +99,12 @@ def _experts_dtype(config: dict, dtype: str) -> str:
 
 
 def _model_inputs(args) -> dict:
-    """Model shape from --model-path or from the explicit flags; validated."""
+    """Model shape from --model-path or from the explicit flags; validated. Neither: the bundled
+    model, as every command."""
+    if not args.model_path and all(getattr(args, f) is None for f in EXPLICIT_MODEL_FLAGS):
+        from pagedexperts.loading.bundled import bundled_model_path
+
+        args.model_path = str(bundled_model_path())
     if args.model_path:
         config = model_config.read_config(args.model_path)
         shape = model_config.moe_shape(config)
@@ -114,7 +131,7 @@ def _model_inputs(args) -> dict:
         )
     if args.slot_format == "dense":
         raise ValueError("--slot-format dense needs --model-path (the dense expert size comes from config.json)")
-    missing = [f for f in ("layers", "experts", "top_k", "expert_mb", "kv_bytes_per_token") if getattr(args, f) is None]
+    missing = [f for f in EXPLICIT_MODEL_FLAGS if getattr(args, f) is None]
     if missing:
         flags = ", ".join("--" + f.replace("_", "-") for f in missing)
         raise ValueError(f"pass --model-path DIR, or all explicit model flags (missing: {flags})")
@@ -166,8 +183,6 @@ def _run_inputs(args) -> dict:
             _positive(value, flag)
     if args.runtime_reserve_gb < 0:
         raise ValueError(f"--runtime-reserve-gb {args.runtime_reserve_gb} must be >= 0")
-    if args.num_resident is None and args.device_memory_gb is None:
-        raise ValueError("pass --num-resident K, or --device-memory-gb to compute K automatically")
     return dict(
         num_resident=args.num_resident,
         link_gbps=args.link_gbps,
@@ -244,10 +259,13 @@ def build_report(
                                          kv_bytes_per_token=kv_bytes_per_token)
     mem = dict(non_expert_bytes=non_expert_bytes, runtime_reserve_gb=runtime_reserve_gb, slot_bytes=slot)
     k_source = "given"
-    if num_resident is None:
+    if num_resident is None and device_memory_gb:
         num_resident = sizing.auto_num_resident(device_memory_gb=device_memory_gb, kv_reserve_bytes=kv_reserve,
                                                 top_k=top_k, num_experts=num_experts, **mem)
         k_source = "auto"
+    elif num_resident is None:
+        num_resident = default_num_resident(num_experts=num_experts, top_k=top_k)
+        k_source = "default"
     if not top_k <= num_resident <= num_experts:  # the loader's range: one token's top_k must fit
         raise ValueError(f"--num-resident {num_resident} must be in [top_k={top_k}, E={num_experts}] (--num-resident)")
     all_miss = sizing.all_miss_bytes_per_token(moe_layers=moe_layers, top_k=top_k, expert_bytes=expert_bytes)
@@ -282,61 +300,9 @@ def build_report(
                                                             kv_bytes_per_token=kv_bytes_per_token,
                                                             num_resident=num_resident, **mem),
             max_running_requests=max_running_requests, context_length=context_length,
+            fit_changes=sizing.changes_that_fit(
+                device_memory_gb=device_memory_gb, kv_reserve_bytes=kv_reserve, num_resident=num_resident,
+                top_k=top_k, kv_bytes_per_token=kv_bytes_per_token, context_length=context_length,
+                max_running_requests=max_running_requests, **mem),
         )
     return r
-
-
-def format_report(r: dict) -> str:
-    """Human-readable lines of a ``build_report`` dict (MB/GB as 1e6/1e9 bytes, % rounded)."""
-    mb, gb = sizing.MB, sizing.GB
-    lines = [
-        f"model                 {r['model']}: L={r['moe_layers']} MoE layers, E={r['num_experts']}, top_k={r['top_k']}"
-        + (f", run in {r['dtype']}" if r.get("dtype") else ""),
-        f"expert                {r['expert_bytes'] / mb:.2f} MB"
-        + (f" (packed; {r['dense_expert_bytes'] / mb:.2f} MB dequantized)"
-           if r.get("dense_expert_bytes") and r["dense_expert_bytes"] != r["expert_bytes"] else ""),
-        f"slot (expert x L)     {r['slot_bytes'] / mb:.0f} MB{' dense' if r['slot_format'] == 'dense' else ''} "
-        f"(~{r['kv_tokens_per_slot']:,.0f} KV tokens at "
-        f"{r['kv_bytes_per_token']:,} B/token)",
-        f"host store (slot x E) {r['host_bytes'] / gb:.2f} GB",
-        f"resident K            {r['num_resident']} of {r['num_experts']} ({r['num_resident_source']}), "
-        f"{r['device_slot_bytes'] / gb:.2f} GB on the device",
-        f"batch cap             {r['single_wave_batch_cap']} (K // top_k requests always fit one wave; "
-        "overlapping routing can allow more: `pagedexperts simulate` measures it)",
-        f"all-miss per token    {r['all_miss_bytes_per_token'] / mb:.0f} MB (L x top_k x expert)",
-        f"uniform miss rate     {r['uniform_miss_rate']:.0%} (1 - K/E)",
-        f"prefill page-in       {r['prefill_page_in_bytes'] / gb:.2f} GB ((E - K) x slot)"
-        + (f", {r['prefill_page_in_s']:.3f} s at {r['link_gbps']:g} GB/s (TTFT floor)" if "prefill_page_in_s" in r else ""),
-    ]
-    if "verdict" in r:
-        allowed = r["max_miss_rate_allowed"]
-        shown = f"{allowed:.0%}" if allowed <= 1 else f"above 100% ({allowed:.3g}x the all-miss bytes)"
-        lines.append(f"max miss allowed      {shown} at {r['tok_s']:g} tok/s and "
-                     f"{r['link_gbps']:g} GB/s: {r['verdict']}")
-    if "fits" in r:
-        lines.append(f"device memory         needs {r['memory_needed_bytes'] / gb:.2f} of {r['device_memory_gb']:g} GB "
-                     f"({'fits' if r['fits'] else 'DOES NOT FIT: lower --context-length or --max-running-requests'})")
-        per_req = r["kv_tokens_allowed"] // r["max_running_requests"]
-        lines.append(f"context allowed       {r['kv_tokens_allowed']:,} KV tokens at K={r['num_resident']} "
-                     f"({per_req:,} per request x {r['max_running_requests']})")
-    if "host_rows" in r:
-        lines += _format_tiers(r)
-    return "\n".join(lines)
-
-
-def _format_tiers(r: dict) -> list[str]:
-    mb, gb = sizing.MB, sizing.GB
-    lines = [f"tiers at G={r['host_memory_gb']:g} GB for the host store",
-             f"  device              K={r['num_resident']} per layer, {r['device_slot_bytes'] / gb:.2f} GB"]
-    if not r["disk_tier"]:
-        return lines + [f"  host                all E={r['num_experts']} per layer, {r['host_tier_bytes'] / gb:.2f} GB: no disk tier"]
-    lines += [
-        f"  host                R={r['host_rows']} per layer, {r['host_tier_bytes'] / gb:.2f} GB "
-        f"+ staging {r['staging_bytes'] / mb:.0f} MB",
-        f"  disk                {r['disk_experts_per_layer']} per layer, {r['disk_bytes'] / gb:.2f} GB read from the checkpoint",
-        f"  disk per token      {r['disk_bytes_per_token'] / mb:.1f} MB at device miss {r['device_miss_rate']:.0%} "
-        f"x host miss {r['host_miss_rate']:.0%} (L x top_k x expert x both)",
-    ]
-    if "disk_bound_tok_s" in r:
-        lines.append(f"  disk-bound          {r['disk_bound_tok_s']:.2f} tok/s at {r['disk_gbps']:g} GB/s")
-    return lines

@@ -1,8 +1,9 @@
 """``pagedexperts quantize``: write a checkpoint's routed experts in a quantized published format.
 
-Owns: the flags, their validation, the report line, and the ``bundled:FORMAT`` model paths
-(the bundled model's quantized variants, built on first use into the cache directory:
-``$PAGEDEXPERTS_CACHE``, else ``$XDG_CACHE_HOME/pagedexperts``, else ``~/.cache/pagedexperts``).
+Owns: the flags, their validation, the report line, and the ``bundled`` and ``bundled:FORMAT``
+model paths of every command (the bundled model, and its quantized variants built on first use
+into the cache directory: ``$PAGEDEXPERTS_CACHE``, else ``$XDG_CACHE_HOME/pagedexperts``, else
+``~/.cache/pagedexperts``).
 The work is ``pagedexperts.tools.quantize``.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pagedexperts.commands import COMMANDS
+
 BUNDLED_PREFIX = "bundled:"
 
 
@@ -18,7 +21,7 @@ def add_parser(subparsers) -> None:
     """Register the subcommand, its flags and ``func`` on the CLI's ``subparsers``."""
     p = subparsers.add_parser(
         "quantize",
-        help="round-to-nearest quantize a checkpoint's routed experts (w4a16, fp8-block, mxfp4)",
+        help=COMMANDS["quantize"],
         description="Quantize the ROUTED experts of a bf16/fp16/fp32 checkpoint (everything else is "
         "copied unchanged) into a published on-disk layout that transformers loads: w4a16 = "
         "compressed-tensors pack-quantized int4 (written by the compressed-tensors package), "
@@ -48,8 +51,12 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model_path(value: str | None, cache_dir: str | None = None) -> str | None:
-    """``bundled:FORMAT`` -> the bundled model's variant directory (built on first use); any
-    other value unchanged."""
+    """``bundled`` -> the bundled model's directory; ``bundled:FORMAT`` -> its quantized variant's
+    directory (built on first use); any other value unchanged."""
+    from pagedexperts.loading.bundled import bundled_model_path
+
+    if value == BUNDLED_PREFIX.rstrip(":"):
+        return str(bundled_model_path())
     if not value or not value.startswith(BUNDLED_PREFIX):
         return value
     from pagedexperts.tools.quantize import bundled_variant_path
@@ -73,11 +80,12 @@ def run_quantize(args) -> int:
         return 0
     if args.output is None:
         raise ValueError("--output DIR is required with --model-path")
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
 
     options = QuantizeOptions(args.format, group_size=args.group_size, symmetric=not args.asymmetric,
                               block=(args.block_size, args.block_size))
-    report = quantize_checkpoint(model_path=args.model_path or bundled_model_path(), output=args.output, options=options)
+    report = quantize_checkpoint(model_path=args.model_path or bundled_model_path(), output=args.output, options=options,
+                                 progress=True)
     ratio = report.expert_bytes_out / report.expert_bytes_in
     print(f"{report.format}: {report.expert_tensors} routed expert weights, "
           f"{report.expert_bytes_in / 1e6:.2f} MB -> {report.expert_bytes_out / 1e6:.2f} MB ({ratio:.3f}x) in {report.output}")

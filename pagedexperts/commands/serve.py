@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import add_model_arguments, check_paging_flags, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
@@ -18,7 +19,7 @@ MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.validation.MAX_PROMPT_BYTES_PER_TOK
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
-        help="OpenAI-compatible server (completions, chat, responses, streaming, /metrics)",
+        help=COMMANDS["serve"],
         description="Serve the model over HTTP: POST /v1/completions, /v1/chat/completions "
         "and /v1/responses (stream: true for server-sent events), GET /v1/models, /health, /metrics "
         "(Prometheus), /server_info and /model_info (what sglang-router reads when it registers a replica). "
@@ -76,7 +77,7 @@ def run(args) -> int:
         from pagedexperts.serving.api_server import ServeConfig, run_server, single_wave_note
     except ModuleNotFoundError as exc:
         raise ValueError(f"the server needs {exc.name}: pip install 'pagedexperts[server]'") from exc
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
 
     _check_flags(args)
     speculative = speculative_from_args(args)

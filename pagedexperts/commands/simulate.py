@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+from pagedexperts.commands import COMMANDS
 from pagedexperts.analysis import simulate as sim
 from pagedexperts.residency.planner import check_num_resident
 from pagedexperts.residency.policies import DEFAULT_POLICY
@@ -26,7 +27,7 @@ def add_parser(subparsers) -> None:
     """Register the subcommand, its flags and ``func`` on the CLI's ``subparsers``."""
     p = subparsers.add_parser(
         "simulate",
-        help="replay a routing trace through the residency policies for several K",
+        help=COMMANDS["simulate"],
         description="Replay a trace (.npz from --record-trace, or a JSON-lines trace) through the "
         "runtime's own residency classes: hit rate, misses and bytes per token, waves and union per "
         "step; Belady's optimal policy as the bound; uniform-random routing as the reference.",

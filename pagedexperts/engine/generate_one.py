@@ -6,9 +6,9 @@ then verified, with no padding and no mask, as ``model.generate`` runs), the
 same timing and prefill / decode paging split as ``generate.generate_text``, and the
 speculation counters in the result. One implementation of speculation serves both commands.
 
-Differences from the plain ``generate_text`` path (transformers' ``generate``): stop strings
-are cut from the text (as the server does), and sampling draws from the scheduler's
-per-request generator seeded with ``--seed`` (same distribution, another random stream).
+Differences from the plain ``generate_text`` path (transformers' ``generate``): sampling draws
+from the scheduler's per-request generator seeded with ``--seed`` (same distribution, another
+random stream). Stop strings are cut from the text by the same rule (``generation.stop_text``).
 
 Does not: load models, or decide acceptance (``speculative.acceptance``).
 """

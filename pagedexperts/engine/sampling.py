@@ -2,10 +2,10 @@
 
 Owns: ``SamplingParams`` (the generation options of ONE sequence: temperature, top_p, seed,
 stop strings, OpenAI's presence / frequency penalties and logit_bias, how many logprobs to
-report), the rule for tiny temperatures, ``sample`` (one token from one row of logits),
-``token_logprob`` (the chosen token's logprob and the top alternatives) and
-``IncrementalText`` (the text a client may see after each token: stop strings cut, nothing
-of a stop string ever shown). Tensor-light, model-free, thread-free: the scheduler calls it.
+report), the rule for tiny temperatures, ``sample`` (one token from one row of logits) and
+``token_logprob`` (the chosen token's logprob and the top alternatives). The text a client may
+see after each token is ``generation.stop_text``'s (one rule for generate and the server).
+Tensor-light, model-free, thread-free: the scheduler calls it.
 
 Conventions (as OpenAI and vLLM's defaults):
 
@@ -18,8 +18,6 @@ Conventions (as OpenAI and vLLM's defaults):
   distribution is already a point mass at the argmax to float32 precision.
 - logprobs are the model's own: ``log_softmax`` of the raw logits in float32, before
   logit_bias, penalties, temperature and top_p (vLLM's default ``raw_logprobs``).
-- an incomplete UTF-8 character decodes as U+FFFD until its last byte arrives; text is held
-  back until its characters are complete AND cannot be the start of a stop string.
 
 Does not: run the model, batch, or speak HTTP.
 """
@@ -34,7 +32,6 @@ import torch
 from pagedexperts.generation.config import SamplingConfig
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see the module docstring)
-REPLACEMENT_CHAR = "\ufffd"
 
 
 def warped_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -146,47 +143,3 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int,
                         for v, i in zip(tops.values[t].tolist(), tops.indices[t].tolist()))
         out.append(TokenLogprob(token_id, token_text(token_id), chosen[t], top))
     return out
-
-
-def stop_cut(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """(the part of ``text`` that may be shown, whether a stop string ended it).
-
-    With a stop string in ``text``: everything before its first occurrence, True. Otherwise
-    the text without (1) trailing incomplete characters (U+FFFD at the end) and (2) the
-    longest tail of the remaining complete text that is a proper prefix of some stop string
-    (it may still become one), False. The hold-back looks at complete text only: a partial
-    character after "界 " must not hide that "界 " starts the stop "界 😀".
-    """
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut], True
-    complete = text.rstrip(REPLACEMENT_CHAR)
-    keep = len(complete)
-    for s in stops:
-        for n in range(min(len(s) - 1, len(complete)), 0, -1):
-            if complete.endswith(s[:n]):
-                keep = min(keep, len(complete) - n)
-                break
-    return text[:keep], False
-
-
-@dataclass
-class IncrementalText:
-    """The text a client has been shown, grown one decode at a time.
-
-    ``update(text, complete)`` takes the decode of ALL generated tokens so far and returns
-    (new text to send, whether a stop string was reached). ``complete`` = the sequence ended
-    for another reason (end of sequence, length): nothing is held back any more, except
-    that a stop string still cuts. The shown text is always a prefix of the final text.
-    """
-
-    stops: tuple[str, ...]
-    shown_chars: int = 0
-
-    def update(self, text: str, complete: bool) -> tuple[str, bool]:
-        visible, stopped = stop_cut(text, self.stops)
-        if complete and not stopped:
-            visible = text
-        delta = visible[self.shown_chars:] if len(visible) > self.shown_chars else ""
-        self.shown_chars += len(delta)
-        return delta, stopped

@@ -49,7 +49,8 @@ from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.engine.batching import forward_rows, prefill_batches, prefill_inputs
 from pagedexperts.engine.chunked_prefill import MASK_FORMS, Segment, keep_new_kv, pack, step_segments
 from pagedexperts.engine.isolation import check_inputs, each_isolated
-from pagedexperts.engine.sampling import IncrementalText, SamplingParams, TokenLogprob, sample, token_logprobs
+from pagedexperts.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
+from pagedexperts.generation.stop_text import IncrementalText
 from pagedexperts.engine.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
 from pagedexperts.engine.sequence import Event, Request, eos_ids, keep_kv, seeded_generator
 from pagedexperts.engine.speculative.decoder import SpeculativeDecoder

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.engine.sampling import IncrementalText, SamplingParams, TokenLogprob
+from pagedexperts.engine.sampling import SamplingParams, TokenLogprob
+from pagedexperts.generation.stop_text import IncrementalText
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Decoding options. temperature 0 = greedy; top_p in (0, 1]; stop strings end the text."""
+    """Decoding options. temperature 0 = greedy; top_p in (0, 1]; stop strings end the text and
+    are not part of it (OpenAI's rule, ``stop_text``)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0

@@ -1,8 +1,9 @@
 """Text generation on a paged model, with timing and the paging report.
 
-Owns: one prompt -> streamed text through transformers' ``generate`` (sampling, stop
-strings and streaming are transformers'), the TTFT / decode tok/s measurement, the split of
-paging counters into prefill and decode, and the human-readable report. Does not: load
+Owns: one prompt -> streamed text through transformers' ``generate`` (sampling and stopping at
+a stop string are transformers'; the text shown is cut before the stop string by
+``stop_text``, as the server does), the TTFT / decode tok/s measurement, the split of paging
+counters into prefill and decode, and the human-readable report. Does not: load
 models (``loading``), batch requests (``engine``), or page (``paging``).
 """
 
@@ -17,6 +18,7 @@ import torch
 from pagedexperts.generation.config import GREEDY, SamplingConfig
 from pagedexperts.generation.graphs import decode_graphs_for
 from pagedexperts.generation.static_decode import DecodeOptions, static_generate
+from pagedexperts.generation.stop_text import IncrementalText
 from pagedexperts.stats.accounting import ModelStats
 
 
@@ -45,33 +47,41 @@ class GenerationResult:
 
 
 class _TimingStreamer:
-    """A transformers streamer that timestamps tokens, snapshots paging stats after prefill,
-    and forwards finished text pieces to ``on_text``."""
+    """A transformers streamer (``put`` the prompt, then each new token; ``end``) that timestamps
+    tokens, snapshots paging stats after prefill, and forwards the text a reader may see to
+    ``on_text``: the decode of every new token so far through ``stop_text.IncrementalText``, the
+    server's rule (a stop string is never shown, not even in part). ``text`` is the final text."""
 
-    def __init__(self, tokenizer, on_text: Callable[[str], None] | None, snapshot: Callable[[], dict]):
-        from transformers import TextStreamer
-
-        class _Text(TextStreamer):
-            def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-                if on_text is not None and text:
-                    on_text(text)
-
-        self._text = _Text(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    def __init__(self, tokenizer, on_text: Callable[[str], None] | None, snapshot: Callable[[], dict],
+                 stops: tuple[str, ...]):
+        self._tokenizer = tokenizer
+        self._on_text = on_text
         self._snapshot = snapshot
+        self._shown = IncrementalText(stops)
+        self._prompt_seen = False
+        self._ids: list[int] = []
+        self.text = ""
         self.token_times: list[float] = []
         self.after_prefill: dict | None = None
 
     def put(self, value: torch.Tensor) -> None:
-        if self._text.next_tokens_are_prompt:
-            self._text.put(value)
+        if not self._prompt_seen:  # transformers puts the prompt first
+            self._prompt_seen = True
             return
         self.token_times.append(time.perf_counter())
         if self.after_prefill is None:
             self.after_prefill = self._snapshot()
-        self._text.put(value)
+        self._ids += value.reshape(-1).tolist()
+        self._show(complete=False)
 
     def end(self) -> None:
-        self._text.end()
+        self._show(complete=True)
+
+    def _show(self, *, complete: bool) -> None:
+        delta, _ = self._shown.update(self._tokenizer.decode(self._ids, skip_special_tokens=True), complete)
+        self.text += delta
+        if self._on_text is not None and delta:
+            self._on_text(delta)
 
 
 def _totals(stats: ModelStats, *, times: bool = True) -> dict:
@@ -138,7 +148,7 @@ def generate_text(
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     runtime.reset_stats()
-    streamer = _TimingStreamer(tokenizer, on_text, lambda: _totals(runtime.stats(), times=False))
+    streamer = _TimingStreamer(tokenizer, on_text, lambda: _totals(runtime.stats(), times=False), tuple(sampling.stop))
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, streamer=streamer, pad_token_id=tokenizer.pad_token_id)
     if sampling.temperature > 0:
         kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
@@ -163,7 +173,7 @@ def generate_text(
     before = streamer.after_prefill or total
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     return GenerationResult(
-        text=tokenizer.decode(new, skip_special_tokens=True),
+        text=streamer.text,
         prompt_tokens=int(inputs["input_ids"].shape[1]),
         new_tokens=int(new.shape[0]),
         ttft_s=(times[0] - start) if times else end - start,
@@ -194,17 +204,24 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
                   decide: str = "host") -> str:
     """A short human-readable paging report of one generation (``decide``: where the paged
     steps were planned, ``model.pagedexperts.decide``)."""
-    p, d = result.paging, result.decode
+    p, d, s = result.paging, result.decode, result.speculative
     layers = len(p["layers"])
+    if s:  # one decode figure: per token generated (a verification also routes the rejected proposals)
+        misses = (f"  misses/token {p['misses_per_token']:.2f} overall; in decode {s['misses_per_generated_token']:.2f} "
+                  "per generated token (rejected proposals' routing included)")
+        paged = (f"  bytes paged/token {p['bytes_per_token'] / 1e6:.3f} MB overall; in decode "
+                 f"{s['bytes_per_generated_token'] / 1e6:.3f} MB per generated token")
+    else:
+        misses = (f"  misses/token {p['misses_per_token']:.2f} overall, {d['misses_per_token']:.2f} in decode"
+                  f" (all layers; all-miss bound {layers * top_k})")
+        paged = f"  bytes paged/token {p['bytes_per_token'] / 1e6:.3f} MB overall, {d['bytes_per_token'] / 1e6:.3f} MB in decode"
     lines = [
         f"paging: K={num_resident} of E={num_experts} experts resident per layer, top_k={top_k}, "
         f"{layers} MoE layers, {decide}-planned steps",
         f"  tokens: prompt {result.prompt_tokens}, new {result.new_tokens}",
         f"  hit rate {p['hit_rate']:.1%} overall, {d['hit_rate']:.1%} in decode",
-        f"  misses/token {p['misses_per_token']:.2f} overall, {d['misses_per_token']:.2f} in decode"
-        f" (all layers; all-miss bound {layers * top_k})",
-        f"  bytes paged/token {p['bytes_per_token'] / 1e6:.3f} MB overall, "
-        f"{d['bytes_per_token'] / 1e6:.3f} MB in decode",
+        misses,
+        paged,
         f"  waves {p['waves']} ({p['multi_wave_steps']} layer-steps needed more than one), "
         f"union size mean {p['union_mean']:.1f} max {p['union_max']}",
         f"  host planning {1e6 * p['plan_s'] / max(1, p['layer_steps']):.0f} us per layer-step, "
@@ -214,13 +231,11 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
                                                  (("plan_s", "plan"), ("sync_s", "read-back"), ("page_in_s", "page-in"))),
         f"  TTFT {result.ttft_s * 1e3:.0f} ms, decode {result.decode_tok_s:.1f} tok/s",
     ]
-    s = result.speculative
     if s:
         lines.append(
             f"  speculative {s['method']} n={s['num_speculative_tokens']}: acceptance {s['acceptance_rate']:.1%} "
             f"({s['accepted']} of {s['proposed']} proposed), {s['mean_accepted_per_step']:.2f} accepted per "
-            f"verification step ({s['steps']} steps); per generated token in decode: misses "
-            f"{s['misses_per_generated_token']:.2f}, {s['bytes_per_generated_token'] / 1e6:.3f} MB paged"
+            f"verification step ({s['steps']} steps)"
         )
     if p.get("disk_tier"):
         lines.append(

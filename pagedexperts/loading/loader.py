@@ -2,9 +2,9 @@
 
 Owns: ``load_model`` read top-down: the options checked once with the model's config
 (``loading.config``), the shards' headers, the build (``loading.build``) with the one fill path
-(``loading.fill``), the start-up independence check, prefetch; the bundled model's path and
-the tokenizer. Does not: page (``paging``), decide residency (``residency``), or generate text
-(``generation``).
+(``loading.fill``), the start-up independence check, prefetch; the tokenizer. Does not: page
+(``paging``), decide residency (``residency``), or generate text (``generation``); the bundled
+model's path is ``loading.bundled``'s.
 """
 
 from __future__ import annotations
@@ -12,30 +12,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from importlib import resources
 from pathlib import Path
 
 from pagedexperts.formats import format_for_config
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT
+from pagedexperts.loading.bundled import bundled_model_path
 from pagedexperts.loading.build import build_paged_model
 from pagedexperts.loading.config import ConfigError, PagingConfig, check_config, option_problems
 from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
 from pagedexperts.loading.runners import install_prefetch
 from pagedexperts.models.sites import check_supported
-from pagedexperts.models.config import with_modelopt_quantization
+from pagedexperts.models.config import read_config, routing_problem, with_modelopt_quantization
 from pagedexperts.storage.safetensors_files import checkpoint_files
 from pagedexperts.storage.safetensors_index import check_readable
 
 logger = logging.getLogger(__name__)
-
-BUNDLED_MODEL = "tiny-qwen3-moe"
-
-
-def bundled_model_path() -> Path:
-    """Directory of the tiny Qwen3-MoE model shipped inside the package."""
-    return Path(str(resources.files("pagedexperts") / "data" / BUNDLED_MODEL))
-
 
 def load_model(model_path: str | Path | None = None, *, check_independence: bool = True, **options):
     """Load a Hugging Face MoE model directory with K of E experts per layer resident.
@@ -94,8 +86,11 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         directory has none).
 
     Raises:
-        FileNotFoundError: path, config.json or a shard missing.
-        ValueError: not an MoE model / unsupported architecture (lists supported ones);
+        FileNotFoundError: path, config.json or a shard missing; tokenizer.json missing where
+            the tokenizer cannot be built without it (names the file).
+        ValueError: config.json not valid JSON (names the file and the position); not an MoE
+            model / unsupported architecture (lists supported ones); num_experts_per_tok above
+            E (names config.json's keys);
             ``loading.config.ConfigError`` listing every problem of the options at once (K out
             of [top_k, E] naming --num-resident, unknown dtype / implementation / policy /
             mode, --decide device with an option it cannot serve naming both flags, ...); truncated shard, expert shapes that do not match the config;
@@ -111,6 +106,7 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
     if fmt.name == "dense" and cfg.slot_format != DEFAULT_SLOT_FORMAT:
         logger.warning("--slot-format %s has no effect: %s is not quantized (its slots hold dense experts)",
                        cfg.slot_format, path)
+    tokenizer = _load_tokenizer(path)  # a broken tokenizer is refused before the weights load
     fill = functools.partial(fill_from_checkpoint, model_type=config.model_type, files=files, fmt=fmt)
     model = build_paged_model(config, fill, expert_format=fmt, **dataclasses.asdict(cfg))
     if check_independence:
@@ -119,7 +115,7 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             store.reset()
     if cfg.prefetch and cfg.mode == "paged":
         install_prefetch(model, budget=cfg.prefetch_budget)
-    return model, _load_tokenizer(path)
+    return model, tokenizer
 
 
 def _read_checked(model_path, cfg: PagingConfig):
@@ -144,7 +140,9 @@ def read_checkpoint_config(model_path: str | Path | None):
 
     Raises:
         FileNotFoundError: path, config.json or safetensors missing (names --model-path).
-        ValueError: not an MoE model / unsupported architecture (lists supported ones).
+        ValueError: config.json not valid JSON (names the file and the position); not an MoE
+            model / unsupported architecture (lists supported ones); config.json's top_k above
+            its E (names both keys).
     """
     from transformers import AutoConfig
 
@@ -153,8 +151,11 @@ def read_checkpoint_config(model_path: str | Path | None):
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (--model-path)")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model directory? (--model-path)")
+    spelled = read_config(str(path))  # valid JSON, or one line naming the file (transformers: an OSError)
     config = with_modelopt_quantization(AutoConfig.from_pretrained(path), path)
     check_supported(config)
+    if routing_problem(spelled):  # names the keys as config.json spells them
+        raise ValueError(routing_problem(spelled))
     return path, config, checkpoint_files(path)
 
 
@@ -165,8 +166,23 @@ def has_tokenizer(path: Path) -> bool:
 
 
 def _load_tokenizer(path: Path):
+    """The tokenizer of model directory ``path``, or None when it has no tokenizer files.
+
+    Raises:
+        FileNotFoundError: transformers cannot build it and tokenizer.json is missing beside
+            tokenizer_config.json (names the file; transformers' own message suggests installing
+            sentencepiece or tiktoken, which would not help).
+    """
     from transformers import AutoTokenizer
 
     if not has_tokenizer(path):
         return None
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError) as exc:
+        if (path / "tokenizer.json").exists() or not (path / "tokenizer_config.json").exists():
+            raise
+        raise FileNotFoundError(
+            f"{path} has tokenizer_config.json but no tokenizer.json, and transformers cannot build the "
+            f"tokenizer without it (transformers raised {type(exc).__name__}); copy tokenizer.json from the source "
+            "model into the directory (--model-path)") from exc

@@ -47,6 +47,19 @@ def top_k(config: Any) -> int:
     return int(config_value(config, "num_experts_per_tok") or config_value(config, "moe_top_k") or 0)
 
 
+def routing_problem(config: Any) -> str | None:
+    """Why config.json's top_k and E contradict each other (a token cannot route to more experts
+    than a layer has), naming both keys and values; None when k <= E or either is unset."""
+    cfg = text_config(config)
+    num_experts, k = num_routed_experts(cfg), top_k(cfg)
+    if not num_experts or k <= num_experts:
+        return None
+    k_key = "num_experts_per_tok" if config_value(cfg, "num_experts_per_tok") else "moe_top_k"
+    e_key = next(key for key in EXPERT_COUNT_KEYS if config_value(cfg, key) is not None)
+    return (f"config.json has {k_key} = {k} but {e_key} = {num_experts}: a token cannot route to more "
+            f"experts than a layer has; the checkpoint's config.json is inconsistent (--model-path)")
+
+
 def is_moe_layer(config: Any, layer: int) -> bool:
     """Whether decoder layer ``layer`` holds routed experts: the one rule, as the families'
     decoder-layer constructors decide it. Explicit ``mlp_layer_types`` or ``moe_layers`` when
@@ -97,7 +110,8 @@ def moe_shape(config: dict) -> MoEShape:
     ``interleave_moe_layer_step`` ((i + 1) % step == 0) pattern.
 
     Raises:
-        ValueError: not a MoE config (no expert count, no top_k, or no MoE layer).
+        ValueError: not a MoE config (no expert count, no top_k, or no MoE layer); top_k above E
+            (``routing_problem``).
     """
     cfg = text_config(config)
     e, k = num_routed_experts(cfg), top_k(cfg)
@@ -106,6 +120,8 @@ def moe_shape(config: dict) -> MoEShape:
             "config is not a Mixture-of-Experts config: it needs num_experts / num_local_experts / "
             f"n_routed_experts and num_experts_per_tok (model_type={cfg.get('model_type')!r})"
         )
+    if routing_problem(cfg):
+        raise ValueError(routing_problem(cfg))
     n = int(cfg["num_hidden_layers"])
     layers = moe_layer_indices(cfg)
     if not layers:
@@ -202,12 +218,17 @@ def read_config(model_path: str) -> dict:
 
     Raises:
         FileNotFoundError: the directory or its config.json is missing (flag ``--model-path``).
+        ValueError: config.json is not valid JSON (names the file, line and column).
     """
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {model_path!r} (--model-path)")
     with open(path, encoding="utf-8") as f:
-        config = json.load(f)
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno} "
+                             "(--model-path)") from None
     if not config.get("quantization_config"):
         quantization = modelopt_quantization_config(model_path)
         if quantization is not None:

@@ -10,6 +10,7 @@ MLP beside them) is never in the store, never in K and never in the stats.
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -46,8 +47,7 @@ def check_supported(config) -> str:
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
-        is_moe = any(getattr(config, a, None) for a in EXPERT_COUNT_KEYS)
-        what = "an MoE architecture not yet supported" if is_moe else "not an MoE model"
+        what = "an MoE architecture not yet supported" if declares_experts(type(config)) else "not an MoE model"
         raise ValueError(
             f"model_type {model_type!r} is {what}; supported: "
             + ", ".join(f"{k} ({v})" for k, v in sorted(SUPPORTED_ARCHITECTURES.items()))
@@ -56,6 +56,14 @@ def check_supported(config) -> str:
 
     format_for_config(config)  # a quantized checkpoint must be a supported expert format
     return SUPPORTED_ARCHITECTURES[model_type]
+
+
+def declares_experts(config_class: type) -> bool:
+    """Whether a transformers config class is an MoE architecture's: it declares a routed-expert
+    count (``EXPERT_COUNT_KEYS``). The class, not a config.json: a llama config.json carrying a
+    stray ``num_local_experts`` is still not an MoE model."""
+    params = inspect.signature(config_class.__init__).parameters
+    return any(hasattr(config_class, key) or key in params for key in EXPERT_COUNT_KEYS)
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:

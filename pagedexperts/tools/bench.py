@@ -35,6 +35,7 @@ import torch
 from pagedexperts.generation.config import GREEDY
 from pagedexperts.paging.baselines import MODES
 from pagedexperts.residency.policies import DEFAULT_POLICY
+from pagedexperts.tools.check import fused_expert_targets_quiet
 
 
 PLAIN = "plain"  # transformers' own model, nothing attached
@@ -101,8 +102,8 @@ class RoundSample:
 @dataclass
 class ModeResult:
     """One row of the table: medians over rounds (spreads where a ``Spread``), the rounds'
-    samples, and the paging counters of decode summed over rounds. A counter is None (not
-    applicable) where the mode counts no routing: plain, and resident, which pages nothing."""
+    samples, and the paging counters of decode summed over rounds; None (n/a) where the mode counts
+    no routing (plain, resident), and the hit rate and bytes paged of cpu-experts (pages nothing)."""
 
     mode: str
     num_resident: int
@@ -245,9 +246,9 @@ class DecodeCounters:
         d, n = self.sums, len(self.layers)
         if not d["steps"]:
             return
-        total = d["hits"] + d["misses"]
-        res.hit_rate = d["hits"] / total if total else 0.0
-        res.bytes_per_token = d["bytes_paged"] * n / d["tokens"] if d["tokens"] else 0.0
+        if res.mode != "cpu-experts":  # cpu-experts computes where the experts live: nothing paged, n/a
+            res.hit_rate = d["hits"] / (d["hits"] + d["misses"]) if d["hits"] + d["misses"] else 0.0
+            res.bytes_per_token = d["bytes_paged"] * n / d["tokens"] if d["tokens"] else 0.0
         res.waves_per_step = d["waves"] / d["steps"]
         res.multi_wave_steps = d["multi_wave_steps"]
         res.plan_us_per_layer_step = 1e6 * d["plan_s"] / d["steps"]
@@ -344,8 +345,9 @@ def load_plain(cfg: BenchConfig):
     from pagedexperts.paging.inner import transformers_inner
 
     path, config, _ = read_checkpoint_config(cfg.model_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=resolve_dtype(cfg.dtype, config), experts_implementation=transformers_inner(cfg.experts_implementation))
+    with fused_expert_targets_quiet(path):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(cfg.dtype, config), experts_implementation=transformers_inner(cfg.experts_implementation))
     return model.to(cfg.device).eval()
 
 
@@ -393,7 +395,7 @@ def _cpu_layers(cfg: BenchConfig) -> int:
 def _moe_layers(model_path) -> list[int]:
     from transformers import AutoConfig
 
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
     from pagedexperts.models.config import moe_layer_indices
 
     return moe_layer_indices(AutoConfig.from_pretrained(model_path or bundled_model_path()))

@@ -7,10 +7,13 @@ by one (batch 1) and together (a left-padded batch), and the verdict. Does not: 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from pagedexperts.generation.config import GREEDY
 
@@ -54,8 +57,6 @@ class CheckResult:
 def load_reference(model_path, *, device: str, dtype: str | None, experts_implementation: str):
     """The unpaged model: plain from_pretrained, all experts resident (a quantized checkpoint:
     transformers' own dequantized build, the same on CPU and GPU, ``ExpertFormat.reference_kwargs``)."""
-
-
     return load_reference_with_choice(model_path, device=device, dtype=dtype,
                                       experts_implementation=experts_implementation)[0]
 
@@ -69,7 +70,7 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     from pagedexperts.formats import format_for_config, quantization_config_of
     from pagedexperts.tools.reference import ReferenceChoice, cast_experts, choose_reference, complete
     from pagedexperts.loading.config import resolve_dtype
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
     from pagedexperts.models.config import with_modelopt_quantization
 
     path = model_path or bundled_model_path()
@@ -77,7 +78,10 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     torch_dtype = resolve_dtype(dtype, config)
     fmt = format_for_config(config)
     kwargs = dict(dtype=torch_dtype, experts_implementation=experts_implementation)
-    load = lambda p: AutoModelForCausalLM.from_pretrained(p, **kwargs, **fmt.reference_kwargs())  # noqa: E731
+
+    def load(p):
+        with fused_expert_targets_quiet(p):
+            return AutoModelForCausalLM.from_pretrained(p, **kwargs, **fmt.reference_kwargs())
     try:
         model, choice = choose_reference(path, quantization_config_of(config), load=load,
                                          load_dense=lambda p: cast_experts(complete(AutoModelForCausalLM.from_pretrained(
@@ -89,6 +93,42 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
                                       f"checkpoint here ({exc}): every expert dequantized by pagedexperts' format")
     return model.to(device).eval(), choice
 
+
+class _FusedExpertTargets(logging.Filter):
+    """Drops compressed-tensors' "Could not match `T` in instance of ..." WARNING where T names
+    per-expert modules of the checkpoint (``expert_modules``): transformers 5 fuses those into
+    stacked experts tensors, so no module of that name exists to match, and it decompresses them
+    through its own weight conversion (which ``reference.choose_reference`` cross-checks against
+    compressed-tensors). A target that matches nothing in the checkpoint either still warns."""
+
+    def __init__(self, expert_modules: list[str]) -> None:
+        super().__init__()
+        self.expert_modules = expert_modules
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from compressed_tensors.utils.match import match_name
+
+        found = re.match(r"Could not match `(.+)` in instance of ", record.getMessage())
+        return found is None or not any(match_name(name, found.group(1)) for name in self.expert_modules)
+
+
+@contextlib.contextmanager
+def fused_expert_targets_quiet(path):
+    """While transformers loads checkpoint ``path``: compressed-tensors' expected "Could not
+    match" WARNING for routed-expert targets is dropped (``_FusedExpertTargets``), nothing else."""
+    from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
+
+    names = {key.rpartition(".")[0] for f in checkpoint_files(path) for key in read_header_json(f)[0]
+             if _PER_EXPERT_MODULE.search(key)}
+    quiet, target = _FusedExpertTargets(sorted(names)), logging.getLogger("compressed_tensors.utils.match")
+    target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        target.removeFilter(quiet)
+
+
+_PER_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.[^.]+\.[^.]+$")  # experts.{j}.{proj}.{tensor}
 
 # Formats whose transformers loader needs GPU kernel packages (gptqmodel + optimum) absent here.
 KERNEL_ONLY_FORMATS = ("gptq", "awq")
@@ -151,19 +191,25 @@ def compare(paged, reference, input_ids, max_new_tokens: int, what: str, attenti
     )
 
 
-def check_model(paged, reference, tokenizer, prompts, *, max_new_tokens: int = 8, batched: bool = True) -> CheckResult:
+def check_model(paged, reference, tokenizer, prompts, *, max_new_tokens: int = 8, batched: bool = True,
+                progress: bool = False) -> CheckResult:
     """Compare ``paged`` against ``reference`` on each of ``prompts`` alone (batch 1) and, if
     ``batched`` and there are several, on all of them at once (left-padded, batch B > 1: another
-    matmul path for the last-token slice), greedy for ``max_new_tokens`` steps."""
+    matmul path for the last-token slice), greedy for ``max_new_tokens`` steps. ``progress``: a
+    tqdm bar of the runs on stderr (as ``bench``)."""
     result = CheckResult(num_resident=paged.pagedexperts.num_resident)
     paged.pagedexperts.reset_stats()
     rows = [tokenizer(p, return_tensors="pt")["input_ids"][0].to(paged.device) for p in prompts]
-    with torch.no_grad():
+    runs = len(rows) + (1 if batched and len(rows) > 1 else 0)
+    bar = tqdm(total=runs, desc=f"check K={result.num_resident}", unit="run", leave=False, disable=not progress)
+    with torch.no_grad(), bar:
         for prompt, ids in zip(prompts, rows):
             result.prompts.append(compare(paged, reference, ids.unsqueeze(0), max_new_tokens, prompt))
+            bar.update()
         if batched and len(rows) > 1:
             ids, mask = left_padded(rows)
             what = f"all {len(rows)} prompts as one left-padded batch"
             result.prompts.append(compare(paged, reference, ids, max_new_tokens, what, mask))
+            bar.update()
     result.misses = paged.pagedexperts.stats().total().misses
     return result

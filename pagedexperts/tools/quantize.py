@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
 
@@ -69,11 +70,13 @@ class QuantizeReport:
     expert_bytes_out: int
 
 
-def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: QuantizeOptions) -> QuantizeReport:
+def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: QuantizeOptions,
+                        progress: bool = False) -> QuantizeReport:
     """Quantize ``model_path``'s routed experts into ``output`` (see the module docstring).
 
     The source's shards are kept (same file names, same index); only routed expert weights
-    change. Everything is validated from the headers before any tensor is read.
+    change. Everything is validated from the headers before any tensor is read. ``progress``: a
+    tqdm bar of the expert weights quantized, on stderr (as ``bench``).
 
     Raises:
         ValueError: unknown format (lists them), a source that is already quantized, no
@@ -91,13 +94,16 @@ def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: 
     dst.mkdir(parents=True, exist_ok=True)
     bytes_in = bytes_out = total_size = 0
     weight_map: dict[str, str] = {}
+    bar = tqdm(total=len(expert_keys), desc=f"quantize {options.format}", unit="weight", leave=False,
+               disable=not progress)
     for path in headers:
-        tensors = _quantize_shard(path, expert_keys, writer)
+        tensors = _quantize_shard(path, expert_keys, writer, bar)
         bytes_in += sum(_nbytes(info) for k, info in headers[path].items() if k in expert_keys)
         bytes_out += sum(t.nbytes for k, t in tensors.items() if writer.is_output_of_expert(k))
         total_size += sum(t.nbytes for t in tensors.values())
         _save(tensors, dst / path.name)
         weight_map.update({k: path.name for k in tensors})
+    bar.close()
     _copy_aux(src, dst, weight_map if (src / "model.safetensors.index.json").is_file() else None, total_size)
     writer.write_config(dst, config, headers, expert_keys)
     return QuantizeReport(dst, options.format, len(expert_keys), bytes_in, bytes_out)
@@ -114,7 +120,7 @@ def bundled_variant_path(fmt: str, *, cache_dir: str | Path, source: str | Path 
     Raises:
         ValueError: a format the bundled model has no variant in (lists them).
     """
-    from pagedexperts.loading.loader import bundled_model_path
+    from pagedexperts.loading.bundled import bundled_model_path
 
     options = BUNDLED_VARIANTS.get(fmt)
     if options is None:
@@ -296,14 +302,19 @@ def _read_config(src: Path) -> dict:
     return config
 
 
-def _quantize_shard(path: Path, expert_keys: set[str], writer: _Writer) -> dict[str, torch.Tensor]:
+def _quantize_shard(path: Path, expert_keys: set[str], writer: _Writer, bar) -> dict[str, torch.Tensor]:
+    """Every tensor of one shard, the routed expert weights quantized (each one ticks ``bar``)."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
             tensor = f.get_tensor(key)
-            out.update(writer.quantize(key, tensor) if key in expert_keys else {key: tensor})
+            if key in expert_keys:
+                out.update(writer.quantize(key, tensor))
+                bar.update()
+            else:
+                out[key] = tensor
     return out
 
 

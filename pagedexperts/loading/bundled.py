@@ -1,0 +1,18 @@
+"""The bundled model: the tiny Qwen3-MoE shipped inside the package (``pagedexperts/data``).
+
+Owns its directory name and path, with the standard library only, so that commands that load
+nothing (``preflight``) and the resolution of ``--model-path bundled`` import no torch. Does
+not: load it (``loading.loader``) or build its quantized variants (``tools.quantize``).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+BUNDLED_MODEL = "tiny-qwen3-moe"
+
+
+def bundled_model_path() -> Path:
+    """Directory of the tiny Qwen3-MoE model shipped inside the package."""
+    return Path(str(resources.files("pagedexperts") / "data" / BUNDLED_MODEL))

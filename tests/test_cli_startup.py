@@ -1,0 +1,103 @@
+"""What a user meets before any work: the command list, which commands stay light, and one-line
+start-up errors (exit 2) for a damaged checkpoint in every command that reads one (issue 33)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedexperts.cli import command_named, main
+from pagedexperts.commands import COMMANDS
+from pagedexperts.loading.bundled import bundled_model_path
+
+HEAVY = ("torch", "triton", "transformers")
+PROBE = ("import sys\nfrom pagedexperts.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+         f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)")
+
+
+def _heavy_modules_after(argv: list[str]) -> list[str]:
+    """The heavy libraries a fresh interpreter has imported after ``pagedexperts ARGV``."""
+    done = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120)
+    line = [ln for ln in done.stderr.splitlines() if ln.startswith("HEAVY ")][-1]
+    return eval(line.removeprefix("HEAVY "))  # a list literal printed by PROBE
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"], ["preflight", "--help"], ["simulate", "--help"], ["quantize", "--help"], ["linkbench", "--help"],
+    ["preflight"], ["preflight", "--model-path", "bundled", "--num-resident", "16", "--json"],
+], ids=" ".join)
+def test_help_and_light_commands_import_no_torch(argv):
+    assert _heavy_modules_after(argv) == []
+
+
+def test_a_model_command_still_gets_all_its_flags():
+    """Only the command named is imported, and it registers every flag (here generate's)."""
+    assert "torch" in _heavy_modules_after(["generate", "--help"])  # its choices come from the paging modules
+    with pytest.raises(SystemExit):
+        main(["generate", "--no-such-flag"])
+
+
+def test_every_command_is_listed_with_its_summary(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = " ".join(capsys.readouterr().out.split())
+    for name, summary in COMMANDS.items():
+        assert f"{name} {' '.join(summary.split())}" in listed
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["preflight", "--json"], "preflight"), (["--log-level", "debug", "check"], "check"),
+    (["--log-level=INFO", "serve", "--port", "1"], "serve"), (["--help"], None), (["nope"], None), ([], None),
+])
+def test_command_named(argv, named):
+    assert command_named(argv) == named
+
+
+# ---- damaged checkpoints: one line, exit 2, in every command (item 7) --------------------------
+
+
+def _damaged(tmp_path, config_text: str | None = None, drop: str | None = None, **edits):
+    """The bundled model with its config.json rewritten (or edited) and a file dropped; the
+    weights are symlinked (nothing here reads past the start-up checks)."""
+    src = bundled_model_path()
+    dst = tmp_path / "model"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json" and f.name != drop:
+            (dst / f.name).symlink_to(f)
+    config = json.loads((src / "config.json").read_text()) | edits
+    (dst / "config.json").write_text(config_text if config_text is not None else json.dumps(config))
+    return dst
+
+
+LOADING = [["generate", "--prompt", "x"], ["check"], ["serve"], ["bench"], ["preflight"]]
+
+
+@pytest.mark.parametrize("argv", LOADING, ids=lambda a: a[0])
+def test_invalid_config_json_is_one_line_and_exit_2(argv, tmp_path, capsys):
+    path = _damaged(tmp_path, config_text='{"model_type": "qwen3_moe",\n')
+    assert main([*argv, "--model-path", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"pagedexperts {argv[0]}: error: {path / 'config.json'} is not valid JSON: Expecting property name "
+        "enclosed in double quotes at line 2 column 1 (--model-path)\n")
+
+
+@pytest.mark.parametrize("argv", LOADING, ids=lambda a: a[0])
+def test_top_k_above_e_names_config_json_not_a_flag(argv, tmp_path, capsys):
+    path = _damaged(tmp_path, num_experts_per_tok=80)
+    assert main([*argv, "--model-path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"pagedexperts {argv[0]}: error: config.json has num_experts_per_tok = 80 but num_local_experts "
+                   "= 64: a token cannot route to more experts than a layer has; the checkpoint's config.json is "
+                   "inconsistent (--model-path)\n")
+
+
+def test_missing_tokenizer_json_is_named_in_generate(tmp_path, capsys):
+    path = _damaged(tmp_path, drop="tokenizer.json")
+    assert main(["generate", "--prompt", "x", "--model-path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedexperts generate: error: {path} has tokenizer_config.json but no tokenizer.json")
+    assert err.count("\n") == 1 and "sentencepiece" not in err
