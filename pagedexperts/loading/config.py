@@ -29,8 +29,9 @@ from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 
 # The experts kernels that run routed experts held in another dtype than the model's:
 # transformers' ``_grouped_mm`` casts its input to the weights' dtype; ``eager`` and
-# ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes.
-MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm",)
+# ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes;
+# ``fused`` casts its input the same way (``paging.fused_step``).
+MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm", FUSED)
 
 # --decide: where a paged layer-step is planned (DESIGN.md "Devices"): "host" (the top-k ids
 # read back, ``paging.host_executor``), "device" (``paging.device_executor``: no read-back) or

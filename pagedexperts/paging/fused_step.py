@@ -69,6 +69,7 @@ class DeviceFusedStep(DeviceStep):
         in_wave = self.entry_wave == wave
         row_ids = torch.where(in_wave, self.entry_slot, -1).view(self.num_tokens, self.top_k)
         rows = view.fused_rows
-        out = fused_entries(self.hidden, row_ids, rows["gate_up_proj"], rows["down_proj"],
+        hidden = self.hidden.to(rows["gate_up_proj"].packing.dense_dtype)  # experts in another dtype: as grouped_mm
+        out = fused_entries(hidden, row_ids, rows["gate_up_proj"], rows["down_proj"],
                             activation=lambda p: activate(view, p), post_expert=lambda p: post_expert_norm(view, p))
         self._store_masked(torch.arange(self.num_entries, device=out.device), in_wave, out)
