@@ -106,6 +106,19 @@ def tiny_model(seed: int = 0, **overrides):
     return model.eval()
 
 
+def host_budget_gb(path, rows: int, **options) -> float:
+    """--host-memory-gb that leaves ``rows`` host rows per layer to ``path`` loaded with ``options``:
+    what the loader counts besides the store (its full-store plan's slots on the host, non-expert
+    weights, KV estimate and runtime allowance) + rows x layers + 2 x top_k experts of staging,
+    plus half an expert against rounding (G is given in GB)."""
+    from pagedexperts import load_model
+
+    full, _ = load_model(path, **options)
+    rt = full.pagedexperts
+    experts = rows * len(rt.stores) + 2 * rt.top_k
+    return (rt.host_memory.fixed_bytes + experts * rt.expert_bytes + rt.expert_bytes // 2) / 1e9
+
+
 def copy_dir(src: Path, dst: Path) -> Path:
     """A writable copy of a checkpoint directory (tests that damage a checkpoint use one)."""
     shutil.copytree(src, dst)

@@ -194,11 +194,14 @@ def test_cli_refusals_name_both_flags(tiny_moe_dir, capsys):
 
 
 def test_disk_tier_is_refused_before_any_weight_is_read(tiny_moe_dir):
-    """1e-4 GB holds the disk tier's minimum (36,864 bytes) but not every expert (196,608)."""
+    """A budget of 2 host rows per layer: the disk tier."""
+    from conftest import host_budget_gb
+
+    gb = host_budget_gb(tiny_moe_dir, 2, num_resident=4)
     with pytest.raises(ValueError, match="--host-memory-gb") as err:
-        load_model(tiny_moe_dir, num_resident=4, decide="device", host_memory_gb=1e-4, device_kernels="torch")
+        load_model(tiny_moe_dir, num_resident=4, decide="device", host_memory_gb=gb, device_kernels="torch")
     assert "--decide" in str(err.value) and "disk tier" in str(err.value)
-    model, _ = load_model(tiny_moe_dir, num_resident=4, decide="auto", host_memory_gb=1e-4)
+    model, _ = load_model(tiny_moe_dir, num_resident=4, decide="auto", host_memory_gb=gb)
     assert model.pagedexperts.decide == "host"
 
 

@@ -78,9 +78,12 @@ def quantized(tmp_path_factory):
 
 
 def tier_gb(full_model, rows: int = R) -> float:
-    """--host-memory-gb for ``rows`` host rows per layer + the staging of 2 x top_k experts."""
+    """--host-memory-gb for ``rows`` host rows per layer + the staging of 2 x top_k experts, after
+    what the full model's plan counts besides its store (slots, weights, KV, runtime allowance);
+    half an expert against rounding."""
     rt = full_model.pagedexperts
-    return (rows * len(rt.stores) + 2 * TOP_K) * rt.expert_bytes / 1e9
+    experts = rows * len(rt.stores) + 2 * TOP_K
+    return (rt.host_memory.fixed_bytes + experts * rt.expert_bytes + rt.expert_bytes // 2) / 1e9
 
 
 def load_pair(path: Path, **kwargs):
@@ -182,11 +185,12 @@ def _cli(*args: str, cache: Path) -> None:
 @pytest.mark.parametrize("fmt", ["fp8-block", "w4a16"])
 def test_check_and_generate_on_the_bundled_variant_with_the_tier(fmt, tmp_path):
     cache = tmp_path / "cache"
+    # G = 0.6218 GB: the runtime allowance, slots, weights and KV take 0.6208, leaving ~1 MB of the store
     for slot_format in ("packed", "dense"):  # check exits non-zero unless torch.equal
-        _cli("check", "--model-path", f"bundled:{fmt}", "--num-resident", "8", "--host-memory-gb", "0.001",
+        _cli("check", "--model-path", f"bundled:{fmt}", "--num-resident", "8", "--host-memory-gb", "0.6218",
              "--slot-format", slot_format, cache=cache)
     out = tmp_path / "stats.json"
-    _cli("generate", "--model-path", f"bundled:{fmt}", "--num-resident", "8", "--host-memory-gb", "0.001",
+    _cli("generate", "--model-path", f"bundled:{fmt}", "--num-resident", "8", "--host-memory-gb", "0.6218",
          "--prompt", "Once upon a time", "--max-new-tokens", "4", "--stats-json", str(out), "--quiet", cache=cache)
     paging = json.loads(out.read_text())["paging"]
     assert paging["disk_tier"] and paging["disk_reads"] > 0

@@ -55,6 +55,30 @@ def test_greedy_chat_alone_equals_generate_chat(server, ref):
     assert got.choices[0].message.role == "assistant"
 
 
+def test_sampling_extensions_accepted_over_http(server):
+    """vLLM's / SGLang's top_k, min_p, repetition_penalty, min_tokens: accepted on completions
+    and chat; top_k 1 (and min_p 1) sampled at temperature 1 is the greedy text; their
+    defaults change nothing; min_tokens holds EOS back (logit_bias pushes it to the front)."""
+    client = openai_client(server[0])
+    kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=8)
+    greedy = client.completions.create(**kw, temperature=0).choices[0].text
+    for extra in ({"top_k": 1}, {"min_p": 1.0}, {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}):
+        temperature = 0 if "top_k" in extra and extra["top_k"] == -1 else 1.0
+        got = client.completions.create(**kw, temperature=temperature, seed=3, extra_body=extra).choices[0].text
+        assert got == greedy, extra
+    eos = str(ref_eos(server))
+    held = client.completions.create(**kw, temperature=0, logit_bias={eos: 100}, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0.8, extra_body={"top_k": 3, "repetition_penalty": 1.2})
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def ref_eos(server) -> int:
+    """An end-of-sequence id of the served model."""
+    return min(server[1].state.scheduler.eos_ids)
+
+
 def test_seeded_sampling_repeats(server):
     client = openai_client(server[0])
     kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0.9, top_p=0.9)
@@ -134,7 +158,10 @@ USER = [{"role": "user", "content": "x"}]
         (C, {"model": NAME, "prompt": "x", "stop": ["a", ""]}, 400, "non-empty"),
         (C, {"model": NAME, "prompt": "x", "best_of": 3}, 400, "'best_of'"),
         (C, {"model": NAME, "prompt": "x", "suffix": "y"}, 400, "'suffix'"),
-        (C, {"model": NAME, "prompt": "x", "top_k": 5}, 400, "'top_k'"),
+        (C, {"model": NAME, "prompt": "x", "top_k": -2}, 400, "top_k must be in [-1"),
+        (C, {"model": NAME, "prompt": "x", "min_p": 1.5}, 400, "min_p must be in [0, 1]"),
+        (C, {"model": NAME, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0"),
+        (C, {"model": NAME, "prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens 4 is more than max_tokens 3"),
         (C, {"model": NAME, "prompt": "x", "no_such_field": 1}, 400, "'no_such_field'"),
         (C, {"model": NAME, "prompt": "x", "stream_options": {"bogus": True}}, 400, "stream_options.bogus"),
         (CH, {"model": NAME, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,

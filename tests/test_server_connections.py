@@ -1,8 +1,10 @@
 """Connections on 127.0.0.1: slow and idle sockets are closed after the header timeout while
-normal clients are served, the connection cap, half-closed clients answered, and the
-``"usage": null`` of non-final stream chunks. Every loop is bounded.
+normal clients are served, stalled bodies after the body timeout, a declared oversized body
+answered 413 from its header, the connection cap (503 in OpenAI's shape), half-closed clients
+answered, and the ``"usage": null`` of non-final stream chunks. Every loop is bounded.
 
-Server: ``header_timeout_s`` 1.0, ``max_connections`` 40.
+Servers: ``guarded`` (``header_timeout_s`` 1.0, ``max_connections`` 40) and ``capped``
+(``max_connections`` 8, ``body_timeout_s`` 1.0, ``max_body_bytes`` 4096).
 """
 
 from __future__ import annotations
@@ -21,11 +23,20 @@ pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH
 HEADER_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 40
 SLOW = 30  # slowloris sockets
+CAPPED_CONNECTIONS = 8
+BODY_TIMEOUT_S = 1.0
+BODY_LIMIT = 4096
 
 
 @pytest.fixture(scope="module")
 def guarded():
     yield from serve(ServeConfig(NAME, 4, CONTEXT, header_timeout_s=HEADER_TIMEOUT_S, max_connections=MAX_CONNECTIONS))
+
+
+@pytest.fixture(scope="module")
+def capped():
+    yield from serve(ServeConfig(NAME, 4, CONTEXT, max_connections=CAPPED_CONNECTIONS, body_timeout_s=BODY_TIMEOUT_S,
+                                 max_body_bytes=BODY_LIMIT))
 
 
 def _port(url: str) -> int:
@@ -114,7 +125,10 @@ def test_connection_cap(guarded):
     held = [socket.create_connection(("127.0.0.1", _port(url))) for _ in range(MAX_CONNECTIONS)]
     try:
         time.sleep(0.2)
-        assert httpx.get(url + "/health", timeout=10).status_code == 503  # the 41st connection
+        r = httpx.get(url + "/health", timeout=10)  # the 41st connection
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "too_many_connections", r.text  # OpenAI's shape, not uvicorn's text
+        assert "--max-connections" in r.json()["error"]["message"]
     finally:
         for s in held:
             s.close()
@@ -122,6 +136,77 @@ def test_connection_cap(guarded):
     while httpx.get(url + "/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def _stalled_body(url: str, length: int) -> socket.socket:
+    """A socket that sent a POST's headers declaring ``length`` body bytes, and one byte of it."""
+    s = socket.create_connection(("127.0.0.1", _port(url)), timeout=10)
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+              f"content-length: {length}\r\n\r\n{{".encode())
+    return s
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """What the server wrote until it closed ``sock`` (bounded by the socket's timeout)."""
+    data = b""
+    for _ in range(100):
+        try:
+            part = sock.recv(65536)
+        except OSError:
+            break
+        if not part:
+            break
+        data += part
+    return data
+
+
+def test_stalled_bodies_are_timed_out(capped):
+    """8 bodies stalled at --max-connections 8 hold every connection (the next request gets 503);
+    within the body timeout each gets a 408 in OpenAI's shape and /health answers 200 again."""
+    url = capped[0]
+    socks = [_stalled_body(url, 100) for _ in range(CAPPED_CONNECTIONS)]
+    try:
+        start = time.monotonic()
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        status = 503
+        while status != 200 and time.monotonic() - start < BODY_TIMEOUT_S + 3:
+            time.sleep(0.1)
+            status = httpx.get(url + "/health", timeout=10).status_code
+        healthy_s = time.monotonic() - start
+        assert status == 200, f"/health still {status} {healthy_s:.1f}s after {CAPPED_CONNECTIONS} stalled bodies"
+        assert healthy_s < BODY_TIMEOUT_S + 1.5
+        for s in socks:
+            head, _, body = _answer(s).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408"), head
+            assert json.loads(body)["error"]["code"] == "request_timeout"
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_body_sent_slowly_but_steadily_is_not_cut(capped):
+    """The body timeout is between two reads, not for the whole body."""
+    body = json.dumps({"model": NAME, "prompt": "ROMEO:", "max_tokens": 1}).encode()
+    with socket.create_connection(("127.0.0.1", _port(capped[0])), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                  f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode())
+        for i in range(0, len(body), len(body) // 3 + 1):  # 3 pieces over 1.8 x the timeout
+            time.sleep(BODY_TIMEOUT_S * 0.6)
+            s.sendall(body[i: i + len(body) // 3 + 1])
+        assert _answer(s).startswith(b"HTTP/1.1 200")
+
+
+def test_declared_oversized_body_is_answered_from_its_header(capped):
+    """Content-Length over --max-body-bytes and a byte sent: 413 at once, not after the body."""
+    with _stalled_body(capped[0], 5_000_000) as s:
+        start = time.monotonic()
+        s.settimeout(BODY_TIMEOUT_S / 2)  # well before the body timeout's 408
+        head, _, body = _answer(s).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413"), f"{head[:40]!r} after {time.monotonic() - start:.2f}s"
+        assert json.loads(body[: body.index(b"}}") + 2])["error"]["code"] == "request_too_large"
+    payload = {"model": NAME, "prompt": "x" * (2 * BODY_LIMIT)}  # a client that sends it all still reads its 413
+    r = httpx.post(capped[0] + "/v1/completions", json=payload, timeout=10)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -171,3 +256,5 @@ def test_bad_limits_are_refused():
         uvicorn_config(None, header_timeout_s=0)
     with pytest.raises(ValueError, match="--max-connections"):
         uvicorn_config(None, max_connections=0)
+    with pytest.raises(ValueError, match="--body-timeout"):
+        uvicorn_config(None, body_timeout_s=0)

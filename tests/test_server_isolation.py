@@ -251,7 +251,7 @@ def _malformed(rng: random.Random, vocab: int) -> tuple[str, bytes | dict]:
         (c, {"model": NAME, "prompt": "x", "temperature": rng.choice([-1, 2.5, "hot"])}),
         (c, {"model": NAME, "prompt": "x", "max_tokens": rng.choice([-1, 0, 10**6])}),
         (c, {"model": NAME, "prompt": "x", "logprobs": 21}), (c, {"model": NAME, "prompt": ""}),
-        (c, {"model": NAME, "prompt": "x", "top_k": 3}), (c, {"model": "other", "prompt": "x"}),
+        (c, {"model": NAME, "prompt": "x", "top_k": -3}), (c, {"model": "other", "prompt": "x"}),
         (ch, {"model": NAME, "messages": []}),
         (ch, {"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}),
         (ch, {"model": NAME, "messages": [{"role": "assistant", "content": None,

@@ -74,6 +74,7 @@ def test_cli_defaults_match_the_library():
     from pagedexperts.serving import connections
 
     assert serve.DEFAULT_HEADER_TIMEOUT_S == connections.DEFAULT_HEADER_TIMEOUT_S
+    assert serve.DEFAULT_BODY_TIMEOUT_S == connections.DEFAULT_BODY_TIMEOUT_S
     assert serve.DEFAULT_MAX_CONNECTIONS == connections.DEFAULT_MAX_CONNECTIONS
 
 
@@ -168,6 +169,12 @@ def test_responses_request_becomes_the_chat_request():
     body = responses_api.parse(ROUTER_RESPONSE)
     chat = responses_api.to_chat(body)
     assert [(m.role, m.content) for m in chat.messages] == [("user", "hi")] and chat.max_completion_tokens == 5
+    assert (chat.top_k, chat.min_p, chat.repetition_penalty) == (-1, 0.0, 1.0)
+    import json
+
+    sampled = responses_api.to_chat(responses_api.parse(json.dumps(
+        {**json.loads(ROUTER_RESPONSE), "top_k": 7, "min_p": 0.1, "repetition_penalty": 1.2}).encode()))
+    assert (sampled.top_k, sampled.min_p, sampled.repetition_penalty) == (7, 0.1, 1.2)
     body = responses_api.parse(b'{"model":"m","instructions":"be brief","input":[{"role":"user","content":'
                                b'[{"type":"input_text","text":"a"},{"type":"input_text","text":"b"}]},'
                                b'{"role":"assistant","content":[{"type":"output_text","text":"c","annotations":[]}]}]}')
@@ -214,3 +221,15 @@ def test_a_value_of_the_wrong_type_is_refused_not_coerced(field, value):
     with pytest.raises(ApiError) as e:
         protocol.parse_request(json.dumps({**base, field: value}).encode(), cls)
     assert e.value.param == field and e.value.status == 400, (e.value.param, e.value.message)
+
+
+def test_start_up_line_says_whether_speculation_is_on():
+    from pagedexperts.engine.speculative.config import SpeculativeConfig
+    from pagedexperts.serving.api_server import speculation_note
+
+    assert speculation_note(None) == "speculative decoding off"
+    assert speculation_note(SpeculativeConfig("ngram", 3)) == (
+        "speculative decoding on: ngram, 3 proposals per request per step "
+        "(acceptance in /metrics: pagedexperts_spec_decode_*)")
+    assert speculation_note(SpeculativeConfig("draft", 4, draft_model_path="/m/d")).startswith(
+        "speculative decoding on: draft /m/d, 4 proposals")

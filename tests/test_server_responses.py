@@ -136,16 +136,20 @@ def test_client_sees_a_refusal_as_bad_request(server):
 
 
 def test_router_forwarded_defaults_accepted(server):
-    """The body sglang-router forwards for a plain request (watched on loopback): its defaults pass."""
+    """The body sglang-router forwards for a plain request (watched on loopback): its defaults pass,
+    and so do other top_k / repetition_penalty values; stored responses are a 400 saying so."""
     body = {"input": QUESTION, "max_output_tokens": 3, "model": NAME, "store": True, "stream": None,
             "temperature": 1.0, "top_p": 1.0, "priority": 0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
     r = httpx.post(server[0] + "/v1/responses", content=json.dumps(body), timeout=60,
                    headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["output_tokens"] <= 3
-    for name, value in (("top_k", 5), ("repetition_penalty", 1.1)):
+    for name, value in (("top_k", 5), ("repetition_penalty", 1.1), ("min_p", 0.05)):
         r = httpx.post(server[0] + "/v1/responses", json={**body, name: value}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == name
+        assert r.status_code == 200, r.text
+    r = httpx.post(server[0] + "/v1/responses", json={**body, "previous_response_id": "resp_1"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    assert "stored responses" in r.json()["error"]["message"]
 
 
 def test_stream_closed_by_the_client_frees_its_place(server):

@@ -1,4 +1,6 @@
-"""Per-sequence sampling of the server: the stop cut, tiny temperatures, penalties, logprobs.
+"""Per-sequence sampling of the server: the stop cut, tiny temperatures, penalties, logprobs,
+and vLLM's / SGLang's extensions (top_k, min_p, repetition_penalty, min_tokens) by hand, against
+transformers' logits processors, and per request in one batch of the scheduler.
 
 The stop-cut tables feed ``IncrementalText`` the decode of every prefix of a byte string
 (what the scheduler sees after each byte-level token) and check, after EVERY step, that the
@@ -13,7 +15,8 @@ import math
 import pytest
 import torch
 
-from pagedexperts.engine.sampling import GREEDY_BELOW, SamplingParams, adjusted_logits, sample, token_logprobs
+from pagedexperts.engine.sampling import (GREEDY_BELOW, SamplingParams, adjusted_logits, sample, token_logprobs,
+                                           warped_probs)
 from pagedexperts.generation.stop_text import IncrementalText, stop_cut
 
 CASES = [  # (full text, stop strings, what the client must get, stopped?)
@@ -126,3 +129,108 @@ def test_token_logprobs_are_log_softmax_with_top_alternatives():
     assert [t for t, _, _ in out[0].top] == ["c", "b"]
     assert [t for t, _, _ in out[1].top] == ["a", "b"] or [t for t, _, _ in out[1].top] == ["a", "c"]
     assert out[0].token == "a"
+
+
+def test_top_k_and_min_p_by_hand():
+    """top_k keeps the logits >= the k-th largest (ties kept, as TopKLogitsWarper); min_p keeps
+    p >= min_p x max p (MinPLogitsWarper), i.e. logit >= max + log(min_p)."""
+    logits = torch.tensor([2.0, 1.0, 1.0, 0.0, -1.0])
+    e = [math.exp(2.0), math.exp(1.0), math.exp(1.0)]
+    want = torch.tensor([e[0], e[1], e[2], 0.0, 0.0]) / sum(e)
+    assert torch.allclose(warped_probs(logits, 1.0, 1.0, top_k=2), want)  # the tie at 1.0 stays
+    assert torch.allclose(warped_probs(logits, 1.0, 1.0, min_p=0.3), want)  # e^-1 = 0.37 >= 0.3 > e^-2
+    assert torch.equal(warped_probs(logits, 1.0, 1.0, min_p=0.4), torch.tensor([1.0, 0, 0, 0, 0]))
+    assert torch.equal(warped_probs(logits, 1.0, 1.0, top_k=1), torch.tensor([1.0, 0, 0, 0, 0]))
+    halved = torch.tensor([math.exp(4.0), math.exp(2.0), math.exp(2.0), 1.0, math.exp(-2.0)])
+    assert torch.allclose(warped_probs(logits, 0.5, 1.0, top_k=0), halved / halved.sum())  # 0: every token
+
+
+def test_repetition_penalty_and_min_tokens_by_hand():
+    """repetition_penalty divides positive and multiplies negative logits of prompt and output
+    tokens, once per token (RepetitionPenaltyLogitsProcessor); min_tokens masks EOS while fewer
+    tokens are generated (MinNewTokensLengthLogitsProcessor)."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    params = SamplingParams(repetition_penalty=2.0, prompt_ids=(0, 0), min_tokens=2, eos_ids=(3,))
+    assert torch.equal(adjusted_logits(logits, params, [1]), torch.tensor([1.0, -2.0, 0.5, float("-inf")]))
+    assert torch.equal(adjusted_logits(logits, params, [1, 1]), torch.tensor([1.0, -2.0, 0.5, 3.0]))
+    assert sample(logits, params, [1], None) == 0  # EOS (the raw argmax) held back
+    assert sample(logits, params, [1, 1], None) == 3
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(1.0, 5, 1.0, 0.0), (0.7, 0, 0.9, 0.0),
+                                                               (1.3, 0, 1.0, 0.1), (0.8, 8, 0.95, 0.05)])
+def test_warping_equals_transformers_processors(temperature, top_k, top_p, min_p):
+    """The distribution ``sample`` draws from equals transformers' warpers applied in their
+    order (temperature, top_k, top_p, min_p) then softmax, on random logits."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    gen = torch.Generator().manual_seed(top_k + int(100 * temperature))
+    logits = torch.randn(64, generator=gen) * 3
+    seen = torch.tensor([[3, 7, 7, 40]])
+    scores = RepetitionPenaltyLogitsProcessor(1.3)(seen, logits[None].clone())
+    for warper in (TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k) if top_k else None,
+                   TopPLogitsWarper(top_p) if top_p < 1 else None, MinPLogitsWarper(min_p) if min_p else None):
+        scores = warper(seen, scores) if warper is not None else scores
+    want = torch.softmax(scores[0], -1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=1.3,
+                            prompt_ids=(3, 7))
+    from pagedexperts.engine.sampling import sampling_probs
+
+    got = sampling_probs(adjusted_logits(logits, params, [7, 40]), params)
+    assert torch.equal(got > 0, want > 0), "different tokens kept"
+    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+
+
+def _teacher_forced(model, ids: list[int]) -> torch.Tensor:
+    """The model's next-token logits [V] on ``ids``, one direct forward, float32."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def _choice(scores: torch.Tensor, token: int, tie: float = 1e-3) -> bool:
+    """Whether ``token`` is the argmax of ``scores`` (or within ``tie`` of it: batching noise)."""
+    return scores[token] >= scores.max() - tie
+
+
+def test_extensions_apply_per_request_in_one_batch():
+    """Four requests decoded together, each with its own extension: repetition_penalty (greedy),
+    top_k 1 and min_p 1 (sampled: both leave only the argmax), min_tokens with EOS pushed by
+    +100. Each chosen token is checked against the model run directly on prompt + output
+    (teacher forcing) with transformers' RepetitionPenaltyLogitsProcessor."""
+    from serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, _top_k
+
+    if not HAVE_MODEL:
+        pytest.skip(f"no model at {MODEL_PATH}")
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from pagedexperts import load_model
+    from pagedexperts.engine.scheduler import BatchScheduler
+    from pagedexperts.engine.scheduler_config import SchedulerConfig
+    from pagedexperts.engine.sequence import eos_ids
+
+    model, tok = load_model(MODEL_PATH, num_resident=_top_k())
+    eos = tuple(sorted(eos_ids(model, tok)))
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:4]]
+    params = [SamplingParams(max_new_tokens=10, temperature=0, repetition_penalty=3.0, prompt_ids=tuple(prompts[0])),
+              SamplingParams(max_new_tokens=10, temperature=1.0, top_k=1, seed=5),
+              SamplingParams(max_new_tokens=10, temperature=0, min_tokens=6, eos_ids=eos, logit_bias=((eos[0], 100.0),)),
+              SamplingParams(max_new_tokens=10, temperature=1.0, min_p=1.0, seed=7)]
+    sched = BatchScheduler(model, tok, SchedulerConfig(4, CONTEXT))
+    reqs = [sched.submit(p, s, lambda e: None) for p, s in zip(prompts, params)]
+    while sched.num_running or sched.num_waiting:
+        sched.step()
+    assert sched.stats.max_decode_batch >= 3
+    out = [r.output_ids for r in reqs]
+    assert len(out[2]) == 7 and out[2][-1] in eos and not set(out[2][:-1]) & set(eos), out[2]
+    penalty, changed = RepetitionPenaltyLogitsProcessor(3.0), 0
+    for t, token in enumerate(out[0]):
+        ids = prompts[0] + out[0][:t]
+        raw = _teacher_forced(model, ids)
+        scores = penalty(torch.tensor([ids]), raw[None].clone())[0]
+        assert _choice(scores, token), f"step {t}: {token}, transformers' processor picks {int(scores.argmax())}"
+        changed += int(scores.argmax()) != int(raw.argmax())
+    assert changed, "the penalty never changed a choice: the test would not see it ignored"
+    for i in (1, 3):
+        for t, token in enumerate(out[i]):
+            assert _choice(_teacher_forced(model, prompts[i] + out[i][:t]), token), (i, t)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 
 from pagedexperts.commands import COMMANDS
-from pagedexperts.commands.common import add_model_arguments
-from pagedexperts.paging.inner import FUSED, transformers_inner
+from pagedexperts.commands.common import add_model_arguments, apply_threads, print_host_memory
 
 
 def add_parser(sub) -> None:
@@ -117,9 +116,11 @@ def run(args) -> int:
     from pagedexperts.loading.config import PagingConfig, check_config, check_experts_dtype, resolve_dtype
     from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
+    from pagedexperts.paging.inner import FUSED, transformers_inner
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    apply_threads(args)
     path, config, _ = read_checkpoint_config(args.model_path)
     if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads
         raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
@@ -128,7 +129,8 @@ def run(args) -> int:
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
     options = dict(device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation,
                    policy=args.policy, slot_format=args.slot_format, prefetch=args.prefetch,
-                   prefetch_budget=args.prefetch_budget, host_memory_gb=args.host_memory_gb, decide=args.decide)
+                   prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
+                   decide=args.decide)
     for k in ks:  # every problem of the options, at once, before the reference loads
         check_config(PagingConfig(num_resident=k, **options), config, format_for_config(config))
     check_experts_dtype(format_for_config(config), resolve_dtype(args.dtype, config),
@@ -148,6 +150,7 @@ def run(args) -> int:
     ok = True
     for k in ks:
         paged, tokenizer = load_model(args.model_path, num_resident=k, **options)
+        print_host_memory(paged)
         res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens, progress=True)
         print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide))
         ok &= res.passed

@@ -11,7 +11,7 @@ from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS
 
 def add_model_arguments(parser) -> None:
     """--model-path, --num-resident, --device, --dtype, --experts-implementation, --policy, --prefetch,
-    --prefetch-budget, --slot-format, --decide, --host-memory-gb."""
+    --prefetch-budget, --slot-format, --decide, --host-memory-gb, --threads."""
     g = parser.add_argument_group("model and paging")
     g.add_argument("--model-path", default=None, help="Hugging Face model directory (default: the bundled tiny Qwen3-MoE)")
     g.add_argument(
@@ -45,6 +45,10 @@ def add_model_arguments(parser) -> None:
     )
     g.add_argument("--prefetch-budget", type=int, default=None, metavar="N",
                    help="prefetch page-ins per layer per step at most (default: top_k)")
+    g.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
+                   help="with the disk tier (--host-memory-gb), do not read the next layer's predicted experts "
+                   "from disk while a layer computes (read-ahead is on by default there, pauses in a layer where under half "
+                   "of it is used, and pages nothing in)")
     g.add_argument(
         "--slot-format",
         default=DEFAULT_SLOT_FORMAT,
@@ -56,10 +60,42 @@ def add_model_arguments(parser) -> None:
     add_decide_argument(g)
     g.add_argument(
         "--host-memory-gb", type=float, default=None, metavar="G",
-        help="host memory (GB) for the expert store. When all experts do not fit, each layer keeps R in host "
-        "memory and reads the rest from the checkpoint files (disk tier; with --prefetch also read ahead). "
-        "Default: what is available after everything else (slots, weights and KV on --device cpu)",
+        help="host memory (GB) for everything the process holds: the expert store, and on --device cpu the "
+        "slots, the non-expert weights and a KV estimate, plus a runtime allowance (all printed at start-up). "
+        "When all experts do not fit in what is left, each layer keeps R in host memory and reads the rest from "
+        "the checkpoint files (disk tier; with --prefetch also read ahead). Default: the available memory (the "
+        "smaller of the machine's and the memory cgroup's limit)",
     )
+    add_threads_argument(g)
+
+
+THREADS_HELP = (
+    "torch CPU threads for the model's compute, N >= 1 (default 0: torch's default, one per core). Fewer "
+    "are faster when other processes keep the cores busy (every op waits for its slowest thread: on a loaded "
+    "2-core machine 1 thread decoded 10x faster than the default) and at small decode steps, where each op's "
+    "threading costs more than its work; see README 'Threads'"
+)
+
+
+def add_threads_argument(group) -> None:
+    """--threads N (0: torch's default), applied by ``apply_threads``."""
+    group.add_argument("--threads", type=int, default=0, metavar="N", help=THREADS_HELP)
+
+
+def apply_threads(args) -> None:
+    """``torch.set_num_threads(--threads)`` when given (> 0); the process-wide intra-op pool, so the
+    server's scheduler thread runs with it too.
+
+    Raises:
+        ValueError: --threads below 0 (names the value and the flag).
+    """
+    threads = getattr(args, "threads", 0) or 0
+    if threads < 0:
+        raise ValueError(f"--threads {threads} must be >= 1 (or 0: torch's default)")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 DECIDE_HELP = (
@@ -96,10 +132,23 @@ def add_graph_arguments(group) -> None:
 
 
 def load_from_args(args):
-    """(model, tokenizer) from the flags of add_model_arguments."""
+    """(model, tokenizer) from the flags of add_model_arguments, with the host-memory plan printed
+    (stderr; not under --quiet)."""
     from pagedexperts.loading.loader import load_model
 
-    return load_model(args.model_path, **paging_options(args))
+    model, tokenizer = load_model(args.model_path, **paging_options(args))
+    if not getattr(args, "quiet", False):
+        print_host_memory(model)
+    return model, tokenizer
+
+
+def print_host_memory(model) -> None:
+    """One line on stderr: every part of host memory the loader counted (``HostMemoryPlan.describe``)."""
+    import sys
+
+    plan = model.pagedexperts.host_memory
+    if plan is not None:
+        print(f"host memory: {plan.describe()}", file=sys.stderr)
 
 
 def check_paging_flags(args) -> None:
@@ -126,6 +175,7 @@ def paging_options(args) -> dict:
         policy=args.policy,
         prefetch=getattr(args, "prefetch", False),
         prefetch_budget=getattr(args, "prefetch_budget", None),
+        read_ahead=getattr(args, "read_ahead", True),
         slot_format=getattr(args, "slot_format", DEFAULT_SLOT_FORMAT),
         host_memory_gb=getattr(args, "host_memory_gb", None),
         decide=decide_for(args),

@@ -87,7 +87,8 @@ def _format_memory(r: dict) -> list[str]:
 
 def _format_tiers(r: dict) -> list[str]:
     size = sizing.format_bytes
-    lines = [f"tiers at G={r['host_memory_gb']:g} GB for the host store",
+    lines = [f"tiers at G={r['host_memory_gb']:g} GB of host memory (store, staging, runtime allowance "
+             f"{size(r['runtime_bytes'])}; slots, weights and KV on a CUDA device)",
              f"  device              K={r['num_resident']} per layer, {size(r['device_slot_bytes'])}"]
     if not r["disk_tier"]:
         return lines + [f"  host                all E={r['num_experts']} per layer, {size(r['host_tier_bytes'])}: no disk tier"]

@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from pagedexperts.commands import COMMANDS
-from pagedexperts.commands.common import add_model_arguments, check_paging_flags, load_from_args
+from pagedexperts.commands.common import add_model_arguments, apply_threads, check_paging_flags, load_from_args
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 # not imported: building --help loads no engine or serving module
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # = engine.scheduler_config.DEFAULT_MAX_PREFILL_TOKENS
 DEFAULT_HEADER_TIMEOUT_S = 5.0  # = serving.connections.DEFAULT_HEADER_TIMEOUT_S
+DEFAULT_BODY_TIMEOUT_S = 30.0  # = serving.connections.DEFAULT_BODY_TIMEOUT_S
 DEFAULT_MAX_CONNECTIONS = 1024  # = serving.connections.DEFAULT_MAX_CONNECTIONS
 MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.validation.MAX_PROMPT_BYTES_PER_TOKEN
 
@@ -60,8 +61,12 @@ def add_parser(sub) -> None:
     a.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
                    help="close a connection whose request headers are not complete S seconds after it opened or "
                    "after its previous response (slow or idle clients; default %(default)s)")
+    a.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                   help="answer 408 and close a connection whose request body sends no byte for S seconds "
+                   "(between two reads, as nginx's client_body_timeout; default %(default)s)")
     a.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
-                   help="open connections at most; beyond them requests get 503 (default %(default)s)")
+                   help="open connections at most; beyond them requests get 503 + Retry-After in OpenAI's error "
+                   "shape (default %(default)s)")
     a.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM / SIGINT: new requests get 503 + Retry-After, running ones have S seconds to "
                    "finish, then each remaining stream gets a final error event and [DONE] (default 30)")
@@ -74,7 +79,7 @@ def run(args) -> int:
     from pathlib import Path
 
     try:
-        from pagedexperts.serving.api_server import ServeConfig, run_server, single_wave_note
+        from pagedexperts.serving.api_server import ServeConfig, run_server, single_wave_note, speculation_note
     except ModuleNotFoundError as exc:
         raise ValueError(f"the server needs {exc.name}: pip install 'pagedexperts[server]'") from exc
     from pagedexperts.loading.bundled import bundled_model_path
@@ -82,6 +87,7 @@ def run(args) -> int:
     _check_flags(args)
     speculative = speculative_from_args(args)
     check_paging_flags(args)
+    apply_threads(args)
     _check_checkpoint(args)  # after every flag-only check: this is the first read of --model-path
     model, tokenizer = load_from_args(args)
     if tokenizer is None:
@@ -100,9 +106,11 @@ def run(args) -> int:
                          max_prefill_tokens=args.max_prefill_tokens, max_body_bytes=args.max_body_bytes,
                          api_key=args.api_key, shutdown_timeout_s=args.shutdown_timeout, speculative=speculative,
                          chunked_prefill=args.chunked_prefill, header_timeout_s=args.header_timeout,
+                         body_timeout_s=args.body_timeout,
                          max_connections=args.max_connections)
     print(f"pagedexperts serve: {name} on http://{args.host}:{args.port}, K={rt.num_resident} of "
-          f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}", file=sys.stderr, flush=True)
+          f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}; {speculation_note(speculative)}",
+          file=sys.stderr, flush=True)
     run_server(model, tokenizer, config, host=args.host, port=args.port)
     return 0
 
@@ -139,6 +147,8 @@ def _check_flags(args) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if not args.header_timeout > 0:
         raise ValueError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
+    if not args.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     parent = os.path.dirname(args.record_trace) if args.record_trace else ""

@@ -63,9 +63,10 @@ class PagingConfig:
     mode: str = "paged"
     cpu_expert_layers: int = 0
     slot_format: str = DEFAULT_SLOT_FORMAT  # "auto", "packed" or "dense" (formats.slots)
-    host_memory_gb: float | None = None  # None: what fits in available memory
+    host_memory_gb: float | None = None  # the budget for all host memory (HostMemoryPlan); None: what is available
     prefetch: bool = False
     prefetch_budget: int | None = None  # None: top_k
+    read_ahead: bool = True  # the disk tier reads the next layer's predicted experts ahead (--no-read-ahead)
     decide: str = DEFAULT_DECIDE  # DECIDE_CHOICES; mode "paged" only (the baselines plan nothing)
     # the device decide's kernels: "triton", or "torch" (their plain-torch references: CPU only,
     # for tests where the Triton interpreter is too slow); not a command flag

@@ -8,6 +8,11 @@ threads (reads release the GIL), then advised for transparent huge pages; non-ex
 are read into freshly allocated tensors (copied out, so no shard stays mapped for the model's
 life; a quantized one dequantized by its format). A disk-tier store gets its experts' byte
 ranges instead of the bytes.
+Every floating-point tensor is checked for NaN and infinity as it is read (``torch.isfinite``
+over the bytes just read, in the reading thread): a corrupt checkpoint is refused naming the
+tensor, before it can reach a client as NaN logits. The disk tier's rows, read on demand
+later, are not checked here (a NaN there fails only the requests whose logits it reaches:
+``engine.sampling.NonFiniteLogits``).
 A tqdm bar shows GB/s on a terminal.
 Does not: build the model (``loading.build``) or map keys (``loading.checkpoint.KeyMap``).
 """
@@ -101,7 +106,8 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
 
     Raises:
         ValueError: see ``CheckpointIndex``; a model tensor the checkpoint lacks; a quantized
-            weight without its companions.
+            weight without its companions; a floating-point tensor holding NaN or infinity
+            (``NonFiniteWeights``, naming it).
         DiskReadError: a shard that ends early.
     """
     keymap = KeyMap(model_type, sites, fmt)
@@ -125,6 +131,8 @@ def _fill_plain(model, plain, device, fmt, *, on_bytes) -> list[str]:
     unexpected = []
     for key, raw_key, entry in plain:
         value = read_tensor(entry)
+        if not all_finite(value):
+            raise NonFiniteWeights(_non_finite_message(raw_key, entry.path))
         on_bytes(entry.nbytes)
         if quantized.takes(key):
             key, value = quantized.add(model, key, value)
@@ -134,6 +142,41 @@ def _fill_plain(model, plain, device, fmt, *, on_bytes) -> list[str]:
             unexpected.append(raw_key)
     quantized.check_done()
     return unexpected
+
+
+class NonFiniteWeights(ValueError):
+    """A checkpoint tensor holds NaN or infinity (a corrupt or badly converted checkpoint)."""
+
+
+def all_finite(value: torch.Tensor) -> bool:
+    """Whether a tensor has no NaN or infinity (True for integer and empty tensors; 1-byte
+    floats as float16). Its min and max are finite exactly then (both propagate NaN):
+    ``torch.aminmax`` runs at about 2.4 GB/s per thread on bfloat16 where ``isfinite().all()``
+    ran at 0.16 (measured on one CPU core)."""
+    if not value.is_floating_point() or value.numel() == 0:
+        return True
+    low, high = torch.aminmax(value if value.element_size() > 1 else value.half())
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def _non_finite_message(key: str, path: Path) -> str:
+    return (f"checkpoint tensor {key!r} ({Path(path).name}) holds NaN or infinite values: the checkpoint is corrupt "
+            "or was converted wrongly; re-download or re-convert it")
+
+
+def _extent_key(ext: Extent) -> str:
+    """The checkpoint key whose bytes hold ``ext`` (from its shard's header)."""
+    for key, entry in read_header(ext.path).items():
+        if entry.start <= ext.offset < entry.start + entry.nbytes:
+            return key
+    return f"bytes {ext.offset}..{ext.offset + ext.nbytes}"
+
+
+def _extent_part(ext: Extent, row: torch.Tensor) -> torch.Tensor:
+    """The elements of the flat ``row`` that ``ext`` filled."""
+    if ext.outer == 1:
+        return row[ext.dst_elem: ext.dst_elem + ext.numel]
+    return row.view(ext.outer, -1)[:, ext.dst_elem: ext.dst_elem + ext.numel // ext.outer]
 
 
 def read_tensor(entry) -> torch.Tensor:
@@ -166,7 +209,8 @@ def empty_like_mapped(entry) -> torch.Tensor:
 def read_expert_rows(jobs: list[tuple[Extent, torch.Tensor]], *, threads: int, on_bytes=None) -> float:
     """Read every (extent, flat destination row) job, in file order, ``threads`` at a time.
 
-    Returns the wall seconds. Raises DiskReadError (a shard that ends early) or OSError.
+    Returns the wall seconds. Raises DiskReadError (a shard that ends early), OSError, or
+    NonFiniteWeights (a floating-point extent holding NaN or infinity, naming its tensor).
     """
     t0 = time.perf_counter()
     jobs = sorted(jobs, key=lambda j: (str(j[0].path), j[0].offset))
@@ -185,6 +229,8 @@ def read_expert_rows(jobs: list[tuple[Extent, torch.Tensor]], *, threads: int, o
         try:
             for ext, row in chunk:
                 read_extent(fd, ext, row, None)
+                if not all_finite(_extent_part(ext, row)):
+                    raise NonFiniteWeights(_non_finite_message(_extent_key(ext), ext.path))
         finally:
             os.close(fd)
         return sum(ext.nbytes for ext, _ in chunk)

@@ -1,8 +1,10 @@
 """Admission before any request is handled: the API key, the body-size limit, OpenAI's error shape.
 
-Owns: the ``Admission`` ASGI middleware (optional Bearer API key on /v1/*, then the body
-limit, both before routing and parsing: a body over the limit is read and dropped, never
-kept, and answered 413), ``error_response`` (every refusal as ``{"error": {"message", "type",
+Owns: the ``Admission`` ASGI middleware (the connection cap's 503, then the optional Bearer API
+key on /v1/*, then the body limit, all before routing and parsing: a body declared over the limit
+by its Content-Length is answered 413 at once, from the header (the connection drops the rest,
+``connections``); a chunked body is counted as it comes and answered 413 once it passes the
+limit, never kept), ``error_response`` (every refusal as ``{"error": {"message", "type",
 "param", "code"}}``), and the refusals that several routes share (``shutting_down``: 503 +
 Retry-After; ``client_disconnected``: 499), and the default body limit. Does not: parse or validate a body
 (``validation``), or count refusals (the caller's ``refuse`` does).
@@ -14,11 +16,11 @@ import hmac
 
 from fastapi.responses import JSONResponse
 
+from pagedexperts.serving.connections import OVER_CAP_SCOPE_KEY
 from pagedexperts.serving.validation import MAX_PROMPT_BYTES_PER_TOKEN
 from pagedexperts.serving.protocol import ApiError
 
-RETRY_AFTER_S = 1  # Retry-After of 429 (queue full) and 503 (shutting down)
-MAX_DRAINED_BODY_BYTES = 64 * 2**20  # an oversized body is read and dropped up to this, then the connection closes
+RETRY_AFTER_S = 1  # Retry-After of 429 (queue full) and 503 (shutting down or over the connection cap)
 _GONE = object()  # Admission._read_bounded: the client disconnected mid-body
 
 def default_max_body_bytes(context_length: int) -> int:
@@ -41,6 +43,13 @@ def shutting_down() -> ApiError:
                     code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def over_connection_cap(max_connections: int) -> ApiError:
+    """The 503 + Retry-After of a request on a connection beyond --max-connections."""
+    return ApiError(f"the server has {max_connections} connections open, its limit (--max-connections); "
+                    "retry later", status=503, code="too_many_connections",
+                    headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+
+
 def client_disconnected() -> ApiError:
     """What a client that left before its request body arrived is counted as (nobody reads it)."""
     return ApiError("the client closed the connection before its request body arrived", status=499,
@@ -56,10 +65,12 @@ def bearer_matches(header: bytes, api_key: str) -> bool:
 
 
 class Admission:
-    """ASGI middleware run before routing: the API key on /v1/*, then the body-size limit.
+    """ASGI middleware run before routing: the connection cap, the API key on /v1/*, then the
+    body-size limit.
 
-    A body over ``max_body_bytes`` (by Content-Length, or counted for a chunked body) is
-    read and dropped, never kept, and answered 413; ``refuse`` logs and counts each refusal.
+    A body declared over ``max_body_bytes`` by its Content-Length is answered 413 before any
+    of it is read; a chunked one is counted as it comes, dropped (never kept) and answered 413
+    once past the limit. ``refuse`` logs and counts each refusal.
     """
 
     def __init__(self, app, *, max_body_bytes: int, api_key: str | None, refuse) -> None:
@@ -68,6 +79,8 @@ class Admission:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if OVER_CAP_SCOPE_KEY in scope:
+            return await self._answer(scope, receive, send, over_connection_cap(scope[OVER_CAP_SCOPE_KEY]))
         headers = dict(scope["headers"])
         if self.api_key and scope["path"].startswith("/v1/") and \
                 not bearer_matches(headers.get(b"authorization", b""), self.api_key):
@@ -76,7 +89,6 @@ class Admission:
                 status=401, code="invalid_api_key"))
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._drop_body(receive)
             return await self._answer(scope, receive, send, self._too_large(int(length)))
         if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
             body = await self._read_bounded(receive)
@@ -96,15 +108,6 @@ class Admission:
         self.refuse(scope["method"], scope["path"], exc)
         await error_response(exc)(scope, receive, send)
 
-    @staticmethod
-    async def _drop_body(receive) -> None:
-        read = 0
-        while read < MAX_DRAINED_BODY_BYTES:
-            msg = await receive()
-            read += len(msg.get("body", b""))
-            if msg["type"] != "http.request" or not msg.get("more_body"):
-                return
-
     async def _read_bounded(self, receive) -> bytes | object | None:
         """The whole body; None when it passes the limit, ``_GONE`` when the client left."""
         chunks, size = [], 0
@@ -114,7 +117,6 @@ class Admission:
                 return _GONE
             size += len(msg.get("body", b""))
             if size > self.max_body_bytes:
-                await self._drop_body(receive)
                 return None
             chunks.append(msg.get("body", b""))
             if not msg.get("more_body"):

@@ -151,11 +151,23 @@ def single_wave_note(runtime, max_running_requests: int) -> str:
     return note
 
 
+def speculation_note(speculative) -> str:
+    """The start-up line's word on speculative decoding (``speculative``: a
+    ``SpeculativeConfig`` or None) and where its figures are."""
+    if speculative is None:
+        return "speculative decoding off"
+    source = f"draft {speculative.draft_model_path}" if speculative.method == "draft" else speculative.method
+    return (f"speculative decoding on: {source}, {speculative.num_speculative_tokens} proposals per request per step "
+            "(acceptance in /metrics: pagedexperts_spec_decode_*)")
+
+
 def run_server(model, tokenizer, config: ServeConfig, *, host: str, port: int, log_level: str = "info") -> None:
     """Serve until SIGINT / SIGTERM; the first signal drains (see the module docstring)."""
-    logger.info("%s", single_wave_note(model.pagedexperts, config.max_running_requests))
+    logger.info("%s; %s", single_wave_note(model.pagedexperts, config.max_running_requests),
+                speculation_note(config.speculative))
     app = create_app(model, tokenizer, config)
-    uv = uvicorn_config(app, header_timeout_s=config.header_timeout_s, max_connections=config.max_connections,
+    uv = uvicorn_config(app, header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
+                        max_connections=config.max_connections,
                         host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
     draining_server_class()(uv, app.state.serving).run()
 

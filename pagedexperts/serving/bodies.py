@@ -30,8 +30,9 @@ class Choice:
 
 
 def sse(payload) -> str:
-    """One server-sent event: ``data: <json>`` (or a literal such as ``[DONE]``) and a blank line."""
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+    """One server-sent event: ``data: <json>`` (or a literal such as ``[DONE]``) and a blank line.
+    Raises ValueError for a NaN or infinity in ``payload`` (not JSON; never sent)."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, allow_nan=False)}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -1,14 +1,23 @@
-"""Connection handling under uvicorn: the header timeout, the connection cap, half-closed clients.
+"""Connection handling under uvicorn: the header and body timeouts, the connection cap, half-closed clients.
 
 Owns: ``uvicorn_config`` (the uvicorn settings the server runs with) and the HTTP protocol
-class it selects, uvicorn's h11 protocol with three changes:
+class it selects, uvicorn's h11 protocol with these changes:
 
 - a connection whose request headers are not complete ``header_timeout_s`` after it opened
   (or after its previous response) is closed: a client sending one header byte at a time
   (slowloris) or nothing at all holds a connection for at most that long. uvicorn's own
-  keep-alive timer is cancelled by any byte received, so it does not cover this.
-- at most ``max_connections`` connections are open: beyond that a request gets uvicorn's 503
-  (``limit_concurrency``, which counts the connection asking, hence the + 1).
+  keep-alive timer is cancelled by any byte received, so it does not cover this. The same
+  timer closes an idle kept-alive connection.
+- a request body with no byte received for ``body_timeout_s`` (nginx's ``client_body_timeout``:
+  the time between two reads, not the whole body) is answered 408 in OpenAI's JSON error shape
+  and its connection closed; the app reading it sees the client gone. A reader paused by flow
+  control (the app not reading yet) is not timed out.
+- the rest of a body that was answered before it was read (a 413 from its Content-Length) is
+  read and dropped as it arrives, up to ``MAX_DISCARDED_BODY_BYTES``, then the connection closes.
+- at most ``max_connections`` connections are open: a request on one more, or beyond as many
+  running request tasks, reaches the app marked ``OVER_CAP_SCOPE_KEY`` in its scope, and the app
+  answers 503 in OpenAI's JSON shape (``admission``), where uvicorn's ``limit_concurrency`` would
+  answer plain text.
 - a client that half-closes (shuts its write side after sending the whole request, as
   ``printf ... | nc -N`` does) is answered: the end of its input does not close the
   connection, which closes after the response. A client that closed entirely sends the same
@@ -20,29 +29,95 @@ Does not: route, validate or answer requests (``api_server``, ``handlers``).
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEADER_TIMEOUT_S = 5.0  # nginx's client_header_timeout is 60 s; a few seconds suffice on a LAN
+DEFAULT_BODY_TIMEOUT_S = 30.0  # nginx's client_body_timeout is 60 s, between two reads
 DEFAULT_MAX_CONNECTIONS = 1024
+MAX_DISCARDED_BODY_BYTES = 64 * 2**20  # the rest of an answered body read and dropped, then the connection closes
+OVER_CAP_SCOPE_KEY = "pagedexperts.over_connection_cap"  # scope key of a request beyond --max-connections
 PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"  # written to a half-closed client before its response
 PROBE_WAIT_S = 0.05  # a reset from a closed peer on loopback or a LAN arrives well within this
 
 
-def protocol_class(header_timeout_s: float):
-    """uvicorn's ``H11Protocol`` with the header timeout and half-close handling (module
-    docstring). uvicorn and h11 are imported here, lazily: they belong to the server extra."""
+def body_timeout_response(body_timeout_s: float) -> bytes:
+    """The raw HTTP/1.1 408 written to a client whose request body stalled (OpenAI's error shape)."""
+    body = json.dumps({"error": {
+        "message": f"no request body bytes received for {body_timeout_s:g} s; the limit is --body-timeout",
+        "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)) + body
+
+
+def protocol_class(header_timeout_s: float, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                   max_connections: int = DEFAULT_MAX_CONNECTIONS):
+    """uvicorn's ``H11Protocol`` with the header and body timeouts, the connection cap and
+    half-close handling (module docstring). uvicorn and h11 are imported here, lazily: they
+    belong to the server extra."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
-        """H11Protocol that closes connections whose headers are late and answers half-closed ones."""
+        """H11Protocol that closes connections whose headers or body are late, marks requests
+        over the connection cap and answers half-closed connections."""
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._body_timer, self._discarded, self._app = None, 0, self.app
             self._arm_header_timer()
+
+        def handle_events(self) -> None:
+            """uvicorn's, with the app of a request over the cap marked (uvicorn counts the same way)."""
+            over = len(self.connections) > max_connections or len(self.tasks) > max_connections
+            self.app = self._over_cap_app if over else self._app
+            super().handle_events()
+
+        async def _over_cap_app(self, scope, receive, send) -> None:
+            scope[OVER_CAP_SCOPE_KEY] = max_connections
+            await self._app(scope, receive, send)
+
+        def data_received(self, data: bytes) -> None:
+            answered = self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY
+            super().data_received(data)
+            if self.transport.is_closing():
+                return
+            if self.conn.their_state is not h11.SEND_BODY:
+                self._discarded = 0
+                self._cancel_body_timer()
+                return
+            self._discarded += len(data) if answered else 0
+            if self._discarded > MAX_DISCARDED_BODY_BYTES:
+                logger.info("closing a connection from %s: over %d bytes of an answered body", self.client,
+                            MAX_DISCARDED_BODY_BYTES)
+                self.transport.close()
+                return
+            self._arm_body_timer()
+
+        def _arm_body_timer(self) -> None:
+            self._cancel_body_timer()
+            self._body_timer = self.loop.call_later(body_timeout_s, self._body_timeout)
+
+        def _cancel_body_timer(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _body_timeout(self) -> None:
+            if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+                return
+            if self.flow.read_paused:  # the app has not read what came: not the client's stall
+                self._arm_body_timer()
+                return
+            logger.info("closing a connection from %s: no request body bytes in %.1fs (body timeout)",
+                        self.client, body_timeout_s)
+            if self.cycle is not None and not self.cycle.response_started:
+                self.cycle.response_started = True  # the app's own answer, if any, is not written
+                self.transport.write(body_timeout_response(body_timeout_s))
+            self.transport.close()
 
         def _arm_header_timer(self) -> None:
             self._header_wait = self.cycle  # a new request replaces self.cycle once its headers are complete
@@ -63,6 +138,7 @@ def protocol_class(header_timeout_s: float):
 
         def connection_lost(self, exc) -> None:
             self._header_timer.cancel()
+            self._cancel_body_timer()
             super().connection_lost(exc)
 
         def eof_received(self):
@@ -89,15 +165,19 @@ def protocol_class(header_timeout_s: float):
 
 
 def uvicorn_config(app, *, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                   body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                    max_connections: int = DEFAULT_MAX_CONNECTIONS, **kwargs):
     """A ``uvicorn.Config`` serving ``app`` with the guarded protocol; ``kwargs`` go to uvicorn.
+    The connection cap is the protocol's (``OVER_CAP_SCOPE_KEY``), not uvicorn's ``limit_concurrency``.
 
-    Raises ValueError for a header timeout <= 0 or a connection cap < 1.
+    Raises ValueError for a header or body timeout <= 0 or a connection cap < 1.
     """
     import uvicorn
 
     if not header_timeout_s > 0:
         raise ValueError(f"--header-timeout must be > 0 seconds, got {header_timeout_s}")
+    if not body_timeout_s > 0:
+        raise ValueError(f"--body-timeout must be > 0 seconds, got {body_timeout_s}")
     if max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {max_connections}")
-    return uvicorn.Config(app, http=protocol_class(header_timeout_s), limit_concurrency=max_connections + 1, **kwargs)
+    return uvicorn.Config(app, http=protocol_class(header_timeout_s, body_timeout_s, max_connections), **kwargs)

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from pagedexperts.serving import bodies, protocol, validation
 from pagedexperts.serving.admission import RETRY_AFTER_S, client_disconnected, shutting_down
-from pagedexperts.serving.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+from pagedexperts.serving.connections import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from pagedexperts.serving.metrics import Metrics
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from pagedexperts.engine.speculative.config import SpeculativeConfig
@@ -58,7 +58,7 @@ class ServeConfig:
     ``model_path``: the checkpoint directory, reported to a router (``/server_info``).
     ``speculative``: an ``engine.speculative.config.SpeculativeConfig`` (--speculative), None = plain decoding.
     ``chunked_prefill``: prompt chunks share the decode forward (``SchedulerConfig``).
-    ``header_timeout_s``, ``max_connections``: connection limits (``connections``).
+    ``header_timeout_s``, ``body_timeout_s``, ``max_connections``: connection limits (``connections``).
     """
 
     served_model_name: str
@@ -74,6 +74,7 @@ class ServeConfig:
     speculative: SpeculativeConfig | None = None
     chunked_prefill: bool = True
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
@@ -134,7 +135,7 @@ class OpenAIServing:
         be queued, so it is a 400, not a 429 to retry."""
         validation.check_model(body, self.config.served_model_name)
         prepared = validation.prepare(body, self.tokenizer, context_length=self.config.context_length,
-                                    vocab_size=self.vocab_size)
+                                    vocab_size=self.vocab_size, eos_ids=tuple(sorted(self.scheduler.eos_ids)))
         cap, needed = self.config.max_queued_requests, len(prepared.sequences)
         if cap is not None and needed > cap:
             raise ApiError(f"prompts x n = {len(prepared.prompt_ids)} x {prepared.n} = {needed} sequences; at most "

@@ -22,8 +22,7 @@ UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "function
                "function_call": "function calling", "parallel_tool_calls": "tool calling",
                "response_format": "structured output", "best_of": "best_of", "suffix": "suffix (insertion)",
                "audio": "audio output", "modalities": "non-text output", "prediction": "predicted outputs",
-               "reasoning_effort": "reasoning models", "web_search_options": "web search",
-               "min_p": "min_p sampling", "top_k": "top_k sampling", "repetition_penalty": "repetition_penalty"}
+               "reasoning_effort": "reasoning models", "web_search_options": "web search"}
 # SGLang's extension fields that sglang-router and vllm-router add at their defaults to each request they
 # forward (watched on loopback): only the defaults pass. The reasoning flags change nothing without a parser.
 SGLANG_DEFAULTS = {"no_stop_trim": (None, False), "ignore_eos": (None, False), "skip_special_tokens": (None, True),
@@ -63,6 +62,10 @@ class _Common(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    top_k: int | None = None  # vLLM's and SGLang's sampling extensions (engine.sampling)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     user: str | None = None  # an end-user id for abuse monitoring in OpenAI's API; no effect on output
     no_stop_trim: bool | None = None  # SGLANG_DEFAULTS
     ignore_eos: bool | None = None

@@ -11,10 +11,10 @@ any chat request: one validation, one scheduler, one sampling path. Errors of th
 renamed to this API's fields (``max_tokens`` -> ``max_output_tokens``, ``messages`` ->
 ``input``).
 
-Also accepted at their defaults: the fields sglang-router adds when it forwards a request
-(``priority`` 0, ``top_k`` -1, ``min_p`` 0, ``repetition_penalty`` 1). ``store`` is accepted
-and nothing is stored: ``previous_response_id`` and ``conversation`` are refused, and
-there is no GET /v1/responses/{id}.
+Also accepted: the sampling extensions sglang-router adds when it forwards a request
+(``top_k``, ``min_p``, ``repetition_penalty``: passed to the chat path; ``priority`` at its
+default 0 only). ``store`` is accepted and nothing is stored: ``previous_response_id`` and
+``conversation`` are refused with a 400 that says so, and there is no GET /v1/responses/{id}.
 
 The answer: ``ResponsesServing``, the handler behind the route (it admits through
 ``parse`` / ``to_chat`` and ``OpenAIServing.admit_body``, and queues, waits and streams through
@@ -65,8 +65,7 @@ DEFAULTS_ONLY = {
     "service_tier": ("service tiers", (None, "auto", "default")),
     "text": ("structured output", (None, {}, {"format": {"type": "text"}})),
     "stream_options": ("stream obfuscation", (None, {}, {"include_obfuscation": False})),
-    "priority": ("request priorities", (None, 0)), "top_k": ("top_k sampling", (None, -1, 0)),
-    "min_p": ("min_p sampling", (None, 0.0)), "repetition_penalty": ("repetition_penalty", (None, 1.0)),
+    "priority": ("request priorities", (None, 0)),
 }
 RENAMED = {"max_tokens": "max_output_tokens", "messages": "input"}  # chat field -> this API's field
 
@@ -190,7 +189,8 @@ def messages(body: ResponsesRequest) -> list[ChatMessage]:
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that generates this response (``max_output_tokens`` as the completion limit)."""
     return ChatCompletionRequest(model=body.model, messages=messages(body), max_completion_tokens=body.max_output_tokens,
-                                 temperature=body.temperature, top_p=body.top_p, stream=bool(body.stream))
+                                 temperature=body.temperature, top_p=body.top_p, stream=bool(body.stream),
+                                 top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty)
 
 
 def renamed(exc: ApiError) -> ApiError:
@@ -261,7 +261,7 @@ class ResponseDraft:
 
 def event(kind: str, number: int, **fields) -> str:
     """One server-sent event of the Responses API: ``event:`` and ``data:`` lines, a blank line."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': number, **fields})}\n\n"
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': number, **fields}, allow_nan=False)}\n\n"
 
 
 class ResponsesServing:

@@ -24,6 +24,8 @@ from pagedexperts.serving.protocol import SGLANG_DEFAULTS, UNSUPPORTED, ApiError
 DEFAULT_MAX_TOKENS = 128  # when a request gives none (capped by what the context leaves)
 MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0  # presence / frequency penalty range [-2, 2] (OpenAI's)
+MAX_REPETITION_PENALTY = 100.0  # repetition_penalty in (0, 100]; 1 = none (vLLM asks > 0)
+MAX_TOP_K = 2**31 - 1  # top_k: -1 or 0 = all tokens (vLLM's and SGLang's "off"), k >= 1 the k most likely
 MAX_LOGIT_BIAS = 100.0  # bias range [-100, 100] (OpenAI's)
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGPROBS = 20  # completions ``logprobs`` and chat ``top_logprobs`` (OpenAI chat's and vLLM's max)
@@ -101,6 +103,13 @@ def check_ranges(body) -> tuple[str, ...]:
     _in_range(body.n, 1, MAX_N, "n")
     _in_range(body.presence_penalty, -MAX_PENALTY, MAX_PENALTY, "presence_penalty")
     _in_range(body.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, "frequency_penalty")
+    _in_range(body.top_k, -1, MAX_TOP_K, "top_k", note=" (-1 or 0: all tokens)")
+    _in_range(body.min_p, 0, 1, "min_p")
+    if body.repetition_penalty is not None and not (math.isfinite(body.repetition_penalty)
+                                                    and 0 < body.repetition_penalty <= MAX_REPETITION_PENALTY):
+        raise ApiError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1: none), got "
+                       f"{body.repetition_penalty}", param="repetition_penalty")
+    _in_range(body.min_tokens, 0, 2**31 - 1, "min_tokens")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
         raise ApiError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
@@ -227,11 +236,12 @@ def prompt_inputs(body, tokenizer, context_length: int, vocab_size: int) -> tupl
     return ids, texts, param
 
 
-def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepared:
+def prepare(body, tokenizer, *, context_length: int, vocab_size: int, eos_ids: tuple[int, ...] = ()) -> Prepared:
     """Check a parsed request against the server's limits and tokenize its prompts.
 
     ``context_length``: longest prompt + completion in tokens; ``vocab_size``: token ids
-    must be below it. Raises ApiError naming the first field out of range.
+    must be below it; ``eos_ids``: the end-of-sequence ids ``min_tokens`` holds back. Raises
+    ApiError naming the first field out of range.
     """
     stop = check_ranges(body)
     bias = logit_bias(body, vocab_size)
@@ -248,6 +258,11 @@ def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepare
         raise ApiError(f"max_tokens {max_tokens} + prompt {longest} tokens exceed the context length "
                        f"{context_length} (--context-length); ask for at most {room}",
                        param="max_tokens", code="context_length_exceeded")
+    min_tokens = body.min_tokens or 0
+    if min_tokens > (max_tokens if max_tokens is not None else room):
+        raise ApiError(f"min_tokens {min_tokens} is more than max_tokens "
+                       f"{max_tokens if max_tokens is not None else room}", param="min_tokens")
+    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
     n = body.n or 1
     if len(ids) * n > MAX_SEQUENCES:
         raise ApiError(f"prompts x n = {len(ids)} x {n} sequences; at most {MAX_SEQUENCES} per request", param="n")
@@ -264,6 +279,9 @@ def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepare
                 top_p=1.0 if body.top_p is None else body.top_p,
                 seed=None if body.seed is None else (body.seed + j) % 2**64, stop=stop,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                logit_bias=bias, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None))
+                logit_bias=bias, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None,
+                top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0, repetition_penalty=repetition,
+                prompt_ids=tuple(p) if repetition != 1.0 else (), min_tokens=min_tokens,
+                eos_ids=tuple(eos_ids) if min_tokens else ()))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(ids, texts, sequences, n, echo, bool(body.stream), include_usage)

@@ -34,7 +34,7 @@ import torch
 from pagedexperts.engine.batching import forward_rows
 from pagedexperts.engine.chunked_prefill import Segment
 from pagedexperts.engine.isolation import each_isolated
-from pagedexperts.engine.sampling import adjusted_logits, warped_probs
+from pagedexperts.engine.sampling import adjusted_logits, sampling_probs
 from pagedexperts.engine.speculative.acceptance import Verdict, accept_greedy, accept_sampled
 from pagedexperts.engine.speculative.config import SpeculativeConfig, SpeculativeStats
 from pagedexperts.engine.speculative.draft import DraftProposer, load_draft
@@ -114,5 +114,5 @@ class SpeculativeDecoder:
         rows = [adjusted_logits(logits[j], params, req.output_ids + d[:j]) for j in range(len(d) + 1)]
         if params.greedy:
             return accept_greedy([int(torch.argmax(x)) for x in rows], d)
-        p = torch.stack([warped_probs(x, params.temperature, params.top_p) for x in rows])
+        p = torch.stack([sampling_probs(x, params) for x in rows])
         return accept_sampled(p, d, proposal.q, req.generator)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from pagedexperts.engine.batching import forward_rows
-from pagedexperts.engine.sampling import warped_probs
+from pagedexperts.engine.sampling import sampling_probs
 from pagedexperts.engine.speculative.config import SpeculativeConfig
 from pagedexperts.engine.speculative.proposers import Proposal, context_of
 
@@ -111,7 +111,7 @@ class DraftProposer:
         params = req.sampling
         if params.greedy:
             return int(torch.argmax(logits)), None
-        q = warped_probs(logits, params.temperature, params.top_p)
+        q = sampling_probs(logits, params)
         return int(torch.multinomial(q, 1, generator=req.generator)), q
 
     def settle(self, req, kept: int) -> None:
