@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "source_model_path", "") is None and str(args.model_path or "").startswith("bundled:"):
+            from pagedexperts.loading.loader import bundled_model_path
+
+            args.source_model_path = str(bundled_model_path())  # check's float32 source: the bundled model
         if getattr(args, "model_path", None):
             args.model_path = model_path(args.command, args.model_path)
         code = int(args.func(args) or 0)

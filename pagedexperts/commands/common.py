@@ -27,7 +27,10 @@ def add_model_arguments(parser) -> None:
         "--experts-implementation",
         default="grouped_mm",
         choices=list(INNER_IMPLEMENTATIONS),
-        help="transformers experts kernel run over the slots (default grouped_mm)",
+        help="experts kernel run over the slots (default grouped_mm): transformers' grouped_mm, batched_mm or "
+        "eager (exact to the unpaged model), or fused: Triton MoE kernels reading the packed slots directly "
+        "(device-planned steps only; CUDA, or CPU under TRITON_INTERPRET=1; exact to itself with all E "
+        "resident, within a tolerance of transformers)",
     )
     g.add_argument(
         "--policy",

@@ -28,6 +28,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.packing import WeightPacking, int_packing
 
 PACK_FACTOR = 8  # int4 values per int32 word
 SCALE_DTYPE = torch.float16  # AWQ checkpoints store float16 scales
@@ -137,3 +138,11 @@ class AwqFormat(ExpertFormat):
         shifts = self.device_constant("shifts", packed[f"{name}_qweight"].device, awq_shifts)
         return dequantize_awq(packed[f"{name}_qweight"], packed[f"{name}_qzeros"], packed[f"{name}_scales"],
                               dtype=tensor.dense.dtype, shifts=shifts)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """qweight [K, N/8] and qzeros [G, N/8] packed along the output dim in AWQ's nibble
+        order, scales [G, N] multiplied in float16."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=4,
+                           packed_dim="out", sources=1, group_size=self.group_size, zero=specs[f"{name}_qzeros"],
+                           transposed=True, interleaved=True)

@@ -277,6 +277,17 @@ class ExpertFormat:
         (a format whose stored dtypes are fixed by its layout)."""
         return self
 
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False):
+        """How ``tensor``'s packed rows encode its weight, for kernels that dequantize in
+        registers: a ``formats.packing.WeightPacking`` (that module imports this one, so no
+        annotation here); ``transposed``: the experts module's ``is_transposed`` (its dense
+        weight is [in, out]).
+
+        Raises:
+            NotImplementedError: this format has no packing description (names the format).
+        """
+        raise NotImplementedError(f"expert format {self.name!r} has no WeightPacking: fused kernels cannot read it")
+
     def layout(
         self, dense_specs: tuple[TensorSpec, ...], *, sources: Mapping[str, int] | None = None, transposed: bool = False
     ) -> ExpertLayout:

@@ -39,6 +39,7 @@ import torch
 
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
 from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.packing import WeightPacking, int_packing
 
 PACK_FACTOR = 8  # int4 values per int32 word
 INT4_OFFSET = 8  # stored nibble = signed value + 8
@@ -264,6 +265,15 @@ class CompressedTensorsW4A16Format(ExpertFormat):
             for w, s, z in zip(weights, scales, zps)
         ]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """int4 along the input dim ([N, K/8] words), scales [N, G] (multiplied in their dtype),
+        zero points packed along the output dim per source (asymmetric) or offset 8."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        scale, in_features = specs[f"{name}_scale"], tensor.dense.shape[1]
+        return int_packing(tensor, weight=specs[f"{name}_packed"], scale=scale, bits=4, packed_dim="in",
+                           sources=specs[f"{name}_shape"].shape[0] // 2, group_size=in_features // scale.shape[1],
+                           zero=specs.get(f"{name}_zero_point"))
 
 
 def _torch_dtype(name: str | None) -> torch.dtype | None:

@@ -40,6 +40,7 @@ import torch
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, store_name
 from pagedexperts.formats.compressed_tensors import ct_experts_args, experts_weights_args
 from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.packing import WeightPacking, fp4_packing
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 LIBRARY_DTYPE = torch.bfloat16  # compressed-tensors' unpack_fp4_from_uint8 default dtype
@@ -195,6 +196,15 @@ class CompressedTensorsNvfp4Format(_CompressedTensorsFp4):
         return dequantize_nvfp4(pick(packed[f"{name}_packed"]), pick(packed[f"{name}_scale"]),
                                 pick(packed[f"{name}_global_scale"]), dtype=dtype, table=table)
 
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """e2m1 [N, K/2], e4m3 scales per 16 columns divided by the source's global scale in
+        float32, the product rounded to bfloat16 (compressed-tensors' decompression)."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        glob = specs[f"{name}_global_scale"]
+        return fp4_packing(tensor, weight=specs[f"{name}_packed"], scale=specs[f"{name}_scale"], scale_codes="e4m3",
+                           group_size=self.group_size, sources=glob.shape[0], global_scale=glob, global_op="divide",
+                           round_dtype=LIBRARY_DTYPE)
+
 
 class CompressedTensorsMxfp4Format(_CompressedTensorsFp4):
     """compressed-tensors ``mxfp4-pack-quantized`` (MXFP4A16): not gpt-oss's
@@ -211,3 +221,10 @@ class CompressedTensorsMxfp4Format(_CompressedTensorsFp4):
         table = self.device_constant("e2m1", packed[f"{name}_packed"].device, e2m1_table)
         return dequantize_ct_mxfp4(packed[f"{name}_packed"], packed[f"{name}_scale"], dtype=tensor.dense.dtype,
                                    table=table)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """e2m1 [N, K/2] with an E8M0 scale per 32 columns, multiplied in bfloat16."""
+        name = tensor.dense.name
+        specs = {p.name: p for p in tensor.packed}
+        return fp4_packing(tensor, weight=specs[f"{name}_packed"], scale=specs[f"{name}_scale"], scale_codes="e8m0",
+                           group_size=self.group_size, sources=1, mul_dtype=LIBRARY_DTYPE, round_dtype=LIBRARY_DTYPE)

@@ -47,8 +47,9 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.ct_schemes import ExpertScheme, dense_schemes, dense_source_count, resolved_schemes
+from pagedexperts.formats.ct_schemes import (ExpertScheme, dense_schemes, dense_source_count, resolved_schemes)
 from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.packing import WeightPacking, dense_packing, float8_packing
 
 FP8_DTYPE = torch.float8_e4m3fn
 STRATEGIES = ("tensor", "channel", "block")
@@ -158,6 +159,14 @@ class CompressedTensorsFp8Format(ExpertFormat):
         parts = [dequantize_fp8(w, s, strategy=strategy, block=block, dtype=tensor.dense.dtype)
                  for w, s in zip(weight.chunk(sources, dim=1), scale.chunk(sources, dim=1))]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """fp8 [N, K] with its scheme's per-tensor / per-channel / per-block scale, per source."""
+        if tensor.is_passthrough:
+            return dense_packing(tensor, transposed=transposed)
+        strategy, block, _ = self.schemes[tensor.dense.name]
+        return float8_packing(tensor, scale=tensor.packed[1], strategy=strategy, block=block,
+                              sources=dense_source_count(tensor.dense.name))
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, *, strategy: str, block: tuple[int, int] | None,

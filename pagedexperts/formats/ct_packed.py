@@ -48,6 +48,7 @@ from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertFormat, ExpertLayout,
 from pagedexperts.formats.compressed_tensors import _torch_dtype
 from pagedexperts.formats.linear import ct_linear_format
 from pagedexperts.formats.ct_schemes import ExpertScheme, dense_source_count, expert_in_features, resolved_schemes
+from pagedexperts.formats.packing import WeightPacking, dense_packing, int_packing
 
 BITS = (4, 8)
 
@@ -240,6 +241,18 @@ class CompressedTensorsPackedFormat(ExpertFormat):
                                        shifts=shifts)
                  for w, s, z, g in zip(split("packed"), split("scale"), split("zero_point"), split("g_idx"))]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """b-bit values along the input dim ([N, K*b/32] words), scales [N, G], zero points
+        packed along the output dim per source, and ``weight_g_idx`` read per column when stored."""
+        name, args = tensor.dense.name, self.args.get(tensor.dense.name)
+        if args is None or tensor.is_passthrough:
+            return dense_packing(tensor, transposed=transposed)
+        specs = {p.name: p for p in tensor.packed}
+        scale, in_features = specs[f"{name}_scale"], tensor.dense.shape[1]
+        return int_packing(tensor, weight=specs[f"{name}_packed"], scale=scale, bits=args.num_bits, packed_dim="in",
+                           sources=dense_source_count(name), group_size=in_features // scale.shape[1],
+                           zero=specs.get(f"{name}_zero_point"), g_idx=specs.get(f"{name}_g_idx"))
 
 
 class CompressedTensorsW8A16Format(CompressedTensorsPackedFormat):

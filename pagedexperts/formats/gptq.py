@@ -31,6 +31,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.packing import WeightPacking, int_packing
 
 PACK_FACTOR = 8  # int4 values per int32 word
 SCALE_DTYPE = torch.float16  # GPTQ checkpoints store float16 scales
@@ -168,3 +169,16 @@ class GptqFormat(ExpertFormat):
             )
         ]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """qweight [K/8, N] (input-major), qzeros [G, N/8] (+ the v1 offset), scales [G, N]
+        multiplied in float16. With ``desc_act`` the kernel reads g_idx per input column;
+        without it, groups are ``k // group_size`` (GPTQ writes that g_idx;
+        ``packing.g_idx_is_trivial`` checks a checkpoint's rows)."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        in_features = tensor.dense.shape[1]
+        return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=4,
+                           packed_dim="in", sources=specs[f"{name}_g_idx"].shape[0] // in_features,
+                           group_size=in_features if self.group_size == -1 else self.group_size,
+                           zero=specs[f"{name}_qzeros"], g_idx=specs[f"{name}_g_idx"] if self.desc_act else None,
+                           transposed=True, zero_offset=self.zero_offset)

@@ -51,6 +51,7 @@ import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, store_name
 from pagedexperts.formats.compressed_tensors import _torch_dtype
+from pagedexperts.formats.packing import WeightPacking, float8_packing, fp4_packing
 
 # ModelOpt's e2m1 lookup (nvfp4_tensor.e2m1_values): code -> value, sign in bit 3, code 8 = +0.
 E2M1_VALUES = (0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6)
@@ -207,6 +208,15 @@ class ModelOptNvfp4Format(_ModelOptFormat):
         return dequantize_nvfp4(packed[name], packed[f"{name}_scale"], packed[f"{name}_scale_2"], dtype=dtype,
                                 table=table)
 
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """e2m1 [N, K/2], e4m3 scales per 16 columns times the source's ``weight_scale_2`` in
+        float32, the product rounded to the saved dtype, then the dense dtype."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        scale_2 = specs[f"{name}_scale_2"]
+        return fp4_packing(tensor, weight=specs[name], scale=specs[f"{name}_scale"], scale_codes="e4m3",
+                           group_size=NVFP4_GROUP, sources=scale_2.shape[0], global_scale=scale_2,
+                           global_op="multiply", round_dtype=self.saved_dtype or tensor.dense.dtype)
+
 
 class ModelOptFp8Format(_ModelOptFormat):
     """ModelOpt FP8 (``quant_algo: FP8``): float8_e4m3fn weights, one float32 ``weight_scale``
@@ -223,6 +233,12 @@ class ModelOptFp8Format(_ModelOptFormat):
 
     def _dequantize_source(self, packed, name, dtype) -> torch.Tensor:
         return dequantize_fp8(packed[name], packed[f"{name}_scale"], dtype=dtype)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """fp8 [N, K] with one float32 scale per source, multiplied in the saved dtype."""
+        scale = next(p for p in tensor.packed if p.name == f"{tensor.dense.name}_scale")
+        return float8_packing(tensor, scale=scale, strategy="tensor", sources=scale.shape[0],
+                              mul_dtype=self.saved_dtype or tensor.dense.dtype)
 
 
 def excluded_experts(quantization_config: dict, num_layers: int) -> list[str]:

@@ -24,6 +24,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.packing import WeightPacking, fp4_packing
 
 BLOCK = 32  # FP4 values per scale
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -74,6 +75,14 @@ class Mxfp4Format(ExpertFormat):
         name = tensor.dense.name
         table = self.device_constant("bytes", packed[name + "_blocks"].device, byte_table)
         return dequantize_mxfp4(packed[name + "_blocks"], packed[name + "_scales"], tensor.dense.dtype, table=table)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = True) -> WeightPacking:
+        """blocks [N, K/32, 16] (e2m1, low nibble first) with an E8M0 scale per 32 inputs,
+        multiplied in float32; the dense module is [K, N] (gpt-oss's transposed experts)."""
+        blocks, scales = tensor.packed
+        in_features, out_features = tensor.dense.shape
+        return fp4_packing(tensor, weight=blocks, scale=scales, scale_codes="e8m0", group_size=BLOCK, sources=1,
+                           n=out_features, k=in_features)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,

@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 from pagedexperts.loading.runtime import runtime_of
+from pagedexperts.paging.inner import FUSED
 
 logger = logging.getLogger(__name__)
 CACHE_ROUND = 64  # cache positions are allocated in multiples of this (fewer re-captures)
@@ -341,7 +342,7 @@ def runner_problem(runner, dtype: torch.dtype) -> str | None:
         return problem
     if runner.inner == "grouped_mm":
         return grouped_mm_problem(dtype, runner.device)
-    if runner.inner != "batched_mm":
+    if runner.inner not in ("batched_mm", FUSED):  # fused: fixed grids, device counts (paging.fused_step)
         return f"experts implementation {runner.inner!r} finds its experts with nonzero (a host read)"
     return None
 
