@@ -155,6 +155,9 @@ def test_check_on_w4a16_passes_without_compressed_tensors_fused_experts_warning(
         (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist"),
         (["--device", "cuda:x"], "--device 'cuda:x' is not a device this runs on; use cpu or cuda[:N]"),
         (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default)"),
+        # a directory was accepted, and the write after the whole generation raised IsADirectoryError
+        (["--stats-json", "/tmp"], "--stats-json /tmp is a directory; give a file path"),
+        (["--record-trace", "/tmp"], "--record-trace /tmp is a directory; give a file path"),
     ],
 )
 def test_generate_bad_input_is_a_clear_error(argv, needle, capsys, monkeypatch):
@@ -179,8 +182,7 @@ def test_check_passes_on_the_bundled_model(capsys):
     assert err.startswith("check: loading the unpaged reference, then the paged model at K = 4, 32\n")
     assert "check K=4:   0%|" in err and "| 0/4 [" in err and "check K=32:   0%|" in err
     lines = out.strip().splitlines()
-    assert lines[0] == ("reference: transformers (its own loading; no format library decompression "
-                        "for this checkpoint here)")
+    assert lines[0] == "reference: transformers (its own loading of an unquantized checkpoint)"
     assert lines[1].startswith("K=4 of E=64: 4 runs x 4 greedy steps") and lines[2].startswith("K=32 of E=64")
     for line in lines[1:3]:
         assert "logits torch.equal: yes (max |diff| 0)" in line and "greedy tokens equal: yes" in line
@@ -277,6 +279,10 @@ def test_a_bad_model_path_is_a_clear_error_in_every_loading_command(command, tmp
      (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1, got 0"),
      (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0, got -1.0"),
      (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist"),
+     (["--record-trace", "/tmp"], "--record-trace /tmp is a directory; give a file path"),
+     # an empty key served with no key at all (silently), an empty name fell back to the directory's
+     (["--api-key", ""], "--api-key '' is empty: the server would run with no key"),
+     (["--served-model-name", " "], "--served-model-name ' ' is empty"),
      (["--context-length", "100000"], "--context-length must be in [2, 512] (max_position_embeddings), got 100000")],
 )
 def test_serve_bad_flags_are_refused_before_loading(argv, needle, capsys, monkeypatch):

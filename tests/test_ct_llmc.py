@@ -187,15 +187,3 @@ def test_preflight_sizes_the_per_projection_checkpoint_as_load(capsys):
     assert cli_main(["preflight", "--model-path", str(path), "--num-resident", str(TOP_K), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["expert_bytes"] == model.pagedexperts.expert_bytes
-
-
-def test_fp8_groups_over_attention_are_refused_by_name(tmp_path):
-    """A ``Linear``-targeted FP8 group quantizes attention too: transformers would quantize its
-    activations in compressed-tensors' forward; refused, naming the module and the format."""
-    from pagedexperts.formats import format_for_config
-
-    cfg = json.loads((DATA / "qwen3_moe-fp8_dynamic" / "config.json").read_text())
-    cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = ["Linear"]
-    cfg["quantization_config"]["ignore"] = ["lm_head"]
-    with pytest.raises(ValueError, match=r"format 'float-quantized'.*strategy='channel'.*self_attn\.q_proj.*nearest"):
-        format_for_config(cfg)

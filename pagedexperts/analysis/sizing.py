@@ -257,7 +257,8 @@ class CheckpointSizes:
 
 
 def checkpoint_sizes(
-    *, model_path: str, num_experts: int, dtype: str | None = None, keep_fp32: tuple[str, ...] = ()
+    *, model_path: str, num_experts: int, dtype: str | None = None, keep_fp32: tuple[str, ...] = (),
+    skip: frozenset[str] = frozenset(),
 ) -> CheckpointSizes:
     """Expert and non-expert bytes of a checkpoint, from its safetensors headers only.
 
@@ -265,6 +266,8 @@ def checkpoint_sizes(
     floating tensor (F64, F32, F16, BF16) at numel x that dtype's bytes, except those whose name
     contains an entry of ``keep_fp32`` (the model class's fp32-kept modules) at 4 bytes; integer
     and 8-bit float (packed, quantized) tensors keep their stored bytes. None: stored bytes.
+    ``skip``: checkpoint keys not counted (a quantized non-expert module's tensors, which the
+    load replaces by its dequantized weight: ``loading.linears.planned_linears``).
 
     Expert tensors are per-expert keys (``model.layers.N.mlp.experts.J.*``, Mixtral's
     ``block_sparse_moe.experts.J.w1``) or stacked keys (``...mlp.experts.gate_up_proj``, leading
@@ -279,6 +282,8 @@ def checkpoint_sizes(
     expert_total = other_total = 0
     for path in checkpoint_files(model_path):
         for name, info in read_header_json(path)[0].items():
+            if name in skip:
+                continue
             begin, end = info["data_offsets"]
             nbytes = _run_bytes(name, info, end - begin, dtype, keep_fp32)
             m = _PER_EXPERT.search(name)

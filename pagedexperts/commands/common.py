@@ -27,7 +27,10 @@ def add_model_arguments(parser) -> None:
         "--experts-implementation",
         default="grouped_mm",
         choices=list(INNER_IMPLEMENTATIONS),
-        help="transformers experts kernel run over the slots (default grouped_mm)",
+        help="experts kernel run over the slots (default grouped_mm): transformers' grouped_mm, batched_mm or "
+        "eager (exact to the unpaged model), or fused: Triton MoE kernels reading the packed slots directly "
+        "(device-planned steps only; CUDA, or CPU under TRITON_INTERPRET=1; exact to itself with all E "
+        "resident, within a tolerance of transformers)",
     )
     g.add_argument(
         "--policy",
@@ -110,22 +113,34 @@ def add_decide_argument(group) -> None:
 
 GRAPHS_HELP = (
     "capture every decode step in a CUDA graph (static KV cache, one capture per batch size up to "
-    "--cuda-graph-max-batch; prefill stays eager); an error where capture cannot work (CPU, --decide host, "
+    "--cuda-graph-max-batch; prefill stays eager; serve: each decode batch bucket over its KV rows, prefill, "
+    "chunked prefill and --speculative verification eager); an error where capture cannot work (CPU, --decide host, "
     "a mode that copies on the host). Default: auto, graphs where the step is capturable (CUDA, device-planned "
     "or resident, a syncless experts kernel), else a WARNING and decode without them (silent on CPU). "
     "Unverified on a GPU so far (the CUDA tests are written, not yet run)"
 )
 
 
-def add_graph_arguments(group) -> None:
-    """--cuda-graphs / --no-cuda-graphs (default auto) and --cuda-graph-max-batch N."""
+def add_graph_arguments(group, *, max_batch_default: str | None = None) -> None:
+    """--cuda-graphs / --no-cuda-graphs (default auto) and --cuda-graph-max-batch N (default
+    ``DEFAULT_CUDA_GRAPH_MAX_BATCH``; with ``max_batch_default``, a text saying what None means:
+    serve captures every bucket up to --max-running-requests)."""
     group.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_const", const="on", default="auto",
                        help=GRAPHS_HELP)
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const="off",
-                       help="decode without CUDA graphs (transformers' generate, dynamic KV cache)")
-    group.add_argument("--cuda-graph-max-batch", type=int, default=DEFAULT_CUDA_GRAPH_MAX_BATCH, metavar="N",
-                       help=f"largest decode batch captured, N >= 1 (default {DEFAULT_CUDA_GRAPH_MAX_BATCH}); "
+                       help="decode without CUDA graphs (generate: transformers' generate, dynamic KV cache; "
+                       "serve: the same fixed-shape steps over the KV rows, run eagerly)")
+    default = DEFAULT_CUDA_GRAPH_MAX_BATCH if max_batch_default is None else None
+    group.add_argument("--cuda-graph-max-batch", type=int, default=default, metavar="N",
+                       help=f"largest decode batch captured, N >= 1 (default {max_batch_default or default}); "
                        "larger batches run the same static step eagerly")
+
+
+def _graph_max_batch(args) -> int:
+    """--cuda-graph-max-batch as given (checked by ``loading.config``), or the default where the
+    command leaves it None (serve: its buckets are the server's, ``ServeConfig``)."""
+    value = getattr(args, "cuda_graph_max_batch", None)
+    return DEFAULT_CUDA_GRAPH_MAX_BATCH if value is None else value
 
 
 def load_from_args(args):
@@ -176,9 +191,9 @@ def paging_options(args) -> dict:
         slot_format=getattr(args, "slot_format", DEFAULT_SLOT_FORMAT),
         host_memory_gb=getattr(args, "host_memory_gb", None),
         decide=decide_for(args),
-        # commands without the graph flags (check, serve, bench) decode without graphs
+        # commands without the graph flags (check, bench) decode without graphs
         cuda_graphs=getattr(args, "cuda_graphs", "off"),
-        cuda_graph_max_batch=getattr(args, "cuda_graph_max_batch", DEFAULT_CUDA_GRAPH_MAX_BATCH),
+        cuda_graph_max_batch=_graph_max_batch(args),
     )
 
 

@@ -112,7 +112,7 @@ def run(args) -> int:
 
 
 def _check_outputs(args) -> None:
-    """--stop strings non-empty, and the directories of --stats-json / --record-trace exist,
+    """--stop strings non-empty, and --stats-json / --record-trace files in directories that exist,
     before the model loads (ValueError naming the flag)."""
     for stop in args.stop:
         if not stop:
@@ -121,3 +121,5 @@ def _check_outputs(args) -> None:
         parent = os.path.dirname(path) if path else ""
         if parent and not os.path.isdir(parent):
             raise ValueError(f"{flag} {path}: directory {parent} does not exist")
+        if path and os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is a directory; give a file path")

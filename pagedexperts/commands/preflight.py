@@ -89,14 +89,27 @@ def run_preflight(args) -> int:
     return 1 if report.get("fits") is False else 0
 
 
-def _experts_dtype(config: dict, dtype: str) -> str:
-    """Name of the dtype a quantized checkpoint's dequantized experts take when run at ``dtype``
-    (``ExpertFormat.experts_dtype``: a W4A16 checkpoint's scales' dtype, as transformers keeps them)."""
+def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32: tuple[str, ...]):
+    """(sizes, dense expert bytes, dequantized non-expert modules) of a quantized checkpoint at
+    ``dtype``: experts at their stored (packed) bytes; non-expert floating weights at the run
+    dtype as a dense checkpoint's; quantized non-expert modules (attention, shared experts, dense
+    MLPs) at their dequantized bytes (``loading.linears.planned_linears``), as the load keeps them;
+    the dequantized experts in ``ExpertFormat.experts_dtype`` (a W4A16 checkpoint's scales' dtype)."""
     import torch
 
-    from pagedexperts.formats import format_for_config
+    from pagedexperts.loading.checkpoint import format_for_checkpoint
+    from pagedexperts.loading.linears import planned_linears
+    from pagedexperts.storage.safetensors_files import checkpoint_files
 
-    return str(format_for_config(config).experts_dtype(getattr(torch, dtype))).removeprefix("torch.")
+    files = checkpoint_files(model_path)
+    fmt = format_for_checkpoint(config, files)
+    linears, keys = planned_linears(config, files, fmt, getattr(torch, dtype), keep_fp32)
+    sizes = sizing.checkpoint_sizes(model_path=model_path, num_experts=shape.num_experts, keep_fp32=keep_fp32)
+    run_sizes = sizing.checkpoint_sizes(model_path=model_path, num_experts=shape.num_experts, dtype=dtype,
+                                        keep_fp32=keep_fp32, skip=frozenset(keys))
+    sizes = dataclasses.replace(sizes, non_expert_bytes=run_sizes.non_expert_bytes + linears.dense_bytes)
+    experts_dtype = str(fmt.experts_dtype(getattr(torch, dtype))).removeprefix("torch.")
+    return sizes, model_config.dense_expert_bytes(config, dtype=experts_dtype), linears
 
 
 def _model_inputs(args) -> dict:
@@ -110,14 +123,14 @@ def _model_inputs(args) -> dict:
         config = model_config.read_config(args.model_path)
         shape = model_config.moe_shape(config)
         dtype = model_config.run_dtype(config, dtype=args.dtype)
-        quantized = bool(config.get("quantization_config"))  # packed experts and scales: stored bytes
         keep_fp32 = fp32_kept_modules(config, dtype)
-        sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts,
-                                        dtype=None if quantized else dtype, keep_fp32=keep_fp32)
-        if quantized:  # non-expert floating weights are cast to the run dtype like a dense checkpoint's
-            run_sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts,
-                                                dtype=dtype, keep_fp32=keep_fp32)
-            sizes = dataclasses.replace(sizes, non_expert_bytes=run_sizes.non_expert_bytes)
+        linears = None
+        if config.get("quantization_config"):
+            sizes, dense_expert_bytes, linears = _quantized_sizes(args.model_path, config, shape, dtype, keep_fp32)
+        else:
+            sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts, dtype=dtype,
+                                            keep_fp32=keep_fp32)
+            dense_expert_bytes = sizes.expert_bytes
         return dict(
             model=os.path.basename(os.path.normpath(args.model_path)),
             moe_layers=len(shape.moe_layers),
@@ -126,9 +139,10 @@ def _model_inputs(args) -> dict:
             expert_bytes=sizes.expert_bytes,
             kv_bytes_per_token=model_config.kv_bytes_per_token(config, kv_dtype=args.kv_dtype, model_dtype=dtype),
             non_expert_bytes=sizes.non_expert_bytes,
-            dense_expert_bytes=(model_config.dense_expert_bytes(config, dtype=_experts_dtype(config, dtype))
-                                if quantized else sizes.expert_bytes),
+            dense_expert_bytes=dense_expert_bytes,
             dtype=dtype,
+            dequantized_modules=len(linears.modules) if linears else 0,
+            dequantized_bytes=linears.dense_bytes if linears else 0,
         )
     if args.slot_format == "dense":
         raise ValueError("--slot-format dense needs --model-path (the dense expert size comes from config.json)")
@@ -245,12 +259,15 @@ def _positive(value, flag: str) -> None:
 def build_report(
     *, model, moe_layers, num_experts, top_k, expert_bytes, kv_bytes_per_token, non_expert_bytes,
     num_resident, link_gbps, tok_s, device_memory_gb, context_length, max_running_requests,
-    runtime_reserve_gb, slot_format="packed", dense_expert_bytes=None, dtype=None,
+    runtime_reserve_gb, slot_format="packed", dense_expert_bytes=None, dtype=None, dequantized_modules=0,
+    dequantized_bytes=0,
 ) -> dict:
     """Compose the sizing functions into one flat report (bytes, fractions, seconds).
 
     ``slot_format`` "dense": a slot holds ``dense_expert_bytes`` per layer (the expert
-    dequantized); page-ins still move ``expert_bytes`` (packed).
+    dequantized); page-ins still move ``expert_bytes`` (packed). ``dequantized_modules`` /
+    ``dequantized_bytes``: quantized non-expert modules the load dequantizes (their dense bytes
+    are part of ``non_expert_bytes``).
 
     Raises:
         ValueError: K outside [1, E] (names --num-resident).
@@ -288,6 +305,7 @@ def build_report(
             num_experts=num_experts, num_resident=num_resident,
             slot_bytes=sizing.slot_bytes(expert_bytes=expert_bytes, moe_layers=moe_layers)),
         link_gbps=link_gbps, tok_s=tok_s, non_expert_bytes=non_expert_bytes,
+        dequantized_modules=dequantized_modules, dequantized_bytes=dequantized_bytes,
     )
     if link_gbps:
         r["prefill_page_in_s"] = sizing.transfer_seconds(num_bytes=r["prefill_page_in_bytes"], link_gbps=link_gbps)

@@ -22,6 +22,9 @@ def format_report(r: dict) -> str:
         f"slot (expert x L)     {size(r['slot_bytes'])}{' dense' if r['slot_format'] == 'dense' else ''} "
         f"(~{r['kv_tokens_per_slot']:,.0f} KV tokens at {r['kv_bytes_per_token']:,} B/token)",
         f"host store (slot x E) {size(r['host_bytes'])}",
+        f"non-expert weights    {size(r['non_expert_bytes'])} on the device"
+        + (f" ({r['dequantized_modules']} quantized modules dequantized at load: {size(r['dequantized_bytes'])})"
+           if r.get("dequantized_modules") else ""),
         f"resident K            {r['num_resident']} of {r['num_experts']} ({_k_source(r)}), "
         f"{size(r['device_slot_bytes'])} on the device",
         f"batch cap             {r['single_wave_batch_cap']} (K // top_k requests always fit one wave; "

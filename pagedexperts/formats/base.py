@@ -34,6 +34,14 @@ The contract a format module fulfils (``formats/README.md`` has the worked examp
    dequantizing experts (3, 5) together equals dequantizing each alone.
 5. ``reference_kwargs()``: what ``check`` passes to ``from_pretrained`` for the dequantized
    reference (e.g. ``quantization_config=...(dequantize=True)``).
+6. Non-expert nn.Linear weights (attention projections, shared experts, dense MLP layers,
+   lm_head, a router) come for free: a plain Linear is one row with one source under the dense
+   name ``LINEAR_WEIGHT`` (``linear_tensor``, ``dequantize_linear``: ``pack`` and ``dequantize``
+   above). ``linear_format(module, quantization_config)`` says which format stores a module
+   (default: this one; compressed-tensors: the module's own config group).
+7. ``with_stored_dtypes``: the format bound to the dtypes the checkpoint stores its experts'
+   tensors in (scales, zero points), so that the store holds them uncast and ``dequantize``
+   computes in them, as the format's library does. Default: unchanged.
 
 Legend: E experts, n experts dequantized together, H hidden, I expert intermediate.
 """
@@ -45,6 +53,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Mapping
 
 import torch
+
+LINEAR_WEIGHT = "weight"  # the dense name of one plain nn.Linear weight (``ExpertFormat.linear_tensor``)
 
 
 @dataclass(frozen=True)
@@ -195,6 +205,88 @@ class ExpertFormat:
         """Packed rows of n experts {name: [n, *spec.shape]} -> [n, *tensor.dense.shape] in
         ``tensor.dense.dtype``, bit-identical to transformers' loading (see module docstring)."""
         raise NotImplementedError
+
+    def linear_format(self, module: str, quantization_config: dict | None) -> "ExpertFormat | None":
+        """The format storing the weight of the non-expert nn.Linear ``module`` (its name as the
+        checkpoint spells it, e.g. ``model.layers.0.self_attn.q_proj``), bound for one plain
+        weight (``linear_tensor``), or None when ``quantization_config`` leaves it unquantized.
+
+        Default: ``self``, one scheme for every module (GPTQ, AWQ, block FP8, ModelOpt); whether a
+        module is quantized is then read from its keys (``loading.checkpoint``). A format whose
+        schemes differ per module overrides it (compressed-tensors: ``formats.linear``).
+
+        Raises:
+            ValueError: the module's scheme is not a supported format (names the module).
+        """
+        return self
+
+    def linear_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> QuantizedTensor:
+        """The packed specs standing for one plain nn.Linear weight [O, I] dequantized into
+        ``dtype``: ``pack`` of the dense spec ``LINEAR_WEIGHT`` with one source, untransposed
+        (a non-expert module is one row of one source). A passthrough result means the format
+        leaves such a tensor unquantized.
+
+        Raises:
+            ValueError: what ``pack`` refuses (e.g. a dim not a multiple of the group size).
+        """
+        dense = TensorSpec(LINEAR_WEIGHT, tuple(shape), dtype)
+        return QuantizedTensor(dense, self.pack(dense, sources=1, transposed=False))
+
+    def dequantize_linear(self, tensor: QuantizedTensor, serialized: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One plain nn.Linear's serialized tensors -> its dense weight [O, I] in
+        ``tensor.dense.dtype`` (``linear_tensor``), contiguous.
+
+        ``serialized``: {name as the checkpoint stores it under the module (``qweight``,
+        ``weight_scale``): tensor}, each in the dtype the checkpoint holds (scales are not cast:
+        ``dequantize`` computes in their dtype, as the format's library does). Each is reshaped to
+        its packed spec (a 0-d per-tensor scale is a [1] row) and given as one row to
+        ``dequantize``.
+
+        Raises:
+            ValueError: a packed tensor missing from ``serialized``, or one whose element count
+                is not its packed spec's (names both).
+        """
+        by_spec = {store_name(LINEAR_WEIGHT, LINEAR_WEIGHT, n): v for n, v in serialized.items()}
+        rows = {}
+        for spec in tensor.packed:
+            value = by_spec.get(spec.name)
+            if value is None:
+                raise ValueError(f"{self.name}: packed tensor {spec.name!r} missing (have {sorted(serialized)})")
+            if value.numel() != spec.numel:
+                raise ValueError(f"{self.name}: {spec.name!r} has shape {tuple(value.shape)}, the module's weight "
+                                 f"{tensor.dense.shape} needs {spec.shape}")
+            rows[spec.name] = value.reshape(spec.shape).unsqueeze(0)
+        return self.dequantize(tensor, rows)[0].contiguous()
+
+    def device_constant(self, name: str, device, build) -> torch.Tensor:
+        """A constant tensor of this format (a shift table, an FP4 lookup table) on ``device``,
+        built by ``build(device)`` once per device and kept on the instance, so that a dequantize
+        does not send it host-to-device again (a synchronous copy on CUDA, every wave)."""
+        cache = self.__dict__.setdefault("_device_constants", {})  # also on frozen dataclasses
+        key = (name, torch.device(device))
+        if key not in cache:
+            cache[key] = build(device)
+        return cache[key]
+
+    def with_stored_dtypes(self, dtypes: Mapping[str, torch.dtype]) -> "ExpertFormat":
+        """This format bound to the dtypes the checkpoint stores the routed experts' serialized
+        tensors in ({serialized name such as ``weight_scale``: dtype}, read from the shards'
+        headers by ``loading.checkpoint.stored_expert_dtypes``): packed specs of scales and zero
+        points in those dtypes (the store holds them as stored, no cast) and ``experts_dtype``
+        following them where the library dequantizes into the scales' dtype. Default: ``self``
+        (a format whose stored dtypes are fixed by its layout)."""
+        return self
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False):
+        """How ``tensor``'s packed rows encode its weight, for kernels that dequantize in
+        registers: a ``formats.packing.WeightPacking`` (that module imports this one, so no
+        annotation here); ``transposed``: the experts module's ``is_transposed`` (its dense
+        weight is [in, out]).
+
+        Raises:
+            NotImplementedError: this format has no packing description (names the format).
+        """
+        raise NotImplementedError(f"expert format {self.name!r} has no WeightPacking: fused kernels cannot read it")
 
     def layout(
         self, dense_specs: tuple[TensorSpec, ...], *, sources: Mapping[str, int] | None = None, transposed: bool = False

@@ -13,10 +13,15 @@ weight [O, I]:
   ``block_structure`` [bm, bn] = [128, 128]; a partial edge block has its own scale);
 - ``input_scale`` float32 [1] with static activations (FP8's ``static_minmax`` observer).
 
-Dequantize, as transformers 5.24 loads MoE experts (``CompressedTensorsDequantize.convert``,
-FP8 branch): ``(weight.to(float32) * weight_scale.to(float32)).to(model dtype)``, the scale
-broadcast over its tensor / row / block; one multiply, so compressed-tensors' own
-``_dequantize`` (``x_q.to(scale.dtype) * scale``) gives the same bits for float32 scales.
+Dequantize, as compressed-tensors' own ``_dequantize`` (``x_q.to(scale.dtype) * scale``, the
+scale broadcast over its tensor / row / block), in the dtype the checkpoint stores the scale in
+(``with_stored_dtypes``), then the model's dtype. For float32 scales this is transformers
+5.24's loading of MoE experts too (``CompressedTensorsDequantize.convert``, FP8 branch:
+``(weight.to(float32) * weight_scale.to(float32)).to(model dtype)``); for bfloat16 scales
+(llm-compressor on a bfloat16 model) the two agree at bfloat16 (the fp8 x bf16 product is exact
+in float32, rounded once either way) and differ only when such a checkpoint runs at float32,
+where transformers' experts keep the exact product and compressed-tensors' decompression (the
+reference ``check`` then picks) the bfloat16 one.
 
 Activations. The unpaged reference (transformers' loading, on CPU and on a GPU alike, since
 its FP8 kernel path ``use_optimized_inference`` is opt-in and covers nn.Linear only) stacks the
@@ -25,9 +30,12 @@ are unused (transformers drops them; pagedexperts logs them as unused), and dyna
 per-group activation quantization is not applied. pagedexperts computes the same, so paged ==
 unpaged bit for bit; a W8A8 FP8 kernel (vLLM's) is another computation with its own reference.
 
-Refused: FP8 config groups that also quantize attention, shared experts or dense MLPs (a
-``Linear`` target): transformers runs those modules through compressed-tensors' quantized
-forward (activations fake-quantized), another computation than a dequantized nn.Linear.
+Non-expert modules in FP8 groups (attention, shared experts, dense MLPs: a ``Linear`` target,
+llm-compressor's default recipe) are dequantized once at load the same way (``formats.linear``)
+and run on unquantized activations, as the library's dense reference (``tools.reference``)
+computes them; transformers instead runs them through compressed-tensors' forward, which
+quantizes their input activations (another computation, so ``check`` does not take it as the
+reference there).
 
 Legend: n experts dequantized together, O output features, I input features, bm x bn a block.
 """
@@ -38,10 +46,10 @@ from typing import Mapping
 
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.ct_schemes import (ExpertScheme, dense_schemes, dense_source_count, non_expert_linear_names,
-                                             quantized_non_expert,
-                                             resolved_schemes)
+from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.ct_schemes import (ExpertScheme, dense_schemes, dense_source_count, resolved_schemes)
+from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.packing import WeightPacking, dense_packing, float8_packing
 
 FP8_DTYPE = torch.float8_e4m3fn
 STRATEGIES = ("tensor", "channel", "block")
@@ -86,9 +94,12 @@ class CompressedTensorsFp8Format(ExpertFormat):
 
     name = "ct-fp8"
     serialized_names = {"weight": ("weight", "weight_scale")}
+    linear_format = ct_linear_format
 
     def __init__(self, schemes: Mapping[str, tuple[str, tuple[int, int] | None, torch.dtype]]) -> None:
         self.schemes = dict(schemes)  # dense name -> (strategy, block, scale dtype)
+        if len(set(self.schemes.values())) == 1:  # one scheme: a plain nn.Linear weight takes it too
+            self.schemes.setdefault(LINEAR_WEIGHT, next(iter(self.schemes.values())))
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:
@@ -102,24 +113,17 @@ class CompressedTensorsFp8Format(ExpertFormat):
         Raises:
             ValueError: see ``_check_scheme``.
         """
-        return cls._bound(quantization_config or {}, None)
-
-    @classmethod
-    def from_config(cls, config, quantization_config: dict | None) -> "CompressedTensorsFp8Format":
-        """As ``from_quantization_config``, the non-expert check on the model's own nn.Linear
-        names (``non_expert_linear_names``)."""
-        return cls._bound(quantization_config or {}, non_expert_linear_names(config))
-
-    @classmethod
-    def _bound(cls, qc: dict, module_names: list[str] | None) -> "CompressedTensorsFp8Format":
-        schemes = dense_schemes(qc)
-        other = quantized_non_expert(qc, module_names)
-        if other is not None:
-            raise ValueError(
-                f"fp8 config groups also quantize {other} (not a routed expert): transformers runs such modules "
-                "through compressed-tensors' forward, which quantizes their input activations, and pagedexperts "
-                "does not reproduce that; only checkpoints whose FP8 groups target the routed experts are supported")
+        schemes = dense_schemes(quantization_config or {})
         return cls({dense: _check_scheme(dense, s) for dense, s in schemes.items()})
+
+    def with_stored_dtypes(self, dtypes) -> "CompressedTensorsFp8Format":
+        """Bound to the dtype the checkpoint stores ``weight_scale`` in (llm-compressor writes the
+        weights' dtype unless ``scale_dtype`` is set): the store holds the scales uncast;
+        ``dequantize`` multiplies in float32 either way, as transformers does."""
+        stored = dtypes.get("weight_scale")
+        if stored is None:
+            return self
+        return type(self)({d: (strategy, block, stored) for d, (strategy, block, _) in self.schemes.items()})
 
     def _scale_shape(self, dense: str, out_features: int, in_features: int, sources: int) -> tuple[int, ...]:
         strategy, block, _ = self.schemes[dense]
@@ -156,16 +160,27 @@ class CompressedTensorsFp8Format(ExpertFormat):
                  for w, s in zip(weight.chunk(sources, dim=1), scale.chunk(sources, dim=1))]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)
 
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """fp8 [N, K] with its scheme's per-tensor / per-channel / per-block scale, per source."""
+        if tensor.is_passthrough:
+            return dense_packing(tensor, transposed=transposed)
+        strategy, block, _ = self.schemes[tensor.dense.name]
+        return float8_packing(tensor, scale=tensor.packed[1], strategy=strategy, block=block,
+                              sources=dense_source_count(tensor.dense.name))
+
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, *, strategy: str, block: tuple[int, int] | None,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """One projection of n experts: fp8 [n, O, I] x scale -> [n, O, I] in ``dtype``.
+                   dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One projection of n experts: fp8 (or int8) [n, O, I] x scale -> [n, O, I] in ``dtype``.
 
     scale: [n, 1] (tensor), [n, O, 1] (channel) or [n, ceil(O/bm), ceil(I/bn)] (block).
-    ``(q.to(float32) * s.to(float32)).to(dtype)`` with s broadcast over its elements.
+    ``(q.to(c) * s.to(c)).to(dtype)`` with s broadcast over its elements, c = ``compute_dtype``
+    (None: the scale's own dtype, as compressed-tensors' ``_dequantize`` computes: float32 for
+    float32 scales, bfloat16 for the bfloat16 scales llm-compressor writes for a bfloat16 model).
     """
-    q = weight.to(torch.float32)
-    s = scale.to(torch.float32)
+    compute = compute_dtype or scale.dtype
+    q = weight.to(compute)
+    s = scale.to(compute)
     if strategy == "tensor":
         s = s.view(-1, 1, 1)
     elif strategy == "block":

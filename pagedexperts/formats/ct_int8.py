@@ -29,6 +29,8 @@ import torch
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec
 from pagedexperts.formats.ct_fp4 import in_experts_dtype
 from pagedexperts.formats.compressed_tensors import _torch_dtype, ct_experts_args, experts_weights_args
+from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.packing import WeightPacking, float8_packing
 
 
 class CompressedTensorsInt8Format(ExpertFormat):
@@ -36,6 +38,7 @@ class CompressedTensorsInt8Format(ExpertFormat):
 
     name = "w8a8-int8"
     serialized_names = {"weight": ("weight", "weight_scale")}
+    linear_format = ct_linear_format
 
     def __init__(self, *, scale_dtype: torch.dtype | None = None) -> None:
         self.scale_dtype = scale_dtype  # None: the model's dtype
@@ -67,6 +70,12 @@ class CompressedTensorsInt8Format(ExpertFormat):
         fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
         return fmt
 
+    def with_stored_dtypes(self, dtypes) -> "CompressedTensorsInt8Format":
+        """Bound to the dtype the checkpoint stores ``weight_scale`` in (compressed-tensors
+        dequantizes in it)."""
+        stored = dtypes.get("weight_scale")
+        return self if stored is None or stored == self.scale_dtype else type(self)(scale_dtype=stored)
+
     def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The scales' dtype when bound (compressed-tensors decompresses into it), else ``model_dtype``."""
         return self.scale_dtype or model_dtype
@@ -97,3 +106,8 @@ class CompressedTensorsInt8Format(ExpertFormat):
         name = tensor.dense.name
         scale = packed[f"{name}_scale"]
         return (packed[name].to(scale.dtype) * scale).to(tensor.dense.dtype)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """int8 [N, K], one scale per row, multiplied in the scale's dtype."""
+        scale = tensor.packed[1]
+        return float8_packing(tensor, scale=scale, strategy="channel", sources=1, codes="int", mul_dtype=scale.dtype)

@@ -56,26 +56,57 @@ def group_for(quantization_config: dict, projection: str, *, module: str = EXPER
 
 
 def scheme_of_module(quantization_config: dict, name: str) -> ExpertScheme | None:
-    """The scheme of the first config group whose targets match module ``name`` (None: ignored
-    or unquantized)."""
+    """The scheme of the config group compressed-tensors gives module ``name`` (None: ignored or
+    unquantized): see ``group_of_module``."""
+    key = group_of_module(quantization_config, name)
+    if key is None:
+        return None
+    group = quantization_config["config_groups"][key]
+    return ExpertScheme(dict(group.get("weights") or {}), group.get("input_activations"),
+                        group.get("format") or quantization_config.get("format"))
+
+
+def group_of_module(quantization_config: dict, name: str) -> str | None:
+    """The key of the config group compressed-tensors applies to module ``name``, or None
+    (ignored, or no target matches). As compressed-tensors 0.20 (``utils.match.match_targets``,
+    ``lifecycle.apply._scheme_from_targets``): the targets that match, most specific first (the
+    exact name, then ``re:`` patterns, then the class name ``Linear``; alphabetical within a
+    kind), the first one's group (a target listed by two groups: the later group's), whatever
+    the order of the groups in config.json (llm-compressor writes a ``Linear`` group first)."""
+    target = _winning_target(quantization_config, name)
+    if target is None:
+        return None
+    return next(key for key, group in reversed(list((quantization_config.get("config_groups") or {}).items()))
+                if target in group.get("targets", []))
+
+
+def _winning_target(quantization_config: dict, name: str) -> str | None:
+    """The target that decides module ``name``'s group (``group_of_module``), or None."""
     if _ignored(name, quantization_config.get("ignore") or []):
         return None
-    for group in (quantization_config.get("config_groups") or {}).values():
-        if any(_matches(t, name) for t in group.get("targets", [])):
-            return ExpertScheme(dict(group.get("weights") or {}), group.get("input_activations"),
-                                group.get("format") or quantization_config.get("format"))
-    return None
+    targets = sorted({t for g in (quantization_config.get("config_groups") or {}).values() for t in g.get("targets", [])},
+                     key=lambda t: ("re:" in t, t))
+    ranked = [t for t in targets if t == name or (t.startswith("re:") and re.match(t[3:], name))]
+    ranked += [t for t in targets if t == "Linear" and t not in ranked]
+    return ranked[0] if ranked else None
 
 
 def dense_schemes(quantization_config: dict) -> dict[str, ExpertScheme]:
-    """Dense experts tensor -> its scheme, for the family naming whose projections a config
-    group matches (gate/up/down first, then w1/w3/w2).
+    """Dense experts tensor -> its scheme, for the family naming (gate/up/down, or Mixtral's
+    w1/w3/w2) whose projections the config names most specifically (by exact name or ``re:``
+    target rather than the class name ``Linear``, which matches both: a ``Linear`` group beside
+    ``re:.*w[13]$`` and ``re:.*w2$`` groups is Mixtral's); a tie (e.g. ``Linear`` only) reads
+    gate/up/down.
 
     Raises:
         ValueError: the projections concatenated into one dense tensor (gate and up) have
             different schemes, or some but not all projections are quantized (names them).
     """
-    for family in range(2):
+    def specific(family: int) -> int:
+        return sum(_winning_target(quantization_config, EXPERT_MODULE.format(p)) not in (None, "Linear")
+                   for names in DENSE_SOURCES.values() for p in names[family])
+
+    for family in sorted(range(2), key=lambda f: -specific(f)):
         out: dict[str, ExpertScheme | None] = {}
         for dense, names in DENSE_SOURCES.items():
             schemes = [group_for(quantization_config, p) for p in names[family]]

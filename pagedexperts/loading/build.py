@@ -17,13 +17,14 @@ import torch
 
 from pagedexperts import integration
 from pagedexperts.formats import format_for_config
-from pagedexperts.formats.slots import resolve_slot_format
-from pagedexperts.loading.config import PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype
+from pagedexperts.loading.config import (PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype,
+                                         slot_format_of)
 from pagedexperts.loading.runners import attach_runners
 from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.loading.checkpoint import expert_sources
 from pagedexperts.models import config as model_config
 from pagedexperts.models.sites import find_experts_sites
+from pagedexperts.paging.inner import transformers_inner
 from pagedexperts.storage import host_memory
 from pagedexperts.storage.host_memory import HostMemoryPlan, plan_host_memory
 from pagedexperts.storage.host_store import HostExpertStore
@@ -39,7 +40,8 @@ def build_paged_model(config, fill, *, expert_format=None, **options):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
     ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
-    stores ({site name: ExpertStore}), every other parameter onto ``device``. ``load_model``
+    stores ({site name: ExpertStore}), every other parameter onto ``device``; it returns the
+    non-expert modules it dequantized (``loading.linears.DequantizedLinears``) or None. ``load_model``
     reads a checkpoint (``loading.fill``); ``loading.runners.random_fill`` makes random weights
     for benchmarks at real scale. ``expert_format``: the checkpoint's format (None: from
     ``config``'s ``quantization_config``); the stores hold its packed tensors. ``options``: the
@@ -63,12 +65,12 @@ def build_paged_model(config, fill, *, expert_format=None, **options):
     memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, k_slots=k_slots, top_k=top_k)
     runtime = PagingRuntime(
         config=dataclasses.replace(cfg, num_resident=k_slots, device=str(dev),
-                                   slot_format=resolve_slot_format(cfg.slot_format, dev)),
+                                   slot_format=slot_format_of(cfg)),
         num_experts=num_experts, top_k=top_k, num_resident=k_slots, expert_format=fmt.name,
         layouts=layouts, host_memory=memory, sites=sites,
     )
     runtime.stores = _make_stores(runtime, dev)
-    fill(model, {s.name: s for s in sites}, runtime.stores, dev)
+    runtime.dequantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
     attach_runners(runtime, dev)
     _install(model, runtime, dev)
     return model
@@ -107,7 +109,8 @@ def _meta_model(config, dtype: torch.dtype, experts_implementation: str):
     from transformers import AutoModelForCausalLM
 
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 experts_implementation=transformers_inner(experts_implementation))
     _keep_in_fp32(model, dtype)
     return model
 

@@ -6,11 +6,12 @@ read: stacked (``mlp.experts.gate_up_proj`` [E, ...]) and one tensor per expert
 (``mlp.experts.{j}.gate_proj.weight``, what hub checkpoints and ``save_pretrained`` write).
 Quantized checkpoints (``pagedexperts.formats``): expert tensors map to the store's packed
 tensors under the format's names (``gate_up_proj_scale_inv``), for the converter's sources and
-the format's serialized companions alike; a quantized non-expert weight (block-FP8 attention)
-is dequantized by the same format once its companions are read (``PlainDequantizer``), into
-the model's dtype, as transformers' loading does. Putting a non-expert tensor in place
-(``load_plain_tensor``) and the final check that nothing is left on meta.
-Does not: read bytes (``loading.fill``) or build the model (``loading.build``).
+the format's serialized companions alike. The dtypes the checkpoint stores the experts' scales
+in (``stored_expert_dtypes``, ``format_for_checkpoint``). Putting a non-expert tensor in place
+(``load_plain_tensor``, which refuses a quantized weight it would cast) and the final check
+that nothing is left on meta.
+Does not: read bytes (``loading.fill``), build the model (``loading.build``) or dequantize
+quantized non-expert modules (``loading.linears``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import re
 
 import torch
 
-from pagedexperts.formats import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats import ExpertFormat, format_for_config
 from pagedexperts.formats.base import store_name
 from pagedexperts.formats.dense import DenseFormat
 from pagedexperts.models.sites import ExpertsSite
@@ -108,6 +109,55 @@ class KeyMap:
         return None
 
 
+# A routed expert's checkpoint key: per expert (``experts.3.gate_proj.weight_scale``: the
+# serialized name last) or stacked (``experts.gate_up_proj_scale``: a dense name + its suffix).
+_EXPERT_KEY = re.compile(r"\.experts\.(?:\d+\.[^.]+\.)?([^.]+)$")
+_STACKED_TARGETS = ("gate_up_proj", "down_proj")
+
+
+def is_expert_key(key: str) -> bool:
+    """Whether a checkpoint key is a routed expert's tensor (per expert or stacked), by its name."""
+    return _EXPERT_KEY.search(key) is not None
+
+
+def stored_expert_dtypes(files, fmt: ExpertFormat) -> dict[str, "torch.dtype"]:
+    """{serialized name (``weight_scale``, ``scales``): dtype} of the routed experts' tensors as
+    the checkpoint stores them (the first expert key of each name, from the shards' headers only).
+
+    Raises:
+        ValueError: an unreadable or truncated shard, named as the loader names it
+            (``storage.safetensors_index.check_readable``).
+    """
+    from pagedexperts.storage.safetensors_index import check_readable, read_header
+
+    check_readable(files)  # the first header reads of a load: a truncated shard named before anything else
+    names = {n for ns in fmt.serialized_names.values() for n in ns}
+    out: dict[str, torch.dtype] = {}
+    for file in files:
+        for key, entry in read_header(file).items():
+            m = _EXPERT_KEY.search(key)
+            local = m.group(1) if m else None
+            if local in names:
+                out.setdefault(local, entry.dtype)
+                continue
+            for name in names:  # stacked: gate_up_proj + the name's suffix
+                if local in {store_name(t, "weight", name) for t in _STACKED_TARGETS} and name != "weight":
+                    out.setdefault(name, entry.dtype)
+    return out
+
+
+def format_for_checkpoint(config, files) -> ExpertFormat:
+    """``formats.format_for_config`` bound to the dtypes the checkpoint stores its experts'
+    scales and zero points in (``ExpertFormat.with_stored_dtypes``), never cast from config.json's
+    ``dtype``: what ``load_model``, ``check`` and ``preflight`` resolve a format with.
+
+    Raises:
+        ValueError: see ``format_for_config``; an unreadable header.
+    """
+    fmt = format_for_config(config)
+    return fmt.with_stored_dtypes(stored_expert_dtypes(files, fmt))
+
+
 def check_model_filled(model) -> None:
     """Tie the embeddings when the config says so, then check that no parameter is left on the
     meta device (every non-expert tensor came from the checkpoint).
@@ -122,59 +172,14 @@ def check_model_filled(model) -> None:
         raise ValueError(f"checkpoint lacks {len(missing)} model tensors, e.g. {missing[:4]}")
 
 
-class PlainDequantizer:
-    """Quantized non-expert weights (block-FP8 attention, shared experts, dense MLPs): collects
-    a weight's serialized companions (``q_proj.weight`` + ``q_proj.weight_scale_inv``) as they
-    stream by, and dequantizes them with the format into the parameter's dtype once complete.
-
-    A weight counts as quantized when the checkpoint holds all its serialized names.
-    """
-
-    def __init__(self, fmt: ExpertFormat | None, keys: list[str]) -> None:
-        self.fmt = fmt
-        self.groups: dict[str, tuple[str, tuple[str, ...]]] = {}  # key -> (base "mod.weight", names)
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
-        present = set(keys)
-        for param, names in (fmt.serialized_names.items() if fmt is not None else ()):
-            for key in keys:
-                if not key.endswith("." + param):
-                    continue
-                module = key[: -len(param) - 1]
-                if len(names) > 1 and all(f"{module}.{n}" in present for n in names):
-                    for n in names:
-                        self.groups[f"{module}.{n}"] = (f"{module}.{param}", names)
-
-    def takes(self, key: str) -> bool:
-        return key in self.groups
-
-    def add(self, model, key: str, value: torch.Tensor) -> tuple[str | None, torch.Tensor | None]:
-        """Keep ``value``; when its group is complete return (weight key, dense weight)."""
-        base, names = self.groups[key]
-        module_name, _, param = base.rpartition(".")
-        parts = self.pending.setdefault(base, {})
-        parts[key.rpartition(".")[2]] = value
-        if len(parts) < len(names):
-            return None, None
-        del self.pending[base]
-        ref = model.get_submodule(module_name)._parameters.get(param)
-        if ref is None:
-            raise ValueError(f"checkpoint's quantized {base!r} has no parameter in the model")
-        dense = TensorSpec(param, tuple(ref.shape), ref.dtype)
-        qt = QuantizedTensor(dense, self.fmt.pack(dense, sources=1, transposed=False))
-        rows = {store_name(param, param, name): parts[name].unsqueeze(0) for name in parts}
-        return base, self.fmt.dequantize(qt, rows)[0]
-
-    def check_done(self) -> None:
-        if self.pending:
-            base, parts = next(iter(self.pending.items()))
-            raise ValueError(
-                f"quantized checkpoint tensor {base!r} lacks its companions: has {sorted(parts)}, "
-                f"needs {list(self.groups[base][1])}"
-            )
-
-
 def load_plain_tensor(model, key: str, value: torch.Tensor, device) -> bool:
-    """Put a non-expert tensor in its place on the device. False if the model has no such key."""
+    """Put a non-expert tensor in its place on the device. False if the model has no such key.
+
+    Raises:
+        ValueError: a shape other than the config's; an integer or 8-bit float tensor for a
+            floating parameter (a quantized weight whose companions the checkpoint's format does
+            not read: casting it would drop its scales).
+    """
     module_name, _, attr = key.rpartition(".")
     try:
         module = model.get_submodule(module_name)
@@ -186,6 +191,10 @@ def load_plain_tensor(model, key: str, value: torch.Tensor, device) -> bool:
     ref = current if current is not None else module._buffers[attr]
     if tuple(ref.shape) != tuple(value.shape):
         raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}, the config implies {tuple(ref.shape)}")
+    if ref.is_floating_point() and not (value.is_floating_point() and value.element_size() >= 2):
+        raise ValueError(f"checkpoint tensor {key!r} is {value.dtype} for the model's {ref.dtype} parameter: a "
+                         "quantized weight stored in a way this checkpoint's format does not read (its module's "
+                         "serialized tensors are not the format's); not supported")
     dtype = ref.dtype if value.is_floating_point() else value.dtype
     tensor = value.to(device=device, dtype=dtype)
     if current is not None:  # the attributes from_pretrained gives (requires_grad changes CPU matmul paths)

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-from pagedexperts.loading.checkpoint import KeyMap, PlainDequantizer, check_model_filled, load_plain_tensor
+from pagedexperts.formats import quantization_config_of
+from pagedexperts.loading.checkpoint import KeyMap, check_model_filled, load_plain_tensor
+from pagedexperts.loading.linears import DequantizedLinears, PlainDequantizer
 from pagedexperts.storage.safetensors_index import Extent, bytes_view, expert_extents, pread_into, read_extent, read_header
 
 logger = logging.getLogger(__name__)
@@ -94,7 +96,7 @@ class CheckpointIndex:
 
 
 def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files: list[Path], fmt=None,
-                         threads: int = DEFAULT_READ_THREADS, progress: bool = True) -> None:
+                         threads: int = DEFAULT_READ_THREADS, progress: bool = True) -> DequantizedLinears:
     """Put every checkpoint tensor in its place: the one fill (``fill`` of
     ``loading.build.build_paged_model``), for every format.
 
@@ -102,7 +104,9 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
     store returns the reads into its rows, done here; the disk tier keeps the ranges). ``fmt``:
     the checkpoint's expert format (None: dense); the stores hold its packed tensors.
     Non-expert tensors: read at their mapped alignment and put on ``device`` in the model's
-    dtype, a quantized one dequantized by ``fmt`` once its companions are read.
+    dtype; a quantized module (attention, shared experts, dense MLPs) dequantized once its
+    tensors are read (``linears.PlainDequantizer``), with a WARNING naming the memory it
+    costs on a CUDA device. Returns what was dequantized (the start-up report's line).
 
     Raises:
         ValueError: see ``CheckpointIndex``; a model tensor the checkpoint lacks; a quantized
@@ -118,16 +122,31 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
         read_expert_rows(jobs, threads=threads, on_bytes=bar.update)
         for store in stores.values():
             store.after_fill()
-        unexpected = _fill_plain(model, index.plain, device, fmt, on_bytes=bar.update)
+        unexpected, dequantized = _fill_plain(model, index.plain, device, fmt, on_bytes=bar.update)
     if unexpected:
         logger.warning("checkpoint keys not used by the model: %d (first: %s)", len(unexpected), unexpected[:3])
     check_model_filled(model)
+    _report_dequantized(dequantized, fmt, device)
+    return dequantized
 
 
-def _fill_plain(model, plain, device, fmt, *, on_bytes) -> list[str]:
+def _report_dequantized(dequantized: DequantizedLinears, fmt, device) -> None:
+    """INFO on the CPU, a WARNING naming the memory cost on CUDA (no fused kernel keeps them packed yet)."""
+    line = dequantized.describe(getattr(fmt, "name", "dense"))
+    if not line:
+        return
+    if torch.device(device).type == "cuda":
+        logger.warning("%s on the device: %.1f MB more than packed (a packed single-matrix kernel is not "
+                       "available yet)", line, (dequantized.dense_bytes - dequantized.packed_bytes) / 1e6)
+    else:
+        logger.info("%s", line)
+
+
+def _fill_plain(model, plain, device, fmt, *, on_bytes) -> tuple[list[str], DequantizedLinears]:
     """Read every non-expert tensor (``CheckpointIndex.plain``) into place; returns the
-    checkpoint keys the model has no place for."""
-    quantized = PlainDequantizer(fmt, [key for key, _, _ in plain])
+    checkpoint keys the model has no place for, and the modules dequantized."""
+    quantized = PlainDequantizer(fmt, [(key, raw_key) for key, raw_key, _ in plain],
+                                 quantization_config_of(model.config))
     unexpected = []
     for key, raw_key, entry in plain:
         value = read_tensor(entry)
@@ -141,7 +160,7 @@ def _fill_plain(model, plain, device, fmt, *, on_bytes) -> list[str]:
         if not load_plain_tensor(model, key, value, device):
             unexpected.append(raw_key)
     quantized.check_done()
-    return unexpected
+    return unexpected, quantized.dequantized
 
 
 class NonFiniteWeights(ValueError):

@@ -14,10 +14,10 @@ import functools
 import logging
 from pathlib import Path
 
-from pagedexperts.formats import format_for_config
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT
 from pagedexperts.loading.bundled import bundled_model_path
 from pagedexperts.loading.build import build_paged_model
+from pagedexperts.loading.checkpoint import format_for_checkpoint
 from pagedexperts.loading.config import ConfigError, PagingConfig, check_config, option_problems
 from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
@@ -106,7 +106,7 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
     """
     cfg = PagingConfig(**options)
     path, config, files = _read_checked(model_path, cfg)
-    fmt = format_for_config(config)
+    fmt = format_for_checkpoint(config, files)
     check_config(cfg, config, fmt)
     check_readable(files)
     if fmt.name == "dense" and cfg.slot_format != DEFAULT_SLOT_FORMAT:

@@ -23,6 +23,7 @@ from pagedexperts.paging import prefetch
 from pagedexperts.paging.baselines import CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
 from pagedexperts.paging.device_executor import DeviceExecutor
 from pagedexperts.paging.host_executor import HostExecutor
+from pagedexperts.paging.inner import FUSED
 from pagedexperts.paging.runner import PagedExecutor
 from pagedexperts.residency.policies import make_policy
 from pagedexperts.storage.host_store import HostExpertStore
@@ -144,8 +145,10 @@ def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
     read-back); both implement ``PagedExecutor``."""
     k = runtime.num_resident
     if runtime.decide == "device":
+        # the fused kernels read the packed slots by the layout: no dense scratch
+        tables = {"layout": layout} if runtime.config.experts_implementation == FUSED else _slot_tables(runtime, layout, dev)
         return DeviceExecutor(num_slots=k, policy=runtime.config.policy, backend=runtime.config.device_kernels,
-                           **_slot_tables(runtime, layout, dev), **common)
+                              **tables, **common)
     return HostExecutor(num_slots=k, policy=make_policy(runtime.config.policy, k), copy_stream=copy_stream,
                                **_slot_tables(runtime, layout, dev), **common)
 

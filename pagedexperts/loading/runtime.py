@@ -60,6 +60,8 @@ class PagingRuntime:
     layouts: dict[str, ExpertLayout] = field(default_factory=dict, repr=False)
     buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
     host_memory: HostMemoryPlan | None = None
+    # quantized non-expert modules dequantized at load (``loading.linears.DequantizedLinears``; None: none)
+    dequantized_linears: object = field(default=None, repr=False)
     read_ahead: ReadAhead | None = field(default=None, repr=False)
     decide: str = "host"
     cuda_graphs: str = "off"
