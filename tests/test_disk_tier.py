@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import pagedexperts
-from conftest import E, PAD_ID, TOP_K, VOCAB, copy_dir, host_budget_gb
+from conftest import E, PAD_ID, TOP_K, VOCAB, copy_dir, greedy_logits, host_budget_gb
 from pagedexperts.storage.host_memory import plan_host_memory
 from pagedexperts.formats.slots import PackedSlots
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
@@ -46,13 +46,6 @@ def prompts(batch: int, length: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     if batch > 1:
         ids[0, :3], mask[0, :3] = PAD_ID, 0  # left padding on the first row
     return ids, mask
-
-
-@torch.no_grad()
-def greedy_logits(model, ids, mask, steps: int = 6) -> torch.Tensor:
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
-                         min_new_tokens=steps, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD_ID)
-    return torch.stack(out.logits)
 
 
 @pytest.mark.parametrize("layout", ["per-expert", "stacked", "sharded"])
@@ -204,11 +197,14 @@ def test_a_shard_lost_mid_run_fails_clearly_and_stays_failed(tmp_path, tiny_moe_
             greedy_logits(model, ids, mask)
 
 
-def test_nothing_of_the_checkpoint_stays_mapped(tiny_moe_dir):
-    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
+def test_nothing_of_the_checkpoint_stays_mapped(tiny_moe_dir, tmp_path):
+    # a copy of its own: the session's shared unpaged models (conftest.reference_model) keep the
+    # shared checkpoint's file mapped, as from_pretrained does
+    path = copy_dir(tiny_moe_dir, tmp_path / "model")
+    model, _ = pagedexperts.load_model(path, num_resident=TOP_K, dtype="float32")
     gc.collect()
     with open("/proc/self/maps") as f:
-        mapped = [line for line in f if str(tiny_moe_dir) in line]
+        mapped = [line for line in f if str(path) in line]
     assert mapped == []
     assert model is not None
 

@@ -38,12 +38,9 @@ def _decode(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("k_slots", [E, E // 2])
-def test_single_wave_decode_reads_the_slots_in_place(tiny_moe_dir, monkeypatch, k_slots):
-    from transformers import AutoModelForCausalLM
-
+def test_single_wave_decode_reads_the_slots_in_place(tiny_moe_dir, reference_model, monkeypatch, k_slots):
     ids = torch.randint(2, 100, (1, 6), generator=torch.Generator().manual_seed(3))
-    plain = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
-    expected = _decode(plain, ids, 8)
+    expected = _decode(reference_model(), ids, 8)
     paged, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=k_slots, experts_implementation="grouped_mm",
                                        check_independence=False)
     routed: dict[int, list[set]] = {}  # layer -> each step's distinct experts, read by the trace hook
