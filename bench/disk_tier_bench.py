@@ -15,8 +15,9 @@ Subcommands (each measurement runs in its own process, so RSS and page cache are
 Routing: the router's top-k ids are replaced by the OLMoE GSM8K trace's decode stream
 (../shared/data/traces, E=64, top-8; layer l maps expert e to perm_l[e] of E=128), so the reuse is
 that of real text, not of random weights. Weights are random.
-Example: python bench/disk_tier_bench.py all /work/big /work/small --tokens 12 --host-memory-gb 10 \
-  --paged-host-memory-gb 6.98  (K=16 slots x 20 layers = 3.02 GB: the same RAM for both)
+Example: python bench/disk_tier_bench.py all /work/big /work/small --tokens 12 --host-memory-gb 10
+  (--host-memory-gb of the paged runs budgets everything they hold on the host, slots included:
+  the same RAM as accelerate's max_memory)
 """
 
 from __future__ import annotations
@@ -309,7 +310,7 @@ def main() -> None:
     a.add_argument("--host-memory-gb", type=float, default=10.0,
                    help="accelerate's max_memory cpu (all its weights in RAM), and the paged G unless given")
     a.add_argument("--paged-host-memory-gb", type=float, default=None,
-                   help="G of the paged runs (the host store only: give the accelerate figure less K x L slots)")
+                   help="G of the paged runs (everything they hold on the host; default: --host-memory-gb)")
     a.add_argument("--offload-folder", default="/work/offload")
     args = ap.parse_args()
     if args.cmd == "make":

@@ -27,11 +27,17 @@ for a place from its /metrics histograms, is printed). The summary table gives T
 p99 and tok/s of each phase, and per running cap and phase the p50 ratio of each mode to
 ``one``.
 
+``--trees before=/tmp/main-src,after=.``: the same in-process runs, each in a child process
+importing ``pagedexperts`` from that source tree (``PYTHONPATH``), the trees alternating per
+running cap and repeat (machine drift hits both alike); the parent prints, per cap and tree,
+the load phase's server CPU ms per completion token and TTFT p50 of the steady and load phases.
+
 Reports throughput, TTFT p50 / p99 (first text chunk), and from /metrics the decode batch
 sizes, prefill batch sizes, union size, waves per layer step and multi-wave steps of the
 run. Writes a JSON report to ``--out``. Usage::
 
     python bench/load_test.py --max-running-requests 4,16,32 --prefill one,batched,chunked --out results/load_test.json
+    python bench/load_test.py --max-running-requests 4,16,32 --trees before=/tmp/main-src,after=. --clients 32
 """
 
 from __future__ import annotations
@@ -272,6 +278,40 @@ def print_table(runs: list[dict]) -> None:
                           f"{median(running, mode, 'server_cpu_ms_per_token', part):.2f}", flush=True)
 
 
+def compare_trees(args, argv: list[str]) -> list[dict]:
+    """Each (running cap, repeat, tree) in a child process of this script over that tree (its
+    arguments less --trees and --out, one cap); the trees alternate. Prints and returns one
+    row per run: cap, tree, and the load / steady phases' numbers."""
+    import subprocess
+    import tempfile
+
+    trees = dict(item.split("=", 1) for item in args.trees.split(","))
+    keep, skip = [], False
+    for a in argv:  # the child's arguments: ours less --trees / --out / --max-running-requests
+        if skip or a.split("=", 1)[0] in ("--trees", "--out", "--max-running-requests"):
+            skip = not skip and "=" not in a
+            continue
+        keep.append(a)
+    rows = []
+    for running in (int(x) for x in args.max_running_requests.split(",")):
+        for rep in range(args.repeats):
+            for name, tree in (trees.items() if rep % 2 == 0 else reversed(list(trees.items()))):
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = Path(tmp) / "run.json"
+                    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
+                    subprocess.run([sys.executable, __file__, *keep, "--repeats", "1", "--prefill-bench", "0",
+                                    "--max-running-requests", str(running), "--out", str(out)], env=env, check=True)
+                    (run,) = json.loads(out.read_text())["runs"]
+                rows.append({"tree": name, "path": tree, **run})
+    print("\nrunning  tree      | load: cpu ms/token  TTFT p50 | steady: cpu ms/token  TTFT p50", flush=True)
+    for r in rows:
+        load, steady = r["load"], r["steady"] or {}
+        print(f"{r['max_running']:>7}  {r['tree']:<8} | {load['server_cpu_ms_per_token']:>18.2f} "
+              f"{_ms(load['ttft_p50_s']):>9} | {steady.get('server_cpu_ms_per_token', 0.0):>20.2f} "
+              f"{_ms(steady.get('ttft_p50_s')):>9}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server (default: start one in this process per configuration)")
@@ -289,7 +329,15 @@ def main(argv=None) -> int:
                    help="first time one step prefilling N prompts, per mode (0 to skip; in-process only)")
     p.add_argument("--compare", default="", help="client counts for a throughput comparison, e.g. 1,8 ('' to skip)")
     p.add_argument("--out", default=None, help="write the JSON report here")
+    p.add_argument("--trees", default=None, metavar="NAME=PATH,...",
+                   help="compare source trees, e.g. before=/tmp/main-src,after=. (each run in a child process)")
     args = p.parse_args(argv)
+    if args.trees:
+        rows = compare_trees(args, sys.argv[1:] if argv is None else list(argv))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"trees": rows}, indent=2))
+        return 0 if all(r["load"]["ok"] == r["load"]["requests"] for r in rows) else 1
 
     runs, steps = [], None
     if args.prefill_bench and not args.url:

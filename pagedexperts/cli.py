@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
+from pagedexperts import __version__
 from pagedexperts.commands import COMMANDS
 
 
@@ -24,17 +26,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         description="Run MoE models whose experts do not fit in device memory: K resident "
         "expert slots per layer, paged in from host memory on demand.",
     )
-    parser.add_argument("--log-level", default="WARNING", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                        help="logging level (default WARNING)")
+    parser.add_argument("--version", action="version", version=f"pagedexperts {__version__}")
+    add_log_level(parser, default="WARNING")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     named = command_named(sys.argv[1:] if argv is None else argv)
     for name, summary in COMMANDS.items():
         if name == named:
             importlib.import_module(f"pagedexperts.commands.{name}").add_parser(sub)
+            add_log_level(sub.choices[name], default=argparse.SUPPRESS)  # after the command too
         else:
             sub.add_parser(name, help=summary)
     return parser
+
+
+def add_log_level(parser: argparse.ArgumentParser, *, default: str) -> None:
+    """``--log-level`` on ``parser``; a command's copy defaults to SUPPRESS, so that the value
+    given before the command stands unless the flag is repeated after it."""
+    parser.add_argument("--log-level", default=default, type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="logging level (default WARNING)")
 
 
 def command_named(argv: list[str]) -> str | None:
@@ -60,12 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "source_model_path", "") is None and str(args.model_path or "").startswith("bundled:"):
+            from pagedexperts.loading.loader import bundled_model_path
+
+            args.source_model_path = str(bundled_model_path())  # check's float32 source: the bundled model
         if getattr(args, "model_path", None):
             args.model_path = model_path(args.command, args.model_path)
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe (`| head`) raises here, inside the handler below
+        return code
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedexperts {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left: no traceback; the recipe of Python's signal docs
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush finds a sink
+        return 1
 
 
 def model_path(command: str, value: str) -> str:

@@ -149,6 +149,12 @@ def rename_mixtral(dst: Path) -> None:
     (dst / "config.json").write_text(text)
 
 
+def _relative(arg: str) -> str:
+    """A path argument relative to the repository (the record is committed beside fixtures)."""
+    root = Path(__file__).resolve().parents[1]
+    return str(Path(arg).relative_to(root)) if arg.startswith(str(root)) else arg
+
+
 def main(argv=None) -> Path:
     args = parse_args(argv)
     import compressed_tensors
@@ -160,11 +166,15 @@ def main(argv=None) -> Path:
     out = Path(args.output_dir)
     with tempfile.TemporaryDirectory() as tmp:
         model, src = source_model(args, Path(tmp))
-        ids = torch.randint(2, model.config.vocab_size, (args.num_samples, args.seq_len),
-                            generator=torch.Generator().manual_seed(args.seed))
-        data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-        oneshot(model=model, recipe=recipe(args), dataset=data, num_calibration_samples=args.num_samples,
-                max_seq_length=args.seq_len)
+        kwargs = {}
+        acts = scheme_args(args).get("input_activations")
+        if acts is not None and acts.dynamic is not True:  # static activation scales: calibrate
+            ids = torch.randint(2, model.config.vocab_size, (args.num_samples, args.seq_len),
+                                generator=torch.Generator().manual_seed(args.seed))
+            kwargs = dict(dataset=Dataset.from_dict({"input_ids": ids.tolist(),
+                                                     "attention_mask": torch.ones_like(ids).tolist()}),
+                          num_calibration_samples=args.num_samples, max_seq_length=args.seq_len)
+        oneshot(model=model, recipe=recipe(args), **kwargs)
         shutil.rmtree(out, ignore_errors=True)
         model.save_pretrained(out, save_compressed=True)
         for f in src.glob("tokenizer*"):
@@ -175,7 +185,8 @@ def main(argv=None) -> Path:
         cfg = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps(dict(cfg, dtype=args.config_dtype), indent=2) + "\n")
     (out / "recipe.yaml").unlink(missing_ok=True)
-    record = {"argv": sys.argv[1:] if argv is None else list(argv), "llmcompressor": llmcompressor.__version__,
+    argv = [_relative(a) for a in (sys.argv[1:] if argv is None else argv)]
+    record = {"argv": argv, "llmcompressor": llmcompressor.__version__,
               "compressed_tensors": compressed_tensors.__version__, "transformers": transformers.__version__,
               "torch": torch.__version__}
     (out / "llmc_whole_model.json").write_text(json.dumps(record, indent=2) + "\n")

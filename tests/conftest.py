@@ -106,6 +106,56 @@ def tiny_model(seed: int = 0, **overrides):
     return model.eval()
 
 
+def prompt(length: int, seed: int) -> torch.Tensor:
+    """[length] int64 token ids drawn from [2, VOCAB) by a generator seeded with ``seed``
+    (ids 0 and 1 are PAD_ID and bos)."""
+    return torch.randint(2, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def greedy_logits(model, ids: torch.Tensor, mask: torch.Tensor | None = None, steps: int = 6) -> torch.Tensor:
+    """Every step's logits [steps, B, V] of a greedy ``generate`` of exactly ``steps`` new tokens
+    from ids [B, T] (mask [B, T], all ones when None), in the model's dtype. Two runs give
+    torch.equal logits iff every prefill and decode step computed the same bits."""
+    mask = torch.ones_like(ids) if mask is None else mask
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
+                         min_new_tokens=steps, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD_ID)
+    return torch.stack(out.logits)
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_moe_dir):
+    """get(path=tiny_moe_dir, dtype="float32", impl="grouped_mm") -> transformers' own unpaged
+    model of a checkpoint (``from_pretrained``, all experts resident, eval mode), loaded once per
+    (path, dtype, implementation) for the session. Shared: a test must not modify it (it holds
+    no paging state; forward and generate leave it as it was)."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(path=None, dtype: str = "float32", impl: str = "grouped_mm"):
+        key = (str(path or tiny_moe_dir), dtype, impl)
+        if key not in cache:
+            cache[key] = AutoModelForCausalLM.from_pretrained(
+                key[0], experts_implementation=impl, dtype=getattr(torch, dtype)).eval()
+        return cache[key]
+
+    return get
+
+
+def host_budget_gb(path, rows: int, **options) -> float:
+    """--host-memory-gb that leaves ``rows`` host rows per layer to ``path`` loaded with ``options``:
+    what the loader counts besides the store (its full-store plan's slots on the host, non-expert
+    weights, KV estimate and runtime allowance) + rows x layers + 2 x top_k experts of staging,
+    plus half an expert against rounding (G is given in GB)."""
+    from pagedexperts import load_model
+
+    full, _ = load_model(path, **options)
+    rt = full.pagedexperts
+    experts = rows * len(rt.stores) + 2 * rt.top_k
+    return (rt.host_memory.fixed_bytes + experts * rt.expert_bytes + rt.expert_bytes // 2) / 1e9
+
+
 def copy_dir(src: Path, dst: Path) -> Path:
     """A writable copy of a checkpoint directory (tests that damage a checkpoint use one)."""
     shutil.copytree(src, dst)

@@ -105,18 +105,23 @@ def pack_awq(w: Int4Weight) -> dict[str, torch.Tensor]:
     return {"qweight": pack(w.q.tolist()), "qzeros": pack(w.z.tolist()), "scales": w.scales.clone()}
 
 
-def rtn_int4(weight: torch.Tensor, group_size: int, *, desc_act: bool, generator) -> Int4Weight:
-    """Round-to-nearest asymmetric int4 of an nn.Linear weight [O, I] (the oracle's own, for
-    checkpoints whose model still computes something sensible). With desc_act the groups are
-    formed over a random permutation of the input channels, as act-order GPTQ does; zero
-    points are kept in 1..15 so v1's stored ``z - 1`` stays non-negative."""
+def rtn_int4(weight: torch.Tensor, group_size: int, *, desc_act: bool, generator, symmetric: bool = False) -> Int4Weight:
+    """Round-to-nearest int4 of an nn.Linear weight [O, I] (the oracle's own, for checkpoints
+    whose model still computes something sensible). With desc_act the groups are formed over a
+    random permutation of the input channels, as act-order GPTQ does; zero points are kept in
+    1..15 so v1's stored ``z - 1`` stays non-negative. ``symmetric``: z = 8 everywhere and
+    scale = amax / 7, as GPTQModel's ``sym=True`` stores it."""
     out_features, in_features = weight.shape
     g_idx = group_index(in_features, group_size, desc_act=desc_act, generator=generator)
     w = weight.double().t()  # [I, O]
     groups = in_features // group_size
     lo = torch.stack([w[g_idx == g].amin(0) for g in range(groups)]).clamp(max=0)  # [G, O]
     hi = torch.stack([w[g_idx == g].amax(0) for g in range(groups)]).clamp(min=0)
-    scales = ((hi - lo) / 15).clamp(min=1e-4).to(torch.float16)
-    z = torch.round(-lo / scales.double()).clamp(1, 15).long()
+    if symmetric:
+        scales = (torch.maximum(-lo, hi) / 7).clamp(min=1e-4).to(torch.float16)
+        z = torch.full_like(lo, 8, dtype=torch.long)
+    else:
+        scales = ((hi - lo) / 15).clamp(min=1e-4).to(torch.float16)
+        z = torch.round(-lo / scales.double()).clamp(1, 15).long()
     q = (torch.round(w / scales.double()[g_idx.long()]) + z[g_idx.long()]).clamp(0, 15).long()
     return Int4Weight(q, z, scales, g_idx)

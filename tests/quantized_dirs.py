@@ -162,9 +162,8 @@ def load_with_two_host_rows(path, top_k: int):
     leaves 2 host rows per layer, so most page-ins read from disk (the disk tier)."""
     from pagedexperts import load_model
 
-    full, _ = load_model(path, num_resident=top_k)
-    rt = full.pagedexperts
-    gb = (2 * len(rt.stores) + 2 * top_k) * rt.expert_bytes / 1e9  # slots + 2 host rows per layer
-    tiered, _ = load_model(path, num_resident=top_k, host_memory_gb=gb)
+    from conftest import host_budget_gb
+
+    tiered, _ = load_model(path, num_resident=top_k, host_memory_gb=host_budget_gb(path, 2, num_resident=top_k))
     assert tiered.pagedexperts.host_memory.host_rows == 2
-    return tiered, rt.expert_bytes
+    return tiered, tiered.pagedexperts.expert_bytes

@@ -134,14 +134,12 @@ def resident_reads(monkeypatch):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_resident_step_has_no_read_back_sync_or_op(tiny_moe_dir, resident_reads, monkeypatch, batch):
+def test_resident_step_has_no_read_back_sync_or_op(tiny_moe_dir, reference_model, resident_reads, monkeypatch, batch):
     """Generate with a padded batch: resident's layer-steps run the model's experts function
     with no read-back, no syncing call from pagedexperts code and no custom-op call, and give
     the unpaged model's logits; its stats stay empty (n/a), not zeros of a measurement."""
-    from transformers import AutoModelForCausalLM
-
     model, _ = load_model(tiny_moe_dir, mode="resident")
-    ref = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
+    ref = reference_model()
     steps = []
     real_call = baselines.ResidentRunner.step
     monkeypatch.setattr(baselines.ResidentRunner, "step",

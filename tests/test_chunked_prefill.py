@@ -46,9 +46,10 @@ def test_packed_mask_by_hand():
         packed_mask([1], [1], form="flash_attention_2", dtype=torch.float32)
 
 
-def _mid_prefill_requests(model, tokenizer, budget=8):
-    """A scheduler stepped until the long prompt is half prefilled while the others decode."""
-    sched = BatchScheduler(model, tokenizer, SchedulerConfig(4, CONTEXT, max_prefill_tokens=budget))
+def _mid_prefill_requests(model, tokenizer, budget=8, *, static_kv=False):
+    """A scheduler stepped until the long prompt is half prefilled while the others decode
+    (per-request KV buffers, ``pack``'s input, unless ``static_kv``)."""
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(4, CONTEXT, max_prefill_tokens=budget, static_kv=static_kv))
     for p in PROMPTS[:3]:
         sched.submit(tokenizer(p)["input_ids"], SamplingParams(max_new_tokens=20), lambda e: None)
     sched.step()  # the short prompts prefill (two steps at this budget), then decode
@@ -81,7 +82,7 @@ def test_paged_equals_unpaged_on_the_same_packed_batch(ref, threads):
             assert b.input_ids.shape[0] == 1 and b.attention_mask.shape[-2] == b.input_ids.shape[1]  # packed, no pad
             with torch.no_grad():
                 got.append(m(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                             **{sched._cache_kwarg: b.cache}, use_cache=True, logits_to_keep=b.keep).logits)
+                             **{sched.forwards._cache_kwarg: b.cache}, use_cache=True, logits_to_keep=b.keep).logits)
     finally:
         torch.set_num_threads(before)
     d = (got[0] - got[1]).abs()
@@ -107,7 +108,7 @@ def test_packed_forward_equals_the_model_run_alone(ref):
     b = pack(segments, form=sched._mask_form, dtype=torch.float32, device="cpu")
     with torch.no_grad():
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                       **{sched._cache_kwarg: b.cache}, use_cache=True, logits_to_keep=b.keep).logits[0]
+                       **{sched.forwards._cache_kwarg: b.cache}, use_cache=True, logits_to_keep=b.keep).logits[0]
         keep_new_kv(b)
         for seg, rows, ids in zip(segments, b.rows, seqs):
             direct = model(input_ids=torch.tensor([ids])).logits[0, -len(seg.token_ids):]

@@ -43,6 +43,11 @@ def test_generate_streams_text_and_reports_paging(tmp_path, capsys, bundled_conf
     out, err = capsys.readouterr()
     assert out.startswith("ROMEO:") and len(out.strip()) > len("ROMEO:")
     assert "K=8 of E=64" in err and "hit rate" in err and "tok/s" in err and "TTFT" in err
+    # every part of host memory, printed at start-up (the budget of --host-memory-gb)
+    plan_line = next(line for line in err.splitlines() if line.startswith("host memory: "))
+    for part in ("full expert store", "staging", "slots on host", "non-expert weights", "KV estimate",
+                 "runtime allowance 0.6 GB", "total"):
+        assert part in plan_line, part
     report = json.loads(stats.read_text())
     assert report["num_resident"] == 8 and report["num_experts"] == 64
     assert report["new_tokens"] <= 8 and report["prompt_tokens"] >= 1
@@ -149,6 +154,10 @@ def test_check_on_w4a16_passes_without_compressed_tensors_fused_experts_warning(
         (["--stats-json", "/nonexistent/dir/x.json"], "--stats-json /nonexistent/dir/x.json: directory /nonexistent/dir does not exist"),
         (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist"),
         (["--device", "cuda:x"], "--device 'cuda:x' is not a device this runs on; use cpu or cuda[:N]"),
+        (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default)"),
+        # a directory was accepted, and the write after the whole generation raised IsADirectoryError
+        (["--stats-json", "/tmp"], "--stats-json /tmp is a directory; give a file path"),
+        (["--record-trace", "/tmp"], "--record-trace /tmp is a directory; give a file path"),
     ],
 )
 def test_generate_bad_input_is_a_clear_error(argv, needle, capsys, monkeypatch):
@@ -173,8 +182,7 @@ def test_check_passes_on_the_bundled_model(capsys):
     assert err.startswith("check: loading the unpaged reference, then the paged model at K = 4, 32\n")
     assert "check K=4:   0%|" in err and "| 0/4 [" in err and "check K=32:   0%|" in err
     lines = out.strip().splitlines()
-    assert lines[0] == ("reference: transformers (its own loading; no format library decompression "
-                        "for this checkpoint here)")
+    assert lines[0] == "reference: transformers (its own loading of an unquantized checkpoint)"
     assert lines[1].startswith("K=4 of E=64: 4 runs x 4 greedy steps") and lines[2].startswith("K=32 of E=64")
     for line in lines[1:3]:
         assert "logits torch.equal: yes (max |diff| 0)" in line and "greedy tokens equal: yes" in line
@@ -271,6 +279,10 @@ def test_a_bad_model_path_is_a_clear_error_in_every_loading_command(command, tmp
      (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1, got 0"),
      (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0, got -1.0"),
      (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist"),
+     (["--record-trace", "/tmp"], "--record-trace /tmp is a directory; give a file path"),
+     # an empty key served with no key at all (silently), an empty name fell back to the directory's
+     (["--api-key", ""], "--api-key '' is empty: the server would run with no key"),
+     (["--served-model-name", " "], "--served-model-name ' ' is empty"),
      (["--context-length", "100000"], "--context-length must be in [2, 512] (max_position_embeddings), got 100000")],
 )
 def test_serve_bad_flags_are_refused_before_loading(argv, needle, capsys, monkeypatch):
@@ -335,3 +347,28 @@ def test_a_draft_of_another_vocabulary_is_refused_before_loading(command, tiny_m
     assert main(argv + (["--prompt", "x"] if command == "generate" else [])) == 2
     out = capsys.readouterr()
     assert "vocab_size 128 but the target's is 4096" in out.err and out.out == ""
+
+
+@pytest.mark.parametrize("command", ["generate", "check", "serve", "bench"])
+def test_every_model_command_sets_threads_before_loading(command, monkeypatch):
+    """--threads N reaches torch before the model loads (the load is stopped there)."""
+    import pagedexperts.loading.loader
+    import pagedexperts.tools.bench
+    import pagedexperts.tools.check
+    from conftest import DEFAULT_THREADS
+
+    if command == "serve":
+        pytest.importorskip("fastapi")
+    want = DEFAULT_THREADS + 1  # not the count the test starts with (1) nor torch's default
+    seen = []
+
+    def stop(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise ValueError("stopped at the load")
+
+    monkeypatch.setattr(pagedexperts.loading.loader, "build_paged_model", stop)
+    monkeypatch.setattr(pagedexperts.tools.check, "load_reference_with_choice", stop)
+    monkeypatch.setattr(pagedexperts.tools.bench, "_load_models", stop)
+    extra = {"generate": ["--prompt", "x"], "bench": ["--rounds", "1"]}.get(command, [])
+    assert main([command, "--threads", str(want), *extra]) == 2
+    assert seen == [want]

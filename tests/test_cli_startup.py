@@ -4,6 +4,7 @@ start-up errors (exit 2) for a damaged checkpoint in every command that reads on
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -54,6 +55,38 @@ def test_every_command_is_listed_with_its_summary(capsys):
 ])
 def test_command_named(argv, named):
     assert command_named(argv) == named
+
+
+@pytest.mark.parametrize("argv,level", [
+    (["preflight", "--log-level", "info"], "INFO"), (["--log-level", "debug", "preflight"], "DEBUG"),
+    (["--log-level", "debug", "preflight", "--log-level", "error"], "ERROR"), (["preflight"], "WARNING"),
+])
+def test_log_level_before_or_after_the_command(argv, level):
+    """`pagedexperts preflight --log-level INFO` was refused ("unrecognized arguments")."""
+    from pagedexperts.cli import build_parser
+
+    assert build_parser(argv).parse_args(argv).log_level == level
+
+
+def test_version_is_the_package_s_and_light():
+    """`pagedexperts --version` said "unrecognized arguments"; it prints the package version and
+    imports no torch."""
+    from pagedexperts import __version__
+
+    done = subprocess.run([sys.executable, "-c", PROBE, "--version"], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == f"pagedexperts {__version__}"
+    assert "HEAVY []" in done.stderr
+
+
+def test_a_closed_stdout_pipe_is_no_traceback():
+    """`pagedexperts preflight --json | head -1`: the reader closes the pipe; the command ends
+    with exit 1 and nothing on stderr (it printed a BrokenPipeError traceback)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader at all: the first write to stdout fails with EPIPE
+    done = subprocess.run([sys.executable, "-m", "pagedexperts.cli", "preflight", "--json"], stdout=write_end,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write_end)
+    assert (done.returncode, done.stderr) == (1, "")
 
 
 # ---- damaged checkpoints: one line, exit 2, in every command (item 7) --------------------------

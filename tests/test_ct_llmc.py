@@ -32,6 +32,7 @@ ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 from compressed_tensors.utils.match import is_match  # noqa: E402
+from conftest import greedy_logits  # noqa: E402
 from quantized_dirs import load_with_two_host_rows  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "llmc"
@@ -113,14 +114,6 @@ def _prompts(batch: int):
     return ids, mask
 
 
-@torch.no_grad()
-def greedy_logits(model, ids, mask, steps: int = 4) -> torch.Tensor:
-    """Prefill + ``steps`` decode steps' logits [steps, B, V] (teacher-free greedy)."""
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
-                         min_new_tokens=steps, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return torch.stack(out.logits).float()
-
-
 def _unpaged(name: str):
     """transformers' model where it loads the checkpoint right, else the resident model (its
     experts checked against compressed-tensors' decompression in the test above)."""
@@ -137,7 +130,7 @@ def _resident(name: str):
 def assert_logits_equal(paged, unpaged, what: str) -> None:
     for batch in (1, 3):
         ids, mask = _prompts(batch)
-        got, want = greedy_logits(paged, ids, mask), greedy_logits(unpaged, ids, mask)
+        got, want = greedy_logits(paged, ids, mask, steps=4), greedy_logits(unpaged, ids, mask, steps=4)
         assert torch.equal(got, want), f"{what} batch {batch}: max |diff| {(got - want).abs().max():.3e}"
 
 

@@ -1,4 +1,6 @@
-"""Decode steps captured in CUDA graphs (``generation.graphs``, CudaGraphBackend): CUDA only.
+"""Decode steps captured in CUDA graphs (``generation.graphs``, CudaGraphBackend): CUDA only;
+``generate``'s static steps (``TestCudaGraphs``) and the server's decode steps over KV rows
+(``engine.row_forwards``, ``TestServerDecodeGraphs``).
 
 Run by ``bench/gpu_check.sh`` (``pytest -m cuda``); the tests are in ``TestCudaGraphs``, behind
 ``skipif`` where torch sees no CUDA device or triton is missing (the device-planned step's
@@ -164,3 +166,87 @@ class TestCudaGraphs:
             graphs.decode(st, torch.tensor([5], device="cuda"), ids.shape[1])
         assert graphs.counters.captures == 1 and len(seen) == 2  # the warm-up, the capture
         assert seen[0] == seen[1] == graphs._stream.cuda_stream
+
+
+# ---- the server: decode steps over KV rows, one capture per batch bucket ----
+
+SERVER_PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo", "First Citizen:\nBefore we proceed", "KING HENRY:",
+                  "To be, or not to be", "Now is the winter"]
+
+
+def _server(backend: str):
+    """A scheduler over the bundled model (CUDA, device-planned, K = top_k) whose decode steps
+    run on ``backend``; chunks and decodes in forwards apart (the captured schedule) for both."""
+    from pagedexperts import bundled_model_path
+    from pagedexperts.engine.scheduler import BatchScheduler
+    from pagedexperts.engine.scheduler_config import SchedulerConfig
+
+    class Recording(BatchScheduler):
+        def _accept(self, req, logits, token=None):
+            self.logits.setdefault(req.request_id, []).append(logits.clone())
+            super()._accept(req, logits, token)
+
+    import json
+
+    top_k = json.loads((bundled_model_path() / "config.json").read_text())["num_experts_per_tok"]
+    model, tokenizer = load_model(bundled_model_path(), device="cuda", num_resident=top_k, decide="device",
+                                  cuda_graphs="off", check_independence=False)
+    sched = Recording(model, tokenizer, SchedulerConfig(4, 128, max_prefill_tokens=8, cuda_graphs=backend,
+                                                        strict_cuda_graphs=backend == "cuda"))
+    sched.logits, sched.forwards.mixes_decodes = {}, False
+    return sched, tokenizer
+
+
+def _serve_schedule(sched, tokenizer) -> None:
+    """Requests of different lengths joining and leaving: the batch bucket changes step to step."""
+    from pagedexperts.engine.sampling import SamplingParams
+
+    def submit(prompt, n):
+        sched.submit(tokenizer(prompt)["input_ids"], SamplingParams(max_new_tokens=n), lambda e: None)
+
+    for prompt, n in zip(SERVER_PROMPTS[:3], (4, 12, 20)):
+        submit(prompt, n)
+    with torch.no_grad():
+        for step in range(200):
+            if step == 6:
+                for prompt, n in zip(SERVER_PROMPTS[3:], (9, 5, 16)):
+                    submit(prompt, n)
+            if not (sched.num_running or sched.num_waiting):
+                break
+            sched.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda)")
+@pytest.mark.skipif(not HAVE_TRITON, reason="the device-planned step needs triton")
+class TestServerDecodeGraphs:
+    def test_captured_server_logits_equal_the_same_steps_run_eagerly(self):
+        (captured, tok), (eager, _) = _server("cuda"), _server("eager")
+        for sched in (captured, eager):
+            _serve_schedule(sched, tok)
+        assert captured.logits.keys() == eager.logits.keys() and len(captured.logits) == 6
+        for rid, rows in captured.logits.items():
+            want = eager.logits[rid]
+            assert len(rows) == len(want)
+            for step, (g, w) in enumerate(zip(rows, want)):
+                assert torch.equal(g, w), f"request {rid}, token {step}: max |diff| {(g - w).abs().max():.3g}"
+        c, e = captured.forwards.counts, eager.forwards.counts
+        assert c.capture == len(captured.forwards.steps) >= 2 and c.replay > 10  # a capture per bucket (2, 4)
+        assert c.static_eager == c.dynamic == e.dynamic == 0
+        assert e.static_eager == c.capture + c.replay
+
+    def test_replayed_server_step_makes_no_host_sync(self):
+        sched, tok = _server("cuda")
+        _serve_schedule(sched, tok)  # every bucket captured
+        fw = sched.forwards
+        step = fw.steps[(4, 1)]
+        assert step.backend is not None
+        replays = fw.graphs.counters.replays
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(5):
+                step.load([(0, [5 + i], 3 + i), (2, [7], 9 + i)])
+                fw.graphs.run(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert fw.graphs.counters.replays == replays + 5

@@ -136,7 +136,7 @@ def test_grouped_layout_is_the_host_layout():
         ref = GroupedStep(module, hidden, ids, ids.numpy(), plan.waves)
         for w, wave in enumerate(plan.waves):
             pos, offsets, _, _ = step.layout(w, 3)
-            want_pos, want_offsets, _ = ref._layout(wave, 3)
+            want_pos, want_offsets, _ = ref._layout(wave, 0, 3)
             assert pos[: int(offsets[-1])].tolist() == want_pos.tolist(), f"step {n} wave {w}"
             assert offsets.tolist() == want_offsets.tolist(), f"step {n} wave {w}"
 

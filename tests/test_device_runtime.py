@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from conftest import PAD_ID, TOP_K
+from conftest import PAD_ID, TOP_K, greedy_logits
 from pagedexperts import load_model
 from pagedexperts.cli import main
 from pagedexperts.loading import config as loading_config
@@ -35,12 +35,6 @@ PER_LAYER = ("hits", "misses", "waves", "multi_wave_steps", "steps", "tokens", "
 
 def per_layer(model) -> dict:
     return {i: {f: getattr(s, f) for f in PER_LAYER} for i, s in model.pagedexperts.stats().layers.items()}
-
-
-def greedy(model, ids, mask, steps: int = 6):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                              pad_token_id=PAD_ID, output_logits=True, return_dict_in_generate=True)
 
 
 def batch(rows: int, seed: int = 0):
@@ -64,10 +58,10 @@ def test_device_and_host_count_the_same_per_layer(tiny_moe_dir, policy, rows):
         runner = next(iter(model.pagedexperts.runners.values()))
         assert isinstance(runner, DeviceExecutor if decide == "device" else HostExecutor)
         assert model.pagedexperts.decide == decide
-        runs[decide] = (greedy(model, ids, mask), per_layer(model))
+        runs[decide] = (greedy_logits(model, ids, mask), per_layer(model))
     (out_h, count_h), (out_d, count_d) = runs["host"], runs["device"]
     assert count_d == count_h
-    assert all(torch.equal(a, b) for a, b in zip(out_d.logits, out_h.logits))
+    assert torch.equal(out_d, out_h)
     total = lambda f: sum(c[f] for c in count_h.values())  # noqa: E731
     assert total("misses") > 0
     layers = len(count_h)  # prefill: one layer-step per layer (7 x k entries > K: multi-wave)
@@ -85,9 +79,9 @@ def test_generate_under_triton_kernels_equals_host(tiny_moe_dir):
     host, _ = load_model(tiny_moe_dir, num_resident=TOP_K, policy="lru", decide="host")
     dev, _ = load_model(tiny_moe_dir, num_resident=TOP_K, policy="lru", decide="device")
     assert dev.pagedexperts.runners[0].residency.backend == "triton"
-    out_h, out_d = greedy(host, ids, mask, steps=3), greedy(dev, ids, mask, steps=3)
+    out_h, out_d = greedy_logits(host, ids, mask, steps=3), greedy_logits(dev, ids, mask, steps=3)
     assert per_layer(dev) == per_layer(host)
-    assert all(torch.equal(a, b) for a, b in zip(out_d.logits, out_h.logits))
+    assert torch.equal(out_d, out_h)
 
 
 def test_host_syncs_are_the_runtime_s_own_count(tiny_moe_dir, device_reads):
@@ -194,11 +188,14 @@ def test_cli_refusals_name_both_flags(tiny_moe_dir, capsys):
 
 
 def test_disk_tier_is_refused_before_any_weight_is_read(tiny_moe_dir):
-    """1e-4 GB holds the disk tier's minimum (36,864 bytes) but not every expert (196,608)."""
+    """A budget of 2 host rows per layer: the disk tier."""
+    from conftest import host_budget_gb
+
+    gb = host_budget_gb(tiny_moe_dir, 2, num_resident=4)
     with pytest.raises(ValueError, match="--host-memory-gb") as err:
-        load_model(tiny_moe_dir, num_resident=4, decide="device", host_memory_gb=1e-4, device_kernels="torch")
+        load_model(tiny_moe_dir, num_resident=4, decide="device", host_memory_gb=gb, device_kernels="torch")
     assert "--decide" in str(err.value) and "disk tier" in str(err.value)
-    model, _ = load_model(tiny_moe_dir, num_resident=4, decide="auto", host_memory_gb=1e-4)
+    model, _ = load_model(tiny_moe_dir, num_resident=4, decide="auto", host_memory_gb=gb)
     assert model.pagedexperts.decide == "host"
 
 
@@ -223,9 +220,9 @@ def test_repage_keeps_the_decide(tiny_moe_dir):
     assert all(isinstance(r, DeviceExecutor) and r.num_slots == 8 for r in runners)
     host, _ = load_model(tiny_moe_dir, num_resident=8, decide="host")
     ids, mask = batch(2, seed=5)
-    out_d, out_h = greedy(model, ids, mask, steps=3), greedy(host, ids, mask, steps=3)
+    out_d, out_h = greedy_logits(model, ids, mask, steps=3), greedy_logits(host, ids, mask, steps=3)
     assert per_layer(model) == per_layer(host)
-    assert all(torch.equal(a, b) for a, b in zip(out_d.logits, out_h.logits))
+    assert torch.equal(out_d, out_h)
 
 
 # (slot format, checkpoint quantized, device) -> what --decide auto resolves to; a hand table

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import pagedexperts
-from conftest import E, PAD_ID, TOP_K, VOCAB, copy_dir
+from conftest import E, PAD_ID, TOP_K, VOCAB, copy_dir, greedy_logits, host_budget_gb
 from pagedexperts.storage.host_memory import plan_host_memory
 from pagedexperts.formats.slots import PackedSlots
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
@@ -34,9 +34,9 @@ LAYERS = 2
 R = 4
 
 
-def budget_gb(rows: int) -> float:
-    """--host-memory-gb for ``rows`` host rows per layer, + 2 top_k experts of staging."""
-    return (rows * LAYERS + 2 * TOP_K) * EXPERT_BYTES / 1e9
+def budget_gb(rows: int, path) -> float:
+    """--host-memory-gb for ``rows`` host rows per layer of the tiny model at ``path``, K = top_k, float32."""
+    return host_budget_gb(path, rows, num_resident=TOP_K, dtype="float32")
 
 
 def prompts(batch: int, length: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,19 +48,12 @@ def prompts(batch: int, length: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-@torch.no_grad()
-def greedy_logits(model, ids, mask, steps: int = 6) -> torch.Tensor:
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
-                         min_new_tokens=steps, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD_ID)
-    return torch.stack(out.logits)
-
-
 @pytest.mark.parametrize("layout", ["per-expert", "stacked", "sharded"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_disk_tier_logits_equal_the_full_store(layout, batch, tiny_moe_dir, tiny_moe_stacked_dir, tiny_moe_sharded_dir):
     path = {"per-expert": tiny_moe_dir, "stacked": tiny_moe_stacked_dir, "sharded": tiny_moe_sharded_dir}[layout]
     full, _ = pagedexperts.load_model(path, num_resident=TOP_K, dtype="float32")
-    model, _ = pagedexperts.load_model(path, num_resident=TOP_K, dtype="float32", host_memory_gb=budget_gb(R))
+    model, _ = pagedexperts.load_model(path, num_resident=TOP_K, dtype="float32", host_memory_gb=budget_gb(R, path))
     assert model.pagedexperts.host_memory.host_rows == R
     ids, mask = prompts(batch)
     assert torch.equal(greedy_logits(model, ids, mask), greedy_logits(full, ids, mask))
@@ -72,7 +65,7 @@ def test_disk_tier_logits_equal_the_unpaged_model(tiny_moe_dir):
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
-    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", host_memory_gb=budget_gb(R))
+    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", host_memory_gb=budget_gb(R, tiny_moe_dir))
     # batch 1: greedy batches of 3 differ from transformers with the full store too (issue 11,
     # the exactness branch); the test above shows the disk tier equals the full store there
     ids, mask = prompts(1)
@@ -87,7 +80,7 @@ def test_disk_tier_with_read_ahead_equals_full_store(tiny_moe_dir, threads):
     try:
         full, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", prefetch=True)
         disk, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", prefetch=True,
-                                          host_memory_gb=budget_gb(R))
+                                          host_memory_gb=budget_gb(R, tiny_moe_dir))
         ids, mask = prompts(3)
         assert torch.equal(greedy_logits(disk, ids, mask), greedy_logits(full, ids, mask))
     finally:
@@ -190,7 +183,7 @@ def test_a_miss_never_waits_for_a_read_ahead_it_does_not_need(tiny_moe_dir):
 @pytest.mark.parametrize("damage", ["removed", "truncated"])
 def test_a_shard_lost_mid_run_fails_clearly_and_stays_failed(tmp_path, tiny_moe_dir, damage):
     path = copy_dir(tiny_moe_dir, tmp_path / "model")
-    model, _ = pagedexperts.load_model(path, num_resident=TOP_K, dtype="float32", host_memory_gb=budget_gb(R))
+    model, _ = pagedexperts.load_model(path, num_resident=TOP_K, dtype="float32", host_memory_gb=budget_gb(R, path))
     shard = path / "model.safetensors"
     if damage == "removed":
         shard.rename(path / "moved.safetensors")
@@ -204,11 +197,14 @@ def test_a_shard_lost_mid_run_fails_clearly_and_stays_failed(tmp_path, tiny_moe_
             greedy_logits(model, ids, mask)
 
 
-def test_nothing_of_the_checkpoint_stays_mapped(tiny_moe_dir):
-    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
+def test_nothing_of_the_checkpoint_stays_mapped(tiny_moe_dir, tmp_path):
+    # a copy of its own: the session's shared unpaged models (conftest.reference_model) keep the
+    # shared checkpoint's file mapped, as from_pretrained does
+    path = copy_dir(tiny_moe_dir, tmp_path / "model")
+    model, _ = pagedexperts.load_model(path, num_resident=TOP_K, dtype="float32")
     gc.collect()
     with open("/proc/self/maps") as f:
-        mapped = [line for line in f if str(tiny_moe_dir) in line]
+        mapped = [line for line in f if str(path) in line]
     assert mapped == []
     assert model is not None
 
@@ -224,22 +220,27 @@ def test_copied_weights_keep_their_file_alignment(tiny_moe_dir):
 
 
 def test_host_memory_plan_by_hand():
+    """G budgets everything: slots 800 + non-expert 5000 + KV 700 + runtime 1000 = 7500 come first."""
     common = dict(num_layers=4, num_experts=10, expert_bytes=100, slot_bytes_on_host=4 * 2 * 100,
-                  staging_bytes=300, non_expert_bytes_on_host=5000, kv_bytes_on_host=700)
+                  staging_bytes=300, non_expert_bytes_on_host=5000, kv_bytes_on_host=700, runtime_bytes=1000)
     full = plan_host_memory(budget_bytes=None, available_bytes=10**6, **common)
-    assert (full.host_rows, full.staging_bytes, full.total_bytes) == (10, 0, 4000 + 800 + 5000 + 700)
-    tier = plan_host_memory(budget_bytes=1700, available_bytes=10**6, **common)
-    assert tier.host_rows == (1700 - 300) // 400 == 3 and tier.disk_tier
-    with pytest.raises(ValueError, match=r"below the minimum .* 700 bytes"):  # 4 x 100 + 300
-        plan_host_memory(budget_bytes=699, available_bytes=10**6, **common)
-    with pytest.raises(MemoryError, match=r"needs 8,000 bytes"):  # 1200 rows + 800 + 300 + 5000 + 700
-        plan_host_memory(budget_bytes=1700, available_bytes=7999, **common)
+    assert (full.host_rows, full.staging_bytes, full.total_bytes) == (10, 0, 4000 + 800 + 5000 + 700 + 1000)
+    tier = plan_host_memory(budget_bytes=9200, available_bytes=10**6, **common)
+    assert tier.host_rows == (9200 - 7500 - 300) // 400 == 3 and tier.disk_tier
+    assert tier.total_bytes == 3 * 400 + 300 + 7500 <= 9200
+    # no budget given: the available memory is the budget
+    assert plan_host_memory(budget_bytes=None, available_bytes=9000, **common).host_rows == 3
+    with pytest.raises(ValueError, match=r"below the minimum .* 8,200 bytes .*runtime allowance \(1,000\)"):
+        plan_host_memory(budget_bytes=8199, available_bytes=10**6, **common)  # 7500 + 4 x 100 + 300
+    with pytest.raises(MemoryError, match=r"needs 9,000 bytes"):  # 1200 rows + 300 + 7500
+        plan_host_memory(budget_bytes=9200, available_bytes=8999, **common)
 
 
 def test_generate_reports_disk_reads_in_the_stats_json(tmp_path):
     out = tmp_path / "stats.json"
     env = dict(os.environ, PYTHONPATH=str(Path(pagedexperts.__file__).resolve().parents[1]))
-    subprocess.run([sys.executable, "-m", "pagedexperts.cli", "generate", "--host-memory-gb", "0.01", "--prompt",
+    # G = 0.64 GB: the runtime allowance (0.6) + slots, weights and KV (0.026) leave 0.014 of the 0.038 GB store
+    subprocess.run([sys.executable, "-m", "pagedexperts.cli", "generate", "--host-memory-gb", "0.64", "--prompt",
                     "Once upon a time", "--max-new-tokens", "4", "--stats-json", str(out), "--quiet"],
                    check=True, env=env, capture_output=True, timeout=300)
     paging = json.loads(out.read_text())["paging"]
@@ -249,14 +250,17 @@ def test_generate_reports_disk_reads_in_the_stats_json(tmp_path):
     assert paging["disk_bytes_read"] == paging["disk_reads"] * expert_bytes
 
 
+@pytest.mark.parametrize("read_ahead", [False, True])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_runtime_host_counters_equal_the_two_level_simulator(tiny_moe_dir, tmp_path, policy):
+def test_runtime_host_counters_equal_the_two_level_simulator(tiny_moe_dir, tmp_path, policy, read_ahead):
+    """The simulator has no read-ahead: with it on (the default), the same host decisions, and the
+    disk reads of the simulator plus the read-aheads that were not used."""
     from pagedexperts.analysis import simulate as sim
     from pagedexperts.analysis.trace import load_trace
     from test_runtime_vs_simulator import run_recorded
 
     model = run_recorded(tiny_moe_dir, tmp_path / "t.npz", policy=policy, num_resident=TOP_K, dtype="float32",
-                         host_memory_gb=budget_gb(R))
+                         host_memory_gb=budget_gb(R, tiny_moe_dir), read_ahead=read_ahead)
     rt = model.pagedexperts
     trace = load_trace(tmp_path / "t.npz", num_experts=E, top_k=TOP_K)
     everything, _ = sim.replay(sim.recorded_steps(trace), num_experts=E, num_resident=TOP_K, policy=policy,
@@ -265,25 +269,32 @@ def test_runtime_host_counters_equal_the_two_level_simulator(tiny_moe_dir, tmp_p
     assert sorted(got.tiers) == sorted(everything.tiers)
     for layer, t in got.tiers.items():
         s = everything.tiers[layer]
-        assert (t.host_hits, t.host_misses, t.disk_bytes_read) == (s.host_hits, s.host_misses, s.disk_bytes_read), layer
+        assert (t.host_hits, t.host_misses) == (s.host_hits, s.host_misses), layer
+        unused = t.read_ahead_issued - t.read_ahead_used  # read, never taken
+        assert t.read_ahead_used <= t.read_ahead_issued and (t.read_ahead_issued > 0) == (read_ahead and layer > 0)
+        assert t.disk_bytes_read - unused * rt.expert_bytes == s.disk_bytes_read, layer
         assert t.host_hits + t.host_misses == got.layers[layer].misses  # every device page-in asks the host
     assert sum(t.host_hits for t in got.tiers.values()) > 0
 
 
 def test_preflight_three_tiers_by_hand():
     from pagedexperts.commands.preflight import build_report, tier_report
+    from pagedexperts.storage.host_memory import RUNTIME_ALLOWANCE_BYTES
+
+    runtime_gb = RUNTIME_ALLOWANCE_BYTES["cuda"] / 1e9  # G covers the runtime allowance first
 
     base = build_report(model="x", moe_layers=4, num_experts=16, top_k=2, expert_bytes=10**6, kv_bytes_per_token=1,
                         non_expert_bytes=0, num_resident=4, link_gbps=None, tok_s=None, device_memory_gb=None,
                         context_length=1, max_running_requests=1, runtime_reserve_gb=0)
-    # G = 14 MB: staging 2 x 2 experts = 4 MB, rows (14 - 4) // (4 layers x 1 MB) = 2
-    r = tier_report(base, host_memory_gb=0.014, disk_gbps=2.0, miss_rate=0.5, host_miss_rate=None)
+    # G = runtime + 14 MB: staging 2 x 2 experts = 4 MB, rows (14 - 4) // (4 layers x 1 MB) = 2
+    r = tier_report(base, host_memory_gb=runtime_gb + 0.014, disk_gbps=2.0, miss_rate=0.5, host_miss_rate=None)
     assert (r["host_rows"], r["disk_experts_per_layer"]) == (2, 14)
     assert r["host_miss_rate"] == 1 - 2 / 16
     assert r["disk_bytes_per_token"] == pytest.approx(4 * 2 * 10**6 * 0.5 * (14 / 16))
     assert r["disk_bound_tok_s"] == pytest.approx(2e9 / r["disk_bytes_per_token"])
-    with pytest.raises(ValueError, match=r"below the minimum .*8,000,000 bytes"):  # 4 rows + 4 MB staging
-        tier_report(base, host_memory_gb=0.007, disk_gbps=None, miss_rate=None, host_miss_rate=None)
+    minimum = RUNTIME_ALLOWANCE_BYTES["cuda"] + 8_000_000  # + 4 rows + 4 MB staging
+    with pytest.raises(ValueError, match=rf"below the minimum .*{minimum:,} bytes"):
+        tier_report(base, host_memory_gb=runtime_gb + 0.007, disk_gbps=None, miss_rate=None, host_miss_rate=None)
 
 
 def test_linkbench_disk_reads_a_checkpoint(tiny_moe_dir, capsys):
@@ -304,7 +315,7 @@ def test_a_lost_shard_fails_the_served_request_and_the_next_one(tmp_path):
     from pagedexperts.engine.scheduler_config import SchedulerConfig
 
     path = copy_dir(pagedexperts.bundled_model_path(), tmp_path / "model")
-    model, tokenizer = pagedexperts.load_model(path, num_resident=4, host_memory_gb=0.01)
+    model, tokenizer = pagedexperts.load_model(path, num_resident=4, host_memory_gb=0.64)  # disk tier (see above)
     (path / "model.safetensors").unlink()
     sched = BatchScheduler(model, tokenizer, SchedulerConfig(2, 128))
     events = []
@@ -324,7 +335,7 @@ def test_metrics_export_each_layers_tier_counters(tiny_moe_dir):
     from pagedexperts.serving.metrics import _tier_metrics
 
     R = 3
-    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", host_memory_gb=budget_gb(R))
+    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", host_memory_gb=budget_gb(R, tiny_moe_dir))
     ids, mask = prompts(2)
     greedy_logits(model, ids, mask, steps=3)
     tiers = model.pagedexperts.stats().tiers
@@ -337,3 +348,36 @@ def test_metrics_export_each_layers_tier_counters(tiny_moe_dir):
     assert sum(t.disk_reads for t in tiers.values()) > 0
     plain, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
     assert list(_tier_metrics(plain.pagedexperts)) == []
+
+
+def _settle(store) -> None:
+    """Wait for every read-ahead in flight."""
+    for future, _ in list(store._ahead.values()):
+        future.result()
+
+
+@pytest.mark.parametrize("used", [False, True])
+def test_read_ahead_pauses_where_it_does_not_pay(tiny_moe_dir, monkeypatch, caplog, used):
+    """Window 4, pause 3 steps: 4 read-aheads of which none is used pause the layer (one WARNING,
+    ``read_ahead_paused`` counts the skipped steps, then it reads ahead again); all used: no pause."""
+    from pagedexperts.storage import host_tier
+
+    monkeypatch.setattr(host_tier, "READ_AHEAD_WINDOW", 4)
+    monkeypatch.setattr(host_tier, "READ_AHEAD_PAUSE", 3)
+    ra = ReadAhead(make_store(tiny_moe_dir).specs, num_buffers=4)
+    store = make_store(tiny_moe_dir, rows=2, read_ahead=ra)
+    slots = slots_for(store)
+    for pair in ([4, 5], [6, 7]):
+        assert store.read_ahead(pair) == 2
+        _settle(store)
+        if used:
+            for slot, expert in enumerate(pair):
+                store.copy_to_slot(expert, slot, slots)
+    t = store.tier_stats
+    assert (t.read_ahead_issued, t.read_ahead_used) == (4, 4 if used else 0)
+    started = [store.read_ahead([8 + i]) for i in range(4)]
+    assert started == ([1, 1, 1, 1] if used else [0, 0, 0, 1])  # paused 3 steps, then tries again
+    assert t.read_ahead_paused == (0 if used else 3)
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "read-ahead paused" in r.getMessage()]
+    assert len(warned) == (0 if used else 1)
+    _settle(store)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import pagedexperts
-from conftest import E, HIDDEN, MOE_INTERMEDIATE, PAD_ID, TOP_K, VOCAB, assert_same
+from conftest import E, HIDDEN, MOE_INTERMEDIATE, PAD_ID, TOP_K, assert_same, prompt
 from pagedexperts import integration
 from pagedexperts.models.sites import is_experts_module
 
@@ -43,11 +43,6 @@ def cases(ks):
     ]
 
 
-def prompt(length: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(2, VOCAB, (length,), generator=gen)
-
-
 def single_prompt() -> torch.Tensor:
     return prompt(12, seed=1).unsqueeze(0)
 
@@ -64,22 +59,9 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_moe_dir):
-    """reference(impl, dtype) -> the plain transformers model (cached: it holds no paging state)."""
-    from transformers import AutoModelForCausalLM
-
-    cache = {}
-
-    def get(impl: str, dtype: str, path=tiny_moe_dir):
-        key = (impl, dtype, str(path))
-        if key not in cache:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, experts_implementation=impl, dtype=getattr(torch, dtype)
-            )
-            cache[key] = model.eval()
-        return cache[key]
-
-    return get
+def reference(reference_model):
+    """reference(impl, dtype, path=tiny_moe_dir) -> the shared unpaged model (conftest.reference_model)."""
+    return lambda impl, dtype, path=None: reference_model(path, dtype, impl)
 
 
 def load_paged(path, num_resident: int, impl: str, dtype: str):

@@ -131,6 +131,19 @@ def test_paged_equals_reference(name, num_resident, slot_format, references):
     _assert_exact(paged, references(name), f"{name} K={num_resident} {slot_format}")
 
 
+@pytest.mark.default_threads
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["qwen3_moe-NVFP4", "qwen3_moe-FP8", "deepseek_v3-FP8"])
+def test_paged_equals_reference_at_half_precision(name, dtype):
+    """The float32 fixtures (float32 scales) run at bfloat16 / float16, as ModelOpt exports are
+    run: the reference is ModelOpt's dequantization built at that dtype."""
+    reference, choice = load_reference_with_choice(_fixture(name), device="cpu", dtype=dtype,
+                                                   experts_implementation="grouped_mm")
+    assert reference.dtype == getattr(torch, dtype) and choice.source == "ModelOpt", choice.line()
+    paged, _ = load_model(_fixture(name), num_resident=TOP_K, dtype=dtype)
+    _assert_exact(paged, reference, f"{name} {dtype}")
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe-NVFP4", "qwen3_moe-FP8"])
 def test_one_thread_and_dense_slots(name, threads, references):
     paged, _ = load_model(_fixture(name), num_resident=TOP_K, slot_format="dense")

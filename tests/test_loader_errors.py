@@ -249,6 +249,9 @@ def test_enough_host_memory_passes(tiny_moe_dir, monkeypatch):
     assert sum(p.store.host_bytes for p in model.pagedexperts.runners.values()) == STORE_BYTES == plan.store_bytes
     # on the CPU the K slots are host memory too: 2 layers x K x expert bytes
     assert plan.slot_bytes_on_host == 2 * TOP_K * STORE_BYTES // (2 * E)
+    assert plan.runtime_bytes == host_memory.RUNTIME_ALLOWANCE_BYTES["cpu"]
+    # the runtime this process already holds is credited to the available memory; here: none
+    monkeypatch.setattr(host_memory, "process_rss_bytes", lambda: 0)
     monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: plan.total_bytes)
     pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
     # one byte less: the default budget falls to the disk tier, R = E - (staging 2 x top_k
@@ -260,13 +263,14 @@ def test_enough_host_memory_passes(tiny_moe_dir, monkeypatch):
 
 def test_memory_error_names_every_part(tiny_moe_dir, monkeypatch, no_loading):
     monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: 4096)
-    with pytest.raises(MemoryError, match=r"slots on host .* non-expert weights .* KV estimate"):
+    with pytest.raises(MemoryError, match=r"slots on host .* non-expert weights .* KV estimate .* runtime allowance"):
         pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
 
 
-def test_host_memory_below_the_disk_tier_minimum_names_it(tiny_moe_dir, no_loading):
+def test_host_memory_below_the_disk_tier_minimum_names_it(tiny_moe_dir):
+    fixed = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")[0].pagedexperts.host_memory.fixed_bytes
     expert = STORE_BYTES // (2 * E)
-    minimum = 2 * expert + 2 * TOP_K * expert  # a row per layer + staging
+    minimum = 2 * expert + 2 * TOP_K * expert + fixed  # a row per layer + staging + slots, weights, KV, runtime
     with pytest.raises(ValueError, match=rf"--host-memory-gb 1e-06 is below the minimum .*{minimum:,} bytes"):
         pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", host_memory_gb=1e-6)
 

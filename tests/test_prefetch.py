@@ -10,23 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import E, PAD_ID, TOP_K, VOCAB, assert_same
+from conftest import E, PAD_ID, TOP_K, assert_same, greedy_logits, prompt
 from pagedexperts.loading.loader import load_model
 from pagedexperts.paging.prefetch import NextLayerPrefetcher, prediction_order
 
 NEW_TOKENS = 16
-
-
-def prompt(length: int, seed: int) -> torch.Tensor:
-    return torch.randint(2, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
-
-
-def greedy_logits(model, ids, mask) -> torch.Tensor:
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID,
-                             output_logits=True, return_dict_in_generate=True)
-    return torch.stack(out.logits)
 
 
 def single():
@@ -45,15 +33,12 @@ def batch_logits(model) -> torch.Tensor:
 
 def outputs(model) -> tuple[torch.Tensor, torch.Tensor]:
     """(every greedy step's logits of one prompt, logits of a padded batch), in that order."""
-    return greedy_logits(model, *single()), batch_logits(model)
+    return greedy_logits(model, *single(), steps=NEW_TOKENS), batch_logits(model)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_moe_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, experts_implementation="grouped_mm").eval()
-    return outputs(model)
+def reference(reference_model):
+    return outputs(reference_model())
 
 
 @pytest.mark.default_threads

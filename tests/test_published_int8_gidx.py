@@ -67,25 +67,26 @@ def published_block_dequant(q, scale, block=BLOCK):
     return q.to(torch.float32) * scale[rows[:, None], cols[None, :]]
 
 
-def gidx_int4(w: torch.Tensor, seed: int):
+def gidx_int4(w: torch.Tensor, seed: int, symmetric: bool = True):
     """Activation-order int4: columns assigned to groups in a random order (``g_idx``), scales
-    per (row, group) from compressed-tensors' qparams. Returns (q int8 [O, I], scale [O, G], g_idx)."""
+    (and zero points when not ``symmetric``) per (row, group) from compressed-tensors' qparams.
+    Returns (q int8 [O, I], scale [O, G], zero point int8 [O, G] or None, g_idx, args)."""
     cols = w.shape[1]
     perm = torch.randperm(cols, generator=torch.Generator().manual_seed(seed))
     g_idx = torch.empty(cols, dtype=torch.int32)
     g_idx[perm] = torch.arange(cols, dtype=torch.int32) // GROUP
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=GROUP)
     grouped = w[:, perm].unflatten(-1, (cols // GROUP, GROUP))
     scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
     q_perm = quantize(w[:, perm], scale, zp, args, dtype=torch.int8)
     q = torch.empty_like(q_perm)
     q[:, perm] = q_perm
-    return q, scale, g_idx, args
+    return q, scale, None if symmetric else zp, g_idx, args
 
 
-def published_gidx_dequant(q, scale, g_idx, args):
+def published_gidx_dequant(q, scale, zp, g_idx, args):
     perm = torch.argsort(g_idx)
-    w = dequantize(q[:, perm], scale, None, args)
+    w = dequantize(q[:, perm], scale, zp, args)
     out = torch.empty_like(w)
     out[:, perm] = w
     return out
@@ -106,20 +107,39 @@ def pairs(tmp_path_factory):
         d_t[k] = published_block_dequant(q, s)
     qc = {"quant_method": "blockwise_int8", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
     out["int8-block"] = (_write(root / "int8", src, q_t, qc), _write(root / "int8-ref", src, d_t, None))
-    q_t, d_t = dict(tensors), dict(tensors)
-    for i, k in enumerate(keys):
-        q, s, g, args = gidx_int4(tensors[k], seed=i)
-        base = k.removesuffix(".weight")
-        del q_t[k]
-        q_t |= {f"{base}.weight_packed": pack_to_int32(q, 4), f"{base}.weight_scale": s,
-                f"{base}.weight_shape": torch.tensor(tensors[k].shape), f"{base}.weight_g_idx": g}
-        d_t[k] = published_gidx_dequant(q, s, g, args)
-    weights = dict(args.model_dump(), actorder="group")
-    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-          "config_groups": {"group_0": {"targets": [r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"],
-                                        "weights": weights, "format": "pack-quantized"}}}
-    out["ct-pack-mixed"] = (_write(root / "gidx", src, q_t, qc), _write(root / "gidx-ref", src, d_t, None))
+    out["int8-block-bf16"] = _whole_model_bf16(root, qc)
+    for name, symmetric in (("ct-pack-mixed", True), ("ct-pack-mixed-asym", False)):
+        q_t, d_t = dict(tensors), dict(tensors)
+        for i, k in enumerate(keys):
+            q, s, zp, g, args = gidx_int4(tensors[k], seed=i, symmetric=symmetric)
+            base = k.removesuffix(".weight")
+            del q_t[k]
+            q_t |= {f"{base}.weight_packed": pack_to_int32(q, 4), f"{base}.weight_scale": s,
+                    f"{base}.weight_shape": torch.tensor(tensors[k].shape), f"{base}.weight_g_idx": g}
+            if zp is not None:  # packed along the rows, as compressed-tensors' pack-quantized compressor
+                q_t[f"{base}.weight_zero_point"] = pack_to_int32(zp, 4, packed_dim=0)
+            d_t[k] = published_gidx_dequant(q, s, zp, g, args)
+        weights = dict(args.model_dump(), actorder="group")
+        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+              "config_groups": {"group_0": {"targets": [r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"],
+                                            "weights": weights, "format": "pack-quantized"}}}
+        out[name] = (_write(root / name, src, q_t, qc), _write(root / f"{name}-ref", src, d_t, None))
     return out
+
+
+def _whole_model_bf16(root: Path, qc: dict):
+    """Block INT8 of every projection (attention too: the published checkpoints quantize every
+    Linear but the router and lm_head) of a bfloat16 model; the reference stores the published
+    dequantization in float32 (exact), so that it reads the same at bfloat16 and float32."""
+    src = root / "src-bf16"
+    tiny_model(seed=6).to(torch.bfloat16).save_pretrained(src)
+    tensors = load_file(src / "model.safetensors")
+    q_t, d_t = dict(tensors), dict(tensors)
+    for k in [k for k in tensors if k.endswith("_proj.weight")]:
+        q, s = block_int8(tensors[k].float())
+        q_t[k], q_t[k + "_scale_inv"] = q, s
+        d_t[k] = published_block_dequant(q, s)
+    return _write(root / "int8-bf16", src, q_t, qc), _write(root / "int8-bf16-ref", src, d_t, None)
 
 
 @torch.no_grad()
@@ -145,19 +165,38 @@ def _own_allocations(model):
 
 @pytest.mark.parametrize("slot_format", ["packed", "dense"])
 @pytest.mark.parametrize("k", [TOP_K, E // 2])
-@pytest.mark.parametrize("name", ["int8-block", "ct-pack-mixed"])
+@pytest.mark.parametrize("name", ["int8-block", "ct-pack-mixed", "ct-pack-mixed-asym"])
 def test_paged_equals_the_published_dequantization(pairs, name, k, slot_format):
+    """ct-pack-mixed-asym: activation order with zero points (subtracted per column's group)."""
     from transformers import AutoModelForCausalLM
 
     quantized, dequantized = pairs[name]
     paged, _ = load_model(quantized, num_resident=k, slot_format=slot_format)
-    assert paged.pagedexperts.expert_format == name
+    assert paged.pagedexperts.expert_format == name.removesuffix("-asym")
     assert paged.pagedexperts.expert_bytes < paged.pagedexperts.dense_expert_bytes
     ref = AutoModelForCausalLM.from_pretrained(dequantized, experts_implementation="grouped_mm").eval()
     _own_allocations(paged), _own_allocations(ref)
     for batch in (1, 3):
         got, want = _logits(paged, batch), _logits(ref, batch)
         assert torch.equal(got, want), f"{name} K={k} batch {batch}: max |diff| {(got - want).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_block_int8_whole_model_in_its_own_dtype_and_float32(pairs, dtype):
+    """A bfloat16 block-INT8 checkpoint with attention quantized, run at bfloat16 (its own dtype)
+    and float32: weight x scale in float32 as SGLang does, then the run dtype (a multiply in the
+    run dtype rounds the float32 scale to bfloat16 first)."""
+    from transformers import AutoModelForCausalLM
+
+    quantized, dequantized = pairs["int8-block-bf16"]
+    paged, _ = load_model(quantized, num_resident=TOP_K, dtype=dtype)
+    assert len(paged.pagedexperts.dequantized_linears.modules) == 8  # q, k, v, o of 2 layers
+    ref = AutoModelForCausalLM.from_pretrained(dequantized, dtype=getattr(torch, dtype),
+                                               experts_implementation="grouped_mm").eval()
+    _own_allocations(paged), _own_allocations(ref)
+    for batch in (1, 3):
+        got, want = _logits(paged, batch), _logits(ref, batch)
+        assert torch.equal(got, want), f"{dtype} batch {batch}: max |diff| {(got - want).abs().max():.3e}"
 
 
 def test_g_idx_matters(pairs):

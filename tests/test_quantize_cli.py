@@ -29,6 +29,17 @@ def test_quantize_command_errors_name_the_flag(tiny_moe_dir, tmp_path, capsys):
     assert "--output DIR is required" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("variant", ["bundled:w4a16", "bundled:fp8-block", "bundled:nf4"])
+def test_quantize_refuses_a_bundled_variant_as_source(variant, tmp_path, capsys):
+    """A bundled variant is quantized already: the error says so (it said "no config.json in
+    --model-path bundled:w4a16"), before anything is built or written."""
+    out = tmp_path / "q"
+    assert main(["quantize", "--model-path", variant, "--format", "w4a16", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--model-path {variant} is already quantized" in err and "--model-path bundled" in err
+    assert "config.json" not in err and not out.exists()
+
+
 @pytest.mark.slow
 def test_bundled_variant_built_once_and_reused(tmp_path):
     path = resolve_model_path("bundled:fp8-block", str(tmp_path))

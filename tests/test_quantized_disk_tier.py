@@ -15,9 +15,6 @@ Legend: E routed experts, k top_k, K resident slots, R host rows per layer.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,7 @@ import torch
 import pagedexperts
 from pagedexperts import load_model
 from pagedexperts.formats.slots import PackedSlots
+from conftest import greedy_logits
 from quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
 from test_families import E, TOP_K, VOCAB, build_model, save_char_tokenizer
 
@@ -78,9 +76,12 @@ def quantized(tmp_path_factory):
 
 
 def tier_gb(full_model, rows: int = R) -> float:
-    """--host-memory-gb for ``rows`` host rows per layer + the staging of 2 x top_k experts."""
+    """--host-memory-gb for ``rows`` host rows per layer + the staging of 2 x top_k experts, after
+    what the full model's plan counts besides its store (slots, weights, KV, runtime allowance);
+    half an expert against rounding."""
     rt = full_model.pagedexperts
-    return (rows * len(rt.stores) + 2 * TOP_K) * rt.expert_bytes / 1e9
+    experts = rows * len(rt.stores) + 2 * TOP_K
+    return (rt.host_memory.fixed_bytes + experts * rt.expert_bytes + rt.expert_bytes // 2) / 1e9
 
 
 def load_pair(path: Path, **kwargs):
@@ -125,13 +126,6 @@ def test_tier_logits_equal_the_full_store(quantized, name, slot_format, threads)
     assert totals["disk_bytes_read"] == totals["disk_reads"] * tiered.pagedexperts.expert_bytes
 
 
-@torch.no_grad()
-def greedy_logits(model, ids, mask, steps: int = 6) -> torch.Tensor:
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
-                         min_new_tokens=steps, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return torch.stack(out.logits).float()
-
-
 @pytest.mark.parametrize("slot_format, culprit", [("packed", r"from a packed tensor 'gate_up_proj_scale_inv'"),
                                                    ("dense", r"'gate_up_proj' dequantized at page-in")])
 def test_the_independence_check_sees_through_the_tier(quantized, monkeypatch, slot_format, culprit):
@@ -171,23 +165,24 @@ def test_a_stacked_tensor_without_e_leading_is_refused_by_name(quantized, tmp_pa
             load_model(path, num_resident=TOP_K, host_memory_gb=gb)
 
 
-def _cli(*args: str, cache: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(Path(pagedexperts.__file__).resolve().parents[1]),
-               PAGEDEXPERTS_CACHE=str(cache))
-    subprocess.run([sys.executable, "-m", "pagedexperts.cli", *args], check=True, env=env, capture_output=True,
-                   timeout=600)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8-block", "w4a16"])
-def test_check_and_generate_on_the_bundled_variant_with_the_tier(fmt, tmp_path):
-    cache = tmp_path / "cache"
-    for slot_format in ("packed", "dense"):  # check exits non-zero unless torch.equal
-        _cli("check", "--model-path", f"bundled:{fmt}", "--num-resident", "8", "--host-memory-gb", "0.001",
-             "--slot-format", slot_format, cache=cache)
+def test_check_and_generate_on_the_bundled_variant_with_the_tier(fmt, tmp_path, monkeypatch, capsys):
+    """The real CLI entry point, in-process (no fresh interpreter per command):
+    check exits non-zero unless torch.equal; two prompts of different lengths, each alone and as
+    a left-padded batch of 2, 4 greedy steps, at K=8."""
+    from pagedexperts.cli import main
+
+    monkeypatch.setenv("PAGEDEXPERTS_CACHE", str(tmp_path / "cache"))
+    # G = 0.6218 GB: the runtime allowance, slots, weights and KV take 0.6208, leaving ~1 MB of the store
+    tier = ["--model-path", f"bundled:{fmt}", "--num-resident", "8", "--host-memory-gb", "0.6218"]
+    for slot_format in ("packed", "dense"):
+        rc = main(["check", *tier, "--slot-format", slot_format, "--prompt", "ROMEO:", "--prompt",
+                   "The history of the city", "--max-new-tokens", "4"])
+        assert rc == 0, capsys.readouterr().out
     out = tmp_path / "stats.json"
-    _cli("generate", "--model-path", f"bundled:{fmt}", "--num-resident", "8", "--host-memory-gb", "0.001",
-         "--prompt", "Once upon a time", "--max-new-tokens", "4", "--stats-json", str(out), "--quiet", cache=cache)
+    assert main(["generate", *tier, "--prompt", "Once upon a time", "--max-new-tokens", "4",
+                 "--stats-json", str(out), "--quiet"]) == 0
     paging = json.loads(out.read_text())["paging"]
     assert paging["disk_tier"] and paging["disk_reads"] > 0
     cfg = json.loads((pagedexperts.bundled_model_path() / "config.json").read_text())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import E, PAD_ID, TOP_K, VOCAB
+from conftest import E, PAD_ID, TOP_K, prompt
 from pagedexperts.analysis import simulate as sim
 from pagedexperts.loading.loader import load_model
 from pagedexperts.analysis.recording import TraceRecorder
@@ -21,10 +21,6 @@ from pagedexperts.analysis.trace import load_trace
 
 FIELDS = ("steps", "tokens", "padding_tokens", "hits", "misses", "page_ins", "bytes_paged", "waves",
           "multi_wave_steps", "union_sum", "union_max")
-
-
-def prompt(length: int, seed: int) -> torch.Tensor:
-    return torch.randint(2, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
 
 
 def generate(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int = 12) -> None:

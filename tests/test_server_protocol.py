@@ -84,6 +84,7 @@ def test_metrics_export_every_numeric_layer_stat():
     from dataclasses import dataclass
     from types import SimpleNamespace
 
+    from pagedexperts.engine.forwards import DecodeCounts
     from pagedexperts.serving.metrics import Metrics
     from pagedexperts.stats.accounting import LayerStats
 
@@ -95,8 +96,13 @@ def test_metrics_export_every_numeric_layer_stat():
     store = SimpleNamespace(tier_stats=None)  # the ExpertStore contract: None = no disk tier
     runtime = SimpleNamespace(runners={0: SimpleNamespace(stats=layer, store=store)}, num_resident=8, top_k=2)
     sched = SimpleNamespace(num_running=1, num_waiting=0, config=SimpleNamespace(max_running_requests=4),
-                            stats=SimpleNamespace(), speculative=None)
+                            stats=SimpleNamespace(), speculative=None,
+                            forwards=SimpleNamespace(summary=lambda: dict(
+                                kv_layout="rows", decode_steps=dict(DecodeCounts(replay=7).as_dict()),
+                                steps=dict(backend="cuda", reason=None))))
     text = Metrics(sched, runtime).render().decode()
+    assert 'pagedexperts_decode_steps_total{how="replay"} 7.0' in text
+    assert 'pagedexperts_decode_backend{backend="cuda",kv_layout="rows",reason=""} 1.0' in text
     for line in ('pagedexperts_paging_ttft_p99_s{layer="0"} 0.25', 'pagedexperts_expert_hits_total{layer="0"} 3.0',
                  'pagedexperts_paging_misses_total{layer="0"} 2.0', 'pagedexperts_union_size_max{layer="0"} 5.0',
                  "pagedexperts_running_requests 1.0"):

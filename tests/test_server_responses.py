@@ -201,13 +201,14 @@ def test_failed_generation_is_response_failed(server):
     def broken(*args, **kwargs):
         raise RuntimeError("injected step failure")
 
-    scheduler._forward = broken  # the instance attribute shadows the method until deleted
+    forwards = scheduler.forwards
+    forwards.packed = forwards.decodes = broken  # instance attributes shadow the methods until deleted
     try:
         events = list(openai_client(server[0]).responses.create(model=NAME, input=QUESTION, max_output_tokens=4,
                                                                 stream=True))
         r = httpx.post(server[0] + "/v1/responses", json={"model": NAME, "input": QUESTION}, timeout=60)
     finally:
-        del scheduler._forward
+        del forwards.packed, forwards.decodes
     assert [e.type for e in events] == ORDER_HEAD + ["response.failed"]
     failed = events[-1].response
     assert failed.status == "failed" and "injected step failure" in failed.error.message and failed.output == []

@@ -198,7 +198,7 @@ def _run(capsys, argv):
 def test_cli_table_json_and_plots(tmp_path, capsys):
     rc, out, _ = _run(capsys, ["simulate", "--trace", SYNTHETIC, "--num-resident", "4,8"])
     assert rc == 0 and "belady" in out and "uniform" in out
-    rc, out, _ = _run(capsys, ["simulate", "--trace", SYNTHETIC, "--num-resident", "4,8", "--batch-sizes", "1,3",
+    rc, out, err = _run(capsys, ["simulate", "--trace", SYNTHETIC, "--num-resident", "4,8", "--batch-sizes", "1,3",
                                "--policy", "lru", "--json", "--link-gbps", "10", "--compute-ms-per-layer", "1",
                                "--expert-mb", "1", "--plot-dir", str(tmp_path)])
     r = json.loads(out)
@@ -207,6 +207,8 @@ def test_cli_table_json_and_plots(tmp_path, capsys):
     assert keys == {(b, g, k) for b in (1, 3) for g in ("trace", "uniform") for k in (4, 8)}
     assert all(x["modelled_decode_tok_s"] > 0 for x in r["results"])
     assert sorted(os.listdir(tmp_path)) == ["hit_rate_vs_k.png", "union_vs_batch.png"]
+    # where they went is said (nothing was)
+    assert f"plots written: {tmp_path / 'hit_rate_vs_k.png'}, {tmp_path / 'union_vs_batch.png'}" in err
 
 
 @pytest.mark.parametrize(
@@ -229,6 +231,14 @@ def test_cli_table_json_and_plots(tmp_path, capsys):
 def test_cli_bad_inputs(capsys, extra, message):
     rc, _, err = _run(capsys, ["simulate", "--trace", SYNTHETIC] + extra)
     assert rc == 2 and message in err
+
+
+def test_cli_trace_that_is_no_file(tmp_path, capsys):
+    """A missing path named the flag nowhere; a directory raised IsADirectoryError (traceback)."""
+    rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path / "none.npz")])
+    assert rc == 2 and f"--trace {tmp_path / 'none.npz'}: no such file" in err
+    rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path)])
+    assert rc == 2 and f"--trace {tmp_path}: a directory, not a trace file" in err
 
 
 def test_cli_empty_and_truncated_trace(tmp_path, capsys):

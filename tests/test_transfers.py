@@ -294,6 +294,10 @@ def test_copy_stream_protocol(monkeypatch):
         def copy_to_slot(self, expert, slot, slots):
             LOG.append(("copy", expert, slot, str(fake.current)))
 
+        def copy_to_slots(self, loads, slots):  # ExpertStore's: one step's page-ins together
+            for load in loads:
+                self.copy_to_slot(load.expert, load.slot, slots)
+
     tr = transfer.SlotTransfers({"w": Slot()}, "cuda", fake.copy, num_experts=8)
     assert LOG[:2] == [("record_stream", "copy"), ("record", "ev1", "compute")]  # ev1 = compute done
     LOG.clear()

@@ -37,13 +37,16 @@ class TraceRecorder:
     """Records a paged model's routing into a ``trace.TraceWriter`` as it runs.
 
     ``request_ids``: one id per batch row of the next calls (default 0..B-1), or one per token
-    (B x T ids: a packed step); padding rows are recorded with request id -1.
+    (B x T ids: a packed step); padding rows are recorded with request id -1. ``phase``: the
+    next calls' phase when the caller knows it (the server's KV-row forwards pass no cache to
+    tell it by); None: "prefill" when the call starts from an empty cache, else "decode".
     """
 
     def __init__(self, model, writer) -> None:
         self.model = model
         self.writer = writer
         self.request_ids: list[int] | None = None
+        self.phase: str | None = None
 
     @classmethod
     def attach(cls, model, *, model_id: str = "") -> "TraceRecorder":
@@ -65,7 +68,8 @@ class TraceRecorder:
             rows = rows.repeat_interleave(seq)
         if real is not None:
             rows[~real] = -1
-        self.writer.begin_step(phase="prefill" if is_prefill(kwargs) else "decode", request_ids=rows.tolist())
+        phase = self.phase or ("prefill" if is_prefill(kwargs) else "decode")
+        self.writer.begin_step(phase=phase, request_ids=rows.tolist())
 
     def _add(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         self.writer.add(layer=layer, topk_ids=topk_ids.numpy(), topk_weights=topk_weights.float().numpy())

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pagedexperts.commands import COMMANDS
-from pagedexperts.commands.common import add_decide_argument
+from pagedexperts.commands.common import add_decide_argument, add_threads_argument
 from pagedexperts.models.config import RUN_DTYPE_BYTES
 from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
@@ -64,7 +64,7 @@ def add_parser(sub) -> None:
     w.add_argument("--long-prompt-tokens", type=int, default=256)
     w.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels (default 1,4)")
     w.add_argument("--rounds", type=int, default=5, help="rounds; each runs every mode once (default 5)")
-    w.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)")
+    add_threads_argument(w)
     p.add_argument("--results-dir", default=None, help="default: results/bench-<time>")
     p.set_defaults(func=run)
 
@@ -121,7 +121,7 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
             if v < 1:
                 raise ValueError(f"{flag} {v} must be >= 1")
     if args.threads < 0:
-        raise ValueError(f"--threads {args.threads} must be >= 0 (0: torch's default)")
+        raise ValueError(f"--threads {args.threads} must be >= 1 (or 0: torch's default)")
     _, c, _ = read_checkpoint_config(args.model_path)
     k, e = int(c.num_experts_per_tok), num_routed_experts(c)
     if "paged" in modes and not ks:

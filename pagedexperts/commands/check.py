@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from pagedexperts.commands import COMMANDS
-from pagedexperts.commands.common import add_model_arguments
+from pagedexperts.commands.common import add_model_arguments, apply_threads, print_host_memory
 
 
 def add_parser(sub) -> None:
@@ -15,7 +15,11 @@ def add_parser(sub) -> None:
         description="Runs a few prompts paged (at each K given) and unpaged (plain "
         "from_pretrained, all experts resident, same experts implementation and dtype), each "
         "prompt alone and all of them as one left-padded batch, and compares every step's logits "
-        "(torch.equal) and the greedy tokens. Every K is checked against [top_k, E] first.",
+        "(torch.equal) and the greedy tokens. Every K is checked against [top_k, E] first. With "
+        "--experts-implementation fused two comparisons per K: paged == the same fused kernel with all E "
+        "experts resident (torch.equal), and teacher-forced logits within a stated tolerance of "
+        "transformers' model (grouped_mm over its dequantized experts) with top-1 agreement with the "
+        "float32 source no lower than transformers'.",
     )
     add_model_arguments(p)
     p.set_defaults(num_resident=None)
@@ -27,6 +31,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable; default: 3 built-in)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy steps per prompt (default 8)")
+    p.add_argument(
+        "--source-model-path",
+        default=None,
+        help="with --experts-implementation fused: the float32 model the checkpoint was quantized from, for "
+        "the teacher-forced top-1 comparison (default: the bundled model for --model-path bundled:FORMAT; "
+        "none otherwise)",
+    )
     p.set_defaults(func=run)
 
 
@@ -65,16 +76,52 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "ho
     )
 
 
+def run_fused(args, ks, options, reference, choice, num_experts: int, *, path, quantized: bool) -> int:
+    """``check --experts-implementation fused``: per K, paged == the same kernel with all E
+    resident (torch.equal), and within tolerance of transformers' model (``tools.check_fused``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedexperts.loading.loader import load_model
+    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model
+    from pagedexperts.tools.check_fused import tolerance_check, tolerance_line
+
+    source_path = args.source_model_path
+    if source_path is None and not quantized and reference.dtype == torch.float32:
+        source_path = str(path)  # an unquantized float32 checkpoint is its own float32 source
+    source = None if source_path is None else AutoModelForCausalLM.from_pretrained(
+        source_path, dtype="float32").to(args.device).eval()
+    oracle, tokenizer = load_model(args.model_path, num_resident=num_experts, **options)
+    transformers_ref = f"{choice.source} (grouped_mm over its dequantized experts)"
+    print(f"references: the same fused kernel with all E={num_experts} experts resident (exact); {transformers_ref} "
+          "(within tolerance)")
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    ok = True
+    for k in ks:
+        paged, _ = load_model(args.model_path, num_resident=k, **options)
+        res = check_model(paged, oracle, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
+        print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide)
+              + f" [vs fused, all E={num_experts} resident]")
+        tol = tolerance_check(paged, reference, source, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
+        print(tolerance_line(k, tol, reference=transformers_ref, source=source_path))
+        ok &= res.passed and tol.passed
+    print("verdict:", "PASS" if ok else "FAIL", "(paged fused == fused all resident; within tolerance of "
+          f"{choice.source})")
+    return 0 if ok else 1
+
+
 def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
-    from pagedexperts.formats import format_for_config
+    from pagedexperts.loading.checkpoint import format_for_checkpoint
     from pagedexperts.loading.config import PagingConfig, check_config, check_experts_dtype, resolve_dtype
     from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
+    from pagedexperts.paging.inner import FUSED, transformers_inner
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
-    path, config, _ = read_checkpoint_config(args.model_path)
+    apply_threads(args)
+    path, config, files = read_checkpoint_config(args.model_path)
     if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads
         raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
                          "check tokenizes its prompts: add the source model's tokenizer files (--model-path)")
@@ -82,20 +129,28 @@ def run(args) -> int:
     ks = resident_values(args, top_k=top_k, num_experts=num_experts)
     options = dict(device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation,
                    policy=args.policy, slot_format=args.slot_format, prefetch=args.prefetch,
-                   prefetch_budget=args.prefetch_budget, host_memory_gb=args.host_memory_gb, decide=args.decide)
+                   prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
+                   decide=args.decide)
+    fmt = format_for_checkpoint(config, files)
     for k in ks:  # every problem of the options, at once, before the reference loads
-        check_config(PagingConfig(num_resident=k, **options), config, format_for_config(config))
-    check_experts_dtype(format_for_config(config), resolve_dtype(args.dtype, config), args.experts_implementation)
+        check_config(PagingConfig(num_resident=k, **options), config, fmt)
+    check_experts_dtype(fmt, resolve_dtype(args.dtype, config), transformers_inner(args.experts_implementation))
+    fused = args.experts_implementation == FUSED
     print(f"check: loading the unpaged reference, then the paged model at K = {', '.join(map(str, ks))}",
           file=sys.stderr, flush=True)
     reference, choice = load_reference_with_choice(
-        args.model_path, device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation
+        args.model_path, device=args.device, dtype=args.dtype,
+        experts_implementation=transformers_inner(args.experts_implementation)
     )
     print(choice.line())  # every verdict names its reference: transformers' loading, or which and why
+    if fused:
+        return run_fused(args, ks, options, reference, choice, num_experts, path=path,
+                         quantized=fmt.name != "dense")
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     ok = True
     for k in ks:
         paged, tokenizer = load_model(args.model_path, num_resident=k, **options)
+        print_host_memory(paged)
         res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens, progress=True)
         print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide))
         ok &= res.passed

@@ -11,7 +11,7 @@ from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS
 
 def add_model_arguments(parser) -> None:
     """--model-path, --num-resident, --device, --dtype, --experts-implementation, --policy, --prefetch,
-    --prefetch-budget, --slot-format, --decide, --host-memory-gb."""
+    --prefetch-budget, --slot-format, --decide, --host-memory-gb, --threads."""
     g = parser.add_argument_group("model and paging")
     g.add_argument("--model-path", default=None, help="Hugging Face model directory (default: the bundled tiny Qwen3-MoE)")
     g.add_argument(
@@ -27,7 +27,10 @@ def add_model_arguments(parser) -> None:
         "--experts-implementation",
         default="grouped_mm",
         choices=list(INNER_IMPLEMENTATIONS),
-        help="transformers experts kernel run over the slots (default grouped_mm)",
+        help="experts kernel run over the slots (default grouped_mm): transformers' grouped_mm, batched_mm or "
+        "eager (exact to the unpaged model), or fused: Triton MoE kernels reading the packed slots directly "
+        "(device-planned steps only; CUDA, or CPU under TRITON_INTERPRET=1; exact to itself with all E "
+        "resident, within a tolerance of transformers)",
     )
     g.add_argument(
         "--policy",
@@ -42,6 +45,10 @@ def add_model_arguments(parser) -> None:
     )
     g.add_argument("--prefetch-budget", type=int, default=None, metavar="N",
                    help="prefetch page-ins per layer per step at most (default: top_k)")
+    g.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
+                   help="with the disk tier (--host-memory-gb), do not read the next layer's predicted experts "
+                   "from disk while a layer computes (read-ahead is on by default there, pauses in a layer where under half "
+                   "of it is used, and pages nothing in)")
     g.add_argument(
         "--slot-format",
         default=DEFAULT_SLOT_FORMAT,
@@ -53,10 +60,42 @@ def add_model_arguments(parser) -> None:
     add_decide_argument(g)
     g.add_argument(
         "--host-memory-gb", type=float, default=None, metavar="G",
-        help="host memory (GB) for the expert store. When all experts do not fit, each layer keeps R in host "
-        "memory and reads the rest from the checkpoint files (disk tier; with --prefetch also read ahead). "
-        "Default: what is available after everything else (slots, weights and KV on --device cpu)",
+        help="host memory (GB) for everything the process holds: the expert store, and on --device cpu the "
+        "slots, the non-expert weights and a KV estimate, plus a runtime allowance (all printed at start-up). "
+        "When all experts do not fit in what is left, each layer keeps R in host memory and reads the rest from "
+        "the checkpoint files (disk tier; with --prefetch also read ahead). Default: the available memory (the "
+        "smaller of the machine's and the memory cgroup's limit)",
     )
+    add_threads_argument(g)
+
+
+THREADS_HELP = (
+    "torch CPU threads for the model's compute, N >= 1 (default 0: torch's default, one per core). Fewer "
+    "are faster when other processes keep the cores busy (every op waits for its slowest thread: on a loaded "
+    "2-core machine 1 thread decoded 10x faster than the default) and at small decode steps, where each op's "
+    "threading costs more than its work; see README 'Threads'"
+)
+
+
+def add_threads_argument(group) -> None:
+    """--threads N (0: torch's default), applied by ``apply_threads``."""
+    group.add_argument("--threads", type=int, default=0, metavar="N", help=THREADS_HELP)
+
+
+def apply_threads(args) -> None:
+    """``torch.set_num_threads(--threads)`` when given (> 0); the process-wide intra-op pool, so the
+    server's scheduler thread runs with it too.
+
+    Raises:
+        ValueError: --threads below 0 (names the value and the flag).
+    """
+    threads = getattr(args, "threads", 0) or 0
+    if threads < 0:
+        raise ValueError(f"--threads {threads} must be >= 1 (or 0: torch's default)")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 DECIDE_HELP = (
@@ -74,29 +113,54 @@ def add_decide_argument(group) -> None:
 
 GRAPHS_HELP = (
     "capture every decode step in a CUDA graph (static KV cache, one capture per batch size up to "
-    "--cuda-graph-max-batch; prefill stays eager); an error where capture cannot work (CPU, --decide host, "
+    "--cuda-graph-max-batch; prefill stays eager; serve: each decode batch bucket over its KV rows, prefill, "
+    "chunked prefill and --speculative verification eager); an error where capture cannot work (CPU, --decide host, "
     "a mode that copies on the host). Default: auto, graphs where the step is capturable (CUDA, device-planned "
     "or resident, a syncless experts kernel), else a WARNING and decode without them (silent on CPU). "
     "Unverified on a GPU so far (the CUDA tests are written, not yet run)"
 )
 
 
-def add_graph_arguments(group) -> None:
-    """--cuda-graphs / --no-cuda-graphs (default auto) and --cuda-graph-max-batch N."""
+def add_graph_arguments(group, *, max_batch_default: str | None = None) -> None:
+    """--cuda-graphs / --no-cuda-graphs (default auto) and --cuda-graph-max-batch N (default
+    ``DEFAULT_CUDA_GRAPH_MAX_BATCH``; with ``max_batch_default``, a text saying what None means:
+    serve captures every bucket up to --max-running-requests)."""
     group.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_const", const="on", default="auto",
                        help=GRAPHS_HELP)
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const="off",
-                       help="decode without CUDA graphs (transformers' generate, dynamic KV cache)")
-    group.add_argument("--cuda-graph-max-batch", type=int, default=DEFAULT_CUDA_GRAPH_MAX_BATCH, metavar="N",
-                       help=f"largest decode batch captured, N >= 1 (default {DEFAULT_CUDA_GRAPH_MAX_BATCH}); "
+                       help="decode without CUDA graphs (generate: transformers' generate, dynamic KV cache; "
+                       "serve: the same fixed-shape steps over the KV rows, run eagerly)")
+    default = DEFAULT_CUDA_GRAPH_MAX_BATCH if max_batch_default is None else None
+    group.add_argument("--cuda-graph-max-batch", type=int, default=default, metavar="N",
+                       help=f"largest decode batch captured, N >= 1 (default {max_batch_default or default}); "
                        "larger batches run the same static step eagerly")
 
 
+def _graph_max_batch(args) -> int:
+    """--cuda-graph-max-batch as given (checked by ``loading.config``), or the default where the
+    command leaves it None (serve: its buckets are the server's, ``ServeConfig``)."""
+    value = getattr(args, "cuda_graph_max_batch", None)
+    return DEFAULT_CUDA_GRAPH_MAX_BATCH if value is None else value
+
+
 def load_from_args(args):
-    """(model, tokenizer) from the flags of add_model_arguments."""
+    """(model, tokenizer) from the flags of add_model_arguments, with the host-memory plan printed
+    (stderr; not under --quiet)."""
     from pagedexperts.loading.loader import load_model
 
-    return load_model(args.model_path, **paging_options(args))
+    model, tokenizer = load_model(args.model_path, **paging_options(args))
+    if not getattr(args, "quiet", False):
+        print_host_memory(model)
+    return model, tokenizer
+
+
+def print_host_memory(model) -> None:
+    """One line on stderr: every part of host memory the loader counted (``HostMemoryPlan.describe``)."""
+    import sys
+
+    plan = model.pagedexperts.host_memory
+    if plan is not None:
+        print(f"host memory: {plan.describe()}", file=sys.stderr)
 
 
 def check_paging_flags(args) -> None:
@@ -123,12 +187,13 @@ def paging_options(args) -> dict:
         policy=args.policy,
         prefetch=getattr(args, "prefetch", False),
         prefetch_budget=getattr(args, "prefetch_budget", None),
+        read_ahead=getattr(args, "read_ahead", True),
         slot_format=getattr(args, "slot_format", DEFAULT_SLOT_FORMAT),
         host_memory_gb=getattr(args, "host_memory_gb", None),
         decide=decide_for(args),
-        # commands without the graph flags (check, serve, bench) decode without graphs
+        # commands without the graph flags (check, bench) decode without graphs
         cuda_graphs=getattr(args, "cuda_graphs", "off"),
-        cuda_graph_max_batch=getattr(args, "cuda_graph_max_batch", DEFAULT_CUDA_GRAPH_MAX_BATCH),
+        cuda_graph_max_batch=_graph_max_batch(args),
     )
 
 

@@ -7,7 +7,8 @@ import os
 import sys
 
 from pagedexperts.commands import COMMANDS
-from pagedexperts.commands.common import add_graph_arguments, add_model_arguments, check_paging_flags, load_from_args
+from pagedexperts.commands.common import (add_graph_arguments, add_model_arguments, apply_threads, check_paging_flags,
+                                          load_from_args)
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 
@@ -66,6 +67,7 @@ def run(args) -> int:
         raise ValueError("--speculative verifies through the scheduler, which has no CUDA graphs; drop --cuda-graphs")
     _check_outputs(args)
     check_paging_flags(args)  # flag-only problems before the first read of --model-path
+    apply_threads(args)
     _check_tokenizer(args.model_path)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
@@ -110,7 +112,7 @@ def run(args) -> int:
 
 
 def _check_outputs(args) -> None:
-    """--stop strings non-empty, and the directories of --stats-json / --record-trace exist,
+    """--stop strings non-empty, and --stats-json / --record-trace files in directories that exist,
     before the model loads (ValueError naming the flag)."""
     for stop in args.stop:
         if not stop:
@@ -119,3 +121,5 @@ def _check_outputs(args) -> None:
         parent = os.path.dirname(path) if path else ""
         if parent and not os.path.isdir(parent):
             raise ValueError(f"{flag} {path}: directory {parent} does not exist")
+        if path and os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is a directory; give a file path")

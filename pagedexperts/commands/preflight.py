@@ -67,7 +67,8 @@ def add_parser(subparsers) -> None:
                      help="GB kept for activations, CUDA context, allocator slack (default 1.0)")
     tiers = p.add_argument_group("disk tier (three tiers: device K, host R, disk)")
     tiers.add_argument("--host-memory-gb", type=float,
-                       help="host memory G for the experts (as `generate --host-memory-gb`): R host rows per layer")
+                       help="host memory G for everything on the host (as `generate --host-memory-gb` on a CUDA "
+                       "device: the store, its staging and the runtime allowance): R host rows per layer")
     tiers.add_argument("--disk-gbps", type=float, help="disk read GB/s (see `pagedexperts linkbench --disk`)")
     tiers.add_argument("--miss-rate", type=float,
                        help="device misses per routed expert, 0..1 (default: uniform, 1 - K/E)")
@@ -223,22 +224,25 @@ def tier_report(r: dict, *, host_memory_gb: float, disk_gbps: float | None,
                 miss_rate: float | None, host_miss_rate: float | None) -> dict:
     """Three tiers of ``build_report``'s model and K under G: host rows R (as the loader
     chooses them, ``storage.host_memory``), disk bytes per token at the miss rates, and the
-    disk-bound tok/s. Raises ValueError when G is below the disk tier's minimum (names it)."""
+    disk-bound tok/s. G covers everything on the host of a CUDA run (the slots, non-expert
+    weights and KV live on the device): the store, its staging and the runtime allowance.
+    Raises ValueError when G is below the disk tier's minimum (names it)."""
     from pagedexperts.loading.build import READ_AHEAD_EXPERTS_PER_TOP_K
-    from pagedexperts.storage.host_memory import plan_host_memory
+    from pagedexperts.storage.host_memory import RUNTIME_ALLOWANCE_BYTES, plan_host_memory
 
     e, layers, eb = r["num_experts"], r["moe_layers"], r["expert_bytes"]
     plan = plan_host_memory(
         budget_bytes=round(host_memory_gb * sizing.GB), available_bytes=None, num_layers=layers, num_experts=e,
         expert_bytes=eb, slot_bytes_on_host=0,
-        staging_bytes=READ_AHEAD_EXPERTS_PER_TOP_K * r["top_k"] * eb, non_expert_bytes_on_host=0, kv_bytes_on_host=0)
+        staging_bytes=READ_AHEAD_EXPERTS_PER_TOP_K * r["top_k"] * eb, non_expert_bytes_on_host=0, kv_bytes_on_host=0,
+        runtime_bytes=RUNTIME_ALLOWANCE_BYTES["cuda"])
     rows = plan.host_rows
     device_miss = r["uniform_miss_rate"] if miss_rate is None else miss_rate
     host_miss = (0.0 if rows >= e else 1 - rows / e) if host_miss_rate is None else host_miss_rate
     disk_bpt = sizing.disk_bytes_per_token(moe_layers=layers, top_k=r["top_k"], expert_bytes=eb,
                                            device_miss_rate=device_miss, host_miss_rate=host_miss)
     out = dict(host_memory_gb=host_memory_gb, host_rows=rows, disk_tier=plan.disk_tier,
-               host_tier_bytes=plan.store_bytes, staging_bytes=plan.staging_bytes,
+               host_tier_bytes=plan.store_bytes, staging_bytes=plan.staging_bytes, runtime_bytes=plan.runtime_bytes,
                disk_experts_per_layer=e - rows, disk_bytes=(e - rows) * layers * eb,
                device_miss_rate=device_miss, host_miss_rate=host_miss if plan.disk_tier else 0.0,
                disk_bytes_per_token=disk_bpt if plan.disk_tier else 0.0, disk_gbps=disk_gbps)

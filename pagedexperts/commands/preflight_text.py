@@ -22,8 +22,9 @@ def format_report(r: dict) -> str:
         f"slot (expert x L)     {size(r['slot_bytes'])}{' dense' if r['slot_format'] == 'dense' else ''} "
         f"(~{r['kv_tokens_per_slot']:,.0f} KV tokens at {r['kv_bytes_per_token']:,} B/token)",
         f"host store (slot x E) {size(r['host_bytes'])}",
-        *([f"non-expert weights    {size(r['non_expert_bytes'])} on the device ({r['dequantized_modules']} quantized "
-           f"modules dequantized at load: {size(r['dequantized_bytes'])})"] if r.get("dequantized_modules") else []),
+        f"non-expert weights    {size(r['non_expert_bytes'])} on the device"
+        + (f" ({r['dequantized_modules']} quantized modules dequantized at load: {size(r['dequantized_bytes'])})"
+           if r.get("dequantized_modules") else ""),
         f"resident K            {r['num_resident']} of {r['num_experts']} ({_k_source(r)}), "
         f"{size(r['device_slot_bytes'])} on the device",
         f"batch cap             {r['single_wave_batch_cap']} (K // top_k requests always fit one wave; "
@@ -89,7 +90,8 @@ def _format_memory(r: dict) -> list[str]:
 
 def _format_tiers(r: dict) -> list[str]:
     size = sizing.format_bytes
-    lines = [f"tiers at G={r['host_memory_gb']:g} GB for the host store",
+    lines = [f"tiers at G={r['host_memory_gb']:g} GB of host memory (store, staging, runtime allowance "
+             f"{size(r['runtime_bytes'])}; slots, weights and KV on a CUDA device)",
              f"  device              K={r['num_resident']} per layer, {size(r['device_slot_bytes'])}"]
     if not r["disk_tier"]:
         return lines + [f"  host                all E={r['num_experts']} per layer, {size(r['host_tier_bytes'])}: no disk tier"]

@@ -73,6 +73,9 @@ def run_quantize(args) -> int:
         raise ValueError(f"--group-size {args.group_size} must be > 0")
     if args.block_size <= 0:
         raise ValueError(f"--block-size {args.block_size} must be > 0")
+    if args.model_path and args.model_path.startswith(BUNDLED_PREFIX):
+        raise ValueError(f"--model-path {args.model_path} is already quantized (a bundled variant); pass an "
+                         "unquantized bf16/fp16/fp32 checkpoint, e.g. --model-path bundled")
     if args.model_path is None and args.output is None:
         if args.asymmetric or args.group_size != 128 or args.block_size != 128:
             raise ValueError("the bundled variants have fixed parameters; pass --model-path and --output to choose them")

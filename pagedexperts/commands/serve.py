@@ -6,7 +6,9 @@ import argparse
 import sys
 
 from pagedexperts.commands import COMMANDS
-from pagedexperts.commands.common import add_model_arguments, check_paging_flags, load_from_args
+from pagedexperts.commands.common import (
+    add_graph_arguments, add_model_arguments, apply_threads, check_paging_flags, load_from_args,
+)
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 # not imported: building --help loads no engine or serving module
@@ -51,6 +53,8 @@ def add_parser(sub) -> None:
     b.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill prompts in chunks inside the decode forwards (default on; --no-chunked-prefill "
                    "prefills admitted prompts in forwards of their own, before the step's decode)")
+    add_graph_arguments(p.add_argument_group("CUDA graphs (decode)"),
+                        max_batch_default="every decode bucket up to --max-running-requests")
     add_speculative_arguments(p)
     a = p.add_argument_group("admission")
     a.add_argument("--max-body-bytes", type=int, default=None, metavar="BYTES",
@@ -87,6 +91,7 @@ def run(args) -> int:
     _check_flags(args)
     speculative = speculative_from_args(args)
     check_paging_flags(args)
+    apply_threads(args)
     _check_checkpoint(args)  # after every flag-only check: this is the first read of --model-path
     model, tokenizer = load_from_args(args)
     if tokenizer is None:
@@ -106,7 +111,7 @@ def run(args) -> int:
                          api_key=args.api_key, shutdown_timeout_s=args.shutdown_timeout, speculative=speculative,
                          chunked_prefill=args.chunked_prefill, header_timeout_s=args.header_timeout,
                          body_timeout_s=args.body_timeout,
-                         max_connections=args.max_connections)
+                         max_connections=args.max_connections, cuda_graph_max_batch=args.cuda_graph_max_batch)
     print(f"pagedexperts serve: {name} on http://{args.host}:{args.port}, K={rt.num_resident} of "
           f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}; {speculation_note(speculative)}",
           file=sys.stderr, flush=True)
@@ -144,6 +149,12 @@ def _check_flags(args) -> None:
                         ("--max-connections", args.max_connections)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.api_key is not None and not args.api_key.strip():  # e.g. --api-key "$KEY" with KEY unset
+        raise ValueError(f"--api-key {args.api_key!r} is empty: the server would run with no key; "
+                         "give the key, or omit the flag for none")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError(f"--served-model-name {args.served_model_name!r} is empty; "
+                         "omit the flag for the model directory's name")
     if not args.header_timeout > 0:
         raise ValueError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
     if not args.body_timeout > 0:
@@ -153,3 +164,5 @@ def _check_flags(args) -> None:
     parent = os.path.dirname(args.record_trace) if args.record_trace else ""
     if parent and not os.path.isdir(parent):
         raise ValueError(f"--record-trace {args.record_trace}: directory {parent} does not exist")
+    if args.record_trace and os.path.isdir(args.record_trace):
+        raise ValueError(f"--record-trace {args.record_trace} is a directory; give a file path")

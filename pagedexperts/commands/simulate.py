@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from pagedexperts.commands import COMMANDS
 from pagedexperts.analysis import simulate as sim
@@ -65,6 +66,9 @@ def run_simulate(args) -> int:
     if (args.experts is None) != (args.top_k is None):
         raise ValueError("pass both --experts and --top-k to check the trace against a model")
     _check_time_model(args)
+    if not os.path.isfile(args.trace):
+        raise ValueError(f"--trace {args.trace}: " + ("a directory, not a trace file" if os.path.isdir(args.trace)
+                                                      else "no such file"))
     trace = load_trace(args.trace, num_experts=args.experts, top_k=args.top_k)
     e, k = trace.meta.num_experts, trace.meta.top_k
     ks = _int_list(args.num_resident) if args.num_resident else sim.default_num_resident(num_experts=e, top_k=k)
@@ -92,7 +96,8 @@ def run_simulate(args) -> int:
             print()
             print(format_layer_table(rows))
     if args.plot_dir:
-        plot(rows, plot_dir=args.plot_dir, top_k=k)
+        paths = plot(rows, plot_dir=args.plot_dir, top_k=k)
+        print("plots written: " + ", ".join(paths), file=sys.stderr)  # stderr: --json stays one document
     return 0
 
 

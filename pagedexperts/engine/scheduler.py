@@ -1,19 +1,24 @@
 """Continuous batching for the server: one thread owns the model and steps all requests.
 
-Owns: the bounded waiting queue and the running set (at most ``max_running_requests``), the
-per-request KV caches, one model step at a time, per-request sampling (``sampling``), and
-the events (text deltas, logprobs, finish) handed back through each request's ``on_event``.
+Owns: the bounded waiting queue and the running set (at most ``max_running_requests``), one
+model step at a time, per-request sampling (``sampling``), and the events (text deltas,
+logprobs, finish) handed back through each request's ``on_event``. Where the running
+requests' KV lives and how a forward reaches it is its ``forwards`` (``forwards.StepForwards``):
+KV rows held in place, decode steps of fixed shapes per batch bucket replayed from CUDA graphs
+on CUDA (``row_forwards``, the default), or per-request buffers rebuilt into a batch cache
+every step (``forwards.DynamicForwards``: ``static_kv`` off, or a model whose attention cannot
+run over rows, with a WARNING).
 
 A step (``BatchScheduler.step``) drops cancelled requests and admits waiting ones up to the
 cap (each checked alone, ``isolation.check_inputs``; ``admitted_s`` stamped: the wait for a
 place, ``queue_s`` on the final event), so a place freed in one step is refilled in the next. With chunked prefill (the default) it
 runs ONE forward packing every running decode (one token each) with prompt chunks, at most
 ``max_prefill_tokens`` prompt tokens per step, first come first served (``chunked_prefill``:
-positions and a 4D mask, no padding); a long prompt takes several steps while others decode.
-A step with no prompt to prefill DECODES every running request in one forward, the caches
-left-padded into one batch cache [B, kv_heads, S_max, D] with a 2D mask (``batching``); a
-request alone decodes unpadded, with no mask, exactly like ``model.generate``. Without chunked
-prefill, admitted prompts are prefilled in forwards of their own first (left-padded, at most
+no padding); a long prompt takes several steps while others decode. Where the forwards do
+not mix decodes into it (CUDA graphs: ``StepForwards.mixes_decodes``), the chunks get that
+forward alone and the decodes the step's decode forward. A step with no prompt to prefill
+DECODES every running request in one forward (``StepForwards.decodes``). Without chunked
+prefill, admitted prompts are prefilled in forwards of their own first (at most
 ``max_prefill_tokens`` padded tokens each; prompts to score in batches of their own).
 
 Speculative decoding (``speculative.decoder``: a ``SpeculativeDecoder``) takes every step's decodes,
@@ -36,7 +41,6 @@ the model's own business, and its counters are read by whoever exports them.
 from __future__ import annotations
 
 import collections
-import inspect
 import itertools
 import logging
 import threading
@@ -46,13 +50,16 @@ from typing import Callable
 import torch
 
 from pagedexperts.generation.config import SamplingConfig
-from pagedexperts.engine.batching import forward_rows, prefill_batches, prefill_inputs
-from pagedexperts.engine.chunked_prefill import MASK_FORMS, Segment, keep_new_kv, pack, step_segments
+from pagedexperts.engine.batching import prefill_batches
+from pagedexperts.engine.chunked_prefill import MASK_FORMS, Segment, step_segments
+from pagedexperts.engine.forwards import DynamicForwards, StepForwards
 from pagedexperts.engine.isolation import check_inputs, each_isolated
+from pagedexperts.engine.row_attention import rows_problem
+from pagedexperts.engine.row_forwards import RowForwards
 from pagedexperts.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from pagedexperts.generation.stop_text import IncrementalText
 from pagedexperts.engine.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
-from pagedexperts.engine.sequence import Event, Request, eos_ids, keep_kv, seeded_generator
+from pagedexperts.engine.sequence import Event, Request, eos_ids, seeded_generator
 from pagedexperts.engine.speculative.decoder import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
@@ -79,8 +86,7 @@ class BatchScheduler:
         self.stats = SchedulerStats()
         self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.forwards = self._forwards(speculative)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
         self._wake = threading.Condition()
@@ -90,6 +96,24 @@ class BatchScheduler:
         self.speculative = None  # a SpeculativeDecoder with --speculative (a SpeculativeConfig): every step's decodes
         if speculative is not None:
             self.speculative = SpeculativeDecoder(model, tokenizer, speculative, pad_id=self.pad_id)
+
+    def _forwards(self, speculative) -> StepForwards:
+        """KV rows (``static_kv``, where the model's attention can run over them), else the
+        dynamic layout with a WARNING and the reason (an error with ``strict_cuda_graphs``)."""
+        c = self.config
+        reason = rows_problem(self.model) if c.static_kv else None
+        if c.static_kv and reason is None:
+            width = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
+            return RowForwards(self.model, max_rows=c.max_running_requests, context_length=c.context_length,
+                               max_width=width, backend=c.cuda_graphs, max_batch=c.cuda_graph_max_batch,
+                               strict=c.strict_cuda_graphs, pad_id=self.pad_id, recorder=self.recorder,
+                               reason=c.cuda_graphs_reason)
+        if reason is not None:
+            if c.strict_cuda_graphs:
+                raise ValueError(f"--cuda-graphs: decode steps over KV rows cannot serve {reason}; use --no-cuda-graphs")
+            logger.warning("decode steps rebuild a batch cache every step (dynamic KV): KV rows cannot serve %s", reason)
+        return DynamicForwards(self.model, pad_id=self.pad_id, mask_form=self._mask_form, recorder=self.recorder,
+                               reason=reason)
 
     # ---- any thread ----
 
@@ -198,16 +222,24 @@ class BatchScheduler:
         for req in [r for r in self._running if r.cancelled]:
             self._running.remove(req)
             self._finish(req, "cancelled")
-        check = lambda r: check_inputs(r.prompt_ids, r.sampling, vocab_size=self.vocab_size,  # noqa: E731
-                                       context_length=self.config.context_length)
-        return each_isolated(admitted, check, self._fail, what="preparing")
+        return each_isolated(admitted, self._prepare, self._fail, what="preparing")
+
+    def _prepare(self, req: Request) -> None:
+        """Check ``req`` alone, then make room for its KV (``StepForwards.place``)."""
+        check_inputs(req.prompt_ids, req.sampling, vocab_size=self.vocab_size, context_length=self.config.context_length)
+        self.forwards.place(req)
 
     def _chunked_step(self) -> None:
-        """One forward: every decode and the prompt chunks the budget allows (``chunked_prefill``)."""
+        """One forward: every decode and the prompt chunks the budget allows (``chunked_prefill``);
+        two where the forwards do not mix decodes into the chunks' (the chunks', then the decode)."""
         segments, decodes = step_segments(self._running, self.config.max_prefill_tokens)
         reqs = [s.request for s in segments]
-        if decodes < len(segments):
+        if decodes < len(segments) and (decodes == 0 or self.forwards.mixes_decodes):
             self._guarded(reqs, lambda: self._packed(segments, decodes))
+        elif decodes < len(segments):
+            chunks, decoding = segments[decodes:], reqs[:decodes]
+            self._guarded(reqs[decodes:], lambda: self._packed(chunks, 0))
+            self._guarded(decoding, lambda: self._decode(decoding))
         elif reqs:  # no prompt to prefill: the batched decode
             self._guarded(reqs, lambda: self._decode(reqs))
 
@@ -228,32 +260,15 @@ class BatchScheduler:
         if req.finished_s is None:
             self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
 
-    def _forward(self, request_ids: list[int], *, logits_to_keep: int | torch.Tensor = 1, **kwargs):
-        if self.recorder is not None:
-            self.recorder.request_ids = request_ids
-        cache = kwargs.pop("cache")
-        return self.model(**kwargs, **{self._cache_kwarg: cache}, use_cache=True, logits_to_keep=logits_to_keep)
-
     def _prefill(self, reqs: list[Request]) -> None:
-        """One forward over the left-padded prompts [B, P_max]; each request keeps its own KV."""
-        from transformers import DynamicCache
-
-        device = self.model.device
-        ids, mask, positions = prefill_inputs([r.prompt_ids for r in reqs], self.pad_id)
-        scores = any(r.sampling.prompt_logprobs for r in reqs)
-        cache = DynamicCache()
-        out = self._forward([r.request_id for r in reqs], input_ids=ids.to(device), attention_mask=mask.to(device),
-                            position_ids=positions.to(device), cache=cache, logits_to_keep=0 if scores else 1)
+        """One forward over the whole prompts of ``reqs`` (``StepForwards.prefill``), then each one's
+        first token."""
+        rows = self.forwards.prefill(reqs)
         self._count_prefill(len(reqs), sum(len(r.prompt_ids) for r in reqs))
-        p_max = ids.shape[1]
-        logits = out.logits.to("cpu")  # [B, P_max or 1, V]
-        row = {r.request_id: i for i, r in enumerate(reqs)}
 
         def prefilled(req: Request) -> None:
-            i, n = row[req.request_id], len(req.prompt_ids)
-            keep_kv(req, cache, i, p_max - n)
             self._running.append(req)
-            self._prompt_done(req, logits[i, p_max - n:] if req.sampling.prompt_logprobs else logits[i, -1:], 0)
+            self._prompt_done(req, rows[req.request_id], 0)
 
         each_isolated(reqs, prefilled, self._fail, what="sampling after prefill")
 
@@ -263,17 +278,11 @@ class BatchScheduler:
         proposals = None
         if self.speculative is not None and decodes:
             segments[:decodes], proposals = self.speculative.segments(segments[:decodes])
-        batch = pack(segments, form=self._mask_form, dtype=self.model.dtype, device=self.model.device)
-        owners = [s.request.request_id for s in segments for _ in s.token_ids]
-        out = self._forward(owners, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            position_ids=batch.position_ids, cache=batch.cache, logits_to_keep=batch.keep)
-        keep_new_kv(batch)
+        rows = self.forwards.packed(segments, decodes)
         self._count_prefill(len(segments) - decodes, sum(len(s.token_ids) for s in segments[decodes:]))
         if decodes:
             self._count_decode(decodes)
             self.stats.mixed_steps += 1
-        logits = out.logits[0].to("cpu")  # [R, V]
-        rows = {s.request.request_id: logits[r] for s, r in zip(segments, batch.rows)}
         self._decoded([s.request for s in segments[:decodes]], rows, proposals)
         each_isolated([s.request for s in segments[decodes:]],
                       lambda r: self._prompt_done(r, rows[r.request_id], r.length - len(r.prompt_ids)),
@@ -309,12 +318,11 @@ class BatchScheduler:
         self._accept(req, rows[-1])
 
     def _decode(self, reqs: list[Request]) -> None:
-        """One forward decoding every request of ``reqs`` (``batching.forward_rows``: one new
-        token each after its cached ones); with speculation ``SpeculativeDecoder.decode``."""
+        """One forward decoding every request of ``reqs`` (``StepForwards.decodes``: one new token
+        each after its cached ones); with speculation ``SpeculativeDecoder.decode``."""
         if self.speculative is not None:  # propose, verify in one forward, roll back
             return self.speculative.decode(self, reqs)
-        logits = forward_rows(lambda **kw: self._forward([r.request_id for r in reqs], **kw), reqs,
-                              [[r.output_ids[-1]] for r in reqs], pad_id=self.pad_id, device=self.model.device)
+        logits = self.forwards.decodes(reqs, [[r.output_ids[-1]] for r in reqs])
         self._count_decode(len(reqs))
         row = {r.request_id: i for i, r in enumerate(reqs)}
         each_isolated(reqs, lambda r: self._accept(r, logits[row[r.request_id], -1]), self._fail, what="sampling")
@@ -365,7 +373,7 @@ class BatchScheduler:
 
     def _finish(self, req: Request, reason: str, *, text: str = "", error: str | None = None) -> None:
         req.finished_s = now = time.perf_counter()
-        req.keys, req.values = [], []
+        self.forwards.release(req)
         counter = {"cancelled": "cancelled", "error": "failed", "abort": "aborted"}.get(reason, "finished")
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         ttft, tpot = req.timing(now)

@@ -23,6 +23,16 @@ class SchedulerConfig:
     decode forward; ``max_prefill_tokens`` is then the prompt tokens of one step. Without
     it, ``max_prefill_tokens`` is the padded tokens (B x P_max) of one prefill forward; a
     prompt longer than that is prefilled alone, so 1 means one prompt per forward.
+
+    ``static_kv``: the running requests' KV held in place in KV rows, decode steps of fixed
+    shapes per batch bucket (``engine.row_forwards``); False: per-request buffers rebuilt into a
+    batch cache every step (``engine.forwards.DynamicForwards``, the layout before; benchmarks).
+    ``cuda_graphs``: how those decode steps run, "cuda" (captured once per bucket, then
+    replayed; verification steps of --speculative stay eager) or "eager" (the same steps op by
+    op); ``strict_cuda_graphs``: a step that cannot be captured raises (--cuda-graphs) instead
+    of running eagerly with a WARNING; ``cuda_graph_max_batch``: the largest bucket captured
+    (None: every bucket); ``cuda_graphs_reason``: why they are not captured (shown, not acted
+    on). ``graph_options`` reads the last four from a loaded model.
     """
 
     max_running_requests: int
@@ -30,6 +40,22 @@ class SchedulerConfig:
     max_queued_requests: int | None = None
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     chunked_prefill: bool = True
+    static_kv: bool = True
+    cuda_graphs: str = "eager"
+    strict_cuda_graphs: bool = False
+    cuda_graph_max_batch: int | None = None
+    cuda_graphs_reason: str | None = None  # why decode steps are not captured (/server_info, /metrics)
+
+
+def graph_options(runtime) -> dict:
+    """``SchedulerConfig``'s graph fields from a model's runtime (``model.pagedexperts``, its
+    ``--cuda-graphs`` resolved by ``loading.config.resolve_cuda_graphs``): "cuda" captures,
+    anything else ("eager", "off": CPU, --no-cuda-graphs, auto's fallback) runs the same static
+    steps eagerly; strict where the user asked --cuda-graphs."""
+    cfg = runtime.config
+    return dict(cuda_graphs="cuda" if runtime.cuda_graphs == "cuda" else "eager",
+                strict_cuda_graphs=cfg.cuda_graphs == "on", cuda_graph_max_batch=cfg.cuda_graph_max_batch,
+                cuda_graphs_reason=runtime.cuda_graphs_reason)
 
 
 class QueueFull(Exception):

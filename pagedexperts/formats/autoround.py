@@ -129,6 +129,16 @@ class AutoRoundFormat(GptqFormat):
         qzeros, [G, O] scales per source, side by side along dim 1."""
         return super().pack(dense, sources=sources, transposed=transposed)[:3]
 
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False):
+        """Not described for the fused kernels yet (no ``g_idx`` rows, and ``auto_round:auto_gptq``
+        adds 1 to each stored zero point without wrapping, which ``formats.packing``'s
+        ``zero_offset`` (mod 2**bits) does not express).
+
+        Raises:
+            NotImplementedError: always, naming the format and packing."""
+        raise NotImplementedError(f"expert format {self.name!r} (zero offset {self.zero_offset}, no g_idx) has no "
+                                  "WeightPacking: fused kernels cannot read it")
+
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Packed rows of n experts -> [n, *dense.shape]: each source dequantized on its own
         (its [O*b/32]-word slice of the packed output dim), then concatenated along the rows."""

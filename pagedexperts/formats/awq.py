@@ -32,6 +32,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.packing import WeightPacking, int_packing
 
 PACK_FACTOR = 8  # int4 values per int32 word
 SCALE_DTYPE = torch.float16  # AWQ checkpoints store float16 scales
@@ -40,23 +41,29 @@ AWQ_REVERSE_ORDER = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c of a
 GEMM_VERSIONS = ("gemm", "exllama", "ipex")  # versions whose checkpoints use the GEMM packing
 
 
-def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+def awq_shifts(device) -> torch.Tensor:
+    """int32 [8]: the bit offset of column c of a word (AWQ's interleaved order), on ``device``."""
+    return torch.tensor([4 * p for p in AWQ_REVERSE_ORDER], dtype=torch.int32, device=device)
+
+
+def unpack_awq(packed: torch.Tensor, shifts: torch.Tensor | None = None) -> torch.Tensor:
     """AWQ-packed int4 along dim -1: int32 [..., R, C / 8] -> int32 [..., R, C] in 0..15,
-    columns back in their natural order."""
-    shifts = torch.tensor([4 * p for p in AWQ_REVERSE_ORDER], dtype=torch.int32, device=packed.device)
+    columns back in their natural order. ``shifts``: ``awq_shifts`` (built here when None)."""
+    shifts = awq_shifts(packed.device) if shifts is None else shifts
     return ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)
 
 
-def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype,
+                   shifts: torch.Tensor | None = None) -> torch.Tensor:
     """One projection of n experts -> dense [n, O, I] in ``dtype``.
 
     qweight int32 [n, I, O/8]; qzeros int32 [n, G, O/8]; scales [n, G, O]; groups are I / G
-    consecutive input channels.
+    consecutive input channels; ``shifts``: see ``unpack_awq``.
     """
-    q = unpack_awq(qweight)  # [n, I, O]
+    q = unpack_awq(qweight, shifts)  # [n, I, O]
     groups = scales.shape[-2]
     group_size = q.shape[-2] // groups
-    z = unpack_awq(qzeros).repeat_interleave(group_size, dim=-2)  # [n, I, O]
+    z = unpack_awq(qzeros, shifts).repeat_interleave(group_size, dim=-2)  # [n, I, O]
     s = scales.repeat_interleave(group_size, dim=-2)
     w = (q - z).to(scales.dtype) * s
     return w.transpose(-1, -2).to(dtype).contiguous()  # the layout the experts kernel and nn.Linear receive
@@ -133,5 +140,14 @@ class AwqFormat(ExpertFormat):
         side along the packed output dim in whole 8-column words with per-column scales and
         zeros, so dequantizing their concatenation equals concatenating their dequantizations."""
         name = tensor.dense.name
+        shifts = self.device_constant("shifts", packed[f"{name}_qweight"].device, awq_shifts)
         return dequantize_awq(packed[f"{name}_qweight"], packed[f"{name}_qzeros"], packed[f"{name}_scales"],
-                              dtype=tensor.dense.dtype)
+                              dtype=tensor.dense.dtype, shifts=shifts)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """qweight [K, N/8] and qzeros [G, N/8] packed along the output dim in AWQ's nibble
+        order, scales [G, N] multiplied in float16."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=4,
+                           packed_dim="out", sources=1, group_size=self.group_size, zero=specs[f"{name}_qzeros"],
+                           transposed=True, interleaved=True)

@@ -258,6 +258,16 @@ class ExpertFormat:
             rows[spec.name] = value.reshape(spec.shape).unsqueeze(0)
         return self.dequantize(tensor, rows)[0].contiguous()
 
+    def device_constant(self, name: str, device, build) -> torch.Tensor:
+        """A constant tensor of this format (a shift table, an FP4 lookup table) on ``device``,
+        built by ``build(device)`` once per device and kept on the instance, so that a dequantize
+        does not send it host-to-device again (a synchronous copy on CUDA, every wave)."""
+        cache = self.__dict__.setdefault("_device_constants", {})  # also on frozen dataclasses
+        key = (name, torch.device(device))
+        if key not in cache:
+            cache[key] = build(device)
+        return cache[key]
+
     def with_stored_dtypes(self, dtypes: Mapping[str, torch.dtype]) -> "ExpertFormat":
         """This format bound to the dtypes the checkpoint stores the routed experts' serialized
         tensors in ({serialized name such as ``weight_scale``: dtype}, read from the shards'
@@ -266,6 +276,17 @@ class ExpertFormat:
         following them where the library dequantizes into the scales' dtype. Default: ``self``
         (a format whose stored dtypes are fixed by its layout)."""
         return self
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False):
+        """How ``tensor``'s packed rows encode its weight, for kernels that dequantize in
+        registers: a ``formats.packing.WeightPacking`` (that module imports this one, so no
+        annotation here); ``transposed``: the experts module's ``is_transposed`` (its dense
+        weight is [in, out]).
+
+        Raises:
+            NotImplementedError: this format has no packing description (names the format).
+        """
+        raise NotImplementedError(f"expert format {self.name!r} has no WeightPacking: fused kernels cannot read it")
 
     def layout(
         self, dense_specs: tuple[TensorSpec, ...], *, sources: Mapping[str, int] | None = None, transposed: bool = False

@@ -39,33 +39,40 @@ import torch
 
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
 from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.packing import WeightPacking, int_packing
 
 PACK_FACTOR = 8  # int4 values per int32 word
 INT4_OFFSET = 8  # stored nibble = signed value + 8
 _SHIFTS = tuple(4 * i for i in range(PACK_FACTOR))
 
 
-def unpack_int4_last(packed: torch.Tensor, columns: int) -> torch.Tensor:
+def nibble_shifts(device) -> torch.Tensor:
+    """int32 [8]: the bit offset of each int4 value in its word, on ``device``."""
+    return torch.tensor(_SHIFTS, dtype=torch.int32, device=device)
+
+
+def unpack_int4_last(packed: torch.Tensor, columns: int, shifts: torch.Tensor | None = None) -> torch.Tensor:
     """Dense int4 nibbles along the last dim -> signed int8 values.
 
     packed: int32 [..., ceil(columns / 8)]; returns int8 [..., columns] in [-8, 7]
-    (nibble minus ``INT4_OFFSET``). Reads bits with shifts, so the host's byte order does not
-    matter. Layout: ``compressed_tensors.compressors.pack_quantized.helpers.pack_to_int32``.
+    (nibble minus ``INT4_OFFSET``). Reads bits with shifts (``nibble_shifts``, built here when
+    None), so the host's byte order does not matter. Layout:
+    ``compressed_tensors.compressors.pack_quantized.helpers.pack_to_int32``.
     """
     if packed.dtype != torch.int32:
         raise ValueError(f"packed int4 tensor must be int32, got {packed.dtype}")
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
+    shifts = nibble_shifts(packed.device) if shifts is None else shifts
     nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., W, 8]
     values = nibbles.flatten(-2)[..., :columns]
     return (values - INT4_OFFSET).to(torch.int8)
 
 
-def unpack_zero_point(packed: torch.Tensor, rows: int) -> torch.Tensor:
+def unpack_zero_point(packed: torch.Tensor, rows: int, shifts: torch.Tensor | None = None) -> torch.Tensor:
     """Zero points packed along dim -2 (``packed_dim=0`` per expert) -> int8 [..., rows, G].
 
     packed: int32 [..., ceil(rows / 8), G].
     """
-    return unpack_int4_last(packed.transpose(-1, -2), rows).transpose(-1, -2)
+    return unpack_int4_last(packed.transpose(-1, -2), rows, shifts).transpose(-1, -2)
 
 
 def dequantize_packed(
@@ -75,12 +82,14 @@ def dequantize_packed(
     *,
     in_features: int,
     dtype: torch.dtype,
+    shifts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One projection of n experts: packed rows -> dense weights [n, O, I] in ``dtype``.
 
     packed: int32 [n, O, ceil(I / 8)]; scale: [n, O, G] (its dtype is the compute dtype);
-    zero_point: int32 [n, ceil(O / 8), G] or None (symmetric). Groups are I / G consecutive
-    columns. Same operations, order and dtypes as compressed-tensors' ``_dequantize``.
+    zero_point: int32 [n, ceil(O / 8), G] or None (symmetric); ``shifts``: ``nibble_shifts``.
+    Groups are I / G consecutive columns. Same operations, order and dtypes as
+    compressed-tensors' ``_dequantize``.
 
     Raises:
         ValueError: I is not a multiple of G.
@@ -88,10 +97,10 @@ def dequantize_packed(
     out_features, groups = scale.shape[-2], scale.shape[-1]
     if in_features % groups:
         raise ValueError(f"in_features {in_features} is not a multiple of {groups} scale groups")
-    q = unpack_int4_last(packed, in_features).unflatten(-1, (groups, in_features // groups))
+    q = unpack_int4_last(packed, in_features, shifts).unflatten(-1, (groups, in_features // groups))
     w = q.to(scale.dtype)
     if zero_point is not None:
-        zp = unpack_zero_point(zero_point, out_features)
+        zp = unpack_zero_point(zero_point, out_features, shifts)
         w = w - zp.to(scale.dtype).unsqueeze(-1)
     w = w * scale.unsqueeze(-1)
     return w.flatten(-2).to(dtype)
@@ -269,10 +278,20 @@ class CompressedTensorsW4A16Format(ExpertFormat):
         scales = packed[f"{name}_scale"].chunk(sources, dim=1)
         zps = packed[f"{name}_zero_point"].chunk(sources, dim=1) if not self.symmetric else (None,) * sources
         parts = [
-            dequantize_packed(w, s, z, in_features=in_features, dtype=tensor.dense.dtype)
+            dequantize_packed(w, s, z, in_features=in_features, dtype=tensor.dense.dtype,
+                              shifts=self.device_constant("shifts", w.device, nibble_shifts))
             for w, s, z in zip(weights, scales, zps)
         ]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """int4 along the input dim ([N, K/8] words), scales [N, G] (multiplied in their dtype),
+        zero points packed along the output dim per source (asymmetric) or offset 8."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        scale, in_features = specs[f"{name}_scale"], tensor.dense.shape[1]
+        return int_packing(tensor, weight=specs[f"{name}_packed"], scale=scale, bits=4, packed_dim="in",
+                           sources=specs[f"{name}_shape"].shape[0] // 2, group_size=in_features // scale.shape[1],
+                           zero=specs.get(f"{name}_zero_point"))
 
 
 def _torch_dtype(name: str | None) -> torch.dtype | None:

@@ -40,31 +40,38 @@ import torch
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, store_name
 from pagedexperts.formats.compressed_tensors import ct_experts_args, experts_weights_args
 from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.packing import WeightPacking, fp4_packing
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 LIBRARY_DTYPE = torch.bfloat16  # compressed-tensors' unpack_fp4_from_uint8 default dtype
 E8M0_BIAS = 127
 
 
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+def e2m1_table(device) -> torch.Tensor:
+    """float32 [8]: the e2m1 magnitudes of codes 0..7, on ``device``."""
+    return torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+
+
+def unpack_fp4(packed: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [..., I/2] -> bfloat16 [..., I] e2m1 values, low nibble first, the same ops and
     dtypes as compressed-tensors' ``unpack_fp4_from_uint8`` (float32 lookup, times +-1.0 in
-    float32, cast to bfloat16)."""
+    float32, cast to bfloat16). ``table``: ``e2m1_table`` on packed's device (built when None)."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed FP4 tensor must be uint8, got {packed.dtype}")
     codes = torch.stack((packed & 0x0F, (packed & 0xF0) >> 4), dim=-1).flatten(-2)
     signs = (codes & 0x08).to(torch.bool)
-    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=packed.device)
+    table = e2m1_table(packed.device) if table is None else table
     values = table[(codes & 0x07).to(torch.long)] * torch.where(signs, -1.0, 1.0)
     return values.to(LIBRARY_DTYPE)
 
 
-def dequantize_nvfp4(packed, scale, global_scale, *, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_nvfp4(packed, scale, global_scale, *, dtype: torch.dtype, table=None) -> torch.Tensor:
     """One NVFP4 projection of n experts -> [n, O, I] in ``dtype``.
 
-    packed uint8 [n, O, I/2]; scale float8_e4m3fn [n, O, I/16]; global_scale float32 [n, 1].
+    packed uint8 [n, O, I/2]; scale float8_e4m3fn [n, O, I/16]; global_scale float32 [n, 1];
+    ``table``: see ``unpack_fp4``.
     """
-    q = unpack_fp4(packed)
+    q = unpack_fp4(packed, table)
     groups = scale.shape[-1]
     q = q.unflatten(-1, (groups, q.shape[-1] // groups))
     s = scale.to(LIBRARY_DTYPE).unsqueeze(-1) / global_scale.reshape(-1, 1, 1, 1)  # float32
@@ -72,13 +79,14 @@ def dequantize_nvfp4(packed, scale, global_scale, *, dtype: torch.dtype) -> torc
     return w.to(dtype)
 
 
-def dequantize_ct_mxfp4(packed, scale, *, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_ct_mxfp4(packed, scale, *, dtype: torch.dtype, table=None) -> torch.Tensor:
     """One MXFP4 projection of n experts -> [n, O, I] in ``dtype``.
 
     packed uint8 [n, O, I/2]; scale uint8 [n, O, I/32] (E8M0). The scale as
     compressed-tensors' ``decompress_mx_scale``: ``2.0 ** (e - 127)`` in bfloat16.
+    ``table``: see ``unpack_fp4``.
     """
-    q = unpack_fp4(packed)
+    q = unpack_fp4(packed, table)
     groups = scale.shape[-1]
     q = q.unflatten(-1, (groups, q.shape[-1] // groups))
     s = (2.0 ** (scale.to(torch.int32) - E8M0_BIAS).to(LIBRARY_DTYPE)).to(LIBRARY_DTYPE).unsqueeze(-1)
@@ -184,8 +192,18 @@ class CompressedTensorsNvfp4Format(_CompressedTensorsFp4):
 
     def _dequantize_source(self, name, packed, i, sources, dtype) -> torch.Tensor:
         pick = lambda t: t.chunk(sources, dim=1)[i]  # noqa: E731
+        table = self.device_constant("e2m1", packed[f"{name}_packed"].device, e2m1_table)
         return dequantize_nvfp4(pick(packed[f"{name}_packed"]), pick(packed[f"{name}_scale"]),
-                                pick(packed[f"{name}_global_scale"]), dtype=dtype)
+                                pick(packed[f"{name}_global_scale"]), dtype=dtype, table=table)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """e2m1 [N, K/2], e4m3 scales per 16 columns divided by the source's global scale in
+        float32, the product rounded to bfloat16 (compressed-tensors' decompression)."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        glob = specs[f"{name}_global_scale"]
+        return fp4_packing(tensor, weight=specs[f"{name}_packed"], scale=specs[f"{name}_scale"], scale_codes="e4m3",
+                           group_size=self.group_size, sources=glob.shape[0], global_scale=glob, global_op="divide",
+                           round_dtype=LIBRARY_DTYPE)
 
 
 class CompressedTensorsMxfp4Format(_CompressedTensorsFp4):
@@ -200,4 +218,13 @@ class CompressedTensorsMxfp4Format(_CompressedTensorsFp4):
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Rows are independent along O, so gate and up dequantize together."""
         name = tensor.dense.name
-        return dequantize_ct_mxfp4(packed[f"{name}_packed"], packed[f"{name}_scale"], dtype=tensor.dense.dtype)
+        table = self.device_constant("e2m1", packed[f"{name}_packed"].device, e2m1_table)
+        return dequantize_ct_mxfp4(packed[f"{name}_packed"], packed[f"{name}_scale"], dtype=tensor.dense.dtype,
+                                   table=table)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """e2m1 [N, K/2] with an E8M0 scale per 32 columns, multiplied in bfloat16."""
+        name = tensor.dense.name
+        specs = {p.name: p for p in tensor.packed}
+        return fp4_packing(tensor, weight=specs[f"{name}_packed"], scale=specs[f"{name}_scale"], scale_codes="e8m0",
+                           group_size=self.group_size, sources=1, mul_dtype=LIBRARY_DTYPE, round_dtype=LIBRARY_DTYPE)

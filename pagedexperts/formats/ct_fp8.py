@@ -16,14 +16,18 @@ weight [O, I]:
   uint8 E8M0 exponents, scale ``2 ** (e - 127)`` (``mx_utils.decompress_mx_scale``);
 - ``input_scale`` float32 [1] with static activations (FP8's ``static_minmax`` observer).
 
-Dequantize, as compressed-tensors' ``_dequantize``: ``(x_q.to(scale.dtype) * scale).to(model
-dtype)``, the scale broadcast over its tensor / row / block / group. transformers 5.24's MoE
-loader (``CompressedTensorsDequantize.convert``, FP8 branch) multiplies in float32 instead:
-the same bits for float32 scales, and at a run dtype no wider than the scales'; with bfloat16
-scales (llm-compressor's default: the weights' dtype) at a float32 run it skips the library's
-bfloat16 rounding, its cross-check reports it, and ``check`` takes the library's reference.
-MXFP8: the E8M0 scale is a power of two and an E4M3 value has 4 significant bits, so the
-product is exact in bfloat16 and float32 alike (compressed-tensors multiplies in bfloat16).
+Dequantize, as compressed-tensors' own ``_dequantize`` (``x_q.to(scale.dtype) * scale``, the
+scale broadcast over its tensor / row / block), in the dtype the checkpoint stores the scale in
+(``with_stored_dtypes``), then the model's dtype. For float32 scales this is transformers
+5.24's loading of MoE experts too (``CompressedTensorsDequantize.convert``, FP8 branch:
+``(weight.to(float32) * weight_scale.to(float32)).to(model dtype)``); for bfloat16 scales
+(llm-compressor on a bfloat16 model) the two agree at bfloat16 (the fp8 x bf16 product is exact
+in float32, rounded once either way) and differ only when such a checkpoint runs at float32,
+where transformers' experts keep the exact product and compressed-tensors' decompression (the
+reference ``check`` then picks) the bfloat16 one.
+MXFP8 (``mxfp8-quantized``): the E8M0 scale (``2 ** (e - 127)``, decoded to bfloat16 as
+``decompress_mx_scale``) is a power of two and an E4M3 value has 4 significant bits, so the
+product is exact in bfloat16 and float32 alike.
 
 Activations. The unpaged reference (transformers' loading, on CPU and on a GPU alike, since
 its FP8 kernel path ``use_optimized_inference`` is opt-in and covers nn.Linear only) stacks the
@@ -49,8 +53,9 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.ct_schemes import ExpertScheme, dense_schemes, dense_source_count, resolved_schemes
+from pagedexperts.formats.ct_schemes import (ExpertScheme, dense_schemes, dense_source_count, resolved_schemes)
 from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.packing import WeightPacking, dense_packing, float8_packing
 
 FP8_DTYPE = torch.float8_e4m3fn
 STRATEGIES = ("tensor", "channel", "block", "group")
@@ -173,23 +178,34 @@ class CompressedTensorsFp8Format(ExpertFormat):
                  for w, s in zip(weight.chunk(sources, dim=1), scale.chunk(sources, dim=1))]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)
 
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """fp8 [N, K] with its scheme's per-tensor / per-channel / per-block scale, per source."""
+        if tensor.is_passthrough:
+            return dense_packing(tensor, transposed=transposed)
+        strategy, block, _ = self.schemes[tensor.dense.name]
+        return float8_packing(tensor, scale=tensor.packed[1], strategy=strategy, block=block,
+                              sources=dense_source_count(tensor.dense.name))
+
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, *, strategy: str, block: tuple[int, int] | None,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """One projection of n experts: fp8 [n, O, I] x scale -> [n, O, I] in ``dtype``.
+                   dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One projection of n experts: fp8 (or int8) [n, O, I] x scale -> [n, O, I] in ``dtype``.
 
     scale: [n, 1] (tensor), [n, O, 1] (channel), [n, ceil(O/bm), ceil(I/bn)] (block; group:
-    block (1, g)), uint8 E8M0 exponents for mxfp8 (``2 ** (e - 127)`` in bfloat16, as
-    ``decompress_mx_scale``). compressed-tensors' ``_dequantize``: ``(q.to(s.dtype) *
-    s).to(dtype)`` in the scale's dtype, s broadcast over its elements (float32 scales: what
-    transformers computes too; bfloat16 scales at a float32 run: one bfloat16 rounding that
-    transformers' float32 multiply skips, so ``check`` takes compressed-tensors' there).
+    block (1, g)); uint8 E8M0 exponents for mxfp8 (``2 ** (e - 127)`` in bfloat16, as
+    ``decompress_mx_scale``). ``(q.to(c) * s.to(c)).to(dtype)`` with s broadcast over its
+    elements, c = ``compute_dtype`` (None: the scale's own dtype, as compressed-tensors'
+    ``_dequantize`` computes: float32 for float32 scales, bfloat16 for the bfloat16 scales
+    llm-compressor writes for a bfloat16 model).
     """
     if scale.dtype == torch.uint8:
         scale = 2.0 ** (scale.to(torch.int32) - E8M0_BIAS).to(torch.bfloat16)
+    compute = compute_dtype or scale.dtype
+    q = weight.to(compute)
+    s = scale.to(compute)
     if strategy == "tensor":
-        scale = scale.view(-1, 1, 1)
+        s = s.view(-1, 1, 1)
     elif strategy in ("block", "group"):
-        rows, cols = weight.shape[-2:]
-        scale = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :rows, :cols]
-    return (weight.to(scale.dtype) * scale).to(dtype)
+        rows, cols = q.shape[-2:]
+        s = s.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :rows, :cols]
+    return (q * s).to(dtype)

@@ -30,6 +30,7 @@ from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTenso
 from pagedexperts.formats.ct_fp4 import in_experts_dtype
 from pagedexperts.formats.compressed_tensors import _torch_dtype, ct_experts_args, experts_weights_args
 from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.packing import WeightPacking, float8_packing
 
 
 class CompressedTensorsInt8Format(ExpertFormat):
@@ -105,3 +106,8 @@ class CompressedTensorsInt8Format(ExpertFormat):
         name = tensor.dense.name
         scale = packed[f"{name}_scale"]
         return (packed[name].to(scale.dtype) * scale).to(tensor.dense.dtype)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """int8 [N, K], one scale per row, multiplied in the scale's dtype."""
+        scale = tensor.packed[1]
+        return float8_packing(tensor, scale=scale, strategy="channel", sources=1, codes="int", mul_dtype=scale.dtype)

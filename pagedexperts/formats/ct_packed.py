@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Mapping
 
 import torch
@@ -47,6 +48,7 @@ from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertFormat, ExpertLayout,
 from pagedexperts.formats.compressed_tensors import _torch_dtype
 from pagedexperts.formats.linear import ct_linear_format
 from pagedexperts.formats.ct_schemes import ExpertScheme, dense_source_count, expert_in_features, resolved_schemes
+from pagedexperts.formats.packing import WeightPacking, dense_packing, int_packing
 
 BITS = (4, 8)
 
@@ -93,28 +95,34 @@ def pack_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme]:
     return schemes
 
 
-def unpack_last(packed: torch.Tensor, columns: int, num_bits: int) -> torch.Tensor:
+def value_shifts(num_bits: int, device) -> torch.Tensor:
+    """int32 [32 / b]: the bit offset of each b-bit value in its word, on ``device``."""
+    return torch.arange(32 // num_bits, dtype=torch.int32, device=device) * num_bits
+
+
+def unpack_last(packed: torch.Tensor, columns: int, num_bits: int, shifts: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [..., ceil(columns * b / 32)] -> int8 [..., columns]: value minus 2**(b-1).
 
-    Shifts and masks, so the host's byte order does not matter. Layout: compressed-tensors'
-    ``pack_to_int32`` (dense packing; b = 4, 8 never straddle a word)."""
-    per_word = 32 // num_bits
-    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
+    Shifts (``value_shifts``, built here when None) and masks, so the host's byte order does not
+    matter. Layout: compressed-tensors' ``pack_to_int32`` (dense packing; b = 4, 8 never
+    straddle a word)."""
+    shifts = value_shifts(num_bits, packed.device) if shifts is None else shifts
     values = ((packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).flatten(-2)[..., :columns]
     return (values - (1 << (num_bits - 1))).to(torch.int8)
 
 
 def dequantize_projection(packed, scale, zero_point, g_idx, *, in_features: int, args: PackedArgs,
-                          dtype: torch.dtype) -> torch.Tensor:
+                          dtype: torch.dtype, shifts: torch.Tensor | None = None) -> torch.Tensor:
     """One projection of n experts -> [n, O, I] in ``dtype``.
 
     packed int32 [n, O, W]; scale [n, O, G]; zero_point int32 [n, ceil(O*b/32), G] or None;
-    g_idx int32 [n, I] or None (columns grouped as c // group_size).
+    g_idx int32 [n, I] or None (columns grouped as c // group_size); ``shifts``: see
+    ``unpack_last``.
     """
-    q = unpack_last(packed, in_features, args.num_bits)
+    q = unpack_last(packed, in_features, args.num_bits, shifts)
     zp = None
     if zero_point is not None:
-        zp = unpack_last(zero_point.transpose(-1, -2), scale.shape[-2], args.num_bits).transpose(-1, -2)
+        zp = unpack_last(zero_point.transpose(-1, -2), scale.shape[-2], args.num_bits, shifts).transpose(-1, -2)
     if g_idx is not None:  # per column: gather the column's group
         index = g_idx.long().unsqueeze(-2).expand(-1, scale.shape[-2], -1)  # [n, O, I]
         s = torch.gather(scale, -1, index)
@@ -227,9 +235,24 @@ class CompressedTensorsPackedFormat(ExpertFormat):
             key = f"{name}_{suffix}"
             return packed[key].chunk(sources, dim=1) if key in packed else (None,) * sources
 
-        parts = [dequantize_projection(w, s, z, g, in_features=in_features, args=args, dtype=tensor.dense.dtype)
+        device = packed[f"{name}_packed"].device
+        shifts = self.device_constant(f"shifts{args.num_bits}", device, partial(value_shifts, args.num_bits))
+        parts = [dequantize_projection(w, s, z, g, in_features=in_features, args=args, dtype=tensor.dense.dtype,
+                                       shifts=shifts)
                  for w, s, z, g in zip(split("packed"), split("scale"), split("zero_point"), split("g_idx"))]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """b-bit values along the input dim ([N, K*b/32] words), scales [N, G], zero points
+        packed along the output dim per source, and ``weight_g_idx`` read per column when stored."""
+        name, args = tensor.dense.name, self.args.get(tensor.dense.name)
+        if args is None or tensor.is_passthrough:
+            return dense_packing(tensor, transposed=transposed)
+        specs = {p.name: p for p in tensor.packed}
+        scale, in_features = specs[f"{name}_scale"], tensor.dense.shape[1]
+        return int_packing(tensor, weight=specs[f"{name}_packed"], scale=scale, bits=args.num_bits, packed_dim="in",
+                           sources=dense_source_count(name), group_size=in_features // scale.shape[1],
+                           zero=specs.get(f"{name}_zero_point"), g_idx=specs.get(f"{name}_g_idx"))
 
 
 class CompressedTensorsW8A16Format(CompressedTensorsPackedFormat):

@@ -47,11 +47,11 @@ CLASS_TARGETS = ("Linear",)  # class names an nn.Linear matches (compressed-tens
 
 
 def _matches(target: str, name: str) -> bool:
-    """compressed-tensors' ``is_match`` for an nn.Linear named ``name`` and a ``re:`` or class-name
-    target (exact module-name targets are set lookups, ``module_resolver``)."""
+    """compressed-tensors' ``is_match`` for an nn.Linear named ``name``: a ``re:`` regex, the exact
+    module name, or the class name ``Linear``."""
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
-    return target in CLASS_TARGETS
+    return target == name or target in CLASS_TARGETS
 
 
 def _ignored(name: str, ignore: list[str]) -> bool:
@@ -60,10 +60,16 @@ def _ignored(name: str, ignore: list[str]) -> bool:
 
 def named_expert_modules(quantization_config: dict, projection: str) -> list[str]:
     """Expert modules ending in ``projection`` that a config group's targets (or ``ignore``) name
-    exactly (not ``re:``), e.g. ``model.layers.1.mlp.experts.3.down_proj``."""
+    exactly (not ``re:``), e.g. ``model.layers.1.mlp.experts.3.down_proj``: of each layer, the
+    lowest and highest expert index named (a checkpoint may list every expert of every layer)."""
     names = {t for g in (quantization_config.get("config_groups") or {}).values() for t in g.get("targets", [])}
     names |= set(quantization_config.get("ignore") or [])
-    return sorted(t for t in names if not t.startswith("re:") and ".experts." in t and t.endswith("." + projection))
+    by_layer: dict[str, dict[int, str]] = {}
+    for t in names:
+        m = re.match(r"(.*)\.experts\.(\d+)\." + re.escape(projection) + "$", t)
+        if m and not t.startswith("re:"):
+            by_layer.setdefault(m.group(1), {})[int(m.group(2))] = t
+    return sorted({e[j] for e in by_layer.values() for j in (min(e), max(e))})
 
 
 def group_for(quantization_config: dict, projection: str, *, module: str = EXPERT_MODULE) -> ExpertScheme | None:
@@ -73,31 +79,39 @@ def group_for(quantization_config: dict, projection: str, *, module: str = EXPER
 
 
 def scheme_of_module(quantization_config: dict, name: str) -> ExpertScheme | None:
-    """The scheme of the first config group whose targets match module ``name`` (None: ignored
-    or unquantized)."""
-    return module_resolver(quantization_config)(name)
+    """The scheme of the config group compressed-tensors gives module ``name`` (None: ignored or
+    unquantized): see ``group_of_module``."""
+    key = group_of_module(quantization_config, name)
+    if key is None:
+        return None
+    group = quantization_config["config_groups"][key]
+    return ExpertScheme(dict(group.get("weights") or {}), group.get("input_activations"),
+                        group.get("format") or quantization_config.get("format"))
 
 
-def module_resolver(quantization_config: dict):
-    """``scheme_of_module`` for many names: module name -> scheme or None, the exact-name
-    targets held in sets (a checkpoint may list every expert module of every layer)."""
-    ignore = quantization_config.get("ignore") or []
-    ignored_names = set(ignore)
-    ignore_rules = [t for t in ignore if t.startswith("re:") or t in CLASS_TARGETS]
-    groups = []
-    for group in (quantization_config.get("config_groups") or {}).values():
-        targets = group.get("targets", [])
-        scheme = ExpertScheme(dict(group.get("weights") or {}), group.get("input_activations"),
-                              group.get("format") or quantization_config.get("format"))
-        groups.append((set(targets), [t for t in targets if t.startswith("re:") or t in CLASS_TARGETS], scheme))
+def group_of_module(quantization_config: dict, name: str) -> str | None:
+    """The key of the config group compressed-tensors applies to module ``name``, or None
+    (ignored, or no target matches). As compressed-tensors 0.20 (``utils.match.match_targets``,
+    ``lifecycle.apply._scheme_from_targets``): the targets that match, most specific first (the
+    exact name, then ``re:`` patterns, then the class name ``Linear``; alphabetical within a
+    kind), the first one's group (a target listed by two groups: the later group's), whatever
+    the order of the groups in config.json (llm-compressor writes a ``Linear`` group first)."""
+    target = _winning_target(quantization_config, name)
+    if target is None:
+        return None
+    return next(key for key, group in reversed(list((quantization_config.get("config_groups") or {}).items()))
+                if target in group.get("targets", []))
 
-    def resolve(name: str) -> ExpertScheme | None:
-        if name in ignored_names or _ignored(name, ignore_rules):
-            return None
-        return next((scheme for names, rules, scheme in groups
-                     if name in names or any(_matches(t, name) for t in rules)), None)
 
-    return resolve
+def _winning_target(quantization_config: dict, name: str) -> str | None:
+    """The target that decides module ``name``'s group (``group_of_module``), or None."""
+    if _ignored(name, quantization_config.get("ignore") or []):
+        return None
+    targets = sorted({t for g in (quantization_config.get("config_groups") or {}).values() for t in g.get("targets", [])},
+                     key=lambda t: ("re:" in t, t))
+    ranked = [t for t in targets if t == name or (t.startswith("re:") and re.match(t[3:], name))]
+    ranked += [t for t in targets if t == "Linear" and t not in ranked]
+    return ranked[0] if ranked else None
 
 
 def _projection_scheme(resolve, quantization_config: dict, projection: str, dense: str) -> ExpertScheme | None:
@@ -123,15 +137,22 @@ def _projection_scheme(resolve, quantization_config: dict, projection: str, dens
 
 
 def dense_schemes(quantization_config: dict) -> dict[str, ExpertScheme]:
-    """Dense experts tensor -> its scheme, for the family naming whose projections a config
-    group matches (gate/up/down first, then w1/w3/w2).
+    """Dense experts tensor -> its scheme, for the family naming (gate/up/down, or Mixtral's
+    w1/w3/w2) whose projections the config names most specifically (by exact name or ``re:``
+    target rather than the class name ``Linear``, which matches both: a ``Linear`` group beside
+    ``re:.*w[13]$`` and ``re:.*w2$`` groups is Mixtral's); a tie (e.g. ``Linear`` only) reads
+    gate/up/down.
 
     Raises:
         ValueError: the projections concatenated into one dense tensor (gate and up) have
             different schemes, or some but not all projections are quantized (names them).
     """
-    resolve = module_resolver(quantization_config)
-    for family in range(2):
+    def specific(family: int) -> int:
+        return sum(_winning_target(quantization_config, EXPERT_MODULE.format(p)) not in (None, "Linear")
+                   for names in DENSE_SOURCES.values() for p in names[family])
+
+    resolve = lambda name: scheme_of_module(quantization_config, name)  # noqa: E731
+    for family in sorted(range(2), key=lambda f: -specific(f)):
         out: dict[str, ExpertScheme | None] = {}
         for dense, names in DENSE_SOURCES.items():
             schemes = [_projection_scheme(resolve, quantization_config, p, dense) for p in names[family]]

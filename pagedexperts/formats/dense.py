@@ -10,6 +10,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.packing import WeightPacking, dense_packing
 
 
 class DenseFormat(ExpertFormat):
@@ -28,3 +29,7 @@ class DenseFormat(ExpertFormat):
 
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return packed[tensor.dense.name]
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """The dense weight itself, [N, K] (or [K, N] when ``transposed``)."""
+        return dense_packing(tensor, transposed=transposed)

@@ -24,6 +24,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.packing import WeightPacking, derived_block, float8_packing
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -96,6 +97,13 @@ class Fp8BlockFormat(ExpertFormat):
         weight = packed[tensor.dense.name]
         scales = packed[tensor.dense.name + SCALE_SUFFIX]
         return dequantize_fp8_block(weight, scales, tensor.dense.dtype)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """fp8 [N, K], one float32 scale per block; the block derived from the scale grid over
+        the whole (gate + up) tensor, as ``dequantize_fp8_block``."""
+        weight, scale = tensor.packed
+        return float8_packing(tensor, scale=scale, strategy="block", sources=1,
+                              block=derived_block(weight.shape, scale.shape))
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -40,6 +40,7 @@ import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
 from pagedexperts.formats.gptq_dynamic import IntArgs, dynamic_override, expert_args, module_args
+from pagedexperts.formats.packing import WeightPacking, int_packing
 
 SCALE_DTYPE = torch.float16  # GPTQ checkpoints store float16 scales
 BITS = (2, 4, 8)  # whole values per int32 word (3-bit GPTQ straddles words: refused)
@@ -219,6 +220,18 @@ class GptqFormat(ExpertFormat):
         ]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)
 
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """qweight [K/8, N] (input-major), qzeros [G, N/8] (+ the v1 offset), scales [G, N]
+        multiplied in float16. With ``desc_act`` the kernel reads g_idx per input column;
+        without it, groups are ``k // group_size`` (GPTQ writes that g_idx;
+        ``packing.g_idx_is_trivial`` checks a checkpoint's rows)."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        in_features, args = tensor.dense.shape[1], self.tensor_args(tensor.dense.name)
+        return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=args.bits,
+                           packed_dim="in", sources=specs[f"{name}_g_idx"].shape[0] // in_features,
+                           group_size=args.group_of(in_features),
+                           zero=specs[f"{name}_qzeros"], g_idx=specs[f"{name}_g_idx"] if self.desc_act else None,
+                           transposed=True, zero_offset=self.zero_offset)
 
 def _check_args(what: str, bits, group_size) -> None:
     """Raises ValueError naming ``bits`` / ``group_size`` when this reader cannot read them."""

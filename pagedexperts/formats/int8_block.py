@@ -29,6 +29,7 @@ import torch
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
 from pagedexperts.formats.ct_fp8 import dequantize_fp8
 from pagedexperts.formats.ct_schemes import dense_source_count
+from pagedexperts.formats.packing import WeightPacking, float8_packing
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -78,6 +79,12 @@ class Int8BlockFormat(ExpertFormat):
         name = tensor.dense.name
         sources = dense_source_count(name)
         weight, scales = packed[name], packed[name + SCALE_SUFFIX]
-        parts = [dequantize_fp8(w, s, strategy="block", block=self.block, dtype=tensor.dense.dtype)
+        parts = [dequantize_fp8(w, s, strategy="block", block=self.block, dtype=tensor.dense.dtype,
+                                compute_dtype=torch.float32)
                  for w, s in zip(weight.chunk(sources, dim=1), scales.chunk(sources, dim=1))]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """int8 [N, K], one float32 scale per (bm x bn) block of each source."""
+        return float8_packing(tensor, scale=tensor.packed[1], strategy="block", codes="int",
+                              sources=dense_source_count(tensor.dense.name), block=self.block)

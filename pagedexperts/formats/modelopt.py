@@ -51,6 +51,7 @@ import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, store_name
 from pagedexperts.formats.compressed_tensors import _torch_dtype
+from pagedexperts.formats.packing import WeightPacking, float8_packing, fp4_packing
 
 # ModelOpt's e2m1 lookup (nvfp4_tensor.e2m1_values): code -> value, sign in bit 3, code 8 = +0.
 E2M1_VALUES = (0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6)
@@ -70,22 +71,28 @@ def _field(quantization_config: dict, key: str):
     return quantization_config.get(key, (quantization_config.get("quantization") or {}).get(key))
 
 
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+def e2m1_values(device) -> torch.Tensor:
+    """float32 [16]: ModelOpt's e2m1 value of every code, on ``device``."""
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+
+
+def unpack_e2m1(packed: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [..., I/2] -> float32 [..., I]: ModelOpt's unpack (high nibble -> odd column) and
-    e2m1 table lookup."""
+    e2m1 table lookup (``table``: ``e2m1_values`` on packed's device, built when None)."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed NVFP4 tensor must be uint8, got {packed.dtype}")
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    table = e2m1_values(packed.device) if table is None else table
     return table[codes.long()]
 
 
-def dequantize_nvfp4(packed, scale, scale_2, *, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_nvfp4(packed, scale, scale_2, *, dtype: torch.dtype, table=None) -> torch.Tensor:
     """One NVFP4 projection of n experts -> [n, O, I] in ``dtype``.
 
-    packed uint8 [n, O, I/2]; scale float8_e4m3fn [n, O, I/16]; scale_2 float32 [n, 1].
+    packed uint8 [n, O, I/2]; scale float8_e4m3fn [n, O, I/16]; scale_2 float32 [n, 1];
+    ``table``: see ``unpack_e2m1``.
     """
-    values = unpack_e2m1(packed)
+    values = unpack_e2m1(packed, table)
     per_block = scale.to(torch.float32) * scale_2.reshape(-1, 1, 1).to(torch.float32)
     w = values.unflatten(-1, (scale.shape[-1], NVFP4_GROUP)) * per_block.unsqueeze(-1)
     return w.flatten(-2).to(dtype)
@@ -197,7 +204,18 @@ class ModelOptNvfp4Format(_ModelOptFormat):
                 TensorSpec(f"{dense.name}_scale", (rows, in_features // NVFP4_GROUP), torch.float8_e4m3fn))
 
     def _dequantize_source(self, packed, name, dtype) -> torch.Tensor:
-        return dequantize_nvfp4(packed[name], packed[f"{name}_scale"], packed[f"{name}_scale_2"], dtype=dtype)
+        table = self.device_constant("e2m1", packed[name].device, e2m1_values)
+        return dequantize_nvfp4(packed[name], packed[f"{name}_scale"], packed[f"{name}_scale_2"], dtype=dtype,
+                                table=table)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """e2m1 [N, K/2], e4m3 scales per 16 columns times the source's ``weight_scale_2`` in
+        float32, the product rounded to the saved dtype, then the dense dtype."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        scale_2 = specs[f"{name}_scale_2"]
+        return fp4_packing(tensor, weight=specs[name], scale=specs[f"{name}_scale"], scale_codes="e4m3",
+                           group_size=NVFP4_GROUP, sources=scale_2.shape[0], global_scale=scale_2,
+                           global_op="multiply", round_dtype=self.saved_dtype or tensor.dense.dtype)
 
 
 class ModelOptFp8Format(_ModelOptFormat):
@@ -215,6 +233,12 @@ class ModelOptFp8Format(_ModelOptFormat):
 
     def _dequantize_source(self, packed, name, dtype) -> torch.Tensor:
         return dequantize_fp8(packed[name], packed[f"{name}_scale"], dtype=dtype)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """fp8 [N, K] with one float32 scale per source, multiplied in the saved dtype."""
+        scale = next(p for p in tensor.packed if p.name == f"{tensor.dense.name}_scale")
+        return float8_packing(tensor, scale=scale, strategy="tensor", sources=scale.shape[0],
+                              mul_dtype=self.saved_dtype or tensor.dense.dtype)
 
 
 def excluded_experts(quantization_config: dict, num_layers: int) -> list[str]:

@@ -24,6 +24,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.packing import WeightPacking, fp4_packing
 
 BLOCK = 32  # FP4 values per scale
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -72,10 +73,20 @@ class Mxfp4Format(ExpertFormat):
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """blocks [n, out, G, 16] + scales [n, out, G] -> [n, in, out] in the dense dtype."""
         name = tensor.dense.name
-        return dequantize_mxfp4(packed[name + "_blocks"], packed[name + "_scales"], tensor.dense.dtype)
+        table = self.device_constant("bytes", packed[name + "_blocks"].device, byte_table)
+        return dequantize_mxfp4(packed[name + "_blocks"], packed[name + "_scales"], tensor.dense.dtype, table=table)
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = True) -> WeightPacking:
+        """blocks [N, K/32, 16] (e2m1, low nibble first) with an E8M0 scale per 32 inputs,
+        multiplied in float32; the dense module is [K, N] (gpt-oss's transposed experts)."""
+        blocks, scales = tensor.packed
+        in_features, out_features = tensor.dense.shape
+        return fp4_packing(tensor, weight=blocks, scale=scales, scale_codes="e8m0", group_size=BLOCK, sources=1,
+                           n=out_features, k=in_features)
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                     table: torch.Tensor | None = None) -> torch.Tensor:
     """blocks uint8 [n, out, G, B], scales uint8 [n, out, G] -> [n, G * B * 2, out] in ``dtype``,
     bit-identical to transformers' ``_convert_moe_packed_tensors``.
 
@@ -86,15 +97,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     times the same float32 power of two, rounded once: the same two roundings of the same
     products (the table values are exact in every dtype).
     """
-    pairs = _byte_table(blocks.device)[blocks.to(torch.long)]  # [n, out, G, B, 2] float32
+    pairs = (byte_table(blocks.device) if table is None else table)[blocks.to(torch.long)]  # [n, out, G, B, 2] float32
     powers = torch.pow(2.0, scales.to(torch.int32) - E8M0_BIAS)  # float32 [n, out, G]
     out = (pairs * powers[..., None, None]).to(dtype)
     *prefix, groups, width, _ = out.shape
     return out.reshape(*prefix, groups * width * 2).transpose(1, 2).contiguous()
 
 
-def _byte_table(device) -> torch.Tensor:
-    """[256, 2] float32: (low nibble's e2m1 value, high nibble's) of every byte."""
+def byte_table(device) -> torch.Tensor:
+    """[256, 2] float32: (low nibble's e2m1 value, high nibble's) of every byte, on ``device``
+    (``table`` of ``dequantize_mxfp4``)."""
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
     codes = torch.arange(256, device=device)
     return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1)

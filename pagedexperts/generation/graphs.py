@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 from pagedexperts.loading.runtime import runtime_of
+from pagedexperts.paging.inner import FUSED
 
 logger = logging.getLogger(__name__)
 CACHE_ROUND = 64  # cache positions are allocated in multiples of this (fewer re-captures)
@@ -233,9 +234,18 @@ class DecodeGraphs:
 
     def decode(self, st: StaticStep, next_ids: torch.Tensor, position: int) -> torch.Tensor:
         """One decode step: ids [B] (int64, on the device) at cache position ``position`` ->
-        logits [B, V] (a copy). Replays the capture when valid, else builds it (the step itself
-        runs eagerly first); batches over max_batch and fallbacks run eagerly."""
+        logits [B, V] (a copy), through ``run``."""
         st.load(next_ids, position)
+        logits = self.run(st)
+        st.position_ids.add_(1)
+        return logits
+
+    def run(self, st) -> torch.Tensor:
+        """Run the step ``st`` once over its loaded static buffers -> a copy of ``st.logits``.
+        Replays the capture when valid, else builds it (the step itself runs eagerly first);
+        batches over max_batch and fallbacks run eagerly. ``st``: a ``StaticStep`` or any step
+        with its fields (``batch``, ``forward``, ``logits``, ``backend``, ``built_for``,
+        ``fallback``: the server's ``engine.row_forwards.RowStep``)."""
         key = self._runners_key()
         if (st.backend is not None or st.fallback is not None) and not _same_runners(st.built_for, key):
             self.counters.invalidations += st.backend is not None
@@ -246,21 +256,17 @@ class DecodeGraphs:
             problem = self.capture_problem()
             if problem is not None and self.backend_name == "cuda":
                 return self._fall_back(st, problem, key)
-            logits = self._build(st, key)
-        else:
-            st.backend.run(st.forward)
-            self.counters.replays += 1
-            logits = st.logits.clone()
-        st.position_ids.add_(1)
-        return logits
-
-    def _eager(self, st: StaticStep) -> torch.Tensor:
-        st.forward()
-        self.counters.eager_steps += 1
-        st.position_ids.add_(1)
+            return self._build(st, key)
+        st.backend.run(st.forward)
+        self.counters.replays += 1
         return st.logits.clone()
 
-    def _fall_back(self, st: StaticStep, problem: str, key: tuple) -> torch.Tensor:
+    def _eager(self, st) -> torch.Tensor:
+        st.forward()
+        self.counters.eager_steps += 1
+        return st.logits.clone()
+
+    def _fall_back(self, st, problem: str, key: tuple) -> torch.Tensor:
         """Raise (strict) or decode ``st`` eagerly from now on until its runners change."""
         if self.strict:
             raise ValueError(f"--cuda-graphs cannot capture this decode step: {problem}; use --no-cuda-graphs")
@@ -268,7 +274,7 @@ class DecodeGraphs:
         st.fallback, st.built_for = problem, key
         return self._eager(st)
 
-    def _build(self, st: StaticStep, key: tuple) -> torch.Tensor:
+    def _build(self, st, key: tuple) -> torch.Tensor:
         """Run the step eagerly (the warm-up and the real step: a side stream on CUDA), then
         build the backend over the same buffers (capture runs nothing). A capture that fails
         (RuntimeError) raises when strict, else the batch size decodes eagerly (WARNING,
@@ -336,7 +342,7 @@ def runner_problem(runner, dtype: torch.dtype) -> str | None:
         return problem
     if runner.inner == "grouped_mm":
         return grouped_mm_problem(dtype, runner.device)
-    if runner.inner != "batched_mm":
+    if runner.inner not in ("batched_mm", FUSED):  # fused: fixed grids, device counts (paging.fused_step)
         return f"experts implementation {runner.inner!r} finds its experts with nonzero (a host read)"
     return None
 

@@ -17,13 +17,14 @@ import torch
 
 from pagedexperts import integration
 from pagedexperts.formats import format_for_config
-from pagedexperts.formats.slots import resolve_slot_format
-from pagedexperts.loading.config import PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype
+from pagedexperts.loading.config import (PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype,
+                                         slot_format_of)
 from pagedexperts.loading.runners import attach_runners
 from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.loading.checkpoint import expert_sources
 from pagedexperts.models import config as model_config
 from pagedexperts.models.sites import find_experts_sites
+from pagedexperts.paging.inner import transformers_inner
 from pagedexperts.storage import host_memory
 from pagedexperts.storage.host_memory import HostMemoryPlan, plan_host_memory
 from pagedexperts.storage.host_store import HostExpertStore
@@ -64,7 +65,7 @@ def build_paged_model(config, fill, *, expert_format=None, **options):
     memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, k_slots=k_slots, top_k=top_k)
     runtime = PagingRuntime(
         config=dataclasses.replace(cfg, num_resident=k_slots, device=str(dev),
-                                   slot_format=resolve_slot_format(cfg.slot_format, dev)),
+                                   slot_format=slot_format_of(cfg)),
         num_experts=num_experts, top_k=top_k, num_resident=k_slots, expert_format=fmt.name,
         layouts=layouts, host_memory=memory, sites=sites,
     )
@@ -108,7 +109,8 @@ def _meta_model(config, dtype: torch.dtype, experts_implementation: str):
     from transformers import AutoModelForCausalLM
 
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 experts_implementation=transformers_inner(experts_implementation))
     _keep_in_fp32(model, dtype)
     return model
 
@@ -119,7 +121,7 @@ def _make_stores(runtime: PagingRuntime, dev: torch.device) -> dict:
     memory, cfg, pin = runtime.host_memory, runtime.config, dev.type == "cuda"
     if memory.disk_tier:
         specs0 = list(runtime.layouts[runtime.sites[0].name].packed_specs)
-        runtime.read_ahead = ReadAhead(specs0, num_buffers=memory.staging_bytes // memory.expert_bytes)
+        runtime.read_ahead = ReadAhead(specs0, num_buffers=memory.staging_bytes // memory.expert_bytes, pin=pin)
     stores = {}
     for site in runtime.sites:
         specs = list(runtime.layouts[site.name].packed_specs)
@@ -138,19 +140,26 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
                  top_k: int) -> HostMemoryPlan:
     """Everything that will live in host memory, counted before any allocation (see
     ``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Store rows hold the
-    packed specs; slots are counted at the dense size (the larger of the slot formats)."""
+    packed specs; slots are counted at the dense size (the larger of the slot formats). The
+    available memory is credited with the part of the runtime allowance this process already
+    holds (its RSS now, up to the allowance): MemAvailable and the cgroup's room exclude it."""
     packed_specs = layouts[sites[0].name].packed_specs
     expert_bytes = sum(s.row_bytes for s in packed_specs)
     slot_expert_bytes = max(expert_bytes, sum(s.row_bytes for s in sites[0].specs))
     on_cpu, paged = dev.type == "cpu", cfg.mode == "paged"
+    runtime = host_memory.RUNTIME_ALLOWANCE_BYTES[dev.type]
+    available = host_memory.host_memory_available_bytes()
+    if available is not None:
+        available += min(host_memory.process_rss_bytes(), runtime)
     memory = plan_host_memory(
         budget_bytes=None if cfg.host_memory_gb is None else int(cfg.host_memory_gb * 1e9),
-        available_bytes=host_memory.host_memory_available_bytes(),
+        available_bytes=available,
         num_layers=len(sites), num_experts=sites[0].num_experts, expert_bytes=expert_bytes,
         slot_bytes_on_host=k_slots * len(sites) * slot_expert_bytes if on_cpu and paged else 0,
         staging_bytes=READ_AHEAD_EXPERTS_PER_TOP_K * top_k * expert_bytes,
         non_expert_bytes_on_host=_non_expert_bytes(model, sites) if on_cpu else 0,
         kv_bytes_on_host=_kv_estimate_bytes(config, dtype) if on_cpu else 0,
+        runtime_bytes=runtime,
     )
     if memory.disk_tier and not paged:
         raise ValueError(
@@ -160,8 +169,7 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
     problem = disk_tier_problem(cfg, disk_tier=memory.disk_tier, described=memory.describe())
     if problem is not None:
         raise ValueError(problem)
-    if memory.disk_tier:
-        logger.info("disk tier: %s", memory.describe())
+    logger.info("host memory (--host-memory-gb budgets the total): %s", memory.describe())
     return memory
 
 

@@ -139,10 +139,12 @@ def stored_expert_dtypes(files, fmt: ExpertFormat) -> dict[str, "torch.dtype"]:
     the checkpoint stores them (the first expert key of each name, from the shards' headers only).
 
     Raises:
-        ValueError: an unreadable header (``storage.safetensors_index.read_header``).
+        ValueError: an unreadable or truncated shard, named as the loader names it
+            (``storage.safetensors_index.check_readable``).
     """
-    from pagedexperts.storage.safetensors_index import read_header
+    from pagedexperts.storage.safetensors_index import check_readable, read_header
 
+    check_readable(files)  # the first header reads of a load: a truncated shard named before anything else
     names = {n for ns in fmt.serialized_names.values() for n in ns}
     out: dict[str, torch.dtype] = {}
     for file in files:

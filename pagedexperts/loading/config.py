@@ -22,15 +22,16 @@ from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS, resolv
 from pagedexperts.models import config as model_config
 from pagedexperts.paging.baselines import mode_problem
 from pagedexperts.paging.device_residency import DEVICE_RULES
-from pagedexperts.paging.inner import inner_problem
+from pagedexperts.paging.inner import FUSED, inner_problem
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, INTERPRETED
 from pagedexperts.residency.planner import default_num_resident, num_resident_problem
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 
 # The experts kernels that run routed experts held in another dtype than the model's:
 # transformers' ``_grouped_mm`` casts its input to the weights' dtype; ``eager`` and
-# ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes.
-MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm",)
+# ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes;
+# ``fused`` casts its input the same way (``paging.fused_step``).
+MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm", FUSED)
 
 # --decide: where a paged layer-step is planned (DESIGN.md "Devices"): "host" (the top-k ids
 # read back, ``paging.host_executor``), "device" (``paging.device_executor``: no read-back) or
@@ -62,9 +63,10 @@ class PagingConfig:
     mode: str = "paged"
     cpu_expert_layers: int = 0
     slot_format: str = DEFAULT_SLOT_FORMAT  # "auto", "packed" or "dense" (formats.slots)
-    host_memory_gb: float | None = None  # None: what fits in available memory
+    host_memory_gb: float | None = None  # the budget for all host memory (HostMemoryPlan); None: what is available
     prefetch: bool = False
     prefetch_budget: int | None = None  # None: top_k
+    read_ahead: bool = True  # the disk tier reads the next layer's predicted experts ahead (--no-read-ahead)
     decide: str = DEFAULT_DECIDE  # DECIDE_CHOICES; mode "paged" only (the baselines plan nothing)
     # the device decide's kernels: "triton", or "torch" (their plain-torch references: CPU only,
     # for tests where the Triton interpreter is too slow); not a command flag
@@ -107,7 +109,9 @@ def check_config(cfg: PagingConfig, model=None, fmt=None) -> None:
 
 def option_problems(cfg: PagingConfig) -> list[str]:
     """The problems of the options alone (no model needed)."""
-    problems = [device_problem(cfg.device), inner_problem(cfg.experts_implementation), mode_problem(cfg.mode)]
+    on_device = planned_on_device(cfg)
+    problems = [device_problem(cfg.device), mode_problem(cfg.mode),
+                inner_problem(cfg.experts_implementation, decide="device" if on_device and is_fused(cfg) else "host")]
     if cfg.policy not in POLICIES:
         problems.append(f"unknown eviction policy {cfg.policy!r}; choose one of {sorted(POLICIES)} (--policy)")
     if cfg.slot_format not in SLOT_FORMATS:
@@ -124,10 +128,33 @@ def option_problems(cfg: PagingConfig) -> list[str]:
         problems.append(f"--cpu-expert-layers {cfg.cpu_expert_layers} must be >= 0")
     if cfg.decide not in DECIDE_CHOICES:
         problems.append(f"unknown --decide {cfg.decide!r}; choose one of {list(DECIDE_CHOICES)}")
-    elif cfg.decide == "device" and cfg.mode == "paged":
+    elif on_device:
         problems += device_decide_problems(cfg)
     problems += graph_option_problems(cfg)
-    return [p for p in problems if p is not None]
+    return list(dict.fromkeys(p for p in problems if p is not None))
+
+
+def is_fused(cfg: PagingConfig) -> bool:
+    """Whether the experts run through the fused kernels (``--experts-implementation fused``)."""
+    return cfg.experts_implementation == FUSED
+
+
+def planned_on_device(cfg: PagingConfig) -> bool:
+    """Whether ``cfg``'s paged steps are planned on the device whatever the machine:
+    ``--decide device``, or ``fused`` with ``--decide auto`` (the fused kernels run on the
+    device-planned step only, so auto means device for them, on CPU too)."""
+    return cfg.mode == "paged" and (cfg.decide == "device" or (cfg.decide == "auto" and is_fused(cfg)))
+
+
+def slot_format_of(cfg: PagingConfig) -> str:
+    """"packed" or "dense" (``formats.slots.resolve_slot_format``), except that "auto" is
+    packed for ``fused`` on every device (its kernels read the packed rows).
+
+    Raises:
+        ValueError: unknown slot format (names --slot-format)."""
+    if cfg.slot_format == "auto" and is_fused(cfg):
+        return "packed"
+    return resolve_slot_format(cfg.slot_format, cfg.device)
 
 
 def graph_option_problems(cfg: PagingConfig) -> list[str]:
@@ -196,10 +223,14 @@ def device_decide_problems(cfg: PagingConfig) -> list[str]:
     if cfg.device_kernels not in ("triton", "torch"):
         problems.append(f"unknown device kernels {cfg.device_kernels!r}; choose 'triton' or 'torch'")
     on_cpu = device_problem(cfg.device) is None and torch.device(cfg.device).type == "cpu"
-    if on_cpu and not INTERPRETED:
+    if on_cpu and not INTERPRETED and is_fused(cfg):
+        problems.append(f"--experts-implementation fused runs Triton kernels: on --device {cfg.device} only under "
+                        "TRITON_INTERPRET=1 (the Triton interpreter, for tests); use --experts-implementation "
+                        "grouped_mm on CPU")
+    elif on_cpu and not INTERPRETED:
         problems.append(f"--decide device on --device {cfg.device} runs only under TRITON_INTERPRET=1 (the Triton "
                         "interpreter, for tests); use --decide host or auto on CPU")
-    if cfg.device_kernels == "triton" and not HAVE_TRITON:
+    if (cfg.device_kernels == "triton" or is_fused(cfg)) and not HAVE_TRITON:
         problems.append("--decide device needs triton: pip install 'pagedexperts[gpu]' (or use --decide host)")
     if cfg.device_kernels == "torch" and not on_cpu:
         problems.append("device kernels 'torch' (the references) page in over host memory: CPU only")
@@ -218,11 +249,11 @@ def device_decide_problems(cfg: PagingConfig) -> list[str]:
 def decide_model_problem(cfg: PagingConfig, fmt) -> str | None:
     """Why the device decide cannot serve ``fmt``'s slots under ``cfg`` (dense slots of a
     quantized format dequantize at page-in on the host), or None."""
-    if cfg.decide != "device" or cfg.mode != "paged" or fmt is None or fmt.name == "dense":
+    if not planned_on_device(cfg) or fmt is None or fmt.name == "dense":
         return None
     if cfg.slot_format not in SLOT_FORMATS or device_problem(cfg.device) is not None:
         return None  # reported by option_problems
-    if resolve_slot_format(cfg.slot_format, cfg.device) == "dense":
+    if slot_format_of(cfg) == "dense":
         return (f"--decide device pages packed slots of this {fmt.name} checkpoint; --slot-format "
                 f"{cfg.slot_format} gives dense slots on {cfg.device} (dequantized at page-in on the host): "
                 "use --slot-format packed or --decide host")
@@ -232,7 +263,7 @@ def decide_model_problem(cfg: PagingConfig, fmt) -> str | None:
 def disk_tier_problem(cfg: PagingConfig, *, disk_tier: bool, described: str = "") -> str | None:
     """Why ``--decide device`` cannot serve the host-memory plan (the disk tier pages from a
     store the device cannot read), or None."""
-    if cfg.decide == "device" and cfg.mode == "paged" and disk_tier:
+    if planned_on_device(cfg) and disk_tier:
         return ("--decide device pages in from the full host store, but --host-memory-gb gives the disk tier "
                 f"({described or 'not every expert fits in host memory'}); use --decide host or raise --host-memory-gb")
     return None
@@ -242,11 +273,13 @@ def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool, quantize
     """"host" or "device" for ``cfg.decide`` (checked) of a paged model: "auto" is device on
     CUDA when triton is installed and the step can be served (``device_decide_problems`` empty,
     no disk tier, a page-locked host store, and for a ``quantized`` checkpoint packed slots:
-    dense slots dequantize at page-in on the host), else host; on CPU always host. On CUDA,
-    auto choosing host logs a WARNING with the reasons (the choice shows in the report,
-    ``decide``)."""
+    dense slots dequantize at page-in on the host), else host; on CPU host, except for
+    ``fused`` (device on every device: ``planned_on_device``). On CUDA, auto choosing host
+    logs a WARNING with the reasons (the choice shows in the report, ``decide``)."""
     if cfg.decide != "auto":
         return cfg.decide
+    if planned_on_device(cfg):
+        return "device"
     if cfg.mode != "paged" or torch.device(cfg.device).type != "cuda":
         return "host"
     reasons = device_decide_problems(cfg)
@@ -254,7 +287,7 @@ def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool, quantize
         reasons.append("the disk tier (--host-memory-gb)")
     if not pinned:
         reasons.append("the host store is not page-locked")
-    if quantized and resolve_slot_format(cfg.slot_format, cfg.device) == "dense":
+    if quantized and slot_format_of(cfg) == "dense":
         reasons.append("--slot-format dense (dense slots of a quantized checkpoint dequantize at page-in on the host)")
     if reasons:
         logger.warning("--decide auto: deciding on the host on %s because %s", cfg.device, "; ".join(reasons))

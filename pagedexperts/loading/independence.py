@@ -126,7 +126,7 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
     except KeyError as exc:
         raise IndependenceError(f"{where}: packed tensor {exc.args[0]!r} is not in the slots") from None
     for spec in layout.dense_specs:
-        got = getattr(view, spec.name)[slot].cpu()
+        got = kernel_reads(view, spec.name, slot)
         if not torch.equal(got, dense_ref[spec.name][0].to(got.dtype)):
             raise IndependenceError(f"{where}: the kernel would read {spec.name!r} {_culprit(executor, layout, spec.name, slot, packed_ref)}")
     for name, table in executor.slots.items():
@@ -134,6 +134,20 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
         if others.numel() and bool(others.view(torch.uint8).any()):
             raise IndependenceError(f"{where}: the page-in also changed other slots of tensor {name!r}")
         table[slot].zero_()
+
+
+def kernel_reads(view, name: str, slot: int) -> torch.Tensor:
+    """Dense tensor ``name`` of ``slot`` as the experts kernel reads it, on the CPU: the view's
+    tensor, or where the view carries the fused kernels' address tables (``fused_rows``:
+    ``paging.fused_step``) their own dequantization of the packed slot row (in the module's
+    orientation)."""
+    rows = getattr(view, "fused_rows", None)
+    if rows is None or name not in rows:
+        return getattr(view, name)[slot].cpu()
+    from pagedexperts.paging.kernels.fused_moe import dequantize_rows
+
+    weight = dequantize_rows(rows[name], torch.tensor([slot], device=rows[name].device))[0]
+    return (weight.t() if getattr(view, "is_transposed", False) else weight).cpu()
 
 
 def _culprit(executor, layout, dense_name: str, slot: int, packed_ref) -> str:

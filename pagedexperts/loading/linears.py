@@ -161,6 +161,30 @@ def dequantize_module(model, weight_key: str, module_fmt: ExpertFormat, parts: d
         raise ValueError(f"{what}: {exc}") from exc
 
 
+def quantized_modules(files, fmt: ExpertFormat, quantization_config: dict | None) -> dict[str, list[str]]:
+    """{checkpoint module name: its serialized keys} of every non-expert module the checkpoint
+    stores quantized (``module_group``), from the shards' headers only.
+
+    Raises:
+        ValueError: see ``module_group``; an unreadable header.
+    """
+    from pagedexperts.loading.checkpoint import is_expert_key
+    from pagedexperts.storage.safetensors_index import read_header
+
+    by_module: dict[str, dict[str, str]] = {}
+    for f in files:
+        for key in read_header(f):
+            if not is_expert_key(key):
+                module, _, local = key.rpartition(".")
+                by_module.setdefault(module, {})[local] = key
+    out = {}
+    for module, keys in by_module.items():
+        group = module_group(fmt, module, keys, quantization_config)
+        if group is not None:
+            out[module] = [keys[n] for n in group[1]]
+    return out
+
+
 def planned_linears(config: dict, files, fmt: ExpertFormat, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()):
     """(``DequantizedLinears`` the load will produce at ``dtype``, the checkpoint keys of those
     modules), from the shards' headers and the model's skeleton on the meta device (no weight is
@@ -171,25 +195,19 @@ def planned_linears(config: dict, files, fmt: ExpertFormat, dtype: torch.dtype, 
         ValueError: see ``module_group``; a config transformers cannot build.
     """
     from pagedexperts.formats import quantization_config_of
-    from pagedexperts.loading.checkpoint import KeyMap, is_expert_key
+    from pagedexperts.loading.checkpoint import KeyMap
     from pagedexperts.storage.safetensors_index import read_header
 
-    entries = {key: entry for f in files for key, entry in read_header(f).items() if not is_expert_key(key)}
-    by_module: dict[str, dict[str, str]] = {}
-    for key in entries:
-        module, _, local = key.rpartition(".")
-        by_module.setdefault(module, {})[local] = key
+    nbytes = {key: entry.nbytes for f in files for key, entry in read_header(f).items()}
     rename, shapes = KeyMap(config["model_type"], {}).rename, _meta_weight_shapes(config)
-    qc, done, keys = quantization_config_of(config), [], []
-    for module, locals_ in by_module.items():
-        group = module_group(fmt, module, locals_, qc)
+    done, keys = [], []
+    for module, group_keys in quantized_modules(files, fmt, quantization_config_of(config)).items():
         weight_key = rename(module + ".weight")
-        if group is None or weight_key not in shapes:
+        if weight_key not in shapes:
             continue
         itemsize = 4 if any(k in weight_key for k in keep_fp32) else torch.empty((), dtype=dtype).element_size()
-        group_keys = [locals_[n] for n in group[1]]
         keys += group_keys
-        done.append((weight_key, sum(entries[k].nbytes for k in group_keys), math.prod(shapes[weight_key]) * itemsize))
+        done.append((weight_key, sum(nbytes[k] for k in group_keys), math.prod(shapes[weight_key]) * itemsize))
     linears = DequantizedLinears(tuple(k for k, _, _ in done), sum(p for _, p, _ in done), sum(d for _, _, d in done))
     return linears, keys
 

@@ -50,6 +50,10 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         prefetch: mode "paged" only: while layer l computes, page in layer l+1's experts as
             predicted by layer l+1's router on layer l's input (``pagedexperts.paging.prefetch``).
         prefetch_budget: prefetch page-ins per layer per step at most (None = top_k).
+        read_ahead: with the disk tier (see host_memory_gb), read the next layer's predicted
+            experts (its router on this layer's input) from disk into staging rows while this
+            layer computes, without paging them into slots (default True; ``prefetch`` does
+            both). No effect without the disk tier.
         slot_format: for a quantized checkpoint, what the K slots hold: "packed" (what a
             page-in copies; each wave's experts dequantized before compute), "dense"
             (dequantized once at page-in) or "auto" (dense on CPU, packed on CUDA; see
@@ -74,11 +78,13 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             and compare what the experts kernel would read with the checkpoint's own tensors
             of that expert (``loading.independence``); raises naming the tensor on a mismatch.
             With the disk tier, the predictions are also read ahead from disk.
-        host_memory_gb: G, host memory in GB (1e9 bytes) for the expert store. When all E
-            experts of every layer do not fit in G, each layer keeps R host rows and reads the
-            other experts from the checkpoint files on demand (the disk tier; mode "paged"
-            only). None: what is available after the slots (CPU device), the non-expert
-            weights (CPU device) and a KV estimate (CPU device).
+        host_memory_gb: G, host memory in GB (1e9 bytes) for everything the process holds
+            (``storage.host_memory.HostMemoryPlan``): the expert store, the slots, non-expert
+            weights and a KV estimate on a CPU device, and the runtime allowance. When all E
+            experts of every layer do not fit in what is left for the store, each layer keeps
+            R host rows and reads the other experts from the checkpoint files on demand (the
+            disk tier; mode "paged" only). None: the available memory (the smaller of the
+            machine's and the memory cgroup's).
 
     Returns:
         (model, tokenizer): a transformers causal LM usable with ``generate()``, with
@@ -113,8 +119,9 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         check_model_independence(model, files, fmt)
         for store in model.pagedexperts.stores.values():  # the check's samples leave no trace
             store.reset()
-    if cfg.prefetch and cfg.mode == "paged":
-        install_prefetch(model, budget=cfg.prefetch_budget)
+    disk_tier = model.pagedexperts.host_memory.disk_tier
+    if cfg.mode == "paged" and (cfg.prefetch or (disk_tier and cfg.read_ahead)):
+        install_prefetch(model, budget=cfg.prefetch_budget, page_in=cfg.prefetch)
     return model, tokenizer
 
 

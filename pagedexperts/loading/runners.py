@@ -23,6 +23,7 @@ from pagedexperts.paging import prefetch
 from pagedexperts.paging.baselines import CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
 from pagedexperts.paging.device_executor import DeviceExecutor
 from pagedexperts.paging.host_executor import HostExecutor
+from pagedexperts.paging.inner import FUSED
 from pagedexperts.paging.runner import PagedExecutor
 from pagedexperts.residency.policies import make_policy
 from pagedexperts.storage.host_store import HostExpertStore
@@ -93,19 +94,20 @@ def _tile_random(t: torch.Tensor, gen: torch.Generator, std: float) -> None:
         flat[i : i + n].copy_(block[:n])
 
 
-def install_prefetch(model, *, budget: int | None = None) -> list:
+def install_prefetch(model, *, budget: int | None = None, page_in: bool = True) -> list:
     """Give every paged MoE layer but the last a prefetcher into the next one (its router on
     this layer's input; ``paging.prefetch``). ``budget``: page-ins per layer per step at most
-    (None: top_k).
+    (None: top_k). ``page_in`` False: the disk tier's read-ahead only (no slot changes).
 
     Raises:
         ValueError: budget < 1 (``--prefetch-budget``, the configuration check).
     """
     rt = model.pagedexperts
-    check_config(dataclasses.replace(rt.config, prefetch=True, prefetch_budget=budget))
+    if page_in:
+        check_config(dataclasses.replace(rt.config, prefetch=True, prefetch_budget=budget))
     executors = {i: r for i, r in rt.runners.items() if isinstance(r, PagedExecutor)}
     routers = {s.layer: router_of(model, s) for s in rt.sites if s.layer in executors}
-    return prefetch.install(executors, routers, budget=rt.top_k if budget is None else budget)
+    return prefetch.install(executors, routers, budget=rt.top_k if budget is None else budget, page_in=page_in)
 
 
 def attach_runners(runtime, dev) -> None:
@@ -143,8 +145,10 @@ def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
     read-back); both implement ``PagedExecutor``."""
     k = runtime.num_resident
     if runtime.decide == "device":
+        # the fused kernels read the packed slots by the layout: no dense scratch
+        tables = {"layout": layout} if runtime.config.experts_implementation == FUSED else _slot_tables(runtime, layout, dev)
         return DeviceExecutor(num_slots=k, policy=runtime.config.policy, backend=runtime.config.device_kernels,
-                           **_slot_tables(runtime, layout, dev), **common)
+                              **tables, **common)
     return HostExecutor(num_slots=k, policy=make_policy(runtime.config.policy, k), copy_stream=copy_stream,
                                **_slot_tables(runtime, layout, dev), **common)
 

@@ -81,7 +81,10 @@ class ResidentRunner(_BaselineRunner):
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self.tensors = self.dense({n: t.to(self.device) for n, t in self.store.tensors.items()})
+        # contiguous, as the paged model's kernel receives its slots (GPTQ's and AWQ's dequantize
+        # returns transposed views, on which CPU GEMMs round differently)
+        self.tensors = {n: t.contiguous() for n, t in self.dense({n: t.to(self.device)
+                                                                  for n, t in self.store.tensors.items()}).items()}
         self._view: SlotView | None = None  # the module's view over ``tensors``, made on first call
 
     def step(self, module, hidden_states, top_k_index, top_k_weights, padding_count=None) -> torch.Tensor:
@@ -126,7 +129,7 @@ class CpuExpertsRunner(_BaselineRunner):
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self.tensors = self.dense(self.store.tensors)
+        self.tensors = {n: t.contiguous() for n, t in self.dense(self.store.tensors).items()}
 
     def _compute(self, module, hidden, ids, weights, union):
         cpu = torch.device("cpu")

@@ -30,6 +30,7 @@ import torch
 from pagedexperts.formats.slots import DenseSlots, PackedSlots, allocate
 from pagedexperts.paging.device_residency import DeviceResidency, device_rule
 from pagedexperts.paging.device_stats import DeviceCounters
+from pagedexperts.paging.fused_step import slot_rows
 from pagedexperts.paging.kernels.page_in import PageIn
 from pagedexperts.paging.kernels.remap import remap_reference, remap_triton
 from pagedexperts.paging.runner import PagedExecutor, TraceHook
@@ -54,7 +55,10 @@ class DeviceExecutor(PagedExecutor):
         slots: the [K, ...] slot tensors (``formats.slots.PackedSlots`` or a dict); None =
             allocate them like the store's tensors.
         dequantizer: for packed slots of a quantized format (``formats.slots.WaveDequantizer``):
-            each wave dequantizes all K slots (fixed shape); None = dense slots.
+            each wave dequantizes all K slots (fixed shape); None = dense slots, or an inner
+            implementation that reads the packed slots itself (``fused``).
+        layout: the layer's ``formats.base.ExpertLayout``: how ``fused`` reads the packed
+            slot rows (``paging.fused_step.slot_rows``); None = dense experts.
 
     Raises:
         ValueError: an unsupported policy, inner, backend or slot table (each names its flag);
@@ -66,7 +70,7 @@ class DeviceExecutor(PagedExecutor):
 
     def __init__(self, *, layer: int, store: ExpertStore, num_slots: int, device, inner: str,
                  policy: str = DEFAULT_POLICY, half_life: int | None = None, backend: str = "torch",
-                 slots: dict[str, torch.Tensor] | None = None, dequantizer=None) -> None:
+                 slots: dict[str, torch.Tensor] | None = None, dequantizer=None, layout=None) -> None:
         device = torch.device(device)
         _check_store(store, device, slots)
         # the counters exist before the base class resets ``stats`` (the setter below)
@@ -79,6 +83,8 @@ class DeviceExecutor(PagedExecutor):
                              "lives in host memory; use backend 'triton' on CUDA")
         self.slots = slots if slots is not None else PackedSlots(allocate(store.specs, num_slots, self.device))
         self.dequantizer = dequantizer
+        self.layout = layout
+        self._fused_rows = None  # the slots' address tables, built at the first fused wave
         self._page_in = PageIn(store.gather_source(self.device), self.slots, self.device, backend=backend)
         self._remap = remap_triton if backend == "triton" else remap_reference
         self._all_slots = torch.arange(num_slots, device=self.device)
@@ -136,14 +142,23 @@ class DeviceExecutor(PagedExecutor):
 
     def wave_view(self, module, wave_slots=None) -> SlotView:
         """The experts module over the slot tensors. ``wave_slots`` is not used: every wave
-        computes over all K slots (fixed shape; packed slots: all K dequantized)."""
+        computes over all K slots (fixed shape; packed slots: all K dequantized, unless the
+        inner implementation reads them packed: then the view carries ``fused_rows``, the
+        slots' address tables, built once)."""
+        if self.inner_kernel.packed:
+            view = SlotView(module, self.slots)
+            if self._fused_rows is None:
+                self._fused_rows = slot_rows(self.layout, self.slots, transposed=bool(getattr(module, "is_transposed", False)))
+            view.fused_rows = self._fused_rows
+            return view
         if self.dequantizer is None:
             return SlotView(module, self.slots)
         return SlotView(module, self.dequantizer.wave_tensors(self.slots, self._all_slots))
 
     def capture_problem(self, dtype: torch.dtype, device: torch.device) -> str | None:
-        """None (no read-back, fixed shapes), except for packed slots of a quantized format."""
-        if self.dequantizer is not None:
+        """None (no read-back, fixed shapes), except for packed slots of a quantized format
+        dequantized per wave (none with ``fused``: it reads them packed, constants in its kernels)."""
+        if self.dequantizer is not None and not self.inner_kernel.packed:
             return ("packed slots of a quantized format dequantize each wave with constants built on the host "
                     "(formats: torch.tensor(...) per call, a host-to-device copy a capture cannot hold); use "
                     "--no-cuda-graphs")

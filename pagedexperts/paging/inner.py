@@ -22,28 +22,37 @@ from typing import Callable
 import torch
 
 from pagedexperts.paging.device_layout import DeviceBatchedStep, DeviceGroupedStep, DeviceStep
+from pagedexperts.paging.fused_step import DeviceFusedStep
 from pagedexperts.paging.waves import BatchedStep, EagerStep, GroupedStep, HostStep
 
 DECIDES = ("host", "device")  # where a paged step is planned (``--decide``, resolved)
+FUSED = "fused"  # the fused Triton MoE kernels over the packed slots (``paging.fused_step``)
 
 
 @dataclass(frozen=True)
 class InnerKernel:
-    """How one experts implementation runs under paging: its ``host`` step, its ``device``
-    step or None, and ``no_device``: why it has none (the host read the device path cannot make).
+    """How one experts implementation runs under paging: its ``host`` step or None, its
+    ``device`` step or None, ``no_host`` / ``no_device``: why it has none (the host read the
+    device path cannot make; the fused kernels run on the device path only), and ``packed``:
+    the step reads the packed slot rows itself (``view.fused_rows``, ``paging.fused_step``), so
+    the executor hands it the slots as they are, never a dequantized wave.
     A step is built per layer-step, ``host(module, hidden [T, H], top_k_index [T, k], ids_host
     [T, k] numpy, waves)`` or ``device(module, hidden, top_k_index, entry_slot [S], entry_wave
     [S])``, then run wave by wave and combined (``paging.waves.StepEntries``)."""
 
-    host: type[HostStep]
+    host: type[HostStep] | None
     device: type[DeviceStep] | None
     no_device: str = ""
+    no_host: str = ""
+    packed: bool = False
 
 
 INNER_KERNELS: dict[str, InnerKernel] = {
     "grouped_mm": InnerKernel(host=GroupedStep, device=DeviceGroupedStep),
     "batched_mm": InnerKernel(host=BatchedStep, device=DeviceBatchedStep),
     "eager": InnerKernel(host=EagerStep, device=None, no_device="its loop reads the routed experts back"),
+    FUSED: InnerKernel(host=None, device=DeviceFusedStep, packed=True,
+                       no_host="its Triton kernels read the packed slots by slot id on the device-planned step"),
 }
 INNER_IMPLEMENTATIONS = tuple(INNER_KERNELS)
 
@@ -65,7 +74,18 @@ def inner_problem(inner: str, *, decide: str = "host") -> str | None:
         on_device = [name for name, k in INNER_KERNELS.items() if k.device is not None]
         return (f"--decide device runs --experts-implementation {' or '.join(on_device)}, not {inner!r} "
                 f"({kernel.no_device}); use --decide host")
+    if decide == "host" and kernel.host is None:
+        return (f"--experts-implementation {inner} runs only on the device-planned paged step (mode paged, "
+                f"--decide device or auto: {kernel.no_host}); for --decide host and the baselines use "
+                f"--experts-implementation {' or '.join(n for n, k in INNER_KERNELS.items() if k.host is not None)}")
     return None
+
+
+def transformers_inner(name: str) -> str:
+    """The transformers experts implementation a model is built with for paged inner ``name``:
+    ``name`` itself, or ``grouped_mm`` for ``fused`` (not in transformers' registry; the paged
+    dispatcher replaces the implementation anyway)."""
+    return "grouped_mm" if name == FUSED else name
 
 
 def resolve_inner(module: torch.nn.Module, name: str) -> Callable:

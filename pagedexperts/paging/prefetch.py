@@ -1,5 +1,9 @@
 """Prefetch: while layer l computes, predict layer l+1's experts and start their page-in early.
 
+Two depths: page-in (``--prefetch``: the predicted experts go into layer l+1's slots) and
+read-ahead only (the default with the disk tier: the predicted experts that are in no host row
+are read from disk into staging rows in the background, no slot changes; ``page_in=False``).
+
 Owns: the next-layer prediction (layer l+1's own router, found by the family adapter: ``mlp.gate``,
 gpt-oss ``mlp.router``; applied to layer l's experts input, as mixtral-offloading does), issuing the predicted page-ins into layer
 l+1's slots within a slot budget (``Residency.prefetch``: never evicts a predicted expert, never
@@ -38,12 +42,16 @@ class NextLayerPrefetcher:
         target: layer l+1's ``runner.PagedExecutor``.
         budget: at most this many prefetch page-ins per step (default top_k: one token's worth).
         on_predict: optional ``(target_layer, experts)`` callback (trace recording).
+        page_in: page the predictions into the slots (``issue``); False: a disk tier's read-ahead
+            only (``take_prediction``), the slots and the device residency untouched.
     """
 
-    def __init__(self, *, gate, target, budget: int, on_predict: Callable[[int, list[int]], None] | None = None):
+    def __init__(self, *, gate, target, budget: int, on_predict: Callable[[int, list[int]], None] | None = None,
+                 page_in: bool = True):
         self.gate = gate
         self.target = target
         self.budget = budget
+        self.page_in = page_in
         self.on_predict = on_predict
         self._pending: list[int] | None = None
 
@@ -69,8 +77,10 @@ class NextLayerPrefetcher:
             self.on_predict(self.target.layer, self._pending)
 
     def issue(self) -> None:
-        """Page the predicted experts into layer l+1's slots (copy stream on CUDA)."""
-        if self._pending is None:
+        """Page the predicted experts into layer l+1's slots (copy stream on CUDA); read-ahead
+        only: forget them (the read-ahead started at ``take_prediction``)."""
+        if self._pending is None or not self.page_in:
+            self._pending = None
             return
         t0 = time.perf_counter()
         target, stats = self.target, self.target.prefetch_stats
@@ -84,17 +94,18 @@ class NextLayerPrefetcher:
         stats.issue_s += time.perf_counter() - t0
 
 
-def install(executors: dict, routers: dict, *, budget: int) -> list[NextLayerPrefetcher]:
+def install(executors: dict, routers: dict, *, budget: int, page_in: bool = True) -> list[NextLayerPrefetcher]:
     """Give every paged MoE layer but the last a prefetcher into the next one.
 
     ``executors``: MoE layer -> its ``runner.PagedExecutor``; ``routers``: MoE layer -> its
     router module (``models.sites.router_of``); ``budget`` >= 1 (checked with the rest of the
-    configuration, ``loading.config``). Returns the prefetchers, in layer order.
+    configuration, ``loading.config``); ``page_in`` False: read-ahead only (``NextLayerPrefetcher``).
+    Returns the prefetchers, in layer order.
     """
     layers = sorted(executors)
     out = []
     for here, nxt in zip(layers, layers[1:]):
-        p = NextLayerPrefetcher(gate=routers[nxt], target=executors[nxt], budget=budget)
+        p = NextLayerPrefetcher(gate=routers[nxt], target=executors[nxt], budget=budget, page_in=page_in)
         executors[here].prefetcher = p
         out.append(p)
     return out

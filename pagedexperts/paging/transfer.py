@@ -237,15 +237,13 @@ class SlotTransfers:
         stream = self.copy_stream
         if stream is None:
             t0 = time.perf_counter()
-            for load in loads:
-                store.copy_to_slot(load.expert, load.slot, self.slots)
+            store.copy_to_slots(loads, self.slots)
             self.host_copy_s += time.perf_counter() - t0
             return
         stream.wait_event(self._compute_done)
         with torch.cuda.stream(stream):
             self.timer.begin(stream)
-            for load in loads:
-                store.copy_to_slot(load.expert, load.slot, self.slots)
+            store.copy_to_slots(loads, self.slots)
             self.timer.end(stream)
             self._copied.record(stream)
         self._copy_pending = True

@@ -25,9 +25,9 @@ exact"):
   order; a wave's rows are regrouped stably by slot (groups in slot order, rows inside a group
   in the reference's order; a group's position in the buffer does not change its bits), padded
   to the reference's S rows (rows past the last offset are not computed), and run through
-  transformers' ``_grouped_linear``. On CPU the step's one wave (``GroupedStep._run_all``)
-  is the reference's own layout: its sorted rows, one group per routed expert in ascending
-  id over those experts' slot rows gathered in that order. ``batched_mm``: entries in the
+  transformers' ``_grouped_linear`` over the slot tensors in place (the slots are the groups:
+  no weight is gathered, nothing weight-sized is allocated per step; on CPU only the slots from
+  the wave's lowest to its highest, a view). ``batched_mm``: entries in the
   reference's token-major order through ``_batched_linear`` (a one-entry wave is padded to two: a batch of one takes
   another CPU kernel). Both apply the module's own ``_apply_gate`` / ``act_fn`` (and post-expert
   norm) to a buffer of the reference's full [S, ...] shape with each wave row at its reference
@@ -178,32 +178,45 @@ class GroupedStep(HostStep):
         """Expert e's first row in the reference's sorted order (multi-wave steps only)."""
         return np.cumsum(self.counts) - self.counts
 
-    def _layout(self, wave, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(reference positions [S_w] grouped by slot, group offsets [K], slot per row [S_w])."""
+    def _layout(self, wave, first: int, num_groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(reference positions [S_w] grouped by slot, group offsets [num_groups] over slots
+        ``first`` .. ``first + num_groups - 1``, slot per row [S_w])."""
         experts, slots = np.asarray(wave.experts), np.asarray(wave.slots)
         by_slot = np.argsort(slots, kind="stable")
         experts, slots = experts[by_slot], slots[by_slot]
         lengths = self.counts[experts]
         group_start = np.cumsum(lengths) - lengths
         pos = np.arange(int(lengths.sum())) + np.repeat(self.starts[experts] - group_start, lengths)
-        per_slot = np.zeros(num_slots, dtype=np.int64)
-        per_slot[slots] = lengths
+        per_slot = np.zeros(num_groups, dtype=np.int64)
+        per_slot[slots - first] = lengths
         return pos, np.cumsum(per_slot), np.repeat(slots, lengths)
 
     def run_wave(self, view, wave: int, slot_map=None) -> None:
+        """The wave's entries through ``_grouped_linear`` over the slot tensors in place (no
+        gather of weights: the groups are the slots, a wave's rows regrouped by slot). On CUDA
+        the groups are all K slots (the kernel's shapes do not change from step to step); on
+        CPU only the slots from the wave's lowest to its highest (a view: CPU ``grouped_mm``
+        visits every group, ~2.5 us each). The activation and the post-expert norm run in the
+        reference's row order (``in_reference_layout``; skipped when the slot order already is
+        the reference's), so every element takes the path it takes unpaged."""
         from transformers.integrations.moe import _grouped_linear
 
         planned = self.waves[wave]  # its rows and groups come from the host's ids and its slots
-        if self.only_wave and self.hidden.device.type == "cpu":
-            self._run_all(view, planned, _grouped_linear)
-            return
         dev = self.hidden.device
-        pos_host, offsets_host, slots_host = self._layout(planned, view.num_experts)
-        pos_w, n = upload(pos_host, dev), len(pos_host)
+        first, num_groups = 0, view.num_experts
+        if dev.type == "cpu":
+            first = min(planned.slots)
+            num_groups = max(planned.slots) - first + 1
+        pos_host, offsets_host, slots_host = self._layout(planned, first, num_groups)
+        n = len(pos_host)
+        in_order = self.only_wave and bool((pos_host == np.arange(n)).all())
+        pos_w = None if in_order else upload(pos_host, dev)
         offsets = upload(offsets_host, dev).to(torch.int32)
-        up_w, up_b, down_w, down_b = up_and_down_weights(view)
-        slots_w = upload(slots_host, dev) if view.has_bias else None
-        x = self._padded(self.hidden[self.perm[pos_w] // self.top_k])
+        up_w, up_b, down_w, down_b = (None if w is None else w[first : first + num_groups]
+                                      for w in up_and_down_weights(view))
+        slots_w = upload(slots_host - first, dev) if view.has_bias else None
+        rows = self.perm if in_order else self.perm[pos_w]
+        x = self._padded(self.hidden.index_select(0, rows // self.top_k))
         up = _grouped_linear(x, up_w, offsets, is_transposed=view.is_transposed)[:n]
         if up_b is not None:
             up.add_(up_b[slots_w])
@@ -212,29 +225,7 @@ class GroupedStep(HostStep):
         if down_b is not None:
             down.add_(down_b[slots_w])
         down = in_reference_layout(lambda p: post_expert_norm(view, p), down, pos_w, self.num_entries)
-        self._store(self.perm[pos_w], down)
-
-    def _run_all(self, view, wave, grouped_linear) -> None:
-        """The step's one wave on CPU, laid out exactly as the reference: its S rows in the
-        reference's sorted order, one group per routed expert in ascending expert id, over the
-        routed experts' slot rows gathered in that order ([U, ...], U = |union|). Each group
-        is the reference's group (same rows, same order, same weights, same strides), so the
-        GEMMs, the activation over the [S, ...] buffer and the bias rows equal the reference's;
-        the reference's empty groups of the other E - U experts are not visited (CPU
-        ``grouped_mm`` loops over every group, ~2.5 us each)."""
-        experts, slots = zip(*sorted(zip(wave.experts, wave.slots)))
-        lengths = self.counts[list(experts)]
-        offsets = torch.from_numpy(lengths.cumsum(dtype=np.int32))
-        slot_ids = torch.from_numpy(np.array(slots, dtype=np.int64))
-        up_w, up_b, down_w, down_b = up_and_down_weights(view)
-        row_slots = slot_ids.repeat_interleave(torch.from_numpy(lengths)) if view.has_bias else None
-        x = self.hidden.index_select(0, self.perm // self.top_k)
-        up = grouped_linear(x, up_w.index_select(0, slot_ids), offsets,
-                            bias=up_b[row_slots] if up_b is not None else None, is_transposed=view.is_transposed)
-        act = activate(view, up)
-        down = grouped_linear(act, down_w.index_select(0, slot_ids), offsets,
-                              bias=down_b[row_slots] if down_b is not None else None, is_transposed=view.is_transposed)
-        self._store(self.perm, post_expert_norm(view, down))
+        self._store(rows, down)
 
     def _padded(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` [S_w, D] in a [S, D] buffer: the kernel sees the reference's row count

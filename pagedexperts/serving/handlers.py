@@ -37,7 +37,7 @@ from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, Compl
 from pagedexperts.engine.speculative.config import SpeculativeConfig
 from pagedexperts.engine.scheduler import BatchScheduler
 from pagedexperts.engine.scheduler_config import (DEFAULT_MAX_PREFILL_TOKENS, QueueFull, SchedulerConfig,
-                                                   SchedulerStopped)
+                                                   SchedulerStopped, graph_options)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class ServeConfig:
     ``speculative``: an ``engine.speculative.config.SpeculativeConfig`` (--speculative), None = plain decoding.
     ``chunked_prefill``: prompt chunks share the decode forward (``SchedulerConfig``).
     ``header_timeout_s``, ``body_timeout_s``, ``max_connections``: connection limits (``connections``).
+    ``cuda_graph_max_batch``: the largest decode bucket captured on CUDA (--cuda-graph-max-batch);
+    None = every bucket up to ``max_running_requests``.
     """
 
     served_model_name: str
@@ -76,6 +78,7 @@ class ServeConfig:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    cuda_graph_max_batch: int | None = None
 
 
 @dataclass
@@ -111,7 +114,9 @@ class OpenAIServing:
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
         self.scheduler = BatchScheduler(model, tokenizer, SchedulerConfig(
             config.max_running_requests, config.context_length, max_queued_requests=config.max_queued_requests,
-            max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill), recorder=recorder,
+            max_prefill_tokens=config.max_prefill_tokens, chunked_prefill=config.chunked_prefill,
+            **{**graph_options(model.pagedexperts), "cuda_graph_max_batch": config.cuda_graph_max_batch}),
+            recorder=recorder,
             speculative=config.speculative)
         self.metrics = Metrics(self.scheduler, model.pagedexperts)
         self.lifecycle = Lifecycle()

@@ -9,7 +9,10 @@ finish), and scrape-time values read from the scheduler and from every MoE layer
 shows up without a change here; the per-step host time distributions (``LayerStats.times``)
 are histograms (``paging_time_histograms``); with a disk tier, its host and disk counters per
 layer (``pagedexperts_host_hits``, ``pagedexperts_disk_reads``, ...); with speculative decoding, its
-counters (``speculative_metrics``, ``pagedexperts_spec_decode_*``). The historical names
+counters (``speculative_metrics``, ``pagedexperts_spec_decode_*``); decode steps by how they ran
+(``decode_metrics``: ``pagedexperts_decode_steps_total{how=...}``, whose labels sum to the
+scheduler's ``decode_steps``, recaptures by reason, and the
+decode backend with why it is not CUDA graphs). The historical names
 (``pagedexperts_expert_hits`` ...) stay as aliases.
 
 Does not: decide anything; it only counts.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import re
 
+from pagedexperts.engine.forwards import HOWS
 from pagedexperts.engine.speculative.config import SpeculativeStats
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -101,8 +105,11 @@ class _LiveCollector:
         yield GaugeMetricFamily(PREFIX + "single_wave_cap", "K // top_k: decode batch always one wave",
                                 value=rt.num_resident // rt.top_k)
         for name in _numeric_fields(s.stats):
+            if name == "decode_steps":  # by how they ran: decode_metrics (the labels sum to it)
+                continue
             kind = GaugeMetricFamily if GAUGE_NAME.search(name) else CounterMetricFamily
             yield kind(PREFIX + name, f"Scheduler: {name.replace('_', ' ')}", value=getattr(s.stats, name))
+        yield from decode_metrics(s.forwards.summary(), PREFIX)
         if s.speculative is not None:
             yield from speculative_metrics(s.speculative.stats, PREFIX)
         layers = sorted((i, runner.stats) for i, runner in rt.runners.items())
@@ -171,3 +178,24 @@ def speculative_metrics(stats: SpeculativeStats, prefix: str):
                             value=stats.acceptance_rate)
     yield GaugeMetricFamily(prefix + "spec_decode_mean_accepted_per_step", "Accepted proposals per verification step",
                             value=stats.mean_accepted_per_step)
+
+
+def decode_metrics(summary: dict, prefix: str):
+    """Families of the scheduler's forwards (``engine.forwards.StepForwards.summary``): decode
+    steps by how they ran (``engine.forwards.HOWS``), rebuilds of built steps by reason, and
+    the decode steps' backend with the reason when they are not captured (an info gauge = 1)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    counts = summary["decode_steps"]
+    steps = CounterMetricFamily(prefix + "decode_steps", "Decode-carrying forwards by how they ran", labels=["how"])
+    for how in HOWS:
+        steps.add_metric([how], counts[how])
+    yield steps
+    again = CounterMetricFamily(prefix + "decode_recaptures", "Built decode steps rebuilt, by reason", labels=["reason"])
+    for reason, n in sorted(counts["recaptures"].items()):
+        again.add_metric([reason], n)
+    yield again
+    info = GaugeMetricFamily(prefix + "decode_backend", "How decode steps run (1 = this one), with why not captured",
+                             labels=["kv_layout", "backend", "reason"])
+    info.add_metric([summary["kv_layout"], summary["steps"]["backend"], summary["steps"]["reason"] or ""], 1)
+    yield info

@@ -34,4 +34,5 @@ def server_info(config, model, scheduler) -> dict:
             "context_length": config.context_length, "max_running_requests": config.max_running_requests,
             "max_queued_requests": config.max_queued_requests, "max_prefill_tokens": config.max_prefill_tokens,
             "num_resident": runtime.num_resident, "num_experts": runtime.num_experts, "top_k": runtime.top_k,
-            "running_requests": scheduler.num_running, "waiting_requests": scheduler.num_waiting}
+            "running_requests": scheduler.num_running, "waiting_requests": scheduler.num_waiting,
+            "decode": scheduler.forwards.summary()}

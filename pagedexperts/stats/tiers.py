@@ -34,6 +34,7 @@ class TierStats:
     disk_read_s: float = 0.0
     read_ahead_issued: int = 0
     read_ahead_used: int = 0
+    read_ahead_paused: int = 0  # steps a layer skipped read-ahead (its read-aheads mostly unused)
     read_times: deque = field(default_factory=lambda: deque(maxlen=READ_TIME_WINDOW), repr=False)
 
     def record_host_access(self, hit: bool) -> None:
@@ -53,7 +54,7 @@ class TierStats:
 
     def merge(self, other: "TierStats") -> None:
         for name in ("host_hits", "host_misses", "disk_reads", "disk_preads", "disk_bytes_read",
-                     "disk_read_s", "read_ahead_issued", "read_ahead_used"):
+                     "disk_read_s", "read_ahead_issued", "read_ahead_used", "read_ahead_paused"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.read_times.extend(other.read_times)
 
@@ -69,4 +70,5 @@ class TierStats:
                     disk_reads=self.disk_reads, disk_preads=self.disk_preads,
                     disk_bytes_read=self.disk_bytes_read, disk_read_s=self.disk_read_s,
                     disk_read_p50_s=pick(0.5), disk_read_p99_s=pick(0.99),
-                    read_ahead_issued=self.read_ahead_issued, read_ahead_used=self.read_ahead_used)
+                    read_ahead_issued=self.read_ahead_issued, read_ahead_used=self.read_ahead_used,
+                    read_ahead_paused=self.read_ahead_paused)

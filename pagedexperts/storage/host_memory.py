@@ -1,12 +1,15 @@
-"""Host memory of a paged model, counted before any allocation: the tier sizes and the check.
+"""Host memory of a paged model, counted before any allocation: the parts, the budget, the check.
 
-Owns: ``HostMemoryPlan``, everything that will live in host memory for the chosen device (the
-expert store or the disk tier's R host rows per layer and staging buffers, and when the device
-is the CPU its K slots per layer, the non-expert weights and a KV-cache estimate, each counted
-by the caller), the available memory (``host_memory_available_bytes``), the choice
-of R from ``--host-memory-gb`` G (the store's budget), the minimum G and the check against
-available memory, with every byte named. Also ``advise_huge_pages``
-(transparent huge pages for the store where the OS offers them).
+Owns: ``HostMemoryPlan``, everything the process will hold in host memory for the chosen
+device, each part counted by the caller (the expert store or the disk tier's R host rows per
+layer and their staging buffers; when the device is the CPU its K slots per layer, the
+non-expert weights and a KV-cache estimate; and a stated runtime allowance, ``RUNTIME_ALLOWANCE_BYTES``:
+the interpreter, torch, transformers, the tokenizer, a step's activations, the CUDA context);
+the choice of R from ``--host-memory-gb`` G, the budget for ALL of it; the available memory
+(``host_memory_available_bytes``: the smaller of the machine's MemAvailable and what the
+process's memory cgroup, v1 or v2, and its ancestors still allow) and the check against it, with
+every part named. Also ``advise_huge_pages`` (transparent huge pages for the store where the
+OS offers them).
 Standard library plus ctypes. Does not: allocate (``host_store``, ``host_tier``).
 """
 
@@ -16,20 +19,29 @@ import ctypes
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
+# What the process holds beyond the counted parts, by device type (measured on CPU: the
+# interpreter with torch, transformers and the tokenizer imported and a model built is ~0.55 GB
+# RSS; decode activations at Qwen3-30B-A3B's shapes are a few MB; a CUDA context and its
+# libraries add ~1 GB of host RSS). A prefill of thousands of tokens needs more: chunk it.
+RUNTIME_ALLOWANCE_BYTES = {"cpu": 600_000_000, "cuda": 1_600_000_000}
+# a cgroup v1 limit at or above this is "no limit" (the kernel reports PAGE_COUNTER_MAX pages)
+CGROUP_V1_UNLIMITED = 1 << 62
+
 
 @dataclass(frozen=True)
 class HostMemoryPlan:
     """Host bytes of a paged model. ``host_rows`` R = E: the full store, no disk tier.
 
-    G (``--host-memory-gb``) budgets the expert store on the host: all E rows per layer, or
-    the disk tier's R rows plus its staging. The rest (the slots, the non-expert weights and
-    KV when the device is the CPU) is counted in ``total_bytes`` against available memory.
+    G (``--host-memory-gb``) budgets ``total_bytes``: the store (all E rows per layer, or the
+    disk tier's R rows plus its staging), the slots, non-expert weights and KV estimate when the
+    device is the CPU, and the runtime allowance.
     """
 
     num_layers: int
@@ -40,6 +52,7 @@ class HostMemoryPlan:
     staging_bytes: int  # disk tier read-ahead buffers (0 without a disk tier)
     non_expert_bytes_on_host: int
     kv_bytes_on_host: int
+    runtime_bytes: int = 0  # RUNTIME_ALLOWANCE_BYTES of the device type
 
     @property
     def disk_tier(self) -> bool:
@@ -50,19 +63,31 @@ class HostMemoryPlan:
         return self.host_rows * self.num_layers * self.expert_bytes
 
     @property
+    def fixed_bytes(self) -> int:
+        """Everything but the store and its staging (what G pays first)."""
+        return self.slot_bytes_on_host + self.non_expert_bytes_on_host + self.kv_bytes_on_host + self.runtime_bytes
+
+    @property
     def total_bytes(self) -> int:
-        return (self.store_bytes + self.staging_bytes + self.slot_bytes_on_host + self.non_expert_bytes_on_host
-                + self.kv_bytes_on_host)
+        return self.store_bytes + self.staging_bytes + self.fixed_bytes
 
     def describe(self) -> str:
         what = f"host rows R={self.host_rows} of E={self.num_experts} per layer" if self.disk_tier else "full expert store"
-        return (f"{what} {_gb(self.store_bytes)}, slots on host {_gb(self.slot_bytes_on_host)}, "
-                f"staging {_gb(self.staging_bytes)}, non-expert weights {_gb(self.non_expert_bytes_on_host)}, "
-                f"KV estimate {_gb(self.kv_bytes_on_host)}; total {_gb(self.total_bytes)}")
+        return (f"{what} {_gb(self.store_bytes)}, staging {_gb(self.staging_bytes)}, slots on host "
+                f"{_gb(self.slot_bytes_on_host)}, non-expert weights {_gb(self.non_expert_bytes_on_host)}, "
+                f"KV estimate {_gb(self.kv_bytes_on_host)}, runtime allowance {_gb(self.runtime_bytes)}; "
+                f"total {_gb(self.total_bytes)}")
 
 
 def host_memory_available_bytes() -> int | None:
-    """Bytes of host memory available for new allocations (Linux MemAvailable), or None."""
+    """Bytes of host memory available for new allocations: the smaller of the machine's
+    (Linux MemAvailable) and the memory cgroup's (``cgroup_available_bytes``), or None when
+    neither is known."""
+    known = [b for b in (_meminfo_available(), cgroup_available_bytes()) if b is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -76,50 +101,127 @@ def host_memory_available_bytes() -> int | None:
         return None
 
 
+def process_rss_bytes() -> int:
+    """Resident bytes of this process now (/proc/self/statm; 0 where unknown)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def cgroup_available_bytes(*, proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo") -> int | None:
+    """What the process's memory cgroup still allows, or None without a limit: the minimum,
+    over its cgroup and every ancestor visible in the mount that has a limit, of limit - usage
+    + inactive file pages (page cache the kernel reclaims before it OOM-kills; the "working set"
+    of ``docker stats`` and the kubelet). cgroup v2: ``memory.max``, ``memory.current``,
+    ``memory.stat`` inactive_file; v1: ``memory.limit_in_bytes`` (>= 2^62: none),
+    ``memory.usage_in_bytes``, ``memory.stat`` total_inactive_file. Source: the kernel's
+    Documentation/admin-guide/cgroup-v2.rst and cgroup-v1/memory.rst."""
+    found = []
+    for version, directory, mount in _memory_cgroup_dirs(proc_cgroup, mountinfo):
+        for d in (directory, *directory.parents):  # the cgroup, then its ancestors up to the mount
+            room = _cgroup_room(d, version)
+            if room is not None:
+                found.append(room)
+            if d == mount:
+                break
+    return max(0, min(found)) if found else None
+
+
+def _memory_cgroup_dirs(proc_cgroup: str, mountinfo: str) -> list[tuple[int, Path, Path]]:
+    """(version, the process's memory cgroup directory, its mount point), for v2 and v1: the
+    cgroup path of /proc/self/cgroup under the mount whose root holds it (the mount itself in a
+    container whose namespace shows the cgroup as the root)."""
+    try:
+        cgroup_lines = Path(proc_cgroup).read_text().splitlines()
+        mount_lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return []
+    paths = {}
+    for line in cgroup_lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":
+            paths[2] = path
+        elif "memory" in controllers.split(","):
+            paths[1] = path
+    out = []
+    for line in mount_lines:
+        if " - " not in line:
+            continue
+        fields, (fstype, _source, super_opts) = line.split(" - ", 1)[0].split(), line.split(" - ", 1)[1].split()[:3]
+        version = 2 if fstype == "cgroup2" else 1 if fstype == "cgroup" and "memory" in super_opts.split(",") else 0
+        if version not in paths or len(fields) < 5:
+            continue
+        root, mount = fields[3], Path(fields[4])
+        rel = os.path.relpath(paths.pop(version), root)
+        directory = mount / rel if not rel.startswith("..") else mount
+        out.append((version, directory if directory.is_dir() else mount, mount))
+    return out
+
+
+def _cgroup_room(directory: Path, version: int) -> int | None:
+    """limit - usage + inactive file pages of one cgroup directory, or None without a limit."""
+    names = ("memory.max", "memory.current", "inactive_file") if version == 2 else (
+        "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    try:
+        limit_text = (directory / names[0]).read_text().strip()
+        if limit_text == "max" or (version == 1 and int(limit_text) >= CGROUP_V1_UNLIMITED):
+            return None
+        usage = int((directory / names[1]).read_text())
+        stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines() if " " in line)
+    except (OSError, ValueError):
+        return None
+    return int(limit_text) - usage + int(stat.get(names[2], 0))
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3g} GB"
 
 
 def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, num_layers: int,
                      num_experts: int, expert_bytes: int, slot_bytes_on_host: int, staging_bytes: int,
-                     non_expert_bytes_on_host: int, kv_bytes_on_host: int) -> HostMemoryPlan:
+                     non_expert_bytes_on_host: int, kv_bytes_on_host: int, runtime_bytes: int) -> HostMemoryPlan:
     """Choose R and check host memory, before any allocation.
 
-    ``budget_bytes`` G None: what is available after the slots, non-expert weights and KV
-    estimate on the host. R = E when the full store fits in G (no staging then); else the most
-    rows that fit beside the staging buffers.
+    ``budget_bytes`` G covers everything (``HostMemoryPlan.total_bytes``); None: the available
+    memory. The store gets what is left after the fixed parts (slots, non-expert weights and
+    KV on the host, the runtime allowance): R = E when the full store fits (no staging then),
+    else the most rows that fit beside the staging buffers.
 
     Raises:
-        ValueError: G below the minimum (one host row per layer + staging); names the minimum
-            and --host-memory-gb.
+        ValueError: G below the minimum (the fixed parts + one host row per layer + staging);
+            names every part and --host-memory-gb.
         MemoryError: the total exceeds available memory; names every part.
     """
-    others = slot_bytes_on_host + non_expert_bytes_on_host + kv_bytes_on_host
-    explicit = budget_bytes is not None
-    if budget_bytes is None:
-        budget_bytes = (available_bytes - others) if available_bytes is not None else None
-    full = num_experts * num_layers * expert_bytes
     common = dict(num_layers=num_layers, num_experts=num_experts, expert_bytes=expert_bytes,
                   slot_bytes_on_host=slot_bytes_on_host, non_expert_bytes_on_host=non_expert_bytes_on_host,
-                  kv_bytes_on_host=kv_bytes_on_host)
-    if budget_bytes is None or full <= budget_bytes:
-        plan = HostMemoryPlan(host_rows=num_experts, staging_bytes=0, **common)
+                  kv_bytes_on_host=kv_bytes_on_host, runtime_bytes=runtime_bytes)
+    full_plan = HostMemoryPlan(host_rows=num_experts, staging_bytes=0, **common)
+    explicit = budget_bytes is not None
+    budget = budget_bytes if explicit else available_bytes
+    if budget is None or full_plan.total_bytes <= budget:
+        plan = full_plan
     else:
-        minimum = num_layers * expert_bytes + staging_bytes
-        if budget_bytes < minimum and not explicit:  # too little memory for anything: say so in full
-            check_available(HostMemoryPlan(host_rows=num_experts, staging_bytes=0, **common), available_bytes)
-        if budget_bytes < minimum:
-            source = (f"--host-memory-gb {budget_bytes / 1e9:.4g}" if explicit else
-                      f"available host memory after slots, non-expert weights and KV ({_gb(budget_bytes)})")
-            raise ValueError(
-                f"{source} is below the minimum for the disk tier: {minimum:,} bytes ({minimum / 1e9:.4g} GB) = "
-                f"one host row per layer ({num_layers} x {expert_bytes:,}) + staging ({staging_bytes:,}); "
-                "raise --host-memory-gb"
-            )
-        rows = (budget_bytes - staging_bytes) // (num_layers * expert_bytes)
+        smallest = HostMemoryPlan(host_rows=1, staging_bytes=staging_bytes, **common)
+        if budget < smallest.total_bytes and not explicit:  # too little memory for anything: say so in full
+            check_available(full_plan, available_bytes)
+        if budget < smallest.total_bytes:
+            raise ValueError(_below_minimum(budget, smallest, explicit))
+        rows = (budget - smallest.fixed_bytes - staging_bytes) // (num_layers * expert_bytes)
         plan = HostMemoryPlan(host_rows=int(min(rows, num_experts - 1)), staging_bytes=staging_bytes, **common)
     check_available(plan, available_bytes)
     return plan
+
+
+def _below_minimum(budget: int, smallest: HostMemoryPlan, explicit: bool) -> str:
+    source = f"--host-memory-gb {budget / 1e9:.4g}" if explicit else f"available host memory ({_gb(budget)})"
+    return (f"{source} is below the minimum for the disk tier: {smallest.total_bytes:,} bytes "
+            f"({smallest.total_bytes / 1e9:.4g} GB) = one host row per layer ({smallest.num_layers} x "
+            f"{smallest.expert_bytes:,}) + staging ({smallest.staging_bytes:,}) + slots on host "
+            f"({smallest.slot_bytes_on_host:,}) + non-expert weights ({smallest.non_expert_bytes_on_host:,}) + "
+            f"KV estimate ({smallest.kv_bytes_on_host:,}) + runtime allowance ({smallest.runtime_bytes:,}); "
+            "raise --host-memory-gb or lower --num-resident")
 
 
 def check_available(plan: HostMemoryPlan, available_bytes: int | None) -> None:
@@ -127,9 +229,10 @@ def check_available(plan: HostMemoryPlan, available_bytes: int | None) -> None:
     if available_bytes is not None and plan.total_bytes > available_bytes:
         raise MemoryError(
             f"the model needs {plan.total_bytes:,} bytes ({_gb(plan.total_bytes)}) of host memory "
-            f"({plan.describe()}) but only {available_bytes:,} bytes ({_gb(available_bytes)}) is available; "
-            "free memory, lower --num-resident, give a smaller --host-memory-gb (the disk tier reads "
-            "the other experts from the checkpoint) or use a quantized checkpoint"
+            f"({plan.describe()}) but only {available_bytes:,} bytes ({_gb(available_bytes)}) is available "
+            "(the smaller of the machine's and the memory cgroup's); free memory, lower --num-resident, give a "
+            "smaller --host-memory-gb (the disk tier reads the other experts from the checkpoint) or use a "
+            "quantized checkpoint"
         )
 
 

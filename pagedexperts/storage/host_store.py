@@ -94,6 +94,12 @@ class ExpertStore(ABC):
         """Copy every tensor row of ``expert`` into row ``slot`` of the slot table ``slots``
         (``formats.slots.PackedSlots`` or ``DenseSlots``: their ``write_rows``)."""
 
+    def copy_to_slots(self, loads, slots) -> None:
+        """``copy_to_slot`` of each load (``residency.planner.Load``: ``expert``, ``slot``), in
+        order: one step's page-ins together (the disk tier reads its host misses in parallel)."""
+        for load in loads:
+            self.copy_to_slot(load.expert, load.slot, slots)
+
     def gather_problem(self, device: torch.device) -> str | None:
         """Why a device-side gather (``gather``) on ``device`` cannot read this store, or None.
         Here: the store does not hold every expert in host memory."""

@@ -2,55 +2,81 @@
 
 Owns: ``TieredExpertStore``, the ``host_store.ExpertStore`` contract implemented over a host
 cache when the full store does not fit in host memory. Each layer keeps
-R of its E experts in host rows ([R, ...] per tensor, pinned on CUDA, allocated at exact size),
-placed by a host-side ``Residency`` with the same policy classes as the device slots; a device
+R of its E experts in host rows (pinned on CUDA, allocated at exact size), placed by a
+host-side ``Residency`` with the same policy classes as the device slots; a device
 miss whose expert is not in a host row reads it from the checkpoint's safetensors files, one
 ``os.preadv`` per per-expert tensor extent, into the host row, then copies the row into the
-slot. ``ReadAhead``: a small thread pool and a few expert-sized staging buffers shared by the
-layers, filled with the next layer's predicted experts (``paging.prefetch``); a miss that finds its
-expert there takes the buffer instead of reading, and never waits for a read-ahead of another
-expert. Counters: ``stats.tiers.TierStats`` (host hits/misses, disk reads, bytes, read times).
+slot. The page-ins of one step (``copy_to_slots``) claim their host rows in order, then read
+every host miss of the step in parallel (a small thread pool), then copy. ``ReadAhead``: that
+thread pool and a few expert-sized staging rows shared by the layers, filled with the next
+layer's predicted experts (``paging.prefetch``; on by default with the disk tier); a miss that
+finds its expert there takes the staging row in place of its host row (the two are swapped:
+no copy), and never waits for a read-ahead of another expert. Counters: ``stats.tiers.TierStats``
+(host hits/misses, disk reads, bytes, read times).
 
 Host-tier accounting: the host residency sees the sequence of device page-ins of its layer
 (plan misses and prefetch loads, in order), each as a one-expert step (``Residency.access``,
 counted by ``TierStats.record_host_access``: the simulator's two-level replay calls the same two).
-Read-ahead changes only where the bytes come from, never a decision.
+Read-ahead and parallel reads change only where and when the bytes come from, never a decision.
 A read error is sticky: the store raises ``DiskReadError`` on every later page-in (no request
 ever computes with a row that was not read).
 
-Legend: E routed experts, K device slots, R host rows per layer.
+Legend: E routed experts, K device slots, R host rows per layer. A "row" is the logical row
+the residency places an expert in; its bytes live in a physical row (``{name: tensor}``), which
+a taken read-ahead exchanges with a staging row.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
-from pagedexperts.residency.planner import Residency
+from pagedexperts.residency.planner import Load, Residency
 from pagedexperts.residency.policies import make_policy
 from pagedexperts.stats.tiers import TierStats
 from pagedexperts.storage.host_store import ExpertStore, HostExpertStore
 from pagedexperts.storage.safetensors_index import DiskReadError, Extent, read_extent
 
+READ_WORKERS = 4  # on-demand reads in flight at once (a step's host misses, or one expert's extents)
+# Read-ahead pays when most of its reads are used: an unused one costs a read that an on-demand
+# miss would not have made. A layer judges its last READ_AHEAD_WINDOW read-aheads; under
+# READ_AHEAD_MIN_USED of them used, it pauses for READ_AHEAD_PAUSE steps, then tries again.
+READ_AHEAD_WINDOW = 64
+READ_AHEAD_MIN_USED = 0.5
+READ_AHEAD_PAUSE = 256
+
+logger = logging.getLogger(__name__)
+
+
+def physical_rows(store: HostExpertStore) -> list[dict[str, torch.Tensor]]:
+    """The rows of ``store`` as {name: tensor [*spec.shape]} views, one dict per row."""
+    return [{name: t[i] for name, t in store.tensors.items()} for i in range(store.num_experts)]
+
 
 class ReadAhead:
-    """A thread pool and ``num_buffers`` expert-sized staging buffers shared by all layers.
+    """A thread pool and ``num_buffers`` expert-sized staging rows shared by all layers.
 
     Args:
         specs: the per-expert tensors (every layer has the same).
-        num_buffers: staging buffers (experts in flight or waiting to be used) at most.
-        workers: reader threads.
+        num_buffers: staging rows (experts in flight or waiting to be used) at most.
+        pin: page-lock the staging rows (CUDA), as the host rows are: a taken read-ahead
+            becomes a host row.
+        workers: read-ahead threads; read_workers: on-demand reader threads.
     """
 
-    def __init__(self, specs, *, num_buffers: int, workers: int = 2, extent_workers: int = 4) -> None:
+    def __init__(self, specs, *, num_buffers: int, pin: bool = False, workers: int = 2,
+                 read_workers: int = READ_WORKERS) -> None:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedexperts-readahead")
-        # on-demand reads: an expert's extents (e.g. gate, up, down) in flight together
-        self.extent_pool = ThreadPoolExecutor(max_workers=extent_workers, thread_name_prefix="pagedexperts-read")
-        self.free = [{s.name: torch.empty(s.shape, dtype=s.dtype) for s in specs} for _ in range(num_buffers)]
+        # on-demand reads: a step's host misses (or one expert's extents) in flight together
+        self.extent_pool = ThreadPoolExecutor(max_workers=read_workers, thread_name_prefix="pagedexperts-read")
+        self._staging = HostExpertStore(list(specs), num_buffers, pin=pin)  # one allocation, pinned like rows
+        self.free = physical_rows(self._staging)
         self.lock = threading.Lock()
 
     def take(self) -> dict | None:
@@ -70,7 +96,7 @@ class TieredExpertStore(ExpertStore):
         policy: eviction policy name for the host rows (``residency.policies.POLICIES``).
         pin: page-lock the host rows (CUDA), at exact size and with the same fallback as
             ``HostExpertStore`` (``pinned``, ``fallback``); layer: for error messages.
-        read_ahead: the model's shared ``ReadAhead`` (None: no read-ahead).
+        read_ahead: the model's shared ``ReadAhead`` (None: no read-ahead, reads one at a time).
 
     Raises:
         ValueError: R out of [1, E] (names --host-memory-gb).
@@ -87,7 +113,7 @@ class TieredExpertStore(ExpertStore):
         self.layer = layer
         # the R host rows: a store of R "experts", page-locked at exact size like the full store
         self._host = HostExpertStore(self.specs, host_rows, pin=pin)
-        self.rows = self._host.tensors
+        self._rows = physical_rows(self._host)  # row -> its bytes (a staging row after a swap)
         self.residency = Residency(num_experts, host_rows, make_policy(policy, host_rows))
         self.tier_stats = TierStats()
         self._row_expert = [-1] * host_rows  # expert whose bytes a row holds (-1: none / failed)
@@ -97,6 +123,9 @@ class TieredExpertStore(ExpertStore):
         self._ahead: dict[int, tuple[Future, dict]] = {}
         self._stats_lock = threading.Lock()
         self.failed: DiskReadError | None = None
+        self._window = (0, 0)  # (read_ahead_issued, read_ahead_used) when the window began
+        self._pause_left = 0  # read_ahead calls still skipped
+        self._warned = False
 
     @property
     def host_bytes(self) -> int:
@@ -111,12 +140,17 @@ class TieredExpertStore(ExpertStore):
         """Why the host rows are pageable though pinning was asked (``HostExpertStore``)."""
         return self._host.fallback
 
+    def row_tensors(self, row: int) -> dict[str, torch.Tensor]:
+        """The bytes of host row ``row``: {name: [*spec.shape]}."""
+        return self._rows[row]
+
     def reset(self) -> None:
         """Empty host rows and zeroed counters, as after loading (e.g. after a start-up check
         paged samples through the tier)."""
         self.residency = Residency(self.num_experts, self.host_rows, make_policy(self.residency.policy.name, self.host_rows))
         self._row_expert = [-1] * self.host_rows
         self.tier_stats = TierStats()
+        self._window, self._pause_left = (0, 0), 0
 
     def fill_from(self, extents: dict[str, list[list[Extent]]]) -> list[tuple]:
         """Keep the checkpoint byte ranges of every expert (tensor name -> [E] lists of
@@ -126,75 +160,104 @@ class TieredExpertStore(ExpertStore):
 
     def copy_to_slot(self, expert: int, slot: int, slots: dict[str, torch.Tensor]) -> None:
         """Copy ``expert`` into row ``slot`` of the [K, ...] ``slots``, via its host row (read
-        from disk first on a host miss). Non-blocking from pinned rows to CUDA slots. Rows hold
-        packed tensors (a quantized format's, as on disk); dense slots
-        (``formats.slots.DenseSlots``) dequantize them at this copy.
+        from disk first on a host miss): ``copy_to_slots`` of one load."""
+        self.copy_to_slots([Load(expert, slot)], slots)
+
+    def copy_to_slots(self, loads, slots) -> None:
+        """Copy each load's expert (``.expert``, ``.slot``) into its slot of ``slots``, via its
+        host row. The host rows are claimed in load order (the residency decides as for one
+        page-in at a time); the host misses' reads are then in flight together (a batch ends
+        before a row claimed in it is claimed again); then the rows are copied, in order.
+        Non-blocking from pinned rows to CUDA slots. Rows hold packed tensors (a quantized
+        format's, as on disk); dense slots (``formats.slots.DenseSlots``) dequantize at this copy.
 
         Raises:
             DiskReadError: the checkpoint file could not be read (now or at an earlier page-in).
         """
-        row = self._host_row(expert)
-        self._host.copy_to_slot(row, slot, slots)
-        if self.pinned and next(iter(slots.values())).is_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream())
-            self._row_events[row] = event
+        batch: list[tuple[int, int, int, Callable | None]] = []  # (expert, row, slot, what fills the row)
+        for load in loads:
+            row, fill = self._claim(load.expert)
+            if any(row == r for _, r, _, _ in batch):
+                self._finish(batch, slots)
+            batch.append((load.expert, row, load.slot, fill))
+        self._finish(batch, slots)
 
-    def _host_row(self, expert: int) -> int:
+    def _claim(self, expert: int) -> tuple[int, Callable | None]:
+        """(host row of ``expert``, None on a host hit, else the call that fills the row: the
+        taken read-ahead, or a disk read). The row holds nothing until it is filled."""
         if self.failed is not None:
             raise self.failed
         resident, row = self.residency.access(expert)
         hit = resident and self._row_expert[row] == expert  # a row whose read failed holds nothing
         self.tier_stats.record_host_access(hit)
         if hit:
-            return row
+            return row, None
         if self._row_events[row] is not None:
             self._row_events[row].synchronize()  # the row's last copy to the device is done
-        dst = {name: t[row].view(-1) for name, t in self.rows.items()}
+            self._row_events[row] = None
         self._row_expert[row] = -1
         ahead = self._ahead.pop(expert, None)
+        if ahead is not None:
+            return row, lambda: self._take_read_ahead(row, ahead)
+        return row, lambda: self._read(expert, {n: t.view(-1) for n, t in self._rows[row].items()})
+
+    def _finish(self, batch: list, slots) -> None:
+        """Fill the batch's rows (its disk reads in parallel), then copy each into its slot."""
+        reads = [fill for *_, fill in batch if fill is not None]
         try:
-            if ahead is not None:
-                self._take_read_ahead(ahead, dst)
+            if len(reads) > 1 and self._read_ahead is not None:
+                for future in [self._read_ahead.extent_pool.submit(fill) for fill in reads]:
+                    future.result()
             else:
-                self._read(expert, dst)
+                for fill in reads:
+                    fill()
         except DiskReadError as exc:
             self.failed = exc
             raise
-        self._row_expert[row] = expert
-        return row
+        for expert, row, slot, fill in batch:
+            if fill is not None:
+                self._row_expert[row] = expert
+            self._copy_row(row, slot, slots)
+        batch.clear()
 
-    def _take_read_ahead(self, ahead: tuple[Future, dict], dst: dict[str, torch.Tensor]) -> None:
+    def _copy_row(self, row: int, slot: int, slots) -> None:
+        slots.write_rows(self._rows[row], slot, pinned=self.pinned)
+        if self.pinned and next(iter(slots.values())).is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+            self._row_events[row] = event
+
+    def _take_read_ahead(self, row: int, ahead: tuple[Future, dict]) -> None:
+        """The read-ahead's staging row becomes host row ``row`` (no copy); the old bytes of the
+        row go back to the pool as a staging row."""
         future, buffer = ahead
         try:
             future.result()
-            for name, flat in dst.items():
-                flat.copy_(buffer[name].view(-1))
-        finally:
+        except BaseException:
             self._read_ahead.give_back(buffer)
-        self.tier_stats.read_ahead_used += 1
+            raise
+        self._rows[row], old = buffer, self._rows[row]
+        self._read_ahead.give_back(old)
+        with self._stats_lock:
+            self.tier_stats.read_ahead_used += 1
 
     def _read(self, expert: int, dst: dict[str, torch.Tensor]) -> None:
         """Read ``expert``'s extents into the flat rows ``dst`` (name -> 1-D CPU tensor)."""
         if self._sources is None:
             raise DiskReadError(f"layer {self.layer}: the disk tier has no checkpoint attached (loader bug)")
         t0 = time.perf_counter()
-        by_file: dict = {}
-        for name, rows in self._sources.items():
-            for ext in rows[expert]:
-                by_file.setdefault(ext.path, []).append((ext, dst[name]))
-        jobs = [(path, job) for path, js in by_file.items() for job in js]
-        on_demand = not threading.current_thread().name.startswith("pagedexperts-readahead")
-        if on_demand and self._read_ahead is not None and len(jobs) > 1:  # several reads in flight
+        jobs = [(ext.path, (ext, dst[name])) for name, rows in self._sources.items() for ext in rows[expert]]
+        jobs.sort(key=lambda j: (str(j[0]), j[1][0].offset))
+        in_pool = threading.current_thread().name.startswith("pagedexperts-read")
+        if not in_pool and self._read_ahead is not None and len(jobs) > 1:  # one expert: its extents in flight together
             for f in [self._read_ahead.extent_pool.submit(self._read_extent, expert, p, j) for p, j in jobs]:
                 f.result()
         else:
             for path, job in jobs:
                 self._read_extent(expert, path, job)
-        preads = len(jobs)
         with self._stats_lock:
-            self.tier_stats.record_read(nbytes=sum(e.nbytes for js in by_file.values() for e, _ in js),
-                                        preads=preads, seconds=time.perf_counter() - t0)
+            self.tier_stats.record_read(nbytes=sum(job[0].nbytes for _, job in jobs), preads=len(jobs),
+                                        seconds=time.perf_counter() - t0)
 
     def _read_extent(self, expert: int, path, job) -> None:
         """One positional read of ``job`` = (extent, flat destination) from ``path``."""
@@ -214,10 +277,16 @@ class TieredExpertStore(ExpertStore):
 
     def read_ahead(self, experts) -> int:
         """Start reading ``experts`` (priority order) that are in no host row into free staging
-        buffers, in the background. Unused read-aheads of earlier calls are dropped once done.
-        Returns the reads started."""
+        rows, in the background. Unused read-aheads of earlier calls are dropped once done.
+        Returns the reads started. A layer whose read-aheads are mostly unused pauses
+        (READ_AHEAD_MIN_USED; a WARNING the first time, ``TierStats.read_ahead_paused`` counts
+        the steps skipped)."""
         ra = self._read_ahead
         if ra is None or self.failed is not None:
+            return 0
+        if self._pause_left > 0:
+            self._pause_left -= 1
+            self.tier_stats.read_ahead_paused += 1
             return 0
         wanted = set(experts)
         for e, (future, buffer) in list(self._ahead.items()):
@@ -235,8 +304,28 @@ class TieredExpertStore(ExpertStore):
             self._ahead[e] = (ra.pool.submit(self._read, e, flat), buffer)
             started += 1
         self.tier_stats.read_ahead_issued += started
+        self._judge_read_ahead()
         return started
+
+    def _judge_read_ahead(self) -> None:
+        """Pause read-ahead for READ_AHEAD_PAUSE steps when fewer than READ_AHEAD_MIN_USED of the
+        last READ_AHEAD_WINDOW were used (a read still in flight counts as unused)."""
+        t = self.tier_stats
+        issued, used = t.read_ahead_issued - self._window[0], t.read_ahead_used - self._window[1]
+        if issued < READ_AHEAD_WINDOW:
+            return
+        self._window = (t.read_ahead_issued, t.read_ahead_used)
+        if used >= READ_AHEAD_MIN_USED * issued:
+            return
+        self._pause_left = READ_AHEAD_PAUSE
+        if not self._warned:
+            self._warned = True
+            logger.warning("layer %d: read-ahead paused for %d steps: %d of its last %d read-aheads were used "
+                           "(under %.0f%%: each unused one is a read that costs disk time); it then tries again "
+                           "(--no-read-ahead turns it off)", self.layer, READ_AHEAD_PAUSE, used, issued,
+                           100 * READ_AHEAD_MIN_USED)
 
     def _holds(self, expert: int) -> bool:
         row = self.residency.slot_of_expert.get(expert)
         return row is not None and self._row_expert[row] == expert
+

@@ -34,6 +34,7 @@ import torch
 
 from pagedexperts.generation.config import GREEDY
 from pagedexperts.paging.baselines import MODES
+from pagedexperts.paging.inner import transformers_inner
 from pagedexperts.residency.policies import DEFAULT_POLICY
 from pagedexperts.tools.check import fused_expert_targets_quiet
 
@@ -336,8 +337,7 @@ def _load_models(cfg: BenchConfig, jobs) -> tuple[dict, object]:
 
 
 def load_plain(cfg: BenchConfig):
-    """Transformers' ``from_pretrained`` of the checkpoint with the same dtype and experts
-    implementation, on ``cfg.device``, in eval mode: nothing of this package attached."""
+    """Transformers' ``from_pretrained``, same dtype and experts implementation (fused: grouped_mm), on ``cfg.device``, eval mode."""
     from transformers import AutoModelForCausalLM
 
     from pagedexperts.loading.config import resolve_dtype
@@ -345,8 +345,8 @@ def load_plain(cfg: BenchConfig):
 
     path, config, _ = read_checkpoint_config(cfg.model_path)
     with fused_expert_targets_quiet(path):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(cfg.dtype, config), experts_implementation=cfg.experts_implementation)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype, config),
+                                                     experts_implementation=transformers_inner(cfg.experts_implementation))
     return model.to(cfg.device).eval()
 
 

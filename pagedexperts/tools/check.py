@@ -1,8 +1,10 @@
 """The accuracy smoke test: paged vs unpaged logits and greedy tokens on a few prompts.
 
-Owns: loading the reference (plain ``AutoModelForCausalLM.from_pretrained``, all experts
-resident, the same experts implementation and dtype), running the prompts through both, one
-by one (batch 1) and together (a left-padded batch), and the verdict. Does not: page or load the paged model itself (``loading``).
+Owns: loading the reference (all experts resident, the same experts implementation and dtype:
+transformers' ``from_pretrained`` once checked, else the format library's decompression, else
+the pagedexperts resident model, as ``tools.reference.choose_reference`` rules), running the
+prompts through both, one by one (batch 1) and together (a left-padded batch), and the verdict.
+Does not: page or load the paged model itself (``loading``).
 """
 
 from __future__ import annotations
@@ -55,58 +57,61 @@ class CheckResult:
 
 
 def load_reference(model_path, *, device: str, dtype: str | None, experts_implementation: str):
-    """The unpaged model: plain from_pretrained, all experts resident (a quantized checkpoint:
-    transformers' own dequantized build, the same on CPU and GPU, ``ExpertFormat.reference_kwargs``)."""
+    """The unpaged model all experts resident, as ``load_reference_with_choice`` picks it."""
     return load_reference_with_choice(model_path, device=device, dtype=dtype,
                                       experts_implementation=experts_implementation)[0]
 
 
 def load_reference_with_choice(model_path, *, device: str, dtype: str | None, experts_implementation: str):
-    """``load_reference`` and the ``tools.reference.ReferenceChoice`` saying which reference
-    it is and why (a checkpoint whose format library decompresses it: transformers' loading
-    only where it equals the library's on a sample of experts)."""
+    """The unpaged model (all experts resident, the same dtype and experts implementation) and
+    the ``tools.reference.ReferenceChoice`` saying which it is and why: transformers' own loading
+    (``from_pretrained`` with the format's ``reference_kwargs``: its dequantized build, the same
+    on CPU and GPU) only once checked, else the format library's decompression, else the
+    pagedexperts resident model (``tools.reference.choose_reference``).
+
+    Raises:
+        ValueError / ImportError: see ``choose_reference``; a format refused (``format_for_config``).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagedexperts.formats import quantization_config_of
     from pagedexperts.loading.checkpoint import format_for_checkpoint
-    from pagedexperts.storage.safetensors_files import checkpoint_files
-    from pagedexperts.tools.reference import ReferenceChoice, cast_experts, choose_reference, complete, expert_parameters
     from pagedexperts.loading.config import resolve_dtype
+    from pagedexperts.loading.linears import quantized_modules
     from pagedexperts.loading.bundled import bundled_model_path
     from pagedexperts.models.config import with_modelopt_quantization
+    from pagedexperts.storage.safetensors_files import checkpoint_files
+    from pagedexperts.tools.reference import (ReferenceLoaders, choose_reference, compare_with_format, complete,
+                                              with_experts_in)
 
     path = model_path or bundled_model_path()
     config = with_modelopt_quantization(AutoConfig.from_pretrained(path), path)
+    files = checkpoint_files(path)
+    fmt = format_for_checkpoint(config, files)
     torch_dtype = resolve_dtype(dtype, config)
-    fmt = format_for_checkpoint(config, checkpoint_files(path))  # scales' dtypes as stored (AutoRound: float16)
-    kwargs = dict(dtype=torch_dtype, experts_implementation=experts_implementation)
-
-    def load(p):
-        with fused_expert_targets_quiet(p):
-            return AutoModelForCausalLM.from_pretrained(p, **kwargs, **fmt.reference_kwargs())
-    def load_dense(p):
-        """The library's dense model at the run dtype, its experts in the format's experts dtype
-        read from the decompressed files at that dtype (AutoRound's float16 experts under a
-        bfloat16 run: a cast through bfloat16 would round them twice)."""
-        dense = lambda dtype: complete(AutoModelForCausalLM.from_pretrained(  # noqa: E731
-            p, output_loading_info=True, **{**kwargs, "dtype": dtype}), p)
-        model, experts_dtype = dense(torch_dtype), fmt.experts_dtype(torch_dtype)
-        if experts_dtype == torch_dtype:
-            return model
-        exact = expert_parameters(dense(experts_dtype))
-        for name, param in expert_parameters(model).items():
-            param.data = exact[name].data if param.is_floating_point() else param.data
-        return cast_experts(model, experts_dtype)
-
-    try:
-        model, choice = choose_reference(path, quantization_config_of(config), load=load,
-                                         load_dense=load_dense)
-    except ImportError as exc:
-        model = _resident_reference(path, fmt, exc, device=device, dtype=dtype,
-                                    experts_implementation=experts_implementation)
-        return model, ReferenceChoice("pagedexperts resident", f"transformers cannot load this {fmt.name} "
-                                      f"checkpoint here ({exc}): every expert dequantized by pagedexperts' format")
+    kwargs = dict(dtype=torch_dtype, experts_implementation=experts_implementation, output_loading_info=True)
+    qc = quantization_config_of(config)
+    loaders = ReferenceLoaders(
+        transformers=lambda p: _quiet_load(p, **kwargs, **fmt.reference_kwargs()),
+        dense=lambda p: with_experts_in(
+            complete(AutoModelForCausalLM.from_pretrained(p, **kwargs), p), fmt.experts_dtype(torch_dtype),
+            lambda d: complete(AutoModelForCausalLM.from_pretrained(p, **{**kwargs, "dtype": d}), p)),
+        resident=lambda: _resident_reference(path, device=device, dtype=dtype,
+                                             experts_implementation=experts_implementation),
+        sample=lambda model: compare_with_format(model, files, fmt),
+        format_name=fmt.name,
+    )
+    model, choice = choose_reference(path, qc, loaders, list(quantized_modules(files, fmt, qc)))
     return model.to(device).eval(), choice
+
+
+def _quiet_load(path, **kwargs):
+    """transformers' ``from_pretrained`` of ``path`` with compressed-tensors' expected "Could not
+    match" WARNING for fused routed-expert targets dropped (``fused_expert_targets_quiet``)."""
+    from transformers import AutoModelForCausalLM
+
+    with fused_expert_targets_quiet(path):
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
 class _FusedExpertTargets(logging.Filter):
@@ -145,24 +150,13 @@ def fused_expert_targets_quiet(path):
 
 _PER_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.[^.]+\.[^.]+$")  # experts.{j}.{proj}.{tensor}
 
-# Formats whose transformers loader needs packages absent here (gptqmodel + optimum for GPTQ/AWQ,
-# auto-round for AutoRound's native format).
-KERNEL_ONLY_FORMATS = ("gptq", "awq", "auto-round")
 
-
-def _resident_reference(path, fmt, exc: ImportError, *, device: str, dtype, experts_implementation: str):
-    """For GPTQ/AWQ/AutoRound where transformers cannot load (``exc``): the resident model, every
-    expert dequantized once by pagedexperts' format (itself tested against the published
-    dequantization in tests/test_format_gptq_awq.py and the tools' own in
-    tests/test_formats_tools.py). Logs a WARNING: this checks paging, not
-    the dequantization. Any other format re-raises ``exc``."""
+def _resident_reference(path, *, device: str, dtype, experts_implementation: str):
+    """The resident model: every expert dequantized once by pagedexperts' format (tested against
+    the published dequantizations in tests/test_format_*), contiguous as the paged model's kernel
+    receives them (``paging.baselines.ResidentRunner``)."""
     from pagedexperts.loading.loader import load_model
 
-    if fmt.name not in KERNEL_ONLY_FORMATS:
-        raise exc
-    logger.warning(
-        "transformers cannot load this %s checkpoint here (%s); the unpaged reference is the "
-        "resident model with every expert dequantized by pagedexperts' %s format", fmt.name, exc, fmt.name)
     model, _ = load_model(path, mode="resident", device=device, dtype=dtype,
                           experts_implementation=experts_implementation, check_independence=False)
     return model.eval()

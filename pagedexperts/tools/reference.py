@@ -1,34 +1,33 @@
-"""The unpaged reference a quantized checkpoint is checked against, when transformers' own
-loading cannot be trusted: the format library's decompression, and a cross-check of the two.
+"""The unpaged reference ``check`` compares a paged model with, chosen per checkpoint so that it
+can be trusted: transformers' loading only after it is checked, else the format library's
+decompression, else the pagedexperts resident model, each fallback with a WARNING naming why.
 
-Owns: ``library_decompress`` (a checkpoint directory -> a dense checkpoint directory, every
-compressed module decompressed by the format's own library: compressed-tensors' per-module
-``BaseCompressor.decompress``, ModelOpt's ``NVFP4QTensor`` / ``FP8QTensor.dequantize``), ``compare_experts`` (transformers' dequantized routed experts
-vs the library's, on a seeded sample of (layer, expert)), and ``choose_reference``, the rule
-``check`` applies:
+Owns: ``choose_reference`` (the rule below), ``compare_experts`` (transformers' dequantized
+routed experts vs the library's, on a seeded sample of (layer, expert)), ``compare_with_format``
+(transformers' experts vs pagedexperts' dequantization of the same experts read from the
+checkpoint), ``complete`` (transformers' loading info: no tensor left randomly initialised).
+The library's decompression itself is ``tools.library_reference``. The rule:
 
-1. the format has no library decompressor here (dense, block FP8, gpt-oss MXFP4, GPTQ, AWQ):
-   transformers' loading, as before;
-2. transformers cannot load the checkpoint (it raises: asymmetric MoE W4A16, W8A8 INT8 in
-   transformers 5.24; not tried for per-projection config groups, ``per_projection_groups``,
-   a quant_method transformers has no loader for, ``no_transformers_loader``: ModelOpt, or
-   non-expert modules with quantized input activations, which transformers computes another
-   way, ``quantized_activations_outside_experts``):
-   the library's dense model, WARNING naming the error;
-3. transformers loads it: a sample of its experts is compared with the library's; equal:
-   transformers' model (INFO says how many experts were compared); different (NVFP4 in 5.24:
-   the global scale is not applied): the library's dense model, WARNING with the max |diff|.
+1. a format library decompresses the checkpoint here (compressed-tensors, ModelOpt): its dense
+   model, unless transformers loads it with nothing missing and a sample of its experts equals
+   the library's; not tried where transformers cannot be right: per-projection config groups
+   (``per_projection_groups``), no loader for the quant_method (``no_transformers_loader``:
+   ModelOpt), or quantized non-expert modules (``quantized_linears``: transformers runs them
+   through compressed-tensors' forward, not as the decompressed weights);
+2. otherwise transformers' loading, for a quantized checkpoint only when nothing is missing
+   (with gptqmodel and optimum installed, transformers leaves GPTQ's fused experts randomly
+   initialised) and a sample of its experts equals pagedexperts' dequantization of the
+   checkpoint (``compare_with_format``); if it raises, misses tensors or differs: the
+   pagedexperts resident model (every expert dequantized once by the format, laid out as the
+   paged model's kernel receives it), which checks paging, not the dequantization.
 
-Does not: page, or run prompts (``check``). The library reference computes what the
-decompressed model computes on CPU: weights decompressed, activations unquantized.
+Does not: page, or run prompts (``check``). Every reference computes weights dequantized and
+activations unquantized, as pagedexperts does.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import mmap
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,163 +35,26 @@ from typing import Callable
 
 import torch
 
+from pagedexperts.tools.library_reference import (LIBRARY_QUANT_METHODS, align_like_checkpoint,  # noqa: F401
+                                                  expert_parameters, has_library_reference, library_decompress)
+
 logger = logging.getLogger(__name__)
 
-# quant_method -> (the library whose decompression is the reference, the module it needs, its
-# pip install)
-LIBRARY_QUANT_METHODS = {"compressed-tensors": ("compressed-tensors", "compressed_tensors", "'pagedexperts[quant]'"),
-                         "modelopt": ("ModelOpt", "modelopt.torch.quantization.qtensor", "'pagedexperts[modelopt]'")}
 SAMPLE_EXPERTS_PER_LAYER = 4
-_SIDE_SUFFIXES = ("_packed", "_scale", "_global_scale", "_zero_point", "_shape", "_g_idx")
+RESIDENT = "pagedexperts resident"
 
 
 @dataclass(frozen=True)
 class ReferenceChoice:
     """Which unpaged reference ``check`` uses and why (printed, logged)."""
 
-    source: str  # "transformers", "compressed-tensors" or "pagedexperts resident" (GPTQ/AWQ here)
+    source: str  # "transformers", "compressed-tensors", "ModelOpt" or RESIDENT
     reason: str
     experts_compared: int = 0
     max_abs_diff: float = 0.0
 
     def line(self) -> str:
         return f"reference: {self.source} ({self.reason})"
-
-
-def has_library_reference(quantization_config: dict | None) -> bool:
-    """True when the checkpoint's format library can decompress it here (compressed-tensors,
-    ModelOpt: nvidia-modelopt installed)."""
-    if not quantization_config or quantization_config.get("quant_method") not in LIBRARY_QUANT_METHODS:
-        return False
-    import importlib
-
-    try:
-        importlib.import_module(LIBRARY_QUANT_METHODS[quantization_config["quant_method"]][1])
-    except ImportError:
-        return False
-    return True
-
-
-def _scheme_for(prefix: str, qconf) -> object | None:
-    """The config group's QuantizationScheme of module ``prefix`` (None: ignored/unquantized), as
-    compressed-tensors matches it (``utils.match.is_match``): ``match_name`` (a ``re:`` regex or
-    the exact module name) or the class-name target ``Linear`` (every module that stores
-    compressed tensors is an nn.Linear); ``ignore`` entries the same way."""
-    from compressed_tensors.utils.match import match_name
-
-    def hit(target: str) -> bool:
-        return match_name(prefix, target) or target == "Linear"
-
-    if any(hit(e) for e in qconf.ignore or []):
-        return None
-    for group in qconf.config_groups.values():
-        if any(hit(t) for t in group.targets):
-            return group
-    return None
-
-
-def _modules(keys) -> dict[str, dict[str, str]]:
-    """Checkpoint keys -> {module prefix: {local name: key}} of the modules with a scale."""
-    by_module: dict[str, dict[str, str]] = {}
-    for key in keys:
-        prefix, _, local = key.rpartition(".")
-        by_module.setdefault(prefix, {})[local] = key
-    return {p: m for p, m in by_module.items() if "weight_scale" in m}
-
-
-def _ct_decompressor(config: dict, src: Path) -> Callable:
-    """compressed-tensors' per-module decompression: (module prefix, {local name: tensor}) ->
-    dense weight, as ``BaseCompressor.get_value_from_registry(format).decompress(state,
-    scheme)`` (the per-module call transformers' loader makes), in the dtype it returns.
-
-    Raises (when called): ValueError, a compressed module no config group covers."""
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-
-    qconf = QuantizationConfig.model_validate(config["quantization_config"])
-
-    def decompress(prefix: str, state: dict) -> torch.Tensor:
-        scheme = _scheme_for(prefix, qconf)
-        if scheme is None:
-            raise ValueError(f"{src}: module {prefix} stores compressed tensors but no config group covers it")
-        return BaseCompressor.get_value_from_registry(scheme.format or qconf.format).decompress(state, scheme)["weight"]
-
-    return decompress
-
-
-def _modelopt_decompressor(config: dict, src: Path) -> Callable:
-    """ModelOpt's own dequantization of one exported module, into the checkpoint's saved dtype
-    (config ``dtype``, ModelOpt's QTensor ``metadata["dtype"]``): NVFP4 (uint8 ``weight`` with
-    ``weight_scale_2``) ``NVFP4QTensor(shape, dtype, weight).dequantize(scale=weight_scale,
-    double_scale=weight_scale_2, block_sizes={-1: 16})``; FP8 ``FP8QTensor(...).dequantize(
-    scale=weight_scale)``; ``input_scale`` dropped (activations unquantized).
-
-    Raises (when called): ValueError, a module that is neither."""
-    from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
-
-    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch."))
-
-    def decompress(prefix: str, state: dict) -> torch.Tensor:
-        weight, scale = state["weight"], state["weight_scale"]
-        if weight.dtype == torch.uint8 and "weight_scale_2" in state:
-            shape = (*weight.shape[:-1], 2 * weight.shape[-1])
-            return NVFP4QTensor(shape, dtype, weight).dequantize(dtype=dtype, scale=scale, double_scale=state[
-                "weight_scale_2"], block_sizes={-1: 16})
-        if weight.dtype == torch.float8_e4m3fn:
-            return FP8QTensor(weight.shape, dtype, weight).dequantize(dtype=dtype, scale=scale)
-        raise ValueError(f"{src}: ModelOpt module {prefix} ({weight.dtype} weight, {sorted(state)}) is neither "
-                         "NVFP4 nor FP8")
-
-    return decompress
-
-
-def library_decompress(src: Path, dst: Path) -> Path:
-    """Write ``dst``: ``src`` with every compressed module (a ``weight_scale`` beside its
-    ``weight``) decompressed by the checkpoint's own format library (``_ct_decompressor``,
-    ``_modelopt_decompressor``); other tensors as they are; config.json without
-    ``quantization_config`` (and no ``hf_quant_config.json``).
-
-    Raises:
-        ValueError: a module the library cannot decompress (see the decompressors).
-    """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from pagedexperts.models.config import read_config
-    from pagedexperts.storage.safetensors_files import checkpoint_files
-
-    config = read_config(str(src))  # quantization_config from hf_quant_config.json when config.json has none
-    method = config["quantization_config"].get("quant_method")
-    decompress = (_modelopt_decompressor if method == "modelopt" else _ct_decompressor)(config, src)
-    config.pop("quantization_config")
-    dst.mkdir(parents=True, exist_ok=True)
-    skip = ("config.json", "model.safetensors.index.json", "hf_quant_config.json")
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
-            shutil.copy(f, dst / f.name)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    weight_map = {}
-    for file in checkpoint_files(src):
-        with safe_open(str(file), framework="pt") as h:
-            tensors = {k: h.get_tensor(k) for k in h.keys()}
-        for prefix, local in _modules(tensors).items():
-            state = {name: tensors.pop(key) for name, key in local.items()}
-            tensors[prefix + ".weight"] = decompress(prefix, state).contiguous()
-            tensors.update({f"{prefix}.{n}": v for n, v in state.items() if n == "bias"})
-        save_file(tensors, str(dst / file.name), metadata={"format": "pt"})
-        weight_map.update({k: file.name for k in tensors})
-    if (src / "model.safetensors.index.json").exists():
-        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return dst
-
-
-def expert_parameters(model) -> dict[str, torch.Tensor]:
-    """Every routed-experts parameter with a leading E dim ({qualified name: [E, ...]})."""
-    from pagedexperts.models.config import num_routed_experts
-
-    num_experts = num_routed_experts(model.config)
-    return {n: p for n, p in model.named_parameters()
-            if ".experts." in n and p.dim() >= 2 and p.shape[0] == num_experts}
 
 
 def compare_experts(transformers_model, library_model, *, per_layer: int = SAMPLE_EXPERTS_PER_LAYER, seed: int = 0):
@@ -219,62 +81,31 @@ def complete(loaded, path) -> object:
     """The model of ``from_pretrained(..., output_loading_info=True)``'s (model, info).
 
     Raises:
-        ValueError: parameters the checkpoint did not fill (transformers would leave them
-            randomly initialised: a checkpoint whose names do not map onto the model).
+        ValueError: parameters the checkpoint did not fill (transformers leaves them randomly
+            initialised: names that do not map onto the model, or modules its quantizer
+            replaced, as GPTQModel's leaves the fused experts).
     """
     model, info = loaded
     if info.get("missing_keys"):
         missing = sorted(info["missing_keys"])
-        raise ValueError(f"{path}: {len(missing)} model tensors are not in the checkpoint (e.g. {missing[:3]}); "
-                         "its expert names do not map onto the model")
+        raise ValueError(f"{path}: transformers' loading leaves {len(missing)} model tensors randomly initialised "
+                         f"(not filled from the checkpoint, e.g. {missing[:3]})")
     return model
 
 
-def cast_experts(model, dtype: torch.dtype):
-    """Every routed-experts [E, ...] parameter of ``model`` in ``dtype`` (in place), as
-    transformers keeps a compressed-tensors checkpoint's experts in the decompressed dtype."""
-    for param in expert_parameters(model).values():
-        if param.is_floating_point() and param.dtype != dtype:
-            param.data = param.data.to(dtype)
+def with_experts_in(model, dtype: torch.dtype, load_at: Callable):
+    """``model`` (the library's dense model at the run dtype) with its routed experts in ``dtype``,
+    as transformers keeps a compressed-tensors checkpoint's experts in the decompressed dtype:
+    taken from ``load_at(dtype)``, a second load of the same dense checkpoint at that dtype, when
+    it differs (casting ``model``'s experts would round twice: the file's float16 -> the run's
+    bfloat16 -> float16)."""
+    ours = expert_parameters(model)
+    if all(not p.is_floating_point() or p.dtype == dtype for p in ours.values()):
+        return model
+    theirs = expert_parameters(load_at(dtype))
+    for name, param in ours.items():
+        param.data = theirs[name].data
     return model
-
-
-def align_like_checkpoint(model, src: Path) -> int:
-    """Re-place every non-expert parameter of ``model`` (the library's dense model, loaded from
-    the decompressed temporary checkpoint) at the page alignment its tensor has in ``src``'s
-    shard, in place; returns how many moved.
-
-    Why: transformers keeps non-expert weights memory-mapped, so their address is congruent to
-    their file offset modulo the page size, and CPU GEMMs (oneDNN/MKL) can sum in another order
-    at another alignment. Checkpoint keys are renamed as transformers does (Mixtral's
-    ``block_sparse_moe.gate`` -> ``mlp.gate``: ``loading.checkpoint.KeyMap``). The decompressed checkpoint stores the same non-expert tensors at
-    other offsets (its experts are larger), which made the reference's logits differ from the
-    paged model's (which copies them at ``src``'s alignment, ``loading.fill.empty_like_mapped``)
-    in the last bits (3.8e-6 on the bundled model's W4A16_ASYM). A parameter whose bytes differ
-    from the file's (another dtype) is left where it is.
-    """
-    from pagedexperts.loading.checkpoint import KeyMap
-    from pagedexperts.loading.fill import empty_like_mapped
-    from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
-    from pagedexperts.storage.safetensors_index import TensorEntry
-
-    rename, offsets = KeyMap(model.config.model_type, {}).rename, {}
-    for file in checkpoint_files(src):
-        header, data_start = read_header_json(file)
-        offsets.update({rename(key): (file, data_start + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0])
-                        for key, h in header.items()})
-    experts, moved = set(expert_parameters(model)), 0
-    for name, param in model.named_parameters():
-        if name in experts or name not in offsets or param.device.type != "cpu":
-            continue
-        file, start, nbytes = offsets[name]
-        if nbytes != param.nbytes:
-            continue
-        aligned = empty_like_mapped(TensorEntry(file, param.dtype, tuple(param.shape), start, param.nbytes))
-        if aligned.data_ptr() % mmap.PAGESIZE != param.data_ptr() % mmap.PAGESIZE:
-            param.data = aligned.copy_(param.data)
-            moved += 1
-    return moved
 
 
 def per_projection_groups(quantization_config: dict | None) -> str | None:
@@ -282,9 +113,7 @@ def per_projection_groups(quantization_config: dict | None) -> str | None:
     expert projections are in config groups with different schemes (gate/up group 32, down
     group 16), or None: transformers 5.24 applies ONE group to every expert projection
     (``get_experts_scheme``), so its loading fails (or dequantizes down_proj with the wrong
-    group size), or whose one experts group is not the one transformers picks (module-name
-    targets: it takes the first group with a non-``re:`` target). Read with
-    ``formats.ct_schemes.dense_schemes`` (a checkpoint it refuses: None)."""
+    group size). Read with ``formats.ct_schemes.dense_schemes`` (a checkpoint it refuses: None)."""
     from pagedexperts.formats.ct_schemes import dense_schemes
 
     if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
@@ -294,45 +123,11 @@ def per_projection_groups(quantization_config: dict | None) -> str | None:
     except ValueError:
         return None
     if len({repr(s) for s in schemes.values()}) <= 1:
-        from pagedexperts.formats.compressed_tensors import transformers_experts_args
-
-        picked = transformers_experts_args(quantization_config) or {}
-        scheme = next(iter(schemes.values()), None)
-        if scheme is None or {k: v for k, v in picked.items() if k not in ("format", "input_activations")} == scheme.weights:
-            return None
-        return (f"transformers applies the config group with weights {picked} to every expert projection "
-                f"(get_experts_scheme: the first non-re: target), but the experts' own targets give {scheme.weights}")
+        return None
     groups = ", ".join(f"{d} {s.weights.get('num_bits')}-bit group_size {s.weights.get('group_size')}"
                        for d, s in schemes.items())
     return (f"the expert projections are in different config groups ({groups}) and transformers applies "
             "one group to every expert projection")
-
-
-def quantized_activations_outside_experts(quantization_config: dict | None, config: dict | None = None) -> str | None:
-    """Why transformers' loading is not the reference of a compressed-tensors checkpoint with
-    mxfp8-quantized experts (it fails to load them), or is another computation than the paged
-    model's for one whose non-expert modules (attention, shared experts, dense
-    MLPs) sit in a config group with ``input_activations``, or None: transformers runs those
-    through compressed-tensors' forward, which quantizes their input activations (static FP8's
-    ``input_scale``, dynamic per token), while pagedexperts (and the library reference)
-    dequantize their weights and run unquantized activations (``formats.ct_fp8``). ``config``:
-    config.json, whose model's own module names are tried (``ignore`` lists concrete names)."""
-    from pagedexperts.formats.ct_schemes import non_expert_linear_names, quantized_non_expert, scheme_of_module
-
-    if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
-        return None
-    experts = scheme_of_module(quantization_config, "model.layers.0.mlp.experts.0.down_proj")
-    if experts is not None and experts.format == "mxfp8-quantized":  # its loader fails with a traceback: not tried
-        return ("transformers' CompressedTensorsDequantize reads mxfp8-quantized experts' uint8 E8M0 exponents as "
-                "float scales (a shape error at load)")
-    module = quantized_non_expert(quantization_config, non_expert_linear_names(config) if config else None)
-    scheme = scheme_of_module(quantization_config, module) if module else None
-    act = scheme.input_activations if scheme else None
-    if not act:
-        return None
-    return (f"{module} is in a config group with input_activations {act.get('type')}{act.get('num_bits')} "
-            f"{'dynamic' if act.get('dynamic') else 'static'}, which transformers' compressed-tensors forward "
-            "quantizes (the paged model runs its dequantized weight on unquantized activations)")
 
 
 def no_transformers_loader(quantization_config: dict | None) -> str | None:
@@ -348,45 +143,132 @@ def no_transformers_loader(quantization_config: dict | None) -> str | None:
     return f"transformers {transformers.__version__} has no loader for quant_method {method!r}"
 
 
-def choose_reference(path: Path, quantization_config: dict | None, *, load: Callable, load_dense: Callable):
-    """The unpaged reference model and a ``ReferenceChoice`` (module docstring's rule).
+def compare_with_format(model, files, fmt, *, per_layer: int = SAMPLE_EXPERTS_PER_LAYER, seed: int = 0):
+    """(experts compared, max |diff|, first differing 'param[expert]' or None): a seeded sample of
+    ``per_layer`` experts of every experts module of ``model`` (transformers' loading) against
+    pagedexperts' dequantization (``fmt``'s layout) of the same experts read from the
+    checkpoint ``files`` through safetensors' own reader (``loading.independence.reference_rows``).
+    A model without experts modules compares nothing and differs ('no experts module')."""
+    from types import SimpleNamespace
 
-    ``load(path)``: transformers' own loading of the checkpoint (``from_pretrained`` with the
-    format's ``reference_kwargs``); ``load_dense(dir)``: ``from_pretrained`` of a dense
-    checkpoint at the same dtype and experts implementation. Logs a WARNING whenever the
-    reference is not transformers' loading, naming why.
-    """
-    if not has_library_reference(quantization_config):
-        cannot = no_transformers_loader(quantization_config)
-        if cannot and quantization_config["quant_method"] in LIBRARY_QUANT_METHODS:
-            library, module, pip = LIBRARY_QUANT_METHODS[quantization_config["quant_method"]]
-            raise ImportError(f"{cannot}, and the reference, {library}'s own dequantization, needs {module} "
-                              f"here: pip install {pip}")
-        return load(path), ReferenceChoice("transformers", "its own loading; no format library decompression "
-                                                           "for this checkpoint here")
-    with tempfile.TemporaryDirectory(prefix="pagedexperts-ref-") as tmp:
-        library = load_dense(library_decompress(Path(path), Path(tmp)))
-    align_like_checkpoint(library, Path(path))
-    library_name = LIBRARY_QUANT_METHODS[quantization_config["quant_method"]][0]
-    cannot = (per_projection_groups(quantization_config) or no_transformers_loader(quantization_config)
-              or quantized_activations_outside_experts(quantization_config, json.loads((Path(path) / "config.json").read_text())))
-    if cannot:  # transformers' loading would fail with a long traceback: not tried
-        choice = ReferenceChoice(library_name, f"transformers cannot load this checkpoint: {cannot}")
-        logger.warning("unpaged reference: %s's own decompression, since %s", library_name, choice.reason)
-        return library, choice
+    from pagedexperts.loading.checkpoint import KeyMap, expert_sources
+    from pagedexperts.loading.independence import reference_rows
+    from pagedexperts.models.sites import find_experts_sites
+
     try:
-        model = load(path)
+        sites = {s.name: s for s in find_experts_sites(model)}
+    except ValueError as exc:
+        return 0, float("inf"), f"no experts module pagedexperts reads ({exc})"
+    sources = expert_sources(model.config.model_type)
+    layouts = {n: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
+               for n, s in sites.items()}
+    gen = torch.Generator().manual_seed(seed)
+    wanted = {n: torch.randperm(s.num_experts, generator=gen)[:per_layer].tolist() for n, s in sites.items()}
+    stores = {n: SimpleNamespace(specs=layout.packed_specs) for n, layout in layouts.items()}
+    rows = reference_rows(files, KeyMap(model.config.model_type, sites, fmt), stores, wanted)
+    compared, worst, first = 0, 0.0, None
+    for name, experts in wanted.items():
+        for j in experts:
+            ours = layouts[name].dequantize({k: v.unsqueeze(0) for k, v in rows[name][j].items()})
+            for tensor, dense in ours.items():
+                theirs = getattr(sites[name].module, tensor)[j].detach()
+                equal = theirs.dtype == dense.dtype and torch.equal(theirs, dense[0])
+                if not equal:
+                    first = first or f"{name}.{tensor}[{j}]"
+                    worst = max(worst, (theirs.double() - dense[0].double()).abs().max().item())
+            compared += 1
+    return compared, worst, first
+
+
+@dataclass(frozen=True)
+class ReferenceLoaders:
+    """How ``choose_reference`` builds each candidate, all at the run's dtype and experts
+    implementation: ``transformers(path)`` -> ``from_pretrained(..., output_loading_info=True)``'s
+    (model, info) with the format's ``reference_kwargs``; ``dense(dir)`` -> the model of a dense
+    checkpoint; ``resident()`` -> the pagedexperts resident model; ``sample(model)`` ->
+    ``compare_with_format`` of transformers' model; ``format_name``: the checkpoint's format."""
+
+    transformers: Callable
+    dense: Callable
+    resident: Callable
+    sample: Callable
+    format_name: str
+
+
+def choose_reference(path: Path, quantization_config: dict | None, loaders: ReferenceLoaders,
+                     quantized_linears: list[str] = ()):
+    """The unpaged reference model and a ``ReferenceChoice`` (the module docstring's rule).
+    ``quantized_linears``: the non-expert modules the checkpoint stores quantized. Logs a
+    WARNING whenever the reference is not transformers' loading, naming why.
+
+    Raises:
+        ImportError: a ModelOpt checkpoint without nvidia-modelopt (names the pip install).
+        ValueError: an unquantized checkpoint transformers loads with tensors missing.
+    """
+    if has_library_reference(quantization_config):
+        return _library_or_transformers(Path(path), quantization_config, loaders, quantized_linears)
+    cannot = no_transformers_loader(quantization_config)
+    if cannot and quantization_config["quant_method"] in LIBRARY_QUANT_METHODS:
+        library, module, pip = LIBRARY_QUANT_METHODS[quantization_config["quant_method"]]
+        raise ImportError(f"{cannot}, and the reference, {library}'s own dequantization, needs {module} "
+                          f"here: pip install {pip}")
+    try:
+        model = complete(loaders.transformers(path), path)
+    except Exception as exc:  # transformers' loaders fail in many ways (missing kernels, keys, shapes)
+        if not quantization_config:
+            raise
+        return _resident(loaders, f"transformers cannot load this {loaders.format_name} checkpoint here "
+                                  f"({type(exc).__name__}: {exc})")
+    if not quantization_config:
+        return model, ReferenceChoice("transformers", "its own loading of an unquantized checkpoint")
+    compared, diff, first = loaders.sample(model)
+    if first is not None:
+        del model
+        return _resident(loaders, f"transformers' loading differs from pagedexperts' {loaders.format_name} "
+                                  f"dequantization of the checkpoint: of {compared} sampled experts, e.g. {first} "
+                                  f"by up to {diff:.4g}")
+    reason = (f"cross-checked: nothing missing, {compared} sampled experts equal pagedexperts' "
+              f"{loaders.format_name} dequantization of the checkpoint")
+    logger.info("unpaged reference: transformers' loading (%s)", reason)
+    return model, ReferenceChoice("transformers", reason, compared)
+
+
+def _resident(loaders: ReferenceLoaders, reason: str):
+    """The pagedexperts resident reference, with the WARNING naming why transformers is not it."""
+    logger.warning("unpaged reference: the pagedexperts resident model (every expert dequantized by pagedexperts' "
+                   "%s format: this checks paging, not the dequantization), since %s", loaders.format_name, reason)
+    return loaders.resident(), ReferenceChoice(RESIDENT, reason)
+
+
+def _library_or_transformers(path: Path, qc: dict, loaders: ReferenceLoaders, quantized_linears):
+    """Rule 1 of the module docstring."""
+    with tempfile.TemporaryDirectory(prefix="pagedexperts-ref-") as tmp:
+        library = loaders.dense(library_decompress(path, Path(tmp)))
+    align_like_checkpoint(library, path)
+    library_name = LIBRARY_QUANT_METHODS[qc["quant_method"]][0]
+    cannot = per_projection_groups(qc) or no_transformers_loader(qc)
+    if cannot:  # transformers' loading would fail with a long traceback: not tried
+        return _library(library, library_name, f"transformers cannot load this checkpoint: {cannot}")
+    if quantized_linears:  # transformers computes another thing there: not tried
+        return _library(library, library_name, (
+            f"transformers is not the reference: the checkpoint stores {len(quantized_linears)} non-expert modules "
+            f"quantized (e.g. {quantized_linears[0]}), which transformers runs through compressed-tensors' forward "
+            "(scales cast to the run dtype), not as the weights the library decompresses"))
+    try:
+        model = complete(loaders.transformers(path), path)
     except Exception as exc:  # transformers' loader fails in many ways (assertion, cat, key errors)
-        choice = ReferenceChoice(library_name, f"transformers cannot load this checkpoint: {type(exc).__name__}: {exc}")
-        logger.warning("unpaged reference: %s's own decompression, since %s", library_name, choice.reason)
-        return library, choice
+        return _library(library, library_name, f"transformers cannot load this checkpoint: {type(exc).__name__}: {exc}")
     compared, diff, first = compare_experts(model, library)
     if first is None:
         reason = f"cross-checked: {compared} sampled experts' dequantized weights equal {library_name}'s"
         logger.info("unpaged reference: transformers' loading (%s)", reason)
         return model, ReferenceChoice("transformers", reason, compared, 0.0)
+    del model
     reason = (f"transformers' loading is WRONG: of {compared} sampled experts, e.g. {first} differs from "
               f"{library_name}'s decompression by up to {diff:.4g}")
+    return _library(library, library_name, reason, compared, diff)
+
+
+def _library(model, library_name: str, reason: str, compared: int = 0, diff: float = 0.0):
     logger.warning("unpaged reference: %s's own decompression, since %s", library_name, reason)
-    del model
-    return library, ReferenceChoice(library_name, reason, compared, diff)
+    return model, ReferenceChoice(library_name, reason, compared, diff)

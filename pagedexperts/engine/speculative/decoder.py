@@ -1,8 +1,9 @@
 """Speculative decoding inside continuous batching: propose, verify in the step's forward, roll back.
 
 Owns: ``SpeculativeDecoder``, which the scheduler asks for the decodes of every step when
-``--speculative`` is on: ``decode`` (a step with no prompt chunk: ONE padded forward of the
-B running requests, ``batching.forward_rows``), ``segments`` (a chunked-prefill step: each
+``--speculative`` is on: ``decode`` (a step with no prompt chunk: ONE forward of the
+B running requests, the scheduler's ``StepForwards.decodes``: over KV rows a fixed-shape step per
+(bucket, width), run eagerly, never captured), ``segments`` (a chunked-prefill step: each
 decode's segment carries its proposals, packed with the prompt chunks into the step's one
 forward, ``chunked_prefill``) and ``verify`` (one request's acceptance, rollback and
 tokens, run per request under ``isolation.each_isolated``: a fault in one request's
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedexperts.engine.batching import forward_rows
 from pagedexperts.engine.chunked_prefill import Segment
 from pagedexperts.engine.isolation import each_isolated
 from pagedexperts.engine.sampling import adjusted_logits, sampling_probs
@@ -44,7 +44,7 @@ from pagedexperts.engine.speculative.proposers import NgramProposer, Proposal, P
 class SpeculativeDecoder:
     """The decodes of the scheduler's steps with speculation (module docstring); ``stats`` counts them.
 
-    ``sched`` below is the BatchScheduler: its ``_forward``, ``_accept``, ``_fail`` and
+    ``sched`` below is the BatchScheduler: its ``forwards``, ``_accept``, ``_fail`` and
     ``_count_decode`` are what a plain decode would call.
     """
 
@@ -68,9 +68,7 @@ class SpeculativeDecoder:
         """A step with no prompt chunk: one padded verification forward for the running ``reqs``."""
         proposals = self.propose(reqs)
         tokens = [[r.output_ids[-1]] + p.tokens for r, p in zip(reqs, proposals)]
-        ids = [r.request_id for r in reqs]
-        logits = forward_rows(lambda **kw: sched._forward(ids, **kw), reqs, tokens, pad_id=sched.pad_id,
-                              device=sched.model.device)  # [B, W, V]
+        logits = sched.forwards.decodes(reqs, tokens)  # [B, W, V]
         sched._count_decode(len(reqs))
         self._count(tokens, padded=True)
         rows = {r.request_id: (logits[i, : len(t)], p) for i, (r, t, p) in enumerate(zip(reqs, tokens, proposals))}

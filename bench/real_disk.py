@@ -1,0 +1,215 @@
+"""Paging larger than RAM on a CPU: the disk tier at a real model's expert shapes.
+
+Issue 32. The checkpoint of ``bench/real_shape.py make`` (Qwen3-30B-A3B's expert shapes, 1.2 GB
+of experts per layer), loaded with ``--host-memory-gb`` below its size, in a memory cgroup below
+its size where this machine lets us create one, the checkpoint's files dropped from the page
+cache first.
+
+Subcommands:
+
+  disk DIR --host-memory-gb G [--num-resident 8] [--tokens 12] [--cgroup-mb 1500]
+                                larger than RAM: the page cache of DIR dropped (posix_fadvise
+                                DONTNEED), then in a child process (inside a new memory cgroup
+                                of --cgroup-mb where this machine lets us create one: v2, else v1)
+                                load with the disk tier and decode teacher-forced; MB read from
+                                disk per token (the tier's counters and /proc/self/io), wall and
+                                CPU seconds per token, peak RSS and the cgroup's peak; a child
+                                the cgroup OOM-kills or that start-up refuses is reported as such
+  disk-compare DIR --before TREE --before-host-memory-gb G0 --host-memory-gb G [disk's flags]
+                                ``disk`` alternately from TREE and this tree (``--runs`` each);
+                                G0 for TREE (before issue 32, G budgeted the store alone)
+
+Usage: python bench/real_shape.py make /tmp/real2 --layers 2
+       python bench/real_disk.py disk /tmp/real2 --host-memory-gb 1 --cgroup-mb 1500 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_shape import ROOT, decode, strip_flags, text_ids  # noqa: E402
+
+
+def drop_page_cache(path: Path) -> None:
+    """Drop the checkpoint's files from the page cache (posix_fadvise DONTNEED): reads then come
+    from the disk, as for a checkpoint larger than RAM."""
+    for f in sorted(path.glob("*.safetensors")):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def io_read_bytes() -> int:
+    """Bytes this process caused to be read from storage (/proc/self/io read_bytes)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def disk_child(args) -> dict:
+    """The measurement inside the (cgroup'd) child: load with the disk tier, decode, counters."""
+    import resource
+
+    import pagedexperts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = Path(args.dir)
+    ids = text_ids(path, args.prefill_tokens + args.tokens)
+    t0 = time.perf_counter()
+    try:
+        extra = {} if args.read_ahead else {"read_ahead": False}  # a tree before issue 32 has no read-ahead flag
+        model, _ = pagedexperts.load_model(path, num_resident=args.num_resident, host_memory_gb=args.host_memory_gb,
+                                           prefetch=args.prefetch, **extra)
+    except (ValueError, MemoryError) as exc:
+        return dict(refused=f"{type(exc).__name__}: {exc}")
+    load_s = time.perf_counter() - t0
+    rt = model.pagedexperts
+    io0, wall0, cpu0 = io_read_bytes(), time.perf_counter(), time.process_time()
+    state = {}
+
+    def start() -> None:
+        rt.reset_stats()
+        state.update(io=io_read_bytes(), wall=time.perf_counter(), cpu=time.process_time())
+
+    decode(model, ids, args.prefill_tokens, on_prefilled=start)
+    n = args.tokens
+    d = rt.stats().as_dict(times=False)
+    return dict(load_s=load_s, host_rows=rt.host_memory.host_rows, num_resident=rt.num_resident,
+                plan=rt.host_memory.describe(), tokens=n,
+                wall_s_per_token=(time.perf_counter() - state["wall"]) / n,
+                cpu_s_per_token=(time.process_time() - state["cpu"]) / n,
+                disk_mb_per_token=d["disk_bytes_read"] / n / 1e6,
+                io_mb_per_token=(io_read_bytes() - state["io"]) / n / 1e6,
+                misses_per_token=d["misses_per_token"], host_hit_rate=d["host_hit_rate"],
+                read_ahead_issued=d["read_ahead_issued"], read_ahead_used=d["read_ahead_used"],
+                prefill_io_mb=(state["io"] - io0) / 1e6, prefill_wall_s=state["wall"] - wall0,
+                prefill_cpu_s=state["cpu"] - cpu0,
+                peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
+                pagedexperts=str(Path(pagedexperts.__file__).parent))
+
+
+def make_cgroup(limit_bytes: int, name: str) -> Path | None:
+    """A new memory cgroup limited to ``limit_bytes`` (v2 where the unified hierarchy has the
+    memory controller, else v1), or None where this machine does not let us create one."""
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    for fstype, limit_file in (("cgroup2", "memory.max"), ("cgroup", "memory.limit_in_bytes")):
+        for m in mounts:
+            if m[2] != fstype or (fstype == "cgroup" and "memory" not in m[3].split(",")):
+                continue
+            root = Path(m[1])
+            if fstype == "cgroup2" and "memory" not in (root / "cgroup.controllers").read_text().split():
+                continue
+            try:
+                (root / name).mkdir(exist_ok=True)
+                (root / name / limit_file).write_text(str(limit_bytes))
+                if fstype == "cgroup":  # no swap beyond the limit either, where the kernel counts it
+                    try:
+                        (root / name / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+                    except OSError:
+                        pass
+                return root / name
+            except OSError:
+                continue
+    return None
+
+
+def cgroup_peak_mb(cgroup: Path) -> float | None:
+    for name in ("memory.peak", "memory.max_usage_in_bytes"):
+        if (cgroup / name).exists():
+            return int((cgroup / name).read_text()) / 1e6
+    return None
+
+
+def run_disk(args, argv: list[str], tree: Path = ROOT) -> dict:
+    """``disk_child`` in a subprocess from ``tree`` (in a fresh memory cgroup when --cgroup-mb)."""
+    drop_page_cache(Path(args.dir))
+    cgroup = make_cgroup(int(args.cgroup_mb * 1e6), f"pagedexperts-bench-{os.getpid()}") if args.cgroup_mb else None
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    if args.threads:
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    enter = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
+    cmd = [sys.executable, str(Path(__file__).resolve()), "disk-child", *argv]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, preexec_fn=enter)
+    out = {"tree": str(tree), "cgroup": str(cgroup) if cgroup else
+           ("none: could not create a memory cgroup here (ran with --host-memory-gb and the page cache dropped)"
+            if args.cgroup_mb else None), "cgroup_mb": args.cgroup_mb, "host_memory_gb": args.host_memory_gb}
+    if proc.returncode == 0:
+        out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    else:
+        killed = " (killed: SIGKILL, the cgroup's OOM killer)" if proc.returncode == -9 else ""
+        out["failed"] = f"exit {proc.returncode}{killed}"
+        out["stderr"] = proc.stderr[-1500:]
+    if cgroup:
+        out["cgroup_peak_mb"] = cgroup_peak_mb(cgroup)
+        try:
+            cgroup.rmdir()
+        except OSError as exc:
+            out["cgroup_left"] = str(exc)
+    return out
+
+
+def disk_line(r: dict) -> str:
+    label = f"{r['tree']} G={r['host_memory_gb']} cgroup={r['cgroup_mb']} MB"
+    if "refused" in r:
+        return f"{label}: refused at start-up: {r['refused']}"
+    if "failed" in r:
+        return f"{label}: FAILED {r['failed']} (cgroup peak {r.get('cgroup_peak_mb')} MB)\n{r['stderr']}"
+    return (f"{label}: R={r['host_rows']} K={r['num_resident']}: {r['wall_s_per_token']:.3f} s/token wall, "
+            f"{r['cpu_s_per_token']:.3f} s/token CPU, {r['disk_mb_per_token']:.1f} MB/token read by the tier "
+            f"({r['io_mb_per_token']:.1f} from storage), misses/token {r['misses_per_token']:.1f}, host hit rate "
+            f"{r['host_hit_rate']:.2f}, read-ahead used {r['read_ahead_used']}/{r['read_ahead_issued']}; peak RSS "
+            f"{r['peak_rss_mb']:.0f} MB, cgroup peak {r.get('cgroup_peak_mb')} MB; load {r['load_s']:.1f} s\n  {r['plan']}")
+
+
+def disk_compare(args, argv: list[str]) -> None:
+    inner = strip_flags(argv, {"--before": 2, "--runs": 2, "--before-host-memory-gb": 2})[1:]
+    for run_no in range(args.runs):
+        for tree, g in ((Path(args.before).resolve(), args.before_host_memory_gb), (ROOT, args.host_memory_gb)):
+            sub = strip_flags(inner, {"--host-memory-gb": 2}) + ["--host-memory-gb", str(g)]
+            args.host_memory_gb = g
+            print(disk_line(run_disk(args, sub, tree)), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("disk", "disk-child", "disk-compare"):
+        p = sub.add_parser(name)
+        p.add_argument("dir")
+        p.add_argument("--host-memory-gb", type=float, required=True)
+        p.add_argument("--num-resident", type=int, default=8)
+        p.add_argument("--tokens", type=int, default=12, help="timed decode tokens")
+        p.add_argument("--prefill-tokens", type=int, default=16)
+        p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)")
+        p.add_argument("--prefetch", action="store_true")
+        p.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
+                       help="this tree only: the disk tier without read-ahead")
+        p.add_argument("--cgroup-mb", type=float, default=None, help="run inside a new memory cgroup of this limit")
+    dc = sub.choices["disk-compare"]
+    dc.add_argument("--before", required=True, help="tree of the 'before' code")
+    dc.add_argument("--before-host-memory-gb", type=float, required=True)
+    dc.add_argument("--runs", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.cmd == "disk":
+        print(disk_line(run_disk(args, argv[1:])))
+    elif args.cmd == "disk-child":
+        print(json.dumps(disk_child(args)))
+    else:
+        disk_compare(args, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""How a format's packed rows encode one expert weight: the description fused kernels read.
+
+Owns ``WeightPacking``: for one dense experts tensor (``QuantizedTensor``) in one format, which
+packed tensor holds each part of the weight (``role``: ``weight``, ``scale``, ``zero``,
+``g_idx``, ``global_scale``), how a value is stored (codes, bits, the packed dim, nibble order,
+value offset), how scales and zero points are laid out (per tensor, channel, group or block,
+per checkpoint source), and the dtypes of the format's own dequantization. A kernel that reads
+only a ``WeightPacking`` and the packed rows computes the dense weight bit for bit as the
+format's ``dequantize`` does (``paging.kernels.fused_moe_kernel``). Each format builds its
+packing in ``ExpertFormat.packing``. Does not: dequantize, read files or launch anything.
+
+The weight is always described as nn.Linear's ``W [N, K]`` (N ``out_features``, K
+``in_features``), whatever the dense module's orientation (gpt-oss stores [K, N]); element
+``W[n, k]`` of one expert is, in the format's own arithmetic:
+
+- value ``v``: ``dense``: the element itself; ``int``: the ``bits``-wide field (unsigned) minus
+  the zero point ``((z_field + zero_offset) & mask)`` when a ``zero`` role exists, else minus
+  ``value_offset``; ``e4m3`` / ``e2m1``: the float8 / float4 code's value;
+- scale ``s``: the ``scale`` row's element at (source row block, input group): input group
+  ``k // group_size`` (``g_idx[source * K + k]`` when a ``g_idx`` role exists; one group when
+  ``group_size`` is 0); output index ``(n // source_rows) * ceil(source_rows / block_rows) +
+  (n % source_rows) // block_rows`` (gate and up restart their scale rows); ``e4m3`` /
+  ``e8m0`` codes decoded; then divided by (``divide``) or multiplied with (``multiply``) the
+  ``global_scale`` of the source, in float32;
+- ``W[n, k] = rnd_dense(rnd_round(rnd_mul(v * rnd_mul(s))))``, ``rnd_D`` rounding to dtype D
+  (``mul_dtype``: the dtype the format multiplies in; ``round_dtype``: an intermediate dtype
+  the product is rounded to, e.g. compressed-tensors FP4's bfloat16, or None).
+
+Storage orientation: a row of role ``weight`` is [N, K / per_word] (``packed_dim`` "in"), or
+input-major [K / per_word, N] / [K, N / per_word] when ``transposed`` (GPTQ, AWQ, gpt-oss's
+dense experts); ``scale`` and ``zero`` rows follow the same orientation ([n index, k group], or
+[k group, n index] when ``transposed``); ``zero`` is packed along the output dim
+(``32 // bits`` values per int32 word, restarting per source). ``interleaved``: AWQ's nibble
+order (the value of column 8c + j sits in nibble ``AWQ_POSITION[j]``).
+
+Legend: N output features, K input features, R rows of one expert's tensor, G groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedexperts.formats.base import TensorSpec, ceil_div
+
+if TYPE_CHECKING:
+    from pagedexperts.formats.base import QuantizedTensor
+
+ROLES = ("weight", "scale", "zero", "g_idx", "global_scale")
+CODES = ("dense", "int", "e4m3", "e2m1")
+PACKED_DIMS = ("none", "in", "out")
+SCALES = ("none", "tensor", "channel", "group", "block")
+SCALE_CODES = ("float", "e4m3", "e8m0")
+GLOBAL_SCALES = ("none", "divide", "multiply")
+# AWQ: column j (0..7) of an 8-column word sits in nibble AWQ_POSITION[j] (``formats.awq``)
+AWQ_POSITION = (0, 4, 1, 5, 2, 6, 3, 7)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class WeightPacking:
+    """The packed encoding of one expert projection ``W [N, K]`` (module docstring)."""
+
+    out_features: int
+    in_features: int
+    dense_dtype: torch.dtype  # what the format's dequantize returns
+    tensors: tuple[tuple[str, TensorSpec], ...]  # (role, packed spec of one expert's row)
+    codes: str = "dense"
+    bits: int = 0  # bits of one packed field; 0: one value per stored element
+    packed_dim: str = "none"
+    transposed: bool = False
+    interleaved: bool = False
+    value_offset: int = 0
+    scale: str = "none"
+    scale_codes: str = "float"
+    group_size: int = 0  # input columns per scale; 0: one group spanning K
+    block_rows: int = 1  # output rows per scale, inside one source
+    source_rows: int = 0  # output rows per checkpoint source (gate, up); 0: N
+    zero_offset: int = 0  # added to a stored zero point (GPTQ v1 stores z - 1), mod 2**bits
+    global_scale: str = "none"
+    mul_dtype: torch.dtype = torch.float32
+    round_dtype: torch.dtype | None = None
+    roles: dict = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for what, value, choices in (("codes", self.codes, CODES), ("packed_dim", self.packed_dim, PACKED_DIMS),
+                                     ("scale", self.scale, SCALES), ("scale_codes", self.scale_codes, SCALE_CODES),
+                                     ("global_scale", self.global_scale, GLOBAL_SCALES)):
+            if value not in choices:
+                raise ValueError(f"WeightPacking {what}={value!r}: choose one of {list(choices)}")
+        roles = dict(self.tensors)
+        unknown = set(roles) - set(ROLES)
+        if unknown or "weight" not in roles:
+            raise ValueError(f"WeightPacking roles {sorted(roles)}: need 'weight', each one of {list(ROLES)}")
+        if (self.scale == "none") != ("scale" not in roles) or (self.global_scale == "none") != ("global_scale" not in roles):
+            raise ValueError(f"WeightPacking scale={self.scale!r} global_scale={self.global_scale!r} disagree "
+                             f"with the roles {sorted(roles)}")
+        if self.packed_dim != "none" and self.bits not in (4, 8):
+            raise ValueError(f"WeightPacking packed along {self.packed_dim!r} with bits={self.bits}: only 4 and 8")
+        for dtype in (self.dense_dtype, self.mul_dtype) + ((self.round_dtype,) if self.round_dtype else ()):
+            if dtype not in FLOAT_DTYPES:
+                raise ValueError(f"WeightPacking dtype {dtype}: choose one of {list(FLOAT_DTYPES)}")
+        object.__setattr__(self, "roles", roles)
+        if not self.source_rows:
+            object.__setattr__(self, "source_rows", self.out_features)
+
+    def spec(self, role: str) -> TensorSpec | None:
+        """The packed spec of ``role`` (None: this packing has no such tensor)."""
+        return self.roles.get(role)
+
+    @property
+    def per_word(self) -> int:
+        """Values per stored element of the weight row (8 int4 per int32, 2 e2m1 per byte)."""
+        if self.packed_dim == "none":
+            return 1
+        return torch.empty((), dtype=self.roles["weight"].dtype).element_size() * 8 // self.bits
+
+    @property
+    def sources(self) -> int:
+        return self.out_features // self.source_rows
+
+    @property
+    def expert_bytes(self) -> int:
+        """Packed bytes of one expert's row of every role: what a kernel reads per routed expert."""
+        return sum(spec.row_bytes for spec in self.roles.values())
+
+    def row_strides(self, role: str) -> tuple[int, int]:
+        """(elements per output index, elements per input index) of ``role``'s row, from its
+        spec's shape and ``transposed``: the weight's [N, K/pw] / [K/pw, N] (an index along the
+        packed dim counts words), scale and zero [n, g] / [g, n], a 1-D row (per-tensor scales,
+        g_idx) (1, 0)."""
+        shape = self.roles[role].shape
+        if len(shape) == 1:
+            return (1, 0)
+        inner = shape[-1] if len(shape) == 2 else shape[-2] * shape[-1]  # gpt-oss blocks [N, K/32, 16]
+        return (1, inner) if self.transposed else (inner, 1)
+
+
+def dense_packing(tensor: "QuantizedTensor", *, transposed: bool) -> WeightPacking:
+    """An unquantized weight: the dense spec itself, [N, K] (or [K, N] when ``transposed``)."""
+    rows, cols = tensor.dense.shape
+    n, k = (cols, rows) if transposed else (rows, cols)
+    return WeightPacking(n, k, tensor.dense.dtype, (("weight", tensor.packed[0]),), transposed=transposed,
+                         mul_dtype=tensor.dense.dtype)
+
+
+def float8_packing(tensor: "QuantizedTensor", *, scale: TensorSpec, strategy: str, sources: int,
+                   block: tuple[int, int] | None = None, codes: str = "e4m3", mul_dtype=torch.float32) -> WeightPacking:
+    """An 8-bit weight [N, K] (float8_e4m3fn or int8, one value per byte) with a per-``strategy``
+    scale (tensor: one per source; channel: [N, 1]; block: [sources * ceil(O / bm), ceil(K / bn)])."""
+    n, k = tensor.dense.shape
+    weight = next(p for p in tensor.packed if p.name == tensor.dense.name)
+    source_rows = n // sources
+    block_rows = {"tensor": source_rows, "channel": 1, "block": block[0] if block else 1}[strategy]
+    return WeightPacking(n, k, tensor.dense.dtype, (("weight", weight), ("scale", scale)), codes=codes,
+                         bits=0, scale=strategy, group_size=block[1] if strategy == "block" else 0,
+                         block_rows=block_rows, source_rows=source_rows, mul_dtype=mul_dtype)
+
+
+def int_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorSpec, bits: int, packed_dim: str,
+                sources: int, group_size: int, zero: TensorSpec | None = None, g_idx: TensorSpec | None = None,
+                transposed: bool = False, interleaved: bool = False, zero_offset: int = 0,
+                mul_dtype: torch.dtype | None = None) -> WeightPacking:
+    """An int weight packed in int32 words (GPTQ, AWQ, compressed-tensors pack-quantized):
+    symmetric (value offset 2**(bits-1)) without a ``zero`` spec, zero points otherwise."""
+    n, k = tensor.dense.shape
+    roles = [("weight", weight), ("scale", scale)]
+    roles += [("zero", zero)] if zero is not None else []
+    roles += [("g_idx", g_idx)] if g_idx is not None else []
+    return WeightPacking(n, k, tensor.dense.dtype, tuple(roles), codes="int", bits=bits, packed_dim=packed_dim,
+                         transposed=transposed, interleaved=interleaved,
+                         value_offset=0 if zero is not None else 1 << (bits - 1), scale="group",
+                         group_size=0 if group_size >= k else group_size, source_rows=n // sources,
+                         zero_offset=zero_offset, mul_dtype=mul_dtype or scale.dtype)
+
+
+def fp4_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorSpec, scale_codes: str, group_size: int,
+                sources: int, global_scale: TensorSpec | None = None, global_op: str = "none",
+                round_dtype: torch.dtype | None = None, mul_dtype=torch.float32, n: int | None = None,
+                k: int | None = None) -> WeightPacking:
+    """e2m1 codes, two per byte, low nibble first, along the input dim ([N, K/2]), with a group
+    scale (e4m3 per 16 or E8M0 per 32) and optionally a per-source global scale."""
+    n, k = (n, k) if n is not None else tensor.dense.shape
+    roles = [("weight", weight), ("scale", scale)] + ([("global_scale", global_scale)] if global_scale else [])
+    return WeightPacking(n, k, tensor.dense.dtype, tuple(roles), codes="e2m1", bits=4, packed_dim="in",
+                         scale="group", scale_codes=scale_codes, group_size=group_size, source_rows=n // sources,
+                         global_scale=global_op, mul_dtype=mul_dtype, round_dtype=round_dtype)
+
+
+def derived_block(weight_shape: tuple[int, int], scale_shape: tuple[int, int]) -> tuple[int, int]:
+    """The block (bm, bn) a scale grid implies, as transformers' block FP8 dequantization
+    derives it (``rows // scale_rows``).
+
+    Raises:
+        ValueError: the weight shape is not a multiple of the grid (as transformers)."""
+    (rows, cols), (sr, sc) = weight_shape, scale_shape
+    if rows % sr or cols % sc:
+        raise ValueError(f"Weight shape ({rows}, {cols}) not divisible by scale grid ({sr}, {sc}).")
+    return rows // sr, cols // sc
+
+
+def g_idx_is_trivial(g_idx: torch.Tensor, *, in_features: int, group_size: int) -> bool:
+    """True when every source's g_idx rows [n, sources * K] are ``k // group_size``: what a
+    packing without a ``g_idx`` role assumes (GPTQ without desc_act). Meant to be called where
+    rows enter the store (one read per expert at load, never per step)."""
+    want = (torch.arange(in_features, device=g_idx.device) // group_size).to(g_idx.dtype)
+    return bool((g_idx.reshape(-1, in_features) == want).all())
+
+
+def scale_rows_per_source(packing: WeightPacking) -> int:
+    """Scale rows of one source: ceil(source_rows / block_rows)."""
+    return ceil_div(packing.source_rows, packing.block_rows)

@@ -1,0 +1,391 @@
+"""The fused MoE experts step over packed rows: align, gate-up GEMM, activation, down GEMM, combine.
+
+Owns the launchers of the fused kernels (``fused_moe_kernel``) and what they read:
+``ProjectionRows`` (one projection's ``WeightPacking`` and, per packed role, ``RoleRows``: a
+base tensor and an int64 offset per row, so row r of every packed tensor is found wherever it
+lives), ``FusedBlocks`` (the tile sizes, a function of the step's entry count and the packing
+only, never of K or E, so a step computes the same bits whatever rows hold its experts),
+``KernelTarget`` (interpreter or a GPU arch: what the kernels emulate), and ``fused_experts``,
+the whole step. Does not: decide residency, page in or remap expert ids to rows (the caller
+passes row ids), or know a format's class.
+
+Row addressing. A row id indexes every offset table of a step. The integration builds the
+tables once: ``ProjectionRows.from_tables`` over the K slot tensors (a routed expert in slot s
+has row id s), ``join``-ed with the host store's rows (device-mapped page-locked memory on CUDA,
+whose device address equals the host one under UVA: the row id of expert e held by no slot is
+K + e), so that a step reads every routed expert in place, one launch per projection, whatever
+its batch size. The kernel adds the offset to a pointer argument rather than casting a loaded
+address to a pointer: only then does Triton know the row's alignment and vectorise its loads
+(measured in the PTX: 16-byte ``ld.global.v4`` instead of 2-byte loads for bfloat16 rows).
+
+Activation. The gate-up GEMM writes the [S, 2I] intermediate in entry order; the experts
+module's own ``_apply_gate`` / ``act_fn`` (``activation``) turns it into [S, I]: every family's
+quirk (Qwen's SiLU-and-mul, gpt-oss's clamped SwiGLU over interleaved gate/up) is then the
+model's own code, in torch ops that a CUDA graph captures. Fusing it into the GEMM would save
+one [S, 2I] write and read (at decode 2 x S x 2I x 2 bytes, about 49 KB at Qwen3-30B-A3B's
+S = 8: noise next to the weights' 9 MB) at the cost of a second copy of every family's gate.
+
+No host sync: every shape is fixed by (T, k, R, the packings); counts stay on the device;
+constants are constexprs or the address tables (built once).
+
+Legend: T tokens, H hidden, k top_k, S = T k entries, R addressable rows, N / K a projection's
+output / input features, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from pagedexperts.formats.packing import WeightPacking, scale_rows_per_source
+from pagedexperts.paging.kernels._triton import check_backend, tl, triton
+from pagedexperts.paging.kernels.fused_align import Alignment, align_reference, align_triton
+from pagedexperts.paging.kernels.fused_moe_kernel import (CODES, GLOBAL_SCALES, PACKED_DIMS, SCALE_CODES,
+                                                          dequantize_kernel, fused_moe_gemm_kernel)
+
+ALIGN_BACKENDS = {"triton": align_triton, "torch": align_reference}
+
+
+def _tl_dtype(dtype: torch.dtype):
+    """The Triton type of a float dtype a packing computes in (dense, multiply, round).
+
+    Raises:
+        ValueError: not float32, float16 or bfloat16."""
+    table = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+    if dtype not in table:
+        raise ValueError(f"fused kernels compute in no {dtype}; supported: {list(table)}")
+    return table[dtype]
+
+
+def row_offsets(rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """int64 [R] on ``base``'s device: where each row ``rows[r]`` of a [R, ...] tensor starts,
+    in elements from ``base``'s first element (``base``: a tensor of the same dtype; the two may
+    be different allocations, e.g. the slots and the device-mapped host store). Built once.
+
+    Raises:
+        ValueError: a row is not contiguous, the dtypes differ, or the distance between the two
+            allocations is not a whole number of elements."""
+    size = rows.element_size()
+    distance = rows.data_ptr() - base.data_ptr()
+    if rows.dtype != base.dtype or distance % size or not rows[0].is_contiguous():
+        raise ValueError(f"row offsets need contiguous {base.dtype} rows element-aligned with the base; got "
+                         f"{rows.dtype}, strides {rows.stride()}, distance {distance} bytes")
+    return distance // size + torch.arange(rows.shape[0], dtype=torch.int64, device=base.device) * rows.stride(0)
+
+
+def _alignment(rows: torch.Tensor) -> int:
+    """Elements every row start of ``rows`` is aligned to: the largest power of two <= 16 bytes
+    dividing the allocation's address and the row stride, in elements (at least 1)."""
+    size = rows.element_size()
+    align = 16
+    while align > size and (rows.data_ptr() % align or (rows.stride(0) * size) % align):
+        align //= 2
+    return max(align // size, 1)
+
+
+@dataclass(frozen=True)
+class RoleRows:
+    """One packed role's rows: ``base`` (a tensor the kernel gets as a pointer), ``offsets``
+    int64 [R] (row r starts at ``base + offsets[r]`` elements) and ``align`` (elements every
+    offset is a multiple of; a hint for vectorised loads)."""
+
+    base: torch.Tensor
+    offsets: torch.Tensor
+    align: int
+
+    @classmethod
+    def of(cls, table: torch.Tensor) -> "RoleRows":
+        """The rows of one [R, ...] table (float8 tables are read as bytes)."""
+        table = table.view(torch.uint8) if table.dtype == torch.float8_e4m3fn else table
+        return cls(table, row_offsets(table, table), _alignment(table))
+
+    def join(self, other: "RoleRows") -> "RoleRows":
+        """These rows then ``other``'s, all counted from this base.
+
+        Raises:
+            ValueError: other dtype, or allocations not a whole number of elements apart."""
+        size, distance = self.base.element_size(), other.base.data_ptr() - self.base.data_ptr()
+        if other.base.dtype != self.base.dtype or distance % size:
+            raise ValueError(f"cannot join {other.base.dtype} rows {distance} bytes away to {self.base.dtype} rows")
+        offsets = torch.cat([self.offsets, other.offsets.to(self.offsets.device) + distance // size])
+        return RoleRows(self.base, offsets, math.gcd(self.align, other.align))
+
+
+@dataclass(frozen=True)
+class ProjectionRows:
+    """One projection's packed rows as the GEMM reads them: ``roles`` role -> ``RoleRows``
+    (every role of ``packing``), ``bias`` the [N] bias rows (or None). ``keepalive``: the
+    tensors the offsets point into."""
+
+    packing: WeightPacking
+    roles: Mapping[str, RoleRows]
+    bias: RoleRows | None = None
+    keepalive: tuple = field(default=(), repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return self.roles["weight"].offsets.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.roles["weight"].offsets.device
+
+    @classmethod
+    def from_tables(cls, packing: WeightPacking, tables: Mapping[str, torch.Tensor],
+                    bias: torch.Tensor | None = None) -> "ProjectionRows":
+        """Rows of the [R, ...] tensors ``tables`` (packed name -> tensor: the K slot tensors, or
+        the host store's [E, ...]); ``bias`` [R, N] (gpt-oss) or None.
+
+        Raises:
+            ValueError: a table missing, or not [R, *spec.shape] of the spec's dtype (names it)."""
+        roles, kept = {}, []
+        for role, spec in packing.tensors:
+            table = tables.get(spec.name)
+            if table is None or tuple(table.shape[1:]) != spec.shape or table.dtype != spec.dtype:
+                got = None if table is None else (tuple(table.shape), table.dtype)
+                raise ValueError(f"{spec.name} ({role}): want [R, *{spec.shape}] {spec.dtype}, got {got}")
+            roles[role] = RoleRows.of(table)
+            kept.append(table)
+        if bias is not None and tuple(bias.shape[1:]) != (packing.out_features,):
+            raise ValueError(f"bias rows must be [R, {packing.out_features}], got {tuple(bias.shape)}")
+        return cls(packing, roles, None if bias is None else RoleRows.of(bias),
+                   tuple(kept) + ((bias,) if bias is not None else ()))
+
+    def join(self, other: "ProjectionRows") -> "ProjectionRows":
+        """Rows of ``self`` then of ``other`` (row id R_self + r is ``other``'s row r): slot rows
+        joined with host rows. Offsets end on ``self``'s device (one copy, at set-up).
+
+        Raises:
+            ValueError: the packings or bias presence differ."""
+        if other.packing != self.packing or (other.bias is None) != (self.bias is None):
+            raise ValueError("join needs rows of one packing, with or without bias alike")
+        roles = {role: rows.join(other.roles[role]) for role, rows in self.roles.items()}
+        bias = None if self.bias is None else self.bias.join(other.bias)
+        return ProjectionRows(self.packing, roles, bias, self.keepalive + other.keepalive)
+
+
+@dataclass(frozen=True)
+class FusedBlocks:
+    """Tile sizes of one GEMM and its launch options."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def block_m_for(num_entries: int) -> int:
+    """BLOCK_M of a step with S entries: 16 for decode-sized steps, 64 for prefill (S >= 1024)."""
+    return 16 if num_entries < 1024 else 64
+
+
+def choose_blocks(num_entries: int, packing: WeightPacking) -> FusedBlocks:
+    """The tiles for S entries of ``packing``: BLOCK_K 64, or a group size of 32 so that a
+    tile reads one scale per column."""
+    block_k = packing.group_size if 32 <= packing.group_size < 64 else 64
+    return FusedBlocks(block_m=block_m_for(num_entries), block_k=block_k)
+
+
+@dataclass(frozen=True)
+class KernelTarget:
+    """What the kernels run on: the interpreter (``arch`` 0: emulated bfloat16 rounding,
+    float32 dot operands) or a CUDA arch (80, 89, 90: e4m3 decoded natively from 89 on)."""
+
+    arch: int = 0
+
+    @classmethod
+    def of(cls, device) -> "KernelTarget":
+        """The target for tensors on ``device``.
+
+        Raises:
+            ValueError: triton missing, or a CPU device without ``TRITON_INTERPRET=1`` at import
+                (``check_backend``'s message)."""
+        device = torch.device(device)
+        check_backend("triton", device)
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            return cls(10 * major + minor)
+        return cls(0)
+
+    def constexprs(self, packing: WeightPacking) -> dict:
+        """The dtype and emulation constexprs of ``packing`` on this target."""
+        dense = _tl_dtype(packing.dense_dtype)
+        dot = tl.float32 if self.arch == 0 else dense
+        return dict(MUL_DT=_tl_dtype(packing.mul_dtype), ROUND_DT=_tl_dtype(packing.round_dtype or packing.dense_dtype),
+                    DENSE_DT=dense, DOT_DT=dot, EMULATE_BF16=self.arch == 0, FP8_NATIVE=self.arch >= 89)
+
+
+def packing_args(packing: WeightPacking) -> tuple[dict, dict]:
+    """(runtime ints, constexprs) that describe ``packing`` to the kernels."""
+    scale, zero = packing.spec("scale"), packing.spec("zero")
+    bits = packing.bits or 8
+    ints = dict(source_rows=packing.source_rows, scale_rows_per_source=scale_rows_per_source(packing),
+                zero_words_per_source=-(-packing.source_rows // (32 // bits)))
+    for prefix, role in (("w", "weight"), ("s", "scale"), ("z", "zero")):
+        ints[f"{prefix}_stride_n"], ints[f"{prefix}_stride_k"] = packing.row_strides(role) if packing.spec(role) else (0, 0)
+    constexprs = dict(
+        CODES=CODES[packing.codes], PACKED=PACKED_DIMS[packing.packed_dim], PER_WORD=packing.per_word, BITS=bits,
+        INTERLEAVED=packing.interleaved, VALUE_OFFSET=packing.value_offset, HAS_SCALE=scale is not None,
+        SCALE_CODES=SCALE_CODES[packing.scale_codes], GROUP_K=packing.group_size, BLOCK_ROWS=packing.block_rows,
+        HAS_ZERO=zero is not None, ZERO_OFFSET=packing.zero_offset, G_IDX=packing.spec("g_idx") is not None,
+        GLOBAL=GLOBAL_SCALES[packing.global_scale])
+    return ints, constexprs
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: grid, arguments by name (tensors and ints), constexprs, options."""
+
+    grid: tuple[int, ...]
+    args: dict
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+
+def _tables(rows: ProjectionRows) -> tuple[dict, dict]:
+    """(base and offset arguments of every role, their alignment constexprs); a role the packing
+    lacks gets the weight's (never read)."""
+    weight = rows.roles["weight"]
+    args = {}
+    for prefix, role in (("w", "weight"), ("s", "scale"), ("z", "zero"), ("g", "g_idx"), ("gs", "global_scale")):
+        r = rows.roles.get(role, weight)
+        args[f"{prefix}_base"], args[f"{prefix}_off"] = r.base, r.offsets
+    aligns = {f"{p}_ALIGN": rows.roles[role].align if role in rows.roles else 1
+              for p, role in (("W", "weight"), ("S", "scale"), ("Z", "zero"))}
+    return args, aligns
+
+
+def gemm_launch(a: torch.Tensor, c: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
+                blocks: FusedBlocks, target: KernelTarget) -> Launch:
+    """The GEMM launch computing ``c`` [S, N] from ``a`` rows (entry s reads ``a[s // a_row_div]``)."""
+    packing = rows.packing
+    ints, constexprs = packing_args(packing)
+    tables, aligns = _tables(rows)
+    bias = rows.bias or rows.roles["weight"]
+    args = dict(a_ptr=a, c_ptr=c, **tables, b_base=bias.base, b_off=bias.offsets,
+                sorted_entry_ptr=alignment.sorted_entry, block_row_ptr=alignment.block_row,
+                num_padded_ptr=alignment.num_padded, N=packing.out_features, Kdim=packing.in_features,
+                num_entries=alignment.num_entries, a_row_div=a_row_div, stride_am=a.stride(0), stride_cm=c.stride(0))
+    args.update(ints)
+    dot_fp32 = target.constexprs(packing)["DOT_DT"] == tl.float32
+    constexprs.update(target.constexprs(packing), **aligns, HAS_BIAS=rows.bias is not None,
+                      DOT_PRECISION="ieee" if dot_fp32 else None,
+                      BLOCK_M=alignment.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k)
+    grid = (alignment.max_blocks, triton.cdiv(packing.out_features, blocks.block_n))
+    return Launch(grid, args, constexprs, blocks.num_warps, blocks.num_stages)
+
+
+def projection_gemm(a: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
+                    blocks: FusedBlocks | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, N] in the packing's dense dtype, rows by entry: ``C[s] = a[s // a_row_div] @ W_row(s)^T
+    (+ bias)``; rows of entries left out of ``alignment`` are not written.
+
+    ``a`` [M, K] with unit stride along K. Raises ValueError: K differs from the packing's."""
+    packing = rows.packing
+    if a.dim() != 2 or a.shape[1] != packing.in_features:
+        raise ValueError(f"GEMM input {tuple(a.shape)} does not match the weight's in_features {packing.in_features}")
+    a = a if a.stride(1) == 1 else a.contiguous()
+    blocks = blocks or FusedBlocks(block_m=alignment.block_m, block_k=choose_blocks(alignment.num_entries, packing).block_k)
+    c = out if out is not None else torch.empty((alignment.num_entries, packing.out_features),
+                                                dtype=packing.dense_dtype, device=a.device)
+    launch = gemm_launch(a, c, rows, alignment, a_row_div=a_row_div, blocks=blocks, target=KernelTarget.of(a.device))
+    fused_moe_gemm_kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps,
+                                       num_stages=launch.num_stages)
+    return c
+
+
+def dequantize_launch(out: torch.Tensor, rows: ProjectionRows, row_ids: torch.Tensor, *, target: KernelTarget,
+                      block_n: int = 64, block_k: int = 64) -> Launch:
+    """The launch writing ``out`` [n, N, K] (dense dtype) from the rows ``row_ids`` [n] lists."""
+    packing = rows.packing
+    ints, constexprs = packing_args(packing)
+    tables, aligns = _tables(rows)
+    args = dict(out_ptr=out, rows_ptr=row_ids, **tables, N=packing.out_features, Kdim=packing.in_features, **ints)
+    constexprs.update(target.constexprs(packing), **aligns, BLOCK_N=block_n, BLOCK_K=block_k)
+    grid = (row_ids.shape[0], triton.cdiv(packing.out_features, block_n), triton.cdiv(packing.in_features, block_k))
+    return Launch(grid, args, constexprs, 4, 1)
+
+
+def dequantize_rows(rows: ProjectionRows, row_ids: torch.Tensor) -> torch.Tensor:
+    """W of the rows ``row_ids`` [n] (int64, on the tables' device): [n, N, K] in the packing's
+    dense dtype, element for element what the format's ``dequantize`` computes (nn.Linear's
+    [N, K] orientation whatever the module's)."""
+    packing = rows.packing
+    out = torch.empty((row_ids.shape[0], packing.out_features, packing.in_features), dtype=packing.dense_dtype,
+                      device=row_ids.device)
+    launch = dequantize_launch(out, rows, row_ids, target=KernelTarget.of(row_ids.device))
+    dequantize_kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps)
+    return out
+
+
+def combine(entry_out: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in ``dtype``: sum over k of entry outputs [S, H] times their routing weights, as
+    transformers' ``grouped_mm`` ends (``(out * w).view(T, k, H).sum(1)``); entries whose row id
+    is negative add nothing."""
+    num_tokens, top_k = row_ids.shape
+    weighted = entry_out.view(num_tokens, top_k, -1) * routing_weights.unsqueeze(-1)
+    weighted = weighted.masked_fill((row_ids < 0).unsqueeze(-1), 0)
+    return weighted.sum(dim=1).to(dtype)
+
+
+def _check_step(hidden, row_ids, routing_weights: torch.Tensor | None, gate_up: ProjectionRows,
+                down: ProjectionRows) -> None:
+    """Raises ValueError naming the first mismatch of shapes, rows or devices."""
+    if hidden.dim() != 2 or row_ids.dim() != 2 or row_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"want hidden [T, H] and row ids [T, k]; got {tuple(hidden.shape)} and {tuple(row_ids.shape)}")
+    if routing_weights is not None and routing_weights.shape != row_ids.shape:
+        raise ValueError(f"routing weights {tuple(routing_weights.shape)} differ from row ids {tuple(row_ids.shape)}")
+    if gate_up.packing.in_features != hidden.shape[1] or down.packing.out_features != hidden.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[1]}: gate_up reads {gate_up.packing.in_features}, "
+                         f"down writes {down.packing.out_features}")
+    if gate_up.num_rows != down.num_rows:
+        raise ValueError(f"gate_up has {gate_up.num_rows} rows, down {down.num_rows}: one row id must address both")
+    if gate_up.device != hidden.device or down.device != hidden.device:
+        raise ValueError(f"row offsets on {gate_up.device} / {down.device}, hidden on {hidden.device}")
+
+
+def fused_entries(hidden: torch.Tensor, row_ids: torch.Tensor, gate_up: ProjectionRows, down: ProjectionRows, *,
+                  activation: Callable[[torch.Tensor], torch.Tensor],
+                  post_expert: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  align_backend: str = "triton") -> torch.Tensor:
+    """The unweighted output of every entry: [S, H] in the down packing's dense dtype, flat
+    entry s = t * k + j; rows of entries whose row id is negative are not written (whatever
+    the buffer held). The stages and arguments of ``fused_experts`` but the combine; a paged
+    step runs it once per wave (entries of other waves given row id -1).
+
+    Raises:
+        ValueError: as ``fused_experts``."""
+    _check_step(hidden, row_ids, None, gate_up, down)
+    if align_backend not in ALIGN_BACKENDS:
+        raise ValueError(f"unknown align backend {align_backend!r}; choose one of {list(ALIGN_BACKENDS)}")
+    num_entries = row_ids.numel()
+    alignment = ALIGN_BACKENDS[align_backend](row_ids, gate_up.num_rows, block_m_for(num_entries))
+    up = projection_gemm(hidden, gate_up, alignment, a_row_div=row_ids.shape[1])
+    out = projection_gemm(activation(up), down, alignment, a_row_div=1)
+    return out if post_expert is None else post_expert(out)
+
+
+def fused_experts(hidden: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, gate_up: ProjectionRows,
+                  down: ProjectionRows, *, activation: Callable[[torch.Tensor], torch.Tensor],
+                  post_expert: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  align_backend: str = "triton") -> torch.Tensor:
+    """The routed experts of one step -> [T, H] in hidden's dtype.
+
+    hidden [T, H]; row_ids [T, k] int64 (row of each entry in the address tables; -1: not
+    computed here); routing_weights [T, k]; ``activation``: the experts module's gate ([S, 2I]
+    -> [S, I], ``waves.activate``); ``post_expert``: its optional post-expert norm. Stages:
+    align by row (``align_backend``: "triton" or "torch"), gate-up GEMM (+ bias), activation,
+    down GEMM (+ bias) (``fused_entries``), ``combine``. No host sync (module docstring).
+
+    Raises:
+        ValueError: shapes, rows or devices that do not fit (``_check_step``), an unknown
+            align backend, or a CPU device without ``TRITON_INTERPRET=1``."""
+    _check_step(hidden, row_ids, routing_weights, gate_up, down)
+    out = fused_entries(hidden, row_ids, gate_up, down, activation=activation, post_expert=post_expert,
+                        align_backend=align_backend)
+    return combine(out, row_ids, routing_weights, hidden.dtype)
