@@ -203,11 +203,11 @@ def test_check_passes_in_the_checkpoints_own_dtype(name, capsys):
 @pytest.mark.default_threads
 def test_check_llm_compressor_export_float16_scales_under_bfloat16(capsys):
     """AutoRound's llm_compressor export stores the experts' scales in float16 under a bfloat16
-    config: the library reference keeps those experts in float16 (not rounded through bfloat16),
-    so it equals transformers' loading and paging is exact against it."""
+    config: the library reference keeps those experts in float16 (not rounded through bfloat16:
+    that FAILed by 0.0078), and paging is exact against it."""
     from pagedexperts.cli import main
 
     name = "autoround/qwen3_moe-llm_compressor"
     rc = main(["check", "--model-path", str(DATA / name), "--check-resident", str(TOP_K), "--max-new-tokens", "3"])
     out = capsys.readouterr().out
-    assert rc == 0 and "verdict: PASS" in out and "equal compressed-tensors's" in out, out
+    assert rc == 0 and "verdict: PASS: paging is exact on this checkpoint (against compressed-tensors)" in out, out
