@@ -54,7 +54,7 @@ def test_inner_problem_is_the_one_check_for_both_paths():
     assert "--decide device" in device_eager and "grouped_mm or batched_mm" in device_eager
     assert "--decide host" in device_eager
     unknown = inner_problem("sonic", decide="device")
-    assert "'sonic'" in unknown and "['grouped_mm', 'batched_mm', 'eager']" in unknown
+    assert "'sonic'" in unknown and "['grouped_mm', 'batched_mm', 'eager', 'fused']" in unknown
     assert "--experts-implementation" in unknown
     with pytest.raises(ValueError, match="'gpu'.*host.*device"):
         inner_problem("grouped_mm", decide="gpu")
@@ -74,8 +74,8 @@ def test_a_runner_checks_its_inner_when_it_is_set():
 
 def test_host_and_device_steps_share_one_run_wave_signature():
     want = inspect.signature(StepEntries.run_wave)
-    steps = [k.host for k in INNER_KERNELS.values()] + [k.device for k in INNER_KERNELS.values() if k.device]
-    assert len(steps) == 5
+    steps = [k.host for k in INNER_KERNELS.values() if k.host] + [k.device for k in INNER_KERNELS.values() if k.device]
+    assert len(steps) == 6  # host: grouped_mm, batched_mm, eager; device: grouped_mm, batched_mm, fused
     for step in steps:
         assert issubclass(step, StepEntries)
         assert list(inspect.signature(step.run_wave).parameters) == list(want.parameters), step.__name__
