@@ -2,8 +2,9 @@
 
 Written from the published reference code, as loops over words, not from the library:
 - GPTQ: GPTQModel ``PackableQuantLinear.pack`` (AutoGPTQ ``QuantLinear.pack`` before it):
-  ``qweight[i // 8, o] |= q[i, o] << 4 * (i % 8)``; ``qzeros[g, o // 8] |= (z[g, o] - 1) <<
-  4 * (o % 8)`` for checkpoint_format "gptq" (v1); ``W[o, i] = scales[g_idx[i], o] * (q[i, o] -
+  ``qweight[i // 8, o] |= q[i, o] << 4 * (i % 8)``; ``qzeros[g, o // 8] |= z[g, o] << 4 * (o % 8)``,
+  then for checkpoint_format "gptq" (v1) ``qzeros -= 0x11111111`` per 32-bit word, borrows included
+  (GPTQModel ``utils/model.py`` ``convert_gptq_v2_to_v1_format_module``); ``W[o, i] = scales[g_idx[i], o] * (q[i, o] -
   z[g_idx[i], o])``.
 - AWQ: AutoAWQ ``WQLinear_GEMM.from_linear``: ``qweight[i, c] |= q[i, 8c + order[p]] << 4p``
   with ``order = [0, 2, 4, 6, 1, 3, 5, 7]``, qzeros the same without offset; ``W[o, i] =
@@ -77,12 +78,14 @@ def pack_gptq(w: Int4Weight, *, v1: bool = True) -> dict[str, torch.Tensor]:
         for j in range(8):
             for o in range(out_features):
                 qweight[row][o] |= q[row * 8 + j][o] << (4 * j)
-    zeros = (w.z - 1 if v1 else w.z).tolist()
+    zeros = w.z.tolist()
     qzeros = [[0] * (out_features // 8) for _ in range(len(zeros))]
     for g, zrow in enumerate(zeros):
         for col in range(out_features // 8):
             for j in range(8):
                 qzeros[g][col] |= (zrow[col * 8 + j] & 0xF) << (4 * j)
+            if v1:  # GPTQModel's v2 -> v1 save: minus 1 in every nibble as ONE word subtraction (borrows included)
+                qzeros[g][col] = (qzeros[g][col] - 0x11111111) & 0xFFFFFFFF
     return {"qweight": _to_int32(qweight), "qzeros": _to_int32(qzeros), "scales": w.scales.clone(),
             "g_idx": w.g_idx.clone()}
 

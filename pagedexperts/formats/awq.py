@@ -11,7 +11,11 @@ On-disk layout (AutoAWQ ``awq/modules/linear/gemm.py`` ``WQLinear_GEMM.from_line
 - ``qweight`` int32 [I, O / 8], packed along the OUTPUT dim in AWQ's interleaved order: the
   nibble at bits ``4 * p`` of word [i, c] holds column ``8 * c + AWQ_ORDER[p]``, with
   ``AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]``;
-- ``qzeros`` int32 [G, O / 8], the same packing (zero points stored as is, no offset);
+- ``qzeros`` int32 [G, O / 8], the same packing (zero points stored as is, no offset); a
+  symmetric checkpoint (``zero_point: false``: AutoRound's ``auto_awq`` export, GPTQModel's AWQ
+  with sym) stores them too, every value 8 (AutoRound 0.16 ``export_to_awq/utils.py``
+  ``WQLinear_GEMM.from_linear`` packs the scalar zero point), and GPTQModel 7.7's
+  ``dequantize_gemm`` subtracts them like any other;
 - ``scales`` float16 [G, O].
 
 Dequantize: ``W^T[i, o] = (q[i, o] - z[i // g, o]) * scales[i // g, o]`` in float16 (exact
@@ -62,11 +66,12 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     z = unpack_awq(qzeros, shifts).repeat_interleave(group_size, dim=-2)  # [n, I, O]
     s = scales.repeat_interleave(group_size, dim=-2)
     w = (q - z).to(scales.dtype) * s
-    return w.transpose(-1, -2).to(dtype)
+    return w.transpose(-1, -2).to(dtype).contiguous()  # the layout the experts kernel and nn.Linear receive
 
 
 class AwqFormat(ExpertFormat):
-    """AWQ int4 GEMM-packed experts with zero points, any group size dividing I."""
+    """AWQ int4 GEMM-packed experts, asymmetric or symmetric (stored zero points), any group
+    size dividing I."""
 
     name = "awq"
     serialized_names = {"weight": ("qweight", "qzeros", "scales")}
@@ -84,15 +89,15 @@ class AwqFormat(ExpertFormat):
         """Bind the group size (``group_size`` or AutoAWQ's ``q_group_size``).
 
         Raises:
-            ValueError: bits other than 4, zero_point false, a version other than the GEMM
-                packing (e.g. gemv), or a group size that is not a positive int.
+            ValueError: bits other than 4, a version other than the GEMM packing (e.g. gemv),
+                or a group size that is not a positive int. ``zero_point: false`` (symmetric
+                AWQ, GPTQModel's and AutoRound's default) reads as any other: the checkpoint
+                still stores ``qzeros`` (every value 8) and ``dequantize_gemm`` subtracts them.
         """
         qc = quantization_config or {}
         bits = qc.get("bits", qc.get("w_bit"))
         if bits != 4:
             raise ValueError(f"awq checkpoint with bits={bits!r}: only 4 is supported")
-        if not qc.get("zero_point", True):
-            raise ValueError("awq checkpoint with zero_point=false: only zero-point AWQ is supported")
         version = str(qc.get("version", "gemm")).lower()
         if version not in GEMM_VERSIONS:
             raise ValueError(f"awq checkpoint with version={version!r}: only the GEMM packing {GEMM_VERSIONS} is supported")

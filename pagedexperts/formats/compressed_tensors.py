@@ -109,10 +109,28 @@ def dequantize_packed(
 def experts_weights_args(quantization_config: dict) -> dict | None:
     """The ``weights`` args of the config group that quantizes the routed experts, or None.
 
-    Same resolution as transformers' ``integrations.compressed_tensors.get_experts_scheme``:
-    the group whose ``re:`` targets mention experts, else the first group with a class-name
-    target (``Linear``), else the first group.
+    The group compressed-tensors matches to every routed-expert projection
+    (``ct_schemes.dense_schemes``: ``re:`` targets, exact module names, ``Linear``); None when
+    the projections resolve to different groups (``ct_packed`` / ``ct_fp8`` bind those per
+    projection) or to none. A config ``dense_schemes`` refuses falls back to transformers' pick
+    (``transformers_experts_args``), so the refusal names the experts' format.
     """
+    from pagedexperts.formats.ct_schemes import dense_schemes
+
+    try:
+        schemes = list(dense_schemes(quantization_config).values())
+    except ValueError:
+        return transformers_experts_args(quantization_config)
+    if not schemes or any(s != schemes[0] for s in schemes):
+        return None
+    return dict(schemes[0].weights, format=schemes[0].format, input_activations=schemes[0].input_activations)
+
+
+def transformers_experts_args(quantization_config: dict) -> dict | None:
+    """The ``weights`` args of the ONE config group transformers 5.24 applies to every routed
+    expert projection (``integrations.compressed_tensors.get_experts_scheme``): the group whose
+    ``re:`` targets mention experts, else the first group with a non-``re:`` target (a class
+    name such as ``Linear``, or, read as one, a module name), else the first group."""
     groups = list((quantization_config.get("config_groups") or {}).values())
     if not groups:
         return None

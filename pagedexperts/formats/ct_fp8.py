@@ -1,4 +1,5 @@
-"""compressed-tensors ``float-quantized`` FP8 experts (llm-compressor FP8, FP8_DYNAMIC, FP8_BLOCK).
+"""compressed-tensors FP8 experts: ``float-quantized`` / ``naive-quantized`` (llm-compressor FP8,
+FP8_DYNAMIC, FP8_BLOCK; FP8 static per channel) and ``mxfp8-quantized`` (MXFP8, MXFP8A16).
 
 Owns: recognising the format, the per-expert packed specs, and the dequantize of some experts'
 rows. Does not: read files, store, page, or quantize activations (see below).
@@ -10,7 +11,9 @@ weight [O, I]:
 - ``weight`` float8_e4m3fn [O, I] (round-to-nearest of W / scale, clamped to +-448);
 - ``weight_scale`` float32 (or the group's ``scale_dtype``): ``tensor`` strategy [1] (FP8),
   ``channel`` [O, 1] (FP8_DYNAMIC), ``block`` [ceil(O / bm), ceil(I / bn)] (FP8_BLOCK,
-  ``block_structure`` [bm, bn] = [128, 128]; a partial edge block has its own scale);
+  ``block_structure`` [bm, bn] = [128, 128]; a partial edge block has its own scale),
+  ``group`` [O, I / g]; ``mxfp8-quantized`` (``MXFP8QuantizationCompressor``): group 32 with
+  uint8 E8M0 exponents, scale ``2 ** (e - 127)`` (``mx_utils.decompress_mx_scale``);
 - ``input_scale`` float32 [1] with static activations (FP8's ``static_minmax`` observer).
 
 Dequantize, as compressed-tensors' own ``_dequantize`` (``x_q.to(scale.dtype) * scale``, the
@@ -22,6 +25,9 @@ scale broadcast over its tensor / row / block), in the dtype the checkpoint stor
 in float32, rounded once either way) and differ only when such a checkpoint runs at float32,
 where transformers' experts keep the exact product and compressed-tensors' decompression (the
 reference ``check`` then picks) the bfloat16 one.
+MXFP8 (``mxfp8-quantized``): the E8M0 scale (``2 ** (e - 127)``, decoded to bfloat16 as
+``decompress_mx_scale``) is a power of two and an E4M3 value has 4 significant bits, so the
+product is exact in bfloat16 and float32 alike.
 
 Activations. The unpaged reference (transformers' loading, on CPU and on a GPU alike, since
 its FP8 kernel path ``use_optimized_inference`` is opt-in and covers nn.Linear only) stacks the
@@ -52,7 +58,9 @@ from pagedexperts.formats.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, dense_packing, float8_packing
 
 FP8_DTYPE = torch.float8_e4m3fn
-STRATEGIES = ("tensor", "channel", "block")
+STRATEGIES = ("tensor", "channel", "block", "group")
+FORMATS = ("float-quantized", "naive-quantized", "mxfp8-quantized")
+E8M0_BIAS = 127  # mxfp8-quantized scale: 2 ** (uint8 - 127)
 SCALE_SUFFIX = "_scale"  # store name of weight_scale: dense name + "_scale"
 
 
@@ -61,14 +69,14 @@ def is_fp8_scheme(scheme: ExpertScheme) -> bool:
 
 
 def _check_scheme(dense: str, scheme: ExpertScheme) -> tuple[str, tuple[int, int] | None, torch.dtype]:
-    """(strategy, block or None, scale dtype) of one dense tensor's FP8 scheme.
+    """(strategy, block (group: (1, group_size)) or None, scale dtype) of one dense tensor's FP8 scheme.
 
     Raises:
         ValueError: a format, strategy, asymmetry or dynamic weights this module does not read.
     """
     w = scheme.weights
-    if scheme.format not in ("float-quantized", "naive-quantized"):
-        raise ValueError(f"fp8 experts ({dense}) with format {scheme.format!r}: only 'float-quantized' is supported")
+    if scheme.format not in FORMATS:
+        raise ValueError(f"fp8 experts ({dense}) with format={scheme.format!r}: only {FORMATS} are supported")
     strategy = w.get("strategy")
     if strategy not in STRATEGIES:
         raise ValueError(f"fp8 experts ({dense}) with strategy={strategy!r}: only {STRATEGIES} are supported")
@@ -81,10 +89,18 @@ def _check_scheme(dense: str, scheme: ExpertScheme) -> tuple[str, tuple[int, int
         if not bs or len(bs) != 2 or min(bs) <= 0:
             raise ValueError(f"fp8 block experts ({dense}) with block_structure={bs!r}: want two positive ints")
         block = (int(bs[0]), int(bs[1]))
+    if strategy == "group":
+        group_size = w.get("group_size")
+        if not isinstance(group_size, int) or group_size <= 0:
+            raise ValueError(f"fp8 group experts ({dense}) with group_size={group_size!r}: want a positive int")
+        block = (1, group_size)
     name = str(w.get("scale_dtype") or "float32").removeprefix("torch.")
     scale_dtype = getattr(torch, name, None)
     if not isinstance(scale_dtype, torch.dtype):
         raise ValueError(f"fp8 experts ({dense}) with scale_dtype={w.get('scale_dtype')!r}: not a torch dtype")
+    if (scheme.format == "mxfp8-quantized") != (scale_dtype == torch.uint8):
+        raise ValueError(f"fp8 experts ({dense}) with format={scheme.format!r} and scale_dtype={w.get('scale_dtype')!r}: "
+                         "uint8 (E8M0) scales are read for mxfp8-quantized only, and mxfp8-quantized needs them")
     return strategy, block, scale_dtype
 
 
@@ -131,6 +147,8 @@ class CompressedTensorsFp8Format(ExpertFormat):
             return (sources,)
         if strategy == "channel":
             return (sources * out_features, 1)
+        if strategy == "group" and in_features % block[1]:
+            raise ValueError(f"{self.name}: {dense} in_features {in_features} is not a multiple of group_size {block[1]}")
         return (sources * ceil_div(out_features, block[0]), ceil_div(in_features, block[1]))
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
@@ -173,17 +191,21 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, *, strategy: str, 
                    dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """One projection of n experts: fp8 (or int8) [n, O, I] x scale -> [n, O, I] in ``dtype``.
 
-    scale: [n, 1] (tensor), [n, O, 1] (channel) or [n, ceil(O/bm), ceil(I/bn)] (block).
-    ``(q.to(c) * s.to(c)).to(dtype)`` with s broadcast over its elements, c = ``compute_dtype``
-    (None: the scale's own dtype, as compressed-tensors' ``_dequantize`` computes: float32 for
-    float32 scales, bfloat16 for the bfloat16 scales llm-compressor writes for a bfloat16 model).
+    scale: [n, 1] (tensor), [n, O, 1] (channel), [n, ceil(O/bm), ceil(I/bn)] (block; group:
+    block (1, g)); uint8 E8M0 exponents for mxfp8 (``2 ** (e - 127)`` in bfloat16, as
+    ``decompress_mx_scale``). ``(q.to(c) * s.to(c)).to(dtype)`` with s broadcast over its
+    elements, c = ``compute_dtype`` (None: the scale's own dtype, as compressed-tensors'
+    ``_dequantize`` computes: float32 for float32 scales, bfloat16 for the bfloat16 scales
+    llm-compressor writes for a bfloat16 model).
     """
+    if scale.dtype == torch.uint8:
+        scale = 2.0 ** (scale.to(torch.int32) - E8M0_BIAS).to(torch.bfloat16)
     compute = compute_dtype or scale.dtype
     q = weight.to(compute)
     s = scale.to(compute)
     if strategy == "tensor":
         s = s.view(-1, 1, 1)
-    elif strategy == "block":
+    elif strategy in ("block", "group"):
         rows, cols = q.shape[-2:]
         s = s.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :rows, :cols]
     return (q * s).to(dtype)

@@ -6,13 +6,17 @@ w1 + w3; ``down_proj`` <- down_proj or w2), the spelling of a checkpoint's forma
 and the experts' input dims read from the model config (for refusals before any work).
 Does not: dequantize, read files.
 
-Resolution follows compressed-tensors' own module matching (``utils/match.py``: a target
-``re:PATTERN`` matches a module name with ``re.match``; a class-name target such as ``Linear``
-matches every nn.Linear, hence every per-expert projection; ``ignore`` removes names). The
-module names tried are a routed expert's projections as checkpoints spell them
-(``model.layers.0.mlp.experts.0.gate_proj``). transformers 5.24 instead applies ONE group to
-every projection of the experts (``integrations.compressed_tensors.get_experts_scheme``): the
-two agree whenever every projection has the same scheme.
+Resolution follows compressed-tensors' own module matching (``utils/match.py`` ``is_match``:
+a target ``re:PATTERN`` matches a module name with ``re.match``; any other target matches a
+module whose name equals it (AutoRound's llm-compressor export lists module names) or whose
+class is named it, such as ``Linear``, which matches every nn.Linear, hence every per-expert
+projection; ``ignore`` removes names the same way). The module names tried for each projection
+are a routed expert's as checkpoints spell them (``model.layers.0.mlp.experts.0.gate_proj``)
+and every expert module a target names: all must resolve to one scheme, since one binding
+serves every layer and expert. transformers 5.24 instead applies ONE group to every projection
+of the experts (``integrations.compressed_tensors.get_experts_scheme``,
+``compressed_tensors.transformers_experts_args``): the two agree whenever every projection has
+the same scheme and transformers' pick is that scheme's group.
 """
 
 from __future__ import annotations
@@ -39,14 +43,33 @@ class ExpertScheme:
     format: str | None
 
 
+CLASS_TARGETS = ("Linear",)  # class names an nn.Linear matches (compressed-tensors ``_match_class``)
+
+
 def _matches(target: str, name: str) -> bool:
+    """compressed-tensors' ``is_match`` for an nn.Linear named ``name``: a ``re:`` regex, the exact
+    module name, or the class name ``Linear``."""
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
-    return target == "Linear"  # a class-name target: every nn.Linear, so every projection
+    return target == name or target in CLASS_TARGETS
 
 
 def _ignored(name: str, ignore: list[str]) -> bool:
-    return any(_matches(t, name) if t.startswith("re:") else t == name for t in ignore)
+    return any(_matches(t, name) for t in ignore)
+
+
+def named_expert_modules(quantization_config: dict, projection: str) -> list[str]:
+    """Expert modules ending in ``projection`` that a config group's targets (or ``ignore``) name
+    exactly (not ``re:``), e.g. ``model.layers.1.mlp.experts.3.down_proj``: of each layer, the
+    lowest and highest expert index named (a checkpoint may list every expert of every layer)."""
+    names = {t for g in (quantization_config.get("config_groups") or {}).values() for t in g.get("targets", [])}
+    names |= set(quantization_config.get("ignore") or [])
+    by_layer: dict[str, dict[int, str]] = {}
+    for t in names:
+        m = re.match(r"(.*)\.experts\.(\d+)\." + re.escape(projection) + "$", t)
+        if m and not t.startswith("re:"):
+            by_layer.setdefault(m.group(1), {})[int(m.group(2))] = t
+    return sorted({e[j] for e in by_layer.values() for j in (min(e), max(e))})
 
 
 def group_for(quantization_config: dict, projection: str, *, module: str = EXPERT_MODULE) -> ExpertScheme | None:
@@ -91,6 +114,28 @@ def _winning_target(quantization_config: dict, name: str) -> str | None:
     return ranked[0] if ranked else None
 
 
+def _projection_scheme(resolve, quantization_config: dict, projection: str, dense: str) -> ExpertScheme | None:
+    """The one scheme of ``projection`` over layer 0's expert 0 (as ``EXPERT_MODULE`` spells it;
+    skipped when it resolves to nothing and targets name the expert modules, e.g. Mixtral's
+    ``block_sparse_moe.experts.{j}.w1``) and every expert module a target names.
+
+    Raises:
+        ValueError: two of those modules resolve to different schemes (names both)."""
+    named = named_expert_modules(quantization_config, projection)
+    probe = EXPERT_MODULE.format(projection)
+    base = resolve(probe)
+    modules = ([probe] if base is not None or not named else []) + named
+    schemes = {module: resolve(module) for module in modules}
+    first_module, first = next(iter(schemes.items()))
+    for module, scheme in schemes.items():
+        if scheme != first:
+            raise ValueError(
+                f"compressed-tensors experts: {module} has scheme {scheme.weights if scheme else None} but {first_module} "
+                f"{first.weights if first else None}; one scheme per experts tensor ({dense}) across layers and experts "
+                "is supported")
+    return first
+
+
 def dense_schemes(quantization_config: dict) -> dict[str, ExpertScheme]:
     """Dense experts tensor -> its scheme, for the family naming (gate/up/down, or Mixtral's
     w1/w3/w2) whose projections the config names most specifically (by exact name or ``re:``
@@ -106,10 +151,11 @@ def dense_schemes(quantization_config: dict) -> dict[str, ExpertScheme]:
         return sum(_winning_target(quantization_config, EXPERT_MODULE.format(p)) not in (None, "Linear")
                    for names in DENSE_SOURCES.values() for p in names[family])
 
+    resolve = lambda name: scheme_of_module(quantization_config, name)  # noqa: E731
     for family in sorted(range(2), key=lambda f: -specific(f)):
         out: dict[str, ExpertScheme | None] = {}
         for dense, names in DENSE_SOURCES.items():
-            schemes = [group_for(quantization_config, p) for p in names[family]]
+            schemes = [_projection_scheme(resolve, quantization_config, p, dense) for p in names[family]]
             if any(s != schemes[0] for s in schemes):
                 raise ValueError(
                     f"compressed-tensors experts: {' and '.join(names[family])} (merged into {dense}) have different "

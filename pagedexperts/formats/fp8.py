@@ -49,9 +49,13 @@ class Fp8BlockFormat(ExpertFormat):
         qc = quantization_config or {}
         block = qc.get("weight_block_size")
         if block is None or len(block) != 2 or min(block) <= 0:
+            # GPTQModel's FP8 (format float8_e4m3fn, group_size -1) stores one weight_scale_inv per ROW
+            kind = ("per-row FP8 (GPTQModel: weight_scale_inv [out])" if qc.get("format") == "float8_e4m3fn"
+                    or qc.get("checkpoint_format") == "float8_e4m3fn" else "per-tensor FP8")
             raise ValueError(
-                f"fp8 checkpoint with weight_block_size {block!r}: only block FP8 (two positive "
-                "ints, e.g. [128, 128]) is supported, not per-tensor FP8"
+                f"fp8 checkpoint with weight_block_size {block!r} (format={qc.get('format')!r}, "
+                f"group_size={qc.get('group_size')!r}): only block FP8 (two positive ints, e.g. [128, 128]) "
+                f"is supported, not {kind}"
             )
         for key, want in (("activation_scheme", "dynamic"), ("scale_fmt", "float"), ("expert_dtype", "fp8")):
             if qc.get(key, want) != want:

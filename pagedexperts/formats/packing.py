@@ -14,7 +14,9 @@ The weight is always described as nn.Linear's ``W [N, K]`` (N ``out_features``, 
 ``W[n, k]`` of one expert is, in the format's own arithmetic:
 
 - value ``v``: ``dense``: the element itself; ``int``: the ``bits``-wide field (unsigned) minus
-  the zero point ``((z_field + zero_offset) & mask)`` when a ``zero`` role exists, else minus
+  the zero point ``((z_word + zero_word()) >> shift) & mask`` (``zero_offset`` added to every
+  field of the word as ONE addition, carries included, as GPTQModel converts v1 zeros) when a
+  ``zero`` role exists, else minus
   ``value_offset``; ``e4m3`` / ``e2m1``: the float8 / float4 code's value;
 - scale ``s``: the ``scale`` row's element at (source row block, input group): input group
   ``k // group_size`` (``g_idx[source * K + k]`` when a ``g_idx`` role exists; one group when
@@ -78,7 +80,7 @@ class WeightPacking:
     group_size: int = 0  # input columns per scale; 0: one group spanning K
     block_rows: int = 1  # output rows per scale, inside one source
     source_rows: int = 0  # output rows per checkpoint source (gate, up); 0: N
-    zero_offset: int = 0  # added to a stored zero point (GPTQ v1 stores z - 1), mod 2**bits
+    zero_offset: int = 0  # added to each stored zero point (GPTQ v1 stores z - 1), per word: ``zero_word``
     global_scale: str = "none"
     mul_dtype: torch.dtype = torch.float32
     round_dtype: torch.dtype | None = None
@@ -120,6 +122,14 @@ class WeightPacking:
     @property
     def sources(self) -> int:
         return self.out_features // self.source_rows
+
+    def zero_word(self) -> int:
+        """``zero_offset`` in every ``bits``-wide field of a 32-bit zero-point word (GPTQ v1, 4 bits:
+        0x11111111), added to the word as one integer so that a borrow GPTQModel's v2 -> v1 save
+        made (z = 0) carries back (``formats.gptq.zero_points``); 0 without an offset."""
+        if not self.zero_offset:
+            return 0
+        return self.zero_offset * sum(1 << (self.bits * i) for i in range(32 // self.bits))
 
     @property
     def expert_bytes(self) -> int:

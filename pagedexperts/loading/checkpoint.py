@@ -55,7 +55,21 @@ def _converters(model_type: str, renames: list | None = None) -> list[tuple[list
             if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
                 raise ValueError(f"checkpoint conversion {ops} for {model_type!r} is not supported yet")
             out.append((list(t.source_patterns), t.target_patterns[0]))
+            aliased = [_alias(p) for p in t.source_patterns]
+            if aliased != list(t.source_patterns):
+                out.append((aliased, t.target_patterns[0]))
     return out
+
+
+# Mixtral's w1 / w3 / w2 as the quantization tools save its linearized experts (GPTQModel 7.7,
+# llm-compressor 0.14: ``experts.{j}.gate_proj / up_proj / down_proj``): read as the same rows.
+EXPERT_PROJECTION_ALIASES = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
+def _alias(pattern: str) -> str:
+    for old, new in EXPERT_PROJECTION_ALIASES.items():
+        pattern = pattern.replace(old, new)
+    return pattern
 
 
 def expert_sources(model_type: str) -> dict[str, int]:

@@ -231,7 +231,7 @@ def packing_args(packing: WeightPacking) -> tuple[dict, dict]:
         CODES=CODES[packing.codes], PACKED=PACKED_DIMS[packing.packed_dim], PER_WORD=packing.per_word, BITS=bits,
         INTERLEAVED=packing.interleaved, VALUE_OFFSET=packing.value_offset, HAS_SCALE=scale is not None,
         SCALE_CODES=SCALE_CODES[packing.scale_codes], GROUP_K=packing.group_size, BLOCK_ROWS=packing.block_rows,
-        HAS_ZERO=zero is not None, ZERO_OFFSET=packing.zero_offset, G_IDX=packing.spec("g_idx") is not None,
+        HAS_ZERO=zero is not None, ZERO_OFFSET=packing.zero_word(), G_IDX=packing.spec("g_idx") is not None,
         GLOBAL=GLOBAL_SCALES[packing.global_scale])
     return ints, constexprs
 

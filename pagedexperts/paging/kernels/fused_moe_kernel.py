@@ -137,7 +137,8 @@ if HAVE_TRITON:
             if CODES == 1:
                 if HAS_ZERO:
                     zraw = _group_tile(z_col, k0, k2, mask, mask_n, group, Kdim, z_stride_k, G_IDX, GROUP_K, BLOCK_K)
-                    zero = ((zraw >> z_shift[None, :]) + ZERO_OFFSET) & ((1 << BITS) - 1)
+                    # ZERO_OFFSET: added to the whole word, carries included (GPTQModel's v1 -> v2 conversion)
+                    zero = ((zraw + ZERO_OFFSET) >> z_shift[None, :]) & ((1 << BITS) - 1)
                     v = (field.to(tl.int32) - zero).to(tl.float32)
                 else:
                     v = (field.to(tl.int32) - VALUE_OFFSET).to(tl.float32)

@@ -1,0 +1,154 @@
+"""AutoRound's native integer format (``quant_method: auto-round``, ``data_type: int``).
+
+Owns: recognising AutoRound's own export (``format="auto_round"``, its default) for integer
+weights, the packed per-expert specs, per-module ``extra_config`` overrides, and the dequantize.
+Does not: read files, store, page; AutoRound's floating-point data types (``fp`` FP8, ``nv_fp``
+NVFP4, ``mx_fp`` MXFP4) are refused naming ``data_type`` (their export in 0.16 writes
+``weight`` / ``weight_packed`` + ``weight_scale`` as compressed-tensors does, but under this
+quant_method; not read here yet).
+
+On-disk layout (AutoRound 0.16.1 ``export/export_to_autoround/export.py`` ``pack_layer`` with the
+QuantLinear of ``auto_round_extension/torch``): ``packing_format`` picks it.
+
+- ``auto_round:auto_gptq`` (what a symmetric scheme writes: W4A16, W8A16, the default):
+  ``qlinear_torch_zp.QuantLinear``: GPTQ's layout (``qweight`` int32 [I*b/32, O] packed along
+  the input dim, ``qzeros`` int32 [G, O*b/32] packed along the output dim, ``scales`` float16
+  [G, O]) with zero points stored minus one, clamped to [0, 2**b - 1]; no ``g_idx``.
+- ``auto_round`` (asymmetric schemes): ``qlinear_torch.QuantLinear``: the same layout with the
+  zero points stored as they are.
+
+G = ceil(I / g) (one group when g > I or g = -1). Dequantize (the QuantLinear's ``forward``):
+``z = unpack(qzeros) (+ 1 for auto_gptq packing, per value, no wrap)``, ``W^T = scales[i // g] *
+(q - z[i // g])`` in the scales' dtype (float16), then cast to the input's dtype; bit-identical
+to GPTQ's ``(q - z) * s`` (one rounding of an exact integer times the scale).
+
+``extra_config`` (per-module overrides: the router's ``bits: 16``, or another group size) binds
+each dense experts tensor as GPTQModel's ``dynamic`` does (``gptq_dynamic``).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from pagedexperts.formats.base import QuantizedTensor, TensorSpec
+from pagedexperts.formats.ct_schemes import dense_source_count
+from pagedexperts.formats.gptq import GptqFormat, _check_args, unpack_cols, unpack_rows
+from pagedexperts.formats.gptq_dynamic import expert_args, extra_config_override, module_args
+
+PACKING_ZERO_OFFSET = {"auto_round:auto_gptq": 1, "auto_round": 0}  # packing_format -> added to each stored zero
+INT_DATA_TYPES = ("int",)
+
+
+def dequantize_autoround(qweight, qzeros, scales, *, group_size: int, bits: int, zero_offset: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """One projection of n experts -> [n, O, I] in ``dtype``.
+
+    qweight int32 [n, I*b/32, O]; qzeros int32 [n, G, O*b/32]; scales [n, G, O] (compute dtype);
+    input channel i is in group i // ``group_size``.
+    """
+    q = unpack_rows(qweight, bits)  # [n, I, O]
+    z = unpack_cols(qzeros, bits) + zero_offset  # [n, G, O]
+    index = (torch.arange(q.shape[-2], device=q.device) // group_size).view(1, -1, 1).expand(q.shape[0], -1, q.shape[-1])
+    w = (q - torch.gather(z, 1, index)).to(scales.dtype) * torch.gather(scales, 1, index)
+    return w.transpose(-1, -2).to(dtype).contiguous()  # the layout the experts kernel and nn.Linear receive
+
+
+class AutoRoundFormat(GptqFormat):
+    """AutoRound's own integer export (2/4/8 bits, GPTQ-style packing without g_idx)."""
+
+    name = "auto-round"
+    serialized_names = {"weight": ("qweight", "qzeros", "scales")}
+
+    def __init__(self, *, extra_config: dict | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.extra_config = extra_config
+
+    @classmethod
+    def matches(cls, quantization_config: dict | None) -> bool:
+        return bool(quantization_config) and quantization_config.get("quant_method") in ("auto-round", "auto_round")
+
+    @classmethod
+    def from_quantization_config(cls, quantization_config: dict | None) -> "AutoRoundFormat":
+        """Bind bits, group size, packing and ``extra_config``.
+
+        Raises:
+            ValueError: a ``data_type`` other than int, activation quantization (``act_bits`` below
+                16), a ``packing_format`` not in ``PACKING_ZERO_OFFSET``, bits or group size that
+                ``gptq`` cannot read; each naming the field and value.
+        """
+        qc = quantization_config or {}
+        data_type = str(qc.get("data_type", "int"))
+        if data_type not in INT_DATA_TYPES:
+            raise ValueError(f"auto-round checkpoint with data_type={data_type!r}: only {INT_DATA_TYPES} is supported "
+                             "(AutoRound's FP8 / NVFP4 / MXFP4 exports are not read yet)")
+        act_bits = qc.get("act_bits", 16)
+        if act_bits is not None and int(act_bits) < 16:
+            raise ValueError(f"auto-round checkpoint with act_bits={act_bits!r}: only weight-only (act_bits 16) is supported")
+        packing = qc.get("packing_format", "auto_round:auto_gptq")
+        if packing not in PACKING_ZERO_OFFSET:
+            raise ValueError(f"auto-round checkpoint with packing_format={packing!r}: only {sorted(PACKING_ZERO_OFFSET)} "
+                             "are supported")
+        bits, group_size = qc.get("bits"), qc.get("group_size", 128)
+        _check_args("auto-round checkpoint", bits, group_size)
+        return cls(bits=bits, group_size=group_size, sym=bool(qc.get("sym", True)), zero_offset=PACKING_ZERO_OFFSET[packing],
+                   extra_config=qc.get("extra_config") or None)
+
+    @classmethod
+    def from_config(cls, config, quantization_config: dict | None) -> "AutoRoundFormat":
+        """As ``from_quantization_config``, each dense experts tensor bound to its projections'
+        ``extra_config`` overrides.
+
+        Raises:
+            ValueError: see ``gptq_dynamic.expert_args``."""
+        fmt = cls.from_quantization_config(quantization_config)
+        if fmt.extra_config:
+            fmt.per_tensor = expert_args(fmt.args, config, lambda m: extra_config_override(fmt.extra_config, m),
+                                         what="auto-round extra_config")
+            for args in fmt.per_tensor.values():
+                _check_args("auto-round extra_config override", args.bits, args.group_size)
+        return fmt
+
+    def _bound(self, **changes) -> "AutoRoundFormat":
+        fields = dict(group_size=self.args.group_size, bits=self.args.bits, sym=self.args.sym, zero_offset=self.zero_offset,
+                      scale_dtype=self.scale_dtype, per_tensor=self.per_tensor, extra_config=self.extra_config)
+        return type(self)(**{**fields, **changes})
+
+    def linear_format(self, module: str, quantization_config: dict | None) -> "AutoRoundFormat | None":
+        """The format of non-expert ``module`` with its ``extra_config`` entry (None: ``bits`` 16)."""
+        args = module_args(self.args, extra_config_override(self.extra_config, module),
+                           what=f"auto-round extra_config ({module})")
+        if args is None:
+            return None
+        _check_args(f"auto-round extra_config for {module}", args.bits, args.group_size)
+        return self._bound(bits=args.bits, group_size=args.group_size, per_tensor={}, extra_config=None)
+
+    def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
+        """GPTQ's specs (see ``GptqFormat.pack``) without ``g_idx``: [I*b/32, O] qweight, [G, O*b/32]
+        qzeros, [G, O] scales per source, side by side along dim 1."""
+        return super().pack(dense, sources=sources, transposed=transposed)[:3]
+
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False):
+        """Not described for the fused kernels yet (no ``g_idx`` rows, and ``auto_round:auto_gptq``
+        adds 1 to each stored zero point without wrapping, which ``formats.packing``'s
+        ``zero_offset`` (mod 2**bits) does not express).
+
+        Raises:
+            NotImplementedError: always, naming the format and packing."""
+        raise NotImplementedError(f"expert format {self.name!r} (zero offset {self.zero_offset}, no g_idx) has no "
+                                  "WeightPacking: fused kernels cannot read it")
+
+    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Packed rows of n experts -> [n, *dense.shape]: each source dequantized on its own
+        (its [O*b/32]-word slice of the packed output dim), then concatenated along the rows."""
+        name = tensor.dense.name
+        args = self.tensor_args(name)
+        in_features = tensor.dense.shape[1]
+        scales, sources = packed[f"{name}_scales"], dense_source_count(name)
+        parts = [dequantize_autoround(qw, qz, s, group_size=args.group_of(in_features), bits=args.bits,
+                                      zero_offset=self.zero_offset, dtype=tensor.dense.dtype)
+                 for qw, qz, s in zip(packed[f"{name}_qweight"].chunk(sources, dim=2),
+                                      packed[f"{name}_qzeros"].chunk(sources, dim=2), scales.chunk(sources, dim=2))]
+        return parts[0] if sources == 1 else torch.cat(parts, dim=1)
+
