@@ -19,7 +19,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from conftest import assert_same, tiny_config
 from pagedexperts.models.sites import per_expert_specs
 from pagedexperts.paging.host_executor import HostExecutor
-from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS, resolve_inner
+from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS, INNER_KERNELS, resolve_inner
 from pagedexperts.residency.eviction import EMPTY, LRUPolicy
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.slots import PackedSlots
@@ -29,10 +29,12 @@ E, H, I, TOP_K = 8, 32, 16, 2
 DTYPES = [torch.float32, torch.bfloat16]
 
 def inner_dtype_cases():
-    """(inner, dtype) pairs over every inner implementation and dtype."""
+    """(inner, dtype) pairs over every inner implementation with a host step (this file pages
+    through the host executor; fused runs on the device path only: tests/test_fused_paged.py)
+    and dtype."""
     return [
         pytest.param(inner, dtype, id=f"{inner}-{str(dtype).removeprefix('torch.')}")
-        for inner in INNER_IMPLEMENTATIONS
+        for inner in INNER_IMPLEMENTATIONS if INNER_KERNELS[inner].host is not None
         for dtype in DTYPES
     ]
 
