@@ -34,7 +34,7 @@ import torch
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec
 from pagedexperts.formats.ct_schemes import dense_source_count
-from pagedexperts.formats.gptq import GptqFormat, _check_args, unpack_cols, unpack_rows
+from pagedexperts.formats.gptq import GptqFormat, _check_args, bit_shifts, unpack_cols, unpack_rows
 from pagedexperts.formats.gptq_dynamic import expert_args, extra_config_override, module_args
 
 PACKING_ZERO_OFFSET = {"auto_round:auto_gptq": 1, "auto_round": 0}  # packing_format -> added to each stored zero
@@ -42,14 +42,15 @@ INT_DATA_TYPES = ("int",)
 
 
 def dequantize_autoround(qweight, qzeros, scales, *, group_size: int, bits: int, zero_offset: int,
-                         dtype: torch.dtype) -> torch.Tensor:
+                         dtype: torch.dtype, shifts: torch.Tensor | None = None) -> torch.Tensor:
     """One projection of n experts -> [n, O, I] in ``dtype``.
 
     qweight int32 [n, I*b/32, O]; qzeros int32 [n, G, O*b/32]; scales [n, G, O] (compute dtype);
-    input channel i is in group i // ``group_size``.
+    input channel i is in group i // ``group_size``; ``shifts``: ``gptq.bit_shifts(bits)`` on the
+    tensors' device (built here when None).
     """
-    q = unpack_rows(qweight, bits)  # [n, I, O]
-    z = unpack_cols(qzeros, bits) + zero_offset  # [n, G, O]
+    q = unpack_rows(qweight, bits, shifts)  # [n, I, O]
+    z = unpack_cols(qzeros, bits, shifts) + zero_offset  # [n, G, O]
     index = (torch.arange(q.shape[-2], device=q.device) // group_size).view(1, -1, 1).expand(q.shape[0], -1, q.shape[-1])
     w = (q - torch.gather(z, 1, index)).to(scales.dtype) * torch.gather(scales, 1, index)
     return w.transpose(-1, -2).to(dtype).contiguous()  # the layout the experts kernel and nn.Linear receive
@@ -146,8 +147,9 @@ class AutoRoundFormat(GptqFormat):
         args = self.tensor_args(name)
         in_features = tensor.dense.shape[1]
         scales, sources = packed[f"{name}_scales"], dense_source_count(name)
+        shifts = self.device_constant(f"shifts{args.bits}", scales.device, lambda device: bit_shifts(args.bits, device))
         parts = [dequantize_autoround(qw, qz, s, group_size=args.group_of(in_features), bits=args.bits,
-                                      zero_offset=self.zero_offset, dtype=tensor.dense.dtype)
+                                      zero_offset=self.zero_offset, dtype=tensor.dense.dtype, shifts=shifts)
                  for qw, qz, s in zip(packed[f"{name}_qweight"].chunk(sources, dim=2),
                                       packed[f"{name}_qzeros"].chunk(sources, dim=2), scales.chunk(sources, dim=2))]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)

@@ -52,26 +52,36 @@ def per_word(bits: int) -> int:
     return 32 // bits
 
 
-def unpack_rows(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """b-bit values packed along dim -2: int [..., R * b / 32, C] -> int [..., R, C] in 0..2**b - 1."""
-    shifts = torch.arange(0, 32, bits, dtype=packed.dtype, device=packed.device).view(-1, 1)
-    values = (packed.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)  # [..., R*b/32, 32/b, C]
+def bit_shifts(bits: int, device) -> torch.Tensor:
+    """int32 [32 / b]: 0, b, 2b, ... the right shifts of each b-bit value in a 32-bit word (GPTQ's
+    packing: value j of a word in bits [j b, (j + 1) b)). Built once per device by the formats
+    (``ExpertFormat.device_constant``): a host-to-device copy otherwise, every call."""
+    return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int = 4, shifts: torch.Tensor | None = None) -> torch.Tensor:
+    """b-bit values packed along dim -2: int [..., R * b / 32, C] -> int [..., R, C] in 0..2**b - 1.
+    ``shifts``: ``bit_shifts(bits)`` on packed's device (built here when None)."""
+    shifts = bit_shifts(bits, packed.device) if shifts is None else shifts
+    values = (packed.unsqueeze(-2) >> shifts.view(-1, 1)) & ((1 << bits) - 1)  # [..., R*b/32, 32/b, C]
     return values.flatten(-3, -2)
 
 
-def unpack_cols(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """b-bit values packed along dim -1: int [..., R, C * b / 32] -> int [..., R, C] in 0..2**b - 1."""
-    shifts = torch.arange(0, 32, bits, dtype=packed.dtype, device=packed.device)
+def unpack_cols(packed: torch.Tensor, bits: int = 4, shifts: torch.Tensor | None = None) -> torch.Tensor:
+    """b-bit values packed along dim -1: int [..., R, C * b / 32] -> int [..., R, C] in 0..2**b - 1.
+    ``shifts``: as ``unpack_rows``."""
+    shifts = bit_shifts(bits, packed.device) if shifts is None else shifts
     return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
 
-def zero_points(qzeros: torch.Tensor, *, bits: int, zero_offset: int) -> torch.Tensor:
+def zero_points(qzeros: torch.Tensor, *, bits: int, zero_offset: int,
+                shifts: torch.Tensor | None = None) -> torch.Tensor:
     """Stored qzeros int32 [..., G, O * b / 32] -> zero points int64 [..., G, O]: v1 (``zero_offset``
     1) adds ``V1_ZERO_OFFSET`` to each 32-bit word, carries included, as GPTQModel does."""
     words = qzeros.long() & 0xFFFFFFFF
     if zero_offset:
         words = (words + V1_ZERO_OFFSET[bits]) & 0xFFFFFFFF
-    return unpack_cols(words, bits)
+    return unpack_cols(words, bits, shifts)
 
 
 def dequantize_gptq(
@@ -83,14 +93,16 @@ def dequantize_gptq(
     zero_offset: int,
     dtype: torch.dtype,
     bits: int = 4,
+    shifts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One projection of n experts -> dense [n, O, I] in ``dtype``.
 
     qweight int32 [n, I*b/32, O]; qzeros int32 [n, G, O*b/32]; scales [n, G, O] (the compute
-    dtype); g_idx int [n, I]; ``zero_offset`` 1 for v1 checkpoints (stored z - 1), 0 for v2.
+    dtype); g_idx int [n, I]; ``zero_offset`` 1 for v1 checkpoints (stored z - 1), 0 for v2;
+    ``shifts``: ``bit_shifts(bits)`` on the tensors' device (built here when None).
     """
-    q = unpack_rows(qweight, bits)  # [n, I, O]
-    z = zero_points(qzeros, bits=bits, zero_offset=zero_offset)  # [n, G, O]
+    q = unpack_rows(qweight, bits, shifts)  # [n, I, O]
+    z = zero_points(qzeros, bits=bits, zero_offset=zero_offset, shifts=shifts)  # [n, G, O]
     index = g_idx.long().unsqueeze(-1).expand(-1, -1, q.shape[-1])  # [n, I, O]
     z_i = torch.gather(z, 1, index)
     s_i = torch.gather(scales, 1, index)
@@ -209,8 +221,11 @@ class GptqFormat(ExpertFormat):
         concatenated along dim 1 (the dense output dim)."""
         name, bits = tensor.dense.name, self.tensor_args(tensor.dense.name).bits
         sources = next(p for p in tensor.packed if p.name == f"{name}_g_idx").shape[0] // tensor.dense.shape[1]
+        shifts = self.device_constant(f"shifts{bits}", packed[f"{name}_qweight"].device,
+                                      lambda device: bit_shifts(bits, device))
         parts = [
-            dequantize_gptq(qw, qz, s, g, zero_offset=self.zero_offset, dtype=tensor.dense.dtype, bits=bits)
+            dequantize_gptq(qw, qz, s, g, zero_offset=self.zero_offset, dtype=tensor.dense.dtype, bits=bits,
+                            shifts=shifts)
             for qw, qz, s, g in zip(
                 packed[f"{name}_qweight"].chunk(sources, dim=2),
                 packed[f"{name}_qzeros"].chunk(sources, dim=2),
