@@ -36,6 +36,20 @@ def _copy_aux(src: Path, dst: Path) -> None:
             shutil.copy(f, dst / f.name)
 
 
+def write_checkpoint_dir(src: Path, dst: Path, tensors: dict, quantization_config: dict | None = None) -> Path:
+    """``dst`` (new): ``src``'s files but its shards, ``tensors`` as one model.safetensors, and
+    ``quantization_config`` set in config.json when given."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if quantization_config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps(dict(cfg, quantization_config=quantization_config)))
+    return dst
+
+
 def _tensors(src: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(src.glob("*.safetensors")):

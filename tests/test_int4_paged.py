@@ -14,34 +14,21 @@ Legend: E routed experts, k top_k, K resident slots.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from int4_oracle import pack_awq, pack_gptq, rtn_int4
 from pagedexperts import load_model
 from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
+from quantized_dirs import write_checkpoint_dir
 from test_families import E, TOP_K, assert_exact, build_model, save_char_tokenizer
 
 pytest.importorskip("compressed_tensors")
 GROUP = 32
 _EXPERT_WEIGHT = r".experts."
-
-
-def _copy_dir(src: Path, dst: Path, tensors: dict, quantization_config: dict | None = None) -> Path:
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    if quantization_config is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        (dst / "config.json").write_text(json.dumps(dict(cfg, quantization_config=quantization_config)))
-    return dst
 
 
 def _is_expert_weight(key: str) -> bool:
@@ -62,7 +49,7 @@ def _oracle_pair(src: Path, root: Path, fmt: str) -> tuple[Path, Path]:
     qc = ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
            "checkpoint_format": "gptq"} if fmt == "gptq" else
           {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"})
-    return _copy_dir(src, root / fmt, packed, qc), _copy_dir(src, root / f"{fmt}-ref", dense)
+    return write_checkpoint_dir(src, root / fmt, packed, qc), write_checkpoint_dir(src, root / f"{fmt}-ref", dense)
 
 
 def _w4a16_pair(src: Path, root: Path, symmetric: bool) -> tuple[Path, Path]:
@@ -82,7 +69,7 @@ def _w4a16_pair(src: Path, root: Path, symmetric: bool) -> tuple[Path, Path]:
         base = key.removesuffix("weight_packed")
         state = {n: tensors[base + n] for n in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
         dense[base + "weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
-    return out, _copy_dir(src, root / "w4a16-asym-ref", dense)
+    return out, write_checkpoint_dir(src, root / "w4a16-asym-ref", dense)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ Legend: E routed experts (8), k top_k (2).
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -28,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from int4_oracle import pack_awq, pack_gptq, rtn_int4
 from pagedexperts import load_model
 from pagedexperts.tools.reference import align_like_checkpoint
-from quantized_dirs import prefill_decode_runs
+from quantized_dirs import prefill_decode_runs, write_checkpoint_dir
 from test_families import E, TOP_K, build_model, save_char_tokenizer
 
 LINEAR = re.compile(r"\.(?:[a-z_]*proj(?:_with_mqa)?|w[123])\.weight$")  # not the router (mlp.gate), not lm_head
@@ -38,18 +37,6 @@ CASES = {  # name -> (format, family, checkpoint dtype, group size, symmetric)
     "awq-qwen3_moe-fp16": ("awq", "qwen3_moe", torch.float16, 16, False),
     "awq-mixtral-bf16": ("awq", "mixtral", torch.bfloat16, 16, False),
 }
-
-
-def _write(dst: Path, src: Path, tensors: dict, quantization_config: dict | None) -> Path:
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    if quantization_config is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        (dst / "config.json").write_text(json.dumps(dict(cfg, quantization_config=quantization_config)))
-    return dst
 
 
 def _whole_model(root: Path, name: str) -> tuple[Path, Path, int]:
@@ -72,7 +59,7 @@ def _whole_model(root: Path, name: str) -> tuple[Path, Path, int]:
     qc = ({"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": not symmetric, "sym": symmetric,
            "checkpoint_format": "gptq"} if fmt == "gptq" else
           {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
-    return _write(root / "q", src, packed, qc), _write(root / "ref", src, dense, None), non_expert
+    return write_checkpoint_dir(src, root / "q", packed, qc), write_checkpoint_dir(src, root / "ref", dense), non_expert
 
 
 @pytest.fixture(scope="module")
