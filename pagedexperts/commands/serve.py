@@ -82,10 +82,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    try:
-        from pagedexperts.serving.api_server import ServeConfig, run_server, single_wave_note, speculation_note
-    except ModuleNotFoundError as exc:
-        raise ValueError(f"the server needs {exc.name}: pip install 'pagedexperts[server]'") from exc
+    # without the server extra this raises MissingExtra (a ValueError: one line, exit 2)
+    from pagedexperts.serving.api_server import ServeConfig, run_server, single_wave_note, speculation_note
     from pagedexperts.loading.bundled import bundled_model_path
 
     _check_flags(args)

@@ -11,6 +11,7 @@ import os
 import sys
 
 from pagedexperts.commands import COMMANDS
+from pagedexperts.extras import require
 from pagedexperts.analysis import simulate as sim
 from pagedexperts.residency.planner import check_num_resident
 from pagedexperts.residency.policies import DEFAULT_POLICY
@@ -63,6 +64,8 @@ def add_parser(subparsers) -> None:
 
 def run_simulate(args) -> int:
     """Load the trace, replay every (B, routing, policy, K), print tables or --json, plot."""
+    if args.plot_dir:
+        require("plots", "--plot-dir")  # before the replay, not after it
     if (args.experts is None) != (args.top_k is None):
         raise ValueError("pass both --experts and --top-k to check the trace against a model")
     _check_time_model(args)
@@ -202,13 +205,12 @@ def format_layer_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], *, plot_dir: str, top_k: int) -> list[str]:
     """Write hit_rate_vs_k.png (first B replayed) and, with batches, union_vs_batch.png."""
-    try:
-        import matplotlib
+    require("plots", "--plot-dir")
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot-dir needs matplotlib: pip install 'pagedexperts[plots]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     os.makedirs(plot_dir, exist_ok=True)
     first_b = rows[0]["batch_size"]
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -231,7 +231,9 @@ def device_decide_problems(cfg: PagingConfig) -> list[str]:
         problems.append(f"--decide device on --device {cfg.device} runs only under TRITON_INTERPRET=1 (the Triton "
                         "interpreter, for tests); use --decide host or auto on CPU")
     if (cfg.device_kernels == "triton" or is_fused(cfg)) and not HAVE_TRITON:
-        problems.append("--decide device needs triton: pip install 'pagedexperts[gpu]' (or use --decide host)")
+        what = "--experts-implementation fused" if is_fused(cfg) else "--decide device"
+        problems.append(f"{what} needs triton, from the 'gpu' extra: pip install -e '.[gpu]' (or use --decide host "
+                        "with --experts-implementation grouped_mm)")
     if cfg.device_kernels == "torch" and not on_cpu:
         problems.append("device kernels 'torch' (the references) page in over host memory: CPU only")
     if cfg.prefetch:

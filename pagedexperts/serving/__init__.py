@@ -14,6 +14,11 @@ What a request becomes once admitted (scheduling, batching, sampling, speculativ
 - ``worker_info``: what a router reads when it registers a replica (/server_info, /model_info);
 - ``api_server``: the FastAPI app, its error handlers and lifespan, ``run_server``.
 
-Imports here are lazy: every module needs the server extra (fastapi, pydantic, prometheus-client,
-uvicorn), and those that reach the engine torch as well.
+Every module needs the server extra (fastapi, pydantic, prometheus-client, uvicorn), and those
+that reach the engine torch as well: importing the package without the extra raises
+``MissingExtra`` naming it (``pagedexperts serve`` answers it in one line, exit 2).
 """
+
+from pagedexperts.extras import require
+
+require("server", "the server (pagedexperts.serving)")

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from pagedexperts.extras import require
 from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
 
 QUANTIZE_FORMATS = ("w4a16", "fp8-block", "mxfp4")
@@ -125,6 +126,7 @@ def bundled_variant_path(fmt: str, *, cache_dir: str | Path, source: str | Path 
     options = BUNDLED_VARIANTS.get(fmt)
     if options is None:
         raise ValueError(f"the bundled model has no {fmt!r} variant; choose one of {sorted(BUNDLED_VARIANTS)}")
+    _writer_for(options)  # a missing extra is reported before the cache is touched
     src = Path(source) if source is not None else bundled_model_path()
     digest = hashlib.sha256(repr(options).encode())
     for f in checkpoint_files(src):
@@ -190,6 +192,7 @@ class _W4A16Writer(_Writer):
 
     def __init__(self, options: QuantizeOptions) -> None:
         super().__init__(options)
+        require("quant", "quantize --format w4a16 (and --model-path bundled:w4a16)", ("compressed_tensors",))
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
         if options.group_size <= 0:

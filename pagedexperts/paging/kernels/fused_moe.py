@@ -43,8 +43,8 @@ import torch
 from pagedexperts.formats.packing import WeightPacking, scale_rows_per_source
 from pagedexperts.paging.kernels._triton import check_backend, tl, triton
 from pagedexperts.paging.kernels.fused_align import Alignment, align_reference, align_triton
-from pagedexperts.paging.kernels.fused_moe_kernel import (CODES, GLOBAL_SCALES, PACKED_DIMS, SCALE_CODES,
-                                                          dequantize_kernel, fused_moe_gemm_kernel)
+from pagedexperts.paging.kernels import fused_moe_kernel as kernels  # its @triton.jit names exist only with triton
+from pagedexperts.paging.kernels.fused_moe_kernel import CODES, GLOBAL_SCALES, PACKED_DIMS, SCALE_CODES
 
 ALIGN_BACKENDS = {"triton": align_triton, "torch": align_reference}
 
@@ -294,7 +294,7 @@ def projection_gemm(a: torch.Tensor, rows: ProjectionRows, alignment: Alignment,
     c = out if out is not None else torch.empty((alignment.num_entries, packing.out_features),
                                                 dtype=packing.dense_dtype, device=a.device)
     launch = gemm_launch(a, c, rows, alignment, a_row_div=a_row_div, blocks=blocks, target=KernelTarget.of(a.device))
-    fused_moe_gemm_kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps,
+    kernels.fused_moe_gemm_kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps,
                                        num_stages=launch.num_stages)
     return c
 
@@ -319,7 +319,7 @@ def dequantize_rows(rows: ProjectionRows, row_ids: torch.Tensor) -> torch.Tensor
     out = torch.empty((row_ids.shape[0], packing.out_features, packing.in_features), dtype=packing.dense_dtype,
                       device=row_ids.device)
     launch = dequantize_launch(out, rows, row_ids, target=KernelTarget.of(row_ids.device))
-    dequantize_kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps)
+    kernels.dequantize_kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps)
     return out
 
 
