@@ -17,7 +17,6 @@ core; Triton's disk cache makes reruns fast).
 from __future__ import annotations
 
 import pytest
-import triton
 import torch
 
 from fused_fixtures import FormatCase
@@ -181,6 +180,7 @@ def test_align_kernels_compile(shape, arch):
     from pagedexperts.paging.kernels.fused_align import (HISTOGRAM_BLOCK, SCATTER_BLOCK, align_count_kernel,
                                                          align_scatter_kernel)
     from pagedexperts.paging.kernels.fused_moe import Launch, block_m_for
+    import triton
 
     _, _, experts, top_k, slots, _ = SHAPES[shape]
     i32, i64 = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
