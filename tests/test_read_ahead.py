@@ -115,22 +115,26 @@ def counts(store) -> tuple:
 
 
 def test_a_pause_lifts_and_read_ahead_resumes_once_the_reads_pay(layer, caplog):
-    """Two windows of unused read-aheads: two pauses of exactly PAUSE steps, each followed by
-    a read-ahead at the next step; then read-aheads that are used: three windows in a row read
-    ahead at every step and never pause again (each window is judged alone: over the whole run
-    only 3 of 5 windows were used). One WARNING for both pauses."""
+    """A window of unused read-aheads pauses the layer for exactly PAUSE steps; the next step
+    reads ahead again and, its reads used, the layer keeps reading ahead at every step. Two
+    more unused windows: two more pauses (the pause re-arms; one WARNING in all). Then used
+    read-aheads resume for good: each window is judged alone (over the whole run, under half
+    of the read-aheads were used when the last phase starts)."""
     store, slots = layer
     routing = Routing(store, slots)
+    phases = [("unused", WINDOW, 1), ("pause", PAUSE, 0), ("used", WINDOW, 1),
+              ("unused", WINDOW, 1), ("pause", PAUSE, 0), ("unused", WINDOW, 1), ("pause", PAUSE, 0),
+              ("used", 3 * WINDOW, 1)]
     with caplog.at_level(logging.WARNING, logger=host_tier.__name__):
-        for pause in (1, 2):
-            assert routing.run(WINDOW, used=False) == [1] * WINDOW, f"window {pause}: a read-ahead per step"
-            assert routing.run(PAUSE, used=False) == [0] * PAUSE, f"pause {pause}"
-            assert store.tier_stats.read_ahead_paused == pause * PAUSE
-        assert routing.run(3 * WINDOW, used=True) == [1] * (3 * WINDOW), "read-ahead did not resume for good"
-    unused_steps = 2 * (WINDOW + PAUSE)  # one on-demand read each
-    issued = 5 * WINDOW
-    assert counts(store) == (issued, 3 * WINDOW, 2 * PAUSE, issued + unused_steps, (issued + unused_steps) * EXPERT_BYTES,
-                             0, unused_steps + 3 * WINDOW)
+        for i, (what, steps, started) in enumerate(phases):
+            got = routing.run(steps, used=what == "used")
+            assert got == [started] * steps, f"phase {i} ({what}): read-aheads started {got}"
+            pauses = sum(1 for w, _, _ in phases[: i + 1] if w == "pause")
+            assert store.tier_stats.read_ahead_paused == pauses * PAUSE, f"phase {i} ({what})"
+    on_demand = 3 * (WINDOW + PAUSE)  # unused and paused steps: one disk read each, on demand
+    issued, used = 7 * WINDOW, 4 * WINDOW
+    assert counts(store) == (issued, used, 3 * PAUSE, issued + on_demand, (issued + on_demand) * EXPERT_BYTES,
+                             0, on_demand + used)
     warned = [r for r in caplog.records if "read-ahead paused" in r.getMessage()]
     assert len(warned) == 1 and "layer 3" in warned[0].getMessage()
 
@@ -160,9 +164,11 @@ def test_read_ahead_reads_no_expert_held_in_a_host_row_or_already_read_ahead(lay
         page_in(store, slots, [e])
     assert counts(store) == (0, 0, 0, R, R * EXPERT_BYTES, 0, R)
     assert store.read_ahead(list(range(R))) == 0
-    assert store.read_ahead([2, 9, 3, 10]) == 2  # 9 and 10 only
+    assert store.read_ahead([2, 9, 3]) == 1  # 9 only
     settle(store)
-    assert store.read_ahead([9, 10, 1]) == 0  # in staging already, or held
+    assert store.read_ahead([9, 1]) == 0  # 9 staged already (a staging row is free), 1 held
+    assert store.read_ahead([9, 10]) == 1  # 10
+    settle(store)
     assert counts(store) == (2, 0, 0, R + 2, (R + 2) * EXPERT_BYTES, 0, R)
     assert step(store, slots, [9, 10], [9]) == 0  # 9 taken from staging: a host miss, no disk read; evicts 0
     assert counts(store) == (2, 1, 0, R + 2, (R + 2) * EXPERT_BYTES, 0, R + 1)
