@@ -18,7 +18,7 @@ Two oracles, as README "What is exact" states them:
 The quick tests drive every layer's paged experts step with controlled routing (a decode-sized
 step of 1 token, and 8 tokens routing to all E experts: E / K waves; in the slow set also at a
 scale where the clamp bites, and at K = E/2); each asserts first that dropping the biases
-would move the output well past the tolerance (the test can fail). The slow ones generate
+would move the output past twice the tolerance (the test can fail). The slow ones generate
 (prefill and decode, batch 1 and a left-padded batch 2). The decide / page-in kernels run as
 their torch references (``device_kernels="torch"``), the fused kernels under
 ``TRITON_INTERPRET=1`` (conftest).
