@@ -4,7 +4,8 @@ answered 413 from its header, the connection cap (503 in OpenAI's shape), half-c
 answered, and the ``"usage": null`` of non-final stream chunks. Every loop is bounded.
 
 Servers: ``guarded`` (``header_timeout_s`` 1.0, ``max_connections`` 40) and ``capped``
-(``max_connections`` 8, ``body_timeout_s`` 1.0, ``max_body_bytes`` 4096).
+(4 running places, ``max_queued_requests`` 2, ``max_connections`` 8, ``body_timeout_s`` 1.0,
+``max_body_bytes`` 4096).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ SLOW = 30  # slowloris sockets
 CAPPED_CONNECTIONS = 8
 BODY_TIMEOUT_S = 1.0
 BODY_LIMIT = 4096
+QUEUED = 2
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def guarded():
 @pytest.fixture(scope="module")
 def capped():
     yield from serve(ServeConfig(NAME, 4, CONTEXT, max_connections=CAPPED_CONNECTIONS, body_timeout_s=BODY_TIMEOUT_S,
-                                 max_body_bytes=BODY_LIMIT))
+                                 max_body_bytes=BODY_LIMIT, max_queued_requests=QUEUED))
 
 
 def _port(url: str) -> int:
@@ -249,6 +251,20 @@ def test_usage_null_in_non_final_chunks(guarded):
                 assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
             else:
                 assert all("usage" not in c for c in chunks)
+
+
+def test_a_burst_the_free_places_take_is_not_refused(capped):
+    """4 running places + --max-queued-requests 2 on an idle server: 6 requests sent at once are
+    all served (4 admitted at the next step, 2 wait), none answered 429."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving_fixtures import client
+
+    c = client(capped[0])
+    with ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(lambda p: c.completions.create(model=NAME, prompt=p, max_tokens=2).choices[0].text,
+                              ["ROMEO:", "JULIET:", "KING:", "To be", "Now is", "But soft"]))
+    assert len(texts) == 6
 
 
 def test_bad_limits_are_refused():

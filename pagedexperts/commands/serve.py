@@ -43,7 +43,9 @@ def add_parser(sub) -> None:
     b.add_argument("--context-length", type=int, default=None, metavar="TOKENS",
                    help="longest prompt + completion (default: the model's max_position_embeddings)")
     b.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
-                   help="sequences waiting for a place beyond which requests get 429 + Retry-After "
+                   help="sequences that may wait for a running place (those the free places of "
+                   "--max-running-requests take at the next step do not count); beyond them requests get 429 + "
+                   "Retry-After, and a request of more than N + --max-running-requests sequences 400 "
                    "(default: unbounded)")
     b.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS, metavar="TOKENS",
                    help="prompt tokens prefilled per step, in chunks packed with the running decodes; a longer "

@@ -89,6 +89,7 @@ class BatchScheduler:
         self.forwards = self._forwards(speculative)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
+        self._places_taken = 0  # admitted and not finished (running, or prefilling apart with --no-chunked-prefill)
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -132,17 +133,23 @@ class BatchScheduler:
     def submit_many(self, items: list[tuple[list[int], SamplingConfig, Callable[[Event], None]]]) -> list[Request]:
         """Queue several sequences (prompt ids, sampling, on_event), all or none.
 
+        ``max_queued_requests`` bounds the sequences that must WAIT: those beyond the running
+        places still free (``max_running_requests`` minus the admitted, unfinished ones), so a
+        burst on an idle server is admitted at the next step rather than refused.
+
         Raises:
-            QueueFull: the waiting queue would exceed ``max_queued_requests``.
+            QueueFull: more than ``max_queued_requests`` sequences would wait for a place.
             SchedulerStopped: ``stop`` was called (the server is shutting down).
         """
         with self._wake:
             if self._stopping:
                 raise SchedulerStopped("the scheduler is stopped (the server is shutting down)")
-            cap = self.config.max_queued_requests
-            if cap is not None and len(self._waiting) + len(items) > cap:
-                raise QueueFull(f"{len(self._waiting)} requests are queued and this one needs {len(items)} "
-                                f"places; the limit is {cap} (--max-queued-requests)")
+            cap, free = self.config.max_queued_requests, self.free_places
+            must_wait = len(self._waiting) + len(items) - free
+            if cap is not None and must_wait > cap:
+                raise QueueFull(f"{len(self._waiting)} sequences are queued, {free} running places are free "
+                                f"(--max-running-requests {self.config.max_running_requests}) and this request "
+                                f"needs {len(items)}; at most {cap} may wait (--max-queued-requests)")
             reqs = []
             for ids, sampling, on_event in items:
                 params = SamplingParams.of(sampling)
@@ -151,6 +158,11 @@ class BatchScheduler:
                 self._waiting.append(req)
             self._wake.notify()
         return reqs
+
+    @property
+    def free_places(self) -> int:
+        """Running places not held by an admitted, unfinished sequence (what the next step can admit)."""
+        return max(0, self.config.max_running_requests - self._places_taken)
 
     def cancel(self, req: Request) -> None:
         """Free the request's place at the next step (a client went away)."""
@@ -219,6 +231,7 @@ class BatchScheduler:
             now = time.perf_counter()
             for req in admitted:
                 req.admitted_s = now
+            self._places_taken += len(admitted)
         for req in [r for r in self._running if r.cancelled]:
             self._running.remove(req)
             self._finish(req, "cancelled")
@@ -372,7 +385,10 @@ class BatchScheduler:
         return Event(text, len(req.output_ids), time_s=now, logprobs=logprobs, prompt_logprobs=prompt, **final)
 
     def _finish(self, req: Request, reason: str, *, text: str = "", error: str | None = None) -> None:
-        req.finished_s = now = time.perf_counter()
+        with self._wake:
+            if req.admitted_s is not None and req.finished_s is None:
+                self._places_taken -= 1  # its place is free for the next step's admission
+            req.finished_s = now = time.perf_counter()
         self.forwards.release(req)
         counter = {"cancelled": "cancelled", "error": "failed", "abort": "aborted"}.get(reason, "finished")
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)

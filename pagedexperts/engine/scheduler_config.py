@@ -18,8 +18,8 @@ class SchedulerConfig:
     """Batching limits.
 
     ``max_running_requests``: decode batch cap. ``context_length``: longest prompt +
-    completion in tokens. ``max_queued_requests``: waiting requests beyond which ``submit``
-    raises ``QueueFull`` (None = unbounded). ``chunked_prefill``: prompt chunks share the
+    completion in tokens. ``max_queued_requests``: how many sequences may wait beyond the free
+    running places; one more and ``submit`` raises ``QueueFull`` (None = unbounded). ``chunked_prefill``: prompt chunks share the
     decode forward; ``max_prefill_tokens`` is then the prompt tokens of one step. Without
     it, ``max_prefill_tokens`` is the padded tokens (B x P_max) of one prefill forward; a
     prompt longer than that is prefilled alone, so 1 means one prompt per forward.

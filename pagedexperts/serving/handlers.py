@@ -50,8 +50,8 @@ class ServeConfig:
     """How the server serves.
 
     ``served_model_name``: the name clients must send. ``max_running_requests``,
-    ``max_queued_requests`` (None = unbounded), ``max_prefill_tokens``: the scheduler's
-    limits (``SchedulerConfig``). ``context_length``: longest prompt + completion, tokens.
+    ``max_queued_requests`` (sequences that wait beyond the free running places; None =
+    unbounded), ``max_prefill_tokens``: the scheduler's limits (``SchedulerConfig``). ``context_length``: longest prompt + completion, tokens.
     ``max_body_bytes``: request body limit (None = ``admission.default_max_body_bytes``).
     ``api_key``: when set, /v1/* needs ``Authorization: Bearer <key>``. ``shutdown_timeout_s``:
     how long running requests may finish after SIGTERM. ``record_trace``: .npz path.
@@ -136,15 +136,17 @@ class OpenAIServing:
 
     def admit_body(self, body) -> validation.Prepared:
         """Check and tokenize a parsed completions / chat request; raises ApiError, also for
-        more sequences (prompts x n) than ``max_queued_requests``: such a request could never
-        be queued, so it is a 400, not a 429 to retry."""
+        more sequences (prompts x n) than an idle server takes (every running place plus
+        ``max_queued_requests``): such a request could never be queued, so it is a 400, not a
+        429 to retry."""
         validation.check_model(body, self.config.served_model_name)
         prepared = validation.prepare(body, self.tokenizer, context_length=self.config.context_length,
                                     vocab_size=self.vocab_size, eos_ids=tuple(sorted(self.scheduler.eos_ids)))
         cap, needed = self.config.max_queued_requests, len(prepared.sequences)
-        if cap is not None and needed > cap:
+        if cap is not None and needed > cap + self.config.max_running_requests:
             raise ApiError(f"prompts x n = {len(prepared.prompt_ids)} x {prepared.n} = {needed} sequences; at most "
-                           f"{cap} can be queued (--max-queued-requests)", param="n")
+                           f"{self.config.max_running_requests + cap} fit an idle server (--max-running-requests "
+                           f"{self.config.max_running_requests} + --max-queued-requests {cap})", param="n")
         return prepared
 
     async def serve(self, http: HttpRequest, *, chat: bool):
