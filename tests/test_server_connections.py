@@ -127,17 +127,18 @@ def test_connection_cap(guarded):
     held = [socket.create_connection(("127.0.0.1", _port(url))) for _ in range(MAX_CONNECTIONS)]
     try:
         time.sleep(0.2)
-        r = httpx.get(url + "/health", timeout=10)  # the 41st connection
+        r = httpx.get(url + "/v1/models", timeout=10)  # the 41st connection
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "too_many_connections", r.text  # OpenAI's shape, not uvicorn's text
         assert "--max-connections" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # probes are answered over the cap
     finally:
         for s in held:
             s.close()
     deadline = time.monotonic() + 5
-    while httpx.get(url + "/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
+    while httpx.get(url + "/v1/models", timeout=10).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.get(url + "/v1/models", timeout=10).status_code == 200
 
 
 def _stalled_body(url: str, length: int) -> socket.socket:
@@ -164,18 +165,18 @@ def _answer(sock: socket.socket) -> bytes:
 
 def test_stalled_bodies_are_timed_out(capped):
     """8 bodies stalled at --max-connections 8 hold every connection (the next request gets 503);
-    within the body timeout each gets a 408 in OpenAI's shape and /health answers 200 again."""
+    within the body timeout each gets a 408 in OpenAI's shape and requests are served again."""
     url = capped[0]
     socks = [_stalled_body(url, 100) for _ in range(CAPPED_CONNECTIONS)]
     try:
         start = time.monotonic()
-        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 503
         status = 503
         while status != 200 and time.monotonic() - start < BODY_TIMEOUT_S + 3:
             time.sleep(0.1)
-            status = httpx.get(url + "/health", timeout=10).status_code
+            status = httpx.get(url + "/v1/models", timeout=10).status_code
         healthy_s = time.monotonic() - start
-        assert status == 200, f"/health still {status} {healthy_s:.1f}s after {CAPPED_CONNECTIONS} stalled bodies"
+        assert status == 200, f"still {status} {healthy_s:.1f}s after {CAPPED_CONNECTIONS} stalled bodies"
         assert healthy_s < BODY_TIMEOUT_S + 1.5
         for s in socks:
             head, _, body = _answer(s).partition(b"\r\n\r\n")
@@ -270,6 +271,8 @@ def test_a_burst_the_free_places_take_is_not_refused(capped):
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError, match="--header-timeout"):
         uvicorn_config(None, header_timeout_s=0)
+    with pytest.raises(ValueError, match="--body-deadline must be > 0 seconds, got -1"):
+        uvicorn_config(None, body_deadline_s=-1)
     with pytest.raises(ValueError, match="--max-connections"):
         uvicorn_config(None, max_connections=0)
     with pytest.raises(ValueError, match="--body-timeout"):

@@ -75,6 +75,7 @@ def test_cli_defaults_match_the_library():
 
     assert serve.DEFAULT_HEADER_TIMEOUT_S == connections.DEFAULT_HEADER_TIMEOUT_S
     assert serve.DEFAULT_BODY_TIMEOUT_S == connections.DEFAULT_BODY_TIMEOUT_S
+    assert serve.DEFAULT_BODY_DEADLINE_S == connections.DEFAULT_BODY_DEADLINE_S
     assert serve.DEFAULT_MAX_CONNECTIONS == connections.DEFAULT_MAX_CONNECTIONS
 
 

@@ -15,6 +15,7 @@ from pagedexperts.commands.speculative_flags import add_speculative_arguments, s
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # = engine.scheduler_config.DEFAULT_MAX_PREFILL_TOKENS
 DEFAULT_HEADER_TIMEOUT_S = 5.0  # = serving.connections.DEFAULT_HEADER_TIMEOUT_S
 DEFAULT_BODY_TIMEOUT_S = 30.0  # = serving.connections.DEFAULT_BODY_TIMEOUT_S
+DEFAULT_BODY_DEADLINE_S = 300.0  # = serving.connections.DEFAULT_BODY_DEADLINE_S
 DEFAULT_MAX_CONNECTIONS = 1024  # = serving.connections.DEFAULT_MAX_CONNECTIONS
 MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.validation.MAX_PROMPT_BYTES_PER_TOKEN
 
@@ -69,10 +70,15 @@ def add_parser(sub) -> None:
                    "after its previous response (slow or idle clients; default %(default)s)")
     a.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                    help="answer 408 and close a connection whose request body sends no byte for S seconds "
-                   "(between two reads, as nginx's client_body_timeout; default %(default)s)")
+                   "(between two reads, as nginx's client_body_timeout; default %(default)s). See also --body-deadline")
+    a.add_argument("--body-deadline", type=float, default=DEFAULT_BODY_DEADLINE_S, metavar="S",
+                   help="answer 408 and close a connection whose request body is not complete S seconds after its "
+                   "headers, however steadily it trickles in (the whole body, as Node.js's requestTimeout; "
+                   "default %(default)s)")
     a.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
                    help="open connections at most; beyond them requests get 503 + Retry-After in OpenAI's error "
-                   "shape (default %(default)s)")
+                   "shape, except GET /health and /metrics, which are answered while the server serves "
+                   "(default %(default)s)")
     a.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM / SIGINT: new requests get 503 + Retry-After, running ones have S seconds to "
                    "finish, then each remaining stream gets a final error event and [DONE] (default 30)")
@@ -110,7 +116,7 @@ def run(args) -> int:
                          max_prefill_tokens=args.max_prefill_tokens, max_body_bytes=args.max_body_bytes,
                          api_key=args.api_key, shutdown_timeout_s=args.shutdown_timeout, speculative=speculative,
                          chunked_prefill=args.chunked_prefill, header_timeout_s=args.header_timeout,
-                         body_timeout_s=args.body_timeout,
+                         body_timeout_s=args.body_timeout, body_deadline_s=args.body_deadline,
                          max_connections=args.max_connections, cuda_graph_max_batch=args.cuda_graph_max_batch)
     print(f"pagedexperts serve: {name} on http://{args.host}:{args.port}, K={rt.num_resident} of "
           f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}; {speculation_note(speculative)}",
@@ -159,6 +165,8 @@ def _check_flags(args) -> None:
         raise ValueError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
     if not args.body_timeout > 0:
         raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
+    if not args.body_deadline > 0:
+        raise ValueError(f"--body-deadline must be > 0 seconds, got {args.body_deadline}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     parent = os.path.dirname(args.record_trace) if args.record_trace else ""

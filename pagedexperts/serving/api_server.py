@@ -1,7 +1,7 @@
 """The FastAPI app and its process: routes, error handlers, lifespan, ``run_server``.
 
 Owns: the route table (POST /v1/completions, /v1/chat/completions, /v1/responses; GET
-/v1/models, /health, /metrics, and /server_info + /model_info for a router), the exception
+/v1/models, /health and /metrics (HEAD too), and /server_info + /model_info for a router), the exception
 handlers that put EVERY error in OpenAI's shape (framework 404 /
 405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
 routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
@@ -101,7 +101,7 @@ def _routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) -> None:
     scheduler = serving.scheduler
     body_doc = {"requestBody": {"content": {"application/json": {"schema": {"type": "object"}}}, "required": True}}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes (uvicorn sends no body)
     async def health():
         status = "ok" if serving.lifecycle.admitting else "shutting_down"
         body = {"status": status, "running": scheduler.num_running, "waiting": scheduler.num_waiting}
@@ -112,7 +112,7 @@ def _routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) -> None:
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
                                             "owned_by": "pagedexperts", "max_model_len": config.context_length}]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -167,7 +167,7 @@ def run_server(model, tokenizer, config: ServeConfig, *, host: str, port: int, l
                 speculation_note(config.speculative))
     app = create_app(model, tokenizer, config)
     uv = uvicorn_config(app, header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
-                        max_connections=config.max_connections,
+                        body_deadline_s=config.body_deadline_s, max_connections=config.max_connections,
                         host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
     draining_server_class()(uv, app.state.serving).run()
 

@@ -31,7 +31,8 @@ from starlette.requests import ClientDisconnect
 
 from pagedexperts.serving import bodies, protocol, validation
 from pagedexperts.serving.admission import RETRY_AFTER_S, client_disconnected, shutting_down
-from pagedexperts.serving.connections import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+from pagedexperts.serving.connections import (DEFAULT_BODY_DEADLINE_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                              DEFAULT_MAX_CONNECTIONS)
 from pagedexperts.serving.metrics import Metrics
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from pagedexperts.engine.speculative.config import SpeculativeConfig
@@ -58,7 +59,8 @@ class ServeConfig:
     ``model_path``: the checkpoint directory, reported to a router (``/server_info``).
     ``speculative``: an ``engine.speculative.config.SpeculativeConfig`` (--speculative), None = plain decoding.
     ``chunked_prefill``: prompt chunks share the decode forward (``SchedulerConfig``).
-    ``header_timeout_s``, ``body_timeout_s``, ``max_connections``: connection limits (``connections``).
+    ``header_timeout_s``, ``body_timeout_s``, ``body_deadline_s``, ``max_connections``: connection limits
+    (``connections``).
     ``cuda_graph_max_batch``: the largest decode bucket captured on CUDA (--cuda-graph-max-batch);
     None = every bucket up to ``max_running_requests``.
     """
@@ -77,6 +79,7 @@ class ServeConfig:
     chunked_prefill: bool = True
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    body_deadline_s: float = DEFAULT_BODY_DEADLINE_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     cuda_graph_max_batch: int | None = None
 
