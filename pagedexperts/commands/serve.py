@@ -81,7 +81,8 @@ def add_parser(sub) -> None:
                    "(default %(default)s)")
     a.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM / SIGINT: new requests get 503 + Retry-After, running ones have S seconds to "
-                   "finish, then each remaining stream gets a final error event and [DONE] (default 30)")
+                   "finish, then each remaining stream gets a final error event and [DONE], and the process exits 0 "
+                   "(a second signal ends every request at once; default 30)")
     o = p.add_argument_group("output")
     o.add_argument("--record-trace", metavar="PATH", help="record the routing trace (.npz, real request ids), saved at shutdown")
     p.set_defaults(func=run)

@@ -5,9 +5,9 @@ Owns: the route table (POST /v1/completions, /v1/chat/completions, /v1/responses
 handlers that put EVERY error in OpenAI's shape (framework 404 /
 405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
 routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
-signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn; a second one
-ends every running and queued request at once (each stream still gets its final event and
-``[DONE]``) and stops uvicorn. Does not: handle a request itself (``handlers``).
+signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn, and the process
+exits 0; a second one ends every running and queued request at once (each stream still gets
+its final event and ``[DONE]``) and stops uvicorn, which re-raises the signal (status 128 + it). Does not: handle a request itself (``handlers``).
 
 Chat prompts use the tokenizer's chat template; a tokenizer without one gets the plain
 template ``validation.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -178,14 +178,26 @@ def draining_server_class():
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn's server whose first exit signal drains the app before uvicorn stops."""
+        """uvicorn's server whose first exit signal drains the app before uvicorn stops. After
+        a drain that no second signal cut short, the process exits 0: uvicorn would re-raise the
+        signal it caught once it stopped (status 143 for SIGTERM), reporting a clean stop as a kill."""
 
         def __init__(self, config, serving: OpenAIServing) -> None:
             super().__init__(config)
             self.serving, self._draining, self._exit_lock = serving, False, threading.Lock()
+            self._drained = self._forced = False
+
+        @contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                if self._drained:
+                    self._captured_signals.clear()  # nothing to re-raise: the stop was the clean one asked for
 
         def handle_exit(self, sig, frame) -> None:
             if self._draining:  # a second signal: end every request now, each with its final event
+                with self._exit_lock:
+                    self._forced = True
                 threading.Thread(target=self._stop_now, args=(sig, frame), name="pagedexperts-stop", daemon=True).start()
                 return
             self._draining = True
@@ -193,6 +205,8 @@ def draining_server_class():
 
         def _drain(self, sig, frame) -> None:
             self.serving.begin_shutdown()
+            with self._exit_lock:
+                self._drained = not self._forced
             self._exit_once(sig, frame)
 
         def _stop_now(self, sig, frame) -> None:
