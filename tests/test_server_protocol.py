@@ -163,11 +163,13 @@ def test_router_forwarded_defaults_pass_and_other_values_are_refused(raw, cls):
     import json
 
     validation.check_ranges(protocol.parse_request(raw, cls))
-    for name, value in (("ignore_eos", True), ("skip_special_tokens", False), ("no_stop_trim", True)):
+    for name, value in (("no_stop_trim", True), ("return_hidden_states", True)):
         body = protocol.parse_request(json.dumps({**json.loads(raw), name: value}).encode(), cls)
         with pytest.raises(ApiError, match=f"unsupported field '{name}'") as e:
             validation.check_ranges(body)
         assert e.value.param == name
+    for name, value in (("ignore_eos", True), ("skip_special_tokens", False)):  # vLLM's options, served
+        validation.check_ranges(protocol.parse_request(json.dumps({**json.loads(raw), name: value}).encode(), cls))
 
 
 def test_responses_request_becomes_the_chat_request():

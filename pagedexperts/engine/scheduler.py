@@ -41,6 +41,7 @@ the model's own business, and its counters are read by whoever exports them.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -57,7 +58,7 @@ from pagedexperts.engine.isolation import check_inputs, each_isolated
 from pagedexperts.engine.row_attention import rows_problem
 from pagedexperts.engine.row_forwards import RowForwards
 from pagedexperts.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
-from pagedexperts.generation.stop_text import IncrementalText
+from pagedexperts.generation.stop_text import REPLACEMENT_CHAR, IncrementalText
 from pagedexperts.engine.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
 from pagedexperts.engine.sequence import Event, Request, eos_ids, seeded_generator
 from pagedexperts.engine.speculative.decoder import SpeculativeDecoder
@@ -152,12 +153,20 @@ class BatchScheduler:
                                 f"needs {len(items)}; at most {cap} may wait (--max-queued-requests)")
             reqs = []
             for ids, sampling, on_event in items:
-                params = SamplingParams.of(sampling)
-                req = Request(next(self._ids), list(ids), params, on_event, text=IncrementalText(tuple(params.stop)))
+                params = self._held_back(SamplingParams.of(sampling))
+                text = IncrementalText(tuple(params.stop), include=params.include_stop_str_in_output)
+                req = Request(next(self._ids), list(ids), params, on_event, text=text)
                 reqs.append(req)
                 self._waiting.append(req)
             self._wake.notify()
         return reqs
+
+    def _held_back(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``eos_ids``, what min_tokens holds back, set: this model's
+        end-of-sequence ids and the request's stop_token_ids (vLLM masks both)."""
+        if not params.min_tokens:
+            return params
+        return dataclasses.replace(params, eos_ids=tuple(sorted(self.eos_ids | set(params.stop_token_ids))))
 
     @property
     def free_places(self) -> int:
@@ -359,22 +368,30 @@ class BatchScheduler:
 
     def _accept(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
         """Sample the next token of ``req`` (or take ``token``, chosen by speculation from these
-        logits), emit its new text, finish it if done."""
+        logits), emit its new text, finish it if done: a stop token (an end-of-sequence id unless
+        ``ignore_eos``, or one of ``stop_token_ids``) or a stop string, once ``min_tokens`` tokens
+        exist; or ``max_new_tokens``. The text a stop token ended is not shown unless
+        ``include_stop_str_in_output`` (vLLM's V1 detokenizer)."""
+        p = req.sampling
         if token is None:
-            token = sample(logits, req.sampling, req.output_ids, req.generator)
+            token = sample(logits, p, req.output_ids, req.generator)
         now = time.perf_counter()
         if req.first_token_s is None:
             req.first_token_s = now
-        if req.sampling.logprobs is not None:
+        if p.logprobs is not None:
             req.pending_logprobs += self._report(logits[None], [token], req)
         req.output_ids.append(token)
-        ended = token in self.eos_ids or len(req.output_ids) >= req.sampling.max_new_tokens
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        n = len(req.output_ids)
+        stop_token = n >= p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids))
+        ended = stop_token or n >= p.max_new_tokens
+        shown = req.output_ids[:-1] if stop_token and not p.include_stop_str_in_output else req.output_ids
+        text = self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
+        if n <= p.min_tokens:  # stop strings count only after the text of the first min_tokens tokens
+            req.text.stop_from = len(text.rstrip(REPLACEMENT_CHAR))
         delta, stopped = req.text.update(text, complete=ended)
         if stopped or ended:
             self._running.remove(req)
-            reason = "stop" if stopped or token in self.eos_ids else "length"
-            self._finish(req, reason, text=delta)
+            self._finish(req, "stop" if stopped or stop_token else "length", text=delta)
         elif delta or req.pending_logprobs or req.pending_prompt_logprobs:
             req.on_event(self._event(req, delta, now=now))
 

@@ -144,7 +144,7 @@ class OpenAIServing:
         429 to retry."""
         validation.check_model(body, self.config.served_model_name)
         prepared = validation.prepare(body, self.tokenizer, context_length=self.config.context_length,
-                                    vocab_size=self.vocab_size, eos_ids=tuple(sorted(self.scheduler.eos_ids)))
+                                      vocab_size=self.vocab_size)
         cap, needed = self.config.max_queued_requests, len(prepared.sequences)
         if cap is not None and needed > cap + self.config.max_running_requests:
             raise ApiError(f"prompts x n = {len(prepared.prompt_ids)} x {prepared.n} = {needed} sequences; at most "

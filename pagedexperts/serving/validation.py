@@ -31,6 +31,7 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGPROBS = 20  # completions ``logprobs`` and chat ``top_logprobs`` (OpenAI chat's and vLLM's max)
 MAX_STOP_STRINGS = 16  # vLLM takes any number; bounded here (the stop scan runs every token)
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256  # vLLM takes any number; bounded here like the stop strings
 MAX_N = 16
 MAX_SEQUENCES = 64  # prompts x n of one request
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -126,6 +127,19 @@ def check_ranges(body) -> tuple[str, ...]:
     else:
         _in_range(body.logprobs, 0, MAX_LOGPROBS, "logprobs")
     return stop
+
+
+def stop_token_ids(body, vocab_size: int) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``, deduplicated in order; raises ApiError for too many or an id
+    outside the vocabulary."""
+    ids = tuple(dict.fromkeys(body.stop_token_ids or ()))
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}", param="stop_token_ids")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(f"stop_token_ids must be token ids in [0, {vocab_size}) (the vocabulary), got {bad}",
+                       param="stop_token_ids")
+    return ids
 
 
 def logit_bias(body, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -236,15 +250,15 @@ def prompt_inputs(body, tokenizer, context_length: int, vocab_size: int) -> tupl
     return ids, texts, param
 
 
-def prepare(body, tokenizer, *, context_length: int, vocab_size: int, eos_ids: tuple[int, ...] = ()) -> Prepared:
+def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepared:
     """Check a parsed request against the server's limits and tokenize its prompts.
 
     ``context_length``: longest prompt + completion in tokens; ``vocab_size``: token ids
-    must be below it; ``eos_ids``: the end-of-sequence ids ``min_tokens`` holds back. Raises
-    ApiError naming the first field out of range.
+    must be below it. Raises ApiError naming the first field out of range.
     """
     stop = check_ranges(body)
     bias = logit_bias(body, vocab_size)
+    stop_ids = stop_token_ids(body, vocab_size)
     chat = isinstance(body, ChatCompletionRequest)
     echo = bool(getattr(body, "echo", False))
     max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
@@ -281,7 +295,8 @@ def prepare(body, tokenizer, *, context_length: int, vocab_size: int, eos_ids: t
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                 logit_bias=bias, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None,
                 top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0, repetition_penalty=repetition,
-                prompt_ids=tuple(p) if repetition != 1.0 else (), min_tokens=min_tokens,
-                eos_ids=tuple(eos_ids) if min_tokens else ()))
+                prompt_ids=tuple(p) if repetition != 1.0 else (), min_tokens=min_tokens, stop_token_ids=stop_ids,
+                ignore_eos=bool(body.ignore_eos), include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                skip_special_tokens=body.skip_special_tokens is not False))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(ids, texts, sequences, n, echo, bool(body.stream), include_usage)
