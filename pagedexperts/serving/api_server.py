@@ -1,7 +1,7 @@
 """The FastAPI app and its process: routes, error handlers, lifespan, ``run_server``.
 
 Owns: the route table (POST /v1/completions, /v1/chat/completions, /v1/responses; GET
-/v1/models, /health and /metrics (HEAD too), and /server_info + /model_info for a router), the exception
+/v1/models, /v1/models/{id}, /health and /metrics (HEAD too), and /server_info + /model_info for a router), the exception
 handlers that put EVERY error in OpenAI's shape (framework 404 /
 405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
 routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
@@ -30,6 +30,7 @@ from pagedexperts.serving.admission import Admission, default_max_body_bytes, er
 from pagedexperts.serving.handlers import OpenAIServing, ServeConfig
 from pagedexperts.serving.protocol import ApiError
 from pagedexperts.serving.responses_api import ResponsesServing
+from pagedexperts.serving.validation import check_model
 from pagedexperts.serving.connections import uvicorn_config
 
 logger = logging.getLogger(__name__)
@@ -107,10 +108,17 @@ def _routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) -> None:
         body = {"status": status, "running": scheduler.num_running, "waiting": scheduler.num_waiting}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
+    card = {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "pagedexperts",
+            "max_model_len": config.context_length}  # OpenAI's Model object (+ vLLM's max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "pagedexperts", "max_model_len": config.context_length}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # the openai SDK's models.retrieve; ids may hold "/"
+    async def model(model_id: str):
+        check_model(model_id, config.served_model_name)
+        return card
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():

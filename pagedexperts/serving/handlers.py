@@ -142,7 +142,7 @@ class OpenAIServing:
         more sequences (prompts x n) than an idle server takes (every running place plus
         ``max_queued_requests``): such a request could never be queued, so it is a 400, not a
         429 to retry."""
-        validation.check_model(body, self.config.served_model_name)
+        validation.check_model(body.model, self.config.served_model_name)
         prepared = validation.prepare(body, self.tokenizer, context_length=self.config.context_length,
                                       vocab_size=self.vocab_size)
         cap, needed = self.config.max_queued_requests, len(prepared.sequences)

@@ -52,10 +52,10 @@ class Prepared:
     include_usage: bool
 
 
-def check_model(body, served_model_name: str) -> None:
-    """Raises ApiError 404 (``model_not_found``) for a model name not served here."""
-    if body.model != served_model_name:
-        raise ApiError(f"The model {body.model!r} does not exist; this server serves {served_model_name!r} "
+def check_model(name: str, served_model_name: str) -> None:
+    """Raises ApiError 404 (``model_not_found``, OpenAI's) for a model name not served here."""
+    if name != served_model_name:
+        raise ApiError(f"The model {name!r} does not exist; this server serves {served_model_name!r} "
                        "(GET /v1/models)", param="model", status=404, code="model_not_found")
 
 
