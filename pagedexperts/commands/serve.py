@@ -25,8 +25,12 @@ def add_parser(sub) -> None:
         "serve",
         help=COMMANDS["serve"],
         description="Serve the model over HTTP: POST /v1/completions, /v1/chat/completions "
-        "and /v1/responses (stream: true for server-sent events), GET /v1/models, /health, /metrics "
-        "(Prometheus), /server_info and /model_info (what sglang-router reads when it registers a replica). "
+        "and /v1/responses (stream: true for server-sent events), GET /v1/models, /v1/models/{id}, /health, "
+        "/metrics (Prometheus), /server_info and /model_info (what sglang-router reads when it registers a "
+        "replica). A request without max_tokens gets OpenAI's and vLLM's default: 16 tokens on /v1/completions, "
+        "what the context leaves after the prompt on chat and responses (max_output_tokens reports the limit "
+        "applied). Besides OpenAI's fields, requests take vLLM's top_k, min_p, repetition_penalty, min_tokens, "
+        "stop_token_ids, ignore_eos, include_stop_str_in_output and skip_special_tokens, with vLLM's meaning. "
         "Running requests decode together in one forward per step, and prompts are prefilled in chunks "
         "that share those forwards (chunked prefill). "
         "Needs the server extra: pip install 'pagedexperts[server]'.",

@@ -1,13 +1,14 @@
 """The FastAPI app and its process: routes, error handlers, lifespan, ``run_server``.
 
 Owns: the route table (POST /v1/completions, /v1/chat/completions, /v1/responses; GET
-/v1/models, /v1/models/{id}, /health and /metrics (HEAD too), and /server_info + /model_info for a router), the exception
-handlers that put EVERY error in OpenAI's shape (framework 404 /
+/v1/models, /v1/models/{id}, /health and /metrics (HEAD too), and /server_info + /model_info
+for a router), the exception handlers that put EVERY error in OpenAI's shape (framework 404 /
 405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
 routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
 signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn, and the process
 exits 0; a second one ends every running and queued request at once (each stream still gets
-its final event and ``[DONE]``) and stops uvicorn, which re-raises the signal (status 128 + it). Does not: handle a request itself (``handlers``).
+its final event and ``[DONE]``) and stops uvicorn, which re-raises the signal (status 128 +
+its number). Does not: handle a request itself (``handlers``).
 
 Chat prompts use the tokenizer's chat template; a tokenizer without one gets the plain
 template ``validation.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,

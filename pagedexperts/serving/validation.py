@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pagedexperts.engine.sampling import GREEDY_BELOW, SamplingParams
 from pagedexperts.serving.protocol import SGLANG_DEFAULTS, UNSUPPORTED, ApiError, ChatCompletionRequest, ChatMessage
 
-DEFAULT_MAX_TOKENS = 128  # when a request gives none (capped by what the context leaves)
+# max_tokens when a request gives none: OpenAI's and vLLM's defaults. Completions: 16 (capped by what
+# the context leaves); chat (and the Responses API, which is served through it): what the context leaves.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0  # presence / frequency penalty range [-2, 2] (OpenAI's)
 MAX_REPETITION_PENALTY = 100.0  # repetition_penalty in (0, 100]; 1 = none (vLLM asks > 0)
@@ -250,11 +252,20 @@ def prompt_inputs(body, tokenizer, context_length: int, vocab_size: int) -> tupl
     return ids, texts, param
 
 
+def default_max_tokens(prompt_tokens: int, context_length: int, *, chat: bool) -> int:
+    """max_tokens of a request that gives none: what the context leaves after the prompt for chat
+    (and Responses), at most ``DEFAULT_COMPLETION_MAX_TOKENS`` of it for completions (OpenAI's and
+    vLLM's defaults)."""
+    room = context_length - prompt_tokens
+    return room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+
+
 def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepared:
     """Check a parsed request against the server's limits and tokenize its prompts.
 
     ``context_length``: longest prompt + completion in tokens; ``vocab_size``: token ids
-    must be below it. Raises ApiError naming the first field out of range.
+    must be below it. A request without max_tokens gets ``default_max_tokens``. Raises ApiError
+    naming the first field out of range.
     """
     stop = check_ranges(body)
     bias = logit_bias(body, vocab_size)
@@ -272,10 +283,12 @@ def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepare
         raise ApiError(f"max_tokens {max_tokens} + prompt {longest} tokens exceed the context length "
                        f"{context_length} (--context-length); ask for at most {room}",
                        param="max_tokens", code="context_length_exceeded")
+    applied = [default_max_tokens(len(p), context_length, chat=chat) if max_tokens is None else max_tokens
+               for p in ids]
     min_tokens = body.min_tokens or 0
-    if min_tokens > (max_tokens if max_tokens is not None else room):
-        raise ApiError(f"min_tokens {min_tokens} is more than max_tokens "
-                       f"{max_tokens if max_tokens is not None else room}", param="min_tokens")
+    if min_tokens > min(applied):
+        default = "" if max_tokens is not None else " (the default when none is given)"
+        raise ApiError(f"min_tokens {min_tokens} is more than max_tokens {min(applied)}{default}", param="min_tokens")
     repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
     n = body.n or 1
     if len(ids) * n > MAX_SEQUENCES:
@@ -285,10 +298,10 @@ def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepare
     else:
         logprobs = body.logprobs
     sequences = []
-    for p in ids:
+    for p, max_new_tokens in zip(ids, applied):
         for j in range(n):
             sequences.append(SamplingParams(
-                max_new_tokens=max_tokens if max_tokens is not None else min(DEFAULT_MAX_TOKENS, context_length - len(p)),
+                max_new_tokens=max_new_tokens,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 seed=None if body.seed is None else (body.seed + j) % 2**64, stop=stop,
