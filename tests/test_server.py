@@ -257,7 +257,7 @@ def test_concurrent_requests_batch_queue_and_all_complete(server):
     assert all(a.json()["choices"][0]["finish_reason"] in ("length", "stop") for a in answers)
     assert max(seen) > 1, f"running batch never above 1 (seen {sorted(set(seen))})"
     assert 1 < metric(url, "pagedexperts_max_decode_batch") <= MAX_RUNNING
-    assert metric(url, 'pagedexperts_expert_misses_total{layer="0"}') > 0
+    assert metric(url, 'pagedexperts_paging_misses_total{layer="0"}') > 0
     assert metric(url, "pagedexperts_time_to_first_token_seconds_count") >= len(PROMPTS)
     assert metric(url, "pagedexperts_time_per_output_token_seconds_count") >= len(PROMPTS)
     q_count, q_sum, t_count, t_sum = (metric(url, name) - b for name, b in zip(timing, before))

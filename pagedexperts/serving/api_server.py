@@ -156,7 +156,7 @@ def single_wave_note(runtime, max_running_requests: int) -> str:
     note = (f"single-wave cap K // top_k = {runtime.num_resident} // {runtime.top_k} = {cap} decode requests; "
             f"--max-running-requests {max_running_requests}")
     if max_running_requests > cap:
-        note += " (larger batches may need more than one wave per layer step; see pagedexperts_multi_wave_steps)"
+        note += " (larger batches may need more than one wave per layer step; see pagedexperts_paging_multi_wave_steps_total)"
     return note
 
 
