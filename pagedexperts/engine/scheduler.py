@@ -41,7 +41,6 @@ the model's own business, and its counters are read by whoever exports them.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import threading
@@ -60,7 +59,7 @@ from pagedexperts.engine.row_forwards import RowForwards
 from pagedexperts.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from pagedexperts.generation.stop_text import REPLACEMENT_CHAR, IncrementalText
 from pagedexperts.engine.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
-from pagedexperts.engine.sequence import Event, Request, eos_ids, seeded_generator
+from pagedexperts.engine.sequence import Event, Request, ends_sequence, eos_ids, held_back, seeded_generator
 from pagedexperts.engine.speculative.decoder import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
@@ -153,20 +152,13 @@ class BatchScheduler:
                                 f"needs {len(items)}; at most {cap} may wait (--max-queued-requests)")
             reqs = []
             for ids, sampling, on_event in items:
-                params = self._held_back(SamplingParams.of(sampling))
+                params = held_back(SamplingParams.of(sampling), self.eos_ids)
                 text = IncrementalText(tuple(params.stop), include=params.include_stop_str_in_output)
                 req = Request(next(self._ids), list(ids), params, on_event, text=text)
                 reqs.append(req)
                 self._waiting.append(req)
             self._wake.notify()
         return reqs
-
-    def _held_back(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with ``eos_ids``, what min_tokens holds back, set: this model's
-        end-of-sequence ids and the request's stop_token_ids (vLLM masks both)."""
-        if not params.min_tokens:
-            return params
-        return dataclasses.replace(params, eos_ids=tuple(sorted(self.eos_ids | set(params.stop_token_ids))))
 
     @property
     def free_places(self) -> int:
@@ -286,7 +278,7 @@ class BatchScheduler:
         """One forward over the whole prompts of ``reqs`` (``StepForwards.prefill``), then each one's
         first token."""
         rows = self.forwards.prefill(reqs)
-        self._count_prefill(len(reqs), sum(len(r.prompt_ids) for r in reqs))
+        self.stats.count_prefill(len(reqs), sum(len(r.prompt_ids) for r in reqs))
 
         def prefilled(req: Request) -> None:
             self._running.append(req)
@@ -301,9 +293,9 @@ class BatchScheduler:
         if self.speculative is not None and decodes:
             segments[:decodes], proposals = self.speculative.segments(segments[:decodes])
         rows = self.forwards.packed(segments, decodes)
-        self._count_prefill(len(segments) - decodes, sum(len(s.token_ids) for s in segments[decodes:]))
+        self.stats.count_prefill(len(segments) - decodes, sum(len(s.token_ids) for s in segments[decodes:]))
         if decodes:
-            self._count_decode(decodes)
+            self.stats.count_decode(decodes)
             self.stats.mixed_steps += 1
         self._decoded([s.request for s in segments[:decodes]], rows, proposals)
         each_isolated([s.request for s in segments[decodes:]],
@@ -345,20 +337,9 @@ class BatchScheduler:
         if self.speculative is not None:  # propose, verify in one forward, roll back
             return self.speculative.decode(self, reqs)
         logits = self.forwards.decodes(reqs, [[r.output_ids[-1]] for r in reqs])
-        self._count_decode(len(reqs))
+        self.stats.count_decode(len(reqs))
         row = {r.request_id: i for i, r in enumerate(reqs)}
         each_isolated(reqs, lambda r: self._accept(r, logits[row[r.request_id], -1]), self._fail, what="sampling")
-
-    def _count_prefill(self, rows: int, tokens: int) -> None:
-        self.stats.prefill_steps += 1
-        self.stats.prefill_rows += rows
-        self.stats.prefill_tokens += tokens
-        self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, rows)
-
-    def _count_decode(self, batch: int) -> None:
-        self.stats.decode_steps += 1
-        self.stats.decode_rows += batch
-        self.stats.max_decode_batch = max(self.stats.max_decode_batch, batch)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -382,7 +363,7 @@ class BatchScheduler:
             req.pending_logprobs += self._report(logits[None], [token], req)
         req.output_ids.append(token)
         n = len(req.output_ids)
-        stop_token = n >= p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids))
+        stop_token = ends_sequence(p, token, n, self.eos_ids)
         ended = stop_token or n >= p.max_new_tokens
         shown = req.output_ids[:-1] if stop_token and not p.include_stop_str_in_output else req.output_ids
         text = self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)

@@ -82,3 +82,16 @@ class SchedulerStats:
     cancelled: int = 0
     failed: int = 0
     aborted: int = 0
+
+    def count_prefill(self, rows: int, tokens: int) -> None:
+        """One forward that prefilled ``rows`` prompts (or chunks) of ``tokens`` prompt tokens."""
+        self.prefill_steps += 1
+        self.prefill_rows += rows
+        self.prefill_tokens += tokens
+        self.max_prefill_batch = max(self.max_prefill_batch, rows)
+
+    def count_decode(self, batch: int) -> None:
+        """One forward that decoded ``batch`` requests."""
+        self.decode_steps += 1
+        self.decode_rows += batch
+        self.max_decode_batch = max(self.max_decode_batch, batch)
