@@ -156,18 +156,13 @@ def test_an_unparsable_content_length_is_a_json_400(timed, length):
 
 def _late_reader(wait_s: float):
     """An ASGI app that reads its request body only ``wait_s`` after the request arrived (as an
-    app busy elsewhere would), then answers the byte count."""
+    app busy elsewhere would), then answers the byte count (``test_body_limit``'s echo)."""
+    from test_body_limit import _echo_size
+
     async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        await asyncio.sleep(wait_s)
-        size, more = 0, True
-        while more:
-            msg = await receive()
-            size += len(msg.get("body", b""))
-            more = msg.get("more_body", False)
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": str(size).encode()})
+        if scope["type"] == "http":
+            await asyncio.sleep(wait_s)
+            await _echo_size(scope, receive, send)
 
     return app
 
@@ -190,7 +185,7 @@ def test_a_body_the_app_has_not_read_is_not_timed_out():
             time.sleep(0.02)
         size = 2**20
         r = httpx.post(f"http://127.0.0.1:{sock.getsockname()[1]}/", content=b"x" * size, timeout=30)
-        assert (r.status_code, r.text) == (200, str(size))
+        assert (r.status_code, r.json()) == (200, {"received": size})
     finally:
         srv.should_exit = True
         thread.join(10)
