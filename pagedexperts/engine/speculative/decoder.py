@@ -45,7 +45,7 @@ class SpeculativeDecoder:
     """The decodes of the scheduler's steps with speculation (module docstring); ``stats`` counts them.
 
     ``sched`` below is the BatchScheduler: its ``forwards``, ``_accept``, ``_fail`` and
-    ``stats.count_decode`` are what a plain decode would call.
+    ``SchedulerStats.count_decode`` are what a plain decode would call.
     """
 
     def __init__(self, model, tokenizer, config: SpeculativeConfig, *, pad_id: int) -> None:
