@@ -13,7 +13,6 @@ import sys
 from pagedexperts.commands import COMMANDS
 from pagedexperts.extras import require
 from pagedexperts.analysis import simulate as sim
-from pagedexperts.residency.planner import check_num_resident
 from pagedexperts.residency.policies import DEFAULT_POLICY
 from pagedexperts.analysis.trace import load_trace
 
@@ -36,7 +35,8 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--trace", required=True, help="trace file (.npz or .jsonl)")
     what = p.add_argument_group("what to replay")
-    what.add_argument("--num-resident", help="comma-separated K values (default: 2k, 4k, E/2)")
+    what.add_argument("--num-resident", help="comma-separated K values, each in [top_k, E] as the runtime takes them "
+                      "(default: 2k, 4k, E/2)")
     default = ",".join(dict.fromkeys(["lru", DEFAULT_POLICY, "belady"]))
     what.add_argument("--policy", default=default,
                       help=f"comma-separated policies from {sim.policy_names()} (default {default}: LRU as the "
@@ -76,7 +76,7 @@ def run_simulate(args) -> int:
     e, k = trace.meta.num_experts, trace.meta.top_k
     ks = _int_list(args.num_resident) if args.num_resident else sim.default_num_resident(num_experts=e, top_k=k)
     for x in ks:
-        check_num_resident(x, num_experts=e, min_slots=1)
+        sim.check_num_resident(x, num_experts=e, top_k=k)  # the runtime's bound: K >= top_k
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
     batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [None]
     streams = sim.request_streams(trace, min_streams=max(batch_sizes)) if args.batch_sizes else None
