@@ -234,11 +234,12 @@ def test_cli_bad_inputs(capsys, extra, message):
 
 
 def test_cli_trace_that_is_no_file(tmp_path, capsys):
-    """A missing path named the flag nowhere; a directory raised IsADirectoryError (traceback)."""
+    """A missing path named the flag nowhere; a directory raised IsADirectoryError (traceback).
+    A directory is a set of traces now (tests/test_trace_sets.py): one without any is refused."""
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path / "none.npz")])
-    assert rc == 2 and f"--trace {tmp_path / 'none.npz'}: no such file" in err
+    assert rc == 2 and f"--trace {tmp_path / 'none.npz'}: no such file or directory" in err
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path)])
-    assert rc == 2 and f"--trace {tmp_path}: a directory, not a trace file" in err
+    assert rc == 2 and f"{tmp_path}: a directory with no trace files (*.npz, *.jsonl)" in err
 
 
 def test_cli_empty_and_truncated_trace(tmp_path, capsys):
