@@ -148,6 +148,8 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
                "--output-tokens", "3", "--long-prompt-tokens", "16", "--concurrency", "1,2", "--rounds", "2",
                "--threads", "1", "--results-dir", str(tmp_path)])
     assert rc == 0
+    shown = capsys.readouterr().out.splitlines()  # the compact view; the full table is bench.md's
+    assert shown[0].split()[:3] == ["mode", "decode", "tok/s"] and max(len(line) for line in shown) < 100
     data = json.loads((tmp_path / "bench.json").read_text())
     rows = {r["mode"]: r for r in data["results"]}
     assert data["order"] == [["plain", "resident", "paged K=8"], ["resident", "paged K=8", "plain"]]
