@@ -178,7 +178,7 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
      (["--cpu-expert-layers", "0"], "--cpu-expert-layers 0 outside [1, 6]"),
      (["--mode", "plain,paged,plain"], "--mode names ['plain'] more than once"),
      (["--rounds", "0"], "--rounds 0 must be >= 1"),
-     (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default)"),
+     (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default, or auto)"),
      (["--mode", "plain,gpu"], "unknown --mode ['gpu']; choose from ['plain', 'paged'")],
 )
 def test_bench_bad_input_is_refused_before_any_work(argv, needle, capsys, monkeypatch):
