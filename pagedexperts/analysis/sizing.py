@@ -53,6 +53,21 @@ def kv_reserve_bytes(*, context_length: int, max_running_requests: int, kv_bytes
     return context_length * max_running_requests * kv_bytes_per_token
 
 
+def non_expert_bytes(*, layers: int, moe_layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                     num_experts: int, vocab_size: int, tied: bool, dtype_bytes: int) -> int:
+    """Estimated bytes of the weights that stay on the device, from a model's architecture:
+    per layer the attention projections ``H x heads x D`` (q) + ``2 x H x kv_heads x D`` (k, v) +
+    ``heads x D x H`` (o) and two norms ``2 x H``; per MoE layer the router ``H x E``; the
+    embeddings ``V x H``, lm_head ``V x H`` unless ``tied``, and the final norm ``H``; times
+    ``dtype_bytes``. Not counted: attention biases, per-head norms, shared experts and dense MLP
+    layers (they need the number itself: ``preflight --non-expert-gb``). The bundled model
+    (6 layers, H 128, 4 heads, 2 KV heads, D 32, E 64, V 4096 tied, float32): 3,480,064 bytes;
+    its checkpoint holds 3,481,600 (the per-head q and k norms)."""
+    attention = hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim + 2 * hidden
+    embeddings = vocab_size * hidden * (1 if tied else 2) + hidden
+    return (layers * attention + moe_layers * hidden * num_experts + embeddings) * dtype_bytes
+
+
 # ---------------------------------------------------------------------------------------------
 # Waves, misses, link speed
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ def format_report(r: dict) -> str:
         f"host store (slot x E) {size(r['host_bytes'])}",
         f"non-expert weights    {size(r['non_expert_bytes'])} on the device"
         + (f" ({r['dequantized_modules']} quantized modules dequantized at load: {size(r['dequantized_bytes'])})"
-           if r.get("dequantized_modules") else ""),
+           if r.get("dequantized_modules") else "")
+        + (f" ({r['non_expert_source']})" if r.get("non_expert_source") else ""),
         f"resident K            {r['num_resident']} of {r['num_experts']} ({_k_source(r)}), "
         f"{size(r['device_slot_bytes'])} on the device",
         f"batch cap             {r['single_wave_batch_cap']} (K // top_k requests always fit one wave; "
