@@ -115,7 +115,9 @@ def run(args) -> int:
     if args.record_trace:
         from pagedexperts.analysis.recording import TraceRecorder
 
-        recorder = TraceRecorder.attach(model)
+        name = str(model.config.name_or_path)  # a local directory by its name, a Hub id as it is
+        recorder = TraceRecorder.attach(model, model_id=os.path.basename(os.path.normpath(name)) if os.path.isdir(name)
+                                        else name)
         if args.prefetch:
             from pagedexperts.analysis.recording import record_predictions
 
