@@ -10,7 +10,7 @@ Does not: print (``commands/preflight``), measure a link (``linkbench``) or repl
 (``simulate``).
 
 Units: MB = 1e6 bytes, GB = 1e9 bytes, GB/s = 1e9 bytes per second. Rates are fractions in
-[0, 1] (0.28 = 28%). Formulas follow DESIGN.md and issue 4 (published Qwen3-30B-A3B analysis).
+[0, 1] (0.28 = 28%). Formulas: each function's docstring; the terms are docs/design.md's.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def disk_bytes_per_token(*, moe_layers: int, top_k: int, expert_bytes: int, devi
                          host_miss_rate: float) -> float:
     """Bytes read from disk per token with the disk tier: L x top_k x expert bytes x (device
     misses per routed expert) x (host misses per device miss). An upper bound at decode batch
-    1 (each routed expert a distinct access); DESIGN.md "Tiers"."""
+    1 (each routed expert a distinct access); docs/design.md "Tiers"."""
     return moe_layers * top_k * expert_bytes * device_miss_rate * host_miss_rate
 
 

@@ -67,7 +67,8 @@ def add_model_arguments(parser) -> None:
         help="host memory (GB) for everything the process holds: the expert store, and on --device cpu the "
         "slots, the non-expert weights and a KV estimate, plus a runtime allowance (all printed at start-up). "
         "When all experts do not fit in what is left, each layer keeps R in host memory and reads the rest from "
-        "the checkpoint files (disk tier; with --prefetch also read ahead). Default: the available memory (the "
+        "the checkpoint files (disk tier, reading the next layer's predicted experts ahead unless --no-read-ahead; "
+        "docs/disk-tier.md). Default: the available memory (the "
         "smaller of the machine's and the memory cgroup's limit)",
     )
     add_threads_argument(g)
@@ -158,8 +159,8 @@ GRAPHS_HELP = (
     "--cuda-graph-max-batch; prefill stays eager; serve: each decode batch bucket over its KV rows, prefill, "
     "chunked prefill and --speculative verification eager); an error where capture cannot work (CPU, --decide host, "
     "a mode that copies on the host). Default: auto, graphs where the step is capturable (CUDA, device-planned "
-    "or resident, a syncless experts kernel), else a WARNING and decode without them (silent on CPU). "
-    "Unverified on a GPU so far (the CUDA tests are written, not yet run)"
+    "or resident, a syncless experts kernel), else a WARNING and decode without them (silent on CPU); "
+    "docs/cuda-graphs.md"
 )
 
 
