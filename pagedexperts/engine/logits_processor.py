@@ -44,8 +44,9 @@ class SamplingProcessor(LogitsProcessor):
             self._row_params = [dataclasses.replace(self.params, prompt_ids=tuple(row[: self._prompt_len]))
                                 if self.params.repetition_penalty != 1.0 else self.params for row in input_ids.tolist()]
         out = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
-        for b, row in enumerate(input_ids.tolist()):
-            params = self._row_params[b]
-            adjusted = adjusted_logits(scores[b], params, row[self._prompt_len:])
+        # the generated ids only where a penalty or min_tokens reads them (a copy per step otherwise)
+        generated = input_ids[:, self._prompt_len:].tolist() if self.params.adjusts_logits else [[]] * len(scores)
+        for b, params in enumerate(self._row_params):
+            adjusted = adjusted_logits(scores[b], params, generated[b])
             out[b] = adjusted if params.greedy else torch.log(sampling_probs(adjusted, params))
         return out
