@@ -15,10 +15,10 @@ from pagedexperts.analysis import simulate as sim
 from pagedexperts.cli import main
 from pagedexperts.stats.accounting import LayerStats
 from pagedexperts.analysis.trace import load_trace
+from trace_fixtures import TRACES, needs_real_traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYNTHETIC = os.path.join(ROOT, "tests", "data", "synthetic_trace.npz")
-SHARED_TRACES = os.path.join(ROOT, "..", "shared", "data", "traces")
 REAL = ["qwen15moe_a27b_layer0_gsm8k.jsonl", "olmoe_1b7b_layer0_gsm8k.jsonl"]
 
 
@@ -103,10 +103,10 @@ def test_belady_at_least_lru_on_synthetic_trace():
         _assert_belady_at_least_lru(steps, e, range(tr.meta.top_k, e + 1))
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED_TRACES), reason=f"real traces not found at {SHARED_TRACES} (../shared/data)")
+@needs_real_traces
 @pytest.mark.parametrize("name", REAL)
 def test_belady_at_least_lru_on_real_traces(name):
-    tr = load_trace(os.path.join(SHARED_TRACES, name))
+    tr = load_trace(os.path.join(TRACES, name))
     e, k = tr.meta.num_experts, tr.meta.top_k
     ks = sim.default_num_resident(num_experts=e, top_k=k)
     recorded = sim.recorded_steps(tr)
@@ -245,11 +245,12 @@ def test_cli_bad_inputs(capsys, extra, message):
 
 
 def test_cli_trace_that_is_no_file(tmp_path, capsys):
-    """A missing path named the flag nowhere; a directory raised IsADirectoryError (traceback)."""
+    """A missing path named the flag nowhere; a directory raised IsADirectoryError (traceback).
+    A directory is a set of traces now (tests/test_trace_sets.py): one without any is refused."""
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path / "none.npz")])
-    assert rc == 2 and f"--trace {tmp_path / 'none.npz'}: no such file" in err
+    assert rc == 2 and f"--trace {tmp_path / 'none.npz'}: no such file or directory" in err
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path)])
-    assert rc == 2 and f"--trace {tmp_path}: a directory, not a trace file" in err
+    assert rc == 2 and f"{tmp_path}: a directory with no trace files (*.npz, *.jsonl)" in err
 
 
 def test_cli_empty_and_truncated_trace(tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 Owns the device tensor of counters a device-planned layer-step adds to (steps, tokens, hits,
 misses, bytes paged, waves, multi-wave steps, union sum, union max, last union) and their
-conversion to ``stats.accounting.LayerStats``, the one definition of the counts (DESIGN.md: one hit or
+conversion to ``stats.accounting.LayerStats``, the one definition of the counts (docs/design.md "Terms": one hit or
 miss per distinct routed expert per layer per step). The tensor is read only when stats are
 asked for (``to_layer_stats``: one device-to-host copy). Does not: time anything (a
 device-planned step has no host timing to give) or decide residency (``device_residency``).

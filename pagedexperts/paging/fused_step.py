@@ -14,7 +14,7 @@ step's entry count (tile sizes are a function of S and the packing, never of K, 
 the wave: ``kernels.fused_moe``), and the weights are applied by ``StepEntries.combine``. So a
 paged step equals the same kernel with all E experts resident (K = E), bit for bit
 (tests/test_fused_paged.py). Against transformers' dequantized experts it is within a
-tolerance (README "What is exact").
+tolerance (docs/exactness.md).
 
 Legend: T tokens, H hidden, k top_k, K slots, S = T k entries.
 """

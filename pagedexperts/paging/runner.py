@@ -7,7 +7,7 @@ the end-of-life hooks and two capabilities the callers ask instead of the runner
 (whether a CUDA graph can hold the step); and ``PagedExecutor``, the ABC of the runners that
 page: K slots, a residency (``is_resident``), page-ins outside a step (prefetch) and the wave
 view the independence check reads. Two executors implement ``PagedExecutor`` side by side
-(DESIGN.md "Devices"), through one wave-compute contract (``paging.waves``, ``paging.inner``):
+(docs/design.md "Executors"), through one wave-compute contract (``paging.waves``, ``paging.inner``):
 
 - ``paging.host_executor.HostExecutor``: any step, any device; the top-k ids are read back
   once and the tensor-free residency plans the waves on the host.
