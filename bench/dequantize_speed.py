@@ -43,6 +43,9 @@ def bound_formats(pkg: str) -> dict:
     args = {"gate_up_proj": packed.PackedArgs(4, GROUP, False, True), "down_proj": packed.PackedArgs(4, GROUP, False, True)}
     return {
         "gptq": mod("gptq").GptqFormat(group_size=GROUP, desc_act=False, zero_offset=1),
+        "gptq-2bit": mod("gptq").GptqFormat(group_size=GROUP, desc_act=False, zero_offset=1, bits=2),
+        "gptq-8bit-act-order": mod("gptq").GptqFormat(group_size=GROUP, desc_act=True, zero_offset=0, bits=8),
+        "auto-round": mod("autoround").AutoRoundFormat(group_size=GROUP, bits=4, zero_offset=1),
         "w4a16": mod("compressed_tensors").CompressedTensorsW4A16Format(group_size=GROUP, symmetric=True,
                                                                         scale_dtype=DTYPE),
         "w4a16-asym": mod("compressed_tensors").CompressedTensorsW4A16Format(group_size=GROUP, symmetric=False,
@@ -52,6 +55,13 @@ def bound_formats(pkg: str) -> dict:
         "int8-block": mod("int8_block").Int8BlockFormat(block=(128, 128)),
         "ct-pack-mixed-g_idx": packed.CompressedTensorsMixedPackedFormat(args, scale_dtype=DTYPE),
         "nvfp4": mod("ct_fp4").CompressedTensorsNvfp4Format(),
+        "ct-mxfp4": mod("ct_fp4").CompressedTensorsMxfp4Format(),
+        "ct-fp8-block": mod("ct_fp8").CompressedTensorsFp8Format(
+            {"gate_up_proj": ("block", (128, 128), torch.float32), "down_proj": ("block", (128, 128), torch.float32)}),
+        "ct-mxfp8": mod("ct_fp8").CompressedTensorsFp8Format(
+            {"gate_up_proj": ("group", (1, 32), torch.uint8), "down_proj": ("group", (1, 32), torch.uint8)}),
+        "w8a8-int8": mod("ct_int8").CompressedTensorsInt8Format(scale_dtype=DTYPE),
+        "modelopt-fp8": mod("modelopt").ModelOptFp8Format(DTYPE),
         "modelopt-nvfp4": mod("modelopt").ModelOptNvfp4Format(DTYPE),
     }
 

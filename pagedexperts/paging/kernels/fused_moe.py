@@ -221,6 +221,8 @@ class KernelTarget:
 
 def packing_args(packing: WeightPacking) -> tuple[dict, dict]:
     """(runtime ints, constexprs) that describe ``packing`` to the kernels."""
+    if packing.zero_offset and not packing.zero_carries:
+        raise NotImplementedError("fused kernels add zero offsets per word only (AutoRound's auto_gptq packing: per value)")
     scale, zero = packing.spec("scale"), packing.spec("zero")
     bits = packing.bits or 8
     ints = dict(source_rows=packing.source_rows, scale_rows_per_source=scale_rows_per_source(packing),
