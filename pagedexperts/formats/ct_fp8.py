@@ -110,6 +110,7 @@ class CompressedTensorsFp8Format(ExpertFormat):
 
     name = "ct-fp8"
     serialized_names = {"weight": ("weight", "weight_scale")}
+    scale_suffix = SCALE_SUFFIX  # the scale's store name: dense name + this
     linear_format = ct_linear_format
 
     def __init__(self, schemes: Mapping[str, tuple[str, tuple[int, int] | None, torch.dtype]]) -> None:
@@ -163,7 +164,7 @@ class CompressedTensorsFp8Format(ExpertFormat):
         rows, in_features = dense.shape
         shape = self._scale_shape(dense.name, rows // sources, in_features, sources)
         return (TensorSpec(dense.name, dense.shape, FP8_DTYPE),
-                TensorSpec(dense.name + SCALE_SUFFIX, shape, self.schemes[dense.name][2]))
+                TensorSpec(dense.name + self.scale_suffix, shape, self.schemes[dense.name][2]))
 
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """fp8 rows [n, sources * O, I] and their scales -> [n, sources * O, I] in the dense
@@ -173,7 +174,7 @@ class CompressedTensorsFp8Format(ExpertFormat):
         name = tensor.dense.name
         strategy, block, _ = self.schemes[name]
         sources = dense_source_count(name)
-        weight, scale = packed[name], packed[name + SCALE_SUFFIX]
+        weight, scale = packed[name], packed[name + self.scale_suffix]
         parts = [dequantize_fp8(w, s, strategy=strategy, block=block, dtype=tensor.dense.dtype)
                  for w, s in zip(weight.chunk(sources, dim=1), scale.chunk(sources, dim=1))]
         return parts[0] if sources == 1 else torch.cat(parts, dim=1)

@@ -23,10 +23,14 @@ The weight is always described as nn.Linear's ``W [N, K]`` (N ``out_features``, 
   ``group_size`` is 0); output index ``(n // source_rows) * ceil(source_rows / block_rows) +
   (n % source_rows) // block_rows`` (gate and up restart their scale rows); ``e4m3`` /
   ``e8m0`` codes decoded; then divided by (``divide``) or multiplied with (``multiply``) the
-  ``global_scale`` of the source, in float32;
+  ``global_scale`` of the source, in float32; or (``value_reciprocal``, AutoRound's NVFP4) the
+  scale is left alone and the VALUE is first multiplied by the reciprocal of the source's
+  global scale, ``v = rnd_f32(v * rnd_f32(1 / g))`` (0 where g is 0);
 - ``W[n, k] = rnd_dense(rnd_round(rnd_mul(v * rnd_mul(s))))``, ``rnd_D`` rounding to dtype D
   (``mul_dtype``: the dtype the format multiplies in; ``round_dtype``: an intermediate dtype
-  the product is rounded to, e.g. compressed-tensors FP4's bfloat16, or None).
+  the product is rounded to, e.g. compressed-tensors FP4's bfloat16, or None); with
+  ``scale_op`` ``divide`` (GPTQModel's FP8, whose ``weight_scale_inv`` is the quantizer's
+  multiplier) the value is divided by the scale instead: ``rnd_mul(v / rnd_mul(s))``.
 
 Storage orientation: a row of role ``weight`` is [N, K / per_word] (``packed_dim`` "in"), or
 input-major [K / per_word, N] / [K, N / per_word] when ``transposed`` (GPTQ, AWQ, gpt-oss's
@@ -55,7 +59,8 @@ CODES = ("dense", "int", "e4m3", "e2m1")
 PACKED_DIMS = ("none", "in", "out")
 SCALES = ("none", "tensor", "channel", "group", "block")
 SCALE_CODES = ("float", "e4m3", "e8m0")
-GLOBAL_SCALES = ("none", "divide", "multiply")
+GLOBAL_SCALES = ("none", "divide", "multiply", "value_reciprocal")
+SCALE_OPS = ("multiply", "divide")
 # AWQ: column j (0..7) of an 8-column word sits in nibble AWQ_POSITION[j] (``formats.awq``)
 AWQ_POSITION = (0, 4, 1, 5, 2, 6, 3, 7)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -82,6 +87,7 @@ class WeightPacking:
     source_rows: int = 0  # output rows per checkpoint source (gate, up); 0: N
     zero_offset: int = 0  # added to each stored zero point (GPTQ v1 stores z - 1), per word: ``zero_word``
     global_scale: str = "none"
+    scale_op: str = "multiply"  # how the value meets its scale (``divide``: GPTQModel FP8)
     mul_dtype: torch.dtype = torch.float32
     round_dtype: torch.dtype | None = None
     roles: dict = field(init=False, repr=False, compare=False, hash=False)
@@ -89,7 +95,8 @@ class WeightPacking:
     def __post_init__(self) -> None:
         for what, value, choices in (("codes", self.codes, CODES), ("packed_dim", self.packed_dim, PACKED_DIMS),
                                      ("scale", self.scale, SCALES), ("scale_codes", self.scale_codes, SCALE_CODES),
-                                     ("global_scale", self.global_scale, GLOBAL_SCALES)):
+                                     ("global_scale", self.global_scale, GLOBAL_SCALES),
+                                     ("scale_op", self.scale_op, SCALE_OPS)):
             if value not in choices:
                 raise ValueError(f"WeightPacking {what}={value!r}: choose one of {list(choices)}")
         roles = dict(self.tensors)
@@ -157,16 +164,18 @@ def dense_packing(tensor: "QuantizedTensor", *, transposed: bool) -> WeightPacki
 
 
 def float8_packing(tensor: "QuantizedTensor", *, scale: TensorSpec, strategy: str, sources: int,
-                   block: tuple[int, int] | None = None, codes: str = "e4m3", mul_dtype=torch.float32) -> WeightPacking:
+                   block: tuple[int, int] | None = None, codes: str = "e4m3", mul_dtype=torch.float32,
+                   scale_op: str = "multiply") -> WeightPacking:
     """An 8-bit weight [N, K] (float8_e4m3fn or int8, one value per byte) with a per-``strategy``
-    scale (tensor: one per source; channel: [N, 1]; block: [sources * ceil(O / bm), ceil(K / bn)])."""
+    scale (tensor: one per source; channel: [N, 1] or [N]; block: [sources * ceil(O / bm),
+    ceil(K / bn)]), multiplied with the value (or dividing it: ``scale_op``)."""
     n, k = tensor.dense.shape
     weight = next(p for p in tensor.packed if p.name == tensor.dense.name)
     source_rows = n // sources
     block_rows = {"tensor": source_rows, "channel": 1, "block": block[0] if block else 1}[strategy]
     return WeightPacking(n, k, tensor.dense.dtype, (("weight", weight), ("scale", scale)), codes=codes,
                          bits=0, scale=strategy, group_size=block[1] if strategy == "block" else 0,
-                         block_rows=block_rows, source_rows=source_rows, mul_dtype=mul_dtype)
+                         block_rows=block_rows, source_rows=source_rows, mul_dtype=mul_dtype, scale_op=scale_op)
 
 
 def int_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorSpec, bits: int, packed_dim: str,

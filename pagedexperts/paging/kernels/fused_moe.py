@@ -232,7 +232,7 @@ def packing_args(packing: WeightPacking) -> tuple[dict, dict]:
         INTERLEAVED=packing.interleaved, VALUE_OFFSET=packing.value_offset, HAS_SCALE=scale is not None,
         SCALE_CODES=SCALE_CODES[packing.scale_codes], GROUP_K=packing.group_size, BLOCK_ROWS=packing.block_rows,
         HAS_ZERO=zero is not None, ZERO_OFFSET=packing.zero_word(), G_IDX=packing.spec("g_idx") is not None,
-        GLOBAL=GLOBAL_SCALES[packing.global_scale])
+        GLOBAL=GLOBAL_SCALES[packing.global_scale], SCALE_DIVIDE=packing.scale_op == "divide")
     return ints, constexprs
 
 

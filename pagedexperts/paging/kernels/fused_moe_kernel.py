@@ -14,7 +14,10 @@ check inputs (``fused_moe``), align entries (``fused_align``), or know any forma
 Exactness. ``_weight_tile`` computes every element with the format's own arithmetic (the value
 and scale exact in float32, the product rounded to ``MUL_DT``, then ``ROUND_DT``, then
 ``DENSE_DT``): a float32 product of two values of at most 12 significant bits is exact, so
-rounding it once equals the float16 / bfloat16 product the format's torch code computes.
+rounding it once equals the float16 / bfloat16 product the format's torch code computes. A
+division (``SCALE_DIVIDE``; the reciprocal of ``GLOBAL`` 3) is ``div_rn``, float32 correctly
+rounded, then rounded to ``MUL_DT``: what torch computes for a float32 division, and for a
+float16 / bfloat16 one on a CPU (float32 quotient, then rounded).
 Differences from the format's ``dequantize``: an e4m3 NaN code (0x7F / 0xFF) decodes to +-480
 (quantizers never write it), ModelOpt's code 8 decodes to -0.0 instead of +0.0 (equal values).
 
@@ -38,7 +41,7 @@ from pagedexperts.paging.kernels._triton import HAVE_TRITON, tl, triton
 CODES = {"dense": 0, "int": 1, "e4m3": 2, "e2m1": 3}
 PACKED_DIMS = {"none": 0, "in": 1, "out": 2}
 SCALE_CODES = {"float": 0, "e4m3": 1, "e8m0": 2}
-GLOBAL_SCALES = {"none": 0, "divide": 1, "multiply": 2}
+GLOBAL_SCALES = {"none": 0, "divide": 1, "multiply": 2, "value_reciprocal": 3}
 
 if HAVE_TRITON:
 
@@ -112,7 +115,8 @@ if HAVE_TRITON:
                      CODES: tl.constexpr, PACKED: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr,
                      VALUE_OFFSET: tl.constexpr, SCALE_CODES: tl.constexpr, GROUP_K: tl.constexpr,
                      HAS_ZERO: tl.constexpr, ZERO_OFFSET: tl.constexpr, G_IDX: tl.constexpr, GLOBAL: tl.constexpr,
-                     MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr, DENSE_DT: tl.constexpr, DOT_DT: tl.constexpr,
+                     SCALE_DIVIDE: tl.constexpr, MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr,
+                     DENSE_DT: tl.constexpr, DOT_DT: tl.constexpr,
                      EMULATE_BF16: tl.constexpr, FP8_NATIVE: tl.constexpr, BLOCK_K: tl.constexpr):
         """W^T[k0:k0+BK, columns] in DOT_DT: ``w_col`` [BN] pointers to each column's first stored
         element, ``s_col`` / ``z_col`` / ``g_col`` the same for its scale / zero / g_idx, ``w_shift`` /
@@ -152,7 +156,12 @@ if HAVE_TRITON:
                 s = tl.math.div_rn(s, glob[None, :])
             elif GLOBAL == 2:
                 s = s * glob[None, :]
-            w = _round(v * _round(s, MUL_DT, EMULATE_BF16), MUL_DT, EMULATE_BF16)
+            elif GLOBAL == 3:  # the value times the global scale's reciprocal, first (AutoRound NVFP4)
+                v = v * tl.where(glob == 0.0, 0.0, tl.math.div_rn(tl.full(glob.shape, 1.0, tl.float32), glob))[None, :]
+            if SCALE_DIVIDE:  # GPTQModel FP8: the value divided by its weight_scale_inv
+                w = _round(tl.math.div_rn(v, _round(s, MUL_DT, EMULATE_BF16)), MUL_DT, EMULATE_BF16)
+            else:
+                w = _round(v * _round(s, MUL_DT, EMULATE_BF16), MUL_DT, EMULATE_BF16)
             w = _round(_round(w, ROUND_DT, EMULATE_BF16), DENSE_DT, EMULATE_BF16)
             return w.to(DOT_DT)
 
@@ -236,7 +245,8 @@ if HAVE_TRITON:
         CODES: tl.constexpr, PACKED: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr,
         INTERLEAVED: tl.constexpr, VALUE_OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_CODES: tl.constexpr,
         GROUP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO_OFFSET: tl.constexpr,
-        G_IDX: tl.constexpr, GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, W_ALIGN: tl.constexpr,
+        G_IDX: tl.constexpr, GLOBAL: tl.constexpr, SCALE_DIVIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        W_ALIGN: tl.constexpr,
         S_ALIGN: tl.constexpr, Z_ALIGN: tl.constexpr, MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr,
         DENSE_DT: tl.constexpr, DOT_DT: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
         FP8_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -265,8 +275,8 @@ if HAVE_TRITON:
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             b = _weight_tile(k0, offs_k, mask_k, mask_n, Kdim, w_col, w_shift, s_col, z_col, z_shift, g_col, glob,
                              w_stride_k, s_stride_k, z_stride_k, CODES, PACKED, PER_WORD, BITS, VALUE_OFFSET,
-                             SCALE_CODES, GROUP_K, HAS_ZERO, ZERO_OFFSET, G_IDX, GLOBAL, MUL_DT, ROUND_DT, DENSE_DT,
-                             DOT_DT, EMULATE_BF16, FP8_NATIVE, BLOCK_K)
+                             SCALE_CODES, GROUP_K, HAS_ZERO, ZERO_OFFSET, G_IDX, GLOBAL, SCALE_DIVIDE, MUL_DT,
+                             ROUND_DT, DENSE_DT, DOT_DT, EMULATE_BF16, FP8_NATIVE, BLOCK_K)
             acc = tl.dot(_to_dot(a, DENSE_DT, DOT_DT, EMULATE_BF16), b, acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(_row(b_base, b_off, row, 1) + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -281,8 +291,8 @@ if HAVE_TRITON:
         CODES: tl.constexpr, PACKED: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr,
         INTERLEAVED: tl.constexpr, VALUE_OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_CODES: tl.constexpr,
         GROUP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO_OFFSET: tl.constexpr,
-        G_IDX: tl.constexpr, GLOBAL: tl.constexpr, W_ALIGN: tl.constexpr, S_ALIGN: tl.constexpr,
-        Z_ALIGN: tl.constexpr, MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr, DENSE_DT: tl.constexpr,
+        G_IDX: tl.constexpr, GLOBAL: tl.constexpr, SCALE_DIVIDE: tl.constexpr, W_ALIGN: tl.constexpr,
+        S_ALIGN: tl.constexpr, Z_ALIGN: tl.constexpr, MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr, DENSE_DT: tl.constexpr,
         DOT_DT: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8_NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -301,7 +311,7 @@ if HAVE_TRITON:
             PER_WORD, BITS, INTERLEAVED, BLOCK_ROWS, HAS_SCALE, HAS_ZERO, G_IDX, GLOBAL, W_ALIGN, S_ALIGN, Z_ALIGN)
         w = _weight_tile(k0, offs_k, mask_k, mask_n, Kdim, w_col, w_shift, s_col, z_col, z_shift, g_col, glob,
                          w_stride_k, s_stride_k, z_stride_k, CODES, PACKED, PER_WORD, BITS, VALUE_OFFSET,
-                         SCALE_CODES, GROUP_K, HAS_ZERO, ZERO_OFFSET, G_IDX, GLOBAL, MUL_DT, ROUND_DT, DENSE_DT,
-                         DOT_DT, EMULATE_BF16, FP8_NATIVE, BLOCK_K)
+                         SCALE_CODES, GROUP_K, HAS_ZERO, ZERO_OFFSET, G_IDX, GLOBAL, SCALE_DIVIDE, MUL_DT, ROUND_DT,
+                         DENSE_DT, DOT_DT, EMULATE_BF16, FP8_NATIVE, BLOCK_K)
         out = out_ptr + i.to(tl.int64) * N * Kdim + offs_n[None, :] * Kdim + offs_k[:, None]
         tl.store(out, _cast(w.to(tl.float32), DENSE_DT, EMULATE_BF16), mask=mask_k[:, None] & mask_n[None, :])
