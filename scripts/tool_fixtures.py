@@ -27,6 +27,7 @@ runs on the CPU.)
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,13 @@ TINY: dict[str, tuple[str, str, list[str]]] = {
         "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "NVFP4", *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_round-MXFP4-experts": (
         "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "MXFP4", *EXPERTS_ONLY]),
+    # asymmetric 8-bit: packing_format "auto_round" (zero points stored as they are); 4-bit asym writes auto_awq
+    "autoround/qwen3_moe-auto_round-asym_W8A16-experts": (
+        "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "W8A16", "--asym", *EXPERTS_ONLY]),
+    "autoround/qwen3_moe-auto_round-FP8_STATIC-experts": (
+        "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "FP8_STATIC", *EXPERTS_ONLY]),
+    "autoround/qwen3_moe-auto_round-FP8_BLOCK-experts": (
+        "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "FP8_BLOCK", *EXPERTS_ONLY]),
     "gptqmodel/qwen3_moe-gptq": ("gptqmodel", "qwen3_moe", ["--method", "gptq"]),
     "gptqmodel/qwen3_moe-awq": ("gptqmodel", "qwen3_moe", ["--method", "awq", *AWQ_TINY]),
     "gptqmodel/mixtral-gptq": ("gptqmodel", "mixtral", ["--method", "gptq"]),
@@ -69,6 +77,15 @@ TINY: dict[str, tuple[str, str, list[str]]] = {
         "gptqmodel", "qwen3_moe",
         ["--method", "gptq", "--bits", "8", "--dynamic", '{"+:.*\\\\.down_proj": {"group_size": 16}}', *EXPERTS_ONLY]),
     "gptqmodel/qwen3_moe-fp8-experts": ("gptqmodel", "qwen3_moe", ["--method", "fp8", *EXPERTS_ONLY]),
+    # 2-bit asymmetric v1: zero points 0 are stored as -1 and borrow from the next value of the word
+    "gptqmodel/qwen3_moe-gptq_2bit_asym_g16-experts": (
+        "gptqmodel", "qwen3_moe", ["--method", "gptq", "--bits", "2", "--asym", "--group-size", "16", *EXPERTS_ONLY]),
+    # overlapping dynamic rules, first match wins: k_proj left unquantized by a negative rule before
+    # the q/k rule; q_proj its own group 16; the experts' down_proj 4-bit g16 before the catch-all 8-bit
+    "gptqmodel/qwen3_moe-gptq_dynamic_overlap": (
+        "gptqmodel", "qwen3_moe", ["--method", "gptq", "--dynamic", json.dumps({
+            r"-:.*\.self_attn\.k_proj": {}, r"+:.*\.self_attn\.[qk]_proj": {"group_size": 16},
+            r"+:.*\.experts\.\d+\.down_proj": {"group_size": 16}, r"+:.*_proj": {"bits": 8}})]),
 }
 # The bundled model through each tool's default recipes (attention quantized), for the README table.
 BUNDLED: dict[str, tuple[str, list[str]]] = {
@@ -102,6 +119,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-dequant", dest="dequant", action="store_false", help="skip tool_dequant.safetensors")
     p.add_argument("--autoround-venv", type=Path, default=Path("/work/ar-venv"))
     p.add_argument("--gptqmodel-venv", type=Path, default=Path("/work/gptqm-venv"))
+    p.add_argument("--calib", type=Path, default=None,
+                   help="calibration text for tool_quantize.py (default: its own, WikiText-2 validation)")
     args = p.parse_args(argv)
     python = {"autoround": args.autoround_venv / "bin" / "python", "gptqmodel": args.gptqmodel_venv / "bin" / "python"}
     args.tiny = args.tiny.resolve()
@@ -121,7 +140,8 @@ def main(argv=None) -> None:
             if not src.exists():
                 run(python["autoround"], "source", family, src)
             try:
-                run(python[tool], tool, "--model", src, "--out", out, *extra)
+                calib = ["--calib", args.calib.resolve()] if args.calib else []
+                run(python[tool], tool, "--model", src, "--out", out, *calib, *extra)
             except subprocess.CalledProcessError as exc:
                 failed.append(f"{name}: {exc}")
     if args.dequant:

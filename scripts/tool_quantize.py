@@ -10,7 +10,7 @@ lists the venvs and the exact commands). Subcommands:
   recipe) then ``quantize_and_save(DST, format=F)``; F in auto_round, auto_gptq, auto_awq,
   llm_compressor. AutoRound's default: every nn.Linear of the decoder blocks (attention and
   experts), not the router or lm_head.
-- ``gptqmodel --model SRC --out DST --method gptq|awq|fp8 [--bits B] [--group-size G]
+- ``gptqmodel --model SRC --out DST --method gptq|awq|fp8 [--bits B] [--group-size G] [--asym]
   [--dynamic JSON] [--experts-only]``: ``GPTQModel.load(SRC, QuantizeConfig(...)).quantize(...)``
   then ``save(DST)``. GPTQModel's default: every decoder nn.Linear (attention and experts).
 - ``tool-dequant DIR``: the tool's OWN dequantization of a sample of the checkpoint's quantized
@@ -78,7 +78,9 @@ def run_autoround(args) -> None:
     if args.asym:
         kwargs["sym"] = False
     if args.experts_only:
-        kwargs["layer_config"] = {"self_attn": {"bits": 16, "data_type": "float"}}
+        # act_bits 16 too: an FP8 / NVFP4 / MXFP4 scheme quantizes activations, and a 16-bit layer
+        # keeping the scheme's act_bits fails ("No quantization function found for dtype=float, bits=16")
+        kwargs["layer_config"] = {"self_attn": {"bits": 16, "data_type": "float", "act_bits": 16}}
     tmp = Path(str(args.out) + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     AutoRound(args.model, **kwargs).quantize_and_save(str(tmp), format=args.format)
@@ -104,6 +106,8 @@ def run_gptqmodel(args) -> None:
         kwargs["group_size"] = args.group_size
     if dynamic:
         kwargs["dynamic"] = dynamic
+    if args.asym:
+        kwargs["sym"] = False
     if args.method == "fp8":
         kwargs.pop("group_size", None)
     data = [{"input_ids": t[0].tolist(), "attention_mask": [1] * t.shape[1]} for t in calibration(args.model, args.calib)]
@@ -143,6 +147,7 @@ def main(argv=None) -> None:
     gm = sub.choices["gptqmodel"]
     gm.add_argument("--method", default="gptq", choices=("gptq", "awq", "fp8"))
     gm.add_argument("--bits", type=int, default=None)
+    gm.add_argument("--asym", action="store_true", help="asymmetric zero points (QuantizeConfig sym=False)")
     gm.add_argument("--dynamic", default=None, help="GPTQModel per-module overrides, JSON {regex: {field: value}}")
     d = sub.add_parser("tool-dequant")
     d.add_argument("dir", type=Path)
