@@ -9,6 +9,7 @@ Two sets, one table each (name -> tool, family, ``tool_quantize.py`` arguments):
 - ``TINY`` (committed under tests/data/<tool>/, about 0.3 MB each): the tiny random bfloat16
   Qwen3-MoE and Mixtral of ``tool_quantize.py source``, each recipe's dir also holding
   ``tool_dequant.safetensors`` (the tool's own dequantization of a sample of modules);
+  ``DERIVED``: a TINY checkpoint with its scales cast (``tool_quantize.py cast-scales``);
 - ``BUNDLED`` (``--bundled DIR``, not committed: about 5 MB each): the bundled model
   (pagedexperts/data/tiny-qwen3-moe, float32) through each tool's default recipes, for the
   README table (``check`` verdict, top-1 agreement).
@@ -61,9 +62,11 @@ TINY: dict[str, tuple[str, str, list[str]]] = {
         "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "NVFP4", *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_round-MXFP4-experts": (
         "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "MXFP4", *EXPERTS_ONLY]),
-    # asymmetric 8-bit: packing_format "auto_round" (zero points stored as they are); 4-bit asym writes auto_awq
-    "autoround/qwen3_moe-auto_round-asym_W8A16-experts": (
-        "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "W8A16", "--asym", *EXPERTS_ONLY]),
+    # asymmetric 2-bit: packing_format "auto_round" (zero points stored as they are); 4-bit asym writes
+    # auto_round:auto_awq, and AutoRound refuses 8-bit asym ("vLLM serves W8 GPTQ-format weights symmetric-only")
+    "autoround/qwen3_moe-auto_round-asym_W2A16_g16-experts": (
+        "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "W2A16", "--asym", "--group-size", "16",
+                                   *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_round-FP8_STATIC-experts": (
         "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "FP8_STATIC", *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_round-FP8_BLOCK-experts": (
@@ -86,6 +89,12 @@ TINY: dict[str, tuple[str, str, list[str]]] = {
         "gptqmodel", "qwen3_moe", ["--method", "gptq", "--dynamic", json.dumps({
             r"-:.*\.self_attn\.k_proj": {}, r"+:.*\.self_attn\.[qk]_proj": {"group_size": 16},
             r"+:.*\.experts\.\d+\.down_proj": {"group_size": 16}, r"+:.*_proj": {"bits": 8}})]),
+}
+# name -> (the tool fixture it is derived from, the dtype its ``scales`` are cast to: ``tool_quantize.py
+# cast-scales``, what a loaded model cast to bfloat16 and saved again carries)
+DERIVED: dict[str, tuple[str, str]] = {
+    "gptqmodel/qwen3_moe-gptq-experts-bf16_scales": ("gptqmodel/qwen3_moe-gptq-experts", "bfloat16"),
+    "autoround/qwen3_moe-auto_round-experts-bf16_scales": ("autoround/qwen3_moe-auto_round-experts", "bfloat16"),
 }
 # The bundled model through each tool's default recipes (attention quantized), for the README table.
 BUNDLED: dict[str, tuple[str, list[str]]] = {
@@ -144,6 +153,11 @@ def main(argv=None) -> None:
                 run(python[tool], tool, "--model", src, "--out", out, *calib, *extra)
             except subprocess.CalledProcessError as exc:
                 failed.append(f"{name}: {exc}")
+    for name, (source, dtype) in DERIVED.items():
+        out, tool = args.tiny / name, source.partition("/")[0]
+        if (args.only is None or name in args.only) and (args.force or not (out / "tool_quantize.json").exists()):
+            run(python[tool], "cast-scales", "--model", args.tiny / source, "--out", out, "--dtype", dtype)
+            jobs.append((name, tool, ("tiny", None), [], out))
     if args.dequant:
         for name, tool, (kind, _), _, out in jobs:
             method = dequant_tool(out)

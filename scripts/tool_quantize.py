@@ -13,6 +13,11 @@ lists the venvs and the exact commands). Subcommands:
 - ``gptqmodel --model SRC --out DST --method gptq|awq|fp8 [--bits B] [--group-size G] [--asym]
   [--dynamic JSON] [--experts-only]``: ``GPTQModel.load(SRC, QuantizeConfig(...)).quantize(...)``
   then ``save(DST)``. GPTQModel's default: every decoder nn.Linear (attention and experts).
+- ``cast-scales --model SRC --out DST [--dtype bfloat16]``: SRC (a checkpoint the tool wrote)
+  with every ``scales`` tensor cast to ``--dtype``, nothing else changed. Neither tool writes
+  bfloat16 scales here (GPTQModel and AutoRound pack float16; a GPTQModel load + save at
+  bfloat16 keeps float16): published GPTQ / AutoRound checkpoints carry them when a loaded model
+  was cast (``model.to(torch.bfloat16)``, which casts every floating buffer) and saved again.
 - ``tool-dequant DIR``: the tool's OWN dequantization of a sample of the checkpoint's quantized
   modules (layer 1's experts 0 and 5, and its q_proj where quantized), in float32 and in the
   checkpoint's dtype, into ``DIR/tool_dequant.safetensors`` (key ``{module}@{dtype}``): the
@@ -118,6 +123,23 @@ def run_gptqmodel(args) -> None:
     (Path(args.out) / "quant_log.csv").unlink(missing_ok=True)
 
 
+def cast_scales(args) -> None:
+    """Copy ``args.model`` to ``args.out`` with every ``*.scales`` tensor cast to ``args.dtype``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(args.out, ignore_errors=True)
+    shutil.copytree(args.model, args.out, ignore=shutil.ignore_patterns("tool_dequant.safetensors"))
+    dtype = getattr(torch, args.dtype)
+    for path in Path(args.out).glob("*.safetensors"):
+        tensors = load_file(str(path))
+        save_file({k: v.to(dtype) if k.endswith(".scales") else v for k, v in tensors.items()}, str(path),
+                  metadata={"format": "pt"})
+    record = json.loads((Path(args.model) / "tool_quantize.json").read_text())
+    record["argv"] += ["+", "scripts/tool_quantize.py", *sys.argv[1:]]
+    (Path(args.out) / "tool_quantize.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
 def record(args, tool: str, seconds: float) -> None:
     from importlib.metadata import version
 
@@ -149,11 +171,18 @@ def main(argv=None) -> None:
     gm.add_argument("--bits", type=int, default=None)
     gm.add_argument("--asym", action="store_true", help="asymmetric zero points (QuantizeConfig sym=False)")
     gm.add_argument("--dynamic", default=None, help="GPTQModel per-module overrides, JSON {regex: {field: value}}")
+    c = sub.add_parser("cast-scales")
+    c.add_argument("--model", required=True, type=Path)
+    c.add_argument("--out", required=True, type=Path)
+    c.add_argument("--dtype", default="bfloat16")
     d = sub.add_parser("tool-dequant")
     d.add_argument("dir", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "source":
         write_source(args.family, args.out)
+        return
+    if args.cmd == "cast-scales":
+        cast_scales(args)
         return
     if args.cmd == "tool-dequant":
         sys.path.insert(0, str(ROOT / "scripts"))
