@@ -31,9 +31,9 @@ H = I_MOE = 128
 E = 4
 
 
-def _scheme(group_size, symmetric):
+def _scheme(group_size, symmetric, num_bits=4):
     strategy = "group" if group_size else "channel"
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size)
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size)
     return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
 
 
@@ -56,6 +56,28 @@ def test_dequantize_equals_compressed_tensors(group_size, symmetric, dtype):
     zp = torch.stack([e["weight_zero_point"] for e in experts]) if not symmetric else None
     got = dequantize_packed(torch.stack([e["weight_packed"] for e in experts]), torch.stack([e["weight_scale"] for e in experts]),
                             zp, in_features=128, dtype=dtype)
+    assert torch.equal(got, want), f"max diff {(got.double() - want.double()).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("num_bits, group_size", [(4, 32), (8, 16), (8, None)])
+def test_packed_zero_points_of_every_width_equal_compressed_tensors(num_bits, group_size, symmetric, dtype):
+    """``ct_packed`` (W8A16, mixed-precision pack-quantized) against compressed-tensors' own
+    decompression, 4- and 8-bit: the zero points are packed along the output dim with the
+    weights' width (four 8-bit zero points per int32 word), so an 8-bit asymmetric checkpoint
+    is where reading them as int4 shows; [O=20, I=64] (zero-point words padded)."""
+    from pagedexperts.formats.ct_packed import PackedArgs, dequantize_projection
+
+    torch.manual_seed(num_bits)
+    scheme = _scheme(group_size, symmetric, num_bits)
+    experts = [_compress(torch.randn(20, 64, dtype=dtype), scheme) for _ in range(3)]
+    want = torch.stack([PackedQuantizationCompressor.decompress(e, scheme)["weight"] for e in experts])
+    stack = lambda key: torch.stack([e[key] for e in experts]) if key in experts[0] else None  # noqa: E731
+    zero_point = stack("weight_zero_point") if not symmetric else None
+    assert symmetric or bool((zero_point != 0).any())
+    got = dequantize_projection(stack("weight_packed"), stack("weight_scale"), zero_point, None, in_features=64,
+                                args=PackedArgs(num_bits, group_size, symmetric, False), dtype=dtype)
     assert torch.equal(got, want), f"max diff {(got.double() - want.double()).abs().max():.3g}"
 
 
