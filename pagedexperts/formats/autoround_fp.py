@@ -204,26 +204,26 @@ class AutoRoundFp8Format(CompressedTensorsFp8Format):
                               sources=dense_source_count(tensor.dense.name), mul_dtype=scale.dtype)
 
 
-class AutoRoundNvfp4Format(CompressedTensorsNvfp4Format):
-    """AutoRound NVFP4 (``data_type: nv_fp``): compressed-tensors' NVFP4 layout, AutoRound's
-    arithmetic (module docstring), experts in the model's dtype."""
+class _AutoRoundFp4:
+    """Shared by AutoRound's NVFP4 and MXFP4 (a mixin before the compressed-tensors class):
+    matching ``data_type``, the refusals, the experts in the model's dtype (not
+    compressed-tensors' bfloat16), ``extra_config`` for non-expert modules."""
 
-    name = "auto-round-nvfp4"
+    data_type = ""
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:
-        return _data_type(quantization_config) == "nv_fp"
+        return _data_type(quantization_config) == cls.data_type
 
     @classmethod
-    def from_config(cls, config, quantization_config: dict | None) -> "AutoRoundNvfp4Format":
-        """Raises ValueError: see ``check_autoround_fp`` (group size 16)."""
+    def from_config(cls, config, quantization_config: dict | None):
+        """Raises ValueError: see ``check_autoround_fp`` (the format's group size, 4 bits)."""
         qc = quantization_config or {}
-        check_autoround_fp(qc, config, data_type="nv_fp", packings=FP4_PACKINGS, bits=4, group_size=cls.group_size)
-        acts = str(qc.get("act_data_type") or "")
-        return cls(static_input=int(qc.get("act_bits") or 16) <= 8 and "nv_fp" in acts)
+        check_autoround_fp(qc, config, data_type=cls.data_type, packings=FP4_PACKINGS, bits=4, group_size=cls.group_size)
+        return cls._from_checked(qc)
 
     @classmethod
-    def from_quantization_config(cls, quantization_config: dict | None) -> "AutoRoundNvfp4Format":
+    def from_quantization_config(cls, quantization_config: dict | None):
         return cls.from_config(None, quantization_config)
 
     def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -234,6 +234,20 @@ class AutoRoundNvfp4Format(CompressedTensorsNvfp4Format):
 
     def linear_format(self, module: str, quantization_config: dict | None) -> ExpertFormat | None:
         return autoround_linear_format(self, module, quantization_config)
+
+
+class AutoRoundNvfp4Format(_AutoRoundFp4, CompressedTensorsNvfp4Format):
+    """AutoRound NVFP4 (``data_type: nv_fp``): compressed-tensors' NVFP4 layout, AutoRound's
+    arithmetic (module docstring), experts in the model's dtype."""
+
+    name = "auto-round-nvfp4"
+    data_type = "nv_fp"
+
+    @classmethod
+    def _from_checked(cls, qc: dict) -> "AutoRoundNvfp4Format":
+        """``input_global_scale`` is stored when activations are NVFP4 with a static global scale."""
+        acts = str(qc.get("act_data_type") or "")
+        return cls(static_input=int(qc.get("act_bits") or 16) <= 8 and "nv_fp" in acts)
 
     def _dequantize_source(self, name, packed, i, sources, dtype) -> torch.Tensor:
         pick = lambda t: t.chunk(sources, dim=1)[i]  # noqa: E731
@@ -251,35 +265,16 @@ class AutoRoundNvfp4Format(CompressedTensorsNvfp4Format):
                            global_op="value_reciprocal")
 
 
-class AutoRoundMxfp4Format(CompressedTensorsMxfp4Format):
+class AutoRoundMxfp4Format(_AutoRoundFp4, CompressedTensorsMxfp4Format):
     """AutoRound MXFP4 (``data_type: mx_fp``): compressed-tensors' MXFP4 layout, the product in
     float32 (module docstring), experts in the model's dtype."""
 
     name = "auto-round-mxfp4"
+    data_type = "mx_fp"
 
     @classmethod
-    def matches(cls, quantization_config: dict | None) -> bool:
-        return _data_type(quantization_config) == "mx_fp"
-
-    @classmethod
-    def from_config(cls, config, quantization_config: dict | None) -> "AutoRoundMxfp4Format":
-        """Raises ValueError: see ``check_autoround_fp`` (group size 32)."""
-        check_autoround_fp(quantization_config or {}, config, data_type="mx_fp", packings=FP4_PACKINGS, bits=4,
-                           group_size=cls.group_size)
+    def _from_checked(cls, qc: dict) -> "AutoRoundMxfp4Format":
         return cls()
-
-    @classmethod
-    def from_quantization_config(cls, quantization_config: dict | None) -> "AutoRoundMxfp4Format":
-        return cls.from_config(None, quantization_config)
-
-    def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype
-
-    def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
-        return ExpertFormat.layout(self, dense_specs, sources=sources, transposed=transposed)
-
-    def linear_format(self, module: str, quantization_config: dict | None) -> ExpertFormat | None:
-        return autoround_linear_format(self, module, quantization_config)
 
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Rows are independent along O, so gate and up dequantize together."""
