@@ -53,6 +53,9 @@ TINY: dict[str, tuple[str, str, list[str]]] = {
     "autoround/qwen3_moe-auto_round-experts": ("autoround", "qwen3_moe", ["--format", "auto_round", *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_round-asym_g16-experts": (
         "autoround", "qwen3_moe", ["--format", "auto_round", "--asym", "--group-size", "16", *EXPERTS_ONLY]),
+    # W8A8 INT8 through the llm_compressor export: float16 weight_scale under a bfloat16 config
+    "autoround/qwen3_moe-llm_compressor-INT8_W8A8-experts": (
+        "autoround", "qwen3_moe", ["--format", "llm_compressor", "--scheme", "INT8_W8A8", *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_awq-experts": ("autoround", "qwen3_moe", ["--format", "auto_awq", *AWQ_TINY, *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_round-W8A16-experts": (
         "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "W8A16", *EXPERTS_ONLY]),
