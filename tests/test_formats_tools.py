@@ -1,11 +1,16 @@
 """Checkpoints written by AutoRound 0.16.1 and GPTQModel 7.7.0 themselves, on CPU, with their
 default recipes (attention quantized) and experts-only variants (tests/data/autoround,
-tests/data/gptqmodel; ``scripts/tool_fixtures.py`` writes them in the tools' own venvs).
+tests/data/gptqmodel; ``scripts/tool_fixtures.py`` writes them in the tools' own venvs): int
+2/4/8 bits (GPTQ 2-bit asymmetric v1, whose zero points borrow across a word; AutoRound's
+``auto_round`` packing with asymmetric zero points), overlapping GPTQModel ``dynamic`` rules,
+bfloat16 scales, AutoRound's FP8 / NVFP4 / MXFP4 exports and GPTQModel's FP8.
 
 Oracle, independent of pagedexperts: ``tool_dequant.safetensors`` beside each checkpoint, the
-tool's OWN dequantization (GPTQModel's ``TorchLinear.dequantize_weight`` / ``dequantize_gemm``,
-AutoRound's ``QuantLinear.forward``) of layer 1's experts 0 and 5 and its q_proj / o_proj, for
-a model in float32 and in the checkpoint's dtype (``scripts/tool_dequant.py``). Paged vs
+tool's OWN dequantization (GPTQModel's ``TorchLinear.dequantize_weight`` / ``dequantize_gemm`` /
+``TorchFP8Linear.dequantize_weight``, AutoRound's ``QuantLinear.forward`` and its NVFP4 / MXFP4 /
+FP8 layers) of layer 1's experts 0 and 5, its q_proj / o_proj and every module whose v1 zero
+points borrowed, for a model in float32 and in the checkpoint's dtype (``scripts/tool_dequant.py``),
+compared with the format given the checkpoint's tensors and with the loaded store's rows. Paged vs
 resident: torch.equal of every prefill and decode logit, batch 1 and a padded batch of 2, at
 K = top_k and E/2, in float32 and in the checkpoint's dtype.
 
