@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from int4_oracle import group_index
+from pagedexperts.formats.autoround import AutoRoundFormat
 from pagedexperts.formats.autoround_fp import AutoRoundFp8Format, AutoRoundMxfp4Format, AutoRoundNvfp4Format
 from pagedexperts.formats.awq import AwqFormat
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, TensorSpec
@@ -88,6 +89,9 @@ def _cases() -> dict[str, FormatCase]:
         FormatCase("gptq-act-order", gptq(group_size=16, desc_act=True, zero_offset=1), f16),
         FormatCase("gptq-v2-channel", gptq(group_size=-1, desc_act=False, zero_offset=0), f32),
         FormatCase("awq", AwqFormat(group_size=16), bf16),
+        # AutoRound's auto_round packing: zero points stored as they are (asymmetric), no g_idx
+        FormatCase("auto-round-asym", AutoRoundFormat(group_size=16, bits=4, sym=False, zero_offset=0), f16),
+        FormatCase("auto-round-asym-8bit", AutoRoundFormat(group_size=-1, bits=8, sym=False, zero_offset=0), bf16),
         FormatCase("nvfp4", CompressedTensorsNvfp4Format(static_input=True), bf16),
         FormatCase("ct-mxfp4", CompressedTensorsMxfp4Format(), bf16),
         FormatCase("modelopt-nvfp4", ModelOptNvfp4Format(bf16), bf16),

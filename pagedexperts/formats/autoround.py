@@ -35,6 +35,7 @@ from pagedexperts.formats.base import QuantizedTensor, TensorSpec
 from pagedexperts.formats.ct_schemes import dense_source_count
 from pagedexperts.formats.gptq import GptqFormat, _check_args, bit_shifts, unpack_cols, unpack_rows
 from pagedexperts.formats.gptq_dynamic import expert_args, extra_config_override, module_args
+from pagedexperts.formats.packing import WeightPacking, int_packing
 
 PACKING_ZERO_OFFSET = {"auto_round:auto_gptq": 1, "auto_round": 0}  # packing_format -> added to each stored zero
 INT_DATA_TYPES = ("int",)
@@ -129,15 +130,23 @@ class AutoRoundFormat(GptqFormat):
         qzeros, [G, O] scales per source, side by side along dim 1."""
         return super().pack(dense, sources=sources, transposed=transposed)[:3]
 
-    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False):
-        """Not described for the fused kernels yet (no ``g_idx`` rows, and ``auto_round:auto_gptq``
-        adds 1 to each stored zero point without wrapping, which ``formats.packing``'s
-        ``zero_offset`` (mod 2**bits) does not express).
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """``auto_round`` packing (zero points stored as they are, 4 or 8 bits): GPTQ's qweight
+        [K*b/32, N] (input-major), qzeros [G, N*b/32], scales [G, N], groups ``k // group_size``.
+        ``auto_round:auto_gptq`` adds 1 to each stored zero point without wrapping, which
+        ``formats.packing``'s ``zero_offset`` (a carry into the next field) does not express.
 
         Raises:
-            NotImplementedError: always, naming the format and packing."""
-        raise NotImplementedError(f"expert format {self.name!r} (zero offset {self.zero_offset}, no g_idx) has no "
-                                  "WeightPacking: fused kernels cannot read it")
+            NotImplementedError: ``auto_round:auto_gptq`` packing, or 2 bits (names the format)."""
+        args = self.tensor_args(tensor.dense.name)
+        if self.zero_offset or args.bits not in (4, 8):
+            raise NotImplementedError(f"expert format {self.name!r} (zero offset {self.zero_offset}, {args.bits} bits) "
+                                      "has no WeightPacking: fused kernels cannot read it")
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        in_features = tensor.dense.shape[1]
+        return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=args.bits,
+                           packed_dim="in", sources=dense_source_count(name), group_size=args.group_of(in_features),
+                           zero=specs[f"{name}_qzeros"], transposed=True)
 
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Packed rows of n experts -> [n, *dense.shape]: each source dequantized on its own
