@@ -83,6 +83,7 @@ TINY: dict[str, tuple[str, str, list[str]]] = {
         "gptqmodel", "qwen3_moe",
         ["--method", "gptq", "--bits", "8", "--dynamic", '{"+:.*\\\\.down_proj": {"group_size": 16}}', *EXPERTS_ONLY]),
     "gptqmodel/qwen3_moe-fp8-experts": ("gptqmodel", "qwen3_moe", ["--method", "fp8", *EXPERTS_ONLY]),
+    "gptqmodel/qwen3_moe-fp8": ("gptqmodel", "qwen3_moe", ["--method", "fp8"]),
     # 2-bit asymmetric v1: zero points 0 are stored as -1 and borrow from the next value of the word
     "gptqmodel/qwen3_moe-gptq_2bit_asym_g16-experts": (
         "gptqmodel", "qwen3_moe", ["--method", "gptq", "--bits", "2", "--asym", "--group-size", "16", *EXPERTS_ONLY]),

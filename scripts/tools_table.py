@@ -55,9 +55,10 @@ def tool_and_recipe(path: Path) -> tuple[str, str]:
         rec = json.loads(record.read_text())
         tool = next(k for k in rec["versions"] if k not in ("torch", "transformers"))
         argv = rec["argv"][3:]
-        args = [a for i, a in enumerate(argv) if a not in ("--model", "--out") and argv[i - 1] not in ("--model", "--out")]
+        paths = ("--model", "--out", "--calib")  # where it ran, not the recipe
+        args = [a for i, a in enumerate(argv) if a not in paths and argv[i - 1] not in paths]
         whole = "experts only" if "--experts-only" in args else "whole model (attention quantized)"
-        recipe = " ".join(a for a in args if a != "--experts-only")
+        recipe = " ".join(a for a in args if a not in ("--experts-only", "scripts/tool_quantize.py"))
         return f"{tool} {rec['versions'][tool]}", f"`{recipe}`, {whole}"
     from importlib.metadata import version
 
