@@ -9,6 +9,7 @@ Two sets, one table each (name -> tool, family, ``tool_quantize.py`` arguments):
 - ``TINY`` (committed under tests/data/<tool>/, about 0.3 MB each): the tiny random bfloat16
   Qwen3-MoE and Mixtral of ``tool_quantize.py source``, each recipe's dir also holding
   ``tool_dequant.safetensors`` (the tool's own dequantization of a sample of modules);
+  ``DERIVED``: a TINY checkpoint with its scales cast (``tool_quantize.py cast-scales``);
 - ``BUNDLED`` (``--bundled DIR``, not committed: about 5 MB each): the bundled model
   (pagedexperts/data/tiny-qwen3-moe, float32) through each tool's default recipes, for the
   README table (``check`` verdict, top-1 agreement).
@@ -27,6 +28,7 @@ runs on the CPU.)
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -51,6 +53,9 @@ TINY: dict[str, tuple[str, str, list[str]]] = {
     "autoround/qwen3_moe-auto_round-experts": ("autoround", "qwen3_moe", ["--format", "auto_round", *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_round-asym_g16-experts": (
         "autoround", "qwen3_moe", ["--format", "auto_round", "--asym", "--group-size", "16", *EXPERTS_ONLY]),
+    # W8A8 INT8 through the llm_compressor export: float16 weight_scale under a bfloat16 config
+    "autoround/qwen3_moe-llm_compressor-INT8_W8A8-experts": (
+        "autoround", "qwen3_moe", ["--format", "llm_compressor", "--scheme", "INT8_W8A8", *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_awq-experts": ("autoround", "qwen3_moe", ["--format", "auto_awq", *AWQ_TINY, *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_round-W8A16-experts": (
         "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "W8A16", *EXPERTS_ONLY]),
@@ -60,6 +65,15 @@ TINY: dict[str, tuple[str, str, list[str]]] = {
         "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "NVFP4", *EXPERTS_ONLY]),
     "autoround/qwen3_moe-auto_round-MXFP4-experts": (
         "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "MXFP4", *EXPERTS_ONLY]),
+    # asymmetric 2-bit: packing_format "auto_round" (zero points stored as they are); 4-bit asym writes
+    # auto_round:auto_awq, and AutoRound refuses 8-bit asym ("vLLM serves W8 GPTQ-format weights symmetric-only")
+    "autoround/qwen3_moe-auto_round-asym_W2A16_g16-experts": (
+        "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "W2A16", "--asym", "--group-size", "16",
+                                   *EXPERTS_ONLY]),
+    "autoround/qwen3_moe-auto_round-FP8_STATIC-experts": (
+        "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "FP8_STATIC", *EXPERTS_ONLY]),
+    "autoround/qwen3_moe-auto_round-FP8_BLOCK-experts": (
+        "autoround", "qwen3_moe", ["--format", "auto_round", "--scheme", "FP8_BLOCK", *EXPERTS_ONLY]),
     "gptqmodel/qwen3_moe-gptq": ("gptqmodel", "qwen3_moe", ["--method", "gptq"]),
     "gptqmodel/qwen3_moe-awq": ("gptqmodel", "qwen3_moe", ["--method", "awq", *AWQ_TINY]),
     "gptqmodel/mixtral-gptq": ("gptqmodel", "mixtral", ["--method", "gptq"]),
@@ -69,6 +83,22 @@ TINY: dict[str, tuple[str, str, list[str]]] = {
         "gptqmodel", "qwen3_moe",
         ["--method", "gptq", "--bits", "8", "--dynamic", '{"+:.*\\\\.down_proj": {"group_size": 16}}', *EXPERTS_ONLY]),
     "gptqmodel/qwen3_moe-fp8-experts": ("gptqmodel", "qwen3_moe", ["--method", "fp8", *EXPERTS_ONLY]),
+    "gptqmodel/qwen3_moe-fp8": ("gptqmodel", "qwen3_moe", ["--method", "fp8"]),
+    # 2-bit asymmetric v1: zero points 0 are stored as -1 and borrow from the next value of the word
+    "gptqmodel/qwen3_moe-gptq_2bit_asym_g16-experts": (
+        "gptqmodel", "qwen3_moe", ["--method", "gptq", "--bits", "2", "--asym", "--group-size", "16", *EXPERTS_ONLY]),
+    # overlapping dynamic rules, first match wins: k_proj left unquantized by a negative rule before
+    # the q/k rule; q_proj its own group 16; the experts' down_proj 4-bit g16 before the catch-all 8-bit
+    "gptqmodel/qwen3_moe-gptq_dynamic_overlap": (
+        "gptqmodel", "qwen3_moe", ["--method", "gptq", "--dynamic", json.dumps({
+            r"-:.*\.self_attn\.k_proj": {}, r"+:.*\.self_attn\.[qk]_proj": {"group_size": 16},
+            r"+:.*\.experts\.\d+\.down_proj": {"group_size": 16}, r"+:.*_proj": {"bits": 8}})]),
+}
+# name -> (the tool fixture it is derived from, the dtype its ``scales`` are cast to: ``tool_quantize.py
+# cast-scales``, what a loaded model cast to bfloat16 and saved again carries)
+DERIVED: dict[str, tuple[str, str]] = {
+    "gptqmodel/qwen3_moe-gptq-experts-bf16_scales": ("gptqmodel/qwen3_moe-gptq-experts", "bfloat16"),
+    "autoround/qwen3_moe-auto_round-experts-bf16_scales": ("autoround/qwen3_moe-auto_round-experts", "bfloat16"),
 }
 # The bundled model through each tool's default recipes (attention quantized), for the README table.
 BUNDLED: dict[str, tuple[str, list[str]]] = {
@@ -102,6 +132,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-dequant", dest="dequant", action="store_false", help="skip tool_dequant.safetensors")
     p.add_argument("--autoround-venv", type=Path, default=Path("/work/ar-venv"))
     p.add_argument("--gptqmodel-venv", type=Path, default=Path("/work/gptqm-venv"))
+    p.add_argument("--calib", type=Path, default=None,
+                   help="calibration text for tool_quantize.py (default: its own, WikiText-2 validation)")
     args = p.parse_args(argv)
     python = {"autoround": args.autoround_venv / "bin" / "python", "gptqmodel": args.gptqmodel_venv / "bin" / "python"}
     args.tiny = args.tiny.resolve()
@@ -121,9 +153,15 @@ def main(argv=None) -> None:
             if not src.exists():
                 run(python["autoround"], "source", family, src)
             try:
-                run(python[tool], tool, "--model", src, "--out", out, *extra)
+                calib = ["--calib", args.calib.resolve()] if args.calib else []
+                run(python[tool], tool, "--model", src, "--out", out, *calib, *extra)
             except subprocess.CalledProcessError as exc:
                 failed.append(f"{name}: {exc}")
+    for name, (source, dtype) in DERIVED.items():
+        out, tool = args.tiny / name, source.partition("/")[0]
+        if (args.only is None or name in args.only) and (args.force or not (out / "tool_quantize.json").exists()):
+            run(python[tool], "cast-scales", "--model", args.tiny / source, "--out", out, "--dtype", dtype)
+            jobs.append((name, tool, ("tiny", None), [], out))
     if args.dequant:
         for name, tool, (kind, _), _, out in jobs:
             method = dequant_tool(out)

@@ -10,9 +10,14 @@ lists the venvs and the exact commands). Subcommands:
   recipe) then ``quantize_and_save(DST, format=F)``; F in auto_round, auto_gptq, auto_awq,
   llm_compressor. AutoRound's default: every nn.Linear of the decoder blocks (attention and
   experts), not the router or lm_head.
-- ``gptqmodel --model SRC --out DST --method gptq|awq|fp8 [--bits B] [--group-size G]
+- ``gptqmodel --model SRC --out DST --method gptq|awq|fp8 [--bits B] [--group-size G] [--asym]
   [--dynamic JSON] [--experts-only]``: ``GPTQModel.load(SRC, QuantizeConfig(...)).quantize(...)``
   then ``save(DST)``. GPTQModel's default: every decoder nn.Linear (attention and experts).
+- ``cast-scales --model SRC --out DST [--dtype bfloat16]``: SRC (a checkpoint the tool wrote)
+  with every ``scales`` tensor cast to ``--dtype``, nothing else changed. Neither tool writes
+  bfloat16 scales here (GPTQModel and AutoRound pack float16; a GPTQModel load + save at
+  bfloat16 keeps float16): published GPTQ / AutoRound checkpoints carry them when a loaded model
+  was cast (``model.to(torch.bfloat16)``, which casts every floating buffer) and saved again.
 - ``tool-dequant DIR``: the tool's OWN dequantization of a sample of the checkpoint's quantized
   modules (layer 1's experts 0 and 5, and its q_proj where quantized), in float32 and in the
   checkpoint's dtype, into ``DIR/tool_dequant.safetensors`` (key ``{module}@{dtype}``): the
@@ -78,7 +83,9 @@ def run_autoround(args) -> None:
     if args.asym:
         kwargs["sym"] = False
     if args.experts_only:
-        kwargs["layer_config"] = {"self_attn": {"bits": 16, "data_type": "float"}}
+        # act_bits 16 too: an FP8 / NVFP4 / MXFP4 scheme quantizes activations, and a 16-bit layer
+        # keeping the scheme's act_bits fails ("No quantization function found for dtype=float, bits=16")
+        kwargs["layer_config"] = {"self_attn": {"bits": 16, "data_type": "float", "act_bits": 16}}
     tmp = Path(str(args.out) + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     AutoRound(args.model, **kwargs).quantize_and_save(str(tmp), format=args.format)
@@ -104,6 +111,8 @@ def run_gptqmodel(args) -> None:
         kwargs["group_size"] = args.group_size
     if dynamic:
         kwargs["dynamic"] = dynamic
+    if args.asym:
+        kwargs["sym"] = False
     if args.method == "fp8":
         kwargs.pop("group_size", None)
     data = [{"input_ids": t[0].tolist(), "attention_mask": [1] * t.shape[1]} for t in calibration(args.model, args.calib)]
@@ -112,6 +121,23 @@ def run_gptqmodel(args) -> None:
     shutil.rmtree(args.out, ignore_errors=True)
     model.save(str(args.out))
     (Path(args.out) / "quant_log.csv").unlink(missing_ok=True)
+
+
+def cast_scales(args) -> None:
+    """Copy ``args.model`` to ``args.out`` with every ``*.scales`` tensor cast to ``args.dtype``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(args.out, ignore_errors=True)
+    shutil.copytree(args.model, args.out, ignore=shutil.ignore_patterns("tool_dequant.safetensors"))
+    dtype = getattr(torch, args.dtype)
+    for path in Path(args.out).glob("*.safetensors"):
+        tensors = load_file(str(path))
+        save_file({k: v.to(dtype) if k.endswith(".scales") else v for k, v in tensors.items()}, str(path),
+                  metadata={"format": "pt"})
+    record = json.loads((Path(args.model) / "tool_quantize.json").read_text())
+    record["argv"] += ["+", "scripts/tool_quantize.py", *sys.argv[1:]]
+    (Path(args.out) / "tool_quantize.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 def record(args, tool: str, seconds: float) -> None:
@@ -143,12 +169,20 @@ def main(argv=None) -> None:
     gm = sub.choices["gptqmodel"]
     gm.add_argument("--method", default="gptq", choices=("gptq", "awq", "fp8"))
     gm.add_argument("--bits", type=int, default=None)
+    gm.add_argument("--asym", action="store_true", help="asymmetric zero points (QuantizeConfig sym=False)")
     gm.add_argument("--dynamic", default=None, help="GPTQModel per-module overrides, JSON {regex: {field: value}}")
+    c = sub.add_parser("cast-scales")
+    c.add_argument("--model", required=True, type=Path)
+    c.add_argument("--out", required=True, type=Path)
+    c.add_argument("--dtype", default="bfloat16")
     d = sub.add_parser("tool-dequant")
     d.add_argument("dir", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "source":
         write_source(args.family, args.out)
+        return
+    if args.cmd == "cast-scales":
+        cast_scales(args)
         return
     if args.cmd == "tool-dequant":
         sys.path.insert(0, str(ROOT / "scripts"))

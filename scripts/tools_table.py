@@ -55,9 +55,10 @@ def tool_and_recipe(path: Path) -> tuple[str, str]:
         rec = json.loads(record.read_text())
         tool = next(k for k in rec["versions"] if k not in ("torch", "transformers"))
         argv = rec["argv"][3:]
-        args = [a for i, a in enumerate(argv) if a not in ("--model", "--out") and argv[i - 1] not in ("--model", "--out")]
+        paths = ("--model", "--out", "--calib")  # where it ran, not the recipe
+        args = [a for i, a in enumerate(argv) if a not in paths and argv[i - 1] not in paths]
         whole = "experts only" if "--experts-only" in args else "whole model (attention quantized)"
-        recipe = " ".join(a for a in args if a != "--experts-only")
+        recipe = " ".join(a for a in args if a not in ("--experts-only", "scripts/tool_quantize.py"))
         return f"{tool} {rec['versions'][tool]}", f"`{recipe}`, {whole}"
     from importlib.metadata import version
 
@@ -149,6 +150,15 @@ load the format here (GPTQ/AWQ/AutoRound need gptqmodel / auto-round).
 """
 
 
+def summary(rows: list[str]) -> str:
+    """One line counting the table's rows by ``check`` verdict (at the tool's dtype)."""
+    verdicts = [row.split(" | ")[4] for row in rows if row.startswith("| ") and not row.startswith(("| fixture", "| ---"))]
+    passed = sum(v.startswith("PASS") for v in verdicts)
+    refused = sum(v.startswith("refused") for v in verdicts)
+    return (f"{len(verdicts)} checkpoints: {passed} PASS at the dtype the tool wrote, {refused} refused (naming the "
+            f"field and value), {len(verdicts) - passed - refused} other.\n\n")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="also write the table to this file")
@@ -174,7 +184,7 @@ def main(argv=None) -> None:
     table = "\n".join(rows) + "\n"
     print(table)
     if args.out:
-        args.out.write_text(HEADER + table)
+        args.out.write_text(HEADER + summary(rows) + table)
 
 
 if __name__ == "__main__":

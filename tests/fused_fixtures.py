@@ -19,6 +19,7 @@ import torch
 
 from int4_oracle import group_index
 from pagedexperts.formats.autoround import AutoRoundFormat
+from pagedexperts.formats.autoround_fp import AutoRoundFp8Format, AutoRoundMxfp4Format, AutoRoundNvfp4Format
 from pagedexperts.formats.awq import AwqFormat
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, TensorSpec
 from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
@@ -30,6 +31,7 @@ from pagedexperts.formats.ct_packed import (CompressedTensorsMixedPackedFormat, 
 from pagedexperts.formats.dense import DenseFormat
 from pagedexperts.formats.fp8 import Fp8BlockFormat
 from pagedexperts.formats.gptq import GptqFormat
+from pagedexperts.formats.gptqmodel_fp8 import GptqModelFp8Format
 from pagedexperts.formats.int8_block import Int8BlockFormat
 from pagedexperts.formats.modelopt import ModelOptFp8Format, ModelOptNvfp4Format
 from pagedexperts.formats.mxfp4 import Mxfp4Format
@@ -91,11 +93,26 @@ def _cases() -> dict[str, FormatCase]:
         FormatCase("gptq-2bit", gptq(group_size=32, desc_act=False, zero_offset=1, bits=2), bf16),
         FormatCase("auto-round", AutoRoundFormat(bits=4, group_size=16, zero_offset=1), f16),  # + 1 per zero, no wrap
         FormatCase("awq", AwqFormat(group_size=16), bf16),
+        # AutoRound's auto_round packing: zero points stored as they are (asymmetric), no g_idx
+        FormatCase("auto-round-asym", AutoRoundFormat(group_size=16, bits=4, sym=False, zero_offset=0), f16),
+        FormatCase("auto-round-asym-8bit", AutoRoundFormat(group_size=-1, bits=8, sym=False, zero_offset=0), bf16),
         FormatCase("nvfp4", CompressedTensorsNvfp4Format(static_input=True), bf16),
         FormatCase("ct-mxfp4", CompressedTensorsMxfp4Format(), bf16),
         FormatCase("modelopt-nvfp4", ModelOptNvfp4Format(bf16), bf16),
         FormatCase("modelopt-fp8", ModelOptFp8Format(bf16), f32),  # multiplied in the saved bf16
         FormatCase("mxfp4-gpt-oss", Mxfp4Format(), bf16, transposed=True),
+        # AutoRound's FP exports: bfloat16 scales under a float32 model (multiplied in the scales' dtype),
+        # a partial block per source, NVFP4's value times the global scale's reciprocal (rounds apart in
+        # float32), MXFP4 in float32 then the model's dtype
+        FormatCase("auto-round-fp8-channel", AutoRoundFp8Format(
+            {"gate_up_proj": ("channel", None, bf16), "down_proj": ("tensor", None, bf16)}), f32),
+        FormatCase("auto-round-fp8-block", AutoRoundFp8Format(
+            {"gate_up_proj": ("block", (24, 32), bf16), "down_proj": ("block", (16, 16), bf16)}, block_scales=True), bf16),
+        FormatCase("auto-round-nvfp4", AutoRoundNvfp4Format(static_input=True), f32),
+        FormatCase("auto-round-mxfp4", AutoRoundMxfp4Format(), f16),
+        # GPTQModel FP8: the value divided by its row's weight_scale_inv, in the model's dtype
+        FormatCase("gptqmodel-fp8", GptqModelFp8Format(), bf16),
+        FormatCase("gptqmodel-fp8-fp32", GptqModelFp8Format(), f32),
     ]
     return {c.name: c for c in cases}
 
@@ -138,8 +155,10 @@ def _random(spec: TensorSpec, role: str | None, n: int, gen: torch.Generator, ca
         value = (16.0, 64.0) if isinstance(case.fmt, CompressedTensorsNvfp4Format) else (0.005, 0.02)
         return (torch.rand(shape, generator=gen) * (value[1] - value[0]) + value[0]).to(spec.dtype)
     if role == "scale":  # weights of about 0.01 .. 0.1 whatever the codes' range
-        weight = dict(case.fmt.packing(weight_tensors(case)["down_proj"], transposed=case.transposed).tensors)["weight"]
-        wide = weight.dtype == torch.int8 or case.fmt.name in ("w8a16",)
+        packing = case.fmt.packing(weight_tensors(case)["down_proj"], transposed=case.transposed)
+        if packing.scale_op == "divide":  # GPTQModel's weight_scale_inv: 448 / amax of the row
+            return ((torch.rand(shape, generator=gen) + 0.5) * 1000).to(spec.dtype)
+        wide = dict(packing.tensors)["weight"].dtype == torch.int8 or case.fmt.name in ("w8a16",)
         return ((torch.rand(shape, generator=gen) + 0.5) * (0.001 if wide else 0.01)).to(spec.dtype)
     return (torch.randn(shape, generator=gen) * 0.1).to(spec.dtype)  # dense weights, biases, input scales
 

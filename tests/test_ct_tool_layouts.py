@@ -2,11 +2,12 @@
 the tiny checkpoints compressed-tensors' own compressors write (tests/data/ct,
 ``make_fixtures.py`` beside them): config groups whose targets are module names, a first group
 naming attention before the experts' ``Linear`` group, ``naive-quantized`` FP8, FP8 per channel
-with static input activations, ``mxfp8-quantized``.
+with static input activations, ``mxfp8-quantized``, a target listed by two groups (the later
+group's scheme applies).
 
 Oracle, independent of pagedexperts' formats: compressed-tensors' own per-module
-``decompress`` of every quantized module, its group found by compressed-tensors' own
-``match_name``. Paged vs resident: torch.equal of prefill and decode logits, batch 1 and a
+``decompress`` of every quantized module, in the scheme compressed-tensors' own
+``apply_quantization_config`` gives it. Paged vs resident: torch.equal of prefill and decode logits, batch 1 and a
 padded batch of 2, at K = top_k, in float32 and bfloat16 (the checkpoints' dtype).
 
 Legend: E routed experts (8), k top_k (2), K resident slots.
@@ -28,8 +29,7 @@ from quantized_dirs import prefill_decode_runs
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
-from compressed_tensors.utils.match import match_name  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "ct"
 E, TOP_K = 8, 2
@@ -40,6 +40,8 @@ FIXTURES = {
     "qwen3_moe-naive_fp8": ("ct-fp8", {"gate_up_proj": ("channel", None), "down_proj": ("channel", None)}),
     "qwen3_moe-fp8_static_channel": ("ct-fp8", {"gate_up_proj": ("channel", None), "down_proj": ("channel", None)}),
     "qwen3_moe-mxfp8": ("ct-fp8", {"gate_up_proj": ("group", 32), "down_proj": ("group", 32)}),
+    # down_proj's target in two groups: the later group (16) wins, as compressed-tensors applies them
+    "qwen3_moe-target_in_two_groups": ("ct-pack-mixed", {"gate_up_proj": (4, 32), "down_proj": (4, 16)}),
 }
 SOURCES = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
@@ -58,10 +60,25 @@ def _modules(name: str) -> dict[str, dict[str, torch.Tensor]]:
     return {p: m for p, m in out.items() if "weight_scale" in m}
 
 
-def _library(prefix: str, state: dict, qconf) -> torch.Tensor:
-    """compressed-tensors' own decompression of one module (its group by ``match_name`` / ``Linear``)."""
-    scheme = next(g for g in qconf.config_groups.values()
-                  if any(match_name(prefix, t) or t == "Linear" for t in g.targets))
+def _library_schemes(qconf, modules: dict[str, dict]) -> dict[str, object]:
+    """{module prefix: scheme} as compressed-tensors' own ``apply_quantization_config`` assigns
+    them, on a tree of meta nn.Linear named and shaped as the checkpoint's quantized modules."""
+    root = torch.nn.Module()
+    for prefix, state in modules.items():
+        parent = root
+        *path, leaf = prefix.split(".")
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, torch.nn.Module())
+            parent = parent._modules[part]
+        out_features, in_features = _shape(state)
+        parent.add_module(leaf, torch.nn.Linear(in_features, out_features, bias=False, device="meta"))
+    apply_quantization_config(root, qconf, show_progress=False)
+    return {prefix: root.get_submodule(prefix).quantization_scheme for prefix in modules}
+
+
+def _library(state: dict, scheme, qconf) -> torch.Tensor:
+    """compressed-tensors' own decompression of one module in its ``scheme``."""
     compressor = BaseCompressor.get_value_from_registry(scheme.format or qconf.format)
     return compressor.decompress(dict(state), scheme)["weight"]
 
@@ -124,9 +141,10 @@ def test_dequantize_equals_compressed_tensors_on_every_module(name, dtype):
     qc = cfg["quantization_config"]
     qconf = QuantizationConfig.model_validate(qc)
     modules = _modules(name)
+    schemes = _library_schemes(qconf, modules)
     checked = 0
     for prefix, state in modules.items():
-        want = _library(prefix, state, qconf)
+        want = _library(state, schemes[prefix], qconf)
         if ".experts." in prefix:
             layer, expert, proj = int(prefix.split(".")[2]), int(prefix.split(".")[5]), prefix.rpartition(".")[2]
             dense = next(d for d, ps in SOURCES.items() if proj in ps)
@@ -156,13 +174,20 @@ def test_paged_equals_resident(name, dtype):
 
 
 @pytest.mark.default_threads
-@pytest.mark.parametrize("name", ["qwen3_moe-named_attention_first", "qwen3_moe-fp8_static_channel", "qwen3_moe-mxfp8"])
-def test_check_passes_against_compressed_tensors_and_says_why_not_transformers(name, capsys):
+@pytest.mark.parametrize("name, why", [
+    ("qwen3_moe-named_attention_first", "non-expert modules quantized"),
+    ("qwen3_moe-fp8_static_channel", "non-expert modules quantized"),
+    ("qwen3_moe-mxfp8", "non-expert modules quantized"),
+    ("qwen3_moe-target_in_two_groups", "expert projections are in different config groups (gate_up_proj 4-bit "
+                                       "group_size 32, down_proj 4-bit group_size 16)"),
+])
+def test_check_passes_against_compressed_tensors_and_says_why_not_transformers(name, why, capsys):
     """Attention quantized (transformers runs it through compressed-tensors' forward: static FP8
     input activations, MXFP8 scales it cannot load, and it would apply the attention group to
-    the experts): ``check`` says why transformers is not the reference, with no traceback, and
-    PASSes in the checkpoint's bfloat16 against compressed-tensors' decompression."""
-    why = "non-expert modules quantized"
+    the experts), or down_proj in the later of two groups listing it (transformers applies one
+    group to every expert projection): ``check`` says why transformers is not the reference, with
+    no traceback, and PASSes in the checkpoint's bfloat16 against compressed-tensors'
+    decompression, each module in the group compressed-tensors itself gives it."""
     from pagedexperts.cli import main
 
     rc = main(["check", "--model-path", str(DATA / name), "--check-resident", str(TOP_K), "--max-new-tokens", "3"])

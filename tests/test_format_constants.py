@@ -30,6 +30,11 @@ QC = {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": 32}}}},
     "modelopt-nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16},
     "mxfp4": {"quant_method": "mxfp4"},
+    "auto-round-nvfp4": {"quant_method": "auto-round", "data_type": "nv_fp", "bits": 4, "group_size": 16,
+                         "packing_format": "auto_round:llm_compressor", "act_bits": 4,
+                         "act_data_type": "nv_fp4_with_static_gs"},
+    "auto-round-mxfp4": {"quant_method": "auto-round", "data_type": "mx_fp", "bits": 4, "group_size": 32,
+                         "packing_format": "auto_round:llm_compressor"},
 }
 
 

@@ -31,9 +31,9 @@ H = I_MOE = 128
 E = 4
 
 
-def _scheme(group_size, symmetric):
+def _scheme(group_size, symmetric, num_bits=4):
     strategy = "group" if group_size else "channel"
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size)
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size)
     return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
 
 
@@ -57,6 +57,29 @@ def test_dequantize_equals_compressed_tensors(group_size, symmetric, dtype):
     tensor = fmt.layout((TensorSpec("w", (20, 128), dtype),)).tensors[0]
     rows = {f"w_{name.removeprefix('weight_')}": torch.stack([e[name] for e in experts])
             for name in ("weight_packed", "weight_scale", "weight_zero_point") if name in experts[0]}
+    got = fmt.dequantize(tensor, rows)
+    assert torch.equal(got, want), f"max diff {(got.double() - want.double()).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("num_bits, group_size", [(4, 32), (8, 16), (8, None)])
+def test_packed_zero_points_of_every_width_equal_compressed_tensors(num_bits, group_size, symmetric, dtype):
+    """``ct_packed`` (W8A16, mixed-precision pack-quantized) against compressed-tensors' own
+    decompression, 4- and 8-bit: the zero points are packed along the output dim with the
+    weights' width (four 8-bit zero points per int32 word), so an 8-bit asymmetric checkpoint
+    is where reading them as int4 shows; [O=20, I=64] (zero-point words padded)."""
+    from pagedexperts.formats.ct_packed import CompressedTensorsMixedPackedFormat, PackedArgs
+
+    torch.manual_seed(num_bits)
+    scheme = _scheme(group_size, symmetric, num_bits)
+    experts = [_compress(torch.randn(20, 64, dtype=dtype), scheme) for _ in range(3)]
+    want = torch.stack([PackedQuantizationCompressor.decompress(e, scheme)["weight"] for e in experts])
+    fmt = CompressedTensorsMixedPackedFormat({"w": PackedArgs(num_bits, group_size, symmetric, False)}, scale_dtype=dtype)
+    tensor = fmt.layout((TensorSpec("w", (20, 64), dtype),)).tensors[0]
+    rows = {f"w_{name.removeprefix('weight_')}": torch.stack([e[name] for e in experts])
+            for name in ("weight_packed", "weight_scale", "weight_zero_point") if name in experts[0]}
+    assert symmetric or bool((rows["w_zero_point"] != 0).any())
     got = fmt.dequantize(tensor, rows)
     assert torch.equal(got, want), f"max diff {(got.double() - want.double()).abs().max():.3g}"
 

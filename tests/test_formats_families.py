@@ -17,6 +17,7 @@ Where each quantized format's paged == unpaged exactness is tested, by family:
 | awq | test_int4_paged | test_int4_paged | - | refused (here) |
 | nvfp4, ct-mxfp4, w8a8-int8 | test_formats_llmc | test_formats_llmc | test_formats_llmc (NVFP4A16) | refused (here) |
 | modelopt-nvfp4, modelopt-fp8 | test_formats_modelopt | test_formats_modelopt | test_formats_modelopt | refused (here) |
+| auto-round-fp8, -nvfp4, -mxfp4, gptqmodel-fp8 | test_formats_tools | - | - | refused (here) |
 
 gpt-oss's experts module stores its weights transposed ([in, out], ``is_transposed``): every
 format but gpt-oss's own MXFP4 packs nn.Linear's [out, in] only, and MXFP4 has no published
@@ -50,6 +51,10 @@ CONFIGS = {
     "w8a8-int8": "llmc/qwen3_moe-W8A8",
     "modelopt-nvfp4": "modelopt/qwen3_moe-NVFP4",
     "modelopt-fp8": "modelopt/qwen3_moe-FP8",
+    "auto-round-fp8": "autoround/qwen3_moe-auto_round-FP8_STATIC-experts",
+    "auto-round-nvfp4": "autoround/qwen3_moe-auto_round-NVFP4-experts",
+    "auto-round-mxfp4": "autoround/qwen3_moe-auto_round-MXFP4-experts",
+    "gptqmodel-fp8": "gptqmodel/qwen3_moe-fp8-experts",
 }
 
 

@@ -21,6 +21,7 @@ import torch
 
 from fused_fixtures import FormatCase
 from pagedexperts.formats.autoround import AutoRoundFormat
+from pagedexperts.formats.autoround_fp import AutoRoundFp8Format, AutoRoundMxfp4Format, AutoRoundNvfp4Format
 from pagedexperts.formats.awq import AwqFormat
 from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
 from pagedexperts.formats.ct_fp4 import CompressedTensorsMxfp4Format, CompressedTensorsNvfp4Format
@@ -30,6 +31,7 @@ from pagedexperts.formats.ct_packed import CompressedTensorsMixedPackedFormat, C
 from pagedexperts.formats.dense import DenseFormat
 from pagedexperts.formats.fp8 import Fp8BlockFormat
 from pagedexperts.formats.gptq import GptqFormat
+from pagedexperts.formats.gptqmodel_fp8 import GptqModelFp8Format
 from pagedexperts.formats.int8_block import Int8BlockFormat
 from pagedexperts.formats.modelopt import ModelOptFp8Format, ModelOptNvfp4Format
 from pagedexperts.formats.mxfp4 import Mxfp4Format
@@ -71,6 +73,13 @@ def formats(group: int) -> dict[str, tuple]:
         "nvfp4": (CompressedTensorsNvfp4Format(), False), "ct-mxfp4": (CompressedTensorsMxfp4Format(), False),
         "modelopt-nvfp4": (ModelOptNvfp4Format(bf16), False), "modelopt-fp8": (ModelOptFp8Format(bf16), False),
         "mxfp4-gpt-oss": (Mxfp4Format(), True),
+        "auto-round-fp8-channel": (AutoRoundFp8Format({"gate_up_proj": ("channel", None, bf16),
+                                                       "down_proj": ("channel", None, bf16)}), False),
+        "auto-round-fp8-block": (AutoRoundFp8Format({"gate_up_proj": ("block", (128, 128), bf16),
+                                                     "down_proj": ("block", (128, 128), bf16)}, block_scales=True), False),
+        "auto-round-nvfp4": (AutoRoundNvfp4Format(static_input=True), False),
+        "auto-round-mxfp4": (AutoRoundMxfp4Format(), False),
+        "gptqmodel-fp8": (GptqModelFp8Format(), False),
     }
 
 

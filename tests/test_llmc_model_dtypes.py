@@ -127,3 +127,50 @@ def test_paged_equals_reference_at_the_run_dtype(name, dtype):
     with torch.no_grad():
         for run in prefill_decode_runs(paged, reference):
             assert run.exact and run.tokens_equal, f"{name} {dtype} {run.prompt}: {run.max_abs_diff:.3g}"
+
+
+AUTOROUND_INT8 = Path(__file__).parent / "data" / "autoround" / "qwen3_moe-llm_compressor-INT8_W8A8-experts"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_scales_stored_in_another_dtype_than_the_config(dtype):
+    """AutoRound 0.16.1's llm_compressor export of INT8_W8A8 stores float16 ``weight_scale``
+    under a bfloat16 config.json: the store keeps them float16 (the headers' dtype, not the
+    config's) and every routed expert, dequantized from the store, is compressed-tensors' own
+    decompression (in float16) bit for bit, whatever the run dtype."""
+    cfg = json.loads((AUTOROUND_INT8 / "config.json").read_text())
+    with safe_open(str(AUTOROUND_INT8 / "model.safetensors"), "pt") as f:
+        stored = {f.get_slice(k).get_dtype() for k in f.keys() if ".experts." in k and k.endswith("weight_scale")}
+    assert cfg["dtype"] == "bfloat16" and stored == {"F16"}
+    model, _ = load_model(AUTOROUND_INT8, num_resident=TOP_K, dtype=dtype)
+    rt = model.pagedexperts
+    assert rt.expert_format == "w8a8-int8"
+    for site in rt.stores:
+        layer = int(re.search(r"layers\.(\d+)\.", site).group(1))
+        got = paged_experts(model, site)
+        for dense, want in library_experts(AUTOROUND_INT8, layer, got["down_proj"].shape[0]).items():
+            assert want.dtype == torch.float16 and got[dense].dtype == want.dtype, (site, dense, got[dense].dtype)
+            assert torch.equal(got[dense], want), (site, dense)
+
+
+@pytest.mark.parametrize("path", [DATA / "qwen3_moe-W8A8", AUTOROUND_INT8], ids=["llmc-float32", "autoround-bf16-config"])
+def test_int8_config_alone_sizes_the_experts_as_the_checkpoint_stores_them(path):
+    """``format_for_config`` from config.json alone (what a random-fill benchmark builds its
+    stores with, no headers read) binds the scales to the saved dtype, so an expert's packed
+    bytes at another run dtype are the checkpoint's own (llm-compressor saves the scales in the
+    model's dtype); the headers' binding gives the checkpoint's bytes in every case."""
+    from pagedexperts.formats import TensorSpec, format_for_config
+    from pagedexperts.loading.checkpoint import format_for_checkpoint
+
+    cfg = json.loads((path / "config.json").read_text())
+    inter, hidden = cfg.get("moe_intermediate_size") or cfg["intermediate_size"], cfg["hidden_size"]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        on_disk = sum(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1]
+                      * {"I8": 1, "F16": 2, "BF16": 2, "F32": 4}[f.get_slice(k).get_dtype()]
+                      for k in f.keys() if ".layers.0.mlp.experts.0." in k)
+    specs = (TensorSpec("gate_up_proj", (2 * inter, hidden), torch.bfloat16), TensorSpec("down_proj", (hidden, inter), torch.bfloat16))
+    by_headers = format_for_checkpoint(cfg, [path / "model.safetensors"]).layout(specs, sources={"gate_up_proj": 2})
+    assert by_headers.expert_bytes == on_disk
+    if path != AUTOROUND_INT8:  # its float16 scales under a bfloat16 config: only the headers say so
+        by_config = format_for_config(cfg).layout(specs, sources={"gate_up_proj": 2})
+        assert by_config.expert_bytes == on_disk

@@ -17,6 +17,8 @@ from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTenso
 # quantization_config wins; ``dense`` (no quantization_config) comes first.
 FORMATS: dict[str, str] = {
     "dense": "pagedexperts.formats.dense:DenseFormat",
+    # before fp8-block: the same quant_method and key, weight_scale_inv dividing instead of multiplying
+    "gptqmodel-fp8": "pagedexperts.formats.gptqmodel_fp8:GptqModelFp8Format",
     "fp8-block": "pagedexperts.formats.fp8:Fp8BlockFormat",
     "int8-block": "pagedexperts.formats.int8_block:Int8BlockFormat",
     "mxfp4": "pagedexperts.formats.mxfp4:Mxfp4Format",
@@ -26,6 +28,9 @@ FORMATS: dict[str, str] = {
     "w4a16": "pagedexperts.formats.compressed_tensors:CompressedTensorsW4A16Format",
     "gptq": "pagedexperts.formats.gptq:GptqFormat",
     "awq": "pagedexperts.formats.awq:AwqFormat",
+    "auto-round-fp8": "pagedexperts.formats.autoround_fp:AutoRoundFp8Format",
+    "auto-round-nvfp4": "pagedexperts.formats.autoround_fp:AutoRoundNvfp4Format",
+    "auto-round-mxfp4": "pagedexperts.formats.autoround_fp:AutoRoundMxfp4Format",
     "auto-round": "pagedexperts.formats.autoround:AutoRoundFormat",
     "nvfp4": "pagedexperts.formats.ct_fp4:CompressedTensorsNvfp4Format",
     "ct-mxfp4": "pagedexperts.formats.ct_fp4:CompressedTensorsMxfp4Format",
@@ -40,6 +45,8 @@ FORMATS: dict[str, str] = {
 # formats as their checkpoint spells them (not "fp8-block" for a compressed-tensors FP8_BLOCK).
 SPELLED: dict[str, tuple[str, tuple[str | None, str | None, str | None]]] = {
     "dense": ("unquantized", (None, None, None)),
+    "gptqmodel-fp8": ("quant_method 'fp8' with weight_scale_semantics 'inverse' per row (GPTQModel FP8Config)",
+                      ("fp8", "float8_e4m3fn", "float8")),
     "fp8-block": ("quant_method 'fp8' with weight_block_size (DeepSeek-V3 / Qwen3-FP8 block FP8)", ("fp8", None, "float8")),
     "int8-block": ("quant_method 'blockwise_int8' with weight_block_size (SGLang block INT8, DeepSeek-R1-Block-INT8)",
                    ("blockwise_int8", None, "int8")),
@@ -53,6 +60,10 @@ SPELLED: dict[str, tuple[str, tuple[str | None, str | None, str | None]]] = {
     "w4a16": ("compressed-tensors 'pack-quantized' int4 (W4A16, W4A16_ASYM)", ("compressed-tensors", "pack-quantized", "int4")),
     "gptq": ("quant_method 'gptq' int2/int4/int8, GPTQModel dynamic overrides", ("gptq", None, "int4")),
     "awq": ("quant_method 'awq' int4, zero_point true or false", ("awq", None, "int4")),
+    "auto-round-fp8": ("quant_method 'auto-round' data_type 'fp' 8 bits (AutoRound's FP8_STATIC, FP8_BLOCK, FPW8A16)",
+                       ("auto-round", None, "float8")),
+    "auto-round-nvfp4": ("quant_method 'auto-round' data_type 'nv_fp' (AutoRound's NVFP4)", ("auto-round", None, "float4")),
+    "auto-round-mxfp4": ("quant_method 'auto-round' data_type 'mx_fp' (AutoRound's MXFP4)", ("auto-round", None, "float4")),
     "auto-round": ("quant_method 'auto-round' data_type 'int' (AutoRound's own export, packing auto_round:auto_gptq "
                    "or auto_round)", ("auto-round", None, "int4")),
     "nvfp4": ("compressed-tensors 'nvfp4-pack-quantized' float4 (NVFP4A16, NVFP4)",

@@ -2,10 +2,10 @@
 
 Owns: recognising AutoRound's own export (``format="auto_round"``, its default) for integer
 weights, the packed per-expert specs and their ``WeightPacking`` (``formats.unpack`` dequantizes),
-per-module ``extra_config`` overrides. Does not: read files, store, page; AutoRound's floating-point data types (``fp`` FP8, ``nv_fp``
-NVFP4, ``mx_fp`` MXFP4) are refused naming ``data_type`` (their export in 0.16 writes
-``weight`` / ``weight_packed`` + ``weight_scale`` as compressed-tensors does, but under this
-quant_method; not read here yet).
+per-module ``extra_config`` overrides. Does not: read files, store, page; AutoRound's
+floating-point data types (``fp`` FP8, ``nv_fp`` NVFP4, ``mx_fp`` MXFP4) are
+``formats.autoround_fp``'s (registered before this class), and other data types are refused
+naming ``data_type``.
 
 On-disk layout (AutoRound 0.16.1 ``export/export_to_autoround/export.py`` ``pack_layer`` with the
 QuantLinear of ``auto_round_extension/torch``): ``packing_format`` picks it.
@@ -65,7 +65,7 @@ class AutoRoundFormat(GptqFormat):
         data_type = str(qc.get("data_type", "int"))
         if data_type not in INT_DATA_TYPES:
             raise ValueError(f"auto-round checkpoint with data_type={data_type!r}: only {INT_DATA_TYPES} is supported "
-                             "(AutoRound's FP8 / NVFP4 / MXFP4 exports are not read yet)")
+                             "here (and 'fp', 'nv_fp', 'mx_fp': the auto-round-fp8 / -nvfp4 / -mxfp4 formats)")
         act_bits = qc.get("act_bits", 16)
         if act_bits is not None and int(act_bits) < 16:
             raise ValueError(f"auto-round checkpoint with act_bits={act_bits!r}: only weight-only (act_bits 16) is supported")

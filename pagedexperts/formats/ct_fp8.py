@@ -111,6 +111,7 @@ class CompressedTensorsFp8Format(PackedFormat):
 
     name = "ct-fp8"
     serialized_names = {"weight": ("weight", "weight_scale")}
+    scale_suffix = SCALE_SUFFIX  # the scale's store name: dense name + this
     linear_format = ct_linear_format
 
     def __init__(self, schemes: Mapping[str, tuple[str, tuple[int, int] | None, torch.dtype]]) -> None:
@@ -165,7 +166,7 @@ class CompressedTensorsFp8Format(PackedFormat):
         rows, in_features = dense.shape
         shape = self._scale_shape(dense.name, rows // sources, in_features, sources)
         return (TensorSpec(dense.name, dense.shape, FP8_DTYPE),
-                TensorSpec(dense.name + SCALE_SUFFIX, shape, self.schemes[dense.name][2]))
+                TensorSpec(dense.name + self.scale_suffix, shape, self.schemes[dense.name][2]))
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
         """fp8 [N, K] with its scheme's per-tensor / per-channel / per-block / per-group scale, per

@@ -9,8 +9,8 @@ only a ``WeightPacking`` and the packed rows computes the dense weight bit for b
 format's ``dequantize`` does (``paging.kernels.fused_moe_kernel``). Each format builds its
 packing in ``ExpertFormat.packing``; ``formats.unpack`` interprets it in torch (the formats'
 ``dequantize``, and the reference the kernels are tested against). Owns also the names of the
-encodings (``CODES``, ``PACKED_DIMS``, ``SCALE_CODES``, ``GLOBAL_SCALES``), which the kernels
-take as constexprs as they are. Does not: unpack, read files or launch anything.
+encodings (``CODES``, ``PACKED_DIMS``, ``SCALE_CODES``, ``GLOBAL_SCALES``, ``SCALE_OPS``), which
+the kernels take as constexprs as they are. Does not: unpack, read files or launch anything.
 
 The weight is always described as nn.Linear's ``W [N, K]`` (N ``out_features``, K
 ``in_features``), whatever the dense module's orientation (gpt-oss stores [K, N]); element
@@ -28,10 +28,14 @@ The weight is always described as nn.Linear's ``W [N, K]`` (N ``out_features``, 
   ``group_size`` is 0); output index ``(n // source_rows) * ceil(source_rows / block_rows) +
   (n % source_rows) // block_rows`` (gate and up restart their scale rows); ``e4m3`` /
   ``e8m0`` codes decoded; then divided by (``divide``) or multiplied with (``multiply``) the
-  ``global_scale`` of the source, in float32;
+  ``global_scale`` of the source, in float32; or (``value_reciprocal``, AutoRound's NVFP4) the
+  scale is left alone and the VALUE is first multiplied by the reciprocal of the source's
+  global scale, ``v = rnd_f32(v * rnd_f32(1 / g))`` (0 where g is 0);
 - ``W[n, k] = rnd_dense(rnd_round(rnd_mul(v * rnd_mul(s))))``, ``rnd_D`` rounding to dtype D
   (``mul_dtype``: the dtype the format multiplies in; ``round_dtype``: an intermediate dtype
-  the product is rounded to, e.g. compressed-tensors FP4's bfloat16, or None).
+  the product is rounded to, e.g. compressed-tensors FP4's bfloat16, or None); with
+  ``scale_op`` ``divide`` (GPTQModel's FP8, whose ``weight_scale_inv`` is the quantizer's
+  multiplier) the value is divided by the scale instead: ``rnd_mul(v / rnd_mul(s))``.
 
 Storage orientation: a row of role ``weight`` is [N, K / per_word] (``packed_dim`` "in"), or
 input-major [K / per_word, N] / [K, N / per_word] when ``transposed`` (GPTQ, AWQ, gpt-oss's
@@ -60,7 +64,8 @@ CODES = ("dense", "int", "e4m3", "e2m1")
 PACKED_DIMS = ("none", "in", "out")
 SCALES = ("none", "tensor", "channel", "group", "block")
 SCALE_CODES = ("float", "e4m3", "e8m0")
-GLOBAL_SCALES = ("none", "divide", "multiply")
+GLOBAL_SCALES = ("none", "divide", "multiply", "value_reciprocal")
+SCALE_OPS = ("multiply", "divide")
 # AWQ: column j (0..7) of an 8-column word sits in nibble AWQ_POSITION[j] (``formats.awq``)
 AWQ_POSITION = (0, 4, 1, 5, 2, 6, 3, 7)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -89,6 +94,7 @@ class WeightPacking:
     zero_carries: bool = True  # zero_offset added to the whole word (carries); False: to each field, no wrap
     negative_zero: bool = True  # e2m1 code 8 decodes to -0.0; False: +0.0 (ModelOpt's e2m1 table)
     global_scale: str = "none"
+    scale_op: str = "multiply"  # how the value meets its scale (``divide``: GPTQModel FP8)
     mul_dtype: torch.dtype = torch.float32
     round_dtype: torch.dtype | None = None
     roles: dict = field(init=False, repr=False, compare=False, hash=False)
@@ -96,7 +102,8 @@ class WeightPacking:
     def __post_init__(self) -> None:
         for what, value, choices in (("codes", self.codes, CODES), ("packed_dim", self.packed_dim, PACKED_DIMS),
                                      ("scale", self.scale, SCALES), ("scale_codes", self.scale_codes, SCALE_CODES),
-                                     ("global_scale", self.global_scale, GLOBAL_SCALES)):
+                                     ("global_scale", self.global_scale, GLOBAL_SCALES),
+                                     ("scale_op", self.scale_op, SCALE_OPS)):
             if value not in choices:
                 raise ValueError(f"WeightPacking {what}={value!r}: choose one of {list(choices)}")
         roles = dict(self.tensors)
@@ -108,6 +115,8 @@ class WeightPacking:
                              f"with the roles {sorted(roles)}")
         if self.packed_dim != "none" and self.bits not in (2, 4, 8):
             raise ValueError(f"WeightPacking packed along {self.packed_dim!r} with bits={self.bits}: only 2, 4 and 8")
+        if self.global_scale == "value_reciprocal" and self.mul_dtype != torch.float32:
+            raise ValueError(f"WeightPacking global_scale='value_reciprocal' computes in float32: mul_dtype={self.mul_dtype}")
         for dtype in (self.dense_dtype, self.mul_dtype) + ((self.round_dtype,) if self.round_dtype else ()):
             if dtype not in FLOAT_DTYPES:
                 raise ValueError(f"WeightPacking dtype {dtype}: choose one of {list(FLOAT_DTYPES)}")
@@ -166,10 +175,11 @@ def dense_packing(tensor: "QuantizedTensor", *, transposed: bool) -> WeightPacki
 
 def float8_packing(tensor: "QuantizedTensor", *, scale: TensorSpec, strategy: str, sources: int,
                    block: tuple[int, int] | None = None, codes: str = "e4m3", mul_dtype=torch.float32,
-                   scale_codes: str = "float") -> WeightPacking:
+                   scale_codes: str = "float", scale_op: str = "multiply") -> WeightPacking:
     """An 8-bit weight [N, K] (float8_e4m3fn or int8, one value per byte) with a per-``strategy``
-    scale (tensor: one per source; channel: [N, 1]; block: [sources * ceil(O / bm), ceil(K / bn)];
-    group: [N, K / g], ``block`` (1, g))."""
+    scale (tensor: one per source; channel: [N, 1] or [N]; block: [sources * ceil(O / bm),
+    ceil(K / bn)]; group: [N, K / g], ``block`` (1, g)), multiplied with the value (or dividing
+    it: ``scale_op``)."""
     n, k = tensor.dense.shape
     weight = next(p for p in tensor.packed if p.name == tensor.dense.name)
     source_rows = n // sources
@@ -177,7 +187,7 @@ def float8_packing(tensor: "QuantizedTensor", *, scale: TensorSpec, strategy: st
     return WeightPacking(n, k, tensor.dense.dtype, (("weight", weight), ("scale", scale)), codes=codes,
                          bits=0, scale=strategy, scale_codes=scale_codes,
                          group_size=block[1] if strategy in ("block", "group") else 0,
-                         block_rows=block_rows, source_rows=source_rows, mul_dtype=mul_dtype)
+                         block_rows=block_rows, source_rows=source_rows, mul_dtype=mul_dtype, scale_op=scale_op)
 
 
 def int_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorSpec, bits: int, packed_dim: str,

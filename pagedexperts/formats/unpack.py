@@ -7,10 +7,11 @@ packed rows {packed name: [n, *spec.shape]}:
 - ``codes``: the stored field of every element of W [n, N, K] (int fields unsigned, e2m1 4-bit
   codes, one-per-element values as stored);
 - ``values``: every element's value before its scale, in float32 (int: the code minus its zero
-  point; e4m3 / e2m1 decoded);
+  point; e4m3 / e2m1 decoded; times the reciprocal of a ``value_reciprocal`` global scale);
 - ``dense_weight``: W in the packing's dense dtype, computed with the format's own arithmetic
   (the formula in ``formats.packing``: exact value, scale rounded to ``mul_dtype``, one rounded
-  product, ``round_dtype``, the dense dtype), so bit for bit what the format's library computes;
+  product, or quotient for ``scale_op`` "divide", ``round_dtype``, the dense dtype), so bit for
+  bit what the format's library computes;
 - ``int_groups``: an integer format's codes, zero points and group scales in one canonical form
   (``IntGroups``), for CPU kernels that take int4 / int8 weights with group scales;
 - ``PackedFormat``: the ``ExpertFormat`` whose ``dequantize`` is ``dense_weight`` of its
@@ -131,7 +132,8 @@ def _index(constant: Constant, name: str, device, values: Callable[[torch.Tensor
 def scale_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
                constant: Constant = build_each_time) -> torch.Tensor | None:
     """The scale of every (output row, group): [n, N, G] in ``mul_dtype`` (e4m3 / E8M0 codes
-    decoded, the source's global scale divided or multiplied in float32), or None (no scale)."""
+    decoded, the source's global scale divided or multiplied in float32; a ``value_reciprocal``
+    global scale meets the value instead: ``_values``), or None (no scale)."""
     spec = packing.spec("scale")
     if spec is None:
         return None
@@ -143,7 +145,7 @@ def scale_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
         e = s.to(torch.int32)
         s = torch.where(e == 0, E8M0_ZERO, e << 23).view(torch.float32)  # 2 ** (e - 127)
     per_source = scale_rows_per_source(packing)
-    if packing.global_scale != "none":
+    if packing.global_scale in ("divide", "multiply"):
         glob = rows[packing.spec("global_scale").name].to(torch.float32)  # [n, S]
         glob = glob.repeat_interleave(per_source, dim=-1).unsqueeze(-1)  # [n, R, 1]
         s = s.to(torch.float32) / glob if packing.global_scale == "divide" else s.to(torch.float32) * glob
@@ -175,6 +177,14 @@ def zero_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
         z = z.flatten(along - 1, along)
     z = (z.transpose(-1, -2) if packing.transposed else z).to(torch.int32)
     return z + packing.zero_offset if packing.zero_offset and not packing.zero_carries else z
+
+
+def _global_reciprocal(packing: WeightPacking, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """float32 [n, N, 1]: ``1 / g`` of each output row's source global scale, 0 where g is 0
+    (AutoRound's ``get_reciprocal``)."""
+    glob = rows[packing.spec("global_scale").name].to(torch.float32)  # [n, S]
+    reciprocal = torch.where(glob == 0, torch.zeros_like(glob), 1.0 / glob)
+    return reciprocal.repeat_interleave(packing.source_rows, dim=-1).unsqueeze(-1)
 
 
 def _g_idx(packing: WeightPacking, rows: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -226,6 +236,10 @@ def _values(packing: WeightPacking, rows: Mapping[str, torch.Tensor], constant: 
     offset = zero if zero is not None else packing.value_offset
     if zero is not None or offset:
         v, fresh = (v.sub_(offset) if fresh else v - offset), True
+    if packing.global_scale == "value_reciprocal":  # float32 (``WeightPacking`` checks mul_dtype)
+        reciprocal = _global_reciprocal(packing, rows)
+        reciprocal = reciprocal.unsqueeze(-1) if split else reciprocal
+        v, fresh = (v.mul_(reciprocal) if fresh and v.dtype == torch.float32 else v.to(torch.float32) * reciprocal), True
     return v, scale, split, fresh
 
 
@@ -241,13 +255,16 @@ def dense_weight(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *, co
                  dense_transposed: bool = False) -> torch.Tensor:
     """W of n experts, contiguous in the packing's ``dense_dtype``: [n, N, K], or [n, K, N] when
     ``dense_transposed`` (the dense module stores W^T: gpt-oss). Each element is
-    ``rnd_dense(rnd_round(v * s))``, the product in ``mul_dtype`` (``formats.packing``).
+    ``rnd_dense(rnd_round(v * s))`` (``v / s`` for ``scale_op`` "divide"), the product in
+    ``mul_dtype`` (``formats.packing``).
 
     Raises:
         KeyError: a packed tensor of the packing missing from ``rows``."""
     v, scale, split, fresh = _values(packing, rows, constant)
     if scale is None:
         w = v
+    elif packing.scale_op == "divide":
+        w = v.div_(scale) if fresh and v.dtype == scale.dtype else v / scale
     elif fresh and v.dtype == scale.dtype:
         w = v.mul_(scale)
     else:
@@ -301,11 +318,13 @@ def int_groups(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
     packing of an int format (GPTQ, AWQ, AutoRound, compressed-tensors int4 / int8, block INT8).
 
     Raises:
-        ValueError: the packing's codes are not int, or it has a global scale or an
-            intermediate rounding (no int format has)."""
-    if packing.codes != "int" or packing.global_scale != "none" or packing.round_dtype is not None:
-        raise ValueError(f"int_groups reads int packings without global scale or round dtype; got codes="
-                         f"{packing.codes!r} global_scale={packing.global_scale!r} round_dtype={packing.round_dtype}")
+        ValueError: the packing's codes are not int, or it has a global scale, a dividing scale
+            or an intermediate rounding (no int format has)."""
+    if (packing.codes != "int" or packing.global_scale != "none" or packing.round_dtype is not None
+            or packing.scale_op != "multiply"):
+        raise ValueError(f"int_groups reads int packings without global scale, dividing scale or round dtype; got "
+                         f"codes={packing.codes!r} global_scale={packing.global_scale!r} scale_op={packing.scale_op!r} "
+                         f"round_dtype={packing.round_dtype}")
     q = codes(packing, rows, constant=constant)
     q = (q.to(torch.uint8) if packing.packed_dim != "none" else q).contiguous()
     scales = scale_rows(packing, rows, constant=constant)

@@ -52,25 +52,39 @@ def _ct_decompressor(config: dict, src: Path) -> Callable:
     """compressed-tensors' per-module decompression: (module prefix, {local name: tensor}) ->
     dense weight, as ``BaseCompressor.get_value_from_registry(format).decompress(state,
     scheme)`` (the per-module call transformers' loader makes), in the dtype it returns; the
-    module's group as compressed-tensors picks it (``ct_schemes.group_of_module``).
+    module's group as compressed-tensors itself picks it (``library_scheme``), not as
+    pagedexperts' formats read it.
 
     Raises (when called): ValueError, a compressed module no config group covers."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
-    from pagedexperts.formats.ct_schemes import group_of_module
-
-    qc = config["quantization_config"]
-    qconf = QuantizationConfig.model_validate(qc)
+    qconf = QuantizationConfig.model_validate(config["quantization_config"])
 
     def decompress(prefix: str, state: dict) -> torch.Tensor:
-        key = group_of_module(qc, prefix)  # compressed-tensors' own precedence
-        if key is None:
+        scheme = library_scheme(qconf, prefix)
+        if scheme is None:
             raise ValueError(f"{src}: module {prefix} stores compressed tensors but no config group covers it")
-        scheme = qconf.config_groups[key]
         return BaseCompressor.get_value_from_registry(scheme.format or qconf.format).decompress(state, scheme)["weight"]
 
     return decompress
+
+
+def library_scheme(qconf, module: str):
+    """The ``QuantizationScheme`` compressed-tensors gives the nn.Linear named ``module`` (None:
+    ignored, or no target matches), with the library's own matching: ``is_match`` for ``ignore``,
+    ``match_targets`` (exact name, then ``re:``, then class name) over the target -> scheme table
+    that ``lifecycle.apply.apply_quantization_config`` builds group by group (so a target listed
+    by two groups takes the later group's scheme), and its first target's scheme
+    (``_scheme_from_targets``). ``qconf``: a ``compressed_tensors.QuantizationConfig``."""
+    from compressed_tensors.utils.match import is_match, match_targets
+
+    linear = torch.nn.Linear(1, 1, device="meta")
+    if any(is_match(module, linear, target) for target in qconf.ignore or []):
+        return None
+    table = {target: scheme for scheme in qconf.config_groups.values() for target in scheme.targets}
+    targets = match_targets(module, linear, table)
+    return table[targets[0]] if targets else None
 
 
 def _modelopt_decompressor(config: dict, src: Path) -> Callable:

@@ -20,9 +20,12 @@ Exactness. ``_weight_tile`` computes every element with the format's own arithme
 and scale exact in float32, the product rounded to ``ARITHMETIC.mul``, then ``.round``, then
 ``.dense``): a float32 product of two values of at most 12 significant bits is exact, so
 rounding it once equals the float16 / bfloat16 product the format's torch code computes
-(``formats.unpack``, the reference these kernels are tested against). Differences from it: an
-e4m3 NaN code (0x7F / 0xFF) decodes to +-480 (quantizers never write it), ModelOpt's e2m1 code
-8 decodes to -0.0 instead of +0.0 (equal values).
+(``formats.unpack``, the reference these kernels are tested against). A division (``scale_op``
+"divide"; the reciprocal of a "value_reciprocal" global scale) is ``div_rn``, float32 correctly
+rounded, then rounded to ``.mul``: what torch computes for a float32 division, and for a
+float16 / bfloat16 one (a float32 quotient, then rounded). Differences from it: an e4m3 NaN
+code (0x7F / 0xFF) decodes to +-480 (quantizers never write it), ModelOpt's e2m1 code 8 decodes
+to -0.0 instead of +0.0 (equal values).
 
 The Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) truncates float32 -> bfloat16 casts
 and computes bfloat16 arithmetic on the raw bits, so there ``emulate_bf16`` rounds to bfloat16
@@ -48,7 +51,8 @@ from pagedexperts.paging.kernels._triton import HAVE_TRITON, tl, triton
 class WeightEncoding(NamedTuple):
     """How a ``WeightPacking`` encodes W, as the kernels specialise on it (one constexpr). The
     codes keep the packing's names (``codes`` in ``formats.packing.CODES``, ``packed_dim`` in
-    ``PACKED_DIMS``, ``scale_codes`` in ``SCALE_CODES``, ``global_scale`` in ``GLOBAL_SCALES``)."""
+    ``PACKED_DIMS``, ``scale_codes`` in ``SCALE_CODES``, ``global_scale`` in ``GLOBAL_SCALES``,
+    ``scale_op`` in ``SCALE_OPS``)."""
 
     codes: str
     packed_dim: str
@@ -65,6 +69,7 @@ class WeightEncoding(NamedTuple):
     zero_value: int  # added to each zero point after unpacking, no wrap (AutoRound)
     g_idx: bool  # act-order: each input column's group read from the g_idx row
     global_scale: str
+    scale_op: str  # how the value meets its scale: multiply, or divide (GPTQModel FP8)
 
     @classmethod
     def of(cls, packing: WeightPacking) -> "WeightEncoding":
@@ -74,7 +79,8 @@ class WeightEncoding(NamedTuple):
                    group_in=packing.group_size, block_rows=packing.block_rows,
                    has_zero=packing.spec("zero") is not None, zero_word=packing.zero_word(),
                    zero_value=0 if packing.zero_carries else packing.zero_offset,
-                   g_idx=packing.spec("g_idx") is not None, global_scale=packing.global_scale)
+                   g_idx=packing.spec("g_idx") is not None, global_scale=packing.global_scale,
+                   scale_op=packing.scale_op)
 
 
 class Arithmetic(NamedTuple):
@@ -218,7 +224,13 @@ if HAVE_TRITON:
                 s = tl.math.div_rn(s, glob[None, :])
             elif ENC.global_scale == "multiply":
                 s = s * glob[None, :]
-            w = _round(v * _round(s, ARITH.mul, ARITH.emulate_bf16), ARITH.mul, ARITH.emulate_bf16)
+            elif ENC.global_scale == "value_reciprocal":  # the value times 1 / global first (AutoRound NVFP4)
+                v = v * tl.where(glob == 0.0, 0.0, tl.math.div_rn(tl.full(glob.shape, 1.0, tl.float32), glob))[None, :]
+            s = _round(s, ARITH.mul, ARITH.emulate_bf16)
+            if ENC.scale_op == "divide":  # GPTQModel FP8: the value divided by its weight_scale_inv
+                w = _round(tl.math.div_rn(v, s), ARITH.mul, ARITH.emulate_bf16)
+            else:
+                w = _round(v * s, ARITH.mul, ARITH.emulate_bf16)
             w = _round(_round(w, ARITH.round, ARITH.emulate_bf16), ARITH.dense, ARITH.emulate_bf16)
             return w.to(ARITH.dot)
 

@@ -24,7 +24,15 @@ fixtures (tests/data/llmc) do not:
 - ``fp8_static_channel``: FP8 per-channel weights with static per-tensor input activations
   (``input_scale`` = amax / 448 of the weight, standing in for calibration: unused by the
   weight-only reference);
-- ``mxfp8``: ``mxfp8-quantized`` (FP8 E4M3 weights, one E8M0 uint8 scale per 32 columns).
+- ``mxfp8``: ``mxfp8-quantized`` (FP8 E4M3 weights, one E8M0 uint8 scale per 32 columns);
+- ``target_in_two_groups``: the experts' ``down_proj`` regex listed by two groups (int4 group 32
+  with ``Linear``, then int4 group 16): compressed-tensors applies the LATER group's scheme
+  (``apply_quantization_config`` fills ``target_to_scheme`` group by group, so the later group
+  overwrites the target), while a first-match reading would give group 32.
+
+Each module's group is the one compressed-tensors' own ``apply_quantization_config`` gives it
+(``match_targets``, most specific target first, and ``_scheme_from_targets`` over the same
+target -> scheme table), so a fixture is written as the library would quantize it.
 """
 
 from __future__ import annotations
@@ -69,6 +77,12 @@ FIXTURES: dict[str, tuple[dict, list[str]]] = {
                     "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
                                           "dynamic": False}},
     }, ROUTER_AND_HEAD),
+    "qwen3_moe-target_in_two_groups": ({
+        "group_0": {"targets": ["Linear", r"re:.*mlp\.experts\.\d+\.down_proj$"], "weights": int_args(4, 32),
+                    "format": "pack-quantized"},
+        "group_1": {"targets": [r"re:.*mlp\.experts\.\d+\.down_proj$"], "weights": int_args(4, 16),
+                    "format": "pack-quantized"},
+    }, ROUTER_AND_HEAD),
     "qwen3_moe-mxfp8": ({
         "group_0": {"targets": ["Linear"], "format": "mxfp8-quantized",
                     "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
@@ -108,11 +122,25 @@ def qparams(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     return calculate_qparams(lo, hi, args)
 
 
+def library_scheme(qc, module: str):
+    """The scheme compressed-tensors' ``apply_quantization_config`` gives the nn.Linear ``module``
+    (None: ignored or no target), with the library's own matching and table."""
+    from collections import OrderedDict
+
+    from compressed_tensors.quantization.lifecycle.apply import _scheme_from_targets
+    from compressed_tensors.utils.match import is_match, match_targets
+
+    linear = torch.nn.Linear(1, 1)
+    if any(is_match(module, linear, t) for t in qc.ignore or []):
+        return None
+    target_to_scheme = OrderedDict((t, g) for g in qc.config_groups.values() for t in g.targets)
+    targets = match_targets(module, linear, target_to_scheme)
+    return _scheme_from_targets(target_to_scheme, targets, module) if targets else None
+
+
 def write(name: str, src: Path, out: Path) -> Path:
     from compressed_tensors.compressors import BaseCompressor, ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
-    from compressed_tensors.utils.match import match_name
-
     groups, ignore = FIXTURES[name]
     qc = QuantizationConfig(config_groups=groups, ignore=ignore, quantization_status=QuantizationStatus.COMPRESSED,
                             format="mixed-precision" if len({g["format"] for g in groups.values()}) > 1
@@ -124,10 +152,9 @@ def write(name: str, src: Path, out: Path) -> Path:
     written = {}
     for key, tensor in tensors.items():
         module = key.removesuffix(".weight")
-        hit = lambda t: match_name(module, t) or t == "Linear"  # noqa: E731 (compressed-tensors' is_match for a Linear)
         scheme = None
-        if key.endswith(".weight") and tensor.ndim == 2 and "embed_tokens" not in key and not any(map(hit, qc.ignore)):
-            scheme = next((g for g in qc.config_groups.values() if any(map(hit, g.targets))), None)
+        if key.endswith(".weight") and tensor.ndim == 2 and "embed_tokens" not in key:
+            scheme = library_scheme(qc, module)
         if scheme is None:
             written[key] = tensor
             continue
