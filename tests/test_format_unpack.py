@@ -11,7 +11,9 @@ test_fused_moe. Here, with values worked out by hand from the published layouts:
 - zero offsets: GPTQ v1 adds 1 to each 32-bit WORD (a field at 15 carries into the next),
   AutoRound's ``auto_gptq`` packing to each VALUE (15 becomes 16, no carry);
 - AWQ's nibble order; e4m3 decoded as torch converts each of the 256 codes (NaN included);
-  e2m1 code 8 is -0.0 for compressed-tensors and +0.0 for ModelOpt (its table).
+  e2m1 code 8 is -0.0 for compressed-tensors and +0.0 for ModelOpt (its table);
+- AutoRound NVFP4's value times the global scale's reciprocal before its block scale
+  (``value_reciprocal``) and GPTQModel FP8's division by ``weight_scale_inv`` (``scale_op``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import torch
 
 from fused_fixtures import CASES, random_store, weight_tensors
 from pagedexperts.formats.autoround import AutoRoundFormat
+from pagedexperts.formats.autoround_fp import AutoRoundNvfp4Format
 from pagedexperts.formats.awq import AwqFormat
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.ct_fp4 import CompressedTensorsNvfp4Format
 from pagedexperts.formats.fp8 import Fp8BlockFormat
 from pagedexperts.formats.gptq import GptqFormat
+from pagedexperts.formats.gptqmodel_fp8 import GptqModelFp8Format
 from pagedexperts.formats.modelopt import ModelOptNvfp4Format
 from pagedexperts.formats.unpack import codes, int_groups, values, zero_rows
 
@@ -110,3 +114,41 @@ def test_e2m1_code_8_sign_as_each_library(fmt, negative):
     got = values(packing, rows)[0, 0]
     assert got.tolist() == [0.0] * 16
     assert got.signbit().tolist() == [negative, False] * 8
+
+
+def test_autoround_nvfp4_multiplies_the_value_by_the_reciprocal_first():
+    """AutoRound's ``NVFP4QuantLinear``: ``(q * (1 / g)) * s`` in float32, 1 / g 0 where g is 0
+    (``get_reciprocal``), not compressed-tensors' ``q * (s / g)``, which rounds apart here."""
+    fmt = AutoRoundNvfp4Format()
+    tensor = fmt.layout((TensorSpec("w", (4, 32), torch.float32),)).tensors[0]
+    packing = fmt.packing(tensor)
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (3, 4, 16), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(3, 4, 2, generator=gen) * 400 + 1).to(torch.float8_e4m3fn)
+    glob = torch.tensor([[448 * 6 / 3.7], [1234.5], [0.0]])
+    names = {role: spec.name for role, spec in packing.tensors}
+    got = values(packing, {names["weight"]: packed, names["scale"]: scale, names["global_scale"]: glob})
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    code = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()  # low nibble first
+    q = magnitudes[code & 7] * torch.where(code >= 8, -1.0, 1.0)
+    reciprocal = torch.where(glob == 0, 0.0, 1.0 / glob).unsqueeze(-1)  # [3, 1, 1]
+    assert torch.equal(got, q * reciprocal)
+    s = scale.to(torch.float32).repeat_interleave(16, dim=-1)
+    want = (q * reciprocal) * s
+    assert torch.equal(fmt.dequantize(tensor, {names["weight"]: packed, names["scale"]: scale,
+                                               names["global_scale"]: glob}), want)
+    assert not torch.equal(want[:2], (q * (s / glob.unsqueeze(-1)))[:2])  # s / g would differ
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gptqmodel_fp8_divides_by_weight_scale_inv(dtype):
+    """GPTQModel's ``TorchFP8Linear``: ``weight.to(D) / weight_scale_inv.to(D)`` per row, in the
+    model's dtype D; a multiplication by the reciprocal rounds apart here."""
+    fmt = GptqModelFp8Format()
+    tensor = fmt.layout((TensorSpec("w", (8, 32), dtype),)).tensors[0]
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(2, 8, 32, generator=gen) * 100).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 8, generator=gen) * 1000 + 0.5
+    want = weight.to(dtype) / scale_inv.to(dtype).unsqueeze(-1)
+    assert torch.equal(fmt.dequantize(tensor, {"w": weight, "w_scale_inv": scale_inv}), want)
+    assert not torch.equal(want, weight.to(dtype) * (1 / scale_inv.to(dtype)).unsqueeze(-1))
