@@ -78,10 +78,10 @@ class TestAheadOfTimeCompile:
     @pytest.mark.parametrize("arch", ARCHS)
     def test_remap_and_address(self, arch):
         from aot_compile import compile_for_arch
-        from pagedexperts.paging.kernels import page_in, remap
+        from pagedexperts.paging.kernels import decide, page_in
 
-        constexprs = dict(BLOCK=remap.BLOCK)
-        info = compile_for_arch(remap._remap_kernel, signature=_signature(remap._remap_kernel, ("n",), constexprs),
+        constexprs = dict(BLOCK=decide.REMAP_BLOCK)
+        info = compile_for_arch(decide._remap_kernel, signature=_signature(decide._remap_kernel, ("n",), constexprs),
                                 constexprs=constexprs, arch=arch)
         _report("remap", info)
         probe = compile_for_arch(page_in._address_kernel, signature=_signature(page_in._address_kernel, (), {}),

@@ -5,9 +5,11 @@ Owns the launchers of the fused kernels (``fused_moe_kernel``) and what they rea
 base tensor and an int64 offset per row, so row r of every packed tensor is found wherever it
 lives), ``FusedBlocks`` (the tile sizes, a function of the step's entry count and the packing
 only, never of K or E, so a step computes the same bits whatever rows hold its experts),
-``KernelTarget`` (interpreter or a GPU arch: what the kernels emulate), and ``fused_experts``,
-the whole step. Does not: decide residency, page in or remap expert ids to rows (the caller
-passes row ids), or know a format's class.
+``KernelTarget`` (interpreter or a GPU arch: what the kernels emulate), the launch arguments
+(``gemm_arguments``: all but the step's tensors, which a paged layer binds once per step shape,
+``paging.steps.fused``; ``gemm_launch``), and ``fused_experts``, the whole step. Does not: decide
+residency, page in or remap expert ids to rows (the caller passes row ids), or know a format's
+class.
 
 Row addressing. A row id indexes every offset table of a step. The integration builds the
 tables once: ``ProjectionRows.from_tables`` over the K slot tensors (a routed expert in slot s
@@ -18,18 +20,11 @@ its batch size. The kernel adds the offset to a pointer argument rather than cas
 address to a pointer: only then does Triton know the row's alignment and vectorise its loads
 (measured in the PTX: 16-byte ``ld.global.v4`` instead of 2-byte loads for bfloat16 rows).
 
-Activation. The gate-up GEMM writes the [S, 2I] intermediate in entry order; the experts
-module's own ``_apply_gate`` / ``act_fn`` (``activation``) turns it into [S, I]: every family's
-quirk (Qwen's SiLU-and-mul, gpt-oss's clamped SwiGLU over interleaved gate/up) is then the
-model's own code, in torch ops that a CUDA graph captures. Fusing it into the GEMM would save
-one [S, 2I] write and read (at decode 2 x S x 2I x 2 bytes, about 49 KB at Qwen3-30B-A3B's
-S = 8: noise next to the weights' 9 MB) at the cost of a second copy of every family's gate.
-
 No host sync: every shape is fixed by (T, k, R, the packings); counts stay on the device;
 constants are constexprs or the address tables (built once).
 
-Legend: T tokens, H hidden, k top_k, S = T k entries, R addressable rows, N / K a projection's
-output / input features, I expert intermediate.
+Legend: T tokens, H hidden, k top_k, S = T k entries, R addressable rows, N a projection's
+output features ("in" its input features: the kernels' ``Kdim``), I expert intermediate.
 """
 
 from __future__ import annotations
@@ -42,11 +37,11 @@ import torch
 
 from pagedexperts.formats.packing import WeightPacking, scale_rows_per_source
 from pagedexperts.paging.kernels._triton import check_backend, tl, triton
-from pagedexperts.paging.kernels.fused_align import Alignment, align_reference, align_triton
+from pagedexperts.paging.kernels.fused_align import Alignment, align_torch, align_triton
 from pagedexperts.paging.kernels import fused_moe_kernel as kernels  # its @triton.jit names exist only with triton
 from pagedexperts.paging.kernels.fused_moe_kernel import CODES, GLOBAL_SCALES, PACKED_DIMS, SCALE_CODES
 
-ALIGN_BACKENDS = {"triton": align_triton, "torch": align_reference}
+ALIGN_BACKENDS = {"triton": align_triton, "torch": align_torch}
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -263,21 +258,31 @@ def _tables(rows: ProjectionRows) -> tuple[dict, dict]:
 def gemm_launch(a: torch.Tensor, c: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
                 blocks: FusedBlocks, target: KernelTarget) -> Launch:
     """The GEMM launch computing ``c`` [S, N] from ``a`` rows (entry s reads ``a[s // a_row_div]``)."""
+    args, constexprs, options = gemm_arguments(rows, alignment.num_entries, alignment.block_m,
+                                               a_row_div=a_row_div, blocks=blocks, target=target)
+    args.update(a_ptr=a, c_ptr=c, sorted_entry_ptr=alignment.sorted_entry, block_row_ptr=alignment.block_row,
+                num_padded_ptr=alignment.num_padded, stride_am=a.stride(0), stride_cm=c.stride(0))
+    grid = (alignment.max_blocks, triton.cdiv(rows.packing.out_features, blocks.block_n))
+    return Launch(grid, args, constexprs, **options)
+
+
+def gemm_arguments(rows: ProjectionRows, num_entries: int, block_m: int, *, a_row_div: int, blocks: FusedBlocks,
+                   target: KernelTarget) -> tuple[dict, dict, dict]:
+    """(arguments, constexprs, launch options) of a GEMM over ``rows`` that do not change from
+    one step of S = ``num_entries`` entries to the next: all but the step's tensors and strides
+    (what ``gemm_launch`` adds; a paged layer binds these once per step shape,
+    ``paging.steps.fused``)."""
     packing = rows.packing
     ints, constexprs = packing_args(packing)
     tables, aligns = _tables(rows)
     bias = rows.bias or rows.roles["weight"]
-    args = dict(a_ptr=a, c_ptr=c, **tables, b_base=bias.base, b_off=bias.offsets,
-                sorted_entry_ptr=alignment.sorted_entry, block_row_ptr=alignment.block_row,
-                num_padded_ptr=alignment.num_padded, N=packing.out_features, Kdim=packing.in_features,
-                num_entries=alignment.num_entries, a_row_div=a_row_div, stride_am=a.stride(0), stride_cm=c.stride(0))
-    args.update(ints)
-    dot_fp32 = target.constexprs(packing)["DOT_DT"] == tl.float32
-    constexprs.update(target.constexprs(packing), **aligns, HAS_BIAS=rows.bias is not None,
-                      DOT_PRECISION="ieee" if dot_fp32 else None,
-                      BLOCK_M=alignment.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k)
-    grid = (alignment.max_blocks, triton.cdiv(packing.out_features, blocks.block_n))
-    return Launch(grid, args, constexprs, blocks.num_warps, blocks.num_stages)
+    args = dict(**tables, b_base=bias.base, b_off=bias.offsets, N=packing.out_features, Kdim=packing.in_features,
+                num_entries=num_entries, a_row_div=a_row_div, **ints)
+    on_target = target.constexprs(packing)
+    constexprs.update(on_target, **aligns, HAS_BIAS=rows.bias is not None,
+                      DOT_PRECISION="ieee" if on_target["DOT_DT"] == tl.float32 else None,
+                      BLOCK_M=block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k)
+    return args, constexprs, dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def projection_gemm(a: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
@@ -301,7 +306,7 @@ def projection_gemm(a: torch.Tensor, rows: ProjectionRows, alignment: Alignment,
 
 def dequantize_launch(out: torch.Tensor, rows: ProjectionRows, row_ids: torch.Tensor, *, target: KernelTarget,
                       block_n: int = 64, block_k: int = 64) -> Launch:
-    """The launch writing ``out`` [n, N, K] (dense dtype) from the rows ``row_ids`` [n] lists."""
+    """The launch writing ``out`` [n, N, in] (dense dtype) from the rows ``row_ids`` [n] lists."""
     packing = rows.packing
     ints, constexprs = packing_args(packing)
     tables, aligns = _tables(rows)
@@ -312,9 +317,9 @@ def dequantize_launch(out: torch.Tensor, rows: ProjectionRows, row_ids: torch.Te
 
 
 def dequantize_rows(rows: ProjectionRows, row_ids: torch.Tensor) -> torch.Tensor:
-    """W of the rows ``row_ids`` [n] (int64, on the tables' device): [n, N, K] in the packing's
+    """W of the rows ``row_ids`` [n] (int64, on the tables' device): [n, N, in] in the packing's
     dense dtype, element for element what the format's ``dequantize`` computes (nn.Linear's
-    [N, K] orientation whatever the module's)."""
+    [N, in] orientation whatever the module's)."""
     packing = rows.packing
     out = torch.empty((row_ids.shape[0], packing.out_features, packing.in_features), dtype=packing.dense_dtype,
                       device=row_ids.device)
@@ -378,7 +383,7 @@ def fused_experts(hidden: torch.Tensor, row_ids: torch.Tensor, routing_weights: 
 
     hidden [T, H]; row_ids [T, k] int64 (row of each entry in the address tables; -1: not
     computed here); routing_weights [T, k]; ``activation``: the experts module's gate ([S, 2I]
-    -> [S, I], ``waves.activate``); ``post_expert``: its optional post-expert norm. Stages:
+    -> [S, I], the module's ``_apply_gate``); ``post_expert``: its optional post-expert norm. Stages:
     align by row (``align_backend``: "triton" or "torch"), gate-up GEMM (+ bias), activation,
     down GEMM (+ bias) (``fused_entries``), ``combine``. No host sync (module docstring).
 
