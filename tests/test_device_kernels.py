@@ -139,6 +139,7 @@ class TestTritonKernels:
         assert launches == [(2, len(words), 1), (2, len(store) - len(words), 1)]  # rows of one chunk: P = 1
         monkeypatch.setattr(page_in, "BLOCK_WORDS", 16)
         launches.clear()
+        pager = page_in.PageIn(store, slots, "cpu", backend="triton", programs_per_row=3)  # grids built once
         pager(plan, plan, torch.zeros(1, dtype=torch.long), 0, max_loads=2)
         assert launches[0] == (2, len(words), 3)  # 250 words = 16 chunks: P programs per row
 

@@ -142,6 +142,7 @@ class PageIn:
         self.programs_per_row = programs_per_row
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0
+        self._grids: dict[int, list[tuple[int, int, int]]] = {}  # max_loads -> each group's grid, built once
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, wave: int, max_loads: int) -> None:
         """Page in wave ``wave`` of a plan: src, dst [W, K] int64, count [W] int64 on the
@@ -149,8 +150,9 @@ class PageIn:
         if self.backend == "torch":
             page_in_torch(self.store, self.slots, src[wave], dst[wave], count[wave])
             return
-        for g in self.groups:
-            grid = (max_loads, g.table.shape[0], self._programs(max_loads, g))
+        grids = self._grids.get(max_loads) or self._grids.setdefault(
+            max_loads, [(max_loads, g.table.shape[0], self._programs(max_loads, g)) for g in self.groups])
+        for g, grid in zip(self.groups, grids):
             _page_in_kernel[grid](g.table, src, dst, count, wave, self.num_slots, BYTES=g.bytewise, BLOCK=BLOCK_WORDS)
 
     def _programs(self, max_loads: int, group: _TableGroup) -> int:
