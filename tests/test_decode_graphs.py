@@ -23,6 +23,7 @@ from pagedexperts.cli import main
 from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.generation.generate import generate_text
 from pagedexperts.generation.graphs import DecodeGraphs, capture_problem_of, runner_problem
+from pagedexperts.paging.kernels import HAVE_TRITON
 from pagedexperts.generation.static_decode import DecodeOptions, static_generate
 from pagedexperts.loading import runners
 from pagedexperts.loading.config import ConfigError, PagingConfig, check_config, graph_problems, resolve_cuda_graphs
@@ -231,6 +232,7 @@ def test_stats_json_says_why_graphs_are_off(tmp_path):
 
 
 @pytest.mark.default_threads
+@pytest.mark.skipif(not HAVE_TRITON, reason="the gpu extra (triton): the kernels run under TRITON_INTERPRET=1")
 def test_static_decode_with_the_triton_kernels_equals_unpaged(tiny_moe_dir, reference):
     """The Triton decide / page-in / remap kernels (TRITON_INTERPRET=1 on CPU) through the
     static-buffer step: the kernels a CUDA capture holds."""

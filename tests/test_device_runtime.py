@@ -158,8 +158,10 @@ def test_device_on_cpu_needs_the_interpreter(monkeypatch):
 
 def test_device_without_triton_names_the_extra(monkeypatch):
     monkeypatch.setattr(loading_config, "HAVE_TRITON", False)
-    with pytest.raises(ConfigError, match=r"pagedexperts\[gpu\]"):
+    with pytest.raises(ConfigError, match=r"--decide device needs triton, from the 'gpu' extra: pip install -e '\.\[gpu\]'"):
         check_config(PagingConfig(decide="device"))
+    with pytest.raises(ConfigError, match=r"--experts-implementation fused needs triton, from the 'gpu' extra"):
+        check_config(PagingConfig(experts_implementation="fused"))
     check_config(PagingConfig(decide="device", device_kernels="torch"))  # the references need no triton
 
 
