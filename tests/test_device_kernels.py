@@ -51,7 +51,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1).view(torch.uint8)
 
 
-def test_page_in_reference_copies_exactly_count_rows():
+def test_page_in_torch_copies_exactly_count_rows():
     store, slots = store_and_slots(6, 4)
     src, dst, count = torch.tensor([5, 2, -1, -1]), torch.tensor([3, 0, 1, 2]), torch.tensor(2)
     page_in_torch(store, slots, src, dst, count)
@@ -61,7 +61,7 @@ def test_page_in_reference_copies_exactly_count_rows():
         assert not got[1].any() and not got[2].any(), f"{name}: rows past count must stay as they were"
 
 
-def test_remap_reference_gathers_slot_and_wave():
+def test_remap_torch_gathers_slot_and_wave():
     ids = torch.tensor([[3, 1], [1, 0]])
     expert_slot, expert_wave = torch.tensor([2, 0, -1, 1]), torch.tensor([1, 0, -1, 0])
     slot, wave = torch.empty(4, dtype=torch.long), torch.empty(4, dtype=torch.long)
