@@ -19,7 +19,8 @@ residency, the page-ins, the stats. A body owns how they are computed over the K
 
 Each body is one module of ``paging.steps``; ``steps.table`` says which body runs which experts
 implementation on which path. This module also holds what the bodies that run transformers'
-own kernels share: ``SlotView``, ``weights_of``, ``in_unpaged_layout``, ``LayerStep.combine``.
+own kernels share: ``DenseKernelStep``, ``SlotView``, ``weights_of``, ``in_unpaged_layout``,
+``LayerStep.combine``.
 Does not: page in, decide, time or count (the executors), or build a slot table
 (``loading.runners``).
 
@@ -136,6 +137,22 @@ class LayerStep(ABC):
                     "(formats: torch.tensor(...) per call, a host-to-device copy a capture cannot hold); use "
                     "--no-cuda-graphs")
         return None
+
+
+class DenseKernelStep(LayerStep):
+    """A body that runs transformers' own dense kernels over the slot tensors (or the dense
+    scratch): its ``weights`` (``Weights``, built at the first step by ``prepare``: the module is
+    known then) and ``all_slots`` [K] (what a device-planned wave of packed slots dequantizes)."""
+
+    def __init__(self, setup: SlotSetup) -> None:
+        super().__init__(setup)
+        self.weights: Weights | None = None
+        self.all_slots: torch.Tensor | None = None
+
+    def prepare(self, module, device: torch.device) -> None:
+        """Build what is fixed for the layer (once, at its first step)."""
+        self.weights = weights_of(module, self.dense_tensors())
+        self.all_slots = torch.arange(self.weights.up.shape[0], device=device)
 
 
 class SlotView:

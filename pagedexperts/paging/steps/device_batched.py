@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedexperts.paging.steps.contract import DeviceRouting, LayerStep, Weights, weights_of
+from pagedexperts.paging.steps.contract import DenseKernelStep, DeviceRouting
 
 
 @dataclass
@@ -32,20 +32,14 @@ class DeviceBatchedWork:
     entry_out: torch.Tensor | None = None
 
 
-class DeviceBatchedStep(LayerStep):
+class DeviceBatchedStep(DenseKernelStep):
     """``batched_mm`` in the unpaged model's token-major entry order (module docstring)."""
 
     planned = "device"
 
-    def __init__(self, setup) -> None:
-        super().__init__(setup)
-        self.weights: Weights | None = None  # built at the first step (needs the module)
-        self.all_slots: torch.Tensor | None = None  # what a wave of packed slots dequantizes
-
     def begin(self, module, hidden, top_k_index, routing: DeviceRouting) -> DeviceBatchedWork:
         if self.weights is None:
-            self.weights = weights_of(module, self.dense_tensors())
-            self.all_slots = torch.arange(self.weights.up.shape[0], device=hidden.device)
+            self.prepare(module, hidden.device)
         return DeviceBatchedWork(hidden, top_k_index.shape[1], routing)
 
     def run_wave(self, work: DeviceBatchedWork, wave: int, slot_map=None) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedexperts.paging.steps.contract import DeviceRouting, LayerStep, Weights, in_unpaged_layout, weights_of
+from pagedexperts.paging.steps.contract import DenseKernelStep, DeviceRouting, in_unpaged_layout
 
 
 @dataclass
@@ -38,20 +38,14 @@ class DeviceGroupedWork:
     entry_out: torch.Tensor | None = None
 
 
-class DeviceGroupedStep(LayerStep):
+class DeviceGroupedStep(DenseKernelStep):
     """``grouped_mm`` with the host path's row order (module docstring)."""
 
     planned = "device"
 
-    def __init__(self, setup) -> None:
-        super().__init__(setup)
-        self.weights: Weights | None = None  # built at the first step (needs the module)
-        self.all_slots: torch.Tensor | None = None  # what a wave of packed slots dequantizes
-
     def begin(self, module, hidden, top_k_index, routing: DeviceRouting) -> DeviceGroupedWork:
         if self.weights is None:
-            self.weights = weights_of(module, self.dense_tensors())
-            self.all_slots = torch.arange(self.weights.up.shape[0], device=hidden.device)
+            self.prepare(module, hidden.device)
         perm = torch.sort(top_k_index.reshape(-1))[1]  # the unpaged model's own sort
         return DeviceGroupedWork(hidden, top_k_index.shape[1], perm, routing.entry_slot[perm], routing.entry_wave[perm])
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedexperts.paging.steps.contract import HostRouting, LayerStep, Weights, in_unpaged_layout, weights_of
+from pagedexperts.paging.steps.contract import DenseKernelStep, HostRouting, in_unpaged_layout
 from pagedexperts.paging.transfer import upload
 
 
@@ -35,18 +35,14 @@ class BatchedWork:
     entry_out: torch.Tensor | None = None
 
 
-class HostBatchedStep(LayerStep):
+class HostBatchedStep(DenseKernelStep):
     """``batched_mm`` in the unpaged model's token-major entry order (module docstring)."""
 
     needs_slot_map = True
 
-    def __init__(self, setup) -> None:
-        super().__init__(setup)
-        self.weights: Weights | None = None  # built at the first step (needs the module)
-
     def begin(self, module, hidden, top_k_index, routing: HostRouting) -> BatchedWork:
         if self.weights is None:
-            self.weights = weights_of(module, self.dense_tensors())
+            self.prepare(module, hidden.device)
         return BatchedWork(hidden, top_k_index, routing)
 
     def run_wave(self, work: BatchedWork, wave: int, slot_map=None) -> None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedexperts.paging.steps.contract import HostRouting, LayerStep, Weights, in_unpaged_layout, weights_of
+from pagedexperts.paging.steps.contract import DenseKernelStep, HostRouting, in_unpaged_layout
 from pagedexperts.paging.transfer import upload
 
 
@@ -56,16 +56,12 @@ class GroupedWork:
     entry_out: torch.Tensor | None = None
 
 
-class HostGroupedStep(LayerStep):
+class HostGroupedStep(DenseKernelStep):
     """``grouped_mm`` in the unpaged model's row order (module docstring)."""
-
-    def __init__(self, setup) -> None:
-        super().__init__(setup)
-        self.weights: Weights | None = None  # built at the first step (needs the module)
 
     def begin(self, module, hidden, top_k_index, routing: HostRouting) -> GroupedWork:
         if self.weights is None:
-            self.weights = weights_of(module, self.dense_tensors())
+            self.prepare(module, hidden.device)
         counts = np.bincount(routing.ids.reshape(-1))
         # the unpaged model's own call: the same (unstable, deterministic) sort of the same ids
         return GroupedWork(hidden, routing, torch.sort(top_k_index.reshape(-1))[1], counts, np.cumsum(counts) - counts)
