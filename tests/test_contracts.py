@@ -199,3 +199,14 @@ def test_only_the_runner_registry_imports_an_executor():
         if hits and name not in EXECUTOR_MODULES:
             importers[name] = sorted(hits)
     assert importers == {BUILDER: sorted(EXECUTOR_MODULES)}
+
+
+def test_an_executor_names_no_format_and_no_kernel():
+    """Issue 37: the executors hold a body (``paging.steps``) behind its contract and import no
+    format, no kernel and no body of their own: what is format- or kernel-specific is the body's."""
+    for name in sorted(EXECUTOR_MODULES):
+        path = PACKAGE.parent / (name.replace(".", "/") + ".py")
+        named = {m for m in imported_modules(path) if m.startswith("pagedexperts.")}
+        forbidden = sorted(m for m in named if m.startswith(("pagedexperts.formats", "pagedexperts.paging.kernels"))
+                           or (m.startswith("pagedexperts.paging.steps.") and "steps.contract" not in m))
+        assert forbidden == [], f"{name} imports {forbidden}"

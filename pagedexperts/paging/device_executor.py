@@ -30,7 +30,6 @@ import contextlib
 
 import torch
 
-from pagedexperts.formats.slots import DenseSlots
 from pagedexperts.paging.device_residency import DeviceCounters, DeviceResidency, device_rule
 from pagedexperts.paging.runner_contract import PagedExecutor, TraceHook
 from pagedexperts.paging.steps.contract import DeviceRouting, SlotSetup
@@ -67,7 +66,7 @@ class DeviceExecutor(PagedExecutor):
                  policy: str = DEFAULT_POLICY, half_life: int | None = None, backend: str = "torch",
                  setup: SlotSetup | None = None) -> None:
         device = torch.device(device)
-        _check_store(store, device, setup)
+        _check_store(store, device)
         # the counters exist before the base class resets ``stats`` (the setter below)
         self.counters = DeviceCounters(device, expert_bytes=store.expert_bytes)
         super().__init__(layer=layer, store=store, device=device, inner=inner, num_slots=num_slots, setup=setup)
@@ -153,11 +152,9 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _check_store(store: ExpertStore, device: torch.device, setup: SlotSetup | None) -> None:
-    """Refuse what the device decide cannot page from or into (ValueError naming the flag)."""
+def _check_store(store: ExpertStore, device: torch.device) -> None:
+    """Refuse a store the device decide cannot page from (ValueError naming the flag; the slot
+    table it cannot page into is refused by ``DeviceResidency.page_in_over``)."""
     problem = store.gather_problem(device)
     if problem is not None:
         raise ValueError(f"the device decide pages in with a device-side gather: {problem}")
-    if setup is not None and isinstance(setup.slots, DenseSlots):
-        raise ValueError("dense slots of a quantized layer dequantize at page-in on the host path; "
-                         "use --slot-format packed with --decide device")

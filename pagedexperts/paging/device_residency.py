@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedexperts.formats.slots import DenseSlots
 from pagedexperts.paging.kernels._triton import check_backend
 from pagedexperts.paging.kernels.decide import (
     DecidePlan, DecideRule, DecideState, decide_torch, decide_triton, num_waves_for, remap_torch, remap_triton,
@@ -119,7 +120,14 @@ class DeviceResidency:
 
     def page_in_over(self, source: dict[str, torch.Tensor], slots: dict[str, torch.Tensor]) -> PageIn:
         """The layer's page-in from the store's [E, ...] ``source`` into ``slots`` [K, ...] by
-        this residency's backend: ``page_in(plan.src, plan.dst, plan.count, wave, max_loads)``."""
+        this residency's backend: ``page_in(plan.src, plan.dst, plan.count, wave, max_loads)``.
+
+        Raises:
+            ValueError: dense slots of a quantized layer (a page-in here copies raw rows; they
+                dequantize at page-in on the host path: names --slot-format)."""
+        if isinstance(slots, DenseSlots):
+            raise ValueError("dense slots of a quantized layer dequantize at page-in on the host path; "
+                             "use --slot-format packed with --decide device")
         return PageIn(source, slots, self.device, backend=self.backend)
 
     # -- reads for stats and tests (each reads the device) --
