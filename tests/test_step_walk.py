@@ -75,3 +75,32 @@ def test_one_layer_step_crosses_few_modules_and_functions(path, kernels, one_lay
                                                           "pagedexperts.formats.packing")]
         assert rebuilt == [], f"the fused launch is rebuilt in a step: {rebuilt}"
 
+
+
+def test_the_fused_body_builds_its_launches_once_per_step_shape(monkeypatch):
+    """What is fixed for a layer is built once: over four steps of two shapes (T = 1 and 3) the
+    fused body builds each projection's launch arguments once per shape (2 x 2) and its address
+    tables once (a synthetic Qwen3-MoE layer, E = 8, K = 4; the kernels interpreted)."""
+    pytest.importorskip("triton")
+    from pagedexperts.paging.device_executor import DeviceExecutor
+    from pagedexperts.paging.steps import fused
+    from test_store_pager import paged, step_inputs, synthetic_experts
+
+    calls = {"gemm_arguments": 0, "slot_rows": 0}
+
+    def counted(name):
+        original = getattr(fused, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(fused, name, counted(name))
+    module = synthetic_experts(torch.float32)
+    dev = DeviceExecutor(layer=0, store=paged(module, 4).store, num_slots=4, device="cpu", inner="fused", policy="lru")
+    for n, routing in enumerate([[[0, 1]], [[2, 3], [4, 5], [1, 6]], [[7, 0]], [[1, 2], [3, 0], [5, 6]]]):
+        hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
+        dev.step(module, hidden, ids, weights)
+    assert calls == {"gemm_arguments": 4, "slot_rows": 1}
