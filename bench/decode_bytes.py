@@ -1,7 +1,7 @@
 """Device bytes one decode token's routed experts move, per path and format (counted, not timed).
 
 For a Qwen3-30B-A3B-shaped model (H 2048, I 768, top-8, 48 MoE layers; bfloat16) in each
-format, ``paging.kernels.fused_bytes.decode_bytes`` per layer x layers, at batch T (default 1):
+format, ``analysis.fused_bytes.decode_bytes`` per layer x layers, at batch T (default 1):
 the dequantizing path as it is (every one of the K packed slots dequantized each wave, counted
 from its torch ops on the meta device) at K = 40 and 92, the dequantizing path once it
 dequantizes only the routed slots (its least), and the fused kernels (the routed experts' packed
@@ -26,7 +26,7 @@ from pagedexperts.formats.dense import DenseFormat
 from pagedexperts.formats.fp8 import Fp8BlockFormat
 from pagedexperts.formats.gptq import GptqFormat
 from pagedexperts.formats.mxfp4 import Mxfp4Format
-from pagedexperts.paging.kernels.fused_bytes import decode_bytes
+from pagedexperts.analysis.fused_bytes import decode_bytes
 
 H, I, TOP_K = 2048, 768, 8
 bf16 = torch.bfloat16

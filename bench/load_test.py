@@ -62,9 +62,9 @@ MODEL_COUNTERS = ("pagedexperts_decode_steps_total", "pagedexperts_decode_rows_t
                   "pagedexperts_prefill_steps_total", "pagedexperts_prefill_rows_total")
 TIMING_SUMS = ("pagedexperts_time_to_first_token_seconds_sum", "pagedexperts_time_to_first_token_seconds_count",
                "pagedexperts_request_queue_time_seconds_sum", "pagedexperts_request_queue_time_seconds_count")
-LAYER_COUNTERS = ("pagedexperts_expert_hits_total", "pagedexperts_expert_misses_total", "pagedexperts_waves_total",
-                  "pagedexperts_multi_wave_steps_total", "pagedexperts_layer_steps_total",
-                  "pagedexperts_union_size_sum_total", "pagedexperts_bytes_paged_total")
+LAYER_COUNTERS = ("pagedexperts_paging_hits_total", "pagedexperts_paging_misses_total", "pagedexperts_paging_waves_total",
+                  "pagedexperts_paging_multi_wave_steps_total", "pagedexperts_paging_steps_total",
+                  "pagedexperts_paging_union_sum_total", "pagedexperts_paging_bytes_paged_total")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -83,8 +83,8 @@ def summarize(outcomes: list[Outcome], wall_s: float, before: dict, after: dict)
     ok = [o for o in outcomes if o.status == 200 and o.error is None]
     ttfts = sorted(o.ttft_s for o in ok if o.ttft_s is not None)
     tokens = sum(o.tokens for o in ok)
-    layer_steps = d["pagedexperts_layer_steps_total"] or 1
-    looked_up = d["pagedexperts_expert_hits_total"] + d["pagedexperts_expert_misses_total"]
+    layer_steps = d["pagedexperts_paging_steps_total"] or 1
+    looked_up = d["pagedexperts_paging_hits_total"] + d["pagedexperts_paging_misses_total"]
     return {
         "requests": len(outcomes),
         "ok": len(ok),
@@ -103,11 +103,11 @@ def summarize(outcomes: list[Outcome], wall_s: float, before: dict, after: dict)
         "prefill_batch_mean": d["pagedexperts_prefill_rows_total"] / max(1, d["pagedexperts_prefill_steps_total"]),
         "decode_batch_max_so_far": after["pagedexperts_max_decode_batch"],
         "single_wave_cap": after["pagedexperts_single_wave_cap"],
-        "union_size_mean": d["pagedexperts_union_size_sum_total"] / layer_steps,
-        "waves_per_layer_step": d["pagedexperts_waves_total"] / layer_steps,
-        "multi_wave_fraction": d["pagedexperts_multi_wave_steps_total"] / layer_steps,
-        "hit_rate": d["pagedexperts_expert_hits_total"] / looked_up if looked_up else 0.0,
-        "bytes_paged": d["pagedexperts_bytes_paged_total"],
+        "union_size_mean": d["pagedexperts_paging_union_sum_total"] / layer_steps,
+        "waves_per_layer_step": d["pagedexperts_paging_waves_total"] / layer_steps,
+        "multi_wave_fraction": d["pagedexperts_paging_multi_wave_steps_total"] / layer_steps,
+        "hit_rate": d["pagedexperts_paging_hits_total"] / looked_up if looked_up else 0.0,
+        "bytes_paged": d["pagedexperts_paging_bytes_paged_total"],
     }
 
 

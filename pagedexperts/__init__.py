@@ -5,7 +5,7 @@ Quick start::
     from pagedexperts import load_model
     model, tokenizer = load_model(num_resident=16)          # bundled tiny model, 16 of 64
     out = model.generate(**tokenizer("ROMEO:", return_tensors="pt"), max_new_tokens=20)
-    print(model.paging_stats().as_dict()["hit_rate"])
+    print(tokenizer.decode(out[0]), model.pagedexperts.stats().as_dict()["hit_rate"])
 
 Heavy modules (torch, transformers) are imported lazily so that ``residency``, ``stats``,
 ``models.config``, ``storage.safetensors_files`` and ``analysis.sizing`` stay usable with the

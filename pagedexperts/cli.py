@@ -60,6 +60,7 @@ def command_named(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    progress_bars_on_a_terminal_only()
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -85,6 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left: no traceback; the recipe of Python's signal docs
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush finds a sink
         return 1
+
+
+def progress_bars_on_a_terminal_only() -> None:
+    """Progress bars only where stderr is a terminal. The package's own tqdm bars pass
+    ``disable=None`` (tqdm's rule: off when the stream is not a TTY); transformers' and
+    huggingface_hub's ("Loading weights") read huggingface_hub's ``HF_HUB_DISABLE_PROGRESS_BARS``
+    when they are imported, so it is set here, before any command imports them, when stderr is a
+    file or a pipe (``quantize ... > log 2>&1`` wrote every update, a carriage-return line each).
+    An explicit value in the environment stands."""
+    if not sys.stderr.isatty() and "transformers" not in sys.modules:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def model_path(command: str, value: str) -> str:

@@ -10,9 +10,10 @@ in it, make a later session fast. Under the Triton interpreter the compiles run 
 process without it (``compile_for_arch``). Used by tests/test_kernels_aot.py and the
 fused-kernel tests.
 
-Signature types are Triton's: "*i64", "*bf16", "i32", "constexpr"; a pointer hinted
-"*i64:16" is compiled as 16-byte aligned (what the launcher specialises an aligned tensor to;
-unhinted pointers compile without that assumption).
+Signature types are Triton's: "*i64", "*bf16", "i32", "constexpr", a tuple of them for a tuple
+argument; a pointer hinted "*i64:16" is compiled as 16-byte aligned (what the launcher
+specialises an aligned tensor to; unhinted pointers compile without that assumption); a
+constexpr inside a tuple argument is keyed by its path (argument index, element index, ...).
 """
 
 from __future__ import annotations
@@ -104,12 +105,22 @@ def _compile(request: tuple) -> CompiledInfo:
     module, name, signature_items, constexpr_items, arch, num_warps, num_stages = request
     kernel = getattr(importlib.import_module(module), name)
     signature, constexprs = dict(signature_items), dict(constexpr_items)
-    attrs = {(list(signature).index(arg),): [["tt.divisibility", 16]]
-             for arg, ty in signature.items() if ty.endswith(":16")}
-    types = {arg: ty.split(":")[0] for arg, ty in signature.items()}
+    attrs, types = {}, {}
+    for index, (arg, ty) in enumerate(signature.items()):
+        types[arg] = _leaf_types(ty, (index,), attrs)
     compiled = triton.compile(ASTSource(kernel, types, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     return _cached_usage(compiled, arch, num_warps, num_stages)
+
+
+def _leaf_types(ty, path: tuple, attrs: dict):
+    """``ty`` without its ":16" hints (a tuple argument's types leaf by leaf), each hint recorded in
+    ``attrs`` at its path (argument index, element index, ...) as Triton's divisibility."""
+    if isinstance(ty, tuple):
+        return tuple(_leaf_types(t, path + (i,), attrs) for i, t in enumerate(ty))
+    if ty.endswith(":16"):
+        attrs[path] = [["tt.divisibility", 16]]
+    return ty.split(":")[0]
 
 
 def _cached_usage(compiled, arch: int, num_warps: int, num_stages: int) -> CompiledInfo:

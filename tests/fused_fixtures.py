@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from int4_oracle import group_index
+from pagedexperts.formats.autoround import AutoRoundFormat
 from pagedexperts.formats.awq import AwqFormat
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, TensorSpec
 from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
@@ -73,6 +74,8 @@ def _cases() -> dict[str, FormatCase]:
             {"gate_up_proj": ("tensor", None, f32), "down_proj": ("channel", None, bf16)}), bf16),
         FormatCase("ct-fp8-block", CompressedTensorsFp8Format(
             {"gate_up_proj": ("block", (24, 16), f32), "down_proj": ("block", (16, 16), f32)}), f16),
+        FormatCase("ct-mxfp8", CompressedTensorsFp8Format(
+            {"gate_up_proj": ("group", (1, 32), torch.uint8), "down_proj": ("group", (1, 32), torch.uint8)}), bf16),
         FormatCase("w8a8-int8", CompressedTensorsInt8Format(scale_dtype=bf16), f32),  # experts in the scales' dtype
         FormatCase("w4a16-sym", CompressedTensorsW4A16Format(group_size=16, symmetric=True, scale_dtype=bf16), bf16),
         FormatCase("w4a16-asym", CompressedTensorsW4A16Format(group_size=32, symmetric=False, scale_dtype=f16), f16),
@@ -85,6 +88,8 @@ def _cases() -> dict[str, FormatCase]:
         FormatCase("gptq-v1", gptq(group_size=16, desc_act=False, zero_offset=1), bf16),
         FormatCase("gptq-act-order", gptq(group_size=16, desc_act=True, zero_offset=1), f16),
         FormatCase("gptq-v2-channel", gptq(group_size=-1, desc_act=False, zero_offset=0), f32),
+        FormatCase("gptq-2bit", gptq(group_size=32, desc_act=False, zero_offset=1, bits=2), bf16),
+        FormatCase("auto-round", AutoRoundFormat(bits=4, group_size=16, zero_offset=1), f16),  # + 1 per zero, no wrap
         FormatCase("awq", AwqFormat(group_size=16), bf16),
         FormatCase("nvfp4", CompressedTensorsNvfp4Format(static_input=True), bf16),
         FormatCase("ct-mxfp4", CompressedTensorsMxfp4Format(), bf16),

@@ -38,7 +38,7 @@ class Wave(NamedTuple):
 class StepPlan(NamedTuple):
     """The plan of one layer in one step: waves in order, and the step's hit/miss counts.
 
-    Accounting (DESIGN.md): one hit or miss per distinct routed expert per layer per step.
+    Accounting (docs/design.md "Terms"): one hit or miss per distinct routed expert per layer per step.
     """
 
     waves: tuple[Wave, ...]

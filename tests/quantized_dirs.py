@@ -10,7 +10,8 @@ could not read its grid back); ``quantization_config`` {"quant_method": "fp8", "
 uint8, ``_scales`` [E, 2I, H/32] uint8 (E8M0, bias 127), biases in bf16; every other tensor
 unquantized; ``quantization_config`` {"quant_method": "mxfp4",
 "modules_to_not_convert": [...]}).
-Both start from a ``save_pretrained`` directory of the unquantized model.
+Both start from a ``save_pretrained`` directory of the unquantized model. ``fp8_block_dense`` and
+``mxfp4_dense``: those layouts' rows dequantized by the formats themselves.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedexperts.formats.fp8 import quantize_fp8_block
-from pagedexperts.formats.mxfp4 import quantize_mxfp4
+from pagedexperts.formats.base import QuantizedTensor, TensorSpec
+from pagedexperts.formats.fp8 import Fp8BlockFormat, quantize_fp8_block
+from pagedexperts.formats.mxfp4 import Mxfp4Format, quantize_mxfp4
 
 _FP8_KEY = re.compile(r"\.(?:[a-z_]*proj(?:_with_mqa)?|w[123])\.weight$")
 
@@ -104,6 +106,23 @@ def write_mxfp4(src: Path, dst: Path) -> Path:
                                                              "model.embed_tokens", "lm_head"]},
     )
     return dst
+
+
+def fp8_block_dense(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Block-FP8 rows float8_e4m3fn [n, out, in] and float32 scale_inv [n, sr, sc] -> [n, out, in]
+    in ``dtype`` by ``Fp8BlockFormat.dequantize`` (the block derived from the grid)."""
+    shape = tuple(weight.shape[1:])
+    packed = (TensorSpec("w", shape, weight.dtype), TensorSpec("w_scale_inv", tuple(scale_inv.shape[1:]), scale_inv.dtype))
+    tensor = QuantizedTensor(TensorSpec("w", shape, dtype), packed)
+    return Fp8BlockFormat().dequantize(tensor, {"w": weight, "w_scale_inv": scale_inv})
+
+
+def mxfp4_dense(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gpt-oss MXFP4 rows: blocks uint8 [n, out, G, 16], scales uint8 [n, out, G] -> the experts
+    module's [n, in, out] in ``dtype`` by ``Mxfp4Format.dequantize``."""
+    out, groups = scales.shape[1:]
+    layout = Mxfp4Format().layout((TensorSpec("w", (groups * 32, out), dtype),), transposed=True)
+    return layout.dequantize({"w_blocks": blocks, "w_scales": scales})["w"]
 
 
 def restack_fp8_experts(src: Path, dst: Path) -> Path:

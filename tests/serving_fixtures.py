@@ -77,7 +77,7 @@ def serve(config: ServeConfig, trace=None):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(uvicorn_config(app, header_timeout_s=config.header_timeout_s,
-                                        body_timeout_s=config.body_timeout_s,
+                                        body_timeout_s=config.body_timeout_s, body_deadline_s=config.body_deadline_s,
                                         max_connections=config.max_connections, log_level="warning"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

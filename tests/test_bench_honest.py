@@ -163,3 +163,31 @@ def test_resident_step_has_no_read_back_sync_or_op(tiny_moe_dir, reference_model
     assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
     assert model.pagedexperts.stats().total().steps == 0
     assert all(r.inline and r.capture_problem(model.dtype, model.device) is None for r in model.pagedexperts.runners.values())
+
+
+def test_the_terminal_shows_a_compact_table_and_the_file_the_full_one(tmp_path):
+    """`bench` printed the ~330-character markdown table to the terminal; it prints a few columns
+    (each row under 100 characters) and the full table goes to bench.md, unchanged."""
+    from pagedexperts.commands.bench import markdown_table, terminal_table, write_results
+
+    spread = bench.Spread
+    plain = bench.ModeResult(mode="plain", num_resident=E, ttft_short_p50_s=0.0123, decode_tok_s=45.2,
+                             decode_wall_s_per_token=spread(0.022, 0.02, 0.025), decode_cpu_s_per_token=spread(0.02, 0.02, 0.03),
+                             ratio_wall_vs_plain=spread(1, 1, 1), ratio_cpu_vs_plain=spread(1, 1, 1), total_tok_s={1: 45, 4: 120.3})
+    paged = bench.ModeResult(mode="paged", num_resident=8, ttft_short_p50_s=0.0153, decode_tok_s=35.2,
+                             decode_wall_s_per_token=spread(0.028, 0.02, 0.035), decode_cpu_s_per_token=spread(0.03, 0.02, 0.04),
+                             ratio_wall_vs_plain=spread(1.2, 1.1, 1.3), ratio_cpu_vs_plain=spread(1.25, 1.12, 1.41),
+                             total_tok_s={1: 35, 4: 100.3}, hit_rate=0.7312, bytes_per_token=1.2e6, waves_per_step=1.0,
+                             plan_us_per_layer_step=35)
+    report = bench.BenchRun(results=[plain, paged], order=[["plain", "paged K=8"], ["paged K=8", "plain"]])
+    lines = terminal_table(report, (1, 4)).splitlines()
+    assert max(len(line) for line in lines) < 100 and "|" not in "".join(lines)
+    assert lines[0].split() == ["mode", "decode", "tok/s", "CPU/token", "vs", "plain", "TTFT", "ms", "tok/s", "@4",
+                                "hit", "rate", "MB/token"]
+    assert lines[1].split() == ["plain", "45.2", "1.00x", "[1.00-1.00]", "12", "120.3", "n/a", "n/a"]
+    assert lines[2].split() == ["paged", "K=8", "35.2", "1.25x", "[1.12-1.41]", "15", "100.3", "73.1%", "1.200"]
+    full = markdown_table(report, (1, 4))
+    assert max(len(line) for line in full.splitlines()) > 200  # the file keeps every column
+    cfg = bench.BenchConfig(model_path=None, modes=("plain", "paged"), num_resident=(8,), concurrency=(1, 4))
+    write_results(report, cfg, tmp_path, "pagedexperts bench")
+    assert full in (tmp_path / "bench.md").read_text()

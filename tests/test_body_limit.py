@@ -66,7 +66,7 @@ def test_a_body_of_exactly_the_limit_is_admitted_whole(declared):
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
 def test_one_byte_over_the_limit_is_413_naming_the_flag(declared):
     status, payload, refused = _request(LIMIT + 1, declared=declared)
-    got = f"{LIMIT + 1} bytes" if declared else "a larger body"
+    got = f"is {LIMIT + 1} bytes" if declared else f"(chunked) passed {LIMIT} bytes before its end"
     assert status == 413 and payload["error"]["code"] == "request_too_large"
-    assert payload["error"]["message"] == f"request body is {got}; the limit is {LIMIT} bytes (--max-body-bytes)"
+    assert payload["error"]["message"] == f"request body {got}; the limit is {LIMIT} bytes (--max-body-bytes)"
     assert [e.status for e in refused] == [413]

@@ -154,7 +154,7 @@ def test_check_on_w4a16_passes_without_compressed_tensors_fused_experts_warning(
         (["--stats-json", "/nonexistent/dir/x.json"], "--stats-json /nonexistent/dir/x.json: directory /nonexistent/dir does not exist"),
         (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist"),
         (["--device", "cuda:x"], "--device 'cuda:x' is not a device this runs on; use cpu or cuda[:N]"),
-        (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default)"),
+        (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default, or auto)"),
         # a directory was accepted, and the write after the whole generation raised IsADirectoryError
         (["--stats-json", "/tmp"], "--stats-json /tmp is a directory; give a file path"),
         (["--record-trace", "/tmp"], "--record-trace /tmp is a directory; give a file path"),
@@ -178,9 +178,9 @@ def test_check_passes_on_the_bundled_model(capsys):
     rc = main(["check", "--max-new-tokens", "4"])
     out, err = capsys.readouterr()
     assert rc == 0, out
-    # progress between start and verdict (issue 33): what loads, then a bar of the 4 runs per K
+    # progress between start and verdict (issue 33): what loads (the bar of the 4 runs per K is
+    # drawn on a terminal only: tests/test_progress_bars.py)
     assert err.startswith("check: loading the unpaged reference, then the paged model at K = 4, 32\n")
-    assert "check K=4:   0%|" in err and "| 0/4 [" in err and "check K=32:   0%|" in err
     lines = out.strip().splitlines()
     assert lines[0] == "reference: transformers (its own loading of an unquantized checkpoint)"
     assert lines[1].startswith("K=4 of E=64: 4 runs x 4 greedy steps") and lines[2].startswith("K=32 of E=64")

@@ -3,7 +3,7 @@
 ``torch.ops.pagedexperts.experts_step`` has a fake implementation, so dynamo traces the whole
 model around it: compiled paged at K < E equals compiled paged at K = E bit for bit (the same
 compiled graph around the same experts outputs), and ``torch._dynamo.explain`` reports no
-graph break but at the op (the step toward CUDA graphs, DESIGN.md "Device-side decide").
+graph break but at the op (the step toward CUDA graphs, docs/device-side-decide.md).
 """
 
 from __future__ import annotations

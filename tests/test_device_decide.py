@@ -4,7 +4,7 @@ Oracle: the host residency (``residency.py``, ``eviction.py``) on the same steps
 step: the loads (expert, slot) of every wave in order, the expert -> slot map, the expert of
 every slot, the step's hits, misses and waves, and the policy's eviction order of the slots
 (LRU: its ordered map; LFU: its rank keys). Steps: seeded random steps (single and multi-wave,
-repeated ids inside a step), hand cases, and the two real traces of ../shared/data/traces
+repeated ids inside a step), hand cases, and the real traces in $PAGEDEXPERTS_REAL_TRACES
 (recorded steps, one request at a time, 8 requests a step: multi-wave at K < 64).
 These run the torch reference; tests/test_device_kernels.py holds the Triton kernel to it.
 """

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from conftest import assert_same  # noqa: E402
 from pagedexperts.residency.eviction import LFUPolicy, LRUPolicy  # noqa: E402
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec  # noqa: E402
-from pagedexperts.formats.fp8 import Fp8BlockFormat, dequantize_fp8_block, quantize_fp8_block  # noqa: E402
+from pagedexperts.formats.fp8 import Fp8BlockFormat, quantize_fp8_block  # noqa: E402
 from pagedexperts.formats.slots import DenseSlots, WaveDequantizer, allocate  # noqa: E402
 from pagedexperts.paging.host_executor import HostExecutor  # noqa: E402
 from pagedexperts.paging.device_executor import DeviceExecutor  # noqa: E402
@@ -39,6 +39,7 @@ from pagedexperts.storage.host_store import HostExpertStore  # noqa: E402
 from pagedexperts.storage.host_tier import TieredExpertStore  # noqa: E402
 from pagedexperts.paging.steps import device_grouped, host_grouped  # noqa: E402
 from pagedexperts.paging.steps.contract import DeviceRouting, HostRouting, SlotSetup  # noqa: E402
+from quantized_dirs import fp8_block_dense  # noqa: E402
 from test_store_pager import E, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parents[1] / "pagedexperts" / "data" / "tiny-qwen3-moe"
@@ -152,7 +153,7 @@ def fp8_layer(dtype=torch.bfloat16, block=(16, 16)):
         spec = TensorSpec(name, tuple(dense.shape[1:]), dtype)
         tensors.append(QuantizedTensor(spec, fmt.pack(spec, sources=1, transposed=False)))
         with torch.no_grad():
-            getattr(module, name).copy_(dequantize_fp8_block(packed[name], packed[name + "_scale_inv"], dtype))
+            getattr(module, name).copy_(fp8_block_dense(packed[name], packed[name + "_scale_inv"], dtype))
     layout = ExpertLayout(fmt, tuple(tensors))
     store = HostExpertStore(list(layout.packed_specs), E, pin=False)
     for spec in layout.packed_specs:

@@ -157,7 +157,7 @@ def test_padded_batch_logits_equal(reference, tiny_moe_dir, impl, dtype, num_res
     assert_same(got[real], ref[real], f"batch logits (real tokens) {impl} {dtype} K={num_resident}")
     assert_same(got, ref, f"batch logits (all positions) {impl} {dtype} K={num_resident}")
     stats = paged.pagedexperts.stats()
-    for s in stats.layers.values():  # padding rows are counted apart from tokens (DESIGN.md)
+    for s in stats.layers.values():  # padding rows are counted apart from tokens (docs/design.md "Terms")
         assert (s.tokens, s.padding_tokens) == (sum(BATCH_LENGTHS), mask.numel() - sum(BATCH_LENGTHS))
     total = stats.total()
     assert total.misses > 0

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from conftest import tiny_model
 from pagedexperts.formats import TensorSpec, format_for_config
-from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format, dequantize_packed
+from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
 from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
 from pagedexperts.analysis.sizing import checkpoint_sizes
 
@@ -53,9 +53,11 @@ def test_dequantize_equals_compressed_tensors(group_size, symmetric, dtype):
     scheme = _scheme(group_size, symmetric)
     experts = [_compress(torch.randn(20, 128, dtype=dtype), scheme) for _ in range(3)]
     want = torch.stack([PackedQuantizationCompressor.decompress(e, scheme)["weight"] for e in experts])
-    zp = torch.stack([e["weight_zero_point"] for e in experts]) if not symmetric else None
-    got = dequantize_packed(torch.stack([e["weight_packed"] for e in experts]), torch.stack([e["weight_scale"] for e in experts]),
-                            zp, in_features=128, dtype=dtype)
+    fmt = CompressedTensorsW4A16Format(group_size=group_size, symmetric=symmetric, scale_dtype=dtype)
+    tensor = fmt.layout((TensorSpec("w", (20, 128), dtype),)).tensors[0]
+    rows = {f"w_{name.removeprefix('weight_')}": torch.stack([e[name] for e in experts])
+            for name in ("weight_packed", "weight_scale", "weight_zero_point") if name in experts[0]}
+    got = fmt.dequantize(tensor, rows)
     assert torch.equal(got, want), f"max diff {(got.double() - want.double()).abs().max():.3g}"
 
 

@@ -20,10 +20,10 @@ from conftest import assert_same
 from pagedexperts import load_model
 from pagedexperts.tools.check import check_model
 from pagedexperts.formats import format_for_config
-from pagedexperts.formats.fp8 import dequantize_fp8_block, quantize_fp8_block
-from pagedexperts.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from pagedexperts.formats.fp8 import quantize_fp8_block
+from pagedexperts.formats.mxfp4 import quantize_mxfp4
 from pagedexperts.loading.independence import IndependenceError
-from quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
+from quantized_dirs import fp8_block_dense, mxfp4_dense, restack_fp8_experts, write_fp8_block, write_mxfp4
 from test_families import DECODE_STEPS, E, PROMPTS, TOP_K, build_model, save_char_tokenizer
 
 # name -> (family, format writer, block, overrides of the family's tiny config)
@@ -94,9 +94,9 @@ def test_fp8_dequantize_equals_transformers(shape, block, dtype):
     pairs = [quantize_fp8_block(w[i], block) for i in range(3)]
     q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     ref = torch.stack([Fp8Dequantize(None)._dequantize_one(q[i], s[i], output_dtype=dtype) for i in range(3)])
-    assert_same(dequantize_fp8_block(q, s, dtype), ref, "block FP8 dequantize")
+    assert_same(fp8_block_dense(q, s, dtype), ref, "block FP8 dequantize")
     # round to nearest: within half an e4m3 step (2**-3 relative) of each block's amax
-    err = (dequantize_fp8_block(q, s, torch.float32) - w).abs().max().item()
+    err = (fp8_block_dense(q, s, torch.float32) - w).abs().max().item()
     assert err <= w.abs().max().item() * 2**-4, err
 
 
@@ -108,9 +108,9 @@ def test_mxfp4_dequantize_equals_transformers(dtype):
     w = torch.randn(4, 96, 160) * 0.05  # [E, out, in], in = 5 blocks of 32
     blocks, scales = quantize_mxfp4(w)
     assert blocks.shape == (4, 96, 5, 16) and scales.shape == (4, 96, 5)
-    assert_same(dequantize_mxfp4(blocks, scales, dtype), convert_moe_packed_tensors(blocks, scales, dtype=dtype), "MXFP4")
+    assert_same(mxfp4_dense(blocks, scales, dtype), convert_moe_packed_tensors(blocks, scales, dtype=dtype), "MXFP4")
     # e2m1 values at the block's power-of-two scale: each value within half a step of 6 * 2**exp
-    back = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2)
+    back = mxfp4_dense(blocks, scales, torch.float32).transpose(1, 2)
     assert (back - w).abs().max().item() <= w.abs().max().item() * 0.25
 
 
@@ -134,9 +134,9 @@ def test_dequantize_rows_are_independent():
     torch.manual_seed(1)
     q, s = zip(*(quantize_fp8_block(torch.randn(128, 64), (64, 64)) for _ in range(5)))
     q, s = torch.stack(q), torch.stack(s)
-    together = dequantize_fp8_block(q[[4, 1, 3]], s[[4, 1, 3]], torch.bfloat16)
+    together = fp8_block_dense(q[[4, 1, 3]], s[[4, 1, 3]], torch.bfloat16)
     for i, e in enumerate([4, 1, 3]):
-        assert_same(together[i], dequantize_fp8_block(q[e : e + 1], s[e : e + 1], torch.bfloat16)[0], f"expert {e}")
+        assert_same(together[i], fp8_block_dense(q[e : e + 1], s[e : e + 1], torch.bfloat16)[0], f"expert {e}")
 
 
 def test_format_recognition():

@@ -23,7 +23,6 @@ from safetensors import safe_open
 from pagedexperts import load_model
 from pagedexperts.tools.check import load_reference_with_choice
 from pagedexperts.formats import TensorSpec, format_for_config
-from pagedexperts.formats.ct_fp4 import dequantize_ct_mxfp4, dequantize_nvfp4
 from pagedexperts.tools.reference import compare_experts
 from quantized_dirs import load_with_two_host_rows, prefill_decode_runs, reference_cache
 
@@ -76,15 +75,13 @@ def _projections(path: Path):
 
 @pytest.mark.parametrize("name", ["qwen3_moe-NVFP4A16", "qwen3_moe-NVFP4", "qwen3_moe-MXFP4A16"])
 def test_fp4_dequantize_equals_compressed_tensors_on_every_expert(name):
-    scheme, compressor, modules = _projections(_fixture(name))
+    path = _fixture(name)
+    scheme, compressor, modules = _projections(path)
+    fmt = format_for_config(json.loads((path / "config.json").read_text()))
     assert len(modules) == 2 * E * 3
     for prefix, state in modules.items():
         want = compressor.decompress(dict(state), scheme)["weight"]
-        if "weight_global_scale" in state:
-            got = dequantize_nvfp4(state["weight_packed"][None], state["weight_scale"][None],
-                                   state["weight_global_scale"][None], dtype=want.dtype)[0]
-        else:
-            got = dequantize_ct_mxfp4(state["weight_packed"][None], state["weight_scale"][None], dtype=want.dtype)[0]
+        got = fmt.dequantize_linear(fmt.linear_tensor(tuple(want.shape), want.dtype), state)
         assert torch.equal(got, want), f"{prefix}: max diff {(got.double() - want.double()).abs().max():.3g}"
 
 

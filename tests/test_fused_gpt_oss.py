@@ -36,7 +36,7 @@ import torch
 from pagedexperts.loading import runners
 from pagedexperts.loading.loader import load_model
 from pagedexperts.paging.kernels._triton import HAVE_TRITON
-from pagedexperts.paging.kernels.fused_reference import TOLERANCE
+from fused_reference import TOLERANCE
 from test_families import E, HIDDEN, TOP_K
 from test_formats import quantized_dirs  # noqa: F401  (the session fixture of the checkpoints)
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from fused_fixtures import FormatCase
+from pagedexperts.formats.autoround import AutoRoundFormat
 from pagedexperts.formats.awq import AwqFormat
 from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
 from pagedexperts.formats.ct_fp4 import CompressedTensorsMxfp4Format, CompressedTensorsNvfp4Format
@@ -57,7 +58,7 @@ def formats(group: int) -> dict[str, tuple]:
         "dense": (DenseFormat(), False), "dense-gpt-oss": (DenseFormat(), True),
         "fp8-block": (Fp8BlockFormat(block=(128, 128)), False), "int8-block": (Int8BlockFormat(block=(128, 128)), False),
         "ct-fp8-tensor": (fp8("tensor", None, f32), False), "ct-fp8-channel": (fp8("channel", None, bf16), False),
-        "ct-fp8-block": (fp8("block", (128, 128), f32), False),
+        "ct-fp8-block": (fp8("block", (128, 128), f32), False), "ct-mxfp8": (fp8("group", (1, 32), torch.uint8), False),
         "w8a8-int8": (CompressedTensorsInt8Format(scale_dtype=bf16), False),
         "w4a16": (CompressedTensorsW4A16Format(group_size=group, symmetric=True, scale_dtype=bf16), False),
         "w4a16-asym": (CompressedTensorsW4A16Format(group_size=group, symmetric=False, scale_dtype=bf16), False),
@@ -65,6 +66,7 @@ def formats(group: int) -> dict[str, tuple]:
         "ct-pack-mixed-g_idx": (CompressedTensorsMixedPackedFormat(packed(4, group, False, True), scale_dtype=bf16), False),
         "gptq": (GptqFormat(group_size=group, desc_act=False, zero_offset=1), False),
         "gptq-act-order": (GptqFormat(group_size=group, desc_act=True, zero_offset=1), False),
+        "auto-round": (AutoRoundFormat(bits=4, group_size=group, zero_offset=1), False),
         "awq": (AwqFormat(group_size=group), False),
         "nvfp4": (CompressedTensorsNvfp4Format(), False), "ct-mxfp4": (CompressedTensorsMxfp4Format(), False),
         "modelopt-nvfp4": (ModelOptNvfp4Format(bf16), False), "modelopt-fp8": (ModelOptFp8Format(bf16), False),
@@ -81,19 +83,25 @@ def case_for(name: str, shape: str) -> FormatCase:
     return FormatCase(name, fmt, dtype, transposed=transposed, hidden=hidden, intermediate=inter)
 
 
-def specialised(kernel, launch) -> tuple[dict[str, str], dict]:
+def specialised(kernel, launch) -> tuple[dict, dict]:
     """(signature of every argument in the kernel's order, constexprs) of a launch as Triton's
     launcher specialises it: ints equal to 1 become constexprs, 16-byte aligned pointers and
-    ints that are multiples of 16 are hinted ":16", the rest typed ("*bf16", "i32")."""
+    ints that are multiples of 16 are hinted ":16", the rest typed ("*bf16", "i32"); a tuple
+    argument (the role tables, the row geometry) is typed leaf by leaf, its constexprs keyed by
+    their path (argument index, element index, ...)."""
     constexprs = dict(launch.constexprs)
-    types = {}
-    for name, v in launch.args.items():
-        if isinstance(v, torch.Tensor):
-            types[name] = "*" + TRITON_TYPES[v.dtype] + (":16" if v.data_ptr() % 16 == 0 else "")
-        elif v == 1:
-            constexprs[name] = 1
-        else:
-            types[name] = ("i32" if abs(v) < 2**31 else "i64") + (":16" if v % 16 == 0 else "")
+
+    def typed(value, path):
+        if isinstance(value, tuple):
+            return tuple(typed(v, path + (i,)) for i, v in enumerate(value))
+        if isinstance(value, torch.Tensor):
+            return "*" + TRITON_TYPES[value.dtype] + (":16" if value.data_ptr() % 16 == 0 else "")
+        if value == 1:
+            constexprs[path if len(path) > 1 else kernel.arg_names[path[0]]] = 1
+            return "constexpr"
+        return ("i32" if abs(value) < 2**31 else "i64") + (":16" if value % 16 == 0 else "")
+
+    types = {name: typed(v, (kernel.arg_names.index(name),)) for name, v in launch.args.items()}
     return {name: types.get(name, "constexpr") for name in kernel.arg_names}, constexprs
 
 
@@ -133,7 +141,7 @@ def _gemm(name: str, shape: str, arch: int, num_tokens: int) -> None:
     from pagedexperts.paging.kernels.fused_moe_kernel import fused_moe_gemm_kernel
 
     for proj, launch in gemm_launches(case_for(name, shape), num_tokens, arch):
-        tiles = "BM{BLOCK_M} BN{BLOCK_N} BK{BLOCK_K}".format(**launch.constexprs)
+        tiles = "BM{BLOCK_M} BOUT{BLOCK_OUT} BIN{BLOCK_IN}".format(**launch.constexprs)
         compile_launch(fused_moe_gemm_kernel, launch, arch, f"gemm {name} {shape} {proj} T={num_tokens} {tiles}")
 
 

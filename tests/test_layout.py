@@ -1,6 +1,6 @@
 """The package's layout and its one-definition concepts (issue 19).
 
-- Layering: each subpackage imports only those below it (README "Layout"), read from the
+- Layering: each subpackage imports only those below it (docs/design.md "Layout"), read from the
   source (AST), module- and function-level imports alike; ``engine`` (no HTTP) below ``serving``,
   and ``generate`` on the engine alone.
 - One configuration check reports every problem at once (options and model together).

@@ -148,6 +148,8 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
                "--output-tokens", "3", "--long-prompt-tokens", "16", "--concurrency", "1,2", "--rounds", "2",
                "--threads", "1", "--results-dir", str(tmp_path)])
     assert rc == 0
+    shown = capsys.readouterr().out.splitlines()  # the compact view; the full table is bench.md's
+    assert shown[0].split()[:3] == ["mode", "decode", "tok/s"] and max(len(line) for line in shown) < 100
     data = json.loads((tmp_path / "bench.json").read_text())
     rows = {r["mode"]: r for r in data["results"]}
     assert data["order"] == [["plain", "resident", "paged K=8"], ["resident", "paged K=8", "plain"]]
@@ -176,7 +178,7 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
      (["--cpu-expert-layers", "0"], "--cpu-expert-layers 0 outside [1, 6]"),
      (["--mode", "plain,paged,plain"], "--mode names ['plain'] more than once"),
      (["--rounds", "0"], "--rounds 0 must be >= 1"),
-     (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default)"),
+     (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default, or auto)"),
      (["--mode", "plain,gpu"], "unknown --mode ['gpu']; choose from ['plain', 'paged'")],
 )
 def test_bench_bad_input_is_refused_before_any_work(argv, needle, capsys, monkeypatch):

@@ -129,6 +129,7 @@ def test_the_wheel_carries_the_bundled_model_and_runs_the_main_job(tmp_path):
     data = [n for n in names if n.startswith("pagedexperts/data/")]
     for required in ("config.json", "model.safetensors", "tokenizer.json"):
         assert any(n.endswith("/" + required) for n in data), (required, sorted(data)[:20])
+    assert any(n.startswith("pagedexperts/data/traces/tiny-qwen3-moe/") and n.endswith(".npz") for n in data)  # simulate --trace bundled
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import pagedexperts; "
             "assert pagedexperts.__file__.startswith(sys.argv[1]), pagedexperts.__file__; "
             "from pagedexperts.cli import main; sys.exit(main(sys.argv[2:]))")

@@ -4,8 +4,8 @@ Oracle: ``tests/planner_oracle.py``, a verbatim copy of the old residency module
 policy. For every policy (the runtime's and Belady's), the same routing goes through both and
 every ``StepPlan`` (waves, their experts, slots and loads, hits, misses), every prefetch's
 loads and the final slot maps must be equal: on skewed random routing (hits and misses, single
-and multi-wave steps, prefetches between steps, LFU aging) and on the real traces of
-../shared/data/traces.
+and multi-wave steps, prefetches between steps, LFU aging) and on the real traces in
+$PAGEDEXPERTS_REAL_TRACES (``trace_fixtures``).
 """
 
 from __future__ import annotations

@@ -39,6 +39,16 @@ def test_published_analysis_prints_exact_digits(capsys, expert_mb, k, link, tok_
         assert text in out, f"{text!r} not in:\n{out}"
 
 
+def test_a_speed_the_link_allows_at_any_miss_rate_says_so(capsys):
+    """`--tok-s 15 --link-gbps 50`: 100% misses need 48 x 8 x 2.43 MB x 15/s = 14.0 GB/s, under the
+    link (50 / 14.0 = 3.57x); it printed "max miss allowed above 100% (3.57x ...)" and a verdict."""
+    rc, out, _ = _run(capsys, QWEN3 + ["--expert-mb", "2.43", "--num-resident", "92", "--link-gbps", "50",
+                                       "--tok-s", "15"])
+    line = next(ln for ln in out.splitlines() if ln.startswith("max miss allowed"))
+    assert rc == 0 and line.startswith("max miss allowed      any: at 15 tok/s even 100% misses page only 14.0 GB/s")
+    assert "(3.57x)" in line and "above 100%" not in out and "inconclusive" not in line
+
+
 def test_json_output(capsys):
     rc, out, _ = _run(capsys, QWEN3 + ["--expert-mb", "2.43", "--num-resident", "92", "--link-gbps", "50",
                                        "--tok-s", "205.6", "--json"])

@@ -10,9 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pagedexperts.formats.fp8 import dequantize_fp8_block
-from pagedexperts.formats.mxfp4 import dequantize_mxfp4
 from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
+from quantized_dirs import fp8_block_dense, mxfp4_dense
 from test_families import build_model
 
 
@@ -38,7 +37,7 @@ def test_fp8_block_loads_in_transformers_as_the_formats_dequantization(tmp_path)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         def deq(j, p):
             key = f"model.layers.1.mlp.experts.{j}.{p}.weight"
-            return dequantize_fp8_block(f.get_tensor(key), f.get_tensor(key + "_scale_inv"), torch.bfloat16)
+            return fp8_block_dense(f.get_tensor(key)[None], f.get_tensor(key + "_scale_inv")[None], torch.bfloat16)[0]
 
         want = torch.stack([deq(j, "down_proj") for j in range(8)])
     assert torch.equal(model.model.layers[1].mlp.experts.down_proj, want)
@@ -56,7 +55,7 @@ def test_mxfp4_of_gpt_oss_loads_in_transformers_as_the_formats_dequantization(tm
     _non_experts_unchanged(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16), model)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         key = "model.layers.0.mlp.experts.gate_up_proj"
-        want = dequantize_mxfp4(f.get_tensor(key + "_blocks"), f.get_tensor(key + "_scales"), torch.bfloat16)
+        want = mxfp4_dense(f.get_tensor(key + "_blocks"), f.get_tensor(key + "_scales"), torch.bfloat16)
         assert f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_bias").dtype == torch.bfloat16
     assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, want)
 

@@ -1,6 +1,6 @@
 """Residency and wave planner: LRU order, wave rules, accounting. Tensor-free (no torch here).
 
-Spec (DESIGN.md, issue 2): resident experts first, then misses in ascending id; waves of at
+Spec (docs/design.md "The layer-step", issue 2): resident experts first, then misses in ascending id; waves of at
 most K experts covering the union once with distinct slots; a miss's victim is never a slot of
 the current wave; least recently used goes first; ties deterministic; counts per distinct
 expert per layer per step.
@@ -222,6 +222,6 @@ STDLIB_ONLY = ("pagedexperts.residency.planner", "pagedexperts.residency.policie
 
 
 def test_residency_imports_without_torch():
-    """The tensor-free layers (DESIGN.md): importing them loads neither torch nor numpy."""
+    """The tensor-free layers (docs/design.md "Contracts"): importing them loads neither torch nor numpy."""
     code = f"import sys, {', '.join(STDLIB_ONLY)}; sys.exit('torch' in sys.modules or 'numpy' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -36,6 +36,22 @@ def test_health_and_models(server):
     assert [m.id for m in openai_client(url).models.list().data] == [NAME]
 
 
+def test_models_retrieve_and_an_unknown_id_is_openais_404(server):
+    """The openai SDK's ``models.retrieve`` (GET /v1/models/{id}); an unknown id, one holding a
+    slash as hub ids do, is 404 ``model_not_found`` in OpenAI's error shape."""
+    import openai
+
+    c = openai_client(server[0])
+    got = c.models.retrieve(NAME)
+    assert (got.id, got.object, got.owned_by) == (NAME, "model", "pagedexperts")
+    for unknown in ("gpt-4o", "Qwen/Qwen3-30B-A3B"):
+        with pytest.raises(openai.NotFoundError) as e:
+            c.models.retrieve(unknown)
+        err = e.value.body
+        assert (err["code"], err["param"], err["type"]) == ("model_not_found", "model", "invalid_request_error"), err
+        assert repr(unknown) in err["message"]
+
+
 def test_greedy_completion_alone_equals_generate(server, ref):
     model, tokenizer = ref
     got = openai_client(server[0]).completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
@@ -241,7 +257,7 @@ def test_concurrent_requests_batch_queue_and_all_complete(server):
     assert all(a.json()["choices"][0]["finish_reason"] in ("length", "stop") for a in answers)
     assert max(seen) > 1, f"running batch never above 1 (seen {sorted(set(seen))})"
     assert 1 < metric(url, "pagedexperts_max_decode_batch") <= MAX_RUNNING
-    assert metric(url, 'pagedexperts_expert_misses_total{layer="0"}') > 0
+    assert metric(url, 'pagedexperts_paging_misses_total{layer="0"}') > 0
     assert metric(url, "pagedexperts_time_to_first_token_seconds_count") >= len(PROMPTS)
     assert metric(url, "pagedexperts_time_per_output_token_seconds_count") >= len(PROMPTS)
     q_count, q_sum, t_count, t_sum = (metric(url, name) - b for name, b in zip(timing, before))

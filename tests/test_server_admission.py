@@ -162,27 +162,34 @@ def test_zz_graceful_shutdown(strict):
 @pytest.mark.slow
 def test_sigterm_drains_a_real_server(tmp_path):
     """``pagedexperts serve`` under SIGTERM: streams end with a final event and [DONE], the
-    trace is saved, the process exits (by the re-raised SIGTERM, as uvicorn does)."""
+    trace is saved, uvicorn finishes within seconds (the 0.5 s drain, not its 5 s wait for
+    connections), and the process exits 0, not 143 (the drain was the clean stop asked for;
+    uvicorn would re-raise the signal). The interpreter's own teardown after that is not timed."""
     import signal
 
     trace = tmp_path / "trace.npz"
     proc, url = _serve_process("--shutdown-timeout", "0.5", "--record-trace", str(trace))
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), x) for x in proc.stdout), daemon=True)
+    reader.start()
     try:
         streams, threads = _one_running_one_queued(url)
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         for t in threads:
             t.join(30)
-        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught, after shutdown
-        exit_s = time.monotonic() - sent
+        assert proc.wait(60) == 0
+        reader.join(10)
     finally:
         if proc.poll() is None:
             proc.kill()
-    log = proc.stdout.read()
-    for lines in streams:  # 2 x 450 tokens take far longer than the 0.5 s drain: both are cut
-        assert lines[-1] == "data: [DONE]", (lines[-3:], log[-2000:])
-        assert json.loads(lines[-2][6:]).get("error", {}).get("code") == "server_shutting_down", (lines[-2], log[-1500:])
-    assert exit_s < 4.0, f"exit took {exit_s:.1f}s after SIGTERM with --shutdown-timeout 0.5"
+    log = "".join(x for _, x in lines)
+    for stream in streams:  # 2 x 450 tokens take far longer than the 0.5 s drain: both are cut
+        assert stream[-1] == "data: [DONE]", (stream[-3:], log[-2000:])
+        assert json.loads(stream[-2][6:]).get("error", {}).get("code") == "server_shutting_down", (stream[-2], log[-1500:])
+    finished = [t for t, x in lines if "Finished server process" in x]
+    assert finished and finished[0] - sent < 4.0, f"uvicorn finished {finished[0] - sent:.1f}s after SIGTERM" \
+        if finished else log[-1500:]
     assert trace.exists(), log[-2000:]
 
 

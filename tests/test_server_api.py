@@ -200,3 +200,41 @@ def test_non_streaming_client_leaving_is_freed_within_a_second(server):
     assert httpx.get(url + "/health").json()["running"] == 0
     assert freed_s < 1.0, f"freed after {freed_s:.2f}s"
     assert metric(url, counter) == before + 1
+
+
+ROOM = 24  # tokens a near-full context leaves: more than the completions default, few enough to be quick
+
+
+def _near_full(url, path: str, body, room: int = ROOM) -> str:
+    """A text of repeated words whose prompt (``body(text)``, as the server counts it from one
+    probe) leaves ``room`` tokens of the context: a default of "what the context leaves" ends fast."""
+    from serving_fixtures import CONTEXT
+
+    text = " Romeo" * 100
+    probe = _post(url, path, body(text) | {"max_tokens": 1}).json()["usage"]
+    used = probe.get("prompt_tokens", probe.get("input_tokens"))
+    return text + " Romeo" * (CONTEXT - room - used)
+
+
+def test_default_max_tokens_are_openais(server):
+    """Without max_tokens, completions end at 16 tokens (OpenAI's and vLLM's default) and chat at
+    what the context leaves after the prompt (OpenAI's and vLLM's), end of sequence held off."""
+    from serving_fixtures import CONTEXT
+    from pagedexperts.serving.validation import DEFAULT_COMPLETION_MAX_TOKENS
+
+    url, no_eos = server[0], {str(t): -100 for t in server[1].state.scheduler.eos_ids}
+    r = _post(url, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "temperature": 0, "logit_bias": no_eos})
+    assert DEFAULT_COMPLETION_MAX_TOKENS == 16
+    assert (r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]) == (16, "length")
+
+    def chat(text):
+        return {"model": NAME, "messages": [{"role": "user", "content": text}], "temperature": 0, "logit_bias": no_eos}
+
+    r = _post(url, "/v1/chat/completions", chat(_near_full(url, "/v1/chat/completions", chat)))
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == CONTEXT and usage["completion_tokens"] == ROOM, usage
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    from pagedexperts.serving.validation import default_max_tokens
+
+    assert default_max_tokens(10, 4096, chat=True) == 4086 and default_max_tokens(10, 4096, chat=False) == 16
+    assert default_max_tokens(4090, 4096, chat=False) == 6  # capped by what the context leaves

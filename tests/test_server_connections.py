@@ -4,7 +4,8 @@ answered 413 from its header, the connection cap (503 in OpenAI's shape), half-c
 answered, and the ``"usage": null`` of non-final stream chunks. Every loop is bounded.
 
 Servers: ``guarded`` (``header_timeout_s`` 1.0, ``max_connections`` 40) and ``capped``
-(``max_connections`` 8, ``body_timeout_s`` 1.0, ``max_body_bytes`` 4096).
+(4 running places, ``max_queued_requests`` 2, ``max_connections`` 8, ``body_timeout_s`` 1.0,
+``max_body_bytes`` 4096).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ SLOW = 30  # slowloris sockets
 CAPPED_CONNECTIONS = 8
 BODY_TIMEOUT_S = 1.0
 BODY_LIMIT = 4096
+QUEUED = 2
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def guarded():
 @pytest.fixture(scope="module")
 def capped():
     yield from serve(ServeConfig(NAME, 4, CONTEXT, max_connections=CAPPED_CONNECTIONS, body_timeout_s=BODY_TIMEOUT_S,
-                                 max_body_bytes=BODY_LIMIT))
+                                 max_body_bytes=BODY_LIMIT, max_queued_requests=QUEUED))
 
 
 def _port(url: str) -> int:
@@ -125,17 +127,18 @@ def test_connection_cap(guarded):
     held = [socket.create_connection(("127.0.0.1", _port(url))) for _ in range(MAX_CONNECTIONS)]
     try:
         time.sleep(0.2)
-        r = httpx.get(url + "/health", timeout=10)  # the 41st connection
+        r = httpx.get(url + "/v1/models", timeout=10)  # the 41st connection
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "too_many_connections", r.text  # OpenAI's shape, not uvicorn's text
         assert "--max-connections" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # probes are answered over the cap
     finally:
         for s in held:
             s.close()
     deadline = time.monotonic() + 5
-    while httpx.get(url + "/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
+    while httpx.get(url + "/v1/models", timeout=10).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.get(url + "/v1/models", timeout=10).status_code == 200
 
 
 def _stalled_body(url: str, length: int) -> socket.socket:
@@ -162,18 +165,18 @@ def _answer(sock: socket.socket) -> bytes:
 
 def test_stalled_bodies_are_timed_out(capped):
     """8 bodies stalled at --max-connections 8 hold every connection (the next request gets 503);
-    within the body timeout each gets a 408 in OpenAI's shape and /health answers 200 again."""
+    within the body timeout each gets a 408 in OpenAI's shape and requests are served again."""
     url = capped[0]
     socks = [_stalled_body(url, 100) for _ in range(CAPPED_CONNECTIONS)]
     try:
         start = time.monotonic()
-        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 503
         status = 503
         while status != 200 and time.monotonic() - start < BODY_TIMEOUT_S + 3:
             time.sleep(0.1)
-            status = httpx.get(url + "/health", timeout=10).status_code
+            status = httpx.get(url + "/v1/models", timeout=10).status_code
         healthy_s = time.monotonic() - start
-        assert status == 200, f"/health still {status} {healthy_s:.1f}s after {CAPPED_CONNECTIONS} stalled bodies"
+        assert status == 200, f"still {status} {healthy_s:.1f}s after {CAPPED_CONNECTIONS} stalled bodies"
         assert healthy_s < BODY_TIMEOUT_S + 1.5
         for s in socks:
             head, _, body = _answer(s).partition(b"\r\n\r\n")
@@ -251,9 +254,25 @@ def test_usage_null_in_non_final_chunks(guarded):
                 assert all("usage" not in c for c in chunks)
 
 
+def test_a_burst_the_free_places_take_is_not_refused(capped):
+    """4 running places + --max-queued-requests 2 on an idle server: 6 requests sent at once are
+    all served (4 admitted at the next step, 2 wait), none answered 429."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving_fixtures import client
+
+    c = client(capped[0])
+    with ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(lambda p: c.completions.create(model=NAME, prompt=p, max_tokens=2).choices[0].text,
+                              ["ROMEO:", "JULIET:", "KING:", "To be", "Now is", "But soft"]))
+    assert len(texts) == 6
+
+
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError, match="--header-timeout"):
         uvicorn_config(None, header_timeout_s=0)
+    with pytest.raises(ValueError, match="--body-deadline must be > 0 seconds, got -1"):
+        uvicorn_config(None, body_deadline_s=-1)
     with pytest.raises(ValueError, match="--max-connections"):
         uvicorn_config(None, max_connections=0)
     with pytest.raises(ValueError, match="--body-timeout"):

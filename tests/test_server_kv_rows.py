@@ -45,17 +45,21 @@ def test_rows_placed_lowest_free_and_grown_keeping_columns():
     kv = KVRows(rows=3, scratch=2, limit=200)
     assert [kv.place(i, 10) for i in (7, 8)] == [0, 1]
     assert (kv.width, kv.positions, kv.generation) == (COLUMN_ROUND + 2, COLUMN_ROUND, 1)
-    key = torch.zeros((1, 2, 1, 4))
-    keys, _ = kv.layer(0, key, key)
-    assert keys.shape == (3, 2, COLUMN_ROUND + 2, 4)
+    key, value = torch.zeros((1, 2, 1, 4)), torch.zeros((1, 2, 1, 3))  # values may have their own head dim
+    keys, values = kv.layer(0, key, value)
+    assert keys.shape == (3, 2, COLUMN_ROUND + 2, 4) and values.shape == (3, 2, COLUMN_ROUND + 2, 3)
     keys[1, :, :5] = torch.arange(5.0).view(1, 5, 1)
+    values[1, :, :5] = -torch.arange(5.0).view(1, 5, 1)
     kv.release(7)
     assert kv.place(9, 10) == 0  # the freed row, before row 2
     assert kv.place(10, 150) == 2  # grows: max(150, 2 x 64) rounded up to 192 positions
     assert (kv.width, kv.generation) == (192 + 2, 2)
-    grown = kv.keys[0]
+    grown, grown_values = kv.layer(0, key, value)
     assert grown.shape == (3, 2, 194, 4) and grown is not keys
+    assert grown_values.shape == (3, 2, 194, 3) and grown_values is not values  # keys and values grow together
     assert torch.equal(grown[1, :, :5], torch.arange(5.0).view(1, 5, 1).expand(2, 5, 4))
+    assert torch.equal(grown_values[1, :, :5], -torch.arange(5.0).view(1, 5, 1).expand(2, 5, 3))
+    assert not grown_values[:, :, 5:].any() and not grown_values[0].any()  # the new columns are zeros
     with pytest.raises(ValueError, match="all 3 KV rows.*--max-running-requests 3"):
         kv.place(11, 5)
     with pytest.raises(ValueError, match="needs 201 KV positions; the limit is 200.*--context-length"):
@@ -95,6 +99,38 @@ def test_16_concurrent_equal_each_alone(models, alone, dtype):
     if dtype is None:  # float32: also equal to the layout before (a batch cache rebuilt each step)
         before, _ = schedule(model, tokenizer, PROMPTS16, max_running=RUNNING, max_tokens=TOKENS, static_kv=False)
         assert got == before
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_a_long_request_admitted_beside_a_short_one_equals_each_alone(models, dtype):
+    """A short request runs (its need: 64 columns); a long prompt admitted at its third step
+    needs more, so the rows grow while the short one's keys and values are in them, and both go
+    on decoding over the grown rows. Each one's tokens equal its tokens alone, token for token.
+    Prefill apart (``chunked_prefill`` off): no decode rides in a prompt's forward."""
+    from pagedexperts.engine.scheduler import BatchScheduler
+    from pagedexperts.engine.scheduler_config import SchedulerConfig
+    from pagedexperts.generation.config import SamplingConfig
+
+    model, tokenizer = models[dtype]
+    short, long = tokenizer(PROMPTS[0])["input_ids"], tokenizer(" ".join(PROMPTS * 2))["input_ids"]
+    plan = ((short, 12), (long, 6))
+    assert len(short) + 12 <= COLUMN_ROUND < len(long) + 6
+
+    def run(items, admit_second_after=None):
+        sched = BatchScheduler(model, tokenizer, SchedulerConfig(2, CONTEXT, chunked_prefill=False))
+        reqs, steps = [sched.submit(items[0][0], SamplingConfig(max_new_tokens=items[0][1]), lambda e: None)], 0
+        while sched.num_running or sched.num_waiting or len(reqs) < len(items):
+            if len(reqs) < len(items) and steps == admit_second_after:
+                reqs.append(sched.submit(items[1][0], SamplingConfig(max_new_tokens=items[1][1]), lambda e: None))
+            sched.step()
+            steps += 1
+        return [r.output_ids for r in reqs], sched
+
+    alone = [run([item])[0][0] for item in plan]
+    together, sched = run(plan, admit_second_after=2)
+    assert sched.forwards.kv.generation == 2 and sched.stats.max_decode_batch == 2  # grown with both rows in use
+    assert len(together[0][2:]) > 0 and [len(o) for o in alone] == [12, 6]
+    assert together == alone, f"short {together[0]} vs {alone[0]}; long {together[1]} vs {alone[1]}"
 
 
 def test_16_concurrent_with_ngram_speculation_equal_plain_alone(models, alone):

@@ -75,6 +75,7 @@ def test_cli_defaults_match_the_library():
 
     assert serve.DEFAULT_HEADER_TIMEOUT_S == connections.DEFAULT_HEADER_TIMEOUT_S
     assert serve.DEFAULT_BODY_TIMEOUT_S == connections.DEFAULT_BODY_TIMEOUT_S
+    assert serve.DEFAULT_BODY_DEADLINE_S == connections.DEFAULT_BODY_DEADLINE_S
     assert serve.DEFAULT_MAX_CONNECTIONS == connections.DEFAULT_MAX_CONNECTIONS
 
 
@@ -103,10 +104,39 @@ def test_metrics_export_every_numeric_layer_stat():
     text = Metrics(sched, runtime).render().decode()
     assert 'pagedexperts_decode_steps_total{how="replay"} 7.0' in text
     assert 'pagedexperts_decode_backend{backend="cuda",kv_layout="rows",reason=""} 1.0' in text
-    for line in ('pagedexperts_paging_ttft_p99_s{layer="0"} 0.25', 'pagedexperts_expert_hits_total{layer="0"} 3.0',
-                 'pagedexperts_paging_misses_total{layer="0"} 2.0', 'pagedexperts_union_size_max{layer="0"} 5.0',
+    for line in ('pagedexperts_paging_ttft_p99_s{layer="0"} 0.25', 'pagedexperts_paging_hits_total{layer="0"} 3.0',
+                 'pagedexperts_paging_misses_total{layer="0"} 2.0', 'pagedexperts_paging_union_max{layer="0"} 5.0',
                  "pagedexperts_running_requests 1.0"):
         assert line in text, line
+
+
+def test_every_paging_counter_is_exported_once():
+    """Each LayerStats field, given a value no other has, shows up in exactly one sample of layer 0,
+    named pagedexperts_paging_<field> (``_total`` on counters): no second name for one figure."""
+    pytest.importorskip("prometheus_client")
+    from dataclasses import fields
+    from types import SimpleNamespace
+
+    from pagedexperts.engine.forwards import DecodeCounts
+    from pagedexperts.serving.metrics import GAUGE_NAME, Metrics
+    from pagedexperts.stats.accounting import LayerStats
+
+    numeric = [f.name for f in fields(LayerStats) if f.type in ("int", "float")]
+    layer = LayerStats(**{name: 1000 + i for i, name in enumerate(numeric)})
+    runtime = SimpleNamespace(runners={0: SimpleNamespace(stats=layer, store=SimpleNamespace(tier_stats=None))},
+                              num_resident=8, top_k=2)
+    sched = SimpleNamespace(num_running=0, num_waiting=0, config=SimpleNamespace(max_running_requests=4),
+                            stats=SimpleNamespace(), speculative=None,
+                            forwards=SimpleNamespace(summary=lambda: dict(
+                                kv_layout="rows", decode_steps=dict(DecodeCounts().as_dict()),
+                                steps=dict(backend="eager", reason=None))))
+    samples = [line.rsplit(" ", 1) for line in Metrics(sched, runtime).render().decode().splitlines()
+               if line.endswith(tuple(f" {1000 + i}.0" for i in range(len(numeric)))) and 'layer="0"' in line]
+    assert len(numeric) > 10
+    for i, name in enumerate(numeric):
+        named = [s for s, v in samples if float(v) == 1000 + i]
+        want = f"pagedexperts_paging_{name}{'' if GAUGE_NAME.search(name) else '_total'}" + '{layer="0"}'
+        assert named == [want], (name, named)
 
 
 @pytest.mark.parametrize("name, gauge", [("max_decode_batch", True), ("union_max", True), ("union_last", True),
@@ -162,11 +192,13 @@ def test_router_forwarded_defaults_pass_and_other_values_are_refused(raw, cls):
     import json
 
     validation.check_ranges(protocol.parse_request(raw, cls))
-    for name, value in (("ignore_eos", True), ("skip_special_tokens", False), ("no_stop_trim", True)):
+    for name, value in (("no_stop_trim", True), ("return_hidden_states", True)):
         body = protocol.parse_request(json.dumps({**json.loads(raw), name: value}).encode(), cls)
         with pytest.raises(ApiError, match=f"unsupported field '{name}'") as e:
             validation.check_ranges(body)
         assert e.value.param == name
+    for name, value in (("ignore_eos", True), ("skip_special_tokens", False)):  # vLLM's options, served
+        validation.check_ranges(protocol.parse_request(json.dumps({**json.loads(raw), name: value}).encode(), cls))
 
 
 def test_responses_request_becomes_the_chat_request():

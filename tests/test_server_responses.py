@@ -80,6 +80,22 @@ def test_message_list_input_streamed_in_the_published_order(server, ref):
     assert done.usage.input_tokens == len(ids) and done.usage.output_tokens == len(out)
 
 
+def test_the_limit_applied_is_reported(server):
+    """Without max_output_tokens the limit is what the context leaves (chat's default), and the
+    Response reports that number, consistent with a status ``incomplete: max_output_tokens``."""
+    from serving_fixtures import CONTEXT
+
+    url = server[0]
+    text = " Romeo" * 100
+    probe = httpx.post(url + "/v1/responses", json={"model": NAME, "input": text, "max_output_tokens": 1}, timeout=60)
+    text += " Romeo" * (CONTEXT - 24 - probe.json()["usage"]["input_tokens"])  # 24 tokens of room: a quick answer
+    resp = openai_client(url).responses.create(model=NAME, input=text, temperature=0)
+    assert resp.max_output_tokens == CONTEXT - resp.usage.input_tokens == 24
+    ended_by_limit = resp.usage.output_tokens == resp.max_output_tokens
+    assert resp.status == ("incomplete" if ended_by_limit else "completed"), (resp.status, resp.usage)
+    assert (resp.incomplete_details is not None) == ended_by_limit
+
+
 def test_stream_helper_accumulates_the_same_response(server):
     """openai's ``responses.stream`` rebuilds the response from the events (its own state
     machine, which checks the response's identity and each item's place)."""

@@ -29,17 +29,19 @@ def small():
 
 
 def test_more_sequences_than_the_queue_holds_is_400_not_429(small):
-    """429 means 'retry later'; a request needing more places than --max-queued-requests
-    never fits, so clients that retry 429 (the openai client does) would retry in vain."""
+    """429 means 'retry later'; a request needing more places than an idle server has (the
+    running place + --max-queued-requests) never fits, so clients that retry 429 (the openai
+    client does) would retry in vain. One that fits an idle server is served."""
     url = small[0]
     r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=30,
                    json={"model": NAME, "prompt": ["a", "b"], "n": 2, "max_tokens": 1})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "n" and "--max-queued-requests" in err["message"] and "4" in err["message"]
+    assert err["param"] == "n" and "= 4 sequences; at most 3 fit an idle server" in err["message"]
+    assert "--max-queued-requests" in err["message"] and "--max-running-requests" in err["message"]
     ok = httpx.post(url + "/v1/completions", headers=AUTH, timeout=30,
-                    json={"model": NAME, "prompt": "a", "n": QUEUE, "max_tokens": 1})
-    assert ok.status_code == 200 and len(ok.json()["choices"]) == QUEUE
+                    json={"model": NAME, "prompt": "a", "n": QUEUE + 1, "max_tokens": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == QUEUE + 1
 
 
 def test_client_leaving_while_sending_its_body_is_not_a_500(small, caplog):

@@ -117,7 +117,7 @@ def _healthy_workers(router: str) -> set[str]:
 def _requests_total(url: str) -> float:
     """The sum of ``pagedexperts_requests_total`` over endpoints and outcomes (raises if unscrapable)."""
     r = httpx.get(url + "/metrics", timeout=10)
-    assert r.status_code == 200 and "pagedexperts_expert_hits_total" in r.text
+    assert r.status_code == 200 and "pagedexperts_paging_hits_total" in r.text
     return sum(float(line.rsplit(" ", 1)[1]) for line in r.text.splitlines()
                if line.startswith("pagedexperts_requests_total{"))
 

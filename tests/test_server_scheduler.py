@@ -121,16 +121,31 @@ def test_score_only_prompt_logprobs(ref):
     assert_scored_prompt(model, events, prompt, top=2)
 
 
-def test_queue_bound_all_or_nothing(ref):
+def test_queue_bound_counts_only_what_cannot_be_admitted(ref):
+    """--max-queued-requests 2 beside 4 running places: an idle server takes a burst of 6 (4 are
+    admitted at the next step, 2 wait) and refuses the 7th; once a place frees, one more fits,
+    and a request of 2 sequences that would leave 3 waiting is refused whole."""
     model, tokenizer = ref
-    sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, CONTEXT, max_queued_requests=2))
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(4, CONTEXT, max_queued_requests=2))
     p = tokenizer("x")["input_ids"]
-    sched.submit(p, SamplingParams(max_new_tokens=1), lambda e: None)
-    with pytest.raises(QueueFull, match="--max-queued-requests"):
-        sched.submit_many([(p, SamplingParams(max_new_tokens=1), lambda e: None)] * 2)
-    assert sched.num_waiting == 1
-    sched.submit(p, SamplingParams(max_new_tokens=1), lambda e: None)
-    assert sched.num_waiting == 2
+
+    def one(n=5):
+        return p, SamplingParams(max_new_tokens=n, logit_bias=((0, -100.0),)), lambda e: None
+
+    for n in (1, 5, 5, 5, 5, 5):
+        sched.submit(*one(n))
+    with pytest.raises(QueueFull, match="4 running places are free.*at most 2 may wait.*--max-queued-requests"):
+        sched.submit(*one())
+    assert (sched.num_waiting, sched.free_places) == (6, 4)
+    sched.step()  # admits 4 and prefills them; the first (1 token) finishes and frees its place
+    assert (sched.num_running, sched.num_waiting, sched.free_places) == (3, 2, 1)
+    sched.submit(*one())
+    with pytest.raises(QueueFull):
+        sched.submit_many([one(), one()])
+    assert sched.num_waiting == 3
+    while sched.num_running or sched.num_waiting:
+        sched.step()
+    assert sched.free_places == 4 and sched.stats.finished == 7
 
 
 def test_stop_ends_unfinished_with_a_final_event(ref):

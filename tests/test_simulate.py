@@ -15,10 +15,10 @@ from pagedexperts.analysis import simulate as sim
 from pagedexperts.cli import main
 from pagedexperts.stats.accounting import LayerStats
 from pagedexperts.analysis.trace import load_trace
+from trace_fixtures import TRACES, needs_real_traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYNTHETIC = os.path.join(ROOT, "tests", "data", "synthetic_trace.npz")
-SHARED_TRACES = os.path.join(ROOT, "..", "shared", "data", "traces")
 REAL = ["qwen15moe_a27b_layer0_gsm8k.jsonl", "olmoe_1b7b_layer0_gsm8k.jsonl"]
 
 
@@ -100,13 +100,13 @@ def test_belady_at_least_lru_on_synthetic_trace():
     e = tr.meta.num_experts
     streams = sim.request_streams(tr)
     for steps in [sim.recorded_steps(tr)] + [sim.batched_steps(streams, batch_size=b) for b in (1, 2, 6)]:
-        _assert_belady_at_least_lru(steps, e, range(1, e + 1))
+        _assert_belady_at_least_lru(steps, e, range(tr.meta.top_k, e + 1))
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED_TRACES), reason=f"real traces not found at {SHARED_TRACES} (../shared/data)")
+@needs_real_traces
 @pytest.mark.parametrize("name", REAL)
 def test_belady_at_least_lru_on_real_traces(name):
-    tr = load_trace(os.path.join(SHARED_TRACES, name))
+    tr = load_trace(os.path.join(TRACES, name))
     e, k = tr.meta.num_experts, tr.meta.top_k
     ks = sim.default_num_resident(num_experts=e, top_k=k)
     recorded = sim.recorded_steps(tr)
@@ -176,10 +176,19 @@ def test_modelled_decode_tok_s():
 
 
 def test_bad_inputs():
-    steps = sim.recorded_steps(load_trace(SYNTHETIC))
-    for k, limit in ((0, "must be in \\[1, E=16\\]"), (17, "exceeds the E=16")):
+    steps = sim.recorded_steps(load_trace(SYNTHETIC))  # top_k 2
+    for k, limit in ((0, "is below top_k=2"), (1, "is below top_k=2: one token routes to 2 experts"),
+                     (17, "exceeds the E=16")):
         with pytest.raises(ValueError, match=f"--num-resident K={k} {limit}"):
             sim.replay(steps, num_experts=16, num_resident=k, policy="lru")
+    with pytest.raises(ValueError, match="--num-resident K=1 is below top_k=2"):  # the runtime's refusal, verbatim
+        sim.run_grid(steps, num_experts=16, top_k=2, num_resident=[4, 1], policies=["lru"])
+    from pagedexperts.residency.planner import num_resident_problem
+
+    assert num_resident_problem(1, num_experts=16, min_slots=2) in str(pytest.raises(
+        ValueError, sim.replay_prefetch, steps, num_experts=16, num_resident=1, policy="lru", budget=1,
+        expert_bytes=1, link_gbps=1.0, compute_ms_per_layer=1.0).value)
+    assert sim.default_num_resident(num_experts=4, top_k=3) == [3, 4]  # E/2 = 2 < top_k is lifted to top_k
     with pytest.raises(ValueError, match="choose from .*belady.*--policy"):
         sim.run_grid(steps, num_experts=16, top_k=2, num_resident=[4], policies=["fifo"])
     with pytest.raises(ValueError, match="nothing to replay"):
@@ -215,7 +224,9 @@ def test_cli_table_json_and_plots(tmp_path, capsys):
     "extra,message",
     [
         (["--experts", "64", "--top-k", "8"], "E=16, top_k=2; the model has E=64, top_k=8"),
-        (["--num-resident", "0"], "--num-resident K=0 must be in [1, E=16]"),
+        (["--num-resident", "0"], "--num-resident K=0 is below top_k=2"),
+        (["--num-resident", "4,1"], "--num-resident K=1 is below top_k=2: one token routes to 2 experts, so at least 2 "
+                                    "slots are needed; raise --num-resident"),
         (["--num-resident", "17"], "--num-resident K=17 exceeds the E=16"),
         (["--policy", "mru"], "unknown policy 'mru'"),
         (["--expert-mb", "-1"], "--expert-mb -1.0 must be >= 0"),
@@ -234,11 +245,12 @@ def test_cli_bad_inputs(capsys, extra, message):
 
 
 def test_cli_trace_that_is_no_file(tmp_path, capsys):
-    """A missing path named the flag nowhere; a directory raised IsADirectoryError (traceback)."""
+    """A missing path named the flag nowhere; a directory raised IsADirectoryError (traceback).
+    A directory is a set of traces now (tests/test_trace_sets.py): one without any is refused."""
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path / "none.npz")])
-    assert rc == 2 and f"--trace {tmp_path / 'none.npz'}: no such file" in err
+    assert rc == 2 and f"--trace {tmp_path / 'none.npz'}: no such file or directory" in err
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path)])
-    assert rc == 2 and f"--trace {tmp_path}: a directory, not a trace file" in err
+    assert rc == 2 and f"{tmp_path}: a directory with no trace files (*.npz, *.jsonl)" in err
 
 
 def test_cli_empty_and_truncated_trace(tmp_path, capsys):

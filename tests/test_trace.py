@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pagedexperts.analysis.trace import DUMMY_MIN_ROWS, TraceWriter, load_trace
+from trace_fixtures import TRACES, needs_real_traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_TRACES = os.path.join(ROOT, "..", "shared", "data", "traces")
 SYNTHETIC = os.path.join(ROOT, "tests", "data", "synthetic_trace.npz")
 
 
@@ -114,23 +114,19 @@ def test_committed_synthetic_trace():
     assert len(tr) == 31 and len(tr.streams()) == 6
 
 
-needs_shared = pytest.mark.skipif(not os.path.isdir(SHARED_TRACES),
-                                  reason=f"real traces not found at {SHARED_TRACES} (../shared/data)")
-
-
-@needs_shared
+@needs_real_traces
 def test_real_qwen15_trace_structure():
-    tr = load_trace(os.path.join(SHARED_TRACES, "qwen15moe_a27b_layer0_gsm8k.jsonl"))
+    tr = load_trace(os.path.join(TRACES, "qwen15moe_a27b_layer0_gsm8k.jsonl"))
     assert (tr.meta.num_experts, tr.meta.top_k) == (60, 4)
-    assert len(tr) == 104 and tr.num_tokens == 2434  # README: after the warm-up
+    assert len(tr) == 104 and tr.num_tokens == 2434  # the traces' own README: after the warm-up
     assert [s.num_tokens for s in tr if s.phase == "prefill"] == [65, 91]
     streams = tr.streams()
     assert len(streams) == 50 and {len(v[0]) for v in streams.values()} == {33}
 
 
-@needs_shared
+@needs_real_traces
 def test_real_olmoe_trace_structure():
-    tr = load_trace(os.path.join(SHARED_TRACES, "olmoe_1b7b_layer0_gsm8k.jsonl"))
+    tr = load_trace(os.path.join(TRACES, "olmoe_1b7b_layer0_gsm8k.jsonl"))
     assert (tr.meta.num_experts, tr.meta.top_k) == (64, 8)
     assert tr.num_tokens == 4471 and len(tr) == 4471
     assert not np.all(tr.steps[0].topk_weights[0] == 0.125)

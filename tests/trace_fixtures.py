@@ -1,4 +1,7 @@
-"""Shared pieces of the tests that replay the real routing traces (../shared/data/traces).
+"""Shared pieces of the tests that replay real routing traces of public models (OLMoE, Qwen1.5-MoE
+on GSM8K; JSON lines): not the project's to ship, so they are read from the directory
+``$PAGEDEXPERTS_REAL_TRACES`` names (``.ci/run`` sets it where the machine has them) and the
+tests skip without it.
 
 ``real_trace_steps`` loads each recorded trace and splits it into steps three ways: as logged
 (``simulate.recorded_steps``), and replayed as B = 1 and B = 8 request streams
@@ -8,11 +11,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
+REAL_TRACES_ENV = "PAGEDEXPERTS_REAL_TRACES"
+TRACES = Path(os.environ.get(REAL_TRACES_ENV) or "/nonexistent")  # no default: the data is not the project's
+needs_real_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"real traces: set {REAL_TRACES_ENV} to their directory")
 
 
 def real_trace_steps(*, recorded: int | None = None, batch1: int | None = None, batch8: int | None = None):
@@ -23,7 +29,7 @@ def real_trace_steps(*, recorded: int | None = None, batch1: int | None = None, 
     from pagedexperts.analysis.trace import load_trace
 
     if not TRACES.is_dir():
-        pytest.skip(f"real traces not found at {TRACES} (../shared/data/traces)")
+        pytest.skip(f"real traces: set {REAL_TRACES_ENV} to their directory")
     for path in sorted(TRACES.glob("*.jsonl")):
         tr = load_trace(path)
         streams = sim.request_streams(tr, min_streams=8)

@@ -62,8 +62,23 @@ def policy_names() -> list[str]:
 
 
 def default_num_resident(*, num_experts: int, top_k: int) -> list[int]:
-    """K = 2k, 4k and E/2, each clipped to [1, E], sorted and deduplicated."""
-    return sorted({max(1, min(num_experts, x)) for x in (2 * top_k, 4 * top_k, num_experts // 2)})
+    """K = 2k, 4k and E/2, each clipped to [top_k, E], sorted and deduplicated."""
+    return sorted({max(top_k, min(num_experts, x)) for x in (2 * top_k, 4 * top_k, num_experts // 2)})
+
+
+def routed_per_token(steps: list[SimStep]) -> int:
+    """top_k of ``steps``: the widest row of routed ids (1 for no steps)."""
+    return max((ids.shape[-1] for s in steps for ids in s.ids.values()), default=1)
+
+
+def check_num_resident(num_resident: int, *, num_experts: int, top_k: int) -> None:
+    """The runtime's K check (``residency.planner.check_num_resident`` with min_slots = top_k):
+    a token routes to top_k experts, so K < top_k is refused as ``--num-resident`` K is at load.
+
+    Raises:
+        ValueError: K outside [top_k, E], naming --num-resident.
+    """
+    planner.check_num_resident(num_resident, num_experts=num_experts, min_slots=top_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,10 +179,10 @@ def replay(
     here); its hits and misses (= disk reads) land in ``ModelStats.tiers``.
 
     Raises:
-        ValueError: K outside [1, E] (``--num-resident``); R outside [1, E) (``--host-rows``);
-            an expert id outside [0, E).
+        ValueError: K outside [top_k, E] (``--num-resident``, as the runtime); R outside [1, E)
+            (``--host-rows``); an expert id outside [0, E).
     """
-    planner.check_num_resident(num_resident, num_experts=num_experts, min_slots=1)
+    check_num_resident(num_resident, num_experts=num_experts, top_k=routed_per_token(steps))
     if host_rows is not None and not 1 <= host_rows < num_experts:
         raise ValueError(f"--host-rows {host_rows} must be in [1, E={num_experts}) (--host-rows)")
     layers = sorted({ly for s in steps for ly in s.ids})
@@ -234,10 +249,12 @@ def run_grid(
     the results.
 
     Raises:
-        ValueError: unknown policy, K out of [1, E], or no steps.
+        ValueError: unknown policy, K out of [top_k, E] (any of them, before the first replay), or no steps.
     """
     if not steps:
         raise ValueError("nothing to replay: the trace gives no steps")
+    for k in num_resident:
+        check_num_resident(k, num_experts=num_experts, top_k=top_k)
     for name in policies:
         make_policy(name, num_slots=1, unions=[])
     routings = {"trace": steps}
@@ -314,6 +331,7 @@ def replay_prefetch(
     the part of the prefetch copies that overruns the previous layer's compute.
     Units: bytes, GB/s (1e9 B/s), milliseconds.
     """
+    check_num_resident(num_resident, num_experts=num_experts, top_k=routed_per_token(steps))
     t_load = expert_bytes / (link_gbps * 1e9)
     compute_s = compute_ms_per_layer / 1e3
     layers = sorted({ly for s in steps for ly in s.ids})

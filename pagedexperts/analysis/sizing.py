@@ -10,7 +10,7 @@ Does not: print (``commands/preflight``), measure a link (``linkbench``) or repl
 (``simulate``).
 
 Units: MB = 1e6 bytes, GB = 1e9 bytes, GB/s = 1e9 bytes per second. Rates are fractions in
-[0, 1] (0.28 = 28%). Formulas follow DESIGN.md and issue 4 (published Qwen3-30B-A3B analysis).
+[0, 1] (0.28 = 28%). Formulas: each function's docstring; the terms are docs/design.md's.
 """
 
 from __future__ import annotations
@@ -53,6 +53,21 @@ def kv_reserve_bytes(*, context_length: int, max_running_requests: int, kv_bytes
     return context_length * max_running_requests * kv_bytes_per_token
 
 
+def non_expert_bytes(*, layers: int, moe_layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                     num_experts: int, vocab_size: int, tied: bool, dtype_bytes: int) -> int:
+    """Estimated bytes of the weights that stay on the device, from a model's architecture:
+    per layer the attention projections ``H x heads x D`` (q) + ``2 x H x kv_heads x D`` (k, v) +
+    ``heads x D x H`` (o) and two norms ``2 x H``; per MoE layer the router ``H x E``; the
+    embeddings ``V x H``, lm_head ``V x H`` unless ``tied``, and the final norm ``H``; times
+    ``dtype_bytes``. Not counted: attention biases, per-head norms, shared experts and dense MLP
+    layers (they need the number itself: ``preflight --non-expert-gb``). The bundled model
+    (6 layers, H 128, 4 heads, 2 KV heads, D 32, E 64, V 4096 tied, float32): 3,480,064 bytes;
+    its checkpoint holds 3,481,600 (the per-head q and k norms)."""
+    attention = hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim + 2 * hidden
+    embeddings = vocab_size * hidden * (1 if tied else 2) + hidden
+    return (layers * attention + moe_layers * hidden * num_experts + embeddings) * dtype_bytes
+
+
 # ---------------------------------------------------------------------------------------------
 # Waves, misses, link speed
 # ---------------------------------------------------------------------------------------------
@@ -62,7 +77,7 @@ def disk_bytes_per_token(*, moe_layers: int, top_k: int, expert_bytes: int, devi
                          host_miss_rate: float) -> float:
     """Bytes read from disk per token with the disk tier: L x top_k x expert bytes x (device
     misses per routed expert) x (host misses per device miss). An upper bound at decode batch
-    1 (each routed expert a distinct access); DESIGN.md "Tiers"."""
+    1 (each routed expert a distinct access); docs/design.md "Tiers"."""
     return moe_layers * top_k * expert_bytes * device_miss_rate * host_miss_rate
 
 

@@ -1,10 +1,10 @@
 """Routing traces: one versioned, compact file format, its writer, and a loader.
 
 Owns: the trace format (an ``.npz`` of flat concatenated arrays with offsets plus a JSON meta),
-``TraceWriter`` (what the runtime calls per step and MoE layer), and ``load_trace``, which
-reads that format and the JSON-lines traces of ../shared/data/traces (warm-up rows dropped,
-steps and request streams recovered as that README describes). Does not: replay or judge
-routing (``simulate``), or touch tensors beyond ``np.asarray`` of the runtime's CPU top-k.
+``TraceWriter`` (what the runtime calls per step and MoE layer), and ``load_trace``: that format,
+JSON-lines traces (a meta line, then a row per token and layer; warm-up rows dropped, steps and
+streams recovered), or a directory of one model's traces as one set (``load_trace_set``).
+Does not: replay or judge routing (``simulate``), or touch tensors beyond ``np.asarray``.
 
 Legend: T tokens (rows) of a step, k = top_k, E routed experts, S steps, R records.
 Format version 1 (``.npz``, keys):
@@ -22,9 +22,11 @@ Format version 1 (``.npz``, keys):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zipfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -33,7 +35,8 @@ PHASES = ("prefill", "decode")
 PREFETCH_EXTRA = "prefetch"  # the extra holding a layer's predicted experts, priority order
 PADDING_REQUEST = -1  # a padding row: routed and planned like the runtime does, not a token
 UNKNOWN_REQUEST = -2  # a real token whose request is not known (JSON-lines prefill rows)
-DUMMY_MIN_ROWS = 1024  # README: a profiling pass repeats one routing on >= 1,024 leading rows
+DUMMY_MIN_ROWS = 1024  # a JSON-lines profiling pass repeats one routing on >= 1,024 leading rows
+TRACE_SUFFIXES = (".npz", ".jsonl")  # the files of a directory that ``load_trace_set`` reads
 # Models whose JSON-lines meta omits num_experts (routed experts; shared experts not counted).
 _KNOWN_NUM_EXPERTS = {"Qwen/Qwen1.5-MoE-A2.7B-Chat": 60, "Qwen/Qwen1.5-MoE-A2.7B": 60}
 
@@ -222,22 +225,58 @@ def _concat(parts: list[np.ndarray], dtype, tail: tuple) -> np.ndarray:
 
 
 def load_trace(path, *, num_experts: int | None = None, top_k: int | None = None) -> Trace:
-    """Load a trace: format-version-1 ``.npz`` or a JSON-lines file (detected by content).
-
-    If ``num_experts`` and ``top_k`` are given, the trace must match them.
+    """Load a trace: format-version-1 ``.npz`` or a JSON-lines file (detected by content), or a
+    directory of them as one set (``load_trace_set``); it must match ``num_experts`` and ``top_k``
+    when both are given.
 
     Raises:
-        ValueError: empty, truncated or malformed file; unknown format version; E/top_k mismatch.
-        FileNotFoundError: no such file.
-    """
+        ValueError: empty, truncated or malformed file; unknown format version; E/top_k mismatch;
+            a directory with no trace file, or with traces of different models.
+        FileNotFoundError: no such file."""
+    trace = load_trace_set(path) if Path(path).is_dir() else _load_file(path)
+    if num_experts is not None and top_k is not None:
+        trace.check_model(num_experts=num_experts, top_k=top_k)
+    return trace
+
+
+def load_trace_set(directory) -> Trace:
+    """Every ``*.npz`` and ``*.jsonl`` file of ``directory`` (by name; other files ignored) as ONE
+    trace: the files' steps in turn, each file's request ids shifted past the previous files' so
+    every request stays its own stream (padding -1 and unknown -2 rows kept). The files must be of
+    one model (E, top_k, MoE layers); extras are those every file has.
+
+    Raises:
+        ValueError: no trace file in ``directory``; files of different models (names both); a
+            file that does not load (names it)."""
+    files = sorted(p for p in Path(directory).iterdir() if p.suffix in TRACE_SUFFIXES and p.is_file())
+    if not files:
+        raise ValueError(f"{directory}: a directory with no trace files ({', '.join('*' + x for x in TRACE_SUFFIXES)}); "
+                         "give a trace file, or a directory of traces of one model")
+    traces = [_load_file(f) for f in files]
+    first, shape = traces[0].meta, lambda m: f"E={m.num_experts}, top_k={m.top_k}, layers {list(m.layers)}"
+    for f, t in zip(files[1:], traces[1:]):
+        if shape(t.meta) != shape(first):
+            raise ValueError(f"{directory}: {files[0].name} ({shape(first)}) and {f.name} ({shape(t.meta)}) are traces "
+                             "of different models; a directory is replayed as one set: give one file, or a directory "
+                             "of one model's traces")
+    steps, offset = [], 0
+    for t in traces:
+        steps += [dataclasses.replace(s, request_ids=np.where(s.request_ids >= 0, s.request_ids + offset, s.request_ids))
+                  for s in t.steps]
+        offset += 1 + max([int(s.request_ids.max()) for s in t.steps if (s.request_ids >= 0).any()], default=-1)
+    meta = dataclasses.replace(first, model_id=", ".join(sorted({t.meta.model_id for t in traces} - {""})),
+                               extras=tuple(x for x in first.extras if all(x in t.meta.extras for t in traces)),
+                               notes=(f"{len(files)} traces of {directory}: {', '.join(f.name for f in files)}",))
+    return Trace(meta=meta, steps=steps)
+
+
+def _load_file(path) -> Trace:
+    """One trace file, its format told by its first bytes (an .npz is a zip archive)."""
     with open(path, "rb") as f:
         magic = f.read(2)
     if not magic:
         raise ValueError(f"{path}: empty trace file")
-    trace = _load_npz(path) if magic == b"PK" else _load_jsonl(path)
-    if num_experts is not None and top_k is not None:
-        trace.check_model(num_experts=num_experts, top_k=top_k)
-    return trace
+    return _load_npz(path) if magic == b"PK" else _load_jsonl(path)
 
 
 def _load_npz(path) -> Trace:
@@ -268,7 +307,7 @@ def _load_npz(path) -> Trace:
 
 
 # ---------------------------------------------------------------------------------------------
-# JSON-lines traces (../shared/data/traces): one row per token and layer
+# JSON-lines traces: a meta line, then one row per token and layer
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """Trace-driven routing: a synthetic model's top-k expert ids taken from a recorded trace.
 
-Owns: turning a routing trace (the JSON-lines traces of ../shared/data/traces, or a
-``--record-trace`` ``.npz``) into the top-k ids of any model's MoE layers, and the hooks that
+Owns: turning a routing trace (a JSON-lines trace, a
+``--record-trace`` ``.npz``, or a directory of one model's traces) into the top-k ids of any model's MoE layers, and the hooks that
 put them in place of the router's choice. Random weights route near-uniformly, or repeat
 themselves under greedy decoding, so a synthetic benchmark at a real model's size would page
 unrealistic bytes; with this driver it sees the reuse of real text at any E and K.

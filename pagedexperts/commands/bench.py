@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pagedexperts.commands import COMMANDS
-from pagedexperts.commands.common import add_decide_argument, add_threads_argument
+from pagedexperts.commands.common import add_decide_argument, add_threads_argument, resolve_threads
 from pagedexperts.models.config import RUN_DTYPE_BYTES
 from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
@@ -85,27 +85,30 @@ def run(args) -> int:
                          "through --num-resident)")
     if args.output_tokens < 2:
         raise ValueError(f"--output-tokens must be >= 2 to measure decode, got {args.output_tokens}")
+    threads, how = resolve_threads(args.threads)
     ks, concurrency = _checked_workload(args, modes)
     prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]
     cfg = BenchConfig(
         model_path=args.model_path, modes=modes, num_resident=ks, cpu_expert_layers=args.cpu_expert_layers or 0,
         output_tokens=args.output_tokens, concurrency=concurrency, num_prompts=len(prompts),
-        long_prompt_tokens=args.long_prompt_tokens, rounds=args.rounds, threads=args.threads,
+        long_prompt_tokens=args.long_prompt_tokens, rounds=args.rounds, threads=threads,
         device=args.device, dtype=args.dtype,
         experts_implementation=args.experts_implementation, policy=args.policy, decide=args.decide,
     )
+    print(f"threads: {threads} ({how})", file=sys.stderr)
     report = bench.run_bench(cfg, prompts)
     out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     command = "pagedexperts " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     write_results(report, cfg, out, command)
-    print(markdown_table(report, cfg.concurrency))
-    print(f"\nresults written to {out}/", file=sys.stderr)
+    print(terminal_table(report, cfg.concurrency))
+    print(f"\nthe full table (TTFT long, wall and CPU ms per token, every concurrency, waves, planning time): "
+          f"{out}/bench.md; per-round samples: {out}/bench.json", file=sys.stderr)
     return 0
 
 
 def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(K values, concurrency levels), every workload flag checked against the model before any
-    work: K in [top_k, E], --cpu-expert-layers in [1, MoE layers], counts >= 1, --threads >= 0.
+    work: K in [top_k, E], --cpu-expert-layers in [1, MoE layers], counts >= 1 (--threads: ``resolve_threads``).
 
     Raises:
         ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
@@ -120,8 +123,6 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
         for v in values:
             if v < 1:
                 raise ValueError(f"{flag} {v} must be >= 1")
-    if args.threads < 0:
-        raise ValueError(f"--threads {args.threads} must be >= 1 (or 0: torch's default)")
     _, c, _ = read_checkpoint_config(args.model_path)
     k, e = int(c.num_experts_per_tok), num_routed_experts(c)
     if "paged" in modes and not ks:
@@ -160,6 +161,25 @@ def markdown_table(report, concurrency) -> str:
     lines.append(f"\n{len(report.order)} rounds, modes rotated per round; medians [min-max over rounds]; "
                  "ratios per round against that round's plain run")
     return "\n".join(lines)
+
+
+def terminal_table(report, concurrency) -> str:
+    """The few columns of ``markdown_table`` one reads first, aligned for a terminal (under 100
+    characters for the bench's labels): decode tok/s, CPU time per token vs plain (median
+    [min-max]), TTFT of the short prompts, total tok/s at the highest concurrency, hit rate and
+    MB paged per token; "n/a" as in the markdown table."""
+    top = max(concurrency)
+    head = ["mode", "decode tok/s", "CPU/token vs plain", "TTFT ms", f"tok/s @{top}", "hit rate", "MB/token"]
+    rows = [head]
+    for r in report.results:
+        mb = None if r.bytes_per_token is None else r.bytes_per_token / 1e6
+        rows.append([r.label, f"{r.decode_tok_s:.1f}", r.ratio_cpu_vs_plain.text(unit="x") if r.ratio_cpu_vs_plain else "n/a",
+                     f"{1e3 * r.ttft_short_p50_s:.0f}", f"{r.total_tok_s.get(top, 0):.1f}", _na(r.hit_rate, ".1%"),
+                     _na(mb, ".3f")])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+             for row in rows]
+    return "\n".join(lines + [f"{len(report.order)} rounds, modes rotated per round; medians [min-max over rounds]"])
 
 
 def write_results(report, cfg, out_dir: Path, command: str) -> Path:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS
 from pagedexperts.loading.config import DEFAULT_CUDA_GRAPH_MAX_BATCH
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
@@ -63,39 +67,78 @@ def add_model_arguments(parser) -> None:
         help="host memory (GB) for everything the process holds: the expert store, and on --device cpu the "
         "slots, the non-expert weights and a KV estimate, plus a runtime allowance (all printed at start-up). "
         "When all experts do not fit in what is left, each layer keeps R in host memory and reads the rest from "
-        "the checkpoint files (disk tier; with --prefetch also read ahead). Default: the available memory (the "
+        "the checkpoint files (disk tier, reading the next layer's predicted experts ahead unless --no-read-ahead; "
+        "docs/disk-tier.md). Default: the available memory (the "
         "smaller of the machine's and the memory cgroup's limit)",
     )
     add_threads_argument(g)
 
 
+THREADS_AUTO = "auto"
 THREADS_HELP = (
-    "torch CPU threads for the model's compute, N >= 1 (default 0: torch's default, one per core). Fewer "
-    "are faster when other processes keep the cores busy (every op waits for its slowest thread: on a loaded "
-    "2-core machine 1 thread decoded 10x faster than the default) and at small decode steps, where each op's "
-    "threading costs more than its work; see README 'Threads'"
+    "torch CPU threads for the model's compute: N >= 1, 0 for torch's own default (one per core), or auto "
+    "(default): the cores the rest of the machine leaves idle, round(CPUs - 1-minute load average), at least 1 "
+    "and at most torch's default. Every op waits for its slowest thread, so threads on cores other processes "
+    "keep busy lose several-fold: on a 2-core machine at load average 11, the bundled model decoded 4.7x "
+    "faster at 1 thread than at torch's default (docs/threads.md); on an idle machine auto takes every core"
 )
 
 
+def _threads_value(text: str):
+    """--threads' argparse type: "auto" or an integer (its range is ``resolve_threads``')."""
+    if text == THREADS_AUTO:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want auto or an integer >= 0") from None
+
+
 def add_threads_argument(group) -> None:
-    """--threads N (0: torch's default), applied by ``apply_threads``."""
-    group.add_argument("--threads", type=int, default=0, metavar="N", help=THREADS_HELP)
+    """--threads N|auto (default auto; 0: torch's default), resolved by ``resolve_threads``."""
+    group.add_argument("--threads", type=_threads_value, default=THREADS_AUTO, metavar="N", help=THREADS_HELP)
 
 
-def apply_threads(args) -> None:
-    """``torch.set_num_threads(--threads)`` when given (> 0); the process-wide intra-op pool, so the
-    server's scheduler thread runs with it too.
+def auto_threads(*, default_threads: int, cpu_count: int, load_average: float) -> int:
+    """``--threads auto``: the CPUs the machine's other work leaves idle, ``round(cpu_count -
+    load_average)`` (the 1-minute load average counts the runnable processes of the whole
+    machine), clamped to [1, default_threads] (torch's own default: one per core it may use)."""
+    return max(1, min(default_threads, round(cpu_count - load_average)))
+
+
+def resolve_threads(value) -> tuple[int, str]:
+    """(torch threads, how chosen) for a --threads value: N >= 1 as given; 0: torch's default;
+    auto: ``auto_threads`` of this machine now.
 
     Raises:
-        ValueError: --threads below 0 (names the value and the flag).
+        ValueError: an integer below 0 (names the value and the flag).
     """
-    threads = getattr(args, "threads", 0) or 0
-    if threads < 0:
-        raise ValueError(f"--threads {threads} must be >= 1 (or 0: torch's default)")
-    if threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(threads)
+    if value == THREADS_AUTO:
+        load = os.getloadavg()[0]
+        n = auto_threads(default_threads=torch.get_num_threads(), cpu_count=os.cpu_count() or 1, load_average=load)
+        return n, f"auto: {os.cpu_count()} CPUs at load average {load:.1f}; --threads N to choose"
+    if value < 0:
+        raise ValueError(f"--threads {value} must be >= 1 (or 0: torch's default, or auto)")
+    return (value, "--threads") if value else (torch.get_num_threads(), "torch's default, --threads 0")
+
+
+def apply_threads(args) -> int:
+    """``torch.set_num_threads`` of ``resolve_threads(--threads)``: the process-wide intra-op pool,
+    so the server's scheduler thread runs with it too. Returns the thread count; ``args.threads_note``
+    says how it was chosen (``load_from_args`` prints it with the host-memory line, after every
+    start-up check).
+
+    Raises:
+        ValueError: --threads below 0.
+    """
+    import torch
+
+    n, how = resolve_threads(getattr(args, "threads", THREADS_AUTO))
+    torch.set_num_threads(n)
+    args.threads_note = f"threads: {n} ({how})"
+    return n
 
 
 DECIDE_HELP = (
@@ -116,8 +159,8 @@ GRAPHS_HELP = (
     "--cuda-graph-max-batch; prefill stays eager; serve: each decode batch bucket over its KV rows, prefill, "
     "chunked prefill and --speculative verification eager); an error where capture cannot work (CPU, --decide host, "
     "a mode that copies on the host). Default: auto, graphs where the step is capturable (CUDA, device-planned "
-    "or resident, a syncless experts kernel), else a WARNING and decode without them (silent on CPU). "
-    "Unverified on a GPU so far (the CUDA tests are written, not yet run)"
+    "or resident, a syncless experts kernel), else a WARNING and decode without them (silent on CPU); "
+    "docs/cuda-graphs.md"
 )
 
 
@@ -144,20 +187,20 @@ def _graph_max_batch(args) -> int:
 
 
 def load_from_args(args):
-    """(model, tokenizer) from the flags of add_model_arguments, with the host-memory plan printed
-    (stderr; not under --quiet)."""
+    """(model, tokenizer) from the flags of add_model_arguments, with the threads chosen
+    (``apply_threads``) and the host-memory plan printed (stderr; not under --quiet)."""
     from pagedexperts.loading.loader import load_model
 
     model, tokenizer = load_model(args.model_path, **paging_options(args))
     if not getattr(args, "quiet", False):
+        if getattr(args, "threads_note", None):
+            print(args.threads_note, file=sys.stderr)
         print_host_memory(model)
     return model, tokenizer
 
 
 def print_host_memory(model) -> None:
     """One line on stderr: every part of host memory the loader counted (``HostMemoryPlan.describe``)."""
-    import sys
-
     plan = model.pagedexperts.host_memory
     if plan is not None:
         print(f"host memory: {plan.describe()}", file=sys.stderr)

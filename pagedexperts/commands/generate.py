@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -22,11 +23,20 @@ def add_parser(sub) -> None:
     add_model_arguments(p)
     add_graph_arguments(p.add_argument_group("CUDA graphs (decode)"))
     g = p.add_argument_group("prompt and sampling")
-    g.add_argument("--prompt", help="prompt text (default: read stdin)")
+    g.add_argument("--prompt", help="prompt text (default: read stdin to its end; on a terminal, end it with Ctrl-D)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens, 0 = all (default 0)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least MIN_P x the most likely one's probability, 0..1 (default 0: all)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0: divide the positive and multiply the negative logits of every token of the prompt and "
+                   "the text so far (1 = none, default; greedy too)")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="hold end-of-sequence back until this many tokens are generated (default 0; stop strings still "
+                   "stop). All sampling options mean what serve's request fields of the same names mean")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_speculative_arguments(p)
@@ -48,28 +58,56 @@ def _check_tokenizer(model_path) -> None:
                          "generate tokenizes the prompt: add the source model's tokenizer files (--model-path)")
 
 
+def sampling_from_args(args):
+    """``engine.sampling.SamplingParams`` of the sampling flags, each checked naming its flag (the
+    ranges of serve's fields of the same names; ``SamplingConfig.validate`` for the shared ones).
+
+    Raises:
+        ValueError: a value out of range.
+    """
+    from pagedexperts.engine.sampling import SamplingParams
+
+    if args.top_k < 0:
+        raise ValueError(f"--top-k {args.top_k} must be >= 0 (0: all tokens)")
+    if not 0.0 <= args.min_p <= 1.0:
+        raise ValueError(f"--min-p {args.min_p} must be in [0, 1] (0: all tokens)")
+    if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
+        raise ValueError(f"--repetition-penalty {args.repetition_penalty} must be > 0 (1: none)")
+    if not 0 <= args.min_tokens <= args.max_new_tokens:
+        raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, --max-new-tokens {args.max_new_tokens}]")
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, stop=tuple(args.stop), top_k=args.top_k, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens)
+    params.validate()
+    return params
+
+
+def read_stdin_prompt() -> str:
+    """The prompt from stdin, to its end; on a terminal, first a line on stderr saying so (it
+    waited silently)."""
+    if sys.stdin.isatty():
+        print("generate: reading the prompt from stdin; end it with Ctrl-D (or give --prompt TEXT)",
+              file=sys.stderr, flush=True)
+    return sys.stdin.read()
+
+
 def run(args) -> int:
+    import dataclasses
     from dataclasses import asdict
 
-    from pagedexperts.generation.config import SamplingConfig
+    from pagedexperts.engine.logits_processor import SamplingProcessor
+    from pagedexperts.engine.sequence import eos_ids
     from pagedexperts.generation.generate import format_report, generate_text
 
-    sampling = SamplingConfig(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    )
-    sampling.validate()
+    sampling = sampling_from_args(args)
     speculative = speculative_from_args(args)
     if speculative is not None and args.cuda_graphs == "on":
         raise ValueError("--speculative verifies through the scheduler, which has no CUDA graphs; drop --cuda-graphs")
     _check_outputs(args)
     check_paging_flags(args)  # flag-only problems before the first read of --model-path
-    apply_threads(args)
+    threads = apply_threads(args)
     _check_tokenizer(args.model_path)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = args.prompt if args.prompt is not None else read_stdin_prompt()
     if not prompt.strip():
         raise ValueError("empty prompt; give --prompt TEXT or text on stdin")
     model, tokenizer = load_from_args(args)
@@ -77,7 +115,9 @@ def run(args) -> int:
     if args.record_trace:
         from pagedexperts.analysis.recording import TraceRecorder
 
-        recorder = TraceRecorder.attach(model)
+        name = str(model.config.name_or_path)  # a local directory by its name, a Hub id as it is
+        recorder = TraceRecorder.attach(model, model_id=os.path.basename(os.path.normpath(name)) if os.path.isdir(name)
+                                        else name)
         if args.prefetch:
             from pagedexperts.analysis.recording import record_predictions
 
@@ -86,8 +126,11 @@ def run(args) -> int:
     def on_text(text: str) -> None:
         print(text, end="", flush=True)
 
-    if speculative is None:
-        result = generate_text(model, tokenizer, prompt, sampling, chat=args.chat, on_text=on_text)
+    if speculative is None:  # serve's sampling rule (engine.sampling) through transformers' generate
+        eos = tuple(sorted(eos_ids(model, tokenizer))) if sampling.min_tokens else ()
+        processor = SamplingProcessor(dataclasses.replace(sampling, eos_ids=eos))
+        result = generate_text(model, tokenizer, prompt, sampling, chat=args.chat, on_text=on_text,
+                               logits_processor=processor)
     else:  # one request through the scheduler's speculative decode
         from pagedexperts.engine.generate_one import speculative_generate_text
 
@@ -105,7 +148,8 @@ def run(args) -> int:
             print(f"  prefetch: issued {t['issued']}, used {t['used']}, wasted {t['wasted']}", file=sys.stderr)
     if args.stats_json:
         report = asdict(result)
-        report.update(num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k, decide=rt.decide)
+        report.update(num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k, decide=rt.decide,
+                      threads=threads)
         with open(args.stats_json, "w") as f:
             json.dump(report, f, indent=2)
     return 0

@@ -14,12 +14,10 @@ import os
 
 from pagedexperts.commands import COMMANDS
 from pagedexperts.analysis import sizing
+from pagedexperts.commands import preflight_explicit
 from pagedexperts.commands.preflight_text import format_report
 from pagedexperts.models import config as model_config
 from pagedexperts.residency.planner import default_num_resident
-
-
-EXPLICIT_MODEL_FLAGS = ("layers", "experts", "top_k", "expert_mb", "kv_bytes_per_token")  # args names
 
 
 def add_parser(subparsers) -> None:
@@ -33,17 +31,11 @@ def add_parser(subparsers) -> None:
         "--device-memory-gb is given and the run DOES NOT FIT in it (the report says which parts "
         "and which flag changes would fit), 2 on bad input.",
     )
-    model = p.add_argument_group("model (a directory, or explicit numbers)")
+    model = p.add_argument_group("model (a directory, or explicit numbers as a model card and config.json give them)")
     model.add_argument("--model-path", help="checkpoint directory: config.json + safetensors (headers only); "
                        "bundled or bundled:FORMAT as in every command (default: the bundled model, unless "
                        "the explicit numbers below are given)")
-    model.add_argument("--layers", type=int, help="MoE layers L (explicit mode)")
-    model.add_argument("--experts", type=int, help="routed experts per layer E (explicit mode)")
-    model.add_argument("--top-k", type=int, help="experts per token k (explicit mode)")
-    model.add_argument("--expert-mb", type=float, help="MB of one expert in one layer (explicit mode)")
-    model.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token, all layers (explicit mode)")
-    model.add_argument("--non-expert-gb", type=float, default=0.0,
-                       help="GB of non-expert weights for auto K (explicit mode; default 0)")
+    preflight_explicit.add_arguments(model)
     run = p.add_argument_group("run")
     run.add_argument("--num-resident", type=int,
                      help="K resident experts per layer; omitted: auto K from --device-memory-gb, else the "
@@ -115,7 +107,7 @@ def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32
 def _model_inputs(args) -> dict:
     """Model shape from --model-path or from the explicit flags; validated. Neither: the bundled
     model, as every command."""
-    if not args.model_path and all(getattr(args, f) is None for f in EXPLICIT_MODEL_FLAGS):
+    if not args.model_path and all(getattr(args, f) is None for f in preflight_explicit.EXPLICIT_FLAGS):
         from pagedexperts.loading.bundled import bundled_model_path
 
         args.model_path = str(bundled_model_path())
@@ -144,33 +136,10 @@ def _model_inputs(args) -> dict:
             dequantized_modules=len(linears.modules) if linears else 0,
             dequantized_bytes=linears.dense_bytes if linears else 0,
         )
-    if args.slot_format == "dense":
-        raise ValueError("--slot-format dense needs --model-path (the dense expert size comes from config.json)")
-    missing = [f for f in EXPLICIT_MODEL_FLAGS if getattr(args, f) is None]
-    if missing:
-        flags = ", ".join("--" + f.replace("_", "-") for f in missing)
-        raise ValueError(f"pass --model-path DIR, or all explicit model flags (missing: {flags})")
-    _positive(args.layers, "--layers")
-    _positive(args.experts, "--experts")
-    _positive(args.expert_mb, "--expert-mb")
-    _positive(args.kv_bytes_per_token, "--kv-bytes-per-token")
-    if not 1 <= args.top_k <= args.experts:
-        raise ValueError(f"--top-k {args.top_k} must be in [1, E={args.experts}] (--top-k)")
-    if args.dtype != "auto":
-        raise ValueError("--dtype sizes a --model-path checkpoint; with explicit numbers pass --expert-mb and "
-                         "--non-expert-gb at the run dtype")
-    kv = args.kv_bytes_per_token  # explicit numbers are taken as bf16 KV (2 bytes per value)
-    if args.kv_dtype != "auto":
-        kv = kv * model_config.KV_DTYPE_BYTES[args.kv_dtype] // 2
-    return dict(
-        model="explicit",
-        moe_layers=args.layers,
-        num_experts=args.experts,
-        top_k=args.top_k,
-        expert_bytes=round(args.expert_mb * sizing.MB),
-        kv_bytes_per_token=kv,
-        non_expert_bytes=round(args.non_expert_gb * sizing.GB),
-    )
+    if args.slot_format == "dense" and args.expert_format == preflight_explicit.DENSE:
+        raise ValueError("--slot-format dense sizes a quantized checkpoint's dequantized slots; give --expert-format "
+                         "(or --model-path)")
+    return preflight_explicit.explicit_inputs(args)
 
 
 def fp32_kept_modules(config: dict, dtype: str) -> tuple[str, ...]:
@@ -260,14 +229,15 @@ def build_report(
     *, model, moe_layers, num_experts, top_k, expert_bytes, kv_bytes_per_token, non_expert_bytes,
     num_resident, link_gbps, tok_s, device_memory_gb, context_length, max_running_requests,
     runtime_reserve_gb, slot_format="packed", dense_expert_bytes=None, dtype=None, dequantized_modules=0,
-    dequantized_bytes=0,
+    dequantized_bytes=0, non_expert_source=None,
 ) -> dict:
     """Compose the sizing functions into one flat report (bytes, fractions, seconds).
 
     ``slot_format`` "dense": a slot holds ``dense_expert_bytes`` per layer (the expert
     dequantized); page-ins still move ``expert_bytes`` (packed). ``dequantized_modules`` /
     ``dequantized_bytes``: quantized non-expert modules the load dequantizes (their dense bytes
-    are part of ``non_expert_bytes``).
+    are part of ``non_expert_bytes``). ``non_expert_source``: how explicit numbers got
+    ``non_expert_bytes`` (given, estimated, not counted), for the report.
 
     Raises:
         ValueError: K outside [1, E] (names --num-resident).
@@ -304,7 +274,7 @@ def build_report(
         prefill_page_in_bytes=sizing.prefill_page_in_bytes(
             num_experts=num_experts, num_resident=num_resident,
             slot_bytes=sizing.slot_bytes(expert_bytes=expert_bytes, moe_layers=moe_layers)),
-        link_gbps=link_gbps, tok_s=tok_s, non_expert_bytes=non_expert_bytes,
+        link_gbps=link_gbps, tok_s=tok_s, non_expert_bytes=non_expert_bytes, non_expert_source=non_expert_source,
         dequantized_modules=dequantized_modules, dequantized_bytes=dequantized_bytes,
     )
     if link_gbps:

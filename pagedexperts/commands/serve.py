@@ -15,6 +15,7 @@ from pagedexperts.commands.speculative_flags import add_speculative_arguments, s
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # = engine.scheduler_config.DEFAULT_MAX_PREFILL_TOKENS
 DEFAULT_HEADER_TIMEOUT_S = 5.0  # = serving.connections.DEFAULT_HEADER_TIMEOUT_S
 DEFAULT_BODY_TIMEOUT_S = 30.0  # = serving.connections.DEFAULT_BODY_TIMEOUT_S
+DEFAULT_BODY_DEADLINE_S = 300.0  # = serving.connections.DEFAULT_BODY_DEADLINE_S
 DEFAULT_MAX_CONNECTIONS = 1024  # = serving.connections.DEFAULT_MAX_CONNECTIONS
 MAX_PROMPT_BYTES_PER_TOKEN = 32  # = serving.validation.MAX_PROMPT_BYTES_PER_TOKEN
 
@@ -24,8 +25,12 @@ def add_parser(sub) -> None:
         "serve",
         help=COMMANDS["serve"],
         description="Serve the model over HTTP: POST /v1/completions, /v1/chat/completions "
-        "and /v1/responses (stream: true for server-sent events), GET /v1/models, /health, /metrics "
-        "(Prometheus), /server_info and /model_info (what sglang-router reads when it registers a replica). "
+        "and /v1/responses (stream: true for server-sent events), GET /v1/models, /v1/models/{id}, /health, "
+        "/metrics (Prometheus), /server_info and /model_info (what sglang-router reads when it registers a "
+        "replica). A request without max_tokens gets OpenAI's and vLLM's default: 16 tokens on /v1/completions, "
+        "what the context leaves after the prompt on chat and responses (max_output_tokens reports the limit "
+        "applied). Besides OpenAI's fields, requests take vLLM's top_k, min_p, repetition_penalty, min_tokens, "
+        "stop_token_ids, ignore_eos, include_stop_str_in_output and skip_special_tokens, with vLLM's meaning. "
         "Running requests decode together in one forward per step, and prompts are prefilled in chunks "
         "that share those forwards (chunked prefill). "
         "Needs the server extra: pip install 'pagedexperts[server]'.",
@@ -43,7 +48,9 @@ def add_parser(sub) -> None:
     b.add_argument("--context-length", type=int, default=None, metavar="TOKENS",
                    help="longest prompt + completion (default: the model's max_position_embeddings)")
     b.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
-                   help="sequences waiting for a place beyond which requests get 429 + Retry-After "
+                   help="sequences that may wait for a running place (those the free places of "
+                   "--max-running-requests take at the next step do not count); beyond them requests get 429 + "
+                   "Retry-After, and a request of more than N + --max-running-requests sequences 400 "
                    "(default: unbounded)")
     b.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS, metavar="TOKENS",
                    help="prompt tokens prefilled per step, in chunks packed with the running decodes; a longer "
@@ -67,13 +74,19 @@ def add_parser(sub) -> None:
                    "after its previous response (slow or idle clients; default %(default)s)")
     a.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                    help="answer 408 and close a connection whose request body sends no byte for S seconds "
-                   "(between two reads, as nginx's client_body_timeout; default %(default)s)")
+                   "(between two reads, as nginx's client_body_timeout; default %(default)s). See also --body-deadline")
+    a.add_argument("--body-deadline", type=float, default=DEFAULT_BODY_DEADLINE_S, metavar="S",
+                   help="answer 408 and close a connection whose request body is not complete S seconds after its "
+                   "headers, however steadily it trickles in (the whole body, as Node.js's requestTimeout; "
+                   "default %(default)s)")
     a.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
                    help="open connections at most; beyond them requests get 503 + Retry-After in OpenAI's error "
-                   "shape (default %(default)s)")
+                   "shape, except GET /health and /metrics, which are answered while the server serves "
+                   "(default %(default)s)")
     a.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM / SIGINT: new requests get 503 + Retry-After, running ones have S seconds to "
-                   "finish, then each remaining stream gets a final error event and [DONE] (default 30)")
+                   "finish, then each remaining stream gets a final error event and [DONE], and the process exits 0 "
+                   "(a second signal ends every request at once; default 30)")
     o = p.add_argument_group("output")
     o.add_argument("--record-trace", metavar="PATH", help="record the routing trace (.npz, real request ids), saved at shutdown")
     p.set_defaults(func=run)
@@ -108,7 +121,7 @@ def run(args) -> int:
                          max_prefill_tokens=args.max_prefill_tokens, max_body_bytes=args.max_body_bytes,
                          api_key=args.api_key, shutdown_timeout_s=args.shutdown_timeout, speculative=speculative,
                          chunked_prefill=args.chunked_prefill, header_timeout_s=args.header_timeout,
-                         body_timeout_s=args.body_timeout,
+                         body_timeout_s=args.body_timeout, body_deadline_s=args.body_deadline,
                          max_connections=args.max_connections, cuda_graph_max_batch=args.cuda_graph_max_batch)
     print(f"pagedexperts serve: {name} on http://{args.host}:{args.port}, K={rt.num_resident} of "
           f"E={rt.num_experts}, context {context}; {single_wave_note(rt, running)}; {speculation_note(speculative)}",
@@ -157,6 +170,8 @@ def _check_flags(args) -> None:
         raise ValueError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
     if not args.body_timeout > 0:
         raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
+    if not args.body_deadline > 0:
+        raise ValueError(f"--body-deadline must be > 0 seconds, got {args.body_deadline}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     parent = os.path.dirname(args.record_trace) if args.record_trace else ""

@@ -13,9 +13,11 @@ import sys
 from pagedexperts.commands import COMMANDS
 from pagedexperts.extras import require
 from pagedexperts.analysis import simulate as sim
-from pagedexperts.residency.planner import check_num_resident
 from pagedexperts.residency.policies import DEFAULT_POLICY
-from pagedexperts.analysis.trace import load_trace
+from pagedexperts.analysis.trace import TRACE_SUFFIXES, load_trace
+from pagedexperts.loading.bundled import bundled_traces_path
+
+BUNDLED_TRACES = "bundled"  # --trace bundled: the bundled model's own routing traces
 
 
 def _int_list(text: str) -> list[int]:
@@ -30,13 +32,18 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "simulate",
         help=COMMANDS["simulate"],
-        description="Replay a trace (.npz from --record-trace, or a JSON-lines trace) through the "
+        description="Replay a routing trace (.npz from generate --record-trace, a JSON-lines trace, or a "
+        "directory of one model's traces) through the "
         "runtime's own residency classes: hit rate, misses and bytes per token, waves and union per "
         "step; Belady's optimal policy as the bound; uniform-random routing as the reference.",
     )
-    p.add_argument("--trace", required=True, help="trace file (.npz or .jsonl)")
+    p.add_argument("--trace", required=True,
+                   help="a trace file (.npz from generate --record-trace, or .jsonl), a directory of traces of one "
+                   "model (every *.npz and *.jsonl in it replayed as one set, each file's requests their own "
+                   "streams), or bundled: the bundled model's own traces")
     what = p.add_argument_group("what to replay")
-    what.add_argument("--num-resident", help="comma-separated K values (default: 2k, 4k, E/2)")
+    what.add_argument("--num-resident", help="comma-separated K values, each in [top_k, E] as the runtime takes them "
+                      "(default: 2k, 4k, E/2)")
     default = ",".join(dict.fromkeys(["lru", DEFAULT_POLICY, "belady"]))
     what.add_argument("--policy", default=default,
                       help=f"comma-separated policies from {sim.policy_names()} (default {default}: LRU as the "
@@ -69,14 +76,15 @@ def run_simulate(args) -> int:
     if (args.experts is None) != (args.top_k is None):
         raise ValueError("pass both --experts and --top-k to check the trace against a model")
     _check_time_model(args)
-    if not os.path.isfile(args.trace):
-        raise ValueError(f"--trace {args.trace}: " + ("a directory, not a trace file" if os.path.isdir(args.trace)
-                                                      else "no such file"))
+    if args.trace == BUNDLED_TRACES:
+        args.trace = str(bundled_traces_path())
+    if not os.path.exists(args.trace):
+        raise ValueError(f"--trace {args.trace}: no such file or directory")
     trace = load_trace(args.trace, num_experts=args.experts, top_k=args.top_k)
     e, k = trace.meta.num_experts, trace.meta.top_k
     ks = _int_list(args.num_resident) if args.num_resident else sim.default_num_resident(num_experts=e, top_k=k)
     for x in ks:
-        check_num_resident(x, num_experts=e, min_slots=1)
+        sim.check_num_resident(x, num_experts=e, top_k=k)  # the runtime's bound: K >= top_k
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
     batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [None]
     streams = sim.request_streams(trace, min_streams=max(batch_sizes)) if args.batch_sizes else None
@@ -133,7 +141,10 @@ def _meta(trace) -> dict:
 
 def _header(trace, args) -> str:
     m = trace.meta
-    return (f"trace {os.path.basename(args.trace)}: {m.model_id or '?'}, E={m.num_experts}, top_k={m.top_k}, "
+    what = f"trace {os.path.basename(args.trace)}"
+    if os.path.isdir(args.trace):
+        what = f"{sum(f.endswith(TRACE_SUFFIXES) for f in os.listdir(args.trace))} traces in {args.trace}"
+    return (f"{what}: {m.model_id or '?'}, E={m.num_experts}, top_k={m.top_k}, "
             f"layers {list(m.layers)}, {len(trace)} steps, {trace.num_tokens} tokens")
 
 

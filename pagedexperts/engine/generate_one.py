@@ -15,11 +15,13 @@ Does not: load models, or decide acceptance (``speculative.acceptance``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
 from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.generation.generate import GenerationResult, _difference, _totals, build_prompt
+from pagedexperts.engine.sampling import SamplingParams
 from pagedexperts.engine.scheduler import BatchScheduler
 from pagedexperts.engine.scheduler_config import SchedulerConfig
 from pagedexperts.engine.speculative.config import SpeculativeConfig
@@ -52,6 +54,9 @@ def speculative_generate_text(model, tokenizer, prompt: str, sampling: SamplingC
                          f"model's max_position_embeddings {limit}; lower --max-new-tokens")
     runtime = model.pagedexperts
     sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, limit, chunked_prefill=False), speculative=speculative)
+    if isinstance(sampling, SamplingParams):  # generate's serve-style options: what they count, as serve fills them
+        sampling = dataclasses.replace(sampling, prompt_ids=tuple(ids) if sampling.repetition_penalty != 1.0 else (),
+                                       eos_ids=tuple(sorted(sched.eos_ids)) if sampling.min_tokens else ())
     runtime.reset_stats()
     events = []
 

@@ -14,7 +14,7 @@ multiple of ``COLUMN_ROUND`` and at least twice the old width (few growths), the
 copied once into the new tensors; ``generation`` counts the replacements, so a step built over
 the old tensors (a captured CUDA graph holds their addresses) is rebuilt. Memory is R x L per
 layer whatever the requests' lengths (the price of one fixed-shape step per batch size; see
-README "Serving on the fast path").
+docs/server.md "Serving on the fast path").
 
 Legend: R rows, L columns, W_s scratch columns, D head dim. Does not: compute attention
 (``row_attention``), build steps (``row_forwards``) or choose requests (``scheduler``).

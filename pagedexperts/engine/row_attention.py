@@ -20,7 +20,7 @@ untouched (``generate``, a reference forward).
 Why not transformers' paged cache (``transformers.generation.continuous_batching``): on sdpa / eager it
 reads every request's cached keys back with ``index_select`` (a copy per layer per step) and
 attends one packed query over all of them (T x sum of lengths), and its internals differ
-between 5.17 and 5.24; see README "Serving on the fast path" for the measurement.
+between 5.17 and 5.24; see docs/server.md "Serving on the fast path" for the measurement.
 
 Padding rows of a ``BatchPlan`` (rows [0, B) that hold no decoding request, and query
 positions past a row's width) read token ``pad_id`` at position 0 and attend only their own

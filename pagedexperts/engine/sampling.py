@@ -2,7 +2,8 @@
 
 Owns: ``SamplingParams`` (the generation options of ONE sequence: temperature, top_p, top_k,
 min_p, seed, stop strings, OpenAI's presence / frequency penalties and logit_bias,
-repetition_penalty, min_tokens, how many logprobs to report), the rule for tiny temperatures,
+repetition_penalty, min_tokens, vLLM's stop_token_ids / ignore_eos /
+include_stop_str_in_output / skip_special_tokens, how many logprobs to report), the rule for tiny temperatures,
 ``sample`` (one token from one row of logits) and ``token_logprob`` (the chosen token's logprob
 and the top alternatives). The text a client may see after each token is
 ``generation.stop_text``'s (one rule for generate and the server).
@@ -16,7 +17,8 @@ Conventions (as OpenAI and vLLM's defaults):
   the presence / frequency penalties count the tokens GENERATED so far (not the prompt):
   ``logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)`` (OpenAI's
   "Frequency and presence penalties" formula); while fewer than min_tokens tokens are
-  generated the end-of-sequence ids get -inf (transformers' ``MinNewTokensLengthLogitsProcessor``).
+  generated the end-of-sequence ids and stop_token_ids get -inf (transformers'
+  ``MinNewTokensLengthLogitsProcessor``; vLLM's min_tokens processor masks both).
   Then temperature, top_k (keep the logits >= the k-th largest: ``TopKLogitsWarper``), top_p
   (the smallest nucleus) and min_p (keep probabilities >= min_p x the largest:
   ``MinPLogitsWarper``) shape the distribution, in transformers' warper order.
@@ -98,7 +100,16 @@ class SamplingParams(SamplingConfig):
     ``top_k``: keep the k most likely tokens (0 = all). ``min_p``: in [0, 1], keep tokens at
     least min_p x the most likely one's probability (0 = all). ``repetition_penalty`` > 0
     (1 = none) over ``prompt_ids`` and the generated tokens. ``min_tokens``: ``eos_ids`` are
-    held back until that many tokens are generated (stop strings still stop).
+    held back until that many tokens are generated, and stop strings count only where they end
+    after those tokens' text (vLLM's rule; the scheduler applies it).
+
+    vLLM's options (its ``SamplingParams`` meaning, V1 engine): ``stop_token_ids`` end the
+    sequence when generated (finish "stop"); ``ignore_eos``: the model's end-of-sequence ids do
+    not; ``include_stop_str_in_output``: the stop string, or the text of the stop token (EOS or
+    one of ``stop_token_ids``) that ended the sequence, is kept in the text (by default it is
+    not); ``skip_special_tokens``: special tokens are left out of the text (default True).
+    ``eos_ids``: the ids min_tokens holds back, the model's end-of-sequence ids and
+    ``stop_token_ids`` (``BatchScheduler.submit`` fills them).
     """
 
     presence_penalty: float = 0.0
@@ -112,6 +123,10 @@ class SamplingParams(SamplingConfig):
     prompt_ids: tuple[int, ...] = ()  # what repetition_penalty counts besides the generated tokens
     min_tokens: int = 0
     eos_ids: tuple[int, ...] = ()  # what min_tokens holds back
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @classmethod
     def of(cls, sampling: SamplingConfig) -> "SamplingParams":

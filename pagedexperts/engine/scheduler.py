@@ -57,9 +57,9 @@ from pagedexperts.engine.isolation import check_inputs, each_isolated
 from pagedexperts.engine.row_attention import rows_problem
 from pagedexperts.engine.row_forwards import RowForwards
 from pagedexperts.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
-from pagedexperts.generation.stop_text import IncrementalText
+from pagedexperts.generation.stop_text import REPLACEMENT_CHAR, IncrementalText
 from pagedexperts.engine.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
-from pagedexperts.engine.sequence import Event, Request, eos_ids, seeded_generator
+from pagedexperts.engine.sequence import Event, Request, ends_sequence, eos_ids, held_back, seeded_generator
 from pagedexperts.engine.speculative.decoder import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class BatchScheduler:
         self.forwards = self._forwards(speculative)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
+        self._places_taken = 0  # admitted and not finished (running, or prefilling apart with --no-chunked-prefill)
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -132,25 +133,37 @@ class BatchScheduler:
     def submit_many(self, items: list[tuple[list[int], SamplingConfig, Callable[[Event], None]]]) -> list[Request]:
         """Queue several sequences (prompt ids, sampling, on_event), all or none.
 
+        ``max_queued_requests`` bounds the sequences that must WAIT: those beyond the running
+        places still free (``max_running_requests`` minus the admitted, unfinished ones), so a
+        burst on an idle server is admitted at the next step rather than refused.
+
         Raises:
-            QueueFull: the waiting queue would exceed ``max_queued_requests``.
+            QueueFull: more than ``max_queued_requests`` sequences would wait for a place.
             SchedulerStopped: ``stop`` was called (the server is shutting down).
         """
         with self._wake:
             if self._stopping:
                 raise SchedulerStopped("the scheduler is stopped (the server is shutting down)")
-            cap = self.config.max_queued_requests
-            if cap is not None and len(self._waiting) + len(items) > cap:
-                raise QueueFull(f"{len(self._waiting)} requests are queued and this one needs {len(items)} "
-                                f"places; the limit is {cap} (--max-queued-requests)")
+            cap, free = self.config.max_queued_requests, self.free_places
+            must_wait = len(self._waiting) + len(items) - free
+            if cap is not None and must_wait > cap:
+                raise QueueFull(f"{len(self._waiting)} sequences are queued, {free} running places are free "
+                                f"(--max-running-requests {self.config.max_running_requests}) and this request "
+                                f"needs {len(items)}; at most {cap} may wait (--max-queued-requests)")
             reqs = []
             for ids, sampling, on_event in items:
-                params = SamplingParams.of(sampling)
-                req = Request(next(self._ids), list(ids), params, on_event, text=IncrementalText(tuple(params.stop)))
+                params = held_back(SamplingParams.of(sampling), self.eos_ids)
+                text = IncrementalText(tuple(params.stop), include=params.include_stop_str_in_output)
+                req = Request(next(self._ids), list(ids), params, on_event, text=text)
                 reqs.append(req)
                 self._waiting.append(req)
             self._wake.notify()
         return reqs
+
+    @property
+    def free_places(self) -> int:
+        """Running places not held by an admitted, unfinished sequence (what the next step can admit)."""
+        return max(0, self.config.max_running_requests - self._places_taken)
 
     def cancel(self, req: Request) -> None:
         """Free the request's place at the next step (a client went away)."""
@@ -219,6 +232,7 @@ class BatchScheduler:
             now = time.perf_counter()
             for req in admitted:
                 req.admitted_s = now
+            self._places_taken += len(admitted)
         for req in [r for r in self._running if r.cancelled]:
             self._running.remove(req)
             self._finish(req, "cancelled")
@@ -264,7 +278,7 @@ class BatchScheduler:
         """One forward over the whole prompts of ``reqs`` (``StepForwards.prefill``), then each one's
         first token."""
         rows = self.forwards.prefill(reqs)
-        self._count_prefill(len(reqs), sum(len(r.prompt_ids) for r in reqs))
+        self.stats.count_prefill(len(reqs), sum(len(r.prompt_ids) for r in reqs))
 
         def prefilled(req: Request) -> None:
             self._running.append(req)
@@ -279,9 +293,9 @@ class BatchScheduler:
         if self.speculative is not None and decodes:
             segments[:decodes], proposals = self.speculative.segments(segments[:decodes])
         rows = self.forwards.packed(segments, decodes)
-        self._count_prefill(len(segments) - decodes, sum(len(s.token_ids) for s in segments[decodes:]))
+        self.stats.count_prefill(len(segments) - decodes, sum(len(s.token_ids) for s in segments[decodes:]))
         if decodes:
-            self._count_decode(decodes)
+            self.stats.count_decode(decodes)
             self.stats.mixed_steps += 1
         self._decoded([s.request for s in segments[:decodes]], rows, proposals)
         each_isolated([s.request for s in segments[decodes:]],
@@ -323,20 +337,9 @@ class BatchScheduler:
         if self.speculative is not None:  # propose, verify in one forward, roll back
             return self.speculative.decode(self, reqs)
         logits = self.forwards.decodes(reqs, [[r.output_ids[-1]] for r in reqs])
-        self._count_decode(len(reqs))
+        self.stats.count_decode(len(reqs))
         row = {r.request_id: i for i, r in enumerate(reqs)}
         each_isolated(reqs, lambda r: self._accept(r, logits[row[r.request_id], -1]), self._fail, what="sampling")
-
-    def _count_prefill(self, rows: int, tokens: int) -> None:
-        self.stats.prefill_steps += 1
-        self.stats.prefill_rows += rows
-        self.stats.prefill_tokens += tokens
-        self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, rows)
-
-    def _count_decode(self, batch: int) -> None:
-        self.stats.decode_steps += 1
-        self.stats.decode_rows += batch
-        self.stats.max_decode_batch = max(self.stats.max_decode_batch, batch)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -346,22 +349,30 @@ class BatchScheduler:
 
     def _accept(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
         """Sample the next token of ``req`` (or take ``token``, chosen by speculation from these
-        logits), emit its new text, finish it if done."""
+        logits), emit its new text, finish it if done: a stop token (an end-of-sequence id unless
+        ``ignore_eos``, or one of ``stop_token_ids``) or a stop string, once ``min_tokens`` tokens
+        exist; or ``max_new_tokens``. The text a stop token ended is not shown unless
+        ``include_stop_str_in_output`` (vLLM's V1 detokenizer)."""
+        p = req.sampling
         if token is None:
-            token = sample(logits, req.sampling, req.output_ids, req.generator)
+            token = sample(logits, p, req.output_ids, req.generator)
         now = time.perf_counter()
         if req.first_token_s is None:
             req.first_token_s = now
-        if req.sampling.logprobs is not None:
+        if p.logprobs is not None:
             req.pending_logprobs += self._report(logits[None], [token], req)
         req.output_ids.append(token)
-        ended = token in self.eos_ids or len(req.output_ids) >= req.sampling.max_new_tokens
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        n = len(req.output_ids)
+        stop_token = ends_sequence(p, token, n, self.eos_ids)
+        ended = stop_token or n >= p.max_new_tokens
+        shown = req.output_ids[:-1] if stop_token and not p.include_stop_str_in_output else req.output_ids
+        text = self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
+        if n <= p.min_tokens:  # stop strings count only after the text of the first min_tokens tokens
+            req.text.stop_from = len(text.rstrip(REPLACEMENT_CHAR))
         delta, stopped = req.text.update(text, complete=ended)
         if stopped or ended:
             self._running.remove(req)
-            reason = "stop" if stopped or token in self.eos_ids else "length"
-            self._finish(req, reason, text=delta)
+            self._finish(req, "stop" if stopped or stop_token else "length", text=delta)
         elif delta or req.pending_logprobs or req.pending_prompt_logprobs:
             req.on_event(self._event(req, delta, now=now))
 
@@ -372,7 +383,10 @@ class BatchScheduler:
         return Event(text, len(req.output_ids), time_s=now, logprobs=logprobs, prompt_logprobs=prompt, **final)
 
     def _finish(self, req: Request, reason: str, *, text: str = "", error: str | None = None) -> None:
-        req.finished_s = now = time.perf_counter()
+        with self._wake:
+            if req.admitted_s is not None and req.finished_s is None:
+                self._places_taken -= 1  # its place is free for the next step's admission
+            req.finished_s = now = time.perf_counter()
         self.forwards.release(req)
         counter = {"cancelled": "cancelled", "error": "failed", "abort": "aborted"}.get(reason, "finished")
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)

@@ -18,8 +18,8 @@ class SchedulerConfig:
     """Batching limits.
 
     ``max_running_requests``: decode batch cap. ``context_length``: longest prompt +
-    completion in tokens. ``max_queued_requests``: waiting requests beyond which ``submit``
-    raises ``QueueFull`` (None = unbounded). ``chunked_prefill``: prompt chunks share the
+    completion in tokens. ``max_queued_requests``: how many sequences may wait beyond the free
+    running places; one more and ``submit`` raises ``QueueFull`` (None = unbounded). ``chunked_prefill``: prompt chunks share the
     decode forward; ``max_prefill_tokens`` is then the prompt tokens of one step. Without
     it, ``max_prefill_tokens`` is the padded tokens (B x P_max) of one prefill forward; a
     prompt longer than that is prefilled alone, so 1 means one prompt per forward.
@@ -82,3 +82,16 @@ class SchedulerStats:
     cancelled: int = 0
     failed: int = 0
     aborted: int = 0
+
+    def count_prefill(self, rows: int, tokens: int) -> None:
+        """One forward that prefilled ``rows`` prompts (or chunks) of ``tokens`` prompt tokens."""
+        self.prefill_steps += 1
+        self.prefill_rows += rows
+        self.prefill_tokens += tokens
+        self.max_prefill_batch = max(self.max_prefill_batch, rows)
+
+    def count_decode(self, batch: int) -> None:
+        """One forward that decoded ``batch`` requests."""
+        self.decode_steps += 1
+        self.decode_rows += batch
+        self.max_decode_batch = max(self.max_decode_batch, batch)

@@ -1,12 +1,14 @@
 """One sequence inside the scheduler: its state (``Request``), what it reports (``Event``),
 its end-of-sequence ids, its own random generator, and copying its row of a padded prefill's cache into its buffers.
 
-Owns per-request data, not the batching of requests (``scheduler``, ``batching``,
-``chunked_prefill``). Legend: P prompt tokens, D head dim.
+Also the per-request rules of ending: which token is a stop token (``ends_sequence``) and what
+min_tokens holds back (``held_back``). Owns per-request data, not the batching of requests
+(``scheduler``, ``batching``, ``chunked_prefill``). Legend: P prompt tokens, D head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -101,6 +103,22 @@ def eos_ids(model, tokenizer) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def held_back(params: SamplingParams, eos: set[int]) -> SamplingParams:
+    """``params`` with ``eos_ids``, what min_tokens holds back, set: the model's end-of-sequence
+    ids ``eos`` and the request's stop_token_ids (vLLM's min_tokens masks both)."""
+    if not params.min_tokens:
+        return params
+    return dataclasses.replace(params, eos_ids=tuple(sorted(eos | set(params.stop_token_ids))))
+
+
+def ends_sequence(params: SamplingParams, token: int, generated: int, eos: set[int]) -> bool:
+    """Whether ``token``, the ``generated``-th of its sequence, is a stop token that ends it (vLLM's
+    ``check_stop``): once ``min_tokens`` exist, one of ``stop_token_ids``, or an end-of-sequence
+    id of ``eos`` unless ``ignore_eos``."""
+    return generated >= params.min_tokens and (token in params.stop_token_ids or
+                                               (not params.ignore_eos and token in eos))
 
 
 def seeded_generator(params: SamplingParams) -> torch.Generator | None:

@@ -1,8 +1,8 @@
 """AutoRound's native integer format (``quant_method: auto-round``, ``data_type: int``).
 
 Owns: recognising AutoRound's own export (``format="auto_round"``, its default) for integer
-weights, the packed per-expert specs, per-module ``extra_config`` overrides, and the dequantize.
-Does not: read files, store, page; AutoRound's floating-point data types (``fp`` FP8, ``nv_fp``
+weights, the packed per-expert specs and their ``WeightPacking`` (``formats.unpack`` dequantizes),
+per-module ``extra_config`` overrides. Does not: read files, store, page; AutoRound's floating-point data types (``fp`` FP8, ``nv_fp``
 NVFP4, ``mx_fp`` MXFP4) are refused naming ``data_type`` (their export in 0.16 writes
 ``weight`` / ``weight_packed`` + ``weight_scale`` as compressed-tensors does, but under this
 quant_method; not read here yet).
@@ -28,32 +28,14 @@ each dense experts tensor as GPTQModel's ``dynamic`` does (``gptq_dynamic``).
 
 from __future__ import annotations
 
-from typing import Mapping
-
-import torch
-
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec
 from pagedexperts.formats.ct_schemes import dense_source_count
-from pagedexperts.formats.gptq import GptqFormat, _check_args, bit_shifts, unpack_cols, unpack_rows
+from pagedexperts.formats.gptq import GptqFormat, _check_args
 from pagedexperts.formats.gptq_dynamic import expert_args, extra_config_override, module_args
+from pagedexperts.formats.packing import WeightPacking, int_packing
 
 PACKING_ZERO_OFFSET = {"auto_round:auto_gptq": 1, "auto_round": 0}  # packing_format -> added to each stored zero
 INT_DATA_TYPES = ("int",)
-
-
-def dequantize_autoround(qweight, qzeros, scales, *, group_size: int, bits: int, zero_offset: int,
-                         dtype: torch.dtype, shifts: torch.Tensor | None = None) -> torch.Tensor:
-    """One projection of n experts -> [n, O, I] in ``dtype``.
-
-    qweight int32 [n, I*b/32, O]; qzeros int32 [n, G, O*b/32]; scales [n, G, O] (compute dtype);
-    input channel i is in group i // ``group_size``; ``shifts``: ``gptq.bit_shifts(bits)`` on the
-    tensors' device (built here when None).
-    """
-    q = unpack_rows(qweight, bits, shifts)  # [n, I, O]
-    z = unpack_cols(qzeros, bits, shifts) + zero_offset  # [n, G, O]
-    index = (torch.arange(q.shape[-2], device=q.device) // group_size).view(1, -1, 1).expand(q.shape[0], -1, q.shape[-1])
-    w = (q - torch.gather(z, 1, index)).to(scales.dtype) * torch.gather(scales, 1, index)
-    return w.transpose(-1, -2).to(dtype).contiguous()  # the layout the experts kernel and nn.Linear receive
 
 
 class AutoRoundFormat(GptqFormat):
@@ -130,27 +112,13 @@ class AutoRoundFormat(GptqFormat):
         qzeros, [G, O] scales per source, side by side along dim 1."""
         return super().pack(dense, sources=sources, transposed=transposed)[:3]
 
-    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False):
-        """Not described for the fused kernels yet (no ``g_idx`` rows, and ``auto_round:auto_gptq``
-        adds 1 to each stored zero point without wrapping, which ``formats.packing``'s
-        ``zero_offset`` (mod 2**bits) does not express).
-
-        Raises:
-            NotImplementedError: always, naming the format and packing."""
-        raise NotImplementedError(f"expert format {self.name!r} (zero offset {self.zero_offset}, no g_idx) has no "
-                                  "WeightPacking: fused kernels cannot read it")
-
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Packed rows of n experts -> [n, *dense.shape]: each source dequantized on its own
-        (its [O*b/32]-word slice of the packed output dim), then concatenated along the rows."""
-        name = tensor.dense.name
-        args = self.tensor_args(name)
-        in_features = tensor.dense.shape[1]
-        scales, sources = packed[f"{name}_scales"], dense_source_count(name)
-        shifts = self.device_constant(f"shifts{args.bits}", scales.device, lambda device: bit_shifts(args.bits, device))
-        parts = [dequantize_autoround(qw, qz, s, group_size=args.group_of(in_features), bits=args.bits,
-                                      zero_offset=self.zero_offset, dtype=tensor.dense.dtype, shifts=shifts)
-                 for qw, qz, s in zip(packed[f"{name}_qweight"].chunk(sources, dim=2),
-                                      packed[f"{name}_qzeros"].chunk(sources, dim=2), scales.chunk(sources, dim=2))]
-        return parts[0] if sources == 1 else torch.cat(parts, dim=1)
-
+    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
+        """GPTQ's qweight [K*b/32, N] and qzeros [G, N*b/32] (input-major), scales [G, N] multiplied
+        in their dtype, groups ``k // group_size`` (no g_idx), and the ``auto_round:auto_gptq``
+        packing's + 1 added to each zero point after unpacking (no wrap: ``zero_carries`` False)."""
+        name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
+        in_features, args = tensor.dense.shape[1], self.tensor_args(tensor.dense.name)
+        return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=args.bits,
+                           packed_dim="in", sources=dense_source_count(name), group_size=args.group_of(in_features),
+                           zero=specs[f"{name}_qzeros"], transposed=True, zero_offset=self.zero_offset,
+                           zero_carries=False)

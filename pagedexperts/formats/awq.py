@@ -1,8 +1,8 @@
 """AWQ int4 experts (AutoAWQ GEMM checkpoints, ``quant_method: awq``).
 
-Owns: recognising the format, the packed per-expert tensor specs, and the unpack + dequantize
-of some experts' packed rows. Does not: read files, store, page, or quantize (AWQ needs
-calibration; ``quantize`` writes w4a16 instead).
+Owns: recognising the format, the packed per-expert tensor specs and their ``WeightPacking``.
+Does not: unpack (``formats.unpack`` interprets the packing), read files, store, page, or
+quantize (AWQ needs calibration; ``quantize`` writes w4a16 instead).
 
 On-disk layout (AutoAWQ ``awq/modules/linear/gemm.py`` ``WQLinear_GEMM.from_linear`` and
 ``awq/utils/packing_utils.py`` ``dequantize_gemm``), per expert projection
@@ -10,7 +10,7 @@ On-disk layout (AutoAWQ ``awq/modules/linear/gemm.py`` ``WQLinear_GEMM.from_line
 
 - ``qweight`` int32 [I, O / 8], packed along the OUTPUT dim in AWQ's interleaved order: the
   nibble at bits ``4 * p`` of word [i, c] holds column ``8 * c + AWQ_ORDER[p]``, with
-  ``AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]``;
+  ``AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]`` (column j in nibble ``packing.AWQ_POSITION[j]``);
 - ``qzeros`` int32 [G, O / 8], the same packing (zero points stored as is, no offset); a
   symmetric checkpoint (``zero_point: false``: AutoRound's ``auto_awq`` export, GPTQModel's AWQ
   with sym) stores them too, every value 8 (AutoRound 0.16 ``export_to_awq/utils.py``
@@ -27,49 +27,18 @@ Legend: n experts dequantized together, O output features, I input features, G g
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.base import QuantizedTensor, TensorSpec
 from pagedexperts.formats.packing import WeightPacking, int_packing
+from pagedexperts.formats.unpack import PackedFormat
 
 PACK_FACTOR = 8  # int4 values per int32 word
 SCALE_DTYPE = torch.float16  # AWQ checkpoints store float16 scales
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble p of a word holds column AWQ_ORDER[p] of its 8
-AWQ_REVERSE_ORDER = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c of a word sits in nibble [c]
 GEMM_VERSIONS = ("gemm", "exllama", "ipex")  # versions whose checkpoints use the GEMM packing
 
 
-def awq_shifts(device) -> torch.Tensor:
-    """int32 [8]: the bit offset of column c of a word (AWQ's interleaved order), on ``device``."""
-    return torch.tensor([4 * p for p in AWQ_REVERSE_ORDER], dtype=torch.int32, device=device)
-
-
-def unpack_awq(packed: torch.Tensor, shifts: torch.Tensor | None = None) -> torch.Tensor:
-    """AWQ-packed int4 along dim -1: int32 [..., R, C / 8] -> int32 [..., R, C] in 0..15,
-    columns back in their natural order. ``shifts``: ``awq_shifts`` (built here when None)."""
-    shifts = awq_shifts(packed.device) if shifts is None else shifts
-    return ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)
-
-
-def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype,
-                   shifts: torch.Tensor | None = None) -> torch.Tensor:
-    """One projection of n experts -> dense [n, O, I] in ``dtype``.
-
-    qweight int32 [n, I, O/8]; qzeros int32 [n, G, O/8]; scales [n, G, O]; groups are I / G
-    consecutive input channels; ``shifts``: see ``unpack_awq``.
-    """
-    q = unpack_awq(qweight, shifts)  # [n, I, O]
-    groups = scales.shape[-2]
-    group_size = q.shape[-2] // groups
-    z = unpack_awq(qzeros, shifts).repeat_interleave(group_size, dim=-2)  # [n, I, O]
-    s = scales.repeat_interleave(group_size, dim=-2)
-    w = (q - z).to(scales.dtype) * s
-    return w.transpose(-1, -2).to(dtype).contiguous()  # the layout the experts kernel and nn.Linear receive
-
-
-class AwqFormat(ExpertFormat):
+class AwqFormat(PackedFormat):
     """AWQ int4 GEMM-packed experts, asymmetric or symmetric (stored zero points), any group
     size dividing I."""
 
@@ -134,15 +103,6 @@ class AwqFormat(ExpertFormat):
             TensorSpec(f"{dense.name}_qzeros", (groups, rows // PACK_FACTOR), torch.int32, concat_dim=1),
             TensorSpec(f"{dense.name}_scales", (groups, rows), self.scale_dtype, concat_dim=1),
         )
-
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Packed rows of n experts -> [n, *dense.shape]. The sources (gate, up) sit side by
-        side along the packed output dim in whole 8-column words with per-column scales and
-        zeros, so dequantizing their concatenation equals concatenating their dequantizations."""
-        name = tensor.dense.name
-        shifts = self.device_constant("shifts", packed[f"{name}_qweight"].device, awq_shifts)
-        return dequantize_awq(packed[f"{name}_qweight"], packed[f"{name}_qzeros"], packed[f"{name}_scales"],
-                              dtype=tensor.dense.dtype, shifts=shifts)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
         """qweight [K, N/8] and qzeros [G, N/8] packed along the output dim in AWQ's nibble

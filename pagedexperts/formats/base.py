@@ -31,7 +31,10 @@ The contract a format module fulfils (``formats/README.md`` has the worked examp
    dense rows [n, *dense shape] in the dense spec's dtype, computed with the same operations in
    the same order and dtypes as transformers' own loading of the checkpoint, so that every
    element is bit-identical to the model ``from_pretrained`` builds. Rows are independent:
-   dequantizing experts (3, 5) together equals dequantizing each alone.
+   dequantizing experts (3, 5) together equals dequantizing each alone. A quantized format
+   does not write it: ``formats.unpack.PackedFormat`` interprets its ``packing`` (a
+   ``formats.packing.WeightPacking``: how the checkpoint packs, the one description the
+   dequantizing path and the fused kernels both read).
 5. ``reference_kwargs()``: what ``check`` passes to ``from_pretrained`` for the dequantized
    reference (e.g. ``quantization_config=...(dequantize=True)``).
 6. Non-expert nn.Linear weights (attention projections, shared experts, dense MLP layers,
@@ -146,7 +149,8 @@ class ExpertLayout:
 
 class ExpertFormat:
     """Base of every expert format. Subclasses set the class attributes and implement
-    ``matches``, ``pack`` (the specs of one dense tensor) and ``dequantize``.
+    ``matches``, ``pack`` (the specs of one dense tensor) and ``dequantize``: a quantized format
+    through ``packing`` (``formats.unpack.PackedFormat``), the dense one as the identity.
 
     Instances are immutable after construction and built by ``from_quantization_config``.
     """
@@ -237,15 +241,18 @@ class ExpertFormat:
         ``tensor.dense.dtype`` (``linear_tensor``), contiguous.
 
         ``serialized``: {name as the checkpoint stores it under the module (``qweight``,
-        ``weight_scale``): tensor}, each in the dtype the checkpoint holds (scales are not cast:
-        ``dequantize`` computes in their dtype, as the format's library does). Each is reshaped to
-        its packed spec (a 0-d per-tensor scale is a [1] row) and given as one row to
-        ``dequantize``.
+        ``weight_scale``): tensor}, each in the dtype the checkpoint holds: the format is bound to
+        those dtypes (``with_stored_dtypes``), so that ``dequantize`` computes in them as the
+        format's library does (a bfloat16 scale multiplies in bfloat16). Each is reshaped to its
+        packed spec (a 0-d per-tensor scale is a [1] row) and given as one row to ``dequantize``.
 
         Raises:
             ValueError: a packed tensor missing from ``serialized``, or one whose element count
                 is not its packed spec's (names both).
         """
+        bound = self.with_stored_dtypes({n: v.dtype for n, v in serialized.items()})
+        if bound is not self:
+            tensor = bound.linear_tensor(tensor.dense.shape, tensor.dense.dtype)
         by_spec = {store_name(LINEAR_WEIGHT, LINEAR_WEIGHT, n): v for n, v in serialized.items()}
         rows = {}
         for spec in tensor.packed:
@@ -256,7 +263,7 @@ class ExpertFormat:
                 raise ValueError(f"{self.name}: {spec.name!r} has shape {tuple(value.shape)}, the module's weight "
                                  f"{tensor.dense.shape} needs {spec.shape}")
             rows[spec.name] = value.reshape(spec.shape).unsqueeze(0)
-        return self.dequantize(tensor, rows)[0].contiguous()
+        return bound.dequantize(tensor, rows)[0].contiguous()
 
     def device_constant(self, name: str, device, build) -> torch.Tensor:
         """A constant tensor of this format (a shift table, an FP4 lookup table) on ``device``,
@@ -278,10 +285,10 @@ class ExpertFormat:
         return self
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False):
-        """How ``tensor``'s packed rows encode its weight, for kernels that dequantize in
-        registers: a ``formats.packing.WeightPacking`` (that module imports this one, so no
-        annotation here); ``transposed``: the experts module's ``is_transposed`` (its dense
-        weight is [in, out]).
+        """How ``tensor``'s packed rows encode its weight: a ``formats.packing.WeightPacking``
+        (that module imports this one, so no annotation here), what ``dequantize``
+        (``formats.unpack``) and the fused kernels read; ``transposed``: the experts module's
+        ``is_transposed`` (its dense weight is [in, out]).
 
         Raises:
             NotImplementedError: this format has no packing description (names the format).

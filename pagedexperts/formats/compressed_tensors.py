@@ -1,7 +1,7 @@
 """compressed-tensors ``pack-quantized`` int4 experts (W4A16, as llm-compressor writes them).
 
-Owns: recognising the format in config.json, the packed per-expert tensor specs, and the
-unpack + dequantize of some experts' packed rows. Does not: write checkpoints (``quantize``
+Owns: recognising the format in config.json, the packed per-expert tensor specs and their
+``WeightPacking`` (``formats.unpack`` dequantizes). Does not: write checkpoints (``quantize``
 does, through the compressed-tensors package), read files, store or page.
 
 On-disk layout (compressed-tensors 0.20 ``PackedQuantizationCompressor``, source:
@@ -33,77 +33,15 @@ Legend: n experts dequantized together, O output features, I input features, G g
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
 
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
 from pagedexperts.formats.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, int_packing
+from pagedexperts.formats.unpack import PackedFormat
 
 PACK_FACTOR = 8  # int4 values per int32 word
-INT4_OFFSET = 8  # stored nibble = signed value + 8
-_SHIFTS = tuple(4 * i for i in range(PACK_FACTOR))
-
-
-def nibble_shifts(device) -> torch.Tensor:
-    """int32 [8]: the bit offset of each int4 value in its word, on ``device``."""
-    return torch.tensor(_SHIFTS, dtype=torch.int32, device=device)
-
-
-def unpack_int4_last(packed: torch.Tensor, columns: int, shifts: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense int4 nibbles along the last dim -> signed int8 values.
-
-    packed: int32 [..., ceil(columns / 8)]; returns int8 [..., columns] in [-8, 7]
-    (nibble minus ``INT4_OFFSET``). Reads bits with shifts (``nibble_shifts``, built here when
-    None), so the host's byte order does not matter. Layout:
-    ``compressed_tensors.compressors.pack_quantized.helpers.pack_to_int32``.
-    """
-    if packed.dtype != torch.int32:
-        raise ValueError(f"packed int4 tensor must be int32, got {packed.dtype}")
-    shifts = nibble_shifts(packed.device) if shifts is None else shifts
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., W, 8]
-    values = nibbles.flatten(-2)[..., :columns]
-    return (values - INT4_OFFSET).to(torch.int8)
-
-
-def unpack_zero_point(packed: torch.Tensor, rows: int, shifts: torch.Tensor | None = None) -> torch.Tensor:
-    """Zero points packed along dim -2 (``packed_dim=0`` per expert) -> int8 [..., rows, G].
-
-    packed: int32 [..., ceil(rows / 8), G].
-    """
-    return unpack_int4_last(packed.transpose(-1, -2), rows, shifts).transpose(-1, -2)
-
-
-def dequantize_packed(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None,
-    *,
-    in_features: int,
-    dtype: torch.dtype,
-    shifts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One projection of n experts: packed rows -> dense weights [n, O, I] in ``dtype``.
-
-    packed: int32 [n, O, ceil(I / 8)]; scale: [n, O, G] (its dtype is the compute dtype);
-    zero_point: int32 [n, ceil(O / 8), G] or None (symmetric); ``shifts``: ``nibble_shifts``.
-    Groups are I / G consecutive columns. Same operations, order and dtypes as
-    compressed-tensors' ``_dequantize``.
-
-    Raises:
-        ValueError: I is not a multiple of G.
-    """
-    out_features, groups = scale.shape[-2], scale.shape[-1]
-    if in_features % groups:
-        raise ValueError(f"in_features {in_features} is not a multiple of {groups} scale groups")
-    q = unpack_int4_last(packed, in_features, shifts).unflatten(-1, (groups, in_features // groups))
-    w = q.to(scale.dtype)
-    if zero_point is not None:
-        zp = unpack_zero_point(zero_point, out_features, shifts)
-        w = w - zp.to(scale.dtype).unsqueeze(-1)
-    w = w * scale.unsqueeze(-1)
-    return w.flatten(-2).to(dtype)
 
 
 def experts_weights_args(quantization_config: dict) -> dict | None:
@@ -150,7 +88,7 @@ def ct_experts_args(quantization_config: dict | None, checkpoint_format: str) ->
     return args if args and args.get("format") == checkpoint_format else None
 
 
-class CompressedTensorsW4A16Format(ExpertFormat):
+class CompressedTensorsW4A16Format(PackedFormat):
     """compressed-tensors ``pack-quantized`` int4 weights, bf16/fp16 activations (W4A16).
 
     Symmetric (no zero point) or asymmetric; ``group`` strategy (any group size dividing I)
@@ -267,22 +205,6 @@ class CompressedTensorsW4A16Format(ExpertFormat):
                                     (sources * ceil_div(out_features, PACK_FACTOR), groups), torch.int32))
         specs.append(TensorSpec(f"{dense.name}_shape", (2 * sources,), torch.int64))
         return tuple(specs)
-
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Packed rows of n experts -> [n, *dense.shape]: each source dequantized on its own,
-        then concatenated along dim 1 (transformers dequantizes before its Concatenate)."""
-        name = tensor.dense.name
-        rows, in_features = tensor.dense.shape
-        sources = next(p for p in tensor.packed if p.name == f"{name}_shape").shape[0] // 2  # one (O, I) each
-        weights = packed[f"{name}_packed"].chunk(sources, dim=1)
-        scales = packed[f"{name}_scale"].chunk(sources, dim=1)
-        zps = packed[f"{name}_zero_point"].chunk(sources, dim=1) if not self.symmetric else (None,) * sources
-        parts = [
-            dequantize_packed(w, s, z, in_features=in_features, dtype=tensor.dense.dtype,
-                              shifts=self.device_constant("shifts", w.device, nibble_shifts))
-            for w, s, z in zip(weights, scales, zps)
-        ]
-        return parts[0] if sources == 1 else torch.cat(parts, dim=1)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
         """int4 along the input dim ([N, K/8] words), scales [N, G] (multiplied in their dtype),

@@ -1,8 +1,8 @@
 """compressed-tensors FP4 experts: ``nvfp4-pack-quantized`` (NVFP4A16, NVFP4) and
 ``mxfp4-pack-quantized`` (MXFP4A16), as llm-compressor writes them.
 
-Owns: recognising the two formats in config.json, the packed per-expert tensor specs, and the
-unpack + dequantize of some experts' packed rows. Does not: read files, store or page, or
+Owns: recognising the two formats in config.json, the packed per-expert tensor specs and their
+``WeightPacking`` (``formats.unpack`` dequantizes). Does not: read files, store or page, or
 quantize activations (see below).
 
 On-disk layout (compressed-tensors 0.19-0.20 ``NVFP4PackedCompressor`` /
@@ -33,65 +33,17 @@ Legend: n experts dequantized together, O output features, I input features, G g
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, store_name
+from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec, store_name
 from pagedexperts.formats.compressed_tensors import ct_experts_args, experts_weights_args
 from pagedexperts.formats.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, fp4_packing
+from pagedexperts.formats.unpack import PackedFormat
 
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 LIBRARY_DTYPE = torch.bfloat16  # compressed-tensors' unpack_fp4_from_uint8 default dtype
-E8M0_BIAS = 127
-
-
-def e2m1_table(device) -> torch.Tensor:
-    """float32 [8]: the e2m1 magnitudes of codes 0..7, on ``device``."""
-    return torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
-
-
-def unpack_fp4(packed: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
-    """uint8 [..., I/2] -> bfloat16 [..., I] e2m1 values, low nibble first, the same ops and
-    dtypes as compressed-tensors' ``unpack_fp4_from_uint8`` (float32 lookup, times +-1.0 in
-    float32, cast to bfloat16). ``table``: ``e2m1_table`` on packed's device (built when None)."""
-    if packed.dtype != torch.uint8:
-        raise ValueError(f"packed FP4 tensor must be uint8, got {packed.dtype}")
-    codes = torch.stack((packed & 0x0F, (packed & 0xF0) >> 4), dim=-1).flatten(-2)
-    signs = (codes & 0x08).to(torch.bool)
-    table = e2m1_table(packed.device) if table is None else table
-    values = table[(codes & 0x07).to(torch.long)] * torch.where(signs, -1.0, 1.0)
-    return values.to(LIBRARY_DTYPE)
-
-
-def dequantize_nvfp4(packed, scale, global_scale, *, dtype: torch.dtype, table=None) -> torch.Tensor:
-    """One NVFP4 projection of n experts -> [n, O, I] in ``dtype``.
-
-    packed uint8 [n, O, I/2]; scale float8_e4m3fn [n, O, I/16]; global_scale float32 [n, 1];
-    ``table``: see ``unpack_fp4``.
-    """
-    q = unpack_fp4(packed, table)
-    groups = scale.shape[-1]
-    q = q.unflatten(-1, (groups, q.shape[-1] // groups))
-    s = scale.to(LIBRARY_DTYPE).unsqueeze(-1) / global_scale.reshape(-1, 1, 1, 1)  # float32
-    w = (q.to(s.dtype) * s).flatten(-2).to(LIBRARY_DTYPE)
-    return w.to(dtype)
-
-
-def dequantize_ct_mxfp4(packed, scale, *, dtype: torch.dtype, table=None) -> torch.Tensor:
-    """One MXFP4 projection of n experts -> [n, O, I] in ``dtype``.
-
-    packed uint8 [n, O, I/2]; scale uint8 [n, O, I/32] (E8M0). The scale as
-    compressed-tensors' ``decompress_mx_scale``: ``2.0 ** (e - 127)`` in bfloat16.
-    ``table``: see ``unpack_fp4``.
-    """
-    q = unpack_fp4(packed, table)
-    groups = scale.shape[-1]
-    q = q.unflatten(-1, (groups, q.shape[-1] // groups))
-    s = (2.0 ** (scale.to(torch.int32) - E8M0_BIAS).to(LIBRARY_DTYPE)).to(LIBRARY_DTYPE).unsqueeze(-1)
-    w = (q.to(s.dtype) * s).flatten(-2).to(LIBRARY_DTYPE)
-    return w.to(dtype)
 
 
 def in_experts_dtype(layout: ExpertLayout, dtype: torch.dtype | None) -> ExpertLayout:
@@ -105,8 +57,8 @@ def in_experts_dtype(layout: ExpertLayout, dtype: torch.dtype | None) -> ExpertL
     ))
 
 
-class _CompressedTensorsFp4(ExpertFormat):
-    """Shared: matching one compressed-tensors FP4 format, the specs and per-source dequantize."""
+class _CompressedTensorsFp4(PackedFormat):
+    """Shared: matching one compressed-tensors FP4 format and the specs."""
 
     checkpoint_format: ClassVar[str] = ""
     group_size: ClassVar[int] = 0
@@ -168,17 +120,6 @@ class _CompressedTensorsFp4(ExpertFormat):
                   for n in self.serialized_names["weight"][2:]]  # per-tensor scales: [1] per source
         return tuple(specs)
 
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Packed rows of n experts -> [n, *dense.shape]: each source dequantized on its own,
-        then concatenated along dim 1 (transformers merges decompressed per-expert weights)."""
-        name = tensor.dense.name
-        sources = next(p for p in tensor.packed if p.name == f"{name}_global_scale").shape[0]
-        parts = [self._dequantize_source(name, packed, i, sources, tensor.dense.dtype) for i in range(sources)]
-        return parts[0] if sources == 1 else torch.cat(parts, dim=1)
-
-    def _dequantize_source(self, name, packed, i, sources, dtype) -> torch.Tensor:
-        raise NotImplementedError
-
 
 class CompressedTensorsNvfp4Format(_CompressedTensorsFp4):
     """compressed-tensors ``nvfp4-pack-quantized``: NVFP4A16, or NVFP4 (W4A4: its
@@ -189,12 +130,6 @@ class CompressedTensorsNvfp4Format(_CompressedTensorsFp4):
     group_size = 16
     scale_dtype = torch.float8_e4m3fn
     weight_names = ("weight_packed", "weight_scale", "weight_global_scale")
-
-    def _dequantize_source(self, name, packed, i, sources, dtype) -> torch.Tensor:
-        pick = lambda t: t.chunk(sources, dim=1)[i]  # noqa: E731
-        table = self.device_constant("e2m1", packed[f"{name}_packed"].device, e2m1_table)
-        return dequantize_nvfp4(pick(packed[f"{name}_packed"]), pick(packed[f"{name}_scale"]),
-                                pick(packed[f"{name}_global_scale"]), dtype=dtype, table=table)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
         """e2m1 [N, K/2], e4m3 scales per 16 columns divided by the source's global scale in
@@ -214,13 +149,6 @@ class CompressedTensorsMxfp4Format(_CompressedTensorsFp4):
     checkpoint_format = "mxfp4-pack-quantized"
     group_size = 32
     scale_dtype = torch.uint8
-
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Rows are independent along O, so gate and up dequantize together."""
-        name = tensor.dense.name
-        table = self.device_constant("e2m1", packed[f"{name}_packed"].device, e2m1_table)
-        return dequantize_ct_mxfp4(packed[f"{name}_packed"], packed[f"{name}_scale"], dtype=tensor.dense.dtype,
-                                   table=table)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
         """e2m1 [N, K/2] with an E8M0 scale per 32 columns, multiplied in bfloat16."""

@@ -1,8 +1,9 @@
 """compressed-tensors FP8 experts: ``float-quantized`` / ``naive-quantized`` (llm-compressor FP8,
 FP8_DYNAMIC, FP8_BLOCK; FP8 static per channel) and ``mxfp8-quantized`` (MXFP8, MXFP8A16).
 
-Owns: recognising the format, the per-expert packed specs, and the dequantize of some experts'
-rows. Does not: read files, store, page, or quantize activations (see below).
+Owns: recognising the format, the per-expert packed specs and their ``WeightPacking``
+(``formats.unpack`` dequantizes). Does not: read files, store, page, or quantize activations
+(see below).
 
 On-disk layout (compressed-tensors 0.19/0.20 ``FloatQuantizationCompressor``, as llm-compressor
 0.14 writes it), per expert projection ``experts.{j}.{gate,up,down}_proj`` of an nn.Linear
@@ -52,15 +53,15 @@ from typing import Mapping
 
 import torch
 
-from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.base import LINEAR_WEIGHT, QuantizedTensor, TensorSpec, ceil_div
 from pagedexperts.formats.ct_schemes import (ExpertScheme, dense_schemes, dense_source_count, resolved_schemes)
 from pagedexperts.formats.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, dense_packing, float8_packing
+from pagedexperts.formats.unpack import PackedFormat
 
 FP8_DTYPE = torch.float8_e4m3fn
 STRATEGIES = ("tensor", "channel", "block", "group")
 FORMATS = ("float-quantized", "naive-quantized", "mxfp8-quantized")
-E8M0_BIAS = 127  # mxfp8-quantized scale: 2 ** (uint8 - 127)
 SCALE_SUFFIX = "_scale"  # store name of weight_scale: dense name + "_scale"
 
 
@@ -104,7 +105,7 @@ def _check_scheme(dense: str, scheme: ExpertScheme) -> tuple[str, tuple[int, int
     return strategy, block, scale_dtype
 
 
-class CompressedTensorsFp8Format(ExpertFormat):
+class CompressedTensorsFp8Format(PackedFormat):
     """compressed-tensors FP8 weights, per tensor, per channel or per block, bound per dense
     experts tensor (config groups may give gate/up and down different strategies)."""
 
@@ -134,8 +135,9 @@ class CompressedTensorsFp8Format(ExpertFormat):
 
     def with_stored_dtypes(self, dtypes) -> "CompressedTensorsFp8Format":
         """Bound to the dtype the checkpoint stores ``weight_scale`` in (llm-compressor writes the
-        weights' dtype unless ``scale_dtype`` is set): the store holds the scales uncast;
-        ``dequantize`` multiplies in float32 either way, as transformers does."""
+        weights' dtype unless ``scale_dtype`` is set): the store holds the scales uncast and
+        ``dequantize`` multiplies in their dtype, as compressed-tensors' ``_dequantize`` (module
+        docstring)."""
         stored = dtypes.get("weight_scale")
         if stored is None:
             return self
@@ -165,47 +167,15 @@ class CompressedTensorsFp8Format(ExpertFormat):
         return (TensorSpec(dense.name, dense.shape, FP8_DTYPE),
                 TensorSpec(dense.name + SCALE_SUFFIX, shape, self.schemes[dense.name][2]))
 
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """fp8 rows [n, sources * O, I] and their scales -> [n, sources * O, I] in the dense
-        dtype: per source ``(q.float() * scale.float()).to(dtype)``, then concatenated along
-        the rows (transformers dequantizes each projection before it merges gate and up; a
-        partial edge block belongs to its own source)."""
-        name = tensor.dense.name
-        strategy, block, _ = self.schemes[name]
-        sources = dense_source_count(name)
-        weight, scale = packed[name], packed[name + SCALE_SUFFIX]
-        parts = [dequantize_fp8(w, s, strategy=strategy, block=block, dtype=tensor.dense.dtype)
-                 for w, s in zip(weight.chunk(sources, dim=1), scale.chunk(sources, dim=1))]
-        return parts[0] if sources == 1 else torch.cat(parts, dim=1)
-
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """fp8 [N, K] with its scheme's per-tensor / per-channel / per-block scale, per source."""
+        """fp8 [N, K] with its scheme's per-tensor / per-channel / per-block / per-group scale, per
+        source, multiplied in the scale's dtype (E8M0 exponents: bfloat16, as compressed-tensors'
+        ``decompress_mx_scale``), as compressed-tensors' ``_dequantize`` computes."""
         if tensor.is_passthrough:
             return dense_packing(tensor, transposed=transposed)
         strategy, block, _ = self.schemes[tensor.dense.name]
-        return float8_packing(tensor, scale=tensor.packed[1], strategy=strategy, block=block,
-                              sources=dense_source_count(tensor.dense.name))
-
-
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, *, strategy: str, block: tuple[int, int] | None,
-                   dtype: torch.dtype, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One projection of n experts: fp8 (or int8) [n, O, I] x scale -> [n, O, I] in ``dtype``.
-
-    scale: [n, 1] (tensor), [n, O, 1] (channel), [n, ceil(O/bm), ceil(I/bn)] (block; group:
-    block (1, g)); uint8 E8M0 exponents for mxfp8 (``2 ** (e - 127)`` in bfloat16, as
-    ``decompress_mx_scale``). ``(q.to(c) * s.to(c)).to(dtype)`` with s broadcast over its
-    elements, c = ``compute_dtype`` (None: the scale's own dtype, as compressed-tensors'
-    ``_dequantize`` computes: float32 for float32 scales, bfloat16 for the bfloat16 scales
-    llm-compressor writes for a bfloat16 model).
-    """
-    if scale.dtype == torch.uint8:
-        scale = 2.0 ** (scale.to(torch.int32) - E8M0_BIAS).to(torch.bfloat16)
-    compute = compute_dtype or scale.dtype
-    q = weight.to(compute)
-    s = scale.to(compute)
-    if strategy == "tensor":
-        s = s.view(-1, 1, 1)
-    elif strategy in ("block", "group"):
-        rows, cols = q.shape[-2:]
-        s = s.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :rows, :cols]
-    return (q * s).to(dtype)
+        scale = tensor.packed[1]
+        e8m0 = scale.dtype == torch.uint8
+        return float8_packing(tensor, scale=scale, strategy=strategy, block=block,
+                              sources=dense_source_count(tensor.dense.name), scale_codes="e8m0" if e8m0 else "float",
+                              mul_dtype=torch.bfloat16 if e8m0 else scale.dtype)

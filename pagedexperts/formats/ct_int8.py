@@ -1,7 +1,8 @@
 """compressed-tensors ``int-quantized`` int8 experts (W8A8 INT8, as llm-compressor writes them).
 
-Owns: recognising the format in config.json, the per-expert tensor specs, and the dequantize
-of some experts' rows. Does not: read files, store or page, or quantize activations.
+Owns: recognising the format in config.json, the per-expert tensor specs and their
+``WeightPacking`` (``formats.unpack`` dequantizes). Does not: read files, store or page, or
+quantize activations.
 
 On-disk layout (compressed-tensors 0.19-0.20 ``IntQuantizationCompressor``, an alias of
 ``NaiveQuantizationCompressor``, ``compressors/naive_quantized/base.py``), per expert
@@ -22,18 +23,17 @@ Legend: n experts dequantized together, O output features, I input features.
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec
+from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec
 from pagedexperts.formats.ct_fp4 import in_experts_dtype
 from pagedexperts.formats.compressed_tensors import _torch_dtype, ct_experts_args, experts_weights_args
 from pagedexperts.formats.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, float8_packing
+from pagedexperts.formats.unpack import PackedFormat
 
 
-class CompressedTensorsInt8Format(ExpertFormat):
+class CompressedTensorsInt8Format(PackedFormat):
     """compressed-tensors ``int-quantized`` 8-bit weights, channel-wise scales (W8A8 INT8)."""
 
     name = "w8a8-int8"
@@ -99,13 +99,6 @@ class CompressedTensorsInt8Format(ExpertFormat):
             TensorSpec(dense.name, dense.shape, torch.int8),
             TensorSpec(f"{dense.name}_scale", (rows, 1), self.scale_dtype or dense.dtype),
         )
-
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """int8 [n, R, I] x scale [n, R, 1] in the scale's dtype -> [n, R, I] in the dense dtype
-        (rows independent: gate and up together)."""
-        name = tensor.dense.name
-        scale = packed[f"{name}_scale"]
-        return (packed[name].to(scale.dtype) * scale).to(tensor.dense.dtype)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
         """int8 [N, K], one scale per row, multiplied in the scale's dtype."""

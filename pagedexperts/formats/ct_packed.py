@@ -2,7 +2,8 @@
 projection (config groups: gate/up group 128, down group 64), activation order (``weight_g_idx``).
 
 Owns: binding each dense experts tensor to its own config group (``ct_schemes``), the packed
-specs, and the unpack + dequantize of some experts' rows. Does not: read files, store, page.
+specs and their ``WeightPacking`` (``formats.unpack`` dequantizes). Does not: read files, store,
+page.
 Uniform symmetric/asymmetric int4 without ``weight_g_idx`` stays with ``compressed_tensors``
 (``w4a16``); this module takes what that one refuses.
 
@@ -19,7 +20,7 @@ nn.Linear weight [O, I], b = num_bits in {4, 8}, G groups:
   llm-compressor GPTQ with activation order before 0.14 removed it): the group of each input
   column. Published dequantization (compressed-tensors <= 0.12 ``_process_quantization``:
   permute by ``argsort(g_idx)``, dequantize per group, permute back) is, element by element,
-  ``w[o, c] = (q[o, c] - zp[o, g_idx[c]]) * s[o, g_idx[c]]``, which is what ``dequantize`` does.
+  ``w[o, c] = (q[o, c] - zp[o, g_idx[c]]) * s[o, g_idx[c]]``, which is what the packing says.
 
 Dequantize (``compressed_tensors.quantization.lifecycle.forward_helpers._dequantize``):
 ``(q.to(s.dtype) - zp.to(s.dtype)) * s`` per group, in the scales' dtype, then the dense dtype
@@ -39,16 +40,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
 from typing import Mapping
 
 import torch
 
-from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
+from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
 from pagedexperts.formats.compressed_tensors import _torch_dtype
 from pagedexperts.formats.linear import ct_linear_format
 from pagedexperts.formats.ct_schemes import ExpertScheme, dense_source_count, expert_in_features, resolved_schemes
 from pagedexperts.formats.packing import WeightPacking, dense_packing, int_packing
+from pagedexperts.formats.unpack import PackedFormat
 
 BITS = (4, 8)
 
@@ -95,51 +96,7 @@ def pack_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme]:
     return schemes
 
 
-def value_shifts(num_bits: int, device) -> torch.Tensor:
-    """int32 [32 / b]: the bit offset of each b-bit value in its word, on ``device``."""
-    return torch.arange(32 // num_bits, dtype=torch.int32, device=device) * num_bits
-
-
-def unpack_last(packed: torch.Tensor, columns: int, num_bits: int, shifts: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 [..., ceil(columns * b / 32)] -> int8 [..., columns]: value minus 2**(b-1).
-
-    Shifts (``value_shifts``, built here when None) and masks, so the host's byte order does not
-    matter. Layout: compressed-tensors' ``pack_to_int32`` (dense packing; b = 4, 8 never
-    straddle a word)."""
-    shifts = value_shifts(num_bits, packed.device) if shifts is None else shifts
-    values = ((packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).flatten(-2)[..., :columns]
-    return (values - (1 << (num_bits - 1))).to(torch.int8)
-
-
-def dequantize_projection(packed, scale, zero_point, g_idx, *, in_features: int, args: PackedArgs,
-                          dtype: torch.dtype, shifts: torch.Tensor | None = None) -> torch.Tensor:
-    """One projection of n experts -> [n, O, I] in ``dtype``.
-
-    packed int32 [n, O, W]; scale [n, O, G]; zero_point int32 [n, ceil(O*b/32), G] or None;
-    g_idx int32 [n, I] or None (columns grouped as c // group_size); ``shifts``: see
-    ``unpack_last``.
-    """
-    q = unpack_last(packed, in_features, args.num_bits, shifts)
-    zp = None
-    if zero_point is not None:
-        zp = unpack_last(zero_point.transpose(-1, -2), scale.shape[-2], args.num_bits, shifts).transpose(-1, -2)
-    if g_idx is not None:  # per column: gather the column's group
-        index = g_idx.long().unsqueeze(-2).expand(-1, scale.shape[-2], -1)  # [n, O, I]
-        s = torch.gather(scale, -1, index)
-        w = q.to(scale.dtype)
-        if zp is not None:
-            w = w - torch.gather(zp, -1, index).to(scale.dtype)
-        return (w * s).to(dtype)
-    groups = scale.shape[-1]
-    if in_features % groups:
-        raise ValueError(f"in_features {in_features} is not a multiple of {groups} scale groups")
-    w = q.unflatten(-1, (groups, in_features // groups)).to(scale.dtype)
-    if zp is not None:
-        w = w - zp.to(scale.dtype).unsqueeze(-1)
-    return (w * scale.unsqueeze(-1)).flatten(-2).to(dtype)
-
-
-class CompressedTensorsPackedFormat(ExpertFormat):
+class CompressedTensorsPackedFormat(PackedFormat):
     """pack-quantized int weights bound per dense experts tensor (bits, group size, symmetry,
     g_idx). Subclasses say which checkpoints they take (``matches``)."""
 
@@ -224,23 +181,6 @@ class CompressedTensorsPackedFormat(ExpertFormat):
         if args.g_idx:
             specs.append(TensorSpec(f"{dense.name}_g_idx", (sources * in_features,), torch.int32))
         return tuple(specs)
-
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Each source dequantized on its own, then concatenated along the rows."""
-        name, args = tensor.dense.name, self.args[tensor.dense.name]
-        in_features = tensor.dense.shape[1]
-        sources = dense_source_count(name)
-
-        def split(suffix):
-            key = f"{name}_{suffix}"
-            return packed[key].chunk(sources, dim=1) if key in packed else (None,) * sources
-
-        device = packed[f"{name}_packed"].device
-        shifts = self.device_constant(f"shifts{args.num_bits}", device, partial(value_shifts, args.num_bits))
-        parts = [dequantize_projection(w, s, z, g, in_features=in_features, args=args, dtype=tensor.dense.dtype,
-                                       shifts=shifts)
-                 for w, s, z, g in zip(split("packed"), split("scale"), split("zero_point"), split("g_idx"))]
-        return parts[0] if sources == 1 else torch.cat(parts, dim=1)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
         """b-bit values along the input dim ([N, K*b/32] words), scales [N, G], zero points

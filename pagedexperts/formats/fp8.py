@@ -10,35 +10,31 @@ W[r, c] = weight[r, c] * weight_scale_inv[r // bm, c // bn].
 Dequantization follows transformers' ``Fp8Dequantize._dequantize_one``
 (integrations/finegrained_fp8.py, transformers 5.24): the block size is derived from the scale
 grid (``rows // scale_rows``), both operands go to float32, one multiply, one cast to the
-model's dtype. Owns also ``quantize_fp8_block``, a round-to-nearest quantizer (tests and the
-``quantize`` command). Does not: read or write files.
+model's dtype: ``block.BlockFormat`` with ``block_from_grid``. Owns the config's recognition
+and ``quantize_fp8_block``, a round-to-nearest quantizer (tests and the ``quantize`` command).
+Does not: unpack (``formats.unpack``), read or write files.
 
 Legend: n experts, bm x bn the weight block, out x in one expert weight's (nn.Linear) shape.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
-
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.packing import WeightPacking, derived_block, float8_packing
+from pagedexperts.formats.base import ceil_div
+from pagedexperts.formats.block import BlockFormat
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-SCALE_SUFFIX = "_scale_inv"
 
 
-@dataclass(frozen=True, repr=False)
-class Fp8BlockFormat(ExpertFormat):
+class Fp8BlockFormat(BlockFormat):
     """Block FP8 with ``block`` = (bm, bn) = ``weight_block_size``."""
 
-    block: tuple[int, int] = (128, 128)
-
     name = "fp8-block"
-    serialized_names = {"weight": ("weight", "weight_scale_inv")}
+    weight_dtype = FP8_DTYPE
+    codes = "e4m3"
+    block_from_grid = True
 
     @classmethod
     def matches(cls, quantization_config: dict | None) -> bool:
@@ -66,63 +62,6 @@ class Fp8BlockFormat(ExpertFormat):
         from transformers import FineGrainedFP8Config
 
         return {"quantization_config": FineGrainedFP8Config(weight_block_size=list(self.block), dequantize=True)}
-
-    def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
-        """A 2-D [out, in] weight -> (fp8 weight [out, in], float32 scale_inv [sources x
-        ceil(out / sources / bm), ceil(in / bn)]); anything else stays dense."""
-        if len(dense.shape) != 2:
-            return (dense,)
-        if transposed:
-            raise ValueError(
-                f"block FP8 of a transposed experts module ({dense.name} {dense.shape}) has no "
-                "published layout"
-            )
-        out, inp = dense.shape
-        bm, bn = self.block
-        scale_rows = sources * ceil_div(out // sources, bm)
-        return (
-            TensorSpec(dense.name, dense.shape, FP8_DTYPE),
-            TensorSpec(dense.name + SCALE_SUFFIX, (scale_rows, ceil_div(inp, bn)), torch.float32),
-        )
-
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """fp8 [n, out, in] x scale_inv [n, sr, sc] -> [n, out, in] in the dense dtype.
-
-        Per source, transformers dequantizes [out/s, in] with its own [sr/s, sc] grid; the
-        sources share block sizes, so dequantizing their concatenation is the same arithmetic.
-
-        Raises:
-            ValueError: weight rows/cols not divisible by the scale grid (as transformers).
-        """
-        weight = packed[tensor.dense.name]
-        scales = packed[tensor.dense.name + SCALE_SUFFIX]
-        return dequantize_fp8_block(weight, scales, tensor.dense.dtype)
-
-    def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """fp8 [N, K], one float32 scale per block; the block derived from the scale grid over
-        the whole (gate + up) tensor, as ``dequantize_fp8_block``."""
-        weight, scale = tensor.packed
-        return float8_packing(tensor, scale=scale, strategy="block", sources=1,
-                              block=derived_block(weight.shape, scale.shape))
-
-
-def dequantize_fp8_block(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Block-FP8 dequantization as transformers' ``Fp8Dequantize._dequantize_one``:
-    weight [..., rows, cols] (float8_e4m3fn), scales [..., sr, sc] (float32) -> [..., rows, cols]
-    in ``dtype``; block = (rows // sr, cols // sc).
-
-    Raises:
-        ValueError: rows or cols not divisible by the scale grid.
-    """
-    q = weight.to(torch.float32)
-    rows, cols = q.shape[-2:]
-    scale_rows, scale_cols = scales.shape[-2:]
-    if rows % scale_rows or cols % scale_cols:
-        raise ValueError(f"Weight shape ({rows}, {cols}) not divisible by scale grid ({scale_rows}, {scale_cols}).")
-    block_m, block_n = rows // scale_rows, cols // scale_cols
-    s = scales.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2)
-    blocks = q.reshape(-1, scale_rows, block_m, scale_cols, block_n)
-    return (blocks * s).to(dtype).reshape(q.shape)
 
 
 def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:

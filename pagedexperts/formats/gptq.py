@@ -1,9 +1,9 @@
 """GPTQ experts, 2/4/8 bits (AutoGPTQ / GPTQModel / AutoRound ``auto_gptq`` checkpoints, ``quant_method: gptq``).
 
-Owns: recognising the format, the packed per-expert tensor specs, GPTQModel's per-module
-``dynamic`` overrides (``formats.gptq_dynamic``), and the unpack + dequantize of some experts'
-packed rows. Does not: read files, store, page, or quantize (GPTQ needs calibration;
-``quantize`` writes w4a16 instead).
+Owns: recognising the format, the packed per-expert tensor specs and their ``WeightPacking``,
+GPTQModel's per-module ``dynamic`` overrides (``formats.gptq_dynamic``). Does not: unpack
+(``formats.unpack`` interprets the packing), read files, store, page, or quantize (GPTQ needs
+calibration; ``quantize`` writes w4a16 instead).
 
 On-disk layout (GPTQModel 7.7 ``nn_modules/qlinear/__init__.py`` ``PackableQuantLinear.pack`` and
 ``dequantize_weight``; AutoGPTQ's ``QuantLinear`` before it), per expert projection
@@ -20,8 +20,9 @@ g > I or g = -1: GPTQModel writes ``g_idx`` = i // g, all 0):
   (z = 0) carries back into the next value; "gptq_v2" stores z;
 - ``scales`` [G, O] float16 (GPTQModel and AutoRound write float16; bound to what the
   checkpoint stores, ``with_stored_dtypes``);
-- ``g_idx`` int32 [I]: the group of each input channel; ``i // g`` without ``desc_act``, any
-  permutation-derived grouping with it (act-order), so dequantization always indexes by it.
+- ``g_idx`` int32 [I]: the group of each input channel; ``i // g`` without ``desc_act`` (what
+  GPTQModel writes, and what the packing then reads: ``packing.g_idx_is_trivial`` checks rows),
+  any permutation-derived grouping with it (act-order), read per column.
 
 Dequantize (``dequantize_weight``): ``W^T[i, o] = scales[g_idx[i], o] * (q[i, o] -
 z[g_idx[i], o])`` in the scales' dtype (the integer difference is exact; one rounding in the
@@ -38,79 +39,21 @@ from typing import Mapping
 
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.base import QuantizedTensor, TensorSpec
 from pagedexperts.formats.gptq_dynamic import IntArgs, dynamic_override, expert_args, module_args
 from pagedexperts.formats.packing import WeightPacking, int_packing
+from pagedexperts.formats.unpack import PackedFormat
 
 SCALE_DTYPE = torch.float16  # GPTQ checkpoints store float16 scales
 BITS = (2, 4, 8)  # whole values per int32 word (3-bit GPTQ straddles words: refused)
 CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> offset added to stored zeros
-V1_ZERO_OFFSET = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}  # GPTQModel's per-word +1 of each value
 
 
 def per_word(bits: int) -> int:
     return 32 // bits
 
 
-def bit_shifts(bits: int, device) -> torch.Tensor:
-    """int32 [32 / b]: 0, b, 2b, ... the right shifts of each b-bit value in a 32-bit word (GPTQ's
-    packing: value j of a word in bits [j b, (j + 1) b)). Built once per device by the formats
-    (``ExpertFormat.device_constant``): a host-to-device copy otherwise, every call."""
-    return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
-
-
-def unpack_rows(packed: torch.Tensor, bits: int = 4, shifts: torch.Tensor | None = None) -> torch.Tensor:
-    """b-bit values packed along dim -2: int [..., R * b / 32, C] -> int [..., R, C] in 0..2**b - 1.
-    ``shifts``: ``bit_shifts(bits)`` on packed's device (built here when None)."""
-    shifts = bit_shifts(bits, packed.device) if shifts is None else shifts
-    values = (packed.unsqueeze(-2) >> shifts.view(-1, 1)) & ((1 << bits) - 1)  # [..., R*b/32, 32/b, C]
-    return values.flatten(-3, -2)
-
-
-def unpack_cols(packed: torch.Tensor, bits: int = 4, shifts: torch.Tensor | None = None) -> torch.Tensor:
-    """b-bit values packed along dim -1: int [..., R, C * b / 32] -> int [..., R, C] in 0..2**b - 1.
-    ``shifts``: as ``unpack_rows``."""
-    shifts = bit_shifts(bits, packed.device) if shifts is None else shifts
-    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
-
-
-def zero_points(qzeros: torch.Tensor, *, bits: int, zero_offset: int,
-                shifts: torch.Tensor | None = None) -> torch.Tensor:
-    """Stored qzeros int32 [..., G, O * b / 32] -> zero points int64 [..., G, O]: v1 (``zero_offset``
-    1) adds ``V1_ZERO_OFFSET`` to each 32-bit word, carries included, as GPTQModel does."""
-    words = qzeros.long() & 0xFFFFFFFF
-    if zero_offset:
-        words = (words + V1_ZERO_OFFSET[bits]) & 0xFFFFFFFF
-    return unpack_cols(words, bits, shifts)
-
-
-def dequantize_gptq(
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    g_idx: torch.Tensor,
-    *,
-    zero_offset: int,
-    dtype: torch.dtype,
-    bits: int = 4,
-    shifts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One projection of n experts -> dense [n, O, I] in ``dtype``.
-
-    qweight int32 [n, I*b/32, O]; qzeros int32 [n, G, O*b/32]; scales [n, G, O] (the compute
-    dtype); g_idx int [n, I]; ``zero_offset`` 1 for v1 checkpoints (stored z - 1), 0 for v2;
-    ``shifts``: ``bit_shifts(bits)`` on the tensors' device (built here when None).
-    """
-    q = unpack_rows(qweight, bits, shifts)  # [n, I, O]
-    z = zero_points(qzeros, bits=bits, zero_offset=zero_offset, shifts=shifts)  # [n, G, O]
-    index = g_idx.long().unsqueeze(-1).expand(-1, -1, q.shape[-1])  # [n, I, O]
-    z_i = torch.gather(z, 1, index)
-    s_i = torch.gather(scales, 1, index)
-    w = (q.long() - z_i).to(scales.dtype) * s_i  # [n, I, O]
-    return w.transpose(-1, -2).to(dtype).contiguous()  # the layout the experts kernel and nn.Linear receive
-
-
-class GptqFormat(ExpertFormat):
+class GptqFormat(PackedFormat):
     """GPTQ experts, 2/4/8 bits, any group size (one group when it exceeds a row), with or
     without desc_act, bound per dense experts tensor (GPTQModel's ``dynamic`` overrides)."""
 
@@ -122,7 +65,7 @@ class GptqFormat(ExpertFormat):
                  per_tensor: Mapping[str, IntArgs] | None = None, dynamic: dict | None = None) -> None:
         self.args = IntArgs(bits, group_size, sym)  # the base config's; ``per_tensor`` overrides it per dense tensor
         self.per_tensor = dict(per_tensor or {})
-        self.desc_act = desc_act  # informational: g_idx is always what groups the input channels
+        self.desc_act = desc_act  # act-order: g_idx read per column; without it groups are k // group_size
         self.zero_offset = zero_offset
         self.scale_dtype = scale_dtype  # the checkpoint's (``with_stored_dtypes``): dequantize computes in it
         self.dynamic = dynamic
@@ -215,25 +158,6 @@ class GptqFormat(ExpertFormat):
             TensorSpec(f"{dense.name}_scales", (groups, rows), self.scale_dtype, concat_dim=1),
             TensorSpec(f"{dense.name}_g_idx", (sources * in_features,), torch.int32, concat_dim=0),
         )
-
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Packed rows of n experts -> [n, *dense.shape]; each source on its own, then
-        concatenated along dim 1 (the dense output dim)."""
-        name, bits = tensor.dense.name, self.tensor_args(tensor.dense.name).bits
-        sources = next(p for p in tensor.packed if p.name == f"{name}_g_idx").shape[0] // tensor.dense.shape[1]
-        shifts = self.device_constant(f"shifts{bits}", packed[f"{name}_qweight"].device,
-                                      lambda device: bit_shifts(bits, device))
-        parts = [
-            dequantize_gptq(qw, qz, s, g, zero_offset=self.zero_offset, dtype=tensor.dense.dtype, bits=bits,
-                            shifts=shifts)
-            for qw, qz, s, g in zip(
-                packed[f"{name}_qweight"].chunk(sources, dim=2),
-                packed[f"{name}_qzeros"].chunk(sources, dim=2),
-                packed[f"{name}_scales"].chunk(sources, dim=2),
-                packed[f"{name}_g_idx"].chunk(sources, dim=1),
-            )
-        ]
-        return parts[0] if sources == 1 else torch.cat(parts, dim=1)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
         """qweight [K/8, N] (input-major), qzeros [G, N/8] (+ the v1 offset), scales [G, N]

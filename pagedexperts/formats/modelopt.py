@@ -1,8 +1,9 @@
 """NVIDIA ModelOpt experts (``quant_method: modelopt``, ``quant_algo`` NVFP4 or FP8), as
 ``modelopt.torch.export.export_hf_checkpoint`` writes them.
 
-Owns: recognising the two algorithms in config.json, the per-expert packed specs, and the
-dequantize of some experts' rows. Does not: read files, store, page, or quantize activations.
+Owns: recognising the two algorithms in config.json, the per-expert packed specs and their
+``WeightPacking`` (``formats.unpack`` dequantizes). Does not: read files, store, page, or
+quantize activations.
 
 On-disk layout (nvidia-modelopt 0.47, ``torch/export/unified_export_hf.py`` and
 ``moe_utils._export_fused_experts``: transformers' fused experts ``gate_up_proj`` [E, 2I, H] are
@@ -45,16 +46,15 @@ Legend: n experts dequantized together, O output features, I input features, G g
 from __future__ import annotations
 
 import fnmatch
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec, store_name
+from pagedexperts.formats.base import QuantizedTensor, TensorSpec, store_name
 from pagedexperts.formats.compressed_tensors import _torch_dtype
 from pagedexperts.formats.packing import WeightPacking, float8_packing, fp4_packing
+from pagedexperts.formats.unpack import PackedFormat
 
-# ModelOpt's e2m1 lookup (nvfp4_tensor.e2m1_values): code -> value, sign in bit 3, code 8 = +0.
-E2M1_VALUES = (0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6)
 NVFP4_GROUP = 16
 # A routed expert's projections as the checkpoint names them (Qwen3-MoE / DeepSeek-V3; Mixtral).
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
@@ -71,41 +71,8 @@ def _field(quantization_config: dict, key: str):
     return quantization_config.get(key, (quantization_config.get("quantization") or {}).get(key))
 
 
-def e2m1_values(device) -> torch.Tensor:
-    """float32 [16]: ModelOpt's e2m1 value of every code, on ``device``."""
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-
-
-def unpack_e2m1(packed: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
-    """uint8 [..., I/2] -> float32 [..., I]: ModelOpt's unpack (high nibble -> odd column) and
-    e2m1 table lookup (``table``: ``e2m1_values`` on packed's device, built when None)."""
-    if packed.dtype != torch.uint8:
-        raise ValueError(f"packed NVFP4 tensor must be uint8, got {packed.dtype}")
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-    table = e2m1_values(packed.device) if table is None else table
-    return table[codes.long()]
-
-
-def dequantize_nvfp4(packed, scale, scale_2, *, dtype: torch.dtype, table=None) -> torch.Tensor:
-    """One NVFP4 projection of n experts -> [n, O, I] in ``dtype``.
-
-    packed uint8 [n, O, I/2]; scale float8_e4m3fn [n, O, I/16]; scale_2 float32 [n, 1];
-    ``table``: see ``unpack_e2m1``.
-    """
-    values = unpack_e2m1(packed, table)
-    per_block = scale.to(torch.float32) * scale_2.reshape(-1, 1, 1).to(torch.float32)
-    w = values.unflatten(-1, (scale.shape[-1], NVFP4_GROUP)) * per_block.unsqueeze(-1)
-    return w.flatten(-2).to(dtype)
-
-
-def dequantize_fp8(weight, scale, *, dtype: torch.dtype) -> torch.Tensor:
-    """One per-tensor FP8 projection of n experts: fp8 [n, O, I], scale float32 [n, 1] ->
-    ``weight.to(dtype) * scale.to(dtype)`` [n, O, I]."""
-    return weight.to(dtype) * scale.reshape(-1, 1, 1).to(dtype)
-
-
-class _ModelOptFormat(ExpertFormat):
-    """Shared: matching one ``quant_algo``, refusals, the per-source specs and dequantize."""
+class _ModelOptFormat(PackedFormat):
+    """Shared: matching one ``quant_algo``, refusals and the per-source specs."""
 
     quant_algo: ClassVar[str] = ""
     serialized_names = {"weight": ("weight", "weight_scale", "input_scale")}
@@ -158,19 +125,7 @@ class _ModelOptFormat(ExpertFormat):
     def _weight_specs(self, dense: TensorSpec) -> tuple[TensorSpec, ...]:
         raise NotImplementedError
 
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Packed rows of n experts -> [n, *dense.shape] in the dense dtype: each source
-        dequantized with its own per-tensor scale (into the saved dtype), concatenated on dim 1."""
-        name = tensor.dense.name
-        sources = packed[f"{name}_input_scale"].shape[1]
-        dtype = self.saved_dtype or tensor.dense.dtype
-        parts = [self._dequantize_source({k: v.chunk(sources, dim=1)[i] for k, v in packed.items()}, name, dtype)
-                 for i in range(sources)]
-        out = parts[0] if sources == 1 else torch.cat(parts, dim=1)
-        return out.to(tensor.dense.dtype)
 
-    def _dequantize_source(self, packed: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class ModelOptNvfp4Format(_ModelOptFormat):
@@ -203,19 +158,16 @@ class ModelOptNvfp4Format(_ModelOptFormat):
         return (TensorSpec(dense.name, (rows, in_features // 2), torch.uint8),
                 TensorSpec(f"{dense.name}_scale", (rows, in_features // NVFP4_GROUP), torch.float8_e4m3fn))
 
-    def _dequantize_source(self, packed, name, dtype) -> torch.Tensor:
-        table = self.device_constant("e2m1", packed[name].device, e2m1_values)
-        return dequantize_nvfp4(packed[name], packed[f"{name}_scale"], packed[f"{name}_scale_2"], dtype=dtype,
-                                table=table)
-
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """e2m1 [N, K/2], e4m3 scales per 16 columns times the source's ``weight_scale_2`` in
-        float32, the product rounded to the saved dtype, then the dense dtype."""
+        """e2m1 [N, K/2] (ModelOpt's table, ``nvfp4_tensor.e2m1_values``: code 8 is +0.0), e4m3
+        scales per 16 columns times the source's ``weight_scale_2`` in float32, the product
+        rounded to the saved dtype, then the dense dtype."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         scale_2 = specs[f"{name}_scale_2"]
         return fp4_packing(tensor, weight=specs[name], scale=specs[f"{name}_scale"], scale_codes="e4m3",
                            group_size=NVFP4_GROUP, sources=scale_2.shape[0], global_scale=scale_2,
-                           global_op="multiply", round_dtype=self.saved_dtype or tensor.dense.dtype)
+                           global_op="multiply", round_dtype=self.saved_dtype or tensor.dense.dtype,
+                           negative_zero=False)
 
 
 class ModelOptFp8Format(_ModelOptFormat):
@@ -230,9 +182,6 @@ class ModelOptFp8Format(_ModelOptFormat):
 
     def _weight_specs(self, dense: TensorSpec) -> tuple[TensorSpec, ...]:
         return (TensorSpec(dense.name, dense.shape, torch.float8_e4m3fn),)
-
-    def _dequantize_source(self, packed, name, dtype) -> torch.Tensor:
-        return dequantize_fp8(packed[name], packed[f"{name}_scale"], dtype=dtype)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
         """fp8 [N, K] with one float32 scale per source, multiplied in the saved dtype."""

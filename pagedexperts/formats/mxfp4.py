@@ -8,30 +8,31 @@ uint8 [E, 2I, H/32] (E8M0: the block's scale is 2 ** (byte - 127)), ``down_proj_
 and ``down_proj_bias`` [E, H] stay unquantized. The packed weight is [out, in] per expert while
 the dense module keeps gpt-oss's transposed [in, out] (``is_transposed``).
 
-Dequantization is bit-identical to transformers' ``_convert_moe_packed_tensors``
-(integrations/mxfp4.py, transformers 5.24: a lookup table in the model's dtype, low nibbles to
-the even columns and high nibbles to the odd ones, ``torch.ldexp`` by the int32 exponent in
-place, then ``transpose(1, 2).contiguous()``) with fewer passes (see ``dequantize_mxfp4``). Owns also ``quantize_mxfp4``, a round-to-nearest
-quantizer (tests and the ``quantize`` command). Does not: read or write files.
+Dequantization (the packing, ``formats.unpack``) is bit-identical to transformers'
+``_convert_moe_packed_tensors`` (integrations/mxfp4.py, transformers 5.24: a lookup table in the
+model's dtype, low nibbles to the even columns and high nibbles to the odd ones, ``torch.ldexp``
+by the int32 exponent in place, then ``transpose(1, 2).contiguous()``): ``ldexp`` is ``out *
+2.0 ** exp`` computed in float32 (``pow`` of an int32 tensor is float32) and rounded once to the
+model's dtype, and the e2m1 values are exact in every dtype, so the product of the float32 value
+and the float32 power of two, rounded once, is the same. Owns also ``quantize_mxfp4``, a
+round-to-nearest quantizer (tests and the ``quantize`` command). Does not: read or write files.
 
 Legend: n experts, out x in one expert weight's (nn.Linear) shape, G = in / 32 blocks.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import torch
 
-from pagedexperts.formats.base import ExpertFormat, QuantizedTensor, TensorSpec
+from pagedexperts.formats.base import QuantizedTensor, TensorSpec
 from pagedexperts.formats.packing import WeightPacking, fp4_packing
+from pagedexperts.formats.unpack import E2M1_MAGNITUDES, PackedFormat
 
 BLOCK = 32  # FP4 values per scale
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_BIAS = 127
 
 
-class Mxfp4Format(ExpertFormat):
+class Mxfp4Format(PackedFormat):
     """MXFP4 routed experts (gpt-oss): ``*_blocks`` and ``*_scales`` per weight, biases dense."""
 
     name = "mxfp4"
@@ -70,12 +71,6 @@ class Mxfp4Format(ExpertFormat):
             TensorSpec(dense.name + "_scales", (out, inp // BLOCK), torch.uint8),
         )
 
-    def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """blocks [n, out, G, 16] + scales [n, out, G] -> [n, in, out] in the dense dtype."""
-        name = tensor.dense.name
-        table = self.device_constant("bytes", packed[name + "_blocks"].device, byte_table)
-        return dequantize_mxfp4(packed[name + "_blocks"], packed[name + "_scales"], tensor.dense.dtype, table=table)
-
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = True) -> WeightPacking:
         """blocks [N, K/32, 16] (e2m1, low nibble first) with an E8M0 scale per 32 inputs,
         multiplied in float32; the dense module is [K, N] (gpt-oss's transposed experts)."""
@@ -83,33 +78,6 @@ class Mxfp4Format(ExpertFormat):
         in_features, out_features = tensor.dense.shape
         return fp4_packing(tensor, weight=blocks, scale=scales, scale_codes="e8m0", group_size=BLOCK, sources=1,
                            n=out_features, k=in_features)
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                     table: torch.Tensor | None = None) -> torch.Tensor:
-    """blocks uint8 [n, out, G, B], scales uint8 [n, out, G] -> [n, G * B * 2, out] in ``dtype``,
-    bit-identical to transformers' ``_convert_moe_packed_tensors``.
-
-    transformers writes ``lut[low]``, ``lut[high]`` (a ``dtype`` table: the e2m1 values are
-    exact in bf16 and fp16) and calls ``torch.ldexp(out, exp, out=out)``, which is
-    ``out * 2.0 ** exp`` computed in float32 (``pow`` of an int32 tensor is float32) and rounded
-    once to ``dtype``. Here one gather of a [256, 2] table (both nibbles of a byte, float32)
-    times the same float32 power of two, rounded once: the same two roundings of the same
-    products (the table values are exact in every dtype).
-    """
-    pairs = (byte_table(blocks.device) if table is None else table)[blocks.to(torch.long)]  # [n, out, G, B, 2] float32
-    powers = torch.pow(2.0, scales.to(torch.int32) - E8M0_BIAS)  # float32 [n, out, G]
-    out = (pairs * powers[..., None, None]).to(dtype)
-    *prefix, groups, width, _ = out.shape
-    return out.reshape(*prefix, groups * width * 2).transpose(1, 2).contiguous()
-
-
-def byte_table(device) -> torch.Tensor:
-    """[256, 2] float32: (low nibble's e2m1 value, high nibble's) of every byte, on ``device``
-    (``table`` of ``dequantize_mxfp4``)."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
-    codes = torch.arange(256, device=device)
-    return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +97,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -E8M0_BIAS))
     exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
     scaled = w / torch.exp2(exponent)
-    magnitudes = torch.tensor(FP4_VALUES[:8])
+    magnitudes = torch.tensor(E2M1_MAGNITUDES)
     code = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1).to(torch.uint8)
     code = code | ((scaled < 0).to(torch.uint8) << 3)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)

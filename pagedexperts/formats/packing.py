@@ -7,17 +7,22 @@ value offset), how scales and zero points are laid out (per tensor, channel, gro
 per checkpoint source), and the dtypes of the format's own dequantization. A kernel that reads
 only a ``WeightPacking`` and the packed rows computes the dense weight bit for bit as the
 format's ``dequantize`` does (``paging.kernels.fused_moe_kernel``). Each format builds its
-packing in ``ExpertFormat.packing``. Does not: dequantize, read files or launch anything.
+packing in ``ExpertFormat.packing``; ``formats.unpack`` interprets it in torch (the formats'
+``dequantize``, and the reference the kernels are tested against). Owns also the names of the
+encodings (``CODES``, ``PACKED_DIMS``, ``SCALE_CODES``, ``GLOBAL_SCALES``), which the kernels
+take as constexprs as they are. Does not: unpack, read files or launch anything.
 
 The weight is always described as nn.Linear's ``W [N, K]`` (N ``out_features``, K
 ``in_features``), whatever the dense module's orientation (gpt-oss stores [K, N]); element
 ``W[n, k]`` of one expert is, in the format's own arithmetic:
 
 - value ``v``: ``dense``: the element itself; ``int``: the ``bits``-wide field (unsigned) minus
-  the zero point ``((z_word + zero_word()) >> shift) & mask`` (``zero_offset`` added to every
-  field of the word as ONE addition, carries included, as GPTQModel converts v1 zeros) when a
-  ``zero`` role exists, else minus
-  ``value_offset``; ``e4m3`` / ``e2m1``: the float8 / float4 code's value;
+  the zero point when a ``zero`` role exists, else minus ``value_offset``; the zero point is
+  ``((z_word + zero_word()) >> shift) & mask`` (``zero_offset`` added to every field of the word
+  as ONE addition, carries included, as GPTQModel converts v1 zeros) or, without
+  ``zero_carries``, ``((z_word >> shift) & mask) + zero_offset`` (per field, no wrap: AutoRound's
+  ``auto_gptq`` packing); ``e4m3`` / ``e2m1``: the float8 / float4 code's value (e2m1 code 8, the
+  sign bit over magnitude 0, is -0.0, or +0.0 without ``negative_zero``: ModelOpt's table);
 - scale ``s``: the ``scale`` row's element at (source row block, input group): input group
   ``k // group_size`` (``g_idx[source * K + k]`` when a ``g_idx`` role exists; one group when
   ``group_size`` is 0); output index ``(n // source_rows) * ceil(source_rows / block_rows) +
@@ -81,6 +86,8 @@ class WeightPacking:
     block_rows: int = 1  # output rows per scale, inside one source
     source_rows: int = 0  # output rows per checkpoint source (gate, up); 0: N
     zero_offset: int = 0  # added to each stored zero point (GPTQ v1 stores z - 1), per word: ``zero_word``
+    zero_carries: bool = True  # zero_offset added to the whole word (carries); False: to each field, no wrap
+    negative_zero: bool = True  # e2m1 code 8 decodes to -0.0; False: +0.0 (ModelOpt's e2m1 table)
     global_scale: str = "none"
     mul_dtype: torch.dtype = torch.float32
     round_dtype: torch.dtype | None = None
@@ -99,8 +106,8 @@ class WeightPacking:
         if (self.scale == "none") != ("scale" not in roles) or (self.global_scale == "none") != ("global_scale" not in roles):
             raise ValueError(f"WeightPacking scale={self.scale!r} global_scale={self.global_scale!r} disagree "
                              f"with the roles {sorted(roles)}")
-        if self.packed_dim != "none" and self.bits not in (4, 8):
-            raise ValueError(f"WeightPacking packed along {self.packed_dim!r} with bits={self.bits}: only 4 and 8")
+        if self.packed_dim != "none" and self.bits not in (2, 4, 8):
+            raise ValueError(f"WeightPacking packed along {self.packed_dim!r} with bits={self.bits}: only 2, 4 and 8")
         for dtype in (self.dense_dtype, self.mul_dtype) + ((self.round_dtype,) if self.round_dtype else ()):
             if dtype not in FLOAT_DTYPES:
                 raise ValueError(f"WeightPacking dtype {dtype}: choose one of {list(FLOAT_DTYPES)}")
@@ -126,8 +133,9 @@ class WeightPacking:
     def zero_word(self) -> int:
         """``zero_offset`` in every ``bits``-wide field of a 32-bit zero-point word (GPTQ v1, 4 bits:
         0x11111111), added to the word as one integer so that a borrow GPTQModel's v2 -> v1 save
-        made (z = 0) carries back (``formats.gptq.zero_points``); 0 without an offset."""
-        if not self.zero_offset:
+        made (z = 0) carries back (``formats.gptq``); 0 without an offset or without
+        ``zero_carries`` (then ``zero_offset`` is added to each field after unpacking)."""
+        if not self.zero_offset or not self.zero_carries:
             return 0
         return self.zero_offset * sum(1 << (self.bits * i) for i in range(32 // self.bits))
 
@@ -157,24 +165,28 @@ def dense_packing(tensor: "QuantizedTensor", *, transposed: bool) -> WeightPacki
 
 
 def float8_packing(tensor: "QuantizedTensor", *, scale: TensorSpec, strategy: str, sources: int,
-                   block: tuple[int, int] | None = None, codes: str = "e4m3", mul_dtype=torch.float32) -> WeightPacking:
+                   block: tuple[int, int] | None = None, codes: str = "e4m3", mul_dtype=torch.float32,
+                   scale_codes: str = "float") -> WeightPacking:
     """An 8-bit weight [N, K] (float8_e4m3fn or int8, one value per byte) with a per-``strategy``
-    scale (tensor: one per source; channel: [N, 1]; block: [sources * ceil(O / bm), ceil(K / bn)])."""
+    scale (tensor: one per source; channel: [N, 1]; block: [sources * ceil(O / bm), ceil(K / bn)];
+    group: [N, K / g], ``block`` (1, g))."""
     n, k = tensor.dense.shape
     weight = next(p for p in tensor.packed if p.name == tensor.dense.name)
     source_rows = n // sources
-    block_rows = {"tensor": source_rows, "channel": 1, "block": block[0] if block else 1}[strategy]
+    block_rows = {"tensor": source_rows, "channel": 1, "block": block[0] if block else 1, "group": 1}[strategy]
     return WeightPacking(n, k, tensor.dense.dtype, (("weight", weight), ("scale", scale)), codes=codes,
-                         bits=0, scale=strategy, group_size=block[1] if strategy == "block" else 0,
+                         bits=0, scale=strategy, scale_codes=scale_codes,
+                         group_size=block[1] if strategy in ("block", "group") else 0,
                          block_rows=block_rows, source_rows=source_rows, mul_dtype=mul_dtype)
 
 
 def int_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorSpec, bits: int, packed_dim: str,
                 sources: int, group_size: int, zero: TensorSpec | None = None, g_idx: TensorSpec | None = None,
                 transposed: bool = False, interleaved: bool = False, zero_offset: int = 0,
-                mul_dtype: torch.dtype | None = None) -> WeightPacking:
-    """An int weight packed in int32 words (GPTQ, AWQ, compressed-tensors pack-quantized):
-    symmetric (value offset 2**(bits-1)) without a ``zero`` spec, zero points otherwise."""
+                zero_carries: bool = True, mul_dtype: torch.dtype | None = None) -> WeightPacking:
+    """An int weight packed in int32 words (GPTQ, AWQ, AutoRound, compressed-tensors
+    pack-quantized): symmetric (value offset 2**(bits-1)) without a ``zero`` spec, zero points
+    otherwise."""
     n, k = tensor.dense.shape
     roles = [("weight", weight), ("scale", scale)]
     roles += [("zero", zero)] if zero is not None else []
@@ -183,20 +195,21 @@ def int_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorS
                          transposed=transposed, interleaved=interleaved,
                          value_offset=0 if zero is not None else 1 << (bits - 1), scale="group",
                          group_size=0 if group_size >= k else group_size, source_rows=n // sources,
-                         zero_offset=zero_offset, mul_dtype=mul_dtype or scale.dtype)
+                         zero_offset=zero_offset, zero_carries=zero_carries, mul_dtype=mul_dtype or scale.dtype)
 
 
 def fp4_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorSpec, scale_codes: str, group_size: int,
                 sources: int, global_scale: TensorSpec | None = None, global_op: str = "none",
                 round_dtype: torch.dtype | None = None, mul_dtype=torch.float32, n: int | None = None,
-                k: int | None = None) -> WeightPacking:
+                k: int | None = None, negative_zero: bool = True) -> WeightPacking:
     """e2m1 codes, two per byte, low nibble first, along the input dim ([N, K/2]), with a group
     scale (e4m3 per 16 or E8M0 per 32) and optionally a per-source global scale."""
     n, k = (n, k) if n is not None else tensor.dense.shape
     roles = [("weight", weight), ("scale", scale)] + ([("global_scale", global_scale)] if global_scale else [])
     return WeightPacking(n, k, tensor.dense.dtype, tuple(roles), codes="e2m1", bits=4, packed_dim="in",
                          scale="group", scale_codes=scale_codes, group_size=group_size, source_rows=n // sources,
-                         global_scale=global_op, mul_dtype=mul_dtype, round_dtype=round_dtype)
+                         global_scale=global_op, mul_dtype=mul_dtype, round_dtype=round_dtype,
+                         negative_zero=negative_zero)
 
 
 def derived_block(weight_shape: tuple[int, int], scale_shape: tuple[int, int]) -> tuple[int, int]:

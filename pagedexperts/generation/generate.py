@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from transformers import LogitsProcessorList
 
 from pagedexperts.generation.config import GREEDY, SamplingConfig
 from pagedexperts.generation.graphs import decode_graphs_for
@@ -128,11 +129,17 @@ def generate_text(
     *,
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
+    logits_processor: Callable | None = None,
 ) -> GenerationResult:
     """Generate from ``prompt`` on a model from ``load_model``; stream text to ``on_text``.
 
     Timing: TTFT = from the call to the first new token (seconds); decode tok/s = (new
     tokens - 1) / time from the first to the last new token.
+
+    ``logits_processor``: (ids [1, t], logits [1, V]) -> scores [1, V] to choose from (the argmax
+    when ``sampling.temperature`` is 0, else a draw from their softmax), in place of transformers'
+    temperature and top-p warpers and of any sampling knob the checkpoint's generation_config
+    sets (``generate`` passes ``engine.logits_processor.SamplingProcessor``: serve's rule).
 
     Raises:
         ValueError: bad sampling options, empty prompt, or --chat without a chat template.
@@ -150,7 +157,10 @@ def generate_text(
     runtime.reset_stats()
     streamer = _TimingStreamer(tokenizer, on_text, lambda: _totals(runtime.stats(), times=False), tuple(sampling.stop))
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, streamer=streamer, pad_token_id=tokenizer.pad_token_id)
-    if sampling.temperature > 0:
+    if logits_processor is not None:  # it owns every knob: transformers' own are cleared
+        kwargs.update(GREEDY, do_sample=sampling.temperature > 0, min_p=None, repetition_penalty=None,
+                      logits_processor=LogitsProcessorList([logits_processor]))
+    elif sampling.temperature > 0:
         kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
     else:
         kwargs.update(GREEDY)
@@ -164,7 +174,7 @@ def generate_text(
     else:  # decode steps replayed from CUDA graphs over a static cache (prefill eager)
         opts = DecodeOptions(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                              top_p=sampling.top_p, stop_strings=tuple(sampling.stop), tokenizer=tokenizer,
-                             pad_token_id=tokenizer.pad_token_id)
+                             pad_token_id=tokenizer.pad_token_id, logits_processor=logits_processor)
         out = static_generate(model, graphs, inputs["input_ids"], inputs["attention_mask"], opts, streamer=streamer)
     end = time.perf_counter()
     new = out[0, inputs["input_ids"].shape[1]:]

@@ -3,7 +3,7 @@
 Owns: ``static_generate``, the loop ``generation.generate`` runs when decode graphs are on:
 prefill the prompt eagerly into the batch size's static cache, then for each new token choose
 it from the last logits (greedy argmax, or transformers' own temperature / top-p warpers and
-``torch.multinomial``, as ``generate`` samples), stream it, stop at EOS or a stop string, and
+``torch.multinomial``, as ``generate`` samples; or the caller's logits processor first), stream it, stop at EOS or a stop string, and
 run the next decode step through ``DecodeGraphs.decode`` (a CUDA-graph replay). Finished rows
 are padded with the pad token, as ``generate`` does. Greedy tokens equal transformers' greedy
 ``generate`` (tests/test_decode_graphs.py); logits may differ from its dynamic cache in the
@@ -23,7 +23,9 @@ import torch
 @dataclass(frozen=True)
 class DecodeOptions:
     """max_new_tokens N >= 1; temperature 0 = greedy; top_p in (0, 1]; ignore_eos: always N
-    tokens (benchmarks); stop_strings with their tokenizer; pad_token_id for finished rows."""
+    tokens (benchmarks); stop_strings with their tokenizer; pad_token_id for finished rows;
+    logits_processor: (ids [B, t], logits [B, V]) -> the scores to choose from, in place of the
+    temperature and top-p warpers (``generate.generate_text``)."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -32,6 +34,7 @@ class DecodeOptions:
     stop_strings: tuple[str, ...] = ()
     tokenizer: object = None
     pad_token_id: int | None = None
+    logits_processor: object = None
 
 
 def _eos_ids(model) -> list[int]:
@@ -41,6 +44,14 @@ def _eos_ids(model) -> list[int]:
 
 def _chooser(opts: DecodeOptions):
     """(ids [B, t], logits [B, V]) -> next ids [B] int64, as ``generate`` chooses them."""
+    if opts.logits_processor is not None:
+        def choose_processed(ids, logits):
+            scores = opts.logits_processor(ids, logits.float())
+            if opts.temperature <= 0:
+                return torch.argmax(scores, dim=-1)
+            return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+
+        return choose_processed
     if opts.temperature <= 0:
         return lambda ids, logits: torch.argmax(logits.float(), dim=-1)
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper

@@ -6,6 +6,12 @@ Owns ``stop_cut`` (the part of a decode that may be shown) and ``IncrementalText
 shown so far, grown one decode at a time). An incomplete UTF-8 character decodes as U+FFFD
 until its last byte arrives; text is held back until its characters are complete AND cannot be
 the start of a stop string, so a stop string is never shown, not even in part.
+
+Two of vLLM's options change the rule (the server's; ``generate`` uses neither): with
+``include_stop_str_in_output`` the text ends AFTER the first stop string and nothing is held
+back for it; with ``min_tokens`` a stop string counts only where it ends in the text of a token
+after the first min_tokens (``IncrementalText.stop_from``, vLLM's detokenizer's
+``stop_check_offset``: it may start in earlier text).
 Does not: decide when to stop generating (transformers' ``StopStringCriteria`` in
 ``generation``, the scheduler in ``engine``), or tokenize.
 """
@@ -17,21 +23,23 @@ from dataclasses import dataclass
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def stop_cut(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+def stop_cut(text: str, stops: tuple[str, ...], *, start: int = 0, include: bool = False) -> tuple[str, bool]:
     """(the part of ``text`` that may be shown, whether a stop string ended it).
 
-    With a stop string in ``text``: everything before its first occurrence, True. Otherwise
-    the text without (1) trailing incomplete characters (U+FFFD at the end) and (2) the
-    longest tail of the remaining complete text that is a proper prefix of some stop string
+    With a stop string in ``text`` ending after character ``start`` (0: anywhere): everything
+    before its first such occurrence (``include``: up to its end), True. Otherwise the text
+    without (1) trailing incomplete characters (U+FFFD at the end) and (2), unless ``include``,
+    the longest tail of the remaining complete text that is a proper prefix of some stop string
     (it may still become one), False. The hold-back looks at complete text only: a partial
     character after "界 " must not hide that "界 " starts the stop "界 😀".
     """
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut], True
+    found = [(i, i + len(s)) for i, s in ((text.find(s, max(0, start - len(s) + 1)), s) for s in stops) if i >= 0]
+    if found:
+        begin, end = min(found)
+        return text[:end if include else begin], True
     complete = text.rstrip(REPLACEMENT_CHAR)
     keep = len(complete)
-    for s in stops:
+    for s in stops if not include else ():
         for n in range(min(len(s) - 1, len(complete)), 0, -1):
             if complete.endswith(s[:n]):
                 keep = min(keep, len(complete) - n)
@@ -47,13 +55,18 @@ class IncrementalText:
     (new text to send, whether a stop string was reached). ``complete`` = the sequence ended
     for another reason (end of sequence, length): nothing is held back any more, except
     that a stop string still cuts. The shown text is always a prefix of the final text.
+    ``include``: the stop string is part of the text (vLLM's ``include_stop_str_in_output``).
+    ``stop_from``: stop strings ending at or before this character do not count (the caller
+    sets it to the complete text of the first min_tokens tokens).
     """
 
     stops: tuple[str, ...]
     shown_chars: int = 0
+    include: bool = False
+    stop_from: int = 0
 
     def update(self, text: str, complete: bool) -> tuple[str, bool]:
-        visible, stopped = stop_cut(text, self.stops)
+        visible, stopped = stop_cut(text, self.stops, start=self.stop_from, include=self.include)
         if complete and not stopped:
             visible = text
         delta = visible[self.shown_chars:] if len(visible) > self.shown_chars else ""

@@ -1,8 +1,9 @@
 """The bundled model: the tiny Qwen3-MoE shipped inside the package (``pagedexperts/data``).
 
-Owns its directory name and path, with the standard library only, so that commands that load
-nothing (``preflight``) and the resolution of ``--model-path bundled`` import no torch. Does
-not: load it (``loading.loader``) or build its quantized variants (``tools.quantize``).
+Owns its directory name and path, and those of its routing traces, with the standard library
+only, so that commands that load nothing (``preflight``, ``simulate``) and the resolution of
+``--model-path bundled`` import no torch. Does not: load it (``loading.loader``) or build its
+quantized variants (``tools.quantize``).
 """
 
 from __future__ import annotations
@@ -16,3 +17,9 @@ BUNDLED_MODEL = "tiny-qwen3-moe"
 def bundled_model_path() -> Path:
     """Directory of the tiny Qwen3-MoE model shipped inside the package."""
     return Path(str(resources.files("pagedexperts") / "data" / BUNDLED_MODEL))
+
+
+def bundled_traces_path() -> Path:
+    """Directory of the bundled model's own routing traces (``generate --record-trace`` on a few
+    prompts; how, in its README.md), shipped inside the package: ``simulate --trace bundled``."""
+    return Path(str(resources.files("pagedexperts") / "data" / "traces" / BUNDLED_MODEL))

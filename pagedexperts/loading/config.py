@@ -33,7 +33,7 @@ from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 # ``fused`` casts its input the same way (``paging.steps.fused``).
 MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm", FUSED)
 
-# --decide: where a paged layer-step is planned (DESIGN.md "Devices"): "host" (the top-k ids
+# --decide: where a paged layer-step is planned (docs/design.md "Executors"): "host" (the top-k ids
 # read back, ``paging.host_executor``), "device" (``paging.device_executor``: no read-back) or
 # "auto" (device where it can serve the step on CUDA with triton installed, host otherwise)
 DECIDE_CHOICES = ("auto", "host", "device")

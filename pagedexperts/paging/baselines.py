@@ -3,7 +3,7 @@
 Owns: three per-layer experts runners that stand where an executor stands (the
 ``runner_contract.ExpertsRunner`` contract), and the ``--mode`` names (``MODES``, ``mode_problem``);
 offload and cpu-experts keep the executors' stats (bytes moved, union), resident keeps none,
-since it does nothing a counter could measure (DESIGN.md, "Baselines"):
+since it does nothing a counter could measure (docs/design.md "Executors"):
 - ``ResidentRunner``: all E experts on the device (the speed ceiling when it fits): the
   model's own experts step and nothing else (no read-back, no union, no per-step counters).
 - ``OffloadRunner``: every expert of the layer copied to the device at every step, whatever

@@ -152,7 +152,7 @@ class DeviceCounters:
     """The paging counters of one layer: ``values`` [len(FIELDS)] int64 on the device, added to
     by each step without a sync and read only when stats are asked for (``to_layer_stats``: one
     device-to-host copy), as ``stats.accounting.LayerStats`` (the one definition of the counts,
-    DESIGN.md: one hit or miss per distinct routed expert per layer per step). No times: a
+    docs/design.md "Terms": one hit or miss per distinct routed expert per layer per step). No times: a
     device-planned step has no host timing to give.
 
     Args:

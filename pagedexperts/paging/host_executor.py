@@ -1,7 +1,7 @@
 """The host-planned layer-step executor: one MoE layer's K device slots, residency and waves.
 
 Owns: the [K, ...] slot tensors of one MoE layer on the device, its ``Residency`` (policy and
-slot map), its host store, and the experts step of DESIGN.md (steps 2-6), read top-down in
+slot map), its host store, and the experts step of docs/design.md "The layer-step" (steps 2-6), read top-down in
 ``step``: read the top-k ids to the host (``transfer.read_step``), plan waves
 (``residency.planner``), page each wave in (``transfer.SlotTransfers.page_in``), compute it with
 its body (the inner implementation's host-planned ``paging.steps.contract.LayerStep``: begin,
@@ -20,7 +20,7 @@ multi-wave step's rows per wave are computed on the host from the read-back ids 
 Exactness. Each wave's entries are computed by the body with the model's own experts math over
 the slot tensors, every kernel handed the unpaged model's row order and buffer shape, and
 combined in the implementation's own order: paged output is bit-identical to the unpaged model
-with the same implementation (README "What is exact", ``paging.steps.host_grouped``).
+with the same implementation (docs/exactness.md, ``paging.steps.host_grouped``).
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T * k entries.
 """
@@ -65,7 +65,7 @@ class HostExecutor(PagedExecutor):
         self.transfers = SlotTransfers(self.slots, self.device, copy_stream, num_experts=store.num_experts)
 
     def step(self, module, hidden_states, top_k_index, top_k_weights, padding_count=None) -> torch.Tensor:
-        """The experts step (``runner_contract.ExpertsRunner.step``), DESIGN.md steps 2-6."""
+        """The experts step (``runner_contract.ExpertsRunner.step``), docs/design.md "The layer-step" steps 2-6."""
         predicted = self.prefetcher.predict_ids(hidden_states) if self.prefetcher is not None else None
         t0 = time.perf_counter()
         read = read_step(top_k_index, predicted, padding_count)

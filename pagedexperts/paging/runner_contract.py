@@ -8,7 +8,7 @@ the end-of-life hooks and two capabilities the callers ask instead of the runner
 page: K slots, a residency (``is_resident``), page-ins outside a step (prefetch), and the body
 that computes the experts (a ``paging.steps.contract.LayerStep``, built from the layer's
 ``SlotSetup`` for the inner implementation: ``body``). Two executors implement
-``PagedExecutor`` side by side (DESIGN.md "Devices"), each holding a body of its path
+``PagedExecutor`` side by side (docs/design.md "Executors"), each holding a body of its path
 (``paging.steps.table``):
 
 - ``paging.host_executor.HostExecutor``: any step, any device; the top-k ids are read back

@@ -9,7 +9,7 @@ import this same code, so their hit/miss counts cannot drift. Planning costs O(|
 the policy's victims (O(log K) each, or one O(K) ranking per wave that evicts K/4 or more).
 Does not: copy bytes (``storage``), compute experts (``paging``), or count stats (``stats``).
 
-Terms (DESIGN.md): E routed experts, K slots, union = distinct experts a step routes to in the
+Terms (docs/design.md): E routed experts, K slots, union = distinct experts a step routes to in the
 layer. A step needs ceil(|union| / K) waves; resident experts go in the first wave, then
 misses. A miss's victim slot is never one the current wave uses.
 """
@@ -48,7 +48,7 @@ class Wave(NamedTuple):
 class StepPlan(NamedTuple):
     """The plan of one layer in one step: waves in order, and the step's hit/miss counts.
 
-    Accounting (DESIGN.md): one hit or miss per distinct routed expert per layer per step.
+    Accounting (docs/design.md "Terms"): one hit or miss per distinct routed expert per layer per step.
     """
 
     waves: tuple[Wave, ...]

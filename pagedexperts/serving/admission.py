@@ -100,8 +100,11 @@ class Admission:
         return await self.app(scope, receive, send)
 
     def _too_large(self, size: int | None) -> ApiError:
-        got = f"{size} bytes" if size is not None else "a larger body"
-        return ApiError(f"request body is {got}; the limit is {self.max_body_bytes} bytes (--max-body-bytes)",
+        """The 413 of a body of ``size`` bytes (its Content-Length), or None: a chunked body that
+        passed the limit while it was read."""
+        got = f"request body is {size} bytes" if size is not None else \
+            f"request body (chunked) passed {self.max_body_bytes} bytes before its end"
+        return ApiError(f"{got}; the limit is {self.max_body_bytes} bytes (--max-body-bytes)",
                         status=413, code="request_too_large")
 
     async def _answer(self, scope, receive, send, exc: ApiError):

@@ -1,13 +1,14 @@
 """The FastAPI app and its process: routes, error handlers, lifespan, ``run_server``.
 
 Owns: the route table (POST /v1/completions, /v1/chat/completions, /v1/responses; GET
-/v1/models, /health, /metrics, and /server_info + /model_info for a router), the exception
-handlers that put EVERY error in OpenAI's shape (framework 404 /
+/v1/models, /v1/models/{id}, /health and /metrics (HEAD too), and /server_info + /model_info
+for a router), the exception handlers that put EVERY error in OpenAI's shape (framework 404 /
 405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
 routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
-signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn; a second one
-ends every running and queued request at once (each stream still gets its final event and
-``[DONE]``) and stops uvicorn. Does not: handle a request itself (``handlers``).
+signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn, and the process
+exits 0; a second one ends every running and queued request at once (each stream still gets
+its final event and ``[DONE]``) and stops uvicorn, which re-raises the signal (status 128 +
+its number). Does not: handle a request itself (``handlers``).
 
 Chat prompts use the tokenizer's chat template; a tokenizer without one gets the plain
 template ``validation.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +31,7 @@ from pagedexperts.serving.admission import Admission, default_max_body_bytes, er
 from pagedexperts.serving.handlers import OpenAIServing, ServeConfig
 from pagedexperts.serving.protocol import ApiError
 from pagedexperts.serving.responses_api import ResponsesServing
+from pagedexperts.serving.validation import check_model
 from pagedexperts.serving.connections import uvicorn_config
 
 logger = logging.getLogger(__name__)
@@ -101,18 +103,25 @@ def _routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) -> None:
     scheduler = serving.scheduler
     body_doc = {"requestBody": {"content": {"application/json": {"schema": {"type": "object"}}}, "required": True}}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes (uvicorn sends no body)
     async def health():
         status = "ok" if serving.lifecycle.admitting else "shutting_down"
         body = {"status": status, "running": scheduler.num_running, "waiting": scheduler.num_waiting}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
+    card = {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "pagedexperts",
+            "max_model_len": config.context_length}  # OpenAI's Model object (+ vLLM's max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "pagedexperts", "max_model_len": config.context_length}]}
+        return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
+    @app.get("/v1/models/{model_id:path}")  # the openai SDK's models.retrieve; ids may hold "/"
+    async def model(model_id: str):
+        check_model(model_id, config.served_model_name)
+        return card
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -147,7 +156,7 @@ def single_wave_note(runtime, max_running_requests: int) -> str:
     note = (f"single-wave cap K // top_k = {runtime.num_resident} // {runtime.top_k} = {cap} decode requests; "
             f"--max-running-requests {max_running_requests}")
     if max_running_requests > cap:
-        note += " (larger batches may need more than one wave per layer step; see pagedexperts_multi_wave_steps)"
+        note += " (larger batches may need more than one wave per layer step; see pagedexperts_paging_multi_wave_steps_total)"
     return note
 
 
@@ -167,7 +176,7 @@ def run_server(model, tokenizer, config: ServeConfig, *, host: str, port: int, l
                 speculation_note(config.speculative))
     app = create_app(model, tokenizer, config)
     uv = uvicorn_config(app, header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
-                        max_connections=config.max_connections,
+                        body_deadline_s=config.body_deadline_s, max_connections=config.max_connections,
                         host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_CLOSE_S)
     draining_server_class()(uv, app.state.serving).run()
 
@@ -178,14 +187,26 @@ def draining_server_class():
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn's server whose first exit signal drains the app before uvicorn stops."""
+        """uvicorn's server whose first exit signal drains the app before uvicorn stops. After
+        a drain that no second signal cut short, the process exits 0: uvicorn would re-raise the
+        signal it caught once it stopped (status 143 for SIGTERM), reporting a clean stop as a kill."""
 
         def __init__(self, config, serving: OpenAIServing) -> None:
             super().__init__(config)
             self.serving, self._draining, self._exit_lock = serving, False, threading.Lock()
+            self._drained = self._forced = False
+
+        @contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                if self._drained:
+                    self._captured_signals.clear()  # nothing to re-raise: the stop was the clean one asked for
 
         def handle_exit(self, sig, frame) -> None:
             if self._draining:  # a second signal: end every request now, each with its final event
+                with self._exit_lock:
+                    self._forced = True
                 threading.Thread(target=self._stop_now, args=(sig, frame), name="pagedexperts-stop", daemon=True).start()
                 return
             self._draining = True
@@ -193,6 +214,8 @@ def draining_server_class():
 
         def _drain(self, sig, frame) -> None:
             self.serving.begin_shutdown()
+            with self._exit_lock:
+                self._drained = not self._forced
             self._exit_once(sig, frame)
 
         def _stop_now(self, sig, frame) -> None:

@@ -9,15 +9,23 @@ class it selects, uvicorn's h11 protocol with these changes:
   keep-alive timer is cancelled by any byte received, so it does not cover this. The same
   timer closes an idle kept-alive connection.
 - a request body with no byte received for ``body_timeout_s`` (nginx's ``client_body_timeout``:
-  the time between two reads, not the whole body) is answered 408 in OpenAI's JSON error shape
-  and its connection closed; the app reading it sees the client gone. A reader paused by flow
-  control (the app not reading yet) is not timed out.
+  the time between two reads), or not complete ``body_deadline_s`` after its headers (the
+  whole body, whatever its pace: one byte every ``body_timeout_s`` - 1 s would otherwise hold
+  the connection for ever; Node.js's ``server.requestTimeout`` is the same bound) is answered
+  408 in OpenAI's JSON error shape and its connection closed; the app reading it sees the
+  client gone. A reader paused by flow control (the app has not read what came) is not the
+  client's stall: both checks wait until the app reads. A request already answered (a 413
+  from its Content-Length) gets no second answer: its connection is only closed.
 - the rest of a body that was answered before it was read (a 413 from its Content-Length) is
   read and dropped as it arrives, up to ``MAX_DISCARDED_BODY_BYTES``, then the connection closes.
 - at most ``max_connections`` connections are open: a request on one more, or beyond as many
   running request tasks, reaches the app marked ``OVER_CAP_SCOPE_KEY`` in its scope, and the app
   answers 503 in OpenAI's JSON shape (``admission``), where uvicorn's ``limit_concurrency`` would
-  answer plain text.
+  answer plain text. Probes (GET / HEAD of ``PROBE_PATHS``: /health, /metrics) are never
+  marked: a table full of slow clients must not make a router mark a replica down that serves.
+- a request the HTTP parser refuses (a ``Content-Length`` of ``-5`` or of 26 digits, a bad
+  request line) is answered 400 in OpenAI's JSON error shape naming h11's reason, not uvicorn's
+  plain text.
 - a client that half-closes (shuts its write side after sending the whole request, as
   ``printf ... | nc -N`` does) is answered: the end of its input does not close the
   connection, which closes after the response. A client that closed entirely sends the same
@@ -37,29 +45,41 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HEADER_TIMEOUT_S = 5.0  # nginx's client_header_timeout is 60 s; a few seconds suffice on a LAN
 DEFAULT_BODY_TIMEOUT_S = 30.0  # nginx's client_body_timeout is 60 s, between two reads
+DEFAULT_BODY_DEADLINE_S = 300.0  # the whole body after its headers; Node.js's server.requestTimeout is 300 s
 DEFAULT_MAX_CONNECTIONS = 1024
 MAX_DISCARDED_BODY_BYTES = 64 * 2**20  # the rest of an answered body read and dropped, then the connection closes
 OVER_CAP_SCOPE_KEY = "pagedexperts.over_connection_cap"  # scope key of a request beyond --max-connections
 PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"  # written to a half-closed client before its response
 PROBE_WAIT_S = 0.05  # a reset from a closed peer on loopback or a LAN arrives well within this
+PROBE_PATHS = ("/health", "/metrics")  # answered over the connection cap (GET / HEAD)
 
 
-def body_timeout_response(body_timeout_s: float) -> bytes:
-    """The raw HTTP/1.1 408 written to a client whose request body stalled (OpenAI's error shape)."""
-    body = json.dumps({"error": {
-        "message": f"no request body bytes received for {body_timeout_s:g} s; the limit is --body-timeout",
-        "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)) + body
+def json_error_response(status: int, reason: bytes, message: str, code: str) -> bytes:
+    """A raw HTTP/1.1 error response in OpenAI's error shape that closes its connection (what the
+    protocol writes itself, before or instead of the app: a 408, the parser's 400)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % (status, reason, len(body))) + body
+
+
+def body_timeout_response(message: str) -> bytes:
+    """The raw HTTP/1.1 408 written to a client whose request body stalled or is late (OpenAI's error shape)."""
+    return json_error_response(408, b"Request Timeout", message, "request_timeout")
 
 
 def protocol_class(header_timeout_s: float, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-                   max_connections: int = DEFAULT_MAX_CONNECTIONS):
+                   max_connections: int = DEFAULT_MAX_CONNECTIONS, body_deadline_s: float = DEFAULT_BODY_DEADLINE_S):
     """uvicorn's ``H11Protocol`` with the header and body timeouts, the connection cap and
     half-close handling (module docstring). uvicorn and h11 are imported here, lazily: they
     belong to the server extra."""
+    import sys
+
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    stalled = f"no request body bytes received for {body_timeout_s:g} s; the limit is --body-timeout"
+    late = f"the request body was not complete {body_deadline_s:g} s after its headers; the limit is --body-deadline"
 
     class GuardedH11Protocol(H11Protocol):
         """H11Protocol that closes connections whose headers or body are late, marks requests
@@ -67,7 +87,7 @@ def protocol_class(header_timeout_s: float, body_timeout_s: float = DEFAULT_BODY
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._body_timer, self._discarded, self._app = None, 0, self.app
+            self._body_timer, self._deadline_timer, self._discarded, self._app = None, None, 0, self.app
             self._arm_header_timer()
 
         def handle_events(self) -> None:
@@ -77,8 +97,18 @@ def protocol_class(header_timeout_s: float, body_timeout_s: float = DEFAULT_BODY
             super().handle_events()
 
         async def _over_cap_app(self, scope, receive, send) -> None:
-            scope[OVER_CAP_SCOPE_KEY] = max_connections
+            if not (scope["path"] in PROBE_PATHS and scope["method"] in ("GET", "HEAD")):
+                scope[OVER_CAP_SCOPE_KEY] = max_connections
             await self._app(scope, receive, send)
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request h11 cannot parse, in OpenAI's JSON shape with h11's
+            reason (called while h11's RemoteProtocolError is handled)."""
+            exc = sys.exc_info()[1]
+            reason = str(exc) if isinstance(exc, h11.RemoteProtocolError) and str(exc) else msg
+            self.transport.write(json_error_response(400, b"Bad Request", f"invalid HTTP request: {reason}",
+                                                     "invalid_http_request"))
+            self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             answered = self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY
@@ -87,7 +117,7 @@ def protocol_class(header_timeout_s: float, body_timeout_s: float = DEFAULT_BODY
                 return
             if self.conn.their_state is not h11.SEND_BODY:
                 self._discarded = 0
-                self._cancel_body_timer()
+                self._cancel_body_timers()
                 return
             self._discarded += len(data) if answered else 0
             if self._discarded > MAX_DISCARDED_BODY_BYTES:
@@ -95,28 +125,40 @@ def protocol_class(header_timeout_s: float, body_timeout_s: float = DEFAULT_BODY
                             MAX_DISCARDED_BODY_BYTES)
                 self.transport.close()
                 return
+            if self._deadline_timer is None:  # the body's first read: its whole-body deadline starts
+                self._deadline_timer = self.loop.call_later(body_deadline_s, self._body_late, True)
             self._arm_body_timer()
 
         def _arm_body_timer(self) -> None:
-            self._cancel_body_timer()
-            self._body_timer = self.loop.call_later(body_timeout_s, self._body_timeout)
-
-        def _cancel_body_timer(self) -> None:
             if self._body_timer is not None:
                 self._body_timer.cancel()
-                self._body_timer = None
+            self._body_timer = self.loop.call_later(body_timeout_s, self._body_late, False)
 
-        def _body_timeout(self) -> None:
+        def _cancel_body_timers(self) -> None:
+            for timer in (self._body_timer, self._deadline_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._body_timer = self._deadline_timer = None
+
+        def _body_late(self, deadline: bool) -> None:
+            """A body timer fired (the whole-body ``deadline``, or the stall between reads): answer
+            408 (unless answered already) and close, except while flow control pauses the reader
+            (the app has not read what came: not the client's fault), when the same check runs
+            again ``body_timeout_s`` later."""
             if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
                 return
-            if self.flow.read_paused:  # the app has not read what came: not the client's stall
-                self._arm_body_timer()
+            if self.flow.read_paused:
+                timer = self.loop.call_later(body_timeout_s, self._body_late, deadline)
+                if deadline:
+                    self._deadline_timer = timer
+                else:
+                    self._body_timer = timer
                 return
-            logger.info("closing a connection from %s: no request body bytes in %.1fs (body timeout)",
-                        self.client, body_timeout_s)
+            message = late if deadline else stalled
+            logger.info("closing a connection from %s: %s", self.client, message)
             if self.cycle is not None and not self.cycle.response_started:
                 self.cycle.response_started = True  # the app's own answer, if any, is not written
-                self.transport.write(body_timeout_response(body_timeout_s))
+                self.transport.write(body_timeout_response(message))
             self.transport.close()
 
         def _arm_header_timer(self) -> None:
@@ -138,7 +180,7 @@ def protocol_class(header_timeout_s: float, body_timeout_s: float = DEFAULT_BODY
 
         def connection_lost(self, exc) -> None:
             self._header_timer.cancel()
-            self._cancel_body_timer()
+            self._cancel_body_timers()
             super().connection_lost(exc)
 
         def eof_received(self):
@@ -165,19 +207,20 @@ def protocol_class(header_timeout_s: float, body_timeout_s: float = DEFAULT_BODY
 
 
 def uvicorn_config(app, *, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-                   body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                   body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
                    max_connections: int = DEFAULT_MAX_CONNECTIONS, **kwargs):
     """A ``uvicorn.Config`` serving ``app`` with the guarded protocol; ``kwargs`` go to uvicorn.
     The connection cap is the protocol's (``OVER_CAP_SCOPE_KEY``), not uvicorn's ``limit_concurrency``.
 
-    Raises ValueError for a header or body timeout <= 0 or a connection cap < 1.
+    Raises ValueError for a header timeout, body timeout or body deadline <= 0, or a connection cap < 1.
     """
     import uvicorn
 
-    if not header_timeout_s > 0:
-        raise ValueError(f"--header-timeout must be > 0 seconds, got {header_timeout_s}")
-    if not body_timeout_s > 0:
-        raise ValueError(f"--body-timeout must be > 0 seconds, got {body_timeout_s}")
+    for flag, value in (("--header-timeout", header_timeout_s), ("--body-timeout", body_timeout_s),
+                        ("--body-deadline", body_deadline_s)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
     if max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {max_connections}")
-    return uvicorn.Config(app, http=protocol_class(header_timeout_s, body_timeout_s, max_connections), **kwargs)
+    return uvicorn.Config(app, http=protocol_class(header_timeout_s, body_timeout_s, max_connections, body_deadline_s),
+                          **kwargs)

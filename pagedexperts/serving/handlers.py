@@ -31,7 +31,8 @@ from starlette.requests import ClientDisconnect
 
 from pagedexperts.serving import bodies, protocol, validation
 from pagedexperts.serving.admission import RETRY_AFTER_S, client_disconnected, shutting_down
-from pagedexperts.serving.connections import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+from pagedexperts.serving.connections import (DEFAULT_BODY_DEADLINE_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                              DEFAULT_MAX_CONNECTIONS)
 from pagedexperts.serving.metrics import Metrics
 from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from pagedexperts.engine.speculative.config import SpeculativeConfig
@@ -50,15 +51,16 @@ class ServeConfig:
     """How the server serves.
 
     ``served_model_name``: the name clients must send. ``max_running_requests``,
-    ``max_queued_requests`` (None = unbounded), ``max_prefill_tokens``: the scheduler's
-    limits (``SchedulerConfig``). ``context_length``: longest prompt + completion, tokens.
+    ``max_queued_requests`` (sequences that wait beyond the free running places; None =
+    unbounded), ``max_prefill_tokens``: the scheduler's limits (``SchedulerConfig``). ``context_length``: longest prompt + completion, tokens.
     ``max_body_bytes``: request body limit (None = ``admission.default_max_body_bytes``).
     ``api_key``: when set, /v1/* needs ``Authorization: Bearer <key>``. ``shutdown_timeout_s``:
     how long running requests may finish after SIGTERM. ``record_trace``: .npz path.
     ``model_path``: the checkpoint directory, reported to a router (``/server_info``).
     ``speculative``: an ``engine.speculative.config.SpeculativeConfig`` (--speculative), None = plain decoding.
     ``chunked_prefill``: prompt chunks share the decode forward (``SchedulerConfig``).
-    ``header_timeout_s``, ``body_timeout_s``, ``max_connections``: connection limits (``connections``).
+    ``header_timeout_s``, ``body_timeout_s``, ``body_deadline_s``, ``max_connections``: connection limits
+    (``connections``).
     ``cuda_graph_max_batch``: the largest decode bucket captured on CUDA (--cuda-graph-max-batch);
     None = every bucket up to ``max_running_requests``.
     """
@@ -77,6 +79,7 @@ class ServeConfig:
     chunked_prefill: bool = True
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    body_deadline_s: float = DEFAULT_BODY_DEADLINE_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     cuda_graph_max_batch: int | None = None
 
@@ -136,15 +139,17 @@ class OpenAIServing:
 
     def admit_body(self, body) -> validation.Prepared:
         """Check and tokenize a parsed completions / chat request; raises ApiError, also for
-        more sequences (prompts x n) than ``max_queued_requests``: such a request could never
-        be queued, so it is a 400, not a 429 to retry."""
-        validation.check_model(body, self.config.served_model_name)
+        more sequences (prompts x n) than an idle server takes (every running place plus
+        ``max_queued_requests``): such a request could never be queued, so it is a 400, not a
+        429 to retry."""
+        validation.check_model(body.model, self.config.served_model_name)
         prepared = validation.prepare(body, self.tokenizer, context_length=self.config.context_length,
-                                    vocab_size=self.vocab_size, eos_ids=tuple(sorted(self.scheduler.eos_ids)))
+                                      vocab_size=self.vocab_size)
         cap, needed = self.config.max_queued_requests, len(prepared.sequences)
-        if cap is not None and needed > cap:
+        if cap is not None and needed > cap + self.config.max_running_requests:
             raise ApiError(f"prompts x n = {len(prepared.prompt_ids)} x {prepared.n} = {needed} sequences; at most "
-                           f"{cap} can be queued (--max-queued-requests)", param="n")
+                           f"{self.config.max_running_requests + cap} fit an idle server (--max-running-requests "
+                           f"{self.config.max_running_requests} + --max-queued-requests {cap})", param="n")
         return prepared
 
     async def serve(self, http: HttpRequest, *, chat: bool):

@@ -4,16 +4,18 @@ Owns: request outcomes, refusals (by status and OpenAI error code, so every refu
 is counted with its reason), token counters, TTFT / queue time / TPOT histograms (observed as requests
 finish), and scrape-time values read from the scheduler and from every MoE layer's
 ``LayerStats``. The paging export is generic: every numeric field of ``LayerStats`` becomes
-``pagedexperts_paging_<field>`` per layer (a counter; levels such as ``*_last``, ``*_max``,
-``*_mean``, ``*_p50``, ``*_p99_s``: gauges), so a counter added to ``pagedexperts.stats.accounting``
-shows up without a change here; the per-step host time distributions (``LayerStats.times``)
+``pagedexperts_paging_<field>`` per layer, once (a counter, ``_total`` added; levels such as
+``*_last``, ``*_max``, ``*_mean``, ``*_p50``, ``*_p99_s``: gauges), so a counter added to
+``pagedexperts.stats.accounting`` shows up without a change here; the per-step host time distributions (``LayerStats.times``)
 are histograms (``paging_time_histograms``); with a disk tier, its host and disk counters per
 layer (``pagedexperts_host_hits``, ``pagedexperts_disk_reads``, ...); with speculative decoding, its
 counters (``speculative_metrics``, ``pagedexperts_spec_decode_*``); decode steps by how they ran
 (``decode_metrics``: ``pagedexperts_decode_steps_total{how=...}``, whose labels sum to the
 scheduler's ``decode_steps``, recaptures by reason, and the
-decode backend with why it is not CUDA graphs). The historical names
-(``pagedexperts_expert_hits`` ...) stay as aliases.
+decode backend with why it is not CUDA graphs). Each figure has one name: the historical
+aliases of the paging counters (``pagedexperts_expert_hits``, ``pagedexperts_expert_misses``,
+``pagedexperts_waves``, ``pagedexperts_layer_steps``, ``pagedexperts_union_size_*``, ...) are gone;
+their ``pagedexperts_paging_<field>`` names remain.
 
 Does not: decide anything; it only counts.
 """
@@ -29,16 +31,12 @@ TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 PREFIX = "pagedexperts_"
 GAUGE_NAME = re.compile(r"^max_|(_last|_max|_min|_mean|_p\d+)(_[a-z]+)?$")  # a level, not a running sum
-# LayerStats field -> (historical metric name, help)
-PAGING_ALIASES = {"hits": ("expert_hits", "Routed experts found resident"),
-                  "misses": ("expert_misses", "Routed experts paged in"),
-                  "bytes_paged": ("bytes_paged", "Bytes copied host-to-device"),
-                  "waves": ("waves", "Waves computed"),
-                  "multi_wave_steps": ("multi_wave_steps", "Layer steps that needed more than one wave"),
-                  "steps": ("layer_steps", "Steps through the layer"),
-                  "union_sum": ("union_size_sum", "Sum over steps of distinct experts routed to"),
-                  "union_last": ("union_size_last", "Distinct experts routed to in the last step"),
-                  "union_max": ("union_size_max", "Distinct experts routed to, max over steps")}
+PAGING_HELP = {"hits": "Routed experts found resident", "misses": "Routed experts paged in",  # LayerStats field -> help
+               "bytes_paged": "Bytes copied host-to-device", "waves": "Waves computed",
+               "multi_wave_steps": "Layer steps that needed more than one wave", "steps": "Steps through the layer",
+               "union_sum": "Sum over steps of distinct experts routed to",
+               "union_last": "Distinct experts routed to in the last step",
+               "union_max": "Distinct experts routed to, max over steps"}
 
 
 class Metrics:
@@ -119,13 +117,12 @@ class _LiveCollector:
 
         yield from paging_time_histograms(ModelStats.collect(layers), PREFIX)
         for name in _numeric_fields(layers[0][1]):
-            gauge = bool(GAUGE_NAME.search(name))
-            alias, doc = PAGING_ALIASES.get(name, (None, f"Per MoE layer: {name.replace('_', ' ')}"))
-            for metric in filter(None, ("paging_" + name, alias)):
-                fam = (GaugeMetricFamily if gauge else CounterMetricFamily)(PREFIX + metric, doc, labels=["layer"])
-                for i, ls in layers:
-                    fam.add_metric([str(i)], getattr(ls, name))
-                yield fam
+            kind = GaugeMetricFamily if GAUGE_NAME.search(name) else CounterMetricFamily
+            doc = PAGING_HELP.get(name, f"Per MoE layer: {name.replace('_', ' ')}")
+            fam = kind(PREFIX + "paging_" + name, doc, labels=["layer"])
+            for i, ls in layers:
+                fam.add_metric([str(i)], getattr(ls, name))
+            yield fam
         yield from _tier_metrics(rt)
 
 

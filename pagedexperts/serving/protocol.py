@@ -25,8 +25,9 @@ UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "function
                "reasoning_effort": "reasoning models", "web_search_options": "web search"}
 # SGLang's extension fields that sglang-router and vllm-router add at their defaults to each request they
 # forward (watched on loopback): only the defaults pass. The reasoning flags change nothing without a parser.
-SGLANG_DEFAULTS = {"no_stop_trim": (None, False), "ignore_eos": (None, False), "skip_special_tokens": (None, True),
-                   "return_hidden_states": (None, False), "continue_final_message": (None, False)}
+# (ignore_eos and skip_special_tokens, which the routers add too, are vLLM's options, served: _Common.)
+SGLANG_DEFAULTS = {"no_stop_trim": (None, False), "return_hidden_states": (None, False),
+                   "continue_final_message": (None, False)}
 
 
 class ApiError(Exception):
@@ -66,10 +67,12 @@ class _Common(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's options, with its meaning (engine.sampling.SamplingParams)
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     user: str | None = None  # an end-user id for abuse monitoring in OpenAI's API; no effect on output
     no_stop_trim: bool | None = None  # SGLANG_DEFAULTS
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
     return_hidden_states: bool | None = None
 
 

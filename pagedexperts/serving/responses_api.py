@@ -21,7 +21,8 @@ The answer: ``ResponsesServing``, the handler behind the route (it admits throug
 ``OpenAIServing.accept`` / ``finished`` / ``events``: the path every generation route
 takes), and the shapes of openai's ``types.responses``: ``Response`` (status ``completed``,
 or ``incomplete`` with ``incomplete_details.reason`` ``max_output_tokens`` when the token
-limit ended it), one assistant ``message`` item with one ``output_text`` part, ``usage``
+limit ended it; ``max_output_tokens`` is the limit applied, the request's or, when it gives
+none, what the context leaves after the prompt), one assistant ``message`` item with one ``output_text`` part, ``usage``
 (``input_tokens``, ``output_tokens``, ``total_tokens``).
 
 A stream is server-sent events, each ``event: <type>`` + ``data: <json>`` with a
@@ -212,6 +213,7 @@ class ResponseDraft:
     request: ResponsesRequest
     model: str
     input_tokens: int
+    max_output_tokens: int  # the limit applied (the request's, or the default: what the context leaves)
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     created_at: int = field(default_factory=lambda: int(time.time()))
@@ -249,7 +251,7 @@ class ResponseDraft:
                 "completed_at": int(time.time()) if status == "completed" else None,
                 "error": {"code": "server_error", "message": self.error} if status == "failed" else None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
+                "instructions": r.instructions, "max_output_tokens": self.max_output_tokens, "model": self.model,
                 "output": [self.message()] if done and status != "failed" else [],
                 "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
                 "previous_response_id": None, "reasoning": None, "store": False,
@@ -286,7 +288,8 @@ class ResponsesServing:
         whole answer fails)."""
         parsed: list = []
         ex = await self.serving.accept(http, "responses", lambda raw: self._admit(raw, parsed))
-        draft = ResponseDraft(parsed[0], self.serving.config.served_model_name, len(ex.prepared.prompt_ids[0]))
+        draft = ResponseDraft(parsed[0], self.serving.config.served_model_name, len(ex.prepared.prompt_ids[0]),
+                              ex.prepared.sequences[0].max_new_tokens)
         if ex.prepared.stream:
             return StreamingResponse(self._stream(ex, draft), media_type="text/event-stream")
         gone = await self.serving.finished(ex, http)

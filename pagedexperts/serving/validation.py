@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pagedexperts.engine.sampling import GREEDY_BELOW, SamplingParams
 from pagedexperts.serving.protocol import SGLANG_DEFAULTS, UNSUPPORTED, ApiError, ChatCompletionRequest, ChatMessage
 
-DEFAULT_MAX_TOKENS = 128  # when a request gives none (capped by what the context leaves)
+# max_tokens when a request gives none: OpenAI's and vLLM's defaults. Completions: 16 (capped by what
+# the context leaves); chat (and the Responses API, which is served through it): what the context leaves.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0  # presence / frequency penalty range [-2, 2] (OpenAI's)
 MAX_REPETITION_PENALTY = 100.0  # repetition_penalty in (0, 100]; 1 = none (vLLM asks > 0)
@@ -31,6 +33,7 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGPROBS = 20  # completions ``logprobs`` and chat ``top_logprobs`` (OpenAI chat's and vLLM's max)
 MAX_STOP_STRINGS = 16  # vLLM takes any number; bounded here (the stop scan runs every token)
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256  # vLLM takes any number; bounded here like the stop strings
 MAX_N = 16
 MAX_SEQUENCES = 64  # prompts x n of one request
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -51,10 +54,10 @@ class Prepared:
     include_usage: bool
 
 
-def check_model(body, served_model_name: str) -> None:
-    """Raises ApiError 404 (``model_not_found``) for a model name not served here."""
-    if body.model != served_model_name:
-        raise ApiError(f"The model {body.model!r} does not exist; this server serves {served_model_name!r} "
+def check_model(name: str, served_model_name: str) -> None:
+    """Raises ApiError 404 (``model_not_found``, OpenAI's) for a model name not served here."""
+    if name != served_model_name:
+        raise ApiError(f"The model {name!r} does not exist; this server serves {served_model_name!r} "
                        "(GET /v1/models)", param="model", status=404, code="model_not_found")
 
 
@@ -126,6 +129,19 @@ def check_ranges(body) -> tuple[str, ...]:
     else:
         _in_range(body.logprobs, 0, MAX_LOGPROBS, "logprobs")
     return stop
+
+
+def stop_token_ids(body, vocab_size: int) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``, deduplicated in order; raises ApiError for too many or an id
+    outside the vocabulary."""
+    ids = tuple(dict.fromkeys(body.stop_token_ids or ()))
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}", param="stop_token_ids")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(f"stop_token_ids must be token ids in [0, {vocab_size}) (the vocabulary), got {bad}",
+                       param="stop_token_ids")
+    return ids
 
 
 def logit_bias(body, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -236,15 +252,24 @@ def prompt_inputs(body, tokenizer, context_length: int, vocab_size: int) -> tupl
     return ids, texts, param
 
 
-def prepare(body, tokenizer, *, context_length: int, vocab_size: int, eos_ids: tuple[int, ...] = ()) -> Prepared:
+def default_max_tokens(prompt_tokens: int, context_length: int, *, chat: bool) -> int:
+    """max_tokens of a request that gives none: what the context leaves after the prompt for chat
+    (and Responses), at most ``DEFAULT_COMPLETION_MAX_TOKENS`` of it for completions (OpenAI's and
+    vLLM's defaults)."""
+    room = context_length - prompt_tokens
+    return room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+
+
+def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepared:
     """Check a parsed request against the server's limits and tokenize its prompts.
 
     ``context_length``: longest prompt + completion in tokens; ``vocab_size``: token ids
-    must be below it; ``eos_ids``: the end-of-sequence ids ``min_tokens`` holds back. Raises
-    ApiError naming the first field out of range.
+    must be below it. A request without max_tokens gets ``default_max_tokens``. Raises ApiError
+    naming the first field out of range.
     """
     stop = check_ranges(body)
     bias = logit_bias(body, vocab_size)
+    stop_ids = stop_token_ids(body, vocab_size)
     chat = isinstance(body, ChatCompletionRequest)
     echo = bool(getattr(body, "echo", False))
     max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
@@ -258,10 +283,12 @@ def prepare(body, tokenizer, *, context_length: int, vocab_size: int, eos_ids: t
         raise ApiError(f"max_tokens {max_tokens} + prompt {longest} tokens exceed the context length "
                        f"{context_length} (--context-length); ask for at most {room}",
                        param="max_tokens", code="context_length_exceeded")
+    applied = [default_max_tokens(len(p), context_length, chat=chat) if max_tokens is None else max_tokens
+               for p in ids]
     min_tokens = body.min_tokens or 0
-    if min_tokens > (max_tokens if max_tokens is not None else room):
-        raise ApiError(f"min_tokens {min_tokens} is more than max_tokens "
-                       f"{max_tokens if max_tokens is not None else room}", param="min_tokens")
+    if min_tokens > min(applied):
+        default = "" if max_tokens is not None else " (the default when none is given)"
+        raise ApiError(f"min_tokens {min_tokens} is more than max_tokens {min(applied)}{default}", param="min_tokens")
     repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
     n = body.n or 1
     if len(ids) * n > MAX_SEQUENCES:
@@ -271,17 +298,18 @@ def prepare(body, tokenizer, *, context_length: int, vocab_size: int, eos_ids: t
     else:
         logprobs = body.logprobs
     sequences = []
-    for p in ids:
+    for p, max_new_tokens in zip(ids, applied):
         for j in range(n):
             sequences.append(SamplingParams(
-                max_new_tokens=max_tokens if max_tokens is not None else min(DEFAULT_MAX_TOKENS, context_length - len(p)),
+                max_new_tokens=max_new_tokens,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 seed=None if body.seed is None else (body.seed + j) % 2**64, stop=stop,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                 logit_bias=bias, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None,
                 top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0, repetition_penalty=repetition,
-                prompt_ids=tuple(p) if repetition != 1.0 else (), min_tokens=min_tokens,
-                eos_ids=tuple(eos_ids) if min_tokens else ()))
+                prompt_ids=tuple(p) if repetition != 1.0 else (), min_tokens=min_tokens, stop_token_ids=stop_ids,
+                ignore_eos=bool(body.ignore_eos), include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                skip_special_tokens=body.skip_special_tokens is not False))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(ids, texts, sequences, n, echo, bool(body.stream), include_usage)

@@ -1,7 +1,7 @@
 """Paging accounting, defined once: the runtime, the simulator and the server all count here.
 
 Owns: per-layer counters (hits, misses, bytes paged, page-in seconds, waves, union size) and
-their totals and rates. Definition (DESIGN.md): a hit or a miss is counted per distinct
+their totals and rates. Definition (docs/design.md "Terms"): a hit or a miss is counted per distinct
 routed expert per MoE layer per step; misses per token = misses / tokens of the step (summed
 over steps). Padding tokens a caller could not exclude are counted in ``padding_tokens`` and
 are NOT part of ``tokens``. Besides the sums, the host times of each layer-step (plan,

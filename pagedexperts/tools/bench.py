@@ -284,7 +284,7 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
     samples: dict = {job: [] for job in jobs}
     counters = {job: DecodeCounters(models["runners"].pagedexperts) for job in jobs if job[0] != PLAIN}
     order, ks = [], {}
-    bar = tqdm(total=cfg.rounds * len(jobs), desc="bench", disable=not progress)
+    bar = tqdm(total=cfg.rounds * len(jobs), desc="bench", disable=None if progress else True)  # None: on a terminal only
     for r in range(cfg.rounds):
         order.append([])
         for job in round_order(jobs, r):

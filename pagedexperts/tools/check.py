@@ -207,12 +207,13 @@ def check_model(paged, reference, tokenizer, prompts, *, max_new_tokens: int = 8
     """Compare ``paged`` against ``reference`` on each of ``prompts`` alone (batch 1) and, if
     ``batched`` and there are several, on all of them at once (left-padded, batch B > 1: another
     matmul path for the last-token slice), greedy for ``max_new_tokens`` steps. ``progress``: a
-    tqdm bar of the runs on stderr (as ``bench``)."""
+    tqdm bar of the runs on stderr when it is a terminal (as ``bench``)."""
     result = CheckResult(num_resident=paged.pagedexperts.num_resident)
     paged.pagedexperts.reset_stats()
     rows = [tokenizer(p, return_tensors="pt")["input_ids"][0].to(paged.device) for p in prompts]
     runs = len(rows) + (1 if batched and len(rows) > 1 else 0)
-    bar = tqdm(total=runs, desc=f"check K={result.num_resident}", unit="run", leave=False, disable=not progress)
+    bar = tqdm(total=runs, desc=f"check K={result.num_resident}", unit="run", leave=False,
+               disable=None if progress else True)  # None: tqdm's rule, a bar only on a terminal
     with torch.no_grad(), bar:
         for prompt, ids in zip(prompts, rows):
             result.prompts.append(compare(paged, reference, ids.unsqueeze(0), max_new_tokens, prompt))

@@ -24,7 +24,7 @@ from pagedexperts.tools.check import greedy_logits
 # max |fused - transformers| logits <= this x max |transformers logit|, by the model's dtype:
 # float32 accumulation on both sides, one rounding per layer of the dequantized weights'
 # products (measured on the bundled model and its w4a16 / fp8-block variants, 6 layers: at most
-# 2e-6 in float32; see README "What is exact").
+# 2e-6 in float32; see docs/exactness.md).
 LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 

@@ -1,5 +1,5 @@
 """Benchmark prompt files: JSON lines with ``prompt``, ``turns`` (first turn) or ``question``
-(``../shared/data/prompts``), or a ShareGPT-style JSON list. Owns reading them; does not
+(one object a line), or a ShareGPT-style JSON list. Owns reading them; does not
 tokenize or measure (``tools.bench``)."""
 
 from __future__ import annotations

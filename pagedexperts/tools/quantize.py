@@ -77,7 +77,7 @@ def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: 
 
     The source's shards are kept (same file names, same index); only routed expert weights
     change. Everything is validated from the headers before any tensor is read. ``progress``: a
-    tqdm bar of the expert weights quantized, on stderr (as ``bench``).
+    tqdm bar of the expert weights quantized, on stderr when it is a terminal (as ``bench``).
 
     Raises:
         ValueError: unknown format (lists them), a source that is already quantized, no
@@ -96,7 +96,7 @@ def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: 
     bytes_in = bytes_out = total_size = 0
     weight_map: dict[str, str] = {}
     bar = tqdm(total=len(expert_keys), desc=f"quantize {options.format}", unit="weight", leave=False,
-               disable=not progress)
+               disable=None if progress else True)  # None: tqdm's rule, a bar only on a terminal
     for path in headers:
         tensors = _quantize_shard(path, expert_keys, writer, bar)
         bytes_in += sum(_nbytes(info) for k, info in headers[path].items() if k in expert_keys)

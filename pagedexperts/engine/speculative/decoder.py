@@ -45,7 +45,7 @@ class SpeculativeDecoder:
     """The decodes of the scheduler's steps with speculation (module docstring); ``stats`` counts them.
 
     ``sched`` below is the BatchScheduler: its ``forwards``, ``_accept``, ``_fail`` and
-    ``_count_decode`` are what a plain decode would call.
+    ``SchedulerStats.count_decode`` are what a plain decode would call.
     """
 
     def __init__(self, model, tokenizer, config: SpeculativeConfig, *, pad_id: int) -> None:
@@ -69,7 +69,7 @@ class SpeculativeDecoder:
         proposals = self.propose(reqs)
         tokens = [[r.output_ids[-1]] + p.tokens for r, p in zip(reqs, proposals)]
         logits = sched.forwards.decodes(reqs, tokens)  # [B, W, V]
-        sched._count_decode(len(reqs))
+        sched.stats.count_decode(len(reqs))
         self._count(tokens, padded=True)
         rows = {r.request_id: (logits[i, : len(t)], p) for i, (r, t, p) in enumerate(zip(reqs, tokens, proposals))}
         each_isolated(reqs, lambda r: self.verify(sched, r, *rows[r.request_id]), sched._fail, what="verification")

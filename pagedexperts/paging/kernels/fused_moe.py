@@ -1,15 +1,15 @@
-"""The fused MoE experts step over packed rows: align, gate-up GEMM, activation, down GEMM, combine.
+"""The fused MoE experts step over packed rows: align, gate-up GEMM, activation, down GEMM.
 
 Owns the launchers of the fused kernels (``fused_moe_kernel``) and what they read:
 ``ProjectionRows`` (one projection's ``WeightPacking`` and, per packed role, ``RoleRows``: a
 base tensor and an int64 offset per row, so row r of every packed tensor is found wherever it
 lives), ``FusedBlocks`` (the tile sizes, a function of the step's entry count and the packing
 only, never of K or E, so a step computes the same bits whatever rows hold its experts),
-``KernelTarget`` (interpreter or a GPU arch: what the kernels emulate), the launch arguments
-(``gemm_arguments``: all but the step's tensors, which a paged layer binds once per step shape,
-``paging.steps.fused``; ``gemm_launch``), and ``fused_experts``, the whole step. Does not: decide
-residency, page in or remap expert ids to rows (the caller passes row ids), or know a format's
-class.
+``KernelTarget`` (interpreter or a GPU arch: what the kernels emulate), the GEMM's launch
+arguments (``gemm_arguments``: all but the step's tensors, which the paged fused step binds once
+per layer and step shape, ``paging.steps.fused``; ``gemm_launch``), and ``fused_entries``, every
+entry's output. Does not: decide residency, page in or remap expert ids to rows (the caller
+passes row ids), combine, or know a format's class.
 
 Row addressing. A row id indexes every offset table of a step. The integration builds the
 tables once: ``ProjectionRows.from_tables`` over the K slot tensors (a routed expert in slot s
@@ -23,8 +23,8 @@ address to a pointer: only then does Triton know the row's alignment and vectori
 No host sync: every shape is fixed by (T, k, R, the packings); counts stay on the device;
 constants are constexprs or the address tables (built once).
 
-Legend: T tokens, H hidden, k top_k, S = T k entries, R addressable rows, N a projection's
-output features ("in" its input features: the kernels' ``Kdim``), I expert intermediate.
+Legend: T tokens, H hidden, k top_k, S = T k entries, R addressable rows, ``out_features`` /
+``in_features`` a projection's output / input features, I expert intermediate.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from typing import Callable, Mapping
 
 import torch
 
-from pagedexperts.formats.packing import WeightPacking, scale_rows_per_source
+from pagedexperts.formats.packing import ROLES, WeightPacking
 from pagedexperts.paging.kernels._triton import check_backend, tl, triton
 from pagedexperts.paging.kernels.fused_align import Alignment, align_torch, align_triton
 from pagedexperts.paging.kernels import fused_moe_kernel as kernels  # its @triton.jit names exist only with triton
-from pagedexperts.paging.kernels.fused_moe_kernel import CODES, GLOBAL_SCALES, PACKED_DIMS, SCALE_CODES
+from pagedexperts.paging.kernels.fused_moe_kernel import Arithmetic, packing_args
 
 ALIGN_BACKENDS = {"triton": align_triton, "torch": align_torch}
 
@@ -167,8 +167,8 @@ class FusedBlocks:
     """Tile sizes of one GEMM and its launch options."""
 
     block_m: int = 16
-    block_n: int = 64
-    block_k: int = 64
+    block_out: int = 64  # output features per tile
+    block_in: int = 64  # input features per tile
     num_warps: int = 4
     num_stages: int = 3
 
@@ -179,10 +179,10 @@ def block_m_for(num_entries: int) -> int:
 
 
 def choose_blocks(num_entries: int, packing: WeightPacking) -> FusedBlocks:
-    """The tiles for S entries of ``packing``: BLOCK_K 64, or a group size of 32 so that a
+    """The tiles for S entries of ``packing``: BLOCK_IN 64, or a group size of 32 so that a
     tile reads one scale per column."""
-    block_k = packing.group_size if 32 <= packing.group_size < 64 else 64
-    return FusedBlocks(block_m=block_m_for(num_entries), block_k=block_k)
+    block_in = packing.group_size if 32 <= packing.group_size < 64 else 64
+    return FusedBlocks(block_m=block_m_for(num_entries), block_in=block_in)
 
 
 @dataclass(frozen=True)
@@ -207,28 +207,12 @@ class KernelTarget:
         return cls(0)
 
     def constexprs(self, packing: WeightPacking) -> dict:
-        """The dtype and emulation constexprs of ``packing`` on this target."""
+        """The ``ARITHMETIC`` constexpr of ``packing`` on this target (dtypes and emulation)."""
         dense = _tl_dtype(packing.dense_dtype)
-        dot = tl.float32 if self.arch == 0 else dense
-        return dict(MUL_DT=_tl_dtype(packing.mul_dtype), ROUND_DT=_tl_dtype(packing.round_dtype or packing.dense_dtype),
-                    DENSE_DT=dense, DOT_DT=dot, EMULATE_BF16=self.arch == 0, FP8_NATIVE=self.arch >= 89)
-
-
-def packing_args(packing: WeightPacking) -> tuple[dict, dict]:
-    """(runtime ints, constexprs) that describe ``packing`` to the kernels."""
-    scale, zero = packing.spec("scale"), packing.spec("zero")
-    bits = packing.bits or 8
-    ints = dict(source_rows=packing.source_rows, scale_rows_per_source=scale_rows_per_source(packing),
-                zero_words_per_source=-(-packing.source_rows // (32 // bits)))
-    for prefix, role in (("w", "weight"), ("s", "scale"), ("z", "zero")):
-        ints[f"{prefix}_stride_n"], ints[f"{prefix}_stride_k"] = packing.row_strides(role) if packing.spec(role) else (0, 0)
-    constexprs = dict(
-        CODES=CODES[packing.codes], PACKED=PACKED_DIMS[packing.packed_dim], PER_WORD=packing.per_word, BITS=bits,
-        INTERLEAVED=packing.interleaved, VALUE_OFFSET=packing.value_offset, HAS_SCALE=scale is not None,
-        SCALE_CODES=SCALE_CODES[packing.scale_codes], GROUP_K=packing.group_size, BLOCK_ROWS=packing.block_rows,
-        HAS_ZERO=zero is not None, ZERO_OFFSET=packing.zero_word(), G_IDX=packing.spec("g_idx") is not None,
-        GLOBAL=GLOBAL_SCALES[packing.global_scale])
-    return ints, constexprs
+        return {"ARITHMETIC": Arithmetic(mul=_tl_dtype(packing.mul_dtype),
+                                         round=_tl_dtype(packing.round_dtype or packing.dense_dtype), dense=dense,
+                                         dot=tl.float32 if self.arch == 0 else dense, emulate_bf16=self.arch == 0,
+                                         fp8_native=self.arch >= 89)}
 
 
 @dataclass(frozen=True)
@@ -243,16 +227,12 @@ class Launch:
 
 
 def _tables(rows: ProjectionRows) -> tuple[dict, dict]:
-    """(base and offset arguments of every role, their alignment constexprs); a role the packing
-    lacks gets the weight's (never read)."""
-    weight = rows.roles["weight"]
-    args = {}
-    for prefix, role in (("w", "weight"), ("s", "scale"), ("z", "zero"), ("g", "g_idx"), ("gs", "global_scale")):
-        r = rows.roles.get(role, weight)
-        args[f"{prefix}_base"], args[f"{prefix}_off"] = r.base, r.offsets
-    aligns = {f"{p}_ALIGN": rows.roles[role].align if role in rows.roles else 1
-              for p, role in (("W", "weight"), ("S", "scale"), ("Z", "zero"))}
-    return args, aligns
+    """(``tables``: every role's (base, offsets) in ``ROLES`` order, ``ALIGNS``: the weight's,
+    scale's and zero's alignment); a role the packing lacks gets the weight's (never read)."""
+    tables = tuple((rows.roles.get(role, rows.roles["weight"]).base, rows.roles.get(role, rows.roles["weight"]).offsets)
+                   for role in ROLES)
+    aligns = tuple(rows.roles[role].align if role in rows.roles else 1 for role in ("weight", "scale", "zero"))
+    return {"tables": tables}, {"ALIGNS": aligns}
 
 
 def gemm_launch(a: torch.Tensor, c: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
@@ -260,9 +240,9 @@ def gemm_launch(a: torch.Tensor, c: torch.Tensor, rows: ProjectionRows, alignmen
     """The GEMM launch computing ``c`` [S, N] from ``a`` rows (entry s reads ``a[s // a_row_div]``)."""
     args, constexprs, options = gemm_arguments(rows, alignment.num_entries, alignment.block_m,
                                                a_row_div=a_row_div, blocks=blocks, target=target)
-    args.update(a_ptr=a, c_ptr=c, sorted_entry_ptr=alignment.sorted_entry, block_row_ptr=alignment.block_row,
-                num_padded_ptr=alignment.num_padded, stride_am=a.stride(0), stride_cm=c.stride(0))
-    grid = (alignment.max_blocks, triton.cdiv(rows.packing.out_features, blocks.block_n))
+    args.update(a_ptr=a, c_ptr=c, alignment=(alignment.sorted_entry, alignment.block_row, alignment.num_padded),
+                stride_am=a.stride(0), stride_cm=c.stride(0))
+    grid = (alignment.max_blocks, triton.cdiv(rows.packing.out_features, blocks.block_out))
     return Launch(grid, args, constexprs, **options)
 
 
@@ -270,32 +250,33 @@ def gemm_arguments(rows: ProjectionRows, num_entries: int, block_m: int, *, a_ro
                    target: KernelTarget) -> tuple[dict, dict, dict]:
     """(arguments, constexprs, launch options) of a GEMM over ``rows`` that do not change from
     one step of S = ``num_entries`` entries to the next: all but the step's tensors and strides
-    (what ``gemm_launch`` adds; a paged layer binds these once per step shape,
+    (what ``gemm_launch`` adds; the paged fused step binds these once per step shape,
     ``paging.steps.fused``)."""
     packing = rows.packing
     ints, constexprs = packing_args(packing)
     tables, aligns = _tables(rows)
     bias = rows.bias or rows.roles["weight"]
-    args = dict(**tables, b_base=bias.base, b_off=bias.offsets, N=packing.out_features, Kdim=packing.in_features,
-                num_entries=num_entries, a_row_div=a_row_div, **ints)
-    on_target = target.constexprs(packing)
-    constexprs.update(on_target, **aligns, HAS_BIAS=rows.bias is not None,
-                      DOT_PRECISION="ieee" if on_target["DOT_DT"] == tl.float32 else None,
-                      BLOCK_M=block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k)
+    args = dict(**tables, bias=(bias.base, bias.offsets), out_features=packing.out_features,
+                in_features=packing.in_features, num_entries=num_entries, a_row_div=a_row_div, **ints)
+    arithmetic = target.constexprs(packing)
+    constexprs.update(arithmetic, **aligns, HAS_BIAS=rows.bias is not None,
+                      DOT_PRECISION="ieee" if arithmetic["ARITHMETIC"].dot == tl.float32 else None,
+                      BLOCK_M=block_m, BLOCK_OUT=blocks.block_out, BLOCK_IN=blocks.block_in)
     return args, constexprs, dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def projection_gemm(a: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
                     blocks: FusedBlocks | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[S, N] in the packing's dense dtype, rows by entry: ``C[s] = a[s // a_row_div] @ W_row(s)^T
-    (+ bias)``; rows of entries left out of ``alignment`` are not written.
+    """[S, out_features] in the packing's dense dtype, rows by entry: ``C[s] = a[s // a_row_div]
+    @ W_row(s)^T (+ bias)``; rows of entries left out of ``alignment`` are not written.
 
-    ``a`` [M, K] with unit stride along K. Raises ValueError: K differs from the packing's."""
+    ``a`` [M, in_features] with unit stride along its rows. Raises ValueError: its width differs
+    from the packing's in_features."""
     packing = rows.packing
     if a.dim() != 2 or a.shape[1] != packing.in_features:
         raise ValueError(f"GEMM input {tuple(a.shape)} does not match the weight's in_features {packing.in_features}")
     a = a if a.stride(1) == 1 else a.contiguous()
-    blocks = blocks or FusedBlocks(block_m=alignment.block_m, block_k=choose_blocks(alignment.num_entries, packing).block_k)
+    blocks = blocks or FusedBlocks(block_m=alignment.block_m, block_in=choose_blocks(alignment.num_entries, packing).block_in)
     c = out if out is not None else torch.empty((alignment.num_entries, packing.out_features),
                                                 dtype=packing.dense_dtype, device=a.device)
     launch = gemm_launch(a, c, rows, alignment, a_row_div=a_row_div, blocks=blocks, target=KernelTarget.of(a.device))
@@ -305,21 +286,22 @@ def projection_gemm(a: torch.Tensor, rows: ProjectionRows, alignment: Alignment,
 
 
 def dequantize_launch(out: torch.Tensor, rows: ProjectionRows, row_ids: torch.Tensor, *, target: KernelTarget,
-                      block_n: int = 64, block_k: int = 64) -> Launch:
-    """The launch writing ``out`` [n, N, in] (dense dtype) from the rows ``row_ids`` [n] lists."""
+                      block_out: int = 64, block_in: int = 64) -> Launch:
+    """The launch writing ``out`` [n, out, in] (dense dtype) from the rows ``row_ids`` [n] lists."""
     packing = rows.packing
     ints, constexprs = packing_args(packing)
     tables, aligns = _tables(rows)
-    args = dict(out_ptr=out, rows_ptr=row_ids, **tables, N=packing.out_features, Kdim=packing.in_features, **ints)
-    constexprs.update(target.constexprs(packing), **aligns, BLOCK_N=block_n, BLOCK_K=block_k)
-    grid = (row_ids.shape[0], triton.cdiv(packing.out_features, block_n), triton.cdiv(packing.in_features, block_k))
+    args = dict(out_ptr=out, rows_ptr=row_ids, **tables, **ints, out_features=packing.out_features,
+                in_features=packing.in_features)
+    constexprs.update(target.constexprs(packing), **aligns, BLOCK_OUT=block_out, BLOCK_IN=block_in)
+    grid = (row_ids.shape[0], triton.cdiv(packing.out_features, block_out), triton.cdiv(packing.in_features, block_in))
     return Launch(grid, args, constexprs, 4, 1)
 
 
 def dequantize_rows(rows: ProjectionRows, row_ids: torch.Tensor) -> torch.Tensor:
-    """W of the rows ``row_ids`` [n] (int64, on the tables' device): [n, N, in] in the packing's
-    dense dtype, element for element what the format's ``dequantize`` computes (nn.Linear's
-    [N, in] orientation whatever the module's)."""
+    """W of the rows ``row_ids`` [n] (int64, on the tables' device): [n, out_features,
+    in_features] in the packing's dense dtype, element for element what the format's
+    ``dequantize`` computes (nn.Linear's orientation whatever the module's)."""
     packing = rows.packing
     out = torch.empty((row_ids.shape[0], packing.out_features, packing.in_features), dtype=packing.dense_dtype,
                       device=row_ids.device)
@@ -328,23 +310,10 @@ def dequantize_rows(rows: ProjectionRows, row_ids: torch.Tensor) -> torch.Tensor
     return out
 
 
-def combine(entry_out: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T, H] in ``dtype``: sum over k of entry outputs [S, H] times their routing weights, as
-    transformers' ``grouped_mm`` ends (``(out * w).view(T, k, H).sum(1)``); entries whose row id
-    is negative add nothing."""
-    num_tokens, top_k = row_ids.shape
-    weighted = entry_out.view(num_tokens, top_k, -1) * routing_weights.unsqueeze(-1)
-    weighted = weighted.masked_fill((row_ids < 0).unsqueeze(-1), 0)
-    return weighted.sum(dim=1).to(dtype)
-
-
-def _check_step(hidden, row_ids, routing_weights: torch.Tensor | None, gate_up: ProjectionRows,
-                down: ProjectionRows) -> None:
+def _check_step(hidden, row_ids, gate_up: ProjectionRows, down: ProjectionRows) -> None:
     """Raises ValueError naming the first mismatch of shapes, rows or devices."""
     if hidden.dim() != 2 or row_ids.dim() != 2 or row_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"want hidden [T, H] and row ids [T, k]; got {tuple(hidden.shape)} and {tuple(row_ids.shape)}")
-    if routing_weights is not None and routing_weights.shape != row_ids.shape:
-        raise ValueError(f"routing weights {tuple(routing_weights.shape)} differ from row ids {tuple(row_ids.shape)}")
     if gate_up.packing.in_features != hidden.shape[1] or down.packing.out_features != hidden.shape[1]:
         raise ValueError(f"hidden size {hidden.shape[1]}: gate_up reads {gate_up.packing.in_features}, "
                          f"down writes {down.packing.out_features}")
@@ -360,12 +329,19 @@ def fused_entries(hidden: torch.Tensor, row_ids: torch.Tensor, gate_up: Projecti
                   align_backend: str = "triton") -> torch.Tensor:
     """The unweighted output of every entry: [S, H] in the down packing's dense dtype, flat
     entry s = t * k + j; rows of entries whose row id is negative are not written (whatever
-    the buffer held). The stages and arguments of ``fused_experts`` but the combine; a paged
-    step runs it once per wave (entries of other waves given row id -1).
+    the buffer held). The kernel tests' entry point (the paged step, ``paging.steps.fused``,
+    launches the same kernels with its launches prepared once per step shape).
+
+    hidden [T, H]; row_ids [T, k] int64 (row of each entry in the address tables; -1: not
+    computed here); ``activation``: the experts module's gate ([S, 2I] -> [S, I], its
+    ``_apply_gate``); ``post_expert``: its optional post-expert norm. Stages: align by row
+    (``align_backend``: "triton" or "torch"), gate-up GEMM (+ bias), activation, down GEMM
+    (+ bias). No host sync (module docstring).
 
     Raises:
-        ValueError: as ``fused_experts``."""
-    _check_step(hidden, row_ids, None, gate_up, down)
+        ValueError: shapes, rows or devices that do not fit (``_check_step``), an unknown
+            align backend, or a CPU device without ``TRITON_INTERPRET=1``."""
+    _check_step(hidden, row_ids, gate_up, down)
     if align_backend not in ALIGN_BACKENDS:
         raise ValueError(f"unknown align backend {align_backend!r}; choose one of {list(ALIGN_BACKENDS)}")
     num_entries = row_ids.numel()
@@ -373,24 +349,3 @@ def fused_entries(hidden: torch.Tensor, row_ids: torch.Tensor, gate_up: Projecti
     up = projection_gemm(hidden, gate_up, alignment, a_row_div=row_ids.shape[1])
     out = projection_gemm(activation(up), down, alignment, a_row_div=1)
     return out if post_expert is None else post_expert(out)
-
-
-def fused_experts(hidden: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, gate_up: ProjectionRows,
-                  down: ProjectionRows, *, activation: Callable[[torch.Tensor], torch.Tensor],
-                  post_expert: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  align_backend: str = "triton") -> torch.Tensor:
-    """The routed experts of one step -> [T, H] in hidden's dtype.
-
-    hidden [T, H]; row_ids [T, k] int64 (row of each entry in the address tables; -1: not
-    computed here); routing_weights [T, k]; ``activation``: the experts module's gate ([S, 2I]
-    -> [S, I], the module's ``_apply_gate``); ``post_expert``: its optional post-expert norm. Stages:
-    align by row (``align_backend``: "triton" or "torch"), gate-up GEMM (+ bias), activation,
-    down GEMM (+ bias) (``fused_entries``), ``combine``. No host sync (module docstring).
-
-    Raises:
-        ValueError: shapes, rows or devices that do not fit (``_check_step``), an unknown
-            align backend, or a CPU device without ``TRITON_INTERPRET=1``."""
-    _check_step(hidden, row_ids, routing_weights, gate_up, down)
-    out = fused_entries(hidden, row_ids, gate_up, down, activation=activation, post_expert=post_expert,
-                        align_backend=align_backend)
-    return combine(out, row_ids, routing_weights, hidden.dtype)

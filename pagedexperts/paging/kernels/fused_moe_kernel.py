@@ -2,43 +2,107 @@
 them in registers, and the same dequantization written out (dense rows).
 
 Owns the ``@triton.jit`` code: ``fused_moe_gemm_kernel`` (one program per (block of BLOCK_M
-entries of one row, BLOCK_N output columns): ``C[s, n] = sum_k A[s // a_row_div, k] * W_r[n, k]``
-(+ bias), W_r the routed row's weight, read at ``base + offsets[r]`` of each packed role),
-``dequantize_kernel``
-(``W_r`` of listed rows into a dense [n, N, K] tensor) and the helpers they share:
-``_weight_tile`` (a [BLOCK_K, BLOCK_N] tile of W^T from a ``WeightPacking``'s encoding:
-codes, packed dim, nibble order, zero points, group / block / channel / tensor scales,
-g_idx, global scales) and the exact roundings. Does not: choose blocks, build addresses or
-check inputs (``fused_moe``), align entries (``fused_align``), or know any format class.
+entries of one row, BLOCK_OUT output columns): ``C[s, o] = sum_i A[s // a_row_div, i] *
+W_r[o, i]`` (+ bias), W_r the routed row's weight, read at ``base + offsets[r]`` of each packed
+role), ``dequantize_kernel`` (``W_r`` of listed rows into a dense [n, out, in] tensor) and the
+helpers they share: ``_columns`` (where each output column of a row lives in every role),
+``_weight_tile`` (a [BLOCK_IN, BLOCK_OUT] tile of W^T from the encoding: codes, packed dim,
+nibble order, zero points, group / block / channel / tensor scales, g_idx, global scales) and
+the exact roundings. Owns also the kernels' argument groups, built from a ``WeightPacking``:
+``WeightEncoding`` (one constexpr: the packing's own names for its codes, ``formats.packing``'s
+tables, with its sizes and offsets), ``Arithmetic`` (one constexpr: the dtypes and emulation
+switches), the row ``geometry`` (one tuple of runtime ints), the role ``tables`` (one tuple of
+(base, offsets) pairs in ``formats.packing.ROLES`` order) and ``ALIGNS``. Does not:
+choose blocks, build addresses or check inputs (``fused_moe``), align entries
+(``fused_align``), or know any format class.
 
 Exactness. ``_weight_tile`` computes every element with the format's own arithmetic (the value
-and scale exact in float32, the product rounded to ``MUL_DT``, then ``ROUND_DT``, then
-``DENSE_DT``): a float32 product of two values of at most 12 significant bits is exact, so
-rounding it once equals the float16 / bfloat16 product the format's torch code computes.
-Differences from the format's ``dequantize``: an e4m3 NaN code (0x7F / 0xFF) decodes to +-480
-(quantizers never write it), ModelOpt's code 8 decodes to -0.0 instead of +0.0 (equal values).
+and scale exact in float32, the product rounded to ``ARITHMETIC.mul``, then ``.round``, then
+``.dense``): a float32 product of two values of at most 12 significant bits is exact, so
+rounding it once equals the float16 / bfloat16 product the format's torch code computes
+(``formats.unpack``, the reference these kernels are tested against). Differences from it: an
+e4m3 NaN code (0x7F / 0xFF) decodes to +-480 (quantizers never write it), ModelOpt's e2m1 code
+8 decodes to -0.0 instead of +0.0 (equal values).
 
 The Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) truncates float32 -> bfloat16 casts
-and computes bfloat16 arithmetic on the raw bits, so there ``EMULATE_BF16`` rounds to bfloat16
-with integer ops (round to nearest even, as the GPU's ``cvt.rn``) and ``DOT_DT`` is float32
+and computes bfloat16 arithmetic on the raw bits, so there ``emulate_bf16`` rounds to bfloat16
+with integer ops (round to nearest even, as the GPU's ``cvt.rn``) and ``dot`` is float32
 (operands hold the same bfloat16 values; float32 products of them are exact). On a GPU the
-launcher sets ``EMULATE_BF16`` False and ``DOT_DT`` to the dense dtype (tensor cores).
-``FP8_NATIVE``: decode e4m3 with the hardware conversion (sm_89 and newer); else with integer
+launcher sets ``emulate_bf16`` False and ``dot`` to the dense dtype (tensor cores).
+``fp8_native``: decode e4m3 with the hardware conversion (sm_89 and newer); else with integer
 ops (sm_80, the interpreter), the same values.
 
-Legend: S entries (token, k) of a step, R addressable rows, N output features, K input
-features, BM / BN / BK the tile.
+Legend: S entries (token, k) of a step, R addressable rows, ``out_features`` / ``in_features``
+a projection's output / input features (nn.Linear's W [out, in]; "K" is the slot count
+elsewhere in the package, so the kernels never call the input dim K), BM / BOUT / BIN the tile.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from pagedexperts.formats.packing import WeightPacking, scale_rows_per_source
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, tl, triton
 
-# WeightPacking strings -> the kernels' constexpr codes
-CODES = {"dense": 0, "int": 1, "e4m3": 2, "e2m1": 3}
-PACKED_DIMS = {"none": 0, "in": 1, "out": 2}
-SCALE_CODES = {"float": 0, "e4m3": 1, "e8m0": 2}
-GLOBAL_SCALES = {"none": 0, "divide": 1, "multiply": 2}
+
+class WeightEncoding(NamedTuple):
+    """How a ``WeightPacking`` encodes W, as the kernels specialise on it (one constexpr). The
+    codes keep the packing's names (``codes`` in ``formats.packing.CODES``, ``packed_dim`` in
+    ``PACKED_DIMS``, ``scale_codes`` in ``SCALE_CODES``, ``global_scale`` in ``GLOBAL_SCALES``)."""
+
+    codes: str
+    packed_dim: str
+    per_word: int  # values per stored element of the weight row
+    bits: int  # bits of one packed field (8 for one value per byte)
+    interleaved: bool  # AWQ's nibble order
+    value_offset: int  # subtracted from an int field without zero points
+    has_scale: bool
+    scale_codes: str
+    group_in: int  # input columns per scale; 0: one group spans the input
+    block_rows: int  # output rows per scale, inside one source
+    has_zero: bool
+    zero_word: int  # added to each zero-point word, carries included (GPTQ v1)
+    zero_value: int  # added to each zero point after unpacking, no wrap (AutoRound)
+    g_idx: bool  # act-order: each input column's group read from the g_idx row
+    global_scale: str
+
+    @classmethod
+    def of(cls, packing: WeightPacking) -> "WeightEncoding":
+        return cls(codes=packing.codes, packed_dim=packing.packed_dim, per_word=packing.per_word,
+                   bits=packing.bits or 8, interleaved=packing.interleaved, value_offset=packing.value_offset,
+                   has_scale=packing.spec("scale") is not None, scale_codes=packing.scale_codes,
+                   group_in=packing.group_size, block_rows=packing.block_rows,
+                   has_zero=packing.spec("zero") is not None, zero_word=packing.zero_word(),
+                   zero_value=0 if packing.zero_carries else packing.zero_offset,
+                   g_idx=packing.spec("g_idx") is not None, global_scale=packing.global_scale)
+
+
+class Arithmetic(NamedTuple):
+    """The dtypes a packing computes in on one target (one constexpr; Triton dtypes): ``mul``
+    the product's, ``round`` an intermediate rounding, ``dense`` the experts', ``dot`` the GEMM
+    operands'; ``emulate_bf16`` (the interpreter) and ``fp8_native`` (sm_89+)."""
+
+    mul: object
+    round: object
+    dense: object
+    dot: object
+    emulate_bf16: bool
+    fp8_native: bool
+
+
+def geometry(packing: WeightPacking) -> tuple:
+    """The runtime ints of a packing's rows (the kernels' ``geometry`` argument): (rows per
+    source, scale rows per source, zero-point words per source, and the (out, in) element
+    strides of the weight, scale and zero rows; (0, 0) for a role the packing lacks)."""
+    bits = packing.bits or 8
+    strides = tuple(packing.row_strides(role) if packing.spec(role) else (0, 0) for role in ("weight", "scale", "zero"))
+    return (packing.source_rows, scale_rows_per_source(packing), -(-packing.source_rows // (32 // bits))) + strides
+
+
+def packing_args(packing: WeightPacking) -> tuple[dict, dict]:
+    """(runtime arguments, constexprs) that describe ``packing`` to the kernels."""
+    return {"geometry": geometry(packing)}, {"ENCODING": WeightEncoding.of(packing)}
+
 
 if HAVE_TRITON:
 
@@ -66,12 +130,12 @@ if HAVE_TRITON:
             return x.to(DT)
 
     @triton.jit
-    def _to_dot(x, DENSE_DT: tl.constexpr, DOT_DT: tl.constexpr, EMULATE_BF16: tl.constexpr):
-        """An operand in ``DOT_DT`` holding its value rounded to ``DENSE_DT`` (the experts' dtype)."""
-        if x.dtype == DOT_DT:
+    def _to_dot(x, ARITH: tl.constexpr):
+        """An operand in ``ARITH.dot`` holding its value rounded to ``ARITH.dense`` (the experts' dtype)."""
+        if x.dtype == ARITH.dot:
             return x
         else:
-            return _round(x.to(tl.float32), DENSE_DT, EMULATE_BF16).to(DOT_DT)
+            return _round(x.to(tl.float32), ARITH.dense, ARITH.emulate_bf16).to(ARITH.dot)
 
     @triton.jit
     def _e4m3(byte, NATIVE: tl.constexpr):
@@ -98,85 +162,88 @@ if HAVE_TRITON:
     @triton.jit
     def _decode_scale(raw, SCALE_CODES: tl.constexpr, FP8_NATIVE: tl.constexpr):
         """Stored scales -> float32: float, e4m3 bytes, or E8M0 bytes (2 ** (e - 127))."""
-        if SCALE_CODES == 1:
+        if SCALE_CODES == "e4m3":
             return _e4m3(raw, FP8_NATIVE)
-        elif SCALE_CODES == 2:
+        elif SCALE_CODES == "e8m0":
             e = raw.to(tl.int32)
             return tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
         else:
             return raw.to(tl.float32)
 
     @triton.jit
-    def _weight_tile(k0, offs_k, mask_k, mask_n, Kdim, w_col, w_shift, s_col, z_col, z_shift, g_col, glob,
-                     w_stride_k, s_stride_k, z_stride_k,
-                     CODES: tl.constexpr, PACKED: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr,
-                     VALUE_OFFSET: tl.constexpr, SCALE_CODES: tl.constexpr, GROUP_K: tl.constexpr,
-                     HAS_ZERO: tl.constexpr, ZERO_OFFSET: tl.constexpr, G_IDX: tl.constexpr, GLOBAL: tl.constexpr,
-                     MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr, DENSE_DT: tl.constexpr, DOT_DT: tl.constexpr,
-                     EMULATE_BF16: tl.constexpr, FP8_NATIVE: tl.constexpr, BLOCK_K: tl.constexpr):
-        """W^T[k0:k0+BK, columns] in DOT_DT: ``w_col`` [BN] pointers to each column's first stored
-        element, ``s_col`` / ``z_col`` / ``g_col`` the same for its scale / zero / g_idx, ``w_shift`` /
-        ``z_shift`` [BN] its field's bit offset along the output dim, ``glob`` [BN] its global scale."""
-        k2 = offs_k[:, None]
-        mask = mask_k[:, None] & mask_n[None, :]
-        if PACKED == 1:
-            raw = tl.load(w_col[None, :] + (k2 // PER_WORD) * w_stride_k, mask=mask, other=0)
-        else:
-            raw = tl.load(w_col[None, :] + k2 * w_stride_k, mask=mask, other=0)
-        if CODES == 0:
-            return _to_dot(raw, DENSE_DT, DOT_DT, EMULATE_BF16)
-        else:
-            field = raw
-            if PACKED == 1:
-                field = (raw.to(tl.int32) >> (BITS * (k2 % PER_WORD))) & ((1 << BITS) - 1)
-            elif PACKED == 2:
-                field = (raw.to(tl.int32) >> w_shift[None, :]) & ((1 << BITS) - 1)
-            group = 0
-            if G_IDX:  # act-order: each element's group from its column's g_idx row
-                group = tl.load(g_col[None, :] + k2, mask=mask, other=0)
-            if CODES == 1:
-                if HAS_ZERO:
-                    zraw = _group_tile(z_col, k0, k2, mask, mask_n, group, Kdim, z_stride_k, G_IDX, GROUP_K, BLOCK_K)
-                    # ZERO_OFFSET: added to the whole word, carries included (GPTQModel's v1 -> v2 conversion)
-                    zero = ((zraw + ZERO_OFFSET) >> z_shift[None, :]) & ((1 << BITS) - 1)
-                    v = (field.to(tl.int32) - zero).to(tl.float32)
-                else:
-                    v = (field.to(tl.int32) - VALUE_OFFSET).to(tl.float32)
-            elif CODES == 2:
-                v = _e4m3(field, FP8_NATIVE)
+    def _value(raw, in2, mask, mask_out, group, in0, in_features, cols, geometry, ENC: tl.constexpr,
+               ARITH: tl.constexpr, BLOCK_IN: tl.constexpr):
+        """The value of each element of a [BIN, BOUT] tile in float32 (int: field minus zero
+        point or value offset; e4m3 / e2m1 decoded) from its stored word ``raw``."""
+        field = raw
+        if ENC.packed_dim == "in":
+            field = (raw.to(tl.int32) >> (ENC.bits * (in2 % ENC.per_word))) & ((1 << ENC.bits) - 1)
+        elif ENC.packed_dim == "out":
+            field = (raw.to(tl.int32) >> cols[1][None, :]) & ((1 << ENC.bits) - 1)
+        if ENC.codes == "int":
+            if ENC.has_zero:
+                zraw = _group_tile(cols[3], in0, in2, mask, mask_out, group, in_features, geometry[5][1], ENC, BLOCK_IN)
+                zero = (((zraw + ENC.zero_word) >> cols[4][None, :]) & ((1 << ENC.bits) - 1)) + ENC.zero_value
+                return (field.to(tl.int32) - zero).to(tl.float32)
             else:
-                v = _e2m1(field)
-            s = _group_tile(s_col, k0, k2, mask, mask_n, group, Kdim, s_stride_k, G_IDX, GROUP_K, BLOCK_K)
-            s = _decode_scale(s, SCALE_CODES, FP8_NATIVE)
-            if GLOBAL == 1:
-                s = tl.math.div_rn(s, glob[None, :])
-            elif GLOBAL == 2:
-                s = s * glob[None, :]
-            w = _round(v * _round(s, MUL_DT, EMULATE_BF16), MUL_DT, EMULATE_BF16)
-            w = _round(_round(w, ROUND_DT, EMULATE_BF16), DENSE_DT, EMULATE_BF16)
-            return w.to(DOT_DT)
+                return (field.to(tl.int32) - ENC.value_offset).to(tl.float32)
+        elif ENC.codes == "e4m3":
+            return _e4m3(field, ARITH.fp8_native)
+        else:
+            return _e2m1(field)
 
     @triton.jit
-    def _group_tile(col, k0, k2, mask, mask_n, group, Kdim, stride_k, G_IDX: tl.constexpr, GROUP_K: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-        """A per-(input group, column) tensor (scales, zero-point words) over the tile's rows
-        ``k2`` [BK, 1]: [BK, BN], or [1, BN] when the tile lies in one group. ``col`` [BN]
-        pointers to each column's group 0; ``group`` [BK, BN] the g_idx groups (G_IDX) or 0."""
-        if G_IDX:
-            return tl.load(col[None, :] + group * stride_k, mask=mask, other=0)
-        elif GROUP_K == 0:  # one group spans K
-            return tl.load(col, mask=mask_n, other=0)[None, :]
-        elif GROUP_K % BLOCK_K == 0:  # the tile lies in group k0 // GROUP_K
-            return tl.load(col + (k0 // GROUP_K) * stride_k, mask=mask_n, other=0)[None, :]
-        elif BLOCK_K % GROUP_K == 0:  # whole groups: load each once, repeat it GROUP_K times
-            per_tile: tl.constexpr = BLOCK_K // GROUP_K
-            groups = k0 // GROUP_K + tl.arange(0, per_tile)
-            small = tl.load(col[None, :] + groups[:, None] * stride_k,
-                            mask=(groups[:, None] * GROUP_K < Kdim) & mask_n[None, :], other=0)
-            block_n: tl.constexpr = col.shape[0]
-            return tl.reshape(tl.broadcast_to(small[:, None, :], (per_tile, GROUP_K, block_n)), (BLOCK_K, block_n))
+    def _weight_tile(in0, offs_in, mask_in, mask_out, in_features, cols, geometry, ENC: tl.constexpr,
+                     ARITH: tl.constexpr, BLOCK_IN: tl.constexpr):
+        """W^T[in0:in0+BIN, columns] in ``ARITH.dot``. ``cols`` (``_columns``): per column, pointers
+        to its first stored element and to its scale / zero / g_idx, its field's bit offset along
+        the output dim and its global scale; ``geometry`` the rows' strides."""
+        w_col, _, s_col, _, _, g_col, glob = cols
+        in2 = offs_in[:, None]
+        mask = mask_in[:, None] & mask_out[None, :]
+        if ENC.packed_dim == "in":
+            raw = tl.load(w_col[None, :] + (in2 // ENC.per_word) * geometry[3][1], mask=mask, other=0)
         else:
-            return tl.load(col[None, :] + (k2 // GROUP_K) * stride_k, mask=mask, other=0)
+            raw = tl.load(w_col[None, :] + in2 * geometry[3][1], mask=mask, other=0)
+        if ENC.codes == "dense":
+            return _to_dot(raw, ARITH)
+        else:
+            group = 0
+            if ENC.g_idx:  # act-order: each element's group from its column's g_idx row
+                group = tl.load(g_col[None, :] + in2, mask=mask, other=0)
+            v = _value(raw, in2, mask, mask_out, group, in0, in_features, cols, geometry, ENC, ARITH, BLOCK_IN)
+            s = _group_tile(s_col, in0, in2, mask, mask_out, group, in_features, geometry[4][1], ENC, BLOCK_IN)
+            s = _decode_scale(s, ENC.scale_codes, ARITH.fp8_native)
+            if ENC.global_scale == "divide":
+                s = tl.math.div_rn(s, glob[None, :])
+            elif ENC.global_scale == "multiply":
+                s = s * glob[None, :]
+            w = _round(v * _round(s, ARITH.mul, ARITH.emulate_bf16), ARITH.mul, ARITH.emulate_bf16)
+            w = _round(_round(w, ARITH.round, ARITH.emulate_bf16), ARITH.dense, ARITH.emulate_bf16)
+            return w.to(ARITH.dot)
+
+    @triton.jit
+    def _group_tile(col, in0, in2, mask, mask_out, group, in_features, stride_in, ENC: tl.constexpr,
+                    BLOCK_IN: tl.constexpr):
+        """A per-(input group, column) tensor (scales, zero-point words) over the tile's rows
+        ``in2`` [BIN, 1]: [BIN, BOUT], or [1, BOUT] when the tile lies in one group. ``col`` [BOUT]
+        pointers to each column's group 0; ``group`` [BIN, BOUT] the g_idx groups (``ENC.g_idx``) or 0."""
+        GROUP_IN: tl.constexpr = ENC.group_in
+        if ENC.g_idx:
+            return tl.load(col[None, :] + group * stride_in, mask=mask, other=0)
+        elif GROUP_IN == 0:  # one group spans the input
+            return tl.load(col, mask=mask_out, other=0)[None, :]
+        elif GROUP_IN % BLOCK_IN == 0:  # the tile lies in group in0 // GROUP_IN
+            return tl.load(col + (in0 // GROUP_IN) * stride_in, mask=mask_out, other=0)[None, :]
+        elif BLOCK_IN % GROUP_IN == 0:  # whole groups: load each once, repeat it GROUP_IN times
+            per_tile: tl.constexpr = BLOCK_IN // GROUP_IN
+            groups = in0 // GROUP_IN + tl.arange(0, per_tile)
+            small = tl.load(col[None, :] + groups[:, None] * stride_in,
+                            mask=(groups[:, None] * GROUP_IN < in_features) & mask_out[None, :], other=0)
+            block_out: tl.constexpr = col.shape[0]
+            return tl.reshape(tl.broadcast_to(small[:, None, :], (per_tile, GROUP_IN, block_out)), (BLOCK_IN, block_out))
+        else:
+            return tl.load(col[None, :] + (in2 // GROUP_IN) * stride_in, mask=mask, other=0)
 
     @triton.jit
     def _position(j, INTERLEAVED: tl.constexpr, PER_WORD: tl.constexpr):
@@ -188,120 +255,97 @@ if HAVE_TRITON:
             return j
 
     @triton.jit
-    def _row(base, offsets, row, ALIGN: tl.constexpr):
-        """The first element of row ``row``: ``base + offsets[row]`` (elements), every offset a
-        multiple of ALIGN (so that loads from the row can be vectorised)."""
-        return base + tl.multiple_of(tl.load(offsets + row), ALIGN)
+    def _row(table, row, ALIGN: tl.constexpr):
+        """The first element of row ``row`` of a role's ``table`` (base, offsets): ``base +
+        offsets[row]`` (elements), every offset a multiple of ALIGN (so that loads from the row can
+        be vectorised)."""
+        return table[0] + tl.multiple_of(tl.load(table[1] + row), ALIGN)
 
     @triton.jit
-    def _columns(row, offs_n, mask_n, w_base, w_off, s_base, s_off, z_base, z_off, g_base, g_off, gs_base, gs_off,
-                 Kdim, source_rows, scale_rows_per_source, zero_words_per_source, w_stride_n, s_stride_n, z_stride_n,
-                 PACKED: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 BLOCK_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_ZERO: tl.constexpr, G_IDX: tl.constexpr,
-                 GLOBAL: tl.constexpr, W_ALIGN: tl.constexpr, S_ALIGN: tl.constexpr, Z_ALIGN: tl.constexpr):
+    def _columns(row, offs_out, mask_out, tables, geometry, in_features, ENC: tl.constexpr, ALIGNS: tl.constexpr):
         """Per output column of row ``row``: (w_col, w_shift, s_col, z_col, z_shift, g_col, glob)
-        as ``_weight_tile`` takes them."""
-        source = offs_n // source_rows
-        within = offs_n % source_rows
-        w_row = _row(w_base, w_off, row, W_ALIGN)
-        w_col = w_row + offs_n * w_stride_n
-        w_shift = tl.zeros_like(offs_n)
-        if PACKED == 2:
-            w_col = w_row + (offs_n // PER_WORD) * w_stride_n
-            w_shift = BITS * _position(offs_n % PER_WORD, INTERLEAVED, PER_WORD)
+        as ``_weight_tile`` takes them. ``tables``: the roles' (base, offsets) in
+        ``formats.packing.ROLES`` order."""
+        source_rows, scale_rows_per_source, zero_words_per_source = geometry[0], geometry[1], geometry[2]
+        source = offs_out // source_rows
+        within = offs_out % source_rows
+        w_row = _row(tables[0], row, ALIGNS[0])
+        w_col = w_row + offs_out * geometry[3][0]
+        w_shift = tl.zeros_like(offs_out)
+        if ENC.packed_dim == "out":
+            w_col = w_row + (offs_out // ENC.per_word) * geometry[3][0]
+            w_shift = ENC.bits * _position(offs_out % ENC.per_word, ENC.interleaved, ENC.per_word)
         s_col = w_col
-        if HAS_SCALE:
-            s_col = _row(s_base, s_off, row, S_ALIGN) + (source * scale_rows_per_source + within // BLOCK_ROWS) * s_stride_n
+        if ENC.has_scale:
+            s_col = _row(tables[1], row, ALIGNS[1]) + (source * scale_rows_per_source + within // ENC.block_rows) * geometry[4][0]
         z_col = w_col
-        z_shift = tl.zeros_like(offs_n)
-        if HAS_ZERO:
-            z_per_word: tl.constexpr = 32 // BITS
-            z_col = _row(z_base, z_off, row, Z_ALIGN) + (source * zero_words_per_source + within // z_per_word) * z_stride_n
-            z_shift = BITS * _position(within % z_per_word, INTERLEAVED, z_per_word)
+        z_shift = tl.zeros_like(offs_out)
+        if ENC.has_zero:
+            z_per_word: tl.constexpr = 32 // ENC.bits
+            z_col = _row(tables[2], row, ALIGNS[2]) + (source * zero_words_per_source + within // z_per_word) * geometry[5][0]
+            z_shift = ENC.bits * _position(within % z_per_word, ENC.interleaved, z_per_word)
         g_col = z_col
-        if G_IDX:
-            g_col = _row(g_base, g_off, row, 1) + source * Kdim
-        glob = tl.zeros_like(offs_n).to(tl.float32)
-        if GLOBAL != 0:
-            glob = tl.load(_row(gs_base, gs_off, row, 1) + source, mask=mask_n, other=1.0)
+        if ENC.g_idx:
+            g_col = _row(tables[3], row, 1) + source * in_features
+        glob = tl.zeros_like(offs_out).to(tl.float32)
+        if ENC.global_scale != "none":
+            glob = tl.load(_row(tables[4], row, 1) + source, mask=mask_out, other=1.0)
         return w_col, w_shift, s_col, z_col, z_shift, g_col, glob
 
     @triton.jit
     def fused_moe_gemm_kernel(
-        a_ptr, c_ptr, w_base, w_off, s_base, s_off, z_base, z_off, g_base, g_off, gs_base, gs_off, b_base, b_off,
-        sorted_entry_ptr, block_row_ptr, num_padded_ptr,
-        N, Kdim, num_entries, a_row_div, stride_am, stride_cm,
-        w_stride_n, w_stride_k, s_stride_n, s_stride_k, z_stride_n, z_stride_k,
-        source_rows, scale_rows_per_source, zero_words_per_source,
-        CODES: tl.constexpr, PACKED: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr,
-        INTERLEAVED: tl.constexpr, VALUE_OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_CODES: tl.constexpr,
-        GROUP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO_OFFSET: tl.constexpr,
-        G_IDX: tl.constexpr, GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, W_ALIGN: tl.constexpr,
-        S_ALIGN: tl.constexpr, Z_ALIGN: tl.constexpr, MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr,
-        DENSE_DT: tl.constexpr, DOT_DT: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
-        FP8_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        a_ptr, c_ptr, alignment, tables, bias, geometry,
+        out_features, in_features, num_entries, a_row_div, stride_am, stride_cm,
+        ENCODING: tl.constexpr, ARITHMETIC: tl.constexpr, ALIGNS: tl.constexpr, HAS_BIAS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
     ):
-        """C [S, N] (rows by entry): one program per (block, column tile); blocks at or past the
-        device count ``num_padded`` return at once (fixed grid, no host read)."""
+        """C [S, out] (rows by entry) from A [*, in]: one program per (block, column tile).
+        ``alignment`` (sorted entries, the row of each block, the padded count on the device):
+        blocks at or past the count return at once (fixed grid, no host read). ``tables`` /
+        ``bias``: the roles' and the bias's (base, offsets); ``geometry``: ``geometry(packing)``."""
+        sorted_entry_ptr, block_row_ptr, num_padded_ptr = alignment
         pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid_out = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
         row = tl.load(block_row_ptr + pid_m).to(tl.int64)
         entries = tl.load(sorted_entry_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask_m = entries < num_entries
         a_rows = tl.where(mask_m, entries // a_row_div, 0)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        w_col, w_shift, s_col, z_col, z_shift, g_col, glob = _columns(
-            row, offs_n, mask_n, w_base, w_off, s_base, s_off, z_base, z_off, g_base, g_off, gs_base, gs_off, Kdim,
-            source_rows, scale_rows_per_source, zero_words_per_source, w_stride_n, s_stride_n, z_stride_n, PACKED,
-            PER_WORD, BITS, INTERLEAVED, BLOCK_ROWS, HAS_SCALE, HAS_ZERO, G_IDX, GLOBAL, W_ALIGN, S_ALIGN, Z_ALIGN)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, Kdim, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < Kdim
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = _weight_tile(k0, offs_k, mask_k, mask_n, Kdim, w_col, w_shift, s_col, z_col, z_shift, g_col, glob,
-                             w_stride_k, s_stride_k, z_stride_k, CODES, PACKED, PER_WORD, BITS, VALUE_OFFSET,
-                             SCALE_CODES, GROUP_K, HAS_ZERO, ZERO_OFFSET, G_IDX, GLOBAL, MUL_DT, ROUND_DT, DENSE_DT,
-                             DOT_DT, EMULATE_BF16, FP8_NATIVE, BLOCK_K)
-            acc = tl.dot(_to_dot(a, DENSE_DT, DOT_DT, EMULATE_BF16), b, acc, input_precision=DOT_PRECISION)
+        offs_out = pid_out * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+        mask_out = offs_out < out_features
+        cols = _columns(row, offs_out, mask_out, tables, geometry, in_features, ENCODING, ALIGNS)
+        acc = tl.zeros([BLOCK_M, BLOCK_OUT], dtype=tl.float32)
+        for in0 in range(0, in_features, BLOCK_IN):
+            offs_in = in0 + tl.arange(0, BLOCK_IN)
+            mask_in = offs_in < in_features
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_in[None, :],
+                        mask=mask_m[:, None] & mask_in[None, :], other=0.0)
+            b = _weight_tile(in0, offs_in, mask_in, mask_out, in_features, cols, geometry, ENCODING, ARITHMETIC,
+                             BLOCK_IN)
+            acc = tl.dot(_to_dot(a, ARITHMETIC), b, acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
-            acc += tl.load(_row(b_base, b_off, row, 1) + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        c = _cast(acc, c_ptr.dtype.element_ty, EMULATE_BF16)
-        tl.store(c_ptr + entries[:, None] * stride_cm + offs_n[None, :], c, mask=mask_m[:, None] & mask_n[None, :])
+            acc += tl.load(_row(bias, row, 1) + offs_out, mask=mask_out, other=0.0).to(tl.float32)[None, :]
+        c = _cast(acc, c_ptr.dtype.element_ty, ARITHMETIC.emulate_bf16)
+        tl.store(c_ptr + entries[:, None] * stride_cm + offs_out[None, :], c, mask=mask_m[:, None] & mask_out[None, :])
 
     @triton.jit
     def dequantize_kernel(
-        out_ptr, rows_ptr, w_base, w_off, s_base, s_off, z_base, z_off, g_base, g_off, gs_base, gs_off,
-        N, Kdim, w_stride_n, w_stride_k, s_stride_n, s_stride_k, z_stride_n, z_stride_k,
-        source_rows, scale_rows_per_source, zero_words_per_source,
-        CODES: tl.constexpr, PACKED: tl.constexpr, PER_WORD: tl.constexpr, BITS: tl.constexpr,
-        INTERLEAVED: tl.constexpr, VALUE_OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_CODES: tl.constexpr,
-        GROUP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO_OFFSET: tl.constexpr,
-        G_IDX: tl.constexpr, GLOBAL: tl.constexpr, W_ALIGN: tl.constexpr, S_ALIGN: tl.constexpr,
-        Z_ALIGN: tl.constexpr, MUL_DT: tl.constexpr, ROUND_DT: tl.constexpr, DENSE_DT: tl.constexpr,
-        DOT_DT: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8_NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        out_ptr, rows_ptr, tables, geometry, out_features, in_features,
+        ENCODING: tl.constexpr, ARITHMETIC: tl.constexpr, ALIGNS: tl.constexpr,
+        BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
     ):
-        """out [n, N, K] in DENSE_DT: W of the rows ``rows_ptr`` [n] lists, one program per
-        (listed row, column tile, input tile)."""
+        """out [n, out, in] in the dense dtype: W of the rows ``rows_ptr`` [n] lists, one program
+        per (listed row, column tile, input tile)."""
         i = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k0 = tl.program_id(2) * BLOCK_K
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_n = offs_n < N
-        mask_k = offs_k < Kdim
+        offs_out = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+        in0 = tl.program_id(2) * BLOCK_IN
+        offs_in = in0 + tl.arange(0, BLOCK_IN)
+        mask_out = offs_out < out_features
+        mask_in = offs_in < in_features
         row = tl.load(rows_ptr + i).to(tl.int64)
-        w_col, w_shift, s_col, z_col, z_shift, g_col, glob = _columns(
-            row, offs_n, mask_n, w_base, w_off, s_base, s_off, z_base, z_off, g_base, g_off, gs_base, gs_off, Kdim,
-            source_rows, scale_rows_per_source, zero_words_per_source, w_stride_n, s_stride_n, z_stride_n, PACKED,
-            PER_WORD, BITS, INTERLEAVED, BLOCK_ROWS, HAS_SCALE, HAS_ZERO, G_IDX, GLOBAL, W_ALIGN, S_ALIGN, Z_ALIGN)
-        w = _weight_tile(k0, offs_k, mask_k, mask_n, Kdim, w_col, w_shift, s_col, z_col, z_shift, g_col, glob,
-                         w_stride_k, s_stride_k, z_stride_k, CODES, PACKED, PER_WORD, BITS, VALUE_OFFSET,
-                         SCALE_CODES, GROUP_K, HAS_ZERO, ZERO_OFFSET, G_IDX, GLOBAL, MUL_DT, ROUND_DT, DENSE_DT,
-                         DOT_DT, EMULATE_BF16, FP8_NATIVE, BLOCK_K)
-        out = out_ptr + i.to(tl.int64) * N * Kdim + offs_n[None, :] * Kdim + offs_k[:, None]
-        tl.store(out, _cast(w.to(tl.float32), DENSE_DT, EMULATE_BF16), mask=mask_k[:, None] & mask_n[None, :])
+        cols = _columns(row, offs_out, mask_out, tables, geometry, in_features, ENCODING, ALIGNS)
+        w = _weight_tile(in0, offs_in, mask_in, mask_out, in_features, cols, geometry, ENCODING, ARITHMETIC, BLOCK_IN)
+        out = out_ptr + i.to(tl.int64) * out_features * in_features + offs_out[None, :] * in_features + offs_in[:, None]
+        tl.store(out, _cast(w.to(tl.float32), ARITHMETIC.dense, ARITHMETIC.emulate_bf16),
+                 mask=mask_in[:, None] & mask_out[None, :])

@@ -23,7 +23,7 @@ step's entry count (tile sizes are a function of S and the packing, never of K, 
 the wave: ``kernels.fused_moe.choose_blocks``), and the weights are applied in ``combine`` as
 ``grouped_mm`` ends. So a paged step equals the same kernels with all E experts resident
 (K = E), bit for bit (tests/test_fused_paged.py). Against transformers' dequantized experts it
-is within a tolerance (README "What is exact").
+is within a tolerance (docs/exactness.md).
 
 Legend: T tokens, H hidden, I expert intermediate, k top_k, K slots, S = T k entries.
 """
@@ -79,8 +79,8 @@ def slot_rows(layout: ExpertLayout | None, slots: Mapping[str, torch.Tensor], *,
 class PreparedGemm:
     """One projection's GEMM for steps of S entries over fixed rows, built once per layer and
     step shape (``prepare_gemm``: ``kernels.fused_moe.gemm_arguments``, the target and the grid
-    bound; never per step). ``launch(a_ptr=a, c_ptr=c, sorted_entry_ptr=, block_row_ptr=,
-    num_padded_ptr=, stride_am=, stride_cm=)`` runs it (the kernel's launcher with every other
+    bound; never per step). ``launch(a_ptr=a, c_ptr=c, alignment=(sorted entries, block rows,
+    padded count), stride_am=, stride_cm=)`` runs it (the kernel's launcher with every other
     argument bound: a ``functools.partial``, no Python frame of its own); ``out_features`` N
     and ``dense_dtype``: the output's [S, N] and dtype."""
 
@@ -96,10 +96,10 @@ def prepare_gemm(rows: ProjectionRows, *, align: AlignLaunch, a_row_div: int) ->
     Raises:
         ValueError: triton missing, or a CPU device without ``TRITON_INTERPRET=1``."""
     packing = rows.packing
-    blocks = FusedBlocks(block_m=align.block_m, block_k=choose_blocks(align.num_entries, packing).block_k)
+    blocks = FusedBlocks(block_m=align.block_m, block_in=choose_blocks(align.num_entries, packing).block_in)
     args, constexprs, options = gemm_arguments(rows, align.num_entries, align.block_m, a_row_div=a_row_div,
                                                blocks=blocks, target=KernelTarget.of(rows.device))
-    grid = (align.capacity // align.block_m, triton.cdiv(packing.out_features, blocks.block_n))
+    grid = (align.capacity // align.block_m, triton.cdiv(packing.out_features, blocks.block_out))
     launch = functools.partial(kernels.fused_moe_gemm_kernel[grid], **args, **constexprs, **options)
     return PreparedGemm(launch, packing.out_features, packing.dense_dtype)
 
@@ -206,6 +206,6 @@ def _gemm(gemm: PreparedGemm, a: torch.Tensor, alignment) -> torch.Tensor:
     """[S, N] in the GEMM's dense dtype: ``gemm`` over ``a`` [M, in] (made contiguous)."""
     a = a.contiguous()
     c = torch.empty((alignment.num_entries, gemm.out_features), dtype=gemm.dense_dtype, device=a.device)
-    gemm.launch(a_ptr=a, c_ptr=c, sorted_entry_ptr=alignment.sorted_entry, block_row_ptr=alignment.block_row,
-                num_padded_ptr=alignment.num_padded, stride_am=a.stride(0), stride_cm=c.stride(0))
+    gemm.launch(a_ptr=a, c_ptr=c, alignment=(alignment.sorted_entry, alignment.block_row, alignment.num_padded),
+                stride_am=a.stride(0), stride_cm=c.stride(0))
     return c

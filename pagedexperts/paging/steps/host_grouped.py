@@ -10,7 +10,7 @@ thread, a GEMM row's bits depend on the row's index inside its expert's group, a
 give each group another row order than expert ids do. And the activation (SiLU, sigmoid) runs a
 vectorised body and a scalar tail whose results differ in the last bit; which elements fall in
 the tail depends on the buffer's size, its row order and the threads' chunk boundaries. So the
-kernel is handed exactly the unpaged model's layout (measured, see README "What is exact"): the
+kernel is handed exactly the unpaged model's layout (measured, see docs/exactness.md): the
 unpaged model's own ``torch.sort`` of the flat expert ids gives its row order; a wave's rows are
 regrouped stably by slot (groups in slot order, rows inside a group in the unpaged model's order; a
 group's position in the buffer does not change its bits), padded to the unpaged model's S rows

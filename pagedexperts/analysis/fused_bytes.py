@@ -14,7 +14,7 @@ writes, not timed):
   gathered, the format's unpack / cast / gather temporaries, the scratch written), counted on the
   meta device (shapes only: no memory, no compute), plus the routed dense rows read;
 - ``dequantize_routed``: the dequantizing path once it dequantizes only the wave's routed slots
-  (DESIGN.md "Quantized formats"), at the least it can move: the routed packed rows read, their
+  (docs/design.md "Formats"), at the least it can move: the routed packed rows read, their
   dense rows written, then read by the dense experts kernel.
 A dense (unquantized) layout has nothing to dequantize: all three are the routed rows.
 Activations (S x (H + 2I + I + H) elements, about 0.1 MB at Qwen3-30B-A3B's decode) are left

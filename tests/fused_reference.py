@@ -1,25 +1,24 @@
-"""Plain-torch reference of the fused MoE step: the format's own dequantization, then the
-model's dense experts math.
+"""The fused kernels' test oracle: the format's own dequantization, then the model's dense
+experts math; and the whole fused step as the tests run it.
 
-Owns ``dense_rows`` (packed rows -> dense rows through ``ExpertFormat.dequantize``, the
-oracle the fused kernels' in-register dequantization must equal) and
+``dense_rows`` (packed rows -> dense rows through ``ExpertFormat.dequantize``, i.e.
+``formats.unpack``: the oracle the kernels' in-register dequantization must equal bit for bit),
 ``fused_experts_reference`` (per entry: gate-up linear (+ bias), the module's activation, down
-linear (+ bias), optional post-expert norm, routing weight, sum over k), in the dense weights'
-dtype as transformers' ``grouped_mm`` experts compute it. Does not: read packings (that is the
-kernels' side), launch anything, or page.
+linear (+ bias), optional post-expert norm, routing weight, sum over k) in the dense weights'
+dtype as transformers' ``grouped_mm`` experts compute it, and ``fused_experts``: the package's
+``fused_entries`` then ``combine`` (the weights and the sum over k, as ``grouped_mm`` ends; a
+paged step combines in its body, ``paging.steps.fused.FusedStep.combine``, instead).
 
 What is exact to what. The fused kernels' dequantized weights equal ``dense_rows`` bit for bit
-(every format; ``fused_moe_kernel``). Their step output differs from this reference only by the
-GEMMs' summation order and roundings: the kernel accumulates each output in float32 and rounds
-once (bias added before the rounding), the reference rounds the matmul to the weights' dtype and
-then adds the bias. ``TOLERANCE`` bounds max |fused - reference| / max |reference| per dense
-dtype of the weights (the GEMMs' dtype); measured on the tests' cases (tiny shapes, K <= 64):
+(every format). Their step output differs from this reference only by the GEMMs' summation
+order and roundings: the kernel accumulates each output in float32 and rounds once (bias added
+before the rounding), the reference rounds the matmul to the weights' dtype and then adds the
+bias. ``TOLERANCE`` bounds max |fused - reference| / max |reference| per dense dtype of the
+weights (the GEMMs' dtype); measured on the tests' cases (tiny shapes, in_features <= 64):
 float32 3e-7, float16 4e-5, bfloat16 8.5e-3 (gpt-oss's clamped SwiGLU amplifies one bfloat16
 rounding of the gate-up output); each bound is about 2x (bfloat16) to 30x (float32) that.
-The fused kernel equals itself bit for bit whatever rows hold the experts (slots, host rows,
-all E resident): see ``fused_moe``.
 
-Legend: T tokens, H hidden, k top_k, S = T k entries, R rows, N / K output / input features.
+Legend: T tokens, H hidden, k top_k, S = T k entries, R rows, N / I output / input features.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def dense_rows(fmt: ExpertFormat, tensor: QuantizedTensor, tables: Mapping[str, 
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """Per entry ``x[s] @ W[s]^T`` ([S, N, K] weights; [S, K, N] when ``transposed``) + bias[s],
+    """Per entry ``x[s] @ W[s]^T`` ([S, N, I] weights; [S, I, N] when ``transposed``) + bias[s],
     in the weights' dtype."""
     w = weight if transposed else weight.transpose(-1, -2)
     out = torch.bmm(x.to(weight.dtype).unsqueeze(1), w).squeeze(1)
@@ -70,3 +69,23 @@ def fused_experts_reference(hidden: torch.Tensor, row_ids: torch.Tensor, routing
     weighted = out.view(num_tokens, top_k, -1) * routing_weights.unsqueeze(-1)
     weighted = torch.where((row_ids >= 0).unsqueeze(-1), weighted, torch.zeros((), dtype=weighted.dtype))
     return weighted.sum(dim=1).to(hidden.dtype)
+
+
+def combine(entry_out: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in ``dtype``: sum over k of entry outputs [S, H] times their routing weights, as
+    transformers' ``grouped_mm`` ends (``(out * w).view(T, k, H).sum(1)``); entries whose row id
+    is negative add nothing."""
+    num_tokens, top_k = row_ids.shape
+    weighted = entry_out.view(num_tokens, top_k, -1) * routing_weights.unsqueeze(-1)
+    weighted = weighted.masked_fill((row_ids < 0).unsqueeze(-1), 0)
+    return weighted.sum(dim=1).to(dtype)
+
+
+def fused_experts(hidden: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, gate_up, down, *,
+                  activation: Callable[[torch.Tensor], torch.Tensor], align_backend: str = "triton") -> torch.Tensor:
+    """The routed experts of one step through the fused kernels -> [T, H] in hidden's dtype:
+    ``fused_entries`` over the ``ProjectionRows`` gate_up and down, then ``combine``."""
+    from pagedexperts.paging.kernels.fused_moe import fused_entries
+
+    out = fused_entries(hidden, row_ids, gate_up, down, activation=activation, align_backend=align_backend)
+    return combine(out, row_ids, routing_weights, hidden.dtype)

@@ -1,0 +1,151 @@
+"""``generate``'s sampling flags mean what serve's request fields of the same names mean: one rule,
+``engine.sampling``, reached through ``engine.logits_processor.SamplingProcessor`` (issue 36 part
+3.5); and ``generate`` without ``--prompt`` on a terminal says that it reads stdin."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from pagedexperts.cli import main
+from pagedexperts.engine.logits_processor import SamplingProcessor
+from pagedexperts.engine.sampling import SamplingParams
+
+V = 50
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3, min_tokens=4, eos_ids=(7,)),
+    dict(temperature=1.3, top_p=0.5),
+    dict(temperature=0.9, min_p=0.2, repetition_penalty=0.8),
+])
+def test_processor_distribution_is_transformers_processors_in_their_order(params):
+    """The oracle: transformers' own processors, in the order engine.sampling documents
+    (repetition penalty, min new tokens, temperature, top-k, top-p, min-p)."""
+    p = SamplingParams(max_new_tokens=16, **params)
+    prompt = torch.tensor([[3, 9, 12]])
+    proc = SamplingProcessor(p)
+    proc(prompt, torch.zeros(1, V))  # the first call fixes the prompt length
+    ids = torch.tensor([[3, 9, 12, 7, 20]])  # two tokens generated
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(0)) * 3
+    ours = torch.softmax(proc(ids, logits.clone()), dim=-1)
+    expected = logits.clone()
+    oracle = [RepetitionPenaltyLogitsProcessor(p.repetition_penalty)] if p.repetition_penalty != 1.0 else []
+    if p.min_tokens:
+        oracle.append(MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=3, min_new_tokens=p.min_tokens,
+                                                        eos_token_id=list(p.eos_ids)))
+    oracle.append(TemperatureLogitsWarper(p.temperature))
+    oracle += [TopKLogitsWarper(p.top_k)] if p.top_k else []
+    oracle += [TopPLogitsWarper(p.top_p)] if p.top_p < 1 else []
+    oracle += [MinPLogitsWarper(p.min_p)] if p.min_p else []
+    for processor in oracle:
+        expected = processor(ids, expected)
+    expected = torch.softmax(expected, dim=-1)
+    assert torch.equal(ours == 0, expected == 0), "a different set of tokens is ruled out"
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-7)
+    if p.min_tokens:
+        assert ours[0, 7] == 0  # the end-of-sequence id is held back: 2 of 4 tokens generated
+
+
+def _generate(capsys, *flags) -> tuple[str, dict]:
+    stats = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pe-sampling-{os.getpid()}.json")
+    assert main(["generate", "--prompt", "ROMEO:", "--threads", "1", "--quiet", "--stats-json", stats, *flags]) == 0
+    with open(stats) as f:
+        return capsys.readouterr().out, json.load(f)
+
+
+def test_top_k_1_samples_the_greedy_text(capsys):
+    greedy, _ = _generate(capsys, "--max-new-tokens", "24")
+    sampled, _ = _generate(capsys, "--max-new-tokens", "24", "--temperature", "5", "--top-k", "1", "--seed", "3")
+    hot, _ = _generate(capsys, "--max-new-tokens", "24", "--temperature", "5", "--seed", "3")
+    assert sampled == greedy and hot != greedy  # temperature 5 alone wanders off
+
+
+def test_repetition_penalty_and_min_tokens_give_serve_s_tokens(capsys, bundled_model):
+    """Greedy, penalty 1.5: generate's text is the engine scheduler's (serve's path) for the same
+    SamplingParams, token for token; --min-tokens 20 holds EOS back past where it came (8 tokens)."""
+    from pagedexperts.engine.scheduler import BatchScheduler
+    from pagedexperts.engine.scheduler_config import SchedulerConfig
+
+    text, stats = _generate(capsys, "--max-new-tokens", "32", "--repetition-penalty", "1.5")
+    longer, longer_stats = _generate(capsys, "--max-new-tokens", "32", "--repetition-penalty", "1.5", "--min-tokens", "20")
+    assert stats["new_tokens"] < 20 <= longer_stats["new_tokens"] and longer.startswith(text.rstrip("\n"))
+    model, tokenizer = bundled_model
+    for min_tokens, want in ((0, text), (20, longer)):
+        sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, 512, chunked_prefill=False))
+        ids = tokenizer("ROMEO:")["input_ids"]
+        params = SamplingParams(max_new_tokens=32, repetition_penalty=1.5, prompt_ids=tuple(ids), min_tokens=min_tokens,
+                                eos_ids=tuple(sorted(sched.eos_ids)))
+        events = []
+        sched.submit(ids, params, events.append)
+        while sched.num_running or not events or events[-1].finish_reason is None:
+            sched.step()
+        assert "ROMEO:" + "".join(e.text for e in events) + "\n" == want
+
+
+@pytest.fixture(scope="module")
+def bundled_model():
+    from pagedexperts.loading.loader import load_model
+
+    return load_model(num_resident=16)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--top-k", "-1"], "--top-k -1 must be >= 0 (0: all tokens)"),
+    (["--min-p", "1.5"], "--min-p 1.5 must be in [0, 1]"),
+    (["--repetition-penalty", "0"], "--repetition-penalty 0.0 must be > 0 (1: none)"),
+    (["--repetition-penalty", "nan"], "--repetition-penalty nan must be > 0"),
+    (["--min-tokens", "65"], "--min-tokens 65 must be in [0, --max-new-tokens 64]"),
+])
+def test_bad_sampling_flags_are_refused_naming_the_flag(flags, needle, capsys):
+    assert main(["generate", "--prompt", "x", *flags]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def _generate_reading_a_terminal() -> str:
+    """stderr of ``generate`` whose stdin is a pseudo-terminal given a line and Ctrl-D."""
+    argv = [sys.executable, "-m", "pagedexperts.cli", "generate", "--max-new-tokens", "2", "--threads", "1", "--quiet"]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    os.close(slave)
+    os.write(master, b"ROMEO:\n\x04")  # a line, then Ctrl-D: end of input on a terminal
+    out, err = proc.communicate(timeout=300)
+    os.close(master)
+    assert proc.returncode == 0 and out.startswith(b"ROMEO:"), err
+    return err.decode()
+
+
+class _Stdin:
+    def __init__(self, terminal: bool):
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+    def read(self) -> str:
+        return "ROMEO:"
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
+def test_generate_without_prompt_says_it_reads_stdin_on_a_terminal(terminal, capsys, monkeypatch):
+    """It waited silently on a terminal; a pipe needs no word (and gets none: stderr stays the report's)."""
+    monkeypatch.setattr(sys, "stdin", _Stdin(terminal))
+    assert main(["generate", "--max-new-tokens", "2", "--threads", "1", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("ROMEO:")
+    said = "generate: reading the prompt from stdin; end it with Ctrl-D (or give --prompt TEXT)\n"
+    assert err == (said if terminal else "")
+
+
+@pytest.mark.slow
+def test_generate_reading_a_real_terminal_says_so():
+    assert "generate: reading the prompt from stdin; end it with Ctrl-D" in _generate_reading_a_terminal()
