@@ -113,6 +113,7 @@ def quantized_rows(shape: dict, device: torch.device, repeats: int, meta: dict) 
     from pagedexperts.formats.fp8 import Fp8BlockFormat
     from pagedexperts.formats.slots import WaveDequantizer, allocate
     from pagedexperts.paging.device_executor import DeviceExecutor
+    from pagedexperts.paging.steps.contract import SlotSetup
     from pagedexperts.storage.host_store import HostExpertStore
 
     e, h, i, k = shape["num_experts"], shape["hidden"], shape["intermediate"], shape["top_k"]
@@ -127,9 +128,9 @@ def quantized_rows(shape: dict, device: torch.device, repeats: int, meta: dict) 
     store = HostExpertStore(list(layout.packed_specs), e, pin=device.type == "cuda")
     for t in store.tensors.values():
         t.zero_()
+    scratch = allocate(layout.dense_specs, num_slots, device)
     pager = DeviceExecutor(layer=0, store=store, num_slots=num_slots, device=device, inner="grouped_mm", policy="lru",
-                        backend="triton", dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots,
-                                                                                          device)))
+                           backend="triton", setup=SlotSetup(dequantizer=WaveDequantizer(layout, scratch)))
     hidden = torch.randn(1, h, dtype=dtype, device=device)
     weights = torch.full((1, k), 1.0 / k, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(1)

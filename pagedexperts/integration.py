@@ -4,7 +4,7 @@ transformers 5.x calls ``fn(experts_module, hidden_states [T, H], top_k_index [T
 top_k_weights [T, k])`` for every MoE layer whose config names ``fn``'s registry key as its
 experts implementation (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``). The registry
 is process-global, so the function registered here holds no state: it forwards to the runner
-(``paging.runner.ExpertsRunner``) attached to the experts module it is called with. Two models with different K
+(``paging.runner_contract.ExpertsRunner``) attached to the experts module it is called with. Two models with different K
 therefore live side by side in one process.
 
 The step runs as the custom op ``torch.ops.pagedexperts.experts_step`` (``torch.library``),
@@ -39,7 +39,7 @@ _EXPERTS_MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.
 
 
 def attach(module: torch.nn.Module, runner) -> None:
-    """Attach ``runner`` (a ``paging.runner.ExpertsRunner``: an executor or a baseline) to an
+    """Attach ``runner`` (a ``paging.runner_contract.ExpertsRunner``: an executor or a baseline) to an
     experts module."""
     setattr(module, RUNNER_ATTR, runner)
     setattr(module, KEY_ATTR, id(module))

@@ -7,7 +7,7 @@ experts math; and the whole fused step as the tests run it.
 linear (+ bias), optional post-expert norm, routing weight, sum over k) in the dense weights'
 dtype as transformers' ``grouped_mm`` experts compute it, and ``fused_experts``: the package's
 ``fused_entries`` then ``combine`` (the weights and the sum over k, as ``grouped_mm`` ends; a
-paged step combines with ``paging.waves.StepEntries.combine`` instead).
+paged step combines in its body, ``paging.steps.fused.FusedStep.combine``, instead).
 
 What is exact to what. The fused kernels' dequantized weights equal ``dense_rows`` bit for bit
 (every format). Their step output differs from this reference only by the GEMMs' summation

@@ -11,6 +11,7 @@ Legend: T tokens, H hidden, k top_k, E experts, K slots.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -24,9 +25,9 @@ from pagedexperts.loading.runtime import PagingRuntime, runtime_of
 from pagedexperts.paging.baselines import ResidentRunner
 from pagedexperts.paging.device_executor import DeviceExecutor
 from pagedexperts.paging.host_executor import HostExecutor
-from pagedexperts.paging.inner import INNER_KERNELS, inner_problem
-from pagedexperts.paging.kernels.page_in import page_in_reference
-from pagedexperts.paging.waves import StepEntries
+from pagedexperts.paging.steps.table import STEP_BODIES, inner_problem
+from pagedexperts.paging.kernels.page_in import page_in_torch
+from pagedexperts.paging.steps.contract import LayerStep
 from pagedexperts.storage.host_tier import TieredExpertStore
 from test_store_pager import E, TOP_K, paged, step_inputs, synthetic_experts
 
@@ -66,19 +67,23 @@ def test_a_runner_checks_its_inner_when_it_is_set():
         paged(synthetic_experts(), 3, inner="sonic")
     _, host, dev = host_and_device()
     host.inner = "eager"
-    assert host.inner_kernel is INNER_KERNELS["eager"]
+    assert type(host.body) is STEP_BODIES["eager"].host
     with pytest.raises(ValueError, match="--decide host"):
         dev.inner = "eager"
-    assert dev.inner == "grouped_mm" and dev.inner_kernel is INNER_KERNELS["grouped_mm"]
+    assert dev.inner == "grouped_mm" and type(dev.body) is STEP_BODIES["grouped_mm"].device
 
 
-def test_host_and_device_steps_share_one_run_wave_signature():
-    want = inspect.signature(StepEntries.run_wave)
-    steps = [k.host for k in INNER_KERNELS.values() if k.host] + [k.device for k in INNER_KERNELS.values() if k.device]
-    assert len(steps) == 6  # host: grouped_mm, batched_mm, eager; device: grouped_mm, batched_mm, fused
-    for step in steps:
-        assert issubclass(step, StepEntries)
-        assert list(inspect.signature(step.run_wave).parameters) == list(want.parameters), step.__name__
+def test_every_body_implements_the_one_step_contract():
+    """Six bodies, each a LayerStep of its path, with the contract's signatures (begin, run_wave,
+    combine), so an executor holds any of them the same way."""
+    bodies = [(b.host, "host") for b in STEP_BODIES.values() if b.host] + \
+        [(b.device, "device") for b in STEP_BODIES.values() if b.device]
+    assert len(bodies) == 6  # host: grouped_mm, batched_mm, eager; device: grouped_mm, batched_mm, fused
+    for body, planned in bodies:
+        assert issubclass(body, LayerStep) and body.planned == planned, body.__name__
+        for method in ("begin", "run_wave", "combine"):
+            want = list(inspect.signature(getattr(LayerStep, method)).parameters)
+            assert list(inspect.signature(getattr(body, method)).parameters) == want, (body.__name__, method)
 
 
 # ---- runner capabilities: inline, capture_problem, is_resident -----------------------------
@@ -89,7 +94,8 @@ def test_capture_problem_per_runner_kind():
     cpu = torch.device("cpu")
     assert "HostExecutor reads the step back" in host.capture_problem(torch.bfloat16, cpu)
     assert dev.capture_problem(torch.bfloat16, cpu) is None
-    dev.dequantizer = object()  # packed slots of a quantized format: constants built per wave
+    dev.setup = dataclasses.replace(dev.setup, dequantizer=object())  # packed slots of a quantized format
+    dev.inner = "grouped_mm"  # the body is rebuilt over the setup: it dequantizes each wave on the host
     assert "quantized format" in dev.capture_problem(torch.bfloat16, cpu)
     resident = ResidentRunner(layer=0, store=host.store, device="cpu", inner="grouped_mm")
     assert resident.inline and not host.inline and not dev.inline
@@ -146,7 +152,7 @@ def test_the_store_gathers_the_planned_rows_and_says_when_it_cannot():
     store = host.store
     slots = PackedSlots(allocate(store.specs, 3, torch.device("cpu")))
     src, dst, count = torch.tensor([5, 2, -1]), torch.tensor([1, 0, 2]), torch.tensor(2)
-    page_in_reference(store.gather_source(torch.device("cpu")), slots, src, dst, count)
+    page_in_torch(store.gather_source(torch.device("cpu")), slots, src, dst, count)
     for name, rows in store.tensors.items():
         assert torch.equal(slots[name][1], rows[5]) and torch.equal(slots[name][0], rows[2])
         assert torch.equal(slots[name][2], torch.zeros_like(rows[0]))  # j >= count: untouched
@@ -193,3 +199,14 @@ def test_only_the_runner_registry_imports_an_executor():
         if hits and name not in EXECUTOR_MODULES:
             importers[name] = sorted(hits)
     assert importers == {BUILDER: sorted(EXECUTOR_MODULES)}
+
+
+def test_an_executor_names_no_format_and_no_kernel():
+    """Issue 37: the executors hold a body (``paging.steps``) behind its contract and import no
+    format, no kernel and no body of their own: what is format- or kernel-specific is the body's."""
+    for name in sorted(EXECUTOR_MODULES):
+        path = PACKAGE.parent / (name.replace(".", "/") + ".py")
+        named = {m for m in imported_modules(path) if m.startswith("pagedexperts.")}
+        forbidden = sorted(m for m in named if m.startswith(("pagedexperts.formats", "pagedexperts.paging.kernels"))
+                           or (m.startswith("pagedexperts.paging.steps.") and "steps.contract" not in m))
+        assert forbidden == [], f"{name} imports {forbidden}"

@@ -11,6 +11,7 @@ Legend: B batch, K slots, k top_k, E experts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -164,7 +165,8 @@ def test_runner_problem_names_the_syncing_kernels(tiny_moe_dir):
     assert runner_problem(runner, torch.bfloat16) is None
     runner.inner = "batched_mm"
     assert runner_problem(runner, torch.float32) is None
-    runner.dequantizer = object()  # packed slots of a quantized format: dequantized per wave
+    runner.setup = dataclasses.replace(runner.setup, dequantizer=object())  # packed slots of a quantized format
+    runner.inner = "batched_mm"  # its body, rebuilt over the setup, dequantizes each wave on the host
     assert "quantized format" in runner_problem(runner, torch.float32)
 
 

@@ -69,7 +69,7 @@ def assert_same_decisions(policy, half_life, num_experts, num_slots, steps, *, w
                           backend=backend)
     for t, ids in enumerate(steps):
         want = host.plan(np.asarray(ids).reshape(-1).tolist())
-        plan = dev.decide(torch.as_tensor(np.asarray(ids), dtype=torch.int64))
+        plan = dev.decide(torch.as_tensor(np.asarray(ids), dtype=torch.int64)).plan
         msg = f"{where} {policy}/{half_life} E={num_experts} K={num_slots} step {t}"
         assert device_loads(plan) == [tuple(x) for x in want.loads], f"{msg}: loads"
         assert plan.step.tolist() == [want.hits, want.misses, len(want.waves)], f"{msg}: hits/misses/waves"
@@ -127,7 +127,7 @@ def test_lfu_evicts_by_count_not_recency():
         for ids in steps[:-1]:
             dev.decide(torch.as_tensor(ids))
         before = dev.resident()
-        plan = dev.decide(torch.as_tensor(steps[-1]))
+        plan = dev.decide(torch.as_tensor(steps[-1])).plan
         assert device_loads(plan) == [(2, before[victim_expert])]
     assert_same_decisions("lfu", None, 8, 2, steps)
 

@@ -1,6 +1,6 @@
 """The device-planned step's kernels against their torch references and hand counts (CPU).
 
-The torch references (``*_reference``) are checked against hand-computed writes and run
+The torch backends (``*_torch``) are checked against hand-computed writes and run
 without triton; the Triton kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (set here
 before the kernel modules are imported: Triton reads it when a kernel is defined) with tiny
 shapes, and must write exactly what the references write: every plan buffer and every state
@@ -22,10 +22,9 @@ import pytest  # noqa: E402
 
 from pagedexperts.paging.kernels import HAVE_TRITON, check_backend  # noqa: E402
 from pagedexperts.paging.kernels.decide import (  # noqa: E402
-    DecidePlan, DecideRule, DecideState, decide_reference, num_waves_for,
+    DecidePlan, DecideRule, DecideState, decide_torch, num_waves_for, remap_torch,
 )
-from pagedexperts.paging.kernels.page_in import page_in_reference  # noqa: E402
-from pagedexperts.paging.kernels.remap import remap_reference  # noqa: E402
+from pagedexperts.paging.kernels.page_in import page_in_torch  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
 PLAN_FIELDS = ("src", "dst", "count", "expert_slot", "expert_wave", "step")
@@ -52,21 +51,21 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1).view(torch.uint8)
 
 
-def test_page_in_reference_copies_exactly_count_rows():
+def test_page_in_torch_copies_exactly_count_rows():
     store, slots = store_and_slots(6, 4)
     src, dst, count = torch.tensor([5, 2, -1, -1]), torch.tensor([3, 0, 1, 2]), torch.tensor(2)
-    page_in_reference(store, slots, src, dst, count)
+    page_in_torch(store, slots, src, dst, count)
     for name in store:
         got, want = as_bytes(slots[name]), as_bytes(store[name])
         assert torch.equal(got[3], want[5]) and torch.equal(got[0], want[2]), name
         assert not got[1].any() and not got[2].any(), f"{name}: rows past count must stay as they were"
 
 
-def test_remap_reference_gathers_slot_and_wave():
+def test_remap_torch_gathers_slot_and_wave():
     ids = torch.tensor([[3, 1], [1, 0]])
     expert_slot, expert_wave = torch.tensor([2, 0, -1, 1]), torch.tensor([1, 0, -1, 0])
     slot, wave = torch.empty(4, dtype=torch.long), torch.empty(4, dtype=torch.long)
-    remap_reference(ids, expert_slot, expert_wave, slot, wave)
+    remap_torch(ids, expert_slot, expert_wave, slot, wave)
     assert slot.tolist() == [1, 0, 0, 2] and wave.tolist() == [0, 0, 0, 1]
 
 
@@ -93,7 +92,7 @@ class TestTritonKernels:
             ids = torch.tensor([rng.choices(range(num_experts), k=top_k) for _ in range(rows)])
             w = num_waves_for(ids.numel(), num_slots, num_experts)
             want, got = (DecidePlan.empty(w, num_experts, num_slots, "cpu") for _ in range(2))
-            decide_reference(ref, ids, want, rule)
+            decide_torch(ref, ids, want, rule)
             decide_triton(tri, ids, got, rule)
             for f in PLAN_FIELDS:
                 assert torch.equal(getattr(got, f), getattr(want, f)), f"step {t} plan.{f}"
@@ -112,7 +111,7 @@ class TestTritonKernels:
         _, got = store_and_slots(6, 4)
         src, dst = torch.tensor([[1, 0, 4, 2], [5, 2, 0, 3]]), torch.tensor([[0, 1, 2, 3], [3, 0, 1, 2]])
         counts = torch.tensor([3, count])
-        page_in.page_in_reference(store, want, src[1], dst[1], counts[1])
+        page_in.page_in_torch(store, want, src[1], dst[1], counts[1])
         pager = page_in.PageIn(store, got, "cpu", backend="triton", programs_per_row=2)
         assert [g.bytewise for g in pager.groups] == [False, True]
         pager(src, dst, counts, 1, max_loads=4)
@@ -140,17 +139,18 @@ class TestTritonKernels:
         assert launches == [(2, len(words), 1), (2, len(store) - len(words), 1)]  # rows of one chunk: P = 1
         monkeypatch.setattr(page_in, "BLOCK_WORDS", 16)
         launches.clear()
+        pager = page_in.PageIn(store, slots, "cpu", backend="triton", programs_per_row=3)  # grids built once
         pager(plan, plan, torch.zeros(1, dtype=torch.long), 0, max_loads=2)
         assert launches[0] == (2, len(words), 3)  # 250 words = 16 chunks: P programs per row
 
     def test_remap_kernel_equals_reference(self):
-        from pagedexperts.paging.kernels.remap import remap_triton
+        from pagedexperts.paging.kernels.decide import remap_triton
 
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, 9, (70, 4), generator=gen)  # 280 entries: two programs
         expert_slot, expert_wave = torch.randint(-1, 5, (9,), generator=gen), torch.randint(-1, 3, (9,), generator=gen)
         out = [torch.empty(280, dtype=torch.long) for _ in range(4)]
-        remap_reference(ids, expert_slot, expert_wave, out[0], out[1])
+        remap_torch(ids, expert_slot, expert_wave, out[0], out[1])
         remap_triton(ids, expert_slot, expert_wave, out[2], out[3])
         assert torch.equal(out[0], out[2]) and torch.equal(out[1], out[3])
 

@@ -32,13 +32,13 @@ from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec 
 from pagedexperts.formats.fp8 import Fp8BlockFormat, quantize_fp8_block  # noqa: E402
 from pagedexperts.formats.slots import DenseSlots, WaveDequantizer, allocate  # noqa: E402
 from pagedexperts.paging.host_executor import HostExecutor  # noqa: E402
-from pagedexperts.paging.device_layout import DeviceGroupedStep  # noqa: E402
 from pagedexperts.paging.device_executor import DeviceExecutor  # noqa: E402
 from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
 from pagedexperts.stats.accounting import LayerStats  # noqa: E402
 from pagedexperts.storage.host_store import HostExpertStore  # noqa: E402
 from pagedexperts.storage.host_tier import TieredExpertStore  # noqa: E402
-from pagedexperts.paging.waves import GroupedStep  # noqa: E402
+from pagedexperts.paging.steps import device_grouped, host_grouped  # noqa: E402
+from pagedexperts.paging.steps.contract import DeviceRouting, HostRouting, SlotSetup  # noqa: E402
 from quantized_dirs import fp8_block_dense  # noqa: E402
 from test_store_pager import E, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
 
@@ -125,19 +125,18 @@ def test_padding_rows_and_reset_count_as_on_the_host():
 
 
 def test_grouped_layout_is_the_host_layout():
-    """Per wave, the device layout's first n_w rows and its offsets are GroupedStep._layout's."""
+    """Per wave, the device layout's first n_w rows and its offsets are the host layout's."""
     module = synthetic_experts(torch.float32)
     host, dev = host_and_device(module, 3, "grouped_mm", "lfu")
     for n, routing in enumerate(routings(7, 8)):
         hidden, ids, _ = step_inputs(routing, torch.float32, seed=n)
         plan = host.residency.plan(ids.reshape(-1).tolist())
-        dplan = dev.residency.decide(ids)
-        flat = ids.reshape(-1)
-        step = DeviceGroupedStep(module, hidden, ids, dplan.expert_slot[flat], dplan.expert_wave[flat])
-        ref = GroupedStep(module, hidden, ids, ids.numpy(), plan.waves)
+        shape = dev.residency.decide(ids)
+        work = dev.body.begin(module, hidden, ids, DeviceRouting(shape.entry_slot, shape.entry_wave))
+        ref = host.body.begin(module, hidden, ids, HostRouting(ids.numpy(), plan.waves))
         for w, wave in enumerate(plan.waves):
-            pos, offsets, _, _ = step.layout(w, 3)
-            want_pos, want_offsets, _ = ref._layout(wave, 0, 3)
+            pos, offsets, _, _ = device_grouped.grouped_layout(work, w, 3)
+            want_pos, want_offsets, _ = host_grouped._layout(ref, wave, 0, 3)
             assert pos[: int(offsets[-1])].tolist() == want_pos.tolist(), f"step {n} wave {w}"
             assert offsets.tolist() == want_offsets.tolist(), f"step {n} wave {w}"
 
@@ -167,10 +166,11 @@ def test_packed_fp8_slots_equal_host_pager_and_unpaged(inner, threads):
     module, store, layout = fp8_layer()
     for num_slots in (3, E):
         host = HostExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner,
-                           policy=LFUPolicy(num_slots),
-                           dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots, "cpu")))
+                            policy=LFUPolicy(num_slots), setup=SlotSetup(
+                                dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots, "cpu"))))
         dev = DeviceExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner, policy="lfu",
-                          dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots, "cpu")))
+                             setup=SlotSetup(dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots,
+                                                                                          "cpu"))))
         for n, routing in enumerate(routings(3, 8)):
             hidden, ids, weights = step_inputs(routing, torch.bfloat16, seed=n)
             want = unpaged(module, inner, hidden, ids, weights)
@@ -245,7 +245,7 @@ def test_device_step_reads_nothing_back(backend):
 
 def test_device_pager_is_a_paged_executor():
     """The runtime attaches it by the contract; prefetch and tracing (host reads) are refused."""
-    from pagedexperts.paging.runner import PagedExecutor
+    from pagedexperts.paging.runner_contract import PagedExecutor
 
     module = synthetic_experts(torch.float32)
     _, dev = host_and_device(module, 3, "grouped_mm", "lru")
@@ -269,7 +269,7 @@ def test_unsupported_configurations_are_named():
     with pytest.raises(ValueError, match="--policy"):
         DeviceExecutor(inner="grouped_mm", policy="flru", **common)
     with pytest.raises(ValueError, match="--slot-format packed"):
-        DeviceExecutor(inner="grouped_mm", slots=DenseSlots(None, {}, {}), **common)
+        DeviceExecutor(inner="grouped_mm", setup=SlotSetup(DenseSlots(None, {}, {})), **common)
     with pytest.raises(ValueError, match="--num-resident"):
         DeviceExecutor(layer=0, store=store, num_slots=E + 1, device="cpu", inner="grouped_mm")
     disk_tier = TieredExpertStore(store.specs, E, 3, policy="lru", pin=False, layer=0)

@@ -8,9 +8,9 @@ the class or a base) or a submodule:
 
 - every dotted ``pagedexperts.x.y`` (not one inside a longer dotted name: ``model.pagedexperts``
   is the runtime attribute, ``torch.ops.pagedexperts`` the op namespace);
-- every backquoted dotted path (``paging.waves.StepEntries``, or single backquotes) whose first
-  part names a subpackage or module of the package, looked up from the referring module's own
-  package outwards (``waves.SlotView`` inside ``paging/`` is ``pagedexperts.paging.waves``).
+- every backquoted dotted path (``paging.steps.contract.LayerStep``, or single backquotes) whose
+  first part names a subpackage or module of the package, looked up from the referring module's
+  own package outwards (``steps.contract`` inside ``paging/`` is ``pagedexperts.paging.steps.contract``).
 
 A backquoted path whose first part names no module of the package (``torch.sort``,
 ``self.slots``, ``cfg.decide``) is not a reference to the package and is not checked; nor is a
@@ -162,8 +162,8 @@ def test_every_package_reference_in_docstrings_and_comments_resolves():
 
 
 @pytest.mark.parametrize("text,want", [
-    ("see ``paging.waves.StepEntries``", ["pagedexperts.paging.waves.StepEntries"]),
-    ("``waves.SlotView``'s attributes", ["pagedexperts.paging.waves.SlotView"]),
+    ("see ``paging.steps.contract.LayerStep``", ["pagedexperts.paging.steps.contract.LayerStep"]),
+    ("``steps.contract.SlotView``'s attributes", ["pagedexperts.paging.steps.contract.SlotView"]),
     ("(pagedexperts.residency.eviction, and `residency.planner.Residency`)",
      ["pagedexperts.residency.eviction", "pagedexperts.residency.planner.Residency"]),
     ("``torch.sort``, ``self.slots``, ``model.pagedexperts.runners``, ``config.json``", []),
@@ -173,11 +173,11 @@ def test_references_are_found_from_the_referring_package(text, want):
 
 
 @pytest.mark.parametrize("ref,ok", [
-    ("pagedexperts.paging.waves.StepEntries.combine", True),
+    ("pagedexperts.paging.steps.contract.LayerStep.combine", True),
     ("pagedexperts.loading.runtime.PagingRuntime.runners", True),  # a dataclass field
-    ("pagedexperts.paging.runner.ExpertsRunner.padding_count", True),  # assigned on self
+    ("pagedexperts.paging.runner_contract.ExpertsRunner.padding_count", True),  # assigned on self
     ("pagedexperts.paging.wave_compute", False),  # a module that no longer exists
-    ("pagedexperts.paging.waves.check_inner", False),  # a function that moved
+    ("pagedexperts.paging.steps.contract.check_inner", False),  # a function that moved
     ("pagedexperts.paging.host_executor.HostExecutor.no_such_member", False),
 ])
 def test_resolution_tells_a_stale_name_from_a_live_one(ref, ok):

@@ -27,10 +27,14 @@ from pagedexperts.formats.dense import DenseFormat
 from pagedexperts.formats.gptq import GptqFormat
 from pagedexperts.formats.packing import WeightPacking, g_idx_is_trivial
 from pagedexperts.paging.kernels import HAVE_TRITON
-from pagedexperts.paging.waves import activate
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
 E, TOP_K = 16, 2
+
+
+def activate(module, proj):
+    """The experts module's gate (``_apply_gate``) or plain activation, as its experts function applies it."""
+    return module._apply_gate(proj) if module.has_gate else module.act_fn(proj)
 
 
 def experts_module(transposed: bool, num_experts: int = E):
@@ -174,11 +178,11 @@ class TestSlotsEqualAllResident:
 @needs_triton
 class TestAlign:
     def test_hand_computed_alignment(self):
-        from pagedexperts.paging.kernels.fused_align import align_reference, align_triton
+        from pagedexperts.paging.kernels.fused_align import align_torch, align_triton
 
         # entries 0..5 -> rows 2, 0, 2, (left out), 0, 2; R = 3, BLOCK_M = 2
         ids = torch.tensor([[2, 0], [2, -1], [0, 2]])
-        for align in (align_reference, align_triton):
+        for align in (align_torch, align_triton):
             a = align(ids, 3, 2)
             assert a.sorted_entry.shape == (10,) and a.block_row.shape == (5,)  # P = 6 + 3 * 1 -> 10
             assert a.num_padded.tolist() == [6]
@@ -187,11 +191,11 @@ class TestAlign:
 
     @pytest.mark.parametrize("num_tokens,num_rows,block_m", [(1, 4, 16), (7, 5, 4), (40, 24, 16), (3, 40, 2)])
     def test_triton_equals_reference(self, num_tokens, num_rows, block_m):
-        from pagedexperts.paging.kernels.fused_align import align_reference, align_triton
+        from pagedexperts.paging.kernels.fused_align import align_torch, align_triton
 
         gen = torch.Generator().manual_seed(num_tokens)
         ids = torch.randint(-1, num_rows, (num_tokens, 4), generator=gen)
-        want, got = align_reference(ids, num_rows, block_m), align_triton(ids, num_rows, block_m)
+        want, got = align_torch(ids, num_rows, block_m), align_triton(ids, num_rows, block_m)
         used = int(want.num_padded)
         assert torch.equal(got.num_padded, want.num_padded)
         assert torch.equal(got.sorted_entry[:used], want.sorted_entry[:used])

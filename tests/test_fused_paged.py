@@ -108,7 +108,7 @@ def test_paged_fused_equals_all_resident(fused, k):
     stats = model.pagedexperts.stats().total()
     assert stats.misses > 0 and (k == E_BUNDLED // 2 or stats.multi_wave_steps > 0), (k, stats)
     runner = next(iter(model.pagedexperts.runners.values()))
-    assert runner.dequantizer is None and "scratch" not in model.pagedexperts.buffers  # read packed
+    assert runner.setup.dequantizer is None and "scratch" not in model.pagedexperts.buffers  # read packed
     if name != "dense":
         assert any(t.dtype in (torch.int32, torch.float8_e4m3fn, torch.uint8) for t in runner.slots.values())
 

@@ -19,7 +19,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from conftest import assert_same, tiny_config
 from pagedexperts.models.sites import per_expert_specs
 from pagedexperts.paging.host_executor import HostExecutor
-from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS, INNER_KERNELS, resolve_inner
+from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS, STEP_BODIES, resolve_inner
 from pagedexperts.residency.eviction import EMPTY, LRUPolicy
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.slots import PackedSlots
@@ -34,7 +34,7 @@ def inner_dtype_cases():
     and dtype."""
     return [
         pytest.param(inner, dtype, id=f"{inner}-{str(dtype).removeprefix('torch.')}")
-        for inner in INNER_IMPLEMENTATIONS if INNER_KERNELS[inner].host is not None
+        for inner in INNER_IMPLEMENTATIONS if STEP_BODIES[inner].host is not None
         for dtype in DTYPES
     ]
 

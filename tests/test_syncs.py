@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from conftest import E, PAD_ID, TOP_K
 from pagedexperts.paging import host_executor
 from pagedexperts.loading.runners import install_prefetch
-from pagedexperts.paging import waves
+from pagedexperts.paging.steps import host_batched, host_eager, host_grouped
 from pagedexperts.paging import transfer
 from pagedexperts.loading.loader import load_model
 
@@ -120,7 +120,7 @@ def device_reads(monkeypatch):
 
     mode.layer_steps = 0
     monkeypatch.setattr(transfer, "read_back", read_back)
-    for target in (transfer, waves):
+    for target in (transfer, host_grouped, host_batched, host_eager):  # every module that uploads
         monkeypatch.setattr(target, "upload", upload)
     monkeypatch.setattr(host_executor.HostExecutor, "step", step)
     return mode

@@ -13,7 +13,7 @@ import torch
 
 from pagedexperts.analysis.trace import PREFETCH_EXTRA, TraceWriter
 from pagedexperts.integration import batch_seq
-from pagedexperts.paging.runner import PagedExecutor
+from pagedexperts.paging.runner_contract import PagedExecutor
 
 
 def step_rows(kwargs: dict, args: tuple) -> tuple[int, int, torch.Tensor | None]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import add_decide_argument, add_threads_argument, resolve_threads
 from pagedexperts.models.config import RUN_DTYPE_BYTES
-from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS
+from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 
 logger = logging.getLogger(__name__)

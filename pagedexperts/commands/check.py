@@ -116,7 +116,7 @@ def run(args) -> int:
     from pagedexperts.loading.config import PagingConfig, check_config, check_experts_dtype, resolve_dtype
     from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
-    from pagedexperts.paging.inner import FUSED, transformers_inner
+    from pagedexperts.paging.steps.table import FUSED, transformers_inner
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")

@@ -10,7 +10,7 @@ from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS
 from pagedexperts.loading.config import DEFAULT_CUDA_GRAPH_MAX_BATCH
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 from pagedexperts.models.config import RUN_DTYPE_BYTES
-from pagedexperts.paging.inner import INNER_IMPLEMENTATIONS
+from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS
 
 
 def add_model_arguments(parser) -> None:

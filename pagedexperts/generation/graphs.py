@@ -16,7 +16,7 @@ whether it may skip the mask (``fast_all``, a sync), which a capture cannot hold
 is taken as is (``masking_utils``: "already 4D").
 
 Capture needs every step to be syncless: each runner says whether it is
-(``paging.runner.ExpertsRunner.capture_problem``: the device-planned executor and the resident
+(``paging.runner_contract.ExpertsRunner.capture_problem``: the device-planned executor and the resident
 baseline are), an experts kernel that reads nothing back (batched_mm; grouped_mm in bfloat16
 on compute capability 9.x / 10.x only: elsewhere transformers' and torch's fallbacks read the
 group offsets back), dense slots (a quantized format's per-wave dequantize builds its shift /
@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from pagedexperts.loading.runtime import runtime_of
-from pagedexperts.paging.inner import FUSED
+from pagedexperts.paging.steps.table import FUSED
 
 logger = logging.getLogger(__name__)
 CACHE_ROUND = 64  # cache positions are allocated in multiples of this (fewer re-captures)
@@ -342,7 +342,7 @@ def runner_problem(runner, dtype: torch.dtype) -> str | None:
         return problem
     if runner.inner == "grouped_mm":
         return grouped_mm_problem(dtype, runner.device)
-    if runner.inner not in ("batched_mm", FUSED):  # fused: fixed grids, device counts (paging.fused_step)
+    if runner.inner not in ("batched_mm", FUSED):  # fused: fixed grids, device counts (paging.steps.fused)
         return f"experts implementation {runner.inner!r} finds its experts with nonzero (a host read)"
     return None
 

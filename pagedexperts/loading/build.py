@@ -24,7 +24,7 @@ from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.loading.checkpoint import expert_sources
 from pagedexperts.models import config as model_config
 from pagedexperts.models.sites import find_experts_sites
-from pagedexperts.paging.inner import transformers_inner
+from pagedexperts.paging.steps.table import transformers_inner
 from pagedexperts.storage import host_memory
 from pagedexperts.storage.host_memory import HostMemoryPlan, plan_host_memory
 from pagedexperts.storage.host_store import HostExpertStore

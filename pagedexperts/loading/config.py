@@ -22,7 +22,7 @@ from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS, resolv
 from pagedexperts.models import config as model_config
 from pagedexperts.paging.baselines import mode_problem
 from pagedexperts.paging.device_residency import DEVICE_RULES
-from pagedexperts.paging.inner import FUSED, inner_problem
+from pagedexperts.paging.steps.table import FUSED, inner_problem
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, INTERPRETED
 from pagedexperts.residency.planner import default_num_resident, num_resident_problem
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
@@ -30,7 +30,7 @@ from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 # The experts kernels that run routed experts held in another dtype than the model's:
 # transformers' ``_grouped_mm`` casts its input to the weights' dtype; ``eager`` and
 # ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes;
-# ``fused`` casts its input the same way (``paging.fused_step``).
+# ``fused`` casts its input the same way (``paging.steps.fused``).
 MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm", FUSED)
 
 # --decide: where a paged layer-step is planned (docs/design.md "Executors"): "host" (the top-k ids
@@ -235,7 +235,7 @@ def device_decide_problems(cfg: PagingConfig) -> list[str]:
         problems.append(f"{what} needs triton, from the 'gpu' extra: pip install -e '.[gpu]' (or use --decide host "
                         "with --experts-implementation grouped_mm)")
     if cfg.device_kernels == "torch" and not on_cpu:
-        problems.append("device kernels 'torch' (the references) page in over host memory: CPU only")
+        problems.append("device kernels 'torch' (their torch backends) page in over host memory: CPU only")
     if cfg.prefetch:
         problems.append("--decide device cannot serve --prefetch (prefetch plans page-ins on the host from "
                         "read-back predictions); use --decide host or drop --prefetch")

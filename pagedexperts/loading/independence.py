@@ -20,8 +20,9 @@ import random
 import torch
 
 from pagedexperts.formats import ExpertFormat
+from pagedexperts.formats.slots import DenseSlots
 from pagedexperts.loading.checkpoint import KeyMap
-from pagedexperts.paging.runner import PagedExecutor
+from pagedexperts.paging.runner_contract import PagedExecutor
 
 DEFAULT_EXPERTS_PER_LAYER = 2
 
@@ -99,7 +100,8 @@ def check_no_module_copies(site, executor: PagedExecutor) -> None:
     Raises:
         IndependenceError: names the tensor.
     """
-    view_names = set(executor.slots) if executor.dequantizer is None else set(executor.dequantizer.scratch)
+    dequantizer = executor.setup.dequantizer
+    view_names = set(executor.slots) if dequantizer is None else set(dequantizer.scratch)
     tensors = list(site.module.named_parameters(recurse=False)) + list(site.module.named_buffers(recurse=False))
     for tname, t in tensors:
         if t.dim() > 0 and t.shape[0] == site.num_experts and tname not in view_names:
@@ -139,7 +141,7 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
 def kernel_reads(view, name: str, slot: int) -> torch.Tensor:
     """Dense tensor ``name`` of ``slot`` as the experts kernel reads it, on the CPU: the view's
     tensor, or where the view carries the fused kernels' address tables (``fused_rows``:
-    ``paging.fused_step``) their own dequantization of the packed slot row (in the module's
+    ``paging.steps.fused``) their own dequantization of the packed slot row (in the module's
     orientation)."""
     rows = getattr(view, "fused_rows", None)
     if rows is None or name not in rows:
@@ -153,7 +155,7 @@ def kernel_reads(view, name: str, slot: int) -> torch.Tensor:
 def _culprit(executor, layout, dense_name: str, slot: int, packed_ref) -> str:
     """Which packed tensor of ``dense_name`` differs from the checkpoint in the slot."""
     qt = next(t for t in layout.tensors if t.dense.name == dense_name)
-    if executor.dequantizer is None and not qt.is_passthrough:
+    if isinstance(executor.slots, DenseSlots) and not qt.is_passthrough:
         return "dequantized at page-in into a dense slot that differs from the checkpoint's expert"
     for spec in qt.packed:
         table = executor.slots.get(spec.name)

@@ -23,8 +23,9 @@ from pagedexperts.paging import prefetch
 from pagedexperts.paging.baselines import CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
 from pagedexperts.paging.device_executor import DeviceExecutor
 from pagedexperts.paging.host_executor import HostExecutor
-from pagedexperts.paging.inner import FUSED
-from pagedexperts.paging.runner import PagedExecutor
+from pagedexperts.paging.runner_contract import PagedExecutor
+from pagedexperts.paging.steps.contract import SlotSetup
+from pagedexperts.paging.steps.table import FUSED
 from pagedexperts.residency.policies import make_policy
 from pagedexperts.storage.host_store import HostExpertStore
 
@@ -142,28 +143,31 @@ def attach_runners(runtime, dev) -> None:
 def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
     """The layer-step executor of one paged layer: the host-planned one (any step, any device),
     or under ``PagingRuntime.decide`` "device" the device-planned one (``paging.device_executor``, no
-    read-back); both implement ``PagedExecutor``."""
+    read-back); both implement ``PagedExecutor`` and take the layer's ``SlotSetup``."""
     k = runtime.num_resident
+    setup = _slot_setup(runtime, layout, dev)
     if runtime.decide == "device":
-        # the fused kernels read the packed slots by the layout: no dense scratch
-        tables = {"layout": layout} if runtime.config.experts_implementation == FUSED else _slot_tables(runtime, layout, dev)
         return DeviceExecutor(num_slots=k, policy=runtime.config.policy, backend=runtime.config.device_kernels,
-                              **tables, **common)
+                              setup=setup, **common)
     return HostExecutor(num_slots=k, policy=make_policy(runtime.config.policy, k), copy_stream=copy_stream,
-                               **_slot_tables(runtime, layout, dev), **common)
+                        setup=setup, **common)
 
 
-def _slot_tables(runtime, layout, dev) -> dict:
-    """Executor kwargs for a quantized layer's slot format: packed slots with the model's
-    shared dense scratch (a WaveDequantizer), or dense slots with its shared packed staging."""
-    if layout is None or layout.is_dense:
-        return {}
+def _slot_setup(runtime, layout, dev) -> SlotSetup | None:
+    """The ``SlotSetup`` of a layer (packed slots, which the executor allocates, unless said):
+    the fused kernels read them by the layout (no dense scratch); None for dense experts; for a
+    quantized format, packed slots with the model's shared dense scratch (a WaveDequantizer),
+    or dense slots with its shared packed staging (``--slot-format``)."""
     k = runtime.num_resident
+    if runtime.config.experts_implementation == FUSED:
+        return SlotSetup(layout=layout)
+    if layout is None or layout.is_dense:
+        return None
     if runtime.config.slot_format == "packed":
         if "scratch" not in runtime.buffers:
             runtime.buffers["scratch"] = slots.allocate(layout.dense_specs, k, dev)
-        return {"dequantizer": slots.WaveDequantizer(layout, runtime.buffers["scratch"])}
+        return SlotSetup(layout=layout, dequantizer=slots.WaveDequantizer(layout, runtime.buffers["scratch"]))
     if "staging" not in runtime.buffers:
         runtime.buffers["staging"] = slots.allocate(layout.packed_specs, 1, dev)
     table = slots.DenseSlots(layout, slots.allocate(layout.dense_specs, k, dev), runtime.buffers["staging"])
-    return {"slots": table}
+    return SlotSetup(table, layout=layout)

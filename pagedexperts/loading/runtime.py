@@ -18,7 +18,7 @@ import torch
 from pagedexperts.formats.base import ExpertLayout
 from pagedexperts.loading.config import PagingConfig
 from pagedexperts.models.sites import ExpertsSite
-from pagedexperts.paging.runner import ExpertsRunner, PagedExecutor
+from pagedexperts.paging.runner_contract import ExpertsRunner, PagedExecutor
 from pagedexperts.stats.accounting import ModelStats
 from pagedexperts.stats.tiers import TierStats
 from pagedexperts.storage.host_memory import HostMemoryPlan
@@ -33,7 +33,7 @@ class PagingRuntime:
     """The paging state of one model: its runners (one per MoE layer) and its config.
 
     Attributes:
-        runners: MoE layer index -> the runner of its experts (``paging.runner.ExpertsRunner``:
+        runners: MoE layer index -> the runner of its experts (``paging.runner_contract.ExpertsRunner``:
             an executor, or a baseline of ``paging.baselines``).
         sites: the model's experts sites (``models.sites.ExpertsSite``), in layer order.
         stores: site name -> the layer's host store (``storage.host_store.ExpertStore``).

@@ -1,7 +1,7 @@
 """The baselines users would run instead of paging, as real execution modes of the same model.
 
 Owns: three per-layer experts runners that stand where an executor stands (the
-``runner.ExpertsRunner`` contract), and the ``--mode`` names (``MODES``, ``mode_problem``);
+``runner_contract.ExpertsRunner`` contract), and the ``--mode`` names (``MODES``, ``mode_problem``);
 offload and cpu-experts keep the executors' stats (bytes moved, union), resident keeps none,
 since it does nothing a counter could measure (docs/design.md "Executors"):
 - ``ResidentRunner``: all E experts on the device (the speed ceiling when it fits): the
@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from pagedexperts.paging.inner import resolve_inner
-from pagedexperts.paging.runner import ExpertsRunner
+from pagedexperts.paging.steps.table import resolve_inner
+from pagedexperts.paging.runner_contract import ExpertsRunner
 from pagedexperts.paging.transfer import read_step
-from pagedexperts.paging.waves import SlotView
+from pagedexperts.paging.steps.contract import SlotView
 from pagedexperts.storage.host_store import HostExpertStore
 
 MODES = ("paged", "resident", "offload", "cpu-experts")

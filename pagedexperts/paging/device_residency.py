@@ -1,26 +1,35 @@
-"""Device residency: the slot map and policy state of one MoE layer, held in device tensors.
+"""Device residency: one MoE layer's slot map, policy state and counters, held in device tensors.
 
-Owns: one layer's ``DecideState`` (slot of expert [E], expert of slot [K], per-slot last use,
-per-expert LFU counts, clock and step counter), the eviction rule it decides by (the
-``--policy`` names ``lru`` and ``lfu``, with ``residency.eviction``'s defaults), the fixed plan buffers
-of each step shape (one ``DecidePlan`` per W), and the choice of kernel backend (torch
-reference or Triton). Its decisions equal ``residency.planner.Residency`` with the same policy on the
-same steps (tests/test_device_decide.py, on the real traces). Does not: copy bytes
-(``kernels.page_in``), compute experts (``device_executor``) or count (``device_stats``).
+Owns, for the device-planned executor (``paging.device_executor``): one layer's ``DecideState``
+(slot of expert [E], expert of slot [K], per-slot last use, per-expert LFU counts, clock and
+step counter), the eviction rule it decides by (the ``--policy`` names ``lru`` and ``lfu``, with
+``residency.eviction``'s defaults), the choice of kernel backend (torch backends or Triton),
+the fixed buffers of each step shape (``StepShape``: the plan of its W waves and each entry's
+slot and wave), ``decide`` (the decide and remap kernels of ``kernels.decide``), the layer's
+page-in (``page_in_over``: a ``kernels.page_in.PageIn``), and ``DeviceCounters``, the layer's
+paging counters accumulated on the device without a sync. Its decisions equal
+``residency.planner.Residency`` with the same policy on the same steps
+(tests/test_device_decide.py, on the real traces). Does not: compute experts
+(``paging.steps``) or order anything (one stream: issue order).
 
-Legend: T tokens, k top_k, E experts, K slots, W = ceil(min(T k, E) / K) waves.
+Legend: T tokens, k top_k, E experts, K slots, S = T k entries, W = ceil(min(S, E) / K) waves.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pagedexperts.residency.eviction import LFUPolicy
-from pagedexperts.residency.planner import check_num_resident
+from pagedexperts.formats.slots import DenseSlots
 from pagedexperts.paging.kernels._triton import check_backend
 from pagedexperts.paging.kernels.decide import (
-    DecidePlan, DecideRule, DecideState, decide_reference, decide_triton, num_waves_for,
+    DecidePlan, DecideRule, DecideState, decide_torch, decide_triton, num_waves_for, remap_torch, remap_triton,
 )
+from pagedexperts.paging.kernels.page_in import PageIn
+from pagedexperts.residency.eviction import LFUPolicy
+from pagedexperts.residency.planner import check_num_resident
+from pagedexperts.stats.accounting import LayerStats
 
 # --policy names the device decide implements, with the rule each means (residency.eviction defaults)
 DEVICE_RULES: dict[str, DecideRule] = {
@@ -48,6 +57,19 @@ def device_rule(policy: str, *, half_life: int | None = None) -> DecideRule:
     return rule
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """The fixed buffers of steps of S entries: ``plan`` (its W waves, shared by the shapes of
+    one W), ``entry_slot`` / ``entry_wave`` [S] int64 (each entry's slot and wave, the remap's
+    output), ``num_waves`` W and ``max_loads`` = min(S, K) (the most loads a wave can have)."""
+
+    plan: DecidePlan
+    entry_slot: torch.Tensor
+    entry_wave: torch.Tensor
+    num_waves: int
+    max_loads: int
+
+
 class DeviceResidency:
     """The residency of one layer on ``device``: decides each step without reading the device.
 
@@ -55,7 +77,7 @@ class DeviceResidency:
         num_experts: E. num_slots: K, 1 <= K <= E.
         device: where the state lives (the slots' device).
         rule: the eviction rule (``device_rule``).
-        backend: "torch" (reference ops) or "triton" (the decide kernel).
+        backend: "torch" (plain tensor ops) or "triton" (the decide and remap kernels).
 
     Raises:
         ValueError: K out of [1, E] (``residency.planner.check_num_resident``, the one K check:
@@ -69,22 +91,44 @@ class DeviceResidency:
         self.rule = rule
         self.backend = check_backend(backend, self.device)
         self.state = DecideState.empty(num_experts, num_slots, self.device)
+        self._decide, self._remap = (decide_triton, remap_triton) if backend == "triton" else (decide_torch,
+                                                                                                  remap_torch)
         self._plans: dict[int, DecidePlan] = {}  # W -> its fixed plan buffers
+        self._shapes: dict[int, StepShape] = {}  # S -> its fixed buffers
 
-    def plan_buffers(self, num_entries: int) -> DecidePlan:
-        """The plan buffers of a step of ``num_entries`` = T k entries (W from the shape)."""
-        w = num_waves_for(num_entries, self.num_slots, self.num_experts)
-        if w not in self._plans:
-            self._plans[w] = DecidePlan.empty(w, self.num_experts, self.num_slots, self.device)
-        return self._plans[w]
+    def shape(self, num_entries: int) -> StepShape:
+        """The ``StepShape`` of steps of S = ``num_entries`` entries (built at its first step)."""
+        shape = self._shapes.get(num_entries)
+        if shape is None:
+            w = num_waves_for(num_entries, self.num_slots, self.num_experts)
+            if w not in self._plans:
+                self._plans[w] = DecidePlan.empty(w, self.num_experts, self.num_slots, self.device)
+            entries = torch.empty(2, num_entries, dtype=torch.int64, device=self.device)
+            shape = StepShape(self._plans[w], entries[0], entries[1], w, min(num_entries, self.num_slots))
+            self._shapes[num_entries] = shape
+        return shape
 
-    def decide(self, ids: torch.Tensor) -> DecidePlan:
-        """Decide the step of top-k ids [T, k] (int64, on the device); return its plan (valid
-        until the next step of the same W). Fixed shapes, no device-to-host transfer."""
-        plan = self.plan_buffers(ids.numel())
-        fn = decide_triton if self.backend == "triton" else decide_reference
-        fn(self.state, ids, plan, self.rule)
-        return plan
+    def decide(self, ids: torch.Tensor) -> StepShape:
+        """Decide the step of top-k ids [T, k] (int64, on the device) and remap its entries;
+        return its shape's buffers, filled (valid until the next step of the same S). Fixed
+        shapes, no device-to-host transfer."""
+        shape = self._shapes.get(ids.numel()) or self.shape(ids.numel())
+        plan = shape.plan
+        self._decide(self.state, ids, plan, self.rule)
+        self._remap(ids, plan.expert_slot, plan.expert_wave, shape.entry_slot, shape.entry_wave)
+        return shape
+
+    def page_in_over(self, source: dict[str, torch.Tensor], slots: dict[str, torch.Tensor]) -> PageIn:
+        """The layer's page-in from the store's [E, ...] ``source`` into ``slots`` [K, ...] by
+        this residency's backend: ``page_in(plan.src, plan.dst, plan.count, wave, max_loads)``.
+
+        Raises:
+            ValueError: dense slots of a quantized layer (a page-in here copies raw rows; they
+                dequantize at page-in on the host path: names --slot-format)."""
+        if isinstance(slots, DenseSlots):
+            raise ValueError("dense slots of a quantized layer dequantize at page-in on the host path; "
+                             "use --slot-format packed with --decide device")
+        return PageIn(source, slots, self.device, backend=self.backend)
 
     # -- reads for stats and tests (each reads the device) --
 
@@ -96,3 +140,53 @@ class DeviceResidency:
     def expert_of_slot(self) -> list[int]:
         """Expert of each slot, -1 for an empty one (reads the device)."""
         return self.state.expert_of_slot.tolist()
+
+
+# the counter vector's fields, in order (int64 each)
+FIELDS = ("steps", "tokens", "padding_tokens", "hits", "misses", "bytes_paged", "waves", "multi_wave_steps",
+          "union_sum", "union_max", "union_last")
+_INDEX = {name: i for i, name in enumerate(FIELDS)}
+
+
+class DeviceCounters:
+    """The paging counters of one layer: ``values`` [len(FIELDS)] int64 on the device, added to
+    by each step without a sync and read only when stats are asked for (``to_layer_stats``: one
+    device-to-host copy), as ``stats.accounting.LayerStats`` (the one definition of the counts,
+    docs/design.md "Terms": one hit or miss per distinct routed expert per layer per step). No times: a
+    device-planned step has no host timing to give.
+
+    Args:
+        device: where the counters live (the slots' device).
+        expert_bytes: bytes of one expert (all its tensors): bytes paged = misses x this.
+    """
+
+    def __init__(self, device, *, expert_bytes: int) -> None:
+        self.values = torch.zeros(len(FIELDS), dtype=torch.int64, device=device)
+        self.expert_bytes = expert_bytes
+
+    def add_step(self, step: torch.Tensor, *, rows: int, padding: torch.Tensor | None = None) -> None:
+        """Add one layer-step: ``step`` [3] int64 (hits, misses, waves: ``DecidePlan.step``) on
+        the device; ``rows`` the step's T (known on the host); ``padding`` the 0-dim device
+        count of padding rows among them (``runner_contract.ExpertsRunner.padding_count``), None: none. Tokens
+        = rows - padding, as the host executor counts them. In place, no sync."""
+        hits, misses, waves = step[0], step[1], step[2]
+        union = hits + misses
+        pad = torch.zeros_like(hits) if padding is None else padding.to(hits.device, torch.int64).reshape(())
+        v = self.values
+        delta = torch.stack([torch.ones_like(hits), rows - pad, pad, hits, misses,
+                             misses * self.expert_bytes, waves, (waves > 1).long(), union,
+                             torch.zeros_like(hits), torch.zeros_like(hits)])
+        v.add_(delta)
+        v[_INDEX["union_max"]] = torch.maximum(v[_INDEX["union_max"]], union)
+        v[_INDEX["union_last"]] = union
+
+    def reset(self) -> None:
+        """Every counter back to zero (in place: the tensor keeps its address)."""
+        self.values.zero_()
+
+    def to_layer_stats(self) -> LayerStats:
+        """The counters as a ``LayerStats`` (page-ins = misses; no times). Reads the device."""
+        got = dict(zip(FIELDS, self.values.tolist()))
+        stats = LayerStats(**got)
+        stats.page_ins = stats.misses
+        return stats

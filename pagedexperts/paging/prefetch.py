@@ -39,7 +39,7 @@ class NextLayerPrefetcher:
     Args:
         gate: layer l+1's router module (``models.sites.router_of``: ``mlp.gate``, gpt-oss ``mlp.router``); its ``forward``
             maps hidden [T, H] -> (logits, scores, top-k ids [T, k]).
-        target: layer l+1's ``runner.PagedExecutor``.
+        target: layer l+1's ``runner_contract.PagedExecutor``.
         budget: at most this many prefetch page-ins per step (default top_k: one token's worth).
         on_predict: optional ``(target_layer, experts)`` callback (trace recording).
         page_in: page the predictions into the slots (``issue``); False: a disk tier's read-ahead
@@ -97,7 +97,7 @@ class NextLayerPrefetcher:
 def install(executors: dict, routers: dict, *, budget: int, page_in: bool = True) -> list[NextLayerPrefetcher]:
     """Give every paged MoE layer but the last a prefetcher into the next one.
 
-    ``executors``: MoE layer -> its ``runner.PagedExecutor``; ``routers``: MoE layer -> its
+    ``executors``: MoE layer -> its ``runner_contract.PagedExecutor``; ``routers``: MoE layer -> its
     router module (``models.sites.router_of``); ``budget`` >= 1 (checked with the rest of the
     configuration, ``loading.config``); ``page_in`` False: read-ahead only (``NextLayerPrefetcher``).
     Returns the prefetchers, in layer order.

@@ -17,7 +17,7 @@ copies on the copy stream against the compute stream:
 
 Page-in times on CUDA come from a bounded ring of timing events (``CopyTimer``), folded in as
 they complete; nothing here synchronizes the whole device. Does not: choose what to copy
-(``residency``) or compute anything (``paging.waves``).
+(``residency``) or compute anything (``paging.steps``).
 
 Legend: T tokens of a step, k top_k, E experts, K slots.
 """
@@ -182,7 +182,7 @@ class SlotTransfers:
         self._slot_of = np.full(num_experts, -1, dtype=np.int64)
         self._slot_map: torch.Tensor | None = None
         self._slot_map_stale = True
-        self.map_s = 0.0  # host seconds spent on slot maps since the last take_map_s
+        self.map_s = 0.0  # host seconds spent on slot maps since the last take_times
         self.timer = None
         self._compute_done = self._copied = None
         self._copy_pending = False
@@ -198,9 +198,11 @@ class SlotTransfers:
 
     def page_in(self, store, wave) -> None:
         """Copy the wave's loads (``residency.planner.Wave.loads``) into their slots and make
-        the compute wait for them."""
-        self.copy_in(store, wave.loads)
-        self.before_compute()
+        the compute wait for them (and for prefetches into these slots)."""
+        if wave.loads:
+            self.copy_in(store, wave.loads)
+        if self._copy_pending:
+            self.before_compute()
 
     def slot_map(self, wave, *, only_wave: bool) -> torch.Tensor:
         """The slot map [E] (int64, on the device) that the wave's top-k ids are remapped with.
@@ -219,11 +221,6 @@ class SlotTransfers:
             slot_map = upload(slot_of, self.device)
         self.map_s += time.perf_counter() - t0
         return slot_map
-
-    def take_map_s(self) -> float:
-        """Host seconds of slot-map work since the last take (part of the step's plan time)."""
-        out, self.map_s = self.map_s, 0.0
-        return out
 
     def copy_in(self, store, loads) -> None:
         """Copy each load's expert rows from ``store`` into its slot (on the copy stream after
@@ -259,17 +256,19 @@ class SlotTransfers:
         if self._compute_done is not None:
             self._compute_done.record(torch.cuda.current_stream(self.device))
 
-    def take_copy_s(self, *, block: bool) -> float:
-        """Page-in seconds since the last take: host-timed copies on CPU; on CUDA the completed
-        timing pairs (``block``: wait for all in flight first, per event)."""
+    def take_times(self, *, block: bool) -> tuple[float, float]:
+        """(page-in seconds, slot-map seconds) since the last take. Page-ins: host-timed copies on
+        CPU; on CUDA the completed timing pairs (``block``: wait for all in flight first, per
+        event). Slot maps: host seconds (part of the step's plan time)."""
+        map_s, self.map_s = self.map_s, 0.0
         if self.timer is None:
             out, self.host_copy_s = self.host_copy_s, 0.0
-            return out
+            return out, map_s
         if block:
-            return self.timer.collect()
+            return self.timer.collect(), map_s
         self.timer._fold(block=False)
         out, self.timer.elapsed_s = self.timer.elapsed_s, 0.0
-        return out
+        return out, map_s
 
     def drain(self) -> None:
         """Wait for copies in flight into these slots (before the slots are dropped)."""

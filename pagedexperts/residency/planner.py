@@ -173,11 +173,15 @@ class Residency:
         if union and (union[0] < 0 or union[-1] >= self.num_experts):
             bad = union[0] if union[0] < 0 else union[-1]
             raise ValueError(f"routed expert id {bad} outside [0, E={self.num_experts})")
-        hits, hit_slots = self._begin_step(union)
+        hits, hit_slots = begin_step(self.policy, union, self._hits_of)
         if len(hits) == len(union) and hits:  # the common decode case: one wave, nothing to load
             return StepPlan((Wave(tuple(hits), tuple(hit_slots), ()),), len(hits), 0)
         misses = list(itertools.filterfalse(self.slot_of_expert.__contains__, union))
         place, new_wave, waves = self._place, tuple.__new__, []  # Wave(...) would add a Python call
+        if union and len(union) <= self.num_slots:  # one wave: what ``_waves`` yields, without its generator
+            slots = place(misses, hit_slots)
+            wave = new_wave(Wave, (tuple(hits + misses), tuple(hit_slots + slots), _loads(misses, slots)))
+            return StepPlan(waves=(wave,), hits=len(hits), misses=len(misses))
         for wave_hits, wave_hit_slots, wave_misses in self._waves(hits, hit_slots, misses):
             slots = place(wave_misses, wave_hit_slots)
             waves.append(new_wave(Wave, (tuple(wave_hits + wave_misses), tuple(wave_hit_slots + slots),

@@ -235,6 +235,12 @@ class HostExpertStore(ExpertStore):
         """
         slots.write_rows({name: host[expert] for name, host in self.tensors.items()}, slot, pinned=self.pinned)
 
+    def copy_to_slots(self, loads, slots) -> None:
+        """``copy_to_slot`` of each load, in order (one Python frame for the step's page-ins)."""
+        tensors, pinned = self.tensors.items(), self.pinned
+        for expert, slot in loads:
+            slots.write_rows({name: host[expert] for name, host in tensors}, slot, pinned=pinned)
+
     def gather_problem(self, device: torch.device) -> str | None:
         """None, except on CUDA when the store is pageable: the gather reads the page-locked,
         mapped rows through their device address."""

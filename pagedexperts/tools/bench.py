@@ -34,7 +34,7 @@ import torch
 
 from pagedexperts.generation.config import GREEDY
 from pagedexperts.paging.baselines import MODES
-from pagedexperts.paging.inner import transformers_inner
+from pagedexperts.paging.steps.table import transformers_inner
 from pagedexperts.residency.policies import DEFAULT_POLICY
 from pagedexperts.tools.check import fused_expert_targets_quiet
 

@@ -1,7 +1,7 @@
 """The optional Triton import and the kernel backend choice, in one place.
 
-``triton`` is an optional extra (``gpu``); without it only the torch references run.
-Backends: "torch" (the references: plain tensor ops, any device) and "triton" (the kernels:
+``triton`` is an optional extra (``gpu``); without it only the torch backends run.
+Backends: "torch" (plain tensor ops, any device) and "triton" (the kernels:
 CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set before triton is imported).
 """
 

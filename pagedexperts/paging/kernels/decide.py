@@ -4,12 +4,13 @@ Owns the decision of ``residency.planner.Residency`` with ``residency.eviction``
 (aging) restated over device tensors: from the step's top-k ids [T, k] it updates the slot
 map and the policy state in place and writes the page-in plan of every wave (src, dst, count)
 and each routed expert's slot and wave. Two functions of identical semantics:
-``decide_reference`` (torch ops, any device) and ``decide_triton`` (one Triton program; CUDA,
-or CPU under ``TRITON_INTERPRET=1``). Does not: copy bytes (``page_in``), remap ids (``remap``)
-or own the state's lifetime (``device_residency``).
+``decide_torch`` (torch ops, any device) and ``decide_triton`` (one Triton program; CUDA,
+or CPU under ``TRITON_INTERPRET=1``); and the remap of the step's entries to the slots and
+waves the decision gave their experts (``remap_torch`` / ``remap_triton``). Does not: copy
+bytes (``page_in``) or own the state's lifetime (``device_residency``).
 
 The rule, step by step, as ``Residency.plan`` makes it:
-1-2. ``residency.planner.begin_step`` (the reference calls it with tensor hooks): union =
+1-2. ``residency.planner.begin_step`` (``decide_torch`` calls it with tensor hooks): union =
    distinct routed ids; LFU ``on_step``: steps += 1, every ``half_life`` steps all counts
    halved (floor) first, then count[e] += 1 for each e in the union. Hits = union experts
    resident at the step's start, misses the rest, both in ascending id; ``on_hits``:
@@ -27,6 +28,7 @@ Legend: T tokens, k top_k, E experts, K slots, W waves of the step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +112,7 @@ def num_waves_for(num_entries: int, num_slots: int, num_experts: int) -> int:
     return max(1, -(-min(num_entries, num_experts) // num_slots))
 
 
-# -- the torch reference ----------------------------------------------------------------------
+# -- the torch backend ----------------------------------------------------------------------
 
 
 class _DevicePolicy:
@@ -190,7 +192,7 @@ def _wave(state: DecideState, plan: DecidePlan, w: int, routed, hit, queue, rule
     plan.expert_wave.copy_(torch.where(in_wave, w, plan.expert_wave))
 
 
-def decide_reference(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: DecideRule) -> None:
+def decide_torch(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: DecideRule) -> None:
     """Decide one step in torch ops: ``ids`` [T, k] int64 expert ids on the state's device.
 
     Updates ``state`` in place and fills ``plan`` (its W waves; W >= ceil(|union| / K) is the
@@ -321,16 +323,18 @@ if HAVE_TRITON:
         tl.store(step_ptr + 2, ((n_hit + n_miss + K - 1) // K).to(tl.int64))
 
 
+@functools.lru_cache(maxsize=None)
 def decide_constexprs(num_experts: int, num_slots: int, rule: DecideRule) -> dict:
     """The compile-time constants of ``_decide_kernel`` for E, K and ``rule`` (one compiled
-    variant per layer shape and rule: none depends on the batch)."""
+    variant per layer shape and rule: none depends on the batch). Built once per (E, K, rule);
+    the dict is shared: do not change it."""
     return dict(USE_COUNT=rule.use_count, HALF_LIFE=rule.half_life if rule.use_count else 0,
                 BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(num_slots),
                 BLOCK_IDS=BLOCK_IDS, RANK_CHUNK=RANK_CHUNK, KEY_SHIFT=KEY_SHIFT)
 
 
 def decide_triton(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: DecideRule) -> None:
-    """``decide_reference`` as one Triton program (same arguments, same writes; W waves looped
+    """``decide_torch`` as one Triton program (same arguments, same writes; W waves looped
     inside the program, slots ranked by pairwise comparison of their keys, RANK_CHUNK at a
     time: K^2 work). The step's T and W are not specialised on (``do_not_specialize``)."""
     flat = ids.reshape(-1).contiguous()
@@ -338,5 +342,41 @@ def decide_triton(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule:
     _decide_kernel[(1,)](
         flat, flat.numel(), state.slot_of_expert, state.expert_of_slot, state.last_use, state.count,
         state.scalars, plan.src, plan.dst, plan.count, plan.expert_slot, plan.expert_wave, plan.step,
-        plan.scratch, num_experts, num_slots, plan.num_waves, num_warps=NUM_WARPS,
+        plan.scratch, num_experts, num_slots, plan.count.shape[0], num_warps=NUM_WARPS,
         **decide_constexprs(num_experts, num_slots, rule))
+
+
+# -- remap: each entry's slot and wave ----------------------------------------------------------
+# entry_slot[s] = expert_slot[ids[s]], entry_wave[s] = expert_wave[ids[s]] over the step's S = T k
+# entries (flat, token-major), from the tables a decide writes (``DecidePlan.expert_slot`` /
+# ``expert_wave`` [E]): a Triton kernel (grid ceil(S / REMAP_BLOCK)) and torch indexing.
+
+REMAP_BLOCK = 256
+
+
+def remap_torch(ids: torch.Tensor, expert_slot: torch.Tensor, expert_wave: torch.Tensor,
+                    entry_slot: torch.Tensor, entry_wave: torch.Tensor) -> None:
+    """ids [T, k] int64 -> entry_slot, entry_wave [S] int64 (written in place)."""
+    flat = ids.reshape(-1)
+    entry_slot.copy_(expert_slot[flat])
+    entry_wave.copy_(expert_wave[flat])
+
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["n"])  # n = T k: one compiled variant for every batch size
+    def _remap_kernel(ids_ptr, slot_ptr, wave_ptr, out_slot_ptr, out_wave_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        e = tl.load(ids_ptr + offs, mask=mask, other=0)
+        tl.store(out_slot_ptr + offs, tl.load(slot_ptr + e, mask=mask), mask=mask)
+        tl.store(out_wave_ptr + offs, tl.load(wave_ptr + e, mask=mask), mask=mask)
+
+
+def remap_triton(ids: torch.Tensor, expert_slot: torch.Tensor, expert_wave: torch.Tensor,
+                 entry_slot: torch.Tensor, entry_wave: torch.Tensor) -> None:
+    """``remap_torch`` by the Triton kernel."""
+    flat = ids.reshape(-1).contiguous()
+    n = flat.numel()
+    _remap_kernel[(triton.cdiv(n, REMAP_BLOCK),)](flat, expert_slot, expert_wave, entry_slot, entry_wave, n,
+                                                  BLOCK=REMAP_BLOCK)

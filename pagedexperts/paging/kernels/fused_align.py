@@ -2,7 +2,7 @@
 
 Owns ``Alignment`` and the two ways to compute it: ``align_triton`` (two Triton kernels: one
 program counts the entries of every row and writes each row's padded start; one program per
-row writes its entries, its padding and its blocks' row id) and ``align_reference`` (torch ops).
+row writes its entries, its padding and its blocks' row id) and ``align_torch`` (torch ops).
 Both write the same values and neither reads anything back to the host: every shape is fixed
 by (S, R, BLOCK_M), the used part is a device count (``num_padded``), and kernels reading
 blocks past it return at once. Does not: compute experts (``fused_moe``) or decide which row
@@ -63,7 +63,7 @@ def _check(row_ids: torch.Tensor, num_rows: int, block_m: int) -> None:
         raise ValueError(f"align needs num_rows >= 1 and block_m >= 1, got {num_rows} and {block_m}")
 
 
-def align_reference(row_ids: torch.Tensor, num_rows: int, block_m: int) -> Alignment:
+def align_torch(row_ids: torch.Tensor, num_rows: int, block_m: int) -> Alignment:
     """``row_ids`` [T, k] (or [S]) -> the Alignment, in torch ops on ids' device (no host read).
 
     Raises:
@@ -133,22 +133,43 @@ if HAVE_TRITON:
 
 
 def align_triton(row_ids: torch.Tensor, num_rows: int, block_m: int) -> Alignment:
-    """``align_reference`` by the two Triton kernels (CUDA tensors, or CPU ones under
+    """``align_torch`` by the two Triton kernels (CUDA tensors, or CPU ones under
     ``TRITON_INTERPRET=1``): grids (1,) and (R,), fixed for (S, R, BLOCK_M).
 
     Raises:
         ValueError: see ``_check``."""
     _check(row_ids, num_rows, block_m)
-    ids = row_ids.reshape(-1).contiguous()
-    num_entries, dev = ids.numel(), ids.device
-    capacity = padded_capacity(num_entries, num_rows, block_m)
-    counts = torch.empty(num_rows, dtype=torch.int32, device=dev)
-    starts = torch.empty(num_rows, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    sorted_entry = torch.empty(capacity, dtype=torch.int32, device=dev)
-    block_row = torch.empty(capacity // block_m, dtype=torch.int32, device=dev)
-    align_count_kernel[(1,)](ids, counts, starts, num_padded, num_entries, num_rows, BLOCK_M=block_m,
-                             R_BLOCK=triton.next_power_of_2(num_rows + 1), BLOCK_S=HISTOGRAM_BLOCK)
-    align_scatter_kernel[(num_rows,)](ids, counts, starts, sorted_entry, block_row, num_entries, BLOCK_M=block_m,
-                                      BLOCK_S=SCATTER_BLOCK)
-    return Alignment(sorted_entry, block_row, num_padded, block_m, num_entries)
+    return AlignLaunch.of(row_ids.numel(), num_rows, block_m)(row_ids)
+
+
+@dataclass(frozen=True)
+class AlignLaunch:
+    """``align_triton`` for steps of S = ``num_entries`` entries over R = ``num_rows`` rows and
+    ``block_m``, its sizes and constexprs fixed (built once per shape: ``of``; a caller that
+    prepares it checks its ids once, ``align_triton`` on every call)."""
+
+    num_entries: int
+    num_rows: int
+    block_m: int
+    capacity: int
+    r_block: int
+
+    @classmethod
+    def of(cls, num_entries: int, num_rows: int, block_m: int) -> "AlignLaunch":
+        return cls(num_entries, num_rows, block_m, padded_capacity(num_entries, num_rows, block_m),
+                   triton.next_power_of_2(num_rows + 1))
+
+    def __call__(self, row_ids: torch.Tensor) -> Alignment:
+        """The ``Alignment`` of ``row_ids`` [T, k] (or [S]) int32 / int64, S = ``num_entries``."""
+        ids = row_ids.reshape(-1).contiguous()
+        num_rows, block_m, dev = self.num_rows, self.block_m, ids.device
+        counts = torch.empty(num_rows, dtype=torch.int32, device=dev)
+        starts = torch.empty(num_rows, dtype=torch.int32, device=dev)
+        num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+        sorted_entry = torch.empty(self.capacity, dtype=torch.int32, device=dev)
+        block_row = torch.empty(self.capacity // block_m, dtype=torch.int32, device=dev)
+        align_count_kernel[(1,)](ids, counts, starts, num_padded, self.num_entries, num_rows, BLOCK_M=block_m,
+                                 R_BLOCK=self.r_block, BLOCK_S=HISTOGRAM_BLOCK)
+        align_scatter_kernel[(num_rows,)](ids, counts, starts, sorted_entry, block_row, self.num_entries,
+                                          BLOCK_M=block_m, BLOCK_S=SCATTER_BLOCK)
+        return Alignment(sorted_entry, block_row, num_padded, block_m, self.num_entries)

@@ -5,10 +5,11 @@ Owns the launchers of the fused kernels (``fused_moe_kernel``) and what they rea
 base tensor and an int64 offset per row, so row r of every packed tensor is found wherever it
 lives), ``FusedBlocks`` (the tile sizes, a function of the step's entry count and the packing
 only, never of K or E, so a step computes the same bits whatever rows hold its experts),
-``KernelTarget`` (interpreter or a GPU arch: what the kernels emulate), and ``fused_entries``,
-every entry's output (a paged step weights and sums them: ``paging.waves.StepEntries.combine``).
-Does not: decide residency, page in or remap expert ids to rows (the caller passes row ids),
-combine, or know a format's class.
+``KernelTarget`` (interpreter or a GPU arch: what the kernels emulate), the GEMM's launch
+arguments (``gemm_arguments``: all but the step's tensors, which the paged fused step binds once
+per layer and step shape, ``paging.steps.fused``; ``gemm_launch``), and ``fused_entries``, every
+entry's output. Does not: decide residency, page in or remap expert ids to rows (the caller
+passes row ids), combine, or know a format's class.
 
 Row addressing. A row id indexes every offset table of a step. The integration builds the
 tables once: ``ProjectionRows.from_tables`` over the K slot tensors (a routed expert in slot s
@@ -18,13 +19,6 @@ K + e), so that a step reads every routed expert in place, one launch per projec
 its batch size. The kernel adds the offset to a pointer argument rather than casting a loaded
 address to a pointer: only then does Triton know the row's alignment and vectorise its loads
 (measured in the PTX: 16-byte ``ld.global.v4`` instead of 2-byte loads for bfloat16 rows).
-
-Activation. The gate-up GEMM writes the [S, 2I] intermediate in entry order; the experts
-module's own ``_apply_gate`` / ``act_fn`` (``activation``) turns it into [S, I]: every family's
-quirk (Qwen's SiLU-and-mul, gpt-oss's clamped SwiGLU over interleaved gate/up) is then the
-model's own code, in torch ops that a CUDA graph captures. Fusing it into the GEMM would save
-one [S, 2I] write and read (at decode 2 x S x 2I x 2 bytes, about 49 KB at Qwen3-30B-A3B's
-S = 8: noise next to the weights' 9 MB) at the cost of a second copy of every family's gate.
 
 No host sync: every shape is fixed by (T, k, R, the packings); counts stay on the device;
 constants are constexprs or the address tables (built once).
@@ -43,11 +37,11 @@ import torch
 
 from pagedexperts.formats.packing import ROLES, WeightPacking
 from pagedexperts.paging.kernels._triton import check_backend, tl, triton
-from pagedexperts.paging.kernels.fused_align import Alignment, align_reference, align_triton
+from pagedexperts.paging.kernels.fused_align import Alignment, align_torch, align_triton
 from pagedexperts.paging.kernels import fused_moe_kernel as kernels  # its @triton.jit names exist only with triton
 from pagedexperts.paging.kernels.fused_moe_kernel import Arithmetic, packing_args
 
-ALIGN_BACKENDS = {"triton": align_triton, "torch": align_reference}
+ALIGN_BACKENDS = {"triton": align_triton, "torch": align_torch}
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -244,21 +238,31 @@ def _tables(rows: ProjectionRows) -> tuple[dict, dict]:
 def gemm_launch(a: torch.Tensor, c: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
                 blocks: FusedBlocks, target: KernelTarget) -> Launch:
     """The GEMM launch computing ``c`` [S, N] from ``a`` rows (entry s reads ``a[s // a_row_div]``)."""
+    args, constexprs, options = gemm_arguments(rows, alignment.num_entries, alignment.block_m,
+                                               a_row_div=a_row_div, blocks=blocks, target=target)
+    args.update(a_ptr=a, c_ptr=c, alignment=(alignment.sorted_entry, alignment.block_row, alignment.num_padded),
+                stride_am=a.stride(0), stride_cm=c.stride(0))
+    grid = (alignment.max_blocks, triton.cdiv(rows.packing.out_features, blocks.block_out))
+    return Launch(grid, args, constexprs, **options)
+
+
+def gemm_arguments(rows: ProjectionRows, num_entries: int, block_m: int, *, a_row_div: int, blocks: FusedBlocks,
+                   target: KernelTarget) -> tuple[dict, dict, dict]:
+    """(arguments, constexprs, launch options) of a GEMM over ``rows`` that do not change from
+    one step of S = ``num_entries`` entries to the next: all but the step's tensors and strides
+    (what ``gemm_launch`` adds; the paged fused step binds these once per step shape,
+    ``paging.steps.fused``)."""
     packing = rows.packing
     ints, constexprs = packing_args(packing)
     tables, aligns = _tables(rows)
     bias = rows.bias or rows.roles["weight"]
-    args = dict(a_ptr=a, c_ptr=c, alignment=(alignment.sorted_entry, alignment.block_row, alignment.num_padded),
-                **tables, bias=(bias.base, bias.offsets), out_features=packing.out_features,
-                in_features=packing.in_features, num_entries=alignment.num_entries, a_row_div=a_row_div,
-                stride_am=a.stride(0), stride_cm=c.stride(0))
-    args.update(ints)
+    args = dict(**tables, bias=(bias.base, bias.offsets), out_features=packing.out_features,
+                in_features=packing.in_features, num_entries=num_entries, a_row_div=a_row_div, **ints)
     arithmetic = target.constexprs(packing)
     constexprs.update(arithmetic, **aligns, HAS_BIAS=rows.bias is not None,
                       DOT_PRECISION="ieee" if arithmetic["ARITHMETIC"].dot == tl.float32 else None,
-                      BLOCK_M=alignment.block_m, BLOCK_OUT=blocks.block_out, BLOCK_IN=blocks.block_in)
-    grid = (alignment.max_blocks, triton.cdiv(packing.out_features, blocks.block_out))
-    return Launch(grid, args, constexprs, blocks.num_warps, blocks.num_stages)
+                      BLOCK_M=block_m, BLOCK_OUT=blocks.block_out, BLOCK_IN=blocks.block_in)
+    return args, constexprs, dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def projection_gemm(a: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
@@ -325,12 +329,12 @@ def fused_entries(hidden: torch.Tensor, row_ids: torch.Tensor, gate_up: Projecti
                   align_backend: str = "triton") -> torch.Tensor:
     """The unweighted output of every entry: [S, H] in the down packing's dense dtype, flat
     entry s = t * k + j; rows of entries whose row id is negative are not written (whatever
-    the buffer held). A paged step runs it once per wave (entries of other waves given row id
-    -1) and weights and sums the outputs itself (``paging.waves.StepEntries.combine``).
+    the buffer held). The kernel tests' entry point (the paged step, ``paging.steps.fused``,
+    launches the same kernels with its launches prepared once per step shape).
 
     hidden [T, H]; row_ids [T, k] int64 (row of each entry in the address tables; -1: not
-    computed here); ``activation``: the experts module's gate ([S, 2I] -> [S, I],
-    ``waves.activate``); ``post_expert``: its optional post-expert norm. Stages: align by row
+    computed here); ``activation``: the experts module's gate ([S, 2I] -> [S, I], its
+    ``_apply_gate``); ``post_expert``: its optional post-expert norm. Stages: align by row
     (``align_backend``: "triton" or "torch"), gate-up GEMM (+ bias), activation, down GEMM
     (+ bias). No host sync (module docstring).
 

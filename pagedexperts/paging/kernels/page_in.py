@@ -13,7 +13,7 @@ its size allows. ``PageIn`` is one layer's page-in, built once:
   count returns at once. On CUDA it reads the page-locked host store through its
   device-mapped address (``store.HOST_REGISTER_FLAGS`` registers it mapped; the table holds
   the address Triton's launcher gives the tensor), on CPU (``TRITON_INTERPRET=1``) CPU tensors.
-- "torch": ``page_in_reference``, the same writes in torch ops, for a store on the slots'
+- "torch": ``page_in_torch``, the same writes in torch ops, for a store on the slots'
   device (CPU).
 Does not: decide (``decide``) or order the copy against compute (one stream: the copy is
 ordered before the wave's compute by issue order).
@@ -46,7 +46,7 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int32) if raw.shape[1] % 4 == 0 else raw
 
 
-def page_in_reference(store: dict[str, torch.Tensor], slots: dict[str, torch.Tensor], src: torch.Tensor,
+def page_in_torch(store: dict[str, torch.Tensor], slots: dict[str, torch.Tensor], src: torch.Tensor,
                       dst: torch.Tensor, count: torch.Tensor) -> None:
     """For j < count: ``slots[name][dst[j]] = store[name][src[j]]`` for every name.
 
@@ -142,15 +142,17 @@ class PageIn:
         self.programs_per_row = programs_per_row
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0
+        self._grids: dict[int, list[tuple[int, int, int]]] = {}  # max_loads -> each group's grid, built once
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, wave: int, max_loads: int) -> None:
         """Page in wave ``wave`` of a plan: src, dst [W, K] int64, count [W] int64 on the
         device; ``max_loads`` = the most loads the step's shape allows (min(T k, K))."""
         if self.backend == "torch":
-            page_in_reference(self.store, self.slots, src[wave], dst[wave], count[wave])
+            page_in_torch(self.store, self.slots, src[wave], dst[wave], count[wave])
             return
-        for g in self.groups:
-            grid = (max_loads, g.table.shape[0], self._programs(max_loads, g))
+        grids = self._grids.get(max_loads) or self._grids.setdefault(
+            max_loads, [(max_loads, g.table.shape[0], self._programs(max_loads, g)) for g in self.groups])
+        for g, grid in zip(self.groups, grids):
             _page_in_kernel[grid](g.table, src, dst, count, wave, self.num_slots, BYTES=g.bytewise, BLOCK=BLOCK_WORDS)
 
     def _programs(self, max_loads: int, group: _TableGroup) -> int:

@@ -5,9 +5,11 @@ and the baselines): one ``step`` per MoE layer per model step, its ``LayerStats`
 the end-of-life hooks and two capabilities the callers ask instead of the runner's type:
 ``inline`` (how the dispatcher calls the step under ``torch.compile``) and ``capture_problem``
 (whether a CUDA graph can hold the step); and ``PagedExecutor``, the ABC of the runners that
-page: K slots, a residency (``is_resident``), page-ins outside a step (prefetch) and the wave
-view the independence check reads. Two executors implement ``PagedExecutor`` side by side
-(docs/design.md "Executors"), through one wave-compute contract (``paging.waves``, ``paging.inner``):
+page: K slots, a residency (``is_resident``), page-ins outside a step (prefetch), and the body
+that computes the experts (a ``paging.steps.contract.LayerStep``, built from the layer's
+``SlotSetup`` for the inner implementation: ``body``). Two executors implement
+``PagedExecutor`` side by side (docs/design.md "Executors"), each holding a body of its path
+(``paging.steps.table``):
 
 - ``paging.host_executor.HostExecutor``: any step, any device; the top-k ids are read back
   once and the tensor-free residency plans the waves on the host.
@@ -16,7 +18,8 @@ view the independence check reads. Two executors implement ``PagedExecutor`` sid
   host sync, fixed shapes: decode steps are captured in CUDA graphs (``generation.graphs``).
 
 The baselines (``paging.baselines``: resident, offload, cpu-experts) are ``ExpertsRunner``s.
-Does not: plan, copy or compute anything itself; build runners (``loading.runners``).
+Does not: plan, copy or compute anything itself; build runners (``loading.runners``, the
+builders of what this module declares).
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots.
 """
@@ -28,7 +31,9 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.paging.inner import INNER_KERNELS, InnerKernel, inner_problem
+from pagedexperts.formats.slots import PackedSlots, allocate
+from pagedexperts.paging.steps.contract import LayerStep, SlotSetup
+from pagedexperts.paging.steps.table import body_for, inner_problem
 from pagedexperts.stats.accounting import LayerStats, PrefetchStats
 
 # (layer, top-k ids [T, k] on the host, top-k weights [T, k] on the host) -> None
@@ -42,8 +47,8 @@ class ExpertsRunner(ABC):
         layer: index of the decoder layer (stats, traces, messages).
         store: the layer's host store (``storage.host_store.ExpertStore``).
         device: where the experts are computed.
-        inner: the transformers experts implementation run over the experts
-            (``paging.inner.INNER_IMPLEMENTATIONS``; checked when set, ``inner``).
+        inner: the experts implementation run over the experts
+            (``paging.steps.table.INNER_IMPLEMENTATIONS``; checked when set, ``inner``).
 
     Attributes:
         inline: the step is the model's own device math and nothing else (no host read, no
@@ -51,8 +56,7 @@ class ExpertsRunner(ABC):
             ``torch.compile`` too, so the compiler traces it like the unpaged model; other
             runners run there as one opaque custom op (``integration``). False here.
         decide: where this runner's steps are planned, "host" or "device": the inner
-            implementations it accepts are those with a step there (``paging.inner``).
-        inner_kernel: ``inner``'s entry of ``paging.inner.INNER_KERNELS`` (its steps).
+            implementations it accepts are those with a body there (``paging.steps.table``).
         stats: the layer's counters (``stats.accounting.LayerStats``).
         trace_hook: called once per step with the routing read back (tracing), or None.
         padding_count: the current model step's padding rows, a 0-dim device tensor set by the
@@ -81,8 +85,8 @@ class ExpertsRunner(ABC):
         """The inner experts implementation; settable (transformers' decode switch sets it).
 
         Raises:
-            ValueError: on setting one without a step where this runner plans
-                (``paging.inner.inner_problem``: names the choices and the flag).
+            ValueError: on setting one without a body where this runner plans
+                (``paging.steps.table.inner_problem``: names the choices and the flag).
         """
         return self._inner
 
@@ -92,7 +96,10 @@ class ExpertsRunner(ABC):
         if problem is not None:
             raise ValueError(problem)
         self._inner = name
-        self.inner_kernel: InnerKernel = INNER_KERNELS[name]
+        self._inner_set(name)
+
+    def _inner_set(self, name: str) -> None:
+        """Called when ``inner`` is set (checked): nothing here."""
 
     @abstractmethod
     def step(self, module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -121,21 +128,34 @@ class ExpertsRunner(ABC):
 
 
 class PagedExecutor(ExpertsRunner):
-    """A runner that pages: K slot tensors, a residency over them, prefetch hooks.
+    """A runner that pages: K slot tensors, a residency over them, a body, prefetch hooks.
 
-    Attributes (set by implementations): ``residency`` (``residency.planner.Residency`` or
-    its device twin), ``slots`` (the [K, ...] slot table, ``formats.slots``), ``dequantizer``
-    (``formats.slots.WaveDequantizer`` for packed slots of a quantized format, else None),
-    ``prefetcher``
-    (``paging.prefetch.NextLayerPrefetcher`` of the next layer, or None) and
-    ``prefetch_stats`` (prefetches INTO this layer).
+    Args (beyond ``ExpertsRunner``'s):
+        num_slots: K (its range is the residency's to check).
+        setup: the layer's ``paging.steps.contract.SlotSetup`` (the slot table, and how its rows
+            become what a kernel reads); None, or None slots: packed slots allocated like the
+            store's tensors.
+
+    Attributes: ``setup``; ``slots`` (its slot table); ``body`` (the
+    ``paging.steps.contract.LayerStep`` of ``inner`` on this executor's path, rebuilt over the
+    same setup when ``inner`` is set); ``residency`` (set by implementations:
+    ``residency.planner.Residency`` or its device twin); ``prefetcher``
+    (``paging.prefetch.NextLayerPrefetcher`` of the next layer, or None) and ``prefetch_stats``
+    (prefetches INTO this layer).
     """
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, *, num_slots: int, setup: SlotSetup | None = None, **kw) -> None:
+        store, setup = kw["store"], setup or SlotSetup()
+        slots = setup.slots if setup.slots is not None else PackedSlots(allocate(store.specs, num_slots, kw["device"]))
+        self.setup = SlotSetup(slots, setup.dequantizer, setup.layout, store)
+        self.slots = self.setup.slots
         super().__init__(**kw)
-        self.dequantizer = None
         self.prefetcher = None
         self.prefetch_stats = PrefetchStats()
+
+    def _inner_set(self, name: str) -> None:
+        """Build ``inner``'s body for this executor's path over the layer's setup."""
+        self.body: LayerStep = body_for(name, self.decide)(self.setup)
 
     @property
     def num_slots(self) -> int:
@@ -150,7 +170,7 @@ class PagedExecutor(ExpertsRunner):
         """Page ``loads`` (``residency.planner.Load``) in now (a prefetch); the layer's next
         compute waits for them."""
 
-    @abstractmethod
     def wave_view(self, module, wave_slots):
-        """The experts module as the inner implementation sees it for one wave over
-        ``wave_slots``: the slot tensors (dequantized for packed slots of a quantized format)."""
+        """The experts module as the body's kernels see it once ``wave_slots`` are paged in
+        (``paging.steps.contract.LayerStep.wave_view``; the independence check reads it)."""
+        return self.body.wave_view(module, wave_slots)

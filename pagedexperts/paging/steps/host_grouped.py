@@ -1,0 +1,129 @@
+"""``grouped_mm`` planned on the host: the unpaged model's row order over the slot tensors.
+
+Owns ``HostGroupedStep``, the ``steps.contract.LayerStep`` body that runs transformers'
+``grouped_mm`` experts over the [K, ...] slots of a host-planned step. Does not: page in or
+decide (``paging.host_executor``).
+
+Why not simply call transformers' experts function on the slot ids: on CPU with more than one
+thread, a GEMM row's bits depend on the row's index inside its expert's group, and
+``grouped_mm``'s ``torch.sort`` of the ids is not stable, so slot ids (a different key order)
+give each group another row order than expert ids do. And the activation (SiLU, sigmoid) runs a
+vectorised body and a scalar tail whose results differ in the last bit; which elements fall in
+the tail depends on the buffer's size, its row order and the threads' chunk boundaries. So the
+kernel is handed exactly the unpaged model's layout (measured, see docs/exactness.md): the
+unpaged model's own ``torch.sort`` of the flat expert ids gives its row order; a wave's rows are
+regrouped stably by slot (groups in slot order, rows inside a group in the unpaged model's order; a
+group's position in the buffer does not change its bits), padded to the unpaged model's S rows
+(rows past the last offset are not computed), and run through transformers' ``_grouped_linear``
+over the slot tensors in place (the slots are the groups: no weight is gathered, nothing
+weight-sized is allocated per step; on CPU only the slots from the wave's lowest to its
+highest, a view). The module's own gate and post-expert norm run on a buffer of the
+unpaged model's full [S, ...] shape with each wave row at its unpaged position
+(``contract.in_unpaged_layout``), so every element takes the same vector or scalar path as in
+the unpaged run; the weights and the sum over k are ``contract.LayerStep.combine``, as
+``grouped_mm_experts_forward`` ends (transformers.integrations.moe, 5.17 to 5.24, read line by
+line).
+
+Syncs: none. A wave's rows are found on the host from the step's read-back ids (expert e's rows
+sit at [start_e, start_e + count_e) of the unpaged model's sorted order, whatever the sort did
+inside) and uploaded; nothing is read back from the device.
+
+Legend: T tokens, H hidden, k top_k, K slots, S = T k entries, S_w entries of one wave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedexperts.paging.steps.contract import DenseKernelStep, HostRouting, in_unpaged_layout
+from pagedexperts.paging.transfer import upload
+
+
+@dataclass
+class GroupedWork:
+    """One step: hidden [T, H], its routing, the unpaged model's sort ``perm`` [S] of the flat ids,
+    rows per expert ``counts`` and each expert's first row ``starts`` in that order (numpy,
+    [max id + 1]), and the unweighted entry outputs [S, H] as the waves fill them."""
+
+    hidden: torch.Tensor
+    routing: HostRouting
+    perm: torch.Tensor
+    counts: np.ndarray
+    starts: np.ndarray
+    entry_out: torch.Tensor | None = None
+
+
+class HostGroupedStep(DenseKernelStep):
+    """``grouped_mm`` in the unpaged model's row order (module docstring)."""
+
+    def begin(self, module, hidden, top_k_index, routing: HostRouting) -> GroupedWork:
+        if self.weights is None:
+            self.prepare(module, hidden.device)
+        counts = np.bincount(routing.ids.reshape(-1))
+        # the unpaged model's own call: the same (unstable, deterministic) sort of the same ids
+        return GroupedWork(hidden, routing, torch.sort(top_k_index.reshape(-1))[1], counts, np.cumsum(counts) - counts)
+
+    def run_wave(self, work: GroupedWork, wave: int, slot_map=None) -> None:
+        """The wave's entries through ``_grouped_linear`` over the slot tensors in place. On
+        CUDA the groups are all K slots (the kernel's shapes do not change from step to step);
+        on CPU only the slots from the wave's lowest to its highest (a view: CPU ``grouped_mm``
+        visits every group, ~2.5 us each). The gate and the norm run in the unpaged model's row
+        order (skipped when the slot order already is the unpaged model's)."""
+        from transformers.integrations.moe import _grouped_linear
+
+        planned, w, dev = work.routing.waves[wave], self.weights, work.hidden.device
+        if self.setup.dequantizer is not None:
+            self.wave_tensors(planned.slots)
+        first, num_groups = 0, w.up.shape[0]
+        if dev.type == "cpu":
+            first = min(planned.slots)
+            num_groups = max(planned.slots) - first + 1
+        pos_host, offsets_host, slots_host = _layout(work, planned, first, num_groups)
+        n, num_entries, top_k = len(pos_host), work.perm.shape[0], work.routing.ids.shape[1]
+        in_order = len(work.routing.waves) == 1 and bool((pos_host == np.arange(n)).all())
+        pos = None if in_order else upload(pos_host, dev)
+        offsets = upload(offsets_host, dev).to(torch.int32)
+        groups = slice(first, first + num_groups)
+        rows = work.perm if in_order else work.perm[pos]
+        x = _padded(work.hidden.index_select(0, rows // top_k), num_entries)
+        up = _grouped_linear(x, w.up[groups], offsets, is_transposed=w.is_transposed)[:n]
+        slot_of_row = upload(slots_host, dev) if w.up_bias is not None else None
+        if w.up_bias is not None:
+            up.add_(w.up_bias[slot_of_row])
+        act = in_unpaged_layout(w.gate, up, pos, num_entries)
+        down = _grouped_linear(_padded(act, num_entries), w.down[groups], offsets, is_transposed=w.is_transposed)[:n]
+        if w.down_bias is not None:
+            down.add_(w.down_bias[slot_of_row])
+        if w.post_norm is not None:
+            down = in_unpaged_layout(w.post_norm, down, pos, num_entries)
+        if work.entry_out is None:
+            work.entry_out = down.new_empty((num_entries, down.shape[1]))
+        work.entry_out.index_copy_(0, rows, down)
+
+
+
+def _layout(work: GroupedWork, wave, first: int, num_groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(unpaged positions [S_w] grouped by slot, group offsets [num_groups] over slots
+    ``first`` .. ``first + num_groups - 1``, slot per row [S_w])."""
+    experts, slots = np.asarray(wave.experts), np.asarray(wave.slots)
+    by_slot = np.argsort(slots, kind="stable")
+    experts, slots = experts[by_slot], slots[by_slot]
+    lengths = work.counts[experts]
+    group_start = np.cumsum(lengths) - lengths
+    pos = np.arange(int(lengths.sum())) + np.repeat(work.starts[experts] - group_start, lengths)
+    per_slot = np.zeros(num_groups, dtype=np.int64)
+    per_slot[slots - first] = lengths
+    return pos, np.cumsum(per_slot), np.repeat(slots, lengths)
+
+
+def _padded(rows: torch.Tensor, num_entries: int) -> torch.Tensor:
+    """``rows`` [S_w, D] in a [S, D] buffer: the kernel sees the unpaged model's row count (CUDA
+    picks its tile config from it); rows past the last offset are not computed."""
+    if rows.shape[0] == num_entries:
+        return rows
+    out = rows.new_empty((num_entries, rows.shape[1]))
+    out[: rows.shape[0]] = rows
+    return out
