@@ -134,3 +134,21 @@ def test_missing_tokenizer_json_is_named_in_generate(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"pagedexperts generate: error: {path} has tokenizer_config.json but no tokenizer.json")
     assert err.count("\n") == 1 and "sentencepiece" not in err
+
+
+def test_ctrl_c_in_generate_is_one_line_and_exit_130(tmp_path):
+    """SIGINT while generate streams: one line on stderr, exit 130 (128 + SIGINT), no report and no
+    --stats-json file (it printed a KeyboardInterrupt traceback from inside the experts kernel)."""
+    import signal
+
+    stats = tmp_path / "stats.json"
+    argv = [sys.executable, "-m", "pagedexperts.cli", "generate", "--prompt", "ROMEO:", "--max-new-tokens", "500",
+            "--min-tokens", "500", "--threads", "1", "--stats-json", str(stats)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(len("ROMEO:") + 1)  # the prompt and a first token: generation is under way
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = [ln for ln in err.decode().splitlines() if ln.strip()]
+    assert proc.returncode == 130, err.decode()
+    assert "Traceback" not in err.decode() and lines[-1] == "pagedexperts generate: interrupted"
+    assert not stats.exists()
