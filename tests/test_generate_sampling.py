@@ -1,6 +1,7 @@
 """``generate``'s sampling flags mean what serve's request fields of the same names mean: one rule,
 ``engine.sampling``, reached through ``engine.logits_processor.SamplingProcessor`` (issue 36 part
-3.5); and ``generate`` without ``--prompt`` on a terminal says that it reads stdin."""
+3.5); ``generate`` without ``--prompt`` on a terminal says that it reads stdin; prompt and stop
+text that is not UTF-8 is refused naming where it came from."""
 
 from __future__ import annotations
 
@@ -149,3 +150,24 @@ def test_generate_without_prompt_says_it_reads_stdin_on_a_terminal(terminal, cap
 @pytest.mark.slow
 def test_generate_reading_a_real_terminal_says_so():
     assert "generate: reading the prompt from stdin; end it with Ctrl-D" in _generate_reading_a_terminal()
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line_before_anything_is_printed():
+    """Bytes that are not UTF-8 on stdin reach Python as lone surrogates (surrogateescape); the
+    tokenizer raised a TypeError traceback after the model loaded and the prompt was printed."""
+    done = subprocess.run([sys.executable, "-m", "pagedexperts.cli", "generate", "--max-new-tokens", "2"],
+                          input=b"ROMEO \xff:", capture_output=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, b"")
+    assert done.stderr.decode() == ("pagedexperts generate: error: the prompt on stdin is not valid UTF-8 (byte 0xff "
+                                    "at character 6); give UTF-8 text\n")
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["generate", "--prompt", "caf\udce9"], "--prompt"),  # argv's bytes, as Python decodes them
+    (["generate", "--prompt", "x", "--stop", "\udce9"], "--stop"),
+    (["check", "--prompt", "caf\udce9"], "--prompt"),
+])
+def test_argv_text_that_is_not_utf8_names_the_flag(argv, flag, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} is not valid UTF-8 (byte 0xe9 at character" in err and err.count("\n") == 1

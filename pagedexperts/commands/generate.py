@@ -9,7 +9,7 @@ import sys
 
 from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import (add_graph_arguments, add_model_arguments, apply_threads, check_paging_flags,
-                                          load_from_args)
+                                          load_from_args, utf8_text)
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 
@@ -107,7 +107,8 @@ def run(args) -> int:
     check_paging_flags(args)  # flag-only problems before the first read of --model-path
     threads = apply_threads(args)
     _check_tokenizer(args.model_path)
-    prompt = args.prompt if args.prompt is not None else read_stdin_prompt()
+    prompt = utf8_text(args.prompt, "--prompt") if args.prompt is not None else utf8_text(read_stdin_prompt(),
+                                                                                         "the prompt on stdin")
     if not prompt.strip():
         raise ValueError("empty prompt; give --prompt TEXT or text on stdin")
     model, tokenizer = load_from_args(args)
@@ -159,6 +160,7 @@ def _check_outputs(args) -> None:
     """--stop strings non-empty, and --stats-json / --record-trace files in directories that exist,
     before the model loads (ValueError naming the flag)."""
     for stop in args.stop:
+        utf8_text(stop, "--stop")
         if not stop:
             raise ValueError("--stop '' is empty: an empty stop string would end generation at once; drop it")
     for flag, path in (("--stats-json", args.stats_json), ("--record-trace", args.record_trace)):
