@@ -195,7 +195,9 @@ def test_check_passes_on_the_bundled_model(capsys):
     [(["--num-resident", "65"], "exceeds the E=64"), (["--num-resident", "3"], "below top_k=4"),
      (["--check-resident", "4,x"], "comma-separated integers"), (["--check-resident", "4,100"], "--check-resident K=100 exceeds"),
      (["--check-resident", "2"], "--check-resident K=2 is below top_k=4"),
-     (["--device", "tpu"], "--device 'tpu' is not a device this runs on")],
+     (["--device", "tpu"], "--device 'tpu' is not a device this runs on"),
+     # an empty prompt raised a reshape RuntimeError traceback after both models had loaded
+     (["--prompt", ""], "--prompt '' is empty"), (["--prompt", "x", "--prompt", " "], "--prompt ' ' is empty")],
 )
 def test_check_refuses_a_bad_k_before_loading_the_reference(argv, needle, capsys, monkeypatch):
     import pagedexperts.tools.check

@@ -121,7 +121,9 @@ def run(args) -> int:
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
     for prompt in args.prompt or ():
-        utf8_text(prompt, "--prompt")
+        if not utf8_text(prompt, "--prompt").strip():
+            raise ValueError(f"--prompt {prompt!r} is empty: check compares the logits of a prompt's tokens; give text "
+                             "(or leave --prompt out: 3 built-in prompts)")
     apply_threads(args)
     path, config, files = read_checkpoint_config(args.model_path)
     if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads
