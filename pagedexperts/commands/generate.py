@@ -73,12 +73,12 @@ def sampling_from_args(args):
         raise ValueError(f"--min-p {args.min_p} must be in [0, 1] (0: all tokens)")
     if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
         raise ValueError(f"--repetition-penalty {args.repetition_penalty} must be > 0 (1: none)")
-    if not 0 <= args.min_tokens <= args.max_new_tokens:
-        raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, --max-new-tokens {args.max_new_tokens}]")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, stop=tuple(args.stop), top_k=args.top_k, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens)
-    params.validate()
+    params.validate()  # --max-new-tokens first: the --min-tokens range below is stated in it
+    if not 0 <= args.min_tokens <= args.max_new_tokens:
+        raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, --max-new-tokens {args.max_new_tokens}]")
     return params
 
 
