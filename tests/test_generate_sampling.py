@@ -107,6 +107,9 @@ def bundled_model():
     (["--repetition-penalty", "nan"], "--repetition-penalty nan must be > 0"),
     (["--min-tokens", "65"], "--min-tokens 65 must be in [0, --max-new-tokens 64]"),
     (["--max-new-tokens", "-5"], "--max-new-tokens must be > 0, got -5"),  # it named --min-tokens 0
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),  # it ran, 1 token, exit 0
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
 ])
 def test_bad_sampling_flags_are_refused_naming_the_flag(flags, needle, capsys):
     assert main(["generate", "--prompt", "x", *flags]) == 2

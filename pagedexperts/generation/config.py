@@ -8,6 +8,7 @@ Standard library only. Does not: sample (transformers' ``generate``; the server'
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -31,7 +32,7 @@ class SamplingConfig:
         """Raises ValueError naming the flag for out-of-range values."""
         if self.max_new_tokens <= 0:
             raise ValueError(f"--max-new-tokens must be > 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # nan sampled from nan probabilities: one token, exit 0
+            raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
