@@ -73,6 +73,8 @@ def run_simulate(args) -> int:
     """Load the trace, replay every (B, routing, policy, K), print tables or --json, plot."""
     if args.plot_dir:
         require("plots", "--plot-dir")  # before the replay, not after it
+        if os.path.exists(args.plot_dir) and not os.path.isdir(args.plot_dir):  # a traceback after the replay
+            raise ValueError(f"--plot-dir {args.plot_dir} is a file; give a directory (made if missing)")
     if (args.experts is None) != (args.top_k is None):
         raise ValueError("pass both --experts and --top-k to check the trace against a model")
     _check_time_model(args)
