@@ -179,7 +179,9 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
      (["--mode", "plain,paged,plain"], "--mode names ['plain'] more than once"),
      (["--rounds", "0"], "--rounds 0 must be >= 1"),
      (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default, or auto)"),
-     (["--mode", "plain,gpu"], "unknown --mode ['gpu']; choose from ['plain', 'paged'")],
+     (["--mode", "plain,gpu"], "unknown --mode ['gpu']; choose from ['plain', 'paged'"),
+     # a file: FileExistsError (traceback) when the results were written, after the whole benchmark
+     (["--results-dir", __file__], f"--results-dir {__file__} is a file; give a directory")],
 )
 def test_bench_bad_input_is_refused_before_any_work(argv, needle, capsys, monkeypatch):
     import pagedexperts.tools.bench

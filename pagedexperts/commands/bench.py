@@ -88,6 +88,9 @@ def run(args) -> int:
     threads, how = resolve_threads(args.threads)
     ks, concurrency = _checked_workload(args, modes)
     prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]
+    out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and not out.is_dir():  # a FileExistsError traceback after the whole benchmark
+        raise ValueError(f"--results-dir {out} is a file; give a directory (made if missing)")
     cfg = BenchConfig(
         model_path=args.model_path, modes=modes, num_resident=ks, cpu_expert_layers=args.cpu_expert_layers or 0,
         output_tokens=args.output_tokens, concurrency=concurrency, num_prompts=len(prompts),
@@ -97,7 +100,6 @@ def run(args) -> int:
     )
     print(f"threads: {threads} ({how})", file=sys.stderr)
     report = bench.run_bench(cfg, prompts)
-    out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     command = "pagedexperts " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     write_results(report, cfg, out, command)
     print(terminal_table(report, cfg.concurrency))
