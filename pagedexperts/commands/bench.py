@@ -87,7 +87,10 @@ def run(args) -> int:
         raise ValueError(f"--output-tokens must be >= 2 to measure decode, got {args.output_tokens}")
     threads, how = resolve_threads(args.threads)
     ks, concurrency = _checked_workload(args, modes)
-    prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]
+    try:
+        prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]
+    except ValueError as exc:
+        raise ValueError(f"--prompts {exc}") from None
     out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and not out.is_dir():  # a FileExistsError traceback after the whole benchmark
         raise ValueError(f"--results-dir {out} is a file; give a directory (made if missing)")
