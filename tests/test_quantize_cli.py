@@ -69,3 +69,12 @@ def test_bundled_variant_runs_out_of_the_box_and_is_exact(fmt, tmp_path):
     assert paged.pagedexperts.expert_format == fmt
     result = check_model(paged, reference, tokenizer, DEFAULT_PROMPTS[:1], max_new_tokens=4)
     assert result.passed and result.misses > 0, result.max_abs_diff
+
+
+def test_quantize_output_that_is_a_file_is_refused(tiny_moe_dir, tmp_path, capsys):
+    """--output naming a file raised NotADirectoryError (traceback)."""
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    assert main(["quantize", "--model-path", str(tiny_moe_dir), "--format", "fp8-block", "--output", str(taken)]) == 2
+    assert capsys.readouterr().err == f"pagedexperts quantize: error: --output {taken} is a file; choose a new directory\n"
+

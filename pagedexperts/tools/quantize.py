@@ -82,10 +82,12 @@ def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: 
     Raises:
         ValueError: unknown format (lists them), a source that is already quantized, no
             routed expert weight, an expert shape the format cannot hold (names the tensor,
-            the size and the flag), or an output directory that exists and is not empty.
+            the size and the flag), or an output that is a file or a directory that is not empty.
         FileNotFoundError: no config.json in ``model_path``.
     """
     src, dst = Path(model_path), Path(output)
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"--output {dst} is a file; choose a new directory")
     config = _read_config(src)
     writer = _writer_for(options)
     headers = {f: read_header_json(f)[0] for f in checkpoint_files(src)}
