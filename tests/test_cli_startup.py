@@ -152,3 +152,24 @@ def test_ctrl_c_in_generate_is_one_line_and_exit_130(tmp_path):
     assert proc.returncode == 130, err.decode()
     assert "Traceback" not in err.decode() and lines[-1] == "pagedexperts generate: interrupted"
     assert not stats.exists()
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_flag_says_what_it_does_and_its_default(command):
+    """Each flag of ``COMMAND --help`` has a help text, and one with a default value names it
+    (six of bench's flags printed no help at all; quantize's --cache-dir said "see description",
+    which did not say)."""
+    import argparse
+
+    from pagedexperts.cli import build_parser
+
+    parser = build_parser([command])._subparsers._group_actions[0].choices[command]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag, text = "/".join(action.option_strings), action.help or ""
+        assert text.strip(), f"{command} {flag} has no help text"
+        valued = not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction))
+        if valued and action.default not in (None, "", [], argparse.SUPPRESS):
+            assert "default" in text, f"{command} {flag}: default {action.default!r} is not in its help"
+        assert "see description" not in text, f"{command} {flag}: say the default here"
