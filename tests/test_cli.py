@@ -157,6 +157,8 @@ def test_check_on_w4a16_passes_without_compressed_tensors_fused_experts_warning(
         (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default, or auto)"),
         (["--host-memory-gb", "nan"], "--host-memory-gb nan must be a finite number > 0"),  # int(nan): ValueError
         (["--host-memory-gb", "inf"], "--host-memory-gb inf must be a finite number > 0"),  # an OverflowError traceback
+        # transformers warned and generated on past the bundled model's 512 positions (for hours)
+        (["--max-new-tokens", "100000000"], "--max-new-tokens 100000000 leaves no position for the prompt"),
         # a directory was accepted, and the write after the whole generation raised IsADirectoryError
         (["--stats-json", "/tmp"], "--stats-json /tmp is a directory; give a file path"),
         (["--record-trace", "/tmp"], "--record-trace /tmp is a directory; give a file path"),

@@ -175,3 +175,17 @@ def test_argv_text_that_is_not_utf8_names_the_flag(argv, flag, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"error: {flag} is not valid UTF-8 (byte 0xe9 at character" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("speculative", [[], ["--speculative", "ngram"]], ids=["generate", "speculative"])
+def test_prompt_and_new_tokens_past_the_model_s_positions_are_refused(speculative, capsys):
+    """The bundled model has 512 positions: transformers' generate warned and went on past them
+    (generate --speculative and serve refused); both paths now refuse with the same line."""
+    prompt = "ROMEO: " * 20
+    from pagedexperts.loading.bundled import bundled_model_path
+    from tokenizers import Tokenizer
+
+    n = len(Tokenizer.from_file(str(bundled_model_path() / "tokenizer.json")).encode(prompt).ids)
+    assert main(["generate", "--prompt", prompt, "--max-new-tokens", str(513 - n), "--threads", "1", *speculative]) == 2
+    assert (f"prompt {n} tokens + --max-new-tokens {513 - n} exceeds the model's max_position_embeddings 512; lower "
+            f"--max-new-tokens (at most {512 - n} here)") in capsys.readouterr().err

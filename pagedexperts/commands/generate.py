@@ -47,15 +47,20 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _check_tokenizer(model_path) -> None:
+def _check_tokenizer(model_path, max_new_tokens: int) -> None:
     """Refuse a model dir without a tokenizer before it loads (was found after the load, with the
-    prompt already printed)."""
+    prompt already printed), and a --max-new-tokens that leaves the prompt no position (the exact
+    check, with the prompt's tokens, is ``generation.config.check_context``'s)."""
     from pagedexperts.loading.loader import has_tokenizer, read_checkpoint_config
 
-    path, _, _ = read_checkpoint_config(model_path)
+    path, config, _ = read_checkpoint_config(model_path)
     if not has_tokenizer(path):
         raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
                          "generate tokenizes the prompt: add the source model's tokenizer files (--model-path)")
+    limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if limit and max_new_tokens >= limit:  # transformers warned and generated on past the model's positions
+        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no position for the prompt: prompt + new tokens "
+                         f"must fit the model's max_position_embeddings {limit}; lower --max-new-tokens")
 
 
 def sampling_from_args(args):
@@ -106,7 +111,7 @@ def run(args) -> int:
     _check_outputs(args)
     check_paging_flags(args)  # flag-only problems before the first read of --model-path
     threads = apply_threads(args)
-    _check_tokenizer(args.model_path)
+    _check_tokenizer(args.model_path, args.max_new_tokens)
     prompt = utf8_text(args.prompt, "--prompt") if args.prompt is not None else utf8_text(read_stdin_prompt(),
                                                                                          "the prompt on stdin")
     if not prompt.strip():

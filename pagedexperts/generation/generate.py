@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessorList
 
-from pagedexperts.generation.config import GREEDY, SamplingConfig
+from pagedexperts.generation.config import GREEDY, SamplingConfig, check_context
 from pagedexperts.generation.graphs import decode_graphs_for
 from pagedexperts.generation.static_decode import DecodeOptions, static_generate
 from pagedexperts.generation.stop_text import IncrementalText
@@ -142,7 +142,8 @@ def generate_text(
     sets (``generate`` passes ``engine.logits_processor.SamplingProcessor``: serve's rule).
 
     Raises:
-        ValueError: bad sampling options, empty prompt, or --chat without a chat template.
+        ValueError: bad sampling options, empty prompt, --chat without a chat template, or
+            prompt + --max-new-tokens over max_position_embeddings (``config.check_context``).
     """
     sampling.validate()
     if not prompt:
@@ -152,6 +153,8 @@ def generate_text(
     runtime = model.pagedexperts
     text = build_prompt(tokenizer, prompt, chat=chat)
     inputs = tokenizer(text, return_tensors="pt").to(model.device)
+    check_context(inputs["input_ids"].shape[1], sampling.max_new_tokens,
+                  int(getattr(model.config, "max_position_embeddings", 0) or 0))
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     runtime.reset_stats()
