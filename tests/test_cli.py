@@ -375,6 +375,6 @@ def test_every_model_command_sets_threads_before_loading(command, monkeypatch):
     monkeypatch.setattr(pagedexperts.loading.loader, "build_paged_model", stop)
     monkeypatch.setattr(pagedexperts.tools.check, "load_reference_with_choice", stop)
     monkeypatch.setattr(pagedexperts.tools.bench, "_load_models", stop)
-    extra = {"generate": ["--prompt", "x"], "bench": ["--rounds", "1"]}.get(command, [])
+    extra = {"generate": ["--prompt", "x"], "bench": ["--rounds", "1"], "serve": ["--port", "0"]}.get(command, [])
     assert main([command, "--threads", str(want), *extra]) == 2
     assert seen == [want]

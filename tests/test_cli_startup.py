@@ -173,3 +173,23 @@ def test_every_flag_says_what_it_does_and_its_default(command):
         if valued and action.default not in (None, "", [], argparse.SUPPRESS):
             assert "default" in text, f"{command} {flag}: default {action.default!r} is not in its help"
         assert "see description" not in text, f"{command} {flag}: say the default here"
+
+
+def test_serve_on_an_address_in_use_is_refused_before_loading(capsys, monkeypatch):
+    """uvicorn said "address already in use" after the whole model had loaded, and exited 3."""
+    pytest.importorskip("fastapi")
+    import socket
+
+    import pagedexperts.commands.serve
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(pagedexperts.commands.serve, "load_from_args", fail)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == (f"pagedexperts serve: error: --host 127.0.0.1 --port {port}: cannot listen there "
+                                       "(Address already in use); choose another --port (or stop what listens on it)\n")
