@@ -189,3 +189,29 @@ def test_prompt_and_new_tokens_past_the_model_s_positions_are_refused(speculativ
     assert main(["generate", "--prompt", prompt, "--max-new-tokens", str(513 - n), "--threads", "1", *speculative]) == 2
     assert (f"prompt {n} tokens + --max-new-tokens {513 - n} exceeds the model's max_position_embeddings 512; lower "
             f"--max-new-tokens (at most {512 - n} here)") in capsys.readouterr().err
+
+
+def test_the_report_says_why_generation_ended(tmp_path, capsys):
+    """The README's command asks for 80 tokens and prints 30: the report said "new 30" and not why.
+    finish_reason is OpenAI's (serve's): "length" at --max-new-tokens, "stop" at a stop string or
+    an end-of-sequence token (here the greedy first token, made the model's eos id)."""
+    from pagedexperts.generation.config import SamplingConfig
+    from pagedexperts.generation.generate import generate_text
+    from pagedexperts.loading.loader import load_model
+
+    stats = tmp_path / "stats.json"
+    runs = {}
+    for name, flags in [("length", ["--max-new-tokens", "3"]), ("stop", ["--max-new-tokens", "24", "--stop", "\n"])]:
+        assert main(["generate", "--prompt", "ROMEO:", "--threads", "1", "--stats-json", str(stats), *flags]) == 0
+        runs[name] = (json.loads(stats.read_text()), capsys.readouterr().err)
+    assert runs["length"][0]["finish_reason"] == "length" and runs["length"][0]["new_tokens"] == 3
+    assert "stopped early" not in runs["length"][1]
+    assert runs["stop"][0]["finish_reason"] == "stop" and runs["stop"][0]["new_tokens"] < 24  # greedy text has "\n"
+    assert "new {} (stopped early: an end-of-sequence token or a --stop string)".format(
+        runs["stop"][0]["new_tokens"]) in runs["stop"][1]
+    model, tok = load_model(num_resident=16)
+    first = generate_text(model, tok, "ROMEO:", SamplingConfig(max_new_tokens=1))
+    assert first.finish_reason == "length"
+    model.generation_config.eos_token_id = tok(first.text, add_special_tokens=False)["input_ids"][0]
+    ended = generate_text(model, tok, "ROMEO:", SamplingConfig(max_new_tokens=5))
+    assert (ended.new_tokens, ended.finish_reason) == (1, "stop")

@@ -99,4 +99,5 @@ def _result(events: list, req, sched, runtime, before: dict, start: float, end: 
         prefill=before,
         decode=decode,
         speculative=spec,
+        finish_reason=events[-1].finish_reason,
     )

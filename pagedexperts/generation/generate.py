@@ -32,6 +32,8 @@ class GenerationResult:
     ``speculative``: with --speculative, the acceptance counters (``engine.speculative.config.SpeculativeStats``)
     and paging per generated token; empty otherwise. ``cuda_graphs``: how decode steps ran
     (``graphs.DecodeGraphs.summary`` when on; else enabled False and the reason).
+    ``finish_reason``: OpenAI's (as serve's): "stop" (an end-of-sequence token or a stop string
+    ended the text) or "length" (max_new_tokens reached).
     """
 
     text: str
@@ -45,6 +47,7 @@ class GenerationResult:
     decode: dict = field(default_factory=dict)
     speculative: dict = field(default_factory=dict)
     cuda_graphs: dict = field(default_factory=dict)
+    finish_reason: str = ""
 
 
 class _TimingStreamer:
@@ -62,6 +65,7 @@ class _TimingStreamer:
         self._prompt_seen = False
         self._ids: list[int] = []
         self.text = ""
+        self.stopped = False  # a stop string ended the text
         self.token_times: list[float] = []
         self.after_prefill: dict | None = None
 
@@ -79,7 +83,8 @@ class _TimingStreamer:
         self._show(complete=True)
 
     def _show(self, *, complete: bool) -> None:
-        delta, _ = self._shown.update(self._tokenizer.decode(self._ids, skip_special_tokens=True), complete)
+        delta, stopped = self._shown.update(self._tokenizer.decode(self._ids, skip_special_tokens=True), complete)
+        self.stopped |= stopped
         self.text += delta
         if self._on_text is not None and delta:
             self._on_text(delta)
@@ -196,7 +201,15 @@ def generate_text(
         prefill=before,
         decode=_difference(total, before),
         cuda_graphs=graphs_field(runtime, graphs),
+        finish_reason="stop" if streamer.stopped or _ends_sequence(model, new) else "length",
     )
+
+
+def _ends_sequence(model, new: torch.Tensor) -> bool:
+    """Whether the last new token is one of the model's end-of-sequence ids (generation_config)."""
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos} - {None}
+    return bool(new.numel()) and int(new[-1]) in eos
 
 
 def graphs_field(runtime, graphs) -> dict:
@@ -231,7 +244,8 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
     lines = [
         f"paging: K={num_resident} of E={num_experts} experts resident per layer, top_k={top_k}, "
         f"{layers} MoE layers, {decide}-planned steps",
-        f"  tokens: prompt {result.prompt_tokens}, new {result.new_tokens}",
+        f"  tokens: prompt {result.prompt_tokens}, new {result.new_tokens}"
+        + (" (stopped early: an end-of-sequence token or a --stop string)" if result.finish_reason == "stop" else ""),
         f"  hit rate {p['hit_rate']:.1%} overall, {d['hit_rate']:.1%} in decode",
         misses,
         paged,
