@@ -68,6 +68,13 @@ def test_log_level_before_or_after_the_command(argv, level):
     assert build_parser(argv).parse_args(argv).log_level == level
 
 
+def test_python_m_pagedexperts_is_the_command():
+    """``python -m pagedexperts`` said "'pagedexperts' is a package and cannot be directly executed"."""
+    done = subprocess.run([sys.executable, "-m", "pagedexperts", "preflight", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["num_experts"] == 64, done.stderr
+
+
 def test_version_is_the_package_s_and_light():
     """`pagedexperts --version` said "unrecognized arguments"; it prints the package version and
     imports no torch."""
