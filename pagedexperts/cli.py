@@ -17,6 +17,9 @@ from pagedexperts import __version__
 from pagedexperts.commands import COMMANDS
 
 
+INTERRUPTED = 130  # the exit status of Ctrl-C: 128 + SIGINT, what a shell reports for a process it interrupted
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser for ``argv``: every command listed (``commands.COMMANDS``), but only the
     command ``argv`` names is imported and given its flags, so that ``--help`` and the light
@@ -83,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedexperts {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever the work was; nothing more is written
+        print(f"\npagedexperts {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except BrokenPipeError:  # the reader left: no traceback; the recipe of Python's signal docs
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush finds a sink
         return 1

@@ -155,6 +155,10 @@ def test_check_on_w4a16_passes_without_compressed_tensors_fused_experts_warning(
         (["--record-trace", "/nonexistent/dir/x.npz"], "--record-trace /nonexistent/dir/x.npz: directory /nonexistent/dir does not exist"),
         (["--device", "cuda:x"], "--device 'cuda:x' is not a device this runs on; use cpu or cuda[:N]"),
         (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default, or auto)"),
+        (["--host-memory-gb", "nan"], "--host-memory-gb nan must be a finite number > 0"),  # int(nan): ValueError
+        (["--host-memory-gb", "inf"], "--host-memory-gb inf must be a finite number > 0"),  # an OverflowError traceback
+        # transformers warned and generated on past the bundled model's 512 positions (for hours)
+        (["--max-new-tokens", "100000000"], "--max-new-tokens 100000000 leaves no position for the prompt"),
         # a directory was accepted, and the write after the whole generation raised IsADirectoryError
         (["--stats-json", "/tmp"], "--stats-json /tmp is a directory; give a file path"),
         (["--record-trace", "/tmp"], "--record-trace /tmp is a directory; give a file path"),
@@ -195,7 +199,9 @@ def test_check_passes_on_the_bundled_model(capsys):
     [(["--num-resident", "65"], "exceeds the E=64"), (["--num-resident", "3"], "below top_k=4"),
      (["--check-resident", "4,x"], "comma-separated integers"), (["--check-resident", "4,100"], "--check-resident K=100 exceeds"),
      (["--check-resident", "2"], "--check-resident K=2 is below top_k=4"),
-     (["--device", "tpu"], "--device 'tpu' is not a device this runs on")],
+     (["--device", "tpu"], "--device 'tpu' is not a device this runs on"),
+     # an empty prompt raised a reshape RuntimeError traceback after both models had loaded
+     (["--prompt", ""], "--prompt '' is empty"), (["--prompt", "x", "--prompt", " "], "--prompt ' ' is empty")],
 )
 def test_check_refuses_a_bad_k_before_loading_the_reference(argv, needle, capsys, monkeypatch):
     import pagedexperts.tools.check
@@ -369,6 +375,6 @@ def test_every_model_command_sets_threads_before_loading(command, monkeypatch):
     monkeypatch.setattr(pagedexperts.loading.loader, "build_paged_model", stop)
     monkeypatch.setattr(pagedexperts.tools.check, "load_reference_with_choice", stop)
     monkeypatch.setattr(pagedexperts.tools.bench, "_load_models", stop)
-    extra = {"generate": ["--prompt", "x"], "bench": ["--rounds", "1"]}.get(command, [])
+    extra = {"generate": ["--prompt", "x"], "bench": ["--rounds", "1"], "serve": ["--port", "0"]}.get(command, [])
     assert main([command, "--threads", str(want), *extra]) == 2
     assert seen == [want]

@@ -68,6 +68,13 @@ def test_log_level_before_or_after_the_command(argv, level):
     assert build_parser(argv).parse_args(argv).log_level == level
 
 
+def test_python_m_pagedexperts_is_the_command():
+    """``python -m pagedexperts`` said "'pagedexperts' is a package and cannot be directly executed"."""
+    done = subprocess.run([sys.executable, "-m", "pagedexperts", "preflight", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["num_experts"] == 64, done.stderr
+
+
 def test_version_is_the_package_s_and_light():
     """`pagedexperts --version` said "unrecognized arguments"; it prints the package version and
     imports no torch."""
@@ -134,3 +141,62 @@ def test_missing_tokenizer_json_is_named_in_generate(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"pagedexperts generate: error: {path} has tokenizer_config.json but no tokenizer.json")
     assert err.count("\n") == 1 and "sentencepiece" not in err
+
+
+def test_ctrl_c_in_generate_is_one_line_and_exit_130(tmp_path):
+    """SIGINT while generate streams: one line on stderr, exit 130 (128 + SIGINT), no report and no
+    --stats-json file (it printed a KeyboardInterrupt traceback from inside the experts kernel)."""
+    import signal
+
+    stats = tmp_path / "stats.json"
+    argv = [sys.executable, "-m", "pagedexperts.cli", "generate", "--prompt", "ROMEO:", "--max-new-tokens", "500",
+            "--min-tokens", "500", "--threads", "1", "--stats-json", str(stats)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(len("ROMEO:") + 1)  # the prompt and a first token: generation is under way
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = [ln for ln in err.decode().splitlines() if ln.strip()]
+    assert proc.returncode == 130, err.decode()
+    assert "Traceback" not in err.decode() and lines[-1] == "pagedexperts generate: interrupted"
+    assert not stats.exists()
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_flag_says_what_it_does_and_its_default(command):
+    """Each flag of ``COMMAND --help`` has a help text, and one with a default value names it
+    (six of bench's flags printed no help at all; quantize's --cache-dir said "see description",
+    which did not say)."""
+    import argparse
+
+    from pagedexperts.cli import build_parser
+
+    parser = build_parser([command])._subparsers._group_actions[0].choices[command]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag, text = "/".join(action.option_strings), action.help or ""
+        assert text.strip(), f"{command} {flag} has no help text"
+        valued = not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction))
+        if valued and action.default not in (None, "", [], argparse.SUPPRESS):
+            assert "default" in text, f"{command} {flag}: default {action.default!r} is not in its help"
+        assert "see description" not in text, f"{command} {flag}: say the default here"
+
+
+def test_serve_on_an_address_in_use_is_refused_before_loading(capsys, monkeypatch):
+    """uvicorn said "address already in use" after the whole model had loaded, and exited 3."""
+    pytest.importorskip("fastapi")
+    import socket
+
+    import pagedexperts.commands.serve
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(pagedexperts.commands.serve, "load_from_args", fail)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == (f"pagedexperts serve: error: --host 127.0.0.1 --port {port}: cannot listen there "
+                                       "(Address already in use); choose another --port (or stop what listens on it)\n")

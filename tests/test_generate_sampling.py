@@ -1,6 +1,7 @@
 """``generate``'s sampling flags mean what serve's request fields of the same names mean: one rule,
 ``engine.sampling``, reached through ``engine.logits_processor.SamplingProcessor`` (issue 36 part
-3.5); and ``generate`` without ``--prompt`` on a terminal says that it reads stdin."""
+3.5); ``generate`` without ``--prompt`` on a terminal says that it reads stdin; prompt and stop
+text that is not UTF-8 is refused naming where it came from."""
 
 from __future__ import annotations
 
@@ -105,6 +106,10 @@ def bundled_model():
     (["--repetition-penalty", "0"], "--repetition-penalty 0.0 must be > 0 (1: none)"),
     (["--repetition-penalty", "nan"], "--repetition-penalty nan must be > 0"),
     (["--min-tokens", "65"], "--min-tokens 65 must be in [0, --max-new-tokens 64]"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens must be > 0, got -5"),  # it named --min-tokens 0
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),  # it ran, 1 token, exit 0
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
 ])
 def test_bad_sampling_flags_are_refused_naming_the_flag(flags, needle, capsys):
     assert main(["generate", "--prompt", "x", *flags]) == 2
@@ -149,3 +154,64 @@ def test_generate_without_prompt_says_it_reads_stdin_on_a_terminal(terminal, cap
 @pytest.mark.slow
 def test_generate_reading_a_real_terminal_says_so():
     assert "generate: reading the prompt from stdin; end it with Ctrl-D" in _generate_reading_a_terminal()
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line_before_anything_is_printed():
+    """Bytes that are not UTF-8 on stdin reach Python as lone surrogates (surrogateescape); the
+    tokenizer raised a TypeError traceback after the model loaded and the prompt was printed."""
+    done = subprocess.run([sys.executable, "-m", "pagedexperts.cli", "generate", "--max-new-tokens", "2"],
+                          input=b"ROMEO \xff:", capture_output=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, b"")
+    assert done.stderr.decode() == ("pagedexperts generate: error: the prompt on stdin is not valid UTF-8 (byte 0xff "
+                                    "at character 6); give UTF-8 text\n")
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["generate", "--prompt", "caf\udce9"], "--prompt"),  # argv's bytes, as Python decodes them
+    (["generate", "--prompt", "x", "--stop", "\udce9"], "--stop"),
+    (["check", "--prompt", "caf\udce9"], "--prompt"),
+])
+def test_argv_text_that_is_not_utf8_names_the_flag(argv, flag, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} is not valid UTF-8 (byte 0xe9 at character" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("speculative", [[], ["--speculative", "ngram"]], ids=["generate", "speculative"])
+def test_prompt_and_new_tokens_past_the_model_s_positions_are_refused(speculative, capsys):
+    """The bundled model has 512 positions: transformers' generate warned and went on past them
+    (generate --speculative and serve refused); both paths now refuse with the same line."""
+    prompt = "ROMEO: " * 20
+    from pagedexperts.loading.bundled import bundled_model_path
+    from tokenizers import Tokenizer
+
+    n = len(Tokenizer.from_file(str(bundled_model_path() / "tokenizer.json")).encode(prompt).ids)
+    assert main(["generate", "--prompt", prompt, "--max-new-tokens", str(513 - n), "--threads", "1", *speculative]) == 2
+    assert (f"prompt {n} tokens + --max-new-tokens {513 - n} exceeds the model's max_position_embeddings 512; lower "
+            f"--max-new-tokens (at most {512 - n} here)") in capsys.readouterr().err
+
+
+def test_the_report_says_why_generation_ended(tmp_path, capsys):
+    """The README's command asks for 80 tokens and prints 30: the report said "new 30" and not why.
+    finish_reason is OpenAI's (serve's): "length" at --max-new-tokens, "stop" at a stop string or
+    an end-of-sequence token (here the greedy first token, made the model's eos id)."""
+    from pagedexperts.generation.config import SamplingConfig
+    from pagedexperts.generation.generate import generate_text
+    from pagedexperts.loading.loader import load_model
+
+    stats = tmp_path / "stats.json"
+    runs = {}
+    for name, flags in [("length", ["--max-new-tokens", "3"]), ("stop", ["--max-new-tokens", "24", "--stop", "\n"])]:
+        assert main(["generate", "--prompt", "ROMEO:", "--threads", "1", "--stats-json", str(stats), *flags]) == 0
+        runs[name] = (json.loads(stats.read_text()), capsys.readouterr().err)
+    assert runs["length"][0]["finish_reason"] == "length" and runs["length"][0]["new_tokens"] == 3
+    assert "stopped early" not in runs["length"][1]
+    assert runs["stop"][0]["finish_reason"] == "stop" and runs["stop"][0]["new_tokens"] < 24  # greedy text has "\n"
+    assert "new {} (stopped early: an end-of-sequence token or a --stop string)".format(
+        runs["stop"][0]["new_tokens"]) in runs["stop"][1]
+    model, tok = load_model(num_resident=16)
+    first = generate_text(model, tok, "ROMEO:", SamplingConfig(max_new_tokens=1))
+    assert first.finish_reason == "length"
+    model.generation_config.eos_token_id = tok(first.text, add_special_tokens=False)["input_ids"][0]
+    ended = generate_text(model, tok, "ROMEO:", SamplingConfig(max_new_tokens=5))
+    assert (ended.new_tokens, ended.finish_reason) == (1, "stop")

@@ -200,6 +200,8 @@ def test_truncated_safetensors(tmp_path, tiny_moe_dir):
     with pytest.raises(ValueError, match=r"cannot read checkpoint shard .*model\.safetensors.*truncated or corrupt") as err:
         pagedexperts.load_model(path, num_resident=TOP_K)
     assert str(err.value).count("truncated or corrupt") == 1, str(err.value)
+    # the file named once, one hint (it read "shard X: checkpoint shard X: ... (truncated download?) (truncated or corrupt?)")
+    assert str(err.value).count("model.safetensors") == 1 and "?) (" not in str(err.value), str(err.value)
 
 
 def test_truncated_last_shard_is_found_before_any_work(tmp_path, tiny_moe_sharded_dir, no_loading):

@@ -138,6 +138,15 @@ def test_read_prompts_formats(tmp_path):
     empty.write_text('{"x": 1}\n')
     with pytest.raises(ValueError, match="no prompts found"):
         read_prompts(empty)
+    # each was a traceback (AttributeError, IsADirectoryError) or a JSON message naming no file
+    (tmp_path / "s.jsonl").write_text('"a string"\n')
+    (tmp_path / "b.jsonl").write_text('{"prompt": "a"}\n{"prompt\n')
+    (tmp_path / "i.json").write_text("[1]")
+    for name, message in [("s.jsonl", "s.jsonl:1: a JSON str, not an object"), ("b.jsonl", "b.jsonl:2: not valid JSON"),
+                          ("i.json", "i.json: item 1: a JSON int, not an object"), ("none", "none: no such file"),
+                          (".", "is a directory; give a file")]:
+        with pytest.raises(ValueError, match=message):
+            read_prompts(tmp_path / name)
 
 
 @pytest.mark.slow
@@ -179,7 +188,10 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
      (["--mode", "plain,paged,plain"], "--mode names ['plain'] more than once"),
      (["--rounds", "0"], "--rounds 0 must be >= 1"),
      (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default, or auto)"),
-     (["--mode", "plain,gpu"], "unknown --mode ['gpu']; choose from ['plain', 'paged'")],
+     (["--mode", "plain,gpu"], "unknown --mode ['gpu']; choose from ['plain', 'paged'"),
+     # a file: FileExistsError (traceback) when the results were written, after the whole benchmark
+     (["--results-dir", __file__], f"--results-dir {__file__} is a file; give a directory"),
+     (["--prompts", "/nonexistent.jsonl"], "--prompts /nonexistent.jsonl: no such file")],
 )
 def test_bench_bad_input_is_refused_before_any_work(argv, needle, capsys, monkeypatch):
     import pagedexperts.tools.bench

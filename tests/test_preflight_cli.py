@@ -123,6 +123,10 @@ def test_auto_k_is_what_the_loader_accepts_and_allocates(tiny_moe_dir, dtype, ca
         (["--expert-mb", "2.43", "--num-resident", "7"], "--num-resident 7 must be in [top_k=8, E=128]"),
         (["--expert-mb", "-1", "--num-resident", "8"], "--expert-mb -1.0 must be > 0"),
         (["--expert-mb", "2.43", "--num-resident", "8", "--link-gbps", "0"], "--link-gbps 0.0 must be > 0"),
+        # the disk tier's flags without the tier were ignored (an out-of-range --miss-rate 2 too)
+        (["--expert-mb", "2.43", "--miss-rate", "2"], "--miss-rate sizes the disk tier, which --host-memory-gb G"),
+        (["--expert-mb", "2.43", "--disk-gbps", "3", "--host-miss-rate", "0.5"],
+         "--disk-gbps, --host-miss-rate size the disk tier"),
     ],
 )
 def test_bad_input_names_value_limit_and_flag(capsys, extra, message):

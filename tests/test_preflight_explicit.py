@@ -104,6 +104,9 @@ def test_the_report_says_how_the_non_expert_weights_were_counted(capsys):
      "--num-attention-heads needs --head-dim or --hidden-size"),
     (["--layers", "4", "--experts", "8", "--top-k", "2", "--expert-mb", "1", "--kv-bytes-per-token", "8",
       "--hidden-size", "0"], "--hidden-size 0 must be > 0"),
+    (["--layers", "4", "--experts", "8", "--top-k", "2", "--hidden-size", "64", "--moe-intermediate-size", "48",
+      "--num-attention-heads", "4", "--expert-format", "w4a16", "--group-size", "0"],
+     "--group-size 0 must be >= 1"),  # a ZeroDivisionError traceback
 ])
 def test_explicit_mode_refuses_naming_the_flags(argv, needle, capsys):
     assert main(["preflight", *argv]) == 2

@@ -69,3 +69,45 @@ def test_bundled_variant_runs_out_of_the_box_and_is_exact(fmt, tmp_path):
     assert paged.pagedexperts.expert_format == fmt
     result = check_model(paged, reference, tokenizer, DEFAULT_PROMPTS[:1], max_new_tokens=4)
     assert result.passed and result.misses > 0, result.max_abs_diff
+
+
+def test_quantize_output_that_is_a_file_is_refused(tiny_moe_dir, tmp_path, capsys):
+    """--output naming a file raised NotADirectoryError (traceback)."""
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    assert main(["quantize", "--model-path", str(tiny_moe_dir), "--format", "fp8-block", "--output", str(taken)]) == 2
+    assert capsys.readouterr().err == f"pagedexperts quantize: error: --output {taken} is a file; choose a new directory\n"
+
+
+def test_a_truncated_source_is_named_before_the_output_is_made(tiny_moe_dir, tmp_path, capsys):
+    """A truncated shard raised safetensors' SafetensorError (traceback) with the output made."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_moe_dir, src)
+    shard = src / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    out = tmp_path / "q"
+    assert main(["quantize", "--model-path", str(src), "--format", "fp8-block", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedexperts quantize: error: cannot read checkpoint shard {shard}") and err.count("\n") == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("failure", [OSError("No space left on device"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_writing_that_fails_leaves_no_half_written_checkpoint(failure, tiny_moe_dir, tmp_path, monkeypatch):
+    import pagedexperts.tools.quantize as quantize
+
+    def save(tensors, path):
+        path.write_bytes(b"partial")
+        raise failure
+
+    monkeypatch.setattr(quantize, "_save", save)
+    out = tmp_path / "q"
+    with pytest.raises(type(failure)):
+        quantize.quantize_checkpoint(model_path=tiny_moe_dir, output=out, options=quantize.QuantizeOptions("fp8-block"))
+    assert not out.exists()
+    out.mkdir()  # an empty directory given stays, empty
+    with pytest.raises(type(failure)):
+        quantize.quantize_checkpoint(model_path=tiny_moe_dir, output=out, options=quantize.QuantizeOptions("fp8-block"))
+    assert out.is_dir() and not any(out.iterdir())

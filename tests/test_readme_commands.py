@@ -145,3 +145,11 @@ def test_the_light_fenced_commands_run(argv, capsys):
 
     assert main(list(argv)) in (0, 1), capsys.readouterr().err  # preflight: 1 = does not fit, as it prints
     assert capsys.readouterr().out.strip()
+
+
+def test_a_command_given_a_gpu_runs_on_it():
+    """A fenced command that picks a GPU (CUDA_VISIBLE_DEVICES=N) passes --device cuda: --device is
+    cpu by default, and docs/server.md's two replicas under a router ran on the CPU."""
+    lines = [line for path in DOCS for _, body in _fenced(path) for line in body.replace("\\\n", " ").splitlines()
+             if "CUDA_VISIBLE_DEVICES=" in line and "pagedexperts " in line]
+    assert lines and [line for line in lines if "--device cuda" not in line] == []

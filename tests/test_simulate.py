@@ -261,3 +261,17 @@ def test_cli_empty_and_truncated_trace(tmp_path, capsys):
     (tmp_path / "cut.npz").write_bytes(data[: len(data) - 100])
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path / "cut.npz")])
     assert rc == 2 and "truncated or corrupt" in err
+
+
+def test_cli_plot_dir_that_is_a_file_is_refused_before_the_replay(tmp_path, capsys, monkeypatch):
+    """--plot-dir naming a file raised FileExistsError (traceback) after the whole replay."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "taken").write_text("")
+
+    def replay(*args, **kwargs):
+        raise AssertionError("the trace was replayed before --plot-dir was checked")
+
+    monkeypatch.setattr(sim, "run_grid", replay)
+    rc, _, err = _run(capsys, ["simulate", "--trace", SYNTHETIC, "--plot-dir", str(tmp_path / "taken")])
+    assert rc == 2 and err == (f"pagedexperts simulate: error: --plot-dir {tmp_path / 'taken'} is a file; give a "
+                               "directory (made if missing)\n")

@@ -46,26 +46,34 @@ def add_parser(sub) -> None:
     )
     g = p.add_argument_group("model")
     g.add_argument("--model-path", default=None, help="model directory (default: the bundled model)")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default=None, choices=list(RUN_DTYPE_BYTES))
-    g.add_argument("--experts-implementation", default="grouped_mm", choices=list(INNER_IMPLEMENTATIONS))
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N], every mode (default cpu)")
+    g.add_argument("--dtype", default=None, choices=list(RUN_DTYPE_BYTES), help="default: the checkpoint's dtype")
+    g.add_argument("--experts-implementation", default="grouped_mm", choices=list(INNER_IMPLEMENTATIONS),
+                   help="experts kernel in every mode, plain's transformers model too (fused: grouped_mm "
+                   "there); default grouped_mm, see generate --help")
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"eviction policy (default {DEFAULT_POLICY})")
     add_decide_argument(g)
     m = p.add_argument_group("modes")
     m.add_argument("--mode", default="plain,resident,paged,offload,cpu-experts",
-                   help="comma-separated modes (default: all five); ratios need plain")
+                   help="comma-separated modes (default: all five, plain,resident,paged,offload,cpu-experts); "
+                   "ratios need plain")
     m.add_argument("--num-resident", default="", metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")
     m.add_argument("--cpu-expert-layers", type=int, default=None, metavar="N",
                    help="MoE layers computed on the CPU in cpu-experts mode, 1 to the model's MoE layers (default: half)")
     w = p.add_argument_group("workload")
     w.add_argument("--prompts", default=None, help="JSON lines (prompt / turns / question) or ShareGPT JSON (default: built-in prompts)")
-    w.add_argument("--num-prompts", type=int, default=4)
-    w.add_argument("--output-tokens", type=int, default=32)
-    w.add_argument("--long-prompt-tokens", type=int, default=256)
+    w.add_argument("--num-prompts", type=int, default=4, help="prompts of the workload, N >= 1: the first N of --prompts (default 4; "
+                   "without --prompts at most the 3 built-in ones)")
+    w.add_argument("--output-tokens", type=int, default=32,
+                   help="tokens generated per prompt, >= 2 to time decode (default 32)")
+    w.add_argument("--long-prompt-tokens", type=int, default=256,
+                   help="tokens of each long prompt (half as many as the prompts, at least 1), "
+                   "timed for TTFT long (default 256)")
     w.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels (default 1,4)")
     w.add_argument("--rounds", type=int, default=5, help="rounds; each runs every mode once (default 5)")
     add_threads_argument(w)
-    p.add_argument("--results-dir", default=None, help="default: results/bench-<time>")
+    p.add_argument("--results-dir", default=None,
+                   help="directory for bench.md, bench.json, bench.png, command.txt (default: results/bench-<time>)")
     p.set_defaults(func=run)
 
 
@@ -87,7 +95,13 @@ def run(args) -> int:
         raise ValueError(f"--output-tokens must be >= 2 to measure decode, got {args.output_tokens}")
     threads, how = resolve_threads(args.threads)
     ks, concurrency = _checked_workload(args, modes)
-    prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]
+    try:
+        prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]
+    except ValueError as exc:
+        raise ValueError(f"--prompts {exc}") from None
+    out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and not out.is_dir():  # a FileExistsError traceback after the whole benchmark
+        raise ValueError(f"--results-dir {out} is a file; give a directory (made if missing)")
     cfg = BenchConfig(
         model_path=args.model_path, modes=modes, num_resident=ks, cpu_expert_layers=args.cpu_expert_layers or 0,
         output_tokens=args.output_tokens, concurrency=concurrency, num_prompts=len(prompts),
@@ -97,7 +111,6 @@ def run(args) -> int:
     )
     print(f"threads: {threads} ({how})", file=sys.stderr)
     report = bench.run_bench(cfg, prompts)
-    out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     command = "pagedexperts " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     write_results(report, cfg, out, command)
     print(terminal_table(report, cfg.concurrency))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from pagedexperts.commands import COMMANDS
-from pagedexperts.commands.common import add_model_arguments, apply_threads, print_host_memory
+from pagedexperts.commands.common import add_model_arguments, apply_threads, print_host_memory, utf8_text
 
 
 def add_parser(sub) -> None:
@@ -120,6 +120,10 @@ def run(args) -> int:
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    for prompt in args.prompt or ():
+        if not utf8_text(prompt, "--prompt").strip():
+            raise ValueError(f"--prompt {prompt!r} is empty: check compares the logits of a prompt's tokens; give text "
+                             "(or leave --prompt out: 3 built-in prompts)")
     apply_threads(args)
     path, config, files = read_checkpoint_config(args.model_path)
     if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads

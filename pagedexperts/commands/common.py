@@ -74,6 +74,23 @@ def add_model_arguments(parser) -> None:
     add_threads_argument(g)
 
 
+def utf8_text(text: str, what: str) -> str:
+    """``text`` (a prompt or stop string from argv or stdin), checked to be UTF-8 text. Python
+    decodes argv and stdin with surrogateescape, so bytes that are not UTF-8 arrive as lone
+    surrogates, which the tokenizer refused with a TypeError after the model had loaded.
+
+    Raises:
+        ValueError: names ``what``, the first bad byte and its character position.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        bad = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise ValueError(f"{what} is not valid UTF-8 ({bad} at character {exc.start}); give UTF-8 text") from None
+    return text
+
+
 THREADS_AUTO = "auto"
 THREADS_HELP = (
     "torch CPU threads for the model's compute: N >= 1, 0 for torch's own default (one per core), or auto "

@@ -9,7 +9,7 @@ import sys
 
 from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import (add_graph_arguments, add_model_arguments, apply_threads, check_paging_flags,
-                                          load_from_args)
+                                          load_from_args, utf8_text)
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 
@@ -47,15 +47,20 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _check_tokenizer(model_path) -> None:
+def _check_tokenizer(model_path, max_new_tokens: int) -> None:
     """Refuse a model dir without a tokenizer before it loads (was found after the load, with the
-    prompt already printed)."""
+    prompt already printed), and a --max-new-tokens that leaves the prompt no position (the exact
+    check, with the prompt's tokens, is ``generation.config.check_context``'s)."""
     from pagedexperts.loading.loader import has_tokenizer, read_checkpoint_config
 
-    path, _, _ = read_checkpoint_config(model_path)
+    path, config, _ = read_checkpoint_config(model_path)
     if not has_tokenizer(path):
         raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
                          "generate tokenizes the prompt: add the source model's tokenizer files (--model-path)")
+    limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if limit and max_new_tokens >= limit:  # transformers warned and generated on past the model's positions
+        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no position for the prompt: prompt + new tokens "
+                         f"must fit the model's max_position_embeddings {limit}; lower --max-new-tokens")
 
 
 def sampling_from_args(args):
@@ -73,12 +78,12 @@ def sampling_from_args(args):
         raise ValueError(f"--min-p {args.min_p} must be in [0, 1] (0: all tokens)")
     if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
         raise ValueError(f"--repetition-penalty {args.repetition_penalty} must be > 0 (1: none)")
-    if not 0 <= args.min_tokens <= args.max_new_tokens:
-        raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, --max-new-tokens {args.max_new_tokens}]")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, stop=tuple(args.stop), top_k=args.top_k, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens)
-    params.validate()
+    params.validate()  # --max-new-tokens first: the --min-tokens range below is stated in it
+    if not 0 <= args.min_tokens <= args.max_new_tokens:
+        raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, --max-new-tokens {args.max_new_tokens}]")
     return params
 
 
@@ -106,8 +111,9 @@ def run(args) -> int:
     _check_outputs(args)
     check_paging_flags(args)  # flag-only problems before the first read of --model-path
     threads = apply_threads(args)
-    _check_tokenizer(args.model_path)
-    prompt = args.prompt if args.prompt is not None else read_stdin_prompt()
+    _check_tokenizer(args.model_path, args.max_new_tokens)
+    prompt = utf8_text(args.prompt, "--prompt") if args.prompt is not None else utf8_text(read_stdin_prompt(),
+                                                                                         "the prompt on stdin")
     if not prompt.strip():
         raise ValueError("empty prompt; give --prompt TEXT or text on stdin")
     model, tokenizer = load_from_args(args)
@@ -159,6 +165,7 @@ def _check_outputs(args) -> None:
     """--stop strings non-empty, and --stats-json / --record-trace files in directories that exist,
     before the model loads (ValueError naming the flag)."""
     for stop in args.stop:
+        utf8_text(stop, "--stop")
         if not stop:
             raise ValueError("--stop '' is empty: an empty stop string would end generation at once; drop it")
     for flag, path in (("--stats-json", args.stats_json), ("--record-trace", args.record_trace)):

@@ -74,6 +74,7 @@ def add_parser(subparsers) -> None:
 def run_preflight(args) -> int:
     """Print the preflight report (text or --json); 0, or 1 when it does not fit
     --device-memory-gb; ValueError on bad input."""
+    _check_tier_flags(args)
     report = build_report(**_model_inputs(args), **_run_inputs(args), slot_format=args.slot_format)
     if args.host_memory_gb is not None:
         report.update(tier_report(report, **_tier_inputs(args)))
@@ -176,6 +177,16 @@ def _run_inputs(args) -> dict:
         max_running_requests=args.max_running_requests,
         runtime_reserve_gb=args.runtime_reserve_gb,
     )
+
+
+def _check_tier_flags(args) -> None:
+    """The disk tier's flags need --host-memory-gb: without it the report has no tier, and they
+    were ignored without a word (``--miss-rate 2`` too, unchecked)."""
+    given = [flag for flag, value in (("--disk-gbps", args.disk_gbps), ("--miss-rate", args.miss_rate),
+                                      ("--host-miss-rate", args.host_miss_rate)) if value is not None]
+    if given and args.host_memory_gb is None:
+        raise ValueError(f"{', '.join(given)} {'sizes' if len(given) == 1 else 'size'} the disk tier, which --host-memory-gb G sets up: give it too "
+                         "(without it the report has no disk tier)")
 
 
 def _tier_inputs(args) -> dict:

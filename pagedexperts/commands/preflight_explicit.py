@@ -61,7 +61,7 @@ def explicit_inputs(args) -> dict:
 
     Raises:
         ValueError: a required flag missing (says which alternatives would do), a value <= 0,
-            top_k outside [1, E], or a shape the expert format refuses (names the flags).
+            --group-size below 1, top_k outside [1, E], or a shape the expert format refuses (names the flags).
     """
     missing = [f for f in ("layers", "experts", "top_k") if getattr(args, f) is None]
     if args.expert_mb is None and (args.hidden_size is None or args.moe_intermediate_size is None):
@@ -75,6 +75,8 @@ def explicit_inputs(args) -> dict:
         value = getattr(args, flag)
         if value is not None and not value > 0:
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be > 0")
+    if args.group_size < 1:  # the formats divide by it (a ZeroDivisionError traceback)
+        raise ValueError(f"--group-size {args.group_size} must be >= 1 (input channels per scale group)")
     if not 1 <= args.top_k <= args.experts:
         raise ValueError(f"--top-k {args.top_k} must be in [1, E={args.experts}] (--top-k)")
     dtype = EXPLICIT_DTYPE if args.dtype == "auto" else args.dtype

@@ -38,7 +38,8 @@ def add_parser(subparsers) -> None:
                    help="w4a16: input channels per scale group; must divide every expert's input size (default 128)")
     g.add_argument("--asymmetric", action="store_true", help="w4a16: asymmetric with int4 zero points (default symmetric)")
     g.add_argument("--block-size", type=int, default=128, help="fp8-block: square weight block edge (default 128)")
-    p.add_argument("--cache-dir", default=None, help="where bundled variants are built (default: see description)")
+    p.add_argument("--cache-dir", default=None, help="where bundled variants are built (default: $PAGEDEXPERTS_CACHE, "
+                   "else $XDG_CACHE_HOME/pagedexperts, else ~/.cache/pagedexperts)")
     p.set_defaults(func=run_quantize)
 
 

@@ -104,6 +104,7 @@ def run(args) -> int:
     check_paging_flags(args)
     apply_threads(args)
     _check_checkpoint(args)  # after every flag-only check: this is the first read of --model-path
+    _check_address(args.host, args.port)  # the last check before the load
     model, tokenizer = load_from_args(args)
     if tokenizer is None:
         raise ValueError("the model directory has no tokenizer (tokenizer.json / tokenizer_config.json); add one")
@@ -143,6 +144,26 @@ def _check_checkpoint(args) -> None:
     if args.context_length is not None and max_positions and args.context_length > max_positions:
         raise ValueError(f"--context-length must be in [2, {max_positions}] (max_position_embeddings), "
                          f"got {args.context_length}")
+
+
+def _check_address(host: str, port: int) -> None:
+    """Bind ``host:port`` once, as uvicorn will (SO_REUSEADDR), so that an address in use or a
+    host that is no address is refused before the model loads: uvicorn said so after the load,
+    and exited 3.
+
+    Raises:
+        ValueError: names --host, --port and the system's reason.
+    """
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as exc:  # socket.gaierror too
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}); choose another "
+                         "--port (or stop what listens on it)") from None
 
 
 def _check_flags(args) -> None:

@@ -58,7 +58,8 @@ def add_parser(subparsers) -> None:
     model = p.add_argument_group("model check and time model")
     model.add_argument("--experts", type=int, help="E of the model: the trace must match")
     model.add_argument("--top-k", type=int, help="top_k of the model: the trace must match")
-    model.add_argument("--expert-mb", type=float, default=0.0, help="MB of one expert (for bytes paged per token)")
+    model.add_argument("--expert-mb", type=float, default=0.0,
+                       help="MB of one expert (1e6 B), for the MB paged per token column (default 0: no such column)")
     model.add_argument("--link-gbps", type=float, help="host-to-device GB/s, for modelled decode tok/s (with --expert-mb and --compute-ms-per-layer)")
     model.add_argument("--compute-ms-per-layer", type=float, help="compute ms per MoE layer per step, for tok/s")
     model.add_argument("--model-layers", type=int, help="MoE layers of the model the recorded layers stand for")
@@ -73,6 +74,8 @@ def run_simulate(args) -> int:
     """Load the trace, replay every (B, routing, policy, K), print tables or --json, plot."""
     if args.plot_dir:
         require("plots", "--plot-dir")  # before the replay, not after it
+        if os.path.exists(args.plot_dir) and not os.path.isdir(args.plot_dir):  # a traceback after the replay
+            raise ValueError(f"--plot-dir {args.plot_dir} is a file; give a directory (made if missing)")
     if (args.experts is None) != (args.top_k is None):
         raise ValueError("pass both --experts and --top-k to check the trace against a model")
     _check_time_model(args)

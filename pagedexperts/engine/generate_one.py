@@ -19,7 +19,7 @@ import dataclasses
 import time
 from typing import Callable
 
-from pagedexperts.generation.config import SamplingConfig
+from pagedexperts.generation.config import SamplingConfig, check_context
 from pagedexperts.generation.generate import GenerationResult, _difference, _totals, build_prompt
 from pagedexperts.engine.sampling import SamplingParams
 from pagedexperts.engine.scheduler import BatchScheduler
@@ -48,10 +48,9 @@ def speculative_generate_text(model, tokenizer, prompt: str, sampling: SamplingC
     if tokenizer is None:
         raise ValueError("the model directory has no tokenizer (tokenizer.json / tokenizer_config.json); add one")
     ids = tokenizer(build_prompt(tokenizer, prompt, chat=chat))["input_ids"]
-    limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or len(ids) + sampling.max_new_tokens
-    if len(ids) + sampling.max_new_tokens > limit:
-        raise ValueError(f"prompt {len(ids)} tokens + --max-new-tokens {sampling.max_new_tokens} exceeds the "
-                         f"model's max_position_embeddings {limit}; lower --max-new-tokens")
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    check_context(len(ids), sampling.max_new_tokens, limit)
+    limit = limit or len(ids) + sampling.max_new_tokens
     runtime = model.pagedexperts
     sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, limit, chunked_prefill=False), speculative=speculative)
     if isinstance(sampling, SamplingParams):  # generate's serve-style options: what they count, as serve fills them
@@ -100,4 +99,5 @@ def _result(events: list, req, sched, runtime, before: dict, start: float, end: 
         prefill=before,
         decode=decode,
         speculative=spec,
+        finish_reason=events[-1].finish_reason,
     )

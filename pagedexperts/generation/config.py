@@ -8,6 +8,7 @@ Standard library only. Does not: sample (transformers' ``generate``; the server'
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -31,7 +32,21 @@ class SamplingConfig:
         """Raises ValueError naming the flag for out-of-range values."""
         if self.max_new_tokens <= 0:
             raise ValueError(f"--max-new-tokens must be > 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # nan sampled from nan probabilities: one token, exit 0
+            raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int) -> None:
+    """Refuse a generation longer than the model's positions (``max_position_embeddings``; 0 = no
+    limit known), as the server refuses max_tokens over its context length: transformers only
+    warns and goes on past the positions the model was trained on.
+
+    Raises:
+        ValueError: prompt + --max-new-tokens over ``max_positions`` (names the numbers and the flag).
+    """
+    if max_positions and prompt_tokens + max_new_tokens > max_positions:
+        raise ValueError(f"prompt {prompt_tokens} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings {max_positions}; lower --max-new-tokens (at most "
+                         f"{max(0, max_positions - prompt_tokens)} here)")

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessorList
 
-from pagedexperts.generation.config import GREEDY, SamplingConfig
+from pagedexperts.generation.config import GREEDY, SamplingConfig, check_context
 from pagedexperts.generation.graphs import decode_graphs_for
 from pagedexperts.generation.static_decode import DecodeOptions, static_generate
 from pagedexperts.generation.stop_text import IncrementalText
@@ -32,6 +32,8 @@ class GenerationResult:
     ``speculative``: with --speculative, the acceptance counters (``engine.speculative.config.SpeculativeStats``)
     and paging per generated token; empty otherwise. ``cuda_graphs``: how decode steps ran
     (``graphs.DecodeGraphs.summary`` when on; else enabled False and the reason).
+    ``finish_reason``: OpenAI's (as serve's): "stop" (an end-of-sequence token or a stop string
+    ended the text) or "length" (max_new_tokens reached).
     """
 
     text: str
@@ -45,6 +47,7 @@ class GenerationResult:
     decode: dict = field(default_factory=dict)
     speculative: dict = field(default_factory=dict)
     cuda_graphs: dict = field(default_factory=dict)
+    finish_reason: str = ""
 
 
 class _TimingStreamer:
@@ -62,6 +65,7 @@ class _TimingStreamer:
         self._prompt_seen = False
         self._ids: list[int] = []
         self.text = ""
+        self.stopped = False  # a stop string ended the text
         self.token_times: list[float] = []
         self.after_prefill: dict | None = None
 
@@ -79,7 +83,8 @@ class _TimingStreamer:
         self._show(complete=True)
 
     def _show(self, *, complete: bool) -> None:
-        delta, _ = self._shown.update(self._tokenizer.decode(self._ids, skip_special_tokens=True), complete)
+        delta, stopped = self._shown.update(self._tokenizer.decode(self._ids, skip_special_tokens=True), complete)
+        self.stopped |= stopped
         self.text += delta
         if self._on_text is not None and delta:
             self._on_text(delta)
@@ -142,7 +147,8 @@ def generate_text(
     sets (``generate`` passes ``engine.logits_processor.SamplingProcessor``: serve's rule).
 
     Raises:
-        ValueError: bad sampling options, empty prompt, or --chat without a chat template.
+        ValueError: bad sampling options, empty prompt, --chat without a chat template, or
+            prompt + --max-new-tokens over max_position_embeddings (``config.check_context``).
     """
     sampling.validate()
     if not prompt:
@@ -152,6 +158,8 @@ def generate_text(
     runtime = model.pagedexperts
     text = build_prompt(tokenizer, prompt, chat=chat)
     inputs = tokenizer(text, return_tensors="pt").to(model.device)
+    check_context(inputs["input_ids"].shape[1], sampling.max_new_tokens,
+                  int(getattr(model.config, "max_position_embeddings", 0) or 0))
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     runtime.reset_stats()
@@ -193,7 +201,15 @@ def generate_text(
         prefill=before,
         decode=_difference(total, before),
         cuda_graphs=graphs_field(runtime, graphs),
+        finish_reason="stop" if streamer.stopped or _ends_sequence(model, new) else "length",
     )
+
+
+def _ends_sequence(model, new: torch.Tensor) -> bool:
+    """Whether the last new token is one of the model's end-of-sequence ids (generation_config)."""
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos} - {None}
+    return bool(new.numel()) and int(new[-1]) in eos
 
 
 def graphs_field(runtime, graphs) -> dict:
@@ -228,7 +244,8 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
     lines = [
         f"paging: K={num_resident} of E={num_experts} experts resident per layer, top_k={top_k}, "
         f"{layers} MoE layers, {decide}-planned steps",
-        f"  tokens: prompt {result.prompt_tokens}, new {result.new_tokens}",
+        f"  tokens: prompt {result.prompt_tokens}, new {result.new_tokens}"
+        + (" (stopped early: an end-of-sequence token or a --stop string)" if result.finish_reason == "stop" else ""),
         f"  hit rate {p['hit_rate']:.1%} overall, {d['hit_rate']:.1%} in decode",
         misses,
         paged,

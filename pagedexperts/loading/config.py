@@ -14,6 +14,7 @@ check needs (``check_device``, ``resolve_dtype``, ``resolve_decide``). Does not:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -122,8 +123,9 @@ def option_problems(cfg: PagingConfig) -> list[str]:
         problems.append(f"--prefetch-budget {cfg.prefetch_budget} needs --prefetch (it bounds prefetch page-ins)")
     elif cfg.prefetch_budget is not None and cfg.prefetch_budget < 1:
         problems.append(f"prefetch budget {cfg.prefetch_budget} must be >= 1 (--prefetch-budget)")
-    if cfg.host_memory_gb is not None and cfg.host_memory_gb <= 0:
-        problems.append(f"--host-memory-gb {cfg.host_memory_gb} must be > 0")
+    if cfg.host_memory_gb is not None and not 0 < cfg.host_memory_gb < math.inf:  # nan and inf: int() raised
+        problems.append(f"--host-memory-gb {cfg.host_memory_gb} must be a finite number > 0 (leave it out: the "
+                        "available memory)")
     if cfg.cpu_expert_layers < 0:
         problems.append(f"--cpu-expert-layers {cfg.cpu_expert_layers} must be >= 0")
     if cfg.decide not in DECIDE_CHOICES:

@@ -73,7 +73,7 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
 
     Raises:
         ValueError: a header that is not the safetensors layout, an unknown dtype, or a tensor
-            whose bytes lie beyond the end of the file (truncated download); names the file.
+            whose bytes lie beyond the end of the file (a truncated download); names the file.
     """
     path = Path(path)
     header, base = read_header_json(path)
@@ -86,7 +86,7 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         if base + end > size:
             raise ValueError(
                 f"checkpoint shard {path}: tensor {key!r} ends at byte {base + end}, past the file's "
-                f"{size} bytes (truncated download?)"
+                f"{size} bytes (truncated or corrupt?)"
             )
         out[key] = TensorEntry(path, SAFETENSORS_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + begin, end - begin)
     return out
@@ -102,8 +102,9 @@ def check_readable(files: list[Path]) -> None:
     for file in files:
         try:
             read_header(file)
-        except ValueError as exc:
-            reason = str(exc) if "truncated or corrupt" in str(exc) else f"{exc} (truncated or corrupt?)"
+        except ValueError as exc:  # the reason without the file's name, said once here
+            reason = str(exc).removeprefix(f"checkpoint shard {file}: ").removeprefix(f"{file}: ")
+            reason = reason if "truncated or corrupt" in reason else f"{reason} (truncated or corrupt?)"
             raise ValueError(f"cannot read checkpoint shard {file}: {reason}") from exc
 
 

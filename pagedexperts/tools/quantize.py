@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from pagedexperts.extras import require
 from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
+from pagedexperts.storage.safetensors_index import check_readable
 
 QUANTIZE_FORMATS = ("w4a16", "fp8-block", "mxfp4")
 # A routed expert's weight, one tensor per expert (Qwen3/DeepSeek gate|up|down_proj, Mixtral w1|w2|w3).
@@ -82,17 +83,38 @@ def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: 
     Raises:
         ValueError: unknown format (lists them), a source that is already quantized, no
             routed expert weight, an expert shape the format cannot hold (names the tensor,
-            the size and the flag), or an output directory that exists and is not empty.
+            the size and the flag), a truncated or corrupt shard, or an output that is a file or a
+            directory that is not empty. Nothing is left in ``output`` when writing fails (or is
+            interrupted).
         FileNotFoundError: no config.json in ``model_path``.
     """
     src, dst = Path(model_path), Path(output)
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"--output {dst} is a file; choose a new directory")
     config = _read_config(src)
     writer = _writer_for(options)
-    headers = {f: read_header_json(f)[0] for f in checkpoint_files(src)}
+    files = checkpoint_files(src)
+    check_readable(files)  # a truncated shard, named before the output exists (it failed mid-write)
+    headers = {f: read_header_json(f)[0] for f in files}
     expert_keys = writer.validate(config, headers)
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"--output {dst} exists and is not empty; choose a new directory")
+    existed = dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
+    try:
+        bytes_in, bytes_out = _write(src, dst, config, headers, expert_keys, writer, progress)
+    except BaseException:  # an error or Ctrl-C leaves no half-written checkpoint behind
+        shutil.rmtree(dst, ignore_errors=True)
+        if existed:
+            dst.mkdir()
+        raise
+    return QuantizeReport(dst, options.format, len(expert_keys), bytes_in, bytes_out)
+
+
+def _write(src: Path, dst: Path, config: dict, headers: dict, expert_keys: set[str], writer: "_Writer",
+           progress: bool) -> tuple[int, int]:
+    """Write ``quantize_checkpoint``'s output into the (empty) ``dst``: (expert bytes in, out)."""
+    options = writer.options
     bytes_in = bytes_out = total_size = 0
     weight_map: dict[str, str] = {}
     bar = tqdm(total=len(expert_keys), desc=f"quantize {options.format}", unit="weight", leave=False,
@@ -107,7 +129,7 @@ def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: 
     bar.close()
     _copy_aux(src, dst, weight_map if (src / "model.safetensors.index.json").is_file() else None, total_size)
     writer.write_config(dst, config, headers, expert_keys)
-    return QuantizeReport(dst, options.format, len(expert_keys), bytes_in, bytes_out)
+    return bytes_in, bytes_out
 
 
 def bundled_variant_path(fmt: str, *, cache_dir: str | Path, source: str | Path | None = None) -> Path:
