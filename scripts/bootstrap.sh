@@ -39,7 +39,19 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 rm -f "$STAMP"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q "torch==2.13.0"
+# torch's CPU build. On Linux, PyPI's torch wheel is the CUDA build (several GB with its nvidia-*
+# packages); PyTorch's own CPU index serves the CPU build, so it is used where it resolves. Where
+# it does not (a machine whose pip is configured with its own mirror or wheel directory, as CI's),
+# pip's configured sources are used as they are. PAGEDEXPERTS_TORCH_INDEX=URL chooses an index
+# (empty: pip's configured sources).
+TORCH_INDEX=${PAGEDEXPERTS_TORCH_INDEX-auto}
+if [ "$TORCH_INDEX" = auto ]; then
+  TORCH_INDEX=""
+  if [ "$(uname -s)" = Linux ] && .venv/bin/python -c "import socket; socket.getaddrinfo('download.pytorch.org', 443)" 2>/dev/null; then
+    TORCH_INDEX=https://download.pytorch.org/whl/cpu
+  fi
+fi
+.venv/bin/python -m pip install -q "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 .venv/bin/python -m pip install -q -e ".[all]"
 .venv/bin/python -c "import torch, transformers, pagedexperts; print('pagedexperts', pagedexperts.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 stamp > "$STAMP"

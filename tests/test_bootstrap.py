@@ -9,6 +9,8 @@ network, seconds), anything else runs this test's own interpreter, where pagedex
 
 from __future__ import annotations
 
+import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -29,18 +31,22 @@ def repo(tmp_path):
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     python = tmp_path / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/sh\ncase "$*" in "-m pip "*|*"import torch"*) echo "$*" >> "{tmp_path}/pip.log"; exit 0;; esac\n'
+    # the CPU-index probe answers as $RESOLVES says (1: download.pytorch.org resolves), as no network is asked
+    python.write_text(f'#!/bin/sh\ncase "$*" in "-m pip "*|*"import torch"*) echo "$*" >> "{tmp_path}/pip.log"; exit 0;;\n'
+                      f'  *getaddrinfo*) [ "$RESOLVES" = 1 ]; exit $?;; esac\n'
                       f'exec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
     return tmp_path
 
 
-def _bootstrap(repo: Path, *args: str) -> tuple[int, str, list[str]]:
-    """Run the script in ``repo``: (exit code, stdout + stderr, the install commands it ran)."""
+def _bootstrap(repo: Path, *args: str, **env: str) -> tuple[int, str, list[str]]:
+    """Run the script in ``repo``: (exit code, stdout + stderr, the install commands it ran).
+    ``env``: extra environment (default: PyTorch's CPU index does not resolve)."""
     log = repo / "pip.log"
     log.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDEXPERTS_TORCH_INDEX"} | {"RESOLVES": "0"} | env
     proc = subprocess.run(["bash", "scripts/bootstrap.sh", *args], cwd=repo, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
     return proc.returncode, proc.stdout + proc.stderr, log.read_text().splitlines() if log.exists() else []
 
 
@@ -65,6 +71,21 @@ def test_installs_once_then_only_when_pyproject_changes_or_forced(repo):
 
     rc, out, pip = _bootstrap(repo, "--force")
     assert (rc, pip) == (0, INSTALL), out
+
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+@pytest.mark.parametrize("env, index", [
+    ({"RESOLVES": "0"}, None),  # a machine with its own mirror (CI): pip's configured sources
+    ({"RESOLVES": "1"}, CPU_INDEX if platform.system() == "Linux" else None),  # PyPI's Linux torch is the CUDA build
+    ({"RESOLVES": "1", "PAGEDEXPERTS_TORCH_INDEX": ""}, None),
+    ({"PAGEDEXPERTS_TORCH_INDEX": "https://mirror.example/whl"}, "https://mirror.example/whl"),
+])
+def test_torch_comes_from_the_cpu_index_where_it_resolves(repo, env, index):
+    rc, out, pip = _bootstrap(repo, **env)
+    torch_install = "-m pip install -q torch==2.13.0" + (f" --index-url {index}" if index else "")
+    assert rc == 0 and pip == [INSTALL[0], torch_install, *INSTALL[2:]], out
 
 
 def test_unknown_argument_exits_2_before_installing(repo):
