@@ -181,6 +181,7 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
      (["--num-resident", "8,x"], "--num-resident '8,x': want comma-separated integers"),
      (["--concurrency", "1,0"], "--concurrency 0 must be >= 1"),
      (["--num-prompts", "0"], "--num-prompts 0 must be >= 1"),
+     (["--num-prompts", "4"], "--num-prompts 4 exceeds the 3 prompts of the built-in prompts"),
      (["--long-prompt-tokens", "0"], "--long-prompt-tokens 0 must be >= 1"),
      (["--cpu-expert-layers", "7"], "--cpu-expert-layers 7 outside [1, 6]"),
      (["--cpu-expert-layers", "-1"], "--cpu-expert-layers -1 outside [1, 6]"),

@@ -62,8 +62,8 @@ def add_parser(sub) -> None:
                    help="MoE layers computed on the CPU in cpu-experts mode, 1 to the model's MoE layers (default: half)")
     w = p.add_argument_group("workload")
     w.add_argument("--prompts", default=None, help="JSON lines (prompt / turns / question) or ShareGPT JSON (default: built-in prompts)")
-    w.add_argument("--num-prompts", type=int, default=4, help="prompts of the workload, N >= 1: the first N of --prompts (default 4; "
-                   "without --prompts at most the 3 built-in ones)")
+    w.add_argument("--num-prompts", type=int, default=None, help="prompts of the workload, N >= 1: the first N of --prompts, "
+                   "or of the built-in ones (default: all of them); more than there are is refused")
     w.add_argument("--output-tokens", type=int, default=32,
                    help="tokens generated per prompt, >= 2 to time decode (default 32)")
     w.add_argument("--long-prompt-tokens", type=int, default=256,
@@ -96,9 +96,13 @@ def run(args) -> int:
     threads, how = resolve_threads(args.threads)
     ks, concurrency = _checked_workload(args, modes)
     try:
-        prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else list(DEFAULT_PROMPTS)[: args.num_prompts]
+        prompts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     except ValueError as exc:
         raise ValueError(f"--prompts {exc}") from None
+    if args.num_prompts is not None and args.num_prompts > len(prompts):
+        where = f"--prompts {args.prompts}" if args.prompts else "the built-in prompts (--prompts FILE for more)"
+        raise ValueError(f"--num-prompts {args.num_prompts} exceeds the {len(prompts)} prompts of {where}")
+    prompts = prompts[: args.num_prompts]
     out = Path(args.results_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and not out.is_dir():  # a FileExistsError traceback after the whole benchmark
         raise ValueError(f"--results-dir {out} is a file; give a directory (made if missing)")
@@ -131,7 +135,7 @@ def _checked_workload(args, modes: tuple[str, ...]) -> tuple[tuple[int, ...], tu
     from pagedexperts.residency.planner import check_num_resident
 
     ks, concurrency = _ints(args.num_resident, "--num-resident"), _ints(args.concurrency, "--concurrency")
-    for flag, values in (("--concurrency", concurrency), ("--num-prompts", [args.num_prompts]),
+    for flag, values in (("--concurrency", concurrency), ("--num-prompts", [] if args.num_prompts is None else [args.num_prompts]),
                          ("--long-prompt-tokens", [args.long_prompt_tokens]), ("--rounds", [args.rounds])):
         for v in values:
             if v < 1:

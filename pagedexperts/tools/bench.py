@@ -55,7 +55,7 @@ class BenchConfig:
     cpu_expert_layers: int = 0  # 0 = half the MoE layers
     output_tokens: int = 32
     concurrency: tuple[int, ...] = (1, 4)
-    num_prompts: int = 4
+    num_prompts: int = 3  # the built-in prompts (check.DEFAULT_PROMPTS)
     long_prompt_tokens: int = 256
     rounds: int = 5
     threads: int = 0
