@@ -15,9 +15,10 @@ from pagedexperts.analysis import simulate as sim
 from pagedexperts.cli import main
 from pagedexperts.stats.accounting import LayerStats
 from pagedexperts.analysis.trace import load_trace
-from trace_fixtures import TRACES, needs_real_traces
+from support.trace_fixtures import TRACES, needs_real_traces
+from support import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(paths.ROOT)
 SYNTHETIC = os.path.join(ROOT, "tests", "data", "synthetic_trace.npz")
 REAL = ["qwen15moe_a27b_layer0_gsm8k.jsonl", "olmoe_1b7b_layer0_gsm8k.jsonl"]
 

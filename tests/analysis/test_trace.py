@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from pagedexperts.analysis.trace import DUMMY_MIN_ROWS, TraceWriter, load_trace
-from trace_fixtures import TRACES, needs_real_traces
+from support.trace_fixtures import TRACES, needs_real_traces
+from support import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(paths.ROOT)
 SYNTHETIC = os.path.join(ROOT, "tests", "data", "synthetic_trace.npz")
 
 

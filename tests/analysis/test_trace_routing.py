@@ -6,7 +6,6 @@ by the mapping of the module docstring, worked out by hand per case.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +14,9 @@ import torch
 from pagedexperts.analysis import simulate as sim
 from pagedexperts.analysis.trace import load_trace
 from pagedexperts.analysis.trace_routing import TraceRouting, install
+from support.paths import DATA
 
-SYNTHETIC = Path(__file__).parent / "data" / "synthetic_trace.npz"  # E=16, top_k=2, layers (1, 3), 6 streams
+SYNTHETIC = DATA / "synthetic_trace.npz"  # E=16, top_k=2, layers (1, 3), 6 streams
 
 
 @pytest.fixture(scope="module")

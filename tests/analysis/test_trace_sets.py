@@ -12,6 +12,7 @@ import pytest
 from pagedexperts.analysis.trace import TraceWriter, load_trace
 from pagedexperts.cli import main
 from pagedexperts.loading.bundled import bundled_traces_path
+from support.paths import ROOT
 
 
 def _write(path, *, num_experts=8, top_k=2, first_expert=0, decode_steps=3):
@@ -91,8 +92,7 @@ def test_simulate_trace_bundled_runs_from_the_package_and_shows_reuse(capsys):
 
 @pytest.mark.parametrize("name", ["bundled", "pagedexperts/data/traces/tiny-qwen3-moe"])
 def test_the_bundled_set_loads_by_name_and_by_path(name, capsys, monkeypatch):
-    from pathlib import Path
 
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(ROOT)
     assert main(["simulate", "--trace", name, "--num-resident", "8", "--policy", "lru", "--no-uniform"]) == 0
     assert capsys.readouterr().out.startswith(f"{len(list(bundled_traces_path().glob('*.npz')))} traces in ")

@@ -361,7 +361,7 @@ def test_every_model_command_sets_threads_before_loading(command, monkeypatch):
     import pagedexperts.loading.loader
     import pagedexperts.tools.bench
     import pagedexperts.tools.check
-    from conftest import DEFAULT_THREADS
+    from support.tiny import DEFAULT_THREADS
 
     if command == "serve":
         pytest.importorskip("fastapi")

@@ -6,13 +6,12 @@ weights estimated and said so."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from pagedexperts.cli import main
+from support.paths import DATA
 
-DATA = Path(__file__).parent / "data"
 
 
 def _json(capsys, argv) -> dict:

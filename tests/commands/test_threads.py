@@ -40,7 +40,7 @@ def test_generate_without_threads_runs_at_the_idle_cores(load, expect_default, m
     """No --threads: a busy machine gets 1 thread, an idle one torch's default (the load is
     stopped before the model builds; conftest starts each test at 1 thread, so 1 is set too)."""
     import pagedexperts.loading.loader
-    from conftest import DEFAULT_THREADS
+    from support.tiny import DEFAULT_THREADS
 
     seen = []
 

@@ -11,9 +11,9 @@ import math
 
 import pytest
 
-from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
+from support.serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
                               ref, run_schedule, schedule, torch)
-from serving_fixtures import assert_scored_prompt
+from support.serving_fixtures import assert_scored_prompt
 from pagedexperts.engine.chunked_prefill import Segment, keep_new_kv, pack, packed_mask, plan_chunks
 from pagedexperts.engine.sampling import SamplingParams
 from pagedexperts.engine.scheduler import BatchScheduler

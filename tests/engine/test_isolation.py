@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, PROMPTS, httpx, one_thread, ref,  # noqa: F401
+from support.serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, PROMPTS, httpx, one_thread, ref,  # noqa: F401
                               serve)
 from pagedexperts.serving.handlers import ServeConfig
 from pagedexperts.engine.sampling import SamplingParams

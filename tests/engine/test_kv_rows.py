@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, PROMPTS, _top_k, client, httpx, load_model,  # noqa: F401
+from support.serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, PROMPTS, _top_k, client, httpx, load_model,  # noqa: F401
                               metric, one_thread, schedule, serve, torch)
 from pagedexperts.engine.forwards import HOWS
 from pagedexperts.engine.kv_rows import COLUMN_ROUND, KVRows
@@ -85,7 +85,7 @@ def test_16_concurrent_equal_each_alone(models, alone, dtype):
     model, tokenizer = models[dtype]
     from pagedexperts.engine.scheduler import BatchScheduler
     from pagedexperts.engine.scheduler_config import SchedulerConfig
-    from serving_fixtures import run_schedule
+    from support.serving_fixtures import run_schedule
 
     sched = BatchScheduler(model, tokenizer, SchedulerConfig(RUNNING, CONTEXT))
     got = run_schedule(sched, tokenizer, PROMPTS16, max_tokens=TOKENS)
@@ -137,7 +137,7 @@ def test_16_concurrent_with_ngram_speculation_equal_plain_alone(models, alone):
     model, tokenizer = models[None]
     from pagedexperts.engine.scheduler import BatchScheduler
     from pagedexperts.engine.scheduler_config import SchedulerConfig
-    from serving_fixtures import run_schedule
+    from support.serving_fixtures import run_schedule
 
     sched = BatchScheduler(model, tokenizer, SchedulerConfig(RUNNING, CONTEXT),
                            speculative=speculative_config("ngram", num_speculative_tokens=3))

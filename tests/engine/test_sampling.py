@@ -198,7 +198,7 @@ def test_extensions_apply_per_request_in_one_batch():
     top_k 1 and min_p 1 (sampled: both leave only the argmax), min_tokens with EOS pushed by
     +100. Each chosen token is checked against the model run directly on prompt + output
     (teacher forcing) with transformers' RepetitionPenaltyLogitsProcessor."""
-    from serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, _top_k
+    from support.serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, _top_k
 
     if not HAVE_MODEL:
         pytest.skip(f"no model at {MODEL_PATH}")

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from serving_fixtures import (CONTEXT, HAVE_MODEL, MAX_TOKENS, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
+from support.serving_fixtures import (CONTEXT, HAVE_MODEL, MAX_TOKENS, MODEL_PATH, PROMPTS, load_model, one_thread,  # noqa: F401
                               ref, run_schedule, schedule, torch)
-from serving_fixtures import assert_scored_prompt
+from support.serving_fixtures import assert_scored_prompt
 from pagedexperts.engine.sampling import SamplingParams
 from pagedexperts.engine.batching import decode_mask, prefill_batches, prefill_inputs
 from pagedexperts.engine.scheduler import BatchScheduler

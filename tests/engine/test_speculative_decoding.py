@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, one_thread, ref, torch)  # noqa: F401
+from support.serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, one_thread, ref, torch)  # noqa: F401
 from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.generation.generate import generate_text
 from pagedexperts.engine.generate_one import speculative_generate_text
@@ -183,7 +183,7 @@ def test_a_draft_with_another_vocabulary_is_refused(ref, tiny_moe_dir):
 def test_served_with_speculation_answers_as_plain_decoding(ref):
     """The server with --speculative ngram: a greedy completion equals the plain scheduler's,
     and /metrics counts the verification steps."""
-    from serving_fixtures import NAME, client, metric, serve
+    from support.serving_fixtures import NAME, client, metric, serve
     from pagedexperts.serving.handlers import ServeConfig
 
     model, tokenizer = ref

@@ -32,10 +32,11 @@ ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 from compressed_tensors.utils.match import is_match  # noqa: E402
-from conftest import greedy_logits  # noqa: E402
-from quantized_dirs import load_with_two_host_rows  # noqa: E402
+from support.tiny import greedy_logits  # noqa: E402
+from support.quantized_dirs import load_with_two_host_rows  # noqa: E402
+from support import paths  # noqa: E402
 
-DATA = Path(__file__).parent / "data" / "llmc"
+DATA = paths.DATA / "llmc"
 E, TOP_K, VOCAB = 16, 2, 128
 FORMAT = {
     "qwen3_moe-fp8": "ct-fp8", "qwen3_moe-fp8_dynamic": "ct-fp8", "qwen3_moe-fp8_block": "ct-fp8",

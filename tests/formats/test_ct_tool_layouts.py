@@ -16,7 +16,6 @@ Legend: E routed experts (8), k top_k (2), K resident slots.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,13 +24,14 @@ from safetensors import safe_open
 from pagedexperts import load_model
 from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.formats.ct_schemes import dense_schemes
-from quantized_dirs import prefill_decode_runs
+from support.quantized_dirs import prefill_decode_runs
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config  # noqa: E402
+from support import paths  # noqa: E402
 
-DATA = Path(__file__).parent / "data" / "ct"
+DATA = paths.DATA / "ct"
 E, TOP_K = 8, 2
 # fixture -> (format name, how it binds the experts: dense tensor -> (bits or strategy, group size))
 FIXTURES = {

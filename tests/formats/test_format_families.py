@@ -34,9 +34,9 @@ import pytest
 from pagedexperts import load_model
 from pagedexperts.cli import main as cli_main
 from pagedexperts.formats import format_for_config
-from test_families import build_model
+from support.families import build_model
+from support.paths import DATA
 
-DATA = Path(__file__).parent / "data"
 # format -> a quantization_config its checkpoints carry (the committed fixtures' where there is one)
 CONFIGS = {
     "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},

@@ -16,52 +16,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_same
+from support.tiny import assert_same
 from pagedexperts import load_model
 from pagedexperts.tools.check import check_model
 from pagedexperts.formats import format_for_config
 from pagedexperts.formats.fp8 import quantize_fp8_block
 from pagedexperts.formats.mxfp4 import quantize_mxfp4
 from pagedexperts.loading.independence import IndependenceError
-from quantized_dirs import fp8_block_dense, mxfp4_dense, restack_fp8_experts, write_fp8_block, write_mxfp4
-from test_families import DECODE_STEPS, E, PROMPTS, TOP_K, build_model, save_char_tokenizer
+from support.quantized_dirs import fp8_block_dense, mxfp4_dense, restack_fp8_experts
+from support.families import DECODE_STEPS, E, PROMPTS, TOP_K
+from support.quantized_dirs import QUANTIZED
 
-# name -> (family, format writer, block, overrides of the family's tiny config)
-QUANTIZED = {
-    "qwen3_moe-fp8": ("qwen3_moe", "fp8", (128, 128), {}),
-    "deepseek_v3-fp8": ("deepseek_v3", "fp8", (128, 128), {}),
-    "qwen3_moe-fp8-block64-h192": ("qwen3_moe", "fp8", (64, 64), {"hidden_size": 192}),
-    "mixtral-fp8": ("mixtral", "fp8", (128, 128), {}),
-    "gpt_oss-mxfp4": ("gpt_oss", "mxfp4", None, {}),
-    "gpt_oss-mxfp4-h96": ("gpt_oss", "mxfp4", None, {"hidden_size": 96}),
-}
-UNQUANTIZED = {"gpt_oss-bf16": ("gpt_oss", "dense", None, {})}
-
-
-@pytest.fixture(scope="session")
-def quantized_dirs(tmp_path_factory):
-    """name -> quantized checkpoint directory, built on first use."""
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            family, fmt, block, overrides = {**QUANTIZED, **UNQUANTIZED}[name]
-            src = tmp_path_factory.mktemp(f"src_{name}")
-            model = build_model(family, **overrides)
-            with torch.no_grad():  # gpt-oss initialises its expert biases to zero: make them count
-                for pname, p in model.named_parameters():
-                    if pname.endswith("_bias") and ".experts." in pname:
-                        p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(pname)))
-            model.save_pretrained(src)
-            save_char_tokenizer(src)
-            if fmt == "dense":
-                built[name] = src
-            else:
-                dst = tmp_path_factory.mktemp(f"q_{name}")
-                built[name] = write_fp8_block(src, dst, block) if fmt == "fp8" else write_mxfp4(src, dst)
-        return built[name]
-
-    return get
 
 
 @pytest.fixture(scope="session")

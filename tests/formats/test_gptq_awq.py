@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from int4_oracle import pack_awq, pack_gptq, random_int4
+from support.int4_oracle import pack_awq, pack_gptq, random_int4
 from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.formats.awq import AwqFormat
 from pagedexperts.formats.gptq import GptqFormat

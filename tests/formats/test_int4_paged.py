@@ -18,58 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from int4_oracle import pack_awq, pack_gptq, rtn_int4
 from pagedexperts import load_model
 from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
-from quantized_dirs import write_checkpoint_dir
-from test_families import E, TOP_K, assert_exact, build_model, save_char_tokenizer
+from support.families import E, TOP_K, assert_exact, build_model, save_char_tokenizer
+from support.quantized_dirs import GROUP, _oracle_pair, _w4a16_pair
 
 pytest.importorskip("compressed_tensors")
-GROUP = 32
-_EXPERT_WEIGHT = r".experts."
-
-
-def _is_expert_weight(key: str) -> bool:
-    return _EXPERT_WEIGHT in key and key.endswith(".weight") and key.split(".experts.")[1].split(".")[0].isdigit()
-
-
-def _oracle_pair(src: Path, root: Path, fmt: str) -> tuple[Path, Path]:
-    """(quantized GPTQ/AWQ dir, dense reference dir) from ``src``'s weights."""
-    gen = torch.Generator().manual_seed(1)
-    packed, dense = {}, {}
-    for key, value in load_file(src / "model.safetensors").items():
-        if not _is_expert_weight(key):
-            packed[key] = dense[key] = value
-            continue
-        w = rtn_int4(value, GROUP, desc_act=fmt == "gptq", generator=gen)
-        packed.update({key.removesuffix("weight") + n: t for n, t in (pack_gptq(w) if fmt == "gptq" else pack_awq(w)).items()})
-        dense[key] = w.dense(value.dtype)
-    qc = ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
-           "checkpoint_format": "gptq"} if fmt == "gptq" else
-          {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"})
-    return write_checkpoint_dir(src, root / fmt, packed, qc), write_checkpoint_dir(src, root / f"{fmt}-ref", dense)
-
-
-def _w4a16_pair(src: Path, root: Path, symmetric: bool) -> tuple[Path, Path]:
-    """(w4a16 dir written by ``quantize``, reference dir)."""
-    out = root / f"w4a16-{symmetric}"
-    quantize_checkpoint(model_path=src, output=out, options=QuantizeOptions("w4a16", group_size=GROUP, symmetric=symmetric))
-    if symmetric:
-        return out, out
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-        num_bits=4, type="int", symmetric=False, strategy="group", group_size=GROUP), format="pack-quantized")
-    tensors = load_file(out / "model.safetensors")
-    dense = {k: v for k, v in load_file(src / "model.safetensors").items() if not _is_expert_weight(k)}
-    for key in [k for k in tensors if k.endswith(".weight_packed")]:
-        base = key.removesuffix("weight_packed")
-        state = {n: tensors[base + n] for n in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
-        dense[base + "weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
-    return out, write_checkpoint_dir(src, root / "w4a16-asym-ref", dense)
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,14 @@ from pagedexperts import load_model
 from pagedexperts.tools.check import load_reference_with_choice
 from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.tools.reference import compare_experts
-from quantized_dirs import load_with_two_host_rows, prefill_decode_runs, reference_cache
+from support.quantized_dirs import load_with_two_host_rows, prefill_decode_runs, reference_cache
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
+from support import paths  # noqa: E402
 
-DATA = Path(__file__).parent / "data" / "llmc"
+DATA = paths.DATA / "llmc"
 SCHEMES = {  # fixture -> (format name, reference source, why transformers is not it)
     "qwen3_moe-NVFP4A16": ("nvfp4", "compressed-tensors", "WRONG"),
     "qwen3_moe-NVFP4": ("nvfp4", "compressed-tensors", "WRONG"),

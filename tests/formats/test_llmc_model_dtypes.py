@@ -27,14 +27,15 @@ from safetensors import safe_open
 
 from pagedexperts import load_model
 from pagedexperts.tools.check import load_reference_with_choice
-from quantized_dirs import prefill_decode_runs
+from support.quantized_dirs import prefill_decode_runs
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 from compressed_tensors.utils.match import is_match  # noqa: E402
+from support import paths  # noqa: E402
 
-DATA = Path(__file__).parent / "data" / "llmc"
+DATA = paths.DATA / "llmc"
 TOP_K = 2
 FIXTURES = {  # float32 checkpoint, float32 weight_scale -> format
     "qwen3_moe-fp8": "ct-fp8", "qwen3_moe-fp8_dynamic": "ct-fp8", "qwen3_moe-fp8_block": "ct-fp8",
@@ -129,7 +130,7 @@ def test_paged_equals_reference_at_the_run_dtype(name, dtype):
             assert run.exact and run.tokens_equal, f"{name} {dtype} {run.prompt}: {run.max_abs_diff:.3g}"
 
 
-AUTOROUND_INT8 = Path(__file__).parent / "data" / "autoround" / "qwen3_moe-llm_compressor-INT8_W8A8-experts"
+AUTOROUND_INT8 = DATA / "autoround" / "qwen3_moe-llm_compressor-INT8_W8A8-experts"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

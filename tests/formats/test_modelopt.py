@@ -28,11 +28,12 @@ from pagedexperts import load_model
 from pagedexperts.cli import main as cli_main
 from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.tools.check import load_reference_with_choice
-from quantized_dirs import load_with_two_host_rows, prefill_decode_runs, reference_cache
+from support.quantized_dirs import load_with_two_host_rows, prefill_decode_runs, reference_cache
+from support import paths
 
 qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
 
-DATA = Path(__file__).parent / "data" / "modelopt"
+DATA = paths.DATA / "modelopt"
 E, TOP_K = 8, 2
 FIXTURES = {f"{family}-{algo}": f"modelopt-{algo.lower()}"
             for family in ("qwen3_moe", "mixtral", "deepseek_v3") for algo in ("NVFP4", "FP8")}
@@ -166,7 +167,7 @@ def test_stacked_keys_equal_per_expert_keys(name, tmp_path):
     ``_scale``, ``_scale_2``, ``_input_scale``: gate rows then up) pages to the logits of the
     per-expert checkpoint's reference, its non-expert weights re-placed at the stacked file's
     page alignment (CPU GEMMs round by alignment: 8e-7 off without it)."""
-    from quantized_dirs import restack_experts
+    from support.quantized_dirs import restack_experts
 
     from pagedexperts.tools.reference import align_like_checkpoint
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import E, TOP_K, VOCAB, tiny_model
+from support.tiny import E, TOP_K, VOCAB, tiny_model
 from pagedexperts import load_model
 
 ct = pytest.importorskip("compressed_tensors")

@@ -32,9 +32,9 @@ from pagedexperts import load_model
 from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.formats.base import store_name
 from pagedexperts.loading.checkpoint import format_for_checkpoint
-from quantized_dirs import prefill_decode_runs
+from support.quantized_dirs import prefill_decode_runs
+from support.paths import DATA
 
-DATA = Path(__file__).parent / "data"
 E, TOP_K = 8, 2
 FIXTURES = sorted(str(p.parent.relative_to(DATA)) for tool in ("autoround", "gptqmodel")
                   for p in (DATA / tool).glob("*/config.json"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fused_fixtures import CASES, random_store, weight_tensors
+from support.fused_fixtures import CASES, random_store, weight_tensors
 from pagedexperts.formats.autoround import AutoRoundFormat
 from pagedexperts.formats.autoround_fp import AutoRoundNvfp4Format
 from pagedexperts.formats.awq import AwqFormat

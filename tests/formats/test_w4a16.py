@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import tiny_model
+from support.tiny import tiny_model
 from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
 from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint

@@ -24,11 +24,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from int4_oracle import pack_awq, pack_gptq, rtn_int4
+from support.int4_oracle import pack_awq, pack_gptq, rtn_int4
 from pagedexperts import load_model
 from pagedexperts.tools.reference import align_like_checkpoint
-from quantized_dirs import prefill_decode_runs, write_checkpoint_dir
-from test_families import E, TOP_K, build_model, save_char_tokenizer
+from support.quantized_dirs import prefill_decode_runs, write_checkpoint_dir
+from support.families import E, TOP_K, build_model, save_char_tokenizer
 
 LINEAR = re.compile(r"\.(?:[a-z_]*proj(?:_with_mqa)?|w[123])\.weight$")  # not the router (mlp.gate), not lm_head
 CASES = {  # name -> (format, family, checkpoint dtype, group size, symmetric)

@@ -26,13 +26,14 @@ from safetensors import safe_open
 
 from pagedexperts import load_model
 from pagedexperts.tools.check import load_reference_with_choice
-from quantized_dirs import prefill_decode_runs
+from support.quantized_dirs import prefill_decode_runs
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
+from support import paths  # noqa: E402
 
-DATA = Path(__file__).parent / "data" / "llmc_whole"
+DATA = paths.DATA / "llmc_whole"
 E, TOP_K = 8, 2
 FIXTURES = {  # name -> (format, its dtype as run by default: config.json's)
     "qwen3_moe-W4A16-g32": "w4a16", "qwen3_moe-W4A16_ASYM-g32": "w4a16",

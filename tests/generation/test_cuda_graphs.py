@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import PAD_ID
+from support.tiny import PAD_ID
 from pagedexperts.generation.graphs import GROUPED_MM_CAPABILITIES, DecodeGraphs, capture_problem_of
 from pagedexperts.generation.static_decode import DecodeOptions, static_generate
 from pagedexperts.loading import runners

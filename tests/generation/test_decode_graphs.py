@@ -17,7 +17,7 @@ import logging
 import pytest
 import torch
 
-from conftest import PAD_ID
+from support.tiny import PAD_ID
 from pagedexperts import load_model
 from pagedexperts.cli import main
 from pagedexperts.generation.config import SamplingConfig

@@ -19,7 +19,7 @@ import pagedexperts.loading.build as build
 import pagedexperts.loading.loader as loader
 import pagedexperts.storage.host_memory as host_memory
 import pagedexperts.storage.host_store as store_module
-from conftest import E, TOP_K, copy_dir
+from support.tiny import E, TOP_K, copy_dir
 from pagedexperts.loading.config import PagingConfig
 from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.models.sites import SUPPORTED_ARCHITECTURES

@@ -10,16 +10,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import E, HIDDEN, MOE_INTERMEDIATE, TOP_K, assert_same, greedy_logits
+from support.tiny import E, HIDDEN, MOE_INTERMEDIATE, TOP_K, assert_same, greedy_logits
 from pagedexperts.loading.loader import load_model
 from pagedexperts.loading.runners import repage
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 EXPERT_BYTES_F32 = 3 * MOE_INTERMEDIATE * HIDDEN * 4  # gate, up [I, H] and down [H, I], float32
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TOP_K
+from support.tiny import TOP_K
 from pagedexperts import load_model
 from pagedexperts.engine.sampling import NonFiniteLogits, SamplingParams, sample, token_logprobs
 from pagedexperts.loading.fill import NonFiniteWeights
@@ -85,7 +85,7 @@ def test_no_nan_in_a_server_sent_event():
 def test_nan_logits_fail_that_request_alone():
     """Three greedy requests in one batch; one's logits turn NaN at its 3rd token: it ends with
     finish "error" naming the NaN, the others produce the tokens they produce without it."""
-    from serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, _top_k
+    from support.serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, PROMPTS, _top_k
 
     if not HAVE_MODEL:
         pytest.skip(f"no model at {MODEL_PATH}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import E, TOP_K
+from support.tiny import E, TOP_K
 from pagedexperts.loading.loader import load_model
 
 

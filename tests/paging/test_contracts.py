@@ -29,7 +29,7 @@ from pagedexperts.paging.steps.table import STEP_BODIES, inner_problem
 from pagedexperts.paging.kernels.page_in import page_in_torch
 from pagedexperts.paging.steps.contract import LayerStep
 from pagedexperts.storage.host_tier import TieredExpertStore
-from test_store_pager import E, TOP_K, paged, step_inputs, synthetic_experts
+from support.synthetic_layer import E, TOP_K, paged, step_inputs, synthetic_experts
 
 PACKAGE = Path(integration.__file__).parent
 EXECUTOR_MODULES = {"pagedexperts.paging.host_executor", "pagedexperts.paging.device_executor"}

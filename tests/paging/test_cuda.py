@@ -15,11 +15,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from conftest import E, TOP_K
+from support.tiny import E, TOP_K
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.loading.loader import load_model
 from pagedexperts.paging.kernels import HAVE_TRITON
 from pagedexperts.storage import host_store
+from support.device import expert_tensors_on_device
 
 pytestmark = pytest.mark.cuda
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda)")
@@ -219,12 +220,3 @@ def test_grouped_mm_rows_padded_to_the_reference_count_on_cpu(tiny_moe_dir):
     assert set(rows) == set(ref_rows) == {ids.numel() * TOP_K}, (sorted(set(rows)), sorted(set(ref_rows)))
 
 
-def expert_tensors_on_device(model) -> list[str]:
-    """Names of per-expert tensors that an experts module still holds ([E, ...] leading dim;
-    the router and k/v projections may be [E, H] too, and are not expert tensors)."""
-    held = []
-    for site in model.pagedexperts.sites:
-        own = dict(site.module.named_parameters(recurse=False)) | dict(site.module.named_buffers(recurse=False))
-        held += [f"{site.name}.{n}" for n, t in own.items()
-                 if n in {s.name for s in site.specs} or (t.dim() and t.shape[0] == site.num_experts)]
-    return held

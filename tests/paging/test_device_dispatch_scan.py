@@ -26,7 +26,7 @@ if not torch.cuda.is_available():  # before the kernels are defined (see test_de
 import pytest  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from conftest import PAD_ID, TOP_K  # noqa: E402
+from support.tiny import PAD_ID, TOP_K  # noqa: E402
 from pagedexperts.generation.graphs import DecodeGraphs  # noqa: E402
 from pagedexperts.loading.loader import load_model  # noqa: E402
 from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402

@@ -14,9 +14,6 @@ Legend: T tokens, H hidden, k top_k, E experts, K slots, I expert intermediate.
 from __future__ import annotations
 
 import os
-import random
-import sys
-from pathlib import Path
 
 import torch
 
@@ -24,10 +21,9 @@ if not torch.cuda.is_available():  # before the kernels are defined (see test_de
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from conftest import assert_same  # noqa: E402
-from pagedexperts.residency.eviction import LFUPolicy, LRUPolicy  # noqa: E402
+from support.tiny import assert_same  # noqa: E402
+from pagedexperts.residency.eviction import LFUPolicy  # noqa: E402
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec  # noqa: E402
 from pagedexperts.formats.fp8 import Fp8BlockFormat, quantize_fp8_block  # noqa: E402
 from pagedexperts.formats.slots import DenseSlots, WaveDequantizer, allocate  # noqa: E402
@@ -39,26 +35,13 @@ from pagedexperts.storage.host_store import HostExpertStore  # noqa: E402
 from pagedexperts.storage.host_tier import TieredExpertStore  # noqa: E402
 from pagedexperts.paging.steps import device_grouped, host_grouped  # noqa: E402
 from pagedexperts.paging.steps.contract import DeviceRouting, HostRouting, SlotSetup  # noqa: E402
-from quantized_dirs import fp8_block_dense  # noqa: E402
-from test_store_pager import E, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
+from support.quantized_dirs import fp8_block_dense  # noqa: E402
+from support.synthetic_layer import E, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged  # noqa: E402
+from support.synthetic_layer import host_and_device, routings
+from support.reads import HostReads
+from pagedexperts import bundled_model_path  # noqa: E402
 
-BUNDLED = Path(__file__).resolve().parents[1] / "pagedexperts" / "data" / "tiny-qwen3-moe"
-HOST_POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}
-
-
-def host_and_device(module, num_slots, inner, policy, *, backend="torch"):
-    """(host pager, device pager) over one store filled from ``module``, same policy."""
-    host = paged(module, num_slots, inner)
-    host.residency.policy = HOST_POLICIES[policy](num_slots)  # before any step
-    dev = DeviceExecutor(layer=0, store=host.store, num_slots=num_slots, device="cpu", inner=inner,
-                      policy=policy, backend=backend)
-    return host, dev
-
-
-def routings(seed: int, steps: int, *, num_experts: int = E, top_k: int = TOP_K):
-    """Steps of batch 1 and batch 5 (5 x k = 10 entries: multi-wave at K < 10)."""
-    rng = random.Random(seed)
-    return [[rng.sample(range(num_experts), top_k) for _ in range(rng.choice([1, 1, 5]))] for _ in range(steps)]
+BUNDLED = bundled_model_path()
 
 
 def assert_slots_hold_host_rows(dev: DeviceExecutor) -> None:
@@ -201,31 +184,6 @@ def test_bundled_model_experts(threads):
             assert_same(host.step(module, hidden, ids, weights), want, f"K={num_slots} step {n} host")
             assert_same(dev.step(module, hidden, ids, weights), want, f"K={num_slots} step {n} device")
         assert counts(dev.stats) == counts(host.stats)
-
-
-SYNCING = {
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__bool__,
-    torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__float__, torch.nonzero, torch.Tensor.nonzero,
-    torch.unique, torch.Tensor.unique, torch.masked_select, torch.Tensor.masked_select, torch.argwhere,
-}
-
-
-class HostReads(TorchFunctionMode):
-    """Records each syncing call (a host read on a GPU) made from pagedexperts.paging code."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in SYNCING or (func is torch.where and len(args) == 1):
-            frame = sys._getframe(1)
-            while frame is not None and "/torch/" in frame.f_code.co_filename:
-                frame = frame.f_back
-            name = frame.f_globals.get("__name__", "") if frame is not None else ""
-            if name.startswith("pagedexperts.paging"):
-                self.calls.append(f"{name}:{frame.f_lineno} {getattr(func, '__name__', func)}")
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from conftest import PAD_ID, TOP_K, greedy_logits
+from support.tiny import PAD_ID, TOP_K, greedy_logits
 from pagedexperts import load_model
 from pagedexperts.cli import main
 from pagedexperts.loading import config as loading_config
@@ -26,8 +26,7 @@ from pagedexperts.loading.config import ConfigError, PagingConfig, check_config
 from pagedexperts.paging.device_executor import DeviceExecutor
 from pagedexperts.paging.host_executor import HostExecutor
 from pagedexperts.paging.kernels import HAVE_TRITON
-from test_device_pager import HostReads  # noqa: E402
-from test_syncs import DeviceReads, _run, device_reads  # noqa: F401  (a fixture)
+from support.reads import HostReads, _run  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
 PER_LAYER = ("hits", "misses", "waves", "multi_wave_steps", "steps", "tokens", "bytes_paged")
@@ -191,7 +190,7 @@ def test_cli_refusals_name_both_flags(tiny_moe_dir, capsys):
 
 def test_disk_tier_is_refused_before_any_weight_is_read(tiny_moe_dir):
     """A budget of 2 host rows per layer: the disk tier."""
-    from conftest import host_budget_gb
+    from support.tiny import host_budget_gb
 
     gb = host_budget_gb(tiny_moe_dir, 2, num_resident=4)
     with pytest.raises(ValueError, match="--host-memory-gb") as err:

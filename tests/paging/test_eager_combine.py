@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_same
-from test_store_pager import E, H, paged, synthetic_experts, unpaged
+from support.tiny import assert_same
+from support.synthetic_layer import E, H, paged, synthetic_experts, unpaged
 
 
 def descending_step(top_k: int, tokens: int, dtype, *, seed: int):

@@ -29,14 +29,14 @@ import pytest
 import torch
 
 import pagedexperts
-from conftest import E, PAD_ID, VOCAB, assert_same, assert_same_attributes, tiny_model
-from exact_probe import probe
+from support.tiny import E, PAD_ID, VOCAB, assert_same, assert_same_attributes, tiny_model
+from support.exact_probe import probe
 from pagedexperts.tools.check import compare, left_padded
+from support.paths import ROOT
 
 pytestmark = pytest.mark.default_threads
 
 IMPLS = ["grouped_mm", "batched_mm", "eager"]
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def rows(lengths, seed: int = 0) -> list[torch.Tensor]:

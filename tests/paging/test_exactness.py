@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import pagedexperts
-from conftest import E, HIDDEN, MOE_INTERMEDIATE, PAD_ID, TOP_K, assert_same, prompt
+from support.tiny import E, HIDDEN, MOE_INTERMEDIATE, PAD_ID, TOP_K, assert_same, prompt
 from pagedexperts import integration
 from pagedexperts.models.sites import is_experts_module
 

@@ -18,7 +18,7 @@ import torch
 import transformers.integrations.moe as moe
 
 import pagedexperts
-from conftest import E, TOP_K, assert_same
+from support.tiny import E, TOP_K, assert_same
 
 pytestmark = pytest.mark.default_threads
 

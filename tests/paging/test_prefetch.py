@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import E, PAD_ID, TOP_K, assert_same, greedy_logits, prompt
+from support.tiny import E, PAD_ID, TOP_K, assert_same, greedy_logits, prompt
 from pagedexperts.loading.loader import load_model
 from pagedexperts.paging.prefetch import NextLayerPrefetcher, prediction_order
 

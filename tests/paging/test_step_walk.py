@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from pagedexperts.loading.loader import bundled_model_path
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 BOUNDS = {"host": (11, 31), "device": (8, 24), "fused": (8, 24)}  # path -> (modules, functions) at most
 
 
@@ -84,7 +84,7 @@ def test_the_fused_body_builds_its_launches_once_per_step_shape(monkeypatch):
     pytest.importorskip("triton")
     from pagedexperts.paging.device_executor import DeviceExecutor
     from pagedexperts.paging.steps import fused
-    from test_store_pager import paged, step_inputs, synthetic_experts
+    from support.synthetic_layer import paged, step_inputs, synthetic_experts
 
     calls = {"gemm_arguments": 0, "slot_rows": 0}
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from conftest import E, PAD_ID, TOP_K
+from support.tiny import E, PAD_ID, TOP_K
 from pagedexperts.loading.loader import load_model
 from pagedexperts.loading.runners import repage
 from pagedexperts.paging.transfer import CopyTimer, read_back, upload
@@ -150,7 +150,7 @@ def test_upload_is_a_copy():
 def test_no_expert_tensor_left_on_experts_modules(tiny_moe_dir):
     """test_cuda's residency check, on CPU: experts modules hold no [E, ...] tensor, while the
     router weight, also [E, H], is no expert tensor and must not trip the check."""
-    from test_cuda import expert_tensors_on_device
+    from support.device import expert_tensors_on_device
 
     model, _ = load_model(tiny_moe_dir, num_resident=TOP_K)
     assert expert_tensors_on_device(model) == []

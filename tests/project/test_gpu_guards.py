@@ -16,7 +16,6 @@ import contextlib
 import logging
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +23,8 @@ import torch
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.generation import graphs
 from pagedexperts.storage import host_store
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 CUDA_TEST_FILES = sorted((ROOT / "tests").glob("test_cuda*.py"))
 
 
@@ -183,7 +182,7 @@ def test_device_step_runs_with_its_device_current(monkeypatch):
     """Review item 10: Triton launches on the current device, so ``--device cuda:1`` with
     cuda:0 current launched on the wrong GPU; the step enters its device."""
     from pagedexperts.paging import device_executor
-    from test_device_pager import host_and_device, routings, step_inputs, synthetic_experts
+    from support.synthetic_layer import host_and_device, routings, step_inputs, synthetic_experts
 
     guard = device_executor.on_device(torch.device("cuda", 1))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
@@ -256,7 +255,7 @@ def test_miss_costs_use_the_model_s_decide_path():
 
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_bench
-    from test_device_pager import paged, synthetic_experts
+    from support.synthetic_layer import paged, synthetic_experts
 
     store = paged(synthetic_experts(torch.float32), 3).store
     dev = gpu_bench.layer_executor("device", 0, store, 3, torch.device("cpu"))

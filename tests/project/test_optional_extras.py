@@ -16,14 +16,13 @@ import os
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
 from pagedexperts.commands import COMMANDS
 from pagedexperts.extras import EXTRAS
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 # what the test extra brings (a user's install has none of it either)
 TEST_PEERS = ("openai", "httpx", "requests")
 ALL_BLOCKED = tuple(m for mods in EXTRAS.values() for m in mods) + TEST_PEERS

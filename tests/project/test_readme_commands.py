@@ -21,8 +21,8 @@ import pytest
 import pagedexperts
 from pagedexperts.cli import build_parser
 from pagedexperts.commands import COMMANDS
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "pagedexperts").rglob("README.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 OPERATORS = {";", "&&", "||", "|", "&", "(", ")", ">", "<", ">>", "2>&1"}

@@ -15,10 +15,10 @@ import random
 import numpy as np
 import pytest
 
-import planner_oracle as old
+from support import planner_oracle as old
 from pagedexperts.residency import planner, policies
 from pagedexperts.residency.belady import BeladyPolicy
-from trace_fixtures import real_trace_steps
+from support.trace_fixtures import real_trace_steps
 
 RUNTIME_POLICIES = [("lru", {}), ("lfu", {}), ("lfu", {"half_life": 3}), ("lfu", {"half_life": 0}),
                     ("flru", {}), ("adaptive", {}), ("adaptive", {"window": 4})]

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from serving_fixtures import (HAVE_MODEL, MODEL_PATH, NAME, PROMPTS, httpx, metric, one_thread, ref,  # noqa: F401
+from support.serving_fixtures import (HAVE_MODEL, MODEL_PATH, NAME, PROMPTS, httpx, metric, one_thread, ref,  # noqa: F401
                               server, torch)
-from serving_fixtures import client as openai_client
+from support.serving_fixtures import client as openai_client
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
 LP_ATOL = 1e-4
@@ -208,7 +208,7 @@ ROOM = 24  # tokens a near-full context leaves: more than the completions defaul
 def _near_full(url, path: str, body, room: int = ROOM) -> str:
     """A text of repeated words whose prompt (``body(text)``, as the server counts it from one
     probe) leaves ``room`` tokens of the context: a default of "what the context leaves" ends fast."""
-    from serving_fixtures import CONTEXT
+    from support.serving_fixtures import CONTEXT
 
     text = " Romeo" * 100
     probe = _post(url, path, body(text) | {"max_tokens": 1}).json()["usage"]
@@ -219,7 +219,7 @@ def _near_full(url, path: str, body, room: int = ROOM) -> str:
 def test_default_max_tokens_are_openais(server):
     """Without max_tokens, completions end at 16 tokens (OpenAI's and vLLM's default) and chat at
     what the context leaves after the prompt (OpenAI's and vLLM's), end of sequence held off."""
-    from serving_fixtures import CONTEXT
+    from support.serving_fixtures import CONTEXT
     from pagedexperts.serving.validation import DEFAULT_COMPLETION_MAX_TOKENS
 
     url, no_eos = server[0], {str(t): -100 for t in server[1].state.scheduler.eos_ids}

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, httpx, one_thread, serve  # noqa: F401
+from support.serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, httpx, one_thread, serve  # noqa: F401
 from pagedexperts.serving.connections import uvicorn_config
 from pagedexperts.serving.handlers import ServeConfig
 
@@ -157,7 +157,7 @@ def test_an_unparsable_content_length_is_a_json_400(timed, length):
 def _late_reader(wait_s: float):
     """An ASGI app that reads its request body only ``wait_s`` after the request arrived (as an
     app busy elsewhere would), then answers the byte count (``test_body_limit``'s echo)."""
-    from test_body_limit import _echo_size
+    from support.asgi_echo import _echo_size
 
     async def app(scope, receive, send):
         if scope["type"] == "http":

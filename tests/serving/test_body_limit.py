@@ -14,19 +14,9 @@ import json
 import pytest
 
 from pagedexperts.serving.admission import Admission
+from support.asgi_echo import _echo_size
 
 LIMIT = 1000  # --max-body-bytes of these tests
-
-
-async def _echo_size(scope, receive, send):
-    """The app behind the middleware: 200 with the number of body bytes it received."""
-    size, more = 0, True
-    while more:
-        msg = await receive()
-        size += len(msg.get("body", b""))
-        more = msg.get("more_body", False)
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": json.dumps({"received": size}).encode()})
 
 
 def _request(size: int, *, declared: bool, chunk: int = 300) -> tuple[int, dict, list]:

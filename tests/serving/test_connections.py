@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, httpx, one_thread, serve  # noqa: F401
+from support.serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, httpx, one_thread, serve  # noqa: F401
 from pagedexperts.serving.connections import uvicorn_config
 from pagedexperts.serving.handlers import ServeConfig
 
@@ -259,7 +259,7 @@ def test_a_burst_the_free_places_take_is_not_refused(capped):
     all served (4 admitted at the next step, 2 wait), none answered 429."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from serving_fixtures import client
+    from support.serving_fixtures import client
 
     c = client(capped[0])
     with ThreadPoolExecutor(6) as pool:

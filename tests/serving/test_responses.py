@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from serving_fixtures import (HAVE_MODEL, MODEL_PATH, NAME, httpx, metric, one_thread, openai, ref,  # noqa: F401
+from support.serving_fixtures import (HAVE_MODEL, MODEL_PATH, NAME, httpx, metric, one_thread, openai, ref,  # noqa: F401
                               server, torch)
-from serving_fixtures import client as openai_client
+from support.serving_fixtures import client as openai_client
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")
 
@@ -83,7 +83,7 @@ def test_message_list_input_streamed_in_the_published_order(server, ref):
 def test_the_limit_applied_is_reported(server):
     """Without max_output_tokens the limit is what the context leaves (chat's default), and the
     Response reports that number, consistent with a status ``incomplete: max_output_tokens``."""
-    from serving_fixtures import CONTEXT
+    from support.serving_fixtures import CONTEXT
 
     url = server[0]
     text = " Romeo" * 100

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, httpx, metric, one_thread, serve  # noqa: F401
+from support.serving_fixtures import CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, httpx, metric, one_thread, serve  # noqa: F401
 from pagedexperts.serving.handlers import ServeConfig
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")

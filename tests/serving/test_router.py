@@ -29,12 +29,13 @@ from pathlib import Path
 
 import pytest
 
-from serving_fixtures import CONTEXT, HAVE_MODEL, MAX_RUNNING, MODEL_PATH, NAME, httpx, one_thread, serve  # noqa: F401
-from serving_fixtures import client as openai_client
+from support.serving_fixtures import CONTEXT, HAVE_MODEL, MAX_RUNNING, MODEL_PATH, NAME, httpx, one_thread, serve  # noqa: F401
+from support.serving_fixtures import client as openai_client
 
 from pagedexperts.serving.handlers import ServeConfig  # noqa: E402  (after the server extra's importorskip)
+from support.paths import ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 INSTALL = "python3 -m venv .router-venv && .router-venv/bin/pip install 'sglang-router==0.3.2' 'vllm-router==0.1.17'"
 # name -> (environment variable naming its binary, the arguments before the router's flags)
 ROUTERS = {"sglang-router": ("PAGEDEXPERTS_SGLANG_ROUTER", ["launch"]), "vllm-router": ("PAGEDEXPERTS_VLLM_ROUTER", [])}

@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving_fixtures import (CONTEXT, MAX_RUNNING, MAX_TOKENS, MODEL_PATH, NAME, PROMPTS, httpx,  # noqa: F401
+from support.serving_fixtures import (CONTEXT, MAX_RUNNING, MAX_TOKENS, MODEL_PATH, NAME, PROMPTS, httpx,  # noqa: F401
                               load_model, metric, one_thread, ref, schedule, server, torch)
-from serving_fixtures import client as openai_client
+from support.serving_fixtures import client as openai_client
 from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.generation.generate import generate_text
 

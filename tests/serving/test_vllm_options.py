@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import pytest
 
-from serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, httpx, one_thread, ref, server,  # noqa: F401
+from support.serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, httpx, one_thread, ref, server,  # noqa: F401
                               torch)
-from serving_fixtures import client as openai_client
+from support.serving_fixtures import client as openai_client
 from pagedexperts.generation.stop_text import IncrementalText, stop_cut
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason=f"no model at {MODEL_PATH}")

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import pagedexperts
-from conftest import E, PAD_ID, TOP_K, VOCAB, copy_dir, greedy_logits, host_budget_gb
+from support.tiny import E, PAD_ID, TOP_K, VOCAB, copy_dir, greedy_logits, host_budget_gb
 from pagedexperts.storage.host_memory import plan_host_memory
 from pagedexperts.formats.slots import PackedSlots
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
@@ -257,7 +257,7 @@ def test_runtime_host_counters_equal_the_two_level_simulator(tiny_moe_dir, tmp_p
     disk reads of the simulator plus the read-aheads that were not used."""
     from pagedexperts.analysis import simulate as sim
     from pagedexperts.analysis.trace import load_trace
-    from test_runtime_vs_simulator import run_recorded
+    from support.recorded import run_recorded
 
     model = run_recorded(tiny_moe_dir, tmp_path / "t.npz", policy=policy, num_resident=TOP_K, dtype="float32",
                          host_memory_gb=budget_gb(R, tiny_moe_dir), read_ahead=read_ahead)

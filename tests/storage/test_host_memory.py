@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import pagedexperts
-from conftest import TOP_K
+from support.tiny import TOP_K
 from pagedexperts.storage import host_memory
 
 MB = 10**6
@@ -102,7 +102,7 @@ def test_a_cgroup_limit_refuses_the_load_at_start_up(tiny_moe_dir, monkeypatch):
 
 def test_the_budget_covers_every_part_on_a_cpu_device(tiny_moe_dir):
     """--host-memory-gb G is the total: the store gets G minus slots, weights, KV and runtime."""
-    from conftest import host_budget_gb
+    from support.tiny import host_budget_gb
 
     model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32",
                                        host_memory_gb=host_budget_gb(tiny_moe_dir, 3, num_resident=TOP_K, dtype="float32"))

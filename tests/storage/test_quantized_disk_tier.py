@@ -23,9 +23,9 @@ import torch
 import pagedexperts
 from pagedexperts import load_model
 from pagedexperts.formats.slots import PackedSlots
-from conftest import greedy_logits
-from quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
-from test_families import E, TOP_K, VOCAB, build_model, save_char_tokenizer
+from support.tiny import greedy_logits
+from support.quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
+from support.families import E, TOP_K, VOCAB, build_model, save_char_tokenizer
 
 pytest.importorskip("compressed_tensors")
 R = 2
@@ -47,7 +47,7 @@ def _source(root: Path, family: str) -> Path:
 
 
 def _build(root: Path, name: str) -> Path:
-    from test_int4_paged import _oracle_pair, _w4a16_pair
+    from support.quantized_dirs import _oracle_pair, _w4a16_pair
 
     if name == "mxfp4":
         return write_mxfp4(_source(root, "gpt_oss"), root / name)
@@ -151,7 +151,7 @@ def test_the_independence_check_sees_through_the_tier(quantized, monkeypatch, sl
 def test_a_stacked_tensor_without_e_leading_is_refused_by_name(quantized, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from conftest import copy_dir
+    from support.tiny import copy_dir
 
     healthy, _ = load_model(quantized("fp8-block-stacked"), num_resident=TOP_K)
     path = copy_dir(quantized("fp8-block-stacked"), tmp_path / "model")

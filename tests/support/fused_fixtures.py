@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from int4_oracle import group_index
+from support.int4_oracle import group_index
 from pagedexperts.formats.autoround import AutoRoundFormat
 from pagedexperts.formats.autoround_fp import AutoRoundFp8Format, AutoRoundMxfp4Format, AutoRoundNvfp4Format
 from pagedexperts.formats.awq import AwqFormat

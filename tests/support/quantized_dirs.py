@@ -27,6 +27,8 @@ from safetensors.torch import load_file, save_file
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec
 from pagedexperts.formats.fp8 import Fp8BlockFormat, quantize_fp8_block
 from pagedexperts.formats.mxfp4 import Mxfp4Format, quantize_mxfp4
+from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
+from support.int4_oracle import pack_awq, pack_gptq, rtn_int4
 
 _FP8_KEY = re.compile(r"\.(?:[a-z_]*proj(?:_with_mqa)?|w[123])\.weight$")
 
@@ -195,8 +197,69 @@ def load_with_two_host_rows(path, top_k: int):
     leaves 2 host rows per layer, so most page-ins read from disk (the disk tier)."""
     from pagedexperts import load_model
 
-    from conftest import host_budget_gb
+    from support.tiny import host_budget_gb
 
     tiered, _ = load_model(path, num_resident=top_k, host_memory_gb=host_budget_gb(path, 2, num_resident=top_k))
     assert tiered.pagedexperts.host_memory.host_rows == 2
     return tiered, tiered.pagedexperts.expert_bytes
+
+
+GROUP = 32
+
+
+_EXPERT_WEIGHT = r".experts."
+
+
+def _is_expert_weight(key: str) -> bool:
+    return _EXPERT_WEIGHT in key and key.endswith(".weight") and key.split(".experts.")[1].split(".")[0].isdigit()
+
+
+def _oracle_pair(src: Path, root: Path, fmt: str) -> tuple[Path, Path]:
+    """(quantized GPTQ/AWQ dir, dense reference dir) from ``src``'s weights."""
+    gen = torch.Generator().manual_seed(1)
+    packed, dense = {}, {}
+    for key, value in load_file(src / "model.safetensors").items():
+        if not _is_expert_weight(key):
+            packed[key] = dense[key] = value
+            continue
+        w = rtn_int4(value, GROUP, desc_act=fmt == "gptq", generator=gen)
+        packed.update({key.removesuffix("weight") + n: t for n, t in (pack_gptq(w) if fmt == "gptq" else pack_awq(w)).items()})
+        dense[key] = w.dense(value.dtype)
+    qc = ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
+           "checkpoint_format": "gptq"} if fmt == "gptq" else
+          {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"})
+    return write_checkpoint_dir(src, root / fmt, packed, qc), write_checkpoint_dir(src, root / f"{fmt}-ref", dense)
+
+
+def _w4a16_pair(src: Path, root: Path, symmetric: bool) -> tuple[Path, Path]:
+    """(w4a16 dir written by ``quantize``, reference dir)."""
+    out = root / f"w4a16-{symmetric}"
+    quantize_checkpoint(model_path=src, output=out, options=QuantizeOptions("w4a16", group_size=GROUP, symmetric=symmetric))
+    if symmetric:
+        return out, out
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=GROUP), format="pack-quantized")
+    tensors = load_file(out / "model.safetensors")
+    dense = {k: v for k, v in load_file(src / "model.safetensors").items() if not _is_expert_weight(k)}
+    for key in [k for k in tensors if k.endswith(".weight_packed")]:
+        base = key.removesuffix("weight_packed")
+        state = {n: tensors[base + n] for n in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
+        dense[base + "weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+    return out, write_checkpoint_dir(src, root / "w4a16-asym-ref", dense)
+
+
+# name -> (family, format writer, block, overrides of the family's tiny config)
+QUANTIZED = {
+    "qwen3_moe-fp8": ("qwen3_moe", "fp8", (128, 128), {}),
+    "deepseek_v3-fp8": ("deepseek_v3", "fp8", (128, 128), {}),
+    "qwen3_moe-fp8-block64-h192": ("qwen3_moe", "fp8", (64, 64), {"hidden_size": 192}),
+    "mixtral-fp8": ("mixtral", "fp8", (128, 128), {}),
+    "gpt_oss-mxfp4": ("gpt_oss", "mxfp4", None, {}),
+    "gpt_oss-mxfp4-h96": ("gpt_oss", "mxfp4", None, {"hidden_size": 96}),
+}
+
+
+UNQUANTIZED = {"gpt_oss-bf16": ("gpt_oss", "dense", None, {})}

@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import E, PAD_ID, TOP_K
+from support.tiny import E, PAD_ID, TOP_K
 from pagedexperts import integration
 from pagedexperts.paging import baselines
 from pagedexperts.tools import bench
 from pagedexperts.loading.loader import load_model
 from pagedexperts.stats.accounting import LayerStats, ModelStats
-from test_syncs import DeviceReads
+from support.reads import DeviceReads
 
 
 def _sample(wall: float, cpu: float, **total) -> bench.RoundSample:

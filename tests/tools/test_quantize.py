@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
-from quantized_dirs import fp8_block_dense, mxfp4_dense
-from test_families import build_model
+from support.quantized_dirs import fp8_block_dense, mxfp4_dense
+from support.families import build_model
 
 
 def _non_experts_unchanged(src_model, quantized):

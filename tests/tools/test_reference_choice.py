@@ -20,8 +20,8 @@ from pagedexperts.loading.checkpoint import format_for_checkpoint
 from pagedexperts.storage.safetensors_files import checkpoint_files
 from pagedexperts.tools.check import load_reference_with_choice
 from pagedexperts.tools.reference import RESIDENT, ReferenceLoaders, choose_reference, compare_with_format
-from quantized_dirs import write_fp8_block
-from test_families import build_model, save_char_tokenizer
+from support.quantized_dirs import write_fp8_block
+from support.families import build_model, save_char_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,7 @@ class TestTritonKernels:
 def test_decide_kernel_on_a_real_trace(policy):
     """The Triton decide through the first Qwen1.5-MoE recorded steps (11-91 rows, multi-wave
     at K = 8) makes the host residency's decisions (test_device_decide's comparison)."""
-    from test_device_decide import assert_same_decisions, trace_steps
+    from support.decisions import assert_same_decisions, trace_steps
 
     label, num_experts, _, steps = next(t for t in trace_steps() if t[0].startswith("qwen15") and "recorded" in t[0])
     compared = assert_same_decisions(policy, None, num_experts, 8, steps[:12], where=label, backend="triton")

@@ -36,9 +36,8 @@ import torch
 from pagedexperts.loading import runners
 from pagedexperts.loading.loader import load_model
 from pagedexperts.paging.kernels._triton import HAVE_TRITON
-from fused_reference import TOLERANCE
-from test_families import E, HIDDEN, TOP_K
-from test_formats import quantized_dirs  # noqa: F401  (the session fixture of the checkpoints)
+from support.fused_reference import TOLERANCE
+from support.families import E, HIDDEN, TOP_K
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fused_fixtures import CASES, HIDDEN, INTERMEDIATE, FormatCase, random_store, weight_tensors
-from fused_reference import TOLERANCE, dense_rows, fused_experts, fused_experts_reference
+from support.fused_fixtures import CASES, HIDDEN, INTERMEDIATE, FormatCase, random_store, weight_tensors
+from support.fused_reference import TOLERANCE, dense_rows, fused_experts, fused_experts_reference
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.dense import DenseFormat
 from pagedexperts.formats.gptq import GptqFormat

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fused_fixtures import FormatCase
+from support.fused_fixtures import FormatCase
 from pagedexperts.formats.autoround import AutoRoundFormat
 from pagedexperts.formats.autoround_fp import AutoRoundFp8Format, AutoRoundMxfp4Format, AutoRoundNvfp4Format
 from pagedexperts.formats.awq import AwqFormat
@@ -137,7 +137,7 @@ def gemm_launches(case: FormatCase, num_tokens: int, arch: int):
 
 
 def compile_launch(kernel, launch, arch: int, what: str) -> None:
-    from aot_compile import compile_for_arch
+    from support.aot_compile import compile_for_arch
 
     sig, constexprs = specialised(kernel, launch)
     info = compile_for_arch(kernel, signature=sig, constexprs=constexprs, arch=arch, num_warps=launch.num_warps,

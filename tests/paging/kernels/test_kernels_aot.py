@@ -52,7 +52,7 @@ class TestAheadOfTimeCompile:
     @pytest.mark.parametrize("policy", list(RULES))
     @pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[0]}-K{s[3]}" for s in SHAPES])
     def test_decide(self, shape, policy, arch):
-        from aot_compile import compile_for_arch
+        from support.aot_compile import compile_for_arch
         from pagedexperts.paging.kernels import decide
 
         label, num_experts, _, num_slots = shape
@@ -66,7 +66,7 @@ class TestAheadOfTimeCompile:
     @pytest.mark.parametrize("arch", ARCHS)
     @pytest.mark.parametrize("bytewise", [False, True], ids=["words", "bytes"])
     def test_page_in(self, bytewise, arch):
-        from aot_compile import compile_for_arch
+        from support.aot_compile import compile_for_arch
         from pagedexperts.paging.kernels import page_in
 
         constexprs = dict(BYTES=bytewise, BLOCK=page_in.BLOCK_WORDS)
@@ -77,7 +77,7 @@ class TestAheadOfTimeCompile:
 
     @pytest.mark.parametrize("arch", ARCHS)
     def test_remap_and_address(self, arch):
-        from aot_compile import compile_for_arch
+        from support.aot_compile import compile_for_arch
         from pagedexperts.paging.kernels import decide, page_in
 
         constexprs = dict(BLOCK=decide.REMAP_BLOCK)
@@ -183,7 +183,7 @@ def test_no_compiled_variant_per_batch_size(monkeypatch):
     same constexprs at every batch size, and the arguments that vary with T (entry count,
     waves, the wave index) are not specialised; the page-in gets the plan's base tensors (its
     wave's rows at an offset would be specialised on their alignment)."""
-    from aot_compile import jit_of
+    from support.aot_compile import jit_of
     from pagedexperts.paging.kernels import decide, page_in
 
     kernels = ((decide._decide_kernel, ("num_ids", "num_waves")), (page_in._page_in_kernel, ("wave",)),
