@@ -32,12 +32,11 @@ ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 from compressed_tensors.utils.match import is_match  # noqa: E402
-from support.tiny import greedy_logits  # noqa: E402
+from support.tiny import E, TOP_K, VOCAB, greedy_logits  # noqa: E402
 from support.quantized_dirs import load_with_two_host_rows  # noqa: E402
 from support import paths  # noqa: E402
 
 DATA = paths.DATA / "llmc"
-E, TOP_K, VOCAB = 16, 2, 128
 FORMAT = {
     "qwen3_moe-fp8": "ct-fp8", "qwen3_moe-fp8_dynamic": "ct-fp8", "qwen3_moe-fp8_block": "ct-fp8",
     "qwen3_moe-w8a16": "w8a16", "qwen3_moe-w4a16_mixed": "ct-pack-mixed",

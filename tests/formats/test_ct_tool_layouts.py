@@ -32,7 +32,7 @@ from compressed_tensors.quantization import QuantizationConfig, apply_quantizati
 from support import paths  # noqa: E402
 
 DATA = paths.DATA / "ct"
-E, TOP_K = 8, 2
+E, TOP_K = paths.FIXTURE_E, paths.FIXTURE_TOP_K
 # fixture -> (format name, how it binds the experts: dense tensor -> (bits or strategy, group size))
 FIXTURES = {
     "qwen3_moe-named_targets": ("ct-pack-mixed", {"gate_up_proj": (4, 32), "down_proj": (4, 16)}),

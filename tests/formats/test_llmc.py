@@ -50,7 +50,7 @@ SCHEMES = {  # fixture -> (format name, reference source, why transformers is no
     "mixtral-W8A16-g16": ("w8a16", "transformers", "cross-checked"),
     "mixtral-FP8_DYNAMIC": ("ct-fp8", "transformers", "cross-checked"),
 }
-E, TOP_K = 8, 2
+E, TOP_K = paths.FIXTURE_E, paths.FIXTURE_TOP_K
 
 
 def _fixture(name: str) -> Path:

@@ -36,7 +36,7 @@ from compressed_tensors.utils.match import is_match  # noqa: E402
 from support import paths  # noqa: E402
 
 DATA = paths.DATA / "llmc"
-TOP_K = 2
+TOP_K = paths.FIXTURE_TOP_K
 FIXTURES = {  # float32 checkpoint, float32 weight_scale -> format
     "qwen3_moe-fp8": "ct-fp8", "qwen3_moe-fp8_dynamic": "ct-fp8", "qwen3_moe-fp8_block": "ct-fp8",
     "mixtral-FP8_DYNAMIC": "ct-fp8", "deepseek_v3-fp8_block": "ct-fp8",

@@ -34,7 +34,7 @@ from support import paths
 qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
 
 DATA = paths.DATA / "modelopt"
-E, TOP_K = 8, 2
+E, TOP_K = paths.FIXTURE_E, paths.FIXTURE_TOP_K
 FIXTURES = {f"{family}-{algo}": f"modelopt-{algo.lower()}"
             for family in ("qwen3_moe", "mixtral", "deepseek_v3") for algo in ("NVFP4", "FP8")}
 

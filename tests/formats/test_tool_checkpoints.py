@@ -33,9 +33,10 @@ from pagedexperts.formats import TensorSpec, format_for_config
 from pagedexperts.formats.base import store_name
 from pagedexperts.loading.checkpoint import format_for_checkpoint
 from support.quantized_dirs import prefill_decode_runs
-from support.paths import DATA
+from support import paths
 
-E, TOP_K = 8, 2
+DATA = paths.DATA
+E, TOP_K = paths.FIXTURE_E, paths.FIXTURE_TOP_K
 FIXTURES = sorted(str(p.parent.relative_to(DATA)) for tool in ("autoround", "gptqmodel")
                   for p in (DATA / tool).glob("*/config.json"))
 WITH_ORACLE = [n for n in FIXTURES if (DATA / n / "tool_dequant.safetensors").exists()]

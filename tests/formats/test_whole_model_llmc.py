@@ -34,7 +34,7 @@ from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 from support import paths  # noqa: E402
 
 DATA = paths.DATA / "llmc_whole"
-E, TOP_K = 8, 2
+E, TOP_K = paths.FIXTURE_E, paths.FIXTURE_TOP_K
 FIXTURES = {  # name -> (format, its dtype as run by default: config.json's)
     "qwen3_moe-W4A16-g32": "w4a16", "qwen3_moe-W4A16_ASYM-g32": "w4a16",
     "qwen3_moe-W4A16_ASYM-g32-fp16scales": "w4a16", "qwen3_moe-W8A16-g16": "w8a16",

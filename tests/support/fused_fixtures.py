@@ -36,6 +36,7 @@ from pagedexperts.formats.int8_block import Int8BlockFormat
 from pagedexperts.formats.modelopt import ModelOptFp8Format, ModelOptNvfp4Format
 from pagedexperts.formats.mxfp4 import Mxfp4Format
 
+E, TOP_K = 16, 2  # the synthetic experts layer of the fused kernels' tests
 HIDDEN = 64
 INTERMEDIATE = 32
 

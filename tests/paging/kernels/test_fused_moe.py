@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from support.fused_fixtures import CASES, HIDDEN, INTERMEDIATE, FormatCase, random_store, weight_tensors
+from support.fused_fixtures import CASES, E, HIDDEN, INTERMEDIATE, TOP_K, FormatCase, random_store, weight_tensors
 from support.fused_reference import TOLERANCE, dense_rows, fused_experts, fused_experts_reference
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.dense import DenseFormat
@@ -29,7 +29,6 @@ from pagedexperts.formats.packing import WeightPacking, g_idx_is_trivial
 from pagedexperts.paging.kernels import HAVE_TRITON
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
-E, TOP_K = 16, 2
 
 
 def activate(module, proj):

@@ -36,13 +36,14 @@ from pagedexperts.formats.int8_block import Int8BlockFormat
 from pagedexperts.formats.modelopt import ModelOptFp8Format, ModelOptNvfp4Format
 from pagedexperts.formats.mxfp4 import Mxfp4Format
 from pagedexperts.paging.kernels import HAVE_TRITON
+from support import bundled
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
 
 ARCHS = (80, 89, 90)
 # name -> (hidden, moe intermediate, experts, top_k, slots K, dtype)
 SHAPES = {
-    "bundled": (128, 64, 64, 4, (4,), torch.float32),
+    "bundled": (bundled.HIDDEN, bundled.MOE_INTERMEDIATE, bundled.E, bundled.TOP_K, (bundled.TOP_K,), torch.float32),
     "qwen3-30b-a3b": (2048, 768, 128, 8, (40, 92), torch.bfloat16),
 }
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",

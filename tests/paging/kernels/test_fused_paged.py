@@ -19,13 +19,13 @@ import torch
 from pagedexperts.loading.config import ConfigError, PagingConfig, check_config
 from pagedexperts.loading.loader import bundled_model_path, load_model
 from pagedexperts.paging.kernels._triton import HAVE_TRITON
+from support import bundled
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
 
 FORMATS = ("dense", "w4a16", "fp8-block")
 PROMPT = 2  # tokens per prompt row
 BATCHES = (1, 2)  # batch 2: a 16-entry prefill routes to more experts than K = 4 or 8 hold
-E_BUNDLED, TOP_K_BUNDLED = 64, 4
 LAYERS = 2  # the bundled model's first layers (its shapes, E and top_k): the interpreter is slow
 
 
@@ -82,14 +82,14 @@ def prompts(batch: int):
 def fused(request, bundled_source, tmp_path_factory):
     """(format, one fused model of it, the oracle's runs at each of BATCHES: the same kernel, K = E)."""
     # the independence check compares the fused kernels' own reads of sampled slots with the checkpoint
-    model = fused_model(variant(request.param, bundled_source, tmp_path_factory), E_BUNDLED, check_independence=True)
+    model = fused_model(variant(request.param, bundled_source, tmp_path_factory), bundled.E, check_independence=True)
     with torch.no_grad():
         return request.param, model, {b: greedy(model, *prompts(b)) for b in BATCHES}
 
 
 @pytest.mark.slow
 @pytest.mark.default_threads
-@pytest.mark.parametrize("k", [TOP_K_BUNDLED, 2 * TOP_K_BUNDLED, E_BUNDLED // 2])
+@pytest.mark.parametrize("k", [bundled.TOP_K, 2 * bundled.TOP_K, bundled.E // 2])
 def test_paged_fused_equals_all_resident(fused, k):
     """Batch 1 and 2, prefill and decode, logits torch.equal at every step. The batch-2 prefill
     (16 entries) routes to more experts than K = 4 or 8 hold: several waves per step. (K = E/2
@@ -106,7 +106,7 @@ def test_paged_fused_equals_all_resident(fused, k):
             assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), (name, k, batch, diffs)
             assert torch.equal(seq, ref_seq)
     stats = model.pagedexperts.stats().total()
-    assert stats.misses > 0 and (k == E_BUNDLED // 2 or stats.multi_wave_steps > 0), (k, stats)
+    assert stats.misses > 0 and (k == bundled.E // 2 or stats.multi_wave_steps > 0), (k, stats)
     runner = next(iter(model.pagedexperts.runners.values()))
     assert runner.setup.dequantizer is None and "scratch" not in model.pagedexperts.buffers  # read packed
     if name != "dense":
@@ -144,14 +144,14 @@ def test_packed_quantized_slots_are_accepted_for_capture_and_decode_the_same(bun
     with all E experts resident, decoded the same way."""
     from pagedexperts.generation.graphs import DecodeGraphs, capture_problem_of
     path = variant("w4a16", bundled_source, tmp_path_factory)
-    dequantizing, _ = load_model(path, num_resident=TOP_K_BUNDLED, decide="device", device_kernels="torch",
+    dequantizing, _ = load_model(path, num_resident=bundled.TOP_K, decide="device", device_kernels="torch",
                                  slot_format="packed", cuda_graphs="eager", check_independence=False)
     assert "quantized format" in capture_problem_of(dequantizing)
     ids, mask = prompts(1)
     steps = 2
     tokens = torch.randint(1, 4000, (1, steps), generator=torch.Generator().manual_seed(7))
     logits = {}
-    for k in (TOP_K_BUNDLED, E_BUNDLED):
+    for k in (bundled.TOP_K, bundled.E):
         model = fused_model(path, k, cuda_graphs="eager")
         assert capture_problem_of(model) is None
         graphs = DecodeGraphs(model, backend="eager", max_batch=1)
@@ -159,4 +159,4 @@ def test_packed_quantized_slots_are_accepted_for_capture_and_decode_the_same(bun
         with torch.no_grad():
             logits[k] = [st.prefill(ids, mask)] + [graphs.decode(st, tokens[:, i], PROMPT + i) for i in range(steps)]
         assert graphs.summary()["captures"] == 1 and graphs.summary()["fallbacks"] == []
-    assert all(torch.equal(a, b) for a, b in zip(logits[TOP_K_BUNDLED], logits[E_BUNDLED]))
+    assert all(torch.equal(a, b) for a, b in zip(logits[bundled.TOP_K], logits[bundled.E]))

@@ -25,11 +25,12 @@ if not torch.cuda.is_available():  # before the kernels are defined (see test_de
 
 from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
 from pagedexperts.paging.kernels.decide import DecidePlan, DecideRule, DecideState  # noqa: E402
+from support import bundled  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
 ARCHS = (80, 89, 90)
 # (label, E, top_k, K): the bundled model at its default K, Qwen3-30B-A3B at K 40 and 92
-SHAPES = (("bundled", 64, 4, 16), ("qwen3-30b-a3b", 128, 8, 40), ("qwen3-30b-a3b", 128, 8, 92))
+SHAPES = (("bundled", bundled.E, bundled.TOP_K, 16), ("qwen3-30b-a3b", 128, 8, 40), ("qwen3-30b-a3b", 128, 8, 92))
 RULES = {"lru": DecideRule(False), "lfu": DecideRule(True, 128)}
 
 
