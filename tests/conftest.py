@@ -12,6 +12,10 @@ once per session:
   ``model.safetensors.index.json``.
 - ``tiny_moe_dense_dir``: a 3-layer model whose layer 1 is dense (``mlp_only_layers=[1]``).
 
+The tiny model's constants and builders are ``support.tiny``'s (tests/support/: what test modules
+share; no test module imports another). Shared fixtures beside these: ``device_reads`` (the
+syncing-call counter of the paging tests), ``quantized_dirs`` (block-FP8 / MXFP4 family checkpoints).
+
 Legend: E routed experts, k top_k, K resident slots, I expert intermediate, H hidden.
 
 Threads. A CPU GEMM row's bits can depend on the thread count, so exactness tests (marked

@@ -247,7 +247,7 @@ def test_cli_bad_inputs(capsys, extra, message):
 
 def test_cli_trace_that_is_no_file(tmp_path, capsys):
     """A missing path named the flag nowhere; a directory raised IsADirectoryError (traceback).
-    A directory is a set of traces now (tests/test_trace_sets.py): one without any is refused."""
+    A directory is a set of traces now (tests/analysis/test_trace_sets.py): one without any is refused."""
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path / "none.npz")])
     assert rc == 2 and f"--trace {tmp_path / 'none.npz'}: no such file or directory" in err
     rc, _, err = _run(capsys, ["simulate", "--trace", str(tmp_path)])

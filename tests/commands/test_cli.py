@@ -183,7 +183,7 @@ def test_check_passes_on_the_bundled_model(capsys):
     out, err = capsys.readouterr()
     assert rc == 0, out
     # progress between start and verdict (issue 33): what loads (the bar of the 4 runs per K is
-    # drawn on a terminal only: tests/test_progress_bars.py)
+    # drawn on a terminal only: tests/commands/test_progress_bars.py)
     assert err.startswith("check: loading the unpaged reference, then the paged model at K = 4, 32\n")
     lines = out.strip().splitlines()
     assert lines[0] == "reference: transformers (its own loading of an unquantized checkpoint)"

@@ -16,7 +16,7 @@ def test_quantize_command_writes_w4a16(tiny_moe_dir, tmp_path, capsys):
                  "--output", str(out)]) == 0
     printed, err = capsys.readouterr()
     assert "w4a16: 96 routed expert weights" in printed  # 2 layers x 16 experts x 3
-    # the bar of the 96 weights (issue 33) is drawn on a terminal only (tests/test_progress_bars.py)
+    # the bar of the 96 weights (issue 33) is drawn on a terminal only (tests/commands/test_progress_bars.py)
     assert "quantize w4a16:" not in err and "\r" not in err
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"

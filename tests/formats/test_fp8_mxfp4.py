@@ -2,7 +2,7 @@
 
 The oracle is transformers' own loading of the same quantized directory (``from_pretrained``
 on CPU dequantizes block FP8 and MXFP4 into the model's dtype). Checkpoints are tiny family
-models written in the published on-disk layouts (``tests/quantized_dirs.py``): Qwen3-MoE and
+models written in the published on-disk layouts (``tests/support/quantized_dirs.py``): Qwen3-MoE and
 DeepSeek-V3 in block FP8 (per-expert keys, attention and shared experts quantized too), gpt-oss
 in MXFP4 (stacked ``*_blocks`` / ``*_scales`` and bf16 biases). One config per format has
 sizes that are multiples of the format's block but not of 128 (gpt-oss hidden 2880 = 90 x 32

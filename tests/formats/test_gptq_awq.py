@@ -1,7 +1,7 @@
 """GPTQ and AWQ int4 experts: the library's dequantize equals the published dequantization.
 
 transformers cannot load GPTQ/AWQ on this CPU machine (it needs GPTQModel kernels), so the
-oracle is ``tests/int4_oracle.py``: the published packing loops and the dequantization from
+oracle is ``tests/support/int4_oracle.py``: the published packing loops and the dequantization from
 the raw integers. Covered: desc_act's permuted g_idx, v1 zeros (stored z - 1) and v2, AWQ's
 interleaved order, a Qwen3-style gate+up merge (two sources), rows independent, bad configs.
 """

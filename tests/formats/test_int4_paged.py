@@ -6,7 +6,7 @@ References (the unpaged model, plain ``from_pretrained``):
   with the compressed-tensors package);
 - w4a16 asymmetric: a dense checkpoint of the compressed-tensors package's decompression of
   every expert (transformers 5.24 drops MoE zero points, see test_format_w4a16);
-- GPTQ (desc_act, v1 zeros) and AWQ: a dense checkpoint of ``tests/int4_oracle.py``'s
+- GPTQ (desc_act, v1 zeros) and AWQ: a dense checkpoint of ``tests/support/int4_oracle.py``'s
   published dequantization from the raw integers (transformers needs GPU kernels for them).
 
 Legend: E routed experts, k top_k, K resident slots.

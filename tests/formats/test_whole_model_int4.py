@@ -1,7 +1,7 @@
 """Whole-model GPTQ and AWQ checkpoints (issue 29): every nn.Linear quantized (attention, routed and
 shared experts, dense MLP layers; the router and lm_head kept), as GPTQModel's and AutoRound's
 default recipes write them, in float16 and bfloat16 sources. Written in the published on-disk
-layouts by ``tests/int4_oracle.py`` (GPTQ: v1 zeros, desc_act's permuted g_idx, symmetric
+layouts by ``tests/support/int4_oracle.py`` (GPTQ: v1 zeros, desc_act's permuted g_idx, symmetric
 z = 8; AWQ GEMM's interleaved order) until tool-written fixtures land.
 
 Oracle: a float checkpoint of the published dequantization from the raw integers (float16

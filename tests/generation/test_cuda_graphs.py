@@ -4,7 +4,7 @@
 
 Run by ``bench/gpu_check.sh`` (``pytest -m cuda``); the tests are in ``TestCudaGraphs``, behind
 ``skipif`` where torch sees no CUDA device or triton is missing (the device-planned step's
-kernels); tests/test_gpu_guards.py checks each is collected and holds the CPU guards of the
+kernels); tests/project/test_gpu_guards.py checks each is collected and holds the CPU guards of the
 same code (capability rule, one stream for warm-up and capture). NOT YET RUN ON A GPU when written.
 Oracles: the same checkpoint loaded a second time and decoded through the same static-buffer
 step eagerly (``EagerBackend``: the function the graph captured, run op by op): logits

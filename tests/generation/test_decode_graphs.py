@@ -1,7 +1,7 @@
 """Decode over static buffers (``generation.graphs``, ``generation.static_decode``) on CPU.
 
 The CUDA backend captures the same static-buffer step function the eager backend calls here
-(tests/test_cuda_graphs.py checks capture == eager on a GPU). Oracles: the unpaged
+(tests/generation/test_cuda_graphs.py checks capture == eager on a GPU). Oracles: the unpaged
 transformers model decoded through the same static-buffer runner (logits torch.equal, every
 step, routing changing), transformers' own greedy ``generate`` (tokens), the runners a repage
 attaches (invalidation counted), the option checks' messages (each names its flag).

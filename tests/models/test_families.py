@@ -318,7 +318,7 @@ def test_unsupported_architecture_fails_at_start_up_with_the_list(tmp_path):
 
 def test_unsupported_quantized_checkpoint_fails_at_start_up(family_dirs, tmp_path):
     """A quant_method no expert format reads is refused before any work, naming it (the
-    supported formats are tested in test_formats.py)."""
+    supported formats are tested in tests/formats/)."""
     config = json.loads((family_dirs("gpt_oss") / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes"}
     (tmp_path / "config.json").write_text(json.dumps(config))

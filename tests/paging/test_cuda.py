@@ -2,7 +2,7 @@
 device-planned.
 
 Run by ``bench/gpu_check.sh`` (``pytest -m cuda``); the GPU tests are in ``TestCuda``, behind
-``skipif`` where torch sees no CUDA device (tests/test_gpu_guards.py checks that every test
+``skipif`` where torch sees no CUDA device (tests/project/test_gpu_guards.py checks that every test
 here is collected). The reference is the same directory loaded with plain ``from_pretrained``
 on the device. ``--decide auto`` on CUDA with triton is the device-planned step, so each
 exactness case runs both ways, named.
@@ -111,7 +111,7 @@ class TestCuda:
     def test_no_sync_from_the_package_but_the_read_back(self, tiny_moe_dir):
         """CUDA's sync debug mode warns on every synchronizing call; during prefill and decode
         with prefetch at K = top_k (host-planned: prefetch plans on the host), none may come
-        from pagedexperts code except the one read-back per layer-step (tests/test_syncs.py
+        from pagedexperts code except the one read-back per layer-step (tests/paging/test_syncs.py
         counts the same on CPU)."""
         from pagedexperts.loading.runners import install_prefetch
         from pagedexperts.paging import transfer

@@ -6,7 +6,7 @@ every slot, the step's hits, misses and waves, and the policy's eviction order o
 (LRU: its ordered map; LFU: its rank keys). Steps: seeded random steps (single and multi-wave,
 repeated ids inside a step), hand cases, and the real traces in $PAGEDEXPERTS_REAL_TRACES
 (recorded steps, one request at a time, 8 requests a step: multi-wave at K < 64).
-These run the torch reference; tests/test_device_kernels.py holds the Triton kernel to it.
+These run the torch reference; tests/paging/kernels/test_device_kernels.py holds the Triton kernel to it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Oracles: the host-planned executor on the same greedy run (hits, misses and waves of every
 layer, prefill and decode: the device decide makes the residency's decisions), the unpaged
 model (logits torch.equal, ``tools.check``), and for host syncs the instrument of
-``tests/test_syncs.py`` (a read-back counted where it happens, not by the runtime) against the
+``tests/paging/test_syncs.py`` (a read-back counted where it happens, not by the runtime) against the
 runtime's own ``host_syncs``. On CPU the Triton kernels run under ``TRITON_INTERPRET=1``
 (conftest sets it); the torch reference kernels (``device_kernels="torch"``) where the
 interpreter is slow.

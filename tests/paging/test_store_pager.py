@@ -29,7 +29,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def inner_dtype_cases():
     """(inner, dtype) pairs over every inner implementation with a host step (this file pages
-    through the host executor; fused runs on the device path only: tests/test_fused_paged.py)
+    through the host executor; fused runs on the device path only: tests/paging/kernels/test_fused_paged.py)
     and dtype."""
     return [
         pytest.param(inner, dtype, id=f"{inner}-{str(dtype).removeprefix('torch.')}")

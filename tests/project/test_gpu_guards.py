@@ -25,7 +25,7 @@ from pagedexperts.generation import graphs
 from pagedexperts.storage import host_store
 from support.paths import ROOT
 
-CUDA_TEST_FILES = sorted((ROOT / "tests").glob("test_cuda*.py"))
+CUDA_TEST_FILES = sorted((ROOT / "tests").rglob("test_cuda*.py"))
 
 
 def uncollected_tests(source: str) -> list[str]:
@@ -52,7 +52,7 @@ def uncollected_tests(source: str) -> list[str]:
 
 @pytest.mark.parametrize("path", CUDA_TEST_FILES, ids=[p.name for p in CUDA_TEST_FILES])
 def test_every_cuda_test_is_collected(path):
-    """Review item 2 (tests/test_cuda.py: three tests indented inside a helper, after its
+    """Review item 2 (tests/paging/test_cuda.py: three tests indented inside a helper, after its
     ``return``). GPU tests stay in ``Test*`` classes behind skipif (never a skipped module)."""
     source = path.read_text()
     assert uncollected_tests(source) == []
@@ -69,7 +69,7 @@ def test_the_collection_check_sees_a_nested_test():
                                          "test_lost (line 4) is not collected: nested in another definition"]
 
 
-# -- generation.graphs: what capture needs (GPU: tests/test_cuda_graphs.py) ---------------------
+# -- generation.graphs: what capture needs (GPU: tests/generation/test_cuda_graphs.py) ---------------------
 
 
 @pytest.mark.parametrize("capability,problem", [((8, 0), True), ((8, 9), True), ((9, 0), False), ((10, 0), False),

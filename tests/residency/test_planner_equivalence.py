@@ -1,6 +1,6 @@
 """The O(log K) planner makes exactly the decisions of the O(misses x K) one it replaced.
 
-Oracle: ``tests/planner_oracle.py``, a verbatim copy of the old residency module and Belady
+Oracle: ``tests/support/planner_oracle.py``, a verbatim copy of the old residency module and Belady
 policy. For every policy (the runtime's and Belady's), the same routing goes through both and
 every ``StepPlan`` (waves, their experts, slots and loads, hits, misses), every prefetch's
 loads and the final slot maps must be equal: on skewed random routing (hits and misses, single

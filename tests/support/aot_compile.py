@@ -7,7 +7,7 @@ kernel's registers and spills from ``ptxas -v`` over its PTX (run by Triton's ow
 driver: it runs in the CPU suite. Results are cached for the test session
 (``functools.cache``); Triton's on-disk cache, and the ptxas figures kept beside each kernel
 in it, make a later session fast. Under the Triton interpreter the compiles run in a worker
-process without it (``compile_for_arch``). Used by tests/test_kernels_aot.py and the
+process without it (``compile_for_arch``). Used by tests/paging/kernels/test_kernels_aot.py and the
 fused-kernel tests.
 
 Signature types are Triton's: "*i64", "*bf16", "i32", "constexpr", a tuple of them for a tuple

@@ -3,7 +3,7 @@
 Used in-process by ``test_exact_everywhere.py`` and as a script in one subprocess per
 ``ATEN_CPU_CAPABILITY`` value (torch fixes its CPU kernels' vector width when it is imported):
 
-    python tests/exact_probe.py --impl grouped_mm --dtype float32 bfloat16 --num-resident 4
+    python tests/support/exact_probe.py --impl grouped_mm --dtype float32 bfloat16 --num-resident 4
 
 prints one JSON object per dtype: the configuration (threads, capability) and per run max
 |logit diff|, logits torch.equal at every step, greedy tokens equal.

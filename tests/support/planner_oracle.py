@@ -1,4 +1,4 @@
-"""Oracle for tests/test_planner_equivalence.py: the wave planner and policies as they were
+"""Oracle for tests/residency/test_planner_equivalence.py: the wave planner and policies as they were
 before the O(log K) planner (pagedexperts/residency.py and simulate.BeladyPolicy at commit
 30579a3), kept verbatim so the new planner can be checked to make exactly the same decisions.
 It rebuilds the candidate list over all K slots for every miss: O(misses x K). Do not edit.

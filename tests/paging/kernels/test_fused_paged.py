@@ -93,7 +93,7 @@ def fused(request, bundled_source, tmp_path_factory):
 def test_paged_fused_equals_all_resident(fused, k):
     """Batch 1 and 2, prefill and decode, logits torch.equal at every step. The batch-2 prefill
     (16 entries) routes to more experts than K = 4 or 8 hold: several waves per step. (K = E/2
-    with a batch beyond K is the kernels' own test, tests/test_fused_moe.py, at tiny shapes.)"""
+    with a batch beyond K is the kernels' own test, tests/paging/kernels/test_fused_moe.py, at tiny shapes.)"""
     from pagedexperts.loading import runners
 
     name, model, oracle = fused

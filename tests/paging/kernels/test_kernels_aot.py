@@ -1,6 +1,6 @@
 """Every Triton kernel of the device-planned step compiles for the GPUs it runs on (no GPU needed).
 
-Ahead-of-time compiles (``tests/aot_compile.py``: ``triton.compile`` for a ``GPUTarget``, then
+Ahead-of-time compiles (``tests/support/aot_compile.py``: ``triton.compile`` for a ``GPUTarget``, then
 ptxas) of ``decide`` (LRU and LFU), ``page_in`` (word and byte rows), ``remap`` and the address
 probe, for sm_80 (A100), sm_89 (L4) and sm_90 (H100/H200), at the bundled model's shape (E 64,
 top_k 4, K 16) and Qwen3-30B-A3B's (E 128, top_k 8, K 40 and 92; hidden 2048, moe
