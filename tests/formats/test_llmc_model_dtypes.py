@@ -130,7 +130,7 @@ def test_paged_equals_reference_at_the_run_dtype(name, dtype):
             assert run.exact and run.tokens_equal, f"{name} {dtype} {run.prompt}: {run.max_abs_diff:.3g}"
 
 
-AUTOROUND_INT8 = DATA / "autoround" / "qwen3_moe-llm_compressor-INT8_W8A8-experts"
+AUTOROUND_INT8 = paths.DATA / "autoround" / "qwen3_moe-llm_compressor-INT8_W8A8-experts"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
