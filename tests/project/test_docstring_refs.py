@@ -99,11 +99,18 @@ def references(module: str, text: str) -> list[str]:
 
 
 def outside_module(name: str) -> bool:
-    """Whether ``name`` is also an importable top-level module outside the package."""
+    """Whether ``name`` is also an importable top-level module outside the package. Under pytest
+    tests/ is on sys.path and its directories mirror the package's (tests/paging/, ...): such a
+    namespace package of test directories is no module outside the package."""
     try:
-        return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return False
+    if spec is None:
+        return False
+    tests = PACKAGE_DIR.parent / "tests"
+    locations = [Path(p) for p in (spec.submodule_search_locations or [])]
+    return not (spec.origin is None and locations and all(p.is_relative_to(tests) for p in locations))
 
 
 def class_member(cls: type, name: str) -> bool:
