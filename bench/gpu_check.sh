@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The prepared GPU check, in order of value, within 6 minutes: phase limits 140 + 70 + 50 + 40 + 60 =
 # 360 s (each phase gets SIGINT at its limit, SIGKILL 5 s later; the env probe takes a few s):
-#   cuda_tests       the CUDA tests (tests/test_cuda.py host- and device-planned exactness, no sync,
-#                    the page-lock fallback; tests/test_cuda_graphs.py captured == eager, no sync in
+#   cuda_tests       the CUDA tests (tests/paging/test_cuda.py host- and device-planned exactness, no sync,
+#                    the page-lock fallback; tests/generation/test_cuda_graphs.py captured == eager, no sync in
 #                    replay, the grouped_mm capability rule, one stream for warm-up and capture, the
 #                    server's KV-row decode steps captured per bucket == eager, no sync in replay;
-#                    tests/test_formats.py's CUDA cases)
+#                    tests/formats/test_fp8_mxfp4.py's CUDA cases)
 #   captured_decode  gpu_bench --phases captured: decode tok/s with every step replayed from a CUDA
 #                    graph, paged at K = 40 and 92 and resident, batch 1 and 4, beside eager
 #                    generate, on a 4-layer Qwen3-30B-A3B-shaped model with random bf16 weights
@@ -24,7 +24,7 @@
 #   OUT=/dir bash bench/gpu_check.sh            on the GPU machine; the run tool must carry
 #                                               .gpu_traces (carry: [".gpu_traces"])
 #   OUT=/dir bash bench/gpu_check.sh --dry-run  anywhere: print the phases, their limits and
-#                                               commands; runs nothing (tests/test_gpu_guards.py)
+#                                               commands; runs nothing (tests/project/test_gpu_guards.py)
 #
 # PYTHON (default python3) names the interpreter. Exit status 1 if any phase failed. Installs
 # nothing (the GPU image has python 3.12, torch 2.11, triton 3.6, transformers 5.17, no FastAPI):
@@ -78,7 +78,7 @@ if [ "$DRY" = 0 ]; then
   [ -n "$(ls .gpu_traces/*.jsonl 2>/dev/null)" ] || echo "WARNING: no .gpu_traces (run --prepare here and carry it): the modelled table will be empty"
 fi
 
-phase cuda_tests 140 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_graphs.py tests/test_formats.py -p no:cacheprovider
+phase cuda_tests 140 "$PY" -m pytest -q -m cuda tests/paging/test_cuda.py tests/generation/test_cuda_graphs.py tests/formats/test_fp8_mxfp4.py -p no:cacheprovider
 phase captured_decode 70 "$PY" bench/gpu_bench.py --phases captured --out "$OUT"
 phase fused 50 "$PY" bench/gpu_fused.py --out "$OUT"
 phase micro 40 "$PY" bench/gpu_micro.py --out "$OUT"

@@ -8,7 +8,7 @@ default the shared OLMoE trace), so hits and misses follow real text. For each b
 (decode rows per step) it measures, per MoE layer-step: the paging stats' own plan and
 read-back p50 (``stats.TimeDistribution``) and the whole experts call (p50), for the mode
 ``resident`` (no paging) and paged at each K, with the new planner and the old one (the test
-oracle, tests/planner_oracle.py) in the same run; then multiplies by 48 layers.
+oracle, tests/support/planner_oracle.py) in the same run; then multiplies by 48 layers.
 
 Usage: python bench/host_estimate.py [--num-resident 32,64] [--batches 1,8,32] [--tokens 48]
 """

@@ -1,7 +1,7 @@
 """Host planning cost of ``Residency.plan``: the O(log K) planner against the one it replaced.
 
 Both planners run in this one process on the same routing (uniform random top-k per token,
-seeded): ``before`` is the old planner kept as the test oracle (tests/planner_oracle.py),
+seeded): ``before`` is the old planner kept as the test oracle (tests/support/planner_oracle.py),
 ``after`` is pagedexperts.residency (planner and policies). Steps before every slot is filled are warm-up, not timed.
 
 Targets (issue 13): per-miss plan time at K = 128 over K = 16 at E = 256, batch 32, top-8, at

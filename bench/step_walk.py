@@ -15,7 +15,7 @@ Two counts:
 - raw: every package code object the profiler saw (helpers and comprehensions included).
 
 The count is deterministic (fixed seed, fixed routing): issue 37's target is at most 8 modules
-and 24 functions per path (``tests/test_step_walk.py`` keeps each path within its bound).
+and 24 functions per path (``tests/paging/test_step_walk.py`` keeps each path within its bound).
 
 Paths: "host" (host-planned, grouped_mm), "device" (device-planned grouped_mm, the decide /
 page-in / remap kernels as their torch references, or as Triton kernels with ``--device-kernels

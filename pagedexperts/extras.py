@@ -3,7 +3,7 @@ feature makes before it starts work that needs one.
 
 Owns: which module each extra provides and the message a user sees when it is missing (the
 extra's name and the ``pip install`` line). Does not: import anything at module import (the
-package imports with no extra installed; ``tests/test_optional_extras.py`` keeps it so).
+package imports with no extra installed; ``tests/project/test_optional_extras.py`` keeps it so).
 Standard library only.
 """
 

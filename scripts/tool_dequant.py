@@ -1,5 +1,5 @@
 """The quantization tool's OWN dequantization of a sample of a checkpoint's modules: the oracle
-tests/test_formats_tools.py compares pagedexperts' dequantization with (``torch.equal``).
+tests/formats/test_tool_checkpoints.py compares pagedexperts' dequantization with (``torch.equal``).
 
 Imported by ``tool_quantize.py tool-dequant DIR`` inside the venv of the library that reads the
 format (the driver ``tool_fixtures.py`` picks it): GPTQ (``quant_method: gptq``) and AWQ

@@ -21,7 +21,7 @@ lists the venvs and the exact commands). Subcommands:
 - ``tool-dequant DIR``: the tool's OWN dequantization of a sample of the checkpoint's quantized
   modules (layer 1's experts 0 and 5, and its q_proj where quantized), in float32 and in the
   checkpoint's dtype, into ``DIR/tool_dequant.safetensors`` (key ``{module}@{dtype}``): the
-  oracle tests/test_formats_tools.py compares pagedexperts' dequantization with.
+  oracle tests/formats/test_tool_checkpoints.py compares pagedexperts' dequantization with.
 
 ``--experts-only`` keeps attention unquantized (AutoRound ``layer_config``; GPTQModel a
 ``dynamic`` "-:" rule): the variant whose loading needs no quantized-attention support.

@@ -6,7 +6,7 @@ it from the last logits (greedy argmax, or transformers' own temperature / top-p
 ``torch.multinomial``, as ``generate`` samples; or the caller's logits processor first), stream it, stop at EOS or a stop string, and
 run the next decode step through ``DecodeGraphs.decode`` (a CUDA-graph replay). Finished rows
 are padded with the pad token, as ``generate`` does. Greedy tokens equal transformers' greedy
-``generate`` (tests/test_decode_graphs.py); logits may differ from its dynamic cache in the
+``generate`` (tests/generation/test_decode_graphs.py); logits may differ from its dynamic cache in the
 last bits (attention over L_max masked positions instead of the L present), not from the same
 static decode run unpaged. Does not: capture (``graphs``), load or page.
 

@@ -21,7 +21,7 @@ from pagedexperts.models.families import FAMILIES
 from pagedexperts.formats.base import TensorSpec
 
 # model_type (config.json) -> family name. Each entry is covered by an exactness test
-# (tests/test_families.py); the families' layer rules and quirks are in ``families``.
+# (tests/models/test_families.py); the families' layer rules and quirks are in ``families``.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {t: f.name for t, f in FAMILIES.items()}
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")

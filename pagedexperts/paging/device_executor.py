@@ -19,7 +19,7 @@ trace hook are refused, and the configuration check refuses ``--prefetch`` with
 
 Exactness: the bodies keep the host path's layouts and combine (``paging.steps.device_grouped``),
 so the output equals the host-planned executor's and the unpaged experts'
-(tests/test_device_pager.py).
+(tests/paging/test_device_pager.py).
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T k entries, W waves.
 """

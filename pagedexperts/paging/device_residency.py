@@ -9,7 +9,7 @@ slot and wave), ``decide`` (the decide and remap kernels of ``kernels.decide``),
 page-in (``page_in_over``: a ``kernels.page_in.PageIn``), and ``DeviceCounters``, the layer's
 paging counters accumulated on the device without a sync. Its decisions equal
 ``residency.planner.Residency`` with the same policy on the same steps
-(tests/test_device_decide.py, on the real traces). Does not: compute experts
+(tests/paging/test_device_decide.py, on the real traces). Does not: compute experts
 (``paging.steps``) or order anything (one stream: issue order).
 
 Legend: T tokens, k top_k, E experts, K slots, S = T k entries, W = ceil(min(S, E) / K) waves.

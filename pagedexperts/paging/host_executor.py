@@ -15,7 +15,7 @@ Syncs. A layer-step makes exactly one device-to-host transfer (``transfer.read_s
 top-k ids, the next layer's prefetch prediction and the step's padding count together); the
 slot map lives on the device and is re-uploaded from pinned memory only when it changed, and a
 multi-wave step's rows per wave are computed on the host from the read-back ids and uploaded.
-``tests/test_syncs.py`` counts this by instrumentation.
+``tests/paging/test_syncs.py`` counts this by instrumentation.
 
 Exactness. Each wave's entries are computed by the body with the model's own experts math over
 the slot tensors, every kernel handed the unpaged model's row order and buffer shape, and

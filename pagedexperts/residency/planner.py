@@ -136,7 +136,7 @@ class Residency:
         num_experts: E, routed experts of the layer.
         num_slots: K, slots on the device, 1 <= K <= E.
         policy: the eviction policy; None: LFU with aging over K slots, the ``--policy``
-            default (``residency.policies.DEFAULT_POLICY``; tests/test_policies.py holds the
+            default (``residency.policies.DEFAULT_POLICY``; tests/residency/test_policies.py holds the
             two equal).
 
     Raises:

@@ -153,7 +153,7 @@ _PER_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.[^.]+\.[^.]+$")  # experts.{j}
 
 def _resident_reference(path, *, device: str, dtype, experts_implementation: str):
     """The resident model: every expert dequantized once by pagedexperts' format (tested against
-    the published dequantizations in tests/test_format_*), contiguous as the paged model's kernel
+    the published dequantizations in tests/formats/), contiguous as the paged model's kernel
     receives them (``paging.baselines.ResidentRunner``)."""
     from pagedexperts.loading.loader import load_model
 

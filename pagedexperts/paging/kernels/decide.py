@@ -213,7 +213,7 @@ def decide_torch(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: 
 # One program (one thread block) decides the whole step; its threads share the state through
 # global memory, so every read of a location and a later write of it by another thread (or a
 # write and a later read) are separated by ``tl.debug_barrier()`` (bar.sync): the state is read
-# in one phase, written in the next (tests/test_kernels_aot.py checks the kernel's source).
+# in one phase, written in the next (tests/paging/kernels/test_kernels_aot.py checks the kernel's source).
 # Registers: ids, slots, ranks and classes are int32 (bounded by E and K); the clock, last use
 # and counts stay int64 (unbounded counters: the device equals the host's Python ints on any
 # run length). Slots are ranked in chunks of RANK_CHUNK against all K, keys held in scratch
@@ -221,7 +221,7 @@ def decide_torch(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: 
 
 BLOCK_IDS = 256  # top-k ids scattered per loop iteration: fixed, so no variant per batch size
 RANK_CHUNK = 16  # slots compared at once while ranking (bounds registers at any K)
-NUM_WARPS = 4  # with RANK_CHUNK 16: no spills at K = 40 and 92 on sm_80/89/90 (tests/test_kernels_aot.py)
+NUM_WARPS = 4  # with RANK_CHUNK 16: no spills at K = 40 and 92 on sm_80/89/90 (tests/paging/kernels/test_kernels_aot.py)
 KEY_SHIFT = 48  # key = class << 48 | LFU count: counts stay below 2^48 (steps of a run)
 
 if HAVE_TRITON:

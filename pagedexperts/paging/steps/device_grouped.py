@@ -8,7 +8,7 @@ so nothing is read back and every shape is fixed by T and k: the unpaged model's
 of the flat ids gives the row order; a wave's rows are its positions stably regrouped by slot
 (a stable argsort of key = slot for the wave's positions, K for the others), so the buffer's
 first n_w rows are exactly the host layout's positions (``grouped_layout``;
-tests/test_device_pager.py checks it) and the rows after them lie past the last group offset
+tests/paging/test_device_pager.py checks it) and the rows after them lie past the last group offset
 (not computed). Packed slots of a quantized format are dequantized all K at once (a fixed
 shape). Does not: decide or page in (``paging.device_executor``).
 

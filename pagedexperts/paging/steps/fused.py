@@ -22,7 +22,7 @@ Exactness: an entry's output bits depend only on its token, its expert's packed 
 step's entry count (tile sizes are a function of S and the packing, never of K, E, the slot or
 the wave: ``kernels.fused_moe.choose_blocks``), and the weights are applied in ``combine`` as
 ``grouped_mm`` ends. So a paged step equals the same kernels with all E experts resident
-(K = E), bit for bit (tests/test_fused_paged.py). Against transformers' dequantized experts it
+(K = E), bit for bit (tests/paging/kernels/test_fused_paged.py). Against transformers' dequantized experts it
 is within a tolerance (docs/exactness.md).
 
 Legend: T tokens, H hidden, I expert intermediate, k top_k, K slots, S = T k entries.

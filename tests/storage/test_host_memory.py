@@ -1,0 +1,117 @@
+"""Available host memory: the machine's and the memory cgroup's (v1 and v2), and the loader using
+the smaller, so a container's limit refuses a run at start-up instead of OOM-killing it later.
+
+The cgroup files are written by hand under tmp_path in the kernel's layouts
+(Documentation/admin-guide/cgroup-v2.rst, cgroup-v1/memory.rst) with /proc/self/cgroup and
+/proc/self/mountinfo lines as the kernel prints them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import pagedexperts
+from support.tiny import TOP_K
+from pagedexperts.storage import host_memory
+
+MB = 10**6
+
+
+def write_cgroup(directory: Path, version: int, *, limit, usage: int, inactive_file: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    if version == 2:
+        (directory / "memory.max").write_text(f"{limit}\n")
+        (directory / "memory.current").write_text(f"{usage}\n")
+        (directory / "memory.stat").write_text(f"anon {usage}\nfile 0\ninactive_file {inactive_file}\n")
+    else:
+        (directory / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (directory / "memory.usage_in_bytes").write_text(f"{usage}\n")
+        (directory / "memory.stat").write_text(f"cache 0\ninactive_file 1\ntotal_inactive_file {inactive_file}\n")
+
+
+def proc_files(tmp_path: Path, cgroup: str, mounts: list[tuple[str, str, str, str]]) -> dict:
+    """/proc/self/cgroup text and mountinfo lines (root, mount point, fstype, super options)."""
+    (tmp_path / "cgroup").write_text(cgroup)
+    lines = [f"{30 + i} 25 0:{26 + i} {root} {mount} rw,nosuid - {fstype} cgroup {opts}"
+             for i, (root, mount, fstype, opts) in enumerate(mounts)]
+    lines.insert(0, "25 1 0:23 / / rw,relatime - overlay overlay rw")
+    (tmp_path / "mountinfo").write_text("\n".join(lines) + "\n")
+    return dict(proc_cgroup=str(tmp_path / "cgroup"), mountinfo=str(tmp_path / "mountinfo"))
+
+
+def test_cgroup_v2_takes_the_tightest_ancestor(tmp_path):
+    unified = tmp_path / "fs" / "unified"
+    write_cgroup(unified / "user.slice", 2, limit=4000 * MB, usage=2500 * MB, inactive_file=100 * MB)  # 1600 MB
+    write_cgroup(unified / "user.slice" / "job", 2, limit=1500 * MB, usage=700 * MB, inactive_file=50 * MB)  # 850
+    (unified / "memory.stat").write_text("anon 1\n")  # the root has no memory.max: no limit there
+    files = proc_files(tmp_path, "0::/user.slice/job\n", [("/", str(unified), "cgroup2", "rw")])
+    assert host_memory.cgroup_available_bytes(**files) == 1500 * MB - 700 * MB + 50 * MB
+    (unified / "user.slice" / "job" / "memory.max").write_text("max\n")  # the job unlimited: the parent's
+    assert host_memory.cgroup_available_bytes(**files) == 4000 * MB - 2500 * MB + 100 * MB
+
+
+def test_cgroup_v1_memory_controller_and_unlimited(tmp_path):
+    memory = tmp_path / "fs" / "memory"
+    write_cgroup(memory, 1, limit=9223372036854771712, usage=9000 * MB, inactive_file=0)  # the root: unlimited
+    write_cgroup(memory / "bench", 1, limit=1500 * MB, usage=400 * MB, inactive_file=30 * MB)
+    files = proc_files(tmp_path, "5:cpu,cpuacct:/\n4:memory:/bench\n1:name=systemd:/\n",
+                       [("/", str(tmp_path / "fs" / "cpu"), "cgroup", "rw,cpu,cpuacct"),
+                        ("/", str(memory), "cgroup", "rw,memory")])
+    assert host_memory.cgroup_available_bytes(**files) == 1500 * MB - 400 * MB + 30 * MB
+    write_cgroup(memory / "bench", 1, limit=9223372036854771712, usage=400 * MB, inactive_file=0)
+    assert host_memory.cgroup_available_bytes(**files) is None
+
+
+def test_a_container_sees_its_cgroup_as_the_mount_root(tmp_path):
+    """Docker's namespaced mount: /proc/self/cgroup says /docker/abc, the mount's root is that path."""
+    unified = tmp_path / "fs" / "cgroup"
+    write_cgroup(unified, 2, limit=2000 * MB, usage=1200 * MB, inactive_file=0)
+    files = proc_files(tmp_path, "0::/docker/abc\n", [("/docker/abc", str(unified), "cgroup2", "rw")])
+    assert host_memory.cgroup_available_bytes(**files) == 800 * MB
+
+
+def test_no_cgroup_files_means_no_limit(tmp_path):
+    assert host_memory.cgroup_available_bytes(proc_cgroup=str(tmp_path / "none"), mountinfo=str(tmp_path / "no")) is None
+
+
+def test_available_is_the_smaller_of_machine_and_cgroup(monkeypatch):
+    monkeypatch.setattr(host_memory, "_meminfo_available", lambda: 20_000 * MB)
+    monkeypatch.setattr(host_memory, "cgroup_available_bytes", lambda: 1_100 * MB)
+    assert host_memory.host_memory_available_bytes() == 1_100 * MB
+    monkeypatch.setattr(host_memory, "cgroup_available_bytes", lambda: None)
+    assert host_memory.host_memory_available_bytes() == 20_000 * MB
+
+
+def test_a_cgroup_limit_refuses_the_load_at_start_up(tiny_moe_dir, monkeypatch):
+    """The machine has room, the cgroup does not: refused before any allocation, every part
+    named; the run's own RSS is credited up to the runtime allowance (MemAvailable excludes it)."""
+    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
+    plan = model.pagedexperts.host_memory
+    monkeypatch.setattr(host_memory, "_meminfo_available", lambda: 10**12)
+    monkeypatch.setattr(host_memory, "process_rss_bytes", lambda: 100 * MB)
+    room = plan.total_bytes - 100 * MB  # exactly what is needed, after the credit
+    monkeypatch.setattr(host_memory, "cgroup_available_bytes", lambda: room - 1)
+    with pytest.raises(MemoryError, match=r"runtime allowance .* is available \(the smaller of the machine's"):
+        pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", host_memory_gb=plan.total_bytes / 1e9)
+    monkeypatch.setattr(host_memory, "cgroup_available_bytes", lambda: room)
+    again, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
+    assert again.pagedexperts.host_memory.host_rows == plan.num_experts  # the full store: it fits
+
+
+def test_the_budget_covers_every_part_on_a_cpu_device(tiny_moe_dir):
+    """--host-memory-gb G is the total: the store gets G minus slots, weights, KV and runtime."""
+    from support.tiny import host_budget_gb
+
+    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32",
+                                       host_memory_gb=host_budget_gb(tiny_moe_dir, 3, num_resident=TOP_K, dtype="float32"))
+    plan = model.pagedexperts.host_memory
+    assert plan.host_rows == 3 and plan.disk_tier
+    rt = model.pagedexperts
+    slots = sum(t.numel() * t.element_size() for p in rt.runners.values() for t in p.slots.values())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = sum(s.host_bytes for s in rt.stores.values())
+    assert (plan.slot_bytes_on_host, plan.non_expert_bytes_on_host, plan.store_bytes) == (slots, weights, rows)
+    assert plan.runtime_bytes == host_memory.RUNTIME_ALLOWANCE_BYTES["cpu"]
+    assert plan.total_bytes == rows + plan.staging_bytes + slots + weights + plan.kv_bytes_on_host + plan.runtime_bytes
