@@ -22,7 +22,7 @@ import torch
 
 import pagedexperts
 from pagedexperts import load_model
-from pagedexperts.formats.slots import PackedSlots
+from pagedexperts.paging.transfer import PackedSlots
 from conftest import greedy_logits
 from quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
 from test_families import E, TOP_K, VOCAB, build_model, save_char_tokenizer

@@ -22,7 +22,7 @@ from pagedexperts.paging.host_executor import HostExecutor
 from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS, STEP_BODIES, resolve_inner
 from pagedexperts.residency.eviction import EMPTY, LRUPolicy
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.formats.slots import PackedSlots
+from pagedexperts.paging.transfer import PackedSlots
 from pagedexperts.storage.host_store import HostExpertStore
 
 E, H, I, TOP_K = 8, 32, 16, 2
