@@ -22,7 +22,7 @@ multi-wave step's rows per wave are computed on the host from the read-back ids 
 Exactness. Each wave's entries are computed by the body with the model's own experts math over
 the slot tensors, every kernel handed the unpaged model's row order and buffer shape, and
 combined in the implementation's own order: paged output is bit-identical to the unpaged model
-with the same implementation (docs/exactness.md, ``paging.steps.host_grouped``).
+with the same implementation (docs/exactness.md; each body's docstring says how).
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T * k entries.
 """
@@ -54,8 +54,8 @@ class HostExecutor(PagedExecutor):
             (``--policy``'s default, ``residency.policies.DEFAULT_POLICY``).
         copy_stream: CUDA stream for page-ins (None on CPU).
         setup: the layer's slot table and how its rows are read
-            (``paging.steps.contract.SlotSetup``, ``loading.runners`` builds it); None = packed
-            slots allocated like the store's tensors.
+            (``paging.steps.contract.SlotSetup``, ``loading.runners`` builds it); None = the
+            plain slot table allocated like the store's tensors.
     """
 
     def __init__(self, *, layer: int, store, num_slots: int, device, inner: str,

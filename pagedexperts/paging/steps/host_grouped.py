@@ -63,14 +63,14 @@ GATHER_MAX_BYTES = 4 << 20
 @dataclass
 class GroupedWork:
     """One step: hidden [T, H], its routing, the unpaged model's sort ``perm`` [S] of the flat ids,
-    rows per expert ``counts`` and each expert's first row ``starts`` in that order (numpy,
-    [max id + 1]), and the unweighted entry outputs [S, H] as the waves fill them."""
+    rows per expert ``counts`` (numpy, [max id + 1]; expert e's rows sit at [start_e, start_e +
+    count_e) of ``perm``, start_e the sum of the counts below e), and the unweighted entry
+    outputs [S, H] as the waves fill them."""
 
     hidden: torch.Tensor
     routing: HostRouting
     perm: torch.Tensor
     counts: np.ndarray
-    starts: np.ndarray
     entry_out: torch.Tensor | None = None
 
 
@@ -93,7 +93,7 @@ class HostGroupedStep(DenseKernelStep):
             self.prepare(module, hidden.device)
         counts = np.bincount(routing.ids.reshape(-1))
         # the unpaged model's own call: the same (unstable, deterministic) sort of the same ids
-        return GroupedWork(hidden, routing, torch.sort(top_k_index.reshape(-1))[1], counts, np.cumsum(counts) - counts)
+        return GroupedWork(hidden, routing, torch.sort(top_k_index.reshape(-1))[1], counts)
 
     def run_wave(self, work: GroupedWork, wave: int, slot_map=None) -> None:
         """The wave's entries through ``_grouped_linear``, the weights chosen by size (module
@@ -110,14 +110,11 @@ class HostGroupedStep(DenseKernelStep):
                 and len(planned.slots) * self.expert_bytes <= GATHER_MAX_BYTES):
             # gathered: the routed experts' slots in ascending expert id, one group each, over
             # the unpaged model's sorted rows as they are (no padding, no positions)
-            by_expert = np.argsort(planned.experts)
-            slots_host = np.asarray(planned.slots)[by_expert]
-            lengths = work.counts[np.asarray(planned.experts)[by_expert]]
-            groups = torch.from_numpy(slots_host)
+            experts, slots = zip(*sorted(zip(planned.experts, planned.slots)))
+            lengths, groups = work.counts[list(experts)], torch.tensor(slots)
             up_w, down_w = w.up.index_select(0, groups), w.down.index_select(0, groups)
             offsets = torch.from_numpy(np.cumsum(lengths, dtype=np.int32))
-            slots_host, pos, rows = np.repeat(slots_host, lengths), None, work.perm
-            n = num_entries
+            slot_rows, pos, rows, n = (slots, lengths), None, work.perm, num_entries
         else:
             # in place: the groups are the slots (on CPU those from the wave's lowest to its
             # highest, a view), the wave's rows regrouped by slot and padded to S
@@ -125,7 +122,7 @@ class HostGroupedStep(DenseKernelStep):
             if dev.type == "cpu":
                 first = min(planned.slots)
                 num_groups = max(planned.slots) - first + 1
-            pos_host, offsets_host, slots_host = _layout(work, planned, first, num_groups)
+            pos_host, offsets_host, slot_rows = _layout(work, planned, first, num_groups)
             n = len(pos_host)
             in_order = len(work.routing.waves) == 1 and bool((pos_host == np.arange(n)).all())
             pos = None if in_order else upload(pos_host, dev)
@@ -134,13 +131,17 @@ class HostGroupedStep(DenseKernelStep):
             rows = work.perm if in_order else work.perm[pos]
         # the kernel sees the unpaged model's S rows (CUDA picks its tiles from the row count);
         # rows past the last offset are not computed
-        x = F.pad(work.hidden.index_select(0, rows // top_k), (0, 0, 0, num_entries - n))
+        x = work.hidden.index_select(0, rows // top_k)
+        if n < num_entries:
+            x = F.pad(x, (0, 0, 0, num_entries - n))
         up = _grouped_linear(x, up_w, offsets, is_transposed=w.is_transposed)[:n]
-        slot_of_row = upload(slots_host, dev) if w.up_bias is not None else None
+        slot_of_row = upload(np.repeat(*slot_rows), dev) if w.up_bias is not None else None
         if w.up_bias is not None:
             up.add_(w.up_bias[slot_of_row])
         act = in_unpaged_layout(w.gate, up, pos, num_entries)
-        down = _grouped_linear(F.pad(act, (0, 0, 0, num_entries - n)), down_w, offsets, is_transposed=w.is_transposed)[:n]
+        if n < num_entries:
+            act = F.pad(act, (0, 0, 0, num_entries - n))
+        down = _grouped_linear(act, down_w, offsets, is_transposed=w.is_transposed)[:n]
         if w.down_bias is not None:
             down.add_(w.down_bias[slot_of_row])
         if w.post_norm is not None:
@@ -150,15 +151,16 @@ class HostGroupedStep(DenseKernelStep):
         work.entry_out.index_copy_(0, rows, down)
 
 
-def _layout(work: GroupedWork, wave, first: int, num_groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _layout(work: GroupedWork, wave, first: int, num_groups: int) -> tuple[np.ndarray, np.ndarray, tuple]:
     """(unpaged positions [S_w] grouped by slot, group offsets [num_groups] over slots
-    ``first`` .. ``first + num_groups - 1``, slot per row [S_w])."""
+    ``first`` .. ``first + num_groups - 1``, (slots, rows per slot) in group order)."""
     experts, slots = np.asarray(wave.experts), np.asarray(wave.slots)
     by_slot = np.argsort(slots, kind="stable")
     experts, slots = experts[by_slot], slots[by_slot]
     lengths = work.counts[experts]
+    starts = np.cumsum(work.counts) - work.counts  # expert e's first row in the unpaged order
     group_start = np.cumsum(lengths) - lengths
-    pos = np.arange(int(lengths.sum())) + np.repeat(work.starts[experts] - group_start, lengths)
+    pos = np.arange(int(lengths.sum())) + np.repeat(starts[experts] - group_start, lengths)
     per_slot = np.zeros(num_groups, dtype=np.int64)
     per_slot[slots - first] = lengths
-    return pos, np.cumsum(per_slot), np.repeat(slots, lengths)
+    return pos, np.cumsum(per_slot), (slots, lengths)
