@@ -53,10 +53,11 @@ from pagedexperts.paging.transfer import upload
 
 
 # A CPU step's one wave gathers its experts when their up and down weights take at most this
-# many bytes (module docstring). Measured (one thread, CPU time per decode token, bundled model:
-# an expert 96 KB in float32): gathering 8 experts (768 KB) costs about 55 us, less than the
-# 8-56 empty groups it skips twice plus the in-place layout; at Qwen3-30B-A3B's shapes 8 experts
-# take 75 MB (40 ms to gather against 7 ms of GEMMs).
+# many bytes (module docstring). Measured (one thread, CPU time; docs/benchmarks.md, "The
+# bundled model's paging overhead"): at the bundled model's shapes (96 KB an expert in float32)
+# gathering a decode step's 4 experts takes ~30 us and their 4-group up GEMM ~37 us, against
+# ~150 us for the up GEMM over 64 slots in place; at Qwen3-30B-A3B's shapes 8 experts take 75 MB,
+# ~40 ms to gather against ~7 ms for the GEMM.
 GATHER_MAX_BYTES = 4 << 20
 
 
