@@ -30,7 +30,15 @@ def child(modes: list[str], rounds: int, tokens: int, threads: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedexperts import loader
+    try:  # trees before the loading package
+        from pagedexperts import loader
+    except ImportError:
+        from types import SimpleNamespace
+
+        from pagedexperts.loading.bundled import bundled_model_path
+        from pagedexperts.loading.loader import load_model
+        from pagedexperts.loading.runners import repage
+        loader = SimpleNamespace(bundled_model_path=bundled_model_path, load_model=load_model, repage=repage)
 
     torch.set_num_threads(threads)
     path = loader.bundled_model_path()

@@ -2,9 +2,9 @@
 
 Owns the two slot formats (``--slot-format``; "auto", the default, is dense on CPU and packed
 on CUDA: see DEFAULT_SLOT_FORMAT) and the device buffers they need:
-- ``packed``: slots hold the packed rows (what a page-in copies); ``WaveDequantizer``
-  turns only the current wave's slots into a dense scratch [K, ...] just before the model's
-  experts kernel runs (per wave, every step).
+- ``packed``: slots hold the packed rows (what a page-in copies: the plain slot table,
+  ``paging.transfer.PackedSlots``); ``WaveDequantizer`` turns only the current wave's slots into
+  a dense scratch [K, ...] just before the model's experts kernel runs (per wave, every step).
 - ``dense``: slots hold dequantized rows; ``DenseSlots.write_rows`` copies an expert's packed
   rows into a one-expert staging buffer on the device and dequantizes them into its slot once,
   at page-in (fewer slots fit in the same memory; no per-step dequantization).
@@ -55,18 +55,6 @@ def allocate(specs, num_rows: int, device) -> dict[str, torch.Tensor]:
     return {s.name: torch.zeros((num_rows, *s.shape), dtype=s.dtype, device=device) for s in specs}
 
 
-class PackedSlots(dict):
-    """Slot tensors {name: [K, ...]} that hold the store's rows as they are (dense experts, or
-    a quantized format's packed rows): a page-in copies each row into its slot."""
-
-    def write_rows(self, rows: dict[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
-        """Copy one expert's rows {name: [*spec.shape]} (host memory, page-locked when
-        ``pinned``) into row ``slot``: non-blocking from page-locked memory to a CUDA slot."""
-        for name, row in rows.items():
-            dst = self[name][slot]
-            dst.copy_(row, non_blocking=pinned and dst.is_cuda)
-
-
 class WaveDequantizer:
     """Packed slots -> the dense tensors of one wave, in a dense scratch shared by all layers.
 
@@ -94,8 +82,8 @@ class WaveDequantizer:
 class DenseSlots(dict):
     """Dense slot tensors {dense name: [K, ...]} of a quantized layer, filled at page-in.
 
-    The same slot-table contract as ``PackedSlots`` (``write_rows``), which every store's
-    ``copy_to_slot`` calls. ``staging``: {packed name: [1, ...]} on the device, shared by the
+    The same slot-table contract as the plain table, ``paging.transfer.PackedSlots``
+    (``write_rows``), which every store's ``copy_to_slot`` calls. ``staging``: {packed name: [1, ...]} on the device, shared by the
     layers of one model.
     """
 

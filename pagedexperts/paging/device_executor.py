@@ -17,7 +17,7 @@ Does not: route, prefetch or trace (both need the routing on the host: ``copy_in
 trace hook are refused, and the configuration check refuses ``--prefetch`` with
 ``--decide device``), load checkpoints, or know a format or a kernel of the experts (the body).
 
-Exactness: the bodies keep the host path's layouts and combine (``paging.steps.device_grouped``),
+Exactness: the bodies keep the host path's layouts and combine (``paging.steps``),
 so the output equals the host-planned executor's and the unpaged experts'
 (tests/paging/test_device_pager.py).
 
@@ -51,8 +51,8 @@ class DeviceExecutor(PagedExecutor):
             None for ``residency.eviction.LFUPolicy``'s default.
         backend: "torch" (plain tensor ops; store and slots on one device) or "triton".
         setup: the layer's slot table and how its rows are read
-            (``paging.steps.contract.SlotSetup``, ``loading.runners`` builds it); None = packed
-            slots allocated like the store's tensors.
+            (``paging.steps.contract.SlotSetup``, ``loading.runners`` builds it); None = the
+            plain slot table allocated like the store's tensors.
 
     Raises:
         ValueError: an unsupported policy, inner, backend or slot table (each names its flag);
@@ -128,8 +128,7 @@ class DeviceExecutor(PagedExecutor):
 
     def capture_problem(self, dtype: torch.dtype, device: torch.device) -> str | None:
         """None (no read-back, fixed shapes), unless the body's waves cannot be captured
-        (``paging.steps.contract.LayerStep.capture_problem``: packed slots of a quantized format
-        dequantized per wave)."""
+        (``paging.steps.contract.LayerStep.capture_problem``: the body says why)."""
         return self.body.capture_problem()
 
     def is_resident(self, expert: int) -> bool:

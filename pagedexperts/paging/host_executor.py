@@ -1,11 +1,13 @@
 """The host-planned layer-step executor: one MoE layer's K device slots, residency and waves.
 
 Owns: the [K, ...] slot tensors of one MoE layer on the device, its ``Residency`` (policy and
-slot map), its host store, and the experts step of docs/design.md "The layer-step" (steps 2-6), read top-down in
-``step``: read the top-k ids to the host (``transfer.read_step``), plan waves
-(``residency.planner``), page each wave in (``transfer.SlotTransfers.page_in``), compute it with
-its body (the inner implementation's host-planned ``paging.steps.contract.LayerStep``: begin,
-run each wave, combine); stats and tracing at the edges. The device-planned executor
+slot map), its host store, and the experts step of docs/design.md "The layer-step" (steps 2-6),
+read top-down in ``step`` as docs/design-layer-step.md "How a wave runs" tells it: read the top-k
+ids to the host (``transfer.read_step``), plan waves (``residency.planner``), then per wave page
+its loads in (``transfer.SlotTransfers.page_in``: one call, the rows copied into their slots and
+the compute made to wait for them) and compute it with the body (the inner implementation's
+host-planned ``paging.steps.contract.LayerStep``: begin, run each wave, combine); stats and
+tracing at the edges. The device-planned executor
 (``paging.device_executor``) implements the same ``runner_contract.PagedExecutor`` contract
 with a body of its own path. Does not: route (the model's router runs unchanged), load
 checkpoints (``loading``), know the architecture (``models``), a format or a kernel (the
@@ -20,7 +22,7 @@ multi-wave step's rows per wave are computed on the host from the read-back ids 
 Exactness. Each wave's entries are computed by the body with the model's own experts math over
 the slot tensors, every kernel handed the unpaged model's row order and buffer shape, and
 combined in the implementation's own order: paged output is bit-identical to the unpaged model
-with the same implementation (docs/exactness.md, ``paging.steps.host_grouped``).
+with the same implementation (docs/exactness.md; each body's docstring says how).
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T * k entries.
 """
@@ -35,7 +37,7 @@ from pagedexperts.paging.runner_contract import PagedExecutor
 from pagedexperts.paging.steps.contract import HostRouting, SlotSetup
 from pagedexperts.paging.transfer import SlotTransfers, StepRead, read_step
 from pagedexperts.residency.eviction import EvictionPolicy
-from pagedexperts.residency.planner import Residency, StepPlan
+from pagedexperts.residency.planner import Residency
 
 
 class HostExecutor(PagedExecutor):
@@ -52,8 +54,8 @@ class HostExecutor(PagedExecutor):
             (``--policy``'s default, ``residency.policies.DEFAULT_POLICY``).
         copy_stream: CUDA stream for page-ins (None on CPU).
         setup: the layer's slot table and how its rows are read
-            (``paging.steps.contract.SlotSetup``, ``loading.runners`` builds it); None = packed
-            slots allocated like the store's tensors.
+            (``paging.steps.contract.SlotSetup``, ``loading.runners`` builds it); None = the
+            plain slot table allocated like the store's tensors.
     """
 
     def __init__(self, *, layer: int, store, num_slots: int, device, inner: str,
@@ -62,24 +64,33 @@ class HostExecutor(PagedExecutor):
         super().__init__(layer=layer, store=store, device=device, inner=inner, num_slots=num_slots, setup=setup)
         self.residency = Residency(store.num_experts, num_slots, policy)
         self.copy_stream = copy_stream
-        self.transfers = SlotTransfers(self.slots, self.device, copy_stream, num_experts=store.num_experts)
+        self.transfers = SlotTransfers(self.slots, self.device, copy_stream, store=store)
 
     def step(self, module, hidden_states, top_k_index, top_k_weights, padding_count=None) -> torch.Tensor:
         """The experts step (``runner_contract.ExpertsRunner.step``), docs/design.md "The layer-step" steps 2-6."""
         predicted = self.prefetcher.predict_ids(hidden_states) if self.prefetcher is not None else None
         t0 = time.perf_counter()
-        read = read_step(top_k_index, predicted, padding_count)
+        read = read_step(top_k_index, predicted, padding_count)  # the step's one read-back
         t_read = time.perf_counter()
         if self.trace_hook is not None or read.predicted is not None:
             self._observe(read, top_k_weights)
         t1 = time.perf_counter()  # host bookkeeping starts here (tracing and prediction apart)
-        union = read.union()
-        plan = self.residency.plan(union)
+        routed = read.ids.reshape(-1).tolist()
+        plan = self.residency.plan(routed)  # waves of at most K experts, hits first
         if self.prefetch_stats.pending:
-            self.prefetch_stats.observe(union)
+            self.prefetch_stats.observe(routed)
         t2 = time.perf_counter()
-        out = self._run_waves(module, plan, hidden_states, top_k_index, top_k_weights, read.ids)
-        page_in_s, map_s = self.transfers.take_times(block=False)
+        body, transfers, only_wave = self.body, self.transfers, len(plan.waves) == 1
+        work = body.begin(module, hidden_states, top_k_index, HostRouting(read.ids.numpy(), plan.waves))
+        for w, wave in enumerate(plan.waves):
+            transfers.page_in(wave.loads)  # the wave's rows into their slots; compute waits for them
+            slot_map = transfers.slot_map(wave, only_wave=only_wave) if body.needs_slot_map else None
+            if w == 0 and self.prefetcher is not None:
+                self.prefetcher.issue()  # the next layer's predicted page-ins queue behind this wave's
+            body.run_wave(work, w, slot_map)
+            transfers.compute_done()  # a slot is overwritten only after the compute that read it
+        out = body.combine(work, top_k_weights)
+        page_in_s, map_s = transfers.take_times(block=False)
         self.stats.record_step(
             hits=plan.hits, misses=plan.misses, waves=len(plan.waves), padding_tokens=read.padding,
             tokens=int(hidden_states.shape[0]) - read.padding, expert_bytes=self.store.expert_bytes,
@@ -87,19 +98,6 @@ class HostExecutor(PagedExecutor):
             host_syncs=1,  # read_step: the step's one read-back
         )
         return out
-
-    def _run_waves(self, module, plan: StepPlan, hidden, top_k_index, top_k_weights, ids_host) -> torch.Tensor:
-        """Page in, compute and combine the plan's waves: [T, H] in hidden's dtype."""
-        body, only_wave = self.body, len(plan.waves) == 1
-        work = body.begin(module, hidden, top_k_index, HostRouting(ids_host.numpy(), plan.waves))
-        for w, wave in enumerate(plan.waves):
-            self.transfers.page_in(self.store, wave)
-            slot_map = self.transfers.slot_map(wave, only_wave=only_wave) if body.needs_slot_map else None
-            if w == 0 and self.prefetcher is not None:
-                self.prefetcher.issue()  # the next layer's predicted page-ins queue behind this wave's
-            body.run_wave(work, w, slot_map)
-            self.transfers.compute_done()
-        return body.combine(work, top_k_weights)
 
     # -- the edge before: tracing and the prediction hand-off --
 
@@ -117,7 +115,7 @@ class HostExecutor(PagedExecutor):
 
     def copy_in(self, loads) -> None:
         """Page ``loads`` in now (a prefetch): the next compute of this layer waits for them."""
-        self.transfers.copy_in(self.store, loads)
+        self.transfers.page_in(loads, now=False)
 
     def collect_copy_time(self) -> None:
         """On CUDA, wait for this layer's in-flight page-in timing events (each its own event,

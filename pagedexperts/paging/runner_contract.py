@@ -31,9 +31,10 @@ from typing import Callable
 
 import torch
 
-from pagedexperts.formats.slots import PackedSlots, allocate
+from pagedexperts.formats.slots import allocate
 from pagedexperts.paging.steps.contract import LayerStep, SlotSetup
 from pagedexperts.paging.steps.table import body_for, inner_problem
+from pagedexperts.paging.transfer import PackedSlots
 from pagedexperts.stats.accounting import LayerStats, PrefetchStats
 
 # (layer, top-k ids [T, k] on the host, top-k weights [T, k] on the host) -> None

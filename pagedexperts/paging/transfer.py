@@ -3,17 +3,24 @@
 Owns: the single device-to-host transfer of a layer-step (``read_step``: the top-k ids, the
 prefetch prediction and the step's padding count in one read into pinned memory, parsed once),
 host-to-device uploads of small host-made index tensors (slot map, a wave's rows) from pinned
-buffers, the running expert -> slot map on the device, and, on CUDA, the ordering of page-in
-copies on the copy stream against the compute stream:
+buffers, the running expert -> slot map on the device, the plain slot table (``PackedSlots``:
+the store's rows as they are, written by a page-in itself), and, on CUDA, the ordering of
+page-in copies on the copy stream against the compute stream:
 
 - a slot is overwritten only after the compute that last read it (``compute_done`` event);
 - the first copies into fresh slots wait for the slots' allocation (the zero fill ran on the
   compute stream);
 - every copy issued into a layer (its own page-ins and the previous layer's prefetches) is
-  waited on by that layer's next compute (``copied`` event, ``before_compute``);
+  waited on by that layer's next compute (``copied`` event, ``page_in``);
 - the slot tensors are ``record_stream``-ed on the copy stream, and ``drain`` waits for in-flight
   copies before a runner is dropped (``loading.runners.repage``), so no freed block is reused
   under a copy.
+
+A page-in is one call (``SlotTransfers.page_in``). How its rows get into the slots is chosen once
+per layer: a plain slot table over a store that holds every row in host memory copies the rows
+itself (``PackedSlots.copy_rows``); any other table (dense slots that dequantize at page-in, a
+table that repacks) or store (the disk tier reads its misses first) goes through the store
+(``storage.host_store.ExpertStore.copy_to_slots``, which calls the table's ``write_rows``).
 
 Page-in times on CUDA come from a bounded ring of timing events (``CopyTimer``), folded in as
 they complete; nothing here synchronizes the whole device. Does not: choose what to copy
@@ -24,6 +31,7 @@ Legend: T tokens of a step, k top_k, E experts, K slots.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from typing import Callable, NamedTuple, Sequence
@@ -110,6 +118,29 @@ def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class PackedSlots(dict):
+    """The plain slot table: {name: [K, ...]} slot tensors that hold the store's rows as they are
+    (dense experts, or a quantized format's packed rows); a page-in copies each row into its
+    slot. The slot-table contract (``write_rows``) is the one every store's ``copy_to_slot``
+    calls; ``formats.slots.DenseSlots`` implements it for slots that dequantize at page-in."""
+
+    def write_rows(self, rows: dict[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
+        """Copy one expert's rows {name: [*spec.shape]} (host memory, page-locked when
+        ``pinned``) into row ``slot``: non-blocking from page-locked memory to a CUDA slot."""
+        for name, row in rows.items():
+            dst = self[name][slot]
+            dst.copy_(row, non_blocking=pinned and dst.is_cuda)
+
+    def copy_rows(self, source: dict[str, torch.Tensor], loads, *, pinned: bool) -> None:
+        """A wave's page-ins from a store that holds every row in host memory: row ``expert`` of
+        each ``source`` tensor ([E, ...], page-locked when ``pinned``) into row ``slot`` of the
+        slot tensor of that name, for each (expert, slot) of ``loads``."""
+        for name, table in self.items():
+            src, non_blocking = source[name], pinned and table.is_cuda
+            for expert, slot in loads:
+                table[slot].copy_(src[expert], non_blocking=non_blocking)
+
+
 class CopyTimer:
     """A bounded ring of (start, end) timing events around copy batches on the copy stream.
 
@@ -166,20 +197,24 @@ class SlotTransfers:
     """Page-in copies into one layer's [K, ...] slots and their ordering (see module docstring).
 
     Args:
-        slots: name -> [K, ...] slot tensor on ``device`` (just allocated).
+        slots: the slot table, name -> [K, ...] slot tensor on ``device`` (just allocated).
         device: the slots' device.
         copy_stream: CUDA stream for page-ins, or None (CPU: copies are synchronous memcpys).
+        store: the layer's host store (``storage.host_store.ExpertStore``) the rows come from.
     """
 
-    def __init__(self, slots: dict[str, torch.Tensor], device: torch.device, copy_stream=None, *,
-                 num_experts: int) -> None:
+    def __init__(self, slots: dict[str, torch.Tensor], device: torch.device, copy_stream=None, *, store) -> None:
         self.slots = slots
         self.device = device
         self.copy_stream = copy_stream
+        rows = store.rows_in_memory() if isinstance(slots, PackedSlots) else None
+        # how a page-in writes its rows, chosen once (module docstring): loads -> None
+        self._copy = (functools.partial(slots.copy_rows, rows, pinned=store.pinned) if rows is not None
+                      else functools.partial(store.copy_to_slots, slots=slots))
         # expert -> slot at its last page-in (plan or prefetch): exact for every resident
         # expert, stale for evicted ones, which a single-wave step never looks up. Mirrored on
         # the device in _slot_map (uploaded when _slot_map_stale).
-        self._slot_of = np.full(num_experts, -1, dtype=np.int64)
+        self._slot_of = np.full(store.num_experts, -1, dtype=np.int64)
         self._slot_map: torch.Tensor | None = None
         self._slot_map_stale = True
         self.map_s = 0.0  # host seconds spent on slot maps since the last take_times
@@ -196,13 +231,33 @@ class SlotTransfers:
             self._copied = torch.cuda.Event()
             self.timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True))
 
-    def page_in(self, store, wave) -> None:
-        """Copy the wave's loads (``residency.planner.Wave.loads``) into their slots and make
-        the compute wait for them (and for prefetches into these slots)."""
-        if wave.loads:
-            self.copy_in(store, wave.loads)
-        if self._copy_pending:
-            self.before_compute()
+    def page_in(self, loads, *, now: bool = True) -> None:
+        """Copy each load's (``residency.planner.Load``: expert, slot) rows into its slot and
+        note the placements in the running expert -> slot map. On CUDA the copies run on the
+        copy stream after the compute that last read the slots. ``now``: the compute stream
+        waits for them (and for every earlier copy into these slots, e.g. the previous layer's
+        prefetch) before its next kernel, a wave's page-in; False: at the next ``page_in``, a
+        prefetch. On CPU the copies are synchronous memcpys, timed on the host."""
+        if loads:
+            for expert, slot in loads:
+                self._slot_of[expert] = slot
+            self._slot_map_stale = True
+            stream = self.copy_stream
+            if stream is None:
+                t0 = time.perf_counter()
+                self._copy(loads)
+                self.host_copy_s += time.perf_counter() - t0
+                return
+            stream.wait_event(self._compute_done)
+            with torch.cuda.stream(stream):
+                self.timer.begin(stream)
+                self._copy(loads)
+                self.timer.end(stream)
+                self._copied.record(stream)
+            self._copy_pending = True
+        if now and self._copy_pending:
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
+            self._copy_pending = False
 
     def slot_map(self, wave, *, only_wave: bool) -> torch.Tensor:
         """The slot map [E] (int64, on the device) that the wave's top-k ids are remapped with.
@@ -221,35 +276,6 @@ class SlotTransfers:
             slot_map = upload(slot_of, self.device)
         self.map_s += time.perf_counter() - t0
         return slot_map
-
-    def copy_in(self, store, loads) -> None:
-        """Copy each load's expert rows from ``store`` into its slot (on the copy stream after
-        the compute that last read the slots; the next ``before_compute`` waits for them) and
-        note the placements in the running expert -> slot map."""
-        if not loads:
-            return
-        for load in loads:
-            self._slot_of[load.expert] = load.slot
-        self._slot_map_stale = True
-        stream = self.copy_stream
-        if stream is None:
-            t0 = time.perf_counter()
-            store.copy_to_slots(loads, self.slots)
-            self.host_copy_s += time.perf_counter() - t0
-            return
-        stream.wait_event(self._compute_done)
-        with torch.cuda.stream(stream):
-            self.timer.begin(stream)
-            store.copy_to_slots(loads, self.slots)
-            self.timer.end(stream)
-            self._copied.record(stream)
-        self._copy_pending = True
-
-    def before_compute(self) -> None:
-        """Make the compute stream wait for every copy issued into these slots so far."""
-        if self._copy_pending:
-            torch.cuda.current_stream(self.device).wait_event(self._copied)
-            self._copy_pending = False
 
     def compute_done(self) -> None:
         """Mark the end of a compute that read the slots (later copies wait for it)."""

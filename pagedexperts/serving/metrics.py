@@ -148,7 +148,7 @@ def _tier_metrics(runtime):
 def paging_time_histograms(stats, prefix: str = PREFIX):
     """Prometheus histograms of the host times per MoE layer-step, all layers together:
     ``<prefix>plan_seconds``, ``<prefix>topk_readback_seconds``, ``<prefix>page_in_seconds``
-    (buckets ``stats.times.TIME_BUCKETS_S``, cumulative since the start). ``stats``: a ModelStats."""
+    (buckets ``stats.accounting.TIME_BUCKETS_S``, cumulative since the start). ``stats``: a ModelStats."""
     from prometheus_client.core import HistogramMetricFamily
 
     from pagedexperts.stats.accounting import TIMED

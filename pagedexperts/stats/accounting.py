@@ -5,18 +5,74 @@ their totals and rates. Definition (docs/design.md "Terms"): a hit or a miss is 
 routed expert per MoE layer per step; misses per token = misses / tokens of the step (summed
 over steps). Padding tokens a caller could not exclude are counted in ``padding_tokens`` and
 are NOT part of ``tokens``. Besides the sums, the host times of each layer-step (plan,
-top-k read-back, page-in) are kept as distributions (``stats.times``). Prefetch counters
+top-k read-back, page-in) are kept as distributions (``TimeDistribution``: a window for p50/p99,
+Prometheus histogram buckets; quantiles by ``stats.times.nearest_rank``), recorded with the
+step's counters. Prefetch counters
 (``PrefetchStats``) are counted here too, by the runtime and the simulator alike. Standard
 library only. Does not: decide residency or move bytes, or format metrics (the server does).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Iterable, Sequence
 
 from pagedexperts.stats.tiers import TierStats
-from pagedexperts.stats.times import TimeDistribution
+from pagedexperts.stats.times import nearest_rank
+
+WINDOW = 1024  # most recent samples per layer and kind that p50/p99 are taken over
+# Histogram upper bounds in seconds (``le``), 1 us to 1 s; the +Inf bucket is implicit.
+TIME_BUCKETS_S = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
+                  1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class TimeDistribution:
+    """Samples of one time (seconds): the last ``WINDOW`` for quantiles, and since the start
+    the count, sum and per-bucket counts over ``TIME_BUCKETS_S`` (``buckets[i]``: samples in
+    (bound[i-1], bound[i]], the last entry above the largest bound)."""
+
+    window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(TIME_BUCKETS_S) + 1))
+    count: int = 0
+    sum_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.window.append(seconds)
+        self.buckets[bisect.bisect_left(TIME_BUCKETS_S, seconds)] += 1
+        self.count += 1
+        self.sum_s += seconds
+
+    def merge(self, other: "TimeDistribution") -> None:
+        """Add ``other``'s samples (its window is appended: the merged window spans both)."""
+        self.window = deque([*self.window, *other.window], maxlen=max(WINDOW, len(self.window) + len(other.window)))
+        self.buckets = [a + b for a, b in zip(self.buckets, other.buckets)]
+        self.count += other.count
+        self.sum_s += other.sum_s
+
+    def quantiles(self, *qs: float) -> list[float]:
+        """The ``qs`` quantiles (each in [0, 1]) of the window, nearest rank; NaN when empty."""
+        if not self.window:
+            return [math.nan] * len(qs)
+        ordered = sorted(self.window)
+        return [nearest_rank(ordered, q) for q in qs]
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus histogram buckets: (``le`` bound as text, samples <= bound), +Inf last."""
+        out, total = [], 0
+        for bound, n in zip((*map(repr, TIME_BUCKETS_S), "+Inf"), self.buckets):
+            total += n
+            out.append((bound, total))
+        return out
+
+    def summary(self) -> dict:
+        """p50 and p99 of the window and the sample count since the start (seconds)."""
+        p50, p99 = self.quantiles(0.5, 0.99)
+        return {"p50": p50, "p99": p99, "count": self.count}
+
 
 TIMED = {"plan_s": "host planning (union, wave plan, slot map)", "sync_s": "top-k read-back",
          "page_in_s": "page-in copies"}  # the LayerStats sums that also keep a distribution

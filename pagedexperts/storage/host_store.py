@@ -92,7 +92,13 @@ class ExpertStore(ABC):
     @abstractmethod
     def copy_to_slot(self, expert: int, slot: int, slots) -> None:
         """Copy every tensor row of ``expert`` into row ``slot`` of the slot table ``slots``
-        (``formats.slots.PackedSlots`` or ``DenseSlots``: their ``write_rows``)."""
+        (``paging.transfer.PackedSlots`` or ``formats.slots.DenseSlots``: their ``write_rows``)."""
+
+    def rows_in_memory(self) -> dict[str, torch.Tensor] | None:
+        """The [E, ...] tensors (name -> tensor) when the store holds every expert's rows in host
+        memory, for a page-in that copies rows itself (``paging.transfer.PackedSlots.copy_rows``);
+        None here: rows are reached through ``copy_to_slots`` only (the disk tier reads first)."""
+        return None
 
     def copy_to_slots(self, loads, slots) -> None:
         """``copy_to_slot`` of each load (``residency.planner.Load``: ``expert``, ``slot``), in
@@ -234,6 +240,10 @@ class HostExpertStore(ExpertStore):
         this copy.
         """
         slots.write_rows({name: host[expert] for name, host in self.tensors.items()}, slot, pinned=self.pinned)
+
+    def rows_in_memory(self) -> dict[str, torch.Tensor]:
+        """``ExpertStore.rows_in_memory``: this store's [E, ...] tensors (every row in memory)."""
+        return self.tensors
 
     def copy_to_slots(self, loads, slots) -> None:
         """``copy_to_slot`` of each load, in order (one Python frame for the step's page-ins)."""

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from pagedexperts import integration
-from pagedexperts.formats.slots import PackedSlots, allocate
+from pagedexperts.formats.slots import allocate
+from pagedexperts.paging.transfer import PackedSlots
 from pagedexperts.loading.loader import load_model
 from pagedexperts.loading.runtime import PagingRuntime, runtime_of
 from pagedexperts.paging.baselines import ResidentRunner

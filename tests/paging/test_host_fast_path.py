@@ -1,8 +1,10 @@
 """The CPU host path's grouped_mm step: the slots read in place, only the routed slots' span.
 
-A decode step whose routed experts all fit in K runs one wave; on CPU ``GroupedStep`` then
+A decode step whose routed experts all fit in K runs one wave; on CPU ``HostGroupedStep`` then
 runs transformers' ``grouped_mm`` over a view of the slot tensors from the wave's lowest slot
-to its highest (groups in slot order), gathering no expert weight. These tests pin down that
+to its highest (groups in slot order), gathering no expert weight, when its experts are as large
+as a real model's (here: ``GATHER_MAX_BYTES`` set to 0; small experts are gathered instead,
+tests/test_host_grouped_gather.py). These tests pin down that
 the weights handed to the kernel are the slot table's own storage and that the groups span only
 the routed slots (the bench's speed depends on it: exactness alone would not notice a gather
 or a fall-back to all K groups), and that output and counters equal the reference's: the
@@ -19,6 +21,7 @@ import transformers.integrations.moe as moe
 
 import pagedexperts
 from support.tiny import E, TOP_K, assert_same
+from pagedexperts.paging.steps import host_grouped
 
 pytestmark = pytest.mark.default_threads
 
@@ -41,6 +44,7 @@ def _decode(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
 def test_single_wave_decode_reads_the_slots_in_place(tiny_moe_dir, reference_model, monkeypatch, k_slots):
     ids = torch.randint(2, 100, (1, 6), generator=torch.Generator().manual_seed(3))
     expected = _decode(reference_model(), ids, 8)
+    monkeypatch.setattr(host_grouped, "GATHER_MAX_BYTES", 0)  # experts as large as a real model's
     paged, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=k_slots, experts_implementation="grouped_mm",
                                        check_independence=False)
     routed: dict[int, list[set]] = {}  # layer -> each step's distinct experts, read by the trace hook

@@ -21,7 +21,7 @@ from pagedexperts.paging.host_executor import HostExecutor
 from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS, STEP_BODIES, resolve_inner
 from pagedexperts.residency.eviction import EMPTY
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.formats.slots import PackedSlots
+from pagedexperts.paging.transfer import PackedSlots
 from pagedexperts.storage.host_store import HostExpertStore
 from support.synthetic_layer import E, H, I, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged
 

@@ -291,6 +291,8 @@ def test_copy_stream_protocol(monkeypatch):
             LOG.append(("record_stream", str(s)))
 
     class Store:
+        num_experts = 8
+
         def copy_to_slot(self, expert, slot, slots):
             LOG.append(("copy", expert, slot, str(fake.current)))
 
@@ -298,24 +300,23 @@ def test_copy_stream_protocol(monkeypatch):
             for load in loads:
                 self.copy_to_slot(load.expert, load.slot, slots)
 
-    tr = transfer.SlotTransfers({"w": Slot()}, "cuda", fake.copy, num_experts=8)
+    tr = transfer.SlotTransfers({"w": Slot()}, "cuda", fake.copy, store=Store())
     assert LOG[:2] == [("record_stream", "copy"), ("record", "ev1", "compute")]  # ev1 = compute done
     LOG.clear()
-    tr.copy_in(Store(), [Load(3, 0), Load(5, 1)])
+    tr.page_in([Load(3, 0), Load(5, 1)], now=False)
     assert LOG[0] == ("wait", "copy", "ev1")  # after the zero fill / last reader
     assert [e for e in LOG if e[0] == "copy"] == [("copy", 3, 0, "copy"), ("copy", 5, 1, "copy")]
     assert LOG[-1] == ("record", "ev2", "copy")  # ev2 = copied, after the last copy
     LOG.clear()
-    tr.before_compute()
+    tr.page_in([])  # a wave that loads nothing: the compute waits for the copies above
     tr.compute_done()
     assert LOG == [("wait", "compute", "ev2"), ("record", "ev1", "compute")]
     LOG.clear()
-    tr.before_compute()  # nothing new copied: no wait
+    tr.page_in([])  # nothing new copied: no wait
     assert LOG == []
-    tr.copy_in(Store(), [Load(7, 0)])  # a prefetch from the previous layer
+    tr.page_in([Load(7, 0)], now=False)  # a prefetch from the previous layer
     LOG.clear()
-    tr.copy_in(Store(), [])  # the step's own wave loads nothing
-    tr.before_compute()
+    tr.page_in([])  # the step's own wave loads nothing
     assert LOG == [("wait", "compute", "ev2")]
     LOG.clear()
     tr.drain()

@@ -20,7 +20,7 @@ import pagedexperts
 from pagedexperts.loading.config import ConfigError, PagingConfig, check_config
 from pagedexperts.paging.transfer import read_step
 from pagedexperts.stats.tiers import TierStats
-from pagedexperts.stats.times import TimeDistribution
+from pagedexperts.stats.accounting import TimeDistribution
 
 PACKAGE = Path(pagedexperts.__file__).parent
 # bottom first: a module may import its own layer and the layers before it

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from pagedexperts.stats.accounting import LayerStats, ModelStats
-from pagedexperts.stats.times import TIME_BUCKETS_S, WINDOW, TimeDistribution
+from pagedexperts.stats.accounting import TIME_BUCKETS_S, WINDOW, TimeDistribution
 
 
 def test_p50_p99_nearest_rank_by_hand():

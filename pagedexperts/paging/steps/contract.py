@@ -42,7 +42,7 @@ class SlotSetup:
     """What a body is prepared from, once per layer.
 
     Attributes:
-        slots: the [K, ...] slot table the page-ins write (``formats.slots.PackedSlots``:
+        slots: the [K, ...] slot table the page-ins write (``paging.transfer.PackedSlots``:
             the store's rows as they are; ``formats.slots.DenseSlots``: dequantized at page-in);
             None until the executor allocates packed slots like the store's tensors.
         dequantizer: for packed slots of a quantized format computed by a dense kernel, what

@@ -24,6 +24,15 @@ the unpaged run; the weights and the sum over k are ``contract.LayerStep.combine
 ``grouped_mm_experts_forward`` ends (transformers.integrations.moe, 5.17 to 5.24, read line by
 line).
 
+Small experts on a CPU: CPU ``grouped_mm`` visits every group it is given (about 2 us each at the
+bundled model's shapes, 1 thread), however few rows it holds, and the in-place layout costs its
+own host work. So a CPU step's one wave whose experts are small (their weights at most
+``GATHER_MAX_BYTES`` together) gathers them instead: the routed experts' slots in ascending
+expert id, one group each (``index_select``), over the unpaged model's sorted rows as they are,
+which is the unpaged model's own layout without its empty groups (same rows, weights and
+strides per group: the same bits), with no positions and no padding. Experts of real models
+(Qwen3-30B-A3B: 9.4 MB each in bf16) are never gathered: copying them costs more than the GEMMs.
+
 Syncs: none. A wave's rows are found on the host from the step's read-back ids (expert e's rows
 sit at [start_e, start_e + count_e) of the unpaged model's sorted order, whatever the sort did
 inside) and uploaded; nothing is read back from the device.
@@ -37,64 +46,103 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagedexperts.paging.steps.contract import DenseKernelStep, HostRouting, in_unpaged_layout
 from pagedexperts.paging.transfer import upload
 
 
+# A CPU step's one wave gathers its experts when their up and down weights take at most this
+# many bytes (module docstring). Measured (one thread, CPU time; docs/benchmarks.md, "The
+# bundled model's paging overhead"): at the bundled model's shapes (96 KB an expert in float32)
+# gathering a decode step's 4 experts takes ~30 us and their 4-group up GEMM ~37 us, against
+# ~150 us for the up GEMM over 64 slots in place; at Qwen3-30B-A3B's shapes 8 experts take 75 MB,
+# ~40 ms to gather against ~7 ms for the GEMM.
+GATHER_MAX_BYTES = 4 << 20
+
+
 @dataclass
 class GroupedWork:
     """One step: hidden [T, H], its routing, the unpaged model's sort ``perm`` [S] of the flat ids,
-    rows per expert ``counts`` and each expert's first row ``starts`` in that order (numpy,
-    [max id + 1]), and the unweighted entry outputs [S, H] as the waves fill them."""
+    rows per expert ``counts`` (numpy, [max id + 1]; expert e's rows sit at [start_e, start_e +
+    count_e) of ``perm``, start_e the sum of the counts below e), and the unweighted entry
+    outputs [S, H] as the waves fill them."""
 
     hidden: torch.Tensor
     routing: HostRouting
     perm: torch.Tensor
     counts: np.ndarray
-    starts: np.ndarray
     entry_out: torch.Tensor | None = None
 
 
 class HostGroupedStep(DenseKernelStep):
-    """``grouped_mm`` in the unpaged model's row order (module docstring)."""
+    """``grouped_mm`` in the unpaged model's row order (module docstring).
+
+    Attributes: ``expert_bytes`` (one expert's up and down weights, set at the first step),
+    which with the wave's size chooses the wave's layout (``GATHER_MAX_BYTES``).
+    """
+
+    expert_bytes = 0
+
+    def prepare(self, module, device: torch.device) -> None:
+        super().prepare(module, device)
+        w = self.weights
+        self.expert_bytes = w.up[0].numel() * w.up.element_size() + w.down[0].numel() * w.down.element_size()
 
     def begin(self, module, hidden, top_k_index, routing: HostRouting) -> GroupedWork:
         if self.weights is None:
             self.prepare(module, hidden.device)
         counts = np.bincount(routing.ids.reshape(-1))
         # the unpaged model's own call: the same (unstable, deterministic) sort of the same ids
-        return GroupedWork(hidden, routing, torch.sort(top_k_index.reshape(-1))[1], counts, np.cumsum(counts) - counts)
+        return GroupedWork(hidden, routing, torch.sort(top_k_index.reshape(-1))[1], counts)
 
     def run_wave(self, work: GroupedWork, wave: int, slot_map=None) -> None:
-        """The wave's entries through ``_grouped_linear`` over the slot tensors in place. On
-        CUDA the groups are all K slots (the kernel's shapes do not change from step to step);
-        on CPU only the slots from the wave's lowest to its highest (a view: CPU ``grouped_mm``
-        visits every group, ~2.5 us each). The gate and the norm run in the unpaged model's row
-        order (skipped when the slot order already is the unpaged model's)."""
+        """The wave's entries through ``_grouped_linear``, the weights chosen by size (module
+        docstring): a CPU step's one wave of small experts gathers them (the unpaged model's own
+        layout), any other wave reads the slot tensors in place; then the gate and the norm in
+        the unpaged model's row order."""
         from transformers.integrations.moe import _grouped_linear
 
         planned, w, dev = work.routing.waves[wave], self.weights, work.hidden.device
         if self.setup.dequantizer is not None:
             self.wave_tensors(planned.slots)
-        first, num_groups = 0, w.up.shape[0]
-        if dev.type == "cpu":
-            first = min(planned.slots)
-            num_groups = max(planned.slots) - first + 1
-        pos_host, offsets_host, slots_host = _layout(work, planned, first, num_groups)
-        n, num_entries, top_k = len(pos_host), work.perm.shape[0], work.routing.ids.shape[1]
-        in_order = len(work.routing.waves) == 1 and bool((pos_host == np.arange(n)).all())
-        pos = None if in_order else upload(pos_host, dev)
-        offsets = upload(offsets_host, dev).to(torch.int32)
-        groups = slice(first, first + num_groups)
-        rows = work.perm if in_order else work.perm[pos]
-        x = _padded(work.hidden.index_select(0, rows // top_k), num_entries)
-        up = _grouped_linear(x, w.up[groups], offsets, is_transposed=w.is_transposed)[:n]
-        slot_of_row = upload(slots_host, dev) if w.up_bias is not None else None
+        num_entries, top_k = work.perm.shape[0], work.routing.ids.shape[1]
+        if (dev.type == "cpu" and len(work.routing.waves) == 1
+                and len(planned.slots) * self.expert_bytes <= GATHER_MAX_BYTES):
+            # gathered: the routed experts' slots in ascending expert id, one group each, over
+            # the unpaged model's sorted rows as they are (no padding, no positions)
+            experts, slots = zip(*sorted(zip(planned.experts, planned.slots)))
+            lengths, groups = work.counts[list(experts)], torch.tensor(slots)
+            up_w, down_w = w.up.index_select(0, groups), w.down.index_select(0, groups)
+            offsets = torch.from_numpy(np.cumsum(lengths, dtype=np.int32))
+            slot_rows, pos, rows, n = (slots, lengths), None, work.perm, num_entries
+        else:
+            # in place: the groups are the slots (on CPU those from the wave's lowest to its
+            # highest, a view), the wave's rows regrouped by slot and padded to S
+            first, num_groups = 0, w.up.shape[0]
+            if dev.type == "cpu":
+                first = min(planned.slots)
+                num_groups = max(planned.slots) - first + 1
+            pos_host, offsets_host, slot_rows = _layout(work, planned, first, num_groups)
+            n = len(pos_host)
+            in_order = len(work.routing.waves) == 1 and bool((pos_host == np.arange(n)).all())
+            pos = None if in_order else upload(pos_host, dev)
+            offsets = upload(offsets_host, dev).to(torch.int32)
+            up_w, down_w = w.up[first:first + num_groups], w.down[first:first + num_groups]
+            rows = work.perm if in_order else work.perm[pos]
+        # the kernel sees the unpaged model's S rows (CUDA picks its tiles from the row count);
+        # rows past the last offset are not computed
+        x = work.hidden.index_select(0, rows // top_k)
+        if n < num_entries:
+            x = F.pad(x, (0, 0, 0, num_entries - n))
+        up = _grouped_linear(x, up_w, offsets, is_transposed=w.is_transposed)[:n]
+        slot_of_row = upload(np.repeat(*slot_rows), dev) if w.up_bias is not None else None
         if w.up_bias is not None:
             up.add_(w.up_bias[slot_of_row])
         act = in_unpaged_layout(w.gate, up, pos, num_entries)
-        down = _grouped_linear(_padded(act, num_entries), w.down[groups], offsets, is_transposed=w.is_transposed)[:n]
+        if n < num_entries:
+            act = F.pad(act, (0, 0, 0, num_entries - n))
+        down = _grouped_linear(act, down_w, offsets, is_transposed=w.is_transposed)[:n]
         if w.down_bias is not None:
             down.add_(w.down_bias[slot_of_row])
         if w.post_norm is not None:
@@ -104,26 +152,16 @@ class HostGroupedStep(DenseKernelStep):
         work.entry_out.index_copy_(0, rows, down)
 
 
-
-def _layout(work: GroupedWork, wave, first: int, num_groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _layout(work: GroupedWork, wave, first: int, num_groups: int) -> tuple[np.ndarray, np.ndarray, tuple]:
     """(unpaged positions [S_w] grouped by slot, group offsets [num_groups] over slots
-    ``first`` .. ``first + num_groups - 1``, slot per row [S_w])."""
+    ``first`` .. ``first + num_groups - 1``, (slots, rows per slot) in group order)."""
     experts, slots = np.asarray(wave.experts), np.asarray(wave.slots)
     by_slot = np.argsort(slots, kind="stable")
     experts, slots = experts[by_slot], slots[by_slot]
     lengths = work.counts[experts]
+    starts = np.cumsum(work.counts) - work.counts  # expert e's first row in the unpaged order
     group_start = np.cumsum(lengths) - lengths
-    pos = np.arange(int(lengths.sum())) + np.repeat(work.starts[experts] - group_start, lengths)
+    pos = np.arange(int(lengths.sum())) + np.repeat(starts[experts] - group_start, lengths)
     per_slot = np.zeros(num_groups, dtype=np.int64)
     per_slot[slots - first] = lengths
-    return pos, np.cumsum(per_slot), np.repeat(slots, lengths)
-
-
-def _padded(rows: torch.Tensor, num_entries: int) -> torch.Tensor:
-    """``rows`` [S_w, D] in a [S, D] buffer: the kernel sees the unpaged model's row count (CUDA
-    picks its tile config from it); rows past the last offset are not computed."""
-    if rows.shape[0] == num_entries:
-        return rows
-    out = rows.new_empty((num_entries, rows.shape[1]))
-    out[: rows.shape[0]] = rows
-    return out
+    return pos, np.cumsum(per_slot), (slots, lengths)
