@@ -23,7 +23,7 @@ from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS, resolv
 from pagedexperts.models import config as model_config
 from pagedexperts.paging.baselines import mode_problem
 from pagedexperts.paging.device_residency import DEVICE_RULES
-from pagedexperts.paging.steps.table import FUSED, inner_problem
+from pagedexperts.paging.steps.table import FUSED, PACKED, inner_problem
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, INTERPRETED
 from pagedexperts.residency.planner import default_num_resident, num_resident_problem
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
@@ -133,7 +133,22 @@ def option_problems(cfg: PagingConfig) -> list[str]:
     elif on_device:
         problems += device_decide_problems(cfg)
     problems += graph_option_problems(cfg)
+    problems.append(packed_problem(cfg))
     return list(dict.fromkeys(p for p in problems if p is not None))
+
+
+def packed_problem(cfg: PagingConfig) -> str | None:
+    """Why ``--experts-implementation packed`` (torch's packed CPU matmuls over the paged slots,
+    ``paging.steps.host_packed``) cannot run with ``cfg``'s device and mode, or None."""
+    if cfg.experts_implementation != PACKED or device_problem(cfg.device) is not None:
+        return None
+    if torch.device(cfg.device).type != "cpu":
+        return (f"--experts-implementation packed runs torch's packed CPU matmuls: --device cpu, not {cfg.device} "
+                "(on CUDA use --experts-implementation fused)")
+    if cfg.mode != "paged":
+        return (f"--experts-implementation packed computes the paged slots (--mode paged); --mode {cfg.mode} runs "
+                "transformers' own kernels: use --experts-implementation grouped_mm")
+    return None
 
 
 def is_fused(cfg: PagingConfig) -> bool:

@@ -20,6 +20,7 @@ import random
 import torch
 
 from pagedexperts.formats import ExpertFormat
+from pagedexperts.formats.cpu_pack import CpuPackedSlots
 from pagedexperts.formats.slots import DenseSlots
 from pagedexperts.loading.checkpoint import KeyMap
 from pagedexperts.paging.runner_contract import PagedExecutor
@@ -123,6 +124,13 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
     if executor.device.type == "cuda":
         torch.cuda.synchronize(executor.device)
     where = f"layer {site.layer} ({site.name}): expert {expert} paged into slot {slot}"
+    if isinstance(executor.slots, CpuPackedSlots):  # the kernels' layouts: the slot rows themselves
+        for name, row in executor.slots.convert(packed_ref).items():
+            if not torch.equal(executor.slots[name][slot], row):
+                raise IndependenceError(f"{where}: the kernel would read {name!r} that differs from the checkpoint's "
+                                        "expert converted to the CPU kernel's layout")
+        _empty_slot(executor, slot, where)
+        return
     try:
         view = executor.wave_view(site.module, (slot,))
     except KeyError as exc:
@@ -131,6 +139,14 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
         got = kernel_reads(view, spec.name, slot)
         if not torch.equal(got, dense_ref[spec.name][0].to(got.dtype)):
             raise IndependenceError(f"{where}: the kernel would read {spec.name!r} {_culprit(executor, layout, spec.name, slot, packed_ref)}")
+    _empty_slot(executor, slot, where)
+
+
+def _empty_slot(executor, slot: int, where: str) -> None:
+    """Check that the page-in into ``slot`` changed no other slot, then zero ``slot`` again.
+
+    Raises:
+        IndependenceError: another slot of a tensor changed (names the tensor)."""
     for name, table in executor.slots.items():
         others = torch.cat([table[:slot], table[slot + 1:]])
         if others.numel() and bool(others.view(torch.uint8).any()):
