@@ -31,8 +31,9 @@ from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 # The experts kernels that run routed experts held in another dtype than the model's:
 # transformers' ``_grouped_mm`` casts its input to the weights' dtype; ``eager`` and
 # ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes;
-# ``fused`` casts its input the same way (``paging.steps.fused``).
-MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm", FUSED)
+# ``fused`` casts its input the same way (``paging.steps.fused``), and ``packed`` too
+# (``paging.steps.host_packed``: the kernels run in the experts' dtype, their scales').
+MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm", FUSED, PACKED)
 
 # --decide: where a paged layer-step is planned (docs/design.md "Executors"): "host" (the top-k ids
 # read back, ``paging.host_executor``), "device" (``paging.device_executor``: no read-back) or
