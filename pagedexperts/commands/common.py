@@ -10,7 +10,7 @@ from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS
 from pagedexperts.loading.config import DEFAULT_CUDA_GRAPH_MAX_BATCH
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 from pagedexperts.models.config import RUN_DTYPE_BYTES
-from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS
+from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS, PACKED
 
 
 def add_model_arguments(parser) -> None:
@@ -34,7 +34,9 @@ def add_model_arguments(parser) -> None:
         help="experts kernel run over the slots (default grouped_mm): transformers' grouped_mm, batched_mm or "
         "eager (exact to the unpaged model), or fused: Triton MoE kernels reading the packed slots directly "
         "(device-planned steps only; CUDA, or CPU under TRITON_INTERPRET=1; exact to itself with all E "
-        "resident, within a tolerance of transformers)",
+        "resident, within a tolerance of transformers), or packed: int4 / per-channel int8 experts computed "
+        "packed by torch's CPU kernels (--device cpu; slots converted at page-in; other formats run grouped_mm "
+        "with a WARNING; exact to itself with all E resident, within a tolerance of transformers)",
     )
     g.add_argument(
         "--policy",
@@ -213,7 +215,22 @@ def load_from_args(args):
         if getattr(args, "threads_note", None):
             print(args.threads_note, file=sys.stderr)
         print_host_memory(model)
+        print_experts_paths(model)
     return model, tokenizer
+
+
+def print_experts_paths(model) -> None:
+    """Under --experts-implementation packed, one line on stderr: how many MoE layers compute
+    their experts packed (torch's CPU int4 / int8 kernels) and which run grouped_mm, and why."""
+    rt = model.pagedexperts
+    if rt.config.experts_implementation != PACKED:
+        return
+    fallbacks = rt.experts_fallbacks
+    line = f"experts: packed (torch's CPU int4 / int8 kernels) on {len(rt.runners) - len(fallbacks)} of {len(rt.runners)} MoE layers"
+    if fallbacks:
+        reasons = sorted(set(fallbacks.values()))
+        line += f"; grouped_mm on layers {sorted(fallbacks)} ({'; '.join(reasons)})"
+    print(line, file=sys.stderr)
 
 
 def print_host_memory(model) -> None:
