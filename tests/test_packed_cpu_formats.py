@@ -127,7 +127,7 @@ def test_int8_codes_and_scales():
     words = torch.zeros(I_MOE // 4, H, dtype=torch.int64)
     for j in range(4):
         words |= q[j::4] << (8 * j)
-    rows = {f"down_proj_qweight": words.to(torch.int32).unsqueeze(0)}
+    rows = {"down_proj_qweight": words.to(torch.int32).unsqueeze(0)}
     zero_words = torch.full((1, H // 4), 0x7F7F7F7F, dtype=torch.int64)  # v1 stores z - 1 = 127
     rows["down_proj_qzeros"] = zero_words.to(torch.int32).unsqueeze(0)
     scales = torch.rand(1, H, generator=gen).to(torch.float16) + 0.5
