@@ -104,3 +104,48 @@ def test_packed_within_tolerance_of_transformers(name, reference_model):
     tokenizer = AutoTokenizer.from_pretrained(path)
     result = tolerance_check(paged, reference, None, tokenizer, list(DEFAULT_PROMPTS), max_new_tokens=4)
     assert result.passed and 0 < result.max_abs_diff <= result.bound, result
+
+
+def test_host_store_holds_the_kernel_layout_and_a_page_in_copies_it():
+    """Converted once at load: the store's rows are the kernels' (a page-in copies them as they
+    are), equal to converting the checkpoint's rows; a repage keeps them."""
+    from pagedexperts.loading.independence import reference_rows
+    from pagedexperts.loading.checkpoint import KeyMap
+    from pagedexperts.loading.loader import read_checkpoint_config
+    from pagedexperts.loading.checkpoint import format_for_checkpoint
+    from pagedexperts.loading.runners import repage
+
+    path = DATA / PACKED_FIXTURES["ct-w4a16-asym"][0]
+    model = _load(path, 3, "float32")
+    rt = model.pagedexperts
+    site = rt.sites[0]
+    store, slots = rt.stores[site.name], rt.runners[site.layer].slots
+    assert set(store.tensors) == set(slots)
+    _, config, files = read_checkpoint_config(path)
+    fmt = format_for_checkpoint(config, files)
+    keymap = KeyMap(model.config.model_type, {site.name: site}, fmt)
+    ref = reference_rows(files, keymap, {site.name: rt.layouts[site.name].packed_specs}, {site.name: [5]})[site.name][5]
+    for name, row in slots.convert(ref).items():
+        assert torch.equal(store.tensors[name][5], row), name
+    repage(model, num_resident=4)
+    assert set(rt.stores[site.name].tensors) == set(rt.runners[site.layer].slots)
+
+
+@pytest.mark.default_threads
+def test_disk_tier_rows_convert_at_page_in_and_stay_exact():
+    """With the disk tier (a few host rows per layer) the rows come from the checkpoint in the
+    format's layout and are converted at page-in: logits equal packed with all E resident."""
+    from conftest import host_budget_gb
+
+    path = DATA / PACKED_FIXTURES["autoround-int4"][0]
+    oracle = _load(path, None, "float32")
+    num_experts, top_k = oracle.pagedexperts.num_experts, oracle.pagedexperts.top_k
+    oracle = _load(path, num_experts, "float32")
+    budget = host_budget_gb(path, 2, num_resident=top_k, dtype="float32", experts_implementation="packed")
+    tiered, _ = load_model(path, num_resident=top_k, dtype="float32", experts_implementation="packed",
+                           host_memory_gb=budget)
+    assert tiered.pagedexperts.host_memory.host_rows < num_experts  # the disk tier is on
+    _kinds(tiered)
+    ids = _ids(2)
+    want, got = greedy_logits(oracle, ids, steps=4), greedy_logits(tiered.eval(), ids, steps=4)
+    assert torch.equal(want, got), (want.float() - got.float()).abs().max()

@@ -168,19 +168,31 @@ class CpuPackedSlots(dict):
         self.layout = layout
         self.plans = {p.name: p for p in plans}
 
-    def convert(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One expert's packed rows {packed name: [*spec.shape]} -> its slot rows {name: [...]}."""
+    @property
+    def specs(self) -> list[TensorSpec]:
+        """One expert's rows in the kernels' layouts (what ``convert_many`` returns)."""
+        return [TensorSpec(name, tuple(t.shape[1:]), t.dtype) for name, t in self.items()]
+
+    def convert_many(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """n experts' packed rows {packed name: [n, ...]} -> their rows in the kernels' layouts
+        {name: [n, ...]} (a host store converted once at load: ``HostExpertStore.convert_rows``)."""
         out = {}
         for tensor in self.layout.tensors:
             if tensor.is_passthrough:
                 out[tensor.dense.name] = rows[tensor.dense.name]
                 continue
-            one = {p.name: rows[p.name].unsqueeze(0) for p in tensor.packed}
-            out.update({name: t[0] for name, t in self.plans[tensor.dense.name].convert(one).items()})
+            out.update(self.plans[tensor.dense.name].convert({p.name: rows[p.name] for p in tensor.packed}))
         return out
 
+    def convert(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One expert's packed rows {packed name: [*spec.shape]} -> its slot rows {name: [...]}."""
+        return {name: t[0] for name, t in self.convert_many({n: r.unsqueeze(0) for n, r in rows.items()}).items()}
+
     def write_rows(self, rows: dict[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
-        """Convert one expert's packed rows (host memory) into row ``slot`` (``pinned``: unused,
-        the slots are host memory)."""
-        for name, row in self.convert(rows).items():
+        """Copy one expert's rows (host memory) into row ``slot``: rows already in the kernels'
+        layouts (a host store converted at load) as they are, a format's packed rows (the disk
+        tier's, read from the checkpoint) converted here (``pinned``: unused, host slots)."""
+        if set(rows) != set(self):
+            rows = self.convert(rows)
+        for name, row in rows.items():
             self[name][slot].copy_(row)

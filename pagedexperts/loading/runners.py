@@ -149,7 +149,8 @@ def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
     or under ``PagingRuntime.decide`` "device" the device-planned one (``paging.device_executor``, no
     read-back); both implement ``PagedExecutor`` and take the layer's ``SlotSetup``."""
     k = runtime.num_resident
-    setup = _packed_setup(runtime, layout, dev, common["layer"]) if runtime.config.experts_implementation == PACKED else None
+    packed = runtime.config.experts_implementation == PACKED
+    setup = _packed_setup(runtime, layout, dev, common["layer"], common["store"]) if packed else None
     setup = setup or _slot_setup(runtime, layout, dev)
     if runtime.decide == "device":
         return DeviceExecutor(num_slots=k, policy=runtime.config.policy, backend=runtime.config.device_kernels,
@@ -158,9 +159,12 @@ def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
                         setup=setup, **common)
 
 
-def _packed_setup(runtime, layout, dev, layer: int) -> SlotSetup | None:
+def _packed_setup(runtime, layout, dev, layer: int, store) -> SlotSetup | None:
     """For ``--experts-implementation packed``: slots in the layouts of torch's CPU int4 / int8
-    kernels (``formats.cpu_pack.CpuPackedSlots``, converted at page-in), or None where the
+    kernels (``formats.cpu_pack.CpuPackedSlots``), and a host store holding every expert
+    converted to them once, here (a page-in is then a copy; the disk tier's rows, read from the
+    checkpoint, are converted at page-in: bench/real_shape.py measured a conversion at 34 ms per
+    Qwen3-30B-A3B expert against 0.15 ms for its copy), or None where the
     layer's format cannot run there: a WARNING, and the reason in
     ``PagingRuntime.experts_fallbacks`` (the stats' fallbacks); the layer then runs grouped_mm
     over today's slots (``paging.steps.host_packed``)."""
@@ -170,7 +174,10 @@ def _packed_setup(runtime, layout, dev, layer: int) -> SlotSetup | None:
         runtime.experts_fallbacks[layer] = plans
         logger.warning("--experts-implementation packed: layer %d runs grouped_mm instead (%s)", layer, plans)
         return None
-    return SlotSetup(CpuPackedSlots(layout, plans, runtime.num_resident, dev), layout=layout)
+    table = CpuPackedSlots(layout, plans, runtime.num_resident, dev)
+    if isinstance(store, HostExpertStore) and set(store.tensors) != set(table):  # once: repage keeps it
+        store.convert_rows(table.specs, table.convert_many)
+    return SlotSetup(table, layout=layout)
 
 
 def _slot_setup(runtime, layout, dev) -> SlotSetup | None:
