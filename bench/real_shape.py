@@ -259,16 +259,17 @@ def measure_quantized(args) -> dict:
     rt = models["packed"].pagedexperts
     return dict(times=times, counters={n: [list(c) for c in cs] for n, cs in counters.items()},
                 memcpy_gbps=memcpy_gbps(rt.host_memory.expert_bytes), expert_bytes=rt.host_memory.expert_bytes,
-                convert_ms=convert_ms(rt), threads=torch.get_num_threads(),
+                convert_ms=convert_ms(models["grouped_mm"].pagedexperts, rt), threads=torch.get_num_threads(),
                 pagedexperts=str(Path(pagedexperts.__file__).parent), rounds=args.rounds, tokens=args.tokens,
                 layers=plain.config.num_hidden_layers)
 
 
-def convert_ms(rt, repeats: int = 5) -> float:
-    """CPU ms to convert one expert's packed rows to the CPU kernel's layout (``formats.cpu_pack``:
-    what a page-in into packed slots does), median of ``repeats`` experts."""
-    runner = next(iter(rt.runners.values()))
-    store, slots = runner.store, runner.slots
+def convert_ms(dequantizing, packed, repeats: int = 5) -> float:
+    """CPU ms to convert one expert's packed rows (the ``dequantizing`` runtime's store: the
+    checkpoint's layout) to the CPU kernel's layout (``packed``'s slot table, ``formats.cpu_pack``:
+    what loading does once per expert, and a page-in from the disk tier), median of ``repeats``."""
+    store = next(iter(dequantizing.runners.values())).store
+    slots = next(iter(packed.runners.values())).slots
     times = []
     for e in range(repeats):
         rows = {name: t[e] for name, t in store.tensors.items()}

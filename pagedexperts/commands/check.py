@@ -115,7 +115,8 @@ def run_fused(args, ks, options, reference, choice, num_experts: int, *, path, q
 def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
     from pagedexperts.loading.checkpoint import format_for_checkpoint
-    from pagedexperts.loading.config import PagingConfig, check_config, check_experts_dtype, resolve_dtype
+    from pagedexperts.loading.config import (PagingConfig, check_config, check_experts_dtype, resolve_dtype,
+                                             resolve_experts_implementation)
     from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
     from pagedexperts.paging.steps.table import FUSED, PACKED, transformers_inner
@@ -138,6 +139,8 @@ def run(args) -> int:
                    prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
                    decide=args.decide)
     fmt = format_for_checkpoint(config, files)
+    args.experts_implementation = resolve_experts_implementation(PagingConfig(**options), fmt)  # auto: per format
+    options["experts_implementation"] = args.experts_implementation
     for k in ks:  # every problem of the options, at once, before the reference loads
         check_config(PagingConfig(num_resident=k, **options), config, fmt)
     check_experts_dtype(fmt, resolve_dtype(args.dtype, config), transformers_inner(args.experts_implementation))

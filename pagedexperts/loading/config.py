@@ -113,6 +113,7 @@ def option_problems(cfg: PagingConfig) -> list[str]:
     """The problems of the options alone (no model needed)."""
     on_device = planned_on_device(cfg)
     problems = [device_problem(cfg.device), mode_problem(cfg.mode),
+                None if cfg.experts_implementation == AUTO else
                 inner_problem(cfg.experts_implementation, decide="device" if on_device and is_fused(cfg) else "host")]
     if cfg.policy not in POLICIES:
         problems.append(f"unknown eviction policy {cfg.policy!r}; choose one of {sorted(POLICIES)} (--policy)")
@@ -136,6 +137,26 @@ def option_problems(cfg: PagingConfig) -> list[str]:
     problems += graph_option_problems(cfg)
     problems.append(packed_problem(cfg))
     return list(dict.fromkeys(p for p in problems if p is not None))
+
+
+AUTO = "auto"  # --experts-implementation's command-line default (``resolve_experts_implementation``)
+# The int formats whose experts torch's CPU int4 / int8 kernels compute packed (``formats.cpu_pack``):
+# ``auto`` runs them ``packed`` on a CPU. Measured (bench/real_shape.py quantized, Qwen3-30B-A3B
+# expert shapes, W4A16 group 128, 1 thread, CPU time per decode token vs plain transformers bf16):
+# packed 0.89x at K = E and K = E/4, dequantizing (grouped_mm, dense slots) 0.96x and 3.05x.
+PACKED_BY_DEFAULT = ("gptq", "awq", "w4a16", "w8a16", "ct-pack-mixed", "auto-round")
+
+
+def resolve_experts_implementation(cfg: PagingConfig, fmt) -> str:
+    """``cfg.experts_implementation``, with "auto" resolved: ``packed`` on a CPU in mode paged for
+    a checkpoint of ``PACKED_BY_DEFAULT`` (a layer whose shapes the kernels cannot take still
+    runs grouped_mm, with its WARNING), else ``grouped_mm`` (exact to transformers)."""
+    if cfg.experts_implementation != AUTO:
+        return cfg.experts_implementation
+    on_cpu = device_problem(cfg.device) is None and torch.device(cfg.device).type == "cpu"
+    if on_cpu and cfg.mode == "paged" and fmt is not None and fmt.name in PACKED_BY_DEFAULT:
+        return PACKED
+    return "grouped_mm"
 
 
 def packed_problem(cfg: PagingConfig) -> str | None:

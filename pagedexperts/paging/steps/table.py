@@ -94,10 +94,10 @@ def body_for(inner: str, decide: str) -> type[LayerStep]:
 
 def transformers_inner(name: str) -> str:
     """The transformers experts implementation a model is built with for paged inner ``name``:
-    ``name`` itself, or ``grouped_mm`` for ``fused`` and ``packed`` (not in transformers'
+    ``name`` itself, or ``grouped_mm`` for ``fused``, ``packed`` and ``auto`` (not in transformers'
     registry; the paged dispatcher replaces the implementation anyway, and ``packed`` runs
     ``grouped_mm`` on a layer its kernels cannot take)."""
-    return "grouped_mm" if name in (FUSED, PACKED) else name
+    return "grouped_mm" if name in (FUSED, PACKED, "auto") else name
 
 
 def resolve_inner(module: torch.nn.Module, name: str) -> Callable:
