@@ -57,3 +57,29 @@ def test_packed_has_no_device_planned_body():
     problem = inner_problem("packed", decide="device")
     assert problem is not None and "--decide host" in problem and "packed" in problem
     assert inner_problem("packed", decide="host") is None
+
+
+@pytest.mark.parametrize("fmt_name,options,want", [
+    ("gptq", {}, "packed"), ("awq", {}, "packed"), ("w4a16", {}, "packed"), ("w8a16", {}, "packed"),
+    ("auto-round", {}, "packed"), ("ct-pack-mixed", {}, "packed"),
+    ("dense", {}, "grouped_mm"), ("fp8-block", {}, "grouped_mm"), ("nvfp4", {}, "grouped_mm"),
+    ("gptq", {"mode": "resident"}, "grouped_mm"), ("gptq", {"device": "cuda"}, "grouped_mm"),
+])
+def test_auto_is_packed_on_a_cpu_for_the_int_formats(fmt_name, options, want, monkeypatch):
+    from types import SimpleNamespace
+
+    from pagedexperts.loading.config import resolve_experts_implementation
+
+    monkeypatch.setattr("pagedexperts.loading.config.device_problem", lambda device: None)
+    cfg = PagingConfig(experts_implementation="auto", **options)
+    assert resolve_experts_implementation(cfg, SimpleNamespace(name=fmt_name)) == want
+    explicit = PagingConfig(experts_implementation="grouped_mm", **options)
+    assert resolve_experts_implementation(explicit, SimpleNamespace(name=fmt_name)) == "grouped_mm"
+
+
+def test_auto_runs_int4_packed_and_says_it_chose(capsys):
+    rc = main(["generate", "--model-path", str(INT4), "--num-resident", "4", "--prompt", "hello",
+               "--max-new-tokens", "2", "--experts-implementation", "auto"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "experts: packed (torch's CPU int4 / int8 kernels) on 2 of 2 MoE layers (auto's choice for auto-round on a CPU" in err

@@ -29,11 +29,11 @@ def add_model_arguments(parser) -> None:
     g.add_argument("--dtype", default=None, choices=list(RUN_DTYPE_BYTES), help="default: the checkpoint's dtype")
     g.add_argument(
         "--experts-implementation",
-        default=AUTO,
-        choices=[AUTO, *INNER_IMPLEMENTATIONS],
-        help="experts kernel run over the slots (default auto: packed on a CPU for int4 / int8 checkpoints "
-        "(GPTQ, AWQ, compressed-tensors W4A16 / W8A16, AutoRound int), measured faster there, docs/benchmarks.md; "
-        "grouped_mm otherwise): transformers' grouped_mm, batched_mm or "
+        default="grouped_mm",
+        choices=[*INNER_IMPLEMENTATIONS, AUTO],
+        help="experts kernel run over the slots (default grouped_mm; auto: packed on a CPU for int4 / int8 "
+        "checkpoints (GPTQ, AWQ, compressed-tensors W4A16 / W8A16, AutoRound int), measured faster there, "
+        "docs/benchmarks.md, grouped_mm otherwise): transformers' grouped_mm, batched_mm or "
         "eager (exact to the unpaged model), or fused: Triton MoE kernels reading the packed slots directly "
         "(device-planned steps only; CUDA, or CPU under TRITON_INTERPRET=1; exact to itself with all E "
         "resident, within a tolerance of transformers), or packed: int4 / per-channel int8 experts computed "
@@ -224,15 +224,15 @@ def load_from_args(args):
 def print_experts_paths(model, *, chosen: bool = False) -> None:
     """Under --experts-implementation packed, one line on stderr: how many MoE layers compute
     their experts packed (torch's CPU int4 / int8 kernels) and which run grouped_mm, and why;
-    ``chosen``: packed was auto's choice (the CPU default for this format), said so."""
+    ``chosen``: packed was auto's choice for this format, said so."""
     rt = model.pagedexperts
     if rt.config.experts_implementation != PACKED:
         return
     fallbacks = rt.experts_fallbacks
     line = f"experts: packed (torch's CPU int4 / int8 kernels) on {len(rt.runners) - len(fallbacks)} of {len(rt.runners)} MoE layers"
     if chosen:
-        line += (f" (the CPU default for {rt.expert_format}: faster than dequantizing, exact to itself, within a "
-                 "tolerance of transformers; --experts-implementation grouped_mm for bits equal to transformers')")
+        line += (f" (auto's choice for {rt.expert_format} on a CPU: faster than dequantizing, exact to itself, within "
+                 "a tolerance of transformers; --experts-implementation grouped_mm for bits equal to transformers')")
     if fallbacks:
         reasons = sorted(set(fallbacks.values()))
         line += f"; grouped_mm on layers {sorted(fallbacks)} ({'; '.join(reasons)})"

@@ -139,9 +139,10 @@ def option_problems(cfg: PagingConfig) -> list[str]:
     return list(dict.fromkeys(p for p in problems if p is not None))
 
 
-AUTO = "auto"  # --experts-implementation's command-line default (``resolve_experts_implementation``)
+AUTO = "auto"  # --experts-implementation auto: packed where measured faster (``resolve_experts_implementation``)
 # The int formats whose experts torch's CPU int4 / int8 kernels compute packed (``formats.cpu_pack``):
-# ``auto`` runs them ``packed`` on a CPU. Measured (bench/real_shape.py quantized, Qwen3-30B-A3B
+# ``auto`` runs them ``packed`` on a CPU (not the default: see docs/benchmarks.md, "Quantized experts on a
+# CPU", for the accuracy finding that keeps grouped_mm the default). Measured (bench/real_shape.py quantized, Qwen3-30B-A3B
 # expert shapes, W4A16 group 128, 1 thread, CPU time per decode token vs plain transformers bf16):
 # packed 0.89x at K = E and K = E/4, dequantizing (grouped_mm, dense slots) 0.96x and 3.05x.
 PACKED_BY_DEFAULT = ("gptq", "awq", "w4a16", "w8a16", "ct-pack-mixed", "auto-round")
