@@ -112,7 +112,7 @@ def resolve_inner(module: torch.nn.Module, name: str) -> Callable:
     problem = inner_problem(name)
     if problem is not None:
         raise ValueError(problem)
-    return _inner_for(type(module), name)
+    return _inner_for(type(module), transformers_inner(name))  # packed: grouped_mm, as a layer it cannot take
 
 
 @functools.lru_cache(maxsize=None)
