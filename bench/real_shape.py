@@ -16,6 +16,14 @@ Subcommands:
                                 its own PYTHONPATH, in a subprocess: two copies of the package
                                 cannot share one process) and from this tree, ``--runs`` times
                                 each, then one table with both
+  quantized DIR QDIR [--num-resident 128,32] [--rounds 3] [--tokens 4] [--threads 1]
+                                one process: plain transformers on DIR (bf16) and the paged model
+                                on QDIR (DIR quantized by ``pagedexperts quantize --format w4a16
+                                --group-size 128``) two ways: dequantizing (grouped_mm over dense
+                                slots, the CPU default before issue 38) and packed (torch's int4
+                                CPU kernel, ``--experts-implementation packed``), at each K,
+                                interleaved rounds; plus the cost of converting one expert to the
+                                kernel's layout (what a page-in of packed slots adds)
   (larger than RAM, the disk tier: bench/real_disk.py)
 
 Method. CPU time (``time.process_time``) per decode token, teacher-forced: every mode decodes the
@@ -214,6 +222,63 @@ def measure(args) -> dict:
                 rounds=args.rounds, tokens=args.tokens, layers=paged.config.num_hidden_layers)
 
 
+def measure_quantized(args) -> dict:
+    """``quantized``: per mode the CPU seconds per decode token of each round, MB paged per
+    token, and one expert's conversion to the int4 kernel's layout (ms, median of 5) against a
+    memcpy of its packed bytes. Each paged mode's logits at every K equal its own at the first
+    K (torch.equal), every round."""
+    from transformers import AutoModelForCausalLM
+
+    import pagedexperts
+    from pagedexperts.loading.runners import repage
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ids = text_ids(Path(args.dir), args.prefill_tokens + args.tokens)
+    plain = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16, experts_implementation="grouped_mm").eval()
+    models = {impl: pagedexperts.load_model(args.qdir, num_resident=max(args.num_resident), experts_implementation=impl,
+                                            check_independence=False)[0] for impl in ("grouped_mm", "packed")}
+    names = ["plain"] + [f"{impl} K={k}" for impl in models for k in args.num_resident]
+    refs = {impl: decode(m, ids, args.prefill_tokens)[1] for impl, m in models.items()}
+    decode(plain, ids, args.prefill_tokens)
+    times, counters = {n: [] for n in names}, {n: [] for n in names[1:]}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            if name == "plain":
+                times[name].append(decode(plain, ids, args.prefill_tokens)[0])
+                continue
+            impl, k = name.split(" K=")
+            model = models[impl]
+            repage(model, num_resident=int(k))
+            t, logits = decode(model, ids, args.prefill_tokens, on_prefilled=model.pagedexperts.reset_stats)
+            if not torch.equal(logits, refs[impl]):
+                raise SystemExit(f"{name}: logits differ from {impl} at K={max(args.num_resident)} (not exact)")
+            s = model.pagedexperts.stats().as_dict(times=False)
+            counters[name].append((s["misses_per_token"], s["bytes_per_token"]))
+            times[name].append(t)
+    rt = models["packed"].pagedexperts
+    return dict(times=times, counters={n: [list(c) for c in cs] for n, cs in counters.items()},
+                memcpy_gbps=memcpy_gbps(rt.host_memory.expert_bytes), expert_bytes=rt.host_memory.expert_bytes,
+                convert_ms=convert_ms(models["grouped_mm"].pagedexperts, rt), threads=torch.get_num_threads(),
+                pagedexperts=str(Path(pagedexperts.__file__).parent), rounds=args.rounds, tokens=args.tokens,
+                layers=plain.config.num_hidden_layers)
+
+
+def convert_ms(dequantizing, packed, repeats: int = 5) -> float:
+    """CPU ms to convert one expert's packed rows (the ``dequantizing`` runtime's store: the
+    checkpoint's layout) to the CPU kernel's layout (``packed``'s slot table, ``formats.cpu_pack``:
+    what loading does once per expert, and a page-in from the disk tier), median of ``repeats``."""
+    store = next(iter(dequantizing.runners.values())).store
+    slots = next(iter(packed.runners.values())).slots
+    times = []
+    for e in range(repeats):
+        rows = {name: t[e] for name, t in store.tensors.items()}
+        t0 = time.process_time()
+        slots.convert(rows)
+        times.append(time.process_time() - t0)
+    return statistics.median(times) * 1e3
+
+
 def med(xs) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
@@ -239,7 +304,30 @@ def table(res: dict, label: str) -> str:
     return "\n".join(lines)
 
 
+def quantized_table(res: dict) -> str:
+    """The ``quantized`` table: per mode ms / token and its ratio to plain bf16 (median [min-max]
+    over rounds), misses and MB paged per token; one expert's conversion against its memcpy."""
+    times, plain = res["times"], res["times"]["plain"]
+    lines = [f"{res['pagedexperts']}; {res['layers']} layers, {res['threads']} thread(s), {res['tokens']} decode tokens x "
+             f"{res['rounds']} rounds, CPU time; one expert {res['expert_bytes'] / 1e6:.2f} MB packed: converted to the "
+             f"int4 kernel's layout in {res['convert_ms']:.1f} ms, memcpy {res['expert_bytes'] / res['memcpy_gbps'] / 1e6:.2f} ms",
+             "| mode | ms / token | ratio to plain bf16 | misses / token | MB paged / token |", "|---|---|---|---|---|"]
+    for name, ts in times.items():
+        ms = [t * 1e3 for t in ts]
+        if name == "plain":
+            lines.append(f"| plain transformers, bf16 original | {med(ms)} | 1 | | |")
+            continue
+        miss = statistics.median(c[0] for c in res["counters"][name])
+        mb = statistics.median(c[1] for c in res["counters"][name]) / 1e6
+        lines.append(f"| paged {name} | {med(ms)} | {med([t / p for t, p in zip(ts, plain)])} | {miss:.1f} | {mb:.2f} |")
+    return "\n".join(lines)
+
+
 def run(args) -> None:
+    if args.cmd == "quantized":
+        res = measure_quantized(args)
+        print(json.dumps(res) if args.json else quantized_table(res))
+        return
     res = measure(args)
     if args.json:
         print(json.dumps(res))
@@ -285,9 +373,11 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("dir")
     m.add_argument("--layers", type=int, default=2, help="decoder layers, each one MoE layer (default 2)")
     m.add_argument("--seed", type=int, default=0)
-    for name in ("run", "compare"):
+    for name in ("run", "compare", "quantized"):
         p = sub.add_parser(name)
         p.add_argument("dir")
+        if name == "quantized":
+            p.add_argument("qdir", help="DIR quantized: pagedexperts quantize --format w4a16 --group-size 128")
         p.add_argument("--num-resident", type=lambda s: [int(x) for x in s.split(",")], default=[128, 64, 32],
                        help="K values (default 128,64,32; the first is loaded, the others repaged)")
         p.add_argument("--rounds", type=int, default=5)
@@ -302,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.cmd == "make":
         make(args)
-    elif args.cmd == "run":
+    elif args.cmd in ("run", "quantized"):
         run(args)
     else:
         compare(args, argv)

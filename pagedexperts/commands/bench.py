@@ -111,7 +111,9 @@ def run(args) -> int:
         output_tokens=args.output_tokens, concurrency=concurrency, num_prompts=len(prompts),
         long_prompt_tokens=args.long_prompt_tokens, rounds=args.rounds, threads=threads,
         device=args.device, dtype=args.dtype,
-        experts_implementation=args.experts_implementation, policy=args.policy, decide=args.decide,
+        # auto is grouped_mm here: the baselines (resident, offload, cpu-experts) run transformers' kernels
+        experts_implementation="grouped_mm" if args.experts_implementation == "auto" else args.experts_implementation,
+        policy=args.policy, decide=args.decide,
     )
     print(f"threads: {threads} ({how})", file=sys.stderr)
     report = bench.run_bench(cfg, prompts)

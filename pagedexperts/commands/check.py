@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
         "from_pretrained, all experts resident, same experts implementation and dtype), each "
         "prompt alone and all of them as one left-padded batch, and compares every step's logits "
         "(torch.equal) and the greedy tokens. Every K is checked against [top_k, E] first. With "
-        "--experts-implementation fused two comparisons per K: paged == the same fused kernel with all E "
+        "--experts-implementation fused or packed two comparisons per K: paged == the same kernel with all E "
         "experts resident (torch.equal), and teacher-forced logits within a stated tolerance of "
         "transformers' model (grouped_mm over its dequantized experts) with top-1 agreement with the "
         "float32 source no lower than transformers'.",
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--source-model-path",
         default=None,
-        help="with --experts-implementation fused: the float32 model the checkpoint was quantized from, for "
+        help="with --experts-implementation fused or packed: the float32 model the checkpoint was quantized from, for "
         "the teacher-forced top-1 comparison (default: the bundled model for --model-path bundled:FORMAT; "
         "none otherwise)",
     )
@@ -77,8 +77,9 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "ho
 
 
 def run_fused(args, ks, options, reference, choice, num_experts: int, *, path, quantized: bool) -> int:
-    """``check --experts-implementation fused``: per K, paged == the same kernel with all E
-    resident (torch.equal), and within tolerance of transformers' model (``tools.check_fused``)."""
+    """``check --experts-implementation fused`` (or ``packed``: torch's packed CPU matmuls): per
+    K, paged == the same kernel with all E resident (torch.equal), and within tolerance of
+    transformers' model (``tools.check_fused``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -92,8 +93,9 @@ def run_fused(args, ks, options, reference, choice, num_experts: int, *, path, q
     source = None if source_path is None else AutoModelForCausalLM.from_pretrained(
         source_path, dtype="float32").to(args.device).eval()
     oracle, tokenizer = load_model(args.model_path, num_resident=num_experts, **options)
+    name = args.experts_implementation
     transformers_ref = f"{choice.source} (grouped_mm over its dequantized experts)"
-    print(f"references: the same fused kernel with all E={num_experts} experts resident (exact); {transformers_ref} "
+    print(f"references: the same {name} kernel with all E={num_experts} experts resident (exact); {transformers_ref} "
           "(within tolerance)")
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     ok = True
@@ -101,11 +103,11 @@ def run_fused(args, ks, options, reference, choice, num_experts: int, *, path, q
         paged, _ = load_model(args.model_path, num_resident=k, **options)
         res = check_model(paged, oracle, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
         print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide)
-              + f" [vs fused, all E={num_experts} resident]")
+              + f" [vs {name}, all E={num_experts} resident]")
         tol = tolerance_check(paged, reference, source, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
-        print(tolerance_line(k, tol, reference=transformers_ref, source=source_path))
+        print(tolerance_line(k, tol, reference=transformers_ref, source=source_path, name=name))
         ok &= res.passed and tol.passed
-    print("verdict:", "PASS" if ok else "FAIL", "(paged fused == fused all resident; within tolerance of "
+    print("verdict:", "PASS" if ok else "FAIL", f"(paged {name} == {name} all resident; within tolerance of "
           f"{choice.source})")
     return 0 if ok else 1
 
@@ -113,10 +115,11 @@ def run_fused(args, ks, options, reference, choice, num_experts: int, *, path, q
 def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
     from pagedexperts.loading.checkpoint import format_for_checkpoint
-    from pagedexperts.loading.config import PagingConfig, check_config, check_experts_dtype, resolve_dtype
+    from pagedexperts.loading.config import (PagingConfig, check_config, check_experts_dtype, resolve_dtype,
+                                             resolve_experts_implementation)
     from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
-    from pagedexperts.paging.steps.table import FUSED, transformers_inner
+    from pagedexperts.paging.steps.table import FUSED, PACKED, transformers_inner
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
@@ -136,10 +139,12 @@ def run(args) -> int:
                    prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
                    decide=args.decide)
     fmt = format_for_checkpoint(config, files)
+    args.experts_implementation = resolve_experts_implementation(PagingConfig(**options), fmt)  # auto: per format
+    options["experts_implementation"] = args.experts_implementation
     for k in ks:  # every problem of the options, at once, before the reference loads
         check_config(PagingConfig(num_resident=k, **options), config, fmt)
     check_experts_dtype(fmt, resolve_dtype(args.dtype, config), transformers_inner(args.experts_implementation))
-    fused = args.experts_implementation == FUSED
+    fused = args.experts_implementation in (FUSED, PACKED)  # exact to themselves, within tolerance of transformers
     print(f"check: loading the unpaged reference, then the paged model at K = {', '.join(map(str, ks))}",
           file=sys.stderr, flush=True)
     reference, choice = load_reference_with_choice(

@@ -23,7 +23,7 @@ from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS, resolv
 from pagedexperts.models import config as model_config
 from pagedexperts.paging.baselines import mode_problem
 from pagedexperts.paging.device_residency import DEVICE_RULES
-from pagedexperts.paging.steps.table import FUSED, inner_problem
+from pagedexperts.paging.steps.table import FUSED, PACKED, inner_problem
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, INTERPRETED
 from pagedexperts.residency.planner import default_num_resident, num_resident_problem
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
@@ -31,8 +31,9 @@ from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
 # The experts kernels that run routed experts held in another dtype than the model's:
 # transformers' ``_grouped_mm`` casts its input to the weights' dtype; ``eager`` and
 # ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes;
-# ``fused`` casts its input the same way (``paging.steps.fused``).
-MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm", FUSED)
+# ``fused`` casts its input the same way (``paging.steps.fused``), and ``packed`` too
+# (``paging.steps.host_packed``: the kernels run in the experts' dtype, their scales').
+MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm", FUSED, PACKED)
 
 # --decide: where a paged layer-step is planned (docs/design.md "Executors"): "host" (the top-k ids
 # read back, ``paging.host_executor``), "device" (``paging.device_executor``: no read-back) or
@@ -112,6 +113,7 @@ def option_problems(cfg: PagingConfig) -> list[str]:
     """The problems of the options alone (no model needed)."""
     on_device = planned_on_device(cfg)
     problems = [device_problem(cfg.device), mode_problem(cfg.mode),
+                None if cfg.experts_implementation == AUTO else
                 inner_problem(cfg.experts_implementation, decide="device" if on_device and is_fused(cfg) else "host")]
     if cfg.policy not in POLICIES:
         problems.append(f"unknown eviction policy {cfg.policy!r}; choose one of {sorted(POLICIES)} (--policy)")
@@ -133,7 +135,43 @@ def option_problems(cfg: PagingConfig) -> list[str]:
     elif on_device:
         problems += device_decide_problems(cfg)
     problems += graph_option_problems(cfg)
+    problems.append(packed_problem(cfg))
     return list(dict.fromkeys(p for p in problems if p is not None))
+
+
+AUTO = "auto"  # --experts-implementation auto: packed where measured faster (``resolve_experts_implementation``)
+# The int formats whose experts torch's CPU int4 / int8 kernels compute packed (``formats.cpu_pack``):
+# ``auto`` runs them ``packed`` on a CPU (not the default: see docs/benchmarks.md, "Quantized experts on a
+# CPU", for the accuracy finding that keeps grouped_mm the default). Measured (bench/real_shape.py quantized, Qwen3-30B-A3B
+# expert shapes, W4A16 group 128, 1 thread, CPU time per decode token vs plain transformers bf16):
+# packed 0.89x at K = E and K = E/4, dequantizing (grouped_mm, dense slots) 0.96x and 3.05x.
+PACKED_BY_DEFAULT = ("gptq", "awq", "w4a16", "w8a16", "ct-pack-mixed", "auto-round")
+
+
+def resolve_experts_implementation(cfg: PagingConfig, fmt) -> str:
+    """``cfg.experts_implementation``, with "auto" resolved: ``packed`` on a CPU in mode paged for
+    a checkpoint of ``PACKED_BY_DEFAULT`` (a layer whose shapes the kernels cannot take still
+    runs grouped_mm, with its WARNING), else ``grouped_mm`` (exact to transformers)."""
+    if cfg.experts_implementation != AUTO:
+        return cfg.experts_implementation
+    on_cpu = device_problem(cfg.device) is None and torch.device(cfg.device).type == "cpu"
+    if on_cpu and cfg.mode == "paged" and fmt is not None and fmt.name in PACKED_BY_DEFAULT:
+        return PACKED
+    return "grouped_mm"
+
+
+def packed_problem(cfg: PagingConfig) -> str | None:
+    """Why ``--experts-implementation packed`` (torch's packed CPU matmuls over the paged slots,
+    ``paging.steps.host_packed``) cannot run with ``cfg``'s device and mode, or None."""
+    if cfg.experts_implementation != PACKED or device_problem(cfg.device) is not None:
+        return None
+    if torch.device(cfg.device).type != "cpu":
+        return (f"--experts-implementation packed runs torch's packed CPU matmuls: --device cpu, not {cfg.device} "
+                "(on CUDA use --experts-implementation fused)")
+    if cfg.mode != "paged":
+        return (f"--experts-implementation packed computes the paged slots (--mode paged); --mode {cfg.mode} runs "
+                "transformers' own kernels: use --experts-implementation grouped_mm")
+    return None
 
 
 def is_fused(cfg: PagingConfig) -> bool:

@@ -20,6 +20,7 @@ import random
 import torch
 
 from pagedexperts.formats import ExpertFormat
+from pagedexperts.formats.cpu_pack import CpuPackedSlots
 from pagedexperts.formats.slots import DenseSlots
 from pagedexperts.loading.checkpoint import KeyMap
 from pagedexperts.paging.runner_contract import PagedExecutor
@@ -45,7 +46,8 @@ def check_model_independence(model, files, fmt: ExpertFormat, *, experts_per_lay
         return 0
     rng = random.Random(seed)
     wanted = {name: _sample(site.num_experts, experts_per_layer, rng) for name, (site, _) in paged.items()}
-    reference = reference_rows(files, KeyMap(model.config.model_type, {n: s for n, (s, _) in paged.items()}, fmt), rt.stores, wanted)
+    specs = {name: rt.layouts[name].packed_specs if rt.layouts.get(name) else rt.stores[name].specs for name in paged}
+    reference = reference_rows(files, KeyMap(model.config.model_type, {n: s for n, (s, _) in paged.items()}, fmt), specs, wanted)
     checked = 0
     with torch.no_grad():
         for name, (site, executor) in paged.items():
@@ -62,15 +64,16 @@ def _sample(num_experts: int, count: int, rng: random.Random) -> list[int]:
     return list(dict.fromkeys(picks))[:count]
 
 
-def reference_rows(files, keymap: KeyMap, stores, wanted: dict[str, list[int]]) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
-    """{site: {expert: {packed name: row}}} read straight from the checkpoint files through
+def reference_rows(files, keymap: KeyMap, specs, wanted: dict[str, list[int]]) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
+    """{site: {expert: {packed name: row}}} of the checkpoint's packed tensors (``specs``: site
+    -> the layout's packed specs, as the store was filled) read straight from the checkpoint files through
     safetensors' own reader (per-expert keys of those experts, or their rows of stacked keys),
     sources concatenated by concat_dim. Deliberately not the fill's byte ranges
     (``loading.fill.CheckpointIndex``): the reference must not share the reader it checks."""
     from safetensors import safe_open
 
     rows = {
-        name: {e: {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in stores[name].specs} for e in experts}
+        name: {e: {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs[name]} for e in experts}
         for name, experts in wanted.items()
     }
     for file in files:
@@ -86,7 +89,7 @@ def reference_rows(files, keymap: KeyMap, stores, wanted: dict[str, list[int]]) 
                     value = f.get_slice(raw_key)[e] if expert is None else f.get_tensor(raw_key)
                     dst = rows[site.name][e][tname]
                     if n_src > 1:
-                        dim = next(s.concat_dim for s in stores[site.name].specs if s.name == tname)
+                        dim = next(s.concat_dim for s in specs[site.name] if s.name == tname)
                         size = dst.shape[dim] // n_src
                         dst = dst.narrow(dim, src_index * size, size)
                     dst.copy_(value)
@@ -123,6 +126,13 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
     if executor.device.type == "cuda":
         torch.cuda.synchronize(executor.device)
     where = f"layer {site.layer} ({site.name}): expert {expert} paged into slot {slot}"
+    if isinstance(executor.slots, CpuPackedSlots):  # the kernels' layouts: the slot rows themselves
+        for name, row in executor.slots.convert(packed_ref).items():
+            if not torch.equal(executor.slots[name][slot], row):
+                raise IndependenceError(f"{where}: the kernel would read {name!r} that differs from the checkpoint's "
+                                        "expert converted to the CPU kernel's layout")
+        _empty_slot(executor, slot, where)
+        return
     try:
         view = executor.wave_view(site.module, (slot,))
     except KeyError as exc:
@@ -131,6 +141,14 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
         got = kernel_reads(view, spec.name, slot)
         if not torch.equal(got, dense_ref[spec.name][0].to(got.dtype)):
             raise IndependenceError(f"{where}: the kernel would read {spec.name!r} {_culprit(executor, layout, spec.name, slot, packed_ref)}")
+    _empty_slot(executor, slot, where)
+
+
+def _empty_slot(executor, slot: int, where: str) -> None:
+    """Check that the page-in into ``slot`` changed no other slot, then zero ``slot`` again.
+
+    Raises:
+        IndependenceError: another slot of a tensor changed (names the tensor)."""
     for name, table in executor.slots.items():
         others = torch.cat([table[:slot], table[slot + 1:]])
         if others.numel() and bool(others.view(torch.uint8).any()):

@@ -18,7 +18,8 @@ from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT
 from pagedexperts.loading.bundled import bundled_model_path
 from pagedexperts.loading.build import build_paged_model
 from pagedexperts.loading.checkpoint import format_for_checkpoint
-from pagedexperts.loading.config import ConfigError, PagingConfig, check_config, option_problems
+from pagedexperts.loading.config import (ConfigError, PagingConfig, check_config, option_problems,
+                                         resolve_experts_implementation)
 from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
 from pagedexperts.loading.runners import install_prefetch
@@ -41,7 +42,10 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         dtype: "float32", "bfloat16", "float16"; None = the checkpoint's dtype.
         experts_implementation: the transformers experts kernel run over the slots
             (grouped_mm, batched_mm, eager); the paged output equals the unpaged model's
-            with the same implementation.
+            with the same implementation. Or "fused" (Triton, device-planned), "packed"
+            (torch's int4 / int8 CPU kernels), both exact to themselves with all E resident,
+            or "auto" (packed on a CPU for the int formats of
+            ``loading.config.PACKED_BY_DEFAULT``, else grouped_mm).
         policy: eviction policy name (``residency.policies.POLICIES``).
         mode: "paged" (this project), or a baseline (``paging.baselines``): "resident" (all E experts on
             the device), "offload" (all E copied in every step), "cpu-experts" (the first
@@ -107,6 +111,7 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
     cfg = PagingConfig(**options)
     path, config, files = _read_checked(model_path, cfg)
     fmt = format_for_checkpoint(config, files)
+    cfg = dataclasses.replace(cfg, experts_implementation=resolve_experts_implementation(cfg, fmt))
     check_config(cfg, config, fmt)
     check_readable(files)
     if fmt.name == "dense" and cfg.slot_format != DEFAULT_SLOT_FORMAT:

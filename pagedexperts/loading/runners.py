@@ -12,11 +12,13 @@ and ``random_fill``. Does not: read checkpoints or plan memory (``loading.build`
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from pagedexperts import integration
 from pagedexperts.formats import slots
+from pagedexperts.formats.cpu_pack import CpuPackedSlots, plan_layout
 from pagedexperts.loading.config import check_config, resolve_cuda_graphs, resolve_decide
 from pagedexperts.models.sites import router_of
 from pagedexperts.paging import prefetch
@@ -25,9 +27,11 @@ from pagedexperts.paging.device_executor import DeviceExecutor
 from pagedexperts.paging.host_executor import HostExecutor
 from pagedexperts.paging.runner_contract import PagedExecutor
 from pagedexperts.paging.steps.contract import SlotSetup
-from pagedexperts.paging.steps.table import FUSED
+from pagedexperts.paging.steps.table import FUSED, PACKED
 from pagedexperts.residency.policies import make_policy
 from pagedexperts.storage.host_store import HostExpertStore
+
+logger = logging.getLogger(__name__)
 
 
 def repage(model, *, mode: str = "paged", num_resident: int | None = None, policy: str | None = None) -> None:
@@ -145,12 +149,35 @@ def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
     or under ``PagingRuntime.decide`` "device" the device-planned one (``paging.device_executor``, no
     read-back); both implement ``PagedExecutor`` and take the layer's ``SlotSetup``."""
     k = runtime.num_resident
-    setup = _slot_setup(runtime, layout, dev)
+    packed = runtime.config.experts_implementation == PACKED
+    setup = _packed_setup(runtime, layout, dev, common["layer"], common["store"]) if packed else None
+    setup = setup or _slot_setup(runtime, layout, dev)
     if runtime.decide == "device":
         return DeviceExecutor(num_slots=k, policy=runtime.config.policy, backend=runtime.config.device_kernels,
                               setup=setup, **common)
     return HostExecutor(num_slots=k, policy=make_policy(runtime.config.policy, k), copy_stream=copy_stream,
                         setup=setup, **common)
+
+
+def _packed_setup(runtime, layout, dev, layer: int, store) -> SlotSetup | None:
+    """For ``--experts-implementation packed``: slots in the layouts of torch's CPU int4 / int8
+    kernels (``formats.cpu_pack.CpuPackedSlots``), and a host store holding every expert
+    converted to them once, here (a page-in is then a copy; the disk tier's rows, read from the
+    checkpoint, are converted at page-in: bench/real_shape.py measured a conversion at 34 ms per
+    Qwen3-30B-A3B expert against 0.15 ms for its copy), or None where the
+    layer's format cannot run there: a WARNING, and the reason in
+    ``PagingRuntime.experts_fallbacks`` (the stats' fallbacks); the layer then runs grouped_mm
+    over today's slots (``paging.steps.host_packed``)."""
+    dtype = layout.dense_specs[0].dtype if layout is not None and layout.tensors else torch.float32
+    plans = plan_layout(layout, dtype)
+    if isinstance(plans, str):
+        runtime.experts_fallbacks[layer] = plans
+        logger.warning("--experts-implementation packed: layer %d runs grouped_mm instead (%s)", layer, plans)
+        return None
+    table = CpuPackedSlots(layout, plans, runtime.num_resident, dev)
+    if isinstance(store, HostExpertStore) and set(store.tensors) != set(table):  # once: repage keeps it
+        store.convert_rows(table.specs, table.convert_many)
+    return SlotSetup(table, layout=layout)
 
 
 def _slot_setup(runtime, layout, dev) -> SlotSetup | None:

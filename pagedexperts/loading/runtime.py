@@ -44,6 +44,9 @@ class PagingRuntime:
             "device".
         cuda_graphs: ``PagingConfig.cuda_graphs`` resolved ("cuda", "eager" or "off"), and
             ``cuda_graphs_reason`` why off.
+        experts_fallbacks: MoE layer -> why it runs grouped_mm under ``--experts-implementation
+            packed`` (its format's kernels are not torch's CPU int4 / int8 ones), shown in the
+            stats' fallbacks.
         decode_graphs: ``generation.graphs.DecodeGraphs`` (a layer above, so not named in the
             type), built on first use; its captures check the runners they hold against
             ``runners`` (a repage invalidates them). None until then.
@@ -67,6 +70,8 @@ class PagingRuntime:
     cuda_graphs: str = "off"
     cuda_graphs_reason: str | None = None
     decode_graphs: object | None = field(default=None, repr=False)
+    # MoE layer -> why it runs grouped_mm although --experts-implementation packed was asked (``loading.runners``)
+    experts_fallbacks: dict[int, str] = field(default_factory=dict)
 
     def stats(self) -> ModelStats:
         """Current counters of every MoE layer (CUDA copy times folded in first), with the
@@ -74,6 +79,7 @@ class PagingRuntime:
         for r in self.runners.values():
             r.collect_copy_time()
         fallbacks = sorted({r.store.fallback for r in self.runners.values() if r.store.fallback})
+        fallbacks += [f"layer {i}: packed -> grouped_mm ({why})" for i, why in sorted(self.experts_fallbacks.items())]
         tiers = {i: r.store.tier_stats for i, r in self.runners.items() if r.store.tier_stats is not None}
         return ModelStats.collect(((i, r.stats) for i, r in self.runners.items()), fallbacks, tiers=tiers)
 

@@ -231,6 +231,24 @@ class HostExpertStore(ExpertStore):
             )
         dst.copy_(value)
 
+    def convert_rows(self, specs: list[TensorSpec], convert, *, chunk: int = 16) -> None:
+        """Hold every expert in another layout from now on: ``convert({name: [n, ...]})`` ->
+        {spec.name: [n, *spec.shape]} for ``specs``, applied to ``chunk`` experts at a time
+        (``formats.cpu_pack``: torch's CPU kernel layouts, so that a page-in is a copy). Only an
+        unpinned store (a CPU device); the old tensors are freed when every row is converted.
+
+        Raises:
+            ValueError: a page-locked store (its registrations are of the old tensors)."""
+        if self.pinned:
+            raise ValueError("convert_rows: a page-locked host store (CUDA) keeps its layout")
+        new = {s.name: torch.empty((self.num_experts, *s.shape), dtype=s.dtype) for s in specs}
+        for first in range(0, self.num_experts, chunk):
+            rows = {name: t[first: first + chunk] for name, t in self.tensors.items()}
+            for name, value in convert(rows).items():
+                new[name][first: first + value.shape[0]].copy_(value)
+        self.tensors, self.specs = new, list(specs)
+        self.expert_bytes = sum(s.row_bytes for s in self.specs)
+
     def copy_to_slot(self, expert: int, slot: int, slots) -> None:
         """Copy every tensor row of ``expert`` into row ``slot`` of the [K, ...] ``slots``.
 

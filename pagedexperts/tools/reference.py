@@ -165,7 +165,7 @@ def compare_with_format(model, files, fmt, *, per_layer: int = SAMPLE_EXPERTS_PE
     gen = torch.Generator().manual_seed(seed)
     wanted = {n: torch.randperm(s.num_experts, generator=gen)[:per_layer].tolist() for n, s in sites.items()}
     stores = {n: SimpleNamespace(specs=layout.packed_specs) for n, layout in layouts.items()}
-    rows = reference_rows(files, KeyMap(model.config.model_type, sites, fmt), stores, wanted)
+    rows = reference_rows(files, KeyMap(model.config.model_type, sites, fmt), {n: st.specs for n, st in stores.items()}, wanted)
     compared, worst, first = 0, 0.0, None
     for name, experts in wanted.items():
         for j in experts:

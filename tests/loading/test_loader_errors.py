@@ -326,7 +326,8 @@ def test_no_fallback_reported_without_pinning():
     [
         (dict(dtype="float64"), r"unknown dtype 'float64'; choose one of \['bfloat16', 'float16', 'float32'\] \(--dtype\)"),
         (dict(experts_implementation="sonic"),
-         r"'sonic' is not supported under paging; choose one of \['grouped_mm', 'batched_mm', 'eager', 'fused'\] \(--experts-implementation\)"),
+         r"'sonic' is not supported under paging; choose one of "
+         r"\['grouped_mm', 'batched_mm', 'eager', 'fused', 'packed'\] \(--experts-implementation\)"),
         (dict(policy="mru"), rf"unknown eviction policy 'mru'; choose one of {re.escape(str(sorted(POLICIES)))} \(--policy\)"),
     ],
 )

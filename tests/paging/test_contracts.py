@@ -56,7 +56,7 @@ def test_inner_problem_is_the_one_check_for_both_paths():
     assert "--decide device" in device_eager and "grouped_mm or batched_mm" in device_eager
     assert "--decide host" in device_eager
     unknown = inner_problem("sonic", decide="device")
-    assert "'sonic'" in unknown and "['grouped_mm', 'batched_mm', 'eager', 'fused']" in unknown
+    assert "'sonic'" in unknown and "['grouped_mm', 'batched_mm', 'eager', 'fused', 'packed']" in unknown
     assert "--experts-implementation" in unknown
     with pytest.raises(ValueError, match="'gpu'.*host.*device"):
         inner_problem("grouped_mm", decide="gpu")
@@ -75,11 +75,11 @@ def test_a_runner_checks_its_inner_when_it_is_set():
 
 
 def test_every_body_implements_the_one_step_contract():
-    """Six bodies, each a LayerStep of its path, with the contract's signatures (begin, run_wave,
+    """Seven bodies, each a LayerStep of its path, with the contract's signatures (begin, run_wave,
     combine), so an executor holds any of them the same way."""
     bodies = [(b.host, "host") for b in STEP_BODIES.values() if b.host] + \
         [(b.device, "device") for b in STEP_BODIES.values() if b.device]
-    assert len(bodies) == 6  # host: grouped_mm, batched_mm, eager; device: grouped_mm, batched_mm, fused
+    assert len(bodies) == 7  # host: grouped_mm, batched_mm, eager, packed; device: grouped_mm, batched_mm, fused
     for body, planned in bodies:
         assert issubclass(body, LayerStep) and body.planned == planned, body.__name__
         for method in ("begin", "run_wave", "combine"):

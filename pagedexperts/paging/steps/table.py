@@ -26,9 +26,11 @@ from pagedexperts.paging.steps.fused import FusedStep
 from pagedexperts.paging.steps.host_batched import HostBatchedStep
 from pagedexperts.paging.steps.host_eager import HostEagerStep
 from pagedexperts.paging.steps.host_grouped import HostGroupedStep
+from pagedexperts.paging.steps.host_packed import HostPackedStep
 
 DECIDES = ("host", "device")  # where a paged step is planned (``--decide``, resolved)
 FUSED = "fused"  # the fused Triton MoE kernels over the packed slots (``steps.fused``)
+PACKED = "packed"  # torch's packed int4 / int8 CPU matmuls over kernel-layout slots (``steps.host_packed``)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ STEP_BODIES: dict[str, StepBodies] = {
     "eager": StepBodies(host=HostEagerStep, device=None, no_device="its loop reads the routed experts back"),
     FUSED: StepBodies(host=None, device=FusedStep,
                       no_host="its Triton kernels read the packed slots by slot id on the device-planned step"),
+    PACKED: StepBodies(host=HostPackedStep, device=None,
+                       no_device="torch's packed CPU matmuls run per routed expert on the host-planned CPU step"),
 }
 INNER_IMPLEMENTATIONS = tuple(STEP_BODIES)
 
@@ -90,9 +94,10 @@ def body_for(inner: str, decide: str) -> type[LayerStep]:
 
 def transformers_inner(name: str) -> str:
     """The transformers experts implementation a model is built with for paged inner ``name``:
-    ``name`` itself, or ``grouped_mm`` for ``fused`` (not in transformers' registry; the paged
-    dispatcher replaces the implementation anyway)."""
-    return "grouped_mm" if name == FUSED else name
+    ``name`` itself, or ``grouped_mm`` for ``fused``, ``packed`` and ``auto`` (not in transformers'
+    registry; the paged dispatcher replaces the implementation anyway, and ``packed`` runs
+    ``grouped_mm`` on a layer its kernels cannot take)."""
+    return "grouped_mm" if name in (FUSED, PACKED, "auto") else name
 
 
 def resolve_inner(module: torch.nn.Module, name: str) -> Callable:
@@ -107,7 +112,7 @@ def resolve_inner(module: torch.nn.Module, name: str) -> Callable:
     problem = inner_problem(name)
     if problem is not None:
         raise ValueError(problem)
-    return _inner_for(type(module), name)
+    return _inner_for(type(module), transformers_inner(name))  # packed: grouped_mm, as a layer it cannot take
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,198 @@
+"""Quantized experts in the layouts of torch's CPU int4 / int8 matmuls, converted from a format's rows.
+
+Owns: which quantized expert tensors torch's own CPU kernels can compute packed, and why not
+where they cannot (``plan_tensor`` / ``plan_layout``: one reason per tensor); the kernel layout
+of one expert tensor (``KernelTensor``: its specs and ``convert``, from a format's packed rows
+through the package's one unpacker, ``formats.unpack.int_groups``); ``CpuPackedSlots``, the slot
+table whose page-in converts an expert's rows into that layout (the ``write_rows`` contract of
+``formats.slots``). Does not: compute (``paging.steps.host_packed`` runs the kernels), decide
+residency, or read files.
+
+The kernels (torch >= 2.6, CPU; no C++ of ours, nothing built at run time):
+
+- int4: ``aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K] in 0..15, 1)`` -> uint8
+  [N, K/2], and ``aten._weight_int4pack_mm_for_cpu(x [M, K], packed, group_size,
+  scales_and_zeros [K/group_size, N, 2]) -> [M, N]``, computing each weight as ``(q - 8) * scale
+  + zero`` with the zero in the float domain, per (output row, group of ``group_size`` input
+  columns: 32, 64, 128 or 256), N a multiple of 16, x contiguous and of the scales' dtype
+  (bfloat16, float16 or float32). A format's ``w = (q - z) * s`` (``formats.unpack.IntGroups``)
+  maps to ``scale = s``, ``zero = (8 - z) * s`` (symmetric: z = 8, zero 0). A format group that is
+  a multiple of a kernel group (a group spanning all K: per channel) repeats its scale.
+- int8: ``aten._weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N]) -> [M, N]``: ``w *
+  scale`` per output row, no zero point: per-channel int8 whose codes minus zero point fit int8
+  (symmetric: GPTQ's stored zero 128, compressed-tensors' none); ``convert`` refuses others.
+
+The kernel's arithmetic differs from the format's in the last bits (the scale rounded to the run
+dtype, ``(q - 8) * s + zero`` instead of ``(q - z) * s``): exact to itself (paged == all E
+resident), within a tolerance of transformers' dequantized model (``tools.check_fused``).
+
+Legend: n experts, N output features, K input features, G groups, E experts, K_s slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec
+from pagedexperts.formats.unpack import PackedFormat, int_groups
+
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)  # the int4 CPU kernel's group sizes, largest first
+INT4_ROWS_MULTIPLE = 16  # the int4 CPU kernel's N must be a multiple of this
+INT4_OFFSET = 8  # the int4 CPU kernel reads q - 8
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class KernelTensor:
+    """One dense expert tensor ([N, K] per expert, the module's [out, in]) as torch's CPU kernel
+    reads it: ``kind`` "int4" or "int8", ``group_size`` (int4: the kernel's; a format group of
+    ``repeat`` kernel groups repeats its scale), ``dtype`` the run dtype of x and the scales."""
+
+    tensor: QuantizedTensor
+    fmt: PackedFormat
+    kind: str
+    out_features: int
+    in_features: int
+    group_size: int
+    repeat: int
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return self.tensor.dense.name
+
+    @property
+    def weight_name(self) -> str:
+        return f"{self.name}.{self.kind}pack"
+
+    @property
+    def scale_name(self) -> str:
+        return f"{self.name}.scales_zeros" if self.kind == "int4" else f"{self.name}.scales"
+
+    @property
+    def specs(self) -> tuple[TensorSpec, TensorSpec]:
+        """(weight, scales) of one expert: int4 uint8 [N, K/2] and [K/group_size, N, 2]; int8
+        int8 [N, K] and [N]; scales in ``dtype``."""
+        n, k = self.out_features, self.in_features
+        if self.kind == "int4":
+            return (TensorSpec(self.weight_name, (n, k // 2), torch.uint8),
+                    TensorSpec(self.scale_name, (k // self.group_size, n, 2), self.dtype))
+        return TensorSpec(self.weight_name, (n, k), torch.int8), TensorSpec(self.scale_name, (n,), self.dtype)
+
+    def convert(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A format's packed rows of n experts {packed name: [n, ...]} -> {weight_name, scale_name:
+        [n, *spec.shape]} (module docstring: the kernels' layouts and the zero point's mapping)."""
+        groups = int_groups(self.fmt.packing_of(self.tensor), rows, constant=self.fmt.device_constant)
+        if self.kind == "int8":
+            q = groups.codes.to(torch.int16) - groups.zeros.to(torch.int16)  # one group: zeros [n, N, 1]
+            if bool(((q < -128) | (q > 127)).any()):
+                raise ValueError(f"{self.name}: int8 codes minus their zero points leave [-128, 127] (an asymmetric "
+                                 "int8 checkpoint): torch's int8 kernel has no zero point; use --experts-implementation "
+                                 "grouped_mm")
+            return {self.weight_name: q.to(torch.int8), self.scale_name: groups.scales[..., 0].to(self.dtype)}
+        scales = groups.scales.to(torch.float32)
+        zeros = (INT4_OFFSET - groups.zeros).to(torch.float32) * scales  # [n, N, G]
+        pair = torch.stack([scales, zeros], dim=-1).to(self.dtype)  # [n, N, G, 2]
+        pair = pair.repeat_interleave(self.repeat, dim=2)[:, :, : self.in_features // self.group_size]
+        packed = torch.stack([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+                              for q in groups.codes])
+        return {self.weight_name: packed, self.scale_name: pair.transpose(1, 2).contiguous()}
+
+
+def plan_tensor(fmt, tensor: QuantizedTensor, dtype: torch.dtype) -> KernelTensor | str:
+    """``tensor``'s ``KernelTensor`` at run dtype ``dtype``, or why torch's CPU kernels cannot
+    compute it packed (one sentence naming the format and the limit)."""
+    what = f"{getattr(fmt, 'name', type(fmt).__name__)} {tensor.dense.name}"
+    if dtype not in KERNEL_DTYPES:
+        return f"{what}: run dtype {dtype} (torch's packed CPU matmuls take bfloat16, float16, float32)"
+    if not isinstance(fmt, PackedFormat) or fmt.transposed_experts is True:
+        return f"{what}: no int packing in the module's [out, in] orientation"
+    packing = fmt.packing_of(tensor)
+    if packing.codes != "int" or packing.global_scale != "none" or packing.round_dtype is not None \
+            or packing.scale_op != "multiply":
+        return f"{what}: {packing.codes} codes (torch's CPU kernels take integer int4 / int8 with one scale per group)"
+    if packing.spec("g_idx") is not None:
+        return f"{what}: activation order (g_idx): the int4 kernel takes groups of consecutive input columns"
+    if packing.block_rows != 1:
+        return f"{what}: a scale per block of {packing.block_rows} output rows (the kernels take one per row)"
+    bits, n, k = packing.bits or 8, packing.out_features, packing.in_features
+    group = packing.group_size if packing.group_size and packing.group_size < k else k
+    if bits == 8:
+        if group != k:
+            return f"{what}: group-wise int8 (group {group} of {k} columns; torch's int8 kernel takes one scale per row)"
+        return KernelTensor(tensor, fmt, "int8", n, k, 0, 1, dtype)
+    if bits != 4:
+        return f"{what}: {bits}-bit codes (torch's CPU kernels take 4 and 8 bits)"
+    if n % INT4_ROWS_MULTIPLE:
+        return f"{what}: {n} output rows (the int4 kernel needs a multiple of {INT4_ROWS_MULTIPLE})"
+    size = next((s for s in KERNEL_GROUP_SIZES if group % s == 0 and k % s == 0), None)
+    if size is None:
+        return (f"{what}: group of {group} of {k} input columns (the int4 kernel takes groups of "
+                f"{' / '.join(map(str, reversed(KERNEL_GROUP_SIZES)))})")
+    return KernelTensor(tensor, fmt, "int4", n, k, size, group // size, dtype)
+
+
+def plan_layout(layout: ExpertLayout | None, dtype: torch.dtype) -> tuple[KernelTensor, ...] | str:
+    """The ``KernelTensor`` of every quantized tensor of ``layout`` (passthrough tensors: none),
+    or the first reason one cannot run packed (dense experts: there is nothing to compute packed)."""
+    if layout is None or layout.is_dense:
+        return "dense experts: nothing quantized to compute packed"
+    plans = []
+    for tensor in layout.tensors:
+        if tensor.is_passthrough:
+            continue
+        plan = plan_tensor(layout.format, tensor, dtype)
+        if isinstance(plan, str):
+            return plan
+        plans.append(plan)
+    return tuple(plans)
+
+
+class CpuPackedSlots(dict):
+    """Slot tensors {name: [K_s, ...]} in the CPU kernels' layouts: per quantized tensor its
+    ``KernelTensor`` weight and scales, passthrough tensors (biases) as the store holds them.
+    A page-in (``write_rows``) converts the expert's packed rows into its slot.
+
+    Args:
+        layout: the layer's ExpertLayout; plans: ``plan_layout(layout, dtype)`` (not a reason);
+        num_slots: K_s; device: a CPU device.
+    """
+
+    def __init__(self, layout: ExpertLayout, plans: tuple[KernelTensor, ...], num_slots: int, device) -> None:
+        specs = [s for p in plans for s in p.specs]
+        specs += [t.dense for t in layout.tensors if t.is_passthrough]
+        super().__init__({s.name: torch.zeros((num_slots, *s.shape), dtype=s.dtype, device=device) for s in specs})
+        self.layout = layout
+        self.plans = {p.name: p for p in plans}
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        """One expert's rows in the kernels' layouts (what ``convert_many`` returns)."""
+        return [TensorSpec(name, tuple(t.shape[1:]), t.dtype) for name, t in self.items()]
+
+    def convert_many(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """n experts' packed rows {packed name: [n, ...]} -> their rows in the kernels' layouts
+        {name: [n, ...]} (a host store converted once at load: ``HostExpertStore.convert_rows``)."""
+        out = {}
+        for tensor in self.layout.tensors:
+            if tensor.is_passthrough:
+                out[tensor.dense.name] = rows[tensor.dense.name]
+                continue
+            out.update(self.plans[tensor.dense.name].convert({p.name: rows[p.name] for p in tensor.packed}))
+        return out
+
+    def convert(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One expert's packed rows {packed name: [*spec.shape]} -> its slot rows {name: [...]}."""
+        return {name: t[0] for name, t in self.convert_many({n: r.unsqueeze(0) for n, r in rows.items()}).items()}
+
+    def write_rows(self, rows: dict[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
+        """Copy one expert's rows (host memory) into row ``slot``: rows already in the kernels'
+        layouts (a host store converted at load) as they are, a format's packed rows (the disk
+        tier's, read from the checkpoint) converted here (``pinned``: unused, host slots)."""
+        if set(rows) != set(self):
+            rows = self.convert(rows)
+        for name, row in rows.items():
+            self[name][slot].copy_(row)
