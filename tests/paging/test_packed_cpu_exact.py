@@ -135,7 +135,7 @@ def test_host_store_holds_the_kernel_layout_and_a_page_in_copies_it():
 def test_disk_tier_rows_convert_at_page_in_and_stay_exact():
     """With the disk tier (a few host rows per layer) the rows come from the checkpoint in the
     format's layout and are converted at page-in: logits equal packed with all E resident."""
-    from conftest import host_budget_gb
+    from support.tiny import host_budget_gb
 
     path = DATA / PACKED_FIXTURES["autoround-int4"][0]
     oracle = _load(path, None, "float32")
