@@ -112,6 +112,7 @@ def run(args) -> int:
         long_prompt_tokens=args.long_prompt_tokens, rounds=args.rounds, threads=threads,
         device=args.device, dtype=args.dtype,
         experts_implementation=args.experts_implementation, policy=args.policy, decide=args.decide,
+        beyond_k=args.beyond_k, admit_per_step=args.admit_per_step,
     )
     print(f"threads: {threads} ({how})", file=sys.stderr)
     report = bench.run_bench(cfg, prompts)

@@ -134,7 +134,7 @@ def run(args) -> int:
     options = dict(device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation,
                    policy=args.policy, slot_format=args.slot_format, prefetch=args.prefetch,
                    prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
-                   decide=args.decide)
+                   decide=args.decide, beyond_k=args.beyond_k, admit_per_step=args.admit_per_step)
     fmt = format_for_checkpoint(config, files)
     for k in ks:  # every problem of the options, at once, before the reference loads
         check_config(PagingConfig(num_resident=k, **options), config, fmt)

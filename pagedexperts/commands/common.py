@@ -62,6 +62,7 @@ def add_model_arguments(parser) -> None:
         "auto = dense on CPU, packed on CUDA (default auto; see bench/formats_bench.py)",
     )
     add_decide_argument(g)
+    add_beyond_k_arguments(g)
     g.add_argument(
         "--host-memory-gb", type=float, default=None, metavar="G",
         help="host memory (GB) for everything the process holds: the expert store, and on --device cpu the "
@@ -171,6 +172,26 @@ def add_decide_argument(group) -> None:
     group.add_argument("--decide", default="auto", choices=["auto", "host", "device"], help=DECIDE_HELP)
 
 
+BEYOND_K_HELP = (
+    "a step whose routed experts do not fit the K slots: waves (default: W = ceil(union / K) waves per layer-step, "
+    "each paged in then computed) or in-place (one wave at any batch size: the experts that get no slot this step "
+    "are read in place from the host store, page-locked and mapped on CUDA, inside the same fused launch; needs "
+    "--experts-implementation fused on the device-planned step). The default stays waves until a GPU has timed both "
+    "(bench/gpu_check.sh); docs/fused-kernels.md"
+)
+
+
+def add_beyond_k_arguments(group) -> None:
+    """--beyond-k waves|in-place (``paging.device_residency.BEYOND_K``) and --admit-per-step N."""
+    from pagedexperts.paging.device_residency import BEYOND_K
+
+    group.add_argument("--beyond-k", default="waves", choices=list(BEYOND_K), help=BEYOND_K_HELP)
+    group.add_argument("--admit-per-step", type=int, default=None, metavar="N",
+                       help="with --beyond-k in-place: page-ins per layer-step at most, N >= 0 (default K: every "
+                       "miss that fits beside the step's hits, which keeps the eviction policy's decisions for "
+                       "unions <= K); a smaller N keeps a large batch from evicting the table for experts it reads once")
+
+
 GRAPHS_HELP = (
     "capture every decode step in a CUDA graph (static KV cache, one capture per batch size up to "
     "--cuda-graph-max-batch; prefill stays eager; serve: each decode batch bucket over its KV rows, prefill, "
@@ -254,6 +275,8 @@ def paging_options(args) -> dict:
         # commands without the graph flags (check, bench) decode without graphs
         cuda_graphs=getattr(args, "cuda_graphs", "off"),
         cuda_graph_max_batch=_graph_max_batch(args),
+        beyond_k=getattr(args, "beyond_k", "waves"),
+        admit_per_step=getattr(args, "admit_per_step", None),
     )
 
 

@@ -22,7 +22,7 @@ import torch
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS, resolve_slot_format
 from pagedexperts.models import config as model_config
 from pagedexperts.paging.baselines import mode_problem
-from pagedexperts.paging.device_residency import DEVICE_RULES
+from pagedexperts.paging.device_residency import BEYOND_K, DEVICE_RULES
 from pagedexperts.paging.steps.table import FUSED, inner_problem
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, INTERPRETED
 from pagedexperts.residency.planner import default_num_resident, num_resident_problem
@@ -74,6 +74,10 @@ class PagingConfig:
     device_kernels: str = "triton"
     cuda_graphs: str = "auto"  # CUDA_GRAPHS_CHOICES (--cuda-graphs / --no-cuda-graphs)
     cuda_graph_max_batch: int = DEFAULT_CUDA_GRAPH_MAX_BATCH  # decode batch sizes captured: 1..N
+    # a routed union larger than K (``paging.device_residency.BEYOND_K``): "waves", or "in-place" (one
+    # wave, the experts without a slot read from the host store; fused + device-planned only)
+    beyond_k: str = "waves"
+    admit_per_step: int | None = None  # in-place: page-ins per layer-step at most (None: K)
 
     def resident_slots(self, *, num_experts: int, top_k: int) -> int:
         """K for E experts of which a token routes to top_k: all E unless mode "paged"."""
@@ -133,7 +137,30 @@ def option_problems(cfg: PagingConfig) -> list[str]:
     elif on_device:
         problems += device_decide_problems(cfg)
     problems += graph_option_problems(cfg)
+    problems += beyond_k_problems(cfg)
     return list(dict.fromkeys(p for p in problems if p is not None))
+
+
+def beyond_k_problems(cfg: PagingConfig) -> list[str]:
+    """The problems of ``--beyond-k`` and ``--admit-per-step``: an unknown choice; in-place
+    reads without the fused kernels on the device-planned step (they read the host rows); an
+    admission limit below 0 or without in-place reads. Each names its flags."""
+    if cfg.beyond_k not in BEYOND_K:
+        return [f"unknown --beyond-k {cfg.beyond_k!r}; choose one of {list(BEYOND_K)}"]
+    problems = []
+    if cfg.beyond_k == "in-place" and not (is_fused(cfg) and planned_on_device(cfg)):
+        problems.append(f"--beyond-k in-place reads experts beyond K from host rows inside the fused kernels: it needs "
+                        f"--experts-implementation fused on the device-planned step (--decide device or auto, mode "
+                        f"paged); got --experts-implementation {cfg.experts_implementation}, --decide {cfg.decide}, "
+                        f"mode {cfg.mode}. Use --beyond-k waves otherwise")
+    if cfg.admit_per_step is not None:
+        if cfg.beyond_k != "in-place":
+            problems.append(f"--admit-per-step {cfg.admit_per_step} limits the page-ins of --beyond-k in-place; "
+                            "with --beyond-k waves every routed expert is paged in (drop --admit-per-step)")
+        elif not isinstance(cfg.admit_per_step, int) or cfg.admit_per_step < 0:
+            problems.append(f"--admit-per-step {cfg.admit_per_step} must be an integer >= 0 (page-ins per layer-step; "
+                            "leave it out: K)")
+    return problems
 
 
 def is_fused(cfg: PagingConfig) -> bool:
