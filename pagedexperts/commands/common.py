@@ -234,7 +234,30 @@ def load_from_args(args):
         if getattr(args, "threads_note", None):
             print(args.threads_note, file=sys.stderr)
         print_host_memory(model)
+        print(experts_note(model.pagedexperts), file=sys.stderr)
     return model, tokenizer
+
+
+def experts_note(runtime) -> str:
+    """The start-up line: which experts implementation runs and why, where steps are planned,
+    and how a union beyond K is computed (``PagingRuntime``: its config and resolved decide)."""
+    cfg = runtime.config
+    name = cfg.experts_implementation
+    if name == "grouped_mm":
+        why = ("the default: fused becomes the default on CUDA once its CUDA tests and bench/gpu_check.sh have run on "
+               "a GPU, docs/fused-kernels.md")
+    else:
+        why = "--experts-implementation"
+    line = f"experts: {name} ({why})"
+    if cfg.mode != "paged":
+        return f"{line}; mode {cfg.mode}"
+    decide = runtime.decide if cfg.decide != "auto" else f"{runtime.decide} (--decide auto)"
+    if cfg.beyond_k == "in-place":
+        admit = "K" if cfg.admit_per_step is None else str(cfg.admit_per_step)
+        beyond = f"in place from the host store, one wave a step, page-ins per step <= {admit} (--beyond-k in-place)"
+    else:
+        beyond = "in waves (--beyond-k waves, the default until a GPU has timed in-place)"
+    return f"{line}; {decide}-planned steps; experts beyond K={runtime.num_resident} computed {beyond}"
 
 
 def print_host_memory(model) -> None:

@@ -5,7 +5,8 @@ Owns: the [K, ...] slot tensors of one layer, its ``DeviceResidency`` and ``Devi
 experts step: decide the step and remap its entries
 on the device (``device_residency.DeviceResidency.decide``), then per wave (a fixed
 W = ceil(min(T k, E) / K) for the shape) page in the wave's loads (the store's rows read on
-the device, the count read on the device: ``device_residency.DeviceResidency.page_in_over``)
+the device, the count read on the device: ``device_residency.DeviceResidency.page_in_over``;
+W = 1 at every T with ``--beyond-k in-place``, whose body reads the rest in place)
 and compute the wave's entries with its body (the inner implementation's device-planned
 ``paging.steps.contract.LayerStep``: begin, run each wave, combine). It implements the
 ``runner_contract.PagedExecutor`` contract beside ``host_executor.HostExecutor`` (``step``:
@@ -141,6 +142,11 @@ class DeviceExecutor(PagedExecutor):
                 body.run_wave(work, w)
             self.counters.add_step(plan.step, rows=int(hidden_states.shape[0]), padding=padding_count)
             return body.combine(work, top_k_weights)
+
+    def waves_for(self, num_entries: int) -> int:
+        """W of this layer's steps of S = ``num_entries`` entries (fixed per shape; 1 at every
+        S with --beyond-k in-place)."""
+        return self.residency.waves_for(num_entries)
 
     def capture_problem(self, dtype: torch.dtype, device: torch.device) -> str | None:
         """None (no read-back, fixed shapes), unless the body's waves cannot be captured
