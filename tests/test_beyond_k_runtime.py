@@ -164,3 +164,53 @@ def test_metrics_export_rows_read_in_place():
     assert {"in_place_rows", "in_place_bytes", "page_ins"} <= set(_numeric_fields(stats))
     totals = ModelStats.collect([(0, stats), (1, stats)]).as_dict(times=False)
     assert totals["in_place_rows"] == 6 and totals["in_place_bytes_per_token"] == 300.0
+
+
+def test_preflight_says_what_k_costs_with_in_place_reads(capsys):
+    """Link bytes per token at the uniform miss rate: (1 - K/E) x L x top_k x expert bytes,
+    the same figure paged in or read in place; in-place needs one wave at every batch."""
+    import json
+
+    from pagedexperts.cli import main
+
+    argv = ["preflight", "--num-resident", "8", "--link-gbps", "25", "--json"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    want = (1 - 8 / r["num_experts"]) * r["moe_layers"] * r["top_k"] * r["expert_bytes"]
+    assert r["link_bytes_per_token_uniform"] == pytest.approx(want, rel=1e-12)
+    assert r["in_place_waves_per_step"] == 1
+    assert main(argv[:-1]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("beyond K in place"))
+    assert "every batch one wave" in line and f"{want / 25e9 * 1e3:.2f} ms at 25 GB/s" in line
+
+
+def test_gpu_check_has_the_beyond_k_phase_within_its_budget(tmp_path):
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["bash", str(root / "bench" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
+                         timeout=120, env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"}, cwd=root)
+    phases = dict(re.findall(r"^== (\w+) \(limit (\d+) s\)", out.stdout, re.M))
+    assert "beyond_k" in phases and sum(map(int, phases.values())) <= 360, phases
+    assert "bench/gpu_beyond_k.py" in out.stdout
+
+
+@pytest.mark.slow
+@needs_triton
+def test_gpu_beyond_k_dry_run(tmp_path):
+    """The phase's code on CPU at tiny sizes: a row per (mode, batch); in-place one wave a step."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import gpu_beyond_k
+
+    assert gpu_beyond_k.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gpu_beyond_k.json").read_text())["rows"]
+    assert [(r["beyond_k"], r["batch"]) for r in rows] == [("waves", 1), ("waves", 4), ("in-place", 1), ("in-place", 4)]
+    assert all(r["waves_per_step"] == 1 and r["multi_wave_steps"] == 0 for r in rows if r["beyond_k"] == "in-place")
+    assert any(r["waves_per_step"] > 1 for r in rows if r["beyond_k"] == "waves")
+    assert all(r["decide"] == "device" and r["graphs_tok_s"] > 0 for r in rows)
