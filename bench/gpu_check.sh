@@ -5,7 +5,8 @@
 #                    the page-lock fallback; tests/test_cuda_graphs.py captured == eager, no sync in
 #                    replay, the grouped_mm capability rule, one stream for warm-up and capture, the
 #                    server's KV-row decode steps captured per bucket == eager, no sync in replay;
-#                    tests/test_formats.py's CUDA cases)
+#                    tests/test_formats.py's CUDA cases; tests/test_cuda_beyond_k.py: in-place reads of
+#                    the mapped host store == waves == all resident, captured == eager at batch 8)
 #   captured_decode  gpu_bench --phases captured: decode tok/s with every step replayed from a CUDA
 #                    graph, paged at K = 40 and 92 and resident, batch 1 and 4, beside eager
 #                    generate, on a 4-layer Qwen3-30B-A3B-shaped model with random bf16 weights
@@ -82,7 +83,8 @@ if [ "$DRY" = 0 ]; then
   [ -n "$(ls .gpu_traces/*.jsonl 2>/dev/null)" ] || echo "WARNING: no .gpu_traces (run --prepare here and carry it): the modelled table will be empty"
 fi
 
-phase cuda_tests 140 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_graphs.py tests/test_formats.py -p no:cacheprovider
+phase cuda_tests 140 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_graphs.py tests/test_cuda_beyond_k.py \
+  tests/test_formats.py -p no:cacheprovider
 phase captured_decode 70 "$PY" bench/gpu_bench.py --phases captured --out "$OUT"
 phase fused 45 "$PY" bench/gpu_fused.py --out "$OUT"
 phase beyond_k 45 "$PY" bench/gpu_beyond_k.py --out "$OUT"
