@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The prepared GPU check, in order of value, within 6 minutes: phase limits 140 + 70 + 50 + 40 + 60 =
+# The prepared GPU check, in order of value, within 6 minutes: phase limits 140 + 70 + 45 + 45 + 30 + 30 =
 # 360 s (each phase gets SIGINT at its limit, SIGKILL 5 s later; the env probe takes a few s):
 #   cuda_tests       the CUDA tests (tests/paging/test_cuda.py host- and device-planned exactness, no sync,
 #                    the page-lock fallback; tests/generation/test_cuda_graphs.py captured == eager, no sync in
 #                    replay, the grouped_mm capability rule, one stream for warm-up and capture, the
 #                    server's KV-row decode steps captured per bucket == eager, no sync in replay;
-#                    tests/formats/test_fp8_mxfp4.py's CUDA cases)
+#                    tests/formats/test_fp8_mxfp4.py's CUDA cases; tests/paging/test_cuda_beyond_k.py: in-place reads of
+#                    the mapped host store == waves == all resident, captured == eager at batch 8)
 #   captured_decode  gpu_bench --phases captured: decode tok/s with every step replayed from a CUDA
 #                    graph, paged at K = 40 and 92 and resident, batch 1 and 4, beside eager
 #                    generate, on a 4-layer Qwen3-30B-A3B-shaped model with random bf16 weights
 #   fused            gpu_fused: the same 4-layer shapes in GPTQ int4 (K = 92) and block FP8 (K = 40),
 #                    decode tok/s at batch 1 and 4, --experts-implementation fused (CUDA graphs) vs
 #                    grouped_mm over the dequantizing path (eager: its packed slots cannot be captured)
+#   beyond_k         gpu_beyond_k: the same shapes (2 layers), int4 K = 92 and FP8 K = 40, fused,
+#                    --beyond-k waves vs in-place at batch 1, 4, 8, 16, 32, decode tok/s captured
+#                    (CUDA graphs, every batch) and eager, with waves/step and rows read in place per
+#                    token (sets the --beyond-k default: waves until this has run)
 #   micro            gpu_micro (about 20 s): decide us at K = 40 and 92, page-in at count 0, 1, 8
 #                    (GB/s of the GPU's reads of the mapped host store), one quantized layer-step
 #   rest             gpu_bench --phases rest: modes (resident, offload, paged), eager decode with
@@ -78,18 +83,20 @@ if [ "$DRY" = 0 ]; then
   [ -n "$(ls .gpu_traces/*.jsonl 2>/dev/null)" ] || echo "WARNING: no .gpu_traces (run --prepare here and carry it): the modelled table will be empty"
 fi
 
-phase cuda_tests 140 "$PY" -m pytest -q -m cuda tests/paging/test_cuda.py tests/generation/test_cuda_graphs.py tests/formats/test_fp8_mxfp4.py -p no:cacheprovider
+phase cuda_tests 140 "$PY" -m pytest -q -m cuda tests/paging/test_cuda.py tests/generation/test_cuda_graphs.py \
+  tests/paging/test_cuda_beyond_k.py tests/formats/test_fp8_mxfp4.py -p no:cacheprovider
 phase captured_decode 70 "$PY" bench/gpu_bench.py --phases captured --out "$OUT"
-phase fused 50 "$PY" bench/gpu_fused.py --out "$OUT"
-phase micro 40 "$PY" bench/gpu_micro.py --out "$OUT"
-phase rest 60 "$PY" bench/gpu_bench.py --phases rest --out "$OUT"
+phase fused 45 "$PY" bench/gpu_fused.py --out "$OUT"
+phase beyond_k 45 "$PY" bench/gpu_beyond_k.py --out "$OUT"
+phase micro 30 "$PY" bench/gpu_micro.py --out "$OUT"
+phase rest 30 "$PY" bench/gpu_bench.py --phases rest --out "$OUT"
 
 if [ "$DRY" = 1 ]; then
   echo "dry run: nothing ran"
   exit 0
 fi
 echo
-for f in gpu_bench_captured.md gpu_fused.md gpu_micro.md gpu_bench_rest.md; do
+for f in gpu_bench_captured.md gpu_fused.md gpu_beyond_k.md gpu_micro.md gpu_bench_rest.md; do
   cat "$OUT/$f" 2>/dev/null || echo "no $f (see $OUT/*.txt and the JSON files)"
 done
 exit $STATUS

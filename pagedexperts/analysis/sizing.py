@@ -94,6 +94,15 @@ def single_wave_batch_cap(*, num_resident: int, top_k: int) -> int:
     return num_resident // top_k
 
 
+def link_bytes_per_token(*, miss_rate: float, all_miss_bytes_per_token: float) -> float:
+    """Bytes over the host-to-device link per decode token at ``miss_rate`` (misses per routed
+    expert): ``miss_rate x L x k x expert_bytes``. The same whether a miss is paged into a slot
+    (``--beyond-k waves``) or read in place from the host store (``in-place``): each crosses the
+    link once per step that routes to it (at decode one block of entries reads an expert once).
+    What in-place changes is the waves: none, at every batch."""
+    return miss_rate * all_miss_bytes_per_token
+
+
 def all_miss_bytes_per_token(*, moe_layers: int, top_k: int, expert_bytes: int) -> int:
     """Bytes paged per decode token if every activation missed: ``L x k x expert_bytes``."""
     return moe_layers * top_k * expert_bytes

@@ -15,7 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pagedexperts.commands import COMMANDS
-from pagedexperts.commands.common import add_decide_argument, add_threads_argument, resolve_threads
+from pagedexperts.commands.common import (add_beyond_k_arguments, add_decide_argument, add_threads_argument,
+                                         resolve_threads)
 from pagedexperts.models.config import RUN_DTYPE_BYTES
 from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
@@ -53,6 +54,7 @@ def add_parser(sub) -> None:
                    "there); default grouped_mm, see generate --help")
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"eviction policy (default {DEFAULT_POLICY})")
     add_decide_argument(g)
+    add_beyond_k_arguments(g)
     m = p.add_argument_group("modes")
     m.add_argument("--mode", default="plain,resident,paged,offload,cpu-experts",
                    help="comma-separated modes (default: all five, plain,resident,paged,offload,cpu-experts); "
@@ -114,6 +116,7 @@ def run(args) -> int:
         # auto is grouped_mm here: the baselines (resident, offload, cpu-experts) run transformers' kernels
         experts_implementation="grouped_mm" if args.experts_implementation == "auto" else args.experts_implementation,
         policy=args.policy, decide=args.decide,
+        beyond_k=args.beyond_k, admit_per_step=args.admit_per_step,
     )
     print(f"threads: {threads} ({how})", file=sys.stderr)
     report = bench.run_bench(cfg, prompts)

@@ -115,7 +115,8 @@ def run_fused(args, ks, options, reference, choice, num_experts: int, *, path, q
 def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
     from pagedexperts.loading.checkpoint import format_for_checkpoint
-    from pagedexperts.loading.config import (PagingConfig, check_config, check_experts_dtype, resolve_dtype,
+    from pagedexperts.loading.experts_options import check_experts_dtype
+    from pagedexperts.loading.config import (PagingConfig, check_config, resolve_dtype,
                                              resolve_experts_implementation)
     from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
@@ -137,7 +138,7 @@ def run(args) -> int:
     options = dict(device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation,
                    policy=args.policy, slot_format=args.slot_format, prefetch=args.prefetch,
                    prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
-                   decide=args.decide)
+                   decide=args.decide, beyond_k=args.beyond_k, admit_per_step=args.admit_per_step)
     fmt = format_for_checkpoint(config, files)
     args.experts_implementation = resolve_experts_implementation(PagingConfig(**options), fmt)  # auto: per format
     options["experts_implementation"] = args.experts_implementation

@@ -66,6 +66,7 @@ def add_model_arguments(parser) -> None:
         "auto = dense on CPU, packed on CUDA (default auto; see bench/formats_bench.py)",
     )
     add_decide_argument(g)
+    add_beyond_k_arguments(g)
     g.add_argument(
         "--host-memory-gb", type=float, default=None, metavar="G",
         help="host memory (GB) for everything the process holds: the expert store, and on --device cpu the "
@@ -175,6 +176,26 @@ def add_decide_argument(group) -> None:
     group.add_argument("--decide", default="auto", choices=["auto", "host", "device"], help=DECIDE_HELP)
 
 
+BEYOND_K_HELP = (
+    "a step whose routed experts do not fit the K slots: waves (default: W = ceil(union / K) waves per layer-step, "
+    "each paged in then computed) or in-place (one wave at any batch size: the experts that get no slot this step "
+    "are read in place from the host store, page-locked and mapped on CUDA, inside the same fused launch; needs "
+    "--experts-implementation fused on the device-planned step). The default stays waves until a GPU has timed both "
+    "(bench/gpu_check.sh); docs/fused-kernels.md"
+)
+
+
+def add_beyond_k_arguments(group) -> None:
+    """--beyond-k waves|in-place (``paging.device_residency.BEYOND_K``) and --admit-per-step N."""
+    from pagedexperts.paging.device_residency import BEYOND_K
+
+    group.add_argument("--beyond-k", default="waves", choices=list(BEYOND_K), help=BEYOND_K_HELP)
+    group.add_argument("--admit-per-step", type=int, default=None, metavar="N",
+                       help="with --beyond-k in-place: page-ins per layer-step at most, N >= 0 (default K: every "
+                       "miss that fits beside the step's hits, which keeps the eviction policy's decisions for "
+                       "unions <= K); a smaller N keeps a large batch from evicting the table for experts it reads once")
+
+
 GRAPHS_HELP = (
     "capture every decode step in a CUDA graph (static KV cache, one capture per batch size up to "
     "--cuda-graph-max-batch; prefill stays eager; serve: each decode batch bucket over its KV rows, prefill, "
@@ -217,6 +238,7 @@ def load_from_args(args):
         if getattr(args, "threads_note", None):
             print(args.threads_note, file=sys.stderr)
         print_host_memory(model)
+        print(experts_note(model.pagedexperts), file=sys.stderr)
         print_experts_paths(model, chosen=args.experts_implementation == AUTO)
     return model, tokenizer
 
@@ -237,6 +259,28 @@ def print_experts_paths(model, *, chosen: bool = False) -> None:
         reasons = sorted(set(fallbacks.values()))
         line += f"; grouped_mm on layers {sorted(fallbacks)} ({'; '.join(reasons)})"
     print(line, file=sys.stderr)
+
+
+def experts_note(runtime) -> str:
+    """The start-up line: which experts implementation runs and why, where steps are planned,
+    and how a union beyond K is computed (``PagingRuntime``: its config and resolved decide)."""
+    cfg = runtime.config
+    name = cfg.experts_implementation
+    if name == "grouped_mm":
+        why = ("the default: fused becomes the default on CUDA once its CUDA tests and bench/gpu_check.sh have run on "
+               "a GPU, docs/fused-kernels.md")
+    else:
+        why = "--experts-implementation"
+    line = f"experts: {name} ({why})"
+    if cfg.mode != "paged":
+        return f"{line}; mode {cfg.mode}"
+    decide = runtime.decide if cfg.decide != "auto" else f"{runtime.decide} (--decide auto)"
+    if cfg.beyond_k == "in-place":
+        admit = "K" if cfg.admit_per_step is None else str(cfg.admit_per_step)
+        beyond = f"in place from the host store, one wave a step, page-ins per step <= {admit} (--beyond-k in-place)"
+    else:
+        beyond = "in waves (--beyond-k waves, the default until a GPU has timed in-place)"
+    return f"{line}; {decide}-planned steps; experts beyond K={runtime.num_resident} computed {beyond}"
 
 
 def print_host_memory(model) -> None:
@@ -277,6 +321,8 @@ def paging_options(args) -> dict:
         # commands without the graph flags (check, bench) decode without graphs
         cuda_graphs=getattr(args, "cuda_graphs", "off"),
         cuda_graph_max_batch=_graph_max_batch(args),
+        beyond_k=getattr(args, "beyond_k", "waves"),
+        admit_per_step=getattr(args, "admit_per_step", None),
     )
 
 

@@ -25,7 +25,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "preflight",
         help=COMMANDS["preflight"],
-        description="Arithmetic before a run: slot bytes, KV tokens per slot, single-wave batch cap, "
+        description="Arithmetic before a run: slot bytes, KV tokens per slot, single-wave batch cap (and what "
+        "--beyond-k in-place changes: no batch needs waves, the link bytes per token stay), "
         "uniform miss rate, the miss rate a measured speed allows, prefill page-in time, auto K. "
         "Units: kB = 1e3 B, MB = 1e6 B, GB = 1e9 B, GB/s = 1e9 B/s. Exit status: 0, or 1 when "
         "--device-memory-gb is given and the run DOES NOT FIT in it (the report says which parts "
@@ -282,6 +283,8 @@ def build_report(
         device_slot_bytes=num_resident * slot,
         single_wave_batch_cap=sizing.single_wave_batch_cap(num_resident=num_resident, top_k=top_k),
         all_miss_bytes_per_token=all_miss, uniform_miss_rate=uniform,
+        link_bytes_per_token_uniform=sizing.link_bytes_per_token(miss_rate=uniform, all_miss_bytes_per_token=all_miss),
+        in_place_waves_per_step=1,
         prefill_page_in_bytes=sizing.prefill_page_in_bytes(
             num_experts=num_experts, num_resident=num_resident,
             slot_bytes=sizing.slot_bytes(expert_bytes=expert_bytes, moe_layers=moe_layers)),

@@ -30,6 +30,11 @@ def format_report(r: dict) -> str:
         f"{size(r['device_slot_bytes'])} on the device",
         f"batch cap             {r['single_wave_batch_cap']} (K // top_k requests always fit one wave; "
         "overlapping routing can allow more: `pagedexperts simulate` measures it)",
+        f"beyond K in place     --beyond-k in-place: every batch one wave per layer-step (no cap); the link "
+        f"bytes per token at a miss rate are the same as paging them in: {size(r['link_bytes_per_token_uniform'])}"
+        f" at the uniform {r['uniform_miss_rate']:.0%}"
+        + (f", {r['link_bytes_per_token_uniform'] / (r['link_gbps'] * sizing.GB) * 1e3:.2f} ms at "
+           f"{r['link_gbps']:g} GB/s" if r.get("link_gbps") else ""),
         f"all-miss per token    {size(r['all_miss_bytes_per_token'])} (L x top_k x expert)",
         f"uniform miss rate     {r['uniform_miss_rate']:.0%} (1 - K/E)",
         f"prefill page-in       {size(r['prefill_page_in_bytes'])} ((E - K) x slot)"

@@ -38,7 +38,7 @@ from pagedexperts.engine.forwards import StepForwards
 from pagedexperts.engine.kv_rows import KVRows
 from pagedexperts.engine.row_attention import (BatchPlan, ChunkPart, DecodeGroup, PackedPlan, RowAttention,
                                                chunk_mask, grid_mask)
-from pagedexperts.generation.graphs import DecodeGraphs
+from pagedexperts.generation.graphs import DecodeGraphs, decode_waves
 
 INPUTS = ("input_ids", "position_ids", "write_cols", "visible", "pad_col")  # the [B, W] int64 inputs of a step
 
@@ -264,11 +264,13 @@ class RowForwards(StepForwards):
             self.recorder.request_ids, self.recorder.phase = request_ids, phase
 
     def summary(self) -> dict:
-        """/server_info's view: layout, rows, columns and bytes, buckets, counts, and the steps'
-        backend: counters, the (bucket, width) steps built, fallbacks with their reasons."""
+        """/server_info's view: layout, rows, columns and bytes, buckets (and the most waves a
+        decode step of each runs in a layer: ``generation.graphs.decode_waves``), counts, and the
+        steps' backend: counters, the (bucket, width) steps built, fallbacks with their reasons."""
         g = self.graphs
         graphs = dict(backend=g.backend_name, reason=self.reason, max_batch=g.max_batch, **asdict(g.counters),
                       built=sorted(f"{b}x{w}" for (b, w), s in self.steps.items() if s.backend is not None),
                       fallbacks=sorted({s.fallback for s in self.steps.values() if s.fallback}))
         return dict(super().summary(), rows=self.kv.rows, columns=self.kv.width, kv_bytes=self.kv.nbytes(),
-                    buckets=self.buckets, steps=graphs)
+                    buckets=self.buckets, bucket_waves={b: decode_waves(self.model, b) for b in self.buckets},
+                    steps=graphs)

@@ -98,7 +98,8 @@ def _totals(stats: ModelStats, *, times: bool = True) -> dict:
 
 def _difference(after: dict, before: dict) -> dict:
     keys = ("tokens", "hits", "misses", "bytes_paged", "waves", "multi_wave_steps", "page_in_s", "plan_s", "sync_s",
-            "host_hits", "host_misses", "disk_reads", "disk_bytes_read", "disk_read_s", "host_syncs")
+            "host_hits", "host_misses", "disk_reads", "disk_bytes_read", "disk_read_s", "host_syncs", "page_ins",
+            "in_place_rows", "in_place_bytes")
     out = {k: after[k] - before[k] for k in keys}
     total = out["hits"] + out["misses"]
     out["hit_rate"] = out["hits"] / total if total else 0.0
@@ -108,6 +109,8 @@ def _difference(after: dict, before: dict) -> dict:
     out["misses_per_token"] = out["misses"] / out["tokens"] if out["tokens"] else 0.0
     out["bytes_per_token"] = out["bytes_paged"] / out["tokens"] if out["tokens"] else 0.0
     out["host_syncs_per_token"] = out["host_syncs"] / out["tokens"] if out["tokens"] else 0.0
+    out["in_place_rows_per_token"] = out["in_place_rows"] / out["tokens"] if out["tokens"] else 0.0
+    out["in_place_bytes_per_token"] = out["in_place_bytes"] / out["tokens"] if out["tokens"] else 0.0
     return out
 
 
@@ -241,6 +244,10 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
         misses = (f"  misses/token {p['misses_per_token']:.2f} overall, {d['misses_per_token']:.2f} in decode"
                   f" (all layers; all-miss bound {layers * top_k})")
         paged = f"  bytes paged/token {p['bytes_per_token'] / 1e6:.3f} MB overall, {d['bytes_per_token'] / 1e6:.3f} MB in decode"
+    if p.get("in_place_rows"):  # --beyond-k in-place: the misses read from the host store, not paged in
+        paged += (f"; read in place (--beyond-k in-place) {p['in_place_bytes_per_token'] / 1e6:.3f} MB/token "
+                  f"({p['in_place_rows_per_token']:.2f} rows) overall, {d['in_place_bytes_per_token'] / 1e6:.3f} MB "
+                  f"({d['in_place_rows_per_token']:.2f} rows) in decode; page-ins {p['page_ins']}")
     lines = [
         f"paging: K={num_resident} of E={num_experts} experts resident per layer, top_k={top_k}, "
         f"{layers} MoE layers, {decide}-planned steps",

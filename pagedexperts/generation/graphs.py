@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 from pagedexperts.loading.runtime import runtime_of
+from pagedexperts.paging.kernels.decide import num_waves_for
 from pagedexperts.paging.steps.table import FUSED
 
 logger = logging.getLogger(__name__)
@@ -318,6 +319,22 @@ class DecodeGraphs:
         return dict(backend=self.backend_name, max_batch=self.max_batch, **asdict(self.counters),
                     batch_sizes=sorted(b for b, s in self.steps.items() if s.backend is not None),
                     fallbacks=sorted({s.fallback for s in self.steps.values() if s.fallback}))
+
+
+def decode_waves(model, batch: int) -> int:
+    """The most waves a decode step of ``batch`` rows runs in any MoE layer of ``model``: a
+    device-planned layer's fixed W for its B k entries (``DeviceExecutor.waves_for``: 1 at
+    every batch with ``--beyond-k in-place``), a host-planned layer's bound ceil(min(B k, E) / K),
+    1 for a baseline (all E resident or copied). A step of one W is one shape: captured whatever
+    W; W = 1 means no batch computes in waves."""
+    rt = runtime_of(model)
+    waves = [1]
+    for runner in (rt.runners.values() if rt is not None else ()):
+        if hasattr(runner, "waves_for"):
+            waves.append(runner.waves_for(batch * rt.top_k))
+        elif hasattr(runner, "residency"):
+            waves.append(num_waves_for(batch * rt.top_k, runner.num_slots, runner.num_experts))
+    return max(waves)
 
 
 def capture_problem_of(model) -> str | None:

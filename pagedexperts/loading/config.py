@@ -6,7 +6,7 @@ check: the options alone (device, dtype, implementation, policy, mode, slot form
 budget, host memory, where paged steps are planned: ``--decide``) and, given the model's
 config, against the model (K in [top_k, E], the cpu-experts layer count, the experts' dtype
 under the implementation, the slot format the device decide needs). It collects every
-problem and raises once, before any weight is read. Also the torch-facing resolutions the
+problem and raises once, before any weight is read. The experts-implementation predicates live in ``loading.experts_options``. Also the torch-facing resolutions the
 check needs (``check_device``, ``resolve_dtype``, ``resolve_decide``). Does not: read checkpoints or build
 (``loading.loader``, ``loading.build``).
 """
@@ -22,18 +22,12 @@ import torch
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS, resolve_slot_format
 from pagedexperts.models import config as model_config
 from pagedexperts.paging.baselines import mode_problem
+from pagedexperts.loading.experts_options import beyond_k_problems, experts_dtype_problem, is_fused, planned_on_device
 from pagedexperts.paging.device_residency import DEVICE_RULES
-from pagedexperts.paging.steps.table import FUSED, PACKED, inner_problem
+from pagedexperts.paging.steps.table import PACKED, inner_problem
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, INTERPRETED
 from pagedexperts.residency.planner import default_num_resident, num_resident_problem
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
-
-# The experts kernels that run routed experts held in another dtype than the model's:
-# transformers' ``_grouped_mm`` casts its input to the weights' dtype; ``eager`` and
-# ``batched_mm`` (``nn.functional.linear`` / ``_batched_linear``) fail on the mixed dtypes;
-# ``fused`` casts its input the same way (``paging.steps.fused``), and ``packed`` too
-# (``paging.steps.host_packed``: the kernels run in the experts' dtype, their scales').
-MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm", FUSED, PACKED)
 
 # --decide: where a paged layer-step is planned (docs/design.md "Executors"): "host" (the top-k ids
 # read back, ``paging.host_executor``), "device" (``paging.device_executor``: no read-back) or
@@ -75,6 +69,10 @@ class PagingConfig:
     device_kernels: str = "triton"
     cuda_graphs: str = "auto"  # CUDA_GRAPHS_CHOICES (--cuda-graphs / --no-cuda-graphs)
     cuda_graph_max_batch: int = DEFAULT_CUDA_GRAPH_MAX_BATCH  # decode batch sizes captured: 1..N
+    # a routed union larger than K (``paging.device_residency.BEYOND_K``): "waves", or "in-place" (one
+    # wave, the experts without a slot read from the host store; fused + device-planned only)
+    beyond_k: str = "waves"
+    admit_per_step: int | None = None  # in-place: page-ins per layer-step at most (None: K)
 
     def resident_slots(self, *, num_experts: int, top_k: int) -> int:
         """K for E experts of which a token routes to top_k: all E unless mode "paged"."""
@@ -136,6 +134,7 @@ def option_problems(cfg: PagingConfig) -> list[str]:
         problems += device_decide_problems(cfg)
     problems += graph_option_problems(cfg)
     problems.append(packed_problem(cfg))
+    problems += beyond_k_problems(cfg)
     return list(dict.fromkeys(p for p in problems if p is not None))
 
 
@@ -172,18 +171,6 @@ def packed_problem(cfg: PagingConfig) -> str | None:
         return (f"--experts-implementation packed computes the paged slots (--mode paged); --mode {cfg.mode} runs "
                 "transformers' own kernels: use --experts-implementation grouped_mm")
     return None
-
-
-def is_fused(cfg: PagingConfig) -> bool:
-    """Whether the experts run through the fused kernels (``--experts-implementation fused``)."""
-    return cfg.experts_implementation == FUSED
-
-
-def planned_on_device(cfg: PagingConfig) -> bool:
-    """Whether ``cfg``'s paged steps are planned on the device whatever the machine:
-    ``--decide device``, or ``fused`` with ``--decide auto`` (the fused kernels run on the
-    device-planned step only, so auto means device for them, on CPU too)."""
-    return cfg.mode == "paged" and (cfg.decide == "device" or (cfg.decide == "auto" and is_fused(cfg)))
 
 
 def slot_format_of(cfg: PagingConfig) -> str:
@@ -385,28 +372,3 @@ def resolve_dtype(name: str | None, config) -> torch.dtype:
         ValueError: unknown name (lists the valid --dtype choices).
     """
     return getattr(torch, model_config.run_dtype(config, dtype=name))
-
-
-def experts_dtype_problem(fmt, model_dtype: torch.dtype, experts_implementation: str) -> str | None:
-    """Why the kernel cannot run ``fmt``'s experts at ``model_dtype``, or None: transformers keeps
-    a compressed-tensors int4 checkpoint's dequantized experts in its scales' dtype (float32
-    scales loaded at --dtype bfloat16: float32 experts in a bfloat16 model), and only
-    ``grouped_mm`` runs them; unpaged transformers fails the same way under the others."""
-    experts = fmt.experts_dtype(model_dtype)
-    if experts == model_dtype or experts_implementation in MIXED_DTYPE_IMPLEMENTATIONS:
-        return None
-    name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
-    return (
-        f"--experts-implementation {experts_implementation} cannot run this {fmt.name} checkpoint at "
-        f"--dtype {name(model_dtype)}: transformers keeps its dequantized routed experts in the scales' "
-        f"dtype {name(experts)} and the {experts_implementation} kernel fails on {name(model_dtype)} inputs "
-        f"with {name(experts)} weights (unpaged transformers too); use --experts-implementation grouped_mm "
-        f"or --dtype {name(experts)}"
-    )
-
-
-def check_experts_dtype(fmt, model_dtype: torch.dtype, experts_implementation: str) -> None:
-    """Raises ValueError with ``experts_dtype_problem``'s message when there is one."""
-    problem = experts_dtype_problem(fmt, model_dtype, experts_implementation)
-    if problem is not None:
-        raise ValueError(problem)

@@ -78,6 +78,12 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             static-buffer decode without capture: CPU tests). ``model.pagedexperts.cuda_graphs``
             says what was resolved ("cuda", "eager", "off") and ``cuda_graphs_reason`` why off.
         cuda_graph_max_batch: N >= 1, the largest decode batch captured (default 8).
+        beyond_k: a step whose routed experts do not fit the K slots: "waves" (default: in
+            W = ceil(union / K) waves, each paged in then computed) or "in-place" (one wave:
+            the experts that get no slot this step are read in place from the host store by
+            the fused kernels; ``experts_implementation="fused"`` on the device-planned step only).
+        admit_per_step: with beyond_k "in-place", page-ins per layer-step at most (None: K,
+            which decides unions <= K exactly as waves do).
         check_independence: at start-up, page a sample of experts of every layer into a slot
             and compare what the experts kernel would read with the checkpoint's own tensors
             of that expert (``loading.independence``); raises naming the tensor on a mismatch.

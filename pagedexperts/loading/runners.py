@@ -153,8 +153,9 @@ def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
     setup = _packed_setup(runtime, layout, dev, common["layer"], common["store"]) if packed else None
     setup = setup or _slot_setup(runtime, layout, dev)
     if runtime.decide == "device":
-        return DeviceExecutor(num_slots=k, policy=runtime.config.policy, backend=runtime.config.device_kernels,
-                              setup=setup, **common)
+        cfg = runtime.config
+        return DeviceExecutor(num_slots=k, policy=cfg.policy, backend=cfg.device_kernels, setup=setup,
+                              beyond_k=cfg.beyond_k, admit_per_step=cfg.admit_per_step, **common)
     return HostExecutor(num_slots=k, policy=make_policy(runtime.config.policy, k), copy_stream=copy_stream,
                         setup=setup, **common)
 

@@ -5,7 +5,8 @@ Owns: the [K, ...] slot tensors of one layer, its ``DeviceResidency`` and ``Devi
 experts step: decide the step and remap its entries
 on the device (``device_residency.DeviceResidency.decide``), then per wave (a fixed
 W = ceil(min(T k, E) / K) for the shape) page in the wave's loads (the store's rows read on
-the device, the count read on the device: ``device_residency.DeviceResidency.page_in_over``)
+the device, the count read on the device: ``device_residency.DeviceResidency.page_in_over``;
+W = 1 at every T with ``--beyond-k in-place``, whose body reads the rest in place)
 and compute the wave's entries with its body (the inner implementation's device-planned
 ``paging.steps.contract.LayerStep``: begin, run each wave, combine). It implements the
 ``runner_contract.PagedExecutor`` contract beside ``host_executor.HostExecutor`` (``step``:
@@ -27,6 +28,7 @@ Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T k entries, W wave
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -53,6 +55,10 @@ class DeviceExecutor(PagedExecutor):
         setup: the layer's slot table and how its rows are read
             (``paging.steps.contract.SlotSetup``, ``loading.runners`` builds it); None = the
             plain slot table allocated like the store's tensors.
+        beyond_k: "waves" (a union larger than K runs in W waves) or "in-place" (one wave: the
+            routed experts that get no slot are read in place from the store's host rows;
+            the body must read them: ``fused``); admit_per_step: with "in-place", page-ins per
+            step at most (None: K). ``device_residency.device_rule`` checks both.
 
     Raises:
         ValueError: an unsupported policy, inner, backend or slot table (each names its flag);
@@ -64,19 +70,30 @@ class DeviceExecutor(PagedExecutor):
 
     def __init__(self, *, layer: int, store: ExpertStore, num_slots: int, device, inner: str,
                  policy: str = DEFAULT_POLICY, half_life: int | None = None, backend: str = "torch",
-                 setup: SlotSetup | None = None) -> None:
+                 setup: SlotSetup | None = None, beyond_k: str = "waves", admit_per_step: int | None = None) -> None:
         device = torch.device(device)
         _check_store(store, device)
+        rule = device_rule(policy, half_life=half_life, beyond_k=beyond_k, admit_per_step=admit_per_step)
         # the counters exist before the base class resets ``stats`` (the setter below)
         self.counters = DeviceCounters(device, expert_bytes=store.expert_bytes)
+        setup = dataclasses.replace(setup or SlotSetup(), in_place=rule.in_place)
         super().__init__(layer=layer, store=store, device=device, inner=inner, num_slots=num_slots, setup=setup)
-        self.residency = DeviceResidency(store.num_experts, num_slots, self.device,
-                                         rule=device_rule(policy, half_life=half_life), backend=backend)
+        self.residency = DeviceResidency(store.num_experts, num_slots, self.device, rule=rule, backend=backend)
         if backend == "torch" and self.device.type != "cpu":
             raise ValueError("kernel backend 'torch' pages in with tensor ops over the store, which "
                              "lives in host memory; use backend 'triton' on CUDA")
         self._page_in = self.residency.page_in_over(store.gather_source(self.device), self.slots)
         self._on_device = on_device(self.device)  # Triton launches on the current device
+
+    def _inner_set(self, name: str) -> None:
+        """Build ``name``'s body; with in-place reads, only a body that reads host rows.
+
+        Raises:
+            ValueError: --beyond-k in-place with a body that reads slot rows only (names both flags)."""
+        super()._inner_set(name)
+        if self.setup.in_place and not getattr(self.body, "reads_in_place", False):
+            raise ValueError(f"--beyond-k in-place reads host rows in the fused kernels; --experts-implementation "
+                             f"{name} reads slots only: use --experts-implementation fused or --beyond-k waves")
 
     @property
     def trace_hook(self) -> TraceHook | None:
@@ -125,6 +142,11 @@ class DeviceExecutor(PagedExecutor):
                 body.run_wave(work, w)
             self.counters.add_step(plan.step, rows=int(hidden_states.shape[0]), padding=padding_count)
             return body.combine(work, top_k_weights)
+
+    def waves_for(self, num_entries: int) -> int:
+        """W of this layer's steps of S = ``num_entries`` entries (fixed per shape; 1 at every
+        S with --beyond-k in-place)."""
+        return self.residency.waves_for(num_entries)
 
     def capture_problem(self, dtype: torch.dtype, device: torch.device) -> str | None:
         """None (no read-back, fixed shapes), unless the body's waves cannot be captured

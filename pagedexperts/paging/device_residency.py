@@ -38,23 +38,34 @@ DEVICE_RULES: dict[str, DecideRule] = {
 }
 
 
-def device_rule(policy: str, *, half_life: int | None = None) -> DecideRule:
-    """The decide rule of ``--policy`` name ``policy``; ``half_life`` overrides LFU's.
+BEYOND_K = ("waves", "in-place")  # --beyond-k: a union larger than K in waves, or its extra experts read in place
+
+
+def device_rule(policy: str, *, half_life: int | None = None, beyond_k: str = "waves",
+                admit_per_step: int | None = None) -> DecideRule:
+    """The decide rule of ``--policy`` name ``policy``; ``half_life`` overrides LFU's;
+    ``beyond_k`` "in-place" reads the routed experts that get no slot in place (one wave a
+    step), admitting at most ``admit_per_step`` page-ins a step (None: K).
 
     Raises:
         ValueError: a policy the device decide does not implement (lists those it does and
-            says to use the host decide for the others).
+            says to use the host decide for the others); an unknown ``beyond_k``; an admission
+            limit below 0 or without in-place reads (names the flags).
     """
     if policy not in DEVICE_RULES:
         raise ValueError(
             f"policy {policy!r} has no device-planned decide; choose one of {sorted(DEVICE_RULES)} "
             "(--policy) or decide on the host")
+    if beyond_k not in BEYOND_K:
+        raise ValueError(f"unknown --beyond-k {beyond_k!r}; choose one of {list(BEYOND_K)}")
+    if admit_per_step is not None and (beyond_k != "in-place" or admit_per_step < 0):
+        raise ValueError(f"--admit-per-step {admit_per_step} needs --beyond-k in-place and a value >= 0")
     rule = DEVICE_RULES[policy]
     if half_life is not None:
         if not rule.use_count:
             raise ValueError(f"half_life applies to policy 'lfu' only, not {policy!r}")
         rule = DecideRule(use_count=True, half_life=half_life)
-    return rule
+    return DecideRule(rule.use_count, rule.half_life, in_place=beyond_k == "in-place", admit=admit_per_step)
 
 
 @dataclass(frozen=True)
@@ -100,13 +111,18 @@ class DeviceResidency:
         """The ``StepShape`` of steps of S = ``num_entries`` entries (built at its first step)."""
         shape = self._shapes.get(num_entries)
         if shape is None:
-            w = num_waves_for(num_entries, self.num_slots, self.num_experts)
+            w = self.waves_for(num_entries)
             if w not in self._plans:
                 self._plans[w] = DecidePlan.empty(w, self.num_experts, self.num_slots, self.device)
             entries = torch.empty(2, num_entries, dtype=torch.int64, device=self.device)
             shape = StepShape(self._plans[w], entries[0], entries[1], w, min(num_entries, self.num_slots))
             self._shapes[num_entries] = shape
         return shape
+
+    def waves_for(self, num_entries: int) -> int:
+        """W of steps of S = ``num_entries`` entries: ``kernels.decide.num_waves_for`` (1 at
+        every S when experts beyond K are read in place)."""
+        return num_waves_for(num_entries, self.num_slots, self.num_experts, in_place=self.rule.in_place)
 
     def decide(self, ids: torch.Tensor) -> StepShape:
         """Decide the step of top-k ids [T, k] (int64, on the device) and remap its entries;
@@ -143,8 +159,8 @@ class DeviceResidency:
 
 
 # the counter vector's fields, in order (int64 each)
-FIELDS = ("steps", "tokens", "padding_tokens", "hits", "misses", "bytes_paged", "waves", "multi_wave_steps",
-          "union_sum", "union_max", "union_last")
+FIELDS = ("steps", "tokens", "padding_tokens", "hits", "misses", "page_ins", "bytes_paged", "in_place_rows",
+          "in_place_bytes", "waves", "multi_wave_steps", "union_sum", "union_max", "union_last")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -165,17 +181,20 @@ class DeviceCounters:
         self.expert_bytes = expert_bytes
 
     def add_step(self, step: torch.Tensor, *, rows: int, padding: torch.Tensor | None = None) -> None:
-        """Add one layer-step: ``step`` [3] int64 (hits, misses, waves: ``DecidePlan.step``) on
-        the device; ``rows`` the step's T (known on the host); ``padding`` the 0-dim device
-        count of padding rows among them (``runner_contract.ExpertsRunner.padding_count``), None: none. Tokens
-        = rows - padding, as the host executor counts them. In place, no sync."""
-        hits, misses, waves = step[0], step[1], step[2]
-        union = hits + misses
+        """Add one layer-step: ``step`` [4] int64 (hits, misses, waves, misses read in place:
+        ``DecidePlan.step``) on the device; ``rows`` the step's T (known on the host); ``padding``
+        the 0-dim device count of padding rows among them (``runner_contract.ExpertsRunner.padding_count``),
+        None: none. Tokens = rows - padding, as the host executor counts them. Page-ins = misses
+        - in-place rows; bytes = each times the expert's bytes (an in-place row is read over the
+        link once per block of entries that routes to it: at decode, once). In place, no sync."""
+        hits, misses, waves, in_place = step[0], step[1], step[2], step[3]
+        union, page_ins = hits + misses, misses - in_place
         pad = torch.zeros_like(hits) if padding is None else padding.to(hits.device, torch.int64).reshape(())
         v = self.values
-        delta = torch.stack([torch.ones_like(hits), rows - pad, pad, hits, misses,
-                             misses * self.expert_bytes, waves, (waves > 1).long(), union,
-                             torch.zeros_like(hits), torch.zeros_like(hits)])
+        zero = torch.zeros_like(hits)
+        delta = torch.stack([torch.ones_like(hits), rows - pad, pad, hits, misses, page_ins,
+                             page_ins * self.expert_bytes, in_place, in_place * self.expert_bytes, waves,
+                             (waves > 1).long(), union, zero, zero])
         v.add_(delta)
         v[_INDEX["union_max"]] = torch.maximum(v[_INDEX["union_max"]], union)
         v[_INDEX["union_last"]] = union
@@ -185,8 +204,5 @@ class DeviceCounters:
         self.values.zero_()
 
     def to_layer_stats(self) -> LayerStats:
-        """The counters as a ``LayerStats`` (page-ins = misses; no times). Reads the device."""
-        got = dict(zip(FIELDS, self.values.tolist()))
-        stats = LayerStats(**got)
-        stats.page_ins = stats.misses
-        return stats
+        """The counters as a ``LayerStats`` (no times). Reads the device."""
+        return LayerStats(**dict(zip(FIELDS, self.values.tolist())))

@@ -26,6 +26,7 @@ Legend: T tokens, H hidden, k top_k, E experts, K slots.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -148,7 +149,7 @@ class PagedExecutor(ExpertsRunner):
     def __init__(self, *, num_slots: int, setup: SlotSetup | None = None, **kw) -> None:
         store, setup = kw["store"], setup or SlotSetup()
         slots = setup.slots if setup.slots is not None else PackedSlots(allocate(store.specs, num_slots, kw["device"]))
-        self.setup = SlotSetup(slots, setup.dequantizer, setup.layout, store)
+        self.setup = dataclasses.replace(setup, slots=slots, store=store)
         self.slots = self.setup.slots
         super().__init__(**kw)
         self.prefetcher = None

@@ -103,6 +103,9 @@ class LayerStats:
     union_sum: int = 0
     union_max: int = 0
     host_syncs: int = 0  # device-to-host reads the runtime made (host-planned: the top-k read-back)
+    # --beyond-k in-place: misses read in place from the host store (not paged in: misses = page_ins + these)
+    in_place_rows: int = 0
+    in_place_bytes: int = 0
     # per layer-step distributions of plan_s, sync_s and page_in_s (TIMED); not counters
     times: dict[str, TimeDistribution] = field(
         default_factory=lambda: {name: TimeDistribution() for name in TIMED}, repr=False, compare=False)
@@ -258,6 +261,11 @@ class ModelStats:
             "misses_per_token": tot.misses / tokens if tokens else 0.0,
             "bytes_paged": tot.bytes_paged,
             "bytes_per_token": tot.bytes_paged / tokens if tokens else 0.0,
+            "page_ins": tot.page_ins,
+            "in_place_rows": tot.in_place_rows,
+            "in_place_bytes": tot.in_place_bytes,
+            "in_place_rows_per_token": tot.in_place_rows / tokens if tokens else 0.0,
+            "in_place_bytes_per_token": tot.in_place_bytes / tokens if tokens else 0.0,
             "page_in_s": tot.page_in_s,
             "plan_s": tot.plan_s,
             "sync_s": tot.sync_s,

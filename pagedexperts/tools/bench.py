@@ -64,6 +64,8 @@ class BenchConfig:
     experts_implementation: str = "grouped_mm"
     policy: str = DEFAULT_POLICY
     decide: str = "auto"  # --decide of the paged rows (loading.config.DECIDE_CHOICES)
+    beyond_k: str = "waves"  # --beyond-k of the paged rows (loading.config.PagingConfig.beyond_k)
+    admit_per_step: int | None = None  # --admit-per-step
 
 
 @dataclass(frozen=True)
@@ -327,6 +329,7 @@ def _load_models(cfg: BenchConfig, jobs) -> tuple[dict, object]:
         models["runners"], tok = loader.load_model(
             cfg.model_path, num_resident=k, device=cfg.device, dtype=cfg.dtype,
             experts_implementation=cfg.experts_implementation, policy=cfg.policy, mode=mode, decide=cfg.decide,
+            beyond_k=cfg.beyond_k, admit_per_step=cfg.admit_per_step,
             cpu_expert_layers=_cpu_layers(cfg) if "cpu-experts" in cfg.modes else 0,
         )
     if any(job[0] == PLAIN for job in jobs):

@@ -4,7 +4,7 @@ A decode step whose routed experts all fit in K runs one wave; on CPU ``HostGrou
 runs transformers' ``grouped_mm`` over a view of the slot tensors from the wave's lowest slot
 to its highest (groups in slot order), gathering no expert weight, when its experts are as large
 as a real model's (here: ``GATHER_MAX_BYTES`` set to 0; small experts are gathered instead,
-tests/test_host_grouped_gather.py). These tests pin down that
+tests/paging/test_host_grouped_gather.py). These tests pin down that
 the weights handed to the kernel are the slot table's own storage and that the groups span only
 the routed slots (the bench's speed depends on it: exactness alone would not notice a gather
 or a fall-back to all K groups), and that output and counters equal the reference's: the

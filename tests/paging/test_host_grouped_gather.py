@@ -2,7 +2,7 @@
 
 A CPU step's one wave whose experts take at most ``host_grouped.GATHER_MAX_BYTES`` together
 gathers them (one group per routed expert, ascending id: the unpaged model's own layout without
-its empty groups); any other wave reads the slot tensors in place (tests/test_host_fast_path.py).
+its empty groups); any other wave reads the slot tensors in place (tests/paging/test_host_fast_path.py).
 These tests pin down which layout each step takes, from the weights handed to the kernel (the
 slot table's storage or not) and its group count, counted against the routing read by the trace
 hook; and that either layout gives the plain transformers model's logits bit for bit (bf16 and

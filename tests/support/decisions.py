@@ -52,7 +52,7 @@ def assert_same_decisions(policy, half_life, num_experts, num_slots, steps, *, w
         plan = dev.decide(torch.as_tensor(np.asarray(ids), dtype=torch.int64)).plan
         msg = f"{where} {policy}/{half_life} E={num_experts} K={num_slots} step {t}"
         assert device_loads(plan) == [tuple(x) for x in want.loads], f"{msg}: loads"
-        assert plan.step.tolist() == [want.hits, want.misses, len(want.waves)], f"{msg}: hits/misses/waves"
+        assert plan.step.tolist() == [want.hits, want.misses, len(want.waves), 0], f"{msg}: hits/misses/waves"
         assert dev.resident() == host.resident(), f"{msg}: slot map"
         assert dev.expert_of_slot() == host.expert_of_slot, f"{msg}: expert of slot"
         if host.policy.num_slots and -1 not in host.expert_of_slot:

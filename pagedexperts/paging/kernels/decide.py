@@ -22,6 +22,12 @@ The rule, step by step, as ``Residency.plan`` makes it:
    wave, least rank first; rank = (count of the slot's expert (LFU; 0 for LRU), last_use,
    slot). ``on_loads``: last_use[slot of miss j] = clock + 1 + j.
 Slots filled by an earlier wave of the same step are not protected (that wave has run).
+Beyond K read in place (``DecideRule.in_place``, ``--beyond-k in-place``): one wave whatever
+the union. The hits keep their slots (all of them: at most K); of the misses, the first
+A = min(misses, K - hits, ``DecideRule.admit``) in ascending id are admitted: they take slots
+by step 4 as wave 0's misses would (for a union <= K with A >= K: exactly the waves rule); every
+other routed expert gets host row K + e (read in place from the host store, no slot, no state
+change but its LFU count) and wave 0.
 
 Legend: T tokens, k top_k, E experts, K slots, W waves of the step.
 """
@@ -72,7 +78,7 @@ class DecidePlan:
     its slot (for j >= count[w]: the slots that follow in victim order); count [W] int64:
     loads of wave w; expert_slot [E] int64: slot of each routed
     expert during its wave (-1: not routed); expert_wave [E] int64: its wave (-1: not routed);
-    step [3] int64: this step's (hits, misses, waves); scratch [2 E + 3 K] int64: the Triton
+    step [4] int64: this step's (hits, misses, waves, misses read in place: not paged in); scratch [2 E + 3 K] int64: the Triton
     kernel's working memory (routed flags, protected flags, misses by rank, slot keys).
     """
 
@@ -89,7 +95,7 @@ class DecidePlan:
         i64 = dict(dtype=torch.int64, device=device)
         return cls(torch.zeros((num_waves, num_slots), **i64), torch.zeros((num_waves, num_slots), **i64),
                    torch.zeros(num_waves, **i64), torch.zeros(num_experts, **i64),
-                   torch.zeros(num_experts, **i64), torch.zeros(3, **i64),
+                   torch.zeros(num_experts, **i64), torch.zeros(4, **i64),
                    torch.zeros(2 * num_experts + 3 * num_slots, **i64))
 
     @property
@@ -100,15 +106,27 @@ class DecidePlan:
 @dataclass(frozen=True)
 class DecideRule:
     """The eviction rule of a decide: ``use_count`` False = LRU, True = LFU with aging every
-    ``half_life`` steps (0: never), as ``residency.eviction.LRUPolicy`` / ``LFUPolicy``."""
+    ``half_life`` steps (0: never), as ``residency.eviction.LRUPolicy`` / ``LFUPolicy``.
+    ``in_place``: routed experts beyond the slots are read in place (host rows K + e), one wave
+    a step (module docstring); ``admit``: with it, page-ins per step at most (None: K, which
+    keeps the waves rule for unions <= K)."""
 
     use_count: bool
     half_life: int = 0
+    in_place: bool = False
+    admit: int | None = None
+
+    def admit_limit(self, num_slots: int) -> int:
+        """Page-ins a step may admit: ``admit``, or K when None."""
+        return num_slots if self.admit is None else self.admit
 
 
-def num_waves_for(num_entries: int, num_slots: int, num_experts: int) -> int:
+def num_waves_for(num_entries: int, num_slots: int, num_experts: int, *, in_place: bool = False) -> int:
     """W = ceil(min(T k, E) / K): the most waves a step of ``num_entries`` = T k routed
-    entries needs (its union holds at most min(T k, E) experts); at least 1."""
+    entries needs (its union holds at most min(T k, E) experts); at least 1. ``in_place``
+    (experts beyond the slots read in place): 1 at every T."""
+    if in_place:
+        return 1
     return max(1, -(-min(num_entries, num_experts) // num_slots))
 
 
@@ -167,11 +185,11 @@ def _victim_order(state: DecideState, protected: torch.Tensor, rule: DecideRule)
     return order[torch.argsort(klass[order], stable=True)]
 
 
-def _wave(state: DecideState, plan: DecidePlan, w: int, routed, hit, queue, rule: DecideRule) -> None:
-    """Step 4 for wave ``w``: place its misses, update the state, write plan row ``w``."""
+def _wave(state: DecideState, plan: DecidePlan, w: int, in_wave, hit, rule: DecideRule) -> None:
+    """Step 4 for wave ``w`` of the routed experts ``in_wave`` [E] bool: place its misses,
+    update the state, write plan row ``w``."""
     slot_of_expert, expert_of_slot = state.slot_of_expert, state.expert_of_slot
     num_slots = expert_of_slot.shape[0]
-    in_wave = routed & (queue // num_slots == w)
     wave_miss = in_wave & ~hit
     held = expert_of_slot.clamp(min=0)
     order = _victim_order(state, (expert_of_slot >= 0) & in_wave[held] & hit[held], rule)
@@ -196,17 +214,30 @@ def decide_torch(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: 
     """Decide one step in torch ops: ``ids`` [T, k] int64 expert ids on the state's device.
 
     Updates ``state`` in place and fills ``plan`` (its W waves; W >= ceil(|union| / K) is the
-    caller's to guarantee: ``num_waves_for(T k, K)``). No host read, no data-dependent shape.
+    caller's to guarantee: ``num_waves_for(T k, K)``; with ``rule.in_place`` one wave, host
+    rows K + e for the experts it reads in place). No host read, no data-dependent shape.
     Ids must lie in [0, E) (not checked here: a check would read the device).
     """
     routed, hit, queue = _begin_step(state, ids, rule)
     plan.expert_slot.fill_(-1)
     plan.expert_wave.fill_(-1)
-    for w in range(plan.num_waves):
-        _wave(state, plan, w, routed, hit, queue, rule)
-    n_union, n_hit = routed.sum(), hit.sum()
     num_slots = state.expert_of_slot.shape[0]
-    plan.step.copy_(torch.stack([n_hit, n_union - n_hit, (n_union + num_slots - 1) // num_slots]))
+    n_union, n_hit = routed.sum(), hit.sum()
+    if rule.in_place:  # one wave: hits, then the admitted misses; the rest read in place
+        miss = routed & ~hit
+        n_admit = torch.minimum(miss.sum(), num_slots - n_hit).clamp(max=rule.admit_limit(num_slots))
+        slotted = hit | (miss & (torch.cumsum(miss, 0) - 1 < n_admit))
+        _wave(state, plan, 0, slotted, hit, rule)
+        host = routed & ~slotted
+        experts = torch.arange(routed.shape[0], device=routed.device)
+        plan.expert_slot.copy_(torch.where(host, num_slots + experts, plan.expert_slot))
+        plan.expert_wave.copy_(torch.where(routed, 0, -1))
+        waves, in_place = (n_union > 0).long(), host.sum()
+    else:
+        for w in range(plan.num_waves):
+            _wave(state, plan, w, routed & (queue // num_slots == w), hit, rule)
+        waves, in_place = (n_union + num_slots - 1) // num_slots, torch.zeros_like(n_union)
+    plan.step.copy_(torch.stack([n_hit, n_union - n_hit, waves, in_place]))
 
 
 # -- the Triton kernel -------------------------------------------------------------------------
@@ -226,10 +257,10 @@ KEY_SHIFT = 48  # key = class << 48 | LFU count: counts stay below 2^48 (steps o
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["num_ids", "num_waves"])
+    @triton.jit(do_not_specialize=["num_ids", "num_waves", "admit"])
     def _decide_kernel(ids_ptr, num_ids, slot_of_expert_ptr, expert_of_slot_ptr, last_ptr, count_ptr, scalars_ptr,
-                       src_ptr, dst_ptr, cnt_ptr, eslot_ptr, ewave_ptr, step_ptr, scratch_ptr, E, K, num_waves,
-                       USE_COUNT: tl.constexpr, HALF_LIFE: tl.constexpr, BLOCK_E: tl.constexpr,
+                       src_ptr, dst_ptr, cnt_ptr, eslot_ptr, ewave_ptr, step_ptr, scratch_ptr, E, K, num_waves, admit,
+                       USE_COUNT: tl.constexpr, HALF_LIFE: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr, RANK_CHUNK: tl.constexpr,
                        KEY_SHIFT: tl.constexpr):
         e = tl.arange(0, BLOCK_E)
@@ -268,10 +299,17 @@ if HAVE_TRITON:
         n_miss = tl.sum(miss.to(tl.int32), 0)
         tl.store(last_ptr + slot_of, clock + 1 + hit_rank, mask=hit)
         clock += n_hit
-        queue = tl.where(hit, hit_rank, n_hit + tl.cumsum(miss.to(tl.int32), 0) - 1)
-        wave_of = tl.where(routed, queue // K, -1)
+        miss_rank = tl.cumsum(miss.to(tl.int32), 0) - 1
+        if IN_PLACE:  # one wave: hits and the first n_admit misses take slots, the rest host rows
+            n_admit = tl.minimum(tl.minimum(n_miss, K - n_hit), admit)
+            slotted = hit | (miss & (miss_rank < n_admit))
+            wave_of = tl.where(slotted, 0, -1)
+            tl.store(ewave_ptr + e, tl.where(routed, 0, -1).to(tl.int64), mask=e_ok)
+        else:
+            n_admit = n_miss
+            wave_of = tl.where(routed, tl.where(hit, hit_rank, n_hit + miss_rank) // K, -1)
+            tl.store(ewave_ptr + e, wave_of.to(tl.int64), mask=e_ok)
         tl.store(eslot_ptr + e, tl.full([BLOCK_E], -1, tl.int64), mask=e_ok)
-        tl.store(ewave_ptr + e, wave_of.to(tl.int64), mask=e_ok)
         # step 4, per wave: rank the slots, place the misses
         for w in range(num_waves):
             in_wave = wave_of == w
@@ -317,10 +355,15 @@ if HAVE_TRITON:
             tl.debug_barrier()
             tl.store(eslot_ptr + e, tl.load(slot_of_expert_ptr + e, mask=e_ok, other=-1), mask=in_wave)
             tl.debug_barrier()
+        if IN_PLACE:
+            tl.store(eslot_ptr + e, (K + e).to(tl.int64), mask=routed & (wave_of < 0))
+            tl.store(step_ptr + 2, (n_hit + n_miss > 0).to(tl.int64))
+        else:
+            tl.store(step_ptr + 2, ((n_hit + n_miss + K - 1) // K).to(tl.int64))
         tl.store(scalars_ptr, clock)
         tl.store(step_ptr, n_hit.to(tl.int64))
         tl.store(step_ptr + 1, n_miss.to(tl.int64))
-        tl.store(step_ptr + 2, ((n_hit + n_miss + K - 1) // K).to(tl.int64))
+        tl.store(step_ptr + 3, (n_miss - n_admit).to(tl.int64))
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,7 +371,7 @@ def decide_constexprs(num_experts: int, num_slots: int, rule: DecideRule) -> dic
     """The compile-time constants of ``_decide_kernel`` for E, K and ``rule`` (one compiled
     variant per layer shape and rule: none depends on the batch). Built once per (E, K, rule);
     the dict is shared: do not change it."""
-    return dict(USE_COUNT=rule.use_count, HALF_LIFE=rule.half_life if rule.use_count else 0,
+    return dict(USE_COUNT=rule.use_count, HALF_LIFE=rule.half_life if rule.use_count else 0, IN_PLACE=rule.in_place,
                 BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(num_slots),
                 BLOCK_IDS=BLOCK_IDS, RANK_CHUNK=RANK_CHUNK, KEY_SHIFT=KEY_SHIFT)
 
@@ -342,7 +385,7 @@ def decide_triton(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule:
     _decide_kernel[(1,)](
         flat, flat.numel(), state.slot_of_expert, state.expert_of_slot, state.last_use, state.count,
         state.scalars, plan.src, plan.dst, plan.count, plan.expert_slot, plan.expert_wave, plan.step,
-        plan.scratch, num_experts, num_slots, plan.count.shape[0], num_warps=NUM_WARPS,
+        plan.scratch, num_experts, num_slots, plan.count.shape[0], rule.admit_limit(num_slots), num_warps=NUM_WARPS,
         **decide_constexprs(num_experts, num_slots, rule))
 
 

@@ -52,12 +52,16 @@ class SlotSetup:
             read), None for dense experts.
         store: the layer's host store (``storage.host_store.ExpertStore``), for a body that reads
             host rows in place.
+        in_place: the routing's entries carry host rows (row K + e: expert e read in place from
+            ``store``) beside slot rows (``--beyond-k in-place``; a body that reads them has
+            ``reads_in_place``).
     """
 
     slots: Mapping[str, torch.Tensor] | None = None
     dequantizer: Any = None
     layout: Any = None
     store: Any = None
+    in_place: bool = False
 
 
 class HostRouting(NamedTuple):

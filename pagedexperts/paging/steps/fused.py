@@ -75,6 +75,18 @@ def slot_rows(layout: ExpertLayout | None, slots: Mapping[str, torch.Tensor], *,
             for name in PROJECTIONS}
 
 
+def layer_rows(setup, *, transposed: bool, device: torch.device) -> dict[str, ProjectionRows]:
+    """The rows a layer's steps address: the K slot rows (``slot_rows``), and with
+    ``setup.in_place`` the store's E host rows after them (``ProjectionRows.join``: row K + e is
+    expert e in place; the store's tensors as a device-side gather reads them, page-locked and
+    mapped on CUDA: ``storage.host_store.ExpertStore.gather_source``)."""
+    rows = slot_rows(setup.layout, setup.slots, transposed=transposed)
+    if not setup.in_place:
+        return rows
+    host = slot_rows(setup.layout, setup.store.gather_source(device), transposed=transposed)
+    return {name: rows[name].join(host[name]) for name in PROJECTIONS}
+
+
 @dataclass(frozen=True)
 class PreparedGemm:
     """One projection's GEMM for steps of S entries over fixed rows, built once per layer and
@@ -130,9 +142,11 @@ class FusedWork:
 
 
 class FusedStep(LayerStep):
-    """``fused``: the wave's entries computed from the packed slot rows (module docstring)."""
+    """``fused``: the wave's entries computed from the packed slot rows (module docstring);
+    with ``SlotSetup.in_place``, the slot rows joined with the host store's (row K + e)."""
 
     planned = "device"
+    reads_in_place = True  # reads host rows K + e when the setup says so (--beyond-k in-place)
 
     def __init__(self, setup) -> None:
         super().__init__(setup)
@@ -173,7 +187,7 @@ class FusedStep(LayerStep):
             ValueError: hidden [T, H] whose H is not what the rows read and write, or rows on
                 another device (names both)."""
         if self.rows is None:
-            self.rows = slot_rows(self.setup.layout, self.setup.slots, transposed=bool(module.is_transposed))
+            self.rows = layer_rows(self.setup, transposed=bool(module.is_transposed), device=hidden.device)
         gate_up, down = self.rows["gate_up_proj"], self.rows["down_proj"]
         num_entries, top_k = top_k_index.numel(), top_k_index.shape[1]
         if not gate_up.packing.in_features == down.packing.out_features == hidden.shape[1] or \

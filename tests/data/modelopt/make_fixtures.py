@@ -1,4 +1,4 @@
-"""Write the tiny ModelOpt checkpoints of tests/test_formats_modelopt.py (committed beside this
+"""Write the tiny ModelOpt checkpoints of tests/formats/test_modelopt.py (committed beside this
 file). Run with ModelOpt's own venv (nvidia-modelopt 0.47, transformers 5.24, CPU torch)::
 
     /work/modelopt-venv/bin/python tests/data/modelopt/make_fixtures.py [--out tests/data/modelopt]

@@ -31,7 +31,7 @@ needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed 
 ARCHS = (80, 89, 90)
 # (label, E, top_k, K): the bundled model at its default K, Qwen3-30B-A3B at K 40 and 92
 SHAPES = (("bundled", bundled.E, bundled.TOP_K, 16), ("qwen3-30b-a3b", 128, 8, 40), ("qwen3-30b-a3b", 128, 8, 92))
-RULES = {"lru": DecideRule(False), "lfu": DecideRule(True, 128)}
+RULES = {"lru": DecideRule(False), "lfu": DecideRule(True, 128), "lfu-in-place": DecideRule(True, 128, in_place=True)}
 
 
 def _signature(kernel, ints: tuple[str, ...], constexprs: dict) -> dict[str, str]:
@@ -58,7 +58,7 @@ class TestAheadOfTimeCompile:
 
         label, num_experts, _, num_slots = shape
         constexprs = decide.decide_constexprs(num_experts, num_slots, RULES[policy])
-        sig = _signature(decide._decide_kernel, ("num_ids", "E", "K", "num_waves"), constexprs)
+        sig = _signature(decide._decide_kernel, ("num_ids", "E", "K", "num_waves", "admit"), constexprs)
         info = compile_for_arch(decide._decide_kernel, signature=sig, constexprs=constexprs, arch=arch,
                                 num_warps=decide.NUM_WARPS)
         _report(f"decide {policy} {label} E={num_experts} K={num_slots}", info)
@@ -187,7 +187,7 @@ def test_no_compiled_variant_per_batch_size(monkeypatch):
     from support.aot_compile import jit_of
     from pagedexperts.paging.kernels import decide, page_in
 
-    kernels = ((decide._decide_kernel, ("num_ids", "num_waves")), (page_in._page_in_kernel, ("wave",)),
+    kernels = ((decide._decide_kernel, ("num_ids", "num_waves", "admit")), (page_in._page_in_kernel, ("wave",)),
                (decide._remap_kernel, ("n",)))
     for kernel, varying in kernels:
         flags = {p.name: p.do_not_specialize for p in jit_of(kernel).params}
