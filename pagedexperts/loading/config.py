@@ -6,10 +6,10 @@ check: the options alone (device, dtype, implementation, policy, mode, slot form
 budget, host memory, where paged steps are planned: ``--decide``) and, given the model's
 config, against the model (K in [top_k, E], the cpu-experts layer count, the experts' dtype
 under the implementation, the slot format the device decide needs). It collects every
-problem and raises once, before any weight is read. The experts-implementation predicates live in ``loading.experts_options``. Also the torch-facing resolutions the
-check needs (``check_device``, ``resolve_dtype``, ``resolve_decide``). Does not: read checkpoints or build
+problem and raises once, before any weight is read. The experts implementation's predicates
+live in ``loading.experts_options``. Also the torch-facing resolutions the check needs
+(``check_device``, ``resolve_dtype``, ``resolve_decide``). Does not: read checkpoints or build
 (``loading.loader``, ``loading.build``).
-"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``--beyond-k in-place`` through the runtime: flags, the model, its decode steps' waves, the lines.
 
-On the tiny random Qwen3-MoE (conftest: E = 16, top_k = 2) at K = 2, the fused kernels under
+On the tiny random Qwen3-MoE (support.tiny: E = 16, top_k = 2) at K = 2, the fused kernels under
 ``TRITON_INTERPRET=1``, the decide / page-in / remap as torch references: a batch of 4 prompts
 (unions above K) generates the same tokens and ``torch.equal`` logits, prefill and decode, with
 in-place reads, in waves and with all E resident; its decode steps are one wave at every serve
@@ -20,9 +20,10 @@ import torch
 
 from pagedexperts.loading.config import ConfigError, PagingConfig, check_config
 from pagedexperts.paging.kernels import HAVE_TRITON
+from support.tiny import E, TOP_K
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
-E, TOP_K, K = 16, 2, 2
+K = 2  # slots: a batch of 4 routes a union beyond K
 
 
 def test_in_place_needs_fused_on_the_device_planned_step():
