@@ -10,6 +10,7 @@ problem and raises once, before any weight is read. The experts implementation's
 live in ``loading.experts_options``. Also the torch-facing resolutions the check needs
 (``check_device``, ``resolve_dtype``, ``resolve_decide``). Does not: read checkpoints or build
 (``loading.loader``, ``loading.build``).
+"""
 
 from __future__ import annotations
 
