@@ -37,6 +37,8 @@ PATHS = {  # path -> load_model options
     "host": dict(decide="host", experts_implementation="grouped_mm"),
     "device": dict(decide="device", experts_implementation="grouped_mm"),
     "fused": dict(decide="device", experts_implementation="fused"),
+    # torch's packed int4 / int8 CPU matmuls (host-planned): needs --model-path of an int4 / int8 checkpoint
+    "packed": dict(decide="host", experts_implementation="packed"),
 }
 BATCH, NUM_RESIDENT, PROMPT = 2, 16, 3
 
@@ -126,15 +128,16 @@ def record_walk(model, input_ids, **forward_kw) -> Walk:
     return Walk(tuple(counted.values()), tuple(raw.values()))
 
 
-def walk(path: str, *, device_kernels: str = "triton", model_path=None) -> Walk:
+def walk(path: str, *, device_kernels: str = "triton", model_path=None, num_resident: int = NUM_RESIDENT) -> Walk:
     """The walk of one decode step (batch 2, the second decode step) of the first MoE layer of
-    ``model_path`` (None: the bundled model; a copy cut to its first layers walks the same)."""
+    ``model_path`` (None: the bundled model; a copy cut to its first layers walks the same) at
+    K = ``num_resident``."""
     import torch
 
     from pagedexperts.loading.loader import load_model
 
-    options = dict(PATHS[path], device_kernels=device_kernels) if path != "host" else PATHS[path]
-    model, _ = load_model(model_path, num_resident=NUM_RESIDENT, dtype="float32", check_independence=False,
+    options = dict(PATHS[path], device_kernels=device_kernels) if PATHS[path]["decide"] != "host" else PATHS[path]
+    model, _ = load_model(model_path, num_resident=num_resident, dtype="float32", check_independence=False,
                           **options)
     ids = torch.randint(1, 4000, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -151,18 +154,22 @@ def walk(path: str, *, device_kernels: str = "triton", model_path=None) -> Walk:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--path", nargs="+", choices=list(PATHS), default=list(PATHS))
+    parser.add_argument("--path", nargs="+", choices=list(PATHS), default=["host", "device", "fused"],
+                        help="default: host device fused (packed needs --model-path of an int4 / int8 checkpoint)")
     parser.add_argument("--device-kernels", choices=("torch", "triton"), default="triton",
                         help="the device decide / page-in / remap as Triton kernels (interpreted on a CPU; issue 37 "
                              "counted these) or as their torch references")
     parser.add_argument("--model-path", default=None, help="default: the bundled model")
+    parser.add_argument("--num-resident", type=int, default=NUM_RESIDENT, help=f"K (default {NUM_RESIDENT})")
     parser.add_argument("--list", action="store_true", help="print every function crossed")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-    print(f"one decode step of one MoE layer, bundled model, batch {BATCH}, K = {NUM_RESIDENT}, "
+    if "packed" in args.path and args.model_path is None:
+        parser.error("--path packed needs --model-path of an int4 / int8 checkpoint (the bundled model is bfloat16)")
+    print(f"one decode step of one MoE layer, {args.model_path or 'bundled model'}, batch {BATCH}, K = {args.num_resident}, "
           f"device kernels {args.device_kernels}")
     for path in args.path:
-        w = walk(path, device_kernels=args.device_kernels, model_path=args.model_path)
+        w = walk(path, device_kernels=args.device_kernels, model_path=args.model_path, num_resident=args.num_resident)
         raw_modules = len(dict.fromkeys(m for m, _ in w.raw))
         print(f"{path:7s} {len(w.modules):3d} modules {len(w.functions):3d} functions "
               f"(raw: {raw_modules} modules, {len(w.raw)} code objects)")

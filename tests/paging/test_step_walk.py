@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from pagedexperts.loading.loader import bundled_model_path
-from support.paths import ROOT
+from support.paths import DATA, ROOT
 
-BOUNDS = {"host": (8, 24), "device": (8, 24), "fused": (8, 24)}  # path -> (modules, functions) at most
+BOUNDS = {"host": (8, 24), "device": (8, 24), "fused": (8, 24), "packed": (8, 24)}  # path -> (modules, functions) at most
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +105,16 @@ def test_the_fused_body_builds_its_launches_once_per_step_shape(monkeypatch):
         hidden, ids, weights = step_inputs(routing, torch.float32, seed=n)
         dev.step(module, hidden, ids, weights)
     assert calls == {"gemm_arguments": 4, "slot_rows": 1}
+
+
+def test_packed_cpu_step_crosses_few_modules_and_functions():
+    """The packed CPU body (torch's int4 kernel over slots in its layout) on GPTQModel's own
+    experts-only GPTQ checkpoint (E = 8, top_k = 2) at K = 4: within the same bound, and no name
+    of the kernels' layout is looked up in a step (the projections are resolved once per layer)."""
+    walk = step_walk().walk("packed", model_path=DATA / "gptqmodel" / "qwen3_moe-gptq-experts", num_resident=4)
+    listing = "\n".join(f"{m}: {f}" for m, f in walk.functions)
+    max_modules, max_functions = BOUNDS["packed"]
+    assert ("pagedexperts.paging.steps.host_packed", "HostPackedStep.run_wave") in walk.functions, listing
+    assert len(walk.modules) <= max_modules, f"packed: {len(walk.modules)} modules\n{listing}"
+    assert len(walk.functions) <= max_functions, f"packed: {len(walk.functions)} functions\n{listing}"
+    assert "pagedexperts.formats.cpu_pack" not in walk.modules, listing

@@ -52,13 +52,30 @@ class PackedWork:
 
 
 @dataclass(frozen=True)
+class PackedProjection:
+    """One projection's slot tensors in the kernel's layout, resolved once per layer (a step
+    looks up nothing by name): ``weight`` [K, ...] and ``scales`` [K, ...] (``KernelTensor.specs``
+    per slot), ``int4`` (else per-channel int8), the kernel's ``group_size``, the kernels' ``dtype``."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+    int4: bool
+    group_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, plan: KernelTensor, slots: CpuPackedSlots) -> PackedProjection:
+        return cls(slots[plan.weight_name], slots[plan.scale_name], plan.kind == "int4", plan.group_size, plan.dtype)
+
+
+@dataclass(frozen=True)
 class PackedLayer:
-    """What the body reads of one layer, fixed for it: the up (or gate_up) and down kernel
-    tensors, their biases' slot tensors (None without), the gate ([n, 2I] or [n, I] -> [n, I]),
+    """What the body reads of one layer, fixed for it: the up (or gate_up) and down
+    projections, their biases' slot tensors (None without), the gate ([n, 2I] or [n, I] -> [n, I]),
     the optional post-expert norm."""
 
-    up: KernelTensor
-    down: KernelTensor
+    up: PackedProjection
+    down: PackedProjection
     up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
     gate: object
@@ -90,16 +107,16 @@ class HostPackedStep(HostGroupedStep):
         """Each expert of the wave over its slot: up, gate, down, into its entries' rows."""
         if not self.packed:
             return super().run_wave(work, wave, slot_map)
-        planned, layer, slots = work.routing.waves[wave], self.layer, self.setup.slots
+        planned, layer = work.routing.waves[wave], self.layer
         top_k = work.routing.ids.shape[1]
         for expert, slot in zip(planned.experts, planned.slots):
             rows_host = work.order[work.starts[expert]: work.starts[expert] + work.counts[expert]]
             rows = upload(rows_host, work.x.device)
-            up = _matmul(layer.up, slots, slot, work.x.index_select(0, rows // top_k))
+            up = _matmul(layer.up, slot, work.x.index_select(0, rows // top_k))
             if layer.up_bias is not None:
                 up = up + layer.up_bias[slot]
             act = layer.gate(up).contiguous()
-            down = _matmul(layer.down, slots, slot, act)
+            down = _matmul(layer.down, slot, act)
             if layer.down_bias is not None:
                 down = down + layer.down_bias[slot]
             if layer.post_norm is not None:
@@ -112,12 +129,11 @@ class HostPackedStep(HostGroupedStep):
         return module if self.packed else super().wave_view(module, wave_slots)
 
 
-def _matmul(plan: KernelTensor, slots: CpuPackedSlots, slot: int, x: torch.Tensor) -> torch.Tensor:
-    """x [n, K_in] @ W^T of ``plan``'s tensor in ``slot`` -> [n, N], in x's dtype."""
-    weight, scales = slots[plan.weight_name][slot], slots[plan.scale_name][slot]
-    if plan.kind == "int4":
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, plan.group_size, scales)
-    return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
+def _matmul(proj: PackedProjection, slot: int, x: torch.Tensor) -> torch.Tensor:
+    """x [n, K_in] @ W^T of ``proj``'s weight in ``slot`` -> [n, N], in x's dtype."""
+    if proj.int4:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, proj.weight[slot], proj.group_size, proj.scales[slot])
+    return torch.ops.aten._weight_int8pack_mm(x, proj.weight[slot], proj.scales[slot])
 
 
 def _packed_layer(module, slots: CpuPackedSlots) -> PackedLayer:
@@ -126,6 +142,6 @@ def _packed_layer(module, slots: CpuPackedSlots) -> PackedLayer:
     gated, biased = module.has_gate, module.has_bias
     up_name = "gate_up_proj" if gated else "up_proj"
     norm = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
-    return PackedLayer(slots.plans[up_name], slots.plans["down_proj"],
+    return PackedLayer(PackedProjection.of(slots.plans[up_name], slots), PackedProjection.of(slots.plans["down_proj"], slots),
                        slots.get(f"{up_name}_bias") if biased else None, slots.get("down_proj_bias") if biased else None,
                        module._apply_gate if gated else module.act_fn, norm)
