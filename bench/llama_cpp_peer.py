@@ -11,7 +11,8 @@ Subcommands:
   prepare DIR --llama-src TREE --llama-bin BIN --workdir W
         DIR -> W/model-bf16.gguf (the tree's convert_hf_to_gguf.py; the bundled tokenizer is a
         plain GPT-2-style byte-level BPE whose hash the converter does not know, so its
-        pre-tokenizer is named "gpt2"), then llama-quantize to W/model-q4_0.gguf and
+        pre-tokenizer is named "gpt-2"; ``run`` also passes ``--override-kv tokenizer.ggml.pre=str:gpt-2``
+        so files converted before that fix load), then llama-quantize to W/model-q4_0.gguf and
         W/model-q8_0.gguf
   run DIR QDIR --llama-bin BIN --workdir W [--rounds 3] [--tokens 16] [--threads 1]
         one process: plain transformers bf16 on DIR, the paged model on QDIR dequantizing
@@ -25,7 +26,8 @@ one token per forward, 1 thread (``--threads``), CPU time per decode token:
 - llama.cpp: ``llama-perplexity -c 128 -b 1 -ub 1`` (n_batch 1: every token is its own decode
   call, positions 0..127 of each chunk), the child's CPU time (``RUSAGE_CHILDREN``: user + sys) of
   a run over ``--chunks`` chunks minus that of a run over 1 chunk, divided by the difference in
-  tokens: load and start-up cancel. Its own wall ms per token (``prompt eval time``) beside it.
+  tokens: load and start-up cancel. Its own wall time per token (``seconds per pass`` of the first
+  chunk / 128) beside it: on a shared machine wall time mostly measures the other processes.
 Ratios are per round; numbers are medians with their [min-max] spread over rounds.
 
 Usage:
@@ -60,7 +62,7 @@ import sys, runpy
 sys.path.insert(1, {src!r})
 sys.path.insert(1, {src!r} + '/gguf-py')
 from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt2'
+TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'
 sys.argv = ['convert_hf_to_gguf.py'] + {argv!r}
 runpy.run_path({src!r} + '/convert_hf_to_gguf.py', run_name='__main__')
 """
@@ -92,27 +94,28 @@ def read_text(path: Path | None) -> str:
 
 
 def llama_cpu(bin_dir: Path, gguf: Path, text_file: Path, chunks: int, threads: int) -> tuple[float, float, int]:
-    """(child CPU s, llama.cpp's own prompt-eval wall ms, tokens evaluated) of one
+    """(child CPU s, llama.cpp's own wall s of its first chunk, tokens evaluated) of one
     ``llama-perplexity`` run over ``chunks`` chunks of 128 tokens at batch 1."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     cmd = [str(bin_dir / "llama-perplexity"), "-m", str(gguf), "-f", str(text_file), "-c", "128", "-b", "1",
-           "-ub", "1", "-t", str(threads), "--chunks", str(chunks), "-ngl", "0", "--no-warmup"]
+           "-ub", "1", "-t", str(threads), "--chunks", str(chunks), "-ngl", "0", "--no-warmup",
+           "--override-kv", "tokenizer.ggml.pre=str:gpt-2"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out.stderr)
-    if m is None:
-        raise SystemExit(f"no 'prompt eval time' in llama-perplexity's output:\n{out.stderr[-3000:]}")
+    m = re.search(r"([\d.]+) seconds per pass", out.stderr)
+    if m is None or f"over {chunks} chunks" not in out.stderr:
+        raise SystemExit(f"no 'seconds per pass' / 'over {chunks} chunks' in llama-perplexity's output:\n{out.stderr[-3000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return cpu, float(m.group(1)), int(m.group(2))
+    return cpu, float(m.group(1)), chunks * 128
 
 
 def llama_per_token(bin_dir: Path, gguf: Path, text_file: Path, chunks: int, threads: int) -> tuple[float, float]:
     """(CPU s per decode token, llama.cpp's wall s per token): ``chunks`` chunks minus 1 chunk."""
-    c1, w1, n1 = llama_cpu(bin_dir, gguf, text_file, 1, threads)
-    cn, wn, nn = llama_cpu(bin_dir, gguf, text_file, chunks, threads)
-    return (cn - c1) / (nn - n1), (wn / nn) / 1e3
+    c1, _, n1 = llama_cpu(bin_dir, gguf, text_file, 1, threads)
+    cn, wall, nn = llama_cpu(bin_dir, gguf, text_file, chunks, threads)
+    return (cn - c1) / (nn - n1), wall / 128
 
 
 @torch.inference_mode()
