@@ -45,7 +45,6 @@ import argparse
 import json
 import re
 import resource
-import statistics
 import subprocess
 import sys
 from pathlib import Path
