@@ -1,0 +1,95 @@
+"""A quantized non-expert nn.Linear kept packed on a CPU, computed by torch's int4 / int8 kernel.
+
+Owns: ``PackedLinear``, an ``nn.Module`` standing in for one ``nn.Linear`` (an attention
+projection, a shared expert's, lm_head) whose forward is ``aten._weight_int4pack_mm_for_cpu``
+(int4, group scales and float zero points) or ``aten._weight_int8pack_mm`` (per-channel int8)
+over the weight in the kernel's layout, built from the module's serialized tensors through the
+experts' own conversion (``formats.cpu_pack.KernelTensor.convert``, one row of one source: the
+same layout and zero-point mapping, ``docs/formats.md`` "Computed packed on a CPU"); and
+``packed_linear``: the module, or why the kernel cannot take this one. Does not: decide which
+modules to replace or read bytes (``loading.linears`` dequantizes them at load today; issue 38's
+whole-model int4 hooks this in there).
+
+Exactness: the kernel's arithmetic, not the format's dequantized weight (``(q - 8) * scale + zero``
+with the scale in the run dtype, no rounding of the product): equal to the kernel on the same
+packed data (torch.equal), within the kernel's rounding of ``x @ dequantize_linear(...)^T``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from pagedexperts.formats import ExpertFormat
+from pagedexperts.formats.base import LINEAR_WEIGHT, store_name
+from pagedexperts.formats.cpu_pack import KernelTensor, plan_tensor
+
+
+class PackedLinear(torch.nn.Module):
+    """y = x @ W^T (+ bias) with W held in torch's CPU kernel layout (``KernelTensor``).
+
+    Buffers: ``weight_packed`` (int4: uint8 [N, K/2]; int8: int8 [N, K]), ``scales`` (int4:
+    [K/group_size, N, 2] scale and zero; int8: [N]) in ``dtype``, ``bias`` [N] or None.
+    forward: x [..., K] in any float dtype -> [..., N] in x's dtype (computed in ``dtype``).
+    """
+
+    def __init__(self, plan: KernelTensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.kind, self.group_size = plan.kind, plan.group_size
+        self.in_features, self.out_features, self.dtype = plan.in_features, plan.out_features, plan.dtype
+        self.register_buffer("weight_packed", weight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if bias is None else bias.to(plan.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"PackedLinear: input has {x.shape[-1]} features, the weight takes {self.in_features}")
+        flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight_packed, self.group_size, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_packed, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.kind == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}{group}, dtype={self.dtype}"
+
+
+def packed_linear(module_fmt: ExpertFormat, shape: tuple[int, int], dtype: torch.dtype,
+                  serialized: Mapping[str, torch.Tensor], bias: torch.Tensor | None = None) -> PackedLinear | str:
+    """The ``PackedLinear`` of one quantized nn.Linear, or one sentence saying why torch's CPU
+    kernels cannot take it (``formats.cpu_pack.plan_tensor``'s reasons: act-order, group-wise
+    int8, a group size the kernel lacks, N not a multiple of 16, ...).
+
+    Args:
+        module_fmt: the module's format (``loading.linears.module_group``); shape: the module's
+            weight [out, in]; dtype: the run dtype (the kernel's x and scales: bfloat16, float16,
+            float32); serialized: {name as stored under the module (``qweight``,
+            ``weight_packed``): tensor}, as ``ExpertFormat.dequantize_linear`` takes them.
+
+    Raises:
+        ValueError: a packed tensor missing or of the wrong element count (names both).
+    """
+    bound = module_fmt.with_stored_dtypes({n: v.dtype for n, v in serialized.items()})
+    tensor = bound.linear_tensor(tuple(shape), dtype)
+    if tensor.is_passthrough:
+        return f"{bound.name}: the format leaves a {tuple(shape)} weight unquantized"
+    plan = plan_tensor(bound, tensor, dtype)
+    if isinstance(plan, str):
+        return plan
+    by_spec = {store_name(LINEAR_WEIGHT, LINEAR_WEIGHT, n): v for n, v in serialized.items()}
+    rows = {}
+    for spec in tensor.packed:
+        value = by_spec.get(spec.name)
+        if value is None:
+            raise ValueError(f"{bound.name}: packed tensor {spec.name!r} missing (have {sorted(serialized)})")
+        if value.numel() != spec.numel:
+            raise ValueError(f"{bound.name}: {spec.name!r} has shape {tuple(value.shape)}, the weight {tuple(shape)} "
+                             f"needs {spec.shape}")
+        rows[spec.name] = value.reshape(spec.shape).unsqueeze(0)
+    out = plan.convert(rows)
+    return PackedLinear(plan, out[plan.weight_name][0], out[plan.scale_name][0], bias)
