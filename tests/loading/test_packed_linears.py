@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from int4_oracle import pack_awq, pack_gptq, random_int4
+from support.int4_oracle import pack_awq, pack_gptq, random_int4
 from pagedexperts.formats import format_for_config
 from pagedexperts.loading.packed_linears import PackedLinear, packed_linear
 
