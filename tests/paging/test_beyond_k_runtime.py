@@ -36,6 +36,10 @@ def test_in_place_needs_fused_on_the_device_planned_step():
         check_config(PagingConfig(beyond_k="in-place", experts_implementation="fused", mode="resident"))
     with pytest.raises(ConfigError, match="unknown --beyond-k 'sideways'"):
         check_config(PagingConfig(beyond_k="sideways"))
+
+
+@needs_triton  # fused needs triton: without it the check refuses fused itself
+def test_in_place_with_fused_and_decide_auto_is_accepted():
     check_config(PagingConfig(beyond_k="in-place", experts_implementation="fused"))  # auto: device for fused
 
 
