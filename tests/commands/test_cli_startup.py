@@ -151,7 +151,10 @@ def test_ctrl_c_in_generate_is_one_line_and_exit_130(tmp_path):
     stats = tmp_path / "stats.json"
     argv = [sys.executable, "-m", "pagedexperts.cli", "generate", "--prompt", "ROMEO:", "--max-new-tokens", "500",
             "--min-tokens", "500", "--threads", "1", "--stats-json", str(stats)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT as at a terminal: a run started in the background (nohup, `cmd &` in a script) hands
+    # its children SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.read(len("ROMEO:") + 1)  # the prompt and a first token: generation is under way
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
