@@ -1,20 +1,16 @@
 """The experts implementation's options that depend on nothing but the configuration's fields:
 whether the fused kernels run and where steps are planned, ``--beyond-k`` / ``--admit-per-step``,
 and the experts' dtype an implementation can take. ``loading.config.check_config`` collects
-these problems with the rest. Does not: resolve devices or read checkpoints.
+these problems with the rest; ``cfg`` below is a ``loading.config.PagingConfig`` (read by
+its fields: this module imports nothing of the configuration's). Does not: resolve devices or read checkpoints.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagedexperts.paging.device_residency import BEYOND_K
 from pagedexperts.paging.steps.table import FUSED, PACKED
-
-if TYPE_CHECKING:
-    from pagedexperts.loading.config import PagingConfig
 
 # The experts kernels that run routed experts held in another dtype than the model's:
 # transformers' ``_grouped_mm`` casts its input to the weights' dtype; ``eager`` and
@@ -23,7 +19,7 @@ if TYPE_CHECKING:
 # (``paging.steps.host_packed``: the kernels run in the experts' dtype, their scales').
 MIXED_DTYPE_IMPLEMENTATIONS = ("grouped_mm", FUSED, PACKED)
 
-def beyond_k_problems(cfg: PagingConfig) -> list[str]:
+def beyond_k_problems(cfg) -> list[str]:
     """The problems of ``--beyond-k`` and ``--admit-per-step``: an unknown choice; in-place
     reads without the fused kernels on the device-planned step (they read the host rows); an
     admission limit below 0 or without in-place reads. Each names its flags."""
@@ -45,12 +41,12 @@ def beyond_k_problems(cfg: PagingConfig) -> list[str]:
     return problems
 
 
-def is_fused(cfg: PagingConfig) -> bool:
+def is_fused(cfg) -> bool:
     """Whether the experts run through the fused kernels (``--experts-implementation fused``)."""
     return cfg.experts_implementation == FUSED
 
 
-def planned_on_device(cfg: PagingConfig) -> bool:
+def planned_on_device(cfg) -> bool:
     """Whether ``cfg``'s paged steps are planned on the device whatever the machine:
     ``--decide device``, or ``fused`` with ``--decide auto`` (the fused kernels run on the
     device-planned step only, so auto means device for them, on CPU too)."""
