@@ -145,7 +145,7 @@ def test_every_cpu_capability_in_a_subprocess(capability):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     env.pop("OMP_NUM_THREADS", None)  # the default thread count, as users run
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "exact_probe.py"), "--dtype", *CAPABILITY_DTYPES[capability],
+        [sys.executable, str(ROOT / "tests" / "support" / "exact_probe.py"), "--dtype", *CAPABILITY_DTYPES[capability],
          "--num-resident", "4", "--new-tokens", "2"],
         env=env, capture_output=True, text=True, timeout=600,
     )
