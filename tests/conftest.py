@@ -20,7 +20,7 @@ Legend: E routed experts, k top_k, K resident slots, I expert intermediate, H hi
 
 Threads. A CPU GEMM row's bits can depend on the thread count, so exactness tests (marked
 ``default_threads``, or using the ``threads`` fixture) run at torch's default thread count, as
-users run, and through ``threads`` at 1 thread as well. Every other test runs at 1 thread: the
+users run, and through ``threads`` at 1 thread as well (that case marked slow). Every other test runs at 1 thread: the
 models are tiny, and threads only add waiting.
 """
 
@@ -58,9 +58,10 @@ def _thread_count(request):
     torch.set_num_threads(DEFAULT_THREADS)
 
 
-@pytest.fixture(params=["default", 1], ids=["default-threads", "1-thread"])
+@pytest.fixture(params=["default", pytest.param(1, marks=pytest.mark.slow)], ids=["default-threads", "1-thread"])
 def threads(request):
-    """Run the test at the default thread count and at 1 thread (restored afterwards)."""
+    """Run the test at the default thread count (as users run) and, marked slow, at 1 thread
+    (restored afterwards)."""
     n = DEFAULT_THREADS if request.param == "default" else request.param
     torch.set_num_threads(n)
     yield n

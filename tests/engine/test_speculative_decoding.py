@@ -72,7 +72,7 @@ def plain(ref):
     return {n: run(model, tokenizer, PROMPTS[:n], max_running=min(n, 4))[0] for n in (1, 8)}
 
 
-@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
+@pytest.mark.parametrize("chunked", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["chunked", "unchunked"])
 @pytest.mark.parametrize("method", ["ngram", "draft", "self-draft"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_output_is_plain_decoding_token_for_token(ref, plain, draft_dir, method, batch, chunked):

@@ -126,7 +126,8 @@ def test_format_recognition():
 
 
 @pytest.mark.parametrize("slot_format", ["packed", "dense"])
-@pytest.mark.parametrize("name", list(QUANTIZED))
+@pytest.mark.parametrize("name", [n if n in ("qwen3_moe-fp8", "gpt_oss-mxfp4") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in QUANTIZED])  # one per format quick, the variants slow
 def test_paged_quantized_equals_transformers(name, slot_format, quantized_dirs, quantized_reference):
     path = quantized_dirs(name)
     reference = quantized_reference(path)
@@ -320,6 +321,7 @@ def _write_header_only(path, entries: dict[str, tuple[str, list[int]]]) -> None:
         f.truncate(8 + len(raw) + offset)
 
 
+@pytest.mark.slow
 def test_preflight_reads_block_fp8_expert_bytes_of_a_qwen3_30b_a3b_header(tmp_path, capsys):
     """Qwen3-30B-A3B-FP8's shape: H=2048, I=768, E=128, k=8, 48 layers, blocks of 128: an expert
     is 3 x 2048 x 768 fp8 bytes + 3 x (6 x 16) float32 scales = 4,719,744 B = 4.72 MB."""

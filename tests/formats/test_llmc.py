@@ -135,7 +135,8 @@ def references():
 
 @pytest.mark.default_threads
 @pytest.mark.parametrize("name", sorted(SCHEMES))
-@pytest.mark.parametrize("num_resident, slot_format", [(TOP_K, "packed"), (2 * TOP_K, "dense"), (E // 2, "packed")])
+@pytest.mark.parametrize("num_resident, slot_format", [(TOP_K, "packed"), (2 * TOP_K, "dense"),
+                                                        pytest.param(E // 2, "packed", marks=pytest.mark.slow)])
 def test_paged_equals_reference(name, num_resident, slot_format, references):
     reference = references(name)
     paged, _ = load_model(_fixture(name), num_resident=num_resident, slot_format=slot_format)

@@ -136,7 +136,7 @@ def _saved_dtype(name: str) -> torch.dtype:
 
 @pytest.mark.default_threads
 @pytest.mark.parametrize("name", LOADED)
-@pytest.mark.parametrize("dtype", ["float32", "saved"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "saved"])  # users run the saved dtype
 def test_paged_equals_resident(name, dtype):
     """Paged at K = top_k and E/2 == the resident model (every expert dequantized once by the
     same format), in float32 and in the checkpoint's own dtype."""

@@ -101,7 +101,7 @@ def references():
 
 
 @pytest.mark.default_threads
-@pytest.mark.parametrize("dtype", [None, "float32"])
+@pytest.mark.parametrize("dtype", [None, pytest.param("float32", marks=pytest.mark.slow)])  # None: the checkpoint's dtype
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_paged_equals_library_reference(name, dtype, references):
     """K = top_k, packed slots: every format, at the checkpoint's own dtype (None: bfloat16) and

@@ -35,6 +35,11 @@ from pagedexperts.paging.kernels import HAVE_TRITON
 from support.families import CASES, DTYPES, E, EXPERT_I, HIDDEN, PROMPTS, TOP_K, assert_exact, build_model, save_char_tokenizer
 
 
+def families_quick(quick: list[str]) -> list:
+    """Every family, those outside ``quick`` marked slow (the quick run keeps the suite under
+    10 minutes; CI runs the slow ones too)."""
+    return [n if n in quick else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
+
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory):
@@ -94,7 +99,7 @@ def test_tensor_attributes_match_from_pretrained(name, dtype, family_dirs, refer
     assert_same_attributes(paged, references(path, dtype), f"{name} {dtype}")
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", families_quick(["qwen3_moe", "gpt_oss"]))
 @pytest.mark.default_threads
 def test_prefetch_is_exact_in_every_family(name, family_dirs, references):
     """--prefetch finds each family's router (gpt-oss: mlp.router) and changes no bit."""
@@ -105,7 +110,7 @@ def test_prefetch_is_exact_in_every_family(name, family_dirs, references):
     assert issued > 0, f"{name}: prefetch issued nothing; the router was not used"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", families_quick(["qwen3_moe", "gpt_oss"]))
 @pytest.mark.default_threads
 def test_device_planned_step_is_exact_in_every_family(name, family_dirs, references):
     """--decide device (the torch reference kernels: the interpreter is slow for 16 steps x 8
@@ -120,6 +125,7 @@ def test_device_planned_step_is_exact_in_every_family(name, family_dirs, referen
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
+@pytest.mark.slow  # the Triton device kernels in generate: tests/paging/test_device_runtime.py (quick)
 @pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
 @pytest.mark.default_threads
 def test_device_planned_step_with_triton_kernels(name, family_dirs, references):

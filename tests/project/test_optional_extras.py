@@ -64,7 +64,8 @@ def _cli(blocked: tuple[str, ...], *argv: str, cwd=None, **env) -> subprocess.Co
     return _run(CLI, ",".join(blocked), *argv, cwd=cwd, env=dict(os.environ, TRITON_INTERPRET="0", **env))
 
 
-@pytest.mark.parametrize("extra", [*EXTRAS, "all"])
+# "all" blocks every extra at once (the quick run); each extra alone is slow
+@pytest.mark.parametrize("extra", [*(pytest.param(e, marks=pytest.mark.slow) for e in EXTRAS), "all"])
 def test_every_module_imports_without_the_extra(extra):
     blocked = ALL_BLOCKED if extra == "all" else EXTRAS[extra]
     done = _run(WALK, ",".join(blocked))
@@ -79,11 +80,35 @@ def test_every_module_imports_without_the_extra(extra):
             assert result == "ok", (name, result)
 
 
-@pytest.mark.parametrize("command", [None, *COMMANDS])
-def test_help_of_every_command_without_any_extra(command):
-    done = _cli(ALL_BLOCKED, *([command] if command else []), "--help")
+HELP = """
+import contextlib, io, json, sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None
+from pagedexperts.cli import main
+out = {}
+for command in sys.argv[2:]:
+    argv = [command, "--help"] if command else ["--help"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    out[command] = [code, buf.getvalue()]
+print(json.dumps(out))
+"""
+
+
+def test_help_of_every_command_without_any_extra():
+    """``--help`` of the top level and of every command, one after another in one process (one
+    interpreter start: each command's parser is built fresh by ``main``)."""
+    done = _run(HELP, ",".join(ALL_BLOCKED), "", *COMMANDS, env=dict(os.environ, TRITON_INTERPRET="0"))
     assert done.returncode == 0, done.stderr
-    assert "usage: pagedexperts" in done.stdout
+    helped = json.loads(done.stdout)
+    assert sorted(helped) == sorted(["", *COMMANDS])
+    for command, (code, text) in helped.items():
+        assert code in (0, None), (command, code, done.stderr)
+        assert text.startswith("usage: pagedexperts" + (f" {command}" if command else "")), (command, text[:200])
 
 
 def test_generate_without_any_extra():
@@ -96,8 +121,8 @@ def test_generate_without_any_extra():
 @pytest.mark.parametrize("argv, extra", [
     (["serve"], "server"),
     (["quantize", "--format", "w4a16", "--model-path", "bundled", "--output", "{tmp}/out"], "quant"),
-    (["generate", "--model-path", "bundled:w4a16", "--max-new-tokens", "1"], "quant"),
-    (["simulate", "--trace", "{tmp}/trace.jsonl", "--plot-dir", "{tmp}/plots"], "plots"),
+    pytest.param(["generate", "--model-path", "bundled:w4a16", "--max-new-tokens", "1"], "quant", marks=pytest.mark.slow),
+    pytest.param(["simulate", "--trace", "{tmp}/trace.jsonl", "--plot-dir", "{tmp}/plots"], "plots", marks=pytest.mark.slow),
     (["generate", "--experts-implementation", "fused", "--max-new-tokens", "1"], "gpu"),
 ])
 def test_a_feature_needing_an_extra_names_it_and_does_nothing(argv, extra, tmp_path):

@@ -134,7 +134,7 @@ def test_every_format_in_place_equals_waves_and_all_resident(name):
 
 
 @pytest.mark.default_threads
-@pytest.mark.parametrize("name", ["dense-bf16", pytest.param("gptq-v1", marks=slow),
+@pytest.mark.parametrize("name", [pytest.param("dense-bf16", marks=slow), pytest.param("gptq-v1", marks=slow),
                                   pytest.param("fp8-block", marks=slow), pytest.param("mxfp4-gpt-oss", marks=slow)])
 def test_batches_1_to_64_equal(name, monkeypatch):
     """Decode-like steps of T = 1, 2, 5, 16, 33, 64 tokens at E = 16, k = 2, K = 4 (unions 2 ..

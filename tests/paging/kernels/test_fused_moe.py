@@ -133,7 +133,7 @@ class TestSlotsEqualAllResident:
 
     @pytest.mark.default_threads
     @pytest.mark.parametrize("name", ["dense-fp32", "dense-bf16", "gptq-v1", "mxfp4-gpt-oss"])
-    @pytest.mark.parametrize("num_slots,num_tokens", [(TOP_K, 1), (2 * TOP_K, 5), (E // 2, 24)])
+    @pytest.mark.parametrize("num_slots,num_tokens", [(TOP_K, 1), (2 * TOP_K, 5), pytest.param(E // 2, 24, marks=pytest.mark.slow)])
     def test_paged_rows_equal_all_resident(self, name, num_slots, num_tokens):
         from pagedexperts.paging.kernels.fused_moe import ProjectionRows
 

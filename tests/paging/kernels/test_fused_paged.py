@@ -136,6 +136,7 @@ def test_auto_decide_is_device_for_fused():
     assert resolve_decide(cfg, disk_tier=False, pinned=True, quantized=True) == "device"
 
 
+@pytest.mark.slow
 @pytest.mark.default_threads
 def test_packed_quantized_slots_are_accepted_for_capture_and_decode_the_same(bundled_source, tmp_path_factory):
     """``generation.graphs`` accepts a fused step over packed int4 slots (no capture problem:
