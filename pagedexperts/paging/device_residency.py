@@ -5,7 +5,7 @@ Owns, for the device-planned executor (``paging.device_executor``): one layer's 
 step counter), the eviction rule it decides by (the ``--policy`` names ``lru`` and ``lfu``, with
 ``residency.eviction``'s defaults), the choice of kernel backend (torch backends or Triton),
 the fixed buffers of each step shape (``StepShape``: the plan of its W waves and each entry's
-slot and wave), ``decide`` (the decide kernel of ``kernels.decide`` and the remap of ``kernels.remap``), the layer's
+slot and wave), ``decide`` (the decide and remap kernels of ``kernels.decide``), the layer's
 page-in (``page_in_over``: a ``kernels.page_in.PageIn``), and ``DeviceCounters``, the layer's
 paging counters accumulated on the device without a sync. Its decisions equal
 ``residency.planner.Residency`` with the same policy on the same steps
@@ -24,10 +24,9 @@ import torch
 from pagedexperts.formats.slots import DenseSlots
 from pagedexperts.paging.kernels._triton import check_backend
 from pagedexperts.paging.kernels.decide import (
-    DecidePlan, DecideRule, DecideState, decide_torch, decide_triton, num_waves_for,
+    DecidePlan, DecideRule, DecideState, decide_torch, decide_triton, num_waves_for, remap_torch, remap_triton,
 )
 from pagedexperts.paging.kernels.page_in import PageIn
-from pagedexperts.paging.kernels.remap import remap_torch, remap_triton
 from pagedexperts.residency.eviction import LFUPolicy
 from pagedexperts.residency.planner import check_num_resident
 from pagedexperts.stats.accounting import LayerStats

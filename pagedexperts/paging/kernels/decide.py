@@ -5,9 +5,9 @@ Owns the decision of ``residency.planner.Residency`` with ``residency.eviction``
 map and the policy state in place and writes the page-in plan of every wave (src, dst, count)
 and each routed expert's slot and wave. Two functions of identical semantics:
 ``decide_torch`` (torch ops, any device) and ``decide_triton`` (one Triton program; CUDA,
-or CPU under ``TRITON_INTERPRET=1``). Does not: remap the step's entries to the slots and
-waves the decision gave their experts (``kernels.remap``), copy bytes (``page_in``) or own the
-state's lifetime (``device_residency``).
+or CPU under ``TRITON_INTERPRET=1``); and the remap of the step's entries to the slots and
+waves the decision gave their experts (``remap_torch`` / ``remap_triton``). Does not: copy
+bytes (``page_in``) or own the state's lifetime (``device_residency``).
 
 The rule, step by step, as ``Residency.plan`` makes it:
 1-2. ``residency.planner.begin_step`` (``decide_torch`` calls it with tensor hooks): union =
@@ -388,3 +388,38 @@ def decide_triton(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule:
         plan.scratch, num_experts, num_slots, plan.count.shape[0], rule.admit_limit(num_slots), num_warps=NUM_WARPS,
         **decide_constexprs(num_experts, num_slots, rule))
 
+
+# -- remap: each entry's slot and wave ----------------------------------------------------------
+# entry_slot[s] = expert_slot[ids[s]], entry_wave[s] = expert_wave[ids[s]] over the step's S = T k
+# entries (flat, token-major), from the tables a decide writes (``DecidePlan.expert_slot`` /
+# ``expert_wave`` [E]): a Triton kernel (grid ceil(S / REMAP_BLOCK)) and torch indexing.
+
+REMAP_BLOCK = 256
+
+
+def remap_torch(ids: torch.Tensor, expert_slot: torch.Tensor, expert_wave: torch.Tensor,
+                    entry_slot: torch.Tensor, entry_wave: torch.Tensor) -> None:
+    """ids [T, k] int64 -> entry_slot, entry_wave [S] int64 (written in place)."""
+    flat = ids.reshape(-1)
+    entry_slot.copy_(expert_slot[flat])
+    entry_wave.copy_(expert_wave[flat])
+
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["n"])  # n = T k: one compiled variant for every batch size
+    def _remap_kernel(ids_ptr, slot_ptr, wave_ptr, out_slot_ptr, out_wave_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        e = tl.load(ids_ptr + offs, mask=mask, other=0)
+        tl.store(out_slot_ptr + offs, tl.load(slot_ptr + e, mask=mask), mask=mask)
+        tl.store(out_wave_ptr + offs, tl.load(wave_ptr + e, mask=mask), mask=mask)
+
+
+def remap_triton(ids: torch.Tensor, expert_slot: torch.Tensor, expert_wave: torch.Tensor,
+                 entry_slot: torch.Tensor, entry_wave: torch.Tensor) -> None:
+    """``remap_torch`` by the Triton kernel."""
+    flat = ids.reshape(-1).contiguous()
+    n = flat.numel()
+    _remap_kernel[(triton.cdiv(n, REMAP_BLOCK),)](flat, expert_slot, expert_wave, entry_slot, entry_wave, n,
+                                                  BLOCK=REMAP_BLOCK)

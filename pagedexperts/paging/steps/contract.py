@@ -74,7 +74,7 @@ class HostRouting(NamedTuple):
 
 class DeviceRouting(NamedTuple):
     """Where a device-planned step's entries are: ``entry_slot`` and ``entry_wave`` [S] int64
-    on the device (``kernels.remap.remap_triton``): each entry's slot and wave."""
+    on the device (``kernels.decide.remap_triton``): each entry's slot and wave."""
 
     entry_slot: torch.Tensor
     entry_wave: torch.Tensor

@@ -22,10 +22,9 @@ import pytest  # noqa: E402
 
 from pagedexperts.paging.kernels import HAVE_TRITON, check_backend  # noqa: E402
 from pagedexperts.paging.kernels.decide import (  # noqa: E402
-    DecidePlan, DecideRule, DecideState, decide_torch, num_waves_for,
+    DecidePlan, DecideRule, DecideState, decide_torch, num_waves_for, remap_torch,
 )
 from pagedexperts.paging.kernels.page_in import page_in_torch  # noqa: E402
-from pagedexperts.paging.kernels.remap import remap_torch  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
 PLAN_FIELDS = ("src", "dst", "count", "expert_slot", "expert_wave", "step")
@@ -145,7 +144,7 @@ class TestTritonKernels:
         assert launches[0] == (2, len(words), 3)  # 250 words = 16 chunks: P programs per row
 
     def test_remap_kernel_equals_reference(self):
-        from pagedexperts.paging.kernels.remap import remap_triton
+        from pagedexperts.paging.kernels.decide import remap_triton
 
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, 9, (70, 4), generator=gen)  # 280 entries: two programs

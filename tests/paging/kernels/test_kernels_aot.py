@@ -79,10 +79,10 @@ class TestAheadOfTimeCompile:
     @pytest.mark.parametrize("arch", ARCHS)
     def test_remap_and_address(self, arch):
         from support.aot_compile import compile_for_arch
-        from pagedexperts.paging.kernels import page_in, remap
+        from pagedexperts.paging.kernels import decide, page_in
 
-        constexprs = dict(BLOCK=remap.REMAP_BLOCK)
-        info = compile_for_arch(remap._remap_kernel, signature=_signature(remap._remap_kernel, ("n",), constexprs),
+        constexprs = dict(BLOCK=decide.REMAP_BLOCK)
+        info = compile_for_arch(decide._remap_kernel, signature=_signature(decide._remap_kernel, ("n",), constexprs),
                                 constexprs=constexprs, arch=arch)
         _report("remap", info)
         probe = compile_for_arch(page_in._address_kernel, signature=_signature(page_in._address_kernel, (), {}),
@@ -185,10 +185,10 @@ def test_no_compiled_variant_per_batch_size(monkeypatch):
     waves, the wave index) are not specialised; the page-in gets the plan's base tensors (its
     wave's rows at an offset would be specialised on their alignment)."""
     from support.aot_compile import jit_of
-    from pagedexperts.paging.kernels import decide, page_in, remap
+    from pagedexperts.paging.kernels import decide, page_in
 
     kernels = ((decide._decide_kernel, ("num_ids", "num_waves", "admit")), (page_in._page_in_kernel, ("wave",)),
-               (remap._remap_kernel, ("n",)))
+               (decide._remap_kernel, ("n",)))
     for kernel, varying in kernels:
         flags = {p.name: p.do_not_specialize for p in jit_of(kernel).params}
         assert all(flags[name] for name in varying), (kernel.fn.__name__, flags)
