@@ -53,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_shape  # noqa: E402  (bench/ is not a package)
+from real_shape_tables import med  # noqa: E402
 
 SHARED_TEXT = Path("/work/shared/data/corpus/wikitext2_valid.txt")
 GGUF_TYPES = ("q4_0", "q8_0", "bf16")
@@ -171,11 +172,11 @@ def table(res: dict) -> str:
              "|---|---|---|---|---|"]
     for name, ts in times.items():
         ms = [t * 1e3 for t in ts]
-        vs_q4 = real_shape.med([t / b for t, b in zip(ts, base)]) if base else ""
-        vs_plain = real_shape.med([t / p for t, p in zip(ts, times["plain"])])
-        wall = real_shape.med([w * 1e3 for w in res["walls"][name]]) if name in res["walls"] else ""
+        vs_q4 = med([t / b for t, b in zip(ts, base)]) if base else ""
+        vs_plain = med([t / p for t, p in zip(ts, times["plain"])])
+        wall = med([w * 1e3 for w in res["walls"][name]]) if name in res["walls"] else ""
         label = {"plain": "plain transformers, bf16 original"}.get(name, name)
-        lines.append(f"| {label} | {real_shape.med(ms)} | {vs_q4} | {vs_plain} | {wall} |")
+        lines.append(f"| {label} | {med(ms)} | {vs_q4} | {vs_plain} | {wall} |")
     return "\n".join(lines)
 
 

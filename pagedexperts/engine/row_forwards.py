@@ -38,7 +38,8 @@ from pagedexperts.engine.forwards import StepForwards
 from pagedexperts.engine.kv_rows import KVRows
 from pagedexperts.engine.row_attention import (BatchPlan, ChunkPart, DecodeGroup, PackedPlan, RowAttention,
                                                chunk_mask, grid_mask)
-from pagedexperts.generation.graphs import DecodeGraphs, decode_waves
+from pagedexperts.generation.capture_checks import decode_waves
+from pagedexperts.generation.graphs import DecodeGraphs
 
 INPUTS = ("input_ids", "position_ids", "write_cols", "visible", "pad_col")  # the [B, W] int64 inputs of a step
 
@@ -265,7 +266,7 @@ class RowForwards(StepForwards):
 
     def summary(self) -> dict:
         """/server_info's view: layout, rows, columns and bytes, buckets (and the most waves a
-        decode step of each runs in a layer: ``generation.graphs.decode_waves``), counts, and the
+        decode step of each runs in a layer: ``generation.capture_checks.decode_waves``), counts, and the
         steps' backend: counters, the (bucket, width) steps built, fallbacks with their reasons."""
         g = self.graphs
         graphs = dict(backend=g.backend_name, reason=self.reason, max_batch=g.max_batch, **asdict(g.counters),

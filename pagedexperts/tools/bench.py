@@ -6,8 +6,9 @@ concurrency, decode paging counters), the rounds that interleave the modes, and 
 and spreads. Modes: ``plain`` (transformers' own model, nothing of this package attached:
 what a user runs when the model fits) and the loader's (``paging.baselines``): resident, paged at each
 K, offload, cpu-experts. Concurrency c is c prompts decoded together in one batch.
-Does not: read prompt files (``tools.prompts``), define the modes (``paging.baselines``), write the table, JSON and PNG (``commands.bench``),
-or schedule a server (``engine``, ``serving``).
+Does not: read prompt files (``tools.prompts``), clock a generate token by token
+(``tools.timed_generate``), define the modes (``paging.baselines``), write the table, JSON and
+PNG (``commands.bench``), or schedule a server (``engine``, ``serving``).
 
 Method. The checkpoint is loaded once for the paged model (each mode re-attaches runners over
 the same host stores, ``repage``) and once as the plain model. Round r runs every mode once,
@@ -26,17 +27,16 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from pagedexperts.generation.config import GREEDY
 from pagedexperts.paging.baselines import MODES
 from pagedexperts.paging.steps.table import transformers_inner
 from pagedexperts.residency.policies import DEFAULT_POLICY
 from pagedexperts.tools.check import fused_expert_targets_quiet
+from pagedexperts.tools.timed_generate import long_prompts, timed_generate
 
 
 PLAIN = "plain"  # transformers' own model, nothing attached
@@ -138,74 +138,17 @@ class BenchRun:
     order: list[list[str]]
 
 
-def long_prompts(tokenizer, prompts: list[str], tokens: int, count: int) -> list[str]:
-    """``count`` prompts of about ``tokens`` tokens each, made by joining consecutive prompts."""
-    out, i = [], 0
-    pool = prompts * (1 + tokens)  # enough text to fill
-    for _ in range(count):
-        ids: list[int] = []
-        while len(ids) < tokens:
-            ids += tokenizer(pool[i % len(pool)] + "\n")["input_ids"]
-            i += 1
-        out.append(tokenizer.decode(ids[:tokens]))
-    return out
-
-
-@dataclass
-class Timeline:
-    """Clock readings of one generate: ``start`` (wall, s) and, per new token, the wall
-    (``perf_counter``) and CPU (``process_time``) time it arrived."""
-
-    start: float
-    wall: list[float] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
-
-
-def _generate(model, tokenizer, prompts: list[str], new_tokens: int, on_first_token=None) -> Timeline:
-    """Greedy-generate exactly ``new_tokens`` for a batch; its ``Timeline``.
-
-    ``on_first_token()`` runs when the first new token arrives (right after the prefill),
-    before that token's clocks are read: its cost stays outside the decode interval.
-    """
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    batch = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
-    calls = []
-
-    class _Clock:
-        def put(self, value):
-            calls.append(None)
-            if len(calls) == 1:  # the first put() is the prompt
-                return
-            if len(calls) == 2 and on_first_token is not None:
-                on_first_token()
-            line.wall.append(time.perf_counter())
-            line.cpu.append(time.process_time())
-
-        def end(self):
-            pass
-
-    line = Timeline(start=time.perf_counter())
-    with torch.no_grad():
-        model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **GREEDY,
-                       pad_token_id=tokenizer.pad_token_id, streamer=_Clock())
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    return line
-
-
 def measure_round(model, tokenizer, prompts: list[str], longs: list[str], cfg: BenchConfig,
                   counters: "DecodeCounters | None" = None) -> RoundSample:
     """One mode, one round (already warmed up): TTFT p50 of ``prompts`` and ``longs``, decode
     time per token over every prompt (``cfg.output_tokens`` each), total tok/s per concurrency.
     ``counters`` (the paged model's) adds each decode's paging counters."""
-    ttft = [[_generate(model, tokenizer, [p], 1) for p in group] for group in (prompts, longs)]
+    ttft = [[timed_generate(model, tokenizer, [p], 1) for p in group] for group in (prompts, longs)]
     short, long = (statistics.median(t.wall[0] - t.start for t in group) for group in ttft)
     wall = cpu = 0.0
     tokens = 0
     for p in prompts:
-        line = _generate(model, tokenizer, [p], cfg.output_tokens,
+        line = timed_generate(model, tokenizer, [p], cfg.output_tokens,
                          on_first_token=counters.begin if counters is not None else None)
         if counters is not None:
             counters.end()
@@ -214,7 +157,7 @@ def measure_round(model, tokenizer, prompts: list[str], longs: list[str], cfg: B
         tokens += len(line.wall) - 1
     total = {}
     for c in cfg.concurrency:
-        line = _generate(model, tokenizer, [prompts[i % len(prompts)] for i in range(c)], cfg.output_tokens)
+        line = timed_generate(model, tokenizer, [prompts[i % len(prompts)] for i in range(c)], cfg.output_tokens)
         total[c] = c * len(line.wall) / (line.wall[-1] - line.start)
     return RoundSample(short, long, wall / tokens, cpu / tokens, total)
 
@@ -291,7 +234,7 @@ def run_bench(cfg: BenchConfig, prompts: list[str], *, progress: bool = True) ->
         order.append([])
         for job in round_order(jobs, r):
             model = _switch(models, job)
-            _generate(model, tok, prompts[:1], WARM_UP_TOKENS)  # warm-up, untimed
+            timed_generate(model, tok, prompts[:1], WARM_UP_TOKENS)  # warm-up, untimed
             samples[job].append(measure_round(model, tok, prompts, longs, cfg, counters.get(job)))
             ks[job] = _num_resident(model)
             order[-1].append(f"paged K={ks[job]}" if job[0] == "paged" else job[0])

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from support.tiny import PAD_ID
-from pagedexperts.generation.graphs import GROUPED_MM_CAPABILITIES, DecodeGraphs, capture_problem_of
+from pagedexperts.generation.capture_checks import GROUPED_MM_CAPABILITIES, capture_problem_of
+from pagedexperts.generation.graphs import DecodeGraphs
 from pagedexperts.generation.static_decode import DecodeOptions, static_generate
 from pagedexperts.loading import runners
 from pagedexperts.loading.loader import load_model

@@ -22,7 +22,8 @@ from pagedexperts import load_model
 from pagedexperts.cli import main
 from pagedexperts.generation.config import SamplingConfig
 from pagedexperts.generation.generate import generate_text
-from pagedexperts.generation.graphs import DecodeGraphs, capture_problem_of, runner_problem
+from pagedexperts.generation.capture_checks import capture_problem_of, runner_problem
+from pagedexperts.generation.graphs import DecodeGraphs
 from pagedexperts.paging.kernels import HAVE_TRITON
 from pagedexperts.generation.static_decode import DecodeOptions, static_generate
 from pagedexperts.loading import runners

@@ -218,7 +218,7 @@ def test_bench_loads_once_and_repages_per_mode_and_k(tiny_moe_dir, monkeypatch):
                         or real_repage(m, **kw))
     monkeypatch.setattr(bench, "load_plain", lambda cfg: plain_loads.append(cfg) or real_plain(cfg))
     monkeypatch.setattr(bench, "long_prompts", lambda *a: ["a long prompt"])  # the tiny model has no tokenizer
-    monkeypatch.setattr(bench, "_generate", lambda model, tok, prompts, n, **kw: events.append(("warm-up", n)))
+    monkeypatch.setattr(bench, "timed_generate", lambda model, tok, prompts, n, **kw: events.append(("warm-up", n)))
     sample = bench.RoundSample(0.1, 0.2, 0.01, 0.01, {1: 1.0})
     monkeypatch.setattr(bench, "measure_round", lambda model, *a: events.append(("measure",)) or sample)
     cfg = bench.BenchConfig(model_path=str(tiny_moe_dir), modes=("paged", "resident", "plain"),

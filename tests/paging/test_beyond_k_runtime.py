@@ -106,7 +106,7 @@ def test_every_serve_bucket_is_one_wave(models):
     """Serve's decode buckets up to a running cap of 64 (8 x K // top_k): one wave each with
     in-place reads; in waves, every bucket above K // top_k has more than one."""
     from pagedexperts.engine.row_forwards import bucket_sizes
-    from pagedexperts.generation.graphs import decode_waves
+    from pagedexperts.generation.capture_checks import decode_waves
 
     buckets = bucket_sizes(64)
     assert buckets[-1] == 64
@@ -121,7 +121,8 @@ def test_every_serve_bucket_is_one_wave(models):
 def test_static_decode_beyond_k_builds_once_and_equals_all_resident(models):
     """The static-buffer decode step (what a CUDA graph captures; the eager backend on a CPU) at
     batch 4 > K // top_k: built once, no fallback, logits equal to all E resident."""
-    from pagedexperts.generation.graphs import DecodeGraphs, capture_problem_of
+    from pagedexperts.generation.capture_checks import capture_problem_of
+    from pagedexperts.generation.graphs import DecodeGraphs
 
     ids = torch.randint(1, 100, (4, 2), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)

@@ -64,7 +64,8 @@ def test_in_place_equals_waves_and_all_resident_on_cuda(tiny_moe_dir):
 @requires_cuda_and_triton
 def test_captured_decode_beyond_k_equals_eager(tiny_moe_dir):
     """Batch 8 > K // top_k = 1: one captured step (one wave per layer), replayed == eager."""
-    from pagedexperts.generation.graphs import DecodeGraphs, decode_waves
+    from pagedexperts.generation.capture_checks import decode_waves
+    from pagedexperts.generation.graphs import DecodeGraphs
 
     model = fused(tiny_moe_dir, K, "in-place", cuda_graphs="on", cuda_graph_max_batch=8)
     assert decode_waves(model, 8) == 1

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.generation import graphs
+from pagedexperts.generation import capture_checks, graphs
 from pagedexperts.storage import host_store
 from support.paths import ROOT
 
@@ -69,7 +69,7 @@ def test_the_collection_check_sees_a_nested_test():
                                          "test_lost (line 4) is not collected: nested in another definition"]
 
 
-# -- generation.graphs: what capture needs (GPU: tests/generation/test_cuda_graphs.py) ---------------------
+# -- generation.capture_checks: what capture needs (GPU: tests/generation/test_cuda_graphs.py) ---------------------
 
 
 @pytest.mark.parametrize("capability,problem", [((8, 0), True), ((8, 9), True), ((9, 0), False), ((10, 0), False),
@@ -80,12 +80,12 @@ def test_grouped_mm_capturable_by_capability_and_dtype(monkeypatch, capability, 
     TestCudaGraphs.test_grouped_mm_capture_follows_the_capability_rule)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     cuda = torch.device("cuda", 0)
-    found = graphs.grouped_mm_problem(torch.bfloat16, cuda)
+    found = capture_checks.grouped_mm_problem(torch.bfloat16, cuda)
     assert (found is not None) == problem, found
     if problem:
         assert f"compute capability {capability[0]}.{capability[1]}" in found and "batched_mm" in found
-    assert "reads its group offsets back" in graphs.grouped_mm_problem(torch.float32, cuda)
-    assert graphs.grouped_mm_problem(torch.bfloat16, torch.device("cpu")) is None
+    assert "reads its group offsets back" in capture_checks.grouped_mm_problem(torch.float32, cuda)
+    assert capture_checks.grouped_mm_problem(torch.bfloat16, torch.device("cpu")) is None
 
 
 class _FakeCuda:

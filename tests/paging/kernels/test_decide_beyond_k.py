@@ -22,8 +22,9 @@ if not torch.cuda.is_available():  # before the kernels are defined (see test_de
 
 from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
 from pagedexperts.paging.kernels.decide import (  # noqa: E402
-    DecidePlan, DecideRule, DecideState, decide_torch, num_waves_for,
+    DecidePlan, DecideRule, decide_torch,
 )
+from pagedexperts.paging.kernels.decide_state import DecideState, num_waves_for  # noqa: E402
 from pagedexperts.residency.eviction import LRUPolicy  # noqa: E402
 from pagedexperts.residency.planner import Residency  # noqa: E402
 

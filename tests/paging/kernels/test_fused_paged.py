@@ -143,7 +143,8 @@ def test_packed_quantized_slots_are_accepted_for_capture_and_decode_the_same(bun
     the dequantizing path is refused for them) and its static-buffer decode (the function a
     CUDA graph captures, run by the eager backend) gives the logits the same fused kernel gives
     with all E experts resident, decoded the same way."""
-    from pagedexperts.generation.graphs import DecodeGraphs, capture_problem_of
+    from pagedexperts.generation.capture_checks import capture_problem_of
+    from pagedexperts.generation.graphs import DecodeGraphs
     path = variant("w4a16", bundled_source, tmp_path_factory)
     dequantizing, _ = load_model(path, num_resident=bundled.TOP_K, decide="device", device_kernels="torch",
                                  slot_format="packed", cuda_graphs="eager", check_independence=False)

@@ -24,7 +24,8 @@ if not torch.cuda.is_available():  # before the kernels are defined (see test_de
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
-from pagedexperts.paging.kernels.decide import DecidePlan, DecideRule, DecideState  # noqa: E402
+from pagedexperts.paging.kernels.decide import DecidePlan, DecideRule  # noqa: E402
+from pagedexperts.paging.kernels.decide_state import DecideState, num_waves_for  # noqa: E402
 from support import bundled  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
@@ -205,7 +206,7 @@ def test_no_compiled_variant_per_batch_size(monkeypatch):
     num_experts, num_slots = 16, 5
     state = DecideState.empty(num_experts, num_slots, "cpu")
     for rows in (1, 2, 3, 8, 33):
-        plan = DecidePlan.empty(decide.num_waves_for(rows * 2, num_slots, num_experts), num_experts, num_slots, "cpu")
+        plan = DecidePlan.empty(num_waves_for(rows * 2, num_slots, num_experts), num_experts, num_slots, "cpu")
         decide.decide_triton(state, torch.zeros((rows, 2), dtype=torch.long), plan, DecideRule(True, 4))
     constants = [{k: v for k, v in kw.items() if k.isupper() or k == "num_warps"} for _, kw in launches]
     assert all(c == constants[0] for c in constants), constants
