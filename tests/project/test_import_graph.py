@@ -5,7 +5,8 @@ type-only import still ties the two modules: the one that names the other's type
 read, moved or split apart from it), absolute and relative. Checked:
 
 - no import cycle between modules of the package (docs/design.md "Layout");
-- neither executor imports the other (``paging.host_executor``, ``paging.device_executor``).
+- neither executor imports the other (``paging.host_executor``, ``paging.device_executor``);
+- no module over 400 lines (docs/design.md "Layout").
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pagedexperts
 
 PACKAGE = Path(pagedexperts.__file__).parent
+MAX_LINES = 400
 EXECUTORS = ("pagedexperts.paging.host_executor", "pagedexperts.paging.device_executor")
 
 
@@ -121,3 +123,6 @@ def test_neither_executor_imports_the_other():
     assert host in graph and device in graph
     assert device not in graph[host] and host not in graph[device]
 
+def test_no_module_is_over_400_lines():
+    long = {name: n for name, path in package_modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
