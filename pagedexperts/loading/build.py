@@ -183,7 +183,7 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
 
 def _non_expert_bytes(model, sites, linears=None) -> int:
     """Bytes of every parameter that is not a routed expert's (they live on the device): a
-    quantized module kept packed (``linears.packed``) at its kernel layout's bytes."""
+    quantized module kept packed (``QuantizedLinears.packed``) at its kernel layout's bytes."""
     expert_params = {f"{s.name}.{spec.name}" for s in sites for spec in s.specs}
     packed = set(linears.packed) if linears is not None else set()
     dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
