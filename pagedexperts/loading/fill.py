@@ -6,8 +6,8 @@ expert rows are read with ``os.preadv`` straight into the host store rows (each 
 touched once, by the read; no memory map, no intermediate tensor), in file order, by a few
 threads (reads release the GIL), then advised for transparent huge pages; non-expert tensors
 are read into freshly allocated tensors (copied out, so no shard stays mapped for the model's
-life; a quantized one dequantized by its format, or kept packed on a CPU: ``loading.linears``). A disk-tier store gets its experts' byte
-ranges instead of the bytes.
+life; a quantized one dequantized by its format, or kept packed on a CPU: ``loading.linears``).
+A disk-tier store gets its experts' byte ranges instead of the bytes.
 Every floating-point tensor is checked for NaN and infinity as it is read (``torch.isfinite``
 over the bytes just read, in the reading thread): a corrupt checkpoint is refused naming the
 tensor, before it can reach a client as NaN logits. The disk tier's rows, read on demand
