@@ -155,3 +155,68 @@ def test_memory_plans_count_kernel_bytes_for_packed_linears(ours, capsys):
         assert (report["packed_linear_modules"], report["packed_linear_bytes"]) == (len(linears.packed), linears.kernel_bytes)
         assert (report["dequantized_modules"], report["dequantized_bytes"]) == (len(linears.modules), linears.dense_bytes)
     assert linears.kernel_bytes == 0 and report["packed_linear_modules"] == 0  # grouped_mm: all dequantized
+
+
+def _qwen2_gptq(tmp_path: Path, *, desc_act: bool) -> Path:
+    """Qwen2-MoE (q/k/v biases, a dense MLP layer, a shared expert) stored GPTQ int4 group 32
+    symmetric where the shapes allow (a shared down_proj of 48 columns and the shared-expert gate
+    [1, H] stay plain); ``desc_act``: act-order g_idx."""
+    from safetensors.torch import load_file
+
+    from support.families import build_model, save_char_tokenizer
+    from support.int4_oracle import pack_gptq, rtn_int4
+    from support.quantized_dirs import write_checkpoint_dir
+
+    src = tmp_path / "src"
+    build_model("qwen2_moe").save_pretrained(src)
+    save_char_tokenizer(src)
+    gen, packed = torch.Generator().manual_seed(1), {}
+    for key, value in load_file(src / "model.safetensors").items():
+        if not key.endswith("_proj.weight") or value.shape[1] % 32:
+            packed[key] = value
+            continue
+        parts = pack_gptq(rtn_int4(value, 32, desc_act=desc_act, generator=gen, symmetric=not desc_act))
+        packed.update({f"{key.removesuffix('.weight')}.{n}": t for n, t in parts.items()})
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": desc_act, "sym": not desc_act,
+          "checkpoint_format": "gptq"}
+    return write_checkpoint_dir(src, tmp_path / "q", packed, qc)
+
+
+@pytest.mark.default_threads
+def test_biases_and_dense_layers_ride_along(tmp_path):
+    """A packed q_proj carries its bias: it computes x @ W^T + b (W the dequantized weight, within
+    the kernel's float32 rounding of the float16 products); the dense MLP layer and the shared
+    expert run packed; paged == every expert resident."""
+    from support.families import E, TOP_K
+
+    path = _qwen2_gptq(tmp_path, desc_act=False)
+    oracle, paged = _load(path, E, "float32"), _load(path, TOP_K + 1, "float32")
+    dense = _load(path, E, "float32", "grouped_mm")
+    q_proj = paged.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, PackedLinear) and q_proj.bias is not None
+    assert isinstance(paged.model.layers[1].mlp.down_proj, PackedLinear)  # the dense MLP layer
+    assert isinstance(paged.model.layers[0].mlp.shared_expert.up_proj, PackedLinear)
+    assert type(paged.model.layers[0].mlp.shared_expert.down_proj) is torch.nn.Linear  # stored plain
+    x = torch.randn(5, q_proj.in_features, generator=torch.Generator().manual_seed(2))
+    reference = dense.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x.double(), reference.weight.double(), reference.bias.double())
+        assert (q_proj(x).double() - want).abs().max() <= 1e-3 * want.abs().max()
+    ids = _ids(3, paged.config.vocab_size)
+    want, got = greedy_logits(oracle, ids, steps=4), greedy_logits(paged, ids, steps=4)
+    assert torch.equal(want, got), (want - got).abs().max()
+
+
+def test_act_order_falls_back_with_its_biases(tmp_path):
+    """Act-order GPTQ: no linear runs packed (g_idx: the int4 kernel's groups are consecutive
+    columns); every one is dequantized with its bias, and the model equals the grouped_mm load."""
+    from support.families import E
+
+    path = _qwen2_gptq(tmp_path, desc_act=True)
+    packed, dense = _load(path, E, "float32"), _load(path, E, "float32", "grouped_mm")
+    linears = packed.pagedexperts.quantized_linears
+    assert linears.packed == () and len(linears.modules) == len(dense.pagedexperts.quantized_linears.modules)
+    assert {why for _, why in linears.fallbacks} == {"gptq weight: activation order (g_idx): the int4 kernel takes "
+                                                     "groups of consecutive input columns"}
+    ids = _ids(3, packed.config.vocab_size)
+    assert torch.equal(greedy_logits(packed, ids, steps=3), greedy_logits(dense, ids, steps=3))
