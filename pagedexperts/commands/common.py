@@ -38,7 +38,8 @@ def add_model_arguments(parser) -> None:
         "(device-planned steps only; CUDA, or CPU under TRITON_INTERPRET=1; exact to itself with all E "
         "resident, within a tolerance of transformers), or packed: int4 / per-channel int8 experts computed "
         "packed by torch's CPU kernels (--device cpu; slots converted at page-in; other formats run grouped_mm "
-        "with a WARNING; exact to itself with all E resident, within a tolerance of transformers)",
+        "with a WARNING; exact to itself with all E resident, within a tolerance of transformers), and the "
+        "checkpoint's quantized attention / shared experts / lm_head too where the kernels take them",
     )
     g.add_argument(
         "--policy",
