@@ -38,7 +38,8 @@ def add_model_arguments(parser) -> None:
         "(device-planned steps only; CUDA, or CPU under TRITON_INTERPRET=1; exact to itself with all E "
         "resident, within a tolerance of transformers), or packed: int4 / per-channel int8 experts computed "
         "packed by torch's CPU kernels (--device cpu; slots converted at page-in; other formats run grouped_mm "
-        "with a WARNING; exact to itself with all E resident, within a tolerance of transformers)",
+        "with a WARNING; exact to itself with all E resident, within a tolerance of transformers), and the "
+        "checkpoint's quantized attention / shared experts / lm_head too where the kernels take them",
     )
     g.add_argument(
         "--policy",
@@ -246,6 +247,7 @@ def load_from_args(args):
 def print_experts_paths(model, *, chosen: bool = False) -> None:
     """Under --experts-implementation packed, one line on stderr: how many MoE layers compute
     their experts packed (torch's CPU int4 / int8 kernels) and which run grouped_mm, and why;
+    how many quantized non-expert linears are packed and dequantized, and why;
     ``chosen``: packed was auto's choice for this format, said so."""
     rt = model.pagedexperts
     if rt.config.experts_implementation != PACKED:
@@ -258,6 +260,10 @@ def print_experts_paths(model, *, chosen: bool = False) -> None:
     if fallbacks:
         reasons = sorted(set(fallbacks.values()))
         line += f"; grouped_mm on layers {sorted(fallbacks)} ({'; '.join(reasons)})"
+    linears = rt.quantized_linears
+    if linears is not None and (linears.packed or linears.modules):
+        line += (f"; quantized non-expert linears: {len(linears.packed)} packed, {len(linears.modules)} dequantized"
+                 + "".join(f" ({why})" for why in dict.fromkeys(why for _, why in linears.fallbacks)))
     print(line, file=sys.stderr)
 
 

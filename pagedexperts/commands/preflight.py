@@ -56,6 +56,10 @@ def add_parser(subparsers) -> None:
                      help="quantized checkpoints: slots hold packed experts (default: what --slot-format auto "
                      "picks on CUDA) or experts dequantized at page-in (dense: larger slots, fewer per GB); "
                      "page-ins copy packed bytes either way")
+    run.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "packed"],
+                     help="as the run's: packed (--experts-implementation packed, or auto on a CPU for int4 / int8 "
+                     "checkpoints) keeps the quantized non-expert linears torch's CPU kernels take packed: counted at "
+                     "their kernel layout's bytes; default grouped_mm: at their dequantized bytes")
     run.add_argument("--runtime-reserve-gb", type=float, default=1.0,
                      help="GB kept for activations, CUDA context, allocator slack (default 1.0)")
     tiers = p.add_argument_group("disk tier (three tiers: device K, host R, disk)")
@@ -83,11 +87,12 @@ def run_preflight(args) -> int:
     return 1 if report.get("fits") is False else 0
 
 
-def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32: tuple[str, ...]):
-    """(sizes, dense expert bytes, dequantized non-expert modules) of a quantized checkpoint at
+def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32: tuple[str, ...], packed: bool):
+    """(sizes, dense expert bytes, quantized non-expert modules) of a quantized checkpoint at
     ``dtype``: experts at their stored (packed) bytes; non-expert floating weights at the run
     dtype as a dense checkpoint's; quantized non-expert modules (attention, shared experts, dense
-    MLPs) at their dequantized bytes (``loading.linears.planned_linears``), as the load keeps them;
+    MLPs) at their dequantized bytes, or with ``packed`` those torch's CPU kernels take at their
+    kernel layout's bytes (``loading.linears.planned_linears``), as the load keeps them;
     the dequantized experts in ``ExpertFormat.experts_dtype`` (a W4A16 checkpoint's scales' dtype)."""
     import torch
 
@@ -97,11 +102,11 @@ def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32
 
     files = checkpoint_files(model_path)
     fmt = format_for_checkpoint(config, files)
-    linears, keys = planned_linears(config, files, fmt, getattr(torch, dtype), keep_fp32)
+    linears, keys = planned_linears(config, files, fmt, getattr(torch, dtype), keep_fp32, packed=packed)
     sizes = sizing.checkpoint_sizes(model_path=model_path, num_experts=shape.num_experts, keep_fp32=keep_fp32)
     run_sizes = sizing.checkpoint_sizes(model_path=model_path, num_experts=shape.num_experts, dtype=dtype,
                                         keep_fp32=keep_fp32, skip=frozenset(keys))
-    sizes = dataclasses.replace(sizes, non_expert_bytes=run_sizes.non_expert_bytes + linears.dense_bytes)
+    sizes = dataclasses.replace(sizes, non_expert_bytes=run_sizes.non_expert_bytes + linears.host_bytes)
     experts_dtype = str(fmt.experts_dtype(getattr(torch, dtype))).removeprefix("torch.")
     return sizes, model_config.dense_expert_bytes(config, dtype=experts_dtype), linears
 
@@ -120,7 +125,8 @@ def _model_inputs(args) -> dict:
         keep_fp32 = fp32_kept_modules(config, dtype)
         linears = None
         if config.get("quantization_config"):
-            sizes, dense_expert_bytes, linears = _quantized_sizes(args.model_path, config, shape, dtype, keep_fp32)
+            sizes, dense_expert_bytes, linears = _quantized_sizes(args.model_path, config, shape, dtype, keep_fp32,
+                                                                  args.experts_implementation == "packed")
         else:
             sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts, dtype=dtype,
                                             keep_fp32=keep_fp32)
@@ -137,6 +143,8 @@ def _model_inputs(args) -> dict:
             dtype=dtype,
             dequantized_modules=len(linears.modules) if linears else 0,
             dequantized_bytes=linears.dense_bytes if linears else 0,
+            packed_linear_modules=len(linears.packed) if linears else 0,
+            packed_linear_bytes=linears.kernel_bytes if linears else 0,
         )
     if args.slot_format == "dense" and args.expert_format == preflight_explicit.DENSE:
         raise ValueError("--slot-format dense sizes a quantized checkpoint's dequantized slots; give --expert-format "
@@ -241,14 +249,15 @@ def build_report(
     *, model, moe_layers, num_experts, top_k, expert_bytes, kv_bytes_per_token, non_expert_bytes,
     num_resident, link_gbps, tok_s, device_memory_gb, context_length, max_running_requests,
     runtime_reserve_gb, slot_format="packed", dense_expert_bytes=None, dtype=None, dequantized_modules=0,
-    dequantized_bytes=0, non_expert_source=None,
+    dequantized_bytes=0, non_expert_source=None, packed_linear_modules=0, packed_linear_bytes=0,
 ) -> dict:
     """Compose the sizing functions into one flat report (bytes, fractions, seconds).
 
     ``slot_format`` "dense": a slot holds ``dense_expert_bytes`` per layer (the expert
     dequantized); page-ins still move ``expert_bytes`` (packed). ``dequantized_modules`` /
     ``dequantized_bytes``: quantized non-expert modules the load dequantizes (their dense bytes
-    are part of ``non_expert_bytes``). ``non_expert_source``: how explicit numbers got
+    are part of ``non_expert_bytes``); ``packed_linear_modules`` / ``packed_linear_bytes``: those
+    it keeps packed (their kernel layout's bytes are). ``non_expert_source``: how explicit numbers got
     ``non_expert_bytes`` (given, estimated, not counted), for the report.
 
     Raises:
@@ -290,6 +299,7 @@ def build_report(
             slot_bytes=sizing.slot_bytes(expert_bytes=expert_bytes, moe_layers=moe_layers)),
         link_gbps=link_gbps, tok_s=tok_s, non_expert_bytes=non_expert_bytes, non_expert_source=non_expert_source,
         dequantized_modules=dequantized_modules, dequantized_bytes=dequantized_bytes,
+        packed_linear_modules=packed_linear_modules, packed_linear_bytes=packed_linear_bytes,
     )
     if link_gbps:
         r["prefill_page_in_s"] = sizing.transfer_seconds(num_bytes=r["prefill_page_in_bytes"], link_gbps=link_gbps)

@@ -25,6 +25,8 @@ def format_report(r: dict) -> str:
         f"non-expert weights    {size(r['non_expert_bytes'])} on the device"
         + (f" ({r['dequantized_modules']} quantized modules dequantized at load: {size(r['dequantized_bytes'])})"
            if r.get("dequantized_modules") else "")
+        + (f" ({r['packed_linear_modules']} quantized modules kept packed: {size(r['packed_linear_bytes'])})"
+           if r.get("packed_linear_modules") else "")
         + (f" ({r['non_expert_source']})" if r.get("non_expert_source") else ""),
         f"resident K            {r['num_resident']} of {r['num_experts']} ({_k_source(r)}), "
         f"{size(r['device_slot_bytes'])} on the device",

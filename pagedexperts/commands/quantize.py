@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
         "quantize",
         help=COMMANDS["quantize"],
         description="Quantize the ROUTED experts of a bf16/fp16/fp32 checkpoint (everything else is "
-        "copied unchanged) into a published on-disk layout that transformers loads: w4a16 = "
+        "copied unchanged; w4a16 --scope model: every nn.Linear but the routers) into a published on-disk layout that transformers loads: w4a16 = "
         "compressed-tensors pack-quantized int4 (written by the compressed-tensors package), "
         "fp8-block = DeepSeek-V3/Qwen3-FP8 block FP8, mxfp4 = gpt-oss MXFP4 (gpt-oss only). "
         "Plain round-to-nearest, no calibration. Without --model-path and --output, builds the "
@@ -37,6 +37,11 @@ def add_parser(subparsers) -> None:
     g.add_argument("--group-size", type=int, default=128,
                    help="w4a16: input channels per scale group; must divide every expert's input size (default 128)")
     g.add_argument("--asymmetric", action="store_true", help="w4a16: asymmetric with int4 zero points (default symmetric)")
+    g.add_argument("--scope", default="experts", choices=["experts", "model"],
+                   help="w4a16: what is quantized (default experts: the routed experts only; model: every nn.Linear but "
+                   "the routers, as llm-compressor's whole-model exports: attention, shared experts and dense MLP layers "
+                   "in int4 at --group-size, lm_head int8 per channel unless tied to the embeddings; refused when torch's "
+                   "CPU kernels cannot compute a module packed)")
     g.add_argument("--block-size", type=int, default=128, help="fp8-block: square weight block edge (default 128)")
     p.add_argument("--cache-dir", default=None, help="where bundled variants are built (default: $PAGEDEXPERTS_CACHE, "
                    "else $XDG_CACHE_HOME/pagedexperts, else ~/.cache/pagedexperts)")
@@ -78,7 +83,7 @@ def run_quantize(args) -> int:
         raise ValueError(f"--model-path {args.model_path} is already quantized (a bundled variant); pass an "
                          "unquantized bf16/fp16/fp32 checkpoint, e.g. --model-path bundled")
     if args.model_path is None and args.output is None:
-        if args.asymmetric or args.group_size != 128 or args.block_size != 128:
+        if args.asymmetric or args.group_size != 128 or args.block_size != 128 or args.scope != "experts":
             raise ValueError("the bundled variants have fixed parameters; pass --model-path and --output to choose them")
         print(resolve_model_path(BUNDLED_PREFIX + args.format, args.cache_dir))
         return 0
@@ -87,10 +92,11 @@ def run_quantize(args) -> int:
     from pagedexperts.loading.bundled import bundled_model_path
 
     options = QuantizeOptions(args.format, group_size=args.group_size, symmetric=not args.asymmetric,
-                              block=(args.block_size, args.block_size))
+                              block=(args.block_size, args.block_size), scope=args.scope)
     report = quantize_checkpoint(model_path=args.model_path or bundled_model_path(), output=args.output, options=options,
                                  progress=True)
     ratio = report.expert_bytes_out / report.expert_bytes_in
     print(f"{report.format}: {report.expert_tensors} routed expert weights, "
-          f"{report.expert_bytes_in / 1e6:.2f} MB -> {report.expert_bytes_out / 1e6:.2f} MB ({ratio:.3f}x) in {report.output}")
+          f"{report.expert_bytes_in / 1e6:.2f} MB -> {report.expert_bytes_out / 1e6:.2f} MB ({ratio:.3f}x)"
+          + (f"; {report.linear_tensors} non-expert weights" if report.linear_tensors else "") + f" in {report.output}")
     return 0

@@ -19,12 +19,13 @@ from pagedexperts import integration
 from pagedexperts.formats import format_for_config
 from pagedexperts.loading.config import (PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype,
                                          slot_format_of)
+from pagedexperts.loading.linears import plan_model_linears
 from pagedexperts.loading.runners import attach_runners
 from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.loading.checkpoint import expert_sources
 from pagedexperts.models import config as model_config
 from pagedexperts.models.sites import find_experts_sites
-from pagedexperts.paging.steps.table import transformers_inner
+from pagedexperts.paging.steps.table import PACKED, transformers_inner
 from pagedexperts.storage import host_memory
 from pagedexperts.storage.host_memory import HostMemoryPlan, plan_host_memory
 from pagedexperts.storage.host_store import HostExpertStore
@@ -36,15 +37,17 @@ READ_AHEAD_EXPERTS_PER_TOP_K = 2  # disk tier staging: read-ahead buffers = 2 x 
 KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted in host memory on a CPU device (one long request)
 
 
-def build_paged_model(config, fill, *, expert_format=None, **options):
+def build_paged_model(config, fill, *, expert_format=None, files=None, **options):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
     ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
     stores ({site name: ExpertStore}), every other parameter onto ``device``; it returns the
-    non-expert modules it dequantized (``loading.linears.DequantizedLinears``) or None. ``load_model``
-    reads a checkpoint (``loading.fill``); ``loading.runners.random_fill`` makes random weights
-    for benchmarks at real scale. ``expert_format``: the checkpoint's format (None: from
-    ``config``'s ``quantization_config``); the stores hold its packed tensors. ``options``: the
+    quantized non-expert modules it dequantized or packed (``loading.linears.QuantizedLinears``)
+    or None. ``load_model`` reads a checkpoint (``loading.fill``); ``loading.runners.random_fill``
+    makes random weights for benchmarks at real scale. ``expert_format``: the checkpoint's format
+    (None: from ``config``'s ``quantization_config``); the stores hold its packed tensors.
+    ``files``: the checkpoint's shards, whose quantized non-expert modules the host-memory plan
+    counts as the load keeps them (``loading.linears.plan_model_linears``). ``options``: the
     ``PagingConfig`` fields (see ``load_model``).
 
     Raises:
@@ -62,7 +65,10 @@ def build_paged_model(config, fill, *, expert_format=None, **options):
     sources = expert_sources(config.model_type)
     layouts = {s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
                for s in sites}
-    memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, k_slots=k_slots, top_k=top_k)
+    linears = None if files is None or fmt.name == "dense" else plan_model_linears(
+        model, files, fmt, packed=cfg.experts_implementation == PACKED)
+    memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, k_slots=k_slots, top_k=top_k,
+                          linears=linears)
     runtime = PagingRuntime(
         config=dataclasses.replace(cfg, num_resident=k_slots, device=str(dev),
                                    slot_format=slot_format_of(cfg)),
@@ -70,7 +76,7 @@ def build_paged_model(config, fill, *, expert_format=None, **options):
         layouts=layouts, host_memory=memory, sites=sites,
     )
     runtime.stores = _make_stores(runtime, dev)
-    runtime.dequantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
+    runtime.quantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
     attach_runners(runtime, dev)
     _install(model, runtime, dev)
     return model
@@ -137,10 +143,12 @@ def _make_stores(runtime: PagingRuntime, dev: torch.device) -> dict:
 
 
 def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *, k_slots: int,
-                 top_k: int) -> HostMemoryPlan:
+                 top_k: int, linears=None) -> HostMemoryPlan:
     """Everything that will live in host memory, counted before any allocation (see
     ``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Store rows hold the
-    packed specs; slots are counted at the dense size (the larger of the slot formats). The
+    packed specs; slots are counted at the dense size (the larger of the slot formats); the
+    quantized non-expert modules kept packed (``linears``, ``QuantizedLinears``) at their kernel
+    layout's bytes instead of their dense weights'. The
     available memory is credited with the part of the runtime allowance this process already
     holds (its RSS now, up to the allowance): MemAvailable and the cgroup's room exclude it."""
     packed_specs = layouts[sites[0].name].packed_specs
@@ -157,7 +165,7 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
         num_layers=len(sites), num_experts=sites[0].num_experts, expert_bytes=expert_bytes,
         slot_bytes_on_host=k_slots * len(sites) * slot_expert_bytes if on_cpu and paged else 0,
         staging_bytes=READ_AHEAD_EXPERTS_PER_TOP_K * top_k * expert_bytes,
-        non_expert_bytes_on_host=_non_expert_bytes(model, sites) if on_cpu else 0,
+        non_expert_bytes_on_host=_non_expert_bytes(model, sites, linears) if on_cpu else 0,
         kv_bytes_on_host=_kv_estimate_bytes(config, dtype) if on_cpu else 0,
         runtime_bytes=runtime,
     )
@@ -173,10 +181,14 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
     return memory
 
 
-def _non_expert_bytes(model, sites) -> int:
-    """Bytes of every parameter that is not a routed expert's (they live on the device)."""
+def _non_expert_bytes(model, sites, linears=None) -> int:
+    """Bytes of every parameter that is not a routed expert's (they live on the device): a
+    quantized module kept packed (``QuantizedLinears.packed``) at its kernel layout's bytes."""
     expert_params = {f"{s.name}.{spec.name}" for s in sites for spec in s.specs}
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in expert_params)
+    packed = set(linears.packed) if linears is not None else set()
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if n not in expert_params and n not in packed)
+    return dense + (linears.kernel_bytes if linears is not None else 0)
 
 
 def _kv_estimate_bytes(config, dtype: torch.dtype) -> int:

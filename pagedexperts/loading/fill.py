@@ -6,8 +6,8 @@ expert rows are read with ``os.preadv`` straight into the host store rows (each 
 touched once, by the read; no memory map, no intermediate tensor), in file order, by a few
 threads (reads release the GIL), then advised for transparent huge pages; non-expert tensors
 are read into freshly allocated tensors (copied out, so no shard stays mapped for the model's
-life; a quantized one dequantized by its format). A disk-tier store gets its experts' byte
-ranges instead of the bytes.
+life; a quantized one dequantized by its format, or kept packed on a CPU: ``loading.linears``).
+A disk-tier store gets its experts' byte ranges instead of the bytes.
 Every floating-point tensor is checked for NaN and infinity as it is read (``torch.isfinite``
 over the bytes just read, in the reading thread): a corrupt checkpoint is refused naming the
 tensor, before it can reach a client as NaN logits. The disk tier's rows, read on demand
@@ -30,7 +30,7 @@ import torch
 
 from pagedexperts.formats import quantization_config_of
 from pagedexperts.loading.checkpoint import KeyMap, check_model_filled, load_plain_tensor
-from pagedexperts.loading.linears import DequantizedLinears, PlainDequantizer
+from pagedexperts.loading.linears import PlainLinears, QuantizedLinears
 from pagedexperts.storage.safetensors_index import Extent, bytes_view, expert_extents, pread_into, read_extent, read_header
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ class CheckpointIndex:
 
 
 def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files: list[Path], fmt=None,
-                         threads: int = DEFAULT_READ_THREADS, progress: bool = True) -> DequantizedLinears:
+                         threads: int = DEFAULT_READ_THREADS, progress: bool = True,
+                         packed_linears: bool = False) -> QuantizedLinears:
     """Put every checkpoint tensor in its place: the one fill (``fill`` of
     ``loading.build.build_paged_model``), for every format.
 
@@ -104,9 +105,11 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
     store returns the reads into its rows, done here; the disk tier keeps the ranges). ``fmt``:
     the checkpoint's expert format (None: dense); the stores hold its packed tensors.
     Non-expert tensors: read at their mapped alignment and put on ``device`` in the model's
-    dtype; a quantized module (attention, shared experts, dense MLPs) dequantized once its
-    tensors are read (``linears.PlainDequantizer``), with a WARNING naming the memory it
-    costs on a CUDA device. Returns what was dequantized (the start-up report's line).
+    dtype; a quantized module (attention, shared experts, dense MLPs, lm_head) dequantized once
+    its tensors are read (``linears.PlainLinears``), with a WARNING naming the memory it costs on
+    a CUDA device, or with ``packed_linears`` (a CPU whose experts run packed) computed packed
+    where torch's CPU kernels take it (one WARNING per reason naming the modules they cannot).
+    Returns what was dequantized and packed (the start-up report's line).
 
     Raises:
         ValueError: see ``CheckpointIndex``; a model tensor the checkpoint lacks; a quantized
@@ -122,45 +125,47 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
         read_expert_rows(jobs, threads=threads, on_bytes=bar.update)
         for store in stores.values():
             store.after_fill()
-        unexpected, dequantized = _fill_plain(model, index.plain, device, fmt, on_bytes=bar.update)
+        unexpected, linears = _fill_plain(model, index.plain, device, fmt, on_bytes=bar.update, packed=packed_linears)
     if unexpected:
         logger.warning("checkpoint keys not used by the model: %d (first: %s)", len(unexpected), unexpected[:3])
     check_model_filled(model)
-    _report_dequantized(dequantized, fmt, device)
-    return dequantized
+    _report_linears(linears, fmt, device)
+    return linears
 
 
-def _report_dequantized(dequantized: DequantizedLinears, fmt, device) -> None:
-    """INFO on the CPU, a WARNING naming the memory cost on CUDA (no fused kernel keeps them packed yet)."""
-    line = dequantized.describe(getattr(fmt, "name", "dense"))
+def _report_linears(linears: QuantizedLinears, fmt, device) -> None:
+    """INFO on the CPU, a WARNING naming the memory cost on CUDA (no fused kernel keeps them packed
+    yet); a WARNING per reason a module could not be kept packed."""
+    for line in linears.fallback_lines():
+        logger.warning("non-expert linears: %s", line)
+    line = linears.describe(getattr(fmt, "name", "dense"))
     if not line:
         return
     if torch.device(device).type == "cuda":
         logger.warning("%s on the device: %.1f MB more than packed (a packed single-matrix kernel is not "
-                       "available yet)", line, (dequantized.dense_bytes - dequantized.packed_bytes) / 1e6)
+                       "available yet)", line, (linears.dense_bytes - linears.packed_bytes) / 1e6)
     else:
         logger.info("%s", line)
 
 
-def _fill_plain(model, plain, device, fmt, *, on_bytes) -> tuple[list[str], DequantizedLinears]:
+def _fill_plain(model, plain, device, fmt, *, on_bytes, packed: bool = False) -> tuple[list[str], QuantizedLinears]:
     """Read every non-expert tensor (``CheckpointIndex.plain``) into place; returns the
-    checkpoint keys the model has no place for, and the modules dequantized."""
-    quantized = PlainDequantizer(fmt, [(key, raw_key) for key, raw_key, _ in plain],
-                                 quantization_config_of(model.config))
+    checkpoint keys the model has no place for, and the quantized modules dequantized or packed."""
+    quantized = PlainLinears(fmt, [(key, raw_key) for key, raw_key, _ in plain],
+                             quantization_config_of(model.config), packed=packed)
     unexpected = []
     for key, raw_key, entry in plain:
         value = read_tensor(entry)
         if not all_finite(value):
             raise NonFiniteWeights(_non_finite_message(raw_key, entry.path))
         on_bytes(entry.nbytes)
-        if quantized.takes(key):
-            key, value = quantized.add(model, key, value)
-            if key is None:
-                continue
-        if not load_plain_tensor(model, key, value, device):
-            unexpected.append(raw_key)
+        loads = quantized.add(model, key, value) if quantized.takes(key) else [(key, value)]
+        for key, value in loads:
+            if not load_plain_tensor(model, key, value, device):
+                unexpected.append(raw_key)
     quantized.check_done()
-    return unexpected, quantized.dequantized
+    quantized.install(model)
+    return unexpected, quantized.result
 
 
 class NonFiniteWeights(ValueError):

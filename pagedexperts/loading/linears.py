@@ -1,20 +1,28 @@
-"""Quantized non-expert nn.Linear modules of a checkpoint, dequantized once at load.
+"""Quantized non-expert nn.Linear modules of a checkpoint: dequantized once at load, or kept packed.
 
 Owns: recognising which non-expert modules (attention projections, shared experts, dense MLP
 layers, lm_head, a router) a checkpoint stores quantized, in any format (``module_group``:
 grouped by the module's format's serialized names, ``qweight`` + ``qzeros`` + ``scales`` +
 ``g_idx``, ``weight_packed`` + ``weight_scale`` + ..., ``weight`` + ``weight_scale_inv``),
-collecting their tensors as the fill streams them (``PlainDequantizer``), dequantizing each
-into its parameter's dtype (``dequantize_module``: ``ExpertFormat.dequantize_linear``, the
-experts' own dequantization with one row of one source, so a new format gets it for free), and
-counting what that costs (``DequantizedLinears``; ``planned_linears`` from the headers alone,
-for ``preflight``). Does not: read bytes (``loading.fill``) or map expert keys
-(``loading.checkpoint``).
+collecting their tensors as the fill streams them (``PlainLinears``), and for each complete
+module either keeping it packed (``packed``: a ``loading.packed_linears.PackedLinear`` in place
+of the nn.Linear, torch's CPU int4 / int8 kernel) or dequantizing it into its parameter's dtype
+(``dequantize_module``: ``ExpertFormat.dequantize_linear``, the experts' own dequantization with
+one row of one source, so a new format gets it for free); and counting what that costs
+(``QuantizedLinears``; ``planned_linears`` / ``plan_model_linears`` from the headers alone, for
+``preflight`` and the host-memory plan). Does not: read bytes (``loading.fill``), map expert
+keys (``loading.checkpoint``) or choose a kernel (``loading.packed_linears``).
 
-Why dequantize at load: on CPU (and as the CUDA fallback, with a WARNING naming the memory) the
-model's nn.Linear runs on the dense weight the format's library produces (compressed-tensors'
-``decompress``, GPTQModel's ``dequantize_weight``, transformers' FP8 dequantization), bit for bit,
-and activations stay unquantized, as in the library's dense reference.
+When packed: on a CPU whenever the experts are computed packed (``--experts-implementation
+packed``, or ``auto`` resolving to it; ``loading.loader``), so that ``grouped_mm`` keeps
+transformers' dequantized output bit for bit. A module the kernels cannot take (act-order
+g_idx, group-wise int8, a group size the int4 kernel lacks, not an nn.Linear) is dequantized,
+and the reason recorded (``QuantizedLinears.fallbacks``).
+
+Why dequantize at load otherwise: on CPU (and as the CUDA fallback, with a WARNING naming the
+memory) the model's nn.Linear runs on the dense weight the format's library produces
+(compressed-tensors' ``decompress``, GPTQModel's ``dequantize_weight``, transformers' FP8
+dequantization), bit for bit, and activations stay unquantized, as in the library's dense reference.
 """
 
 from __future__ import annotations
@@ -25,24 +33,53 @@ from dataclasses import dataclass
 import torch
 
 from pagedexperts.formats import ExpertFormat
+from pagedexperts.loading.packed_linears import PackedLinear, kernel_bytes, packed_linear, plan_packed_linear
+
+NOT_LINEAR = "not an nn.Linear (a router or another module whose own forward reads the weight)"
 
 
 @dataclass(frozen=True)
-class DequantizedLinears:
-    """The non-expert modules a checkpoint stores quantized, dequantized once at load: their
-    weight keys, the bytes the checkpoint stores for them and the bytes of their dense weights
-    on the device (run dtype)."""
+class QuantizedLinears:
+    """The non-expert modules a checkpoint stores quantized, as the load keeps them.
+
+    Attributes:
+        modules: weight keys dequantized at load; ``packed_bytes``: the bytes the checkpoint
+            stores for them; ``dense_bytes``: their dense weights in the run dtype.
+        packed: weight keys computed packed (``PackedLinear``); ``kernel_bytes``: their weights
+            and scales in the kernel's layout.
+        fallbacks: (weight key, why it was dequantized though the load keeps modules packed).
+    """
 
     modules: tuple[str, ...] = ()
     packed_bytes: int = 0
     dense_bytes: int = 0
+    packed: tuple[str, ...] = ()
+    kernel_bytes: int = 0
+    fallbacks: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the quantized modules' weights hold after the load (dense and kernel layout)."""
+        return self.dense_bytes + self.kernel_bytes
 
     def describe(self, fmt_name: str) -> str:
-        """One line for the start-up report (empty when nothing was dequantized)."""
-        if not self.modules:
-            return ""
-        return (f"{len(self.modules)} quantized non-expert modules ({fmt_name}) dequantized at load: "
-                f"{self.dense_bytes / 1e6:,.3f} MB dense (stored packed: {self.packed_bytes / 1e6:,.3f} MB)")
+        """One line for the start-up report (empty when nothing is quantized)."""
+        parts = []
+        if self.packed:
+            parts.append(f"{len(self.packed)} quantized non-expert modules ({fmt_name}) computed packed "
+                         f"(torch's CPU int4 / int8 kernels): {self.kernel_bytes / 1e6:,.3f} MB")
+        if self.modules:
+            parts.append(f"{len(self.modules)} quantized non-expert modules ({fmt_name}) dequantized at load: "
+                         f"{self.dense_bytes / 1e6:,.3f} MB dense (stored packed: {self.packed_bytes / 1e6:,.3f} MB)")
+        return "; ".join(parts)
+
+    def fallback_lines(self) -> list[str]:
+        """One line per distinct reason a module was dequantized instead of packed, naming the modules."""
+        by_reason: dict[str, list[str]] = {}
+        for key, why in self.fallbacks:
+            by_reason.setdefault(why, []).append(key.removesuffix(".weight"))
+        return [f"packed -> dequantized at load ({why}): {len(names)} modules, {', '.join(names)}"
+                for why, names in by_reason.items()]
 
 
 def module_group(fmt: ExpertFormat | None, raw_module: str, local_names, quantization_config: dict | None):
@@ -72,56 +109,79 @@ def module_group(fmt: ExpertFormat | None, raw_module: str, local_names, quantiz
     return module_fmt, names
 
 
-class PlainDequantizer:
+class PlainLinears:
     """Quantized non-expert nn.Linear weights (attention projections, shared experts, dense MLP
-    layers, lm_head, a router) dequantized once at load, generic over ``ExpertFormat``.
+    layers, lm_head, a router) as the fill streams them, generic over ``ExpertFormat``: each
+    kept packed (``packed`` True: a ``PackedLinear`` replaces the nn.Linear, ``install``) where
+    torch's CPU kernels take it, else dequantized once (``dequantize_module``).
 
     Groups each module's serialized tensors by its format's names (``module_group``:
     ``q_proj.qweight`` + ``qzeros`` + ``scales`` + ``g_idx``; ``q_proj.weight_packed`` +
-    ``weight_scale`` + ...; ``q_proj.weight`` + ``weight_scale_inv``), keeps them as they stream
-    by, and once a module's are all read dequantizes them (``ExpertFormat.dequantize_linear``:
-    the experts' ``dequantize`` with one row of one source, in the dtypes the tensors are stored
-    in) into its parameter's dtype: the run dtype, float32 for the modules the model keeps in
-    float32. ``dequantized`` counts what was done (``DequantizedLinears``).
+    ``weight_scale`` + ...; ``q_proj.weight`` + ``weight_scale_inv``; with ``packed``, the
+    module's ``bias`` too), keeps them as they stream by, and once a module's are all read packs or
+    dequantizes them (in the dtypes the tensors are stored in) into its parameter's dtype: the
+    run dtype, float32 for the modules the model keeps in float32. ``result`` counts what was
+    done (``QuantizedLinears``).
     """
 
-    def __init__(self, fmt: ExpertFormat | None, plain: list[tuple[str, str]], quantization_config: dict | None) -> None:
+    def __init__(self, fmt: ExpertFormat | None, plain: list[tuple[str, str]], quantization_config: dict | None,
+                 *, packed: bool = False) -> None:
         """``plain``: (model key, checkpoint key) of every non-expert tensor; a module's config
         group is matched on its checkpoint name (Mixtral's ``block_sparse_moe`` before renaming)."""
         by_module: dict[str, dict[str, str]] = {}
         for key, raw_key in plain:
             raw_module, _, local = raw_key.rpartition(".")
             by_module.setdefault(raw_module, {})[local] = key
+        self.packed = packed
         self.groups: dict[str, tuple[str, ExpertFormat, tuple[str, ...]]] = {}  # key -> (weight key, format, names)
         for raw_module, keys in by_module.items():
             group = module_group(fmt, raw_module, keys, quantization_config)
             if group is None:
                 continue
             weight_key = next(iter(keys.values())).rpartition(".")[0] + ".weight"
-            for name in group[1]:
-                self.groups[keys[name]] = (weight_key, *group)
+            names = group[1] + (("bias",) if packed and "bias" in keys else ())
+            for name in names:
+                self.groups[keys[name]] = (weight_key, group[0], names)
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.done: list[tuple[str, int, int]] = []  # (weight key, packed bytes, dense bytes)
+        self.kept: dict[str, tuple[PackedLinear, int]] = {}  # weight key -> (module, its kernel bytes)
+        self.fallbacks: list[tuple[str, str]] = []
 
     def takes(self, key: str) -> bool:
         return key in self.groups
 
-    def add(self, model, key: str, value: torch.Tensor) -> tuple[str | None, torch.Tensor | None]:
-        """Keep ``value``; when its module is complete return (weight key, dense weight)."""
+    def add(self, model, key: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Keep ``value``; when its module is complete, the (model key, tensor) pairs left to
+        load: none when it is kept packed, else its dense weight (and its bias)."""
         weight_key, module_fmt, names = self.groups[key]
         parts = self.pending.setdefault(weight_key, {})
         parts[key.rpartition(".")[2]] = value
         if len(parts) < len(names):
-            return None, None
+            return []
         del self.pending[weight_key]
+        bias = parts.pop("bias", None)
+        module, ref = linear_of(model, weight_key, module_fmt, parts)
+        if self.packed:
+            kept = _packed_or_reason(module, ref, module_fmt, parts, bias)
+            if isinstance(kept, PackedLinear):
+                self.kept[weight_key] = kept, kept.weight_packed.nbytes + kept.scales.nbytes
+                return []
+            self.fallbacks.append((weight_key, kept))
         dense = dequantize_module(model, weight_key, module_fmt, parts)
         self.done.append((weight_key, sum(v.nbytes for v in parts.values()), dense.nbytes))
-        return weight_key, dense
+        bias_key = weight_key.removesuffix("weight") + "bias"
+        return [(weight_key, dense)] + ([(bias_key, bias)] if bias is not None else [])
+
+    def install(self, model) -> None:
+        """Put every kept ``PackedLinear`` in place of its nn.Linear (whose weight is still on meta)."""
+        for weight_key, (module, _) in self.kept.items():
+            model.set_submodule(weight_key.removesuffix(".weight"), module)
 
     @property
-    def dequantized(self) -> DequantizedLinears:
-        return DequantizedLinears(tuple(k for k, _, _ in self.done), sum(p for _, p, _ in self.done),
-                                  sum(d for _, _, d in self.done))
+    def result(self) -> QuantizedLinears:
+        return QuantizedLinears(tuple(k for k, _, _ in self.done), sum(p for _, p, _ in self.done),
+                                sum(d for _, _, d in self.done), tuple(self.kept),
+                                sum(b for _, b in self.kept.values()), tuple(self.fallbacks))
 
     def check_done(self) -> None:
         if self.pending:
@@ -132,13 +192,22 @@ class PlainDequantizer:
             )
 
 
-def dequantize_module(model, weight_key: str, module_fmt: ExpertFormat, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The dense weight of quantized module ``weight_key``'s parameter (its shape and dtype in
-    ``model``) from its serialized tensors ``parts`` ({name: tensor as stored}).
+def _packed_or_reason(module, ref, module_fmt: ExpertFormat, parts, bias) -> PackedLinear | str:
+    """``packed_linear`` of an nn.Linear, or why it stays dequantized (names the limit)."""
+    if type(module) is not torch.nn.Linear:
+        return NOT_LINEAR
+    try:
+        return packed_linear(module_fmt, tuple(ref.shape), ref.dtype, parts, bias)
+    except ValueError as exc:  # e.g. asymmetric int8 whose codes leave the kernel's range
+        return str(exc)
+
+
+def linear_of(model, weight_key: str, module_fmt: ExpertFormat, parts: dict[str, torch.Tensor]):
+    """(module, its weight parameter on meta) of quantized module ``weight_key``.
 
     Raises:
-        ValueError: the model has no 2-D weight there (an embedding, a missing module), lm_head
-            tied to the embeddings, or what the format refuses (names module and format).
+        ValueError: the model has no 2-D weight there (an embedding, a missing module), or lm_head
+            tied to the embeddings (names module and format).
     """
     module_name, _, param = weight_key.rpartition(".")
     what = f"checkpoint's quantized module {module_name!r} ({module_fmt.name}: {sorted(parts)})"
@@ -152,13 +221,25 @@ def dequantize_module(model, weight_key: str, module_fmt: ExpertFormat, parts: d
     if module is model.get_output_embeddings() and getattr(model.config, "tie_word_embeddings", False):
         raise ValueError(f"{what}: the config ties lm_head to the input embeddings (tie_word_embeddings), which "
                          "are not quantized; a quantized tied lm_head is not supported")
+    return module, ref
+
+
+def dequantize_module(model, weight_key: str, module_fmt: ExpertFormat, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The dense weight of quantized module ``weight_key``'s parameter (its shape and dtype in
+    ``model``) from its serialized tensors ``parts`` ({name: tensor as stored}).
+
+    Raises:
+        ValueError: see ``linear_of``; what the format refuses (names module and format).
+    """
+    _, ref = linear_of(model, weight_key, module_fmt, parts)
     try:
         tensor = module_fmt.linear_tensor(tuple(ref.shape), ref.dtype)
         if tensor.is_passthrough:
             raise ValueError("the format has no packing for a plain weight")
         return module_fmt.dequantize_linear(tensor, parts)
     except (ValueError, RuntimeError) as exc:
-        raise ValueError(f"{what}: {exc}") from exc
+        raise ValueError(f"checkpoint's quantized module {weight_key.removesuffix('.weight')!r} "
+                         f"({module_fmt.name}: {sorted(parts)}): {exc}") from exc
 
 
 def quantized_modules(files, fmt: ExpertFormat, quantization_config: dict | None) -> dict[str, list[str]]:
@@ -168,6 +249,11 @@ def quantized_modules(files, fmt: ExpertFormat, quantization_config: dict | None
     Raises:
         ValueError: see ``module_group``; an unreadable header.
     """
+    return {m: list(keys.values()) for m, (_, keys) in _quantized_groups(files, fmt, quantization_config).items()}
+
+
+def _quantized_groups(files, fmt: ExpertFormat, quantization_config: dict | None) -> dict:
+    """{checkpoint module name: (its format, {serialized name: checkpoint key})} (``quantized_modules``)."""
     from pagedexperts.loading.checkpoint import is_expert_key
     from pagedexperts.storage.safetensors_index import read_header
 
@@ -181,43 +267,70 @@ def quantized_modules(files, fmt: ExpertFormat, quantization_config: dict | None
     for module, keys in by_module.items():
         group = module_group(fmt, module, keys, quantization_config)
         if group is not None:
-            out[module] = [keys[n] for n in group[1]]
+            out[module] = group[0], {n: keys[n] for n in group[1]}
     return out
 
 
-def planned_linears(config: dict, files, fmt: ExpertFormat, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()):
-    """(``DequantizedLinears`` the load will produce at ``dtype``, the checkpoint keys of those
+def planned_linears(config: dict, files, fmt: ExpertFormat, dtype: torch.dtype, keep_fp32: tuple[str, ...] = (),
+                    *, packed: bool = False):
+    """(``QuantizedLinears`` the load will produce at ``dtype``, the checkpoint keys of those
     modules), from the shards' headers and the model's skeleton on the meta device (no weight is
-    read): ``preflight``'s count of the dequantized non-expert memory. ``keep_fp32``: module
-    names the model keeps in float32 (dequantized into float32 there).
+    read): ``preflight``'s count of the quantized non-expert memory. ``keep_fp32``: module
+    names the model keeps in float32; ``packed``: the load keeps modules packed where the
+    kernels take them (``plan_packed_linear``), as ``PlainLinears`` does.
 
     Raises:
         ValueError: see ``module_group``; a config transformers cannot build.
     """
+    weights = {key: (shape, torch.float32 if any(k in key for k in keep_fp32) else dtype, linear)
+               for key, (shape, linear) in _meta_weights(config).items()}
+    return _plan(config, files, fmt, weights, packed=packed)
+
+
+def plan_model_linears(model, files, fmt: ExpertFormat, *, packed: bool) -> QuantizedLinears:
+    """``planned_linears`` for ``model``, built with its parameters on meta (their shapes and
+    dtypes as the load fills them): the host-memory plan's count of the quantized modules."""
+    weights = {n: (tuple(p.shape), p.dtype, type(model.get_submodule(n.rpartition(".")[0])) is torch.nn.Linear)
+               for n, p in model.named_parameters() if n.endswith(".weight") and p.dim() == 2}
+    return _plan(model.config.to_dict(), files, fmt, weights, packed=packed)[0]
+
+
+def _plan(config: dict, files, fmt: ExpertFormat, weights: dict, *, packed: bool):
+    """``planned_linears`` over {weight key: (shape, dtype, whether its module is an nn.Linear)}."""
     from pagedexperts.formats import quantization_config_of
     from pagedexperts.loading.checkpoint import KeyMap
     from pagedexperts.storage.safetensors_index import read_header
 
-    nbytes = {key: entry.nbytes for f in files for key, entry in read_header(f).items()}
-    rename, shapes = KeyMap(config["model_type"], {}).rename, _meta_weight_shapes(config)
-    done, keys = [], []
-    for module, group_keys in quantized_modules(files, fmt, quantization_config_of(config)).items():
+    entries = {key: entry for f in files for key, entry in read_header(f).items()}
+    rename = KeyMap(config["model_type"], {}).rename
+    done, kept, fallbacks, keys = [], [], [], []
+    for module, (module_fmt, names) in _quantized_groups(files, fmt, quantization_config_of(config)).items():
         weight_key = rename(module + ".weight")
-        if weight_key not in shapes:
+        if weight_key not in weights:
             continue
-        itemsize = 4 if any(k in weight_key for k in keep_fp32) else torch.empty((), dtype=dtype).element_size()
-        keys += group_keys
-        done.append((weight_key, sum(nbytes[k] for k in group_keys), math.prod(shapes[weight_key]) * itemsize))
-    linears = DequantizedLinears(tuple(k for k, _, _ in done), sum(p for _, p, _ in done), sum(d for _, _, d in done))
+        shape, dtype, linear = weights[weight_key]
+        keys += names.values()
+        stored = sum(entries[k].nbytes for k in names.values())
+        if packed:
+            plan = plan_packed_linear(module_fmt, shape, dtype, {n: entries[k].dtype for n, k in names.items()}) \
+                if linear else NOT_LINEAR
+            if not isinstance(plan, str):
+                kept.append((weight_key, kernel_bytes(plan)))
+                continue
+            fallbacks.append((weight_key, plan))
+        done.append((weight_key, stored, math.prod(shape) * dtype.itemsize))
+    linears = QuantizedLinears(tuple(k for k, _, _ in done), sum(p for _, p, _ in done), sum(d for _, _, d in done),
+                               tuple(k for k, _ in kept), sum(b for _, b in kept), tuple(fallbacks))
     return linears, keys
 
 
-def _meta_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """{parameter name: shape} of the model ``config`` (config.json's dict) describes, built on
-    the meta device (no memory)."""
+def _meta_weights(config: dict) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """{2-D weight parameter name: (shape, whether its module is an nn.Linear)} of the model
+    ``config`` (config.json's dict) describes, built on the meta device (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **fields))
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return {n: (tuple(p.shape), type(model.get_submodule(n.rpartition(".")[0])) is torch.nn.Linear)
+            for n, p in model.named_parameters() if n.endswith(".weight") and p.dim() == 2}

@@ -25,6 +25,7 @@ from pagedexperts.loading.independence import check_model_independence
 from pagedexperts.loading.runners import install_prefetch
 from pagedexperts.models.sites import check_supported
 from pagedexperts.models.config import read_config, routing_problem, with_modelopt_quantization
+from pagedexperts.paging.steps.table import PACKED
 from pagedexperts.storage.safetensors_files import checkpoint_files
 from pagedexperts.storage.safetensors_index import check_readable
 
@@ -45,7 +46,9 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             with the same implementation. Or "fused" (Triton, device-planned), "packed"
             (torch's int4 / int8 CPU kernels), both exact to themselves with all E resident,
             or "auto" (packed on a CPU for the int formats of
-            ``loading.config.PACKED_BY_DEFAULT``, else grouped_mm).
+            ``loading.config.PACKED_BY_DEFAULT``, else grouped_mm). Under packed the quantized
+            non-expert linears (attention, shared experts, dense MLPs, lm_head) are computed
+            packed too where the kernels take them (``loading.linears``), else dequantized at load.
         policy: eviction policy name (``residency.policies.POLICIES``).
         mode: "paged" (this project), or a baseline (``paging.baselines``): "resident" (all E experts on
             the device), "offload" (all E copied in every step), "cpu-experts" (the first
@@ -124,8 +127,10 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         logger.warning("--slot-format %s has no effect: %s is not quantized (its slots hold dense experts)",
                        cfg.slot_format, path)
     tokenizer = _load_tokenizer(path)  # a broken tokenizer is refused before the weights load
-    fill = functools.partial(fill_from_checkpoint, model_type=config.model_type, files=files, fmt=fmt)
-    model = build_paged_model(config, fill, expert_format=fmt, **dataclasses.asdict(cfg))
+    packed = cfg.experts_implementation == PACKED  # the non-expert linears too (loading.linears)
+    fill = functools.partial(fill_from_checkpoint, model_type=config.model_type, files=files, fmt=fmt,
+                             packed_linears=packed)
+    model = build_paged_model(config, fill, expert_format=fmt, files=files, **dataclasses.asdict(cfg))
     if check_independence:
         check_model_independence(model, files, fmt)
         for store in model.pagedexperts.stores.values():  # the check's samples leave no trace

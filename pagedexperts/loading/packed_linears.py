@@ -5,10 +5,11 @@ projection, a shared expert's, lm_head) whose forward is ``aten._weight_int4pack
 (int4, group scales and float zero points) or ``aten._weight_int8pack_mm`` (per-channel int8)
 over the weight in the kernel's layout, built from the module's serialized tensors through the
 experts' own conversion (``formats.cpu_pack.KernelTensor.convert``, one row of one source: the
-same layout and zero-point mapping, ``docs/formats.md`` "Computed packed on a CPU"); and
-``packed_linear``: the module, or why the kernel cannot take this one. Does not: decide which
-modules to replace or read bytes (``loading.linears`` dequantizes them at load today; issue 38's
-whole-model int4 hooks this in there).
+same layout and zero-point mapping, ``docs/formats.md`` "Computed packed on a CPU");
+``packed_linear``: the module, or why the kernel cannot take this one; and
+``plan_packed_linear``, the same answer from the stored dtypes alone (no tensor: preflight and
+the host-memory plan count ``kernel_bytes``). Does not: decide which modules to replace or read
+bytes (``loading.linears``: on a CPU whenever the experts are computed packed).
 
 Exactness: the kernel's arithmetic, not the format's dequantized weight (``(q - 8) * scale + zero``
 with the scale in the run dtype, no rounding of the product): equal to the kernel on the same
@@ -59,6 +60,23 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}{group}, dtype={self.dtype}"
 
 
+def plan_packed_linear(module_fmt: ExpertFormat, shape: tuple[int, int], dtype: torch.dtype,
+                       stored_dtypes: Mapping[str, torch.dtype]) -> KernelTensor | str:
+    """The ``KernelTensor`` one quantized nn.Linear's weight [out, in] runs as at run dtype
+    ``dtype``, or why torch's CPU kernels cannot take it (``packed_linear``'s reasons), from the
+    dtypes its serialized tensors are stored in ({name under the module: dtype}); no tensor read."""
+    bound = module_fmt.with_stored_dtypes(stored_dtypes)
+    tensor = bound.linear_tensor(tuple(shape), dtype)
+    if tensor.is_passthrough:
+        return f"{bound.name}: the format leaves a {tuple(shape)} weight unquantized"
+    return plan_tensor(bound, tensor, dtype)
+
+
+def kernel_bytes(plan: KernelTensor) -> int:
+    """Bytes of one weight in the kernel's layout (``PackedLinear``'s ``weight_packed`` and ``scales``)."""
+    return sum(spec.numel * spec.dtype.itemsize for spec in plan.specs)
+
+
 def packed_linear(module_fmt: ExpertFormat, shape: tuple[int, int], dtype: torch.dtype,
                   serialized: Mapping[str, torch.Tensor], bias: torch.Tensor | None = None) -> PackedLinear | str:
     """The ``PackedLinear`` of one quantized nn.Linear, or one sentence saying why torch's CPU
@@ -72,15 +90,13 @@ def packed_linear(module_fmt: ExpertFormat, shape: tuple[int, int], dtype: torch
             ``weight_packed``): tensor}, as ``ExpertFormat.dequantize_linear`` takes them.
 
     Raises:
-        ValueError: a packed tensor missing or of the wrong element count (names both).
+        ValueError: a packed tensor missing or of the wrong element count (names both); int8
+            codes minus their zero points outside [-128, 127] (``KernelTensor.convert``).
     """
-    bound = module_fmt.with_stored_dtypes({n: v.dtype for n, v in serialized.items()})
-    tensor = bound.linear_tensor(tuple(shape), dtype)
-    if tensor.is_passthrough:
-        return f"{bound.name}: the format leaves a {tuple(shape)} weight unquantized"
-    plan = plan_tensor(bound, tensor, dtype)
+    plan = plan_packed_linear(module_fmt, shape, dtype, {n: v.dtype for n, v in serialized.items()})
     if isinstance(plan, str):
         return plan
+    bound, tensor = plan.fmt, plan.tensor
     by_spec = {store_name(LINEAR_WEIGHT, LINEAR_WEIGHT, n): v for n, v in serialized.items()}
     rows = {}
     for spec in tensor.packed:

@@ -47,6 +47,9 @@ class PagingRuntime:
         experts_fallbacks: MoE layer -> why it runs grouped_mm under ``--experts-implementation
             packed`` (its format's kernels are not torch's CPU int4 / int8 ones), shown in the
             stats' fallbacks.
+        quantized_linears: the quantized non-expert modules as the load keeps them
+            (``loading.linears.QuantizedLinears``: dequantized, or packed on a CPU), None for a
+            model built without a checkpoint; why a module is not packed is in the stats' fallbacks.
         decode_graphs: ``generation.graphs.DecodeGraphs`` (a layer above, so not named in the
             type), built on first use; its captures check the runners they hold against
             ``runners`` (a repage invalidates them). None until then.
@@ -63,8 +66,7 @@ class PagingRuntime:
     layouts: dict[str, ExpertLayout] = field(default_factory=dict, repr=False)
     buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
     host_memory: HostMemoryPlan | None = None
-    # quantized non-expert modules dequantized at load (``loading.linears.DequantizedLinears``; None: none)
-    dequantized_linears: object = field(default=None, repr=False)
+    quantized_linears: object = field(default=None, repr=False)  # loading.linears.QuantizedLinears (a layer above)
     read_ahead: ReadAhead | None = field(default=None, repr=False)
     decide: str = "host"
     cuda_graphs: str = "off"
@@ -80,6 +82,8 @@ class PagingRuntime:
             r.collect_copy_time()
         fallbacks = sorted({r.store.fallback for r in self.runners.values() if r.store.fallback})
         fallbacks += [f"layer {i}: packed -> grouped_mm ({why})" for i, why in sorted(self.experts_fallbacks.items())]
+        if self.quantized_linears is not None:
+            fallbacks += [f"non-expert linears: {line}" for line in self.quantized_linears.fallback_lines()]
         tiers = {i: r.store.tier_stats for i, r in self.runners.items() if r.store.tier_stats is not None}
         return ModelStats.collect(((i, r.stats) for i, r in self.runners.items()), fallbacks, tiers=tiers)
 

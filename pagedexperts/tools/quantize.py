@@ -2,9 +2,10 @@
 
 Owns: reading an unquantized (bf16 / fp16 / fp32) Hugging Face checkpoint, quantizing its
 ROUTED expert weights only (attention, router, norms, embeddings, shared experts and dense MLPs
-are copied unchanged, byte for byte), and writing the format's published on-disk layout so
-that transformers' own ``from_pretrained`` loads the result. Also builds, on first use, the
-bundled model's quantized variants into a cache directory. Does not: calibrate (no GPTQ/AWQ
+are copied unchanged, byte for byte; w4a16 ``scope`` "model": every nn.Linear but routers,
+``tools.quantize_model``), and writing the format's published on-disk layout so that
+transformers' own ``from_pretrained`` loads the result. Also builds, on first use, the bundled
+model's quantized variants into a cache directory. Does not: calibrate (no GPTQ/AWQ
 search; plain round-to-nearest), dequantize (``formats``), or load models for inference.
 
 Formats written:
@@ -41,6 +42,7 @@ from pagedexperts.storage.safetensors_files import checkpoint_files, read_header
 from pagedexperts.storage.safetensors_index import check_readable
 
 QUANTIZE_FORMATS = ("w4a16", "fp8-block", "mxfp4")
+QUANTIZE_SCOPES = ("experts", "model")  # what is quantized: the routed experts, or every nn.Linear but routers
 # A routed expert's weight, one tensor per expert (Qwen3/DeepSeek gate|up|down_proj, Mixtral w1|w2|w3).
 _PER_EXPERT_WEIGHT = re.compile(r"layers\.\d+\..*\.experts\.\d+\.[A-Za-z0-9_]+\.weight$")
 # A routed experts module's stacked weight [E, ...] (transformers' fused layout, gpt-oss).
@@ -52,24 +54,27 @@ _AUX_SKIP = ("model.safetensors.index.json", "config.json")
 
 @dataclass(frozen=True)
 class QuantizeOptions:
-    """What to write. ``group_size`` and ``symmetric`` apply to w4a16, ``block`` to fp8-block."""
+    """What to write. ``group_size``, ``symmetric`` and ``scope`` (QUANTIZE_SCOPES) apply to w4a16, ``block`` to fp8-block."""
 
     format: str
     group_size: int = 128
     symmetric: bool = True
     block: tuple[int, int] = (128, 128)
+    scope: str = "experts"
 
 
 @dataclass(frozen=True)
 class QuantizeReport:
     """What ``quantize_checkpoint`` wrote: expert weight tensors quantized and their bytes
-    before (source dtype) and after (every packed tensor, scales and metadata included)."""
+    before (source dtype) and after (every packed tensor, scales and metadata included), and how
+    many non-expert weights were quantized (``scope`` "model")."""
 
     output: Path
     format: str
     expert_tensors: int
     expert_bytes_in: int
     expert_bytes_out: int
+    linear_tensors: int = 0
 
 
 def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: QuantizeOptions,
@@ -81,9 +86,10 @@ def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: 
     tqdm bar of the expert weights quantized, on stderr when it is a terminal (as ``bench``).
 
     Raises:
-        ValueError: unknown format (lists them), a source that is already quantized, no
+        ValueError: unknown format or scope (lists them), a source that is already quantized, no
             routed expert weight, an expert shape the format cannot hold (names the tensor,
-            the size and the flag), a truncated or corrupt shard, or an output that is a file or a
+            the size and the flag), with scope "model" a module torch's CPU kernels cannot compute
+            packed (names it and why), a truncated or corrupt shard, or an output that is a file or a
             directory that is not empty. Nothing is left in ``output`` when writing fails (or is
             interrupted).
         FileNotFoundError: no config.json in ``model_path``.
@@ -96,39 +102,39 @@ def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: 
     files = checkpoint_files(src)
     check_readable(files)  # a truncated shard, named before the output exists (it failed mid-write)
     headers = {f: read_header_json(f)[0] for f in files}
-    expert_keys = writer.validate(config, headers)
+    keys = writer.validate(config, headers)
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"--output {dst} exists and is not empty; choose a new directory")
     existed = dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
     try:
-        bytes_in, bytes_out = _write(src, dst, config, headers, expert_keys, writer, progress)
+        sizes = _write(src, dst, config, headers, keys, writer, progress)
     except BaseException:  # an error or Ctrl-C leaves no half-written checkpoint behind
         shutil.rmtree(dst, ignore_errors=True)
         if existed:
             dst.mkdir()
         raise
-    return QuantizeReport(dst, options.format, len(expert_keys), bytes_in, bytes_out)
+    return QuantizeReport(dst, options.format, len(keys - writer.linear_keys), *sizes, len(writer.linear_keys))
 
 
-def _write(src: Path, dst: Path, config: dict, headers: dict, expert_keys: set[str], writer: "_Writer",
+def _write(src: Path, dst: Path, config: dict, headers: dict, keys: set[str], writer: "_Writer",
            progress: bool) -> tuple[int, int]:
     """Write ``quantize_checkpoint``'s output into the (empty) ``dst``: (expert bytes in, out)."""
     options = writer.options
     bytes_in = bytes_out = total_size = 0
     weight_map: dict[str, str] = {}
-    bar = tqdm(total=len(expert_keys), desc=f"quantize {options.format}", unit="weight", leave=False,
+    bar = tqdm(total=len(keys), desc=f"quantize {options.format}", unit="weight", leave=False,
                disable=None if progress else True)  # None: tqdm's rule, a bar only on a terminal
     for path in headers:
-        tensors = _quantize_shard(path, expert_keys, writer, bar)
-        bytes_in += sum(_nbytes(info) for k, info in headers[path].items() if k in expert_keys)
+        tensors = _quantize_shard(path, keys, writer, bar)
+        bytes_in += sum(_nbytes(info) for k, info in headers[path].items() if k in keys - writer.linear_keys)
         bytes_out += sum(t.nbytes for k, t in tensors.items() if writer.is_output_of_expert(k))
         total_size += sum(t.nbytes for t in tensors.values())
         _save(tensors, dst / path.name)
         weight_map.update({k: path.name for k in tensors})
     bar.close()
     _copy_aux(src, dst, weight_map if (src / "model.safetensors.index.json").is_file() else None, total_size)
-    writer.write_config(dst, config, headers, expert_keys)
+    writer.write_config(dst, config, headers, keys)
     return bytes_in, bytes_out
 
 
@@ -177,6 +183,8 @@ BUNDLED_VARIANTS = {
 class _Writer:
     """One format's expert quantizer: validation from headers, per-tensor quantization, config."""
 
+    plan = None  # tools.quantize_model.WholeModelPlan: the non-expert weights quantized too (w4a16 scope "model")
+
     def __init__(self, options: QuantizeOptions) -> None:
         self.options = options
 
@@ -198,6 +206,10 @@ class _Writer:
     def is_output_of_expert(self, key: str) -> bool:
         return bool(re.search(r"layers\.\d+\..*\.experts\.\d+\.", key))
 
+    @property
+    def linear_keys(self) -> frozenset[str]:
+        return frozenset() if self.plan is None else self.plan.keys
+
     def quantize(self, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
@@ -210,7 +222,8 @@ class _Writer:
 
 
 class _W4A16Writer(_Writer):
-    """compressed-tensors pack-quantized int4, written by the compressed-tensors package."""
+    """compressed-tensors pack-quantized int4, written by the compressed-tensors package (scope
+    "model": ``tools.quantize_model``'s plan, lm_head int8 per channel)."""
 
     def __init__(self, options: QuantizeOptions) -> None:
         super().__init__(options)
@@ -221,7 +234,18 @@ class _W4A16Writer(_Writer):
             raise ValueError(f"--group-size {options.group_size} must be a positive int")
         self.args = QuantizationArgs(num_bits=4, type="int", symmetric=options.symmetric, strategy="group",
                                      group_size=options.group_size)
-        self.scheme = QuantizationScheme(targets=[W4A16_TARGET], weights=self.args, format="pack-quantized")
+        target = "Linear" if options.scope == "model" else W4A16_TARGET
+        self.scheme = QuantizationScheme(targets=[target], weights=self.args, format="pack-quantized")
+
+    def validate(self, config: dict, headers: dict[Path, dict]) -> set[str]:
+        keys = super().validate(config, headers)
+        if self.options.scope != "model":
+            return keys
+        from pagedexperts.tools.quantize_model import plan_whole_model
+
+        self.plan = plan_whole_model(config, headers, keys, group_size=self.options.group_size,
+                                     symmetric=self.options.symmetric)
+        return keys | self.plan.keys
 
     def check_shape(self, key: str, shape: tuple[int, ...]) -> None:
         super().check_shape(key, shape)
@@ -235,10 +259,12 @@ class _W4A16Writer(_Writer):
         from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
         from compressed_tensors.quantization.utils import calculate_qparams
 
-        groups = weight.unflatten(-1, (weight.shape[-1] // self.options.group_size, self.options.group_size))
-        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), self.args)
+        scheme = self.scheme if self.plan is None else self.plan.scheme_of(key, self.scheme)
+        size = scheme.weights.group_size or weight.shape[-1]  # channel: one group per row
+        groups = weight.unflatten(-1, (weight.shape[-1] // size, size))
+        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
         state = {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}
-        packed = PackedQuantizationCompressor.compress(state, self.scheme)
+        packed = PackedQuantizationCompressor.compress(state, scheme)
         base = key.removesuffix("weight")
         return {base + name: tensor.contiguous() for name, tensor in packed.items()}
 
@@ -247,8 +273,9 @@ class _W4A16Writer(_Writer):
         from compressed_tensors.quantization import QuantizationConfig
 
         (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        qc = QuantizationConfig(config_groups={"group_0": self.scheme}, format="pack-quantized",
-                                quantization_status="compressed")
+        groups = {"group_0": self.scheme} if self.plan is None else self.plan.config_groups(self.scheme)
+        qc = QuantizationConfig(config_groups=groups, format="pack-quantized", quantization_status="compressed",
+                                ignore=[] if self.plan is None else list(self.plan.ignore))
         ModelCompressor(quantization_config=qc).update_config(str(dst))
 
 
@@ -313,6 +340,10 @@ _WRITERS = {"w4a16": _W4A16Writer, "fp8-block": _Fp8BlockWriter, "mxfp4": _Mxfp4
 def _writer_for(options: QuantizeOptions) -> _Writer:
     if options.format not in _WRITERS:
         raise ValueError(f"--format {options.format!r}: choose one of {list(QUANTIZE_FORMATS)}")
+    if options.scope not in QUANTIZE_SCOPES:
+        raise ValueError(f"--scope {options.scope!r}: choose one of {list(QUANTIZE_SCOPES)}")
+    if options.scope == "model" and options.format != "w4a16":
+        raise ValueError(f"--scope model writes w4a16 only; --format {options.format} takes --scope experts")
     return _WRITERS[options.format](options)
 
 

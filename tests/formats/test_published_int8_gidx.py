@@ -190,7 +190,7 @@ def test_block_int8_whole_model_in_its_own_dtype_and_float32(pairs, dtype):
 
     quantized, dequantized = pairs["int8-block-bf16"]
     paged, _ = load_model(quantized, num_resident=TOP_K, dtype=dtype)
-    assert len(paged.pagedexperts.dequantized_linears.modules) == 8  # q, k, v, o of 2 layers
+    assert len(paged.pagedexperts.quantized_linears.modules) == 8  # q, k, v, o of 2 layers
     ref = AutoModelForCausalLM.from_pretrained(dequantized, dtype=getattr(torch, dtype),
                                                experts_implementation="grouped_mm").eval()
     _own_allocations(paged), _own_allocations(ref)

@@ -84,7 +84,7 @@ def test_paged_whole_model_equals_published_dequantization(name, own_dtype, pair
     dtype = CASES[name][2] if own_dtype else torch.float32
     run = str(dtype).removeprefix("torch.")
     paged, _ = load_model(quantized, num_resident=TOP_K, dtype=run)
-    assert len(paged.pagedexperts.dequantized_linears.modules) == non_expert > 0
+    assert len(paged.pagedexperts.quantized_linears.modules) == non_expert > 0
     reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype, experts_implementation="grouped_mm").eval()
     align_like_checkpoint(reference, quantized)
     with torch.no_grad():

@@ -77,7 +77,7 @@ def test_non_expert_weights_equal_compressed_tensors_decompression(name, dtype):
     paged, _ = load_model(path, num_resident=TOP_K, dtype=str(dtype).removeprefix("torch."))
     params = dict(paged.named_parameters())
     modules = _non_expert_modules(path)
-    assert len(modules) >= 8 and sorted(paged.pagedexperts.dequantized_linears.modules) == sorted(
+    assert len(modules) >= 8 and sorted(paged.pagedexperts.quantized_linears.modules) == sorted(
         m + ".weight" for m in modules)
     for module, state in modules.items():
         scheme = next(g for g in qconf.config_groups.values() if "Linear" in g.targets)
@@ -174,7 +174,7 @@ def test_preflight_counts_the_dequantized_non_expert_memory(capsys):
         assert report["dequantized_modules"] == 8 and report["dequantized_bytes"] == attention * size
         assert report["non_expert_bytes"] == (attention + unquantized) * size
         paged, _ = load_model(path, num_resident=TOP_K, dtype=dtype)
-        assert paged.pagedexperts.dequantized_linears.dense_bytes == attention * size
+        assert paged.pagedexperts.quantized_linears.dense_bytes == attention * size
 
 
 def test_load_reports_the_dequantized_modules(caplog):
