@@ -24,7 +24,7 @@
 //                                          user + sys: every ggml thread), this thread's CPU s,
 //                                          wall s, the argmax of the step's logits; bytes read
 //                                          from storage (/proc/self/io read_bytes) during load,
-//                                          prefill and decode; peak RSS. --no-repack is
+//                                          prefill and decode; peak RSS (VmHWM). --no-repack is
 //                                          llama.cpp's --no-repack (model params
 //                                          use_extra_bufts = false); --load-mode is its
 //                                          --load-mode (auto: mmap). --logits writes the N
@@ -111,10 +111,18 @@ long long io_read_bytes() {
     return -1;
 }
 
+// VmHWM of /proc/self/status: this process image's peak RSS (getrusage's ru_maxrss would carry the
+// peak of the process that forked this one across the exec).
 long peak_rss_kb() {
-    rusage ru{};
-    getrusage(RUSAGE_SELF, &ru);
-    return ru.ru_maxrss;
+    std::ifstream f("/proc/self/status");
+    std::string key;
+    while (f >> key) {
+        long kb = 0;
+        if (key == "VmHWM:" && f >> kb) {
+            return kb;
+        }
+    }
+    return -1;
 }
 
 std::string json_str(const std::string & s) {

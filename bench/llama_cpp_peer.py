@@ -33,8 +33,9 @@ Agreement: each side's argmax at every decode step against plain transformers at
 (computed first, then freed; cached in W), "n of N". Ratios are per round; every number is a
 median with its [min-max] spread over rounds.
 
-Memory: float32 DIR alone first (4 bytes a weight), then plain bf16 + each paged copy (its host
-store and K = E slots, dense where the default dequantizes) + one llama.cpp process at a time.
+Memory: the float32 reference alone first, in a child process (4 bytes a weight, cached in W
+after), then plain bf16 + each paged copy (its host store and K = E slots, dense where the
+default dequantizes) + one llama.cpp process at a time (see docs/benchmarks.md for the peaks).
 On a shared machine run it under ``flock /work/notes/bigmem.lock``.
 
 Usage (the 4-layer Qwen3-30B-A3B-shaped checkpoint of bench/real_shape.py):
@@ -47,9 +48,11 @@ Usage (the 4-layer Qwen3-30B-A3B-shaped checkpoint of bench/real_shape.py):
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
+import os
+import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -137,22 +140,52 @@ def tensor_types(pb: Prebuilt, gguf: Path) -> str:
     return ", ".join(f"{k} {'/'.join(sorted(v))}" for k, v in sorted(kinds.items()))
 
 
-@torch.inference_mode()
-def float32_reference(path: Path, ids: torch.Tensor, prefill: int, workdir: Path) -> list[int]:
+def float32_reference(path: Path, ids: torch.Tensor, prefill: int, workdir: Path) -> dict:
     """Argmax of plain transformers at float32 on ``path`` at each decode step (teacher-forced
-    ``ids``; step i feeds ids[prefill + i]), cached in ``workdir`` by checkpoint and ids."""
-    from transformers import AutoModelForCausalLM
-
+    ``ids``; step i feeds ids[prefill + i]), computed in a child process (its 4 bytes a weight are
+    freed before the timed sides load) and cached in ``workdir`` by checkpoint and ids:
+    {"argmax": [...], "peak_rss_gb": the child's}."""
     key = hashlib.sha256(f"{path.resolve()}:{ids.tolist()}:{prefill}".encode()).hexdigest()[:16]
     cache = workdir / f"float32-argmax-{key}.json"
-    if cache.exists():
-        return json.loads(cache.read_text())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="grouped_mm").eval()
-    top = real_shape.decode(model, ids, prefill)[1].argmax(-1).tolist()
-    del model
-    gc.collect()
-    cache.write_text(json.dumps(top))
-    return top
+    if not cache.exists():
+        ids_file = workdir / f"float32-ids-{key}.txt"
+        ids_file.write_text(" ".join(map(str, ids[0].tolist())))
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "reference", str(path), str(ids_file),
+                        str(prefill), str(cache)], check=True)
+    return json.loads(cache.read_text())
+
+
+@torch.inference_mode()
+def reference_child(args) -> None:
+    """``reference``: the float32 argmax of ``float32_reference``, written to ``args.out``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    ids = torch.tensor([[int(x) for x in Path(args.ids_file).read_text().split()]])
+    # the checkpoint's own dtype, then upcast tensor by tensor (exact): loading at float32 directly
+    # peaked at 2x the float32 model (20 GB for the 4-layer real-shape checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype="auto", experts_implementation="grouped_mm").eval().float()
+    top = real_shape.decode(model, ids, args.prefill)[1].argmax(-1).tolist()
+    Path(args.out).write_text(json.dumps(dict(argmax=top, peak_rss_gb=peak_rss_gb())))
+
+
+def peak_rss_gb() -> float:
+    """This process image's peak RSS (VmHWM; ru_maxrss of a child carries its parent's peak)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 1e6
+
+
+def stream_gbps(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
+    """GB/s (1e9) of one thread copying ``n_bytes`` (past the caches), median of ``repeats``: a
+    shared machine's memory bandwidth at the time, which a memory-bound decode (llama.cpp's Q4_0)
+    follows more than a compute-bound one."""
+    src, dst = torch.ones(n_bytes // 2, dtype=torch.bfloat16), torch.empty(n_bytes // 2, dtype=torch.bfloat16)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return n_bytes / statistics.median(times) / 1e9
 
 
 def parse_paged(values: list[str]) -> dict[str, Path]:
@@ -195,7 +228,9 @@ def run(args) -> dict:
     if len(all_ids) < n:
         raise SystemExit(f"the text gives {len(all_ids)} tokens, fewer than --prefill-tokens + --tokens = {n}")
     ids = torch.tensor([all_ids[:n]])
-    ref = float32_reference(Path(args.dir), ids, args.prefill_tokens, work)
+    reference = float32_reference(Path(args.dir), ids, args.prefill_tokens, work)
+    ref = reference["argmax"]
+    machine = dict(load_average_start=os.getloadavg()[0], stream_gbps_start=stream_gbps())
     plain = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16, experts_implementation="grouped_mm").eval()
     sides = sides_of(args, plain.config.num_experts, paged_dirs, work)
     k_max = max((s.num_resident for s in sides), default=0)  # loaded at the largest K, repaged to each
@@ -217,7 +252,9 @@ def run(args) -> dict:
             times[s.name].append(measure(s, plain, models, ids, args, pb, repage, first_k, top1, llama_info))
             print(f"round {r + 1} {s.name}: {times[s.name][-1] * 1e3:.2f} ms", file=sys.stderr, flush=True)
     agree = {name: sum(a == b for a, b in zip(t, ref)) for name, t in top1.items()}
-    return dict(times=times, agree=agree, n_steps=len(ref), implementations=implementations, llama=llama_info,
+    machine.update(load_average_end=os.getloadavg()[0], stream_gbps_end=stream_gbps(), peak_rss_gb=peak_rss_gb(),
+                   float32_reference_peak_rss_gb=reference.get("peak_rss_gb"))
+    return dict(times=times, agree=agree, n_steps=len(ref), implementations=implementations, llama=llama_info, machine=machine,
                 threads=args.threads, rounds=args.rounds, tokens=args.tokens, prefill=args.prefill_tokens,
                 layers=plain.config.num_hidden_layers, num_experts=plain.config.num_experts, release=pb.release,
                 gguf_gb={s.name: s.gguf.stat().st_size / 1e9 for s in sides if s.gguf})
@@ -228,7 +265,7 @@ def measure(s: Side, plain, models, ids, args, pb: Prebuilt, repage, first_k, to
     argmax changes between passes fails the bench: not deterministic)."""
     if s.kind == "llama":
         res = pb.run(s.gguf, ids[0].tolist(), args.prefill_tokens, args.tokens, threads=args.threads)
-        llama_info[s.name] = {k: res[k] for k in ("cpu_backend", "buffers", "peak_rss_kb", "llama_version")}
+        llama_info[s.name] = {k: res[k] for k in ("cpu_backend", "buffers", "peak_rss_kb", "decode_read_bytes", "llama_version")}
         t, top = sum(res["cpu_s"]) / args.tokens, res["argmax"]
     elif s.kind == "plain":
         t, logits = real_shape.decode(plain, ids, args.prefill_tokens)
@@ -263,6 +300,13 @@ def table(res: dict) -> str:
         vs_q4 = med([t / b for t, b in zip(ts, base)]) if base else ""
         vs_plain = med([t / p for t, p in zip(ts, plain)])
         lines.append(f"| {name} | {med([t * 1e3 for t in ts])} | {vs_q4} | {vs_plain} | {res['agree'][name]} of {n} |")
+    m = res["machine"]
+    lines.append(f"load average {m['load_average_start']:.1f} -> {m['load_average_end']:.1f}, one thread's copy bandwidth "
+                 f"{m['stream_gbps_start']:.1f} -> {m['stream_gbps_end']:.1f} GB/s; peak RSS: this process {m['peak_rss_gb']:.1f} GB, "
+                 f"the float32 reference's {m['float32_reference_peak_rss_gb'] or 0:.1f} GB")
+    for name, d in res["llama"].items():
+        weights = "; ".join(b.split(":", 1)[1].strip() for b in d["buffers"] if "model buffer" in b)
+        lines.append(f"{name} ({res['gguf_gb'][name]:.2f} GB): {weights}; peak RSS {d['peak_rss_kb'] / 1e6:.2f} GB")
     return "\n".join(lines)
 
 
@@ -290,8 +334,16 @@ def main(argv: list[str] | None = None) -> None:
     for q in (p, r):
         q.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"the prebuilt llama.cpp (default {DEFAULT_CACHE})")
         q.add_argument("--threads", type=int, default=1)
-        q.add_argument("--text", type=Path, default=None, help="text file (default: the shared corpus)")
+        q.add_argument("--text", type=Path, default=None,
+                       help="text file (default: ../shared/data/corpus/tinyshakespeare.txt, else wikitext2_valid.txt, else a built-in text)")
+    c = sub.add_parser("reference", help=argparse.SUPPRESS)  # run's float32 child (float32_reference)
+    for name in ("dir", "ids_file", "prefill", "out"):
+        c.add_argument(name, type=int if name == "prefill" else str)
+    c.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    if args.cmd == "reference":
+        reference_child(args)
+        return
     if args.cmd == "prepare":
         prepare(args)
         return
