@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from pagedexperts.formats import ExpertFormat
+from pagedexperts.formats.base import ExpertFormat
 from pagedexperts.formats.cpu_pack import CpuPackedSlots
 from pagedexperts.formats.slots import DenseSlots
 from pagedexperts.loading.checkpoint import KeyMap

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedexperts.formats import ExpertFormat
+from pagedexperts.formats.base import ExpertFormat
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Mapping
 
 import torch
 
-from pagedexperts.formats import ExpertFormat
+from pagedexperts.formats.base import ExpertFormat
 from pagedexperts.formats.base import LINEAR_WEIGHT, store_name
 from pagedexperts.formats.cpu_pack import KernelTensor, plan_tensor
 

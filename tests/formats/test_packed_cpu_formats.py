@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from support.int4_oracle import pack_awq, pack_gptq, random_int4
-from pagedexperts.formats import TensorSpec, format_for_config
+from pagedexperts.formats import format_for_config
+from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.cpu_pack import CpuPackedSlots, KernelTensor, plan_layout, plan_tensor
 
 H, I_MOE = 128, 64  # hidden, expert intermediate: gate/up [I, H], down [H, I]
