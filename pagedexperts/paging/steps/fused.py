@@ -80,7 +80,7 @@ def layer_rows(setup, *, transposed: bool, device: torch.device) -> dict[str, Pr
     ``setup.in_place`` the store's E host rows after them (``ProjectionRows.join``: row K + e is
     expert e in place; the store's tensors as a device-side gather reads them, page-locked and
     mapped on CUDA: ``storage.host_store.ExpertStore.gather_source``)."""
-    rows = slot_rows(setup.layout, setup.slots, transposed=transposed)
+    rows = slot_rows(setup.layout, setup.slots.kernel_tensors(()), transposed=transposed)
     if not setup.in_place:
         return rows
     host = slot_rows(setup.layout, setup.store.gather_source(device), transposed=transposed)
@@ -143,7 +143,9 @@ class FusedWork:
 
 class FusedStep(LayerStep):
     """``fused``: the wave's entries computed from the packed slot rows (module docstring);
-    with ``SlotSetup.in_place``, the slot rows joined with the host store's (row K + e)."""
+    with ``SlotSetup.in_place``, the slot rows joined with the host store's (row K + e). Its
+    kernels read the slot table's kernel tensors (the plain table's: the store's rows as they
+    are) through address tables built at the first step, so a wave asks the table nothing."""
 
     planned = "device"
     reads_in_place = True  # reads host rows K + e when the setup says so (--beyond-k in-place)
@@ -206,14 +208,10 @@ class FusedStep(LayerStep):
     def wave_view(self, module, wave_slots) -> SlotView:
         """The module over the packed slots, carrying ``fused_rows`` (the address tables the
         kernels read; the independence check dequantizes a slot through them)."""
-        view = SlotView(module, self.setup.slots)
-        view.fused_rows = self.rows or slot_rows(self.setup.layout, self.setup.slots,
-                                                 transposed=bool(module.is_transposed))
+        tensors = self.setup.slots.kernel_tensors(())
+        view = SlotView(module, tensors)
+        view.fused_rows = self.rows or slot_rows(self.setup.layout, tensors, transposed=bool(module.is_transposed))
         return view
-
-    def capture_problem(self) -> str | None:
-        """None: the kernels read the packed slots, their constants are constexprs."""
-        return None
 
 
 def _gemm(gemm: PreparedGemm, a: torch.Tensor, alignment) -> torch.Tensor:
