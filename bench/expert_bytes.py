@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from pagedexperts.formats import TensorSpec
+from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.awq import AwqFormat
 from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
 from pagedexperts.formats.ct_fp8 import CompressedTensorsFp8Format

@@ -112,7 +112,7 @@ def quantized_rows(shape: dict, device: torch.device, repeats: int, meta: dict) 
 
     from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec
     from pagedexperts.formats.fp8 import Fp8BlockFormat
-    from pagedexperts.formats.slots import WaveDequantizer, allocate
+    from pagedexperts.formats.slots import DequantizingSlots, allocate
     from pagedexperts.paging.device_executor import DeviceExecutor
     from pagedexperts.paging.steps.contract import SlotSetup
     from pagedexperts.storage.host_store import HostExpertStore
@@ -129,9 +129,10 @@ def quantized_rows(shape: dict, device: torch.device, repeats: int, meta: dict) 
     store = HostExpertStore(list(layout.packed_specs), e, pin=device.type == "cuda")
     for t in store.tensors.values():
         t.zero_()
-    scratch = allocate(layout.dense_specs, num_slots, device)
+    table = DequantizingSlots(layout, allocate(store.specs, num_slots, device),
+                              allocate(layout.dense_specs, num_slots, device))
     pager = DeviceExecutor(layer=0, store=store, num_slots=num_slots, device=device, inner="grouped_mm", policy="lru",
-                           backend="triton", setup=SlotSetup(dequantizer=WaveDequantizer(layout, scratch)))
+                           backend="triton", setup=SlotSetup(table))
     hidden = torch.randn(1, h, dtype=dtype, device=device)
     weights = torch.full((1, k), 1.0 / k, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(1)

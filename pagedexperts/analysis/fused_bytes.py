@@ -7,10 +7,10 @@ writes, not timed):
   projections' ``WeightPacking`` and the bias rows): ``routed x packed bytes per expert``, with
   ``routed = min(E, T k)`` (no two tokens sharing an expert; decode T = 1: k);
 - ``dequantize_minimum``: today's packed-slot path dequantizes every one of the K slots each
-  wave (``formats.slots.WaveDequantizer``) at the least it can move: the K packed rows read, the
+  wave (``formats.slots.DequantizingSlots``) at the least it can move: the K packed rows read, the
   K dense rows written to the scratch, the routed dense rows read by the dense experts kernel;
 - ``dequantize_ops``: the same path as its torch ops touch memory: the bytes of every input and
-  output of every non-view op of ``WaveDequantizer.wave_tensors`` over K slots (the packed rows
+  output of every non-view op of ``DequantizingSlots.kernel_tensors`` over K slots (the packed rows
   gathered, the format's unpack / cast / gather temporaries, the scratch written), counted on the
   meta device (shapes only: no memory, no compute), plus the routed dense rows read;
 - ``dequantize_routed``: the dequantizing path once it dequantizes only the wave's routed slots
@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedexperts.formats.base import ExpertLayout
-from pagedexperts.formats.slots import WaveDequantizer, allocate
+from pagedexperts.formats.slots import DequantizingSlots, allocate
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,11 @@ def dequantize_ops_bytes(layout: ExpertLayout, num_slots: int) -> int:
     """Bytes the torch ops of one wave's dequantization of all ``num_slots`` slots touch (meta
     tensors: shapes only)."""
     meta = torch.device("meta")
-    slots = allocate(layout.packed_specs, num_slots, meta)
-    dequantizer = WaveDequantizer(layout, allocate(layout.dense_specs, num_slots, meta))
+    slots = DequantizingSlots(layout, allocate(layout.packed_specs, num_slots, meta),
+                              allocate(layout.dense_specs, num_slots, meta))
     counter = _ByteCounter()
     with counter:
-        dequantizer.wave_tensors(slots, list(range(num_slots)))
+        slots.kernel_tensors(list(range(num_slots)))
     return counter.bytes
 
 

@@ -14,11 +14,10 @@ holds and a page-in moves); the non-expert weights are estimated from the archit
 from __future__ import annotations
 
 from pagedexperts.analysis import sizing
+from pagedexperts.formats import EXAMPLE_FORMATS
 from pagedexperts.models import config as model_config
 
-DENSE = "dense"
-# --expert-format choices (``packed_expert_bytes`` builds each; the formats import torch, so at use)
-EXPERT_FORMATS = ("dense", "fp8-block", "int8-block", "w4a16", "w8a16", "gptq", "awq", "nvfp4")
+DENSE = "dense"  # sized from the config at --dtype (the other --expert-format choices: their format's layout)
 EXPLICIT_DTYPE = "bfloat16"  # --dtype auto with explicit numbers: what model cards publish
 
 
@@ -37,7 +36,7 @@ def add_arguments(model) -> None:
                        help="layers with a KV cache (default: --layers; more with dense layers, DeepSeek's first 3)")
     model.add_argument("--vocab-size", type=int, help="vocabulary, for the embeddings in the non-expert estimate")
     model.add_argument("--tie-word-embeddings", action="store_true", help="lm_head shares the embedding matrix")
-    model.add_argument("--expert-format", choices=EXPERT_FORMATS, default=DENSE,
+    model.add_argument("--expert-format", choices=EXAMPLE_FORMATS, default=DENSE,
                        help="how the routed experts are stored: dense at --dtype (default), or a quantized format "
                        "(sized from the format's own layout)")
     model.add_argument("--group-size", type=int, default=128,
@@ -145,25 +144,10 @@ def packed_expert_bytes(name: str, *, hidden: int, intermediate: int, group_size
     """
     import torch
 
-    from pagedexperts.formats import TensorSpec
-    from pagedexperts.formats.awq import AwqFormat
-    from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
-    from pagedexperts.formats.ct_fp4 import CompressedTensorsNvfp4Format
-    from pagedexperts.formats.ct_packed import CompressedTensorsW8A16Format, PackedArgs
-    from pagedexperts.formats.fp8 import Fp8BlockFormat
-    from pagedexperts.formats.gptq import GptqFormat
-    from pagedexperts.formats.int8_block import Int8BlockFormat
+    from pagedexperts.formats import example_format
+    from pagedexperts.formats.base import TensorSpec
 
-    eight = PackedArgs(8, group_size, True, False)
-    fmt = {
-        "fp8-block": lambda: Fp8BlockFormat(block=(128, 128)),
-        "int8-block": lambda: Int8BlockFormat(block=(128, 128)),
-        "w4a16": lambda: CompressedTensorsW4A16Format(group_size=group_size, symmetric=True),
-        "w8a16": lambda: CompressedTensorsW8A16Format({"gate_up_proj": eight, "down_proj": eight}),
-        "gptq": lambda: GptqFormat(group_size=group_size),
-        "awq": lambda: AwqFormat(group_size=group_size),
-        "nvfp4": lambda: CompressedTensorsNvfp4Format(),
-    }[name]()
+    fmt = example_format(name, group_size=group_size)
     run = getattr(torch, dtype)
     dense = (TensorSpec("gate_up_proj", (2 * intermediate, hidden), run), TensorSpec("down_proj", (hidden, intermediate), run))
     try:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from pagedexperts.commands import COMMANDS
+from pagedexperts.formats import QUANTIZE_FORMATS
 
 BUNDLED_PREFIX = "bundled:"
 
@@ -31,7 +32,7 @@ def add_parser(subparsers) -> None:
         f"{BUNDLED_PREFIX}FORMAT in every command).",
     )
     p.add_argument("--model-path", default=None, help="unquantized checkpoint directory (default: the bundled model)")
-    p.add_argument("--format", required=True, choices=["w4a16", "fp8-block", "mxfp4"], help="format to write")
+    p.add_argument("--format", required=True, choices=list(QUANTIZE_FORMATS), help="format to write")
     p.add_argument("--output", default=None, help="new directory to write (default with no --model-path: the cache)")
     g = p.add_argument_group("format parameters")
     g.add_argument("--group-size", type=int, default=128,

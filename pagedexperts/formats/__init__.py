@@ -1,79 +1,146 @@
 """Expert formats: how a checkpoint stores each routed expert, and how to turn it dense.
 
-Owns: the registry of formats (a constant table: ``FORMATS``, name -> class) and
-``format_for_config``, which picks a checkpoint's format from config.json's
-``quantization_config``. One module per format; the contract is in ``base`` and README.md.
-Does not: read checkpoints, store or page.
+Owns: the registry of formats, ``FORMATS``: one frozen ``FormatRecord`` per format, holding
+every fact the rest of the package reads about it (where its class lives, how checkpoints
+spell it, whether torch's CPU kernels compute it packed, preflight's example, whether
+``quantize`` writes it); every other view (CLI choices, defaults, preflight's table, the
+refusals) is derived from it. And ``format_for_config``, which picks a checkpoint's format
+from config.json's ``quantization_config``. One module per format; the contract is in
+``base`` and README.md. Adding a format is its module plus one record.
+Standard library only at import (a format's module, and torch, are imported when it is used),
+so that the CLI's light commands (preflight, quantize's flags) read the table without torch.
+Does not: read checkpoints, store or page; know model families (the caller says whether the
+experts are stored transposed: ``models.families.experts_transposed``).
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor, TensorSpec
+if TYPE_CHECKING:
+    from pagedexperts.formats.base import ExpertFormat
 
-# name -> "module:Class". Resolved on use, so a format whose library is missing fails only
-# when a checkpoint needs it. Order matters: the first class whose ``matches`` accepts a
-# quantization_config wins; ``dense`` (no quantization_config) comes first.
-FORMATS: dict[str, str] = {
-    "dense": "pagedexperts.formats.dense:DenseFormat",
+CheckpointKey = tuple[str | None, str | None, str | None]  # (quant_method, format, weight kind)
+
+
+@dataclass(frozen=True)
+class FormatRecord:
+    """One expert format's facts: the one place each is written.
+
+    Attributes:
+        name: the ``--format`` / stats name (the class's own ``name``).
+        where: "module:Class", imported on use (``load``): a format whose library is missing
+            fails only when a checkpoint needs it.
+        spelled: what a checkpoint's config.json says for it; every refusal lists the formats
+            so, as a user reads their checkpoint (not "fp8-block" for a compressed-tensors FP8_BLOCK).
+        key: the (quant_method, format, weight kind) ``nearest_format`` compares with a
+            checkpoint's (``checkpoint_key``).
+        cpu_packed: torch's CPU int4 / int8 kernels compute it packed (``formats.cpu_pack``), so
+            ``--experts-implementation auto`` runs it ``packed`` on a CPU
+            (``loading.config.resolve_experts_implementation``).
+        example: preflight's ``--expert-format`` instance for sizing without a checkpoint,
+            ``(the class, --group-size) -> ExpertFormat``; None: not offered there.
+        quantize: ``pagedexperts quantize --format NAME`` writes it (``tools.quantize``).
+    """
+
+    name: str
+    where: str
+    spelled: str
+    key: CheckpointKey
+    cpu_packed: bool = False
+    example: Callable[[type[ExpertFormat], int], ExpertFormat] | None = None
+    quantize: bool = False
+
+    def load(self) -> type[ExpertFormat]:
+        """The format class (its module imported now).
+
+        Raises:
+            ValueError: its module is not present, or needs a package that is not installed
+                (names it).
+        """
+        module_name, _, cls_name = self.where.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                raise ValueError(f"expert format {self.name!r} is registered but {module_name} is not present") from exc
+            raise ValueError(f"expert format {self.name!r} needs the package {exc.name!r}: pip install it") from exc
+        return getattr(module, cls_name)
+
+
+def _w8a16_example(cls, group_size: int) -> ExpertFormat:
+    from pagedexperts.formats.ct_packed import PackedArgs
+
+    eight = PackedArgs(8, group_size, True, False)
+    return cls({"gate_up_proj": eight, "down_proj": eight})
+
+
+# Order matters: the first class whose ``matches`` accepts a quantization_config wins; ``dense``
+# (no quantization_config) comes first.
+FORMATS: dict[str, FormatRecord] = {r.name: r for r in (
+    FormatRecord("dense", "pagedexperts.formats.dense:DenseFormat", "unquantized", (None, None, None),
+                 example=lambda cls, group: cls()),
     # before fp8-block: the same quant_method and key, weight_scale_inv dividing instead of multiplying
-    "gptqmodel-fp8": "pagedexperts.formats.gptqmodel_fp8:GptqModelFp8Format",
-    "fp8-block": "pagedexperts.formats.fp8:Fp8BlockFormat",
-    "int8-block": "pagedexperts.formats.int8_block:Int8BlockFormat",
-    "mxfp4": "pagedexperts.formats.mxfp4:Mxfp4Format",
-    "ct-fp8": "pagedexperts.formats.ct_fp8:CompressedTensorsFp8Format",
-    "w8a16": "pagedexperts.formats.ct_packed:CompressedTensorsW8A16Format",
-    "ct-pack-mixed": "pagedexperts.formats.ct_packed:CompressedTensorsMixedPackedFormat",
-    "w4a16": "pagedexperts.formats.compressed_tensors:CompressedTensorsW4A16Format",
-    "gptq": "pagedexperts.formats.gptq:GptqFormat",
-    "awq": "pagedexperts.formats.awq:AwqFormat",
-    "auto-round-fp8": "pagedexperts.formats.autoround_fp:AutoRoundFp8Format",
-    "auto-round-nvfp4": "pagedexperts.formats.autoround_fp:AutoRoundNvfp4Format",
-    "auto-round-mxfp4": "pagedexperts.formats.autoround_fp:AutoRoundMxfp4Format",
-    "auto-round": "pagedexperts.formats.autoround:AutoRoundFormat",
-    "nvfp4": "pagedexperts.formats.ct_fp4:CompressedTensorsNvfp4Format",
-    "ct-mxfp4": "pagedexperts.formats.ct_fp4:CompressedTensorsMxfp4Format",
-    "w8a8-int8": "pagedexperts.formats.ct_int8:CompressedTensorsInt8Format",
-    "modelopt-nvfp4": "pagedexperts.formats.modelopt:ModelOptNvfp4Format",
-    "modelopt-fp8": "pagedexperts.formats.modelopt:ModelOptFp8Format",
-}
-
-
-# name -> (what a checkpoint's config.json says for it, the (quant_method, format, weight kind)
-# key that ``nearest_format`` compares). Shown in every refusal, so that a user reads the
-# formats as their checkpoint spells them (not "fp8-block" for a compressed-tensors FP8_BLOCK).
-SPELLED: dict[str, tuple[str, tuple[str | None, str | None, str | None]]] = {
-    "dense": ("unquantized", (None, None, None)),
-    "gptqmodel-fp8": ("quant_method 'fp8' with weight_scale_semantics 'inverse' per row (GPTQModel FP8Config)",
-                      ("fp8", "float8_e4m3fn", "float8")),
-    "fp8-block": ("quant_method 'fp8' with weight_block_size (DeepSeek-V3 / Qwen3-FP8 block FP8)", ("fp8", None, "float8")),
-    "int8-block": ("quant_method 'blockwise_int8' with weight_block_size (SGLang block INT8, DeepSeek-R1-Block-INT8)",
-                   ("blockwise_int8", None, "int8")),
-    "mxfp4": ("quant_method 'mxfp4' (gpt-oss)", ("mxfp4", None, "float4")),
-    "ct-fp8": ("compressed-tensors 'float-quantized' / 'naive-quantized' float8 tensor/channel/block/group (FP8, "
-               "FP8_DYNAMIC, FP8_BLOCK), 'mxfp8-quantized' (MXFP8)",
-               ("compressed-tensors", "float-quantized", "float8")),
-    "w8a16": ("compressed-tensors 'pack-quantized' int8 (W8A16)", ("compressed-tensors", "pack-quantized", "int8")),
-    "ct-pack-mixed": ("compressed-tensors 'pack-quantized' int4/int8 with per-projection config groups or weight_g_idx",
-                      ("compressed-tensors", "pack-quantized", "int4")),
-    "w4a16": ("compressed-tensors 'pack-quantized' int4 (W4A16, W4A16_ASYM)", ("compressed-tensors", "pack-quantized", "int4")),
-    "gptq": ("quant_method 'gptq' int2/int4/int8, GPTQModel dynamic overrides", ("gptq", None, "int4")),
-    "awq": ("quant_method 'awq' int4, zero_point true or false", ("awq", None, "int4")),
-    "auto-round-fp8": ("quant_method 'auto-round' data_type 'fp' 8 bits (AutoRound's FP8_STATIC, FP8_BLOCK, FPW8A16)",
-                       ("auto-round", None, "float8")),
-    "auto-round-nvfp4": ("quant_method 'auto-round' data_type 'nv_fp' (AutoRound's NVFP4)", ("auto-round", None, "float4")),
-    "auto-round-mxfp4": ("quant_method 'auto-round' data_type 'mx_fp' (AutoRound's MXFP4)", ("auto-round", None, "float4")),
-    "auto-round": ("quant_method 'auto-round' data_type 'int' (AutoRound's own export, packing auto_round:auto_gptq "
-                   "or auto_round)", ("auto-round", None, "int4")),
-    "nvfp4": ("compressed-tensors 'nvfp4-pack-quantized' float4 (NVFP4A16, NVFP4)",
-              ("compressed-tensors", "nvfp4-pack-quantized", "float4")),
-    "ct-mxfp4": ("compressed-tensors 'mxfp4-pack-quantized' float4 (MXFP4A16)",
+    FormatRecord("gptqmodel-fp8", "pagedexperts.formats.gptqmodel_fp8:GptqModelFp8Format",
+                 "quant_method 'fp8' with weight_scale_semantics 'inverse' per row (GPTQModel FP8Config)",
+                 ("fp8", "float8_e4m3fn", "float8")),
+    FormatRecord("fp8-block", "pagedexperts.formats.fp8:Fp8BlockFormat",
+                 "quant_method 'fp8' with weight_block_size (DeepSeek-V3 / Qwen3-FP8 block FP8)", ("fp8", None, "float8"),
+                 example=lambda cls, group: cls(block=(128, 128)), quantize=True),
+    FormatRecord("int8-block", "pagedexperts.formats.int8_block:Int8BlockFormat",
+                 "quant_method 'blockwise_int8' with weight_block_size (SGLang block INT8, DeepSeek-R1-Block-INT8)",
+                 ("blockwise_int8", None, "int8"), example=lambda cls, group: cls(block=(128, 128))),
+    FormatRecord("mxfp4", "pagedexperts.formats.mxfp4:Mxfp4Format", "quant_method 'mxfp4' (gpt-oss)",
+                 ("mxfp4", None, "float4"), quantize=True),
+    FormatRecord("ct-fp8", "pagedexperts.formats.ct_fp8:CompressedTensorsFp8Format",
+                 "compressed-tensors 'float-quantized' / 'naive-quantized' float8 tensor/channel/block/group (FP8, "
+                 "FP8_DYNAMIC, FP8_BLOCK), 'mxfp8-quantized' (MXFP8)",
+                 ("compressed-tensors", "float-quantized", "float8")),
+    FormatRecord("w8a16", "pagedexperts.formats.ct_packed:CompressedTensorsW8A16Format",
+                 "compressed-tensors 'pack-quantized' int8 (W8A16)", ("compressed-tensors", "pack-quantized", "int8"),
+                 cpu_packed=True, example=_w8a16_example),
+    FormatRecord("ct-pack-mixed", "pagedexperts.formats.ct_packed:CompressedTensorsMixedPackedFormat",
+                 "compressed-tensors 'pack-quantized' int4/int8 with per-projection config groups or weight_g_idx",
+                 ("compressed-tensors", "pack-quantized", "int4"), cpu_packed=True),
+    FormatRecord("w4a16", "pagedexperts.formats.compressed_tensors:CompressedTensorsW4A16Format",
+                 "compressed-tensors 'pack-quantized' int4 (W4A16, W4A16_ASYM)",
+                 ("compressed-tensors", "pack-quantized", "int4"), cpu_packed=True,
+                 example=lambda cls, group: cls(group_size=group, symmetric=True), quantize=True),
+    FormatRecord("gptq", "pagedexperts.formats.gptq:GptqFormat",
+                 "quant_method 'gptq' int2/int4/int8, GPTQModel dynamic overrides", ("gptq", None, "int4"),
+                 cpu_packed=True, example=lambda cls, group: cls(group_size=group)),
+    FormatRecord("awq", "pagedexperts.formats.awq:AwqFormat", "quant_method 'awq' int4, zero_point true or false",
+                 ("awq", None, "int4"), cpu_packed=True, example=lambda cls, group: cls(group_size=group)),
+    FormatRecord("auto-round-fp8", "pagedexperts.formats.autoround_fp:AutoRoundFp8Format",
+                 "quant_method 'auto-round' data_type 'fp' 8 bits (AutoRound's FP8_STATIC, FP8_BLOCK, FPW8A16)",
+                 ("auto-round", None, "float8")),
+    FormatRecord("auto-round-nvfp4", "pagedexperts.formats.autoround_fp:AutoRoundNvfp4Format",
+                 "quant_method 'auto-round' data_type 'nv_fp' (AutoRound's NVFP4)", ("auto-round", None, "float4")),
+    FormatRecord("auto-round-mxfp4", "pagedexperts.formats.autoround_fp:AutoRoundMxfp4Format",
+                 "quant_method 'auto-round' data_type 'mx_fp' (AutoRound's MXFP4)", ("auto-round", None, "float4")),
+    FormatRecord("auto-round", "pagedexperts.formats.autoround:AutoRoundFormat",
+                 "quant_method 'auto-round' data_type 'int' (AutoRound's own export, packing auto_round:auto_gptq "
+                 "or auto_round)", ("auto-round", None, "int4"), cpu_packed=True),
+    FormatRecord("nvfp4", "pagedexperts.formats.ct_fp4:CompressedTensorsNvfp4Format",
+                 "compressed-tensors 'nvfp4-pack-quantized' float4 (NVFP4A16, NVFP4)",
+                 ("compressed-tensors", "nvfp4-pack-quantized", "float4"), example=lambda cls, group: cls()),
+    FormatRecord("ct-mxfp4", "pagedexperts.formats.ct_fp4:CompressedTensorsMxfp4Format",
+                 "compressed-tensors 'mxfp4-pack-quantized' float4 (MXFP4A16)",
                  ("compressed-tensors", "mxfp4-pack-quantized", "float4")),
-    "w8a8-int8": ("compressed-tensors 'int-quantized' int8 (W8A8)", ("compressed-tensors", "int-quantized", "int8")),
-    "modelopt-nvfp4": ("ModelOpt quant_method 'modelopt' quant_algo 'NVFP4'", ("modelopt", None, "float4")),
-    "modelopt-fp8": ("ModelOpt quant_method 'modelopt' quant_algo 'FP8' (per-tensor)", ("modelopt", None, "float8")),
-}
+    FormatRecord("w8a8-int8", "pagedexperts.formats.ct_int8:CompressedTensorsInt8Format",
+                 "compressed-tensors 'int-quantized' int8 (W8A8)", ("compressed-tensors", "int-quantized", "int8")),
+    FormatRecord("modelopt-nvfp4", "pagedexperts.formats.modelopt:ModelOptNvfp4Format",
+                 "ModelOpt quant_method 'modelopt' quant_algo 'NVFP4'", ("modelopt", None, "float4")),
+    FormatRecord("modelopt-fp8", "pagedexperts.formats.modelopt:ModelOptFp8Format",
+                 "ModelOpt quant_method 'modelopt' quant_algo 'FP8' (per-tensor)", ("modelopt", None, "float8")),
+)}
+
+# Views of FORMATS (derived, never written by hand): preflight's --expert-format choices, and
+# what ``pagedexperts quantize --format`` writes.
+EXAMPLE_FORMATS = tuple(name for name, r in FORMATS.items() if r.example is not None)
+QUANTIZE_FORMATS = tuple(name for name, r in FORMATS.items() if r.quantize)
 
 
 def format_class(name: str) -> type[ExpertFormat]:
@@ -84,14 +151,18 @@ def format_class(name: str) -> type[ExpertFormat]:
     """
     if name not in FORMATS:
         raise ValueError(f"unknown expert format {name!r}; choose one of {list(FORMATS)}")
-    module_name, _, cls_name = FORMATS[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            raise ValueError(f"expert format {name!r} is registered but {module_name} is not present") from exc
-        raise ValueError(f"expert format {name!r} needs the package {exc.name!r}: pip install it") from exc
-    return getattr(module, cls_name)
+    return FORMATS[name].load()
+
+
+def example_format(name: str, *, group_size: int) -> ExpertFormat:
+    """Preflight's instance of format ``name`` (``FormatRecord.example``) at ``group_size``.
+
+    Raises:
+        ValueError: a name outside ``EXAMPLE_FORMATS`` (lists them)."""
+    record = FORMATS.get(name)
+    if record is None or record.example is None:
+        raise ValueError(f"no example of expert format {name!r}; choose one of {list(EXAMPLE_FORMATS)}")
+    return record.example(record.load(), group_size)
 
 
 def available_formats() -> list[str]:
@@ -117,7 +188,7 @@ def quantization_config_of(config) -> dict | None:
     return qc
 
 
-def checkpoint_key(qc: dict | None) -> tuple[str | None, str | None, str | None]:
+def checkpoint_key(qc: dict | None) -> CheckpointKey:
     """(quant_method, format, weight kind such as 'int4' / 'float8') of a quantization_config;
     for compressed-tensors the routed experts' config group (else the first group)."""
     from pagedexperts.formats.ct_schemes import _schemes_or_first
@@ -149,13 +220,12 @@ def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
     weights = (4, 2, 1)
 
     def score(name: str) -> int:
-        other = SPELLED.get(name, ("", (None, None, None)))[1]
-        return sum(w for w, a, b in zip(weights, key, other) if a is not None and a == b)
+        return sum(w for w, a, b in zip(weights, key, FORMATS[name].key) if a is not None and a == b)
 
     best = max((n for n in (among or FORMATS) if n != "dense"), key=score)
     if among is None and score(best) == 0:  # nothing shares its quant_method, format or weight kind (bitsandbytes, hqq, ...)
         return "none (no supported format shares its quant_method, format or weight kind)"
-    return f"{best} ({SPELLED.get(best, (best,))[0]})"
+    return f"{best} ({FORMATS[best].spelled})"
 
 
 def refusal_message(qc: dict | None, reason: str, among: list[str] | None = None) -> str:
@@ -163,33 +233,29 @@ def refusal_message(qc: dict | None, reason: str, among: list[str] | None = None
     checkpoint spells it, why, the nearest supported format (``among`` those), and every supported one."""
     from pagedexperts.formats.ct_schemes import spelling
 
-    supported = "; ".join(f"{n} ({SPELLED.get(n, (n,))[0]})" for n in available_formats())
+    supported = "; ".join(f"{n} ({FORMATS[n].spelled})" for n in available_formats())
     return (f"quantized checkpoint ({spelling(qc)}): {reason}; nearest supported: {nearest_format(qc, among)}; "
             f"supported: {supported}")
 
 
-# config.json model_type -> True where transformers' experts module stores its weights
-# transposed ([in, out]: the ``is_transposed`` experts of gpt-oss); others nn.Linear's [out, in].
-TRANSPOSED_EXPERTS_MODEL_TYPES = ("gpt_oss",)
-
-
-def experts_layout_refusal(fmt: ExpertFormat, config) -> str | None:
-    """Why ``fmt`` has no packing for the experts layout of this config's model type (gpt-oss's
-    transposed experts in a compressed-tensors / ModelOpt / FP8 format), or None (also for a
-    config without ``model_type``): read here so that preflight refuses what the layout
-    (``pack``) would refuse at load."""
-    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
-    transposed = model_type in TRANSPOSED_EXPERTS_MODEL_TYPES
-    if model_type is None or fmt.transposed_experts is None or fmt.transposed_experts == transposed:
+def experts_layout_refusal(fmt: ExpertFormat, config, transposed: bool | None) -> str | None:
+    """Why ``fmt`` has no packing for this config's experts as its family stores them
+    (``transposed``: [in, out], gpt-oss's; else nn.Linear's [out, in]; None: not known, not
+    checked), e.g. gpt-oss's experts in a compressed-tensors / ModelOpt / FP8 format, or None:
+    read here so that preflight refuses what the layout (``pack``) would refuse at load."""
+    if transposed is None or fmt.transposed_experts is None or fmt.transposed_experts == transposed:
         return None
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     return (f"{fmt.name} has no published layout for {model_type!r} experts stored "
             + ("transposed ([in, out], gpt-oss)" if transposed else "as nn.Linear's [out, in]"))
 
 
-def format_for_config(config) -> ExpertFormat:
+def format_for_config(config, *, transposed_experts: bool | None = None) -> ExpertFormat:
     """The expert format of a checkpoint, from its config (object or config.json dict). The one
     function every entry point (load_model, preflight, check) resolves a format with, so they
     refuse the same checkpoints with the same message (``refusal_message``).
+    ``transposed_experts``: whether the model's family stores its experts transposed
+    (``models.families.experts_transposed``); a format without a layout for that is refused.
 
     Raises:
         ValueError: a quantization_config no registered format recognises, or one whose
@@ -208,7 +274,7 @@ def format_for_config(config) -> ExpertFormat:
                 fmt = cls.from_config(config, qc)
             except ValueError as exc:
                 raise ValueError(refusal_message(qc, str(exc))) from exc
-            layout = experts_layout_refusal(fmt, config)
+            layout = experts_layout_refusal(fmt, config, transposed_experts)
             if layout:
                 fits = [n for n in available_formats() if format_class(n).transposed_experts in (None, not fmt.transposed_experts)]
                 raise ValueError(refusal_message(qc, layout, fits))
@@ -218,8 +284,7 @@ def format_for_config(config) -> ExpertFormat:
 
 
 __all__ = [
-    "FORMATS", "ExpertFormat", "ExpertLayout", "QuantizedTensor", "TensorSpec",
-    "SPELLED", "TRANSPOSED_EXPERTS_MODEL_TYPES", "available_formats", "experts_layout_refusal", "checkpoint_key",
-    "format_class", "format_for_config", "nearest_format",
+    "EXAMPLE_FORMATS", "FORMATS", "QUANTIZE_FORMATS", "CheckpointKey", "FormatRecord", "available_formats",
+    "checkpoint_key", "example_format", "experts_layout_refusal", "format_class", "format_for_config", "nearest_format",
     "quantization_config_of", "refusal_message",
 ]

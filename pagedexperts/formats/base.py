@@ -159,7 +159,7 @@ class ExpertFormat:
     serialized_names: ClassVar[dict[str, tuple[str, ...]]] = {}
     # The experts layouts this format has a published packing for: False nn.Linear's [out, in]
     # only (every quantized format but gpt-oss's MXFP4), True transposed [in, out] only, None
-    # either (dense). ``formats.format_for_config`` refuses the others by model type.
+    # either (dense). ``formats.format_for_config`` refuses the others (the family says which it has).
     transposed_experts: ClassVar[bool | None] = False
 
     @classmethod

@@ -3,10 +3,11 @@
 Owns: which quantized expert tensors torch's own CPU kernels can compute packed, and why not
 where they cannot (``plan_tensor`` / ``plan_layout``: one reason per tensor); the kernel layout
 of one expert tensor (``KernelTensor``: its specs and ``convert``, from a format's packed rows
-through the package's one unpacker, ``formats.unpack.int_groups``); ``CpuPackedSlots``, the slot
-table whose page-in converts an expert's rows into that layout (the ``write_rows`` contract of
-``formats.slots``). Does not: compute (``paging.steps.host_packed`` runs the kernels), decide
-residency, or read files.
+through the package's one unpacker, ``formats.unpack.int_groups``); the one call of those
+kernels (``packed_matmul``: the experts' body and the packed non-expert linears both compute
+through it); ``CpuPackedSlots``, the slot table (``formats.slots.SlotTable``) holding the slots
+in that layout, whose page-in copies rows already in it and converts a format's rows. Does not:
+run a layer-step (``paging.steps.host_packed``), decide residency, or read files.
 
 The kernels (torch >= 2.6, CPU; no C++ of ours, nothing built at run time):
 
@@ -37,6 +38,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec
+from pagedexperts.formats.slots import SlotTable
 from pagedexperts.formats.unpack import PackedFormat, int_groups
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)  # the int4 CPU kernel's group sizes, largest first
@@ -102,6 +104,16 @@ class KernelTensor:
         return {self.weight_name: packed, self.scale_name: pair.transpose(1, 2).contiguous()}
 
 
+def packed_matmul(plan: KernelTensor, weight: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [n, K] (contiguous, in ``plan.dtype``) @ W^T -> [n, N] in ``plan.dtype``, W one
+    matrix in the kernel's layout as ``plan`` describes it: ``weight`` and ``scales`` of
+    ``KernelTensor.specs`` (one slot's, or one linear's). torch's int4 or int8 CPU kernel
+    (module docstring)."""
+    if plan.kind == "int4":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, plan.group_size, scales)
+    return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
+
+
 def plan_tensor(fmt, tensor: QuantizedTensor, dtype: torch.dtype) -> KernelTensor | str:
     """``tensor``'s ``KernelTensor`` at run dtype ``dtype``, or why torch's CPU kernels cannot
     compute it packed (one sentence naming the format and the limit)."""
@@ -135,11 +147,13 @@ def plan_tensor(fmt, tensor: QuantizedTensor, dtype: torch.dtype) -> KernelTenso
     return KernelTensor(tensor, fmt, "int4", n, k, size, group // size, dtype)
 
 
-def plan_layout(layout: ExpertLayout | None, dtype: torch.dtype) -> tuple[KernelTensor, ...] | str:
-    """The ``KernelTensor`` of every quantized tensor of ``layout`` (passthrough tensors: none),
-    or the first reason one cannot run packed (dense experts: there is nothing to compute packed)."""
+def plan_layout(layout: ExpertLayout | None, dtype: torch.dtype | None = None) -> tuple[KernelTensor, ...] | str:
+    """The ``KernelTensor`` of every quantized tensor of ``layout`` (passthrough tensors: none)
+    at run dtype ``dtype`` (None: the layout's dense dtype), or the first reason one cannot run
+    packed (dense experts: there is nothing to compute packed)."""
     if layout is None or layout.is_dense:
         return "dense experts: nothing quantized to compute packed"
+    dtype = layout.dense_specs[0].dtype if dtype is None else dtype
     plans = []
     for tensor in layout.tensors:
         if tensor.is_passthrough:
@@ -151,10 +165,13 @@ def plan_layout(layout: ExpertLayout | None, dtype: torch.dtype) -> tuple[Kernel
     return tuple(plans)
 
 
-class CpuPackedSlots(dict):
+class CpuPackedSlots(SlotTable):
     """Slot tensors {name: [K_s, ...]} in the CPU kernels' layouts: per quantized tensor its
-    ``KernelTensor`` weight and scales, passthrough tensors (biases) as the store holds them.
-    A page-in (``write_rows``) converts the expert's packed rows into its slot.
+    ``KernelTensor`` weight and scales, passthrough tensors (biases) as the store holds them;
+    ``plans`` {dense name: KernelTensor}, each slot's matrix addressed as
+    ``self[plan.weight_name][slot]`` and ``self[plan.scale_name][slot]``. A page-in
+    (``write_rows``) copies rows already in the kernels' layouts and converts a format's packed
+    rows (``convert``; ``convert_many`` for many experts at once, e.g. a host store at load).
 
     Args:
         layout: the layer's ExpertLayout; plans: ``plan_layout(layout, dtype)`` (not a reason);
@@ -196,3 +213,11 @@ class CpuPackedSlots(dict):
             rows = self.convert(rows)
         for name, row in rows.items():
             self[name][slot].copy_(row)
+
+    def kernel_tensors(self, wave_slots) -> "CpuPackedSlots":
+        """The slot tensors themselves (converted at page-in, or before it)."""
+        return self
+
+    def device_page_in_problem(self) -> str | None:
+        return ("slots in torch's CPU kernel layouts are paged in on the host-planned CPU step "
+                "(--experts-implementation packed runs with --decide host)")

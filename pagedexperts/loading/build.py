@@ -24,6 +24,7 @@ from pagedexperts.loading.runners import attach_runners
 from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.loading.checkpoint import expert_sources
 from pagedexperts.models import config as model_config
+from pagedexperts.models.families import experts_transposed
 from pagedexperts.models.sites import find_experts_sites
 from pagedexperts.paging.steps.table import PACKED, transformers_inner
 from pagedexperts.storage import host_memory
@@ -54,7 +55,8 @@ def build_paged_model(config, fill, *, expert_format=None, files=None, **options
         ConfigError (ValueError): every problem of the options for this model, at once.
         MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``).
     """
-    fmt = expert_format if expert_format is not None else format_for_config(config)
+    fmt = expert_format if expert_format is not None else format_for_config(
+        config, transposed_experts=experts_transposed(config))
     cfg = PagingConfig(**options)
     check_config(cfg, config, fmt)
     dev, dtype = check_device(cfg.device), resolve_dtype(cfg.dtype, config)

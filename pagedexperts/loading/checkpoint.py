@@ -21,9 +21,11 @@ import re
 
 import torch
 
-from pagedexperts.formats import ExpertFormat, format_for_config
+from pagedexperts.formats import format_for_config
+from pagedexperts.formats.base import ExpertFormat
 from pagedexperts.formats.base import store_name
 from pagedexperts.formats.dense import DenseFormat
+from pagedexperts.models.families import experts_transposed
 from pagedexperts.models.sites import ExpertsSite
 
 logger = logging.getLogger(__name__)
@@ -161,14 +163,15 @@ def stored_expert_dtypes(files, fmt: ExpertFormat) -> dict[str, "torch.dtype"]:
 
 
 def format_for_checkpoint(config, files) -> ExpertFormat:
-    """``formats.format_for_config`` bound to the dtypes the checkpoint stores its experts'
+    """``formats.format_for_config`` (for the experts as the model's family stores them:
+    ``models.families.experts_transposed``) bound to the dtypes the checkpoint stores its experts'
     scales and zero points in (``ExpertFormat.with_stored_dtypes``), never cast from config.json's
     ``dtype``: what ``load_model``, ``check`` and ``preflight`` resolve a format with.
 
     Raises:
         ValueError: see ``format_for_config``; an unreadable header.
     """
-    fmt = format_for_config(config)
+    fmt = format_for_config(config, transposed_experts=experts_transposed(config))
     return fmt.with_stored_dtypes(stored_expert_dtypes(files, fmt))
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedexperts.formats import FORMATS
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT, SLOT_FORMATS, resolve_slot_format
 from pagedexperts.models import config as model_config
 from pagedexperts.paging.baselines import mode_problem
@@ -140,22 +141,18 @@ def option_problems(cfg: PagingConfig) -> list[str]:
 
 
 AUTO = "auto"  # --experts-implementation auto: packed where measured faster (``resolve_experts_implementation``)
-# The int formats whose experts torch's CPU int4 / int8 kernels compute packed (``formats.cpu_pack``):
-# ``auto`` runs them ``packed`` on a CPU (not the default: see docs/benchmarks.md, "Quantized experts on a
-# CPU", for the accuracy finding that keeps grouped_mm the default). Measured (bench/real_shape.py quantized, Qwen3-30B-A3B
-# expert shapes, W4A16 group 128, 1 thread, CPU time per decode token vs plain transformers bf16):
-# packed 0.89x at K = E and K = E/4, dequantizing (grouped_mm, dense slots) 0.96x and 3.05x.
-PACKED_BY_DEFAULT = ("gptq", "awq", "w4a16", "w8a16", "ct-pack-mixed", "auto-round")
 
 
 def resolve_experts_implementation(cfg: PagingConfig, fmt) -> str:
     """``cfg.experts_implementation``, with "auto" resolved: ``packed`` on a CPU in mode paged for
-    a checkpoint of ``PACKED_BY_DEFAULT`` (a layer whose shapes the kernels cannot take still
-    runs grouped_mm, with its WARNING), else ``grouped_mm`` (exact to transformers)."""
+    a format whose record says torch's CPU kernels compute it packed (``formats.FormatRecord
+    .cpu_packed``; a layer whose shapes the kernels cannot take still runs grouped_mm, with its
+    WARNING), else ``grouped_mm`` (exact to transformers). Why auto is not the default:
+    docs/benchmarks.md, "Quantized experts on a CPU"."""
     if cfg.experts_implementation != AUTO:
         return cfg.experts_implementation
     on_cpu = device_problem(cfg.device) is None and torch.device(cfg.device).type == "cpu"
-    if on_cpu and cfg.mode == "paged" and fmt is not None and fmt.name in PACKED_BY_DEFAULT:
+    if on_cpu and cfg.mode == "paged" and fmt is not None and FORMATS[fmt.name].cpu_packed:
         return PACKED
     return "grouped_mm"
 

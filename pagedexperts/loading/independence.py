@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from pagedexperts.formats import ExpertFormat
+from pagedexperts.formats.base import ExpertFormat
 from pagedexperts.formats.cpu_pack import CpuPackedSlots
 from pagedexperts.formats.slots import DenseSlots
 from pagedexperts.loading.checkpoint import KeyMap
@@ -103,8 +103,7 @@ def check_no_module_copies(site, executor: PagedExecutor) -> None:
     Raises:
         IndependenceError: names the tensor.
     """
-    dequantizer = executor.setup.dequantizer
-    view_names = set(executor.slots) if dequantizer is None else set(dequantizer.scratch)
+    view_names = set(executor.slots.kernel_tensors(()))
     tensors = list(site.module.named_parameters(recurse=False)) + list(site.module.named_buffers(recurse=False))
     for tname, t in tensors:
         if t.dim() > 0 and t.shape[0] == site.num_experts and tname not in view_names:

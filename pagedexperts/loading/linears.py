@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedexperts.formats import ExpertFormat
+from pagedexperts.formats.base import ExpertFormat
 from pagedexperts.loading.packed_linears import PackedLinear, kernel_bytes, packed_linear, plan_packed_linear
 
 NOT_LINEAR = "not an nn.Linear (a router or another module whose own forward reads the weight)"

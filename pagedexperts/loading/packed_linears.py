@@ -1,12 +1,12 @@
 """A quantized non-expert nn.Linear kept packed on a CPU, computed by torch's int4 / int8 kernel.
 
 Owns: ``PackedLinear``, an ``nn.Module`` standing in for one ``nn.Linear`` (an attention
-projection, a shared expert's, lm_head) whose forward is ``aten._weight_int4pack_mm_for_cpu``
-(int4, group scales and float zero points) or ``aten._weight_int8pack_mm`` (per-channel int8)
-over the weight in the kernel's layout, built from the module's serialized tensors through the
-experts' own conversion (``formats.cpu_pack.KernelTensor.convert``, one row of one source: the
-same layout and zero-point mapping, ``docs/formats.md`` "Computed packed on a CPU");
-``packed_linear``: the module, or why the kernel cannot take this one; and
+projection, a shared expert's, lm_head) whose forward is torch's int4 (group scales and float
+zero points) or int8 (per-channel) CPU kernel over the weight in the kernel's layout, through
+the experts' own call (``formats.cpu_pack.packed_matmul``), built from the module's serialized
+tensors through the experts' own conversion (``formats.cpu_pack.KernelTensor.convert``, one row
+of one source: the same layout and zero-point mapping, ``docs/formats.md`` "Computed packed on a
+CPU"); ``packed_linear``: the module, or why the kernel cannot take this one; and
 ``plan_packed_linear``, the same answer from the stored dtypes alone (no tensor: preflight and
 the host-memory plan count ``kernel_bytes``). Does not: decide which modules to replace or read
 bytes (``loading.linears``: on a CPU whenever the experts are computed packed).
@@ -22,9 +22,9 @@ from typing import Mapping
 
 import torch
 
-from pagedexperts.formats import ExpertFormat
+from pagedexperts.formats.base import ExpertFormat
 from pagedexperts.formats.base import LINEAR_WEIGHT, store_name
-from pagedexperts.formats.cpu_pack import KernelTensor, plan_tensor
+from pagedexperts.formats.cpu_pack import KernelTensor, packed_matmul, plan_tensor
 
 
 class PackedLinear(torch.nn.Module):
@@ -37,6 +37,7 @@ class PackedLinear(torch.nn.Module):
 
     def __init__(self, plan: KernelTensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
+        self.plan = plan
         self.kind, self.group_size = plan.kind, plan.group_size
         self.in_features, self.out_features, self.dtype = plan.in_features, plan.out_features, plan.dtype
         self.register_buffer("weight_packed", weight)
@@ -47,10 +48,7 @@ class PackedLinear(torch.nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"PackedLinear: input has {x.shape[-1]} features, the weight takes {self.in_features}")
         flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
-        if self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight_packed, self.group_size, self.scales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_packed, self.scales)
+        y = packed_matmul(self.plan, self.weight_packed, self.scales, flat)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

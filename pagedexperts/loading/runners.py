@@ -2,8 +2,9 @@
 or K over the same stores (``repage``), and random weights for benchmarks at real scale.
 
 Owns: which runner each MoE layer gets (a ``paging.host_executor.HostExecutor`` or, under
-``--decide`` device, a ``paging.device_executor.DeviceExecutor``, with its slot tables; or a
-baseline of ``paging.baselines``; this is the one module that imports the executors),
+``--decide`` device, a ``paging.device_executor.DeviceExecutor``, over the slot table
+``slot_table`` chooses; or a baseline of ``paging.baselines``; this is the one module that
+imports the executors),
 resolving ``--decide auto`` over the stores, wiring the prefetchers (``install_prefetch``),
 and ``random_fill``. Does not: read checkpoints or plan memory (``loading.build``), page
 (``paging``), or decide residency (``residency``).
@@ -19,6 +20,7 @@ import torch
 from pagedexperts import integration
 from pagedexperts.formats import slots
 from pagedexperts.formats.cpu_pack import CpuPackedSlots, plan_layout
+from pagedexperts.formats.slots import SlotTable
 from pagedexperts.loading.config import check_config, resolve_cuda_graphs, resolve_decide
 from pagedexperts.models.sites import router_of
 from pagedexperts.paging import prefetch
@@ -147,55 +149,51 @@ def attach_runners(runtime, dev) -> None:
 def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
     """The layer-step executor of one paged layer: the host-planned one (any step, any device),
     or under ``PagingRuntime.decide`` "device" the device-planned one (``paging.device_executor``, no
-    read-back); both implement ``PagedExecutor`` and take the layer's ``SlotSetup``."""
-    k = runtime.num_resident
-    packed = runtime.config.experts_implementation == PACKED
-    setup = _packed_setup(runtime, layout, dev, common["layer"], common["store"]) if packed else None
-    setup = setup or _slot_setup(runtime, layout, dev)
+    read-back); both implement ``PagedExecutor`` and take the layer's ``SlotSetup`` over the
+    slot table ``slot_table`` chooses, with the implementation it chose it for."""
+    k, cfg = runtime.num_resident, runtime.config
+    table, inner = slot_table(runtime, layout, dev, layer=common["layer"], store=common["store"])
+    setup, common = SlotSetup(table, layout=layout), dict(common, inner=inner)
     if runtime.decide == "device":
-        cfg = runtime.config
         return DeviceExecutor(num_slots=k, policy=cfg.policy, backend=cfg.device_kernels, setup=setup,
                               beyond_k=cfg.beyond_k, admit_per_step=cfg.admit_per_step, **common)
-    return HostExecutor(num_slots=k, policy=make_policy(runtime.config.policy, k), copy_stream=copy_stream,
-                        setup=setup, **common)
+    return HostExecutor(num_slots=k, policy=make_policy(cfg.policy, k), copy_stream=copy_stream, setup=setup, **common)
 
 
-def _packed_setup(runtime, layout, dev, layer: int, store) -> SlotSetup | None:
-    """For ``--experts-implementation packed``: slots in the layouts of torch's CPU int4 / int8
-    kernels (``formats.cpu_pack.CpuPackedSlots``), and a host store holding every expert
-    converted to them once, here (a page-in is then a copy; the disk tier's rows, read from the
-    checkpoint, are converted at page-in: bench/real_shape.py measured a conversion at 34 ms per
-    Qwen3-30B-A3B expert against 0.15 ms for its copy), or None where the
-    layer's format cannot run there: a WARNING, and the reason in
-    ``PagingRuntime.experts_fallbacks`` (the stats' fallbacks); the layer then runs grouped_mm
-    over today's slots (``paging.steps.host_packed``)."""
-    dtype = layout.dense_specs[0].dtype if layout is not None and layout.tensors else torch.float32
-    plans = plan_layout(layout, dtype)
-    if isinstance(plans, str):
+def slot_table(runtime, layout, dev, *, layer: int, store) -> tuple[SlotTable | None, str]:
+    """The slot table of one paged layer for the runtime's experts implementation, and the
+    implementation the layer runs over it (the one factory of slot tables):
+
+    - ``packed``: slots in torch's CPU int4 / int8 kernel layouts (``formats.cpu_pack
+      .CpuPackedSlots``), with a host store holding every expert converted to them once, here
+      (a page-in is then a copy; the disk tier's rows, read from the checkpoint, convert at
+      page-in). A layer whose format the kernels cannot take gets the table below and
+      ``grouped_mm``: a WARNING, and the reason in ``PagingRuntime.experts_fallbacks``.
+    - ``fused``, or dense experts: None, the plain table (``paging.steps.contract.PackedSlots``,
+      allocated by the executor like the store's tensors: the fused kernels read packed rows).
+    - a quantized format under a dense kernel: ``--slot-format packed``, packed slots that
+      dequantize each wave into the model's shared dense scratch (``formats.slots
+      .DequantizingSlots``); ``dense``, slots dequantized at page-in through the model's shared
+      packed staging (``formats.slots.DenseSlots``).
+    """
+    cfg, k = runtime.config, runtime.num_resident
+    inner = cfg.experts_implementation
+    if inner == PACKED:
+        plans = plan_layout(layout)
+        if not isinstance(plans, str):
+            table = CpuPackedSlots(layout, plans, k, dev)
+            if isinstance(store, HostExpertStore) and set(store.tensors) != set(table):  # once: repage keeps it
+                store.convert_rows(table.specs, table.convert_many)
+            return table, inner
         runtime.experts_fallbacks[layer] = plans
         logger.warning("--experts-implementation packed: layer %d runs grouped_mm instead (%s)", layer, plans)
-        return None
-    table = CpuPackedSlots(layout, plans, runtime.num_resident, dev)
-    if isinstance(store, HostExpertStore) and set(store.tensors) != set(table):  # once: repage keeps it
-        store.convert_rows(table.specs, table.convert_many)
-    return SlotSetup(table, layout=layout)
-
-
-def _slot_setup(runtime, layout, dev) -> SlotSetup | None:
-    """The ``SlotSetup`` of a layer (packed slots, which the executor allocates, unless said):
-    the fused kernels read them by the layout (no dense scratch); None for dense experts; for a
-    quantized format, packed slots with the model's shared dense scratch (a WaveDequantizer),
-    or dense slots with its shared packed staging (``--slot-format``)."""
-    k = runtime.num_resident
-    if runtime.config.experts_implementation == FUSED:
-        return SlotSetup(layout=layout)
-    if layout is None or layout.is_dense:
-        return None
-    if runtime.config.slot_format == "packed":
+        inner = "grouped_mm"
+    if inner == FUSED or layout is None or layout.is_dense:
+        return None, inner
+    if cfg.slot_format == "packed":
         if "scratch" not in runtime.buffers:
             runtime.buffers["scratch"] = slots.allocate(layout.dense_specs, k, dev)
-        return SlotSetup(layout=layout, dequantizer=slots.WaveDequantizer(layout, runtime.buffers["scratch"]))
+        return slots.DequantizingSlots(layout, slots.allocate(store.specs, k, dev), runtime.buffers["scratch"]), inner
     if "staging" not in runtime.buffers:
         runtime.buffers["staging"] = slots.allocate(layout.packed_specs, 1, dev)
-    table = slots.DenseSlots(layout, slots.allocate(layout.dense_specs, k, dev), runtime.buffers["staging"])
-    return SlotSetup(table, layout=layout)
+    return slots.DenseSlots(layout, slots.allocate(layout.dense_specs, k, dev), runtime.buffers["staging"]), inner

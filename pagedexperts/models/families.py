@@ -26,13 +26,17 @@ class Family:
     Which layers are MoE layers is the one config rule (``models.config.is_moe_layer``) for
     every family; ``shared_expert`` is the attribute of the MoE block holding the always-resident shared expert (None: none);
     ``router`` the attribute of the MoE block holding its router module, whose forward maps
-    hidden [T, H] -> (logits, weights [T, k], top-k ids [T, k]) in every family (prefetch runs it).
+    hidden [T, H] -> (logits, weights [T, k], top-k ids [T, k]) in every family (prefetch runs it);
+    ``transposed_experts``: transformers' experts module stores the routed experts' weights
+    transposed ([in, out], its ``is_transposed``: gpt-oss), else nn.Linear's [out, in] (a quantized
+    format publishes a layout for one of the two: ``formats.format_for_config``).
     """
 
     name: str
     shared_expert: str | None
     checkpoint_layout: str
     router: str = "gate"
+    transposed_experts: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -47,7 +51,7 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(
         "gpt-oss", None,
         "stacked mlp.experts.gate_up_proj [E, H, 2I] (interleaved), down_proj [E, I, H], and biases",
-        router="router",
+        router="router", transposed_experts=True,
     ),
     "mixtral": Family(
         "Mixtral", None,
@@ -70,3 +74,14 @@ FAMILIES: dict[str, Family] = {
         "per-expert mlp.experts.{j}.gate_proj/up_proj/down_proj",
     ),
 }
+
+
+def experts_transposed(config) -> bool | None:
+    """Whether the family of ``config`` (a transformers config or a config.json dict) stores its
+    routed experts transposed (``Family.transposed_experts``); False for a model type outside
+    ``FAMILIES`` (nn.Linear's layout), None for a config without ``model_type`` (not known)."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    if model_type is None:
+        return None
+    family = FAMILIES.get(model_type)
+    return family is not None and family.transposed_experts

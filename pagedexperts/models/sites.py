@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedexperts.models.config import EXPERT_COUNT_KEYS, moe_layer_indices
-from pagedexperts.models.families import FAMILIES
+from pagedexperts.models.families import FAMILIES, experts_transposed
 from pagedexperts.formats.base import TensorSpec
 
 # model_type (config.json) -> family name. Each entry is covered by an exactness test
@@ -54,7 +54,8 @@ def check_supported(config) -> str:
         )
     from pagedexperts.formats import format_for_config
 
-    format_for_config(config)  # a quantized checkpoint must be a supported expert format
+    # a quantized checkpoint must be a supported expert format, with a layout for this family's experts
+    format_for_config(config, transposed_experts=experts_transposed(config))
     return SUPPORTED_ARCHITECTURES[model_type]
 
 

@@ -91,7 +91,7 @@ class DeviceExecutor(PagedExecutor):
         Raises:
             ValueError: --beyond-k in-place with a body that reads slot rows only (names both flags)."""
         super()._inner_set(name)
-        if self.setup.in_place and not getattr(self.body, "reads_in_place", False):
+        if self.setup.in_place and not self.body.reads_in_place:
             raise ValueError(f"--beyond-k in-place reads host rows in the fused kernels; --experts-implementation "
                              f"{name} reads slots only: use --experts-implementation fused or --beyond-k waves")
 

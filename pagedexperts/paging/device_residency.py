@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedexperts.formats.slots import DenseSlots
+from pagedexperts.formats.slots import SlotTable
 from pagedexperts.paging.kernels._triton import check_backend
 from pagedexperts.paging.kernels.decide import (
     DecidePlan, DecideRule, decide_torch, decide_triton, remap_torch, remap_triton,
@@ -135,16 +135,16 @@ class DeviceResidency:
         self._remap(ids, plan.expert_slot, plan.expert_wave, shape.entry_slot, shape.entry_wave)
         return shape
 
-    def page_in_over(self, source: dict[str, torch.Tensor], slots: dict[str, torch.Tensor]) -> PageIn:
+    def page_in_over(self, source: dict[str, torch.Tensor], slots: SlotTable) -> PageIn:
         """The layer's page-in from the store's [E, ...] ``source`` into ``slots`` [K, ...] by
         this residency's backend: ``page_in(plan.src, plan.dst, plan.count, wave, max_loads)``.
 
         Raises:
-            ValueError: dense slots of a quantized layer (a page-in here copies raw rows; they
-                dequantize at page-in on the host path: names --slot-format)."""
-        if isinstance(slots, DenseSlots):
-            raise ValueError("dense slots of a quantized layer dequantize at page-in on the host path; "
-                             "use --slot-format packed with --decide device")
+            ValueError: a table a gather of raw rows cannot write (``SlotTable
+                .device_page_in_problem``: e.g. dense slots, naming --slot-format)."""
+        problem = slots.device_page_in_problem()
+        if problem is not None:
+            raise ValueError(problem)
         return PageIn(source, slots, self.device, backend=self.backend)
 
     # -- reads for stats and tests (each reads the device) --

@@ -4,8 +4,8 @@ Owns: the [K, ...] slot tensors of one MoE layer on the device, its ``Residency`
 slot map), its host store, and the experts step of docs/design.md "The layer-step" (steps 2-6),
 read top-down in ``step`` as docs/design-layer-step.md "How a wave runs" tells it: read the top-k
 ids to the host (``transfer.read_step``), plan waves (``residency.planner``), then per wave page
-its loads in (``transfer.SlotTransfers.page_in``: one call, the rows copied into their slots and
-the compute made to wait for them) and compute it with the body (the inner implementation's
+its loads in (``transfer.SlotTransfers.page_in``: one call, the rows copied into their slots
+after the compute that last read them, and the compute made to wait for them) and compute it with the body (the inner implementation's
 host-planned ``paging.steps.contract.LayerStep``: begin, run each wave, combine); stats and
 tracing at the edges. The device-planned executor
 (``paging.device_executor``) implements the same ``runner_contract.PagedExecutor`` contract
@@ -87,8 +87,7 @@ class HostExecutor(PagedExecutor):
             slot_map = transfers.slot_map(wave, only_wave=only_wave) if body.needs_slot_map else None
             if w == 0 and self.prefetcher is not None:
                 self.prefetcher.issue()  # the next layer's predicted page-ins queue behind this wave's
-            body.run_wave(work, w, slot_map)
-            transfers.compute_done()  # a slot is overwritten only after the compute that read it
+            body.run_wave(work, w, slot_map)  # the next page-in's copies wait for it (transfer)
         out = body.combine(work, top_k_weights)
         page_in_s, map_s = transfers.take_times(block=False)
         self.stats.record_step(

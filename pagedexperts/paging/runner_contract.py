@@ -33,9 +33,8 @@ from typing import Callable
 import torch
 
 from pagedexperts.formats.slots import allocate
-from pagedexperts.paging.steps.contract import LayerStep, SlotSetup
+from pagedexperts.paging.steps.contract import LayerStep, PackedSlots, SlotSetup
 from pagedexperts.paging.steps.table import body_for, inner_problem
-from pagedexperts.paging.transfer import PackedSlots
 from pagedexperts.stats.accounting import LayerStats, PrefetchStats
 
 # (layer, top-k ids [T, k] on the host, top-k weights [T, k] on the host) -> None
@@ -134,9 +133,9 @@ class PagedExecutor(ExpertsRunner):
 
     Args (beyond ``ExpertsRunner``'s):
         num_slots: K (its range is the residency's to check).
-        setup: the layer's ``paging.steps.contract.SlotSetup`` (the slot table, and how its rows
-            become what a kernel reads); None, or None slots: packed slots allocated like the
-            store's tensors.
+        setup: the layer's ``paging.steps.contract.SlotSetup`` (its slot table, a
+            ``formats.slots.SlotTable``, says how its kernel reads it); None, or None slots: the
+            plain table (``PackedSlots``) allocated like the store's tensors.
 
     Attributes: ``setup``; ``slots`` (its slot table); ``body`` (the
     ``paging.steps.contract.LayerStep`` of ``inner`` on this executor's path, rebuilt over the

@@ -3,13 +3,12 @@
 Owns: the single device-to-host transfer of a layer-step (``read_step``: the top-k ids, the
 prefetch prediction and the step's padding count in one read into pinned memory, parsed once),
 host-to-device uploads of small host-made index tensors (slot map, a wave's rows) from pinned
-buffers, the running expert -> slot map on the device, the plain slot table (``PackedSlots``:
-the store's rows as they are, written by a page-in itself), and, on CUDA, the ordering of
-page-in copies on the copy stream against the compute stream:
+buffers, the running expert -> slot map on the device, and, on CUDA, the ordering of page-in
+copies on the copy stream against the compute stream:
 
-- a slot is overwritten only after the compute that last read it (``compute_done`` event);
-- the first copies into fresh slots wait for the slots' allocation (the zero fill ran on the
-  compute stream);
+- a page-in's copies wait for every compute issued before them (the ``compute_done`` event,
+  recorded on the compute stream as the page-in is issued), so a slot is overwritten only after
+  the compute that last read it, and fresh slots only after their zero fill;
 - every copy issued into a layer (its own page-ins and the previous layer's prefetches) is
   waited on by that layer's next compute (``copied`` event, ``page_in``);
 - the slot tensors are ``record_stream``-ed on the copy stream, and ``drain`` waits for in-flight
@@ -17,9 +16,10 @@ page-in copies on the copy stream against the compute stream:
   under a copy.
 
 A page-in is one call (``SlotTransfers.page_in``). How its rows get into the slots is chosen once
-per layer: a plain slot table over a store that holds every row in host memory copies the rows
-itself (``PackedSlots.copy_rows``); any other table (dense slots that dequantize at page-in, a
-table that repacks) or store (the disk tier reads its misses first) goes through the store
+per layer: from a store that holds every row in host memory the slot table copies them itself
+(``formats.slots.SlotTable.copy_rows``: the plain table one tensor at a time, a table that
+dequantizes or repacks through its ``write_rows``); a store that does not (the disk tier reads
+its misses first) hands each row to the table
 (``storage.host_store.ExpertStore.copy_to_slots``, which calls the table's ``write_rows``).
 
 Page-in times on CUDA come from a bounded ring of timing events (``CopyTimer``), folded in as
@@ -38,6 +38,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
+
+from pagedexperts.formats.slots import SlotTable
 
 COPY_TIMER_EVENTS = 64  # timing event pairs kept per layer before the oldest must be folded
 
@@ -118,29 +120,6 @@ def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-class PackedSlots(dict):
-    """The plain slot table: {name: [K, ...]} slot tensors that hold the store's rows as they are
-    (dense experts, or a quantized format's packed rows); a page-in copies each row into its
-    slot. The slot-table contract (``write_rows``) is the one every store's ``copy_to_slot``
-    calls; ``formats.slots.DenseSlots`` implements it for slots that dequantize at page-in."""
-
-    def write_rows(self, rows: dict[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
-        """Copy one expert's rows {name: [*spec.shape]} (host memory, page-locked when
-        ``pinned``) into row ``slot``: non-blocking from page-locked memory to a CUDA slot."""
-        for name, row in rows.items():
-            dst = self[name][slot]
-            dst.copy_(row, non_blocking=pinned and dst.is_cuda)
-
-    def copy_rows(self, source: dict[str, torch.Tensor], loads, *, pinned: bool) -> None:
-        """A wave's page-ins from a store that holds every row in host memory: row ``expert`` of
-        each ``source`` tensor ([E, ...], page-locked when ``pinned``) into row ``slot`` of the
-        slot tensor of that name, for each (expert, slot) of ``loads``."""
-        for name, table in self.items():
-            src, non_blocking = source[name], pinned and table.is_cuda
-            for expert, slot in loads:
-                table[slot].copy_(src[expert], non_blocking=non_blocking)
-
-
 class CopyTimer:
     """A bounded ring of (start, end) timing events around copy batches on the copy stream.
 
@@ -197,17 +176,18 @@ class SlotTransfers:
     """Page-in copies into one layer's [K, ...] slots and their ordering (see module docstring).
 
     Args:
-        slots: the slot table, name -> [K, ...] slot tensor on ``device`` (just allocated).
+        slots: the slot table (``formats.slots.SlotTable``), name -> [K, ...] slot tensor on
+            ``device`` (just allocated).
         device: the slots' device.
         copy_stream: CUDA stream for page-ins, or None (CPU: copies are synchronous memcpys).
         store: the layer's host store (``storage.host_store.ExpertStore``) the rows come from.
     """
 
-    def __init__(self, slots: dict[str, torch.Tensor], device: torch.device, copy_stream=None, *, store) -> None:
+    def __init__(self, slots: SlotTable, device: torch.device, copy_stream=None, *, store) -> None:
         self.slots = slots
         self.device = device
         self.copy_stream = copy_stream
-        rows = store.rows_in_memory() if isinstance(slots, PackedSlots) else None
+        rows = store.rows_in_memory()
         # how a page-in writes its rows, chosen once (module docstring): loads -> None
         self._copy = (functools.partial(slots.copy_rows, rows, pinned=store.pinned) if rows is not None
                       else functools.partial(store.copy_to_slots, slots=slots))
@@ -223,18 +203,17 @@ class SlotTransfers:
         self._copy_pending = False
         self.host_copy_s = 0.0  # CPU: seconds of synchronous page-in copies since last take
         if copy_stream is not None:
-            compute = torch.cuda.current_stream(device)
             for t in slots.values():
                 t.record_stream(copy_stream)
             self._compute_done = torch.cuda.Event()
-            self._compute_done.record(compute)  # first copies wait for the slots' zero fill
             self._copied = torch.cuda.Event()
             self.timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True))
 
     def page_in(self, loads, *, now: bool = True) -> None:
         """Copy each load's (``residency.planner.Load``: expert, slot) rows into its slot and
         note the placements in the running expert -> slot map. On CUDA the copies run on the
-        copy stream after the compute that last read the slots. ``now``: the compute stream
+        copy stream after every compute issued before them (so after the compute that last read
+        the slots, and after their zero fill). ``now``: the compute stream
         waits for them (and for every earlier copy into these slots, e.g. the previous layer's
         prefetch) before its next kernel, a wave's page-in; False: at the next ``page_in``, a
         prefetch. On CPU the copies are synchronous memcpys, timed on the host."""
@@ -248,6 +227,7 @@ class SlotTransfers:
                 self._copy(loads)
                 self.host_copy_s += time.perf_counter() - t0
                 return
+            self._compute_done.record(torch.cuda.current_stream(self.device))
             stream.wait_event(self._compute_done)
             with torch.cuda.stream(stream):
                 self.timer.begin(stream)
@@ -276,11 +256,6 @@ class SlotTransfers:
             slot_map = upload(slot_of, self.device)
         self.map_s += time.perf_counter() - t0
         return slot_map
-
-    def compute_done(self) -> None:
-        """Mark the end of a compute that read the slots (later copies wait for it)."""
-        if self._compute_done is not None:
-            self._compute_done.record(torch.cuda.current_stream(self.device))
 
     def take_times(self, *, block: bool) -> tuple[float, float]:
         """(page-in seconds, slot-map seconds) since the last take. Page-ins: host-timed copies on

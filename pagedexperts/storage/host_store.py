@@ -92,11 +92,11 @@ class ExpertStore(ABC):
     @abstractmethod
     def copy_to_slot(self, expert: int, slot: int, slots) -> None:
         """Copy every tensor row of ``expert`` into row ``slot`` of the slot table ``slots``
-        (``paging.transfer.PackedSlots`` or ``formats.slots.DenseSlots``: their ``write_rows``)."""
+        (a ``formats.slots.SlotTable``: its ``write_rows``)."""
 
     def rows_in_memory(self) -> dict[str, torch.Tensor] | None:
         """The [E, ...] tensors (name -> tensor) when the store holds every expert's rows in host
-        memory, for a page-in that copies rows itself (``paging.transfer.PackedSlots.copy_rows``);
+        memory, for a page-in that the slot table copies itself (``formats.slots.SlotTable.copy_rows``);
         None here: rows are reached through ``copy_to_slots`` only (the disk tier reads first)."""
         return None
 
@@ -254,8 +254,8 @@ class HostExpertStore(ExpertStore):
 
         Non-blocking when the store is pinned and the slot is on CUDA: the caller issues it on
         its copy stream and orders compute and slot reuse with events (``paging.transfer``).
-        Dense slots of a quantized layer (``formats.slots.DenseSlots``) dequantize the rows at
-        this copy.
+        A slot table that dequantizes or repacks at page-in (``formats.slots.DenseSlots``,
+        ``formats.cpu_pack.CpuPackedSlots``) does so in its ``write_rows``.
         """
         slots.write_rows({name: host[expert] for name, host in self.tensors.items()}, slot, pinned=self.pinned)
 

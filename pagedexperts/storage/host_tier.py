@@ -169,7 +169,7 @@ class TieredExpertStore(ExpertStore):
         page-in at a time); the host misses' reads are then in flight together (a batch ends
         before a row claimed in it is claimed again); then the rows are copied, in order.
         Non-blocking from pinned rows to CUDA slots. Rows hold packed tensors (a quantized
-        format's, as on disk); dense slots (``formats.slots.DenseSlots``) dequantize at this copy.
+        format's, as on disk); a table that dequantizes or repacks at page-in does so in its ``write_rows``.
 
         Raises:
             DiskReadError: the checkpoint file could not be read (now or at an earlier page-in).

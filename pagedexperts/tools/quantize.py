@@ -38,10 +38,11 @@ import torch
 from tqdm import tqdm
 
 from pagedexperts.extras import require
+from pagedexperts.formats import QUANTIZE_FORMATS
+from pagedexperts.models.families import experts_transposed
 from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
 from pagedexperts.storage.safetensors_index import check_readable
 
-QUANTIZE_FORMATS = ("w4a16", "fp8-block", "mxfp4")
 QUANTIZE_SCOPES = ("experts", "model")  # what is quantized: the routed experts, or every nn.Linear but routers
 # A routed expert's weight, one tensor per expert (Qwen3/DeepSeek gate|up|down_proj, Mixtral w1|w2|w3).
 _PER_EXPERT_WEIGHT = re.compile(r"layers\.\d+\..*\.experts\.\d+\.[A-Za-z0-9_]+\.weight$")
@@ -173,15 +174,13 @@ def bundled_variant_path(fmt: str, *, cache_dir: str | Path, source: str | Path 
     return final
 
 
-# The bundled model (H = 128, I = 64): w4a16 groups of 64 so that down_proj's I = 64 divides.
-BUNDLED_VARIANTS = {
-    "w4a16": QuantizeOptions("w4a16", group_size=64, symmetric=True),
-    "fp8-block": QuantizeOptions("fp8-block", block=(128, 128)),
-}
-
-
 class _Writer:
-    """One format's expert quantizer: validation from headers, per-tensor quantization, config."""
+    """One format's expert quantizer: validation from headers, per-tensor quantization, config.
+    ``format``: the format it writes (``formats.FORMATS``, a record with ``quantize``);
+    ``bundled``: the options of the bundled model's variant (``bundled:FORMAT``), None: none."""
+
+    format: str = ""
+    bundled: dict | None = None
 
     plan = None  # tools.quantize_model.WholeModelPlan: the non-expert weights quantized too (w4a16 scope "model")
 
@@ -224,6 +223,9 @@ class _Writer:
 class _W4A16Writer(_Writer):
     """compressed-tensors pack-quantized int4, written by the compressed-tensors package (scope
     "model": ``tools.quantize_model``'s plan, lm_head int8 per channel)."""
+
+    format = "w4a16"
+    bundled = dict(group_size=64, symmetric=True)  # the bundled model's I = 64: groups of 64 divide down_proj
 
     def __init__(self, options: QuantizeOptions) -> None:
         super().__init__(options)
@@ -282,6 +284,9 @@ class _W4A16Writer(_Writer):
 class _Fp8BlockWriter(_Writer):
     """Block FP8 (``formats.fp8.quantize_fp8_block``), the DeepSeek-V3 / Qwen3-FP8 layout."""
 
+    format = "fp8-block"
+    bundled = dict(block=(128, 128))
+
     def check_shape(self, key: str, shape: tuple[int, ...]) -> None:
         super().check_shape(key, shape)
         if min(self.options.block) <= 0:
@@ -305,8 +310,10 @@ class _Fp8BlockWriter(_Writer):
 class _Mxfp4Writer(_Writer):
     """MXFP4 of gpt-oss's stacked, transposed experts (``formats.mxfp4.quantize_mxfp4``)."""
 
+    format = "mxfp4"
+
     def validate(self, config: dict, headers: dict[Path, dict]) -> set[str]:
-        if config.get("model_type") != "gpt_oss":
+        if not experts_transposed(config):  # the published layout is of transposed experts ([in, out])
             raise ValueError(
                 f"mxfp4: the published MXFP4 expert layout is gpt-oss's; model_type {config.get('model_type')!r} "
                 "has none (use --format w4a16 or fp8-block)"
@@ -334,7 +341,8 @@ class _Mxfp4Writer(_Writer):
         return {"quant_method": "mxfp4", "modules_to_not_convert": sorted(set(plain) | {"lm_head"})}
 
 
-_WRITERS = {"w4a16": _W4A16Writer, "fp8-block": _Fp8BlockWriter, "mxfp4": _Mxfp4Writer}
+_WRITERS = {w.format: w for w in (_W4A16Writer, _Fp8BlockWriter, _Mxfp4Writer)}
+BUNDLED_VARIANTS = {w.format: QuantizeOptions(w.format, **w.bundled) for w in _WRITERS.values() if w.bundled is not None}
 
 
 def _writer_for(options: QuantizeOptions) -> _Writer:

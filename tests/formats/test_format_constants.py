@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedexperts.formats import TensorSpec, format_for_config
+from pagedexperts.formats import format_for_config
+from pagedexperts.formats.base import TensorSpec
 
 QC = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False},

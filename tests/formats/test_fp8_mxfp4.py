@@ -82,7 +82,8 @@ def test_mxfp4_dequantize_equals_transformers(dtype):
 def test_a_format_whose_package_is_missing_is_named_not_fatal(monkeypatch):
     from pagedexperts import formats
 
-    monkeypatch.setitem(formats.FORMATS, "fake", "pagedexperts.formats.fake_missing_module:Fake")
+    monkeypatch.setitem(formats.FORMATS, "fake", formats.FormatRecord(
+        "fake", "pagedexperts.formats.fake_missing_module:Fake", "a fake", (None, None, None)))
     assert "fake" not in formats.available_formats()
     assert format_for_config({"quantization_config": {"quant_method": "mxfp4"}}).name == "mxfp4"
     with pytest.raises(ValueError, match="unavailable here: .*'fake' is registered but"):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from support.int4_oracle import pack_awq, pack_gptq, random_int4
-from pagedexperts.formats import TensorSpec, format_for_config
+from pagedexperts.formats import format_for_config
+from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.awq import AwqFormat
 from pagedexperts.formats.gptq import GptqFormat
 

@@ -160,7 +160,8 @@ def test_int8_config_alone_sizes_the_experts_as_the_checkpoint_stores_them(path)
     stores with, no headers read) binds the scales to the saved dtype, so an expert's packed
     bytes at another run dtype are the checkpoint's own (llm-compressor saves the scales in the
     model's dtype); the headers' binding gives the checkpoint's bytes in every case."""
-    from pagedexperts.formats import TensorSpec, format_for_config
+    from pagedexperts.formats import format_for_config
+    from pagedexperts.formats.base import TensorSpec
     from pagedexperts.loading.checkpoint import format_for_checkpoint
 
     cfg = json.loads((path / "config.json").read_text())

@@ -26,7 +26,8 @@ from safetensors import safe_open
 
 from pagedexperts import load_model
 from pagedexperts.cli import main as cli_main
-from pagedexperts.formats import TensorSpec, format_for_config
+from pagedexperts.formats import format_for_config
+from pagedexperts.formats.base import TensorSpec
 from pagedexperts.tools.check import load_reference_with_choice
 from support.quantized_dirs import load_with_two_host_rows, prefill_decode_runs, reference_cache
 from support import paths

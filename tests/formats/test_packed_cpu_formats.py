@@ -13,19 +13,18 @@ import pytest
 import torch
 
 from support.int4_oracle import pack_awq, pack_gptq, random_int4
-from pagedexperts.formats import TensorSpec, format_for_config
-from pagedexperts.formats.cpu_pack import CpuPackedSlots, KernelTensor, plan_layout, plan_tensor
+from pagedexperts.formats import format_for_config
+from pagedexperts.formats.base import TensorSpec
+from pagedexperts.formats.cpu_pack import CpuPackedSlots, KernelTensor, packed_matmul, plan_layout, plan_tensor
 
 H, I_MOE = 128, 64  # hidden, expert intermediate: gate/up [I, H], down [H, I]
 REL_FP32 = 1e-5  # float32 kernel vs float64 product, relative to the output's peak
 
 
 def _kernel(plan: KernelTensor, rows: dict, x: torch.Tensor, expert: int) -> torch.Tensor:
+    """The one kernel call (``cpu_pack.packed_matmul``) over expert ``expert`` of ``rows`` converted."""
     got = plan.convert(rows)
-    weight, scales = got[plan.weight_name][expert], got[plan.scale_name][expert]
-    if plan.kind == "int4":
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, plan.group_size, scales)
-    return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
+    return packed_matmul(plan, got[plan.weight_name][expert], got[plan.scale_name][expert], x)
 
 
 def _oracle_experts(pack, group_size: int, seed: int):

@@ -29,7 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from pagedexperts import load_model
-from pagedexperts.formats import TensorSpec, format_for_config
+from pagedexperts.formats import format_for_config
+from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.base import store_name
 from pagedexperts.loading.checkpoint import format_for_checkpoint
 from support.quantized_dirs import prefill_decode_runs

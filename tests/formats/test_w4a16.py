@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 
 from support.tiny import tiny_model
-from pagedexperts.formats import TensorSpec, format_for_config
+from pagedexperts.formats import format_for_config
+from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
 from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
 from pagedexperts.analysis.sizing import checkpoint_sizes

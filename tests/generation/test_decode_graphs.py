@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from support.tiny import PAD_ID
+from pagedexperts.formats.slots import DequantizingSlots
 from pagedexperts import load_model
 from pagedexperts.cli import main
 from pagedexperts.generation.config import SamplingConfig
@@ -166,8 +167,9 @@ def test_runner_problem_names_the_syncing_kernels(tiny_moe_dir):
     assert runner_problem(runner, torch.bfloat16) is None
     runner.inner = "batched_mm"
     assert runner_problem(runner, torch.float32) is None
-    runner.setup = dataclasses.replace(runner.setup, dequantizer=object())  # packed slots of a quantized format
-    runner.inner = "batched_mm"  # its body, rebuilt over the setup, dequantizes each wave on the host
+    table = DequantizingSlots(None, dict(runner.slots), {})  # packed slots of a quantized format
+    runner.setup = dataclasses.replace(runner.setup, slots=table)
+    runner.inner = "batched_mm"  # its body, rebuilt over the setup, reads a table that dequantizes each wave
     assert "quantized format" in runner_problem(runner, torch.float32)
 
 

@@ -336,6 +336,20 @@ def test_supported_list_is_the_families_table():
     assert set(SUPPORTED_ARCHITECTURES) == set(FAMILIES) == set(CASES)
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_transposed_experts_is_what_transformers_builds(name):
+    """``Family.transposed_experts`` (which layout a quantized format must publish) is the
+    experts module's own ``is_transposed`` in transformers' model of the family."""
+    from pagedexperts.models.families import experts_transposed
+
+    model = build_model(name)
+    experts = [m for m in model.modules() if is_experts_module(m)]
+    assert experts and {bool(getattr(m, "is_transposed", False)) for m in experts} == {FAMILIES[name].transposed_experts}
+    assert experts_transposed(model.config) is FAMILIES[name].transposed_experts
+    assert experts_transposed(model.config.to_dict()) is FAMILIES[name].transposed_experts
+    assert experts_transposed({}) is None and experts_transposed({"model_type": "llama"}) is False
+
+
 def test_layer_mismatch_with_the_family_rule_is_refused():
     model = build_model("qwen2_moe")
     model.config.mlp_only_layers = []  # the config now claims layer 1 is MoE; the model disagrees

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from pagedexperts import integration
-from pagedexperts.formats.slots import allocate
-from pagedexperts.paging.transfer import PackedSlots
+from pagedexperts.formats.slots import DequantizingSlots, allocate
+from pagedexperts.paging.steps.contract import PackedSlots
 from pagedexperts.loading.loader import load_model
 from pagedexperts.loading.runtime import PagingRuntime, runtime_of
 from pagedexperts.paging.baselines import ResidentRunner
@@ -95,8 +95,9 @@ def test_capture_problem_per_runner_kind():
     cpu = torch.device("cpu")
     assert "HostExecutor reads the step back" in host.capture_problem(torch.bfloat16, cpu)
     assert dev.capture_problem(torch.bfloat16, cpu) is None
-    dev.setup = dataclasses.replace(dev.setup, dequantizer=object())  # packed slots of a quantized format
-    dev.inner = "grouped_mm"  # the body is rebuilt over the setup: it dequantizes each wave on the host
+    table = DequantizingSlots(None, dict(dev.slots), {})  # packed slots of a quantized format
+    dev.setup = dataclasses.replace(dev.setup, slots=table)
+    dev.inner = "grouped_mm"  # the body is rebuilt over the setup: its table dequantizes each wave on the host
     assert "quantized format" in dev.capture_problem(torch.bfloat16, cpu)
     resident = ResidentRunner(layer=0, store=host.store, device="cpu", inner="grouped_mm")
     assert resident.inline and not host.inline and not dev.inline

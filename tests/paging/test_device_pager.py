@@ -26,7 +26,7 @@ from support.tiny import assert_same  # noqa: E402
 from pagedexperts.residency.eviction import LFUPolicy  # noqa: E402
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec  # noqa: E402
 from pagedexperts.formats.fp8 import Fp8BlockFormat, quantize_fp8_block  # noqa: E402
-from pagedexperts.formats.slots import DenseSlots, WaveDequantizer, allocate  # noqa: E402
+from pagedexperts.formats.slots import DenseSlots, DequantizingSlots, allocate  # noqa: E402
 from pagedexperts.paging.host_executor import HostExecutor  # noqa: E402
 from pagedexperts.paging.device_executor import DeviceExecutor  # noqa: E402
 from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
@@ -144,16 +144,19 @@ def fp8_layer(dtype=torch.bfloat16, block=(16, 16)):
     return module, store, layout
 
 
+def dequantizing(layout, store, num_slots: int) -> DequantizingSlots:
+    """Packed slots like the store's tensors, dequantized each wave into a scratch of their own."""
+    return DequantizingSlots(layout, allocate(store.specs, num_slots, "cpu"), allocate(layout.dense_specs, num_slots, "cpu"))
+
+
 @pytest.mark.parametrize("inner", ["grouped_mm", "batched_mm"])
 def test_packed_fp8_slots_equal_host_pager_and_unpaged(inner, threads):
     module, store, layout = fp8_layer()
     for num_slots in (3, E):
         host = HostExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner,
-                            policy=LFUPolicy(num_slots), setup=SlotSetup(
-                                dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots, "cpu"))))
+                            policy=LFUPolicy(num_slots), setup=SlotSetup(dequantizing(layout, store, num_slots)))
         dev = DeviceExecutor(layer=0, store=store, num_slots=num_slots, device="cpu", inner=inner, policy="lfu",
-                             setup=SlotSetup(dequantizer=WaveDequantizer(layout, allocate(layout.dense_specs, num_slots,
-                                                                                          "cpu"))))
+                             setup=SlotSetup(dequantizing(layout, store, num_slots)))
         for n, routing in enumerate(routings(3, 8)):
             hidden, ids, weights = step_inputs(routing, torch.bfloat16, seed=n)
             want = unpaged(module, inner, hidden, ids, weights)

@@ -47,7 +47,7 @@ def _kinds(model) -> set[str]:
     assert rt.experts_fallbacks == {} and rt.stats().fallbacks == []
     kinds = set()
     for runner in rt.runners.values():
-        assert isinstance(runner.body, HostPackedStep) and runner.body.packed
+        assert isinstance(runner.body, HostPackedStep) and runner.inner == "packed"
         assert isinstance(runner.slots, CpuPackedSlots)
         kinds |= {p.kind for p in runner.slots.plans.values()}
     return kinds
@@ -75,8 +75,8 @@ def test_paged_packed_equals_all_resident(name, dtype):
 
 
 def test_fallback_layers_run_grouped_mm_and_say_why(caplog):
-    """FP8 block experts: no CPU int kernel; each layer runs grouped_mm over today's slots (exact to
-    transformers' own grouped_mm), a WARNING per layer and the reason in the stats."""
+    """FP8 block experts: no CPU int kernel; each layer runs grouped_mm over the slot table grouped_mm
+    gets (exact to transformers' own grouped_mm), a WARNING per layer and the reason in the stats."""
     path = DATA / "llmc/qwen3_moe-fp8_block"
     with caplog.at_level("WARNING"):
         model = _load(path, 4, "float32")
@@ -84,7 +84,7 @@ def test_fallback_layers_run_grouped_mm_and_say_why(caplog):
     assert set(rt.experts_fallbacks) == set(rt.runners) and all("e4m3" in why for why in rt.experts_fallbacks.values())
     assert any("runs grouped_mm instead" in r.getMessage() for r in caplog.records)
     assert len(rt.stats().fallbacks) == len(rt.runners)
-    assert all(not r.body.packed for r in rt.runners.values())
+    assert all(r.inner == "grouped_mm" and not isinstance(r.body, HostPackedStep) for r in rt.runners.values())
     grouped, _ = load_model(path, num_resident=4, dtype="float32")
     ids = _ids(2)
     assert torch.equal(greedy_logits(model, ids, steps=3), greedy_logits(grouped.eval(), ids, steps=3))

@@ -109,12 +109,15 @@ def test_the_fused_body_builds_its_launches_once_per_step_shape(monkeypatch):
 
 def test_packed_cpu_step_crosses_few_modules_and_functions():
     """The packed CPU body (torch's int4 kernel over slots in its layout) on GPTQModel's own
-    experts-only GPTQ checkpoint (E = 8, top_k = 2) at K = 4: within the same bound, and no name
-    of the kernels' layout is looked up in a step (the projections are resolved once per layer)."""
+    experts-only GPTQ checkpoint (E = 8, top_k = 2) at K = 4: within the same bound, and of the
+    CPU layout's module a step crosses only the table's kernel tensors and the kernel call: no
+    name of the kernels' layout is looked up, nothing converted (the projections are resolved
+    once per layer)."""
     walk = step_walk().walk("packed", model_path=DATA / "gptqmodel" / "qwen3_moe-gptq-experts", num_resident=4)
     listing = "\n".join(f"{m}: {f}" for m, f in walk.functions)
     max_modules, max_functions = BOUNDS["packed"]
     assert ("pagedexperts.paging.steps.host_packed", "HostPackedStep.run_wave") in walk.functions, listing
     assert len(walk.modules) <= max_modules, f"packed: {len(walk.modules)} modules\n{listing}"
     assert len(walk.functions) <= max_functions, f"packed: {len(walk.functions)} functions\n{listing}"
-    assert "pagedexperts.formats.cpu_pack" not in walk.modules, listing
+    crossed = {f for m, f in walk.functions if m == "pagedexperts.formats.cpu_pack"}
+    assert crossed == {"CpuPackedSlots.kernel_tensors", "packed_matmul"}, listing

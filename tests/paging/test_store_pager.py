@@ -18,24 +18,32 @@ import torch
 from support.tiny import assert_same
 from pagedexperts.models.sites import per_expert_specs
 from pagedexperts.paging.host_executor import HostExecutor
-from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS, STEP_BODIES, resolve_inner
+from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS, PACKED, STEP_BODIES, resolve_inner
 from pagedexperts.residency.eviction import EMPTY
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.paging.transfer import PackedSlots
+from pagedexperts.paging.steps.contract import PackedSlots
 from pagedexperts.storage.host_store import HostExpertStore
 from support.synthetic_layer import E, H, I, SCRIPT, TOP_K, paged, step_inputs, synthetic_experts, unpaged
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 def inner_dtype_cases():
-    """(inner, dtype) pairs over every inner implementation with a host step (this file pages
-    through the host executor; fused runs on the device path only: tests/paging/kernels/test_fused_paged.py)
-    and dtype."""
+    """(inner, dtype) pairs over every inner implementation with a host step that computes dense
+    experts (this file pages a dense synthetic layer through the host executor; fused runs on the
+    device path only: tests/paging/kernels/test_fused_paged.py; packed computes int4 / int8
+    experts: tests/paging/test_packed_cpu_exact.py) and dtype."""
     return [
         pytest.param(inner, dtype, id=f"{inner}-{str(dtype).removeprefix('torch.')}")
-        for inner in INNER_IMPLEMENTATIONS if STEP_BODIES[inner].host is not None
+        for inner in INNER_IMPLEMENTATIONS if STEP_BODIES[inner].host is not None and inner != PACKED
         for dtype in DTYPES
     ]
+
+
+def test_packed_over_a_table_its_kernels_cannot_read_is_refused():
+    """An executor told to run ``packed`` over dense experts (``loading.runners`` gives such a
+    layer grouped_mm, with a WARNING) refuses at once, naming the reason and the flag."""
+    with pytest.raises(ValueError, match="--experts-implementation packed: dense experts.*grouped_mm"):
+        paged(synthetic_experts(torch.float32), num_slots=3, inner="packed")
 
 
 def assert_slots_hold_host_rows(pager: HostExecutor) -> None:

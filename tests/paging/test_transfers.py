@@ -272,10 +272,11 @@ LOG: list = []
 
 
 def test_copy_stream_protocol(monkeypatch):
-    """Fresh slots: the first copies wait for the allocation's zero fill; every batch of copies
-    waits for the last compute that read the slots and is waited on by the next compute (also
-    when the batch is a prefetch and the step itself loads nothing); slots are record_stream-ed
-    on the copy stream; drain waits for the last copy."""
+    """Every batch of copies waits for every compute issued before it (so for the last compute
+    that read the slots, and for fresh slots' zero fill: a compute-done event recorded on the
+    compute stream as the batch is issued) and is waited on by the next compute (also when the
+    batch is a prefetch and the step itself loads nothing); slots are record_stream-ed on the
+    copy stream; drain waits for the last copy."""
     from pagedexperts.paging import transfer
     from pagedexperts.residency.planner import Load
 
@@ -300,21 +301,24 @@ def test_copy_stream_protocol(monkeypatch):
             for load in loads:
                 self.copy_to_slot(load.expert, load.slot, slots)
 
+        def rows_in_memory(self):  # ExpertStore's: rows reached through copy_to_slots only
+            return None
+
     tr = transfer.SlotTransfers({"w": Slot()}, "cuda", fake.copy, store=Store())
-    assert LOG[:2] == [("record_stream", "copy"), ("record", "ev1", "compute")]  # ev1 = compute done
+    assert LOG == [("record_stream", "copy")]  # ev1 = compute done, ev2 = copied: nothing recorded yet
     LOG.clear()
     tr.page_in([Load(3, 0), Load(5, 1)], now=False)
-    assert LOG[0] == ("wait", "copy", "ev1")  # after the zero fill / last reader
+    assert LOG[:2] == [("record", "ev1", "compute"), ("wait", "copy", "ev1")]  # after every compute issued so far
     assert [e for e in LOG if e[0] == "copy"] == [("copy", 3, 0, "copy"), ("copy", 5, 1, "copy")]
     assert LOG[-1] == ("record", "ev2", "copy")  # ev2 = copied, after the last copy
     LOG.clear()
     tr.page_in([])  # a wave that loads nothing: the compute waits for the copies above
-    tr.compute_done()
-    assert LOG == [("wait", "compute", "ev2"), ("record", "ev1", "compute")]
+    assert LOG == [("wait", "compute", "ev2")]
     LOG.clear()
     tr.page_in([])  # nothing new copied: no wait
     assert LOG == []
-    tr.page_in([Load(7, 0)], now=False)  # a prefetch from the previous layer
+    tr.page_in([Load(7, 0)], now=False)  # a prefetch from the previous layer: after the compute above
+    assert LOG[:2] == [("record", "ev1", "compute"), ("wait", "copy", "ev1")]
     LOG.clear()
     tr.page_in([])  # the step's own wave loads nothing
     assert LOG == [("wait", "compute", "ev2")]

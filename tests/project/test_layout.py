@@ -1,5 +1,8 @@
 """The package's layout and its one-definition concepts (issue 19).
 
+- The layout's list of modules (docs/design.md "Layout") names every module of the package, and
+  docs/design-layer-step.md's table of bodies is ``steps.table.STEP_BODIES``: inventories a test
+  keeps true, not ones maintained by hand.
 - Layering: each subpackage imports only those below it (docs/design.md "Layout"), read from the
   source (AST), module- and function-level imports alike; ``engine`` (no HTTP) below ``serving``,
   and ``generate`` on the engine alone.
@@ -11,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from pagedexperts.loading.config import ConfigError, PagingConfig, check_config
 from pagedexperts.paging.transfer import read_step
 from pagedexperts.stats.tiers import TierStats
 from pagedexperts.stats.accounting import TimeDistribution
+from support.paths import ROOT
 
 PACKAGE = Path(pagedexperts.__file__).parent
 # bottom first: a module may import its own layer and the layers before it
@@ -59,6 +64,43 @@ def test_every_subpackage_imports_only_those_below_it():
                 upward.append(f"{name} imports {imported}")
     assert upward == []
 
+
+
+def _section(doc: str, title: str) -> str:
+    return (ROOT / "docs" / doc).read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_design_layout_names_every_module():
+    """Every package module is named in docs/design.md "Layout", but the format modules (their
+    records in ``formats.FORMATS`` name them) and the command modules (``commands.COMMANDS``)."""
+    from pagedexperts.commands import COMMANDS
+    from pagedexperts.formats import FORMATS
+
+    named = set(re.findall(r"`([a-z_0-9]+)(?:\.py)?`", _section("design.md", "Layout")))
+    by_record = {r.where.partition(":")[0] for r in FORMATS.values()}
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(("pagedexperts", *path.relative_to(PACKAGE).with_suffix("").parts))
+        if path.stem.startswith("_") or module in by_record or (path.parent.name == "commands" and path.stem in COMMANDS):
+            continue
+        if path.stem not in named:
+            missing.append(module)
+    assert missing == [], f"docs/design.md \"Layout\" does not name {missing}"
+
+
+def test_the_table_of_bodies_is_the_step_table():
+    """docs/design-layer-step.md's table (implementation | host-planned | device-planned) lists
+    ``STEP_BODIES``: each implementation, with the module of each body or "none"."""
+    from pagedexperts.paging.steps.table import STEP_BODIES
+
+    rows = {}
+    for line in _section("design-layer-step.md", "The step contract").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in STEP_BODIES:
+            rows[cells[0]] = tuple(re.match(r"`?([a-z_]+)", c).group(1) for c in cells[1:])
+    want = {name: tuple(b.__module__.rsplit(".", 1)[1] if b is not None else "none" for b in (bodies.host, bodies.device))
+            for name, bodies in STEP_BODIES.items()}
+    assert rows == want
 
 
 def test_generate_runs_on_the_engine_without_the_http_server():

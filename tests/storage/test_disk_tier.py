@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 import pagedexperts
 from support.tiny import E, PAD_ID, TOP_K, VOCAB, copy_dir, greedy_logits, host_budget_gb
 from pagedexperts.storage.host_memory import plan_host_memory
-from pagedexperts.paging.transfer import PackedSlots
+from pagedexperts.paging.steps.contract import PackedSlots
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
 from pagedexperts.storage.safetensors_index import DiskReadError
 

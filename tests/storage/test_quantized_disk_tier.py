@@ -22,7 +22,7 @@ import torch
 
 import pagedexperts
 from pagedexperts import load_model
-from pagedexperts.paging.transfer import PackedSlots
+from pagedexperts.paging.steps.contract import PackedSlots
 from support.tiny import greedy_logits
 from support.quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
 from support.families import E, TOP_K, VOCAB, build_model, save_char_tokenizer

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.paging.transfer import PackedSlots
+from pagedexperts.paging.steps.contract import PackedSlots
 from pagedexperts.paging.prefetch import NextLayerPrefetcher
 from pagedexperts.residency.planner import Load
 from pagedexperts.stats.accounting import PrefetchStats

@@ -5,9 +5,10 @@ experts math; and the whole fused step as the tests run it.
 ``formats.unpack``: the oracle the kernels' in-register dequantization must equal bit for bit),
 ``fused_experts_reference`` (per entry: gate-up linear (+ bias), the module's activation, down
 linear (+ bias), optional post-expert norm, routing weight, sum over k) in the dense weights'
-dtype as transformers' ``grouped_mm`` experts compute it, and ``fused_experts``: the package's
-``fused_entries`` then ``combine`` (the weights and the sum over k, as ``grouped_mm`` ends; a
-paged step combines in its body, ``paging.steps.fused.FusedStep.combine``, instead).
+dtype as transformers' ``grouped_mm`` experts compute it, and ``fused_experts``: the launches a
+paged step runs (``paging.steps.fused.FusedLaunches``: ``of``, then ``entries``, what a wave of
+``FusedStep`` computes) then ``combine`` (the weights and the sum over k, as ``grouped_mm`` ends;
+a paged step combines in its body, ``paging.steps.fused.FusedStep.combine``, instead).
 
 What is exact to what. The fused kernels' dequantized weights equal ``dense_rows`` bit for bit
 (every format). Their step output differs from this reference only by the GEMMs' summation
@@ -82,10 +83,13 @@ def combine(entry_out: torch.Tensor, row_ids: torch.Tensor, routing_weights: tor
 
 
 def fused_experts(hidden: torch.Tensor, row_ids: torch.Tensor, routing_weights: torch.Tensor, gate_up, down, *,
-                  activation: Callable[[torch.Tensor], torch.Tensor], align_backend: str = "triton") -> torch.Tensor:
-    """The routed experts of one step through the fused kernels -> [T, H] in hidden's dtype:
-    ``fused_entries`` over the ``ProjectionRows`` gate_up and down, then ``combine``."""
-    from pagedexperts.paging.kernels.fused_moe import fused_entries
+                  activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The routed experts of one step through the fused kernels as the paged step launches them
+    -> [T, H] in hidden's dtype: ``FusedLaunches.of`` the ``ProjectionRows`` gate_up and down for
+    this step's shape, its ``entries`` (hidden cast to the GEMMs' dtype, as ``FusedStep.begin``
+    does), then ``combine``."""
+    from pagedexperts.paging.steps.fused import FusedLaunches
 
-    out = fused_entries(hidden, row_ids, gate_up, down, activation=activation, align_backend=align_backend)
+    launches = FusedLaunches.of(gate_up, down, num_entries=row_ids.numel(), top_k=row_ids.shape[1])
+    out = launches.entries(hidden.to(launches.gate_up.dense_dtype), row_ids, activation)
     return combine(out, row_ids, routing_weights, hidden.dtype)

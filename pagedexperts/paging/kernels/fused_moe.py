@@ -7,9 +7,11 @@ lives), ``FusedBlocks`` (the tile sizes, a function of the step's entry count an
 only, never of K or E, so a step computes the same bits whatever rows hold its experts),
 ``KernelTarget`` (interpreter or a GPU arch: what the kernels emulate), the GEMM's launch
 arguments (``gemm_arguments``: all but the step's tensors, which the paged fused step binds once
-per layer and step shape, ``paging.steps.fused``; ``gemm_launch``), and ``fused_entries``, every
-entry's output. Does not: decide residency, page in or remap expert ids to rows (the caller
-passes row ids), combine, or know a format's class.
+per layer and step shape, ``paging.steps.fused``, the one launch path; ``gemm_launch`` for
+ahead-of-time compilation), and the dequantization of rows (``dequantize_rows``, what the
+independence check reads). Does not: decide residency, page in or remap expert ids to rows (the
+caller passes row ids), run a step (``paging.steps.fused.FusedLaunches.entries``), combine, or
+know a format's class.
 
 Row addressing. A row id indexes every offset table of a step. The integration builds the
 tables once: ``ProjectionRows.from_tables`` over the K slot tensors (a routed expert in slot s
@@ -31,17 +33,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
 from pagedexperts.formats.packing import ROLES, WeightPacking
 from pagedexperts.paging.kernels._triton import check_backend, tl, triton
-from pagedexperts.paging.kernels.fused_align import Alignment, align_torch, align_triton
+from pagedexperts.paging.kernels.fused_align import Alignment
 from pagedexperts.paging.kernels import fused_moe_kernel as kernels  # its @triton.jit names exist only with triton
 from pagedexperts.paging.kernels.fused_moe_kernel import Arithmetic, packing_args
 
-ALIGN_BACKENDS = {"triton": align_triton, "torch": align_torch}
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -265,26 +266,6 @@ def gemm_arguments(rows: ProjectionRows, num_entries: int, block_m: int, *, a_ro
     return args, constexprs, dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
-def projection_gemm(a: torch.Tensor, rows: ProjectionRows, alignment: Alignment, *, a_row_div: int,
-                    blocks: FusedBlocks | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[S, out_features] in the packing's dense dtype, rows by entry: ``C[s] = a[s // a_row_div]
-    @ W_row(s)^T (+ bias)``; rows of entries left out of ``alignment`` are not written.
-
-    ``a`` [M, in_features] with unit stride along its rows. Raises ValueError: its width differs
-    from the packing's in_features."""
-    packing = rows.packing
-    if a.dim() != 2 or a.shape[1] != packing.in_features:
-        raise ValueError(f"GEMM input {tuple(a.shape)} does not match the weight's in_features {packing.in_features}")
-    a = a if a.stride(1) == 1 else a.contiguous()
-    blocks = blocks or FusedBlocks(block_m=alignment.block_m, block_in=choose_blocks(alignment.num_entries, packing).block_in)
-    c = out if out is not None else torch.empty((alignment.num_entries, packing.out_features),
-                                                dtype=packing.dense_dtype, device=a.device)
-    launch = gemm_launch(a, c, rows, alignment, a_row_div=a_row_div, blocks=blocks, target=KernelTarget.of(a.device))
-    kernels.fused_moe_gemm_kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps,
-                                       num_stages=launch.num_stages)
-    return c
-
-
 def dequantize_launch(out: torch.Tensor, rows: ProjectionRows, row_ids: torch.Tensor, *, target: KernelTarget,
                       block_out: int = 64, block_in: int = 64) -> Launch:
     """The launch writing ``out`` [n, out, in] (dense dtype) from the rows ``row_ids`` [n] lists."""
@@ -308,44 +289,3 @@ def dequantize_rows(rows: ProjectionRows, row_ids: torch.Tensor) -> torch.Tensor
     launch = dequantize_launch(out, rows, row_ids, target=KernelTarget.of(row_ids.device))
     kernels.dequantize_kernel[launch.grid](**launch.args, **launch.constexprs, num_warps=launch.num_warps)
     return out
-
-
-def _check_step(hidden, row_ids, gate_up: ProjectionRows, down: ProjectionRows) -> None:
-    """Raises ValueError naming the first mismatch of shapes, rows or devices."""
-    if hidden.dim() != 2 or row_ids.dim() != 2 or row_ids.shape[0] != hidden.shape[0]:
-        raise ValueError(f"want hidden [T, H] and row ids [T, k]; got {tuple(hidden.shape)} and {tuple(row_ids.shape)}")
-    if gate_up.packing.in_features != hidden.shape[1] or down.packing.out_features != hidden.shape[1]:
-        raise ValueError(f"hidden size {hidden.shape[1]}: gate_up reads {gate_up.packing.in_features}, "
-                         f"down writes {down.packing.out_features}")
-    if gate_up.num_rows != down.num_rows:
-        raise ValueError(f"gate_up has {gate_up.num_rows} rows, down {down.num_rows}: one row id must address both")
-    if gate_up.device != hidden.device or down.device != hidden.device:
-        raise ValueError(f"row offsets on {gate_up.device} / {down.device}, hidden on {hidden.device}")
-
-
-def fused_entries(hidden: torch.Tensor, row_ids: torch.Tensor, gate_up: ProjectionRows, down: ProjectionRows, *,
-                  activation: Callable[[torch.Tensor], torch.Tensor],
-                  post_expert: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  align_backend: str = "triton") -> torch.Tensor:
-    """The unweighted output of every entry: [S, H] in the down packing's dense dtype, flat
-    entry s = t * k + j; rows of entries whose row id is negative are not written (whatever
-    the buffer held). The kernel tests' entry point (the paged step, ``paging.steps.fused``,
-    launches the same kernels with its launches prepared once per step shape).
-
-    hidden [T, H]; row_ids [T, k] int64 (row of each entry in the address tables; -1: not
-    computed here); ``activation``: the experts module's gate ([S, 2I] -> [S, I], its
-    ``_apply_gate``); ``post_expert``: its optional post-expert norm. Stages: align by row
-    (``align_backend``: "triton" or "torch"), gate-up GEMM (+ bias), activation, down GEMM
-    (+ bias). No host sync (module docstring).
-
-    Raises:
-        ValueError: shapes, rows or devices that do not fit (``_check_step``), an unknown
-            align backend, or a CPU device without ``TRITON_INTERPRET=1``."""
-    _check_step(hidden, row_ids, gate_up, down)
-    if align_backend not in ALIGN_BACKENDS:
-        raise ValueError(f"unknown align backend {align_backend!r}; choose one of {list(ALIGN_BACKENDS)}")
-    num_entries = row_ids.numel()
-    alignment = ALIGN_BACKENDS[align_backend](row_ids, gate_up.num_rows, block_m_for(num_entries))
-    up = projection_gemm(hidden, gate_up, alignment, a_row_div=row_ids.shape[1])
-    out = projection_gemm(activation(up), down, alignment, a_row_div=1)
-    return out if post_expert is None else post_expert(out)

@@ -13,15 +13,16 @@ residency, the page-ins, the stats. A body owns how they are computed over the K
    ``routing`` says where each entry's expert is: ``HostRouting`` (the waves and the ids read
    back, host-planned) or ``DeviceRouting`` (each entry's slot and wave, on the device).
 3. ``run_wave(work, wave, slot_map)``, once per wave after its page-ins: fills the unweighted
-   outputs of the wave's entries.
+   outputs of the wave's entries, over what the slot table says its kernel reads
+   (``SlotSetup.slots.kernel_tensors``, asked each wave: a body never asks which table it got).
 4. ``combine(work, top_k_weights [T, k]) -> [T, H]``: the routing weights and the sum over k,
    in the order of the unpaged implementation (``grouped_mm``'s unless a body says otherwise).
 
 Each body is one module of ``paging.steps``; ``steps.table`` says which body runs which experts
-implementation on which path. This module also holds what the bodies that run transformers'
-own kernels share: ``DenseKernelStep``, ``SlotView``, ``weights_of``, ``in_unpaged_layout``,
-``LayerStep.combine``.
-Does not: page in, decide, time or count (the executors), or build a slot table
+implementation on which path. This module also holds the plain slot table (``PackedSlots``, the
+executors' default), and what the bodies that run transformers' own kernels share:
+``DenseKernelStep``, ``SlotView``, ``weights_of``, ``in_unpaged_layout``, ``LayerStep.combine``.
+Does not: page in, decide, time or count (the executors), or choose a slot table
 (``loading.runners``).
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T k entries (flat, s = t k + j).
@@ -36,32 +37,57 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from pagedexperts.formats.base import ExpertLayout
+from pagedexperts.formats.slots import SlotTable
+from pagedexperts.storage.host_store import ExpertStore
+
 
 @dataclass(frozen=True)
 class SlotSetup:
     """What a body is prepared from, once per layer.
 
     Attributes:
-        slots: the [K, ...] slot table the page-ins write (``paging.transfer.PackedSlots``:
-            the store's rows as they are; ``formats.slots.DenseSlots``: dequantized at page-in);
-            None until the executor allocates packed slots like the store's tensors.
-        dequantizer: for packed slots of a quantized format computed by a dense kernel, what
-            turns a wave's slots into dense tensors (``formats.slots.WaveDequantizer``); None:
-            the slots are what the kernel reads, or the body reads them packed.
+        slots: the layer's slot table (``formats.slots.SlotTable``: what the page-ins write and
+            what the kernel reads, ``kernel_tensors``), built by ``loading.runners.slot_table``;
+            None until the executor allocates the plain table (``PackedSlots``) like the store's
+            tensors.
         layout: the layer's quantized ``formats.base.ExpertLayout`` (how packed slot rows are
-            read), None for dense experts.
-        store: the layer's host store (``storage.host_store.ExpertStore``), for a body that reads
-            host rows in place.
+            read by a kernel that reads them packed), None for dense experts.
+        store: the layer's host store, for a body that reads host rows in place.
         in_place: the routing's entries carry host rows (row K + e: expert e read in place from
             ``store``) beside slot rows (``--beyond-k in-place``; a body that reads them has
             ``reads_in_place``).
     """
 
-    slots: Mapping[str, torch.Tensor] | None = None
-    dequantizer: Any = None
-    layout: Any = None
-    store: Any = None
+    slots: SlotTable | None = None
+    layout: ExpertLayout | None = None
+    store: ExpertStore | None = None
     in_place: bool = False
+
+
+class PackedSlots(SlotTable):
+    """The plain slot table: {name: [K, ...]} slot tensors that hold the store's rows as they
+    are (dense experts, or a quantized format's packed rows that the fused kernels read packed);
+    the kernel reads them as they are. A page-in copies each row into its slot."""
+
+    def write_rows(self, rows, slot: int, *, pinned: bool) -> None:
+        """Copy one expert's rows {name: [*spec.shape]} (host memory, page-locked when
+        ``pinned``) into row ``slot``: non-blocking from page-locked memory to a CUDA slot."""
+        for name, row in rows.items():
+            dst = self[name][slot]
+            dst.copy_(row, non_blocking=pinned and dst.is_cuda)
+
+    def copy_rows(self, source, loads, *, pinned: bool) -> None:
+        """A wave's page-ins from a store that holds every row in memory (``SlotTable.copy_rows``),
+        one tensor at a time."""
+        for name, table in self.items():
+            src, non_blocking = source[name], pinned and table.is_cuda
+            for expert, slot in loads:
+                table[slot].copy_(src[expert], non_blocking=non_blocking)
+
+    def kernel_tensors(self, wave_slots) -> "PackedSlots":
+        """The slot tensors themselves."""
+        return self
 
 
 class HostRouting(NamedTuple):
@@ -87,10 +113,12 @@ class LayerStep(ABC):
         planned: the executor that runs it, "host" or "device" (``steps.table``).
         needs_slot_map: ``run_wave`` reads an [E] expert -> slot map (host-planned: the
             executor passes ``transfer.SlotTransfers.slot_map``; else None).
+        reads_in_place: it reads host rows K + e when the setup says so (``SlotSetup.in_place``).
     """
 
     planned = "host"
     needs_slot_map = False
+    reads_in_place = False
 
     def __init__(self, setup: SlotSetup) -> None:
         self.setup = setup
@@ -117,30 +145,13 @@ class LayerStep(ABC):
 
     def wave_view(self, module, wave_slots: Sequence[int]) -> "SlotView":
         """The experts module as this body's kernels read it once ``wave_slots`` are paged in
-        (the independence check reads it): the slot tensors, or the wave's dense tensors."""
-        return SlotView(module, self.wave_tensors(wave_slots))
-
-    def wave_tensors(self, wave_slots) -> Mapping[str, torch.Tensor]:
-        """{dense name: [K, ...]}: the slots, or for packed slots of a quantized format the
-        wave's slots dequantized into the shared scratch (other rows: stale, never selected)."""
-        setup = self.setup
-        if setup.dequantizer is None:
-            return setup.slots
-        return setup.dequantizer.wave_tensors(setup.slots, wave_slots)
-
-    def dense_tensors(self) -> Mapping[str, torch.Tensor]:
-        """The tensors ``wave_tensors`` returns, without dequantizing anything (the same objects
-        every wave: a body keeps views of them from its first step)."""
-        setup = self.setup
-        return setup.slots if setup.dequantizer is None else setup.dequantizer.scratch
+        (the independence check reads it): over the slot table's kernel tensors."""
+        return SlotView(module, self.setup.slots.kernel_tensors(wave_slots))
 
     def capture_problem(self) -> str | None:
-        """Why a CUDA graph cannot hold this body's waves, or None (the caller judges the rest)."""
-        if self.setup.dequantizer is not None:
-            return ("packed slots of a quantized format dequantize each wave with constants built on the host "
-                    "(formats: torch.tensor(...) per call, a host-to-device copy a capture cannot hold); use "
-                    "--no-cuda-graphs")
-        return None
+        """Why a CUDA graph cannot hold this body's waves, or None (the caller judges the rest):
+        the slot table's answer (``SlotTable.capture_problem``)."""
+        return self.setup.slots.capture_problem()
 
 
 class DenseKernelStep(LayerStep):
@@ -154,8 +165,9 @@ class DenseKernelStep(LayerStep):
         self.all_slots: torch.Tensor | None = None
 
     def prepare(self, module, device: torch.device) -> None:
-        """Build what is fixed for the layer (once, at its first step)."""
-        self.weights = weights_of(module, self.dense_tensors())
+        """Build what is fixed for the layer (once, at its first step): the weights are views of
+        the slot table's kernel tensors, the same objects every wave."""
+        self.weights = weights_of(module, self.setup.slots.kernel_tensors(()))
         self.all_slots = torch.arange(self.weights.up.shape[0], device=device)
 
 

@@ -46,8 +46,7 @@ class DeviceBatchedStep(DenseKernelStep):
         from transformers.integrations.moe import _batched_linear
 
         w = self.weights
-        if self.setup.dequantizer is not None:
-            self.wave_tensors(self.all_slots)
+        self.setup.slots.kernel_tensors(self.all_slots)  # every slot readable by the kernel (``w`` views them)
         rows = (work.routing.entry_wave == wave).unsqueeze(1)
         run = work.routing.entry_slot.clamp(min=0)
         x = work.hidden.repeat_interleave(work.top_k, dim=0)

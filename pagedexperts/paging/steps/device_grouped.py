@@ -53,8 +53,7 @@ class DeviceGroupedStep(DenseKernelStep):
         from transformers.integrations.moe import _grouped_linear
 
         w, top_k = self.weights, work.top_k
-        if self.setup.dequantizer is not None:
-            self.wave_tensors(self.all_slots)
+        self.setup.slots.kernel_tensors(self.all_slots)  # every slot readable by the kernel (``w`` views them)
         pos, offsets, valid, slot_of_row = grouped_layout(work, wave, w.up.shape[0])
         rows, num_entries = valid.unsqueeze(1), pos.shape[0]
         x = work.hidden[work.perm[pos] // top_k]

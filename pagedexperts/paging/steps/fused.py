@@ -80,7 +80,7 @@ def layer_rows(setup, *, transposed: bool, device: torch.device) -> dict[str, Pr
     ``setup.in_place`` the store's E host rows after them (``ProjectionRows.join``: row K + e is
     expert e in place; the store's tensors as a device-side gather reads them, page-locked and
     mapped on CUDA: ``storage.host_store.ExpertStore.gather_source``)."""
-    rows = slot_rows(setup.layout, setup.slots, transposed=transposed)
+    rows = slot_rows(setup.layout, setup.slots.kernel_tensors(()), transposed=transposed)
     if not setup.in_place:
         return rows
     host = slot_rows(setup.layout, setup.store.gather_source(device), transposed=transposed)
@@ -103,7 +103,7 @@ class PreparedGemm:
 
 def prepare_gemm(rows: ProjectionRows, *, align: AlignLaunch, a_row_div: int) -> PreparedGemm:
     """The ``PreparedGemm`` of ``rows`` for the steps ``align`` aligns (its S, R, BLOCK_M; its
-    capacity gives the grid), tiles as ``kernels.fused_moe.projection_gemm`` chooses them.
+    capacity gives the grid), tiles as ``kernels.fused_moe.choose_blocks`` chooses them for S.
 
     Raises:
         ValueError: triton missing, or a CPU device without ``TRITON_INTERPRET=1``."""
@@ -118,12 +118,35 @@ def prepare_gemm(rows: ProjectionRows, *, align: AlignLaunch, a_row_div: int) ->
 
 @dataclass(frozen=True)
 class FusedLaunches:
-    """The launches of a step of S entries: the align over the K rows, the gate-up GEMM (entry
-    s reads hidden row s // k) and the down GEMM (entry s reads row s)."""
+    """The launches of a step of S entries: the align over the rows, the gate-up GEMM (entry s
+    reads hidden row s // k) and the down GEMM (entry s reads row s). ``entries`` runs them: what
+    a wave of the paged step computes, and what the kernel tests drive."""
 
     align: AlignLaunch
     gate_up: PreparedGemm
     down: PreparedGemm
+
+    @classmethod
+    def of(cls, gate_up: ProjectionRows, down: ProjectionRows, *, num_entries: int, top_k: int) -> "FusedLaunches":
+        """The launches of steps of S = ``num_entries`` entries, ``top_k`` per token, over the
+        rows ``gate_up`` and ``down`` (one row id addresses both).
+
+        Raises:
+            ValueError: the two projections have different row counts; triton missing, or a CPU
+                device without ``TRITON_INTERPRET=1``."""
+        if gate_up.num_rows != down.num_rows:
+            raise ValueError(f"gate_up has {gate_up.num_rows} rows, down {down.num_rows}: one row id must address both")
+        align = AlignLaunch.of(num_entries, gate_up.num_rows, block_m_for(num_entries))
+        return cls(align, prepare_gemm(gate_up, align=align, a_row_div=top_k), prepare_gemm(down, align=align, a_row_div=1))
+
+    def entries(self, hidden: torch.Tensor, row_ids: torch.Tensor, gate: Callable[[torch.Tensor], torch.Tensor]):
+        """[S, H] in the down GEMM's dense dtype: the unweighted output of every entry (flat s =
+        t k + j) whose row id (``row_ids`` [T, k] or [S] int64) is not negative; the rows of the
+        others are not written (whatever the buffer held). ``hidden`` [T, H] in the gate-up GEMM's
+        dense dtype; ``gate`` the experts module's ([S, 2I] -> [S, I]). No host sync."""
+        alignment = self.align(row_ids)
+        up = _gemm(self.gate_up, hidden, alignment)
+        return _gemm(self.down, gate(up), alignment)
 
 
 @dataclass
@@ -143,7 +166,9 @@ class FusedWork:
 
 class FusedStep(LayerStep):
     """``fused``: the wave's entries computed from the packed slot rows (module docstring);
-    with ``SlotSetup.in_place``, the slot rows joined with the host store's (row K + e)."""
+    with ``SlotSetup.in_place``, the slot rows joined with the host store's (row K + e). Its
+    kernels read the slot table's kernel tensors (the plain table's: the store's rows as they
+    are) through address tables built at the first step, so a wave asks the table nothing."""
 
     planned = "device"
     reads_in_place = True  # reads host rows K + e when the setup says so (--beyond-k in-place)
@@ -162,11 +187,9 @@ class FusedStep(LayerStep):
                          module._apply_gate if module.has_gate else module.act_fn, norm)
 
     def run_wave(self, work: FusedWork, wave: int, slot_map=None) -> None:
-        routing, launches = work.routing, work.launches
+        routing = work.routing
         in_wave = (routing.entry_wave == wave).unsqueeze(1)
-        alignment = launches.align(torch.where(in_wave[:, 0], routing.entry_slot, -1))
-        up = _gemm(launches.gate_up, work.hidden, alignment)
-        out = _gemm(launches.down, work.gate(up), alignment)
+        out = work.launches.entries(work.hidden, torch.where(in_wave[:, 0], routing.entry_slot, -1), work.gate)
         if work.post_norm is not None:
             out = work.post_norm(out)
         if work.entry_out is None:
@@ -195,9 +218,7 @@ class FusedStep(LayerStep):
             raise ValueError(f"hidden {tuple(hidden.shape)} on {hidden.device}: the fused rows read "
                              f"{gate_up.packing.in_features} and write {down.packing.out_features} features on "
                              f"{gate_up.device}")
-        align = AlignLaunch.of(num_entries, gate_up.num_rows, block_m_for(num_entries))
-        launches = FusedLaunches(align, prepare_gemm(gate_up, align=align, a_row_div=top_k),
-                                 prepare_gemm(down, align=align, a_row_div=1))
+        launches = FusedLaunches.of(gate_up, down, num_entries=num_entries, top_k=top_k)
         if len(self.launches) >= MAX_SHAPES:
             del self.launches[next(iter(self.launches))]
         self.launches[num_entries] = launches
@@ -206,14 +227,10 @@ class FusedStep(LayerStep):
     def wave_view(self, module, wave_slots) -> SlotView:
         """The module over the packed slots, carrying ``fused_rows`` (the address tables the
         kernels read; the independence check dequantizes a slot through them)."""
-        view = SlotView(module, self.setup.slots)
-        view.fused_rows = self.rows or slot_rows(self.setup.layout, self.setup.slots,
-                                                 transposed=bool(module.is_transposed))
+        tensors = self.setup.slots.kernel_tensors(())
+        view = SlotView(module, tensors)
+        view.fused_rows = self.rows or slot_rows(self.setup.layout, tensors, transposed=bool(module.is_transposed))
         return view
-
-    def capture_problem(self) -> str | None:
-        """None: the kernels read the packed slots, their constants are constexprs."""
-        return None
 
 
 def _gemm(gemm: PreparedGemm, a: torch.Tensor, alignment) -> torch.Tensor:

@@ -49,8 +49,7 @@ class HostBatchedStep(DenseKernelStep):
         from transformers.integrations.moe import _batched_linear
 
         planned, w, hidden = work.routing.waves[wave], self.weights, work.hidden
-        if self.setup.dequantizer is not None:
-            self.wave_tensors(planned.slots)
+        self.setup.slots.kernel_tensors(planned.slots)  # the wave readable by the kernel (``w`` views it)
         num_entries, top_k = work.routing.ids.size, work.routing.ids.shape[1]
         ids = slot_map[work.top_k_index.reshape(-1)]  # [S] slot per entry, -1: other wave
         if len(work.routing.waves) == 1:

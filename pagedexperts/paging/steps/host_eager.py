@@ -54,7 +54,7 @@ class HostEagerStep(LayerStep):
     def run_wave(self, work: EagerWork, wave: int, slot_map=None) -> None:
         module = work.module
         planned = work.routing.waves[wave]
-        view = SlotView(module, self.wave_tensors(planned.slots))
+        view = SlotView(module, self.setup.slots.kernel_tensors(planned.slots))
         loop = type(module).forward.__wrapped__
         slots = slot_map[work.entry_ids]
         if len(work.routing.waves) == 1:

@@ -104,8 +104,7 @@ class HostGroupedStep(DenseKernelStep):
         from transformers.integrations.moe import _grouped_linear
 
         planned, w, dev = work.routing.waves[wave], self.weights, work.hidden.device
-        if self.setup.dequantizer is not None:
-            self.wave_tensors(planned.slots)
+        self.setup.slots.kernel_tensors(planned.slots)  # the wave readable by the kernel (``w`` views it)
         num_entries, top_k = work.perm.shape[0], work.routing.ids.shape[1]
         if (dev.type == "cpu" and len(work.routing.waves) == 1
                 and len(planned.slots) * self.expert_bytes <= GATHER_MAX_BYTES):

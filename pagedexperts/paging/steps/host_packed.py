@@ -2,20 +2,19 @@
 
 Owns ``HostPackedStep``, the ``steps.contract.LayerStep`` body of ``--experts-implementation
 packed``: over a slot table in the layouts of torch's own CPU kernels
-(``formats.cpu_pack.CpuPackedSlots``: an expert's rows converted at page-in), each routed expert
-of a wave runs ``aten._weight_int4pack_mm_for_cpu`` (int4, group scales and float zero points)
-or ``aten._weight_int8pack_mm`` (per-channel int8) for its up (or gate_up) projection, the
-module's own gate (``_apply_gate`` or ``act_fn``), then the same kernel for down; no dense copy
-of a weight is made. A layer whose format those kernels cannot take was given today's slots by
-``loading.runners`` (packed slots dequantized per wave, or dense slots), and runs as
-``host_grouped`` (the reason is in the runtime's stats).
+(``formats.cpu_pack.CpuPackedSlots``), each routed expert of a wave runs the kernel's matmul
+(``formats.cpu_pack.packed_matmul``: int4 with group scales and float zero points, or
+per-channel int8) for its up (or gate_up) projection, the module's own gate (``_apply_gate`` or
+``act_fn``), then the same kernel for down; no dense copy of a weight is made. A layer whose
+format those kernels cannot take is given another table and ``grouped_mm`` by
+``loading.runners`` (the reason is in the runtime's stats).
 
 Exactness: one expert's rows are computed by one call per projection, over its entries in
 ascending flat order (s = t k + j), whatever the wave: so a paged step equals the same body with
 all E experts resident, bit for bit, at any thread count (the same calls on the same rows; a
 kernel row's bits do not depend on the other rows of the call, tested). The weights and the sum
-over k are ``contract.LayerStep.combine`` (grouped_mm's). Against transformers' dequantized model
-the kernels' arithmetic differs in the last bits (``formats.cpu_pack``): within tolerance.
+over k are grouped_mm's (``combine``). Against transformers' dequantized model the kernels'
+arithmetic differs in the last bits (``formats.cpu_pack``): within tolerance.
 
 Syncs: none (the rows of each expert are found on the host from the read-back ids).
 
@@ -29,9 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedexperts.formats.cpu_pack import CpuPackedSlots, KernelTensor
-from pagedexperts.paging.steps.contract import HostRouting
-from pagedexperts.paging.steps.host_grouped import HostGroupedStep
+from pagedexperts.formats.cpu_pack import KernelTensor, packed_matmul, plan_layout
+from pagedexperts.paging.steps.contract import HostRouting, LayerStep, SlotSetup
 from pagedexperts.paging.transfer import upload
 
 
@@ -54,18 +52,12 @@ class PackedWork:
 @dataclass(frozen=True)
 class PackedProjection:
     """One projection's slot tensors in the kernel's layout, resolved once per layer (a step
-    looks up nothing by name): ``weight`` [K, ...] and ``scales`` [K, ...] (``KernelTensor.specs``
-    per slot), ``int4`` (else per-channel int8), the kernel's ``group_size``, the kernels' ``dtype``."""
+    looks up nothing by name): its ``plan`` (``KernelTensor``), ``weight`` [K, ...] and
+    ``scales`` [K, ...] (``KernelTensor.specs`` per slot)."""
 
+    plan: KernelTensor
     weight: torch.Tensor
     scales: torch.Tensor
-    int4: bool
-    group_size: int
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, plan: KernelTensor, slots: CpuPackedSlots) -> PackedProjection:
-        return cls(slots[plan.weight_name], slots[plan.scale_name], plan.kind == "int4", plan.group_size, plan.dtype)
 
 
 @dataclass(frozen=True)
@@ -82,66 +74,92 @@ class PackedLayer:
     post_norm: object
 
 
-class HostPackedStep(HostGroupedStep):
-    """``packed``: per routed expert, torch's packed CPU matmuls over its slot (module docstring);
-    a layer without a ``CpuPackedSlots`` table runs ``HostGroupedStep``."""
+class HostPackedStep(LayerStep):
+    """``packed``: per routed expert, torch's packed CPU matmuls over its slot (module
+    docstring), over a slot table whose kernel tensors are in the kernels' layouts
+    (``formats.cpu_pack.CpuPackedSlots``: ``loading.runners.slot_table`` builds it).
 
-    def __init__(self, setup) -> None:
+    Raises (at construction):
+        ValueError: a layer the kernels cannot compute, or a slot table not in their layouts
+            (names the reason and the flag).
+    """
+
+    def __init__(self, setup: SlotSetup) -> None:
         super().__init__(setup)
-        self.packed = isinstance(setup.slots, CpuPackedSlots)
+        self.projections = packed_projections(setup)
         self.layer: PackedLayer | None = None
 
-    def begin(self, module, hidden, top_k_index, routing: HostRouting):
-        if not self.packed:
-            return super().begin(module, hidden, top_k_index, routing)
+    def begin(self, module, hidden, top_k_index, routing: HostRouting) -> PackedWork:
         if self.layer is None:
-            self.layer = _packed_layer(module, self.setup.slots)
+            self.layer = self._packed_layer(module)
         flat = routing.ids.reshape(-1)
         order = np.argsort(flat, kind="stable")
         counts = np.bincount(flat)
-        x = hidden.to(self.layer.up.dtype).contiguous()
+        x = hidden.to(self.layer.up.plan.dtype).contiguous()
         out = torch.empty((flat.shape[0], hidden.shape[1]), dtype=x.dtype, device=hidden.device)
         return PackedWork(hidden, x, routing, order, np.cumsum(counts) - counts, counts, out)
 
-    def run_wave(self, work, wave: int, slot_map=None) -> None:
+    def run_wave(self, work: PackedWork, wave: int, slot_map=None) -> None:
         """Each expert of the wave over its slot: up, gate, down, into its entries' rows."""
-        if not self.packed:
-            return super().run_wave(work, wave, slot_map)
         planned, layer = work.routing.waves[wave], self.layer
-        top_k = work.routing.ids.shape[1]
+        self.setup.slots.kernel_tensors(planned.slots)  # the wave readable by the kernel (``layer`` views it)
+        up, down, top_k = layer.up, layer.down, work.routing.ids.shape[1]
         for expert, slot in zip(planned.experts, planned.slots):
             rows_host = work.order[work.starts[expert]: work.starts[expert] + work.counts[expert]]
             rows = upload(rows_host, work.x.device)
-            up = _matmul(layer.up, slot, work.x.index_select(0, rows // top_k))
+            out = packed_matmul(up.plan, up.weight[slot], up.scales[slot], work.x.index_select(0, rows // top_k))
             if layer.up_bias is not None:
-                up = up + layer.up_bias[slot]
-            act = layer.gate(up).contiguous()
-            down = _matmul(layer.down, slot, act)
+                out = out + layer.up_bias[slot]
+            act = layer.gate(out).contiguous()
+            out = packed_matmul(down.plan, down.weight[slot], down.scales[slot], act)
             if layer.down_bias is not None:
-                down = down + layer.down_bias[slot]
+                out = out + layer.down_bias[slot]
             if layer.post_norm is not None:
-                down = layer.post_norm(down)
-            work.entry_out.index_copy_(0, rows, down)
+                out = layer.post_norm(out)
+            work.entry_out.index_copy_(0, rows, out)
+
+    def combine(self, work: PackedWork, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """[T, H] in hidden's dtype: grouped_mm's combine (``contract.LayerStep.combine``), the
+        entry outputs times their weights [T, k], summed over k. Written here so that a step
+        of this body crosses no module but its own and the kernels'
+        (tests/paging/test_step_walk.py)."""
+        num_tokens, top_k = top_k_weights.shape
+        weighted = work.entry_out.view(num_tokens, top_k, -1) * top_k_weights.unsqueeze(-1)
+        return weighted.sum(dim=1).to(work.hidden.dtype)
+
+    def _packed_layer(self, module) -> PackedLayer:
+        """The ``PackedLayer`` of ``module`` (the experts module: its gate, norm and bias flags,
+        as transformers' experts functions read them) over the projections."""
+        gated, biased = module.has_gate, module.has_bias
+        up_name = "gate_up_proj" if gated else "up_proj"
+        norm = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
+        tensors = self.setup.slots.kernel_tensors(())
+        return PackedLayer(self.projections[up_name], self.projections["down_proj"],
+                           tensors.get(f"{up_name}_bias") if biased else None,
+                           tensors.get("down_proj_bias") if biased else None,
+                           module._apply_gate if gated else module.act_fn, norm)
 
     def wave_view(self, module, wave_slots):
         """Packed slots hold the kernels' layouts, not dense tensors: the independence check
         compares those rows themselves (``loading.independence``); here the module itself."""
-        return module if self.packed else super().wave_view(module, wave_slots)
+        return module
 
 
-def _matmul(proj: PackedProjection, slot: int, x: torch.Tensor) -> torch.Tensor:
-    """x [n, K_in] @ W^T of ``proj``'s weight in ``slot`` -> [n, N], in x's dtype."""
-    if proj.int4:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, proj.weight[slot], proj.group_size, proj.scales[slot])
-    return torch.ops.aten._weight_int8pack_mm(x, proj.weight[slot], proj.scales[slot])
+def packed_projections(setup: SlotSetup) -> dict[str, PackedProjection]:
+    """{dense name: PackedProjection} of the layer's quantized tensors: the kernels' plans of its
+    layout (``formats.cpu_pack.plan_layout``) over the slot table's kernel tensors of those
+    names.
 
-
-def _packed_layer(module, slots: CpuPackedSlots) -> PackedLayer:
-    """The ``PackedLayer`` of ``module`` (the experts module: its gate, norm and bias flags, as
-    transformers' experts functions read them) over ``slots``."""
-    gated, biased = module.has_gate, module.has_bias
-    up_name = "gate_up_proj" if gated else "up_proj"
-    norm = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
-    return PackedLayer(PackedProjection.of(slots.plans[up_name], slots), PackedProjection.of(slots.plans["down_proj"], slots),
-                       slots.get(f"{up_name}_bias") if biased else None, slots.get("down_proj_bias") if biased else None,
-                       module._apply_gate if gated else module.act_fn, norm)
+    Raises:
+        ValueError: the kernels cannot compute the layout (the plan's reason), or the table's
+            kernel tensors are not in the kernels' layouts (a table built for another
+            implementation)."""
+    plans = plan_layout(setup.layout)
+    if isinstance(plans, str):
+        raise ValueError(f"--experts-implementation packed: {plans}; use --experts-implementation grouped_mm")
+    tensors = setup.slots.kernel_tensors(())
+    missing = [name for p in plans for name in (p.weight_name, p.scale_name) if name not in tensors]
+    if missing:
+        raise ValueError(f"--experts-implementation packed reads slots in torch's CPU kernel layouts; this layer's "
+                         f"slot table holds no {missing[0]!r} (it was built for another experts implementation)")
+    return {p.name: PackedProjection(p, tensors[p.weight_name], tensors[p.scale_name]) for p in plans}

@@ -66,9 +66,9 @@ def step_inputs(num_tokens: int, num_experts: int, dtype: torch.dtype, seed: int
     return hidden, ids, torch.rand(num_tokens, TOP_K, generator=gen)
 
 
-def run_fused(case: FormatCase, rows: dict, hidden, ids, weights, module, align_backend: str = "triton"):
+def run_fused(case: FormatCase, rows: dict, hidden, ids, weights, module):
     return fused_experts(hidden, ids, weights, rows["gate_up_proj"], rows["down_proj"],
-                         activation=lambda p: activate(module, p), align_backend=align_backend)
+                         activation=lambda p: activate(module, p))
 
 
 @needs_triton
@@ -230,15 +230,24 @@ def test_no_host_reads_mode_catches_reads():
 
 
 @needs_triton
-@pytest.mark.parametrize("align_backend", ["triton", "torch"])
-def test_step_reads_nothing_back(align_backend):
+def test_step_reads_nothing_back():
+    """The paged step's launches, prepared and run: no host read."""
     case = CASES["gptq-v1"]
     rows = projection_rows(case, random_store(case, E))
     hidden, ids, weights = step_inputs(3, E, case.dtype)
     module = experts_module(False)
     with NoHostReads():
-        out = run_fused(case, rows, hidden, ids, weights, module, align_backend=align_backend)
+        out = run_fused(case, rows, hidden, ids, weights, module)
     assert out.shape == hidden.shape
+
+
+def test_the_torch_alignment_reads_nothing_back():
+    """The align kernels' torch reference keeps their promise too."""
+    from pagedexperts.paging.kernels.fused_align import align_torch
+
+    ids = torch.randint(-1, 6, (5, 2), generator=torch.Generator().manual_seed(0))
+    with NoHostReads():
+        align_torch(ids, 6, 4)
 
 
 def test_packing_of_gptq_and_awq_say_their_layouts():
@@ -292,19 +301,21 @@ def test_dense_packing_reads_gpt_oss_orientation():
 
 @needs_triton
 def test_bad_inputs_are_refused_before_work():
-    from pagedexperts.paging.kernels.fused_moe import fused_entries
+    """The paged fused step refuses a hidden size its rows do not read, and launches over
+    projections whose row counts differ, before any kernel runs."""
+    from pagedexperts.paging.device_executor import DeviceExecutor
+    from pagedexperts.paging.steps.fused import FusedLaunches
+    from support.synthetic_layer import paged, step_inputs as layer_inputs, synthetic_experts
 
+    module = synthetic_experts(torch.float32)
+    dev = DeviceExecutor(layer=0, store=paged(module, 4).store, num_slots=4, device="cpu", inner="fused", policy="lru")
+    hidden, ids, weights = layer_inputs([[0, 1], [2, 3]], torch.float32, seed=0)
+    with pytest.raises(ValueError, match=r"hidden \(2, 16\) on cpu: the fused rows read 32"):
+        dev.step(module, hidden[:, :16], ids, weights)
     case = CASES["dense-fp32"]
-    rows = projection_rows(case, random_store(case, 4))
-    hidden, ids, _ = step_inputs(2, 4, torch.float32)
-    module = experts_module(False, 4)
-    act = lambda p: activate(module, p)  # noqa: E731
-    with pytest.raises(ValueError, match="hidden size 32"):
-        fused_entries(hidden[:, :32], ids, rows["gate_up_proj"], rows["down_proj"], activation=act)
-    with pytest.raises(ValueError, match=r"want hidden \[T, H\] and row ids \[T, k\]"):
-        fused_entries(hidden, ids[:1], rows["gate_up_proj"], rows["down_proj"], activation=act)
-    with pytest.raises(ValueError, match="unknown align backend 'cuda'"):
-        fused_entries(hidden, ids, rows["gate_up_proj"], rows["down_proj"], activation=act, align_backend="cuda")
+    four, five = projection_rows(case, random_store(case, 4)), projection_rows(case, random_store(case, 5))
+    with pytest.raises(ValueError, match="gate_up has 4 rows, down 5"):
+        FusedLaunches.of(four["gate_up_proj"], five["down_proj"], num_entries=4, top_k=2)
 
 
 def test_decode_bytes_at_qwen3_30b_a3b_shapes():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedexperts.paging.steps.contract import PackedSlots
 from pagedexperts.loading.config import ConfigError, PagingConfig, check_config
 from pagedexperts.loading.loader import bundled_model_path, load_model
 from pagedexperts.paging.kernels._triton import HAVE_TRITON
@@ -108,7 +109,7 @@ def test_paged_fused_equals_all_resident(fused, k):
     stats = model.pagedexperts.stats().total()
     assert stats.misses > 0 and (k == bundled.E // 2 or stats.multi_wave_steps > 0), (k, stats)
     runner = next(iter(model.pagedexperts.runners.values()))
-    assert runner.setup.dequantizer is None and "scratch" not in model.pagedexperts.buffers  # read packed
+    assert type(runner.slots) is PackedSlots and "scratch" not in model.pagedexperts.buffers  # read packed
     if name != "dense":
         assert any(t.dtype in (torch.int32, torch.float8_e4m3fn, torch.uint8) for t in runner.slots.values())
 
