@@ -50,6 +50,26 @@ from support.tiny import DEFAULT_THREADS, tiny_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
+def _transformers_tables_restored():
+    """transformers' checkpoint conversion tables as the test found them: a library that replaces
+    one process-wide while it loads its own checkpoint (auto-round's loader) leaves the next
+    test transformers as it ships (``loading.checkpoint.shipped_conversion_mapping``)."""
+    import sys
+
+    cm = sys.modules.get("transformers.conversion_mapping")
+    before = {t: cm.get_checkpoint_conversion_mapping(t) for t in getattr(cm, "USER_REGISTERED_MAPPINGS", ())}
+    yield
+    cm = sys.modules.get("transformers.conversion_mapping")
+    for model_type in set(getattr(cm, "USER_REGISTERED_MAPPINGS", ())) - set(before):
+        shipped = cm._build_checkpoint_conversion_mapping().get(model_type)
+        if shipped is not None:
+            cm.register_checkpoint_conversion_mapping(model_type, shipped, overwrite=True)
+        cm.USER_REGISTERED_MAPPINGS.discard(model_type)
+    for model_type, mapping in before.items():
+        cm.register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+
+
+@pytest.fixture(autouse=True)
 def _thread_count(request):
     """1 thread, except for exactness tests (module docstring); restored afterwards."""
     users = "threads" in request.fixturenames or request.node.get_closest_marker("default_threads")

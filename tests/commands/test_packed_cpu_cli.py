@@ -20,10 +20,55 @@ def test_check_gives_both_verdicts(capsys):
                "--max-new-tokens", "3"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "references: the same packed kernel with all E=8 experts resident (exact)" in out
+    assert "ran: packed on 2 of 2 MoE layers" in out and "ran nowhere" not in out
+    assert "references: the same kernels (packed) with all E=8 experts resident (exact)" in out
     assert "[vs packed, all E=8 resident]" in out and "logits torch.equal: yes" in out
     assert "max |logit diff|" in out and "PASS (within tolerance)" in out
     assert "verdict: PASS (paged packed == packed all resident; within tolerance of" in out
+
+
+def test_check_says_packed_ran_nowhere_on_a_dense_checkpoint(capsys, caplog):
+    """Every layer of the bundled (float32) model falls back to grouped_mm: no verdict, reference
+    or top-1 label claims packed, and the fallback is one WARNING though check loads the
+    checkpoint three times (the reference, all E resident, the K)."""
+    rc = main(["check", "--experts-implementation", "packed", "--check-resident", "8", "--max-new-tokens", "2",
+               "--prompt", "ROMEO:"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "ran: packed on 0 of 6 MoE layers, grouped_mm on layers [0, 1, 2, 3, 4, 5] (dense experts" in out
+    assert "--experts-implementation packed ran nowhere: this checks grouped_mm" in out
+    assert "PASS (bit-identical) [vs grouped_mm, all E=64 resident]" in out and "[vs packed" not in out
+    assert "vs transformers (grouped_mm over its experts)" in out and "dequantized" not in out
+    assert "grouped_mm 100.0%, transformers 100.0%" in out and "packed 1" not in out  # the top-1 labels
+    assert "verdict: PASS (paged grouped_mm == grouped_mm all resident; within tolerance of transformers); " \
+           "packed ran nowhere" in out
+    fallbacks = [r for r in caplog.records if "run grouped_mm instead" in r.getMessage()]
+    assert len(fallbacks) == 1 and "MoE layers [0, 1, 2, 3, 4, 5]" in fallbacks[0].getMessage(), fallbacks
+
+
+def test_check_labels_name_the_reference_that_ran(capsys):
+    """A GPTQ export whose reference is whichever ``choose_reference`` picks here (transformers needs
+    optimum for GPTQ; else the pagedexperts resident model): the references line and each
+    tolerance line name that source, never "transformers" for another."""
+    rc = main(["check", "--model-path", str(DATA / "gptqmodel/qwen3_moe-gptq"), "--experts-implementation", "packed",
+               "--check-resident", "3", "--max-new-tokens", "2", "--prompt", "hello"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    source = next(line for line in out.splitlines() if line.startswith("reference: ")).split()[1]
+    source = "pagedexperts resident" if source == "pagedexperts" else source
+    by = "pagedexperts" if source == "pagedexperts resident" else source
+    assert f"; {source} (grouped_mm over experts dequantized by {by}) (within tolerance)" in out
+    assert f"K=3 vs {source} (grouped_mm over experts dequantized by {by})" in out
+    assert f"within tolerance of {source})" in out
+
+
+def test_tolerance_line_names_the_reference_beside_its_top1():
+    from pagedexperts.tools.check_fused import ToleranceCheck, tolerance_line
+
+    res = ToleranceCheck(0.01, 0.1, 20, top1_fused=0.9, top1_reference=0.85)
+    line = tolerance_line(4, res, reference="pagedexperts resident (grouped_mm over experts dequantized by "
+                          "pagedexperts)", source="src", name="packed", reference_name="pagedexperts resident")
+    assert "packed 90.0%, pagedexperts resident 85.0% (packed no lower: yes)" in line and "transformers" not in line
 
 
 @pytest.fixture(scope="module")
