@@ -151,7 +151,7 @@ def test_generate_states_the_fallback(capsys):
                "packed", "--num-resident", "4", "--prompt", "hello", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert "on 0 of 2 MoE layers; grouped_mm on layers [0, 1] (ct-fp8 gate_up_proj: e4m3 codes" in err
+    assert "on 0 of 2 MoE layers (--experts-implementation); grouped_mm on layers [0, 1] (ct-fp8 gate_up_proj: e4m3" in err
 
 
 @pytest.mark.parametrize("options,flag", [
@@ -195,3 +195,21 @@ def test_auto_runs_int4_packed_and_says_it_chose(capsys):
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "experts: packed (torch's CPU int4 / int8 kernels) on 2 of 2 MoE layers (auto's choice for auto-round on a CPU" in err
+
+
+@pytest.mark.parametrize("argv,want,unwanted", [
+    (["--experts-implementation", "auto"], "experts: grouped_mm (auto's choice for dense: auto computes packed only",
+     "(the default"),
+    (["--experts-implementation", "grouped_mm"], "experts: grouped_mm (--experts-implementation);", "the default:"),
+    ([], "experts: grouped_mm (the default: fused becomes the default on CUDA", "--experts-implementation)"),
+    (["--model-path", str(INT4), "--experts-implementation", "auto"],
+     "experts: packed (torch's CPU int4 / int8 kernels) on 2 of 2 MoE layers (auto's choice for auto-round", "(the default"),
+])
+def test_one_experts_line_saying_why(argv, want, unwanted, capsys):
+    """One "experts:" start-up line (auto said its choice on a second one), "the default" only when
+    the flag was left out."""
+    rc = main(["generate", "--num-resident", "4", "--prompt", "hello", "--max-new-tokens", "1", *argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("experts:")]
+    assert rc == 0 and len(lines) == 1, err
+    assert want in lines[0] and unwanted not in lines[0], lines[0]
