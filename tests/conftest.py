@@ -92,17 +92,17 @@ def threads(request):
 def reference_model(tiny_moe_dir):
     """get(path=tiny_moe_dir, dtype="float32", impl="grouped_mm") -> transformers' own unpaged
     model of a checkpoint (``from_pretrained``, all experts resident, eval mode), loaded once per
-    (path, dtype, implementation) for the session. Shared: a test must not modify it (it holds
-    no paging state; forward and generate leave it as it was)."""
-    from transformers import AutoModelForCausalLM
+    (path, dtype, implementation) for the session, on transformers' local path
+    (``tools.check.transformers_model``: no kernel fetched from the Hub). Shared: a test must not
+    modify it (it holds no paging state; forward and generate leave it as it was)."""
+    from pagedexperts.tools.check import transformers_model
 
     cache = {}
 
     def get(path=None, dtype: str = "float32", impl: str = "grouped_mm"):
         key = (str(path or tiny_moe_dir), dtype, impl)
         if key not in cache:
-            cache[key] = AutoModelForCausalLM.from_pretrained(
-                key[0], experts_implementation=impl, dtype=getattr(torch, dtype)).eval()
+            cache[key] = transformers_model(key[0], experts_implementation=impl, dtype=getattr(torch, dtype)).eval()
         return cache[key]
 
     return get

@@ -160,61 +160,69 @@ def reference_label(choice, *, quantized: bool) -> str:
 
 
 def transformers_model(path, **kwargs):
-    """transformers' ``from_pretrained(path, **kwargs)`` with its conversion table as it ships
-    (``loading.checkpoint.shipped_conversion_table``): a model another library's patch does not
-    change (check's float32 source, bench's plain model)."""
+    """transformers' ``from_pretrained(path, **kwargs)`` as pagedexperts compares with it (check's
+    float32 source, bench's plain model, the tests' oracles): on its local path (the checkpoint
+    format's ``reference_kwargs``: gpt-oss MXFP4 dequantized by transformers' own code, never its
+    Triton kernels fetched from the Hub through the ``kernels`` package, so no network is needed;
+    ``kwargs`` override them), and with its conversion table as it ships
+    (``loading.checkpoint.shipped_conversion_table``): a model another library's patch does not change."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pagedexperts.loading.checkpoint import shipped_conversion_table
+    from pagedexperts.loading.checkpoint import format_for_checkpoint, shipped_conversion_table
+    from pagedexperts.storage.safetensors_files import checkpoint_files
 
-    with shipped_conversion_table(AutoConfig.from_pretrained(path).model_type):
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    config = AutoConfig.from_pretrained(path)
+    local = format_for_checkpoint(config, checkpoint_files(path)).reference_kwargs()
+    with shipped_conversion_table(config.model_type):
+        return AutoModelForCausalLM.from_pretrained(path, **{**local, **kwargs})
 
 
 def _quiet_load(path, **kwargs):
-    """transformers' ``from_pretrained`` of ``path`` with compressed-tensors' expected "Could not
-    match" WARNING for fused routed-expert targets dropped (``fused_expert_targets_quiet``)."""
+    """transformers' ``from_pretrained`` of ``path`` with compressed-tensors' spurious "Could not
+    match" WARNINGs for targets that name modules of the checkpoint dropped
+    (``fused_expert_targets_quiet``)."""
     from transformers import AutoModelForCausalLM
 
     with fused_expert_targets_quiet(path):
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
-class _FusedExpertTargets(logging.Filter):
+class _CheckpointModuleTargets(logging.Filter):
     """Drops compressed-tensors' "Could not match `T` in instance of ..." WARNING where T names
-    per-expert modules of the checkpoint (``expert_modules``): transformers 5 fuses those into
-    stacked experts tensors, so no module of that name exists to match, and it decompresses them
-    through its own weight conversion (which ``reference.choose_reference`` cross-checks against
-    compressed-tensors). A target that matches nothing in the checkpoint either still warns."""
+    modules the checkpoint stores (``modules``), which compressed-tensors reports unmatched though
+    they are there: per-expert modules, which transformers 5 fuses into stacked experts tensors
+    (no module of that name exists to match; it decompresses them through its own weight
+    conversion, which ``reference.choose_reference`` cross-checks against compressed-tensors), and
+    a module an earlier, broader target also matches (compressed-tensors' matcher stops at a
+    module's first matching target: ``lm_head`` after ``Linear`` in ``quantize --scope model``'s
+    config, whose lm_head does get its int8 scheme). A target that matches nothing in the
+    checkpoint still warns."""
 
-    def __init__(self, expert_modules: list[str]) -> None:
+    def __init__(self, modules: list[str]) -> None:
         super().__init__()
-        self.expert_modules = expert_modules
+        self.modules = modules
 
     def filter(self, record: logging.LogRecord) -> bool:
         from compressed_tensors.utils.match import match_name
 
         found = re.match(r"Could not match `(.+)` in instance of ", record.getMessage())
-        return found is None or not any(match_name(name, found.group(1)) for name in self.expert_modules)
+        return found is None or not any(match_name(name, found.group(1)) for name in self.modules)
 
 
 @contextlib.contextmanager
 def fused_expert_targets_quiet(path):
-    """While transformers loads checkpoint ``path``: compressed-tensors' expected "Could not
-    match" WARNING for routed-expert targets is dropped (``_FusedExpertTargets``), nothing else."""
+    """While transformers loads checkpoint ``path``: compressed-tensors' spurious "Could not match"
+    WARNING for a target naming modules of the checkpoint is dropped (``_CheckpointModuleTargets``),
+    nothing else."""
     from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
 
-    names = {key.rpartition(".")[0] for f in checkpoint_files(path) for key in read_header_json(f)[0]
-             if _PER_EXPERT_MODULE.search(key)}
-    quiet, target = _FusedExpertTargets(sorted(names)), logging.getLogger("compressed_tensors.utils.match")
+    names = {key.rpartition(".")[0] for f in checkpoint_files(path) for key in read_header_json(f)[0]}
+    quiet, target = _CheckpointModuleTargets(sorted(names)), logging.getLogger("compressed_tensors.utils.match")
     target.addFilter(quiet)
     try:
         yield
     finally:
         target.removeFilter(quiet)
-
-
-_PER_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.[^.]+\.[^.]+$")  # experts.{j}.{proj}.{tensor}
 
 
 def _resident_reference(path, *, device: str, dtype, experts_implementation: str):

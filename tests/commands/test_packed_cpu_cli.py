@@ -114,6 +114,26 @@ def test_check_passes_on_whole_model_exports(name, dtype, ours):
     assert rc == 0 and out.count("PASS (bit-identical)") == 2 and out.count("PASS (within tolerance)") == 2, out
 
 
+def test_transformers_loads_ours_without_a_spurious_lm_head_warning(ours, caplog):
+    """Where the commands load ours through transformers (bench's plain model, check's candidates):
+    no "Could not match `lm_head`" (compressed-tensors' matcher stops at lm_head's first target,
+    Linear, and reports the lm_head target unmatched), and lm_head does get its int8 scheme; a
+    target naming no module of the checkpoint still warns."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from pagedexperts.tools.check import _CheckpointModuleTargets, fused_expert_targets_quiet
+
+    with fused_expert_targets_quiet(ours):
+        model = AutoModelForCausalLM.from_pretrained(ours)
+    assert model.lm_head.quantization_scheme.weights.num_bits == 8
+    assert not [r for r in caplog.records if "Could not match" in r.getMessage()], caplog.text
+    record = logging.LogRecord("compressed_tensors.utils.match", logging.WARNING, "", 0,
+                               "Could not match `re:.*vision.*` in instance of Qwen3MoeForCausalLM", None, None)
+    assert _CheckpointModuleTargets(["lm_head", "model.layers.0.self_attn.q_proj"]).filter(record)
+
+
 @pytest.mark.parametrize("name", ["autoround/qwen3_moe-auto_round", *(pytest.param(n, marks=pytest.mark.slow) for n in (
     "autoround/qwen3_moe-auto_gptq", "gptqmodel/mixtral-gptq", "llmc_whole/qwen3_moe-W4A16-g32"))])
 def test_check_exact_verdict_on_the_other_whole_model_exports(name, tmp_path):
