@@ -16,6 +16,8 @@ The bundled model answers "Exeunt.\\n\\n" with its end-of-sequence token (id 0, 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from support.serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, httpx, one_thread, ref, server,  # noqa: F401
@@ -110,6 +112,37 @@ def test_each_option_over_http(server, cases):
         assert r.status_code == 200, (name, r.text)
         got = _outcome(r.json()["choices"][0], r.json()["usage"], want[2] is not None)
         assert got == want, name
+
+
+def _stop_reason(fields: dict, finish: str):
+    """vLLM's stop_reason of a case: the stop token id or stop string that ended it, None for the
+    end-of-sequence token and for the length limit."""
+    if finish != "stop":
+        return None
+    if fields.get("stop_token_ids"):
+        return fields["stop_token_ids"][0]
+    return fields["stop"][0] if fields.get("stop") else None
+
+
+def test_stop_reason_is_vllms(server, cases):
+    """Each choice says which stop ended it (vLLM's ``stop_reason``), whole and on the streamed
+    chunk that carries its finish_reason, on completions and chat."""
+    url = server[0]
+    for name, (fields, want) in cases.items():
+        reason = _stop_reason(fields, want[1])
+        body = {"model": NAME, "temperature": 0, **fields}
+        choice = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == (want[1], reason), name
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        (last,) = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"] is not None]
+        assert last["stop_reason"] == reason, name
+    chat = {"model": NAME, "temperature": 0, "messages": [{"role": "user", "content": ROMEO}], "max_tokens": 16}
+    first = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    stop = first["message"]["content"][2:5]
+    got = httpx.post(url + "/v1/chat/completions", json={**chat, "stop": [stop]}, timeout=60).json()["choices"][0]
+    assert (got["finish_reason"], got["stop_reason"]) == ("stop", stop)
+    assert first["stop_reason"] is None  # a length or end-of-sequence finish
 
 
 def test_the_openai_sdk_sends_them_as_extra_body(server, cases):
