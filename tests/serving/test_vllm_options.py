@@ -186,6 +186,35 @@ def test_all_options_in_one_batch(ref, cases):
         assert got == want, name
 
 
+def test_stop_token_ids_at_the_vocabulary_boundary(server, ref):
+    """V (the vocabulary size) is no token id: 400; V - 1 is the last one: served."""
+    v = ref[0].config.vocab_size
+    body = {"model": NAME, "prompt": ROMEO, "max_tokens": 2, "temperature": 0}
+    r = httpx.post(server[0] + "/v1/completions", json={**body, "stop_token_ids": [v]}, timeout=60)
+    assert r.status_code == 400 and f"in [0, {v}) (the vocabulary), got {v}" in r.json()["error"]["message"], r.text
+    r = httpx.post(server[0] + "/v1/completions", json={**body, "stop_token_ids": [v - 1]}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_min_tokens_holds_stop_token_ids_back(server, ref):
+    """A stop id the greedy text reaches at its 2nd token, with min_tokens 6: it can neither end the
+    request nor appear within the first 6 tokens. Oracle: transformers' greedy generate with
+    min_new_tokens 6 and every end-of-sequence id (EOS and the stop id)."""
+    model, tok = ref
+    g = _generate(model, tok, ROMEO, 16, eos_token_id=None)
+    stop = g[1]
+    want = _generate(model, tok, ROMEO, 16, eos_token_id=[EOS, stop], min_new_tokens=6)
+    assert stop not in want[:6] and want[:6] != g[:6]  # the oracle itself holds it back, so the text changes
+    ended = want[-1] in (EOS, stop)
+    r = httpx.post(server[0] + "/v1/completions", json={"model": NAME, "prompt": ROMEO, "max_tokens": 16,
+                                                        "temperature": 0, "stop_token_ids": [stop], "min_tokens": 6},
+                   timeout=60)
+    choice = r.json()["choices"][0]
+    assert choice["text"] == tok.decode(want[:-1] if ended else want, skip_special_tokens=True)
+    assert choice["finish_reason"] == ("stop" if ended else "length")
+    assert r.json()["usage"]["completion_tokens"] == len(want)
+
+
 def test_bad_stop_token_ids_are_refused(server):
     url = server[0]
     for value, match in ((["x"], "stop_token_ids"), ([10**9], "stop_token_ids must be token ids in"),
