@@ -1,8 +1,10 @@
 """Validation of the OpenAI requests served here: the limits and the one validation.
 
 Owns: the limits as named constants and ``prepare`` (a parsed request, ``protocol``, -> token
-ids and per-sequence sampling, every range checked, refusals as ``protocol.ApiError``); it
-runs in a worker thread, never on the event loop.
+ids and per-sequence sampling, every range checked, refusals as ``protocol.ApiError``); the chat
+template's arguments of a request (``template_kwargs``: vLLM's chat_template_kwargs,
+add_generation_prompt, continue_final_message, reasoning_effort); the note on informational
+fields (``ignored_fields``). It runs in a worker thread, never on the event loop.
 
 Admission order (cheap checks first, no work before them): the body size (``app``), the
 JSON and its types, the model name, every range, the prompt's BYTES against
