@@ -13,6 +13,7 @@ import contextlib
 import logging
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -189,40 +190,55 @@ def _quiet_load(path, **kwargs):
 
 class _CheckpointModuleTargets(logging.Filter):
     """Drops compressed-tensors' "Could not match `T` in instance of ..." WARNING where T names
-    modules the checkpoint stores (``modules``), which compressed-tensors reports unmatched though
-    they are there: per-expert modules, which transformers 5 fuses into stacked experts tensors
+    modules that are there though compressed-tensors reports them unmatched: per-expert modules
+    of the checkpoint (``expert_modules``), which transformers 5 fuses into stacked experts tensors
     (no module of that name exists to match; it decompresses them through its own weight
     conversion, which ``reference.choose_reference`` cross-checks against compressed-tensors), and
-    a module an earlier, broader target also matches (compressed-tensors' matcher stops at a
-    module's first matching target: ``lm_head`` after ``Linear`` in ``quantize --scope model``'s
-    config, whose lm_head does get its int8 scheme). A target that matches nothing in the
-    checkpoint still warns."""
+    modules of the checkpoint (``modules``) that a class target listed before T also matches
+    (``claimed_after``: compressed-tensors' matcher stops at a module's first matching target, so
+    ``lm_head`` after ``Linear`` in ``quantize --scope model``'s config is reported unmatched, though
+    lm_head gets its int8 scheme). Any other target still warns."""
 
-    def __init__(self, modules: list[str]) -> None:
+    def __init__(self, expert_modules: list[str], modules: list[str], claimed_after: set[str]) -> None:
         super().__init__()
-        self.modules = modules
+        self.expert_modules, self.modules, self.claimed_after = expert_modules, modules, claimed_after
 
     def filter(self, record: logging.LogRecord) -> bool:
         from compressed_tensors.utils.match import match_name
 
         found = re.match(r"Could not match `(.+)` in instance of ", record.getMessage())
-        return found is None or not any(match_name(name, found.group(1)) for name in self.modules)
+        if found is None:
+            return True
+        target = found.group(1)
+        if any(match_name(name, target) for name in self.expert_modules):
+            return False
+        return not (target in self.claimed_after and any(match_name(name, target) for name in self.modules))
 
 
 @contextlib.contextmanager
 def fused_expert_targets_quiet(path):
     """While transformers loads checkpoint ``path``: compressed-tensors' spurious "Could not match"
-    WARNING for a target naming modules of the checkpoint is dropped (``_CheckpointModuleTargets``),
-    nothing else."""
+    WARNINGs (``_CheckpointModuleTargets``) are dropped, nothing else."""
+    import json
+
     from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
 
-    names = {key.rpartition(".")[0] for f in checkpoint_files(path) for key in read_header_json(f)[0]}
-    quiet, target = _CheckpointModuleTargets(sorted(names)), logging.getLogger("compressed_tensors.utils.match")
+    modules = sorted({key.rpartition(".")[0] for f in checkpoint_files(path) for key in read_header_json(f)[0]})
+    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    targets = [t for group in (qc.get("config_groups") or {}).values() if isinstance(group, dict)
+               for t in group.get("targets", [])]
+    first_class = next((i for i, t in enumerate(targets) if not t.startswith("re:") and t not in modules), len(targets))
+    quiet = _CheckpointModuleTargets([m for m in modules if _PER_EXPERT_MODULE.search(m)], modules,
+                                     set(targets[first_class + 1:]))
+    target = logging.getLogger("compressed_tensors.utils.match")
     target.addFilter(quiet)
     try:
         yield
     finally:
         target.removeFilter(quiet)
+
+
+_PER_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.[^.]+$")  # experts.{j}.{proj}
 
 
 def _resident_reference(path, *, device: str, dtype, experts_implementation: str):
