@@ -94,15 +94,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+# tqdm's default ``delay`` (seconds before a bar is first drawn) where stderr is no terminal: never
+# (a bar never drawn writes nothing when it closes either). tqdm reads TQDM_<PARAMETER> defaults
+# from the environment when it is imported.
+NEVER_DRAWN_S = str(10**9)
+
+
 def progress_bars_on_a_terminal_only() -> None:
     """Progress bars only where stderr is a terminal. The package's own tqdm bars pass
     ``disable=None`` (tqdm's rule: off when the stream is not a TTY); transformers' and
     huggingface_hub's ("Loading weights") read huggingface_hub's ``HF_HUB_DISABLE_PROGRESS_BARS``
-    when they are imported, so it is set here, before any command imports them, when stderr is a
-    file or a pipe (``quantize ... > log 2>&1`` wrote every update, a carriage-return line each).
-    An explicit value in the environment stands."""
-    if not sys.stderr.isatty() and "transformers" not in sys.modules:
+    when they are imported, and other libraries' tqdm bars (compressed-tensors' "Applying
+    quantization config", "Dispatching model", "Decompressing model", which pass ``disable=False``)
+    take tqdm's environment default ``TQDM_DELAY`` (``NEVER_DRAWN_S``), so both are set here,
+    before any command imports them, when stderr is a file or a pipe (``quantize ... > log 2>&1``
+    wrote every update, a carriage-return line each). An explicit value in the environment stands."""
+    if sys.stderr.isatty():
+        return
+    if "transformers" not in sys.modules:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "tqdm" not in sys.modules:
+        os.environ.setdefault("TQDM_DELAY", NEVER_DRAWN_S)
 
 
 def model_path(command: str, value: str) -> str:

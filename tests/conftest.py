@@ -50,6 +50,26 @@ from support.tiny import DEFAULT_THREADS, tiny_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
+def _transformers_tables_restored():
+    """transformers' checkpoint conversion tables as the test found them: a library that replaces
+    one process-wide while it loads its own checkpoint (auto-round's loader) leaves the next
+    test transformers as it ships (``loading.checkpoint.shipped_conversion_mapping``)."""
+    import sys
+
+    cm = sys.modules.get("transformers.conversion_mapping")
+    before = {t: cm.get_checkpoint_conversion_mapping(t) for t in getattr(cm, "USER_REGISTERED_MAPPINGS", ())}
+    yield
+    cm = sys.modules.get("transformers.conversion_mapping")
+    for model_type in set(getattr(cm, "USER_REGISTERED_MAPPINGS", ())) - set(before):
+        shipped = cm._build_checkpoint_conversion_mapping().get(model_type)
+        if shipped is not None:
+            cm.register_checkpoint_conversion_mapping(model_type, shipped, overwrite=True)
+        cm.USER_REGISTERED_MAPPINGS.discard(model_type)
+    for model_type, mapping in before.items():
+        cm.register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+
+
+@pytest.fixture(autouse=True)
 def _thread_count(request):
     """1 thread, except for exactness tests (module docstring); restored afterwards."""
     users = "threads" in request.fixturenames or request.node.get_closest_marker("default_threads")
@@ -72,17 +92,17 @@ def threads(request):
 def reference_model(tiny_moe_dir):
     """get(path=tiny_moe_dir, dtype="float32", impl="grouped_mm") -> transformers' own unpaged
     model of a checkpoint (``from_pretrained``, all experts resident, eval mode), loaded once per
-    (path, dtype, implementation) for the session. Shared: a test must not modify it (it holds
-    no paging state; forward and generate leave it as it was)."""
-    from transformers import AutoModelForCausalLM
+    (path, dtype, implementation) for the session, on transformers' local path
+    (``tools.check.transformers_model``: no kernel fetched from the Hub). Shared: a test must not
+    modify it (it holds no paging state; forward and generate leave it as it was)."""
+    from pagedexperts.tools.check import transformers_model
 
     cache = {}
 
     def get(path=None, dtype: str = "float32", impl: str = "grouped_mm"):
         key = (str(path or tiny_moe_dir), dtype, impl)
         if key not in cache:
-            cache[key] = AutoModelForCausalLM.from_pretrained(
-                key[0], experts_implementation=impl, dtype=getattr(torch, dtype)).eval()
+            cache[key] = transformers_model(key[0], experts_implementation=impl, dtype=getattr(torch, dtype)).eval()
         return cache[key]
 
     return get

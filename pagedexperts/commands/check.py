@@ -78,41 +78,53 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "ho
 
 def run_fused(args, ks, options, reference, choice, num_experts: int, *, path, quantized: bool) -> int:
     """``check --experts-implementation fused`` (or ``packed``: torch's packed CPU matmuls): per
-    K, paged == the same kernel with all E resident (torch.equal), and within tolerance of
-    transformers' model (``tools.check_fused``)."""
+    K, paged == the same kernels with all E resident (torch.equal), and within tolerance of
+    transformers' model (``tools.check_fused``). Every label says what ran (``tools.what_ran``):
+    a layer that fell back runs grouped_mm, and a check where the kernel ran nowhere says so."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from pagedexperts.loading.loader import load_model
-    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model
+    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, reference_label, transformers_model
     from pagedexperts.tools.check_fused import tolerance_check, tolerance_line
+    from pagedexperts.tools.what_ran import kernels_ran
 
     source_path = args.source_model_path
     if source_path is None and not quantized and reference.dtype == torch.float32:
         source_path = str(path)  # an unquantized float32 checkpoint is its own float32 source
-    source = None if source_path is None else AutoModelForCausalLM.from_pretrained(
-        source_path, dtype="float32").to(args.device).eval()
+    source = None if source_path is None else transformers_model(source_path, dtype="float32").to(args.device).eval()
     oracle, tokenizer = load_model(args.model_path, num_resident=num_experts, **options)
-    name = args.experts_implementation
-    transformers_ref = f"{choice.source} (grouped_mm over its dequantized experts)"
-    print(f"references: the same {name} kernel with all E={num_experts} experts resident (exact); {transformers_ref} "
-          "(within tolerance)")
+    ran = kernels_ran(oracle)
+    print(f"ran: {ran.label()}")
+    if not ran.ran_at_all:
+        print(f"--experts-implementation {ran.implementation} ran nowhere: this checks {ran.kernel} "
+              f"(paged == {ran.kernel} with all E resident, and within tolerance of {choice.source})")
+    transformers_ref = reference_label(choice, quantized=quantized)
+    print(f"references: the same kernels ({ran.kernel}) with all E={num_experts} experts resident (exact); "
+          f"{transformers_ref} (within tolerance)")
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     ok = True
     for k in ks:
         paged, _ = load_model(args.model_path, num_resident=k, **options)
         res = check_model(paged, oracle, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
         print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide)
-              + f" [vs {name}, all E={num_experts} resident]")
+              + f" [vs {ran.kernel}, all E={num_experts} resident]")
         tol = tolerance_check(paged, reference, source, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
-        print(tolerance_line(k, tol, reference=transformers_ref, source=source_path, name=name))
+        print(tolerance_line(k, tol, reference=transformers_ref, source=source_path, name=ran.kernel,
+                             reference_name=choice.source))
         ok &= res.passed and tol.passed
-    print("verdict:", "PASS" if ok else "FAIL", f"(paged {name} == {name} all resident; within tolerance of "
-          f"{choice.source})")
+    print("verdict:", "PASS" if ok else "FAIL", f"(paged {ran.kernel} == {ran.kernel} all resident; within tolerance "
+          f"of {choice.source})" + ("" if ran.ran_at_all else f"; {ran.implementation} ran nowhere"))
     return 0 if ok else 1
 
 
 def run(args) -> int:
+    from pagedexperts.tools.check import each_message_once
+
+    with each_message_once():  # the reference and each K load the same checkpoint: its WARNINGs once
+        return _run(args)
+
+
+def _run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
     from pagedexperts.loading.checkpoint import format_for_checkpoint
     from pagedexperts.loading.experts_options import check_experts_dtype

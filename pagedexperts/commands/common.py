@@ -30,6 +30,7 @@ def add_model_arguments(parser) -> None:
     g.add_argument(
         "--experts-implementation",
         default="grouped_mm",
+        action=_Given,
         choices=[*INNER_IMPLEMENTATIONS, AUTO],
         help="experts kernel run over the slots (default grouped_mm; auto: packed on a CPU for int4 / int8 "
         "checkpoints (GPTQ, AWQ, compressed-tensors W4A16 / W8A16, AutoRound int), measured faster there, "
@@ -78,6 +79,20 @@ def add_model_arguments(parser) -> None:
         "smaller of the machine's and the memory cgroup's limit)",
     )
     add_threads_argument(g)
+
+
+class _Given(argparse.Action):
+    """Stores the value and records that the flag was given (``args.given``: the set of dests given),
+    so that a start-up line says "the default" only for a default."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", set()) | {self.dest}
+
+
+def given(args, dest: str):
+    """The value of flag ``dest`` when the command line gave it (``_Given``), else None."""
+    return getattr(args, dest) if dest in getattr(args, "given", ()) else None
 
 
 def utf8_text(text: str, what: str) -> str:
@@ -239,45 +254,20 @@ def load_from_args(args):
         if getattr(args, "threads_note", None):
             print(args.threads_note, file=sys.stderr)
         print_host_memory(model)
-        print(experts_note(model.pagedexperts), file=sys.stderr)
-        print_experts_paths(model, chosen=args.experts_implementation == AUTO)
+        print(experts_note(model.pagedexperts, asked=given(args, "experts_implementation")), file=sys.stderr)
     return model, tokenizer
 
 
-def print_experts_paths(model, *, chosen: bool = False) -> None:
-    """Under --experts-implementation packed, one line on stderr: how many MoE layers compute
-    their experts packed (torch's CPU int4 / int8 kernels) and which run grouped_mm, and why;
-    how many quantized non-expert linears are packed and dequantized, and why;
-    ``chosen``: packed was auto's choice for this format, said so."""
-    rt = model.pagedexperts
-    if rt.config.experts_implementation != PACKED:
-        return
-    fallbacks = rt.experts_fallbacks
-    line = f"experts: packed (torch's CPU int4 / int8 kernels) on {len(rt.runners) - len(fallbacks)} of {len(rt.runners)} MoE layers"
-    if chosen:
-        line += (f" (auto's choice for {rt.expert_format} on a CPU: faster than dequantizing, exact to itself, within "
-                 "a tolerance of transformers; --experts-implementation grouped_mm for bits equal to transformers')")
-    if fallbacks:
-        reasons = sorted(set(fallbacks.values()))
-        line += f"; grouped_mm on layers {sorted(fallbacks)} ({'; '.join(reasons)})"
-    linears = rt.quantized_linears
-    if linears is not None and (linears.packed or linears.modules):
-        line += (f"; quantized non-expert linears: {len(linears.packed)} packed, {len(linears.modules)} dequantized"
-                 + "".join(f" ({why})" for why in dict.fromkeys(why for _, why in linears.fallbacks)))
-    print(line, file=sys.stderr)
-
-
-def experts_note(runtime) -> str:
-    """The start-up line: which experts implementation runs and why, where steps are planned,
-    and how a union beyond K is computed (``PagingRuntime``: its config and resolved decide)."""
+def experts_note(runtime, *, asked: str | None = None) -> str:
+    """The one start-up line of the experts: which implementation runs and why (``asked``: the
+    --experts-implementation given, None when left at its default), under packed on which MoE
+    layers and non-expert linears (``packed_paths``), where steps are planned, and how a union
+    beyond K is computed (``PagingRuntime``: its config and resolved decide)."""
     cfg = runtime.config
     name = cfg.experts_implementation
-    if name == "grouped_mm":
-        why = ("the default: fused becomes the default on CUDA once its CUDA tests and bench/gpu_check.sh have run on "
-               "a GPU, docs/fused-kernels.md")
-    else:
-        why = "--experts-implementation"
-    line = f"experts: {name} ({why})"
+    line = f"experts: {name} ({_why(runtime, asked)})"
+    if name == PACKED:
+        line = f"experts: {name} (torch's CPU int4 / int8 kernels) {packed_paths(runtime, why=_why(runtime, asked))}"
     if cfg.mode != "paged":
         return f"{line}; mode {cfg.mode}"
     decide = runtime.decide if cfg.decide != "auto" else f"{runtime.decide} (--decide auto)"
@@ -287,6 +277,37 @@ def experts_note(runtime) -> str:
     else:
         beyond = "in waves (--beyond-k waves, the default until a GPU has timed in-place)"
     return f"{line}; {decide}-planned steps; experts beyond K={runtime.num_resident} computed {beyond}"
+
+
+def _why(runtime, asked: str | None) -> str:
+    """Why ``runtime``'s experts implementation runs: the default, auto's choice, or the flag."""
+    name = runtime.config.experts_implementation
+    if asked == AUTO:
+        if name == PACKED:
+            return (f"auto's choice for {runtime.expert_format} on a CPU: faster than dequantizing, exact to itself, "
+                    "within a tolerance of transformers; --experts-implementation grouped_mm for bits equal to "
+                    "transformers'")
+        return f"auto's choice for {runtime.expert_format}: auto computes packed only int4 / int8 formats, on a CPU"
+    if asked is None and name == "grouped_mm":
+        return ("the default: fused becomes the default on CUDA once its CUDA tests and bench/gpu_check.sh have run "
+                "on a GPU, docs/fused-kernels.md")
+    return "--experts-implementation"
+
+
+def packed_paths(runtime, *, why: str) -> str:
+    """Under --experts-implementation packed: how many MoE layers compute their experts packed
+    and which run grouped_mm and why (``why``: why packed runs), how many quantized non-expert
+    linears are packed and dequantized and why."""
+    fallbacks = runtime.experts_fallbacks
+    line = f"on {len(runtime.runners) - len(fallbacks)} of {len(runtime.runners)} MoE layers ({why})"
+    if fallbacks:
+        reasons = sorted(set(fallbacks.values()))
+        line += f"; grouped_mm on layers {sorted(fallbacks)} ({'; '.join(reasons)})"
+    linears = runtime.quantized_linears
+    if linears is not None and (linears.packed or linears.modules):
+        line += (f"; quantized non-expert linears: {len(linears.packed)} packed, {len(linears.modules)} dequantized"
+                 + "".join(f" ({why})" for why in dict.fromkeys(why for _, why in linears.fallbacks)))
+    return line
 
 
 def print_host_memory(model) -> None:

@@ -35,8 +35,9 @@ def add_parser(sub) -> None:
                    help="> 0: divide the positive and multiply the negative logits of every token of the prompt and "
                    "the text so far (1 = none, default; greedy too)")
     g.add_argument("--min-tokens", type=int, default=0,
-                   help="hold end-of-sequence back until this many tokens are generated (default 0; stop strings still "
-                   "stop). All sampling options mean what serve's request fields of the same names mean")
+                   help="hold end-of-sequence back until this many tokens are generated, and count a --stop string only "
+                   "where it ends after their text (default 0). All sampling options mean what serve's request fields "
+                   "of the same names mean")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_speculative_arguments(p)
@@ -102,7 +103,7 @@ def run(args) -> int:
 
     from pagedexperts.engine.logits_processor import SamplingProcessor
     from pagedexperts.engine.sequence import eos_ids
-    from pagedexperts.generation.generate import format_report, generate_text
+    from pagedexperts.generation.generate import format_report, generate_text, prompt_inputs
 
     sampling = sampling_from_args(args)
     speculative = speculative_from_args(args)
@@ -117,6 +118,7 @@ def run(args) -> int:
     if not prompt.strip():
         raise ValueError("empty prompt; give --prompt TEXT or text on stdin")
     model, tokenizer = load_from_args(args)
+    prompt_inputs(model, tokenizer, prompt, sampling.max_new_tokens, chat=args.chat)  # refused before it is echoed
     recorder = None
     if args.record_trace:
         from pagedexperts.analysis.recording import TraceRecorder
@@ -128,7 +130,9 @@ def run(args) -> int:
             from pagedexperts.analysis.recording import record_predictions
 
             record_predictions(model, recorder)  # predictions go into the trace as an extra
-    print(prompt, end="", flush=True)
+    if not args.quiet:  # --quiet: the generated text only
+        print(prompt, end="", flush=True)
+
     def on_text(text: str) -> None:
         print(text, end="", flush=True)
 
@@ -136,7 +140,7 @@ def run(args) -> int:
         eos = tuple(sorted(eos_ids(model, tokenizer))) if sampling.min_tokens else ()
         processor = SamplingProcessor(dataclasses.replace(sampling, eos_ids=eos))
         result = generate_text(model, tokenizer, prompt, sampling, chat=args.chat, on_text=on_text,
-                               logits_processor=processor)
+                               logits_processor=processor, min_tokens=sampling.min_tokens)
     else:  # one request through the scheduler's speculative decode
         from pagedexperts.engine.generate_one import speculative_generate_text
 

@@ -25,8 +25,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model-path", help="also time a copy of one expert of this checkpoint (headers only)")
     p.add_argument("--repeats", type=int, default=10, help="timed copies per size; the median is reported (default 10)")
     p.add_argument("--disk", metavar="PATH",
-                   help="instead: read GB/s of a checkpoint (directory or .safetensors file), page cache "
-                   "dropped first (posix_fadvise DONTNEED) and warm; per-tensor preadv vs safetensors slicing")
+                   help="instead: read GB/s of a checkpoint (directory or .safetensors file; bundled or "
+                   "bundled:FORMAT as in --model-path), page cache dropped first (posix_fadvise DONTNEED) and warm; "
+                   "per-tensor preadv vs safetensors slicing")
     p.add_argument("--disk-max-gb", type=float, default=2.0, help="GB read sequentially per pass with --disk (default 2)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=run_linkbench)
@@ -65,11 +66,14 @@ def run_linkbench(args) -> int:
 
 
 def _run_disk(args) -> int:
-    """``--disk PATH``: print the checkpoint's read GB/s (``analysis.diskbench``)."""
+    """``--disk PATH``: print the checkpoint's read GB/s (``analysis.diskbench``); ``bundled`` and
+    ``bundled:FORMAT`` name the bundled model and its variants, as every --model-path does."""
     from pagedexperts.analysis.diskbench import measure_disk
+    from pagedexperts.commands.quantize import resolve_model_path
 
     if not args.disk_max_gb > 0:
         raise ValueError(f"--disk-max-gb {args.disk_max_gb} must be > 0")
+    args.disk = resolve_model_path(args.disk)
     r = measure_disk(args.disk, max_bytes=int(args.disk_max_gb * 1e9))
     if args.json:
         print(json.dumps(r, indent=2))

@@ -34,16 +34,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model-path", default=None, help="unquantized checkpoint directory (default: the bundled model)")
     p.add_argument("--format", required=True, choices=list(QUANTIZE_FORMATS), help="format to write")
     p.add_argument("--output", default=None, help="new directory to write (default with no --model-path: the cache)")
-    g = p.add_argument_group("format parameters")
-    g.add_argument("--group-size", type=int, default=128,
-                   help="w4a16: input channels per scale group; must divide every expert's input size (default 128)")
-    g.add_argument("--asymmetric", action="store_true", help="w4a16: asymmetric with int4 zero points (default symmetric)")
-    g.add_argument("--scope", default="experts", choices=["experts", "model"],
+    g = p.add_argument_group("format parameters (each format's own; another format's is refused)")
+    g.add_argument("--group-size", type=int, default=None,
+                   help="w4a16: input channels per scale group; must divide every quantized module's input size "
+                   "(default: the largest of 128, 64, 32 that does; the report line says which)")
+    g.add_argument("--asymmetric", action="store_true", default=None,
+                   help="w4a16: asymmetric with int4 zero points (default symmetric)")
+    g.add_argument("--scope", default=None, choices=["experts", "model"],
                    help="w4a16: what is quantized (default experts: the routed experts only; model: every nn.Linear but "
                    "the routers, as llm-compressor's whole-model exports: attention, shared experts and dense MLP layers "
                    "in int4 at --group-size, lm_head int8 per channel unless tied to the embeddings; refused when torch's "
                    "CPU kernels cannot compute a module packed)")
-    g.add_argument("--block-size", type=int, default=128, help="fp8-block: square weight block edge (default 128)")
+    g.add_argument("--block-size", type=int, default=None, help="fp8-block: square weight block edge (default 128)")
     p.add_argument("--cache-dir", default=None, help="where bundled variants are built (default: $PAGEDEXPERTS_CACHE, "
                    "else $XDG_CACHE_HOME/pagedexperts, else ~/.cache/pagedexperts)")
     p.set_defaults(func=run_quantize)
@@ -72,32 +74,59 @@ def resolve_model_path(value: str | None, cache_dir: str | None = None) -> str |
     return str(bundled_variant_path(fmt, cache_dir=cache_dir or default_cache_dir()))
 
 
+# each format's own flags (argparse dest -> flag); a format's flag given with another format is refused
+FORMAT_FLAGS = {"w4a16": {"group_size": "--group-size", "asymmetric": "--asymmetric", "scope": "--scope"},
+                "fp8-block": {"block_size": "--block-size"}, "mxfp4": {}}
+
+
+def format_flags_given(args) -> dict[str, str]:
+    """dest -> flag of every format parameter given on the command line (their defaults are None).
+
+    Raises:
+        ValueError: a flag of another format than --format's, naming it and whose it is.
+    """
+    given = {dest: flag for flags in FORMAT_FLAGS.values() for dest, flag in flags.items()
+             if getattr(args, dest) is not None}
+    foreign = [flag for dest, flag in given.items() if dest not in FORMAT_FLAGS[args.format]]
+    if foreign:
+        owners = {flag: fmt for fmt, flags in FORMAT_FLAGS.items() for flag in flags.values()}
+        own = ", ".join(FORMAT_FLAGS[args.format].values()) or "no format parameter"
+        raise ValueError(f"--format {args.format} takes {own}; " + "; ".join(
+            f"{flag} is --format {owners[flag]}'s" for flag in foreign))
+    return given
+
+
 def run_quantize(args) -> int:
     """Quantize, print what was written; 0 on success, ValueError on bad input."""
     from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
+    from pagedexperts.tools.quantize_writers import GROUP_SIZES
 
-    if args.group_size <= 0:
-        raise ValueError(f"--group-size {args.group_size} must be > 0")
-    if args.block_size <= 0:
-        raise ValueError(f"--block-size {args.block_size} must be > 0")
+    given = format_flags_given(args)
+    for dest in ("group_size", "block_size"):
+        if getattr(args, dest) is not None and getattr(args, dest) <= 0:
+            raise ValueError(f"{given[dest]} {getattr(args, dest)} must be > 0")
     if args.model_path and args.model_path.startswith(BUNDLED_PREFIX):
         raise ValueError(f"--model-path {args.model_path} is already quantized (a bundled variant); pass an "
                          "unquantized bf16/fp16/fp32 checkpoint, e.g. --model-path bundled")
     if args.model_path is None and args.output is None:
-        if args.asymmetric or args.group_size != 128 or args.block_size != 128 or args.scope != "experts":
-            raise ValueError("the bundled variants have fixed parameters; pass --model-path and --output to choose them")
+        if given:
+            raise ValueError(f"the bundled variants have fixed parameters ({', '.join(given.values())} given); pass "
+                             "--model-path and --output to choose them")
         print(resolve_model_path(BUNDLED_PREFIX + args.format, args.cache_dir))
         return 0
     if args.output is None:
         raise ValueError("--output DIR is required with --model-path")
     from pagedexperts.loading.bundled import bundled_model_path
 
+    block = args.block_size or 128
     options = QuantizeOptions(args.format, group_size=args.group_size, symmetric=not args.asymmetric,
-                              block=(args.block_size, args.block_size), scope=args.scope)
+                              block=(block, block), scope=args.scope or "experts")
     report = quantize_checkpoint(model_path=args.model_path or bundled_model_path(), output=args.output, options=options,
                                  progress=True)
     ratio = report.expert_bytes_out / report.expert_bytes_in
-    print(f"{report.format}: {report.expert_tensors} routed expert weights, "
+    group = "" if report.group_size is None else f" group size {report.group_size}" + (
+        "" if args.group_size is not None else f" (the largest of {list(GROUP_SIZES)} that fits; --group-size to choose)")
+    print(f"{report.format}{group}: {report.expert_tensors} routed expert weights, "
           f"{report.expert_bytes_in / 1e6:.2f} MB -> {report.expert_bytes_out / 1e6:.2f} MB ({ratio:.3f}x)"
           + (f"; {report.linear_tensors} non-expert weights" if report.linear_tensors else "") + f" in {report.output}")
     return 0

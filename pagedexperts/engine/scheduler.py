@@ -59,7 +59,7 @@ from pagedexperts.engine.row_forwards import RowForwards
 from pagedexperts.engine.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from pagedexperts.generation.stop_text import REPLACEMENT_CHAR, IncrementalText
 from pagedexperts.engine.scheduler_config import QueueFull, SchedulerConfig, SchedulerStats, SchedulerStopped
-from pagedexperts.engine.sequence import Event, Request, ends_sequence, eos_ids, held_back, seeded_generator
+from pagedexperts.engine.sequence import Event, Request, ends_sequence, eos_ids, held_back, seeded_generator, stop_reason_of
 from pagedexperts.engine.speculative.decoder import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
@@ -372,7 +372,8 @@ class BatchScheduler:
         delta, stopped = req.text.update(text, complete=ended)
         if stopped or ended:
             self._running.remove(req)
-            self._finish(req, "stop" if stopped or stop_token else "length", text=delta)
+            reason = req.text.matched if stopped else stop_reason_of(p, token, self.tokenizer.eos_token_id) if stop_token else None
+            self._finish(req, "stop" if stopped or stop_token else "length", text=delta, stop_reason=reason)
         elif delta or req.pending_logprobs or req.pending_prompt_logprobs:
             req.on_event(self._event(req, delta, now=now))
 
@@ -382,7 +383,8 @@ class BatchScheduler:
         prompt, req.pending_prompt_logprobs = req.pending_prompt_logprobs, None
         return Event(text, len(req.output_ids), time_s=now, logprobs=logprobs, prompt_logprobs=prompt, **final)
 
-    def _finish(self, req: Request, reason: str, *, text: str = "", error: str | None = None) -> None:
+    def _finish(self, req: Request, reason: str, *, text: str = "", error: str | None = None,
+                stop_reason: int | str | None = None) -> None:
         with self._wake:
             if req.admitted_s is not None and req.finished_s is None:
                 self._places_taken -= 1  # its place is free for the next step's admission
@@ -392,7 +394,7 @@ class BatchScheduler:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         ttft, tpot = req.timing(now)
         try:
-            req.on_event(self._event(req, text, now=now, finish_reason=reason, error=error, ttft_s=ttft,
-                                        queue_s=req.queue_s, tpot_s=tpot))
+            req.on_event(self._event(req, text, now=now, finish_reason=reason, stop_reason=stop_reason, error=error,
+                                     ttft_s=ttft, queue_s=req.queue_s, tpot_s=tpot))
         except Exception:  # the final event is the last thing sent: nothing else to end
             logger.exception("the final event of request %s could not be delivered", req.request_id)

@@ -23,7 +23,8 @@ from pagedexperts.generation.stop_text import IncrementalText
 class Event:
     """What a request reports after a step: new text, and on the last one its finish reason.
 
-    ``finish_reason``: None while running, then "stop" (end of sequence or a stop string),
+    ``finish_reason``: None while running, then "stop" (end of sequence or a stop string; ``stop_reason``
+    then says which, as vLLM's: the stop string, a stop token's id, or None for the end-of-sequence token),
     "length" (max_tokens reached), "cancelled", "error" (``error`` holds the message) or
     "abort" (the server is shutting down; ``error`` says so). ``time_s`` is
     ``time.perf_counter()`` when the event was made. ``logprobs``: reports of the tokens
@@ -38,6 +39,7 @@ class Event:
     text: str
     completion_tokens: int
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     error: str | None = None
     time_s: float = 0.0
     ttft_s: float | None = None
@@ -119,6 +121,14 @@ def ends_sequence(params: SamplingParams, token: int, generated: int, eos: set[i
     id of ``eos`` unless ``ignore_eos``."""
     return generated >= params.min_tokens and (token in params.stop_token_ids or
                                                (not params.ignore_eos and token in eos))
+
+
+def stop_reason_of(params: SamplingParams, token: int, primary_eos: int | None) -> int | None:
+    """vLLM's ``stop_reason`` of a sequence the stop token ``token`` ended: None for the tokenizer's
+    end-of-sequence id ``primary_eos`` (unless ``ignore_eos``), else the token id: one of
+    ``stop_token_ids``, or another end-of-sequence id of the generation config (which vLLM adds to
+    the stop_token_ids)."""
+    return None if not params.ignore_eos and token == primary_eos else token
 
 
 def seeded_generator(params: SamplingParams) -> torch.Generator | None:

@@ -47,6 +47,8 @@ class Mxfp4Format(PackedFormat):
         return bool(quantization_config) and quantization_config.get("quant_method") == "mxfp4"
 
     def reference_kwargs(self) -> dict:
+        """transformers' own dequantization (``Mxfp4Config(dequantize=True)``): its local path, never
+        the Triton kernels it fetches from the Hub through the ``kernels`` package (no network)."""
         from transformers import Mxfp4Config
 
         return {"quantization_config": Mxfp4Config(dequantize=True)}

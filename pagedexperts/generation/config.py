@@ -44,9 +44,18 @@ def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int) -
     warns and goes on past the positions the model was trained on.
 
     Raises:
-        ValueError: prompt + --max-new-tokens over ``max_positions`` (names the numbers and the flag).
+        ValueError: prompt + --max-new-tokens over ``max_positions`` (names the numbers and the flag);
+            a prompt that leaves no position for a new token says the prompt is too long and by
+            how many tokens.
     """
-    if max_positions and prompt_tokens + max_new_tokens > max_positions:
-        raise ValueError(f"prompt {prompt_tokens} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
-                         f"max_position_embeddings {max_positions}; lower --max-new-tokens (at most "
-                         f"{max(0, max_positions - prompt_tokens)} here)")
+    if not max_positions or prompt_tokens + max_new_tokens <= max_positions:
+        return
+    if prompt_tokens >= max_positions:
+        over = prompt_tokens - max_positions + 1
+        raise ValueError(f"the prompt is too long: {prompt_tokens} tokens, {over} more than the "
+                         f"{max_positions - 1} the model's max_position_embeddings {max_positions} leaves with room for "
+                         f"one new token; shorten the prompt by at least {over} tokens")
+    raise ValueError(f"prompt {prompt_tokens} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
+                     f"max_position_embeddings {max_positions}; lower --max-new-tokens (at most "
+                     f"{max_positions - prompt_tokens} here), or shorten the prompt by "
+                     f"{prompt_tokens + max_new_tokens - max_positions} tokens")

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from pagedexperts.generation.config import GREEDY, SamplingConfig, check_context
 from pagedexperts.generation.graphs import decode_graphs_for
 from pagedexperts.generation.static_decode import DecodeOptions, static_generate
-from pagedexperts.generation.stop_text import IncrementalText
+from pagedexperts.generation.stop_text import REPLACEMENT_CHAR, IncrementalText
 from pagedexperts.stats.accounting import ModelStats
 
 
@@ -54,14 +54,16 @@ class _TimingStreamer:
     """A transformers streamer (``put`` the prompt, then each new token; ``end``) that timestamps
     tokens, snapshots paging stats after prefill, and forwards the text a reader may see to
     ``on_text``: the decode of every new token so far through ``stop_text.IncrementalText``, the
-    server's rule (a stop string is never shown, not even in part). ``text`` is the final text."""
+    server's rule (a stop string is never shown, not even in part; with ``min_tokens``, one that
+    ends in the text of the first min_tokens tokens does not count). ``text`` is the final text."""
 
     def __init__(self, tokenizer, on_text: Callable[[str], None] | None, snapshot: Callable[[], dict],
-                 stops: tuple[str, ...]):
+                 stops: tuple[str, ...], min_tokens: int = 0):
         self._tokenizer = tokenizer
         self._on_text = on_text
         self._snapshot = snapshot
         self._shown = IncrementalText(stops)
+        self._min_tokens = min_tokens
         self._prompt_seen = False
         self._ids: list[int] = []
         self.text = ""
@@ -83,11 +85,29 @@ class _TimingStreamer:
         self._show(complete=True)
 
     def _show(self, *, complete: bool) -> None:
-        delta, stopped = self._shown.update(self._tokenizer.decode(self._ids, skip_special_tokens=True), complete)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        if len(self._ids) <= self._min_tokens:  # the server's rule (engine.scheduler): their text holds no stop
+            self._shown.stop_from = len(text.rstrip(REPLACEMENT_CHAR))
+        delta, stopped = self._shown.update(text, complete)
         self.stopped |= stopped
         self.text += delta
         if self._on_text is not None and delta:
             self._on_text(delta)
+
+
+class HeldStopStrings(StoppingCriteria):
+    """transformers' ``StopStringCriteria`` over ``stops``, counted only once more than ``min_tokens``
+    tokens follow the ``prompt_tokens``: a stop string ends generation only where it ends in the text
+    of a token after the first min_tokens (serve's ``min_tokens``, vLLM's)."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], *, prompt_tokens: int, min_tokens: int) -> None:
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        self.inner = StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stops))
+        self.after = prompt_tokens + min_tokens
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.inner(input_ids, scores, **kwargs) & (input_ids.shape[1] > self.after)
 
 
 def _totals(stats: ModelStats, *, times: bool = True) -> dict:
@@ -129,6 +149,19 @@ def build_prompt(tokenizer, prompt: str, *, chat: bool) -> str:
     )
 
 
+def prompt_inputs(model, tokenizer, prompt: str, max_new_tokens: int, *, chat: bool = False):
+    """The tokenized prompt (``build_prompt``; a BatchEncoding on the model's device), checked to
+    leave ``max_new_tokens`` positions (``config.check_context``).
+
+    Raises:
+        ValueError: --chat without a chat template; a prompt too long for the model's positions.
+    """
+    inputs = tokenizer(build_prompt(tokenizer, prompt, chat=chat), return_tensors="pt").to(model.device)
+    check_context(inputs["input_ids"].shape[1], max_new_tokens,
+                  int(getattr(model.config, "max_position_embeddings", 0) or 0))
+    return inputs
+
+
 def generate_text(
     model,
     tokenizer,
@@ -138,6 +171,7 @@ def generate_text(
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
     logits_processor: Callable | None = None,
+    min_tokens: int = 0,
 ) -> GenerationResult:
     """Generate from ``prompt`` on a model from ``load_model``; stream text to ``on_text``.
 
@@ -148,6 +182,8 @@ def generate_text(
     when ``sampling.temperature`` is 0, else a draw from their softmax), in place of transformers'
     temperature and top-p warpers and of any sampling knob the checkpoint's generation_config
     sets (``generate`` passes ``engine.logits_processor.SamplingProcessor``: serve's rule).
+    ``min_tokens``: a stop string counts only where it ends after the text of the first
+    min_tokens tokens (serve's rule; the processor holds end-of-sequence back as long).
 
     Raises:
         ValueError: bad sampling options, empty prompt, --chat without a chat template, or
@@ -159,14 +195,12 @@ def generate_text(
     if tokenizer is None:
         raise ValueError("the model directory has no tokenizer (tokenizer.json / tokenizer_config.json); add one")
     runtime = model.pagedexperts
-    text = build_prompt(tokenizer, prompt, chat=chat)
-    inputs = tokenizer(text, return_tensors="pt").to(model.device)
-    check_context(inputs["input_ids"].shape[1], sampling.max_new_tokens,
-                  int(getattr(model.config, "max_position_embeddings", 0) or 0))
+    inputs = prompt_inputs(model, tokenizer, prompt, sampling.max_new_tokens, chat=chat)
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     runtime.reset_stats()
-    streamer = _TimingStreamer(tokenizer, on_text, lambda: _totals(runtime.stats(), times=False), tuple(sampling.stop))
+    streamer = _TimingStreamer(tokenizer, on_text, lambda: _totals(runtime.stats(), times=False), tuple(sampling.stop),
+                               min_tokens)
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, streamer=streamer, pad_token_id=tokenizer.pad_token_id)
     if logits_processor is not None:  # it owns every knob: transformers' own are cleared
         kwargs.update(GREEDY, do_sample=sampling.temperature > 0, min_p=None, repetition_penalty=None,
@@ -175,7 +209,10 @@ def generate_text(
         kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
     else:
         kwargs.update(GREEDY)
-    if sampling.stop:
+    if sampling.stop and min_tokens:
+        kwargs.update(stopping_criteria=StoppingCriteriaList([HeldStopStrings(
+            tokenizer, tuple(sampling.stop), prompt_tokens=inputs["input_ids"].shape[1], min_tokens=min_tokens)]))
+    elif sampling.stop:
         kwargs.update(stop_strings=list(sampling.stop), tokenizer=tokenizer)
     graphs = decode_graphs_for(model)
     start = time.perf_counter()
@@ -185,7 +222,8 @@ def generate_text(
     else:  # decode steps replayed from CUDA graphs over a static cache (prefill eager)
         opts = DecodeOptions(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                              top_p=sampling.top_p, stop_strings=tuple(sampling.stop), tokenizer=tokenizer,
-                             pad_token_id=tokenizer.pad_token_id, logits_processor=logits_processor)
+                             pad_token_id=tokenizer.pad_token_id, logits_processor=logits_processor,
+                             min_tokens=min_tokens)
         out = static_generate(model, graphs, inputs["input_ids"], inputs["attention_mask"], opts, streamer=streamer)
     end = time.perf_counter()
     new = out[0, inputs["input_ids"].shape[1]:]

@@ -23,7 +23,8 @@ import torch
 @dataclass(frozen=True)
 class DecodeOptions:
     """max_new_tokens N >= 1; temperature 0 = greedy; top_p in (0, 1]; ignore_eos: always N
-    tokens (benchmarks); stop_strings with their tokenizer; pad_token_id for finished rows;
+    tokens (benchmarks); stop_strings with their tokenizer, counted from the (min_tokens + 1)-th
+    token on (serve's min_tokens); pad_token_id for finished rows;
     logits_processor: (ids [B, t], logits [B, V]) -> the scores to choose from, in place of the
     temperature and top-p warpers (``generate.generate_text``)."""
 
@@ -35,6 +36,7 @@ class DecodeOptions:
     tokenizer: object = None
     pad_token_id: int | None = None
     logits_processor: object = None
+    min_tokens: int = 0
 
 
 def _eos_ids(model) -> list[int]:
@@ -102,7 +104,7 @@ def static_generate(model, graphs, input_ids: torch.Tensor, attention_mask: torc
             if streamer is not None:
                 streamer.put(nxt.cpu())
             if not opts.ignore_eos:
-                unfinished &= ~_finished(nxt, eos, ids, logits, stop)
+                unfinished &= ~_finished(nxt, eos, ids, logits, stop if i + 1 > opts.min_tokens else None)
                 if not bool(unfinished.any()):
                     break
             if i + 1 < opts.max_new_tokens:

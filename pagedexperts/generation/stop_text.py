@@ -33,9 +33,9 @@ def stop_cut(text: str, stops: tuple[str, ...], *, start: int = 0, include: bool
     (it may still become one), False. The hold-back looks at complete text only: a partial
     character after "界 " must not hide that "界 " starts the stop "界 😀".
     """
-    found = [(i, i + len(s)) for i, s in ((text.find(s, max(0, start - len(s) + 1)), s) for s in stops) if i >= 0]
-    if found:
-        begin, end = min(found)
+    found = first_stop(text, stops, start=start)
+    if found is not None:
+        begin, end, _ = found
         return text[:end if include else begin], True
     complete = text.rstrip(REPLACEMENT_CHAR)
     keep = len(complete)
@@ -45,6 +45,13 @@ def stop_cut(text: str, stops: tuple[str, ...], *, start: int = 0, include: bool
                 keep = min(keep, len(complete) - n)
                 break
     return text[:keep], False
+
+
+def first_stop(text: str, stops: tuple[str, ...], *, start: int = 0) -> tuple[int, int, str] | None:
+    """(begin, end, the stop string) of the first stop string in ``text`` ending after character
+    ``start`` (the earliest begin; of two beginning there, the shorter), or None."""
+    found = [(i, i + len(s), s) for i, s in ((text.find(s, max(0, start - len(s) + 1)), s) for s in stops) if i >= 0]
+    return min(found) if found else None
 
 
 @dataclass
@@ -57,16 +64,20 @@ class IncrementalText:
     that a stop string still cuts. The shown text is always a prefix of the final text.
     ``include``: the stop string is part of the text (vLLM's ``include_stop_str_in_output``).
     ``stop_from``: stop strings ending at or before this character do not count (the caller
-    sets it to the complete text of the first min_tokens tokens).
+    sets it to the complete text of the first min_tokens tokens). ``matched``: the stop string that
+    ended the text, once one has (vLLM's ``stop_reason``).
     """
 
     stops: tuple[str, ...]
     shown_chars: int = 0
     include: bool = False
     stop_from: int = 0
+    matched: str | None = None
 
     def update(self, text: str, complete: bool) -> tuple[str, bool]:
         visible, stopped = stop_cut(text, self.stops, start=self.stop_from, include=self.include)
+        if stopped:
+            self.matched = first_stop(text, self.stops, start=self.stop_from)[2]
         if complete and not stopped:
             visible = text
         delta = visible[self.shown_chars:] if len(visible) > self.shown_chars else ""

@@ -16,6 +16,7 @@ quantized non-expert modules (``loading.linears``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -37,6 +38,56 @@ def _source_re(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
 
 
+@contextlib.contextmanager
+def shipped_conversion_table(model_type: str):
+    """While transformers itself loads a checkpoint of ``model_type`` for pagedexperts (``check``'s
+    reference, ``bench``'s plain model): transformers' conversion table as it ships it, in place of
+    one another library registered process-wide (``shipped_conversion_mapping``), and the
+    registered one put back after (a library that registers its own table while loading its own
+    checkpoint still does)."""
+    from transformers import conversion_mapping as cm
+
+    shipped = shipped_conversion_mapping(model_type)
+    current = cm.get_checkpoint_conversion_mapping(model_type)
+    if shipped is None or repr(shipped) == repr(current):
+        yield
+        return
+    cm.register_checkpoint_conversion_mapping(model_type, shipped, overwrite=True)
+    try:
+        yield
+    finally:
+        cm.register_checkpoint_conversion_mapping(model_type, current, overwrite=True)
+
+
+def shipped_conversion_mapping(model_type: str) -> list | None:
+    """transformers' checkpoint conversion table of ``model_type`` as transformers ships it, so
+    that the paged model reads its checkpoint the same whatever else the process has loaded:
+    another library may have replaced the table process-wide (transformers'
+    ``register_checkpoint_conversion_mapping(..., overwrite=True)``; auto-round's loader drops
+    the per-expert -> stacked converters of every checkpoint it loads, for its own unfused
+    experts). A replaced table is said at INFO; where transformers ships none for the model
+    type, the registered one is the table."""
+    from transformers import conversion_mapping as cm
+
+    current = cm.get_checkpoint_conversion_mapping(model_type)
+    if model_type not in getattr(cm, "USER_REGISTERED_MAPPINGS", ()):
+        return current
+    build = getattr(cm, "_build_checkpoint_conversion_mapping", None)
+    if build is None:  # a transformers without the shipped table's builder: the process's table is all there is
+        logger.warning("transformers' checkpoint conversion table for %r was replaced in this process (by another "
+                       "library); this transformers gives no access to the table it ships, so the replaced one is "
+                       "read", model_type)
+        return current
+    shipped = build().get(model_type)
+    if shipped is None:
+        return current
+    if repr(shipped) != repr(current):
+        logger.info("transformers' checkpoint conversion table for %r was replaced in this process (by another "
+                    "library, e.g. auto-round's loader); the paged model maps its checkpoint with the table "
+                    "transformers ships", model_type)
+    return shipped
+
+
 def _converters(model_type: str, renames: list | None = None) -> list[tuple[list[str], str]]:
     """The per-expert -> stacked converters of ``model_type`` as (source patterns, target),
     appending its renamings to ``renames``.
@@ -44,10 +95,8 @@ def _converters(model_type: str, renames: list | None = None) -> list[tuple[list
     Raises:
         ValueError: a converter other than MergeModulelist(0) [+ Concatenate(1)].
     """
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
     out = []
-    for t in get_checkpoint_conversion_mapping(model_type) or []:
+    for t in shipped_conversion_mapping(model_type) or []:
         kind = type(t).__name__
         if kind == "WeightRenaming" and renames is not None:
             for src, dst in zip(t.source_patterns, t.target_patterns):

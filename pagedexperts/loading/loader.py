@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import numbers
+import typing
 from pathlib import Path
 
 from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT
@@ -105,6 +107,7 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         directory has none).
 
     Raises:
+        TypeError: an argument of another type than it takes, or an unknown keyword (``check_arguments``).
         FileNotFoundError: path, config.json or a shard missing; tokenizer.json missing where
             the tokenizer cannot be built without it (names the file).
         ValueError: config.json not valid JSON (names the file and the position); not an MoE
@@ -117,6 +120,7 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         MemoryError: host memory too small for what must live there (before anything is
             loaded; names the bytes of each part).
     """
+    check_arguments(model_path, check_independence, options)
     cfg = PagingConfig(**options)
     path, config, files = _read_checked(model_path, cfg)
     fmt = format_for_checkpoint(config, files)
@@ -139,6 +143,38 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
     if cfg.mode == "paged" and (cfg.prefetch or (disk_tier and cfg.read_ahead)):
         install_prefetch(model, budget=cfg.prefetch_budget, page_in=cfg.prefetch)
     return model, tokenizer
+
+
+def check_arguments(model_path, check_independence, options: dict) -> None:
+    """``load_model``'s arguments checked by type at the door, each error naming the Python
+    argument (a command's flags are typed by argparse): ``num_resident="8"`` raised a TypeError from
+    deep inside, ``8.0`` another, and ``True`` was taken as 1 (a bool is no int here, nor a float).
+
+    Raises:
+        TypeError: an unknown keyword (lists the known ones), or a value of another type than the
+            argument's (``PagingConfig``'s annotation; ``model_path``: a path or None).
+    """
+    hints = typing.get_type_hints(PagingConfig)
+    unknown = sorted(set(options) - set(hints))
+    if unknown:
+        raise TypeError(f"load_model() got unknown keyword arguments {unknown}; it takes model_path, "
+                        f"check_independence and {', '.join(sorted(hints))}")
+    checks = {"model_path": (model_path, str | Path | None), "check_independence": (check_independence, bool),
+              **{name: (value, hints[name]) for name, value in options.items()}}
+    for name, (value, hint) in checks.items():
+        allowed = typing.get_args(hint) or (hint,)
+        ok = any(value is None if t is type(None) else _of_type(value, t) for t in allowed)
+        if not ok:
+            takes = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise TypeError(f"load_model({name}={value!r}): {name} takes {takes}, not {type(value).__name__}")
+
+
+def _of_type(value, t: type) -> bool:
+    """isinstance, with a bool no int and no float, any integer (numpy's too) an int, and any real
+    number a float (a whole number of GB)."""
+    if isinstance(value, bool):
+        return t is bool
+    return isinstance(value, {int: numbers.Integral, float: numbers.Real}.get(t, t))
 
 
 def _read_checked(model_path, cfg: PagingConfig):

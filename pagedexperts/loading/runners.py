@@ -144,6 +144,16 @@ def attach_runners(runtime, dev) -> None:
             runner = ResidentRunner(layout=layout, **common)
         runtime.runners[site.layer] = runner
         integration.attach(site.module, runner)
+    _warn_fallbacks(runtime.experts_fallbacks)
+
+
+def _warn_fallbacks(fallbacks: dict[int, str]) -> None:
+    """One WARNING per reason a layer runs grouped_mm under --experts-implementation packed, naming its layers."""
+    by_reason: dict[str, list[int]] = {}
+    for layer, why in sorted(fallbacks.items()):
+        by_reason.setdefault(why, []).append(layer)
+    for why, layers in by_reason.items():
+        logger.warning("--experts-implementation packed: MoE layers %s run grouped_mm instead (%s)", layers, why)
 
 
 def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
@@ -185,8 +195,7 @@ def slot_table(runtime, layout, dev, *, layer: int, store) -> tuple[SlotTable | 
             if isinstance(store, HostExpertStore) and set(store.tensors) != set(table):  # once: repage keeps it
                 store.convert_rows(table.specs, table.convert_many)
             return table, inner
-        runtime.experts_fallbacks[layer] = plans
-        logger.warning("--experts-implementation packed: layer %d runs grouped_mm instead (%s)", layer, plans)
+        runtime.experts_fallbacks[layer] = plans  # one WARNING per reason for all layers (attach_runners)
         inner = "grouped_mm"
     if inner == FUSED or layout is None or layout.is_dense:
         return None, inner

@@ -24,6 +24,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0  # characters of text already described by logprobs (completions)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     completion_tokens: int = 0
     error: str | None = None
     echoed: bool = False  # the prompt was sent (completions with echo)
@@ -70,24 +71,28 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
 
 
 def choice_body(c: Choice, *, chat: bool, logprobs: bool, prefix: str = "") -> dict:
-    """A whole (non-streamed) choice; ``prefix``: the echoed prompt (completions)."""
+    """A whole (non-streamed) choice; ``prefix``: the echoed prompt (completions). ``stop_reason``
+    as vLLM gives it: the stop string or the stop token id that ended the choice, None for the
+    end-of-sequence token, the length limit, or anything else."""
     text = prefix + "".join(c.text)
     if chat:
         return {"index": c.index, "message": {"role": "assistant", "content": text},
-                "logprobs": chat_logprobs(c.logprobs) if logprobs else None, "finish_reason": c.finish_reason}
+                "logprobs": chat_logprobs(c.logprobs) if logprobs else None, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
     return {"index": c.index, "text": text, "logprobs": completion_logprobs(c.logprobs, 0) if logprobs else None,
-            "finish_reason": c.finish_reason}
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
 def chunk_choice(c: Choice, text: str, entries: list[TokenLogprob], finish: str | None, *, chat: bool,
                  logprobs: bool, first: bool = False) -> dict:
-    """One streamed choice delta."""
+    """One streamed choice delta; the one that carries ``finish`` carries ``stop_reason`` too (vLLM's)."""
+    end = {} if finish is None else {"stop_reason": c.stop_reason}
     if chat:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         return {"index": c.index, "delta": delta,
-                "logprobs": chat_logprobs(entries) if logprobs and entries else None, "finish_reason": finish}
+                "logprobs": chat_logprobs(entries) if logprobs and entries else None, "finish_reason": finish, **end}
     lp = None
     if logprobs:
         lp = completion_logprobs(entries, c.text_offset)
         c.text_offset += sum(len(e.token) for e in entries)
-    return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+    return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish, **end}

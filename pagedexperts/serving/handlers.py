@@ -231,7 +231,7 @@ class OpenAIServing:
         c.logprobs += entries
         c.completion_tokens = event.completion_tokens
         if event.finish_reason is not None:
-            c.finish_reason, c.error = event.finish_reason, event.error
+            c.finish_reason, c.stop_reason, c.error = event.finish_reason, event.stop_reason, event.error
         return text, entries
 
     def _usage(self, ex: _Exchange) -> dict:
@@ -309,6 +309,8 @@ class OpenAIServing:
         def chunk(c, text, entries, finish, first=False):
             choice = bodies.chunk_choice(c, text, entries, finish, chat=chat, logprobs=logprobs, first=first)
             usage = {"usage": None} if p.include_usage else {}  # OpenAI: null until the final usage chunk
+            if p.continuous_usage:  # vLLM's continuous_usage_stats: every chunk, its choice's tokens so far
+                usage = {"usage": bodies.usage(len(p.prompt_ids[c.index // p.n]), c.completion_tokens)}
             return bodies.sse({**ex.head, "object": obj, "choices": [choice], **usage})
 
         try:

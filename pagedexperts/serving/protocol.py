@@ -2,7 +2,8 @@
 
 Owns: the pydantic request models of /v1/completions and /v1/chat/completions (unknown
 fields are refused, never ignored; fields of the API not implemented are declared to be
-refused by name, ``UNSUPPORTED``), ``ApiError`` (a refusal: HTTP status, OpenAI error
+refused by name, ``UNSUPPORTED``; informational fields accepted, ``INFORMATIONAL``; the table of
+every field in docs/server.md), ``ApiError`` (a refusal: HTTP status, OpenAI error
 ``code``, the offending ``param``), and ``parse_request`` (raw body -> model; bad JSON, a
 wrong type, an unknown field -> ApiError naming it). Runs in a worker thread, never on the
 event loop.
@@ -22,12 +23,19 @@ UNSUPPORTED = {"tools": "tool calling", "tool_choice": "tool calling", "function
                "function_call": "function calling", "parallel_tool_calls": "tool calling",
                "response_format": "structured output", "best_of": "best_of", "suffix": "suffix (insertion)",
                "audio": "audio output", "modalities": "non-text output", "prediction": "predicted outputs",
-               "reasoning_effort": "reasoning models", "web_search_options": "web search"}
+               "web_search_options": "web search"}
 # SGLang's extension fields that sglang-router and vllm-router add at their defaults to each request they
 # forward (watched on loopback): only the defaults pass. The reasoning flags change nothing without a parser.
-# (ignore_eos and skip_special_tokens, which the routers add too, are vLLM's options, served: _Common.)
-SGLANG_DEFAULTS = {"no_stop_trim": (None, False), "return_hidden_states": (None, False),
-                   "continue_final_message": (None, False)}
+# (ignore_eos, skip_special_tokens and continue_final_message, which the routers add too, are served: _Common,
+# ChatCompletionRequest.)
+SGLANG_DEFAULTS = {"no_stop_trim": (None, False), "return_hidden_states": (None, False)}
+# OpenAI's fields that ask for something this server does not do but that change no output (vLLM accepts
+# them and logs that it ignores them): accepted; a value other than these defaults is logged
+# (``validation.ignored_fields``). service_tier: OpenAI's tiers (vLLM's response field).
+INFORMATIONAL = {"store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default")}
+SERVICE_TIERS = Literal["auto", "default", "flex", "scale", "priority"]
+# reasoning_effort's values as vLLM declares them (OpenAI's, and DeepSeek V4's "max")
+REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class ApiError(Exception):
@@ -44,8 +52,13 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's ``include_usage`` (a last chunk with the usage; None: on only with
+    ``continuous_usage_stats``, whose vLLM default is on) and vLLM's ``continuous_usage_stats``
+    (every chunk carries its choice's usage so far, with include_usage)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool | None = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = False
 
 
 class _Common(BaseModel):
@@ -72,6 +85,9 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     user: str | None = None  # an end-user id for abuse monitoring in OpenAI's API; no effect on output
+    store: bool | None = None  # INFORMATIONAL
+    metadata: dict[str, str] | None = None
+    service_tier: SERVICE_TIERS | None = None
     no_stop_trim: bool | None = None  # SGLANG_DEFAULTS
     return_hidden_states: bool | None = None
 
@@ -107,7 +123,12 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    continue_final_message: bool | None = None  # SGLANG_DEFAULTS
+    # vLLM's chat template options (``validation.chat_prompt``): the generation prompt (default true), the
+    # final message continued, and the template's own variables (Qwen3's enable_thinking)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: REASONING_EFFORTS | None = None  # passed to the chat template, as vLLM passes it
     separate_reasoning: bool | None = None  # these three: no effect (no reasoning parser)
     stream_reasoning: bool | None = None
     include_reasoning: bool | None = None  # vllm-router adds it

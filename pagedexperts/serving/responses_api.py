@@ -13,7 +13,10 @@ renamed to this API's fields (``max_tokens`` -> ``max_output_tokens``, ``message
 
 Also accepted: the sampling extensions sglang-router adds when it forwards a request
 (``top_k``, ``min_p``, ``repetition_penalty``: passed to the chat path; ``priority`` at its
-default 0 only). ``store`` is accepted and nothing is stored: ``previous_response_id`` and
+default 0 only), vLLM's ``seed`` (the chat path's), and ``include: ["message.output_text.logprobs"]``
+with ``top_logprobs`` (the chat path's logprobs, shaped as openai's ``ResponseOutputText.Logprob``
+in the output_text part and as ``ResponseTextDeltaEvent.Logprob`` in the text events). ``store``
+and ``service_tier`` are accepted and nothing is stored: ``previous_response_id`` and
 ``conversation`` are refused with a 400 that says so, and there is no GET /v1/responses/{id}.
 
 The answer: ``ResponsesServing``, the handler behind the route (it admits through
@@ -48,10 +51,9 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from pagedexperts.serving.protocol import ApiError, ChatCompletionRequest, ChatMessage, parse_request
-from pagedexperts.serving.validation import Prepared
+from pagedexperts.serving.protocol import SERVICE_TIERS, ApiError, ChatCompletionRequest, ChatMessage, parse_request
+from pagedexperts.serving.validation import Prepared, check_metadata
 
-MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 TEXT_PARTS = {"input_text", "output_text"}  # content part types whose text is read
 ROLES = ("user", "assistant", "system", "developer")
 # field -> (what it is, the values accepted: the API's defaults)
@@ -61,14 +63,19 @@ DEFAULTS_ONLY = {
     "previous_response_id": ("stored responses (send the whole conversation as input)", (None,)),
     "conversation": ("stored conversations (send the whole conversation as input)", (None,)),
     "background": ("background responses", (None, False)), "prompt": ("prompt templates", (None,)),
-    "reasoning": ("reasoning models", (None, {})), "include": ("extra output (include)", (None, [])),
-    "top_logprobs": ("logprobs", (None, 0)), "truncation": ("truncation", (None, "disabled")),
-    "service_tier": ("service tiers", (None, "auto", "default")),
+    "reasoning": ("reasoning models", (None, {})), "truncation": ("truncation", (None, "disabled")),
     "text": ("structured output", (None, {}, {"format": {"type": "text"}})),
     "stream_options": ("stream obfuscation", (None, {}, {"include_obfuscation": False})),
     "priority": ("request priorities", (None, 0)),
 }
 RENAMED = {"max_tokens": "max_output_tokens", "messages": "input"}  # chat field -> this API's field
+LOGPROBS = "message.output_text.logprobs"  # include value: each output_text part's logprobs (top_logprobs each)
+# include values (openai's ResponseIncludable) that are not served: what they would include
+NOT_INCLUDED = {"file_search_call.results": "file search", "web_search_call.results": "web search",
+                "web_search_call.action.sources": "web search", "message.input_image.image_url": "image input",
+                "computer_call_output.output.image_url": "computer use", "code_interpreter_call.outputs": "code interpreter"}
+VACUOUS = {"reasoning.encrypted_content"}  # accepted: no reasoning item is produced, so there is nothing to include
+MAX_TOP_LOGPROBS = 20  # OpenAI's
 
 
 class ResponsesRequest(BaseModel):
@@ -98,8 +105,9 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
+    seed: int | None = None  # vLLM's extension of the Responses API
     truncation: str | None = None
-    service_tier: str | None = None
+    service_tier: SERVICE_TIERS | None = None  # accepted; a tier other than auto / default is logged (chat path)
     text: dict[str, Any] | None = None
     stream_options: dict[str, Any] | None = None
     priority: int | None = None
@@ -120,19 +128,22 @@ def parse(raw: bytes) -> ResponsesRequest:
         if value not in allowed:
             raise ApiError(f"unsupported field {name!r}: {what} is not supported by this server (got {value!r})",
                            param=name, code="unsupported_field")
-    _check_metadata(body.metadata)
+    check_metadata(body.metadata)
+    for i, value in enumerate(body.include or ()):
+        if value != LOGPROBS and value not in VACUOUS:
+            what = NOT_INCLUDED.get(value)
+            why = f"{what} is not supported by this server" if what else "not an includable output of this API"
+            raise ApiError(f"unsupported value {value!r} in include: {why} (served: {LOGPROBS!r})",
+                           param=f"include.{i}", code="unsupported_field")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}", param="top_logprobs")
     return body
 
 
-def _check_metadata(metadata: dict[str, str] | None) -> None:
-    if not metadata:
-        return
-    if len(metadata) > MAX_METADATA_KEYS:
-        raise ApiError(f"metadata takes at most {MAX_METADATA_KEYS} keys, got {len(metadata)}", param="metadata")
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
-            raise ApiError(f"metadata keys take at most {MAX_METADATA_KEY_CHARS} characters and values "
-                           f"{MAX_METADATA_VALUE_CHARS}, got key {key[:80]!r}", param="metadata")
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the output text's logprobs are asked for (``include`` holds ``LOGPROBS``, as vLLM
+    reads it; top_logprobs alone asks for nothing)."""
+    return LOGPROBS in (body.include or ())
 
 
 def _text(text: str, param: str) -> str:
@@ -188,10 +199,14 @@ def messages(body: ResponsesRequest) -> list[ChatMessage]:
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that generates this response (``max_output_tokens`` as the completion limit)."""
+    """The chat request that generates this response (``max_output_tokens`` as the completion limit;
+    logprobs with ``top_logprobs`` alternatives when ``include`` asks for them)."""
+    logprobs = wants_logprobs(body)
     return ChatCompletionRequest(model=body.model, messages=messages(body), max_completion_tokens=body.max_output_tokens,
                                  temperature=body.temperature, top_p=body.top_p, stream=bool(body.stream),
-                                 top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty)
+                                 top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                                 seed=body.seed, logprobs=logprobs, top_logprobs=body.top_logprobs if logprobs else None,
+                                 service_tier=body.service_tier)
 
 
 def renamed(exc: ApiError) -> ApiError:
@@ -221,6 +236,7 @@ class ResponseDraft:
     output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list = field(default_factory=list)  # the text's ``engine.sampling.TokenLogprob`` reports
 
     @property
     def status(self) -> str:
@@ -231,7 +247,8 @@ class ResponseDraft:
         return "incomplete" if self.finish_reason == "length" else "completed"
 
     def part(self) -> dict:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+        """The output_text part (openai's ``ResponseOutputText``), its logprobs those asked for."""
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": output_logprobs(self.logprobs)}
 
     def message(self) -> dict:
         """The assistant message item (no content yet while in progress)."""
@@ -257,8 +274,24 @@ class ResponseDraft:
                 "previous_response_id": None, "reasoning": None, "store": False,
                 "temperature": 1.0 if r.temperature is None else r.temperature,
                 "text": {"format": {"type": "text"}}, "tool_choice": r.tool_choice or "auto", "tools": [],
-                "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": "disabled",
+                "top_logprobs": r.top_logprobs, "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": "disabled",
                 "usage": self.usage() if done else None, "user": r.user, "metadata": r.metadata or {}}
+
+
+def output_logprobs(entries) -> list[dict]:
+    """An output_text part's logprobs (openai's ``ResponseOutputText.Logprob``: token, bytes,
+    logprob, top_logprobs of {token, bytes, logprob}) of ``engine.sampling.TokenLogprob`` reports."""
+    def one(text: str, lp: float) -> dict:
+        return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": lp}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, _, lp in e.top]} for e in entries]
+
+
+def delta_logprobs(entries) -> list[dict]:
+    """A text delta's (and the done event's) logprobs (openai's ``ResponseTextDeltaEvent.Logprob``:
+    token, logprob, top_logprobs of {token, logprob}; no bytes)."""
+    return [{"token": e.token, "logprob": e.logprob,
+             "top_logprobs": [{"token": t, "logprob": lp} for t, _, lp in e.top]} for e in entries]
 
 
 def event(kind: str, number: int, **fields) -> str:
@@ -301,7 +334,7 @@ class ResponsesServing:
     @staticmethod
     def _finish(draft: ResponseDraft, choice) -> None:
         draft.text, draft.output_tokens = "".join(choice.text), choice.completion_tokens
-        draft.finish_reason, draft.error = choice.finish_reason, choice.error
+        draft.finish_reason, draft.error, draft.logprobs = choice.finish_reason, choice.error, list(choice.logprobs)
 
     async def _stream(self, ex, draft: ResponseDraft):
         numbers = iter(range(2**62))
@@ -311,20 +344,22 @@ class ResponsesServing:
             yield event("response.in_progress", next(numbers), response=draft.body())
             yield event("response.output_item.added", next(numbers), output_index=0, item=draft.message())
             yield event("response.content_part.added", next(numbers), **item, part=draft.part())
-            async for choice, text, _, ev in self.serving.events(ex):
+            async for choice, text, entries, ev in self.serving.events(ex):
                 if ev.finish_reason == "cancelled":
                     return  # the client is gone
                 if ev.finish_reason in FAILED:
                     self._finish(draft, choice)
                     yield event("response.failed", next(numbers), response=draft.body())
                     return
-                if text:
-                    yield event("response.output_text.delta", next(numbers), **item, delta=text, logprobs=[])
+                if text or entries:
+                    yield event("response.output_text.delta", next(numbers), **item, delta=text,
+                                logprobs=delta_logprobs(entries))
                 if ev.finish_reason is not None:
                     self._finish(draft, choice)
         finally:  # the client left (at any yield), or the stream ended early: cancel what still runs
             self.serving.cancel_unfinished(ex)
-        yield event("response.output_text.done", next(numbers), **item, text=draft.text, logprobs=[])
+        yield event("response.output_text.done", next(numbers), **item, text=draft.text,
+                    logprobs=delta_logprobs(draft.logprobs))
         yield event("response.content_part.done", next(numbers), **item, part=draft.part())
         yield event("response.output_item.done", next(numbers), output_index=0, item=draft.message())
         yield event(f"response.{draft.status}", next(numbers), response=draft.body())

@@ -1,8 +1,10 @@
 """Validation of the OpenAI requests served here: the limits and the one validation.
 
 Owns: the limits as named constants and ``prepare`` (a parsed request, ``protocol``, -> token
-ids and per-sequence sampling, every range checked, refusals as ``protocol.ApiError``); it
-runs in a worker thread, never on the event loop.
+ids and per-sequence sampling, every range checked, refusals as ``protocol.ApiError``); the chat
+template's arguments of a request (``template_kwargs``: vLLM's chat_template_kwargs,
+add_generation_prompt, continue_final_message, reasoning_effort); the note on informational
+fields (``ignored_fields``). It runs in a worker thread, never on the event loop.
 
 Admission order (cheap checks first, no work before them): the body size (``app``), the
 JSON and its types, the model name, every range, the prompt's BYTES against
@@ -15,11 +17,16 @@ responses (``bodies``).
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 from dataclasses import dataclass
 
 from pagedexperts.engine.sampling import GREEDY_BELOW, SamplingParams
-from pagedexperts.serving.protocol import SGLANG_DEFAULTS, UNSUPPORTED, ApiError, ChatCompletionRequest, ChatMessage
+from pagedexperts.serving.protocol import (INFORMATIONAL, SGLANG_DEFAULTS, UNSUPPORTED, ApiError, ChatCompletionRequest,
+                                           ChatMessage)
+
+logger = logging.getLogger(__name__)
 
 # max_tokens when a request gives none: OpenAI's and vLLM's defaults. Completions: 16 (capped by what
 # the context leaves); chat (and the Responses API, which is served through it): what the context leaves.
@@ -38,7 +45,11 @@ MAX_N = 16
 MAX_SEQUENCES = 64  # prompts x n of one request
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_PROMPT_BYTES_PER_TOKEN = 32  # generous: byte-level BPE averages ~4 bytes per token
-PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}Assistant:"
+PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}Assistant:{% endif %}")
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+# chat_template_kwargs keys vLLM refuses (the template is the server's, the prompt text is what it renders)
+TEMPLATE_KWARGS_REFUSED = {"chat_template": "the chat template is the model's", "tokenize": "the server tokenizes"}
 
 @dataclass(frozen=True)
 class Prepared:
@@ -52,6 +63,7 @@ class Prepared:
     echo: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
 
 
 def check_model(name: str, served_model_name: str) -> None:
@@ -80,6 +92,29 @@ def _refuse_unsupported(body) -> None:
                            f"(got {getattr(body, name)!r})", param=name, code="unsupported_field")
 
 
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """Raises ApiError for ``metadata`` over OpenAI's limits (keys, key and value lengths)."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ApiError(f"metadata takes at most {MAX_METADATA_KEYS} keys, got {len(metadata)}", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ApiError(f"metadata keys take at most {MAX_METADATA_KEY_CHARS} characters and values "
+                           f"{MAX_METADATA_VALUE_CHARS}, got key {key[:80]!r}", param="metadata")
+
+
+def ignored_fields(body) -> dict:
+    """The informational fields of ``body`` sent with a value that asks for something this server
+    does not do (``protocol.INFORMATIONAL``: store a completion, keep its metadata, a service
+    tier), logged once per request as vLLM logs the fields it ignores; they change no output."""
+    ignored = {name: getattr(body, name) for name, defaults in INFORMATIONAL.items()
+               if name in type(body).model_fields and getattr(body, name) not in defaults}
+    if ignored:
+        logger.warning("request fields accepted and ignored (nothing is stored, one service tier): %s", ignored)
+    return ignored
+
+
 def _utf8(text: str, param: str) -> None:
     """Raises ApiError for text that is not valid Unicode (a lone surrogate such as \\ud800)."""
     try:
@@ -96,8 +131,12 @@ def check_ranges(body) -> tuple[str, ...]:
         ApiError: the first option out of range, naming it, its range and its value.
     """
     _refuse_unsupported(body)
+    check_metadata(body.metadata)
     if body.stream_options is not None and not body.stream:
         raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
+    if isinstance(body, ChatCompletionRequest) and body.continue_final_message and body.add_generation_prompt:
+        raise ApiError("Cannot set both `continue_final_message` and `add_generation_prompt` to True: the final "
+                       "message is continued, no new one is started", param="continue_final_message")
     _in_range(body.temperature, 0, MAX_TEMPERATURE, "temperature",
               note=f"; below {GREEDY_BELOW:g} it samples greedily")
     if body.top_p is not None and not (math.isfinite(body.top_p) and 0 < body.top_p <= 1):
@@ -194,10 +233,53 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of a conversation (the tokenizer's template, else PLAIN_CHAT_TEMPLATE)."""
+def template_kwargs(body: ChatCompletionRequest | None, tokenizer) -> dict:
+    """The chat template's arguments of a chat request, as vLLM passes them: ``chat_template_kwargs``
+    (the template's own variables, e.g. Qwen3's ``enable_thinking``; a key the template does not
+    read changes nothing), then ``reasoning_effort`` (and ``enable_thinking``: false for "none",
+    true otherwise, unless given), then ``add_generation_prompt`` (default true; false when
+    ``continue_final_message`` without it, SGLang's reading) and ``continue_final_message``, which
+    win over the same keys in chat_template_kwargs.
+
+    Raises:
+        ApiError: a chat_template_kwargs key that is an argument of transformers'
+            ``apply_chat_template`` other than those (``chat_template``, ``tokenize``: vLLM's refusal;
+            ``tools``: not supported here; ``return_dict``, ``padding``, ...: the server sets them).
+    """
+    kwargs = dict(body.chat_template_kwargs or {}) if body is not None else {}
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"conversation", "kwargs"}
+    allowed = {"add_generation_prompt", "continue_final_message", "documents"}
+    for key in kwargs:
+        if key in TEMPLATE_KWARGS_REFUSED or (key in own and key not in allowed) or key == "tools":
+            why = TEMPLATE_KWARGS_REFUSED.get(key, "tool calling is not supported" if key == "tools" else
+                                              "an argument of apply_chat_template the server sets itself")
+            raise ApiError(f"chat_template_kwargs.{key} is refused: {why}; chat_template_kwargs passes the chat "
+                           "template's own variables", param=f"chat_template_kwargs.{key}")
+    if body is not None and body.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = body.reasoning_effort
+        kwargs.setdefault("enable_thinking", body.reasoning_effort != "none")
+    cont = bool(body is not None and body.continue_final_message)
+    generation = body.add_generation_prompt if body is not None and body.add_generation_prompt is not None else not cont
+    return {**kwargs, "add_generation_prompt": generation, "continue_final_message": cont}
+
+
+def chat_prompt(tokenizer, messages: list[dict], body: ChatCompletionRequest | None = None) -> str:
+    """The prompt text of a conversation (the tokenizer's template, else PLAIN_CHAT_TEMPLATE) with
+    the request's template arguments (``template_kwargs``).
+
+    Raises:
+        ApiError: a refused template argument; the template refusing the conversation (e.g.
+            continue_final_message without a final message it can continue).
+    """
+    from jinja2 import TemplateError
+
     template = None if getattr(tokenizer, "chat_template", None) else PLAIN_CHAT_TEMPLATE
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    kwargs = template_kwargs(body, tokenizer)
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
+    except (ValueError, TypeError, TemplateError) as exc:  # transformers' refusals, the template's raise_exception
+        raise ApiError(f"the chat template cannot render these messages with these options: {exc}",
+                       param="messages") from None
 
 
 def _max_prompt_bytes(context_length: int) -> int:
@@ -225,7 +307,7 @@ def prompt_inputs(body, tokenizer, context_length: int, vocab_size: int) -> tupl
     if isinstance(body, ChatCompletionRequest):
         messages = chat_messages(body.messages)
         _check_bytes(["".join(m["content"] for m in messages)], "messages", context_length)  # all together
-        texts, param = [chat_prompt(tokenizer, messages)], "messages"
+        texts, param = [chat_prompt(tokenizer, messages, body)], "messages"
         ids = [tokenizer(t)["input_ids"] for t in texts]
     else:
         prompt, param = body.prompt, "prompt"
@@ -311,5 +393,8 @@ def prepare(body, tokenizer, *, context_length: int, vocab_size: int) -> Prepare
                 prompt_ids=tuple(p) if repetition != 1.0 else (), min_tokens=min_tokens, stop_token_ids=stop_ids,
                 ignore_eos=bool(body.ignore_eos), include_stop_str_in_output=bool(body.include_stop_str_in_output),
                 skip_special_tokens=body.skip_special_tokens is not False))
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(ids, texts, sequences, n, echo, bool(body.stream), include_usage)
+    so = body.stream_options
+    include_usage = bool(so and (so.include_usage if so.include_usage is not None else so.continuous_usage_stats))
+    continuous = include_usage and bool(so.continuous_usage_stats)  # vLLM: continuous usage needs include_usage
+    ignored_fields(body)
+    return Prepared(ids, texts, sequences, n, echo, bool(body.stream), include_usage, continuous)

@@ -35,7 +35,7 @@ import torch
 from pagedexperts.paging.baselines import MODES
 from pagedexperts.paging.steps.table import transformers_inner
 from pagedexperts.residency.policies import DEFAULT_POLICY
-from pagedexperts.tools.check import fused_expert_targets_quiet
+from pagedexperts.tools.check import fused_expert_targets_quiet, transformers_model
 from pagedexperts.tools.timed_generate import long_prompts, timed_generate
 
 
@@ -283,16 +283,16 @@ def _load_models(cfg: BenchConfig, jobs) -> tuple[dict, object]:
 
 
 def load_plain(cfg: BenchConfig):
-    """Transformers' ``from_pretrained``, same dtype and experts implementation (fused: grouped_mm), on ``cfg.device``, eval mode."""
-    from transformers import AutoModelForCausalLM
-
+    """Transformers' ``from_pretrained``, same dtype and experts implementation (fused: grouped_mm), on
+    ``cfg.device``, eval mode, on transformers' local path (``tools.check.transformers_model``:
+    gpt-oss MXFP4 dequantized at load, no kernel fetched from the Hub)."""
     from pagedexperts.loading.config import resolve_dtype
     from pagedexperts.loading.loader import read_checkpoint_config
 
     path, config, _ = read_checkpoint_config(cfg.model_path)
     with fused_expert_targets_quiet(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype, config),
-                                                     experts_implementation=transformers_inner(cfg.experts_implementation))
+        model = transformers_model(path, dtype=resolve_dtype(cfg.dtype, config),
+                                   experts_implementation=transformers_inner(cfg.experts_implementation))
     return model.to(cfg.device).eval()
 
 

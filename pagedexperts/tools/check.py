@@ -13,6 +13,7 @@ import contextlib
 import logging
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -75,14 +76,14 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagedexperts.formats import quantization_config_of
-    from pagedexperts.loading.checkpoint import format_for_checkpoint
+    from pagedexperts.loading.checkpoint import format_for_checkpoint, shipped_conversion_table
     from pagedexperts.loading.config import resolve_dtype
     from pagedexperts.loading.linears import quantized_modules
     from pagedexperts.loading.bundled import bundled_model_path
     from pagedexperts.models.config import with_modelopt_quantization
     from pagedexperts.storage.safetensors_files import checkpoint_files
-    from pagedexperts.tools.reference import (ReferenceLoaders, choose_reference, compare_with_format, complete,
-                                              with_experts_in)
+    from pagedexperts.tools.reference import (RESIDENT, ReferenceLoaders, choose_reference, compare_with_format,
+                                              complete, with_experts_in)
 
     path = model_path or bundled_model_path()
     config = with_modelopt_quantization(AutoConfig.from_pretrained(path), path)
@@ -91,56 +92,145 @@ def load_reference_with_choice(model_path, *, device: str, dtype: str | None, ex
     torch_dtype = resolve_dtype(dtype, config)
     kwargs = dict(dtype=torch_dtype, experts_implementation=experts_implementation, output_loading_info=True)
     qc = quantization_config_of(config)
+    held: dict[str, list[logging.LogRecord]] = {"transformers": [], "library": []}
     loaders = ReferenceLoaders(
-        transformers=lambda p: _quiet_load(p, **kwargs, **fmt.reference_kwargs()),
-        dense=lambda p: with_experts_in(
+        transformers=lambda p: _held(held["transformers"], _quiet_load, p, **kwargs, **fmt.reference_kwargs()),
+        dense=lambda p: _held(held["library"], lambda: with_experts_in(
             complete(AutoModelForCausalLM.from_pretrained(p, **kwargs), p), fmt.experts_dtype(torch_dtype),
-            lambda d: complete(AutoModelForCausalLM.from_pretrained(p, **{**kwargs, "dtype": d}), p)),
+            lambda d: complete(AutoModelForCausalLM.from_pretrained(p, **{**kwargs, "dtype": d}), p))),
         resident=lambda: _resident_reference(path, device=device, dtype=dtype,
                                              experts_implementation=experts_implementation),
         sample=lambda model: compare_with_format(model, files, fmt),
         format_name=fmt.name,
     )
-    model, choice = choose_reference(path, qc, loaders, list(quantized_modules(files, fmt, qc)))
+    with shipped_conversion_table(config.model_type):  # transformers as it ships, whatever else patched it
+        model, choice = choose_reference(path, qc, loaders, list(quantized_modules(files, fmt, qc)))
+    chosen = {"transformers": "transformers", RESIDENT: None}.get(choice.source, "library")
+    for record in held.get(chosen, []) if chosen else ():  # the logs of the load that is the reference
+        logging.getLogger(record.name).handle(record)
     return model.to(device).eval(), choice
 
 
+TRANSFORMERS_LOGGER = "transformers"
+
+
+def _held(into: list, load, *args, **kwargs):
+    """``load(*args, **kwargs)`` with transformers' log records kept in ``into`` instead of written:
+    a candidate reference that is refused (its load report, its conversion tracebacks) is said
+    in one line by ``tools.reference.choose_reference``; the chosen one's records are written
+    after the choice."""
+    target = logging.getLogger(TRANSFORMERS_LOGGER)
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            into.append(record)
+
+    saved = target.handlers[:], target.propagate
+    target.handlers, target.propagate = [Keep()], False
+    try:
+        return load(*args, **kwargs)
+    except Exception as exc:  # its message points at the report held back: it names the report's errors instead
+        errors = _report_errors(into)
+        if errors and len(exc.args) == 1 and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0].split(' For details look at')[0]} ({'; '.join(errors)})",)
+        raise
+    finally:
+        target.handlers, target.propagate = saved
+
+
+_REPORT_ERROR = re.compile(r"^\s*((?:\w+)?Error: .+)$", re.M)
+
+
+def _report_errors(records: list[logging.LogRecord], most: int = 2) -> list[str]:
+    """The first distinct error lines of transformers' held load report (a conversion's exception,
+    the tensor it was destined for)."""
+    found = dict.fromkeys(m.group(1).strip() for r in records for m in _REPORT_ERROR.finditer(r.getMessage()))
+    return list(found)[:most]
+
+
+def reference_label(choice, *, quantized: bool) -> str:
+    """The unpaged reference of ``choice`` (``tools.reference.ReferenceChoice``) as it computes:
+    its source and what its grouped_mm runs over (its own experts, or experts dequantized by
+    transformers, by the format's library, or by pagedexperts)."""
+    from pagedexperts.tools.reference import RESIDENT
+
+    if not quantized:
+        return f"{choice.source} (grouped_mm over its experts)"
+    by = "pagedexperts" if choice.source == RESIDENT else choice.source
+    return f"{choice.source} (grouped_mm over experts dequantized by {by})"
+
+
+def transformers_model(path, **kwargs):
+    """transformers' ``from_pretrained(path, **kwargs)`` as pagedexperts compares with it (check's
+    float32 source, bench's plain model, the tests' oracles): on its local path (the checkpoint
+    format's ``reference_kwargs``: gpt-oss MXFP4 dequantized by transformers' own code, never its
+    Triton kernels fetched from the Hub through the ``kernels`` package, so no network is needed;
+    ``kwargs`` override them), and with its conversion table as it ships
+    (``loading.checkpoint.shipped_conversion_table``): a model another library's patch does not change."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedexperts.loading.checkpoint import format_for_checkpoint, shipped_conversion_table
+    from pagedexperts.storage.safetensors_files import checkpoint_files
+
+    config = AutoConfig.from_pretrained(path)
+    local = format_for_checkpoint(config, checkpoint_files(path)).reference_kwargs()
+    with shipped_conversion_table(config.model_type):
+        return AutoModelForCausalLM.from_pretrained(path, **{**local, **kwargs})
+
+
 def _quiet_load(path, **kwargs):
-    """transformers' ``from_pretrained`` of ``path`` with compressed-tensors' expected "Could not
-    match" WARNING for fused routed-expert targets dropped (``fused_expert_targets_quiet``)."""
+    """transformers' ``from_pretrained`` of ``path`` with compressed-tensors' spurious "Could not
+    match" WARNINGs for targets that name modules of the checkpoint dropped
+    (``fused_expert_targets_quiet``)."""
     from transformers import AutoModelForCausalLM
 
     with fused_expert_targets_quiet(path):
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
-class _FusedExpertTargets(logging.Filter):
+class _CheckpointModuleTargets(logging.Filter):
     """Drops compressed-tensors' "Could not match `T` in instance of ..." WARNING where T names
-    per-expert modules of the checkpoint (``expert_modules``): transformers 5 fuses those into
-    stacked experts tensors, so no module of that name exists to match, and it decompresses them
-    through its own weight conversion (which ``reference.choose_reference`` cross-checks against
-    compressed-tensors). A target that matches nothing in the checkpoint either still warns."""
+    modules that are there though compressed-tensors reports them unmatched: per-expert modules
+    of the checkpoint (``expert_modules``), which transformers 5 fuses into stacked experts tensors
+    (no module of that name exists to match; it decompresses them through its own weight
+    conversion, which ``reference.choose_reference`` cross-checks against compressed-tensors), and
+    modules of the checkpoint (``modules``) that a class target listed before T also matches
+    (``claimed_after``: compressed-tensors' matcher stops at a module's first matching target, so
+    ``lm_head`` after ``Linear`` in ``quantize --scope model``'s config is reported unmatched, though
+    lm_head gets its int8 scheme). Any other target still warns."""
 
-    def __init__(self, expert_modules: list[str]) -> None:
+    def __init__(self, expert_modules: list[str], modules: list[str], claimed_after: set[str]) -> None:
         super().__init__()
-        self.expert_modules = expert_modules
+        self.expert_modules, self.modules, self.claimed_after = expert_modules, modules, claimed_after
 
     def filter(self, record: logging.LogRecord) -> bool:
         from compressed_tensors.utils.match import match_name
 
         found = re.match(r"Could not match `(.+)` in instance of ", record.getMessage())
-        return found is None or not any(match_name(name, found.group(1)) for name in self.expert_modules)
+        if found is None:
+            return True
+        target = found.group(1)
+        if any(match_name(name, target) for name in self.expert_modules):
+            return False
+        return not (target in self.claimed_after and any(match_name(name, target) for name in self.modules))
 
 
 @contextlib.contextmanager
 def fused_expert_targets_quiet(path):
-    """While transformers loads checkpoint ``path``: compressed-tensors' expected "Could not
-    match" WARNING for routed-expert targets is dropped (``_FusedExpertTargets``), nothing else."""
+    """While transformers loads checkpoint ``path``: compressed-tensors' spurious "Could not match"
+    WARNINGs (``_CheckpointModuleTargets``) are dropped, nothing else."""
+    import json
+
     from pagedexperts.storage.safetensors_files import checkpoint_files, read_header_json
 
-    names = {key.rpartition(".")[0] for f in checkpoint_files(path) for key in read_header_json(f)[0]
-             if _PER_EXPERT_MODULE.search(key)}
-    quiet, target = _FusedExpertTargets(sorted(names)), logging.getLogger("compressed_tensors.utils.match")
+    modules = sorted({key.rpartition(".")[0] for f in checkpoint_files(path) for key in read_header_json(f)[0]})
+    qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    targets = [t for group in (qc.get("config_groups") or {}).values() if isinstance(group, dict)
+               for t in group.get("targets", [])]
+    first_class = next((i for i, t in enumerate(targets) if not t.startswith("re:") and t not in modules), len(targets))
+    quiet = _CheckpointModuleTargets([m for m in modules if _PER_EXPERT_MODULE.search(m)], modules,
+                                     set(targets[first_class + 1:]))
+    target = logging.getLogger("compressed_tensors.utils.match")
     target.addFilter(quiet)
     try:
         yield
@@ -148,7 +238,7 @@ def fused_expert_targets_quiet(path):
         target.removeFilter(quiet)
 
 
-_PER_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.[^.]+\.[^.]+$")  # experts.{j}.{proj}.{tensor}
+_PER_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.[^.]+$")  # experts.{j}.{proj}
 
 
 def _resident_reference(path, *, device: str, dtype, experts_implementation: str):
@@ -160,6 +250,36 @@ def _resident_reference(path, *, device: str, dtype, experts_implementation: str
     model, _ = load_model(path, mode="resident", device=device, dtype=dtype,
                           experts_implementation=experts_implementation, check_independence=False)
     return model.eval()
+
+
+class _FirstTimeOnly(logging.Filter):
+    """Passes a record only the first time its logger, level and message are seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, int, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+@contextlib.contextmanager
+def each_message_once():
+    """While ``check`` loads the same checkpoint several times (the reference, all E resident,
+    each K): a log line identical to one already written is dropped (one fact, one line), at
+    every handler of the root logger."""
+    filters = {handler: _FirstTimeOnly() for handler in logging.getLogger().handlers}  # each handler its own
+    for handler, once in filters.items():
+        handler.addFilter(once)
+    try:
+        yield
+    finally:
+        for handler, once in filters.items():
+            handler.removeFilter(once)
 
 
 def greedy_logits(model, input_ids: torch.Tensor, max_new_tokens: int, attention_mask=None):

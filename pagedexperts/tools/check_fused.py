@@ -77,15 +77,17 @@ def tolerance_check(fused, reference, source, tokenizer, prompts, *, max_new_tok
     return result
 
 
-def tolerance_line(k: int, res: ToleranceCheck, *, reference: str, source: str | None, name: str = "fused") -> str:
-    """One line per K naming both references: transformers' model and the float32 source
-    (``name``: the experts implementation checked, fused or packed)."""
+def tolerance_line(k: int, res: ToleranceCheck, *, reference: str, source: str | None, name: str = "fused",
+                   reference_name: str = "transformers") -> str:
+    """One line per K naming both references: the unpaged model (``reference``, described; its
+    short name ``reference_name`` beside its top-1) and the float32 source (``name``: the kernels
+    checked, as they ran: fused, packed, or grouped_mm where packed ran nowhere)."""
     line = (f"K={k} vs {reference} (teacher-forced, {res.positions} positions): max |logit diff| "
             f"{res.max_abs_diff:.3g} <= {res.bound:.3g}: {'yes' if res.max_abs_diff <= res.bound else 'NO'}")
     if res.top1_fused is None:
         line += "; top-1 vs a float32 source: not run (no --source-model-path)"
     else:
         line += (f"; top-1 agreement with the float32 source {source}: {name} {res.top1_fused:.1%}, "
-                 f"transformers {res.top1_reference:.1%} ({name} no lower: "
+                 f"{reference_name} {res.top1_reference:.1%} ({name} no lower: "
                  f"{'yes' if res.top1_fused >= res.top1_reference else 'NO'})")
     return line + f" -> {'PASS (within tolerance)' if res.passed else 'FAIL'}"

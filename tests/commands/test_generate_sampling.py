@@ -90,7 +90,30 @@ def test_repetition_penalty_and_min_tokens_give_serve_s_tokens(capsys, bundled_m
         sched.submit(ids, params, events.append)
         while sched.num_running or not events or events[-1].finish_reason is None:
             sched.step()
-        assert "ROMEO:" + "".join(e.text for e in events) + "\n" == want
+        assert "".join(e.text for e in events) + "\n" == want
+
+
+def test_min_tokens_holds_stop_strings_back_as_serve(capsys, bundled_model):
+    """--min-tokens 6 --stop I: the "I" in the first 6 tokens' text is text, the next one stops
+    (serve's min_tokens, vLLM's). Oracle: transformers' own greedy generate, cut by string search;
+    the same through the scheduler (serve's path) and through the static decode (CUDA graphs' path)."""
+    from pagedexperts.engine.logits_processor import SamplingProcessor
+    from pagedexperts.generation.generate import generate_text
+    from pagedexperts.loading.loader import load_model
+
+    model, tok = bundled_model
+    ids = tok("ROMEO:")["input_ids"]
+    with torch.no_grad():
+        new = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(ids):]
+    full, held = tok.decode(new, skip_special_tokens=True), tok.decode(new[:6], skip_special_tokens=True)
+    assert 0 <= full.find("I") < len(held), "the stop must occur within the held tokens' text"
+    want = full[:full.find("I", len(held))]
+    text, stats = _generate(capsys, "--max-new-tokens", "24", "--stop", "I", "--min-tokens", "6")
+    assert text == want + "\n" and stats["finish_reason"] == "stop"
+    params = SamplingParams(max_new_tokens=24, stop=("I",), min_tokens=6, eos_ids=(0,))
+    static, _ = load_model(num_resident=16, cuda_graphs="eager")
+    got = generate_text(static, tok, "ROMEO:", params, logits_processor=SamplingProcessor(params), min_tokens=6)
+    assert got.text == want and got.finish_reason == "stop"
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +148,7 @@ def _generate_reading_a_terminal() -> str:
     os.write(master, b"ROMEO:\n\x04")  # a line, then Ctrl-D: end of input on a terminal
     out, err = proc.communicate(timeout=300)
     os.close(master)
-    assert proc.returncode == 0 and out.startswith(b"ROMEO:"), err
+    assert proc.returncode == 0 and out.strip() and not out.startswith(b"ROMEO:"), err  # --quiet: generated text only
     return err.decode()
 
 
@@ -146,7 +169,7 @@ def test_generate_without_prompt_says_it_reads_stdin_on_a_terminal(terminal, cap
     monkeypatch.setattr(sys, "stdin", _Stdin(terminal))
     assert main(["generate", "--max-new-tokens", "2", "--threads", "1", "--quiet"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("ROMEO:")
+    assert out.strip() and not out.startswith("ROMEO:")  # --quiet: the generated text only
     said = "generate: reading the prompt from stdin; end it with Ctrl-D (or give --prompt TEXT)\n"
     assert err == (said if terminal else "")
 
@@ -175,6 +198,35 @@ def test_argv_text_that_is_not_utf8_names_the_flag(argv, flag, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"error: {flag} is not valid UTF-8 (byte 0xe9 at character" in err and err.count("\n") == 1
+
+
+def test_quiet_prints_only_the_generated_text(capsys, bundled_model):
+    """--quiet: stdout is the generated text (transformers' own greedy tokens, decoded) and a
+    newline, stderr nothing; it printed the prompt too."""
+    model, tok = bundled_model
+    ids = tok("ROMEO:")["input_ids"]
+    with torch.no_grad():
+        new = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(ids):]
+    assert main(["generate", "--prompt", "ROMEO:", "--max-new-tokens", "8", "--threads", "1", "--quiet"]) == 0
+    assert capsys.readouterr() == (tok.decode(new, skip_special_tokens=True) + "\n", "")
+
+
+@pytest.mark.parametrize("speculative", [[], ["--speculative", "ngram"]], ids=["generate", "speculative"])
+def test_a_prompt_longer_than_the_context_is_not_echoed_and_says_by_how_much(speculative, capsys):
+    """The bundled model has 512 positions: a prompt of n >= 512 tokens leaves none for a new one.
+    It was printed in full, then the error advised "lower --max-new-tokens (at most 0 here)"."""
+    from pagedexperts.loading.bundled import bundled_model_path
+    from tokenizers import Tokenizer
+
+    prompt = "ROMEO: " * 300
+    n = len(Tokenizer.from_file(str(bundled_model_path() / "tokenizer.json")).encode(prompt).ids)
+    assert n >= 512
+    assert main(["generate", "--prompt", prompt, "--max-new-tokens", "4", "--threads", "1", *speculative]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert (f"the prompt is too long: {n} tokens, {n - 511} more than the 511 the model's max_position_embeddings 512 "
+            f"leaves with room for one new token; shorten the prompt by at least {n - 511} tokens") in err
+    assert "--max-new-tokens" not in err.splitlines()[-1]
 
 
 @pytest.mark.parametrize("speculative", [[], ["--speculative", "ngram"]], ids=["generate", "speculative"])

@@ -20,10 +20,55 @@ def test_check_gives_both_verdicts(capsys):
                "--max-new-tokens", "3"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "references: the same packed kernel with all E=8 experts resident (exact)" in out
+    assert "ran: packed on 2 of 2 MoE layers" in out and "ran nowhere" not in out
+    assert "references: the same kernels (packed) with all E=8 experts resident (exact)" in out
     assert "[vs packed, all E=8 resident]" in out and "logits torch.equal: yes" in out
     assert "max |logit diff|" in out and "PASS (within tolerance)" in out
     assert "verdict: PASS (paged packed == packed all resident; within tolerance of" in out
+
+
+def test_check_says_packed_ran_nowhere_on_a_dense_checkpoint(capsys, caplog):
+    """Every layer of the bundled (float32) model falls back to grouped_mm: no verdict, reference
+    or top-1 label claims packed, and the fallback is one WARNING though check loads the
+    checkpoint three times (the reference, all E resident, the K)."""
+    rc = main(["check", "--experts-implementation", "packed", "--check-resident", "8", "--max-new-tokens", "2",
+               "--prompt", "ROMEO:"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "ran: packed on 0 of 6 MoE layers, grouped_mm on layers [0, 1, 2, 3, 4, 5] (dense experts" in out
+    assert "--experts-implementation packed ran nowhere: this checks grouped_mm" in out
+    assert "PASS (bit-identical) [vs grouped_mm, all E=64 resident]" in out and "[vs packed" not in out
+    assert "vs transformers (grouped_mm over its experts)" in out and "dequantized" not in out
+    assert "grouped_mm 100.0%, transformers 100.0%" in out and "packed 1" not in out  # the top-1 labels
+    assert "verdict: PASS (paged grouped_mm == grouped_mm all resident; within tolerance of transformers); " \
+           "packed ran nowhere" in out
+    fallbacks = [r for r in caplog.records if "run grouped_mm instead" in r.getMessage()]
+    assert len(fallbacks) == 1 and "MoE layers [0, 1, 2, 3, 4, 5]" in fallbacks[0].getMessage(), fallbacks
+
+
+def test_check_labels_name_the_reference_that_ran(capsys):
+    """A GPTQ export whose reference is whichever ``choose_reference`` picks here (transformers needs
+    optimum for GPTQ; else the pagedexperts resident model): the references line and each
+    tolerance line name that source, never "transformers" for another."""
+    rc = main(["check", "--model-path", str(DATA / "gptqmodel/qwen3_moe-gptq"), "--experts-implementation", "packed",
+               "--check-resident", "3", "--max-new-tokens", "2", "--prompt", "hello"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    source = next(line for line in out.splitlines() if line.startswith("reference: ")).split()[1]
+    source = "pagedexperts resident" if source == "pagedexperts" else source
+    by = "pagedexperts" if source == "pagedexperts resident" else source
+    assert f"; {source} (grouped_mm over experts dequantized by {by}) (within tolerance)" in out
+    assert f"K=3 vs {source} (grouped_mm over experts dequantized by {by})" in out
+    assert f"within tolerance of {source})" in out
+
+
+def test_tolerance_line_names_the_reference_beside_its_top1():
+    from pagedexperts.tools.check_fused import ToleranceCheck, tolerance_line
+
+    res = ToleranceCheck(0.01, 0.1, 20, top1_fused=0.9, top1_reference=0.85)
+    line = tolerance_line(4, res, reference="pagedexperts resident (grouped_mm over experts dequantized by "
+                          "pagedexperts)", source="src", name="packed", reference_name="pagedexperts resident")
+    assert "packed 90.0%, pagedexperts resident 85.0% (packed no lower: yes)" in line and "transformers" not in line
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +114,28 @@ def test_check_passes_on_whole_model_exports(name, dtype, ours):
     assert rc == 0 and out.count("PASS (bit-identical)") == 2 and out.count("PASS (within tolerance)") == 2, out
 
 
+def test_transformers_loads_ours_without_a_spurious_lm_head_warning(ours, caplog):
+    """Where the commands load ours through transformers (bench's plain model, check's candidates):
+    no "Could not match `lm_head`" (compressed-tensors' matcher stops at lm_head's first target,
+    Linear, and reports the lm_head target unmatched), and lm_head does get its int8 scheme; a
+    target naming no module of the checkpoint still warns."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from pagedexperts.tools.check import _CheckpointModuleTargets, fused_expert_targets_quiet
+
+    with fused_expert_targets_quiet(ours):
+        model = AutoModelForCausalLM.from_pretrained(ours)
+    assert model.lm_head.quantization_scheme.weights.num_bits == 8
+    assert not [r for r in caplog.records if "Could not match" in r.getMessage()], caplog.text
+    quiet = _CheckpointModuleTargets([], ["lm_head", "model.layers.0.self_attn.q_proj"], {"lm_head"})
+    for target, kept in (("lm_head", False), ("re:.*vision.*", True), ("re:.*q_proj$", True)):
+        record = logging.LogRecord("compressed_tensors.utils.match", logging.WARNING, "", 0,
+                                   f"Could not match `{target}` in instance of Qwen3MoeForCausalLM", None, None)
+        assert quiet.filter(record) == kept, target
+
+
 @pytest.mark.parametrize("name", ["autoround/qwen3_moe-auto_round", *(pytest.param(n, marks=pytest.mark.slow) for n in (
     "autoround/qwen3_moe-auto_gptq", "gptqmodel/mixtral-gptq", "llmc_whole/qwen3_moe-W4A16-g32"))])
 def test_check_exact_verdict_on_the_other_whole_model_exports(name, tmp_path):
@@ -106,7 +173,7 @@ def test_generate_states_the_fallback(capsys):
                "packed", "--num-resident", "4", "--prompt", "hello", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert "on 0 of 2 MoE layers; grouped_mm on layers [0, 1] (ct-fp8 gate_up_proj: e4m3 codes" in err
+    assert "on 0 of 2 MoE layers (--experts-implementation); grouped_mm on layers [0, 1] (ct-fp8 gate_up_proj: e4m3" in err
 
 
 @pytest.mark.parametrize("options,flag", [
@@ -150,3 +217,21 @@ def test_auto_runs_int4_packed_and_says_it_chose(capsys):
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "experts: packed (torch's CPU int4 / int8 kernels) on 2 of 2 MoE layers (auto's choice for auto-round on a CPU" in err
+
+
+@pytest.mark.parametrize("argv,want,unwanted", [
+    (["--experts-implementation", "auto"], "experts: grouped_mm (auto's choice for dense: auto computes packed only",
+     "(the default"),
+    (["--experts-implementation", "grouped_mm"], "experts: grouped_mm (--experts-implementation);", "the default:"),
+    ([], "experts: grouped_mm (the default: fused becomes the default on CUDA", "--experts-implementation)"),
+    (["--model-path", str(INT4), "--experts-implementation", "auto"],
+     "experts: packed (torch's CPU int4 / int8 kernels) on 2 of 2 MoE layers (auto's choice for auto-round", "(the default"),
+])
+def test_one_experts_line_saying_why(argv, want, unwanted, capsys):
+    """One "experts:" start-up line (auto said its choice on a second one), "the default" only when
+    the flag was left out."""
+    rc = main(["generate", "--num-resident", "4", "--prompt", "hello", "--max-new-tokens", "1", *argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("experts:")]
+    assert rc == 0 and len(lines) == 1, err
+    assert want in lines[0] and unwanted not in lines[0], lines[0]

@@ -62,3 +62,16 @@ def test_check_to_a_pipe_writes_no_transformers_bar():
     assert proc.returncode == 0, err[-2000:]
     assert b"\r" not in err and b"Loading weights" not in err and b"check K=4:" not in err, err[:800]
     assert b"PASS" in out + err
+
+
+def test_check_to_a_pipe_writes_no_compressed_tensors_bar(tmp_path):
+    """transformers' loading of a compressed-tensors checkpoint (check's reference candidate) runs
+    compressed-tensors' own bars ("Applying quantization config", "Dispatching model"), which pass
+    ``disable=False``: tqdm's environment default ``TQDM_DELAY`` keeps them undrawn on a pipe."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DELAY")}
+    proc = subprocess.run([sys.executable, "-m", "pagedexperts.cli", "check", "--model-path", "bundled:w4a16",
+                           "--check-resident", "8", "--max-new-tokens", "1", "--prompt", "hi", "--threads", "1"],
+                          env={**env, "PAGEDEXPERTS_CACHE": str(tmp_path)}, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert b"reference: transformers" in proc.stdout  # its loading ran (the cross-check against the library)
+    assert b"\r" not in proc.stderr and b"Dispatching model" not in proc.stderr, proc.stderr[:800]

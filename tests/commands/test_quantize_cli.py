@@ -15,7 +15,7 @@ def test_quantize_command_writes_w4a16(tiny_moe_dir, tmp_path, capsys):
     assert main(["quantize", "--model-path", str(tiny_moe_dir), "--format", "w4a16", "--group-size", "16",
                  "--output", str(out)]) == 0
     printed, err = capsys.readouterr()
-    assert "w4a16: 96 routed expert weights" in printed  # 2 layers x 16 experts x 3
+    assert "w4a16 group size 16: 96 routed expert weights" in printed  # 2 layers x 16 experts x 3
     # the bar of the 96 weights (issue 33) is drawn on a terminal only (tests/commands/test_progress_bars.py)
     assert "quantize w4a16:" not in err and "\r" not in err
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -111,3 +111,41 @@ def test_writing_that_fails_leaves_no_half_written_checkpoint(failure, tiny_moe_
     with pytest.raises(type(failure)):
         quantize.quantize_checkpoint(model_path=tiny_moe_dir, output=out, options=quantize.QuantizeOptions("fp8-block"))
     assert out.is_dir() and not any(out.iterdir())
+
+
+@pytest.mark.parametrize("argv,refused", [
+    (["--format", "fp8-block", "--group-size", "32", "--asymmetric"],
+     ["--group-size is --format w4a16's", "--asymmetric is --format w4a16's"]),
+    (["--format", "fp8-block", "--scope", "model"], ["--scope is --format w4a16's"]),
+    (["--format", "mxfp4", "--block-size", "64"], ["--format mxfp4 takes no format parameter", "--block-size is --format fp8-block's"]),
+    (["--format", "w4a16", "--block-size", "64"], ["--format w4a16 takes --group-size, --asymmetric, --scope",
+                                                   "--block-size is --format fp8-block's"]),
+])
+def test_other_formats_flags_are_refused_by_name(argv, refused, tmp_path, capsys):
+    """Another format's flag was taken silently (--format fp8-block --group-size 32 --asymmetric
+    wrote a file)."""
+    out = tmp_path / "q"
+    assert main(["quantize", "--model-path", "bundled", *argv, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert all(r in err for r in refused) and not out.exists(), err
+
+
+def test_w4a16_of_the_bundled_model_picks_a_group_size_that_divides(tmp_path, capsys):
+    """The bundled model's down_proj reads I = 64 channels: group 128 cannot divide it. Without
+    --group-size the largest of 128, 64, 32 dividing every expert input (config.json's H and I)
+    is written and said; --group-size 128 is refused saying which group sizes fit."""
+    from pagedexperts.loading.bundled import bundled_model_path
+
+    config = json.loads((bundled_model_path() / "config.json").read_text())
+    inputs = {config["hidden_size"], config["moe_intermediate_size"]}
+    want = next(g for g in (128, 64, 32) if all(i % g == 0 for i in inputs))
+    assert want != 128
+    out = tmp_path / "q"
+    assert main(["quantize", "--model-path", "bundled", "--format", "w4a16", "--output", str(out)]) == 0
+    assert f"w4a16 group size {want} (the largest of [128, 64, 32] that fits" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "weights"]["group_size"] == want
+    assert main(["quantize", "--model-path", "bundled", "--format", "w4a16", "--group-size", "128", "--output",
+                 str(tmp_path / "q128")]) == 2
+    fits = " or ".join(str(g) for g in (128, 64, 32) if all(i % g == 0 for i in inputs))
+    assert f"is not a multiple of --group-size 128; --group-size {fits} fits" in capsys.readouterr().err

@@ -148,6 +148,36 @@ def test_queue_bound_counts_only_what_cannot_be_admitted(ref):
     assert sched.free_places == 4 and sched.stats.finished == 7
 
 
+def test_a_request_cancelled_while_queued_frees_no_place_it_never_held(ref):
+    """1 running place, 1 may wait: A runs, B waits and its client leaves. B ends cancelled at the
+    next step without touching the running places (a cancelled queued request that gave back a
+    place made room for two), so the bound still holds: C waits, D is refused."""
+    model, tokenizer = ref
+    sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, CONTEXT, max_queued_requests=1))
+    p = tokenizer("x")["input_ids"]
+    events = {name: [] for name in "ABCD"}
+
+    def one(name):
+        return p, SamplingParams(max_new_tokens=20, logit_bias=((0, -100.0),)), events[name].append
+
+    a = sched.submit(*one("A"))
+    sched.step()  # A admitted and running
+    b = sched.submit(*one("B"))
+    assert (sched.num_running, sched.num_waiting, sched.free_places) == (1, 1, 0)
+    sched.cancel(b)
+    sched.step()  # B leaves the queue, cancelled; A decodes on
+    assert events["B"][-1].finish_reason == "cancelled" and a.finished_s is None
+    assert (sched.num_running, sched.num_waiting, sched.free_places) == (1, 0, 0)
+    sched.submit(*one("C"))
+    with pytest.raises(QueueFull, match="0 running places are free"):
+        sched.submit(*one("D"))
+    sched.step()
+    assert sched.num_running == 1 and sched.num_waiting == 1  # C still waits behind A
+    while sched.num_running or sched.num_waiting:
+        sched.step()
+    assert [events[n][-1].finish_reason for n in "AC"] == ["length", "length"] and not events["D"]
+
+
 def test_stop_ends_unfinished_with_a_final_event(ref):
     model, tokenizer = ref
     sched = BatchScheduler(model, tokenizer, SchedulerConfig(1, CONTEXT))

@@ -31,16 +31,15 @@ from support.quantized_dirs import QUANTIZED
 
 @pytest.fixture(scope="session")
 def quantized_reference():
-    """(path, dtype) -> transformers' own loading of the quantized directory (dequantized)."""
-    from transformers import AutoModelForCausalLM
+    """(path, dtype) -> transformers' own loading of the quantized directory (dequantized, on its
+    local path: ``tools.check.transformers_model``)."""
+    from pagedexperts.tools.check import transformers_model
 
     cache = {}
 
     def get(path, dtype=torch.bfloat16):
         if (str(path), dtype) not in cache:
-            cache[(str(path), dtype)] = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, experts_implementation="grouped_mm"
-            ).eval()
+            cache[(str(path), dtype)] = transformers_model(path, dtype=dtype, experts_implementation="grouped_mm").eval()
         return cache[(str(path), dtype)]
 
     return get

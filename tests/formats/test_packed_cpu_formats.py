@@ -137,6 +137,42 @@ def test_int8_codes_and_scales():
     _assert_close(_kernel(plan, rows, x, 0), want, "gptq int8")
 
 
+@pytest.mark.parametrize("zero,low,high,fits", [
+    (128, 0, 255, True),  # codes minus zero point in [-128, 127]: the int8 kernel's range
+    (127, 0, 255, False),  # 255 - 127 = +128
+    (127, 0, 254, True),  # +127
+    (129, 0, 255, False),  # 0 - 129 = -129
+    (129, 1, 255, True),  # -128
+])
+def test_asymmetric_int8_rows_fit_the_kernel_or_are_refused(zero, low, high, fits):
+    """Per-channel asymmetric int8 (GPTQ 8-bit, sym false, one zero point per row): torch's int8
+    kernel computes q * s, so q - z must be an int8; a row whose code minus zero point reaches
+    +128 (or -129) is refused naming the tensor, one at the limit is computed exactly."""
+    gen = torch.Generator().manual_seed(1)
+    fmt = format_for_config({"quantization_config": {"quant_method": "gptq", "bits": 8, "group_size": -1,
+                                                     "desc_act": False, "sym": False}})
+    tensor = fmt.layout((TensorSpec("down_proj", (H, I_MOE), torch.float32),)).tensors[0]
+    plan = plan_tensor(fmt, tensor, torch.float32)
+    assert plan.kind == "int8"
+    q = torch.randint(low, high + 1, (I_MOE, H), generator=gen)  # [I, O]: GPTQ input-major
+    q[0, 0], q[1, 1] = low, high  # both ends reached
+    words = torch.zeros(I_MOE // 4, H, dtype=torch.int64)
+    for j in range(4):
+        words |= q[j::4] << (8 * j)
+    stored = (zero - 1) * 0x01010101  # v1 stores z - 1, four 8-bit zero points a word
+    scales = torch.rand(1, H, generator=gen).to(torch.float16) + 0.5
+    rows = {"down_proj_qweight": words.to(torch.int32).unsqueeze(0), "down_proj_scales": scales.unsqueeze(0),
+            "down_proj_qzeros": torch.full((1, 1, H // 4), stored, dtype=torch.int64).to(torch.int32)}
+    rows = {s.name: rows[s.name] if s.name in rows else torch.zeros((1, *s.shape), dtype=s.dtype) for s in tensor.packed}
+    if not fits:
+        with pytest.raises(ValueError, match=r"down_proj: int8 codes minus their zero points leave \[-128, 127\]"):
+            plan.convert(rows)
+        return
+    x = torch.randn(3, I_MOE, generator=gen)
+    want = x.double() @ ((q - zero).double().t() * scales.double().t()).t()
+    _assert_close(_kernel(plan, rows, x, 0), want, f"int8 zero point {zero}")
+
+
 @pytest.mark.parametrize("qc,reason", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False}, "group of 16"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, "activation order"),

@@ -66,6 +66,26 @@ def test_finite_checkpoint_loads(tmp_path, tiny_moe_dir):
     assert model.pagedexperts.num_resident == TOP_K
 
 
+@pytest.mark.parametrize("proj", ["up_proj", "gate_proj"])
+def test_non_finite_scales_of_one_source_of_a_fused_row_are_refused_naming_it(tmp_path, proj):
+    """GPTQ group 16 of a 32-wide input: each expert's gate and up scales [2, I] sit side by side in
+    the store's gate_up row [2, 2I] (two scale groups per source). A NaN in the second group of one
+    source is found and named as that source's tensor; the finite checkpoint loads."""
+    from support.paths import DATA
+
+    src = DATA / "gptqmodel/qwen3_moe-gptq_2bit_asym_g16-experts"
+    target = f"model.layers.1.mlp.experts.3.{proj}.scales"
+    shape = load_file(str(src / "model.safetensors"))[target].shape
+    assert shape[0] > 1, shape  # more than one scale group per source
+    path, key = _damaged(src, tmp_path / "bad", lambda k: k == target, float("nan"))
+    assert key == target
+    with pytest.raises(NonFiniteWeights, match="holds NaN or infinite values") as err:
+        load_model(path, num_resident=TOP_K)
+    assert repr(target) in str(err.value), err.value
+    model, _ = load_model(src, num_resident=TOP_K)
+    assert model.pagedexperts.num_resident == TOP_K
+
+
 def test_nan_logits_choose_no_token():
     logits = torch.tensor([0.0, float("nan"), 1.0])
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9)):

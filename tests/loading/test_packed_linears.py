@@ -77,3 +77,38 @@ def test_missing_tensor_names_it():
     del serialized["scales"]
     with pytest.raises(ValueError, match="scales"):
         packed_linear(fmt, (O, I), torch.float32, serialized)
+
+
+@pytest.mark.parametrize("plan_dtype,x_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                (torch.float32, torch.float16)])
+def test_an_input_in_another_dtype_comes_back_in_its_dtype(plan_dtype, x_dtype):
+    """The model may feed a float32-kept module's input in the run dtype, or the reverse: the
+    module computes in its plan's dtype and returns the input's."""
+    fmt, serialized, _ = _checkpoint("gptq", 128, seed=5)
+    module = packed_linear(fmt, (O, I), plan_dtype, serialized)
+    x = torch.randn(2, 5, I, generator=torch.Generator().manual_seed(6)).to(x_dtype)
+    got = module(x)
+    assert got.dtype == x_dtype and got.shape == (2, 5, O)
+    assert torch.equal(got, module(x.to(plan_dtype)).to(x_dtype))  # computed in the plan's dtype
+
+
+@pytest.mark.parametrize("scales_dtype", [torch.bfloat16, torch.float32])
+def test_scales_stored_in_bfloat16_or_float32(scales_dtype):
+    """A checkpoint's scales stored in bfloat16 or float32 (GPTQ's are float16): the module equals
+    the exact product with those scales, and holds them in the run dtype."""
+    gen = torch.Generator().manual_seed(7)
+    w = random_int4(O, I, 128, desc_act=False, generator=gen, zero_min=1)
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False}
+    fmt = format_for_config({"quantization_config": qc}).linear_format("model.layers.0.self_attn.q_proj", qc)
+    serialized = pack_gptq(w)
+    noise = 1 + 1e-3 * torch.rand(serialized["scales"].shape, generator=gen)  # off float16's grid
+    serialized["scales"] = (serialized["scales"].float() * noise).to(scales_dtype)
+    g = w.g_idx.long()
+    exact = (serialized["scales"].double()[g] * (w.q - w.z[g]).double()).t()
+    module = packed_linear(fmt, (O, I), torch.float32, serialized)
+    assert isinstance(module, PackedLinear), module
+    assert module.scales.dtype == torch.float32
+    x = torch.randn(3, I, generator=torch.Generator().manual_seed(8))
+    want = x.double() @ exact.t()
+    err = (module(x).double() - want).abs().max() / want.abs().max()
+    assert err < REL_FP32, f"scales in {scales_dtype}: relative error {err:.3g}"

@@ -65,6 +65,37 @@ def test_the_commands_take_the_flags():
         build_parser(["generate"]).parse_args(["generate", "--beyond-k", "sideways"])
 
 
+class _Stop(Exception):
+    """Raised by the spy once check has built the model it pages (check itself is not run)."""
+
+
+@needs_triton  # --beyond-k in-place runs fused on the device-planned step
+def test_check_builds_the_paged_model_with_the_beyond_k_flags(monkeypatch):
+    """check builds its own options (not through ``commands.common.paging_options``): the paged
+    model it checks carries --beyond-k in-place and --admit-per-step as given, and its all-resident
+    oracle the same options at K = E."""
+    import pagedexperts.loading.loader as loader
+    from pagedexperts.cli import main
+
+    built, real = [], loader.load_model
+
+    def spy(path, **options):
+        model, tokenizer = real(path, **options)
+        built.append(model.pagedexperts.config)
+        if options["num_resident"] < model.pagedexperts.num_experts:
+            raise _Stop
+        return model, tokenizer
+
+    monkeypatch.setattr(loader, "load_model", spy)
+    with pytest.raises(_Stop):
+        main(["check", "--experts-implementation", "fused", "--beyond-k", "in-place", "--admit-per-step", "2",
+              "--check-resident", "4", "--max-new-tokens", "1", "--prompt", "hi"])
+    oracle, paged = built
+    assert (paged.num_resident, paged.beyond_k, paged.admit_per_step, paged.experts_implementation) == (
+        4, "in-place", 2, "fused")
+    assert (oracle.num_resident, oracle.beyond_k, oracle.admit_per_step) == (64, "in-place", 2)
+
+
 def greedy(model, ids, mask):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)

@@ -76,13 +76,14 @@ def test_paged_packed_equals_all_resident(name, dtype):
 
 def test_fallback_layers_run_grouped_mm_and_say_why(caplog):
     """FP8 block experts: no CPU int kernel; each layer runs grouped_mm over the slot table grouped_mm
-    gets (exact to transformers' own grouped_mm), a WARNING per layer and the reason in the stats."""
+    gets (exact to transformers' own grouped_mm), one WARNING naming the layers and the reason, the reason in the stats."""
     path = DATA / "llmc/qwen3_moe-fp8_block"
     with caplog.at_level("WARNING"):
         model = _load(path, 4, "float32")
     rt = model.pagedexperts
     assert set(rt.experts_fallbacks) == set(rt.runners) and all("e4m3" in why for why in rt.experts_fallbacks.values())
-    assert any("runs grouped_mm instead" in r.getMessage() for r in caplog.records)
+    warned = [r.getMessage() for r in caplog.records if "run grouped_mm instead" in r.getMessage()]
+    assert len(warned) == 1 and f"MoE layers {sorted(rt.runners)} run grouped_mm instead" in warned[0], warned
     assert len(rt.stats().fallbacks) == len(rt.runners)
     assert all(r.inner == "grouped_mm" and not isinstance(r.body, HostPackedStep) for r in rt.runners.values())
     grouped, _ = load_model(path, num_resident=4, dtype="float32")

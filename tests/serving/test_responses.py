@@ -131,7 +131,9 @@ def test_top_p_reaches_the_sampler(server, ref):
     ({"temperature": 3}, "temperature"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": "x" * 10**4}, "input"),
-    ({"seed": 1}, "seed"),
+    ({"seed": "1"}, "seed"),
+    ({"include": ["file_search_call.results"]}, "include.0"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_unsupported_or_bad_fields_refused_naming_the_field(server, extra, param):
     body = {"model": NAME, "input": QUESTION, **extra}

@@ -16,6 +16,8 @@ The bundled model answers "Exeunt.\\n\\n" with its end-of-sequence token (id 0, 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from support.serving_fixtures import (CONTEXT, HAVE_MODEL, MODEL_PATH, NAME, httpx, one_thread, ref, server,  # noqa: F401
@@ -112,6 +114,37 @@ def test_each_option_over_http(server, cases):
         assert got == want, name
 
 
+def _stop_reason(fields: dict, finish: str):
+    """vLLM's stop_reason of a case: the stop token id or stop string that ended it, None for the
+    end-of-sequence token and for the length limit."""
+    if finish != "stop":
+        return None
+    if fields.get("stop_token_ids"):
+        return fields["stop_token_ids"][0]
+    return fields["stop"][0] if fields.get("stop") else None
+
+
+def test_stop_reason_is_vllms(server, cases):
+    """Each choice says which stop ended it (vLLM's ``stop_reason``), whole and on the streamed
+    chunk that carries its finish_reason, on completions and chat."""
+    url = server[0]
+    for name, (fields, want) in cases.items():
+        reason = _stop_reason(fields, want[1])
+        body = {"model": NAME, "temperature": 0, **fields}
+        choice = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == (want[1], reason), name
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        (last,) = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"] is not None]
+        assert last["stop_reason"] == reason, name
+    chat = {"model": NAME, "temperature": 0, "messages": [{"role": "user", "content": ROMEO}], "max_tokens": 16}
+    first = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    stop = first["message"]["content"][2:5]
+    got = httpx.post(url + "/v1/chat/completions", json={**chat, "stop": [stop]}, timeout=60).json()["choices"][0]
+    assert (got["finish_reason"], got["stop_reason"]) == ("stop", stop)
+    assert first["stop_reason"] is None  # a length or end-of-sequence finish
+
+
 def test_the_openai_sdk_sends_them_as_extra_body(server, cases):
     fields, want = cases["min_tokens holds stop"]
     extra = {"min_tokens": fields["min_tokens"]}
@@ -151,6 +184,35 @@ def test_all_options_in_one_batch(ref, cases):
     for name, (_, want) in cases.items():
         got = finals[name] if want[2] is not None else finals[name][:2] + (None,)
         assert got == want, name
+
+
+def test_stop_token_ids_at_the_vocabulary_boundary(server, ref):
+    """V (the vocabulary size) is no token id: 400; V - 1 is the last one: served."""
+    v = ref[0].config.vocab_size
+    body = {"model": NAME, "prompt": ROMEO, "max_tokens": 2, "temperature": 0}
+    r = httpx.post(server[0] + "/v1/completions", json={**body, "stop_token_ids": [v]}, timeout=60)
+    assert r.status_code == 400 and f"in [0, {v}) (the vocabulary), got {v}" in r.json()["error"]["message"], r.text
+    r = httpx.post(server[0] + "/v1/completions", json={**body, "stop_token_ids": [v - 1]}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_min_tokens_holds_stop_token_ids_back(server, ref):
+    """A stop id the greedy text reaches at its 2nd token, with min_tokens 6: it can neither end the
+    request nor appear within the first 6 tokens. Oracle: transformers' greedy generate with
+    min_new_tokens 6 and every end-of-sequence id (EOS and the stop id)."""
+    model, tok = ref
+    g = _generate(model, tok, ROMEO, 16, eos_token_id=None)
+    stop = g[1]
+    want = _generate(model, tok, ROMEO, 16, eos_token_id=[EOS, stop], min_new_tokens=6)
+    assert stop not in want[:6] and want[:6] != g[:6]  # the oracle itself holds it back, so the text changes
+    ended = want[-1] in (EOS, stop)
+    r = httpx.post(server[0] + "/v1/completions", json={"model": NAME, "prompt": ROMEO, "max_tokens": 16,
+                                                        "temperature": 0, "stop_token_ids": [stop], "min_tokens": 6},
+                   timeout=60)
+    choice = r.json()["choices"][0]
+    assert choice["text"] == tok.decode(want[:-1] if ended else want, skip_special_tokens=True)
+    assert choice["finish_reason"] == ("stop" if ended else "length")
+    assert r.json()["usage"]["completion_tokens"] == len(want)
 
 
 def test_bad_stop_token_ids_are_refused(server):

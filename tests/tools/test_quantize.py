@@ -47,11 +47,13 @@ def test_fp8_block_loads_in_transformers_as_the_formats_dequantization(tmp_path)
 def test_mxfp4_of_gpt_oss_loads_in_transformers_as_the_formats_dequantization(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from pagedexperts.tools.check import transformers_model
+
     src = tmp_path / "src"
     build_model("gpt_oss").to(torch.bfloat16).save_pretrained(src)
     out = tmp_path / "mxfp4"
     quantize_checkpoint(model_path=src, output=out, options=QuantizeOptions("mxfp4"))
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    model = transformers_model(out, dtype=torch.bfloat16)  # transformers' local path: no Hub kernel
     _non_experts_unchanged(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16), model)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         key = "model.layers.0.mlp.experts.gate_up_proj"

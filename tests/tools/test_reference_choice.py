@@ -99,3 +99,23 @@ def test_an_unquantized_checkpoint_with_missing_keys_is_an_error(fp8_dir):
     model, _ = _transformers_model(fp8_dir)
     with pytest.raises(ValueError, match="randomly initialised"):
         choose_reference(fp8_dir, None, _loaders(lambda p: (model, {"missing_keys": ["lm_head.weight"]})))
+
+
+def test_a_refused_reference_is_one_line_not_transformers_load_report():
+    """transformers cannot load GPTQModel's per-row FP8 (its block dequantization reshapes a row
+    scale): its load report (a table and a traceback per conversion, 140 lines before) is held
+    back, and the reference line names the report's first errors instead of pointing above."""
+    import subprocess
+    import sys
+
+    from support.paths import DATA
+
+    proc = subprocess.run([sys.executable, "-m", "pagedexperts.cli", "check", "--model-path",
+                           str(DATA / "gptqmodel/qwen3_moe-fp8"), "--check-resident", "3", "--max-new-tokens", "1",
+                           "--prompt", "hello", "--threads", "1"], capture_output=True, text=True, timeout=600)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "Traceback" not in text and "LOAD REPORT" not in text and len(text.splitlines()) <= 8, text
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("reference: "))
+    assert line.startswith(f"reference: {RESIDENT}") and "Error: Fp8Dequantize on tensors destined for" in line
+    assert "look at" not in line, line
