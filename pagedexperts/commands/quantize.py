@@ -74,23 +74,21 @@ def resolve_model_path(value: str | None, cache_dir: str | None = None) -> str |
     return str(bundled_variant_path(fmt, cache_dir=cache_dir or default_cache_dir()))
 
 
-# each format's own flags (argparse dest -> flag); a format's flag given with another format is refused
-FORMAT_FLAGS = {"w4a16": {"group_size": "--group-size", "asymmetric": "--asymmetric", "scope": "--scope"},
-                "fp8-block": {"block_size": "--block-size"}, "mxfp4": {}}
-
-
 def format_flags_given(args) -> dict[str, str]:
     """dest -> flag of every format parameter given on the command line (their defaults are None).
 
     Raises:
         ValueError: a flag of another format than --format's, naming it and whose it is.
     """
-    given = {dest: flag for flags in FORMAT_FLAGS.values() for dest, flag in flags.items()
+    from pagedexperts.tools.quantize_writers import WRITERS
+
+    format_flags = {name: writer.flags for name, writer in WRITERS.items()}  # a format's flag with another is refused
+    given = {dest: flag for flags in format_flags.values() for dest, flag in flags.items()
              if getattr(args, dest) is not None}
-    foreign = [flag for dest, flag in given.items() if dest not in FORMAT_FLAGS[args.format]]
+    foreign = [flag for dest, flag in given.items() if dest not in format_flags[args.format]]
     if foreign:
-        owners = {flag: fmt for fmt, flags in FORMAT_FLAGS.items() for flag in flags.values()}
-        own = ", ".join(FORMAT_FLAGS[args.format].values()) or "no format parameter"
+        owners = {flag: fmt for fmt, flags in format_flags.items() for flag in flags.values()}
+        own = ", ".join(format_flags[args.format].values()) or "no format parameter"
         raise ValueError(f"--format {args.format} takes {own}; " + "; ".join(
             f"{flag} is --format {owners[flag]}'s" for flag in foreign))
     return given

@@ -54,6 +54,7 @@ class Writer:
 
     format: str = ""
     bundled: dict | None = None
+    flags: dict[str, str] = {}  # its own command flags (argparse dest -> flag), refused with another format
 
     plan = None  # tools.quantize_model.WholeModelPlan: the non-expert weights quantized too (w4a16 scope "model")
     group_size: int | None = None  # w4a16: the group size it writes
@@ -99,6 +100,7 @@ class W4A16Writer(Writer):
     "model": ``tools.quantize_model``'s plan, lm_head int8 per channel)."""
 
     format = "w4a16"
+    flags = {"group_size": "--group-size", "asymmetric": "--asymmetric", "scope": "--scope"}
     bundled = dict(group_size=64, symmetric=True)  # the bundled model's I = 64: groups of 64 divide down_proj
 
     def __init__(self, options: QuantizeOptions) -> None:
@@ -183,6 +185,7 @@ class Fp8BlockWriter(Writer):
     """Block FP8 (``formats.fp8.quantize_fp8_block``), the DeepSeek-V3 / Qwen3-FP8 layout."""
 
     format = "fp8-block"
+    flags = {"block_size": "--block-size"}
     bundled = dict(block=(128, 128))
 
     def check_shape(self, key: str, shape: tuple[int, ...]) -> None:

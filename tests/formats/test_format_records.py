@@ -53,10 +53,10 @@ def test_the_cli_choices_are_the_records():
 
 
 def test_quantize_has_a_writer_for_each_record_that_says_it_writes():
-    from pagedexperts.tools import quantize
+    from pagedexperts.tools import quantize, quantize_writers
 
-    assert sorted(quantize._WRITERS) == sorted(n for n, r in FORMATS.items() if r.quantize)
-    assert set(quantize.BUNDLED_VARIANTS) <= set(quantize._WRITERS)
+    assert sorted(quantize_writers.WRITERS) == sorted(n for n, r in FORMATS.items() if r.quantize)
+    assert set(quantize.BUNDLED_VARIANTS) <= set(quantize_writers.WRITERS)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
