@@ -24,6 +24,22 @@ def prompt_rows(vocab: int, lengths=PROMPT_LENGTHS) -> list[torch.Tensor]:
     return [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
 
 
+def sdpa_refusal(dtype: str) -> str | None:
+    """Why torch's own SDPA refuses a causal ``dtype`` prefill in this process, or None.
+
+    torch 2.13's CPU flash attention picks VNNI packing for bfloat16 from the CPU it finds (AMX),
+    then the packing checks the vector width ``ATEN_CPU_CAPABILITY`` forced lower (avx2, default)
+    and raises "pack_vnni2 is only supported when avx512 is supported". A machine that really is
+    AVX2 never takes that path; only a capability forced below the hardware does.
+    """
+    q = torch.zeros(1, 2, 64, 32, dtype=getattr(torch, dtype))
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def probe(*, impl: str, dtype: str, num_resident: int, new_tokens: int = 3, model_path=None, reference=None) -> dict:
     """Each prompt alone (batch 1) and all as one left-padded batch, greedy ``new_tokens`` steps."""
     import pagedexperts
@@ -32,6 +48,10 @@ def probe(*, impl: str, dtype: str, num_resident: int, new_tokens: int = 3, mode
     if reference is None:
         reference = load_reference(model_path, device="cpu", dtype=dtype, experts_implementation=impl)
     paged, _ = pagedexperts.load_model(model_path, num_resident=num_resident, dtype=dtype, experts_implementation=impl)
+    refusal = sdpa_refusal(dtype)
+    if refusal is not None:  # both models alike: attention is unpaged, the experts are what is probed
+        for model in (reference, paged):
+            model.set_attn_implementation("eager")
     rows = prompt_rows(reference.config.vocab_size)
     runs = []
     with torch.no_grad():
@@ -42,7 +62,8 @@ def probe(*, impl: str, dtype: str, num_resident: int, new_tokens: int = 3, mode
     stats = paged.pagedexperts.stats().total()
     return dict(
         impl=impl, dtype=dtype, num_resident=num_resident, threads=torch.get_num_threads(),
-        capability=torch.backends.cpu.get_cpu_capability(), multi_wave_steps=stats.multi_wave_steps,
+        capability=torch.backends.cpu.get_cpu_capability(),
+        attention=paged.config._attn_implementation, sdpa_refused=refusal, multi_wave_steps=stats.multi_wave_steps,
         runs=[dict(run=r.prompt, exact=r.exact, tokens_equal=r.tokens_equal, max_abs_diff=r.max_abs_diff) for r in runs],
     )
 
