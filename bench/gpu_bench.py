@@ -78,7 +78,7 @@ def build(args):
     shape = TINY if args.dry_run else REAL
     config = Qwen3MoeConfig(num_hidden_layers=args.layers, **shape)
     fill = lambda m, sites, stores, dev: runners.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
-    return build_module.build_paged_model(
+    return build_module.build_from_options(
         config, fill, num_resident=args.ks[0], device=args.device, dtype=args.dtype, mode="paged"
     )
 

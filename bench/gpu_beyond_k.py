@@ -20,7 +20,6 @@ run eagerly.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -46,7 +45,7 @@ def build(name: str, k: int, args):
     shape = gpu_bench.TINY if args.dry_run else gpu_bench.REAL
     config = Qwen3MoeConfig(num_hidden_layers=args.layers, **shape)
     fill = lambda m, sites, stores, dev: runners.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
-    return build_module.build_paged_model(config, fill, expert_format=expert_format(name), num_resident=k,
+    return build_module.build_from_options(config, fill, expert_format=expert_format(name), num_resident=k,
                                           device=args.device, dtype=args.dtype, mode="paged",
                                           experts_implementation="fused", slot_format="packed", decide="device",
                                           cuda_graph_max_batch=max(args.batches))
@@ -56,10 +55,8 @@ def switch(model, beyond_k: str, k: int) -> None:
     """Re-attach the runners over the same stores with ``--beyond-k beyond_k`` (empty slots)."""
     from pagedexperts.loading import runners
 
-    rt = model.pagedexperts
-    rt.config = dataclasses.replace(rt.config, beyond_k=beyond_k)
-    runners.repage(model, mode="paged", num_resident=k)
-    rt.decode_graphs = None  # built again over the new runners (and max batch)
+    runners.repage(model, mode="paged", num_resident=k, beyond_k=beyond_k)
+    model.pagedexperts.decode_graphs = None  # built again over the new runners (and max batch)
 
 
 def measure(model, args, batch: int) -> dict:

@@ -107,7 +107,7 @@ def graphs_row(model, args, run: dict, decode_run) -> dict:
     else:
         graphs = DecodeGraphs(model, backend="eager", max_batch=max(BATCHES))
     if graphs is None:
-        return dict(graphs_tok_s=None, eager_router_tok_s=None, graphs_off=rt.cuda_graphs_reason)
+        return dict(graphs_tok_s=None, eager_router_tok_s=None, graphs_off=rt.resolved.reasons["cuda_graphs"])
     with router_routing(model, args):
         static_decode_tok_s(model, graphs, batch=run["batch"], prompt_len=8, new_tokens=3)  # warm-up: capture
         tok_s = static_decode_tok_s(model, graphs, **run)

@@ -16,7 +16,6 @@ kernels' times are real, the numbers are not. ``--dry-run``: tiny sizes on CPU u
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -48,7 +47,7 @@ def build(name: str, k: int, args):
     shape = gpu_bench.TINY if args.dry_run else gpu_bench.REAL
     config = Qwen3MoeConfig(num_hidden_layers=args.layers, **shape)
     fill = lambda m, sites, stores, dev: runners.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
-    return build_module.build_paged_model(config, fill, expert_format=expert_format(name), num_resident=k,
+    return build_module.build_from_options(config, fill, expert_format=expert_format(name), num_resident=k,
                                           device=args.device, dtype=args.dtype, mode="paged",
                                           experts_implementation="fused", slot_format="packed", decide="device")
 
@@ -57,9 +56,7 @@ def switch(model, implementation: str, k: int) -> None:
     """Re-attach the runners over the same stores with ``implementation``."""
     from pagedexperts.loading import runners
 
-    rt = model.pagedexperts
-    rt.config = dataclasses.replace(rt.config, experts_implementation=implementation)
-    runners.repage(model, mode="paged", num_resident=k)
+    runners.repage(model, mode="paged", num_resident=k, experts_implementation=implementation)
 
 
 def rows_for(name: str, k: int, args) -> list[dict]:

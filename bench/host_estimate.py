@@ -48,7 +48,7 @@ def build(layers: int, k: int):
 
     config = Qwen3MoeConfig(num_hidden_layers=layers, **SHAPE)
     fill = lambda m, sites, stores, dev: runners.random_fill(m, sites, stores, dev, seed=0)  # noqa: E731
-    return build_module.build_paged_model(config, fill, num_resident=k, device="cpu", dtype="float32", mode="paged")
+    return build_module.build_from_options(config, fill, num_resident=k, device="cpu", dtype="float32", mode="paged")
 
 
 def call_times(model) -> list[float]:

@@ -238,8 +238,8 @@ def run(args) -> dict:
     for s in sides:
         if s.kind == "llama":
             check_ids(pb, s.gguf, text, all_ids, work, n)
-    implementations = {label: dict(experts_implementation=m.pagedexperts.config.experts_implementation,
-                                   slot_format=m.pagedexperts.config.slot_format, expert_format=m.pagedexperts.expert_format)
+    implementations = {label: dict(experts_implementation=m.pagedexperts.resolved.experts_implementation,
+                                   slot_format=m.pagedexperts.resolved.slot_format, expert_format=m.pagedexperts.expert_format)
                        for label, m in models.items()}
     first_k = {}  # label -> logits at its first K, the exactness reference of the others
     times = {s.name: [] for s in sides}

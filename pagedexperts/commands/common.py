@@ -262,26 +262,26 @@ def experts_note(runtime, *, asked: str | None = None) -> str:
     """The one start-up line of the experts: which implementation runs and why (``asked``: the
     --experts-implementation given, None when left at its default), under packed on which MoE
     layers and non-expert linears (``packed_paths``), where steps are planned, and how a union
-    beyond K is computed (``PagingRuntime``: its config and resolved decide)."""
-    cfg = runtime.config
-    name = cfg.experts_implementation
+    beyond K is computed (``PagingRuntime``: its config and what was resolved, ``.resolved``)."""
+    cfg, resolved = runtime.config, runtime.resolved
+    name = resolved.experts_implementation
     line = f"experts: {name} ({_why(runtime, asked)})"
     if name == PACKED:
         line = f"experts: {name} (torch's CPU int4 / int8 kernels) {packed_paths(runtime, why=_why(runtime, asked))}"
     if cfg.mode != "paged":
         return f"{line}; mode {cfg.mode}"
-    decide = runtime.decide if cfg.decide != "auto" else f"{runtime.decide} (--decide auto)"
-    if cfg.beyond_k == "in-place":
-        admit = "K" if cfg.admit_per_step is None else str(cfg.admit_per_step)
+    decide = resolved.decide if cfg.decide != "auto" else f"{resolved.decide} (--decide auto)"
+    if resolved.beyond_k == "in-place":
+        admit = "K" if resolved.admit_per_step is None else str(resolved.admit_per_step)
         beyond = f"in place from the host store, one wave a step, page-ins per step <= {admit} (--beyond-k in-place)"
     else:
         beyond = "in waves (--beyond-k waves, the default until a GPU has timed in-place)"
-    return f"{line}; {decide}-planned steps; experts beyond K={runtime.num_resident} computed {beyond}"
+    return f"{line}; {decide}-planned steps; experts beyond K={resolved.num_resident} computed {beyond}"
 
 
 def _why(runtime, asked: str | None) -> str:
     """Why ``runtime``'s experts implementation runs: the default, auto's choice, or the flag."""
-    name = runtime.config.experts_implementation
+    name = runtime.resolved.experts_implementation
     if asked == AUTO:
         if name == PACKED:
             return (f"auto's choice for {runtime.expert_format} on a CPU: faster than dequantizing, exact to itself, "
@@ -298,7 +298,7 @@ def packed_paths(runtime, *, why: str) -> str:
     """Under --experts-implementation packed: how many MoE layers compute their experts packed
     and which run grouped_mm and why (``why``: why packed runs), how many quantized non-expert
     linears are packed and dequantized and why."""
-    fallbacks = runtime.experts_fallbacks
+    fallbacks = runtime.resolved.experts_fallbacks
     line = f"on {len(runtime.runners) - len(fallbacks)} of {len(runtime.runners)} MoE layers ({why})"
     if fallbacks:
         reasons = sorted(set(fallbacks.values()))

@@ -159,7 +159,7 @@ def run(args) -> int:
     if args.stats_json:
         report = asdict(result)
         report.update(num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k, decide=rt.decide,
-                      experts_implementation=rt.config.experts_implementation, beyond_k=rt.config.beyond_k,
+                      experts_implementation=rt.resolved.experts_implementation, beyond_k=rt.resolved.beyond_k,
                       threads=threads)
         with open(args.stats_json, "w") as f:
             json.dump(report, f, indent=2)

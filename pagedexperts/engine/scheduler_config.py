@@ -49,13 +49,13 @@ class SchedulerConfig:
 
 def graph_options(runtime) -> dict:
     """``SchedulerConfig``'s graph fields from a model's runtime (``model.pagedexperts``, its
-    ``--cuda-graphs`` resolved by ``loading.config.resolve_cuda_graphs``): "cuda" captures,
+    ``--cuda-graphs`` resolved in ``PagingRuntime.resolved``): "cuda" captures,
     anything else ("eager", "off": CPU, --no-cuda-graphs, auto's fallback) runs the same static
     steps eagerly; strict where the user asked --cuda-graphs."""
-    cfg = runtime.config
-    return dict(cuda_graphs="cuda" if runtime.cuda_graphs == "cuda" else "eager",
+    cfg, resolved = runtime.config, runtime.resolved
+    return dict(cuda_graphs="cuda" if resolved.cuda_graphs == "cuda" else "eager",
                 strict_cuda_graphs=cfg.cuda_graphs == "on", cuda_graph_max_batch=cfg.cuda_graph_max_batch,
-                cuda_graphs_reason=runtime.cuda_graphs_reason)
+                cuda_graphs_reason=resolved.reasons["cuda_graphs"] if resolved.cuda_graphs == "off" else None)
 
 
 class QueueFull(Exception):

@@ -257,7 +257,7 @@ def graphs_field(runtime, graphs) -> dict:
     """The stats field of decode graphs: enabled, backend, counters (``DecodeGraphs.summary``)
     or the reason they were off."""
     if graphs is None:
-        return dict(enabled=False, reason=runtime.cuda_graphs_reason)
+        return dict(enabled=False, reason=runtime.resolved.reasons["cuda_graphs"])
     return dict(enabled=True, **graphs.summary())
 
 

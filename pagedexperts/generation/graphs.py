@@ -337,9 +337,9 @@ def decode_graphs_for(model) -> DecodeGraphs | None:
     """The model's ``DecodeGraphs`` (built on first use from ``model.pagedexperts``'s resolved
     ``cuda_graphs`` and config), or None when graphs are off."""
     rt = model.pagedexperts
-    if rt.cuda_graphs == "off":
+    if rt.resolved.cuda_graphs == "off":
         return None
     if rt.decode_graphs is None:
-        rt.decode_graphs = DecodeGraphs(model, backend=rt.cuda_graphs, max_batch=rt.config.cuda_graph_max_batch,
+        rt.decode_graphs = DecodeGraphs(model, backend=rt.resolved.cuda_graphs, max_batch=rt.config.cuda_graph_max_batch,
                                         strict=rt.config.cuda_graphs == "on")
     return rt.decode_graphs

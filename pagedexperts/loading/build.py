@@ -1,16 +1,17 @@
 """Build a paged model: parameters on meta, host stores for the experts, one runner per MoE layer.
 
-Owns: ``build_paged_model`` (the one build, for a checkpoint or random weights), constructing
+Owns: ``build_paged_model`` (the one build, for a checkpoint or random weights; ``build_from_options``
+checks keyword options first), constructing
 the transformers model with every parameter on the meta device, the float32-kept tensors, the
 host-memory plan counted before any allocation, the host stores (full, or the disk tier's), and
 installing the runtime object, the runners and the transformers integration on the model.
-Does not: validate options (``loading.config``), read checkpoints (``loading.fill``), or page.
+Resolves every choice of the checked options once (``loading.resolved``). Does not: check
+options (``loading.config``), read checkpoints (``loading.fill``), or page.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 
 import torch
@@ -18,7 +19,8 @@ import torch
 from pagedexperts import integration
 from pagedexperts.formats import format_for_config
 from pagedexperts.loading.config import (PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype,
-                                         slot_format_of)
+                                         resolve_experts_implementation)
+from pagedexperts.loading.resolved import resolve
 from pagedexperts.loading.linears import plan_model_linears
 from pagedexperts.loading.runners import attach_runners
 from pagedexperts.loading.runtime import PagingRuntime
@@ -38,9 +40,13 @@ READ_AHEAD_EXPERTS_PER_TOP_K = 2  # disk tier staging: read-ahead buffers = 2 x 
 KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted in host memory on a CPU device (one long request)
 
 
-def build_paged_model(config, fill, *, expert_format=None, files=None, **options):
+def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, files=None):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
+    ``cfg``: the paging options, checked against ``config`` and the format by
+    ``loading.config.check_config`` (``load_model`` checks them once; a caller building random
+    weights checks them itself); every choice made from them is resolved here, once
+    (``loading.resolved.resolve``), and kept as ``model.pagedexperts.resolved``.
     ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
     stores ({site name: ExpertStore}), every other parameter onto ``device``; it returns the
     quantized non-expert modules it dequantized or packed (``loading.linears.QuantizedLinears``)
@@ -48,40 +54,48 @@ def build_paged_model(config, fill, *, expert_format=None, files=None, **options
     makes random weights for benchmarks at real scale. ``expert_format``: the checkpoint's format
     (None: from ``config``'s ``quantization_config``); the stores hold its packed tensors.
     ``files``: the checkpoint's shards, whose quantized non-expert modules the host-memory plan
-    counts as the load keeps them (``loading.linears.plan_model_linears``). ``options``: the
-    ``PagingConfig`` fields (see ``load_model``).
+    counts as the load keeps them (``loading.linears.plan_model_linears``).
+
+    Raises:
+        MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``).
+        ConfigError: ``cuda_graphs`` "on" where capture cannot work.
+    """
+    fmt = expert_format if expert_format is not None else format_for_config(
+        config, transposed_experts=experts_transposed(config))
+    dev, dtype = check_device(cfg.device), resolve_dtype(cfg.dtype, config)
+    model = _meta_model(config, dtype, cfg.experts_implementation)
+    sites = find_experts_sites(model)
+    num_experts, top_k = sites[0].num_experts, int(config.num_experts_per_tok)
+    sources = expert_sources(config.model_type)
+    layouts = {s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
+               for s in sites}
+    packed = resolve_experts_implementation(cfg, fmt) == PACKED  # the rule ``resolve`` records
+    linears = None if files is None or fmt.name == "dense" else plan_model_linears(model, files, fmt, packed=packed)
+    memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, top_k=top_k, linears=linears,
+                          k_slots=cfg.resident_slots(num_experts=num_experts, top_k=top_k))
+    stores, read_ahead = _make_stores(sites, layouts, memory, cfg.policy, dev)
+    resolved = resolve(cfg, fmt, num_experts=num_experts, top_k=top_k, device=dev, sites=sites, layouts=layouts,
+                       memory=memory, stores=stores)
+    runtime = PagingRuntime(config=cfg, resolved=resolved, num_experts=num_experts, top_k=top_k,
+                            expert_format=fmt.name, layouts=layouts, sites=sites, stores=stores, read_ahead=read_ahead)
+    runtime.quantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
+    attach_runners(runtime, dev)
+    _install(model, runtime, dev)
+    return model
+
+
+def build_from_options(config, fill, *, expert_format=None, files=None, **options):
+    """``build_paged_model`` from ``PagingConfig`` keyword ``options``, checked first against
+    ``config`` and the format (benchmarks building random weights; ``load_model`` checks its own).
 
     Raises:
         ConfigError (ValueError): every problem of the options for this model, at once.
-        MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``).
     """
     fmt = expert_format if expert_format is not None else format_for_config(
         config, transposed_experts=experts_transposed(config))
     cfg = PagingConfig(**options)
     check_config(cfg, config, fmt)
-    dev, dtype = check_device(cfg.device), resolve_dtype(cfg.dtype, config)
-    model = _meta_model(config, dtype, cfg.experts_implementation)
-    sites = find_experts_sites(model)
-    num_experts, top_k = sites[0].num_experts, int(config.num_experts_per_tok)
-    k_slots = cfg.resident_slots(num_experts=num_experts, top_k=top_k)
-    sources = expert_sources(config.model_type)
-    layouts = {s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
-               for s in sites}
-    linears = None if files is None or fmt.name == "dense" else plan_model_linears(
-        model, files, fmt, packed=cfg.experts_implementation == PACKED)
-    memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, k_slots=k_slots, top_k=top_k,
-                          linears=linears)
-    runtime = PagingRuntime(
-        config=dataclasses.replace(cfg, num_resident=k_slots, device=str(dev),
-                                   slot_format=slot_format_of(cfg)),
-        num_experts=num_experts, top_k=top_k, num_resident=k_slots, expert_format=fmt.name,
-        layouts=layouts, host_memory=memory, sites=sites,
-    )
-    runtime.stores = _make_stores(runtime, dev)
-    runtime.quantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
-    attach_runners(runtime, dev)
-    _install(model, runtime, dev)
-    return model
+    return build_paged_model(config, fill, cfg, expert_format=fmt, files=files)
 
 
 def _install(model, runtime: PagingRuntime, dev: torch.device) -> None:
@@ -123,25 +137,26 @@ def _meta_model(config, dtype: torch.dtype, experts_implementation: str):
     return model
 
 
-def _make_stores(runtime: PagingRuntime, dev: torch.device) -> dict:
-    """One store per experts site (full, or the disk tier's R host rows); the experts modules
-    keep no [E, ...] tensor afterwards (only the runners' slots and stores hold experts)."""
-    memory, cfg, pin = runtime.host_memory, runtime.config, dev.type == "cuda"
+def _make_stores(sites, layouts, memory: HostMemoryPlan, policy: str, dev: torch.device):
+    """({site name: store}, the disk tier's ``ReadAhead`` or None): one store per experts site
+    (full, or the disk tier's R host rows); the experts modules keep no [E, ...] tensor
+    afterwards (only the runners' slots and stores hold experts)."""
+    pin, read_ahead = dev.type == "cuda", None
     if memory.disk_tier:
-        specs0 = list(runtime.layouts[runtime.sites[0].name].packed_specs)
-        runtime.read_ahead = ReadAhead(specs0, num_buffers=memory.staging_bytes // memory.expert_bytes, pin=pin)
+        specs0 = list(layouts[sites[0].name].packed_specs)
+        read_ahead = ReadAhead(specs0, num_buffers=memory.staging_bytes // memory.expert_bytes, pin=pin)
     stores = {}
-    for site in runtime.sites:
-        specs = list(runtime.layouts[site.name].packed_specs)
+    for site in sites:
+        specs = list(layouts[site.name].packed_specs)
         if memory.disk_tier:
-            stores[site.name] = TieredExpertStore(specs, site.num_experts, memory.host_rows, policy=cfg.policy,
-                                                  pin=pin, layer=site.layer, read_ahead=runtime.read_ahead)
+            stores[site.name] = TieredExpertStore(specs, site.num_experts, memory.host_rows, policy=policy,
+                                                  pin=pin, layer=site.layer, read_ahead=read_ahead)
         else:
             stores[site.name] = HostExpertStore(specs, site.num_experts, pin=pin)
         for spec in site.specs:
             site.module._parameters.pop(spec.name, None)
             site.module._buffers.pop(spec.name, None)
-    return stores
+    return stores, read_ahead
 
 
 def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *, k_slots: int,

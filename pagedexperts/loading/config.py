@@ -1,15 +1,17 @@
 """One validated paging configuration: every problem with the options reported at once.
 
 Owns: ``PagingConfig`` (how a model is paged: the options of ``load_model`` and the flags of
-the commands, frozen, kept on the runtime object) and ``check_config``, the one configuration
+the commands, frozen, built once per load and kept on the runtime object as given) and
+``check_config``, the one configuration
 check: the options alone (device, dtype, implementation, policy, mode, slot format, prefetch
 budget, host memory, where paged steps are planned: ``--decide``) and, given the model's
 config, against the model (K in [top_k, E], the cpu-experts layer count, the experts' dtype
 under the implementation, the slot format the device decide needs). It collects every
 problem and raises once, before any weight is read. The experts implementation's predicates
-live in ``loading.experts_options``. Also the torch-facing resolutions the check needs
-(``check_device``, ``resolve_dtype``, ``resolve_decide``). Does not: read checkpoints or build
-(``loading.loader``, ``loading.build``).
+live in ``loading.experts_options``. Also the rules that resolve "auto" and None (K,
+the experts implementation, the slot format, ``--decide``, CUDA graphs: each shares predicates
+with a check), which ``loading.resolved.resolve`` applies once per load into the record the
+runtime reads. Does not: read checkpoints or build (``loading.loader``, ``loading.build``).
 """
 
 from __future__ import annotations
@@ -331,8 +333,11 @@ def model_problems(cfg: PagingConfig, model, fmt=None) -> list[str]:
     moe_layers = len(model_config.moe_layer_indices(model))
     if cfg.mode == "cpu-experts" and cfg.cpu_expert_layers > moe_layers:
         problems.append(f"--cpu-expert-layers {cfg.cpu_expert_layers} outside [0, {moe_layers}] (the model's MoE layers)")
+    implementation = resolve_experts_implementation(cfg, fmt)  # auto's choice for this format
+    if implementation != cfg.experts_implementation and planned_on_device(cfg):
+        problems.append(inner_problem(implementation, decide="device"))
     if fmt is not None and cfg.dtype in (None, "auto", *model_config.RUN_DTYPE_BYTES):
-        problems.append(experts_dtype_problem(fmt, resolve_dtype(cfg.dtype, model), cfg.experts_implementation))
+        problems.append(experts_dtype_problem(fmt, resolve_dtype(cfg.dtype, model), implementation))
     problems.append(decide_model_problem(cfg, fmt))
     return [p for p in problems if p is not None]
 

@@ -9,7 +9,6 @@ model's path is ``loading.bundled``'s.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import numbers
@@ -80,8 +79,8 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             (``generation.graphs``): "auto" (default: where the step is capturable, i.e. CUDA
             and device-planned or resident steps; else decode without them, a WARNING on
             CUDA), "on" (a ConfigError where capture cannot work), "off", or "eager" (the same
-            static-buffer decode without capture: CPU tests). ``model.pagedexperts.cuda_graphs``
-            says what was resolved ("cuda", "eager", "off") and ``cuda_graphs_reason`` why off.
+            static-buffer decode without capture: CPU tests). ``model.pagedexperts.resolved
+            .cuda_graphs`` says what was resolved ("cuda", "eager", "off") and ``.reasons`` why.
         cuda_graph_max_batch: N >= 1, the largest decode batch captured (default 8).
         beyond_k: a step whose routed experts do not fit the K slots: "waves" (default: in
             W = ceil(union / K) waves, each paged in then computed) or "in-place" (one wave:
@@ -103,8 +102,8 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
 
     Returns:
         (model, tokenizer): a transformers causal LM usable with ``generate()``, with
-        ``model.pagedexperts`` (a PagingRuntime: ``.stats()``), and its tokenizer (None if the
-        directory has none).
+        ``model.pagedexperts`` (a PagingRuntime: ``.stats()``; ``.resolved``, every choice made
+        from these options with its reason), and its tokenizer (None if the directory has none).
 
     Raises:
         TypeError: an argument of another type than it takes, or an unknown keyword (``check_arguments``).
@@ -121,20 +120,19 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             loaded; names the bytes of each part).
     """
     check_arguments(model_path, check_independence, options)
-    cfg = PagingConfig(**options)
+    cfg = PagingConfig(**options)  # the one construction; checked once, below, and resolved once in the build
     path, config, files = _read_checked(model_path, cfg)
     fmt = format_for_checkpoint(config, files)
-    cfg = dataclasses.replace(cfg, experts_implementation=resolve_experts_implementation(cfg, fmt))
     check_config(cfg, config, fmt)
     check_readable(files)
     if fmt.name == "dense" and cfg.slot_format != DEFAULT_SLOT_FORMAT:
         logger.warning("--slot-format %s has no effect: %s is not quantized (its slots hold dense experts)",
                        cfg.slot_format, path)
     tokenizer = _load_tokenizer(path)  # a broken tokenizer is refused before the weights load
-    packed = cfg.experts_implementation == PACKED  # the non-expert linears too (loading.linears)
+    packed = resolve_experts_implementation(cfg, fmt) == PACKED  # the non-expert linears too (loading.linears)
     fill = functools.partial(fill_from_checkpoint, model_type=config.model_type, files=files, fmt=fmt,
                              packed_linears=packed)
-    model = build_paged_model(config, fill, expert_format=fmt, files=files, **dataclasses.asdict(cfg))
+    model = build_paged_model(config, fill, cfg, expert_format=fmt, files=files)
     if check_independence:
         check_model_independence(model, files, fmt)
         for store in model.pagedexperts.stores.values():  # the check's samples leave no trace
@@ -180,10 +178,10 @@ def _of_type(value, t: type) -> bool:
 def _read_checked(model_path, cfg: PagingConfig):
     """``read_checkpoint_config``, with the option problems first: an unreadable directory is
     one more problem in the same error when the options have problems too."""
-    problems = option_problems(cfg)
     try:
         path, config, files = read_checkpoint_config(model_path)
     except (FileNotFoundError, ValueError) as exc:
+        problems = option_problems(cfg)
         if problems:
             raise ConfigError(problems + [str(exc)]) from exc
         raise

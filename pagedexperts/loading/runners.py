@@ -3,9 +3,8 @@ or K over the same stores (``repage``), and random weights for benchmarks at rea
 
 Owns: which runner each MoE layer gets (a ``paging.host_executor.HostExecutor`` or, under
 ``--decide`` device, a ``paging.device_executor.DeviceExecutor``, over the slot table
-``slot_table`` chooses; or a baseline of ``paging.baselines``; this is the one module that
-imports the executors),
-resolving ``--decide auto`` over the stores, wiring the prefetchers (``install_prefetch``),
+``slot_table`` chooses, as ``PagingRuntime.resolved`` says; or a baseline of ``paging.baselines``;
+this is the one module that imports the executors), wiring the prefetchers (``install_prefetch``),
 and ``random_fill``. Does not: read checkpoints or plan memory (``loading.build``), page
 (``paging``), or decide residency (``residency``).
 """
@@ -18,10 +17,11 @@ import logging
 import torch
 
 from pagedexperts import integration
-from pagedexperts.formats import slots
+from pagedexperts.formats import FORMATS, slots
 from pagedexperts.formats.cpu_pack import CpuPackedSlots, plan_layout
 from pagedexperts.formats.slots import SlotTable
-from pagedexperts.loading.config import check_config, resolve_cuda_graphs, resolve_decide
+from pagedexperts.loading.config import check_config
+from pagedexperts.loading.resolved import resolve
 from pagedexperts.models.sites import router_of
 from pagedexperts.paging import prefetch
 from pagedexperts.paging.baselines import CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
@@ -36,28 +36,34 @@ from pagedexperts.storage.host_store import HostExpertStore
 logger = logging.getLogger(__name__)
 
 
-def repage(model, *, mode: str = "paged", num_resident: int | None = None, policy: str | None = None) -> None:
-    """Re-attach fresh runners (new mode or K, empty slots, zeroed stats) over the same stores.
+def repage(model, *, mode: str = "paged", num_resident: int | None = None, policy: str | None = None,
+           experts_implementation: str | None = None, beyond_k: str | None = None) -> None:
+    """Re-attach fresh runners (new mode, K, policy, experts implementation or beyond-K rule;
+    empty slots, zeroed stats) over the same stores, with the choices resolved again
+    (``loading.resolved.resolve``). The experts implementation stays the resolved one unless
+    given (a packed load's stores hold the CPU kernels' layouts).
 
     Lets a benchmark compare modes without reloading weights.
 
     Raises:
-        ValueError: unknown mode, K out of [top_k, E].
+        ConfigError (ValueError): unknown mode, K out of [top_k, E], any other problem of the options.
     """
     rt = model.pagedexperts
-    cfg = dataclasses.replace(rt.config, num_resident=num_resident, mode=mode, policy=policy or rt.config.policy,
-                              prefetch=False, prefetch_budget=None)
+    options = rt.config
+    cfg = dataclasses.replace(options, num_resident=num_resident, mode=mode, policy=policy or options.policy,
+                              experts_implementation=experts_implementation or rt.resolved.experts_implementation,
+                              beyond_k=beyond_k or options.beyond_k, prefetch=False, prefetch_budget=None)
     check_config(cfg, model.config)
-    k = cfg.resident_slots(num_experts=rt.num_experts, top_k=rt.top_k)
-    dev = torch.device(rt.config.device)
+    dev = torch.device(rt.resolved.device)
     for runner in rt.runners.values():
         runner.release()  # copies in flight into its slots finish before the slots are freed
     rt.runners.clear()
     rt.buffers.clear()  # the shared scratch / staging are sized for K
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    rt.config = dataclasses.replace(cfg, num_resident=k)
-    rt.num_resident = k
+    rt.config = cfg
+    rt.resolved = resolve(cfg, FORMATS[rt.expert_format], num_experts=rt.num_experts, top_k=rt.top_k, device=dev, sites=rt.sites,
+                          layouts=rt.layouts, memory=rt.host_memory, stores=rt.stores)
     attach_runners(rt, dev)
 
 
@@ -110,7 +116,7 @@ def install_prefetch(model, *, budget: int | None = None, page_in: bool = True) 
         ValueError: budget < 1 (``--prefetch-budget``, the configuration check).
     """
     rt = model.pagedexperts
-    if page_in:
+    if page_in and (not rt.config.prefetch or budget != rt.config.prefetch_budget):  # else: checked at load
         check_config(dataclasses.replace(rt.config, prefetch=True, prefetch_budget=budget))
     executors = {i: r for i, r in rt.runners.items() if isinstance(r, PagedExecutor)}
     routers = {s.layer: router_of(model, s) for s in rt.sites if s.layer in executors}
@@ -119,21 +125,16 @@ def install_prefetch(model, *, budget: int | None = None, page_in: bool = True) 
 
 def attach_runners(runtime, dev) -> None:
     """One experts runner per MoE layer (an executor, or a baseline of ``paging.baselines``) for
-    the runtime's config, over its stores, attached to each experts module; sets
-    ``PagingRuntime.decide`` (``loading.config.resolve_decide``: "host" or "device") and
-    ``PagingRuntime.cuda_graphs`` (``loading.config.resolve_cuda_graphs``)."""
-    cfg = runtime.config
-    stores = list(runtime.stores.values())
-    runtime.decide = resolve_decide(cfg, disk_tier=any(not isinstance(s, HostExpertStore) for s in stores),
-                                    pinned=all(s.pinned for s in stores),
-                                    quantized=any(lay is not None and not lay.is_dense for lay in runtime.layouts.values()))
-    runtime.cuda_graphs, runtime.cuda_graphs_reason = resolve_cuda_graphs(cfg, runtime.decide)
-    host_paged = cfg.mode == "paged" and runtime.decide == "host"
+    the runtime's config and its resolved choices (``PagingRuntime.resolved``), over its stores,
+    attached to each experts module."""
+    cfg, resolved = runtime.config, runtime.resolved
+    host_paged = cfg.mode == "paged" and resolved.decide == "host"
     copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and host_paged else None
     staging = make_staging(runtime.stores[runtime.sites[0].name], dev) if cfg.mode == "offload" else None
     for i, site in enumerate(runtime.sites):
         layout = runtime.layouts.get(site.name)
-        common = dict(layer=site.layer, store=runtime.stores[site.name], device=dev, inner=cfg.experts_implementation)
+        common = dict(layer=site.layer, store=runtime.stores[site.name], device=dev,
+                      inner=resolved.experts_implementation)
         if cfg.mode == "paged":
             runner = _executor(runtime, layout, dev, copy_stream, **common)
         elif cfg.mode == "offload":
@@ -144,16 +145,6 @@ def attach_runners(runtime, dev) -> None:
             runner = ResidentRunner(layout=layout, **common)
         runtime.runners[site.layer] = runner
         integration.attach(site.module, runner)
-    _warn_fallbacks(runtime.experts_fallbacks)
-
-
-def _warn_fallbacks(fallbacks: dict[int, str]) -> None:
-    """One WARNING per reason a layer runs grouped_mm under --experts-implementation packed, naming its layers."""
-    by_reason: dict[str, list[int]] = {}
-    for layer, why in sorted(fallbacks.items()):
-        by_reason.setdefault(why, []).append(layer)
-    for why, layers in by_reason.items():
-        logger.warning("--experts-implementation packed: MoE layers %s run grouped_mm instead (%s)", layers, why)
 
 
 def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
@@ -161,12 +152,13 @@ def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
     or under ``PagingRuntime.decide`` "device" the device-planned one (``paging.device_executor``, no
     read-back); both implement ``PagedExecutor`` and take the layer's ``SlotSetup`` over the
     slot table ``slot_table`` chooses, with the implementation it chose it for."""
-    k, cfg = runtime.num_resident, runtime.config
+    cfg, resolved = runtime.config, runtime.resolved
+    k = resolved.num_resident
     table, inner = slot_table(runtime, layout, dev, layer=common["layer"], store=common["store"])
     setup, common = SlotSetup(table, layout=layout), dict(common, inner=inner)
-    if runtime.decide == "device":
+    if resolved.decide == "device":
         return DeviceExecutor(num_slots=k, policy=cfg.policy, backend=cfg.device_kernels, setup=setup,
-                              beyond_k=cfg.beyond_k, admit_per_step=cfg.admit_per_step, **common)
+                              beyond_k=resolved.beyond_k, admit_per_step=resolved.admit_per_step, **common)
     return HostExecutor(num_slots=k, policy=make_policy(cfg.policy, k), copy_stream=copy_stream, setup=setup, **common)
 
 
@@ -177,8 +169,8 @@ def slot_table(runtime, layout, dev, *, layer: int, store) -> tuple[SlotTable | 
     - ``packed``: slots in torch's CPU int4 / int8 kernel layouts (``formats.cpu_pack
       .CpuPackedSlots``), with a host store holding every expert converted to them once, here
       (a page-in is then a copy; the disk tier's rows, read from the checkpoint, convert at
-      page-in). A layer whose format the kernels cannot take gets the table below and
-      ``grouped_mm``: a WARNING, and the reason in ``PagingRuntime.experts_fallbacks``.
+      page-in). A layer whose format the kernels cannot take (``Resolved.experts_fallbacks``)
+      gets the table below and ``grouped_mm``.
     - ``fused``, or dense experts: None, the plain table (``paging.steps.contract.PackedSlots``,
       allocated by the executor like the store's tensors: the fused kernels read packed rows).
     - a quantized format under a dense kernel: ``--slot-format packed``, packed slots that
@@ -186,20 +178,18 @@ def slot_table(runtime, layout, dev, *, layer: int, store) -> tuple[SlotTable | 
       .DequantizingSlots``); ``dense``, slots dequantized at page-in through the model's shared
       packed staging (``formats.slots.DenseSlots``).
     """
-    cfg, k = runtime.config, runtime.num_resident
-    inner = cfg.experts_implementation
+    resolved = runtime.resolved
+    k, inner = resolved.num_resident, resolved.experts_implementation
+    if inner == PACKED and layer not in resolved.experts_fallbacks:
+        table = CpuPackedSlots(layout, plan_layout(layout), k, dev)
+        if isinstance(store, HostExpertStore) and set(store.tensors) != set(table):  # once: repage keeps it
+            store.convert_rows(table.specs, table.convert_many)
+        return table, inner
     if inner == PACKED:
-        plans = plan_layout(layout)
-        if not isinstance(plans, str):
-            table = CpuPackedSlots(layout, plans, k, dev)
-            if isinstance(store, HostExpertStore) and set(store.tensors) != set(table):  # once: repage keeps it
-                store.convert_rows(table.specs, table.convert_many)
-            return table, inner
-        runtime.experts_fallbacks[layer] = plans  # one WARNING per reason for all layers (attach_runners)
         inner = "grouped_mm"
     if inner == FUSED or layout is None or layout.is_dense:
         return None, inner
-    if cfg.slot_format == "packed":
+    if resolved.slot_format == "packed":
         if "scratch" not in runtime.buffers:
             runtime.buffers["scratch"] = slots.allocate(layout.dense_specs, k, dev)
         return slots.DequantizingSlots(layout, slots.allocate(store.specs, k, dev), runtime.buffers["scratch"]), inner

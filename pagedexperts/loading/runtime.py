@@ -1,9 +1,10 @@
 """The paging state of one model, attached as ``model.pagedexperts``: one object per model.
 
-Owns: ``PagingRuntime``, everything a paged model holds beyond its modules: the validated
-``PagingConfig``, one experts runner per MoE layer (``runners``: executors or baselines), the
-experts sites, the host stores, the format's layouts, the shared scratch and staging buffers,
-the host memory plan and the disk tier's read-ahead; the model-wide views of their counters
+Owns: ``PagingRuntime``, everything a paged model holds beyond its modules: the checked
+``PagingConfig`` as given and the ``Resolved`` record of every choice made from it (K, the
+host memory plan, ...), one experts runner per MoE layer (``runners``: executors or baselines),
+the experts sites, the host stores, the format's layouts, the shared scratch and staging buffers
+and the disk tier's read-ahead; the model-wide views of their counters
 (``stats``, ``reset_stats``, ``prefetch_stats``); and ``runtime_of``, the one way to ask a
 model for its runtime. No module globals: several paged models share a process. Does not:
 build any of it (``loading.build``, ``loading.runners``).
@@ -17,6 +18,7 @@ import torch
 
 from pagedexperts.formats.base import ExpertLayout
 from pagedexperts.loading.config import PagingConfig
+from pagedexperts.loading.resolved import Resolved
 from pagedexperts.models.sites import ExpertsSite
 from pagedexperts.paging.runner_contract import ExpertsRunner, PagedExecutor
 from pagedexperts.stats.accounting import ModelStats
@@ -30,9 +32,15 @@ PREFETCH_COUNTERS = ("issued", "used", "wasted", "bytes", "predict_s", "issue_s"
 
 @dataclass
 class PagingRuntime:
-    """The paging state of one model: its runners (one per MoE layer) and its config.
+    """The paging state of one model: its runners (one per MoE layer), its config and what was resolved.
 
     Attributes:
+        config: the options as given and checked (``loading.config.PagingConfig``; "auto" and
+            None left as they were).
+        resolved: every choice resolved from them (``loading.resolved.Resolved``: K, the
+            implementation, slot format, decide, CUDA graphs, beyond-K rule, host-memory plan,
+            fallbacks, each with its reason); ``num_resident``, ``decide`` and ``host_memory``
+            read it.
         runners: MoE layer index -> the runner of its experts (``paging.runner_contract.ExpertsRunner``:
             an executor, or a baseline of ``paging.baselines``).
         sites: the model's experts sites (``models.sites.ExpertsSite``), in layer order.
@@ -40,13 +48,6 @@ class PagingRuntime:
         layouts: site name -> the format's ``formats.base.ExpertLayout``.
         buffers: name ("scratch": dense scratch of packed slots, "staging": packed staging of
             dense slots) -> tensor name -> tensor, shared by all layers (``loading.runners``).
-        decide: where paged steps are planned, ``PagingConfig.decide`` resolved: "host" or
-            "device".
-        cuda_graphs: ``PagingConfig.cuda_graphs`` resolved ("cuda", "eager" or "off"), and
-            ``cuda_graphs_reason`` why off.
-        experts_fallbacks: MoE layer -> why it runs grouped_mm under ``--experts-implementation
-            packed`` (its format's kernels are not torch's CPU int4 / int8 ones), shown in the
-            stats' fallbacks.
         quantized_linears: the quantized non-expert modules as the load keeps them
             (``loading.linears.QuantizedLinears``: dequantized, or packed on a CPU), None for a
             model built without a checkpoint; why a module is not packed is in the stats' fallbacks.
@@ -56,24 +57,33 @@ class PagingRuntime:
     """
 
     config: PagingConfig
+    resolved: Resolved
     num_experts: int
     top_k: int
-    num_resident: int
     runners: dict[int, ExpertsRunner] = field(default_factory=dict)
     sites: list[ExpertsSite] = field(default_factory=list, repr=False)
     stores: dict[str, ExpertStore] = field(default_factory=dict, repr=False)
     expert_format: str = "dense"  # the checkpoint's expert format (``formats``)
     layouts: dict[str, ExpertLayout] = field(default_factory=dict, repr=False)
     buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
-    host_memory: HostMemoryPlan | None = None
     quantized_linears: object = field(default=None, repr=False)  # loading.linears.QuantizedLinears (a layer above)
     read_ahead: ReadAhead | None = field(default=None, repr=False)
-    decide: str = "host"
-    cuda_graphs: str = "off"
-    cuda_graphs_reason: str | None = None
     decode_graphs: object | None = field(default=None, repr=False)
-    # MoE layer -> why it runs grouped_mm although --experts-implementation packed was asked (``loading.runners``)
-    experts_fallbacks: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def num_resident(self) -> int:
+        """K, the slots per MoE layer (``Resolved.num_resident``)."""
+        return self.resolved.num_resident
+
+    @property
+    def decide(self) -> str:
+        """Where paged steps are planned, "host" or "device" (``Resolved.decide``)."""
+        return self.resolved.decide
+
+    @property
+    def host_memory(self) -> HostMemoryPlan:
+        """The host-memory plan (``Resolved.host_memory``)."""
+        return self.resolved.host_memory
 
     def stats(self) -> ModelStats:
         """Current counters of every MoE layer (CUDA copy times folded in first), with the
@@ -81,7 +91,7 @@ class PagingRuntime:
         for r in self.runners.values():
             r.collect_copy_time()
         fallbacks = sorted({r.store.fallback for r in self.runners.values() if r.store.fallback})
-        fallbacks += [f"layer {i}: packed -> grouped_mm ({why})" for i, why in sorted(self.experts_fallbacks.items())]
+        fallbacks += [f"layer {i}: packed -> grouped_mm ({why})" for i, why in sorted(self.resolved.experts_fallbacks.items())]
         if self.quantized_linears is not None:
             fallbacks += [f"non-expert linears: {line}" for line in self.quantized_linears.fallback_lines()]
         tiers = {i: r.store.tier_stats for i, r in self.runners.items() if r.store.tier_stats is not None}

@@ -153,7 +153,7 @@ def _routes(app: FastAPI, serving: OpenAIServing, config: ServeConfig) -> None:
 def single_wave_note(runtime, max_running_requests: int) -> str:
     """The start-up line: the single-wave cap K // top_k next to --max-running-requests, or
     with --beyond-k in-place that every decode step is one wave."""
-    if runtime.config.beyond_k == "in-place":
+    if runtime.resolved.beyond_k == "in-place":
         return (f"experts beyond K = {runtime.num_resident} read in place (--beyond-k in-place): every decode step "
                 f"is one wave per layer at any batch up to --max-running-requests {max_running_requests}; rows read "
                 "in place in pagedexperts_paging_in_place_rows_total")

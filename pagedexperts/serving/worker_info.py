@@ -28,11 +28,13 @@ def model_info(config, model) -> dict:
 
 
 def server_info(config, model, scheduler) -> dict:
-    """GET /server_info: the model info plus this replica's limits and paging shape."""
+    """GET /server_info: the model info plus this replica's limits, paging shape and every choice
+    its load resolved, with the reason for each (``loading.resolved.Resolved.as_dict``)."""
     runtime = model.pagedexperts
     return {**model_info(config, model), "version": pagedexperts.__version__,
             "context_length": config.context_length, "max_running_requests": config.max_running_requests,
             "max_queued_requests": config.max_queued_requests, "max_prefill_tokens": config.max_prefill_tokens,
             "num_resident": runtime.num_resident, "num_experts": runtime.num_experts, "top_k": runtime.top_k,
+            "resolved": runtime.resolved.as_dict(),
             "running_requests": scheduler.num_running, "waiting_requests": scheduler.num_waiting,
             "decode": scheduler.forwards.summary()}

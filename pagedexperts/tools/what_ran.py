@@ -1,11 +1,11 @@
 """What a paged model actually computes with, read from its runtime: the labels ``check`` prints.
 
 Owns: ``KernelsRan`` (the resolved experts implementation, the MoE layers that run it and those
-that fell back to grouped_mm with the reason the runtime recorded, ``PagingRuntime
+that fell back to grouped_mm with the reason the load resolved, ``loading.resolved.Resolved
 .experts_fallbacks``; the quantized non-expert linears computed packed and those dequantized,
 ``PagingRuntime.quantized_linears``) and its labels: what ran, for a verdict line, never what
 was asked. Does not: compare models (``tools.check``, ``tools.check_fused``) or decide a fallback
-(``loading.runners``, ``loading.linears``).
+(``loading.resolved``, ``loading.linears``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class KernelsRan:
     """The kernels one paged model runs.
 
     Attributes:
-        implementation: the resolved ``--experts-implementation`` (``PagingConfig``; auto resolved).
+        implementation: the resolved ``--experts-implementation`` (``Resolved``: auto resolved).
         moe_layers: MoE layers of the model.
         fallbacks: MoE layer -> why it runs grouped_mm instead of ``implementation``.
         linears_packed / linears_dequantized: quantized non-expert linears computed packed /
@@ -76,5 +76,5 @@ def kernels_ran(model) -> KernelsRan:
     packed = len(linears.packed) if linears is not None else 0
     dequantized = len(linears.modules) if linears is not None else 0
     reasons = tuple(dict.fromkeys(why for _, why in linears.fallbacks)) if linears is not None else ()
-    return KernelsRan(rt.config.experts_implementation, len(rt.runners), dict(rt.experts_fallbacks), packed,
+    return KernelsRan(rt.resolved.experts_implementation, len(rt.runners), dict(rt.resolved.experts_fallbacks), packed,
                       dequantized, reasons)

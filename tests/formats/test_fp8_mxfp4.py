@@ -191,7 +191,7 @@ def test_padded_batch_prefill_and_decode(name, threads, slot_format, quantized_d
 
 def test_auto_slot_format_is_dense_on_cpu(quantized_dirs):
     paged, _ = load_model(quantized_dirs("qwen3_moe-fp8"), num_resident=TOP_K)
-    assert paged.pagedexperts.config.slot_format == "dense"
+    assert paged.pagedexperts.resolved.slot_format == "dense" and paged.pagedexperts.config.slot_format == "auto"
     pager = next(iter(paged.pagedexperts.runners.values()))
     assert set(pager.slots) == {"gate_up_proj", "down_proj"} and pager.slots["down_proj"].dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unknown slot format 'sparse'.*--slot-format"):

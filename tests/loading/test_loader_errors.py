@@ -21,11 +21,13 @@ import pagedexperts.storage.host_memory as host_memory
 import pagedexperts.storage.host_store as store_module
 from support.tiny import E, TOP_K, copy_dir
 from pagedexperts.loading.config import PagingConfig
+from pagedexperts.loading.resolved import resolve
 from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.models.sites import SUPPORTED_ARCHITECTURES
 from pagedexperts.paging.host_executor import HostExecutor
 from pagedexperts.residency.policies import POLICIES
 from pagedexperts.formats.base import TensorSpec
+from pagedexperts.storage.host_memory import HostMemoryPlan
 from pagedexperts.storage.host_store import HostExpertStore
 
 
@@ -306,15 +308,26 @@ def test_failed_pinned_allocation_falls_back_loudly(monkeypatch, caplog):
         assert t.shape == (E, *spec.shape) and not t.is_pinned()
 
     pager = HostExecutor(layer=0, store=store, num_slots=TOP_K, device="cpu", inner="grouped_mm")
-    runtime = PagingRuntime(config=PagingConfig(), num_experts=E, top_k=TOP_K, num_resident=TOP_K, runners={0: pager})
+    runtime = _runtime(store, pager)
     assert runtime.stats().fallbacks == [store.fallback]
     assert runtime.stats().as_dict()["fallbacks"] == [store.fallback]
+
+
+def _runtime(store, pager) -> PagingRuntime:
+    """The runtime of one paged layer over ``store``, its choices resolved as a load resolves them."""
+    memory = HostMemoryPlan(num_layers=1, num_experts=E, expert_bytes=store.expert_bytes, host_rows=E,
+                            slot_bytes_on_host=0, staging_bytes=0, non_expert_bytes_on_host=0, kv_bytes_on_host=0)
+    cfg = PagingConfig(num_resident=TOP_K)
+    resolved = resolve(cfg, None, num_experts=E, top_k=TOP_K, device=torch.device("cpu"),
+                       sites=[], layouts={}, memory=memory, stores={"layer0": store})
+    return PagingRuntime(config=cfg, resolved=resolved, num_experts=E, top_k=TOP_K,
+                         runners={0: pager})
 
 
 def test_no_fallback_reported_without_pinning():
     store = HostExpertStore([TensorSpec("w", (4,), torch.float32)], E, pin=False)
     pager = HostExecutor(layer=0, store=store, num_slots=TOP_K, device="cpu", inner="grouped_mm")
-    runtime = PagingRuntime(config=PagingConfig(), num_experts=E, top_k=TOP_K, num_resident=TOP_K, runners={0: pager})
+    runtime = _runtime(store, pager)
     assert runtime.stats().fallbacks == []
 
 

@@ -188,7 +188,9 @@ def test_grouped_mm_default_line_says_why():
 
     from pagedexperts.commands.common import experts_note
 
-    rt = SimpleNamespace(config=PagingConfig(), decide="host", num_resident=4)
+    resolved = SimpleNamespace(experts_implementation="grouped_mm", decide="host", beyond_k="waves", admit_per_step=None,
+                               num_resident=4)
+    rt = SimpleNamespace(config=PagingConfig(), resolved=resolved)
     assert "grouped_mm (the default: fused becomes the default on CUDA once" in experts_note(rt)
 
 

@@ -44,7 +44,7 @@ def _ids(batch: int) -> torch.Tensor:
 def _kinds(model) -> set[str]:
     """The kernel kinds the model's layers run; asserts every layer runs packed."""
     rt = model.pagedexperts
-    assert rt.experts_fallbacks == {} and rt.stats().fallbacks == []
+    assert rt.resolved.experts_fallbacks == {} and rt.stats().fallbacks == []
     kinds = set()
     for runner in rt.runners.values():
         assert isinstance(runner.body, HostPackedStep) and runner.inner == "packed"
@@ -81,7 +81,8 @@ def test_fallback_layers_run_grouped_mm_and_say_why(caplog):
     with caplog.at_level("WARNING"):
         model = _load(path, 4, "float32")
     rt = model.pagedexperts
-    assert set(rt.experts_fallbacks) == set(rt.runners) and all("e4m3" in why for why in rt.experts_fallbacks.values())
+    fallbacks = rt.resolved.experts_fallbacks
+    assert set(fallbacks) == set(rt.runners) and all("e4m3" in why for why in fallbacks.values())
     warned = [r.getMessage() for r in caplog.records if "run grouped_mm instead" in r.getMessage()]
     assert len(warned) == 1 and f"MoE layers {sorted(rt.runners)} run grouped_mm instead" in warned[0], warned
     assert len(rt.stats().fallbacks) == len(rt.runners)

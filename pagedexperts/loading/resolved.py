@@ -1,0 +1,143 @@
+"""Every choice a load resolves from its checked options: one frozen record, made once.
+
+Owns: ``Resolved`` (K, the device, the experts implementation, the slot format, where paged steps
+are planned, CUDA graphs, the beyond-K rule, the host-memory plan and the layers that fall back
+from packed, each with the reason for it) and ``resolve``, which makes it from the checked
+``PagingConfig``, the checkpoint's format, the layouts, the memory plan and the host stores.
+The runtime (``PagingRuntime.resolved``), the start-up line, ``/server_info`` and the stats read
+a resolved choice from this record only; ``PagingRuntime.config`` keeps the options as given.
+The rules themselves live beside the checks that share their predicates (``loading.config``:
+``resident_slots``, ``resolve_experts_implementation``, ``slot_format_of``, ``resolve_decide``,
+``resolve_cuda_graphs``). Does not: check options (``loading.config.check_config``) or build.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import torch
+
+from pagedexperts.formats.cpu_pack import plan_layout
+from pagedexperts.loading.config import (AUTO, PagingConfig, planned_on_device, resolve_cuda_graphs, resolve_decide,
+                                         resolve_experts_implementation, slot_format_of)
+from pagedexperts.paging.steps.table import PACKED
+from pagedexperts.storage.host_memory import HostMemoryPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The choices one load (or ``loading.runners.repage``) resolved, and why.
+
+    Attributes:
+        device: the torch device string slots and compute live on ("cpu", "cuda:0").
+        num_resident: K, the slots per MoE layer (all E outside mode "paged").
+        experts_implementation: the experts kernel run over the slots ("auto" resolved).
+        slot_format: what a quantized layer's slots hold, "packed" or "dense" ("auto" resolved).
+        decide: where paged steps are planned, "host" or "device" ("auto" resolved).
+        cuda_graphs: decode steps in CUDA graphs: "cuda" (captured), "eager" (the static-buffer
+            decode, no capture) or "off".
+        beyond_k: a routed union larger than K, "waves" or "in-place"; ``admit_per_step``: in-place
+            page-ins per layer-step at most (None: K).
+        host_memory: the host-memory plan (``storage.host_memory.HostMemoryPlan``; the disk tier
+            when it keeps fewer than E host rows per layer).
+        experts_fallbacks: MoE layer -> why it runs grouped_mm although packed was resolved (its
+            format's kernels are not torch's CPU int4 / int8 ones).
+        reasons: choice name -> why it resolved so (the flag given, auto's rule, a default).
+
+    The mappings are the record's own: read them, never write them.
+    """
+
+    device: str
+    num_resident: int
+    experts_implementation: str
+    slot_format: str
+    decide: str
+    cuda_graphs: str
+    beyond_k: str
+    admit_per_step: int | None
+    host_memory: HostMemoryPlan
+    experts_fallbacks: Mapping[int, str]
+    reasons: Mapping[str, str]
+
+    def as_dict(self) -> dict:
+        """The choices and their reasons as JSON-ready values (``/server_info``, reports)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("host_memory", "experts_fallbacks", "reasons")}
+        out.update(host_memory=self.host_memory.describe(), disk_tier=self.host_memory.disk_tier,
+                   experts_fallbacks={str(k): v for k, v in self.experts_fallbacks.items()},
+                   reasons=dict(self.reasons))
+        return out
+
+
+def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: torch.device, sites, layouts: Mapping,
+            memory: HostMemoryPlan, stores: Mapping) -> Resolved:
+    """The ``Resolved`` record of ``cfg`` (checked by ``loading.config.check_config``) for a model of
+    ``num_experts`` experts per layer routing ``top_k``, checkpoint format ``fmt`` (a record with
+    ``.name``; None: dense), its experts ``sites`` (``models.sites.ExpertsSite``) and their
+    ``layouts`` (``formats.base.ExpertLayout``), the host-memory plan ``memory`` and the host
+    ``stores`` (site name -> ``ExpertStore``; whether they are page-locked decides auto's
+    ``decide``). Logs the WARNINGs of auto's fallbacks once, here.
+
+    Raises:
+        ConfigError: ``cuda_graphs`` "on" where capture cannot work (``resolve_cuda_graphs``).
+    """
+    k = cfg.resident_slots(num_experts=num_experts, top_k=top_k)
+    implementation = resolve_experts_implementation(cfg, fmt)
+    quantized = any(lay is not None and not lay.is_dense for lay in layouts.values())
+    decide = resolve_decide(cfg, disk_tier=memory.disk_tier, pinned=all(s.pinned for s in stores.values()),
+                            quantized=quantized)
+    graphs, graphs_reason = resolve_cuda_graphs(cfg, decide)
+    fallbacks = {}
+    if implementation == PACKED:
+        for site in sites:
+            plans = plan_layout(layouts.get(site.name))
+            if isinstance(plans, str):
+                fallbacks[site.layer] = plans
+        _warn_fallbacks(fallbacks)
+    reasons = dict(
+        num_resident=_k_reason(cfg, k, num_experts=num_experts, top_k=top_k),
+        experts_implementation=(f"auto: {implementation} for {fmt.name if fmt is not None else 'dense'} on "
+                                f"{device.type}" if cfg.experts_implementation == AUTO else "--experts-implementation"),
+        slot_format=(f"--slot-format {cfg.slot_format}" if cfg.slot_format != AUTO else
+                     f"auto: {slot_format_of(cfg)} for {implementation} on {device.type}"),
+        decide=_decide_reason(cfg, decide, device),
+        cuda_graphs=graphs_reason or f"--cuda-graphs {cfg.cuda_graphs}",
+        beyond_k=f"--beyond-k {cfg.beyond_k}",
+        host_memory=("--host-memory-gb" if cfg.host_memory_gb is not None else "the available memory")
+        + (": the disk tier" if memory.disk_tier else ""),
+    )
+    return Resolved(device=str(device), num_resident=k, experts_implementation=implementation,
+                    slot_format=slot_format_of(cfg), decide=decide, cuda_graphs=graphs, beyond_k=cfg.beyond_k,
+                    admit_per_step=cfg.admit_per_step, host_memory=memory,
+                    experts_fallbacks=fallbacks, reasons=reasons)
+
+
+def _k_reason(cfg: PagingConfig, k: int, *, num_experts: int, top_k: int) -> str:
+    if cfg.mode != "paged":
+        return f"mode {cfg.mode}: all E={num_experts} resident"
+    if cfg.num_resident is not None:
+        return "--num-resident"
+    return f"the default max(top_k, E // 4) = max({top_k}, {num_experts} // 4) = {k}"
+
+
+def _decide_reason(cfg: PagingConfig, decide: str, device: torch.device) -> str:
+    if cfg.decide != AUTO:
+        return f"--decide {cfg.decide}"
+    if planned_on_device(cfg):
+        return "auto: the fused kernels run on the device-planned step"
+    return f"auto: {decide} on {device.type}" + (" (the WARNING above says why)" if device.type == "cuda"
+                                                  and decide == "host" else "")
+
+
+
+def _warn_fallbacks(fallbacks: dict[int, str]) -> None:
+    """One WARNING per reason a layer runs grouped_mm under --experts-implementation packed, naming its layers."""
+    by_reason: dict[str, list[int]] = {}
+    for layer, why in sorted(fallbacks.items()):
+        by_reason.setdefault(why, []).append(layer)
+    for why, layers in by_reason.items():
+        logger.warning("--experts-implementation packed: MoE layers %s run grouped_mm instead (%s)", layers, why)
