@@ -160,7 +160,7 @@ def run(args) -> int:
         report = asdict(result)
         report.update(num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k, decide=rt.decide,
                       experts_implementation=rt.resolved.experts_implementation, beyond_k=rt.resolved.beyond_k,
-                      threads=threads)
+                      threads=threads, resolved=rt.resolved.as_dict())
         with open(args.stats_json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
