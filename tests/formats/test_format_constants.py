@@ -2,8 +2,8 @@
 per device and kept on the format instance (``ExpertFormat.device_constant``, issue 30 item 5):
 a second dequantize creates no tensor from host data (on CUDA each was a synchronous copy per
 wave), and gives the same bits. That the bits are the published ones is tested per format
-against its library or oracle (test_format_gptq_awq, test_format_w4a16, test_formats_llmc,
-test_formats_modelopt, test_formats).
+against its library or oracle (test_gptq_awq, test_w4a16, test_llmc_fp4_int8,
+test_modelopt, test_fp8_mxfp4).
 """
 
 from __future__ import annotations

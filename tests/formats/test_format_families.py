@@ -6,18 +6,18 @@ Where each quantized format's paged == unpaged exactness is tested, by family:
 
 | format | Qwen3-MoE | Mixtral | DeepSeek-V3 | gpt-oss |
 | --- | --- | --- | --- | --- |
-| fp8-block | test_formats | test_formats | test_formats | refused (here) |
+| fp8-block | test_fp8_mxfp4 | test_fp8_mxfp4 | test_fp8_mxfp4 | refused (here) |
 | int8-block | test_published_int8_gidx | - | - | refused (here) |
-| mxfp4 | refused (here) | refused (here) | refused (here) | test_formats |
-| ct-fp8 | test_ct_llmc | test_formats_llmc (FP8_DYNAMIC) | test_ct_llmc (FP8_BLOCK) | refused (here) |
-| w8a16 | test_ct_llmc | test_formats_llmc | test_ct_llmc | refused (here) |
-| ct-pack-mixed | test_ct_llmc | - | - | refused (here) |
-| w4a16 | test_int4_paged, test_formats_llmc | test_int4_paged, test_formats_llmc | test_int4_paged | refused (here) |
+| mxfp4 | refused (here) | refused (here) | refused (here) | test_fp8_mxfp4 |
+| ct-fp8 | test_llmc_fp8_w8a16_w4a16 | test_llmc_fp4_int8 (FP8_DYNAMIC) | test_llmc_fp8_w8a16_w4a16 (FP8_BLOCK) | refused (here) |
+| w8a16 | test_llmc_fp8_w8a16_w4a16 | test_llmc_fp4_int8 | test_llmc_fp8_w8a16_w4a16 | refused (here) |
+| ct-pack-mixed | test_llmc_fp8_w8a16_w4a16 | - | - | refused (here) |
+| w4a16 | test_int4_paged, test_llmc_fp4_int8 | test_int4_paged, test_llmc_fp4_int8 | test_int4_paged | refused (here) |
 | gptq | test_int4_paged | test_int4_paged | test_int4_paged | refused (here) |
 | awq | test_int4_paged | test_int4_paged | - | refused (here) |
-| nvfp4, ct-mxfp4, w8a8-int8 | test_formats_llmc | test_formats_llmc | test_formats_llmc (NVFP4A16) | refused (here) |
-| modelopt-nvfp4, modelopt-fp8 | test_formats_modelopt | test_formats_modelopt | test_formats_modelopt | refused (here) |
-| auto-round-fp8, -nvfp4, -mxfp4, gptqmodel-fp8 | test_formats_tools | - | - | refused (here) |
+| nvfp4, ct-mxfp4, w8a8-int8 | test_llmc_fp4_int8 | test_llmc_fp4_int8 | test_llmc_fp4_int8 (NVFP4A16) | refused (here) |
+| modelopt-nvfp4, modelopt-fp8 | test_modelopt | test_modelopt | test_modelopt | refused (here) |
+| auto-round-fp8, -nvfp4, -mxfp4, gptqmodel-fp8 | test_tool_checkpoints | - | - | refused (here) |
 
 gpt-oss's experts module stores its weights transposed ([in, out], ``is_transposed``): every
 format but gpt-oss's own MXFP4 packs nn.Linear's [out, in] only, and MXFP4 has no published

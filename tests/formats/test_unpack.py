@@ -1,8 +1,8 @@
 """``formats.unpack``, the one interpreter of ``WeightPacking``: what no format's library test pins.
 
 That ``dequantize`` (``unpack.dense_weight``) gives each format's published bits is tested per
-format against its library or oracle (test_format_gptq_awq, test_format_w4a16, test_formats_llmc,
-test_formats_modelopt, test_formats, test_ct_tool_layouts); the kernels against it in
+format against its library or oracle (test_gptq_awq, test_w4a16, test_llmc_fp4_int8,
+test_modelopt, test_fp8_mxfp4, test_ct_tool_layouts); the kernels against it in
 test_fused_moe. Here, with values worked out by hand from the published layouts:
 
 - ``int_groups``: codes, zero points and group scales whose ``W = (q - z[g]) * s[g]`` is the

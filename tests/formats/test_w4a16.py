@@ -202,7 +202,7 @@ def test_preflight_reads_qwen3_30b_w4a16_expert_bytes(tmp_path):
     [
         ({"quant_method": "compressed-tensors", "format": "pack-quantized",
           "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 3, "strategy": "group", "group_size": 128}}}},
-         "num_bits=3"),  # 8 bits is w8a16 now (test_ct_llmc.py)
+         "num_bits=3"),  # 8 bits is w8a16 now (test_llmc_fp8_w8a16_w4a16.py)
         ({"quant_method": "compressed-tensors", "format": "pack-quantized",
           "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "strategy": "tensor"}}}},
          "strategy='tensor'"),

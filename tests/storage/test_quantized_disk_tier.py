@@ -1,11 +1,11 @@
 """The disk tier over quantized checkpoints (issue 14): packed experts read at their file offsets.
 
 Oracle for the bytes: the full-store load of the same checkpoint (``loading.fill``, whose paged
-model is torch.equal to transformers' own loading: test_formats, test_int4_paged): every
+model is torch.equal to transformers' own loading: test_fp8_mxfp4, test_int4_paged): every
 expert's packed rows read on demand by the tier equal the full store's rows, in every published layout (block FP8
 per-expert and stacked, MXFP4 stacked with biases, compressed-tensors w4a16 symmetric and
 asymmetric, GPTQ and AWQ whose gate and up sources sit side by side along dim 1). Oracle for
-the logits: the full-store paged model (itself torch.equal to transformers' loading: test_formats,
+the logits: the full-store paged model (itself torch.equal to transformers' loading: test_fp8_mxfp4,
 test_int4_paged), greedy decode at batch 1 and a left-padded batch of 3, packed and dense slots,
 default thread count and 1 thread. The start-up independence check sees through the tier.
 

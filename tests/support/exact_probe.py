@@ -1,6 +1,6 @@
 """Exactness probe of the bundled model: paged vs unpaged greedy runs, batch 1 and batched.
 
-Used in-process by ``test_exact_everywhere.py`` and as a script in one subprocess per
+Used in-process by ``test_exact_where_users_run.py`` and as a script in one subprocess per
 ``ATEN_CPU_CAPABILITY`` value (torch fixes its CPU kernels' vector width when it is imported):
 
     python tests/support/exact_probe.py --impl grouped_mm --dtype float32 bfloat16 --num-resident 4

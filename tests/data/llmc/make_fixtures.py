@@ -6,14 +6,14 @@ llm-compressor 0.14's own venv (it pins an older transformers)::
 Two sets, each a table of fixture name -> (family, how it is quantized), both from seeded tiny
 float32 models:
 
-- ``FIXTURES`` (tests/formats/test_ct_llmc.py): Qwen3-MoE and DeepSeek-V3 (vocab 128, hidden 32,
+- ``FIXTURES`` (tests/formats/test_llmc_fp8_w8a16_w4a16.py): Qwen3-MoE and DeepSeek-V3 (vocab 128, hidden 32,
   16 routed experts of intermediate 16, top-2; DeepSeek-V3 with a shared expert and a dense
   first layer), saved with a character tokenizer, quantized by ``scripts/llmc_quantize.py``
   (oneshot + QuantizationModifier, routed experts only); each dir keeps ``llmc_quantize.json``.
   Mixtral is not in this set: llm-compressor 0.14 (with its transformers 5.17) saves Mixtral's
   linearized experts as ``block_sparse_moe.experts.{j}.gate_proj/up_proj/down_proj``, which
   transformers 5.24's Mixtral conversion (``w1/w3/w2``) does not read.
-- ``FP4_INT8_FIXTURES`` (tests/formats/test_llmc.py): Qwen3-MoE and Mixtral (vocab 256,
+- ``FP4_INT8_FIXTURES`` (tests/formats/test_llmc_fp4_int8.py): Qwen3-MoE and Mixtral (vocab 256,
   hidden 64, 8 routed experts, top-2, 2 layers), llm-compressor's preset schemes through
   ``oneshot`` with ``QuantizationModifier(targets="Linear", ignore=IGNORE)`` (attention,
   router, shared experts and lm_head ignored), ``save_pretrained(save_compressed=True)``;

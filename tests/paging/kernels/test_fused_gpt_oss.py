@@ -5,7 +5,7 @@ gpt-oss is the one family whose experts carry biases (``gate_up_proj_bias`` [E, 
 its experts transposed ([E, H, 2I] / [E, I, H]) with gate and up interleaved along 2I, and
 clamps its SwiGLU (gate <= limit, |up| <= limit). Two forms, as users run them: the dense
 checkpoint loaded in bfloat16, and MXFP4 (the format gpt-oss ships: ``*_blocks`` / ``*_scales``,
-bf16 biases). Both are tiny family models (``test_formats.quantized_dirs``: E = 8, top_k = 2,
+bf16 biases). Both are tiny family models (``support.quantized_dirs``: E = 8, top_k = 2,
 hidden 32, I 64, 3 layers, expert biases drawn non-zero; gpt-oss initialises them to zero).
 
 Two oracles, as README "What is exact" states them:
