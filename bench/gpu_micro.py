@@ -57,7 +57,7 @@ def timed_us(fn, *, device: torch.device, repeats: int) -> float:
 
 def decide_rows(shape: dict, device: torch.device, repeats: int, meta: dict) -> list[dict]:
     from pagedexperts.paging.kernels.decide import DecidePlan, decide_triton
-    from pagedexperts.paging.kernels.decide_state import DecideState, num_waves_for
+    from pagedexperts.paging.kernels.decide import DecideState, num_waves_for
     from pagedexperts.paging.device_residency import device_rule
 
     e, k = shape["num_experts"], shape["top_k"]

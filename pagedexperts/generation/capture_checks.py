@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pagedexperts.loading.runtime import runtime_of
-from pagedexperts.paging.kernels.decide_state import num_waves_for
+from pagedexperts.paging.kernels.decide import num_waves_for
 from pagedexperts.paging.steps.table import FUSED
 
 MASK_KINDS = ("sdpa", "eager")  # attention implementations the step's 4-D mask is built for

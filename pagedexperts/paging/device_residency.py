@@ -1,6 +1,6 @@
 """Device residency: one MoE layer's slot map, policy state and counters, held in device tensors.
 
-Owns, for the device-planned executor (``paging.device_executor``): one layer's ``DecideState`` (``kernels.decide_state``)
+Owns, for the device-planned executor (``paging.device_executor``): one layer's ``DecideState`` (``kernels.decide``)
 (slot of expert [E], expert of slot [K], per-slot last use, per-expert LFU counts, clock and
 step counter), the eviction rule it decides by (the ``--policy`` names ``lru`` and ``lfu``, with
 ``residency.eviction``'s defaults), the choice of kernel backend (torch backends or Triton),
@@ -26,7 +26,7 @@ from pagedexperts.paging.kernels._triton import check_backend
 from pagedexperts.paging.kernels.decide import (
     DecidePlan, DecideRule, decide_torch, decide_triton, remap_torch, remap_triton,
 )
-from pagedexperts.paging.kernels.decide_state import DecideState, num_waves_for
+from pagedexperts.paging.kernels.decide import DecideState, num_waves_for
 from pagedexperts.paging.kernels.page_in import PageIn
 from pagedexperts.residency.eviction import LFUPolicy
 from pagedexperts.residency.planner import check_num_resident
@@ -121,7 +121,7 @@ class DeviceResidency:
         return shape
 
     def waves_for(self, num_entries: int) -> int:
-        """W of steps of S = ``num_entries`` entries: ``kernels.decide_state.num_waves_for`` (1 at
+        """W of steps of S = ``num_entries`` entries: ``kernels.decide.num_waves_for`` (1 at
         every S when experts beyond K are read in place)."""
         return num_waves_for(num_entries, self.num_slots, self.num_experts, in_place=self.rule.in_place)
 

@@ -1,7 +1,7 @@
 """Triton kernels of the device-planned layer-step, each with a plain-torch backend.
 
 ``decide`` (residency decision of one step, and the remap of its entries: top-k ids -> slots
-and waves; the state it updates: ``decide_state``), ``page_in`` (store rows -> slot rows, count
+and waves, with the state it updates), ``page_in`` (store rows -> slot rows, count
 read on the device), and the fused MoE kernels (``fused_align``, ``fused_moe``,
 ``fused_moe_kernel``). Every kernel has a torch function
 of identical semantics (the ``*_torch`` functions) that runs anywhere; the Triton version

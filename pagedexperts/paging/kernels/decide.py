@@ -6,9 +6,11 @@ map and the policy state in place and writes the page-in plan of every wave (src
 and each routed expert's slot and wave. Two functions of identical semantics:
 ``decide_torch`` (torch ops, any device) and ``decide_triton`` (one Triton program; CUDA,
 or CPU under ``TRITON_INTERPRET=1``); and the remap of the step's entries to the slots and
-waves the decision gave their experts (``remap_torch`` / ``remap_triton``). The state it
-updates and the W a plan is sized for are ``kernels.decide_state``'s. Does not: copy bytes
-(``page_in``) or own the state's lifetime (``device_residency``).
+waves the decision gave their experts (``remap_torch`` / ``remap_triton``). Also the state it
+updates (``DecideState``) and the W a plan is sized for (``num_waves_for``). Does not: copy
+bytes (``page_in``) or own the state's lifetime (``device_residency``).
+
+One concept past 400 lines: the device decide, its state, its plan and its remap, each in torch and Triton.
 
 The rule, step by step, as ``Residency.plan`` makes it:
 1-2. ``residency.planner.begin_step`` (``decide_torch`` calls it with tensor hooks): union =
@@ -41,8 +43,44 @@ from dataclasses import dataclass
 import torch
 
 from pagedexperts.paging.kernels._triton import HAVE_TRITON, tl, triton
-from pagedexperts.paging.kernels.decide_state import CLOCK, STEPS, DecideState
 from pagedexperts.residency.planner import begin_step
+
+# scalars[i]: the state's device scalars, one int64 tensor so a step updates them in place
+CLOCK, STEPS = 0, 1
+
+
+@dataclass(frozen=True)
+class DecideState:
+    """The residency state of one layer, device tensors updated in place by each decide.
+
+    slot_of_expert [E] int64 (-1: not resident); expert_of_slot [K] int64 (-1: empty);
+    last_use [K] int64 (clock at the slot's last touch, 0 never); count [E] int64 (LFU: steps
+    whose union held the expert, halved every ``half_life`` steps; unused by LRU);
+    scalars [2] int64: CLOCK (touches so far), STEPS (decides so far).
+    """
+
+    slot_of_expert: torch.Tensor
+    expert_of_slot: torch.Tensor
+    last_use: torch.Tensor
+    count: torch.Tensor
+    scalars: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_experts: int, num_slots: int, device) -> "DecideState":
+        """Nothing resident, every clock at zero."""
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(torch.full((num_experts,), -1, **i64), torch.full((num_slots,), -1, **i64),
+                   torch.zeros(num_slots, **i64), torch.zeros(num_experts, **i64), torch.zeros(2, **i64))
+
+
+def num_waves_for(num_entries: int, num_slots: int, num_experts: int, *, in_place: bool = False) -> int:
+    """W = ceil(min(T k, E) / K): the most waves a step of ``num_entries`` = T k routed
+    entries needs (its union holds at most min(T k, E) experts); at least 1. ``in_place``
+    (experts beyond the slots read in place): 1 at every T."""
+    if in_place:
+        return 1
+    return max(1, -(-min(num_entries, num_experts) // num_slots))
+
 
 @dataclass(frozen=True)
 class DecidePlan:
@@ -179,7 +217,7 @@ def decide_torch(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: 
     """Decide one step in torch ops: ``ids`` [T, k] int64 expert ids on the state's device.
 
     Updates ``state`` in place and fills ``plan`` (its W waves; W >= ceil(|union| / K) is the
-    caller's to guarantee: ``decide_state.num_waves_for(T k, K)``; with ``rule.in_place`` one wave, host
+    caller's to guarantee: ``num_waves_for(T k, K)``; with ``rule.in_place`` one wave, host
     rows K + e for the experts it reads in place). No host read, no data-dependent shape.
     Ids must lie in [0, E) (not checked here: a check would read the device).
     """

@@ -24,7 +24,7 @@ from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
 from pagedexperts.paging.kernels.decide import (  # noqa: E402
     DecidePlan, DecideRule, decide_torch,
 )
-from pagedexperts.paging.kernels.decide_state import DecideState, num_waves_for  # noqa: E402
+from pagedexperts.paging.kernels.decide import DecideState, num_waves_for  # noqa: E402
 from pagedexperts.residency.eviction import LRUPolicy  # noqa: E402
 from pagedexperts.residency.planner import Residency  # noqa: E402
 

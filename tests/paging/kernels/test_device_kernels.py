@@ -24,7 +24,7 @@ from pagedexperts.paging.kernels import HAVE_TRITON, check_backend  # noqa: E402
 from pagedexperts.paging.kernels.decide import (  # noqa: E402
     DecidePlan, DecideRule, decide_torch, remap_torch,
 )
-from pagedexperts.paging.kernels.decide_state import DecideState, num_waves_for  # noqa: E402
+from pagedexperts.paging.kernels.decide import DecideState, num_waves_for  # noqa: E402
 from pagedexperts.paging.kernels.page_in import page_in_torch  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():  # before the kernels are defined (see test_de
 
 from pagedexperts.paging.kernels import HAVE_TRITON  # noqa: E402
 from pagedexperts.paging.kernels.decide import DecidePlan, DecideRule  # noqa: E402
-from pagedexperts.paging.kernels.decide_state import DecideState, num_waves_for  # noqa: E402
+from pagedexperts.paging.kernels.decide import DecideState, num_waves_for  # noqa: E402
 from support import bundled  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (pip install 'pagedexperts[gpu]')")
