@@ -88,6 +88,14 @@ def test_the_design_layout_names_every_module():
     assert missing == [], f"docs/design.md \"Layout\" does not name {missing}"
 
 
+def test_the_design_layout_names_no_module_that_is_gone():
+    """Every lowercase name in backticks in docs/design.md "Layout" is a module or subpackage of
+    the package: the list is an inventory that a move or a merge must keep true."""
+    named = set(re.findall(r"`([a-z_0-9]+)(?:\.py)?`", _section("design.md", "Layout")))
+    exists = {p.stem for p in PACKAGE.rglob("*.py")} | {p.name for p in PACKAGE.rglob("*") if p.is_dir()}
+    assert sorted(named - exists) == []
+
+
 def test_the_table_of_bodies_is_the_step_table():
     """docs/design-layer-step.md's table (implementation | host-planned | device-planned) lists
     ``STEP_BODIES``: each implementation, with the module of each body or "none"."""
