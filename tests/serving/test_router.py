@@ -74,10 +74,12 @@ def test_worker_info_is_what_the_router_reads(replica):
     assert (info["context_length"], info["max_running_requests"]) == (CONTEXT, MAX_RUNNING)
     assert (info["num_resident"], info["top_k"], info["num_experts"]) == (runtime.num_resident, runtime.top_k,
                                                                           runtime.num_experts)
-    resolved = info["resolved"]  # the load's resolved record: K by the default rule, host-planned on a CPU
-    assert runtime.config.num_resident is None and resolved["num_resident"] == max(runtime.top_k, runtime.num_experts // 4)
+    resolved = info["resolved"]  # the load's resolved record: K as given or by the default rule, host-planned on a CPU
+    given = runtime.config.num_resident
+    assert resolved["num_resident"] == (given if given is not None else max(runtime.top_k, runtime.num_experts // 4))
+    assert resolved["reasons"]["num_resident"] == "--num-resident" if given is not None else (
+        resolved["reasons"]["num_resident"].startswith("the default max(top_k, E // 4)"))
     assert (resolved["decide"], resolved["reasons"]["decide"]) == ("host", "auto: host on cpu")
-    assert resolved["reasons"]["num_resident"].startswith("the default max(top_k, E // 4)")
 
 
 def _free_port() -> int:
