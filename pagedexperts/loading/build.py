@@ -74,8 +74,8 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, fi
     memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, top_k=top_k, linears=linears,
                           k_slots=cfg.resident_slots(num_experts=num_experts, top_k=top_k))
     stores, read_ahead = _make_stores(sites, layouts, memory, cfg.policy, dev)
-    resolved = resolve(cfg, fmt, num_experts=num_experts, top_k=top_k, device=dev, sites=sites, layouts=layouts,
-                       memory=memory, stores=stores)
+    resolved = resolve(cfg, fmt, num_experts=num_experts, top_k=top_k, device=dev, dtype=dtype, sites=sites,
+                       layouts=layouts, memory=memory, stores=stores)
     runtime = PagingRuntime(config=cfg, resolved=resolved, num_experts=num_experts, top_k=top_k,
                             expert_format=fmt.name, layouts=layouts, sites=sites, stores=stores, read_ahead=read_ahead)
     runtime.quantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)

@@ -34,6 +34,7 @@ class Resolved:
 
     Attributes:
         device: the torch device string slots and compute live on ("cpu", "cuda:0").
+        dtype: the run dtype ("bfloat16", ...; ``--dtype``, else the checkpoint's).
         num_resident: K, the slots per MoE layer (all E outside mode "paged").
         experts_implementation: the experts kernel run over the slots ("auto" resolved).
         slot_format: what a quantized layer's slots hold, "packed" or "dense" ("auto" resolved).
@@ -52,6 +53,7 @@ class Resolved:
     """
 
     device: str
+    dtype: str
     num_resident: int
     experts_implementation: str
     slot_format: str
@@ -73,10 +75,10 @@ class Resolved:
         return out
 
 
-def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: torch.device, sites, layouts: Mapping,
-            memory: HostMemoryPlan, stores: Mapping) -> Resolved:
+def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: torch.device, dtype: torch.dtype, sites,
+            layouts: Mapping, memory: HostMemoryPlan, stores: Mapping) -> Resolved:
     """The ``Resolved`` record of ``cfg`` (checked by ``loading.config.check_config``) for a model of
-    ``num_experts`` experts per layer routing ``top_k``, checkpoint format ``fmt`` (a record with
+    ``num_experts`` experts per layer routing ``top_k`` at run ``dtype``, checkpoint format ``fmt`` (a record with
     ``.name``; None: dense), its experts ``sites`` (``models.sites.ExpertsSite``) and their
     ``layouts`` (``formats.base.ExpertLayout``), the host-memory plan ``memory`` and the host
     ``stores`` (site name -> ``ExpertStore``; whether they are page-locked decides auto's
@@ -99,6 +101,7 @@ def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: tor
                 fallbacks[site.layer] = plans
         _warn_fallbacks(fallbacks)
     reasons = dict(
+        dtype=f"--dtype {cfg.dtype}" if cfg.dtype not in (None, AUTO) else "the checkpoint's",
         num_resident=_k_reason(cfg, k, num_experts=num_experts, top_k=top_k),
         experts_implementation=(f"auto: {implementation} for {fmt.name if fmt is not None else 'dense'} on "
                                 f"{device.type}" if cfg.experts_implementation == AUTO else "--experts-implementation"),
@@ -110,7 +113,7 @@ def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: tor
         host_memory=("--host-memory-gb" if cfg.host_memory_gb is not None else "the available memory")
         + (": the disk tier" if memory.disk_tier else ""),
     )
-    return Resolved(device=str(device), num_resident=k, experts_implementation=implementation,
+    return Resolved(device=str(device), dtype=str(dtype).removeprefix("torch."), num_resident=k, experts_implementation=implementation,
                     slot_format=slot_format_of(cfg), decide=decide, cuda_graphs=graphs, beyond_k=cfg.beyond_k,
                     admit_per_step=cfg.admit_per_step, host_memory=memory,
                     experts_fallbacks=fallbacks, reasons=reasons)

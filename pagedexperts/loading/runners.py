@@ -62,8 +62,9 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     rt.config = cfg
-    rt.resolved = resolve(cfg, FORMATS[rt.expert_format], num_experts=rt.num_experts, top_k=rt.top_k, device=dev, sites=rt.sites,
-                          layouts=rt.layouts, memory=rt.host_memory, stores=rt.stores)
+    rt.resolved = resolve(cfg, FORMATS[rt.expert_format], num_experts=rt.num_experts, top_k=rt.top_k, device=dev,
+                          dtype=getattr(torch, rt.resolved.dtype), sites=rt.sites, layouts=rt.layouts,
+                          memory=rt.host_memory, stores=rt.stores)
     attach_runners(rt, dev)
 
 

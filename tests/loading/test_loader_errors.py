@@ -319,7 +319,7 @@ def _runtime(store, pager) -> PagingRuntime:
                             slot_bytes_on_host=0, staging_bytes=0, non_expert_bytes_on_host=0, kv_bytes_on_host=0)
     cfg = PagingConfig(num_resident=TOP_K)
     resolved = resolve(cfg, None, num_experts=E, top_k=TOP_K, device=torch.device("cpu"),
-                       sites=[], layouts={}, memory=memory, stores={"layer0": store})
+                       dtype=torch.float32, sites=[], layouts={}, memory=memory, stores={"layer0": store})
     return PagingRuntime(config=cfg, resolved=resolved, num_experts=E, top_k=TOP_K,
                          runners={0: pager})
 

@@ -82,6 +82,7 @@ def test_every_resolved_choice_lives_in_the_record_with_its_reason():
     k = max(TOP_K, E // 4)  # the default K (residency.planner.default_num_resident), computed here independently
     assert (resolved.num_resident, resolved.experts_implementation, resolved.decide) == (k, "grouped_mm", "host")
     assert (resolved.device, resolved.cuda_graphs, resolved.beyond_k) == ("cpu", "off", "waves")
+    assert (resolved.dtype, resolved.reasons["dtype"]) == (BUNDLED["dtype"], "the checkpoint's")
     assert set(resolved.reasons) >= {"num_resident", "experts_implementation", "slot_format", "decide", "cuda_graphs",
                                      "beyond_k", "host_memory"}
     assert resolved.reasons["experts_implementation"] == "auto: grouped_mm for dense on cpu"
