@@ -104,12 +104,13 @@ def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: tor
         dtype=f"--dtype {cfg.dtype}" if cfg.dtype not in (None, AUTO) else "the checkpoint's",
         num_resident=_k_reason(cfg, k, num_experts=num_experts, top_k=top_k),
         experts_implementation=(f"auto: {implementation} for {fmt.name if fmt is not None else 'dense'} on "
-                                f"{device.type}" if cfg.experts_implementation == AUTO else "--experts-implementation"),
-        slot_format=(f"--slot-format {cfg.slot_format}" if cfg.slot_format != AUTO else
+                                f"{device.type}" if cfg.experts_implementation == AUTO else
+                                _option(cfg, "experts_implementation")),
+        slot_format=(_option(cfg, "slot_format") if cfg.slot_format != AUTO else
                      f"auto: {slot_format_of(cfg)} for {implementation} on {device.type}"),
         decide=_decide_reason(cfg, decide, device),
-        cuda_graphs=graphs_reason or f"--cuda-graphs {cfg.cuda_graphs}",
-        beyond_k=f"--beyond-k {cfg.beyond_k}",
+        cuda_graphs=graphs_reason or _option(cfg, "cuda_graphs"),
+        beyond_k=_option(cfg, "beyond_k"),
         host_memory=("--host-memory-gb" if cfg.host_memory_gb is not None else "the available memory")
         + (": the disk tier" if memory.disk_tier else ""),
     )
@@ -119,17 +120,24 @@ def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: tor
                     experts_fallbacks=fallbacks, reasons=reasons)
 
 
+def _option(cfg: PagingConfig, name: str) -> str:
+    """'--flag value', and '(the default)' where the value is the field's default."""
+    value = getattr(cfg, name)
+    default = next(f.default for f in fields(PagingConfig) if f.name == name)
+    return f"--{name.replace('_', '-')} {value}" + (" (the default)" if value == default else "")
+
+
 def _k_reason(cfg: PagingConfig, k: int, *, num_experts: int, top_k: int) -> str:
     if cfg.mode != "paged":
         return f"mode {cfg.mode}: all E={num_experts} resident"
     if cfg.num_resident is not None:
-        return "--num-resident"
+        return f"--num-resident {k}"
     return f"the default max(top_k, E // 4) = max({top_k}, {num_experts} // 4) = {k}"
 
 
 def _decide_reason(cfg: PagingConfig, decide: str, device: torch.device) -> str:
     if cfg.decide != AUTO:
-        return f"--decide {cfg.decide}"
+        return _option(cfg, "decide")
     if planned_on_device(cfg):
         return "auto: the fused kernels run on the device-planned step"
     return f"auto: {decide} on {device.type}" + (" (the WARNING above says why)" if device.type == "cuda"

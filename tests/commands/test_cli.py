@@ -51,7 +51,7 @@ def test_generate_streams_text_and_reports_paging(tmp_path, capsys, bundled_conf
     report = json.loads(stats.read_text())
     assert report["num_resident"] == 8 and report["num_experts"] == 64
     resolved = report["resolved"]  # the load's resolved record, each choice with its reason
-    assert (resolved["num_resident"], resolved["reasons"]["num_resident"]) == (8, "--num-resident")
+    assert (resolved["num_resident"], resolved["reasons"]["num_resident"]) == (8, "--num-resident 8")
     assert resolved["decide"] == report["decide"] == "host" and not resolved["disk_tier"]
     assert report["new_tokens"] <= 8 and report["prompt_tokens"] >= 1
     paging = report["paging"]

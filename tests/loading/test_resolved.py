@@ -119,7 +119,7 @@ def test_repage_resolves_again_into_a_new_record():
     repage(model, mode="paged", num_resident=E // 2)
     after = model.pagedexperts.resolved
     assert (before.num_resident, after.num_resident) == (TOP_K, E // 2)
-    assert after.reasons["num_resident"] == "--num-resident" and model.pagedexperts.config.num_resident == E // 2
+    assert after.reasons["num_resident"] == f"--num-resident {E // 2}" and model.pagedexperts.config.num_resident == E // 2
     assert {r.num_slots for r in model.pagedexperts.runners.values()} == {E // 2}
     repage(model, mode="resident")
     assert model.pagedexperts.num_resident == E and model.pagedexperts.resolved.reasons["num_resident"].startswith(

@@ -77,7 +77,7 @@ def test_worker_info_is_what_the_router_reads(replica):
     resolved = info["resolved"]  # the load's resolved record: K as given or by the default rule, host-planned on a CPU
     given = runtime.config.num_resident
     assert resolved["num_resident"] == (given if given is not None else max(runtime.top_k, runtime.num_experts // 4))
-    assert resolved["reasons"]["num_resident"] == "--num-resident" if given is not None else (
+    assert resolved["reasons"]["num_resident"] == f"--num-resident {given}" if given is not None else (
         resolved["reasons"]["num_resident"].startswith("the default max(top_k, E // 4)"))
     assert (resolved["decide"], resolved["reasons"]["decide"]) == ("host", "auto: host on cpu")
 
