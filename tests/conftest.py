@@ -69,6 +69,20 @@ def _transformers_tables_restored():
         cm.register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
 
 
+@pytest.fixture(scope="session")
+def stored_layout_cache(tmp_path_factory) -> Path:
+    """The session's cache of stored kernel layouts (``loading.stored_layout``), never ~/.cache."""
+    return tmp_path_factory.mktemp("kernel-layouts")
+
+
+@pytest.fixture(autouse=True)
+def _stored_layouts_in_tmp(stored_layout_cache, monkeypatch):
+    """Stored kernel layouts that a test's load writes go to the session's temporary cache."""
+    from pagedexperts.loading import stored_layout
+
+    monkeypatch.setattr(stored_layout, "default_cache_dir", lambda: stored_layout_cache)
+
+
 @pytest.fixture(autouse=True)
 def _thread_count(request):
     """1 thread, except for exactness tests (module docstring); restored afterwards."""
