@@ -39,10 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_shape import ROOT, decode, strip_flags, text_ids  # noqa: E402
 
 
-def drop_page_cache(path: Path) -> None:
-    """Drop the checkpoint's files from the page cache (posix_fadvise DONTNEED): reads then come
-    from the disk, as for a checkpoint larger than RAM."""
-    for f in sorted(path.glob("*.safetensors")):
+def drop_page_cache(path: Path, *more: Path) -> None:
+    """Drop the checkpoint's files (and every file under ``more``: a stored kernel layout) from
+    the page cache (posix_fadvise DONTNEED): reads then come from the disk, as for a checkpoint
+    larger than RAM."""
+    files = sorted(path.glob("*.safetensors")) + [f for d in more if d.exists() for f in sorted(d.rglob("*")) if f.is_file()]
+    for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -70,6 +72,12 @@ def disk_child(args) -> dict:
     t0 = time.perf_counter()
     try:
         extra = {} if args.read_ahead else {"read_ahead": False}  # a tree before issue 32 has no read-ahead flag
+        if args.experts_implementation:
+            extra["experts_implementation"] = args.experts_implementation
+        if args.stored_layout_dir:
+            extra["stored_layout_dir"] = args.stored_layout_dir
+        if not args.stored_layout:
+            extra["stored_layout"] = False
         model, _ = pagedexperts.load_model(path, num_resident=args.num_resident, host_memory_gb=args.host_memory_gb,
                                            prefetch=args.prefetch, **extra)
     except (ValueError, MemoryError) as exc:
@@ -94,6 +102,9 @@ def disk_child(args) -> dict:
                 io_mb_per_token=(io_read_bytes() - state["io"]) / n / 1e6,
                 misses_per_token=d["misses_per_token"], host_hit_rate=d["host_hit_rate"],
                 read_ahead_issued=d["read_ahead_issued"], read_ahead_used=d["read_ahead_used"],
+                disk_reads_per_token=d["disk_reads"] / n,
+                disk_read_ms_per_expert=1e3 * d["disk_read_s"] / max(1, d["disk_reads"]),
+                stored_layout=getattr(rt, "stored_layout", None), fallbacks=rt.stats().fallbacks,
                 prefill_io_mb=(state["io"] - io0) / 1e6, prefill_wall_s=state["wall"] - wall0,
                 prefill_cpu_s=state["cpu"] - cpu0,
                 peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
@@ -134,7 +145,7 @@ def cgroup_peak_mb(cgroup: Path) -> float | None:
 
 def run_disk(args, argv: list[str], tree: Path = ROOT) -> dict:
     """``disk_child`` in a subprocess from ``tree`` (in a fresh memory cgroup when --cgroup-mb)."""
-    drop_page_cache(Path(args.dir))
+    drop_page_cache(Path(args.dir), *([Path(args.stored_layout_dir)] if args.stored_layout_dir else []))
     cgroup = make_cgroup(int(args.cgroup_mb * 1e6), f"pagedexperts-bench-{os.getpid()}") if args.cgroup_mb else None
     env = dict(os.environ, PYTHONPATH=str(tree))
     if args.threads:
@@ -169,7 +180,8 @@ def disk_line(r: dict) -> str:
     return (f"{label}: R={r['host_rows']} K={r['num_resident']}: {r['wall_s_per_token']:.3f} s/token wall, "
             f"{r['cpu_s_per_token']:.3f} s/token CPU, {r['disk_mb_per_token']:.1f} MB/token read by the tier "
             f"({r['io_mb_per_token']:.1f} from storage), misses/token {r['misses_per_token']:.1f}, host hit rate "
-            f"{r['host_hit_rate']:.2f}, read-ahead used {r['read_ahead_used']}/{r['read_ahead_issued']}; peak RSS "
+            f"{r['host_hit_rate']:.2f}, read-ahead used {r['read_ahead_used']}/{r['read_ahead_issued']}, "
+            f"{r.get('disk_read_ms_per_expert', float('nan')):.2f} ms per expert read; peak RSS "
             f"{r['peak_rss_mb']:.0f} MB, cgroup peak {r.get('cgroup_peak_mb')} MB; load {r['load_s']:.1f} s\n  {r['plan']}")
 
 
@@ -189,7 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("disk", "disk-child", "disk-compare"):
         p = sub.add_parser(name)
         p.add_argument("dir")
-        p.add_argument("--host-memory-gb", type=float, required=True)
+        p.add_argument("--host-memory-gb", type=float, default=None, help="default: none given (the loader's own)")
+        p.add_argument("--experts-implementation", default=None, help="default: the loader's")
+        p.add_argument("--stored-layout-dir", default=None, help="where the stored kernel layout is cached "
+                       "(dropped from the page cache too)")
+        p.add_argument("--no-stored-layout", dest="stored_layout", action="store_false")
         p.add_argument("--num-resident", type=int, default=8)
         p.add_argument("--tokens", type=int, default=12, help="timed decode tokens")
         p.add_argument("--prefill-tokens", type=int, default=16)

@@ -180,10 +180,12 @@ def open_stored_layout(path: Path, want: LayoutKey) -> StoredLayout | str:
 
 
 def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, int], Mapping[str, torch.Tensor]], *,
-                        chunk: int = 16, source_name: str = "the checkpoint") -> StoredLayout:
+                        chunk: int = 2, source_name: str = "the checkpoint") -> StoredLayout:
     """Write the layout of ``key`` to ``path``: ``rows(layer, first, n)`` gives experts
     ``first..first+n-1`` of MoE layer index ``layer`` as {spec name: [n, *spec.shape]} in the
-    key's dtypes. Written to ``path``'s temporary sibling, flushed, then renamed over ``path``.
+    key's dtypes. Written to ``path``'s temporary sibling, flushed and dropped from the page cache
+    every ``chunk`` experts (a conversion's temporaries and dirty pages stay small under a memory
+    limit), then renamed over ``path``.
 
     Raises:
         StoredLayoutError: the write failed (no space, file size limit, permissions): names the
@@ -206,8 +208,10 @@ def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, in
                     for i in range(n):
                         bufs = [bytes_view(got[s.name][i].contiguous().view(-1)) for s in specs]
                         _write_all(fd, [memoryview(b) for b in bufs], layout.offset(layer, first + i))
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written pages need not stay cached
+                    del got
+                    # written pages leave the page cache (and a memory cgroup's count) chunk by chunk
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.ftruncate(fd, layout.file_bytes)
             os.fsync(fd)
         finally:
