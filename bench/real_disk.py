@@ -15,6 +15,9 @@ Subcommands:
                                 disk per token (the tier's counters and /proc/self/io), wall and
                                 CPU seconds per token, peak RSS and the cgroup's peak; a child
                                 the cgroup OOM-kills or that start-up refuses is reported as such
+  llama DIR --gguf FILE [--no-repack] [--cgroup-mb 1180] [--tokens 32] [--threads 1]
+                                npm's prebuilt llama.cpp (bench/llama_cpp_prebuilt.py) teacher-forced on
+                                the same ids, the GGUF dropped from the page cache, in its own cgroup
   disk-compare DIR --before TREE --before-host-memory-gb G0 --host-memory-gb G [disk's flags]
                                 ``disk`` alternately from TREE and this tree (``--runs`` each);
                                 G0 for TREE (before issue 32, G budgeted the store alone)
@@ -171,6 +174,60 @@ def run_disk(args, argv: list[str], tree: Path = ROOT) -> dict:
     return out
 
 
+def run_llama(args) -> dict:
+    """npm's prebuilt llama.cpp (``llama_cpp_prebuilt``) on GGUF ``args.gguf``, teacher-forced on
+    the same ids as ``disk``, the GGUF dropped from the page cache first, in a fresh memory cgroup
+    of --cgroup-mb: wall and CPU s/token over the decode steps, bytes read from storage per token
+    (/proc/self/io), peak RSS and the cgroup's peak; an OOM kill reported as such."""
+    import tempfile
+
+    from llama_cpp_prebuilt import setup
+
+    pb = setup(Path(args.llama_cache)) if args.llama_cache else setup()
+    ids = text_ids(Path(args.dir), args.prefill_tokens + args.tokens)[0].tolist()
+    gguf = Path(args.gguf)
+    fd = os.open(gguf, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    cgroup = make_cgroup(int(args.cgroup_mb * 1e6), f"pagedexperts-llama-{os.getpid()}") if args.cgroup_mb else None
+    enter = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
+    with tempfile.NamedTemporaryFile("w", suffix=".ids", delete=False) as f:
+        f.write(" ".join(map(str, ids)))
+    cmd = pb.command("run", gguf, f.name, "--prefill", str(args.prefill_tokens), "--decode", str(args.tokens),
+                     "--threads", str(args.threads or 1), *([] if args.repack else ["--no-repack"]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=enter)
+    os.unlink(f.name)
+    out = {"gguf": str(gguf), "repack": args.repack, "cgroup_mb": args.cgroup_mb}
+    if proc.returncode == 0:
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        n = len(r["cpu_s"])
+        out.update(wall_s_per_token=sum(r["wall_s"]) / n, cpu_s_per_token=sum(r["cpu_s"]) / n,
+                   io_mb_per_token=r["decode_read_bytes"] / n / 1e6, peak_rss_mb=r["peak_rss_kb"] / 1e3,
+                   load_wall_s=r["load_wall_s"], buffers=r["buffers"])
+    else:
+        out["failed"] = f"exit {proc.returncode}" + (" (killed: SIGKILL, the cgroup's OOM killer)"
+                                                      if proc.returncode == -9 else "")
+        out["stderr"] = proc.stderr[-800:]
+    if cgroup:
+        out["cgroup_peak_mb"] = cgroup_peak_mb(cgroup)
+        try:
+            cgroup.rmdir()
+        except OSError as exc:
+            out["cgroup_left"] = str(exc)
+    return out
+
+
+def llama_line(r: dict) -> str:
+    label = f"llama.cpp {Path(r['gguf']).name} {'repack' if r['repack'] else '--no-repack'} cgroup={r['cgroup_mb']} MB"
+    if "failed" in r:
+        return f"{label}: FAILED {r['failed']} (cgroup peak {r.get('cgroup_peak_mb')} MB)"
+    return (f"{label}: {r['wall_s_per_token']:.3f} s/token wall, {r['cpu_s_per_token']:.3f} s/token CPU, "
+            f"{r['io_mb_per_token']:.1f} MB/token from storage; peak RSS {r['peak_rss_mb']:.0f} MB, cgroup peak "
+            f"{r.get('cgroup_peak_mb')} MB; load {r['load_wall_s']:.1f} s")
+
+
 def disk_line(r: dict) -> str:
     label = f"{r['tree']} G={r['host_memory_gb']} cgroup={r['cgroup_mb']} MB"
     if "refused" in r:
@@ -214,12 +271,23 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
                        help="this tree only: the disk tier without read-ahead")
         p.add_argument("--cgroup-mb", type=float, default=None, help="run inside a new memory cgroup of this limit")
+    lp = sub.add_parser("llama", help="llama.cpp (npm's prebuilt) on a GGUF of the same weights, in a cgroup")
+    lp.add_argument("dir", help="the transformers checkpoint whose tokenizer gives the ids")
+    lp.add_argument("--gguf", required=True)
+    lp.add_argument("--no-repack", dest="repack", action="store_false")
+    lp.add_argument("--tokens", type=int, default=12)
+    lp.add_argument("--prefill-tokens", type=int, default=16)
+    lp.add_argument("--threads", type=int, default=1)
+    lp.add_argument("--cgroup-mb", type=float, default=None)
+    lp.add_argument("--llama-cache", default=None, help="llama_cpp_prebuilt's cache (default its own)")
     dc = sub.choices["disk-compare"]
     dc.add_argument("--before", required=True, help="tree of the 'before' code")
     dc.add_argument("--before-host-memory-gb", type=float, required=True)
     dc.add_argument("--runs", type=int, default=2)
     args = ap.parse_args(argv)
-    if args.cmd == "disk":
+    if args.cmd == "llama":
+        print(llama_line(run_llama(args)))
+    elif args.cmd == "disk":
         print(disk_line(run_disk(args, argv[1:])))
     elif args.cmd == "disk-child":
         print(json.dumps(disk_child(args)))
