@@ -245,6 +245,7 @@ class TieredExpertStore(ExpertStore):
         self._read_ahead.give_back(old)
         with self._stats_lock:
             self.tier_stats.read_ahead_used += 1
+            self.tier_stats.read_ahead_bytes_used += self.expert_bytes
 
     def read_rows(self, first: int, n: int) -> dict[str, torch.Tensor]:
         """Experts ``first..first+n-1`` read from the store's source (the checkpoint, or a
@@ -347,6 +348,9 @@ class TieredExpertStore(ExpertStore):
             if e not in wanted and future.done():
                 del self._ahead[e]
                 ra.give_back(buffer)
+                with self._stats_lock:
+                    self.tier_stats.read_ahead_wasted += 1
+                    self.tier_stats.read_ahead_bytes_wasted += self.expert_bytes
         started = 0
         for e in experts:
             if e in self._ahead or self._holds(e):

@@ -91,6 +91,39 @@ def test_disk_tier_with_read_ahead_equals_full_store(tiny_moe_dir, threads):
     assert d["disk_reads"] >= d["host_misses"]
 
 
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_read_ahead_bytes_used_and_wasted_add_up(tiny_moe_dir, read_ahead):
+    """Each layer: issued = used + wasted + still held; every disk read is a host miss read on
+    demand, or a read-ahead (used, wasted or still held); bytes = reads x expert bytes; and
+    /metrics exports the same. Read-ahead off: all of them 0, reads = host misses."""
+    from pagedexperts.serving.metrics import _tier_metrics
+
+    model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", read_ahead=read_ahead,
+                                       host_memory_gb=budget_gb(R, tiny_moe_dir))
+    ids, mask = prompts(3)
+    greedy_logits(model, ids, mask, steps=4)
+    rt = model.pagedexperts
+    families = {f.name: f for f in _tier_metrics(rt)}
+    for i, runner in rt.runners.items():
+        store, t = runner.store, runner.store.tier_stats
+        _settle(store)
+        held = len(store._ahead)
+        assert t.read_ahead_issued == t.read_ahead_used + t.read_ahead_wasted + held, i
+        assert t.disk_reads == t.host_misses - t.read_ahead_used + t.read_ahead_issued, i
+        assert t.read_ahead_bytes_used == t.read_ahead_used * store.expert_bytes
+        assert t.read_ahead_bytes_wasted == t.read_ahead_wasted * store.expert_bytes
+        for name in ("read_ahead_bytes_used", "read_ahead_bytes_wasted", "read_ahead_wasted"):
+            got = {s.labels["layer"]: s.value for s in families[f"pagedexperts_{name}"].samples}
+            assert got[str(i)] == getattr(t, name), name
+    d = rt.stats().as_dict()
+    if read_ahead:
+        assert d["read_ahead_used"] > 0 and d["read_ahead_bytes_used"] > 0
+    else:
+        assert (d["read_ahead_issued"], d["read_ahead_used"], d["read_ahead_wasted"], d["read_ahead_bytes_used"],
+                d["read_ahead_bytes_wasted"]) == (0, 0, 0, 0, 0)
+        assert d["disk_reads"] == d["host_misses"]
+
+
 def make_store(path, *, rows: int = 2, read_ahead=None) -> TieredExpertStore:
     from pagedexperts.loading.checkpoint import KeyMap
     from pagedexperts.storage.safetensors_files import checkpoint_files
