@@ -18,6 +18,10 @@ Subcommands:
   llama DIR --gguf FILE [--no-repack] [--cgroup-mb 1180] [--tokens 32] [--threads 1]
                                 npm's prebuilt llama.cpp (bench/llama_cpp_prebuilt.py) teacher-forced on
                                 the same ids, the GGUF dropped from the page cache, in its own cgroup
+  larger-than-ram DIR --gguf Q4_0.gguf --stored-layout-dir D [--rounds 3] [--cgroup-mb 1180] [--tokens 32]
+                                issue 46's table: this project (default, packed, without read-ahead, without
+                                the stored layout) and llama.cpp Q4_0 (default, --no-repack), interleaved
+                                rounds, each cold in its own cgroup; medians [min-max]
   disk-compare DIR --before TREE --before-host-memory-gb G0 --host-memory-gb G [disk's flags]
                                 ``disk`` alternately from TREE and this tree (``--runs`` each);
                                 G0 for TREE (before issue 32, G budgeted the store alone)
@@ -242,6 +246,51 @@ def disk_line(r: dict) -> str:
             f"{r['peak_rss_mb']:.0f} MB, cgroup peak {r.get('cgroup_peak_mb')} MB; load {r['load_s']:.1f} s\n  {r['plan']}")
 
 
+LARGER_THAN_RAM = [  # (label, real_disk.py argv after DIR): issue 46's table
+    ("pagedexperts, default settings", ["disk"]),
+    ("pagedexperts, packed", ["disk", "--experts-implementation", "packed"]),
+    ("pagedexperts, packed, --no-read-ahead", ["disk", "--experts-implementation", "packed", "--no-read-ahead"]),
+    ("pagedexperts, packed, --no-stored-layout", ["disk", "--experts-implementation", "packed", "--no-stored-layout"]),
+    ("llama.cpp Q4_0, default (repack)", ["llama"]),
+    ("llama.cpp Q4_0, --no-repack (mmap)", ["llama", "--no-repack"]),
+]
+
+
+def larger_than_ram(args) -> None:
+    """Every LARGER_THAN_RAM row, ``--rounds`` interleaved rounds (round r rotates the order by
+    r), each cold and in its own cgroup; a markdown table of medians [min-max] per row."""
+    import statistics
+
+    rows = {label: [] for label, _ in LARGER_THAN_RAM}
+    for r in range(args.rounds):
+        order = LARGER_THAN_RAM[r % len(LARGER_THAN_RAM):] + LARGER_THAN_RAM[:r % len(LARGER_THAN_RAM)]
+        for label, sub in order:
+            extra = ["--gguf", args.gguf] if sub[0] == "llama" else ["--stored-layout-dir", args.stored_layout_dir]
+            cmd = [sys.executable, str(Path(__file__).resolve()), sub[0], args.dir, *sub[1:], *extra, "--json",
+                   "--tokens", str(args.tokens), "--prefill-tokens", str(args.prefill_tokens), "--threads", "1",
+                   "--cgroup-mb", str(args.cgroup_mb)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            res = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"failed": proc.stderr[-300:]}
+            rows[label].append(res)
+            print(label, json.dumps({k: v for k, v in res.items() if k not in ("stderr", "buffers", "plan")}), flush=True)
+
+    def cell(results, key, scale=1.0, fmt="{:.3f}"):
+        vals = [x[key] * scale for x in results if key in x]
+        if not vals:
+            return "-"
+        return fmt.format(statistics.median(vals)) + (f" [{fmt.format(min(vals))}-{fmt.format(max(vals))}]"
+                                                       if len(vals) > 1 else "")
+
+    print(f"\n| run ({args.cgroup_mb:.0f}M cgroup, cold, 1 thread, {args.tokens} tokens) | wall s/token | CPU s/token | "
+          "MB/token from storage | MB/token read by the tier | peak RSS MB | OOM kills |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, results in rows.items():
+        kills = sum("OOM" in x.get("failed", "") for x in results)
+        print(f"| {label} | {cell(results, 'wall_s_per_token')} | {cell(results, 'cpu_s_per_token')} | "
+              f"{cell(results, 'io_mb_per_token', fmt='{:.1f}')} | {cell(results, 'disk_mb_per_token', fmt='{:.1f}')} | "
+              f"{cell(results, 'peak_rss_mb', fmt='{:.0f}')} | {kills} of {len(results)} |")
+
+
 def disk_compare(args, argv: list[str]) -> None:
     inner = strip_flags(argv, {"--before": 2, "--runs": 2, "--before-host-memory-gb": 2})[1:]
     for run_no in range(args.runs):
@@ -271,6 +320,15 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
                        help="this tree only: the disk tier without read-ahead")
         p.add_argument("--cgroup-mb", type=float, default=None, help="run inside a new memory cgroup of this limit")
+        p.add_argument("--json", action="store_true", help="one JSON line instead of the text line")
+    lt = sub.add_parser("larger-than-ram", help="issue 46's table: this project and llama.cpp, interleaved rounds")
+    lt.add_argument("dir")
+    lt.add_argument("--gguf", required=True)
+    lt.add_argument("--stored-layout-dir", required=True)
+    lt.add_argument("--rounds", type=int, default=3)
+    lt.add_argument("--tokens", type=int, default=32)
+    lt.add_argument("--prefill-tokens", type=int, default=16)
+    lt.add_argument("--cgroup-mb", type=float, default=1180)
     lp = sub.add_parser("llama", help="llama.cpp (npm's prebuilt) on a GGUF of the same weights, in a cgroup")
     lp.add_argument("dir", help="the transformers checkpoint whose tokenizer gives the ids")
     lp.add_argument("--gguf", required=True)
@@ -280,15 +338,20 @@ def main(argv: list[str] | None = None) -> None:
     lp.add_argument("--threads", type=int, default=1)
     lp.add_argument("--cgroup-mb", type=float, default=None)
     lp.add_argument("--llama-cache", default=None, help="llama_cpp_prebuilt's cache (default its own)")
+    lp.add_argument("--json", action="store_true", help="one JSON line instead of the text line")
     dc = sub.choices["disk-compare"]
     dc.add_argument("--before", required=True, help="tree of the 'before' code")
     dc.add_argument("--before-host-memory-gb", type=float, required=True)
     dc.add_argument("--runs", type=int, default=2)
     args = ap.parse_args(argv)
-    if args.cmd == "llama":
-        print(llama_line(run_llama(args)))
+    if args.cmd == "larger-than-ram":
+        larger_than_ram(args)
+    elif args.cmd == "llama":
+        r = run_llama(args)
+        print(json.dumps(r) if args.json else llama_line(r))
     elif args.cmd == "disk":
-        print(disk_line(run_disk(args, argv[1:])))
+        r = run_disk(args, [a for a in argv[1:] if a != "--json"])
+        print(json.dumps(r) if args.json else disk_line(r))
     elif args.cmd == "disk-child":
         print(json.dumps(disk_child(args)))
     else:

@@ -84,6 +84,18 @@ def _stored_layouts_in_tmp(stored_layout_cache, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _runtime_allowance_fixed(monkeypatch):
+    """The host-memory plan's runtime part as a constant (RUNTIME_ALLOWANCE_BYTES' CPU value): a
+    test process holds the models of earlier tests, so the measured one (``storage.host_memory
+    .process_anon_bytes``) would make budgets depend on test order. tests/storage/test_host_memory.py
+    checks the measurement itself."""
+    from pagedexperts.storage import host_memory
+
+    fixed = host_memory.RUNTIME_ALLOWANCE_BYTES["cpu"] - host_memory.STEP_MARGIN_BYTES
+    monkeypatch.setattr(host_memory, "process_anon_bytes", lambda: fixed)
+
+
+@pytest.fixture(autouse=True)
 def _thread_count(request):
     """1 thread, except for exactness tests (module docstring); restored afterwards."""
     users = "threads" in request.fixturenames or request.node.get_closest_marker("default_threads")
