@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pagedexperts.formats.cpu_pack import CpuPackedSlots
 from pagedexperts.paging.runner_contract import PagedExecutor
+from pagedexperts.storage.host_store import ExpertStore
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
 from pagedexperts.storage.kernel_layout_file import (LayoutKey, StoredLayout, StoredLayoutError, open_stored_layout,
                                                      write_stored_layout)
@@ -48,16 +49,31 @@ def cache_path(checkpoint: Path, key: LayoutKey, cache_dir: Path) -> Path:
     return Path(cache_dir) / f"{resolved.name}-{digest}" / layout_file_name(key)
 
 
-def packed_tiers(runtime) -> list[tuple[TieredExpertStore, CpuPackedSlots]]:
-    """(store, slot table) of every paged layer, in layer order, when each runs packed over the
-    disk tier; else [] (a stored layout serves a model only whole)."""
+def packed_layers(runtime) -> list[tuple[ExpertStore, CpuPackedSlots]]:
+    """(store, slot table) of every paged layer, in layer order, when each runs packed (its store
+    the disk tier, or a full store converted to the kernels' layout); else [] (a stored layout
+    serves a model only whole)."""
     out = []
     for _, runner in sorted(runtime.runners.items()):
-        if not (isinstance(runner, PagedExecutor) and isinstance(runner.store, TieredExpertStore)
-                and isinstance(runner.slots, CpuPackedSlots)):
+        if not (isinstance(runner, PagedExecutor) and isinstance(runner.slots, CpuPackedSlots)):
             return []
         out.append((runner.store, runner.slots))
     return out
+
+
+def packed_tiers(runtime) -> list[tuple[TieredExpertStore, CpuPackedSlots]]:
+    """``packed_layers`` when every store is the disk tier's, else []."""
+    layers = packed_layers(runtime)
+    return layers if all(isinstance(store, TieredExpertStore) for store, _ in layers) else []
+
+
+def kernel_rows(store: ExpertStore, table: CpuPackedSlots, first: int, n: int) -> dict:
+    """Experts ``first..first+n-1`` of one layer in the kernels' layouts {name: [n, ...]}: a full
+    store's rows (converted at load), or the disk tier's read and converted."""
+    rows = store.rows_in_memory()
+    if rows is not None:
+        return {name: t[first: first + n] for name, t in rows.items()}
+    return table.convert_many(store.read_rows(first, n))
 
 
 def layout_key(tiers, files: list[Path]) -> LayoutKey:
@@ -69,14 +85,13 @@ def layout_key(tiers, files: list[Path]) -> LayoutKey:
 
 
 def write_for(tiers, key: LayoutKey, path: Path, *, source_name: str) -> StoredLayout:
-    """Write the stored layout of ``tiers`` to ``path``, each expert read from the tiers' current
-    source and converted by its slot table (``CpuPackedSlots.convert_many``).
+    """Write the stored layout of ``tiers`` (``packed_layers``) to ``path``, each expert from its
+    store (``kernel_rows``).
 
     Raises:
         StoredLayoutError: see ``storage.kernel_layout_file.write_stored_layout``."""
     def rows(layer: int, first: int, n: int):
-        store, table = tiers[layer]
-        return table.convert_many(store.read_rows(first, n))
+        return kernel_rows(*tiers[layer], first, n)
 
     layout = write_stored_layout(path, key, rows, source_name=source_name)
     for store, _ in tiers:
@@ -136,3 +151,18 @@ def _use(runtime, tiers, layout: StoredLayout) -> None:
         store.use_source(specs, layout.extents(layer), read_ahead)
     runtime.host_memory = dataclasses.replace(memory, expert_bytes=layout.key.expert_bytes,
                                               host_rows=tiers[0][0].host_rows)
+
+
+def write_checkpoint_layout(model, checkpoint: Path, files: list[Path]) -> StoredLayout | str:
+    """Write the stored kernel layout of ``model`` (loaded packed from ``checkpoint``, whose
+    ``files`` it was made from) into the checkpoint's own ``kernel-layout/`` directory, where
+    ``attach_stored_layout`` looks first. Returns it, or why the model has none to store.
+
+    Raises:
+        StoredLayoutError: the write failed (names the path; the checkpoint is untouched)."""
+    layers = packed_layers(model.pagedexperts)
+    if not layers:
+        return "its experts do not run packed on this CPU (--experts-implementation packed)"
+    key = layout_key(layers, files)
+    path = Path(checkpoint) / CHECKPOINT_SUBDIR / layout_file_name(key)
+    return write_for(layers, key, path, source_name=f"the checkpoint {checkpoint}")
