@@ -196,6 +196,7 @@ def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, in
     head, data_start = _header_bytes(key)
     layout = StoredLayout(path, key, data_start)
     specs = key.tensor_specs
+    _remove_stale_temps(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -224,6 +225,21 @@ def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, in
             exc.errno, f"writing the stored kernel layout {path} ({layout.file_bytes:,} bytes) failed: "
             f"{exc.strerror or exc}; the partial file is removed and {source_name} is untouched") from exc
     return layout
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Remove ``path``'s temporary siblings left by a writer that no longer runs (killed
+    mid-write, e.g. by a memory cgroup's OOM killer: no ``except`` ran)."""
+    for tmp in path.parent.glob(f"{path.name}.tmp-*"):
+        try:
+            os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        except PermissionError:
+            continue  # alive, another user's
 
 
 def _write_all(fd: int, bufs: list[memoryview], offset: int) -> None:

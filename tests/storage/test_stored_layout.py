@@ -213,3 +213,17 @@ def test_a_file_size_limit_while_writing_removes_the_partial_file(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.safetensors"]
+
+
+def test_a_writer_killed_mid_write_leaves_a_temporary_file_the_next_write_removes(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"l.pxkl.tmp-{int(dead.stdout)}"
+    stale.write_bytes(b"half")
+    alive = tmp_path / f"l.pxkl.tmp-{os.getpid()}-other"  # not a pid suffix: left alone
+    alive.write_bytes(b"x")
+    key = _key(tmp_path)
+    write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
+    assert not stale.exists() and alive.exists()
