@@ -70,11 +70,14 @@ def _digest(path: Path) -> dict[str, str]:
 
 
 @pytest.mark.default_threads
-@pytest.mark.parametrize("read_ahead", [True, False])
+@pytest.mark.parametrize("ahead", ["read-ahead", "prefetch", "none"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tier_over_the_stored_layout_equals_all_resident_without_converting(tmp_path, monkeypatch, dtype, read_ahead):
+def test_tier_over_the_stored_layout_equals_all_resident_without_converting(tmp_path, monkeypatch, dtype, ahead):
+    """Read ahead (the disk tier's default), prefetch (page-ins into the next layer's slots too) or
+    neither: the same logits as all E resident."""
+    read_ahead = ahead != "none"
     oracle = _all_resident(INT4, dtype)
-    tiered = _tiered(INT4, dtype, tmp_path, read_ahead=read_ahead)
+    tiered = _tiered(INT4, dtype, tmp_path, read_ahead=read_ahead, prefetch=ahead == "prefetch")
     rt = tiered.pagedexperts
     stored = Path(rt.stored_layout)
     assert stored.parent.parent == tmp_path and stored.name.endswith(f"-{dtype}.pxkl")
