@@ -15,6 +15,13 @@ Subcommands:
                                 disk per token (the tier's counters and /proc/self/io), wall and
                                 CPU seconds per token, peak RSS and the cgroup's peak; a child
                                 the cgroup OOM-kills or that start-up refuses is reported as such
+  llama DIR --gguf FILE [--no-repack] [--cgroup-mb 1180] [--tokens 32] [--threads 1]
+                                npm's prebuilt llama.cpp (bench/llama_cpp_prebuilt.py) teacher-forced on
+                                the same ids, the GGUF dropped from the page cache, in its own cgroup
+  larger-than-ram DIR --gguf Q4_0.gguf --stored-layout-dir D [--rounds 3] [--cgroup-mb 1180] [--tokens 32]
+                                issue 46's table: this project (default, packed, without read-ahead, without
+                                the stored layout) and llama.cpp Q4_0 (default, --no-repack), interleaved
+                                rounds, each cold in its own cgroup; medians [min-max]
   disk-compare DIR --before TREE --before-host-memory-gb G0 --host-memory-gb G [disk's flags]
                                 ``disk`` alternately from TREE and this tree (``--runs`` each);
                                 G0 for TREE (before issue 32, G budgeted the store alone)
@@ -39,10 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_shape import ROOT, decode, strip_flags, text_ids  # noqa: E402
 
 
-def drop_page_cache(path: Path) -> None:
-    """Drop the checkpoint's files from the page cache (posix_fadvise DONTNEED): reads then come
-    from the disk, as for a checkpoint larger than RAM."""
-    for f in sorted(path.glob("*.safetensors")):
+def drop_page_cache(path: Path, *more: Path) -> None:
+    """Drop the checkpoint's files (and every file under ``more``: a stored kernel layout) from
+    the page cache (posix_fadvise DONTNEED): reads then come from the disk, as for a checkpoint
+    larger than RAM."""
+    files = sorted(path.glob("*.safetensors")) + [f for d in more if d.exists() for f in sorted(d.rglob("*")) if f.is_file()]
+    for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -70,6 +79,12 @@ def disk_child(args) -> dict:
     t0 = time.perf_counter()
     try:
         extra = {} if args.read_ahead else {"read_ahead": False}  # a tree before issue 32 has no read-ahead flag
+        if args.experts_implementation:
+            extra["experts_implementation"] = args.experts_implementation
+        if args.stored_layout_dir:
+            extra["stored_layout_dir"] = args.stored_layout_dir
+        if not args.stored_layout:
+            extra["stored_layout"] = False
         model, _ = pagedexperts.load_model(path, num_resident=args.num_resident, host_memory_gb=args.host_memory_gb,
                                            prefetch=args.prefetch, **extra)
     except (ValueError, MemoryError) as exc:
@@ -94,6 +109,9 @@ def disk_child(args) -> dict:
                 io_mb_per_token=(io_read_bytes() - state["io"]) / n / 1e6,
                 misses_per_token=d["misses_per_token"], host_hit_rate=d["host_hit_rate"],
                 read_ahead_issued=d["read_ahead_issued"], read_ahead_used=d["read_ahead_used"],
+                disk_reads_per_token=d["disk_reads"] / n,
+                disk_read_ms_per_expert=1e3 * d["disk_read_s"] / max(1, d["disk_reads"]),
+                stored_layout=getattr(rt, "stored_layout", None), fallbacks=rt.stats().fallbacks,
                 prefill_io_mb=(state["io"] - io0) / 1e6, prefill_wall_s=state["wall"] - wall0,
                 prefill_cpu_s=state["cpu"] - cpu0,
                 peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
@@ -134,7 +152,7 @@ def cgroup_peak_mb(cgroup: Path) -> float | None:
 
 def run_disk(args, argv: list[str], tree: Path = ROOT) -> dict:
     """``disk_child`` in a subprocess from ``tree`` (in a fresh memory cgroup when --cgroup-mb)."""
-    drop_page_cache(Path(args.dir))
+    drop_page_cache(Path(args.dir), *([Path(args.stored_layout_dir)] if args.stored_layout_dir else []))
     cgroup = make_cgroup(int(args.cgroup_mb * 1e6), f"pagedexperts-bench-{os.getpid()}") if args.cgroup_mb else None
     env = dict(os.environ, PYTHONPATH=str(tree))
     if args.threads:
@@ -160,6 +178,60 @@ def run_disk(args, argv: list[str], tree: Path = ROOT) -> dict:
     return out
 
 
+def run_llama(args) -> dict:
+    """npm's prebuilt llama.cpp (``llama_cpp_prebuilt``) on GGUF ``args.gguf``, teacher-forced on
+    the same ids as ``disk``, the GGUF dropped from the page cache first, in a fresh memory cgroup
+    of --cgroup-mb: wall and CPU s/token over the decode steps, bytes read from storage per token
+    (/proc/self/io), peak RSS and the cgroup's peak; an OOM kill reported as such."""
+    import tempfile
+
+    from llama_cpp_prebuilt import setup
+
+    pb = setup(Path(args.llama_cache)) if args.llama_cache else setup()
+    ids = text_ids(Path(args.dir), args.prefill_tokens + args.tokens)[0].tolist()
+    gguf = Path(args.gguf)
+    fd = os.open(gguf, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    cgroup = make_cgroup(int(args.cgroup_mb * 1e6), f"pagedexperts-llama-{os.getpid()}") if args.cgroup_mb else None
+    enter = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
+    with tempfile.NamedTemporaryFile("w", suffix=".ids", delete=False) as f:
+        f.write(" ".join(map(str, ids)))
+    cmd = pb.command("run", gguf, f.name, "--prefill", str(args.prefill_tokens), "--decode", str(args.tokens),
+                     "--threads", str(args.threads or 1), *([] if args.repack else ["--no-repack"]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=enter)
+    os.unlink(f.name)
+    out = {"gguf": str(gguf), "repack": args.repack, "cgroup_mb": args.cgroup_mb}
+    if proc.returncode == 0:
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        n = len(r["cpu_s"])
+        out.update(wall_s_per_token=sum(r["wall_s"]) / n, cpu_s_per_token=sum(r["cpu_s"]) / n,
+                   io_mb_per_token=r["decode_read_bytes"] / n / 1e6, peak_rss_mb=r["peak_rss_kb"] / 1e3,
+                   load_wall_s=r["load_wall_s"], buffers=r["buffers"])
+    else:
+        out["failed"] = f"exit {proc.returncode}" + (" (killed: SIGKILL, the cgroup's OOM killer)"
+                                                      if proc.returncode == -9 else "")
+        out["stderr"] = proc.stderr[-800:]
+    if cgroup:
+        out["cgroup_peak_mb"] = cgroup_peak_mb(cgroup)
+        try:
+            cgroup.rmdir()
+        except OSError as exc:
+            out["cgroup_left"] = str(exc)
+    return out
+
+
+def llama_line(r: dict) -> str:
+    label = f"llama.cpp {Path(r['gguf']).name} {'repack' if r['repack'] else '--no-repack'} cgroup={r['cgroup_mb']} MB"
+    if "failed" in r:
+        return f"{label}: FAILED {r['failed']} (cgroup peak {r.get('cgroup_peak_mb')} MB)"
+    return (f"{label}: {r['wall_s_per_token']:.3f} s/token wall, {r['cpu_s_per_token']:.3f} s/token CPU, "
+            f"{r['io_mb_per_token']:.1f} MB/token from storage; peak RSS {r['peak_rss_mb']:.0f} MB, cgroup peak "
+            f"{r.get('cgroup_peak_mb')} MB; load {r['load_wall_s']:.1f} s")
+
+
 def disk_line(r: dict) -> str:
     label = f"{r['tree']} G={r['host_memory_gb']} cgroup={r['cgroup_mb']} MB"
     if "refused" in r:
@@ -169,8 +241,54 @@ def disk_line(r: dict) -> str:
     return (f"{label}: R={r['host_rows']} K={r['num_resident']}: {r['wall_s_per_token']:.3f} s/token wall, "
             f"{r['cpu_s_per_token']:.3f} s/token CPU, {r['disk_mb_per_token']:.1f} MB/token read by the tier "
             f"({r['io_mb_per_token']:.1f} from storage), misses/token {r['misses_per_token']:.1f}, host hit rate "
-            f"{r['host_hit_rate']:.2f}, read-ahead used {r['read_ahead_used']}/{r['read_ahead_issued']}; peak RSS "
+            f"{r['host_hit_rate']:.2f}, read-ahead used {r['read_ahead_used']}/{r['read_ahead_issued']}, "
+            f"{r.get('disk_read_ms_per_expert', float('nan')):.2f} ms per expert read; peak RSS "
             f"{r['peak_rss_mb']:.0f} MB, cgroup peak {r.get('cgroup_peak_mb')} MB; load {r['load_s']:.1f} s\n  {r['plan']}")
+
+
+LARGER_THAN_RAM = [  # (label, real_disk.py argv after DIR): issue 46's table
+    ("pagedexperts, default settings", ["disk"]),
+    ("pagedexperts, packed", ["disk", "--experts-implementation", "packed"]),
+    ("pagedexperts, packed, --no-read-ahead", ["disk", "--experts-implementation", "packed", "--no-read-ahead"]),
+    ("pagedexperts, packed, --no-stored-layout", ["disk", "--experts-implementation", "packed", "--no-stored-layout"]),
+    ("llama.cpp Q4_0, default (repack)", ["llama"]),
+    ("llama.cpp Q4_0, --no-repack (mmap)", ["llama", "--no-repack"]),
+]
+
+
+def larger_than_ram(args) -> None:
+    """Every LARGER_THAN_RAM row, ``--rounds`` interleaved rounds (round r rotates the order by
+    r), each cold and in its own cgroup; a markdown table of medians [min-max] per row."""
+    import statistics
+
+    rows = {label: [] for label, _ in LARGER_THAN_RAM}
+    for r in range(args.rounds):
+        order = LARGER_THAN_RAM[r % len(LARGER_THAN_RAM):] + LARGER_THAN_RAM[:r % len(LARGER_THAN_RAM)]
+        for label, sub in order:
+            extra = ["--gguf", args.gguf] if sub[0] == "llama" else ["--stored-layout-dir", args.stored_layout_dir]
+            cmd = [sys.executable, str(Path(__file__).resolve()), sub[0], args.dir, *sub[1:], *extra, "--json",
+                   "--tokens", str(args.tokens), "--prefill-tokens", str(args.prefill_tokens), "--threads", "1",
+                   "--cgroup-mb", str(args.cgroup_mb)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            res = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"failed": proc.stderr[-300:]}
+            rows[label].append(res)
+            print(label, json.dumps({k: v for k, v in res.items() if k not in ("stderr", "buffers", "plan")}), flush=True)
+
+    def cell(results, key, scale=1.0, fmt="{:.3f}"):
+        vals = [x[key] * scale for x in results if key in x]
+        if not vals:
+            return "-"
+        return fmt.format(statistics.median(vals)) + (f" [{fmt.format(min(vals))}-{fmt.format(max(vals))}]"
+                                                       if len(vals) > 1 else "")
+
+    print(f"\n| run ({args.cgroup_mb:.0f}M cgroup, cold, 1 thread, {args.tokens} tokens) | wall s/token | CPU s/token | "
+          "MB/token from storage | MB/token read by the tier | peak RSS MB | OOM kills |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, results in rows.items():
+        kills = sum("OOM" in x.get("failed", "") for x in results)
+        print(f"| {label} | {cell(results, 'wall_s_per_token')} | {cell(results, 'cpu_s_per_token')} | "
+              f"{cell(results, 'io_mb_per_token', fmt='{:.1f}')} | {cell(results, 'disk_mb_per_token', fmt='{:.1f}')} | "
+              f"{cell(results, 'peak_rss_mb', fmt='{:.0f}')} | {kills} of {len(results)} |")
 
 
 def disk_compare(args, argv: list[str]) -> None:
@@ -189,7 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("disk", "disk-child", "disk-compare"):
         p = sub.add_parser(name)
         p.add_argument("dir")
-        p.add_argument("--host-memory-gb", type=float, required=True)
+        p.add_argument("--host-memory-gb", type=float, default=None, help="default: none given (the loader's own)")
+        p.add_argument("--experts-implementation", default=None, help="default: the loader's")
+        p.add_argument("--stored-layout-dir", default=None, help="where the stored kernel layout is cached "
+                       "(dropped from the page cache too)")
+        p.add_argument("--no-stored-layout", dest="stored_layout", action="store_false")
         p.add_argument("--num-resident", type=int, default=8)
         p.add_argument("--tokens", type=int, default=12, help="timed decode tokens")
         p.add_argument("--prefill-tokens", type=int, default=16)
@@ -198,13 +320,38 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
                        help="this tree only: the disk tier without read-ahead")
         p.add_argument("--cgroup-mb", type=float, default=None, help="run inside a new memory cgroup of this limit")
+        p.add_argument("--json", action="store_true", help="one JSON line instead of the text line")
+    lt = sub.add_parser("larger-than-ram", help="issue 46's table: this project and llama.cpp, interleaved rounds")
+    lt.add_argument("dir")
+    lt.add_argument("--gguf", required=True)
+    lt.add_argument("--stored-layout-dir", required=True)
+    lt.add_argument("--rounds", type=int, default=3)
+    lt.add_argument("--tokens", type=int, default=32)
+    lt.add_argument("--prefill-tokens", type=int, default=16)
+    lt.add_argument("--cgroup-mb", type=float, default=1180)
+    lp = sub.add_parser("llama", help="llama.cpp (npm's prebuilt) on a GGUF of the same weights, in a cgroup")
+    lp.add_argument("dir", help="the transformers checkpoint whose tokenizer gives the ids")
+    lp.add_argument("--gguf", required=True)
+    lp.add_argument("--no-repack", dest="repack", action="store_false")
+    lp.add_argument("--tokens", type=int, default=12)
+    lp.add_argument("--prefill-tokens", type=int, default=16)
+    lp.add_argument("--threads", type=int, default=1)
+    lp.add_argument("--cgroup-mb", type=float, default=None)
+    lp.add_argument("--llama-cache", default=None, help="llama_cpp_prebuilt's cache (default its own)")
+    lp.add_argument("--json", action="store_true", help="one JSON line instead of the text line")
     dc = sub.choices["disk-compare"]
     dc.add_argument("--before", required=True, help="tree of the 'before' code")
     dc.add_argument("--before-host-memory-gb", type=float, required=True)
     dc.add_argument("--runs", type=int, default=2)
     args = ap.parse_args(argv)
-    if args.cmd == "disk":
-        print(disk_line(run_disk(args, argv[1:])))
+    if args.cmd == "larger-than-ram":
+        larger_than_ram(args)
+    elif args.cmd == "llama":
+        r = run_llama(args)
+        print(json.dumps(r) if args.json else llama_line(r))
+    elif args.cmd == "disk":
+        r = run_disk(args, [a for a in argv[1:] if a != "--json"])
+        print(json.dumps(r) if args.json else disk_line(r))
     elif args.cmd == "disk-child":
         print(json.dumps(disk_child(args)))
     else:

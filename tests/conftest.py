@@ -69,6 +69,32 @@ def _transformers_tables_restored():
         cm.register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
 
 
+@pytest.fixture(scope="session")
+def stored_layout_cache(tmp_path_factory) -> Path:
+    """The session's cache of stored kernel layouts (``loading.stored_layout``), never ~/.cache."""
+    return tmp_path_factory.mktemp("kernel-layouts")
+
+
+@pytest.fixture(autouse=True)
+def _stored_layouts_in_tmp(stored_layout_cache, monkeypatch):
+    """Stored kernel layouts that a test's load writes go to the session's temporary cache."""
+    from pagedexperts.loading import stored_layout
+
+    monkeypatch.setattr(stored_layout, "default_cache_dir", lambda: stored_layout_cache)
+
+
+@pytest.fixture(autouse=True)
+def _runtime_allowance_fixed(monkeypatch):
+    """The host-memory plan's runtime part as a constant (RUNTIME_ALLOWANCE_BYTES' CPU value): a
+    test process holds the models of earlier tests, so the measured one (``storage.host_memory
+    .process_anon_bytes``) would make budgets depend on test order. tests/storage/test_host_memory.py
+    checks the measurement itself."""
+    from pagedexperts.storage import host_memory
+
+    fixed = host_memory.RUNTIME_ALLOWANCE_BYTES["cpu"] - host_memory.STEP_MARGIN_BYTES
+    monkeypatch.setattr(host_memory, "process_anon_bytes", lambda: fixed)
+
+
 @pytest.fixture(autouse=True)
 def _thread_count(request):
     """1 thread, except for exactness tests (module docstring); restored afterwards."""

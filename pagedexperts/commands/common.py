@@ -59,6 +59,12 @@ def add_model_arguments(parser) -> None:
                    help="with the disk tier (--host-memory-gb), do not read the next layer's predicted experts "
                    "from disk while a layer computes (read-ahead is on by default there, pauses in a layer where under half "
                    "of it is used, and pages nothing in)")
+    g.add_argument("--no-stored-layout", dest="stored_layout", action="store_false",
+                   help="with the disk tier and packed experts, convert each expert read from the checkpoint at "
+                   "page-in instead of reading a stored copy in the CPU kernels' layout (written once, on first load)")
+    g.add_argument("--stored-layout-dir", default=None, metavar="DIR",
+                   help="where the stored kernel layout of a checkpoint is cached when the checkpoint has none in "
+                   "its own kernel-layout/ directory (default ~/.cache/pagedexperts/kernel-layouts)")
     g.add_argument(
         "--slot-format",
         default=DEFAULT_SLOT_FORMAT,
@@ -342,6 +348,8 @@ def paging_options(args) -> dict:
         prefetch=getattr(args, "prefetch", False),
         prefetch_budget=getattr(args, "prefetch_budget", None),
         read_ahead=getattr(args, "read_ahead", True),
+        stored_layout=getattr(args, "stored_layout", True),
+        stored_layout_dir=getattr(args, "stored_layout_dir", None),
         slot_format=getattr(args, "slot_format", DEFAULT_SLOT_FORMAT),
         host_memory_gb=getattr(args, "host_memory_gb", None),
         decide=decide_for(args),

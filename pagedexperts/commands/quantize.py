@@ -10,6 +10,7 @@ The work is ``pagedexperts.tools.quantize``.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from pagedexperts.commands import COMMANDS
@@ -34,6 +35,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model-path", default=None, help="unquantized checkpoint directory (default: the bundled model)")
     p.add_argument("--format", required=True, choices=list(QUANTIZE_FORMATS), help="format to write")
     p.add_argument("--output", default=None, help="new directory to write (default with no --model-path: the cache)")
+    p.add_argument("--no-kernel-layout", dest="kernel_layout", action="store_false",
+                   help="do not also store the experts in torch's CPU kernel layouts for this CPU (OUTPUT/kernel-layout/: "
+                   "what the packed disk tier reads, so that a miss is a read and a copy; written by default)")
     g = p.add_argument_group("format parameters (each format's own; another format's is refused)")
     g.add_argument("--group-size", type=int, default=None,
                    help="w4a16: input channels per scale group; must divide every quantized module's input size "
@@ -127,4 +131,14 @@ def run_quantize(args) -> int:
     print(f"{report.format}{group}: {report.expert_tensors} routed expert weights, "
           f"{report.expert_bytes_in / 1e6:.2f} MB -> {report.expert_bytes_out / 1e6:.2f} MB ({ratio:.3f}x)"
           + (f"; {report.linear_tensors} non-expert weights" if report.linear_tensors else "") + f" in {report.output}")
+    if args.kernel_layout:
+        from pagedexperts.storage.kernel_layout_file import StoredLayoutError
+        from pagedexperts.tools.quantize import write_kernel_layout
+
+        try:
+            print(write_kernel_layout(report.output))
+        except StoredLayoutError as exc:
+            print(f"error: {exc} (the quantized checkpoint in {report.output} is complete; a packed run writes the "
+                  "layout to its cache on first load)", file=sys.stderr)
+            return 1
     return 0

@@ -165,6 +165,12 @@ def plan_layout(layout: ExpertLayout | None, dtype: torch.dtype | None = None) -
     return tuple(plans)
 
 
+def kernel_specs(layout: ExpertLayout, plans: tuple[KernelTensor, ...]) -> list[TensorSpec]:
+    """One expert's tensors in the kernels' layouts: each plan's (weight, scales), then the
+    layout's passthrough tensors (biases) as the store holds them (``CpuPackedSlots``' order)."""
+    return [s for p in plans for s in p.specs] + [t.dense for t in layout.tensors if t.is_passthrough]
+
+
 class CpuPackedSlots(SlotTable):
     """Slot tensors {name: [K_s, ...]} in the CPU kernels' layouts: per quantized tensor its
     ``KernelTensor`` weight and scales, passthrough tensors (biases) as the store holds them;
@@ -179,8 +185,7 @@ class CpuPackedSlots(SlotTable):
     """
 
     def __init__(self, layout: ExpertLayout, plans: tuple[KernelTensor, ...], num_slots: int, device) -> None:
-        specs = [s for p in plans for s in p.specs]
-        specs += [t.dense for t in layout.tensors if t.is_passthrough]
+        specs = kernel_specs(layout, plans)
         super().__init__({s.name: torch.zeros((num_slots, *s.shape), dtype=s.dtype, device=device) for s in specs})
         self.layout = layout
         self.plans = {p.name: p for p in plans}

@@ -18,6 +18,7 @@ import torch
 
 from pagedexperts import integration
 from pagedexperts.formats import format_for_config
+from pagedexperts.formats.cpu_pack import kernel_specs, plan_layout
 from pagedexperts.loading.config import (PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype,
                                          resolve_experts_implementation)
 from pagedexperts.loading.resolved import resolve
@@ -171,11 +172,14 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
     packed_specs = layouts[sites[0].name].packed_specs
     expert_bytes = sum(s.row_bytes for s in packed_specs)
     slot_expert_bytes = max(expert_bytes, sum(s.row_bytes for s in sites[0].specs))
+    kernel = _kernel_expert_bytes(layouts[sites[0].name], cfg)
+    if kernel is not None:  # packed on the CPU: slots (and a converted store) hold the kernels' layout
+        slot_expert_bytes, expert_bytes = kernel, max(expert_bytes, kernel)
     on_cpu, paged = dev.type == "cpu", cfg.mode == "paged"
-    runtime = host_memory.RUNTIME_ALLOWANCE_BYTES[dev.type]
+    runtime, held = host_memory.runtime_allowance(dev.type)
     available = host_memory.host_memory_available_bytes()
     if available is not None:
-        available += min(host_memory.process_rss_bytes(), runtime)
+        available += held  # MemAvailable and the cgroup's room exclude what the process holds
     memory = plan_host_memory(
         budget_bytes=None if cfg.host_memory_gb is None else int(cfg.host_memory_gb * 1e9),
         available_bytes=available,
@@ -184,7 +188,7 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
         staging_bytes=READ_AHEAD_EXPERTS_PER_TOP_K * top_k * expert_bytes,
         non_expert_bytes_on_host=_non_expert_bytes(model, sites, linears) if on_cpu else 0,
         kv_bytes_on_host=_kv_estimate_bytes(config, dtype) if on_cpu else 0,
-        runtime_bytes=runtime,
+        runtime_bytes=runtime, runtime_held_bytes=held,
     )
     if memory.disk_tier and not paged:
         raise ValueError(
@@ -194,8 +198,20 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
     problem = disk_tier_problem(cfg, disk_tier=memory.disk_tier, described=memory.describe())
     if problem is not None:
         raise ValueError(problem)
-    logger.info("host memory (--host-memory-gb budgets the total): %s", memory.describe())
+    source = (f"--host-memory-gb {cfg.host_memory_gb}" if cfg.host_memory_gb is not None else
+              "none given: what is available, the smaller of MemAvailable and the memory cgroup's room, "
+              f"{'unknown' if available is None else f'{available / 1e9:.3g} GB'}")
+    logger.info("host memory (budget: %s): %s", source, memory.describe())
     return memory
+
+
+def _kernel_expert_bytes(layout, cfg: PagingConfig) -> int | None:
+    """Bytes of one expert in torch's CPU kernel layouts when the experts run packed
+    (``formats.cpu_pack``), else None."""
+    if cfg.experts_implementation != PACKED:
+        return None
+    plans = plan_layout(layout)
+    return None if isinstance(plans, str) else sum(s.row_bytes for s in kernel_specs(layout, plans))
 
 
 def _non_expert_bytes(model, sites, linears=None) -> int:

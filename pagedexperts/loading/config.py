@@ -67,6 +67,10 @@ class PagingConfig:
     prefetch: bool = False
     prefetch_budget: int | None = None  # None: top_k
     read_ahead: bool = True  # the disk tier reads the next layer's predicted experts ahead (--no-read-ahead)
+    # the packed disk tier reads a stored copy in the CPU kernels' layout (loading.stored_layout;
+    # --no-stored-layout: convert each expert at page-in), cached in stored_layout_dir (None: ~/.cache)
+    stored_layout: bool = True
+    stored_layout_dir: str | None = None
     decide: str = DEFAULT_DECIDE  # DECIDE_CHOICES; mode "paged" only (the baselines plan nothing)
     # the device decide's kernels: "triton", or "torch" (their plain-torch references: CPU only,
     # for tests where the Triton interpreter is too slow); not a command flag

@@ -24,6 +24,7 @@ from pagedexperts.loading.config import (ConfigError, PagingConfig, check_config
 from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
 from pagedexperts.loading.runners import install_prefetch
+from pagedexperts.loading.stored_layout import attach_stored_layout
 from pagedexperts.models.sites import check_supported
 from pagedexperts.models.config import read_config, routing_problem, with_modelopt_quantization
 from pagedexperts.paging.steps.table import PACKED
@@ -92,6 +93,11 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             and compare what the experts kernel would read with the checkpoint's own tensors
             of that expert (``loading.independence``); raises naming the tensor on a mismatch.
             With the disk tier, the predictions are also read ahead from disk.
+        stored_layout: with the disk tier under ``experts_implementation`` packed, read the experts
+            from a stored copy in the CPU kernels' layout (``loading.stored_layout``: the
+            checkpoint's own ``kernel-layout/``, or written once to ``stored_layout_dir``, None:
+            ~/.cache/pagedexperts/kernel-layouts), so that a miss is a read and a copy; False:
+            each miss converts the checkpoint's rows at page-in.
         host_memory_gb: G, host memory in GB (1e9 bytes) for everything the process holds
             (``storage.host_memory.HostMemoryPlan``): the expert store, the slots, non-expert
             weights and a KV estimate on a CPU device, and the runtime allowance. When all E
@@ -133,6 +139,10 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
     fill = functools.partial(fill_from_checkpoint, model_type=config.model_type, files=files, fmt=fmt,
                              packed_linears=packed)
     model = build_paged_model(config, fill, cfg, expert_format=fmt, files=files)
+    if cfg.stored_layout:
+        model.pagedexperts.stored_layout = attach_stored_layout(
+            model, path, [*files, path / "config.json"],
+            cache_dir=None if cfg.stored_layout_dir is None else Path(cfg.stored_layout_dir))
     if check_independence:
         check_model_independence(model, files, fmt)
         for store in model.pagedexperts.stores.values():  # the check's samples leave no trace

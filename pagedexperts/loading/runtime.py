@@ -69,6 +69,10 @@ class PagingRuntime:
     quantized_linears: object = field(default=None, repr=False)  # loading.linears.QuantizedLinears (a layer above)
     read_ahead: ReadAhead | None = field(default=None, repr=False)
     decode_graphs: object | None = field(default=None, repr=False)
+    # why the packed disk tier converts at page-in instead of reading a stored kernel layout
+    # (``loading.stored_layout``); None: it reads one, or has no packed disk tier
+    stored_layout_fallback: str | None = None
+    stored_layout: str | None = None  # the stored kernel layout's path the disk tier reads (None: none)
 
     @property
     def num_resident(self) -> int:
@@ -92,6 +96,8 @@ class PagingRuntime:
             r.collect_copy_time()
         fallbacks = sorted({r.store.fallback for r in self.runners.values() if r.store.fallback})
         fallbacks += [f"layer {i}: packed -> grouped_mm ({why})" for i, why in sorted(self.resolved.experts_fallbacks.items())]
+        if self.stored_layout_fallback is not None:
+            fallbacks.append(self.stored_layout_fallback)
         if self.quantized_linears is not None:
             fallbacks += [f"non-expert linears: {line}" for line in self.quantized_linears.fallback_lines()]
         tiers = {i: r.store.tier_stats for i, r in self.runners.items() if r.store.tier_stats is not None}

@@ -23,7 +23,9 @@ class TierStats:
     miss is one expert read from disk, on demand or earlier by read-ahead (``read_ahead_used``).
     ``disk_reads``: experts read from disk (on demand + read-ahead), ``disk_preads`` the
     positional reads they took, ``disk_bytes_read`` their bytes. ``read_times`` keeps the last
-    READ_TIME_WINDOW per-expert read times for the percentiles.
+    READ_TIME_WINDOW per-expert read times for the percentiles. Read-ahead: ``read_ahead_issued``
+    = ``read_ahead_used`` (taken by a page-in) + ``read_ahead_wasted`` (read, then dropped unused)
+    + those still in flight or waiting; ``read_ahead_bytes_used`` / ``_wasted`` their bytes.
     """
 
     host_hits: int = 0
@@ -35,6 +37,9 @@ class TierStats:
     read_ahead_issued: int = 0
     read_ahead_used: int = 0
     read_ahead_paused: int = 0  # steps a layer skipped read-ahead (its read-aheads mostly unused)
+    read_ahead_wasted: int = 0  # read-aheads read and dropped unused
+    read_ahead_bytes_used: int = 0  # bytes of the read-aheads a page-in took
+    read_ahead_bytes_wasted: int = 0  # bytes of the read-aheads dropped unused
     read_times: deque = field(default_factory=lambda: deque(maxlen=READ_TIME_WINDOW), repr=False)
 
     def record_host_access(self, hit: bool) -> None:
@@ -54,7 +59,8 @@ class TierStats:
 
     def merge(self, other: "TierStats") -> None:
         for name in ("host_hits", "host_misses", "disk_reads", "disk_preads", "disk_bytes_read",
-                     "disk_read_s", "read_ahead_issued", "read_ahead_used", "read_ahead_paused"):
+                     "disk_read_s", "read_ahead_issued", "read_ahead_used", "read_ahead_paused", "read_ahead_wasted",
+                     "read_ahead_bytes_used", "read_ahead_bytes_wasted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.read_times.extend(other.read_times)
 
@@ -71,4 +77,6 @@ class TierStats:
                     disk_bytes_read=self.disk_bytes_read, disk_read_s=self.disk_read_s,
                     disk_read_p50_s=pick(0.5), disk_read_p99_s=pick(0.99),
                     read_ahead_issued=self.read_ahead_issued, read_ahead_used=self.read_ahead_used,
-                    read_ahead_paused=self.read_ahead_paused)
+                    read_ahead_paused=self.read_ahead_paused, read_ahead_wasted=self.read_ahead_wasted,
+                    read_ahead_bytes_used=self.read_ahead_bytes_used,
+                    read_ahead_bytes_wasted=self.read_ahead_bytes_wasted)

@@ -31,6 +31,12 @@ MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 # RSS; decode activations at Qwen3-30B-A3B's shapes are a few MB; a CUDA context and its
 # libraries add ~1 GB of host RSS). A prefill of thousands of tokens needs more: chunk it.
 RUNTIME_ALLOWANCE_BYTES = {"cpu": 600_000_000, "cuda": 1_600_000_000}
+# CPU: the runtime part is measured instead (``runtime_allowance``): the anonymous memory the
+# process holds when the plan is made (the interpreter, torch, transformers, the tokenizer, the
+# model built on meta) + this margin for what a step adds beyond the counted parts (activations,
+# the allocator's slack, the lm_head's logits; measured at Qwen3-30B-A3B's shapes, 1 thread: 0.10 GB
+# with packed int4 experts, 0.20 GB dequantizing them into dense slots: docs/disk-tier.md)
+STEP_MARGIN_BYTES = 250_000_000
 # a cgroup v1 limit at or above this is "no limit" (the kernel reports PAGE_COUNTER_MAX pages)
 CGROUP_V1_UNLIMITED = 1 << 62
 
@@ -52,7 +58,8 @@ class HostMemoryPlan:
     staging_bytes: int  # disk tier read-ahead buffers (0 without a disk tier)
     non_expert_bytes_on_host: int
     kv_bytes_on_host: int
-    runtime_bytes: int = 0  # RUNTIME_ALLOWANCE_BYTES of the device type
+    runtime_bytes: int = 0  # ``runtime_allowance``'s bytes of the device type
+    runtime_held_bytes: int = 0  # of them, held by the process when the plan was made (measured; 0: not)
 
     @property
     def disk_tier(self) -> bool:
@@ -75,8 +82,10 @@ class HostMemoryPlan:
         what = f"host rows R={self.host_rows} of E={self.num_experts} per layer" if self.disk_tier else "full expert store"
         return (f"{what} {_gb(self.store_bytes)}, staging {_gb(self.staging_bytes)}, slots on host "
                 f"{_gb(self.slot_bytes_on_host)}, non-expert weights {_gb(self.non_expert_bytes_on_host)}, "
-                f"KV estimate {_gb(self.kv_bytes_on_host)}, runtime allowance {_gb(self.runtime_bytes)}; "
-                f"total {_gb(self.total_bytes)}")
+                f"KV estimate {_gb(self.kv_bytes_on_host)}, runtime allowance {_gb(self.runtime_bytes)}"
+                + (f" (held now {_gb(self.runtime_held_bytes)} + step margin "
+                   f"{_gb(self.runtime_bytes - self.runtime_held_bytes)})" if self.runtime_held_bytes else "")
+                + f"; total {_gb(self.total_bytes)}")
 
 
 def host_memory_available_bytes() -> int | None:
@@ -99,6 +108,31 @@ def _meminfo_available() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def process_anon_bytes() -> int | None:
+    """Anonymous resident bytes of this process now (/proc/self/status RssAnon: what a memory
+    cgroup charges it beyond page cache; shared libraries' pages excluded), None where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def runtime_allowance(device_type: str) -> tuple[int, int]:
+    """(runtime bytes, bytes of them the process holds now) for a plan on ``device_type``. CPU:
+    the anonymous memory held now (``process_anon_bytes``) + STEP_MARGIN_BYTES, all but the margin
+    held; where unknown, and on CUDA (its context comes later), RUNTIME_ALLOWANCE_BYTES with the
+    resident bytes held now (up to it) counted as held."""
+    anon = process_anon_bytes() if device_type == "cpu" else None
+    if anon is not None:
+        return anon + STEP_MARGIN_BYTES, anon
+    allowance = RUNTIME_ALLOWANCE_BYTES[device_type]
+    return allowance, min(process_rss_bytes(), allowance)
 
 
 def process_rss_bytes() -> int:
@@ -181,7 +215,8 @@ def _gb(n: int) -> str:
 
 def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, num_layers: int,
                      num_experts: int, expert_bytes: int, slot_bytes_on_host: int, staging_bytes: int,
-                     non_expert_bytes_on_host: int, kv_bytes_on_host: int, runtime_bytes: int) -> HostMemoryPlan:
+                     non_expert_bytes_on_host: int, kv_bytes_on_host: int, runtime_bytes: int,
+                     runtime_held_bytes: int = 0) -> HostMemoryPlan:
     """Choose R and check host memory, before any allocation.
 
     ``budget_bytes`` G covers everything (``HostMemoryPlan.total_bytes``); None: the available
@@ -196,7 +231,8 @@ def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, n
     """
     common = dict(num_layers=num_layers, num_experts=num_experts, expert_bytes=expert_bytes,
                   slot_bytes_on_host=slot_bytes_on_host, non_expert_bytes_on_host=non_expert_bytes_on_host,
-                  kv_bytes_on_host=kv_bytes_on_host, runtime_bytes=runtime_bytes)
+                  kv_bytes_on_host=kv_bytes_on_host, runtime_bytes=runtime_bytes,
+                  runtime_held_bytes=runtime_held_bytes)
     full_plan = HostMemoryPlan(host_rows=num_experts, staging_bytes=0, **common)
     explicit = budget_bytes is not None
     budget = budget_bytes if explicit else available_bytes

@@ -41,7 +41,7 @@ from pagedexperts.residency.planner import Load, Residency
 from pagedexperts.residency.policies import make_policy
 from pagedexperts.stats.tiers import TierStats
 from pagedexperts.storage.host_store import ExpertStore, HostExpertStore
-from pagedexperts.storage.safetensors_index import DiskReadError, Extent, read_extent
+from pagedexperts.storage.safetensors_index import DiskReadError, Extent, one_run, read_extent, read_run
 
 READ_WORKERS = 4  # on-demand reads in flight at once (a step's host misses, or one expert's extents)
 # Read-ahead pays when most of its reads are used: an unused one costs a read that an on-demand
@@ -78,6 +78,11 @@ class ReadAhead:
         self._staging = HostExpertStore(list(specs), num_buffers, pin=pin)  # one allocation, pinned like rows
         self.free = physical_rows(self._staging)
         self.lock = threading.Lock()
+
+    def shutdown(self) -> None:
+        """Stop the threads (reads in flight finish first); for a ``ReadAhead`` replaced at load."""
+        self.pool.shutdown(wait=True)
+        self.extent_pool.shutdown(wait=True)
 
     def take(self) -> dict | None:
         with self.lock:
@@ -240,24 +245,74 @@ class TieredExpertStore(ExpertStore):
         self._read_ahead.give_back(old)
         with self._stats_lock:
             self.tier_stats.read_ahead_used += 1
+            self.tier_stats.read_ahead_bytes_used += self.expert_bytes
+
+    def read_rows(self, first: int, n: int) -> dict[str, torch.Tensor]:
+        """Experts ``first..first+n-1`` read from the store's source (the checkpoint, or a
+        stored layout) into fresh tensors {spec name: [n, *spec.shape]}; counted as disk reads.
+
+        Raises:
+            DiskReadError: the source could not be read."""
+        out = {s.name: torch.empty((n, *s.shape), dtype=s.dtype) for s in self.specs}
+        for i in range(n):
+            self._read(first + i, {name: t[i].view(-1) for name, t in out.items()})
+        return out
+
+    def use_source(self, specs, extents: dict[str, list[list[Extent]]], read_ahead: ReadAhead | None) -> None:
+        """Read experts from now on as ``specs`` (another layout, e.g. a stored kernel layout)
+        at ``extents`` (tensor name -> [E] lists of extents): the host rows are reallocated in
+        ``specs``, as many as fit in the bytes the old ones took (at least 1), and emptied;
+        ``read_ahead``: the shared staging rows in ``specs`` (None: none). Before any page-in."""
+        old_bytes = self.host_bytes
+        self.specs = list(specs)
+        self.expert_bytes = sum(s.row_bytes for s in self.specs)
+        self.host_rows = max(1, min(self.num_experts, old_bytes // self.expert_bytes))
+        del self._rows
+        self._host = HostExpertStore(self.specs, self.host_rows, pin=self._host.pinned)
+        self._rows = physical_rows(self._host)
+        self._row_events = [None] * self.host_rows
+        self._sources, self._read_ahead, self._ahead = extents, read_ahead, {}
+        self.reset()
 
     def _read(self, expert: int, dst: dict[str, torch.Tensor]) -> None:
-        """Read ``expert``'s extents into the flat rows ``dst`` (name -> 1-D CPU tensor)."""
+        """Read ``expert``'s extents into the flat rows ``dst`` (name -> 1-D CPU tensor); one
+        ``preadv`` for extents that lie back to back in one file (a stored layout's expert)."""
         if self._sources is None:
             raise DiskReadError(f"layer {self.layer}: the disk tier has no checkpoint attached (loader bug)")
         t0 = time.perf_counter()
         jobs = [(ext.path, (ext, dst[name])) for name, rows in self._sources.items() for ext in rows[expert]]
         jobs.sort(key=lambda j: (str(j[0]), j[1][0].offset))
         in_pool = threading.current_thread().name.startswith("pagedexperts-read")
-        if not in_pool and self._read_ahead is not None and len(jobs) > 1:  # one expert: its extents in flight together
+        contiguous = one_run([job for _, job in jobs])
+        if contiguous:
+            self._read_run(expert, jobs)
+        elif not in_pool and self._read_ahead is not None and len(jobs) > 1:  # one expert: its extents in flight together
             for f in [self._read_ahead.extent_pool.submit(self._read_extent, expert, p, j) for p, j in jobs]:
                 f.result()
         else:
             for path, job in jobs:
                 self._read_extent(expert, path, job)
         with self._stats_lock:
-            self.tier_stats.record_read(nbytes=sum(job[0].nbytes for _, job in jobs), preads=len(jobs),
+            self.tier_stats.record_read(nbytes=sum(job[0].nbytes for _, job in jobs), preads=1 if contiguous else len(jobs),
                                         seconds=time.perf_counter() - t0)
+
+    def _read_run(self, expert: int, jobs) -> None:
+        """One ``preadv`` of back-to-back extents (``safetensors_index.one_run``) into their rows."""
+        path, (first, _) = jobs[0]
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise DiskReadError(f"cannot read expert {expert} of layer {self.layer} from checkpoint file {path}: {exc}; "
+                                "the checkpoint (or its stored kernel layout) must stay in place while the model runs "
+                                "(disk tier, --host-memory-gb)") from exc
+        try:
+            read_run(fd, [job for _, job in jobs])
+        except DiskReadError:
+            raise
+        except OSError as exc:
+            raise DiskReadError(f"reading expert {expert} of layer {self.layer} from {path} failed: {exc}") from exc
+        finally:
+            os.close(fd)
 
     def _read_extent(self, expert: int, path, job) -> None:
         """One positional read of ``job`` = (extent, flat destination) from ``path``."""
@@ -293,6 +348,9 @@ class TieredExpertStore(ExpertStore):
             if e not in wanted and future.done():
                 del self._ahead[e]
                 ra.give_back(buffer)
+                with self._stats_lock:
+                    self.tier_stats.read_ahead_wasted += 1
+                    self.tier_stats.read_ahead_bytes_wasted += self.expert_bytes
         started = 0
         for e in experts:
             if e in self._ahead or self._holds(e):

@@ -151,6 +151,39 @@ def read_extent(fd: int, extent: Extent, dst_row: torch.Tensor, staging: torch.T
     dst.copy_(buf.view(extent.src_dtype).view(dst.shape))
 
 
+def one_run(jobs: list[tuple[Extent, torch.Tensor]]) -> bool:
+    """Whether the (extent, flat row) jobs, sorted by offset, lie back to back in one file and
+    each fills a whole run of its row in its own dtype (``read_run`` reads them in one call)."""
+    if len(jobs) < 2:
+        return False
+    for (ext, _), (nxt, _) in zip(jobs, jobs[1:]):
+        if nxt.path != ext.path or nxt.offset != ext.offset + ext.nbytes:
+            return False
+    return all(ext.outer == 1 and ext.src_dtype == dst.dtype for ext, dst in jobs)
+
+
+def read_run(fd: int, jobs: list[tuple[Extent, torch.Tensor]]) -> None:
+    """Read back-to-back extents (``one_run``) into their rows with ``os.preadv`` (one call, and
+    more only after a short read).
+
+    Raises:
+        DiskReadError: the file ends early (names the file and offset)."""
+    first = jobs[0][0]
+    bufs = [memoryview(bytes_view(dst[ext.dst_elem: ext.dst_elem + ext.numel])).cast("B") for ext, dst in jobs]
+    offset, total = first.offset, sum(len(b) for b in bufs)
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
+        if n == 0:
+            raise DiskReadError(f"file {first.path} ended at byte {offset} while reading {total} bytes at "
+                                f"{first.offset} (truncated?)")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:

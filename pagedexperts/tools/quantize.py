@@ -206,3 +206,24 @@ def _copy_aux(src: Path, dst: Path, weight_map: dict[str, str] | None, total_siz
 def _nbytes(info: dict) -> int:
     begin, end = info["data_offsets"]
     return end - begin
+
+
+def write_kernel_layout(checkpoint: str | Path) -> str:
+    """Store ``checkpoint``'s experts in torch's CPU kernel layouts for this CPU and its dtype
+    (``loading.stored_layout.write_checkpoint_layout``: its ``kernel-layout/``, what the packed disk
+    tier reads so that a miss is a read and a copy); one line saying what was written, or why not.
+
+    Raises:
+        StoredLayoutError: the write failed (the checkpoint itself is complete and untouched)."""
+    from pagedexperts.loading.loader import load_model
+    from pagedexperts.loading.stored_layout import write_checkpoint_layout
+    from pagedexperts.storage.kernel_layout_file import StoredLayout
+    from pagedexperts.storage.safetensors_files import checkpoint_files
+
+    path = Path(checkpoint)
+    model, _ = load_model(path, experts_implementation="packed", stored_layout=False, check_independence=False)
+    got = write_checkpoint_layout(model, path, [*checkpoint_files(path), path / "config.json"])
+    if not isinstance(got, StoredLayout):
+        return f"no stored kernel layout: {got}"
+    return (f"stored kernel layout {got.path} ({got.file_bytes / 1e6:.1f} MB; torch's CPU pack for "
+            f"{got.key.capability}, {got.key.dtype}, torch {got.key.torch_version})")

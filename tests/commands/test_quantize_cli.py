@@ -23,6 +23,39 @@ def test_quantize_command_writes_w4a16(tiny_moe_dir, tmp_path, capsys):
     assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 16
 
 
+def test_quantize_stores_the_kernel_layout_that_the_packed_disk_tier_reads(tiny_moe_dir, tmp_path, capsys,
+                                                                          stored_layout_cache):
+    """w4a16 at group 32 runs packed: quantize writes OUTPUT/kernel-layout/, a packed disk-tier
+    load reads it there (writes no cache) and equals all E resident; group 16 (no int4 kernel
+    group) prints why there is none."""
+    import torch
+
+    from pagedexperts.loading.loader import load_model
+    from support.tiny import greedy_logits, host_budget_gb
+
+    from support.families import build_model, save_char_tokenizer
+
+    src, out = tmp_path / "src", tmp_path / "q"  # H = I = 64: int4 groups of 32 (the kernel's smallest)
+    build_model("qwen3_moe", hidden_size=64, moe_intermediate_size=64).save_pretrained(src)
+    save_char_tokenizer(src)
+    assert main(["quantize", "--model-path", str(src), "--format", "w4a16", "--group-size", "32",
+                 "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    (stored,) = (out / "kernel-layout").iterdir()
+    assert f"stored kernel layout {stored} (" in printed
+    cached_before = sorted(stored_layout_cache.rglob("*"))
+    opts = dict(num_resident=2, experts_implementation="packed")
+    tiered, _ = load_model(out, host_memory_gb=host_budget_gb(out, 2, **opts), **opts)
+    assert tiered.pagedexperts.host_memory.disk_tier and tiered.pagedexperts.stored_layout == str(stored)
+    assert sorted(stored_layout_cache.rglob("*")) == cached_before
+    full, _ = load_model(out, num_resident=tiered.pagedexperts.num_experts, experts_implementation="packed")
+    ids = torch.randint(2, 100, (2, 8), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(greedy_logits(tiered, ids, steps=3), greedy_logits(full, ids, steps=3))
+    assert main(["quantize", "--model-path", str(tiny_moe_dir), "--format", "w4a16", "--group-size", "16",
+                 "--output", str(tmp_path / "q16")]) == 0
+    assert "no stored kernel layout: " in capsys.readouterr().out and not (tmp_path / "q16" / "kernel-layout").exists()
+
+
 def test_quantize_command_errors_name_the_flag(tiny_moe_dir, tmp_path, capsys):
     assert main(["quantize", "--model-path", str(tiny_moe_dir), "--format", "w4a16", "--output", str(tmp_path / "q")]) == 2
     assert "--group-size 128" in capsys.readouterr().err

@@ -255,7 +255,7 @@ def test_enough_host_memory_passes(tiny_moe_dir, monkeypatch):
     assert plan.slot_bytes_on_host == 2 * TOP_K * STORE_BYTES // (2 * E)
     assert plan.runtime_bytes == host_memory.RUNTIME_ALLOWANCE_BYTES["cpu"]
     # the runtime this process already holds is credited to the available memory; here: none
-    monkeypatch.setattr(host_memory, "process_rss_bytes", lambda: 0)
+    monkeypatch.setattr(host_memory, "runtime_allowance", lambda device_type: (plan.runtime_bytes, 0))
     monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: plan.total_bytes)
     pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
     # one byte less: the default budget falls to the disk tier, R = E - (staging 2 x top_k

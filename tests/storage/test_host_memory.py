@@ -16,6 +16,8 @@ import pagedexperts
 from support.tiny import TOP_K
 from pagedexperts.storage import host_memory
 
+MEASURED_ANON = host_memory.process_anon_bytes  # the real one (conftest fixes it per test)
+
 MB = 10**6
 
 
@@ -87,11 +89,12 @@ def test_available_is_the_smaller_of_machine_and_cgroup(monkeypatch):
 def test_a_cgroup_limit_refuses_the_load_at_start_up(tiny_moe_dir, monkeypatch):
     """The machine has room, the cgroup does not: refused before any allocation, every part
     named; the run's own RSS is credited up to the runtime allowance (MemAvailable excludes it)."""
+    monkeypatch.setattr(host_memory, "process_anon_bytes", lambda: 100 * MB)  # held now: runtime = it + margin
     model, _ = pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32")
     plan = model.pagedexperts.host_memory
+    assert (plan.runtime_bytes, plan.runtime_held_bytes) == (100 * MB + host_memory.STEP_MARGIN_BYTES, 100 * MB)
     monkeypatch.setattr(host_memory, "_meminfo_available", lambda: 10**12)
-    monkeypatch.setattr(host_memory, "process_rss_bytes", lambda: 100 * MB)
-    room = plan.total_bytes - 100 * MB  # exactly what is needed, after the credit
+    room = plan.total_bytes - 100 * MB  # exactly what is needed, after the credit of what is held
     monkeypatch.setattr(host_memory, "cgroup_available_bytes", lambda: room - 1)
     with pytest.raises(MemoryError, match=r"runtime allowance .* is available \(the smaller of the machine's"):
         pagedexperts.load_model(tiny_moe_dir, num_resident=TOP_K, dtype="float32", host_memory_gb=plan.total_bytes / 1e9)
@@ -115,3 +118,37 @@ def test_the_budget_covers_every_part_on_a_cpu_device(tiny_moe_dir):
     assert (plan.slot_bytes_on_host, plan.non_expert_bytes_on_host, plan.store_bytes) == (slots, weights, rows)
     assert plan.runtime_bytes == host_memory.RUNTIME_ALLOWANCE_BYTES["cpu"]
     assert plan.total_bytes == rows + plan.staging_bytes + slots + weights + plan.kv_bytes_on_host + plan.runtime_bytes
+
+
+def test_the_runtime_part_is_the_anonymous_memory_held_now_plus_a_margin(monkeypatch):
+    """CPU: runtime = RssAnon now + STEP_MARGIN_BYTES, all but the margin held: 256 MB touched
+    now moves both by 256 MB (within a few pages of the interpreter's own churn)."""
+    import torch
+
+    monkeypatch.setattr(host_memory, "process_anon_bytes", MEASURED_ANON)
+    before, held_before = host_memory.runtime_allowance("cpu")
+    assert before - held_before == host_memory.STEP_MARGIN_BYTES
+    block = torch.ones(256 * MB, dtype=torch.uint8)
+    after, held_after = host_memory.runtime_allowance("cpu")
+    assert abs((held_after - held_before) - 256 * MB) < 8 * MB and after - held_after == host_memory.STEP_MARGIN_BYTES
+    del block
+    assert host_memory.runtime_allowance("cuda")[0] == host_memory.RUNTIME_ALLOWANCE_BYTES["cuda"]
+
+
+def test_packed_slots_are_counted_at_the_kernel_layouts_bytes_and_the_split_is_logged(caplog):
+    """--experts-implementation packed: "slots on host" = the slot tables' own bytes (torch's int4
+    layout, not the dense size); the start-up line names the budget's source and the split."""
+    import logging
+
+    from support.paths import DATA
+
+    with caplog.at_level(logging.INFO, logger="pagedexperts"):
+        model, _ = pagedexperts.load_model(DATA / "autoround/qwen3_moe-auto_round-experts", num_resident=2,
+                                           experts_implementation="packed", dtype="float32")
+    rt = model.pagedexperts
+    slots = sum(t.numel() * t.element_size() for r in rt.runners.values() for t in r.slots.values())
+    assert rt.host_memory.slot_bytes_on_host == slots
+    assert slots < 2 * len(rt.runners) * rt.dense_expert_bytes
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("host memory (budget: "))
+    assert "none given: what is available" in line and f"slots on host {slots / 1e9:.3g} GB" in line
+    assert "runtime allowance" in line and "(held now " in line

@@ -199,3 +199,16 @@ def test_the_prediction_reads_ahead_only_what_neither_the_slots_nor_the_host_row
     assert counts(store) == (2, 2, 0, 4, 4 * EXPERT_BYTES, 0, 4)  # both taken from staging
     page_in(store, slots, [5])
     assert counts(store) == (2, 2, 0, 5, 5 * EXPERT_BYTES, 0, 5)  # 5 was not read ahead: read on demand
+
+
+def test_used_and_wasted_read_aheads_are_counted_with_their_bytes(layer):
+    """3 steps whose prediction is not demanded (each dropped, wasted, at the next read-ahead),
+    then 3 whose prediction is: by hand, 3 wasted and 3 used, each EXPERT_BYTES."""
+    store, slots = layer
+    routing = Routing(store, slots)
+    routing.run(3, used=False)
+    routing.run(3, used=True)
+    t = store.tier_stats
+    assert (t.read_ahead_issued, t.read_ahead_used, t.read_ahead_wasted) == (6, 3, 3)
+    assert (t.read_ahead_bytes_used, t.read_ahead_bytes_wasted) == (3 * EXPERT_BYTES, 3 * EXPERT_BYTES)
+    assert t.disk_reads == t.host_misses + t.read_ahead_wasted  # nothing left held: all used or dropped

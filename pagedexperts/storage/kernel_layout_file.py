@@ -1,0 +1,257 @@
+"""Experts stored on disk in the layout a compute kernel reads: one file, one extent per expert.
+
+Owns: the file format of a stored layout (``StoredLayout``: a JSON header, then every expert
+of every layer as one contiguous extent aligned to ALIGN bytes, its tensors back to back in the
+header's spec order), what the bytes depend on (``LayoutKey``: the format version, torch's
+version, the CPU capability the int4 pack was made for, the run dtype, the per-expert specs and
+the source checkpoint's files by name, size and mtime), the check of a file against a key
+(``open_stored_layout``: a reason naming what differs, or the layout), and the one write
+(``write_stored_layout``: to a temporary file beside the target, renamed at the end; a failed
+write removes it and says that the source is untouched). Does not: convert anything (the
+caller gives the rows, e.g. ``formats.cpu_pack.CpuPackedSlots.convert_many``), or decide when
+a stored layout is used (``loading.stored_layout``).
+
+Why: torch's int4 CPU pack (``_convert_weight_to_int4pack_for_cpu``) costs tens of ms per
+expert at Qwen3-30B-A3B's shapes against a fraction of a ms to copy its bytes; a disk-tier
+miss that reads this file is a read and a copy. The pack's layout depends on the ISA torch
+dispatches to (blocks of 64 columns on AVX-512, 32 on AVX2), hence the capability in the key.
+
+Legend: L MoE layers, E experts per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from pagedexperts.formats.base import TensorSpec
+from pagedexperts.storage.safetensors_index import Extent, bytes_view
+
+FORMAT_VERSION = 1
+MAGIC = b"PXKLAYT1"  # 8 bytes, then the header's length (8 bytes little-endian), then the header (JSON)
+ALIGN = 4096  # every expert's extent starts at a multiple of this (a page; O_DIRECT's alignment)
+
+
+class StoredLayoutError(OSError):
+    """A stored layout could not be written (full disk, file size limit, permissions)."""
+
+
+@dataclass(frozen=True)
+class LayoutKey:
+    """What the stored bytes depend on; a file whose key differs is never used.
+
+    ``source``: (file name, size in bytes, mtime in ns) of each file the layout was made from;
+    ``specs``: (name, shape, dtype name) of one expert's tensors, in file order."""
+
+    torch_version: str
+    capability: str
+    dtype: str
+    num_layers: int
+    num_experts: int
+    specs: tuple[tuple[str, tuple[int, ...], str], ...]
+    source: tuple[tuple[str, int, int], ...]
+    format_version: int = FORMAT_VERSION
+
+    @staticmethod
+    def make(*, specs: list[TensorSpec], dtype: torch.dtype, num_layers: int, num_experts: int,
+             source_files: list[Path], capability: str | None = None) -> "LayoutKey":
+        """The key of a layout of ``specs`` made now, by this torch on this CPU, from ``source_files``
+        (capability: ``torch.backends.cpu.get_cpu_capability()`` unless given)."""
+        return LayoutKey(torch_version=torch.__version__,
+                         capability=capability or torch.backends.cpu.get_cpu_capability(),
+                         dtype=str(dtype).removeprefix("torch."), num_layers=num_layers, num_experts=num_experts,
+                         specs=tuple((s.name, tuple(s.shape), str(s.dtype).removeprefix("torch.")) for s in specs),
+                         source=source_fingerprint(source_files))
+
+    @property
+    def tensor_specs(self) -> list[TensorSpec]:
+        return [TensorSpec(n, tuple(shape), getattr(torch, d)) for n, shape, d in self.specs]
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(s.row_bytes for s in self.tensor_specs)
+
+    @property
+    def stride(self) -> int:
+        """Bytes from one expert's extent to the next (expert bytes rounded up to ALIGN)."""
+        return -(-self.expert_bytes // ALIGN) * ALIGN
+
+    def differences(self, other: "LayoutKey") -> list[str]:
+        """What differs between ``self`` (the stored one) and ``other`` (wanted now), in words."""
+        out = []
+        for name in ("format_version", "torch_version", "capability", "dtype", "num_layers", "num_experts", "specs"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                out.append(f"{name} {a if name != 'specs' else 'of the expert tensors'} (now "
+                           f"{b if name != 'specs' else 'other shapes'})")
+        stored, now = {f[0]: f[1:] for f in self.source}, {f[0]: f[1:] for f in other.source}
+        for name in sorted(set(stored) | set(now)):
+            if stored.get(name) != now.get(name):
+                out.append(f"source file {name} " + ("added" if name not in stored else "removed" if name not in now
+                           else f"changed (size {stored[name][0]:,} -> {now[name][0]:,}, mtime differs)"
+                           if stored[name][0] != now[name][0] else "changed (mtime differs)"))
+        return out
+
+
+def source_fingerprint(files: list[Path]) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime_ns) of each file, sorted by name."""
+    out = []
+    for f in sorted(Path(p) for p in files):
+        st = f.stat()
+        out.append((f.name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class StoredLayout:
+    """A valid stored layout: ``path``, its ``key``, and where its expert data begins."""
+
+    path: Path
+    key: LayoutKey
+    data_start: int
+
+    @property
+    def file_bytes(self) -> int:
+        return self.data_start + self.key.num_layers * self.key.num_experts * self.key.stride
+
+    def offset(self, layer: int, expert: int) -> int:
+        """Byte offset of the extent of ``expert`` of MoE layer index ``layer`` (0..L-1)."""
+        return self.data_start + (layer * self.key.num_experts + expert) * self.key.stride
+
+    def extents(self, layer: int) -> dict[str, list[list[Extent]]]:
+        """The layer's experts as the disk tier reads them: tensor name -> [E] lists of one
+        ``Extent`` each (an expert's tensors are consecutive: one run per expert)."""
+        out: dict[str, list[list[Extent]]] = {s.name: [] for s in self.key.tensor_specs}
+        for e in range(self.key.num_experts):
+            at = self.offset(layer, e)
+            for s in self.key.tensor_specs:
+                out[s.name].append([Extent(self.path, at, s.row_bytes, s.dtype, 0, s.numel)])
+                at += s.row_bytes
+        return out
+
+
+def _header_bytes(key: LayoutKey) -> tuple[bytes, int]:
+    body = json.dumps(asdict(key), sort_keys=True).encode()
+    head = MAGIC + len(body).to_bytes(8, "little") + body
+    return head, -(-len(head) // ALIGN) * ALIGN
+
+
+def _read_key(path: Path) -> tuple[LayoutKey, int] | str:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            if len(head) < 16 or head[:8] != MAGIC:
+                return "not a stored kernel layout (bad magic)"
+            body = f.read(int.from_bytes(head[8:], "little"))
+        raw = json.loads(body)
+        raw["specs"] = tuple((n, tuple(s), d) for n, s, d in raw["specs"])
+        raw["source"] = tuple(tuple(x) for x in raw["source"])
+        key = LayoutKey(**raw)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        return f"unreadable header ({type(exc).__name__}: {exc})"
+    return key, -(-(16 + len(body)) // ALIGN) * ALIGN
+
+
+def open_stored_layout(path: Path, want: LayoutKey) -> StoredLayout | str:
+    """The stored layout at ``path`` if it was made for ``want`` and is complete, else why not
+    (one line: missing, another format or torch or CPU capability, a changed source file by
+    name, or a truncated file with its size)."""
+    path = Path(path)
+    if not path.exists():
+        return f"{path} does not exist"
+    got = _read_key(path)
+    if isinstance(got, str):
+        return f"{path}: {got}"
+    key, data_start = got
+    diffs = key.differences(want)
+    if diffs:
+        return f"{path} was made for another source or setting: {'; '.join(diffs)}"
+    layout = StoredLayout(path, key, data_start)
+    size = path.stat().st_size
+    if size != layout.file_bytes:
+        return f"{path} is {size:,} bytes, not the {layout.file_bytes:,} its header promises (truncated?)"
+    return layout
+
+
+def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, int], Mapping[str, torch.Tensor]], *,
+                        chunk: int = 2, source_name: str = "the checkpoint") -> StoredLayout:
+    """Write the layout of ``key`` to ``path``: ``rows(layer, first, n)`` gives experts
+    ``first..first+n-1`` of MoE layer index ``layer`` as {spec name: [n, *spec.shape]} in the
+    key's dtypes. Written to ``path``'s temporary sibling, flushed and dropped from the page cache
+    every ``chunk`` experts (a conversion's temporaries and dirty pages stay small under a memory
+    limit), then renamed over ``path``.
+
+    Raises:
+        StoredLayoutError: the write failed (no space, file size limit, permissions): names the
+            path, the bytes it needed and that ``source_name`` is untouched; nothing is left behind.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    head, data_start = _header_bytes(key)
+    layout = StoredLayout(path, key, data_start)
+    specs = key.tensor_specs
+    _remove_stale_temps(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, [memoryview(head)], 0)
+            for layer in range(key.num_layers):
+                for first in range(0, key.num_experts, chunk):
+                    n = min(chunk, key.num_experts - first)
+                    got = rows(layer, first, n)
+                    for i in range(n):
+                        bufs = [bytes_view(got[s.name][i].contiguous().view(-1)) for s in specs]
+                        _write_all(fd, [memoryview(b) for b in bufs], layout.offset(layer, first + i))
+                    del got
+                    # written pages leave the page cache (and a memory cgroup's count) chunk by chunk
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.ftruncate(fd, layout.file_bytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise StoredLayoutError(
+            exc.errno, f"writing the stored kernel layout {path} ({layout.file_bytes:,} bytes) failed: "
+            f"{exc.strerror or exc}; the partial file is removed and {source_name} is untouched") from exc
+    return layout
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Remove ``path``'s temporary siblings left by a writer that no longer runs (killed
+    mid-write, e.g. by a memory cgroup's OOM killer: no ``except`` ran)."""
+    for tmp in path.parent.glob(f"{path.name}.tmp-*"):
+        try:
+            os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        except PermissionError:
+            continue  # alive, another user's
+
+
+def _write_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """pwritev every byte of ``bufs`` at ``offset`` (a short write continues; 0 raises ENOSPC)."""
+    bufs = [b.cast("B") for b in bufs]
+    while bufs:
+        n = os.pwritev(fd, bufs, offset)
+        if n <= 0:
+            raise OSError(28, "No space left on device (short write)")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = bufs[0][n:]

@@ -1,0 +1,232 @@
+"""The packed disk tier reads the experts stored in the CPU kernels' layout (issue 46, item 1).
+
+Oracle for the logits: the same packed kernels with all E resident (itself checked against
+transformers in tests/paging/test_packed_cpu_exact.py), torch.equal, batch 2, float32 and
+bfloat16, default threads, read-ahead on and off. Oracle for "no conversion on the path": the
+int4 pack op is never called while the tiered model decodes. A stored layout that no longer
+matches its source (a shard changed, the file truncated, another CPU capability) is rebuilt
+with a WARNING naming what differs, never read; a full disk while writing leaves the checkpoint
+byte-identical, no partial file, and the tier converting at page-in with the reason in the stats.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedexperts.formats.base import TensorSpec
+from pagedexperts.loading import stored_layout
+from pagedexperts.loading.loader import load_model
+from pagedexperts.storage import kernel_layout_file
+from pagedexperts.storage.safetensors_files import checkpoint_files
+from pagedexperts.storage.kernel_layout_file import (LayoutKey, StoredLayout, StoredLayoutError, open_stored_layout,
+                                                     write_stored_layout)
+from support.paths import DATA
+from support.tiny import copy_dir, greedy_logits, host_budget_gb
+
+INT4 = DATA / "autoround/qwen3_moe-auto_round-experts"
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(2, 100, (2, 6), generator=torch.Generator().manual_seed(2))
+
+
+def _tiered(path: Path, dtype: str, cache: Path, **options):
+    top_k = 2
+    budget = host_budget_gb(path, 2, num_resident=top_k, dtype=dtype, experts_implementation="packed")
+    model, _ = load_model(path, num_resident=top_k, dtype=dtype, experts_implementation="packed",
+                          host_memory_gb=budget, stored_layout_dir=str(cache), **options)
+    assert model.pagedexperts.host_memory.disk_tier
+    return model.eval()
+
+
+def _all_resident(path: Path, dtype: str):
+    model, _ = load_model(path, num_resident=8, dtype=dtype, experts_implementation="packed")
+    return model.eval()
+
+
+def _count_packs(monkeypatch) -> list:
+    """Calls of torch's int4 pack from now on (a conversion on the page-in path)."""
+    calls = []
+    original = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", counted)
+    return calls
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir()) if f.is_file()}
+
+
+@pytest.mark.default_threads
+@pytest.mark.parametrize("ahead", ["read-ahead", "prefetch", "none"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tier_over_the_stored_layout_equals_all_resident_without_converting(tmp_path, monkeypatch, dtype, ahead):
+    """Read ahead (the disk tier's default), prefetch (page-ins into the next layer's slots too) or
+    neither: the same logits as all E resident."""
+    read_ahead = ahead != "none"
+    oracle = _all_resident(INT4, dtype)
+    tiered = _tiered(INT4, dtype, tmp_path, read_ahead=read_ahead, prefetch=ahead == "prefetch")
+    rt = tiered.pagedexperts
+    stored = Path(rt.stored_layout)
+    assert stored.parent.parent == tmp_path and stored.name.endswith(f"-{dtype}.pxkl")
+    table = next(iter(rt.runners.values())).slots
+    assert all(store.specs == table.specs for store in rt.stores.values())  # rows in the kernels' layout
+    packs = _count_packs(monkeypatch)
+    got = greedy_logits(tiered, _ids(), steps=4)
+    assert packs == []  # a miss is a read and a copy
+    want = greedy_logits(oracle, _ids(), steps=4)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    totals = rt.stats().as_dict()
+    assert totals["disk_reads"] > 0 and rt.stats().fallbacks == []
+    expert_bytes = sum(s.row_bytes for s in table.specs)
+    assert totals["disk_bytes_read"] == totals["disk_reads"] * expert_bytes
+    assert totals["disk_preads"] == totals["disk_reads"]  # one contiguous extent, one preadv per expert
+    assert (totals["read_ahead_issued"] > 0) == read_ahead
+
+
+def test_a_second_load_reads_the_file_without_writing(tmp_path, monkeypatch):
+    first = Path(_tiered(INT4, "float32", tmp_path).pagedexperts.stored_layout)
+    stamp = first.stat().st_mtime_ns
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a valid stored layout was written again")
+
+    monkeypatch.setattr(stored_layout, "write_stored_layout", refuse)
+    again = _tiered(INT4, "float32", tmp_path)
+    assert Path(again.pagedexperts.stored_layout) == first and first.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.default_threads
+@pytest.mark.parametrize("damage", ["shard-changed", "truncated"])
+def test_a_stale_stored_layout_is_rebuilt_naming_why(tmp_path, caplog, damage):
+    path = copy_dir(INT4, tmp_path / "model")
+    cache = tmp_path / "cache"
+    stored = Path(_tiered(path, "float32", cache).pagedexperts.stored_layout)
+    if damage == "truncated":
+        os.truncate(stored, stored.stat().st_size - 4096)
+        why = "truncated"
+    else:
+        shard = checkpoint_files(path)[0]
+        st = shard.stat()
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        why = f"source file {shard.name} changed"
+    with caplog.at_level(logging.INFO, logger="pagedexperts"):
+        tiered = _tiered(path, "float32", cache)
+    assert any(why in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records), caplog.text
+    assert any("writing the stored kernel layout" in r.getMessage() for r in caplog.records)
+    files = [*checkpoint_files(path), path / "config.json"]
+    key = stored_layout.layout_key(stored_layout.packed_tiers(tiered.pagedexperts), files)
+    assert isinstance(open_stored_layout(stored, key), StoredLayout)  # rebuilt, valid for the source as it is now
+    want = greedy_logits(_all_resident(path, "float32"), _ids(), steps=3)
+    assert torch.equal(greedy_logits(tiered, _ids(), steps=3), want)
+
+
+@pytest.mark.default_threads
+def test_a_full_disk_leaves_the_checkpoint_untouched_and_says_so(tmp_path, monkeypatch, caplog):
+    path = copy_dir(INT4, tmp_path / "model")
+    before = _digest(path)
+    writes = []
+    original = os.pwritev
+
+    def full_after_three(fd, bufs, offset):
+        writes.append(offset)
+        if len(writes) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(fd, bufs, offset)
+
+    monkeypatch.setattr(kernel_layout_file.os, "pwritev", full_after_three)
+    with caplog.at_level(logging.WARNING, logger="pagedexperts"):
+        tiered = _tiered(path, "float32", tmp_path / "cache")
+    rt = tiered.pagedexperts
+    assert rt.stored_layout is None
+    assert any("No space left on device" in r.getMessage() and "is untouched" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert any("converts each expert at page-in" in f for f in rt.stats().fallbacks)
+    assert _digest(path) == before
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []  # no partial file left
+    want = greedy_logits(_all_resident(path, "float32"), _ids(), steps=3)
+    assert torch.equal(greedy_logits(tiered, _ids(), steps=3), want)  # converting at page-in, still exact
+
+
+def _key(tmp_path: Path, **changes) -> LayoutKey:
+    src = tmp_path / "shard.safetensors"
+    if not src.exists():
+        src.write_bytes(b"x" * 100)
+    specs = [TensorSpec("w", (4, 3), torch.uint8), TensorSpec("s", (2,), torch.bfloat16)]
+    key = LayoutKey.make(specs=specs, dtype=torch.bfloat16, num_layers=2, num_experts=3, source_files=[src])
+    return LayoutKey(**{**key.__dict__, **changes})
+
+
+def _rows(key: LayoutKey):
+    """rows(layer, first, n): expert e of layer l holds arange(numel) + 100 l + 7 e (any chunking)."""
+    def rows(layer, first, n):
+        return {s.name: torch.stack([torch.arange(s.numel, dtype=torch.int32).add(100 * layer + 7 * e)
+                                     for e in range(first, first + n)]).to(s.dtype).view(n, *s.shape)
+                for s in key.tensor_specs}
+    return rows
+
+
+def test_every_expert_is_one_aligned_extent_holding_its_rows(tmp_path):
+    key = _key(tmp_path)
+    layout = write_stored_layout(tmp_path / "l.pxkl", key, _rows(key), chunk=2)
+    assert layout.data_start % kernel_layout_file.ALIGN == 0 and key.stride % kernel_layout_file.ALIGN == 0
+    data = (tmp_path / "l.pxkl").read_bytes()
+    for layer in range(2):
+        for e in range(3):
+            at = layout.offset(layer, e)
+            for spec in key.tensor_specs:
+                want = _rows(key)(layer, e, 1)[spec.name][0]
+                got = torch.frombuffer(bytearray(data[at: at + spec.row_bytes]), dtype=spec.dtype).view(spec.shape)
+                assert torch.equal(got, want), (layer, e, spec.name)
+                (ext,) = layout.extents(layer)[spec.name][e]
+                assert ext.offset == at
+                at += spec.row_bytes
+
+
+def test_another_capability_or_torch_is_refused_by_name(tmp_path):
+    key = _key(tmp_path)
+    write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
+    other = "AVX2" if key.capability != "AVX2" else "AVX512"
+    why = open_stored_layout(tmp_path / "l.pxkl", _key(tmp_path, capability=other))
+    assert isinstance(why, str) and f"capability {key.capability} (now {other})" in why
+    why = open_stored_layout(tmp_path / "l.pxkl", _key(tmp_path, torch_version="0.0"))
+    assert isinstance(why, str) and "torch_version" in why
+
+
+def test_a_file_size_limit_while_writing_removes_the_partial_file(tmp_path):
+    key = _key(tmp_path, num_experts=3)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 * kernel_layout_file.ALIGN, hard))  # Python ignores SIGXFSZ
+    try:
+        with pytest.raises(StoredLayoutError, match=r"l\.pxkl .*failed: File too large; the partial file is "
+                                                    r"removed and the checkpoint is untouched"):
+            write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.safetensors"]
+
+
+def test_a_writer_killed_mid_write_leaves_a_temporary_file_the_next_write_removes(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"l.pxkl.tmp-{int(dead.stdout)}"
+    stale.write_bytes(b"half")
+    alive = tmp_path / f"l.pxkl.tmp-{os.getpid()}-other"  # not a pid suffix: left alone
+    alive.write_bytes(b"x")
+    key = _key(tmp_path)
+    write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
+    assert not stale.exists() and alive.exists()
