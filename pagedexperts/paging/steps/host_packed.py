@@ -119,30 +119,12 @@ class HostPackedStep(LayerStep):
         if self.layer is None:
             self.layer = self._packed_layer(module)
         flat = routing.ids.reshape(-1)
-        top_k = routing.ids.shape[1]
         order = np.argsort(flat, kind="stable")
-        counts = np.bincount(flat)
-        wave_of = np.full(counts.shape[0], -1, dtype=np.int64)
-        for w, planned in enumerate(routing.waves):
-            wave_of[np.asarray(planned.experts, dtype=np.int64)] = w
-        sorted_wave = wave_of[flat[order]]  # each expert-sorted entry's wave
         biased = self.layer.up_bias is not None or self.layer.down_bias is not None
-        device = hidden.device
-        waves = []
-        for w, planned in enumerate(routing.waves):
-            experts = np.asarray(planned.experts, dtype=np.int64)
-            rank = np.argsort(experts, kind="stable")
-            experts, slots = experts[rank], np.asarray(planned.slots, dtype=np.int64)[rank]
-            sizes = counts[experts]
-            experts, slots, sizes = experts[sizes > 0], slots[sizes > 0], sizes[sizes > 0]
-            positions = np.flatnonzero(sorted_wave == w)
-            slot_rows = upload(np.repeat(slots, sizes), device) if biased else None
-            waves.append(WaveRows(slots.tolist(), sizes.tolist(),
-                                  None if positions.shape[0] == flat.shape[0] else upload(positions, device),
-                                  upload(order[positions], device), slot_rows))
+        waves = wave_rows(routing.waves, flat, order, biased, hidden.device)
         x = hidden.to(self.layer.up.plan.dtype).contiguous()
-        x_sorted = x.index_select(0, upload(order // top_k, device))
-        out = torch.empty((flat.shape[0], hidden.shape[1]), dtype=x.dtype, device=device)
+        x_sorted = x.index_select(0, upload(order // routing.ids.shape[1], hidden.device))
+        out = torch.empty((flat.shape[0], hidden.shape[1]), dtype=x.dtype, device=hidden.device)
         return PackedWork(hidden, x, routing, order, x_sorted, waves, out)
 
     def run_wave(self, work: PackedWork, wave: int, slot_map=None) -> None:
@@ -197,6 +179,33 @@ class HostPackedStep(LayerStep):
         return module
 
 
+def wave_rows(waves, flat: np.ndarray, order: np.ndarray, biased: bool, device) -> list[WaveRows]:
+    """Each wave's ``WaveRows`` from the step's flat expert ids ``flat`` [S] (numpy int64) and
+    their stable expert-sorted ``order`` [S]; ``biased``: with each row's slot. Every expert of a
+    wave is routed (has rows)."""
+    counts = np.bincount(flat)
+    if len(waves) == 1:  # every entry in one wave (all E resident, or every routed expert resident)
+        sorted_wave = None
+    else:
+        wave_of = np.full(counts.shape[0], -1, dtype=np.int64)
+        for w, planned in enumerate(waves):
+            wave_of[np.asarray(planned.experts, dtype=np.int64)] = w
+        sorted_wave = wave_of[flat[order]]  # each expert-sorted entry's wave
+    out = []
+    for w, planned in enumerate(waves):
+        experts = np.asarray(planned.experts, dtype=np.int64)
+        rank = np.argsort(experts, kind="stable")
+        slots, sizes = np.asarray(planned.slots, dtype=np.int64)[rank], counts[experts[rank]]
+        if sorted_wave is None:
+            positions, entries = None, order
+        else:
+            where = np.flatnonzero(sorted_wave == w)
+            positions, entries = upload(where, device), order[where]
+        slot_rows = upload(np.repeat(slots, sizes), device) if biased else None
+        out.append(WaveRows(slots.tolist(), sizes.tolist(), positions, upload(entries, device), slot_rows))
+    return out
+
+
 def _at_sorted_positions(fn, rows: torch.Tensor, positions: torch.Tensor | None, num_rows: int) -> torch.Tensor:
     """``fn`` of ``rows`` [n_w, D] as if each sat at ``positions`` [n_w] of a [num_rows, D] buffer
     (the all-resident step's expert-sorted rows), the other rows zeros, computed and dropped;
@@ -211,8 +220,12 @@ def _at_sorted_positions(fn, rows: torch.Tensor, positions: torch.Tensor | None,
 
 def _per_expert(plan: KernelTensor, slot_views, rows: WaveRows, x: torch.Tensor) -> torch.Tensor:
     """[n_w, N]: each expert's rows of ``x`` [n_w, K] (contiguous, the wave's experts in
-    ascending order) times its slot's matrix, one kernel call per expert, concatenated."""
-    outs = [packed_matmul(plan, *slot_views[slot], rows_e) for rows_e, slot in zip(x.split(rows.sizes), rows.slots)]
+    ascending order) times its slot's matrix, one kernel call per expert, concatenated. Each
+    expert's rows are handed to the kernel as a fresh copy, not a view of ``x``: the kernel
+    reads x once per block of output columns, and the copy is cached where a view of x is left
+    cold by the previous expert's weights (measured: docs/benchmarks.md)."""
+    outs = [packed_matmul(plan, *slot_views[slot], rows_e.clone())
+            for rows_e, slot in zip(x.split(rows.sizes), rows.slots)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
