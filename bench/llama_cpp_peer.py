@@ -13,7 +13,7 @@ Subcommands:
         GGUF's vocabulary gives the HF tokenizer's ids on the text
   run DIR --paged LABEL=QDIR [--paged LABEL=QDIR ...] --workdir W [--rounds 3] [--tokens 32]
         one process: plain transformers bf16 on DIR; this project with DEFAULT settings (no experts
-        flag) on each QDIR (e.g. w4a16=DIR quantized by ``pagedexperts quantize --format w4a16
+        flag unless ``--experts-implementation`` names one) on each QDIR (e.g. w4a16=DIR quantized by ``pagedexperts quantize --format w4a16
         --group-size 128``, model=the ``--scope model`` copy) at K = E and K = E/4
         (``--num-resident``); llama.cpp on each GGUF of ``--gguf`` in W; interleaved rounds (round r
         rotates the order by r); one table
@@ -203,7 +203,8 @@ def sides_of(args, num_experts: int, paged: dict[str, Path], work: Path) -> list
     """The table's rows, in order: plain, each paged label at each K, each GGUF."""
     ks = args.num_resident or [num_experts, num_experts // 4]
     sides = [Side("plain transformers, bf16", "plain")]
-    sides += [Side(f"pagedexperts {label}, default, K={k}", "paged", label, k) for label in paged for k in ks]
+    settings = f"--experts-implementation {args.experts_implementation}" if args.experts_implementation else "default"
+    sides += [Side(f"pagedexperts {label}, {settings}, K={k}", "paged", label, k) for label in paged for k in ks]
     for kind in args.gguf:
         gguf = work / f"model-{kind}.gguf"
         if not gguf.exists():
@@ -234,7 +235,8 @@ def run(args) -> dict:
     plain = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16, experts_implementation="grouped_mm").eval()
     sides = sides_of(args, plain.config.num_experts, paged_dirs, work)
     k_max = max((s.num_resident for s in sides), default=0)  # loaded at the largest K, repaged to each
-    models = {label: pagedexperts.load_model(d, num_resident=k_max)[0] for label, d in paged_dirs.items()}
+    options = dict(experts_implementation=args.experts_implementation) if args.experts_implementation else {}
+    models = {label: pagedexperts.load_model(d, num_resident=k_max, **options)[0] for label, d in paged_dirs.items()}
     for s in sides:
         if s.kind == "llama":
             check_ids(pb, s.gguf, text, all_ids, work, n)
@@ -324,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--paged", action="append", default=[], metavar="LABEL=QDIR",
                    help="a checkpoint this project loads with default settings (repeatable), e.g. w4a16=DIR-w4a16")
     r.add_argument("--workdir", required=True, help="holds model-{bf16,q4_0}.gguf (prepare)")
+    r.add_argument("--experts-implementation", default=None,
+                   help="passed to load_model for every --paged checkpoint (default: none, load_model's own default)")
     r.add_argument("--num-resident", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="K values (default: E and E/4)")
     r.add_argument("--gguf", type=csv, default=["q4_0", "bf16"], help="GGUF types in W to run (default q4_0,bf16)")

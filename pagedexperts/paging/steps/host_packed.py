@@ -4,15 +4,22 @@ Owns ``HostPackedStep``, the ``steps.contract.LayerStep`` body of ``--experts-im
 packed``: over a slot table in the layouts of torch's own CPU kernels
 (``formats.cpu_pack.CpuPackedSlots``), each routed expert of a wave runs the kernel's matmul
 (``formats.cpu_pack.packed_matmul``: int4 with group scales and float zero points, or
-per-channel int8) for its up (or gate_up) projection, the module's own gate (``_apply_gate`` or
-``act_fn``), then the same kernel for down; no dense copy of a weight is made. A layer whose
+per-channel int8) for its up (or gate_up) projection, then the same kernel for down; no dense
+copy of a weight is made. Everything around those calls is batched: the index math of all waves
+once per step (``begin``: numpy on the read-back ids), one gather of the hidden rows in
+expert-sorted order, and per wave one call each for the module's own gate (``_apply_gate`` or
+``act_fn``) over all its rows, the biases, the post-expert norm and the copy into the entries. A layer whose
 format those kernels cannot take is given another table and ``grouped_mm`` by
 ``loading.runners`` (the reason is in the runtime's stats).
 
 Exactness: one expert's rows are computed by one call per projection, over its entries in
 ascending flat order (s = t k + j), whatever the wave: so a paged step equals the same body with
 all E experts resident, bit for bit, at any thread count (the same calls on the same rows; a
-kernel row's bits do not depend on the other rows of the call, tested). The weights and the sum
+kernel row's bits do not depend on the other rows of the call, tested). The gate and the norm
+run over a buffer of the all-resident shape [S, ...], the wave's rows at their expert-sorted
+positions (``_at_sorted_positions``; all E resident: the wave's rows are that buffer), so
+an elementwise kernel's vector / scalar split and thread split fall on every row as they do
+with all E resident. The weights and the sum
 over k are grouped_mm's (``combine``). Against transformers' dequantized model the kernels'
 arithmetic differs in the last bits (``formats.cpu_pack``): within tolerance.
 
@@ -35,18 +42,32 @@ from pagedexperts.paging.transfer import upload
 
 @dataclass
 class PackedWork:
-    """One step: hidden [T, H] (in the kernels' dtype ``x``), its routing, the flat entries in
-    ascending expert order (stable: ascending s inside an expert) ``order`` [S], each expert's
-    first position ``starts`` and ``counts`` there (numpy, [max id + 1]), and the unweighted
-    entry outputs [S, H] as the waves fill them."""
+    """One step: hidden [T, H] (in the kernels' dtype ``x``), its routing, the entries in
+    ascending expert order (stable: ascending s inside an expert: the all-resident layout)
+    ``order`` [S] numpy and their hidden rows ``x_sorted`` [S, H], each wave's ``WaveRows``, and
+    the unweighted entry outputs [S, H] (flat order) as the waves fill them."""
 
     hidden: torch.Tensor
     x: torch.Tensor
     routing: HostRouting
     order: np.ndarray
-    starts: np.ndarray
-    counts: np.ndarray
+    x_sorted: torch.Tensor
+    waves: list
     entry_out: torch.Tensor
+
+
+@dataclass(frozen=True)
+class WaveRows:
+    """Where one wave's entries sit, computed once per step: its experts in ascending order with
+    their ``slots`` and row counts ``sizes`` (> 0), ``positions`` [n_w] int64 of its rows in the
+    expert-sorted order (None: the wave holds every entry), ``entries`` [n_w] int64 their flat
+    indices s, ``slot_rows`` [n_w] int64 each row's slot (biased experts only, else None)."""
+
+    slots: list
+    sizes: list
+    positions: torch.Tensor | None
+    entries: torch.Tensor
+    slot_rows: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -63,11 +84,14 @@ class PackedProjection:
 @dataclass(frozen=True)
 class PackedLayer:
     """What the body reads of one layer, fixed for it: the up (or gate_up) and down
-    projections, their biases' slot tensors (None without), the gate ([n, 2I] or [n, I] -> [n, I]),
-    the optional post-expert norm."""
+    projections, each slot's (weight, scales) views of them (``up_slots``, ``down_slots`` [K]),
+    their biases' slot tensors (None without), the gate ([n, 2I] or [n, I] -> [n, I]), the
+    optional post-expert norm."""
 
     up: PackedProjection
     down: PackedProjection
+    up_slots: tuple
+    down_slots: tuple
     up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
     gate: object
@@ -90,33 +114,41 @@ class HostPackedStep(LayerStep):
         self.layer: PackedLayer | None = None
 
     def begin(self, module, hidden, top_k_index, routing: HostRouting) -> PackedWork:
+        """The step's index math, once for all its waves (numpy on the read-back ids), and the
+        hidden rows in expert-sorted order (one gather)."""
         if self.layer is None:
             self.layer = self._packed_layer(module)
         flat = routing.ids.reshape(-1)
         order = np.argsort(flat, kind="stable")
-        counts = np.bincount(flat)
+        biased = self.layer.up_bias is not None or self.layer.down_bias is not None
+        waves = wave_rows(routing.waves, flat, order, biased, hidden.device)
         x = hidden.to(self.layer.up.plan.dtype).contiguous()
+        x_sorted = x.index_select(0, upload(order // routing.ids.shape[1], hidden.device))
         out = torch.empty((flat.shape[0], hidden.shape[1]), dtype=x.dtype, device=hidden.device)
-        return PackedWork(hidden, x, routing, order, np.cumsum(counts) - counts, counts, out)
+        return PackedWork(hidden, x, routing, order, x_sorted, waves, out)
 
     def run_wave(self, work: PackedWork, wave: int, slot_map=None) -> None:
-        """Each expert of the wave over its slot: up, gate, down, into its entries' rows."""
-        planned, layer = work.routing.waves[wave], self.layer
-        self.setup.slots.kernel_tensors(planned.slots)  # the wave readable by the kernel (``layer`` views it)
-        up, down, top_k = layer.up, layer.down, work.routing.ids.shape[1]
-        for expert, slot in zip(planned.experts, planned.slots):
-            rows_host = work.order[work.starts[expert]: work.starts[expert] + work.counts[expert]]
-            rows = upload(rows_host, work.x.device)
-            out = packed_matmul(up.plan, up.weight[slot], up.scales[slot], work.x.index_select(0, rows // top_k))
-            if layer.up_bias is not None:
-                out = out + layer.up_bias[slot]
-            act = layer.gate(out).contiguous()
-            out = packed_matmul(down.plan, down.weight[slot], down.scales[slot], act)
-            if layer.down_bias is not None:
-                out = out + layer.down_bias[slot]
-            if layer.post_norm is not None:
-                out = layer.post_norm(out)
-            work.entry_out.index_copy_(0, rows, out)
+        """The wave's experts over their slots: one up (or gate_up) and one down kernel call
+        per expert over its rows (ascending s), everything between batched over the wave's rows:
+        the gate (and the post-expert norm) over them at their expert-sorted positions
+        (``_at_sorted_positions``: the all-resident buffer's shape, whatever the wave),
+        biases gathered by slot, one copy into the entries' rows."""
+        rows, layer = work.waves[wave], self.layer
+        self.setup.slots.kernel_tensors(work.routing.waves[wave].slots)  # readable by the kernel (``layer`` views it)
+        if not rows.sizes:
+            return
+        up, down, num_rows = layer.up.plan, layer.down.plan, work.x_sorted.shape[0]
+        x = work.x_sorted if rows.positions is None else work.x_sorted.index_select(0, rows.positions)
+        out = _per_expert(up, layer.up_slots, rows, x)
+        if layer.up_bias is not None:
+            out = out + layer.up_bias.index_select(0, rows.slot_rows)
+        act = _at_sorted_positions(layer.gate, out, rows.positions, num_rows).contiguous()
+        out = _per_expert(down, layer.down_slots, rows, act)
+        if layer.down_bias is not None:
+            out = out + layer.down_bias.index_select(0, rows.slot_rows)
+        if layer.post_norm is not None:
+            out = _at_sorted_positions(layer.post_norm, out, rows.positions, num_rows)
+        work.entry_out.index_copy_(0, rows.entries, out)
 
     def combine(self, work: PackedWork, top_k_weights: torch.Tensor) -> torch.Tensor:
         """[T, H] in hidden's dtype: grouped_mm's combine (``contract.LayerStep.combine``), the
@@ -134,7 +166,9 @@ class HostPackedStep(LayerStep):
         up_name = "gate_up_proj" if gated else "up_proj"
         norm = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
         tensors = self.setup.slots.kernel_tensors(())
-        return PackedLayer(self.projections[up_name], self.projections["down_proj"],
+        up, down = self.projections[up_name], self.projections["down_proj"]
+        return PackedLayer(up, down, tuple(zip(up.weight.unbind(0), up.scales.unbind(0))),
+                           tuple(zip(down.weight.unbind(0), down.scales.unbind(0))),
                            tensors.get(f"{up_name}_bias") if biased else None,
                            tensors.get("down_proj_bias") if biased else None,
                            module._apply_gate if gated else module.act_fn, norm)
@@ -143,6 +177,56 @@ class HostPackedStep(LayerStep):
         """Packed slots hold the kernels' layouts, not dense tensors: the independence check
         compares those rows themselves (``loading.independence``); here the module itself."""
         return module
+
+
+def wave_rows(waves, flat: np.ndarray, order: np.ndarray, biased: bool, device) -> list[WaveRows]:
+    """Each wave's ``WaveRows`` from the step's flat expert ids ``flat`` [S] (numpy int64) and
+    their stable expert-sorted ``order`` [S]; ``biased``: with each row's slot. Every expert of a
+    wave is routed (has rows)."""
+    counts = np.bincount(flat)
+    if len(waves) == 1:  # every entry in one wave (all E resident, or every routed expert resident)
+        sorted_wave = None
+    else:
+        wave_of = np.full(counts.shape[0], -1, dtype=np.int64)
+        for w, planned in enumerate(waves):
+            wave_of[np.asarray(planned.experts, dtype=np.int64)] = w
+        sorted_wave = wave_of[flat[order]]  # each expert-sorted entry's wave
+    out = []
+    for w, planned in enumerate(waves):
+        experts = np.asarray(planned.experts, dtype=np.int64)
+        rank = np.argsort(experts, kind="stable")
+        slots, sizes = np.asarray(planned.slots, dtype=np.int64)[rank], counts[experts[rank]]
+        if sorted_wave is None:
+            positions, entries = None, order
+        else:
+            where = np.flatnonzero(sorted_wave == w)
+            positions, entries = upload(where, device), order[where]
+        slot_rows = upload(np.repeat(slots, sizes), device) if biased else None
+        out.append(WaveRows(slots.tolist(), sizes.tolist(), positions, upload(entries, device), slot_rows))
+    return out
+
+
+def _at_sorted_positions(fn, rows: torch.Tensor, positions: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    """``fn`` of ``rows`` [n_w, D] as if each sat at ``positions`` [n_w] of a [num_rows, D] buffer
+    (the all-resident step's expert-sorted rows), the other rows zeros, computed and dropped;
+    ``positions`` None: ``rows`` is that buffer (``contract.in_unpaged_layout``, written here so
+    that a step crosses no module but its own and the kernels')."""
+    if positions is None:
+        return fn(rows)
+    full = rows.new_zeros((num_rows, rows.shape[1]))
+    full[positions] = rows
+    return fn(full)[positions]
+
+
+def _per_expert(plan: KernelTensor, slot_views, rows: WaveRows, x: torch.Tensor) -> torch.Tensor:
+    """[n_w, N]: each expert's rows of ``x`` [n_w, K] (contiguous, the wave's experts in
+    ascending order) times its slot's matrix, one kernel call per expert, concatenated. Each
+    expert's rows are handed to the kernel as a fresh copy, not a view of ``x``: the kernel
+    reads x once per block of output columns, and the copy is cached where a view of x is left
+    cold by the previous expert's weights (measured: docs/benchmarks.md)."""
+    outs = [packed_matmul(plan, *slot_views[slot], rows_e.clone())
+            for rows_e, slot in zip(x.split(rows.sizes), rows.slots)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def packed_projections(setup: SlotSetup) -> dict[str, PackedProjection]:
