@@ -171,6 +171,20 @@ def run_packed(args, ks, options, reference, choice, num_experts: int, *, config
     return 0 if ok else 1
 
 
+def _experts_in_float32(model):
+    """``model`` (loaded at float32) with routed experts kept in another dtype (compressed-tensors'
+    scales' dtype) widened to float32, exactly: every product of the float32 model in float32.
+    In place: transformers refuses ``.float()`` on a model its quantizer loaded."""
+    import torch
+
+    from pagedexperts.tools.library_reference import expert_parameters
+
+    for param in expert_parameters(model).values():
+        if param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
+    return model
+
+
 def run(args) -> int:
     from pagedexperts.tools.check import each_message_once
 
@@ -220,9 +234,9 @@ def _run(args) -> int:
         experts_implementation=transformers_inner(args.experts_implementation)
     )
     print(choice.line())  # every verdict names its reference: transformers' loading, or which and why
-    if packed:  # experts kept in the scales' dtype (compressed-tensors) widen exactly: every product in float32
-        return run_packed(args, ks, options, reference.float(), choice, num_experts, config=config, files=files,
-                          fmt=fmt)
+    if packed:
+        return run_packed(args, ks, options, _experts_in_float32(reference), choice, num_experts, config=config,
+                          files=files, fmt=fmt)
     if fused:
         return run_fused(args, ks, options, reference, choice, num_experts, path=path,
                          quantized=fmt.name != "dense")

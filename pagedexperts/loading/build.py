@@ -18,7 +18,7 @@ import torch
 from pagedexperts import integration
 from pagedexperts.formats import format_for_config
 from pagedexperts.loading.config import (PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype,
-                                         slot_format_of)
+                                         resolve_experts_implementation, slot_format_of)
 from pagedexperts.loading.linears import plan_model_linears
 from pagedexperts.loading.runners import attach_runners
 from pagedexperts.loading.runtime import PagingRuntime
@@ -58,6 +58,7 @@ def build_paged_model(config, fill, *, expert_format=None, files=None, **options
     fmt = expert_format if expert_format is not None else format_for_config(
         config, transposed_experts=experts_transposed(config))
     cfg = PagingConfig(**options)
+    cfg = dataclasses.replace(cfg, experts_implementation=resolve_experts_implementation(cfg, fmt))  # auto: per format
     check_config(cfg, config, fmt)
     dev, dtype = check_device(cfg.device), resolve_dtype(cfg.dtype, config)
     model = _meta_model(config, dtype, cfg.experts_implementation)

@@ -56,7 +56,7 @@ class PagingConfig:
     num_resident: int | None = None
     device: str = "cpu"
     dtype: str | None = None
-    experts_implementation: str = "grouped_mm"
+    experts_implementation: str = "auto"  # resolved per format and device: ``resolve_experts_implementation``
     policy: str = DEFAULT_POLICY
     mode: str = "paged"
     cpu_expert_layers: int = 0
@@ -147,8 +147,9 @@ def resolve_experts_implementation(cfg: PagingConfig, fmt) -> str:
     """``cfg.experts_implementation``, with "auto" resolved: ``packed`` on a CPU in mode paged for
     a format whose record says torch's CPU kernels compute it packed (``formats.FormatRecord
     .cpu_packed``; a layer whose shapes the kernels cannot take still runs grouped_mm, with its
-    WARNING), else ``grouped_mm`` (exact to transformers). Why auto is not the default:
-    docs/benchmarks.md, "Quantized experts on a CPU"."""
+    WARNING), else ``grouped_mm`` (exact to transformers). auto is the default: packed is faster
+    there and check bounds its matmuls against float32 (docs/benchmarks.md, "Quantized experts on
+    a CPU")."""
     if cfg.experts_implementation != AUTO:
         return cfg.experts_implementation
     on_cpu = device_problem(cfg.device) is None and torch.device(cfg.device).type == "cpu"

@@ -47,8 +47,8 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             (grouped_mm, batched_mm, eager); the paged output equals the unpaged model's
             with the same implementation. Or "fused" (Triton, device-planned), "packed"
             (torch's int4 / int8 CPU kernels), both exact to themselves with all E resident,
-            or "auto" (packed on a CPU for the int formats whose record says so,
-            ``formats.FormatRecord.cpu_packed``, else grouped_mm). Under packed the quantized
+            or "auto", the default (packed on a CPU in mode paged for the int formats whose
+            record says so, ``formats.FormatRecord.cpu_packed``, else grouped_mm). Under packed the quantized
             non-expert linears (attention, shared experts, dense MLPs, lm_head) are computed
             packed too where the kernels take them (``loading.linears``), else dequantized at load.
         policy: eviction policy name (``residency.policies.POLICIES``).

@@ -91,8 +91,7 @@ def _check(path, *extra) -> tuple[int, str]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = main(["check", "--model-path", str(path), "--experts-implementation", "packed", "--max-new-tokens", "3",
-                   *extra])
+        rc = main(["check", "--model-path", str(path), "--max-new-tokens", "3", *extra])  # the default: auto, packed
     return rc, out.getvalue()
 
 
@@ -207,20 +206,25 @@ def test_auto_runs_int4_packed_and_says_it_chose(capsys):
                "--max-new-tokens", "2", "--experts-implementation", "auto"])
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert "experts: packed (torch's CPU int4 / int8 kernels) on 2 of 2 MoE layers (auto's choice for auto-round on a CPU" in err
+    assert ("experts: packed (torch's CPU int4 / int8 kernels) on 2 of 2 MoE layers (auto's choice for auto-round: "
+            "int4 / int8 on a CPU: torch's packed kernels") in err
 
 
 @pytest.mark.parametrize("argv,want,unwanted", [
-    (["--experts-implementation", "auto"], "experts: grouped_mm (auto's choice for dense: auto computes packed only",
-     "(the default"),
-    (["--experts-implementation", "grouped_mm"], "experts: grouped_mm (--experts-implementation);", "the default:"),
-    ([], "experts: grouped_mm (the default: fused becomes the default on CUDA", "--experts-implementation)"),
+    (["--experts-implementation", "auto"], "experts: grouped_mm (auto's choice for dense: grouped_mm: torch's packed "
+     "CPU kernels take int4 / int8, not dense", "the default,"),
+    (["--experts-implementation", "grouped_mm"], "experts: grouped_mm (--experts-implementation);", "the default,"),
+    ([], "experts: grouped_mm (the default, auto's choice for dense: grouped_mm: torch's packed CPU kernels take "
+     "int4 / int8, not dense", "--experts-implementation)"),
+    (["--model-path", str(INT4)], "experts: packed (torch's CPU int4 / int8 kernels) on 2 of 2 MoE layers (the "
+     "default, auto's choice for auto-round: int4 / int8 on a CPU", "--experts-implementation)"),
     (["--model-path", str(INT4), "--experts-implementation", "auto"],
-     "experts: packed (torch's CPU int4 / int8 kernels) on 2 of 2 MoE layers (auto's choice for auto-round", "(the default"),
+     "experts: packed (torch's CPU int4 / int8 kernels) on 2 of 2 MoE layers (auto's choice for auto-round", "the default,"),
 ])
 def test_one_experts_line_saying_why(argv, want, unwanted, capsys):
-    """One "experts:" start-up line (auto said its choice on a second one), "the default" only when
-    the flag was left out."""
+    """One "experts:" start-up line saying what ran and why: auto's choice and its reason (the
+    default: packed for an int checkpoint on a CPU, grouped_mm for a dense one), "the default" only
+    when the flag was left out."""
     rc = main(["generate", "--num-resident", "4", "--prompt", "hello", "--max-new-tokens", "1", *argv])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("experts:")]
