@@ -137,7 +137,8 @@ def run_packed(args, ks, options, reference, choice, num_experts: int, *, config
 
     source_path = args.source_model_path
     source = None if source_path is None else transformers_model(source_path, dtype="float32").to(args.device).eval()
-    oracle, tokenizer = load_model(args.model_path, num_resident=num_experts, **options)
+    # all E resident: every expert in the host store and the slots, no disk tier (--host-memory-gb is the paged run's)
+    oracle, tokenizer = load_model(args.model_path, num_resident=num_experts, **{**options, "host_memory_gb": None})
     ran = kernels_ran(oracle)
     print(f"ran: {ran.label()}")
     if not ran.ran_at_all:
