@@ -267,9 +267,9 @@ def experts_note(runtime, *, asked: str | None = None) -> str:
     beyond K is computed (``PagingRuntime``: its config and resolved decide)."""
     cfg = runtime.config
     name = cfg.experts_implementation
-    line = f"experts: {name} ({_why(runtime, asked)})"
+    line = f"experts: {name} ({experts_why(runtime, asked)})"
     if name == PACKED:
-        line = f"experts: {name} (torch's CPU int4 / int8 kernels) {packed_paths(runtime, why=_why(runtime, asked))}"
+        line = f"experts: {name} (torch's CPU int4 / int8 kernels) {packed_paths(runtime, why=experts_why(runtime, asked))}"
     if cfg.mode != "paged":
         return f"{line}; mode {cfg.mode}"
     decide = runtime.decide if cfg.decide != "auto" else f"{runtime.decide} (--decide auto)"
@@ -281,7 +281,7 @@ def experts_note(runtime, *, asked: str | None = None) -> str:
     return f"{line}; {decide}-planned steps; experts beyond K={runtime.num_resident} computed {beyond}"
 
 
-def _why(runtime, asked: str | None) -> str:
+def experts_why(runtime, asked: str | None) -> str:
     """Why ``runtime``'s experts implementation runs: auto's choice (the default, or given) and its
     reason (``auto_reason``), or the flag."""
     if asked not in (None, AUTO):

@@ -210,6 +210,19 @@ def test_auto_runs_int4_packed_and_says_it_chose(capsys):
             "int4 / int8 on a CPU: torch's packed kernels") in err
 
 
+def test_stats_json_says_what_auto_chose_and_why(tmp_path):
+    """The default on an int4 checkpoint on a CPU: packed, and the stats say it was auto's choice and why."""
+    import json
+
+    out = tmp_path / "stats.json"
+    assert main(["generate", "--model-path", str(INT4), "--num-resident", "4", "--prompt", "hello", "--max-new-tokens",
+                 "1", "--stats-json", str(out), "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    assert report["experts_implementation"] == "packed"
+    assert report["experts_implementation_why"].startswith("the default, auto's choice for auto-round: int4 / int8 on "
+                                                           "a CPU: torch's packed kernels"), report
+
+
 @pytest.mark.parametrize("argv,want,unwanted", [
     (["--experts-implementation", "auto"], "experts: grouped_mm (auto's choice for dense: grouped_mm: torch's packed "
      "CPU kernels take int4 / int8, not dense", "the default,"),
