@@ -221,7 +221,8 @@ def _run(args) -> int:
                    prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
                    decide=args.decide, beyond_k=args.beyond_k, admit_per_step=args.admit_per_step)
     fmt = format_for_checkpoint(config, files)
-    args.experts_implementation = resolve_experts_implementation(PagingConfig(**options), fmt)  # auto: per format
+    args.experts_implementation = resolve_experts_implementation(  # auto: per format and run dtype
+        PagingConfig(**options), fmt, resolve_dtype(args.dtype, config))
     options["experts_implementation"] = args.experts_implementation
     for k in ks:  # every problem of the options, at once, before the reference loads
         check_config(PagingConfig(num_resident=k, **options), config, fmt)

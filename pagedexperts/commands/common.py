@@ -32,9 +32,10 @@ def add_model_arguments(parser) -> None:
         default=AUTO,
         action=_Given,
         choices=[*INNER_IMPLEMENTATIONS, AUTO],
-        help="experts kernel run over the slots (default auto: packed on a CPU in --mode paged for int4 / int8 "
-        "checkpoints (GPTQ, AWQ, compressed-tensors W4A16 / W8A16, AutoRound int), measured faster there, "
-        "docs/benchmarks.md; grouped_mm otherwise: on CUDA, and for fp8 / fp4 / dense checkpoints): "
+        help="experts kernel run over the slots (default auto: packed on a CPU in --mode paged at bfloat16 for int4 "
+        "/ int8 checkpoints (GPTQ, AWQ, compressed-tensors W4A16 / W8A16, AutoRound int), measured faster there, "
+        "docs/benchmarks.md; grouped_mm otherwise: on CUDA, at float16 / float32 (the int4 kernel's scalar path), "
+        "and for fp8 / fp4 / dense checkpoints): "
         "transformers' grouped_mm, batched_mm or "
         "eager (exact to the unpaged model), or fused: Triton MoE kernels reading the packed slots directly "
         "(device-planned steps only; CUDA, or CPU under TRITON_INTERPRET=1; exact to itself with all E "
@@ -307,7 +308,8 @@ def auto_reason(runtime) -> str:
     if record is None or not record.cpu_packed:
         return (f"grouped_mm: torch's packed CPU kernels take int4 / int8, not {runtime.expert_format} "
                 "(exact to transformers)")
-    return "grouped_mm"
+    return ("grouped_mm: torch's int4 CPU kernel is fast in bfloat16 only (float16 / float32 take a scalar path, "
+            "30-50x slower, docs/benchmarks.md); --dtype bfloat16 runs packed")
 
 
 def packed_paths(runtime, *, why: str) -> str:

@@ -57,8 +57,8 @@ def add_parser(subparsers) -> None:
                      "picks on CUDA) or experts dequantized at page-in (dense: larger slots, fewer per GB); "
                      "page-ins copy packed bytes either way")
     run.add_argument("--experts-implementation", default="auto", choices=["auto", "grouped_mm", "packed"],
-                     help="as the run's: packed (--experts-implementation packed, or the default auto on a CPU for "
-                     "int4 / int8 checkpoints: here, without --device-memory-gb) keeps the quantized non-expert "
+                     help="as the run's: packed (--experts-implementation packed, or the default auto on a CPU at "
+                     "bfloat16 for int4 / int8 checkpoints: here, without --device-memory-gb) keeps the quantized non-expert "
                      "linears torch's CPU kernels take packed: counted at their kernel layout's bytes; grouped_mm "
                      "(auto with --device-memory-gb, a CUDA run): at their dequantized bytes")
     run.add_argument("--runtime-reserve-gb", type=float, default=1.0,
@@ -93,8 +93,8 @@ def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32
     """(sizes, dense expert bytes, quantized non-expert modules) of a quantized checkpoint at
     ``dtype``: experts at their stored (packed) bytes; non-expert floating weights at the run
     dtype as a dense checkpoint's; quantized non-expert modules (attention, shared experts, dense
-    MLPs) at their dequantized bytes, or with ``packed`` (None: auto on a CPU, packed for a format
-    whose ``FormatRecord.cpu_packed``) those torch's CPU kernels take at their kernel layout's
+    MLPs) at their dequantized bytes, or with ``packed`` (None: auto on a CPU, packed at bfloat16
+    for a format whose ``FormatRecord.cpu_packed``) those torch's CPU kernels take at their kernel layout's
     bytes (``loading.linears.planned_linears``), as the load keeps them;
     the dequantized experts in ``ExpertFormat.experts_dtype`` (a W4A16 checkpoint's scales' dtype)."""
     import torch
@@ -107,7 +107,7 @@ def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32
 
     files = checkpoint_files(model_path)
     fmt = format_for_checkpoint(config, files)
-    packed = packed if packed is not None else FORMATS[fmt.name].cpu_packed  # auto on a CPU: the run's rule
+    packed = packed if packed is not None else FORMATS[fmt.name].cpu_packed and dtype == "bfloat16"  # the run's auto
     linears, keys = planned_linears(config, files, fmt, getattr(torch, dtype), keep_fp32, packed=packed)
     sizes = sizing.checkpoint_sizes(model_path=model_path, num_experts=shape.num_experts, keep_fp32=keep_fp32)
     run_sizes = sizing.checkpoint_sizes(model_path=model_path, num_experts=shape.num_experts, dtype=dtype,

@@ -58,7 +58,8 @@ def build_paged_model(config, fill, *, expert_format=None, files=None, **options
     fmt = expert_format if expert_format is not None else format_for_config(
         config, transposed_experts=experts_transposed(config))
     cfg = PagingConfig(**options)
-    cfg = dataclasses.replace(cfg, experts_implementation=resolve_experts_implementation(cfg, fmt))  # auto: per format
+    cfg = dataclasses.replace(cfg, experts_implementation=resolve_experts_implementation(  # auto: format, dtype
+        cfg, fmt, resolve_dtype(cfg.dtype, config)))
     check_config(cfg, config, fmt)
     dev, dtype = check_device(cfg.device), resolve_dtype(cfg.dtype, config)
     model = _meta_model(config, dtype, cfg.experts_implementation)

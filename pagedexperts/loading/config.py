@@ -143,17 +143,23 @@ def option_problems(cfg: PagingConfig) -> list[str]:
 AUTO = "auto"  # --experts-implementation auto: packed where measured faster (``resolve_experts_implementation``)
 
 
-def resolve_experts_implementation(cfg: PagingConfig, fmt) -> str:
-    """``cfg.experts_implementation``, with "auto" resolved: ``packed`` on a CPU in mode paged for
-    a format whose record says torch's CPU kernels compute it packed (``formats.FormatRecord
-    .cpu_packed``; a layer whose shapes the kernels cannot take still runs grouped_mm, with its
-    WARNING), else ``grouped_mm`` (exact to transformers). auto is the default: packed is faster
+PACKED_FAST_DTYPE = torch.bfloat16  # torch's int4 CPU kernel's vectorised x dtype (float16 / float32: a scalar path)
+
+
+def resolve_experts_implementation(cfg: PagingConfig, fmt, dtype: torch.dtype | None = None) -> str:
+    """``cfg.experts_implementation``, with "auto" resolved: ``packed`` on a CPU in mode paged at
+    run dtype ``dtype`` bfloat16 (None: not known here, taken as bfloat16) for a format whose
+    record says torch's CPU kernels compute it packed (``formats.FormatRecord.cpu_packed``; a
+    layer whose shapes the kernels cannot take still runs grouped_mm, with its WARNING), else
+    ``grouped_mm`` (exact to transformers): at float16 and float32 the int4 kernel takes a scalar
+    path, 30-50x its bfloat16 time (docs/benchmarks.md, "CPU kernel routes"). auto is the default: packed is faster
     there and check bounds its matmuls against float32 (docs/benchmarks.md, "Quantized experts on
     a CPU")."""
     if cfg.experts_implementation != AUTO:
         return cfg.experts_implementation
     on_cpu = device_problem(cfg.device) is None and torch.device(cfg.device).type == "cpu"
-    if on_cpu and cfg.mode == "paged" and fmt is not None and FORMATS[fmt.name].cpu_packed:
+    fast = dtype is None or dtype == PACKED_FAST_DTYPE
+    if on_cpu and cfg.mode == "paged" and fast and fmt is not None and FORMATS[fmt.name].cpu_packed:
         return PACKED
     return "grouped_mm"
 

@@ -21,7 +21,7 @@ from pagedexperts.loading.bundled import bundled_model_path
 from pagedexperts.loading.build import build_paged_model
 from pagedexperts.loading.checkpoint import format_for_checkpoint
 from pagedexperts.loading.config import (ConfigError, PagingConfig, check_config, option_problems,
-                                         resolve_experts_implementation)
+                                         resolve_dtype, resolve_experts_implementation)
 from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
 from pagedexperts.loading.runners import install_prefetch
@@ -124,7 +124,8 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
     cfg = PagingConfig(**options)
     path, config, files = _read_checked(model_path, cfg)
     fmt = format_for_checkpoint(config, files)
-    cfg = dataclasses.replace(cfg, experts_implementation=resolve_experts_implementation(cfg, fmt))
+    cfg = dataclasses.replace(cfg, experts_implementation=resolve_experts_implementation(
+        cfg, fmt, resolve_dtype(cfg.dtype, config)))
     check_config(cfg, config, fmt)
     check_readable(files)
     if fmt.name == "dense" and cfg.slot_format != DEFAULT_SLOT_FORMAT:

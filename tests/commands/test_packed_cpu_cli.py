@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedexperts.cli import main
 from pagedexperts.loading.config import PagingConfig, option_problems
@@ -99,8 +100,10 @@ def _check(path, *extra) -> tuple[int, str]:
                                         ("gptqmodel/qwen3_moe-gptq", None),
                                         pytest.param("autoround/qwen3_moe-llm_compressor", None, marks=pytest.mark.slow)])
 def test_check_passes_on_whole_model_exports(name, dtype, ours):
-    """Attention (and our lm_head) computed packed too: both verdicts pass, every packed linear bounded."""
-    rc, out = _check(ours if name == "ours" else DATA / name, *(["--dtype", dtype] if dtype else []))
+    """Attention (and our lm_head) computed packed too: both verdicts pass, every packed linear bounded
+    (the default at bfloat16; at float32 auto runs grouped_mm, so packed is asked)."""
+    packed = ["--experts-implementation", "packed"] if dtype == "float32" else []
+    rc, out = _check(ours if name == "ours" else DATA / name, *(["--dtype", dtype] if dtype else []), *packed)
     assert rc == 0 and out.count("PASS (bit-identical)") == 2 and out.count("PASS (within the bound)") == 1, out
     assert re.search(r"experts layers, [1-9]\d* non-expert linears", out), out
 
@@ -135,7 +138,8 @@ def test_check_passes_on_the_other_whole_model_exports(name, tmp_path):
     weights dequantized in float32 (the logit tolerance against transformers' model this replaced
     failed on these: a last-bit difference flips an expert choice in these tiny random models)."""
     path = DATA / name
-    rc, out = _check(_with_tokenizer(path, tmp_path) if name.startswith("llmc") else path)
+    packed = ["--experts-implementation", "packed"] if name.endswith("auto_gptq") else []  # float16: auto is grouped_mm
+    rc, out = _check(_with_tokenizer(path, tmp_path) if name.startswith("llmc") else path, *packed)
     assert rc == 0 and out.count("PASS (bit-identical) [vs packed, all E=8 resident]") == 2, out
     assert out.count("PASS (within the bound)") == 1 and "top-1 agreement with float32" in out, out
 
@@ -189,14 +193,18 @@ def test_packed_has_no_device_planned_body():
     ("dense", {}, "grouped_mm"), ("fp8-block", {}, "grouped_mm"), ("nvfp4", {}, "grouped_mm"),
     ("gptq", {"mode": "resident"}, "grouped_mm"), ("gptq", {"device": "cuda"}, "grouped_mm"),
 ])
-def test_auto_is_packed_on_a_cpu_for_the_int_formats(fmt_name, options, want, monkeypatch):
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16, torch.float32])
+def test_auto_is_packed_on_a_cpu_for_the_int_formats(fmt_name, options, want, dtype, monkeypatch):
+    """auto: packed on a CPU in mode paged for the int formats at run dtype bfloat16 (the int4
+    kernel's vectorised dtype; None: not known, as bfloat16), grouped_mm otherwise."""
     from types import SimpleNamespace
 
     from pagedexperts.loading.config import resolve_experts_implementation
 
     monkeypatch.setattr("pagedexperts.loading.config.device_problem", lambda device: None)
     cfg = PagingConfig(experts_implementation="auto", **options)
-    assert resolve_experts_implementation(cfg, SimpleNamespace(name=fmt_name)) == want
+    fast = dtype in (None, torch.bfloat16)
+    assert resolve_experts_implementation(cfg, SimpleNamespace(name=fmt_name), dtype) == (want if fast else "grouped_mm")
     explicit = PagingConfig(experts_implementation="grouped_mm", **options)
     assert resolve_experts_implementation(explicit, SimpleNamespace(name=fmt_name)) == "grouped_mm"
 

@@ -1,5 +1,5 @@
-"""Packed experts (the default on a CPU for int formats, ``--experts-implementation auto``):
-paged == the same packed kernels with all E resident.
+"""Packed experts (the default on a CPU for int formats at bfloat16, ``--experts-implementation
+auto``; asked at float32): paged == the same packed kernels with all E resident.
 
 Tool-written checkpoints of every int format torch's CPU kernels take (GPTQModel GPTQ int4,
 AutoRound's GPTQ export and its own int4 and W8A16 int8, compressed-tensors W4A16 symmetric and
@@ -34,7 +34,10 @@ PACKED_FIXTURES = {  # name -> (directory, what the kernels run)
 
 
 def _load(path: Path, k: int | None, dtype: str, **options):
-    """The model as users load it (default options: auto, packed on a CPU for these formats), or with ``options``."""
+    """The model packed: at bfloat16 as users load it (default options: auto, packed on a CPU for
+    these formats), at float32 with packed asked (auto runs grouped_mm there: the int4 kernel's
+    scalar path); or with ``options``."""
+    options = options or ({} if dtype == "bfloat16" else {"experts_implementation": "packed"})
     model, _ = load_model(path, num_resident=k, dtype=dtype, **options)
     return model.eval()
 
