@@ -15,8 +15,13 @@ def add_parser(sub) -> None:
         description="Runs a few prompts paged (at each K given) and unpaged (plain "
         "from_pretrained, all experts resident, same experts implementation and dtype), each "
         "prompt alone and all of them as one left-padded batch, and compares every step's logits "
-        "(torch.equal) and the greedy tokens. Every K is checked against [top_k, E] first. With "
-        "--experts-implementation fused or packed two comparisons per K: paged == the same kernel with all E "
+        "(torch.equal) and the greedy tokens. Every K is checked against [top_k, E] first. Where experts "
+        "run packed (torch's CPU int4 / int8 kernels: --experts-implementation packed, or auto on a CPU for "
+        "an int format) two verdicts: paged == the same kernels with all E experts resident (torch.equal), "
+        "and every sampled packed matmul within a bound (from the run dtype's unit roundoff and the "
+        "reduction length) of the checkpoint's weights dequantized in float32; top-1 agreement with the "
+        "float32 model (the reference, every weight in float32) is printed as a rate. With "
+        "--experts-implementation fused (CUDA) two comparisons per K: paged == the same kernel with all E "
         "experts resident (torch.equal), and teacher-forced logits within a stated tolerance of "
         "transformers' model (grouped_mm over its dequantized experts) with top-1 agreement with the "
         "float32 source no lower than transformers'.",
@@ -34,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--source-model-path",
         default=None,
-        help="with --experts-implementation fused or packed: the float32 model the checkpoint was quantized from, for "
+        help="with experts fused or packed: the float32 model the checkpoint was quantized from, for "
         "the teacher-forced top-1 comparison (default: the bundled model for --model-path bundled:FORMAT; "
         "none otherwise)",
     )
@@ -117,6 +122,70 @@ def run_fused(args, ks, options, reference, choice, num_experts: int, *, path, q
     return 0 if ok else 1
 
 
+def run_packed(args, ks, options, reference, choice, num_experts: int, *, config, files, fmt) -> int:
+    """``check`` where experts run packed (torch's CPU int4 / int8 kernels): per K, paged == the
+    same kernels with all E resident (torch.equal); once, every sampled packed matmul within its
+    derived bound of the checkpoint's weights dequantized in float32 (``tools.packed_bound``); per
+    K, top-1 agreement with ``reference`` (the float32 model) as a rate, and with the float32
+    source where given. Every label says what ran (``tools.what_ran``)."""
+    from pagedexperts.loading.config import resolve_dtype
+    from pagedexperts.loading.loader import load_model
+    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, transformers_model
+    from pagedexperts.tools.check_fused import top1_agreement
+    from pagedexperts.tools.packed_bound import experts_on_meta, kernel_bound_check, linear_bound_check
+    from pagedexperts.tools.what_ran import kernels_ran
+
+    source_path = args.source_model_path
+    source = None if source_path is None else transformers_model(source_path, dtype="float32").to(args.device).eval()
+    # all E resident: every expert in the host store and the slots, no disk tier (--host-memory-gb is the paged run's)
+    oracle, tokenizer = load_model(args.model_path, num_resident=num_experts, **{**options, "host_memory_gb": None})
+    ran = kernels_ran(oracle)
+    print(f"ran: {ran.label()}")
+    if not ran.ran_at_all:
+        print(f"--experts-implementation {ran.implementation} ran nowhere: this checks {ran.kernel} "
+              f"(paged == {ran.kernel} with all E resident)")
+    bound = linear_bound_check(oracle, files, kernel_bound_check(experts_on_meta(config), files, fmt,
+                                                                 resolve_dtype(args.dtype, config)))
+    within = "the checkpoint's weights dequantized in float32 (each packed matmul, within its bound); "
+    print(f"references: the same kernels ({ran.kernel}) with all E={num_experts} experts resident (exact); "
+          f"{within if bound.matmuls else ''}{choice.source} in float32 (top-1 agreement)")
+    print(bound.line())
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    ok = bound.passed
+    for k in ks:
+        paged, _ = load_model(args.model_path, num_resident=k, **options)
+        res = check_model(paged, oracle, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
+        print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide)
+              + f" [vs {ran.kernel}, all E={num_experts} resident]")
+        agreement = top1_agreement(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
+        line = (f"K={k} top-1 agreement with float32 ({choice.source}, teacher-forced): {agreement.rate()}; "
+                f"max |logit diff| {agreement.max_abs_diff:.3g} (reported, not bounded: a last-bit difference "
+                "can flip an expert choice)")
+        if source is not None:
+            line += f"; with the float32 source {source_path}: " + top1_agreement(
+                paged, source, tokenizer, prompts, max_new_tokens=args.max_new_tokens).rate()
+        print(line)
+        ok &= res.passed
+    print("verdict:", "PASS" if ok else "FAIL", f"(paged {ran.kernel} == {ran.kernel} all resident"
+          + ("; packed matmuls within their bound of float32)" if bound.matmuls else ")")
+          + ("" if ran.ran_at_all else f"; {ran.implementation} ran nowhere"))
+    return 0 if ok else 1
+
+
+def _experts_in_float32(model):
+    """``model`` (loaded at float32) with routed experts kept in another dtype (compressed-tensors'
+    scales' dtype) widened to float32, exactly: every product of the float32 model in float32.
+    In place: transformers refuses ``.float()`` on a model its quantizer loaded."""
+    import torch
+
+    from pagedexperts.tools.library_reference import expert_parameters
+
+    for param in expert_parameters(model).values():
+        if param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
+    return model
+
+
 def run(args) -> int:
     from pagedexperts.tools.check import each_message_once
 
@@ -152,19 +221,24 @@ def _run(args) -> int:
                    prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
                    decide=args.decide, beyond_k=args.beyond_k, admit_per_step=args.admit_per_step)
     fmt = format_for_checkpoint(config, files)
-    args.experts_implementation = resolve_experts_implementation(PagingConfig(**options), fmt)  # auto: per format
+    args.experts_implementation = resolve_experts_implementation(  # auto: per format and run dtype
+        PagingConfig(**options), fmt, resolve_dtype(args.dtype, config))
     options["experts_implementation"] = args.experts_implementation
     for k in ks:  # every problem of the options, at once, before the reference loads
         check_config(PagingConfig(num_resident=k, **options), config, fmt)
     check_experts_dtype(fmt, resolve_dtype(args.dtype, config), transformers_inner(args.experts_implementation))
     fused = args.experts_implementation in (FUSED, PACKED)  # exact to themselves, within tolerance of transformers
+    packed = args.experts_implementation == PACKED  # the reference in float32: the second verdict's model
     print(f"check: loading the unpaged reference, then the paged model at K = {', '.join(map(str, ks))}",
           file=sys.stderr, flush=True)
     reference, choice = load_reference_with_choice(
-        args.model_path, device=args.device, dtype=args.dtype,
+        args.model_path, device=args.device, dtype="float32" if packed else args.dtype,
         experts_implementation=transformers_inner(args.experts_implementation)
     )
     print(choice.line())  # every verdict names its reference: transformers' loading, or which and why
+    if packed:
+        return run_packed(args, ks, options, _experts_in_float32(reference), choice, num_experts, config=config,
+                          files=files, fmt=fmt)
     if fused:
         return run_fused(args, ks, options, reference, choice, num_experts, path=path,
                          quantized=fmt.name != "dense")

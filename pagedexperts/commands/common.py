@@ -29,17 +29,20 @@ def add_model_arguments(parser) -> None:
     g.add_argument("--dtype", default=None, choices=list(RUN_DTYPE_BYTES), help="default: the checkpoint's dtype")
     g.add_argument(
         "--experts-implementation",
-        default="grouped_mm",
+        default=AUTO,
         action=_Given,
         choices=[*INNER_IMPLEMENTATIONS, AUTO],
-        help="experts kernel run over the slots (default grouped_mm; auto: packed on a CPU for int4 / int8 "
-        "checkpoints (GPTQ, AWQ, compressed-tensors W4A16 / W8A16, AutoRound int), measured faster there, "
-        "docs/benchmarks.md, grouped_mm otherwise): transformers' grouped_mm, batched_mm or "
+        help="experts kernel run over the slots (default auto: packed on a CPU in --mode paged at bfloat16 for int4 "
+        "/ int8 checkpoints (GPTQ, AWQ, compressed-tensors W4A16 / W8A16, AutoRound int), measured faster there, "
+        "docs/benchmarks.md; grouped_mm otherwise: on CUDA, at float16 / float32 (the int4 kernel's scalar path), "
+        "and for fp8 / fp4 / dense checkpoints): "
+        "transformers' grouped_mm, batched_mm or "
         "eager (exact to the unpaged model), or fused: Triton MoE kernels reading the packed slots directly "
         "(device-planned steps only; CUDA, or CPU under TRITON_INTERPRET=1; exact to itself with all E "
         "resident, within a tolerance of transformers), or packed: int4 / per-channel int8 experts computed "
         "packed by torch's CPU kernels (--device cpu; slots converted at page-in; other formats run grouped_mm "
-        "with a WARNING; exact to itself with all E resident, within a tolerance of transformers), and the "
+        "with a WARNING; exact to itself with all E resident, each matmul within a bound of float32: check), "
+        "and the "
         "checkpoint's quantized attention / shared experts / lm_head too where the kernels take them",
     )
     g.add_argument(
@@ -271,9 +274,9 @@ def experts_note(runtime, *, asked: str | None = None) -> str:
     beyond K is computed (``PagingRuntime``: its config and what was resolved, ``.resolved``)."""
     cfg, resolved = runtime.config, runtime.resolved
     name = resolved.experts_implementation
-    line = f"experts: {name} ({_why(runtime, asked)})"
+    line = f"experts: {name} ({experts_why(runtime, asked)})"
     if name == PACKED:
-        line = f"experts: {name} (torch's CPU int4 / int8 kernels) {packed_paths(runtime, why=_why(runtime, asked))}"
+        line = f"experts: {name} (torch's CPU int4 / int8 kernels) {packed_paths(runtime, why=experts_why(runtime, asked))}"
     if cfg.mode != "paged":
         return f"{line}; mode {cfg.mode}"
     decide = resolved.decide if cfg.decide != "auto" else f"{resolved.decide} (--decide auto)"
@@ -285,19 +288,34 @@ def experts_note(runtime, *, asked: str | None = None) -> str:
     return f"{line}; {decide}-planned steps; experts beyond K={resolved.num_resident} computed {beyond}"
 
 
-def _why(runtime, asked: str | None) -> str:
-    """Why ``runtime``'s experts implementation runs: the default, auto's choice, or the flag."""
-    name = runtime.resolved.experts_implementation
-    if asked == AUTO:
-        if name == PACKED:
-            return (f"auto's choice for {runtime.expert_format} on a CPU: faster than dequantizing, exact to itself, "
-                    "within a tolerance of transformers; --experts-implementation grouped_mm for bits equal to "
-                    "transformers'")
-        return f"auto's choice for {runtime.expert_format}: auto computes packed only int4 / int8 formats, on a CPU"
-    if asked is None and name == "grouped_mm":
-        return ("the default: fused becomes the default on CUDA once its CUDA tests and bench/gpu_check.sh have run "
-                "on a GPU, docs/fused-kernels.md")
-    return "--experts-implementation"
+def experts_why(runtime, asked: str | None) -> str:
+    """Why ``runtime``'s experts implementation runs: auto's choice (the default, or given) and its
+    reason (``auto_reason``), or the flag."""
+    if asked not in (None, AUTO):
+        return "--experts-implementation"
+    return f"{'the default, ' if asked is None else ''}auto's choice for {runtime.expert_format}: {auto_reason(runtime)}"
+
+
+def auto_reason(runtime) -> str:
+    """Why auto (``loading.config.resolve_experts_implementation``) chose what ``runtime`` runs."""
+    from pagedexperts.formats import FORMATS
+
+    cfg = runtime.config
+    if runtime.resolved.experts_implementation == PACKED:
+        return ("int4 / int8 on a CPU: torch's packed kernels, faster than dequantizing, exact to itself with all E "
+                "resident, each matmul within a bound of float32 (check); --experts-implementation grouped_mm for "
+                "bits equal to transformers'")
+    if not cfg.device.startswith("cpu"):
+        return ("grouped_mm on CUDA (fused becomes the default on CUDA once its CUDA tests and bench/gpu_check.sh "
+                "have run on a GPU, docs/fused-kernels.md)")
+    if cfg.mode != "paged":
+        return f"grouped_mm in --mode {cfg.mode} (packed computes the paged slots)"
+    record = FORMATS.get(runtime.expert_format)
+    if record is None or not record.cpu_packed:
+        return (f"grouped_mm: torch's packed CPU kernels take int4 / int8, not {runtime.expert_format} "
+                "(exact to transformers)")
+    return ("grouped_mm: torch's int4 CPU kernel is fast in bfloat16 only (float16 / float32 take a scalar path, "
+            "30-50x slower, docs/benchmarks.md); --dtype bfloat16 runs packed")
 
 
 def packed_paths(runtime, *, why: str) -> str:

@@ -9,7 +9,7 @@ import sys
 
 from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import (add_graph_arguments, add_model_arguments, apply_threads, check_paging_flags,
-                                          load_from_args, utf8_text)
+                                          experts_why, given, load_from_args, utf8_text)
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 
@@ -159,7 +159,8 @@ def run(args) -> int:
     if args.stats_json:
         report = asdict(result)
         report.update(num_resident=rt.num_resident, num_experts=rt.num_experts, top_k=rt.top_k, decide=rt.decide,
-                      experts_implementation=rt.resolved.experts_implementation, beyond_k=rt.resolved.beyond_k,
+                      experts_implementation=rt.resolved.experts_implementation,
+                      experts_implementation_why=experts_why(rt, given(args, "experts_implementation")), beyond_k=rt.resolved.beyond_k,
                       threads=threads, resolved=rt.resolved.as_dict())
         with open(args.stats_json, "w") as f:
             json.dump(report, f, indent=2)

@@ -56,10 +56,11 @@ def add_parser(subparsers) -> None:
                      help="quantized checkpoints: slots hold packed experts (default: what --slot-format auto "
                      "picks on CUDA) or experts dequantized at page-in (dense: larger slots, fewer per GB); "
                      "page-ins copy packed bytes either way")
-    run.add_argument("--experts-implementation", default="grouped_mm", choices=["grouped_mm", "packed"],
-                     help="as the run's: packed (--experts-implementation packed, or auto on a CPU for int4 / int8 "
-                     "checkpoints) keeps the quantized non-expert linears torch's CPU kernels take packed: counted at "
-                     "their kernel layout's bytes; default grouped_mm: at their dequantized bytes")
+    run.add_argument("--experts-implementation", default="auto", choices=["auto", "grouped_mm", "packed"],
+                     help="as the run's: packed (--experts-implementation packed, or the default auto on a CPU at "
+                     "bfloat16 for int4 / int8 checkpoints: here, without --device-memory-gb) keeps the quantized non-expert "
+                     "linears torch's CPU kernels take packed: counted at their kernel layout's bytes; grouped_mm "
+                     "(auto with --device-memory-gb, a CUDA run): at their dequantized bytes")
     run.add_argument("--runtime-reserve-gb", type=float, default=1.0,
                      help="GB kept for activations, CUDA context, allocator slack (default 1.0)")
     tiers = p.add_argument_group("disk tier (three tiers: device K, host R, disk)")
@@ -87,12 +88,14 @@ def run_preflight(args) -> int:
     return 1 if report.get("fits") is False else 0
 
 
-def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32: tuple[str, ...], packed: bool):
+def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32: tuple[str, ...],
+                     packed: bool | None):
     """(sizes, dense expert bytes, quantized non-expert modules) of a quantized checkpoint at
     ``dtype``: experts at their stored (packed) bytes; non-expert floating weights at the run
     dtype as a dense checkpoint's; quantized non-expert modules (attention, shared experts, dense
-    MLPs) at their dequantized bytes, or with ``packed`` those torch's CPU kernels take at their
-    kernel layout's bytes (``loading.linears.planned_linears``), as the load keeps them;
+    MLPs) at their dequantized bytes, or with ``packed`` (None: auto on a CPU, packed at bfloat16
+    for a format whose ``FormatRecord.cpu_packed``) those torch's CPU kernels take at their kernel layout's
+    bytes (``loading.linears.planned_linears``), as the load keeps them;
     the dequantized experts in ``ExpertFormat.experts_dtype`` (a W4A16 checkpoint's scales' dtype)."""
     import torch
 
@@ -100,8 +103,11 @@ def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32
     from pagedexperts.loading.linears import planned_linears
     from pagedexperts.storage.safetensors_files import checkpoint_files
 
+    from pagedexperts.formats import FORMATS
+
     files = checkpoint_files(model_path)
     fmt = format_for_checkpoint(config, files)
+    packed = packed if packed is not None else FORMATS[fmt.name].cpu_packed and dtype == "bfloat16"  # the run's auto
     linears, keys = planned_linears(config, files, fmt, getattr(torch, dtype), keep_fp32, packed=packed)
     sizes = sizing.checkpoint_sizes(model_path=model_path, num_experts=shape.num_experts, keep_fp32=keep_fp32)
     run_sizes = sizing.checkpoint_sizes(model_path=model_path, num_experts=shape.num_experts, dtype=dtype,
@@ -109,6 +115,14 @@ def _quantized_sizes(model_path: str, config: dict, shape, dtype: str, keep_fp32
     sizes = dataclasses.replace(sizes, non_expert_bytes=run_sizes.non_expert_bytes + linears.host_bytes)
     experts_dtype = str(fmt.experts_dtype(getattr(torch, dtype))).removeprefix("torch.")
     return sizes, model_config.dense_expert_bytes(config, dtype=experts_dtype), linears
+
+
+def _packed(args) -> bool | None:
+    """Whether the run computes quantized linears packed: packed True, grouped_mm False; auto: a
+    CUDA run (--device-memory-gb given) False, a CPU run None (the format decides)."""
+    if args.experts_implementation != "auto":
+        return args.experts_implementation == "packed"
+    return False if args.device_memory_gb is not None else None
 
 
 def _model_inputs(args) -> dict:
@@ -126,7 +140,7 @@ def _model_inputs(args) -> dict:
         linears = None
         if config.get("quantization_config"):
             sizes, dense_expert_bytes, linears = _quantized_sizes(args.model_path, config, shape, dtype, keep_fp32,
-                                                                  args.experts_implementation == "packed")
+                                                                  _packed(args))
         else:
             sizes = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts, dtype=dtype,
                                             keep_fp32=keep_fp32)

@@ -25,7 +25,9 @@ The kernels (torch >= 2.6, CPU; no C++ of ours, nothing built at run time):
 
 The kernel's arithmetic differs from the format's in the last bits (the scale rounded to the run
 dtype, ``(q - 8) * s + zero`` instead of ``(q - z) * s``): exact to itself (paged == all E
-resident), within a tolerance of transformers' dequantized model (``tools.check_fused``).
+resident), each matmul within a bound derived from the run dtype's unit roundoff and the
+reduction length of the float32 product with the checkpoint's weights dequantized in float32
+(``tools.packed_bound``, check's second verdict).
 
 Legend: n experts, N output features, K input features, G groups, E experts, K_s slots.
 """

@@ -70,7 +70,7 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, fi
     sources = expert_sources(config.model_type)
     layouts = {s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
                for s in sites}
-    packed = resolve_experts_implementation(cfg, fmt) == PACKED  # the rule ``resolve`` records
+    packed = resolve_experts_implementation(cfg, fmt, dtype) == PACKED  # the rule ``resolve`` records
     linears = None if files is None or fmt.name == "dense" else plan_model_linears(model, files, fmt, packed=packed)
     memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, top_k=top_k, linears=linears,
                           k_slots=cfg.resident_slots(num_experts=num_experts, top_k=top_k))

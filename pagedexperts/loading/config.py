@@ -58,7 +58,7 @@ class PagingConfig:
     num_resident: int | None = None
     device: str = "cpu"
     dtype: str | None = None
-    experts_implementation: str = "grouped_mm"
+    experts_implementation: str = "auto"  # resolved per format and device: ``resolve_experts_implementation``
     policy: str = DEFAULT_POLICY
     mode: str = "paged"
     cpu_expert_layers: int = 0
@@ -149,16 +149,23 @@ def option_problems(cfg: PagingConfig) -> list[str]:
 AUTO = "auto"  # --experts-implementation auto: packed where measured faster (``resolve_experts_implementation``)
 
 
-def resolve_experts_implementation(cfg: PagingConfig, fmt) -> str:
-    """``cfg.experts_implementation``, with "auto" resolved: ``packed`` on a CPU in mode paged for
-    a format whose record says torch's CPU kernels compute it packed (``formats.FormatRecord
-    .cpu_packed``; a layer whose shapes the kernels cannot take still runs grouped_mm, with its
-    WARNING), else ``grouped_mm`` (exact to transformers). Why auto is not the default:
-    docs/benchmarks.md, "Quantized experts on a CPU"."""
+PACKED_FAST_DTYPE = torch.bfloat16  # torch's int4 CPU kernel's vectorised x dtype (float16 / float32: a scalar path)
+
+
+def resolve_experts_implementation(cfg: PagingConfig, fmt, dtype: torch.dtype | None = None) -> str:
+    """``cfg.experts_implementation``, with "auto" resolved: ``packed`` on a CPU in mode paged at
+    run dtype ``dtype`` bfloat16 (None: not known here, taken as bfloat16) for a format whose
+    record says torch's CPU kernels compute it packed (``formats.FormatRecord.cpu_packed``; a
+    layer whose shapes the kernels cannot take still runs grouped_mm, with its WARNING), else
+    ``grouped_mm`` (exact to transformers): at float16 and float32 the int4 kernel takes a scalar
+    path, 30-50x its bfloat16 time (docs/benchmarks.md, "CPU kernel routes"). auto is the default: packed is faster
+    there and check bounds its matmuls against float32 (docs/benchmarks.md, "Quantized experts on
+    a CPU")."""
     if cfg.experts_implementation != AUTO:
         return cfg.experts_implementation
     on_cpu = device_problem(cfg.device) is None and torch.device(cfg.device).type == "cpu"
-    if on_cpu and cfg.mode == "paged" and fmt is not None and FORMATS[fmt.name].cpu_packed:
+    fast = dtype is None or dtype == PACKED_FAST_DTYPE
+    if on_cpu and cfg.mode == "paged" and fast and fmt is not None and FORMATS[fmt.name].cpu_packed:
         return PACKED
     return "grouped_mm"
 
@@ -337,11 +344,13 @@ def model_problems(cfg: PagingConfig, model, fmt=None) -> list[str]:
     moe_layers = len(model_config.moe_layer_indices(model))
     if cfg.mode == "cpu-experts" and cfg.cpu_expert_layers > moe_layers:
         problems.append(f"--cpu-expert-layers {cfg.cpu_expert_layers} outside [0, {moe_layers}] (the model's MoE layers)")
-    implementation = resolve_experts_implementation(cfg, fmt)  # auto's choice for this format
+    dtype_known = cfg.dtype in (None, "auto", *model_config.RUN_DTYPE_BYTES)
+    run_dtype = resolve_dtype(cfg.dtype, model) if dtype_known else None
+    implementation = resolve_experts_implementation(cfg, fmt, run_dtype)  # auto's choice for this format, dtype
     if implementation != cfg.experts_implementation and planned_on_device(cfg):
         problems.append(inner_problem(implementation, decide="device"))
-    if fmt is not None and cfg.dtype in (None, "auto", *model_config.RUN_DTYPE_BYTES):
-        problems.append(experts_dtype_problem(fmt, resolve_dtype(cfg.dtype, model), implementation))
+    if fmt is not None and dtype_known:
+        problems.append(experts_dtype_problem(fmt, run_dtype, implementation))
     problems.append(decide_model_problem(cfg, fmt))
     return [p for p in problems if p is not None]
 

@@ -20,7 +20,7 @@ from pagedexperts.loading.bundled import bundled_model_path
 from pagedexperts.loading.build import build_paged_model
 from pagedexperts.loading.checkpoint import format_for_checkpoint
 from pagedexperts.loading.config import (ConfigError, PagingConfig, check_config, option_problems,
-                                         resolve_experts_implementation)
+                                         resolve_dtype, resolve_experts_implementation)
 from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
 from pagedexperts.loading.runners import install_prefetch
@@ -47,8 +47,8 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             (grouped_mm, batched_mm, eager); the paged output equals the unpaged model's
             with the same implementation. Or "fused" (Triton, device-planned), "packed"
             (torch's int4 / int8 CPU kernels), both exact to themselves with all E resident,
-            or "auto" (packed on a CPU for the int formats whose record says so,
-            ``formats.FormatRecord.cpu_packed``, else grouped_mm). Under packed the quantized
+            or "auto", the default (packed on a CPU in mode paged for the int formats whose
+            record says so, ``formats.FormatRecord.cpu_packed``, else grouped_mm). Under packed the quantized
             non-expert linears (attention, shared experts, dense MLPs, lm_head) are computed
             packed too where the kernels take them (``loading.linears``), else dequantized at load.
         policy: eviction policy name (``residency.policies.POLICIES``).
@@ -135,7 +135,8 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         logger.warning("--slot-format %s has no effect: %s is not quantized (its slots hold dense experts)",
                        cfg.slot_format, path)
     tokenizer = _load_tokenizer(path)  # a broken tokenizer is refused before the weights load
-    packed = resolve_experts_implementation(cfg, fmt) == PACKED  # the non-expert linears too (loading.linears)
+    # the non-expert linears run packed too where the experts do (loading.linears)
+    packed = resolve_experts_implementation(cfg, fmt, resolve_dtype(cfg.dtype, config)) == PACKED
     fill = functools.partial(fill_from_checkpoint, model_type=config.model_type, files=files, fmt=fmt,
                              packed_linears=packed)
     model = build_paged_model(config, fill, cfg, expert_format=fmt, files=files)

@@ -88,7 +88,7 @@ def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: tor
         ConfigError: ``cuda_graphs`` "on" where capture cannot work (``resolve_cuda_graphs``).
     """
     k = cfg.resident_slots(num_experts=num_experts, top_k=top_k)
-    implementation = resolve_experts_implementation(cfg, fmt)
+    implementation = resolve_experts_implementation(cfg, fmt, dtype)
     quantized = any(lay is not None and not lay.is_dense for lay in layouts.values())
     decide = resolve_decide(cfg, disk_tier=memory.disk_tier, pinned=all(s.pinned for s in stores.values()),
                             quantized=quantized)

@@ -91,3 +91,33 @@ def tolerance_line(k: int, res: ToleranceCheck, *, reference: str, source: str |
                  f"{reference_name} {res.top1_reference:.1%} ({name} no lower: "
                  f"{'yes' if res.top1_fused >= res.top1_reference else 'NO'})")
     return line + f" -> {'PASS (within tolerance)' if res.passed else 'FAIL'}"
+
+
+@dataclass
+class Agreement:
+    """Top-1 agreement of a model with a float32 model over ``positions`` teacher-forced positions
+    (each prompt, then the float32 model's greedy continuation): ``agree`` of them, and the max
+    |logit diff| (reported, not bounded: a routed model's logits move by a flipped expert choice)."""
+
+    agree: int
+    positions: int
+    max_abs_diff: float
+
+    def rate(self) -> str:
+        return f"{self.agree}/{self.positions} ({self.agree / max(self.positions, 1):.1%})"
+
+
+def top1_agreement(model, float32, tokenizer, prompts, *, max_new_tokens: int) -> Agreement:
+    """``Agreement`` of ``model`` with ``float32`` on each prompt followed by ``max_new_tokens``
+    greedy tokens of ``float32``, teacher-forced (both see the same tokens at every position)."""
+    agree, positions, diff = 0, 0, 0.0
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            new, _ = greedy_logits(float32, ids.to(float32.device), max_new_tokens)
+        seq = torch.cat([ids, new.cpu()], dim=1)
+        ours, theirs = teacher_forced_logits(model, seq), teacher_forced_logits(float32, seq)
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        positions += seq.shape[1]
+        diff = max(diff, (ours - theirs).abs().max().item())
+    return Agreement(agree, positions, diff)

@@ -99,7 +99,7 @@ def test_experts_equal_the_library_decompression_cast_once(name, dtype):
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys() if k.endswith("experts.0.down_proj.weight_scale")
                 or k.endswith("experts.0.w2.weight_scale")} == {"F32"}
-    model, _ = load_model(path, num_resident=TOP_K, dtype=str(dtype).removeprefix("torch."))
+    model, _ = load_model(path, num_resident=TOP_K, experts_implementation="grouped_mm", dtype=str(dtype).removeprefix("torch."))
     rt = model.pagedexperts
     assert rt.expert_format == FIXTURES[name]
     scales = [s for layout in rt.layouts.values() for s in layout.packed_specs if s.name.endswith("_scale")]
@@ -124,7 +124,7 @@ def test_paged_equals_reference_at_the_run_dtype(name, dtype):
     reference, choice = load_reference_with_choice(path, device="cpu", dtype=dtype, experts_implementation="grouped_mm")
     assert choice.source in ("transformers", "compressed-tensors"), choice.line()
     assert reference.dtype == getattr(torch, dtype)
-    paged, _ = load_model(path, num_resident=TOP_K, dtype=dtype)
+    paged, _ = load_model(path, num_resident=TOP_K, experts_implementation="grouped_mm", dtype=dtype)
     with torch.no_grad():
         for run in prefill_decode_runs(paged, reference):
             assert run.exact and run.tokens_equal, f"{name} {dtype} {run.prompt}: {run.max_abs_diff:.3g}"

@@ -74,7 +74,7 @@ def test_non_expert_weights_equal_compressed_tensors_decompression(name, dtype):
     path = _fixture(name)
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
     qconf = QuantizationConfig.model_validate(qc)
-    paged, _ = load_model(path, num_resident=TOP_K, dtype=str(dtype).removeprefix("torch."))
+    paged, _ = load_model(path, num_resident=TOP_K, experts_implementation="grouped_mm", dtype=str(dtype).removeprefix("torch."))
     params = dict(paged.named_parameters())
     modules = _non_expert_modules(path)
     assert len(modules) >= 8 and sorted(paged.pagedexperts.quantized_linears.modules) == sorted(
@@ -110,7 +110,7 @@ def test_paged_equals_library_reference(name, dtype, references):
     reference, choice = references(name, dtype)
     why = ("non-expert modules quantized", "different config groups")  # the latter: per-projection groups
     assert choice.source == "compressed-tensors" and any(w in choice.reason for w in why), choice.line()
-    paged, _ = load_model(path, num_resident=TOP_K, dtype=dtype)
+    paged, _ = load_model(path, num_resident=TOP_K, experts_implementation="grouped_mm", dtype=dtype)
     assert paged.pagedexperts.expert_format == FIXTURES[name]
     with torch.no_grad():
         for run in prefill_decode_runs(paged, reference):
@@ -121,7 +121,7 @@ def test_paged_equals_library_reference(name, dtype, references):
 @pytest.mark.parametrize("name", ["qwen3_moe-W4A16_ASYM-mixed", "mixtral-W4A16_ASYM-regex"])
 def test_dense_slots_and_half_the_experts(name, references):
     reference, _ = references(name, None)
-    paged, _ = load_model(_fixture(name), num_resident=E // 2, slot_format="dense")
+    paged, _ = load_model(_fixture(name), num_resident=E // 2, experts_implementation="grouped_mm", slot_format="dense")
     with torch.no_grad():
         for run in prefill_decode_runs(paged, reference):
             assert run.exact and run.tokens_equal, f"{name} {run.prompt}: {run.max_abs_diff:.3g}"
@@ -133,7 +133,7 @@ def test_scale_dtype_is_the_checkpoints_not_the_configs():
     store holds the scales as float16 (no lossy cast to bfloat16)."""
     path = _fixture("qwen3_moe-W4A16_ASYM-g32-fp16scales")
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
-    paged, _ = load_model(path, num_resident=TOP_K)
+    paged, _ = load_model(path, num_resident=TOP_K, experts_implementation="grouped_mm")
     rt = paged.pagedexperts
     layout = next(iter(rt.layouts.values()))
     assert {s.dtype for s in layout.dense_specs} == {torch.float16}
@@ -169,11 +169,11 @@ def test_preflight_counts_the_dequantized_non_expert_memory(capsys):
     unquantized = 2 * 256 * 64 + 2 * (8 * 64 + 2 * 64 + 2 * 16) + 64  # embed + lm_head, router + norms, final norm
     for dtype, size in (("bfloat16", 2), ("float32", 4)):
         assert main(["preflight", "--model-path", str(path), "--num-resident", str(TOP_K), "--dtype", dtype,
-                     "--json"]) == 0
+                     "--experts-implementation", "grouped_mm", "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["dequantized_modules"] == 8 and report["dequantized_bytes"] == attention * size
         assert report["non_expert_bytes"] == (attention + unquantized) * size
-        paged, _ = load_model(path, num_resident=TOP_K, dtype=dtype)
+        paged, _ = load_model(path, num_resident=TOP_K, experts_implementation="grouped_mm", dtype=dtype)
         assert paged.pagedexperts.quantized_linears.dense_bytes == attention * size
 
 
@@ -210,7 +210,8 @@ def test_check_passes_at_the_checkpoints_dtype(name, dtype, tmp_path, capsys, mo
     monkeypatch.setattr(tools_check, "load_reference_with_choice",
                         lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     argv = ["check", "--model-path", str(_with_tokenizer(name, tmp_path)), "--check-resident", str(TOP_K),
-            "--max-new-tokens", "2", "--prompt", "The city"] + (["--dtype", dtype] if dtype else [])
+            "--max-new-tokens", "2", "--prompt", "The city", "--experts-implementation", "grouped_mm"] + (
+            ["--dtype", dtype] if dtype else [])  # grouped_mm against the library reference at the run dtype
     rc = main(argv)
     out = capsys.readouterr().out
     assert rc == 0 and "verdict: PASS" in out and "reference: compressed-tensors" in out, out

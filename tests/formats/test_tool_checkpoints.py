@@ -111,7 +111,8 @@ def test_loaded_experts_equal_the_tools_own(name):
     format the checkpoint's own tensors, not this one."""
     oracle = load_file(str(DATA / name / "tool_dequant.safetensors"))
     for dtype in sorted({k.partition("@")[2] for k in oracle}):
-        model, _ = load_model(DATA / name, num_resident=TOP_K, dtype=dtype, check_independence=False)
+        model, _ = load_model(DATA / name, num_resident=TOP_K, dtype=dtype, check_independence=False,
+                              experts_implementation="grouped_mm")  # dequantizes the store's rows
         rt = model.pagedexperts
         checked = 0
         for key, want in oracle.items():
@@ -138,13 +139,20 @@ def _saved_dtype(name: str) -> torch.dtype:
 @pytest.mark.default_threads
 @pytest.mark.parametrize("name", LOADED)
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "saved"])  # users run the saved dtype
-def test_paged_equals_resident(name, dtype):
-    """Paged at K = top_k and E/2 == the resident model (every expert dequantized once by the
-    same format), in float32 and in the checkpoint's own dtype."""
+@pytest.mark.parametrize("impl", ["default", "grouped_mm"])
+def test_paged_equals_resident(name, dtype, impl):
+    """Paged at K = top_k and E/2 == all E experts resident with the same experts implementation,
+    in float32 and in the checkpoint's own dtype: as users load it (the default, auto: packed on
+    a CPU for the int formats, against the same kernels at K = E), and with grouped_mm (against
+    the resident model, every expert dequantized once by the same format)."""
     run_dtype = str(_saved_dtype(name)).removeprefix("torch.") if dtype == "saved" else dtype
-    resident, _ = load_model(DATA / name, mode="resident", dtype=run_dtype, check_independence=False)
+    options = {} if impl == "default" else {"experts_implementation": impl}
+    if impl == "default":
+        resident, _ = load_model(DATA / name, num_resident=E, dtype=run_dtype, check_independence=False)
+    else:
+        resident, _ = load_model(DATA / name, mode="resident", dtype=run_dtype, check_independence=False, **options)
     for k in (TOP_K, E // 2):
-        paged, _ = load_model(DATA / name, num_resident=k, dtype=run_dtype)
+        paged, _ = load_model(DATA / name, num_resident=k, dtype=run_dtype, **options)
         with torch.no_grad():
             for run in prefill_decode_runs(paged, resident):
                 assert run.exact and run.tokens_equal, f"{name} {run_dtype} K={k} {run.prompt}: {run.max_abs_diff:.3g}"
@@ -281,6 +289,9 @@ def test_remaining_refusals_name_the_field_and_value(qc, message):
         format_for_config({"quantization_config": qc})
 
 
+PACKED_VERDICT = "verdict: PASS (paged packed == packed all resident; packed matmuls within their bound of float32)"
+
+
 @pytest.mark.default_threads
 @pytest.mark.parametrize("name", [
     "autoround/qwen3_moe-auto_round", "autoround/qwen3_moe-auto_gptq",
@@ -292,13 +303,16 @@ def test_check_passes_in_the_checkpoints_own_dtype(name, capsys):
     """``check`` at the dtype the tool wrote (AutoRound: bfloat16 for auto_round and its FP
     exports, float16 for auto_gptq; GPTQModel FP8 bfloat16): transformers cannot load these here
     (auto-round / gptqmodel absent), so the reference is the resident model (its experts
-    dequantized as test_dequantize_equals_the_tools_own checks against the tool's own), and
-    paging is exact against it."""
+    dequantized as test_dequantize_equals_the_tools_own checks against the tool's own). With the
+    default options the int exports run packed (both of check's packed verdicts pass), the FP ones
+    grouped_mm (paging exact against the reference)."""
     from pagedexperts.cli import main
 
     rc = main(["check", "--model-path", str(DATA / name), "--check-resident", str(TOP_K), "--max-new-tokens", "3"])
     out = capsys.readouterr().out
-    assert rc == 0 and "verdict: PASS: paging is exact on this checkpoint (against pagedexperts resident)" in out, out
+    int_export = name == "autoround/qwen3_moe-auto_round"  # bfloat16; auto_gptq is float16: auto runs grouped_mm
+    want = PACKED_VERDICT if int_export else "verdict: PASS: paging is exact on this checkpoint (against pagedexperts resident)"
+    assert rc == 0 and want in out, out
 
 
 @pytest.mark.default_threads
@@ -309,6 +323,7 @@ def test_check_llm_compressor_export_float16_scales_under_bfloat16(capsys):
     from pagedexperts.cli import main
 
     name = "autoround/qwen3_moe-llm_compressor"
-    rc = main(["check", "--model-path", str(DATA / name), "--check-resident", str(TOP_K), "--max-new-tokens", "3"])
+    rc = main(["check", "--model-path", str(DATA / name), "--check-resident", str(TOP_K), "--max-new-tokens", "3",
+               "--experts-implementation", "grouped_mm"])  # the library reference's dtypes: grouped_mm's exactness
     out = capsys.readouterr().out
     assert rc == 0 and "verdict: PASS: paging is exact on this checkpoint (against compressed-tensors)" in out, out

@@ -183,15 +183,24 @@ def test_start_up_lines_say_what_runs_and_why(models):
     assert "single-wave cap K // top_k = 2 // 2 = 1" in single_wave_note(models["waves"].pagedexperts, 64)
 
 
-def test_grouped_mm_default_line_says_why():
+@pytest.mark.parametrize("device,mode,fmt,want", [
+    ("cuda:0", "paged", "gptq", "experts: grouped_mm (the default, auto's choice for gptq: grouped_mm on CUDA (fused "
+     "becomes the default on CUDA once"),
+    ("cpu", "resident", "gptq", "experts: grouped_mm (the default, auto's choice for gptq: grouped_mm in --mode "
+     "resident (packed computes the paged slots)"),
+    ("cpu", "paged", "fp8-block", "experts: grouped_mm (the default, auto's choice for fp8-block: grouped_mm: torch's packed "
+     "CPU kernels take int4 / int8, not fp8-block"),
+])
+def test_grouped_mm_default_line_says_auto_chose_it_and_why(device, mode, fmt, want):
     from types import SimpleNamespace
 
     from pagedexperts.commands.common import experts_note
 
+    cfg = PagingConfig(device=device, mode=mode)  # the default, auto
     resolved = SimpleNamespace(experts_implementation="grouped_mm", decide="host", beyond_k="waves", admit_per_step=None,
-                               num_resident=4)
-    rt = SimpleNamespace(config=PagingConfig(), resolved=resolved)
-    assert "grouped_mm (the default: fused becomes the default on CUDA once" in experts_note(rt)
+                               num_resident=4)  # as auto resolved it
+    rt = SimpleNamespace(config=cfg, resolved=resolved, expert_format=fmt)
+    assert experts_note(rt).startswith(want), experts_note(rt)
 
 
 def test_metrics_export_rows_read_in_place():

@@ -1,4 +1,5 @@
-"""``--experts-implementation packed``: paged == the same packed kernels with all E resident.
+"""Packed experts (the default on a CPU for int formats at bfloat16, ``--experts-implementation
+auto``; asked at float32): paged == the same packed kernels with all E resident.
 
 Tool-written checkpoints of every int format torch's CPU kernels take (GPTQModel GPTQ int4,
 AutoRound's GPTQ export and its own int4 and W8A16 int8, compressed-tensors W4A16 symmetric and
@@ -32,8 +33,12 @@ PACKED_FIXTURES = {  # name -> (directory, what the kernels run)
 }
 
 
-def _load(path: Path, k: int | None, dtype: str):
-    model, _ = load_model(path, num_resident=k, dtype=dtype, experts_implementation="packed")
+def _load(path: Path, k: int | None, dtype: str, **options):
+    """The model packed: at bfloat16 as users load it (default options: auto, packed on a CPU for
+    these formats), at float32 with packed asked (auto runs grouped_mm there: the int4 kernel's
+    scalar path); or with ``options``."""
+    options = options or ({} if dtype == "bfloat16" else {"experts_implementation": "packed"})
+    model, _ = load_model(path, num_resident=k, dtype=dtype, **options)
     return model.eval()
 
 
@@ -79,7 +84,7 @@ def test_fallback_layers_run_grouped_mm_and_say_why(caplog):
     gets (exact to transformers' own grouped_mm), one WARNING naming the layers and the reason, the reason in the stats."""
     path = DATA / "llmc/qwen3_moe-fp8_block"
     with caplog.at_level("WARNING"):
-        model = _load(path, 4, "float32")
+        model = _load(path, 4, "float32", experts_implementation="packed")
     rt = model.pagedexperts
     fallbacks = rt.resolved.experts_fallbacks
     assert set(fallbacks) == set(rt.runners) and all("e4m3" in why for why in fallbacks.values())

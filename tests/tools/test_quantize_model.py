@@ -83,7 +83,7 @@ def test_transformers_loads_it_as_compressed_tensors_decompresses_it(whole):
 
     _, out = whole
     reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    ours, _ = load_model(out, dtype="float32", num_resident=bundled.TOP_K)  # grouped_mm: dequantized at load
+    ours, _ = load_model(out, dtype="float32", num_resident=bundled.TOP_K, experts_implementation="grouped_mm")  # grouped_mm: dequantized at load
     modules = {n: m for n, m in reference.named_modules() if getattr(m, "quantization_scheme", None) is not None}
     assert sorted(modules) == sorted([f"model.layers.{i}.self_attn.{p}" for i in range(LAYERS)
                                       for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + ["lm_head"])
