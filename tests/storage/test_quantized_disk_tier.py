@@ -85,7 +85,10 @@ def tier_gb(full_model, rows: int = R) -> float:
 
 
 def load_pair(path: Path, **kwargs):
-    """(full-store model, disk-tier model with R host rows) of one checkpoint."""
+    """(full-store model, disk-tier model with R host rows) of one checkpoint. The tier reads the
+    checkpoint's own layout (no stored kernel layout: its rows would be re-made in the layout's
+    bytes, tests/storage/test_stored_layout.py), so R rows are what the budget buys."""
+    kwargs.setdefault("stored_layout", False)
     full, _ = load_model(path, num_resident=TOP_K, **kwargs)
     tiered, _ = load_model(path, num_resident=TOP_K, host_memory_gb=tier_gb(full), **kwargs)
     assert tiered.pagedexperts.host_memory.host_rows == R
