@@ -46,12 +46,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_shape import ROOT, decode, strip_flags, text_ids  # noqa: E402
 
 
+def cold_files(path: Path, *more: Path) -> list[Path]:
+    """The files a cold run must find out of the page cache: the checkpoint's shards, its own
+    stored kernel layout (``path/kernel-layout/``, written by ``pagedexperts quantize``: what the
+    packed disk tier reads), and every file under ``more`` (a stored-layout cache directory)."""
+    dirs = [path / "kernel-layout", *more]
+    return sorted(path.glob("*.safetensors")) + [f for d in dirs if d.exists() for f in sorted(d.rglob("*")) if f.is_file()]
+
+
 def drop_page_cache(path: Path, *more: Path) -> None:
-    """Drop the checkpoint's files (and every file under ``more``: a stored kernel layout) from
-    the page cache (posix_fadvise DONTNEED): reads then come from the disk, as for a checkpoint
-    larger than RAM."""
-    files = sorted(path.glob("*.safetensors")) + [f for d in more if d.exists() for f in sorted(d.rglob("*")) if f.is_file()]
-    for f in files:
+    """Drop ``cold_files(path, *more)`` from the page cache (posix_fadvise DONTNEED): reads then
+    come from the disk, as for a checkpoint larger than RAM."""
+    for f in cold_files(path, *more):
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -98,7 +104,7 @@ def disk_child(args) -> dict:
         rt.reset_stats()
         state.update(io=io_read_bytes(), wall=time.perf_counter(), cpu=time.process_time())
 
-    decode(model, ids, args.prefill_tokens, on_prefilled=start)
+    _, logits = decode(model, ids, args.prefill_tokens, on_prefilled=start)
     n = args.tokens
     d = rt.stats().as_dict(times=False)
     return dict(load_s=load_s, host_rows=rt.host_memory.host_rows, num_resident=rt.num_resident,
@@ -115,6 +121,7 @@ def disk_child(args) -> dict:
                 prefill_io_mb=(state["io"] - io0) / 1e6, prefill_wall_s=state["wall"] - wall0,
                 prefill_cpu_s=state["cpu"] - cpu0,
                 peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
+                argmax=logits.float().argmax(-1).tolist(),
                 pagedexperts=str(Path(pagedexperts.__file__).parent))
 
 
@@ -209,7 +216,7 @@ def run_llama(args) -> dict:
         n = len(r["cpu_s"])
         out.update(wall_s_per_token=sum(r["wall_s"]) / n, cpu_s_per_token=sum(r["cpu_s"]) / n,
                    io_mb_per_token=r["decode_read_bytes"] / n / 1e6, peak_rss_mb=r["peak_rss_kb"] / 1e3,
-                   load_wall_s=r["load_wall_s"], buffers=r["buffers"])
+                   load_wall_s=r["load_wall_s"], buffers=r["buffers"], argmax=r["argmax"])
     else:
         out["failed"] = f"exit {proc.returncode}" + (" (killed: SIGKILL, the cgroup's OOM killer)"
                                                       if proc.returncode == -9 else "")
@@ -256,14 +263,30 @@ LARGER_THAN_RAM = [  # (label, real_disk.py argv after DIR): issue 46's table
 ]
 
 
+def top1_agreement(results: list[dict], reference: list[dict]) -> list[float]:
+    """Per round, the fraction of decode steps whose argmax token equals the reference row's of the
+    same round (rounds where either has no ``argmax``, e.g. an OOM kill, are left out)."""
+    out = []
+    for res, ref in zip(results, reference):
+        a, b = res.get("argmax"), ref.get("argmax")
+        if a is None or b is None:
+            continue
+        if len(a) != len(b):
+            raise ValueError(f"top-1 agreement over {len(a)} steps against a reference of {len(b)}")
+        out.append(sum(x == y for x, y in zip(a, b)) / len(a))
+    return out
+
+
 def larger_than_ram(args) -> None:
-    """Every LARGER_THAN_RAM row, ``--rounds`` interleaved rounds (round r rotates the order by
-    r), each cold and in its own cgroup; a markdown table of medians [min-max] per row."""
+    """The LARGER_THAN_RAM rows (``--rows``: their 1-based numbers; default all), ``--rounds``
+    interleaved rounds (round r rotates the order by r), each cold and in its own cgroup; a
+    markdown table of medians [min-max] per row, top-1 agreement against the first row run."""
     import statistics
 
-    rows = {label: [] for label, _ in LARGER_THAN_RAM}
+    chosen = [LARGER_THAN_RAM[i - 1] for i in args.rows] if args.rows else LARGER_THAN_RAM
+    rows = {label: [] for label, _ in chosen}
     for r in range(args.rounds):
-        order = LARGER_THAN_RAM[r % len(LARGER_THAN_RAM):] + LARGER_THAN_RAM[:r % len(LARGER_THAN_RAM)]
+        order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
         for label, sub in order:
             extra = ["--gguf", args.gguf] if sub[0] == "llama" else ["--stored-layout-dir", args.stored_layout_dir]
             cmd = [sys.executable, str(Path(__file__).resolve()), sub[0], args.dir, *sub[1:], *extra, "--json",
@@ -281,14 +304,17 @@ def larger_than_ram(args) -> None:
         return fmt.format(statistics.median(vals)) + (f" [{fmt.format(min(vals))}-{fmt.format(max(vals))}]"
                                                        if len(vals) > 1 else "")
 
+    reference = chosen[0][0]
     print(f"\n| run ({args.cgroup_mb:.0f}M cgroup, cold, 1 thread, {args.tokens} tokens) | wall s/token | CPU s/token | "
-          "MB/token from storage | MB/token read by the tier | peak RSS MB | OOM kills |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          f"MB/token from storage | MB/token read by the tier | peak RSS MB | OOM kills | top-1 = {reference} |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, results in rows.items():
         kills = sum("OOM" in x.get("failed", "") for x in results)
+        agree = [{"top1": a} for a in top1_agreement(results, rows[reference])]
         print(f"| {label} | {cell(results, 'wall_s_per_token')} | {cell(results, 'cpu_s_per_token')} | "
               f"{cell(results, 'io_mb_per_token', fmt='{:.1f}')} | {cell(results, 'disk_mb_per_token', fmt='{:.1f}')} | "
-              f"{cell(results, 'peak_rss_mb', fmt='{:.0f}')} | {kills} of {len(results)} |")
+              f"{cell(results, 'peak_rss_mb', fmt='{:.0f}')} | {kills} of {len(results)} | "
+              f"{cell(agree, 'top1', fmt='{:.2f}')} |")
 
 
 def disk_compare(args, argv: list[str]) -> None:
@@ -329,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
     lt.add_argument("--tokens", type=int, default=32)
     lt.add_argument("--prefill-tokens", type=int, default=16)
     lt.add_argument("--cgroup-mb", type=float, default=1180)
+    lt.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help=f"which rows, 1-based, comma-separated (default all {len(LARGER_THAN_RAM)}): "
+                         + "; ".join(f"{i + 1} {label}" for i, (label, _) in enumerate(LARGER_THAN_RAM)))
     lp = sub.add_parser("llama", help="llama.cpp (npm's prebuilt) on a GGUF of the same weights, in a cgroup")
     lp.add_argument("dir", help="the transformers checkpoint whose tokenizer gives the ids")
     lp.add_argument("--gguf", required=True)
