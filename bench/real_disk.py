@@ -280,9 +280,10 @@ def top1_agreement(results: list[dict], reference: list[dict]) -> list[float]:
 def larger_than_ram(args) -> None:
     """The LARGER_THAN_RAM rows (``--rows``: their 1-based numbers; default all), ``--rounds``
     interleaved rounds (round r rotates the order by r), each cold and in its own cgroup; a
-    markdown table of medians [min-max] per row, top-1 agreement against the first row run."""
-    import statistics
-
+    markdown table (``larger_than_ram_table``); ``--from-log``: the table of an earlier run's output."""
+    if args.from_log:
+        print(larger_than_ram_table(rows_from_log(Path(args.from_log).read_text()), args.cgroup_mb, args.tokens))
+        return
     chosen = [LARGER_THAN_RAM[i - 1] for i in args.rows] if args.rows else LARGER_THAN_RAM
     rows = {label: [] for label, _ in chosen}
     for r in range(args.rounds):
@@ -297,24 +298,45 @@ def larger_than_ram(args) -> None:
             rows[label].append(res)
             print(label, json.dumps({k: v for k, v in res.items() if k not in ("stderr", "buffers", "plan")}), flush=True)
 
-    def cell(results, key, scale=1.0, fmt="{:.3f}"):
-        vals = [x[key] * scale for x in results if key in x]
+    print("\n" + larger_than_ram_table(rows, args.cgroup_mb, args.tokens))
+
+
+def rows_from_log(text: str) -> dict[str, list[dict]]:
+    """The per-run lines ``larger-than-ram`` printed (label, then its JSON), grouped by label in
+    order of first appearance."""
+    rows: dict[str, list[dict]] = {}
+    for line in text.splitlines():
+        if " {" in line and not line.startswith("|"):
+            label, _, blob = line.partition(" {")
+            rows.setdefault(label, []).append(json.loads("{" + blob))
+    return rows
+
+
+def larger_than_ram_table(rows: dict[str, list[dict]], cgroup_mb: float, tokens: int) -> str:
+    """Markdown: per row the median [min-max] over its rounds; OOM kills and start-up refusals
+    counted; top-1 agreement per round against the first row that decoded (its argmax tokens)."""
+    import statistics
+
+    def cell(results, key, fmt="{:.3f}"):
+        vals = [x[key] for x in results if key in x]
         if not vals:
             return "-"
         return fmt.format(statistics.median(vals)) + (f" [{fmt.format(min(vals))}-{fmt.format(max(vals))}]"
                                                        if len(vals) > 1 else "")
 
-    reference = chosen[0][0]
-    print(f"\n| run ({args.cgroup_mb:.0f}M cgroup, cold, 1 thread, {args.tokens} tokens) | wall s/token | CPU s/token | "
-          f"MB/token from storage | MB/token read by the tier | peak RSS MB | OOM kills | top-1 = {reference} |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    reference = next((label for label, results in rows.items() if any("argmax" in x for x in results)), None)
+    lines = [f"| run ({cgroup_mb:.0f}M cgroup, cold, 1 thread, {tokens} tokens) | wall s/token | CPU s/token | "
+             f"MB/token from storage | MB/token read by the tier | peak RSS MB | OOM kills | top-1 = {reference} |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, results in rows.items():
         kills = sum("OOM" in x.get("failed", "") for x in results)
-        agree = [{"top1": a} for a in top1_agreement(results, rows[reference])]
-        print(f"| {label} | {cell(results, 'wall_s_per_token')} | {cell(results, 'cpu_s_per_token')} | "
-              f"{cell(results, 'io_mb_per_token', fmt='{:.1f}')} | {cell(results, 'disk_mb_per_token', fmt='{:.1f}')} | "
-              f"{cell(results, 'peak_rss_mb', fmt='{:.0f}')} | {kills} of {len(results)} | "
-              f"{cell(agree, 'top1', fmt='{:.2f}')} |")
+        refused = sum("refused" in x for x in results)
+        agree = [{"top1": a} for a in top1_agreement(results, rows[reference])] if reference else []
+        lines.append(f"| {label} | {cell(results, 'wall_s_per_token')} | {cell(results, 'cpu_s_per_token')} | "
+                     f"{cell(results, 'io_mb_per_token', '{:.1f}')} | {cell(results, 'disk_mb_per_token', '{:.1f}')} | "
+                     f"{cell(results, 'peak_rss_mb', '{:.0f}')} | {kills} of {len(results)}"
+                     + (f" ({refused} refused at start-up)" if refused else "") + f" | {cell(agree, 'top1', '{:.2f}')} |")
+    return "\n".join(lines)
 
 
 def disk_compare(args, argv: list[str]) -> None:
@@ -355,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     lt.add_argument("--tokens", type=int, default=32)
     lt.add_argument("--prefill-tokens", type=int, default=16)
     lt.add_argument("--cgroup-mb", type=float, default=1180)
+    lt.add_argument("--from-log", default=None, help="print the table of an earlier run's output (its "
+                    "per-run lines) instead of running; --cgroup-mb and --tokens label it")
     lt.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
                     help=f"which rows, 1-based, comma-separated (default all {len(LARGER_THAN_RAM)}): "
                          + "; ".join(f"{i + 1} {label}" for i, (label, _) in enumerate(LARGER_THAN_RAM)))

@@ -48,3 +48,25 @@ def test_top1_agreement_is_per_round_against_the_same_round_of_the_reference():
                {"argmax": [1, 2, 3, 4]},   # round 1: equal to round 0's reference, not round 1's: 0 of 4
                {"failed": "exit -9 (killed: SIGKILL, the cgroup's OOM killer)"}]  # left out
     assert _real_disk().top1_agreement(results, reference) == [0.75, 0.0]
+
+
+def test_the_table_from_a_log_counts_refusals_and_kills_and_compares_top1_with_the_first_row_that_decoded():
+    rd = _real_disk()
+    log = "\n".join([
+        'a, default {"refused": "MemoryError: the model needs ..."}',
+        'b, packed {"wall_s_per_token": 0.2, "cpu_s_per_token": 0.1, "argmax": [1, 2]}',
+        'c, llama {"failed": "exit -9 (killed: SIGKILL, the cgroup\'s OOM killer)"}',
+        'a, default {"refused": "MemoryError: the model needs ..."}',
+        'b, packed {"wall_s_per_token": 0.4, "cpu_s_per_token": 0.3, "argmax": [1, 2]}',
+        'c, llama {"wall_s_per_token": 0.5, "cpu_s_per_token": 0.5, "argmax": [1, 3]}',
+        "",
+        "| an earlier table's row | is not a run |",
+    ])
+    rows = rd.rows_from_log(log)
+    assert list(rows) == ["a, default", "b, packed", "c, llama"] and [len(v) for v in rows.values()] == [2, 2, 2]
+    lines = rd.larger_than_ram_table(rows, 2490, 2).splitlines()
+    assert "top-1 = b, packed" in lines[0]
+    assert lines[2].endswith("| 0 of 2 (2 refused at start-up) | - |")
+    assert "| b, packed | 0.300 [0.200-0.400] | 0.200 [0.100-0.300] |" in lines[3] and lines[3].endswith("| 1.00 [1.00-1.00] |")
+    # round 0 of c was OOM-killed: only round 1 compares, 1 of 2 steps equal
+    assert "| c, llama | 0.500 | 0.500 |" in lines[4] and lines[4].endswith("| 1 of 2 | 0.50 |")
