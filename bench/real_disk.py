@@ -21,7 +21,9 @@ Subcommands:
   larger-than-ram DIR --gguf Q4_0.gguf --stored-layout-dir D [--rounds 3] [--cgroup-mb 1180] [--tokens 32]
                                 issue 46's table: this project (default, packed, without read-ahead, without
                                 the stored layout) and llama.cpp Q4_0 (default, --no-repack), interleaved
-                                rounds, each cold in its own cgroup; medians [min-max]
+                                rounds, each cold in its own cgroup; medians [min-max], OOM kills and
+                                start-up refusals, top-1 agreement; --rows 2,6 picks rows, --from-log FILE
+                                prints the table of an earlier run's output
   disk-compare DIR --before TREE --before-host-memory-gb G0 --host-memory-gb G [disk's flags]
                                 ``disk`` alternately from TREE and this tree (``--runs`` each);
                                 G0 for TREE (before issue 32, G budgeted the store alone)
