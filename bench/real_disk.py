@@ -21,7 +21,9 @@ Subcommands:
   larger-than-ram DIR --gguf Q4_0.gguf --stored-layout-dir D [--rounds 3] [--cgroup-mb 1180] [--tokens 32]
                                 issue 46's table: this project (default, packed, without read-ahead, without
                                 the stored layout) and llama.cpp Q4_0 (default, --no-repack), interleaved
-                                rounds, each cold in its own cgroup; medians [min-max]
+                                rounds, each cold in its own cgroup; medians [min-max], OOM kills and
+                                start-up refusals, top-1 agreement; --rows 2,6 picks rows, --from-log FILE
+                                prints the table of an earlier run's output
   disk-compare DIR --before TREE --before-host-memory-gb G0 --host-memory-gb G [disk's flags]
                                 ``disk`` alternately from TREE and this tree (``--runs`` each);
                                 G0 for TREE (before issue 32, G budgeted the store alone)
@@ -46,12 +48,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_shape import ROOT, decode, strip_flags, text_ids  # noqa: E402
 
 
+def cold_files(path: Path, *more: Path) -> list[Path]:
+    """The files a cold run must find out of the page cache: the checkpoint's shards, its own
+    stored kernel layout (``path/kernel-layout/``, written by ``pagedexperts quantize``: what the
+    packed disk tier reads), and every file under ``more`` (a stored-layout cache directory)."""
+    dirs = [path / "kernel-layout", *more]
+    return sorted(path.glob("*.safetensors")) + [f for d in dirs if d.exists() for f in sorted(d.rglob("*")) if f.is_file()]
+
+
 def drop_page_cache(path: Path, *more: Path) -> None:
-    """Drop the checkpoint's files (and every file under ``more``: a stored kernel layout) from
-    the page cache (posix_fadvise DONTNEED): reads then come from the disk, as for a checkpoint
-    larger than RAM."""
-    files = sorted(path.glob("*.safetensors")) + [f for d in more if d.exists() for f in sorted(d.rglob("*")) if f.is_file()]
-    for f in files:
+    """Drop ``cold_files(path, *more)`` from the page cache (posix_fadvise DONTNEED): reads then
+    come from the disk, as for a checkpoint larger than RAM."""
+    for f in cold_files(path, *more):
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -98,7 +106,7 @@ def disk_child(args) -> dict:
         rt.reset_stats()
         state.update(io=io_read_bytes(), wall=time.perf_counter(), cpu=time.process_time())
 
-    decode(model, ids, args.prefill_tokens, on_prefilled=start)
+    _, logits = decode(model, ids, args.prefill_tokens, on_prefilled=start)
     n = args.tokens
     d = rt.stats().as_dict(times=False)
     return dict(load_s=load_s, host_rows=rt.host_memory.host_rows, num_resident=rt.num_resident,
@@ -115,6 +123,7 @@ def disk_child(args) -> dict:
                 prefill_io_mb=(state["io"] - io0) / 1e6, prefill_wall_s=state["wall"] - wall0,
                 prefill_cpu_s=state["cpu"] - cpu0,
                 peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
+                argmax=logits.float().argmax(-1).tolist(),
                 pagedexperts=str(Path(pagedexperts.__file__).parent))
 
 
@@ -209,7 +218,7 @@ def run_llama(args) -> dict:
         n = len(r["cpu_s"])
         out.update(wall_s_per_token=sum(r["wall_s"]) / n, cpu_s_per_token=sum(r["cpu_s"]) / n,
                    io_mb_per_token=r["decode_read_bytes"] / n / 1e6, peak_rss_mb=r["peak_rss_kb"] / 1e3,
-                   load_wall_s=r["load_wall_s"], buffers=r["buffers"])
+                   load_wall_s=r["load_wall_s"], buffers=r["buffers"], argmax=r["argmax"])
     else:
         out["failed"] = f"exit {proc.returncode}" + (" (killed: SIGKILL, the cgroup's OOM killer)"
                                                       if proc.returncode == -9 else "")
@@ -256,14 +265,31 @@ LARGER_THAN_RAM = [  # (label, real_disk.py argv after DIR): issue 46's table
 ]
 
 
-def larger_than_ram(args) -> None:
-    """Every LARGER_THAN_RAM row, ``--rounds`` interleaved rounds (round r rotates the order by
-    r), each cold and in its own cgroup; a markdown table of medians [min-max] per row."""
-    import statistics
+def top1_agreement(results: list[dict], reference: list[dict]) -> list[float]:
+    """Per round, the fraction of decode steps whose argmax token equals the reference row's of the
+    same round (rounds where either has no ``argmax``, e.g. an OOM kill, are left out)."""
+    out = []
+    for res, ref in zip(results, reference):
+        a, b = res.get("argmax"), ref.get("argmax")
+        if a is None or b is None:
+            continue
+        if len(a) != len(b):
+            raise ValueError(f"top-1 agreement over {len(a)} steps against a reference of {len(b)}")
+        out.append(sum(x == y for x, y in zip(a, b)) / len(a))
+    return out
 
-    rows = {label: [] for label, _ in LARGER_THAN_RAM}
+
+def larger_than_ram(args) -> None:
+    """The LARGER_THAN_RAM rows (``--rows``: their 1-based numbers; default all), ``--rounds``
+    interleaved rounds (round r rotates the order by r), each cold and in its own cgroup; a
+    markdown table (``larger_than_ram_table``); ``--from-log``: the table of an earlier run's output."""
+    if args.from_log:
+        print(larger_than_ram_table(rows_from_log(Path(args.from_log).read_text()), args.cgroup_mb, args.tokens))
+        return
+    chosen = [LARGER_THAN_RAM[i - 1] for i in args.rows] if args.rows else LARGER_THAN_RAM
+    rows = {label: [] for label, _ in chosen}
     for r in range(args.rounds):
-        order = LARGER_THAN_RAM[r % len(LARGER_THAN_RAM):] + LARGER_THAN_RAM[:r % len(LARGER_THAN_RAM)]
+        order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
         for label, sub in order:
             extra = ["--gguf", args.gguf] if sub[0] == "llama" else ["--stored-layout-dir", args.stored_layout_dir]
             cmd = [sys.executable, str(Path(__file__).resolve()), sub[0], args.dir, *sub[1:], *extra, "--json",
@@ -274,21 +300,45 @@ def larger_than_ram(args) -> None:
             rows[label].append(res)
             print(label, json.dumps({k: v for k, v in res.items() if k not in ("stderr", "buffers", "plan")}), flush=True)
 
-    def cell(results, key, scale=1.0, fmt="{:.3f}"):
-        vals = [x[key] * scale for x in results if key in x]
+    print("\n" + larger_than_ram_table(rows, args.cgroup_mb, args.tokens))
+
+
+def rows_from_log(text: str) -> dict[str, list[dict]]:
+    """The per-run lines ``larger-than-ram`` printed (label, then its JSON), grouped by label in
+    order of first appearance."""
+    rows: dict[str, list[dict]] = {}
+    for line in text.splitlines():
+        if " {" in line and not line.startswith("|"):
+            label, _, blob = line.partition(" {")
+            rows.setdefault(label, []).append(json.loads("{" + blob))
+    return rows
+
+
+def larger_than_ram_table(rows: dict[str, list[dict]], cgroup_mb: float, tokens: int) -> str:
+    """Markdown: per row the median [min-max] over its rounds; OOM kills and start-up refusals
+    counted; top-1 agreement per round against the first row that decoded (its argmax tokens)."""
+    import statistics
+
+    def cell(results, key, fmt="{:.3f}"):
+        vals = [x[key] for x in results if key in x]
         if not vals:
             return "-"
         return fmt.format(statistics.median(vals)) + (f" [{fmt.format(min(vals))}-{fmt.format(max(vals))}]"
                                                        if len(vals) > 1 else "")
 
-    print(f"\n| run ({args.cgroup_mb:.0f}M cgroup, cold, 1 thread, {args.tokens} tokens) | wall s/token | CPU s/token | "
-          "MB/token from storage | MB/token read by the tier | peak RSS MB | OOM kills |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    reference = next((label for label, results in rows.items() if any("argmax" in x for x in results)), None)
+    lines = [f"| run ({cgroup_mb:.0f}M cgroup, cold, 1 thread, {tokens} tokens) | wall s/token | CPU s/token | "
+             f"MB/token from storage | MB/token read by the tier | peak RSS MB | OOM kills | top-1 = {reference} |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, results in rows.items():
         kills = sum("OOM" in x.get("failed", "") for x in results)
-        print(f"| {label} | {cell(results, 'wall_s_per_token')} | {cell(results, 'cpu_s_per_token')} | "
-              f"{cell(results, 'io_mb_per_token', fmt='{:.1f}')} | {cell(results, 'disk_mb_per_token', fmt='{:.1f}')} | "
-              f"{cell(results, 'peak_rss_mb', fmt='{:.0f}')} | {kills} of {len(results)} |")
+        refused = sum("refused" in x for x in results)
+        agree = [{"top1": a} for a in top1_agreement(results, rows[reference])] if reference else []
+        lines.append(f"| {label} | {cell(results, 'wall_s_per_token')} | {cell(results, 'cpu_s_per_token')} | "
+                     f"{cell(results, 'io_mb_per_token', '{:.1f}')} | {cell(results, 'disk_mb_per_token', '{:.1f}')} | "
+                     f"{cell(results, 'peak_rss_mb', '{:.0f}')} | {kills} of {len(results)}"
+                     + (f" ({refused} refused at start-up)" if refused else "") + f" | {cell(agree, 'top1', '{:.2f}')} |")
+    return "\n".join(lines)
 
 
 def disk_compare(args, argv: list[str]) -> None:
@@ -329,6 +379,11 @@ def main(argv: list[str] | None = None) -> None:
     lt.add_argument("--tokens", type=int, default=32)
     lt.add_argument("--prefill-tokens", type=int, default=16)
     lt.add_argument("--cgroup-mb", type=float, default=1180)
+    lt.add_argument("--from-log", default=None, help="print the table of an earlier run's output (its "
+                    "per-run lines) instead of running; --cgroup-mb and --tokens label it")
+    lt.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help=f"which rows, 1-based, comma-separated (default all {len(LARGER_THAN_RAM)}): "
+                         + "; ".join(f"{i + 1} {label}" for i, (label, _) in enumerate(LARGER_THAN_RAM)))
     lp = sub.add_parser("llama", help="llama.cpp (npm's prebuilt) on a GGUF of the same weights, in a cgroup")
     lp.add_argument("dir", help="the transformers checkpoint whose tokenizer gives the ids")
     lp.add_argument("--gguf", required=True)

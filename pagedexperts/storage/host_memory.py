@@ -227,7 +227,8 @@ def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, n
     Raises:
         ValueError: G below the minimum (the fixed parts + one host row per layer + staging);
             names every part and --host-memory-gb.
-        MemoryError: the total exceeds available memory; names every part.
+        MemoryError: the total exceeds available memory; names every part (with no budget
+            given and not even the disk tier's minimum available, both needs).
     """
     common = dict(num_layers=num_layers, num_experts=num_experts, expert_bytes=expert_bytes,
                   slot_bytes_on_host=slot_bytes_on_host, non_expert_bytes_on_host=non_expert_bytes_on_host,
@@ -240,8 +241,8 @@ def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, n
         plan = full_plan
     else:
         smallest = HostMemoryPlan(host_rows=1, staging_bytes=staging_bytes, **common)
-        if budget < smallest.total_bytes and not explicit:  # too little memory for anything: say so in full
-            check_available(full_plan, available_bytes)
+        if budget < smallest.total_bytes and not explicit:  # too little memory even for the disk tier
+            raise MemoryError(_nothing_fits(full_plan, smallest, budget))
         if budget < smallest.total_bytes:
             raise ValueError(_below_minimum(budget, smallest, explicit))
         rows = (budget - smallest.fixed_bytes - staging_bytes) // (num_layers * expert_bytes)
@@ -258,6 +259,14 @@ def _below_minimum(budget: int, smallest: HostMemoryPlan, explicit: bool) -> str
             f"({smallest.slot_bytes_on_host:,}) + non-expert weights ({smallest.non_expert_bytes_on_host:,}) + "
             f"KV estimate ({smallest.kv_bytes_on_host:,}) + runtime allowance ({smallest.runtime_bytes:,}); "
             "raise --host-memory-gb or lower --num-resident")
+
+
+def _nothing_fits(full: HostMemoryPlan, smallest: HostMemoryPlan, available: int) -> str:
+    return (f"the model needs {full.total_bytes:,} bytes ({_gb(full.total_bytes)}) of host memory ({full.describe()}) "
+            f"and with the disk tier at least {smallest.total_bytes:,} bytes ({_gb(smallest.total_bytes)}: one host "
+            f"row per layer; {smallest.describe()}) but only {available:,} bytes ({_gb(available)}) is available "
+            "(the smaller of the machine's and the memory cgroup's); free memory or lower --num-resident (the slots "
+            "on host are K x layers x the slot's expert bytes)")
 
 
 def check_available(plan: HostMemoryPlan, available_bytes: int | None) -> None:

@@ -264,6 +264,13 @@ def test_host_memory_plan_by_hand():
         plan_host_memory(budget_bytes=8199, available_bytes=10**6, **common)  # 7500 + 4 x 100 + 300
     with pytest.raises(MemoryError, match=r"needs 9,000 bytes"):  # 1200 rows + 300 + 7500
         plan_host_memory(budget_bytes=9200, available_bytes=8999, **common)
+    # no budget given and not even one host row per layer fits: both needs named, no advice to
+    # give a smaller --host-memory-gb (the disk tier's least does not fit either)
+    with pytest.raises(MemoryError) as info:
+        plan_host_memory(budget_bytes=None, available_bytes=8199, **common)
+    assert "needs 11,500 bytes" in str(info.value)  # 4 x 10 x 100 + 7500, no staging: the full store
+    assert "with the disk tier at least 8,200 bytes" in str(info.value)  # 4 x 100 + 300 + 7500
+    assert "only 8,199 bytes" in str(info.value) and "--host-memory-gb" not in str(info.value)
 
 
 def test_generate_reports_disk_reads_in_the_stats_json(tmp_path):
