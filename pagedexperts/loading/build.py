@@ -72,7 +72,7 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, fi
                for s in sites}
     packed = resolve_experts_implementation(cfg, fmt, dtype) == PACKED  # the rule ``resolve`` records
     linears = None if files is None or fmt.name == "dense" else plan_model_linears(model, files, fmt, packed=packed)
-    memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, top_k=top_k, linears=linears,
+    memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, top_k=top_k, linears=linears, packed=packed,
                           k_slots=cfg.resident_slots(num_experts=num_experts, top_k=top_k))
     stores, read_ahead = _make_stores(sites, layouts, memory, cfg.policy, dev)
     resolved = resolve(cfg, fmt, num_experts=num_experts, top_k=top_k, device=dev, dtype=dtype, sites=sites,
@@ -161,18 +161,19 @@ def _make_stores(sites, layouts, memory: HostMemoryPlan, policy: str, dev: torch
 
 
 def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *, k_slots: int,
-                 top_k: int, linears=None) -> HostMemoryPlan:
+                 top_k: int, linears=None, packed: bool = False) -> HostMemoryPlan:
     """Everything that will live in host memory, counted before any allocation (see
     ``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Store rows hold the
     packed specs; slots are counted at the dense size (the larger of the slot formats); the
     quantized non-expert modules kept packed (``linears``, ``QuantizedLinears``) at their kernel
-    layout's bytes instead of their dense weights'. The
+    layout's bytes instead of their dense weights'; ``packed``: the experts run packed, their slots
+    (and a converted store) in the kernels' layout. The
     available memory is credited with the part of the runtime allowance this process already
     holds (its RSS now, up to the allowance): MemAvailable and the cgroup's room exclude it."""
     packed_specs = layouts[sites[0].name].packed_specs
     expert_bytes = sum(s.row_bytes for s in packed_specs)
     slot_expert_bytes = max(expert_bytes, sum(s.row_bytes for s in sites[0].specs))
-    kernel = _kernel_expert_bytes(layouts[sites[0].name], cfg)
+    kernel = _kernel_expert_bytes(layouts[sites[0].name]) if packed else None
     if kernel is not None:  # packed on the CPU: slots (and a converted store) hold the kernels' layout
         slot_expert_bytes, expert_bytes = kernel, max(expert_bytes, kernel)
     on_cpu, paged = dev.type == "cpu", cfg.mode == "paged"
@@ -205,11 +206,9 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
     return memory
 
 
-def _kernel_expert_bytes(layout, cfg: PagingConfig) -> int | None:
-    """Bytes of one expert in torch's CPU kernel layouts when the experts run packed
-    (``formats.cpu_pack``), else None."""
-    if cfg.experts_implementation != PACKED:
-        return None
+def _kernel_expert_bytes(layout) -> int | None:
+    """Bytes of one expert in torch's CPU kernel layouts (``formats.cpu_pack``), or None where
+    the kernels cannot take ``layout``."""
     plans = plan_layout(layout)
     return None if isinstance(plans, str) else sum(s.row_bytes for s in kernel_specs(layout, plans))
 

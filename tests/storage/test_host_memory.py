@@ -135,17 +135,19 @@ def test_the_runtime_part_is_the_anonymous_memory_held_now_plus_a_margin(monkeyp
     assert host_memory.runtime_allowance("cuda")[0] == host_memory.RUNTIME_ALLOWANCE_BYTES["cuda"]
 
 
-def test_packed_slots_are_counted_at_the_kernel_layouts_bytes_and_the_split_is_logged(caplog):
-    """--experts-implementation packed: "slots on host" = the slot tables' own bytes (torch's int4
-    layout, not the dense size); the start-up line names the budget's source and the split."""
+@pytest.mark.parametrize("options", [dict(experts_implementation="packed", dtype="float32"),
+                                     dict(dtype="bfloat16")])  # the default, auto: packed at bfloat16
+def test_packed_slots_are_counted_at_the_kernel_layouts_bytes_and_the_split_is_logged(caplog, options):
+    """Experts run packed (asked, or auto's choice): "slots on host" = the slot tables' own bytes
+    (torch's int4 layout, not the dense size); the start-up line names the budget's source and the split."""
     import logging
 
     from support.paths import DATA
 
     with caplog.at_level(logging.INFO, logger="pagedexperts"):
-        model, _ = pagedexperts.load_model(DATA / "autoround/qwen3_moe-auto_round-experts", num_resident=2,
-                                           experts_implementation="packed", dtype="float32")
+        model, _ = pagedexperts.load_model(DATA / "autoround/qwen3_moe-auto_round-experts", num_resident=2, **options)
     rt = model.pagedexperts
+    assert rt.resolved.experts_implementation == "packed"
     slots = sum(t.numel() * t.element_size() for r in rt.runners.values() for t in r.slots.values())
     assert rt.host_memory.slot_bytes_on_host == slots
     assert slots < 2 * len(rt.runners) * rt.dense_expert_bytes
