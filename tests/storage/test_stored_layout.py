@@ -230,3 +230,21 @@ def test_a_writer_killed_mid_write_leaves_a_temporary_file_the_next_write_remove
     key = _key(tmp_path)
     write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
     assert not stale.exists() and alive.exists()
+
+
+@pytest.mark.parametrize("damage", ["length", "json"])
+def test_a_damaged_header_is_refused_by_name_not_raised(tmp_path, damage):
+    key = _key(tmp_path)
+    path = tmp_path / "l.pxkl"
+    write_stored_layout(path, key, _rows(key))
+    with open(path, "r+b") as f:
+        if damage == "length":  # the header's length field: 8 bytes after the magic
+            f.seek(len(kernel_layout_file.MAGIC))
+            f.write((2 ** 62).to_bytes(8, "little"))
+        else:
+            f.seek(16)
+            f.write(b"\xff\xfe{{")
+    why = open_stored_layout(path, key)
+    assert isinstance(why, str) and str(path) in why and "unreadable header" in why, why
+    if damage == "length":
+        assert f"{2 ** 62:,}" in why and f"{path.stat().st_size:,}" in why
