@@ -317,10 +317,17 @@ def packed_paths(runtime, *, why: str) -> str:
 
 
 def print_host_memory(model) -> None:
-    """One line on stderr: every part of host memory the loader counted (``HostMemoryPlan.describe``)."""
-    plan = model.pagedexperts.host_memory
+    """One line on stderr: every part of host memory the loader counted (``HostMemoryPlan.describe``);
+    with a packed disk tier a second: the stored kernel layout it reads, or that it converts at page-in,
+    and why (``Resolved.stored_layout``)."""
+    resolved = model.pagedexperts.resolved
+    plan = resolved.host_memory
     if plan is not None:
         print(f"host memory: {plan.describe()}", file=sys.stderr)
+    if "stored_layout" in resolved.reasons:
+        reads = (f"reads the stored kernel layout {resolved.stored_layout}" if resolved.stored_layout is not None
+                 else "converts each expert read to the CPU kernels' layout at page-in")
+        print(f"disk tier: {reads} ({resolved.reasons['stored_layout']})", file=sys.stderr)
 
 
 def check_paging_flags(args) -> None:

@@ -47,6 +47,9 @@ class Resolved:
             when it keeps fewer than E host rows per layer).
         experts_fallbacks: MoE layer -> why it runs grouped_mm although packed was resolved (its
             format's kernels are not torch's CPU int4 / int8 ones).
+        stored_layout: the stored kernel layout's path the packed disk tier reads
+            (``loading.stored_layout``; None: it converts at page-in, or there is no packed disk
+            tier); its reason, where there is a packed disk tier, says which and why.
         reasons: choice name -> why it resolved so (the flag given, auto's rule, a default).
 
     The mappings are the record's own: read them, never write them.
@@ -64,6 +67,7 @@ class Resolved:
     host_memory: HostMemoryPlan
     experts_fallbacks: Mapping[int, str]
     reasons: Mapping[str, str]
+    stored_layout: str | None = None
 
     def as_dict(self) -> dict:
         """The choices and their reasons as JSON-ready values (``/server_info``, reports)."""
