@@ -110,12 +110,15 @@ def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: tor
         experts_implementation=(f"auto: {implementation} for {fmt.name if fmt is not None else 'dense'} on "
                                 f"{device.type}" if cfg.experts_implementation == AUTO else
                                 _option(cfg, "experts_implementation")),
-        slot_format=(_option(cfg, "slot_format") if cfg.slot_format != AUTO else
+        slot_format=(f"unused: every MoE layer's slots hold torch's CPU kernel layout (--experts-implementation "
+                     f"{cfg.experts_implementation})" if implementation == PACKED and not fallbacks
+                     else _option(cfg, "slot_format") if cfg.slot_format != AUTO else
                      f"auto: {slot_format_of(cfg)} for {implementation} on {device.type}"),
         decide=_decide_reason(cfg, decide, device),
         cuda_graphs=graphs_reason or _option(cfg, "cuda_graphs"),
         beyond_k=_option(cfg, "beyond_k"),
-        host_memory=("--host-memory-gb" if cfg.host_memory_gb is not None else "the available memory")
+        host_memory=(f"--host-memory-gb {cfg.host_memory_gb:g}" if cfg.host_memory_gb is not None
+                     else "the available memory")
         + (": the disk tier" if memory.disk_tier else ""),
     )
     return Resolved(device=str(device), dtype=str(dtype).removeprefix("torch."), num_resident=k, experts_implementation=implementation,
