@@ -130,7 +130,7 @@ def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_di
             runtime.stored_layout_fallback = (f"stored kernel layout: {exc}; the disk tier converts each expert at "
                                               "page-in (tens of ms per expert)")
             logger.warning("%s", runtime.stored_layout_fallback)
-            record_stored_layout(runtime, None, "not written, each expert converted at page-in (the WARNING says why)")
+            record_stored_layout(runtime, None, "not written (the stats' fallbacks say why): each expert converted at page-in")
             return None
         why = f"written now to {where[cached]}"
     _use(runtime, tiers, layout)
