@@ -80,7 +80,8 @@ def add_model_arguments(parser) -> None:
         help="host memory (GB) for everything the process holds: the expert store, and on --device cpu the "
         "slots, the non-expert weights and a KV estimate, plus a runtime allowance (all printed at start-up). "
         "When all experts do not fit in what is left, each layer keeps R in host memory and reads the rest from "
-        "the checkpoint files (disk tier, reading the next layer's predicted experts ahead unless --no-read-ahead; "
+        "the checkpoint files, or under --experts-implementation packed from a stored copy in the CPU kernels' "
+        "layout (disk tier, reading the next layer's predicted experts ahead unless --no-read-ahead; "
         "docs/disk-tier.md). Default: the available memory (the "
         "smaller of the machine's and the memory cgroup's limit)",
     )
