@@ -83,7 +83,8 @@ def add_model_arguments(parser) -> None:
         help="host memory (GB) for everything the process holds: the expert store, and on --device cpu the "
         "slots, the non-expert weights and a KV estimate, plus a runtime allowance (all printed at start-up). "
         "When all experts do not fit in what is left, each layer keeps R in host memory and reads the rest from "
-        "the checkpoint files (disk tier, reading the next layer's predicted experts ahead unless --no-read-ahead; "
+        "the checkpoint files, or under --experts-implementation packed from a stored copy in the CPU kernels' "
+        "layout (disk tier, reading the next layer's predicted experts ahead unless --no-read-ahead; "
         "docs/disk-tier.md). Default: the available memory (the "
         "smaller of the machine's and the memory cgroup's limit)",
     )
@@ -335,10 +336,17 @@ def packed_paths(runtime, *, why: str) -> str:
 
 
 def print_host_memory(model) -> None:
-    """One line on stderr: every part of host memory the loader counted (``HostMemoryPlan.describe``)."""
-    plan = model.pagedexperts.host_memory
+    """One line on stderr: every part of host memory the loader counted (``HostMemoryPlan.describe``);
+    with a packed disk tier a second: the stored kernel layout it reads, or that it converts at page-in,
+    and why (``Resolved.stored_layout``)."""
+    resolved = model.pagedexperts.resolved
+    plan = resolved.host_memory
     if plan is not None:
         print(f"host memory: {plan.describe()}", file=sys.stderr)
+    if "stored_layout" in resolved.reasons:
+        reads = (f"reads the stored kernel layout {resolved.stored_layout}" if resolved.stored_layout is not None
+                 else "converts each expert read to the CPU kernels' layout at page-in")
+        print(f"disk tier: {reads} ({resolved.reasons['stored_layout']})", file=sys.stderr)
 
 
 def check_paging_flags(args) -> None:

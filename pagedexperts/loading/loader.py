@@ -24,7 +24,7 @@ from pagedexperts.loading.config import (ConfigError, PagingConfig, check_config
 from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
 from pagedexperts.loading.runners import install_prefetch
-from pagedexperts.loading.stored_layout import attach_stored_layout
+from pagedexperts.loading.stored_layout import attach_stored_layout, record_stored_layout
 from pagedexperts.models.sites import check_supported
 from pagedexperts.models.config import read_config, routing_problem, with_modelopt_quantization
 from pagedexperts.paging.steps.table import PACKED
@@ -141,9 +141,10 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
                              packed_linears=packed)
     model = build_paged_model(config, fill, cfg, expert_format=fmt, files=files)
     if cfg.stored_layout:
-        model.pagedexperts.stored_layout = attach_stored_layout(
-            model, path, [*files, path / "config.json"],
-            cache_dir=None if cfg.stored_layout_dir is None else Path(cfg.stored_layout_dir))
+        attach_stored_layout(model, path, [*files, path / "config.json"],
+                             cache_dir=None if cfg.stored_layout_dir is None else Path(cfg.stored_layout_dir))
+    else:
+        record_stored_layout(model.pagedexperts, None, "--no-stored-layout: each expert converted at page-in")
     if check_independence:
         check_model_independence(model, files, fmt)
         for store in model.pagedexperts.stores.values():  # the check's samples leave no trace

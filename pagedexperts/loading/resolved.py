@@ -47,6 +47,9 @@ class Resolved:
             when it keeps fewer than E host rows per layer).
         experts_fallbacks: MoE layer -> why it runs grouped_mm although packed was resolved (its
             format's kernels are not torch's CPU int4 / int8 ones).
+        stored_layout: the stored kernel layout's path the packed disk tier reads
+            (``loading.stored_layout``; None: it converts at page-in, or there is no packed disk
+            tier); its reason, where there is a packed disk tier, says which and why.
         reasons: choice name -> why it resolved so (the flag given, auto's rule, a default).
 
     The mappings are the record's own: read them, never write them.
@@ -64,6 +67,7 @@ class Resolved:
     host_memory: HostMemoryPlan
     experts_fallbacks: Mapping[int, str]
     reasons: Mapping[str, str]
+    stored_layout: str | None = None
 
     def as_dict(self) -> dict:
         """The choices and their reasons as JSON-ready values (``/server_info``, reports)."""
@@ -106,12 +110,15 @@ def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: tor
         experts_implementation=(f"auto: {implementation} for {fmt.name if fmt is not None else 'dense'} on "
                                 f"{device.type}" if cfg.experts_implementation == AUTO else
                                 _option(cfg, "experts_implementation")),
-        slot_format=(_option(cfg, "slot_format") if cfg.slot_format != AUTO else
+        slot_format=(f"unused: every MoE layer's slots hold torch's CPU kernel layout (--experts-implementation "
+                     f"{cfg.experts_implementation})" if implementation == PACKED and not fallbacks
+                     else _option(cfg, "slot_format") if cfg.slot_format != AUTO else
                      f"auto: {slot_format_of(cfg)} for {implementation} on {device.type}"),
         decide=_decide_reason(cfg, decide, device),
         cuda_graphs=graphs_reason or _option(cfg, "cuda_graphs"),
         beyond_k=_option(cfg, "beyond_k"),
-        host_memory=("--host-memory-gb" if cfg.host_memory_gb is not None else "the available memory")
+        host_memory=(f"--host-memory-gb {cfg.host_memory_gb:g}" if cfg.host_memory_gb is not None
+                     else "the available memory")
         + (": the disk tier" if memory.disk_tier else ""),
     )
     return Resolved(device=str(device), dtype=str(dtype).removeprefix("torch."), num_resident=k, experts_implementation=implementation,

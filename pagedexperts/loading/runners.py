@@ -62,9 +62,13 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     rt.config = cfg
+    old = rt.resolved
     rt.resolved = resolve(cfg, FORMATS[rt.expert_format], num_experts=rt.num_experts, top_k=rt.top_k, device=dev,
-                          dtype=getattr(torch, rt.resolved.dtype), sites=rt.sites, layouts=rt.layouts,
+                          dtype=getattr(torch, old.dtype), sites=rt.sites, layouts=rt.layouts,
                           memory=rt.host_memory, stores=rt.stores)
+    if "stored_layout" in old.reasons:  # the stores read what they read before (the load's choice)
+        rt.resolved = dataclasses.replace(rt.resolved, stored_layout=old.stored_layout,
+                                          reasons={**rt.resolved.reasons, "stored_layout": old.reasons["stored_layout"]})
     attach_runners(rt, dev)
 
 

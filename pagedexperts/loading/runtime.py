@@ -72,7 +72,6 @@ class PagingRuntime:
     # why the packed disk tier converts at page-in instead of reading a stored kernel layout
     # (``loading.stored_layout``); None: it reads one, or has no packed disk tier
     stored_layout_fallback: str | None = None
-    stored_layout: str | None = None  # the stored kernel layout's path the disk tier reads (None: none)
 
     @property
     def num_resident(self) -> int:
@@ -83,6 +82,11 @@ class PagingRuntime:
     def decide(self) -> str:
         """Where paged steps are planned, "host" or "device" (``Resolved.decide``)."""
         return self.resolved.decide
+
+    @property
+    def stored_layout(self) -> str | None:
+        """The stored kernel layout's path the disk tier reads (``Resolved.stored_layout``)."""
+        return self.resolved.stored_layout
 
     @property
     def host_memory(self) -> HostMemoryPlan:

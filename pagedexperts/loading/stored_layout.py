@@ -110,11 +110,12 @@ def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_di
         return None
     key = layout_key(tiers, files)
     cached = cache_path(checkpoint, key, cache_dir if cache_dir is not None else default_cache_dir())
-    layout = None
+    where = {cached: "the cache " + ("(--stored-layout-dir)" if cache_dir is not None else "(the default directory)")}
+    layout, why = None, None
     for path in (Path(checkpoint) / CHECKPOINT_SUBDIR / layout_file_name(key), cached):
         got = open_stored_layout(path, key)
         if isinstance(got, StoredLayout):
-            layout = got
+            layout, why = got, where.get(path, "the checkpoint's own kernel-layout/ (pagedexperts quantize)")
             break
         if path.exists():
             logger.warning("stored kernel layout not used: %s; %s", got,
@@ -129,12 +130,25 @@ def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_di
             runtime.stored_layout_fallback = (f"stored kernel layout: {exc}; the disk tier converts each expert at "
                                               "page-in (tens of ms per expert)")
             logger.warning("%s", runtime.stored_layout_fallback)
+            record_stored_layout(runtime, None, "not written (the stats' fallbacks say why): each expert converted at page-in")
             return None
+        why = f"written now to {where[cached]}"
     _use(runtime, tiers, layout)
+    record_stored_layout(runtime, str(layout.path), why)
     logger.info("disk tier reads the stored kernel layout %s (%.3g GB, made from %s: %d files; %s, %s, torch %s)",
                 layout.path, layout.file_bytes / 1e9, checkpoint, len(key.source), key.capability, key.dtype,
                 key.torch_version)
     return str(layout.path)
+
+
+def record_stored_layout(runtime, path: str | None, why: str) -> None:
+    """Put the stored layout the disk tier reads (``path``; None: none, it converts at page-in)
+    and ``why`` into the runtime's ``Resolved`` where every paged layer runs packed over the disk tier;
+    elsewhere a stored layout has no part in the run and nothing is recorded."""
+    if packed_tiers(runtime):
+        resolved = runtime.resolved
+        runtime.resolved = dataclasses.replace(resolved, stored_layout=path,
+                                               reasons={**resolved.reasons, "stored_layout": why})
 
 
 def _use(runtime, tiers, layout: StoredLayout) -> None:

@@ -148,7 +148,10 @@ def _read_key(path: Path) -> tuple[LayoutKey, int] | str:
             head = f.read(16)
             if len(head) < 16 or head[:8] != MAGIC:
                 return "not a stored kernel layout (bad magic)"
-            body = f.read(int.from_bytes(head[8:], "little"))
+            length, size = int.from_bytes(head[8:], "little"), os.fstat(f.fileno()).st_size
+            if length > size - 16:  # a damaged length field: never allocate what the file does not hold
+                return f"unreadable header (its length {length:,} bytes exceeds the file's {size:,})"
+            body = f.read(length)
         raw = json.loads(body)
         raw["specs"] = tuple((n, tuple(s), d) for n, s, d in raw["specs"])
         raw["source"] = tuple(tuple(x) for x in raw["source"])

@@ -47,6 +47,7 @@ def test_quantize_stores_the_kernel_layout_that_the_packed_disk_tier_reads(tiny_
     opts = dict(num_resident=2, experts_implementation="packed")
     tiered, _ = load_model(out, host_memory_gb=host_budget_gb(out, 2, **opts), **opts)
     assert tiered.pagedexperts.host_memory.disk_tier and tiered.pagedexperts.stored_layout == str(stored)
+    assert tiered.pagedexperts.resolved.reasons["stored_layout"].startswith("the checkpoint's own kernel-layout/")
     assert sorted(stored_layout_cache.rglob("*")) == cached_before
     full, _ = load_model(out, num_resident=tiered.pagedexperts.num_experts, experts_implementation="packed")
     ids = torch.randint(2, 100, (2, 8), generator=torch.Generator().manual_seed(2))

@@ -125,3 +125,24 @@ def test_repage_resolves_again_into_a_new_record():
     assert model.pagedexperts.num_resident == E and model.pagedexperts.resolved.reasons["num_resident"].startswith(
         "mode resident")
     assert torch.device(model.pagedexperts.resolved.device).type == "cpu"
+
+
+def test_the_slot_format_and_host_memory_reasons_are_true_for_the_flags_given():
+    """Under --experts-implementation packed every layer's slots are torch's CPU kernel layout
+    (``formats.cpu_pack.CpuPackedSlots``), whatever --slot-format says; the host-memory reason
+    names the budget given."""
+    from pagedexperts.formats.cpu_pack import CpuPackedSlots
+    from support.paths import DATA
+
+    int4 = DATA / "autoround/qwen3_moe-auto_round-experts"
+    for slot_format in ("auto", "packed", "dense"):
+        model, _ = load_model(int4, num_resident=2, experts_implementation="packed", slot_format=slot_format,
+                              host_memory_gb=1.5)
+        rt = model.pagedexperts
+        assert all(isinstance(r.slots, CpuPackedSlots) for r in rt.runners.values()), slot_format
+        assert rt.resolved.reasons["slot_format"] == ("unused: every MoE layer's slots hold torch's CPU kernel layout "
+                                                      "(--experts-implementation packed)"), slot_format
+        assert rt.resolved.reasons["host_memory"] == "--host-memory-gb 1.5"
+    grouped, _ = load_model(int4, num_resident=2, experts_implementation="grouped_mm", slot_format="packed")
+    assert grouped.pagedexperts.resolved.reasons["slot_format"] == "--slot-format packed"
+    assert grouped.pagedexperts.resolved.reasons["host_memory"] == "the available memory"

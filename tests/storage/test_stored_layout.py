@@ -150,7 +150,7 @@ def test_a_full_disk_leaves_the_checkpoint_untouched_and_says_so(tmp_path, monke
     with caplog.at_level(logging.WARNING, logger="pagedexperts"):
         tiered = _tiered(path, "float32", tmp_path / "cache")
     rt = tiered.pagedexperts
-    assert rt.stored_layout is None
+    assert rt.stored_layout is None and rt.resolved.reasons["stored_layout"].startswith("not written")
     assert any("No space left on device" in r.getMessage() and "is untouched" in r.getMessage()
                for r in caplog.records), caplog.text
     assert any("converts each expert at page-in" in f for f in rt.stats().fallbacks)
@@ -230,3 +230,47 @@ def test_a_writer_killed_mid_write_leaves_a_temporary_file_the_next_write_remove
     key = _key(tmp_path)
     write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
     assert not stale.exists() and alive.exists()
+
+
+@pytest.mark.parametrize("damage", ["length", "json"])
+def test_a_damaged_header_is_refused_by_name_not_raised(tmp_path, damage):
+    key = _key(tmp_path)
+    path = tmp_path / "l.pxkl"
+    write_stored_layout(path, key, _rows(key))
+    with open(path, "r+b") as f:
+        if damage == "length":  # the header's length field: 8 bytes after the magic
+            f.seek(len(kernel_layout_file.MAGIC))
+            f.write((2 ** 62).to_bytes(8, "little"))
+        else:
+            f.seek(16)
+            f.write(b"\xff\xfe{{")
+    why = open_stored_layout(path, key)
+    assert isinstance(why, str) and str(path) in why and "unreadable header" in why, why
+    if damage == "length":
+        assert f"{2 ** 62:,}" in why and f"{path.stat().st_size:,}" in why
+
+
+def test_the_resolved_record_says_which_stored_layout_the_tier_reads_and_why(tmp_path, monkeypatch, capsys):
+    """Written now, found again, turned off: ``Resolved.stored_layout`` and its reason say which,
+    in /server_info's and --stats-json's record (``as_dict``) and on the start-up line; a repage
+    keeps them (its stores read what they read before)."""
+    from pagedexperts.commands.common import print_host_memory
+    from pagedexperts.loading.runners import repage
+
+    cache = tmp_path / "cache"
+    written = _tiered(INT4, "float32", cache).pagedexperts.resolved
+    path = written.stored_layout
+    assert Path(path).is_file() and Path(path).parent.parent == cache
+    assert written.reasons["stored_layout"] == "written now to the cache (--stored-layout-dir)"
+    found = _tiered(INT4, "float32", cache)
+    record = found.pagedexperts.resolved.as_dict()
+    assert (record["stored_layout"], record["reasons"]["stored_layout"]) == (path, "the cache (--stored-layout-dir)")
+    print_host_memory(found)
+    assert f"disk tier: reads the stored kernel layout {path} (the cache (--stored-layout-dir))" in capsys.readouterr().err
+    repage(found, mode="paged", num_resident=4)
+    assert (found.pagedexperts.resolved.stored_layout, found.pagedexperts.resolved.reasons["stored_layout"]) == (
+        path, "the cache (--stored-layout-dir)")
+    off = _tiered(INT4, "float32", cache, stored_layout=False).pagedexperts.resolved
+    assert off.stored_layout is None and off.reasons["stored_layout"].startswith("--no-stored-layout")
+    full, _ = load_model(INT4, num_resident=2, experts_implementation="packed")  # no disk tier: nothing to say
+    assert full.pagedexperts.resolved.stored_layout is None and "stored_layout" not in full.pagedexperts.resolved.reasons
