@@ -174,10 +174,16 @@ def run_disk(args, argv: list[str], tree: Path = ROOT) -> dict:
             if args.cgroup_mb else None), "cgroup_mb": args.cgroup_mb, "host_memory_gb": args.host_memory_gb}
     if proc.returncode == 0:
         out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-    else:
+    return _finish(out, proc, cgroup, stderr_chars=1500)
+
+
+def _finish(out: dict, proc, cgroup, *, stderr_chars: int) -> dict:
+    """``out`` with a failed run's exit (SIGKILL named as the cgroup's OOM kill) and stderr tail,
+    the cgroup's peak memory, and the cgroup removed."""
+    if proc.returncode != 0:
         killed = " (killed: SIGKILL, the cgroup's OOM killer)" if proc.returncode == -9 else ""
         out["failed"] = f"exit {proc.returncode}{killed}"
-        out["stderr"] = proc.stderr[-1500:]
+        out["stderr"] = proc.stderr[-stderr_chars:]
     if cgroup:
         out["cgroup_peak_mb"] = cgroup_peak_mb(cgroup)
         try:
@@ -219,17 +225,7 @@ def run_llama(args) -> dict:
         out.update(wall_s_per_token=sum(r["wall_s"]) / n, cpu_s_per_token=sum(r["cpu_s"]) / n,
                    io_mb_per_token=r["decode_read_bytes"] / n / 1e6, peak_rss_mb=r["peak_rss_kb"] / 1e3,
                    load_wall_s=r["load_wall_s"], buffers=r["buffers"], argmax=r["argmax"])
-    else:
-        out["failed"] = f"exit {proc.returncode}" + (" (killed: SIGKILL, the cgroup's OOM killer)"
-                                                      if proc.returncode == -9 else "")
-        out["stderr"] = proc.stderr[-800:]
-    if cgroup:
-        out["cgroup_peak_mb"] = cgroup_peak_mb(cgroup)
-        try:
-            cgroup.rmdir()
-        except OSError as exc:
-            out["cgroup_left"] = str(exc)
-    return out
+    return _finish(out, proc, cgroup, stderr_chars=800)
 
 
 def llama_line(r: dict) -> str:
