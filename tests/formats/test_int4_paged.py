@@ -65,13 +65,15 @@ CASES = [("w4a16", "qwen3_moe"), ("w4a16", "mixtral"), ("w4a16", "deepseek_v3"),
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, family", CASES)
 def test_paged_int4_equals_unpaged(variant, family, pairs):
+    """grouped_mm over packed and dense slots is bit-identical to transformers' (the packed CPU
+    kernels' exactness: tests/paging/test_packed_cpu_exact.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quantized, ref_dir = pairs(variant, family)
     reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.bfloat16, experts_implementation="grouped_mm").eval()
     tokenizer = AutoTokenizer.from_pretrained(quantized)
     for k, slot_format in ((TOP_K, "packed"), (2 * TOP_K, "packed"), (E // 2, "packed"), (TOP_K, "dense")):
-        paged, _ = load_model(quantized, num_resident=k, slot_format=slot_format)
+        paged, _ = load_model(quantized, num_resident=k, slot_format=slot_format, experts_implementation="grouped_mm")
         what = f"{variant} {family} K={k} {slot_format} slots"
         assert_exact(paged, reference, tokenizer, what)
         _padded_batch_exact(paged, reference)
@@ -87,7 +89,8 @@ def test_independence_check_catches_an_int4_tensor_left_out_of_the_page_in(varia
     from pagedexperts.storage.host_store import HostExpertStore
 
     quantized, _ = pairs(variant, "qwen3_moe")
-    load_model(quantized, num_resident=TOP_K, slot_format="packed")  # passes when every tensor is paged
+    # the dequantizing page-in (grouped_mm: --slot-format's packed rows); passes when every tensor is paged
+    load_model(quantized, num_resident=TOP_K, slot_format="packed", experts_implementation="grouped_mm")
 
     def copy_without(self, expert, slot, slots):
         for name, host in self.tensors.items():
@@ -96,7 +99,7 @@ def test_independence_check_catches_an_int4_tensor_left_out_of_the_page_in(varia
 
     monkeypatch.setattr(HostExpertStore, "copy_to_slot", copy_without)
     with pytest.raises(IndependenceError, match=f"'{left_out}'.*left out of the page-in"):
-        load_model(quantized, num_resident=TOP_K, slot_format="packed")
+        load_model(quantized, num_resident=TOP_K, slot_format="packed", experts_implementation="grouped_mm")
 
 
 @pytest.mark.slow
@@ -140,7 +143,8 @@ def test_w4a16_float32_scales_at_bfloat16_equal_transformers(w4a16_fp32_scales, 
         torch.float32, torch.float32, torch.bfloat16), "transformers' loading changed: revisit the w4a16 layout"
     tokenizer = AutoTokenizer.from_pretrained(w4a16_fp32_scales)
     for k, slot_format in ((TOP_K, "packed"), (E // 2, "packed"), (TOP_K, "dense")):
-        paged, _ = load_model(w4a16_fp32_scales, num_resident=k, dtype="bfloat16", slot_format=slot_format)
+        paged, _ = load_model(w4a16_fp32_scales, num_resident=k, dtype="bfloat16", slot_format=slot_format,
+                                  experts_implementation="grouped_mm")
         assert_exact(paged, reference, tokenizer, f"w4a16 fp32 scales at bfloat16 K={k} {slot_format} slots")
         _padded_batch_exact(paged, reference)
 
