@@ -67,7 +67,8 @@ def add_model_arguments(parser) -> None:
                    "page-in instead of reading a stored copy in the CPU kernels' layout (written once, on first load)")
     g.add_argument("--stored-layout-dir", default=None, metavar="DIR",
                    help="where the stored kernel layout of a checkpoint is cached when the checkpoint has none in "
-                   "its own kernel-layout/ directory (default ~/.cache/pagedexperts/kernel-layouts)")
+                   "its own kernel-layout/ directory (default: kernel-layouts/ in $PAGEDEXPERTS_CACHE, else "
+                   "$XDG_CACHE_HOME/pagedexperts, else ~/.cache/pagedexperts)")
     g.add_argument(
         "--slot-format",
         default=DEFAULT_SLOT_FORMAT,

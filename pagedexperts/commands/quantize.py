@@ -2,19 +2,18 @@
 
 Owns: the flags, their validation, the report line, and the ``bundled`` and ``bundled:FORMAT``
 model paths of every command (the bundled model, and its quantized variants built on first use
-into the cache directory: ``$PAGEDEXPERTS_CACHE``, else ``$XDG_CACHE_HOME/pagedexperts``, else
-``~/.cache/pagedexperts``).
+into the cache directory, ``loading.cache_root``: ``$PAGEDEXPERTS_CACHE``, else
+``$XDG_CACHE_HOME/pagedexperts``, else ``~/.cache/pagedexperts``).
 The work is ``pagedexperts.tools.quantize``.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 from pagedexperts.commands import COMMANDS
 from pagedexperts.formats import QUANTIZE_FORMATS
+from pagedexperts.loading.cache_root import cache_root
 
 BUNDLED_PREFIX = "bundled:"
 
@@ -55,14 +54,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run_quantize)
 
 
-def default_cache_dir() -> Path:
-    """``$PAGEDEXPERTS_CACHE``, else ``$XDG_CACHE_HOME/pagedexperts``, else ``~/.cache/pagedexperts``."""
-    if os.environ.get("PAGEDEXPERTS_CACHE"):
-        return Path(os.environ["PAGEDEXPERTS_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedexperts"
-
-
 def resolve_model_path(value: str | None, cache_dir: str | None = None) -> str | None:
     """``bundled`` -> the bundled model's directory; ``bundled:FORMAT`` -> its quantized variant's
     directory (built on first use); any other value unchanged."""
@@ -75,7 +66,7 @@ def resolve_model_path(value: str | None, cache_dir: str | None = None) -> str |
     from pagedexperts.tools.quantize import bundled_variant_path
 
     fmt = value.removeprefix(BUNDLED_PREFIX)
-    return str(bundled_variant_path(fmt, cache_dir=cache_dir or default_cache_dir()))
+    return str(bundled_variant_path(fmt, cache_dir=cache_dir or cache_root()))
 
 
 def format_flags_given(args) -> dict[str, str]:

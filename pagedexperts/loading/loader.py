@@ -96,7 +96,8 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         stored_layout: with the disk tier under ``experts_implementation`` packed, read the experts
             from a stored copy in the CPU kernels' layout (``loading.stored_layout``: the
             checkpoint's own ``kernel-layout/``, or written once to ``stored_layout_dir``, None:
-            ~/.cache/pagedexperts/kernel-layouts), so that a miss is a read and a copy; False:
+            kernel-layouts/ in $PAGEDEXPERTS_CACHE, else $XDG_CACHE_HOME/pagedexperts, else
+            ~/.cache/pagedexperts), so that a miss is a read and a copy; False:
             each miss converts the checkpoint's rows at page-in.
         host_memory_gb: G, host memory in GB (1e9 bytes) for everything the process holds
             (``storage.host_memory.HostMemoryPlan``): the expert store, the slots, non-expert

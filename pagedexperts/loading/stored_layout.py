@@ -8,7 +8,8 @@ cache directory, write it to the cache directory when there is none (once, conve
 expert from the checkpoint: its location, size and source are logged), and point the disk
 tier's stores at it (``TieredExpertStore.use_source``) so that a miss is a read and a copy.
 A stored layout that does not match (changed checkpoint, other torch or capability, truncated)
-is rebuilt with a WARNING naming what differs; one that cannot be written (full disk) leaves
+is rebuilt with a WARNING naming what differs (a source file whose mtime alone differs, as in a
+copy, is hashed and the layout used when its bytes match: INFO, and the resolved record's reason); one that cannot be written (full disk) leaves
 the checkpoint untouched and the tier converting at page-in, with a WARNING and a line in the
 stats' fallbacks. Does not: convert (``formats.cpu_pack``) or read (``storage.host_tier``).
 """
@@ -21,6 +22,7 @@ import logging
 from pathlib import Path
 
 from pagedexperts.formats.cpu_pack import CpuPackedSlots
+from pagedexperts.loading.cache_root import cache_root
 from pagedexperts.paging.runner_contract import PagedExecutor
 from pagedexperts.storage.host_store import ExpertStore
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
@@ -33,8 +35,10 @@ CHECKPOINT_SUBDIR = "kernel-layout"  # a checkpoint's own stored layouts (writte
 
 
 def default_cache_dir() -> Path:
-    """Where stored layouts of checkpoints are cached: ~/.cache/pagedexperts/kernel-layouts."""
-    return Path.home() / ".cache" / "pagedexperts" / "kernel-layouts"
+    """Where stored layouts of checkpoints are cached: ``kernel-layouts/`` in the project's cache
+    directory (``loading.cache_root``: $PAGEDEXPERTS_CACHE, else $XDG_CACHE_HOME/pagedexperts,
+    else ~/.cache/pagedexperts)."""
+    return cache_root() / "kernel-layouts"
 
 
 def layout_file_name(key: LayoutKey) -> str:
@@ -76,12 +80,13 @@ def kernel_rows(store: ExpertStore, table: CpuPackedSlots, first: int, n: int) -
     return table.convert_many(store.read_rows(first, n))
 
 
-def layout_key(tiers, files: list[Path]) -> LayoutKey:
-    """The key of the stored layout of ``tiers`` (``packed_tiers``) made from ``files``."""
+def layout_key(tiers, files: list[Path], *, content: bool = False) -> LayoutKey:
+    """The key of the stored layout of ``tiers`` (``packed_tiers``) made from ``files``
+    (``content``: with each file's digest, as a written layout's key; reads every file)."""
     store, table = tiers[0]
     dtype = next(iter(table.plans.values())).dtype
     return LayoutKey.make(specs=table.specs, dtype=dtype, num_layers=len(tiers), num_experts=store.num_experts,
-                          source_files=files)
+                          source_files=files, content=content)
 
 
 def write_for(tiers, key: LayoutKey, path: Path, *, source_name: str) -> StoredLayout:
@@ -113,9 +118,13 @@ def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_di
     where = {cached: "the cache " + ("(--stored-layout-dir)" if cache_dir is not None else "(the default directory)")}
     layout, why = None, None
     for path in (Path(checkpoint) / CHECKPOINT_SUBDIR / layout_file_name(key), cached):
-        got = open_stored_layout(path, key)
+        got = open_stored_layout(path, key, files)
         if isinstance(got, StoredLayout):
             layout, why = got, where.get(path, "the checkpoint's own kernel-layout/ (pagedexperts quantize)")
+            if got.verified_by_content:
+                why += f"; verified by content ({', '.join(got.verified_by_content)}: mtime differs, sha256 matches)"
+                logger.info("stored kernel layout %s: the mtime of %s differs from when it was made (a copy?); "
+                            "verified by content (sha256 matches)", path, ", ".join(got.verified_by_content))
             break
         if path.exists():
             logger.warning("stored kernel layout not used: %s; %s", got,
@@ -125,7 +134,8 @@ def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_di
                     "%.3g GB; torch's CPU pack for %s, %s)", checkpoint, cached, key.num_layers, key.num_experts,
                     key.num_layers * key.num_experts * key.stride / 1e9, key.capability, key.dtype)
         try:
-            layout = write_for(tiers, key, cached, source_name=f"the checkpoint {checkpoint}")
+            layout = write_for(tiers, layout_key(tiers, files, content=True), cached,
+                               source_name=f"the checkpoint {checkpoint}")
         except StoredLayoutError as exc:
             runtime.stored_layout_fallback = (f"stored kernel layout: {exc}; the disk tier converts each expert at "
                                               "page-in (tens of ms per expert)")
@@ -177,6 +187,6 @@ def write_checkpoint_layout(model, checkpoint: Path, files: list[Path]) -> Store
     layers = packed_layers(model.pagedexperts)
     if not layers:
         return "its experts do not run packed on this CPU (--experts-implementation packed)"
-    key = layout_key(layers, files)
+    key = layout_key(layers, files, content=True)
     path = Path(checkpoint) / CHECKPOINT_SUBDIR / layout_file_name(key)
     return write_for(layers, key, path, source_name=f"the checkpoint {checkpoint}")

@@ -4,8 +4,10 @@ Owns: the file format of a stored layout (``StoredLayout``: a JSON header, then 
 of every layer as one contiguous extent aligned to ALIGN bytes, its tensors back to back in the
 header's spec order), what the bytes depend on (``LayoutKey``: the format version, torch's
 version, the CPU capability the int4 pack was made for, the run dtype, the per-expert specs and
-the source checkpoint's files by name, size and mtime), the check of a file against a key
-(``open_stored_layout``: a reason naming what differs, or the layout), and the one write
+the source checkpoint's files by name, size, mtime and a sha256 of their bytes), the check of a
+file against a key (``open_stored_layout``: a reason naming what differs, or the layout; a source
+file of the same size whose mtime alone differs, as after a copy, is hashed and accepted when its
+bytes are the ones the layout was made from), and the one write
 (``write_stored_layout``: to a temporary file beside the target, renamed at the end; a failed
 write removes it and says that the source is untouched). Does not: convert anything (the
 caller gives the rows, e.g. ``formats.cpu_pack.CpuPackedSlots.convert_many``), or decide when
@@ -22,11 +24,12 @@ Legend: L MoE layers, E experts per layer.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -46,8 +49,10 @@ class StoredLayoutError(OSError):
 class LayoutKey:
     """What the stored bytes depend on; a file whose key differs is never used.
 
-    ``source``: (file name, size in bytes, mtime in ns) of each file the layout was made from;
-    ``specs``: (name, shape, dtype name) of one expert's tensors, in file order."""
+    ``source``: (file name, size in bytes, mtime in ns, content digest) of each file the layout
+    was made from (the digest ``file_digest``'s, in the key written with a layout; "" in a key
+    made to look one up, and in files written before digests were stored); ``specs``: (name,
+    shape, dtype name) of one expert's tensors, in file order."""
 
     torch_version: str
     capability: str
@@ -55,19 +60,20 @@ class LayoutKey:
     num_layers: int
     num_experts: int
     specs: tuple[tuple[str, tuple[int, ...], str], ...]
-    source: tuple[tuple[str, int, int], ...]
+    source: tuple[tuple[str, int, int, str], ...]
     format_version: int = FORMAT_VERSION
 
     @staticmethod
     def make(*, specs: list[TensorSpec], dtype: torch.dtype, num_layers: int, num_experts: int,
-             source_files: list[Path], capability: str | None = None) -> "LayoutKey":
+             source_files: list[Path], capability: str | None = None, content: bool = False) -> "LayoutKey":
         """The key of a layout of ``specs`` made now, by this torch on this CPU, from ``source_files``
-        (capability: ``torch.backends.cpu.get_cpu_capability()`` unless given)."""
+        (capability: ``torch.backends.cpu.get_cpu_capability()`` unless given; ``content``: also
+        hash each source file, as the key written with a layout does: ``source_fingerprint``)."""
         return LayoutKey(torch_version=torch.__version__,
                          capability=capability or torch.backends.cpu.get_cpu_capability(),
                          dtype=str(dtype).removeprefix("torch."), num_layers=num_layers, num_experts=num_experts,
                          specs=tuple((s.name, tuple(s.shape), str(s.dtype).removeprefix("torch.")) for s in specs),
-                         source=source_fingerprint(source_files))
+                         source=source_fingerprint(source_files, content=content))
 
     @property
     def tensor_specs(self) -> list[TensorSpec]:
@@ -82,39 +88,68 @@ class LayoutKey:
         """Bytes from one expert's extent to the next (expert bytes rounded up to ALIGN)."""
         return -(-self.expert_bytes // ALIGN) * ALIGN
 
-    def differences(self, other: "LayoutKey") -> list[str]:
-        """What differs between ``self`` (the stored one) and ``other`` (wanted now), in words."""
+    def differences(self, other: "LayoutKey", content: Mapping[str, bool] | None = None) -> list[str]:
+        """What differs between ``self`` (the stored one) and ``other`` (wanted now), in words,
+        one item per differing field or source file. Source files compare by size and mtime
+        (not digest); ``content``: file name -> whether its bytes were found to be the stored
+        digest's (``moved_sources``), a match counting as the same file whatever its mtime."""
         out = []
         for name in ("format_version", "torch_version", "capability", "dtype", "num_layers", "num_experts", "specs"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 out.append(f"{name} {a if name != 'specs' else 'of the expert tensors'} (now "
                            f"{b if name != 'specs' else 'other shapes'})")
-        stored, now = {f[0]: f[1:] for f in self.source}, {f[0]: f[1:] for f in other.source}
+        content = content or {}
+        stored, now = {f[0]: f[1:3] for f in self.source}, {f[0]: f[1:3] for f in other.source}
         for name in sorted(set(stored) | set(now)):
-            if stored.get(name) != now.get(name):
-                out.append(f"source file {name} " + ("added" if name not in stored else "removed" if name not in now
-                           else f"changed (size {stored[name][0]:,} -> {now[name][0]:,}, mtime differs)"
-                           if stored[name][0] != now[name][0] else "changed (mtime differs)"))
+            if stored.get(name) == now.get(name) or content.get(name):
+                continue
+            out.append(f"source file {name} " + ("added" if name not in stored else "removed" if name not in now
+                       else f"changed (size {stored[name][0]:,} -> {now[name][0]:,}, mtime differs)"
+                       if stored[name][0] != now[name][0]
+                       else "changed (same size, mtime differs, other content: its sha256 differs)" if name in content
+                       else "changed (mtime differs)"))
         return out
 
+    def moved_sources(self, other: "LayoutKey") -> list[str]:
+        """Source files of ``self`` (stored, with digests) whose size ``other`` (now) shares but
+        whose mtime differs, as after a copy that does not keep mtimes: the ones whose bytes a
+        hash can vouch for. Files stored without a digest are not among them."""
+        now = {f[0]: f[1:3] for f in other.source}
+        return [f[0] for f in self.source if f[3] and f[0] in now and now[f[0]][0] == f[1] and now[f[0]][1] != f[2]]
 
-def source_fingerprint(files: list[Path]) -> tuple[tuple[str, int, int], ...]:
-    """(name, size, mtime_ns) of each file, sorted by name."""
+
+def source_fingerprint(files: list[Path], *, content: bool = False) -> tuple[tuple[str, int, int, str], ...]:
+    """(name, size, mtime_ns, digest) of each file, sorted by name; digest ``file_digest``'s
+    when ``content``, else "" (a stat only)."""
     out = []
     for f in sorted(Path(p) for p in files):
         st = f.stat()
-        out.append((f.name, st.st_size, st.st_mtime_ns))
+        out.append((f.name, st.st_size, st.st_mtime_ns, file_digest(f) if content else ""))
     return tuple(out)
+
+
+def file_digest(path: Path, *, chunk: int = 1 << 23) -> str:
+    """"sha256:<hex>" of the bytes of the file at ``path``, read in ``chunk``-byte pieces (its
+    size in memory is one piece). Raises OSError when it cannot be read."""
+    h = hashlib.sha256()
+    buf = memoryview(bytearray(chunk))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(buf[:n])
+    return "sha256:" + h.hexdigest()
 
 
 @dataclass(frozen=True)
 class StoredLayout:
-    """A valid stored layout: ``path``, its ``key``, and where its expert data begins."""
+    """A valid stored layout: ``path``, its ``key``, where its expert data begins, and the
+    source files whose mtime differs from the key's but whose bytes were hashed and found to be
+    the ones it was made from (``verified_by_content``, by name)."""
 
     path: Path
     key: LayoutKey
     data_start: int
+    verified_by_content: tuple[str, ...] = ()
 
     @property
     def file_bytes(self) -> int:
@@ -154,17 +189,20 @@ def _read_key(path: Path) -> tuple[LayoutKey, int] | str:
             body = f.read(length)
         raw = json.loads(body)
         raw["specs"] = tuple((n, tuple(s), d) for n, s, d in raw["specs"])
-        raw["source"] = tuple(tuple(x) for x in raw["source"])
+        raw["source"] = tuple((*x, "") if len(x) == 3 else tuple(x) for x in raw["source"])  # 3: no digest
         key = LayoutKey(**raw)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         return f"unreadable header ({type(exc).__name__}: {exc})"
     return key, -(-(16 + len(body)) // ALIGN) * ALIGN
 
 
-def open_stored_layout(path: Path, want: LayoutKey) -> StoredLayout | str:
+def open_stored_layout(path: Path, want: LayoutKey, source_files: Sequence[Path] = ()) -> StoredLayout | str:
     """The stored layout at ``path`` if it was made for ``want`` and is complete, else why not
     (one line: missing, another format or torch or CPU capability, a changed source file by
-    name, or a truncated file with its size)."""
+    name, or a truncated file with its size). When the only differences are source files of the
+    same size and another mtime (``LayoutKey.moved_sources``) and ``source_files`` (the files
+    ``want`` was made from) holds them, they are hashed (``file_digest``): all equal to the
+    stored digests, the layout is used (``StoredLayout.verified_by_content`` names them)."""
     path = Path(path)
     if not path.exists():
         return f"{path} does not exist"
@@ -173,9 +211,19 @@ def open_stored_layout(path: Path, want: LayoutKey) -> StoredLayout | str:
         return f"{path}: {got}"
     key, data_start = got
     diffs = key.differences(want)
+    moved = key.moved_sources(want)
+    files = {Path(f).name: Path(f) for f in source_files}
+    content = {}
+    if diffs and moved and len(moved) == len(diffs) and all(name in files for name in moved):
+        stored = {f[0]: f[3] for f in key.source}
+        try:
+            content = {name: file_digest(files[name]) == stored[name] for name in moved}
+        except OSError as exc:
+            return f"{path}: a source file could not be read to compare its content ({exc})"
+        diffs = key.differences(want, content)
     if diffs:
         return f"{path} was made for another source or setting: {'; '.join(diffs)}"
-    layout = StoredLayout(path, key, data_start)
+    layout = StoredLayout(path, key, data_start, tuple(name for name, same in content.items() if same))
     size = path.stat().st_size
     if size != layout.file_bytes:
         return f"{path} is {size:,} bytes, not the {layout.file_bytes:,} its header promises (truncated?)"

@@ -10,6 +10,7 @@ Legend: E routed experts, k top_k, K resident slots, I expert intermediate, H hi
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -95,6 +96,21 @@ def copy_dir(src: Path, dst: Path) -> Path:
     """A writable copy of a checkpoint directory (tests that damage a checkpoint use one)."""
     shutil.copytree(src, dst)
     return dst
+
+
+def rewrite_expert_bytes(shard: Path) -> str:
+    """Invert (XOR 0xFF) the bytes of the first routed expert tensor of the safetensors ``shard``
+    in place: the same header, size and shapes, other weights. Returns the tensor's name."""
+    with open(shard, "r+b") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+        name = next(k for k in sorted(header) if ".experts." in k)
+        begin, end = header[name]["data_offsets"]
+        f.seek(8 + length + begin)
+        data = bytes(b ^ 0xFF for b in f.read(end - begin))
+        f.seek(8 + length + begin)
+        f.write(data)
+    return name
 
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensor") -> None:

@@ -1,0 +1,151 @@
+"""A stored kernel layout survives a copy of its checkpoint that does not keep mtimes.
+
+``cp -r``, ``git clone``, ``hf download`` and ``rsync`` without ``-t`` give every file a new
+mtime; the layout's header also holds a sha256 of each source file, so a file of the same size
+whose mtime alone differs is hashed and the layout used when its bytes are the ones it was made
+from (INFO, and the resolved record's reason), rebuilt with a WARNING naming the file when not.
+Oracle for the logits: all E resident on the same packed kernels, torch.equal, batch 2, default
+threads. Oracle for "used, not rebuilt": no file appears in the cache and no WARNING is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedexperts.cli import main
+from pagedexperts.formats.base import TensorSpec
+from pagedexperts.loading.loader import load_model
+from pagedexperts.storage.kernel_layout_file import (LayoutKey, StoredLayout, file_digest, open_stored_layout,
+                                                     write_stored_layout)
+from support.families import build_model, save_char_tokenizer
+from support.tiny import greedy_logits, host_budget_gb, rewrite_expert_bytes
+
+pytest.importorskip("compressed_tensors")
+
+
+def _key(src: Path, *, content: bool) -> LayoutKey:
+    specs = [TensorSpec("w", (4, 3), torch.uint8)]
+    return LayoutKey.make(specs=specs, dtype=torch.bfloat16, num_layers=1, num_experts=2, source_files=[src],
+                          content=content)
+
+
+def _rows(layer, first, n):
+    return {"w": torch.arange(first * 12, (first + n) * 12, dtype=torch.uint8).view(n, 4, 3)}
+
+
+def _touch(path: Path, seconds: int) -> None:
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 10**9))
+
+
+def test_the_header_holds_each_source_files_sha256(tmp_path):
+    import hashlib
+
+    src = tmp_path / "shard.safetensors"
+    src.write_bytes(bytes(range(256)) * 40000)  # > one 8 MiB read: the digest streams over pieces
+    assert file_digest(src, chunk=1 << 12) == "sha256:" + hashlib.sha256(src.read_bytes()).hexdigest()
+    layout = write_stored_layout(tmp_path / "l.pxkl", _key(src, content=True), _rows)
+    got = open_stored_layout(layout.path, _key(src, content=False), [src])
+    assert isinstance(got, StoredLayout) and got.key.source[0][3] == file_digest(src) and got.verified_by_content == ()
+
+
+def test_same_bytes_other_mtime_is_verified_by_content_other_bytes_is_refused(tmp_path):
+    src = tmp_path / "shard.safetensors"
+    src.write_bytes(b"abc" * 1000)
+    path = write_stored_layout(tmp_path / "l.pxkl", _key(src, content=True), _rows).path
+    _touch(src, 7)
+    want = _key(src, content=False)
+    why = open_stored_layout(path, want)  # no files given: nothing to hash
+    assert isinstance(why, str) and "source file shard.safetensors changed (mtime differs)" in why, why
+    got = open_stored_layout(path, want, [src])
+    assert isinstance(got, StoredLayout) and got.verified_by_content == ("shard.safetensors",)
+    src.write_bytes(b"abd" * 1000)  # same size, other bytes
+    _touch(src, 9)
+    why = open_stored_layout(path, _key(src, content=False), [src])
+    assert isinstance(why, str) and "shard.safetensors changed (same size, mtime differs, other content" in why, why
+
+
+def test_a_layout_without_digests_is_still_used_when_mtimes_match_and_rebuilt_when_not(tmp_path):
+    """A header written before digests were stored: (name, size, mtime) per file."""
+    src = tmp_path / "shard.safetensors"
+    src.write_bytes(b"abc" * 1000)
+    key = _key(src, content=False)  # digest "": what such a header reads as
+    path = write_stored_layout(tmp_path / "l.pxkl", key, _rows).path
+    assert isinstance(open_stored_layout(path, key, [src]), StoredLayout)
+    _touch(src, 7)
+    why = open_stored_layout(path, _key(src, content=False), [src])
+    assert isinstance(why, str) and "changed (mtime differs)" in why, why
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory) -> Path:
+    """A tiny w4a16 checkpoint (group 32: it runs packed) with its OUTPUT/kernel-layout/."""
+    root = tmp_path_factory.mktemp("copied")
+    src, out = root / "src", root / "q"
+    build_model("qwen3_moe", hidden_size=64, moe_intermediate_size=64).save_pretrained(src)
+    save_char_tokenizer(src)
+    assert main(["quantize", "--model-path", str(src), "--format", "w4a16", "--group-size", "32",
+                 "--output", str(out)]) == 0
+    return out
+
+
+def _tiered(path: Path):
+    opts = dict(num_resident=2, experts_implementation="packed")
+    model, _ = load_model(path, host_memory_gb=host_budget_gb(path, 2, **opts), **opts)
+    assert model.pagedexperts.host_memory.disk_tier
+    return model.eval()
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    """A copy as ``cp -r`` makes it: the bytes, new mtimes (shutil.copyfile keeps no metadata)."""
+    shutil.copytree(src, dst, copy_function=shutil.copyfile)
+    for f in dst.rglob("*"):
+        if f.is_file():
+            _touch(f, 3600)  # never the source's, even on a filesystem with coarse timestamps
+    return dst
+
+
+@pytest.mark.default_threads
+def test_a_copy_without_mtimes_reads_the_shipped_layout(quantized, tmp_path, caplog, stored_layout_cache):
+    copy = _copy(quantized, tmp_path / "copy")
+    (stored,) = (copy / "kernel-layout").iterdir()
+    cached_before = sorted(stored_layout_cache.rglob("*"))
+    with caplog.at_level(logging.INFO, logger="pagedexperts"):
+        tiered = _tiered(copy)
+    rt = tiered.pagedexperts
+    assert rt.stored_layout == str(stored), rt.resolved.reasons["stored_layout"]
+    assert sorted(stored_layout_cache.rglob("*")) == cached_before  # no new cache file
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    why = rt.resolved.reasons["stored_layout"]
+    assert why.startswith("the checkpoint's own kernel-layout/") and "verified by content (config.json, model.safetensors: " in why
+    assert any("verified by content" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    full, _ = load_model(copy, num_resident=rt.num_experts, experts_implementation="packed")
+    ids = torch.randint(2, 100, (2, 8), generator=torch.Generator().manual_seed(3))
+    got, want = greedy_logits(tiered, ids, steps=3), greedy_logits(full.eval(), ids, steps=3)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+@pytest.mark.default_threads
+def test_a_copy_whose_shard_bytes_changed_at_the_same_size_is_rebuilt(quantized, tmp_path, caplog,
+                                                                      stored_layout_cache):
+    copy = _copy(quantized, tmp_path / "copy")
+    shard = copy / "model.safetensors"
+    size = shard.stat().st_size
+    rewrite_expert_bytes(shard)
+    assert shard.stat().st_size == size
+    with caplog.at_level(logging.INFO, logger="pagedexperts"):
+        tiered = _tiered(copy)
+    rt = tiered.pagedexperts
+    assert Path(rt.stored_layout).parent.parent == stored_layout_cache  # rebuilt into the cache
+    assert rt.resolved.reasons["stored_layout"].startswith("written now")
+    assert any(r.levelno == logging.WARNING and "model.safetensors changed (same size, mtime differs, other content"
+               in r.getMessage() for r in caplog.records), caplog.text
+    full, _ = load_model(copy, num_resident=rt.num_experts, experts_implementation="packed")
+    ids = torch.randint(2, 100, (2, 8), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(greedy_logits(tiered, ids, steps=3), greedy_logits(full.eval(), ids, steps=3))
