@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.storage.safetensors_index import Extent, bytes_view
+from pagedexperts.storage.safetensors_index import Extent, advance, bytes_view
 
 FORMAT_VERSION = 1
 MAGIC = b"PXKLAYT1"  # 8 bytes, then the header's length (8 bytes little-endian), then the header (JSON)
@@ -301,8 +301,4 @@ def _write_all(fd: int, bufs: list[memoryview], offset: int) -> None:
         if n <= 0:
             raise OSError(28, "No space left on device (short write)")
         offset += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs.pop(0)
-        if bufs and n:
-            bufs[0] = bufs[0][n:]
+        advance(bufs, n)

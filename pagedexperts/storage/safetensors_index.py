@@ -177,11 +177,16 @@ def read_run(fd: int, jobs: list[tuple[Extent, torch.Tensor]]) -> None:
             raise DiskReadError(f"file {first.path} ended at byte {offset} while reading {total} bytes at "
                                 f"{first.offset} (truncated?)")
         offset += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs.pop(0)
-        if bufs and n:
-            bufs[0] = bufs[0][n:]
+        advance(bufs, n)
+
+
+def advance(bufs: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``bufs`` in place (a vectored read or write that moved ``n``)."""
+    while bufs and n >= len(bufs[0]):
+        n -= len(bufs[0])
+        bufs.pop(0)
+    if bufs and n:
+        bufs[0] = bufs[0][n:]
 
 
 def _numel(shape) -> int:
