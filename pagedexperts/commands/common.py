@@ -291,9 +291,10 @@ def experts_note(runtime, *, asked: str | None = None) -> str:
 
 
 def experts_why(runtime, asked: str | None) -> str:
-    """Why ``runtime``'s experts implementation runs: auto's choice (the default, or given) and its
-    reason (``auto_reason``), or the flag."""
-    if asked not in (None, AUTO):
+    """Why ``runtime``'s experts implementation runs: the flag where it was named (the resolved
+    record's reason), else auto's choice (default, or ``asked`` "auto") and ``auto_reason``."""
+    named = not runtime.resolved.reasons["experts_implementation"].startswith("auto:")
+    if named or asked not in (None, AUTO):
         return "--experts-implementation"
     return f"{'the default, ' if asked is None else ''}auto's choice for {runtime.expert_format}: {auto_reason(runtime)}"
 

@@ -198,7 +198,7 @@ def test_grouped_mm_default_line_says_auto_chose_it_and_why(device, mode, fmt, w
 
     cfg = PagingConfig(device=device, mode=mode)  # the default, auto
     resolved = SimpleNamespace(experts_implementation="grouped_mm", decide="host", beyond_k="waves", admit_per_step=None,
-                               num_resident=4)  # as auto resolved it
+                               num_resident=4, reasons={"experts_implementation": "auto: grouped_mm"})  # as auto resolved it
     rt = SimpleNamespace(config=cfg, resolved=resolved, expert_format=fmt)
     assert experts_note(rt).startswith(want), experts_note(rt)
 
@@ -262,3 +262,16 @@ def test_gpu_beyond_k_dry_run(tmp_path):
     assert all(r["waves_per_step"] == 1 and r["multi_wave_steps"] == 0 for r in rows if r["beyond_k"] == "in-place")
     assert any(r["waves_per_step"] > 1 for r in rows if r["beyond_k"] == "waves")
     assert all(r["decide"] == "device" and r["graphs_tok_s"] > 0 for r in rows)
+
+
+def test_an_implementation_given_by_name_is_said_to_be_the_flag():
+    """A runtime whose config names its implementation (load_model(experts_implementation=...),
+    the notes called without ``asked``) says the flag, never "the default, auto's choice"."""
+    from types import SimpleNamespace
+
+    from pagedexperts.commands.common import experts_note
+
+    resolved = SimpleNamespace(experts_implementation="grouped_mm", decide="host", beyond_k="waves", admit_per_step=None,
+                               num_resident=4, reasons={"experts_implementation": "--experts-implementation grouped_mm"})
+    rt = SimpleNamespace(config=PagingConfig(experts_implementation="grouped_mm"), resolved=resolved, expert_format="gptq")
+    assert experts_note(rt).startswith("experts: grouped_mm (--experts-implementation)"), experts_note(rt)
