@@ -93,7 +93,7 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             and compare what the experts kernel would read with the checkpoint's own tensors
             of that expert (``loading.independence``); raises naming the tensor on a mismatch.
             With the disk tier, the predictions are also read ahead from disk.
-        stored_layout: with the disk tier under ``experts_implementation`` packed, read the experts
+        stored_layout: with the disk tier where the experts run packed (auto's choice or the flag), read them
             from a stored copy in the CPU kernels' layout (``loading.stored_layout``: the
             checkpoint's own ``kernel-layout/``, or written once to ``stored_layout_dir``, None:
             kernel-layouts/ in $PAGEDEXPERTS_CACHE, else $XDG_CACHE_HOME/pagedexperts, else
