@@ -290,7 +290,9 @@ def table(res: dict) -> str:
     top-1 agreement with float32."""
     times, n = res["times"], res["n_steps"]
     base, plain = times.get("llama.cpp Q4_0"), times["plain transformers, bf16"]
-    impl = "; ".join(f"{label}: {d['expert_format']} experts, {d['experts_implementation']}, {d['slot_format']} slots"
+    impl = "; ".join(f"{label}: {d['expert_format']} experts, {d['experts_implementation']}, "
+                     + ("slots in torch's CPU kernel layout" if d["experts_implementation"] == "packed"
+                        else f"{d['slot_format']} slots")
                      for label, d in res["implementations"].items())
     backend = next((Path(d["cpu_backend"]).name for d in res["llama"].values()), "")
     lines = [f"{res['layers']} layers, {res['num_experts']} experts, {res['threads']} thread(s), {res['rounds']} interleaved rounds, "
