@@ -138,7 +138,8 @@ class SlotTransfers:
         self.device = device
         self.copy_stream = copy_stream
         rows = store.rows_in_memory()
-        # how a page-in writes its rows, chosen once (module docstring): loads -> None
+        # how a page-in writes its rows, chosen once: the slot table copies a store that holds every
+        # row in memory; a store that does not (the disk tier reads first) writes each row itself
         self._copy = (functools.partial(slots.copy_rows, rows, pinned=store.pinned) if rows is not None
                       else functools.partial(store.copy_to_slots, slots=slots))
         # expert -> slot at its last page-in (plan or prefetch): exact for every resident
