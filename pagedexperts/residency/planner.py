@@ -98,9 +98,8 @@ def begin_step(policy, union, hits_of):
 
 @dataclass
 class Residency:
-    """The slot map of one MoE layer plus its policy (None: the ``--policy`` default,
-    ``residency.policies.DEFAULT_POLICY``); plans each step's waves. ValueError: K outside [1, E]
-    (names --num-resident)."""
+    """The slot map of one MoE layer plus its policy (None: ``LFUPolicy``, the ``--policy`` default; a test
+    holds the two equal); plans each step's waves. ValueError: K outside [1, E] (names --num-resident)."""
 
     num_experts: int
     num_slots: int

@@ -1,7 +1,7 @@
 """The host expert store of one MoE layer: the ``ExpertStore`` contract (the disk tier implements it
 too) and ``HostExpertStore``, one [E, ...] host tensor per per-expert tensor, page-locked in place
-at exact size on CUDA (docs/disk-tier.md "The host store's memory"), with byte movement from a row
-into a slot or a device-side gather. Does not decide placement or compute.
+at exact size when pinned (CUDA; docs/disk-tier.md "The host store's memory"), with byte movement
+from a row into a slot or a device-side gather. Does not decide placement or compute.
 
 Legend: E routed experts, K slots; "row" = one expert's slice ``tensor[e]``.
 """
@@ -163,8 +163,8 @@ class HostExpertStore(ExpertStore):
         return self.expert_bytes * self.num_experts
 
     def write_row(self, name: str, expert: int, value: torch.Tensor, *, rows: slice | tuple | None = None) -> None:
-        """Copy ``value`` into ``expert``'s row of ``name`` (``rows``: an index into its first
-        per-expert dim). ValueError names the tensor, shapes and expert."""
+        """Copy ``value`` into ``expert``'s row of ``name`` (``rows``: a slice of its first
+        per-expert dim, or an index tuple). ValueError names the tensor, shapes and expert."""
         if name not in self.tensors:
             raise ValueError(f"no per-expert tensor {name!r}; have {sorted(self.tensors)}")
         if not 0 <= expert < self.num_experts:
