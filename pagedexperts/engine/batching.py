@@ -1,13 +1,9 @@
-"""How sequences are padded into one forward: left-padded prefill inputs, prefill groups under
-a padded-token budget, and the batch cache and 2D attention mask of a batched decode step,
-``forward_rows`` running one (one new token per request when decoding, 1 + its proposals
-when verifying speculation); packing without padding is ``chunked_prefill``.
+"""Padding sequences into one forward: left-padded prefill inputs and groups, and a batched decode
+step's cache and 2D mask (``forward_rows``). Inputs are built on the CPU (int64) and moved to the
+model's device.
 
-Tensor construction, no model of its own (``forward_rows`` calls the forward it is given):
-inputs are built on the CPU (int64) and moved to the model's device; caches stay where the
-requests' buffers are. Legend: B
-sequences, P_max the longest prompt of a batch, S cached tokens (S_max the longest), W new
-tokens of the longest row, V vocabulary.
+Legend: B sequences, P_max the longest prompt, S cached tokens (S_max the longest), W new tokens of
+the longest row, V vocabulary.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ import torch
 
 
 class CachedRow(Protocol):
-    """A sequence with per-layer KV buffers [kv_heads, capacity, D] of which ``length`` are
-    filled (the scheduler's ``sequence.Request``, a draft model's ``speculative.draft.DraftState``)."""
+    """A sequence with per-layer KV buffers [kv_heads, capacity, D], ``length`` of them filled."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -27,12 +22,8 @@ class CachedRow(Protocol):
 
 
 def decode_mask(lengths: list[int], s_max: int, widths: list[int] | None = None) -> torch.Tensor:
-    """The 2D attention mask [B, s_max + W] (int64) of one batched decode step, W = max(widths).
-
-    Row i: ``s_max - lengths[i]`` zeros (left padding), then ``lengths[i]`` ones (the
-    request's cached tokens), then ``widths[i]`` ones for its new tokens (default one each:
-    plain decoding; a verification step has 1 + its proposals) and zeros right-padding to W.
-    """
+    """The 2D mask [B, s_max + W] int64 of a batched decode step, W = max(widths): row i is ``s_max -
+    lengths[i]`` zeros, ``lengths[i]`` ones, ``widths[i]`` ones (default 1), zeros to W."""
     widths = widths or [1] * len(lengths)
     mask = torch.zeros((len(lengths), s_max + max(widths)), dtype=torch.long)
     for i, (n, w) in enumerate(zip(lengths, widths)):
@@ -41,11 +32,8 @@ def decode_mask(lengths: list[int], s_max: int, widths: list[int] | None = None)
 
 
 def prefill_inputs(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, position_ids), each [B, P_max] int64, prompts left-padded.
-
-    Positions count real tokens only (0 at each prompt's first token), as ``generate`` does
-    for left-padded batches; padded columns hold ``pad_id``, mask 0, position 0.
-    """
+    """(input_ids, attention_mask, position_ids) [B, P_max] int64, left-padded with ``pad_id``;
+    positions count real tokens only, as ``generate`` does."""
     p_max = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), p_max), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), p_max), dtype=torch.long)
@@ -57,8 +45,8 @@ def prefill_inputs(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor,
 
 
 def prefill_batches(lengths: list[int], max_prefill_tokens: int) -> list[list[int]]:
-    """Indices of admitted prompts grouped in order, each group's B x P_max <= the budget
-    (a group holds at least one prompt)."""
+    """Admitted prompts' indices grouped in order, each group's B x P_max within the budget (or one
+    prompt)."""
     groups: list[list[int]] = []
     for i, n in enumerate(lengths):
         if groups:
@@ -80,9 +68,8 @@ def left_pad(rows: list[torch.Tensor], s_max: int) -> torch.Tensor:
 
 
 def decode_cache(reqs: list[CachedRow]):
-    """The batch cache (a transformers DynamicCache, [B, kv_heads, S_max, D] per layer) of one
-    decode step over requests' own buffers (``keys`` / ``values`` [kv_heads, capacity, D] per
-    layer, ``length`` filled): left-padded; a request alone unpadded, as ``generate`` decodes."""
+    """The DynamicCache ([B, kv_heads, S_max, D] per layer) of a decode step over the requests' own
+    buffers, left-padded; a lone request unpadded, as ``generate``."""
     from transformers import DynamicCache
 
     s_max = max(r.length for r in reqs)
@@ -98,9 +85,7 @@ def decode_cache(reqs: list[CachedRow]):
 
 
 def keep_decoded_kv(reqs: list[CachedRow], cache, widths: list[int] | None = None) -> None:
-    """Write each request's new keys / values (the batch cache's columns S_max ..
-    S_max + widths[i], default one each) into its own buffers at ``length``, then advance
-    ``length`` by its width."""
+    """Write each request's new keys / values into its buffers at ``length`` and advance ``length``."""
     widths = widths or [1] * len(reqs)
     for layer, cl in enumerate(cache.layers):
         s_max = cl.keys.shape[2] - max(widths)
@@ -112,17 +97,11 @@ def keep_decoded_kv(reqs: list[CachedRow], cache, widths: list[int] | None = Non
 
 
 def forward_rows(forward, rows: list[CachedRow], tokens: list[list[int]], *, pad_id: int, device) -> torch.Tensor:
-    """One forward of ``tokens[i]`` after row i's ``length`` cached tokens; logits [B, W, V] (CPU).
-
-    ``rows``: the requests (or a draft's states) with per-layer ``keys`` / ``values`` buffers
-    [kv_heads, capacity, D] and ``length``. The caches are left-padded (``decode_cache``),
-    the new tokens right-padded to W = max len(tokens[i]) with ``pad_id``, the 2D mask
-    (``decode_mask``) hides both paddings, positions continue each row's own. A single row is
-    not padded and gets no mask (as ``model.generate``). The new keys and values are written
-    into each row's buffers at ``length`` and ``length`` advances by len(tokens[i])
-    (``keep_decoded_kv``). ``forward(input_ids=, position_ids=, cache=, logits_to_keep=,
-    [attention_mask=])`` runs the model.
-    """
+    """One forward of ``tokens[i]`` after row i's ``length`` cached tokens -> logits [B, W, V] on the
+    CPU. Caches left-padded, new tokens right-padded with ``pad_id``, both hidden by the mask (a
+    single row: no padding, no mask, as ``model.generate``); new keys / values kept and ``length``
+    advanced. ``forward(input_ids=, position_ids=, cache=, logits_to_keep=, [attention_mask=])``
+    runs the model."""
     widths = [len(t) for t in tokens]
     b, w = len(rows), max(widths)
     lengths = [r.length for r in rows]

@@ -1,20 +1,9 @@
-"""Chunked prefill: prompt chunks and running decodes packed into ONE forward, no padding.
+"""Chunked prefill: prompt chunks and running decodes packed into ONE forward without padding
+(docs/server.md): the step's plan under ``--max-prefill-tokens``, its inputs (``PackedBatch``; a 4D
+mask lets each token see only its own request) and writing new keys / values back. The mask is bool
+for sdpa, additive for eager.
 
-Owns: the plan of a packed step (which prefilling requests contribute how many prompt tokens
-under the ``--max-prefill-tokens`` budget), the packed inputs of the step (``PackedBatch``:
-token ids [1, T], positions [1, T], the 4D attention mask [1, 1, T, S + T] under which each
-token sees its own request's S_i cached tokens and its own request's earlier tokens of the
-step and nothing else, the batch cache of every request's cached keys / values concatenated
-along the sequence, the logits rows to keep), and writing each request's new keys / values
-back into its own buffers. A step of T tokens computes exactly T rows: no padding row, so the
-experts see only real tokens (the union of the step is the union of its requests).
-
-Legend: T tokens in the step (decodes + prompt chunks), S cached tokens of all its requests
-together (S_i of request i), V vocabulary, D head dim.
-
-Does not: sample, emit events, admit requests or isolate their faults (``scheduler``,
-``isolation``). The mask is the one the model's attention implementation takes: boolean for
-``sdpa`` (True = attend), additive float for ``eager``; other implementations are refused.
+Legend: T tokens in the step, S cached tokens (S_i of request i), V vocabulary, D head dim.
 """
 
 from __future__ import annotations
@@ -28,14 +17,8 @@ MASK_FORMS = ("sdpa", "eager")  # attention implementations a custom 4D mask is 
 
 @dataclass(frozen=True)
 class Segment:
-    """One request's tokens in a packed step.
-
-    ``request``: the scheduler's Request (its ``keys`` / ``values`` buffers [kv_heads,
-    capacity, D] per layer hold ``length`` cached tokens). ``token_ids``: the new tokens, at
-    positions ``length`` .. ``length + n - 1``. ``keep``: the logits rows wanted, "last" (the
-    next token is sampled from it), "all" (prompt logprobs as well) or "none" (a prompt chunk
-    that is not the last).
-    """
+    """One request's new ``token_ids`` at positions ``length``.. in a packed step; ``keep``: "last",
+    "all" or "none" logits rows."""
 
     request: object
     token_ids: tuple[int, ...]
@@ -48,12 +31,8 @@ class Segment:
 
 @dataclass
 class PackedBatch:
-    """The model inputs of one packed step and where each segment's rows are.
-
-    ``offsets[i]``: the first of segment i's T_i columns in ``input_ids``; ``keep``: int64 [R]
-    the columns whose logits are kept (``logits_to_keep``); ``rows[i]``: segment i's rows of
-    the kept logits [R, V] (a slice).
-    """
+    """A packed step's inputs; ``offsets``, ``keep`` int64 [R] (kept logits columns), ``rows[i]``
+    segment i's kept rows."""
 
     segments: list[Segment]
     input_ids: torch.Tensor  # [1, T] int64
@@ -67,8 +46,8 @@ class PackedBatch:
 
 
 def plan_chunks(remaining: list[int], budget: int) -> list[int]:
-    """Prompt tokens each prefilling request gets this step, in order: first come first
-    served until ``budget`` tokens are spent (a request may get a part; 0 = waits)."""
+    """Prompt tokens each prefilling request gets, first come first served within ``budget`` (0:
+    waits)."""
     out = []
     for n in remaining:
         take = max(0, min(n, budget))
@@ -78,9 +57,7 @@ def plan_chunks(remaining: list[int], budget: int) -> list[int]:
 
 
 def step_segments(running: list, budget: int) -> tuple[list[Segment], int]:
-    """(segments, D) of one step over the running requests: the D decodes first (requests
-    with generated tokens), then the prompt chunks ``plan_chunks`` gives the prefilling ones
-    (keeping all rows of a prompt to score, the last row of a prompt's last chunk)."""
+    """(segments, D): the D decodes first, then the prompt chunks of the prefilling requests."""
     decoding = [r for r in running if r.output_ids]
     prefilling = [r for r in running if not r.output_ids]
     takes = plan_chunks([len(r.prompt_ids) - r.length for r in prefilling], budget)
@@ -94,13 +71,8 @@ def step_segments(running: list, budget: int) -> tuple[list[Segment], int]:
 
 
 def packed_mask(cached: list[int], new: list[int], *, form: str, dtype: torch.dtype) -> torch.Tensor:
-    """The 4D mask [1, 1, T, S + T] of segments with ``cached[i]`` cached and ``new[i]`` new
-    tokens: keys are all cached tokens (segment order), then all new tokens (segment order).
-
-    Row t of segment i attends segment i's cached keys and its new keys up to t (causal).
-    ``form`` "sdpa": bool, True = attend; "eager": ``dtype`` additive, 0 or dtype's minimum.
-    Raises ValueError for another ``form``.
-    """
+    """The 4D mask [1, 1, T, S + T] (keys: all cached, then all new): row t of segment i sees its own
+    cached keys and its new keys up to t. ``form`` "sdpa" or "eager"; ValueError otherwise."""
     if form not in MASK_FORMS:
         raise ValueError(f"chunked prefill builds attention masks for {list(MASK_FORMS)}, not {form!r}; "
                          "load the model with one of them or serve with --no-chunked-prefill")
@@ -142,9 +114,7 @@ def pack(segments: list[Segment], *, form: str, dtype: torch.dtype, device) -> P
 
 
 def keep_new_kv(batch: PackedBatch) -> None:
-    """Copy each segment's new keys / values from the batch cache into its request's buffers
-    (allocated at the first chunk: [kv_heads, P + max_new_tokens, D] per layer), and advance
-    each request's ``length`` by its T_i tokens."""
+    """Copy each segment's new keys / values into its request's buffers and advance ``length`` by T_i."""
     for seg, off in zip(batch.segments, batch.offsets):
         req, n = seg.request, len(seg.token_ids)
         cols = slice(batch.cached + off, batch.cached + off + n)

@@ -1,19 +1,8 @@
-"""How the scheduler's forwards reach the running requests' KV: the contract and the dynamic layout.
+"""The scheduler's forwards: the ``StepForwards`` contract, ``DecodeCounts``, and ``DynamicForwards``,
+the fallback layout (a batch cache rebuilt every forward) for a model that cannot attend over KV
+rows. Methods return logits on the CPU and advance each request's ``length``.
 
-Owns: ``StepForwards``, the contract the scheduler calls for every forward (``prefill``: whole
-prompts in a forward of their own; ``packed``: decodes and prompt chunks in one forward;
-``decodes``: a decode or verification step; ``place`` / ``release``: a request's KV at
-admission and at its end), ``DecodeCounts`` (decode-carrying forwards by how they ran, the
-``how`` of ``pagedexperts_decode_steps_total``), and ``DynamicForwards``: each request keeps
-its own KV buffers [kv_heads, P + max_tokens, D] per layer, and every forward rebuilds a
-batch cache from them (left-padded for a decode step, ``batching``; concatenated for a packed
-step, ``chunked_prefill``) and copies the new keys and values back. That is the layout before
-the KV rows (``row_forwards``, the default) and their fallback where a model cannot attend
-over rows (``row_attention.rows_problem``); its decode steps count as ``dynamic``.
-
-Every method returns logits on the CPU and advances each request's ``length`` by the tokens it
-fed. Legend: B requests, W tokens per request, P prompt tokens, V vocabulary.
-Does not: sample, emit events or isolate faults (``scheduler``).
+Legend: B requests, W tokens per request, P prompt tokens, V vocabulary.
 """
 
 from __future__ import annotations
@@ -32,11 +21,8 @@ HOWS = ("replay", "capture", "static_eager", "packed", "dynamic")
 
 @dataclass
 class DecodeCounts:
-    """Forwards that decoded, by how: ``replay`` / ``capture`` (a CUDA graph of the step's
-    bucket replayed / captured), ``static_eager`` (the same fixed-shape step run op by op: CPU,
-    --no-cuda-graphs, a bucket over --cuda-graph-max-batch, a fallback), ``packed`` (decodes
-    riding in a chunked-prefill forward over the KV rows, eager), ``dynamic`` (on a batch cache
-    rebuilt that step). ``recaptures``: reason -> bucket steps rebuilt after one was built."""
+    """Decode forwards by how they ran (``pagedexperts_decode_steps_total{how}``, docs/server.md);
+    ``recaptures``: reason -> rebuilt steps."""
 
     replay: int = 0
     capture: int = 0
@@ -54,7 +40,7 @@ class DecodeCounts:
 
 
 class StepForwards(ABC):
-    """The scheduler's forwards over one KV layout (module docstring)."""
+    """The scheduler's forwards over one KV layout."""
 
     name = ""
     mixes_decodes = True  # a step's decodes share its prompt chunks' packed forward (else: split)
@@ -72,18 +58,16 @@ class StepForwards(ABC):
 
     @abstractmethod
     def prefill(self, reqs: list) -> dict[int, torch.Tensor]:
-        """One forward of the whole prompts of ``reqs`` -> request id -> logits [P, V] (prompt
-        logprobs asked) or [1, V] (the last position); ``length`` becomes P."""
+        """One forward of ``reqs``' whole prompts -> request id -> logits [P, V] (prompt logprobs) or
+        [1, V]."""
 
     @abstractmethod
     def packed(self, segments: list[Segment], decodes: int) -> dict[int, torch.Tensor]:
-        """One forward of ``segments`` (the first ``decodes`` are decodes) -> request id ->
-        the segment's kept logits rows (``Segment.keep``) [r, V]."""
+        """One forward of ``segments`` (``decodes`` first) -> request id -> its kept logits [r, V]."""
 
     @abstractmethod
     def decodes(self, reqs: list, tokens: list[list[int]]) -> torch.Tensor:
-        """One forward of ``tokens[i]`` after request i's cached ones -> logits [B, W, V],
-        W = max len(tokens[i]) (rows past a request's tokens are padding)."""
+        """One forward of ``tokens[i]`` after request i's cached ones -> logits [B, W, V]."""
 
     def summary(self) -> dict:
         """What /server_info shows: the layout, and the decode counts."""
@@ -91,8 +75,7 @@ class StepForwards(ABC):
 
 
 class DynamicForwards(StepForwards):
-    """Per-request KV buffers, a batch cache rebuilt every forward (module docstring).
-    ``reason``: why the scheduler fell back to it (None when asked for)."""
+    """Per-request KV buffers, a batch cache rebuilt every forward; ``reason``: why it runs."""
 
     name = "dynamic"
 

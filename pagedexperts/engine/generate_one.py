@@ -1,16 +1,6 @@
-"""``pagedexperts generate --speculative``: one prompt through the scheduler's speculative decode.
-
-Owns: running ONE request through a ``BatchScheduler`` with ``speculative`` set and chunked
-prefill off (one prompt has no decode to share a forward with: it is prefilled in one forward,
-then verified, with no padding and no mask, as ``model.generate`` runs), the
-same timing and prefill / decode paging split as ``generate.generate_text``, and the
-speculation counters in the result. One implementation of speculation serves both commands.
-
-Differences from the plain ``generate_text`` path (transformers' ``generate``): sampling draws
-from the scheduler's per-request generator seeded with ``--seed`` (same distribution, another
-random stream). Stop strings are cut from the text by the same rule (``generation.stop_text``).
-
-Does not: load models, or decide acceptance (``speculative.acceptance``).
+"""``pagedexperts generate --speculative``: one request through a ``BatchScheduler`` with speculation
+(chunked prefill off), timed like ``generate.generate_text``; sampling draws from a generator seeded
+with ``--seed``.
 """
 
 from __future__ import annotations
@@ -30,18 +20,13 @@ from pagedexperts.engine.speculative.config import SpeculativeConfig
 def speculative_generate_text(model, tokenizer, prompt: str, sampling: SamplingConfig,
                               speculative: SpeculativeConfig, *, chat: bool = False,
                               on_text: Callable[[str], None] | None = None) -> GenerationResult:
-    """Generate from ``prompt`` with speculative decoding; stream text to ``on_text``.
+    """Generate from ``prompt`` with speculative decoding, streaming text to ``on_text``. TTFT: call to
+    first new token (s); decode tok/s: (new tokens - 1) / first-to-last token time;
+    ``result.speculative``: ``SpeculativeStats.as_dict()`` plus the decode phase's misses and bytes
+    per generated token.
 
-    Timing: TTFT = from the call to the first new token (s); decode tok/s = (new tokens - 1)
-    / time from the first to the last new token. ``result.speculative`` holds
-    ``SpeculativeStats.as_dict()`` plus ``misses_per_generated_token`` and
-    ``bytes_per_generated_token`` of the decode phase (paging over tokens emitted, not routed).
-
-    Raises:
-        ValueError: bad sampling options, empty prompt, no tokenizer, --chat without a chat
-            template, or prompt + --max-new-tokens over max_position_embeddings.
-        RuntimeError: the model step failed (the scheduler's error message).
-    """
+    Raises ValueError (bad sampling options, empty prompt, no tokenizer, --chat without a template,
+    prompt + --max-new-tokens over the context) or RuntimeError (the model step failed)."""
     sampling.validate()
     if not prompt:
         raise ValueError("empty prompt; give --prompt TEXT or text on stdin")

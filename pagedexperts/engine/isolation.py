@@ -1,19 +1,7 @@
-"""Fault isolation: one bad request fails itself, never the other requests of its forward.
-
-Owns: ``check_inputs`` (what a request must satisfy before it may join a forward: prompt token
-ids and logit_bias ids inside the model's vocabulary, prompt + max_new_tokens inside the
-context), and ``each_isolated`` (run a per-request piece of a step, preparing, sampling,
-detokenizing, stopping or reporting, for each request on its own, so an exception in one
-fails that one and the loop goes on with the next).
-
-The HTTP layer validates the same bounds first (``serving.validation``: a 400 before any work); the
-checks here guard the scheduler's own callers and any bound the validation gets wrong: an id
-equal to the vocabulary size once passed validation and then, raised on the scheduler thread,
-failed every request of its forward.
-
-Does not: validate requests for clients (``serving.validation``), or retry a failed forward (an error in
-the model's forward itself fails every request of that forward; nothing per-request can be
-blamed for it).
+"""Fault isolation: ``check_inputs`` (ids in the vocabulary, prompt + max_new_tokens in the context;
+guards the scheduler behind ``serving.validation``) and ``each_isolated`` (a per-request piece of a
+step run for each request on its own). An error in the forward itself fails every request of that
+forward.
 """
 
 from __future__ import annotations
@@ -31,8 +19,8 @@ class RequestFault(ValueError):
 
 
 def check_inputs(prompt_ids: list[int], sampling, *, vocab_size: int, context_length: int) -> None:
-    """Raises RequestFault unless every prompt id and logit_bias id is in [0, vocab_size) and
-    P + max_new_tokens <= context_length (``sampling``: a SamplingParams)."""
+    """RequestFault unless every prompt and logit_bias id is in [0, vocab_size) and P + max_new_tokens
+    <= context_length."""
     if not prompt_ids:
         raise RequestFault("the prompt is empty")
     bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
@@ -49,9 +37,8 @@ def check_inputs(prompt_ids: list[int], sampling, *, vocab_size: int, context_le
 
 def each_isolated(reqs: Iterable[R], fn: Callable[[R], None], fail: Callable[[R, Exception], None],
                   *, what: str) -> list[R]:
-    """Call ``fn(req)`` for each request; one that raises is handed to ``fail(req, exc)``
-    (logged with ``what``, the step's part) and the others go on. Returns the requests whose
-    ``fn`` returned."""
+    """``fn(req)`` for each request; one that raises goes to ``fail(req, exc)`` (logged with ``what``)
+    and the others go on. Returns those whose ``fn`` returned."""
     ok = []
     for req in reqs:
         try:

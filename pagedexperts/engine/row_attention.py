@@ -1,35 +1,10 @@
-"""Attention over KV rows: the server's forwards read and write ``kv_rows.KVRows`` in place.
+"""Attention over KV rows: under a plan (``RowAttention.running``) each attention layer's new keys /
+values are written into ``kv_rows.KVRows`` (column = position) and the model's OWN attention (sdpa
+or eager) runs over views of the rows with a mask built here: ``BatchPlan`` (a fixed-shape decode
+step, no host read) or ``PackedPlan`` (prefill and chunked prefill, eager). Padding reads ``pad_id``
+at position 0 and attends only its scratch column. docs/server.md "Serving on the fast path".
 
-Owns: the attention implementation ``ROWS_IMPLEMENTATION`` (registered in transformers'
-``AttentionInterface``), the two plans a forward runs under, and ``RowAttention``, the switch
-of one model. While a plan runs (``RowAttention.running``) the model's config names this
-implementation; every attention layer then hands its new keys / values (after RoPE) here,
-they are written into the KV rows (column = position), and the attention itself is the
-model's OWN implementation (``sdpa``, or the modeling file's ``eager_attention_forward``)
-called over views of the rows with a mask built here. The rest of the time the model is
-untouched (``generate``, a reference forward).
-
-- ``BatchPlan`` (a decode step, fixed shapes): inputs [B, W], batch row i = KV row i; one
-  write (``index_put``) and one attention call over rows [0, B) per layer: no host read, no
-  allocation that depends on the data, so a CUDA graph can hold it.
-- ``PackedPlan`` (prefill and a chunked-prefill step, eager): inputs [1, T] packed without
-  padding; each token written at (its row, its position); the decodes (the step's first
-  tokens) attend as one batch over rows [0, B) (their queries scattered into a [B, W] grid),
-  each prompt chunk alone over a view of its own row.
-
-Why not transformers' paged cache (``transformers.generation.continuous_batching``): on sdpa / eager it
-reads every request's cached keys back with ``index_select`` (a copy per layer per step) and
-attends one packed query over all of them (T x sum of lengths), and its internals differ
-between 5.17 and 5.24; see docs/server.md "Serving on the fast path" for the measurement.
-
-Padding rows of a ``BatchPlan`` (rows [0, B) that hold no decoding request, and query
-positions past a row's width) read token ``pad_id`` at position 0 and attend only their own
-scratch column: all alike, so they add at most top_k experts per layer to a step's union;
-they are counted as padding tokens (``RowAttention`` gives the runners the step's count).
-
-Legend: B rows of a step, W query positions per row, T tokens of a packed step, L columns,
-H heads. Does not: choose rows or requests (``kv_rows``, ``scheduler``), build inputs
-(``row_forwards``).
+Legend: B rows of a step, W query positions per row, T tokens of a packed step, L columns, H heads.
 """
 
 from __future__ import annotations
@@ -49,32 +24,30 @@ MASK_FORMS = ("sdpa", "eager")  # the model's own implementations attention over
 
 
 def as_form(allowed: torch.Tensor, form: str, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True = attend) in ``form``: bool for sdpa, additive ``dtype`` (0 or the
-    dtype's minimum) for eager."""
+    """A bool mask (True = attend) as ``form``: bool (sdpa) or additive ``dtype`` (eager)."""
     if form == "sdpa":
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def grid_mask(visible: torch.Tensor, pad_col: torch.Tensor, width: int, *, form: str, dtype) -> torch.Tensor:
-    """[B, 1, W, L] mask of a batch over KV rows: query (i, j) attends columns < visible[i, j]
-    and column pad_col[i, j] (-1: none); ``visible``, ``pad_col``: [B, W] int64."""
+    """[B, 1, W, L]: query (i, j) sees columns < visible[i, j] and pad_col[i, j] (-1: none); [B, W]
+    int64."""
     cols = torch.arange(width, device=visible.device)
     allowed = (cols < visible[..., None]) | (cols == pad_col[..., None])
     return as_form(allowed[:, None], form, dtype)
 
 
 def chunk_mask(start: int, count: int, *, form: str, dtype, device) -> torch.Tensor:
-    """[1, 1, n, start + n] causal mask of a prompt chunk of n = ``count`` tokens at positions
-    start .. start + n - 1 over its own row's columns 0 .. start + n - 1."""
+    """[1, 1, n, start + n] causal mask of a chunk of n = ``count`` tokens starting at position
+    ``start``."""
     allowed = torch.ones((count, start + count), dtype=torch.bool, device=device).tril(diagonal=start)
     return as_form(allowed[None, None], form, dtype)
 
 
 @dataclass
 class BatchPlan:
-    """A step in batch layout: batch row i is KV row i. ``write_cols`` [B, W] int64: the column
-    each query's new key goes to; ``mask`` [B, 1, W, L]; ``row_ids`` [B, 1] = 0..B-1."""
+    """A batch-layout step: ``write_cols`` [B, W] int64, ``mask`` [B, 1, W, L], ``row_ids`` [B, 1]."""
 
     kv: KVRows
     write_cols: torch.Tensor
@@ -91,8 +64,7 @@ class BatchPlan:
 
 @dataclass
 class DecodeGroup:
-    """The decodes of a packed step, attended as one batch over KV rows [0, B): ``slots`` [n]
-    int64, the grid cell (row x W + j) of each of the step's first n tokens; ``mask`` [B, 1, W, L]."""
+    """A packed step's decodes over rows [0, B): ``slots`` [n] int64 grid cells, ``mask`` [B, 1, W, L]."""
 
     batch: int
     width: int
@@ -102,8 +74,8 @@ class DecodeGroup:
 
 @dataclass
 class ChunkPart:
-    """A prompt chunk of a packed step: tokens offset .. offset + count - 1 of the step, at
-    positions start .. start + count - 1 of KV row ``row``; ``mask`` [1, 1, count, start + count]."""
+    """A prompt chunk: step tokens offset.. at positions start.. of KV row ``row``; ``mask`` [1, 1,
+    count, start + count]."""
 
     offset: int
     count: int
@@ -114,8 +86,8 @@ class ChunkPart:
 
 @dataclass
 class PackedPlan:
-    """A packed step: ``rows`` / ``cols`` [T] int64, where each token's key and value go;
-    ``group`` (the decodes, or None) and ``chunks``."""
+    """A packed step: ``rows`` / ``cols`` [T] int64 (each token's key), ``group`` (or None),
+    ``chunks``."""
 
     kv: KVRows
     rows: torch.Tensor
@@ -145,12 +117,8 @@ class PackedPlan:
 
 
 def row_attention_forward(module, query, key, value, attention_mask, **kwargs):
-    """The registered implementation: ``module``'s ``RowAttention`` plan attends (query [B, H, q,
-    D], key / value [B, H_kv, q, D] of the new tokens) -> ([B, q, H, D], None).
-
-    Raises:
-        RuntimeError: no plan runs (the model names this implementation outside ``running``).
-    """
+    """query [B, H, q, D], key / value [B, H_kv, q, D] -> ([B, q, H, D], None); RuntimeError if no plan
+    runs."""
     rows: RowAttention | None = getattr(module, ROWS_ATTR, None)
     if rows is None or rows.plan is None:
         raise RuntimeError(f"{ROWS_IMPLEMENTATION} attention runs only inside the server's steps (RowAttention.running)")
@@ -158,7 +126,7 @@ def row_attention_forward(module, query, key, value, attention_mask, **kwargs):
 
 
 class RowAttention:
-    """The switch of one model to attention over KV rows (module docstring); ``of(model)``."""
+    """The switch of one model to attention over KV rows; ``of(model)``."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -168,12 +136,7 @@ class RowAttention:
 
     @classmethod
     def of(cls, model) -> RowAttention:
-        """The model's ``RowAttention``, made and attached on first use (the implementation
-        registered, every attention module pointed at it, the padding pre-hook installed).
-
-        Raises:
-            ValueError: ``rows_problem`` of the model.
-        """
+        """The model's ``RowAttention``, made and attached on first use. ValueError: ``rows_problem``."""
         found = getattr(model, ROWS_ATTR, None)
         if found is not None:
             return found
@@ -200,8 +163,8 @@ class RowAttention:
 
     @contextlib.contextmanager
     def running(self, plan, *, padding: torch.Tensor | None = None):
-        """Run the model's forwards in the body under ``plan`` (``padding``: the step's padding
-        rows, 0-dim, given to the paged runners)."""
+        """Run the body's forwards under ``plan``; ``padding``: 0-dim padding rows for the paged
+        runners."""
         config = self.model.config
         before = config._attn_implementation
         self.plan, self.padding = plan, padding
@@ -213,8 +176,8 @@ class RowAttention:
             self.plan, self.padding = None, None
 
     def _give_padding(self, module, args, kwargs) -> None:
-        """Pre-hook after ``integration.install_padding_hook``'s (registered later, so it runs
-        later): under a plan, the runners count the plan's padding rows (its mask is 4-D)."""
+        """Pre-hook after ``integration.install_padding_hook``'s: the runners count the plan's padding
+        rows."""
         runtime = runtime_of(self.model)
         if self.plan is None or runtime is None:
             return
@@ -229,8 +192,8 @@ def _attention_modules(model) -> list:
 
 
 def rows_problem(model) -> str | None:
-    """Why the model's attention cannot run over KV rows, or None: an implementation other than
-    sdpa / eager, a sliding window (rows attend the full causal past), or no attention module found."""
+    """Why the model cannot attend over KV rows (not sdpa / eager, a sliding window, no attention
+    module), or None."""
     cfg = model.config
     if cfg._attn_implementation not in MASK_FORMS:
         return f"attention implementation {cfg._attn_implementation!r} (KV rows call {list(MASK_FORMS)})"

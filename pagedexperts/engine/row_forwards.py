@@ -1,29 +1,9 @@
-"""The scheduler's forwards over KV rows held in place, decode steps of fixed shapes per bucket.
+"""The scheduler's forwards over KV rows (``RowForwards``, the default): decode and verification steps
+of fixed shapes per bucket (``RowStep``) run by ``generation.graphs.DecodeGraphs`` (captured on
+CUDA, verification never), prefill and chunked prefill eagerly; a step built before the rows grew or
+the runners changed is rebuilt. docs/server.md "Serving on the fast path".
 
-Owns: ``RowForwards`` (the ``forwards.StepForwards`` of the KV rows, the server's default),
-``RowStep`` (the static buffers of one decode step at bucket B and width W, and its function:
-the model's forward over them under a ``row_attention.BatchPlan``) and ``bucket_sizes``.
-
-- A decode or verification step of requests in rows r_i runs ``RowStep`` (B, W): B the
-  smallest bucket > max r_i (1, 2, 4, 8, then multiples of 8, and ``--max-running-requests``),
-  W the widest request's tokens (1, or 1 + its proposals with ``--speculative``). A decode
-  step (W = 1) is run by ``generation.graphs.DecodeGraphs`` (the StepBackend of ``generate``):
-  on CUDA captured once per bucket and replayed, B up to ``--cuda-graph-max-batch``; elsewhere
-  (CPU, ``--no-cuda-graphs``) the same step called op by op. A verification step (W > 1) runs
-  the same fixed-shape step eagerly, never captured (a graph per (bucket, W) would multiply
-  the captures by the proposal widths for the steps that already amortise launches over W). Its inputs are loaded
-  by one host-to-device copy (from pinned memory on CUDA, asynchronous: no sync before the
-  replay); padding rows and positions are masked (``row_attention``).
-- Prefill and chunked prefill are eager (``row_attention.PackedPlan``). On the eager backend a
-  step's decodes ride in its prompt chunks' forward (one pass over the weights; ``packed``);
-  with CUDA graphs they do not (``mixes_decodes`` False): the chunks get a forward of their
-  own and the decodes the replayed step, as SGLang schedules them by default.
-
-A step over rows built before the rows grew (``kv_rows``), or before the model's runners
-changed (a repage), is rebuilt; each rebuild of a built step is counted with its reason.
-
-Legend: B rows of a step, W positions per row, V vocabulary. Does not: sample or isolate
-faults (``scheduler``), capture (``generation.graphs``).
+Legend: B rows of a step, W positions per row, V vocabulary.
 """
 
 from __future__ import annotations
@@ -45,19 +25,13 @@ INPUTS = ("input_ids", "position_ids", "write_cols", "visible", "pad_col")  # th
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
-    """The decode batch sizes stepped (each its own static step): 1, 2, 4, 8, then every
-    multiple of 8 below ``max_rows``, then ``max_rows``."""
+    """1, 2, 4, 8, then every multiple of 8 below ``max_rows``, then ``max_rows``."""
     return [b for b in (1, 2, 4, 8) if b < max_rows] + list(range(16, max_rows, 8)) + [max_rows]
 
 
 class RowStep:
-    """The static buffers of a decode step over KV rows [0, B) with W positions per row, and
-    its function ``forward`` (-> ``logits`` [B, W, V]); the fields ``DecodeGraphs`` keeps.
-
-    Args:
-        rows: the model's ``RowAttention``; kv: the ``KVRows`` (width L fixed for this step);
-        batch: B; width: W <= kv.scratch; pad_id: the token of padding positions.
-    """
+    """The static buffers of a decode step over KV rows [0, B) with W <= ``kv.scratch`` positions per
+    row, and ``forward`` (-> ``logits`` [B, W, V])."""
 
     def __init__(self, rows: RowAttention, kv: KVRows, batch: int, width: int, pad_id: int) -> None:
         model = rows.model
@@ -76,9 +50,8 @@ class RowStep:
         self._logits_kw = {"logits_to_keep": 0} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
 
     def load(self, entries: list[tuple[int, list[int], int]]) -> None:
-        """The step's inputs: ``entries`` (row, tokens, cached length) of the requests decoded;
-        every other row and position is padding (token ``pad_id`` at position 0, written to and
-        attending only its own scratch column). One copy to the device, asynchronous on CUDA."""
+        """Load ``entries`` (row, tokens, cached length), the rest padding: one copy, asynchronous on
+        CUDA."""
         b, w, scratch0 = self.batch, self.width, self.kv.width - self.kv.scratch
         grid = {name: [[v] * w for _ in range(b)] for name, v in (("input_ids", self.pad_id), ("position_ids", 0),
                                                                  ("visible", 0))}
@@ -98,7 +71,7 @@ class RowStep:
         self._inputs.copy_(host, non_blocking=True)
 
     def forward(self) -> None:
-        """The step over the static buffers (the function a CUDA graph holds): ``logits``."""
+        """The step over the static buffers (what a CUDA graph holds): ``logits``."""
         mask = grid_mask(self.visible, self.pad_col, self.kv.width, form=self.rows.form, dtype=self.rows.model.dtype)
         plan = BatchPlan(self.kv, self.write_cols, self.row_ids, mask)
         with self.rows.running(plan, padding=self.padding):
@@ -108,21 +81,10 @@ class RowStep:
 
 
 class RowForwards(StepForwards):
-    """The scheduler's forwards over KV rows (module docstring).
-
-    Args:
-        model: the transformers causal LM (paged or not); its attention must run over rows
-            (``row_attention.rows_problem`` is None).
-        max_rows: R = --max-running-requests. context_length: the most positions a request needs.
-        max_width: W_s, the widest step (1 + --num-speculative-tokens with speculation, else 1).
-        backend: "cuda" (capture) or "eager". max_batch: the largest bucket captured.
-        strict: a step that cannot be captured raises (--cuda-graphs) instead of falling back.
-        pad_id: the token of padding positions. recorder: a ``TraceRecorder`` or None.
-        reason: why decode steps are not captured (--cuda-graphs resolved off), shown in ``summary``.
-
-    Raises:
-        ValueError: the model cannot attend over rows, or a bad backend / max_batch (named flag).
-    """
+    """The scheduler's forwards over KV rows. ``max_rows`` R = --max-running-requests; ``max_width``
+    W_s; ``backend`` "cuda" or "eager"; ``strict``: a step that cannot be captured raises;
+    ``reason``: why steps are not captured. ValueError: the model cannot attend over rows, or a bad
+    backend / max_batch."""
 
     name = "rows"
 
@@ -190,8 +152,7 @@ class RowForwards(StepForwards):
         return keep or [offset - 1], kept
 
     def _group(self, decodes: list[Segment]) -> DecodeGroup | None:
-        """The decodes of a packed step as one batch over rows [0, max row] (padding cells attend
-        the last scratch column)."""
+        """The decodes of a packed step as one batch over rows [0, max row]."""
         if not decodes:
             return None
         rows = [self.kv.row_of[s.request.request_id] for s in decodes]
@@ -265,9 +226,8 @@ class RowForwards(StepForwards):
             self.recorder.request_ids, self.recorder.phase = request_ids, phase
 
     def summary(self) -> dict:
-        """/server_info's view: layout, rows, columns and bytes, buckets (and the most waves a
-        decode step of each runs in a layer: ``generation.capture_checks.decode_waves``), counts, and the
-        steps' backend: counters, the (bucket, width) steps built, fallbacks with their reasons."""
+        """/server_info's view: rows, columns, bytes, buckets and their waves, counts, backend,
+        fallbacks."""
         g = self.graphs
         graphs = dict(backend=g.backend_name, reason=self.reason, max_batch=g.max_batch, **asdict(g.counters),
                       built=sorted(f"{b}x{w}" for (b, w), s in self.steps.items() if s.backend is not None),

@@ -1,41 +1,10 @@
-"""Continuous batching for the server: one thread owns the model and steps all requests.
+"""Continuous batching (``BatchScheduler``): one thread owns the model and steps every request:
+admission, one packed forward of decodes and prompt chunks (or prefill forwards then a decode
+forward), sampling, and events through each request's ``on_event``. Per-request work runs isolated:
+a fault fails that request alone. docs/server.md.
 
-Owns: the bounded waiting queue and the running set (at most ``max_running_requests``), one
-model step at a time, per-request sampling (``sampling``), and the events (text deltas,
-logprobs, finish) handed back through each request's ``on_event``. Where the running
-requests' KV lives and how a forward reaches it is its ``forwards`` (``forwards.StepForwards``):
-KV rows held in place, decode steps of fixed shapes per batch bucket replayed from CUDA graphs
-on CUDA (``row_forwards``, the default), or per-request buffers rebuilt into a batch cache
-every step (``forwards.DynamicForwards``: ``static_kv`` off, or a model whose attention cannot
-run over rows, with a WARNING).
-
-A step (``BatchScheduler.step``) drops cancelled requests and admits waiting ones up to the
-cap (each checked alone, ``isolation.check_inputs``; ``admitted_s`` stamped: the wait for a
-place, ``queue_s`` on the final event), so a place freed in one step is refilled in the next. With chunked prefill (the default) it
-runs ONE forward packing every running decode (one token each) with prompt chunks, at most
-``max_prefill_tokens`` prompt tokens per step, first come first served (``chunked_prefill``:
-no padding); a long prompt takes several steps while others decode. Where the forwards do
-not mix decodes into it (CUDA graphs: ``StepForwards.mixes_decodes``), the chunks get that
-forward alone and the decodes the step's decode forward. A step with no prompt to prefill
-DECODES every running request in one forward (``StepForwards.decodes``). Without chunked
-prefill, admitted prompts are prefilled in forwards of their own first (at most
-``max_prefill_tokens`` padded tokens each; prompts to score in batches of their own).
-
-Speculative decoding (``speculative.decoder``: a ``SpeculativeDecoder``) takes every step's decodes,
-with chunked prefill on or off: in a packed step each decode's segment carries its proposals
-(1 + n_i tokens, all rows kept), in a decode-only step they are verified in the padded decode
-forward; each request's verification and its tokens run per request like sampling.
-
-Fault isolation: preparing, sampling, verifying, detokenizing, stopping and reporting run per request
-(``isolation.each_isolated``): an exception there fails that request alone (finish "error")
-and its batch-mates go on with the tokens they would have produced without it; an exception
-in a forward itself fails the requests of that forward.
-
-Legend: B requests in a forward, P prompt tokens (P_max the longest of a batch), S cached
-tokens, T tokens of a packed step, V vocabulary, D head dim.
-
-Does not: speak HTTP or validate requests (``serving.validation``), or know about paging: paging is
-the model's own business, and its counters are read by whoever exports them.
+Legend: B requests in a forward, P prompt tokens, S cached tokens, T tokens of a packed step, V
+vocabulary, D head dim.
 """
 
 from __future__ import annotations
@@ -66,11 +35,8 @@ logger = logging.getLogger(__name__)
 
 class BatchScheduler:
     """Continuous batching over one model; ``start()`` runs ``step()`` in a background thread.
-
-    Thread model: ``submit``, ``cancel`` and the counts may be called from any thread;
-    everything that touches the model runs on the scheduler thread (or the caller of
-    ``step`` in tests, with no thread started).
-    """
+    ``submit``, ``cancel`` and the counts may be called from any thread; everything touching the
+    model runs on the scheduler thread."""
 
     def __init__(self, model, tokenizer, config: SchedulerConfig, *, recorder=None, speculative=None) -> None:
         if config.max_running_requests < 1:
@@ -99,8 +65,8 @@ class BatchScheduler:
             self.speculative = SpeculativeDecoder(model, tokenizer, speculative, pad_id=self.pad_id)
 
     def _forwards(self, speculative) -> StepForwards:
-        """KV rows (``static_kv``, where the model's attention can run over them), else the
-        dynamic layout with a WARNING and the reason (an error with ``strict_cuda_graphs``)."""
+        """KV rows where the model can attend over them, else the dynamic layout with a WARNING
+        (strict: an error)."""
         c = self.config
         reason = rows_problem(self.model) if c.static_kv else None
         if c.static_kv and reason is None:
@@ -131,16 +97,8 @@ class BatchScheduler:
         return self.submit_many([(prompt_ids, sampling, on_event)])[0]
 
     def submit_many(self, items: list[tuple[list[int], SamplingConfig, Callable[[Event], None]]]) -> list[Request]:
-        """Queue several sequences (prompt ids, sampling, on_event), all or none.
-
-        ``max_queued_requests`` bounds the sequences that must WAIT: those beyond the running
-        places still free (``max_running_requests`` minus the admitted, unfinished ones), so a
-        burst on an idle server is admitted at the next step rather than refused.
-
-        Raises:
-            QueueFull: more than ``max_queued_requests`` sequences would wait for a place.
-            SchedulerStopped: ``stop`` was called (the server is shutting down).
-        """
+        """Queue several sequences, all or none. ``max_queued_requests`` bounds those beyond the
+        running places still free. Raises QueueFull, or SchedulerStopped after ``stop``."""
         with self._wake:
             if self._stopping:
                 raise SchedulerStopped("the scheduler is stopped (the server is shutting down)")
@@ -162,7 +120,7 @@ class BatchScheduler:
 
     @property
     def free_places(self) -> int:
-        """Running places not held by an admitted, unfinished sequence (what the next step can admit)."""
+        """Running places not held by an admitted, unfinished sequence."""
         return max(0, self.config.max_running_requests - self._places_taken)
 
     def cancel(self, req: Request) -> None:
@@ -176,8 +134,7 @@ class BatchScheduler:
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0, *, reason: str = "the server is shutting down") -> None:
-        """Stop the thread after the current step; each unfinished request ends with
-        finish_reason "abort" and ``reason`` (its client gets a final event)."""
+        """Stop the thread after this step; unfinished requests end with finish "abort" and ``reason``."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -203,8 +160,7 @@ class BatchScheduler:
     # ---- scheduler thread ----
 
     def step(self) -> None:
-        """Drop cancelled requests, admit new ones, then one packed forward or the prefill
-        forwards and one batched decode (module docstring)."""
+        """Drop cancelled requests, admit new ones, then run the step's forwards."""
         admitted = self._admit()
         if self.config.chunked_prefill:
             self._running += admitted
@@ -244,8 +200,7 @@ class BatchScheduler:
         self.forwards.place(req)
 
     def _chunked_step(self) -> None:
-        """One forward: every decode and the prompt chunks the budget allows (``chunked_prefill``);
-        two where the forwards do not mix decodes into the chunks' (the chunks', then the decode)."""
+        """Every decode and the budget's prompt chunks in one forward (two where decodes do not mix)."""
         segments, decodes = step_segments(self._running, self.config.max_prefill_tokens)
         reqs = [s.request for s in segments]
         if decodes < len(segments) and (decodes == 0 or self.forwards.mixes_decodes):
@@ -275,8 +230,7 @@ class BatchScheduler:
             self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _prefill(self, reqs: list[Request]) -> None:
-        """One forward over the whole prompts of ``reqs`` (``StepForwards.prefill``), then each one's
-        first token."""
+        """One forward over ``reqs``' whole prompts, then each one's first token."""
         rows = self.forwards.prefill(reqs)
         self.stats.count_prefill(len(reqs), sum(len(r.prompt_ids) for r in reqs))
 
@@ -287,8 +241,8 @@ class BatchScheduler:
         each_isolated(reqs, prefilled, self._fail, what="sampling after prefill")
 
     def _packed(self, segments: list[Segment], decodes: int) -> None:
-        """One packed forward of ``segments`` (``decodes`` decodes first, then prompt chunks);
-        with speculation each decode carries its proposals (``SpeculativeDecoder.segments``)."""
+        """One packed forward of ``segments`` (``decodes`` first; with speculation they carry
+        proposals)."""
         proposals = None
         if self.speculative is not None and decodes:
             segments[:decodes], proposals = self.speculative.segments(segments[:decodes])
@@ -303,8 +257,7 @@ class BatchScheduler:
                       self._fail, what="prefill")
 
     def _decoded(self, reqs: list[Request], rows: dict[int, torch.Tensor], proposals) -> None:
-        """After a packed forward: each decode's token from its last row, or with speculation
-        (``proposals``, one per request) its verification over all its rows."""
+        """After a packed forward: each decode's token, or with speculation its verification."""
         if proposals is None:
             each_isolated(reqs, lambda r: self._accept(r, rows[r.request_id][-1]), self._fail, what="sampling")
             return
@@ -313,9 +266,7 @@ class BatchScheduler:
                       self._fail, what="verification")
 
     def _prompt_done(self, req: Request, rows: torch.Tensor, end: int) -> None:
-        """After a prompt chunk ending ``-end`` tokens before the prompt's end (``end`` <= 0):
-        its prompt logprobs (``rows`` [n, V] of the chunk's positions), then, once the whole
-        prompt is cached, the first token (scored-only requests finish)."""
+        """After a prompt chunk: its prompt logprobs, then, once the prompt is cached, the first token."""
         if req.sampling.prompt_logprobs:
             start, targets = req.prompt_targets(end, rows.shape[0])
             entries = self._report(rows[: len(targets)], targets, req) if targets else []
@@ -332,8 +283,8 @@ class BatchScheduler:
         self._accept(req, rows[-1])
 
     def _decode(self, reqs: list[Request]) -> None:
-        """One forward decoding every request of ``reqs`` (``StepForwards.decodes``: one new token
-        each after its cached ones); with speculation ``SpeculativeDecoder.decode``."""
+        """One forward decoding every request of ``reqs`` (with speculation
+        ``SpeculativeDecoder.decode``)."""
         if self.speculative is not None:  # propose, verify in one forward, roll back
             return self.speculative.decode(self, reqs)
         logits = self.forwards.decodes(reqs, [[r.output_ids[-1]] for r in reqs])
@@ -348,11 +299,9 @@ class BatchScheduler:
         return token_logprobs(logits, token_ids, req.sampling.logprobs or 0, self._token_text)
 
     def _accept(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
-        """Sample the next token of ``req`` (or take ``token``, chosen by speculation from these
-        logits), emit its new text, finish it if done: a stop token (an end-of-sequence id unless
-        ``ignore_eos``, or one of ``stop_token_ids``) or a stop string, once ``min_tokens`` tokens
-        exist; or ``max_new_tokens``. The text a stop token ended is not shown unless
-        ``include_stop_str_in_output`` (vLLM's V1 detokenizer)."""
+        """Sample ``req``'s next token (or take ``token``), emit its text, and finish it on a stop
+        token or string (after ``min_tokens``) or ``max_new_tokens``; a stop token's text is hidden
+        unless ``include_stop_str_in_output`` (vLLM's V1 detokenizer)."""
         p = req.sampling
         if token is None:
             token = sample(logits, p, req.output_ids, req.generator)
@@ -378,7 +327,6 @@ class BatchScheduler:
             req.on_event(self._event(req, delta, now=now))
 
     def _event(self, req: Request, text: str, *, now: float, **final) -> Event:
-        """An event carrying ``text`` and the logprob reports not yet sent."""
         logprobs, req.pending_logprobs = tuple(req.pending_logprobs), []
         prompt, req.pending_prompt_logprobs = req.pending_prompt_logprobs, None
         return Event(text, len(req.output_ids), time_s=now, logprobs=logprobs, prompt_logprobs=prompt, **final)

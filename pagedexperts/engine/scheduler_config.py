@@ -1,9 +1,5 @@
-"""The scheduler's data: its limits (``SchedulerConfig``), its counters (``SchedulerStats``), and
-the two refusals of ``BatchScheduler.submit`` (``QueueFull``, ``SchedulerStopped``).
-
-Plain dataclasses and exceptions: what the scheduler's callers (the server's handlers, the
-speculative ``generate``, the benches) configure, read and catch. Does not: schedule
-(``scheduler``).
+"""The scheduler's limits (``SchedulerConfig``), counters (``SchedulerStats``) and ``submit``'s
+refusals.
 """
 
 from __future__ import annotations
@@ -15,25 +11,10 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048  # prompt tokens per step (vLLM's chunked-pref
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits.
-
-    ``max_running_requests``: decode batch cap. ``context_length``: longest prompt +
-    completion in tokens. ``max_queued_requests``: how many sequences may wait beyond the free
-    running places; one more and ``submit`` raises ``QueueFull`` (None = unbounded). ``chunked_prefill``: prompt chunks share the
-    decode forward; ``max_prefill_tokens`` is then the prompt tokens of one step. Without
-    it, ``max_prefill_tokens`` is the padded tokens (B x P_max) of one prefill forward; a
-    prompt longer than that is prefilled alone, so 1 means one prompt per forward.
-
-    ``static_kv``: the running requests' KV held in place in KV rows, decode steps of fixed
-    shapes per batch bucket (``engine.row_forwards``); False: per-request buffers rebuilt into a
-    batch cache every step (``engine.forwards.DynamicForwards``, the layout before; benchmarks).
-    ``cuda_graphs``: how those decode steps run, "cuda" (captured once per bucket, then
-    replayed; verification steps of --speculative stay eager) or "eager" (the same steps op by
-    op); ``strict_cuda_graphs``: a step that cannot be captured raises (--cuda-graphs) instead
-    of running eagerly with a WARNING; ``cuda_graph_max_batch``: the largest bucket captured
-    (None: every bucket); ``cuda_graphs_reason``: why they are not captured (shown, not acted
-    on). ``graph_options`` reads the last four from a loaded model.
-    """
+    """Batching limits. ``max_queued_requests``: sequences waiting beyond the free running places
+    (None: unbounded); ``max_prefill_tokens``: prompt tokens per step with ``chunked_prefill``, else
+    padded tokens (B x P_max) per prefill forward; ``static_kv``: KV rows, else
+    ``engine.forwards.DynamicForwards``; the graph fields: ``graph_options``."""
 
     max_running_requests: int
     context_length: int
@@ -48,10 +29,8 @@ class SchedulerConfig:
 
 
 def graph_options(runtime) -> dict:
-    """``SchedulerConfig``'s graph fields from a model's runtime (``model.pagedexperts``, its
-    ``--cuda-graphs`` resolved in ``PagingRuntime.resolved``): "cuda" captures,
-    anything else ("eager", "off": CPU, --no-cuda-graphs, auto's fallback) runs the same static
-    steps eagerly; strict where the user asked --cuda-graphs."""
+    """The graph fields from the model's resolved ``--cuda-graphs``: "cuda" captures, anything else
+    runs eagerly; strict if --cuda-graphs was asked."""
     cfg, resolved = runtime.config, runtime.resolved
     return dict(cuda_graphs="cuda" if resolved.cuda_graphs == "cuda" else "eager",
                 strict_cuda_graphs=cfg.cuda_graphs == "on", cuda_graph_max_batch=cfg.cuda_graph_max_batch,

@@ -1,9 +1,6 @@
-"""One sequence inside the scheduler: its state (``Request``), what it reports (``Event``),
-its end-of-sequence ids, its own random generator, and copying its row of a padded prefill's cache into its buffers.
-
-Also the per-request rules of ending: which token is a stop token (``ends_sequence``) and what
-min_tokens holds back (``held_back``). Owns per-request data, not the batching of requests
-(``scheduler``, ``batching``, ``chunked_prefill``). Legend: P prompt tokens, D head dim.
+"""One sequence inside the scheduler: ``Request`` (its state), ``Event`` (what it reports), its
+end-of-sequence ids, generator and stop rules (``ends_sequence``, ``held_back``). Legend: P prompt
+tokens, D head dim.
 """
 
 from __future__ import annotations
@@ -21,20 +18,9 @@ from pagedexperts.generation.stop_text import IncrementalText
 
 @dataclass(frozen=True)
 class Event:
-    """What a request reports after a step: new text, and on the last one its finish reason.
-
-    ``finish_reason``: None while running, then "stop" (end of sequence or a stop string; ``stop_reason``
-    then says which, as vLLM's: the stop string, a stop token's id, or None for the end-of-sequence token),
-    "length" (max_tokens reached), "cancelled", "error" (``error`` holds the message) or
-    "abort" (the server is shutting down; ``error`` says so). ``time_s`` is
-    ``time.perf_counter()`` when the event was made. ``logprobs``: reports of the tokens
-    generated since the previous event (when asked for); ``prompt_logprobs``: on the first
-    event, the prompt's (the first token's logprob is None: nothing predicts it). The last event
-    also carries the request's timing: ``ttft_s`` (arrival to first token), ``queue_s``
-    (arrival to admission into the running set: the part of TTFT spent waiting for a place;
-    None if never admitted) and ``tpot_s`` (mean seconds per token after the first; None with
-    fewer than two tokens).
-    """
+    """A request's report after a step: text, logprobs; on the last, ``finish_reason`` ("stop",
+    "length", "cancelled", "error", "abort"), ``stop_reason``, ``error`` and ``ttft_s`` /
+    ``queue_s`` / ``tpot_s``."""
 
     text: str
     completion_tokens: int
@@ -51,13 +37,7 @@ class Event:
 
 @dataclass
 class Request:
-    """One sequence and its state inside the scheduler.
-
-    ``prompt_ids``: token ids (checked at admission, ``isolation.check_inputs``). ``on_event``
-    is called from the scheduler thread; it must not block. Cache buffers are [kv_heads,
-    capacity, D] per layer, capacity = P + max_new_tokens; ``length`` tokens are filled (a
-    request is prefilling while ``length`` < P and nothing is generated).
-    """
+    """One sequence's state; ``on_event`` runs on the scheduler thread and must not block."""
 
     request_id: int
     prompt_ids: list[int]
@@ -89,9 +69,8 @@ class Request:
         return None if self.admitted_s is None else self.admitted_s - self.submitted_s
 
     def prompt_targets(self, end: int, rows: int) -> tuple[int, list[int]]:
-        """(first position, prompt tokens predicted) of a chunk of ``rows`` positions ending
-        ``-end`` tokens before the prompt's end: position j predicts prompt token j + 1, and
-        the last position predicts no prompt token."""
+        """(first position, prompt tokens predicted) of a chunk of ``rows`` positions ending ``-end``
+        before the end."""
         p = len(self.prompt_ids)
         start = p + end - rows
         return start, self.prompt_ids[start + 1: min(p + end, p - 1) + 1]
@@ -108,32 +87,26 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 
 def held_back(params: SamplingParams, eos: set[int]) -> SamplingParams:
-    """``params`` with ``eos_ids``, what min_tokens holds back, set: the model's end-of-sequence
-    ids ``eos`` and the request's stop_token_ids (vLLM's min_tokens masks both)."""
+    """``params`` with ``eos_ids`` = ``eos`` + stop_token_ids (vLLM's min_tokens masks both)."""
     if not params.min_tokens:
         return params
     return dataclasses.replace(params, eos_ids=tuple(sorted(eos | set(params.stop_token_ids))))
 
 
 def ends_sequence(params: SamplingParams, token: int, generated: int, eos: set[int]) -> bool:
-    """Whether ``token``, the ``generated``-th of its sequence, is a stop token that ends it (vLLM's
-    ``check_stop``): once ``min_tokens`` exist, one of ``stop_token_ids``, or an end-of-sequence
-    id of ``eos`` unless ``ignore_eos``."""
+    """Whether ``token``, the ``generated``-th, ends the sequence (vLLM's ``check_stop``)."""
     return generated >= params.min_tokens and (token in params.stop_token_ids or
                                                (not params.ignore_eos and token in eos))
 
 
 def stop_reason_of(params: SamplingParams, token: int, primary_eos: int | None) -> int | None:
-    """vLLM's ``stop_reason`` of a sequence the stop token ``token`` ended: None for the tokenizer's
-    end-of-sequence id ``primary_eos`` (unless ``ignore_eos``), else the token id: one of
-    ``stop_token_ids``, or another end-of-sequence id of the generation config (which vLLM adds to
-    the stop_token_ids)."""
+    """vLLM's ``stop_reason``: None for ``primary_eos`` (unless ``ignore_eos``), else ``token``."""
     return None if not params.ignore_eos and token == primary_eos else token
 
 
 def seeded_generator(params: SamplingParams) -> torch.Generator | None:
-    """The CPU generator of a sampled sequence (None when greedy): seeded with ``params.seed``
-    (mod 2**64), or non-deterministically, leaving torch's global RNG alone."""
+    """A sampled sequence's CPU generator (None when greedy), seeded with ``params.seed`` mod 2**64 or
+    at random."""
     if params.greedy:
         return None
     gen = torch.Generator(device="cpu")
@@ -145,8 +118,8 @@ def seeded_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def keep_kv(req: Request, cache, row: int, start: int) -> None:
-    """Copy row ``row`` of a padded batch cache (columns ``start``:) into the request's buffers
-    [kv_heads, P + max_new_tokens, D] per layer; ``length`` becomes P."""
+    """Copy row ``row`` (columns ``start``:) of a padded batch cache into the request's buffers;
+    ``length`` = P."""
     capacity = len(req.prompt_ids) + req.sampling.max_new_tokens
     for layer in cache.layers:
         for src, dst in ((layer.keys, req.keys), (layer.values, req.values)):

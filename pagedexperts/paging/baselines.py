@@ -1,21 +1,6 @@
-"""The baselines users would run instead of paging, as real execution modes of the same model.
-
-Owns: three per-layer experts runners that stand where an executor stands (the
-``runner_contract.ExpertsRunner`` contract), and the ``--mode`` names (``MODES``, ``mode_problem``);
-offload and cpu-experts keep the executors' stats (bytes moved, union), resident keeps none,
-since it does nothing a counter could measure (docs/design.md "Executors"):
-- ``ResidentRunner``: all E experts on the device (the speed ceiling when it fits): the
-  model's own experts step and nothing else (no read-back, no union, no per-step counters).
-- ``OffloadRunner``: every expert of the layer copied to the device at every step, whatever
-  the router picked (what ``--cpu-offload-gb`` does): E x expert bytes per layer per step,
-  through one [E, ...] staging buffer shared by all layers.
-- ``CpuExpertsRunner``: the layer's experts stay in host memory and are computed on the CPU
-  (what llama.cpp ``--n-cpu-moe N`` does for the first N MoE layers).
-All three call the model's own experts implementation over E experts with the original ids,
-so on CPU they compute exactly what the unpaged model computes. The model with nothing of
-this package attached (``bench``'s "plain" mode) is transformers' own, not a runner here.
-Does not: page selectively (the executors) or choose which layers use which mode
-(``loading.runners``).
+"""The baselines users would run instead of paging, as ``runner_contract.ExpertsRunner``s: resident,
+offload and cpu-experts (docs/design.md "Executors"), and the ``--mode`` names. Each runs the
+model's own experts implementation over all E experts with the original ids.
 """
 
 from __future__ import annotations
@@ -46,8 +31,7 @@ class _BaselineRunner(ExpertsRunner):
         self.layout = layout  # formats.ExpertLayout of a quantized layer (None: dense)
 
     def dense(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The model's dense expert tensors from the store-shaped ``tensors`` (dequantized
-        when the layer is quantized; the same tensors otherwise)."""
+        """The model's dense expert tensors from the store-shaped ``tensors``."""
         return tensors if self.layout is None or self.layout.is_dense else self.layout.dequantize(tensors)
 
     def step(self, module, hidden_states, top_k_index, top_k_weights, padding_count=None) -> torch.Tensor:
@@ -68,14 +52,8 @@ class _BaselineRunner(ExpertsRunner):
 
 
 class ResidentRunner(_BaselineRunner):
-    """All E experts of the layer on the device: the model's own experts function over them,
-    with the original ids, and nothing else. Nothing is paged, so nothing is read back, no
-    union is formed and no per-step counter is kept (its ``stats`` stay empty: hits, union,
-    tokens and times are not measured, and ``bench`` reports them as not applicable). With a
-    trace being recorded (``trace_hook``) the ids are read back for it, as the recorder asks.
-    A quantized layer is dequantized once, at construction (the "dequantized resident model").
-    Called inline (``inline``), not through the opaque custom op; a CUDA graph can hold it.
-    """
+    """All E experts on the device: the model's own experts step, no counters, called ``inline`` (a
+    CUDA graph can hold it). A quantized layer is dequantized once, at construction."""
 
     inline = True
 
@@ -88,8 +66,7 @@ class ResidentRunner(_BaselineRunner):
         self._view: SlotView | None = None  # the module's view over ``tensors``, made on first call
 
     def step(self, module, hidden_states, top_k_index, top_k_weights, padding_count=None) -> torch.Tensor:
-        """[T, H], [T, k], [T, k] -> [T, H]: the model's experts step over the E device experts
-        (``padding_count`` is not read: nothing is counted)."""
+        """[T, H], [T, k], [T, k] -> [T, H]; ``padding_count`` is not read."""
         if self.trace_hook is not None:
             self.trace_hook(self.layer, top_k_index.detach().to("cpu"), top_k_weights.detach().to("cpu"))
         if self._view is None:
@@ -104,8 +81,8 @@ class ResidentRunner(_BaselineRunner):
 
 
 class OffloadRunner(_BaselineRunner):
-    """Copies all E experts into ``staging`` ({name: [E, ...] on the device}, shared by all
-    layers) every step; every routed expert counts as a miss, bytes = E x expert bytes."""
+    """Copies all E experts into ``staging`` ({name: [E, ...]}, shared by all layers) every step; every
+    routed expert is a miss."""
 
     def __init__(self, *, staging: dict[str, torch.Tensor], **kw) -> None:
         super().__init__(**kw)
@@ -123,9 +100,7 @@ class OffloadRunner(_BaselineRunner):
 
 
 class CpuExpertsRunner(_BaselineRunner):
-    """Computes the layer's experts on the CPU from the host store; activations move instead
-    of weights (T x H in and out). Every routed expert is a hit (nothing is paged). A quantized
-    layer is dequantized once, into host memory, at construction."""
+    """The layer's experts computed on the CPU from the host store; every routed expert is a hit."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)

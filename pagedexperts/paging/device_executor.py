@@ -1,28 +1,7 @@
-"""The device-planned layer-step of one MoE layer: decide, page in, compute, no host read.
-
-Owns: the [K, ...] slot tensors of one layer, its ``DeviceResidency`` and ``DeviceCounters``
-(state and counters in device tensors, ``device_residency``), its host store, its body, and the
-experts step: decide the step and remap its entries
-on the device (``device_residency.DeviceResidency.decide``), then per wave (a fixed
-W = ceil(min(T k, E) / K) for the shape) page in the wave's loads (the store's rows read on
-the device, the count read on the device: ``device_residency.DeviceResidency.page_in_over``;
-W = 1 at every T with ``--beyond-k in-place``, whose body reads the rest in place)
-and compute the wave's entries with its body (the inner implementation's device-planned
-``paging.steps.contract.LayerStep``: begin, run each wave, combine). It implements the
-``runner_contract.PagedExecutor`` contract beside ``host_executor.HostExecutor`` (``step``:
-module, hidden [T, H], top_k_index [T, k], top_k_weights [T, k], padding rows -> [T, H]), so
-``loading.runners`` attaches either (``--decide``). Fixed shapes, no
-device-to-host transfer, no decision taken in Python per step: every Python branch depends
-only on T, k, K and the configuration.
-Does not: route, prefetch or trace (both need the routing on the host: ``copy_in`` and a
-trace hook are refused, and the configuration check refuses ``--prefetch`` with
-``--decide device``), load checkpoints, or know a format or a kernel of the experts (the body).
-
-Exactness: the bodies keep the host path's layouts and combine (``paging.steps``),
-so the output equals the host-planned executor's and the unpaged experts'
-(tests/paging/test_device_pager.py).
-
-Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T k entries, W waves.
+"""The device-planned layer-step (``--decide device``): decide, page in and compute one MoE layer with
+no device-to-host transfer and fixed shapes, so a CUDA graph can hold it; every Python branch
+depends only on T, k, K and the configuration. Refuses prefetch and tracing (each needs the routing
+on the host). docs/design-layer-step.md "How a wave runs".
 """
 
 from __future__ import annotations
@@ -41,30 +20,12 @@ from pagedexperts.storage.host_store import ExpertStore
 
 
 class DeviceExecutor(PagedExecutor):
-    """Device-planned paged experts of one MoE layer (a ``runner_contract.PagedExecutor``; ``decide``
-    "device": ``inner`` must have a device-planned body).
+    """Device-planned paged experts of one MoE layer; ``inner`` must have a device-planned body.
+    ``backend`` "torch" (CPU only) or "triton"; ``beyond_k`` "waves" or "in-place"
+    (``admit_per_step``: page-ins per step, None = K).
 
-    Args:
-        layer: index of the decoder layer. store: the layer's host store ([E, ...] tensors;
-            on CUDA page-locked and mapped, ``HostExpertStore(pin=True)``).
-        num_slots: K, 1 <= K <= E. device: where slots, state and compute live.
-        inner: experts implementation with a device-planned body (``paging.steps.table``).
-        policy: ``--policy`` name with a device decide ("lru", "lfu"); half_life: LFU's, or
-            None for ``residency.eviction.LFUPolicy``'s default.
-        backend: "torch" (plain tensor ops; store and slots on one device) or "triton".
-        setup: the layer's slot table and how its rows are read
-            (``paging.steps.contract.SlotSetup``, ``loading.runners`` builds it); None = the
-            plain slot table allocated like the store's tensors.
-        beyond_k: "waves" (a union larger than K runs in W waves) or "in-place" (one wave: the
-            routed experts that get no slot are read in place from the store's host rows;
-            the body must read them: ``fused``); admit_per_step: with "in-place", page-ins per
-            step at most (None: K). ``device_residency.device_rule`` checks both.
-
-    Raises:
-        ValueError: an unsupported policy, inner, backend or slot table (each names its flag);
-            backend "torch" off CPU; a store a device gather cannot read
-            (``ExpertStore.gather_problem``: the disk tier, or on CUDA a pageable store).
-    """
+    ValueError (naming the flag): an unsupported policy, inner, backend or slot table, or a store a
+    device gather cannot read (``ExpertStore.gather_problem``)."""
 
     decide = "device"
 
@@ -86,10 +47,7 @@ class DeviceExecutor(PagedExecutor):
         self._on_device = on_device(self.device)  # Triton launches on the current device
 
     def _inner_set(self, name: str) -> None:
-        """Build ``name``'s body; with in-place reads, only a body that reads host rows.
-
-        Raises:
-            ValueError: --beyond-k in-place with a body that reads slot rows only (names both flags)."""
+        """Build ``name``'s body; ValueError for --beyond-k in-place with a body that reads slots only."""
         super()._inner_set(name)
         if self.setup.in_place and not self.body.reads_in_place:
             raise ValueError(f"--beyond-k in-place reads host rows in the fused kernels; --experts-implementation "
@@ -97,11 +55,7 @@ class DeviceExecutor(PagedExecutor):
 
     @property
     def trace_hook(self) -> TraceHook | None:
-        """Always None: tracing reads the routing on the host.
-
-        Raises (on setting a hook):
-            ValueError: names --record-trace and --decide.
-        """
+        """Always None: tracing reads the routing on the host (setting a hook raises ValueError)."""
         return None
 
     @trace_hook.setter
@@ -117,21 +71,13 @@ class DeviceExecutor(PagedExecutor):
 
     @stats.setter
     def stats(self, value: LayerStats) -> None:
-        """``executor.stats = LayerStats()`` resets the counters (as the runtime's reset_stats).
-
-        Raises:
-            ValueError: a non-empty LayerStats (device counters can only be reset).
-        """
+        """Assigning an empty ``LayerStats`` resets the counters; any other value raises ValueError."""
         if value != LayerStats():
             raise ValueError("device counters can only be reset (assign an empty LayerStats)")
         self.counters.reset()
 
     def step(self, module, hidden_states, top_k_index, top_k_weights, padding_count=None) -> torch.Tensor:
-        """The experts step (``runner_contract.ExpertsRunner.step``): hidden_states [T, H], top_k_index
-        [T, k] (int64 expert ids, on the device), top_k_weights [T, k], padding rows (0-dim
-        device tensor, or None) -> [T, H] in hidden_states.dtype, equal to the unpaged model's
-        output with the same inner implementation. No device-to-host transfer. Runs with the
-        slots' device current (Triton launches on the current device: ``--device cuda:N``)."""
+        """The experts step, with no device-to-host transfer, run with the slots' device current."""
         with self._on_device:
             ids = top_k_index.detach()
             shape = self.residency.decide(ids)
@@ -144,13 +90,11 @@ class DeviceExecutor(PagedExecutor):
             return body.combine(work, top_k_weights)
 
     def waves_for(self, num_entries: int) -> int:
-        """W of this layer's steps of S = ``num_entries`` entries (fixed per shape; 1 at every
-        S with --beyond-k in-place)."""
+        """W of this layer's steps of S = ``num_entries`` entries (1 with --beyond-k in-place)."""
         return self.residency.waves_for(num_entries)
 
     def capture_problem(self, dtype: torch.dtype, device: torch.device) -> str | None:
-        """None (no read-back, fixed shapes), unless the body's waves cannot be captured
-        (``paging.steps.contract.LayerStep.capture_problem``: the body says why)."""
+        """The body's reason its waves cannot be captured, or None."""
         return self.body.capture_problem()
 
     def is_resident(self, expert: int) -> bool:
@@ -158,24 +102,19 @@ class DeviceExecutor(PagedExecutor):
         return expert in self.residency.resident()
 
     def copy_in(self, loads) -> None:
-        """Refused: a prefetch is planned on the host from read-back predictions.
-
-        Raises:
-            ValueError: names --prefetch and --decide.
-        """
+        """Refused (ValueError): a prefetch is planned on the host from read-back predictions."""
         raise ValueError("--prefetch plans page-ins on the host from read-back predictions; the "
                          "device-planned step reads nothing back: use --decide host with --prefetch")
 
 
 def on_device(device: torch.device):
-    """A context with ``device`` current when it is a CUDA device (``torch.cuda.device``),
-    else nothing: Triton launches its kernels on the current device, not the tensors'."""
+    """``torch.cuda.device(device)`` on CUDA, else a null context (Triton launches on the current
+    device)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_store(store: ExpertStore, device: torch.device) -> None:
-    """Refuse a store the device decide cannot page from (ValueError naming the flag; the slot
-    table it cannot page into is refused by ``DeviceResidency.page_in_over``)."""
+    """Refuse (ValueError naming the flag) a store the device decide cannot page from."""
     problem = store.gather_problem(device)
     if problem is not None:
         raise ValueError(f"the device decide pages in with a device-side gather: {problem}")

@@ -1,16 +1,8 @@
-"""Device residency: one MoE layer's slot map, policy state and counters, held in device tensors.
-
-Owns, for the device-planned executor (``paging.device_executor``): one layer's ``DecideState`` (``kernels.decide``)
-(slot of expert [E], expert of slot [K], per-slot last use, per-expert LFU counts, clock and
-step counter), the eviction rule it decides by (the ``--policy`` names ``lru`` and ``lfu``, with
-``residency.eviction``'s defaults), the choice of kernel backend (torch backends or Triton),
-the fixed buffers of each step shape (``StepShape``: the plan of its W waves and each entry's
-slot and wave), ``decide`` (the decide and remap kernels of ``kernels.decide``), the layer's
-page-in (``page_in_over``: a ``kernels.page_in.PageIn``), and ``DeviceCounters``, the layer's
-paging counters accumulated on the device without a sync. Its decisions equal
-``residency.planner.Residency`` with the same policy on the same steps
-(tests/paging/test_device_decide.py, on the real traces). Does not: compute experts
-(``paging.steps``) or order anything (one stream: issue order).
+"""One MoE layer's residency for the device-planned executor, in device tensors: its ``DecideState``,
+eviction rule, kernel backend, per-shape buffers, decide and remap, page-in, and ``DeviceCounters``.
+Its decisions equal ``residency.planner.Residency``'s with the same policy
+(tests/paging/test_device_decide.py; docs/device-side-decide.md). Does not compute experts or order
+anything (one stream: issue order).
 
 Legend: T tokens, k top_k, E experts, K slots, S = T k entries, W = ceil(min(S, E) / K) waves.
 """
@@ -44,15 +36,9 @@ BEYOND_K = ("waves", "in-place")  # --beyond-k: a union larger than K in waves, 
 
 def device_rule(policy: str, *, half_life: int | None = None, beyond_k: str = "waves",
                 admit_per_step: int | None = None) -> DecideRule:
-    """The decide rule of ``--policy`` name ``policy``; ``half_life`` overrides LFU's;
-    ``beyond_k`` "in-place" reads the routed experts that get no slot in place (one wave a
-    step), admitting at most ``admit_per_step`` page-ins a step (None: K).
-
-    Raises:
-        ValueError: a policy the device decide does not implement (lists those it does and
-            says to use the host decide for the others); an unknown ``beyond_k``; an admission
-            limit below 0 or without in-place reads (names the flags).
-    """
+    """The decide rule of ``--policy`` ``policy``; ``beyond_k`` "in-place" admits at most
+    ``admit_per_step`` page-ins a step (None: K). ValueError (naming the flags): no device decide
+    for the policy, unknown ``beyond_k``, a bad admission limit."""
     if policy not in DEVICE_RULES:
         raise ValueError(
             f"policy {policy!r} has no device-planned decide; choose one of {sorted(DEVICE_RULES)} "
@@ -71,9 +57,8 @@ def device_rule(policy: str, *, half_life: int | None = None, beyond_k: str = "w
 
 @dataclass(frozen=True)
 class StepShape:
-    """The fixed buffers of steps of S entries: ``plan`` (its W waves, shared by the shapes of
-    one W), ``entry_slot`` / ``entry_wave`` [S] int64 (each entry's slot and wave, the remap's
-    output), ``num_waves`` W and ``max_loads`` = min(S, K) (the most loads a wave can have)."""
+    """The fixed buffers of steps of S entries: ``plan`` (its W waves), ``entry_slot`` / ``entry_wave``
+    [S] int64 (the remap's output), ``num_waves`` W and ``max_loads`` = min(S, K)."""
 
     plan: DecidePlan
     entry_slot: torch.Tensor
@@ -83,18 +68,8 @@ class StepShape:
 
 
 class DeviceResidency:
-    """The residency of one layer on ``device``: decides each step without reading the device.
-
-    Args:
-        num_experts: E. num_slots: K, 1 <= K <= E.
-        device: where the state lives (the slots' device).
-        rule: the eviction rule (``device_rule``).
-        backend: "torch" (plain tensor ops) or "triton" (the decide and remap kernels).
-
-    Raises:
-        ValueError: K out of [1, E] (``residency.planner.check_num_resident``, the one K check:
-            names --num-resident); a backend that cannot run here.
-    """
+    """One layer's residency on ``device``, deciding each step without reading the device. ValueError:
+    K outside [1, E] (names --num-resident) or a backend that cannot run here."""
 
     def __init__(self, num_experts: int, num_slots: int, device, *, rule: DecideRule, backend: str = "torch") -> None:
         check_num_resident(num_slots, num_experts=num_experts, min_slots=1)
@@ -121,14 +96,12 @@ class DeviceResidency:
         return shape
 
     def waves_for(self, num_entries: int) -> int:
-        """W of steps of S = ``num_entries`` entries: ``kernels.decide.num_waves_for`` (1 at
-        every S when experts beyond K are read in place)."""
+        """W of steps of S = ``num_entries`` entries (1 when experts beyond K are read in place)."""
         return num_waves_for(num_entries, self.num_slots, self.num_experts, in_place=self.rule.in_place)
 
     def decide(self, ids: torch.Tensor) -> StepShape:
-        """Decide the step of top-k ids [T, k] (int64, on the device) and remap its entries;
-        return its shape's buffers, filled (valid until the next step of the same S). Fixed
-        shapes, no device-to-host transfer."""
+        """Decide top-k ids [T, k] (int64, device) and remap the entries; returns the shape's buffers,
+        valid until the next step of the same S."""
         shape = self._shapes.get(ids.numel()) or self.shape(ids.numel())
         plan = shape.plan
         self._decide(self.state, ids, plan, self.rule)
@@ -136,12 +109,8 @@ class DeviceResidency:
         return shape
 
     def page_in_over(self, source: dict[str, torch.Tensor], slots: SlotTable) -> PageIn:
-        """The layer's page-in from the store's [E, ...] ``source`` into ``slots`` [K, ...] by
-        this residency's backend: ``page_in(plan.src, plan.dst, plan.count, wave, max_loads)``.
-
-        Raises:
-            ValueError: a table a gather of raw rows cannot write (``SlotTable
-                .device_page_in_problem``: e.g. dense slots, naming --slot-format)."""
+        """The page-in ``page_in(plan.src, plan.dst, plan.count, wave, max_loads)`` from ``source`` [E,
+        ...] into ``slots`` [K, ...]. ValueError: ``SlotTable.device_page_in_problem``."""
         problem = slots.device_page_in_problem()
         if problem is not None:
             raise ValueError(problem)
@@ -166,28 +135,16 @@ _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 
 class DeviceCounters:
-    """The paging counters of one layer: ``values`` [len(FIELDS)] int64 on the device, added to
-    by each step without a sync and read only when stats are asked for (``to_layer_stats``: one
-    device-to-host copy), as ``stats.accounting.LayerStats`` (the one definition of the counts,
-    docs/design.md "Terms": one hit or miss per distinct routed expert per layer per step). No times: a
-    device-planned step has no host timing to give.
-
-    Args:
-        device: where the counters live (the slots' device).
-        expert_bytes: bytes of one expert (all its tensors): bytes paged = misses x this.
-    """
+    """One layer's paging counters, ``values`` [len(FIELDS)] int64 on the device, added to each step
+    without a sync and read as ``stats.accounting.LayerStats`` in one copy. No times."""
 
     def __init__(self, device, *, expert_bytes: int) -> None:
         self.values = torch.zeros(len(FIELDS), dtype=torch.int64, device=device)
         self.expert_bytes = expert_bytes
 
     def add_step(self, step: torch.Tensor, *, rows: int, padding: torch.Tensor | None = None) -> None:
-        """Add one layer-step: ``step`` [4] int64 (hits, misses, waves, misses read in place:
-        ``DecidePlan.step``) on the device; ``rows`` the step's T (known on the host); ``padding``
-        the 0-dim device count of padding rows among them (``runner_contract.ExpertsRunner.padding_count``),
-        None: none. Tokens = rows - padding, as the host executor counts them. Page-ins = misses
-        - in-place rows; bytes = each times the expert's bytes (an in-place row is read over the
-        link once per block of entries that routes to it: at decode, once). In place, no sync."""
+        """Add one step: ``step`` [4] int64 (``DecidePlan.step``), ``rows`` its T, ``padding`` 0-dim or
+        None. Tokens = rows - padding; page-ins = misses - in-place reads. No sync."""
         hits, misses, waves, in_place = step[0], step[1], step[2], step[3]
         union, page_ins = hits + misses, misses - in_place
         pad = torch.zeros_like(hits) if padding is None else padding.to(hits.device, torch.int64).reshape(())

@@ -1,21 +1,6 @@
-"""Prefetch: while layer l computes, predict layer l+1's experts and start their page-in early.
-
-Two depths: page-in (``--prefetch``: the predicted experts go into layer l+1's slots) and
-read-ahead only (the default with the disk tier: the predicted experts that are in no host row
-are read from disk into staging rows in the background, no slot changes; ``page_in=False``).
-
-Owns: the next-layer prediction (layer l+1's own router, found by the family adapter: ``mlp.gate``,
-gpt-oss ``mlp.router``; applied to layer l's experts input, as mixtral-offloading does), issuing the predicted page-ins into layer
-l+1's slots within a slot budget (``Residency.prefetch``: never evicts a predicted expert, never
-more than ``budget`` loads per layer per step), and filling the target's prefetch counters
-(``stats.accounting.PrefetchStats``: issued, used, wasted).
-Prediction happens in layer l's experts step before its own waves; the page-ins are issued after
-layer l's first wave's own page-ins, so on CUDA they queue behind them on the copy stream and
-overlap layer l's compute. Layer l+1 runs nothing between, so no wave of it can lose a slot.
-Does not: change routing or outputs (the model's router still decides; a wrong prediction is a
-wasted page-in, never a wrong result), or decide eviction (``residency``).
-
-Legend: T tokens of a step, H hidden, k top_k, E experts, K slots.
+"""Prefetch: while layer l computes, predict layer l+1's experts with its own router and page them in
+early (``--prefetch``), or with the disk tier only read them ahead (``page_in=False``).
+docs/design-layer-step.md "Prefetch". A wrong prediction wastes a page-in, never changes a result.
 """
 
 from __future__ import annotations
@@ -34,17 +19,8 @@ def prediction_order(ids: Sequence[Sequence[int]]) -> list[int]:
 
 
 class NextLayerPrefetcher:
-    """Prefetch of one MoE layer l into the next MoE layer (``target``), on layer l's executor.
-
-    Args:
-        gate: layer l+1's router module (``models.sites.router_of``: ``mlp.gate``, gpt-oss ``mlp.router``); its ``forward``
-            maps hidden [T, H] -> (logits, scores, top-k ids [T, k]).
-        target: layer l+1's ``runner_contract.PagedExecutor``.
-        budget: at most this many prefetch page-ins per step (default top_k: one token's worth).
-        on_predict: optional ``(target_layer, experts)`` callback (trace recording).
-        page_in: page the predictions into the slots (``issue``); False: a disk tier's read-ahead
-            only (``take_prediction``), the slots and the device residency untouched.
-    """
+    """Prefetch from MoE layer l into the next layer's executor ``target`` through its router ``gate``,
+    at most ``budget`` page-ins per step; ``page_in`` False: read-ahead only."""
 
     def __init__(self, *, gate, target, budget: int, on_predict: Callable[[int, list[int]], None] | None = None,
                  page_in: bool = True):
@@ -56,8 +32,7 @@ class NextLayerPrefetcher:
         self._pending: list[int] | None = None
 
     def predict_ids(self, hidden_states):
-        """Layer l's experts input [T, H] -> layer l+1's predicted top-k ids [T, k] (int64, on
-        the device; no sync)."""
+        """Layer l's experts input [T, H] -> layer l+1's predicted ids [T, k] (int64, device; no sync)."""
         import torch
 
         t0 = time.perf_counter()
@@ -77,8 +52,7 @@ class NextLayerPrefetcher:
             self.on_predict(self.target.layer, self._pending)
 
     def issue(self) -> None:
-        """Page the predicted experts into layer l+1's slots (copy stream on CUDA); read-ahead
-        only: forget them (the read-ahead started at ``take_prediction``)."""
+        """Page the predicted experts into layer l+1's slots; read-ahead only: forget them."""
         if self._pending is None or not self.page_in:
             self._pending = None
             return
@@ -95,13 +69,7 @@ class NextLayerPrefetcher:
 
 
 def install(executors: dict, routers: dict, *, budget: int, page_in: bool = True) -> list[NextLayerPrefetcher]:
-    """Give every paged MoE layer but the last a prefetcher into the next one.
-
-    ``executors``: MoE layer -> its ``runner_contract.PagedExecutor``; ``routers``: MoE layer -> its
-    router module (``models.sites.router_of``); ``budget`` >= 1 (checked with the rest of the
-    configuration, ``loading.config``); ``page_in`` False: read-ahead only (``NextLayerPrefetcher``).
-    Returns the prefetchers, in layer order.
-    """
+    """A prefetcher on every paged MoE layer but the last (``executors`` and ``routers`` by MoE layer)."""
     layers = sorted(executors)
     out = []
     for here, nxt in zip(layers, layers[1:]):

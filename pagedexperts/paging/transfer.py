@@ -1,32 +1,8 @@
-"""Host <-> device transfers of one paged layer: the one read-back, uploads, page-ins in order.
-
-Owns: the single device-to-host transfer of a layer-step (``read_step``: the top-k ids, the
-prefetch prediction and the step's padding count in one read into pinned memory, parsed once),
-host-to-device uploads of small host-made index tensors (slot map, a wave's rows) from pinned
-buffers, the running expert -> slot map on the device, and, on CUDA, the ordering of page-in
-copies on the copy stream against the compute stream:
-
-- a page-in's copies wait for every compute issued before them (the ``compute_done`` event,
-  recorded on the compute stream as the page-in is issued), so a slot is overwritten only after
-  the compute that last read it, and fresh slots only after their zero fill;
-- every copy issued into a layer (its own page-ins and the previous layer's prefetches) is
-  waited on by that layer's next compute (``copied`` event, ``page_in``);
-- the slot tensors are ``record_stream``-ed on the copy stream, and ``drain`` waits for in-flight
-  copies before a runner is dropped (``loading.runners.repage``), so no freed block is reused
-  under a copy.
-
-A page-in is one call (``SlotTransfers.page_in``). How its rows get into the slots is chosen once
-per layer: from a store that holds every row in host memory the slot table copies them itself
-(``formats.slots.SlotTable.copy_rows``: the plain table one tensor at a time, a table that
-dequantizes or repacks through its ``write_rows``); a store that does not (the disk tier reads
-its misses first) hands each row to the table
-(``storage.host_store.ExpertStore.copy_to_slots``, which calls the table's ``write_rows``).
-
-Page-in times on CUDA come from a bounded ring of timing events (``CopyTimer``), folded in as
-they complete; nothing here synchronizes the whole device. Does not: choose what to copy
-(``residency``) or compute anything (``paging.steps``).
-
-Legend: T tokens of a step, k top_k, E experts, K slots.
+"""Host <-> device transfers of one paged layer: the step's one read-back (``read_step``), uploads of
+host-made index tensors, the expert -> slot map, and page-ins ordered against compute
+(docs/design-layer-step.md "How a wave runs"). On CUDA a slot is overwritten only after the compute
+that last read it, the next compute waits for every copy into the layer, and nothing synchronizes
+the whole device.
 """
 
 from __future__ import annotations
@@ -45,15 +21,8 @@ COPY_TIMER_EVENTS = 64  # timing event pairs kept per layer before the oldest mu
 
 
 def read_back(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Read integer tensors [T, c_i] (or 0-dim ones) to the host in ONE device-to-host transfer:
-    one host tensor per part, int64, in the parts' own shapes (a 0-dim part of an empty step
-    reads as 0).
-
-    On CUDA the parts are concatenated along dim 1 (0-dim ones broadcast to [T, 1]) and read
-    into pinned memory, waiting for the current stream once (the one hard sync of a
-    layer-step); the results are views of that buffer. On CPU the parts already are host
-    memory: they are returned detached, with no copy and no concatenation.
-    """
+    """Integer tensors [T, c_i] (or 0-dim) read to the host as int64 in ONE transfer (on CUDA one
+    concatenated read into pinned memory: the step's one hard sync; on CPU detached, uncopied)."""
     if parts[0].device.type == "cpu":
         return tuple(p.detach().to(torch.int64) for p in parts)
     rows = parts[0].shape[0]
@@ -74,19 +43,16 @@ def read_back(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 
 
 class StepRead(NamedTuple):
-    """One layer-step's read-back, on the host: top-k ids [T, k] (int64), the prefetch
-    prediction [T, k'] or None, and the step's padding rows (0 without a padding count)."""
+    """A step's read-back: ids [T, k] int64, the prefetch prediction [T, k'] or None, padding rows
+    (int)."""
 
     ids: torch.Tensor
     predicted: torch.Tensor | None
     padding: int
 
     def union(self) -> list[int]:
-        """The step's union: the distinct expert ids of ``ids``, as a Python list (any order).
-
-        A set over ``tolist()`` is several times cheaper than ``torch.unique`` for decode-sized
-        steps; ``torch.unique`` wins for large prefills.
-        """
+        """The distinct expert ids of ``ids`` (a set over ``tolist()``: cheaper than ``torch.unique``
+        at decode)."""
         if self.ids.numel() <= 4096:
             return list(set(self.ids.reshape(-1).tolist()))
         return torch.unique(self.ids).tolist()
@@ -94,9 +60,8 @@ class StepRead(NamedTuple):
 
 def read_step(top_k_index: torch.Tensor, predicted: torch.Tensor | None = None,
               padding_count: torch.Tensor | None = None) -> StepRead:
-    """The step's one device-to-host transfer (``read_back``) of the top-k ids [T, k], the
-    next layer's predicted ids [T, k'] (or None) and the padding rows (0-dim, or None), parsed.
-    Every runner reads its step through here (the executors and the baselines)."""
+    """The step's one read-back of ids [T, k], predicted ids [T, k'] or None and padding (0-dim or
+    None)."""
     parts = [top_k_index]
     if predicted is not None:
         parts.append(predicted)
@@ -108,12 +73,8 @@ def read_step(top_k_index: torch.Tensor, predicted: torch.Tensor | None = None,
 
 
 def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array (int64) as a fresh device tensor, without a device sync.
-
-    On CUDA the values are first copied into a pinned block of torch's caching host allocator,
-    which keeps the block from reuse until the non-blocking copy has run, so the caller may
-    mutate ``values`` at once. On CPU: a copy (the caller may mutate ``values``).
-    """
+    """A host int64 array as a fresh device tensor without a sync; the caller may mutate ``values`` at
+    once."""
     host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
     if device.type == "cpu":
         return host.clone()
@@ -121,13 +82,9 @@ def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class CopyTimer:
-    """A bounded ring of (start, end) timing events around copy batches on the copy stream.
-
-    ``begin``/``end`` bracket one batch; completed pairs are folded into ``elapsed_s`` as new
-    ones are taken (``query``, no wait); only when ``capacity`` pairs are still in flight is the
-    oldest waited for (its own event, never the whole device). ``make_event`` is injectable so
-    the bookkeeping is testable without CUDA.
-    """
+    """A bounded ring of (start, end) copy timing events: completed pairs fold into ``elapsed_s``
+    without waiting; only with ``capacity`` in flight is the oldest waited for. ``make_event`` is
+    injectable."""
 
     def __init__(self, make_event: Callable[[], object], capacity: int = COPY_TIMER_EVENTS) -> None:
         self._make_event = make_event
@@ -173,22 +130,16 @@ class CopyTimer:
 
 
 class SlotTransfers:
-    """Page-in copies into one layer's [K, ...] slots and their ordering (see module docstring).
-
-    Args:
-        slots: the slot table (``formats.slots.SlotTable``), name -> [K, ...] slot tensor on
-            ``device`` (just allocated).
-        device: the slots' device.
-        copy_stream: CUDA stream for page-ins, or None (CPU: copies are synchronous memcpys).
-        store: the layer's host store (``storage.host_store.ExpertStore``) the rows come from.
-    """
+    """Page-in copies into one layer's [K, ...] slot table and their ordering; ``copy_stream`` None on
+    CPU."""
 
     def __init__(self, slots: SlotTable, device: torch.device, copy_stream=None, *, store) -> None:
         self.slots = slots
         self.device = device
         self.copy_stream = copy_stream
         rows = store.rows_in_memory()
-        # how a page-in writes its rows, chosen once (module docstring): loads -> None
+        # how a page-in writes its rows, chosen once: the slot table copies a store that holds every
+        # row in memory; a store that does not (the disk tier reads first) writes each row itself
         self._copy = (functools.partial(slots.copy_rows, rows, pinned=store.pinned) if rows is not None
                       else functools.partial(store.copy_to_slots, slots=slots))
         # expert -> slot at its last page-in (plan or prefetch): exact for every resident
@@ -210,13 +161,8 @@ class SlotTransfers:
             self.timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True))
 
     def page_in(self, loads, *, now: bool = True) -> None:
-        """Copy each load's (``residency.planner.Load``: expert, slot) rows into its slot and
-        note the placements in the running expert -> slot map. On CUDA the copies run on the
-        copy stream after every compute issued before them (so after the compute that last read
-        the slots, and after their zero fill). ``now``: the compute stream
-        waits for them (and for every earlier copy into these slots, e.g. the previous layer's
-        prefetch) before its next kernel, a wave's page-in; False: at the next ``page_in``, a
-        prefetch. On CPU the copies are synchronous memcpys, timed on the host."""
+        """Copy each load's rows into its slot and record it in the slot map. ``now``: the next compute
+        waits for them; False (a prefetch): the next ``page_in`` does."""
         if loads:
             for expert, slot in loads:
                 self._slot_of[expert] = slot
@@ -240,10 +186,8 @@ class SlotTransfers:
             self._copy_pending = False
 
     def slot_map(self, wave, *, only_wave: bool) -> torch.Tensor:
-        """The slot map [E] (int64, on the device) that the wave's top-k ids are remapped with.
-        ``only_wave``: the step has this one wave, so every routed expert is resident and the
-        running map serves as is (uploaded only when it changed); otherwise experts outside
-        the wave map to -1."""
+        """The slot map [E] int64 on the device; experts outside the wave map to -1 unless
+        ``only_wave``."""
         t0 = time.perf_counter()
         if only_wave:
             if self._slot_map_stale:
@@ -258,9 +202,7 @@ class SlotTransfers:
         return slot_map
 
     def take_times(self, *, block: bool) -> tuple[float, float]:
-        """(page-in seconds, slot-map seconds) since the last take. Page-ins: host-timed copies on
-        CPU; on CUDA the completed timing pairs (``block``: wait for all in flight first, per
-        event). Slot maps: host seconds (part of the step's plan time)."""
+        """(page-in s, slot-map s) since the last take; ``block``: on CUDA wait for timings in flight."""
         map_s, self.map_s = self.map_s, 0.0
         if self.timer is None:
             out, self.host_copy_s = self.host_copy_s, 0.0

@@ -1,8 +1,5 @@
-"""Belady's optimal offline policy: the bound the online policies are measured against.
-
-Owns: ``BeladyPolicy``, given the future (each step's union of one layer) up front; it runs on
-the same planner and contract as the runtime's policies (``residency.eviction``), in the
-simulator only. Standard library only.
+"""Belady's optimal offline policy, the bound the online policies are measured against (the simulator
+only; standard library only).
 """
 
 from __future__ import annotations
@@ -13,15 +10,9 @@ from pagedexperts.residency.eviction import HeapRankedPolicy
 
 
 class BeladyPolicy(HeapRankedPolicy):
-    """Belady's optimal offline policy: evict the resident expert whose next use is furthest.
-
-    Needs the future: ``unions[t]`` is the set of experts step t routes to in this layer, for
-    every step the residency will plan, in order. ``on_step`` advances t. Next use counts steps
-    after the current one (experts of the current step not in the current wave have already
-    been computed by an earlier wave). Never-used-again experts go first; ties by lowest slot.
-    A resident expert's next use moves only in a step that routes to it (a hit, so its slot is
-    touched): the lazy heap of ``HeapRankedPolicy`` holds, O(log K) per victim.
-    """
+    """Evict the resident expert whose next use is furthest (never-used-again first; ties by lowest
+    slot). ``unions[t]``: the experts step t routes to in this layer, for every step the residency
+    will plan; ``on_step`` advances t."""
 
     name = "belady"
 
@@ -35,11 +26,7 @@ class BeladyPolicy(HeapRankedPolicy):
         self._t = -1
 
     def on_step(self, union: Sequence[int]) -> None:
-        """Advance to the next step; each routed expert's next use moves past it.
-
-        Raises:
-            ValueError: ``union`` differs from the future the policy was given.
-        """
+        """Advance to the next step; ValueError if ``union`` differs from the given future."""
         self._t += 1
         for e in union:
             uses, i = self._uses.get(e, ()), self._ptr.get(e, 0)

@@ -1,13 +1,8 @@
-"""Eviction: the policy contract and the per-slot rules (standard library only, tensor-free).
-
-Owns: ``EvictionPolicy`` (the hooks the residency calls per step, hit and load, and ``victims``,
-the slots a wave's misses take), the rank-key bases (``RankedPolicy``: one ranking per wave;
-``HeapRankedPolicy``: a lazily refreshed heap, O(log K) per victim), the rules that rank slots
-by their own history: ``LRUPolicy``, ``LFUPolicy`` (with aging: the ``--policy`` default and the
-planner's, ``residency.policies.DEFAULT_POLICY``) and ``FrequencyLRUPolicy``; ``EMPTY`` and
-``consume``. Does not: keep the expert <-> slot map or plan waves (``residency.planner``); the
-adaptive policy (which runs ghost residencies of the planner) and the ``--policy`` registry are
-``residency.policies``, Belady's offline bound ``residency.belady``.
+"""Eviction: the ``EvictionPolicy`` contract, the rank-key bases (``RankedPolicy``,
+``HeapRankedPolicy``) and the rules that rank slots by their own history (``LRUPolicy``,
+``LFUPolicy``, ``FrequencyLRUPolicy``); standard library only, tensor-free. The rules and their
+costs: docs/residency.md. Does not keep the slot map or plan waves (``residency.planner``); the
+adaptive policy and the ``--policy`` registry are ``residency.policies``.
 """
 
 from __future__ import annotations
@@ -22,17 +17,10 @@ EMPTY = -1  # slot content of a slot that holds no expert yet
 
 
 class EvictionPolicy:
-    """Base class of eviction policies: ranks occupied slots for eviction; tensor-free.
-
-    The residency calls ``on_step`` once per step with the step's union before planning,
-    ``on_hits`` with the resident experts the step routes to (ascending expert id), and, per
-    wave, ``victims`` for the slots its misses need (once the empty slots are used up), then
-    ``on_loads`` with the (slot, expert) placements. ``victims(n, protected, ...)`` must equal
-    n successive ``victim`` calls, each over the slots not in ``protected`` nor chosen before,
-    so a placement may change the rank of the slot it fills only (true of every rule here).
-    Subclasses override ``victim`` (the rule) and, for speed, ``victims`` and the hooks.
-    Slot ids are ints in [0, K); expert ids ints in [0, E).
-    """
+    """Ranks occupied slots for eviction; tensor-free. Per step the residency calls ``on_step(union)``,
+    ``on_hits`` (ascending expert id), then per wave ``victims`` and ``on_loads``. ``victims(n,
+    protected, ...)`` must equal n successive ``victim`` calls, each excluding ``protected`` and the
+    slots chosen before. Slot ids in [0, K), expert ids in [0, E)."""
 
     name = "base"
 
@@ -63,8 +51,8 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def victims(self, count: int, protected: Container[int], expert_of_slot: Sequence[int]) -> list[int]:
-        """Up to ``count`` slots to evict, in eviction order, among slots not in ``protected``
-        (all occupied): successive ``victim`` calls, each without the slots chosen before."""
+        """Up to ``count`` slots to evict, in order, among occupied slots not in ``protected``
+        (successive ``victim`` calls)."""
         candidates = [s for s in range(self.num_slots) if s not in protected]
         out = []
         for _ in range(min(count, len(candidates))):
@@ -75,13 +63,8 @@ class EvictionPolicy:
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used: evict the slot whose expert was routed to longest ago.
-
-    The slots are kept in an ordered map, least recent first (fresh slots in ascending id);
-    every access or load moves a slot to the end. Within a step, experts are touched in
-    ascending expert id, so plans are deterministic. ``victims`` reads the front: O(1) per
-    victim plus the protected slots it skips (the wave's own, the most recent: none in practice).
-    """
+    """Least recently used: evict the slot whose expert was routed to longest ago (touched in ascending
+    expert id within a step, so plans are deterministic)."""
 
     name = "lru"
 
@@ -108,12 +91,8 @@ class LRUPolicy(EvictionPolicy):
 
 
 class RankedPolicy(EvictionPolicy):
-    """A policy whose rule is a rank key per slot: evict the lowest ``rank(slot, ...)``, a
-    tuple that ends with the slot (so keys are distinct and ties go to the lowest slot).
-
-    ``victims`` here ranks every unprotected slot once per call: O(K) per wave, not per miss.
-    Subclasses may override ``_keys`` (the ranks of many slots) with a faster equivalent.
-    """
+    """A rule given as a rank key per slot, a tuple ending with the slot (ties to the lowest slot):
+    evict the lowest. ``victims`` ranks the unprotected slots once per call."""
 
     def rank(self, slot: int, expert_of_slot: Sequence[int]) -> tuple:
         raise NotImplementedError
@@ -132,16 +111,9 @@ class RankedPolicy(EvictionPolicy):
 
 
 class HeapRankedPolicy(RankedPolicy):
-    """A ranked policy whose rank changes only for slots it is told about: a slot touched by
-    ``on_access``/``on_load`` (subclasses call ``_touch``), or every slot after ``_rerank_all``.
-
-    Keeps a heap of rank keys, refreshed lazily: touched slots are re-pushed when victims are
-    next asked for (a hit costs O(1) until then), outdated keys are dropped as they surface.
-    A few victims cost O(log K) each. When a call needs at least K/4 victims, or K/4 slots were
-    touched since the last call, the unprotected slots are ranked at once instead (one O(K)
-    pass, paid for by those victims or hits), so no miss costs O(K): ``_rank_victims``, which
-    subclasses may override with a faster equivalent.
-    """
+    """A ranked policy whose rank changes only for slots touched (``_touch``) or after ``_rerank_all``:
+    a lazily refreshed heap, O(log K) per victim, one O(K) ranking when a call needs K/4 victims or
+    more."""
 
     def __init__(self, num_slots: int) -> None:
         super().__init__(num_slots)
@@ -188,15 +160,9 @@ class HeapRankedPolicy(RankedPolicy):
 
 
 class LFUPolicy(HeapRankedPolicy):
-    """Least frequently used, with aging: evict the resident expert routed to in the fewest steps.
-
-    Each expert (resident or not: the count survives eviction, so a popular expert evicted once
-    comes back with its history) has a count, +1 for every step whose union holds it. Every
-    ``half_life`` steps all counts are halved (integer floor), so the counts follow a drifting
-    working set; ``half_life=0`` never ages. Ties: least recently used, then lowest slot.
-    A resident expert's count changes only in a step that routes to it (a hit, so its slot is
-    touched) or at aging (every slot re-ranked): the lazy heap of ``HeapRankedPolicy`` holds.
-    """
+    """LFU with aging: evict the resident expert routed to in the fewest steps. Counts survive eviction
+    and are halved every ``half_life`` steps (0: never). Ties: least recently used, then lowest
+    slot."""
 
     name = "lfu"
     DEFAULT_HALF_LIFE = 128  # steps; best mean hit rate on the tune halves (bench/policy_eval.py)
@@ -262,16 +228,9 @@ class LFUPolicy(HeapRankedPolicy):
 
 
 class FrequencyLRUPolicy(RankedPolicy):
-    """Frequency-weighted LRU: recency, stretched by how often the expert was used while resident.
-
-    A slot's keep-score is ``uses / (age + 1)``: ``uses`` the steps that routed to its expert
-    since it was loaded (1 at load; reset when the slot is refilled, like a cache entry's hit
-    counter), ``age`` the steps since its last use. Evict the lowest score: an expert used once
-    and idle for 3 steps (1/4) goes before one used 8 times and idle for 9 (8/10). With every
-    ``uses`` equal it is exactly LRU. Ties: least recently used, then lowest slot. Simple by
-    intent (an exact ratio, no tuned constant). Every score changes with the step count, so
-    ``victims`` ranks the unprotected slots once per wave (``RankedPolicy``).
-    """
+    """Frequency-weighted LRU: evict the lowest ``uses / (age + 1)`` (``uses``: steps that routed to
+    the expert since its load; ``age``: steps since its last use). Equal uses: exactly LRU. Ties:
+    least recently used, then lowest slot."""
 
     name = "flru"
 

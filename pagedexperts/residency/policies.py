@@ -1,10 +1,6 @@
-"""The ``--policy`` registry and the adaptive policy (standard library only, tensor-free).
-
-Owns: ``POLICIES`` (the ``--policy`` names), ``DEFAULT_POLICY``, ``make_policy`` and
-``AdaptivePolicy`` (ghost residencies of the candidate rules, run by the same planner, so it
-sits above ``residency.planner``). The contract and the per-slot rules (LRU, LFU, frequency
-LRU) are ``residency.eviction``. Does not: keep the slot map or plan waves
-(``residency.planner``).
+"""The ``--policy`` registry (``POLICIES``, ``DEFAULT_POLICY``, ``make_policy``) and
+``AdaptivePolicy``, which runs ghost residencies of the planner and so sits above
+``residency.planner``. Standard library only, tensor-free.
 """
 
 from __future__ import annotations
@@ -16,17 +12,9 @@ from pagedexperts.residency.planner import Residency
 
 
 class AdaptivePolicy(EvictionPolicy):
-    """Adaptive: per layer, follow whichever of several eviction rules is winning right now.
-
-    Each candidate rule (``CANDIDATES``: LRU, LFU with a short and a long half-life) runs a
-    ghost residency of K slots on the same routing (expert ids only, no bytes) and earns the hits
-    it would have had, in an exponentially decaying window (``window`` steps). The real slots
-    are ranked by the current leader; each rule also keeps its own state over the real slots, so
-    switching leaders is instant. Ties between rules go to the earlier in ``CANDIDATES``, so
-    with no evidence (and whenever recency wins) it is LRU. Layers differ (deep layers reuse
-    more, layer 0 the least) and so do workloads; one fixed rule cannot suit all of them.
-    Cost: one extra ``Residency.plan`` per rule per layer per step, without its wave records.
-    """
+    """Per layer, rank slots by whichever candidate rule (``CANDIDATES``) would have had the most hits
+    in a decaying window of ``window`` steps, each scored on a ghost residency of K slots
+    (docs/residency.md). No evidence: LRU."""
 
     name = "adaptive"
     CANDIDATES: tuple[tuple[str, dict], ...] = (
@@ -88,11 +76,7 @@ DEFAULT_POLICY = "lfu"  # the --policy default: best measured (bench/policy_eval
 
 
 def make_policy(name: str, num_slots: int) -> EvictionPolicy:
-    """Build the eviction policy called ``name`` for ``num_slots`` slots.
-
-    Raises:
-        ValueError: unknown name; the message lists the valid ``--policy`` choices.
-    """
+    """The eviction policy ``name`` for ``num_slots`` slots; ValueError lists the ``--policy`` choices."""
     try:
         cls = POLICIES[name]
     except KeyError:

@@ -1,16 +1,7 @@
-"""Host memory of a paged model, counted before any allocation: the parts, the budget, the check.
-
-Owns: ``HostMemoryPlan``, everything the process will hold in host memory for the chosen
-device, each part counted by the caller (the expert store or the disk tier's R host rows per
-layer and their staging buffers; when the device is the CPU its K slots per layer, the
-non-expert weights and a KV-cache estimate; and a stated runtime allowance, ``RUNTIME_ALLOWANCE_BYTES``:
-the interpreter, torch, transformers, the tokenizer, a step's activations, the CUDA context);
-the choice of R from ``--host-memory-gb`` G, the budget for ALL of it; the available memory
-(``host_memory_available_bytes``: the smaller of the machine's MemAvailable and what the
-process's memory cgroup, v1 or v2, and its ancestors still allow) and the check against it, with
-every part named. Also ``advise_huge_pages`` (transparent huge pages for the store where the
-OS offers them).
-Standard library plus ctypes. Does not: allocate (``host_store``, ``host_tier``).
+"""Host memory of a paged model, counted before any allocation: ``HostMemoryPlan`` (every part the
+process will hold, named), the choice of R host rows from ``--host-memory-gb``, the memory available
+(machine and memory cgroup) and the check against it; also ``advise_huge_pages``. docs/disk-tier.md.
+Standard library plus ctypes; allocates nothing.
 """
 
 from __future__ import annotations
@@ -43,12 +34,8 @@ CGROUP_V1_UNLIMITED = 1 << 62
 
 @dataclass(frozen=True)
 class HostMemoryPlan:
-    """Host bytes of a paged model. ``host_rows`` R = E: the full store, no disk tier.
-
-    G (``--host-memory-gb``) budgets ``total_bytes``: the store (all E rows per layer, or the
-    disk tier's R rows plus its staging), the slots, non-expert weights and KV estimate when the
-    device is the CPU, and the runtime allowance.
-    """
+    """Host bytes of a paged model (``host_rows`` R = E: the full store, no disk tier); ``total_bytes``
+    is what ``--host-memory-gb`` budgets."""
 
     num_layers: int
     num_experts: int
@@ -89,9 +76,8 @@ class HostMemoryPlan:
 
 
 def host_memory_available_bytes() -> int | None:
-    """Bytes of host memory available for new allocations: the smaller of the machine's
-    (Linux MemAvailable) and the memory cgroup's (``cgroup_available_bytes``), or None when
-    neither is known."""
+    """The smaller of Linux MemAvailable and the memory cgroup's room (``cgroup_available_bytes``), or
+    None when neither is known."""
     known = [b for b in (_meminfo_available(), cgroup_available_bytes()) if b is not None]
     return min(known) if known else None
 
@@ -111,8 +97,8 @@ def _meminfo_available() -> int | None:
 
 
 def process_anon_bytes() -> int | None:
-    """Anonymous resident bytes of this process now (/proc/self/status RssAnon: what a memory
-    cgroup charges it beyond page cache; shared libraries' pages excluded), None where unknown."""
+    """This process's anonymous resident bytes (RssAnon: what a memory cgroup charges beyond page
+    cache), None where unknown."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -124,10 +110,8 @@ def process_anon_bytes() -> int | None:
 
 
 def runtime_allowance(device_type: str) -> tuple[int, int]:
-    """(runtime bytes, bytes of them the process holds now) for a plan on ``device_type``. CPU:
-    the anonymous memory held now (``process_anon_bytes``) + STEP_MARGIN_BYTES, all but the margin
-    held; where unknown, and on CUDA (its context comes later), RUNTIME_ALLOWANCE_BYTES with the
-    resident bytes held now (up to it) counted as held."""
+    """(runtime bytes, of them held now) for a plan on ``device_type``: on CPU the anonymous memory
+    held now + STEP_MARGIN_BYTES; where unknown and on CUDA, RUNTIME_ALLOWANCE_BYTES."""
     anon = process_anon_bytes() if device_type == "cpu" else None
     if anon is not None:
         return anon + STEP_MARGIN_BYTES, anon
@@ -145,13 +129,11 @@ def process_rss_bytes() -> int:
 
 
 def cgroup_available_bytes(*, proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo") -> int | None:
-    """What the process's memory cgroup still allows, or None without a limit: the minimum,
-    over its cgroup and every ancestor visible in the mount that has a limit, of limit - usage
-    + inactive file pages (page cache the kernel reclaims before it OOM-kills; the "working set"
-    of ``docker stats`` and the kubelet). cgroup v2: ``memory.max``, ``memory.current``,
-    ``memory.stat`` inactive_file; v1: ``memory.limit_in_bytes`` (>= 2^62: none),
-    ``memory.usage_in_bytes``, ``memory.stat`` total_inactive_file. Source: the kernel's
-    Documentation/admin-guide/cgroup-v2.rst and cgroup-v1/memory.rst."""
+    """What the process's memory cgroup still allows, or None without a limit: the minimum over it and
+    its limited ancestors of limit - usage + inactive file pages (cgroup v2 ``memory.max`` /
+    ``memory.current`` / ``memory.stat``; v1 ``memory.limit_in_bytes`` (>= 2^62: none) /
+    ``memory.usage_in_bytes``). Source: the kernel's Documentation/admin-guide/cgroup-v2.rst and
+    cgroup-v1/memory.rst."""
     found = []
     for version, directory, mount in _memory_cgroup_dirs(proc_cgroup, mountinfo):
         for d in (directory, *directory.parents):  # the cgroup, then its ancestors up to the mount
@@ -164,9 +146,8 @@ def cgroup_available_bytes(*, proc_cgroup: str = "/proc/self/cgroup", mountinfo:
 
 
 def _memory_cgroup_dirs(proc_cgroup: str, mountinfo: str) -> list[tuple[int, Path, Path]]:
-    """(version, the process's memory cgroup directory, its mount point), for v2 and v1: the
-    cgroup path of /proc/self/cgroup under the mount whose root holds it (the mount itself in a
-    container whose namespace shows the cgroup as the root)."""
+    """(version, the process's memory cgroup directory, its mount point) for v2 and v1, from
+    /proc/self/cgroup and mountinfo."""
     try:
         cgroup_lines = Path(proc_cgroup).read_text().splitlines()
         mount_lines = Path(mountinfo).read_text().splitlines()
@@ -217,19 +198,12 @@ def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, n
                      num_experts: int, expert_bytes: int, slot_bytes_on_host: int, staging_bytes: int,
                      non_expert_bytes_on_host: int, kv_bytes_on_host: int, runtime_bytes: int,
                      runtime_held_bytes: int = 0) -> HostMemoryPlan:
-    """Choose R and check host memory, before any allocation.
+    """Choose R and check host memory before any allocation. ``budget_bytes`` G (None: the available
+    memory) covers ``HostMemoryPlan.total_bytes``; the store gets what the fixed parts leave: R = E
+    if the full store fits, else the most rows beside the staging.
 
-    ``budget_bytes`` G covers everything (``HostMemoryPlan.total_bytes``); None: the available
-    memory. The store gets what is left after the fixed parts (slots, non-expert weights and
-    KV on the host, the runtime allowance): R = E when the full store fits (no staging then),
-    else the most rows that fit beside the staging buffers.
-
-    Raises:
-        ValueError: G below the minimum (the fixed parts + one host row per layer + staging);
-            names every part and --host-memory-gb.
-        MemoryError: the total exceeds available memory; names every part (with no budget
-            given and not even the disk tier's minimum available, both needs).
-    """
+    Raises ValueError (G below the minimum; names every part and --host-memory-gb) or MemoryError
+    (the total exceeds available memory; names every part)."""
     common = dict(num_layers=num_layers, num_experts=num_experts, expert_bytes=expert_bytes,
                   slot_bytes_on_host=slot_bytes_on_host, non_expert_bytes_on_host=non_expert_bytes_on_host,
                   kv_bytes_on_host=kv_bytes_on_host, runtime_bytes=runtime_bytes,
@@ -270,7 +244,7 @@ def _nothing_fits(full: HostMemoryPlan, smallest: HostMemoryPlan, available: int
 
 
 def check_available(plan: HostMemoryPlan, available_bytes: int | None) -> None:
-    """Raise MemoryError when ``plan.total_bytes`` exceed ``available_bytes`` (None: unknown)."""
+    """MemoryError when ``plan.total_bytes`` exceed ``available_bytes`` (None: unknown, no check)."""
     if available_bytes is not None and plan.total_bytes > available_bytes:
         raise MemoryError(
             f"the model needs {plan.total_bytes:,} bytes ({_gb(plan.total_bytes)}) of host memory "
@@ -282,9 +256,9 @@ def check_available(plan: HostMemoryPlan, available_bytes: int | None) -> None:
 
 
 def advise_huge_pages(tensor) -> bool:
-    """madvise(MADV_HUGEPAGE) over the 2 MiB-aligned interior of a CPU tensor's memory, before
-    its first touch, where the kernel offers transparent huge pages ("madvise" or "always").
-    Returns whether the advice was given (False: too small, not Linux, or refused)."""
+    """madvise(MADV_HUGEPAGE) over the 2 MiB-aligned interior of a CPU tensor's memory where the kernel
+    offers transparent huge pages; whether the advice was given (False: too small, not Linux,
+    refused)."""
     start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
     lo = -(-start // HUGE_PAGE) * HUGE_PAGE
     hi = (start + size) // HUGE_PAGE * HUGE_PAGE

@@ -1,20 +1,7 @@
-"""The host expert store of one MoE layer: every routed expert's tensors in host memory.
-
-Owns: the ``ExpertStore`` contract (what a layer-step executor, the loader's fill and the
-runtime ask of any store: rows into a slot, the device-side gather of a device-planned step,
-read-ahead, counters; the disk tier's
-``storage.host_tier.TieredExpertStore`` implements it too), and ``HostExpertStore``: one host
-allocation per per-expert tensor of the layer, shaped [E, ...] (on a CUDA
-host: plain memory of exactly E x row bytes, then page-locked in place with
-``cudaHostRegister`` and unregistered on ``release``; plain memory on CPU), and byte movement
-from a store row into a device slot (non-blocking on a copy stream on CUDA), or from the rows a
-device-side plan names (``gather``: a ``paging.kernels.page_in`` kernel reads the page-locked,
-mapped store). Does not: decide which expert goes where (``residency``) or compute anything
-(``paging``).
-
-Why register, not ``pin_memory=True``: torch's pinned host allocator rounds every block up to
-a power of two (Qwen3-30B-A3B: gate_up 768 -> 1024 MiB, down 384 -> 512 MiB per layer, +33%
-host RAM, unseen by the host-memory check). Registration pins exactly the bytes allocated.
+"""The host expert store of one MoE layer: the ``ExpertStore`` contract (the disk tier implements it
+too) and ``HostExpertStore``, one [E, ...] host tensor per per-expert tensor, page-locked in place
+at exact size when pinned (CUDA; docs/disk-tier.md "The host store's memory"), with byte movement
+from a row into a slot or a device-side gather. Does not decide placement or compute.
 
 Legend: E routed experts, K slots; "row" = one expert's slice ``tensor[e]``.
 """
@@ -39,8 +26,7 @@ HOST_REGISTER_FLAGS = 1 | 2
 
 
 def host_register(tensor: torch.Tensor) -> int:
-    """Page-lock ``tensor``'s bytes in place (``cudaHostRegister``); returns the CUDA error code
-    (0 = success)."""
+    """Page-lock ``tensor``'s bytes in place (``cudaHostRegister``); the CUDA error code (0: success)."""
     nbytes = tensor.numel() * tensor.element_size()
     return int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, HOST_REGISTER_FLAGS))
 
@@ -51,10 +37,8 @@ def host_unregister(data_ptr: int) -> int:
 
 
 def clear_pending_cuda_error() -> str | None:
-    """Consume the CUDA runtime's pending error of this thread and return its message (None:
-    none was pending). A failed ``cudaHostRegister`` leaves its error as the thread's last
-    error, which torch's check after its next kernel launch (``cudaGetLastError``) would raise
-    at an unrelated op; one tiny launch here takes it (torch exposes no ``cudaGetLastError``)."""
+    """Consume and return this thread's pending CUDA error (None: none), which torch would otherwise
+    raise at an unrelated later op."""
     try:
         torch.zeros(1, device="cuda")
     except (RuntimeError, AssertionError) as exc:  # AssertionError: a torch without CUDA (tests)
@@ -71,12 +55,8 @@ def _unregister_all(ptrs: list[int]) -> None:
 
 
 class ExpertStore(ABC):
-    """The store of one MoE layer's E experts, as the executors, the fill and the runtime see it.
-
-    Attributes: ``specs`` (the per-expert tensors), ``num_experts`` E, ``expert_bytes`` (one
-    expert, all its tensors: the unit of a page-in), ``pinned`` and ``fallback`` (why not, as
-    shown in the stats).
-    """
+    """One MoE layer's E experts as executors, the fill and the runtime see them; ``expert_bytes``: one
+    expert, all its tensors (the unit of a page-in)."""
 
     specs: list[TensorSpec]
     num_experts: int
@@ -91,49 +71,38 @@ class ExpertStore(ABC):
 
     @abstractmethod
     def copy_to_slot(self, expert: int, slot: int, slots) -> None:
-        """Copy every tensor row of ``expert`` into row ``slot`` of the slot table ``slots``
-        (a ``formats.slots.SlotTable``: its ``write_rows``)."""
+        """Copy every row of ``expert`` into row ``slot`` of the slot table ``slots`` (its
+        ``write_rows``)."""
 
     def rows_in_memory(self) -> dict[str, torch.Tensor] | None:
-        """The [E, ...] tensors (name -> tensor) when the store holds every expert's rows in host
-        memory, for a page-in that the slot table copies itself (``formats.slots.SlotTable.copy_rows``);
-        None here: rows are reached through ``copy_to_slots`` only (the disk tier reads first)."""
+        """The [E, ...] tensors when every row is in host memory
+        (``formats.slots.SlotTable.copy_rows``); else None."""
         return None
 
     def copy_to_slots(self, loads, slots) -> None:
-        """``copy_to_slot`` of each load (``residency.planner.Load``: ``expert``, ``slot``), in
-        order: one step's page-ins together (the disk tier reads its host misses in parallel)."""
+        """``copy_to_slot`` of each load (``residency.planner.Load``), in order: one step's page-ins."""
         for load in loads:
             self.copy_to_slot(load.expert, load.slot, slots)
 
     def gather_problem(self, device: torch.device) -> str | None:
-        """Why a device-side gather (``gather``) on ``device`` cannot read this store, or None.
-        Here: the store does not hold every expert in host memory."""
+        """Why a device-side gather on ``device`` cannot read this store, or None."""
         return (f"a {type(self).__name__} does not hold every expert in host memory (the disk tier reads "
                 "on demand on the host): use --decide host, or raise --host-memory-gb")
 
     def gather_source(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The [E, ...] tensors (name -> tensor, every expert's row) that a device-side gather on
-        ``device`` reads (``paging.kernels.page_in.PageIn`` builds its address table over them).
-
-        Raises:
-            ValueError: ``gather_problem``'s message (checked when the executor is built).
-        """
+        """The [E, ...] tensors a device-side gather reads (ValueError: ``gather_problem``'s)."""
         raise ValueError(self.gather_problem(device))
 
     @abstractmethod
     def fill_from(self, extents: dict[str, list[list]]) -> list[tuple]:
-        """Take the checkpoint's byte ranges of every expert (tensor name -> [E] lists of
-        ``storage.safetensors_index.Extent``): returns the (extent, flat destination row) reads
-        the fill must do now (all of them for a full store; none for the disk tier, which keeps
-        the ranges and reads on demand)."""
+        """Take every expert's byte ranges (``storage.safetensors_index.Extent``); the (extent, flat
+        row) reads to do now."""
 
     def after_fill(self) -> None:
         """Called once the fill has read every row (e.g. to advise huge pages)."""
 
     def read_ahead(self, experts) -> int:
-        """Start reading ``experts`` (priority order) from disk in the background; returns the
-        reads started (0: this store holds every expert in memory)."""
+        """Start reading ``experts`` from disk in the background; returns the reads started (0 here)."""
         return 0
 
     tier_stats = None  # the host and disk tier counters (``stats.tiers.TierStats``); None: no tiers
@@ -143,23 +112,9 @@ class ExpertStore(ABC):
 
 
 class HostExpertStore(ExpertStore):
-    """All E experts of one MoE layer in host memory, one [E, ...] tensor per per-expert tensor.
-
-    Args:
-        specs: the layer's per-expert tensors (name, row shape, dtype).
-        num_experts: E.
-        pin: page-lock the store (for async host-to-device copies on CUDA): each [E, ...]
-            tensor is registered at its exact size. If a registration fails, the store
-            consumes the CUDA error it left pending (``clear_pending_cuda_error``), falls
-            back to pageable memory for all its tensors, logs a WARNING naming the bytes and
-            the CUDA error, and sets ``pinned = False`` and ``fallback`` (shown in the paging
-            stats).
-
-    Attributes:
-        tensors: name -> host tensor [E, *spec.shape].
-        expert_bytes: bytes of one expert (all its tensors), the unit of one page-in.
-        pinned_bytes: bytes page-locked now (== host_bytes when pinned, else 0).
-    """
+    """All E experts of one MoE layer in host memory, ``tensors`` name -> [E, *spec.shape]; ``pin``:
+    page-lock at exact size (CUDA), falling back to pageable memory with a WARNING and ``fallback``
+    set."""
 
     def __init__(self, specs: list[TensorSpec], num_experts: int, *, pin: bool) -> None:
         self.specs = list(specs)
@@ -199,8 +154,7 @@ class HostExpertStore(ExpertStore):
         self.pinned = True
 
     def release(self) -> None:
-        """Unregister the page-locked tensors (they stay valid, pageable). Also run when the
-        store is garbage collected."""
+        """Unregister the page-locked tensors (they stay valid, pageable); also on garbage collection."""
         _unregister_all(self._registered)
         self.pinned, self.pinned_bytes = False, 0
 
@@ -209,14 +163,8 @@ class HostExpertStore(ExpertStore):
         return self.expert_bytes * self.num_experts
 
     def write_row(self, name: str, expert: int, value: torch.Tensor, *, rows: slice | tuple | None = None) -> None:
-        """Copy ``value`` into expert ``expert``'s row of tensor ``name`` (optionally a slice of
-        its first per-expert dimension, or an index tuple, for checkpoints that store gate and up
-        separately).
-
-        Raises:
-            ValueError: unknown tensor name, expert out of range, or a shape mismatch (the
-                message names the tensor, the shapes and the expert).
-        """
+        """Copy ``value`` into ``expert``'s row of ``name`` (``rows``: a slice of its first
+        per-expert dim, or an index tuple). ValueError names the tensor, shapes and expert."""
         if name not in self.tensors:
             raise ValueError(f"no per-expert tensor {name!r}; have {sorted(self.tensors)}")
         if not 0 <= expert < self.num_experts:
@@ -232,13 +180,8 @@ class HostExpertStore(ExpertStore):
         dst.copy_(value)
 
     def convert_rows(self, specs: list[TensorSpec], convert, *, chunk: int = 16) -> None:
-        """Hold every expert in another layout from now on: ``convert({name: [n, ...]})`` ->
-        {spec.name: [n, *spec.shape]} for ``specs``, applied to ``chunk`` experts at a time
-        (``formats.cpu_pack``: torch's CPU kernel layouts, so that a page-in is a copy). Only an
-        unpinned store (a CPU device); the old tensors are freed when every row is converted.
-
-        Raises:
-            ValueError: a page-locked store (its registrations are of the old tensors)."""
+        """Hold every expert in another layout: ``convert({name: [n, ...]})`` -> {spec.name: [n,
+        *spec.shape]}, ``chunk`` at a time. ValueError if page-locked."""
         if self.pinned:
             raise ValueError("convert_rows: a page-locked host store (CUDA) keeps its layout")
         new = {s.name: torch.empty((self.num_experts, *s.shape), dtype=s.dtype) for s in specs}
@@ -250,49 +193,39 @@ class HostExpertStore(ExpertStore):
         self.expert_bytes = sum(s.row_bytes for s in self.specs)
 
     def copy_to_slot(self, expert: int, slot: int, slots) -> None:
-        """Copy every tensor row of ``expert`` into row ``slot`` of the [K, ...] ``slots``.
-
-        Non-blocking when the store is pinned and the slot is on CUDA: the caller issues it on
-        its copy stream and orders compute and slot reuse with events (``paging.transfer``).
-        A slot table that dequantizes or repacks at page-in (``formats.slots.DenseSlots``,
-        ``formats.cpu_pack.CpuPackedSlots``) does so in its ``write_rows``.
-        """
+        """Copy every row of ``expert`` into row ``slot``; non-blocking from a pinned store to CUDA."""
         slots.write_rows({name: host[expert] for name, host in self.tensors.items()}, slot, pinned=self.pinned)
 
     def rows_in_memory(self) -> dict[str, torch.Tensor]:
-        """``ExpertStore.rows_in_memory``: this store's [E, ...] tensors (every row in memory)."""
+        """This store's [E, ...] tensors."""
         return self.tensors
 
     def copy_to_slots(self, loads, slots) -> None:
-        """``copy_to_slot`` of each load, in order (one Python frame for the step's page-ins)."""
+        """``copy_to_slot`` of each load, in order."""
         tensors, pinned = self.tensors.items(), self.pinned
         for expert, slot in loads:
             slots.write_rows({name: host[expert] for name, host in tensors}, slot, pinned=pinned)
 
     def gather_problem(self, device: torch.device) -> str | None:
-        """None, except on CUDA when the store is pageable: the gather reads the page-locked,
-        mapped rows through their device address."""
+        """None, except on CUDA for a pageable store (the gather reads page-locked, mapped rows)."""
         if torch.device(device).type == "cuda" and not self.pinned:
             return (f"on CUDA it reads the page-locked, mapped host store; this store is pageable "
                     f"({self.fallback or 'pin=False'}): use --decide host")
         return None
 
     def gather_source(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """``ExpertStore.gather_source``: this store's [E, ...] tensors (every row in memory)."""
+        """This store's [E, ...] tensors."""
         problem = self.gather_problem(device)
         if problem is not None:
             raise ValueError(problem)
         return self.tensors
 
     def fill_from(self, extents: dict[str, list[list]]) -> list[tuple]:
-        """Every (extent, flat row of this store) read of the fill: the store holds all E."""
+        """Every (extent, flat row) read of the fill: the store holds all E."""
         return [(ext, self.tensors[name][e].view(-1)) for name, rows in extents.items()
                 for e, row in enumerate(rows) for ext in row]
 
     def after_fill(self) -> None:
-        """Advise transparent huge pages over the filled rows: khugepaged collapses them in the
-        background. Advised before the first touch, faults stall in direct compaction
-        ("madvise" defrag): measured 0.3-6 GB/s against about 1 GB/s without
-        (bench/disk_tier_bench.py)."""
+        """Advise transparent huge pages over the filled rows (docs/disk-tier.md)."""
         for table in self.tensors.values():
             advise_huge_pages(table)

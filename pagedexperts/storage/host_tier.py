@@ -1,29 +1,11 @@
-"""The disk tier: a host cache of R experts per MoE layer over the checkpoint's own files.
+"""The disk tier (``TieredExpertStore``): the ``host_store.ExpertStore`` contract over R host rows per
+MoE layer, placed by a host-side ``Residency``, the other experts read from the checkpoint (one
+``os.preadv`` per extent) when a page-in needs them; ``ReadAhead`` fills shared staging rows with
+predicted experts. Read-ahead and parallel reads never change a decision; a read error is sticky
+(``DiskReadError`` on every later page-in). docs/disk-tier.md.
 
-Owns: ``TieredExpertStore``, the ``host_store.ExpertStore`` contract implemented over a host
-cache when the full store does not fit in host memory. Each layer keeps
-R of its E experts in host rows (pinned on CUDA, allocated at exact size), placed by a
-host-side ``Residency`` with the same policy classes as the device slots; a device
-miss whose expert is not in a host row reads it from the checkpoint's safetensors files, one
-``os.preadv`` per per-expert tensor extent, into the host row, then copies the row into the
-slot. The page-ins of one step (``copy_to_slots``) claim their host rows in order, then read
-every host miss of the step in parallel (a small thread pool), then copy. ``ReadAhead``: that
-thread pool and a few expert-sized staging rows shared by the layers, filled with the next
-layer's predicted experts (``paging.prefetch``; on by default with the disk tier); a miss that
-finds its expert there takes the staging row in place of its host row (the two are swapped:
-no copy), and never waits for a read-ahead of another expert. Counters: ``stats.tiers.TierStats``
-(host hits/misses, disk reads, bytes, read times).
-
-Host-tier accounting: the host residency sees the sequence of device page-ins of its layer
-(plan misses and prefetch loads, in order), each as a one-expert step (``Residency.access``,
-counted by ``TierStats.record_host_access``: the simulator's two-level replay calls the same two).
-Read-ahead and parallel reads change only where and when the bytes come from, never a decision.
-A read error is sticky: the store raises ``DiskReadError`` on every later page-in (no request
-ever computes with a row that was not read).
-
-Legend: E routed experts, K device slots, R host rows per layer. A "row" is the logical row
-the residency places an expert in; its bytes live in a physical row (``{name: tensor}``), which
-a taken read-ahead exchanges with a staging row.
+Legend: E routed experts, K device slots, R host rows per layer; a logical "row" holds its bytes in
+a physical row {name: tensor}, swapped with a staging row when a read-ahead is taken.
 """
 
 from __future__ import annotations
@@ -60,15 +42,8 @@ def physical_rows(store: HostExpertStore) -> list[dict[str, torch.Tensor]]:
 
 
 class ReadAhead:
-    """A thread pool and ``num_buffers`` expert-sized staging rows shared by all layers.
-
-    Args:
-        specs: the per-expert tensors (every layer has the same).
-        num_buffers: staging rows (experts in flight or waiting to be used) at most.
-        pin: page-lock the staging rows (CUDA), as the host rows are: a taken read-ahead
-            becomes a host row.
-        workers: read-ahead threads; read_workers: on-demand reader threads.
-    """
+    """A thread pool and ``num_buffers`` expert-sized staging rows shared by all layers; ``pin``:
+    page-locked as the host rows are (a taken read-ahead becomes a host row)."""
 
     def __init__(self, specs, *, num_buffers: int, pin: bool = False, workers: int = 2,
                  read_workers: int = READ_WORKERS) -> None:
@@ -94,18 +69,8 @@ class ReadAhead:
 
 
 class TieredExpertStore(ExpertStore):
-    """E experts of one MoE layer: R in host rows, all E readable from the checkpoint files.
-
-    Args:
-        specs: the layer's per-expert tensors; num_experts: E; host_rows: R, 1 <= R <= E.
-        policy: eviction policy name for the host rows (``residency.policies.POLICIES``).
-        pin: page-lock the host rows (CUDA), at exact size and with the same fallback as
-            ``HostExpertStore`` (``pinned``, ``fallback``); layer: for error messages.
-        read_ahead: the model's shared ``ReadAhead`` (None: no read-ahead, reads one at a time).
-
-    Raises:
-        ValueError: R out of [1, E] (names --host-memory-gb).
-    """
+    """E experts of one MoE layer: R = ``host_rows`` in host rows, all E readable from the checkpoint;
+    ``read_ahead`` None: no read-ahead. ValueError: R outside [1, E] (names --host-memory-gb)."""
 
     def __init__(self, specs, num_experts: int, host_rows: int, *, policy: str, pin: bool,
                  layer: int = -1, read_ahead: ReadAhead | None = None) -> None:
@@ -150,35 +115,24 @@ class TieredExpertStore(ExpertStore):
         return self._rows[row]
 
     def reset(self) -> None:
-        """Empty host rows and zeroed counters, as after loading (e.g. after a start-up check
-        paged samples through the tier)."""
+        """Empty host rows and zeroed counters, as after loading."""
         self.residency = Residency(self.num_experts, self.host_rows, make_policy(self.residency.policy.name, self.host_rows))
         self._row_expert = [-1] * self.host_rows
         self.tier_stats = TierStats()
         self._window, self._pause_left = (0, 0), 0
 
     def fill_from(self, extents: dict[str, list[list[Extent]]]) -> list[tuple]:
-        """Keep the checkpoint byte ranges of every expert (tensor name -> [E] lists of
-        extents) to read on demand; the fill reads nothing into this store."""
+        """Keep every expert's byte ranges to read on demand; the fill reads nothing into this store."""
         self._sources = extents
         return []
 
     def copy_to_slot(self, expert: int, slot: int, slots: dict[str, torch.Tensor]) -> None:
-        """Copy ``expert`` into row ``slot`` of the [K, ...] ``slots``, via its host row (read
-        from disk first on a host miss): ``copy_to_slots`` of one load."""
+        """``copy_to_slots`` of one load."""
         self.copy_to_slots([Load(expert, slot)], slots)
 
     def copy_to_slots(self, loads, slots) -> None:
-        """Copy each load's expert (``.expert``, ``.slot``) into its slot of ``slots``, via its
-        host row. The host rows are claimed in load order (the residency decides as for one
-        page-in at a time); the host misses' reads are then in flight together (a batch ends
-        before a row claimed in it is claimed again); then the rows are copied, in order.
-        Non-blocking from pinned rows to CUDA slots. Rows hold packed tensors (a quantized
-        format's, as on disk); a table that dequantizes or repacks at page-in does so in its ``write_rows``.
-
-        Raises:
-            DiskReadError: the checkpoint file could not be read (now or at an earlier page-in).
-        """
+        """Copy each load's expert into its slot via its host row (claimed in order, host misses read
+        together). DiskReadError: the checkpoint could not be read, now or earlier."""
         batch: list[tuple[int, int, int, Callable | None]] = []  # (expert, row, slot, what fills the row)
         for load in loads:
             row, fill = self._claim(load.expert)
@@ -188,8 +142,8 @@ class TieredExpertStore(ExpertStore):
         self._finish(batch, slots)
 
     def _claim(self, expert: int) -> tuple[int, Callable | None]:
-        """(host row of ``expert``, None on a host hit, else the call that fills the row: the
-        taken read-ahead, or a disk read). The row holds nothing until it is filled."""
+        """(host row of ``expert``, None on a host hit else the call filling it: a taken read-ahead or
+        a disk read)."""
         if self.failed is not None:
             raise self.failed
         resident, row = self.residency.access(expert)
@@ -233,8 +187,7 @@ class TieredExpertStore(ExpertStore):
             self._row_events[row] = event
 
     def _take_read_ahead(self, row: int, ahead: tuple[Future, dict]) -> None:
-        """The read-ahead's staging row becomes host row ``row`` (no copy); the old bytes of the
-        row go back to the pool as a staging row."""
+        """The staging row becomes host row ``row`` (no copy); the old row joins the staging pool."""
         future, buffer = ahead
         try:
             future.result()
@@ -248,21 +201,16 @@ class TieredExpertStore(ExpertStore):
             self.tier_stats.read_ahead_bytes_used += self.expert_bytes
 
     def read_rows(self, first: int, n: int) -> dict[str, torch.Tensor]:
-        """Experts ``first..first+n-1`` read from the store's source (the checkpoint, or a
-        stored layout) into fresh tensors {spec name: [n, *spec.shape]}; counted as disk reads.
-
-        Raises:
-            DiskReadError: the source could not be read."""
+        """Experts ``first..first+n-1`` read into fresh tensors {name: [n, *spec.shape]};
+        DiskReadError."""
         out = {s.name: torch.empty((n, *s.shape), dtype=s.dtype) for s in self.specs}
         for i in range(n):
             self._read(first + i, {name: t[i].view(-1) for name, t in out.items()})
         return out
 
     def use_source(self, specs, extents: dict[str, list[list[Extent]]], read_ahead: ReadAhead | None) -> None:
-        """Read experts from now on as ``specs`` (another layout, e.g. a stored kernel layout)
-        at ``extents`` (tensor name -> [E] lists of extents): the host rows are reallocated in
-        ``specs``, as many as fit in the bytes the old ones took (at least 1), and emptied;
-        ``read_ahead``: the shared staging rows in ``specs`` (None: none). Before any page-in."""
+        """Read experts as ``specs`` at ``extents`` from now on (e.g. a stored kernel layout); host
+        rows reallocated within the old bytes and emptied. Before any page-in."""
         old_bytes = self.host_bytes
         self.specs = list(specs)
         self.expert_bytes = sum(s.row_bytes for s in self.specs)
@@ -275,8 +223,8 @@ class TieredExpertStore(ExpertStore):
         self.reset()
 
     def _read(self, expert: int, dst: dict[str, torch.Tensor]) -> None:
-        """Read ``expert``'s extents into the flat rows ``dst`` (name -> 1-D CPU tensor); one
-        ``preadv`` for extents that lie back to back in one file (a stored layout's expert)."""
+        """Read ``expert``'s extents into the flat rows ``dst`` (one ``preadv`` for back-to-back
+        extents)."""
         if self._sources is None:
             raise DiskReadError(f"layer {self.layer}: the disk tier has no checkpoint attached (loader bug)")
         t0 = time.perf_counter()
@@ -331,11 +279,8 @@ class TieredExpertStore(ExpertStore):
             os.close(fd)
 
     def read_ahead(self, experts) -> int:
-        """Start reading ``experts`` (priority order) that are in no host row into free staging
-        rows, in the background. Unused read-aheads of earlier calls are dropped once done.
-        Returns the reads started. A layer whose read-aheads are mostly unused pauses
-        (READ_AHEAD_MIN_USED; a WARNING the first time, ``TierStats.read_ahead_paused`` counts
-        the steps skipped)."""
+        """Read ``experts`` (priority order) in no host row into free staging rows in the background;
+        the reads started (0 without read-ahead or while paused)."""
         ra = self._read_ahead
         if ra is None or self.failed is not None:
             return 0
@@ -366,8 +311,8 @@ class TieredExpertStore(ExpertStore):
         return started
 
     def _judge_read_ahead(self) -> None:
-        """Pause read-ahead for READ_AHEAD_PAUSE steps when fewer than READ_AHEAD_MIN_USED of the
-        last READ_AHEAD_WINDOW were used (a read still in flight counts as unused)."""
+        """Pause READ_AHEAD_PAUSE steps when under READ_AHEAD_MIN_USED of the last READ_AHEAD_WINDOW
+        were used."""
         t = self.tier_stats
         issued, used = t.read_ahead_issued - self._window[0], t.read_ahead_used - self._window[1]
         if issued < READ_AHEAD_WINDOW:

@@ -1,22 +1,7 @@
-"""Experts stored on disk in the layout a compute kernel reads: one file, one extent per expert.
-
-Owns: the file format of a stored layout (``StoredLayout``: a JSON header, then every expert
-of every layer as one contiguous extent aligned to ALIGN bytes, its tensors back to back in the
-header's spec order), what the bytes depend on (``LayoutKey``: the format version, torch's
-version, the CPU capability the int4 pack was made for, the run dtype, the per-expert specs and
-the source checkpoint's files by name, size, mtime and a sha256 of their bytes), the check of a
-file against a key (``open_stored_layout``: a reason naming what differs, or the layout; a source
-file of the same size whose mtime alone differs, as after a copy, is hashed and accepted when its
-bytes are the ones the layout was made from), and the one write
-(``write_stored_layout``: to a temporary file beside the target, renamed at the end; a failed
-write removes it and says that the source is untouched). Does not: convert anything (the
-caller gives the rows, e.g. ``formats.cpu_pack.CpuPackedSlots.convert_many``), or decide when
-a stored layout is used (``loading.stored_layout``).
-
-Why: torch's int4 CPU pack (``_convert_weight_to_int4pack_for_cpu``) costs tens of ms per
-expert at Qwen3-30B-A3B's shapes against a fraction of a ms to copy its bytes; a disk-tier
-miss that reads this file is a read and a copy. The pack's layout depends on the ISA torch
-dispatches to (blocks of 64 columns on AVX-512, 32 on AVX2), hence the capability in the key.
+"""Experts stored on disk in a compute kernel's layout (docs/disk-tier.md "Packed experts: the kernels'
+layout stored on disk"): the file (``StoredLayout``: a JSON header, then one ALIGN-aligned extent
+per expert), its key (``LayoutKey``), the check (``open_stored_layout``) and the one write
+(``write_stored_layout``).
 
 Legend: L MoE layers, E experts per layer.
 """
@@ -47,12 +32,8 @@ class StoredLayoutError(OSError):
 
 @dataclass(frozen=True)
 class LayoutKey:
-    """What the stored bytes depend on; a file whose key differs is never used.
-
-    ``source``: (file name, size in bytes, mtime in ns, content digest) of each file the layout
-    was made from (the digest ``file_digest``'s, in the key written with a layout; "" in a key
-    made to look one up, and in files written before digests were stored); ``specs``: (name,
-    shape, dtype name) of one expert's tensors, in file order."""
+    """What the stored bytes depend on (a file whose key differs is never used); ``source``: (name,
+    size, mtime ns, digest) per file, ``specs``: one expert's tensors in file order."""
 
     torch_version: str
     capability: str
@@ -66,9 +47,8 @@ class LayoutKey:
     @staticmethod
     def make(*, specs: list[TensorSpec], dtype: torch.dtype, num_layers: int, num_experts: int,
              source_files: list[Path], capability: str | None = None, content: bool = False) -> "LayoutKey":
-        """The key of a layout of ``specs`` made now, by this torch on this CPU, from ``source_files``
-        (capability: ``torch.backends.cpu.get_cpu_capability()`` unless given; ``content``: also
-        hash each source file, as the key written with a layout does: ``source_fingerprint``)."""
+        """The key of a layout of ``specs`` made now by this torch on this CPU from ``source_files``
+        (``content``: also hash each file)."""
         return LayoutKey(torch_version=torch.__version__,
                          capability=capability or torch.backends.cpu.get_cpu_capability(),
                          dtype=str(dtype).removeprefix("torch."), num_layers=num_layers, num_experts=num_experts,
@@ -89,10 +69,8 @@ class LayoutKey:
         return -(-self.expert_bytes // ALIGN) * ALIGN
 
     def differences(self, other: "LayoutKey", content: Mapping[str, bool] | None = None) -> list[str]:
-        """What differs between ``self`` (the stored one) and ``other`` (wanted now), in words,
-        one item per differing field or source file. Source files compare by size and mtime
-        (not digest); ``content``: file name -> whether its bytes were found to be the stored
-        digest's (``moved_sources``), a match counting as the same file whatever its mtime."""
+        """What differs between ``self`` (stored) and ``other`` (wanted), one item per field or file;
+        sources compare by size and mtime, or as equal where ``content`` says the bytes matched."""
         out = []
         for name in ("format_version", "torch_version", "capability", "dtype", "num_layers", "num_experts", "specs"):
             a, b = getattr(self, name), getattr(other, name)
@@ -112,16 +90,14 @@ class LayoutKey:
         return out
 
     def moved_sources(self, other: "LayoutKey") -> list[str]:
-        """Source files of ``self`` (stored, with digests) whose size ``other`` (now) shares but
-        whose mtime differs, as after a copy that does not keep mtimes: the ones whose bytes a
-        hash can vouch for. Files stored without a digest are not among them."""
+        """Source files whose size ``other`` shares but whose mtime differs (as after a copy), stored
+        with a digest: those a hash can vouch for."""
         now = {f[0]: f[1:3] for f in other.source}
         return [f[0] for f in self.source if f[3] and f[0] in now and now[f[0]][0] == f[1] and now[f[0]][1] != f[2]]
 
 
 def source_fingerprint(files: list[Path], *, content: bool = False) -> tuple[tuple[str, int, int, str], ...]:
-    """(name, size, mtime_ns, digest) of each file, sorted by name; digest ``file_digest``'s
-    when ``content``, else "" (a stat only)."""
+    """(name, size, mtime_ns, digest) of each file, sorted by name; the digest is "" unless ``content``."""
     out = []
     for f in sorted(Path(p) for p in files):
         st = f.stat()
@@ -130,8 +106,7 @@ def source_fingerprint(files: list[Path], *, content: bool = False) -> tuple[tup
 
 
 def file_digest(path: Path, *, chunk: int = 1 << 23) -> str:
-    """"sha256:<hex>" of the bytes of the file at ``path``, read in ``chunk``-byte pieces (its
-    size in memory is one piece). Raises OSError when it cannot be read."""
+    """"sha256:<hex>" of the file's bytes, read ``chunk`` bytes at a time; OSError when unreadable."""
     h = hashlib.sha256()
     buf = memoryview(bytearray(chunk))
     with open(path, "rb", buffering=0) as f:
@@ -142,9 +117,8 @@ def file_digest(path: Path, *, chunk: int = 1 << 23) -> str:
 
 @dataclass(frozen=True)
 class StoredLayout:
-    """A valid stored layout: ``path``, its ``key``, where its expert data begins, and the
-    source files whose mtime differs from the key's but whose bytes were hashed and found to be
-    the ones it was made from (``verified_by_content``, by name)."""
+    """A valid stored layout: ``path``, ``key``, data offset, ``verified_by_content`` (sources hashed
+    equal)."""
 
     path: Path
     key: LayoutKey
@@ -160,8 +134,7 @@ class StoredLayout:
         return self.data_start + (layer * self.key.num_experts + expert) * self.key.stride
 
     def extents(self, layer: int) -> dict[str, list[list[Extent]]]:
-        """The layer's experts as the disk tier reads them: tensor name -> [E] lists of one
-        ``Extent`` each (an expert's tensors are consecutive: one run per expert)."""
+        """The layer's experts as the disk tier reads them: name -> [E] lists of one ``Extent`` each."""
         out: dict[str, list[list[Extent]]] = {s.name: [] for s in self.key.tensor_specs}
         for e in range(self.key.num_experts):
             at = self.offset(layer, e)
@@ -197,12 +170,8 @@ def _read_key(path: Path) -> tuple[LayoutKey, int] | str:
 
 
 def open_stored_layout(path: Path, want: LayoutKey, source_files: Sequence[Path] = ()) -> StoredLayout | str:
-    """The stored layout at ``path`` if it was made for ``want`` and is complete, else why not
-    (one line: missing, another format or torch or CPU capability, a changed source file by
-    name, or a truncated file with its size). When the only differences are source files of the
-    same size and another mtime (``LayoutKey.moved_sources``) and ``source_files`` (the files
-    ``want`` was made from) holds them, they are hashed (``file_digest``): all equal to the
-    stored digests, the layout is used (``StoredLayout.verified_by_content`` names them)."""
+    """The stored layout at ``path`` if made for ``want`` and complete, else a one-line reason; sources
+    differing only by mtime are hashed and accepted if equal."""
     path = Path(path)
     if not path.exists():
         return f"{path} does not exist"
@@ -232,16 +201,10 @@ def open_stored_layout(path: Path, want: LayoutKey, source_files: Sequence[Path]
 
 def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, int], Mapping[str, torch.Tensor]], *,
                         chunk: int = 2, source_name: str = "the checkpoint") -> StoredLayout:
-    """Write the layout of ``key`` to ``path``: ``rows(layer, first, n)`` gives experts
-    ``first..first+n-1`` of MoE layer index ``layer`` as {spec name: [n, *spec.shape]} in the
-    key's dtypes. Written to ``path``'s temporary sibling, flushed and dropped from the page cache
-    every ``chunk`` experts (a conversion's temporaries and dirty pages stay small under a memory
-    limit), then renamed over ``path``.
-
-    Raises:
-        StoredLayoutError: the write failed (no space, file size limit, permissions): names the
-            path, the bytes it needed and that ``source_name`` is untouched; nothing is left behind.
-    """
+    """Write ``key``'s layout to ``path`` from ``rows(layer, first, n)`` -> {spec name: [n,
+    *spec.shape]}: to a temporary sibling, flushed and dropped from the page cache every ``chunk``
+    experts, then renamed. StoredLayoutError (names path, bytes and that the source is untouched;
+    nothing left behind)."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     head, data_start = _header_bytes(key)
@@ -279,8 +242,7 @@ def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, in
 
 
 def _remove_stale_temps(path: Path) -> None:
-    """Remove ``path``'s temporary siblings left by a writer that no longer runs (killed
-    mid-write, e.g. by a memory cgroup's OOM killer: no ``except`` ran)."""
+    """Remove temporary siblings left by a writer that no longer runs (e.g. OOM-killed mid-write)."""
     for tmp in path.parent.glob(f"{path.name}.tmp-*"):
         try:
             os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)

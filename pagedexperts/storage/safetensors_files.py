@@ -1,13 +1,8 @@
-"""A checkpoint's safetensors files and their headers: the one shard listing, the one header parse.
-
-Owns: which files make a Hugging Face checkpoint (``checkpoint_files``: the shards named by
-``model.safetensors.index.json``, else ``model.safetensors``, else every ``*.safetensors``) and
-the parse of one file's header (``read_header_json``), the published format
-(https://huggingface.co/docs/safetensors): an 8-byte little-endian header length N, then N bytes
-of JSON mapping each key to ``dtype``, ``shape`` and ``data_offsets`` [begin, end) relative to
-the byte after the header. Standard library only: sizing and preflight read headers without
-torch; ``safetensors_index`` turns the same parse into byte ranges and reads.
-Does not: read tensor data.
+"""A checkpoint's safetensors files and their headers: the one shard listing (``checkpoint_files``) and
+the one header parse (``read_header_json``) of the published format
+(https://huggingface.co/docs/safetensors: an 8-byte little-endian length N, then N bytes of JSON
+with each key's ``dtype``, ``shape`` and ``data_offsets`` from the byte after the header). Standard
+library only; reads no tensor data.
 """
 
 from __future__ import annotations
@@ -21,13 +16,8 @@ SINGLE_FILE = "model.safetensors"
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:
-    """The safetensors files of a model directory: the shards named by its index (sorted,
-    distinct), else ``model.safetensors``, else every ``*.safetensors`` file, sorted.
-
-    Raises:
-        FileNotFoundError: no safetensors in the directory, or a shard named by the index is
-            missing (names the files and --model-path).
-    """
+    """The index's shards (sorted, distinct), else ``model.safetensors``, else every ``*.safetensors``.
+    FileNotFoundError names the files and --model-path."""
     model_path = Path(model_path)
     index = model_path / INDEX_FILE
     if index.exists():
@@ -49,13 +39,8 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
 
 
 def read_header_json(path: str | Path) -> tuple[dict, int]:
-    """(header, data_start) of one safetensors file: name -> {dtype, shape, data_offsets}, with
-    ``__metadata__`` dropped, and the absolute offset of the data (8 + N).
-
-    Raises:
-        ValueError: the file is shorter than its header length, the length exceeds the file,
-            or the header is not valid JSON (names the file).
-    """
+    """(header without ``__metadata__``, absolute data offset 8 + N) of one file. ValueError names the
+    file: too short, length past the end, or invalid JSON."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:

@@ -1,13 +1,7 @@
-"""Byte ranges of a checkpoint's tensors in its safetensors files, and positional reads of them.
-
-Owns: the tensors of a safetensors file as byte ranges (``TensorEntry``, from the header parse of
-``safetensors_files``), the check that every shard's header is readable, the map from
-checkpoint keys to per-expert rows of the host store (``Extent``: which bytes of which file fill
-which elements of one expert's row), and ``read_extent``: one ``os.preadv`` per extent straight
-into tensor memory (no memory map; no intermediate copy when the dtypes agree and the
-destination is contiguous). Generic over the store's ``TensorSpec``s: an extent is a byte
-range, whatever the dtype or packing.
-Does not: decide what to read (``host_tier``, ``loading.fill``).
+"""Byte ranges of a checkpoint's tensors (``TensorEntry``), their map to per-expert store rows
+(``Extent``), the check that every shard's header is readable, and positional reads (``os.preadv``)
+straight into tensor memory, no memory map. Generic over dtype and packing. Does not decide what to
+read.
 """
 
 from __future__ import annotations
@@ -44,15 +38,10 @@ class TensorEntry(NamedTuple):
 
 
 class Extent(NamedTuple):
-    """Bytes ``[offset, offset + nbytes)`` of ``path`` (dtype ``src_dtype``, ``numel``
-    elements) fill part of one expert's flattened row of one store tensor.
-
-    ``outer`` 1: elements ``[dst_elem, dst_elem + numel)`` of the row, one contiguous run.
-    ``outer`` > 1 (a source concatenated along a per-expert dim d > 0, e.g. GPTQ's gate and up
-    ``qweight`` [H/8, I] side by side in [H/8, 2I]): the row viewed as [outer, row numel /
-    outer] (outer = the product of the dims before d), the extent fills columns
-    ``[dst_elem, dst_elem + numel / outer)`` of every one of those rows, in order.
-    """
+    """Bytes ``[offset, offset + nbytes)`` of ``path`` (``src_dtype``, ``numel`` elements) filling part
+    of one expert's flat row. ``outer`` 1: elements ``[dst_elem, dst_elem + numel)``; ``outer`` > 1
+    (a source concatenated along a per-expert dim d > 0, e.g. GPTQ's gate and up): the row viewed as
+    [outer, numel_row / outer], columns ``[dst_elem, dst_elem + numel / outer)`` of every row."""
 
     path: Path
     offset: int
@@ -68,13 +57,8 @@ class DiskReadError(OSError):
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
-    """The tensors of one safetensors file, keyed by checkpoint key (``__metadata__`` skipped),
-    from its header (``safetensors_files.read_header_json``).
-
-    Raises:
-        ValueError: a header that is not the safetensors layout, an unknown dtype, or a tensor
-            whose bytes lie beyond the end of the file (a truncated download); names the file.
-    """
+    """The tensors of one file by key (``__metadata__`` skipped). ValueError names the file: not the
+    safetensors layout, unknown dtype, or bytes past the end."""
     path = Path(path)
     header, base = read_header_json(path)
     size = path.stat().st_size
@@ -93,12 +77,8 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
 
 
 def check_readable(files: list[Path]) -> None:
-    """Read every shard's header (no weights) so a truncated or corrupt shard is found before
-    any allocation.
-
-    Raises:
-        ValueError: names the shard.
-    """
+    """Read every shard's header so a truncated or corrupt shard is found before any allocation
+    (ValueError names it)."""
     for file in files:
         try:
             read_header(file)
@@ -114,11 +94,8 @@ def bytes_view(flat: torch.Tensor):
 
 
 def pread_into(fd: int, buf, offset: int, *, path: Path) -> None:
-    """Fill ``buf`` (a writable buffer) from byte ``offset`` of the open file ``fd``.
-
-    Raises:
-        DiskReadError: the file ends early (names the file and offset).
-    """
+    """Fill ``buf`` from byte ``offset`` of ``fd``; DiskReadError (names file and offset) if the file
+    ends early."""
     view = memoryview(buf).cast("B")
     done = 0
     while done < len(view):
@@ -129,13 +106,8 @@ def pread_into(fd: int, buf, offset: int, *, path: Path) -> None:
 
 
 def read_extent(fd: int, extent: Extent, dst_row: torch.Tensor, staging: torch.Tensor | None) -> None:
-    """Read ``extent`` into the flat row ``dst_row`` (1-D, contiguous, CPU).
-
-    A contiguous run of the same dtype: one read straight into the row's memory. Otherwise
-    (another dtype, e.g. a bf16 checkpoint loaded as float32, or ``outer`` > 1) the bytes go
-    through ``staging`` (uint8, >= extent.nbytes; allocated when None or smaller) and are
-    placed by one ``copy_``: still one read per extent.
-    """
+    """Read ``extent`` into the flat CPU row ``dst_row``, one read: straight into the row when
+    contiguous and of the same dtype, else through ``staging`` (uint8) and one ``copy_``."""
     if extent.outer == 1:
         dst = dst_row[extent.dst_elem : extent.dst_elem + extent.numel]
         if extent.src_dtype == dst.dtype:
@@ -152,8 +124,8 @@ def read_extent(fd: int, extent: Extent, dst_row: torch.Tensor, staging: torch.T
 
 
 def one_run(jobs: list[tuple[Extent, torch.Tensor]]) -> bool:
-    """Whether the (extent, flat row) jobs, sorted by offset, lie back to back in one file and
-    each fills a whole run of its row in its own dtype (``read_run`` reads them in one call)."""
+    """Whether sorted (extent, row) jobs lie back to back in one file, each a whole run in its own
+    dtype."""
     if len(jobs) < 2:
         return False
     for (ext, _), (nxt, _) in zip(jobs, jobs[1:]):
@@ -163,11 +135,8 @@ def one_run(jobs: list[tuple[Extent, torch.Tensor]]) -> bool:
 
 
 def read_run(fd: int, jobs: list[tuple[Extent, torch.Tensor]]) -> None:
-    """Read back-to-back extents (``one_run``) into their rows with ``os.preadv`` (one call, and
-    more only after a short read).
-
-    Raises:
-        DiskReadError: the file ends early (names the file and offset)."""
+    """Back-to-back extents into their rows in one ``os.preadv`` (more only after a short read);
+    DiskReadError."""
     first = jobs[0][0]
     bufs = [memoryview(bytes_view(dst[ext.dst_elem: ext.dst_elem + ext.numel])).cast("B") for ext, dst in jobs]
     offset, total = first.offset, sum(len(b) for b in bufs)
@@ -198,16 +167,9 @@ def _numel(shape) -> int:
 
 def expert_extents(entry: TensorEntry, *, spec, expert: int | None, num_experts: int,
                    src_index: int, n_src: int, key: str) -> list[tuple[int, Extent]]:
-    """(expert, Extent) pairs of one checkpoint tensor mapped to store tensor ``spec``.
-
-    ``expert`` None: a stacked [E, *row] tensor (one extent per expert). Otherwise one expert's
-    tensor, source ``src_index`` of ``n_src`` concatenated along ``spec.concat_dim``
-    (transformers' MergeModulelist + Concatenate(dim=1) converters, e.g. gate and up: dim 0
-    of a dense or block-FP8 row, dim 1 of GPTQ's and AWQ's packed rows).
-
-    Raises:
-        ValueError: shapes that do not match the config (names the key and both shapes).
-    """
+    """(expert, Extent) pairs of one checkpoint tensor for store tensor ``spec``: ``expert`` None for a
+    stacked [E, *row] tensor, else one expert's source ``src_index`` of ``n_src`` concatenated along
+    ``spec.concat_dim``. ValueError names the key and both shapes."""
     row_numel = _numel(spec.shape)
     if expert is None:
         if entry.shape[:1] != (num_experts,):

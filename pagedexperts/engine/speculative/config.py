@@ -1,12 +1,4 @@
-"""Speculative decoding's options and counters.
-
-Owns: ``SpeculativeConfig`` and its flag checks (``speculative_config``: ``--speculative``,
-``--num-speculative-tokens``, ``--draft-model-path``), the limits (``MAX_NUM_SPECULATIVE_TOKENS``,
-the n-gram lengths) and ``SpeculativeStats`` (proposed / accepted tokens per verification step).
-
-Does not: propose (``engine.speculative.proposers``, ``engine.speculative.draft``), decide
-acceptance (``engine.speculative.acceptance``), or run a model (``engine.speculative.decoder``).
-"""
+"""Speculative decoding's options (``SpeculativeConfig``, ``speculative_config``), limits and counters."""
 
 from __future__ import annotations
 
@@ -22,13 +14,8 @@ NGRAM_MIN = 1
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """What proposes and how many.
-
-    ``method``: "ngram" (prompt lookup, no extra model) or "draft" (a smaller checkpoint with
-    the target's tokenizer at ``draft_model_path``). ``num_speculative_tokens``: proposals per
-    request per verification step (n; the step routes n + 1 tokens per request).
-    ``ngram_max`` / ``ngram_min``: suffix lengths prompt lookup tries, longest first.
-    """
+    """What proposes and how many: ``method`` "ngram" or "draft" (``draft_model_path``),
+    ``num_speculative_tokens`` n per request per step, ``ngram_max`` / ``ngram_min``."""
 
     method: str
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
@@ -39,13 +26,8 @@ class SpeculativeConfig:
 
 def speculative_config(method: str | None, *, num_speculative_tokens: int | None = None,
                        draft_model_path: str | None = None) -> SpeculativeConfig | None:
-    """The config from the flags, or None without ``--speculative``; checked before any model loads.
-
-    Raises:
-        ValueError: naming the flag: an unknown method, --draft-model-path without
-            --speculative draft (or missing with it, or not a model directory),
-            --num-speculative-tokens without --speculative or outside [1, 32].
-    """
+    """The config from the flags (None without ``--speculative``), before any model loads; ValueError
+    names the flag."""
     if method is None:
         for flag, value in (("--draft-model-path", draft_model_path), ("--num-speculative-tokens", num_speculative_tokens)):
             if value is not None:
@@ -69,13 +51,8 @@ def speculative_config(method: str | None, *, num_speculative_tokens: int | None
 
 @dataclass
 class SpeculativeStats:
-    """Counters of speculation. A verification step = one request's n proposals checked in a
-    forward (a batched forward of B requests counts B steps; ``forwards`` counts forwards).
-
-    ``proposed``: proposals checked; ``accepted``: proposals accepted; ``emitted``: tokens
-    the verification steps produced (accepted + one correction or bonus per step, before a
-    finish cut them); ``padded``: query positions computed only to square the batch.
-    """
+    """Counters: ``proposed``, ``accepted``, ``emitted`` (accepted + 1 per verification step),
+    ``padded`` positions."""
 
     forwards: int = 0
     steps: int = 0

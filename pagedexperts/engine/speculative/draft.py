@@ -1,13 +1,6 @@
-"""The draft model of ``--speculative draft``: loading it, its KV buffers per request, proposing.
-
-Owns: ``load_draft`` (a smaller checkpoint with the target's tokenizer, loaded whole with
-transformers, unpaged, checked against the target's vocabulary), ``DraftProposer`` (one
-batched draft forward per proposed token, with the draft's own KV buffers per request,
-``DraftState``), ``model_forward`` (a model as the ``forward`` that ``batching.forward_rows``
-calls) and ``save_truncated_draft`` (a crude draft: the target's first layers).
-
-Legend: n proposals per request, V vocabulary, D head dim. Does not: verify proposals or
-decide acceptance (``decoder``, ``acceptance``), or page anything: the draft is not paged.
+"""The draft model of ``--speculative draft``: ``load_draft`` (whole, unpaged, checked against the
+target's vocabulary), ``DraftProposer`` (one batched draft forward per proposed token over its own
+KV buffers per request) and ``save_truncated_draft`` (a crude draft: the target's first layers).
 """
 
 from __future__ import annotations
@@ -36,8 +29,8 @@ class DraftState:
 
 
 def cache_kwarg(model) -> str:
-    """The name ``model.forward`` takes its KV cache by ("cache" in newer transformers,
-    "past_key_values" before), as the scheduler asks."""
+    """The keyword ``model.forward`` takes its cache by: "cache", or "past_key_values" (older
+    transformers)."""
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -54,13 +47,9 @@ def model_forward(model) -> Callable:
 
 
 class DraftProposer:
-    """A draft model proposing n tokens per request, one batched draft forward per token.
-
-    Each request's draft KV buffers (``DraftState``) are made at its first step (its context
-    but the last token prefilled alone) and cropped to the kept tokens after each verification.
-    The draft samples with the request's temperature / top_p (its ``q`` goes to the
-    acceptance rule) or, for greedy requests, takes its argmax.
-    """
+    """A draft model proposing n tokens per request, one batched forward per token, with its own KV per
+    request (cropped to the kept tokens); samples with the request's temperature / top_p, or argmax
+    when greedy."""
 
     def __init__(self, draft, config: SpeculativeConfig, *, pad_id: int) -> None:
         self.draft, self.config, self.pad_id = draft, config, pad_id
@@ -121,12 +110,8 @@ class DraftProposer:
 
 
 def check_draft_config(path: str, target_config) -> None:
-    """Refuse a draft whose config.json cannot share the target's tokenizer (different
-    vocab_size), reading configs only: called before the target loads.
-
-    Raises:
-        ValueError: naming --draft-model-path and both vocabulary sizes.
-    """
+    """Refuse (ValueError naming --draft-model-path and both sizes) a draft whose vocab_size differs;
+    configs only, before the target loads."""
     from transformers import AutoConfig
 
     vocab = getattr(AutoConfig.from_pretrained(path), "vocab_size", None)
@@ -136,13 +121,9 @@ def check_draft_config(path: str, target_config) -> None:
 
 
 def load_draft(path: str, *, target, tokenizer):
-    """The draft model of ``path`` (transformers ``from_pretrained``, whole, eval) on the
-    target's device and dtype.
-
-    Raises:
-        ValueError: naming --draft-model-path: its vocabulary size differs from the target's,
-            it has no tokenizer, or its tokenizer's vocabulary differs from the target's.
-    """
+    """The draft of ``path`` (``from_pretrained``, eval) on the target's device and dtype. ValueError
+    (names --draft-model-path): another vocabulary size, no tokenizer, or another tokenizer
+    vocabulary."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_draft_config(path, target.config)
@@ -159,14 +140,8 @@ def load_draft(path: str, *, target, tokenizer):
 
 
 def save_truncated_draft(model_path, out_dir, *, num_layers: int):
-    """Write a draft checkpoint to ``out_dir``: the model of ``model_path`` with only its first
-    ``num_layers`` decoder layers (embeddings, final norm and LM head kept), and its tokenizer
-    files. A crude draft (an early exit, not trained as one) that shares the tokenizer by
-    construction; returns ``out_dir``.
-
-    Raises:
-        ValueError: ``num_layers`` not in [1, the model's layers).
-    """
+    """The model of ``model_path`` with only its first ``num_layers`` decoder layers, and its
+    tokenizer, written to ``out_dir`` (ValueError: ``num_layers`` not in [1, layers))."""
     import shutil
     from pathlib import Path
 

@@ -1,13 +1,5 @@
-"""Speculative decoding's proposers: the contract and prompt lookup (n-gram).
-
-Owns: ``Proposal`` (one request's proposed tokens and, from a sampling draft, the
-probabilities they were drawn from), the ``Proposer`` contract, ``context_of`` and
-``NgramProposer`` / ``ngram_propose`` (prompt lookup: the tokens that followed the latest
-earlier occurrence of the context's last n tokens, n from ``ngram_max`` down to ``ngram_min``;
-transformers' ``PromptLookupCandidateGenerator`` and vLLM's ``[ngram]`` proposer do the same).
-
-Does not: run a model (the draft model's proposer is ``engine.speculative.draft``), or decide
-acceptance (``engine.speculative.acceptance``).
+"""Speculative decoding's proposers: ``Proposal``, the ``Proposer`` contract and prompt lookup
+(``NgramProposer``, as transformers' ``PromptLookupCandidateGenerator`` and vLLM's ngram proposer).
 """
 
 from __future__ import annotations
@@ -22,8 +14,7 @@ from pagedexperts.engine.speculative.config import NGRAM_MAX, NGRAM_MIN, Specula
 
 @dataclass
 class Proposal:
-    """One request's proposals: ``tokens`` [n] and, from a draft that sampled them, ``q`` [n, V]
-    (float32 probabilities they were drawn from; None = point masses, or greedy)."""
+    """One request's ``tokens`` [n] and ``q`` [n, V] float32 (a sampling draft's; None: point masses)."""
 
     tokens: list[int]
     q: torch.Tensor | None = None
@@ -36,8 +27,7 @@ class Proposer(Protocol):
         """At most ``budgets[i]`` tokens for request i (a scheduler ``Request``)."""
 
     def settle(self, req, kept: int) -> None:
-        """The first ``kept`` tokens of the request's context (prompt + outputs + accepted
-        proposals) are final; anything proposed past them is dropped."""
+        """The first ``kept`` tokens of the request's context are final; later proposals are dropped."""
 
 
 def context_of(req) -> list[int]:
@@ -61,9 +51,8 @@ class NgramProposer:
 
 
 def ngram_propose(context: Sequence[int], n: int, *, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:
-    """Up to ``n`` proposed token ids: for m = ngram_max..ngram_min, find the latest earlier
-    occurrence of the context's last m tokens and propose the tokens that followed it; [] when
-    no suffix recurs. Pure Python, O(len(context) x ngram_max)."""
+    """Up to ``n`` ids: what followed the latest earlier occurrence of the last m tokens, m =
+    ngram_max..ngram_min."""
     size = len(context)
     for m in range(min(ngram_max, size - 1), ngram_min - 1, -1):
         suffix = list(context[size - m:])

@@ -1,8 +1,5 @@
-"""The optional Triton import and the kernel backend choice, in one place.
-
-``triton`` is an optional extra (``gpu``); without it only the torch backends run.
-Backends: "torch" (plain tensor ops, any device) and "triton" (the kernels:
-CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set before triton is imported).
+"""The optional Triton import and the kernel backend choice: "torch" (any device) or "triton" (CUDA, or
+CPU with ``TRITON_INTERPRET=1`` set before triton is imported).
 """
 
 from __future__ import annotations
@@ -26,12 +23,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_backend(backend: str, device) -> str:
-    """Return ``backend`` if it can run on ``device``.
-
-    Raises:
-        ValueError: unknown backend (lists BACKENDS); "triton" without triton installed
-            (names the ``gpu`` extra); "triton" on a CPU device without ``TRITON_INTERPRET=1``.
-    """
+    """``backend`` if it can run on ``device``; ValueError for an unknown backend, "triton" without
+    triton (names the ``gpu`` extra) or on a CPU without ``TRITON_INTERPRET=1``."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {list(BACKENDS)}")
     if backend == "torch":

@@ -1,36 +1,7 @@
-"""Decide: one step's residency decision of one MoE layer, on the device, fixed shapes, no sync.
-
-Owns the decision of ``residency.planner.Residency`` with ``residency.eviction``'s ``LRUPolicy`` / ``LFUPolicy``
-(aging) restated over device tensors: from the step's top-k ids [T, k] it updates the slot
-map and the policy state in place and writes the page-in plan of every wave (src, dst, count)
-and each routed expert's slot and wave. Two functions of identical semantics:
-``decide_torch`` (torch ops, any device) and ``decide_triton`` (one Triton program; CUDA,
-or CPU under ``TRITON_INTERPRET=1``); and the remap of the step's entries to the slots and
-waves the decision gave their experts (``remap_torch`` / ``remap_triton``). Also the state it
-updates (``DecideState``) and the W a plan is sized for (``num_waves_for``). Does not: copy
-bytes (``page_in``) or own the state's lifetime (``device_residency``).
-
-One concept past 400 lines: the device decide, its state, its plan and its remap, each in torch and Triton.
-
-The rule, step by step, as ``Residency.plan`` makes it:
-1-2. ``residency.planner.begin_step`` (``decide_torch`` calls it with tensor hooks): union =
-   distinct routed ids; LFU ``on_step``: steps += 1, every ``half_life`` steps all counts
-   halved (floor) first, then count[e] += 1 for each e in the union. Hits = union experts
-   resident at the step's start, misses the rest, both in ascending id; ``on_hits``:
-   last_use[slot of hit i] = clock + 1 + i (i = rank in ascending id).
-3. Queue = hits then misses; wave w = queue entries [w K, (w+1) K). A step has at most
-   W = ceil(min(T k, E) / K) waves (fixed by the shape); later waves are empty: no-ops.
-4. Per wave, its misses (ascending id) take, in order: empty slots (ascending id; slots fill
-   once and never empty again), then victims among occupied slots not holding a hit of this
-   wave, least rank first; rank = (count of the slot's expert (LFU; 0 for LRU), last_use,
-   slot). ``on_loads``: last_use[slot of miss j] = clock + 1 + j.
-Slots filled by an earlier wave of the same step are not protected (that wave has run).
-Beyond K read in place (``DecideRule.in_place``, ``--beyond-k in-place``): one wave whatever
-the union. The hits keep their slots (all of them: at most K); of the misses, the first
-A = min(misses, K - hits, ``DecideRule.admit``) in ascending id are admitted: they take slots
-by step 4 as wave 0's misses would (for a union <= K with A >= K: exactly the waves rule); every
-other routed expert gets host row K + e (read in place from the host store, no slot, no state
-change but its LFU count) and wave 0.
+"""Decide: one MoE layer's residency decision for one step on the device (fixed shapes, no sync):
+``residency.planner.Residency`` with LRU / LFU restated over device tensors (``decide_torch``,
+``decide_triton``), the remap of entries to slots and waves, and the state it updates. The rule:
+docs/device-side-decide.md "The rule as built".
 
 Legend: T tokens, k top_k, E experts, K slots, W waves of the step.
 """
@@ -51,13 +22,8 @@ CLOCK, STEPS = 0, 1
 
 @dataclass(frozen=True)
 class DecideState:
-    """The residency state of one layer, device tensors updated in place by each decide.
-
-    slot_of_expert [E] int64 (-1: not resident); expert_of_slot [K] int64 (-1: empty);
-    last_use [K] int64 (clock at the slot's last touch, 0 never); count [E] int64 (LFU: steps
-    whose union held the expert, halved every ``half_life`` steps; unused by LRU);
-    scalars [2] int64: CLOCK (touches so far), STEPS (decides so far).
-    """
+    """One layer's state, updated in place: slot_of_expert [E], expert_of_slot [K] (-1: none), last_use
+    [K], count [E] (LFU), scalars [2] (CLOCK, STEPS); all int64."""
 
     slot_of_expert: torch.Tensor
     expert_of_slot: torch.Tensor
@@ -74,9 +40,7 @@ class DecideState:
 
 
 def num_waves_for(num_entries: int, num_slots: int, num_experts: int, *, in_place: bool = False) -> int:
-    """W = ceil(min(T k, E) / K): the most waves a step of ``num_entries`` = T k routed
-    entries needs (its union holds at most min(T k, E) experts); at least 1. ``in_place``
-    (experts beyond the slots read in place): 1 at every T."""
+    """W = max(1, ceil(min(T k, E) / K)) for ``num_entries`` = T k; 1 with ``in_place``."""
     if in_place:
         return 1
     return max(1, -(-min(num_entries, num_experts) // num_slots))
@@ -84,15 +48,9 @@ def num_waves_for(num_entries: int, num_slots: int, num_experts: int, *, in_plac
 
 @dataclass(frozen=True)
 class DecidePlan:
-    """What a decide writes (fixed shapes, fixed addresses: allocate once per W).
-
-    src [W, K] int64: expert of load j of wave w (-1 for j >= count[w]); dst [W, K] int64:
-    its slot (for j >= count[w]: the slots that follow in victim order); count [W] int64:
-    loads of wave w; expert_slot [E] int64: slot of each routed
-    expert during its wave (-1: not routed); expert_wave [E] int64: its wave (-1: not routed);
-    step [4] int64: this step's (hits, misses, waves, misses read in place: not paged in); scratch [2 E + 3 K] int64: the Triton
-    kernel's working memory (routed flags, protected flags, misses by rank, slot keys).
-    """
+    """What a decide writes, allocated once per W, all int64: src / dst [W, K] (loads), count [W],
+    expert_slot / expert_wave [E] (-1: not routed), step [4] (hits, misses, waves, in-place reads),
+    scratch [2 E + 3 K]."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -117,11 +75,8 @@ class DecidePlan:
 
 @dataclass(frozen=True)
 class DecideRule:
-    """The eviction rule of a decide: ``use_count`` False = LRU, True = LFU with aging every
-    ``half_life`` steps (0: never), as ``residency.eviction.LRUPolicy`` / ``LFUPolicy``.
-    ``in_place``: routed experts beyond the slots are read in place (host rows K + e), one wave
-    a step (module docstring); ``admit``: with it, page-ins per step at most (None: K, which
-    keeps the waves rule for unions <= K)."""
+    """``use_count`` False = LRU, True = LFU aged every ``half_life`` steps (0: never); ``in_place``:
+    one wave, at most ``admit`` page-ins (None: K)."""
 
     use_count: bool
     half_life: int = 0
@@ -137,9 +92,8 @@ class DecideRule:
 
 
 class _DevicePolicy:
-    """The policy hooks ``residency.planner.begin_step`` calls, over a ``DecideState`` in
-    tensor ops (``LRUPolicy``: last use; ``LFUPolicy``: and counts with aging): the union is
-    an [E] bool mask, the hits an [E] bool mask whose ranks (a cumsum) are the ascending ids."""
+    """``residency.planner.begin_step``'s hooks over a ``DecideState`` (union and hits as [E] bool
+    masks)."""
 
     def __init__(self, state: DecideState, rule: DecideRule) -> None:
         self.state, self.rule = state, rule
@@ -163,8 +117,7 @@ class _DevicePolicy:
 
 
 def _begin_step(state: DecideState, ids: torch.Tensor, rule: DecideRule):
-    """Steps 1-3 by ``residency.planner.begin_step`` (the planner's rule, tensor hooks):
-    (routed [E], hit [E], queue position [E]); counts and hit touches updated."""
+    """Steps 1-3 (``residency.planner.begin_step``): (routed [E], hit [E], queue position [E])."""
     slot_of_expert = state.slot_of_expert
     routed = torch.zeros_like(slot_of_expert, dtype=torch.bool).index_fill_(0, ids.reshape(-1), True)
     hit, _ = begin_step(_DevicePolicy(state, rule), routed,
@@ -176,8 +129,8 @@ def _begin_step(state: DecideState, ids: torch.Tensor, rule: DecideRule):
 
 
 def _victim_order(state: DecideState, protected: torch.Tensor, rule: DecideRule) -> torch.Tensor:
-    """Slots [K] in the order a wave's misses take them: empty (ascending id), then occupied
-    unprotected by (count, last_use, slot), then protected. Stable sorts, least key last."""
+    """Slots [K] in the order misses take them: empty, then unprotected by (count, last_use, slot),
+    then protected."""
     expert_of_slot = state.expert_of_slot
     empty = expert_of_slot < 0
     order = torch.argsort(torch.where(empty, 0, state.last_use), stable=True)
@@ -189,8 +142,8 @@ def _victim_order(state: DecideState, protected: torch.Tensor, rule: DecideRule)
 
 
 def _wave(state: DecideState, plan: DecidePlan, w: int, in_wave, hit, rule: DecideRule) -> None:
-    """Step 4 for wave ``w`` of the routed experts ``in_wave`` [E] bool: place its misses,
-    update the state, write plan row ``w``."""
+    """Step 4 for wave ``w`` of ``in_wave`` [E] bool: place its misses, update state, write plan row
+    ``w``."""
     slot_of_expert, expert_of_slot = state.slot_of_expert, state.expert_of_slot
     num_slots = expert_of_slot.shape[0]
     wave_miss = in_wave & ~hit
@@ -214,13 +167,8 @@ def _wave(state: DecideState, plan: DecidePlan, w: int, in_wave, hit, rule: Deci
 
 
 def decide_torch(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: DecideRule) -> None:
-    """Decide one step in torch ops: ``ids`` [T, k] int64 expert ids on the state's device.
-
-    Updates ``state`` in place and fills ``plan`` (its W waves; W >= ceil(|union| / K) is the
-    caller's to guarantee: ``num_waves_for(T k, K)``; with ``rule.in_place`` one wave, host
-    rows K + e for the experts it reads in place). No host read, no data-dependent shape.
-    Ids must lie in [0, E) (not checked here: a check would read the device).
-    """
+    """Decide one step in torch ops: ``ids`` [T, k] int64 in [0, E) (unchecked: a check would read the
+    device); W >= ceil(|union| / K) is the caller's to guarantee."""
     routed, hit, queue = _begin_step(state, ids, rule)
     plan.expert_slot.fill_(-1)
     plan.expert_wave.fill_(-1)
@@ -371,18 +319,14 @@ if HAVE_TRITON:
 
 @functools.lru_cache(maxsize=None)
 def decide_constexprs(num_experts: int, num_slots: int, rule: DecideRule) -> dict:
-    """The compile-time constants of ``_decide_kernel`` for E, K and ``rule`` (one compiled
-    variant per layer shape and rule: none depends on the batch). Built once per (E, K, rule);
-    the dict is shared: do not change it."""
+    """``_decide_kernel``'s constexprs for E, K and ``rule`` (shared: do not change)."""
     return dict(USE_COUNT=rule.use_count, HALF_LIFE=rule.half_life if rule.use_count else 0, IN_PLACE=rule.in_place,
                 BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(num_slots),
                 BLOCK_IDS=BLOCK_IDS, RANK_CHUNK=RANK_CHUNK, KEY_SHIFT=KEY_SHIFT)
 
 
 def decide_triton(state: DecideState, ids: torch.Tensor, plan: DecidePlan, rule: DecideRule) -> None:
-    """``decide_torch`` as one Triton program (same arguments, same writes; W waves looped
-    inside the program, slots ranked by pairwise comparison of their keys, RANK_CHUNK at a
-    time: K^2 work). The step's T and W are not specialised on (``do_not_specialize``)."""
+    """``decide_torch`` as one Triton program (K^2 pairwise ranking); T and W not specialised on."""
     flat = ids.reshape(-1).contiguous()
     num_experts, num_slots = state.slot_of_expert.shape[0], state.expert_of_slot.shape[0]
     _decide_kernel[(1,)](

@@ -1,19 +1,7 @@
-"""Align a step's entries by row on the device: the grouping the fused MoE GEMM reads.
-
-Owns ``Alignment`` and the two ways to compute it: ``align_triton`` (two Triton kernels: one
-program counts the entries of every row and writes each row's padded start; one program per
-row writes its entries, its padding and its blocks' row id) and ``align_torch`` (torch ops).
-Both write the same values and neither reads anything back to the host: every shape is fixed
-by (S, R, BLOCK_M), the used part is a device count (``num_padded``), and kernels reading
-blocks past it return at once. Does not: compute experts (``fused_moe``) or decide which row
-holds an expert (the caller's row ids: slot ids, or host rows beyond the slots).
-
-Layout: row r's entries, in ascending entry order (entry s = t * k + j of ``row_ids`` [T, k]),
-fill ``sorted_entry[start_r : start_r + count_r]``; ``[start_r + count_r, start_r + padded_r)``
-holds S (padding, masked by the GEMM), padded_r = count_r rounded up to BLOCK_M; rows in
-ascending id; ``block_row[b]`` is the row of block b for b < num_padded / BLOCK_M. Entries
-whose row id is negative (or >= R) are left out. The capacity ``P = S + min(S, R) * (BLOCK_M
-- 1)`` rounded up to BLOCK_M holds the worst case (every routed row one entry short of a block).
+"""Align a step's entries by row on the device, the grouping the fused MoE GEMM reads
+(``align_triton``, ``align_torch``; no host read). Row r's entries (s = t k + j), ascending, fill
+``sorted_entry[start_r : start_r + count_r]``, padded with S to a multiple of BLOCK_M;
+``block_row[b]`` is block b's row; ids < 0 or >= R are left out.
 
 Legend: T tokens, k top_k, S = T k entries, R addressable rows, P padded capacity.
 """
@@ -32,10 +20,8 @@ SCATTER_BLOCK = 1024  # entries per step of one row's scan
 
 @dataclass(frozen=True)
 class Alignment:
-    """Entries grouped by row, padded to blocks of ``block_m`` (module docstring).
-
-    ``sorted_entry`` int32 [P], ``block_row`` int32 [P / block_m], ``num_padded`` int32 [1]
-    (device), ``num_entries`` S (the padding value)."""
+    """``sorted_entry`` int32 [P], ``block_row`` int32 [P / block_m], ``num_padded`` int32 [1]
+    (device), ``num_entries`` S."""
 
     sorted_entry: torch.Tensor
     block_row: torch.Tensor
@@ -64,10 +50,7 @@ def _check(row_ids: torch.Tensor, num_rows: int, block_m: int) -> None:
 
 
 def align_torch(row_ids: torch.Tensor, num_rows: int, block_m: int) -> Alignment:
-    """``row_ids`` [T, k] (or [S]) -> the Alignment, in torch ops on ids' device (no host read).
-
-    Raises:
-        ValueError: see ``_check``."""
+    """``row_ids`` [T, k] (or [S]) -> the Alignment, in torch ops (ValueError: ``_check``)."""
     _check(row_ids, num_rows, block_m)
     ids = row_ids.reshape(-1).long()
     num_entries, dev = ids.numel(), ids.device
@@ -93,8 +76,8 @@ if HAVE_TRITON:
     @triton.jit
     def align_count_kernel(ids_ptr, counts_ptr, starts_ptr, num_padded_ptr, num_entries, num_rows,
                            BLOCK_M: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
-        """One program: count[r] (a histogram; left-out ids go to the spare bin R_BLOCK - 1 >= R),
-        start[r] = sum of padded counts of rows < r, num_padded = the sum of all."""
+        """count[r] (left-out ids in the spare bin R_BLOCK - 1), start[r] (padded prefix sum),
+        num_padded."""
         counts = tl.zeros([R_BLOCK], dtype=tl.int32)
         for s0 in range(0, num_entries, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
@@ -112,8 +95,7 @@ if HAVE_TRITON:
     @triton.jit
     def align_scatter_kernel(ids_ptr, counts_ptr, starts_ptr, sorted_ptr, block_row_ptr, num_entries,
                              BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Program r: its entries in ascending order at start[r] + rank, then the padding, then
-        the row id of each of its blocks."""
+        """Program r: its entries ascending at start[r] + rank, then padding, then its blocks' row id."""
         r = tl.program_id(0)
         start = tl.load(starts_ptr + r)
         count = tl.load(counts_ptr + r)
@@ -133,20 +115,14 @@ if HAVE_TRITON:
 
 
 def align_triton(row_ids: torch.Tensor, num_rows: int, block_m: int) -> Alignment:
-    """``align_torch`` by the two Triton kernels (CUDA tensors, or CPU ones under
-    ``TRITON_INTERPRET=1``): grids (1,) and (R,), fixed for (S, R, BLOCK_M).
-
-    Raises:
-        ValueError: see ``_check``."""
+    """``align_torch`` by two Triton kernels, grids (1,) and (R,) (ValueError: ``_check``)."""
     _check(row_ids, num_rows, block_m)
     return AlignLaunch.of(row_ids.numel(), num_rows, block_m)(row_ids)
 
 
 @dataclass(frozen=True)
 class AlignLaunch:
-    """``align_triton`` for steps of S = ``num_entries`` entries over R = ``num_rows`` rows and
-    ``block_m``, its sizes and constexprs fixed (built once per shape: ``of``; a caller that
-    prepares it checks its ids once, ``align_triton`` on every call)."""
+    """``align_triton`` with sizes and constexprs fixed for one (S, R, ``block_m``), built by ``of``."""
 
     num_entries: int
     num_rows: int

@@ -1,32 +1,10 @@
-"""The fused MoE experts step over packed rows: align, gate-up GEMM, activation, down GEMM.
+"""Launchers of the fused MoE kernels over packed rows and what they read: ``ProjectionRows`` (a base
+tensor and int64 row offsets per packed role: slot s is row s, host rows joined after as K + e),
+``FusedBlocks`` (tiles from S and the packing only), ``KernelTarget``. docs/fused-kernels.md "Kernel
+internals".
 
-Owns the launchers of the fused kernels (``fused_moe_kernel``) and what they read:
-``ProjectionRows`` (one projection's ``WeightPacking`` and, per packed role, ``RoleRows``: a
-base tensor and an int64 offset per row, so row r of every packed tensor is found wherever it
-lives), ``FusedBlocks`` (the tile sizes, a function of the step's entry count and the packing
-only, never of K or E, so a step computes the same bits whatever rows hold its experts),
-``KernelTarget`` (interpreter or a GPU arch: what the kernels emulate), the GEMM's launch
-arguments (``gemm_arguments``: all but the step's tensors, which the paged fused step binds once
-per layer and step shape, ``paging.steps.fused``, the one launch path; ``gemm_launch`` for
-ahead-of-time compilation), and the dequantization of rows (``dequantize_rows``, what the
-independence check reads). Does not: decide residency, page in or remap expert ids to rows (the
-caller passes row ids), run a step (``paging.steps.fused.FusedLaunches.entries``), combine, or
-know a format's class.
-
-Row addressing. A row id indexes every offset table of a step. The integration builds the
-tables once: ``ProjectionRows.from_tables`` over the K slot tensors (a routed expert in slot s
-has row id s), ``join``-ed with the host store's rows (device-mapped page-locked memory on CUDA,
-whose device address equals the host one under UVA: the row id of expert e held by no slot is
-K + e), so that a step reads every routed expert in place, one launch per projection, whatever
-its batch size. The kernel adds the offset to a pointer argument rather than casting a loaded
-address to a pointer: only then does Triton know the row's alignment and vectorise its loads
-(measured in the PTX: 16-byte ``ld.global.v4`` instead of 2-byte loads for bfloat16 rows).
-
-No host sync: every shape is fixed by (T, k, R, the packings); counts stay on the device;
-constants are constexprs or the address tables (built once).
-
-Legend: T tokens, H hidden, k top_k, S = T k entries, R addressable rows, ``out_features`` /
-``in_features`` a projection's output / input features, I expert intermediate.
+Legend: S = T k entries, R addressable rows, ``out_features`` / ``in_features``, I expert
+intermediate.
 """
 
 from __future__ import annotations
@@ -46,10 +24,7 @@ from pagedexperts.paging.kernels.fused_moe_kernel import Arithmetic, packing_arg
 
 
 def _tl_dtype(dtype: torch.dtype):
-    """The Triton type of a float dtype a packing computes in (dense, multiply, round).
-
-    Raises:
-        ValueError: not float32, float16 or bfloat16."""
+    """The Triton type of float32, float16 or bfloat16 (ValueError otherwise)."""
     table = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
     if dtype not in table:
         raise ValueError(f"fused kernels compute in no {dtype}; supported: {list(table)}")
@@ -57,13 +32,8 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 def row_offsets(rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """int64 [R] on ``base``'s device: where each row ``rows[r]`` of a [R, ...] tensor starts,
-    in elements from ``base``'s first element (``base``: a tensor of the same dtype; the two may
-    be different allocations, e.g. the slots and the device-mapped host store). Built once.
-
-    Raises:
-        ValueError: a row is not contiguous, the dtypes differ, or the distance between the two
-            allocations is not a whole number of elements."""
+    """int64 [R]: each row of ``rows`` [R, ...] as an element offset from ``base`` (same dtype).
+    ValueError: a non-contiguous row, other dtype, or allocations not whole elements apart."""
     size = rows.element_size()
     distance = rows.data_ptr() - base.data_ptr()
     if rows.dtype != base.dtype or distance % size or not rows[0].is_contiguous():
@@ -73,8 +43,7 @@ def row_offsets(rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
 
 
 def _alignment(rows: torch.Tensor) -> int:
-    """Elements every row start of ``rows`` is aligned to: the largest power of two <= 16 bytes
-    dividing the allocation's address and the row stride, in elements (at least 1)."""
+    """The largest power of two <= 16 bytes dividing every row start, in elements."""
     size = rows.element_size()
     align = 16
     while align > size and (rows.data_ptr() % align or (rows.stride(0) * size) % align):
@@ -84,9 +53,7 @@ def _alignment(rows: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class RoleRows:
-    """One packed role's rows: ``base`` (a tensor the kernel gets as a pointer), ``offsets``
-    int64 [R] (row r starts at ``base + offsets[r]`` elements) and ``align`` (elements every
-    offset is a multiple of; a hint for vectorised loads)."""
+    """One role's rows: row r at ``base + offsets[r]`` elements, offsets multiples of ``align``."""
 
     base: torch.Tensor
     offsets: torch.Tensor
@@ -99,10 +66,7 @@ class RoleRows:
         return cls(table, row_offsets(table, table), _alignment(table))
 
     def join(self, other: "RoleRows") -> "RoleRows":
-        """These rows then ``other``'s, all counted from this base.
-
-        Raises:
-            ValueError: other dtype, or allocations not a whole number of elements apart."""
+        """These rows then ``other``'s (ValueError: other dtype or misaligned allocations)."""
         size, distance = self.base.element_size(), other.base.data_ptr() - self.base.data_ptr()
         if other.base.dtype != self.base.dtype or distance % size:
             raise ValueError(f"cannot join {other.base.dtype} rows {distance} bytes away to {self.base.dtype} rows")
@@ -112,9 +76,8 @@ class RoleRows:
 
 @dataclass(frozen=True)
 class ProjectionRows:
-    """One projection's packed rows as the GEMM reads them: ``roles`` role -> ``RoleRows``
-    (every role of ``packing``), ``bias`` the [N] bias rows (or None). ``keepalive``: the
-    tensors the offsets point into."""
+    """One projection's rows: ``roles`` -> ``RoleRows``, ``bias`` or None, ``keepalive`` (what offsets
+    point into)."""
 
     packing: WeightPacking
     roles: Mapping[str, RoleRows]
@@ -132,11 +95,8 @@ class ProjectionRows:
     @classmethod
     def from_tables(cls, packing: WeightPacking, tables: Mapping[str, torch.Tensor],
                     bias: torch.Tensor | None = None) -> "ProjectionRows":
-        """Rows of the [R, ...] tensors ``tables`` (packed name -> tensor: the K slot tensors, or
-        the host store's [E, ...]); ``bias`` [R, N] (gpt-oss) or None.
-
-        Raises:
-            ValueError: a table missing, or not [R, *spec.shape] of the spec's dtype (names it)."""
+        """Rows of [R, ...] ``tables`` (slots or the store); ``bias`` [R, N] or None. ValueError names
+        a bad table."""
         roles, kept = {}, []
         for role, spec in packing.tensors:
             table = tables.get(spec.name)
@@ -151,11 +111,7 @@ class ProjectionRows:
                    tuple(kept) + ((bias,) if bias is not None else ()))
 
     def join(self, other: "ProjectionRows") -> "ProjectionRows":
-        """Rows of ``self`` then of ``other`` (row id R_self + r is ``other``'s row r): slot rows
-        joined with host rows. Offsets end on ``self``'s device (one copy, at set-up).
-
-        Raises:
-            ValueError: the packings or bias presence differ."""
+        """``self``'s rows then ``other``'s (R_self + r). ValueError: packings or bias presence differ."""
         if other.packing != self.packing or (other.bias is None) != (self.bias is None):
             raise ValueError("join needs rows of one packing, with or without bias alike")
         roles = {role: rows.join(other.roles[role]) for role, rows in self.roles.items()}
@@ -180,26 +136,20 @@ def block_m_for(num_entries: int) -> int:
 
 
 def choose_blocks(num_entries: int, packing: WeightPacking) -> FusedBlocks:
-    """The tiles for S entries of ``packing``: BLOCK_IN 64, or a group size of 32 so that a
-    tile reads one scale per column."""
+    """BLOCK_IN 64, or the group size where it lies in [32, 64) (one scale per column per tile)."""
     block_in = packing.group_size if 32 <= packing.group_size < 64 else 64
     return FusedBlocks(block_m=block_m_for(num_entries), block_in=block_in)
 
 
 @dataclass(frozen=True)
 class KernelTarget:
-    """What the kernels run on: the interpreter (``arch`` 0: emulated bfloat16 rounding,
-    float32 dot operands) or a CUDA arch (80, 89, 90: e4m3 decoded natively from 89 on)."""
+    """The interpreter (``arch`` 0: bfloat16 emulated, float32 dot) or a CUDA arch (80, 89, 90)."""
 
     arch: int = 0
 
     @classmethod
     def of(cls, device) -> "KernelTarget":
-        """The target for tensors on ``device``.
-
-        Raises:
-            ValueError: triton missing, or a CPU device without ``TRITON_INTERPRET=1`` at import
-                (``check_backend``'s message)."""
+        """The target for tensors on ``device`` (ValueError: ``check_backend``'s)."""
         device = torch.device(device)
         check_backend("triton", device)
         if device.type == "cuda":
@@ -228,8 +178,7 @@ class Launch:
 
 
 def _tables(rows: ProjectionRows) -> tuple[dict, dict]:
-    """(``tables``: every role's (base, offsets) in ``ROLES`` order, ``ALIGNS``: the weight's,
-    scale's and zero's alignment); a role the packing lacks gets the weight's (never read)."""
+    """(role tables in ``ROLES`` order, ``ALIGNS``); a missing role gets the weight's (never read)."""
     tables = tuple((rows.roles.get(role, rows.roles["weight"]).base, rows.roles.get(role, rows.roles["weight"]).offsets)
                    for role in ROLES)
     aligns = tuple(rows.roles[role].align if role in rows.roles else 1 for role in ("weight", "scale", "zero"))
@@ -249,10 +198,8 @@ def gemm_launch(a: torch.Tensor, c: torch.Tensor, rows: ProjectionRows, alignmen
 
 def gemm_arguments(rows: ProjectionRows, num_entries: int, block_m: int, *, a_row_div: int, blocks: FusedBlocks,
                    target: KernelTarget) -> tuple[dict, dict, dict]:
-    """(arguments, constexprs, launch options) of a GEMM over ``rows`` that do not change from
-    one step of S = ``num_entries`` entries to the next: all but the step's tensors and strides
-    (what ``gemm_launch`` adds; the paged fused step binds these once per step shape,
-    ``paging.steps.fused``)."""
+    """(arguments, constexprs, options) of a GEMM fixed for S = ``num_entries``: all but the step's
+    tensors."""
     packing = rows.packing
     ints, constexprs = packing_args(packing)
     tables, aligns = _tables(rows)
@@ -280,9 +227,7 @@ def dequantize_launch(out: torch.Tensor, rows: ProjectionRows, row_ids: torch.Te
 
 
 def dequantize_rows(rows: ProjectionRows, row_ids: torch.Tensor) -> torch.Tensor:
-    """W of the rows ``row_ids`` [n] (int64, on the tables' device): [n, out_features,
-    in_features] in the packing's dense dtype, element for element what the format's
-    ``dequantize`` computes (nn.Linear's orientation whatever the module's)."""
+    """W of rows ``row_ids``: [n, out_features, in_features], equal to the format's ``dequantize``."""
     packing = rows.packing
     out = torch.empty((row_ids.shape[0], packing.out_features, packing.in_features), dtype=packing.dense_dtype,
                       device=row_ids.device)

@@ -1,43 +1,10 @@
-"""The fused MoE Triton kernels: an expert-grouped GEMM that reads packed rows and dequantizes
-them in registers, and the same dequantization written out (dense rows).
+"""The fused MoE Triton kernels: ``fused_moe_gemm_kernel`` (an expert-grouped GEMM reading packed rows,
+dequantizing in registers) and ``dequantize_kernel``, with their helpers and argument groups. Each
+weight element is computed with the format's own arithmetic, equal to ``formats.unpack`` bit for bit
+(docs/fused-kernels.md "Kernel internals").
 
-Owns the ``@triton.jit`` code: ``fused_moe_gemm_kernel`` (one program per (block of BLOCK_M
-entries of one row, BLOCK_OUT output columns): ``C[s, o] = sum_i A[s // a_row_div, i] *
-W_r[o, i]`` (+ bias), W_r the routed row's weight, read at ``base + offsets[r]`` of each packed
-role), ``dequantize_kernel`` (``W_r`` of listed rows into a dense [n, out, in] tensor) and the
-helpers they share: ``_columns`` (where each output column of a row lives in every role),
-``_weight_tile`` (a [BLOCK_IN, BLOCK_OUT] tile of W^T from the encoding: codes, packed dim,
-nibble order, zero points, group / block / channel / tensor scales, g_idx, global scales) and
-the exact roundings. Owns also the kernels' argument groups, built from a ``WeightPacking``:
-``WeightEncoding`` (one constexpr: the packing's own names for its codes, ``formats.packing``'s
-tables, with its sizes and offsets), ``Arithmetic`` (one constexpr: the dtypes and emulation
-switches), the row ``geometry`` (one tuple of runtime ints), the role ``tables`` (one tuple of
-(base, offsets) pairs in ``formats.packing.ROLES`` order) and ``ALIGNS``. Does not:
-choose blocks, build addresses or check inputs (``fused_moe``), align entries
-(``fused_align``), or know any format class.
-
-Exactness. ``_weight_tile`` computes every element with the format's own arithmetic (the value
-and scale exact in float32, the product rounded to ``ARITHMETIC.mul``, then ``.round``, then
-``.dense``): a float32 product of two values of at most 12 significant bits is exact, so
-rounding it once equals the float16 / bfloat16 product the format's torch code computes
-(``formats.unpack``, the reference these kernels are tested against). A division (``scale_op``
-"divide"; the reciprocal of a "value_reciprocal" global scale) is ``div_rn``, float32 correctly
-rounded, then rounded to ``.mul``: what torch computes for a float32 division, and for a
-float16 / bfloat16 one (a float32 quotient, then rounded). Differences from it: an e4m3 NaN
-code (0x7F / 0xFF) decodes to +-480 (quantizers never write it), ModelOpt's e2m1 code 8 decodes
-to -0.0 instead of +0.0 (equal values).
-
-The Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) truncates float32 -> bfloat16 casts
-and computes bfloat16 arithmetic on the raw bits, so there ``emulate_bf16`` rounds to bfloat16
-with integer ops (round to nearest even, as the GPU's ``cvt.rn``) and ``dot`` is float32
-(operands hold the same bfloat16 values; float32 products of them are exact). On a GPU the
-launcher sets ``emulate_bf16`` False and ``dot`` to the dense dtype (tensor cores).
-``fp8_native``: decode e4m3 with the hardware conversion (sm_89 and newer); else with integer
-ops (sm_80, the interpreter), the same values.
-
-Legend: S entries (token, k) of a step, R addressable rows, ``out_features`` / ``in_features``
-a projection's output / input features (nn.Linear's W [out, in]; "K" is the slot count
-elsewhere in the package, so the kernels never call the input dim K), BM / BOUT / BIN the tile.
+Legend: S entries, R addressable rows, ``out_features`` / ``in_features`` (never K: K is the slot
+count), BM / BOUT / BIN the tile.
 """
 
 from __future__ import annotations
@@ -49,10 +16,7 @@ from pagedexperts.paging.kernels._triton import HAVE_TRITON, tl, triton
 
 
 class WeightEncoding(NamedTuple):
-    """How a ``WeightPacking`` encodes W, as the kernels specialise on it (one constexpr). The
-    codes keep the packing's names (``codes`` in ``formats.packing.CODES``, ``packed_dim`` in
-    ``PACKED_DIMS``, ``scale_codes`` in ``SCALE_CODES``, ``global_scale`` in ``GLOBAL_SCALES``,
-    ``scale_op`` in ``SCALE_OPS``)."""
+    """How a ``WeightPacking`` encodes W (one constexpr, in ``formats.packing``'s names)."""
 
     codes: str
     packed_dim: str
@@ -84,9 +48,8 @@ class WeightEncoding(NamedTuple):
 
 
 class Arithmetic(NamedTuple):
-    """The dtypes a packing computes in on one target (one constexpr; Triton dtypes): ``mul``
-    the product's, ``round`` an intermediate rounding, ``dense`` the experts', ``dot`` the GEMM
-    operands'; ``emulate_bf16`` (the interpreter) and ``fp8_native`` (sm_89+)."""
+    """A packing's dtypes on one target (one constexpr): ``mul``, ``round``, ``dense``, ``dot``;
+    ``emulate_bf16`` (interpreter), ``fp8_native`` (sm_89+)."""
 
     mul: object
     round: object
@@ -97,9 +60,8 @@ class Arithmetic(NamedTuple):
 
 
 def geometry(packing: WeightPacking) -> tuple:
-    """The runtime ints of a packing's rows (the kernels' ``geometry`` argument): (rows per
-    source, scale rows per source, zero-point words per source, and the (out, in) element
-    strides of the weight, scale and zero rows; (0, 0) for a role the packing lacks)."""
+    """A packing's runtime ints: rows, scale rows, zero words per source; (out, in) strides of each
+    role."""
     bits = packing.bits or 8
     strides = tuple(packing.row_strides(role) if packing.spec(role) else (0, 0) for role in ("weight", "scale", "zero"))
     return (packing.source_rows, scale_rows_per_source(packing), -(-packing.source_rows // (32 // bits))) + strides
@@ -179,8 +141,7 @@ if HAVE_TRITON:
     @triton.jit
     def _value(raw, in2, mask, mask_out, group, in0, in_features, cols, geometry, ENC: tl.constexpr,
                ARITH: tl.constexpr, BLOCK_IN: tl.constexpr):
-        """The value of each element of a [BIN, BOUT] tile in float32 (int: field minus zero
-        point or value offset; e4m3 / e2m1 decoded) from its stored word ``raw``."""
+        """A [BIN, BOUT] tile's values in float32 (int: field minus zero point; e4m3 / e2m1 decoded)."""
         field = raw
         if ENC.packed_dim == "in":
             field = (raw.to(tl.int32) >> (ENC.bits * (in2 % ENC.per_word))) & ((1 << ENC.bits) - 1)
@@ -201,9 +162,7 @@ if HAVE_TRITON:
     @triton.jit
     def _weight_tile(in0, offs_in, mask_in, mask_out, in_features, cols, geometry, ENC: tl.constexpr,
                      ARITH: tl.constexpr, BLOCK_IN: tl.constexpr):
-        """W^T[in0:in0+BIN, columns] in ``ARITH.dot``. ``cols`` (``_columns``): per column, pointers
-        to its first stored element and to its scale / zero / g_idx, its field's bit offset along
-        the output dim and its global scale; ``geometry`` the rows' strides."""
+        """W^T[in0:in0+BIN, columns] in ``ARITH.dot``, from ``cols`` (``_columns``) and ``geometry``."""
         w_col, _, s_col, _, _, g_col, glob = cols
         in2 = offs_in[:, None]
         mask = mask_in[:, None] & mask_out[None, :]
@@ -237,9 +196,7 @@ if HAVE_TRITON:
     @triton.jit
     def _group_tile(col, in0, in2, mask, mask_out, group, in_features, stride_in, ENC: tl.constexpr,
                     BLOCK_IN: tl.constexpr):
-        """A per-(input group, column) tensor (scales, zero-point words) over the tile's rows
-        ``in2`` [BIN, 1]: [BIN, BOUT], or [1, BOUT] when the tile lies in one group. ``col`` [BOUT]
-        pointers to each column's group 0; ``group`` [BIN, BOUT] the g_idx groups (``ENC.g_idx``) or 0."""
+        """Per-(input group, column) values over the tile: [BIN, BOUT], or [1, BOUT] within one group."""
         GROUP_IN: tl.constexpr = ENC.group_in
         if ENC.g_idx:
             return tl.load(col[None, :] + group * stride_in, mask=mask, other=0)
@@ -259,8 +216,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _position(j, INTERLEAVED: tl.constexpr, PER_WORD: tl.constexpr):
-        """The field of column j (0 .. PER_WORD-1) of a word: j, or AWQ's interleaved order
-        (even columns in the low half: 0, 2, 4, 6, 1, 3, 5, 7 -> fields 0, 4, 1, 5, 2, 6, 3, 7)."""
+        """The field of column j in a word: j, or AWQ's interleaved order (0, 4, 1, 5, 2, 6, 3, 7)."""
         if INTERLEAVED:
             return (j >> 1) + (j & 1) * (PER_WORD // 2)
         else:
@@ -268,16 +224,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _row(table, row, ALIGN: tl.constexpr):
-        """The first element of row ``row`` of a role's ``table`` (base, offsets): ``base +
-        offsets[row]`` (elements), every offset a multiple of ALIGN (so that loads from the row can
-        be vectorised)."""
+        """``base + offsets[row]`` of a role's ``table`` (offsets multiples of ALIGN)."""
         return table[0] + tl.multiple_of(tl.load(table[1] + row), ALIGN)
 
     @triton.jit
     def _columns(row, offs_out, mask_out, tables, geometry, in_features, ENC: tl.constexpr, ALIGNS: tl.constexpr):
-        """Per output column of row ``row``: (w_col, w_shift, s_col, z_col, z_shift, g_col, glob)
-        as ``_weight_tile`` takes them. ``tables``: the roles' (base, offsets) in
-        ``formats.packing.ROLES`` order."""
+        """Per output column of ``row``: (w_col, w_shift, s_col, z_col, z_shift, g_col, glob)."""
         source_rows, scale_rows_per_source, zero_words_per_source = geometry[0], geometry[1], geometry[2]
         source = offs_out // source_rows
         within = offs_out % source_rows
@@ -311,10 +263,8 @@ if HAVE_TRITON:
         ENCODING: tl.constexpr, ARITHMETIC: tl.constexpr, ALIGNS: tl.constexpr, HAS_BIAS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
     ):
-        """C [S, out] (rows by entry) from A [*, in]: one program per (block, column tile).
-        ``alignment`` (sorted entries, the row of each block, the padded count on the device):
-        blocks at or past the count return at once (fixed grid, no host read). ``tables`` /
-        ``bias``: the roles' and the bias's (base, offsets); ``geometry``: ``geometry(packing)``."""
+        """C [S, out] from A [*, in], one program per (block, column tile); blocks past the count
+        return."""
         sorted_entry_ptr, block_row_ptr, num_padded_ptr = alignment
         pid_m = tl.program_id(0)
         pid_out = tl.program_id(1)
@@ -347,8 +297,7 @@ if HAVE_TRITON:
         ENCODING: tl.constexpr, ARITHMETIC: tl.constexpr, ALIGNS: tl.constexpr,
         BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
     ):
-        """out [n, out, in] in the dense dtype: W of the rows ``rows_ptr`` [n] lists, one program
-        per (listed row, column tile, input tile)."""
+        """out [n, out, in]: W of the listed rows, one program per (row, column tile, input tile)."""
         i = tl.program_id(0)
         offs_out = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
         in0 = tl.program_id(2) * BLOCK_IN

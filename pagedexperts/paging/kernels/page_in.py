@@ -1,22 +1,7 @@
-"""Page-in: copy the planned store rows into slot rows, the load count read on the device.
-
-Owns the byte copy of one wave's plan (``DecidePlan`` rows w: src [K] experts, dst [K] slots,
-count loads) for every per-expert tensor of a layer, whatever its dtype (dense, packed int4
-words, FP8, group scales, zero points): each row is copied as raw bytes, as int32 words when
-its size allows. ``PageIn`` is one layer's page-in, built once:
-- "triton": ONE launch per wave for all the layer's word-sized tensors (and one more for
-  any tensor whose rows are not whole words), over a device table of (store address, slot
-  address, words per row) built at construction. Grid (L, N, P): L = the most loads a wave
-  of the step can have, min(T k, K) (known from the shape), N tensors, P programs per row,
-  each striding over the row's chunks (a persistent grid: at batch 1 and bf16 K = 92, 8 x 2 x
-  P programs instead of K x every chunk of every tensor); a program whose load index is >=
-  count returns at once. On CUDA it reads the page-locked host store through its
-  device-mapped address (``store.HOST_REGISTER_FLAGS`` registers it mapped; the table holds
-  the address Triton's launcher gives the tensor), on CPU (``TRITON_INTERPRET=1``) CPU tensors.
-- "torch": ``page_in_torch``, the same writes in torch ops, for a store on the slots'
-  device (CPU).
-Does not: decide (``decide``) or order the copy against compute (one stream: the copy is
-ordered before the wave's compute by issue order).
+"""Page-in: copy one wave's planned store rows into slot rows as raw bytes, the load count read on the
+device. ``PageIn`` is one layer's: "triton" (one launch per wave, a persistent grid; on CUDA it
+reads the page-locked store through its device-mapped address: docs/device-side-decide.md "Page-in
+kernel") or "torch" (``page_in_torch``). Not ordered against compute: one stream, issue order.
 
 Legend: E experts, K slots, W waves; a "row" is one expert's slice ``tensor[e]``.
 """
@@ -34,12 +19,8 @@ PROGRAMS_PER_SM = 4  # programs in flight per streaming multiprocessor at a wave
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` [N, ...] (contiguous) as raw words [N, W]: int32 when a row's bytes divide by 4,
-    else uint8. A view: no copy.
-
-    Raises:
-        ValueError: ``t`` is not contiguous (a page-in copies whole rows as bytes).
-    """
+    """``t`` [N, ...] as raw words [N, W] (int32 when a row's bytes divide by 4, else uint8);
+    ValueError if not contiguous."""
     if not t.is_contiguous():
         raise ValueError(f"page-in needs contiguous per-expert tensors; got strides {t.stride()}")
     raw = t.reshape(t.shape[0], -1).view(torch.uint8)
@@ -48,11 +29,8 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 def page_in_torch(store: dict[str, torch.Tensor], slots: dict[str, torch.Tensor], src: torch.Tensor,
                       dst: torch.Tensor, count: torch.Tensor) -> None:
-    """For j < count: ``slots[name][dst[j]] = store[name][src[j]]`` for every name.
-
-    ``src``, ``dst`` [K] int64 (``dst`` a permutation of the K slots, as ``decide`` writes it),
-    ``count`` () int64; store [E, ...] and slots [K, ...] on one device. Rows j >= count are
-    rewritten with their own bytes (a fixed-shape no-op)."""
+    """For j < count: ``slots[name][dst[j]] = store[name][src[j]]`` (``src``, ``dst`` [K] int64,
+    ``count`` () int64); rows j >= count rewrite their own bytes."""
     valid = (torch.arange(dst.shape[0], device=dst.device) < count).unsqueeze(1)
     for name, host in store.items():
         words, slot_words = as_words(host), as_words(slots[name])
@@ -89,9 +67,8 @@ if HAVE_TRITON:
 
 @dataclass(frozen=True)
 class _TableGroup:
-    """Tensors copied by one launch: ``table`` [N, 3] int64 on the slots' device (store
-    address, slot address, words per row), ``bytewise`` (uint8 words, else int32), the
-    largest row in words."""
+    """One launch's ``table`` [N, 3] int64 (store address, slot address, words per row), word type and
+    largest row."""
 
     table: torch.Tensor
     bytewise: bool
@@ -99,8 +76,8 @@ class _TableGroup:
 
 
 def _address(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[1] int64 on ``device``: the address Triton's launcher passes for ``t`` (for a mapped
-    page-locked host tensor on CUDA, its device address)."""
+    """[1] int64: the address Triton's launcher passes for ``t`` (a mapped host tensor's device
+    address)."""
     out = torch.zeros(1, dtype=torch.int64, device=device)
     _address_kernel[(1,)](t, out)
     return out
@@ -120,16 +97,9 @@ def _table_groups(store: dict[str, torch.Tensor], slots: dict[str, torch.Tensor]
 
 
 class PageIn:
-    """One layer's page-in (module docstring): ``store`` {name: [E, ...]} into ``slots``
-    {name: [K, ...]} on ``device``, by ``backend`` "triton" or "torch".
-
-    Args:
-        programs_per_row: P (Triton); None: enough programs for PROGRAMS_PER_SM per
-            streaming multiprocessor at the most loads (CUDA), 2 elsewhere (the interpreter).
-
-    Raises:
-        ValueError: a tensor that is not contiguous (``as_words``); an unknown backend.
-    """
+    """One layer's page-in of ``store`` [E, ...] into ``slots`` [K, ...]; ``programs_per_row`` None:
+    PROGRAMS_PER_SM per SM (CUDA), 2 elsewhere. ValueError: a non-contiguous tensor or unknown
+    backend."""
 
     def __init__(self, store: dict[str, torch.Tensor], slots: dict[str, torch.Tensor], device, *,
                  backend: str, programs_per_row: int | None = None) -> None:
@@ -145,8 +115,7 @@ class PageIn:
         self._grids: dict[int, list[tuple[int, int, int]]] = {}  # max_loads -> each group's grid, built once
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor, wave: int, max_loads: int) -> None:
-        """Page in wave ``wave`` of a plan: src, dst [W, K] int64, count [W] int64 on the
-        device; ``max_loads`` = the most loads the step's shape allows (min(T k, K))."""
+        """Page in wave ``wave``: src, dst [W, K] int64, count [W] int64; ``max_loads`` = min(T k, K)."""
         if self.backend == "torch":
             page_in_torch(self.store, self.slots, src[wave], dst[wave], count[wave])
             return

@@ -1,13 +1,6 @@
-"""``batched_mm`` planned on the device: every entry, each with its own wave's slot, fixed shapes.
-
-Owns ``DeviceBatchedStep``, the ``steps.contract.LayerStep`` body that runs transformers'
-``batched_mm`` experts over the K slots of a device-planned step: every entry in the unpaged model's
-token-major order through ``_batched_linear``, each with its own slot
-(``contract.DeviceRouting``); entries of other waves are computed and dropped by a mask, so
-nothing is read back and every shape is fixed by T and k. The gate and the post-expert norm run
-on the full [S, ...] buffer as unpaged (why: ``steps.host_grouped``). Packed slots of a
-quantized format are dequantized all K at once. Does not: decide or page in
-(``paging.device_executor``).
+"""``batched_mm`` planned on the device (``DeviceBatchedStep``): every entry in the unpaged token-major
+order, each with its own wave's slot; entries of other waves are computed and dropped by a mask, so
+nothing is read back and shapes are fixed by T and k. Packed slots are dequantized all K at once.
 
 Legend: T tokens, H hidden, k top_k, K slots, S = T k entries.
 """
@@ -23,8 +16,7 @@ from pagedexperts.paging.steps.contract import DenseKernelStep, DeviceRouting
 
 @dataclass
 class DeviceBatchedWork:
-    """One step: hidden [T, H], k, its routing, and the entry outputs [S, H] (zeros until a
-    wave writes them)."""
+    """One step: hidden [T, H], k, its routing, and the entry outputs [S, H]."""
 
     hidden: torch.Tensor
     top_k: int
@@ -33,7 +25,6 @@ class DeviceBatchedWork:
 
 
 class DeviceBatchedStep(DenseKernelStep):
-    """``batched_mm`` in the unpaged model's token-major entry order (module docstring)."""
 
     planned = "device"
 

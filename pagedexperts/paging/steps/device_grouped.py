@@ -1,16 +1,6 @@
-"""``grouped_mm`` planned on the device: ``steps.host_grouped``'s layout with fixed shapes.
-
-Owns ``DeviceGroupedStep``, the ``steps.contract.LayerStep`` body that runs transformers'
-``grouped_mm`` experts over all K slots of a device-planned step, where each entry's slot and
-wave are known only on the device (``contract.DeviceRouting``). The layout is the host path's
-(why: ``steps.host_grouped``) written with [S]-shaped masks instead of host-sized index lists,
-so nothing is read back and every shape is fixed by T and k: the unpaged model's own ``torch.sort``
-of the flat ids gives the row order; a wave's rows are its positions stably regrouped by slot
-(a stable argsort of key = slot for the wave's positions, K for the others), so the buffer's
-first n_w rows are exactly the host layout's positions (``grouped_layout``;
-tests/paging/test_device_pager.py checks it) and the rows after them lie past the last group offset
-(not computed). Packed slots of a quantized format are dequantized all K at once (a fixed
-shape). Does not: decide or page in (``paging.device_executor``).
+"""``grouped_mm`` planned on the device (``DeviceGroupedStep``): ``steps.host_grouped``'s row layout
+built with [S]-shaped masks, so nothing is read back and shapes are fixed by T and k. Packed slots
+are dequantized all K at once.
 
 Legend: T tokens, H hidden, k top_k, K slots, S = T k entries.
 """
@@ -26,9 +16,8 @@ from pagedexperts.paging.steps.contract import DenseKernelStep, DeviceRouting, i
 
 @dataclass
 class DeviceGroupedWork:
-    """One step: hidden [T, H], k, the unpaged model's sort ``perm`` [S] of the flat ids, and by
-    unpaged position each entry's slot ``pos_slot`` and wave ``pos_wave`` [S]; the entry
-    outputs [S, H] (zeros until a wave writes them)."""
+    """One step: hidden, k, the unpaged sort ``perm`` [S], ``pos_slot`` / ``pos_wave`` [S], entry
+    outputs [S, H]."""
 
     hidden: torch.Tensor
     top_k: int
@@ -39,7 +28,6 @@ class DeviceGroupedWork:
 
 
 class DeviceGroupedStep(DenseKernelStep):
-    """``grouped_mm`` with the host path's row order (module docstring)."""
 
     planned = "device"
 
@@ -75,9 +63,8 @@ class DeviceGroupedStep(DenseKernelStep):
 
 
 def grouped_layout(work: DeviceGroupedWork, wave: int, num_slots: int):
-    """(positions [S]: the wave's unpaged positions grouped by slot, then the others; group
-    offsets [K] int32; valid [S] bool: buffer row r belongs to the wave; slot per buffer row
-    [S]). The first offsets[-1] positions are the host layout's (``steps.host_grouped``)."""
+    """(positions [S]: the wave's first, grouped by slot; offsets [K] int32; valid [S]; slot per row
+    [S]). The first offsets[-1] positions are the host layout's."""
     in_wave = work.pos_wave == wave
     key = torch.where(in_wave, work.pos_slot, num_slots)
     pos = torch.argsort(key, stable=True)

@@ -1,29 +1,7 @@
-"""``fused`` planned on the device: the fused Triton MoE kernels over the packed slot rows.
-
-Owns ``slot_rows`` (the address tables of one layer's [K, ...] packed slot tensors, the
-``kernels.fused_moe.ProjectionRows`` of gate_up and down), ``PreparedGemm`` and ``FusedStep``, the
-``steps.contract.LayerStep`` body of ``--experts-implementation fused``: per wave, the entries
-of the wave keep their slot as row id and the others get -1; the entries are aligned by row
-(``kernels.fused_align``), the gate-up GEMM reads the packed slots and dequantizes in
-registers (``kernels.fused_moe_kernel``), the module's own gate turns [S, 2I] into [S, I], the
-down GEMM writes the wave's entry outputs: no dense scratch, no host constant, no read-back.
-What is fixed for the layer is built once: the address tables at its first step, and per step
-shape S the launches (``PreparedGemm``: packing arguments, tables, tiles, target and grid
-bound; ``kernels.fused_align.AlignLaunch``), so a wave runs the kernels and nothing else. Does not: decide or page in (``paging.device_executor``).
-
-Activation. The gate-up GEMM writes the [S, 2I] intermediate in entry order; the experts
-module's own ``_apply_gate`` / ``act_fn`` turns it into [S, I]: every family's quirk (Qwen's
-SiLU-and-mul, gpt-oss's clamped SwiGLU over interleaved gate/up) is then the model's own code,
-in torch ops that a CUDA graph captures. Fusing it into the GEMM would save one [S, 2I] write
-and read (at decode 2 x S x 2I x 2 bytes, about 49 KB at Qwen3-30B-A3B's S = 8: noise next to
-the weights' 9 MB) at the cost of a second copy of every family's gate.
-
-Exactness: an entry's output bits depend only on its token, its expert's packed bytes and the
-step's entry count (tile sizes are a function of S and the packing, never of K, E, the slot or
-the wave: ``kernels.fused_moe.choose_blocks``), and the weights are applied in ``combine`` as
-``grouped_mm`` ends. So a paged step equals the same kernels with all E experts resident
-(K = E), bit for bit (tests/paging/kernels/test_fused_paged.py). Against transformers' dequantized experts it
-is within a tolerance (docs/exactness.md).
+"""``fused`` planned on the device (``FusedStep``): per wave, align the entries by slot row, gate-up
+GEMM over the packed slots (dequantized in registers), the module's own gate, down GEMM; launches
+bound once per step shape. Exact to all E resident; within a tolerance of transformers
+(docs/fused-kernels.md).
 
 Legend: T tokens, H hidden, I expert intermediate, k top_k, K slots, S = T k entries.
 """
@@ -51,16 +29,8 @@ MAX_SHAPES = 64  # step shapes (entry counts) whose launches a layer keeps; the 
 
 def slot_rows(layout: ExpertLayout | None, slots: Mapping[str, torch.Tensor], *,
               transposed: bool) -> dict[str, ProjectionRows]:
-    """{"gate_up_proj": ProjectionRows, "down_proj": ...} over the [K, ...] ``slots`` (row id
-    = slot). ``layout``: the layer's quantized ``ExpertLayout``, or None for dense experts
-    (their slot tensors are the weights); ``transposed``: the experts module's
-    ``is_transposed`` (gpt-oss: [in, out] weights, with biases).
-
-    Raises:
-        ValueError: an experts module without a fused gate_up (e.g. a separate up_proj), or
-            slots that do not match the layout (names the tensor and the flag).
-        NotImplementedError: a format without a ``WeightPacking`` (names the format).
-    """
+    """{"gate_up_proj", "down_proj": ProjectionRows} over ``slots`` (row = slot). ValueError: no fused
+    gate_up or slots not matching the layout; NotImplementedError: no ``WeightPacking``."""
     if layout is None:
         specs = tuple(TensorSpec(name, tuple(t.shape[1:]), t.dtype) for name, t in slots.items()
                       if not name.endswith("_bias"))
@@ -76,10 +46,7 @@ def slot_rows(layout: ExpertLayout | None, slots: Mapping[str, torch.Tensor], *,
 
 
 def layer_rows(setup, *, transposed: bool, device: torch.device) -> dict[str, ProjectionRows]:
-    """The rows a layer's steps address: the K slot rows (``slot_rows``), and with
-    ``setup.in_place`` the store's E host rows after them (``ProjectionRows.join``: row K + e is
-    expert e in place; the store's tensors as a device-side gather reads them, page-locked and
-    mapped on CUDA: ``storage.host_store.ExpertStore.gather_source``)."""
+    """The K slot rows, then with ``setup.in_place`` the store's E host rows (row K + e)."""
     rows = slot_rows(setup.layout, setup.slots.kernel_tensors(()), transposed=transposed)
     if not setup.in_place:
         return rows
@@ -89,12 +56,8 @@ def layer_rows(setup, *, transposed: bool, device: torch.device) -> dict[str, Pr
 
 @dataclass(frozen=True)
 class PreparedGemm:
-    """One projection's GEMM for steps of S entries over fixed rows, built once per layer and
-    step shape (``prepare_gemm``: ``kernels.fused_moe.gemm_arguments``, the target and the grid
-    bound; never per step). ``launch(a_ptr=a, c_ptr=c, alignment=(sorted entries, block rows,
-    padded count), stride_am=, stride_cm=)`` runs it (the kernel's launcher with every other
-    argument bound: a ``functools.partial``, no Python frame of its own); ``out_features`` N
-    and ``dense_dtype``: the output's [S, N] and dtype."""
+    """One projection's GEMM bound once per layer and step shape; ``launch(a_ptr=, c_ptr=, alignment=,
+    stride_am=, stride_cm=)`` runs it (output [S, ``out_features``])."""
 
     launch: Callable
     out_features: int
@@ -102,11 +65,7 @@ class PreparedGemm:
 
 
 def prepare_gemm(rows: ProjectionRows, *, align: AlignLaunch, a_row_div: int) -> PreparedGemm:
-    """The ``PreparedGemm`` of ``rows`` for the steps ``align`` aligns (its S, R, BLOCK_M; its
-    capacity gives the grid), tiles as ``kernels.fused_moe.choose_blocks`` chooses them for S.
-
-    Raises:
-        ValueError: triton missing, or a CPU device without ``TRITON_INTERPRET=1``."""
+    """The ``PreparedGemm`` of ``rows`` for ``align``'s steps (ValueError: no triton or interpreter)."""
     packing = rows.packing
     blocks = FusedBlocks(block_m=align.block_m, block_in=choose_blocks(align.num_entries, packing).block_in)
     args, constexprs, options = gemm_arguments(rows, align.num_entries, align.block_m, a_row_div=a_row_div,
@@ -118,9 +77,7 @@ def prepare_gemm(rows: ProjectionRows, *, align: AlignLaunch, a_row_div: int) ->
 
 @dataclass(frozen=True)
 class FusedLaunches:
-    """The launches of a step of S entries: the align over the rows, the gate-up GEMM (entry s
-    reads hidden row s // k) and the down GEMM (entry s reads row s). ``entries`` runs them: what
-    a wave of the paged step computes, and what the kernel tests drive."""
+    """A step's align, gate-up GEMM (entry s reads row s // k) and down GEMM; ``entries`` runs them."""
 
     align: AlignLaunch
     gate_up: PreparedGemm
@@ -128,22 +85,16 @@ class FusedLaunches:
 
     @classmethod
     def of(cls, gate_up: ProjectionRows, down: ProjectionRows, *, num_entries: int, top_k: int) -> "FusedLaunches":
-        """The launches of steps of S = ``num_entries`` entries, ``top_k`` per token, over the
-        rows ``gate_up`` and ``down`` (one row id addresses both).
-
-        Raises:
-            ValueError: the two projections have different row counts; triton missing, or a CPU
-                device without ``TRITON_INTERPRET=1``."""
+        """The launches of S = ``num_entries`` steps (ValueError: row counts differ; no triton or
+        interpreter)."""
         if gate_up.num_rows != down.num_rows:
             raise ValueError(f"gate_up has {gate_up.num_rows} rows, down {down.num_rows}: one row id must address both")
         align = AlignLaunch.of(num_entries, gate_up.num_rows, block_m_for(num_entries))
         return cls(align, prepare_gemm(gate_up, align=align, a_row_div=top_k), prepare_gemm(down, align=align, a_row_div=1))
 
     def entries(self, hidden: torch.Tensor, row_ids: torch.Tensor, gate: Callable[[torch.Tensor], torch.Tensor]):
-        """[S, H] in the down GEMM's dense dtype: the unweighted output of every entry (flat s =
-        t k + j) whose row id (``row_ids`` [T, k] or [S] int64) is not negative; the rows of the
-        others are not written (whatever the buffer held). ``hidden`` [T, H] in the gate-up GEMM's
-        dense dtype; ``gate`` the experts module's ([S, 2I] -> [S, I]). No host sync."""
+        """[S, H]: unweighted output of every entry whose row id is >= 0 (others not written); ``gate``
+        [S, 2I] -> [S, I]. No sync."""
         alignment = self.align(row_ids)
         up = _gemm(self.gate_up, hidden, alignment)
         return _gemm(self.down, gate(up), alignment)
@@ -151,9 +102,7 @@ class FusedLaunches:
 
 @dataclass
 class FusedWork:
-    """One step: hidden [T, H] in the experts' dense dtype, the step's output dtype (the
-    input's), its routing and launches, the module's gate and optional post-expert norm, and
-    the entry outputs [S, H] (zeros until a wave writes them)."""
+    """One step: hidden, output dtype, routing, launches, gate, norm, entry outputs [S, H]."""
 
     hidden: torch.Tensor
     dtype: torch.dtype
@@ -165,10 +114,8 @@ class FusedWork:
 
 
 class FusedStep(LayerStep):
-    """``fused``: the wave's entries computed from the packed slot rows (module docstring);
-    with ``SlotSetup.in_place``, the slot rows joined with the host store's (row K + e). Its
-    kernels read the slot table's kernel tensors (the plain table's: the store's rows as they
-    are) through address tables built at the first step, so a wave asks the table nothing."""
+    """``fused``: the entries from the packed slot rows (and host rows K + e with
+    ``SlotSetup.in_place``)."""
 
     planned = "device"
     reads_in_place = True  # reads host rows K + e when the setup says so (--beyond-k in-place)
@@ -203,12 +150,8 @@ class FusedStep(LayerStep):
         return weighted.sum(dim=1).to(work.dtype)
 
     def _prepare(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor) -> FusedLaunches:
-        """The launches of steps shaped as ``top_k_index`` [T, k] (and, at the layer's first
-        step, the slots' address tables); kept, at most MAX_SHAPES shapes.
-
-        Raises:
-            ValueError: hidden [T, H] whose H is not what the rows read and write, or rows on
-                another device (names both)."""
+        """The launches for ``top_k_index``'s shape (MAX_SHAPES kept). ValueError: H or device
+        mismatch."""
         if self.rows is None:
             self.rows = layer_rows(self.setup, transposed=bool(module.is_transposed), device=hidden.device)
         gate_up, down = self.rows["gate_up_proj"], self.rows["down_proj"]
@@ -225,8 +168,7 @@ class FusedStep(LayerStep):
         return launches
 
     def wave_view(self, module, wave_slots) -> SlotView:
-        """The module over the packed slots, carrying ``fused_rows`` (the address tables the
-        kernels read; the independence check dequantizes a slot through them)."""
+        """The module over the packed slots with ``fused_rows`` (the independence check reads them)."""
         tensors = self.setup.slots.kernel_tensors(())
         view = SlotView(module, tensors)
         view.fused_rows = self.rows or slot_rows(self.setup.layout, tensors, transposed=bool(module.is_transposed))

@@ -1,14 +1,7 @@
-"""``batched_mm`` planned on the host: the unpaged model's token-major entry order over the slots.
-
-Owns ``HostBatchedStep``, the ``steps.contract.LayerStep`` body that runs transformers'
-``batched_mm`` experts over the [K, ...] slots of a host-planned step: the entries in the
-unpaged model's token-major order through ``_batched_linear``, each entry's weights gathered by its
-slot (the slot map of the wave); a one-entry wave is padded to two (a batch of one takes
-another CPU kernel). The module's own gate and post-expert norm run on a buffer of the
-unpaged model's full [S, ...] shape (``contract.in_unpaged_layout``; why:
-``steps.host_grouped``), and the weights and the sum over k are
-``contract.LayerStep.combine``, as ``batched_mm_experts_forward`` ends
-(transformers.integrations.moe). Does not: page in or decide (``paging.host_executor``).
+"""``batched_mm`` planned on the host (``HostBatchedStep``): the entries in the unpaged token-major
+order through ``_batched_linear``, each entry's weights gathered by its slot; a one-entry wave is
+padded to two (a batch of one takes another CPU kernel). Gate and norm run in the unpaged shape
+(``contract.in_unpaged_layout``; docs/exactness.md).
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T k entries, S_w of one wave.
 """
@@ -26,8 +19,7 @@ from pagedexperts.paging.transfer import upload
 
 @dataclass
 class BatchedWork:
-    """One step: hidden [T, H], top_k_index [T, k] (device), its routing, and the unweighted
-    entry outputs [S, H] as the waves fill them."""
+    """One step: hidden [T, H], top_k_index [T, k], its routing, and the entry outputs [S, H]."""
 
     hidden: torch.Tensor
     top_k_index: torch.Tensor
@@ -36,7 +28,6 @@ class BatchedWork:
 
 
 class HostBatchedStep(DenseKernelStep):
-    """``batched_mm`` in the unpaged model's token-major entry order (module docstring)."""
 
     needs_slot_map = True
 

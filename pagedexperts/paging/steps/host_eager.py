@@ -1,13 +1,6 @@
-"""``eager`` planned on the host: the experts class's own loop over the slot tensors.
-
-Owns ``HostEagerStep``, the ``steps.contract.LayerStep`` body that runs the experts class's
-own ``forward`` (transformers' eager loop) over a ``contract.SlotView`` of the [K, ...] slots:
-each entry as a token with top_k 1 and weight 1, in the k-major order its one_hot mask visits
-them, so an expert's rows are the same rows in the same order as unpaged (all of one expert's
-entries are in one wave). ``combine`` then weights each entry and adds the k entries of a
-token one by one in ascending expert id, in hidden's dtype: eager's ``index_add_`` loop. No
-device-planned twin: the loop finds its experts with ``nonzero`` (a host read;
-``steps.table``). Does not: page in or decide (``paging.host_executor``).
+"""``eager`` planned on the host (``HostEagerStep``): the experts class's own loop over a
+``contract.SlotView``, each entry a token with top_k 1 and weight 1 in k-major order, so an expert's
+rows are the unpaged ones. No device twin: the loop reads experts back.
 
 Legend: T tokens, H hidden, k top_k, E experts, K slots, S = T k entries.
 """
@@ -25,10 +18,8 @@ from pagedexperts.paging.transfer import upload
 
 @dataclass
 class EagerWork:
-    """One step: the experts module, hidden [T, H], top_k_index [T, k], its routing, every
-    entry as a token ``entry_hidden`` [k T, H] (entry j T + t) with its expert id
-    ``entry_ids`` [k T, 1] and weight 1 ``unit`` (the weights are applied in ``combine``), and
-    the unweighted entry outputs [k T, H] (k-major) as the waves fill them."""
+    """One step: module, hidden, ids, routing, entries as tokens [k T, H] with their ids and unit
+    weights, outputs."""
 
     module: torch.nn.Module
     hidden: torch.Tensor
@@ -41,7 +32,6 @@ class EagerWork:
 
 
 class HostEagerStep(LayerStep):
-    """``eager``: the class's own loop over the entries, k-major (module docstring)."""
 
     needs_slot_map = True
 
@@ -68,8 +58,8 @@ class HostEagerStep(LayerStep):
         work.entry_out.index_copy_(0, rows, out)
 
     def combine(self, work: EagerWork, top_k_weights) -> torch.Tensor:
-        """[T, H]: each entry weighted, then added to zeros one by one in ascending expert id
-        per token, in hidden's dtype (eager's ``index_add_`` loop over experts)."""
+        """[T, H]: entries weighted, added one by one in ascending expert id (eager's ``index_add_``
+        loop)."""
         dtype, (num_tokens, top_k) = work.hidden.dtype, work.top_k_index.shape
         entries = work.entry_out.view(top_k, num_tokens, -1).transpose(0, 1)
         weighted = entries * top_k_weights.unsqueeze(-1)

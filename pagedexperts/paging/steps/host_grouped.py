@@ -1,41 +1,7 @@
-"""``grouped_mm`` planned on the host: the unpaged model's row order over the slot tensors.
-
-Owns ``HostGroupedStep``, the ``steps.contract.LayerStep`` body that runs transformers'
-``grouped_mm`` experts over the [K, ...] slots of a host-planned step. Does not: page in or
-decide (``paging.host_executor``).
-
-Why not simply call transformers' experts function on the slot ids: on CPU with more than one
-thread, a GEMM row's bits depend on the row's index inside its expert's group, and
-``grouped_mm``'s ``torch.sort`` of the ids is not stable, so slot ids (a different key order)
-give each group another row order than expert ids do. And the activation (SiLU, sigmoid) runs a
-vectorised body and a scalar tail whose results differ in the last bit; which elements fall in
-the tail depends on the buffer's size, its row order and the threads' chunk boundaries. So the
-kernel is handed exactly the unpaged model's layout (measured, see docs/exactness.md): the
-unpaged model's own ``torch.sort`` of the flat expert ids gives its row order; a wave's rows are
-regrouped stably by slot (groups in slot order, rows inside a group in the unpaged model's order; a
-group's position in the buffer does not change its bits), padded to the unpaged model's S rows
-(rows past the last offset are not computed), and run through transformers' ``_grouped_linear``
-over the slot tensors in place (the slots are the groups: no weight is gathered, nothing
-weight-sized is allocated per step; on CPU only the slots from the wave's lowest to its
-highest, a view). The module's own gate and post-expert norm run on a buffer of the
-unpaged model's full [S, ...] shape with each wave row at its unpaged position
-(``contract.in_unpaged_layout``), so every element takes the same vector or scalar path as in
-the unpaged run; the weights and the sum over k are ``contract.LayerStep.combine``, as
-``grouped_mm_experts_forward`` ends (transformers.integrations.moe, 5.17 to 5.24, read line by
-line).
-
-Small experts on a CPU: CPU ``grouped_mm`` visits every group it is given (about 2 us each at the
-bundled model's shapes, 1 thread), however few rows it holds, and the in-place layout costs its
-own host work. So a CPU step's one wave whose experts are small (their weights at most
-``GATHER_MAX_BYTES`` together) gathers them instead: the routed experts' slots in ascending
-expert id, one group each (``index_select``), over the unpaged model's sorted rows as they are,
-which is the unpaged model's own layout without its empty groups (same rows, weights and
-strides per group: the same bits), with no positions and no padding. Experts of real models
-(Qwen3-30B-A3B: 9.4 MB each in bf16) are never gathered: copying them costs more than the GEMMs.
-
-Syncs: none. A wave's rows are found on the host from the step's read-back ids (expert e's rows
-sit at [start_e, start_e + count_e) of the unpaged model's sorted order, whatever the sort did
-inside) and uploaded; nothing is read back from the device.
+"""``grouped_mm`` planned on the host (``HostGroupedStep``): each wave runs transformers'
+``_grouped_linear`` in the unpaged model's exact row layout over the slots in place, gate and norm
+in the unpaged [S, ...] shape, so the output is bit-identical (docs/exactness.md); a CPU step's one
+wave of small experts (``GATHER_MAX_BYTES``) is gathered instead.
 
 Legend: T tokens, H hidden, k top_k, K slots, S = T k entries, S_w entries of one wave.
 """
@@ -63,10 +29,8 @@ GATHER_MAX_BYTES = 4 << 20
 
 @dataclass
 class GroupedWork:
-    """One step: hidden [T, H], its routing, the unpaged model's sort ``perm`` [S] of the flat ids,
-    rows per expert ``counts`` (numpy, [max id + 1]; expert e's rows sit at [start_e, start_e +
-    count_e) of ``perm``, start_e the sum of the counts below e), and the unweighted entry
-    outputs [S, H] as the waves fill them."""
+    """One step: hidden, routing, the unpaged sort ``perm`` [S], ``counts`` per expert (rows of e at
+    [start_e, start_e + count_e) of ``perm``), entry outputs [S, H]."""
 
     hidden: torch.Tensor
     routing: HostRouting
@@ -76,11 +40,7 @@ class GroupedWork:
 
 
 class HostGroupedStep(DenseKernelStep):
-    """``grouped_mm`` in the unpaged model's row order (module docstring).
-
-    Attributes: ``expert_bytes`` (one expert's up and down weights, set at the first step),
-    which with the wave's size chooses the wave's layout (``GATHER_MAX_BYTES``).
-    """
+    """``grouped_mm`` in the unpaged row order; ``expert_bytes`` chooses gather or in place."""
 
     expert_bytes = 0
 
@@ -97,10 +57,8 @@ class HostGroupedStep(DenseKernelStep):
         return GroupedWork(hidden, routing, torch.sort(top_k_index.reshape(-1))[1], counts)
 
     def run_wave(self, work: GroupedWork, wave: int, slot_map=None) -> None:
-        """The wave's entries through ``_grouped_linear``, the weights chosen by size (module
-        docstring): a CPU step's one wave of small experts gathers them (the unpaged model's own
-        layout), any other wave reads the slot tensors in place; then the gate and the norm in
-        the unpaged model's row order."""
+        """The wave through ``_grouped_linear`` (gathered or in place), then gate and norm in unpaged
+        order."""
         from transformers.integrations.moe import _grouped_linear
 
         planned, w, dev = work.routing.waves[wave], self.weights, work.hidden.device
@@ -152,8 +110,7 @@ class HostGroupedStep(DenseKernelStep):
 
 
 def _layout(work: GroupedWork, wave, first: int, num_groups: int) -> tuple[np.ndarray, np.ndarray, tuple]:
-    """(unpaged positions [S_w] grouped by slot, group offsets [num_groups] over slots
-    ``first`` .. ``first + num_groups - 1``, (slots, rows per slot) in group order)."""
+    """(unpaged positions [S_w] grouped by slot, offsets [num_groups], (slots, rows per slot))."""
     experts, slots = np.asarray(wave.experts), np.asarray(wave.slots)
     by_slot = np.argsort(slots, kind="stable")
     experts, slots = experts[by_slot], slots[by_slot]

@@ -1,14 +1,6 @@
-"""The experts implementations a paged layer-step runs, and the body that runs each on each path.
-
-Owns ``STEP_BODIES``: for every experts implementation a paged step can run over the slots (the
-"inner" one: transformers' ``grouped_mm``, ``batched_mm``, ``eager``, and the package's own
-``fused``), its host-planned body and its device-planned body (``steps.contract.LayerStep``
-classes; None, and why, where it has none); ``inner_problem``, the one check of an inner name
-for either path (naming the choices and the flags; a runner checks its name once, when it is
-set: ``paging.runner_contract.ExpertsRunner.inner``); ``body_for``; ``transformers_inner`` and
-``resolve_inner``, an inner name's unpaged experts function (the baselines run it over all E
-experts). Does not: compute (the bodies do), or choose where a step is planned
-(``loading.config.resolve_decide``).
+"""``STEP_BODIES``: each inner experts implementation's host- and device-planned body, or why none;
+``inner_problem``, the one check of an inner name; ``resolve_inner``, the unpaged function the
+baselines run.
 """
 
 from __future__ import annotations
@@ -35,8 +27,8 @@ PACKED = "packed"  # torch's packed int4 / int8 CPU matmuls over kernel-layout s
 
 @dataclass(frozen=True)
 class StepBodies:
-    """The bodies of one experts implementation: ``host`` (host-planned) or None, ``device``
-    (device-planned) or None, and ``no_host`` / ``no_device``: why it has none."""
+    """One implementation's ``host`` and ``device`` bodies, or None with ``no_host`` / ``no_device``
+    saying why."""
 
     host: type[LayerStep] | None
     device: type[LayerStep] | None
@@ -57,12 +49,8 @@ INNER_IMPLEMENTATIONS = tuple(STEP_BODIES)
 
 
 def inner_problem(inner: str, *, decide: str = "host") -> str | None:
-    """Why experts implementation ``inner`` cannot run a paged step planned on ``decide``
-    ("host" or "device"), naming the choices and the flag to change; None when it can.
-
-    Raises:
-        ValueError: ``decide`` is neither (a caller's bug: the choices are ``DECIDES``).
-    """
+    """Why ``inner`` cannot run planned on ``decide`` (names choices and flag), or None; ValueError:
+    bad ``decide``."""
     if decide not in DECIDES:
         raise ValueError(f"decide {decide!r}: choose one of {list(DECIDES)}")
     bodies = STEP_BODIES.get(inner)
@@ -81,10 +69,7 @@ def inner_problem(inner: str, *, decide: str = "host") -> str | None:
 
 
 def body_for(inner: str, decide: str) -> type[LayerStep]:
-    """The body class running ``inner`` on a step planned on ``decide``.
-
-    Raises:
-        ValueError: ``inner_problem``'s message."""
+    """The body class running ``inner`` planned on ``decide`` (ValueError: ``inner_problem``'s)."""
     problem = inner_problem(inner, decide=decide)
     if problem is not None:
         raise ValueError(problem)
@@ -93,22 +78,14 @@ def body_for(inner: str, decide: str) -> type[LayerStep]:
 
 
 def transformers_inner(name: str) -> str:
-    """The transformers experts implementation a model is built with for paged inner ``name``:
-    ``name`` itself, or ``grouped_mm`` for ``fused``, ``packed`` and ``auto`` (not in transformers'
-    registry; the paged dispatcher replaces the implementation anyway, and ``packed`` runs
-    ``grouped_mm`` on a layer its kernels cannot take)."""
+    """What transformers builds for paged inner ``name``: itself, or ``grouped_mm`` for fused, packed,
+    auto."""
     return "grouped_mm" if name in (FUSED, PACKED, "auto") else name
 
 
 def resolve_inner(module: torch.nn.Module, name: str) -> Callable:
-    """The unpaged experts function ``name`` of transformers' registry (``eager``: the class's
-    own loop): ``fn(module, hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
-
-    Looked up once per (experts class, name): the baselines call this every layer step.
-
-    Raises:
-        ValueError: ``name`` not supported under paging (``inner_problem``'s message).
-    """
+    """The unpaged experts function ``name``: ``fn(module, hidden [T, H], top_k_index [T, k],
+    top_k_weights [T, k]) -> [T, H]``, cached per (class, name). ValueError: ``inner_problem``'s."""
     problem = inner_problem(name)
     if problem is not None:
         raise ValueError(problem)
