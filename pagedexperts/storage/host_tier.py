@@ -29,7 +29,7 @@ READ_WORKERS = 4  # on-demand reads in flight at once (a step's host misses, or 
 # Read-ahead pays when most of its reads are used: an unused one costs a read that an on-demand
 # miss would not have made. A layer judges its last READ_AHEAD_WINDOW read-aheads; under
 # READ_AHEAD_MIN_USED of them used, it pauses for READ_AHEAD_PAUSE steps, then tries again.
-READ_AHEAD_WINDOW = 64
+READ_AHEAD_WINDOW = 16
 READ_AHEAD_MIN_USED = 0.5
 READ_AHEAD_PAUSE = 256
 
