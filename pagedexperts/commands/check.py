@@ -197,8 +197,8 @@ def _run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
     from pagedexperts.loading.checkpoint import format_for_checkpoint
     from pagedexperts.loading.experts_options import check_experts_dtype
-    from pagedexperts.loading.config import (PagingConfig, check_config, resolve_dtype,
-                                             resolve_experts_implementation)
+    from pagedexperts.loading.config import PagingConfig, check_config, resolve_dtype
+    from pagedexperts.loading.resolved import resolve_implementation
     from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
     from pagedexperts.models.config import num_routed_experts
     from pagedexperts.paging.steps.table import FUSED, PACKED, transformers_inner
@@ -221,8 +221,7 @@ def _run(args) -> int:
                    prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
                    decide=args.decide, beyond_k=args.beyond_k, admit_per_step=args.admit_per_step)
     fmt = format_for_checkpoint(config, files)
-    args.experts_implementation = resolve_experts_implementation(  # auto: per format and run dtype
-        PagingConfig(**options), fmt, resolve_dtype(args.dtype, config))
+    args.experts_implementation = resolve_implementation(PagingConfig(**options), fmt, config)  # auto: per format, dtype
     options["experts_implementation"] = args.experts_implementation
     for k in ks:  # every problem of the options, at once, before the reference loads
         check_config(PagingConfig(num_resident=k, **options), config, fmt)

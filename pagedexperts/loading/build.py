@@ -19,9 +19,8 @@ import torch
 from pagedexperts import integration
 from pagedexperts.formats import format_for_config
 from pagedexperts.formats.cpu_pack import kernel_specs, plan_layout
-from pagedexperts.loading.config import (PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype,
-                                         resolve_experts_implementation)
-from pagedexperts.loading.resolved import resolve
+from pagedexperts.loading.config import PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype
+from pagedexperts.loading.resolved import resolve, resolve_implementation
 from pagedexperts.loading.linears import plan_model_linears
 from pagedexperts.loading.runners import attach_runners
 from pagedexperts.loading.runtime import PagingRuntime
@@ -41,13 +40,15 @@ READ_AHEAD_EXPERTS_PER_TOP_K = 2  # disk tier staging: read-ahead buffers = 2 x 
 KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted in host memory on a CPU device (one long request)
 
 
-def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, files=None):
+def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation: str, expert_format=None, files=None):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
     ``cfg``: the paging options, checked against ``config`` and the format by
     ``loading.config.check_config`` (``load_model`` checks them once; a caller building random
-    weights checks them itself); every choice made from them is resolved here, once
-    (``loading.resolved.resolve``), and kept as ``model.pagedexperts.resolved``.
+    weights checks them itself) with ``experts_implementation``, the value of
+    ``loading.resolved.resolve_implementation`` the check read, which the memory plan reads too;
+    every choice made from them is resolved here, once (``loading.resolved.resolve``), and kept
+    as ``model.pagedexperts.resolved``.
     ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
     stores ({site name: ExpertStore}), every other parameter onto ``device``; it returns the
     quantized non-expert modules it dequantized or packed (``loading.linears.QuantizedLinears``)
@@ -70,13 +71,13 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, fi
     sources = expert_sources(config.model_type)
     layouts = {s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
                for s in sites}
-    packed = resolve_experts_implementation(cfg, fmt, dtype) == PACKED  # the rule ``resolve`` records
+    packed = experts_implementation == PACKED
     linears = None if files is None or fmt.name == "dense" else plan_model_linears(model, files, fmt, packed=packed)
     memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, top_k=top_k, linears=linears, packed=packed,
                           k_slots=cfg.resident_slots(num_experts=num_experts, top_k=top_k))
     stores, read_ahead = _make_stores(sites, layouts, memory, cfg.policy, dev)
-    resolved = resolve(cfg, fmt, num_experts=num_experts, top_k=top_k, device=dev, dtype=dtype, sites=sites,
-                       layouts=layouts, memory=memory, stores=stores)
+    resolved = resolve(cfg, fmt, experts_implementation=experts_implementation, num_experts=num_experts, top_k=top_k,
+                       device=dev, dtype=dtype, sites=sites, layouts=layouts, memory=memory, stores=stores)
     runtime = PagingRuntime(config=cfg, resolved=resolved, num_experts=num_experts, top_k=top_k,
                             expert_format=fmt.name, layouts=layouts, sites=sites, stores=stores, read_ahead=read_ahead)
     runtime.quantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
@@ -95,8 +96,9 @@ def build_from_options(config, fill, *, expert_format=None, files=None, **option
     fmt = expert_format if expert_format is not None else format_for_config(
         config, transposed_experts=experts_transposed(config))
     cfg = PagingConfig(**options)
-    check_config(cfg, config, fmt)
-    return build_paged_model(config, fill, cfg, expert_format=fmt, files=files)
+    implementation = resolve_implementation(cfg, fmt, config)
+    check_config(cfg, config, fmt, experts_implementation=implementation)
+    return build_paged_model(config, fill, cfg, experts_implementation=implementation, expert_format=fmt, files=files)
 
 
 def _install(model, runtime: PagingRuntime, dev: torch.device) -> None:

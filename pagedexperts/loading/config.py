@@ -10,8 +10,9 @@ under the implementation, the slot format the device decide needs). It collects 
 problem and raises once, before any weight is read. The experts implementation's predicates
 live in ``loading.experts_options``. Also the rules that resolve "auto" and None (K,
 the experts implementation, the slot format, ``--decide``, CUDA graphs: each shares predicates
-with a check), which ``loading.resolved.resolve`` applies once per load into the record the
-runtime reads. Does not: read checkpoints or build (``loading.loader``, ``loading.build``).
+with a check), which ``loading.resolved`` applies once per load into the record the runtime
+reads (the experts implementation's rule first, ``resolve_implementation``, whose value the model
+check reads). Does not: read checkpoints or build (``loading.loader``, ``loading.build``).
 """
 
 from __future__ import annotations
@@ -101,16 +102,19 @@ class ConfigError(ValueError):
             super().__init__(f"{len(problems)} problems with the configuration:\n" + "\n".join(f"- {p}" for p in problems))
 
 
-def check_config(cfg: PagingConfig, model=None, fmt=None) -> None:
+def check_config(cfg: PagingConfig, model=None, fmt=None, *, experts_implementation: str | None = None) -> None:
     """Raise once with every problem of ``cfg``, alone and (given the transformers ``model``
-    config and the checkpoint's expert format ``fmt``) against the model.
+    config and the checkpoint's expert format ``fmt``) against the model, which runs
+    ``experts_implementation`` (``loading.resolved.resolve_implementation``'s value; None: ``cfg``'s own,
+    and where that is "auto" the checks of the resolved implementation are left to the caller that
+    resolves it: ``load_model``, ``build_from_options``).
 
     Raises:
         ConfigError (a ValueError): lists every problem, each naming its flag.
     """
     problems = option_problems(cfg)
     if model is not None:
-        problems += model_problems(cfg, model, fmt)
+        problems += model_problems(cfg, model, fmt, experts_implementation or cfg.experts_implementation)
     if problems:
         raise ConfigError(problems)
 
@@ -335,8 +339,9 @@ def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool, quantize
     return "device"
 
 
-def model_problems(cfg: PagingConfig, model, fmt=None) -> list[str]:
-    """The problems of ``cfg`` for the transformers config ``model`` (and its format ``fmt``)."""
+def model_problems(cfg: PagingConfig, model, fmt, implementation: str) -> list[str]:
+    """The problems of ``cfg`` for the transformers config ``model`` (and its format ``fmt``, None:
+    not known) running the experts ``implementation`` ("auto": not resolved, not checked)."""
     num_experts, top_k = model_config.num_routed_experts(model), model_config.top_k(model)
     problems = []
     if cfg.mode == "paged" and cfg.num_resident is not None:
@@ -344,12 +349,10 @@ def model_problems(cfg: PagingConfig, model, fmt=None) -> list[str]:
     moe_layers = len(model_config.moe_layer_indices(model))
     if cfg.mode == "cpu-experts" and cfg.cpu_expert_layers > moe_layers:
         problems.append(f"--cpu-expert-layers {cfg.cpu_expert_layers} outside [0, {moe_layers}] (the model's MoE layers)")
-    dtype_known = cfg.dtype in (None, "auto", *model_config.RUN_DTYPE_BYTES)
-    run_dtype = resolve_dtype(cfg.dtype, model) if dtype_known else None
-    implementation = resolve_experts_implementation(cfg, fmt, run_dtype)  # auto's choice for this format, dtype
+    run_dtype = known_run_dtype(cfg, model)
     if implementation != cfg.experts_implementation and planned_on_device(cfg):
         problems.append(inner_problem(implementation, decide="device"))
-    if fmt is not None and dtype_known:
+    if fmt is not None and run_dtype is not None and implementation != AUTO:
         problems.append(experts_dtype_problem(fmt, run_dtype, implementation))
     problems.append(decide_model_problem(cfg, fmt))
     return [p for p in problems if p is not None]
@@ -378,6 +381,11 @@ def check_device(device: str | torch.device) -> torch.device:
     if problem is not None:
         raise ValueError(problem)
     return torch.device(device)
+
+
+def known_run_dtype(cfg: PagingConfig, config) -> torch.dtype | None:
+    """``resolve_dtype`` of ``cfg.dtype``, or None where that name is unknown (``option_problems`` names it)."""
+    return resolve_dtype(cfg.dtype, config) if cfg.dtype in (None, "auto", *model_config.RUN_DTYPE_BYTES) else None
 
 
 def resolve_dtype(name: str | None, config) -> torch.dtype:

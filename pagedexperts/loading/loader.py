@@ -19,10 +19,10 @@ from pagedexperts.formats.slots import DEFAULT_SLOT_FORMAT
 from pagedexperts.loading.bundled import bundled_model_path
 from pagedexperts.loading.build import build_paged_model
 from pagedexperts.loading.checkpoint import format_for_checkpoint
-from pagedexperts.loading.config import (ConfigError, PagingConfig, check_config, option_problems,
-                                         resolve_dtype, resolve_experts_implementation)
+from pagedexperts.loading.config import ConfigError, PagingConfig, check_config, option_problems
 from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
+from pagedexperts.loading.resolved import resolve_implementation
 from pagedexperts.loading.runners import install_prefetch
 from pagedexperts.loading.stored_layout import attach_stored_layout, record_stored_layout
 from pagedexperts.models.sites import check_supported
@@ -127,20 +127,20 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             loaded; names the bytes of each part).
     """
     check_arguments(model_path, check_independence, options)
-    cfg = PagingConfig(**options)  # the one construction; checked once, below, and resolved once in the build
+    cfg = PagingConfig(**options)  # the one construction; checked once, below, and resolved once
     path, config, files = _read_checked(model_path, cfg)
     fmt = format_for_checkpoint(config, files)
-    check_config(cfg, config, fmt)
+    implementation = resolve_implementation(cfg, fmt, config)  # the one evaluation: the check, build and fill read it
+    check_config(cfg, config, fmt, experts_implementation=implementation)
     check_readable(files)
     if fmt.name == "dense" and cfg.slot_format != DEFAULT_SLOT_FORMAT:
         logger.warning("--slot-format %s has no effect: %s is not quantized (its slots hold dense experts)",
                        cfg.slot_format, path)
     tokenizer = _load_tokenizer(path)  # a broken tokenizer is refused before the weights load
     # the non-expert linears run packed too where the experts do (loading.linears)
-    packed = resolve_experts_implementation(cfg, fmt, resolve_dtype(cfg.dtype, config)) == PACKED
     fill = functools.partial(fill_from_checkpoint, model_type=config.model_type, files=files, fmt=fmt,
-                             packed_linears=packed)
-    model = build_paged_model(config, fill, cfg, expert_format=fmt, files=files)
+                             packed_linears=implementation == PACKED)
+    model = build_paged_model(config, fill, cfg, expert_format=fmt, files=files, experts_implementation=implementation)
     if cfg.stored_layout:
         attach_stored_layout(model, path, [*files, path / "config.json"],
                              cache_dir=None if cfg.stored_layout_dir is None else Path(cfg.stored_layout_dir))

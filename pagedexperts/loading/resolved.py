@@ -3,7 +3,9 @@
 Owns: ``Resolved`` (K, the device, the experts implementation, the slot format, where paged steps
 are planned, CUDA graphs, the beyond-K rule, the host-memory plan and the layers that fall back
 from packed, each with the reason for it) and ``resolve``, which makes it from the checked
-``PagingConfig``, the checkpoint's format, the layouts, the memory plan and the host stores.
+``PagingConfig``, the checkpoint's format, the layouts, the memory plan and the host stores;
+``resolve_implementation``, the one evaluation per load of the experts implementation's rule,
+made before the check and the memory plan, which read its value as the record does.
 The runtime (``PagingRuntime.resolved``), the start-up line, ``/server_info`` and the stats read
 a resolved choice from this record only; ``PagingRuntime.config`` keeps the options as given.
 The rules themselves live beside the checks that share their predicates (``loading.config``:
@@ -20,8 +22,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from pagedexperts.formats.cpu_pack import plan_layout
-from pagedexperts.loading.config import (AUTO, PagingConfig, planned_on_device, resolve_cuda_graphs, resolve_decide,
-                                         resolve_experts_implementation, slot_format_of)
+from pagedexperts.loading.config import (AUTO, PagingConfig, known_run_dtype, planned_on_device, resolve_cuda_graphs,
+                                         resolve_decide, resolve_experts_implementation, slot_format_of)
 from pagedexperts.paging.steps.table import PACKED
 from pagedexperts.storage.host_memory import HostMemoryPlan
 
@@ -79,11 +81,22 @@ class Resolved:
         return out
 
 
-def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: torch.device, dtype: torch.dtype, sites,
-            layouts: Mapping, memory: HostMemoryPlan, stores: Mapping) -> Resolved:
+def resolve_implementation(cfg: PagingConfig, fmt, model_config) -> str:
+    """The experts implementation a load of ``cfg`` runs for checkpoint format ``fmt`` (None: dense)
+    and the transformers ``model_config``: "auto" resolved by ``loading.config.
+    resolve_experts_implementation`` at the run dtype (an unknown ``--dtype``, which the check
+    names, counts as bfloat16). Safe on unchecked options. The only caller of that rule: the check
+    (``check_config(..., experts_implementation=)``), the memory plan, the fill and ``resolve``
+    read this one value."""
+    return resolve_experts_implementation(cfg, fmt, known_run_dtype(cfg, model_config))
+
+
+def resolve(cfg: PagingConfig, fmt, *, experts_implementation: str | None = None, num_experts: int, top_k: int, device: torch.device,
+            dtype: torch.dtype, sites, layouts: Mapping, memory: HostMemoryPlan, stores: Mapping) -> Resolved:
     """The ``Resolved`` record of ``cfg`` (checked by ``loading.config.check_config``) for a model of
     ``num_experts`` experts per layer routing ``top_k`` at run ``dtype``, checkpoint format ``fmt`` (a record with
-    ``.name``; None: dense), its experts ``sites`` (``models.sites.ExpertsSite``) and their
+    ``.name``; None: dense), running ``experts_implementation`` (``resolve_implementation``'s value for this
+    load; None: resolved here at ``dtype``), its experts ``sites`` (``models.sites.ExpertsSite``) and their
     ``layouts`` (``formats.base.ExpertLayout``), the host-memory plan ``memory`` and the host
     ``stores`` (site name -> ``ExpertStore``; whether they are page-locked decides auto's
     ``decide``). Logs the WARNINGs of auto's fallbacks once, here.
@@ -92,7 +105,7 @@ def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: tor
         ConfigError: ``cuda_graphs`` "on" where capture cannot work (``resolve_cuda_graphs``).
     """
     k = cfg.resident_slots(num_experts=num_experts, top_k=top_k)
-    implementation = resolve_experts_implementation(cfg, fmt, dtype)
+    implementation = experts_implementation or resolve_experts_implementation(cfg, fmt, dtype)
     quantized = any(lay is not None and not lay.is_dense for lay in layouts.values())
     decide = resolve_decide(cfg, disk_tier=memory.disk_tier, pinned=all(s.pinned for s in stores.values()),
                             quantized=quantized)

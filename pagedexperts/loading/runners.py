@@ -21,7 +21,7 @@ from pagedexperts.formats import FORMATS, slots
 from pagedexperts.formats.cpu_pack import CpuPackedSlots, plan_layout
 from pagedexperts.formats.slots import SlotTable
 from pagedexperts.loading.config import check_config
-from pagedexperts.loading.resolved import resolve
+from pagedexperts.loading.resolved import resolve, resolve_implementation
 from pagedexperts.models.sites import router_of
 from pagedexperts.paging import prefetch
 from pagedexperts.paging.baselines import CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
@@ -53,7 +53,9 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
     cfg = dataclasses.replace(options, num_resident=num_resident, mode=mode, policy=policy or options.policy,
                               experts_implementation=experts_implementation or rt.resolved.experts_implementation,
                               beyond_k=beyond_k or options.beyond_k, prefetch=False, prefetch_budget=None)
-    check_config(cfg, model.config)
+    fmt = FORMATS[rt.expert_format]
+    implementation = resolve_implementation(cfg, fmt, model.config)
+    check_config(cfg, model.config, experts_implementation=implementation)
     dev = torch.device(rt.resolved.device)
     for runner in rt.runners.values():
         runner.release()  # copies in flight into its slots finish before the slots are freed
@@ -63,7 +65,7 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
         torch.cuda.empty_cache()
     rt.config = cfg
     old = rt.resolved
-    rt.resolved = resolve(cfg, FORMATS[rt.expert_format], num_experts=rt.num_experts, top_k=rt.top_k, device=dev,
+    rt.resolved = resolve(cfg, fmt, experts_implementation=implementation, num_experts=rt.num_experts, top_k=rt.top_k, device=dev,
                           dtype=getattr(torch, old.dtype), sites=rt.sites, layouts=rt.layouts,
                           memory=rt.host_memory, stores=rt.stores)
     if "stored_layout" in old.reasons:  # the stores read what they read before (the load's choice)
