@@ -1,9 +1,6 @@
-"""Decoding options: the one ``SamplingConfig`` that generation, the server and the tools share.
-
-Owns: ``SamplingConfig`` (max new tokens, temperature, top-p, seed, stop strings, validated with
-the flag each value comes from) and ``GREEDY``, the ``generate`` keywords of greedy decoding.
-Standard library only. Does not: sample (transformers' ``generate``; the server's
-``engine.sampling``) or generate text (``generation.generate``).
+"""Decoding options: the one ``SamplingConfig`` that generation, the server and the tools share,
+validated with the flag each value comes from, and ``GREEDY`` (``generate``'s greedy keywords).
+Standard library only. Does not: sample or generate text.
 """
 
 from __future__ import annotations

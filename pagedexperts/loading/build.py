@@ -1,12 +1,11 @@
 """Build a paged model: parameters on meta, host stores for the experts, one runner per MoE layer.
 
-Owns: ``build_paged_model`` (the one build, for a checkpoint or random weights; ``build_from_options``
-checks keyword options first), constructing
-the transformers model with every parameter on the meta device, the float32-kept tensors, the
-host-memory plan counted before any allocation, the host stores (full, or the disk tier's), and
-installing the runtime object, the runners and the transformers integration on the model.
-Resolves every choice of the checked options once (``loading.resolved``). Does not: check
-options (``loading.config``), read checkpoints (``loading.fill``), or page.
+Owns: ``build_paged_model`` (the one build, for a checkpoint or random weights;
+``build_from_options`` checks keyword options first): the transformers model with its
+parameters on meta, the float32-kept tensors, the host-memory plan counted before any
+allocation, the host stores (full, or the disk tier's), the ``Resolved`` record, and the
+runtime, runners and integration installed on the model. Does not: check options
+(``loading.config``), read checkpoints (``loading.fill``), or page.
 """
 
 from __future__ import annotations
@@ -43,20 +42,13 @@ KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted in host memory on a CPU 
 def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation: str, expert_format=None, files=None):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
-    ``cfg``: the paging options, checked against ``config`` and the format by
-    ``loading.config.check_config`` (``load_model`` checks them once; a caller building random
-    weights checks them itself) with ``experts_implementation``, the value of
-    ``loading.resolved.resolve_implementation`` the check read, which the memory plan reads too;
-    every choice made from them is resolved here, once (``loading.resolved.resolve``), and kept
-    as ``model.pagedexperts.resolved``.
-    ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
-    stores ({site name: ExpertStore}), every other parameter onto ``device``; it returns the
-    quantized non-expert modules it dequantized or packed (``loading.linears.QuantizedLinears``)
-    or None. ``load_model`` reads a checkpoint (``loading.fill``); ``loading.runners.random_fill``
-    makes random weights for benchmarks at real scale. ``expert_format``: the checkpoint's format
-    (None: from ``config``'s ``quantization_config``); the stores hold its packed tensors.
-    ``files``: the checkpoint's shards, whose quantized non-expert modules the host-memory plan
-    counts as the load keeps them (``loading.linears.plan_model_linears``).
+    ``cfg``: the options, checked (``loading.config.check_config``) with ``experts_implementation``,
+    ``loading.resolved.resolve_implementation``'s value, which the memory plan reads too; every
+    choice is resolved here once (``loading.resolved.resolve``) into ``model.pagedexperts.resolved``.
+    ``fill(model, sites, stores, device)`` puts the weights in place (``loading.fill``, or
+    ``loading.runners.random_fill``) and returns the ``loading.linears.QuantizedLinears`` or None.
+    ``expert_format``: the checkpoint's format (None: from ``config``); ``files``: its shards, whose
+    quantized non-expert modules the host-memory plan counts.
 
     Raises:
         MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``).
@@ -87,8 +79,7 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation
 
 
 def build_from_options(config, fill, *, expert_format=None, files=None, **options):
-    """``build_paged_model`` from ``PagingConfig`` keyword ``options``, checked first against
-    ``config`` and the format (benchmarks building random weights; ``load_model`` checks its own).
+    """``build_paged_model`` from ``PagingConfig`` keyword ``options``, checked first against ``config``.
 
     Raises:
         ConfigError (ValueError): every problem of the options for this model, at once.
@@ -164,14 +155,12 @@ def _make_stores(sites, layouts, memory: HostMemoryPlan, policy: str, dev: torch
 
 def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *, k_slots: int,
                  top_k: int, linears=None, packed: bool = False) -> HostMemoryPlan:
-    """Everything that will live in host memory, counted before any allocation (see
-    ``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Store rows hold the
-    packed specs; slots are counted at the dense size (the larger of the slot formats); the
-    quantized non-expert modules kept packed (``linears``, ``QuantizedLinears``) at their kernel
-    layout's bytes instead of their dense weights'; ``packed``: the experts run packed, their slots
-    (and a converted store) in the kernels' layout. The
-    available memory is credited with the part of the runtime allowance this process already
-    holds (its RSS now, up to the allowance): MemAvailable and the cgroup's room exclude it."""
+    """Everything that will live in host memory, counted before any allocation
+    (``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Slots count at the
+    larger slot size; ``packed``: slots (and a converted store) in the kernels' layout; ``linears``
+    kept packed at their kernel layout's bytes. The available memory is credited with the part of
+    the runtime allowance this process already holds (MemAvailable and the cgroup's room exclude it).
+    """
     packed_specs = layouts[sites[0].name].packed_specs
     expert_bytes = sum(s.row_bytes for s in packed_specs)
     slot_expert_bytes = max(expert_bytes, sum(s.row_bytes for s in sites[0].specs))

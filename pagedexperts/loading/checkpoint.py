@@ -1,17 +1,12 @@
 """Checkpoint keys onto the model: the key map, non-expert tensors in place, quantized companions.
 
-Owns: mapping checkpoint keys onto the model with transformers' own conversion table
-(``KeyMap``: renamings, and the per-expert -> stacked converters), so both expert layouts are
-read: stacked (``mlp.experts.gate_up_proj`` [E, ...]) and one tensor per expert
-(``mlp.experts.{j}.gate_proj.weight``, what hub checkpoints and ``save_pretrained`` write).
-Quantized checkpoints (``pagedexperts.formats``): expert tensors map to the store's packed
-tensors under the format's names (``gate_up_proj_scale_inv``), for the converter's sources and
-the format's serialized companions alike. The dtypes the checkpoint stores the experts' scales
-in (``stored_expert_dtypes``, ``format_for_checkpoint``). Putting a non-expert tensor in place
-(``load_plain_tensor``, which refuses a quantized weight it would cast) and the final check
-that nothing is left on meta.
-Does not: read bytes (``loading.fill``), build the model (``loading.build``) or dequantize
-quantized non-expert modules (``loading.linears``).
+Owns: ``KeyMap`` (checkpoint keys onto model keys with transformers' own conversion table:
+stacked experts [E, ...] and one tensor per expert alike; a quantized format's expert tensors
+onto the store's packed tensors under the format's names), the stored dtypes of the experts'
+scales (``stored_expert_dtypes``, ``format_for_checkpoint``), ``load_plain_tensor`` (refuses a
+quantized weight it would cast) and the final check that nothing is left on meta.
+Does not: read bytes (``loading.fill``), build (``loading.build``) or dequantize non-expert
+modules (``loading.linears``).
 """
 
 from __future__ import annotations
@@ -60,13 +55,10 @@ def shipped_conversion_table(model_type: str):
 
 
 def shipped_conversion_mapping(model_type: str) -> list | None:
-    """transformers' checkpoint conversion table of ``model_type`` as transformers ships it, so
-    that the paged model reads its checkpoint the same whatever else the process has loaded:
-    another library may have replaced the table process-wide (transformers'
-    ``register_checkpoint_conversion_mapping(..., overwrite=True)``; auto-round's loader drops
-    the per-expert -> stacked converters of every checkpoint it loads, for its own unfused
-    experts). A replaced table is said at INFO; where transformers ships none for the model
-    type, the registered one is the table."""
+    """transformers' checkpoint conversion table of ``model_type`` as transformers ships it, not as
+    another library may have replaced it process-wide (auto-round's loader drops the per-expert ->
+    stacked converters); a replaced table is logged at INFO. None shipped: the registered one.
+    """
     from transformers import conversion_mapping as cm
 
     current = cm.get_checkpoint_conversion_mapping(model_type)
@@ -130,13 +122,10 @@ def expert_sources(model_type: str) -> dict[str, int]:
 
 
 class KeyMap:
-    """Maps checkpoint keys onto the model: an expert row of a store, or a plain tensor.
-
-    Uses transformers' checkpoint conversion table for the model type (renamings, and the
-    per-expert -> stacked converters: MergeModulelist(dim=0) then Concatenate(dim=1)). A
-    quantized format's serialized companions (``weight_scale_inv`` beside ``weight``) follow
-    their weight's converter into ``target + suffix``, as transformers' quantizers extend the
-    table (``HfQuantizer.update_weight_conversions``).
+    """Maps checkpoint keys onto the model: an expert row of a store, or a plain tensor, by
+    transformers' conversion table (renamings; MergeModulelist(dim=0) then Concatenate(dim=1)). A
+    quantized format's companions (``weight_scale_inv``) follow their weight's converter into
+    ``target + suffix``, as ``HfQuantizer.update_weight_conversions`` extends the table.
     """
 
     def __init__(self, model_type: str, sites: dict[str, ExpertsSite], fmt: ExpertFormat | None = None) -> None:
@@ -212,10 +201,8 @@ def stored_expert_dtypes(files, fmt: ExpertFormat) -> dict[str, "torch.dtype"]:
 
 
 def format_for_checkpoint(config, files) -> ExpertFormat:
-    """``formats.format_for_config`` (for the experts as the model's family stores them:
-    ``models.families.experts_transposed``) bound to the dtypes the checkpoint stores its experts'
-    scales and zero points in (``ExpertFormat.with_stored_dtypes``), never cast from config.json's
-    ``dtype``: what ``load_model``, ``check`` and ``preflight`` resolve a format with.
+    """``formats.format_for_config`` for the experts as the family stores them, bound to the dtypes
+    the checkpoint stores their scales and zero points in (``ExpertFormat.with_stored_dtypes``).
 
     Raises:
         ValueError: see ``format_for_config``; an unreadable header.

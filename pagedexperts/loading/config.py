@@ -1,18 +1,11 @@
 """One validated paging configuration: every problem with the options reported at once.
 
-Owns: ``PagingConfig`` (how a model is paged: the options of ``load_model`` and the flags of
-the commands, frozen, built once per load and kept on the runtime object as given) and
-``check_config``, the one configuration
-check: the options alone (device, dtype, implementation, policy, mode, slot format, prefetch
-budget, host memory, where paged steps are planned: ``--decide``) and, given the model's
-config, against the model (K in [top_k, E], the cpu-experts layer count, the experts' dtype
-under the implementation, the slot format the device decide needs). It collects every
-problem and raises once, before any weight is read. The experts implementation's predicates
-live in ``loading.experts_options``. Also the rules that resolve "auto" and None (K,
-the experts implementation, the slot format, ``--decide``, CUDA graphs: each shares predicates
-with a check), which ``loading.resolved`` applies once per load into the record the runtime
-reads (the experts implementation's rule first, ``resolve_implementation``, whose value the model
-check reads). Does not: read checkpoints or build (``loading.loader``, ``loading.build``).
+Owns: ``PagingConfig`` (the options of ``load_model`` and the commands' flags, frozen, kept on
+the runtime as given), ``check_config`` (every problem of the options alone and against the
+model's config, raised once before any weight is read) and the rules that resolve "auto" and
+None (K, the experts implementation, the slot format, ``--decide``, CUDA graphs), each beside
+the check that shares its predicates; ``loading.resolved`` applies them once per load.
+Does not: read checkpoints or build (``loading.loader``, ``loading.build``).
 """
 
 from __future__ import annotations
@@ -53,18 +46,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PagingConfig:
-    """How a model is paged (see ``load_model`` for each option). ``num_resident`` None: the
-    default K (``residency.planner.default_num_resident``); ``dtype`` None: the checkpoint's."""
+    """How a model is paged: the options of ``load_model`` and the commands' flags, each field's
+    meaning in its comment."""
 
-    num_resident: int | None = None
-    device: str = "cpu"
-    dtype: str | None = None
+    num_resident: int | None = None  # K slots per MoE layer, top_k <= K <= E; None: max(top_k, E // 4)
+    device: str = "cpu"  # "cpu" or "cuda[:n]": slots, attention and everything else
+    dtype: str | None = None  # "float32", "bfloat16", "float16"; None: the checkpoint's
     experts_implementation: str = "auto"  # resolved per format and device: ``resolve_experts_implementation``
-    policy: str = DEFAULT_POLICY
-    mode: str = "paged"
-    cpu_expert_layers: int = 0
+    policy: str = DEFAULT_POLICY  # eviction policy (``residency.policies.POLICIES``)
+    mode: str = "paged"  # or a baseline (``paging.baselines``): "resident", "offload", "cpu-experts"
+    cpu_expert_layers: int = 0  # mode "cpu-experts": the first N MoE layers computed on the CPU
     slot_format: str = DEFAULT_SLOT_FORMAT  # "auto", "packed" or "dense" (formats.slots)
     host_memory_gb: float | None = None  # the budget for all host memory (HostMemoryPlan); None: what is available
+    # mode "paged": page in layer l+1's experts predicted by its router on layer l's input (``paging.prefetch``)
     prefetch: bool = False
     prefetch_budget: int | None = None  # None: top_k
     read_ahead: bool = True  # the disk tier reads the next layer's predicted experts ahead (--no-read-ahead)
@@ -103,11 +97,10 @@ class ConfigError(ValueError):
 
 
 def check_config(cfg: PagingConfig, model=None, fmt=None, *, experts_implementation: str | None = None) -> None:
-    """Raise once with every problem of ``cfg``, alone and (given the transformers ``model``
-    config and the checkpoint's expert format ``fmt``) against the model, which runs
-    ``experts_implementation`` (``loading.resolved.resolve_implementation``'s value; None: ``cfg``'s own,
-    and where that is "auto" the checks of the resolved implementation are left to the caller that
-    resolves it: ``load_model``, ``build_from_options``).
+    """Raise once with every problem of ``cfg``, alone and (given the transformers ``model`` config
+    and the format ``fmt``) against the model running ``experts_implementation``
+    (``loading.resolved.resolve_implementation``'s value; None: ``cfg``'s own, and "auto" leaves
+    the implementation's checks to the caller that resolves it).
 
     Raises:
         ConfigError (a ValueError): lists every problem, each naming its flag.
@@ -157,14 +150,11 @@ PACKED_FAST_DTYPE = torch.bfloat16  # torch's int4 CPU kernel's vectorised x dty
 
 
 def resolve_experts_implementation(cfg: PagingConfig, fmt, dtype: torch.dtype | None = None) -> str:
-    """``cfg.experts_implementation``, with "auto" resolved: ``packed`` on a CPU in mode paged at
-    run dtype ``dtype`` bfloat16 (None: not known here, taken as bfloat16) for a format whose
-    record says torch's CPU kernels compute it packed (``formats.FormatRecord.cpu_packed``; a
-    layer whose shapes the kernels cannot take still runs grouped_mm, with its WARNING), else
-    ``grouped_mm`` (exact to transformers): at float16 and float32 the int4 kernel takes a scalar
-    path, 30-50x its bfloat16 time (docs/benchmarks.md, "CPU kernel routes"). auto is the default: packed is faster
-    there and check bounds its matmuls against float32 (docs/benchmarks.md, "Quantized experts on
-    a CPU")."""
+    """``cfg.experts_implementation`` with "auto" resolved: ``packed`` on a CPU in mode paged at run
+    ``dtype`` bfloat16 (None: taken as bfloat16) for a format whose record says torch's CPU kernels
+    compute it (``formats.FormatRecord.cpu_packed``), else ``grouped_mm``. Why: docs/benchmarks.md,
+    "CPU kernel routes" and "Quantized experts on a CPU".
+    """
     if cfg.experts_implementation != AUTO:
         return cfg.experts_implementation
     on_cpu = device_problem(cfg.device) is None and torch.device(cfg.device).type == "cpu"
@@ -314,12 +304,11 @@ def disk_tier_problem(cfg: PagingConfig, *, disk_tier: bool, described: str = ""
 
 
 def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool, quantized: bool) -> str:
-    """"host" or "device" for ``cfg.decide`` (checked) of a paged model: "auto" is device on
-    CUDA when triton is installed and the step can be served (``device_decide_problems`` empty,
-    no disk tier, a page-locked host store, and for a ``quantized`` checkpoint packed slots:
-    dense slots dequantize at page-in on the host), else host; on CPU host, except for
-    ``fused`` (device on every device: ``planned_on_device``). On CUDA, auto choosing host
-    logs a WARNING with the reasons (the choice shows in the report, ``decide``)."""
+    """"host" or "device" for ``cfg.decide`` (checked) of a paged model: "auto" is device on CUDA
+    where the step can be served (``device_decide_problems`` empty, triton, no disk tier, a
+    page-locked store, packed slots for a ``quantized`` checkpoint), with a WARNING naming the
+    reasons where not; host on CPU; ``fused``: device everywhere (``planned_on_device``).
+    """
     if cfg.decide != "auto":
         return cfg.decide
     if planned_on_device(cfg):

@@ -1,8 +1,8 @@
-"""The experts implementation's options that depend on nothing but the configuration's fields:
-whether the fused kernels run and where steps are planned, ``--beyond-k`` / ``--admit-per-step``,
-and the experts' dtype an implementation can take. ``loading.config.check_config`` collects
-these problems with the rest; ``cfg`` below is a ``loading.config.PagingConfig`` (read by
-its fields: this module imports nothing of the configuration's). Does not: resolve devices or read checkpoints.
+"""The experts implementation's options that depend only on the configuration's fields.
+
+Owns: whether the fused kernels run and where steps are planned, ``--beyond-k`` /
+``--admit-per-step`` problems, and the experts' dtype an implementation can take; ``cfg`` is a
+``loading.config.PagingConfig`` read by its fields (this module imports nothing of it).
 """
 
 from __future__ import annotations

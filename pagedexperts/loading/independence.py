@@ -1,16 +1,11 @@
 """The start-up independence check: a paged-in expert computes with its own tensors only.
 
-The fault it rules out, reported in the field: a per-expert tensor left out of paging (a zero
-point, a scale, a bias) stays on the experts module as an [E, ...] tensor, or is not copied at
-page-in, so an expert paged into slot s runs with expert s's (or a stale) values: fluent, wrong
-text. At load, for a sample of experts of every MoE layer, this module pages expert e into a
-slot through the executor's own page-in path, builds what the experts kernel would read for that
-slot (the wave view: dequantized for packed slots), and compares every dense tensor with
-expert e built independently from the checkpoint file (its own keys, the format's
-dequantization); it also checks that no other slot changed and that the experts module keeps no
-tensor with a leading dim E outside the slots. It fails naming the layer, expert and tensor.
-
-Owns: that check. Does not: load (``loading.loader``) or page during inference (``paging``).
+Owns: for a sample of experts of every MoE layer, page expert e into a slot through the
+executor's own page-in, build what the experts kernel reads for that slot, and compare every
+tensor with expert e built from the checkpoint file alone; also that no other slot changed and
+that the experts module keeps no [E, ...] tensor outside the slots. Raises naming the layer,
+expert and tensor (a per-expert scale, zero point or bias left out of paging: fluent, wrong
+text). Does not: load (``loading.loader``) or page during inference (``paging``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""Experts runners of a loaded model: one per MoE layer, prefetch between them, switching mode
-or K over the same stores (``repage``), and random weights for benchmarks at real scale.
+"""Experts runners of a loaded model: one per MoE layer, prefetch, ``repage``, random weights.
 
-Owns: which runner each MoE layer gets (a ``paging.host_executor.HostExecutor`` or, under
-``--decide`` device, a ``paging.device_executor.DeviceExecutor``, over the slot table
-``slot_table`` chooses, as ``PagingRuntime.resolved`` says; or a baseline of ``paging.baselines``;
-this is the one module that imports the executors), wiring the prefetchers (``install_prefetch``),
-and ``random_fill``. Does not: read checkpoints or plan memory (``loading.build``), page
-(``paging``), or decide residency (``residency``).
+Owns: which runner each MoE layer gets (a host or device executor over the slot table
+``slot_table`` chooses, as ``PagingRuntime.resolved`` says, or a baseline of
+``paging.baselines``; the one module that imports the executors), ``install_prefetch``,
+``repage`` (another mode or K over the same stores) and ``random_fill``. Does not: read
+checkpoints or plan memory (``loading.build``), page (``paging``) or decide residency.
 """
 
 from __future__ import annotations
@@ -38,12 +36,9 @@ logger = logging.getLogger(__name__)
 
 def repage(model, *, mode: str = "paged", num_resident: int | None = None, policy: str | None = None,
            experts_implementation: str | None = None, beyond_k: str | None = None) -> None:
-    """Re-attach fresh runners (new mode, K, policy, experts implementation or beyond-K rule;
-    empty slots, zeroed stats) over the same stores, with the choices resolved again
-    (``loading.resolved.resolve``). The experts implementation stays the resolved one unless
-    given (a packed load's stores hold the CPU kernels' layouts).
-
-    Lets a benchmark compare modes without reloading weights.
+    """Re-attach fresh runners (new mode, K, policy, experts implementation or beyond-K rule; empty
+    slots, zeroed stats) over the same stores, the choices resolved again into a new ``Resolved``.
+    The experts implementation stays the resolved one unless given.
 
     Raises:
         ConfigError (ValueError): unknown mode, K out of [top_k, E], any other problem of the options.
@@ -170,20 +165,12 @@ def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
 
 
 def slot_table(runtime, layout, dev, *, layer: int, store) -> tuple[SlotTable | None, str]:
-    """The slot table of one paged layer for the runtime's experts implementation, and the
-    implementation the layer runs over it (the one factory of slot tables):
-
-    - ``packed``: slots in torch's CPU int4 / int8 kernel layouts (``formats.cpu_pack
-      .CpuPackedSlots``), with a host store holding every expert converted to them once, here
-      (a page-in is then a copy; the disk tier's rows, read from the checkpoint, convert at
-      page-in). A layer whose format the kernels cannot take (``Resolved.experts_fallbacks``)
-      gets the table below and ``grouped_mm``.
-    - ``fused``, or dense experts: None, the plain table (``paging.steps.contract.PackedSlots``,
-      allocated by the executor like the store's tensors: the fused kernels read packed rows).
-    - a quantized format under a dense kernel: ``--slot-format packed``, packed slots that
-      dequantize each wave into the model's shared dense scratch (``formats.slots
-      .DequantizingSlots``); ``dense``, slots dequantized at page-in through the model's shared
-      packed staging (``formats.slots.DenseSlots``).
+    """The slot table of one paged layer and the implementation the layer runs over it (the one
+    factory of slot tables): ``packed``: ``formats.cpu_pack.CpuPackedSlots`` with the store converted
+    to the kernels' layout here (a layer the kernels cannot take: the tables below and
+    ``grouped_mm``); ``fused`` or dense experts: None, the plain table the executor allocates; a
+    quantized format under a dense kernel: ``formats.slots.DequantizingSlots`` (``--slot-format
+    packed``) or ``formats.slots.DenseSlots`` (``dense``).
     """
     resolved = runtime.resolved
     k, inner = resolved.num_resident, resolved.experts_implementation

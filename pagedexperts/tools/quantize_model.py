@@ -1,20 +1,12 @@
 """What ``quantize --format w4a16 --scope model`` quantizes beyond the routed experts, and its refusal.
 
-Owns: ``plan_whole_model``: from a checkpoint's config and shard headers, the non-expert nn.Linear
-weights quantized to int4 with the experts' group args (attention projections, shared experts,
-dense MLP layers), lm_head's weight (int8 per channel, ``LM_HEAD_ARGS``), and the ``ignore``
-list of the nn.Linear modules left unquantized (routers and gates, a tied lm_head), as
-llm-compressor's whole-model exports write them (a ``Linear`` config group, a ``lm_head`` group,
-concrete module names in ``ignore``: tests/data/llmc_whole); and the refusal, before anything is
-written, of a module torch's CPU int4 / int8 kernels cannot compute packed (naming the module and
-``formats.cpu_pack.plan_tensor``'s reason). Does not: quantize or write (``tools.quantize``'s
-w4a16 writer does, through the compressed-tensors package).
-
-lm_head at int8 per output channel (symmetric): llama.cpp keeps its output matrix at 6 bits
-(Q6_K) under Q4_0; compressed-tensors has no 6-bit int packing, and int8 per channel is the
-kernel's own layout (``aten._weight_int8pack_mm``). docs/formats.md ("Whole-model int4") gives the
-measured top-1 agreement of int8 and int4 lm_heads. A tied lm_head (``tie_word_embeddings``) is
-the input embeddings' matrix, which stays unquantized: it stays tied and is ignored.
+Owns: ``plan_whole_model`` (from the config and shard headers: the non-expert nn.Linear weights
+quantized to int4 with the experts' group args, lm_head's weight at int8 per channel,
+``LM_HEAD_ARGS``, and the ``ignore`` list: routers and gates, a tied lm_head; as
+llm-compressor's whole-model exports write them) and the refusal, before anything is written,
+of a module torch's CPU kernels cannot compute packed (naming the module and the reason). Why
+int8 for lm_head: docs/formats.md, "Whole-model int4". Does not: quantize or write
+(``tools.quantize``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """What a paged model actually computes with, read from its runtime: the labels ``check`` prints.
 
 Owns: ``KernelsRan`` (the resolved experts implementation, the MoE layers that run it and those
-that fell back to grouped_mm with the reason the load resolved, ``loading.resolved.Resolved
-.experts_fallbacks``; the quantized non-expert linears computed packed and those dequantized,
-``PagingRuntime.quantized_linears``) and its labels: what ran, for a verdict line, never what
-was asked. Does not: compare models (``tools.check``, ``tools.check_fused``) or decide a fallback
-(``loading.resolved``, ``loading.linears``).
+that fell back to grouped_mm with why; the quantized non-expert linears packed and dequantized)
+and its labels: what ran, never what was asked. Does not: compare models or decide a fallback.
 """
 
 from __future__ import annotations
