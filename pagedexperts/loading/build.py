@@ -222,10 +222,10 @@ def _kv_estimate_bytes(config, dtype: torch.dtype) -> int:
 
 
 def _keep_in_fp32(model, dtype: torch.dtype) -> None:
-    """Give float32 to the tensors the model class keeps in float32, as ``from_pretrained``
-    does: ``_keep_in_fp32_modules_strict`` under bf16/fp16, ``_keep_in_fp32_modules`` under fp16
-    (e.g. DeepSeek-V3's ``e_score_correction_bias``; transformers 5.17's ``from_config`` skips
-    this, and a bf16 correction bias changes which experts are selected)."""
+    """Give float32 to the tensors the model class keeps in float32, as ``from_pretrained`` does
+    (``_keep_in_fp32_modules_strict`` under bf16/fp16, ``_keep_in_fp32_modules`` under fp16: e.g.
+    DeepSeek-V3's ``e_score_correction_bias``, which in bf16 selects other experts).
+    """
     keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.bfloat16, torch.float16) else set()
     if dtype == torch.float16:
         keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())

@@ -36,10 +36,9 @@ def _source_re(pattern: str) -> re.Pattern:
 @contextlib.contextmanager
 def shipped_conversion_table(model_type: str):
     """While transformers itself loads a checkpoint of ``model_type`` for pagedexperts (``check``'s
-    reference, ``bench``'s plain model): transformers' conversion table as it ships it, in place of
-    one another library registered process-wide (``shipped_conversion_mapping``), and the
-    registered one put back after (a library that registers its own table while loading its own
-    checkpoint still does)."""
+    reference, ``bench``'s plain model): its conversion table as shipped
+    (``shipped_conversion_mapping``), the registered one put back after.
+    """
     from transformers import conversion_mapping as cm
 
     shipped = shipped_conversion_mapping(model_type)
@@ -212,11 +211,8 @@ def format_for_checkpoint(config, files) -> ExpertFormat:
 
 
 def check_model_filled(model) -> None:
-    """Tie the embeddings when the config says so, then check that no parameter is left on the
-    meta device (every non-expert tensor came from the checkpoint).
-
-    Raises:
-        ValueError: model tensors the checkpoint lacks (names a few).
+    """Tie the embeddings when the config says so, then check that no parameter is left on meta.
+    Raises ValueError naming a few tensors the checkpoint lacks.
     """
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()

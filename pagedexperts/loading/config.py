@@ -205,10 +205,10 @@ def graph_option_problems(cfg: PagingConfig) -> list[str]:
 
 
 def graph_problems(cfg: PagingConfig, decide: str) -> list[str]:
-    """Why decode steps of ``cfg`` with paged steps planned by ``decide`` ("auto" not yet
-    resolved counts as possible) cannot be captured in a CUDA graph, each naming its flag; []
-    if they can. The experts implementation is checked per captured step
-    (``generation.graphs``: grouped_mm syncs outside bf16 on compute capability 9.x / 10.x)."""
+    """Why decode steps of ``cfg`` with paged steps planned by ``decide`` ("auto" counts as possible)
+    cannot be captured in a CUDA graph, each naming its flag; [] if they can (the experts
+    implementation is checked per captured step, ``generation.capture_checks``).
+    """
     problems = []
     if device_problem(cfg.device) is None and torch.device(cfg.device).type != "cuda":
         problems.append(f"--cuda-graphs needs a CUDA device, not --device {cfg.device}; drop --cuda-graphs "
@@ -224,10 +224,9 @@ def graph_problems(cfg: PagingConfig, decide: str) -> list[str]:
 
 
 def resolve_cuda_graphs(cfg: PagingConfig, decide: str) -> tuple[str, str | None]:
-    """(backend, reason) of ``cfg.cuda_graphs`` once the paged steps' ``decide`` is resolved:
-    backend "cuda" (capture), "eager" (the static-buffer decode without capture) or "off",
-    with the reason when off. "auto": "cuda" where ``graph_problems`` is empty, else off (a
-    WARNING on CUDA, where the user could have had graphs; silent on CPU).
+    """(backend, reason) of ``cfg.cuda_graphs`` once ``decide`` is resolved: "cuda" (capture), "eager"
+    (the static-buffer decode without capture) or "off" with its reason; "auto": "cuda" where
+    ``graph_problems`` is empty, else off (a WARNING on CUDA).
 
     Raises:
         ConfigError: "on" where capture cannot work (every reason).

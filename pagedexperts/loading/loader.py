@@ -40,17 +40,10 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         model_path: model directory (config.json, safetensors, tokenizer); None = the bundled model.
         check_independence: page a sample of every layer's experts into a slot at start-up and
             compare what the kernel reads with the checkpoint's tensors (``loading.independence``).
-        options: ``loading.config.PagingConfig`` fields (defaults and choices there), among them
-            num_resident (K, top_k <= K <= E; None: max(top_k, E // 4)), device ("cpu",
-            "cuda[:n]"), dtype (None: the checkpoint's), experts_implementation (grouped_mm,
-            batched_mm, eager: exact to transformers with the same kernel; fused (Triton) and
-            packed (torch's CPU int4 / int8 kernels): exact to themselves with all E resident;
-            auto, the default: ``loading.config.resolve_experts_implementation``), policy, mode
-            ("paged", or a baseline of ``paging.baselines``), prefetch, slot_format, decide,
-            cuda_graphs, beyond_k, host_memory_gb (the host-memory budget; below what all E
-            experts need, the disk tier: R host rows per layer, the rest read from the
-            checkpoint on demand) and stored_layout (the packed disk tier reads a stored copy
-            in the CPU kernels' layout, ``loading.stored_layout``).
+        options: ``loading.config.PagingConfig`` fields (num_resident, device, dtype,
+            experts_implementation, mode, host_memory_gb, ...; each field's comment says what it
+            means). grouped_mm, batched_mm and eager are exact to transformers with the same
+            kernel; fused and packed are exact to themselves with all E experts resident.
 
     Returns:
         (model, tokenizer): a transformers causal LM usable with ``generate()``, with

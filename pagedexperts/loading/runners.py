@@ -70,11 +70,9 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
 
 
 def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.02) -> None:
-    """Fill a model from ``loading.build.build_paged_model`` with random weights (norm weights = 1).
-
-    For benchmarks at a real model's scale where no checkpoint can be downloaded: random
-    weights do not route like a trained model (near-uniform routing), so hit rates are not
-    representative; bytes moved and kernel times are.
+    """Fill a model from ``loading.build.build_paged_model`` with random weights (norm weights = 1),
+    for benchmarks at a real model's scale: bytes moved and kernel times are representative, hit
+    rates are not (random weights route near-uniformly).
     """
     gen = torch.Generator().manual_seed(seed)
     if any(not isinstance(store, HostExpertStore) for store in stores.values()):
@@ -98,10 +96,9 @@ RANDOM_BLOCK = (1 << 22) + 1  # elements of the random block tiled over store te
 
 
 def _tile_random(t: torch.Tensor, gen: torch.Generator, std: float) -> None:
-    """Fill ``t`` in place with one random normal block (RANDOM_BLOCK elements, std ``std``)
-    repeated: copies run at memory speed (a single-threaded ``normal_`` over Qwen3-30B-A3B's
-    4.8 G expert elements took ~17 s). The block length divides no expert's size, so experts
-    differ."""
+    """Fill ``t`` in place with one random normal block (RANDOM_BLOCK elements, std ``std``) repeated,
+    at memory speed; the block length divides no expert's size, so experts differ.
+    """
     flat = t.view(-1)
     block = (torch.randn(min(RANDOM_BLOCK, flat.numel()), generator=gen) * std).to(t.dtype)
     for i in range(0, flat.numel(), block.numel()):
@@ -150,10 +147,9 @@ def attach_runners(runtime, dev) -> None:
 
 
 def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
-    """The layer-step executor of one paged layer: the host-planned one (any step, any device),
-    or under ``PagingRuntime.decide`` "device" the device-planned one (``paging.device_executor``, no
-    read-back); both implement ``PagedExecutor`` and take the layer's ``SlotSetup`` over the
-    slot table ``slot_table`` chooses, with the implementation it chose it for."""
+    """The layer-step executor of one paged layer, host- or device-planned as ``PagingRuntime.decide``
+    says, over the slot table ``slot_table`` chose.
+    """
     cfg, resolved = runtime.config, runtime.resolved
     k = resolved.num_resident
     table, inner = slot_table(runtime, layout, dev, layer=common["layer"], store=common["store"])

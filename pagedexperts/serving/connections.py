@@ -3,7 +3,7 @@
 Owns: ``uvicorn_config`` and the HTTP protocol class it selects, uvicorn's h11 protocol with
 these changes (docs/server.md, "Connections"): request headers not complete
 ``header_timeout_s`` after the connection opened (or after its previous response) close it
-(uvicorn's keep-alive timer is reset by any byte); a body with no byte for ``body_timeout_s``,
+(uvicorn's keep-alive timer is cancelled by any byte, so it does not cover this); a body with no byte for ``body_timeout_s``,
 or not complete ``body_deadline_s`` after its headers, is answered 408 (a reader paused by flow
 control is not timed out; an answered request gets no second answer); the rest of a body
 answered before it was read is dropped up to ``MAX_DISCARDED_BODY_BYTES``; beyond
