@@ -90,11 +90,8 @@ class GraphCounters:
 
 
 class StaticStep:
-    """The static buffers of decode at batch ``batch`` over ``max_len`` cache positions, and
-    the model's one-step function over them (``forward``: logits [B, V] of the step).
-
-    Args:
-        model: the transformers causal LM (paged or not). batch: B. max_len: L_max.
+    """The static buffers of decode at batch B = ``batch`` over L_max = ``max_len`` cache positions,
+    and the model's one-step function over them (``forward``: logits [B, V] of the step).
     """
 
     def __init__(self, model, batch: int, max_len: int) -> None:
@@ -171,16 +168,11 @@ class StaticStep:
 
 
 class DecodeGraphs:
-    """Decode steps of ``model`` over static buffers, replayed by ``backend`` ("cuda": captured
-    CUDA graphs; "eager": the same function called again), batch sizes 1..``max_batch``
-    captured (larger batches run the same function eagerly).
-
-    Args:
-        model: a transformers causal LM; with ``model.pagedexperts`` its runners are checked
-            and followed (module docstring).
-        backend: "cuda" or "eager". max_batch: N >= 1.
-        strict: a step that cannot be captured raises (``--cuda-graphs`` on) instead of
-            running eagerly with a WARNING (auto).
+    """Decode steps of ``model`` over static buffers, replayed by ``backend`` ("cuda": captured CUDA
+    graphs; "eager": the same function called again) for batch sizes 1..``max_batch`` (larger
+    batches run the function eagerly). With ``model.pagedexperts`` its runners are checked and
+    followed. ``strict``: a step that cannot be captured raises (``--cuda-graphs`` on) instead of
+    running eagerly with a WARNING (auto).
 
     Raises:
         ValueError: unknown backend, "cuda" without CUDA, max_batch < 1 (names the flag).

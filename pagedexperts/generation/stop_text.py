@@ -1,13 +1,7 @@
 """Stop strings and the text a reader may see as tokens arrive: one rule for every path
 (``generate``, ``generate --speculative``, the server), OpenAI's: generation ends at the first
-stop string, which is not returned (nor anything after it).
-
-Owns ``stop_cut`` (the part of a decode that may be shown) and ``IncrementalText`` (the text
-shown so far): text is held back until its UTF-8 characters are complete and it cannot be the
-start of a stop string, so no part of a stop string is ever shown. vLLM's
-``include_stop_str_in_output`` ends the text after the stop string; with ``min_tokens`` a stop
-string counts only where it ends after the first min_tokens tokens' text
-(``IncrementalText.stop_from``). Does not: decide when to stop generating, or tokenize.
+stop string, which is not returned (nor anything after it); no part of a stop string is ever
+shown (``stop_cut``, ``IncrementalText``). Does not: decide when to stop generating, or tokenize.
 """
 
 from __future__ import annotations

@@ -155,10 +155,9 @@ def kernel_bound_check(model, files, fmt, dtype: torch.dtype, *, per_layer: int 
 
 
 def linear_bound_check(model, files, result: KernelBound, *, seed: int = 0) -> KernelBound:
-    """The bound of the module docstring on every packed non-expert linear of ``model`` (its
-    ``loading.packed_linears.PackedLinear`` modules, the kernel tensors as installed), against
-    the float32 dequantization of the module's serialized tensors read from the checkpoint
-    ``files`` through safetensors' own reader; added to ``result`` (``linears`` counted).
+    """The module docstring's bound on every ``PackedLinear`` of ``model`` (kernel tensors as
+    installed) against the float32 dequantization of its serialized tensors read from ``files``
+    through safetensors' own reader; added to ``result``.
 
     Raises:
         ValueError: a packed linear whose serialized tensors are not under its module name.

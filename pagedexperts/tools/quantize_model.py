@@ -27,14 +27,9 @@ _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torc
 
 @dataclass(frozen=True)
 class WholeModelPlan:
-    """The non-expert part of a whole-model w4a16 export.
-
-    Attributes:
-        linear_keys: checkpoint weight keys (``...q_proj.weight``) quantized to int4 with the
-            experts' group size and symmetry.
-        lm_head_key: lm_head's weight key, quantized int8 per channel; None when lm_head is tied
-            to the embeddings (kept, and ignored).
-        ignore: nn.Linear module names (checkpoint spelling) left unquantized, sorted.
+    """The non-expert part of a whole-model w4a16 export: ``linear_keys`` (weight keys quantized to
+    int4 with the experts' group args), ``lm_head_key`` (int8 per channel; None when tied to the
+    embeddings) and ``ignore`` (nn.Linear module names left unquantized, sorted).
     """
 
     linear_keys: frozenset[str]
@@ -67,14 +62,13 @@ def lm_head_scheme():
 def plan_whole_model(config: dict, headers: dict[Path, dict], expert_keys: set[str], *, group_size: int,
                      symmetric: bool) -> WholeModelPlan:
     """``WholeModelPlan`` of a checkpoint (config.json's dict, {shard: header}, the routed expert
-    weight keys the experts writer quantizes): every nn.Linear of the model (``formats.ct_schemes
-    .non_expert_linear_names``, the model's skeleton on meta) whose weight the checkpoint stores,
-    but routers and gates (``ROUTER_SUFFIXES``).
+    weight keys): every nn.Linear of the model's skeleton whose weight the checkpoint stores, but
+    routers and gates (``ROUTER_SUFFIXES``).
 
     Raises:
-        ValueError: a module torch's CPU kernels cannot compute packed at ``group_size`` (names
-            the module, the reason and the flags), or an in_features not a multiple of
-            ``group_size``; nothing has been written then.
+        ValueError: a module torch's CPU kernels cannot compute packed at ``group_size`` (names the
+            module, the reason and the flags), or in_features not a multiple of ``group_size``;
+            nothing has been written then.
     """
     from pagedexperts.formats.ct_schemes import non_expert_linear_names
     from pagedexperts.loading.checkpoint import KeyMap

@@ -14,14 +14,9 @@ GROUPED_MM = "grouped_mm"  # what a packed layer falls back to (``loading.runner
 
 @dataclass(frozen=True)
 class KernelsRan:
-    """The kernels one paged model runs.
-
-    Attributes:
-        implementation: the resolved ``--experts-implementation`` (``Resolved``: auto resolved).
-        moe_layers: MoE layers of the model.
-        fallbacks: MoE layer -> why it runs grouped_mm instead of ``implementation``.
-        linears_packed / linears_dequantized: quantized non-expert linears computed packed /
-            dequantized at load; ``linear_reasons``: why a module was not packed, once each.
+    """The kernels one paged model runs: the resolved ``implementation``, how many ``moe_layers``, the
+    ``fallbacks`` (MoE layer -> why it runs grouped_mm), how many quantized non-expert linears are
+    packed / dequantized, and ``linear_reasons`` (why a module was not packed, once each).
     """
 
     implementation: str
