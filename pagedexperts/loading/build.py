@@ -79,10 +79,8 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation
 
 
 def build_from_options(config, fill, *, expert_format=None, files=None, **options):
-    """``build_paged_model`` from ``PagingConfig`` keyword ``options``, checked first against ``config``.
-
-    Raises:
-        ConfigError (ValueError): every problem of the options for this model, at once.
+    """``build_paged_model`` from ``PagingConfig`` keyword ``options``, checked first against ``config``
+    (a ``ConfigError`` listing every problem at once).
     """
     fmt = expert_format if expert_format is not None else format_for_config(
         config, transposed_experts=experts_transposed(config))

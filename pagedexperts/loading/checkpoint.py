@@ -80,11 +80,9 @@ def shipped_conversion_mapping(model_type: str) -> list | None:
 
 
 def _converters(model_type: str, renames: list | None = None) -> list[tuple[list[str], str]]:
-    """The per-expert -> stacked converters of ``model_type`` as (source patterns, target),
-    appending its renamings to ``renames``.
-
-    Raises:
-        ValueError: a converter other than MergeModulelist(0) [+ Concatenate(1)].
+    """The per-expert -> stacked converters of ``model_type`` as (source patterns, target), its
+    renamings appended to ``renames``. Raises ValueError: a converter other than MergeModulelist(0)
+    [+ Concatenate(1)].
     """
     out = []
     for t in shipped_conversion_mapping(model_type) or []:
@@ -174,12 +172,9 @@ def is_expert_key(key: str) -> bool:
 
 
 def stored_expert_dtypes(files, fmt: ExpertFormat) -> dict[str, "torch.dtype"]:
-    """{serialized name (``weight_scale``, ``scales``): dtype} of the routed experts' tensors as
-    the checkpoint stores them (the first expert key of each name, from the shards' headers only).
-
-    Raises:
-        ValueError: an unreadable or truncated shard, named as the loader names it
-            (``storage.safetensors_index.check_readable``).
+    """{serialized name (``weight_scale``, ``scales``): dtype} of the routed experts' tensors as stored
+    (the first expert key of each name, from the headers only). Raises ValueError: an unreadable or
+    truncated shard (``storage.safetensors_index.check_readable``).
     """
     from pagedexperts.storage.safetensors_index import check_readable, read_header
 
@@ -222,12 +217,11 @@ def check_model_filled(model) -> None:
 
 
 def load_plain_tensor(model, key: str, value: torch.Tensor, device) -> bool:
-    """Put a non-expert tensor in its place on the device. False if the model has no such key.
+    """Put a non-expert tensor in its place on the device; False if the model has no such key.
 
     Raises:
-        ValueError: a shape other than the config's; an integer or 8-bit float tensor for a
-            floating parameter (a quantized weight whose companions the checkpoint's format does
-            not read: casting it would drop its scales).
+        ValueError: a shape other than the config's; an integer or 8-bit float tensor for a floating
+            parameter (a quantized weight whose companions the format does not read).
     """
     module_name, _, attr = key.rpartition(".")
     try:

@@ -179,11 +179,9 @@ def packed_problem(cfg: PagingConfig) -> str | None:
 
 
 def slot_format_of(cfg: PagingConfig) -> str:
-    """"packed" or "dense" (``formats.slots.resolve_slot_format``), except that "auto" is
-    packed for ``fused`` on every device (its kernels read the packed rows).
-
-    Raises:
-        ValueError: unknown slot format (names --slot-format)."""
+    """"packed" or "dense" (``formats.slots.resolve_slot_format``), "auto" packed for ``fused`` on
+    every device. Raises ValueError for an unknown slot format (names --slot-format).
+    """
     if cfg.slot_format == "auto" and is_fused(cfg):
         return "packed"
     return resolve_slot_format(cfg.slot_format, cfg.device)
@@ -360,10 +358,8 @@ def device_problem(device) -> str | None:
 
 
 def check_device(device: str | torch.device) -> torch.device:
-    """``device`` as a torch.device: cpu, or cuda[:N] where CUDA is available.
-
-    Raises:
-        ValueError: ``device_problem``'s message (names the value and --device).
+    """``device`` as a torch.device: cpu, or cuda[:N] where CUDA is available. Raises ValueError with
+    ``device_problem``'s message (names the value and --device).
     """
     problem = device_problem(device)
     if problem is not None:
@@ -377,10 +373,7 @@ def known_run_dtype(cfg: PagingConfig, config) -> torch.dtype | None:
 
 
 def resolve_dtype(name: str | None, config) -> torch.dtype:
-    """Torch dtype of the run: ``name`` (``--dtype``), else the checkpoint's (the one rule,
-    ``models.config.run_dtype``), else float32.
-
-    Raises:
-        ValueError: unknown name (lists the valid --dtype choices).
+    """Torch dtype of the run: ``name`` (``--dtype``), else the checkpoint's (``models.config.run_dtype``),
+    else float32. Raises ValueError for an unknown name, listing the --dtype choices.
     """
     return getattr(torch, model_config.run_dtype(config, dtype=name))

@@ -25,14 +25,10 @@ NOT_LINEAR = "not an nn.Linear (a router or another module whose own forward rea
 
 @dataclass(frozen=True)
 class QuantizedLinears:
-    """The non-expert modules a checkpoint stores quantized, as the load keeps them.
-
-    Attributes:
-        modules: weight keys dequantized at load; ``packed_bytes``: the bytes the checkpoint
-            stores for them; ``dense_bytes``: their dense weights in the run dtype.
-        packed: weight keys computed packed (``PackedLinear``); ``kernel_bytes``: their weights
-            and scales in the kernel's layout.
-        fallbacks: (weight key, why it was dequantized though the load keeps modules packed).
+    """The non-expert modules a checkpoint stores quantized, as the load keeps them: ``modules``
+    dequantized at load (``packed_bytes`` as stored, ``dense_bytes`` dense in the run dtype),
+    ``packed`` computed packed (``kernel_bytes`` in the kernel's layout), and ``fallbacks`` (weight
+    key, why it was dequantized though the load keeps modules packed).
     """
 
     modules: tuple[str, ...] = ()
@@ -177,11 +173,8 @@ def _packed_or_reason(module, ref, module_fmt: ExpertFormat, parts, bias) -> Pac
 
 
 def linear_of(model, weight_key: str, module_fmt: ExpertFormat, parts: dict[str, torch.Tensor]):
-    """(module, its weight parameter on meta) of quantized module ``weight_key``.
-
-    Raises:
-        ValueError: the model has no 2-D weight there (an embedding, a missing module), or lm_head
-            tied to the embeddings (names module and format).
+    """(module, its weight parameter on meta) of quantized module ``weight_key``. Raises ValueError
+    (names module and format): no 2-D weight there, or lm_head tied to the embeddings.
     """
     module_name, _, param = weight_key.rpartition(".")
     what = f"checkpoint's quantized module {module_name!r} ({module_fmt.name}: {sorted(parts)})"
@@ -200,10 +193,8 @@ def linear_of(model, weight_key: str, module_fmt: ExpertFormat, parts: dict[str,
 
 def dequantize_module(model, weight_key: str, module_fmt: ExpertFormat, parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The dense weight of quantized module ``weight_key``'s parameter (its shape and dtype in
-    ``model``) from its serialized tensors ``parts`` ({name: tensor as stored}).
-
-    Raises:
-        ValueError: see ``linear_of``; what the format refuses (names module and format).
+    ``model``) from its serialized tensors ``parts``. Raises ValueError: see ``linear_of``; what the
+    format refuses (names module and format).
     """
     _, ref = linear_of(model, weight_key, module_fmt, parts)
     try:
@@ -217,11 +208,9 @@ def dequantize_module(model, weight_key: str, module_fmt: ExpertFormat, parts: d
 
 
 def quantized_modules(files, fmt: ExpertFormat, quantization_config: dict | None) -> dict[str, list[str]]:
-    """{checkpoint module name: its serialized keys} of every non-expert module the checkpoint
-    stores quantized (``module_group``), from the shards' headers only.
-
-    Raises:
-        ValueError: see ``module_group``; an unreadable header.
+    """{checkpoint module name: its serialized keys} of every non-expert module the checkpoint stores
+    quantized, from the shards' headers only. Raises ValueError: see ``module_group``; an
+    unreadable header.
     """
     return {m: list(keys.values()) for m, (_, keys) in _quantized_groups(files, fmt, quantization_config).items()}
 

@@ -168,11 +168,8 @@ def has_tokenizer(path: Path) -> bool:
 
 
 def _load_tokenizer(path: Path):
-    """The tokenizer of model directory ``path``, or None when it has no tokenizer files.
-
-    Raises:
-        FileNotFoundError: tokenizer.json missing beside tokenizer_config.json where transformers
-            cannot build the tokenizer without it (names the file).
+    """The tokenizer of model directory ``path``, or None without tokenizer files. Raises
+    FileNotFoundError naming tokenizer.json where transformers cannot build the tokenizer without it.
     """
     from transformers import AutoTokenizer
 
