@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from pagedexperts.analysis import diskbench
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_shape import ROOT, decode, strip_flags, text_ids  # noqa: E402
 
@@ -205,11 +207,7 @@ def run_llama(args) -> dict:
     pb = setup(Path(args.llama_cache)) if args.llama_cache else setup()
     ids = text_ids(Path(args.dir), args.prefill_tokens + args.tokens)[0].tolist()
     gguf = Path(args.gguf)
-    fd = os.open(gguf, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    diskbench.drop_page_cache([gguf])
     cgroup = make_cgroup(int(args.cgroup_mb * 1e6), f"pagedexperts-llama-{os.getpid()}") if args.cgroup_mb else None
     enter = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
     with tempfile.NamedTemporaryFile("w", suffix=".ids", delete=False) as f:

@@ -7,9 +7,8 @@ Quick start::
     out = model.generate(**tokenizer("ROMEO:", return_tensors="pt"), max_new_tokens=20)
     print(tokenizer.decode(out[0]), model.pagedexperts.stats().as_dict()["hit_rate"])
 
-Heavy modules (torch, transformers) are imported lazily so that ``residency``, ``stats``,
-``models.config``, ``storage.safetensors_files`` and ``analysis.sizing`` stay usable with the
-standard library alone.
+torch and transformers are imported lazily: ``residency``, ``stats``, ``models.config`` and
+``analysis.sizing`` need the standard library alone.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The ``pagedexperts`` command line: one subcommand per module in ``pagedexperts.commands``.
-
-Owns argv parsing only. Each command module defines ``add_parser(subparsers)`` that registers
-its flags (kebab-case, grouped by purpose) and sets ``func``, a function of the parsed
-arguments that calls library functions with keyword arguments and returns an exit code.
+"""The ``pagedexperts`` command line: one subcommand per module in ``pagedexperts.commands``, each
+registering its flags (``add_parser``) and a ``func`` of the parsed arguments that returns an
+exit code. Owns argv parsing only.
 """
 
 from __future__ import annotations
@@ -101,14 +99,11 @@ NEVER_DRAWN_S = str(10**9)
 
 
 def progress_bars_on_a_terminal_only() -> None:
-    """Progress bars only where stderr is a terminal. The package's own tqdm bars pass
-    ``disable=None`` (tqdm's rule: off when the stream is not a TTY); transformers' and
-    huggingface_hub's ("Loading weights") read huggingface_hub's ``HF_HUB_DISABLE_PROGRESS_BARS``
-    when they are imported, and other libraries' tqdm bars (compressed-tensors' "Applying
-    quantization config", "Dispatching model", "Decompressing model", which pass ``disable=False``)
-    take tqdm's environment default ``TQDM_DELAY`` (``NEVER_DRAWN_S``), so both are set here,
-    before any command imports them, when stderr is a file or a pipe (``quantize ... > log 2>&1``
-    wrote every update, a carriage-return line each). An explicit value in the environment stands."""
+    """Progress bars only where stderr is a terminal: where it is a file or a pipe, set
+    huggingface_hub's ``HF_HUB_DISABLE_PROGRESS_BARS`` and tqdm's ``TQDM_DELAY`` (``NEVER_DRAWN_S``,
+    for other libraries' bars that pass ``disable=False``) before any command imports them; an
+    explicit value in the environment stands. The package's own bars pass ``disable=None``.
+    """
     if sys.stderr.isatty():
         return
     if "transformers" not in sys.modules:

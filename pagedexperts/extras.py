@@ -1,10 +1,7 @@
-"""The optional extras (pyproject's ``[project.optional-dependencies]``) and the one check a
-feature makes before it starts work that needs one.
-
-Owns: which module each extra provides and the message a user sees when it is missing (the
-extra's name and the ``pip install`` line). Does not: import anything at module import (the
-package imports with no extra installed; ``tests/project/test_optional_extras.py`` keeps it so).
-Standard library only.
+"""The optional extras (pyproject's ``[project.optional-dependencies]``): which module each
+provides, and ``require``, the one check a feature makes before work that needs one (the
+message names the extra and its ``pip install`` line). Imports nothing at module import;
+standard library only.
 """
 
 from __future__ import annotations
@@ -28,15 +25,12 @@ class MissingExtra(ImportError, ValueError):
 
 
 def require(extra: str, feature: str, modules: tuple[str, ...] | None = None) -> None:
-    """Import the modules of ``extra`` (or the given subset) or raise.
+    """Import the modules of ``extra`` (a key of ``EXTRAS``; ``modules``: a subset) for ``feature``
+    (the flag or command that needs it).
 
-    Args:
-        extra: a key of ``EXTRAS``.
-        feature: what needs it, as the user asked for it (a flag or a command), for the message.
-        modules: the modules to check (default: all of the extra's).
     Raises:
         MissingExtra: a module does not import; names the feature, the module and the install line.
-        KeyError: ``extra`` is not an extra of this package (a programming error).
+        KeyError: ``extra`` is not an extra of this package.
     """
     for name in modules or EXTRAS[extra]:
         try:

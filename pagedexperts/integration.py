@@ -1,24 +1,11 @@
 """Integration with transformers' experts registry: one stateless dispatcher, registered once.
 
-transformers 5.x calls ``fn(experts_module, hidden_states [T, H], top_k_index [T, k],
-top_k_weights [T, k])`` for every MoE layer whose config names ``fn``'s registry key as its
-experts implementation (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``). The registry
-is process-global, so the function registered here holds no state: it forwards to the runner
-(``paging.runner_contract.ExpertsRunner``) attached to the experts module it is called with. Two models with different K
-therefore live side by side in one process.
-
-The step runs as the custom op ``torch.ops.pagedexperts.experts_step`` (``torch.library``),
-with a fake implementation (output [T, H] like hidden_states), so ``torch.compile`` keeps the
-rest of the model in its graph and treats the paged step as one opaque call: the host-side
-planning and the page-ins run eagerly inside it (the approach of vLLM's expert cache, which
-makes the MoE op its graph's splitting op); in eager mode the dispatcher calls the runner
-directly, the op's dispatch costing ~8 us a layer-step for nothing. A custom op takes tensors and numbers, not modules:
-the experts module is found by an integer key in a table of weak references, filled when a
-runner is attached (``attach``), a lookup that holds nothing alive.
-
-Owns: the registry key, the attachment attribute, the custom op and its module table, following
-``generate``'s decode-time switch of experts implementation (``follow_decode_switch``), and the
-pre-hook that gives every runner its model step's padding rows (``install_padding_hook``).
+Owns: the registry key (transformers 5.x calls ``fn(experts_module, hidden_states [T, H],
+top_k_index [T, k], top_k_weights [T, k])`` for every MoE layer whose config names it), the
+attachment attribute (the function forwards to the runner attached to the module it is called
+with, so models with different K live side by side), the custom op
+``torch.ops.pagedexperts.experts_step`` with its fake implementation and weak-reference module
+table, ``follow_decode_switch`` and ``install_padding_hook``. Why a custom op: docs/design.md.
 Does not: build runners (``loading``).
 """
 
@@ -71,13 +58,11 @@ def paged_experts_forward(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """Experts step of a paged layer: [T, H], [T, k], [T, k] -> [T, H]. The runner's ``step``,
-    called directly in eager mode (the op's dispatch, ~8 us, buys nothing there) and for an
-    ``inline`` runner; under ``torch.compile`` through the opaque custom op otherwise.
+    """Experts step of a paged layer: [T, H], [T, k], [T, k] -> [T, H]: the runner's ``step``, called
+    directly in eager mode and for an ``inline`` runner, else through the opaque custom op.
 
     Raises:
-        RuntimeError: the module has no runner attached (the model was not loaded through
-            ``pagedexperts.load_model``).
+        RuntimeError: the module has no runner attached (not loaded through ``pagedexperts.load_model``).
     """
     runner = getattr(module, RUNNER_ATTR, None)
     if runner is None:
@@ -130,13 +115,10 @@ class _InnerImplementations:
 
 
 def follow_decode_switch(model, runners: dict) -> None:
-    """Make ``model.generate`` switch the runners' inner implementation exactly as it switches
-    an unpaged model's: transformers' own ``_optimize_model_for_decode`` (5.17 to 5.24: on a
-    non-CPU device, ``grouped_mm`` -> ``batched_mm`` for the decode loop, restored after) runs
-    on a view of the paged model whose implementation is the inner one of ``runners`` (MoE
-    layer -> runner, read per call). Without it the
-    paged model (implementation "pagedexperts") would decode with ``grouped_mm`` while the
-    unpaged reference decodes with ``batched_mm``: two kernels, not bit-identical.
+    """Make ``model.generate`` switch the runners' inner implementation exactly as it switches an
+    unpaged model's (transformers' ``_optimize_model_for_decode``, run on a view of the paged model
+    whose implementation is the inner one of ``runners``, read per call), so paged and unpaged
+    decode with the same kernel.
     """
     original = getattr(type(model), "_optimize_model_for_decode", None)
     if original is None:  # a transformers release without the switch: nothing to follow
@@ -174,10 +156,9 @@ def padding_count(kwargs: dict, args: tuple) -> torch.Tensor | None:
 
 
 def install_padding_hook(model, runners: dict) -> None:
-    """Before each forward, give every runner of ``runners`` (MoE layer -> runner, the runtime's
-    own dict) the step's padding count (``padding_count``; the dispatcher hands it to the step,
-    which reads it back with its top-k ids). The dict is read per call, so the hook follows
-    ``loading.runners.repage`` and holds no reference to dropped runners or their slots."""
+    """Before each forward, give every runner of ``runners`` (the runtime's own dict, read per call:
+    it follows ``repage``) the step's padding count (``padding_count``).
+    """
 
     def hook(module, args, kwargs):
         count = padding_count(kwargs, args)

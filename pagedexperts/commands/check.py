@@ -1,8 +1,9 @@
-"""``pagedexperts check``: the accuracy smoke test to run before trusting paging on a checkpoint."""
+"""``pagedexperts check``: the accuracy smoke test to run before trusting paging on a checkpoint.
+
+Owns: the flags and their checks that need no checkpoint. The work is ``pagedexperts.tools.check_runs``.
+"""
 
 from __future__ import annotations
-
-import sys
 
 from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import add_model_arguments, apply_threads, print_host_memory, utf8_text
@@ -46,162 +47,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def resident_values(args, *, top_k: int, num_experts: int) -> list[int]:
-    """The K values to check, each validated against [top_k, E] before any model is loaded.
-
-    Raises:
-        ValueError: a K that is not an integer or is outside [top_k, E] (names the flag).
-    """
-    from pagedexperts.residency.planner import check_num_resident
-
-    if args.check_resident:
-        try:
-            ks = [int(x) for x in args.check_resident.split(",")]
-        except ValueError:
-            raise ValueError(f"--check-resident {args.check_resident!r}: want comma-separated integers, e.g. 4,32") from None
-    elif args.num_resident is not None:
-        ks = [args.num_resident]
-    else:
-        ks = [top_k, max(top_k, num_experts // 2)]
-    flag = "--check-resident" if args.check_resident else "--num-resident"
-    for k in ks:
-        check_num_resident(k, num_experts=num_experts, min_slots=top_k, flag=flag)
-    return ks
-
-
-def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "host") -> str:
-    """One line per K: what ran (``decide``: where the paged steps were planned), the two
-    comparisons, and PASS / FAIL."""
-    exact = all(p.exact for p in res.prompts)
-    tokens = all(p.tokens_equal for p in res.prompts)
-    return (
-        f"K={k} of E={num_experts}: {len(res.prompts)} runs x {steps} greedy steps ({decide}-planned), misses {res.misses}; "
-        f"logits torch.equal: {'yes' if exact else 'NO'} (max |diff| {res.max_abs_diff:.3g}); "
-        f"greedy tokens equal: {'yes' if tokens else 'NO'} -> {'PASS (bit-identical)' if res.passed else 'FAIL'}"
-    )
-
-
-def run_fused(args, ks, options, reference, choice, num_experts: int, *, path, quantized: bool) -> int:
-    """``check --experts-implementation fused`` (or ``packed``: torch's packed CPU matmuls): per
-    K, paged == the same kernels with all E resident (torch.equal), and within tolerance of
-    transformers' model (``tools.check_fused``). Every label says what ran (``tools.what_ran``):
-    a layer that fell back runs grouped_mm, and a check where the kernel ran nowhere says so."""
-    import torch
-
-    from pagedexperts.loading.loader import load_model
-    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, reference_label, transformers_model
-    from pagedexperts.tools.check_fused import tolerance_check, tolerance_line
-    from pagedexperts.tools.what_ran import kernels_ran
-
-    source_path = args.source_model_path
-    if source_path is None and not quantized and reference.dtype == torch.float32:
-        source_path = str(path)  # an unquantized float32 checkpoint is its own float32 source
-    source = None if source_path is None else transformers_model(source_path, dtype="float32").to(args.device).eval()
-    oracle, tokenizer = load_model(args.model_path, num_resident=num_experts, **options)
-    ran = kernels_ran(oracle)
-    print(f"ran: {ran.label()}")
-    if not ran.ran_at_all:
-        print(f"--experts-implementation {ran.implementation} ran nowhere: this checks {ran.kernel} "
-              f"(paged == {ran.kernel} with all E resident, and within tolerance of {choice.source})")
-    transformers_ref = reference_label(choice, quantized=quantized)
-    print(f"references: the same kernels ({ran.kernel}) with all E={num_experts} experts resident (exact); "
-          f"{transformers_ref} (within tolerance)")
-    prompts = args.prompt or list(DEFAULT_PROMPTS)
-    ok = True
-    for k in ks:
-        paged, _ = load_model(args.model_path, num_resident=k, **options)
-        res = check_model(paged, oracle, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
-        print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide)
-              + f" [vs {ran.kernel}, all E={num_experts} resident]")
-        tol = tolerance_check(paged, reference, source, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
-        print(tolerance_line(k, tol, reference=transformers_ref, source=source_path, name=ran.kernel,
-                             reference_name=choice.source))
-        ok &= res.passed and tol.passed
-    print("verdict:", "PASS" if ok else "FAIL", f"(paged {ran.kernel} == {ran.kernel} all resident; within tolerance "
-          f"of {choice.source})" + ("" if ran.ran_at_all else f"; {ran.implementation} ran nowhere"))
-    return 0 if ok else 1
-
-
-def run_packed(args, ks, options, reference, choice, num_experts: int, *, config, files, fmt) -> int:
-    """``check`` where experts run packed (torch's CPU int4 / int8 kernels): per K, paged == the
-    same kernels with all E resident (torch.equal); once, every sampled packed matmul within its
-    derived bound of the checkpoint's weights dequantized in float32 (``tools.packed_bound``); per
-    K, top-1 agreement with ``reference`` (the float32 model) as a rate, and with the float32
-    source where given. Every label says what ran (``tools.what_ran``)."""
-    from pagedexperts.loading.config import resolve_dtype
-    from pagedexperts.loading.loader import load_model
-    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, transformers_model
-    from pagedexperts.tools.check_fused import top1_agreement
-    from pagedexperts.tools.packed_bound import experts_on_meta, kernel_bound_check, linear_bound_check
-    from pagedexperts.tools.what_ran import kernels_ran
-
-    source_path = args.source_model_path
-    source = None if source_path is None else transformers_model(source_path, dtype="float32").to(args.device).eval()
-    # all E resident: every expert in the host store and the slots, no disk tier (--host-memory-gb is the paged run's)
-    oracle, tokenizer = load_model(args.model_path, num_resident=num_experts, **{**options, "host_memory_gb": None})
-    ran = kernels_ran(oracle)
-    print(f"ran: {ran.label()}")
-    if not ran.ran_at_all:
-        print(f"--experts-implementation {ran.implementation} ran nowhere: this checks {ran.kernel} "
-              f"(paged == {ran.kernel} with all E resident)")
-    bound = linear_bound_check(oracle, files, kernel_bound_check(experts_on_meta(config), files, fmt,
-                                                                 resolve_dtype(args.dtype, config)))
-    within = "the checkpoint's weights dequantized in float32 (each packed matmul, within its bound); "
-    print(f"references: the same kernels ({ran.kernel}) with all E={num_experts} experts resident (exact); "
-          f"{within if bound.matmuls else ''}{choice.source} in float32 (top-1 agreement)")
-    print(bound.line())
-    prompts = args.prompt or list(DEFAULT_PROMPTS)
-    ok = bound.passed
-    for k in ks:
-        paged, _ = load_model(args.model_path, num_resident=k, **options)
-        res = check_model(paged, oracle, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
-        print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide)
-              + f" [vs {ran.kernel}, all E={num_experts} resident]")
-        agreement = top1_agreement(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens)
-        line = (f"K={k} top-1 agreement with float32 ({choice.source}, teacher-forced): {agreement.rate()}; "
-                f"max |logit diff| {agreement.max_abs_diff:.3g} (reported, not bounded: a last-bit difference "
-                "can flip an expert choice)")
-        if source is not None:
-            line += f"; with the float32 source {source_path}: " + top1_agreement(
-                paged, source, tokenizer, prompts, max_new_tokens=args.max_new_tokens).rate()
-        print(line)
-        ok &= res.passed
-    print("verdict:", "PASS" if ok else "FAIL", f"(paged {ran.kernel} == {ran.kernel} all resident"
-          + ("; packed matmuls within their bound of float32)" if bound.matmuls else ")")
-          + ("" if ran.ran_at_all else f"; {ran.implementation} ran nowhere"))
-    return 0 if ok else 1
-
-
-def _experts_in_float32(model):
-    """``model`` (loaded at float32) with routed experts kept in another dtype (compressed-tensors'
-    scales' dtype) widened to float32, exactly: every product of the float32 model in float32.
-    In place: transformers refuses ``.float()`` on a model its quantizer loaded."""
-    import torch
-
-    from pagedexperts.tools.library_reference import expert_parameters
-
-    for param in expert_parameters(model).values():
-        if param.is_floating_point() and param.dtype != torch.float32:
-            param.data = param.data.float()
-    return model
-
-
 def run(args) -> int:
-    from pagedexperts.tools.check import each_message_once
-
-    with each_message_once():  # the reference and each K load the same checkpoint: its WARNINGs once
-        return _run(args)
-
-
-def _run(args) -> int:
-    from pagedexperts.tools.check import DEFAULT_PROMPTS, check_model, load_reference_with_choice
-    from pagedexperts.loading.checkpoint import format_for_checkpoint
-    from pagedexperts.loading.experts_options import check_experts_dtype
-    from pagedexperts.loading.config import (PagingConfig, check_config, resolve_dtype,
-                                             resolve_experts_implementation)
-    from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
-    from pagedexperts.models.config import num_routed_experts
-    from pagedexperts.paging.steps.table import FUSED, PACKED, transformers_inner
+    """Check the flags that need no checkpoint, then ``tools.check_runs.check_checkpoint``; its exit code."""
+    from pagedexperts.tools.check import DEFAULT_PROMPTS
+    from pagedexperts.tools.check_runs import CheckRequest, check_checkpoint
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
@@ -210,46 +59,11 @@ def _run(args) -> int:
             raise ValueError(f"--prompt {prompt!r} is empty: check compares the logits of a prompt's tokens; give text "
                              "(or leave --prompt out: 3 built-in prompts)")
     apply_threads(args)
-    path, config, files = read_checkpoint_config(args.model_path)
-    if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads
-        raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
-                         "check tokenizes its prompts: add the source model's tokenizer files (--model-path)")
-    num_experts, top_k = num_routed_experts(config), int(config.num_experts_per_tok)
-    ks = resident_values(args, top_k=top_k, num_experts=num_experts)
     options = dict(device=args.device, dtype=args.dtype, experts_implementation=args.experts_implementation,
                    policy=args.policy, slot_format=args.slot_format, prefetch=args.prefetch,
                    prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
                    decide=args.decide, beyond_k=args.beyond_k, admit_per_step=args.admit_per_step)
-    fmt = format_for_checkpoint(config, files)
-    args.experts_implementation = resolve_experts_implementation(  # auto: per format and run dtype
-        PagingConfig(**options), fmt, resolve_dtype(args.dtype, config))
-    options["experts_implementation"] = args.experts_implementation
-    for k in ks:  # every problem of the options, at once, before the reference loads
-        check_config(PagingConfig(num_resident=k, **options), config, fmt)
-    check_experts_dtype(fmt, resolve_dtype(args.dtype, config), transformers_inner(args.experts_implementation))
-    fused = args.experts_implementation in (FUSED, PACKED)  # exact to themselves, within tolerance of transformers
-    packed = args.experts_implementation == PACKED  # the reference in float32: the second verdict's model
-    print(f"check: loading the unpaged reference, then the paged model at K = {', '.join(map(str, ks))}",
-          file=sys.stderr, flush=True)
-    reference, choice = load_reference_with_choice(
-        args.model_path, device=args.device, dtype="float32" if packed else args.dtype,
-        experts_implementation=transformers_inner(args.experts_implementation)
-    )
-    print(choice.line())  # every verdict names its reference: transformers' loading, or which and why
-    if packed:
-        return run_packed(args, ks, options, _experts_in_float32(reference), choice, num_experts, config=config,
-                          files=files, fmt=fmt)
-    if fused:
-        return run_fused(args, ks, options, reference, choice, num_experts, path=path,
-                         quantized=fmt.name != "dense")
-    prompts = args.prompt or list(DEFAULT_PROMPTS)
-    ok = True
-    for k in ks:
-        paged, tokenizer = load_model(args.model_path, num_resident=k, **options)
-        print_host_memory(paged)
-        res = check_model(paged, reference, tokenizer, prompts, max_new_tokens=args.max_new_tokens, progress=True)
-        print(verdict_line(k, num_experts, res, steps=args.max_new_tokens, decide=paged.pagedexperts.decide))
-        ok &= res.passed
-    verdict = "PASS: paging is exact on this checkpoint" if ok else "FAIL: MISMATCH, do not trust paging here"
-    print("verdict:", verdict, f"(against {choice.source})")
-    return 0 if ok else 1
+    request = CheckRequest(args.model_path, options, check_resident=args.check_resident,
+                           num_resident=args.num_resident, prompts=tuple(args.prompt or DEFAULT_PROMPTS),
+                           max_new_tokens=args.max_new_tokens, source_model_path=args.source_model_path)
+    return check_checkpoint(request, on_paged_load=print_host_memory)

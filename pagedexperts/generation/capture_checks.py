@@ -1,14 +1,9 @@
 """Capture checks: why a model's decode step could not be captured in a CUDA graph, or None.
 
-Owns the rule ``generation.graphs`` captures by: capture needs every step to be syncless, so
-each runner says whether it is (``paging.runner_contract.ExpertsRunner.capture_problem``: the
-device-planned executor and the resident baseline are), an experts kernel that reads nothing
-back (batched_mm, fused; grouped_mm in bfloat16 on compute capability 9.x / 10.x only:
-elsewhere transformers' and torch's fallbacks read the group offsets back), dense slots (a
-quantized format's per-wave dequantize builds its shift / lookup constants with
-``torch.tensor`` on each call: a host-to-device copy), sdpa or eager attention without a
-sliding window. Also ``decode_waves``, the most waves a decode step of a batch runs (one W is
-one captured shape). Does not: capture, replay or fall back (``generation.graphs``).
+Owns the rule ``generation.graphs`` captures by (docs/cuda-graphs.md): every runner syncless
+(``ExpertsRunner.capture_problem``), an experts kernel that reads nothing back, dense slots,
+sdpa or eager attention without a sliding window; and ``decode_waves``, the most waves a decode
+step of a batch runs (one W is one captured shape). Does not: capture, replay or fall back.
 
 Legend: B batch (decode rows), k top_k, E experts, K slots, W waves of a step.
 """

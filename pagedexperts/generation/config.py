@@ -1,9 +1,6 @@
-"""Decoding options: the one ``SamplingConfig`` that generation, the server and the tools share.
-
-Owns: ``SamplingConfig`` (max new tokens, temperature, top-p, seed, stop strings, validated with
-the flag each value comes from) and ``GREEDY``, the ``generate`` keywords of greedy decoding.
-Standard library only. Does not: sample (transformers' ``generate``; the server's
-``engine.sampling``) or generate text (``generation.generate``).
+"""Decoding options: the one ``SamplingConfig`` that generation, the server and the tools share,
+validated with the flag each value comes from, and ``GREEDY`` (``generate``'s greedy keywords).
+Standard library only. Does not: sample or generate text.
 """
 
 from __future__ import annotations
@@ -39,14 +36,12 @@ class SamplingConfig:
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int) -> None:
-    """Refuse a generation longer than the model's positions (``max_position_embeddings``; 0 = no
-    limit known), as the server refuses max_tokens over its context length: transformers only
-    warns and goes on past the positions the model was trained on.
+    """Refuse a generation longer than the model's positions (``max_positions``; 0: no limit known),
+    as the server does (transformers only warns).
 
     Raises:
-        ValueError: prompt + --max-new-tokens over ``max_positions`` (names the numbers and the flag);
-            a prompt that leaves no position for a new token says the prompt is too long and by
-            how many tokens.
+        ValueError: prompt + --max-new-tokens over ``max_positions`` (names the numbers and the
+            flag; a prompt that leaves no position says by how many tokens it is too long).
     """
     if not max_positions or prompt_tokens + max_new_tokens <= max_positions:
         return

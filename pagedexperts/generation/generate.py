@@ -25,15 +25,10 @@ from pagedexperts.stats.accounting import ModelStats
 
 @dataclass
 class GenerationResult:
-    """One generation: text, token counts, timings (seconds, tok/s) and paging counters.
-
-    ``paging`` holds ModelStats.as_dict() of the whole call; ``prefill`` and ``decode`` the
-    totals of each phase (prefill = the forward over the prompt, decode = the rest).
-    ``speculative``: with --speculative, the acceptance counters (``engine.speculative.config.SpeculativeStats``)
-    and paging per generated token; empty otherwise. ``cuda_graphs``: how decode steps ran
-    (``graphs.DecodeGraphs.summary`` when on; else enabled False and the reason).
-    ``finish_reason``: OpenAI's (as serve's): "stop" (an end-of-sequence token or a stop string
-    ended the text) or "length" (max_new_tokens reached).
+    """One generation: text, token counts, timings (seconds, tok/s) and paging counters: ``paging``
+    the whole call's ``ModelStats.as_dict()``, ``prefill`` / ``decode`` each phase's totals;
+    ``speculative`` the acceptance counters (empty without --speculative); ``cuda_graphs`` how decode
+    steps ran; ``finish_reason`` OpenAI's "stop" or "length".
     """
 
     text: str
@@ -173,21 +168,15 @@ def generate_text(
     logits_processor: Callable | None = None,
     min_tokens: int = 0,
 ) -> GenerationResult:
-    """Generate from ``prompt`` on a model from ``load_model``; stream text to ``on_text``.
-
-    Timing: TTFT = from the call to the first new token (seconds); decode tok/s = (new
-    tokens - 1) / time from the first to the last new token.
-
-    ``logits_processor``: (ids [1, t], logits [1, V]) -> scores [1, V] to choose from (the argmax
-    when ``sampling.temperature`` is 0, else a draw from their softmax), in place of transformers'
-    temperature and top-p warpers and of any sampling knob the checkpoint's generation_config
-    sets (``generate`` passes ``engine.logits_processor.SamplingProcessor``: serve's rule).
-    ``min_tokens``: a stop string counts only where it ends after the text of the first
-    min_tokens tokens (serve's rule; the processor holds end-of-sequence back as long).
+    """Generate from ``prompt`` on a model from ``load_model``, streaming text to ``on_text``. TTFT:
+    seconds from the call to the first new token; decode tok/s: (new tokens - 1) / seconds from the
+    first to the last. ``logits_processor``: (ids [1, t], logits [1, V]) -> scores [1, V] to choose
+    from, in place of transformers' warpers and the checkpoint's sampling knobs; ``min_tokens``: a
+    stop string counts only where it ends after the first min_tokens tokens' text.
 
     Raises:
-        ValueError: bad sampling options, empty prompt, --chat without a chat template, or
-            prompt + --max-new-tokens over max_position_embeddings (``config.check_context``).
+        ValueError: bad sampling options, empty prompt, --chat without a chat template, or prompt +
+            --max-new-tokens over max_position_embeddings (``config.check_context``).
     """
     sampling.validate()
     if not prompt:

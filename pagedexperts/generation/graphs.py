@@ -1,29 +1,14 @@
 """Decode steps over static buffers, captured in CUDA graphs: one capture per decode batch size.
 
 Owns: ``DecodeGraphs``, the decode-step runner of one model: per batch size B <= max batch a
-``StaticStep`` (transformers' ``StaticCache`` of the model's own layers and fixed input
-buffers: ids [B, 1], position ids [B, 1], the cache position [1], the 2-D mask over the cache
-[B, L_max]), its one-step function (the model's own forward over those buffers, the 4-D mask
-built from them inside the step) and how that function is replayed (``StepBackend``):
-``CudaGraphBackend`` captures it once (``torch.cuda.CUDAGraph``) and replays it;
-``EagerBackend`` calls it again each step (CPU, tests: the same buffers and ops, no capture).
-Prefill is eager and writes the same static cache. Why a static cache and not transformers'
-compile path (``cache_implementation="static"``, ``torch.compile(mode="reduce-overhead")``):
-inductor fuses and reorders the model's ops, so its logits are not the eager model's bit for
-bit; a graph of the eager ops is (same kernels, same order), and it needs no compiler.
-Why the 4-D mask is built here: transformers' mask builder reads the 2-D mask back to test
-whether it may skip the mask (``fast_all``, a sync), which a capture cannot hold; a 4-D mask
-is taken as is (``masking_utils``: "already 4D").
-
-Capture needs every step to be syncless (what that takes, and the checks:
-``generation.capture_checks``; a step that fails them runs eagerly, or raises when strict).
-The first step of a batch size runs eagerly (on the
-model's capture stream: the warm-up, e.g. Triton's compile and cuBLAS's workspace for that
-stream, and the real step), then the function is captured on the same stream (capture runs
-nothing, so the paging state advances once per step). A capture holds the addresses of the
-runners' slots and state: it is valid while ``model.pagedexperts.runners`` holds the same
-runners with the same experts implementation; ``loading.runners.repage`` (or any new runner)
-invalidates it, counted.
+``StaticStep`` (transformers' ``StaticCache`` and fixed input buffers: ids [B, 1], position ids
+[B, 1], the cache position [1], the 2-D mask [B, L_max]), its one-step function (the model's
+own forward, the 4-D mask built inside the step) and its ``StepBackend``: ``CudaGraphBackend``
+(captured once after an eager first step, replayed) or ``EagerBackend`` (the same function
+called each step: CPU, tests). Prefill is eager into the same cache. A capture is valid while
+``model.pagedexperts.runners`` holds the same runners; a repage invalidates it, counted. Why a
+graph of the eager ops and not ``torch.compile``: docs/cuda-graphs.md. What a step needs to be
+captured: ``generation.capture_checks``.
 
 Legend: B batch (decode rows), L_max cache positions, V vocabulary.
 """
@@ -105,11 +90,8 @@ class GraphCounters:
 
 
 class StaticStep:
-    """The static buffers of decode at batch ``batch`` over ``max_len`` cache positions, and
-    the model's one-step function over them (``forward``: logits [B, V] of the step).
-
-    Args:
-        model: the transformers causal LM (paged or not). batch: B. max_len: L_max.
+    """The static buffers of decode at batch B = ``batch`` over L_max = ``max_len`` cache positions,
+    and the model's one-step function over them (``forward``: logits [B, V] of the step).
     """
 
     def __init__(self, model, batch: int, max_len: int) -> None:
@@ -186,16 +168,11 @@ class StaticStep:
 
 
 class DecodeGraphs:
-    """Decode steps of ``model`` over static buffers, replayed by ``backend`` ("cuda": captured
-    CUDA graphs; "eager": the same function called again), batch sizes 1..``max_batch``
-    captured (larger batches run the same function eagerly).
-
-    Args:
-        model: a transformers causal LM; with ``model.pagedexperts`` its runners are checked
-            and followed (module docstring).
-        backend: "cuda" or "eager". max_batch: N >= 1.
-        strict: a step that cannot be captured raises (``--cuda-graphs`` on) instead of
-            running eagerly with a WARNING (auto).
+    """Decode steps of ``model`` over static buffers, replayed by ``backend`` ("cuda": captured CUDA
+    graphs; "eager": the same function called again) for batch sizes 1..``max_batch`` (larger
+    batches run the function eagerly). With ``model.pagedexperts`` its runners are checked and
+    followed. ``strict``: a step that cannot be captured raises (``--cuda-graphs`` on) instead of
+    running eagerly with a WARNING (auto).
 
     Raises:
         ValueError: unknown backend, "cuda" without CUDA, max_batch < 1 (names the flag).

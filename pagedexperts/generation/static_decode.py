@@ -1,14 +1,11 @@
 """The decode loop over a static KV cache: eager prefill, then each step by ``DecodeGraphs``.
 
-Owns: ``static_generate``, the loop ``generation.generate`` runs when decode graphs are on:
-prefill the prompt eagerly into the batch size's static cache, then for each new token choose
-it from the last logits (greedy argmax, or transformers' own temperature / top-p warpers and
-``torch.multinomial``, as ``generate`` samples; or the caller's logits processor first), stream it, stop at EOS or a stop string, and
-run the next decode step through ``DecodeGraphs.decode`` (a CUDA-graph replay). Finished rows
-are padded with the pad token, as ``generate`` does. Greedy tokens equal transformers' greedy
-``generate`` (tests/generation/test_decode_graphs.py); logits may differ from its dynamic cache in the
-last bits (attention over L_max masked positions instead of the L present), not from the same
-static decode run unpaged. Does not: capture (``graphs``), load or page.
+Owns: ``static_generate``, the loop ``generation.generate`` runs with decode graphs on: prefill
+eagerly into the batch size's static cache, then per new token choose it from the last logits
+(greedy, or transformers' temperature / top-p warpers and ``torch.multinomial``; the caller's
+logits processor first), stream it, stop at EOS or a stop string, and run the next step through
+``DecodeGraphs.decode``; finished rows padded with the pad token. Greedy tokens equal
+transformers' ``generate`` (docs/cuda-graphs.md). Does not: capture (``graphs``), load or page.
 
 Legend: B batch, L prompt length, N new tokens, V vocabulary.
 """

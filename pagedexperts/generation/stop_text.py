@@ -1,19 +1,7 @@
 """Stop strings and the text a reader may see as tokens arrive: one rule for every path
-(``generate``, ``generate --speculative`` and the server), OpenAI's: generation ends at the
-first stop string, which is not returned (nor anything after it).
-
-Owns ``stop_cut`` (the part of a decode that may be shown) and ``IncrementalText`` (the text
-shown so far, grown one decode at a time). An incomplete UTF-8 character decodes as U+FFFD
-until its last byte arrives; text is held back until its characters are complete AND cannot be
-the start of a stop string, so a stop string is never shown, not even in part.
-
-Two of vLLM's options change the rule (the server's; ``generate`` uses neither): with
-``include_stop_str_in_output`` the text ends AFTER the first stop string and nothing is held
-back for it; with ``min_tokens`` a stop string counts only where it ends in the text of a token
-after the first min_tokens (``IncrementalText.stop_from``, vLLM's detokenizer's
-``stop_check_offset``: it may start in earlier text).
-Does not: decide when to stop generating (transformers' ``StopStringCriteria`` in
-``generation``, the scheduler in ``engine``), or tokenize.
+(``generate``, ``generate --speculative``, the server), OpenAI's: generation ends at the first
+stop string, which is not returned (nor anything after it); no part of a stop string is ever
+shown (``stop_cut``, ``IncrementalText``). Does not: decide when to stop generating, or tokenize.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Build a paged model: parameters on meta, host stores for the experts, one runner per MoE layer.
 
-Owns: ``build_paged_model`` (the one build, for a checkpoint or random weights; ``build_from_options``
-checks keyword options first), constructing
-the transformers model with every parameter on the meta device, the float32-kept tensors, the
-host-memory plan counted before any allocation, the host stores (full, or the disk tier's), and
-installing the runtime object, the runners and the transformers integration on the model.
-Resolves every choice of the checked options once (``loading.resolved``). Does not: check
-options (``loading.config``), read checkpoints (``loading.fill``), or page.
+Owns: ``build_paged_model`` (the one build, for a checkpoint or random weights;
+``build_from_options`` checks keyword options first): the transformers model with its
+parameters on meta, the float32-kept tensors, the host-memory plan counted before any
+allocation, the host stores (full, or the disk tier's), the ``Resolved`` record, and the
+runtime, runners and integration installed on the model. Does not: check options
+(``loading.config``), read checkpoints (``loading.fill``), or page.
 """
 
 from __future__ import annotations
@@ -19,9 +18,8 @@ import torch
 from pagedexperts import integration
 from pagedexperts.formats import format_for_config
 from pagedexperts.formats.cpu_pack import kernel_specs, plan_layout
-from pagedexperts.loading.config import (PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype,
-                                         resolve_experts_implementation)
-from pagedexperts.loading.resolved import resolve
+from pagedexperts.loading.config import PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype
+from pagedexperts.loading.resolved import resolve, resolve_implementation
 from pagedexperts.loading.linears import plan_model_linears
 from pagedexperts.loading.runners import attach_runners
 from pagedexperts.loading.runtime import PagingRuntime
@@ -41,21 +39,16 @@ READ_AHEAD_EXPERTS_PER_TOP_K = 2  # disk tier staging: read-ahead buffers = 2 x 
 KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted in host memory on a CPU device (one long request)
 
 
-def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, files=None):
+def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation: str, expert_format=None, files=None):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
-    ``cfg``: the paging options, checked against ``config`` and the format by
-    ``loading.config.check_config`` (``load_model`` checks them once; a caller building random
-    weights checks them itself); every choice made from them is resolved here, once
-    (``loading.resolved.resolve``), and kept as ``model.pagedexperts.resolved``.
-    ``fill(model, sites, stores, device)`` puts the weights in place: expert rows into the
-    stores ({site name: ExpertStore}), every other parameter onto ``device``; it returns the
-    quantized non-expert modules it dequantized or packed (``loading.linears.QuantizedLinears``)
-    or None. ``load_model`` reads a checkpoint (``loading.fill``); ``loading.runners.random_fill``
-    makes random weights for benchmarks at real scale. ``expert_format``: the checkpoint's format
-    (None: from ``config``'s ``quantization_config``); the stores hold its packed tensors.
-    ``files``: the checkpoint's shards, whose quantized non-expert modules the host-memory plan
-    counts as the load keeps them (``loading.linears.plan_model_linears``).
+    ``cfg``: the options, checked (``loading.config.check_config``) with ``experts_implementation``,
+    ``loading.resolved.resolve_implementation``'s value, which the memory plan reads too; every
+    choice is resolved here once (``loading.resolved.resolve``) into ``model.pagedexperts.resolved``.
+    ``fill(model, sites, stores, device)`` puts the weights in place (``loading.fill``, or
+    ``loading.runners.random_fill``) and returns the ``loading.linears.QuantizedLinears`` or None.
+    ``expert_format``: the checkpoint's format (None: from ``config``); ``files``: its shards, whose
+    quantized non-expert modules the host-memory plan counts.
 
     Raises:
         MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``).
@@ -70,13 +63,13 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, fi
     sources = expert_sources(config.model_type)
     layouts = {s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
                for s in sites}
-    packed = resolve_experts_implementation(cfg, fmt, dtype) == PACKED  # the rule ``resolve`` records
+    packed = experts_implementation == PACKED
     linears = None if files is None or fmt.name == "dense" else plan_model_linears(model, files, fmt, packed=packed)
     memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, top_k=top_k, linears=linears, packed=packed,
                           k_slots=cfg.resident_slots(num_experts=num_experts, top_k=top_k))
     stores, read_ahead = _make_stores(sites, layouts, memory, cfg.policy, dev)
-    resolved = resolve(cfg, fmt, num_experts=num_experts, top_k=top_k, device=dev, dtype=dtype, sites=sites,
-                       layouts=layouts, memory=memory, stores=stores)
+    resolved = resolve(cfg, fmt, experts_implementation=experts_implementation, num_experts=num_experts, top_k=top_k,
+                       device=dev, dtype=dtype, sites=sites, layouts=layouts, memory=memory, stores=stores)
     runtime = PagingRuntime(config=cfg, resolved=resolved, num_experts=num_experts, top_k=top_k,
                             expert_format=fmt.name, layouts=layouts, sites=sites, stores=stores, read_ahead=read_ahead)
     runtime.quantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
@@ -86,17 +79,15 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, fi
 
 
 def build_from_options(config, fill, *, expert_format=None, files=None, **options):
-    """``build_paged_model`` from ``PagingConfig`` keyword ``options``, checked first against
-    ``config`` and the format (benchmarks building random weights; ``load_model`` checks its own).
-
-    Raises:
-        ConfigError (ValueError): every problem of the options for this model, at once.
+    """``build_paged_model`` from ``PagingConfig`` keyword ``options``, checked first against ``config``
+    (a ``ConfigError`` listing every problem at once).
     """
     fmt = expert_format if expert_format is not None else format_for_config(
         config, transposed_experts=experts_transposed(config))
     cfg = PagingConfig(**options)
-    check_config(cfg, config, fmt)
-    return build_paged_model(config, fill, cfg, expert_format=fmt, files=files)
+    implementation = resolve_implementation(cfg, fmt, config)
+    check_config(cfg, config, fmt, experts_implementation=implementation)
+    return build_paged_model(config, fill, cfg, experts_implementation=implementation, expert_format=fmt, files=files)
 
 
 def _install(model, runtime: PagingRuntime, dev: torch.device) -> None:
@@ -162,14 +153,12 @@ def _make_stores(sites, layouts, memory: HostMemoryPlan, policy: str, dev: torch
 
 def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *, k_slots: int,
                  top_k: int, linears=None, packed: bool = False) -> HostMemoryPlan:
-    """Everything that will live in host memory, counted before any allocation (see
-    ``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Store rows hold the
-    packed specs; slots are counted at the dense size (the larger of the slot formats); the
-    quantized non-expert modules kept packed (``linears``, ``QuantizedLinears``) at their kernel
-    layout's bytes instead of their dense weights'; ``packed``: the experts run packed, their slots
-    (and a converted store) in the kernels' layout. The
-    available memory is credited with the part of the runtime allowance this process already
-    holds (its RSS now, up to the allowance): MemAvailable and the cgroup's room exclude it."""
+    """Everything that will live in host memory, counted before any allocation
+    (``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Slots count at the
+    larger slot size; ``packed``: slots (and a converted store) in the kernels' layout; ``linears``
+    kept packed at their kernel layout's bytes. The available memory is credited with the part of
+    the runtime allowance this process already holds (MemAvailable and the cgroup's room exclude it).
+    """
     packed_specs = layouts[sites[0].name].packed_specs
     expert_bytes = sum(s.row_bytes for s in packed_specs)
     slot_expert_bytes = max(expert_bytes, sum(s.row_bytes for s in sites[0].specs))
@@ -231,10 +220,10 @@ def _kv_estimate_bytes(config, dtype: torch.dtype) -> int:
 
 
 def _keep_in_fp32(model, dtype: torch.dtype) -> None:
-    """Give float32 to the tensors the model class keeps in float32, as ``from_pretrained``
-    does: ``_keep_in_fp32_modules_strict`` under bf16/fp16, ``_keep_in_fp32_modules`` under fp16
-    (e.g. DeepSeek-V3's ``e_score_correction_bias``; transformers 5.17's ``from_config`` skips
-    this, and a bf16 correction bias changes which experts are selected)."""
+    """Give float32 to the tensors the model class keeps in float32, as ``from_pretrained`` does
+    (``_keep_in_fp32_modules_strict`` under bf16/fp16, ``_keep_in_fp32_modules`` under fp16: e.g.
+    DeepSeek-V3's ``e_score_correction_bias``, which in bf16 selects other experts).
+    """
     keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.bfloat16, torch.float16) else set()
     if dtype == torch.float16:
         keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())

@@ -1,9 +1,7 @@
 """The bundled model: the tiny Qwen3-MoE shipped inside the package (``pagedexperts/data``).
 
-Owns its directory name and path, and those of its routing traces, with the standard library
-only, so that commands that load nothing (``preflight``, ``simulate``) and the resolution of
-``--model-path bundled`` import no torch. Does not: load it (``loading.loader``) or build its
-quantized variants (``tools.quantize``).
+Owns its path and its routing traces' paths, with the standard library only (``preflight``,
+``simulate`` and ``--model-path bundled`` import no torch). Does not: load it or quantize it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The project's cache directory, with the standard library only.
-
-Owns: where every cache of the project lives (``cache_root``): the bundled model's quantized
-variants (``commands.quantize``) and the stored kernel layouts of checkpoints
-(``loading.stored_layout``, in its ``kernel-layouts/`` subdirectory). Does not: write anything.
+"""The project's cache directory (``cache_root``), with the standard library only: the bundled
+model's quantized variants and the stored kernel layouts (``kernel-layouts/``) live under it.
 """
 
 from __future__ import annotations

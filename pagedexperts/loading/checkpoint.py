@@ -1,17 +1,12 @@
 """Checkpoint keys onto the model: the key map, non-expert tensors in place, quantized companions.
 
-Owns: mapping checkpoint keys onto the model with transformers' own conversion table
-(``KeyMap``: renamings, and the per-expert -> stacked converters), so both expert layouts are
-read: stacked (``mlp.experts.gate_up_proj`` [E, ...]) and one tensor per expert
-(``mlp.experts.{j}.gate_proj.weight``, what hub checkpoints and ``save_pretrained`` write).
-Quantized checkpoints (``pagedexperts.formats``): expert tensors map to the store's packed
-tensors under the format's names (``gate_up_proj_scale_inv``), for the converter's sources and
-the format's serialized companions alike. The dtypes the checkpoint stores the experts' scales
-in (``stored_expert_dtypes``, ``format_for_checkpoint``). Putting a non-expert tensor in place
-(``load_plain_tensor``, which refuses a quantized weight it would cast) and the final check
-that nothing is left on meta.
-Does not: read bytes (``loading.fill``), build the model (``loading.build``) or dequantize
-quantized non-expert modules (``loading.linears``).
+Owns: ``KeyMap`` (checkpoint keys onto model keys with transformers' own conversion table:
+stacked experts [E, ...] and one tensor per expert alike; a quantized format's expert tensors
+onto the store's packed tensors under the format's names), the stored dtypes of the experts'
+scales (``stored_expert_dtypes``, ``format_for_checkpoint``), ``load_plain_tensor`` (refuses a
+quantized weight it would cast) and the final check that nothing is left on meta.
+Does not: read bytes (``loading.fill``), build (``loading.build``) or dequantize non-expert
+modules (``loading.linears``).
 """
 
 from __future__ import annotations
@@ -41,10 +36,9 @@ def _source_re(pattern: str) -> re.Pattern:
 @contextlib.contextmanager
 def shipped_conversion_table(model_type: str):
     """While transformers itself loads a checkpoint of ``model_type`` for pagedexperts (``check``'s
-    reference, ``bench``'s plain model): transformers' conversion table as it ships it, in place of
-    one another library registered process-wide (``shipped_conversion_mapping``), and the
-    registered one put back after (a library that registers its own table while loading its own
-    checkpoint still does)."""
+    reference, ``bench``'s plain model): its conversion table as shipped
+    (``shipped_conversion_mapping``), the registered one put back after.
+    """
     from transformers import conversion_mapping as cm
 
     shipped = shipped_conversion_mapping(model_type)
@@ -60,13 +54,10 @@ def shipped_conversion_table(model_type: str):
 
 
 def shipped_conversion_mapping(model_type: str) -> list | None:
-    """transformers' checkpoint conversion table of ``model_type`` as transformers ships it, so
-    that the paged model reads its checkpoint the same whatever else the process has loaded:
-    another library may have replaced the table process-wide (transformers'
-    ``register_checkpoint_conversion_mapping(..., overwrite=True)``; auto-round's loader drops
-    the per-expert -> stacked converters of every checkpoint it loads, for its own unfused
-    experts). A replaced table is said at INFO; where transformers ships none for the model
-    type, the registered one is the table."""
+    """transformers' checkpoint conversion table of ``model_type`` as transformers ships it, not as
+    another library may have replaced it process-wide (auto-round's loader drops the per-expert ->
+    stacked converters); a replaced table is logged at INFO. None shipped: the registered one.
+    """
     from transformers import conversion_mapping as cm
 
     current = cm.get_checkpoint_conversion_mapping(model_type)
@@ -89,11 +80,9 @@ def shipped_conversion_mapping(model_type: str) -> list | None:
 
 
 def _converters(model_type: str, renames: list | None = None) -> list[tuple[list[str], str]]:
-    """The per-expert -> stacked converters of ``model_type`` as (source patterns, target),
-    appending its renamings to ``renames``.
-
-    Raises:
-        ValueError: a converter other than MergeModulelist(0) [+ Concatenate(1)].
+    """The per-expert -> stacked converters of ``model_type`` as (source patterns, target), its
+    renamings appended to ``renames``. Raises ValueError: a converter other than MergeModulelist(0)
+    [+ Concatenate(1)].
     """
     out = []
     for t in shipped_conversion_mapping(model_type) or []:
@@ -130,13 +119,10 @@ def expert_sources(model_type: str) -> dict[str, int]:
 
 
 class KeyMap:
-    """Maps checkpoint keys onto the model: an expert row of a store, or a plain tensor.
-
-    Uses transformers' checkpoint conversion table for the model type (renamings, and the
-    per-expert -> stacked converters: MergeModulelist(dim=0) then Concatenate(dim=1)). A
-    quantized format's serialized companions (``weight_scale_inv`` beside ``weight``) follow
-    their weight's converter into ``target + suffix``, as transformers' quantizers extend the
-    table (``HfQuantizer.update_weight_conversions``).
+    """Maps checkpoint keys onto the model: an expert row of a store, or a plain tensor, by
+    transformers' conversion table (renamings; MergeModulelist(dim=0) then Concatenate(dim=1)). A
+    quantized format's companions (``weight_scale_inv``) follow their weight's converter into
+    ``target + suffix``, as ``HfQuantizer.update_weight_conversions`` extends the table.
     """
 
     def __init__(self, model_type: str, sites: dict[str, ExpertsSite], fmt: ExpertFormat | None = None) -> None:
@@ -186,12 +172,9 @@ def is_expert_key(key: str) -> bool:
 
 
 def stored_expert_dtypes(files, fmt: ExpertFormat) -> dict[str, "torch.dtype"]:
-    """{serialized name (``weight_scale``, ``scales``): dtype} of the routed experts' tensors as
-    the checkpoint stores them (the first expert key of each name, from the shards' headers only).
-
-    Raises:
-        ValueError: an unreadable or truncated shard, named as the loader names it
-            (``storage.safetensors_index.check_readable``).
+    """{serialized name (``weight_scale``, ``scales``): dtype} of the routed experts' tensors as stored
+    (the first expert key of each name, from the headers only). Raises ValueError: an unreadable or
+    truncated shard (``storage.safetensors_index.check_readable``).
     """
     from pagedexperts.storage.safetensors_index import check_readable, read_header
 
@@ -212,10 +195,8 @@ def stored_expert_dtypes(files, fmt: ExpertFormat) -> dict[str, "torch.dtype"]:
 
 
 def format_for_checkpoint(config, files) -> ExpertFormat:
-    """``formats.format_for_config`` (for the experts as the model's family stores them:
-    ``models.families.experts_transposed``) bound to the dtypes the checkpoint stores its experts'
-    scales and zero points in (``ExpertFormat.with_stored_dtypes``), never cast from config.json's
-    ``dtype``: what ``load_model``, ``check`` and ``preflight`` resolve a format with.
+    """``formats.format_for_config`` for the experts as the family stores them, bound to the dtypes
+    the checkpoint stores their scales and zero points in (``ExpertFormat.with_stored_dtypes``).
 
     Raises:
         ValueError: see ``format_for_config``; an unreadable header.
@@ -225,11 +206,8 @@ def format_for_checkpoint(config, files) -> ExpertFormat:
 
 
 def check_model_filled(model) -> None:
-    """Tie the embeddings when the config says so, then check that no parameter is left on the
-    meta device (every non-expert tensor came from the checkpoint).
-
-    Raises:
-        ValueError: model tensors the checkpoint lacks (names a few).
+    """Tie the embeddings when the config says so, then check that no parameter is left on meta.
+    Raises ValueError naming a few tensors the checkpoint lacks.
     """
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -239,12 +217,11 @@ def check_model_filled(model) -> None:
 
 
 def load_plain_tensor(model, key: str, value: torch.Tensor, device) -> bool:
-    """Put a non-expert tensor in its place on the device. False if the model has no such key.
+    """Put a non-expert tensor in its place on the device; False if the model has no such key.
 
     Raises:
-        ValueError: a shape other than the config's; an integer or 8-bit float tensor for a
-            floating parameter (a quantized weight whose companions the checkpoint's format does
-            not read: casting it would drop its scales).
+        ValueError: a shape other than the config's; an integer or 8-bit float tensor for a floating
+            parameter (a quantized weight whose companions the format does not read).
     """
     module_name, _, attr = key.rpartition(".")
     try:

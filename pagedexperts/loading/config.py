@@ -1,17 +1,11 @@
 """One validated paging configuration: every problem with the options reported at once.
 
-Owns: ``PagingConfig`` (how a model is paged: the options of ``load_model`` and the flags of
-the commands, frozen, built once per load and kept on the runtime object as given) and
-``check_config``, the one configuration
-check: the options alone (device, dtype, implementation, policy, mode, slot format, prefetch
-budget, host memory, where paged steps are planned: ``--decide``) and, given the model's
-config, against the model (K in [top_k, E], the cpu-experts layer count, the experts' dtype
-under the implementation, the slot format the device decide needs). It collects every
-problem and raises once, before any weight is read. The experts implementation's predicates
-live in ``loading.experts_options``. Also the rules that resolve "auto" and None (K,
-the experts implementation, the slot format, ``--decide``, CUDA graphs: each shares predicates
-with a check), which ``loading.resolved.resolve`` applies once per load into the record the
-runtime reads. Does not: read checkpoints or build (``loading.loader``, ``loading.build``).
+Owns: ``PagingConfig`` (the options of ``load_model`` and the commands' flags, frozen, kept on
+the runtime as given), ``check_config`` (every problem of the options alone and against the
+model's config, raised once before any weight is read) and the rules that resolve "auto" and
+None (K, the experts implementation, the slot format, ``--decide``, CUDA graphs), each beside
+the check that shares its predicates; ``loading.resolved`` applies them once per load.
+Does not: read checkpoints or build (``loading.loader``, ``loading.build``).
 """
 
 from __future__ import annotations
@@ -52,18 +46,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PagingConfig:
-    """How a model is paged (see ``load_model`` for each option). ``num_resident`` None: the
-    default K (``residency.planner.default_num_resident``); ``dtype`` None: the checkpoint's."""
+    """How a model is paged: the options of ``load_model`` and the commands' flags, each field's
+    meaning in its comment."""
 
-    num_resident: int | None = None
-    device: str = "cpu"
-    dtype: str | None = None
+    num_resident: int | None = None  # K slots per MoE layer, top_k <= K <= E; None: max(top_k, E // 4)
+    device: str = "cpu"  # "cpu" or "cuda[:n]": slots, attention and everything else
+    dtype: str | None = None  # "float32", "bfloat16", "float16"; None: the checkpoint's
     experts_implementation: str = "auto"  # resolved per format and device: ``resolve_experts_implementation``
-    policy: str = DEFAULT_POLICY
-    mode: str = "paged"
-    cpu_expert_layers: int = 0
+    policy: str = DEFAULT_POLICY  # eviction policy (``residency.policies.POLICIES``)
+    mode: str = "paged"  # or a baseline (``paging.baselines``): "resident", "offload", "cpu-experts"
+    cpu_expert_layers: int = 0  # mode "cpu-experts": the first N MoE layers computed on the CPU
     slot_format: str = DEFAULT_SLOT_FORMAT  # "auto", "packed" or "dense" (formats.slots)
     host_memory_gb: float | None = None  # the budget for all host memory (HostMemoryPlan); None: what is available
+    # mode "paged": page in layer l+1's experts predicted by its router on layer l's input (``paging.prefetch``)
     prefetch: bool = False
     prefetch_budget: int | None = None  # None: top_k
     read_ahead: bool = True  # the disk tier reads the next layer's predicted experts ahead (--no-read-ahead)
@@ -101,16 +96,18 @@ class ConfigError(ValueError):
             super().__init__(f"{len(problems)} problems with the configuration:\n" + "\n".join(f"- {p}" for p in problems))
 
 
-def check_config(cfg: PagingConfig, model=None, fmt=None) -> None:
-    """Raise once with every problem of ``cfg``, alone and (given the transformers ``model``
-    config and the checkpoint's expert format ``fmt``) against the model.
+def check_config(cfg: PagingConfig, model=None, fmt=None, *, experts_implementation: str | None = None) -> None:
+    """Raise once with every problem of ``cfg``, alone and (given the transformers ``model`` config
+    and the format ``fmt``) against the model running ``experts_implementation``
+    (``loading.resolved.resolve_implementation``'s value; None: ``cfg``'s own, and "auto" leaves
+    the implementation's checks to the caller that resolves it).
 
     Raises:
         ConfigError (a ValueError): lists every problem, each naming its flag.
     """
     problems = option_problems(cfg)
     if model is not None:
-        problems += model_problems(cfg, model, fmt)
+        problems += model_problems(cfg, model, fmt, experts_implementation or cfg.experts_implementation)
     if problems:
         raise ConfigError(problems)
 
@@ -153,14 +150,11 @@ PACKED_FAST_DTYPE = torch.bfloat16  # torch's int4 CPU kernel's vectorised x dty
 
 
 def resolve_experts_implementation(cfg: PagingConfig, fmt, dtype: torch.dtype | None = None) -> str:
-    """``cfg.experts_implementation``, with "auto" resolved: ``packed`` on a CPU in mode paged at
-    run dtype ``dtype`` bfloat16 (None: not known here, taken as bfloat16) for a format whose
-    record says torch's CPU kernels compute it packed (``formats.FormatRecord.cpu_packed``; a
-    layer whose shapes the kernels cannot take still runs grouped_mm, with its WARNING), else
-    ``grouped_mm`` (exact to transformers): at float16 and float32 the int4 kernel takes a scalar
-    path, 30-50x its bfloat16 time (docs/benchmarks.md, "CPU kernel routes"). auto is the default: packed is faster
-    there and check bounds its matmuls against float32 (docs/benchmarks.md, "Quantized experts on
-    a CPU")."""
+    """``cfg.experts_implementation`` with "auto" resolved: ``packed`` on a CPU in mode paged at run
+    ``dtype`` bfloat16 (None: taken as bfloat16) for a format whose record says torch's CPU kernels
+    compute it (``formats.FormatRecord.cpu_packed``), else ``grouped_mm``. Why: docs/benchmarks.md,
+    "CPU kernel routes" and "Quantized experts on a CPU".
+    """
     if cfg.experts_implementation != AUTO:
         return cfg.experts_implementation
     on_cpu = device_problem(cfg.device) is None and torch.device(cfg.device).type == "cpu"
@@ -185,11 +179,9 @@ def packed_problem(cfg: PagingConfig) -> str | None:
 
 
 def slot_format_of(cfg: PagingConfig) -> str:
-    """"packed" or "dense" (``formats.slots.resolve_slot_format``), except that "auto" is
-    packed for ``fused`` on every device (its kernels read the packed rows).
-
-    Raises:
-        ValueError: unknown slot format (names --slot-format)."""
+    """"packed" or "dense" (``formats.slots.resolve_slot_format``), "auto" packed for ``fused`` on
+    every device. Raises ValueError for an unknown slot format (names --slot-format).
+    """
     if cfg.slot_format == "auto" and is_fused(cfg):
         return "packed"
     return resolve_slot_format(cfg.slot_format, cfg.device)
@@ -211,10 +203,10 @@ def graph_option_problems(cfg: PagingConfig) -> list[str]:
 
 
 def graph_problems(cfg: PagingConfig, decide: str) -> list[str]:
-    """Why decode steps of ``cfg`` with paged steps planned by ``decide`` ("auto" not yet
-    resolved counts as possible) cannot be captured in a CUDA graph, each naming its flag; []
-    if they can. The experts implementation is checked per captured step
-    (``generation.graphs``: grouped_mm syncs outside bf16 on compute capability 9.x / 10.x)."""
+    """Why decode steps of ``cfg`` with paged steps planned by ``decide`` ("auto" counts as possible)
+    cannot be captured in a CUDA graph, each naming its flag; [] if they can (the experts
+    implementation is checked per captured step, ``generation.capture_checks``).
+    """
     problems = []
     if device_problem(cfg.device) is None and torch.device(cfg.device).type != "cuda":
         problems.append(f"--cuda-graphs needs a CUDA device, not --device {cfg.device}; drop --cuda-graphs "
@@ -230,10 +222,9 @@ def graph_problems(cfg: PagingConfig, decide: str) -> list[str]:
 
 
 def resolve_cuda_graphs(cfg: PagingConfig, decide: str) -> tuple[str, str | None]:
-    """(backend, reason) of ``cfg.cuda_graphs`` once the paged steps' ``decide`` is resolved:
-    backend "cuda" (capture), "eager" (the static-buffer decode without capture) or "off",
-    with the reason when off. "auto": "cuda" where ``graph_problems`` is empty, else off (a
-    WARNING on CUDA, where the user could have had graphs; silent on CPU).
+    """(backend, reason) of ``cfg.cuda_graphs`` once ``decide`` is resolved: "cuda" (capture), "eager"
+    (the static-buffer decode without capture) or "off" with its reason; "auto": "cuda" where
+    ``graph_problems`` is empty, else off (a WARNING on CUDA).
 
     Raises:
         ConfigError: "on" where capture cannot work (every reason).
@@ -310,12 +301,11 @@ def disk_tier_problem(cfg: PagingConfig, *, disk_tier: bool, described: str = ""
 
 
 def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool, quantized: bool) -> str:
-    """"host" or "device" for ``cfg.decide`` (checked) of a paged model: "auto" is device on
-    CUDA when triton is installed and the step can be served (``device_decide_problems`` empty,
-    no disk tier, a page-locked host store, and for a ``quantized`` checkpoint packed slots:
-    dense slots dequantize at page-in on the host), else host; on CPU host, except for
-    ``fused`` (device on every device: ``planned_on_device``). On CUDA, auto choosing host
-    logs a WARNING with the reasons (the choice shows in the report, ``decide``)."""
+    """"host" or "device" for ``cfg.decide`` (checked) of a paged model: "auto" is device on CUDA
+    where the step can be served (``device_decide_problems`` empty, triton, no disk tier, a
+    page-locked store, packed slots for a ``quantized`` checkpoint), with a WARNING naming the
+    reasons where not; host on CPU; ``fused``: device everywhere (``planned_on_device``).
+    """
     if cfg.decide != "auto":
         return cfg.decide
     if planned_on_device(cfg):
@@ -335,8 +325,9 @@ def resolve_decide(cfg: PagingConfig, *, disk_tier: bool, pinned: bool, quantize
     return "device"
 
 
-def model_problems(cfg: PagingConfig, model, fmt=None) -> list[str]:
-    """The problems of ``cfg`` for the transformers config ``model`` (and its format ``fmt``)."""
+def model_problems(cfg: PagingConfig, model, fmt, implementation: str) -> list[str]:
+    """The problems of ``cfg`` for the transformers config ``model`` (and its format ``fmt``, None:
+    not known) running the experts ``implementation`` ("auto": not resolved, not checked)."""
     num_experts, top_k = model_config.num_routed_experts(model), model_config.top_k(model)
     problems = []
     if cfg.mode == "paged" and cfg.num_resident is not None:
@@ -344,12 +335,10 @@ def model_problems(cfg: PagingConfig, model, fmt=None) -> list[str]:
     moe_layers = len(model_config.moe_layer_indices(model))
     if cfg.mode == "cpu-experts" and cfg.cpu_expert_layers > moe_layers:
         problems.append(f"--cpu-expert-layers {cfg.cpu_expert_layers} outside [0, {moe_layers}] (the model's MoE layers)")
-    dtype_known = cfg.dtype in (None, "auto", *model_config.RUN_DTYPE_BYTES)
-    run_dtype = resolve_dtype(cfg.dtype, model) if dtype_known else None
-    implementation = resolve_experts_implementation(cfg, fmt, run_dtype)  # auto's choice for this format, dtype
+    run_dtype = known_run_dtype(cfg, model)
     if implementation != cfg.experts_implementation and planned_on_device(cfg):
         problems.append(inner_problem(implementation, decide="device"))
-    if fmt is not None and dtype_known:
+    if fmt is not None and run_dtype is not None and implementation != AUTO:
         problems.append(experts_dtype_problem(fmt, run_dtype, implementation))
     problems.append(decide_model_problem(cfg, fmt))
     return [p for p in problems if p is not None]
@@ -369,10 +358,8 @@ def device_problem(device) -> str | None:
 
 
 def check_device(device: str | torch.device) -> torch.device:
-    """``device`` as a torch.device: cpu, or cuda[:N] where CUDA is available.
-
-    Raises:
-        ValueError: ``device_problem``'s message (names the value and --device).
+    """``device`` as a torch.device: cpu, or cuda[:N] where CUDA is available. Raises ValueError with
+    ``device_problem``'s message (names the value and --device).
     """
     problem = device_problem(device)
     if problem is not None:
@@ -380,11 +367,13 @@ def check_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(name: str | None, config) -> torch.dtype:
-    """Torch dtype of the run: ``name`` (``--dtype``), else the checkpoint's (the one rule,
-    ``models.config.run_dtype``), else float32.
+def known_run_dtype(cfg: PagingConfig, config) -> torch.dtype | None:
+    """``resolve_dtype`` of ``cfg.dtype``, or None where that name is unknown (``option_problems`` names it)."""
+    return resolve_dtype(cfg.dtype, config) if cfg.dtype in (None, "auto", *model_config.RUN_DTYPE_BYTES) else None
 
-    Raises:
-        ValueError: unknown name (lists the valid --dtype choices).
+
+def resolve_dtype(name: str | None, config) -> torch.dtype:
+    """Torch dtype of the run: ``name`` (``--dtype``), else the checkpoint's (``models.config.run_dtype``),
+    else float32. Raises ValueError for an unknown name, listing the --dtype choices.
     """
     return getattr(torch, model_config.run_dtype(config, dtype=name))

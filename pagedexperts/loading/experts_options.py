@@ -1,8 +1,8 @@
-"""The experts implementation's options that depend on nothing but the configuration's fields:
-whether the fused kernels run and where steps are planned, ``--beyond-k`` / ``--admit-per-step``,
-and the experts' dtype an implementation can take. ``loading.config.check_config`` collects
-these problems with the rest; ``cfg`` below is a ``loading.config.PagingConfig`` (read by
-its fields: this module imports nothing of the configuration's). Does not: resolve devices or read checkpoints.
+"""The experts implementation's options that depend only on the configuration's fields.
+
+Owns: whether the fused kernels run and where steps are planned, ``--beyond-k`` /
+``--admit-per-step`` problems, and the experts' dtype an implementation can take; ``cfg`` is a
+``loading.config.PagingConfig`` read by its fields (this module imports nothing of it).
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def planned_on_device(cfg) -> bool:
 
 
 def experts_dtype_problem(fmt, model_dtype: torch.dtype, experts_implementation: str) -> str | None:
-    """Why the kernel cannot run ``fmt``'s experts at ``model_dtype``, or None: transformers keeps
-    a compressed-tensors int4 checkpoint's dequantized experts in its scales' dtype (float32
-    scales loaded at --dtype bfloat16: float32 experts in a bfloat16 model), and only
-    ``grouped_mm`` runs them; unpaged transformers fails the same way under the others."""
+    """Why the kernel cannot run ``fmt``'s experts at ``model_dtype``, or None: transformers keeps a
+    compressed-tensors int4 checkpoint's dequantized experts in its scales' dtype, which only
+    ``grouped_mm`` takes mixed with another model dtype.
+    """
     experts = fmt.experts_dtype(model_dtype)
     if experts == model_dtype or experts_implementation in MIXED_DTYPE_IMPLEMENTATIONS:
         return None

@@ -1,16 +1,11 @@
 """The start-up independence check: a paged-in expert computes with its own tensors only.
 
-The fault it rules out, reported in the field: a per-expert tensor left out of paging (a zero
-point, a scale, a bias) stays on the experts module as an [E, ...] tensor, or is not copied at
-page-in, so an expert paged into slot s runs with expert s's (or a stale) values: fluent, wrong
-text. At load, for a sample of experts of every MoE layer, this module pages expert e into a
-slot through the executor's own page-in path, builds what the experts kernel would read for that
-slot (the wave view: dequantized for packed slots), and compares every dense tensor with
-expert e built independently from the checkpoint file (its own keys, the format's
-dequantization); it also checks that no other slot changed and that the experts module keeps no
-tensor with a leading dim E outside the slots. It fails naming the layer, expert and tensor.
-
-Owns: that check. Does not: load (``loading.loader``) or page during inference (``paging``).
+Owns: for a sample of experts of every MoE layer, page expert e into a slot through the
+executor's own page-in, build what the experts kernel reads for that slot, and compare every
+tensor with expert e built from the checkpoint file alone; also that no other slot changed and
+that the experts module keeps no [E, ...] tensor outside the slots. Raises naming the layer,
+expert and tensor (a per-expert scale, zero point or bias left out of paging: fluent, wrong
+text). Does not: load (``loading.loader``) or page during inference (``paging``).
 """
 
 from __future__ import annotations
@@ -33,9 +28,8 @@ class IndependenceError(ValueError):
 
 
 def check_model_independence(model, files, fmt: ExpertFormat, *, experts_per_layer: int = DEFAULT_EXPERTS_PER_LAYER, seed: int = 0) -> int:
-    """Run the check on ``experts_per_layer`` experts of every paged layer (first, last and
-    random ones). Returns the number of (layer, expert) pairs checked (0 when no layer is
-    paged, e.g. mode "resident").
+    """Run the check on ``experts_per_layer`` experts (first, last and random) of every paged layer;
+    returns the number of (layer, expert) pairs checked (0 when no layer is paged).
 
     Raises:
         IndependenceError: names layer, expert, slot and tensor of the first mismatch.
@@ -65,11 +59,10 @@ def _sample(num_experts: int, count: int, rng: random.Random) -> list[int]:
 
 
 def reference_rows(files, keymap: KeyMap, specs, wanted: dict[str, list[int]]) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
-    """{site: {expert: {packed name: row}}} of the checkpoint's packed tensors (``specs``: site
-    -> the layout's packed specs, as the store was filled) read straight from the checkpoint files through
-    safetensors' own reader (per-expert keys of those experts, or their rows of stacked keys),
-    sources concatenated by concat_dim. Deliberately not the fill's byte ranges
-    (``loading.fill.CheckpointIndex``): the reference must not share the reader it checks."""
+    """{site: {expert: {packed name: row}}} of the checkpoint's packed tensors (``specs`` as the store
+    was filled), read through safetensors' own reader, not the fill's byte ranges: the reference
+    must not share the reader it checks.
+    """
     from safetensors import safe_open
 
     rows = {
@@ -97,11 +90,8 @@ def reference_rows(files, keymap: KeyMap, specs, wanted: dict[str, list[int]]) -
 
 
 def check_no_module_copies(site, executor: PagedExecutor) -> None:
-    """The experts module keeps no [E, ...] tensor that the slots do not replace: the kernel
-    would index it with slot ids and read another expert's values.
-
-    Raises:
-        IndependenceError: names the tensor.
+    """The experts module keeps no [E, ...] tensor the slots do not replace (the kernel would index it
+    with slot ids). Raises IndependenceError naming the tensor.
     """
     view_names = set(executor.slots.kernel_tensors(()))
     tensors = list(site.module.named_parameters(recurse=False)) + list(site.module.named_buffers(recurse=False))
@@ -114,11 +104,9 @@ def check_no_module_copies(site, executor: PagedExecutor) -> None:
 
 
 def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, packed_ref: dict[str, torch.Tensor]) -> None:
-    """Page ``expert`` into ``slot`` (empty slots assumed), compare what the kernel reads with
-    the checkpoint's expert, check the other slots stayed empty, then empty the slot again.
-
-    Raises:
-        IndependenceError: names layer, expert, slot and the tensor that differs.
+    """Page ``expert`` into empty ``slot``, compare what the kernel reads with the checkpoint's expert,
+    check the other slots stayed empty, then empty the slot. Raises IndependenceError naming layer,
+    expert, slot and tensor.
     """
     dense_ref = layout.dequantize({n: r.unsqueeze(0) for n, r in packed_ref.items()})
     executor.store.copy_to_slot(expert, slot, executor.slots)
@@ -144,10 +132,9 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
 
 
 def _empty_slot(executor, slot: int, where: str) -> None:
-    """Check that the page-in into ``slot`` changed no other slot, then zero ``slot`` again.
-
-    Raises:
-        IndependenceError: another slot of a tensor changed (names the tensor)."""
+    """Check that the page-in into ``slot`` changed no other slot (IndependenceError naming the
+    tensor), then zero ``slot`` again.
+    """
     for name, table in executor.slots.items():
         others = torch.cat([table[:slot], table[slot + 1:]])
         if others.numel() and bool(others.view(torch.uint8).any()):

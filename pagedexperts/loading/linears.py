@@ -1,28 +1,13 @@
 """Quantized non-expert nn.Linear modules of a checkpoint: dequantized once at load, or kept packed.
 
-Owns: recognising which non-expert modules (attention projections, shared experts, dense MLP
-layers, lm_head, a router) a checkpoint stores quantized, in any format (``module_group``:
-grouped by the module's format's serialized names, ``qweight`` + ``qzeros`` + ``scales`` +
-``g_idx``, ``weight_packed`` + ``weight_scale`` + ..., ``weight`` + ``weight_scale_inv``),
+Owns: which non-expert modules a checkpoint stores quantized, in any format (``module_group``),
 collecting their tensors as the fill streams them (``PlainLinears``), and for each complete
-module either keeping it packed (``packed``: a ``loading.packed_linears.PackedLinear`` in place
-of the nn.Linear, torch's CPU int4 / int8 kernel) or dequantizing it into its parameter's dtype
-(``dequantize_module``: ``ExpertFormat.dequantize_linear``, the experts' own dequantization with
-one row of one source, so a new format gets it for free); and counting what that costs
-(``QuantizedLinears``; ``planned_linears`` / ``plan_model_linears`` from the headers alone, for
-``preflight`` and the host-memory plan). Does not: read bytes (``loading.fill``), map expert
-keys (``loading.checkpoint``) or choose a kernel (``loading.packed_linears``).
-
-When packed: on a CPU whenever the experts are computed packed (``--experts-implementation
-packed``, or ``auto`` resolving to it; ``loading.loader``), so that ``grouped_mm`` keeps
-transformers' dequantized output bit for bit. A module the kernels cannot take (act-order
-g_idx, group-wise int8, a group size the int4 kernel lacks, not an nn.Linear) is dequantized,
-and the reason recorded (``QuantizedLinears.fallbacks``).
-
-Why dequantize at load otherwise: on CPU (and as the CUDA fallback, with a WARNING naming the
-memory) the model's nn.Linear runs on the dense weight the format's library produces
-(compressed-tensors' ``decompress``, GPTQModel's ``dequantize_weight``, transformers' FP8
-dequantization), bit for bit, and activations stay unquantized, as in the library's dense reference.
+module either a ``loading.packed_linears.PackedLinear`` in place of the nn.Linear (on a CPU
+whenever the experts run packed) or its dense weight (``dequantize_module``: the format's
+``ExpertFormat.dequantize_linear``); what that costs (``QuantizedLinears``; ``planned_linears``
+from the headers alone, for preflight and the host-memory plan). When and why:
+docs/formats.md, "Computed packed on a CPU". Does not: read bytes (``loading.fill``), map
+expert keys (``loading.checkpoint``) or choose a kernel (``loading.packed_linears``).
 """
 
 from __future__ import annotations
@@ -40,14 +25,10 @@ NOT_LINEAR = "not an nn.Linear (a router or another module whose own forward rea
 
 @dataclass(frozen=True)
 class QuantizedLinears:
-    """The non-expert modules a checkpoint stores quantized, as the load keeps them.
-
-    Attributes:
-        modules: weight keys dequantized at load; ``packed_bytes``: the bytes the checkpoint
-            stores for them; ``dense_bytes``: their dense weights in the run dtype.
-        packed: weight keys computed packed (``PackedLinear``); ``kernel_bytes``: their weights
-            and scales in the kernel's layout.
-        fallbacks: (weight key, why it was dequantized though the load keeps modules packed).
+    """The non-expert modules a checkpoint stores quantized, as the load keeps them: ``modules``
+    dequantized at load (``packed_bytes`` as stored, ``dense_bytes`` dense in the run dtype),
+    ``packed`` computed packed (``kernel_bytes`` in the kernel's layout), and ``fallbacks`` (weight
+    key, why it was dequantized though the load keeps modules packed).
     """
 
     modules: tuple[str, ...] = ()
@@ -84,16 +65,12 @@ class QuantizedLinears:
 
 def module_group(fmt: ExpertFormat | None, raw_module: str, local_names, quantization_config: dict | None):
     """(the module's format, its serialized names) when the checkpoint stores non-expert module
-    ``raw_module`` (its checkpoint name) quantized, else None (stored as a plain ``weight``).
-
-    Quantized: ``fmt.linear_format`` gives the module a format and ``local_names`` (the keys under
-    the module) hold one of its serialized names other than ``weight`` itself (GPTQ's
-    ``qweight``, compressed-tensors' ``weight_packed`` / ``weight_scale``, block FP8's
-    ``weight_scale_inv``).
+    ``raw_module`` (its checkpoint name) quantized (a serialized name other than ``weight`` under
+    it: ``qweight``, ``weight_packed``, ``weight_scale_inv``, ...), else None.
 
     Raises:
-        ValueError: a quantized module missing some of its serialized tensors (names them), or
-            a module scheme no format supports (``ExpertFormat.linear_format``).
+        ValueError: a quantized module missing some of its serialized tensors (names them), or a
+            module scheme no format supports (``ExpertFormat.linear_format``).
     """
     local = set(local_names)
     if fmt is None or local <= {"weight", "bias"}:
@@ -110,18 +87,11 @@ def module_group(fmt: ExpertFormat | None, raw_module: str, local_names, quantiz
 
 
 class PlainLinears:
-    """Quantized non-expert nn.Linear weights (attention projections, shared experts, dense MLP
-    layers, lm_head, a router) as the fill streams them, generic over ``ExpertFormat``: each
-    kept packed (``packed`` True: a ``PackedLinear`` replaces the nn.Linear, ``install``) where
-    torch's CPU kernels take it, else dequantized once (``dequantize_module``).
-
-    Groups each module's serialized tensors by its format's names (``module_group``:
-    ``q_proj.qweight`` + ``qzeros`` + ``scales`` + ``g_idx``; ``q_proj.weight_packed`` +
-    ``weight_scale`` + ...; ``q_proj.weight`` + ``weight_scale_inv``; with ``packed``, the
-    module's ``bias`` too), keeps them as they stream by, and once a module's are all read packs or
-    dequantizes them (in the dtypes the tensors are stored in) into its parameter's dtype: the
-    run dtype, float32 for the modules the model keeps in float32. ``result`` counts what was
-    done (``QuantizedLinears``).
+    """Quantized non-expert nn.Linear weights as the fill streams them, generic over ``ExpertFormat``:
+    each module's serialized tensors grouped by ``module_group`` and, once all are read, kept packed
+    (``packed`` True, where torch's CPU kernels take it; ``install``) or dequantized into its
+    parameter's dtype (the run dtype; float32 for modules the model keeps in float32). ``result``:
+    the ``QuantizedLinears``.
     """
 
     def __init__(self, fmt: ExpertFormat | None, plain: list[tuple[str, str]], quantization_config: dict | None,
@@ -203,11 +173,8 @@ def _packed_or_reason(module, ref, module_fmt: ExpertFormat, parts, bias) -> Pac
 
 
 def linear_of(model, weight_key: str, module_fmt: ExpertFormat, parts: dict[str, torch.Tensor]):
-    """(module, its weight parameter on meta) of quantized module ``weight_key``.
-
-    Raises:
-        ValueError: the model has no 2-D weight there (an embedding, a missing module), or lm_head
-            tied to the embeddings (names module and format).
+    """(module, its weight parameter on meta) of quantized module ``weight_key``. Raises ValueError
+    (names module and format): no 2-D weight there, or lm_head tied to the embeddings.
     """
     module_name, _, param = weight_key.rpartition(".")
     what = f"checkpoint's quantized module {module_name!r} ({module_fmt.name}: {sorted(parts)})"
@@ -226,10 +193,8 @@ def linear_of(model, weight_key: str, module_fmt: ExpertFormat, parts: dict[str,
 
 def dequantize_module(model, weight_key: str, module_fmt: ExpertFormat, parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The dense weight of quantized module ``weight_key``'s parameter (its shape and dtype in
-    ``model``) from its serialized tensors ``parts`` ({name: tensor as stored}).
-
-    Raises:
-        ValueError: see ``linear_of``; what the format refuses (names module and format).
+    ``model``) from its serialized tensors ``parts``. Raises ValueError: see ``linear_of``; what the
+    format refuses (names module and format).
     """
     _, ref = linear_of(model, weight_key, module_fmt, parts)
     try:
@@ -243,11 +208,9 @@ def dequantize_module(model, weight_key: str, module_fmt: ExpertFormat, parts: d
 
 
 def quantized_modules(files, fmt: ExpertFormat, quantization_config: dict | None) -> dict[str, list[str]]:
-    """{checkpoint module name: its serialized keys} of every non-expert module the checkpoint
-    stores quantized (``module_group``), from the shards' headers only.
-
-    Raises:
-        ValueError: see ``module_group``; an unreadable header.
+    """{checkpoint module name: its serialized keys} of every non-expert module the checkpoint stores
+    quantized, from the shards' headers only. Raises ValueError: see ``module_group``; an
+    unreadable header.
     """
     return {m: list(keys.values()) for m, (_, keys) in _quantized_groups(files, fmt, quantization_config).items()}
 
@@ -273,11 +236,9 @@ def _quantized_groups(files, fmt: ExpertFormat, quantization_config: dict | None
 
 def planned_linears(config: dict, files, fmt: ExpertFormat, dtype: torch.dtype, keep_fp32: tuple[str, ...] = (),
                     *, packed: bool = False):
-    """(``QuantizedLinears`` the load will produce at ``dtype``, the checkpoint keys of those
-    modules), from the shards' headers and the model's skeleton on the meta device (no weight is
-    read): ``preflight``'s count of the quantized non-expert memory. ``keep_fp32``: module
-    names the model keeps in float32; ``packed``: the load keeps modules packed where the
-    kernels take them (``plan_packed_linear``), as ``PlainLinears`` does.
+    """(``QuantizedLinears`` the load will produce at ``dtype``, the checkpoint keys of those modules)
+    from the shards' headers and the model's skeleton on meta (no weight read). ``keep_fp32``:
+    modules kept in float32; ``packed``: as ``PlainLinears`` does (``plan_packed_linear``).
 
     Raises:
         ValueError: see ``module_group``; a config transformers cannot build.

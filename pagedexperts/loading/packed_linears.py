@@ -1,19 +1,12 @@
 """A quantized non-expert nn.Linear kept packed on a CPU, computed by torch's int4 / int8 kernel.
 
-Owns: ``PackedLinear``, an ``nn.Module`` standing in for one ``nn.Linear`` (an attention
-projection, a shared expert's, lm_head) whose forward is torch's int4 (group scales and float
-zero points) or int8 (per-channel) CPU kernel over the weight in the kernel's layout, through
-the experts' own call (``formats.cpu_pack.packed_matmul``), built from the module's serialized
-tensors through the experts' own conversion (``formats.cpu_pack.KernelTensor.convert``, one row
-of one source: the same layout and zero-point mapping, ``docs/formats.md`` "Computed packed on a
-CPU"); ``packed_linear``: the module, or why the kernel cannot take this one; and
-``plan_packed_linear``, the same answer from the stored dtypes alone (no tensor: preflight and
-the host-memory plan count ``kernel_bytes``). Does not: decide which modules to replace or read
-bytes (``loading.linears``: on a CPU whenever the experts are computed packed).
-
-Exactness: the kernel's arithmetic, not the format's dequantized weight (``(q - 8) * scale + zero``
-with the scale in the run dtype, no rounding of the product): equal to the kernel on the same
-packed data (torch.equal), within the kernel's rounding of ``x @ dequantize_linear(...)^T``.
+Owns: ``PackedLinear`` (an ``nn.Module`` in place of one ``nn.Linear`` whose forward is
+``formats.cpu_pack.packed_matmul`` over the weight converted by the experts' own
+``KernelTensor.convert``: docs/formats.md "Computed packed on a CPU"), ``packed_linear`` (the
+module, or why the kernel cannot take it) and ``plan_packed_linear`` (the same answer from the
+stored dtypes alone, for preflight and the host-memory plan). Exact to the kernel on the same
+packed data, within the kernel's rounding of the format's dequantized module. Does not: choose
+the modules or read bytes (``loading.linears``).
 """
 
 from __future__ import annotations
@@ -77,19 +70,14 @@ def kernel_bytes(plan: KernelTensor) -> int:
 
 def packed_linear(module_fmt: ExpertFormat, shape: tuple[int, int], dtype: torch.dtype,
                   serialized: Mapping[str, torch.Tensor], bias: torch.Tensor | None = None) -> PackedLinear | str:
-    """The ``PackedLinear`` of one quantized nn.Linear, or one sentence saying why torch's CPU
-    kernels cannot take it (``formats.cpu_pack.plan_tensor``'s reasons: act-order, group-wise
-    int8, a group size the kernel lacks, N not a multiple of 16, ...).
-
-    Args:
-        module_fmt: the module's format (``loading.linears.module_group``); shape: the module's
-            weight [out, in]; dtype: the run dtype (the kernel's x and scales: bfloat16, float16,
-            float32); serialized: {name as stored under the module (``qweight``,
-            ``weight_packed``): tensor}, as ``ExpertFormat.dequantize_linear`` takes them.
+    """The ``PackedLinear`` of one quantized nn.Linear, or one sentence saying why torch's CPU kernels
+    cannot take it (``formats.cpu_pack.plan_tensor``'s reasons). ``module_fmt``: the module's
+    format; ``shape``: its weight [out, in]; ``dtype``: the run dtype; ``serialized``: {name as
+    stored under the module: tensor}.
 
     Raises:
-        ValueError: a packed tensor missing or of the wrong element count (names both); int8
-            codes minus their zero points outside [-128, 127] (``KernelTensor.convert``).
+        ValueError: a packed tensor missing or of the wrong element count (names both); int8 codes
+            minus their zero points outside [-128, 127] (``KernelTensor.convert``).
     """
     plan = plan_packed_linear(module_fmt, shape, dtype, {n: v.dtype for n, v in serialized.items()})
     if isinstance(plan, str):

@@ -1,14 +1,12 @@
 """Every choice a load resolves from its checked options: one frozen record, made once.
 
-Owns: ``Resolved`` (K, the device, the experts implementation, the slot format, where paged steps
-are planned, CUDA graphs, the beyond-K rule, the host-memory plan and the layers that fall back
-from packed, each with the reason for it) and ``resolve``, which makes it from the checked
-``PagingConfig``, the checkpoint's format, the layouts, the memory plan and the host stores.
-The runtime (``PagingRuntime.resolved``), the start-up line, ``/server_info`` and the stats read
-a resolved choice from this record only; ``PagingRuntime.config`` keeps the options as given.
-The rules themselves live beside the checks that share their predicates (``loading.config``:
-``resident_slots``, ``resolve_experts_implementation``, ``slot_format_of``, ``resolve_decide``,
-``resolve_cuda_graphs``). Does not: check options (``loading.config.check_config``) or build.
+Owns: ``Resolved`` (K, device, dtype, experts implementation, slot format, decide, CUDA graphs,
+the beyond-K rule, the host-memory plan, packed fallbacks, each with its reason), ``resolve``,
+which makes it, and ``resolve_implementation``, the one evaluation per load of the experts
+implementation's rule (made before the check and the memory plan, which read its value). The
+runtime, the start-up line, ``/server_info`` and the stats read resolved choices from the record
+only. The rules live beside the checks that share their predicates (``loading.config``). Does
+not: check options or build.
 """
 
 from __future__ import annotations
@@ -20,8 +18,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from pagedexperts.formats.cpu_pack import plan_layout
-from pagedexperts.loading.config import (AUTO, PagingConfig, planned_on_device, resolve_cuda_graphs, resolve_decide,
-                                         resolve_experts_implementation, slot_format_of)
+from pagedexperts.loading.config import (AUTO, PagingConfig, known_run_dtype, planned_on_device, resolve_cuda_graphs,
+                                         resolve_decide, resolve_experts_implementation, slot_format_of)
 from pagedexperts.paging.steps.table import PACKED
 from pagedexperts.storage.host_memory import HostMemoryPlan
 
@@ -30,26 +28,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Resolved:
-    """The choices one load (or ``loading.runners.repage``) resolved, and why.
+    """The choices one load (or ``loading.runners.repage``) resolved, and why; every "auto" and None resolved.
 
     Attributes:
-        device: the torch device string slots and compute live on ("cpu", "cuda:0").
-        dtype: the run dtype ("bfloat16", ...; ``--dtype``, else the checkpoint's).
+        device: the torch device string ("cpu", "cuda:0"); dtype: the run dtype ("bfloat16", ...).
         num_resident: K, the slots per MoE layer (all E outside mode "paged").
-        experts_implementation: the experts kernel run over the slots ("auto" resolved).
-        slot_format: what a quantized layer's slots hold, "packed" or "dense" ("auto" resolved).
-        decide: where paged steps are planned, "host" or "device" ("auto" resolved).
-        cuda_graphs: decode steps in CUDA graphs: "cuda" (captured), "eager" (the static-buffer
-            decode, no capture) or "off".
-        beyond_k: a routed union larger than K, "waves" or "in-place"; ``admit_per_step``: in-place
-            page-ins per layer-step at most (None: K).
-        host_memory: the host-memory plan (``storage.host_memory.HostMemoryPlan``; the disk tier
-            when it keeps fewer than E host rows per layer).
-        experts_fallbacks: MoE layer -> why it runs grouped_mm although packed was resolved (its
-            format's kernels are not torch's CPU int4 / int8 ones).
-        stored_layout: the stored kernel layout's path the packed disk tier reads
-            (``loading.stored_layout``; None: it converts at page-in, or there is no packed disk
-            tier); its reason, where there is a packed disk tier, says which and why.
+        experts_implementation: the experts kernel; slot_format: "packed" or "dense".
+        decide: "host" or "device"; cuda_graphs: "cuda" (captured), "eager" (no capture) or "off".
+        beyond_k: "waves" or "in-place"; admit_per_step: in-place page-ins per layer-step (None: K).
+        host_memory: the ``storage.host_memory.HostMemoryPlan`` (the disk tier where R < E).
+        experts_fallbacks: MoE layer -> why it runs grouped_mm although packed was resolved.
+        stored_layout: the stored kernel layout the packed disk tier reads (``loading.stored_layout``;
+            None: it converts at page-in, or there is no packed disk tier).
         reasons: choice name -> why it resolved so (the flag given, auto's rule, a default).
 
     The mappings are the record's own: read them, never write them.
@@ -79,20 +69,28 @@ class Resolved:
         return out
 
 
-def resolve(cfg: PagingConfig, fmt, *, num_experts: int, top_k: int, device: torch.device, dtype: torch.dtype, sites,
-            layouts: Mapping, memory: HostMemoryPlan, stores: Mapping) -> Resolved:
-    """The ``Resolved`` record of ``cfg`` (checked by ``loading.config.check_config``) for a model of
-    ``num_experts`` experts per layer routing ``top_k`` at run ``dtype``, checkpoint format ``fmt`` (a record with
-    ``.name``; None: dense), its experts ``sites`` (``models.sites.ExpertsSite``) and their
-    ``layouts`` (``formats.base.ExpertLayout``), the host-memory plan ``memory`` and the host
-    ``stores`` (site name -> ``ExpertStore``; whether they are page-locked decides auto's
-    ``decide``). Logs the WARNINGs of auto's fallbacks once, here.
+def resolve_implementation(cfg: PagingConfig, fmt, model_config) -> str:
+    """The experts implementation a load of ``cfg`` runs for format ``fmt`` (None: dense) and the
+    transformers ``model_config``: "auto" resolved by ``loading.config.resolve_experts_implementation``
+    at the run dtype (an unknown ``--dtype`` counts as bfloat16; the check names it). Safe on
+    unchecked options.
+    """
+    return resolve_experts_implementation(cfg, fmt, known_run_dtype(cfg, model_config))
+
+
+def resolve(cfg: PagingConfig, fmt, *, experts_implementation: str | None = None, num_experts: int, top_k: int, device: torch.device,
+            dtype: torch.dtype, sites, layouts: Mapping, memory: HostMemoryPlan, stores: Mapping) -> Resolved:
+    """The ``Resolved`` record of checked ``cfg`` for a model of ``num_experts`` experts per layer
+    routing ``top_k`` at run ``dtype``, format ``fmt`` (None: dense), running
+    ``experts_implementation`` (``resolve_implementation``'s value; None: resolved here), its
+    ``sites`` and ``layouts``, the host-memory plan ``memory`` and host ``stores`` (page-locked or
+    not decides auto's ``decide``). Logs auto's fallback WARNINGs once.
 
     Raises:
         ConfigError: ``cuda_graphs`` "on" where capture cannot work (``resolve_cuda_graphs``).
     """
     k = cfg.resident_slots(num_experts=num_experts, top_k=top_k)
-    implementation = resolve_experts_implementation(cfg, fmt, dtype)
+    implementation = experts_implementation or resolve_experts_implementation(cfg, fmt, dtype)
     quantized = any(lay is not None and not lay.is_dense for lay in layouts.values())
     decide = resolve_decide(cfg, disk_tier=memory.disk_tier, pinned=all(s.pinned for s in stores.values()),
                             quantized=quantized)

@@ -1,12 +1,10 @@
-"""Experts runners of a loaded model: one per MoE layer, prefetch between them, switching mode
-or K over the same stores (``repage``), and random weights for benchmarks at real scale.
+"""Experts runners of a loaded model: one per MoE layer, prefetch, ``repage``, random weights.
 
-Owns: which runner each MoE layer gets (a ``paging.host_executor.HostExecutor`` or, under
-``--decide`` device, a ``paging.device_executor.DeviceExecutor``, over the slot table
-``slot_table`` chooses, as ``PagingRuntime.resolved`` says; or a baseline of ``paging.baselines``;
-this is the one module that imports the executors), wiring the prefetchers (``install_prefetch``),
-and ``random_fill``. Does not: read checkpoints or plan memory (``loading.build``), page
-(``paging``), or decide residency (``residency``).
+Owns: which runner each MoE layer gets (a host or device executor over the slot table
+``slot_table`` chooses, as ``PagingRuntime.resolved`` says, or a baseline of
+``paging.baselines``; the one module that imports the executors), ``install_prefetch``,
+``repage`` (another mode or K over the same stores) and ``random_fill``. Does not: read
+checkpoints or plan memory (``loading.build``), page (``paging``) or decide residency.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from pagedexperts.formats import FORMATS, slots
 from pagedexperts.formats.cpu_pack import CpuPackedSlots, plan_layout
 from pagedexperts.formats.slots import SlotTable
 from pagedexperts.loading.config import check_config
-from pagedexperts.loading.resolved import resolve
+from pagedexperts.loading.resolved import resolve, resolve_implementation
 from pagedexperts.models.sites import router_of
 from pagedexperts.paging import prefetch
 from pagedexperts.paging.baselines import CpuExpertsRunner, OffloadRunner, ResidentRunner, make_staging
@@ -38,12 +36,9 @@ logger = logging.getLogger(__name__)
 
 def repage(model, *, mode: str = "paged", num_resident: int | None = None, policy: str | None = None,
            experts_implementation: str | None = None, beyond_k: str | None = None) -> None:
-    """Re-attach fresh runners (new mode, K, policy, experts implementation or beyond-K rule;
-    empty slots, zeroed stats) over the same stores, with the choices resolved again
-    (``loading.resolved.resolve``). The experts implementation stays the resolved one unless
-    given (a packed load's stores hold the CPU kernels' layouts).
-
-    Lets a benchmark compare modes without reloading weights.
+    """Re-attach fresh runners (new mode, K, policy, experts implementation or beyond-K rule; empty
+    slots, zeroed stats) over the same stores, the choices resolved again into a new ``Resolved``.
+    The experts implementation stays the resolved one unless given.
 
     Raises:
         ConfigError (ValueError): unknown mode, K out of [top_k, E], any other problem of the options.
@@ -53,7 +48,9 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
     cfg = dataclasses.replace(options, num_resident=num_resident, mode=mode, policy=policy or options.policy,
                               experts_implementation=experts_implementation or rt.resolved.experts_implementation,
                               beyond_k=beyond_k or options.beyond_k, prefetch=False, prefetch_budget=None)
-    check_config(cfg, model.config)
+    fmt = FORMATS[rt.expert_format]
+    implementation = resolve_implementation(cfg, fmt, model.config)
+    check_config(cfg, model.config, experts_implementation=implementation)
     dev = torch.device(rt.resolved.device)
     for runner in rt.runners.values():
         runner.release()  # copies in flight into its slots finish before the slots are freed
@@ -63,7 +60,7 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
         torch.cuda.empty_cache()
     rt.config = cfg
     old = rt.resolved
-    rt.resolved = resolve(cfg, FORMATS[rt.expert_format], num_experts=rt.num_experts, top_k=rt.top_k, device=dev,
+    rt.resolved = resolve(cfg, fmt, experts_implementation=implementation, num_experts=rt.num_experts, top_k=rt.top_k, device=dev,
                           dtype=getattr(torch, old.dtype), sites=rt.sites, layouts=rt.layouts,
                           memory=rt.host_memory, stores=rt.stores)
     if "stored_layout" in old.reasons:  # the stores read what they read before (the load's choice)
@@ -73,11 +70,9 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
 
 
 def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.02) -> None:
-    """Fill a model from ``loading.build.build_paged_model`` with random weights (norm weights = 1).
-
-    For benchmarks at a real model's scale where no checkpoint can be downloaded: random
-    weights do not route like a trained model (near-uniform routing), so hit rates are not
-    representative; bytes moved and kernel times are.
+    """Fill a model from ``loading.build.build_paged_model`` with random weights (norm weights = 1),
+    for benchmarks at a real model's scale: bytes moved and kernel times are representative, hit
+    rates are not (random weights route near-uniformly).
     """
     gen = torch.Generator().manual_seed(seed)
     if any(not isinstance(store, HostExpertStore) for store in stores.values()):
@@ -101,10 +96,9 @@ RANDOM_BLOCK = (1 << 22) + 1  # elements of the random block tiled over store te
 
 
 def _tile_random(t: torch.Tensor, gen: torch.Generator, std: float) -> None:
-    """Fill ``t`` in place with one random normal block (RANDOM_BLOCK elements, std ``std``)
-    repeated: copies run at memory speed (a single-threaded ``normal_`` over Qwen3-30B-A3B's
-    4.8 G expert elements took ~17 s). The block length divides no expert's size, so experts
-    differ."""
+    """Fill ``t`` in place with one random normal block (RANDOM_BLOCK elements, std ``std``) repeated,
+    at memory speed; the block length divides no expert's size, so experts differ.
+    """
     flat = t.view(-1)
     block = (torch.randn(min(RANDOM_BLOCK, flat.numel()), generator=gen) * std).to(t.dtype)
     for i in range(0, flat.numel(), block.numel()):
@@ -153,10 +147,9 @@ def attach_runners(runtime, dev) -> None:
 
 
 def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
-    """The layer-step executor of one paged layer: the host-planned one (any step, any device),
-    or under ``PagingRuntime.decide`` "device" the device-planned one (``paging.device_executor``, no
-    read-back); both implement ``PagedExecutor`` and take the layer's ``SlotSetup`` over the
-    slot table ``slot_table`` chooses, with the implementation it chose it for."""
+    """The layer-step executor of one paged layer, host- or device-planned as ``PagingRuntime.decide``
+    says, over the slot table ``slot_table`` chose.
+    """
     cfg, resolved = runtime.config, runtime.resolved
     k = resolved.num_resident
     table, inner = slot_table(runtime, layout, dev, layer=common["layer"], store=common["store"])
@@ -168,20 +161,12 @@ def _executor(runtime, layout, dev, copy_stream, **common) -> PagedExecutor:
 
 
 def slot_table(runtime, layout, dev, *, layer: int, store) -> tuple[SlotTable | None, str]:
-    """The slot table of one paged layer for the runtime's experts implementation, and the
-    implementation the layer runs over it (the one factory of slot tables):
-
-    - ``packed``: slots in torch's CPU int4 / int8 kernel layouts (``formats.cpu_pack
-      .CpuPackedSlots``), with a host store holding every expert converted to them once, here
-      (a page-in is then a copy; the disk tier's rows, read from the checkpoint, convert at
-      page-in). A layer whose format the kernels cannot take (``Resolved.experts_fallbacks``)
-      gets the table below and ``grouped_mm``.
-    - ``fused``, or dense experts: None, the plain table (``paging.steps.contract.PackedSlots``,
-      allocated by the executor like the store's tensors: the fused kernels read packed rows).
-    - a quantized format under a dense kernel: ``--slot-format packed``, packed slots that
-      dequantize each wave into the model's shared dense scratch (``formats.slots
-      .DequantizingSlots``); ``dense``, slots dequantized at page-in through the model's shared
-      packed staging (``formats.slots.DenseSlots``).
+    """The slot table of one paged layer and the implementation the layer runs over it (the one
+    factory of slot tables): ``packed``: ``formats.cpu_pack.CpuPackedSlots`` with the store converted
+    to the kernels' layout here (a layer the kernels cannot take: the tables below and
+    ``grouped_mm``); ``fused`` or dense experts: None, the plain table the executor allocates; a
+    quantized format under a dense kernel: ``formats.slots.DequantizingSlots`` (``--slot-format
+    packed``) or ``formats.slots.DenseSlots`` (``dense``).
     """
     resolved = runtime.resolved
     k, inner = resolved.num_resident, resolved.experts_implementation

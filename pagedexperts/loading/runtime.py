@@ -1,13 +1,9 @@
-"""The paging state of one model, attached as ``model.pagedexperts``: one object per model.
+"""The paging state of one model, attached as ``model.pagedexperts``.
 
-Owns: ``PagingRuntime``, everything a paged model holds beyond its modules: the checked
-``PagingConfig`` as given and the ``Resolved`` record of every choice made from it (K, the
-host memory plan, ...), one experts runner per MoE layer (``runners``: executors or baselines),
-the experts sites, the host stores, the format's layouts, the shared scratch and staging buffers
-and the disk tier's read-ahead; the model-wide views of their counters
-(``stats``, ``reset_stats``, ``prefetch_stats``); and ``runtime_of``, the one way to ask a
-model for its runtime. No module globals: several paged models share a process. Does not:
-build any of it (``loading.build``, ``loading.runners``).
+Owns: ``PagingRuntime`` (the options as given, the ``Resolved`` record, one experts runner per
+MoE layer, the sites, host stores, layouts, shared buffers and the disk tier's read-ahead; the
+model-wide views of their counters) and ``runtime_of``. No module globals: several paged models
+share a process. Does not: build any of it (``loading.build``, ``loading.runners``).
 """
 
 from __future__ import annotations
@@ -32,28 +28,18 @@ PREFETCH_COUNTERS = ("issued", "used", "wasted", "bytes", "predict_s", "issue_s"
 
 @dataclass
 class PagingRuntime:
-    """The paging state of one model: its runners (one per MoE layer), its config and what was resolved.
+    """The paging state of one model.
 
     Attributes:
-        config: the options as given and checked (``loading.config.PagingConfig``; "auto" and
-            None left as they were).
-        resolved: every choice resolved from them (``loading.resolved.Resolved``: K, the
-            implementation, slot format, decide, CUDA graphs, beyond-K rule, host-memory plan,
-            fallbacks, each with its reason); ``num_resident``, ``decide`` and ``host_memory``
-            read it.
-        runners: MoE layer index -> the runner of its experts (``paging.runner_contract.ExpertsRunner``:
-            an executor, or a baseline of ``paging.baselines``).
-        sites: the model's experts sites (``models.sites.ExpertsSite``), in layer order.
+        config: the options as given and checked (``loading.config.PagingConfig``).
+        resolved: every choice resolved from them, with its reason (``loading.resolved.Resolved``).
+        runners: MoE layer index -> its ``paging.runner_contract.ExpertsRunner``.
+        sites: the experts sites (``models.sites.ExpertsSite``), in layer order.
         stores: site name -> the layer's host store (``storage.host_store.ExpertStore``).
         layouts: site name -> the format's ``formats.base.ExpertLayout``.
-        buffers: name ("scratch": dense scratch of packed slots, "staging": packed staging of
-            dense slots) -> tensor name -> tensor, shared by all layers (``loading.runners``).
-        quantized_linears: the quantized non-expert modules as the load keeps them
-            (``loading.linears.QuantizedLinears``: dequantized, or packed on a CPU), None for a
-            model built without a checkpoint; why a module is not packed is in the stats' fallbacks.
-        decode_graphs: ``generation.graphs.DecodeGraphs`` (a layer above, so not named in the
-            type), built on first use; its captures check the runners they hold against
-            ``runners`` (a repage invalidates them). None until then.
+        buffers: "scratch" / "staging" -> tensor name -> tensor, shared by all layers.
+        quantized_linears: ``loading.linears.QuantizedLinears``, None for a model built without a checkpoint.
+        decode_graphs: ``generation.graphs.DecodeGraphs``, built on first use (None until then).
     """
 
     config: PagingConfig

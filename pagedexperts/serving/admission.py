@@ -1,13 +1,11 @@
 """Admission before any request is handled: the API key, the body-size limit, OpenAI's error shape.
 
-Owns: the ``Admission`` ASGI middleware (the connection cap's 503, then the optional Bearer API
-key on /v1/*, then the body limit, all before routing and parsing: a body declared over the limit
-by its Content-Length is answered 413 at once, from the header (the connection drops the rest,
-``connections``); a chunked body is counted as it comes and answered 413 once it passes the
-limit, never kept), ``error_response`` (every refusal as ``{"error": {"message", "type",
-"param", "code"}}``), and the refusals that several routes share (``shutting_down``: 503 +
-Retry-After; ``client_disconnected``: 499), and the default body limit. Does not: parse or validate a body
-(``validation``), or count refusals (the caller's ``refuse`` does).
+Owns: the ``Admission`` ASGI middleware (the connection cap's 503, the optional Bearer API key
+on /v1/*, then the body limit, before routing: a Content-Length over the limit is answered 413
+from the header; a chunked body is counted as it comes and never kept), ``error_response``
+(``{"error": {"message", "type", "param", "code"}}``), the shared refusals (``shutting_down``:
+503 + Retry-After; ``client_disconnected``: 499) and the default body limit. Does not: parse or
+validate a body (``validation``) or count refusals (the caller's ``refuse``).
 """
 
 from __future__ import annotations
@@ -66,11 +64,7 @@ def bearer_matches(header: bytes, api_key: str) -> bool:
 
 class Admission:
     """ASGI middleware run before routing: the connection cap, the API key on /v1/*, then the
-    body-size limit.
-
-    A body declared over ``max_body_bytes`` by its Content-Length is answered 413 before any
-    of it is read; a chunked one is counted as it comes, dropped (never kept) and answered 413
-    once past the limit. ``refuse`` logs and counts each refusal.
+    body-size limit (see the module docstring); ``refuse`` logs and counts each refusal.
     """
 
     def __init__(self, app, *, max_body_bytes: int, api_key: str | None, refuse) -> None:

@@ -1,18 +1,10 @@
 """The FastAPI app and its process: routes, error handlers, lifespan, ``run_server``.
 
-Owns: the route table (POST /v1/completions, /v1/chat/completions, /v1/responses; GET
-/v1/models, /v1/models/{id}, /health and /metrics (HEAD too), and /server_info + /model_info
-for a router), the exception handlers that put EVERY error in OpenAI's shape (framework 404 /
-405 included) and count it, the app's lifespan (scheduler started and stopped with it; a
-routing trace, when recorded, saved at shutdown), and SIGINT / SIGTERM handling: the first
-signal drains (``OpenAIServing.begin_shutdown``) and then stops uvicorn, and the process
-exits 0; a second one ends every running and queued request at once (each stream still gets
-its final event and ``[DONE]``) and stops uvicorn, which re-raises the signal (status 128 +
-its number). Does not: handle a request itself (``handlers``).
-
-Chat prompts use the tokenizer's chat template; a tokenizer without one gets the plain
-template ``validation.PLAIN_CHAT_TEMPLATE``: one ``Role: content`` line per message (System,
-User, Assistant), then ``Assistant:``.
+Owns: the route table (docs/server.md), the exception handlers that put every error in OpenAI's
+shape and count it, the lifespan (the scheduler started and stopped with the app; a routing
+trace saved at shutdown), and SIGINT / SIGTERM: the first signal drains
+(``OpenAIServing.begin_shutdown``) then stops uvicorn, exit 0; a second ends every request at
+once and the process ends by the signal. Does not: handle a request itself (``handlers``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""OpenAI response bodies of completions and chat, whole and as server-sent-event chunks (the
-Responses API's are ``responses_api``'s).
+"""OpenAI response bodies of completions and chat, whole and as server-sent-event chunks.
 
-Owns: the JSON shape of choices, usage and logprobs (completions' ``tokens`` /
-``token_logprobs`` / ``top_logprobs`` / ``text_offset``; chat's ``content`` list of
-``{token, logprob, bytes, top_logprobs}``), the ``data:`` framing, and ``Choice``: what one
-sequence has produced so far. Pure data shaping: no tokenizer, no model, no HTTP.
+Owns: the JSON shape of choices, usage and logprobs, the ``data:`` framing, and ``Choice``
+(what one sequence has produced so far). Pure data shaping: no tokenizer, no model, no HTTP.
 """
 
 from __future__ import annotations

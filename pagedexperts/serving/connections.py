@@ -1,37 +1,15 @@
-"""Connection handling under uvicorn: the header and body timeouts, the connection cap, half-closed clients.
+"""Connection handling under uvicorn: header and body timeouts, the connection cap, half-closed clients.
 
-Owns: ``uvicorn_config`` (the uvicorn settings the server runs with) and the HTTP protocol
-class it selects, uvicorn's h11 protocol with these changes:
-
-- a connection whose request headers are not complete ``header_timeout_s`` after it opened
-  (or after its previous response) is closed: a client sending one header byte at a time
-  (slowloris) or nothing at all holds a connection for at most that long. uvicorn's own
-  keep-alive timer is cancelled by any byte received, so it does not cover this. The same
-  timer closes an idle kept-alive connection.
-- a request body with no byte received for ``body_timeout_s`` (nginx's ``client_body_timeout``:
-  the time between two reads), or not complete ``body_deadline_s`` after its headers (the
-  whole body, whatever its pace: one byte every ``body_timeout_s`` - 1 s would otherwise hold
-  the connection for ever; Node.js's ``server.requestTimeout`` is the same bound) is answered
-  408 in OpenAI's JSON error shape and its connection closed; the app reading it sees the
-  client gone. A reader paused by flow control (the app has not read what came) is not the
-  client's stall: both checks wait until the app reads. A request already answered (a 413
-  from its Content-Length) gets no second answer: its connection is only closed.
-- the rest of a body that was answered before it was read (a 413 from its Content-Length) is
-  read and dropped as it arrives, up to ``MAX_DISCARDED_BODY_BYTES``, then the connection closes.
-- at most ``max_connections`` connections are open: a request on one more, or beyond as many
-  running request tasks, reaches the app marked ``OVER_CAP_SCOPE_KEY`` in its scope, and the app
-  answers 503 in OpenAI's JSON shape (``admission``), where uvicorn's ``limit_concurrency`` would
-  answer plain text. Probes (GET / HEAD of ``PROBE_PATHS``: /health, /metrics) are never
-  marked: a table full of slow clients must not make a router mark a replica down that serves.
-- a request the HTTP parser refuses (a ``Content-Length`` of ``-5`` or of 26 digits, a bad
-  request line) is answered 400 in OpenAI's JSON error shape naming h11's reason, not uvicorn's
-  plain text.
-- a client that half-closes (shuts its write side after sending the whole request, as
-  ``printf ... | nc -N`` does) is answered: the end of its input does not close the
-  connection, which closes after the response. A client that closed entirely sends the same
-  end of input; an interim ``100 Continue`` written at once tells them apart (a closed peer
-  answers it with a reset), so a gone client's request is still cancelled at once.
-
+Owns: ``uvicorn_config`` and the HTTP protocol class it selects, uvicorn's h11 protocol with
+these changes (docs/server.md, "Connections"): request headers not complete
+``header_timeout_s`` after the connection opened (or after its previous response) close it
+(uvicorn's keep-alive timer is cancelled by any byte, so it does not cover this); a body with no byte for ``body_timeout_s``,
+or not complete ``body_deadline_s`` after its headers, is answered 408 (a reader paused by flow
+control is not timed out; an answered request gets no second answer); the rest of a body
+answered before it was read is dropped up to ``MAX_DISCARDED_BODY_BYTES``; beyond
+``max_connections`` a request reaches the app marked ``OVER_CAP_SCOPE_KEY`` (a JSON 503,
+``admission``), probes (``PROBE_PATHS``) never; a request the parser refuses gets a JSON 400;
+a half-closed client is answered (an interim ``100 Continue`` tells it from a gone one).
 Does not: route, validate or answer requests (``api_server``, ``handlers``).
 """
 

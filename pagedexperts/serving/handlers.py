@@ -1,20 +1,13 @@
 """What the generation routes do: admitting a request, queueing its sequences, answering, shutdown.
 
 Owns: ``ServeConfig``; ``OpenAIServing``, the handler behind POST /v1/completions and
-/v1/chat/completions (``stream`` for server-sent events) and the shared path of every
-generation route (``accept``: body, admission off the event loop, queueing; ``finished``:
-waiting for a whole answer; ``events``: the events of a stream), each refusal logged with
-its reason and counted (``refuse``); n > 1 and several prompts (one scheduler sequence
-each); client disconnects (streaming or not: the sequence is cancelled at once); graceful
-shutdown (``begin_shutdown``: 503 + Retry-After to new requests, running ones get
-``shutdown_timeout_s`` to finish, then every remaining one a final event and ``[DONE]``).
-
-Parsing, validation and tokenization run in a worker thread (``run_in_threadpool``), and
-detokenization on the scheduler thread: the event loop only moves bytes, so /health answers
-while a large request is refused. Does not: check the API key or the body size
-(``admission``), validate (``validation``), sample or batch (``engine.scheduler``), shape bodies
-(``bodies``; the Responses API: ``responses_api``), declare the routes (``api_server``),
-or load models (``loader``).
+/v1/chat/completions and the shared path of every generation route (``accept``: body,
+admission off the event loop, queueing; ``finished``; ``events``: a stream's events), each
+refusal logged and counted (``refuse``); n > 1 and several prompts (one sequence each); client
+disconnects (the sequence cancelled at once); graceful shutdown (``begin_shutdown``). Parsing,
+validation and tokenization run in a worker thread, detokenization on the scheduler thread: the
+event loop only moves bytes. Does not: admit (``admission``), validate (``validation``), sample
+or batch (``engine.scheduler``), shape bodies (``bodies``, ``responses_api``) or declare routes.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Prometheus metrics of one server, in its own registry (no process-global state).
 
-Owns: request outcomes, refusals (by status and OpenAI error code, so every refused request
-is counted with its reason), token counters, TTFT / queue time / TPOT histograms (observed as requests
-finish), and scrape-time values read from the scheduler and from every MoE layer's
-``LayerStats``. The paging export is generic: every numeric field of ``LayerStats`` becomes
-``pagedexperts_paging_<field>`` per layer, once (a counter, ``_total`` added; levels such as
-``*_last``, ``*_max``, ``*_mean``, ``*_p50``, ``*_p99_s``: gauges), so a counter added to
-``pagedexperts.stats.accounting`` shows up without a change here; the per-step host time distributions (``LayerStats.times``)
-are histograms (``paging_time_histograms``); with a disk tier, its host and disk counters per
-layer (``pagedexperts_host_hits``, ``pagedexperts_disk_reads``, ...); with speculative decoding, its
-counters (``speculative_metrics``, ``pagedexperts_spec_decode_*``); decode steps by how they ran
-(``decode_metrics``: ``pagedexperts_decode_steps_total{how=...}``, whose labels sum to the
-scheduler's ``decode_steps``, recaptures by reason, and the
-decode backend with why it is not CUDA graphs). Each figure has one name: the historical
-aliases of the paging counters (``pagedexperts_expert_hits``, ``pagedexperts_expert_misses``,
-``pagedexperts_waves``, ``pagedexperts_layer_steps``, ``pagedexperts_union_size_*``, ...) are gone;
-their ``pagedexperts_paging_<field>`` names remain.
-
-Does not: decide anything; it only counts.
+Owns: request outcomes, refusals by status and OpenAI error code, token counters, TTFT / queue
+time / TPOT histograms (observed as requests finish), and scrape-time values read from the
+scheduler and every MoE layer's ``LayerStats``: each numeric field once as
+``pagedexperts_paging_<field>`` (counters get ``_total``; ``*_last``, ``*_max``, ``*_mean``,
+``*_p50``, ``*_p99_s`` are gauges), the host-time distributions as histograms
+(``paging_time_histograms``), the disk tier's counters, speculative decoding's
+(``speculative_metrics``) and decode steps by how they ran (``decode_metrics``). Does not:
+decide anything.
 """
 
 from __future__ import annotations

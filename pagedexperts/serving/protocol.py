@@ -1,14 +1,10 @@
 """The OpenAI protocol as served here: the request bodies, and parsing them in OpenAI's error shape.
 
-Owns: the pydantic request models of /v1/completions and /v1/chat/completions (unknown
-fields are refused, never ignored; fields of the API not implemented are declared to be
-refused by name, ``UNSUPPORTED``; informational fields accepted, ``INFORMATIONAL``; the table of
-every field in docs/server.md), ``ApiError`` (a refusal: HTTP status, OpenAI error
-``code``, the offending ``param``), and ``parse_request`` (raw body -> model; bad JSON, a
-wrong type, an unknown field -> ApiError naming it). Runs in a worker thread, never on the
-event loop.
-
-Does not: check ranges or tokenize (``validation``), or build responses (``bodies``).
+Owns: the pydantic request models of /v1/completions and /v1/chat/completions (unknown fields
+refused; fields not implemented refused by name, ``UNSUPPORTED``; informational ones accepted,
+``INFORMATIONAL``; every field's fate in docs/server.md), ``ApiError`` (HTTP status, OpenAI
+``code``, ``param``) and ``parse_request`` (raw body -> model, or ApiError naming the field).
+Does not: check ranges or tokenize (``validation``) or build responses (``bodies``).
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
 """The OpenAI Responses API (POST /v1/responses): its request, translated to the one chat path, and
-its answer (the Response object, its streamed events).
+its answer (the Response object, its streamed events), as docs/server.md describes.
 
-The request: ``ResponsesRequest`` (unknown fields refused; fields of the API that are not
-implemented accepted only at their default, else a 400 naming the field), the checks of
-``input`` (a string, or a list of message items whose content is a string or text parts)
-and ``metadata``, and ``to_chat``: ``instructions`` + ``input`` become the messages of a
-``ChatCompletionRequest`` (``instructions`` first, as a system message; ``max_output_tokens``
-as ``max_completion_tokens``), which ``OpenAIServing.admit_body`` checks and tokenizes like
-any chat request: one validation, one scheduler, one sampling path. Errors of that path are
-renamed to this API's fields (``max_tokens`` -> ``max_output_tokens``, ``messages`` ->
-``input``).
-
-Also accepted: the sampling extensions sglang-router adds when it forwards a request
-(``top_k``, ``min_p``, ``repetition_penalty``: passed to the chat path; ``priority`` at its
-default 0 only), vLLM's ``seed`` (the chat path's), and ``include: ["message.output_text.logprobs"]``
-with ``top_logprobs`` (the chat path's logprobs, shaped as openai's ``ResponseOutputText.Logprob``
-in the output_text part and as ``ResponseTextDeltaEvent.Logprob`` in the text events). ``store``
-and ``service_tier`` are accepted and nothing is stored: ``previous_response_id`` and
-``conversation`` are refused with a 400 that says so, and there is no GET /v1/responses/{id}.
-
-The answer: ``ResponsesServing``, the handler behind the route (it admits through
-``parse`` / ``to_chat`` and ``OpenAIServing.admit_body``, and queues, waits and streams through
-``OpenAIServing.accept`` / ``finished`` / ``events``: the path every generation route
-takes), and the shapes of openai's ``types.responses``: ``Response`` (status ``completed``,
-or ``incomplete`` with ``incomplete_details.reason`` ``max_output_tokens`` when the token
-limit ended it; ``max_output_tokens`` is the limit applied, the request's or, when it gives
-none, what the context leaves after the prompt), one assistant ``message`` item with one ``output_text`` part, ``usage``
-(``input_tokens``, ``output_tokens``, ``total_tokens``).
-
-A stream is server-sent events, each ``event: <type>`` + ``data: <json>`` with a
-``sequence_number`` from 0, in the published order: ``response.created``,
-``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
-one ``response.output_text.delta`` per piece of text, ``response.output_text.done``,
-``response.content_part.done``, ``response.output_item.done``, then ``response.completed``
-(or ``response.incomplete``; ``response.failed`` with ``error`` when generation failed or
-the server shut down). No ``[DONE]`` follows (the Responses API sends none).
-
-Does not: validate the chat request (``validation``), or generate (``engine.scheduler``).
+Owns: ``ResponsesRequest`` (unknown fields refused; fields not implemented accepted only at
+their default, else a 400 naming the field), ``to_chat`` (``instructions`` + ``input`` -> a
+``ChatCompletionRequest`` that ``OpenAIServing.admit_body`` checks and tokenizes like any chat
+request; its errors renamed to this API's fields), and ``ResponsesServing``, which queues,
+waits and streams through ``OpenAIServing``'s shared path and shapes openai's
+``types.responses`` (``Response``, one assistant ``message`` with one ``output_text`` part,
+``usage``; the stream's events in the published order with a ``sequence_number`` from 0, no
+``[DONE]``). Nothing is stored. Does not: validate the chat request (``validation``) or
+generate (``engine.scheduler``).
 """
 
 from __future__ import annotations

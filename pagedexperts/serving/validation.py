@@ -1,18 +1,12 @@
 """Validation of the OpenAI requests served here: the limits and the one validation.
 
-Owns: the limits as named constants and ``prepare`` (a parsed request, ``protocol``, -> token
-ids and per-sequence sampling, every range checked, refusals as ``protocol.ApiError``); the chat
-template's arguments of a request (``template_kwargs``: vLLM's chat_template_kwargs,
-add_generation_prompt, continue_final_message, reasoning_effort); the note on informational
-fields (``ignored_fields``). It runs in a worker thread, never on the event loop.
-
-Admission order (cheap checks first, no work before them): the body size (``app``), the
-JSON and its types, the model name, every range, the prompt's BYTES against
-``context_length x MAX_PROMPT_BYTES_PER_TOKEN`` (so an oversized prompt is refused without
-tokenizing it), then tokenization and the token counts.
-
-Does not: declare the request bodies or parse JSON (``protocol``), sample, batch, or build
-responses (``bodies``).
+Owns: the limits as named constants and ``prepare`` (a parsed request -> token ids and
+per-sequence sampling, every range checked, refusals as ``protocol.ApiError``), the chat
+template's arguments (``template_kwargs``) and the note on informational fields
+(``ignored_fields``). Cheap checks first: the JSON and its types, the model name, every range,
+the prompt's bytes against ``context_length x MAX_PROMPT_BYTES_PER_TOKEN`` (before tokenizing),
+then tokenization and the token counts. Runs in a worker thread. Does not: parse JSON
+(``protocol``), sample, batch or build responses (``bodies``).
 """
 
 from __future__ import annotations
@@ -234,17 +228,14 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 def template_kwargs(body: ChatCompletionRequest | None, tokenizer) -> dict:
-    """The chat template's arguments of a chat request, as vLLM passes them: ``chat_template_kwargs``
-    (the template's own variables, e.g. Qwen3's ``enable_thinking``; a key the template does not
-    read changes nothing), then ``reasoning_effort`` (and ``enable_thinking``: false for "none",
-    true otherwise, unless given), then ``add_generation_prompt`` (default true; false when
-    ``continue_final_message`` without it, SGLang's reading) and ``continue_final_message``, which
-    win over the same keys in chat_template_kwargs.
+    """The chat template's arguments of a chat request, as vLLM passes them: ``chat_template_kwargs``,
+    then ``reasoning_effort`` (``enable_thinking`` false for "none", else true, unless given), then
+    ``add_generation_prompt`` (default true; false for ``continue_final_message`` without it, as
+    SGLang) and ``continue_final_message``, which win over the same keys in chat_template_kwargs.
 
     Raises:
-        ApiError: a chat_template_kwargs key that is an argument of transformers'
-            ``apply_chat_template`` other than those (``chat_template``, ``tokenize``: vLLM's refusal;
-            ``tools``: not supported here; ``return_dict``, ``padding``, ...: the server sets them).
+        ApiError: a chat_template_kwargs key that is another argument of transformers'
+            ``apply_chat_template`` (``chat_template``, ``tokenize``, ``tools``, ``return_dict``, ...).
     """
     kwargs = dict(body.chat_template_kwargs or {}) if body is not None else {}
     own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"conversation", "kwargs"}
@@ -298,11 +289,12 @@ def _check_bytes(texts: list[str], param: str, context_length: int) -> None:
 
 
 def prompt_inputs(body, tokenizer, context_length: int, vocab_size: int) -> tuple[list[list[int]], list[str], str]:
-    """(prompt ids per prompt, prompt texts, the param name) of a completions or chat body.
+    """(prompt ids per prompt, prompt texts, the param name) of a completions or chat body
+    (completions: a string, strings, token ids, or lists of token ids).
 
-    Completions prompts: a string, a list of strings, a list of token ids, or a list of
-    lists of token ids. Raises ApiError for an empty prompt, a token id outside the
-    vocabulary, or a prompt too long for the context (bytes before tokenizing, then tokens).
+    Raises:
+        ApiError: an empty prompt, a token id outside the vocabulary, or a prompt too long for the
+            context (bytes before tokenizing, then tokens).
     """
     if isinstance(body, ChatCompletionRequest):
         messages = chat_messages(body.messages)

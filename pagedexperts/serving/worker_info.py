@@ -1,17 +1,7 @@
-"""What a router asks of a replica beyond the OpenAI routes: GET /server_info and /model_info
-(also under SGLang's older names /get_server_info and /get_model_info).
-
-sglang-router (0.3.x) registers a worker with GET /health, then /server_info and /model_info
-(watched on loopback; on a 404 it falls back to the deprecated /get_server_info and
-/get_model_info, and registers the worker as model "unknown"). From the answers it takes the
-model id (``served_model_name``, so the router's /v1/models lists the name clients send) and
-where to load the tokenizer from (``tokenizer_path``, else ``model_path``; a local
-directory is read from disk). It then health-checks /health (503 while this replica drains,
-so the router stops sending to it) and forwards /v1/* requests. vllm-router (0.1.x) asks
-only /health, and forwards /v1/models, /get_server_info and /get_model_info to a replica.
-
-Owns: the two bodies, in SGLang's field names where the concept is the same. Does not: route,
-or decide anything; it reports.
+"""What a router asks of a replica beyond the OpenAI routes: the bodies of GET /server_info and
+/model_info (also /get_server_info and /get_model_info), in SGLang's field names where the
+concept is the same (``served_model_name``, ``model_path``, ``tokenizer_path``). What the
+routers read: docs/server.md, "Replicas behind a router". Does not: route or decide anything.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Paging accounting, defined once: the runtime, the simulator and the server all count here.
 
-Owns: per-layer counters (hits, misses, bytes paged, page-in seconds, waves, union size) and
-their totals and rates. Definition (docs/design.md "Terms"): a hit or a miss is counted per distinct
-routed expert per MoE layer per step; misses per token = misses / tokens of the step (summed
-over steps). Padding tokens a caller could not exclude are counted in ``padding_tokens`` and
-are NOT part of ``tokens``. Besides the sums, the host times of each layer-step (plan,
-top-k read-back, page-in) are kept as distributions (``TimeDistribution``: a window for p50/p99,
-Prometheus histogram buckets; quantiles by ``stats.times.nearest_rank``), recorded with the
-step's counters. Prefetch counters
-(``PrefetchStats``) are counted here too, by the runtime and the simulator alike. Standard
-library only. Does not: decide residency or move bytes, or format metrics (the server does).
+Owns: per-layer counters (hits, misses, bytes paged, page-in seconds, waves, union size), their
+totals and rates, the host times of each layer-step as distributions (``TimeDistribution``) and
+the prefetch counters (``PrefetchStats``). A hit or a miss is counted per distinct routed expert
+per MoE layer per step (docs/design.md "Terms"); padding tokens are counted apart
+(``padding_tokens``), not in ``tokens``. Standard library only. Does not: decide residency,
+move bytes, or format metrics.
 """
 
 from __future__ import annotations

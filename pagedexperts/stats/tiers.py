@@ -1,8 +1,5 @@
-"""Counters of the host and disk tiers (standard library only: the simulator imports it too).
-
-Owns: ``TierStats``, one layer's host hits/misses, disk reads, bytes and read times, and their
-sums and percentiles (``stats.times.nearest_rank``). Does not: read or decide anything
-(``storage.host_tier``).
+"""Counters of the host and disk tiers, standard library only: ``TierStats``, one layer's host
+hits/misses, disk reads, bytes and read times, their sums and percentiles.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The one quantile definition of the paging stats (standard library only).
-
-Owns: ``nearest_rank``, the quantile every counter of the package uses (the layer-step's host
-times, ``stats.accounting.TimeDistribution``; disk read times, ``stats.tiers``). Does not: keep
-samples (``stats.accounting``) or format metrics (the server does).
-"""
+"""The one quantile definition of the paging stats (standard library only): ``nearest_rank``."""
 
 from __future__ import annotations
 

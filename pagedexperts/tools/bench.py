@@ -1,33 +1,23 @@
 """Benchmarks of paging against what users would run instead, on one model and machine.
 
-Owns: the measurement of one execution mode in one round (TTFT on short and
-long prompts, single-stream decode wall and CPU time per token, total tok/s at each
-concurrency, decode paging counters), the rounds that interleave the modes, and their medians
-and spreads. Modes: ``plain`` (transformers' own model, nothing of this package attached:
-what a user runs when the model fits) and the loader's (``paging.baselines``): resident, paged at each
-K, offload, cpu-experts. Concurrency c is c prompts decoded together in one batch.
-Does not: read prompt files (``tools.prompts``), clock a generate token by token
-(``tools.timed_generate``), define the modes (``paging.baselines``), write the table, JSON and
-PNG (``commands.bench``), or schedule a server (``engine``, ``serving``).
-
-Method. The checkpoint is loaded once for the paged model (each mode re-attaches runners over
-the same host stores, ``repage``) and once as the plain model. Round r runs every mode once,
-in an order rotated by r (recorded); each mode is warmed up after its switch, outside the
-timing. Every number is a median over rounds; times per decode token also carry their spread
-(min and max over rounds), and each mode's ratio to plain is taken per round (the same round's
-plain run) before its median and spread, so a burst of other load shows as spread rather than
-as a wrong ratio. CPU time (``time.process_time``: all threads of this process) is the measure
-for CPU-bound overhead; wall time for the rest. Compare ratios measured in one run, not
-absolute numbers across machines.
-
-Units: seconds, tok/s, bytes.
+Owns: the ``bench`` command's work (``bench_checkpoint``: the workload checked against the
+checkpoint, the rounds, the results written), the measurement of one mode in one round (TTFT on
+short and long prompts, decode wall and CPU time per token, total tok/s at each concurrency c:
+c prompts decoded as one batch; decode paging counters), and the rounds' medians and spreads.
+Modes: ``plain`` (transformers' own model, nothing attached) and ``paging.baselines``' (resident,
+paged at each K, offload, cpu-experts). The method: docs/benchmarks.md. Units: seconds, tok/s,
+bytes. Does not: read prompt files (``tools.prompts``), clock a generate (``tools.timed_generate``)
+or lay out the tables and files (``tools.bench_results``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -35,7 +25,8 @@ import torch
 from pagedexperts.paging.baselines import MODES
 from pagedexperts.paging.steps.table import transformers_inner
 from pagedexperts.residency.policies import DEFAULT_POLICY
-from pagedexperts.tools.check import fused_expert_targets_quiet, transformers_model
+from pagedexperts.tools.bench_results import terminal_table, write_results
+from pagedexperts.tools.check import DEFAULT_PROMPTS, fused_expert_targets_quiet, transformers_model
 from pagedexperts.tools.timed_generate import long_prompts, timed_generate
 
 
@@ -204,6 +195,65 @@ def round_order(jobs: list, r: int) -> list:
     """Round ``r``'s order: ``jobs`` rotated left by r (each job leads once every len(jobs) rounds)."""
     r %= len(jobs)
     return jobs[r:] + jobs[:r]
+
+
+def bench_checkpoint(cfg: BenchConfig, *, cpu_expert_layers: int | None, prompts_path: str | None,
+                     num_prompts: int | None, results_dir: Path, command: str, threads_how: str) -> BenchRun:
+    """``pagedexperts bench``: ``cfg``'s workload checked against the checkpoint (``checked_workload``),
+    the first ``num_prompts`` prompts of ``prompts_path`` (None: the built-in ones), the rounds, the
+    results under ``results_dir`` and the terminal table.
+
+    Raises:
+        ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
+    """
+    from pagedexperts.tools.prompts import read_prompts
+
+    cfg = checked_workload(cfg, cpu_expert_layers=cpu_expert_layers)
+    try:
+        prompts = read_prompts(prompts_path) if prompts_path else list(DEFAULT_PROMPTS)
+    except ValueError as exc:
+        raise ValueError(f"--prompts {exc}") from None
+    if num_prompts is not None and num_prompts > len(prompts):
+        where = f"--prompts {prompts_path}" if prompts_path else "the built-in prompts (--prompts FILE for more)"
+        raise ValueError(f"--num-prompts {num_prompts} exceeds the {len(prompts)} prompts of {where}")
+    prompts = prompts[:num_prompts]
+    if results_dir.exists() and not results_dir.is_dir():  # a FileExistsError traceback after the whole benchmark
+        raise ValueError(f"--results-dir {results_dir} is a file; give a directory (made if missing)")
+    cfg = dataclasses.replace(cfg, num_prompts=len(prompts))
+    print(f"threads: {cfg.threads} ({threads_how})", file=sys.stderr)
+    report = run_bench(cfg, prompts)
+    write_results(report, cfg, results_dir, command)
+    print(terminal_table(report, cfg.concurrency))
+    print(f"\nthe full table (TTFT long, wall and CPU ms per token, every concurrency, waves, planning time): "
+          f"{results_dir}/bench.md; per-round samples: {results_dir}/bench.json", file=sys.stderr)
+    return report
+
+
+def checked_workload(cfg: BenchConfig, *, cpu_expert_layers: int | None) -> BenchConfig:
+    """``cfg`` with its K values checked in [top_k, E] of ``cfg.model_path``'s checkpoint (none
+    given with mode paged: 2k, 4k and E/2, each at most E), and ``cpu_expert_layers`` (None:
+    half) in [1, MoE layers] where mode cpu-experts runs.
+
+    Raises:
+        ValueError / FileNotFoundError: a bad value (names the value, the limit and the flag).
+    """
+    from pagedexperts.loading.loader import read_checkpoint_config
+    from pagedexperts.models.config import moe_layer_indices, num_routed_experts
+    from pagedexperts.residency.planner import check_num_resident
+
+    _, c, _ = read_checkpoint_config(cfg.model_path)
+    k, e = int(c.num_experts_per_tok), num_routed_experts(c)
+    ks = cfg.num_resident
+    if "paged" in cfg.modes and not ks:
+        ks = tuple(sorted({min(e, 2 * k), min(e, 4 * k), max(k, e // 2)}))
+    for x in ks:
+        check_num_resident(x, num_experts=e, min_slots=k)
+    num_moe = len(moe_layer_indices(c))  # the loader's limit: its MoE sites follow the family rule
+    layers = cpu_expert_layers
+    if "cpu-experts" in cfg.modes and layers is not None and not 1 <= layers <= num_moe:
+        raise ValueError(f"--cpu-expert-layers {layers} outside [1, {num_moe}] (the model's MoE layers; "
+                         "leave it out for half)")
+    return dataclasses.replace(cfg, num_resident=ks)
 
 
 def bench_jobs(cfg: BenchConfig) -> list[tuple[str, int | None]]:

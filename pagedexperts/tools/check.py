@@ -1,10 +1,9 @@
 """The accuracy smoke test: paged vs unpaged logits and greedy tokens on a few prompts.
 
-Owns: loading the reference (all experts resident, the same experts implementation and dtype:
-transformers' ``from_pretrained`` once checked, else the format library's decompression, else
-the pagedexperts resident model, as ``tools.reference.choose_reference`` rules), running the
-prompts through both, one by one (batch 1) and together (a left-padded batch), and the verdict.
-Does not: page or load the paged model itself (``loading``).
+Owns: loading the reference (all experts resident, the same implementation and dtype, as
+``tools.reference.choose_reference`` rules) and comparing prompts through both, one by one and
+as a left-padded batch (``check_model``). Does not: load the paged model or print verdicts
+(``tools.check_runs``).
 """
 
 from __future__ import annotations
@@ -64,11 +63,8 @@ def load_reference(model_path, *, device: str, dtype: str | None, experts_implem
 
 
 def load_reference_with_choice(model_path, *, device: str, dtype: str | None, experts_implementation: str):
-    """The unpaged model (all experts resident, the same dtype and experts implementation) and
-    the ``tools.reference.ReferenceChoice`` saying which it is and why: transformers' own loading
-    (``from_pretrained`` with the format's ``reference_kwargs``: its dequantized build, the same
-    on CPU and GPU) only once checked, else the format library's decompression, else the
-    pagedexperts resident model (``tools.reference.choose_reference``).
+    """The unpaged model (all experts resident, the same dtype and experts implementation) and the
+    ``tools.reference.ReferenceChoice`` saying which it is and why (``choose_reference``).
 
     Raises:
         ValueError / ImportError: see ``choose_reference``; a format refused (``format_for_config``).
@@ -189,15 +185,12 @@ def _quiet_load(path, **kwargs):
 
 
 class _CheckpointModuleTargets(logging.Filter):
-    """Drops compressed-tensors' "Could not match `T` in instance of ..." WARNING where T names
-    modules that are there though compressed-tensors reports them unmatched: per-expert modules
-    of the checkpoint (``expert_modules``), which transformers 5 fuses into stacked experts tensors
-    (no module of that name exists to match; it decompresses them through its own weight
-    conversion, which ``reference.choose_reference`` cross-checks against compressed-tensors), and
-    modules of the checkpoint (``modules``) that a class target listed before T also matches
-    (``claimed_after``: compressed-tensors' matcher stops at a module's first matching target, so
-    ``lm_head`` after ``Linear`` in ``quantize --scope model``'s config is reported unmatched, though
-    lm_head gets its int8 scheme). Any other target still warns."""
+    """Drops compressed-tensors' "Could not match `T` in instance of ..." WARNING where the modules T
+    names are there: per-expert modules transformers 5 fuses into stacked tensors
+    (``expert_modules``), and modules a class target listed before T also matches
+    (``claimed_after``: lm_head after ``Linear`` in ``quantize --scope model``'s config). Any other
+    target still warns.
+    """
 
     def __init__(self, expert_modules: list[str], modules: list[str], claimed_after: set[str]) -> None:
         super().__init__()

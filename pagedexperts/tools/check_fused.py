@@ -1,14 +1,10 @@
-"""The accuracy check of ``--experts-implementation fused``: within a tolerance of transformers.
+"""``check``'s comparison within a tolerance: a paged model whose kernels are exact only to
+themselves (fused, packed) against transformers' own model.
 
-The fused kernels dequantize in registers and accumulate in float32, so a paged fused model is
-exact only to the same kernel with all E experts resident (``tools.check.check_model`` against
-that model). Against transformers' own model (its dequantized experts, ``grouped_mm``) it is
-close, not equal. Owns that second comparison: teacher-forced logits of both models over the
-same tokens (each prompt, then the float32 source's greedy continuation, so the two never
-diverge and every position is compared), max |diff| against a bound stated per dtype, and the
-top-1 agreement of each with the float32 source model (the unquantized checkpoint the
-quantized one was made from): the fused path must agree no less often than transformers' own
-dequantizing path. Does not: load models (``commands.check``).
+Owns: teacher-forced logits of both models over the same tokens (each prompt, then the float32
+source's greedy continuation), max |diff| against a bound per dtype (``LOGIT_TOLERANCE``), and
+top-1 agreement with the float32 source (the fused path must agree no less often than
+transformers' dequantizing path). Does not: load models (``tools.check_runs``).
 
 Legend: B batch, T tokens, V vocabulary.
 """

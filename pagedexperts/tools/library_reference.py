@@ -1,12 +1,11 @@
-"""The format library's own decompression of a quantized checkpoint: ``check``'s reference
-where transformers' loading cannot be trusted.
+"""The format library's own decompression of a quantized checkpoint: ``check``'s reference where
+transformers' loading cannot be trusted.
 
-Owns: ``library_decompress`` (a checkpoint directory -> a dense checkpoint directory, every
-compressed module, routed experts, attention, shared experts and dense MLPs alike, decompressed
-by the format's own library: compressed-tensors' per-module ``BaseCompressor.decompress``,
-ModelOpt's ``NVFP4QTensor`` / ``FP8QTensor.dequantize``), ``has_library_reference``, and
-``align_like_checkpoint``, which lays the library's dense model out in memory as the paged model
-holds it. Does not: choose the reference (``tools.reference``), page or run prompts.
+Owns: ``library_decompress`` (a checkpoint directory -> a dense one, every compressed module
+decompressed by the format's own library: compressed-tensors' ``BaseCompressor.decompress``,
+ModelOpt's ``NVFP4QTensor`` / ``FP8QTensor.dequantize``), ``has_library_reference`` and
+``align_like_checkpoint`` (the dense model laid out as the paged model holds it). Does not:
+choose the reference (``tools.reference``), page or run prompts.
 """
 
 from __future__ import annotations
@@ -49,13 +48,12 @@ def _modules(keys) -> dict[str, dict[str, str]]:
 
 
 def _ct_decompressor(config: dict, src: Path) -> Callable:
-    """compressed-tensors' per-module decompression: (module prefix, {local name: tensor}) ->
-    dense weight, as ``BaseCompressor.get_value_from_registry(format).decompress(state,
-    scheme)`` (the per-module call transformers' loader makes), in the dtype it returns; the
-    module's group as compressed-tensors itself picks it (``library_scheme``), not as
-    pagedexperts' formats read it.
+    """compressed-tensors' per-module decompression, (module prefix, {local name: tensor}) -> dense
+    weight, as transformers' loader calls it (``BaseCompressor.get_value_from_registry(format)
+    .decompress``), the module's group as compressed-tensors picks it (``library_scheme``).
 
-    Raises (when called): ValueError, a compressed module no config group covers."""
+    Raises (when called): ValueError, a compressed module no config group covers.
+    """
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -88,13 +86,12 @@ def library_scheme(qconf, module: str):
 
 
 def _modelopt_decompressor(config: dict, src: Path) -> Callable:
-    """ModelOpt's own dequantization of one exported module, into the checkpoint's saved dtype
-    (config ``dtype``, ModelOpt's QTensor ``metadata["dtype"]``): NVFP4 (uint8 ``weight`` with
-    ``weight_scale_2``) ``NVFP4QTensor(shape, dtype, weight).dequantize(scale=weight_scale,
-    double_scale=weight_scale_2, block_sizes={-1: 16})``; FP8 ``FP8QTensor(...).dequantize(
-    scale=weight_scale)``; ``input_scale`` dropped (activations unquantized).
+    """ModelOpt's own dequantization of one exported module into the checkpoint's saved dtype:
+    NVFP4 ``NVFP4QTensor(...).dequantize(scale, double_scale, block_sizes={-1: 16})``, FP8
+    ``FP8QTensor(...).dequantize(scale)``; ``input_scale`` dropped (activations unquantized).
 
-    Raises (when called): ValueError, a module that is neither."""
+    Raises (when called): ValueError, a module that is neither.
+    """
     from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
 
     dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch."))
@@ -163,20 +160,10 @@ def expert_parameters(model) -> dict[str, torch.Tensor]:
 
 
 def align_like_checkpoint(model, src: Path) -> int:
-    """Re-place every non-expert parameter of ``model`` (the library's dense model, loaded from
-    the decompressed temporary checkpoint) at the page alignment its tensor has in ``src``'s
-    shard, in place; returns how many moved.
-
-    Why: transformers keeps non-expert weights memory-mapped, so their address is congruent to
-    their file offset modulo the page size, and CPU GEMMs (oneDNN/MKL) can sum in another order
-    at another alignment. Checkpoint keys are renamed as transformers does (Mixtral's
-    ``block_sparse_moe.gate`` -> ``mlp.gate``: ``loading.checkpoint.KeyMap``). The decompressed checkpoint stores the same non-expert tensors at
-    other offsets (its experts are larger), which made the reference's logits differ from the
-    paged model's (which copies them at ``src``'s alignment, ``loading.fill.empty_like_mapped``)
-    in the last bits (3.8e-6 on the bundled model's W4A16_ASYM). A parameter whose bytes differ
-    from the file's (a decompressed module: attention, shared experts, dense MLPs; or another
-    dtype) gets a fresh allocation, as the paged model's dequantized weights have
-    (``loading.linears``): the decompressed file maps it at an arbitrary offset.
+    """Re-place every non-expert parameter of ``model`` (the library's dense model) at the page
+    alignment its tensor has in ``src``'s shard (keys renamed as ``loading.checkpoint.KeyMap``
+    does), in place; a parameter whose bytes differ from the file's gets a fresh allocation, as
+    the paged model's dequantized weights do. Returns how many moved. Why: docs/exactness.md.
     """
     from pagedexperts.loading.checkpoint import KeyMap
     from pagedexperts.loading.fill import empty_like_mapped

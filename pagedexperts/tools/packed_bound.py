@@ -1,36 +1,26 @@
 """The packed CPU matmuls against the checkpoint's float32 dequantization, under a derived bound.
 
-``check`` where experts run packed gives two verdicts. The first is exactness to itself (paged
-== the same kernels all E resident, ``tools.check``). This module owns the second: each sampled
-expert tensor of each layer, converted to the kernels' layout by the code that pages it in
-(``formats.cpu_pack.KernelTensor.convert``), and each packed non-expert linear as installed
-(``loading.packed_linears.PackedLinear``), multiplied by torch's kernel
-(``formats.cpu_pack.packed_matmul``), against the float32 product with the checkpoint's weights
-dequantized in float32 (``W = (q - z) * s`` from ``formats.unpack.int_groups``, every operation
-in float32), on the same inputs x. The bound per output element i of ``y = x @ W^T`` (K the
-reduction length):
+Owns ``check``'s second verdict where experts run packed (the first, exactness to itself, is
+``tools.check``'s): each sampled expert tensor converted by the code that pages it in
+(``formats.cpu_pack.KernelTensor.convert``) and each ``loading.packed_linears.PackedLinear``,
+multiplied by ``formats.cpu_pack.packed_matmul``, against the float32 product with the weights
+dequantized in float32 (``W = (q - z) * s``, ``formats.unpack.int_groups``) on the same x
+(seeded standard normal rows in d, at 1 and ``PROBE_ROWS[-1]`` rows). The bound per output
+element i of ``y = x @ W^T`` (K the reduction length):
 
     |y_i - y*_i| <= (3 u_d + gamma_K) (1 + u_d) sum_k |x_k| M_ik + u_d |y*_i|
 
-- ``u_d`` the unit roundoff of the run dtype d, the kernels' multiply dtype (x and the scales are
-  in d; ``torch.finfo(d).eps / 2``: 2**-8 bfloat16, 2**-11 float16, 2**-24 float32); three
-  roundings to d per weight: the scale, the float zero point ``(8 - z) * s`` (int4) and the
-  weight the kernel forms from them; the output rounded to d once (``u_d |y*_i|``);
-- ``gamma_K = K u / (1 - K u)``, u = 2**-24: the float32 accumulation of K products in any order
-  (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 2002, Lemma 3.1 and eq. (3.5):
-  ``|fl(x^T y) - x^T y| <= gamma_n |x|^T |y|``); torch's CPU int4 / int8 kernels widen to float32
-  and accumulate there (aten/src/ATen/native/cpu/int4mm_kernel.cpp, int8mm_kernel.cpp);
-- ``M_ik`` the magnitude of the terms the kernel adds for weight (i, k): ``(|q - 8| + |8 - z|) |s|``
-  for int4 (its ``(q - 8) * scale + zero``), ``|q - z| |s|`` for int8.
+- ``u_d`` the unit roundoff of the run dtype d (``torch.finfo(d).eps / 2``); three roundings to
+  d per weight: the scale, the float zero point ``(8 - z) * s`` (int4) and the weight the
+  kernel forms; the output rounded to d once;
+- ``gamma_K = K u / (1 - K u)``, u = 2**-24: float32 accumulation of K products in any order
+  (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 2002, Lemma 3.1, eq. (3.5));
+  torch's CPU int4 / int8 kernels accumulate in float32 (aten/src/ATen/native/cpu/int4mm_kernel.cpp,
+  int8mm_kernel.cpp);
+- ``M_ik``: ``(|q - 8| + |8 - z|) |s|`` for int4 (its ``(q - 8) * scale + zero``), ``|q - z| |s|`` for int8.
 
-Why per matmul and not on the logits: a routed model turns a last-bit difference into another
-expert choice (a discontinuity), so no bound on the logits follows from the roundoff; the bound
-is placed where it can be derived, and the whole model's agreement is reported as top-1
-agreement with the float32 model (``tools.check_fused.top1_agreement``). x: seeded rows of a
-standard normal in d, at 1 row (decode) and ``PROBE_ROWS[-1]`` rows (prefill), so a kernel
-routed by rows is checked on both routes.
-
-Does not: load models, run prompts, or check exactness (``tools.check``).
+Why per matmul, not on the logits: docs/formats.md, "Computed packed on a CPU". Does not: load
+models, run prompts, or check exactness (``tools.check``).
 
 Legend: N output features, K input features, M rows.
 """
@@ -165,10 +155,9 @@ def kernel_bound_check(model, files, fmt, dtype: torch.dtype, *, per_layer: int 
 
 
 def linear_bound_check(model, files, result: KernelBound, *, seed: int = 0) -> KernelBound:
-    """The bound of the module docstring on every packed non-expert linear of ``model`` (its
-    ``loading.packed_linears.PackedLinear`` modules, the kernel tensors as installed), against
-    the float32 dequantization of the module's serialized tensors read from the checkpoint
-    ``files`` through safetensors' own reader; added to ``result`` (``linears`` counted).
+    """The module docstring's bound on every ``PackedLinear`` of ``model`` (kernel tensors as
+    installed) against the float32 dequantization of its serialized tensors read from ``files``
+    through safetensors' own reader; added to ``result``.
 
     Raises:
         ValueError: a packed linear whose serialized tensors are not under its module name.

@@ -1,26 +1,12 @@
 """Round-to-nearest quantization of a checkpoint's routed experts into a published format.
 
-Owns: reading an unquantized (bf16 / fp16 / fp32) Hugging Face checkpoint, quantizing its
-ROUTED expert weights only (attention, router, norms, embeddings, shared experts and dense MLPs
-are copied unchanged, byte for byte; w4a16 ``scope`` "model": every nn.Linear but routers,
-``tools.quantize_model``), and writing the format's published on-disk layout so that
-transformers' own ``from_pretrained`` loads the result. Also builds, on first use, the bundled
-model's quantized variants into a cache directory. Does not: calibrate (no GPTQ/AWQ
-search; plain round-to-nearest), dequantize (``formats``), or load models for inference; each
-format's writer is ``tools.quantize_writers``'.
-
-Formats written:
-
-- ``w4a16``: compressed-tensors ``pack-quantized`` int4, group strategy (default: the largest group
-  of 128, 64, 32 that fits the checkpoint; symmetric), per-expert keys ``experts.{j}.{proj}.weight_packed / weight_scale /
-  weight_shape`` (+ ``weight_zero_point`` when asymmetric), written by the compressed-tensors
-  package itself (``calculate_qparams`` min/max round-to-nearest, ``PackedQuantizationCompressor
-  .compress``, ``ModelCompressor.update_config``), as llm-compressor's W4A16 preset saves.
-- ``fp8-block``: DeepSeek-V3 / Qwen3-FP8 block FP8 (``weight`` float8_e4m3fn + float32
-  ``weight_scale_inv`` per 128 x 128 block), ``quantization_config`` {"quant_method": "fp8",
-  "weight_block_size": [128, 128], "modules_to_not_convert": [every module left unquantized]}.
-- ``mxfp4``: gpt-oss's stacked ``experts.{gate_up,down}_proj_blocks / _scales`` (E8M0 scales,
-  32-value blocks), biases unquantized.
+Owns: ``quantize_checkpoint`` (an unquantized Hugging Face checkpoint in, its ROUTED expert
+weights quantized, everything else copied byte for byte, written in the format's published
+layout that transformers' ``from_pretrained`` loads; w4a16 ``scope`` "model": every nn.Linear
+but the routers, ``tools.quantize_model``), the bundled model's quantized variants built on
+first use into the cache, and ``write_kernel_layout``. The formats (w4a16, fp8-block, mxfp4)
+and their writers: ``tools.quantize_writers``. Does not: calibrate (plain round-to-nearest),
+dequantize (``formats``) or load models for inference.
 
 Legend: E experts, O output features, I input features (nn.Linear [O, I]).
 """
@@ -61,19 +47,16 @@ class QuantizeReport:
 
 def quantize_checkpoint(*, model_path: str | Path, output: str | Path, options: QuantizeOptions,
                         progress: bool = False) -> QuantizeReport:
-    """Quantize ``model_path``'s routed experts into ``output`` (see the module docstring).
-
-    The source's shards are kept (same file names, same index); only routed expert weights
-    change. Everything is validated from the headers before any tensor is read. ``progress``: a
-    tqdm bar of the expert weights quantized, on stderr when it is a terminal (as ``bench``).
+    """Quantize ``model_path``'s routed experts into ``output``, keeping the source's shard names and
+    index; everything validated from the headers before any tensor is read; ``progress``: a tqdm
+    bar on stderr where it is a terminal.
 
     Raises:
-        ValueError: unknown format or scope (lists them), a source that is already quantized, no
-            routed expert weight, an expert shape the format cannot hold (names the tensor,
-            the size and the flag), with scope "model" a module torch's CPU kernels cannot compute
-            packed (names it and why), a truncated or corrupt shard, or an output that is a file or a
-            directory that is not empty. Nothing is left in ``output`` when writing fails (or is
-            interrupted).
+        ValueError: unknown format or scope, an already quantized source, no routed expert weight,
+            an expert shape the format cannot hold (names the tensor, the size and the flag), with
+            scope "model" a module the CPU kernels cannot compute packed, a truncated shard, or an
+            output that is a file or a non-empty directory. Nothing is left in ``output`` when
+            writing fails.
         FileNotFoundError: no config.json in ``model_path``.
     """
     src, dst = Path(model_path), Path(output)
@@ -122,12 +105,9 @@ def _write(src: Path, dst: Path, config: dict, headers: dict, keys: set[str], wr
 
 
 def bundled_variant_path(fmt: str, *, cache_dir: str | Path, source: str | Path | None = None) -> Path:
-    """The bundled model quantized to ``fmt`` (w4a16 group 64 symmetric, or fp8-block),
-    built on first use into ``cache_dir`` and reused after.
-
-    The directory name carries a hash of the source weights and options, so a retrained
-    bundled model gets a fresh build; the build goes to a temporary directory renamed into
-    place, so an interrupted build never leaves a half-written variant.
+    """The bundled model quantized to ``fmt``, built on first use into ``cache_dir`` (its name
+    carries a hash of the source weights and options; written to a temporary directory renamed
+    into place) and reused after.
 
     Raises:
         ValueError: a format the bundled model has no variant in (lists them).

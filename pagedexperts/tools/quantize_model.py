@@ -1,20 +1,12 @@
 """What ``quantize --format w4a16 --scope model`` quantizes beyond the routed experts, and its refusal.
 
-Owns: ``plan_whole_model``: from a checkpoint's config and shard headers, the non-expert nn.Linear
-weights quantized to int4 with the experts' group args (attention projections, shared experts,
-dense MLP layers), lm_head's weight (int8 per channel, ``LM_HEAD_ARGS``), and the ``ignore``
-list of the nn.Linear modules left unquantized (routers and gates, a tied lm_head), as
-llm-compressor's whole-model exports write them (a ``Linear`` config group, a ``lm_head`` group,
-concrete module names in ``ignore``: tests/data/llmc_whole); and the refusal, before anything is
-written, of a module torch's CPU int4 / int8 kernels cannot compute packed (naming the module and
-``formats.cpu_pack.plan_tensor``'s reason). Does not: quantize or write (``tools.quantize``'s
-w4a16 writer does, through the compressed-tensors package).
-
-lm_head at int8 per output channel (symmetric): llama.cpp keeps its output matrix at 6 bits
-(Q6_K) under Q4_0; compressed-tensors has no 6-bit int packing, and int8 per channel is the
-kernel's own layout (``aten._weight_int8pack_mm``). docs/formats.md ("Whole-model int4") gives the
-measured top-1 agreement of int8 and int4 lm_heads. A tied lm_head (``tie_word_embeddings``) is
-the input embeddings' matrix, which stays unquantized: it stays tied and is ignored.
+Owns: ``plan_whole_model`` (from the config and shard headers: the non-expert nn.Linear weights
+quantized to int4 with the experts' group args, lm_head's weight at int8 per channel,
+``LM_HEAD_ARGS``, and the ``ignore`` list: routers and gates, a tied lm_head; as
+llm-compressor's whole-model exports write them) and the refusal, before anything is written,
+of a module torch's CPU kernels cannot compute packed (naming the module and the reason). Why
+int8 for lm_head: docs/formats.md, "Whole-model int4". Does not: quantize or write
+(``tools.quantize``).
 """
 
 from __future__ import annotations
@@ -35,14 +27,9 @@ _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torc
 
 @dataclass(frozen=True)
 class WholeModelPlan:
-    """The non-expert part of a whole-model w4a16 export.
-
-    Attributes:
-        linear_keys: checkpoint weight keys (``...q_proj.weight``) quantized to int4 with the
-            experts' group size and symmetry.
-        lm_head_key: lm_head's weight key, quantized int8 per channel; None when lm_head is tied
-            to the embeddings (kept, and ignored).
-        ignore: nn.Linear module names (checkpoint spelling) left unquantized, sorted.
+    """The non-expert part of a whole-model w4a16 export: ``linear_keys`` (weight keys quantized to
+    int4 with the experts' group args), ``lm_head_key`` (int8 per channel; None when tied to the
+    embeddings) and ``ignore`` (nn.Linear module names left unquantized, sorted).
     """
 
     linear_keys: frozenset[str]
@@ -75,14 +62,13 @@ def lm_head_scheme():
 def plan_whole_model(config: dict, headers: dict[Path, dict], expert_keys: set[str], *, group_size: int,
                      symmetric: bool) -> WholeModelPlan:
     """``WholeModelPlan`` of a checkpoint (config.json's dict, {shard: header}, the routed expert
-    weight keys the experts writer quantizes): every nn.Linear of the model (``formats.ct_schemes
-    .non_expert_linear_names``, the model's skeleton on meta) whose weight the checkpoint stores,
-    but routers and gates (``ROUTER_SUFFIXES``).
+    weight keys): every nn.Linear of the model's skeleton whose weight the checkpoint stores, but
+    routers and gates (``ROUTER_SUFFIXES``).
 
     Raises:
-        ValueError: a module torch's CPU kernels cannot compute packed at ``group_size`` (names
-            the module, the reason and the flags), or an in_features not a multiple of
-            ``group_size``; nothing has been written then.
+        ValueError: a module torch's CPU kernels cannot compute packed at ``group_size`` (names the
+            module, the reason and the flags), or in_features not a multiple of ``group_size``;
+            nothing has been written then.
     """
     from pagedexperts.formats.ct_schemes import non_expert_linear_names
     from pagedexperts.loading.checkpoint import KeyMap

@@ -1,12 +1,10 @@
-"""The writer of each format ``quantize`` writes: which tensors it quantizes, checked from the
-shards' headers before anything is written, each tensor's quantization, the config it writes.
+"""The writer of each format ``quantize`` writes: which tensors, checked from the headers before
+anything is written, each tensor's quantization, the config written.
 
-Owns: ``QuantizeOptions``, ``Writer`` (the contract) and one writer per format: ``W4A16Writer``
-(compressed-tensors pack-quantized int4 written by the compressed-tensors package; without a
-group size, the largest of ``GROUP_SIZES`` that fits the checkpoint), ``Fp8BlockWriter``
-(DeepSeek-V3 / Qwen3-FP8 block FP8), ``Mxfp4Writer`` (gpt-oss MXFP4). Does not: read or write
-shards (``tools.quantize``), or plan the non-expert linears of ``scope`` "model"
-(``tools.quantize_model``).
+Owns: ``QuantizeOptions``, ``Writer`` (the contract), ``W4A16Writer`` (compressed-tensors
+pack-quantized int4, written by the compressed-tensors package; no group size given: the largest
+of ``GROUP_SIZES`` that fits), ``Fp8BlockWriter`` (block FP8) and ``Mxfp4Writer`` (gpt-oss
+MXFP4). Does not: read or write shards (``tools.quantize``).
 
 Legend: E experts, O output features, I input features (nn.Linear [O, I]).
 """

@@ -1,28 +1,17 @@
 """The unpaged reference ``check`` compares a paged model with, chosen per checkpoint so that it
-can be trusted: transformers' loading only after it is checked, else the format library's
-decompression, else the pagedexperts resident model, each fallback with a WARNING naming why.
+can be trusted, each fallback with a WARNING naming why (``choose_reference``):
 
-Owns: ``choose_reference`` (the rule below), ``compare_experts`` (transformers' dequantized
-routed experts vs the library's, on a seeded sample of (layer, expert)), ``compare_with_format``
-(transformers' experts vs pagedexperts' dequantization of the same experts read from the
-checkpoint), ``complete`` (transformers' loading info: no tensor left randomly initialised).
-The library's decompression itself is ``tools.library_reference``. The rule:
-
-1. a format library decompresses the checkpoint here (compressed-tensors, ModelOpt): its dense
-   model, unless transformers loads it with nothing missing and a sample of its experts equals
-   the library's; not tried where transformers cannot be right: per-projection config groups
-   (``per_projection_groups``), no loader for the quant_method (``no_transformers_loader``:
-   ModelOpt), or quantized non-expert modules (``quantized_linears``: transformers runs them
-   through compressed-tensors' forward, not as the decompressed weights);
+1. where a format library decompresses the checkpoint here (compressed-tensors, ModelOpt): its
+   dense model, unless transformers loads it with nothing missing and a sample of its experts
+   equals the library's (``compare_experts``; not tried for per-projection config groups, no
+   transformers loader, or quantized non-expert modules);
 2. otherwise transformers' loading, for a quantized checkpoint only when nothing is missing
-   (with gptqmodel and optimum installed, transformers leaves GPTQ's fused experts randomly
-   initialised) and a sample of its experts equals pagedexperts' dequantization of the
-   checkpoint (``compare_with_format``); if it raises, misses tensors or differs: the
-   pagedexperts resident model (every expert dequantized once by the format, laid out as the
-   paged model's kernel receives it), which checks paging, not the dequantization.
+   (``complete``) and a sample of its experts equals pagedexperts' dequantization
+   (``compare_with_format``); else the pagedexperts resident model, which checks paging, not
+   the dequantization.
 
-Does not: page, or run prompts (``check``). Every reference computes weights dequantized and
-activations unquantized, as pagedexperts does.
+Every reference computes weights dequantized and activations unquantized. Does not: decompress
+(``tools.library_reference``), page, or run prompts (``tools.check``).
 """
 
 from __future__ import annotations

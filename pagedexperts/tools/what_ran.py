@@ -1,11 +1,8 @@
 """What a paged model actually computes with, read from its runtime: the labels ``check`` prints.
 
 Owns: ``KernelsRan`` (the resolved experts implementation, the MoE layers that run it and those
-that fell back to grouped_mm with the reason the load resolved, ``loading.resolved.Resolved
-.experts_fallbacks``; the quantized non-expert linears computed packed and those dequantized,
-``PagingRuntime.quantized_linears``) and its labels: what ran, for a verdict line, never what
-was asked. Does not: compare models (``tools.check``, ``tools.check_fused``) or decide a fallback
-(``loading.resolved``, ``loading.linears``).
+that fell back to grouped_mm with why; the quantized non-expert linears packed and dequantized)
+and its labels: what ran, never what was asked. Does not: compare models or decide a fallback.
 """
 
 from __future__ import annotations
@@ -17,14 +14,9 @@ GROUPED_MM = "grouped_mm"  # what a packed layer falls back to (``loading.runner
 
 @dataclass(frozen=True)
 class KernelsRan:
-    """The kernels one paged model runs.
-
-    Attributes:
-        implementation: the resolved ``--experts-implementation`` (``Resolved``: auto resolved).
-        moe_layers: MoE layers of the model.
-        fallbacks: MoE layer -> why it runs grouped_mm instead of ``implementation``.
-        linears_packed / linears_dequantized: quantized non-expert linears computed packed /
-            dequantized at load; ``linear_reasons``: why a module was not packed, once each.
+    """The kernels one paged model runs: the resolved ``implementation``, how many ``moe_layers``, the
+    ``fallbacks`` (MoE layer -> why it runs grouped_mm), how many quantized non-expert linears are
+    packed / dequantized, and ``linear_reasons`` (why a module was not packed, once each).
     """
 
     implementation: str

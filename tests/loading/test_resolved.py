@@ -37,7 +37,7 @@ RESOLVED_OPTIONS = ("num_resident", "experts_implementation", "slot_format", "de
 def counted(monkeypatch):
     """Counts of ``PagingConfig`` constructions (``dataclasses.replace`` included) and of the
     option and model checks while the test runs."""
-    counts = dict(constructed=0, option_checks=0, model_checks=0)
+    counts = dict(constructed=0, option_checks=0, model_checks=0, checked_implementations=[])
     init, options, model = PagingConfig.__init__, config_module.option_problems, config_module.model_problems
 
     def constructed(self, *args, **kwargs):
@@ -48,9 +48,10 @@ def counted(monkeypatch):
         counts["option_checks"] += 1
         return options(cfg)
 
-    def model_checks(cfg, model_config, fmt=None):
+    def model_checks(cfg, model_config, fmt, implementation):
         counts["model_checks"] += 1
-        return model(cfg, model_config, fmt)
+        counts["checked_implementations"].append(implementation)
+        return model(cfg, model_config, fmt, implementation)
 
     monkeypatch.setattr(PagingConfig, "__init__", constructed)
     monkeypatch.setattr(config_module, "option_problems", option_checks)
@@ -66,7 +67,10 @@ def counted(monkeypatch):
 ])
 def test_the_load_builds_and_checks_its_config_once(counted, options):
     model, _ = load_model(**options)
-    assert counted == dict(constructed=1, option_checks=1, model_checks=1), options
+    # the model check read the implementation the record holds ("auto" resolved), not the option
+    implementation = model.pagedexperts.resolved.experts_implementation
+    assert counted == dict(constructed=1, option_checks=1, model_checks=1,
+                           checked_implementations=[implementation]), options
     assert model.pagedexperts.config == PagingConfig(**options)  # the options as given, nothing resolved into them
 
 
@@ -146,3 +150,37 @@ def test_the_slot_format_and_host_memory_reasons_are_true_for_the_flags_given():
     grouped, _ = load_model(int4, num_resident=2, experts_implementation="grouped_mm", slot_format="packed")
     assert grouped.pagedexperts.resolved.reasons["slot_format"] == "--slot-format packed"
     assert grouped.pagedexperts.resolved.reasons["host_memory"] == "the available memory"
+
+
+def test_only_the_resolve_step_evaluates_the_experts_implementation_rule():
+    """``loading.config.resolve_experts_implementation`` is called from ``loading.resolved`` only:
+    the check, the memory plan, the fill and the record read the value ``resolve_implementation``
+    made once (they evaluated the rule at three moments, each with its own dtype, before)."""
+    import ast
+
+    callers = sorted({f"{path.relative_to(PACKAGE)}" for path in PACKAGE.rglob("*.py")
+                      for node in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(node, ast.Call) and "resolve_experts_implementation" in ast.unparse(node.func)})
+    assert callers == ["loading/resolved.py"]
+
+
+@pytest.mark.parametrize("options, runs", [
+    (dict(dtype="float32"), "grouped_mm"),  # auto: packed at bfloat16 only (the int4 kernel's vectorised x dtype)
+    (dict(dtype="bfloat16"), "packed"),  # auto: an int4 format torch's CPU kernels compute packed
+    (dict(dtype="bfloat16", experts_implementation="grouped_mm"), "grouped_mm"),
+])
+def test_a_load_evaluates_the_experts_implementation_rule_once(monkeypatch, options, runs):
+    import pagedexperts.loading.resolved as resolved_module
+    from support.paths import DATA
+
+    calls = []
+    rule = resolved_module.resolve_experts_implementation
+
+    def counted_rule(*args, **kwargs):
+        calls.append(args)
+        return rule(*args, **kwargs)
+
+    monkeypatch.setattr(resolved_module, "resolve_experts_implementation", counted_rule)
+    model, _ = load_model(DATA / "autoround/qwen3_moe-auto_round-experts", num_resident=2, **options)
+    assert len(calls) == 1
+    assert model.pagedexperts.resolved.experts_implementation == runs

@@ -168,7 +168,7 @@ def test_resident_step_has_no_read_back_sync_or_op(tiny_moe_dir, reference_model
 def test_the_terminal_shows_a_compact_table_and_the_file_the_full_one(tmp_path):
     """`bench` printed the ~330-character markdown table to the terminal; it prints a few columns
     (each row under 100 characters) and the full table goes to bench.md, unchanged."""
-    from pagedexperts.commands.bench import markdown_table, terminal_table, write_results
+    from pagedexperts.tools.bench_results import markdown_table, terminal_table, write_results
 
     spread = bench.Spread
     plain = bench.ModeResult(mode="plain", num_resident=E, ttft_short_p50_s=0.0123, decode_tok_s=45.2,
