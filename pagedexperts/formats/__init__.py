@@ -71,7 +71,7 @@ class FormatRecord:
 
 
 def _w8a16_example(cls, group_size: int) -> ExpertFormat:
-    from pagedexperts.formats.ct_packed import PackedArgs
+    from pagedexperts.formats.compressed_tensors.packed import PackedArgs
 
     eight = PackedArgs(8, group_size, True, False)
     return cls({"gate_up_proj": eight, "down_proj": eight})
@@ -83,57 +83,57 @@ FORMATS: dict[str, FormatRecord] = {r.name: r for r in (
     FormatRecord("dense", "pagedexperts.formats.dense:DenseFormat", "unquantized", (None, None, None),
                  example=lambda cls, group: cls()),
     # before fp8-block: the same quant_method and key, weight_scale_inv dividing instead of multiplying
-    FormatRecord("gptqmodel-fp8", "pagedexperts.formats.gptqmodel_fp8:GptqModelFp8Format",
+    FormatRecord("gptqmodel-fp8", "pagedexperts.formats.gptq.gptqmodel_fp8:GptqModelFp8Format",
                  "quant_method 'fp8' with weight_scale_semantics 'inverse' per row (GPTQModel FP8Config)",
                  ("fp8", "float8_e4m3fn", "float8")),
-    FormatRecord("fp8-block", "pagedexperts.formats.fp8:Fp8BlockFormat",
+    FormatRecord("fp8-block", "pagedexperts.formats.fp8_fp4.fp8_block:Fp8BlockFormat",
                  "quant_method 'fp8' with weight_block_size (DeepSeek-V3 / Qwen3-FP8 block FP8)", ("fp8", None, "float8"),
                  example=lambda cls, group: cls(block=(128, 128)), quantize=True),
-    FormatRecord("int8-block", "pagedexperts.formats.int8_block:Int8BlockFormat",
+    FormatRecord("int8-block", "pagedexperts.formats.fp8_fp4.int8_block:Int8BlockFormat",
                  "quant_method 'blockwise_int8' with weight_block_size (SGLang block INT8, DeepSeek-R1-Block-INT8)",
                  ("blockwise_int8", None, "int8"), example=lambda cls, group: cls(block=(128, 128))),
-    FormatRecord("mxfp4", "pagedexperts.formats.mxfp4:Mxfp4Format", "quant_method 'mxfp4' (gpt-oss)",
+    FormatRecord("mxfp4", "pagedexperts.formats.fp8_fp4.mxfp4:Mxfp4Format", "quant_method 'mxfp4' (gpt-oss)",
                  ("mxfp4", None, "float4"), quantize=True),
-    FormatRecord("ct-fp8", "pagedexperts.formats.ct_fp8:CompressedTensorsFp8Format",
+    FormatRecord("ct-fp8", "pagedexperts.formats.compressed_tensors.fp8:CompressedTensorsFp8Format",
                  "compressed-tensors 'float-quantized' / 'naive-quantized' float8 tensor/channel/block/group (FP8, "
                  "FP8_DYNAMIC, FP8_BLOCK), 'mxfp8-quantized' (MXFP8)",
                  ("compressed-tensors", "float-quantized", "float8")),
-    FormatRecord("w8a16", "pagedexperts.formats.ct_packed:CompressedTensorsW8A16Format",
+    FormatRecord("w8a16", "pagedexperts.formats.compressed_tensors.packed:CompressedTensorsW8A16Format",
                  "compressed-tensors 'pack-quantized' int8 (W8A16)", ("compressed-tensors", "pack-quantized", "int8"),
                  cpu_packed=True, example=_w8a16_example),
-    FormatRecord("ct-pack-mixed", "pagedexperts.formats.ct_packed:CompressedTensorsMixedPackedFormat",
+    FormatRecord("ct-pack-mixed", "pagedexperts.formats.compressed_tensors.packed:CompressedTensorsMixedPackedFormat",
                  "compressed-tensors 'pack-quantized' int4/int8 with per-projection config groups or weight_g_idx",
                  ("compressed-tensors", "pack-quantized", "int4"), cpu_packed=True),
-    FormatRecord("w4a16", "pagedexperts.formats.compressed_tensors:CompressedTensorsW4A16Format",
+    FormatRecord("w4a16", "pagedexperts.formats.compressed_tensors.w4a16:CompressedTensorsW4A16Format",
                  "compressed-tensors 'pack-quantized' int4 (W4A16, W4A16_ASYM)",
                  ("compressed-tensors", "pack-quantized", "int4"), cpu_packed=True,
                  example=lambda cls, group: cls(group_size=group, symmetric=True), quantize=True),
-    FormatRecord("gptq", "pagedexperts.formats.gptq:GptqFormat",
+    FormatRecord("gptq", "pagedexperts.formats.gptq.gptq:GptqFormat",
                  "quant_method 'gptq' int2/int4/int8, GPTQModel dynamic overrides", ("gptq", None, "int4"),
                  cpu_packed=True, example=lambda cls, group: cls(group_size=group)),
-    FormatRecord("awq", "pagedexperts.formats.awq:AwqFormat", "quant_method 'awq' int4, zero_point true or false",
+    FormatRecord("awq", "pagedexperts.formats.gptq.awq:AwqFormat", "quant_method 'awq' int4, zero_point true or false",
                  ("awq", None, "int4"), cpu_packed=True, example=lambda cls, group: cls(group_size=group)),
-    FormatRecord("auto-round-fp8", "pagedexperts.formats.autoround_fp:AutoRoundFp8Format",
+    FormatRecord("auto-round-fp8", "pagedexperts.formats.gptq.autoround_fp:AutoRoundFp8Format",
                  "quant_method 'auto-round' data_type 'fp' 8 bits (AutoRound's FP8_STATIC, FP8_BLOCK, FPW8A16)",
                  ("auto-round", None, "float8")),
-    FormatRecord("auto-round-nvfp4", "pagedexperts.formats.autoround_fp:AutoRoundNvfp4Format",
+    FormatRecord("auto-round-nvfp4", "pagedexperts.formats.gptq.autoround_fp:AutoRoundNvfp4Format",
                  "quant_method 'auto-round' data_type 'nv_fp' (AutoRound's NVFP4)", ("auto-round", None, "float4")),
-    FormatRecord("auto-round-mxfp4", "pagedexperts.formats.autoround_fp:AutoRoundMxfp4Format",
+    FormatRecord("auto-round-mxfp4", "pagedexperts.formats.gptq.autoround_fp:AutoRoundMxfp4Format",
                  "quant_method 'auto-round' data_type 'mx_fp' (AutoRound's MXFP4)", ("auto-round", None, "float4")),
-    FormatRecord("auto-round", "pagedexperts.formats.autoround:AutoRoundFormat",
+    FormatRecord("auto-round", "pagedexperts.formats.gptq.autoround:AutoRoundFormat",
                  "quant_method 'auto-round' data_type 'int' (AutoRound's own export, packing auto_round:auto_gptq "
                  "or auto_round)", ("auto-round", None, "int4"), cpu_packed=True),
-    FormatRecord("nvfp4", "pagedexperts.formats.ct_fp4:CompressedTensorsNvfp4Format",
+    FormatRecord("nvfp4", "pagedexperts.formats.compressed_tensors.fp4:CompressedTensorsNvfp4Format",
                  "compressed-tensors 'nvfp4-pack-quantized' float4 (NVFP4A16, NVFP4)",
                  ("compressed-tensors", "nvfp4-pack-quantized", "float4"), example=lambda cls, group: cls()),
-    FormatRecord("ct-mxfp4", "pagedexperts.formats.ct_fp4:CompressedTensorsMxfp4Format",
+    FormatRecord("ct-mxfp4", "pagedexperts.formats.compressed_tensors.fp4:CompressedTensorsMxfp4Format",
                  "compressed-tensors 'mxfp4-pack-quantized' float4 (MXFP4A16)",
                  ("compressed-tensors", "mxfp4-pack-quantized", "float4")),
-    FormatRecord("w8a8-int8", "pagedexperts.formats.ct_int8:CompressedTensorsInt8Format",
+    FormatRecord("w8a8-int8", "pagedexperts.formats.compressed_tensors.int8:CompressedTensorsInt8Format",
                  "compressed-tensors 'int-quantized' int8 (W8A8)", ("compressed-tensors", "int-quantized", "int8")),
-    FormatRecord("modelopt-nvfp4", "pagedexperts.formats.modelopt:ModelOptNvfp4Format",
+    FormatRecord("modelopt-nvfp4", "pagedexperts.formats.fp8_fp4.modelopt:ModelOptNvfp4Format",
                  "ModelOpt quant_method 'modelopt' quant_algo 'NVFP4'", ("modelopt", None, "float4")),
-    FormatRecord("modelopt-fp8", "pagedexperts.formats.modelopt:ModelOptFp8Format",
+    FormatRecord("modelopt-fp8", "pagedexperts.formats.fp8_fp4.modelopt:ModelOptFp8Format",
                  "ModelOpt quant_method 'modelopt' quant_algo 'FP8' (per-tensor)", ("modelopt", None, "float8")),
 )}
 
@@ -191,7 +191,7 @@ def quantization_config_of(config) -> dict | None:
 def checkpoint_key(qc: dict | None) -> CheckpointKey:
     """(quant_method, format, weight kind such as 'int4' / 'float8') of a quantization_config;
     for compressed-tensors the routed experts' config group (else the first group)."""
-    from pagedexperts.formats.ct_schemes import _schemes_or_first
+    from pagedexperts.formats.compressed_tensors.schemes import _schemes_or_first
 
     if not qc:
         return (None, None, None)
@@ -203,7 +203,7 @@ def checkpoint_key(qc: dict | None) -> CheckpointKey:
         w = schemes[0].weights
         return (method, schemes[0].format, f"{w.get('type', 'int')}{w.get('num_bits')}")
     if method == "modelopt":
-        from pagedexperts.formats.modelopt import quant_algo
+        from pagedexperts.formats.fp8_fp4.modelopt import quant_algo
 
         algo = str(quant_algo(qc) or "")
         return (method, None, "float4" if "FP4" in algo else "float8" if "FP8" in algo else algo.lower() or None)
@@ -231,7 +231,7 @@ def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
 def refusal_message(qc: dict | None, reason: str, among: list[str] | None = None) -> str:
     """One refusal, as ``load_model``, ``preflight`` and ``check`` all raise it: the format as the
     checkpoint spells it, why, the nearest supported format (``among`` those), and every supported one."""
-    from pagedexperts.formats.ct_schemes import spelling
+    from pagedexperts.formats.compressed_tensors.schemes import spelling
 
     supported = "; ".join(f"{n} ({FORMATS[n].spelled})" for n in available_formats())
     return (f"quantized checkpoint ({spelling(qc)}): {reason}; nearest supported: {nearest_format(qc, among)}; "

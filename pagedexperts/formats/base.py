@@ -217,7 +217,7 @@ class ExpertFormat:
 
         Default: ``self``, one scheme for every module (GPTQ, AWQ, block FP8, ModelOpt); whether a
         module is quantized is then read from its keys (``loading.checkpoint``). A format whose
-        schemes differ per module overrides it (compressed-tensors: ``formats.linear``).
+        schemes differ per module overrides it (compressed-tensors: ``formats.compressed_tensors.linear``).
 
         Raises:
             ValueError: the module's scheme is not a supported format (names the module).

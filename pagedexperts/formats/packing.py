@@ -66,7 +66,7 @@ SCALES = ("none", "tensor", "channel", "group", "block")
 SCALE_CODES = ("float", "e4m3", "e8m0")
 GLOBAL_SCALES = ("none", "divide", "multiply", "value_reciprocal")
 SCALE_OPS = ("multiply", "divide")
-# AWQ: column j (0..7) of an 8-column word sits in nibble AWQ_POSITION[j] (``formats.awq``)
+# AWQ: column j (0..7) of an 8-column word sits in nibble AWQ_POSITION[j] (``formats.gptq.awq``)
 AWQ_POSITION = (0, 4, 1, 5, 2, 6, 3, 7)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -142,7 +142,7 @@ class WeightPacking:
     def zero_word(self) -> int:
         """``zero_offset`` in every ``bits``-wide field of a 32-bit zero-point word (GPTQ v1, 4 bits:
         0x11111111), added to the word as one integer so that a borrow GPTQModel's v2 -> v1 save
-        made (z = 0) carries back (``formats.gptq``); 0 without an offset or without
+        made (z = 0) carries back (``formats.gptq.gptq``); 0 without an offset or without
         ``zero_carries`` (then ``zero_offset`` is added to each field after unpacking)."""
         if not self.zero_offset or not self.zero_carries:
             return 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagedexperts.formats.base import ceil_div
-from pagedexperts.formats.block import BlockFormat
+from pagedexperts.formats.fp8_fp4.block import BlockFormat
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -7,7 +7,7 @@ for one plain weight (``ExpertFormat.linear_tensor``), or None when the config l
 unquantized. Does not: read tensors, dequantize (``ExpertFormat.dequantize_linear``) or group a
 module's keys (``loading.checkpoint``).
 
-compressed-tensors quantizes per module by config group (``ct_schemes.scheme_of_module``:
+compressed-tensors quantizes per module by config group (``schemes.scheme_of_module``:
 ``ignore`` first, then ``re:`` targets matched on the module name, class-name targets such as
 ``Linear`` on every nn.Linear), so an attention projection may sit in another group, even
 another format, than the routed experts (FP8 attention beside NVFP4 experts; a per-projection
@@ -24,7 +24,7 @@ def one_group_config(quantization_config: dict, module: str) -> dict | None:
     """``quantization_config`` with one config group: the one compressed-tensors matches to
     ``module`` (a checkpoint name such as ``model.layers.0.self_attn.q_proj``), retargeted to
     ``Linear`` and nothing ignored; None when the module is ignored or no group targets it."""
-    from pagedexperts.formats.ct_schemes import scheme_of_module
+    from pagedexperts.formats.compressed_tensors.schemes import scheme_of_module
 
     scheme = scheme_of_module(quantization_config, module)
     if scheme is None:

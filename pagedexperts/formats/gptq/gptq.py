@@ -1,7 +1,7 @@
 """GPTQ experts, 2/4/8 bits (AutoGPTQ / GPTQModel / AutoRound ``auto_gptq`` checkpoints, ``quant_method: gptq``).
 
 Owns: recognising the format, the packed per-expert tensor specs and their ``WeightPacking``,
-GPTQModel's per-module ``dynamic`` overrides (``formats.gptq_dynamic``). Does not: unpack
+GPTQModel's per-module ``dynamic`` overrides (``formats.gptq.dynamic``). Does not: unpack
 (``formats.unpack`` interprets the packing), read files, store, page, or quantize (GPTQ needs
 calibration; ``quantize`` writes w4a16 instead).
 
@@ -40,7 +40,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec
-from pagedexperts.formats.gptq_dynamic import IntArgs, dynamic_override, expert_args, module_args
+from pagedexperts.formats.gptq.dynamic import IntArgs, dynamic_override, expert_args, module_args
 from pagedexperts.formats.packing import WeightPacking, int_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -102,7 +102,7 @@ class GptqFormat(PackedFormat):
         ``dynamic`` overrides (down_proj group 32 beside gate/up group 128).
 
         Raises:
-            ValueError: see ``gptq_dynamic.expert_args`` and ``_check_args``."""
+            ValueError: see ``dynamic.expert_args`` and ``_check_args``."""
         fmt = cls.from_quantization_config(quantization_config)
         if fmt.dynamic:
             fmt.per_tensor = expert_args(fmt.args, config, lambda m: dynamic_override(fmt.dynamic, m), what="gptq dynamic")

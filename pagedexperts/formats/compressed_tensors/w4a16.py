@@ -37,7 +37,7 @@ import dataclasses
 import torch
 
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, int_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -48,12 +48,12 @@ def experts_weights_args(quantization_config: dict) -> dict | None:
     """The ``weights`` args of the config group that quantizes the routed experts, or None.
 
     The group compressed-tensors matches to every routed-expert projection
-    (``ct_schemes.dense_schemes``: ``re:`` targets, exact module names, ``Linear``); None when
-    the projections resolve to different groups (``ct_packed`` / ``ct_fp8`` bind those per
+    (``schemes.dense_schemes``: ``re:`` targets, exact module names, ``Linear``); None when
+    the projections resolve to different groups (``packed`` / ``fp8`` bind those per
     projection) or to none. A config ``dense_schemes`` refuses falls back to transformers' pick
     (``transformers_experts_args``), so the refusal names the experts' format.
     """
-    from pagedexperts.formats.ct_schemes import dense_schemes
+    from pagedexperts.formats.compressed_tensors.schemes import dense_schemes
 
     try:
         schemes = list(dense_schemes(quantization_config).values())
@@ -146,7 +146,7 @@ class CompressedTensorsW4A16Format(PackedFormat):
             get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
             saved = get("dtype") or get("torch_dtype")
             fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
-        from pagedexperts.formats.ct_schemes import expert_in_features
+        from pagedexperts.formats.compressed_tensors.schemes import expert_in_features
 
         for in_features in expert_in_features(config).values():
             fmt._groups(in_features)  # refused here, so preflight refuses what load_model does

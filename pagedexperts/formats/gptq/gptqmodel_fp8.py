@@ -12,7 +12,7 @@ On-disk layout (GPTQModel 7.7 ``nn_modules/qlinear/fp8.py`` ``TorchFP8Linear``, 
 float8_e4m3fn [O, I] = round(W * s) and ``weight_scale_inv`` float32 [O], s = 448 / amax of the
 row (the quantizer's multiplier, "inverse" semantics; ``weight_block_size`` null). config.json:
 ``format`` / ``checkpoint_format`` ``float8_e4m3fn``, ``weight_scale_method`` and
-``weight_scale_semantics``, ``dynamic`` as for GPTQ (``formats.gptq_dynamic``).
+``weight_scale_semantics``, ``dynamic`` as for GPTQ (``formats.gptq.dynamic``).
 
 Dequantize (``TorchFP8Linear.dequantize_weight`` on a CPU, ``quantization/dtype.py``
 ``_dequantize_f8_reference`` with the scale on axis 0): ``weight.to(D) / weight_scale_inv.to(D)``
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec
-from pagedexperts.formats.gptq_dynamic import IntArgs, dynamic_override, expert_args, module_args
+from pagedexperts.formats.gptq.dynamic import IntArgs, dynamic_override, expert_args, module_args
 from pagedexperts.formats.packing import WeightPacking, dense_packing, float8_packing
 from pagedexperts.formats.unpack import PackedFormat
 

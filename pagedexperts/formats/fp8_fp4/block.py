@@ -1,4 +1,4 @@
-"""Block-scaled 8-bit experts: the one class behind block FP8 (``fp8``) and block INT8 (``int8_block``).
+"""Block-scaled 8-bit experts: the one class behind block FP8 (``fp8_block``) and block INT8 (``int8_block``).
 
 Owns ``BlockFormat``: every quantized nn.Linear-shaped weight [out, in] is stored as ``weight``
 (8-bit values, [out, in]) and ``weight_scale_inv`` float32 [ceil(out / bm), ceil(in / bn)], the
@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.ct_schemes import dense_source_count
+from pagedexperts.formats.compressed_tensors.schemes import dense_source_count
 from pagedexperts.formats.packing import WeightPacking, derived_block, float8_packing
 from pagedexperts.formats.unpack import PackedFormat
 

@@ -3,7 +3,7 @@
 and ``mx_fp`` (MXFP4), as AutoRound 0.16.1 writes them.
 
 Owns: recognising the three exports in config.json, binding them to the compressed-tensors
-formats whose key names and layouts they share (``ct_fp8``, ``ct_fp4``), the ``WeightPacking``
+formats whose key names and layouts they share (``formats.compressed_tensors.fp8``, ``formats.compressed_tensors.fp4``), the ``WeightPacking``
 of AutoRound's own dequantization arithmetic where it differs (``formats.unpack`` dequantizes),
 and ``extra_config`` for non-expert modules. Does not: read files, store, page, unpack, or
 quantize activations (the FP8_STATIC / NVFP4 / MXFP4 schemes
@@ -32,7 +32,7 @@ weight [O, I]:
 
 FP8 scales are stored in the model's dtype (bfloat16 for the act_bits 8 schemes, which AutoRound
 saves in bfloat16). The FP8 formats dequantize as compressed-tensors FP8 does, in the scales'
-dtype (``ct_fp8``'s packing): AutoRound's own FP8 layer multiplies in its dtype, bfloat16,
+dtype (``formats.compressed_tensors.fp8``'s packing): AutoRound's own FP8 layer multiplies in its dtype, bfloat16,
 which is the scales' dtype here; the two schemes AutoRound cannot load take the same arithmetic.
 NVFP4 and MXFP4 round once, from float32 to the model's dtype (AutoRound's layer casts its
 float32 dequantized weight to the input's dtype), and the experts keep the model's dtype (not
@@ -49,10 +49,10 @@ from __future__ import annotations
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor
-from pagedexperts.formats.compressed_tensors import _torch_dtype
-from pagedexperts.formats.ct_fp4 import CompressedTensorsMxfp4Format, CompressedTensorsNvfp4Format
-from pagedexperts.formats.ct_fp8 import CompressedTensorsFp8Format
-from pagedexperts.formats.gptq_dynamic import IntArgs, expert_args, extra_config_override
+from pagedexperts.formats.compressed_tensors.w4a16 import _torch_dtype
+from pagedexperts.formats.compressed_tensors.fp4 import CompressedTensorsMxfp4Format, CompressedTensorsNvfp4Format
+from pagedexperts.formats.compressed_tensors.fp8 import CompressedTensorsFp8Format
+from pagedexperts.formats.gptq.dynamic import IntArgs, expert_args, extra_config_override
 from pagedexperts.formats.packing import WeightPacking, fp4_packing
 
 METHODS = ("auto-round", "auto_round")

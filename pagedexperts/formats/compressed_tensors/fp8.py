@@ -38,7 +38,7 @@ per-group activation quantization is not applied. pagedexperts computes the same
 unpaged bit for bit; a W8A8 FP8 kernel (vLLM's) is another computation with its own reference.
 
 Non-expert modules in FP8 groups (attention, shared experts, dense MLPs: a ``Linear`` target,
-llm-compressor's default recipe) are dequantized once at load the same way (``formats.linear``)
+llm-compressor's default recipe) are dequantized once at load the same way (``formats.compressed_tensors.linear``)
 and run on unquantized activations, as the library's dense reference (``tools.reference``)
 computes them; transformers instead runs them through compressed-tensors' forward, which
 quantizes their input activations (another computation, so ``check`` does not take it as the
@@ -54,8 +54,8 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import LINEAR_WEIGHT, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.ct_schemes import (ExpertScheme, dense_schemes, dense_source_count, resolved_schemes)
-from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.compressed_tensors.schemes import (ExpertScheme, dense_schemes, dense_source_count, resolved_schemes)
+from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, dense_packing, float8_packing
 from pagedexperts.formats.unpack import PackedFormat
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedexperts.formats.block import BlockFormat
+from pagedexperts.formats.fp8_fp4.block import BlockFormat
 
 
 class Int8BlockFormat(BlockFormat):

@@ -4,7 +4,7 @@ Owns: recognising AutoRound's own export (``format="auto_round"``, its default) 
 weights, the packed per-expert specs and their ``WeightPacking`` (``formats.unpack`` dequantizes),
 per-module ``extra_config`` overrides. Does not: read files, store, page; AutoRound's
 floating-point data types (``fp`` FP8, ``nv_fp`` NVFP4, ``mx_fp`` MXFP4) are
-``formats.autoround_fp``'s (registered before this class), and other data types are refused
+``formats.gptq.autoround_fp``'s (registered before this class), and other data types are refused
 naming ``data_type``.
 
 On-disk layout (AutoRound 0.16.1 ``export/export_to_autoround/export.py`` ``pack_layer`` with the
@@ -23,15 +23,15 @@ G = ceil(I / g) (one group when g > I or g = -1). Dequantize (the QuantLinear's 
 to GPTQ's ``(q - z) * s`` (one rounding of an exact integer times the scale).
 
 ``extra_config`` (per-module overrides: the router's ``bits: 16``, or another group size) binds
-each dense experts tensor as GPTQModel's ``dynamic`` does (``gptq_dynamic``).
+each dense experts tensor as GPTQModel's ``dynamic`` does (``dynamic``).
 """
 
 from __future__ import annotations
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec
-from pagedexperts.formats.ct_schemes import dense_source_count
-from pagedexperts.formats.gptq import GptqFormat, _check_args
-from pagedexperts.formats.gptq_dynamic import expert_args, extra_config_override, module_args
+from pagedexperts.formats.compressed_tensors.schemes import dense_source_count
+from pagedexperts.formats.gptq.gptq import GptqFormat, _check_args
+from pagedexperts.formats.gptq.dynamic import expert_args, extra_config_override, module_args
 from pagedexperts.formats.packing import WeightPacking, int_packing
 
 PACKING_ZERO_OFFSET = {"auto_round:auto_gptq": 1, "auto_round": 0}  # packing_format -> added to each stored zero
@@ -84,7 +84,7 @@ class AutoRoundFormat(GptqFormat):
         ``extra_config`` overrides.
 
         Raises:
-            ValueError: see ``gptq_dynamic.expert_args``."""
+            ValueError: see ``dynamic.expert_args``."""
         fmt = cls.from_quantization_config(quantization_config)
         if fmt.extra_config:
             fmt.per_tensor = expert_args(fmt.args, config, lambda m: extra_config_override(fmt.extra_config, m),

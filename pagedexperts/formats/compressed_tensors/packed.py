@@ -1,10 +1,10 @@
 """compressed-tensors ``pack-quantized`` experts beyond uniform int4: 8-bit (W8A16), a scheme per
 projection (config groups: gate/up group 128, down group 64), activation order (``weight_g_idx``).
 
-Owns: binding each dense experts tensor to its own config group (``ct_schemes``), the packed
+Owns: binding each dense experts tensor to its own config group (``schemes``), the packed
 specs and their ``WeightPacking`` (``formats.unpack`` dequantizes). Does not: read files, store,
 page.
-Uniform symmetric/asymmetric int4 without ``weight_g_idx`` stays with ``compressed_tensors``
+Uniform symmetric/asymmetric int4 without ``weight_g_idx`` stays with ``w4a16``
 (``w4a16``); this module takes what that one refuses.
 
 On-disk layout (compressed-tensors 0.19/0.20 ``PackedQuantizationCompressor`` +
@@ -24,7 +24,7 @@ nn.Linear weight [O, I], b = num_bits in {4, 8}, G groups:
 
 Dequantize (``compressed_tensors.quantization.lifecycle.forward_helpers._dequantize``):
 ``(q.to(s.dtype) - zp.to(s.dtype)) * s`` per group, in the scales' dtype, then the dense dtype
-(transformers stacks the experts in the scales' dtype, see ``compressed_tensors``).
+(transformers stacks the experts in the scales' dtype, see ``w4a16``).
 
 Which reference loads what (transformers 5.24 + compressed-tensors 0.20): transformers applies
 ONE config group to every expert projection (``get_experts_scheme``), so a checkpoint whose
@@ -45,9 +45,9 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.compressed_tensors import _torch_dtype
-from pagedexperts.formats.linear import ct_linear_format
-from pagedexperts.formats.ct_schemes import ExpertScheme, dense_source_count, expert_in_features, resolved_schemes
+from pagedexperts.formats.compressed_tensors.w4a16 import _torch_dtype
+from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
+from pagedexperts.formats.compressed_tensors.schemes import ExpertScheme, dense_source_count, expert_in_features, resolved_schemes
 from pagedexperts.formats.packing import WeightPacking, dense_packing, int_packing
 from pagedexperts.formats.unpack import PackedFormat
 

@@ -51,7 +51,7 @@ from typing import ClassVar
 import torch
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec, store_name
-from pagedexperts.formats.compressed_tensors import _torch_dtype
+from pagedexperts.formats.compressed_tensors.w4a16 import _torch_dtype
 from pagedexperts.formats.packing import WeightPacking, float8_packing, fp4_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -141,7 +141,7 @@ class ModelOptNvfp4Format(_ModelOptFormat):
         group = _field(qc, "group_size")
         if group not in (None, NVFP4_GROUP):
             raise ValueError(f"modelopt NVFP4 with group_size={group!r}: only {NVFP4_GROUP} is supported")
-        from pagedexperts.formats.ct_schemes import expert_in_features
+        from pagedexperts.formats.compressed_tensors.schemes import expert_in_features
 
         for dense, in_features in expert_in_features(config).items():
             if in_features % NVFP4_GROUP:

@@ -38,8 +38,8 @@ from typing import ClassVar
 import torch
 
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec, store_name
-from pagedexperts.formats.compressed_tensors import ct_experts_args, experts_weights_args
-from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.compressed_tensors.w4a16 import ct_experts_args, experts_weights_args
+from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, fp4_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -143,7 +143,7 @@ class CompressedTensorsNvfp4Format(_CompressedTensorsFp4):
 
 class CompressedTensorsMxfp4Format(_CompressedTensorsFp4):
     """compressed-tensors ``mxfp4-pack-quantized`` (MXFP4A16): not gpt-oss's
-    ``quant_method: mxfp4`` (``formats.mxfp4``), though the FP4 codes are the same."""
+    ``quant_method: mxfp4`` (``formats.fp8_fp4.mxfp4``), though the FP4 codes are the same."""
 
     name = "ct-mxfp4"
     checkpoint_format = "mxfp4-pack-quantized"
