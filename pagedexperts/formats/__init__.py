@@ -1,16 +1,11 @@
 """Expert formats: how a checkpoint stores each routed expert, and how to turn it dense.
 
-Owns: the registry of formats, ``FORMATS``: one frozen ``FormatRecord`` per format, holding
-every fact the rest of the package reads about it (where its class lives, how checkpoints
-spell it, whether torch's CPU kernels compute it packed, preflight's example, whether
-``quantize`` writes it); every other view (CLI choices, defaults, preflight's table, the
-refusals) is derived from it. And ``format_for_config``, which picks a checkpoint's format
-from config.json's ``quantization_config``. One module per format; the contract is in
-``base`` and README.md. Adding a format is its module plus one record.
-Standard library only at import (a format's module, and torch, are imported when it is used),
-so that the CLI's light commands (preflight, quantize's flags) read the table without torch.
-Does not: read checkpoints, store or page; know model families (the caller says whether the
-experts are stored transposed: ``models.families.experts_transposed``).
+Owns the registry, ``FORMATS``: one frozen ``FormatRecord`` per format, from which every other
+view (CLI choices, defaults, preflight's table, refusals) is derived; and ``format_for_config``,
+which picks a checkpoint's format from config.json's ``quantization_config``. The contract is
+in ``base`` and README.md; adding a format is its module plus one record. Standard library only
+at import (a format's module and torch load on use), so the light commands read the table
+without torch. Does not: read checkpoints, store, page, or know model families.
 """
 
 from __future__ import annotations
@@ -27,22 +22,16 @@ CheckpointKey = tuple[str | None, str | None, str | None]  # (quant_method, form
 
 @dataclass(frozen=True)
 class FormatRecord:
-    """One expert format's facts: the one place each is written.
+    """One expert format's facts, each written only here (README.md: who reads each field).
 
     Attributes:
         name: the ``--format`` / stats name (the class's own ``name``).
-        where: "module:Class", imported on use (``load``): a format whose library is missing
-            fails only when a checkpoint needs it.
-        spelled: what a checkpoint's config.json says for it; every refusal lists the formats
-            so, as a user reads their checkpoint (not "fp8-block" for a compressed-tensors FP8_BLOCK).
-        key: the (quant_method, format, weight kind) ``nearest_format`` compares with a
-            checkpoint's (``checkpoint_key``).
-        cpu_packed: torch's CPU int4 / int8 kernels compute it packed (``formats.cpu_pack``), so
-            ``--experts-implementation auto`` runs it ``packed`` on a CPU
-            (``loading.config.resolve_experts_implementation``).
-        example: preflight's ``--expert-format`` instance for sizing without a checkpoint,
-            ``(the class, --group-size) -> ExpertFormat``; None: not offered there.
-        quantize: ``pagedexperts quantize --format NAME`` writes it (``tools.quantize``).
+        where: "module:Class", imported on use (a missing library fails only when needed).
+        spelled: what a checkpoint's config.json says for it, as refusals list it.
+        key: the (quant_method, format, weight kind) ``nearest_format`` compares.
+        cpu_packed: torch's CPU int4 / int8 kernels compute it packed (``formats.cpu_pack``).
+        example: preflight's ``(class, --group-size) -> ExpertFormat``; None: not offered.
+        quantize: ``pagedexperts quantize --format NAME`` writes it.
     """
 
     name: str
@@ -57,8 +46,7 @@ class FormatRecord:
         """The format class (its module imported now).
 
         Raises:
-            ValueError: its module is not present, or needs a package that is not installed
-                (names it).
+            ValueError: its module is not present, or needs a package that is not installed (names it).
         """
         module_name, _, cls_name = self.where.partition(":")
         try:
@@ -155,10 +143,11 @@ def format_class(name: str) -> type[ExpertFormat]:
 
 
 def example_format(name: str, *, group_size: int) -> ExpertFormat:
-    """Preflight's instance of format ``name`` (``FormatRecord.example``) at ``group_size``.
+    """Preflight's instance of format ``name`` at ``group_size``.
 
     Raises:
-        ValueError: a name outside ``EXAMPLE_FORMATS`` (lists them)."""
+        ValueError: a name outside ``EXAMPLE_FORMATS`` (lists them).
+    """
     record = FORMATS.get(name)
     if record is None or record.example is None:
         raise ValueError(f"no example of expert format {name!r}; choose one of {list(EXAMPLE_FORMATS)}")
@@ -178,8 +167,7 @@ def available_formats() -> list[str]:
 
 
 def quantization_config_of(config) -> dict | None:
-    """config.json's ``quantization_config`` as a dict (None: unquantized), from a transformers
-    config object or a config.json dict."""
+    """config.json's ``quantization_config`` as a dict (None: unquantized), from a config object or dict."""
     qc = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
     if not qc:
         return None
@@ -189,8 +177,9 @@ def quantization_config_of(config) -> dict | None:
 
 
 def checkpoint_key(qc: dict | None) -> CheckpointKey:
-    """(quant_method, format, weight kind such as 'int4' / 'float8') of a quantization_config;
-    for compressed-tensors the routed experts' config group (else the first group)."""
+    """(quant_method, format, weight kind such as 'int4') of a quantization_config; compressed-tensors:
+    the routed experts' config group (else the first).
+    """
     from pagedexperts.formats.compressed_tensors.schemes import _schemes_or_first
 
     if not qc:
@@ -212,10 +201,10 @@ def checkpoint_key(qc: dict | None) -> CheckpointKey:
 
 
 def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
-    """The registered format closest to a checkpoint's (quant_method weighs most, then format,
-    then weight kind; ties: registry order), as 'name (what checkpoints say)', or 'none (...)'
-    when no format shares any of the three (``among`` not given); ``among``: only those names (default: every
-    quantized format)."""
+    """The registered format closest to a checkpoint's key (quant_method weighs most, then format,
+    then weight kind; ties: registry order) as 'name (spelled)', among ``among`` (default: every
+    quantized format), or 'none (...)' when none shares any part.
+    """
     key = checkpoint_key(qc)
     weights = (4, 2, 1)
 
@@ -229,8 +218,9 @@ def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
 
 
 def refusal_message(qc: dict | None, reason: str, among: list[str] | None = None) -> str:
-    """One refusal, as ``load_model``, ``preflight`` and ``check`` all raise it: the format as the
-    checkpoint spells it, why, the nearest supported format (``among`` those), and every supported one."""
+    """One refusal as every entry point raises it: the checkpoint's spelling, the reason, the nearest
+    supported format (``among`` those) and every supported one.
+    """
     from pagedexperts.formats.compressed_tensors.schemes import spelling
 
     supported = "; ".join(f"{n} ({FORMATS[n].spelled})" for n in available_formats())
@@ -239,10 +229,9 @@ def refusal_message(qc: dict | None, reason: str, among: list[str] | None = None
 
 
 def experts_layout_refusal(fmt: ExpertFormat, config, transposed: bool | None) -> str | None:
-    """Why ``fmt`` has no packing for this config's experts as its family stores them
-    (``transposed``: [in, out], gpt-oss's; else nn.Linear's [out, in]; None: not known, not
-    checked), e.g. gpt-oss's experts in a compressed-tensors / ModelOpt / FP8 format, or None:
-    read here so that preflight refuses what the layout (``pack``) would refuse at load."""
+    """Why ``fmt`` has no packing for the experts as the family stores them (``transposed``: [in, out];
+    None: not checked), or None.
+    """
     if transposed is None or fmt.transposed_experts is None or fmt.transposed_experts == transposed:
         return None
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
@@ -251,15 +240,13 @@ def experts_layout_refusal(fmt: ExpertFormat, config, transposed: bool | None) -
 
 
 def format_for_config(config, *, transposed_experts: bool | None = None) -> ExpertFormat:
-    """The expert format of a checkpoint, from its config (object or config.json dict). The one
-    function every entry point (load_model, preflight, check) resolves a format with, so they
-    refuse the same checkpoints with the same message (``refusal_message``).
-    ``transposed_experts``: whether the model's family stores its experts transposed
-    (``models.families.experts_transposed``); a format without a layout for that is refused.
+    """The expert format of a checkpoint from its config (object or dict): the one function load_model,
+    preflight and check resolve a format with. ``transposed_experts``: the family's
+    (``models.families.experts_transposed``).
 
     Raises:
-        ValueError: a quantization_config no registered format recognises, or one whose
-            parameters (bits, strategy, group size against the experts' dims) the format rejects.
+        ValueError: no registered format recognises the quantization_config, or the format rejects
+            its parameters or the experts' layout (``refusal_message``).
     """
     qc = quantization_config_of(config)
     unavailable = []

@@ -1,22 +1,11 @@
 """compressed-tensors ``int-quantized`` int8 experts (W8A8 INT8, as llm-compressor writes them).
 
-Owns: recognising the format in config.json, the per-expert tensor specs and their
-``WeightPacking`` (``formats.unpack`` dequantizes). Does not: read files, store or page, or
-quantize activations.
-
-On-disk layout (compressed-tensors 0.19-0.20 ``IntQuantizationCompressor``, an alias of
-``NaiveQuantizationCompressor``, ``compressors/naive_quantized/base.py``), per expert
-projection of an nn.Linear weight [O, I]: ``weight`` int8 [O, I] and ``weight_scale`` [O, 1]
-(``channel`` strategy, symmetric: no zero point) in the checkpoint's dtype; the input
-activations are quantized per token at run time (``dynamic: true``: nothing stored).
-
-Dequantize (``quantization.lifecycle.forward._dequantize``): ``w = q.to(s.dtype) * s`` in the
-scale's dtype, then the model's dtype. transformers 5.24 cannot load these MoE experts on CPU
-(its ``CompressedTensorsDequantize`` looks for ``weight_packed`` only and ends in
-``torch.cat(): expected a non-empty list of Tensors``), so ``check``'s reference is the dense
-model built from compressed-tensors' own decompression (``tools.reference``), which runs the
-activations unquantized, as pagedexperts does: a W8A8 GEMM with per-token int8 activations
-(vLLM's) is another computation.
+On-disk layout (compressed-tensors 0.19-0.20 ``IntQuantizationCompressor`` =
+``NaiveQuantizationCompressor``, ``compressors/naive_quantized/base.py``), per expert projection
+of an nn.Linear [O, I]: ``weight`` int8 [O, I], ``weight_scale`` [O, 1] in the checkpoint's
+dtype (channel, symmetric). Dequantize (``_dequantize``): ``q.to(s.dtype) * s``, then the
+model's dtype; activations run unquantized (README.md: why ``check``'s reference is the library's).
+Does not: read files, store, page, or quantize activations.
 
 Legend: n experts dequantized together, O output features, I input features.
 """
@@ -71,13 +60,12 @@ class CompressedTensorsInt8Format(PackedFormat):
         return fmt
 
     def with_stored_dtypes(self, dtypes) -> "CompressedTensorsInt8Format":
-        """Bound to the dtype the checkpoint stores ``weight_scale`` in (compressed-tensors
-        dequantizes in it)."""
+        """Bound to the dtype the checkpoint stores ``weight_scale`` in."""
         stored = dtypes.get("weight_scale")
         return self if stored is None or stored == self.scale_dtype else type(self)(scale_dtype=stored)
 
     def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The scales' dtype when bound (compressed-tensors decompresses into it), else ``model_dtype``."""
+        """The scales' dtype when bound, else ``model_dtype``."""
         return self.scale_dtype or model_dtype
 
     def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:

@@ -1,14 +1,12 @@
 """Block-scaled 8-bit experts: the one class behind block FP8 (``fp8_block``) and block INT8 (``int8_block``).
 
-Owns ``BlockFormat``: every quantized nn.Linear-shaped weight [out, in] is stored as ``weight``
-(8-bit values, [out, in]) and ``weight_scale_inv`` float32 [ceil(out / bm), ceil(in / bn)], the
-dequantization multiplier of each (bm x bn) block (an edge block may be partial):
-``W[r, c] = weight[r, c] * weight_scale_inv[r // bm, c // bn]``, both in float32, the product
-cast to the model's dtype. The store's row of a merged tensor (``gate_up_proj`` <- gate + up)
-holds each source's grid one after the other (transformers' ``Concatenate``; SGLang's w13
-scales the same). Subclasses say the value's dtype and code, where the block comes from
-(``block_from_grid``), and what a checkpoint's config.json says (``matches``,
-``from_quantization_config``). Does not: unpack (``formats.unpack``), read or write files.
+Owns ``BlockFormat``: a weight [out, in] stored as 8-bit ``weight`` [out, in] and float32
+``weight_scale_inv`` [ceil(out / bm), ceil(in / bn)] (an edge block may be partial):
+``W[r, c] = weight[r, c] * weight_scale_inv[r // bm, c // bn]`` in float32, cast to the
+model's dtype. A merged tensor's row holds each source's grid one after the other
+(transformers' ``Concatenate``; SGLang's w13 scales likewise). Subclasses say the value's dtype,
+where the block comes from (``block_from_grid``) and the config they match. Does not: unpack,
+read or write files.
 
 Legend: bm x bn the weight block, out x in one expert weight's (nn.Linear) shape.
 """
@@ -46,7 +44,8 @@ class BlockFormat(PackedFormat):
         ceil(out / sources / bm), ceil(in / bn)]); anything else stays dense.
 
         Raises:
-            ValueError: transposed experts (gpt-oss): no published layout."""
+            ValueError: transposed experts (gpt-oss): no published layout.
+        """
         if len(dense.shape) != 2:
             return (dense,)
         if transposed:
@@ -58,11 +57,12 @@ class BlockFormat(PackedFormat):
                            torch.float32))
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """The 8-bit weight [N, K] with one float32 scale per block, multiplied in float32: the
-        block per source, or (``block_from_grid``) derived from the grid over the whole tensor.
+        """The 8-bit weight [N, K] with one float32 scale per block, multiplied in float32; the block per
+        source, or (``block_from_grid``) derived from the whole tensor's grid.
 
         Raises:
-            ValueError: (``block_from_grid``) a weight not a multiple of its grid (as transformers)."""
+            ValueError: (``block_from_grid``) a weight not a multiple of its grid (as transformers).
+        """
         weight, scale = tensor.packed
         if self.block_from_grid:
             return float8_packing(tensor, scale=scale, strategy="block", codes=self.codes, sources=1,

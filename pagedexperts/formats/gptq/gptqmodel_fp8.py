@@ -1,27 +1,13 @@
-"""GPTQModel's FP8 (``quant_method: fp8`` with ``weight_scale_semantics: inverse``, GPTQModel
-7.7's ``FP8Config``): float8_e4m3fn weights and one float32 ``weight_scale_inv`` per output row.
+"""GPTQModel's FP8 (``quant_method: fp8``, ``weight_scale_semantics: inverse``, GPTQModel 7.7's
+``FP8Config``): float8_e4m3fn weights, one float32 ``weight_scale_inv`` per output row.
 
-Owns: recognising GPTQModel's FP8 in config.json (before block FP8, whose ``weight_scale_inv``
-is the multiplier: the same key with the opposite meaning), the per-expert specs, its
-``dynamic`` rules for non-expert modules, and the ``WeightPacking`` of its dequantization
-(``scale_op`` "divide"; ``formats.unpack`` dequantizes). Does not: read files, store, page,
-unpack, or quantize activations.
-
-On-disk layout (GPTQModel 7.7 ``nn_modules/qlinear/fp8.py`` ``TorchFP8Linear``, default
-``weight_scale_method: row``), per expert projection of an nn.Linear weight [O, I]: ``weight``
-float8_e4m3fn [O, I] = round(W * s) and ``weight_scale_inv`` float32 [O], s = 448 / amax of the
-row (the quantizer's multiplier, "inverse" semantics; ``weight_block_size`` null). config.json:
-``format`` / ``checkpoint_format`` ``float8_e4m3fn``, ``weight_scale_method`` and
-``weight_scale_semantics``, ``dynamic`` as for GPTQ (``formats.gptq.dynamic``).
-
-Dequantize (``TorchFP8Linear.dequantize_weight`` on a CPU, ``quantization/dtype.py``
-``_dequantize_f8_reference`` with the scale on axis 0): ``weight.to(D) / weight_scale_inv.to(D)``
-in the model's dtype D (its forward dequantizes into the input's dtype), the scale broadcast
-over its row. That function multiplies instead when every scale of a module is at most 1 (a
-heuristic for multiplier-style scales); GPTQModel's own quantizer writes 448 / amax, which is at
-most 1 only for rows whose largest weight is at least 448, so pagedexperts always divides and
-says so here. ``weight_scale_method`` ``tensor`` and ``block`` are refused (GPTQModel routes them
-through other CPU kernels).
+On-disk layout (GPTQModel 7.7 ``nn_modules/qlinear/fp8.py`` ``TorchFP8Linear``,
+``weight_scale_method: row``), per expert projection of an nn.Linear [O, I]: ``weight`` e4m3
+[O, I] = round(W * s), ``weight_scale_inv`` float32 [O] = s = 448 / amax of the row; ``dynamic``
+as for GPTQ. Dequantize (``dequantize_weight``, ``quantization/dtype.py``
+``_dequantize_f8_reference``): ``weight.to(D) / weight_scale_inv.to(D)`` in the model's dtype D
+(always dividing: README.md). Registered before block FP8, whose ``weight_scale_inv`` multiplies.
+Does not: read files, store, page, or quantize activations.
 
 Legend: n experts dequantized together, R rows (gate and up concatenated), I input features.
 """
@@ -59,8 +45,9 @@ class GptqModelFp8Format(PackedFormat):
         """Bind the ``dynamic`` rules.
 
         Raises:
-            ValueError: a semantics, scale method or format this reader does not read, or
-                ``dynamic`` rules that change or skip routed experts (names the field and value)."""
+            ValueError: a semantics, scale method or format this reader does not read, or ``dynamic``
+                rules that change or skip routed experts (names the field and value).
+        """
         qc = quantization_config or {}
         for key, want in (("weight_scale_semantics", "inverse"), ("weight_scale_method", "row")):
             if qc.get(key, want) != want:
@@ -107,8 +94,7 @@ class GptqModelFp8Format(PackedFormat):
                 TensorSpec(dense.name + SCALE_SUFFIX, (dense.shape[0],), torch.float32))
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """fp8 [N, K] divided by one scale per row, in the dense dtype: ``weight.to(D) /
-        weight_scale_inv.to(D)`` (rows independent: gate and up together)."""
+        """fp8 [N, K] divided by one scale per row in the dense dtype (``scale_op`` "divide")."""
         if tensor.is_passthrough:
             return dense_packing(tensor, transposed=transposed)
         return float8_packing(tensor, scale=tensor.packed[1], strategy="channel", sources=1,
