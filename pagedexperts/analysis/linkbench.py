@@ -1,9 +1,7 @@
 """Link benchmark: host-to-device copy bandwidth, pinned and pageable, over a range of sizes.
 
-Owns: timing ``tensor.to(device)`` copies with CUDA events (median of repeats) and reporting
-GB/s (1e9 bytes per second). Does not: decide anything from the numbers (``sizing`` and
-``preflight`` take ``--link-gbps``), or invent a number where there is no accelerator:
-``measure`` returns None then.
+Owns timing ``tensor.to(device)`` copies with CUDA events (median of repeats), in GB/s (1e9 B/s);
+``measure`` returns None without an accelerator. Does not: decide anything from the numbers.
 """
 
 from __future__ import annotations
@@ -16,10 +14,8 @@ DEFAULT_SIZES_MB = (1.0, 4.0, 16.0, 64.0, 256.0)
 
 @dataclass(frozen=True)
 class LinkResult:
-    """Bandwidth of one copy size and host memory kind (``pinned`` or ``pageable``).
-
-    ``num_bytes`` per copy; ``median_s`` over ``repeats`` timed copies; ``gbps`` = bytes /
-    median seconds / 1e9; ``label`` names the size ("1 MB", or "expert" for one model expert).
+    """Bandwidth of one copy size and host memory kind: ``gbps`` = ``num_bytes`` / ``median_s`` / 1e9
+    over ``repeats`` copies; ``label`` names the size ("1 MB", "expert").
     """
 
     label: str
