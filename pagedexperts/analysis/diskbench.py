@@ -77,10 +77,7 @@ def measure_disk(path: str | Path, *, max_bytes: int = 2 << 30, tensors: int = 6
     """Read GB/s of a checkpoint (a directory of safetensors, or one file): files, cold,
     sequential_{cold,warm}_gbps over up to ``max_bytes``, and cold per-tensor GB/s over the
     ``tensors`` largest of the first file for ``pread`` and ``safetensors_slice``.
-
-    Raises:
-        FileNotFoundError: no safetensors file at ``path``.
-    """
+    Raises FileNotFoundError: no safetensors file at ``path``."""
     p = Path(path)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
     if not files or not files[0].exists():

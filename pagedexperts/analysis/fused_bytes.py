@@ -91,10 +91,7 @@ def decode_bytes(layout: ExpertLayout, *, num_slots: int, top_k: int, num_tokens
                  transposed: bool = False) -> DecodeBytes:
     """``DecodeBytes`` per MoE layer for one decode step of ``num_tokens`` tokens with K =
     ``num_slots``; ``num_experts`` caps the routed experts (default T k).
-
-    Raises:
-        ValueError: K < top_k.
-    """
+    Raises ValueError: K < top_k."""
     if num_slots < top_k:
         raise ValueError(f"num_slots {num_slots} is below top_k {top_k}")
     routed = min(num_experts or num_tokens * top_k, num_tokens * top_k)

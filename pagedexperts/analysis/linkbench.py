@@ -38,10 +38,7 @@ def accelerator_name() -> str | None:
 
 def time_copy(*, num_bytes: int, pinned: bool, repeats: int, warmup: int = 2) -> float:
     """Median seconds of one host-to-device copy of ``num_bytes`` (uint8), timed by CUDA events.
-
-    Raises:
-        RuntimeError: no CUDA device (call ``accelerator_name`` first).
-    """
+    Raises RuntimeError: no CUDA device (call ``accelerator_name`` first)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -63,10 +60,7 @@ def time_copy(*, num_bytes: int, pinned: bool, repeats: int, warmup: int = 2) ->
 
 def measure(*, sizes: list[tuple[str, int]], repeats: int = 10) -> list[LinkResult] | None:
     """Bandwidth for each (label, bytes) in ``sizes``, pinned and pageable; None without CUDA.
-
-    Raises:
-        ValueError: ``repeats`` < 1 (``--repeats``) or a size < 1 byte.
-    """
+    Raises ValueError: ``repeats`` < 1 (``--repeats``) or a size < 1 byte."""
     if repeats < 1:
         raise ValueError(f"--repeats {repeats} must be >= 1")
     if any(n < 1 for _, n in sizes):

@@ -68,10 +68,7 @@ def routed_per_token(steps: list[SimStep]) -> int:
 
 def check_num_resident(num_resident: int, *, num_experts: int, top_k: int) -> None:
     """The runtime's K check with min_slots = top_k.
-
-    Raises:
-        ValueError: K outside [top_k, E], naming --num-resident.
-    """
+    Raises ValueError: K outside [top_k, E], naming --num-resident."""
     planner.check_num_resident(num_resident, num_experts=num_experts, min_slots=top_k)
 
 
@@ -89,10 +86,7 @@ def recorded_steps(trace: Trace) -> list[SimStep]:
 def request_streams(trace: Trace, *, min_streams: int = 1) -> list[dict[int, np.ndarray]]:
     """Decode streams (layer -> [n, k]) in request-id order, cut into contiguous pseudo-requests
     when fewer than ``min_streams``.
-
-    Raises:
-        ValueError: the trace has no decode rows with a known request id.
-    """
+    Raises ValueError: the trace has no decode rows with a known request id."""
     streams = [v for _, v in sorted(trace.streams().items())]
     if not streams:
         raise ValueError("trace has no per-request decode streams (no decode rows with a request id)")
@@ -144,10 +138,7 @@ def uniform_steps(steps: list[SimStep], *, num_experts: int, top_k: int, seed: i
 
 def make_policy(name: str, *, num_slots: int, unions: Sequence[Sequence[int]]) -> EvictionPolicy:
     """The runtime's policy ``name``, or Belady's with the layer's future ``unions``.
-
-    Raises:
-        ValueError: unknown name (lists the choices; ``--policy``).
-    """
+    Raises ValueError: unknown name (lists the choices; ``--policy``)."""
     if name == BeladyPolicy.name:
         return BeladyPolicy(num_slots, unions)
     if name not in policies.POLICIES:
@@ -163,10 +154,7 @@ def replay(
     ``LayerStats.record_step``. With ``host_rows`` R < E, each layer's page-ins also go through a
     host ``Residency`` of R rows as ``storage.host_tier`` does (Belady's device policy: LRU host
     rows); host misses (disk reads) land in ``ModelStats.tiers``.
-
-    Raises:
-        ValueError: K outside [top_k, E]; R outside [1, E) (``--host-rows``); an id outside [0, E).
-    """
+    Raises ValueError: K outside [top_k, E]; R outside [1, E) (``--host-rows``); an id outside [0, E)."""
     check_num_resident(num_resident, num_experts=num_experts, top_k=routed_per_token(steps))
     if host_rows is not None and not 1 <= host_rows < num_experts:
         raise ValueError(f"--host-rows {host_rows} must be in [1, E={num_experts}) (--host-rows)")
@@ -228,10 +216,7 @@ def run_grid(
 ) -> list[SimResult]:
     """``replay`` of ``steps`` (and uniform routing, with ``uniform``) for every policy and K;
     ``batch_size`` only labels the results.
-
-    Raises:
-        ValueError: unknown policy, K out of [top_k, E] (checked before any replay), or no steps.
-    """
+    Raises ValueError: unknown policy, K out of [top_k, E] (checked before any replay), or no steps."""
     if not steps:
         raise ValueError("nothing to replay: the trace gives no steps")
     for k in num_resident:

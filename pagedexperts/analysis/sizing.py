@@ -257,11 +257,8 @@ def checkpoint_sizes(
     at 4 bytes, integer / 8-bit tensors as stored; None: stored bytes). ``skip``: keys not counted.
     Experts: per-expert keys (``layers.N...experts.J.*``) or stacked (leading dim E);
     ``expert_bytes`` from the first expert layer.
-
-    Raises:
-        FileNotFoundError: no safetensors file.
-        ValueError: no expert tensor, or a stacked tensor whose leading dim is not E.
-    """
+    Raises FileNotFoundError: no safetensors file; ValueError: no expert tensor, or a stacked tensor whose
+    leading dim is not E."""
     per_layer: dict[int, int] = {}  # layer -> bytes of one expert
     expert_total = other_total = 0
     for path in checkpoint_files(model_path):

@@ -145,10 +145,7 @@ class TraceWriter:
 
     def add(self, *, layer: int, topk_ids, topk_weights) -> None:
         """Record one MoE layer of the current step: ``topk_ids`` [T, k] int, ``topk_weights`` [T, k].
-
-        Raises:
-            ValueError: no step begun, unknown or repeated layer, shape not [T, k], id outside [0, E).
-        """
+        Raises ValueError: no step begun, unknown or repeated layer, shape not [T, k], id outside [0, E)."""
         step = self._current_step(layer)
         ids, weights = np.asarray(topk_ids), np.asarray(topk_weights)
         shape = (len(self._request_ids[step]), self.meta.top_k)
@@ -217,12 +214,8 @@ def _concat(parts: list[np.ndarray], dtype, tail: tuple) -> np.ndarray:
 def load_trace(path, *, num_experts: int | None = None, top_k: int | None = None) -> Trace:
     """A format-version-1 ``.npz`` or JSON-lines file (told by content), or a directory of them
     (``load_trace_set``), checked against ``num_experts`` and ``top_k`` when both are given.
-
-    Raises:
-        ValueError: empty, truncated or malformed file; unknown version; E / top_k mismatch; a
-            directory with no trace, or traces of different models.
-        FileNotFoundError: no such file.
-    """
+    Raises ValueError: empty, truncated or malformed file; unknown version; E / top_k mismatch; a directory
+    with no trace, or traces of different models; FileNotFoundError: no such file."""
     trace = load_trace_set(path) if Path(path).is_dir() else _load_file(path)
     if num_experts is not None and top_k is not None:
         trace.check_model(num_experts=num_experts, top_k=top_k)
@@ -233,10 +226,7 @@ def load_trace_set(directory) -> Trace:
     """Every ``*.npz`` / ``*.jsonl`` of ``directory`` as ONE trace of one model (E, top_k, layers):
     the files' steps in turn, request ids shifted so each request stays its own stream; extras
     those every file has.
-
-    Raises:
-        ValueError: no trace file; files of different models (names both); a file that does not load.
-    """
+    Raises ValueError: no trace file; files of different models (names both); a file that does not load."""
     files = sorted(p for p in Path(directory).iterdir() if p.suffix in TRACE_SUFFIXES and p.is_file())
     if not files:
         raise ValueError(f"{directory}: a directory with no trace files ({', '.join('*' + x for x in TRACE_SUFFIXES)}); "

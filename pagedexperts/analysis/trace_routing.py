@@ -32,10 +32,7 @@ READER_STRIDE = 997  # tokens between two readers of one stream (a prime: no com
 @dataclass
 class TraceRouting:
     """Top-k ids from ``trace`` for a model with E = ``num_experts`` and k = ``top_k``.
-
-    Raises:
-        ValueError: E_t > E, k not a multiple of c = E // E_t, or k / c > k_t.
-    """
+    Raises ValueError: E_t > E, k not a multiple of c = E // E_t, or k / c > k_t."""
 
     trace: Trace
     num_experts: int
@@ -71,10 +68,7 @@ class TraceRouting:
     def topk_ids(self, layer_number: int, rows: int) -> np.ndarray:
         """The top-k ids [rows, k] (int64) of model MoE layer ``layer_number`` for a forward of ``rows`` =
         B x S rows; advances that layer by S.
-
-        Raises:
-            ValueError: ``rows`` is not a multiple of the batch size.
-        """
+        Raises ValueError: ``rows`` is not a multiple of the batch size."""
         b, c = self.batch_size, self.groups
         if rows % b:
             raise ValueError(f"{rows} rows are not {b} sequences of equal length")
@@ -93,11 +87,8 @@ def install(model, trace: str | Path | Trace) -> TraceRouting:
     """Route ``model`` (``model.pagedexperts``) by ``trace`` from now on, in every mode: hooks replace
     the top-k ids each experts module receives and read B from each model call. Returns the driver
     (``.handles`` to remove the hooks).
-
-    Raises:
-        ValueError: the trace does not fit the model (``TraceRouting``).
-        FileNotFoundError: no such trace file.
-    """
+    Raises ValueError: the trace does not fit the model (``TraceRouting``); FileNotFoundError: no such trace
+    file."""
     import torch
 
     rt = model.pagedexperts

@@ -1,11 +1,9 @@
 """Expert formats: how a checkpoint stores each routed expert, and how to turn it dense.
 
-Owns the registry, ``FORMATS``: one frozen ``FormatRecord`` per format, from which every other
-view (CLI choices, defaults, preflight's table, refusals) is derived; and ``format_for_config``,
-which picks a checkpoint's format from config.json's ``quantization_config``. The contract is
-in ``base`` and README.md; adding a format is its module plus one record. Standard library only
-at import (a format's module and torch load on use), so the light commands read the table
-without torch. Does not: read checkpoints, store, page, or know model families.
+Owns the registry ``FORMATS`` (one ``FormatRecord`` per format; every other view is derived
+from it) and ``format_for_config``. The contract is in ``base`` and README.md. Standard library
+only at import, so the light commands read the table without torch. Does not: read checkpoints,
+store, page, or know model families.
 """
 
 from __future__ import annotations
@@ -22,16 +20,10 @@ CheckpointKey = tuple[str | None, str | None, str | None]  # (quant_method, form
 
 @dataclass(frozen=True)
 class FormatRecord:
-    """One expert format's facts, each written only here (README.md: who reads each field).
-
-    Attributes:
-        name: the ``--format`` / stats name (the class's own ``name``).
-        where: "module:Class", imported on use (a missing library fails only when needed).
-        spelled: what a checkpoint's config.json says for it, as refusals list it.
-        key: the (quant_method, format, weight kind) ``nearest_format`` compares.
-        cpu_packed: torch's CPU int4 / int8 kernels compute it packed (``formats.cpu_pack``).
-        example: preflight's ``(class, --group-size) -> ExpertFormat``; None: not offered.
-        quantize: ``pagedexperts quantize --format NAME`` writes it.
+    """One format's facts, each written only here (README.md: who reads each field). ``where``:
+    "module:Class", imported on use; ``spelled``: what config.json says; ``key``: (quant_method,
+    format, weight kind) for ``nearest_format``; ``cpu_packed``: torch's CPU kernels compute it
+    packed; ``example``: preflight's ``(class, group size) -> format``; ``quantize``: written by quantize.
     """
 
     name: str
@@ -44,10 +36,7 @@ class FormatRecord:
 
     def load(self) -> type[ExpertFormat]:
         """The format class (its module imported now).
-
-        Raises:
-            ValueError: its module is not present, or needs a package that is not installed (names it).
-        """
+        Raises ValueError: its module is not present, or needs a package that is not installed (names it)."""
         module_name, _, cls_name = self.where.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -133,10 +122,7 @@ QUANTIZE_FORMATS = tuple(name for name, r in FORMATS.items() if r.quantize)
 
 def format_class(name: str) -> type[ExpertFormat]:
     """The format class registered under ``name``.
-
-    Raises:
-        ValueError: unknown name (lists the registered ones), or its module is not present.
-    """
+    Raises ValueError: unknown name (lists the registered ones), or its module is not present."""
     if name not in FORMATS:
         raise ValueError(f"unknown expert format {name!r}; choose one of {list(FORMATS)}")
     return FORMATS[name].load()
@@ -144,10 +130,7 @@ def format_class(name: str) -> type[ExpertFormat]:
 
 def example_format(name: str, *, group_size: int) -> ExpertFormat:
     """Preflight's instance of format ``name`` at ``group_size``.
-
-    Raises:
-        ValueError: a name outside ``EXAMPLE_FORMATS`` (lists them).
-    """
+    Raises ValueError: a name outside ``EXAMPLE_FORMATS`` (lists them)."""
     record = FORMATS.get(name)
     if record is None or record.example is None:
         raise ValueError(f"no example of expert format {name!r}; choose one of {list(EXAMPLE_FORMATS)}")
@@ -243,11 +226,8 @@ def format_for_config(config, *, transposed_experts: bool | None = None) -> Expe
     """The expert format of a checkpoint from its config (object or dict): the one function load_model,
     preflight and check resolve a format with. ``transposed_experts``: the family's
     (``models.families.experts_transposed``).
-
-    Raises:
-        ValueError: no registered format recognises the quantization_config, or the format rejects
-            its parameters or the experts' layout (``refusal_message``).
-    """
+    Raises ValueError: no registered format recognises the quantization_config, or the format rejects its
+    parameters or the experts' layout (``refusal_message``)."""
     qc = quantization_config_of(config)
     unavailable = []
     for name in FORMATS:

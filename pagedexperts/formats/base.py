@@ -1,11 +1,9 @@
 """The contract every expert format implements: per-expert packed tensors, their bytes, dequantize.
 
-Owns ``TensorSpec`` (one per-expert tensor), ``ExpertLayout`` (the packed tensors standing for
-each dense tensor of one experts module) and ``ExpertFormat``, the interface of a format module
-(its members and the naming of store tensors: ``formats/README.md``). The *dense* tensors are
-the experts module's parameters as transformers builds the unquantized model; the *packed* ones
-are what the checkpoint stores for them, one row per expert. ``dequantize`` is bit-identical to
-transformers' own loading, rows independent. Does not: read checkpoints, hold bytes or page.
+Owns ``TensorSpec``, ``ExpertLayout`` (the packed tensors standing for each dense tensor of one
+experts module) and ``ExpertFormat`` (members and store naming: ``formats/README.md``). Dense
+tensors are the experts module's own; packed ones what the checkpoint stores, one row per expert;
+``dequantize`` is bit-identical to transformers' loading. Does not: read checkpoints or page.
 """
 
 from __future__ import annotations
@@ -117,23 +115,17 @@ class ExpertFormat:
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "ExpertFormat":
         """The format bound to this checkpoint's parameters (block size, bits, group size).
-
-        Raises:
-            ValueError: a parameter this format does not support (names the key and value).
-        """
+        Raises ValueError: a parameter this format does not support (names the key and value)."""
         return cls()
 
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "ExpertFormat":
-        """The format bound from the whole config (object or config.json dict) and its
-        ``quantization_config``; default: the latter alone.
+        """The format bound from the whole config and its ``quantization_config`` (default: the latter alone).
         """
         return cls.from_quantization_config(quantization_config)
 
     def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The dtype transformers keeps the dequantized routed experts in at ``model_dtype``
-        (default ``model_dtype``; compressed-tensors int4: the scales').
-        """
+        """The dtype the dequantized experts take at ``model_dtype`` (default ``model_dtype``)."""
         return model_dtype
 
     def reference_kwargs(self) -> dict:
@@ -156,19 +148,13 @@ class ExpertFormat:
         """The format storing the non-expert nn.Linear ``module``'s weight (checkpoint name), bound for
         one plain weight, or None when unquantized. Default ``self``; compressed-tensors: the module's
         config group (``formats.compressed_tensors.linear``).
-
-        Raises:
-            ValueError: the module's scheme is not a supported format (names the module).
-        """
+        Raises ValueError: the module's scheme is not a supported format (names the module)."""
         return self
 
     def linear_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> QuantizedTensor:
         """The packed specs of one plain nn.Linear weight [O, I] dequantized into ``dtype`` (``pack``
         of ``LINEAR_WEIGHT``, one source, untransposed).
-
-        Raises:
-            ValueError: what ``pack`` refuses (e.g. a dim not a multiple of the group size).
-        """
+        Raises ValueError: what ``pack`` refuses (e.g. a dim not a multiple of the group size)."""
         dense = TensorSpec(LINEAR_WEIGHT, tuple(shape), dtype)
         return QuantizedTensor(dense, self.pack(dense, sources=1, transposed=False))
 
@@ -176,10 +162,7 @@ class ExpertFormat:
         """One plain nn.Linear's serialized tensors {checkpoint name: tensor, in its stored dtype} ->
         its dense weight [O, I] in ``tensor.dense.dtype``, contiguous (computed in the stored dtypes:
         ``with_stored_dtypes``).
-
-        Raises:
-            ValueError: a packed tensor missing, or one whose element count is not its spec's.
-        """
+        Raises ValueError: a packed tensor missing, or one whose element count is not its spec's."""
         bound = self.with_stored_dtypes({n: v.dtype for n, v in serialized.items()})
         if bound is not self:
             tensor = bound.linear_tensor(tensor.dense.shape, tensor.dense.dtype)
@@ -196,9 +179,7 @@ class ExpertFormat:
         return bound.dequantize(tensor, rows)[0].contiguous()
 
     def device_constant(self, name: str, device, build) -> torch.Tensor:
-        """A constant tensor (shift or FP4 table) on ``device``, built by ``build(device)`` once per
-        device and kept on the instance.
-        """
+        """A constant tensor on ``device``, ``build(device)`` once per device, kept on the instance."""
         cache = self.__dict__.setdefault("_device_constants", {})  # also on frozen dataclasses
         key = (name, torch.device(device))
         if key not in cache:
@@ -206,18 +187,14 @@ class ExpertFormat:
         return cache[key]
 
     def with_stored_dtypes(self, dtypes: Mapping[str, torch.dtype]) -> "ExpertFormat":
-        """This format bound to the dtypes the checkpoint stores the experts' serialized tensors in
-        ({name: dtype}), so the store holds them uncast; default ``self``.
+        """This format bound to the dtypes the checkpoint stores the experts' tensors in (default ``self``).
         """
         return self
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False):
         """The ``formats.packing.WeightPacking`` of ``tensor``'s packed rows (``transposed``: the dense
         weight is [in, out]).
-
-        Raises:
-            NotImplementedError: this format has no packing description (names the format).
-        """
+        Raises NotImplementedError: this format has no packing description (names the format)."""
         raise NotImplementedError(f"expert format {self.name!r} has no WeightPacking: fused kernels cannot read it")
 
     def layout(

@@ -1,23 +1,13 @@
 """Quantized experts in the layouts of torch's CPU int4 / int8 matmuls, converted from a format's rows.
 
-Owns: which quantized tensors torch's own CPU kernels compute packed, and why not where they
-cannot (``plan_tensor`` / ``plan_layout``); one tensor's kernel layout (``KernelTensor``,
-converted through ``formats.unpack.int_groups``); the one call of the kernels
-(``packed_matmul``, for experts and packed non-expert linears); and ``CpuPackedSlots``, the
-slot table in that layout. Does not: run a layer-step, decide residency, or read files.
-
-The kernels (torch >= 2.6, CPU; nothing of ours built):
-
-- int4: ``aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K] in 0..15, 1)`` -> uint8
-  [N, K/2]; ``aten._weight_int4pack_mm_for_cpu(x [M, K], packed, group_size,
-  scales_and_zeros [K/group_size, N, 2]) -> [M, N]``: ``(q - 8) * scale + zero`` per (row,
-  group of 32 / 64 / 128 / 256), N a multiple of 16. A format's ``w = (q - z) * s`` maps to
-  ``scale = s``, ``zero = (8 - z) * s``.
-- int8: ``aten._weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N]) -> [M, N]``: per-row
-  scale, no zero point (codes minus zero point must fit int8).
-
-The kernels round differently from the format's own arithmetic in the last bits: exact to
-themselves (paged == all E resident), within the bound ``tools.packed_bound`` derives.
+Owns which tensors torch's CPU kernels compute packed and why not (``plan_layout``), one tensor's
+kernel layout (``KernelTensor``, through ``formats.unpack.int_groups``), the one kernel call
+(``packed_matmul``) and ``CpuPackedSlots``. The kernels (torch >= 2.6): int4
+``aten._weight_int4pack_mm_for_cpu(x [M, K], packed uint8 [N, K/2], group_size,
+scales_and_zeros [K/group_size, N, 2])`` computing ``(q - 8) * scale + zero`` (a format's
+``(q - z) * s`` as ``scale = s``, ``zero = (8 - z) * s``); int8 ``aten._weight_int8pack_mm(x,
+w int8 [N, K], scales [N])``, no zero point. They round differently from the format in the last
+bits (bound: ``tools.packed_bound``). Does not: run a layer-step, decide residency, read files.
 
 Legend: n experts, N output features, K input features, G groups, E experts, K_s slots.
 """
@@ -41,9 +31,8 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class KernelTensor:
-    """One dense expert tensor ([N, K], the module's [out, in]) as a CPU kernel reads it: ``kind``
-    "int4" or "int8", ``group_size`` (a format group of ``repeat`` kernel groups repeats its
-    scale), ``dtype`` the run dtype of x and the scales.
+    """One dense expert tensor [N, K] as a CPU kernel reads it: ``kind`` "int4" / "int8",
+    ``group_size`` (``repeat`` kernel groups per format group), ``dtype`` of x and the scales.
     """
 
     tensor: QuantizedTensor
@@ -80,10 +69,7 @@ class KernelTensor:
     def convert(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A format's packed rows of n experts {packed name: [n, ...]} -> {weight_name, scale_name:
         [n, *spec.shape]} in the kernel's layout.
-
-        Raises:
-            ValueError: int8 codes minus their zero points outside [-128, 127].
-        """
+        Raises ValueError: int8 codes minus their zero points outside [-128, 127]."""
         groups = int_groups(self.fmt.packing_of(self.tensor), rows, constant=self.fmt.device_constant)
         if self.kind == "int8":
             q = groups.codes.to(torch.int16) - groups.zeros.to(torch.int16)  # one group: zeros [n, N, 1]
@@ -169,13 +155,9 @@ def kernel_specs(layout: ExpertLayout, plans: tuple[KernelTensor, ...]) -> list[
 
 
 class CpuPackedSlots(SlotTable):
-    """Slot tensors {name: [K_s, ...]} in the CPU kernels' layouts (passthrough tensors as stored);
-    ``plans`` {dense name: KernelTensor}. A page-in copies rows already in that layout and
-    converts a format's packed rows.
-
-    Args:
-        layout: the layer's ExpertLayout; plans: ``plan_layout(layout, dtype)``; num_slots: K_s;
-        device: a CPU device.
+    """Slot tensors {name: [K_s, ...]} in the CPU kernels' layouts, ``plans`` {dense name:
+    KernelTensor}; a page-in copies rows in that layout and converts a format's packed rows.
+    Args: layout; plans (``plan_layout(layout, dtype)``); num_slots K_s; device (a CPU).
     """
 
     def __init__(self, layout: ExpertLayout, plans: tuple[KernelTensor, ...], num_slots: int, device) -> None:

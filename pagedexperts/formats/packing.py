@@ -1,30 +1,24 @@
 """How a format's packed rows encode one expert weight: the one description unpack and the fused kernels read.
 
-Owns ``WeightPacking``: for one dense experts tensor in one format, which packed tensor holds each
-role (``weight``, ``scale``, ``zero``, ``g_idx``, ``global_scale``), how values, scales and zero
-points are stored, and the dtypes of the format's own arithmetic; and the encodings' names
-(``CODES`` ... ``SCALE_OPS``, the kernels' constexprs). ``formats.unpack`` interprets it in
-torch; ``paging.kernels.fused_moe_kernel`` reads it in registers, bit for bit the same.
-Does not: unpack, read files or launch anything.
+Owns ``WeightPacking`` (which packed tensor holds each role: ``weight``, ``scale``, ``zero``,
+``g_idx``, ``global_scale``; how values, scales and zero points are stored; the dtypes of the
+format's arithmetic) and the encodings' names (the kernels' constexprs). ``formats.unpack``
+interprets it in torch, ``paging.kernels.fused_moe_kernel`` in registers. Does not: unpack.
 
-The weight is nn.Linear's ``W [N, K]`` whatever the module's orientation. Element ``W[n, k]``:
+W is nn.Linear's [N, K] whatever the module's orientation. Element ``W[n, k]``:
 
-- value ``v``: ``dense``: the element; ``int``: the unsigned ``bits``-wide field minus the zero
-  point (``((z_word + zero_word()) >> shift) & mask``: one addition per word, carries included;
-  without ``zero_carries``, ``zero_offset`` added per field) or minus ``value_offset`` without a
-  ``zero`` role; ``e4m3`` / ``e2m1``: the code's value (e2m1 code 8 is -0.0, +0.0 without
-  ``negative_zero``);
-- scale ``s``: the ``scale`` row's element at input group ``k // group_size`` (``g_idx`` when
-  present; one group when ``group_size`` is 0) and output index ``(n // source_rows) *
-  ceil(source_rows / block_rows) + (n % source_rows) // block_rows``; e4m3 / e8m0 decoded; then
-  divided by or multiplied with the source's ``global_scale`` in float32, or
-  (``value_reciprocal``) ``v = rnd_f32(v * rnd_f32(1 / g))`` instead (0 where g is 0);
-- ``W[n, k] = rnd_dense(rnd_round(rnd_mul(v * rnd_mul(s))))`` (``mul_dtype``, optional
-  ``round_dtype``); ``scale_op`` "divide": ``rnd_mul(v / rnd_mul(s))``.
+- value ``v``: ``dense`` the element; ``int`` the unsigned ``bits``-wide field minus the zero point
+  (``((z_word + zero_word()) >> shift) & mask``; without ``zero_carries`` ``zero_offset`` is added
+  per field) or minus ``value_offset``; ``e4m3`` / ``e2m1`` the code's value (e2m1 code 8: -0.0,
+  +0.0 without ``negative_zero``);
+- scale ``s``: the ``scale`` row at group ``k // group_size`` (``g_idx`` if present; one group if
+  ``group_size`` is 0) and row ``(n // source_rows) * ceil(source_rows / block_rows) + (n %
+  source_rows) // block_rows``, codes decoded, divided by or multiplied with the source's
+  ``global_scale`` in float32, or (``value_reciprocal``) ``v = rnd_f32(v * rnd_f32(1 / g))``;
+- ``W[n, k] = rnd_dense(rnd_round(rnd_mul(v * rnd_mul(s))))``; ``scale_op`` "divide": ``v / s``.
 
-Rows are [N, K / per_word] (``packed_dim`` "in"), or input-major when ``transposed`` (GPTQ, AWQ,
-gpt-oss); ``scale`` / ``zero`` follow the same orientation; ``zero`` is packed along the output
-dim, ``32 // bits`` per int32 word, restarting per source; ``interleaved``: AWQ's nibble order.
+Rows are [N, K / per_word], input-major when ``transposed``; ``zero`` is packed along N, 32 //
+bits per int32 word, restarting per source; ``interleaved``: AWQ's nibble order.
 
 Legend: N output features, K input features, R rows of one expert's tensor, G groups.
 """
@@ -206,10 +200,7 @@ def fp4_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorS
 
 def derived_block(weight_shape: tuple[int, int], scale_shape: tuple[int, int]) -> tuple[int, int]:
     """The block (bm, bn) a scale grid implies (``rows // scale_rows``, as transformers derives it).
-
-    Raises:
-        ValueError: the weight shape is not a multiple of the grid.
-    """
+    Raises ValueError: the weight shape is not a multiple of the grid."""
     (rows, cols), (sr, sc) = weight_shape, scale_shape
     if rows % sr or cols % sc:
         raise ValueError(f"Weight shape ({rows}, {cols}) not divisible by scale grid ({sr}, {sc}).")

@@ -1,14 +1,10 @@
 """The slot tables: how the K slots of one layer hold its experts, and what a kernel reads of them.
 
-Owns ``SlotTable``, the contract of every slot table (docs/design-layer-step.md, "Slot
-tables"): what a page-in writes (``write_rows``, ``copy_rows``), what the body's kernel reads
-for a wave (``kernel_tensors``), and what a CUDA graph or a device-side page-in cannot hold.
-And the two tables of a quantized layer read by dense kernels (``--slot-format``):
-``DequantizingSlots`` (packed rows, dequantized per wave into a scratch) and ``DenseSlots``
-(dequantized once at page-in through a one-expert staging buffer). The scratch and the staging
-are one layer's, shared by every layer of a model (layers run one after another on one stream).
-The others: ``paging.steps.contract.PackedSlots`` and ``formats.cpu_pack.CpuPackedSlots``.
-Does not: decide residency, count, choose a table (``loading.runners``) or know a format.
+Owns ``SlotTable``, the contract of every slot table (docs/design-layer-step.md, "Slot tables"),
+and the two tables of a quantized layer read by dense kernels (``--slot-format``):
+``DequantizingSlots`` (packed, dequantized per wave into a scratch) and ``DenseSlots``
+(dequantized at page-in through a staging buffer); scratch and staging are one layer's, shared
+by the layers of a model. Does not: decide residency, count, choose a table, or know a format.
 
 Legend: K slots, n experts of a wave, E experts.
 """
@@ -36,10 +32,7 @@ def check_slot_format(slot_format: str) -> str:
 
 def resolve_slot_format(slot_format: str, device) -> str:
     """"packed" or "dense": ``slot_format``, with "auto" meaning dense on CPU, packed on CUDA.
-
-    Raises:
-        ValueError: unknown slot format (names --slot-format).
-    """
+    Raises ValueError: unknown slot format (names --slot-format)."""
     check_slot_format(slot_format)
     if slot_format != "auto":
         return slot_format
@@ -85,11 +78,8 @@ class SlotTable(dict, ABC):
 
 
 class DequantizingSlots(SlotTable):
-    """Packed slot tensors of a quantized layer read by a dense kernel: ``kernel_tensors``
-    dequantizes the wave's slots into ``scratch`` ({dense name: [K, ...]}, shared by the layers).
-
-    Args:
-        layout: the layer's ExpertLayout (not dense); tensors: the slot tensors; scratch: as above.
+    """Packed slot tensors of a quantized layer: ``kernel_tensors`` dequantizes the wave's slots into
+    ``scratch`` ({dense name: [K, ...]}, shared by the layers). ``layout``: the layer's (not dense).
     """
 
     def __init__(self, layout: ExpertLayout, tensors: dict[str, torch.Tensor], scratch: dict[str, torch.Tensor]) -> None:

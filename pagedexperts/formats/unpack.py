@@ -1,13 +1,9 @@
 """The package's one unpacker: the torch interpreter of a ``WeightPacking`` (``formats.packing``).
 
-From n experts' packed rows {packed name: [n, *spec.shape]}: ``codes`` (the stored field of
-every element of W [n, N, K]), ``values`` (before the scale, float32), ``dense_weight`` (W with
-the format's own arithmetic, bit for bit its library's), ``int_groups`` (an int format's codes,
-zero points and group scales in one form, for CPU int4 / int8 kernels), and ``PackedFormat``,
-the base of every quantized format, whose ``dequantize`` is ``dense_weight`` of its ``packing``.
-Constants come from ``constant(name, device, build)`` (``ExpertFormat.device_constant`` keeps
-them per device). The fused kernels read the same packings and are tested against this.
-Does not: know any format class, read files, or launch anything.
+From n experts' packed rows {packed name: [n, *spec.shape]}: ``codes``, ``values``,
+``dense_weight`` (W with the format's own arithmetic, bit for bit its library's), ``int_groups``
+(for CPU int kernels), and ``PackedFormat``, the base of every quantized format. Constants are
+built once per device (``ExpertFormat.device_constant``). Does not: know a format class, read files.
 
 Legend: n experts, N output features, K input features, G groups, S checkpoint sources.
 """
@@ -234,10 +230,7 @@ def dense_weight(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *, co
     """W of n experts, contiguous in ``dense_dtype``: [n, N, K], or [n, K, N] when
     ``dense_transposed``. Each element ``rnd_dense(rnd_round(v * s))`` (``v / s`` for ``scale_op``
     "divide"), the product in ``mul_dtype`` (``formats.packing``).
-
-    Raises:
-        KeyError: a packed tensor of the packing missing from ``rows``.
-    """
+    Raises KeyError: a packed tensor of the packing missing from ``rows``."""
     v, scale, split, fresh = _values(packing, rows, constant)
     if scale is None:
         w = v
@@ -259,9 +252,8 @@ def dense_weight(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *, co
 @dataclass(frozen=True)
 class IntGroups:
     """An integer weight of n experts: ``W[n, o, i] = (codes - zeros[g]) * scales[g]`` in the scales'
-    dtype, then ``dense_dtype``; g = ``i // group_size`` or ``g_idx[n, o // source_rows, i]``.
-    ``codes`` uint8 [n, N, K] (or int8, zeros 0), ``zeros`` int32 [n, N, G], ``scales`` [n, N, G],
-    ``g_idx`` int64 [n, S, K] or None.
+    dtype, then ``dense_dtype``; g = ``i // group_size`` or ``g_idx[n, o // source_rows, i]``;
+    codes uint8 / int8 [n, N, K], zeros int32 [n, N, G], g_idx int64 [n, S, K] or None.
     """
 
     codes: torch.Tensor
@@ -288,10 +280,7 @@ def int_groups(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
                constant: Constant = build_each_time) -> IntGroups:
     """The ``IntGroups`` of an int format's packing (GPTQ, AWQ, AutoRound, compressed-tensors int4 /
     int8, block INT8).
-
-    Raises:
-        ValueError: codes not int, or a global scale, dividing scale or intermediate rounding.
-    """
+    Raises ValueError: codes not int, or a global scale, dividing scale or intermediate rounding."""
     if (packing.codes != "int" or packing.global_scale != "none" or packing.round_dtype is not None
             or packing.scale_op != "multiply"):
         raise ValueError(f"int_groups reads int packings without global scale, dividing scale or round dtype; got "

@@ -97,10 +97,7 @@ class MoEShape:
 
 def moe_shape(config: dict) -> MoEShape:
     """E, k and the MoE layer indices (``is_moe_layer``) of a config dict.
-
-    Raises:
-        ValueError: not a MoE config (no expert count, top_k or MoE layer), or top_k above E.
-    """
+    Raises ValueError: not a MoE config (no expert count, top_k or MoE layer), or top_k above E."""
     cfg = text_config(config)
     e, k = num_routed_experts(cfg), top_k(cfg)
     if not e or not k:
@@ -121,10 +118,7 @@ def dense_expert_bytes(config: dict, *, dtype: str | None = None) -> int:
     """Bytes of one routed expert dequantized to ``dtype`` (None: the config's, else bfloat16):
     (3 x H x I + gpt-oss's biases 2 x I + H) x dtype bytes, I = ``moe_intermediate_size`` else
     ``intermediate_size``.
-
-    Raises:
-        ValueError: an unknown dtype (lists the choices).
-    """
+    Raises ValueError: an unknown dtype (lists the choices)."""
     cfg = text_config(config)
     name = str(dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").replace("torch.", "")
     if name not in RUN_DTYPE_BYTES:
@@ -162,10 +156,7 @@ def kv_bytes_per_token(config: dict, *, kv_dtype: str = "auto", model_dtype: str
     dtype bytes``; DeepSeek MLA ``(kv_lora_rank + qk_rope_head_dim) x dtype bytes`` per layer;
     linear-attention layers none. ``kv_dtype``: "auto" (``model_dtype``, else the config's, else
     bf16), "bf16", "fp16", "fp32" or "fp8". Qwen3-30B-A3B: 48 x 2 x 4 x 128 x 2 = 98,304.
-
-    Raises:
-        ValueError: unknown ``kv_dtype`` (lists the choices; ``--kv-dtype``).
-    """
+    Raises ValueError: unknown ``kv_dtype`` (lists the choices; ``--kv-dtype``)."""
     cfg = text_config(config)
     dtype_bytes = _kv_dtype_bytes({**cfg, "dtype": model_dtype} if model_dtype else cfg, kv_dtype)
     layers = _kv_layers(cfg)
@@ -179,10 +170,7 @@ def kv_bytes_per_token(config: dict, *, kv_dtype: str = "auto", model_dtype: str
 
 def run_dtype(config: dict, *, dtype: str | None = None) -> str:
     """The dtype name a run uses: ``dtype`` (``--dtype``), else the config's, else float32.
-
-    Raises:
-        ValueError: an unknown dtype (lists the --dtype choices).
-    """
+    Raises ValueError: an unknown dtype (lists the --dtype choices)."""
     cfg = text_config(config)
     saved = config_value(cfg, "dtype") or (cfg.get("torch_dtype") if isinstance(cfg, dict) else None)
     name = dtype if dtype not in (None, "auto") else str(saved or "float32").replace("torch.", "")
@@ -193,11 +181,8 @@ def run_dtype(config: dict, *, dtype: str | None = None) -> str:
 
 def read_config(model_path: str) -> dict:
     """The parsed ``config.json`` of a model directory.
-
-    Raises:
-        FileNotFoundError: the directory or its config.json is missing (flag ``--model-path``).
-        ValueError: config.json is not valid JSON (names the file, line and column).
-    """
+    Raises FileNotFoundError: the directory or its config.json is missing (flag ``--model-path``); ValueError:
+    config.json is not valid JSON (names the file, line and column)."""
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {model_path!r} (--model-path)")
@@ -217,10 +202,7 @@ def read_config(model_path: str) -> dict:
 def modelopt_quantization_config(model_path) -> dict | None:
     """``{"quant_method": "modelopt", **quantization}`` from a ModelOpt export's
     ``hf_quant_config.json`` (read when config.json has no ``quantization_config``); None without it.
-
-    Raises:
-        ValueError: the file is not JSON, or has no ``quantization`` object (names the file).
-    """
+    Raises ValueError: the file is not JSON, or has no ``quantization`` object (names the file)."""
     path = os.path.join(model_path, "hf_quant_config.json")
     if not os.path.isfile(path):
         return None

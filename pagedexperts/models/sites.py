@@ -38,11 +38,8 @@ class ExpertsSite:
 
 def check_supported(config) -> str:
     """The family name of ``config``'s architecture.
-
-    Raises:
-        ValueError: not an MoE model, an unsupported architecture (lists them), or a quantized
-            checkpoint in no supported expert format (``pagedexperts.formats``).
-    """
+    Raises ValueError: not an MoE model, an unsupported architecture (lists them), or a quantized checkpoint
+    in no supported expert format (``pagedexperts.formats``)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         what = "an MoE architecture not yet supported" if declares_experts(type(config)) else "not an MoE model"
@@ -72,10 +69,7 @@ def is_experts_module(module: torch.nn.Module) -> bool:
 
 def find_experts_sites(model: torch.nn.Module) -> list[ExpertsSite]:
     """All routed-experts modules of ``model``, in layer order, with their per-expert tensors.
-
-    Raises:
-        ValueError: an experts module whose layout is not understood, or none.
-    """
+    Raises ValueError: an experts module whose layout is not understood, or none."""
     sites = []
     for name, module in model.named_modules():
         if not is_experts_module(module):
@@ -103,10 +97,7 @@ def find_experts_sites(model: torch.nn.Module) -> list[ExpertsSite]:
 
 def check_family_layout(model: torch.nn.Module, sites: list[ExpertsSite]) -> None:
     """Experts modules exactly in the config's MoE layers, each shared expert a plain resident module.
-
-    Raises:
-        ValueError: the model's layout disagrees with its family's rules.
-    """
+    Raises ValueError: the model's layout disagrees with its family's rules."""
     config = model.config
     family = FAMILIES[config.model_type]
     found = [s.layer for s in sites]
@@ -130,10 +121,7 @@ def check_family_layout(model: torch.nn.Module, sites: list[ExpertsSite]) -> Non
 
 def router_of(model: torch.nn.Module, site: ExpertsSite) -> torch.nn.Module:
     """The router module of ``site``'s MoE block (the family's ``router`` attribute).
-
-    Raises:
-        ValueError: the family is unknown or its block has no such module.
-    """
+    Raises ValueError: the family is unknown or its block has no such module."""
     family = FAMILIES.get(getattr(model.config, "model_type", None))
     block_name = site.name.rpartition(".")[0]
     router = getattr(model.get_submodule(block_name), family.router, None) if family else None
@@ -147,10 +135,7 @@ def router_of(model: torch.nn.Module, site: ExpertsSite) -> torch.nn.Module:
 
 def per_expert_specs(module: torch.nn.Module, name: str = "") -> tuple[TensorSpec, ...]:
     """Every direct parameter or buffer of ``module`` with leading dim E, as TensorSpecs.
-
-    Raises:
-        ValueError: a direct tensor without leading dim E, or none.
-    """
+    Raises ValueError: a direct tensor without leading dim E, or none."""
     num_experts = int(module.num_experts)
     specs = []
     tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))

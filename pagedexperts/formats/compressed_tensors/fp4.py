@@ -1,17 +1,12 @@
 """compressed-tensors FP4 experts: ``nvfp4-pack-quantized`` (NVFP4A16, NVFP4) and
-``mxfp4-pack-quantized`` (MXFP4A16), as llm-compressor writes them.
+``mxfp4-pack-quantized`` (MXFP4A16).
 
-On-disk layout (compressed-tensors 0.19-0.20 ``NVFP4PackedCompressor`` / ``MXFP4PackedCompressor``,
-``compressors/nvfp4/{base,helpers}.py``, ``compressors/mx_utils.py``), per expert projection of
-an nn.Linear [O, I]: ``weight_packed`` uint8 [O, I/2] (two e2m1 codes, column 2c in the low
-nibble), ``weight_scale`` [O, I/g] (NVFP4: e4m3 per 16; MXFP4: E8M0 per 32), NVFP4's
-``weight_global_scale`` f32 [1] (and ``input_global_scale`` [1] for W4A4: paged, unused).
-Dequantize as the library does (``unpack_fp4_from_uint8``, then ``_dequantize``): NVFP4
-``q.float() * (scale.bfloat16() / global_scale)`` in float32, MXFP4 ``q * 2 ** (e - 127)`` in
-bfloat16, both rounded to bfloat16, where the experts stay whatever the model's dtype.
+Layout and dequantization as compressed-tensors 0.19-0.20 ``NVFP4PackedCompressor`` /
+``MXFP4PackedCompressor`` (``compressors/nvfp4/helpers.py``, ``compressors/mx_utils.py``), in the
+library's dtypes: the experts stay in bfloat16 whatever the model's dtype (README.md).
 Does not: read files, store, page, or quantize activations.
 
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, G groups.
 """
 
 from __future__ import annotations
@@ -60,9 +55,7 @@ class _CompressedTensorsFp4(PackedFormat):
 
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "_CompressedTensorsFp4":
-        """Raises ValueError: a group size, bit width, type or asymmetry this format does not store
-        (names the key and value).
-        """
+        """Raises ValueError: a group size, bit width, type or asymmetry it does not store (names it)."""
         args = experts_weights_args(quantization_config or {}) or {}
         want = {"num_bits": 4, "type": "float", "group_size": cls.group_size, "symmetric": True}
         for key, value in want.items():
@@ -83,10 +76,7 @@ class _CompressedTensorsFp4(PackedFormat):
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Specs of one dense [sources * O, I] tensor: nn.Linear's [O, I] per source along dim 0.
-
-        Raises:
-            ValueError: transposed experts (gpt-oss), or I not a multiple of the group size.
-        """
+        Raises ValueError: transposed experts (gpt-oss), or I not a multiple of the group size."""
         if transposed:
             raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
         if len(dense.shape) != 2:
@@ -123,9 +113,7 @@ class CompressedTensorsNvfp4Format(_CompressedTensorsFp4):
 
 
 class CompressedTensorsMxfp4Format(_CompressedTensorsFp4):
-    """compressed-tensors ``mxfp4-pack-quantized`` (MXFP4A16): the e2m1 codes of gpt-oss's
-    ``formats.fp8_fp4.mxfp4``, another layout.
-    """
+    """compressed-tensors ``mxfp4-pack-quantized`` (MXFP4A16): gpt-oss's e2m1 codes in another layout."""
 
     name = "ct-mxfp4"
     checkpoint_format = "mxfp4-pack-quantized"

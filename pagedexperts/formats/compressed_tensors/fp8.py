@@ -1,16 +1,11 @@
-"""compressed-tensors FP8 experts: ``float-quantized`` / ``naive-quantized`` (llm-compressor FP8,
-FP8_DYNAMIC, FP8_BLOCK) and ``mxfp8-quantized`` (MXFP8, MXFP8A16), bound per dense tensor.
+"""compressed-tensors FP8 experts: ``float-quantized`` / ``naive-quantized`` (FP8, FP8_DYNAMIC,
+FP8_BLOCK) and ``mxfp8-quantized`` (MXFP8), bound per dense tensor.
 
-On-disk layout (compressed-tensors 0.19 / 0.20 ``FloatQuantizationCompressor``, as llm-compressor
-0.14 writes it), per expert projection of an nn.Linear [O, I]: ``weight`` float8_e4m3fn [O, I];
-``weight_scale`` (float32 or the group's ``scale_dtype``) per ``tensor`` [1], ``channel``
-[O, 1], ``block`` [ceil(O / bm), ceil(I / bn)] or ``group`` [O, I / g] (``mxfp8-quantized``:
-uint8 E8M0 per 32, ``mx_utils.decompress_mx_scale``); ``input_scale`` [1] with static
-activations (paged, unused). Dequantize as compressed-tensors' ``_dequantize``:
-``x_q.to(scale.dtype) * scale`` in the stored scale's dtype, then the model's (README.md).
-Does not: read files, store, page, or quantize activations.
+Layout and dequantization as compressed-tensors 0.19 / 0.20 ``FloatQuantizationCompressor``
+(``mx_utils.decompress_mx_scale`` for MXFP8) and ``_dequantize``: ``x_q.to(scale.dtype) * scale``
+in the stored scale's dtype (README.md). Does not: read files, store, page, or quantize activations.
 
-Legend: n experts dequantized together, O output features, I input features, bm x bn a block.
+Legend: n experts, O output features, I input features, bm x bn a block.
 """
 
 from __future__ import annotations
@@ -37,10 +32,7 @@ def is_fp8_scheme(scheme: ExpertScheme) -> bool:
 
 def _check_scheme(dense: str, scheme: ExpertScheme) -> tuple[str, tuple[int, int] | None, torch.dtype]:
     """(strategy, block (group: (1, group_size)) or None, scale dtype) of one dense tensor's FP8 scheme.
-
-    Raises:
-        ValueError: a format, strategy, asymmetry or dynamic weights this module does not read.
-    """
+    Raises ValueError: a format, strategy, asymmetry or dynamic weights this module does not read."""
     w = scheme.weights
     if scheme.format not in FORMATS:
         raise ValueError(f"fp8 experts ({dense}) with format={scheme.format!r}: only {FORMATS} are supported")
@@ -92,10 +84,7 @@ class CompressedTensorsFp8Format(PackedFormat):
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "CompressedTensorsFp8Format":
         """Bind each dense tensor's strategy, block and scale dtype.
-
-        Raises:
-            ValueError: see ``_check_scheme``.
-        """
+        Raises ValueError: see ``_check_scheme``."""
         schemes = dense_schemes(quantization_config or {})
         return cls({dense: _check_scheme(dense, s) for dense, s in schemes.items()})
 

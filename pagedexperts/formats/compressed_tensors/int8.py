@@ -1,13 +1,10 @@
-"""compressed-tensors ``int-quantized`` int8 experts (W8A8 INT8, as llm-compressor writes them).
+"""compressed-tensors ``int-quantized`` int8 experts (W8A8 INT8), activations unquantized.
 
-On-disk layout (compressed-tensors 0.19-0.20 ``IntQuantizationCompressor`` =
-``NaiveQuantizationCompressor``, ``compressors/naive_quantized/base.py``), per expert projection
-of an nn.Linear [O, I]: ``weight`` int8 [O, I], ``weight_scale`` [O, 1] in the checkpoint's
-dtype (channel, symmetric). Dequantize (``_dequantize``): ``q.to(s.dtype) * s``, then the
-model's dtype; activations run unquantized (README.md: why ``check``'s reference is the library's).
+Layout and dequantization as compressed-tensors 0.19-0.20 ``NaiveQuantizationCompressor``
+(``compressors/naive_quantized/base.py``) and ``_dequantize``: README.md.
 Does not: read files, store, page, or quantize activations.
 
-Legend: n experts dequantized together, O output features, I input features.
+Legend: n experts, O output features, I input features.
 """
 
 from __future__ import annotations
@@ -74,10 +71,7 @@ class CompressedTensorsInt8Format(PackedFormat):
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """int8 [sources * O, I] and the scale [sources * O, 1] (sources concatenated on dim 0).
-
-        Raises:
-            ValueError: transposed experts (gpt-oss).
-        """
+        Raises ValueError: transposed experts (gpt-oss)."""
         if transposed:
             raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
         if len(dense.shape) != 2:

@@ -1,11 +1,8 @@
 """Which format stores each non-expert nn.Linear of a compressed-tensors checkpoint.
 
-compressed-tensors quantizes per module by config group (``schemes.scheme_of_module``), so an
-attention projection may sit in another group, even another format, than the routed experts.
-Owns ``one_group_config`` (the config cut down to one module's group, targeting ``Linear``) and
 ``ct_linear_format``, every compressed-tensors format's ``ExpertFormat.linear_format``: the
-registered format recognising that one-group config, or None (unquantized). Does not: read
-tensors, dequantize or group a module's keys (``loading.checkpoint``).
+registered format recognising the module's own config group (``one_group_config``), or None.
+Does not: read tensors or group a module's keys (``loading.checkpoint``).
 """
 
 from __future__ import annotations
@@ -29,11 +26,8 @@ def one_group_config(quantization_config: dict, module: str) -> dict | None:
 
 def ct_linear_format(self: ExpertFormat, module: str, quantization_config: dict | None) -> ExpertFormat | None:
     """The first registered format recognising ``module``'s one-group config, bound; None: unquantized.
-
-    Raises:
-        ValueError: no registered format recognises the group, or it refuses its parameters
-            (``formats.refusal_message``, naming the module).
-    """
+    Raises ValueError: no registered format recognises the group, or it refuses its parameters
+    (``formats.refusal_message``, naming the module)."""
     from pagedexperts.formats import FORMATS, format_class, refusal_message
 
     qc = one_group_config(quantization_config or {}, module)

@@ -1,17 +1,11 @@
 """compressed-tensors ``pack-quantized`` experts beyond uniform int4 (which ``w4a16`` reads):
 8-bit (W8A16), a scheme per projection (config groups), activation order (``weight_g_idx``).
 
-On-disk layout (compressed-tensors 0.19 / 0.20 ``PackedQuantizationCompressor`` +
-``pack_to_int32``), per projection of an nn.Linear [O, I], b = num_bits in {4, 8}:
-``weight_packed`` int32 [O, I * b / 32] (``q + 2**(b-1)`` of column c in bits ``b * (c %
-(32/b))`` of word ``c // (32/b)``), ``weight_scale`` [O, G], ``weight_zero_point`` int32
-[ceil(O * b / 32), G] (asymmetric, along O), ``weight_shape`` int64 [2], ``weight_g_idx`` int32
-[I] (``actorder: group``, compressed-tensors <= 0.12). Dequantize (``forward_helpers._dequantize``;
-<= 0.12 ``_process_quantization`` for g_idx): ``(q - zp[g]) * s[g]`` per column's group g, in
-the scales' dtype, then the dense dtype. transformers 5.24 reads one group for every projection
-and drops g_idx (README.md). Does not: read files, store, page.
+Layout and dequantization as compressed-tensors 0.20 ``PackedQuantizationCompressor`` +
+``pack_to_int32`` (``weight_g_idx``: 0.12's ``_process_quantization``, ``(q - zp[g]) * s[g]`` per
+column's group): README.md "Packings". Does not: read files, store, page.
 
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, b bits, G groups.
 """
 
 from __future__ import annotations
@@ -74,9 +68,7 @@ def pack_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme]:
 
 
 class CompressedTensorsPackedFormat(PackedFormat):
-    """pack-quantized int weights bound per dense experts tensor; subclasses say which checkpoints
-    they take (``matches``).
-    """
+    """pack-quantized int weights bound per dense experts tensor; subclasses say which they ``matches``."""
 
     serialized_names = {"weight": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")}
     linear_format = ct_linear_format
@@ -105,10 +97,7 @@ class CompressedTensorsPackedFormat(PackedFormat):
     @classmethod
     def from_config(cls, config, quantization_config: dict | None):
         """As ``from_quantization_config``, the scales' dtype defaulting to the saved dtype.
-
-        Raises:
-            ValueError: a group size that does not divide its projection's input features.
-        """
+        Raises ValueError: a group size that does not divide its projection's input features."""
         fmt = cls.from_quantization_config(quantization_config)
         get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
         if fmt.scale_dtype is None:
@@ -158,8 +147,7 @@ class CompressedTensorsPackedFormat(PackedFormat):
         return tuple(specs)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """b-bit values along K ([N, K*b/32] words), scales [N, G], zero points along N per source,
-        ``weight_g_idx`` per column when stored.
+        """b-bit values along K, scales [N, G], zero points along N per source, ``weight_g_idx`` when stored.
         """
         name, args = tensor.dense.name, self.args.get(tensor.dense.name)
         if args is None or tensor.is_passthrough:

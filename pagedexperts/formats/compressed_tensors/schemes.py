@@ -1,12 +1,9 @@
 """compressed-tensors config groups, resolved per routed-expert projection.
 
-Owns: which config group quantizes each dense experts tensor (``gate_up_proj`` <- gate_proj +
-up_proj or Mixtral's w1 + w3; ``down_proj`` <- down_proj or w2), a checkpoint's format as
-messages spell it, and the experts' input dims from the model config. Matching follows
-compressed-tensors 0.20 (``utils/match.py``: ``re:`` targets by ``re.match``, exact module
-names, class names such as ``Linear``; ``ignore`` likewise); every expert module a target names
-must resolve to one scheme, since one binding serves every layer and expert (transformers 5.24
-applies ONE group instead: ``w4a16.transformers_experts_args``). Does not: dequantize, read files.
+Owns which config group quantizes each dense experts tensor (gate_proj + up_proj or Mixtral's
+w1 + w3; down_proj or w2), matched as compressed-tensors 0.20 does (``utils/match.py``); every
+expert module a target names must resolve to one scheme. Also a checkpoint's spelling in
+messages and the experts' input dims. Does not: dequantize, read files.
 """
 
 from __future__ import annotations
@@ -48,8 +45,8 @@ def _ignored(name: str, ignore: list[str]) -> bool:
 
 
 def named_expert_modules(quantization_config: dict, projection: str) -> list[str]:
-    """Expert modules ending in ``projection`` that targets or ``ignore`` name exactly: per layer the
-    lowest and highest expert index named.
+    """Expert modules ending in ``projection`` that targets or ``ignore`` name exactly (per layer the
+    lowest and highest expert).
     """
     names = {t for g in (quantization_config.get("config_groups") or {}).values() for t in g.get("targets", [])}
     names |= set(quantization_config.get("ignore") or [])
@@ -102,10 +99,7 @@ def _winning_target(quantization_config: dict, name: str) -> str | None:
 
 def _projection_scheme(resolve, quantization_config: dict, projection: str, dense: str) -> ExpertScheme | None:
     """The one scheme of ``projection`` over layer 0's expert 0 and every expert module a target names.
-
-    Raises:
-        ValueError: two of those modules resolve to different schemes (names both).
-    """
+    Raises ValueError: two of those modules resolve to different schemes (names both)."""
     named = named_expert_modules(quantization_config, projection)
     probe = EXPERT_MODULE.format(projection)
     base = resolve(probe)
@@ -124,10 +118,7 @@ def _projection_scheme(resolve, quantization_config: dict, projection: str, dens
 def dense_schemes(quantization_config: dict) -> dict[str, ExpertScheme]:
     """Dense experts tensor -> its scheme, for the naming (gate/up/down or w1/w3/w2) the config names
     most specifically (a tie reads gate/up/down).
-
-    Raises:
-        ValueError: gate and up have different schemes, or only some projections are quantized.
-    """
+    Raises ValueError: gate and up have different schemes, or only some projections are quantized."""
     def specific(family: int) -> int:
         return sum(_winning_target(quantization_config, EXPERT_MODULE.format(p)) not in (None, "Linear")
                    for names in DENSE_SOURCES.values() for p in names[family])
@@ -162,8 +153,7 @@ def resolved_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme
 
 
 def quantized_non_expert(quantization_config: dict, module_names: list[str] | None = None) -> str | None:
-    """The first non-expert nn.Linear a config group quantizes, or None. ``module_names``: the model's
-    own (``non_expert_linear_names``), else representative names.
+    """The first non-expert nn.Linear a config group quantizes (``module_names``: the model's own), or None.
     """
     if module_names is None:
         module_names = [t.format(p) for t in ("model.layers.0.self_attn.{}", "model.layers.0.mlp.shared_experts.{}",
@@ -175,8 +165,7 @@ def quantized_non_expert(quantization_config: dict, module_names: list[str] | No
 
 
 def non_expert_linear_names(config) -> list[str] | None:
-    """The model's nn.Linear module names, routed experts excluded, from its skeleton on the meta
-    device; None without a model_type.
+    """The model's nn.Linear names, routed experts excluded, from its meta-device skeleton (None: no model_type).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -197,8 +186,7 @@ def dense_source_count(dense: str) -> int:
 
 
 def expert_in_features(config) -> dict[str, int]:
-    """Dense experts tensor -> its input features: hidden size for gate_up_proj,
-    ``moe_intermediate_size`` (else ``intermediate_size``) for down_proj.
+    """Dense experts tensor -> input features (hidden size; ``moe_intermediate_size`` else ``intermediate_size``).
     """
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     dims = {"gate_up_proj": get("hidden_size"), "down_proj": get("moe_intermediate_size") or get("intermediate_size")}

@@ -1,16 +1,12 @@
-"""compressed-tensors ``pack-quantized`` int4 experts (W4A16, as llm-compressor writes them), and
-the reading of the experts' config group every compressed-tensors format shares.
+"""compressed-tensors ``pack-quantized`` int4 experts (W4A16), and the reading of the experts'
+config group every compressed-tensors format shares.
 
-On-disk layout (compressed-tensors 0.20 ``PackedQuantizationCompressor``,
-``compressors/pack_quantized/{base,helpers}.py``), per expert projection of an nn.Linear [O, I]:
-``weight_packed`` int32 [O, ceil(I / 8)] (``q + 8`` of column c in bits ``4 * (c % 8)`` of word
-``c // 8``), ``weight_scale`` [O, G] (G = I / group_size; 1 for ``channel``),
-``weight_zero_point`` int32 [ceil(O / 8), G] (asymmetric only, ``zp + 8`` packed along O),
-``weight_shape`` int64 [2]. Dequantize (``quantization.lifecycle.forward._dequantize``):
-``(q - zp) * s`` in the scales' dtype, then the model's; the experts stay in the scales' dtype
-as transformers stacks them (README.md). Does not: write checkpoints, read files, store or page.
+Layout and dequantization as compressed-tensors 0.20 ``PackedQuantizationCompressor``
+(``compressors/pack_quantized/{base,helpers}.py``, ``quantization.lifecycle.forward._dequantize``):
+README.md "Packings"; the experts stay in the scales' dtype, as transformers stacks them.
+Does not: write checkpoints, read files, store or page.
 
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, G groups.
 """
 
 from __future__ import annotations
@@ -57,8 +53,7 @@ def transformers_experts_args(quantization_config: dict) -> dict | None:
 
 
 def ct_experts_args(quantization_config: dict | None, checkpoint_format: str) -> dict | None:
-    """``experts_weights_args`` when config.json is compressed-tensors and the experts' group stores
-    ``checkpoint_format``, else None.
+    """``experts_weights_args`` of a compressed-tensors config whose experts' group stores ``checkpoint_format``.
     """
     if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
         return None
@@ -67,9 +62,7 @@ def ct_experts_args(quantization_config: dict | None, checkpoint_format: str) ->
 
 
 class CompressedTensorsW4A16Format(PackedFormat):
-    """compressed-tensors ``pack-quantized`` int4 (W4A16), symmetric or asymmetric, ``group`` or
-    ``channel`` strategy, bound to one checkpoint's group size, symmetry and scale dtype.
-    """
+    """compressed-tensors ``pack-quantized`` int4 (W4A16), symmetric or not, group or channel strategy."""
 
     name = "w4a16"
     # transformers' CompressedTensorsHfQuantizer declares every name any compressed-tensors
@@ -92,11 +85,8 @@ class CompressedTensorsW4A16Format(PackedFormat):
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "CompressedTensorsW4A16Format":
         """Bind the experts' group size and symmetry.
-
-        Raises:
-            ValueError: num_bits other than 4, a strategy other than group / channel, or quantized
-                input activations (names the key and value).
-        """
+        Raises ValueError: num_bits other than 4, a strategy other than group / channel, or quantized input
+        activations (names the key and value)."""
         args = experts_weights_args(quantization_config or {}) or {}
         if args.get("num_bits") != 4:
             raise ValueError(f"pack-quantized experts with num_bits={args.get('num_bits')!r}: only 4 is supported")
@@ -113,8 +103,8 @@ class CompressedTensorsW4A16Format(PackedFormat):
 
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "CompressedTensorsW4A16Format":
-        """As ``from_quantization_config``, the scales' dtype defaulting to the config's saved dtype;
-        refuses an experts' input dim not a multiple of the group size (ValueError).
+        """As ``from_quantization_config``, the scales' dtype defaulting to the config's saved dtype.
+        Raises ValueError: an experts' input dim not a multiple of the group size.
         """
         fmt = cls.from_quantization_config(quantization_config)
         if fmt.scale_dtype is None:
@@ -139,9 +129,7 @@ class CompressedTensorsW4A16Format(PackedFormat):
         return self.scale_dtype or model_dtype
 
     def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
-        """As ``ExpertFormat.layout``, quantized dense tensors in the scales' dtype when bound (biases
-        keep the model's).
-        """
+        """As ``ExpertFormat.layout``, quantized dense tensors in the scales' dtype when bound."""
         base = super().layout(dense_specs, sources=sources, transposed=transposed)
         if self.scale_dtype is None:
             return base
@@ -177,9 +165,7 @@ class CompressedTensorsW4A16Format(PackedFormat):
         return tuple(specs)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """int4 along K ([N, K/8] words), scales [N, G] multiplied in their dtype, zero points along N per
-        source (asymmetric) or offset 8.
-        """
+        """int4 along K, scales multiplied in their dtype, zero points along N per source or offset 8."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         scale, in_features = specs[f"{name}_scale"], tensor.dense.shape[1]
         return int_packing(tensor, weight=specs[f"{name}_packed"], scale=scale, bits=4, packed_dim="in",

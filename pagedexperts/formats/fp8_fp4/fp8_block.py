@@ -1,12 +1,9 @@
-"""Block FP8 (DeepSeek-V3, Qwen3-*-FP8: ``quant_method: fp8``, ``weight_block_size`` [128, 128]),
-and ``quantize_fp8_block``.
+"""Block FP8 (DeepSeek-V3, Qwen3-*-FP8: ``quant_method: fp8``, ``weight_block_size``), and ``quantize_fp8_block``.
 
-``weight`` float8_e4m3fn [out, in] and ``weight_scale_inv`` float32 [ceil(out / bm),
-ceil(in / bn)], the multiplier of each block. Dequantized as transformers 5.24's
-``Fp8Dequantize._dequantize_one`` (integrations/finegrained_fp8.py): block derived from the
-grid, both in float32, one multiply, one cast: ``block.BlockFormat``. Does not: read or write files.
+Dequantized as transformers 5.24's ``Fp8Dequantize._dequantize_one`` (integrations/finegrained_fp8.py):
+the block derived from the grid, ``block.BlockFormat``. Does not: read or write files.
 
-Legend: n experts, bm x bn the weight block, out x in one expert weight's (nn.Linear) shape.
+Legend: bm x bn the weight block, out x in one expert weight's (nn.Linear) shape.
 """
 
 from __future__ import annotations
@@ -60,10 +57,7 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
     """Round-to-nearest block FP8 of one weight [out, in]: scale_inv = amax(|block|) / 448 (1.0 for
     an all-zero block), weight = round(W / scale_inv). Returns (e4m3 [out, in], float32
     [ceil(out/bm), ceil(in/bn)]); a dim smaller than its block is one partial block.
-
-    Raises:
-        ValueError: a dim larger than its block and not a multiple of it (names --block-size).
-    """
+    Raises ValueError: a dim larger than its block and not a multiple of it (names --block-size)."""
     out, inp = weight.shape
     bm, bn = block
     for size, b, what in ((out, bm, "rows"), (inp, bn, "cols")):

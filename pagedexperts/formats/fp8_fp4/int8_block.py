@@ -1,12 +1,6 @@
-"""Block INT8 (``quant_method: blockwise_int8``, ``weight_block_size`` [bm, bn]; DeepSeek-R1-Block-INT8).
-
-The layout SGLang loads (``sglang/srt/layers/quantization/blockwise_int8.py``, ``BlockInt8Config``):
-``weight`` int8 [out, in], ``weight_scale_inv`` float32 per block, each source its own grid;
-dequantized ``(weight.to(float32) * scale_inv).to(model dtype)``: ``block.BlockFormat``.
-transformers has no loader for it (the tests implement the published formula as the
-reference); activations run unquantized. Does not: unpack, read or write files.
-
-Legend: n experts, bm x bn the weight block, out x in one expert weight's (nn.Linear) shape.
+"""Block INT8 (``quant_method: blockwise_int8``; DeepSeek-R1-Block-INT8), as SGLang loads it
+(``sglang/srt/layers/quantization/blockwise_int8.py``): ``block.BlockFormat`` with int8 values,
+each source its own grid. transformers has no loader (the tests implement the formula).
 """
 
 from __future__ import annotations
@@ -29,9 +23,7 @@ class Int8BlockFormat(BlockFormat):
 
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "Int8BlockFormat":
-        """Raises ValueError: a ``weight_block_size`` that is not two positive ints, or static
-        activations (SGLang's BlockInt8Config refuses both too).
-        """
+        """Raises ValueError: ``weight_block_size`` not two positive ints, or static activations."""
         qc = quantization_config or {}
         block = qc.get("weight_block_size")
         if not block or len(block) != 2 or min(block) <= 0:

@@ -1,15 +1,11 @@
 """NVIDIA ModelOpt experts (``quant_method: modelopt``, ``quant_algo`` NVFP4 or FP8), as
-``modelopt.torch.export.export_hf_checkpoint`` writes them.
+``export_hf_checkpoint`` writes them.
 
-On-disk layout (nvidia-modelopt 0.47, ``torch/export/unified_export_hf.py``,
-``moe_utils._export_fused_experts``: fused experts split per expert into nn.Linear [O, I]):
-NVFP4 ``weight`` uint8 [O, I/2] (two e2m1, low nibble first), ``weight_scale`` e4m3 [O, I/16],
-``weight_scale_2`` f32 []; FP8 ``weight`` e4m3 [O, I], ``weight_scale`` f32 []; both
-``input_scale`` f32 [] (paged, unused). Dequantize as ModelOpt's ``NVFP4QTensor`` /
-``FP8QTensor.dequantize`` (``torch/quantization/qtensor``) into the saved dtype, then the
-model's (README.md). Does not: read files, store, page, or quantize activations.
+Layout (nvidia-modelopt 0.47 ``torch/export/unified_export_hf.py``, ``moe_utils._export_fused_experts``)
+and dequantization as ``NVFP4QTensor`` / ``FP8QTensor.dequantize`` into the saved dtype, then the
+model's: README.md "ModelOpt". Does not: read files, store, page, or quantize activations.
 
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, G groups.
 """
 
 from __future__ import annotations
@@ -56,11 +52,8 @@ class _ModelOptFormat(PackedFormat):
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "_ModelOptFormat":
         """Bind the checkpoint's saved dtype (config ``dtype`` / ``torch_dtype``).
-
-        Raises:
-            ValueError: an ``exclude_modules`` pattern leaving routed experts unquantized, or (NVFP4)
-                a group_size other than 16, or input features not a multiple of it.
-        """
+        Raises ValueError: an ``exclude_modules`` pattern leaving routed experts unquantized, or (NVFP4) a
+        group_size other than 16, or input features not a multiple of it."""
         qc = quantization_config or {}
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
         excluded = excluded_experts(qc, int(get("num_hidden_layers") or 1))
@@ -126,8 +119,7 @@ class ModelOptNvfp4Format(_ModelOptFormat):
                 TensorSpec(f"{dense.name}_scale", (rows, in_features // NVFP4_GROUP), torch.float8_e4m3fn))
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """e2m1 [N, K/2] (ModelOpt's table: code 8 is +0.0), e4m3 scales per 16 times the source's
-        ``weight_scale_2`` in float32, rounded to the saved dtype, then the dense dtype.
+        """e2m1 (code 8 is +0.0), e4m3 scales per 16 times ``weight_scale_2`` in float32, then the saved dtype.
         """
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         scale_2 = specs[f"{name}_scale_2"]
@@ -157,8 +149,7 @@ class ModelOptFp8Format(_ModelOptFormat):
 
 
 def excluded_experts(quantization_config: dict, num_layers: int) -> list[str]:
-    """Routed expert projections an ``exclude_modules`` / ``ignore`` pattern naming experts leaves
-    unquantized (first 3); patterns not naming experts are not read here.
+    """Routed expert projections an ``exclude_modules`` / ``ignore`` pattern naming experts leaves unquantized.
     """
     patterns = [p for p in (_field(quantization_config, "exclude_modules") or quantization_config.get("ignore") or [])
                 if "expert" in p.replace("shared_expert", "")]

@@ -1,14 +1,11 @@
 """MXFP4: the OCP microscaling FP4 layout gpt-oss ships its routed experts in, and ``quantize_mxfp4``.
 
-On disk (``quant_method: mxfp4``; stacked keys only): ``experts.gate_up_proj_blocks`` uint8
-[E, 2I, H/32, 16] (two e2m1 per byte, low nibble first), ``gate_up_proj_scales`` uint8
-[E, 2I, H/32] (E8M0: 2 ** (byte - 127)), ``down_proj_blocks`` / ``_scales`` likewise; biases
-unquantized. The packed weight is [out, in]; the dense module keeps gpt-oss's [in, out].
+Stacked ``experts.{gate_up,down}_proj_blocks`` uint8 [E, out, in/32, 16] and ``_scales`` uint8
+[E, out, in/32] (E8M0); biases unquantized; the dense module keeps gpt-oss's [in, out].
 Dequantization equals transformers 5.24's ``_convert_moe_packed_tensors`` (integrations/mxfp4.py):
-its ``torch.ldexp`` computes the e2m1 value times a power of two in float32 and rounds once to
-the model's dtype, as the packing does. Does not: read or write files.
+its ``ldexp`` is one float32 product rounded once. Does not: read or write files.
 
-Legend: n experts, out x in one expert weight's (nn.Linear) shape, G = in / 32 blocks.
+Legend: n experts, out x in one expert weight's (nn.Linear) shape.
 """
 
 from __future__ import annotations
@@ -44,11 +41,8 @@ class Mxfp4Format(PackedFormat):
         return {"quantization_config": Mxfp4Config(dequantize=True)}
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
-        """A transposed weight [in, out] -> (blocks uint8 [out, in/32, 16], scales uint8 [out, in/32]);
-        biases stay dense.
-
-        Raises:
-            ValueError: an input dim not a multiple of 32, or an untransposed module.
+        """A transposed weight [in, out] -> (blocks uint8 [out, in/32, 16], scales uint8 [out, in/32]).
+        Raises ValueError: an input dim not a multiple of 32, or an untransposed module.
         """
         if len(dense.shape) != 2:
             return (dense,)
@@ -63,9 +57,7 @@ class Mxfp4Format(PackedFormat):
         )
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = True) -> WeightPacking:
-        """blocks [N, K/32, 16] with an E8M0 scale per 32 inputs, multiplied in float32; the dense
-        module is [K, N].
-        """
+        """e2m1 blocks [N, K/32, 16], an E8M0 scale per 32 inputs, in float32; the dense module is [K, N]."""
         blocks, scales = tensor.packed
         in_features, out_features = tensor.dense.shape
         return fp4_packing(tensor, weight=blocks, scale=scales, scale_codes="e8m0", group_size=BLOCK, sources=1,
@@ -76,10 +68,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest MXFP4 of weights [..., out, in], OCP MX v1.0: per 32-value block exponent
     floor(log2(amax)) - 2, each value / 2**exponent rounded to the nearest e2m1 (ties to the lower
     code), clamped to +-6. Returns (blocks uint8 [..., out, in/32, 16], scales uint8 [..., out, in/32]).
-
-    Raises:
-        ValueError: ``in`` not a multiple of 32.
-    """
+    Raises ValueError: ``in`` not a multiple of 32."""
     *prefix, inp = weight.shape
     if inp % BLOCK:
         raise ValueError(f"MXFP4 needs the input size to be a multiple of {BLOCK}, got {inp}")

@@ -1,13 +1,10 @@
 """AutoRound's native integer format (``quant_method: auto-round``, ``data_type: int``).
 
-On-disk layout (AutoRound 0.16.1 ``export/export_to_autoround/export.py`` ``pack_layer``, the
-QuantLinear of ``auto_round_extension/torch``): GPTQ's ``qweight`` / ``qzeros`` / ``scales``
-without ``g_idx``; ``packing_format`` ``auto_round:auto_gptq`` (symmetric schemes, the default:
-``qlinear_torch_zp``) stores zero points minus one, clamped (+ 1 per value on reading, no wrap);
-``auto_round`` (asymmetric: ``qlinear_torch``) stores them as they are. Dequantize (the
-QuantLinear's ``forward``): ``W^T = scales[i // g] * (q - z[i // g])`` in the scales' dtype.
-``extra_config`` binds each dense tensor as GPTQModel's ``dynamic`` does (``dynamic``). The FP
-data types are ``formats.gptq.autoround_fp``'s. Does not: read files, store, page.
+Layout (AutoRound 0.16.1 ``export/export_to_autoround/export.py`` ``pack_layer``, the QuantLinear of
+``auto_round_extension/torch``): GPTQ's without ``g_idx``; ``packing_format`` ``auto_round:auto_gptq``
+stores zero points minus one (+ 1 per value on reading, no wrap), ``auto_round`` as they are
+(README.md "Packings"). ``extra_config`` binds each dense tensor (``dynamic``). The FP data types
+are ``formats.gptq.autoround_fp``'s. Does not: read files, store, page.
 """
 
 from __future__ import annotations
@@ -39,11 +36,8 @@ class AutoRoundFormat(GptqFormat):
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "AutoRoundFormat":
         """Bind bits, group size, packing and ``extra_config``.
-
-        Raises:
-            ValueError: a ``data_type`` other than int, ``act_bits`` below 16, a ``packing_format``
-                not in ``PACKING_ZERO_OFFSET``, or bits / group size ``gptq`` cannot read (names it).
-        """
+        Raises ValueError: a ``data_type`` other than int, ``act_bits`` below 16, a ``packing_format`` not in
+        ``PACKING_ZERO_OFFSET``, or bits / group size ``gptq`` cannot read (names it)."""
         qc = quantization_config or {}
         data_type = str(qc.get("data_type", "int"))
         if data_type not in INT_DATA_TYPES:
@@ -64,10 +58,7 @@ class AutoRoundFormat(GptqFormat):
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "AutoRoundFormat":
         """As ``from_quantization_config``, each dense tensor bound to its ``extra_config`` overrides.
-
-        Raises:
-            ValueError: see ``dynamic.expert_args``.
-        """
+        Raises ValueError: see ``dynamic.expert_args``."""
         fmt = cls.from_quantization_config(quantization_config)
         if fmt.extra_config:
             fmt.per_tensor = expert_args(fmt.args, config, lambda m: extra_config_override(fmt.extra_config, m),
@@ -95,8 +86,7 @@ class AutoRoundFormat(GptqFormat):
         return super().pack(dense, sources=sources, transposed=transposed)[:3]
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """GPTQ's packing without g_idx (groups ``k // group_size``), the ``auto_round:auto_gptq`` + 1
-        added per zero point after unpacking (``zero_carries`` False).
+        """GPTQ's packing without g_idx, ``auto_round:auto_gptq``'s + 1 per zero point (``zero_carries`` False).
         """
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         in_features, args = tensor.dense.shape[1], self.tensor_args(tensor.dense.name)

@@ -1,15 +1,12 @@
-"""AutoRound's own floating-point exports (``quant_method: auto-round``): ``data_type`` ``fp``
-(FP8: FP8_STATIC, FP8_BLOCK, FPW8A16), ``nv_fp`` (NVFP4) and ``mx_fp`` (MXFP4).
+"""AutoRound's own floating-point exports (``quant_method: auto-round``): ``data_type`` ``fp`` (FP8),
+``nv_fp`` (NVFP4) and ``mx_fp`` (MXFP4), as AutoRound 0.16.1 writes them
+(``export/export_to_autoround/export_to_fp8.py``, ``qlinear_fp.QuantLinear``).
 
-On-disk layout (AutoRound 0.16.1 ``export/export_to_autoround/export_to_fp8.py`` ``FP8QLinear`` /
-``FP8BlockQLinear``, ``qlinear_fp.QuantLinear``): compressed-tensors' key names and layouts
-(``formats.compressed_tensors.fp8``, ``formats.compressed_tensors.fp4``), bound to AutoRound's
-config fields, with AutoRound's arithmetic where it differs (FP8 scales in the model's dtype and
-a per-row scale [O]; NVFP4 ``(q * (1 / g)) * s`` in float32, ``value_reciprocal``; MXFP4 in
-float32; FP4 experts in the model's dtype). README.md has the details and the oracles.
+compressed-tensors' layouts (``formats.compressed_tensors.fp8``, ``formats.compressed_tensors.fp4``)
+bound to AutoRound's config fields, with AutoRound's arithmetic where it differs (README.md).
 Does not: read files, store, page, or quantize activations.
 
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, G groups.
 """
 
 from __future__ import annotations
@@ -42,10 +39,7 @@ def _saved_dtype(config) -> torch.dtype | None:
 def check_autoround_fp(qc: dict, config, *, data_type: str, packings: tuple, bits: int, group_size) -> None:
     """Refusals shared by the three exports: ``packing_format``, ``bits``, ``group_size``, and
     ``extra_config`` overrides of routed experts.
-
-    Raises:
-        ValueError: naming the field and value.
-    """
+    Raises ValueError: naming the field and value."""
     what = f"auto-round data_type={data_type!r} checkpoint"
     packing = qc.get("packing_format")
     if packing not in packings:
@@ -71,10 +65,7 @@ def _hashable(value):
 def autoround_linear_format(fmt: ExpertFormat, module: str, quantization_config: dict | None) -> ExpertFormat | None:
     """``ExpertFormat.linear_format`` of the FP exports: ``fmt``, or None for a module ``extra_config``
     leaves unquantized (``bits`` 16).
-
-    Raises:
-        ValueError: an ``extra_config`` entry that changes the module's scheme (names it).
-    """
+    Raises ValueError: an ``extra_config`` entry that changes the module's scheme (names it)."""
     override = extra_config_override((quantization_config or {}).get("extra_config"), module)
     if override is False:
         return None
@@ -87,8 +78,8 @@ def autoround_linear_format(fmt: ExpertFormat, module: str, quantization_config:
 
 
 class AutoRoundFp8Format(CompressedTensorsFp8Format):
-    """AutoRound FP8 (``data_type: fp``, 8 bits): per tensor (group_size 0), per row (-1) or per
-    block (``weight_block_size``), read as compressed-tensors FP8 with a per-row scale [O].
+    """AutoRound FP8 (``data_type: fp``): per tensor (group_size 0), row (-1) or ``weight_block_size``
+    block, read as compressed-tensors FP8 with a per-row scale [O].
     """
 
     name = "auto-round-fp8"
@@ -106,11 +97,8 @@ class AutoRoundFp8Format(CompressedTensorsFp8Format):
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "AutoRoundFp8Format":
         """Bind the scale strategy from ``group_size`` and the scales' dtype (the model's).
-
-        Raises:
-            ValueError: see ``check_autoround_fp``; a group size other than 0, -1 or two positive
-                ints, an ``fmt`` other than e4m3.
-        """
+        Raises ValueError: see ``check_autoround_fp``; a group size other than 0, -1 or two positive ints, an
+        ``fmt`` other than e4m3."""
         qc = quantization_config or {}
         check_autoround_fp(qc, config, data_type="fp", packings=FP8_PACKINGS, bits=8, group_size=None)
         if qc.get("fmt", "e4m3") != "e4m3":
@@ -153,9 +141,7 @@ class AutoRoundFp8Format(CompressedTensorsFp8Format):
 
 
 class _AutoRoundFp4:
-    """Shared by AutoRound's NVFP4 and MXFP4 (a mixin before the compressed-tensors class): matching,
-    refusals, experts in the model's dtype, ``extra_config``.
-    """
+    """Shared by AutoRound's NVFP4 and MXFP4 (a mixin before the compressed-tensors class)."""
 
     data_type = ""
 

@@ -1,15 +1,10 @@
-"""AWQ int4 experts (AutoAWQ GEMM checkpoints, ``quant_method: awq``).
+"""AWQ int4 experts (AutoAWQ GEMM checkpoints, ``quant_method: awq``; not the GEMV packing).
 
-On-disk layout (AutoAWQ ``awq/modules/linear/gemm.py`` ``WQLinear_GEMM.from_linear``,
-``awq/utils/packing_utils.py`` ``dequantize_gemm``), per expert projection of an nn.Linear
-[O, I], group g, G = I / g: ``qweight`` int32 [I, O / 8], packed along O in AWQ's order (column
-``8c + j`` in nibble ``packing.AWQ_POSITION[j]``); ``qzeros`` int32 [G, O / 8], the same packing,
-stored as is (``zero_point: false`` checkpoints store 8s, AutoRound 0.16 ``export_to_awq``);
-``scales`` [G, O]. Dequantize: ``W^T[i, o] = (q - z[i // g, o]) * scales[i // g, o]`` in the
-scales' dtype, then the model's. The GEMV packing is not read. Does not: read files, store,
-page, or quantize.
+Layout and dequantization as AutoAWQ's ``awq/modules/linear/gemm.py`` ``WQLinear_GEMM`` and
+``awq/utils/packing_utils.py`` ``dequantize_gemm`` (stored zero points, also ``zero_point: false``'s
+8s): README.md "Packings". Does not: read files, store, page, or quantize.
 
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, G groups.
 """
 
 from __future__ import annotations
@@ -42,11 +37,8 @@ class AwqFormat(PackedFormat):
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "AwqFormat":
         """Bind the group size (``group_size`` or AutoAWQ's ``q_group_size``).
-
-        Raises:
-            ValueError: bits other than 4, a version other than gemm, or a group size that is not a
-                positive int.
-        """
+        Raises ValueError: bits other than 4, a version other than gemm, or a group size that is not a
+        positive int."""
         qc = quantization_config or {}
         bits = qc.get("bits", qc.get("w_bit"))
         if bits != 4:
@@ -66,11 +58,8 @@ class AwqFormat(PackedFormat):
                                                                                     scale_dtype=stored)
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
-        """Specs of one dense [sources * O, I] tensor: each source's qweight [I, O/8], qzeros [G, O/8]
-        and scales [G, O] side by side along dim 1.
-
-        Raises:
-            ValueError: transposed experts, I not a multiple of the group size, or O not of 8.
+        """Per source qweight [I, O/8], qzeros [G, O/8], scales [G, O] side by side on dim 1. Raises
+        ValueError: transposed experts, I not a multiple of the group size, or O not of 8.
         """
         if transposed:
             raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
@@ -87,9 +76,7 @@ class AwqFormat(PackedFormat):
         )
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """qweight [K, N/8] and qzeros [G, N/8] along N in AWQ's nibble order, scales [G, N]
-        multiplied in their dtype.
-        """
+        """AWQ's packing (README.md "Packings"): along N in AWQ's nibble order, scales in their dtype."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=4,
                            packed_dim="out", sources=1, group_size=self.group_size, zero=specs[f"{name}_qzeros"],

@@ -1,12 +1,10 @@
 """Per-module parameters of GPTQ-family checkpoints: GPTQModel's ``dynamic`` and AutoRound's
 ``extra_config``, resolved for the routed experts and for one non-expert module.
 
-Owns ``IntArgs`` and the rules as each tool matches them: GPTQModel 7.7
-(``quantization/config.py`` ``_resolve_dynamic_override``): the FIRST pattern that
-``re.match``es the module decides, ``-:`` leaving it unquantized; AutoRound 0.16
-(``export/export_to_autoround/export.py``): the exact layer name, else a regex, to the fields
-that differ (``bits`` 16: unquantized). ``expert_args`` requires every layer's and expert's
-projections to agree (one binding serves them all). Does not: pack or dequantize.
+Rules as each tool matches them: GPTQModel 7.7 (``quantization/config.py``
+``_resolve_dynamic_override``: the FIRST ``re.match``ing pattern, ``-:`` unquantized); AutoRound
+0.16 (``export/export_to_autoround/export.py``: exact name, else a regex; ``bits`` 16 unquantized).
+One binding serves every layer and expert, so their projections must agree. Does not: pack.
 """
 
 from __future__ import annotations
@@ -77,9 +75,7 @@ def _fullmatch(pattern: str, name: str) -> bool:
 
 def module_args(base: IntArgs, override: dict | bool | None, *, what: str) -> IntArgs | None:
     """``base`` with a module's overrides applied; None for an unquantized module.
-
-    Raises:
-        ValueError: an override field this reader does not apply (names it and ``what``)."""
+    Raises ValueError: an override field this reader does not apply (names it and ``what``)."""
     if override is False:
         return None
     fields = {k: v for k, v in (override or {}).items() if v is not None}
@@ -92,11 +88,8 @@ def module_args(base: IntArgs, override: dict | bool | None, *, what: str) -> In
 def expert_args(base: IntArgs, config, resolve, *, what: str) -> dict[str, IntArgs]:
     """Dense experts tensor -> its ``IntArgs`` from ``resolve(module name)`` over every layer's first
     and last expert's projections.
-
-    Raises:
-        ValueError: projections of one dense tensor resolve differently, or a routed expert is
-            left unquantized (names both modules).
-    """
+    Raises ValueError: projections of one dense tensor resolve differently, or a routed expert is left
+    unquantized (names both modules)."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     model_type = get("model_type")
     prefixes, projections = EXPERT_NAMES.get(model_type, DEFAULT_EXPERT_NAMES)

@@ -1,16 +1,11 @@
-"""GPTQ experts, 2/4/8 bits (AutoGPTQ / GPTQModel / AutoRound ``auto_gptq`` checkpoints, ``quant_method: gptq``).
+"""GPTQ experts, 2/4/8 bits (AutoGPTQ / GPTQModel / AutoRound ``auto_gptq``: ``quant_method: gptq``).
 
-On-disk layout (GPTQModel 7.7 ``nn_modules/qlinear/__init__.py`` ``PackableQuantLinear.pack`` /
-``dequantize_weight``), per expert projection of an nn.Linear [O, I], b bits, group g,
-G = ceil(I / g): ``qweight`` int32 [I * b / 32, O] (q[i, o] in bits ``b * (i % (32/b))``,
-packed along I); ``qzeros`` int32 [G, O * b / 32] (packed along O; ``checkpoint_format`` "gptq"
-(v1) stores z - 1, converted as GPTQModel's ``convert_gptq_v1_to_v2_format_module`` does: one
-addition per WORD, carries included; "gptq_v2" stores z); ``scales`` [G, O] (float16 as written);
-``g_idx`` int32 [I] (``i // g`` without ``desc_act``, read per column with it). Dequantize:
-``W^T[i, o] = scales[g_idx[i], o] * (q[i, o] - z[g_idx[i], o])`` in the scales' dtype, then the
-model's. Does not: read files, store, page, or quantize.
+Layout and dequantization as GPTQModel 7.7 writes and reads them (``nn_modules/qlinear/__init__.py``
+``PackableQuantLinear.pack`` / ``dequantize_weight``; v1 zeros converted per word as
+``utils/model.py`` ``convert_gptq_v1_to_v2_format_module``): README.md "Packings". Bound per
+dense tensor to GPTQModel's ``dynamic`` overrides. Does not: read files, store, page, or quantize.
 
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, b bits, G groups.
 """
 
 from __future__ import annotations
@@ -34,9 +29,7 @@ def per_word(bits: int) -> int:
 
 
 class GptqFormat(PackedFormat):
-    """GPTQ experts, 2/4/8 bits, any group size, with or without desc_act, bound per dense experts
-    tensor (GPTQModel's ``dynamic`` overrides).
-    """
+    """GPTQ experts, 2/4/8 bits, any group size, desc_act or not, bound per dense tensor (``dynamic``)."""
 
     name = "gptq"
     serialized_names = {"weight": ("qweight", "qzeros", "scales", "g_idx")}
@@ -62,11 +55,8 @@ class GptqFormat(PackedFormat):
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "GptqFormat":
         """Bind bits, group size, desc_act, checkpoint_format and the ``dynamic`` rules.
-
-        Raises:
-            ValueError: bits not in ``BITS``, a group size neither positive nor -1, or a
-                checkpoint_format other than gptq / gptq_v2 (e.g. marlin), naming the value.
-        """
+        Raises ValueError: bits not in ``BITS``, a group size neither positive nor -1, or a checkpoint_format
+        other than gptq / gptq_v2 (e.g. marlin), naming the value."""
         qc = quantization_config or {}
         bits = qc.get("bits")
         _check_args("gptq checkpoint", bits, qc.get("group_size", 128))
@@ -79,10 +69,7 @@ class GptqFormat(PackedFormat):
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "GptqFormat":
         """As ``from_quantization_config``, each dense tensor bound to its projections' ``dynamic`` overrides.
-
-        Raises:
-            ValueError: see ``dynamic.expert_args`` and ``_check_args``.
-        """
+        Raises ValueError: see ``dynamic.expert_args`` and ``_check_args``."""
         fmt = cls.from_quantization_config(quantization_config)
         if fmt.dynamic:
             fmt.per_tensor = expert_args(fmt.args, config, lambda m: dynamic_override(fmt.dynamic, m), what="gptq dynamic")
@@ -114,11 +101,8 @@ class GptqFormat(PackedFormat):
         return self.per_tensor.get(dense_name, self.args)
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
-        """Specs of one dense [sources * O, I] tensor: each source's qweight [I*b/32, O], qzeros
-        [G, O*b/32] and scales [G, O] side by side along dim 1, g_idx [I] along dim 0.
-
-        Raises:
-            ValueError: transposed experts, or I or O not a multiple of 32 / bits.
+        """Per source qweight [I*b/32, O], qzeros [G, O*b/32], scales [G, O] side by side on dim 1, g_idx [I]
+        on dim 0. Raises ValueError: transposed experts, or I or O not a multiple of 32 / bits.
         """
         if transposed:
             raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
@@ -138,8 +122,7 @@ class GptqFormat(PackedFormat):
         )
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """qweight [K*b/32, N] (input-major), qzeros [G, N*b/32] (+ the v1 offset), scales [G, N]
-        multiplied in their dtype; g_idx per column with ``desc_act``, else ``k // group_size``.
+        """GPTQ's packing (README.md "Packings"): g_idx per column with ``desc_act``, else ``k // group_size``.
         """
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         in_features, args = tensor.dense.shape[1], self.tensor_args(tensor.dense.name)

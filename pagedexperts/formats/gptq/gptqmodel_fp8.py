@@ -1,15 +1,11 @@
-"""GPTQModel's FP8 (``quant_method: fp8``, ``weight_scale_semantics: inverse``, GPTQModel 7.7's
-``FP8Config``): float8_e4m3fn weights, one float32 ``weight_scale_inv`` per output row.
+"""GPTQModel's FP8 (``quant_method: fp8``, ``weight_scale_semantics: inverse``, GPTQModel 7.7 ``FP8Config``).
 
-On-disk layout (GPTQModel 7.7 ``nn_modules/qlinear/fp8.py`` ``TorchFP8Linear``,
-``weight_scale_method: row``), per expert projection of an nn.Linear [O, I]: ``weight`` e4m3
-[O, I] = round(W * s), ``weight_scale_inv`` float32 [O] = s = 448 / amax of the row; ``dynamic``
-as for GPTQ. Dequantize (``dequantize_weight``, ``quantization/dtype.py``
-``_dequantize_f8_reference``): ``weight.to(D) / weight_scale_inv.to(D)`` in the model's dtype D
-(always dividing: README.md). Registered before block FP8, whose ``weight_scale_inv`` multiplies.
-Does not: read files, store, page, or quantize activations.
+``weight`` e4m3 [O, I] and float32 ``weight_scale_inv`` [O] = 448 / amax per row, DIVIDING the
+weight in the model's dtype (``nn_modules/qlinear/fp8.py`` ``TorchFP8Linear``, README.md).
+Registered before block FP8, whose ``weight_scale_inv`` multiplies. Does not: read files, store,
+page, or quantize activations.
 
-Legend: n experts dequantized together, R rows (gate and up concatenated), I input features.
+Legend: n experts, R rows (gate and up concatenated), I input features.
 """
 
 from __future__ import annotations
@@ -43,11 +39,8 @@ class GptqModelFp8Format(PackedFormat):
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "GptqModelFp8Format":
         """Bind the ``dynamic`` rules.
-
-        Raises:
-            ValueError: a semantics, scale method or format this reader does not read, or ``dynamic``
-                rules that change or skip routed experts (names the field and value).
-        """
+        Raises ValueError: a semantics, scale method or format this reader does not read, or ``dynamic`` rules
+        that change or skip routed experts (names the field and value)."""
         qc = quantization_config or {}
         for key, want in (("weight_scale_semantics", "inverse"), ("weight_scale_method", "row")):
             if qc.get(key, want) != want:
@@ -71,9 +64,7 @@ class GptqModelFp8Format(PackedFormat):
 
     def linear_format(self, module: str, quantization_config: dict | None) -> "GptqModelFp8Format | None":
         """``self`` for a non-expert module, None where a ``-:`` rule leaves it unquantized.
-
-        Raises:
-            ValueError: a rule that changes the module's fields (names it)."""
+        Raises ValueError: a rule that changes the module's fields (names it)."""
         args = module_args(IntArgs(8, -1), dynamic_override(self.dynamic, module), what=f"GPTQModel fp8 dynamic ({module})")
         if args is None:
             return None
@@ -83,9 +74,7 @@ class GptqModelFp8Format(PackedFormat):
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """fp8 [R, I] and ``weight_scale_inv`` float32 [R] (sources concatenated on dim 0).
-
-        Raises:
-            ValueError: transposed experts (gpt-oss)."""
+        Raises ValueError: transposed experts (gpt-oss)."""
         if len(dense.shape) != 2:
             return (dense,)
         if transposed:
