@@ -34,11 +34,21 @@ import torch
 
 HIDDEN, INTERMEDIATE, GROUP = 2048, 768, 128
 DTYPE = torch.bfloat16
+# module -> its name in a tree whose formats/ was still flat (before issue 47 grouped it by family)
+FLAT_MODULES = {"compressed_tensors.packed": "ct_packed", "compressed_tensors.w4a16": "compressed_tensors",
+                "compressed_tensors.fp4": "ct_fp4", "compressed_tensors.fp8": "ct_fp8", "compressed_tensors.int8": "ct_int8",
+                "gptq.gptq": "gptq", "gptq.autoround": "autoround", "gptq.awq": "awq", "fp8_fp4.fp8_block": "fp8",
+                "fp8_fp4.int8_block": "int8_block", "fp8_fp4.modelopt": "modelopt"}
 
 
 def bound_formats(pkg: str) -> dict:
     """name -> the format instance of package ``pkg`` (``pagedexperts.formats`` or a copy)."""
-    mod = lambda name: importlib.import_module(f"{pkg}.{name}")  # noqa: E731
+    def mod(name: str):
+        try:
+            return importlib.import_module(f"{pkg}.{name}")
+        except ModuleNotFoundError:  # a --before tree from before formats/ was grouped by family
+            return importlib.import_module(f"{pkg}.{FLAT_MODULES[name]}")
+
     packed = mod("compressed_tensors.packed")
     args = {"gate_up_proj": packed.PackedArgs(4, GROUP, False, True), "down_proj": packed.PackedArgs(4, GROUP, False, True)}
     return {
@@ -96,7 +106,7 @@ def load_copy(tree: Path, workdir: Path) -> str:
     """``tree``'s ``pagedexperts/formats`` as the package ``before_formats`` (imports rewritten)."""
     dst = workdir / "before_formats"
     shutil.copytree(tree / "pagedexperts" / "formats", dst)
-    for f in dst.glob("*.py"):
+    for f in dst.rglob("*.py"):
         f.write_text(re.sub(r"\bpagedexperts\.formats\b", "before_formats", f.read_text()))
     sys.path.insert(0, str(workdir))
     return "before_formats"

@@ -1,18 +1,11 @@
-"""Device bytes one decode token's routed experts cost per MoE layer: fused vs dequantize-all-K.
+"""Device bytes one decode step's routed experts cost per MoE layer: fused vs dequantize-all-K.
 
-Owns ``decode_bytes``, counted from what each path reads and writes (not timed), routed =
-min(E, T k):
-
-- ``fused``: each routed expert's packed rows read once (every ``WeightPacking`` role, biases);
-- ``dequantize_minimum``: ``formats.slots.DequantizingSlots`` at the least it can move: K packed
-  rows read, K dense rows written, the routed dense rows read by the experts kernel;
-- ``dequantize_ops``: that path as its torch ops touch memory (every input and output of every
-  non-view op of ``kernel_tensors`` over K slots, counted on the meta device), plus the routed
-  dense rows read;
-- ``dequantize_routed``: dequantizing only the routed slots: routed packed rows read, dense
-  rows written and read.
-
-A dense layout: all are the routed rows. Activations are left out. Does not: time or touch a device.
+``decode_bytes`` counts (not times) what each path reads and writes, routed = min(E, T k):
+``fused`` each routed expert's packed rows once; ``dequantize_minimum`` the least
+``formats.slots.DequantizingSlots`` can move (K packed rows read, K dense written, routed dense
+read); ``dequantize_ops`` that path as its torch ops touch memory (every non-view op of
+``kernel_tensors``, on the meta device) plus the routed dense rows; ``dequantize_routed`` only
+the routed slots dequantized. Dense layouts: the routed rows. Activations left out.
 
 Legend: E experts, K slots, k top_k, T tokens.
 """

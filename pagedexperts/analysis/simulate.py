@@ -1,9 +1,8 @@
 """Trace simulator: replay recorded routing through the runtime's own residency and accounting.
 
-Owns: a ``Trace`` turned into steps (as recorded, B request streams interleaved, or uniform
-routing of the same shape), the replay over (routing, policy, K) through
-``residency.planner`` and ``stats.accounting`` (the runtime's own code: hit rates cannot drift),
-and a modelled decode speed. Does not: read files or print.
+Steps from a ``Trace`` (as recorded, B request streams interleaved, or uniform routing of the
+same shape), replayed over (routing, policy, K) through ``residency.planner`` and
+``stats.accounting`` (the runtime's code: hit rates cannot drift). Does not: read files or print.
 
 Legend: T tokens of a step, k = top_k, E routed experts, K resident slots, B batch size, L MoE layers.
 """

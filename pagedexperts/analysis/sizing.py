@@ -1,10 +1,9 @@
 """Sizing: the arithmetic of K resident slots, KV cache, link speed and miss rates.
 
-Pure keyword-only functions (standard library only) from a model's shape (MoE layers L, E,
-top_k k, expert bytes) and a device (memory, link GB/s) to slot bytes, KV tokens, batch caps,
-miss-rate bounds and an automatic K; a checkpoint's byte counts from its safetensors headers;
-the reports' byte formatter. Units: MB = 1e6, GB = 1e9 bytes, GB/s = 1e9 bytes/s; rates in
-[0, 1]. Does not: print, measure a link, replay routing, or read config.json (``models.config``).
+Pure keyword-only functions (standard library only) from a model's shape (MoE layers L, E, k,
+expert bytes) and a device (memory, link) to slot bytes, KV tokens, batch caps, miss-rate bounds
+and an automatic K; a checkpoint's bytes from its safetensors headers; ``format_bytes``.
+MB = 1e6, GB = 1e9 bytes, GB/s = 1e9 B/s; rates in [0, 1]. Does not: print or read config.json.
 """
 
 from __future__ import annotations
@@ -252,13 +251,13 @@ def checkpoint_sizes(
     *, model_path: str, num_experts: int, dtype: str | None = None, keep_fp32: tuple[str, ...] = (),
     skip: frozenset[str] = frozenset(),
 ) -> CheckpointSizes:
-    """Expert and non-expert bytes of a checkpoint from its safetensors headers. ``dtype``: bytes as
-    ``load_model(dtype=...)`` allocates them (floating tensors at that dtype, ``keep_fp32`` names
-    at 4 bytes, integer / 8-bit tensors as stored; None: stored bytes). ``skip``: keys not counted.
-    Experts: per-expert keys (``layers.N...experts.J.*``) or stacked (leading dim E);
-    ``expert_bytes`` from the first expert layer.
-    Raises FileNotFoundError: no safetensors file; ValueError: no expert tensor, or a stacked tensor whose
-    leading dim is not E."""
+    """Expert and non-expert bytes of a checkpoint from its safetensors headers: per-expert keys
+    (``layers.N...experts.J.*``) or stacked ones (leading dim E); ``expert_bytes`` from the first
+    expert layer. ``dtype``: as ``load_model(dtype=...)`` allocates (floating tensors at that dtype,
+    ``keep_fp32`` names at 4 bytes; None: as stored); ``skip``: keys not counted.
+    Raises FileNotFoundError: no safetensors file; ValueError: no expert tensor, or a stacked
+    tensor whose leading dim is not E.
+    """
     per_layer: dict[int, int] = {}  # layer -> bytes of one expert
     expert_total = other_total = 0
     for path in checkpoint_files(model_path):

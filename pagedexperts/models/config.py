@@ -1,9 +1,7 @@
 """What a model's config says about paging: E, top_k, the MoE layers, KV and expert bytes, dtypes.
 
-Owns the one reading of a Hugging Face config (object or config.json dict; multimodal configs by
-their ``text_config``): E, top_k, the MoE-layer rule (``is_moe_layer``), the run dtype and its
-table (``RUN_DTYPE_BYTES``), KV-cache bytes per token and one dense expert's bytes.
-Standard library only. Does not: know module layouts or checkpoints.
+The one reading of a Hugging Face config (object or config.json dict; multimodal by its
+``text_config``). Standard library only. Does not: know module layouts or checkpoints.
 """
 
 from __future__ import annotations
@@ -180,9 +178,10 @@ def run_dtype(config: dict, *, dtype: str | None = None) -> str:
 
 
 def read_config(model_path: str) -> dict:
-    """The parsed ``config.json`` of a model directory.
-    Raises FileNotFoundError: the directory or its config.json is missing (flag ``--model-path``); ValueError:
-    config.json is not valid JSON (names the file, line and column)."""
+    """The parsed ``config.json`` of a model directory, ``quantization_config`` filled from a ModelOpt
+    ``hf_quant_config.json`` when absent. Raises FileNotFoundError: no config.json (``--model-path``);
+    ValueError: config.json is not valid JSON (names the file, line and column).
+    """
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {model_path!r} (--model-path)")

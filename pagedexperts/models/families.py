@@ -1,9 +1,6 @@
-"""The supported MoE families (keyed by config.json ``model_type``) and what the pager reads of each.
-
-Owns ``FAMILIES``: each family's shared-expert and router attributes, whether its experts are
-stored transposed, and a note of its hub checkpoint layout. Routers, shared experts and layouts
-stay the model's own code (only the experts registry's modules are paged). Standard library only.
-Does not: discover modules (``models.sites``), decide MoE layers (``models.config.is_moe_layer``).
+"""The supported MoE families (by config.json ``model_type``) and what the pager reads of each:
+shared-expert and router attributes, transposed experts, the hub layout. Standard library only.
+Does not: discover modules (``models.sites``) or decide MoE layers (``models.config.is_moe_layer``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Architecture adapters: where a family's routed experts live and how to page them.
+"""Architecture adapters: where a family's routed experts live, found from the model, not a list.
 
-Owns the supported architectures and the discovery of experts modules (those transformers
-dispatches through its experts registry) and of their per-expert tensors (every parameter or
-buffer with leading dim E). Routing, shared experts and dense layers stay the model's own code,
-never paged. Does not: read checkpoints or page.
+Owns the supported architectures and the discovery of experts modules (transformers' experts
+registry) and their per-expert tensors (leading dim E). Routers, shared experts and dense layers
+stay the model's own, never paged. Does not: read checkpoints or page.
 """
 
 from __future__ import annotations
