@@ -33,8 +33,7 @@ class DecodeBytes:
 
 class _ByteCounter(TorchDispatchMode):
     """Sums the bytes of every tensor input and output of every non-view op (a broadcast input at its
-    broadcast size); an in-place op counts its sources twice.
-    """
+    broadcast size); an in-place op counts its sources twice."""
 
     def __init__(self) -> None:
         super().__init__()

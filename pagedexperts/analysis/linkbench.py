@@ -15,8 +15,7 @@ DEFAULT_SIZES_MB = (1.0, 4.0, 16.0, 64.0, 256.0)
 @dataclass(frozen=True)
 class LinkResult:
     """Bandwidth of one copy size and host memory kind: ``gbps`` = ``num_bytes`` / ``median_s`` / 1e9
-    over ``repeats`` copies; ``label`` names the size ("1 MB", "expert").
-    """
+    over ``repeats`` copies; ``label`` names the size ("1 MB", "expert")."""
 
     label: str
     memory: str

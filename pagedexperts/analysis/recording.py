@@ -26,8 +26,7 @@ def step_rows(kwargs: dict, args: tuple) -> tuple[int, int, torch.Tensor | None]
 
 def is_prefill(kwargs: dict) -> bool:
     """True when the call starts from an empty KV cache (``cache`` in transformers 5.24,
-    ``past_key_values`` in older 5.x).
-    """
+    ``past_key_values`` in older 5.x)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     return cache is None or cache.get_seq_length() == 0
 
@@ -35,8 +34,7 @@ def is_prefill(kwargs: dict) -> bool:
 class TraceRecorder:
     """Records a paged model's routing into a ``trace.TraceWriter``. ``request_ids``: one per batch
     row of the next calls (default 0..B-1) or one per token; ``phase``: the next calls' phase when
-    the caller knows it, else "prefill" from an empty cache, "decode" otherwise.
-    """
+    the caller knows it, else "prefill" from an empty cache, "decode" otherwise."""
 
     def __init__(self, model, writer) -> None:
         self.model = model

@@ -27,8 +27,7 @@ ROUTINGS = ("trace", "uniform")
 @dataclass(frozen=True)
 class SimStep:
     """One step to replay: ``ids[layer]`` [T, k] routed ids; ``tokens`` + ``padding`` = T;
-    ``extras[(layer, name)]``: the trace's per-layer extras (recorded prefetch predictions).
-    """
+    ``extras[(layer, name)]``: the trace's per-layer extras (recorded prefetch predictions)."""
 
     phase: str
     tokens: int
@@ -39,8 +38,7 @@ class SimStep:
 
 @dataclass(frozen=True)
 class SimResult:
-    """One replay: ``stats`` over all steps, ``decode`` over decode steps; ``batch_size`` None: as recorded.
-    """
+    """One replay: ``stats`` over all steps, ``decode`` over decode steps; ``batch_size`` None: as recorded."""
 
     routing: str
     policy: str
@@ -102,8 +100,7 @@ def request_streams(trace: Trace, *, min_streams: int = 1) -> list[dict[int, np.
 
 def batched_steps(streams: list[dict[int, np.ndarray]], *, batch_size: int) -> list[SimStep]:
     """Interleave groups of ``batch_size`` consecutive streams: step t holds token t of each running
-    stream of the group; a last group short of B is left out when a full one exists.
-    """
+    stream of the group; a last group short of B is left out when a full one exists."""
     if batch_size < 1:
         raise ValueError(f"batch size {batch_size} must be >= 1 (--batch-sizes)")
     groups = [streams[i:i + batch_size] for i in range(0, len(streams), batch_size)]
@@ -197,8 +194,7 @@ def modelled_decode_tok_s(
     decode: ModelStats, *, link_gbps: float, compute_ms_per_layer: float, model_layers: int | None = None
 ) -> float:
     """Modelled decode tokens/s: ``tokens / (steps x L x compute + bytes paged / link)``, page-ins not
-    overlapped; ``model_layers`` scales L. Units: GB/s, milliseconds.
-    """
+    overlapped; ``model_layers`` scales L. Units: GB/s, milliseconds."""
     if not decode.layers or not decode.tokens:
         return 0.0
     steps = max(s.steps for s in decode.layers.values())
@@ -251,8 +247,7 @@ def gap_closed(*, policy_hit_rate: float, lru_hit_rate: float, belady_hit_rate: 
 class PrefetchReplay:
     """A replay with the recorded prefetch predictions applied (``budget`` 0: none): ``stats``,
     per-layer ``prefetch`` (into that layer), ``exposed`` misses, modelled ``stall_s``, and the
-    same over decode steps.
-    """
+    same over decode steps."""
 
     stats: ModelStats
     prefetch: dict
@@ -282,8 +277,7 @@ def replay_prefetch(
     Timing (one copy engine, in order): a demand miss is exposed; the j-th prefetch copy into
     layer l ends (j + 1) x expert_bytes / link after layer l-1's compute starts and is exposed if
     used and ending after that compute. Stall = demand page-in time + prefetch overrun.
-    Units: bytes, GB/s, milliseconds.
-    """
+    Units: bytes, GB/s, milliseconds."""
     check_num_resident(num_resident, num_experts=num_experts, top_k=routed_per_token(steps))
     t_load = expert_bytes / (link_gbps * 1e9)
     compute_s = compute_ms_per_layer / 1e3

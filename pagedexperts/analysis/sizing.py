@@ -51,8 +51,7 @@ def non_expert_bytes(*, layers: int, moe_layers: int, hidden: int, heads: int, k
     """Estimated bytes of the weights that stay on the device: per layer q ``H x heads x D``, k and v
     ``2 x H x kv_heads x D``, o ``heads x D x H``, two norms ``2 x H``; per MoE layer the router
     ``H x E``; embeddings ``V x H``, lm_head ``V x H`` unless ``tied``, final norm ``H``; times
-    ``dtype_bytes``. Not counted: attention biases, per-head norms, shared experts, dense MLPs.
-    """
+    ``dtype_bytes``. Not counted: attention biases, per-head norms, shared experts, dense MLPs."""
     attention = hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim + 2 * hidden
     embeddings = vocab_size * hidden * (1 if tied else 2) + hidden
     return (layers * attention + moe_layers * hidden * num_experts + embeddings) * dtype_bytes
@@ -66,8 +65,7 @@ def non_expert_bytes(*, layers: int, moe_layers: int, hidden: int, heads: int, k
 def disk_bytes_per_token(*, moe_layers: int, top_k: int, expert_bytes: int, device_miss_rate: float,
                          host_miss_rate: float) -> float:
     """Disk bytes per token with the disk tier: ``L x k x expert bytes x device miss rate x host miss
-    rate``; an upper bound at decode batch 1.
-    """
+    rate``; an upper bound at decode batch 1."""
     return moe_layers * top_k * expert_bytes * device_miss_rate * host_miss_rate
 
 
@@ -83,8 +81,7 @@ def single_wave_batch_cap(*, num_resident: int, top_k: int) -> int:
 
 def link_bytes_per_token(*, miss_rate: float, all_miss_bytes_per_token: float) -> float:
     """Link bytes per decode token at ``miss_rate``: ``miss_rate x L x k x expert_bytes``, whether a
-    miss is paged (``--beyond-k waves``) or read in place.
-    """
+    miss is paged (``--beyond-k waves``) or read in place."""
     return miss_rate * all_miss_bytes_per_token
 
 
@@ -100,8 +97,7 @@ def uniform_miss_rate(*, num_resident: int, num_experts: int) -> float:
 
 def max_miss_rate_allowed(*, link_gbps: float, tok_s: float, all_miss_bytes_per_token: int) -> float:
     """Highest miss rate a measured decode speed allows: ``link GB/s / (tok/s x all-miss bytes/token)``
-    (above 1: the link does not bound it).
-    """
+    (above 1: the link does not bound it)."""
     return link_gbps * GB / (tok_s * all_miss_bytes_per_token)
 
 
@@ -136,8 +132,7 @@ def auto_num_resident(
     num_experts: int,
 ) -> int:
     """K that fits a device: ``floor((device - non-expert - KV reserve - runtime) / slot_bytes)``,
-    clamped to [top_k, E].
-    """
+    clamped to [top_k, E]."""
     free = device_memory_gb * GB - non_expert_bytes - kv_reserve_bytes - runtime_reserve_gb * GB
     k = math.floor(free / slot_bytes) if slot_bytes > 0 else num_experts
     return max(top_k, min(num_experts, k))
@@ -160,8 +155,7 @@ def context_tokens_allowed(
     kv_bytes_per_token: int,
 ) -> int:
     """KV tokens (all requests) the budget leaves at K: ``floor((device - non-expert - runtime - K x
-    slot_bytes) / kv_bytes_per_token)``, 0 if it does not fit.
-    """
+    slot_bytes) / kv_bytes_per_token)``, 0 if it does not fit."""
     free = device_memory_gb * GB - non_expert_bytes - runtime_reserve_gb * GB - num_resident * slot_bytes
     return max(0, math.floor(free / kv_bytes_per_token))
 
@@ -182,8 +176,7 @@ def changes_that_fit(
     """Each single flag change that makes the configuration fit, the others unchanged: flag -> its
     largest fitting value (empty when it fits or nothing alone does): ``--runtime-reserve-gb``
     (down to 0.01), ``--num-resident`` (in [top_k, K)), ``--context-length``,
-    ``--max-running-requests`` (from ``context_tokens_allowed``).
-    """
+    ``--max-running-requests`` (from ``context_tokens_allowed``)."""
     device = device_memory_gb * GB
     over = memory_needed_bytes(non_expert_bytes=non_expert_bytes, kv_reserve_bytes=kv_reserve_bytes,
                                runtime_reserve_gb=runtime_reserve_gb, num_resident=num_resident,
@@ -217,8 +210,7 @@ _BYTE_UNITS = (("TB", 1e12), ("GB", GB), ("MB", MB), ("kB", 1e3))
 
 def format_bytes(num_bytes: float) -> str:
     """``num_bytes`` in the largest decimal unit it holds one of, 3 significant digits or more
-    ("117 MB", "9.83 MB", "512 B").
-    """
+    ("117 MB", "9.83 MB", "512 B")."""
     for unit, size in _BYTE_UNITS:
         if abs(num_bytes) >= size:
             value = num_bytes / size
@@ -238,8 +230,7 @@ _STACKED = re.compile(r"layers\.(\d+)\..*\.experts\.[A-Za-z_]\w*$")
 @dataclass(frozen=True)
 class CheckpointSizes:
     """Byte counts from a checkpoint's headers: ``expert_bytes`` (one routed expert of one MoE layer),
-    ``expert_tensor_bytes`` (all routed-expert tensors), ``non_expert_bytes`` (the rest).
-    """
+    ``expert_tensor_bytes`` (all routed-expert tensors), ``non_expert_bytes`` (the rest)."""
 
     expert_bytes: int
     expert_tensor_bytes: int
@@ -256,8 +247,7 @@ def checkpoint_sizes(
     expert layer. ``dtype``: as ``load_model(dtype=...)`` allocates (floating tensors at that dtype,
     ``keep_fp32`` names at 4 bytes; None: as stored); ``skip``: keys not counted.
     Raises FileNotFoundError: no safetensors file; ValueError: no expert tensor, or a stacked
-    tensor whose leading dim is not E.
-    """
+    tensor whose leading dim is not E."""
     per_layer: dict[int, int] = {}  # layer -> bytes of one expert
     expert_total = other_total = 0
     for path in checkpoint_files(model_path):

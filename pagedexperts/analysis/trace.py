@@ -56,8 +56,7 @@ class TraceMeta:
 @dataclass(frozen=True)
 class Step:
     """One engine step: ``request_ids`` [T] int64 (-1 padding, -2 unknown request),
-    ``topk_ids[layer]`` [T, k], ``topk_weights[layer]`` [T, k], ``extras[(layer, name)]`` 1-D.
-    """
+    ``topk_ids[layer]`` [T, k], ``topk_weights[layer]`` [T, k], ``extras[(layer, name)]`` 1-D."""
 
     phase: str
     request_ids: np.ndarray
@@ -103,8 +102,7 @@ class Trace:
 
     def streams(self) -> dict[int, dict[int, np.ndarray]]:
         """Per-request decode streams: request id -> layer -> topk ids [n, k] in token order (rows with
-        a known request id).
-        """
+        a known request id)."""
         rows: dict[int, dict[int, list[np.ndarray]]] = {}
         for step in self.steps:
             if step.phase != "decode":
@@ -120,8 +118,7 @@ class Trace:
 
 class TraceWriter:
     """Collects routing step by step (``begin_step``, then ``add`` per MoE layer, ``add_extra``) and
-    saves it in format version 1.
-    """
+    saves it in format version 1."""
 
     def __init__(self, *, num_experts: int, top_k: int, layers: list[int], model_id: str = "") -> None:
         if not 1 <= top_k <= num_experts:
@@ -135,8 +132,7 @@ class TraceWriter:
 
     def begin_step(self, *, phase: str, request_ids: list[int]) -> None:
         """Start a step of one row per ``request_ids`` entry (``PADDING_REQUEST`` for padding);
-        ``phase`` "prefill" or "decode".
-        """
+        ``phase`` "prefill" or "decode"."""
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} must be one of {PHASES}")
         self._phases.append(PHASES.index(phase))
@@ -308,8 +304,7 @@ def _read_jsonl(path) -> tuple[dict, list[dict]]:
 
 def _split_runs(rows: list[dict]) -> list[list[list[dict]]]:
     """Rows of one layer -> runs -> steps: a step ends where token_idx restarts; leading rows
-    (>= DUMMY_MIN_ROWS) repeating one routing are a profiling pass, dropped.
-    """
+    (>= DUMMY_MIN_ROWS) repeating one routing are a profiling pass, dropped."""
     steps, cur = [], []
     for r in rows:
         if cur and r["token_idx"] <= cur[-1]["token_idx"]:
@@ -332,8 +327,7 @@ def _split_runs(rows: list[dict]) -> list[list[list[dict]]]:
 
 def _run_steps(run: list[list[dict]], first_id: int) -> list[tuple[str, list[int], list[dict]]]:
     """(phase, request ids, rows) of a run's steps: one step is one stream; else prefill first
-    (requests unknown), then decode, requests by position while the batch keeps its first size.
-    """
+    (requests unknown), then decode, requests by position while the batch keeps its first size."""
     if len(run) == 1:
         return [("decode", [first_id], [r]) for r in run[0]]
     out = [("prefill", [UNKNOWN_REQUEST] * len(run[0]), run[0])]

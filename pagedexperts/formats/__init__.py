@@ -23,8 +23,7 @@ class FormatRecord:
     """One format's facts, each written only here (README.md: who reads each field). ``where``:
     "module:Class", imported on use; ``spelled``: what config.json says; ``key``: (quant_method,
     format, weight kind) for ``nearest_format``; ``cpu_packed``: torch's CPU kernels compute it
-    packed; ``example``: preflight's ``(class, group size) -> format``; ``quantize``: written by quantize.
-    """
+    packed; ``example``: preflight's ``(class, group size) -> format``; ``quantize``: written by quantize."""
 
     name: str
     where: str
@@ -161,8 +160,7 @@ def quantization_config_of(config) -> dict | None:
 
 def checkpoint_key(qc: dict | None) -> CheckpointKey:
     """(quant_method, format, weight kind such as 'int4') of a quantization_config; compressed-tensors:
-    the routed experts' config group (else the first).
-    """
+    the routed experts' config group (else the first)."""
     from pagedexperts.formats.compressed_tensors.schemes import _schemes_or_first
 
     if not qc:
@@ -186,8 +184,7 @@ def checkpoint_key(qc: dict | None) -> CheckpointKey:
 def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
     """The registered format closest to a checkpoint's key (quant_method weighs most, then format,
     then weight kind; ties: registry order) as 'name (spelled)', among ``among`` (default: every
-    quantized format), or 'none (...)' when none shares any part.
-    """
+    quantized format), or 'none (...)' when none shares any part."""
     key = checkpoint_key(qc)
     weights = (4, 2, 1)
 
@@ -202,8 +199,7 @@ def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
 
 def refusal_message(qc: dict | None, reason: str, among: list[str] | None = None) -> str:
     """One refusal as every entry point raises it: the checkpoint's spelling, the reason, the nearest
-    supported format (``among`` those) and every supported one.
-    """
+    supported format (``among`` those) and every supported one."""
     from pagedexperts.formats.compressed_tensors.schemes import spelling
 
     supported = "; ".join(f"{n} ({FORMATS[n].spelled})" for n in available_formats())
@@ -213,8 +209,7 @@ def refusal_message(qc: dict | None, reason: str, among: list[str] | None = None
 
 def experts_layout_refusal(fmt: ExpertFormat, config, transposed: bool | None) -> str | None:
     """Why ``fmt`` has no packing for the experts as the family stores them (``transposed``: [in, out];
-    None: not checked), or None.
-    """
+    None: not checked), or None."""
     if transposed is None or fmt.transposed_experts is None or fmt.transposed_experts == transposed:
         return None
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)

@@ -20,8 +20,7 @@ LINEAR_WEIGHT = "weight"  # the dense name of one plain nn.Linear weight (``Expe
 @dataclass(frozen=True)
 class TensorSpec:
     """One per-expert tensor: name, one expert's shape (no leading E), dtype, and ``concat_dim``,
-    the per-expert dim along which several checkpoint sources are concatenated (gate + up).
-    """
+    the per-expert dim along which several checkpoint sources are concatenated (gate + up)."""
 
     name: str
     shape: tuple[int, ...]
@@ -54,8 +53,7 @@ class QuantizedTensor:
 @dataclass(frozen=True)
 class ExpertLayout:
     """The per-expert tensors of one experts module in one format: ``packed_specs`` (store and
-    packed slots), ``dense_specs`` (what the experts kernel takes).
-    """
+    packed slots), ``dense_specs`` (what the experts kernel takes)."""
 
     format: "ExpertFormat"
     tensors: tuple[QuantizedTensor, ...]
@@ -84,8 +82,7 @@ class ExpertLayout:
 
     def dequantize(self, packed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Packed rows of n experts {packed name: [n, ...]} -> {dense name: [n, ...]}; passthrough
-        tensors as given (no copy). Raises KeyError naming a missing packed tensor.
-        """
+        tensors as given (no copy). Raises KeyError naming a missing packed tensor."""
         out = {}
         for t in self.tensors:
             if t.is_passthrough:
@@ -97,8 +94,7 @@ class ExpertLayout:
 
 class ExpertFormat:
     """Base of every expert format; instances are immutable, built by ``from_quantization_config``.
-    A quantized format dequantizes through its ``packing`` (``formats.unpack.PackedFormat``).
-    """
+    A quantized format dequantizes through its ``packing`` (``formats.unpack.PackedFormat``)."""
 
     name: ClassVar[str] = ""
     serialized_names: ClassVar[dict[str, tuple[str, ...]]] = {}
@@ -120,8 +116,7 @@ class ExpertFormat:
 
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "ExpertFormat":
-        """The format bound from the whole config and its ``quantization_config`` (default: the latter alone).
-        """
+        """The format bound from the whole config and its ``quantization_config`` (default: the latter alone)."""
         return cls.from_quantization_config(quantization_config)
 
     def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -134,14 +129,12 @@ class ExpertFormat:
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Packed specs standing for ``dense`` (``(dense,)``: left unquantized). ``sources``: checkpoint
-        tensors concatenated into it; ``transposed``: the dense weight is [in, out].
-        """
+        tensors concatenated into it; ``transposed``: the dense weight is [in, out]."""
         raise NotImplementedError
 
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Packed rows {name: [n, *spec.shape]} -> [n, *tensor.dense.shape] in ``tensor.dense.dtype``,
-        bit-identical to transformers' loading.
-        """
+        bit-identical to transformers' loading."""
         raise NotImplementedError
 
     def linear_format(self, module: str, quantization_config: dict | None) -> "ExpertFormat | None":
@@ -187,8 +180,7 @@ class ExpertFormat:
         return cache[key]
 
     def with_stored_dtypes(self, dtypes: Mapping[str, torch.dtype]) -> "ExpertFormat":
-        """This format bound to the dtypes the checkpoint stores the experts' tensors in (default ``self``).
-        """
+        """This format bound to the dtypes the checkpoint stores the experts' tensors in (default ``self``)."""
         return self
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False):
@@ -201,8 +193,7 @@ class ExpertFormat:
         self, dense_specs: tuple[TensorSpec, ...], *, sources: Mapping[str, int] | None = None, transposed: bool = False
     ) -> ExpertLayout:
         """The ExpertLayout of an experts module with dense per-expert ``dense_specs``; ``sources``:
-        dense name -> checkpoint sources concatenated into it (default 1).
-        """
+        dense name -> checkpoint sources concatenated into it (default 1)."""
         sources = sources or {}
         tensors = tuple(
             QuantizedTensor(d, self.pack(d, sources=sources.get(d.name, 1), transposed=transposed))
@@ -220,7 +211,6 @@ def ceil_div(a: int, b: int) -> int:
 
 def store_name(target: str, param: str, serialized: str) -> str:
     """The store tensor of a serialized companion of ``target``'s ``param``: ``target`` + the name
-    minus the param prefix (``gate_up_proj_scale_inv``), else joined with ``_`` (``gate_up_proj_qweight``).
-    """
+    minus the param prefix (``gate_up_proj_scale_inv``), else joined with ``_`` (``gate_up_proj_qweight``)."""
     suffix = serialized.removeprefix(param)
     return target + (suffix if not suffix or suffix.startswith("_") else "_" + suffix)

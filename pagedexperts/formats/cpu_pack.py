@@ -32,8 +32,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @dataclass(frozen=True)
 class KernelTensor:
     """One dense expert tensor [N, K] as a CPU kernel reads it: ``kind`` "int4" / "int8",
-    ``group_size`` (``repeat`` kernel groups per format group), ``dtype`` of x and the scales.
-    """
+    ``group_size`` (``repeat`` kernel groups per format group), ``dtype`` of x and the scales."""
 
     tensor: QuantizedTensor
     fmt: PackedFormat
@@ -89,8 +88,7 @@ class KernelTensor:
 
 def packed_matmul(plan: KernelTensor, weight: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [n, K] (contiguous, ``plan.dtype``) @ W^T -> [n, N] in ``plan.dtype``, W in the kernel's
-    layout (``weight``, ``scales`` of ``KernelTensor.specs``).
-    """
+    layout (``weight``, ``scales`` of ``KernelTensor.specs``)."""
     if plan.kind == "int4":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, plan.group_size, scales)
     return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
@@ -131,8 +129,7 @@ def plan_tensor(fmt, tensor: QuantizedTensor, dtype: torch.dtype) -> KernelTenso
 
 def plan_layout(layout: ExpertLayout | None, dtype: torch.dtype | None = None) -> tuple[KernelTensor, ...] | str:
     """The ``KernelTensor`` of every quantized tensor of ``layout`` at run dtype ``dtype`` (None: the
-    layout's dense dtype), or the first reason one cannot run packed.
-    """
+    layout's dense dtype), or the first reason one cannot run packed."""
     if layout is None or layout.is_dense:
         return "dense experts: nothing quantized to compute packed"
     dtype = layout.dense_specs[0].dtype if dtype is None else dtype
@@ -149,16 +146,14 @@ def plan_layout(layout: ExpertLayout | None, dtype: torch.dtype | None = None) -
 
 def kernel_specs(layout: ExpertLayout, plans: tuple[KernelTensor, ...]) -> list[TensorSpec]:
     """One expert's tensors in the kernels' layouts: each plan's (weight, scales), then passthrough
-    tensors (``CpuPackedSlots``' order).
-    """
+    tensors (``CpuPackedSlots``' order)."""
     return [s for p in plans for s in p.specs] + [t.dense for t in layout.tensors if t.is_passthrough]
 
 
 class CpuPackedSlots(SlotTable):
     """Slot tensors {name: [K_s, ...]} in the CPU kernels' layouts, ``plans`` {dense name:
     KernelTensor}; a page-in copies rows in that layout and converts a format's packed rows.
-    Args: layout; plans (``plan_layout(layout, dtype)``); num_slots K_s; device (a CPU).
-    """
+    Args: layout; plans (``plan_layout(layout, dtype)``); num_slots K_s; device (a CPU)."""
 
     def __init__(self, layout: ExpertLayout, plans: tuple[KernelTensor, ...], num_slots: int, device) -> None:
         specs = kernel_specs(layout, plans)

@@ -118,8 +118,7 @@ class WeightPacking:
     def zero_word(self) -> int:
         """``zero_offset`` in every ``bits``-wide field of a 32-bit zero-point word (GPTQ v1, 4 bits:
         0x11111111), added as one integer so GPTQModel's v2 -> v1 borrow carries back; 0 without an
-        offset or without ``zero_carries``.
-        """
+        offset or without ``zero_carries``."""
         if not self.zero_offset or not self.zero_carries:
             return 0
         return self.zero_offset * sum(1 << (self.bits * i) for i in range(32 // self.bits))
@@ -131,8 +130,7 @@ class WeightPacking:
 
     def row_strides(self, role: str) -> tuple[int, int]:
         """(elements per output index, elements per input index) of ``role``'s row: [N, K/pw] or
-        transposed, scale / zero [n, g] or [g, n], a 1-D row (1, 0).
-        """
+        transposed, scale / zero [n, g] or [g, n], a 1-D row (1, 0)."""
         shape = self.roles[role].shape
         if len(shape) == 1:
             return (1, 0)
@@ -153,8 +151,7 @@ def float8_packing(tensor: "QuantizedTensor", *, scale: TensorSpec, strategy: st
                    scale_codes: str = "float", scale_op: str = "multiply") -> WeightPacking:
     """An 8-bit weight [N, K] (e4m3 or int8) with a per-``strategy`` scale (tensor: one per source;
     channel: [N, 1] or [N]; block: [sources * ceil(O / bm), ceil(K / bn)]; group: [N, K / g]),
-    multiplying the value (or dividing it: ``scale_op``).
-    """
+    multiplying the value (or dividing it: ``scale_op``)."""
     n, k = tensor.dense.shape
     weight = next(p for p in tensor.packed if p.name == tensor.dense.name)
     source_rows = n // sources
@@ -170,8 +167,7 @@ def int_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorS
                 transposed: bool = False, interleaved: bool = False, zero_offset: int = 0,
                 zero_carries: bool = True, mul_dtype: torch.dtype | None = None) -> WeightPacking:
     """An int weight packed in int32 words: symmetric (value offset 2**(bits-1)) without ``zero``,
-    zero points otherwise.
-    """
+    zero points otherwise."""
     n, k = tensor.dense.shape
     roles = [("weight", weight), ("scale", scale)]
     roles += [("zero", zero)] if zero is not None else []
@@ -188,8 +184,7 @@ def fp4_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorS
                 round_dtype: torch.dtype | None = None, mul_dtype=torch.float32, n: int | None = None,
                 k: int | None = None, negative_zero: bool = True) -> WeightPacking:
     """e2m1 codes, two per byte, low nibble first, along K ([N, K/2]), a group scale (e4m3 per 16 or
-    E8M0 per 32), optionally a per-source global scale.
-    """
+    E8M0 per 32), optionally a per-source global scale."""
     n, k = (n, k) if n is not None else tensor.dense.shape
     roles = [("weight", weight), ("scale", scale)] + ([("global_scale", global_scale)] if global_scale else [])
     return WeightPacking(n, k, tensor.dense.dtype, tuple(roles), codes="e2m1", bits=4, packed_dim="in",
@@ -209,8 +204,7 @@ def derived_block(weight_shape: tuple[int, int], scale_shape: tuple[int, int]) -
 
 def g_idx_is_trivial(g_idx: torch.Tensor, *, in_features: int, group_size: int) -> bool:
     """True when every source's g_idx rows [n, sources * K] are ``k // group_size`` (what a packing
-    without ``g_idx`` assumes); call where rows enter the store, not per step.
-    """
+    without ``g_idx`` assumes); call where rows enter the store, not per step."""
     want = (torch.arange(in_features, device=g_idx.device) // group_size).to(g_idx.dtype)
     return bool((g_idx.reshape(-1, in_features) == want).all())
 

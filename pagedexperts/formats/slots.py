@@ -46,27 +46,23 @@ def allocate(specs, num_rows: int, device) -> dict[str, torch.Tensor]:
 
 class SlotTable(dict, ABC):
     """The K slots of one layer, {name: [K, ...]}: executors page rows in through ``write_rows`` /
-    ``copy_rows``; a body calls ``kernel_tensors`` each wave, never asking which table it holds.
-    """
+    ``copy_rows``; a body calls ``kernel_tensors`` each wave, never asking which table it holds."""
 
     @abstractmethod
     def write_rows(self, rows: Mapping[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
         """Page one expert's rows {name: [*spec.shape]} (host memory, page-locked when ``pinned``:
-        non-blocking to a CUDA slot) into row ``slot``.
-        """
+        non-blocking to a CUDA slot) into row ``slot``."""
 
     def copy_rows(self, source: Mapping[str, torch.Tensor], loads, *, pinned: bool) -> None:
         """A wave's page-ins from host rows {name: [E, ...]}: row ``expert`` into row ``slot`` for each
-        (expert, slot) of ``loads``.
-        """
+        (expert, slot) of ``loads``."""
         for expert, slot in loads:
             self.write_rows({name: rows[expert] for name, rows in source.items()}, slot, pinned=pinned)
 
     @abstractmethod
     def kernel_tensors(self, wave_slots: Sequence[int] | torch.Tensor) -> Mapping[str, torch.Tensor]:
         """What the kernel reads once ``wave_slots`` (slot ids, or an int64 [n] device tensor) are paged
-        in: {name: [K, ...]}, rows outside the wave stale. The same tensor objects every call.
-        """
+        in: {name: [K, ...]}, rows outside the wave stale. The same tensor objects every call."""
 
     def capture_problem(self) -> str | None:
         """Why a CUDA graph cannot hold a wave over this table, or None."""
@@ -79,8 +75,7 @@ class SlotTable(dict, ABC):
 
 class DequantizingSlots(SlotTable):
     """Packed slot tensors of a quantized layer: ``kernel_tensors`` dequantizes the wave's slots into
-    ``scratch`` ({dense name: [K, ...]}, shared by the layers). ``layout``: the layer's (not dense).
-    """
+    ``scratch`` ({dense name: [K, ...]}, shared by the layers). ``layout``: the layer's (not dense)."""
 
     def __init__(self, layout: ExpertLayout, tensors: dict[str, torch.Tensor], scratch: dict[str, torch.Tensor]) -> None:
         super().__init__(tensors)
@@ -111,8 +106,7 @@ class DequantizingSlots(SlotTable):
 
 class DenseSlots(SlotTable):
     """Dense slot tensors of a quantized layer, dequantized at page-in through ``staging``
-    ({packed name: [1, ...]} on the device, shared by the layers).
-    """
+    ({packed name: [1, ...]} on the device, shared by the layers)."""
 
     def __init__(self, layout: ExpertLayout, tensors: dict[str, torch.Tensor], staging: dict[str, torch.Tensor]) -> None:
         super().__init__(tensors)

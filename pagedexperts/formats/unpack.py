@@ -34,8 +34,7 @@ def unpack_fields(words: torch.Tensor, *, bits: int, dim: int, positions: tuple[
                   constant: Constant = build_each_time) -> torch.Tensor:
     """``bits``-wide unsigned fields of integer ``words`` along ``dim`` (-1 or -2): [..., W] ->
     [..., W * P] or [..., W, C] -> [..., W * P, C], P = len(positions); field j at bits
-    ``bits * positions[j]``. Keeps ``words``' dtype.
-    """
+    ``bits * positions[j]``. Keeps ``words``' dtype."""
     key = f"shifts:{words.dtype}:{bits}:{positions}"
     shifts = constant(key, words.device,
                       lambda device: torch.tensor([bits * p for p in positions], dtype=words.dtype, device=device))
@@ -53,8 +52,7 @@ def _positions(per_word: int, interleaved: bool) -> tuple[int, ...]:
 def codes(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
           constant: Constant = build_each_time) -> torch.Tensor:
     """The stored field of every element, [n, N, K] (a view in storage order): int fields unsigned,
-    e2m1 codes uint8, one-per-element weights as stored.
-    """
+    e2m1 codes uint8, one-per-element weights as stored."""
     raw = rows[packing.spec("weight").name]
     raw = raw.flatten(2) if raw.dim() > 3 else raw  # gpt-oss's blocks [n, N, K/32, 16]: [n, N, K/2]
     if packing.packed_dim != "none":
@@ -104,8 +102,7 @@ def _index(constant: Constant, name: str, device, values: Callable[[torch.Tensor
 def scale_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
                constant: Constant = build_each_time) -> torch.Tensor | None:
     """The scale of every (output row, group), [n, N, G] in ``mul_dtype`` (codes decoded, a
-    divide / multiply global scale applied in float32), or None.
-    """
+    divide / multiply global scale applied in float32), or None."""
     spec = packing.spec("scale")
     if spec is None:
         return None
@@ -133,8 +130,7 @@ def scale_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
 def zero_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
               constant: Constant = build_each_time) -> torch.Tensor | None:
     """The zero point of every (output row, group), int32 [n, N, G] with ``zero_offset`` applied, or
-    None. Packed along the output dim, restarting per source.
-    """
+    None. Packed along the output dim, restarting per source."""
     spec = packing.spec("zero")
     if spec is None:
         return None
@@ -154,8 +150,7 @@ def zero_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
 
 def _global_reciprocal(packing: WeightPacking, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """float32 [n, N, 1]: ``1 / g`` of each row's source global scale, 0 where g is 0 (AutoRound's
-    ``get_reciprocal``).
-    """
+    ``get_reciprocal``)."""
     glob = rows[packing.spec("global_scale").name].to(torch.float32)  # [n, S]
     reciprocal = torch.where(glob == 0, torch.zeros_like(glob), 1.0 / glob)
     return reciprocal.repeat_interleave(packing.source_rows, dim=-1).unsqueeze(-1)
@@ -171,8 +166,7 @@ def _g_idx(packing: WeightPacking, rows: Mapping[str, torch.Tensor]) -> torch.Te
 
 def _by_group(packing: WeightPacking, per_group: list, g_idx: torch.Tensor | None, constant: Constant):
     """Per-(row, group) tensors [n, N, G] (None kept) made broadcastable to the element grid:
-    (tensors, split), ``split`` meaning the grid is viewed as [n, N, G, g].
-    """
+    (tensors, split), ``split`` meaning the grid is viewed as [n, N, G, g]."""
     present = [t for t in per_group if t is not None]
     if not present or present[0].shape[-1] == 1:
         return per_group, False
@@ -195,8 +189,7 @@ def _by_group(packing: WeightPacking, per_group: list, g_idx: torch.Tensor | Non
 
 def _values(packing: WeightPacking, rows: Mapping[str, torch.Tensor], constant: Constant):
     """(v, scale, split, fresh): values (int, or float in ``mul_dtype``), per-element scales or None,
-    whether v is viewed [n, N, G, g], whether v is a temporary the caller may write into.
-    """
+    whether v is viewed [n, N, G, g], whether v is a temporary the caller may write into."""
     scale, zero = scale_rows(packing, rows, constant=constant), zero_rows(packing, rows, constant=constant)
     (scale, zero), split = _by_group(packing, [scale, zero], _g_idx(packing, rows), constant)
     if packing.codes in ("e4m3", "e2m1"):
@@ -253,8 +246,7 @@ def dense_weight(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *, co
 class IntGroups:
     """An integer weight of n experts: ``W[n, o, i] = (codes - zeros[g]) * scales[g]`` in the scales'
     dtype, then ``dense_dtype``; g = ``i // group_size`` or ``g_idx[n, o // source_rows, i]``;
-    codes uint8 / int8 [n, N, K], zeros int32 [n, N, G], g_idx int64 [n, S, K] or None.
-    """
+    codes uint8 / int8 [n, N, K], zeros int32 [n, N, G], g_idx int64 [n, S, K] or None."""
 
     codes: torch.Tensor
     zeros: torch.Tensor
@@ -298,8 +290,7 @@ def int_groups(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
 
 class PackedFormat(ExpertFormat):
     """A format described by its ``packing``: ``dequantize`` is ``dense_weight`` of it (W^T where
-    ``transposed_experts``); subclasses say what the checkpoint holds (``pack``) and how it packs.
-    """
+    ``transposed_experts``); subclasses say what the checkpoint holds (``pack``) and how it packs."""
 
     def packing_of(self, tensor: QuantizedTensor) -> WeightPacking:
         """``packing(tensor)`` in the dense module's orientation, built once per tensor and kept."""
@@ -310,8 +301,7 @@ class PackedFormat(ExpertFormat):
 
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Packed rows {name: [n, *spec.shape]} -> [n, *tensor.dense.shape] in ``tensor.dense.dtype``
-        (a passthrough tensor as given).
-        """
+        (a passthrough tensor as given)."""
         if tensor.is_passthrough:
             return packed[tensor.dense.name]
         return dense_weight(self.packing_of(tensor), packed, constant=self.device_constant,

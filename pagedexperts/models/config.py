@@ -58,8 +58,7 @@ def is_moe_layer(config: Any, layer: int) -> bool:
     """Whether decoder layer ``layer`` holds routed experts, as the families' constructors decide:
     ``mlp_layer_types`` or ``moe_layers`` when present; else every layer but ``mlp_only_layers``,
     those before ``first_k_dense_replace``, and those off ``decoder_sparse_step`` ((i + 1) % step
-    == 0), ``moe_layer_freq`` (i % freq == 0) or ``interleave_moe_layer_step`` ((i + 1) % step == 0).
-    """
+    == 0), ``moe_layer_freq`` (i % freq == 0) or ``interleave_moe_layer_step`` ((i + 1) % step == 0)."""
     if num_routed_experts(config) <= 0:
         return False
     types = config_value(config, "mlp_layer_types")
@@ -180,8 +179,7 @@ def run_dtype(config: dict, *, dtype: str | None = None) -> str:
 def read_config(model_path: str) -> dict:
     """The parsed ``config.json`` of a model directory, ``quantization_config`` filled from a ModelOpt
     ``hf_quant_config.json`` when absent. Raises FileNotFoundError: no config.json (``--model-path``);
-    ValueError: config.json is not valid JSON (names the file, line and column).
-    """
+    ValueError: config.json is not valid JSON (names the file, line and column)."""
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {model_path!r} (--model-path)")

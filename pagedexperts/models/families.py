@@ -12,8 +12,7 @@ from dataclasses import dataclass
 class Family:
     """One architecture family: ``shared_expert`` (the MoE block's always-resident shared expert, or
     None), ``router`` (the block's router, hidden [T, H] -> (logits, weights [T, k], ids [T, k])),
-    ``transposed_experts`` (experts stored [in, out]: gpt-oss; else nn.Linear's [out, in]).
-    """
+    ``transposed_experts`` (experts stored [in, out]: gpt-oss; else nn.Linear's [out, in])."""
 
     name: str
     shared_expert: str | None
@@ -61,8 +60,7 @@ FAMILIES: dict[str, Family] = {
 
 def experts_transposed(config) -> bool | None:
     """Whether ``config``'s family stores its routed experts transposed: False outside ``FAMILIES``,
-    None without a ``model_type``.
-    """
+    None without a ``model_type``."""
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     if model_type is None:
         return None

@@ -61,8 +61,7 @@ def declares_experts(config_class: type) -> bool:
 
 def is_experts_module(module: torch.nn.Module) -> bool:
     """True for modules of transformers' experts registry (``has_gate``, ``is_transposed``,
-    ``num_experts``: every 5.x from 5.17).
-    """
+    ``num_experts``: every 5.x from 5.17)."""
     return all(hasattr(module, a) for a in ("has_gate", "is_transposed", "num_experts"))
 
 

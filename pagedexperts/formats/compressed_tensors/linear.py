@@ -12,8 +12,7 @@ from pagedexperts.formats.base import ExpertFormat
 
 def one_group_config(quantization_config: dict, module: str) -> dict | None:
     """``quantization_config`` with the one group compressed-tensors matches to ``module``, retargeted
-    to ``Linear``, nothing ignored; None when the module is ignored or no group targets it.
-    """
+    to ``Linear``, nothing ignored; None when the module is ignored or no group targets it."""
     from pagedexperts.formats.compressed_tensors.schemes import scheme_of_module
 
     scheme = scheme_of_module(quantization_config, module)

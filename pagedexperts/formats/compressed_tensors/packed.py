@@ -147,8 +147,7 @@ class CompressedTensorsPackedFormat(PackedFormat):
         return tuple(specs)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """b-bit values along K, scales [N, G], zero points along N per source, ``weight_g_idx`` when stored.
-        """
+        """b-bit values along K, scales [N, G], zero points along N per source, ``weight_g_idx`` when stored."""
         name, args = tensor.dense.name, self.args.get(tensor.dense.name)
         if args is None or tensor.is_passthrough:
             return dense_packing(tensor, transposed=transposed)

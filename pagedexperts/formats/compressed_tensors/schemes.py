@@ -33,8 +33,7 @@ CLASS_TARGETS = ("Linear",)  # class names an nn.Linear matches (compressed-tens
 
 
 def _matches(target: str, name: str) -> bool:
-    """compressed-tensors' ``is_match`` for an nn.Linear ``name``: ``re:`` regex, exact name, or ``Linear``.
-    """
+    """compressed-tensors' ``is_match`` for an nn.Linear ``name``: ``re:`` regex, exact name, or ``Linear``."""
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
     return target == name or target in CLASS_TARGETS
@@ -46,8 +45,7 @@ def _ignored(name: str, ignore: list[str]) -> bool:
 
 def named_expert_modules(quantization_config: dict, projection: str) -> list[str]:
     """Expert modules ending in ``projection`` that targets or ``ignore`` name exactly (per layer the
-    lowest and highest expert).
-    """
+    lowest and highest expert)."""
     names = {t for g in (quantization_config.get("config_groups") or {}).values() for t in g.get("targets", [])}
     names |= set(quantization_config.get("ignore") or [])
     by_layer: dict[str, dict[int, str]] = {}
@@ -59,8 +57,7 @@ def named_expert_modules(quantization_config: dict, projection: str) -> list[str
 
 
 def group_for(quantization_config: dict, projection: str, *, module: str = EXPERT_MODULE) -> ExpertScheme | None:
-    """The scheme of ``projection`` of a routed expert (``module``: another name pattern; None: unquantized).
-    """
+    """The scheme of ``projection`` of a routed expert (``module``: another name pattern; None: unquantized)."""
     return scheme_of_module(quantization_config, module.format(projection))
 
 
@@ -77,8 +74,7 @@ def scheme_of_module(quantization_config: dict, name: str) -> ExpertScheme | Non
 def group_of_module(quantization_config: dict, name: str) -> str | None:
     """The key of the config group compressed-tensors 0.20 applies to module ``name``, or None:
     the most specific matching target wins (exact name, then ``re:``, then ``Linear``;
-    alphabetical within a kind; a target in two groups: the later group), whatever the groups' order.
-    """
+    alphabetical within a kind; a target in two groups: the later group), whatever the groups' order."""
     target = _winning_target(quantization_config, name)
     if target is None:
         return None
@@ -153,8 +149,7 @@ def resolved_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme
 
 
 def quantized_non_expert(quantization_config: dict, module_names: list[str] | None = None) -> str | None:
-    """The first non-expert nn.Linear a config group quantizes (``module_names``: the model's own), or None.
-    """
+    """The first non-expert nn.Linear a config group quantizes (``module_names``: the model's own), or None."""
     if module_names is None:
         module_names = [t.format(p) for t in ("model.layers.0.self_attn.{}", "model.layers.0.mlp.shared_experts.{}",
                                               "model.layers.0.mlp.{}") for p in ("q_proj", "o_proj", "gate_proj", "down_proj")]

@@ -26,8 +26,7 @@ PACK_FACTOR = 8  # int4 values per int32 word
 def experts_weights_args(quantization_config: dict) -> dict | None:
     """The ``weights`` args of the config group every routed-expert projection resolves to
     (``schemes.dense_schemes``), or None when they resolve to different groups or none; a config
-    ``dense_schemes`` refuses falls back to ``transformers_experts_args``.
-    """
+    ``dense_schemes`` refuses falls back to ``transformers_experts_args``."""
     from pagedexperts.formats.compressed_tensors.schemes import dense_schemes
 
     try:
@@ -41,8 +40,7 @@ def experts_weights_args(quantization_config: dict) -> dict | None:
 
 def transformers_experts_args(quantization_config: dict) -> dict | None:
     """The ``weights`` args of the ONE group transformers 5.24 applies to every expert projection
-    (``get_experts_scheme``): an ``re:`` target naming experts, else a non-``re:`` target, else the first.
-    """
+    (``get_experts_scheme``): an ``re:`` target naming experts, else a non-``re:`` target, else the first."""
     groups = list((quantization_config.get("config_groups") or {}).values())
     if not groups:
         return None
@@ -104,8 +102,7 @@ class CompressedTensorsW4A16Format(PackedFormat):
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "CompressedTensorsW4A16Format":
         """As ``from_quantization_config``, the scales' dtype defaulting to the config's saved dtype.
-        Raises ValueError: an experts' input dim not a multiple of the group size.
-        """
+        Raises ValueError: an experts' input dim not a multiple of the group size."""
         fmt = cls.from_quantization_config(quantization_config)
         if fmt.scale_dtype is None:
             get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)

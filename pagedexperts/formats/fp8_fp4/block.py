@@ -37,8 +37,7 @@ class BlockFormat(PackedFormat):
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """A 2-D [out, in] weight -> (8-bit weight, float32 scale_inv [sources x ceil(out / sources / bm),
-        ceil(in / bn)]); else dense. Raises ValueError: transposed experts (gpt-oss).
-        """
+        ceil(in / bn)]); else dense. Raises ValueError: transposed experts (gpt-oss)."""
         if len(dense.shape) != 2:
             return (dense,)
         if transposed:
@@ -51,8 +50,7 @@ class BlockFormat(PackedFormat):
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
         """One float32 scale per block, the block per source or (``block_from_grid``) from the whole grid.
-        Raises ValueError: (``block_from_grid``) a weight not a multiple of its grid.
-        """
+        Raises ValueError: (``block_from_grid``) a weight not a multiple of its grid."""
         weight, scale = tensor.packed
         if self.block_from_grid:
             return float8_packing(tensor, scale=scale, strategy="block", codes=self.codes, sources=1,

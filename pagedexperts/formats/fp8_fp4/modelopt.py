@@ -89,8 +89,7 @@ class _ModelOptFormat(PackedFormat):
 
 
 class ModelOptNvfp4Format(_ModelOptFormat):
-    """ModelOpt NVFP4: e2m1 weights, e4m3 scales per 16 inputs, a float32 ``weight_scale_2`` per projection.
-    """
+    """ModelOpt NVFP4: e2m1 weights, e4m3 scales per 16 inputs, a float32 ``weight_scale_2`` per projection."""
 
     name = "modelopt-nvfp4"
     quant_algo = "NVFP4"
@@ -119,8 +118,7 @@ class ModelOptNvfp4Format(_ModelOptFormat):
                 TensorSpec(f"{dense.name}_scale", (rows, in_features // NVFP4_GROUP), torch.float8_e4m3fn))
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """e2m1 (code 8 is +0.0), e4m3 scales per 16 times ``weight_scale_2`` in float32, then the saved dtype.
-        """
+        """e2m1 (code 8 is +0.0), e4m3 scales per 16 times ``weight_scale_2`` in float32, then the saved dtype."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         scale_2 = specs[f"{name}_scale_2"]
         return fp4_packing(tensor, weight=specs[name], scale=specs[f"{name}_scale"], scale_codes="e4m3",
@@ -149,8 +147,7 @@ class ModelOptFp8Format(_ModelOptFormat):
 
 
 def excluded_experts(quantization_config: dict, num_layers: int) -> list[str]:
-    """Routed expert projections an ``exclude_modules`` / ``ignore`` pattern naming experts leaves unquantized.
-    """
+    """Routed expert projections an ``exclude_modules`` / ``ignore`` pattern naming experts leaves unquantized."""
     patterns = [p for p in (_field(quantization_config, "exclude_modules") or quantization_config.get("ignore") or [])
                 if "expert" in p.replace("shared_expert", "")]
     names = [f"model.layers.{layer}.{block}.experts.0.{proj}" for layer in range(num_layers)

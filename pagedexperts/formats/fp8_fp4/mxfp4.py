@@ -42,8 +42,7 @@ class Mxfp4Format(PackedFormat):
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """A transposed weight [in, out] -> (blocks uint8 [out, in/32, 16], scales uint8 [out, in/32]).
-        Raises ValueError: an input dim not a multiple of 32, or an untransposed module.
-        """
+        Raises ValueError: an input dim not a multiple of 32, or an untransposed module."""
         if len(dense.shape) != 2:
             return (dense,)
         if not transposed or sources != 1:

@@ -86,8 +86,7 @@ class AutoRoundFormat(GptqFormat):
         return super().pack(dense, sources=sources, transposed=transposed)[:3]
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """GPTQ's packing without g_idx, ``auto_round:auto_gptq``'s + 1 per zero point (``zero_carries`` False).
-        """
+        """GPTQ's packing without g_idx, ``auto_round:auto_gptq``'s + 1 per zero point (``zero_carries`` False)."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         in_features, args = tensor.dense.shape[1], self.tensor_args(tensor.dense.name)
         return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=args.bits,

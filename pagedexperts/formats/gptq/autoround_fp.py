@@ -79,8 +79,7 @@ def autoround_linear_format(fmt: ExpertFormat, module: str, quantization_config:
 
 class AutoRoundFp8Format(CompressedTensorsFp8Format):
     """AutoRound FP8 (``data_type: fp``): per tensor (group_size 0), row (-1) or ``weight_block_size``
-    block, read as compressed-tensors FP8 with a per-row scale [O].
-    """
+    block, read as compressed-tensors FP8 with a per-row scale [O]."""
 
     name = "auto-round-fp8"
 

@@ -59,8 +59,7 @@ class AwqFormat(PackedFormat):
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Per source qweight [I, O/8], qzeros [G, O/8], scales [G, O] side by side on dim 1. Raises
-        ValueError: transposed experts, I not a multiple of the group size, or O not of 8.
-        """
+        ValueError: transposed experts, I not a multiple of the group size, or O not of 8."""
         if transposed:
             raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
         rows, in_features = dense.shape

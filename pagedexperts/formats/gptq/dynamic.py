@@ -44,8 +44,7 @@ class IntArgs:
 
 def dynamic_override(dynamic: dict | None, module: str) -> dict | bool | None:
     """GPTQModel's rule for ``module``: the first matching pattern's overrides, False for a ``-:``
-    pattern, None when none matches.
-    """
+    pattern, None when none matches."""
     for pattern, fields in (dynamic or {}).items():
         negative = pattern.startswith("-:")
         if re.match(pattern[2:] if pattern[:2] in ("-:", "+:") else pattern, module):
@@ -55,8 +54,7 @@ def dynamic_override(dynamic: dict | None, module: str) -> dict | bool | None:
 
 def extra_config_override(extra_config: dict | None, module: str) -> dict | bool | None:
     """AutoRound's ``extra_config`` entry for ``module`` (exact name, then the first key that
-    ``re.fullmatch``es), False when it leaves the module unquantized (bits >= 16), else None.
-    """
+    ``re.fullmatch``es), False when it leaves the module unquantized (bits >= 16), else None."""
     extra = extra_config or {}
     fields = extra.get(module)
     if fields is None:

@@ -89,8 +89,7 @@ class GptqFormat(PackedFormat):
         return self if stored is None or stored == self.scale_dtype else self._bound(scale_dtype=stored)
 
     def linear_format(self, module: str, quantization_config: dict | None) -> "GptqFormat | None":
-        """Non-expert ``module``'s format: the base config with its ``dynamic`` override (None: a ``-:`` rule).
-        """
+        """Non-expert ``module``'s format: the base config with its ``dynamic`` override (None: a ``-:`` rule)."""
         args = module_args(self.args, dynamic_override(self.dynamic, module), what=f"gptq dynamic ({module})")
         if args is None:
             return None
@@ -102,8 +101,7 @@ class GptqFormat(PackedFormat):
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Per source qweight [I*b/32, O], qzeros [G, O*b/32], scales [G, O] side by side on dim 1, g_idx [I]
-        on dim 0. Raises ValueError: transposed experts, or I or O not a multiple of 32 / bits.
-        """
+        on dim 0. Raises ValueError: transposed experts, or I or O not a multiple of 32 / bits."""
         if transposed:
             raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
         args = self.tensor_args(dense.name)
@@ -122,8 +120,7 @@ class GptqFormat(PackedFormat):
         )
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """GPTQ's packing (README.md "Packings"): g_idx per column with ``desc_act``, else ``k // group_size``.
-        """
+        """GPTQ's packing (README.md "Packings"): g_idx per column with ``desc_act``, else ``k // group_size``."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         in_features, args = tensor.dense.shape[1], self.tensor_args(tensor.dense.name)
         return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=args.bits,
