@@ -1,7 +1,7 @@
 """Expert formats: how a checkpoint stores each routed expert, and how to turn it dense.
 
 Owns the registry ``FORMATS`` (one ``FormatRecord`` per format; every other view is derived
-from it) and ``format_for_config``. The contract is in ``base`` and README.md. Standard library
+from it) and ``format_for_config``. The contract is in ``base`` and formats/README.md. Standard library
 only at import, so the light commands read the table without torch. Does not: read checkpoints,
 store, page, or know model families.
 """
@@ -20,7 +20,7 @@ CheckpointKey = tuple[str | None, str | None, str | None]  # (quant_method, form
 
 @dataclass(frozen=True)
 class FormatRecord:
-    """One format's facts, each written only here (README.md: who reads each field). ``where``:
+    """One format's facts, each written only here (formats/README.md: who reads each field). ``where``:
     "module:Class", imported on use; ``spelled``: what config.json says; ``key``: (quant_method,
     format, weight kind) for ``nearest_format``; ``cpu_packed``: torch's CPU kernels compute it
     packed; ``example``: preflight's ``(class, group size) -> format``; ``quantize``: written by quantize."""

@@ -3,7 +3,7 @@
 
 Layout and dequantization as compressed-tensors 0.19-0.20 ``NVFP4PackedCompressor`` /
 ``MXFP4PackedCompressor`` (``compressors/nvfp4/helpers.py``, ``compressors/mx_utils.py``), in the
-library's dtypes: the experts stay in bfloat16 whatever the model's dtype (README.md).
+library's dtypes: the experts stay in bfloat16 whatever the model's dtype (formats/README.md).
 Does not: read files, store, page, or quantize activations.
 
 Legend: n experts, O output features, I input features, G groups.

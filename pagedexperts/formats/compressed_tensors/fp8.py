@@ -3,7 +3,7 @@ FP8_BLOCK) and ``mxfp8-quantized`` (MXFP8), bound per dense tensor.
 
 Layout and dequantization as compressed-tensors 0.19 / 0.20 ``FloatQuantizationCompressor``
 (``mx_utils.decompress_mx_scale`` for MXFP8) and ``_dequantize``: ``x_q.to(scale.dtype) * scale``
-in the stored scale's dtype (README.md). Does not: read files, store, page, or quantize activations.
+in the stored scale's dtype (formats/README.md). Does not: read files, store, page, or quantize activations.
 
 Legend: n experts, O output features, I input features, bm x bn a block.
 """

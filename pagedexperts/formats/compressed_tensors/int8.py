@@ -1,7 +1,7 @@
 """compressed-tensors ``int-quantized`` int8 experts (W8A8 INT8), activations unquantized.
 
 Layout and dequantization as compressed-tensors 0.19-0.20 ``NaiveQuantizationCompressor``
-(``compressors/naive_quantized/base.py``) and ``_dequantize``: README.md.
+(``compressors/naive_quantized/base.py``) and ``_dequantize``: formats/README.md.
 Does not: read files, store, page, or quantize activations.
 
 Legend: n experts, O output features, I input features.

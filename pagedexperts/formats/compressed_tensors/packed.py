@@ -3,7 +3,7 @@
 
 Layout and dequantization as compressed-tensors 0.20 ``PackedQuantizationCompressor`` +
 ``pack_to_int32`` (``weight_g_idx``: 0.12's ``_process_quantization``, ``(q - zp[g]) * s[g]`` per
-column's group): README.md "Packings". Does not: read files, store, page.
+column's group): formats/README.md "Packings". Does not: read files, store, page.
 
 Legend: n experts, O output features, I input features, b bits, G groups.
 """

@@ -3,7 +3,7 @@ config group every compressed-tensors format shares.
 
 Layout and dequantization as compressed-tensors 0.20 ``PackedQuantizationCompressor``
 (``compressors/pack_quantized/{base,helpers}.py``, ``quantization.lifecycle.forward._dequantize``):
-README.md "Packings"; the experts stay in the scales' dtype, as transformers stacks them.
+formats/README.md "Packings"; the experts stay in the scales' dtype, as transformers stacks them.
 Does not: write checkpoints, read files, store or page.
 
 Legend: n experts, O output features, I input features, G groups.

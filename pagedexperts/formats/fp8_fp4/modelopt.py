@@ -3,7 +3,7 @@
 
 Layout (nvidia-modelopt 0.47 ``torch/export/unified_export_hf.py``, ``moe_utils._export_fused_experts``)
 and dequantization as ``NVFP4QTensor`` / ``FP8QTensor.dequantize`` into the saved dtype, then the
-model's: README.md "ModelOpt". Does not: read files, store, page, or quantize activations.
+model's: formats/README.md "ModelOpt". Does not: read files, store, page, or quantize activations.
 
 Legend: n experts, O output features, I input features, G groups.
 """

@@ -3,7 +3,7 @@
 Layout (AutoRound 0.16.1 ``export/export_to_autoround/export.py`` ``pack_layer``, the QuantLinear of
 ``auto_round_extension/torch``): GPTQ's without ``g_idx``; ``packing_format`` ``auto_round:auto_gptq``
 stores zero points minus one (+ 1 per value on reading, no wrap), ``auto_round`` as they are
-(README.md "Packings"). ``extra_config`` binds each dense tensor (``dynamic``). The FP data types
+(formats/README.md "Packings"). ``extra_config`` binds each dense tensor (``dynamic``). The FP data types
 are ``formats.gptq.autoround_fp``'s. Does not: read files, store, page.
 """
 

@@ -3,7 +3,7 @@
 (``export/export_to_autoround/export_to_fp8.py``, ``qlinear_fp.QuantLinear``).
 
 compressed-tensors' layouts (``formats.compressed_tensors.fp8``, ``formats.compressed_tensors.fp4``)
-bound to AutoRound's config fields, with AutoRound's arithmetic where it differs (README.md).
+bound to AutoRound's config fields, with AutoRound's arithmetic where it differs (formats/README.md).
 Does not: read files, store, page, or quantize activations.
 
 Legend: n experts, O output features, I input features, G groups.

@@ -2,7 +2,7 @@
 
 Layout and dequantization as AutoAWQ's ``awq/modules/linear/gemm.py`` ``WQLinear_GEMM`` and
 ``awq/utils/packing_utils.py`` ``dequantize_gemm`` (stored zero points, also ``zero_point: false``'s
-8s): README.md "Packings". Does not: read files, store, page, or quantize.
+8s): formats/README.md "Packings". Does not: read files, store, page, or quantize.
 
 Legend: n experts, O output features, I input features, G groups.
 """
@@ -75,7 +75,7 @@ class AwqFormat(PackedFormat):
         )
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """AWQ's packing (README.md "Packings"): along N in AWQ's nibble order, scales in their dtype."""
+        """AWQ's packing (formats/README.md "Packings"): along N in AWQ's nibble order, scales in their dtype."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=4,
                            packed_dim="out", sources=1, group_size=self.group_size, zero=specs[f"{name}_qzeros"],

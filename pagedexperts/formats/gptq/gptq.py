@@ -2,7 +2,7 @@
 
 Layout and dequantization as GPTQModel 7.7 writes and reads them (``nn_modules/qlinear/__init__.py``
 ``PackableQuantLinear.pack`` / ``dequantize_weight``; v1 zeros converted per word as
-``utils/model.py`` ``convert_gptq_v1_to_v2_format_module``): README.md "Packings". Bound per
+``utils/model.py`` ``convert_gptq_v1_to_v2_format_module``): formats/README.md "Packings". Bound per
 dense tensor to GPTQModel's ``dynamic`` overrides. Does not: read files, store, page, or quantize.
 
 Legend: n experts, O output features, I input features, b bits, G groups.
@@ -120,7 +120,7 @@ class GptqFormat(PackedFormat):
         )
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """GPTQ's packing (README.md "Packings"): g_idx per column with ``desc_act``, else ``k // group_size``."""
+        """GPTQ's packing (formats/README.md "Packings"): g_idx per column with ``desc_act``, else ``k // group_size``."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         in_features, args = tensor.dense.shape[1], self.tensor_args(tensor.dense.name)
         return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=args.bits,

@@ -1,7 +1,7 @@
 """GPTQModel's FP8 (``quant_method: fp8``, ``weight_scale_semantics: inverse``, GPTQModel 7.7 ``FP8Config``).
 
 ``weight`` e4m3 [O, I] and float32 ``weight_scale_inv`` [O] = 448 / amax per row, DIVIDING the
-weight in the model's dtype (``nn_modules/qlinear/fp8.py`` ``TorchFP8Linear``, README.md).
+weight in the model's dtype (``nn_modules/qlinear/fp8.py`` ``TorchFP8Linear``, formats/README.md).
 Registered before block FP8, whose ``weight_scale_inv`` multiplies. Does not: read files, store,
 page, or quantize activations.
 
