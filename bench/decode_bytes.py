@@ -17,15 +17,15 @@ import argparse
 import torch
 
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.formats.awq import AwqFormat
-from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
-from pagedexperts.formats.ct_fp4 import CompressedTensorsNvfp4Format
-from pagedexperts.formats.ct_fp8 import CompressedTensorsFp8Format
-from pagedexperts.formats.ct_packed import CompressedTensorsW8A16Format, PackedArgs
+from pagedexperts.formats.gptq.awq import AwqFormat
+from pagedexperts.formats.compressed_tensors.w4a16 import CompressedTensorsW4A16Format
+from pagedexperts.formats.compressed_tensors.fp4 import CompressedTensorsNvfp4Format
+from pagedexperts.formats.compressed_tensors.fp8 import CompressedTensorsFp8Format
+from pagedexperts.formats.compressed_tensors.packed import CompressedTensorsW8A16Format, PackedArgs
 from pagedexperts.formats.dense import DenseFormat
-from pagedexperts.formats.fp8 import Fp8BlockFormat
-from pagedexperts.formats.gptq import GptqFormat
-from pagedexperts.formats.mxfp4 import Mxfp4Format
+from pagedexperts.formats.fp8_fp4.fp8_block import Fp8BlockFormat
+from pagedexperts.formats.gptq.gptq import GptqFormat
+from pagedexperts.formats.fp8_fp4.mxfp4 import Mxfp4Format
 from pagedexperts.analysis.fused_bytes import decode_bytes
 
 H, I, TOP_K = 2048, 768, 8

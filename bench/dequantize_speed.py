@@ -34,35 +34,45 @@ import torch
 
 HIDDEN, INTERMEDIATE, GROUP = 2048, 768, 128
 DTYPE = torch.bfloat16
+# module -> its name in a tree whose formats/ was still flat (before issue 47 grouped it by family)
+FLAT_MODULES = {"compressed_tensors.packed": "ct_packed", "compressed_tensors.w4a16": "compressed_tensors",
+                "compressed_tensors.fp4": "ct_fp4", "compressed_tensors.fp8": "ct_fp8", "compressed_tensors.int8": "ct_int8",
+                "gptq.gptq": "gptq", "gptq.autoround": "autoround", "gptq.awq": "awq", "fp8_fp4.fp8_block": "fp8",
+                "fp8_fp4.int8_block": "int8_block", "fp8_fp4.modelopt": "modelopt"}
 
 
 def bound_formats(pkg: str) -> dict:
     """name -> the format instance of package ``pkg`` (``pagedexperts.formats`` or a copy)."""
-    mod = lambda name: importlib.import_module(f"{pkg}.{name}")  # noqa: E731
-    packed = mod("ct_packed")
+    def mod(name: str):
+        try:
+            return importlib.import_module(f"{pkg}.{name}")
+        except ModuleNotFoundError:  # a --before tree from before formats/ was grouped by family
+            return importlib.import_module(f"{pkg}.{FLAT_MODULES[name]}")
+
+    packed = mod("compressed_tensors.packed")
     args = {"gate_up_proj": packed.PackedArgs(4, GROUP, False, True), "down_proj": packed.PackedArgs(4, GROUP, False, True)}
     return {
-        "gptq": mod("gptq").GptqFormat(group_size=GROUP, desc_act=False, zero_offset=1),
-        "gptq-2bit": mod("gptq").GptqFormat(group_size=GROUP, desc_act=False, zero_offset=1, bits=2),
-        "gptq-8bit-act-order": mod("gptq").GptqFormat(group_size=GROUP, desc_act=True, zero_offset=0, bits=8),
-        "auto-round": mod("autoround").AutoRoundFormat(group_size=GROUP, bits=4, zero_offset=1),
-        "w4a16": mod("compressed_tensors").CompressedTensorsW4A16Format(group_size=GROUP, symmetric=True,
+        "gptq": mod("gptq.gptq").GptqFormat(group_size=GROUP, desc_act=False, zero_offset=1),
+        "gptq-2bit": mod("gptq.gptq").GptqFormat(group_size=GROUP, desc_act=False, zero_offset=1, bits=2),
+        "gptq-8bit-act-order": mod("gptq.gptq").GptqFormat(group_size=GROUP, desc_act=True, zero_offset=0, bits=8),
+        "auto-round": mod("gptq.autoround").AutoRoundFormat(group_size=GROUP, bits=4, zero_offset=1),
+        "w4a16": mod("compressed_tensors.w4a16").CompressedTensorsW4A16Format(group_size=GROUP, symmetric=True,
                                                                         scale_dtype=DTYPE),
-        "w4a16-asym": mod("compressed_tensors").CompressedTensorsW4A16Format(group_size=GROUP, symmetric=False,
+        "w4a16-asym": mod("compressed_tensors.w4a16").CompressedTensorsW4A16Format(group_size=GROUP, symmetric=False,
                                                                              scale_dtype=DTYPE),
-        "awq": mod("awq").AwqFormat(group_size=GROUP),
-        "fp8-block": mod("fp8").Fp8BlockFormat(block=(128, 128)),
-        "int8-block": mod("int8_block").Int8BlockFormat(block=(128, 128)),
+        "awq": mod("gptq.awq").AwqFormat(group_size=GROUP),
+        "fp8-block": mod("fp8_fp4.fp8_block").Fp8BlockFormat(block=(128, 128)),
+        "int8-block": mod("fp8_fp4.int8_block").Int8BlockFormat(block=(128, 128)),
         "ct-pack-mixed-g_idx": packed.CompressedTensorsMixedPackedFormat(args, scale_dtype=DTYPE),
-        "nvfp4": mod("ct_fp4").CompressedTensorsNvfp4Format(),
-        "ct-mxfp4": mod("ct_fp4").CompressedTensorsMxfp4Format(),
-        "ct-fp8-block": mod("ct_fp8").CompressedTensorsFp8Format(
+        "nvfp4": mod("compressed_tensors.fp4").CompressedTensorsNvfp4Format(),
+        "ct-mxfp4": mod("compressed_tensors.fp4").CompressedTensorsMxfp4Format(),
+        "ct-fp8-block": mod("compressed_tensors.fp8").CompressedTensorsFp8Format(
             {"gate_up_proj": ("block", (128, 128), torch.float32), "down_proj": ("block", (128, 128), torch.float32)}),
-        "ct-mxfp8": mod("ct_fp8").CompressedTensorsFp8Format(
+        "ct-mxfp8": mod("compressed_tensors.fp8").CompressedTensorsFp8Format(
             {"gate_up_proj": ("group", (1, 32), torch.uint8), "down_proj": ("group", (1, 32), torch.uint8)}),
-        "w8a8-int8": mod("ct_int8").CompressedTensorsInt8Format(scale_dtype=DTYPE),
-        "modelopt-fp8": mod("modelopt").ModelOptFp8Format(DTYPE),
-        "modelopt-nvfp4": mod("modelopt").ModelOptNvfp4Format(DTYPE),
+        "w8a8-int8": mod("compressed_tensors.int8").CompressedTensorsInt8Format(scale_dtype=DTYPE),
+        "modelopt-fp8": mod("fp8_fp4.modelopt").ModelOptFp8Format(DTYPE),
+        "modelopt-nvfp4": mod("fp8_fp4.modelopt").ModelOptNvfp4Format(DTYPE),
     }
 
 
@@ -96,7 +106,7 @@ def load_copy(tree: Path, workdir: Path) -> str:
     """``tree``'s ``pagedexperts/formats`` as the package ``before_formats`` (imports rewritten)."""
     dst = workdir / "before_formats"
     shutil.copytree(tree / "pagedexperts" / "formats", dst)
-    for f in dst.glob("*.py"):
+    for f in dst.rglob("*.py"):
         f.write_text(re.sub(r"\bpagedexperts\.formats\b", "before_formats", f.read_text()))
     sys.path.insert(0, str(workdir))
     return "before_formats"

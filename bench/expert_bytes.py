@@ -16,13 +16,13 @@ import argparse
 import torch
 
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.formats.awq import AwqFormat
-from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
-from pagedexperts.formats.ct_fp8 import CompressedTensorsFp8Format
-from pagedexperts.formats.ct_packed import CompressedTensorsMixedPackedFormat, CompressedTensorsW8A16Format, PackedArgs
+from pagedexperts.formats.gptq.awq import AwqFormat
+from pagedexperts.formats.compressed_tensors.w4a16 import CompressedTensorsW4A16Format
+from pagedexperts.formats.compressed_tensors.fp8 import CompressedTensorsFp8Format
+from pagedexperts.formats.compressed_tensors.packed import CompressedTensorsMixedPackedFormat, CompressedTensorsW8A16Format, PackedArgs
 from pagedexperts.formats.dense import DenseFormat
-from pagedexperts.formats.fp8 import Fp8BlockFormat
-from pagedexperts.formats.gptq import GptqFormat
+from pagedexperts.formats.fp8_fp4.fp8_block import Fp8BlockFormat
+from pagedexperts.formats.gptq.gptq import GptqFormat
 
 
 def formats(group_size: int) -> dict:

@@ -30,8 +30,8 @@ BATCHES = (1, 4)
 
 
 def expert_format(name: str):
-    from pagedexperts.formats.fp8 import Fp8BlockFormat
-    from pagedexperts.formats.gptq import GptqFormat
+    from pagedexperts.formats.fp8_fp4.fp8_block import Fp8BlockFormat
+    from pagedexperts.formats.gptq.gptq import GptqFormat
 
     if name == "gptq-int4":
         return GptqFormat(group_size=128, desc_act=False, zero_offset=1)

@@ -111,7 +111,7 @@ def quantized_rows(shape: dict, device: torch.device, repeats: int, meta: dict) 
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec
-    from pagedexperts.formats.fp8 import Fp8BlockFormat
+    from pagedexperts.formats.fp8_fp4.fp8_block import Fp8BlockFormat
     from pagedexperts.formats.slots import DequantizingSlots, allocate
     from pagedexperts.paging.device_executor import DeviceExecutor
     from pagedexperts.paging.steps.contract import SlotSetup

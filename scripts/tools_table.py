@@ -69,7 +69,7 @@ def tool_and_recipe(path: Path) -> tuple[str, str]:
 
 
 def export_format(path: Path) -> str:
-    from pagedexperts.formats.ct_schemes import spelling
+    from pagedexperts.formats.compressed_tensors.schemes import spelling
 
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
     if qc.get("quant_method") == "compressed-tensors":

@@ -1,11 +1,9 @@
 """Disk read benchmark of a checkpoint: what the disk tier's reads cost on this machine.
 
-Owns: timing reads of a checkpoint's safetensors files with the page cache dropped first
-(``posix_fadvise(DONTNEED)``, which drops clean pages without privileges; where it is not
-available the result says ``cold: false``) and warm: sequential reads in large chunks, and
-per-tensor reads of the largest tensors two ways, ``os.preadv`` into a buffer (what the disk
-tier does) and safetensors' own slicing (``safe_open(...).get_slice(key)[:]``, a copy out of
-its memory map). GB/s = 1e9 B/s. Does not: decide anything (``preflight --disk-gbps``).
+Owns timing reads of a checkpoint's safetensors files cold (page cache dropped with
+``posix_fadvise(DONTNEED)``; ``cold: false`` where unavailable) and warm: sequential chunks, and
+the largest tensors by ``os.preadv`` (the disk tier's way) and by safetensors' slicing.
+GB/s = 1e9 B/s. Does not: decide anything.
 """
 
 from __future__ import annotations
@@ -76,15 +74,10 @@ def _per_tensor(entries: dict, *, how: str) -> tuple[int, float]:
 
 
 def measure_disk(path: str | Path, *, max_bytes: int = 2 << 30, tensors: int = 64) -> dict:
-    """Read GB/s of a checkpoint (a directory of safetensors, or one file), cold and warm.
-
-    Returns a dict: files, cold (whether the cache could be dropped), sequential_{cold,warm}_gbps
-    over up to ``max_bytes``, and per-tensor GB/s over the ``tensors`` largest tensors of the
-    first file for ``pread`` and ``safetensors_slice``, cold.
-
-    Raises:
-        FileNotFoundError: no safetensors file at ``path``.
-    """
+    """Read GB/s of a checkpoint (a directory of safetensors, or one file): files, cold,
+    sequential_{cold,warm}_gbps over up to ``max_bytes``, and cold per-tensor GB/s over the
+    ``tensors`` largest of the first file for ``pread`` and ``safetensors_slice``.
+    Raises FileNotFoundError: no safetensors file at ``path``."""
     p = Path(path)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
     if not files or not files[0].exists():

@@ -1,24 +1,11 @@
-"""Device bytes one decode token's routed experts cost per MoE layer: fused vs dequantize-all-K.
+"""Device bytes one decode step's routed experts cost per MoE layer: fused vs dequantize-all-K.
 
-Owns ``decode_bytes``, the model the benchmarks report (counted from what each path reads and
-writes, not timed):
-
-- ``fused``: the fused GEMMs read each routed expert's packed rows once (every role of both
-  projections' ``WeightPacking`` and the bias rows): ``routed x packed bytes per expert``, with
-  ``routed = min(E, T k)`` (no two tokens sharing an expert; decode T = 1: k);
-- ``dequantize_minimum``: today's packed-slot path dequantizes every one of the K slots each
-  wave (``formats.slots.DequantizingSlots``) at the least it can move: the K packed rows read, the
-  K dense rows written to the scratch, the routed dense rows read by the dense experts kernel;
-- ``dequantize_ops``: the same path as its torch ops touch memory: the bytes of every input and
-  output of every non-view op of ``DequantizingSlots.kernel_tensors`` over K slots (the packed rows
-  gathered, the format's unpack / cast / gather temporaries, the scratch written), counted on the
-  meta device (shapes only: no memory, no compute), plus the routed dense rows read;
-- ``dequantize_routed``: the dequantizing path once it dequantizes only the wave's routed slots
-  (docs/design.md "Formats"), at the least it can move: the routed packed rows read, their
-  dense rows written, then read by the dense experts kernel.
-A dense (unquantized) layout has nothing to dequantize: all three are the routed rows.
-Activations (S x (H + 2I + I + H) elements, about 0.1 MB at Qwen3-30B-A3B's decode) are left
-out of all three. Does not: time anything or touch a device.
+``decode_bytes`` counts (not times) what each path reads and writes, routed = min(E, T k):
+``fused`` each routed expert's packed rows once; ``dequantize_minimum`` the least
+``formats.slots.DequantizingSlots`` can move (K packed rows read, K dense written, routed dense
+read); ``dequantize_ops`` that path as its torch ops touch memory (every non-view op of
+``kernel_tensors``, on the meta device) plus the routed dense rows; ``dequantize_routed`` only
+the routed slots dequantized. Dense layouts: the routed rows. Activations left out.
 
 Legend: E experts, K slots, k top_k, T tokens.
 """
@@ -45,9 +32,8 @@ class DecodeBytes:
 
 
 class _ByteCounter(TorchDispatchMode):
-    """Sums the bytes of every tensor input and output of every op that is not a view (a
-    broadcast input counts its broadcast size: every element is a load); an in-place op counts
-    its sources twice (read, then written)."""
+    """Sums the bytes of every tensor input and output of every non-view op (a broadcast input at its
+    broadcast size); an in-place op counts its sources twice."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,8 +58,7 @@ def _tensors(items):
 
 
 def fused_expert_bytes(layout: ExpertLayout, *, transposed: bool = False) -> int:
-    """Packed bytes the fused GEMMs read per routed expert: every role of every quantized
-    weight's ``WeightPacking``, plus passthrough 1-D rows (biases)."""
+    """Packed bytes the fused GEMMs read per routed expert: every ``WeightPacking`` role, plus biases."""
     total = 0
     for t in layout.tensors:
         if len(t.dense.shape) == 2:
@@ -84,8 +69,7 @@ def fused_expert_bytes(layout: ExpertLayout, *, transposed: bool = False) -> int
 
 
 def dequantize_ops_bytes(layout: ExpertLayout, num_slots: int) -> int:
-    """Bytes the torch ops of one wave's dequantization of all ``num_slots`` slots touch (meta
-    tensors: shapes only)."""
+    """Bytes the torch ops of one wave's dequantization of ``num_slots`` slots touch (meta tensors)."""
     meta = torch.device("meta")
     slots = DequantizingSlots(layout, allocate(layout.packed_specs, num_slots, meta),
                               allocate(layout.dense_specs, num_slots, meta))
@@ -97,11 +81,9 @@ def dequantize_ops_bytes(layout: ExpertLayout, num_slots: int) -> int:
 
 def decode_bytes(layout: ExpertLayout, *, num_slots: int, top_k: int, num_tokens: int = 1, num_experts: int | None = None,
                  transposed: bool = False) -> DecodeBytes:
-    """Per MoE layer, one decode step of ``num_tokens`` tokens with K = ``num_slots`` packed slots:
-    ``DecodeBytes`` (module docstring). ``num_experts`` caps the routed experts (default: T k).
-
-    Raises:
-        ValueError: K < top_k (a step must fit one wave's routed experts per token)."""
+    """``DecodeBytes`` per MoE layer for one decode step of ``num_tokens`` tokens with K =
+    ``num_slots``; ``num_experts`` caps the routed experts (default T k).
+    Raises ValueError: K < top_k."""
     if num_slots < top_k:
         raise ValueError(f"num_slots {num_slots} is below top_k {top_k}")
     routed = min(num_experts or num_tokens * top_k, num_tokens * top_k)

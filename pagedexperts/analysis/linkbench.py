@@ -1,9 +1,7 @@
 """Link benchmark: host-to-device copy bandwidth, pinned and pageable, over a range of sizes.
 
-Owns: timing ``tensor.to(device)`` copies with CUDA events (median of repeats) and reporting
-GB/s (1e9 bytes per second). Does not: decide anything from the numbers (``sizing`` and
-``preflight`` take ``--link-gbps``), or invent a number where there is no accelerator:
-``measure`` returns None then.
+Owns timing ``tensor.to(device)`` copies with CUDA events (median of repeats), in GB/s (1e9 B/s);
+``measure`` returns None without an accelerator. Does not: decide anything from the numbers.
 """
 
 from __future__ import annotations
@@ -16,11 +14,8 @@ DEFAULT_SIZES_MB = (1.0, 4.0, 16.0, 64.0, 256.0)
 
 @dataclass(frozen=True)
 class LinkResult:
-    """Bandwidth of one copy size and host memory kind (``pinned`` or ``pageable``).
-
-    ``num_bytes`` per copy; ``median_s`` over ``repeats`` timed copies; ``gbps`` = bytes /
-    median seconds / 1e9; ``label`` names the size ("1 MB", or "expert" for one model expert).
-    """
+    """Bandwidth of one copy size and host memory kind: ``gbps`` = ``num_bytes`` / ``median_s`` / 1e9
+    over ``repeats`` copies; ``label`` names the size ("1 MB", "expert")."""
 
     label: str
     memory: str
@@ -42,10 +37,7 @@ def accelerator_name() -> str | None:
 
 def time_copy(*, num_bytes: int, pinned: bool, repeats: int, warmup: int = 2) -> float:
     """Median seconds of one host-to-device copy of ``num_bytes`` (uint8), timed by CUDA events.
-
-    Raises:
-        RuntimeError: no CUDA device (call ``accelerator_name`` first).
-    """
+    Raises RuntimeError: no CUDA device (call ``accelerator_name`` first)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -67,10 +59,7 @@ def time_copy(*, num_bytes: int, pinned: bool, repeats: int, warmup: int = 2) ->
 
 def measure(*, sizes: list[tuple[str, int]], repeats: int = 10) -> list[LinkResult] | None:
     """Bandwidth for each (label, bytes) in ``sizes``, pinned and pageable; None without CUDA.
-
-    Raises:
-        ValueError: ``repeats`` < 1 (``--repeats``) or a size < 1 byte.
-    """
+    Raises ValueError: ``repeats`` < 1 (``--repeats``) or a size < 1 byte."""
     if repeats < 1:
         raise ValueError(f"--repeats {repeats} must be >= 1")
     if any(n < 1 for _, n in sizes):

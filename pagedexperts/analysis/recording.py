@@ -1,10 +1,8 @@
 """Routing-trace recording on a paged model, as it runs.
 
-Owns: ``TraceRecorder``: a forward pre-hook that opens each model step in the ``TraceWriter``
-(phase and per-row request ids, padding rows as -1), each runner's trace hook (the top-k ids
-and weights of every layer-step), and the prefetch predictions as the trace extra
-PREFETCH_EXTRA (``record_predictions``). Does not: define the trace format (``trace``), count
-padding for the stats (``integration.install_padding_hook``) or count anything (``stats``).
+Owns ``TraceRecorder`` (a forward pre-hook opening each step in the ``TraceWriter``, padding
+rows as -1, and each runner's trace hook) and ``record_predictions`` (prefetch predictions as
+the trace extra PREFETCH_EXTRA). Does not: define the trace format or count anything.
 """
 
 from __future__ import annotations
@@ -27,20 +25,16 @@ def step_rows(kwargs: dict, args: tuple) -> tuple[int, int, torch.Tensor | None]
 
 
 def is_prefill(kwargs: dict) -> bool:
-    """True when the call starts from an empty KV cache. transformers 5.24's ``generate``
-    passes the cache as ``cache``; older 5.x releases as ``past_key_values``."""
+    """True when the call starts from an empty KV cache (``cache`` in transformers 5.24,
+    ``past_key_values`` in older 5.x)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     return cache is None or cache.get_seq_length() == 0
 
 
 class TraceRecorder:
-    """Records a paged model's routing into a ``trace.TraceWriter`` as it runs.
-
-    ``request_ids``: one id per batch row of the next calls (default 0..B-1), or one per token
-    (B x T ids: a packed step); padding rows are recorded with request id -1. ``phase``: the
-    next calls' phase when the caller knows it (the server's KV-row forwards pass no cache to
-    tell it by); None: "prefill" when the call starts from an empty cache, else "decode".
-    """
+    """Records a paged model's routing into a ``trace.TraceWriter``. ``request_ids``: one per batch
+    row of the next calls (default 0..B-1) or one per token; ``phase``: the next calls' phase when
+    the caller knows it, else "prefill" from an empty cache, "decode" otherwise."""
 
     def __init__(self, model, writer) -> None:
         self.model = model
@@ -79,8 +73,7 @@ class TraceRecorder:
 
 
 def record_predictions(model, recorder: TraceRecorder) -> None:
-    """Write each prefetch prediction into ``recorder.writer`` (looked up per call) as the trace
-    extra PREFETCH_EXTRA of the predicted layer, so the simulator can replay the prefetches."""
+    """Write each prefetch prediction into ``recorder.writer`` as the PREFETCH_EXTRA of its layer."""
     for runner in model.pagedexperts.runners.values():
         if isinstance(runner, PagedExecutor) and runner.prefetcher is not None:
             runner.prefetcher.on_predict = lambda layer, experts, rec=recorder: rec.writer.add_extra(

@@ -1,14 +1,10 @@
 """Trace simulator: replay recorded routing through the runtime's own residency and accounting.
 
-Owns: turning a ``Trace`` into steps to replay (as recorded; or B request streams interleaved
-per step; or uniform-random routing of the same shape), the
-replay loop over (routing, policy, K), and a modelled decode speed from a link speed.
-Residency and policies are ``pagedexperts.residency.planner`` and counting is ``pagedexperts.stats.accounting``:
-the very code the runtime runs, so simulated and runtime hit rates cannot drift.
-Does not: read files (``trace``), print or plot (``commands/simulate``).
+Steps from a ``Trace`` (as recorded, B request streams interleaved, or uniform routing of the
+same shape), replayed over (routing, policy, K) through ``residency.planner`` and
+``stats.accounting`` (the runtime's code: hit rates cannot drift). Does not: read files or print.
 
-Legend: T tokens of a step, k = top_k, E routed experts, K resident slots, B batch size
-(requests interleaved per step), L MoE layers of the trace.
+Legend: T tokens of a step, k = top_k, E routed experts, K resident slots, B batch size, L MoE layers.
 """
 
 from __future__ import annotations
@@ -30,9 +26,8 @@ ROUTINGS = ("trace", "uniform")
 
 @dataclass(frozen=True)
 class SimStep:
-    """One step to replay: ``ids[layer]`` is [T, k] routed expert ids (all rows, planned like
-    the runtime plans them); ``tokens`` + ``padding`` = T (padding rows are not tokens);
-    ``extras[(layer, name)]``: the trace's per-layer extras (e.g. recorded prefetch predictions)."""
+    """One step to replay: ``ids[layer]`` [T, k] routed ids; ``tokens`` + ``padding`` = T;
+    ``extras[(layer, name)]``: the trace's per-layer extras (recorded prefetch predictions)."""
 
     phase: str
     tokens: int
@@ -43,10 +38,7 @@ class SimStep:
 
 @dataclass(frozen=True)
 class SimResult:
-    """One replay: ``stats`` over all steps and ``decode`` over decode steps only.
-
-    ``batch_size`` is None for steps as recorded, else B streams interleaved per step.
-    """
+    """One replay: ``stats`` over all steps, ``decode`` over decode steps; ``batch_size`` None: as recorded."""
 
     routing: str
     policy: str
@@ -72,12 +64,8 @@ def routed_per_token(steps: list[SimStep]) -> int:
 
 
 def check_num_resident(num_resident: int, *, num_experts: int, top_k: int) -> None:
-    """The runtime's K check (``residency.planner.check_num_resident`` with min_slots = top_k):
-    a token routes to top_k experts, so K < top_k is refused as ``--num-resident`` K is at load.
-
-    Raises:
-        ValueError: K outside [top_k, E], naming --num-resident.
-    """
+    """The runtime's K check with min_slots = top_k.
+    Raises ValueError: K outside [top_k, E], naming --num-resident."""
     planner.check_num_resident(num_resident, num_experts=num_experts, min_slots=top_k)
 
 
@@ -93,14 +81,9 @@ def recorded_steps(trace: Trace) -> list[SimStep]:
 
 
 def request_streams(trace: Trace, *, min_streams: int = 1) -> list[dict[int, np.ndarray]]:
-    """Decode streams (layer -> [n, k]) in request-id order.
-
-    If the trace has fewer than ``min_streams`` streams (a single-stream trace), each is cut
-    into contiguous pseudo-requests so that there are at least ``min_streams``.
-
-    Raises:
-        ValueError: the trace has no decode rows with a known request id.
-    """
+    """Decode streams (layer -> [n, k]) in request-id order, cut into contiguous pseudo-requests
+    when fewer than ``min_streams``.
+    Raises ValueError: the trace has no decode rows with a known request id."""
     streams = [v for _, v in sorted(trace.streams().items())]
     if not streams:
         raise ValueError("trace has no per-request decode streams (no decode rows with a request id)")
@@ -116,12 +99,8 @@ def request_streams(trace: Trace, *, min_streams: int = 1) -> list[dict[int, np.
 
 
 def batched_steps(streams: list[dict[int, np.ndarray]], *, batch_size: int) -> list[SimStep]:
-    """Interleave ``batch_size`` streams per step: groups of B consecutive streams replay one
-    after another; step t of a group holds token t of each of its streams still running.
-
-    Streams that cannot fill a last group of B are left out (when a full group exists), so that
-    every group has B requests; B = 1 replays the streams one after another.
-    """
+    """Interleave groups of ``batch_size`` consecutive streams: step t holds token t of each running
+    stream of the group; a last group short of B is left out when a full one exists."""
     if batch_size < 1:
         raise ValueError(f"batch size {batch_size} must be >= 1 (--batch-sizes)")
     groups = [streams[i:i + batch_size] for i in range(0, len(streams), batch_size)]
@@ -138,7 +117,7 @@ def batched_steps(streams: list[dict[int, np.ndarray]], *, batch_size: int) -> l
 
 
 def uniform_steps(steps: list[SimStep], *, num_experts: int, top_k: int, seed: int = 0) -> list[SimStep]:
-    """Same steps, phases and T, with each token routed to k distinct experts uniformly at random."""
+    """Same steps, phases and T, each token routed to k distinct experts uniformly at random."""
     rng = np.random.default_rng(seed)
     out = []
     for s in steps:
@@ -155,10 +134,7 @@ def uniform_steps(steps: list[SimStep], *, num_experts: int, top_k: int, seed: i
 
 def make_policy(name: str, *, num_slots: int, unions: Sequence[Sequence[int]]) -> EvictionPolicy:
     """The runtime's policy ``name``, or Belady's with the layer's future ``unions``.
-
-    Raises:
-        ValueError: unknown name (lists the choices; flag ``--policy``).
-    """
+    Raises ValueError: unknown name (lists the choices; ``--policy``)."""
     if name == BeladyPolicy.name:
         return BeladyPolicy(num_slots, unions)
     if name not in policies.POLICIES:
@@ -170,18 +146,11 @@ def replay(
     steps: list[SimStep], *, num_experts: int, num_resident: int, policy: str, expert_bytes: int = 0,
     host_rows: int | None = None,
 ) -> tuple[ModelStats, ModelStats]:
-    """Replay ``steps`` through one ``Residency`` per layer; returns (all steps, decode steps).
-
-    Counting is ``LayerStats.record_step``: per distinct expert per layer per step. With
-    ``host_rows`` R < E, a two-level replay: each layer's device page-ins, in plan order, go
-    through a host ``Residency`` of R rows as one-expert steps, as ``storage.host_tier`` does
-    (the same policy; Belady's device policy gets LRU host rows, whose future is not known
-    here); its hits and misses (= disk reads) land in ``ModelStats.tiers``.
-
-    Raises:
-        ValueError: K outside [top_k, E] (``--num-resident``, as the runtime); R outside [1, E)
-            (``--host-rows``); an expert id outside [0, E).
-    """
+    """Replay ``steps`` through one ``Residency`` per layer: (all steps, decode steps), counted by
+    ``LayerStats.record_step``. With ``host_rows`` R < E, each layer's page-ins also go through a
+    host ``Residency`` of R rows as ``storage.host_tier`` does (Belady's device policy: LRU host
+    rows); host misses (disk reads) land in ``ModelStats.tiers``.
+    Raises ValueError: K outside [top_k, E]; R outside [1, E) (``--host-rows``); an id outside [0, E)."""
     check_num_resident(num_resident, num_experts=num_experts, top_k=routed_per_token(steps))
     if host_rows is not None and not 1 <= host_rows < num_experts:
         raise ValueError(f"--host-rows {host_rows} must be in [1, E={num_experts}) (--host-rows)")
@@ -224,12 +193,8 @@ def _replay_host(host: planner.Residency, plan, expert_bytes: int, tiers: list[T
 def modelled_decode_tok_s(
     decode: ModelStats, *, link_gbps: float, compute_ms_per_layer: float, model_layers: int | None = None
 ) -> float:
-    """Modelled decode speed: ``tokens / (steps x L x compute + bytes paged / link)``.
-
-    Page-ins are not overlapped with compute (a conservative, serial model). With
-    ``model_layers``, the recorded layers stand for a model of that many MoE layers (time scaled
-    by model_layers / recorded layers). Units: GB/s (1e9 B/s), milliseconds; returns tokens/s.
-    """
+    """Modelled decode tokens/s: ``tokens / (steps x L x compute + bytes paged / link)``, page-ins not
+    overlapped; ``model_layers`` scales L. Units: GB/s, milliseconds."""
     if not decode.layers or not decode.tokens:
         return 0.0
     steps = max(s.steps for s in decode.layers.values())
@@ -244,13 +209,9 @@ def run_grid(
     batch_size: int | None = None, uniform: bool = True, seed: int = 0, expert_bytes: int = 0,
     host_rows: int | None = None,
 ) -> list[SimResult]:
-    """Replay ``steps`` (and, with ``uniform``, uniform routing of the same shape) for every
-    policy and K; with ``host_rows``, two-level (see ``replay``). ``batch_size`` only labels
-    the results.
-
-    Raises:
-        ValueError: unknown policy, K out of [top_k, E] (any of them, before the first replay), or no steps.
-    """
+    """``replay`` of ``steps`` (and uniform routing, with ``uniform``) for every policy and K;
+    ``batch_size`` only labels the results.
+    Raises ValueError: unknown policy, K out of [top_k, E] (checked before any replay), or no steps."""
     if not steps:
         raise ValueError("nothing to replay: the trace gives no steps")
     for k in num_resident:
@@ -277,24 +238,16 @@ def run_grid(
 
 
 def gap_closed(*, policy_hit_rate: float, lru_hit_rate: float, belady_hit_rate: float) -> float:
-    """Fraction of the LRU-to-Belady hit-rate gap a policy closes: (policy - LRU) / (Belady - LRU).
-
-    1.0 = as good as the optimum, 0.0 = no better than LRU, negative = worse; NaN if no gap.
-    """
+    """(policy - LRU) / (Belady - LRU) hit rate: 1.0 optimal, 0.0 LRU, negative worse; NaN without a gap."""
     gap = belady_hit_rate - lru_hit_rate
     return (policy_hit_rate - lru_hit_rate) / gap if gap > 0 else float("nan")
 
 
 @dataclass(frozen=True)
 class PrefetchReplay:
-    """A replay with the trace's recorded prefetch predictions applied (or none: ``budget`` 0).
-
-    ``stats``: the usual per-layer counters (prefetched experts that a step routes to are hits);
-    ``prefetch``: per layer ``PrefetchStats`` (issued, used, wasted, bytes) of prefetches INTO
-    that layer; ``exposed``: per layer, misses whose page-in was not hidden behind the previous
-    layer's compute under the timing model; ``stall_s``: modelled seconds compute waited on copies;
-    ``decode``: the same counters over decode steps only (``exposed_decode``, ``stall_decode_s``).
-    """
+    """A replay with the recorded prefetch predictions applied (``budget`` 0: none): ``stats``,
+    per-layer ``prefetch`` (into that layer), ``exposed`` misses, modelled ``stall_s``, and the
+    same over decode steps."""
 
     stats: ModelStats
     prefetch: dict
@@ -319,18 +272,12 @@ def replay_prefetch(
     steps: list[SimStep], *, num_experts: int, num_resident: int, policy: str, budget: int,
     expert_bytes: int, link_gbps: float, compute_ms_per_layer: float,
 ) -> PrefetchReplay:
-    """Replay ``steps`` as the runtime runs them with ``--prefetch``: before layer l plans a step,
-    the predictions recorded for it (trace extra ``prefetch``, made while layer l-1 computed) are
-    paged in with ``Residency.prefetch(..., budget)``; ``budget`` 0 replays without prefetch.
-
-    Timing model (one copy engine, in order; per layer: its demand page-ins, then its compute of
-    ``compute_ms_per_layer``, while the next layer's prefetch copies run): a demand miss is always
-    exposed (its page-in starts when the layer has routed); the j-th prefetch copy (0-based) into
-    layer l finishes (j + 1) x expert_bytes / link after layer l-1's compute starts, and is exposed
-    if it is used by layer l but finishes after that compute ends. Stall = demand page-in time +
-    the part of the prefetch copies that overruns the previous layer's compute.
-    Units: bytes, GB/s (1e9 B/s), milliseconds.
-    """
+    """Replay ``steps`` as ``--prefetch`` runs them: before layer l plans a step, its recorded
+    predictions (made while layer l-1 computed) are paged in with ``Residency.prefetch(..., budget)``.
+    Timing (one copy engine, in order): a demand miss is exposed; the j-th prefetch copy into
+    layer l ends (j + 1) x expert_bytes / link after layer l-1's compute starts and is exposed if
+    used and ending after that compute. Stall = demand page-in time + prefetch overrun.
+    Units: bytes, GB/s, milliseconds."""
     check_num_resident(num_resident, num_experts=num_experts, top_k=routed_per_token(steps))
     t_load = expert_bytes / (link_gbps * 1e9)
     compute_s = compute_ms_per_layer / 1e3

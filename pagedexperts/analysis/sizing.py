@@ -1,16 +1,9 @@
 """Sizing: the arithmetic of K resident slots, KV cache, link speed and miss rates.
 
-Owns: pure, keyword-only functions (standard library only) that turn a model's shape (MoE
-layers L, routed experts E, top_k k, expert bytes) and a device (memory, link GB/s) into slot
-bytes, KV tokens, batch caps, miss-rate bounds and an automatic K; and the byte counts of a
-checkpoint from its safetensors *headers* (never the weights). What a ``config.json`` says
-(E, k, MoE layers, KV bytes per token, dtypes) is ``models.config``'s.
-Also the one byte formatter of the reports (``format_bytes``: kB, MB or GB chosen by size).
-Does not: print (``commands/preflight``), measure a link (``linkbench``) or replay routing
-(``simulate``).
-
-Units: MB = 1e6 bytes, GB = 1e9 bytes, GB/s = 1e9 bytes per second. Rates are fractions in
-[0, 1] (0.28 = 28%). Formulas: each function's docstring; the terms are docs/design.md's.
+Pure keyword-only functions (standard library only) from a model's shape (MoE layers L, E, k,
+expert bytes) and a device (memory, link) to slot bytes, KV tokens, batch caps, miss-rate bounds
+and an automatic K; a checkpoint's bytes from its safetensors headers; ``format_bytes``.
+MB = 1e6, GB = 1e9 bytes, GB/s = 1e9 B/s; rates in [0, 1]. Does not: print or read config.json.
 """
 
 from __future__ import annotations
@@ -55,14 +48,10 @@ def kv_reserve_bytes(*, context_length: int, max_running_requests: int, kv_bytes
 
 def non_expert_bytes(*, layers: int, moe_layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
                      num_experts: int, vocab_size: int, tied: bool, dtype_bytes: int) -> int:
-    """Estimated bytes of the weights that stay on the device, from a model's architecture:
-    per layer the attention projections ``H x heads x D`` (q) + ``2 x H x kv_heads x D`` (k, v) +
-    ``heads x D x H`` (o) and two norms ``2 x H``; per MoE layer the router ``H x E``; the
-    embeddings ``V x H``, lm_head ``V x H`` unless ``tied``, and the final norm ``H``; times
-    ``dtype_bytes``. Not counted: attention biases, per-head norms, shared experts and dense MLP
-    layers (they need the number itself: ``preflight --non-expert-gb``). The bundled model
-    (6 layers, H 128, 4 heads, 2 KV heads, D 32, E 64, V 4096 tied, float32): 3,480,064 bytes;
-    its checkpoint holds 3,481,600 (the per-head q and k norms)."""
+    """Estimated bytes of the weights that stay on the device: per layer q ``H x heads x D``, k and v
+    ``2 x H x kv_heads x D``, o ``heads x D x H``, two norms ``2 x H``; per MoE layer the router
+    ``H x E``; embeddings ``V x H``, lm_head ``V x H`` unless ``tied``, final norm ``H``; times
+    ``dtype_bytes``. Not counted: attention biases, per-head norms, shared experts, dense MLPs."""
     attention = hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim + 2 * hidden
     embeddings = vocab_size * hidden * (1 if tied else 2) + hidden
     return (layers * attention + moe_layers * hidden * num_experts + embeddings) * dtype_bytes
@@ -75,9 +64,8 @@ def non_expert_bytes(*, layers: int, moe_layers: int, hidden: int, heads: int, k
 
 def disk_bytes_per_token(*, moe_layers: int, top_k: int, expert_bytes: int, device_miss_rate: float,
                          host_miss_rate: float) -> float:
-    """Bytes read from disk per token with the disk tier: L x top_k x expert bytes x (device
-    misses per routed expert) x (host misses per device miss). An upper bound at decode batch
-    1 (each routed expert a distinct access); docs/design.md "Tiers"."""
+    """Disk bytes per token with the disk tier: ``L x k x expert bytes x device miss rate x host miss
+    rate``; an upper bound at decode batch 1."""
     return moe_layers * top_k * expert_bytes * device_miss_rate * host_miss_rate
 
 
@@ -87,19 +75,13 @@ def disk_bound_tok_s(*, disk_gbps: float, disk_bytes_per_token: float) -> float:
 
 
 def single_wave_batch_cap(*, num_resident: int, top_k: int) -> int:
-    """Decode batch guaranteed to fit one wave: ``K // k`` (B tokens route to <= B x k experts).
-
-    Overlapping routing often lets larger batches fit too; ``simulate`` measures how much.
-    """
+    """Decode batch guaranteed to fit one wave: ``K // k``."""
     return num_resident // top_k
 
 
 def link_bytes_per_token(*, miss_rate: float, all_miss_bytes_per_token: float) -> float:
-    """Bytes over the host-to-device link per decode token at ``miss_rate`` (misses per routed
-    expert): ``miss_rate x L x k x expert_bytes``. The same whether a miss is paged into a slot
-    (``--beyond-k waves``) or read in place from the host store (``in-place``): each crosses the
-    link once per step that routes to it (at decode one block of entries reads an expert once).
-    What in-place changes is the waves: none, at every batch."""
+    """Link bytes per decode token at ``miss_rate``: ``miss_rate x L x k x expert_bytes``, whether a
+    miss is paged (``--beyond-k waves``) or read in place."""
     return miss_rate * all_miss_bytes_per_token
 
 
@@ -114,20 +96,13 @@ def uniform_miss_rate(*, num_resident: int, num_experts: int) -> float:
 
 
 def max_miss_rate_allowed(*, link_gbps: float, tok_s: float, all_miss_bytes_per_token: int) -> float:
-    """Highest miss rate a measured decode speed allows: ``link GB/s / (tok/s x all-miss GB/token)``.
-
-    A run at ``tok_s`` cannot have paged more than the link moves per second, so its miss rate
-    is at most this. Values above 1 mean the link does not bound the miss rate at that speed.
-    """
+    """Highest miss rate a measured decode speed allows: ``link GB/s / (tok/s x all-miss bytes/token)``
+    (above 1: the link does not bound it)."""
     return link_gbps * GB / (tok_s * all_miss_bytes_per_token)
 
 
 def reuse_verdict(*, max_miss_rate: float, uniform_miss_rate: float) -> str:
-    """"reuse implied" if ``max_miss_rate < 0.8 x uniform_miss_rate``, else "inconclusive".
-
-    Below the uniform rate by a margin, the measured speed is only possible if the router reuses
-    experts from token to token (the cache beats chance).
-    """
+    """"reuse implied" if ``max_miss_rate < 0.8 x uniform_miss_rate``, else "inconclusive"."""
     return "reuse implied" if max_miss_rate < REUSE_FACTOR * uniform_miss_rate else "inconclusive"
 
 
@@ -156,11 +131,8 @@ def auto_num_resident(
     top_k: int,
     num_experts: int,
 ) -> int:
-    """K that fits a device: ``floor((device - non-expert - KV reserve - runtime) / slot_bytes)``.
-
-    Clamped to [top_k, E]: below k one token cannot fit one wave; above E there is nothing to
-    page. Use ``memory_needed_bytes`` to see whether the clamped K actually fits.
-    """
+    """K that fits a device: ``floor((device - non-expert - KV reserve - runtime) / slot_bytes)``,
+    clamped to [top_k, E]."""
     free = device_memory_gb * GB - non_expert_bytes - kv_reserve_bytes - runtime_reserve_gb * GB
     k = math.floor(free / slot_bytes) if slot_bytes > 0 else num_experts
     return max(top_k, min(num_experts, k))
@@ -182,11 +154,8 @@ def context_tokens_allowed(
     slot_bytes: int,
     kv_bytes_per_token: int,
 ) -> int:
-    """KV tokens (all requests together) the budget leaves at K; 0 if it does not fit.
-
-    ``floor((device - non-expert - runtime - K x slot_bytes) / kv_bytes_per_token)``; divide by
-    the running requests for the context per request.
-    """
+    """KV tokens (all requests) the budget leaves at K: ``floor((device - non-expert - runtime - K x
+    slot_bytes) / kv_bytes_per_token)``, 0 if it does not fit."""
     free = device_memory_gb * GB - non_expert_bytes - runtime_reserve_gb * GB - num_resident * slot_bytes
     return max(0, math.floor(free / kv_bytes_per_token))
 
@@ -204,16 +173,10 @@ def changes_that_fit(
     context_length: int,
     max_running_requests: int,
 ) -> dict[str, float | int]:
-    """Each single flag change that makes ``memory_needed_bytes`` fit the budget, the others
-    unchanged: flag -> its largest value that fits. Empty when nothing alone fits (or it fits).
-
-    - ``--runtime-reserve-gb``: ``runtime - (needed - device) / GB``, rounded down to 0.01, if >= 0;
-    - ``--num-resident``: ``floor((device - non-expert - KV reserve - runtime) / slot_bytes)``, if
-      in [top_k, K);
-    - ``--context-length``: ``floor((device - non-expert - runtime - K x slot) / kv_bytes_per_token
-      / requests)``, if in [1, context);
-    - ``--max-running-requests``: those KV tokens ``// context``, if in [1, requests).
-    """
+    """Each single flag change that makes the configuration fit, the others unchanged: flag -> its
+    largest fitting value (empty when it fits or nothing alone does): ``--runtime-reserve-gb``
+    (down to 0.01), ``--num-resident`` (in [top_k, K)), ``--context-length``,
+    ``--max-running-requests`` (from ``context_tokens_allowed``)."""
     device = device_memory_gb * GB
     over = memory_needed_bytes(non_expert_bytes=non_expert_bytes, kv_reserve_bytes=kv_reserve_bytes,
                                runtime_reserve_gb=runtime_reserve_gb, num_resident=num_resident,
@@ -246,9 +209,8 @@ _BYTE_UNITS = (("TB", 1e12), ("GB", GB), ("MB", MB), ("kB", 1e3))
 
 
 def format_bytes(num_bytes: float) -> str:
-    """``num_bytes`` in the largest decimal unit (kB = 1e3, MB = 1e6, GB = 1e9, TB = 1e12 bytes)
-    of which it holds at least one, with 3 significant digits or more ("117 MB", "9.83 MB",
-    "108 kB", "512 B"); bytes below 1 kB as a whole number."""
+    """``num_bytes`` in the largest decimal unit it holds one of, 3 significant digits or more
+    ("117 MB", "9.83 MB", "512 B")."""
     for unit, size in _BYTE_UNITS:
         if abs(num_bytes) >= size:
             value = num_bytes / size
@@ -267,12 +229,8 @@ _STACKED = re.compile(r"layers\.(\d+)\..*\.experts\.[A-Za-z_]\w*$")
 
 @dataclass(frozen=True)
 class CheckpointSizes:
-    """Byte counts of a checkpoint read from its headers.
-
-    ``expert_bytes``: all tensors of one routed expert in one MoE layer (weights, biases,
-    scales, zero points); ``expert_tensor_bytes``: every routed-expert tensor of the model;
-    ``non_expert_bytes``: everything else (attention, embeddings, shared experts, dense MLPs).
-    """
+    """Byte counts from a checkpoint's headers: ``expert_bytes`` (one routed expert of one MoE layer),
+    ``expert_tensor_bytes`` (all routed-expert tensors), ``non_expert_bytes`` (the rest)."""
 
     expert_bytes: int
     expert_tensor_bytes: int
@@ -284,24 +242,12 @@ def checkpoint_sizes(
     *, model_path: str, num_experts: int, dtype: str | None = None, keep_fp32: tuple[str, ...] = (),
     skip: frozenset[str] = frozenset(),
 ) -> CheckpointSizes:
-    """Expert and non-expert bytes of a checkpoint, from its safetensors headers only.
-
-    ``dtype`` (a RUN_DTYPE_BYTES name): the bytes ``load_model(dtype=...)`` allocates, i.e. every
-    floating tensor (F64, F32, F16, BF16) at numel x that dtype's bytes, except those whose name
-    contains an entry of ``keep_fp32`` (the model class's fp32-kept modules) at 4 bytes; integer
-    and 8-bit float (packed, quantized) tensors keep their stored bytes. None: stored bytes.
-    ``skip``: checkpoint keys not counted (a quantized non-expert module's tensors, which the
-    load replaces by its dequantized weight: ``loading.linears.planned_linears``).
-
-    Expert tensors are per-expert keys (``model.layers.N.mlp.experts.J.*``, Mixtral's
-    ``block_sparse_moe.experts.J.w1``) or stacked keys (``...mlp.experts.gate_up_proj``, leading
-    dim E). ``expert_bytes`` sums, in the first layer that has experts, expert 0's per-expert
-    tensors plus 1/E of each stacked tensor. Sizes come from the headers' data offsets.
-
-    Raises:
-        FileNotFoundError: no safetensors file (``storage.safetensors_files.checkpoint_files``).
-        ValueError: no expert tensor, or a stacked tensor whose leading dim is not E.
-    """
+    """Expert and non-expert bytes of a checkpoint from its safetensors headers: per-expert keys
+    (``layers.N...experts.J.*``) or stacked ones (leading dim E); ``expert_bytes`` from the first
+    expert layer. ``dtype``: as ``load_model(dtype=...)`` allocates (floating tensors at that dtype,
+    ``keep_fp32`` names at 4 bytes; None: as stored); ``skip``: keys not counted.
+    Raises FileNotFoundError: no safetensors file; ValueError: no expert tensor, or a stacked
+    tensor whose leading dim is not E."""
     per_layer: dict[int, int] = {}  # layer -> bytes of one expert
     expert_total = other_total = 0
     for path in checkpoint_files(model_path):

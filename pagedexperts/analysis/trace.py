@@ -1,10 +1,9 @@
 """Routing traces: one versioned, compact file format, its writer, and a loader.
 
-Owns: the trace format (an ``.npz`` of flat concatenated arrays with offsets plus a JSON meta),
-``TraceWriter`` (what the runtime calls per step and MoE layer), and ``load_trace``: that format,
-JSON-lines traces (a meta line, then a row per token and layer; warm-up rows dropped, steps and
-streams recovered), or a directory of one model's traces as one set (``load_trace_set``).
-Does not: replay or judge routing (``simulate``), or touch tensors beyond ``np.asarray``.
+Owns the trace format, ``TraceWriter`` (called per step and MoE layer), and ``load_trace``: that
+format, JSON-lines traces (meta line, then a row per token and layer; warm-up rows dropped,
+steps and streams recovered), or a directory of one model's traces (``load_trace_set``).
+Does not: replay or judge routing (``simulate``).
 
 Legend: T tokens (rows) of a step, k = top_k, E routed experts, S steps, R records.
 Format version 1 (``.npz``, keys):
@@ -56,12 +55,8 @@ class TraceMeta:
 
 @dataclass(frozen=True)
 class Step:
-    """One engine step: T rows (tokens) routed through every recorded MoE layer.
-
-    ``request_ids`` [T] int64 (-1 padding row, -2 real token of an unknown request);
-    ``topk_ids[layer]`` [T, k] int;
-    ``topk_weights[layer]`` [T, k] float; ``extras[(layer, name)]`` 1-D values.
-    """
+    """One engine step: ``request_ids`` [T] int64 (-1 padding, -2 unknown request),
+    ``topk_ids[layer]`` [T, k], ``topk_weights[layer]`` [T, k], ``extras[(layer, name)]`` 1-D."""
 
     phase: str
     request_ids: np.ndarray
@@ -106,11 +101,8 @@ class Trace:
             )
 
     def streams(self) -> dict[int, dict[int, np.ndarray]]:
-        """Per-request decode streams: request id -> layer -> topk ids [n, k], in token order.
-
-        Rows of decode steps with a known request id (>= 0; not padding, not unknown),
-        concatenated in step order.
-        """
+        """Per-request decode streams: request id -> layer -> topk ids [n, k] in token order (rows with
+        a known request id)."""
         rows: dict[int, dict[int, list[np.ndarray]]] = {}
         for step in self.steps:
             if step.phase != "decode":
@@ -125,11 +117,8 @@ class Trace:
 
 
 class TraceWriter:
-    """Collects routing step by step and saves it in format version 1.
-
-    The runtime calls ``begin_step`` once per engine step, then ``add`` once per MoE layer
-    (and ``add_extra`` for optional per-layer values), and ``save`` at the end.
-    """
+    """Collects routing step by step (``begin_step``, then ``add`` per MoE layer, ``add_extra``) and
+    saves it in format version 1."""
 
     def __init__(self, *, num_experts: int, top_k: int, layers: list[int], model_id: str = "") -> None:
         if not 1 <= top_k <= num_experts:
@@ -142,10 +131,8 @@ class TraceWriter:
         self._layers_done: set[int] = set()
 
     def begin_step(self, *, phase: str, request_ids: list[int]) -> None:
-        """Start a step of ``len(request_ids)`` rows; ``phase`` is "prefill" or "decode".
-
-        ``request_ids``: one per row in row order; ``PADDING_REQUEST`` (-1) marks padding rows.
-        """
+        """Start a step of one row per ``request_ids`` entry (``PADDING_REQUEST`` for padding);
+        ``phase`` "prefill" or "decode"."""
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} must be one of {PHASES}")
         self._phases.append(PHASES.index(phase))
@@ -153,12 +140,8 @@ class TraceWriter:
         self._layers_done = set()
 
     def add(self, *, layer: int, topk_ids, topk_weights) -> None:
-        """Record one MoE layer of the current step: ``topk_ids`` [T, k] int, ``topk_weights``
-        [T, k] float (numpy arrays or CPU tensors).
-
-        Raises:
-            ValueError: no step begun, unknown or repeated layer, shape not [T, k], id outside [0, E).
-        """
+        """Record one MoE layer of the current step: ``topk_ids`` [T, k] int, ``topk_weights`` [T, k].
+        Raises ValueError: no step begun, unknown or repeated layer, shape not [T, k], id outside [0, E)."""
         step = self._current_step(layer)
         ids, weights = np.asarray(topk_ids), np.asarray(topk_weights)
         shape = (len(self._request_ids[step]), self.meta.top_k)
@@ -188,7 +171,7 @@ class TraceWriter:
         return len(self._phases) - 1
 
     def save(self, path) -> None:
-        """Write the trace to ``path`` (an .npz, compressed; written as named, no suffix added)."""
+        """Write the trace to ``path`` (a compressed .npz, no suffix added)."""
         m = self.meta
         meta = dict(format_version=FORMAT_VERSION, model_id=m.model_id, num_experts=m.num_experts,
                     top_k=m.top_k, layers=list(m.layers), extras=sorted(self._extras), notes=list(m.notes))
@@ -225,14 +208,10 @@ def _concat(parts: list[np.ndarray], dtype, tail: tuple) -> np.ndarray:
 
 
 def load_trace(path, *, num_experts: int | None = None, top_k: int | None = None) -> Trace:
-    """Load a trace: format-version-1 ``.npz`` or a JSON-lines file (detected by content), or a
-    directory of them as one set (``load_trace_set``); it must match ``num_experts`` and ``top_k``
-    when both are given.
-
-    Raises:
-        ValueError: empty, truncated or malformed file; unknown format version; E/top_k mismatch;
-            a directory with no trace file, or with traces of different models.
-        FileNotFoundError: no such file."""
+    """A format-version-1 ``.npz`` or JSON-lines file (told by content), or a directory of them
+    (``load_trace_set``), checked against ``num_experts`` and ``top_k`` when both are given.
+    Raises ValueError: empty, truncated or malformed file; unknown version; E / top_k mismatch; a directory
+    with no trace, or traces of different models; FileNotFoundError: no such file."""
     trace = load_trace_set(path) if Path(path).is_dir() else _load_file(path)
     if num_experts is not None and top_k is not None:
         trace.check_model(num_experts=num_experts, top_k=top_k)
@@ -240,14 +219,10 @@ def load_trace(path, *, num_experts: int | None = None, top_k: int | None = None
 
 
 def load_trace_set(directory) -> Trace:
-    """Every ``*.npz`` and ``*.jsonl`` file of ``directory`` (by name; other files ignored) as ONE
-    trace: the files' steps in turn, each file's request ids shifted past the previous files' so
-    every request stays its own stream (padding -1 and unknown -2 rows kept). The files must be of
-    one model (E, top_k, MoE layers); extras are those every file has.
-
-    Raises:
-        ValueError: no trace file in ``directory``; files of different models (names both); a
-            file that does not load (names it)."""
+    """Every ``*.npz`` / ``*.jsonl`` of ``directory`` as ONE trace of one model (E, top_k, layers):
+    the files' steps in turn, request ids shifted so each request stays its own stream; extras
+    those every file has.
+    Raises ValueError: no trace file; files of different models (names both); a file that does not load."""
     files = sorted(p for p in Path(directory).iterdir() if p.suffix in TRACE_SUFFIXES and p.is_file())
     if not files:
         raise ValueError(f"{directory}: a directory with no trace files ({', '.join('*' + x for x in TRACE_SUFFIXES)}); "
@@ -328,8 +303,8 @@ def _read_jsonl(path) -> tuple[dict, list[dict]]:
 
 
 def _split_runs(rows: list[dict]) -> list[list[list[dict]]]:
-    """Rows of one layer -> runs -> steps. A step ends where token_idx restarts; leading rows
-    (>= DUMMY_MIN_ROWS) repeating one routing are a profiling pass: dropped, and a new run starts."""
+    """Rows of one layer -> runs -> steps: a step ends where token_idx restarts; leading rows
+    (>= DUMMY_MIN_ROWS) repeating one routing are a profiling pass, dropped."""
     steps, cur = [], []
     for r in rows:
         if cur and r["token_idx"] <= cur[-1]["token_idx"]:
@@ -351,9 +326,8 @@ def _split_runs(rows: list[dict]) -> list[list[list[dict]]]:
 
 
 def _run_steps(run: list[list[dict]], first_id: int) -> list[tuple[str, list[int], list[dict]]]:
-    """(phase, request ids, rows) of a run's steps. One step only: consecutive tokens of one
-    stream, one row per step. Else the first step is prefill (requests unknown) and the rest are
-    decode, requests told apart by position while the batch keeps its first decode size."""
+    """(phase, request ids, rows) of a run's steps: one step is one stream; else prefill first
+    (requests unknown), then decode, requests by position while the batch keeps its first size."""
     if len(run) == 1:
         return [("decode", [first_id], [r]) for r in run[0]]
     out = [("prefill", [UNKNOWN_REQUEST] * len(run[0]), run[0])]

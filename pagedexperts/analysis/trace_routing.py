@@ -1,24 +1,18 @@
 """Trace-driven routing: a synthetic model's top-k expert ids taken from a recorded trace.
 
-Owns: turning a routing trace (a JSON-lines trace, a
-``--record-trace`` ``.npz``, or a directory of one model's traces) into the top-k ids of any model's MoE layers, and the hooks that
-put them in place of the router's choice. Random weights route near-uniformly, or repeat
-themselves under greedy decoding, so a synthetic benchmark at a real model's size would page
-unrealistic bytes; with this driver it sees the reuse of real text at any E and K.
-Does not: change the routing weights (the router's own stay; their values do not matter for
-paging), or judge routing (``simulate``). The model's output is then NOT the model's own.
+Owns turning a routing trace (JSON-lines, ``--record-trace`` ``.npz``, or a directory of one
+model's traces) into the top-k ids of any model's MoE layers, and the hooks that put them in
+place of the router's choice, so a synthetic benchmark pages with real text's reuse at any E
+and K. The router's weights stay; the model's output is then NOT the model's own.
+Does not: judge routing (``simulate``).
 
-Mapping (legend: E_t, k_t the trace's experts and top_k; E, k the model's; c = E // E_t):
-the model's experts form c groups of E_t ids (group j is ids j*E_t .. j*E_t + E_t - 1; with
-E % E_t != 0 the last E - c*E_t experts are never routed to). A token takes k/c ids from
-each group: the first k/c of one trace token's ids (router order) plus j*E_t, each group from
-a different request stream of the trace. So every group reuses experts as the trace's tokens
-did. Model MoE layer number i reads trace layer ``layers[i % L_t]``; its (sequence b, group j)
-readers q = i*c + b*c + j read stream q mod n (n streams) from q div n x ``READER_STRIDE``
-tokens on, so layers are not copies of each other and a batch larger than the streams still
-reads different tokens per sequence. Rows: a forward of B sequences x S
-positions reads, per sequence, the next S tokens of its streams (wrapping around), and B is
-taken from each call of the model (its ``input_ids``).
+Mapping (E_t, k_t the trace's experts and top_k; E, k the model's; c = E // E_t): the model's
+experts form c groups of E_t ids (group j: j*E_t .. j*E_t + E_t - 1; the last E - c*E_t are
+never routed to). A token takes k/c ids per group: the first k/c of one trace token's ids plus
+j*E_t, each group from a different request stream. Model MoE layer i reads trace layer
+``layers[i % L_t]``; reader q = i*c + b*c + j (sequence b, group j) reads stream q mod n from
+q div n x ``READER_STRIDE`` tokens on. A forward of B sequences x S positions reads, per
+sequence, the next S tokens of its streams (wrapping around); B comes from each model call.
 """
 
 from __future__ import annotations
@@ -37,12 +31,8 @@ READER_STRIDE = 997  # tokens between two readers of one stream (a prime: no com
 
 @dataclass
 class TraceRouting:
-    """Top-k ids from ``trace`` for a model with ``num_experts`` (E) and ``top_k`` (k).
-
-    Raises:
-        ValueError: the trace has more experts than the model (E_t > E), or k is not a
-            multiple of c = E // E_t, or k / c > k_t (the trace's tokens have too few ids).
-    """
+    """Top-k ids from ``trace`` for a model with E = ``num_experts`` and k = ``top_k``.
+    Raises ValueError: E_t > E, k not a multiple of c = E // E_t, or k / c > k_t."""
 
     trace: Trace
     num_experts: int
@@ -76,12 +66,9 @@ class TraceRouting:
         self._cursor.clear()
 
     def topk_ids(self, layer_number: int, rows: int) -> np.ndarray:
-        """The top-k ids [rows, k] (int64) of model MoE layer number ``layer_number`` (0, 1, ...
-        in layer order) for a forward of ``rows`` = B x S rows; advances that layer by S.
-
-        Raises:
-            ValueError: ``rows`` is not a multiple of the batch size.
-        """
+        """The top-k ids [rows, k] (int64) of model MoE layer ``layer_number`` for a forward of ``rows`` =
+        B x S rows; advances that layer by S.
+        Raises ValueError: ``rows`` is not a multiple of the batch size."""
         b, c = self.batch_size, self.groups
         if rows % b:
             raise ValueError(f"{rows} rows are not {b} sequences of equal length")
@@ -97,14 +84,11 @@ class TraceRouting:
 
 
 def install(model, trace: str | Path | Trace) -> TraceRouting:
-    """Route ``model`` (from ``loader``: ``model.pagedexperts``) by ``trace`` from now on, in
-    every mode: hooks replace the top-k ids each experts module receives, and a hook on the
-    model reads B from each call. Returns the driver (``.handles`` to remove the hooks).
-
-    Raises:
-        ValueError: the trace does not fit the model (see ``TraceRouting``).
-        FileNotFoundError: no such trace file.
-    """
+    """Route ``model`` (``model.pagedexperts``) by ``trace`` from now on, in every mode: hooks replace
+    the top-k ids each experts module receives and read B from each model call. Returns the driver
+    (``.handles`` to remove the hooks).
+    Raises ValueError: the trace does not fit the model (``TraceRouting``); FileNotFoundError: no such trace
+    file."""
     import torch
 
     rt = model.pagedexperts

@@ -1,16 +1,9 @@
 """Expert formats: how a checkpoint stores each routed expert, and how to turn it dense.
 
-Owns: the registry of formats, ``FORMATS``: one frozen ``FormatRecord`` per format, holding
-every fact the rest of the package reads about it (where its class lives, how checkpoints
-spell it, whether torch's CPU kernels compute it packed, preflight's example, whether
-``quantize`` writes it); every other view (CLI choices, defaults, preflight's table, the
-refusals) is derived from it. And ``format_for_config``, which picks a checkpoint's format
-from config.json's ``quantization_config``. One module per format; the contract is in
-``base`` and README.md. Adding a format is its module plus one record.
-Standard library only at import (a format's module, and torch, are imported when it is used),
-so that the CLI's light commands (preflight, quantize's flags) read the table without torch.
-Does not: read checkpoints, store or page; know model families (the caller says whether the
-experts are stored transposed: ``models.families.experts_transposed``).
+Owns the registry ``FORMATS`` (one ``FormatRecord`` per format; every other view is derived
+from it) and ``format_for_config``. The contract is in ``base`` and formats/README.md. Standard library
+only at import, so the light commands read the table without torch. Does not: read checkpoints,
+store, page, or know model families.
 """
 
 from __future__ import annotations
@@ -27,23 +20,10 @@ CheckpointKey = tuple[str | None, str | None, str | None]  # (quant_method, form
 
 @dataclass(frozen=True)
 class FormatRecord:
-    """One expert format's facts: the one place each is written.
-
-    Attributes:
-        name: the ``--format`` / stats name (the class's own ``name``).
-        where: "module:Class", imported on use (``load``): a format whose library is missing
-            fails only when a checkpoint needs it.
-        spelled: what a checkpoint's config.json says for it; every refusal lists the formats
-            so, as a user reads their checkpoint (not "fp8-block" for a compressed-tensors FP8_BLOCK).
-        key: the (quant_method, format, weight kind) ``nearest_format`` compares with a
-            checkpoint's (``checkpoint_key``).
-        cpu_packed: torch's CPU int4 / int8 kernels compute it packed (``formats.cpu_pack``), so
-            ``--experts-implementation auto`` runs it ``packed`` on a CPU
-            (``loading.config.resolve_experts_implementation``).
-        example: preflight's ``--expert-format`` instance for sizing without a checkpoint,
-            ``(the class, --group-size) -> ExpertFormat``; None: not offered there.
-        quantize: ``pagedexperts quantize --format NAME`` writes it (``tools.quantize``).
-    """
+    """One format's facts, each written only here (formats/README.md: who reads each field). ``where``:
+    "module:Class", imported on use; ``spelled``: what config.json says; ``key``: (quant_method,
+    format, weight kind) for ``nearest_format``; ``cpu_packed``: torch's CPU kernels compute it
+    packed; ``example``: preflight's ``(class, group size) -> format``; ``quantize``: written by quantize."""
 
     name: str
     where: str
@@ -55,11 +35,7 @@ class FormatRecord:
 
     def load(self) -> type[ExpertFormat]:
         """The format class (its module imported now).
-
-        Raises:
-            ValueError: its module is not present, or needs a package that is not installed
-                (names it).
-        """
+        Raises ValueError: its module is not present, or needs a package that is not installed (names it)."""
         module_name, _, cls_name = self.where.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -71,7 +47,7 @@ class FormatRecord:
 
 
 def _w8a16_example(cls, group_size: int) -> ExpertFormat:
-    from pagedexperts.formats.ct_packed import PackedArgs
+    from pagedexperts.formats.compressed_tensors.packed import PackedArgs
 
     eight = PackedArgs(8, group_size, True, False)
     return cls({"gate_up_proj": eight, "down_proj": eight})
@@ -83,57 +59,57 @@ FORMATS: dict[str, FormatRecord] = {r.name: r for r in (
     FormatRecord("dense", "pagedexperts.formats.dense:DenseFormat", "unquantized", (None, None, None),
                  example=lambda cls, group: cls()),
     # before fp8-block: the same quant_method and key, weight_scale_inv dividing instead of multiplying
-    FormatRecord("gptqmodel-fp8", "pagedexperts.formats.gptqmodel_fp8:GptqModelFp8Format",
+    FormatRecord("gptqmodel-fp8", "pagedexperts.formats.gptq.gptqmodel_fp8:GptqModelFp8Format",
                  "quant_method 'fp8' with weight_scale_semantics 'inverse' per row (GPTQModel FP8Config)",
                  ("fp8", "float8_e4m3fn", "float8")),
-    FormatRecord("fp8-block", "pagedexperts.formats.fp8:Fp8BlockFormat",
+    FormatRecord("fp8-block", "pagedexperts.formats.fp8_fp4.fp8_block:Fp8BlockFormat",
                  "quant_method 'fp8' with weight_block_size (DeepSeek-V3 / Qwen3-FP8 block FP8)", ("fp8", None, "float8"),
                  example=lambda cls, group: cls(block=(128, 128)), quantize=True),
-    FormatRecord("int8-block", "pagedexperts.formats.int8_block:Int8BlockFormat",
+    FormatRecord("int8-block", "pagedexperts.formats.fp8_fp4.int8_block:Int8BlockFormat",
                  "quant_method 'blockwise_int8' with weight_block_size (SGLang block INT8, DeepSeek-R1-Block-INT8)",
                  ("blockwise_int8", None, "int8"), example=lambda cls, group: cls(block=(128, 128))),
-    FormatRecord("mxfp4", "pagedexperts.formats.mxfp4:Mxfp4Format", "quant_method 'mxfp4' (gpt-oss)",
+    FormatRecord("mxfp4", "pagedexperts.formats.fp8_fp4.mxfp4:Mxfp4Format", "quant_method 'mxfp4' (gpt-oss)",
                  ("mxfp4", None, "float4"), quantize=True),
-    FormatRecord("ct-fp8", "pagedexperts.formats.ct_fp8:CompressedTensorsFp8Format",
+    FormatRecord("ct-fp8", "pagedexperts.formats.compressed_tensors.fp8:CompressedTensorsFp8Format",
                  "compressed-tensors 'float-quantized' / 'naive-quantized' float8 tensor/channel/block/group (FP8, "
                  "FP8_DYNAMIC, FP8_BLOCK), 'mxfp8-quantized' (MXFP8)",
                  ("compressed-tensors", "float-quantized", "float8")),
-    FormatRecord("w8a16", "pagedexperts.formats.ct_packed:CompressedTensorsW8A16Format",
+    FormatRecord("w8a16", "pagedexperts.formats.compressed_tensors.packed:CompressedTensorsW8A16Format",
                  "compressed-tensors 'pack-quantized' int8 (W8A16)", ("compressed-tensors", "pack-quantized", "int8"),
                  cpu_packed=True, example=_w8a16_example),
-    FormatRecord("ct-pack-mixed", "pagedexperts.formats.ct_packed:CompressedTensorsMixedPackedFormat",
+    FormatRecord("ct-pack-mixed", "pagedexperts.formats.compressed_tensors.packed:CompressedTensorsMixedPackedFormat",
                  "compressed-tensors 'pack-quantized' int4/int8 with per-projection config groups or weight_g_idx",
                  ("compressed-tensors", "pack-quantized", "int4"), cpu_packed=True),
-    FormatRecord("w4a16", "pagedexperts.formats.compressed_tensors:CompressedTensorsW4A16Format",
+    FormatRecord("w4a16", "pagedexperts.formats.compressed_tensors.w4a16:CompressedTensorsW4A16Format",
                  "compressed-tensors 'pack-quantized' int4 (W4A16, W4A16_ASYM)",
                  ("compressed-tensors", "pack-quantized", "int4"), cpu_packed=True,
                  example=lambda cls, group: cls(group_size=group, symmetric=True), quantize=True),
-    FormatRecord("gptq", "pagedexperts.formats.gptq:GptqFormat",
+    FormatRecord("gptq", "pagedexperts.formats.gptq.gptq:GptqFormat",
                  "quant_method 'gptq' int2/int4/int8, GPTQModel dynamic overrides", ("gptq", None, "int4"),
                  cpu_packed=True, example=lambda cls, group: cls(group_size=group)),
-    FormatRecord("awq", "pagedexperts.formats.awq:AwqFormat", "quant_method 'awq' int4, zero_point true or false",
+    FormatRecord("awq", "pagedexperts.formats.gptq.awq:AwqFormat", "quant_method 'awq' int4, zero_point true or false",
                  ("awq", None, "int4"), cpu_packed=True, example=lambda cls, group: cls(group_size=group)),
-    FormatRecord("auto-round-fp8", "pagedexperts.formats.autoround_fp:AutoRoundFp8Format",
+    FormatRecord("auto-round-fp8", "pagedexperts.formats.gptq.autoround_fp:AutoRoundFp8Format",
                  "quant_method 'auto-round' data_type 'fp' 8 bits (AutoRound's FP8_STATIC, FP8_BLOCK, FPW8A16)",
                  ("auto-round", None, "float8")),
-    FormatRecord("auto-round-nvfp4", "pagedexperts.formats.autoround_fp:AutoRoundNvfp4Format",
+    FormatRecord("auto-round-nvfp4", "pagedexperts.formats.gptq.autoround_fp:AutoRoundNvfp4Format",
                  "quant_method 'auto-round' data_type 'nv_fp' (AutoRound's NVFP4)", ("auto-round", None, "float4")),
-    FormatRecord("auto-round-mxfp4", "pagedexperts.formats.autoround_fp:AutoRoundMxfp4Format",
+    FormatRecord("auto-round-mxfp4", "pagedexperts.formats.gptq.autoround_fp:AutoRoundMxfp4Format",
                  "quant_method 'auto-round' data_type 'mx_fp' (AutoRound's MXFP4)", ("auto-round", None, "float4")),
-    FormatRecord("auto-round", "pagedexperts.formats.autoround:AutoRoundFormat",
+    FormatRecord("auto-round", "pagedexperts.formats.gptq.autoround:AutoRoundFormat",
                  "quant_method 'auto-round' data_type 'int' (AutoRound's own export, packing auto_round:auto_gptq "
                  "or auto_round)", ("auto-round", None, "int4"), cpu_packed=True),
-    FormatRecord("nvfp4", "pagedexperts.formats.ct_fp4:CompressedTensorsNvfp4Format",
+    FormatRecord("nvfp4", "pagedexperts.formats.compressed_tensors.fp4:CompressedTensorsNvfp4Format",
                  "compressed-tensors 'nvfp4-pack-quantized' float4 (NVFP4A16, NVFP4)",
                  ("compressed-tensors", "nvfp4-pack-quantized", "float4"), example=lambda cls, group: cls()),
-    FormatRecord("ct-mxfp4", "pagedexperts.formats.ct_fp4:CompressedTensorsMxfp4Format",
+    FormatRecord("ct-mxfp4", "pagedexperts.formats.compressed_tensors.fp4:CompressedTensorsMxfp4Format",
                  "compressed-tensors 'mxfp4-pack-quantized' float4 (MXFP4A16)",
                  ("compressed-tensors", "mxfp4-pack-quantized", "float4")),
-    FormatRecord("w8a8-int8", "pagedexperts.formats.ct_int8:CompressedTensorsInt8Format",
+    FormatRecord("w8a8-int8", "pagedexperts.formats.compressed_tensors.int8:CompressedTensorsInt8Format",
                  "compressed-tensors 'int-quantized' int8 (W8A8)", ("compressed-tensors", "int-quantized", "int8")),
-    FormatRecord("modelopt-nvfp4", "pagedexperts.formats.modelopt:ModelOptNvfp4Format",
+    FormatRecord("modelopt-nvfp4", "pagedexperts.formats.fp8_fp4.modelopt:ModelOptNvfp4Format",
                  "ModelOpt quant_method 'modelopt' quant_algo 'NVFP4'", ("modelopt", None, "float4")),
-    FormatRecord("modelopt-fp8", "pagedexperts.formats.modelopt:ModelOptFp8Format",
+    FormatRecord("modelopt-fp8", "pagedexperts.formats.fp8_fp4.modelopt:ModelOptFp8Format",
                  "ModelOpt quant_method 'modelopt' quant_algo 'FP8' (per-tensor)", ("modelopt", None, "float8")),
 )}
 
@@ -145,20 +121,15 @@ QUANTIZE_FORMATS = tuple(name for name, r in FORMATS.items() if r.quantize)
 
 def format_class(name: str) -> type[ExpertFormat]:
     """The format class registered under ``name``.
-
-    Raises:
-        ValueError: unknown name (lists the registered ones), or its module is not present.
-    """
+    Raises ValueError: unknown name (lists the registered ones), or its module is not present."""
     if name not in FORMATS:
         raise ValueError(f"unknown expert format {name!r}; choose one of {list(FORMATS)}")
     return FORMATS[name].load()
 
 
 def example_format(name: str, *, group_size: int) -> ExpertFormat:
-    """Preflight's instance of format ``name`` (``FormatRecord.example``) at ``group_size``.
-
-    Raises:
-        ValueError: a name outside ``EXAMPLE_FORMATS`` (lists them)."""
+    """Preflight's instance of format ``name`` at ``group_size``.
+    Raises ValueError: a name outside ``EXAMPLE_FORMATS`` (lists them)."""
     record = FORMATS.get(name)
     if record is None or record.example is None:
         raise ValueError(f"no example of expert format {name!r}; choose one of {list(EXAMPLE_FORMATS)}")
@@ -178,8 +149,7 @@ def available_formats() -> list[str]:
 
 
 def quantization_config_of(config) -> dict | None:
-    """config.json's ``quantization_config`` as a dict (None: unquantized), from a transformers
-    config object or a config.json dict."""
+    """config.json's ``quantization_config`` as a dict (None: unquantized), from a config object or dict."""
     qc = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
     if not qc:
         return None
@@ -189,9 +159,9 @@ def quantization_config_of(config) -> dict | None:
 
 
 def checkpoint_key(qc: dict | None) -> CheckpointKey:
-    """(quant_method, format, weight kind such as 'int4' / 'float8') of a quantization_config;
-    for compressed-tensors the routed experts' config group (else the first group)."""
-    from pagedexperts.formats.ct_schemes import _schemes_or_first
+    """(quant_method, format, weight kind such as 'int4') of a quantization_config; compressed-tensors:
+    the routed experts' config group (else the first)."""
+    from pagedexperts.formats.compressed_tensors.schemes import _schemes_or_first
 
     if not qc:
         return (None, None, None)
@@ -203,7 +173,7 @@ def checkpoint_key(qc: dict | None) -> CheckpointKey:
         w = schemes[0].weights
         return (method, schemes[0].format, f"{w.get('type', 'int')}{w.get('num_bits')}")
     if method == "modelopt":
-        from pagedexperts.formats.modelopt import quant_algo
+        from pagedexperts.formats.fp8_fp4.modelopt import quant_algo
 
         algo = str(quant_algo(qc) or "")
         return (method, None, "float4" if "FP4" in algo else "float8" if "FP8" in algo else algo.lower() or None)
@@ -212,10 +182,9 @@ def checkpoint_key(qc: dict | None) -> CheckpointKey:
 
 
 def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
-    """The registered format closest to a checkpoint's (quant_method weighs most, then format,
-    then weight kind; ties: registry order), as 'name (what checkpoints say)', or 'none (...)'
-    when no format shares any of the three (``among`` not given); ``among``: only those names (default: every
-    quantized format)."""
+    """The registered format closest to a checkpoint's key (quant_method weighs most, then format,
+    then weight kind; ties: registry order) as 'name (spelled)', among ``among`` (default: every
+    quantized format), or 'none (...)' when none shares any part."""
     key = checkpoint_key(qc)
     weights = (4, 2, 1)
 
@@ -229,9 +198,9 @@ def nearest_format(qc: dict | None, among: list[str] | None = None) -> str:
 
 
 def refusal_message(qc: dict | None, reason: str, among: list[str] | None = None) -> str:
-    """One refusal, as ``load_model``, ``preflight`` and ``check`` all raise it: the format as the
-    checkpoint spells it, why, the nearest supported format (``among`` those), and every supported one."""
-    from pagedexperts.formats.ct_schemes import spelling
+    """One refusal as every entry point raises it: the checkpoint's spelling, the reason, the nearest
+    supported format (``among`` those) and every supported one."""
+    from pagedexperts.formats.compressed_tensors.schemes import spelling
 
     supported = "; ".join(f"{n} ({FORMATS[n].spelled})" for n in available_formats())
     return (f"quantized checkpoint ({spelling(qc)}): {reason}; nearest supported: {nearest_format(qc, among)}; "
@@ -239,10 +208,8 @@ def refusal_message(qc: dict | None, reason: str, among: list[str] | None = None
 
 
 def experts_layout_refusal(fmt: ExpertFormat, config, transposed: bool | None) -> str | None:
-    """Why ``fmt`` has no packing for this config's experts as its family stores them
-    (``transposed``: [in, out], gpt-oss's; else nn.Linear's [out, in]; None: not known, not
-    checked), e.g. gpt-oss's experts in a compressed-tensors / ModelOpt / FP8 format, or None:
-    read here so that preflight refuses what the layout (``pack``) would refuse at load."""
+    """Why ``fmt`` has no packing for the experts as the family stores them (``transposed``: [in, out];
+    None: not checked), or None."""
     if transposed is None or fmt.transposed_experts is None or fmt.transposed_experts == transposed:
         return None
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
@@ -251,16 +218,11 @@ def experts_layout_refusal(fmt: ExpertFormat, config, transposed: bool | None) -
 
 
 def format_for_config(config, *, transposed_experts: bool | None = None) -> ExpertFormat:
-    """The expert format of a checkpoint, from its config (object or config.json dict). The one
-    function every entry point (load_model, preflight, check) resolves a format with, so they
-    refuse the same checkpoints with the same message (``refusal_message``).
-    ``transposed_experts``: whether the model's family stores its experts transposed
-    (``models.families.experts_transposed``); a format without a layout for that is refused.
-
-    Raises:
-        ValueError: a quantization_config no registered format recognises, or one whose
-            parameters (bits, strategy, group size against the experts' dims) the format rejects.
-    """
+    """The expert format of a checkpoint from its config (object or dict): the one function load_model,
+    preflight and check resolve a format with. ``transposed_experts``: the family's
+    (``models.families.experts_transposed``).
+    Raises ValueError: no registered format recognises the quantization_config, or the format rejects its
+    parameters or the experts' layout (``refusal_message``)."""
     qc = quantization_config_of(config)
     unavailable = []
     for name in FORMATS:

@@ -1,33 +1,13 @@
 """Quantized experts in the layouts of torch's CPU int4 / int8 matmuls, converted from a format's rows.
 
-Owns: which quantized expert tensors torch's own CPU kernels can compute packed, and why not
-where they cannot (``plan_tensor`` / ``plan_layout``: one reason per tensor); the kernel layout
-of one expert tensor (``KernelTensor``: its specs and ``convert``, from a format's packed rows
-through the package's one unpacker, ``formats.unpack.int_groups``); the one call of those
-kernels (``packed_matmul``: the experts' body and the packed non-expert linears both compute
-through it); ``CpuPackedSlots``, the slot table (``formats.slots.SlotTable``) holding the slots
-in that layout, whose page-in copies rows already in it and converts a format's rows. Does not:
-run a layer-step (``paging.steps.host_packed``), decide residency, or read files.
-
-The kernels (torch >= 2.6, CPU; no C++ of ours, nothing built at run time):
-
-- int4: ``aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K] in 0..15, 1)`` -> uint8
-  [N, K/2], and ``aten._weight_int4pack_mm_for_cpu(x [M, K], packed, group_size,
-  scales_and_zeros [K/group_size, N, 2]) -> [M, N]``, computing each weight as ``(q - 8) * scale
-  + zero`` with the zero in the float domain, per (output row, group of ``group_size`` input
-  columns: 32, 64, 128 or 256), N a multiple of 16, x contiguous and of the scales' dtype
-  (bfloat16, float16 or float32). A format's ``w = (q - z) * s`` (``formats.unpack.IntGroups``)
-  maps to ``scale = s``, ``zero = (8 - z) * s`` (symmetric: z = 8, zero 0). A format group that is
-  a multiple of a kernel group (a group spanning all K: per channel) repeats its scale.
-- int8: ``aten._weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N]) -> [M, N]``: ``w *
-  scale`` per output row, no zero point: per-channel int8 whose codes minus zero point fit int8
-  (symmetric: GPTQ's stored zero 128, compressed-tensors' none); ``convert`` refuses others.
-
-The kernel's arithmetic differs from the format's in the last bits (the scale rounded to the run
-dtype, ``(q - 8) * s + zero`` instead of ``(q - z) * s``): exact to itself (paged == all E
-resident), each matmul within a bound derived from the run dtype's unit roundoff and the
-reduction length of the float32 product with the checkpoint's weights dequantized in float32
-(``tools.packed_bound``, check's second verdict).
+Owns which tensors torch's CPU kernels compute packed and why not (``plan_layout``), one tensor's
+kernel layout (``KernelTensor``, through ``formats.unpack.int_groups``), the one kernel call
+(``packed_matmul``) and ``CpuPackedSlots``. The kernels (torch >= 2.6): int4
+``aten._weight_int4pack_mm_for_cpu(x [M, K], packed uint8 [N, K/2], group_size,
+scales_and_zeros [K/group_size, N, 2])`` computing ``(q - 8) * scale + zero`` (a format's
+``(q - z) * s`` as ``scale = s``, ``zero = (8 - z) * s``); int8 ``aten._weight_int8pack_mm(x,
+w int8 [N, K], scales [N])``, no zero point. They round differently from the format in the last
+bits (bound: ``tools.packed_bound``). Does not: run a layer-step, decide residency, read files.
 
 Legend: n experts, N output features, K input features, G groups, E experts, K_s slots.
 """
@@ -51,9 +31,8 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class KernelTensor:
-    """One dense expert tensor ([N, K] per expert, the module's [out, in]) as torch's CPU kernel
-    reads it: ``kind`` "int4" or "int8", ``group_size`` (int4: the kernel's; a format group of
-    ``repeat`` kernel groups repeats its scale), ``dtype`` the run dtype of x and the scales."""
+    """One dense expert tensor [N, K] as a CPU kernel reads it: ``kind`` "int4" / "int8",
+    ``group_size`` (``repeat`` kernel groups per format group), ``dtype`` of x and the scales."""
 
     tensor: QuantizedTensor
     fmt: PackedFormat
@@ -88,7 +67,8 @@ class KernelTensor:
 
     def convert(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A format's packed rows of n experts {packed name: [n, ...]} -> {weight_name, scale_name:
-        [n, *spec.shape]} (module docstring: the kernels' layouts and the zero point's mapping)."""
+        [n, *spec.shape]} in the kernel's layout.
+        Raises ValueError: int8 codes minus their zero points outside [-128, 127]."""
         groups = int_groups(self.fmt.packing_of(self.tensor), rows, constant=self.fmt.device_constant)
         if self.kind == "int8":
             q = groups.codes.to(torch.int16) - groups.zeros.to(torch.int16)  # one group: zeros [n, N, 1]
@@ -107,10 +87,8 @@ class KernelTensor:
 
 
 def packed_matmul(plan: KernelTensor, weight: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [n, K] (contiguous, in ``plan.dtype``) @ W^T -> [n, N] in ``plan.dtype``, W one
-    matrix in the kernel's layout as ``plan`` describes it: ``weight`` and ``scales`` of
-    ``KernelTensor.specs`` (one slot's, or one linear's). torch's int4 or int8 CPU kernel
-    (module docstring)."""
+    """x [n, K] (contiguous, ``plan.dtype``) @ W^T -> [n, N] in ``plan.dtype``, W in the kernel's
+    layout (``weight``, ``scales`` of ``KernelTensor.specs``)."""
     if plan.kind == "int4":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, plan.group_size, scales)
     return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
@@ -150,9 +128,8 @@ def plan_tensor(fmt, tensor: QuantizedTensor, dtype: torch.dtype) -> KernelTenso
 
 
 def plan_layout(layout: ExpertLayout | None, dtype: torch.dtype | None = None) -> tuple[KernelTensor, ...] | str:
-    """The ``KernelTensor`` of every quantized tensor of ``layout`` (passthrough tensors: none)
-    at run dtype ``dtype`` (None: the layout's dense dtype), or the first reason one cannot run
-    packed (dense experts: there is nothing to compute packed)."""
+    """The ``KernelTensor`` of every quantized tensor of ``layout`` at run dtype ``dtype`` (None: the
+    layout's dense dtype), or the first reason one cannot run packed."""
     if layout is None or layout.is_dense:
         return "dense experts: nothing quantized to compute packed"
     dtype = layout.dense_specs[0].dtype if dtype is None else dtype
@@ -168,23 +145,15 @@ def plan_layout(layout: ExpertLayout | None, dtype: torch.dtype | None = None) -
 
 
 def kernel_specs(layout: ExpertLayout, plans: tuple[KernelTensor, ...]) -> list[TensorSpec]:
-    """One expert's tensors in the kernels' layouts: each plan's (weight, scales), then the
-    layout's passthrough tensors (biases) as the store holds them (``CpuPackedSlots``' order)."""
+    """One expert's tensors in the kernels' layouts: each plan's (weight, scales), then passthrough
+    tensors (``CpuPackedSlots``' order)."""
     return [s for p in plans for s in p.specs] + [t.dense for t in layout.tensors if t.is_passthrough]
 
 
 class CpuPackedSlots(SlotTable):
-    """Slot tensors {name: [K_s, ...]} in the CPU kernels' layouts: per quantized tensor its
-    ``KernelTensor`` weight and scales, passthrough tensors (biases) as the store holds them;
-    ``plans`` {dense name: KernelTensor}, each slot's matrix addressed as
-    ``self[plan.weight_name][slot]`` and ``self[plan.scale_name][slot]``. A page-in
-    (``write_rows``) copies rows already in the kernels' layouts and converts a format's packed
-    rows (``convert``; ``convert_many`` for many experts at once, e.g. a host store at load).
-
-    Args:
-        layout: the layer's ExpertLayout; plans: ``plan_layout(layout, dtype)`` (not a reason);
-        num_slots: K_s; device: a CPU device.
-    """
+    """Slot tensors {name: [K_s, ...]} in the CPU kernels' layouts, ``plans`` {dense name:
+    KernelTensor}; a page-in copies rows in that layout and converts a format's packed rows.
+    Args: layout; plans (``plan_layout(layout, dtype)``); num_slots K_s; device (a CPU)."""
 
     def __init__(self, layout: ExpertLayout, plans: tuple[KernelTensor, ...], num_slots: int, device) -> None:
         specs = kernel_specs(layout, plans)
@@ -194,12 +163,11 @@ class CpuPackedSlots(SlotTable):
 
     @property
     def specs(self) -> list[TensorSpec]:
-        """One expert's rows in the kernels' layouts (what ``convert_many`` returns)."""
+        """One expert's rows in the kernels' layouts."""
         return [TensorSpec(name, tuple(t.shape[1:]), t.dtype) for name, t in self.items()]
 
     def convert_many(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """n experts' packed rows {packed name: [n, ...]} -> their rows in the kernels' layouts
-        {name: [n, ...]} (a host store converted once at load: ``HostExpertStore.convert_rows``)."""
+        """n experts' packed rows {packed name: [n, ...]} -> {name: [n, ...]} in the kernels' layouts."""
         out = {}
         for tensor in self.layout.tensors:
             if tensor.is_passthrough:
@@ -209,20 +177,18 @@ class CpuPackedSlots(SlotTable):
         return out
 
     def convert(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One expert's packed rows {packed name: [*spec.shape]} -> its slot rows {name: [...]}."""
+        """One expert's packed rows -> its slot rows."""
         return {name: t[0] for name, t in self.convert_many({n: r.unsqueeze(0) for n, r in rows.items()}).items()}
 
     def write_rows(self, rows: dict[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
-        """Copy one expert's rows (host memory) into row ``slot``: rows already in the kernels'
-        layouts (a host store converted at load) as they are, a format's packed rows (the disk
-        tier's, read from the checkpoint) converted here (``pinned``: unused, host slots)."""
+        """Copy one expert's host rows into row ``slot``, converting a format's packed rows."""
         if set(rows) != set(self):
             rows = self.convert(rows)
         for name, row in rows.items():
             self[name][slot].copy_(row)
 
     def kernel_tensors(self, wave_slots) -> "CpuPackedSlots":
-        """The slot tensors themselves (converted at page-in, or before it)."""
+        """The slot tensors themselves."""
         return self
 
     def device_page_in_problem(self) -> str | None:

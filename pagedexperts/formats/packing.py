@@ -1,48 +1,24 @@
-"""How a format's packed rows encode one expert weight: the description fused kernels read.
+"""How a format's packed rows encode one expert weight: the one description unpack and the fused kernels read.
 
-Owns ``WeightPacking``: for one dense experts tensor (``QuantizedTensor``) in one format, which
-packed tensor holds each part of the weight (``role``: ``weight``, ``scale``, ``zero``,
-``g_idx``, ``global_scale``), how a value is stored (codes, bits, the packed dim, nibble order,
-value offset), how scales and zero points are laid out (per tensor, channel, group or block,
-per checkpoint source), and the dtypes of the format's own dequantization. A kernel that reads
-only a ``WeightPacking`` and the packed rows computes the dense weight bit for bit as the
-format's ``dequantize`` does (``paging.kernels.fused_moe_kernel``). Each format builds its
-packing in ``ExpertFormat.packing``; ``formats.unpack`` interprets it in torch (the formats'
-``dequantize``, and the reference the kernels are tested against). Owns also the names of the
-encodings (``CODES``, ``PACKED_DIMS``, ``SCALE_CODES``, ``GLOBAL_SCALES``, ``SCALE_OPS``), which
-the kernels take as constexprs as they are. Does not: unpack, read files or launch anything.
+Owns ``WeightPacking`` (which packed tensor holds each role: ``weight``, ``scale``, ``zero``,
+``g_idx``, ``global_scale``; how values, scales and zero points are stored; the dtypes of the
+format's arithmetic) and the encodings' names (the kernels' constexprs). ``formats.unpack``
+interprets it in torch, ``paging.kernels.fused_moe_kernel`` in registers. Does not: unpack.
 
-The weight is always described as nn.Linear's ``W [N, K]`` (N ``out_features``, K
-``in_features``), whatever the dense module's orientation (gpt-oss stores [K, N]); element
-``W[n, k]`` of one expert is, in the format's own arithmetic:
+W is nn.Linear's [N, K] whatever the module's orientation. Element ``W[n, k]``:
 
-- value ``v``: ``dense``: the element itself; ``int``: the ``bits``-wide field (unsigned) minus
-  the zero point when a ``zero`` role exists, else minus ``value_offset``; the zero point is
-  ``((z_word + zero_word()) >> shift) & mask`` (``zero_offset`` added to every field of the word
-  as ONE addition, carries included, as GPTQModel converts v1 zeros) or, without
-  ``zero_carries``, ``((z_word >> shift) & mask) + zero_offset`` (per field, no wrap: AutoRound's
-  ``auto_gptq`` packing); ``e4m3`` / ``e2m1``: the float8 / float4 code's value (e2m1 code 8, the
-  sign bit over magnitude 0, is -0.0, or +0.0 without ``negative_zero``: ModelOpt's table);
-- scale ``s``: the ``scale`` row's element at (source row block, input group): input group
-  ``k // group_size`` (``g_idx[source * K + k]`` when a ``g_idx`` role exists; one group when
-  ``group_size`` is 0); output index ``(n // source_rows) * ceil(source_rows / block_rows) +
-  (n % source_rows) // block_rows`` (gate and up restart their scale rows); ``e4m3`` /
-  ``e8m0`` codes decoded; then divided by (``divide``) or multiplied with (``multiply``) the
-  ``global_scale`` of the source, in float32; or (``value_reciprocal``, AutoRound's NVFP4) the
-  scale is left alone and the VALUE is first multiplied by the reciprocal of the source's
-  global scale, ``v = rnd_f32(v * rnd_f32(1 / g))`` (0 where g is 0);
-- ``W[n, k] = rnd_dense(rnd_round(rnd_mul(v * rnd_mul(s))))``, ``rnd_D`` rounding to dtype D
-  (``mul_dtype``: the dtype the format multiplies in; ``round_dtype``: an intermediate dtype
-  the product is rounded to, e.g. compressed-tensors FP4's bfloat16, or None); with
-  ``scale_op`` ``divide`` (GPTQModel's FP8, whose ``weight_scale_inv`` is the quantizer's
-  multiplier) the value is divided by the scale instead: ``rnd_mul(v / rnd_mul(s))``.
+- value ``v``: ``dense`` the element; ``int`` the unsigned ``bits``-wide field minus the zero point
+  (``((z_word + zero_word()) >> shift) & mask``; without ``zero_carries`` ``zero_offset`` is added
+  per field) or minus ``value_offset``; ``e4m3`` / ``e2m1`` the code's value (e2m1 code 8: -0.0,
+  +0.0 without ``negative_zero``);
+- scale ``s``: the ``scale`` row at group ``k // group_size`` (``g_idx`` if present; one group if
+  ``group_size`` is 0) and row ``(n // source_rows) * ceil(source_rows / block_rows) + (n %
+  source_rows) // block_rows``, codes decoded, divided by or multiplied with the source's
+  ``global_scale`` in float32, or (``value_reciprocal``) ``v = rnd_f32(v * rnd_f32(1 / g))``;
+- ``W[n, k] = rnd_dense(rnd_round(rnd_mul(v * rnd_mul(s))))``; ``scale_op`` "divide": ``v / s``.
 
-Storage orientation: a row of role ``weight`` is [N, K / per_word] (``packed_dim`` "in"), or
-input-major [K / per_word, N] / [K, N / per_word] when ``transposed`` (GPTQ, AWQ, gpt-oss's
-dense experts); ``scale`` and ``zero`` rows follow the same orientation ([n index, k group], or
-[k group, n index] when ``transposed``); ``zero`` is packed along the output dim
-(``32 // bits`` values per int32 word, restarting per source). ``interleaved``: AWQ's nibble
-order (the value of column 8c + j sits in nibble ``AWQ_POSITION[j]``).
+Rows are [N, K / per_word], input-major when ``transposed``; ``zero`` is packed along N, 32 //
+bits per int32 word, restarting per source; ``interleaved``: AWQ's nibble order.
 
 Legend: N output features, K input features, R rows of one expert's tensor, G groups.
 """
@@ -66,7 +42,7 @@ SCALES = ("none", "tensor", "channel", "group", "block")
 SCALE_CODES = ("float", "e4m3", "e8m0")
 GLOBAL_SCALES = ("none", "divide", "multiply", "value_reciprocal")
 SCALE_OPS = ("multiply", "divide")
-# AWQ: column j (0..7) of an 8-column word sits in nibble AWQ_POSITION[j] (``formats.awq``)
+# AWQ: column j (0..7) of an 8-column word sits in nibble AWQ_POSITION[j] (``formats.gptq.awq``)
 AWQ_POSITION = (0, 4, 1, 5, 2, 6, 3, 7)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -141,9 +117,8 @@ class WeightPacking:
 
     def zero_word(self) -> int:
         """``zero_offset`` in every ``bits``-wide field of a 32-bit zero-point word (GPTQ v1, 4 bits:
-        0x11111111), added to the word as one integer so that a borrow GPTQModel's v2 -> v1 save
-        made (z = 0) carries back (``formats.gptq``); 0 without an offset or without
-        ``zero_carries`` (then ``zero_offset`` is added to each field after unpacking)."""
+        0x11111111), added as one integer so GPTQModel's v2 -> v1 borrow carries back; 0 without an
+        offset or without ``zero_carries``."""
         if not self.zero_offset or not self.zero_carries:
             return 0
         return self.zero_offset * sum(1 << (self.bits * i) for i in range(32 // self.bits))
@@ -154,10 +129,8 @@ class WeightPacking:
         return sum(spec.row_bytes for spec in self.roles.values())
 
     def row_strides(self, role: str) -> tuple[int, int]:
-        """(elements per output index, elements per input index) of ``role``'s row, from its
-        spec's shape and ``transposed``: the weight's [N, K/pw] / [K/pw, N] (an index along the
-        packed dim counts words), scale and zero [n, g] / [g, n], a 1-D row (per-tensor scales,
-        g_idx) (1, 0)."""
+        """(elements per output index, elements per input index) of ``role``'s row: [N, K/pw] or
+        transposed, scale / zero [n, g] or [g, n], a 1-D row (1, 0)."""
         shape = self.roles[role].shape
         if len(shape) == 1:
             return (1, 0)
@@ -176,10 +149,9 @@ def dense_packing(tensor: "QuantizedTensor", *, transposed: bool) -> WeightPacki
 def float8_packing(tensor: "QuantizedTensor", *, scale: TensorSpec, strategy: str, sources: int,
                    block: tuple[int, int] | None = None, codes: str = "e4m3", mul_dtype=torch.float32,
                    scale_codes: str = "float", scale_op: str = "multiply") -> WeightPacking:
-    """An 8-bit weight [N, K] (float8_e4m3fn or int8, one value per byte) with a per-``strategy``
-    scale (tensor: one per source; channel: [N, 1] or [N]; block: [sources * ceil(O / bm),
-    ceil(K / bn)]; group: [N, K / g], ``block`` (1, g)), multiplied with the value (or dividing
-    it: ``scale_op``)."""
+    """An 8-bit weight [N, K] (e4m3 or int8) with a per-``strategy`` scale (tensor: one per source;
+    channel: [N, 1] or [N]; block: [sources * ceil(O / bm), ceil(K / bn)]; group: [N, K / g]),
+    multiplying the value (or dividing it: ``scale_op``)."""
     n, k = tensor.dense.shape
     weight = next(p for p in tensor.packed if p.name == tensor.dense.name)
     source_rows = n // sources
@@ -194,9 +166,8 @@ def int_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorS
                 sources: int, group_size: int, zero: TensorSpec | None = None, g_idx: TensorSpec | None = None,
                 transposed: bool = False, interleaved: bool = False, zero_offset: int = 0,
                 zero_carries: bool = True, mul_dtype: torch.dtype | None = None) -> WeightPacking:
-    """An int weight packed in int32 words (GPTQ, AWQ, AutoRound, compressed-tensors
-    pack-quantized): symmetric (value offset 2**(bits-1)) without a ``zero`` spec, zero points
-    otherwise."""
+    """An int weight packed in int32 words: symmetric (value offset 2**(bits-1)) without ``zero``,
+    zero points otherwise."""
     n, k = tensor.dense.shape
     roles = [("weight", weight), ("scale", scale)]
     roles += [("zero", zero)] if zero is not None else []
@@ -212,8 +183,8 @@ def fp4_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorS
                 sources: int, global_scale: TensorSpec | None = None, global_op: str = "none",
                 round_dtype: torch.dtype | None = None, mul_dtype=torch.float32, n: int | None = None,
                 k: int | None = None, negative_zero: bool = True) -> WeightPacking:
-    """e2m1 codes, two per byte, low nibble first, along the input dim ([N, K/2]), with a group
-    scale (e4m3 per 16 or E8M0 per 32) and optionally a per-source global scale."""
+    """e2m1 codes, two per byte, low nibble first, along K ([N, K/2]), a group scale (e4m3 per 16 or
+    E8M0 per 32), optionally a per-source global scale."""
     n, k = (n, k) if n is not None else tensor.dense.shape
     roles = [("weight", weight), ("scale", scale)] + ([("global_scale", global_scale)] if global_scale else [])
     return WeightPacking(n, k, tensor.dense.dtype, tuple(roles), codes="e2m1", bits=4, packed_dim="in",
@@ -223,11 +194,8 @@ def fp4_packing(tensor: "QuantizedTensor", *, weight: TensorSpec, scale: TensorS
 
 
 def derived_block(weight_shape: tuple[int, int], scale_shape: tuple[int, int]) -> tuple[int, int]:
-    """The block (bm, bn) a scale grid implies, as transformers' block FP8 dequantization
-    derives it (``rows // scale_rows``).
-
-    Raises:
-        ValueError: the weight shape is not a multiple of the grid (as transformers)."""
+    """The block (bm, bn) a scale grid implies (``rows // scale_rows``, as transformers derives it).
+    Raises ValueError: the weight shape is not a multiple of the grid."""
     (rows, cols), (sr, sc) = weight_shape, scale_shape
     if rows % sr or cols % sc:
         raise ValueError(f"Weight shape ({rows}, {cols}) not divisible by scale grid ({sr}, {sc}).")
@@ -235,9 +203,8 @@ def derived_block(weight_shape: tuple[int, int], scale_shape: tuple[int, int]) -
 
 
 def g_idx_is_trivial(g_idx: torch.Tensor, *, in_features: int, group_size: int) -> bool:
-    """True when every source's g_idx rows [n, sources * K] are ``k // group_size``: what a
-    packing without a ``g_idx`` role assumes (GPTQ without desc_act). Meant to be called where
-    rows enter the store (one read per expert at load, never per step)."""
+    """True when every source's g_idx rows [n, sources * K] are ``k // group_size`` (what a packing
+    without ``g_idx`` assumes); call where rows enter the store, not per step."""
     want = (torch.arange(in_features, device=g_idx.device) // group_size).to(g_idx.dtype)
     return bool((g_idx.reshape(-1, in_features) == want).all())
 

@@ -1,34 +1,9 @@
-"""The torch interpreter of a ``WeightPacking``: packed rows -> codes, values, the dense weight.
+"""The package's one unpacker: the torch interpreter of a ``WeightPacking`` (``formats.packing``).
 
-Owns the package's one unpacker. Given the ``WeightPacking`` of one dense experts tensor
-(``formats.packing``: what a format's checkpoint holds and how it packs it) and n experts'
-packed rows {packed name: [n, *spec.shape]}:
-
-- ``codes``: the stored field of every element of W [n, N, K] (int fields unsigned, e2m1 4-bit
-  codes, one-per-element values as stored);
-- ``values``: every element's value before its scale, in float32 (int: the code minus its zero
-  point; e4m3 / e2m1 decoded; times the reciprocal of a ``value_reciprocal`` global scale);
-- ``dense_weight``: W in the packing's dense dtype, computed with the format's own arithmetic
-  (the formula in ``formats.packing``: exact value, scale rounded to ``mul_dtype``, one rounded
-  product, or quotient for ``scale_op`` "divide", ``round_dtype``, the dense dtype), so bit for
-  bit what the format's library computes;
-- ``int_groups``: an integer format's codes, zero points and group scales in one canonical form
-  (``IntGroups``), for CPU kernels that take int4 / int8 weights with group scales;
-- ``PackedFormat``: the ``ExpertFormat`` whose ``dequantize`` is ``dense_weight`` of its
-  ``packing``: the base of every quantized format, which then only says what its checkpoint
-  holds (``pack``) and how it packs it (``packing``).
-
-Constants (shift tables, e2m1 tables, index maps) come from ``constant(name, device, build)``:
-``ExpertFormat.device_constant`` for a format, so each is built once per device and kept (on
-CUDA each would otherwise be a synchronous host-to-device copy, every wave); ``build_each_time``
-keeps nothing. The fused Triton kernels (``paging.kernels.fused_moe_kernel``) read the same
-packings in registers and are tested against this interpreter. Does not: know any format class,
-read files, or launch anything.
-
-Speed: one pass per operation over [N, K] and none that is not needed (no [N, K] index or scale
-tensor where groups divide K: the scales broadcast over a [N, G, g] view; input-major storage is
-transposed once, in the final cast). bench/dequantize_speed.py measures it against an earlier
-tree.
+From n experts' packed rows {packed name: [n, *spec.shape]}: ``codes``, ``values``,
+``dense_weight`` (W with the format's own arithmetic, bit for bit its library's), ``int_groups``
+(for CPU int kernels), and ``PackedFormat``, the base of every quantized format. Constants are
+built once per device (``ExpertFormat.device_constant``). Does not: know a format class, read files.
 
 Legend: n experts, N output features, K input features, G groups, S checkpoint sources.
 """
@@ -51,16 +26,15 @@ E8M0_ZERO = 0x00400000  # E8M0 exponent 0 is 2**-127: a float32 subnormal, this 
 
 
 def build_each_time(name: str, device, build: Build) -> torch.Tensor:
-    """A ``constant`` that keeps nothing: ``build(device)`` (one-off calls; formats keep theirs)."""
+    """A ``constant`` that keeps nothing: ``build(device)``."""
     return build(torch.device(device))
 
 
 def unpack_fields(words: torch.Tensor, *, bits: int, dim: int, positions: tuple[int, ...],
                   constant: Constant = build_each_time) -> torch.Tensor:
-    """``bits``-wide unsigned fields of the integer ``words`` along ``dim`` (-1 or -2):
-    [..., W] -> [..., W * P] (dim -1) or [..., W, C] -> [..., W * P, C] (dim -2), P =
-    len(positions); field j of a word sits at bits ``bits * positions[j]``. Shifts and masks
-    (the host's byte order does not matter); the result keeps ``words``' dtype."""
+    """``bits``-wide unsigned fields of integer ``words`` along ``dim`` (-1 or -2): [..., W] ->
+    [..., W * P] or [..., W, C] -> [..., W * P, C], P = len(positions); field j at bits
+    ``bits * positions[j]``. Keeps ``words``' dtype."""
     key = f"shifts:{words.dtype}:{bits}:{positions}"
     shifts = constant(key, words.device,
                       lambda device: torch.tensor([bits * p for p in positions], dtype=words.dtype, device=device))
@@ -77,9 +51,8 @@ def _positions(per_word: int, interleaved: bool) -> tuple[int, ...]:
 
 def codes(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
           constant: Constant = build_each_time) -> torch.Tensor:
-    """The stored field of every element: [n, N, K] (a view in the storage's order: input-major
-    rows give a transposed view). int fields unsigned in the words' dtype, e2m1 codes uint8,
-    one-per-element weights as stored (int8, float8_e4m3fn, a dense dtype)."""
+    """The stored field of every element, [n, N, K] (a view in storage order): int fields unsigned,
+    e2m1 codes uint8, one-per-element weights as stored."""
     raw = rows[packing.spec("weight").name]
     raw = raw.flatten(2) if raw.dim() > 3 else raw  # gpt-oss's blocks [n, N, K/32, 16]: [n, N, K/2]
     if packing.packed_dim != "none":
@@ -92,8 +65,7 @@ def codes(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
 
 
 def _lookup(table: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """``table[raw]`` for bytes ``raw`` [...]: [..., *table.shape[1:]] (one ``index_select``: on
-    CPU many times faster than a float8 cast or advanced indexing)."""
+    """``table[raw]`` for bytes ``raw`` [...] -> [..., *table.shape[1:]] (one ``index_select``)."""
     flat = raw.reshape(-1).view(torch.uint8).to(torch.int32)
     return table.index_select(0, flat).view(*raw.shape, *table.shape[1:])
 
@@ -106,9 +78,7 @@ def _e2m1_table(negative_zero: bool, dtype: torch.dtype, device) -> torch.Tensor
 
 
 def _float_values(packing: WeightPacking, rows: Mapping[str, torch.Tensor], constant: Constant) -> torch.Tensor:
-    """The e4m3 / e2m1 values in ``mul_dtype`` (exact in each), [n, N, K] (a view in the storage's
-    order): looked up per stored byte (e4m3: torch's own conversion of each of the 256 codes;
-    e2m1 along the input dim, every FP4 layout: the pair (low nibble's value, high nibble's))."""
+    """The e4m3 / e2m1 values in ``mul_dtype`` (exact), [n, N, K] in storage order, by table lookup."""
     raw = rows[packing.spec("weight").name]
     dtype, neg = packing.mul_dtype, packing.negative_zero
     if packing.codes == "e4m3":
@@ -131,9 +101,8 @@ def _index(constant: Constant, name: str, device, values: Callable[[torch.Tensor
 
 def scale_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
                constant: Constant = build_each_time) -> torch.Tensor | None:
-    """The scale of every (output row, group): [n, N, G] in ``mul_dtype`` (e4m3 / E8M0 codes
-    decoded, the source's global scale divided or multiplied in float32; a ``value_reciprocal``
-    global scale meets the value instead: ``_values``), or None (no scale)."""
+    """The scale of every (output row, group), [n, N, G] in ``mul_dtype`` (codes decoded, a
+    divide / multiply global scale applied in float32), or None."""
     spec = packing.spec("scale")
     if spec is None:
         return None
@@ -160,8 +129,8 @@ def scale_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
 
 def zero_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
               constant: Constant = build_each_time) -> torch.Tensor | None:
-    """The zero point of every (output row, group): int32 [n, N, G], ``zero_offset`` applied,
-    or None (no zero role). Zero points are packed along the output dim, restarting per source."""
+    """The zero point of every (output row, group), int32 [n, N, G] with ``zero_offset`` applied, or
+    None. Packed along the output dim, restarting per source."""
     spec = packing.spec("zero")
     if spec is None:
         return None
@@ -180,8 +149,8 @@ def zero_rows(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
 
 
 def _global_reciprocal(packing: WeightPacking, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """float32 [n, N, 1]: ``1 / g`` of each output row's source global scale, 0 where g is 0
-    (AutoRound's ``get_reciprocal``)."""
+    """float32 [n, N, 1]: ``1 / g`` of each row's source global scale, 0 where g is 0 (AutoRound's
+    ``get_reciprocal``)."""
     glob = rows[packing.spec("global_scale").name].to(torch.float32)  # [n, S]
     reciprocal = torch.where(glob == 0, torch.zeros_like(glob), 1.0 / glob)
     return reciprocal.repeat_interleave(packing.source_rows, dim=-1).unsqueeze(-1)
@@ -196,8 +165,8 @@ def _g_idx(packing: WeightPacking, rows: Mapping[str, torch.Tensor]) -> torch.Te
 
 
 def _by_group(packing: WeightPacking, per_group: list, g_idx: torch.Tensor | None, constant: Constant):
-    """Per-(row, group) tensors [n, N, G] (None kept) broadcastable against the per-element
-    grid: (tensors, split) where ``split`` says the grid is to be viewed as [n, N, G, g]."""
+    """Per-(row, group) tensors [n, N, G] (None kept) made broadcastable to the element grid:
+    (tensors, split), ``split`` meaning the grid is viewed as [n, N, G, g]."""
     present = [t for t in per_group if t is not None]
     if not present or present[0].shape[-1] == 1:
         return per_group, False
@@ -219,10 +188,8 @@ def _by_group(packing: WeightPacking, per_group: list, g_idx: torch.Tensor | Non
 
 
 def _values(packing: WeightPacking, rows: Mapping[str, torch.Tensor], constant: Constant):
-    """(v, scale, split, fresh): the values (int tensors for int codes; float in ``mul_dtype``
-    otherwise) and the per-element scales [n, N, G(, 1)] or [n, N, K] (None without a scale),
-    ``split``: v is the grid viewed as [n, N, G, g]; ``fresh``: v is a temporary of its own (not
-    the caller's rows), so later steps may write into it instead of allocating."""
+    """(v, scale, split, fresh): values (int, or float in ``mul_dtype``), per-element scales or None,
+    whether v is viewed [n, N, G, g], whether v is a temporary the caller may write into."""
     scale, zero = scale_rows(packing, rows, constant=constant), zero_rows(packing, rows, constant=constant)
     (scale, zero), split = _by_group(packing, [scale, zero], _g_idx(packing, rows), constant)
     if packing.codes in ("e4m3", "e2m1"):
@@ -253,13 +220,10 @@ def values(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
 
 def dense_weight(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *, constant: Constant = build_each_time,
                  dense_transposed: bool = False) -> torch.Tensor:
-    """W of n experts, contiguous in the packing's ``dense_dtype``: [n, N, K], or [n, K, N] when
-    ``dense_transposed`` (the dense module stores W^T: gpt-oss). Each element is
-    ``rnd_dense(rnd_round(v * s))`` (``v / s`` for ``scale_op`` "divide"), the product in
-    ``mul_dtype`` (``formats.packing``).
-
-    Raises:
-        KeyError: a packed tensor of the packing missing from ``rows``."""
+    """W of n experts, contiguous in ``dense_dtype``: [n, N, K], or [n, K, N] when
+    ``dense_transposed``. Each element ``rnd_dense(rnd_round(v * s))`` (``v / s`` for ``scale_op``
+    "divide"), the product in ``mul_dtype`` (``formats.packing``).
+    Raises KeyError: a packed tensor of the packing missing from ``rows``."""
     v, scale, split, fresh = _values(packing, rows, constant)
     if scale is None:
         w = v
@@ -280,17 +244,9 @@ def dense_weight(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *, co
 
 @dataclass(frozen=True)
 class IntGroups:
-    """An integer weight of n experts in one canonical form:
-    ``W[n, o, i] = (codes[n, o, i] - zeros[n, o, g]) * scales[n, o, g]``, computed in the scales'
-    dtype (one rounding), then ``dense_dtype``; g = the group of input column i: ``i //
-    group_size`` (the last group may be partial), or ``g_idx[n, o // source_rows, i]`` (act-order).
-
-    ``codes``: uint8 [n, N, K] in 0 .. 2**bits - 1 (fields of packed words), or int8 [n, N, K]
-    (int8 stored as is, zeros 0); ``zeros``: int32 [n, N, G] (the value offset 2**(bits-1) of a
-    symmetric packing; up to 2**bits where an offset is added without wrap); ``scales``: [n, N, G]
-    in the format's multiply dtype; ``group_size``: K when G is 1; ``g_idx``: int64 [n, S, K] or
-    None. From here, CPU int4 / int8 kernels (torch's ``_convert_weight_to_int4pack_for_cpu``,
-    ``_weight_int8pack_mm``) take their own layouts (``w = (q - 8) * s + (8 - z) * s`` ...)."""
+    """An integer weight of n experts: ``W[n, o, i] = (codes - zeros[g]) * scales[g]`` in the scales'
+    dtype, then ``dense_dtype``; g = ``i // group_size`` or ``g_idx[n, o // source_rows, i]``;
+    codes uint8 / int8 [n, N, K], zeros int32 [n, N, G], g_idx int64 [n, S, K] or None."""
 
     codes: torch.Tensor
     zeros: torch.Tensor
@@ -302,7 +258,7 @@ class IntGroups:
     dense_dtype: torch.dtype
 
     def dense(self) -> torch.Tensor:
-        """W [n, N, K] in ``dense_dtype`` from this form (what ``dense_weight`` computes)."""
+        """W [n, N, K] in ``dense_dtype`` (equal to ``dense_weight``)."""
         n, out_features, in_features = self.codes.shape
         if self.g_idx is not None:
             index = self.g_idx.repeat_interleave(self.source_rows, dim=1)
@@ -314,12 +270,9 @@ class IntGroups:
 
 def int_groups(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
                constant: Constant = build_each_time) -> IntGroups:
-    """The integer codes, zero points and group scales of n experts (``IntGroups``), from the
-    packing of an int format (GPTQ, AWQ, AutoRound, compressed-tensors int4 / int8, block INT8).
-
-    Raises:
-        ValueError: the packing's codes are not int, or it has a global scale, a dividing scale
-            or an intermediate rounding (no int format has)."""
+    """The ``IntGroups`` of an int format's packing (GPTQ, AWQ, AutoRound, compressed-tensors int4 /
+    int8, block INT8).
+    Raises ValueError: codes not int, or a global scale, dividing scale or intermediate rounding."""
     if (packing.codes != "int" or packing.global_scale != "none" or packing.round_dtype is not None
             or packing.scale_op != "multiply"):
         raise ValueError(f"int_groups reads int packings without global scale, dividing scale or round dtype; got "
@@ -336,23 +289,19 @@ def int_groups(packing: WeightPacking, rows: Mapping[str, torch.Tensor], *,
 
 
 class PackedFormat(ExpertFormat):
-    """A format whose packed rows its ``packing`` describes: ``dequantize`` is ``dense_weight``
-    of it (the dense module's orientation: W^T where ``transposed_experts`` is True), with the
-    format's constants built once per device (``device_constant``). Subclasses say what the
-    checkpoint holds (``pack``) and how it packs (``packing``); nothing else of a format unpacks."""
+    """A format described by its ``packing``: ``dequantize`` is ``dense_weight`` of it (W^T where
+    ``transposed_experts``); subclasses say what the checkpoint holds (``pack``) and how it packs."""
 
     def packing_of(self, tensor: QuantizedTensor) -> WeightPacking:
-        """``packing(tensor)`` in the dense module's orientation, built once per tensor and kept
-        (formats are immutable once bound)."""
+        """``packing(tensor)`` in the dense module's orientation, built once per tensor and kept."""
         cache = self.__dict__.setdefault("_packings", {})
         if tensor not in cache:
             cache[tensor] = self.packing(tensor, transposed=self.transposed_experts is True)
         return cache[tensor]
 
     def dequantize(self, tensor: QuantizedTensor, packed: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Packed rows of n experts {name: [n, *spec.shape]} -> [n, *tensor.dense.shape] in
-        ``tensor.dense.dtype``: ``dense_weight`` of ``packing_of(tensor)`` (a passthrough tensor
-        is returned as given)."""
+        """Packed rows {name: [n, *spec.shape]} -> [n, *tensor.dense.shape] in ``tensor.dense.dtype``
+        (a passthrough tensor as given)."""
         if tensor.is_passthrough:
             return packed[tensor.dense.name]
         return dense_weight(self.packing_of(tensor), packed, constant=self.device_constant,

@@ -1,11 +1,7 @@
 """What a model's config says about paging: E, top_k, the MoE layers, KV and expert bytes, dtypes.
 
-Owns the one reading of a Hugging Face config (a transformers config object or a config.json
-dict alike, multimodal configs by their ``text_config``): the routed-expert count E
-(``num_routed_experts``), top_k, the one MoE-layer rule (``is_moe_layer``), the dtype a run uses
-and the one dtype table (``RUN_DTYPE_BYTES``), KV-cache bytes per token (the loader's host
-estimate and preflight alike) and the bytes of one dense expert. Standard library only.
-Does not: know module layouts or checkpoints (``models.sites``, ``loading``).
+The one reading of a Hugging Face config (object or config.json dict; multimodal by its
+``text_config``). Standard library only. Does not: know module layouts or checkpoints.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ def config_value(config: Any, key: str, default: Any = None) -> Any:
 
 
 def text_config(config: Any) -> Any:
-    """The language-model part of a config (multimodal config.json dicts nest it under
-    ``text_config``); a config object as it is."""
+    """The language-model part of a config (a dict's ``text_config``); a config object as it is."""
     return (config.get("text_config") or config) if isinstance(config, dict) else config
 
 
@@ -48,8 +43,7 @@ def top_k(config: Any) -> int:
 
 
 def routing_problem(config: Any) -> str | None:
-    """Why config.json's top_k and E contradict each other (a token cannot route to more experts
-    than a layer has), naming both keys and values; None when k <= E or either is unset."""
+    """Why top_k > E in config.json (names both keys and values), or None."""
     cfg = text_config(config)
     num_experts, k = num_routed_experts(cfg), top_k(cfg)
     if not num_experts or k <= num_experts:
@@ -61,12 +55,10 @@ def routing_problem(config: Any) -> str | None:
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
-    """Whether decoder layer ``layer`` holds routed experts: the one rule, as the families'
-    decoder-layer constructors decide it. Explicit ``mlp_layer_types`` or ``moe_layers`` when
-    present; otherwise every layer except ``mlp_only_layers``, those before
-    ``first_k_dense_replace``, and those off the ``decoder_sparse_step`` ((i + 1) % step == 0),
-    ``moe_layer_freq`` (i % freq == 0) or ``interleave_moe_layer_step`` ((i + 1) % step == 0)
-    pattern. No layer of a config without routed experts."""
+    """Whether decoder layer ``layer`` holds routed experts, as the families' constructors decide:
+    ``mlp_layer_types`` or ``moe_layers`` when present; else every layer but ``mlp_only_layers``,
+    those before ``first_k_dense_replace``, and those off ``decoder_sparse_step`` ((i + 1) % step
+    == 0), ``moe_layer_freq`` (i % freq == 0) or ``interleave_moe_layer_step`` ((i + 1) % step == 0)."""
     if num_routed_experts(config) <= 0:
         return False
     types = config_value(config, "mlp_layer_types")
@@ -101,18 +93,8 @@ class MoEShape:
 
 
 def moe_shape(config: dict) -> MoEShape:
-    """E (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``), k
-    (``num_experts_per_tok``) and MoE layer indices from a config dict.
-
-    MoE layers: explicit ``mlp_layer_types`` or ``moe_layers`` when present; otherwise every
-    layer except ``mlp_only_layers``, those before ``first_k_dense_replace``, and those off the
-    ``decoder_sparse_step`` ((i + 1) % step == 0), ``moe_layer_freq`` (i % freq == 0) or
-    ``interleave_moe_layer_step`` ((i + 1) % step == 0) pattern.
-
-    Raises:
-        ValueError: not a MoE config (no expert count, no top_k, or no MoE layer); top_k above E
-            (``routing_problem``).
-    """
+    """E, k and the MoE layer indices (``is_moe_layer``) of a config dict.
+    Raises ValueError: not a MoE config (no expert count, top_k or MoE layer), or top_k above E."""
     cfg = text_config(config)
     e, k = num_routed_experts(cfg), top_k(cfg)
     if not e or not k:
@@ -130,16 +112,10 @@ def moe_shape(config: dict) -> MoEShape:
 
 
 def dense_expert_bytes(config: dict, *, dtype: str | None = None) -> int:
-    """Bytes of one routed expert dequantized to ``dtype`` (None: the config's ``dtype`` /
-    ``torch_dtype``, else bfloat16): what a dense slot holds per layer.
-
-    Formula: (2 x I x H gate and up + H x I down) x dtype bytes, plus gpt-oss's biases
-    ((2 x I + H) x dtype bytes); I = ``moe_intermediate_size``, else ``intermediate_size``
-    (Mixtral, gpt-oss), H = ``hidden_size``.
-
-    Raises:
-        ValueError: an unknown dtype (lists the choices).
-    """
+    """Bytes of one routed expert dequantized to ``dtype`` (None: the config's, else bfloat16):
+    (3 x H x I + gpt-oss's biases 2 x I + H) x dtype bytes, I = ``moe_intermediate_size`` else
+    ``intermediate_size``.
+    Raises ValueError: an unknown dtype (lists the choices)."""
     cfg = text_config(config)
     name = str(dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").replace("torch.", "")
     if name not in RUN_DTYPE_BYTES:
@@ -173,19 +149,11 @@ def _kv_dtype_bytes(cfg: dict, kv_dtype: str) -> int:
 
 
 def kv_bytes_per_token(config: dict, *, kv_dtype: str = "auto", model_dtype: str | None = None) -> int:
-    """KV-cache bytes one token keeps across all layers, from a Hugging Face ``config`` dict.
-
-    Standard attention: ``layers with KV x 2 (K and V) x kv heads x head dim x dtype bytes``.
-    DeepSeek MLA (``kv_lora_rank`` in the config): ``(kv_lora_rank + qk_rope_head_dim) x dtype
-    bytes`` per layer, no factor 2 (one compressed latent). Linear-attention layers (Qwen3-Next
-    ``layer_types`` / ``full_attention_interval``) keep no per-token KV and are not counted.
-    ``kv_dtype``: "auto" (the cache takes the model's dtype: ``model_dtype`` when given, e.g.
-    "bfloat16" from ``--dtype``, else the config's dtype, bf16 if absent), "bf16", "fp16", "fp32"
-    or "fp8" (1 byte: half of bf16). Example: Qwen3-30B-A3B, 48 x 2 x 4 x 128 x 2 = 98,304 bytes.
-
-    Raises:
-        ValueError: unknown ``kv_dtype`` (lists the choices; flag ``--kv-dtype``).
-    """
+    """KV-cache bytes one token keeps across all layers: ``KV layers x 2 x kv heads x head dim x
+    dtype bytes``; DeepSeek MLA ``(kv_lora_rank + qk_rope_head_dim) x dtype bytes`` per layer;
+    linear-attention layers none. ``kv_dtype``: "auto" (``model_dtype``, else the config's, else
+    bf16), "bf16", "fp16", "fp32" or "fp8". Qwen3-30B-A3B: 48 x 2 x 4 x 128 x 2 = 98,304.
+    Raises ValueError: unknown ``kv_dtype`` (lists the choices; ``--kv-dtype``)."""
     cfg = text_config(config)
     dtype_bytes = _kv_dtype_bytes({**cfg, "dtype": model_dtype} if model_dtype else cfg, kv_dtype)
     layers = _kv_layers(cfg)
@@ -198,13 +166,8 @@ def kv_bytes_per_token(config: dict, *, kv_dtype: str = "auto", model_dtype: str
 
 
 def run_dtype(config: dict, *, dtype: str | None = None) -> str:
-    """The dtype name a run uses (the one rule; ``loading.config.resolve_dtype`` maps it to
-    torch): ``dtype`` (``--dtype``), else the config's ``dtype`` (config.json also
-    ``torch_dtype``), else float32.
-
-    Raises:
-        ValueError: an unknown dtype (lists the --dtype choices).
-    """
+    """The dtype name a run uses: ``dtype`` (``--dtype``), else the config's, else float32.
+    Raises ValueError: an unknown dtype (lists the --dtype choices)."""
     cfg = text_config(config)
     saved = config_value(cfg, "dtype") or (cfg.get("torch_dtype") if isinstance(cfg, dict) else None)
     name = dtype if dtype not in (None, "auto") else str(saved or "float32").replace("torch.", "")
@@ -214,12 +177,9 @@ def run_dtype(config: dict, *, dtype: str | None = None) -> str:
 
 
 def read_config(model_path: str) -> dict:
-    """The parsed ``config.json`` of a model directory.
-
-    Raises:
-        FileNotFoundError: the directory or its config.json is missing (flag ``--model-path``).
-        ValueError: config.json is not valid JSON (names the file, line and column).
-    """
+    """The parsed ``config.json`` of a model directory, ``quantization_config`` filled from a ModelOpt
+    ``hf_quant_config.json`` when absent. Raises FileNotFoundError: no config.json (``--model-path``);
+    ValueError: config.json is not valid JSON (names the file, line and column)."""
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {model_path!r} (--model-path)")
@@ -237,14 +197,9 @@ def read_config(model_path: str) -> dict:
 
 
 def modelopt_quantization_config(model_path) -> dict | None:
-    """The ``quantization_config`` of a ModelOpt export that has it only in
-    ``hf_quant_config.json`` (older ModelOpt releases and many Hub checkpoints write no
-    ``quantization_config`` into config.json; vLLM and SGLang read this file then), as
-    ``{"quant_method": "modelopt", **quantization}``; None when there is no such file.
-
-    Raises:
-        ValueError: the file is not JSON, or has no ``quantization`` object (names the file).
-    """
+    """``{"quant_method": "modelopt", **quantization}`` from a ModelOpt export's
+    ``hf_quant_config.json`` (read when config.json has no ``quantization_config``); None without it.
+    Raises ValueError: the file is not JSON, or has no ``quantization`` object (names the file)."""
     path = os.path.join(model_path, "hf_quant_config.json")
     if not os.path.isfile(path):
         return None
@@ -261,8 +216,7 @@ def modelopt_quantization_config(model_path) -> dict | None:
 
 
 def with_modelopt_quantization(config, model_path):
-    """A transformers config with ``quantization_config`` filled from hf_quant_config.json when
-    config.json has none (see ``modelopt_quantization_config``); ``config`` itself, changed."""
+    """``config`` with ``quantization_config`` filled from hf_quant_config.json when it has none."""
     if not getattr(config, "quantization_config", None):
         quantization = modelopt_quantization_config(model_path)
         if quantization is not None:

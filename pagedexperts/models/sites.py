@@ -1,11 +1,8 @@
-"""Architecture adapters: where a family's routed experts live and how to page them.
+"""Architecture adapters: where a family's routed experts live, found from the model, not a list.
 
-Owns: the list of supported architectures, the discovery of experts modules and of their
-per-expert tensors (every parameter or buffer whose leading dim is E, found from the layer,
-never from a hand list). Does not: read checkpoints (``loading``) or page (``paging``).
-Routing, shared experts and dense layers stay the model's own code: only the modules that
-transformers dispatches through its experts registry are paged, so a shared expert (a plain
-MLP beside them) is never in the store, never in K and never in the stats.
+Owns the supported architectures and the discovery of experts modules (transformers' experts
+registry) and their per-expert tensors (leading dim E). Routers, shared experts and dense layers
+stay the model's own, never paged. Does not: read checkpoints or page.
 """
 
 from __future__ import annotations
@@ -39,12 +36,9 @@ class ExpertsSite:
 
 
 def check_supported(config) -> str:
-    """Return the family name of ``config``'s architecture.
-
-    Raises:
-        ValueError: not an MoE model, an architecture not yet supported (lists them), or a
-            quantized checkpoint in no supported expert format (``pagedexperts.formats``).
-    """
+    """The family name of ``config``'s architecture.
+    Raises ValueError: not an MoE model, an unsupported architecture (lists them), or a quantized checkpoint
+    in no supported expert format (``pagedexperts.formats``)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         what = "an MoE architecture not yet supported" if declares_experts(type(config)) else "not an MoE model"
@@ -60,27 +54,20 @@ def check_supported(config) -> str:
 
 
 def declares_experts(config_class: type) -> bool:
-    """Whether a transformers config class is an MoE architecture's: it declares a routed-expert
-    count (``EXPERT_COUNT_KEYS``). The class, not a config.json: a llama config.json carrying a
-    stray ``num_local_experts`` is still not an MoE model."""
+    """Whether a transformers config class declares a routed-expert count (``EXPERT_COUNT_KEYS``)."""
     params = inspect.signature(config_class.__init__).parameters
     return any(hasattr(config_class, key) or key in params for key in EXPERT_COUNT_KEYS)
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
-    """True for modules dispatched through transformers' experts registry: the
-    ``use_experts_implementation`` decorator sets ``has_gate`` and ``is_transposed`` on them
-    (in every 5.x from 5.17; ``_is_expert_parallel`` only appears in later releases)."""
+    """True for modules of transformers' experts registry (``has_gate``, ``is_transposed``,
+    ``num_experts``: every 5.x from 5.17)."""
     return all(hasattr(module, a) for a in ("has_gate", "is_transposed", "num_experts"))
 
 
 def find_experts_sites(model: torch.nn.Module) -> list[ExpertsSite]:
     """All routed-experts modules of ``model``, in layer order, with their per-expert tensors.
-
-    Raises:
-        ValueError: an experts module whose layout is not understood (a tensor without the
-            leading E, no per-expert tensor, or no layer index in its name).
-    """
+    Raises ValueError: an experts module whose layout is not understood, or none."""
     sites = []
     for name, module in model.named_modules():
         if not is_experts_module(module):
@@ -107,13 +94,8 @@ def find_experts_sites(model: torch.nn.Module) -> list[ExpertsSite]:
 
 
 def check_family_layout(model: torch.nn.Module, sites: list[ExpertsSite]) -> None:
-    """Start-up check against the family's config rules: experts modules exactly in the MoE
-    layers (dense layers get no pager), and each shared expert a plain resident module beside
-    them (never an experts-registry module, so never paged, in K or in the stats).
-
-    Raises:
-        ValueError: the model's layout disagrees with its family's rules.
-    """
+    """Experts modules exactly in the config's MoE layers, each shared expert a plain resident module.
+    Raises ValueError: the model's layout disagrees with its family's rules."""
     config = model.config
     family = FAMILIES[config.model_type]
     found = [s.layer for s in sites]
@@ -136,12 +118,8 @@ def check_family_layout(model: torch.nn.Module, sites: list[ExpertsSite]) -> Non
 
 
 def router_of(model: torch.nn.Module, site: ExpertsSite) -> torch.nn.Module:
-    """The router module of ``site``'s MoE block (the family's ``router`` attribute, e.g.
-    ``mlp.gate``, gpt-oss ``mlp.router``).
-
-    Raises:
-        ValueError: the model's family is unknown or its block has no such module.
-    """
+    """The router module of ``site``'s MoE block (the family's ``router`` attribute).
+    Raises ValueError: the family is unknown or its block has no such module."""
     family = FAMILIES.get(getattr(model.config, "model_type", None))
     block_name = site.name.rpartition(".")[0]
     router = getattr(model.get_submodule(block_name), family.router, None) if family else None
@@ -155,10 +133,7 @@ def router_of(model: torch.nn.Module, site: ExpertsSite) -> torch.nn.Module:
 
 def per_expert_specs(module: torch.nn.Module, name: str = "") -> tuple[TensorSpec, ...]:
     """Every direct parameter or buffer of ``module`` with leading dim E, as TensorSpecs.
-
-    Raises:
-        ValueError: a direct tensor without leading dim E (layout not understood), or none.
-    """
+    Raises ValueError: a direct tensor without leading dim E, or none."""
     num_experts = int(module.num_experts)
     specs = []
     tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))

@@ -70,7 +70,7 @@ def plan_whole_model(config: dict, headers: dict[Path, dict], expert_keys: set[s
             module, the reason and the flags), or in_features not a multiple of ``group_size``;
             nothing has been written then.
     """
-    from pagedexperts.formats.ct_schemes import non_expert_linear_names
+    from pagedexperts.formats.compressed_tensors.schemes import non_expert_linear_names
     from pagedexperts.loading.checkpoint import KeyMap
 
     infos = {k: info for h in headers.values() for k, info in h.items()}
@@ -91,7 +91,7 @@ def plan_whole_model(config: dict, headers: dict[Path, dict], expert_keys: set[s
 def _check_packable(module: str, info: dict, *, group_size: int, symmetric: bool) -> None:
     """Raises ValueError when module's int4 weight at ``group_size`` is one torch's CPU int4
     kernel cannot compute packed (``formats.cpu_pack.plan_tensor``'s reason)."""
-    from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
+    from pagedexperts.formats.compressed_tensors.w4a16 import CompressedTensorsW4A16Format
     from pagedexperts.formats.cpu_pack import plan_tensor
 
     out_features, in_features = info["shape"]

@@ -180,7 +180,7 @@ class W4A16Writer(Writer):
 
 
 class Fp8BlockWriter(Writer):
-    """Block FP8 (``formats.fp8.quantize_fp8_block``), the DeepSeek-V3 / Qwen3-FP8 layout."""
+    """Block FP8 (``formats.fp8_fp4.fp8_block.quantize_fp8_block``), the DeepSeek-V3 / Qwen3-FP8 layout."""
 
     format = "fp8-block"
     flags = {"block_size": "--block-size"}
@@ -192,7 +192,7 @@ class Fp8BlockWriter(Writer):
             raise ValueError(f"fp8 block {self.options.block} must be two positive ints")
 
     def quantize(self, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        from pagedexperts.formats.fp8 import quantize_fp8_block
+        from pagedexperts.formats.fp8_fp4.fp8_block import quantize_fp8_block
 
         q, scale_inv = quantize_fp8_block(weight, self.options.block)
         return {key: q, key + "_scale_inv": scale_inv}
@@ -207,7 +207,7 @@ class Fp8BlockWriter(Writer):
 
 
 class Mxfp4Writer(Writer):
-    """MXFP4 of gpt-oss's stacked, transposed experts (``formats.mxfp4.quantize_mxfp4``)."""
+    """MXFP4 of gpt-oss's stacked, transposed experts (``formats.fp8_fp4.mxfp4.quantize_mxfp4``)."""
 
     format = "mxfp4"
 
@@ -229,7 +229,7 @@ class Mxfp4Writer(Writer):
         return bool(re.search(r"\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$", key))
 
     def quantize(self, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        from pagedexperts.formats.mxfp4 import quantize_mxfp4
+        from pagedexperts.formats.fp8_fp4.mxfp4 import quantize_mxfp4
 
         blocks, scales = quantize_mxfp4(weight.transpose(1, 2).contiguous())  # [E, in, out] -> [E, out, in]
         return {key + "_blocks": blocks, key + "_scales": scales}

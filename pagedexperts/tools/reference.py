@@ -102,8 +102,8 @@ def per_projection_groups(quantization_config: dict | None) -> str | None:
     expert projections are in config groups with different schemes (gate/up group 32, down
     group 16), or None: transformers 5.24 applies ONE group to every expert projection
     (``get_experts_scheme``), so its loading fails (or dequantizes down_proj with the wrong
-    group size). Read with ``formats.ct_schemes.dense_schemes`` (a checkpoint it refuses: None)."""
-    from pagedexperts.formats.ct_schemes import dense_schemes
+    group size). Read with ``formats.compressed_tensors.schemes.dense_schemes`` (a checkpoint it refuses: None)."""
+    from pagedexperts.formats.compressed_tensors.schemes import dense_schemes
 
     if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
         return None

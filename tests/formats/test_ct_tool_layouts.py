@@ -24,7 +24,7 @@ from safetensors import safe_open
 from pagedexperts import load_model
 from pagedexperts.formats import format_for_config
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.formats.ct_schemes import dense_schemes
+from pagedexperts.formats.compressed_tensors.schemes import dense_schemes
 from support.quantized_dirs import prefill_decode_runs
 
 ct = pytest.importorskip("compressed_tensors")

@@ -20,8 +20,8 @@ from support.tiny import assert_same
 from pagedexperts import load_model
 from pagedexperts.tools.check import check_model
 from pagedexperts.formats import format_for_config
-from pagedexperts.formats.fp8 import quantize_fp8_block
-from pagedexperts.formats.mxfp4 import quantize_mxfp4
+from pagedexperts.formats.fp8_fp4.fp8_block import quantize_fp8_block
+from pagedexperts.formats.fp8_fp4.mxfp4 import quantize_mxfp4
 from pagedexperts.loading.independence import IndependenceError
 from support.quantized_dirs import fp8_block_dense, mxfp4_dense, restack_fp8_experts
 from support.families import DECODE_STEPS, E, PROMPTS, TOP_K

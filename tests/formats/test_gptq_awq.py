@@ -14,8 +14,8 @@ import torch
 from support.int4_oracle import pack_awq, pack_gptq, random_int4
 from pagedexperts.formats import format_for_config
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.formats.awq import AwqFormat
-from pagedexperts.formats.gptq import GptqFormat
+from pagedexperts.formats.gptq.awq import AwqFormat
+from pagedexperts.formats.gptq.gptq import GptqFormat
 
 H, I_MOE = 64, 32  # hidden, expert intermediate: gate/up [I, H], down [H, I]
 

@@ -5,7 +5,7 @@ NVFP4 W4A4: llm-compressor's calibration wants a tokenizer the tiny model has no
 
 References, independent of pagedexperts' formats: compressed-tensors' own per-module
 ``decompress`` (every expert projection), and ``check``'s unpaged reference
-(``formats.reference.choose_reference``: transformers where it is right, else the dense model
+(``tools.reference.choose_reference``: transformers where it is right, else the dense model
 built from compressed-tensors' decompression). transformers 5.24 cannot load the W8A8 and
 asymmetric W4A16 experts and loads NVFP4 without its global scale; the tests assert that the
 reference says so.

@@ -22,15 +22,15 @@ import pytest
 import torch
 
 from support.fused_fixtures import CASES, random_store, weight_tensors
-from pagedexperts.formats.autoround import AutoRoundFormat
-from pagedexperts.formats.autoround_fp import AutoRoundNvfp4Format
-from pagedexperts.formats.awq import AwqFormat
+from pagedexperts.formats.gptq.autoround import AutoRoundFormat
+from pagedexperts.formats.gptq.autoround_fp import AutoRoundNvfp4Format
+from pagedexperts.formats.gptq.awq import AwqFormat
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.formats.ct_fp4 import CompressedTensorsNvfp4Format
-from pagedexperts.formats.fp8 import Fp8BlockFormat
-from pagedexperts.formats.gptq import GptqFormat
-from pagedexperts.formats.gptqmodel_fp8 import GptqModelFp8Format
-from pagedexperts.formats.modelopt import ModelOptNvfp4Format
+from pagedexperts.formats.compressed_tensors.fp4 import CompressedTensorsNvfp4Format
+from pagedexperts.formats.fp8_fp4.fp8_block import Fp8BlockFormat
+from pagedexperts.formats.gptq.gptq import GptqFormat
+from pagedexperts.formats.gptq.gptqmodel_fp8 import GptqModelFp8Format
+from pagedexperts.formats.fp8_fp4.modelopt import ModelOptNvfp4Format
 from pagedexperts.formats.unpack import codes, int_groups, values, zero_rows
 
 INT_CASES = [name for name, case in CASES.items() if not case.transposed and all(

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from support.tiny import tiny_model
 from pagedexperts.formats import format_for_config
 from pagedexperts.formats.base import TensorSpec
-from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
+from pagedexperts.formats.compressed_tensors.w4a16 import CompressedTensorsW4A16Format
 from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
 from pagedexperts.analysis.sizing import checkpoint_sizes
 
@@ -66,11 +66,11 @@ def test_dequantize_equals_compressed_tensors(group_size, symmetric, dtype):
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("num_bits, group_size", [(4, 32), (8, 16), (8, None)])
 def test_packed_zero_points_of_every_width_equal_compressed_tensors(num_bits, group_size, symmetric, dtype):
-    """``ct_packed`` (W8A16, mixed-precision pack-quantized) against compressed-tensors' own
+    """``formats.compressed_tensors.packed`` (W8A16, mixed-precision pack-quantized) against compressed-tensors' own
     decompression, 4- and 8-bit: the zero points are packed along the output dim with the
     weights' width (four 8-bit zero points per int32 word), so an 8-bit asymmetric checkpoint
     is where reading them as int4 shows; [O=20, I=64] (zero-point words padded)."""
-    from pagedexperts.formats.ct_packed import CompressedTensorsMixedPackedFormat, PackedArgs
+    from pagedexperts.formats.compressed_tensors.packed import CompressedTensorsMixedPackedFormat, PackedArgs
 
     torch.manual_seed(num_bits)
     scheme = _scheme(group_size, symmetric, num_bits)

@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 from support.tiny import assert_same  # noqa: E402
 from pagedexperts.residency.eviction import LFUPolicy  # noqa: E402
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec  # noqa: E402
-from pagedexperts.formats.fp8 import Fp8BlockFormat, quantize_fp8_block  # noqa: E402
+from pagedexperts.formats.fp8_fp4.fp8_block import Fp8BlockFormat, quantize_fp8_block  # noqa: E402
 from pagedexperts.formats.slots import DenseSlots, DequantizingSlots, allocate  # noqa: E402
 from pagedexperts.paging.host_executor import HostExecutor  # noqa: E402
 from pagedexperts.paging.device_executor import DeviceExecutor  # noqa: E402

@@ -22,7 +22,7 @@ import pagedexperts.paging
 from pagedexperts.formats import format_for_config
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec
 from pagedexperts.formats.cpu_pack import CpuPackedSlots, plan_layout
-from pagedexperts.formats.fp8 import Fp8BlockFormat, quantize_fp8_block
+from pagedexperts.formats.fp8_fp4.fp8_block import Fp8BlockFormat, quantize_fp8_block
 from pagedexperts.formats.slots import DenseSlots, DequantizingSlots, SlotTable, allocate
 from pagedexperts.paging.steps.contract import PackedSlots
 from pagedexperts.residency.planner import Load

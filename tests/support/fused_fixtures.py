@@ -18,23 +18,23 @@ from dataclasses import dataclass
 import torch
 
 from support.int4_oracle import group_index
-from pagedexperts.formats.autoround import AutoRoundFormat
-from pagedexperts.formats.autoround_fp import AutoRoundFp8Format, AutoRoundMxfp4Format, AutoRoundNvfp4Format
-from pagedexperts.formats.awq import AwqFormat
+from pagedexperts.formats.gptq.autoround import AutoRoundFormat
+from pagedexperts.formats.gptq.autoround_fp import AutoRoundFp8Format, AutoRoundMxfp4Format, AutoRoundNvfp4Format
+from pagedexperts.formats.gptq.awq import AwqFormat
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, TensorSpec
-from pagedexperts.formats.compressed_tensors import CompressedTensorsW4A16Format
-from pagedexperts.formats.ct_fp4 import CompressedTensorsMxfp4Format, CompressedTensorsNvfp4Format
-from pagedexperts.formats.ct_fp8 import CompressedTensorsFp8Format
-from pagedexperts.formats.ct_int8 import CompressedTensorsInt8Format
-from pagedexperts.formats.ct_packed import (CompressedTensorsMixedPackedFormat, CompressedTensorsW8A16Format,
+from pagedexperts.formats.compressed_tensors.w4a16 import CompressedTensorsW4A16Format
+from pagedexperts.formats.compressed_tensors.fp4 import CompressedTensorsMxfp4Format, CompressedTensorsNvfp4Format
+from pagedexperts.formats.compressed_tensors.fp8 import CompressedTensorsFp8Format
+from pagedexperts.formats.compressed_tensors.int8 import CompressedTensorsInt8Format
+from pagedexperts.formats.compressed_tensors.packed import (CompressedTensorsMixedPackedFormat, CompressedTensorsW8A16Format,
                                             PackedArgs)
 from pagedexperts.formats.dense import DenseFormat
-from pagedexperts.formats.fp8 import Fp8BlockFormat
-from pagedexperts.formats.gptq import GptqFormat
-from pagedexperts.formats.gptqmodel_fp8 import GptqModelFp8Format
-from pagedexperts.formats.int8_block import Int8BlockFormat
-from pagedexperts.formats.modelopt import ModelOptFp8Format, ModelOptNvfp4Format
-from pagedexperts.formats.mxfp4 import Mxfp4Format
+from pagedexperts.formats.fp8_fp4.fp8_block import Fp8BlockFormat
+from pagedexperts.formats.gptq.gptq import GptqFormat
+from pagedexperts.formats.gptq.gptqmodel_fp8 import GptqModelFp8Format
+from pagedexperts.formats.fp8_fp4.int8_block import Int8BlockFormat
+from pagedexperts.formats.fp8_fp4.modelopt import ModelOptFp8Format, ModelOptNvfp4Format
+from pagedexperts.formats.fp8_fp4.mxfp4 import Mxfp4Format
 
 E, TOP_K = 16, 2  # the synthetic experts layer of the fused kernels' tests
 HIDDEN = 64

@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec
-from pagedexperts.formats.fp8 import Fp8BlockFormat, quantize_fp8_block
-from pagedexperts.formats.mxfp4 import Mxfp4Format, quantize_mxfp4
+from pagedexperts.formats.fp8_fp4.fp8_block import Fp8BlockFormat, quantize_fp8_block
+from pagedexperts.formats.fp8_fp4.mxfp4 import Mxfp4Format, quantize_mxfp4
 from pagedexperts.tools.quantize import QuantizeOptions, quantize_checkpoint
 from support.int4_oracle import pack_awq, pack_gptq, rtn_int4
 

@@ -24,7 +24,7 @@ from support.fused_fixtures import CASES, E, HIDDEN, INTERMEDIATE, TOP_K, Format
 from support.fused_reference import TOLERANCE, dense_rows, fused_experts, fused_experts_reference
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.formats.dense import DenseFormat
-from pagedexperts.formats.gptq import GptqFormat
+from pagedexperts.formats.gptq.gptq import GptqFormat
 from pagedexperts.formats.packing import WeightPacking, g_idx_is_trivial
 from pagedexperts.paging.kernels import HAVE_TRITON
 

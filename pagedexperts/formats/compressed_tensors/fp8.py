@@ -1,50 +1,11 @@
-"""compressed-tensors FP8 experts: ``float-quantized`` / ``naive-quantized`` (llm-compressor FP8,
-FP8_DYNAMIC, FP8_BLOCK; FP8 static per channel) and ``mxfp8-quantized`` (MXFP8, MXFP8A16).
+"""compressed-tensors FP8 experts: ``float-quantized`` / ``naive-quantized`` (FP8, FP8_DYNAMIC,
+FP8_BLOCK) and ``mxfp8-quantized`` (MXFP8), bound per dense tensor.
 
-Owns: recognising the format, the per-expert packed specs and their ``WeightPacking``
-(``formats.unpack`` dequantizes). Does not: read files, store, page, or quantize activations
-(see below).
+Layout and dequantization as compressed-tensors 0.19 / 0.20 ``FloatQuantizationCompressor``
+(``mx_utils.decompress_mx_scale`` for MXFP8) and ``_dequantize``: ``x_q.to(scale.dtype) * scale``
+in the stored scale's dtype (formats/README.md). Does not: read files, store, page, or quantize activations.
 
-On-disk layout (compressed-tensors 0.19/0.20 ``FloatQuantizationCompressor``, as llm-compressor
-0.14 writes it), per expert projection ``experts.{j}.{gate,up,down}_proj`` of an nn.Linear
-weight [O, I]:
-
-- ``weight`` float8_e4m3fn [O, I] (round-to-nearest of W / scale, clamped to +-448);
-- ``weight_scale`` float32 (or the group's ``scale_dtype``): ``tensor`` strategy [1] (FP8),
-  ``channel`` [O, 1] (FP8_DYNAMIC), ``block`` [ceil(O / bm), ceil(I / bn)] (FP8_BLOCK,
-  ``block_structure`` [bm, bn] = [128, 128]; a partial edge block has its own scale),
-  ``group`` [O, I / g]; ``mxfp8-quantized`` (``MXFP8QuantizationCompressor``): group 32 with
-  uint8 E8M0 exponents, scale ``2 ** (e - 127)`` (``mx_utils.decompress_mx_scale``);
-- ``input_scale`` float32 [1] with static activations (FP8's ``static_minmax`` observer).
-
-Dequantize, as compressed-tensors' own ``_dequantize`` (``x_q.to(scale.dtype) * scale``, the
-scale broadcast over its tensor / row / block), in the dtype the checkpoint stores the scale in
-(``with_stored_dtypes``), then the model's dtype. For float32 scales this is transformers
-5.24's loading of MoE experts too (``CompressedTensorsDequantize.convert``, FP8 branch:
-``(weight.to(float32) * weight_scale.to(float32)).to(model dtype)``); for bfloat16 scales
-(llm-compressor on a bfloat16 model) the two agree at bfloat16 (the fp8 x bf16 product is exact
-in float32, rounded once either way) and differ only when such a checkpoint runs at float32,
-where transformers' experts keep the exact product and compressed-tensors' decompression (the
-reference ``check`` then picks) the bfloat16 one.
-MXFP8 (``mxfp8-quantized``): the E8M0 scale (``2 ** (e - 127)``, decoded to bfloat16 as
-``decompress_mx_scale``) is a power of two and an E4M3 value has 4 significant bits, so the
-product is exact in bfloat16 and float32 alike.
-
-Activations. The unpaged reference (transformers' loading, on CPU and on a GPU alike, since
-its FP8 kernel path ``use_optimized_inference`` is opt-in and covers nn.Linear only) stacks the
-experts dequantized and runs them on unquantized activations: the static ``input_scale`` keys
-are unused (transformers drops them; pagedexperts logs them as unused), and dynamic per-token /
-per-group activation quantization is not applied. pagedexperts computes the same, so paged ==
-unpaged bit for bit; a W8A8 FP8 kernel (vLLM's) is another computation with its own reference.
-
-Non-expert modules in FP8 groups (attention, shared experts, dense MLPs: a ``Linear`` target,
-llm-compressor's default recipe) are dequantized once at load the same way (``formats.linear``)
-and run on unquantized activations, as the library's dense reference (``tools.reference``)
-computes them; transformers instead runs them through compressed-tensors' forward, which
-quantizes their input activations (another computation, so ``check`` does not take it as the
-reference there).
-
-Legend: n experts dequantized together, O output features, I input features, bm x bn a block.
+Legend: n experts, O output features, I input features, bm x bn a block.
 """
 
 from __future__ import annotations
@@ -54,8 +15,8 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import LINEAR_WEIGHT, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.ct_schemes import (ExpertScheme, dense_schemes, dense_source_count, resolved_schemes)
-from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.compressed_tensors.schemes import (ExpertScheme, dense_schemes, dense_source_count, resolved_schemes)
+from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, dense_packing, float8_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -71,10 +32,7 @@ def is_fp8_scheme(scheme: ExpertScheme) -> bool:
 
 def _check_scheme(dense: str, scheme: ExpertScheme) -> tuple[str, tuple[int, int] | None, torch.dtype]:
     """(strategy, block (group: (1, group_size)) or None, scale dtype) of one dense tensor's FP8 scheme.
-
-    Raises:
-        ValueError: a format, strategy, asymmetry or dynamic weights this module does not read.
-    """
+    Raises ValueError: a format, strategy, asymmetry or dynamic weights this module does not read."""
     w = scheme.weights
     if scheme.format not in FORMATS:
         raise ValueError(f"fp8 experts ({dense}) with format={scheme.format!r}: only {FORMATS} are supported")
@@ -106,8 +64,7 @@ def _check_scheme(dense: str, scheme: ExpertScheme) -> tuple[str, tuple[int, int
 
 
 class CompressedTensorsFp8Format(PackedFormat):
-    """compressed-tensors FP8 weights, per tensor, per channel or per block, bound per dense
-    experts tensor (config groups may give gate/up and down different strategies)."""
+    """compressed-tensors FP8 weights per tensor, channel, block or group, bound per dense experts tensor."""
 
     name = "ct-fp8"
     serialized_names = {"weight": ("weight", "weight_scale")}
@@ -127,18 +84,12 @@ class CompressedTensorsFp8Format(PackedFormat):
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "CompressedTensorsFp8Format":
         """Bind each dense tensor's strategy, block and scale dtype.
-
-        Raises:
-            ValueError: see ``_check_scheme``.
-        """
+        Raises ValueError: see ``_check_scheme``."""
         schemes = dense_schemes(quantization_config or {})
         return cls({dense: _check_scheme(dense, s) for dense, s in schemes.items()})
 
     def with_stored_dtypes(self, dtypes) -> "CompressedTensorsFp8Format":
-        """Bound to the dtype the checkpoint stores ``weight_scale`` in (llm-compressor writes the
-        weights' dtype unless ``scale_dtype`` is set): the store holds the scales uncast and
-        ``dequantize`` multiplies in their dtype, as compressed-tensors' ``_dequantize`` (module
-        docstring)."""
+        """Bound to the dtype the checkpoint stores ``weight_scale`` in (multiplied in it)."""
         stored = dtypes.get("weight_scale")
         if stored is None:
             return self
@@ -169,9 +120,7 @@ class CompressedTensorsFp8Format(PackedFormat):
                 TensorSpec(dense.name + self.scale_suffix, shape, self.schemes[dense.name][2]))
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """fp8 [N, K] with its scheme's per-tensor / per-channel / per-block / per-group scale, per
-        source, multiplied in the scale's dtype (E8M0 exponents: bfloat16, as compressed-tensors'
-        ``decompress_mx_scale``), as compressed-tensors' ``_dequantize`` computes."""
+        """fp8 [N, K] with its scheme's scale per source, multiplied in the scale's dtype (E8M0: bfloat16)."""
         if tensor.is_passthrough:
             return dense_packing(tensor, transposed=transposed)
         strategy, block, _ = self.schemes[tensor.dense.name]

@@ -1,47 +1,12 @@
-"""AutoRound's own floating-point exports (``quant_method: auto-round``, ``format="auto_round"``):
-``data_type`` ``fp`` (FP8: the FP8_STATIC, FP8_BLOCK and FPW8A16 schemes), ``nv_fp`` (NVFP4)
-and ``mx_fp`` (MXFP4), as AutoRound 0.16.1 writes them.
+"""AutoRound's own floating-point exports (``quant_method: auto-round``): ``data_type`` ``fp`` (FP8),
+``nv_fp`` (NVFP4) and ``mx_fp`` (MXFP4), as AutoRound 0.16.1 writes them
+(``export/export_to_autoround/export_to_fp8.py``, ``qlinear_fp.QuantLinear``).
 
-Owns: recognising the three exports in config.json, binding them to the compressed-tensors
-formats whose key names and layouts they share (``ct_fp8``, ``ct_fp4``), the ``WeightPacking``
-of AutoRound's own dequantization arithmetic where it differs (``formats.unpack`` dequantizes),
-and ``extra_config`` for non-expert modules. Does not: read files, store, page, unpack, or
-quantize activations (the FP8_STATIC / NVFP4 / MXFP4 schemes
-quantize them at run time in AutoRound's forward; pagedexperts runs them unquantized, as for the
-compressed-tensors W4A4 / W8A8 formats).
+compressed-tensors' layouts (``formats.compressed_tensors.fp8``, ``formats.compressed_tensors.fp4``)
+bound to AutoRound's config fields, with AutoRound's arithmetic where it differs (formats/README.md).
+Does not: read files, store, page, or quantize activations.
 
-On-disk layout (AutoRound 0.16.1 ``export/export_to_autoround/export_to_fp8.py`` ``FP8QLinear`` /
-``FP8BlockQLinear`` and ``qlinear_fp.QuantLinear``), per expert projection of an nn.Linear
-weight [O, I]:
-
-- ``fp`` FPW8A16 (group_size 0, no packing_format): ``weight`` e4m3 [O, I], ``weight_scale``
-  [1]; AutoRound cannot load it (transformers' AutoRoundConfig: "group_size must be greater
-  than 0 or equal to -1");
-- ``fp`` FP8_STATIC (group_size -1, ``auto_round:fp8_static``): ``weight`` e4m3 [O, I],
-  ``weight_scale`` [O], ``input_scale`` [1] (paged, unused); AutoRound's
-  ``WeightFP8ActFP8StaticQuantLinear``: ``weight.to(bfloat16) * weight_scale``;
-- ``fp`` FP8_BLOCK (group_size and ``weight_block_size`` [128, 128], ``auto_round:fp8``):
-  ``weight`` e4m3 [O, I], ``weight_scale_inv`` [ceil(O / 128), ceil(I / 128)] (a partial edge
-  block has its own scale); AutoRound cannot load it (its config check compares the list with
-  an int: "'<=' not supported between instances of 'list' and 'int'");
-- ``nv_fp`` NVFP4 (``auto_round:llm_compressor``): ``weight_packed`` u8 [O, I/2], ``weight_scale``
-  e4m3 [O, I/16], ``weight_global_scale`` f32 [1], ``input_global_scale`` f32 [1] (paged,
-  unused); ``NVFP4QuantLinear``: ``(q * (1 / g)) * s`` in float32;
-- ``mx_fp`` MXFP4 (``auto_round:llm_compressor``): ``weight_packed`` u8 [O, I/2],
-  ``weight_scale`` u8 E8M0 [O, I/32]; ``MXFP4QuantLinear``: ``q * 2 ** (e - 127)`` in float32.
-
-FP8 scales are stored in the model's dtype (bfloat16 for the act_bits 8 schemes, which AutoRound
-saves in bfloat16). The FP8 formats dequantize as compressed-tensors FP8 does, in the scales'
-dtype (``ct_fp8``'s packing): AutoRound's own FP8 layer multiplies in its dtype, bfloat16,
-which is the scales' dtype here; the two schemes AutoRound cannot load take the same arithmetic.
-NVFP4 and MXFP4 round once, from float32 to the model's dtype (AutoRound's layer casts its
-float32 dequantized weight to the input's dtype), and the experts keep the model's dtype (not
-compressed-tensors' bfloat16). The e2m1 codes, nibble order and E8M0 / e4m3 scales are
-compressed-tensors'; NVFP4's global scale is stored as compressed-tensors stores it (the
-block scales times it), but AutoRound multiplies the VALUE by its reciprocal before the block
-scale, which rounds differently in float32 (``WeightPacking`` ``value_reciprocal``).
-
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, G groups.
 """
 
 from __future__ import annotations
@@ -49,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from pagedexperts.formats.base import ExpertFormat, ExpertLayout, QuantizedTensor
-from pagedexperts.formats.compressed_tensors import _torch_dtype
-from pagedexperts.formats.ct_fp4 import CompressedTensorsMxfp4Format, CompressedTensorsNvfp4Format
-from pagedexperts.formats.ct_fp8 import CompressedTensorsFp8Format
-from pagedexperts.formats.gptq_dynamic import IntArgs, expert_args, extra_config_override
+from pagedexperts.formats.compressed_tensors.w4a16 import _torch_dtype
+from pagedexperts.formats.compressed_tensors.fp4 import CompressedTensorsMxfp4Format, CompressedTensorsNvfp4Format
+from pagedexperts.formats.compressed_tensors.fp8 import CompressedTensorsFp8Format
+from pagedexperts.formats.gptq.dynamic import IntArgs, expert_args, extra_config_override
 from pagedexperts.formats.packing import WeightPacking, fp4_packing
 
 METHODS = ("auto-round", "auto_round")
@@ -72,11 +37,9 @@ def _saved_dtype(config) -> torch.dtype | None:
 
 
 def check_autoround_fp(qc: dict, config, *, data_type: str, packings: tuple, bits: int, group_size) -> None:
-    """Refusals shared by the three exports: ``packing_format``, ``bits``, ``group_size`` and
-    ``extra_config`` overrides of routed experts (one binding serves every expert).
-
-    Raises:
-        ValueError: naming the field and value."""
+    """Refusals shared by the three exports: ``packing_format``, ``bits``, ``group_size``, and
+    ``extra_config`` overrides of routed experts.
+    Raises ValueError: naming the field and value."""
     what = f"auto-round data_type={data_type!r} checkpoint"
     packing = qc.get("packing_format")
     if packing not in packings:
@@ -100,11 +63,9 @@ def _hashable(value):
 
 
 def autoround_linear_format(fmt: ExpertFormat, module: str, quantization_config: dict | None) -> ExpertFormat | None:
-    """``ExpertFormat.linear_format`` of AutoRound's FP exports: ``fmt`` for a module its
-    ``extra_config`` leaves alone, None for one it leaves unquantized (``bits`` 16).
-
-    Raises:
-        ValueError: an ``extra_config`` entry that changes the module's scheme (names it)."""
+    """``ExpertFormat.linear_format`` of the FP exports: ``fmt``, or None for a module ``extra_config``
+    leaves unquantized (``bits`` 16).
+    Raises ValueError: an ``extra_config`` entry that changes the module's scheme (names it)."""
     override = extra_config_override((quantization_config or {}).get("extra_config"), module)
     if override is False:
         return None
@@ -117,9 +78,8 @@ def autoround_linear_format(fmt: ExpertFormat, module: str, quantization_config:
 
 
 class AutoRoundFp8Format(CompressedTensorsFp8Format):
-    """AutoRound FP8 (``data_type: fp``, 8 bits): per tensor (group_size 0), per row (-1) or per
-    block (``weight_block_size``), read as compressed-tensors FP8 with AutoRound's key names:
-    its ``packing`` (a per-row scale [O], one per output row; multiplied in the scales' dtype)."""
+    """AutoRound FP8 (``data_type: fp``): per tensor (group_size 0), row (-1) or ``weight_block_size``
+    block, read as compressed-tensors FP8 with a per-row scale [O]."""
 
     name = "auto-round-fp8"
 
@@ -135,12 +95,9 @@ class AutoRoundFp8Format(CompressedTensorsFp8Format):
 
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "AutoRoundFp8Format":
-        """Bind the scale strategy from ``group_size`` and the scales' dtype (the model's, as
-        AutoRound saves them; ``with_stored_dtypes`` rebinds it to the checkpoint's).
-
-        Raises:
-            ValueError: see ``check_autoround_fp``; a group size other than 0, -1 or two
-                positive ints, an ``fmt`` other than e4m3."""
+        """Bind the scale strategy from ``group_size`` and the scales' dtype (the model's).
+        Raises ValueError: see ``check_autoround_fp``; a group size other than 0, -1 or two positive ints, an
+        ``fmt`` other than e4m3."""
         qc = quantization_config or {}
         check_autoround_fp(qc, config, data_type="fp", packings=FP8_PACKINGS, bits=8, group_size=None)
         if qc.get("fmt", "e4m3") != "e4m3":
@@ -165,7 +122,7 @@ class AutoRoundFp8Format(CompressedTensorsFp8Format):
         return cls.from_config(None, quantization_config)
 
     def with_stored_dtypes(self, dtypes) -> "AutoRoundFp8Format":
-        """Bound to the dtype the checkpoint stores the scales in (the model's at export)."""
+        """Bound to the dtype the checkpoint stores the scales in."""
         stored = dtypes.get(self.serialized_names["weight"][1])
         if stored is None:
             return self
@@ -183,9 +140,7 @@ class AutoRoundFp8Format(CompressedTensorsFp8Format):
 
 
 class _AutoRoundFp4:
-    """Shared by AutoRound's NVFP4 and MXFP4 (a mixin before the compressed-tensors class):
-    matching ``data_type``, the refusals, the experts in the model's dtype (not
-    compressed-tensors' bfloat16), ``extra_config`` for non-expert modules."""
+    """Shared by AutoRound's NVFP4 and MXFP4 (a mixin before the compressed-tensors class)."""
 
     data_type = ""
 
@@ -215,8 +170,7 @@ class _AutoRoundFp4:
 
 
 class AutoRoundNvfp4Format(_AutoRoundFp4, CompressedTensorsNvfp4Format):
-    """AutoRound NVFP4 (``data_type: nv_fp``): compressed-tensors' NVFP4 layout, AutoRound's
-    arithmetic (module docstring), experts in the model's dtype."""
+    """AutoRound NVFP4 (``data_type: nv_fp``): compressed-tensors' layout, AutoRound's arithmetic."""
 
     name = "auto-round-nvfp4"
     data_type = "nv_fp"
@@ -228,8 +182,7 @@ class AutoRoundNvfp4Format(_AutoRoundFp4, CompressedTensorsNvfp4Format):
         return cls(static_input=int(qc.get("act_bits") or 16) <= 8 and "nv_fp" in acts)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """e2m1 [N, K/2], the value times the reciprocal of the source's global scale, then
-        times its e4m3 scale per 16 columns, in float32; rounded once to the dense dtype."""
+        """e2m1 [N, K/2], the value times ``1 / g`` of its source, then its e4m3 scale per 16, in float32."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         glob = specs[f"{name}_global_scale"]
         return fp4_packing(tensor, weight=specs[f"{name}_packed"], scale=specs[f"{name}_scale"], scale_codes="e4m3",
@@ -238,8 +191,7 @@ class AutoRoundNvfp4Format(_AutoRoundFp4, CompressedTensorsNvfp4Format):
 
 
 class AutoRoundMxfp4Format(_AutoRoundFp4, CompressedTensorsMxfp4Format):
-    """AutoRound MXFP4 (``data_type: mx_fp``): compressed-tensors' MXFP4 layout, the product in
-    float32 (module docstring), experts in the model's dtype."""
+    """AutoRound MXFP4 (``data_type: mx_fp``): compressed-tensors' layout, the product in float32."""
 
     name = "auto-round-mxfp4"
     data_type = "mx_fp"

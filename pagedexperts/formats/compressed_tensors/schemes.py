@@ -1,22 +1,9 @@
 """compressed-tensors config groups, resolved per routed-expert projection.
 
-Owns: which config group (``quantization_config.config_groups``) quantizes each of the experts
-module's dense tensors (``gate_up_proj`` <- the checkpoint's gate_proj + up_proj or Mixtral's
-w1 + w3; ``down_proj`` <- down_proj or w2), the spelling of a checkpoint's format in messages,
-and the experts' input dims read from the model config (for refusals before any work).
-Does not: dequantize, read files.
-
-Resolution follows compressed-tensors' own module matching (``utils/match.py`` ``is_match``:
-a target ``re:PATTERN`` matches a module name with ``re.match``; any other target matches a
-module whose name equals it (AutoRound's llm-compressor export lists module names) or whose
-class is named it, such as ``Linear``, which matches every nn.Linear, hence every per-expert
-projection; ``ignore`` removes names the same way). The module names tried for each projection
-are a routed expert's as checkpoints spell them (``model.layers.0.mlp.experts.0.gate_proj``)
-and every expert module a target names: all must resolve to one scheme, since one binding
-serves every layer and expert. transformers 5.24 instead applies ONE group to every projection
-of the experts (``integrations.compressed_tensors.get_experts_scheme``,
-``compressed_tensors.transformers_experts_args``): the two agree whenever every projection has
-the same scheme and transformers' pick is that scheme's group.
+Owns which config group quantizes each dense experts tensor (gate_proj + up_proj or Mixtral's
+w1 + w3; down_proj or w2), matched as compressed-tensors 0.20 does (``utils/match.py``); every
+expert module a target names must resolve to one scheme. Also a checkpoint's spelling in
+messages and the experts' input dims. Does not: dequantize, read files.
 """
 
 from __future__ import annotations
@@ -35,8 +22,7 @@ EXPERT_MODULE = "model.layers.0.mlp.experts.0.{}"
 
 @dataclass(frozen=True)
 class ExpertScheme:
-    """The config group of one experts-module dense tensor: its weights args (a dict as in
-    config.json), input_activations args (or None) and the group's ``format``."""
+    """The config group of one dense experts tensor: weights args, input_activations (or None), ``format``."""
 
     weights: dict
     input_activations: dict | None
@@ -47,8 +33,7 @@ CLASS_TARGETS = ("Linear",)  # class names an nn.Linear matches (compressed-tens
 
 
 def _matches(target: str, name: str) -> bool:
-    """compressed-tensors' ``is_match`` for an nn.Linear named ``name``: a ``re:`` regex, the exact
-    module name, or the class name ``Linear``."""
+    """compressed-tensors' ``is_match`` for an nn.Linear ``name``: ``re:`` regex, exact name, or ``Linear``."""
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
     return target == name or target in CLASS_TARGETS
@@ -59,9 +44,8 @@ def _ignored(name: str, ignore: list[str]) -> bool:
 
 
 def named_expert_modules(quantization_config: dict, projection: str) -> list[str]:
-    """Expert modules ending in ``projection`` that a config group's targets (or ``ignore``) name
-    exactly (not ``re:``), e.g. ``model.layers.1.mlp.experts.3.down_proj``: of each layer, the
-    lowest and highest expert index named (a checkpoint may list every expert of every layer)."""
+    """Expert modules ending in ``projection`` that targets or ``ignore`` name exactly (per layer the
+    lowest and highest expert)."""
     names = {t for g in (quantization_config.get("config_groups") or {}).values() for t in g.get("targets", [])}
     names |= set(quantization_config.get("ignore") or [])
     by_layer: dict[str, dict[int, str]] = {}
@@ -73,14 +57,12 @@ def named_expert_modules(quantization_config: dict, projection: str) -> list[str
 
 
 def group_for(quantization_config: dict, projection: str, *, module: str = EXPERT_MODULE) -> ExpertScheme | None:
-    """The scheme of the first config group whose targets match ``projection`` of a routed
-    expert (``module``: another module name pattern; None: unquantized)."""
+    """The scheme of ``projection`` of a routed expert (``module``: another name pattern; None: unquantized)."""
     return scheme_of_module(quantization_config, module.format(projection))
 
 
 def scheme_of_module(quantization_config: dict, name: str) -> ExpertScheme | None:
-    """The scheme of the config group compressed-tensors gives module ``name`` (None: ignored or
-    unquantized): see ``group_of_module``."""
+    """The scheme compressed-tensors gives module ``name`` (None: ignored or unquantized)."""
     key = group_of_module(quantization_config, name)
     if key is None:
         return None
@@ -90,12 +72,9 @@ def scheme_of_module(quantization_config: dict, name: str) -> ExpertScheme | Non
 
 
 def group_of_module(quantization_config: dict, name: str) -> str | None:
-    """The key of the config group compressed-tensors applies to module ``name``, or None
-    (ignored, or no target matches). As compressed-tensors 0.20 (``utils.match.match_targets``,
-    ``lifecycle.apply._scheme_from_targets``): the targets that match, most specific first (the
-    exact name, then ``re:`` patterns, then the class name ``Linear``; alphabetical within a
-    kind), the first one's group (a target listed by two groups: the later group's), whatever
-    the order of the groups in config.json (llm-compressor writes a ``Linear`` group first)."""
+    """The key of the config group compressed-tensors 0.20 applies to module ``name``, or None:
+    the most specific matching target wins (exact name, then ``re:``, then ``Linear``;
+    alphabetical within a kind; a target in two groups: the later group), whatever the groups' order."""
     target = _winning_target(quantization_config, name)
     if target is None:
         return None
@@ -104,7 +83,7 @@ def group_of_module(quantization_config: dict, name: str) -> str | None:
 
 
 def _winning_target(quantization_config: dict, name: str) -> str | None:
-    """The target that decides module ``name``'s group (``group_of_module``), or None."""
+    """The target that decides module ``name``'s group, or None."""
     if _ignored(name, quantization_config.get("ignore") or []):
         return None
     targets = sorted({t for g in (quantization_config.get("config_groups") or {}).values() for t in g.get("targets", [])},
@@ -115,12 +94,8 @@ def _winning_target(quantization_config: dict, name: str) -> str | None:
 
 
 def _projection_scheme(resolve, quantization_config: dict, projection: str, dense: str) -> ExpertScheme | None:
-    """The one scheme of ``projection`` over layer 0's expert 0 (as ``EXPERT_MODULE`` spells it;
-    skipped when it resolves to nothing and targets name the expert modules, e.g. Mixtral's
-    ``block_sparse_moe.experts.{j}.w1``) and every expert module a target names.
-
-    Raises:
-        ValueError: two of those modules resolve to different schemes (names both)."""
+    """The one scheme of ``projection`` over layer 0's expert 0 and every expert module a target names.
+    Raises ValueError: two of those modules resolve to different schemes (names both)."""
     named = named_expert_modules(quantization_config, projection)
     probe = EXPERT_MODULE.format(projection)
     base = resolve(probe)
@@ -137,16 +112,9 @@ def _projection_scheme(resolve, quantization_config: dict, projection: str, dens
 
 
 def dense_schemes(quantization_config: dict) -> dict[str, ExpertScheme]:
-    """Dense experts tensor -> its scheme, for the family naming (gate/up/down, or Mixtral's
-    w1/w3/w2) whose projections the config names most specifically (by exact name or ``re:``
-    target rather than the class name ``Linear``, which matches both: a ``Linear`` group beside
-    ``re:.*w[13]$`` and ``re:.*w2$`` groups is Mixtral's); a tie (e.g. ``Linear`` only) reads
-    gate/up/down.
-
-    Raises:
-        ValueError: the projections concatenated into one dense tensor (gate and up) have
-            different schemes, or some but not all projections are quantized (names them).
-    """
+    """Dense experts tensor -> its scheme, for the naming (gate/up/down or w1/w3/w2) the config names
+    most specifically (a tie reads gate/up/down).
+    Raises ValueError: gate and up have different schemes, or only some projections are quantized."""
     def specific(family: int) -> int:
         return sum(_winning_target(quantization_config, EXPERT_MODULE.format(p)) not in (None, "Linear")
                    for names in DENSE_SOURCES.values() for p in names[family])
@@ -171,8 +139,7 @@ def dense_schemes(quantization_config: dict) -> dict[str, ExpertScheme]:
 
 
 def resolved_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme]:
-    """``dense_schemes`` of a compressed-tensors config, or {} (another quant_method, or a
-    config ``dense_schemes`` refuses): what the per-projection formats' ``matches`` read."""
+    """``dense_schemes`` of a compressed-tensors config, or {} (another quant_method, or refused)."""
     if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
         return {}
     try:
@@ -182,10 +149,7 @@ def resolved_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme
 
 
 def quantized_non_expert(quantization_config: dict, module_names: list[str] | None = None) -> str | None:
-    """The first non-expert nn.Linear a config group quantizes, or None when only routed
-    experts are. ``module_names``: the model's own (``non_expert_linear_names``); without them,
-    representative attention / shared-expert / dense-MLP names (which misjudge an ``ignore``
-    that lists concrete module names, as llm-compressor writes it)."""
+    """The first non-expert nn.Linear a config group quantizes (``module_names``: the model's own), or None."""
     if module_names is None:
         module_names = [t.format(p) for t in ("model.layers.0.self_attn.{}", "model.layers.0.mlp.shared_experts.{}",
                                               "model.layers.0.mlp.{}") for p in ("q_proj", "o_proj", "gate_proj", "down_proj")]
@@ -196,9 +160,8 @@ def quantized_non_expert(quantization_config: dict, module_names: list[str] | No
 
 
 def non_expert_linear_names(config) -> list[str] | None:
-    """Names of the nn.Linear modules of the model ``config`` describes (a transformers config
-    or config.json dict), routed experts excluded (transformers' fused experts are not
-    nn.Linear), from its skeleton on the meta device (no memory); None without a model_type."""
+    """The model's nn.Linear names, routed experts excluded, from its meta-device skeleton (None: no model_type).
+    """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -218,17 +181,15 @@ def dense_source_count(dense: str) -> int:
 
 
 def expert_in_features(config) -> dict[str, int]:
-    """Dense experts tensor -> its projections' input features, from the model config:
-    gate_up_proj reads the hidden size, down_proj the experts' intermediate size
-    (``moe_intermediate_size``, else ``intermediate_size`` as Mixtral names it)."""
+    """Dense experts tensor -> input features (hidden size; ``moe_intermediate_size`` else ``intermediate_size``).
+    """
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     dims = {"gate_up_proj": get("hidden_size"), "down_proj": get("moe_intermediate_size") or get("intermediate_size")}
     return {name: int(v) for name, v in dims.items() if v}
 
 
 def spelling(quantization_config: dict | None) -> str:
-    """The format as the checkpoint spells it: quant_method, format, and the routed experts'
-    weights num_bits/type/strategy (group_size, block_structure, actorder where set)."""
+    """The format as the checkpoint spells it: quant_method, format, the experts' weights args."""
     if not quantization_config:
         return "unquantized"
     qc = quantization_config

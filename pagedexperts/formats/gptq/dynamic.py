@@ -1,18 +1,10 @@
-"""Per-module parameters of GPTQ-family checkpoints: GPTQModel's ``dynamic`` overrides and
-AutoRound's ``extra_config``, resolved for the routed experts and for one non-expert module.
+"""Per-module parameters of GPTQ-family checkpoints: GPTQModel's ``dynamic`` and AutoRound's
+``extra_config``, resolved for the routed experts and for one non-expert module.
 
-Owns: ``IntArgs`` (bits, group size, symmetry of one module), the override rules as each tool
-matches them (``dynamic_override``, ``extra_config_override``), and their resolution per dense
-experts tensor (``expert_args``: every layer's and expert's projections must agree, since one
-format binding serves every layer) and per module (``module_args``). Does not: pack or
-dequantize (``gptq``, ``awq``, ``autoround``).
-
-GPTQModel 7.7 (``quantization/config.py`` ``_resolve_dynamic_override``): ``dynamic`` maps a
-pattern to field overrides; the FIRST pattern, in order, that ``re.match``es the module name
-decides: ``-:PATTERN`` leaves the module unquantized, ``+:PATTERN`` or a bare pattern overrides
-``bits`` / ``group_size`` / ``sym`` / ``desc_act`` of the base config. AutoRound 0.16
-(``export/export_to_autoround/export.py``): ``extra_config`` maps a layer name, or a regex its
-``to_standard_regex`` wrote, to the fields that differ (``bits`` 16: unquantized).
+Rules as each tool matches them: GPTQModel 7.7 (``quantization/config.py``
+``_resolve_dynamic_override``: the FIRST ``re.match``ing pattern, ``-:`` unquantized); AutoRound
+0.16 (``export/export_to_autoround/export.py``: exact name, else a regex; ``bits`` 16 unquantized).
+One binding serves every layer and expert, so their projections must agree. Does not: pack.
 """
 
 from __future__ import annotations
@@ -42,7 +34,7 @@ class IntArgs:
     sym: bool = True
 
     def groups(self, in_features: int) -> int:
-        """G = ceil(I / g); one group when g = -1 or g > I (what GPTQModel and AutoRound write)."""
+        """G = ceil(I / g); one group when g = -1 or g > I."""
         return 1 if self.group_size == -1 else ceil_div(in_features, self.group_size)
 
     def group_of(self, in_features: int) -> int:
@@ -51,8 +43,8 @@ class IntArgs:
 
 
 def dynamic_override(dynamic: dict | None, module: str) -> dict | bool | None:
-    """GPTQModel's rule for ``module``: the overrides dict of the first matching pattern, False
-    when that pattern is negative (``-:``), None when none matches."""
+    """GPTQModel's rule for ``module``: the first matching pattern's overrides, False for a ``-:``
+    pattern, None when none matches."""
     for pattern, fields in (dynamic or {}).items():
         negative = pattern.startswith("-:")
         if re.match(pattern[2:] if pattern[:2] in ("-:", "+:") else pattern, module):
@@ -61,8 +53,8 @@ def dynamic_override(dynamic: dict | None, module: str) -> dict | bool | None:
 
 
 def extra_config_override(extra_config: dict | None, module: str) -> dict | bool | None:
-    """AutoRound's ``extra_config`` entry for ``module`` (its exact name first, then the first
-    key that ``re.fullmatch``es it); False when the entry leaves it unquantized (bits >= 16)."""
+    """AutoRound's ``extra_config`` entry for ``module`` (exact name, then the first key that
+    ``re.fullmatch``es), False when it leaves the module unquantized (bits >= 16), else None."""
     extra = extra_config or {}
     fields = extra.get(module)
     if fields is None:
@@ -81,9 +73,7 @@ def _fullmatch(pattern: str, name: str) -> bool:
 
 def module_args(base: IntArgs, override: dict | bool | None, *, what: str) -> IntArgs | None:
     """``base`` with a module's overrides applied; None for an unquantized module.
-
-    Raises:
-        ValueError: an override field this reader does not apply (names it and ``what``)."""
+    Raises ValueError: an override field this reader does not apply (names it and ``what``)."""
     if override is False:
         return None
     fields = {k: v for k, v in (override or {}).items() if v is not None}
@@ -94,12 +84,10 @@ def module_args(base: IntArgs, override: dict | bool | None, *, what: str) -> In
 
 
 def expert_args(base: IntArgs, config, resolve, *, what: str) -> dict[str, IntArgs]:
-    """Dense experts tensor -> its ``IntArgs``: ``resolve(module name)`` (an override rule) for
-    every layer's first and last expert's projections (as ``EXPERT_NAMES`` spells them).
-
-    Raises:
-        ValueError: projections of one dense tensor (gate and up, or two layers) resolve
-            differently, or a routed expert is left unquantized (names both modules)."""
+    """Dense experts tensor -> its ``IntArgs`` from ``resolve(module name)`` over every layer's first
+    and last expert's projections.
+    Raises ValueError: projections of one dense tensor resolve differently, or a routed expert is left
+    unquantized (names both modules)."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     model_type = get("model_type")
     prefixes, projections = EXPERT_NAMES.get(model_type, DEFAULT_EXPERT_NAMES)

@@ -1,24 +1,10 @@
-"""compressed-tensors ``int-quantized`` int8 experts (W8A8 INT8, as llm-compressor writes them).
+"""compressed-tensors ``int-quantized`` int8 experts (W8A8 INT8), activations unquantized.
 
-Owns: recognising the format in config.json, the per-expert tensor specs and their
-``WeightPacking`` (``formats.unpack`` dequantizes). Does not: read files, store or page, or
-quantize activations.
+Layout and dequantization as compressed-tensors 0.19-0.20 ``NaiveQuantizationCompressor``
+(``compressors/naive_quantized/base.py``) and ``_dequantize``: formats/README.md.
+Does not: read files, store, page, or quantize activations.
 
-On-disk layout (compressed-tensors 0.19-0.20 ``IntQuantizationCompressor``, an alias of
-``NaiveQuantizationCompressor``, ``compressors/naive_quantized/base.py``), per expert
-projection of an nn.Linear weight [O, I]: ``weight`` int8 [O, I] and ``weight_scale`` [O, 1]
-(``channel`` strategy, symmetric: no zero point) in the checkpoint's dtype; the input
-activations are quantized per token at run time (``dynamic: true``: nothing stored).
-
-Dequantize (``quantization.lifecycle.forward._dequantize``): ``w = q.to(s.dtype) * s`` in the
-scale's dtype, then the model's dtype. transformers 5.24 cannot load these MoE experts on CPU
-(its ``CompressedTensorsDequantize`` looks for ``weight_packed`` only and ends in
-``torch.cat(): expected a non-empty list of Tensors``), so ``check``'s reference is the dense
-model built from compressed-tensors' own decompression (``tools.reference``), which runs the
-activations unquantized, as pagedexperts does: a W8A8 GEMM with per-token int8 activations
-(vLLM's) is another computation.
-
-Legend: n experts dequantized together, O output features, I input features.
+Legend: n experts, O output features, I input features.
 """
 
 from __future__ import annotations
@@ -26,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec
-from pagedexperts.formats.ct_fp4 import in_experts_dtype
-from pagedexperts.formats.compressed_tensors import _torch_dtype, ct_experts_args, experts_weights_args
-from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.compressed_tensors.fp4 import in_experts_dtype
+from pagedexperts.formats.compressed_tensors.w4a16 import _torch_dtype, ct_experts_args, experts_weights_args
+from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, float8_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -71,13 +57,12 @@ class CompressedTensorsInt8Format(PackedFormat):
         return fmt
 
     def with_stored_dtypes(self, dtypes) -> "CompressedTensorsInt8Format":
-        """Bound to the dtype the checkpoint stores ``weight_scale`` in (compressed-tensors
-        dequantizes in it)."""
+        """Bound to the dtype the checkpoint stores ``weight_scale`` in."""
         stored = dtypes.get("weight_scale")
         return self if stored is None or stored == self.scale_dtype else type(self)(scale_dtype=stored)
 
     def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The scales' dtype when bound (compressed-tensors decompresses into it), else ``model_dtype``."""
+        """The scales' dtype when bound, else ``model_dtype``."""
         return self.scale_dtype or model_dtype
 
     def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
@@ -86,10 +71,7 @@ class CompressedTensorsInt8Format(PackedFormat):
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """int8 [sources * O, I] and the scale [sources * O, 1] (sources concatenated on dim 0).
-
-        Raises:
-            ValueError: transposed experts (gpt-oss).
-        """
+        Raises ValueError: transposed experts (gpt-oss)."""
         if transposed:
             raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
         if len(dense.shape) != 2:

@@ -1,33 +1,12 @@
-"""compressed-tensors ``pack-quantized`` int4 experts (W4A16, as llm-compressor writes them).
+"""compressed-tensors ``pack-quantized`` int4 experts (W4A16), and the reading of the experts'
+config group every compressed-tensors format shares.
 
-Owns: recognising the format in config.json, the packed per-expert tensor specs and their
-``WeightPacking`` (``formats.unpack`` dequantizes). Does not: write checkpoints (``quantize``
-does, through the compressed-tensors package), read files, store or page.
+Layout and dequantization as compressed-tensors 0.20 ``PackedQuantizationCompressor``
+(``compressors/pack_quantized/{base,helpers}.py``, ``quantization.lifecycle.forward._dequantize``):
+formats/README.md "Packings"; the experts stay in the scales' dtype, as transformers stacks them.
+Does not: write checkpoints, read files, store or page.
 
-On-disk layout (compressed-tensors 0.20 ``PackedQuantizationCompressor``, source:
-``compressed_tensors/compressors/pack_quantized/{base,helpers}.py``), per expert projection
-``experts.{j}.{gate,up,down}_proj`` of an nn.Linear weight [O, I]:
-
-- ``weight_packed`` int32 [O, ceil(I / 8)]: value ``q + 8`` (q in [-8, 7]) of column c in bits
-  ``4 * (c % 8)`` of word ``c // 8`` (dense little-endian nibbles, no padding between columns);
-- ``weight_scale`` [O, G] in the checkpoint's dtype, G = I / group_size (1 for ``channel``);
-- ``weight_zero_point`` int32 [ceil(O / 8), G], asymmetric only: the int4 zero points
-  ``zp + 8`` packed the same way along O (``packed_dim=0``);
-- ``weight_shape`` int64 [2] = (O, I).
-
-Dequantize (``compressed_tensors.quantization.lifecycle.forward._dequantize``):
-``w = (q.to(s.dtype) - zp.to(s.dtype)) * s`` per group of ``group_size`` columns, in the
-scale's dtype, then cast to the model's dtype (transformers' ``CompressedTensorsDequantize``
-allocates the merged expert parameter in the dequantized weight's dtype: the scales'). Known
-transformers 5.24 quirks: it cannot load asymmetric MoE experts (its
-``CompressedTensorsDequantize`` drops ``weight_zero_point``), and loaded with a ``dtype`` other
-than the checkpoint's it leaves the routed experts' dense weights in the scales' dtype (the
-rest of the model in ``dtype``); pagedexperts does the same (``layout``): its wave scratch and
-dense slots hold the experts in the scales' dtype, and the model's experts kernel casts its
-input to them as it does unpaged (``grouped_mm``; ``eager`` and ``batched_mm`` fail on the
-mixed dtypes, in transformers' reference as in the paged model).
-
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, G groups.
 """
 
 from __future__ import annotations
@@ -37,7 +16,7 @@ import dataclasses
 import torch
 
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.linear import ct_linear_format
+from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, int_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -45,15 +24,10 @@ PACK_FACTOR = 8  # int4 values per int32 word
 
 
 def experts_weights_args(quantization_config: dict) -> dict | None:
-    """The ``weights`` args of the config group that quantizes the routed experts, or None.
-
-    The group compressed-tensors matches to every routed-expert projection
-    (``ct_schemes.dense_schemes``: ``re:`` targets, exact module names, ``Linear``); None when
-    the projections resolve to different groups (``ct_packed`` / ``ct_fp8`` bind those per
-    projection) or to none. A config ``dense_schemes`` refuses falls back to transformers' pick
-    (``transformers_experts_args``), so the refusal names the experts' format.
-    """
-    from pagedexperts.formats.ct_schemes import dense_schemes
+    """The ``weights`` args of the config group every routed-expert projection resolves to
+    (``schemes.dense_schemes``), or None when they resolve to different groups or none; a config
+    ``dense_schemes`` refuses falls back to ``transformers_experts_args``."""
+    from pagedexperts.formats.compressed_tensors.schemes import dense_schemes
 
     try:
         schemes = list(dense_schemes(quantization_config).values())
@@ -65,10 +39,8 @@ def experts_weights_args(quantization_config: dict) -> dict | None:
 
 
 def transformers_experts_args(quantization_config: dict) -> dict | None:
-    """The ``weights`` args of the ONE config group transformers 5.24 applies to every routed
-    expert projection (``integrations.compressed_tensors.get_experts_scheme``): the group whose
-    ``re:`` targets mention experts, else the first group with a non-``re:`` target (a class
-    name such as ``Linear``, or, read as one, a module name), else the first group."""
+    """The ``weights`` args of the ONE group transformers 5.24 applies to every expert projection
+    (``get_experts_scheme``): an ``re:`` target naming experts, else a non-``re:`` target, else the first."""
     groups = list((quantization_config.get("config_groups") or {}).values())
     if not groups:
         return None
@@ -79,9 +51,8 @@ def transformers_experts_args(quantization_config: dict) -> dict | None:
 
 
 def ct_experts_args(quantization_config: dict | None, checkpoint_format: str) -> dict | None:
-    """The routed experts' ``experts_weights_args`` when config.json is compressed-tensors and the
-    experts' config group stores ``checkpoint_format`` (``pack-quantized``, ``int-quantized``,
-    ``nvfp4-pack-quantized``, ...), else None: how the one-group formats' ``matches`` read it."""
+    """``experts_weights_args`` of a compressed-tensors config whose experts' group stores ``checkpoint_format``.
+    """
     if not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
         return None
     args = experts_weights_args(quantization_config)
@@ -89,11 +60,7 @@ def ct_experts_args(quantization_config: dict | None, checkpoint_format: str) ->
 
 
 class CompressedTensorsW4A16Format(PackedFormat):
-    """compressed-tensors ``pack-quantized`` int4 weights, bf16/fp16 activations (W4A16).
-
-    Symmetric (no zero point) or asymmetric; ``group`` strategy (any group size dividing I)
-    or ``channel`` (one group per row). Bound to one checkpoint's group size and symmetry.
-    """
+    """compressed-tensors ``pack-quantized`` int4 (W4A16), symmetric or not, group or channel strategy."""
 
     name = "w4a16"
     # transformers' CompressedTensorsHfQuantizer declares every name any compressed-tensors
@@ -116,11 +83,8 @@ class CompressedTensorsW4A16Format(PackedFormat):
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "CompressedTensorsW4A16Format":
         """Bind the experts' group size and symmetry.
-
-        Raises:
-            ValueError: num_bits other than 4, a strategy other than group/channel, or
-                quantized input activations (not W4A16), naming the key and value.
-        """
+        Raises ValueError: num_bits other than 4, a strategy other than group / channel, or quantized input
+        activations (names the key and value)."""
         args = experts_weights_args(quantization_config or {}) or {}
         if args.get("num_bits") != 4:
             raise ValueError(f"pack-quantized experts with num_bits={args.get('num_bits')!r}: only 4 is supported")
@@ -137,40 +101,32 @@ class CompressedTensorsW4A16Format(PackedFormat):
 
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "CompressedTensorsW4A16Format":
-        """As ``from_quantization_config``; without an explicit ``scale_dtype`` the scales are in
-        the dtype the checkpoint was saved in (config ``dtype`` / ``torch_dtype``: llm-compressor
-        and ``quantize`` compute them in the weights' dtype). Bound here, so that loading with
-        another ``--dtype`` still dequantizes in the scales' dtype, as transformers does."""
+        """As ``from_quantization_config``, the scales' dtype defaulting to the config's saved dtype.
+        Raises ValueError: an experts' input dim not a multiple of the group size."""
         fmt = cls.from_quantization_config(quantization_config)
         if fmt.scale_dtype is None:
             get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
             saved = get("dtype") or get("torch_dtype")
             fmt.scale_dtype = saved if isinstance(saved, torch.dtype) else _torch_dtype(saved)
-        from pagedexperts.formats.ct_schemes import expert_in_features
+        from pagedexperts.formats.compressed_tensors.schemes import expert_in_features
 
         for in_features in expert_in_features(config).values():
             fmt._groups(in_features)  # refused here, so preflight refuses what load_model does
         return fmt
 
     def with_stored_dtypes(self, dtypes) -> "CompressedTensorsW4A16Format":
-        """Bound to the dtype the checkpoint stores ``weight_scale`` in (AutoRound writes float16
-        scales under a bfloat16 or float32 config dtype): compressed-tensors dequantizes in the
-        scales' own dtype, and transformers stacks the experts in it."""
+        """Bound to the dtype the checkpoint stores ``weight_scale`` in."""
         stored = dtypes.get("weight_scale")
         if stored is None or stored == self.scale_dtype:
             return self
         return type(self)(group_size=self.group_size, symmetric=self.symmetric, scale_dtype=stored)
 
     def experts_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The scales' dtype when bound (transformers stacks the experts in it), else ``model_dtype``."""
+        """The scales' dtype when bound, else ``model_dtype``."""
         return self.scale_dtype or model_dtype
 
     def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
-        """As ``ExpertFormat.layout``, with every quantized dense tensor in the scales' dtype
-        (when bound): transformers' ``CompressedTensorsDequantize`` stacks the routed experts
-        in the dtype compressed-tensors dequantizes into (the scales'), not the model's, so a
-        checkpoint loaded at another ``--dtype`` computes its experts in the scales' dtype.
-        Passthrough tensors (biases) keep the model's dtype."""
+        """As ``ExpertFormat.layout``, quantized dense tensors in the scales' dtype when bound."""
         base = super().layout(dense_specs, sources=sources, transposed=transposed)
         if self.scale_dtype is None:
             return base
@@ -189,8 +145,7 @@ class CompressedTensorsW4A16Format(PackedFormat):
         return in_features // self.group_size
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
-        """Specs of one dense [sources * O, I] expert tensor: per source, nn.Linear's [O, I]
-        layout concatenated along dim 0 (each source's zero points and weight_shape too)."""
+        """Specs of one dense [sources * O, I] tensor: each source's nn.Linear layout along dim 0."""
         if transposed:
             raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
         rows, in_features = dense.shape
@@ -207,8 +162,7 @@ class CompressedTensorsW4A16Format(PackedFormat):
         return tuple(specs)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """int4 along the input dim ([N, K/8] words), scales [N, G] (multiplied in their dtype),
-        zero points packed along the output dim per source (asymmetric) or offset 8."""
+        """int4 along K, scales multiplied in their dtype, zero points along N per source or offset 8."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         scale, in_features = specs[f"{name}_scale"], tensor.dense.shape[1]
         return int_packing(tensor, weight=specs[f"{name}_packed"], scale=scale, bits=4, packed_dim="in",

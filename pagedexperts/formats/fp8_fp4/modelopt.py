@@ -1,46 +1,11 @@
 """NVIDIA ModelOpt experts (``quant_method: modelopt``, ``quant_algo`` NVFP4 or FP8), as
-``modelopt.torch.export.export_hf_checkpoint`` writes them.
+``export_hf_checkpoint`` writes them.
 
-Owns: recognising the two algorithms in config.json, the per-expert packed specs and their
-``WeightPacking`` (``formats.unpack`` dequantizes). Does not: read files, store, page, or
-quantize activations.
+Layout (nvidia-modelopt 0.47 ``torch/export/unified_export_hf.py``, ``moe_utils._export_fused_experts``)
+and dequantization as ``NVFP4QTensor`` / ``FP8QTensor.dequantize`` into the saved dtype, then the
+model's: formats/README.md "ModelOpt". Does not: read files, store, page, or quantize activations.
 
-On-disk layout (nvidia-modelopt 0.47, ``torch/export/unified_export_hf.py`` and
-``moe_utils._export_fused_experts``: transformers' fused experts ``gate_up_proj`` [E, 2I, H] are
-split into per-expert projections ``experts.{j}.{gate,up,down}_proj`` of nn.Linear's [O, I]):
-
-- NVFP4: ``weight`` uint8 [O, I/2] (two e2m1 codes per byte, column 2c in the low nibble;
-  bit 3 of a code is the sign), ``weight_scale`` float8_e4m3fn [O, I/16], ``weight_scale_2``
-  float32 [] (the per-tensor "double" scale: block scale x scale_2 is the dequantization
-  multiplier), ``input_scale`` float32 [];
-- FP8: ``weight`` float8_e4m3fn [O, I], ``weight_scale`` float32 [] (per tensor),
-  ``input_scale`` float32 [].
-
-Gate and up of one expert share ``weight_scale_2`` (NVFP4) / ``weight_scale`` (FP8): ModelOpt
-calibrates the fused gate_up weight as one tensor, as vLLM's fused w13 GEMM requires. The
-``input_scale`` of a projection is ONE value per layer, repeated in every expert (the fused
-module has one input quantizer per projection; vLLM / SGLang take the max over all experts).
-
-config.json's ``quantization_config`` (also in ``hf_quant_config.json`` as ``quantization``):
-``quant_algo``, ``group_size`` (NVFP4: 16), ``exclude_modules`` / ``ignore`` (fnmatch patterns
-of unquantized modules).
-
-Dequantize, as ModelOpt's own ``NVFP4QTensor.dequantize`` / ``FP8QTensor.dequantize``
-(``torch/quantization/qtensor``) compute it into the checkpoint's saved dtype D (config
-``dtype``: the weights' dtype at export, ModelOpt's ``metadata["dtype"]``), then cast to the
-model's dtype (transformers' cast of a dense checkpoint loaded at another ``--dtype``):
-
-- NVFP4: codes looked up in ModelOpt's float32 e2m1 table (code 8 is +0), times
-  ``weight_scale.float() * weight_scale_2`` per group of 16 columns, in float32, then D;
-- FP8: ``weight.to(D) * weight_scale.to(D)`` (in D: a bfloat16 checkpoint multiplies in bfloat16).
-
-Activations: transformers 5.24 has no ModelOpt loader, so the unpaged reference is the dense
-model built from ModelOpt's dequantization (``tools.reference``), which runs activations
-unquantized, as pagedexperts does: the ``input_scale`` rows are paged (per-expert tensors of
-the checkpoint) but unused. A W4A4 / W8A8 kernel (vLLM's, with the max input scale over all E
-experts) is another computation.
-
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, G groups.
 """
 
 from __future__ import annotations
@@ -51,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec, store_name
-from pagedexperts.formats.compressed_tensors import _torch_dtype
+from pagedexperts.formats.compressed_tensors.w4a16 import _torch_dtype
 from pagedexperts.formats.packing import WeightPacking, float8_packing, fp4_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -61,8 +26,7 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def quant_algo(quantization_config: dict | None) -> str | None:
-    """``quant_algo`` of a ModelOpt quantization_config: top level (config.json as ModelOpt 0.47
-    writes it) or under ``quantization`` (hf_quant_config.json's layout)."""
+    """``quant_algo`` at the top level (config.json) or under ``quantization`` (hf_quant_config.json)."""
     qc = quantization_config or {}
     return qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo")
 
@@ -72,7 +36,7 @@ def _field(quantization_config: dict, key: str):
 
 
 class _ModelOptFormat(PackedFormat):
-    """Shared: matching one ``quant_algo``, refusals and the per-source specs."""
+    """Shared: matching one ``quant_algo``, refusals, the per-source specs."""
 
     quant_algo: ClassVar[str] = ""
     serialized_names = {"weight": ("weight", "weight_scale", "input_scale")}
@@ -88,11 +52,8 @@ class _ModelOptFormat(PackedFormat):
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "_ModelOptFormat":
         """Bind the checkpoint's saved dtype (config ``dtype`` / ``torch_dtype``).
-
-        Raises:
-            ValueError: an ``exclude_modules`` pattern that leaves routed experts unquantized,
-                or (NVFP4) a group_size other than 16, or input features not a multiple of it.
-        """
+        Raises ValueError: an ``exclude_modules`` pattern leaving routed experts unquantized, or (NVFP4) a
+        group_size other than 16, or input features not a multiple of it."""
         qc = quantization_config or {}
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
         excluded = excluded_experts(qc, int(get("num_hidden_layers") or 1))
@@ -108,8 +69,7 @@ class _ModelOptFormat(PackedFormat):
         """Algorithm-specific refusals (see ``from_config``)."""
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
-        """The weight of one dense [sources * O, I] tensor (sources concatenated on dim 0) and
-        its per-tensor scales: one [1] entry per source, in source order."""
+        """The weight of one dense [sources * O, I] tensor and its per-tensor scales, one [1] per source."""
         if len(dense.shape) != 2:
             return (dense,)
         if transposed:
@@ -129,8 +89,7 @@ class _ModelOptFormat(PackedFormat):
 
 
 class ModelOptNvfp4Format(_ModelOptFormat):
-    """ModelOpt NVFP4 (``quant_algo: NVFP4``): e2m1 weights, e4m3 scales per 16 inputs, a float32
-    per-tensor ``weight_scale_2`` per expert projection."""
+    """ModelOpt NVFP4: e2m1 weights, e4m3 scales per 16 inputs, a float32 ``weight_scale_2`` per projection."""
 
     name = "modelopt-nvfp4"
     quant_algo = "NVFP4"
@@ -141,7 +100,7 @@ class ModelOptNvfp4Format(_ModelOptFormat):
         group = _field(qc, "group_size")
         if group not in (None, NVFP4_GROUP):
             raise ValueError(f"modelopt NVFP4 with group_size={group!r}: only {NVFP4_GROUP} is supported")
-        from pagedexperts.formats.ct_schemes import expert_in_features
+        from pagedexperts.formats.compressed_tensors.schemes import expert_in_features
 
         for dense, in_features in expert_in_features(config).items():
             if in_features % NVFP4_GROUP:
@@ -159,9 +118,7 @@ class ModelOptNvfp4Format(_ModelOptFormat):
                 TensorSpec(f"{dense.name}_scale", (rows, in_features // NVFP4_GROUP), torch.float8_e4m3fn))
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """e2m1 [N, K/2] (ModelOpt's table, ``nvfp4_tensor.e2m1_values``: code 8 is +0.0), e4m3
-        scales per 16 columns times the source's ``weight_scale_2`` in float32, the product
-        rounded to the saved dtype, then the dense dtype."""
+        """e2m1 (code 8 is +0.0), e4m3 scales per 16 times ``weight_scale_2`` in float32, then the saved dtype."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         scale_2 = specs[f"{name}_scale_2"]
         return fp4_packing(tensor, weight=specs[name], scale=specs[f"{name}_scale"], scale_codes="e4m3",
@@ -171,8 +128,7 @@ class ModelOptNvfp4Format(_ModelOptFormat):
 
 
 class ModelOptFp8Format(_ModelOptFormat):
-    """ModelOpt FP8 (``quant_algo: FP8``): float8_e4m3fn weights, one float32 ``weight_scale``
-    per expert projection."""
+    """ModelOpt FP8: e4m3 weights, one float32 ``weight_scale`` per projection."""
 
     name = "modelopt-fp8"
     quant_algo = "FP8"
@@ -191,10 +147,7 @@ class ModelOptFp8Format(_ModelOptFormat):
 
 
 def excluded_experts(quantization_config: dict, num_layers: int) -> list[str]:
-    """Routed expert projections (``model.layers.{l}.{mlp,block_sparse_moe}.experts.0.{proj}``)
-    that an ``exclude_modules`` / ``ignore`` fnmatch pattern naming experts leaves unquantized
-    (first 3). Patterns that do not name experts (a dense layer's ``model.layers.0*``, shared
-    experts) are not read here: a MoE layer they cover fails the load on its missing rows."""
+    """Routed expert projections an ``exclude_modules`` / ``ignore`` pattern naming experts leaves unquantized."""
     patterns = [p for p in (_field(quantization_config, "exclude_modules") or quantization_config.get("ignore") or [])
                 if "expert" in p.replace("shared_expert", "")]
     names = [f"model.layers.{layer}.{block}.experts.0.{proj}" for layer in range(num_layers)

@@ -1,23 +1,11 @@
-"""MXFP4: the OCP microscaling FP4 layout gpt-oss ships its routed experts in.
+"""MXFP4: the OCP microscaling FP4 layout gpt-oss ships its routed experts in, and ``quantize_mxfp4``.
 
-On disk (``quantization_config`` {"quant_method": "mxfp4"}; stacked keys only):
-``mlp.experts.gate_up_proj_blocks`` uint8 [E, 2I, H/32, 16] (two e2m1 FP4 values per byte,
-low nibble first, 32 values per block along the input dim), ``mlp.experts.gate_up_proj_scales``
-uint8 [E, 2I, H/32] (E8M0: the block's scale is 2 ** (byte - 127)), ``down_proj_blocks``
-[E, H, I/32, 16], ``down_proj_scales`` [E, H, I/32]; the biases ``gate_up_proj_bias`` [E, 2I]
-and ``down_proj_bias`` [E, H] stay unquantized. The packed weight is [out, in] per expert while
-the dense module keeps gpt-oss's transposed [in, out] (``is_transposed``).
+Stacked ``experts.{gate_up,down}_proj_blocks`` uint8 [E, out, in/32, 16] and ``_scales`` uint8
+[E, out, in/32] (E8M0); biases unquantized; the dense module keeps gpt-oss's [in, out].
+Dequantization equals transformers 5.24's ``_convert_moe_packed_tensors`` (integrations/mxfp4.py):
+its ``ldexp`` is one float32 product rounded once. Does not: read or write files.
 
-Dequantization (the packing, ``formats.unpack``) is bit-identical to transformers'
-``_convert_moe_packed_tensors`` (integrations/mxfp4.py, transformers 5.24: a lookup table in the
-model's dtype, low nibbles to the even columns and high nibbles to the odd ones, ``torch.ldexp``
-by the int32 exponent in place, then ``transpose(1, 2).contiguous()``): ``ldexp`` is ``out *
-2.0 ** exp`` computed in float32 (``pow`` of an int32 tensor is float32) and rounded once to the
-model's dtype, and the e2m1 values are exact in every dtype, so the product of the float32 value
-and the float32 power of two, rounded once, is the same. Owns also ``quantize_mxfp4``, a
-round-to-nearest quantizer (tests and the ``quantize`` command). Does not: read or write files.
-
-Legend: n experts, out x in one expert weight's (nn.Linear) shape, G = in / 32 blocks.
+Legend: n experts, out x in one expert weight's (nn.Linear) shape.
 """
 
 from __future__ import annotations
@@ -47,20 +35,14 @@ class Mxfp4Format(PackedFormat):
         return bool(quantization_config) and quantization_config.get("quant_method") == "mxfp4"
 
     def reference_kwargs(self) -> dict:
-        """transformers' own dequantization (``Mxfp4Config(dequantize=True)``): its local path, never
-        the Triton kernels it fetches from the Hub through the ``kernels`` package (no network)."""
+        """transformers' own dequantization (``Mxfp4Config(dequantize=True)``), never the Hub kernels."""
         from transformers import Mxfp4Config
 
         return {"quantization_config": Mxfp4Config(dequantize=True)}
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
-        """A transposed 2-D weight [in, out] -> (blocks uint8 [out, in/32, 16], scales uint8
-        [out, in/32]); biases stay dense.
-
-        Raises:
-            ValueError: a weight whose input dim is not a multiple of 32, or an untransposed
-                module (MXFP4 experts are published for gpt-oss's layout only).
-        """
+        """A transposed weight [in, out] -> (blocks uint8 [out, in/32, 16], scales uint8 [out, in/32]).
+        Raises ValueError: an input dim not a multiple of 32, or an untransposed module."""
         if len(dense.shape) != 2:
             return (dense,)
         if not transposed or sources != 1:
@@ -74,8 +56,7 @@ class Mxfp4Format(PackedFormat):
         )
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = True) -> WeightPacking:
-        """blocks [N, K/32, 16] (e2m1, low nibble first) with an E8M0 scale per 32 inputs,
-        multiplied in float32; the dense module is [K, N] (gpt-oss's transposed experts)."""
+        """e2m1 blocks [N, K/32, 16], an E8M0 scale per 32 inputs, in float32; the dense module is [K, N]."""
         blocks, scales = tensor.packed
         in_features, out_features = tensor.dense.shape
         return fp4_packing(tensor, weight=blocks, scale=scales, scale_codes="e8m0", group_size=BLOCK, sources=1,
@@ -83,14 +64,10 @@ class Mxfp4Format(PackedFormat):
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest MXFP4 of weights [..., out, in] (in a multiple of 32), OCP MX v1.0:
-    per 32-value block, shared exponent floor(log2(amax)) - 2 (e2m1's largest exponent), each
-    value / 2**exponent rounded to the nearest e2m1 value (ties to the lower code), clamped to
-    +-6. Returns (blocks uint8 [..., out, in/32, 16], scales uint8 [..., out, in/32]).
-
-    Raises:
-        ValueError: ``in`` not a multiple of 32.
-    """
+    """Round-to-nearest MXFP4 of weights [..., out, in], OCP MX v1.0: per 32-value block exponent
+    floor(log2(amax)) - 2, each value / 2**exponent rounded to the nearest e2m1 (ties to the lower
+    code), clamped to +-6. Returns (blocks uint8 [..., out, in/32, 16], scales uint8 [..., out, in/32]).
+    Raises ValueError: ``in`` not a multiple of 32."""
     *prefix, inp = weight.shape
     if inp % BLOCK:
         raise ValueError(f"MXFP4 needs the input size to be a multiple of {BLOCK}, got {inp}")

@@ -1,14 +1,8 @@
-"""Block-scaled 8-bit experts: the one class behind block FP8 (``fp8``) and block INT8 (``int8_block``).
+"""Block-scaled 8-bit experts: the one class behind block FP8 (``fp8_block``) and block INT8 (``int8_block``).
 
-Owns ``BlockFormat``: every quantized nn.Linear-shaped weight [out, in] is stored as ``weight``
-(8-bit values, [out, in]) and ``weight_scale_inv`` float32 [ceil(out / bm), ceil(in / bn)], the
-dequantization multiplier of each (bm x bn) block (an edge block may be partial):
-``W[r, c] = weight[r, c] * weight_scale_inv[r // bm, c // bn]``, both in float32, the product
-cast to the model's dtype. The store's row of a merged tensor (``gate_up_proj`` <- gate + up)
-holds each source's grid one after the other (transformers' ``Concatenate``; SGLang's w13
-scales the same). Subclasses say the value's dtype and code, where the block comes from
-(``block_from_grid``), and what a checkpoint's config.json says (``matches``,
-``from_quantization_config``). Does not: unpack (``formats.unpack``), read or write files.
+``BlockFormat``: 8-bit ``weight`` [out, in] and float32 ``weight_scale_inv`` [ceil(out / bm),
+ceil(in / bn)]: ``W[r, c] = weight[r, c] * weight_scale_inv[r // bm, c // bn]`` in float32, cast to
+the model's dtype; a merged tensor's row holds each source's grid in turn. Does not: read files.
 
 Legend: bm x bn the weight block, out x in one expert weight's (nn.Linear) shape.
 """
@@ -21,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.ct_schemes import dense_source_count
+from pagedexperts.formats.compressed_tensors.schemes import dense_source_count
 from pagedexperts.formats.packing import WeightPacking, derived_block, float8_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -42,11 +36,8 @@ class BlockFormat(PackedFormat):
     block_from_grid: ClassVar[bool] = False
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
-        """A 2-D [out, in] weight -> (8-bit weight [out, in], float32 scale_inv [sources x
-        ceil(out / sources / bm), ceil(in / bn)]); anything else stays dense.
-
-        Raises:
-            ValueError: transposed experts (gpt-oss): no published layout."""
+        """A 2-D [out, in] weight -> (8-bit weight, float32 scale_inv [sources x ceil(out / sources / bm),
+        ceil(in / bn)]); else dense. Raises ValueError: transposed experts (gpt-oss)."""
         if len(dense.shape) != 2:
             return (dense,)
         if transposed:
@@ -58,11 +49,8 @@ class BlockFormat(PackedFormat):
                            torch.float32))
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """The 8-bit weight [N, K] with one float32 scale per block, multiplied in float32: the
-        block per source, or (``block_from_grid``) derived from the grid over the whole tensor.
-
-        Raises:
-            ValueError: (``block_from_grid``) a weight not a multiple of its grid (as transformers)."""
+        """One float32 scale per block, the block per source or (``block_from_grid``) from the whole grid.
+        Raises ValueError: (``block_from_grid``) a weight not a multiple of its grid."""
         weight, scale = tensor.packed
         if self.block_from_grid:
             return float8_packing(tensor, scale=scale, strategy="block", codes=self.codes, sources=1,

@@ -1,39 +1,11 @@
-"""compressed-tensors ``pack-quantized`` experts beyond uniform int4: 8-bit (W8A16), a scheme per
-projection (config groups: gate/up group 128, down group 64), activation order (``weight_g_idx``).
+"""compressed-tensors ``pack-quantized`` experts beyond uniform int4 (which ``w4a16`` reads):
+8-bit (W8A16), a scheme per projection (config groups), activation order (``weight_g_idx``).
 
-Owns: binding each dense experts tensor to its own config group (``ct_schemes``), the packed
-specs and their ``WeightPacking`` (``formats.unpack`` dequantizes). Does not: read files, store,
-page.
-Uniform symmetric/asymmetric int4 without ``weight_g_idx`` stays with ``compressed_tensors``
-(``w4a16``); this module takes what that one refuses.
+Layout and dequantization as compressed-tensors 0.20 ``PackedQuantizationCompressor`` +
+``pack_to_int32`` (``weight_g_idx``: 0.12's ``_process_quantization``, ``(q - zp[g]) * s[g]`` per
+column's group): formats/README.md "Packings". Does not: read files, store, page.
 
-On-disk layout (compressed-tensors 0.19/0.20 ``PackedQuantizationCompressor`` +
-``pack_to_int32``; llm-compressor 0.14 W8A16 / W4A16 with config groups), per projection of an
-nn.Linear weight [O, I], b = num_bits in {4, 8}, G groups:
-
-- ``weight_packed`` int32 [O, I * b / 32]: value ``q + 2**(b-1)`` of column c in bits
-  ``b * (c % (32/b))`` of word ``c // (32/b)`` (no value straddles a word for b = 4, 8);
-- ``weight_scale`` [O, G] (G = ceil(I / group_size), 1 for ``channel``); the scales' dtype;
-- ``weight_zero_point`` int32 [ceil(O * b / 32), G] (asymmetric): packed along O;
-- ``weight_shape`` int64 [2] = (O, I);
-- ``weight_g_idx`` int32 [I] (``actorder: group``, written by compressed-tensors <= 0.12 /
-  llm-compressor GPTQ with activation order before 0.14 removed it): the group of each input
-  column. Published dequantization (compressed-tensors <= 0.12 ``_process_quantization``:
-  permute by ``argsort(g_idx)``, dequantize per group, permute back) is, element by element,
-  ``w[o, c] = (q[o, c] - zp[o, g_idx[c]]) * s[o, g_idx[c]]``, which is what the packing says.
-
-Dequantize (``compressed_tensors.quantization.lifecycle.forward_helpers._dequantize``):
-``(q.to(s.dtype) - zp.to(s.dtype)) * s`` per group, in the scales' dtype, then the dense dtype
-(transformers stacks the experts in the scales' dtype, see ``compressed_tensors``).
-
-Which reference loads what (transformers 5.24 + compressed-tensors 0.20): transformers applies
-ONE config group to every expert projection (``get_experts_scheme``), so a checkpoint whose
-down_proj has another group size fails to load there (or, when the sizes both divide, is read
-with the wrong group size); neither transformers (it drops ``weight_g_idx``) nor
-compressed-tensors >= 0.13 (it no longer reads it) dequantizes activation order. Uniform
-8-bit is read correctly by both, and paged == transformers there.
-
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, b bits, G groups.
 """
 
 from __future__ import annotations
@@ -45,9 +17,9 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.compressed_tensors import _torch_dtype
-from pagedexperts.formats.linear import ct_linear_format
-from pagedexperts.formats.ct_schemes import ExpertScheme, dense_source_count, expert_in_features, resolved_schemes
+from pagedexperts.formats.compressed_tensors.w4a16 import _torch_dtype
+from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
+from pagedexperts.formats.compressed_tensors.schemes import ExpertScheme, dense_source_count, expert_in_features, resolved_schemes
 from pagedexperts.formats.packing import WeightPacking, dense_packing, int_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -56,8 +28,7 @@ BITS = (4, 8)
 
 @dataclass(frozen=True)
 class PackedArgs:
-    """One dense experts tensor's pack-quantized weights: bits, group size (None: channel),
-    symmetry, activation order (``weight_g_idx`` stored)."""
+    """One dense tensor's pack-quantized weights: bits, group size (None: channel), symmetry, g_idx stored."""
 
     num_bits: int
     group_size: int | None
@@ -97,8 +68,7 @@ def pack_schemes(quantization_config: dict | None) -> dict[str, ExpertScheme]:
 
 
 class CompressedTensorsPackedFormat(PackedFormat):
-    """pack-quantized int weights bound per dense experts tensor (bits, group size, symmetry,
-    g_idx). Subclasses say which checkpoints they take (``matches``)."""
+    """pack-quantized int weights bound per dense experts tensor; subclasses say which they ``matches``."""
 
     serialized_names = {"weight": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")}
     linear_format = ct_linear_format
@@ -126,12 +96,8 @@ class CompressedTensorsPackedFormat(PackedFormat):
 
     @classmethod
     def from_config(cls, config, quantization_config: dict | None):
-        """As ``from_quantization_config``, the scales' dtype defaulting to the checkpoint's saved
-        dtype (as ``w4a16``), and every group size checked against the experts' input features
-        from the config, so ``preflight`` refuses what ``load_model`` would.
-
-        Raises:
-            ValueError: a group size that does not divide its projection's input features."""
+        """As ``from_quantization_config``, the scales' dtype defaulting to the saved dtype.
+        Raises ValueError: a group size that does not divide its projection's input features."""
         fmt = cls.from_quantization_config(quantization_config)
         get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
         if fmt.scale_dtype is None:
@@ -145,8 +111,7 @@ class CompressedTensorsPackedFormat(PackedFormat):
         return fmt
 
     def with_stored_dtypes(self, dtypes) -> "CompressedTensorsPackedFormat":
-        """Bound to the dtype the checkpoint stores ``weight_scale`` in (compressed-tensors
-        dequantizes in the scales' own dtype; transformers stacks the experts in it)."""
+        """Bound to the dtype the checkpoint stores ``weight_scale`` in."""
         stored = dtypes.get("weight_scale")
         return self if stored is None or stored == self.scale_dtype else type(self)(self.args, scale_dtype=stored)
 
@@ -154,8 +119,7 @@ class CompressedTensorsPackedFormat(PackedFormat):
         return self.scale_dtype or model_dtype
 
     def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
-        """As ``ExpertFormat.layout``, quantized dense tensors in the scales' dtype (transformers
-        stacks the experts in it; see ``compressed_tensors.CompressedTensorsW4A16Format.layout``)."""
+        """As ``ExpertFormat.layout``, quantized dense tensors in the scales' dtype when bound."""
         base = super().layout(dense_specs, sources=sources, transposed=transposed)
         if self.scale_dtype is None:
             return base
@@ -183,8 +147,7 @@ class CompressedTensorsPackedFormat(PackedFormat):
         return tuple(specs)
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """b-bit values along the input dim ([N, K*b/32] words), scales [N, G], zero points
-        packed along the output dim per source, and ``weight_g_idx`` read per column when stored."""
+        """b-bit values along K, scales [N, G], zero points along N per source, ``weight_g_idx`` when stored."""
         name, args = tensor.dense.name, self.args.get(tensor.dense.name)
         if args is None or tensor.is_passthrough:
             return dense_packing(tensor, transposed=transposed)

@@ -1,20 +1,9 @@
-"""Block FP8: float8_e4m3fn weights with one float32 ``weight_scale_inv`` per weight block.
+"""Block FP8 (DeepSeek-V3, Qwen3-*-FP8: ``quant_method: fp8``, ``weight_block_size``), and ``quantize_fp8_block``.
 
-The layout of DeepSeek-V3 and the Qwen3-*-FP8 checkpoints (``quantization_config``:
-``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-"weight_block_size": [128, 128]}``): every quantized nn.Linear-shaped weight [out, in] is
-stored as ``weight`` float8_e4m3fn [out, in] and ``weight_scale_inv`` float32
-[ceil(out / bm), ceil(in / bn)], the dequantization multiplier of each (bm x bn) block:
-W[r, c] = weight[r, c] * weight_scale_inv[r // bm, c // bn].
+Dequantized as transformers 5.24's ``Fp8Dequantize._dequantize_one`` (integrations/finegrained_fp8.py):
+the block derived from the grid, ``block.BlockFormat``. Does not: read or write files.
 
-Dequantization follows transformers' ``Fp8Dequantize._dequantize_one``
-(integrations/finegrained_fp8.py, transformers 5.24): the block size is derived from the scale
-grid (``rows // scale_rows``), both operands go to float32, one multiply, one cast to the
-model's dtype: ``block.BlockFormat`` with ``block_from_grid``. Owns the config's recognition
-and ``quantize_fp8_block``, a round-to-nearest quantizer (tests and the ``quantize`` command).
-Does not: unpack (``formats.unpack``), read or write files.
-
-Legend: n experts, bm x bn the weight block, out x in one expert weight's (nn.Linear) shape.
+Legend: bm x bn the weight block, out x in one expert weight's (nn.Linear) shape.
 """
 
 from __future__ import annotations
@@ -22,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from pagedexperts.formats.base import ceil_div
-from pagedexperts.formats.block import BlockFormat
+from pagedexperts.formats.fp8_fp4.block import BlockFormat
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -65,16 +54,10 @@ class Fp8BlockFormat(BlockFormat):
 
 
 def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest block FP8 of one weight [out, in] (any float dtype).
-
-    Each (bm x bn) block gets scale_inv = amax(|block|) / 448 (1.0 for an all-zero block);
-    weight = round(W / scale_inv) to float8_e4m3fn. Returns (float8_e4m3fn [out, in], float32
-    [ceil(out/bm), ceil(in/bn)]). A dim smaller than its block is one partial block.
-
-    Raises:
-        ValueError: a dim larger than its block and not a multiple of it: transformers derives
-            the block from the grid (``rows // scale_rows``) and would read other blocks.
-    """
+    """Round-to-nearest block FP8 of one weight [out, in]: scale_inv = amax(|block|) / 448 (1.0 for
+    an all-zero block), weight = round(W / scale_inv). Returns (e4m3 [out, in], float32
+    [ceil(out/bm), ceil(in/bn)]); a dim smaller than its block is one partial block.
+    Raises ValueError: a dim larger than its block and not a multiple of it (names --block-size)."""
     out, inp = weight.shape
     bm, bn = block
     for size, b, what in ((out, bm, "rows"), (inp, bn, "cols")):

@@ -1,29 +1,11 @@
-"""GPTQModel's FP8 (``quant_method: fp8`` with ``weight_scale_semantics: inverse``, GPTQModel
-7.7's ``FP8Config``): float8_e4m3fn weights and one float32 ``weight_scale_inv`` per output row.
+"""GPTQModel's FP8 (``quant_method: fp8``, ``weight_scale_semantics: inverse``, GPTQModel 7.7 ``FP8Config``).
 
-Owns: recognising GPTQModel's FP8 in config.json (before block FP8, whose ``weight_scale_inv``
-is the multiplier: the same key with the opposite meaning), the per-expert specs, its
-``dynamic`` rules for non-expert modules, and the ``WeightPacking`` of its dequantization
-(``scale_op`` "divide"; ``formats.unpack`` dequantizes). Does not: read files, store, page,
-unpack, or quantize activations.
+``weight`` e4m3 [O, I] and float32 ``weight_scale_inv`` [O] = 448 / amax per row, DIVIDING the
+weight in the model's dtype (``nn_modules/qlinear/fp8.py`` ``TorchFP8Linear``, formats/README.md).
+Registered before block FP8, whose ``weight_scale_inv`` multiplies. Does not: read files, store,
+page, or quantize activations.
 
-On-disk layout (GPTQModel 7.7 ``nn_modules/qlinear/fp8.py`` ``TorchFP8Linear``, default
-``weight_scale_method: row``), per expert projection of an nn.Linear weight [O, I]: ``weight``
-float8_e4m3fn [O, I] = round(W * s) and ``weight_scale_inv`` float32 [O], s = 448 / amax of the
-row (the quantizer's multiplier, "inverse" semantics; ``weight_block_size`` null). config.json:
-``format`` / ``checkpoint_format`` ``float8_e4m3fn``, ``weight_scale_method`` and
-``weight_scale_semantics``, ``dynamic`` as for GPTQ (``formats.gptq_dynamic``).
-
-Dequantize (``TorchFP8Linear.dequantize_weight`` on a CPU, ``quantization/dtype.py``
-``_dequantize_f8_reference`` with the scale on axis 0): ``weight.to(D) / weight_scale_inv.to(D)``
-in the model's dtype D (its forward dequantizes into the input's dtype), the scale broadcast
-over its row. That function multiplies instead when every scale of a module is at most 1 (a
-heuristic for multiplier-style scales); GPTQModel's own quantizer writes 448 / amax, which is at
-most 1 only for rows whose largest weight is at least 448, so pagedexperts always divides and
-says so here. ``weight_scale_method`` ``tensor`` and ``block`` are refused (GPTQModel routes them
-through other CPU kernels).
-
-Legend: n experts dequantized together, R rows (gate and up concatenated), I input features.
+Legend: n experts, R rows (gate and up concatenated), I input features.
 """
 
 from __future__ import annotations
@@ -31,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec
-from pagedexperts.formats.gptq_dynamic import IntArgs, dynamic_override, expert_args, module_args
+from pagedexperts.formats.gptq.dynamic import IntArgs, dynamic_override, expert_args, module_args
 from pagedexperts.formats.packing import WeightPacking, dense_packing, float8_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -57,10 +39,8 @@ class GptqModelFp8Format(PackedFormat):
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "GptqModelFp8Format":
         """Bind the ``dynamic`` rules.
-
-        Raises:
-            ValueError: a semantics, scale method or format this reader does not read, or
-                ``dynamic`` rules that change or skip routed experts (names the field and value)."""
+        Raises ValueError: a semantics, scale method or format this reader does not read, or ``dynamic`` rules
+        that change or skip routed experts (names the field and value)."""
         qc = quantization_config or {}
         for key, want in (("weight_scale_semantics", "inverse"), ("weight_scale_method", "row")):
             if qc.get(key, want) != want:
@@ -84,9 +64,7 @@ class GptqModelFp8Format(PackedFormat):
 
     def linear_format(self, module: str, quantization_config: dict | None) -> "GptqModelFp8Format | None":
         """``self`` for a non-expert module, None where a ``-:`` rule leaves it unquantized.
-
-        Raises:
-            ValueError: a rule that changes the module's fields (names it)."""
+        Raises ValueError: a rule that changes the module's fields (names it)."""
         args = module_args(IntArgs(8, -1), dynamic_override(self.dynamic, module), what=f"GPTQModel fp8 dynamic ({module})")
         if args is None:
             return None
@@ -96,9 +74,7 @@ class GptqModelFp8Format(PackedFormat):
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """fp8 [R, I] and ``weight_scale_inv`` float32 [R] (sources concatenated on dim 0).
-
-        Raises:
-            ValueError: transposed experts (gpt-oss)."""
+        Raises ValueError: transposed experts (gpt-oss)."""
         if len(dense.shape) != 2:
             return (dense,)
         if transposed:
@@ -107,8 +83,7 @@ class GptqModelFp8Format(PackedFormat):
                 TensorSpec(dense.name + SCALE_SUFFIX, (dense.shape[0],), torch.float32))
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """fp8 [N, K] divided by one scale per row, in the dense dtype: ``weight.to(D) /
-        weight_scale_inv.to(D)`` (rows independent: gate and up together)."""
+        """fp8 [N, K] divided by one scale per row in the dense dtype (``scale_op`` "divide")."""
         if tensor.is_passthrough:
             return dense_packing(tensor, transposed=transposed)
         return float8_packing(tensor, scale=tensor.packed[1], strategy="channel", sources=1,

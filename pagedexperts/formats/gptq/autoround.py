@@ -1,37 +1,18 @@
 """AutoRound's native integer format (``quant_method: auto-round``, ``data_type: int``).
 
-Owns: recognising AutoRound's own export (``format="auto_round"``, its default) for integer
-weights, the packed per-expert specs and their ``WeightPacking`` (``formats.unpack`` dequantizes),
-per-module ``extra_config`` overrides. Does not: read files, store, page; AutoRound's
-floating-point data types (``fp`` FP8, ``nv_fp`` NVFP4, ``mx_fp`` MXFP4) are
-``formats.autoround_fp``'s (registered before this class), and other data types are refused
-naming ``data_type``.
-
-On-disk layout (AutoRound 0.16.1 ``export/export_to_autoround/export.py`` ``pack_layer`` with the
-QuantLinear of ``auto_round_extension/torch``): ``packing_format`` picks it.
-
-- ``auto_round:auto_gptq`` (what a symmetric scheme writes: W4A16, W8A16, the default):
-  ``qlinear_torch_zp.QuantLinear``: GPTQ's layout (``qweight`` int32 [I*b/32, O] packed along
-  the input dim, ``qzeros`` int32 [G, O*b/32] packed along the output dim, ``scales`` float16
-  [G, O]) with zero points stored minus one, clamped to [0, 2**b - 1]; no ``g_idx``.
-- ``auto_round`` (asymmetric schemes): ``qlinear_torch.QuantLinear``: the same layout with the
-  zero points stored as they are.
-
-G = ceil(I / g) (one group when g > I or g = -1). Dequantize (the QuantLinear's ``forward``):
-``z = unpack(qzeros) (+ 1 for auto_gptq packing, per value, no wrap)``, ``W^T = scales[i // g] *
-(q - z[i // g])`` in the scales' dtype (float16), then cast to the input's dtype; bit-identical
-to GPTQ's ``(q - z) * s`` (one rounding of an exact integer times the scale).
-
-``extra_config`` (per-module overrides: the router's ``bits: 16``, or another group size) binds
-each dense experts tensor as GPTQModel's ``dynamic`` does (``gptq_dynamic``).
+Layout (AutoRound 0.16.1 ``export/export_to_autoround/export.py`` ``pack_layer``, the QuantLinear of
+``auto_round_extension/torch``): GPTQ's without ``g_idx``; ``packing_format`` ``auto_round:auto_gptq``
+stores zero points minus one (+ 1 per value on reading, no wrap), ``auto_round`` as they are
+(formats/README.md "Packings"). ``extra_config`` binds each dense tensor (``dynamic``). The FP data types
+are ``formats.gptq.autoround_fp``'s. Does not: read files, store, page.
 """
 
 from __future__ import annotations
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec
-from pagedexperts.formats.ct_schemes import dense_source_count
-from pagedexperts.formats.gptq import GptqFormat, _check_args
-from pagedexperts.formats.gptq_dynamic import expert_args, extra_config_override, module_args
+from pagedexperts.formats.compressed_tensors.schemes import dense_source_count
+from pagedexperts.formats.gptq.gptq import GptqFormat, _check_args
+from pagedexperts.formats.gptq.dynamic import expert_args, extra_config_override, module_args
 from pagedexperts.formats.packing import WeightPacking, int_packing
 
 PACKING_ZERO_OFFSET = {"auto_round:auto_gptq": 1, "auto_round": 0}  # packing_format -> added to each stored zero
@@ -55,12 +36,8 @@ class AutoRoundFormat(GptqFormat):
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "AutoRoundFormat":
         """Bind bits, group size, packing and ``extra_config``.
-
-        Raises:
-            ValueError: a ``data_type`` other than int, activation quantization (``act_bits`` below
-                16), a ``packing_format`` not in ``PACKING_ZERO_OFFSET``, bits or group size that
-                ``gptq`` cannot read; each naming the field and value.
-        """
+        Raises ValueError: a ``data_type`` other than int, ``act_bits`` below 16, a ``packing_format`` not in
+        ``PACKING_ZERO_OFFSET``, or bits / group size ``gptq`` cannot read (names it)."""
         qc = quantization_config or {}
         data_type = str(qc.get("data_type", "int"))
         if data_type not in INT_DATA_TYPES:
@@ -80,11 +57,8 @@ class AutoRoundFormat(GptqFormat):
 
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "AutoRoundFormat":
-        """As ``from_quantization_config``, each dense experts tensor bound to its projections'
-        ``extra_config`` overrides.
-
-        Raises:
-            ValueError: see ``gptq_dynamic.expert_args``."""
+        """As ``from_quantization_config``, each dense tensor bound to its ``extra_config`` overrides.
+        Raises ValueError: see ``dynamic.expert_args``."""
         fmt = cls.from_quantization_config(quantization_config)
         if fmt.extra_config:
             fmt.per_tensor = expert_args(fmt.args, config, lambda m: extra_config_override(fmt.extra_config, m),
@@ -99,7 +73,7 @@ class AutoRoundFormat(GptqFormat):
         return type(self)(**{**fields, **changes})
 
     def linear_format(self, module: str, quantization_config: dict | None) -> "AutoRoundFormat | None":
-        """The format of non-expert ``module`` with its ``extra_config`` entry (None: ``bits`` 16)."""
+        """Non-expert ``module``'s format with its ``extra_config`` entry (None: ``bits`` 16)."""
         args = module_args(self.args, extra_config_override(self.extra_config, module),
                            what=f"auto-round extra_config ({module})")
         if args is None:
@@ -108,14 +82,11 @@ class AutoRoundFormat(GptqFormat):
         return self._bound(bits=args.bits, group_size=args.group_size, per_tensor={}, extra_config=None)
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
-        """GPTQ's specs (see ``GptqFormat.pack``) without ``g_idx``: [I*b/32, O] qweight, [G, O*b/32]
-        qzeros, [G, O] scales per source, side by side along dim 1."""
+        """GPTQ's specs (``GptqFormat.pack``) without ``g_idx``."""
         return super().pack(dense, sources=sources, transposed=transposed)[:3]
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """GPTQ's qweight [K*b/32, N] and qzeros [G, N*b/32] (input-major), scales [G, N] multiplied
-        in their dtype, groups ``k // group_size`` (no g_idx), and the ``auto_round:auto_gptq``
-        packing's + 1 added to each zero point after unpacking (no wrap: ``zero_carries`` False)."""
+        """GPTQ's packing without g_idx, ``auto_round:auto_gptq``'s + 1 per zero point (``zero_carries`` False)."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         in_features, args = tensor.dense.shape[1], self.tensor_args(tensor.dense.name)
         return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=args.bits,

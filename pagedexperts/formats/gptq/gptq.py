@@ -1,36 +1,11 @@
-"""GPTQ experts, 2/4/8 bits (AutoGPTQ / GPTQModel / AutoRound ``auto_gptq`` checkpoints, ``quant_method: gptq``).
+"""GPTQ experts, 2/4/8 bits (AutoGPTQ / GPTQModel / AutoRound ``auto_gptq``: ``quant_method: gptq``).
 
-Owns: recognising the format, the packed per-expert tensor specs and their ``WeightPacking``,
-GPTQModel's per-module ``dynamic`` overrides (``formats.gptq_dynamic``). Does not: unpack
-(``formats.unpack`` interprets the packing), read files, store, page, or quantize (GPTQ needs
-calibration; ``quantize`` writes w4a16 instead).
+Layout and dequantization as GPTQModel 7.7 writes and reads them (``nn_modules/qlinear/__init__.py``
+``PackableQuantLinear.pack`` / ``dequantize_weight``; v1 zeros converted per word as
+``utils/model.py`` ``convert_gptq_v1_to_v2_format_module``): formats/README.md "Packings". Bound per
+dense tensor to GPTQModel's ``dynamic`` overrides. Does not: read files, store, page, or quantize.
 
-On-disk layout (GPTQModel 7.7 ``nn_modules/qlinear/__init__.py`` ``PackableQuantLinear.pack`` and
-``dequantize_weight``; AutoGPTQ's ``QuantLinear`` before it), per expert projection
-``experts.{j}.{gate,up,down}_proj`` of an nn.Linear weight [O, I], b bits (2, 4, 8: 32 / b
-values per int32 word, none straddling a word), group size g, G = ceil(I / g) (one group when
-g > I or g = -1: GPTQModel writes ``g_idx`` = i // g, all 0):
-
-- ``qweight`` int32 [I * b / 32, O]: q[i, o] in bits ``b * (i % (32/b))`` of word
-  [i // (32/b), o] (packed along the INPUT dim);
-- ``qzeros`` int32 [G, O * b / 32]: zero points packed the same way along the OUTPUT dim.
-  ``checkpoint_format`` "gptq" (v1) stores z - 1: GPTQModel's v1 -> v2 conversion
-  (``utils/model.py`` ``convert_gptq_v1_to_v2_format_module``) adds 0x11111111 (b = 4;
-  0x01010101 for 8, 0x55555555 for 2) to each WORD, so a borrow its v2 -> v1 save made
-  (z = 0) carries back into the next value; "gptq_v2" stores z;
-- ``scales`` [G, O] float16 (GPTQModel and AutoRound write float16; bound to what the
-  checkpoint stores, ``with_stored_dtypes``);
-- ``g_idx`` int32 [I]: the group of each input channel; ``i // g`` without ``desc_act`` (what
-  GPTQModel writes, and what the packing then reads: ``packing.g_idx_is_trivial`` checks rows),
-  any permutation-derived grouping with it (act-order), read per column.
-
-Dequantize (``dequantize_weight``): ``W^T[i, o] = scales[g_idx[i], o] * (q[i, o] -
-z[g_idx[i], o])`` in the scales' dtype (the integer difference is exact; one rounding in the
-product), transposed to [O, I] and cast to the model's dtype (GPTQModel's torch kernel casts
-the dequantized weight to the input's dtype). Symmetric GPTQ stores z = 2**(b-1) like any
-other zero point.
-
-Legend: n experts dequantized together, O output features, I input features, G groups.
+Legend: n experts, O output features, I input features, b bits, G groups.
 """
 
 from __future__ import annotations
@@ -40,7 +15,7 @@ from typing import Mapping
 import torch
 
 from pagedexperts.formats.base import QuantizedTensor, TensorSpec
-from pagedexperts.formats.gptq_dynamic import IntArgs, dynamic_override, expert_args, module_args
+from pagedexperts.formats.gptq.dynamic import IntArgs, dynamic_override, expert_args, module_args
 from pagedexperts.formats.packing import WeightPacking, int_packing
 from pagedexperts.formats.unpack import PackedFormat
 
@@ -54,8 +29,7 @@ def per_word(bits: int) -> int:
 
 
 class GptqFormat(PackedFormat):
-    """GPTQ experts, 2/4/8 bits, any group size (one group when it exceeds a row), with or
-    without desc_act, bound per dense experts tensor (GPTQModel's ``dynamic`` overrides)."""
+    """GPTQ experts, 2/4/8 bits, any group size, desc_act or not, bound per dense tensor (``dynamic``)."""
 
     name = "gptq"
     serialized_names = {"weight": ("qweight", "qzeros", "scales", "g_idx")}
@@ -80,13 +54,9 @@ class GptqFormat(PackedFormat):
 
     @classmethod
     def from_quantization_config(cls, quantization_config: dict | None) -> "GptqFormat":
-        """Bind bits, group size, desc_act, checkpoint_format and the ``dynamic`` rules (``sym``
-        needs nothing: a symmetric checkpoint stores its zero points, 2**(bits-1), like any other).
-
-        Raises:
-            ValueError: bits not in ``BITS``, a group size that is not positive or -1, or a
-                checkpoint_format other than gptq / gptq_v2 (e.g. marlin), naming the value.
-        """
+        """Bind bits, group size, desc_act, checkpoint_format and the ``dynamic`` rules.
+        Raises ValueError: bits not in ``BITS``, a group size neither positive nor -1, or a checkpoint_format
+        other than gptq / gptq_v2 (e.g. marlin), naming the value."""
         qc = quantization_config or {}
         bits = qc.get("bits")
         _check_args("gptq checkpoint", bits, qc.get("group_size", 128))
@@ -98,11 +68,8 @@ class GptqFormat(PackedFormat):
 
     @classmethod
     def from_config(cls, config, quantization_config: dict | None) -> "GptqFormat":
-        """As ``from_quantization_config``, each dense experts tensor bound to its projections'
-        ``dynamic`` overrides (down_proj group 32 beside gate/up group 128).
-
-        Raises:
-            ValueError: see ``gptq_dynamic.expert_args`` and ``_check_args``."""
+        """As ``from_quantization_config``, each dense tensor bound to its projections' ``dynamic`` overrides.
+        Raises ValueError: see ``dynamic.expert_args`` and ``_check_args``."""
         fmt = cls.from_quantization_config(quantization_config)
         if fmt.dynamic:
             fmt.per_tensor = expert_args(fmt.args, config, lambda m: dynamic_override(fmt.dynamic, m), what="gptq dynamic")
@@ -117,14 +84,12 @@ class GptqFormat(PackedFormat):
         return type(self)(**{**fields, **changes})
 
     def with_stored_dtypes(self, dtypes) -> "GptqFormat":
-        """Bound to the dtype the checkpoint stores ``scales`` in (float16 as GPTQModel writes them;
-        GPTQModel's ``dequantize_weight`` computes in the scales' dtype)."""
+        """Bound to the dtype the checkpoint stores ``scales`` in."""
         stored = dtypes.get("scales")
         return self if stored is None or stored == self.scale_dtype else self._bound(scale_dtype=stored)
 
     def linear_format(self, module: str, quantization_config: dict | None) -> "GptqFormat | None":
-        """The format of non-expert ``module``: the base config with its ``dynamic`` override (None:
-        a ``-:`` rule leaves it unquantized)."""
+        """Non-expert ``module``'s format: the base config with its ``dynamic`` override (None: a ``-:`` rule)."""
         args = module_args(self.args, dynamic_override(self.dynamic, module), what=f"gptq dynamic ({module})")
         if args is None:
             return None
@@ -135,13 +100,8 @@ class GptqFormat(PackedFormat):
         return self.per_tensor.get(dense_name, self.args)
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
-        """Specs of one dense [sources * O, I] expert tensor: each source's [I*b/32, O] qweight,
-        [G, O*b/32] qzeros and [G, O] scales side by side along dim 1, g_idx [I] one after the
-        other along dim 0 (G = ceil(I / g): one group when g exceeds I).
-
-        Raises:
-            ValueError: transposed experts, or I or O not a multiple of 32 / bits.
-        """
+        """Per source qweight [I*b/32, O], qzeros [G, O*b/32], scales [G, O] side by side on dim 1, g_idx [I]
+        on dim 0. Raises ValueError: transposed experts, or I or O not a multiple of 32 / bits."""
         if transposed:
             raise ValueError(f"{self.name}: experts stored transposed ([in, out], e.g. gpt-oss) are not supported")
         args = self.tensor_args(dense.name)
@@ -160,10 +120,7 @@ class GptqFormat(PackedFormat):
         )
 
     def packing(self, tensor: QuantizedTensor, *, transposed: bool = False) -> WeightPacking:
-        """qweight [K/8, N] (input-major), qzeros [G, N/8] (+ the v1 offset), scales [G, N]
-        multiplied in float16. With ``desc_act`` the kernel reads g_idx per input column;
-        without it, groups are ``k // group_size`` (GPTQ writes that g_idx;
-        ``packing.g_idx_is_trivial`` checks a checkpoint's rows)."""
+        """GPTQ's packing (formats/README.md "Packings"): g_idx per column with ``desc_act``, else ``k // group_size``."""
         name, specs = tensor.dense.name, {p.name: p for p in tensor.packed}
         in_features, args = tensor.dense.shape[1], self.tensor_args(tensor.dense.name)
         return int_packing(tensor, weight=specs[f"{name}_qweight"], scale=specs[f"{name}_scales"], bits=args.bits,
