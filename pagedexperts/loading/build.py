@@ -41,7 +41,7 @@ READ_AHEAD_EXPERTS_PER_TOP_K = 2  # disk tier staging: read-ahead buffers = 2 x 
 KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted in host memory on a CPU device (one long request)
 
 
-def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, files=None):
+def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, files=None, before_fill=None):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
     ``cfg``: the paging options, checked against ``config`` and the format by
@@ -55,7 +55,9 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, fi
     makes random weights for benchmarks at real scale. ``expert_format``: the checkpoint's format
     (None: from ``config``'s ``quantization_config``); the stores hold its packed tensors.
     ``files``: the checkpoint's shards, whose quantized non-expert modules the host-memory plan
-    counts as the load keeps them (``loading.linears.plan_model_linears``).
+    counts as the load keeps them (``loading.linears.plan_model_linears``). ``before_fill(runtime)``:
+    called once the stores exist, before ``fill`` (``load_model`` reads a stored kernel layout
+    into them: ``loading.stored_layout.read_stored_layout``).
 
     Raises:
         MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``).
@@ -79,6 +81,8 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, expert_format=None, fi
                        layouts=layouts, memory=memory, stores=stores)
     runtime = PagingRuntime(config=cfg, resolved=resolved, num_experts=num_experts, top_k=top_k,
                             expert_format=fmt.name, layouts=layouts, sites=sites, stores=stores, read_ahead=read_ahead)
+    if before_fill is not None:
+        before_fill(runtime)
     runtime.quantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
     attach_runners(runtime, dev)
     _install(model, runtime, dev)

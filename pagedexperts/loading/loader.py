@@ -24,7 +24,8 @@ from pagedexperts.loading.config import (ConfigError, PagingConfig, check_config
 from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
 from pagedexperts.loading.runners import install_prefetch
-from pagedexperts.loading.stored_layout import attach_stored_layout, record_stored_layout
+from pagedexperts.loading.stored_layout import (attach_stored_layout, read_stored_layout, skip_stored_layout,
+                                                 warn_no_effect)
 from pagedexperts.models.sites import check_supported
 from pagedexperts.models.config import read_config, routing_problem, with_modelopt_quantization
 from pagedexperts.paging.steps.table import PACKED
@@ -93,12 +94,14 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
             and compare what the experts kernel would read with the checkpoint's own tensors
             of that expert (``loading.independence``); raises naming the tensor on a mismatch.
             With the disk tier, the predictions are also read ahead from disk.
-        stored_layout: with the disk tier where the experts run packed (auto's choice or the flag), read them
+        stored_layout: where the experts run packed (auto's choice or the flag), read them
             from a stored copy in the CPU kernels' layout (``loading.stored_layout``: the
             checkpoint's own ``kernel-layout/``, or written once to ``stored_layout_dir``, None:
             kernel-layouts/ in $PAGEDEXPERTS_CACHE, else $XDG_CACHE_HOME/pagedexperts, else
-            ~/.cache/pagedexperts), so that a miss is a read and a copy; False:
-            each miss converts the checkpoint's rows at page-in.
+            ~/.cache/pagedexperts), so that a disk-tier miss is a read and a copy and a full host
+            store is read at load, never converted; False: each expert converted from the
+            checkpoint's rows (the disk tier's at page-in, a full store's at load). Either flag
+            where no experts run packed: a WARNING, no effect.
         host_memory_gb: G, host memory in GB (1e9 bytes) for everything the process holds
             (``storage.host_memory.HostMemoryPlan``): the expert store, the slots, non-expert
             weights and a KV estimate on a CPU device, and the runtime allowance. When all E
@@ -140,12 +143,16 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
     packed = resolve_experts_implementation(cfg, fmt, resolve_dtype(cfg.dtype, config)) == PACKED
     fill = functools.partial(fill_from_checkpoint, model_type=config.model_type, files=files, fmt=fmt,
                              packed_linears=packed)
-    model = build_paged_model(config, fill, cfg, expert_format=fmt, files=files)
+    sources, cache_dir = [*files, path / "config.json"], None if cfg.stored_layout_dir is None else Path(cfg.stored_layout_dir)
+    read_stored = functools.partial(read_stored_layout, checkpoint=path, files=sources, cache_dir=cache_dir)
+    model = build_paged_model(config, fill, cfg, expert_format=fmt, files=files,
+                              before_fill=read_stored if cfg.stored_layout else None)
     if cfg.stored_layout:
-        attach_stored_layout(model, path, [*files, path / "config.json"],
-                             cache_dir=None if cfg.stored_layout_dir is None else Path(cfg.stored_layout_dir))
+        attach_stored_layout(model, path, sources, cache_dir=cache_dir)
     else:
-        record_stored_layout(model.pagedexperts, None, "--no-stored-layout: each expert converted at page-in")
+        skip_stored_layout(model.pagedexperts)
+    if cfg.stored_layout_dir is not None:
+        warn_no_effect(model.pagedexperts, "--stored-layout-dir")
     if check_independence:
         check_model_independence(model, files, fmt)
         for store in model.pagedexperts.stores.values():  # the check's samples leave no trace

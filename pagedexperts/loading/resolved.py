@@ -47,9 +47,9 @@ class Resolved:
             when it keeps fewer than E host rows per layer).
         experts_fallbacks: MoE layer -> why it runs grouped_mm although packed was resolved (its
             format's kernels are not torch's CPU int4 / int8 ones).
-        stored_layout: the stored kernel layout's path the packed disk tier reads
-            (``loading.stored_layout``; None: it converts at page-in, or there is no packed disk
-            tier); its reason, where there is a packed disk tier, says which and why.
+        stored_layout: the stored kernel layout's path the packed disk tier reads, or a full
+            packed host store was read from or wrote at load (``loading.stored_layout``; None: it
+            converts, or no experts run packed); its reason, where experts run packed, says which and why.
         reasons: choice name -> why it resolved so (the flag given, auto's rule, a default).
 
     The mappings are the record's own: read them, never write them.

@@ -275,5 +275,5 @@ def test_the_resolved_record_says_which_stored_layout_the_tier_reads_and_why(tmp
         path, "the cache (--stored-layout-dir)")
     off = _tiered(INT4, "float32", cache, stored_layout=False).pagedexperts.resolved
     assert off.stored_layout is None and off.reasons["stored_layout"].startswith("--no-stored-layout")
-    full, _ = load_model(INT4, num_resident=2, experts_implementation="packed")  # no disk tier: nothing to say
-    assert full.pagedexperts.resolved.stored_layout is None and "stored_layout" not in full.pagedexperts.resolved.reasons
+    dense, _ = load_model(INT4, num_resident=2, experts_implementation="grouped_mm")  # nothing packed: nothing to say
+    assert dense.pagedexperts.resolved.stored_layout is None and "stored_layout" not in dense.pagedexperts.resolved.reasons
