@@ -195,7 +195,11 @@ def _non_finite_message(key: str, path: Path) -> str:
 
 def _extent_key(ext: Extent) -> str:
     """The checkpoint key whose bytes hold ``ext`` (from its shard's header)."""
-    for key, entry in read_header(ext.path).items():
+    try:
+        header = read_header(ext.path)
+    except (OSError, ValueError):  # not a safetensors file (a stored kernel layout)
+        return f"bytes {ext.offset}..{ext.offset + ext.nbytes} of {ext.path}"
+    for key, entry in header.items():
         if entry.start <= ext.offset < entry.start + entry.nbytes:
             return key
     return f"bytes {ext.offset}..{ext.offset + ext.nbytes}"

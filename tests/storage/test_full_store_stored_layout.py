@@ -147,3 +147,21 @@ def test_a_stored_layout_flag_without_packed_experts_warns_that_it_has_no_effect
     with caplog.at_level(logging.WARNING, logger="pagedexperts"):
         load_model(INT4, num_resident=2, experts_implementation="packed", **options)  # packed: it has its effect
     assert not [r for r in caplog.records if "no effect" in r.getMessage()], caplog.text
+
+
+def test_a_stored_layout_holding_nan_is_refused_naming_the_file(tmp_path):
+    """The rows read from a stored layout are checked for NaN as the fill checks the checkpoint's
+    (a layout is keyed on its source's stats, not on its own bytes)."""
+    from pagedexperts.loading.fill import NonFiniteWeights
+    from pagedexperts.storage.kernel_layout_file import _read_key
+
+    cache = tmp_path / "cache"
+    stored = Path(_load(INT4, cache).pagedexperts.resolved.stored_layout)
+    key, data_start = _read_key(stored)
+    name, scales = next((s.name, s) for s in key.tensor_specs if s.dtype.is_floating_point)
+    at = data_start + sum(s.row_bytes for s in key.tensor_specs[: key.tensor_specs.index(scales)])
+    with open(stored, "r+b") as f:  # expert 0 of layer 0: its first scale NaN
+        f.seek(at)
+        f.write(torch.tensor([float("nan")], dtype=scales.dtype).view(torch.uint8).numpy().tobytes())
+    with pytest.raises(NonFiniteWeights, match=str(stored)):
+        _load(INT4, cache)
