@@ -198,6 +198,19 @@ def test_every_expert_is_one_aligned_extent_holding_its_rows(tmp_path):
                 at += spec.row_bytes
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002], ids=["022", "002"])
+def test_the_written_file_gets_the_mode_open_gives_under_the_umask(tmp_path, umask):
+    key = _key(tmp_path)
+    old = os.umask(umask)
+    try:
+        open(tmp_path / "probe", "wb").close()
+        layout = write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
+    finally:
+        os.umask(old)
+    want = (tmp_path / "probe").stat().st_mode & 0o777
+    assert want == 0o666 & ~umask and layout.path.stat().st_mode & 0o777 == want
+
+
 def test_another_capability_or_torch_is_refused_by_name(tmp_path):
     key = _key(tmp_path)
     write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
