@@ -23,7 +23,15 @@ MB/s, CPU ms per expert (``time.process_time``, every thread), medians [min-max]
 ``--warm``: the round's experts read once (buffered) before each cell instead: what a read costs
 when the page cache holds the expert (O_DIRECT reads the disk regardless).
 
+End to end (``decode``): ``bench/real_disk.py disk``'s run (the disk tier, cold, in a fresh memory
+cgroup, teacher-forced decode) with the tier's reads as they are (``preadv``) and with
+``odirect_read_run`` in place of ``TieredExpertStore._read_run`` (O_DIRECT into a per-thread
+aligned bounce buffer, then memmove into the rows), alternating run by run.
+
 Usage: python bench/stored_layout_reads.py /work/ckpts/kernel-layouts/real4-w4a16-a08a0332c088/experts-avx512-bfloat16.pxkl
+       flock /work/notes/bigmem.lock python bench/stored_layout_reads.py decode /work/ckpts/real4-w4a16 \
+           --stored-layout-dir /work/ckpts/kernel-layouts --experts-implementation packed --cgroup-mb 1180 \
+           --tokens 32 --rounds 3
 """
 
 from __future__ import annotations
@@ -136,7 +144,101 @@ def _spread(values: list[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
+_BOUNCE = threading.local()
+
+
+def odirect_read_run(self, expert: int, jobs) -> None:
+    """``TieredExpertStore._read_run`` by O_DIRECT: the run's bytes (rounded up to ALIGN) read
+    into this thread's ALIGN-aligned bounce buffer, then copied into the rows; a short read
+    continues, an early end of file or an error raises ``DiskReadError`` (sticky, as the tier's)."""
+    from pagedexperts.storage.host_tier import DiskReadError
+
+    path, (first, _) = jobs[0]
+    total = sum(job[0].nbytes for _, job in jobs)
+    span = -(-total // ALIGN) * ALIGN
+    assert first.offset % ALIGN == 0, "a stored layout's extents start at multiples of ALIGN"
+    if getattr(_BOUNCE, "buf", None) is None or _BOUNCE.buf.numel() < span:
+        _BOUNCE.buf = aligned_rows(1, span)[0]
+    buf = _BOUNCE.buf
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as exc:
+        raise DiskReadError(f"cannot open {path} with O_DIRECT: {exc}") from exc
+    try:
+        view, done = memoryview(bytes_view(buf[:span])).cast("B"), 0
+        while done < span:
+            n = os.preadv(fd, [view[done:]], first.offset + done)
+            if n == 0:
+                break
+            done += n
+    except OSError as exc:
+        raise DiskReadError(f"reading expert {expert} of layer {self.layer} from {path} failed: {exc}") from exc
+    finally:
+        os.close(fd)
+    if done < total:
+        raise DiskReadError(f"file {path} ended at byte {first.offset + done} while reading {total} bytes (truncated?)")
+    pos = 0
+    for _, (ext, dst) in jobs:
+        ctypes.memmove(dst[ext.dst_elem: ext.dst_elem + ext.numel].data_ptr(), buf.data_ptr() + pos, ext.nbytes)
+        pos += ext.nbytes
+
+
+def decode_child(method: str, argv: list[str]) -> None:
+    """``bench/real_disk.py disk-child`` with the tier reading by ``method``."""
+    import real_disk
+
+    from pagedexperts.storage.host_tier import TieredExpertStore
+
+    if method == "odirect":
+        TieredExpertStore._read_run = odirect_read_run
+    real_disk.main(["disk-child", *argv])
+
+
+def decode(argv: list[str]) -> None:
+    """Alternate ``bench/real_disk.py disk`` runs reading by preadv and by O_DIRECT; medians."""
+    import json
+    import subprocess
+
+    import real_disk
+
+    p = argparse.ArgumentParser()
+    p.add_argument("dir")
+    p.add_argument("--stored-layout-dir", required=True)
+    p.add_argument("--cgroup-mb", type=float, default=1180)
+    p.add_argument("--rounds", type=int, default=3)
+    args, rest = p.parse_known_args(argv)
+    child_argv = [args.dir, "--stored-layout-dir", args.stored_layout_dir, *rest]
+    results: dict[str, list[dict]] = {"preadv": [], "odirect": []}
+    for r in range(args.rounds):
+        for method in ("preadv", "odirect") if r % 2 == 0 else ("odirect", "preadv"):
+            real_disk.drop_page_cache(Path(args.dir), Path(args.stored_layout_dir))
+            cgroup = real_disk.make_cgroup(int(args.cgroup_mb * 1e6), f"pagedexperts-odirect-{os.getpid()}")
+            enter = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
+            proc = subprocess.run([sys.executable, __file__, "decode-child", method, *child_argv], capture_output=True,
+                                  text=True, preexec_fn=enter)
+            out = {"tree": method, "cgroup": str(cgroup), "cgroup_mb": args.cgroup_mb, "host_memory_gb": None}
+            if proc.returncode == 0:
+                out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+            out = real_disk._finish(out, proc, cgroup, stderr_chars=1500)
+            print(real_disk.disk_line(out), flush=True)
+            if "wall_s_per_token" in out:
+                results[method].append(out)
+    print("\n| tier reads | wall s / token | CPU s / token | ms per expert read | MB / token from storage | runs |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for method, rows in results.items():
+        if rows:
+            print(f"| {method} | {_spread([x['wall_s_per_token'] for x in rows], '{:.3f}')} | "
+                  f"{_spread([x['cpu_s_per_token'] for x in rows], '{:.3f}')} | "
+                  f"{_spread([x.get('disk_read_ms_per_expert', float('nan')) for x in rows])} | "
+                  f"{_spread([x['io_mb_per_token'] for x in rows], '{:.1f}')} | {len(rows)} of {args.rounds} |")
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["decode"]:
+        return decode(argv[1:])
+    if argv[:1] == ["decode-child"]:
+        return decode_child(argv[1], argv[2:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("layout", type=Path, help="a stored kernel layout file (.pxkl)")
     p.add_argument("--rounds", type=int, default=5)
