@@ -62,13 +62,13 @@ def add_model_arguments(parser) -> None:
                    help="with the disk tier (--host-memory-gb), do not read the next layer's predicted experts "
                    "from disk while a layer computes (read-ahead is on by default there, pauses in a layer where under half "
                    "of it is used, and pages nothing in)")
-    g.add_argument("--no-stored-layout", dest="stored_layout", action="store_false",
-                   help="with the disk tier and packed experts, convert each expert read from the checkpoint at "
-                   "page-in instead of reading a stored copy in the CPU kernels' layout (written once, on first load)")
+    g.add_argument("--no-stored-layout", dest="stored_layout", action="store_false", help="with packed experts, convert each expert "
+                   "from the checkpoint (the disk tier's at page-in, a full host store's at load) instead of reading a stored copy in "
+                   "the CPU kernels' layout (written once, on first load); no effect (a WARNING) where no experts run packed")
     g.add_argument("--stored-layout-dir", default=None, metavar="DIR",
-                   help="where the stored kernel layout of a checkpoint is cached when the checkpoint has none in "
-                   "its own kernel-layout/ directory (default: kernel-layouts/ in $PAGEDEXPERTS_CACHE, else "
-                   "$XDG_CACHE_HOME/pagedexperts, else ~/.cache/pagedexperts)")
+                   help="where the stored kernel layout of a checkpoint is cached when the checkpoint has none in its own "
+                   "kernel-layout/ directory (default: kernel-layouts/ in $PAGEDEXPERTS_CACHE, else $XDG_CACHE_HOME/pagedexperts, "
+                   "else ~/.cache/pagedexperts; no effect, a WARNING, where no experts run packed)")
     g.add_argument(
         "--slot-format",
         default=DEFAULT_SLOT_FORMAT,
@@ -338,17 +338,17 @@ def packed_paths(runtime, *, why: str) -> str:
 
 
 def print_host_memory(model) -> None:
-    """One line on stderr: every part of host memory the loader counted (``HostMemoryPlan.describe``);
-    with a packed disk tier a second: the stored kernel layout it reads, or that it converts at page-in,
-    and why (``Resolved.stored_layout``)."""
+    """One line on stderr: every part of host memory the loader counted (``HostMemoryPlan.describe``); with packed experts a
+    second: the stored kernel layout the disk tier reads (or the host store was read from at load), or that they convert, and why."""
     resolved = model.pagedexperts.resolved
     plan = resolved.host_memory
     if plan is not None:
         print(f"host memory: {plan.describe()}", file=sys.stderr)
     if "stored_layout" in resolved.reasons:
-        reads = (f"reads the stored kernel layout {resolved.stored_layout}" if resolved.stored_layout is not None
-                 else "converts each expert read to the CPU kernels' layout at page-in")
-        print(f"disk tier: {reads} ({resolved.reasons['stored_layout']})", file=sys.stderr)
+        tier, path = plan is not None and plan.disk_tier, resolved.stored_layout
+        said = (("reads the " if tier else "") + f"stored kernel layout {path}" if path is not None else
+                f"converts each expert read to the CPU kernels' layout {'at page-in' if tier else 'at load'}")
+        print(f"{'disk tier' if tier else 'host store'}: {said} ({resolved.reasons['stored_layout']})", file=sys.stderr)
 
 
 def check_paging_flags(args) -> None:

@@ -39,7 +39,8 @@ READ_AHEAD_EXPERTS_PER_TOP_K = 2  # disk tier staging: read-ahead buffers = 2 x 
 KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted in host memory on a CPU device (one long request)
 
 
-def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation: str, expert_format=None, files=None):
+def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation: str, expert_format=None, files=None,
+                      before_fill=None):
     """Build ``config``'s model with parameters on meta, host stores for the experts, and runners.
 
     ``cfg``: the options, checked (``loading.config.check_config``) with ``experts_implementation``,
@@ -48,7 +49,8 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation
     ``fill(model, sites, stores, device)`` puts the weights in place (``loading.fill``, or
     ``loading.runners.random_fill``) and returns the ``loading.linears.QuantizedLinears`` or None.
     ``expert_format``: the checkpoint's format (None: from ``config``); ``files``: its shards, whose
-    quantized non-expert modules the host-memory plan counts.
+    quantized non-expert modules the host-memory plan counts. ``before_fill(runtime)``: called once the
+    stores exist, before ``fill`` (``load_model`` reads a stored kernel layout into them).
 
     Raises:
         MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``).
@@ -72,6 +74,8 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation
                        device=dev, dtype=dtype, sites=sites, layouts=layouts, memory=memory, stores=stores)
     runtime = PagingRuntime(config=cfg, resolved=resolved, num_experts=num_experts, top_k=top_k,
                             expert_format=fmt.name, layouts=layouts, sites=sites, stores=stores, read_ahead=read_ahead)
+    if before_fill is not None:
+        before_fill(runtime)
     runtime.quantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
     attach_runners(runtime, dev)
     _install(model, runtime, dev)

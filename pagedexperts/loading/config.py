@@ -62,8 +62,10 @@ class PagingConfig:
     prefetch: bool = False
     prefetch_budget: int | None = None  # None: top_k
     read_ahead: bool = True  # the disk tier reads the next layer's predicted experts ahead (--no-read-ahead)
-    # the packed disk tier reads a stored copy in the CPU kernels' layout (loading.stored_layout;
-    # --no-stored-layout: convert each expert at page-in), cached in stored_layout_dir (None: ~/.cache)
+    # packed experts are read from a stored copy in the CPU kernels' layout (loading.stored_layout: the
+    # checkpoint's kernel-layout/, else written once to stored_layout_dir, None: the cache root), by the
+    # disk tier at page-in and by a full store at load; False: converted from the checkpoint's rows.
+    # Either where no experts run packed: a WARNING, no effect
     stored_layout: bool = True
     stored_layout_dir: str | None = None
     decide: str = DEFAULT_DECIDE  # DECIDE_CHOICES; mode "paged" only (the baselines plan nothing)

@@ -43,7 +43,8 @@ class CheckpointIndex:
     """Where every tensor of a checkpoint lives, from the shards' headers (reads no weights).
 
     ``specs``: site name -> the store's per-expert tensors (a quantized format's packed specs,
-    ``ExpertLayout.packed_specs``); None: each site's own (dense) specs.
+    ``ExpertLayout.packed_specs``); None: each site's own (dense) specs. A site it lacks has its
+    experts read elsewhere (a stored kernel layout): their tensors are skipped.
 
     Attributes:
         experts: site name -> store tensor name -> [E] lists of ``Extent`` (an expert row can
@@ -60,7 +61,7 @@ class CheckpointIndex:
         specs = specs if specs is not None else {name: site.specs for name, site in sites.items()}
         self.experts: dict[str, dict[str, list[list[Extent]]]] = {
             name: {spec.name: [[] for _ in range(site.num_experts)] for spec in specs[name]}
-            for name, site in sites.items()
+            for name, site in sites.items() if name in specs
         }
         sources: dict[tuple[str, str, int], set[int]] = {}
         n_sources: dict[tuple[str, str], int] = {}
@@ -73,6 +74,8 @@ class CheckpointIndex:
                     self.plain.append((key, raw_key, entry))
                     continue
                 site, tname, expert, src_index, n_src = target
+                if site.name not in specs:
+                    continue
                 spec = next((s for s in specs[site.name] if s.name == tname), None)
                 if spec is None:
                     raise ValueError(f"checkpoint tensor {raw_key!r} maps to unknown expert tensor {tname!r} of {site.name}")
@@ -104,6 +107,7 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
     Expert rows: each store takes its experts' byte ranges (``ExpertStore.fill_from``: a full
     store returns the reads into its rows, done here; the disk tier keeps the ranges). ``fmt``:
     the checkpoint's expert format (None: dense); the stores hold its packed tensors.
+    A store with ``rows_from`` set holds its rows already (read from a stored kernel layout).
     Non-expert tensors: read at their mapped alignment and put on ``device`` in the model's
     dtype; a quantized module (attention, shared experts, dense MLPs, lm_head) dequantized once
     its tensors are read (``linears.PlainLinears``), with a WARNING naming the memory it costs on
@@ -118,12 +122,13 @@ def fill_from_checkpoint(model, sites, stores, device, *, model_type: str, files
         DiskReadError: a shard that ends early.
     """
     keymap = KeyMap(model_type, sites, fmt)
-    index = CheckpointIndex(files, keymap, sites, specs={name: stores[name].specs for name in sites})
-    jobs = [job for name, store in stores.items() for job in store.fill_from(index.experts[name])]
+    filling = {name: store for name, store in stores.items() if store.rows_from is None}  # else: read already
+    index = CheckpointIndex(files, keymap, sites, specs={name: store.specs for name, store in filling.items()})
+    jobs = [job for name, store in filling.items() for job in store.fill_from(index.experts[name])]
     total = sum(ext.nbytes for ext, _ in jobs) + sum(entry.nbytes for _, _, entry in index.plain)
     with _progress(total, enabled=progress) as bar:
         read_expert_rows(jobs, threads=threads, on_bytes=bar.update)
-        for store in stores.values():
+        for store in filling.values():
             store.after_fill()
         unexpected, linears = _fill_plain(model, index.plain, device, fmt, on_bytes=bar.update, packed=packed_linears)
     if unexpected:
@@ -190,7 +195,11 @@ def _non_finite_message(key: str, path: Path) -> str:
 
 def _extent_key(ext: Extent) -> str:
     """The checkpoint key whose bytes hold ``ext`` (from its shard's header)."""
-    for key, entry in read_header(ext.path).items():
+    try:
+        header = read_header(ext.path)
+    except (OSError, ValueError):  # not a safetensors file (a stored kernel layout)
+        return f"bytes {ext.offset}..{ext.offset + ext.nbytes} of {ext.path}"
+    for key, entry in header.items():
         if entry.start <= ext.offset < entry.start + entry.nbytes:
             return key
     return f"bytes {ext.offset}..{ext.offset + ext.nbytes}"

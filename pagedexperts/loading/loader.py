@@ -24,7 +24,8 @@ from pagedexperts.loading.fill import fill_from_checkpoint
 from pagedexperts.loading.independence import check_model_independence
 from pagedexperts.loading.resolved import resolve_implementation
 from pagedexperts.loading.runners import install_prefetch
-from pagedexperts.loading.stored_layout import attach_stored_layout, record_stored_layout
+from pagedexperts.loading.stored_layout import (attach_stored_layout, read_stored_layout, skip_stored_layout,
+                                                 warn_no_effect)
 from pagedexperts.models.sites import check_supported
 from pagedexperts.models.config import read_config, routing_problem, with_modelopt_quantization
 from pagedexperts.paging.steps.table import PACKED
@@ -75,12 +76,16 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
     # the non-expert linears run packed too where the experts do (loading.linears)
     fill = functools.partial(fill_from_checkpoint, model_type=config.model_type, files=files, fmt=fmt,
                              packed_linears=implementation == PACKED)
-    model = build_paged_model(config, fill, cfg, expert_format=fmt, files=files, experts_implementation=implementation)
+    sources, cache_dir = [*files, path / "config.json"], None if cfg.stored_layout_dir is None else Path(cfg.stored_layout_dir)
+    read_stored = functools.partial(read_stored_layout, checkpoint=path, files=sources, cache_dir=cache_dir)
+    model = build_paged_model(config, fill, cfg, expert_format=fmt, files=files, experts_implementation=implementation,
+                              before_fill=read_stored if cfg.stored_layout else None)
     if cfg.stored_layout:
-        attach_stored_layout(model, path, [*files, path / "config.json"],
-                             cache_dir=None if cfg.stored_layout_dir is None else Path(cfg.stored_layout_dir))
+        attach_stored_layout(model, path, sources, cache_dir=cache_dir)
     else:
-        record_stored_layout(model.pagedexperts, None, "--no-stored-layout: each expert converted at page-in")
+        skip_stored_layout(model.pagedexperts)
+    if cfg.stored_layout_dir is not None:
+        warn_no_effect(model.pagedexperts, "--stored-layout-dir")
     if check_independence:
         check_model_independence(model, files, fmt)
         for store in model.pagedexperts.stores.values():  # the check's samples leave no trace

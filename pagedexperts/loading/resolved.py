@@ -38,8 +38,9 @@ class Resolved:
         beyond_k: "waves" or "in-place"; admit_per_step: in-place page-ins per layer-step (None: K).
         host_memory: the ``storage.host_memory.HostMemoryPlan`` (the disk tier where R < E).
         experts_fallbacks: MoE layer -> why it runs grouped_mm although packed was resolved.
-        stored_layout: the stored kernel layout the packed disk tier reads (``loading.stored_layout``;
-            None: it converts at page-in, or there is no packed disk tier).
+        stored_layout: the stored kernel layout the packed disk tier reads, or a full packed store
+            was read from or wrote at load (``loading.stored_layout``; None: it converts, or no
+            experts run packed); its reason says which and why.
         reasons: choice name -> why it resolved so (the flag given, auto's rule, a default).
 
     The mappings are the record's own: read them, never write them.

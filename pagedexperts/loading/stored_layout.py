@@ -11,7 +11,10 @@ A stored layout that does not match (changed checkpoint, other torch or capabili
 is rebuilt with a WARNING naming what differs (a source file whose mtime alone differs, as in a
 copy, is hashed and the layout used when its bytes match: INFO, and the resolved record's reason); one that cannot be written (full disk) leaves
 the checkpoint untouched and the tier converting at page-in, with a WARNING and a line in the
-stats' fallbacks. Does not: convert (``formats.cpu_pack``) or read (``storage.host_tier``).
+stats' fallbacks. ``read_stored_layout``: a full packed host store (no disk tier) is read from a
+valid stored layout at load, before the fill, instead of converted; converted (none valid), the
+cache is written from its rows after the load. ``warn_no_effect``: the flags where nothing runs
+packed. Does not: convert (``formats.cpu_pack``) or read (``storage.host_tier``, ``loading.fill``).
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ import hashlib
 import logging
 from pathlib import Path
 
-from pagedexperts.formats.cpu_pack import CpuPackedSlots
+import torch
+
+from pagedexperts.formats.base import TensorSpec
+from pagedexperts.formats.cpu_pack import CpuPackedSlots, kernel_specs, plan_layout
 from pagedexperts.loading.cache_root import cache_root
+from pagedexperts.loading.fill import DEFAULT_READ_THREADS, read_expert_rows
 from pagedexperts.paging.runner_contract import PagedExecutor
-from pagedexperts.storage.host_store import ExpertStore
+from pagedexperts.paging.steps.table import PACKED
+from pagedexperts.storage.host_store import ExpertStore, HostExpertStore
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
 from pagedexperts.storage.kernel_layout_file import (LayoutKey, StoredLayout, StoredLayoutError, open_stored_layout,
                                                      write_stored_layout)
@@ -71,6 +79,23 @@ def packed_tiers(runtime) -> list[tuple[TieredExpertStore, CpuPackedSlots]]:
     return layers if all(isinstance(store, TieredExpertStore) for store, _ in layers) else []
 
 
+def full_packed_stores(runtime) -> list[tuple[HostExpertStore, list[TensorSpec], torch.dtype]]:
+    """(store, one expert's tensors in the kernels' layouts, the run dtype) of every paged layer, before its runner
+    exists, when each will run packed over a full, unpinned host store (``loading.runners
+    .slot_table`` converts such a store at load unless it holds those tensors already); else []."""
+    resolved = runtime.resolved
+    if runtime.config.mode != "paged" or resolved.experts_implementation != PACKED or resolved.experts_fallbacks:
+        return []
+    out = []
+    for site in runtime.sites:
+        store, layout = runtime.stores[site.name], runtime.layouts.get(site.name)
+        plans = plan_layout(layout)
+        if not isinstance(store, HostExpertStore) or store.pinned or isinstance(plans, str):
+            return []
+        out.append((store, kernel_specs(layout, plans), plans[0].dtype))
+    return out
+
+
 def kernel_rows(store: ExpertStore, table: CpuPackedSlots, first: int, n: int) -> dict:
     """Experts ``first..first+n-1`` of one layer in the kernels' layouts {name: [n, ...]}: a full
     store's rows (converted at load), or the disk tier's read and converted."""
@@ -104,31 +129,79 @@ def write_for(tiers, key: LayoutKey, path: Path, *, source_name: str) -> StoredL
     return layout
 
 
-def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_dir: Path | None = None) -> str | None:
-    """Point the disk tier of ``model`` (loaded from ``checkpoint``, whose ``files`` it reads) at
-    a stored kernel layout, finding or writing it (module docstring). Returns the layout's path,
-    or None where the model has no packed disk tier or the layout could not be written (then a
-    WARNING, and ``PagingRuntime.stored_layout_fallback`` says why)."""
-    runtime = model.pagedexperts
-    tiers = packed_tiers(runtime)
-    if not tiers:
-        return None
-    key = layout_key(tiers, files)
+def _cache(checkpoint: Path, key: LayoutKey, cache_dir: Path | None) -> tuple[Path, str]:
+    """The cache's file for ``checkpoint`` and ``key`` (``cache_path``), and its name in words."""
     cached = cache_path(checkpoint, key, cache_dir if cache_dir is not None else default_cache_dir())
-    where = {cached: "the cache " + ("(--stored-layout-dir)" if cache_dir is not None else "(the default directory)")}
-    layout, why = None, None
+    return cached, "the cache " + ("(--stored-layout-dir)" if cache_dir is not None else "(the default directory)")
+
+
+def read_stored_layout(runtime, checkpoint: Path, files: list[Path], *, cache_dir: Path | None = None) -> str | None:
+    """Read every expert of the full packed host stores (``full_packed_stores``) from a valid stored
+    layout of ``checkpoint`` (made from ``files``; looked for as ``attach_stored_layout`` does) into
+    the stores, already in the kernels' layouts, so that nothing is converted at load; the fill
+    then reads none of their experts (``ExpertStore.rows_from``). Called before the fill
+    (``loading.build.build_paged_model``'s ``before_fill``). Returns the layout's path; None where
+    the stores are not full and packed, or no valid layout exists (they are converted at load
+    and the cache written then: ``attach_stored_layout``).
+
+    Raises:
+        DiskReadError / OSError: the stored layout could not be read."""
+    layers = full_packed_stores(runtime)
+    if not layers:
+        return None
+    key = LayoutKey.make(specs=layers[0][1], dtype=layers[0][2], num_layers=len(layers), num_experts=layers[0][0].num_experts,
+                         source_files=files)
+    layout, why = _find(checkpoint, key, files, *_cache(checkpoint, key, cache_dir))
+    if layout is None:
+        return None
+    jobs = []
+    for layer, (store, _, _) in enumerate(layers):
+        store.use_specs(layout.key.tensor_specs)
+        jobs += store.fill_from(layout.extents(layer))
+    seconds = read_expert_rows(jobs, threads=DEFAULT_READ_THREADS)
+    for store, _, _ in layers:
+        store.rows_from = str(layout.path)
+        store.after_fill()
+    record_stored_layout(runtime, str(layout.path), f"read at load from {why}")
+    logger.info("host store read from the stored kernel layout %s at load (%.3g GB in %.2f s, nothing converted)",
+                layout.path, layout.file_bytes / 1e9, seconds)
+    return str(layout.path)
+
+
+def _find(checkpoint: Path, key: LayoutKey, files: list[Path], cached: Path,
+          cache_name: str) -> tuple[StoredLayout | None, str | None]:
+    """A valid stored layout of ``key``, the checkpoint's own ``kernel-layout/`` first, then
+    ``cached``, and where it was found in words; (None, None): neither (a WARNING names why an
+    existing one is not used)."""
     for path in (Path(checkpoint) / CHECKPOINT_SUBDIR / layout_file_name(key), cached):
         got = open_stored_layout(path, key, files)
         if isinstance(got, StoredLayout):
-            layout, why = got, where.get(path, "the checkpoint's own kernel-layout/ (pagedexperts quantize)")
+            why = cache_name if path == cached else "the checkpoint's own kernel-layout/ (pagedexperts quantize)"
             if got.verified_by_content:
                 why += f"; verified by content ({', '.join(got.verified_by_content)}: mtime differs, sha256 matches)"
                 logger.info("stored kernel layout %s: the mtime of %s differs from when it was made (a copy?); "
                             "verified by content (sha256 matches)", path, ", ".join(got.verified_by_content))
-            break
+            return got, why
         if path.exists():
             logger.warning("stored kernel layout not used: %s; %s", got,
                            "rebuilding it" if path == cached else f"writing the cache {cached} instead")
+    return None, None
+
+
+def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_dir: Path | None = None) -> str | None:
+    """Point the disk tier of ``model`` (loaded from ``checkpoint``, whose ``files`` it reads) at
+    a stored kernel layout, finding or writing it (module docstring); or, where full host stores
+    were converted at load (``read_stored_layout`` found none), write the cache they will be read
+    from next time. Returns the layout's path, or None where the model has no packed experts or
+    the layout could not be written (then a WARNING, and ``PagingRuntime.stored_layout_fallback``
+    says why)."""
+    runtime = model.pagedexperts
+    tiers = packed_tiers(runtime)
+    if not tiers:
+        return _cache_converted(runtime, checkpoint, files, cache_dir)
+    key = layout_key(tiers, files)
+    cached, cache_name = _cache(checkpoint, key, cache_dir)
+    layout, why = _find(checkpoint, key, files, cached, cache_name)
     if layout is None:
         logger.info("writing the stored kernel layout of %s's experts to %s (once: %d layers x %d experts, "
                     "%.3g GB; torch's CPU pack for %s, %s)", checkpoint, cached, key.num_layers, key.num_experts,
@@ -142,7 +215,7 @@ def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_di
             logger.warning("%s", runtime.stored_layout_fallback)
             record_stored_layout(runtime, None, "not written (the stats' fallbacks say why): each expert converted at page-in")
             return None
-        why = f"written now to {where[cached]}"
+        why = f"written now to {cache_name}"
     _use(runtime, tiers, layout)
     record_stored_layout(runtime, str(layout.path), why)
     logger.info("disk tier reads the stored kernel layout %s (%.3g GB, made from %s: %d files; %s, %s, torch %s)",
@@ -151,14 +224,67 @@ def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_di
     return str(layout.path)
 
 
+def _cache_converted(runtime, checkpoint: Path, files: list[Path], cache_dir: Path | None) -> str | None:
+    """Where every paged layer runs packed over a full host store: its path when the rows were
+    read from a stored layout; else (converted at load) the cache written from the converted
+    rows, recorded, and its path (None: no packed layers, or the write failed: a WARNING and a
+    line in the stats' fallbacks)."""
+    layers = packed_layers(runtime)
+    if not layers:
+        return None
+    if layers[0][0].rows_from is not None:
+        return layers[0][0].rows_from
+    key = layout_key(layers, files)
+    cached, cache_name = _cache(checkpoint, key, cache_dir)
+    logger.info("writing the stored kernel layout of %s's experts to %s (once, from the rows converted at load: "
+                "%.3g GB; the next start reads it instead of converting)", checkpoint, cached,
+                key.num_layers * key.num_experts * key.stride / 1e9)
+    try:
+        layout = write_for(layers, layout_key(layers, files, content=True), cached,
+                           source_name=f"the checkpoint {checkpoint}")
+    except StoredLayoutError as exc:
+        runtime.stored_layout_fallback = (f"stored kernel layout: {exc}; the next start converts each expert at "
+                                          "load again (tens of ms per expert)")
+        logger.warning("%s", runtime.stored_layout_fallback)
+        record_stored_layout(runtime, None, "not written (the stats' fallbacks say why): each expert converted at load")
+        return None
+    record_stored_layout(runtime, str(layout.path), f"converted at load; written now to {cache_name}")
+    return str(layout.path)
+
+
+def skip_stored_layout(runtime) -> None:
+    """--no-stored-layout: record that the packed experts are converted (the disk tier's at
+    page-in, a full store's at load), or WARN that the flag has no effect (``warn_no_effect``)."""
+    layers = packed_layers(runtime)
+    if not layers:
+        warn_no_effect(runtime, "--no-stored-layout")
+        return
+    when = "at page-in" if packed_tiers(runtime) else "at load"
+    record_stored_layout(runtime, None, f"--no-stored-layout: each expert converted {when}")
+
+
+def warn_no_effect(runtime, flag: str) -> bool:
+    """A WARNING naming ``flag`` (--no-stored-layout, --stored-layout-dir) where no paged layer
+    runs packed on the CPU, so no stored kernel layout has a part in the run; returns whether it warned."""
+    if packed_layers(runtime):
+        return False
+    resolved = runtime.resolved
+    why = (f"mode {runtime.config.mode}: no layer is paged" if runtime.config.mode != "paged" else
+           f"the experts run {resolved.experts_implementation} ({resolved.reasons.get('experts_implementation')})"
+           if resolved.experts_implementation != PACKED else
+           f"MoE layers {sorted(resolved.experts_fallbacks)} run grouped_mm")
+    logger.warning("%s has no effect: a stored kernel layout serves only experts run packed on the CPU "
+                   "(--experts-implementation packed), and here %s", flag, why)
+    return True
+
+
 def record_stored_layout(runtime, path: str | None, why: str) -> None:
-    """Put the stored layout the disk tier reads (``path``; None: none, it converts at page-in)
-    and ``why`` into the runtime's ``Resolved`` where every paged layer runs packed over the disk tier;
-    elsewhere a stored layout has no part in the run and nothing is recorded."""
-    if packed_tiers(runtime):
-        resolved = runtime.resolved
-        runtime.resolved = dataclasses.replace(resolved, stored_layout=path,
-                                               reasons={**resolved.reasons, "stored_layout": why})
+    """Put the stored layout the packed experts are read from (``path``; None: none, they are
+    converted) and ``why`` into the runtime's ``Resolved``. Recorded only where every paged layer
+    runs packed (the callers' check); elsewhere a stored layout has no part in the run."""
+    resolved = runtime.resolved
+    runtime.resolved = dataclasses.replace(resolved, stored_layout=path,
+                                           reasons={**resolved.reasons, "stored_layout": why})
 
 
 def _use(runtime, tiers, layout: StoredLayout) -> None:

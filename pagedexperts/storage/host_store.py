@@ -106,6 +106,8 @@ class ExpertStore(ABC):
         return 0
 
     tier_stats = None  # the host and disk tier counters (``stats.tiers.TierStats``); None: no tiers
+    # where every row was read from when not the checkpoint (a stored kernel layout's path): the fill reads none
+    rows_from: str | None = None
 
     def reset(self) -> None:
         """Forget what was paged through the store (after the start-up check); counters zeroed."""
@@ -178,6 +180,19 @@ class HostExpertStore(ExpertStore):
                 f" does not match the config's {tuple(dst.shape)}"
             )
         dst.copy_(value)
+
+    def use_specs(self, specs: list[TensorSpec]) -> None:
+        """Hold rows in ``specs`` from now on, uninitialised (a stored kernel layout is read into
+        them next: ``fill_from`` its extents); the old tensors are freed first. Only an unpinned store.
+
+        Raises:
+            ValueError: a page-locked store (its registrations are of the old tensors)."""
+        if self.pinned:
+            raise ValueError("use_specs: a page-locked host store (CUDA) keeps its layout")
+        self.tensors = {}
+        self.tensors = {s.name: torch.empty((self.num_experts, *s.shape), dtype=s.dtype) for s in specs}
+        self.specs = list(specs)
+        self.expert_bytes = sum(s.row_bytes for s in self.specs)
 
     def convert_rows(self, specs: list[TensorSpec], convert, *, chunk: int = 16) -> None:
         """Hold every expert in another layout: ``convert({name: [n, ...]})`` -> {spec.name: [n,

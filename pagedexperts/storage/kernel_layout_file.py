@@ -213,7 +213,7 @@ def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, in
     _remove_stale_temps(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open(): the umask decides
         try:
             _write_all(fd, [memoryview(head)], 0)
             for layer in range(key.num_layers):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -167,9 +168,26 @@ def _quantize_shard(path: Path, expert_keys: set[str], writer: Writer, bar) -> d
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One shard, with the mode ``open()`` gives a new file under the umask (safetensors writes a
+    0600 temporary file and renames it over ``path``)."""
     from safetensors.torch import save_file
 
     save_file({k: t.contiguous() for k, t in tensors.items()}, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """This process's umask: /proc/self/status's ``Umask`` (Linux >= 4.7), else read by setting
+    and restoring it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _copy_aux(src: Path, dst: Path, weight_map: dict[str, str] | None, total_size: int) -> None:

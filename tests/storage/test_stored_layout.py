@@ -198,6 +198,19 @@ def test_every_expert_is_one_aligned_extent_holding_its_rows(tmp_path):
                 at += spec.row_bytes
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002], ids=["022", "002"])
+def test_the_written_file_gets_the_mode_open_gives_under_the_umask(tmp_path, umask):
+    key = _key(tmp_path)
+    old = os.umask(umask)
+    try:
+        open(tmp_path / "probe", "wb").close()
+        layout = write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
+    finally:
+        os.umask(old)
+    want = (tmp_path / "probe").stat().st_mode & 0o777
+    assert want == 0o666 & ~umask and layout.path.stat().st_mode & 0o777 == want
+
+
 def test_another_capability_or_torch_is_refused_by_name(tmp_path):
     key = _key(tmp_path)
     write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
@@ -275,5 +288,5 @@ def test_the_resolved_record_says_which_stored_layout_the_tier_reads_and_why(tmp
         path, "the cache (--stored-layout-dir)")
     off = _tiered(INT4, "float32", cache, stored_layout=False).pagedexperts.resolved
     assert off.stored_layout is None and off.reasons["stored_layout"].startswith("--no-stored-layout")
-    full, _ = load_model(INT4, num_resident=2, experts_implementation="packed")  # no disk tier: nothing to say
-    assert full.pagedexperts.resolved.stored_layout is None and "stored_layout" not in full.pagedexperts.resolved.reasons
+    dense, _ = load_model(INT4, num_resident=2, experts_implementation="grouped_mm")  # nothing packed: nothing to say
+    assert dense.pagedexperts.resolved.stored_layout is None and "stored_layout" not in dense.pagedexperts.resolved.reasons

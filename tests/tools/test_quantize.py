@@ -5,6 +5,8 @@ every non-expert tensor byte-identical."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -75,3 +77,22 @@ def test_sharded_source_stays_sharded(tiny_moe_sharded_dir, tmp_path):
     for name in set(index["weight_map"].values()):  # every key listed is in the shard named
         with safe_open(str(out / name), "pt") as f:
             assert {k for k, v in index["weight_map"].items() if v == name} == set(f.keys())
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077], ids=["022", "002", "077"])
+def test_written_shards_get_the_mode_open_gives_under_the_umask(tiny_moe_sharded_dir, tmp_path, umask):
+    """safetensors writes a 0600 temporary file and renames it: the shards are chmod-ed to what
+    ``open()`` creates, as the copied tokenizer and config keep the source's."""
+    out = tmp_path / "q"
+    old = os.umask(umask)
+    try:
+        probe = tmp_path / "probe"
+        open(probe, "wb").close()
+        quantize_checkpoint(model_path=tiny_moe_sharded_dir, output=out, options=QuantizeOptions("w4a16", group_size=16))
+    finally:
+        os.umask(old)
+    want = stat.S_IMODE(probe.stat().st_mode)
+    assert want == 0o666 & ~umask
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1 and {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in shards} == {
+        f.name: oct(want) for f in shards}
