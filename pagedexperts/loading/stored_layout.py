@@ -1,20 +1,13 @@
-"""The disk tier's experts in the CPU kernels' layout, stored once beside or for a checkpoint.
+"""Experts in the CPU kernels' layout, stored once beside or for a checkpoint (docs/disk-tier.md
+"Packed experts: the kernels' layout stored on disk").
 
-Owns: ``attach_stored_layout``: when every paged layer runs packed on the CPU
-(``formats.cpu_pack.CpuPackedSlots``) over the disk tier, find a stored layout made from this
-checkpoint for this torch, CPU capability and run dtype (``storage.kernel_layout_file``) in the
-checkpoint's own ``kernel-layout/`` directory (``pagedexperts quantize`` writes it there) or the
-cache directory, write it to the cache directory when there is none (once, converting each
-expert from the checkpoint: its location, size and source are logged), and point the disk
-tier's stores at it (``TieredExpertStore.use_source``) so that a miss is a read and a copy.
-A stored layout that does not match (changed checkpoint, other torch or capability, truncated)
-is rebuilt with a WARNING naming what differs (a source file whose mtime alone differs, as in a
-copy, is hashed and the layout used when its bytes match: INFO, and the resolved record's reason); one that cannot be written (full disk) leaves
-the checkpoint untouched and the tier converting at page-in, with a WARNING and a line in the
-stats' fallbacks. ``read_stored_layout``: a full packed host store (no disk tier) is read from a
-valid stored layout at load, before the fill, instead of converted; converted (none valid), the
-cache is written from its rows after the load. ``warn_no_effect``: the flags where nothing runs
-packed. Does not: convert (``formats.cpu_pack``) or read (``storage.host_tier``, ``loading.fill``).
+Owns: ``attach_stored_layout`` (points the packed disk tier's stores at a valid stored layout, from
+the checkpoint's ``kernel-layout/`` or the cache, writing the cache once when there is none),
+``read_stored_layout`` (a full packed host store read from one at load instead of converted) and
+``warn_no_effect`` (the flags where nothing runs packed). A layout that does not match its source
+is rebuilt with a WARNING naming what differs; one that cannot be written leaves the checkpoint
+untouched and the experts converted, with a WARNING and a stats fallback. Does not: convert
+(``formats.cpu_pack``) or read (``storage.host_tier``, ``loading.fill``).
 """
 
 from __future__ import annotations
