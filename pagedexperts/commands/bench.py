@@ -14,16 +14,10 @@ from pathlib import Path
 from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import (add_beyond_k_arguments, add_decide_argument, add_threads_argument,
                                          resolve_threads)
+from pagedexperts.commands.flag_lists import comma_ints, comma_items
 from pagedexperts.models.config import RUN_DTYPE_BYTES
 from pagedexperts.paging.steps.table import INNER_IMPLEMENTATIONS
 from pagedexperts.residency.policies import DEFAULT_POLICY, POLICIES
-
-
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"{flag} {text!r}: want comma-separated integers, e.g. 8,32") from None
 
 
 def add_parser(sub) -> None:
@@ -54,7 +48,7 @@ def add_parser(sub) -> None:
     m.add_argument("--mode", default="plain,resident,paged,offload,cpu-experts",
                    help="comma-separated modes (default: all five, plain,resident,paged,offload,cpu-experts); "
                    "ratios need plain")
-    m.add_argument("--num-resident", default="", metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")
+    m.add_argument("--num-resident", default=None, metavar="K[,K...]", help="K values for paged rows (default: 2k, 4k, E/2)")
     m.add_argument("--cpu-expert-layers", type=int, default=None, metavar="N",
                    help="MoE layers computed on the CPU in cpu-experts mode, 1 to the model's MoE layers (default: half)")
     w = p.add_argument_group("workload")
@@ -78,18 +72,13 @@ def run(args) -> int:
     """Check the flags that need no checkpoint, then ``tools.bench.bench_checkpoint``; its exit code."""
     from pagedexperts.tools.bench import BENCH_MODES, BenchConfig, bench_checkpoint
 
-    modes = tuple(x for x in args.mode.split(",") if x)
-    bad = [m for m in modes if m not in BENCH_MODES]
-    if bad:
-        raise ValueError(f"unknown --mode {bad}; choose from {list(BENCH_MODES)}")
-    repeated = sorted({m for m in modes if modes.count(m) > 1})
-    if repeated:
-        raise ValueError(f"--mode names {repeated} more than once; give each mode once (paged takes several K "
-                         "through --num-resident)")
+    modes = comma_items(args.mode, "--mode", example="plain,paged", choices=tuple(BENCH_MODES),
+                        repeat_hint=" (paged takes several K through --num-resident)")
     if args.output_tokens < 2:
         raise ValueError(f"--output-tokens must be >= 2 to measure decode, got {args.output_tokens}")
     threads, how = resolve_threads(args.threads)
-    ks, concurrency = _ints(args.num_resident, "--num-resident"), _ints(args.concurrency, "--concurrency")
+    ks = () if args.num_resident is None else comma_ints(args.num_resident, "--num-resident")
+    concurrency = comma_ints(args.concurrency, "--concurrency", example="1,4")
     for flag, values in (("--concurrency", concurrency), ("--num-prompts", [] if args.num_prompts is None else [args.num_prompts]),
                          ("--long-prompt-tokens", [args.long_prompt_tokens]), ("--rounds", [args.rounds])):
         for v in values:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import add_model_arguments, apply_threads, print_host_memory, utf8_text
+from pagedexperts.commands.flag_lists import comma_ints
 
 
 def add_parser(sub) -> None:
@@ -52,6 +53,8 @@ def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS
     from pagedexperts.tools.check_runs import CheckRequest, check_checkpoint
 
+    if args.check_resident is not None:  # "" ran the default K values, "8,8" checked K=8 twice
+        comma_ints(args.check_resident, "--check-resident", example="4,32")
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
     for prompt in args.prompt or ():

@@ -25,7 +25,7 @@ import torch
 from pagedexperts.paging.baselines import MODES
 from pagedexperts.paging.steps.table import transformers_inner
 from pagedexperts.residency.policies import DEFAULT_POLICY
-from pagedexperts.tools.bench_results import terminal_table, write_results
+from pagedexperts.tools.bench_results import make_results_dir, terminal_table, write_results
 from pagedexperts.tools.check import DEFAULT_PROMPTS, fused_expert_targets_quiet, transformers_model
 from pagedexperts.tools.timed_generate import long_prompts, timed_generate
 
@@ -217,8 +217,7 @@ def bench_checkpoint(cfg: BenchConfig, *, cpu_expert_layers: int | None, prompts
         where = f"--prompts {prompts_path}" if prompts_path else "the built-in prompts (--prompts FILE for more)"
         raise ValueError(f"--num-prompts {num_prompts} exceeds the {len(prompts)} prompts of {where}")
     prompts = prompts[:num_prompts]
-    if results_dir.exists() and not results_dir.is_dir():  # a FileExistsError traceback after the whole benchmark
-        raise ValueError(f"--results-dir {results_dir} is a file; give a directory (made if missing)")
+    make_results_dir(results_dir)
     cfg = dataclasses.replace(cfg, num_prompts=len(prompts))
     print(f"threads: {cfg.threads} ({threads_how})", file=sys.stderr)
     report = run_bench(cfg, prompts)

@@ -1,7 +1,8 @@
 """``pagedexperts bench``'s outputs: the markdown table, the terminal table and the results files.
 
 Owns: ``markdown_table`` (every column, one row per mode / K), ``terminal_table`` (the few
-columns read first) and ``write_results`` (bench.md, bench.json, bench.png, command.txt) of a
+columns read first), ``make_results_dir`` (made and checked before the benchmark runs) and
+``write_results`` (bench.md, bench.json, bench.png, command.txt) of a
 ``tools.bench.BenchRun``. Does not: measure (``tools.bench``) or parse flags (``commands.bench``).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -58,6 +60,24 @@ def terminal_table(report, concurrency) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
              for row in rows]
     return "\n".join(lines + [f"{len(report.order)} rounds, modes rotated per round; medians [min-max over rounds]"])
+
+
+def make_results_dir(out_dir: Path) -> None:
+    """Make ``out_dir`` (parents too) and check that it is writable, before any work: a directory
+    that cannot be written once raised an OSError traceback after the whole benchmark.
+
+    Raises:
+        ValueError: it is a file, cannot be made, or is not writable (names --results-dir, the path, why).
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--results-dir {out_dir} is a file; give a directory (made if missing)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--results-dir {out_dir}: cannot make the directory ({exc.strerror or exc}); "
+                         "give a writable directory (made if missing)") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"--results-dir {out_dir}: not writable; give a writable directory (made if missing)")
 
 
 def write_results(report, cfg, out_dir: Path, command: str) -> Path:

@@ -202,6 +202,9 @@ def test_check_passes_on_the_bundled_model(capsys):
     [(["--num-resident", "65"], "exceeds the E=64"), (["--num-resident", "3"], "below top_k=4"),
      (["--check-resident", "4,x"], "comma-separated integers"), (["--check-resident", "4,100"], "--check-resident K=100 exceeds"),
      (["--check-resident", "2"], "--check-resident K=2 is below top_k=4"),
+     # "" ran the default K values; "8,8" checked K=8 twice; "8," is refused like bench's --num-resident "8,"
+     (["--check-resident", ""], "--check-resident '' is empty"), (["--check-resident", "8,"], "has an empty item"),
+     (["--check-resident", "8,8"], "--check-resident names [8] more than once"),
      (["--device", "tpu"], "--device 'tpu' is not a device this runs on"),
      # an empty prompt raised a reshape RuntimeError traceback after both models had loaded
      (["--prompt", ""], "--prompt '' is empty"), (["--prompt", "x", "--prompt", " "], "--prompt ' ' is empty")],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +190,14 @@ def test_bench_command_on_the_bundled_model(tmp_path, capsys):
      (["--rounds", "0"], "--rounds 0 must be >= 1"),
      (["--threads", "-1"], "--threads -1 must be >= 1 (or 0: torch's default, or auto)"),
      (["--mode", "plain,gpu"], "unknown --mode ['gpu']; choose from ['plain', 'paged'"),
+     # an empty --mode raised ZeroDivisionError in round_order; "plain," and "8," dropped the empty item
+     (["--mode", ""], "--mode '' is empty: want comma-separated values from ['plain', 'paged'"),
+     (["--mode", "plain,"], "--mode 'plain,' has an empty item: want comma-separated values from ['plain', 'paged'"),
+     (["--num-resident", "8,"], "--num-resident '8,' has an empty item"),
+     (["--num-resident", ""], "--num-resident '' is empty"),
+     (["--concurrency", "1,"], "--concurrency '1,' has an empty item"),
+     (["--concurrency", "1,1"], "--concurrency names [1] more than once"),
+     (["--num-resident", "8,08"], "--num-resident names [8] more than once"),
      # a file: FileExistsError (traceback) when the results were written, after the whole benchmark
      (["--results-dir", __file__], f"--results-dir {__file__} is a file; give a directory"),
      (["--prompts", "/nonexistent.jsonl"], "--prompts /nonexistent.jsonl: no such file")],
@@ -235,3 +244,28 @@ def test_bench_loads_once_and_repages_per_mode_and_k(tiny_moe_dir, monkeypatch):
     assert events == round0 + round1
     a, b = f"paged K={TOP_K}", f"paged K={E // 2}"
     assert run.order == [[a, b, "resident", "plain"], [b, "resident", "plain", a]]
+
+
+@pytest.mark.parametrize("unwritable", ["under a file", "not writable"])
+def test_bench_refuses_a_results_dir_it_cannot_write_before_any_work(tmp_path, unwritable, capsys, monkeypatch):
+    """A results dir that cannot be made or written raised an OSError traceback when the results
+    were written, after the whole benchmark; now a one-line error first (as root, chmod stops
+    nothing: a path under a regular file, or os.access saying no, as on a read-only mount)."""
+    import os
+
+    import pagedexperts.tools.bench
+    from pagedexperts.cli import main
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the bench ran before --results-dir was checked")
+
+    monkeypatch.setattr(pagedexperts.tools.bench, "run_bench", fail)
+    (tmp_path / "f").write_text("a regular file")
+    out = tmp_path / "f" / "x" if unwritable == "under a file" else tmp_path / "ro"
+    if unwritable == "not writable":
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != out and access(path, mode, **kw))
+    assert main(["bench", "--mode", "plain", "--results-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    why = "cannot make the directory (Not a directory)" if unwritable == "under a file" else "not writable"
+    assert f"pagedexperts bench: error: --results-dir {out}: {why}" in err and "Traceback" not in err
