@@ -91,7 +91,7 @@ def disk_child(args) -> dict:
         extra = {} if args.read_ahead else {"read_ahead": False}  # a tree before issue 32 has no read-ahead flag
         if args.experts_implementation:
             extra["experts_implementation"] = args.experts_implementation
-        if args.stored_layout_dir:
+        if args.stored_layout_dir and args.stored_layout:  # both together are refused
             extra["stored_layout_dir"] = args.stored_layout_dir
         if not args.stored_layout:
             extra["stored_layout"] = False

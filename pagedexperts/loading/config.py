@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -142,7 +143,25 @@ def option_problems(cfg: PagingConfig) -> list[str]:
     problems += graph_option_problems(cfg)
     problems.append(packed_problem(cfg))
     problems += beyond_k_problems(cfg)
+    problems.append(stored_layout_problem(cfg))
     return list(dict.fromkeys(p for p in problems if p is not None))
+
+
+def stored_layout_problem(cfg: PagingConfig) -> str | None:
+    """Why ``--stored-layout-dir`` cannot hold a stored layout, or None: given with --no-stored-layout
+    (contradictory), empty (read as cwd), a file or under one (it failed after the whole conversion)."""
+    where = cfg.stored_layout_dir
+    if where is None:
+        return None
+    if not cfg.stored_layout:
+        return (f"--stored-layout-dir {where} with --no-stored-layout: one says read no stored layout, the other "
+                "where to keep it; give one of them")
+    if not str(where).strip():
+        return f"--stored-layout-dir {where!r} is empty; give a directory (made if missing), or leave it out: the cache"
+    file = next((p for p in (Path(where), *Path(where).parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        return f"--stored-layout-dir {where}: {file} is a file, not a directory; give a directory (made if missing)"
+    return None
 
 
 AUTO = "auto"  # --experts-implementation auto: packed where measured faster (``resolve_experts_implementation``)

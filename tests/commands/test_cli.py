@@ -165,6 +165,13 @@ def test_check_on_w4a16_passes_without_compressed_tensors_fused_experts_warning(
         # a directory was accepted, and the write after the whole generation raised IsADirectoryError
         (["--stats-json", "/tmp"], "--stats-json /tmp is a directory; give a file path"),
         (["--record-trace", "/tmp"], "--record-trace /tmp is a directory; give a file path"),
+        # "" was the current directory (a cache written into cwd); a file, or a path under one, failed only
+        # after the whole conversion, with a WARNING that did not name the flag
+        (["--stored-layout-dir", ""], "--stored-layout-dir '' is empty; give a directory"),
+        (["--stored-layout-dir", __file__], f"--stored-layout-dir {__file__}: {__file__} is a file, not a directory"),
+        (["--stored-layout-dir", f"{__file__}/x/y"], f"--stored-layout-dir {__file__}/x/y: {__file__} is a file"),
+        # contradictory, accepted silently: refused as --prefetch-budget without --prefetch is
+        (["--no-stored-layout", "--stored-layout-dir", "/tmp/kl"], "--stored-layout-dir /tmp/kl with --no-stored-layout"),
     ],
 )
 def test_generate_bad_input_is_a_clear_error(argv, needle, capsys, monkeypatch):

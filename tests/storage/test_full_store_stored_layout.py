@@ -34,8 +34,9 @@ def _ids() -> torch.Tensor:
 
 
 def _load(path: Path, cache: Path, *, num_resident: int = 2, dtype: str = "float32", **options):
+    where = {"stored_layout_dir": str(cache)} if options.get("stored_layout", True) else {}  # both: refused
     model, _ = load_model(path, num_resident=num_resident, dtype=dtype, experts_implementation="packed",
-                          stored_layout_dir=str(cache), **options)
+                          **where, **options)
     assert not model.pagedexperts.host_memory.disk_tier
     return model.eval()
 

@@ -42,8 +42,9 @@ def _ids() -> torch.Tensor:
 def _tiered(path: Path, dtype: str, cache: Path, **options):
     top_k = 2
     budget = host_budget_gb(path, 2, num_resident=top_k, dtype=dtype, experts_implementation="packed")
+    where = {"stored_layout_dir": str(cache)} if options.get("stored_layout", True) else {}  # both: refused
     model, _ = load_model(path, num_resident=top_k, dtype=dtype, experts_implementation="packed",
-                          host_memory_gb=budget, stored_layout_dir=str(cache), **options)
+                          host_memory_gb=budget, **where, **options)
     assert model.pagedexperts.host_memory.disk_tier
     return model.eval()
 
