@@ -68,7 +68,7 @@ def add_model_arguments(parser) -> None:
     g.add_argument("--stored-layout-dir", default=None, metavar="DIR",
                    help="where the stored kernel layout of a checkpoint is cached when the checkpoint has none in its own "
                    "kernel-layout/ directory (default: kernel-layouts/ in $PAGEDEXPERTS_CACHE, else $XDG_CACHE_HOME/pagedexperts, "
-                   "else ~/.cache/pagedexperts; no effect, a WARNING, where no experts run packed)")
+                   "else ~/.cache/pagedexperts; made if missing; not with --no-stored-layout; no effect, a WARNING, where no experts run packed)")
     g.add_argument(
         "--slot-format",
         default=DEFAULT_SLOT_FORMAT,
