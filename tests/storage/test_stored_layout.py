@@ -367,3 +367,19 @@ def test_a_damaged_full_store_layout_is_not_used_but_converted_and_rebuilt(tmp_p
     again = full()  # the rebuilt cache, read
     assert again.pagedexperts.resolved.reasons["stored_layout"].startswith("read at load")
     assert torch.equal(logits(again, _ids(), steps=3), want)
+
+
+def test_the_cli_says_a_damaged_expert_in_one_line_and_exits_1(tmp_path, capsys):
+    from pagedexperts.cli import main
+
+    stored = Path(_tiered(INT4, "bfloat16", tmp_path).pagedexperts.stored_layout)
+    num_experts = kernel_layout_file._read_key(stored)[0].num_experts
+    _damage_body(stored, [(layer, e) for layer in range(2) for e in range(num_experts)])
+    budget = host_budget_gb(INT4, 2, num_resident=2, dtype="bfloat16", experts_implementation="packed")
+    code = main(["generate", "--model-path", str(INT4), "--num-resident", "2", "--dtype", "bfloat16",
+                 "--host-memory-gb", str(budget), "--stored-layout-dir", str(tmp_path), "--prompt", "Hello",
+                 "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    last = [ln for ln in err.splitlines() if ln.strip()][-1]
+    assert last.startswith(f"pagedexperts generate: error: stored kernel layout {stored}: expert ") and "damaged" in last
