@@ -248,6 +248,7 @@ def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, in
     specs = key.tensor_specs
     _remove_stale_temps(path)
     crcs = bytearray()
+    made_dir = not path.parent.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open(): the umask decides
@@ -274,6 +275,9 @@ def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, in
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if made_dir:  # nothing left behind: the directory made for it too, when empty
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
         raise StoredLayoutError(
             exc.errno, f"writing the stored kernel layout {path} ({layout.file_bytes:,} bytes) failed: "
             f"{exc.strerror or exc}; the partial file is removed and {source_name} is untouched") from exc

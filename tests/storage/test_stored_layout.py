@@ -229,9 +229,12 @@ def test_a_file_size_limit_while_writing_removes_the_partial_file(tmp_path):
         with pytest.raises(StoredLayoutError, match=r"l\.pxkl .*failed: File too large; the partial file is "
                                                     r"removed and the checkpoint is untouched"):
             write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
+        with pytest.raises(StoredLayoutError):  # into a directory made for it: removed too
+            write_stored_layout(tmp_path / "cache" / "ckpt-1234" / "l.pxkl", key, _rows(key))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "shard.safetensors"]
+    assert list((tmp_path / "cache").iterdir()) == []  # ckpt-1234/ gone; cache/ (a parent it made) is harmless
 
 
 def test_a_writer_killed_mid_write_leaves_a_temporary_file_the_next_write_removes(tmp_path):
