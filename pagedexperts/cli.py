@@ -90,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left: no traceback; the recipe of Python's signal docs
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush finds a sink
         return 1
+    except OSError as exc:  # after BrokenPipeError (one too): a file unreadable mid-run, one line naming it
+        from pagedexperts.storage.safetensors_index import DiskReadError
+
+        if not isinstance(exc, DiskReadError):
+            raise
+        print(f"pagedexperts {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 # tqdm's default ``delay`` (seconds before a bar is first drawn) where stderr is no terminal: never

@@ -86,6 +86,9 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
         skip_stored_layout(model.pagedexperts)
     if cfg.stored_layout_dir is not None:
         warn_no_effect(model.pagedexperts, "--stored-layout-dir")
+    if not cfg.read_ahead and not model.pagedexperts.host_memory.disk_tier:
+        logger.warning("--no-read-ahead has no effect: read-ahead serves only the disk tier, and here every "
+                       "expert is in host memory (%s)", model.pagedexperts.resolved.reasons["host_memory"])
     if check_independence:
         check_model_independence(model, files, fmt)
         for store in model.pagedexperts.stores.values():  # the check's samples leave no trace

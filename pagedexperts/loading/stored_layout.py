@@ -12,7 +12,9 @@ untouched and the experts converted, with a WARNING and a stats fallback. Does n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 from pathlib import Path
@@ -147,11 +149,18 @@ def read_stored_layout(runtime, checkpoint: Path, files: list[Path], *, cache_di
     layout, why = _find(checkpoint, key, files, *_cache(checkpoint, key, cache_dir))
     if layout is None:
         return None
-    jobs = []
+    jobs, before = [], [list(store.specs) for store, _, _ in layers]
     for layer, (store, _, _) in enumerate(layers):
         store.use_specs(layout.key.tensor_specs)
         jobs += store.fill_from(layout.extents(layer))
     seconds = read_expert_rows(jobs, threads=DEFAULT_READ_THREADS)
+    damage = _first_damage(layout, layers)
+    if damage is not None:  # never computed with: back to the checkpoint's specs, converted at load
+        for (store, _, _), specs in zip(layers, before):
+            store.use_specs(specs)
+        logger.warning("%s; not used: the experts are converted at load instead (%s)", damage, _remedy(layout.path, checkpoint))
+        _drop_if_cache(layout.path, checkpoint)
+        return None
     for store, _, _ in layers:
         store.rows_from = str(layout.path)
         store.after_fill()
@@ -159,6 +168,33 @@ def read_stored_layout(runtime, checkpoint: Path, files: list[Path], *, cache_di
     logger.info("host store read from the stored kernel layout %s at load (%.3g GB in %.2f s, nothing converted)",
                 layout.path, layout.file_bytes / 1e9, seconds)
     return str(layout.path)
+
+
+def _first_damage(layout: StoredLayout, layers) -> str | None:
+    """The first expert whose bytes read into the full stores ``layers`` differ from the layout's
+    CRC-32 (``StoredLayout.damaged``), in words; None: every one matches."""
+    specs = layout.key.tensor_specs
+    for layer, (store, _, _) in enumerate(layers):
+        for e in range(store.num_experts):
+            why = layout.damaged(layer, e, [store.tensors[s.name][e] for s in specs])
+            if why is not None:
+                return why
+    return None
+
+
+def _remedy(path: Path, checkpoint: Path) -> str:
+    """What a user does about a damaged stored layout at ``path``."""
+    if Path(checkpoint) / CHECKPOINT_SUBDIR in Path(path).parents:
+        return (f"delete {path} (the checkpoint's own copy: the cache is used then) or rewrite it with "
+                "pagedexperts quantize; --no-stored-layout converts every expert")
+    return f"the cache file {path} is removed: the next load rebuilds it"
+
+
+def _drop_if_cache(path: Path, checkpoint: Path) -> None:
+    """Remove a damaged stored layout when it is the cache's (never a file of the checkpoint's)."""
+    if Path(checkpoint) / CHECKPOINT_SUBDIR not in Path(path).parents:
+        with contextlib.suppress(OSError):
+            Path(path).unlink()
 
 
 def _find(checkpoint: Path, key: LayoutKey, files: list[Path], cached: Path,
@@ -177,7 +213,7 @@ def _find(checkpoint: Path, key: LayoutKey, files: list[Path], cached: Path,
             return got, why
         if path.exists():
             logger.warning("stored kernel layout not used: %s; %s", got,
-                           "rebuilding it" if path == cached else f"writing the cache {cached} instead")
+                           "rebuilding it" if path == cached else f"the cache {cached} instead (written where it is missing or stale)")
     return None, None
 
 
@@ -291,7 +327,7 @@ def _use(runtime, tiers, layout: StoredLayout) -> None:
         read_ahead = ReadAhead(specs, num_buffers=max(1, memory.staging_bytes // layout.key.expert_bytes))
         runtime.read_ahead = read_ahead
     for layer, (store, _) in enumerate(tiers):
-        store.use_source(specs, layout.extents(layer), read_ahead)
+        store.use_source(specs, layout.extents(layer), read_ahead, check=functools.partial(layout.damaged, layer))
     plan = dataclasses.replace(memory, expert_bytes=layout.key.expert_bytes, host_rows=tiers[0][0].host_rows)
     runtime.resolved = dataclasses.replace(runtime.resolved, host_memory=plan)  # the record says what the tier reads
 

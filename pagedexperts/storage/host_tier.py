@@ -89,6 +89,8 @@ class TieredExpertStore(ExpertStore):
         self._row_expert = [-1] * host_rows  # expert whose bytes a row holds (-1: none / failed)
         self._row_events: list = [None] * host_rows  # CUDA: last copy out of the row
         self._sources: dict[str, list[list[Extent]]] | None = None
+        self._check: Callable | None = None  # the stored layout's per-expert check (``use_source``)
+        self._checked: set[int] = set()  # experts whose first read passed it
         self._read_ahead = read_ahead
         self._ahead: dict[int, tuple[Future, dict]] = {}
         self._stats_lock = threading.Lock()
@@ -208,9 +210,12 @@ class TieredExpertStore(ExpertStore):
             self._read(first + i, {name: t[i].view(-1) for name, t in out.items()})
         return out
 
-    def use_source(self, specs, extents: dict[str, list[list[Extent]]], read_ahead: ReadAhead | None) -> None:
+    def use_source(self, specs, extents: dict[str, list[list[Extent]]], read_ahead: ReadAhead | None, *,
+                   check: Callable[[int, list[torch.Tensor]], str | None] | None = None) -> None:
         """Read experts as ``specs`` at ``extents`` from now on (e.g. a stored kernel layout); host
-        rows reallocated within the old bytes and emptied. Before any page-in."""
+        rows reallocated within the old bytes and emptied. Before any page-in. ``check(expert,
+        tensors in spec order)``: why the bytes read are damaged, or None; run on each expert's first
+        read (a damaged one raises ``DiskReadError``, sticky)."""
         old_bytes = self.host_bytes
         self.specs = list(specs)
         self.expert_bytes = sum(s.row_bytes for s in self.specs)
@@ -220,6 +225,7 @@ class TieredExpertStore(ExpertStore):
         self._rows = physical_rows(self._host)
         self._row_events = [None] * self.host_rows
         self._sources, self._read_ahead, self._ahead = extents, read_ahead, {}
+        self._check, self._checked = check, set()
         self.reset()
 
     def _read(self, expert: int, dst: dict[str, torch.Tensor]) -> None:
@@ -240,6 +246,11 @@ class TieredExpertStore(ExpertStore):
         else:
             for path, job in jobs:
                 self._read_extent(expert, path, job)
+        if self._check is not None and expert not in self._checked:
+            damage = self._check(expert, [dst[s.name] for s in self.specs])
+            if damage is not None:
+                raise DiskReadError(f"{damage}; delete it (the next load rebuilds it) or run with --no-stored-layout")
+            self._checked.add(expert)
         with self._stats_lock:
             self.tier_stats.record_read(nbytes=sum(job[0].nbytes for _, job in jobs), preads=1 if contiguous else len(jobs),
                                         seconds=time.perf_counter() - t0)

@@ -1,7 +1,8 @@
 """Experts stored on disk in a compute kernel's layout (docs/disk-tier.md "Packed experts: the kernels'
-layout stored on disk"): the file (``StoredLayout``: a JSON header, then one ALIGN-aligned extent
-per expert), its key (``LayoutKey``), the check (``open_stored_layout``) and the one write
-(``write_stored_layout``).
+layout stored on disk"): the file (``StoredLayout``: a JSON header, one ALIGN-aligned extent per
+expert, then a trailer of one CRC-32 per expert), its key (``LayoutKey``), the check
+(``open_stored_layout``), the per-expert check of bytes read (``StoredLayout.damaged``) and the one
+write (``write_stored_layout``).
 
 Legend: L MoE layers, E experts per layer.
 """
@@ -12,6 +13,8 @@ import contextlib
 import hashlib
 import json
 import os
+import zlib
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -21,7 +24,7 @@ import torch
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.storage.safetensors_index import Extent, advance, bytes_view
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a CRC-32 per expert after the extents (1 had none: rebuilt)
 MAGIC = b"PXKLAYT1"  # 8 bytes, then the header's length (8 bytes little-endian), then the header (JSON)
 ALIGN = 4096  # every expert's extent starts at a multiple of this (a page; O_DIRECT's alignment)
 
@@ -124,10 +127,25 @@ class StoredLayout:
     key: LayoutKey
     data_start: int
     verified_by_content: tuple[str, ...] = ()
+    checksums: tuple[int, ...] = ()  # CRC-32 of each expert's bytes, layer-major (read by ``open_stored_layout``)
+
+    @property
+    def trailer_start(self) -> int:
+        return self.data_start + self.key.num_layers * self.key.num_experts * self.key.stride
 
     @property
     def file_bytes(self) -> int:
-        return self.data_start + self.key.num_layers * self.key.num_experts * self.key.stride
+        return self.trailer_start + 4 * self.key.num_layers * self.key.num_experts
+
+    def damaged(self, layer: int, expert: int, rows: Sequence[torch.Tensor]) -> str | None:
+        """None when ``rows`` (the expert's tensors in spec order, as read) match its stored CRC-32;
+        else a one-line reason naming the file, layer and expert."""
+        got = expert_crc(rows)
+        want = self.checksums[layer * self.key.num_experts + expert]
+        if got == want:
+            return None
+        return (f"stored kernel layout {self.path}: expert {expert} of MoE layer {layer} is damaged (CRC-32 "
+                f"{got:08x}, stored {want:08x})")
 
     def offset(self, layer: int, expert: int) -> int:
         """Byte offset of the extent of ``expert`` of MoE layer index ``layer`` (0..L-1)."""
@@ -196,7 +214,25 @@ def open_stored_layout(path: Path, want: LayoutKey, source_files: Sequence[Path]
     size = path.stat().st_size
     if size != layout.file_bytes:
         return f"{path} is {size:,} bytes, not the {layout.file_bytes:,} its header promises (truncated?)"
-    return layout
+    n = key.num_layers * key.num_experts
+    try:
+        with open(path, "rb") as f:
+            f.seek(layout.trailer_start)
+            trailer = f.read(4 * n)
+    except OSError as exc:
+        return f"{path}: its checksums could not be read ({exc})"
+    if len(trailer) != 4 * n:
+        return f"{path}: its checksums are cut short (truncated?)"
+    checksums = tuple(int.from_bytes(trailer[4 * i:4 * i + 4], "little") for i in range(n))
+    return dataclasses.replace(layout, checksums=checksums)
+
+
+def expert_crc(rows: Sequence[torch.Tensor]) -> int:
+    """CRC-32 (zlib) of the bytes of ``rows`` in order: one expert's tensors in spec order."""
+    crc = 0
+    for t in rows:
+        crc = zlib.crc32(bytes_view(t.contiguous().view(-1)), crc)
+    return crc
 
 
 def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, int], Mapping[str, torch.Tensor]], *,
@@ -211,6 +247,8 @@ def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, in
     layout = StoredLayout(path, key, data_start)
     specs = key.tensor_specs
     _remove_stale_temps(path)
+    crcs = bytearray()
+    made_dir = not path.parent.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open(): the umask decides
@@ -223,10 +261,12 @@ def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, in
                     for i in range(n):
                         bufs = [bytes_view(got[s.name][i].contiguous().view(-1)) for s in specs]
                         _write_all(fd, [memoryview(b) for b in bufs], layout.offset(layer, first + i))
+                        crcs += expert_crc([got[s.name][i] for s in specs]).to_bytes(4, "little")
                     del got
                     # written pages leave the page cache (and a memory cgroup's count) chunk by chunk
                     os.fdatasync(fd)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            _write_all(fd, [memoryview(bytes(crcs))], layout.trailer_start)
             os.ftruncate(fd, layout.file_bytes)
             os.fsync(fd)
         finally:
@@ -235,10 +275,14 @@ def write_stored_layout(path: Path, key: LayoutKey, rows: Callable[[int, int, in
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if made_dir:  # nothing left behind: the directory made for it too, when empty
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
         raise StoredLayoutError(
             exc.errno, f"writing the stored kernel layout {path} ({layout.file_bytes:,} bytes) failed: "
             f"{exc.strerror or exc}; the partial file is removed and {source_name} is untouched") from exc
-    return layout
+    return dataclasses.replace(layout, checksums=tuple(int.from_bytes(crcs[i:i + 4], "little")
+                                                       for i in range(0, len(crcs), 4)))
 
 
 def _remove_stale_temps(path: Path) -> None:

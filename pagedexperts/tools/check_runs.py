@@ -71,7 +71,8 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "ho
     )
 
 
-def run_fused(request: CheckRequest, ks, reference, choice, num_experts: int, *, path, quantized: bool) -> int:
+def run_fused(request: CheckRequest, ks, reference, choice, num_experts: int, *, path, quantized: bool,
+              on_paged_load: Callable | None = None) -> int:
     """``check --experts-implementation fused`` (or ``packed``: torch's packed CPU matmuls): per
     K, paged == the same kernels with all E resident (torch.equal), and within tolerance of
     transformers' model (``tools.check_fused``). Every label says what ran (``tools.what_ran``):
@@ -100,6 +101,8 @@ def run_fused(request: CheckRequest, ks, reference, choice, num_experts: int, *,
     ok = True
     for k in ks:
         paged, _ = load_model(request.model_path, num_resident=k, **request.options)
+        if on_paged_load is not None:
+            on_paged_load(paged)  # the start-up lines: host memory, the stored layout read or written
         res = check_model(paged, oracle, tokenizer, prompts, max_new_tokens=request.max_new_tokens)
         print(verdict_line(k, num_experts, res, steps=request.max_new_tokens, decide=paged.pagedexperts.decide)
               + f" [vs {ran.kernel}, all E={num_experts} resident]")
@@ -112,7 +115,8 @@ def run_fused(request: CheckRequest, ks, reference, choice, num_experts: int, *,
     return 0 if ok else 1
 
 
-def run_packed(request: CheckRequest, ks, reference, choice, num_experts: int, *, config, files, fmt) -> int:
+def run_packed(request: CheckRequest, ks, reference, choice, num_experts: int, *, config, files, fmt,
+               on_paged_load: Callable | None = None) -> int:
     """``check`` where experts run packed (torch's CPU int4 / int8 kernels): per K, paged == the
     same kernels with all E resident (torch.equal); once, every sampled packed matmul within its
     derived bound of the checkpoint's weights dequantized in float32 (``tools.packed_bound``); per
@@ -144,6 +148,8 @@ def run_packed(request: CheckRequest, ks, reference, choice, num_experts: int, *
     ok = bound.passed
     for k in ks:
         paged, _ = load_model(request.model_path, num_resident=k, **request.options)
+        if on_paged_load is not None:
+            on_paged_load(paged)  # the start-up lines: host memory, the stored layout read or written
         res = check_model(paged, oracle, tokenizer, prompts, max_new_tokens=request.max_new_tokens)
         print(verdict_line(k, num_experts, res, steps=request.max_new_tokens, decide=paged.pagedexperts.decide)
               + f" [vs {ran.kernel}, all E={num_experts} resident]")
@@ -224,10 +230,10 @@ def _check(request: CheckRequest, on_paged_load) -> int:
     print(choice.line())  # every verdict names its reference: transformers' loading, or which and why
     if packed:
         return run_packed(request, ks, _experts_in_float32(reference), choice, num_experts, config=config,
-                          files=files, fmt=fmt)
+                          files=files, fmt=fmt, on_paged_load=on_paged_load)
     if fused:
         return run_fused(request, ks, reference, choice, num_experts, path=path,
-                         quantized=fmt.name != "dense")
+                         quantized=fmt.name != "dense", on_paged_load=on_paged_load)
     ok = True
     for k in ks:
         paged, tokenizer = load_model(request.model_path, num_resident=k, **options)

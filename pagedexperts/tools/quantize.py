@@ -195,7 +195,7 @@ def _copy_aux(src: Path, dst: Path, weight_map: dict[str, str] | None, total_siz
     (``total_size``: bytes of every tensor written)."""
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in _AUX_SKIP:
-            shutil.copy2(f, dst / f.name)
+            shutil.copyfile(f, dst / f.name)  # a new file: the umask decides its mode, as for the shards
     if weight_map is not None:
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

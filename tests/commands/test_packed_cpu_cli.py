@@ -20,8 +20,10 @@ INT4 = DATA / "autoround/qwen3_moe-auto_round-experts"
 def test_check_gives_both_verdicts(capsys):
     rc = main(["check", "--model-path", str(INT4), "--experts-implementation", "packed", "--check-resident", "3",
                "--max-new-tokens", "3"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert rc == 0, out
+    # the paged load's start-up lines, as generate prints them: what host memory holds, and the stored layout
+    assert "host memory: " in err and re.search(r"host store: (stored kernel layout \S+|converts)", err), err
     assert "ran: packed on 2 of 2 MoE layers" in out and "ran nowhere" not in out
     assert "references: the same kernels (packed) with all E=8 experts resident (exact); the checkpoint's weights " \
            "dequantized in float32 (each packed matmul, within its bound)" in out

@@ -166,3 +166,10 @@ def test_a_stored_layout_holding_nan_is_refused_naming_the_file(tmp_path):
         f.write(torch.tensor([float("nan")], dtype=scales.dtype).view(torch.uint8).numpy().tobytes())
     with pytest.raises(NonFiniteWeights, match=str(stored)):
         _load(INT4, cache)
+
+
+def test_no_read_ahead_without_the_disk_tier_warns_that_it_has_no_effect(caplog):
+    with caplog.at_level(logging.WARNING, logger="pagedexperts"):
+        load_model(INT4, num_resident=2, read_ahead=False)
+    warned = [r.getMessage() for r in caplog.records if "--no-read-ahead has no effect" in r.getMessage()]
+    assert len(warned) == 1 and "every expert is in host memory (the available memory)" in warned[0], caplog.text

@@ -230,9 +230,12 @@ def test_a_file_size_limit_while_writing_removes_the_partial_file(tmp_path):
         with pytest.raises(StoredLayoutError, match=r"l\.pxkl .*failed: File too large; the partial file is "
                                                     r"removed and the checkpoint is untouched"):
             write_stored_layout(tmp_path / "l.pxkl", key, _rows(key))
+        with pytest.raises(StoredLayoutError):  # into a directory made for it: removed too
+            write_stored_layout(tmp_path / "cache" / "ckpt-1234" / "l.pxkl", key, _rows(key))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "shard.safetensors"]
+    assert list((tmp_path / "cache").iterdir()) == []  # ckpt-1234/ gone; cache/ (a parent it made) is harmless
 
 
 def test_a_writer_killed_mid_write_leaves_a_temporary_file_the_next_write_removes(tmp_path):
@@ -291,3 +294,96 @@ def test_the_resolved_record_says_which_stored_layout_the_tier_reads_and_why(tmp
     assert off.stored_layout is None and off.reasons["stored_layout"].startswith("--no-stored-layout")
     dense, _ = load_model(INT4, num_resident=2, experts_implementation="grouped_mm")  # nothing packed: nothing to say
     assert dense.pagedexperts.resolved.stored_layout is None and "stored_layout" not in dense.pagedexperts.resolved.reasons
+
+
+def _damage_body(stored: Path, experts: list[tuple[int, int]]) -> None:
+    """XOR the first 64 bytes of each (layer, expert)'s extent, the file's size and mtime kept (bit rot:
+    the header and the sources still match)."""
+    got = open_stored_layout(stored, kernel_layout_file._read_key(stored)[0])
+    assert isinstance(got, StoredLayout), got
+    stamp = stored.stat()
+    with open(stored, "r+b") as f:
+        for layer, expert in experts:
+            f.seek(got.offset(layer, expert))
+            chunk = f.read(64)
+            f.seek(got.offset(layer, expert))
+            f.write(bytes(b ^ 0x5A for b in chunk))
+    os.utime(stored, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+
+
+def test_every_expert_has_a_checksum_that_names_a_damaged_one(tmp_path):
+    """The trailer holds zlib's CRC-32 of each expert's bytes in spec order (computed here
+    independently from the bytes at each extent); bytes that differ are named by layer and expert."""
+    import zlib
+
+    stored = Path(_tiered(INT4, "float32", tmp_path).pagedexperts.stored_layout)
+    layout = open_stored_layout(stored, kernel_layout_file._read_key(stored)[0])
+    raw = stored.read_bytes()
+    for layer in range(layout.key.num_layers):
+        for e in range(layout.key.num_experts):
+            at = layout.offset(layer, e)
+            want = zlib.crc32(raw[at:at + layout.key.expert_bytes])
+            assert layout.checksums[layer * layout.key.num_experts + e] == want
+    specs = layout.key.tensor_specs
+    rows, at = [], layout.offset(1, 3)
+    for s in specs:
+        rows.append(torch.frombuffer(bytearray(raw[at:at + s.row_bytes]), dtype=torch.uint8))
+        at += s.row_bytes
+    assert layout.damaged(1, 3, rows) is None
+    rows[0][5] ^= 1
+    assert "expert 3 of MoE layer 1 is damaged" in layout.damaged(1, 3, rows)
+
+
+@pytest.mark.default_threads
+def test_a_damaged_expert_in_the_tiers_stored_layout_is_refused_by_name_never_computed(tmp_path):
+    stored = Path(_tiered(INT4, "bfloat16", tmp_path).pagedexperts.stored_layout)
+    num_experts = kernel_layout_file._read_key(stored)[0].num_experts
+    _damage_body(stored, [(layer, e) for layer in range(2) for e in range(num_experts)])
+    with pytest.raises(OSError, match=r"stored kernel layout .*: expert \d+ of MoE layer \d+ is damaged .*"
+                                      r"--no-stored-layout"):  # header and sources match: the first read says
+        greedy_logits(_tiered(INT4, "bfloat16", tmp_path), _ids(), steps=2)  # (the start-up check's, here)
+    model = _tiered(INT4, "bfloat16", tmp_path, check_independence=False)
+    assert Path(model.pagedexperts.stored_layout) == stored
+    with pytest.raises(OSError, match=r"expert \d+ of MoE layer \d+ is damaged"):  # a decode step's page-in
+        greedy_logits(model, _ids(), steps=2)
+
+
+@pytest.mark.default_threads
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_damaged_full_store_layout_is_not_used_but_converted_and_rebuilt(tmp_path, caplog, dtype):
+    from support.tiny import greedy_logits as logits
+
+    def full(**options):
+        model, _ = load_model(INT4, num_resident=2, dtype=dtype, experts_implementation="packed",
+                              stored_layout_dir=str(tmp_path), **options)
+        return model.eval()
+
+    stored = Path(full().pagedexperts.resolved.stored_layout)  # converted, the cache written
+    num_experts = kernel_layout_file._read_key(stored)[0].num_experts
+    _damage_body(stored, [(0, num_experts // 2)])
+    with caplog.at_level(logging.WARNING, logger="pagedexperts"):
+        model = full()
+    assert any(f"expert {num_experts // 2} of MoE layer 0 is damaged" in r.getMessage() and "converted at load"
+               in r.getMessage() for r in caplog.records), caplog.text
+    assert model.pagedexperts.resolved.reasons["stored_layout"].startswith("converted at load; written now")
+    want = logits(full(stored_layout=False), _ids(), steps=3)
+    assert torch.equal(logits(model, _ids(), steps=3), want)
+    again = full()  # the rebuilt cache, read
+    assert again.pagedexperts.resolved.reasons["stored_layout"].startswith("read at load")
+    assert torch.equal(logits(again, _ids(), steps=3), want)
+
+
+def test_the_cli_says_a_damaged_expert_in_one_line_and_exits_1(tmp_path, capsys):
+    from pagedexperts.cli import main
+
+    stored = Path(_tiered(INT4, "bfloat16", tmp_path).pagedexperts.stored_layout)
+    num_experts = kernel_layout_file._read_key(stored)[0].num_experts
+    _damage_body(stored, [(layer, e) for layer in range(2) for e in range(num_experts)])
+    budget = host_budget_gb(INT4, 2, num_resident=2, dtype="bfloat16", experts_implementation="packed")
+    code = main(["generate", "--model-path", str(INT4), "--num-resident", "2", "--dtype", "bfloat16",
+                 "--host-memory-gb", str(budget), "--stored-layout-dir", str(tmp_path), "--prompt", "Hello",
+                 "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    last = [ln for ln in err.splitlines() if ln.strip()][-1]
+    assert last.startswith(f"pagedexperts generate: error: stored kernel layout {stored}: expert ") and "damaged" in last

@@ -82,7 +82,7 @@ def test_sharded_source_stays_sharded(tiny_moe_sharded_dir, tmp_path):
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077], ids=["022", "002", "077"])
 def test_written_shards_get_the_mode_open_gives_under_the_umask(tiny_moe_sharded_dir, tmp_path, umask):
     """safetensors writes a 0600 temporary file and renames it: the shards are chmod-ed to what
-    ``open()`` creates, as the copied tokenizer and config keep the source's."""
+    ``open()`` creates; the copied tokenizer, config and the rest are new files too (not the source's mode)."""
     out = tmp_path / "q"
     old = os.umask(umask)
     try:
@@ -96,3 +96,6 @@ def test_written_shards_get_the_mode_open_gives_under_the_umask(tiny_moe_sharded
     shards = sorted(out.glob("*.safetensors"))
     assert len(shards) > 1 and {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in shards} == {
         f.name: oct(want) for f in shards}
+    copied = sorted(f for f in out.iterdir() if f.is_file() and f.suffix != ".safetensors")  # tokenizer, config, ...
+    assert len(copied) > 2 and {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in copied} == {
+        f.name: oct(want) for f in copied}
