@@ -235,14 +235,8 @@ def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_di
         logger.info("writing the stored kernel layout of %s's experts to %s (once: %d layers x %d experts, "
                     "%.3g GB; torch's CPU pack for %s, %s)", checkpoint, cached, key.num_layers, key.num_experts,
                     key.num_layers * key.num_experts * key.stride / 1e9, key.capability, key.dtype)
-        try:
-            layout = write_for(tiers, layout_key(tiers, files, content=True), cached,
-                               source_name=f"the checkpoint {checkpoint}")
-        except StoredLayoutError as exc:
-            runtime.stored_layout_fallback = (f"stored kernel layout: {exc}; the disk tier converts each expert at "
-                                              "page-in (tens of ms per expert)")
-            logger.warning("%s", runtime.stored_layout_fallback)
-            record_stored_layout(runtime, None, "not written (the stats' fallbacks say why): each expert converted at page-in")
+        layout = _write_cache(runtime, tiers, files, cached, checkpoint, converts="at page-in")
+        if layout is None:
             return None
         why = f"written now to {cache_name}"
     _use(runtime, tiers, layout)
@@ -251,6 +245,23 @@ def attach_stored_layout(model, checkpoint: Path, files: list[Path], *, cache_di
                 layout.path, layout.file_bytes / 1e9, checkpoint, len(key.source), key.capability, key.dtype,
                 key.torch_version)
     return str(layout.path)
+
+
+def _write_cache(runtime, layers, files: list[Path], cached: Path, checkpoint: Path, *,
+                 converts: str) -> StoredLayout | None:
+    """``write_for`` of ``layers`` to the cache file ``cached``; None when it failed: then a WARNING,
+    ``PagingRuntime.stored_layout_fallback`` and the record say that each expert converts
+    ``converts`` ("at page-in", "at load")."""
+    try:
+        return write_for(layers, layout_key(layers, files, content=True), cached,
+                         source_name=f"the checkpoint {checkpoint}")
+    except StoredLayoutError as exc:
+        again = "the disk tier converts each expert at page-in" if converts == "at page-in" else \
+            "the next start converts each expert at load again"
+        runtime.stored_layout_fallback = f"stored kernel layout: {exc}; {again} (tens of ms per expert)"
+        logger.warning("%s", runtime.stored_layout_fallback)
+        record_stored_layout(runtime, None, f"not written (the stats' fallbacks say why): each expert converted {converts}")
+        return None
 
 
 def _cache_converted(runtime, checkpoint: Path, files: list[Path], cache_dir: Path | None) -> str | None:
@@ -268,14 +279,8 @@ def _cache_converted(runtime, checkpoint: Path, files: list[Path], cache_dir: Pa
     logger.info("writing the stored kernel layout of %s's experts to %s (once, from the rows converted at load: "
                 "%.3g GB; the next start reads it instead of converting)", checkpoint, cached,
                 key.num_layers * key.num_experts * key.stride / 1e9)
-    try:
-        layout = write_for(layers, layout_key(layers, files, content=True), cached,
-                           source_name=f"the checkpoint {checkpoint}")
-    except StoredLayoutError as exc:
-        runtime.stored_layout_fallback = (f"stored kernel layout: {exc}; the next start converts each expert at "
-                                          "load again (tens of ms per expert)")
-        logger.warning("%s", runtime.stored_layout_fallback)
-        record_stored_layout(runtime, None, "not written (the stats' fallbacks say why): each expert converted at load")
+    layout = _write_cache(runtime, layers, files, cached, checkpoint, converts="at load")
+    if layout is None:
         return None
     record_stored_layout(runtime, str(layout.path), f"converted at load; written now to {cache_name}")
     return str(layout.path)

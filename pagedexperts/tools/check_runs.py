@@ -71,6 +71,18 @@ def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "ho
     )
 
 
+def _paged_against_resident(request: CheckRequest, k: int, oracle, tokenizer, on_paged_load):
+    """The paged model at K = ``k`` (``on_paged_load`` called on it) and ``tools.check.check_model``'s
+    comparison with ``oracle``, the same kernels with all E resident."""
+    from pagedexperts.loading.loader import load_model
+    from pagedexperts.tools.check import check_model
+
+    paged, _ = load_model(request.model_path, num_resident=k, **request.options)
+    if on_paged_load is not None:
+        on_paged_load(paged)  # the start-up lines: host memory, the stored layout read or written
+    return paged, check_model(paged, oracle, tokenizer, list(request.prompts), max_new_tokens=request.max_new_tokens)
+
+
 def run_fused(request: CheckRequest, ks, reference, choice, num_experts: int, *, path, quantized: bool,
               on_paged_load: Callable | None = None) -> int:
     """``check --experts-implementation fused`` (or ``packed``: torch's packed CPU matmuls): per
@@ -80,7 +92,7 @@ def run_fused(request: CheckRequest, ks, reference, choice, num_experts: int, *,
     import torch
 
     from pagedexperts.loading.loader import load_model
-    from pagedexperts.tools.check import check_model, reference_label, transformers_model
+    from pagedexperts.tools.check import reference_label, transformers_model
     from pagedexperts.tools.check_fused import tolerance_check, tolerance_line
     from pagedexperts.tools.what_ran import kernels_ran
 
@@ -100,10 +112,7 @@ def run_fused(request: CheckRequest, ks, reference, choice, num_experts: int, *,
     prompts = list(request.prompts)
     ok = True
     for k in ks:
-        paged, _ = load_model(request.model_path, num_resident=k, **request.options)
-        if on_paged_load is not None:
-            on_paged_load(paged)  # the start-up lines: host memory, the stored layout read or written
-        res = check_model(paged, oracle, tokenizer, prompts, max_new_tokens=request.max_new_tokens)
+        paged, res = _paged_against_resident(request, k, oracle, tokenizer, on_paged_load)
         print(verdict_line(k, num_experts, res, steps=request.max_new_tokens, decide=paged.pagedexperts.decide)
               + f" [vs {ran.kernel}, all E={num_experts} resident]")
         tol = tolerance_check(paged, reference, source, tokenizer, prompts, max_new_tokens=request.max_new_tokens)
@@ -124,7 +133,7 @@ def run_packed(request: CheckRequest, ks, reference, choice, num_experts: int, *
     source where given. Every label says what ran (``tools.what_ran``)."""
     from pagedexperts.loading.config import resolve_dtype
     from pagedexperts.loading.loader import load_model
-    from pagedexperts.tools.check import check_model, transformers_model
+    from pagedexperts.tools.check import transformers_model
     from pagedexperts.tools.check_fused import top1_agreement
     from pagedexperts.tools.packed_bound import experts_on_meta, kernel_bound_check, linear_bound_check
     from pagedexperts.tools.what_ran import kernels_ran
@@ -147,10 +156,7 @@ def run_packed(request: CheckRequest, ks, reference, choice, num_experts: int, *
     prompts = list(request.prompts)
     ok = bound.passed
     for k in ks:
-        paged, _ = load_model(request.model_path, num_resident=k, **request.options)
-        if on_paged_load is not None:
-            on_paged_load(paged)  # the start-up lines: host memory, the stored layout read or written
-        res = check_model(paged, oracle, tokenizer, prompts, max_new_tokens=request.max_new_tokens)
+        paged, res = _paged_against_resident(request, k, oracle, tokenizer, on_paged_load)
         print(verdict_line(k, num_experts, res, steps=request.max_new_tokens, decide=paged.pagedexperts.decide)
               + f" [vs {ran.kernel}, all E={num_experts} resident]")
         agreement = top1_agreement(paged, reference, tokenizer, prompts, max_new_tokens=request.max_new_tokens)

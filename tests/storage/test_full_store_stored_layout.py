@@ -24,7 +24,7 @@ from pagedexperts.loading.loader import load_model
 from pagedexperts.storage.kernel_layout_file import StoredLayoutError
 from pagedexperts.storage.safetensors_files import checkpoint_files
 from support.paths import DATA
-from support.tiny import copy_dir, greedy_logits
+from support.tiny import copy_dir, count_int4_packs, greedy_logits
 
 INT4 = DATA / "autoround/qwen3_moe-auto_round-experts"
 
@@ -41,18 +41,6 @@ def _load(path: Path, cache: Path, *, num_resident: int = 2, dtype: str = "float
     return model.eval()
 
 
-def _count_packs(monkeypatch) -> list:
-    """Calls of torch's int4 pack from now on (a conversion)."""
-    calls = []
-    original = torch.ops.aten._convert_weight_to_int4pack_for_cpu
-
-    def counted(*args):
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", counted)
-    return calls
-
 
 @pytest.mark.default_threads
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -67,7 +55,7 @@ def test_a_valid_stored_layout_is_read_into_the_store_not_converted(tmp_path, mo
     assert Path(written.stored_layout).parent.parent == cache
     assert torch.equal(greedy_logits(first, _ids(), steps=4), want)
 
-    packs = _count_packs(monkeypatch)
+    packs = count_int4_packs(monkeypatch)
     again = _load(INT4, cache, dtype=dtype, check_independence=False)  # the check converts its samples itself
     assert packs == []  # nothing converted at load
     rt = again.pagedexperts
@@ -93,7 +81,7 @@ def test_the_checkpoints_own_kernel_layout_is_read_first(tmp_path, monkeypatch, 
     model, _ = load_model(path, dtype="float32", experts_implementation="packed", stored_layout=False,
                           check_independence=False)
     own = stored_layout.write_checkpoint_layout(model, path, [*checkpoint_files(path), path / "config.json"])
-    packs = _count_packs(monkeypatch)
+    packs = count_int4_packs(monkeypatch)
     again = _load(path, tmp_path / "cache", check_independence=False)
     assert packs == []
     resolved = again.pagedexperts.resolved

@@ -30,7 +30,7 @@ from pagedexperts.storage.safetensors_files import checkpoint_files
 from pagedexperts.storage.kernel_layout_file import (LayoutKey, StoredLayout, StoredLayoutError, open_stored_layout,
                                                      write_stored_layout)
 from support.paths import DATA
-from support.tiny import copy_dir, greedy_logits, host_budget_gb, rewrite_expert_bytes
+from support.tiny import copy_dir, count_int4_packs, greedy_logits, host_budget_gb, rewrite_expert_bytes
 
 INT4 = DATA / "autoround/qwen3_moe-auto_round-experts"
 
@@ -54,18 +54,6 @@ def _all_resident(path: Path, dtype: str):
     return model.eval()
 
 
-def _count_packs(monkeypatch) -> list:
-    """Calls of torch's int4 pack from now on (a conversion on the page-in path)."""
-    calls = []
-    original = torch.ops.aten._convert_weight_to_int4pack_for_cpu
-
-    def counted(*args):
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", counted)
-    return calls
-
 
 def _digest(path: Path) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir()) if f.is_file()}
@@ -85,7 +73,7 @@ def test_tier_over_the_stored_layout_equals_all_resident_without_converting(tmp_
     assert stored.parent.parent == tmp_path and stored.name.endswith(f"-{dtype}.pxkl")
     table = next(iter(rt.runners.values())).slots
     assert all(store.specs == table.specs for store in rt.stores.values())  # rows in the kernels' layout
-    packs = _count_packs(monkeypatch)
+    packs = count_int4_packs(monkeypatch)
     got = greedy_logits(tiered, _ids(), steps=4)
     assert packs == []  # a miss is a read and a copy
     want = greedy_logits(oracle, _ids(), steps=4)

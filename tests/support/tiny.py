@@ -152,3 +152,16 @@ def _expert_tensor_names(paged) -> set[str]:
 
 def _experts_name(model, layer: int) -> str:
     return next(n for n, _ in model.named_modules() if n.endswith(f"layers.{layer}.mlp.experts"))
+
+
+def count_int4_packs(monkeypatch) -> list:
+    """Calls of torch's int4 pack (a conversion to the CPU kernel's layout) from now on, one item each."""
+    calls = []
+    original = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", counted)
+    return calls
