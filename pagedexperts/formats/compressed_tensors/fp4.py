@@ -11,28 +11,17 @@ Legend: n experts, O output features, I input features, G groups.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import torch
 
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec, store_name
-from pagedexperts.formats.compressed_tensors.w4a16 import ct_experts_args, experts_weights_args
+from pagedexperts.formats.compressed_tensors.w4a16 import ct_experts_args, experts_weights_args, in_experts_dtype
 from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, fp4_packing
 from pagedexperts.formats.unpack import PackedFormat
 
 LIBRARY_DTYPE = torch.bfloat16  # compressed-tensors' unpack_fp4_from_uint8 default dtype
-
-
-def in_experts_dtype(layout: ExpertLayout, dtype: torch.dtype | None) -> ExpertLayout:
-    """``layout`` with every quantized dense tensor in ``dtype`` (None: unchanged; biases keep theirs)."""
-    if dtype is None:
-        return layout
-    return ExpertLayout(layout.format, tuple(
-        t if t.is_passthrough else QuantizedTensor(dataclasses.replace(t.dense, dtype=dtype), t.packed)
-        for t in layout.tensors
-    ))
 
 
 class _CompressedTensorsFp4(PackedFormat):

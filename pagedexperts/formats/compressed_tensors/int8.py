@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from pagedexperts.formats.base import ExpertLayout, QuantizedTensor, TensorSpec
-from pagedexperts.formats.compressed_tensors.fp4 import in_experts_dtype
-from pagedexperts.formats.compressed_tensors.w4a16 import _torch_dtype, ct_experts_args, experts_weights_args
+from pagedexperts.formats.compressed_tensors.w4a16 import (_torch_dtype, ct_experts_args, experts_weights_args,
+                                                         in_experts_dtype)
 from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
 from pagedexperts.formats.packing import WeightPacking, float8_packing
 from pagedexperts.formats.unpack import PackedFormat

@@ -10,14 +10,13 @@ Legend: n experts, O output features, I input features, b bits, G groups.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
 from pagedexperts.formats.base import LINEAR_WEIGHT, ExpertLayout, QuantizedTensor, TensorSpec, ceil_div
-from pagedexperts.formats.compressed_tensors.w4a16 import _torch_dtype
+from pagedexperts.formats.compressed_tensors.w4a16 import _torch_dtype, in_experts_dtype
 from pagedexperts.formats.compressed_tensors.linear import ct_linear_format
 from pagedexperts.formats.compressed_tensors.schemes import ExpertScheme, dense_source_count, expert_in_features, resolved_schemes
 from pagedexperts.formats.packing import WeightPacking, dense_packing, int_packing
@@ -120,12 +119,7 @@ class CompressedTensorsPackedFormat(PackedFormat):
 
     def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
         """As ``ExpertFormat.layout``, quantized dense tensors in the scales' dtype when bound."""
-        base = super().layout(dense_specs, sources=sources, transposed=transposed)
-        if self.scale_dtype is None:
-            return base
-        return ExpertLayout(self, tuple(
-            t if t.is_passthrough else QuantizedTensor(dataclasses.replace(t.dense, dtype=self.scale_dtype), t.packed)
-            for t in base.tensors))
+        return in_experts_dtype(super().layout(dense_specs, sources=sources, transposed=transposed), self.scale_dtype)
 
     def pack(self, dense: TensorSpec, *, sources: int, transposed: bool) -> tuple[TensorSpec, ...]:
         """Per source nn.Linear's [O, I] layout, concatenated along dim 0 (g_idx [I] per source)."""

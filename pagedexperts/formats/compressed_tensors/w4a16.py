@@ -59,6 +59,16 @@ def ct_experts_args(quantization_config: dict | None, checkpoint_format: str) ->
     return args if args and args.get("format") == checkpoint_format else None
 
 
+def in_experts_dtype(layout: ExpertLayout, dtype: torch.dtype | None) -> ExpertLayout:
+    """``layout`` with every quantized dense tensor in ``dtype`` (None: unchanged; biases keep theirs)."""
+    if dtype is None:
+        return layout
+    return ExpertLayout(layout.format, tuple(
+        t if t.is_passthrough else QuantizedTensor(dataclasses.replace(t.dense, dtype=dtype), t.packed)
+        for t in layout.tensors
+    ))
+
+
 class CompressedTensorsW4A16Format(PackedFormat):
     """compressed-tensors ``pack-quantized`` int4 (W4A16), symmetric or not, group or channel strategy."""
 
@@ -127,13 +137,7 @@ class CompressedTensorsW4A16Format(PackedFormat):
 
     def layout(self, dense_specs, *, sources=None, transposed: bool = False) -> ExpertLayout:
         """As ``ExpertFormat.layout``, quantized dense tensors in the scales' dtype when bound."""
-        base = super().layout(dense_specs, sources=sources, transposed=transposed)
-        if self.scale_dtype is None:
-            return base
-        return ExpertLayout(self, tuple(
-            t if t.is_passthrough else QuantizedTensor(dataclasses.replace(t.dense, dtype=self.scale_dtype), t.packed)
-            for t in base.tensors
-        ))
+        return in_experts_dtype(super().layout(dense_specs, sources=sources, transposed=transposed), self.scale_dtype)
 
     def _groups(self, in_features: int) -> int:
         if self.group_size is None:
