@@ -158,8 +158,8 @@ def read_stored_layout(runtime, checkpoint: Path, files: list[Path], *, cache_di
     if damage is not None:  # never computed with: back to the checkpoint's specs, converted at load
         for (store, _, _), specs in zip(layers, before):
             store.use_specs(specs)
-        logger.warning("%s; not used: the experts are converted at load instead (%s)", damage, _remedy(layout.path, checkpoint))
-        _drop_if_cache(layout.path, checkpoint)
+        logger.warning("%s; not used: the experts are converted at load instead (%s)", damage,
+                       _set_aside(layout.path, checkpoint))
         return None
     for store, _, _ in layers:
         store.rows_from = str(layout.path)
@@ -182,19 +182,15 @@ def _first_damage(layout: StoredLayout, layers) -> str | None:
     return None
 
 
-def _remedy(path: Path, checkpoint: Path) -> str:
-    """What a user does about a damaged stored layout at ``path``."""
+def _set_aside(path: Path, checkpoint: Path) -> str:
+    """Remove a damaged stored layout when it is the cache's (never a file of the checkpoint's);
+    what was done or what the user does, in words."""
     if Path(checkpoint) / CHECKPOINT_SUBDIR in Path(path).parents:
         return (f"delete {path} (the checkpoint's own copy: the cache is used then) or rewrite it with "
                 "pagedexperts quantize; --no-stored-layout converts every expert")
+    with contextlib.suppress(OSError):
+        Path(path).unlink()
     return f"the cache file {path} is removed: the next load rebuilds it"
-
-
-def _drop_if_cache(path: Path, checkpoint: Path) -> None:
-    """Remove a damaged stored layout when it is the cache's (never a file of the checkpoint's)."""
-    if Path(checkpoint) / CHECKPOINT_SUBDIR not in Path(path).parents:
-        with contextlib.suppress(OSError):
-            Path(path).unlink()
 
 
 def _find(checkpoint: Path, key: LayoutKey, files: list[Path], cached: Path,
