@@ -118,6 +118,7 @@ def disk_child(args) -> dict:
                 disk_mb_per_token=d["disk_bytes_read"] / n / 1e6,
                 io_mb_per_token=(io_read_bytes() - state["io"]) / n / 1e6,
                 misses_per_token=d["misses_per_token"], host_hit_rate=d["host_hit_rate"],
+                zero_copy_per_token=d.get("zero_copy_page_ins", 0) / n,  # absent before the slots read host rows
                 read_ahead_issued=d["read_ahead_issued"], read_ahead_used=d["read_ahead_used"],
                 disk_reads_per_token=d["disk_reads"] / n,
                 disk_read_ms_per_expert=1e3 * d["disk_read_s"] / max(1, d["disk_reads"]),
@@ -281,6 +282,9 @@ def larger_than_ram(args) -> None:
         print(larger_than_ram_table(rows_from_log(Path(args.from_log).read_text()), args.cgroup_mb, args.tokens))
         return
     chosen = [LARGER_THAN_RAM[i - 1] for i in args.rows] if args.rows else LARGER_THAN_RAM
+    if args.before:  # this project's rows again from the tree of the code before, in the same rounds
+        chosen = chosen + [(f"{label} (before: {Path(args.before).name})", [*sub, "--tree", args.before])
+                           for label, sub in chosen if sub[0] == "disk"]
     rows = {label: [] for label, _ in chosen}
     for r in range(args.rounds):
         order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
@@ -351,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("disk", "disk-child", "disk-compare"):
         p = sub.add_parser(name)
         p.add_argument("dir")
+        p.add_argument("--tree", default=str(ROOT), help="the source tree whose pagedexperts runs (default this one)")
         p.add_argument("--host-memory-gb", type=float, default=None, help="default: none given (the loader's own)")
         p.add_argument("--experts-implementation", default=None, help="default: the loader's")
         p.add_argument("--stored-layout-dir", default=None, help="where the stored kernel layout is cached "
@@ -375,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     lt.add_argument("--cgroup-mb", type=float, default=1180)
     lt.add_argument("--from-log", default=None, help="print the table of an earlier run's output (its "
                     "per-run lines) instead of running; --cgroup-mb and --tokens label it")
+    lt.add_argument("--before", default=None, help="also run this project's chosen rows from this source tree "
+                    "(the code before a change), in the same interleaved rounds")
     lt.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=None,
                     help=f"which rows, 1-based, comma-separated (default all {len(LARGER_THAN_RAM)}): "
                          + "; ".join(f"{i + 1} {label}" for i, (label, _) in enumerate(LARGER_THAN_RAM)))
@@ -399,7 +406,8 @@ def main(argv: list[str] | None = None) -> None:
         r = run_llama(args)
         print(json.dumps(r) if args.json else llama_line(r))
     elif args.cmd == "disk":
-        r = run_disk(args, [a for a in argv[1:] if a != "--json"])
+        inner = strip_flags([a for a in argv[1:] if a != "--json"], {"--tree": 2})
+        r = run_disk(args, inner, Path(args.tree).resolve())
         print(json.dumps(r) if args.json else disk_line(r))
     elif args.cmd == "disk-child":
         print(json.dumps(disk_child(args)))

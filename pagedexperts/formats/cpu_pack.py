@@ -152,7 +152,10 @@ def kernel_specs(layout: ExpertLayout, plans: tuple[KernelTensor, ...]) -> list[
 
 class CpuPackedSlots(SlotTable):
     """Slot tensors {name: [K_s, ...]} in the CPU kernels' layouts, ``plans`` {dense name:
-    KernelTensor}; a page-in copies rows in that layout and converts a format's packed rows.
+    KernelTensor}. What slot s's kernels read is ``slot_rows[s]`` {name: [...]}: its own row of the
+    tensors (a copy, converting a format's packed rows), or host rows in the kernels' layout read in
+    place (``hold_rows``: no copy; both tables are host memory on a CPU). A slot owns one row of
+    bytes at any time, ``own_rows[s]``, which ``release_rows`` may swap with the rows it reads.
     Args: layout; plans (``plan_layout(layout, dtype)``); num_slots K_s; device (a CPU)."""
 
     def __init__(self, layout: ExpertLayout, plans: tuple[KernelTensor, ...], num_slots: int, device) -> None:
@@ -160,11 +163,14 @@ class CpuPackedSlots(SlotTable):
         super().__init__({s.name: torch.zeros((num_slots, *s.shape), dtype=s.dtype, device=device) for s in specs})
         self.layout = layout
         self.plans = {p.name: p for p in plans}
+        self._specs = {s.name: (tuple(s.shape), s.dtype) for s in specs}
+        self.own_rows = [{name: t[slot] for name, t in self.items()} for slot in range(num_slots)]
+        self.slot_rows = list(self.own_rows)
 
     @property
     def specs(self) -> list[TensorSpec]:
         """One expert's rows in the kernels' layouts."""
-        return [TensorSpec(name, tuple(t.shape[1:]), t.dtype) for name, t in self.items()]
+        return [TensorSpec(name, shape, dtype) for name, (shape, dtype) in self._specs.items()]
 
     def convert_many(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """n experts' packed rows {packed name: [n, ...]} -> {name: [n, ...]} in the kernels' layouts."""
@@ -180,15 +186,40 @@ class CpuPackedSlots(SlotTable):
         """One expert's packed rows -> its slot rows."""
         return {name: t[0] for name, t in self.convert_many({n: r.unsqueeze(0) for n, r in rows.items()}).items()}
 
-    def write_rows(self, rows: dict[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
-        """Copy one expert's host rows into row ``slot``, converting a format's packed rows."""
-        if set(rows) != set(self):
+    def write_rows(self, rows: Mapping[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
+        """Copy one expert's host rows into the slot's own row, converting a format's packed rows."""
+        if set(rows) != set(self._specs):
             rows = self.convert(rows)
+        own = self.own_rows[slot]
         for name, row in rows.items():
-            self[name][slot].copy_(row)
+            own[name].copy_(row)
+        self.slot_rows[slot] = own
+
+    def hold_rows(self, rows: Mapping[str, torch.Tensor], slot: int, *, pinned: bool) -> bool:
+        """Read host rows already in the kernels' layout (names, shapes, dtypes; contiguous, on the CPU)
+        in place; any others are copied (``write_rows``)."""
+        if not self._in_layout(rows):
+            self.write_rows(rows, slot, pinned=pinned)
+            return False
+        self.slot_rows[slot] = rows
+        return True
+
+    def release_rows(self, rows: Mapping[str, torch.Tensor], slot: int) -> Mapping[str, torch.Tensor]:
+        """When ``slot`` reads ``rows`` in place, they become its own row and the caller gets the slot's
+        former own row (no copy: the two swap owners); else ``rows``."""
+        if self.slot_rows[slot] is not rows:
+            return rows
+        spare, self.own_rows[slot] = self.own_rows[slot], rows
+        return spare
+
+    def _in_layout(self, rows: Mapping[str, torch.Tensor]) -> bool:
+        specs = self._specs
+        return len(rows) == len(specs) and all(
+            specs.get(name) == (tuple(t.shape), t.dtype) and t.device.type == "cpu" and t.is_contiguous()
+            for name, t in rows.items())
 
     def kernel_tensors(self, wave_slots) -> "CpuPackedSlots":
-        """The slot tensors themselves."""
+        """The table itself: its kernels read ``slot_rows``."""
         return self
 
     def device_page_in_problem(self) -> str | None:

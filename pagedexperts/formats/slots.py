@@ -45,19 +45,36 @@ def allocate(specs, num_rows: int, device) -> dict[str, torch.Tensor]:
 
 
 class SlotTable(dict, ABC):
-    """The K slots of one layer, {name: [K, ...]}: executors page rows in through ``write_rows`` /
-    ``copy_rows``; a body calls ``kernel_tensors`` each wave, never asking which table it holds."""
+    """The K slots of one layer, {name: [K, ...]}: stores page rows in through ``hold_rows`` (a copy,
+    ``write_rows``, unless the table reads host rows in place) or ``copy_rows``; a body calls
+    ``kernel_tensors`` each wave, never asking which table it holds."""
 
     @abstractmethod
     def write_rows(self, rows: Mapping[str, torch.Tensor], slot: int, *, pinned: bool) -> None:
         """Page one expert's rows {name: [*spec.shape]} (host memory, page-locked when ``pinned``:
         non-blocking to a CUDA slot) into row ``slot``."""
 
-    def copy_rows(self, source: Mapping[str, torch.Tensor], loads, *, pinned: bool) -> None:
-        """A wave's page-ins from host rows {name: [E, ...]}: row ``expert`` into row ``slot`` for each
-        (expert, slot) of ``loads``."""
+    def copy_rows(self, source: Mapping[str, torch.Tensor], loads, *, pinned: bool) -> int:
+        """A wave's page-ins from host rows {name: [E, ...]} that stay unchanged while the model runs (a
+        full store): row ``expert`` into slot ``slot`` for each (expert, slot) of ``loads``. Returns
+        how many the slots read in place (``hold_rows``)."""
+        held = 0
         for expert, slot in loads:
-            self.write_rows({name: rows[expert] for name, rows in source.items()}, slot, pinned=pinned)
+            held += self.hold_rows({name: rows[expert] for name, rows in source.items()}, slot, pinned=pinned)
+        return held
+
+    def hold_rows(self, rows: Mapping[str, torch.Tensor], slot: int, *, pinned: bool) -> bool:
+        """Page one expert's rows into ``slot``: True when the slot reads ``rows`` in place from now on
+        (the caller changes them only after ``release_rows``), False when it copied them (``write_rows``).
+        This table copies."""
+        self.write_rows(rows, slot, pinned=pinned)
+        return False
+
+    def release_rows(self, rows: Mapping[str, torch.Tensor], slot: int) -> Mapping[str, torch.Tensor]:
+        """The caller is about to overwrite ``rows``, which ``hold_rows`` may have left ``slot`` reading
+        in place: the rows it may overwrite instead (another of the same shapes when the slot still
+        reads these), else ``rows``."""
+        return rows
 
     @abstractmethod
     def kernel_tensors(self, wave_slots: Sequence[int] | torch.Tensor) -> Mapping[str, torch.Tensor]:

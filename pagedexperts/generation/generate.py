@@ -114,7 +114,7 @@ def _totals(stats: ModelStats, *, times: bool = True) -> dict:
 def _difference(after: dict, before: dict) -> dict:
     keys = ("tokens", "hits", "misses", "bytes_paged", "waves", "multi_wave_steps", "page_in_s", "plan_s", "sync_s",
             "host_hits", "host_misses", "disk_reads", "disk_bytes_read", "disk_read_s", "host_syncs", "page_ins",
-            "in_place_rows", "in_place_bytes")
+            "in_place_rows", "in_place_bytes", "zero_copy_page_ins")
     out = {k: after[k] - before[k] for k in keys}
     total = out["hits"] + out["misses"]
     out["hit_rate"] = out["hits"] / total if total else 0.0
@@ -275,6 +275,9 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
         paged += (f"; read in place (--beyond-k in-place) {p['in_place_bytes_per_token'] / 1e6:.3f} MB/token "
                   f"({p['in_place_rows_per_token']:.2f} rows) overall, {d['in_place_bytes_per_token'] / 1e6:.3f} MB "
                   f"({d['in_place_rows_per_token']:.2f} rows) in decode; page-ins {p['page_ins']}")
+    if p.get("zero_copy_page_ins"):  # slots in the CPU kernels' layout reading host rows in place
+        paged += (f"; {p['zero_copy_page_ins'] / p['page_ins']:.0%} of page-ins overall, "
+                  f"{d['zero_copy_page_ins'] / max(1, d['misses']):.0%} in decode read the host row in place (no copy)")
     lines = [
         f"paging: K={num_resident} of E={num_experts} experts resident per layer, top_k={top_k}, "
         f"{layers} MoE layers, {decide}-planned steps",

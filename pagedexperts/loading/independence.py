@@ -109,16 +109,23 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
     expert, slot and tensor.
     """
     dense_ref = layout.dequantize({n: r.unsqueeze(0) for n, r in packed_ref.items()})
+    cpu_packed = isinstance(executor.slots, CpuPackedSlots)
+    others = _other_slot_rows(executor.slots, slot) if cpu_packed else None
     executor.store.copy_to_slot(expert, slot, executor.slots)
     if executor.device.type == "cuda":
         torch.cuda.synchronize(executor.device)
     where = f"layer {site.layer} ({site.name}): expert {expert} paged into slot {slot}"
-    if isinstance(executor.slots, CpuPackedSlots):  # the kernels' layouts: the slot rows themselves
-        for name, row in executor.slots.convert(packed_ref).items():
-            if not torch.equal(executor.slots[name][slot], row):
+    if cpu_packed:  # the kernels' layouts: the rows the slot reads (its own, or host rows in place)
+        table = executor.slots
+        for name, row in table.convert(packed_ref).items():
+            if not torch.equal(table.slot_rows[slot][name], row):
                 raise IndependenceError(f"{where}: the kernel would read {name!r} that differs from the checkpoint's "
                                         "expert converted to the CPU kernel's layout")
-        _empty_slot(executor, slot, where)
+        if _other_slot_rows(table, slot) != others:
+            raise IndependenceError(f"{where}: the page-in also changed what another slot reads")
+        for t in table.own_rows[slot].values():
+            t.zero_()
+        table.slot_rows[slot] = table.own_rows[slot]
         return
     try:
         view = executor.wave_view(site.module, (slot,))
@@ -129,6 +136,12 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
         if not torch.equal(got, dense_ref[spec.name][0].to(got.dtype)):
             raise IndependenceError(f"{where}: the kernel would read {spec.name!r} {_culprit(executor, layout, spec.name, slot, packed_ref)}")
     _empty_slot(executor, slot, where)
+
+
+def _other_slot_rows(table: CpuPackedSlots, slot: int) -> list[tuple]:
+    """Each other slot's rows as (the rows object, each tensor's byte sum): what its kernels read."""
+    return [(id(rows), *(int(t.view(torch.uint8).sum(dtype=torch.int64)) for t in rows.values()))
+            for j, rows in enumerate(table.slot_rows) if j != slot]
 
 
 def _empty_slot(executor, slot: int, where: str) -> None:

@@ -52,11 +52,13 @@ class HostExecutor(PagedExecutor):
             body.run_wave(work, w, slot_map)  # the next page-in's copies wait for it (transfer)
         out = body.combine(work, top_k_weights)
         page_in_s, map_s = transfers.take_times(block=False)
+        zero_copy, transfers.zero_copy = transfers.zero_copy, 0
         self.stats.record_step(
             hits=plan.hits, misses=plan.misses, waves=len(plan.waves), padding_tokens=read.padding,
             tokens=int(hidden_states.shape[0]) - read.padding, expert_bytes=self.store.expert_bytes,
             page_in_s=page_in_s, plan_s=t2 - t1 + map_s, sync_s=t_read - t0,
             host_syncs=1,  # read_step: the step's one read-back
+            zero_copy=zero_copy,
         )
         return out
 

@@ -153,6 +153,7 @@ class SlotTransfers:
         self._compute_done = self._copied = None
         self._copy_pending = False
         self.host_copy_s = 0.0  # CPU: seconds of synchronous page-in copies since last take
+        self.zero_copy = 0  # page-ins the slots read in place (no copy); the executor takes and zeroes it
         if copy_stream is not None:
             for t in slots.values():
                 t.record_stream(copy_stream)
@@ -170,7 +171,7 @@ class SlotTransfers:
             stream = self.copy_stream
             if stream is None:
                 t0 = time.perf_counter()
-                self._copy(loads)
+                self.zero_copy += self._copy(loads)
                 self.host_copy_s += time.perf_counter() - t0
                 return
             self._compute_done.record(torch.cuda.current_stream(self.device))

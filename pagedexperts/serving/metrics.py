@@ -22,7 +22,9 @@ TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.
 PREFIX = "pagedexperts_"
 GAUGE_NAME = re.compile(r"^max_|(_last|_max|_min|_mean|_p\d+)(_[a-z]+)?$")  # a level, not a running sum
 PAGING_HELP = {"hits": "Routed experts found resident", "misses": "Routed experts paged in",  # LayerStats field -> help
-               "bytes_paged": "Bytes copied host-to-device", "waves": "Waves computed",
+               "bytes_paged": "Bytes of experts paged into slots (copied, or read in place: zero_copy_page_ins)",
+               "zero_copy_page_ins": "Page-ins a CPU slot serves by reading the host row in place (no copy)",
+               "waves": "Waves computed",
                "multi_wave_steps": "Layer steps that needed more than one wave", "steps": "Steps through the layer",
                "union_sum": "Sum over steps of distinct experts routed to",
                "union_last": "Distinct experts routed to in the last step",

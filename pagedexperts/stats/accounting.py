@@ -102,6 +102,8 @@ class LayerStats:
     # --beyond-k in-place: misses read in place from the host store (not paged in: misses = page_ins + these)
     in_place_rows: int = 0
     in_place_bytes: int = 0
+    # page-ins a CPU slot serves by reading the host row in place: no bytes copied (in page_ins too)
+    zero_copy_page_ins: int = 0
     # per layer-step distributions of plan_s, sync_s and page_in_s (TIMED); not counters
     times: dict[str, TimeDistribution] = field(
         default_factory=lambda: {name: TimeDistribution() for name in TIMED}, repr=False, compare=False)
@@ -120,9 +122,11 @@ class LayerStats:
         padding_tokens: int = 0,
         bytes_paged: int | None = None,
         host_syncs: int = 0,
+        zero_copy: int = 0,
     ) -> None:
         """Add one step of one layer. ``expert_bytes``: bytes of one expert's tensors;
-        ``bytes_paged`` overrides misses x expert_bytes (the offload baseline copies all E).
+        ``bytes_paged`` overrides misses x expert_bytes (the offload baseline copies all E);
+        ``zero_copy``: of the misses, page-ins read in place (``zero_copy_page_ins``).
         A step with a plan or read-back time is a timed one (the runtime's; the simulator times
         nothing): its times go into the distributions, the page-in time only if it paged in."""
         union = hits + misses
@@ -132,6 +136,7 @@ class LayerStats:
         self.hits += hits
         self.misses += misses
         self.page_ins += misses
+        self.zero_copy_page_ins += zero_copy
         self.bytes_paged += misses * expert_bytes if bytes_paged is None else bytes_paged
         self.page_in_s += page_in_s
         self.plan_s += plan_s
@@ -258,6 +263,7 @@ class ModelStats:
             "bytes_paged": tot.bytes_paged,
             "bytes_per_token": tot.bytes_paged / tokens if tokens else 0.0,
             "page_ins": tot.page_ins,
+            "zero_copy_page_ins": tot.zero_copy_page_ins,
             "in_place_rows": tot.in_place_rows,
             "in_place_bytes": tot.in_place_bytes,
             "in_place_rows_per_token": tot.in_place_rows / tokens if tokens else 0.0,

@@ -71,18 +71,20 @@ class ExpertStore(ABC):
 
     @abstractmethod
     def copy_to_slot(self, expert: int, slot: int, slots) -> None:
-        """Copy every row of ``expert`` into row ``slot`` of the slot table ``slots`` (its
-        ``write_rows``)."""
+        """Page every row of ``expert`` into row ``slot`` of the slot table ``slots`` (its
+        ``hold_rows``: copied, or read in place)."""
 
     def rows_in_memory(self) -> dict[str, torch.Tensor] | None:
         """The [E, ...] tensors when every row is in host memory
         (``formats.slots.SlotTable.copy_rows``); else None."""
         return None
 
-    def copy_to_slots(self, loads, slots) -> None:
-        """``copy_to_slot`` of each load (``residency.planner.Load``), in order: one step's page-ins."""
+    def copy_to_slots(self, loads, slots) -> int:
+        """``copy_to_slot`` of each load (``residency.planner.Load``), in order: one step's page-ins;
+        how many the slots read in place (0 here)."""
         for load in loads:
             self.copy_to_slot(load.expert, load.slot, slots)
+        return 0
 
     def gather_problem(self, device: torch.device) -> str | None:
         """Why a device-side gather on ``device`` cannot read this store, or None."""
@@ -208,18 +210,17 @@ class HostExpertStore(ExpertStore):
         self.expert_bytes = sum(s.row_bytes for s in self.specs)
 
     def copy_to_slot(self, expert: int, slot: int, slots) -> None:
-        """Copy every row of ``expert`` into row ``slot``; non-blocking from a pinned store to CUDA."""
-        slots.write_rows({name: host[expert] for name, host in self.tensors.items()}, slot, pinned=self.pinned)
+        """Page every row of ``expert`` into row ``slot`` (the rows never change once filled: a slot may
+        read them in place); non-blocking from a pinned store to CUDA."""
+        slots.hold_rows({name: host[expert] for name, host in self.tensors.items()}, slot, pinned=self.pinned)
 
     def rows_in_memory(self) -> dict[str, torch.Tensor]:
         """This store's [E, ...] tensors."""
         return self.tensors
 
-    def copy_to_slots(self, loads, slots) -> None:
-        """``copy_to_slot`` of each load, in order."""
-        tensors, pinned = self.tensors.items(), self.pinned
-        for expert, slot in loads:
-            slots.write_rows({name: host[expert] for name, host in tensors}, slot, pinned=pinned)
+    def copy_to_slots(self, loads, slots) -> int:
+        """``copy_to_slot`` of each load, in order; how many the slots read in place."""
+        return slots.copy_rows(self.tensors, loads, pinned=self.pinned)
 
     def gather_problem(self, device: torch.device) -> str | None:
         """None, except on CUDA for a pageable store (the gather reads page-locked, mapped rows)."""

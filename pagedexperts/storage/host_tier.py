@@ -88,6 +88,7 @@ class TieredExpertStore(ExpertStore):
         self.tier_stats = TierStats()
         self._row_expert = [-1] * host_rows  # expert whose bytes a row holds (-1: none / failed)
         self._row_events: list = [None] * host_rows  # CUDA: last copy out of the row
+        self._lent: dict[int, tuple] = {}  # row -> (slot table, slot) that may read it in place
         self._sources: dict[str, list[list[Extent]]] | None = None
         self._check: Callable | None = None  # the stored layout's per-expert check (``use_source``)
         self._checked: set[int] = set()  # experts whose first read passed it
@@ -132,16 +133,18 @@ class TieredExpertStore(ExpertStore):
         """``copy_to_slots`` of one load."""
         self.copy_to_slots([Load(expert, slot)], slots)
 
-    def copy_to_slots(self, loads, slots) -> None:
-        """Copy each load's expert into its slot via its host row (claimed in order, host misses read
-        together). DiskReadError: the checkpoint could not be read, now or earlier."""
+    def copy_to_slots(self, loads, slots) -> int:
+        """Page each load's expert into its slot via its host row (claimed in order, host misses read
+        together); how many the slots read in place. DiskReadError: the checkpoint could not be read,
+        now or earlier."""
         batch: list[tuple[int, int, int, Callable | None]] = []  # (expert, row, slot, what fills the row)
+        held = 0
         for load in loads:
             row, fill = self._claim(load.expert)
             if any(row == r for _, r, _, _ in batch):
-                self._finish(batch, slots)
+                held += self._finish(batch, slots)
             batch.append((load.expert, row, load.slot, fill))
-        self._finish(batch, slots)
+        return held + self._finish(batch, slots)
 
     def _claim(self, expert: int) -> tuple[int, Callable | None]:
         """(host row of ``expert``, None on a host hit else the call filling it: a taken read-ahead or
@@ -162,9 +165,13 @@ class TieredExpertStore(ExpertStore):
             return row, lambda: self._take_read_ahead(row, ahead)
         return row, lambda: self._read(expert, {n: t.view(-1) for n, t in self._rows[row].items()})
 
-    def _finish(self, batch: list, slots) -> None:
-        """Fill the batch's rows (its disk reads in parallel), then copy each into its slot."""
+    def _finish(self, batch: list, slots) -> int:
+        """Fill the batch's rows (its disk reads in parallel), then copy each into its slot (or lend it
+        to the slot: ``_copy_row``)."""
         reads = [fill for *_, fill in batch if fill is not None]
+        for _, row, _, fill in batch:
+            if fill is not None:
+                self._release(row)  # here, not at the claim: an earlier batch may have lent the row since
         try:
             if len(reads) > 1 and self._read_ahead is not None:
                 for future in [self._read_ahead.extent_pool.submit(fill) for fill in reads]:
@@ -175,18 +182,32 @@ class TieredExpertStore(ExpertStore):
         except DiskReadError as exc:
             self.failed = exc
             raise
+        held = 0
         for expert, row, slot, fill in batch:
             if fill is not None:
                 self._row_expert[row] = expert
-            self._copy_row(row, slot, slots)
+            held += self._copy_row(row, slot, slots)
         batch.clear()
+        return held
 
-    def _copy_row(self, row: int, slot: int, slots) -> None:
-        slots.write_rows(self._rows[row], slot, pinned=self.pinned)
+    def _copy_row(self, row: int, slot: int, slots) -> bool:
+        """Page host row ``row`` into ``slot``: True when the slot reads it in place."""
+        if slots.hold_rows(self._rows[row], slot, pinned=self.pinned):  # no copy: lent until ``_release``
+            self._lent[row] = (slots, slot)
+            return True
         if self.pinned and next(iter(slots.values())).is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream())
             self._row_events[row] = event
+        return False
+
+    def _release(self, row: int) -> None:
+        """Before ``row``'s bytes are overwritten or handed to the staging pool: a slot still reading
+        them in place keeps them, and the row takes that slot's spare bytes instead (no copy)."""
+        lent = self._lent.pop(row, None)
+        if lent is not None:
+            slots, slot = lent
+            self._rows[row] = slots.release_rows(self._rows[row], slot)
 
     def _take_read_ahead(self, row: int, ahead: tuple[Future, dict]) -> None:
         """The staging row becomes host row ``row`` (no copy); the old row joins the staging pool."""

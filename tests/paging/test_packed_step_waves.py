@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagedexperts.paging.steps.contract import HostRouting
-from pagedexperts.paging.steps.host_packed import HostPackedStep, PackedLayer
+from pagedexperts.paging.steps.host_packed import HostPackedStep, PackedLayer, PackedProjection
 from pagedexperts.residency.planner import Wave
 
 E, H, I, GROUP, T, TOP_K = 6, 64, 32, 32, 40, 2
@@ -44,12 +44,14 @@ def _step(dtype, gen):
     up_w, up_s, up_dense = _int4(2 * I, H, gen, dtype)
     down_w, down_s, down_dense = _int4(H, I, gen, dtype)
     up_b, down_b = (torch.randn(E, 2 * I, generator=gen) * 0.1).to(dtype), (torch.randn(E, H, generator=gen) * 0.1).to(dtype)
-    plan = lambda: SimpleNamespace(kind="int4", group_size=GROUP, dtype=dtype)  # noqa: E731
+    plan = SimpleNamespace(kind="int4", group_size=GROUP, dtype=dtype)
+    # slot e holds expert e: the rows its kernels read, as ``CpuPackedSlots.slot_rows``
+    tensors = {"up": up_w, "up.scales": up_s, "up_bias": up_b, "down": down_w, "down.scales": down_s, "down_bias": down_b}
+    table = SimpleNamespace(slot_rows=[{name: t[e] for name, t in tensors.items()} for e in range(E)])
     step = HostPackedStep.__new__(HostPackedStep)
-    step.setup = SimpleNamespace(slots=SimpleNamespace(kernel_tensors=lambda slots: None))
-    step.layer = PackedLayer(SimpleNamespace(plan=plan()), SimpleNamespace(plan=plan()),
-                             tuple(zip(up_w.unbind(0), up_s.unbind(0))), tuple(zip(down_w.unbind(0), down_s.unbind(0))),
-                             up_b, down_b, _gate, None)
+    step.setup = SimpleNamespace(slots=SimpleNamespace(kernel_tensors=lambda slots: table))
+    step.layer = PackedLayer(PackedProjection(plan, "up", "up.scales"), PackedProjection(plan, "down", "down.scales"),
+                             "up_bias", "down_bias", _gate, None)
     dense = (up_dense, up_b.double(), down_dense, down_b.double())
     return step, dense
 

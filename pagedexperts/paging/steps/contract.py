@@ -39,12 +39,14 @@ class PackedSlots(SlotTable):
             dst = self[name][slot]
             dst.copy_(row, non_blocking=pinned and dst.is_cuda)
 
-    def copy_rows(self, source, loads, *, pinned: bool) -> None:
-        """A wave's page-ins from a store holding every row in memory, one tensor at a time."""
+    def copy_rows(self, source, loads, *, pinned: bool) -> int:
+        """A wave's page-ins from a store holding every row in memory, one tensor at a time (none read
+        in place: 0)."""
         for name, table in self.items():
             src, non_blocking = source[name], pinned and table.is_cuda
             for expert, slot in loads:
                 table[slot].copy_(src[expert], non_blocking=non_blocking)
+        return 0
 
     def kernel_tensors(self, wave_slots) -> "PackedSlots":
         """The slot tensors themselves."""

@@ -36,36 +36,33 @@ class PackedWork:
 @dataclass(frozen=True)
 class WaveRows:
     """One wave's experts (``slots``, ``sizes``), rows' expert-sorted ``positions`` (None: all), flat
-    ``entries``, ``slot_rows`` (biased only)."""
+    ``entries``."""
 
     slots: list
     sizes: list
     positions: torch.Tensor | None
     entries: torch.Tensor
-    slot_rows: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class PackedProjection:
-    """One projection's ``plan`` (``KernelTensor``), ``weight`` and ``scales`` [K, ...] in the kernel's
-    layout."""
+    """One projection's ``plan`` (``KernelTensor``) and the names of its ``weight`` and ``scales`` in
+    a slot's rows."""
 
     plan: KernelTensor
-    weight: torch.Tensor
-    scales: torch.Tensor
+    weight: str
+    scales: str
 
 
 @dataclass(frozen=True)
 class PackedLayer:
-    """One layer's projections, per-slot (weight, scales) views, bias slot tensors or None, gate,
-    optional norm."""
+    """One layer's up (or gate_up) and down projections, bias names or None, gate, optional norm; the
+    slots' rows are read each wave (``CpuPackedSlots.slot_rows``)."""
 
     up: PackedProjection
     down: PackedProjection
-    up_slots: tuple
-    down_slots: tuple
-    up_bias: torch.Tensor | None
-    down_bias: torch.Tensor | None
+    up_bias: str | None
+    down_bias: str | None
     gate: object
     post_norm: object
 
@@ -86,8 +83,7 @@ class HostPackedStep(LayerStep):
             self.layer = self._packed_layer(module)
         flat = routing.ids.reshape(-1)
         order = np.argsort(flat, kind="stable")
-        biased = self.layer.up_bias is not None or self.layer.down_bias is not None
-        waves = wave_rows(routing.waves, flat, order, biased, hidden.device)
+        waves = wave_rows(routing.waves, flat, order, hidden.device)
         x = hidden.to(self.layer.up.plan.dtype).contiguous()
         x_sorted = x.index_select(0, upload(order // routing.ids.shape[1], hidden.device))
         out = torch.empty((flat.shape[0], hidden.shape[1]), dtype=x.dtype, device=hidden.device)
@@ -96,18 +92,18 @@ class HostPackedStep(LayerStep):
     def run_wave(self, work: PackedWork, wave: int, slot_map=None) -> None:
         """One up (or gate_up) and one down call per expert; gate, norm, biases and the copy batched."""
         rows, layer = work.waves[wave], self.layer
-        self.setup.slots.kernel_tensors(work.routing.waves[wave].slots)  # readable by the kernel (``layer`` views it)
+        slot_rows = self.setup.slots.kernel_tensors(work.routing.waves[wave].slots).slot_rows
         if not rows.sizes:
             return
-        up, down, num_rows = layer.up.plan, layer.down.plan, work.x_sorted.shape[0]
+        num_rows = work.x_sorted.shape[0]
         x = work.x_sorted if rows.positions is None else work.x_sorted.index_select(0, rows.positions)
-        out = _per_expert(up, layer.up_slots, rows, x)
+        out = _per_expert(layer.up, slot_rows, rows, x)
         if layer.up_bias is not None:
-            out = out + layer.up_bias.index_select(0, rows.slot_rows)
+            out = out + _bias_rows(slot_rows, layer.up_bias, rows)
         act = _at_sorted_positions(layer.gate, out, rows.positions, num_rows).contiguous()
-        out = _per_expert(down, layer.down_slots, rows, act)
+        out = _per_expert(layer.down, slot_rows, rows, act)
         if layer.down_bias is not None:
-            out = out + layer.down_bias.index_select(0, rows.slot_rows)
+            out = out + _bias_rows(slot_rows, layer.down_bias, rows)
         if layer.post_norm is not None:
             out = _at_sorted_positions(layer.post_norm, out, rows.positions, num_rows)
         work.entry_out.index_copy_(0, rows.entries, out)
@@ -125,19 +121,16 @@ class HostPackedStep(LayerStep):
         up_name = "gate_up_proj" if gated else "up_proj"
         norm = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
         tensors = self.setup.slots.kernel_tensors(())
-        up, down = self.projections[up_name], self.projections["down_proj"]
-        return PackedLayer(up, down, tuple(zip(up.weight.unbind(0), up.scales.unbind(0))),
-                           tuple(zip(down.weight.unbind(0), down.scales.unbind(0))),
-                           tensors.get(f"{up_name}_bias") if biased else None,
-                           tensors.get("down_proj_bias") if biased else None,
-                           module._apply_gate if gated else module.act_fn, norm)
+        bias = {name: name if biased and name in tensors else None for name in (f"{up_name}_bias", "down_proj_bias")}
+        return PackedLayer(self.projections[up_name], self.projections["down_proj"], bias[f"{up_name}_bias"],
+                           bias["down_proj_bias"], module._apply_gate if gated else module.act_fn, norm)
 
     def wave_view(self, module, wave_slots):
         """The module itself: packed slots are compared row for row by the independence check."""
         return module
 
 
-def wave_rows(waves, flat: np.ndarray, order: np.ndarray, biased: bool, device) -> list[WaveRows]:
+def wave_rows(waves, flat: np.ndarray, order: np.ndarray, device) -> list[WaveRows]:
     """Each wave's ``WaveRows`` from the flat ids [S] and their stable expert-sorted ``order`` [S]."""
     counts = np.bincount(flat)
     if len(waves) == 1:  # every entry in one wave (all E resident, or every routed expert resident)
@@ -157,8 +150,7 @@ def wave_rows(waves, flat: np.ndarray, order: np.ndarray, biased: bool, device) 
         else:
             where = np.flatnonzero(sorted_wave == w)
             positions, entries = upload(where, device), order[where]
-        slot_rows = upload(np.repeat(slots, sizes), device) if biased else None
-        out.append(WaveRows(slots.tolist(), sizes.tolist(), positions, upload(entries, device), slot_rows))
+        out.append(WaveRows(slots.tolist(), sizes.tolist(), positions, upload(entries, device)))
     return out
 
 
@@ -172,17 +164,23 @@ def _at_sorted_positions(fn, rows: torch.Tensor, positions: torch.Tensor | None,
     return fn(full)[positions]
 
 
-def _per_expert(plan: KernelTensor, slot_views, rows: WaveRows, x: torch.Tensor) -> torch.Tensor:
+def _per_expert(proj: PackedProjection, slot_rows, rows: WaveRows, x: torch.Tensor) -> torch.Tensor:
     """[n_w, N]: each expert's rows of ``x`` times its slot's matrix, one call per expert, each handed
     a fresh copy of its rows (faster than a view: docs/benchmarks.md)."""
-    outs = [packed_matmul(plan, *slot_views[slot], rows_e.clone())
+    plan, weight, scales = proj.plan, proj.weight, proj.scales
+    outs = [packed_matmul(plan, slot_rows[slot][weight], slot_rows[slot][scales], rows_e.clone())
             for rows_e, slot in zip(x.split(rows.sizes), rows.slots)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _bias_rows(slot_rows, name: str, rows: WaveRows) -> torch.Tensor:
+    """[n_w, N]: each wave row's expert bias ``name``, in the wave's expert-sorted order."""
+    return torch.cat([slot_rows[slot][name].expand(size, -1) for slot, size in zip(rows.slots, rows.sizes)])
+
+
 def packed_projections(setup: SlotSetup) -> dict[str, PackedProjection]:
-    """{dense name: PackedProjection} over the slot table's kernel tensors. ValueError: a layout the
-    kernels cannot compute, or tensors not in their layouts."""
+    """{dense name: PackedProjection} of the slot table's projections. ValueError: a layout the
+    kernels cannot compute, or a table not in their layouts."""
     plans = plan_layout(setup.layout)
     if isinstance(plans, str):
         raise ValueError(f"--experts-implementation packed: {plans}; use --experts-implementation grouped_mm")
@@ -191,4 +189,4 @@ def packed_projections(setup: SlotSetup) -> dict[str, PackedProjection]:
     if missing:
         raise ValueError(f"--experts-implementation packed reads slots in torch's CPU kernel layouts; this layer's "
                          f"slot table holds no {missing[0]!r} (it was built for another experts implementation)")
-    return {p.name: PackedProjection(p, tensors[p.weight_name], tensors[p.scale_name]) for p in plans}
+    return {p.name: PackedProjection(p, p.weight_name, p.scale_name) for p in plans}
