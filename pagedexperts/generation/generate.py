@@ -307,7 +307,7 @@ def format_report(result: GenerationResult, *, num_resident: int, num_experts: i
             f"disk reads {p['disk_reads']}, {d['disk_bytes_per_token'] / 1e6:.3f} MB/token in decode, "
             f"read p50 {p['disk_read_p50_s'] * 1e3:.2f} ms p99 {p['disk_read_p99_s'] * 1e3:.2f} ms; read-ahead "
             f"{p['read_ahead_used']} of {p['read_ahead_issued']} used ({p['read_ahead_bytes_used'] / 1e6:.1f} MB), "
-            f"{p['read_ahead_wasted']} wasted ({p['read_ahead_bytes_wasted'] / 1e6:.1f} MB)"
+            f"{p['read_ahead_wasted']} wasted ({p['read_ahead_bytes_wasted'] / 1e6:.1f} MB), {p['read_ahead_held']} held"
         )
     g = result.cuda_graphs
     if g.get("enabled"):

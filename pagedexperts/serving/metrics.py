@@ -120,7 +120,7 @@ class _LiveCollector:
 
 def _tier_metrics(runtime):
     """Per layer host and disk tier counters (``pagedexperts_host_hits``, ``..._disk_reads``,
-    ``..._disk_bytes_read``, ``..._disk_read_s``; hit rate and read p50/p99 as gauges) of
+    ``..._disk_bytes_read``, ``..._disk_read_s``; hit rate, read p50/p99 and read-aheads held as gauges) of
     layers whose store is a disk tier (``--host-memory-gb``); nothing otherwise."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -129,7 +129,7 @@ def _tier_metrics(runtime):
     if not tiers:
         return
     for name in tiers[0][1]:
-        gauge = name.endswith(("_rate", "_p50_s", "_p99_s"))
+        gauge = name.endswith(("_rate", "_p50_s", "_p99_s", "_held"))
         fam = (GaugeMetricFamily if gauge else CounterMetricFamily)(
             PREFIX + name, f"Per MoE layer, disk tier: {name.replace('_', ' ')}", labels=["layer"])
         for i, d in tiers:

@@ -22,7 +22,9 @@ class TierStats:
     positional reads they took, ``disk_bytes_read`` their bytes. ``read_times`` keeps the last
     READ_TIME_WINDOW per-expert read times for the percentiles. Read-ahead: ``read_ahead_issued``
     = ``read_ahead_used`` (taken by a page-in) + ``read_ahead_wasted`` (read, then dropped unused)
-    + those still in flight or waiting; ``read_ahead_bytes_used`` / ``_wasted`` their bytes.
+    + ``read_ahead_held`` (in flight or waiting, each in a staging row: a level, not a sum, summed
+    over layers when merged) since the counters were zeroed; ``read_ahead_bytes_used`` / ``_wasted``
+    their bytes.
     """
 
     host_hits: int = 0
@@ -37,6 +39,7 @@ class TierStats:
     read_ahead_wasted: int = 0  # read-aheads read and dropped unused
     read_ahead_bytes_used: int = 0  # bytes of the read-aheads a page-in took
     read_ahead_bytes_wasted: int = 0  # bytes of the read-aheads dropped unused
+    read_ahead_held: int = 0  # read-aheads now in a staging row, neither taken nor dropped (a level)
     read_times: deque = field(default_factory=lambda: deque(maxlen=READ_TIME_WINDOW), repr=False)
 
     def record_host_access(self, hit: bool) -> None:
@@ -57,7 +60,7 @@ class TierStats:
     def merge(self, other: "TierStats") -> None:
         for name in ("host_hits", "host_misses", "disk_reads", "disk_preads", "disk_bytes_read",
                      "disk_read_s", "read_ahead_issued", "read_ahead_used", "read_ahead_paused", "read_ahead_wasted",
-                     "read_ahead_bytes_used", "read_ahead_bytes_wasted"):
+                     "read_ahead_bytes_used", "read_ahead_bytes_wasted", "read_ahead_held"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.read_times.extend(other.read_times)
 
@@ -76,4 +79,4 @@ class TierStats:
                     read_ahead_issued=self.read_ahead_issued, read_ahead_used=self.read_ahead_used,
                     read_ahead_paused=self.read_ahead_paused, read_ahead_wasted=self.read_ahead_wasted,
                     read_ahead_bytes_used=self.read_ahead_bytes_used,
-                    read_ahead_bytes_wasted=self.read_ahead_bytes_wasted)
+                    read_ahead_bytes_wasted=self.read_ahead_bytes_wasted, read_ahead_held=self.read_ahead_held)

@@ -121,7 +121,7 @@ class TieredExpertStore(ExpertStore):
         """Empty host rows and zeroed counters, as after loading."""
         self.residency = Residency(self.num_experts, self.host_rows, make_policy(self.residency.policy.name, self.host_rows))
         self._row_expert = [-1] * self.host_rows
-        self.tier_stats = TierStats()
+        self.tier_stats = TierStats(read_ahead_held=len(self._ahead))
         self._window, self._pause_left = (0, 0), 0
 
     def fill_from(self, extents: dict[str, list[list[Extent]]]) -> list[tuple]:
@@ -161,6 +161,7 @@ class TieredExpertStore(ExpertStore):
             self._row_events[row] = None
         self._row_expert[row] = -1
         ahead = self._ahead.pop(expert, None)
+        self.tier_stats.read_ahead_held = len(self._ahead)
         if ahead is not None:
             return row, lambda: self._take_read_ahead(row, ahead)
         return row, lambda: self._read(expert, {n: t.view(-1) for n, t in self._rows[row].items()})
@@ -339,6 +340,7 @@ class TieredExpertStore(ExpertStore):
             self._ahead[e] = (ra.pool.submit(self._read, e, flat), buffer)
             started += 1
         self.tier_stats.read_ahead_issued += started
+        self.tier_stats.read_ahead_held = len(self._ahead)
         self._judge_read_ahead()
         return started
 

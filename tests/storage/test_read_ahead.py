@@ -212,3 +212,17 @@ def test_used_and_wasted_read_aheads_are_counted_with_their_bytes(layer):
     assert (t.read_ahead_issued, t.read_ahead_used, t.read_ahead_wasted) == (6, 3, 3)
     assert (t.read_ahead_bytes_used, t.read_ahead_bytes_wasted) == (3 * EXPERT_BYTES, 3 * EXPERT_BYTES)
     assert t.disk_reads == t.host_misses + t.read_ahead_wasted  # nothing left held: all used or dropped
+
+
+def test_the_read_aheads_held_are_a_level_issued_less_used_and_wasted(layer):
+    """3 steps whose prediction is not demanded: each read-ahead is dropped at the next, the last is
+    still held (1); then 2 whose prediction is demanded: the held one is dropped, the new ones
+    taken, none held."""
+    store, slots = layer
+    routing = Routing(store, slots)
+    routing.run(3, used=False)
+    t = store.tier_stats
+    assert t.read_ahead_held == 1 == t.read_ahead_issued - t.read_ahead_used - t.read_ahead_wasted
+    routing.run(2, used=True)
+    assert (t.read_ahead_held, t.read_ahead_issued, t.read_ahead_used, t.read_ahead_wasted) == (0, 5, 2, 3)
+    assert t.as_dict()["read_ahead_held"] == 0
