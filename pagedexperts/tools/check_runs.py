@@ -22,33 +22,33 @@ from pagedexperts.tools.check import DEFAULT_PROMPTS, each_message_once
 @dataclass(frozen=True)
 class CheckRequest:
     """What ``pagedexperts check`` was asked: ``options``, ``load_model`` keywords but
-    ``num_resident``; ``check_resident`` ("K[,K...]") else ``num_resident`` (None: top_k and E/2);
+    ``num_resident``; ``check_resident`` (the K values of --check-resident, parsed by
+    ``commands.flag_lists.comma_ints``) else ``num_resident`` (None: top_k and E/2);
     the ``prompts``, ``max_new_tokens`` > 0 each; ``source_model_path``, the float32 source of the
     fused and packed runs' top-1 comparison (None: none).
     """
 
     model_path: str | None
     options: Mapping
-    check_resident: str | None = None
+    check_resident: tuple[int, ...] | None = None
     num_resident: int | None = None
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     max_new_tokens: int = 8
     source_model_path: str | None = None
 
 
-def resident_values(check_resident: str | None, num_resident: int | None, *, top_k: int, num_experts: int) -> list[int]:
-    """The K values to check, each validated against [top_k, E] before any model is loaded.
+def resident_values(check_resident: tuple[int, ...] | None, num_resident: int | None, *, top_k: int,
+                    num_experts: int) -> list[int]:
+    """The K values to check (``check_resident``, else ``num_resident``, else top_k and E/2), each
+    validated against [top_k, E] before any model is loaded.
 
     Raises:
-        ValueError: a K that is not an integer or is outside [top_k, E] (names the flag).
+        ValueError: a K outside [top_k, E] (names the flag).
     """
     from pagedexperts.residency.planner import check_num_resident
 
     if check_resident:
-        try:
-            ks = [int(x) for x in check_resident.split(",")]
-        except ValueError:
-            raise ValueError(f"--check-resident {check_resident!r}: want comma-separated integers, e.g. 4,32") from None
+        ks = list(check_resident)
     elif num_resident is not None:
         ks = [num_resident]
     else:
