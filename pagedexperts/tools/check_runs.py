@@ -1,12 +1,13 @@
 """The ``check`` command's runs: per K, paged against its reference, the verdict lines it prints.
 
 Owns: ``CheckRequest`` (what ``pagedexperts check`` was asked) and ``check_checkpoint``: the K
-values checked against [top_k, E], the options checked against the checkpoint before the
-reference loads, then one of three runs by the resolved experts implementation: dense
-(paged == the unpaged reference, torch.equal), ``run_fused`` (paged == the same kernels all
-resident, and within tolerance of transformers' model) and ``run_packed`` (paged == the same
-kernels all resident, and each packed matmul within its bound of float32). Does not: compare
-logits (``tools.check``), bound a matmul (``tools.packed_bound``) or parse flags (``commands.check``).
+values checked against [top_k, E], the prompts against the model's positions, the options and
+each K's host-memory plan checked against the checkpoint before the reference loads, then one of
+three runs by the resolved experts implementation: dense (paged == the unpaged reference,
+torch.equal), ``run_fused`` (paged == the same kernels all resident, and within tolerance of
+transformers' model) and ``run_packed`` (paged == the same kernels all resident, and each packed
+matmul within its bound of float32). Does not: compare logits (``tools.check``), bound a matmul
+(``tools.packed_bound``) or parse flags (``commands.check``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,24 @@ def resident_values(check_resident: tuple[int, ...] | None, num_resident: int | 
     for k in ks:
         check_num_resident(k, num_experts=num_experts, min_slots=top_k, flag=flag)
     return ks
+
+
+def check_prompts_fit(request: CheckRequest, config, tokenizer) -> None:
+    """Refuse, before any model loads, a check whose longest prompt + ``max_new_tokens`` exceeds the
+    model's max_position_embeddings (``generation.config.check_context``, generate's and serve's rule;
+    each prompt runs alone and in the left-padded batch, as wide as the longest).
+
+    Raises:
+        ValueError: names the token counts, the limit, --max-new-tokens and the prompt.
+    """
+    from pagedexperts.generation.config import check_context
+
+    counts = {prompt: len(tokenizer(prompt)["input_ids"]) for prompt in request.prompts}
+    longest = max(counts, key=counts.get)
+    try:
+        check_context(counts[longest], request.max_new_tokens, int(getattr(config, "max_position_embeddings", 0) or 0))
+    except ValueError as exc:
+        raise ValueError(f"{exc} (the longest prompt check runs: {longest!r})") from None
 
 
 def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "host") -> str:
@@ -195,17 +214,21 @@ def check_checkpoint(request: CheckRequest, *, on_paged_load: Callable | None = 
     dense run. Returns 0 on PASS, 1 on FAIL.
 
     Raises:
-        ValueError: no tokenizer, a K outside [top_k, E], any problem of the options (``ConfigError``).
+        ValueError: no tokenizer, a prompt + ``max_new_tokens`` past the model's positions
+            (``check_prompts_fit``), a K outside [top_k, E], any problem of the options (``ConfigError``),
+            --host-memory-gb below the least the paged load fits (``loading.build.meta_build``).
+        MemoryError: the paged load's host memory exceeds what is available (``meta_build``).
     """
     with each_message_once():  # the reference and each K load the same checkpoint: its WARNINGs once
         return _check(request, on_paged_load)
 
 
 def _check(request: CheckRequest, on_paged_load) -> int:
+    from pagedexperts.loading.build import meta_build
     from pagedexperts.loading.checkpoint import format_for_checkpoint
     from pagedexperts.loading.config import PagingConfig, check_config, resolve_dtype
     from pagedexperts.loading.experts_options import check_experts_dtype
-    from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
+    from pagedexperts.loading.loader import has_tokenizer, load_model, load_tokenizer, read_checkpoint_config
     from pagedexperts.loading.resolved import resolve_implementation
     from pagedexperts.models.config import num_routed_experts
     from pagedexperts.paging.steps.table import FUSED, PACKED, transformers_inner
@@ -215,6 +238,7 @@ def _check(request: CheckRequest, on_paged_load) -> int:
     if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads
         raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
                          "check tokenizes its prompts: add the source model's tokenizer files (--model-path)")
+    check_prompts_fit(request, config, load_tokenizer(path))
     num_experts, top_k = num_routed_experts(config), int(config.num_experts_per_tok)
     ks = resident_values(request.check_resident, request.num_resident, top_k=top_k, num_experts=num_experts)
     options = dict(request.options)
@@ -224,6 +248,9 @@ def _check(request: CheckRequest, on_paged_load) -> int:
     request = dataclasses.replace(request, options=options)
     for k in ks:  # every problem of the options, at once, before the reference loads
         check_config(PagingConfig(num_resident=k, **options), config, fmt)
+    for k in ks:  # the paged load's host-memory plan and its refusals (--host-memory-gb below the least that fits)
+        meta_build(config, PagingConfig(num_resident=k, **options), experts_implementation=implementation,
+                   expert_format=fmt, files=files)
     check_experts_dtype(fmt, resolve_dtype(options["dtype"], config), transformers_inner(implementation))
     fused = implementation in (FUSED, PACKED)  # exact to themselves, within tolerance of transformers
     packed = implementation == PACKED  # the reference in float32: the second verdict's model
