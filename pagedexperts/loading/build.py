@@ -18,6 +18,7 @@ import torch
 
 from pagedexperts import integration
 from pagedexperts.formats import format_for_config
+from pagedexperts.formats.base import ExpertFormat, ExpertLayout
 from pagedexperts.formats.cpu_pack import kernel_specs, plan_layout
 from pagedexperts.loading.config import PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype
 from pagedexperts.loading.resolved import resolve, resolve_implementation
@@ -27,7 +28,7 @@ from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.loading.checkpoint import expert_sources
 from pagedexperts.models import config as model_config
 from pagedexperts.models.families import experts_transposed
-from pagedexperts.models.sites import find_experts_sites
+from pagedexperts.models.sites import ExpertsSite, find_experts_sites
 from pagedexperts.paging.steps.table import PACKED, transformers_inner
 from pagedexperts.storage import host_memory
 from pagedexperts.storage.host_memory import HostMemoryPlan, plan_host_memory
@@ -47,9 +48,9 @@ class MetaBuild:
     dtype, top_k and the host-memory ``memory`` plan."""
 
     model: torch.nn.Module
-    fmt: object
-    sites: list
-    layouts: dict
+    fmt: ExpertFormat
+    sites: list[ExpertsSite]
+    layouts: dict[str, ExpertLayout]  # site name -> its experts' layout
     dev: torch.device
     dtype: torch.dtype
     top_k: int
