@@ -59,11 +59,12 @@ class MetaBuild:
 
 
 def meta_build(config, cfg: PagingConfig, *, experts_implementation: str, expert_format=None,
-               files=None) -> MetaBuild:
+               files=None, held_later_bytes: int = 0) -> MetaBuild:
     """``build_paged_model``'s first part: the model on meta, its sites and layouts, and the host-memory
     plan checked (``_plan_memory``); nothing is read from the checkpoint but ``files``' headers and
     nothing is allocated, so a caller can refuse a budget before other work (``check`` does, per K,
-    before its reference loads).
+    before its reference loads). ``held_later_bytes``: what the process will hold beyond what it holds
+    now when the real load plans (``check``: its unpaged reference), counted as held in the plan.
 
     Raises:
         MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``; a disk tier
@@ -81,7 +82,8 @@ def meta_build(config, cfg: PagingConfig, *, experts_implementation: str, expert
     packed = experts_implementation == PACKED
     linears = None if files is None or fmt.name == "dense" else plan_model_linears(model, files, fmt, packed=packed)
     memory, available = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, top_k=top_k, linears=linears,
-                                     packed=packed, k_slots=cfg.resident_slots(num_experts=num_experts, top_k=top_k))
+                                     packed=packed, k_slots=cfg.resident_slots(num_experts=num_experts, top_k=top_k),
+                                     held_later_bytes=held_later_bytes)
     return MetaBuild(model=model, fmt=fmt, sites=sites, layouts=layouts, dev=dev, dtype=dtype, top_k=top_k,
                      memory=memory, available_bytes=available)
 
@@ -196,13 +198,14 @@ def _make_stores(sites, layouts, memory: HostMemoryPlan, policy: str, dev: torch
     return stores, read_ahead
 
 
-def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *, k_slots: int,
-                 top_k: int, linears=None, packed: bool = False) -> tuple[HostMemoryPlan, int | None]:
+def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *, k_slots: int, top_k: int,
+                 linears=None, packed: bool = False, held_later_bytes: int = 0) -> tuple[HostMemoryPlan, int | None]:
     """(plan, available bytes it took): everything that will live in host memory, counted before any allocation
     (``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Slots count at the
     larger slot size; ``packed``: slots (and a converted store) in the kernels' layout; ``linears``
     kept packed at their kernel layout's bytes. The available memory is credited with the part of
-    the runtime allowance this process already holds (MemAvailable and the cgroup's room exclude it).
+    the runtime allowance this process already holds (MemAvailable and the cgroup's room exclude it);
+    ``held_later_bytes`` join the runtime allowance as held, not the credit (not yet taken from MemAvailable).
     """
     packed_specs = layouts[sites[0].name].packed_specs
     expert_bytes = sum(s.row_bytes for s in packed_specs)
@@ -215,6 +218,7 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
     available = host_memory.host_memory_available_bytes()
     if available is not None:
         available += held  # MemAvailable and the cgroup's room exclude what the process holds
+    runtime, held = runtime + held_later_bytes, held + held_later_bytes
     memory = plan_host_memory(
         budget_bytes=None if cfg.host_memory_gb is None else int(cfg.host_memory_gb * 1e9),
         available_bytes=available,

@@ -13,6 +13,7 @@ matmul within its bound of float32). Does not: compare logits (``tools.check``),
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,6 +79,18 @@ def check_prompts_fit(request: CheckRequest, config, tokenizer) -> None:
         raise ValueError(f"{exc} (the longest prompt check runs: {longest!r})") from None
 
 
+def _dense_reference_bytes(files, dtype) -> int:
+    """Bytes of the parameters of the unpaged reference of a dense checkpoint (transformers' model at
+    run ``dtype``): every tensor of the shards ``files`` at ``dtype``'s size (a float32-kept tensor
+    counts at ``dtype``: at most what the reference holds)."""
+    import math
+
+    from pagedexperts.storage.safetensors_files import read_header_json
+
+    itemsize = dtype.itemsize
+    return sum(math.prod(t["shape"]) * itemsize for f in files for t in read_header_json(f)[0].values())
+
+
 def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "host") -> str:
     """One line per K: what ran (``decide``: where the paged steps were planned), the two
     comparisons, and PASS / FAIL."""
@@ -138,6 +151,8 @@ def run_fused(request: CheckRequest, ks, reference, choice, num_experts: int, *,
         print(tolerance_line(k, tol, reference=transformers_ref, source=source_path, name=ran.kernel,
                              reference_name=choice.source))
         ok &= res.passed and tol.passed
+        del paged  # collected (its modules hold cycles) before the next K's load plans its host memory
+        gc.collect()
     print("verdict:", "PASS" if ok else "FAIL", f"(paged {ran.kernel} == {ran.kernel} all resident; within tolerance "
           f"of {choice.source})" + ("" if ran.ran_at_all else f"; {ran.implementation} ran nowhere"))
     return 0 if ok else 1
@@ -187,6 +202,8 @@ def run_packed(request: CheckRequest, ks, reference, choice, num_experts: int, *
                 paged, source, tokenizer, prompts, max_new_tokens=request.max_new_tokens).rate()
         print(line)
         ok &= res.passed
+        del paged  # collected (its modules hold cycles) before the next K's load plans its host memory
+        gc.collect()
     print("verdict:", "PASS" if ok else "FAIL", f"(paged {ran.kernel} == {ran.kernel} all resident"
           + ("; packed matmuls within their bound of float32)" if bound.matmuls else ")")
           + ("" if ran.ran_at_all else f"; {ran.implementation} ran nowhere"))
@@ -248,11 +265,15 @@ def _check(request: CheckRequest, on_paged_load) -> int:
     request = dataclasses.replace(request, options=options)
     for k in ks:  # every problem of the options, at once, before the reference loads
         check_config(PagingConfig(num_resident=k, **options), config, fmt)
-    for k in ks:  # the paged load's host-memory plan and its refusals (--host-memory-gb below the least that fits)
-        meta_build(config, PagingConfig(num_resident=k, **options), experts_implementation=implementation,
-                   expert_format=fmt, files=files)
     check_experts_dtype(fmt, resolve_dtype(options["dtype"], config), transformers_inner(implementation))
     fused = implementation in (FUSED, PACKED)  # exact to themselves, within tolerance of transformers
+    # the paged loads' host-memory plans and their refusals (--host-memory-gb below the least that fits), with
+    # what the process will hold by then: the reference (a dense checkpoint's; a quantized one's is not known here)
+    held_later = _dense_reference_bytes(files, resolve_dtype(options["dtype"], config)) \
+        if fmt.name == "dense" and not fused else 0
+    for k in ks:
+        meta_build(config, PagingConfig(num_resident=k, **options), experts_implementation=implementation,
+                   expert_format=fmt, files=files, held_later_bytes=held_later)
     packed = implementation == PACKED  # the reference in float32: the second verdict's model
     print(f"check: loading the unpaged reference, then the paged model at K = {', '.join(map(str, ks))}",
           file=sys.stderr, flush=True)
@@ -276,6 +297,8 @@ def _check(request: CheckRequest, on_paged_load) -> int:
                           progress=True)
         print(verdict_line(k, num_experts, res, steps=request.max_new_tokens, decide=paged.pagedexperts.decide))
         ok &= res.passed
+        del paged  # collected (its modules hold cycles) before the next K's load plans its host memory
+        gc.collect()
     verdict = "PASS: paging is exact on this checkpoint" if ok else "FAIL: MISMATCH, do not trust paging here"
     print("verdict:", verdict, f"(against {choice.source})")
     return 0 if ok else 1
