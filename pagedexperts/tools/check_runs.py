@@ -81,8 +81,9 @@ def check_prompts_fit(request: CheckRequest, config, tokenizer) -> None:
 
 def _dense_reference_bytes(files, dtype) -> int:
     """Bytes of the parameters of the unpaged reference of a dense checkpoint (transformers' model at
-    run ``dtype``): every tensor of the shards ``files`` at ``dtype``'s size (a float32-kept tensor
-    counts at ``dtype``: at most what the reference holds)."""
+    run ``dtype``): every tensor of the shards ``files`` at ``dtype``'s size. An estimate of what the
+    paged loads will count as held: tensors transformers leaves mapped from the file count there
+    less (not anonymous memory), float32-kept ones more."""
     import math
 
     from pagedexperts.storage.safetensors_files import read_header_json
