@@ -53,8 +53,8 @@ def run(args) -> int:
     from pagedexperts.tools.check import DEFAULT_PROMPTS
     from pagedexperts.tools.check_runs import CheckRequest, check_checkpoint
 
-    if args.check_resident is not None:  # "" ran the default K values, "8,8" checked K=8 twice
-        comma_ints(args.check_resident, "--check-resident", example="4,32")
+    check_resident = None if args.check_resident is None else comma_ints(args.check_resident, "--check-resident",
+                                                                          example="4,32")
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
     for prompt in args.prompt or ():
@@ -66,7 +66,7 @@ def run(args) -> int:
                    policy=args.policy, slot_format=args.slot_format, prefetch=args.prefetch,
                    prefetch_budget=args.prefetch_budget, read_ahead=args.read_ahead, host_memory_gb=args.host_memory_gb,
                    decide=args.decide, beyond_k=args.beyond_k, admit_per_step=args.admit_per_step)
-    request = CheckRequest(args.model_path, options, check_resident=args.check_resident,
+    request = CheckRequest(args.model_path, options, check_resident=check_resident,
                            num_resident=args.num_resident, prompts=tuple(args.prompt or DEFAULT_PROMPTS),
                            max_new_tokens=args.max_new_tokens, source_model_path=args.source_model_path)
     return check_checkpoint(request, on_paged_load=print_host_memory)

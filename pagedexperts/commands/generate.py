@@ -10,6 +10,7 @@ import sys
 from pagedexperts.commands import COMMANDS
 from pagedexperts.commands.common import (add_graph_arguments, add_model_arguments, apply_threads, check_paging_flags,
                                           experts_why, given, load_from_args, utf8_text)
+from pagedexperts.commands.streamed_text import StreamedText
 from pagedexperts.commands.speculative_flags import add_speculative_arguments, speculative_from_args
 
 
@@ -98,12 +99,9 @@ def read_stdin_prompt() -> str:
 
 
 def run(args) -> int:
-    import dataclasses
     from dataclasses import asdict
 
-    from pagedexperts.engine.logits_processor import SamplingProcessor
-    from pagedexperts.engine.sequence import eos_ids
-    from pagedexperts.generation.generate import format_report, generate_text, prompt_inputs
+    from pagedexperts.generation.generate import format_report, prompt_inputs
 
     sampling = sampling_from_args(args)
     speculative = speculative_from_args(args)
@@ -130,23 +128,12 @@ def run(args) -> int:
             from pagedexperts.analysis.recording import record_predictions
 
             record_predictions(model, recorder)  # predictions go into the trace as an extra
-    if not args.quiet:  # --quiet: the generated text only
-        print(prompt, end="", flush=True)
-
-    def on_text(text: str) -> None:
-        print(text, end="", flush=True)
-
-    if speculative is None:  # serve's sampling rule (engine.sampling) through transformers' generate
-        eos = tuple(sorted(eos_ids(model, tokenizer))) if sampling.min_tokens else ()
-        processor = SamplingProcessor(dataclasses.replace(sampling, eos_ids=eos))
-        result = generate_text(model, tokenizer, prompt, sampling, chat=args.chat, on_text=on_text,
-                               logits_processor=processor, min_tokens=sampling.min_tokens)
-    else:  # one request through the scheduler's speculative decode
-        from pagedexperts.engine.generate_one import speculative_generate_text
-
-        result = speculative_generate_text(model, tokenizer, prompt, sampling, speculative, chat=args.chat,
-                                           on_text=on_text)
-    print(flush=True)
+    text = StreamedText()
+    with text.logs_on_their_own_lines():  # a WARNING while the text is mid-line starts a line of its own
+        if not args.quiet:  # --quiet: the generated text only
+            text.write(prompt)
+        result = _stream(model, tokenizer, prompt, sampling, speculative, chat=args.chat, on_text=text.write)
+        text.write("\n")
     rt = model.pagedexperts
     if recorder is not None:
         recorder.save(args.record_trace)
@@ -165,6 +152,26 @@ def run(args) -> int:
         with open(args.stats_json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def _stream(model, tokenizer, prompt: str, sampling, speculative, *, chat: bool, on_text):
+    """The generation, its text streamed to ``on_text``: serve's sampling rule (``engine.sampling``)
+    through transformers' generate, or with ``speculative`` one request through the scheduler's
+    speculative decode. Returns the ``GenerationResult``."""
+    import dataclasses
+
+    from pagedexperts.engine.logits_processor import SamplingProcessor
+    from pagedexperts.engine.sequence import eos_ids
+    from pagedexperts.generation.generate import generate_text
+
+    if speculative is None:
+        eos = tuple(sorted(eos_ids(model, tokenizer))) if sampling.min_tokens else ()
+        processor = SamplingProcessor(dataclasses.replace(sampling, eos_ids=eos))
+        return generate_text(model, tokenizer, prompt, sampling, chat=chat, on_text=on_text,
+                             logits_processor=processor, min_tokens=sampling.min_tokens)
+    from pagedexperts.engine.generate_one import speculative_generate_text
+
+    return speculative_generate_text(model, tokenizer, prompt, sampling, speculative, chat=chat, on_text=on_text)
 
 
 def _check_outputs(args) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from pagedexperts.commands import COMMANDS
+from pagedexperts.commands.flag_lists import comma_numbers
 
 
 def add_parser(subparsers) -> None:
@@ -41,10 +42,7 @@ def run_linkbench(args) -> int:
 
     if args.disk:
         return _run_disk(args)
-    try:
-        sizes = [(f"{float(x):g} MB", round(float(x) * sizing.MB)) for x in args.sizes_mb.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--sizes-mb {args.sizes_mb!r} is not a comma-separated list of numbers") from None
+    sizes = [(f"{x:g} MB", round(x * sizing.MB)) for x in comma_numbers(args.sizes_mb, "--sizes-mb", example="1,4,16")]
     if args.model_path:
         shape = model_config.moe_shape(model_config.read_config(args.model_path))
         expert = sizing.checkpoint_sizes(model_path=args.model_path, num_experts=shape.num_experts).expert_bytes

@@ -11,6 +11,7 @@ import os
 import sys
 
 from pagedexperts.commands import COMMANDS
+from pagedexperts.commands.flag_lists import comma_ints, comma_items
 from pagedexperts.extras import require
 from pagedexperts.analysis import simulate as sim
 from pagedexperts.residency.policies import DEFAULT_POLICY
@@ -18,13 +19,6 @@ from pagedexperts.analysis.trace import TRACE_SUFFIXES, load_trace
 from pagedexperts.loading.bundled import bundled_traces_path
 
 BUNDLED_TRACES = "bundled"  # --trace bundled: the bundled model's own routing traces
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{text!r} is not a comma-separated list of integers") from None
 
 
 def add_parser(subparsers) -> None:
@@ -79,18 +73,20 @@ def run_simulate(args) -> int:
     if (args.experts is None) != (args.top_k is None):
         raise ValueError("pass both --experts and --top-k to check the trace against a model")
     _check_time_model(args)
+    given_ks = None if args.num_resident is None else comma_ints(args.num_resident, "--num-resident", example="8,32")
+    policies = list(comma_items(args.policy, "--policy", example="lru,belady", choices=tuple(sim.policy_names())))
+    batch_sizes = [None] if args.batch_sizes is None else list(comma_ints(args.batch_sizes, "--batch-sizes",
+                                                                          example="1,4"))
     if args.trace == BUNDLED_TRACES:
         args.trace = str(bundled_traces_path())
     if not os.path.exists(args.trace):
         raise ValueError(f"--trace {args.trace}: no such file or directory")
     trace = load_trace(args.trace, num_experts=args.experts, top_k=args.top_k)
     e, k = trace.meta.num_experts, trace.meta.top_k
-    ks = _int_list(args.num_resident) if args.num_resident else sim.default_num_resident(num_experts=e, top_k=k)
+    ks = list(given_ks) if given_ks is not None else sim.default_num_resident(num_experts=e, top_k=k)
     for x in ks:
         sim.check_num_resident(x, num_experts=e, top_k=k)  # the runtime's bound: K >= top_k
-    policies = [x.strip() for x in args.policy.split(",") if x.strip()]
-    batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [None]
-    streams = sim.request_streams(trace, min_streams=max(batch_sizes)) if args.batch_sizes else None
+    streams = sim.request_streams(trace, min_streams=max(batch_sizes)) if args.batch_sizes is not None else None
     grid = dict(num_experts=e, top_k=k, num_resident=ks, policies=policies, uniform=not args.no_uniform,
                 seed=args.seed, expert_bytes=round(args.expert_mb * 1e6), host_rows=args.host_rows)
     results = []

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from pagedexperts import integration
 from pagedexperts.formats import format_for_config
+from pagedexperts.formats.base import ExpertFormat, ExpertLayout
 from pagedexperts.formats.cpu_pack import kernel_specs, plan_layout
 from pagedexperts.loading.config import PagingConfig, check_config, check_device, disk_tier_problem, resolve_dtype
 from pagedexperts.loading.resolved import resolve, resolve_implementation
@@ -26,7 +28,7 @@ from pagedexperts.loading.runtime import PagingRuntime
 from pagedexperts.loading.checkpoint import expert_sources
 from pagedexperts.models import config as model_config
 from pagedexperts.models.families import experts_transposed
-from pagedexperts.models.sites import find_experts_sites
+from pagedexperts.models.sites import ExpertsSite, find_experts_sites
 from pagedexperts.paging.steps.table import PACKED, transformers_inner
 from pagedexperts.storage import host_memory
 from pagedexperts.storage.host_memory import HostMemoryPlan, plan_host_memory
@@ -37,6 +39,53 @@ logger = logging.getLogger(__name__)
 
 READ_AHEAD_EXPERTS_PER_TOP_K = 2  # disk tier staging: read-ahead buffers = 2 x top_k experts
 KV_ESTIMATE_TOKENS = 4096  # tokens of KV cache counted in host memory on a CPU device (one long request)
+
+
+@dataclass(frozen=True)
+class MetaBuild:
+    """A model of ``config`` with its parameters on meta and what the build derives from it before any
+    allocation: the format ``fmt``, the experts ``sites`` and their ``layouts``, the device, the run
+    dtype, top_k and the host-memory ``memory`` plan."""
+
+    model: torch.nn.Module
+    fmt: ExpertFormat
+    sites: list[ExpertsSite]
+    layouts: dict[str, ExpertLayout]  # site name -> its experts' layout
+    dev: torch.device
+    dtype: torch.dtype
+    top_k: int
+    memory: HostMemoryPlan
+    available_bytes: int | None  # what the plan took as available (None: unknown)
+
+
+def meta_build(config, cfg: PagingConfig, *, experts_implementation: str, expert_format=None,
+               files=None, held_later_bytes: int = 0) -> MetaBuild:
+    """``build_paged_model``'s first part: the model on meta, its sites and layouts, and the host-memory
+    plan checked (``_plan_memory``); nothing is read from the checkpoint but ``files``' headers and
+    nothing is allocated, so a caller can refuse a budget before other work (``check`` does, per K,
+    before its reference loads). ``held_later_bytes``: what the process will hold beyond what it holds
+    now when the real load plans (``check``: its unpaged reference), counted as held in the plan.
+
+    Raises:
+        MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``; a disk tier
+            that mode or ``--decide device`` cannot serve).
+    """
+    fmt = expert_format if expert_format is not None else format_for_config(
+        config, transposed_experts=experts_transposed(config))
+    dev, dtype = check_device(cfg.device), resolve_dtype(cfg.dtype, config)
+    model = _meta_model(config, dtype, cfg.experts_implementation)
+    sites = find_experts_sites(model)
+    num_experts, top_k = sites[0].num_experts, int(config.num_experts_per_tok)
+    sources = expert_sources(config.model_type)
+    layouts = {s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
+               for s in sites}
+    packed = experts_implementation == PACKED
+    linears = None if files is None or fmt.name == "dense" else plan_model_linears(model, files, fmt, packed=packed)
+    memory, available = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, top_k=top_k, linears=linears,
+                                     packed=packed, k_slots=cfg.resident_slots(num_experts=num_experts, top_k=top_k),
+                                     held_later_bytes=held_later_bytes)
+    return MetaBuild(model=model, fmt=fmt, sites=sites, layouts=layouts, dev=dev, dtype=dtype, top_k=top_k,
+                     memory=memory, available_bytes=available)
 
 
 def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation: str, expert_format=None, files=None,
@@ -53,27 +102,21 @@ def build_paged_model(config, fill, cfg: PagingConfig, *, experts_implementation
     stores exist, before ``fill`` (``load_model`` reads a stored kernel layout into them).
 
     Raises:
-        MemoryError / ValueError: host memory (``storage.host_memory.plan_host_memory``).
+        MemoryError / ValueError: host memory (``meta_build``).
         ConfigError: ``cuda_graphs`` "on" where capture cannot work.
     """
-    fmt = expert_format if expert_format is not None else format_for_config(
-        config, transposed_experts=experts_transposed(config))
-    dev, dtype = check_device(cfg.device), resolve_dtype(cfg.dtype, config)
-    model = _meta_model(config, dtype, cfg.experts_implementation)
-    sites = find_experts_sites(model)
-    num_experts, top_k = sites[0].num_experts, int(config.num_experts_per_tok)
-    sources = expert_sources(config.model_type)
-    layouts = {s.name: fmt.layout(s.specs, sources=sources, transposed=bool(getattr(s.module, "is_transposed", False)))
-               for s in sites}
-    packed = experts_implementation == PACKED
-    linears = None if files is None or fmt.name == "dense" else plan_model_linears(model, files, fmt, packed=packed)
-    memory = _plan_memory(model, config, sites, layouts, dev, dtype, cfg, top_k=top_k, linears=linears, packed=packed,
-                          k_slots=cfg.resident_slots(num_experts=num_experts, top_k=top_k))
+    meta = meta_build(config, cfg, experts_implementation=experts_implementation, expert_format=expert_format,
+                      files=files)
+    model, sites, layouts, memory, dev = meta.model, meta.sites, meta.layouts, meta.memory, meta.dev
+    logger.info("host memory (budget: %s): %s", _budget_source(cfg, meta.available_bytes), memory.describe())
     stores, read_ahead = _make_stores(sites, layouts, memory, cfg.policy, dev)
-    resolved = resolve(cfg, fmt, experts_implementation=experts_implementation, num_experts=num_experts, top_k=top_k,
-                       device=dev, dtype=dtype, sites=sites, layouts=layouts, memory=memory, stores=stores)
+    num_experts, top_k = sites[0].num_experts, meta.top_k
+    resolved = resolve(cfg, meta.fmt, experts_implementation=experts_implementation, num_experts=num_experts,
+                       top_k=top_k, device=dev, dtype=meta.dtype, sites=sites, layouts=layouts, memory=memory,
+                       stores=stores)
     runtime = PagingRuntime(config=cfg, resolved=resolved, num_experts=num_experts, top_k=top_k,
-                            expert_format=fmt.name, layouts=layouts, sites=sites, stores=stores, read_ahead=read_ahead)
+                            expert_format=meta.fmt.name, layouts=layouts, sites=sites, stores=stores,
+                            read_ahead=read_ahead)
     if before_fill is not None:
         before_fill(runtime)
     runtime.quantized_linears = fill(model, {s.name: s for s in sites}, runtime.stores, dev)
@@ -155,13 +198,14 @@ def _make_stores(sites, layouts, memory: HostMemoryPlan, policy: str, dev: torch
     return stores, read_ahead
 
 
-def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *, k_slots: int,
-                 top_k: int, linears=None, packed: bool = False) -> HostMemoryPlan:
-    """Everything that will live in host memory, counted before any allocation
+def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *, k_slots: int, top_k: int,
+                 linears=None, packed: bool = False, held_later_bytes: int = 0) -> tuple[HostMemoryPlan, int | None]:
+    """(plan, available bytes it took): everything that will live in host memory, counted before any allocation
     (``storage.host_memory``); the disk tier (R < E) for mode "paged" only. Slots count at the
     larger slot size; ``packed``: slots (and a converted store) in the kernels' layout; ``linears``
     kept packed at their kernel layout's bytes. The available memory is credited with the part of
-    the runtime allowance this process already holds (MemAvailable and the cgroup's room exclude it).
+    the runtime allowance this process already holds (MemAvailable and the cgroup's room exclude it);
+    ``held_later_bytes`` join the runtime allowance as held, not the credit (not yet taken from MemAvailable).
     """
     packed_specs = layouts[sites[0].name].packed_specs
     expert_bytes = sum(s.row_bytes for s in packed_specs)
@@ -174,6 +218,7 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
     available = host_memory.host_memory_available_bytes()
     if available is not None:
         available += held  # MemAvailable and the cgroup's room exclude what the process holds
+    runtime, held = runtime + held_later_bytes, held + held_later_bytes
     memory = plan_host_memory(
         budget_bytes=None if cfg.host_memory_gb is None else int(cfg.host_memory_gb * 1e9),
         available_bytes=available,
@@ -192,11 +237,15 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
     problem = disk_tier_problem(cfg, disk_tier=memory.disk_tier, described=memory.describe())
     if problem is not None:
         raise ValueError(problem)
-    source = (f"--host-memory-gb {cfg.host_memory_gb}" if cfg.host_memory_gb is not None else
-              "none given: what is available, the smaller of MemAvailable and the memory cgroup's room, "
-              f"{'unknown' if available is None else f'{available / 1e9:.3g} GB'}")
-    logger.info("host memory (budget: %s): %s", source, memory.describe())
-    return memory
+    return memory, available
+
+
+def _budget_source(cfg: PagingConfig, available: int | None) -> str:
+    """Where the host-memory budget came from, in words (the start-up line's)."""
+    if cfg.host_memory_gb is not None:
+        return f"--host-memory-gb {cfg.host_memory_gb}"
+    return ("none given: what is available, the smaller of MemAvailable and the memory cgroup's room, "
+            f"{'unknown' if available is None else f'{available / 1e9:.3g} GB'}")
 
 
 def _kernel_expert_bytes(layout) -> int | None:

@@ -72,7 +72,7 @@ def load_model(model_path: str | Path | None = None, *, check_independence: bool
     if fmt.name == "dense" and cfg.slot_format != DEFAULT_SLOT_FORMAT:
         logger.warning("--slot-format %s has no effect: %s is not quantized (its slots hold dense experts)",
                        cfg.slot_format, path)
-    tokenizer = _load_tokenizer(path)  # a broken tokenizer is refused before the weights load
+    tokenizer = load_tokenizer(path)  # a broken tokenizer is refused before the weights load
     # the non-expert linears run packed too where the experts do (loading.linears)
     fill = functools.partial(fill_from_checkpoint, model_type=config.model_type, files=files, fmt=fmt,
                              packed_linears=implementation == PACKED)
@@ -175,7 +175,7 @@ def has_tokenizer(path: Path) -> bool:
     return any((Path(path) / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
-def _load_tokenizer(path: Path):
+def load_tokenizer(path: Path):
     """The tokenizer of model directory ``path``, or None without tokenizer files. Raises
     FileNotFoundError naming tokenizer.json where transformers cannot build the tokenizer without it.
     """

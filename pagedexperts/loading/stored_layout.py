@@ -31,6 +31,7 @@ from pagedexperts.storage.host_store import ExpertStore, HostExpertStore
 from pagedexperts.storage.host_tier import ReadAhead, TieredExpertStore
 from pagedexperts.storage.kernel_layout_file import (LayoutKey, StoredLayout, StoredLayoutError, open_stored_layout,
                                                      write_stored_layout)
+from pagedexperts.storage.source_digests import MEMO_NAME, DigestMemo
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +101,13 @@ def kernel_rows(store: ExpertStore, table: CpuPackedSlots, first: int, n: int) -
     return table.convert_many(store.read_rows(first, n))
 
 
-def layout_key(tiers, files: list[Path], *, content: bool = False) -> LayoutKey:
+def layout_key(tiers, files: list[Path], *, content: bool = False, digest=None) -> LayoutKey:
     """The key of the stored layout of ``tiers`` (``packed_tiers``) made from ``files``
-    (``content``: with each file's digest, as a written layout's key; reads every file)."""
+    (``content``: with each file's ``digest``, default a hash of every file, as a written layout's key)."""
     store, table = tiers[0]
     dtype = next(iter(table.plans.values())).dtype
     return LayoutKey.make(specs=table.specs, dtype=dtype, num_layers=len(tiers), num_experts=store.num_experts,
-                          source_files=files, content=content)
+                          source_files=files, content=content, digest=digest)
 
 
 def write_for(tiers, key: LayoutKey, path: Path, *, source_name: str) -> StoredLayout:
@@ -122,6 +123,13 @@ def write_for(tiers, key: LayoutKey, path: Path, *, source_name: str) -> StoredL
     for store, _ in tiers:
         store.reset()  # the conversion's reads are no run's
     return layout
+
+
+def digest_memo(cached: Path) -> DigestMemo:
+    """The memo of the source files' digests kept beside the cache's file ``cached`` (``_cache``): an
+    unchanged source is hashed once, by the first load that needs its digest, not by every load
+    that judges a stale or copied stored layout (``storage.source_digests``)."""
+    return DigestMemo(Path(cached).parent / MEMO_NAME)
 
 
 def _cache(checkpoint: Path, key: LayoutKey, cache_dir: Path | None) -> tuple[Path, str]:
@@ -197,9 +205,10 @@ def _find(checkpoint: Path, key: LayoutKey, files: list[Path], cached: Path,
           cache_name: str) -> tuple[StoredLayout | None, str | None]:
     """A valid stored layout of ``key``, the checkpoint's own ``kernel-layout/`` first, then
     ``cached``, and where it was found in words; (None, None): neither (a WARNING names why an
-    existing one is not used)."""
+    existing one is not used). Sources are hashed through the cache's ``digest_memo``."""
+    memo = digest_memo(cached)
     for path in (Path(checkpoint) / CHECKPOINT_SUBDIR / layout_file_name(key), cached):
-        got = open_stored_layout(path, key, files)
+        got = open_stored_layout(path, key, files, digest=memo.digest)
         if isinstance(got, StoredLayout):
             why = cache_name if path == cached else "the checkpoint's own kernel-layout/ (pagedexperts quantize)"
             if got.verified_by_content:
@@ -249,8 +258,8 @@ def _write_cache(runtime, layers, files: list[Path], cached: Path, checkpoint: P
     ``PagingRuntime.stored_layout_fallback`` and the record say that each expert converts
     ``converts`` ("at page-in", "at load")."""
     try:
-        return write_for(layers, layout_key(layers, files, content=True), cached,
-                         source_name=f"the checkpoint {checkpoint}")
+        key = layout_key(layers, files, content=True, digest=digest_memo(cached).digest)
+        return write_for(layers, key, cached, source_name=f"the checkpoint {checkpoint}")
     except StoredLayoutError as exc:
         again = "the disk tier converts each expert at page-in" if converts == "at page-in" else \
             "the next start converts each expert at load again"

@@ -49,14 +49,15 @@ class LayoutKey:
 
     @staticmethod
     def make(*, specs: list[TensorSpec], dtype: torch.dtype, num_layers: int, num_experts: int,
-             source_files: list[Path], capability: str | None = None, content: bool = False) -> "LayoutKey":
+             source_files: list[Path], capability: str | None = None, content: bool = False,
+             digest: Callable[[Path], str] | None = None) -> "LayoutKey":
         """The key of a layout of ``specs`` made now by this torch on this CPU from ``source_files``
-        (``content``: also hash each file)."""
+        (``content``: also each file's ``digest``, default ``file_digest``)."""
         return LayoutKey(torch_version=torch.__version__,
                          capability=capability or torch.backends.cpu.get_cpu_capability(),
                          dtype=str(dtype).removeprefix("torch."), num_layers=num_layers, num_experts=num_experts,
                          specs=tuple((s.name, tuple(s.shape), str(s.dtype).removeprefix("torch.")) for s in specs),
-                         source=source_fingerprint(source_files, content=content))
+                         source=source_fingerprint(source_files, content=content, digest=digest))
 
     @property
     def tensor_specs(self) -> list[TensorSpec]:
@@ -99,12 +100,15 @@ class LayoutKey:
         return [f[0] for f in self.source if f[3] and f[0] in now and now[f[0]][0] == f[1] and now[f[0]][1] != f[2]]
 
 
-def source_fingerprint(files: list[Path], *, content: bool = False) -> tuple[tuple[str, int, int, str], ...]:
-    """(name, size, mtime_ns, digest) of each file, sorted by name; the digest is "" unless ``content``."""
+def source_fingerprint(files: list[Path], *, content: bool = False,
+                       digest: Callable[[Path], str] | None = None) -> tuple[tuple[str, int, int, str], ...]:
+    """(name, size, mtime_ns, digest) of each file, sorted by name; the digest (``digest(file)``, default
+    ``file_digest``) is "" unless ``content``."""
+    digest = digest or file_digest
     out = []
     for f in sorted(Path(p) for p in files):
         st = f.stat()
-        out.append((f.name, st.st_size, st.st_mtime_ns, file_digest(f) if content else ""))
+        out.append((f.name, st.st_size, st.st_mtime_ns, digest(f) if content else ""))
     return tuple(out)
 
 
@@ -187,9 +191,12 @@ def _read_key(path: Path) -> tuple[LayoutKey, int] | str:
     return key, -(-(16 + len(body)) // ALIGN) * ALIGN
 
 
-def open_stored_layout(path: Path, want: LayoutKey, source_files: Sequence[Path] = ()) -> StoredLayout | str:
+def open_stored_layout(path: Path, want: LayoutKey, source_files: Sequence[Path] = (), *,
+                       digest: Callable[[Path], str] | None = None) -> StoredLayout | str:
     """The stored layout at ``path`` if made for ``want`` and complete, else a one-line reason; sources
-    differing only by mtime are hashed and accepted if equal."""
+    differing only by mtime are hashed (``digest``, default ``file_digest``; a
+    ``storage.source_digests.DigestMemo`` hashes an unchanged file once) and accepted if equal."""
+    digest = digest or file_digest
     path = Path(path)
     if not path.exists():
         return f"{path} does not exist"
@@ -204,7 +211,7 @@ def open_stored_layout(path: Path, want: LayoutKey, source_files: Sequence[Path]
     if diffs and moved and len(moved) == len(diffs) and all(name in files for name in moved):
         stored = {f[0]: f[3] for f in key.source}
         try:
-            content = {name: file_digest(files[name]) == stored[name] for name in moved}
+            content = {name: digest(files[name]) == stored[name] for name in moved}
         except OSError as exc:
             return f"{path}: a source file could not be read to compare its content ({exc})"
         diffs = key.differences(want, content)

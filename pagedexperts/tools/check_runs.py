@@ -1,17 +1,19 @@
 """The ``check`` command's runs: per K, paged against its reference, the verdict lines it prints.
 
 Owns: ``CheckRequest`` (what ``pagedexperts check`` was asked) and ``check_checkpoint``: the K
-values checked against [top_k, E], the options checked against the checkpoint before the
-reference loads, then one of three runs by the resolved experts implementation: dense
-(paged == the unpaged reference, torch.equal), ``run_fused`` (paged == the same kernels all
-resident, and within tolerance of transformers' model) and ``run_packed`` (paged == the same
-kernels all resident, and each packed matmul within its bound of float32). Does not: compare
-logits (``tools.check``), bound a matmul (``tools.packed_bound``) or parse flags (``commands.check``).
+values checked against [top_k, E], the prompts against the model's positions, the options and
+each K's host-memory plan checked against the checkpoint before the reference loads, then one of
+three runs by the resolved experts implementation: dense (paged == the unpaged reference,
+torch.equal), ``run_fused`` (paged == the same kernels all resident, and within tolerance of
+transformers' model) and ``run_packed`` (paged == the same kernels all resident, and each packed
+matmul within its bound of float32). Does not: compare logits (``tools.check``), bound a matmul
+(``tools.packed_bound``) or parse flags (``commands.check``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,33 +24,33 @@ from pagedexperts.tools.check import DEFAULT_PROMPTS, each_message_once
 @dataclass(frozen=True)
 class CheckRequest:
     """What ``pagedexperts check`` was asked: ``options``, ``load_model`` keywords but
-    ``num_resident``; ``check_resident`` ("K[,K...]") else ``num_resident`` (None: top_k and E/2);
+    ``num_resident``; ``check_resident`` (the K values of --check-resident, parsed by
+    ``commands.flag_lists.comma_ints``) else ``num_resident`` (None: top_k and E/2);
     the ``prompts``, ``max_new_tokens`` > 0 each; ``source_model_path``, the float32 source of the
     fused and packed runs' top-1 comparison (None: none).
     """
 
     model_path: str | None
     options: Mapping
-    check_resident: str | None = None
+    check_resident: tuple[int, ...] | None = None
     num_resident: int | None = None
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     max_new_tokens: int = 8
     source_model_path: str | None = None
 
 
-def resident_values(check_resident: str | None, num_resident: int | None, *, top_k: int, num_experts: int) -> list[int]:
-    """The K values to check, each validated against [top_k, E] before any model is loaded.
+def resident_values(check_resident: tuple[int, ...] | None, num_resident: int | None, *, top_k: int,
+                    num_experts: int) -> list[int]:
+    """The K values to check (``check_resident``, else ``num_resident``, else top_k and E/2), each
+    validated against [top_k, E] before any model is loaded.
 
     Raises:
-        ValueError: a K that is not an integer or is outside [top_k, E] (names the flag).
+        ValueError: a K outside [top_k, E] (names the flag).
     """
     from pagedexperts.residency.planner import check_num_resident
 
     if check_resident:
-        try:
-            ks = [int(x) for x in check_resident.split(",")]
-        except ValueError:
-            raise ValueError(f"--check-resident {check_resident!r}: want comma-separated integers, e.g. 4,32") from None
+        ks = list(check_resident)
     elif num_resident is not None:
         ks = [num_resident]
     else:
@@ -57,6 +59,37 @@ def resident_values(check_resident: str | None, num_resident: int | None, *, top
     for k in ks:
         check_num_resident(k, num_experts=num_experts, min_slots=top_k, flag=flag)
     return ks
+
+
+def check_prompts_fit(request: CheckRequest, config, tokenizer) -> None:
+    """Refuse, before any model loads, a check whose longest prompt + ``max_new_tokens`` exceeds the
+    model's max_position_embeddings (``generation.config.check_context``, generate's and serve's rule;
+    each prompt runs alone and in the left-padded batch, as wide as the longest).
+
+    Raises:
+        ValueError: names the token counts, the limit, --max-new-tokens and the prompt.
+    """
+    from pagedexperts.generation.config import check_context
+
+    counts = {prompt: len(tokenizer(prompt)["input_ids"]) for prompt in request.prompts}
+    longest = max(counts, key=counts.get)
+    try:
+        check_context(counts[longest], request.max_new_tokens, int(getattr(config, "max_position_embeddings", 0) or 0))
+    except ValueError as exc:
+        raise ValueError(f"{exc} (the longest prompt check runs: {longest!r})") from None
+
+
+def _dense_reference_bytes(files, dtype) -> int:
+    """Bytes of the parameters of the unpaged reference of a dense checkpoint (transformers' model at
+    run ``dtype``): every tensor of the shards ``files`` at ``dtype``'s size. An estimate of what the
+    paged loads will count as held: tensors transformers leaves mapped from the file count there
+    less (not anonymous memory), float32-kept ones more."""
+    import math
+
+    from pagedexperts.storage.safetensors_files import read_header_json
+
+    itemsize = dtype.itemsize
+    return sum(math.prod(t["shape"]) * itemsize for f in files for t in read_header_json(f)[0].values())
 
 
 def verdict_line(k: int, num_experts: int, res, *, steps: int, decide: str = "host") -> str:
@@ -119,6 +152,8 @@ def run_fused(request: CheckRequest, ks, reference, choice, num_experts: int, *,
         print(tolerance_line(k, tol, reference=transformers_ref, source=source_path, name=ran.kernel,
                              reference_name=choice.source))
         ok &= res.passed and tol.passed
+        del paged  # collected (its modules hold cycles) before the next K's load plans its host memory
+        gc.collect()
     print("verdict:", "PASS" if ok else "FAIL", f"(paged {ran.kernel} == {ran.kernel} all resident; within tolerance "
           f"of {choice.source})" + ("" if ran.ran_at_all else f"; {ran.implementation} ran nowhere"))
     return 0 if ok else 1
@@ -168,6 +203,8 @@ def run_packed(request: CheckRequest, ks, reference, choice, num_experts: int, *
                 paged, source, tokenizer, prompts, max_new_tokens=request.max_new_tokens).rate()
         print(line)
         ok &= res.passed
+        del paged  # collected (its modules hold cycles) before the next K's load plans its host memory
+        gc.collect()
     print("verdict:", "PASS" if ok else "FAIL", f"(paged {ran.kernel} == {ran.kernel} all resident"
           + ("; packed matmuls within their bound of float32)" if bound.matmuls else ")")
           + ("" if ran.ran_at_all else f"; {ran.implementation} ran nowhere"))
@@ -195,17 +232,21 @@ def check_checkpoint(request: CheckRequest, *, on_paged_load: Callable | None = 
     dense run. Returns 0 on PASS, 1 on FAIL.
 
     Raises:
-        ValueError: no tokenizer, a K outside [top_k, E], any problem of the options (``ConfigError``).
+        ValueError: no tokenizer, a prompt + ``max_new_tokens`` past the model's positions
+            (``check_prompts_fit``), a K outside [top_k, E], any problem of the options (``ConfigError``),
+            --host-memory-gb below the least the paged load fits (``loading.build.meta_build``).
+        MemoryError: the paged load's host memory exceeds what is available (``meta_build``).
     """
     with each_message_once():  # the reference and each K load the same checkpoint: its WARNINGs once
         return _check(request, on_paged_load)
 
 
 def _check(request: CheckRequest, on_paged_load) -> int:
+    from pagedexperts.loading.build import meta_build
     from pagedexperts.loading.checkpoint import format_for_checkpoint
     from pagedexperts.loading.config import PagingConfig, check_config, resolve_dtype
     from pagedexperts.loading.experts_options import check_experts_dtype
-    from pagedexperts.loading.loader import has_tokenizer, load_model, read_checkpoint_config
+    from pagedexperts.loading.loader import has_tokenizer, load_model, load_tokenizer, read_checkpoint_config
     from pagedexperts.loading.resolved import resolve_implementation
     from pagedexperts.models.config import num_routed_experts
     from pagedexperts.paging.steps.table import FUSED, PACKED, transformers_inner
@@ -215,6 +256,7 @@ def _check(request: CheckRequest, on_paged_load) -> int:
     if not has_tokenizer(path):  # check tokenizes its prompts: refuse before the reference loads
         raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model); "
                          "check tokenizes its prompts: add the source model's tokenizer files (--model-path)")
+    check_prompts_fit(request, config, load_tokenizer(path))
     num_experts, top_k = num_routed_experts(config), int(config.num_experts_per_tok)
     ks = resident_values(request.check_resident, request.num_resident, top_k=top_k, num_experts=num_experts)
     options = dict(request.options)
@@ -226,6 +268,13 @@ def _check(request: CheckRequest, on_paged_load) -> int:
         check_config(PagingConfig(num_resident=k, **options), config, fmt)
     check_experts_dtype(fmt, resolve_dtype(options["dtype"], config), transformers_inner(implementation))
     fused = implementation in (FUSED, PACKED)  # exact to themselves, within tolerance of transformers
+    # the paged loads' host-memory plans and their refusals (--host-memory-gb below the least that fits), with
+    # what the process will hold by then: the reference (a dense checkpoint's; a quantized one's is not known here)
+    held_later = _dense_reference_bytes(files, resolve_dtype(options["dtype"], config)) \
+        if fmt.name == "dense" and not fused else 0
+    for k in ks:
+        meta_build(config, PagingConfig(num_resident=k, **options), experts_implementation=implementation,
+                   expert_format=fmt, files=files, held_later_bytes=held_later)
     packed = implementation == PACKED  # the reference in float32: the second verdict's model
     print(f"check: loading the unpaged reference, then the paged model at K = {', '.join(map(str, ks))}",
           file=sys.stderr, flush=True)
@@ -249,6 +298,8 @@ def _check(request: CheckRequest, on_paged_load) -> int:
                           progress=True)
         print(verdict_line(k, num_experts, res, steps=request.max_new_tokens, decide=paged.pagedexperts.decide))
         ok &= res.passed
+        del paged  # collected (its modules hold cycles) before the next K's load plans its host memory
+        gc.collect()
     verdict = "PASS: paging is exact on this checkpoint" if ok else "FAIL: MISMATCH, do not trust paging here"
     print("verdict:", verdict, f"(against {choice.source})")
     return 0 if ok else 1

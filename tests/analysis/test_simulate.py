@@ -229,7 +229,13 @@ def test_cli_table_json_and_plots(tmp_path, capsys):
         (["--num-resident", "4,1"], "--num-resident K=1 is below top_k=2: one token routes to 2 experts, so at least 2 "
                                     "slots are needed; raise --num-resident"),
         (["--num-resident", "17"], "--num-resident K=17 exceeds the E=16"),
-        (["--policy", "mru"], "unknown policy 'mru'"),
+        (["--policy", "mru"], "unknown --policy ['mru']; choose from ["),
+        # an empty item was skipped silently (bench's and check's lists refuse it: commands.flag_lists)
+        (["--num-resident", "4,,8"], "--num-resident '4,,8' has an empty item: want comma-separated integers"),
+        (["--policy", "lru,"], "--policy 'lru,' has an empty item: want comma-separated values from ["),
+        (["--batch-sizes", "1,,3"], "--batch-sizes '1,,3' has an empty item: want comma-separated integers"),
+        (["--num-resident", ""], "--num-resident '' is empty"),
+        (["--batch-sizes", "1,x"], "--batch-sizes '1,x': want comma-separated integers"),
         (["--expert-mb", "-1"], "--expert-mb -1.0 must be >= 0"),
         (["--link-gbps", "10", "--compute-ms-per-layer", "1"], "--link-gbps needs --expert-mb"),
         (["--link-gbps", "-1", "--compute-ms-per-layer", "1"], "--link-gbps -1.0 must be > 0"),

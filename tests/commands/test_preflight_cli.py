@@ -264,6 +264,21 @@ def test_linkbench_bad_repeats(capsys):
     assert rc == 2 and "--repeats 0 must be >= 1" in err
 
 
+@pytest.mark.parametrize("sizes,message", [
+    ("1,,2", "--sizes-mb '1,,2' has an empty item: want comma-separated numbers > 0, e.g. 1,4,16"),  # was skipped
+    ("1,", "--sizes-mb '1,' has an empty item"), ("", "--sizes-mb '' is empty"),
+    ("1,x", "--sizes-mb '1,x': want comma-separated numbers > 0"),
+    ("1,0", "--sizes-mb '1,0': ['0'] not a finite number > 0"), ("nan", "['nan'] not a finite number > 0"),
+    ("4,4", "--sizes-mb names [4.0] more than once"),
+])
+def test_linkbench_refuses_a_bad_size_list_by_name(capsys, monkeypatch, sizes, message):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # refused before anything is measured
+    rc, _, err = _run(capsys, ["linkbench", "--sizes-mb", sizes])
+    assert rc == 2 and message in err, err
+
+
 def _cuda() -> bool:
     import torch
 

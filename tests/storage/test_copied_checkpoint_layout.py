@@ -21,6 +21,7 @@ import torch
 from pagedexperts.cli import main
 from pagedexperts.formats.base import TensorSpec
 from pagedexperts.loading.loader import load_model
+from pagedexperts.storage import kernel_layout_file
 from pagedexperts.storage.kernel_layout_file import (LayoutKey, StoredLayout, file_digest, open_stored_layout,
                                                      write_stored_layout)
 from support.families import build_model, save_char_tokenizer
@@ -115,12 +116,12 @@ def _copy(src: Path, dst: Path) -> Path:
 def test_a_copy_without_mtimes_reads_the_shipped_layout(quantized, tmp_path, caplog, stored_layout_cache):
     copy = _copy(quantized, tmp_path / "copy")
     (stored,) = (copy / "kernel-layout").iterdir()
-    cached_before = sorted(stored_layout_cache.rglob("*"))
+    cached_before = sorted(stored_layout_cache.rglob("*.pxkl"))
     with caplog.at_level(logging.INFO, logger="pagedexperts"):
         tiered = _tiered(copy)
     rt = tiered.pagedexperts
     assert rt.stored_layout == str(stored), rt.resolved.reasons["stored_layout"]
-    assert sorted(stored_layout_cache.rglob("*")) == cached_before  # no new cache file
+    assert sorted(stored_layout_cache.rglob("*.pxkl")) == cached_before  # no new cache file
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     why = rt.resolved.reasons["stored_layout"]
     assert why.startswith("the checkpoint's own kernel-layout/") and "verified by content (config.json, model.safetensors: " in why
@@ -151,3 +152,53 @@ def test_a_copy_whose_shard_bytes_changed_at_the_same_size_is_rebuilt(quantized,
     full, _ = load_model(copy, num_resident=rt.num_experts, experts_implementation="packed")
     ids = torch.randint(2, 100, (2, 8), generator=torch.Generator().manual_seed(3))
     assert torch.equal(greedy_logits(tiered, ids, steps=3), greedy_logits(full.eval(), ids, steps=3))
+
+
+def _flip_last_byte_of_first_expert(shard: Path) -> None:
+    """Another edit at the same size: the last byte of the first routed expert tensor inverted."""
+    import json
+
+    with open(shard, "r+b") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+        name = next(k for k in sorted(header) if ".experts." in k)
+        f.seek(8 + length + header[name]["data_offsets"][1] - 1)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def test_a_stale_own_layout_is_hashed_once_not_at_every_load_and_a_change_is_still_found(
+        quantized, tmp_path, caplog, monkeypatch):
+    """Its own kernel-layout/ stale (a shard changed at the same size): the first load hashes each source
+    file once (to judge it, then the cache's key reuses the digests); the next load hashes nothing, yet
+    judges it stale again by name; a further change at the same size is hashed and found."""
+    copy = _copy(quantized, tmp_path / "copy")
+    shard = copy / "model.safetensors"
+    rewrite_expert_bytes(shard)
+    hashed = []
+
+    def counted(path, **kwargs):
+        hashed.append(Path(path).name)
+        return file_digest(path, **kwargs)
+
+    monkeypatch.setattr(kernel_layout_file, "file_digest", counted)
+    opts = dict(num_resident=2, experts_implementation="packed")
+    stale = "model.safetensors changed (same size, mtime differs, other content"
+    for load, want in ((1, ["config.json", "model.safetensors"]), (2, [])):
+        hashed.clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pagedexperts"):
+            rt = load_model(copy, **opts)[0].pagedexperts
+        assert sorted(hashed) == want, (load, hashed)
+        assert any(stale in r.getMessage() for r in caplog.records), (load, caplog.text)
+        assert Path(rt.stored_layout).parent.parent != copy  # the cache's, not its own
+    _flip_last_byte_of_first_expert(shard)  # same size again, other bytes again
+    hashed.clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedexperts"):
+        rt = load_model(copy, **opts)[0].pagedexperts
+    assert hashed == ["model.safetensors"]  # the changed file, once; config.json's identity is unchanged
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and stale in r.getMessage()]
+    assert len(warnings) == 2 and warnings[1].endswith("rebuilding it"), warnings  # its own, then the cache's
+    assert Path(rt.stored_layout).parent.parent != copy
