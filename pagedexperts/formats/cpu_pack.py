@@ -160,7 +160,9 @@ class CpuPackedSlots(SlotTable):
 
     def __init__(self, layout: ExpertLayout, plans: tuple[KernelTensor, ...], num_slots: int, device) -> None:
         specs = kernel_specs(layout, plans)
-        super().__init__({s.name: torch.zeros((num_slots, *s.shape), dtype=s.dtype, device=device) for s in specs})
+        # uninitialised: a slot's own row is read only after a page-in wrote it, and stays untouched
+        # (no memory committed) while the slot reads host rows in place
+        super().__init__({s.name: torch.empty((num_slots, *s.shape), dtype=s.dtype, device=device) for s in specs})
         self.layout = layout
         self.plans = {p.name: p for p in plans}
         self._specs = {s.name: (tuple(s.shape), s.dtype) for s in specs}

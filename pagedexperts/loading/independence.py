@@ -123,9 +123,7 @@ def check_expert(site, executor: PagedExecutor, layout, expert: int, slot: int, 
                                         "expert converted to the CPU kernel's layout")
         if _other_slot_rows(table, slot) != others:
             raise IndependenceError(f"{where}: the page-in also changed what another slot reads")
-        for t in table.own_rows[slot].values():
-            t.zero_()
-        table.slot_rows[slot] = table.own_rows[slot]
+        table.slot_rows[slot] = table.own_rows[slot]  # empty again (its own row is read only once written)
         return
     try:
         view = executor.wave_view(site.module, (slot,))

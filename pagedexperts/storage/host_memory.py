@@ -197,10 +197,11 @@ def _gb(n: int) -> str:
 def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, num_layers: int,
                      num_experts: int, expert_bytes: int, slot_bytes_on_host: int, staging_bytes: int,
                      non_expert_bytes_on_host: int, kv_bytes_on_host: int, runtime_bytes: int,
-                     runtime_held_bytes: int = 0) -> HostMemoryPlan:
+                     runtime_held_bytes: int = 0, slots_read_full_store: bool = False) -> HostMemoryPlan:
     """Choose R and check host memory before any allocation. ``budget_bytes`` G (None: the available
     memory) covers ``HostMemoryPlan.total_bytes``; the store gets what the fixed parts leave: R = E
-    if the full store fits, else the most rows beside the staging.
+    if the full store fits, else the most rows beside the staging. ``slots_read_full_store``: the
+    slots read a full store's rows in place (packed on a CPU), so the full plan counts no slot bytes.
 
     Raises ValueError (G below the minimum; names every part and --host-memory-gb) or MemoryError
     (the total exceeds available memory; names every part)."""
@@ -208,7 +209,8 @@ def plan_host_memory(*, budget_bytes: int | None, available_bytes: int | None, n
                   slot_bytes_on_host=slot_bytes_on_host, non_expert_bytes_on_host=non_expert_bytes_on_host,
                   kv_bytes_on_host=kv_bytes_on_host, runtime_bytes=runtime_bytes,
                   runtime_held_bytes=runtime_held_bytes)
-    full_plan = HostMemoryPlan(host_rows=num_experts, staging_bytes=0, **common)
+    full_plan = HostMemoryPlan(host_rows=num_experts, staging_bytes=0,
+                               **{**common, "slot_bytes_on_host": 0 if slots_read_full_store else slot_bytes_on_host})
     explicit = budget_bytes is not None
     budget = budget_bytes if explicit else available_bytes
     if budget is None or full_plan.total_bytes <= budget:

@@ -203,8 +203,9 @@ def test_slot_table_converts_at_page_in():
     layout, rows = _rows(fmt, packed)
     plans = plan_layout(layout, torch.float32)
     slots = CpuPackedSlots(layout, plans, 3, "cpu")
+    before = {name: table.clone() for name, table in slots.items()}  # uninitialised: whatever they hold
     slots.write_rows({n: r[1] for n, r in rows.items()}, 2, pinned=False)
     converted = {n: t[1] for p in plans for n, t in p.convert(rows).items()}
     for name, table in slots.items():
-        assert torch.equal(table[2], converted[name]), name
-        assert not table[:2].view(torch.uint8).any(), name
+        assert torch.equal(slots.slot_rows[2][name], converted[name]) and torch.equal(table[2], converted[name]), name
+        assert torch.equal(table[:2].view(torch.uint8), before[name][:2].view(torch.uint8)), name

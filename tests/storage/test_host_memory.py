@@ -138,19 +138,38 @@ def test_the_runtime_part_is_the_anonymous_memory_held_now_plus_a_margin(monkeyp
 @pytest.mark.parametrize("options", [dict(experts_implementation="packed", dtype="float32"),
                                      dict(dtype="bfloat16")])  # the default, auto: packed at bfloat16
 def test_packed_slots_are_counted_at_the_kernel_layouts_bytes_and_the_split_is_logged(caplog, options):
-    """Experts run packed (asked, or auto's choice): "slots on host" = the slot tables' own bytes
-    (torch's int4 layout, not the dense size); the start-up line names the budget's source and the split."""
+    """Experts run packed (asked, or auto's choice). Over the disk tier "slots on host" = the slot
+    tables' own bytes (torch's int4 layout, not the dense size); over a full store the slots read its
+    rows in place, so the plan counts none. The start-up line names the budget's source and the split."""
     import logging
 
     from support.paths import DATA
+    from support.tiny import host_budget_gb
 
+    path = DATA / "autoround/qwen3_moe-auto_round-experts"
     with caplog.at_level(logging.INFO, logger="pagedexperts"):
-        model, _ = pagedexperts.load_model(DATA / "autoround/qwen3_moe-auto_round-experts", num_resident=2, **options)
+        model, _ = pagedexperts.load_model(path, num_resident=2, **options)
     rt = model.pagedexperts
-    assert rt.resolved.experts_implementation == "packed"
+    assert rt.resolved.experts_implementation == "packed" and not rt.host_memory.disk_tier
     slots = sum(t.numel() * t.element_size() for r in rt.runners.values() for t in r.slots.values())
-    assert rt.host_memory.slot_bytes_on_host == slots
     assert slots < 2 * len(rt.runners) * rt.dense_expert_bytes
+    assert rt.host_memory.slot_bytes_on_host == 0
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("host memory (budget: "))
-    assert "none given: what is available" in line and f"slots on host {slots / 1e9:.3g} GB" in line
+    assert "none given: what is available" in line and "slots on host 0 GB" in line
     assert "runtime allowance" in line and "(held now " in line
+    tiered, _ = pagedexperts.load_model(path, num_resident=2, **options,
+                                        host_memory_gb=host_budget_gb(path, 2, num_resident=2, **options))
+    assert tiered.pagedexperts.host_memory.disk_tier and tiered.pagedexperts.host_memory.slot_bytes_on_host == slots
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_budget_that_fits_the_full_store_but_not_its_slots_gets_it_when_slots_read_it_in_place(in_place):
+    """Where the slots read the full store's rows in place (packed on a CPU), the full plan counts no
+    slot bytes: a budget of exactly the rest gets the full store; else the disk tier."""
+    parts = dict(num_layers=4, num_experts=16, expert_bytes=1000, slot_bytes_on_host=4 * 2 * 1000, staging_bytes=4000,
+                 non_expert_bytes_on_host=5000, kv_bytes_on_host=3000, runtime_bytes=7000)
+    budget = 4 * 16 * 1000 + 5000 + 3000 + 7000  # the store and the rest, no slots
+    plan = host_memory.plan_host_memory(budget_bytes=budget, available_bytes=None, slots_read_full_store=in_place,
+                                        **parts)
+    assert plan.disk_tier is not in_place
+    assert plan.slot_bytes_on_host == (0 if in_place else 8000) and plan.total_bytes <= budget

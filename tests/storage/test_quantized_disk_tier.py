@@ -23,7 +23,7 @@ import torch
 import pagedexperts
 from pagedexperts import load_model
 from pagedexperts.paging.steps.contract import PackedSlots
-from support.tiny import greedy_logits
+from support.tiny import greedy_logits, tier_budget_gb
 from support.quantized_dirs import restack_fp8_experts, write_fp8_block, write_mxfp4
 from support.families import E, TOP_K, VOCAB, build_model, save_char_tokenizer
 
@@ -76,12 +76,8 @@ def quantized(tmp_path_factory):
 
 
 def tier_gb(full_model, rows: int = R) -> float:
-    """--host-memory-gb for ``rows`` host rows per layer + the staging of 2 x top_k experts, after
-    what the full model's plan counts besides its store (slots, weights, KV, runtime allowance);
-    half an expert against rounding."""
-    rt = full_model.pagedexperts
-    experts = rows * len(rt.stores) + 2 * TOP_K
-    return (rt.host_memory.fixed_bytes + experts * rt.expert_bytes + rt.expert_bytes // 2) / 1e9
+    """--host-memory-gb for ``rows`` host rows per layer (``support.tiny.tier_budget_gb``)."""
+    return tier_budget_gb(full_model, rows)
 
 
 def load_pair(path: Path, **kwargs):

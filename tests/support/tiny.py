@@ -80,16 +80,25 @@ def greedy_logits(model, ids: torch.Tensor, mask: torch.Tensor | None = None, st
 
 
 def host_budget_gb(path, rows: int, **options) -> float:
-    """--host-memory-gb that leaves ``rows`` host rows per layer to ``path`` loaded with ``options``:
-    what the loader counts besides the store (its full-store plan's slots on the host, non-expert
-    weights, KV estimate and runtime allowance) + rows x layers + 2 x top_k experts of staging,
-    plus half an expert against rounding (G is given in GB)."""
+    """--host-memory-gb that leaves ``rows`` host rows per layer to ``path`` loaded with ``options``
+    (``tier_budget_gb`` of the model loaded with all experts in host memory)."""
     from pagedexperts import load_model
 
-    full, _ = load_model(path, **options)
-    rt = full.pagedexperts
+    return tier_budget_gb(load_model(path, **options)[0], rows)
+
+
+def tier_budget_gb(full_model, rows: int) -> float:
+    """--host-memory-gb that leaves ``rows`` host rows per layer to ``full_model``'s checkpoint and
+    options: what the loader counts besides the store (the slots on the host, as allocated: a full
+    store's plan counts none where packed slots read its rows in place, the disk tier's counts them;
+    non-expert weights, KV estimate and runtime allowance) + rows x layers + 2 x top_k experts of
+    staging, plus half an expert against rounding (G is given in GB)."""
+    rt = full_model.pagedexperts
+    slots = rt.host_memory.slot_bytes_on_host or sum(  # the packed slots' own rows, which the tier's plan counts
+        t.nbytes for r in rt.runners.values() for t in getattr(r, "slots", {}).values() if t.device.type == "cpu")
+    fixed = rt.host_memory.fixed_bytes - rt.host_memory.slot_bytes_on_host + slots
     experts = rows * len(rt.stores) + 2 * rt.top_k
-    return (rt.host_memory.fixed_bytes + experts * rt.expert_bytes + rt.expert_bytes // 2) / 1e9
+    return (fixed + experts * rt.expert_bytes + rt.expert_bytes // 2) / 1e9
 
 
 def copy_dir(src: Path, dst: Path) -> Path:
