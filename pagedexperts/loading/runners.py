@@ -113,7 +113,8 @@ def _tile_random(t: torch.Tensor, gen: torch.Generator, std: float) -> None:
 def install_prefetch(model, *, budget: int | None = None, page_in: bool = True) -> list:
     """Give every paged MoE layer but the last a prefetcher into the next one (its router on
     this layer's input; ``paging.prefetch``). ``budget``: page-ins per layer per step at most
-    (None: top_k). ``page_in`` False: the disk tier's read-ahead only (no slot changes).
+    (None: top_k). ``page_in`` False: the disk tier's read-ahead only (no slot changes); the disk
+    tier reads ahead only where the config allows (``read_ahead``: --no-read-ahead).
 
     Raises:
         ValueError: budget < 1 (``--prefetch-budget``, the configuration check).
@@ -123,7 +124,8 @@ def install_prefetch(model, *, budget: int | None = None, page_in: bool = True) 
         check_config(dataclasses.replace(rt.config, prefetch=True, prefetch_budget=budget))
     executors = {i: r for i, r in rt.runners.items() if isinstance(r, PagedExecutor)}
     routers = {s.layer: router_of(model, s) for s in rt.sites if s.layer in executors}
-    return prefetch.install(executors, routers, budget=rt.top_k if budget is None else budget, page_in=page_in)
+    return prefetch.install(executors, routers, budget=rt.top_k if budget is None else budget, page_in=page_in,
+                            read_ahead=rt.config.read_ahead)
 
 
 def attach_runners(runtime, dev) -> None:

@@ -1,9 +1,10 @@
-"""``loading.runners.repage`` over a disk tier: the stores (and their host rows) outlive the runners,
+"""``loading.runners.repage`` and the read-ahead flag over a disk tier: the stores (and their host rows) outlive the runners,
 so the re-attached model starts as a fresh load would. Oracles, independent of the code under test:
 - every page-in of a step claims its expert's host row once (no prefetch here), so the tier's host
   accesses (hits + misses) equal the layers' ``page_ins``: counters the repage left un-zeroed break
   that equality (they kept the accesses made before it);
-- the disk tier reads ahead by default (``read_ahead``); after a repage it still does, as after a load.
+- the disk tier reads ahead by default (``read_ahead``); after a repage it still does, as after a load;
+  with --no-read-ahead it reads nothing ahead, --prefetch or not (``read_ahead_issued`` stays 0).
 """
 
 from __future__ import annotations
@@ -51,3 +52,16 @@ def test_the_disk_tier_still_reads_ahead_after_a_repage(tmp_path):
     for seed in range(3):
         _forward(model, seed)
     assert model.pagedexperts.stats().as_dict()["read_ahead_issued"] > 0
+
+
+def test_no_read_ahead_holds_with_prefetch(tmp_path):
+    """--prefetch --no-read-ahead: the prefetch pages the predicted experts in, and the disk tier
+    reads none ahead (the prefetcher read them ahead regardless of the flag)."""
+    budget = host_budget_gb(INT4, 1, num_resident=2, dtype="bfloat16", experts_implementation="packed")
+    model, _ = load_model(INT4, num_resident=2, dtype="bfloat16", experts_implementation="packed", prefetch=True,
+                          read_ahead=False, host_memory_gb=budget, stored_layout_dir=str(tmp_path))
+    assert model.pagedexperts.host_memory.disk_tier
+    for seed in range(3):
+        _forward(model.eval(), seed)
+    assert model.pagedexperts.prefetch_stats()["total"]["issued"] > 0
+    assert model.pagedexperts.stats().as_dict()["read_ahead_issued"] == 0
