@@ -37,8 +37,9 @@ logger = logging.getLogger(__name__)
 def repage(model, *, mode: str = "paged", num_resident: int | None = None, policy: str | None = None,
            experts_implementation: str | None = None, beyond_k: str | None = None) -> None:
     """Re-attach fresh runners (new mode, K, policy, experts implementation or beyond-K rule; empty
-    slots, zeroed stats) over the same stores, the choices resolved again into a new ``Resolved``.
-    The experts implementation stays the resolved one unless given.
+    slots, zeroed stats, the disk tier's too) over the same stores, the choices resolved again into a
+    new ``Resolved``. The experts implementation stays the resolved one unless given; prefetch is off,
+    and a disk tier reads ahead as after a load (unless --no-read-ahead).
 
     Raises:
         ConfigError (ValueError): unknown mode, K out of [top_k, E], any other problem of the options.
@@ -67,6 +68,9 @@ def repage(model, *, mode: str = "paged", num_resident: int | None = None, polic
         rt.resolved = dataclasses.replace(rt.resolved, stored_layout=old.stored_layout,
                                           reasons={**rt.resolved.reasons, "stored_layout": old.reasons["stored_layout"]})
     attach_runners(rt, dev)
+    rt.reset_stats()  # the stores outlive the runners: their tier counters start again with them
+    if cfg.mode == "paged" and cfg.read_ahead and rt.host_memory.disk_tier:
+        install_prefetch(model, page_in=False)  # the disk tier's read-ahead, as the load installs it
 
 
 def random_fill(model, sites, stores, device, *, seed: int = 0, std: float = 0.02) -> None:
@@ -109,7 +113,8 @@ def _tile_random(t: torch.Tensor, gen: torch.Generator, std: float) -> None:
 def install_prefetch(model, *, budget: int | None = None, page_in: bool = True) -> list:
     """Give every paged MoE layer but the last a prefetcher into the next one (its router on
     this layer's input; ``paging.prefetch``). ``budget``: page-ins per layer per step at most
-    (None: top_k). ``page_in`` False: the disk tier's read-ahead only (no slot changes).
+    (None: top_k). ``page_in`` False: the disk tier's read-ahead only (no slot changes); the disk
+    tier reads ahead only where the config allows (``read_ahead``: --no-read-ahead).
 
     Raises:
         ValueError: budget < 1 (``--prefetch-budget``, the configuration check).
@@ -119,7 +124,8 @@ def install_prefetch(model, *, budget: int | None = None, page_in: bool = True) 
         check_config(dataclasses.replace(rt.config, prefetch=True, prefetch_budget=budget))
     executors = {i: r for i, r in rt.runners.items() if isinstance(r, PagedExecutor)}
     routers = {s.layer: router_of(model, s) for s in rt.sites if s.layer in executors}
-    return prefetch.install(executors, routers, budget=rt.top_k if budget is None else budget, page_in=page_in)
+    return prefetch.install(executors, routers, budget=rt.top_k if budget is None else budget, page_in=page_in,
+                            read_ahead=rt.config.read_ahead)
 
 
 def attach_runners(runtime, dev) -> None:

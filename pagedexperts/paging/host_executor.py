@@ -77,8 +77,12 @@ class HostExecutor(PagedExecutor):
         return expert in self.residency.slot_of_expert
 
     def copy_in(self, loads) -> None:
-        """Page ``loads`` in now (a prefetch): the next compute of this layer waits for them."""
+        """Page ``loads`` in now (a prefetch): the next compute of this layer waits for them. Those read
+        in place are not the next step's ``zero_copy_page_ins`` (a part of its misses): the prefetch
+        stats count them (``issued``)."""
+        zero_copy = self.transfers.zero_copy
         self.transfers.page_in(loads, now=False)
+        self.transfers.zero_copy = zero_copy
 
     def collect_copy_time(self) -> None:
         """On CUDA, wait for this layer's page-in timing events (each its own event) and add them to the stats."""

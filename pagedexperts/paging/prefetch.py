@@ -20,14 +20,16 @@ def prediction_order(ids: Sequence[Sequence[int]]) -> list[int]:
 
 class NextLayerPrefetcher:
     """Prefetch from MoE layer l into the next layer's executor ``target`` through its router ``gate``,
-    at most ``budget`` page-ins per step; ``page_in`` False: read-ahead only."""
+    at most ``budget`` page-ins per step; ``page_in`` False: read-ahead only; ``read_ahead`` False: a
+    disk tier reads nothing ahead (--no-read-ahead)."""
 
     def __init__(self, *, gate, target, budget: int, on_predict: Callable[[int, list[int]], None] | None = None,
-                 page_in: bool = True):
+                 page_in: bool = True, read_ahead: bool = True):
         self.gate = gate
         self.target = target
         self.budget = budget
         self.page_in = page_in
+        self.read_ahead = read_ahead
         self.on_predict = on_predict
         self._pending: list[int] | None = None
 
@@ -45,8 +47,8 @@ class NextLayerPrefetcher:
         """Predicted ids [T, k] read back to the host -> the predicted experts (until issue)."""
         t0 = time.perf_counter()
         self._pending = prediction_order(ids_host.tolist())
-        # a disk tier starts reading the predicted experts now (a full store reads nothing)
-        self.target.store.read_ahead([e for e in self._pending if not self.target.is_resident(e)])
+        if self.read_ahead:  # a disk tier starts reading the predicted experts now (a full store reads nothing)
+            self.target.store.read_ahead([e for e in self._pending if not self.target.is_resident(e)])
         self.target.prefetch_stats.predict_s += time.perf_counter() - t0
         if self.on_predict is not None:
             self.on_predict(self.target.layer, self._pending)
@@ -68,12 +70,14 @@ class NextLayerPrefetcher:
         stats.issue_s += time.perf_counter() - t0
 
 
-def install(executors: dict, routers: dict, *, budget: int, page_in: bool = True) -> list[NextLayerPrefetcher]:
+def install(executors: dict, routers: dict, *, budget: int, page_in: bool = True,
+            read_ahead: bool = True) -> list[NextLayerPrefetcher]:
     """A prefetcher on every paged MoE layer but the last (``executors`` and ``routers`` by MoE layer)."""
     layers = sorted(executors)
     out = []
     for here, nxt in zip(layers, layers[1:]):
-        p = NextLayerPrefetcher(gate=routers[nxt], target=executors[nxt], budget=budget, page_in=page_in)
+        p = NextLayerPrefetcher(gate=routers[nxt], target=executors[nxt], budget=budget, page_in=page_in,
+                                read_ahead=read_ahead)
         executors[here].prefetcher = p
         out.append(p)
     return out

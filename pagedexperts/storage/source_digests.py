@@ -40,6 +40,7 @@ class DigestMemo:
             self.known = known if isinstance(known, dict) else {}
         except (OSError, ValueError):
             self.known = {}
+        self._warned = False  # the WARNING that the memo cannot be written: once per memo, not per file
 
     def digest(self, file: Path) -> str:
         """``file_digest`` of ``file``: the remembered one while the file's identity is unchanged, else
@@ -67,5 +68,8 @@ class DigestMemo:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+            if self._warned:
+                return
+            self._warned = True
             logger.warning("the source files' digests could not be remembered in %s (%s); the next load hashes "
                            "them again", self.path, exc)
