@@ -352,6 +352,8 @@ def write_checkpoint_layout(model, checkpoint: Path, files: list[Path]) -> Store
     layers = packed_layers(model.pagedexperts)
     if not layers:
         return "its experts do not run packed on this CPU (--experts-implementation packed)"
-    key = layout_key(layers, files, content=True)
+    # the digests go to the default cache's memo too: a load there judges this layout by them, unhashed
+    memo = digest_memo(_cache(checkpoint, layout_key(layers, files), None)[0])
+    key = layout_key(layers, files, content=True, digest=memo.digest)
     path = Path(checkpoint) / CHECKPOINT_SUBDIR / layout_file_name(key)
     return write_for(layers, key, path, source_name=f"the checkpoint {checkpoint}")

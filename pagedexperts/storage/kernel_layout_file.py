@@ -194,8 +194,11 @@ def _read_key(path: Path) -> tuple[LayoutKey, int] | str:
 def open_stored_layout(path: Path, want: LayoutKey, source_files: Sequence[Path] = (), *,
                        digest: Callable[[Path], str] | None = None) -> StoredLayout | str:
     """The stored layout at ``path`` if made for ``want`` and complete, else a one-line reason; sources
-    differing only by mtime are hashed (``digest``, default ``file_digest``; a
-    ``storage.source_digests.DigestMemo`` hashes an unchanged file once) and accepted if equal."""
+    differing only by mtime are hashed (``digest``, default ``file_digest``) and accepted if equal.
+    Given a ``digest`` (a ``storage.source_digests.DigestMemo``'s, which hashes a file again only when
+    its identity, ctime included, changed), sources whose size and mtime match are compared by
+    content too: a same-size write with its mtime set back is seen."""
+    remembers = digest is not None
     digest = digest or file_digest
     path = Path(path)
     if not path.exists():
@@ -208,13 +211,21 @@ def open_stored_layout(path: Path, want: LayoutKey, source_files: Sequence[Path]
     moved = key.moved_sources(want)
     files = {Path(f).name: Path(f) for f in source_files}
     content = {}
+    stored = {f[0]: f[3] for f in key.source}
     if diffs and moved and len(moved) == len(diffs) and all(name in files for name in moved):
-        stored = {f[0]: f[3] for f in key.source}
         try:
             content = {name: digest(files[name]) == stored[name] for name in moved}
         except OSError as exc:
             return f"{path}: a source file could not be read to compare its content ({exc})"
         diffs = key.differences(want, content)
+    if not diffs and remembers:  # size and mtime match: the memo says whether the bytes were written since
+        try:
+            changed = [name for name, file in sorted(files.items())
+                       if stored.get(name) and name not in content and digest(file) != stored[name]]
+        except OSError as exc:
+            return f"{path}: a source file could not be read to compare its content ({exc})"
+        diffs = [f"source file {name} changed (same size and mtime, other content: its sha256 differs)"
+                 for name in changed]
     if diffs:
         return f"{path} was made for another source or setting: {'; '.join(diffs)}"
     layout = StoredLayout(path, key, data_start, tuple(name for name, same in content.items() if same))

@@ -75,8 +75,8 @@ def test_a_valid_stored_layout_is_read_into_the_store_not_converted(tmp_path, mo
 
 
 def test_the_checkpoints_own_kernel_layout_is_read_first(tmp_path, monkeypatch, capsys):
-    """What ``pagedexperts quantize`` writes (the checkpoint's kernel-layout/) is read; the cache
-    stays empty; the start-up line says which layout the store was read from."""
+    """What ``pagedexperts quantize`` writes (the checkpoint's kernel-layout/) is read; no layout is
+    written to the cache; the start-up line says which layout the store was read from."""
     path = copy_dir(INT4, tmp_path / "model")
     model, _ = load_model(path, dtype="float32", experts_implementation="packed", stored_layout=False,
                           check_independence=False)
@@ -88,7 +88,7 @@ def test_the_checkpoints_own_kernel_layout_is_read_first(tmp_path, monkeypatch, 
     assert resolved.stored_layout == str(own.path)
     why = "read at load from the checkpoint's own kernel-layout/ (pagedexperts quantize)"
     assert resolved.reasons["stored_layout"] == why and resolved.as_dict()["reasons"]["stored_layout"] == why
-    assert not (tmp_path / "cache").exists()
+    assert not list((tmp_path / "cache").rglob("*.pxkl"))  # no layout written there (the digest memo may be)
     print_host_memory(again)
     assert f"host store: stored kernel layout {own.path} ({why})" in capsys.readouterr().err
 

@@ -100,8 +100,10 @@ def test_a_second_load_reads_the_file_without_writing(tmp_path, monkeypatch):
 
 
 @pytest.mark.default_threads
-@pytest.mark.parametrize("damage", ["shard-rewritten", "truncated"])
+@pytest.mark.parametrize("damage", ["shard-rewritten", "shard-rewritten-mtime-kept", "truncated"])
 def test_a_stale_stored_layout_is_rebuilt_naming_why(tmp_path, caplog, damage):
+    """A source's bytes changed at the same size (its mtime moved, or set back as it was: the digest
+    memo sees the write by the file's ctime), or the layout truncated: rebuilt, with a WARNING."""
     path = copy_dir(INT4, tmp_path / "model")
     cache = tmp_path / "cache"
     stored = Path(_tiered(path, "float32", cache).pagedexperts.stored_layout)
@@ -113,8 +115,12 @@ def test_a_stale_stored_layout_is_rebuilt_naming_why(tmp_path, caplog, damage):
         st = shard.stat()
         rewrite_expert_bytes(shard)
         assert shard.stat().st_size == st.st_size
-        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-        why = f"source file {shard.name} changed (same size, mtime differs, other content"
+        if damage == "shard-rewritten-mtime-kept":
+            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+            why = f"source file {shard.name} changed (same size and mtime, other content"
+        else:
+            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+            why = f"source file {shard.name} changed (same size, mtime differs, other content"
     with caplog.at_level(logging.INFO, logger="pagedexperts"):
         tiered = _tiered(path, "float32", cache)
     assert any(why in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records), caplog.text
