@@ -94,12 +94,12 @@ class PagingRuntime:
         return ModelStats.collect(((i, r.stats) for i, r in self.runners.items()), fallbacks, tiers=tiers)
 
     def reset_stats(self) -> None:
-        """Zero every layer's counters, and the tier counters of a disk tier (its read-aheads held,
-        a level, carry over)."""
+        """Zero every layer's counters, and the tier counters of a disk tier (``TierStats.carried``: its
+        read-aheads held carry over)."""
         for r in self.runners.values():
             r.reset_stats()
             if r.store.tier_stats is not None:
-                r.store.tier_stats = TierStats(read_ahead_held=r.store.tier_stats.read_ahead_held)
+                r.store.tier_stats = TierStats.carried(r.store.tier_stats.read_ahead_held)
 
     def prefetch_stats(self) -> dict:
         """Per-layer and total prefetch counters (prefetches INTO each paged layer)."""

@@ -23,8 +23,8 @@ class TierStats:
     READ_TIME_WINDOW per-expert read times for the percentiles. Read-ahead: ``read_ahead_issued``
     = ``read_ahead_used`` (taken by a page-in) + ``read_ahead_wasted`` (read, then dropped unused)
     + ``read_ahead_held`` (in flight or waiting, each in a staging row: a level, not a sum, summed
-    over layers when merged) since the counters were zeroed; ``read_ahead_bytes_used`` / ``_wasted``
-    their bytes.
+    over layers when merged) since the counters were zeroed (``carried``: those held then count as
+    issued after); ``read_ahead_bytes_used`` / ``_wasted`` their bytes.
     """
 
     host_hits: int = 0
@@ -41,6 +41,12 @@ class TierStats:
     read_ahead_bytes_wasted: int = 0  # bytes of the read-aheads dropped unused
     read_ahead_held: int = 0  # read-aheads now in a staging row, neither taken nor dropped (a level)
     read_times: deque = field(default_factory=lambda: deque(maxlen=READ_TIME_WINDOW), repr=False)
+
+    @classmethod
+    def carried(cls, held: int) -> "TierStats":
+        """Zeroed counters over ``held`` read-aheads still in staging rows: issued = held, so issued =
+        used + wasted + held holds after a reset too."""
+        return cls(read_ahead_issued=held, read_ahead_held=held)
 
     def record_host_access(self, hit: bool) -> None:
         """One device page-in seen by the host rows: a hit (served from a host row) or a miss

@@ -121,7 +121,7 @@ class TieredExpertStore(ExpertStore):
         """Empty host rows and zeroed counters, as after loading."""
         self.residency = Residency(self.num_experts, self.host_rows, make_policy(self.residency.policy.name, self.host_rows))
         self._row_expert = [-1] * self.host_rows
-        self.tier_stats = TierStats(read_ahead_held=len(self._ahead))
+        self.tier_stats = TierStats.carried(len(self._ahead))
         self._window, self._pause_left = (0, 0), 0
 
     def fill_from(self, extents: dict[str, list[list[Extent]]]) -> list[tuple]:
@@ -348,6 +348,8 @@ class TieredExpertStore(ExpertStore):
         """Pause READ_AHEAD_PAUSE steps when under READ_AHEAD_MIN_USED of the last READ_AHEAD_WINDOW
         were used."""
         t = self.tier_stats
+        if t.read_ahead_issued < self._window[0] or t.read_ahead_used < self._window[1]:
+            self._window = (0, 0)  # the counters were zeroed (``reset_stats``): a window starts with them
         issued, used = t.read_ahead_issued - self._window[0], t.read_ahead_used - self._window[1]
         if issued < READ_AHEAD_WINDOW:
             return

@@ -226,3 +226,20 @@ def test_the_read_aheads_held_are_a_level_issued_less_used_and_wasted(layer):
     routing.run(2, used=True)
     assert (t.read_ahead_held, t.read_ahead_issued, t.read_ahead_used, t.read_ahead_wasted) == (0, 5, 2, 3)
     assert t.as_dict()["read_ahead_held"] == 0
+
+
+def test_after_the_counters_are_zeroed_held_read_aheads_count_as_issued_and_windows_are_judged(layer):
+    """The runtime's reset_stats zeroes a tier's counters over read-aheads still held
+    (``TierStats.carried``): issued = used + wasted + held still holds, and the next window of
+    unused read-aheads pauses the layer as before (the window starts again with the counters)."""
+    from pagedexperts.stats.tiers import TierStats
+
+    store, slots = layer
+    routing = Routing(store, slots)
+    routing.run(3 * WINDOW + 3, used=True)
+    routing.run(1, used=False)  # one read-ahead left held
+    store.tier_stats = TierStats.carried(store.tier_stats.read_ahead_held)  # as the runtime's reset_stats
+    routing.run(2, used=False)
+    t = store.tier_stats
+    assert t.read_ahead_issued == t.read_ahead_used + t.read_ahead_wasted + t.read_ahead_held == 3
+    assert routing.run(WINDOW - 3 + 1, used=False) == [1] * (WINDOW - 3) + [0]  # judged at WINDOW issued
