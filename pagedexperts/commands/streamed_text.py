@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from typing import TextIO
 
@@ -32,12 +33,13 @@ class StreamedText:
     @contextlib.contextmanager
     def logs_on_their_own_lines(self):
         """While in the block: each console handler of the root logger (a ``StreamHandler`` on
-        stderr or stdout, as ``logging.basicConfig`` makes it; not a file's) writes a newline before
-        a record that comes while the text is mid-line. Restored on exit."""
+        stderr or stdout, as ``logging.basicConfig`` makes it; not a file's) whose stream shows where
+        the text does (the same stream, or the same terminal or file: ``2> log`` is not) writes a
+        newline before a record that comes while the text is mid-line. Restored on exit."""
         console = (sys.stderr, sys.stdout)
         handlers = [h for h in logging.getLogger().handlers
                     if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-                    and getattr(h, "stream", None) in console]
+                    and getattr(h, "stream", None) in console and _same_place(h.stream, self.out)]
         saved = [h.formatter for h in handlers]
         for handler in handlers:
             handler.setFormatter(_OwnLineFirst(handler.formatter or logging.Formatter(), self))
@@ -46,6 +48,17 @@ class StreamedText:
         finally:
             for handler, formatter in zip(handlers, saved):
                 handler.setFormatter(formatter)
+
+
+def _same_place(a: TextIO, b: TextIO) -> bool:
+    """Whether streams ``a`` and ``b`` write to one place: the same object, or file descriptors on the
+    same file or terminal (``os.path.samestat``); False where either has none."""
+    if a is b:
+        return True
+    try:
+        return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 class _OwnLineFirst(logging.Formatter):

@@ -50,7 +50,8 @@ def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int) -
         raise ValueError(f"the prompt is too long: {prompt_tokens} tokens, {over} more than the "
                          f"{max_positions - 1} the model's max_position_embeddings {max_positions} leaves with room for "
                          f"one new token; shorten the prompt by at least {over} tokens")
+    shorten = prompt_tokens + max_new_tokens - max_positions
     raise ValueError(f"prompt {prompt_tokens} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
                      f"max_position_embeddings {max_positions}; lower --max-new-tokens (at most "
-                     f"{max_positions - prompt_tokens} here), or shorten the prompt by "
-                     f"{prompt_tokens + max_new_tokens - max_positions} tokens")
+                     f"{max_positions - prompt_tokens} here)"
+                     + (f", or shorten the prompt by {shorten} tokens" if shorten < prompt_tokens else ""))

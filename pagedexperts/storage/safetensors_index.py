@@ -101,7 +101,8 @@ def pread_into(fd: int, buf, offset: int, *, path: Path) -> None:
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise DiskReadError(f"checkpoint file {path} ended at byte {offset + done} while reading {len(view)} bytes at {offset} (truncated?)")
+            raise DiskReadError(f"checkpoint file {path} ends at byte {os.fstat(fd).st_size:,}, before the {len(view):,} "
+                                f"bytes at {offset:,} were read (truncated?)")
         done += n
 
 
@@ -143,8 +144,8 @@ def read_run(fd: int, jobs: list[tuple[Extent, torch.Tensor]]) -> None:
     while bufs:
         n = os.preadv(fd, bufs, offset)
         if n == 0:
-            raise DiskReadError(f"file {first.path} ended at byte {offset} while reading {total} bytes at "
-                                f"{first.offset} (truncated?)")
+            raise DiskReadError(f"file {first.path} ends at byte {os.fstat(fd).st_size:,}, before the {total:,} bytes "
+                                f"at {first.offset:,} were read (truncated?)")
         offset += n
         advance(bufs, n)
 

@@ -273,8 +273,12 @@ def _check(request: CheckRequest, on_paged_load) -> int:
     held_later = _dense_reference_bytes(files, resolve_dtype(options["dtype"], config)) \
         if fmt.name == "dense" and not fused else 0
     for k in ks:
-        meta_build(config, PagingConfig(num_resident=k, **options), experts_implementation=implementation,
-                   expert_format=fmt, files=files, held_later_bytes=held_later)
+        try:
+            meta_build(config, PagingConfig(num_resident=k, **options), experts_implementation=implementation,
+                       expert_format=fmt, files=files, held_later_bytes=held_later)
+        except (ValueError, MemoryError) as exc:  # the plan's own message, for check's flag and this K
+            raise type(exc)(f"at K = {k} (--check-resident): "
+                            + str(exc).replace("lower --num-resident", "lower --check-resident")) from exc
     packed = implementation == PACKED  # the reference in float32: the second verdict's model
     print(f"check: loading the unpaged reference, then the paged model at K = {', '.join(map(str, ks))}",
           file=sys.stderr, flush=True)

@@ -82,3 +82,28 @@ def test_generate_puts_a_warning_during_streaming_on_its_own_line(monkeypatch):
     out = screen.getvalue()
     # stderr's start-up lines come before the echoed prompt; the record follows the prompt on a line of its own
     assert warned and f"\nThe history of the city\nWARNING {TIER_LOGGER}: read-ahead paused (test)\n" in out, out
+
+
+def test_a_log_redirected_elsewhere_gets_no_newline(monkeypatch, tmp_path):
+    """``generate ... 2> log``: the text and the log are two files, so the log gets no blank line for
+    text it never held; two descriptors on one file (a terminal's case) still get it."""
+    for same in (False, True):
+        text_file = open(tmp_path / "text.txt", "w")
+        log_file = open(tmp_path / ("text.txt" if same else "log.txt"), "a")
+        monkeypatch.setattr("sys.stdout", text_file)
+        monkeypatch.setattr("sys.stderr", log_file)
+        handler = logging.StreamHandler(log_file)
+        handler.setFormatter(logging.Formatter(FORMAT))
+        logging.getLogger().addHandler(handler)
+        try:
+            with StreamedText().logs_on_their_own_lines() as text:
+                text.write("mid")
+                logging.getLogger(TIER_LOGGER).warning("paused")
+        finally:
+            logging.getLogger().removeHandler(handler)
+            text_file.close()
+            log_file.close()
+        log = (tmp_path / ("text.txt" if same else "log.txt")).read_text()
+        assert log.endswith(f"\nWARNING {TIER_LOGGER}: paused\n" if same else f"WARNING {TIER_LOGGER}: paused\n")
+        assert log.startswith("mid" if same else "WARNING"), log
+        (tmp_path / "text.txt").unlink()

@@ -40,6 +40,12 @@ def nothing_loads(monkeypatch):
     monkeypatch.setattr(pagedexperts.loading.loader, "load_model", fail)
 
 
+def _for_check(message: str, k: int) -> str:
+    """The paged load's refusal as check says it: the K refused, and check's flag for K."""
+    assert "lower --num-resident" in message
+    return f"at K = {k} (--check-resident): " + message.replace("lower --num-resident", "lower --check-resident")
+
+
 def _paged_load_refusal(budget_gb: float, k: int) -> str:
     with pytest.raises(ValueError) as refused:
         load_model(None, num_resident=k, host_memory_gb=budget_gb, **OPTIONS)
@@ -75,7 +81,7 @@ def test_a_host_memory_budget_below_the_least_is_refused_with_the_paged_loads_me
     request = CheckRequest(None, {**OPTIONS, "host_memory_gb": 0.001}, check_resident=(8, 32))
     with pytest.raises(ValueError) as got:
         check_checkpoint(request)
-    assert str(got.value) == want
+    assert str(got.value) == _for_check(want, 8)
 
 
 def test_a_budget_the_paged_model_fits_alone_but_not_beside_the_reference_is_refused_first(reference_bytes,
@@ -99,7 +105,7 @@ def test_the_cli_refuses_it_before_the_reference_loads(capsys, reference_bytes, 
     capsys.readouterr()  # the fixture's load (transformers' progress bar)
     assert main(["check", "--dtype", "float32", "--check-resident", "4", "--host-memory-gb", "0.001"]) == 2
     err = capsys.readouterr().err
-    assert err == f"pagedexperts check: error: {want}\n"  # no "loading the unpaged reference" line before it
+    assert err == f"pagedexperts check: error: {_for_check(want, 4)}\n"  # no "loading the reference" line before it
 
 
 def _longest_prompt_tokens() -> tuple[int, int]:
@@ -144,3 +150,18 @@ def test_each_ks_paged_model_is_released_before_the_next_k_loads(monkeypatch, ca
     request = CheckRequest(None, OPTIONS, check_resident=(4, 8, 16), prompts=("ROMEO:",), max_new_tokens=1)
     assert check_checkpoint(request) == 0
     assert alive_at_load == [[], [False], [False, False]]
+
+
+@pytest.mark.parametrize("past", ["by-one", "alone"])
+def test_the_advice_is_only_what_can_be_done(past):
+    """Shortening the prompt is offered only when that alone would fit: --max-new-tokens larger than
+    the positions by itself is told to lower --max-new-tokens, not to cut more tokens than the prompt has."""
+    from pagedexperts.generation.config import check_context
+
+    prompt, limit = 28, 512
+    new = limit - prompt + 1 if past == "by-one" else 100_000
+    with pytest.raises(ValueError) as got:
+        check_context(prompt, new, limit)
+    message = str(got.value)
+    assert f"lower --max-new-tokens (at most {limit - prompt} here)" in message
+    assert ("shorten the prompt by 1 tokens" in message) == (past == "by-one"), message
