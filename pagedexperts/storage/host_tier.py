@@ -245,7 +245,7 @@ class TieredExpertStore(ExpertStore):
         del self._rows
         self._host = HostExpertStore(self.specs, self.host_rows, pin=self._host.pinned)
         self._rows = physical_rows(self._host)
-        self._row_events = [None] * self.host_rows
+        self._row_events, self._lent = [None] * self.host_rows, {}  # rows renumbered: none lent
         self._sources, self._read_ahead, self._ahead = extents, read_ahead, {}
         self._check, self._checked = check, set()
         self.reset()
