@@ -229,8 +229,8 @@ def _plan_memory(model, config, sites, layouts, dev, dtype, cfg: PagingConfig, *
         kv_bytes_on_host=_kv_estimate_bytes(config, dtype) if on_cpu else 0,
         runtime_bytes=runtime, runtime_held_bytes=held,
         # packed slots on a CPU read a full store's rows in place: their own rows are never written
-        slots_read_full_store=on_cpu and all(_kernel_expert_bytes(layouts[s.name]) is not None for s in sites)
-        if kernel is not None else False,
+        slots_read_full_store=on_cpu and packed and all(_kernel_expert_bytes(layouts[s.name]) is not None
+                                                        for s in sites),
     )
     if memory.disk_tier and not paged:
         raise ValueError(

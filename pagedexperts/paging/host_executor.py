@@ -42,17 +42,16 @@ class HostExecutor(PagedExecutor):
         if self.prefetch_stats.pending:
             self.prefetch_stats.observe(routed)
         t2 = time.perf_counter()
-        body, transfers, only_wave = self.body, self.transfers, len(plan.waves) == 1
+        body, transfers, only_wave, zero_copy = self.body, self.transfers, len(plan.waves) == 1, 0
         work = body.begin(module, hidden_states, top_k_index, HostRouting(read.ids.numpy(), plan.waves))
         for w, wave in enumerate(plan.waves):
-            transfers.page_in(wave.loads)  # the wave's rows into their slots; compute waits for them
+            zero_copy += transfers.page_in(wave.loads)  # the wave's rows into their slots; compute waits for them
             slot_map = transfers.slot_map(wave, only_wave=only_wave) if body.needs_slot_map else None
             if w == 0 and self.prefetcher is not None:
                 self.prefetcher.issue()  # the next layer's predicted page-ins queue behind this wave's
             body.run_wave(work, w, slot_map)  # the next page-in's copies wait for it (transfer)
         out = body.combine(work, top_k_weights)
         page_in_s, map_s = transfers.take_times(block=False)
-        zero_copy, transfers.zero_copy = transfers.zero_copy, 0
         self.stats.record_step(
             hits=plan.hits, misses=plan.misses, waves=len(plan.waves), padding_tokens=read.padding,
             tokens=int(hidden_states.shape[0]) - read.padding, expert_bytes=self.store.expert_bytes,
@@ -78,11 +77,9 @@ class HostExecutor(PagedExecutor):
 
     def copy_in(self, loads) -> None:
         """Page ``loads`` in now (a prefetch): the next compute of this layer waits for them. Those read
-        in place are not the next step's ``zero_copy_page_ins`` (a part of its misses): the prefetch
-        stats count them (``issued``)."""
-        zero_copy = self.transfers.zero_copy
+        in place are not a step's ``zero_copy_page_ins`` (a part of its misses): the prefetch stats
+        count them (``issued``)."""
         self.transfers.page_in(loads, now=False)
-        self.transfers.zero_copy = zero_copy
 
     def collect_copy_time(self) -> None:
         """On CUDA, wait for this layer's page-in timing events (each its own event) and add them to the stats."""

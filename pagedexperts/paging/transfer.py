@@ -153,7 +153,6 @@ class SlotTransfers:
         self._compute_done = self._copied = None
         self._copy_pending = False
         self.host_copy_s = 0.0  # CPU: seconds of synchronous page-in copies since last take
-        self.zero_copy = 0  # page-ins the slots read in place (no copy); the executor takes and zeroes it
         if copy_stream is not None:
             for t in slots.values():
                 t.record_stream(copy_stream)
@@ -161,9 +160,10 @@ class SlotTransfers:
             self._copied = torch.cuda.Event()
             self.timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True))
 
-    def page_in(self, loads, *, now: bool = True) -> None:
-        """Copy each load's rows into its slot and record it in the slot map. ``now``: the next compute
-        waits for them; False (a prefetch): the next ``page_in`` does."""
+    def page_in(self, loads, *, now: bool = True) -> int:
+        """Copy each load's rows into its slot and record it in the slot map; how many the slots read
+        in place instead (no copy; 0 on CUDA). ``now``: the next compute waits for them; False (a
+        prefetch): the next ``page_in`` does."""
         if loads:
             for expert, slot in loads:
                 self._slot_of[expert] = slot
@@ -171,9 +171,9 @@ class SlotTransfers:
             stream = self.copy_stream
             if stream is None:
                 t0 = time.perf_counter()
-                self.zero_copy += self._copy(loads)
+                held = self._copy(loads)
                 self.host_copy_s += time.perf_counter() - t0
-                return
+                return held
             self._compute_done.record(torch.cuda.current_stream(self.device))
             stream.wait_event(self._compute_done)
             with torch.cuda.stream(stream):
@@ -185,6 +185,7 @@ class SlotTransfers:
         if now and self._copy_pending:
             torch.cuda.current_stream(self.device).wait_event(self._copied)
             self._copy_pending = False
+        return 0
 
     def slot_map(self, wave, *, only_wave: bool) -> torch.Tensor:
         """The slot map [E] int64 on the device; experts outside the wave map to -1 unless
